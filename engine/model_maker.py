@@ -1,0 +1,159 @@
+"""Writes complete HF-format model directories with seeded random weights.
+
+Used by the tests (tiny models that transformers loads from the same directory), the benchmarks (real shapes
+from shared/bench/models) and the embedded default model. A directory holds config.json, model.safetensors
+(or shards + index), tokenizer.json / tokenizer_config.json / chat_template.jinja and generation_config.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from prefixrun.engine.config import LINEAR_ATTENTION, HybridConfig, parse_config
+
+_ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
+
+TINY_QWEN3_5 = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_value_head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rope_type": "default"},
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+}
+
+
+def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for the text model the config describes (the names transformers loads)."""
+    cfg = parse_config(raw_config)
+    d, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.weight_prefix
+    shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    gated = cfg.family == "qwen3_5"
+    for n, kind in enumerate(cfg.layer_types):
+        lp = f"{p}layers.{n}."
+        shapes.update({lp + "input_layernorm.weight": (d,), lp + "post_attention_layernorm.weight": (d,),
+                       lp + "mlp.gate_proj.weight": (i, d), lp + "mlp.up_proj.weight": (i, d),
+                       lp + "mlp.down_proj.weight": (d, i)})
+        if kind == LINEAR_ATTENTION:
+            assert isinstance(cfg, HybridConfig)
+            a = lp + "linear_attn."
+            shapes.update({a + "in_proj_qkv.weight": (cfg.conv_dim, d),
+                           a + "in_proj_z.weight": (cfg.linear_value_dim, d),
+                           a + "in_proj_b.weight": (cfg.linear_num_value_heads, d),
+                           a + "in_proj_a.weight": (cfg.linear_num_value_heads, d),
+                           a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+                           a + "dt_bias": (cfg.linear_num_value_heads,), a + "A_log": (cfg.linear_num_value_heads,),
+                           a + "norm.weight": (cfg.linear_value_head_dim,),
+                           a + "out_proj.weight": (d, cfg.linear_value_dim)})
+        else:
+            a = lp + "self_attn."
+            hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            shapes.update({a + "q_proj.weight": (hq * hd * (2 if gated else 1), d), a + "k_proj.weight": (hkv * hd, d),
+                           a + "v_proj.weight": (hkv * hd, d), a + "o_proj.weight": (d, hq * hd)})
+            if cfg.family in ("qwen3_5", "qwen3"):
+                shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+            if cfg.attention_bias:
+                shapes.update({a + "q_proj.bias": (hq * hd * (2 if gated else 1),),
+                               a + "k_proj.bias": (hkv * hd,), a + "v_proj.bias": (hkv * hd,)})
+    return shapes
+
+
+def _init(name: str, shape, rng: np.random.Generator, std: float, zero_centered_norms: bool) -> np.ndarray:
+    """Random values shaped like a trained model's: small matrices, norms near their neutral value."""
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if name.endswith("dt_bias"):
+        return rng.uniform(-1.0, 1.0, shape).astype(np.float32)
+    if name.endswith("conv1d.weight"):
+        return rng.normal(0.0, 0.5, shape).astype(np.float32)
+    if "norm" in name and len(shape) == 1:
+        neutral = 0.0 if (zero_centered_norms and "linear_attn.norm" not in name) else 1.0
+        return (neutral + rng.normal(0.0, 0.1, shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return rng.normal(0.0, std, shape).astype(np.float32)
+    return rng.normal(0.0, std, shape).astype(np.float32)
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None):
+    """A minimal safetensors writer (bf16 included), written to a temp file and renamed into place."""
+    header, offset = {}, 0
+    for name, arr in tensors.items():
+        nbytes = arr.nbytes
+        header[name] = {"dtype": _ST_DTYPE[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+    os.replace(tmp, path)
+
+
+def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: float | None = None,
+                   dtype: str = "bfloat16", composite: bool = False, shards: int = 1,
+                   corpus: list[str] | None = None) -> Path:
+    """Write a complete random-weight model directory for `raw_config` (an HF config.json dict).
+
+    init_std: the weight scale (default the config's initializer_range or 0.02); tests use larger scales so that
+    top-2 logit gaps sit far above fp32 rounding. composite: write the Qwen3.5 vision-language layout (text
+    settings under text_config, weights under model.language_model., plus stand-in mtp.* and model.visual.*).
+    """
+    from prefixrun.engine.tokenizer_maker import default_corpus, write_tokenizer_files
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text_cfg = json.loads(json.dumps(raw_config))
+    tok = write_tokenizer_files(out, min(text_cfg["vocab_size"], 32000), corpus or default_corpus())
+    text_cfg["eos_token_id"] = tok["eos_token_id"]
+    text_cfg["pad_token_id"] = tok["pad_token_id"]
+    text_cfg["bos_token_id"] = None
+    text_cfg["torch_dtype"] = dtype
+    if composite:
+        text_cfg["model_type"] = "qwen3_5_text"
+        text_cfg.pop("architectures", None)
+        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                  "text_config": text_cfg, "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                                             "out_hidden_size": text_cfg["hidden_size"]},
+                  "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False), "dtype": dtype}
+    else:
+        config = text_cfg
+    shapes = tensor_shapes(config)
+    rng = np.random.default_rng(seed)
+    std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
+    zero_centered = parse_config(config).family == "qwen3_5"
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
+    tensors = {name: _init(name, shape, rng, std, zero_centered).astype(np_dtype) for name, shape in shapes.items()}
+    if composite:  # stand-ins the text model must ignore
+        tensors["mtp.fc.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
+        tensors["model.visual.patch_embed.proj.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
+    names = list(tensors)
+    if shards <= 1:
+        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+    else:
+        per = -(-len(names) // shards)
+        weight_map = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+            write_safetensors(out / fname, part, {"format": "pt"})
+            weight_map.update({n: fname for n in part})
+        total = sum(a.nbytes for a in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {"eos_token_id": [tok["eos_token_id"], tok["pad_token_id"]], "pad_token_id": tok["pad_token_id"],
+           "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out

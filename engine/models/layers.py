@@ -1,0 +1,213 @@
+"""Building blocks shared by the model families, written against kernel ops only.
+
+Each token mixer declares its own state (`state_specs`) and reads/writes it through the step's ForwardBatch,
+so the engine never switches on layer kinds. Shapes: T tokens in the step, D hidden size.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from prefixrun.engine.config import DecoderConfig, HybridConfig
+from prefixrun.engine.state import ForwardBatch, ModelState, RegionSpec
+from prefixrun.engine.weights import CheckpointTensors
+
+
+class WeightLoader:
+    """Pulls named tensors from a checkpoint with expected shapes and uploads them to the backend."""
+
+    def __init__(self, tensors: CheckpointTensors, ops):
+        self.tensors = tensors
+        self.ops = ops
+
+    def matrix(self, name: str, shape: tuple[int, ...]):
+        """A weight in the backend's storage dtype."""
+        return self.ops.upload(self.tensors.get(name, shape))
+
+    def vector(self, name: str, shape: tuple[int, ...], offset: float = 0.0):
+        """A small fp32 parameter (norm weights, gates); `offset` folds a zero-centred norm's +1 in."""
+        return self.ops.upload(self.tensors.get(name, shape).astype(np.float32) + np.float32(offset), np.float32)
+
+    def stacked(self, names: list[str], shapes: list[tuple[int, ...]]):
+        """Several [out_i, in] matrices concatenated along out, so one GEMM computes all of them."""
+        parts = [self.tensors.get(n, s) for n, s in zip(names, shapes)]
+        return self.ops.upload(np.concatenate(parts, axis=0))
+
+
+class RMSNorm:
+    def __init__(self, load: WeightLoader, name: str, dim: int, eps: float, zero_centered: bool):
+        # Qwen3.5 norms store w and compute x * (1 + w); the others store the scale itself.
+        self.weight = load.vector(name, (dim,), 1.0 if zero_centered else 0.0)
+        self.eps = eps
+
+    def __call__(self, ops, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)); gate and up are one stacked GEMM."""
+
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str):
+        d, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = load.stacked([prefix + "gate_proj.weight", prefix + "up_proj.weight"], [(i, d), (i, d)])
+        self.down = load.matrix(prefix + "down_proj.weight", (d, i))
+
+    def __call__(self, ops, x):
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down)  # [T, D]
+
+
+class Attention:
+    """Full (or sliding-window) attention over paged K/V, with optional per-head q/k RMSNorm, partial rotary
+    and Qwen3.5's sigmoid output gate (q_proj then yields [query, gate] interleaved per head)."""
+
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str, layer: int, *, qk_norm: bool,
+                 output_gate: bool, zero_centered_norm: bool, sliding_window: int | None = None,
+                 rope_inv_freq=None):
+        d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hq, self.hkv, self.hd = hq, hkv, hd
+        self.output_gate = output_gate
+        self.sliding_window = sliding_window
+        q_rows = hq * hd * (2 if output_gate else 1)
+        self.qkv = load.stacked([prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"],
+                                [(q_rows, d), (hkv * hd, d), (hkv * hd, d)])
+        self.qkv_bias = None
+        if cfg.attention_bias:
+            t = load.tensors
+            self.qkv_bias = load.ops.upload(np.concatenate([
+                t.get(prefix + "q_proj.bias", (q_rows,)), t.get(prefix + "k_proj.bias", (hkv * hd,)),
+                t.get(prefix + "v_proj.bias", (hkv * hd,))]).astype(np.float32), np.float32)
+        self.o_proj = load.matrix(prefix + "o_proj.weight", (d, hq * hd))
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = RMSNorm(load, prefix + "q_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm)
+            self.k_norm = RMSNorm(load, prefix + "k_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm)
+        self.inv_freq = rope_inv_freq if rope_inv_freq is not None else load.ops.upload(
+            np.array(cfg.rope.inverse_frequencies(), np.float32), np.float32)
+        self.scale = hd ** -0.5
+        self.k_region = f"layers.{layer}.k"
+        self.v_region = f"layers.{layer}.v"
+
+    def state_specs(self) -> list[RegionSpec]:
+        return [RegionSpec(self.k_region, True, (self.hkv, self.hd), "act"),
+                RegionSpec(self.v_region, True, (self.hkv, self.hd), "act")]
+
+    def __call__(self, ops, x, batch: ForwardBatch, state: ModelState):
+        t = x.shape[0]
+        qkv = ops.linear(x, self.qkv)  # [T, q_rows + 2 * Hkv * hd]
+        if self.qkv_bias is not None:
+            qkv = ops.add(qkv, self.qkv_bias)
+        q_rows = self.hq * self.hd * (2 if self.output_gate else 1)
+        kv_rows = self.hkv * self.hd
+        if self.output_gate:
+            qg = qkv[:, :q_rows].reshape(t, self.hq, 2 * self.hd)
+            q, gate = qg[:, :, :self.hd], qg[:, :, self.hd:].reshape(t, self.hq * self.hd)
+        else:
+            q, gate = qkv[:, :q_rows].reshape(t, self.hq, self.hd), None
+        k = qkv[:, q_rows:q_rows + kv_rows].reshape(t, self.hkv, self.hd)
+        v = qkv[:, q_rows + kv_rows:].reshape(t, self.hkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(ops, q), self.k_norm(ops, k)
+        q = ops.rotary(q, batch.positions, self.inv_freq)  # [T, Hq, hd]
+        k = ops.rotary(k, batch.positions, self.inv_freq)  # [T, Hkv, hd]
+        k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
+        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
+        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
+                                self.scale, self.sliding_window).reshape(t, self.hq * self.hd)
+        if gate is not None:
+            o = o * ops.sigmoid(gate)
+        return ops.linear(o, self.o_proj)  # [T, D]
+
+
+class GatedDeltaNet:
+    """Qwen3.5 linear attention: in_proj_qkv -> causal depthwise conv + SiLU -> q/k L2 norm -> gated delta rule
+    from the recurrent state -> gated RMSNorm with z -> out_proj. State: conv history and recurrent state."""
+
+    def __init__(self, cfg: HybridConfig, load: WeightLoader, prefix: str, layer: int):
+        d = cfg.hidden_size
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        # one GEMM for qkv, z, b, a
+        self.in_proj = load.stacked(
+            [prefix + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")],
+            [(self.conv_dim, d), (self.value_dim, d), (self.hv, d), (self.hv, d)])
+        conv = load.tensors.get(prefix + "conv1d.weight", (self.conv_dim, 1, self.kernel))
+        self.conv_weight = load.ops.upload(conv.reshape(self.conv_dim, self.kernel).astype(np.float32), np.float32)
+        self.a_log = load.vector(prefix + "A_log", (self.hv,))
+        self.dt_bias = load.vector(prefix + "dt_bias", (self.hv,))
+        self.norm_weight = load.vector(prefix + "norm.weight", (self.dv,))
+        self.eps = cfg.rms_norm_eps
+        self.out_proj = load.matrix(prefix + "out_proj.weight", (d, self.value_dim))
+        self.conv_region = f"layers.{layer}.conv"
+        self.recurrent_region = f"layers.{layer}.recurrent"
+
+    def state_specs(self) -> list[RegionSpec]:
+        return [RegionSpec(self.conv_region, False, (self.conv_dim, self.kernel - 1), "act"),
+                RegionSpec(self.recurrent_region, False, (self.hv, self.dk, self.dv), "float32")]
+
+    def __call__(self, ops, x, batch: ForwardBatch, state: ModelState):
+        t = x.shape[0]
+        proj = ops.linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2 Hv]
+        c, v_end = self.conv_dim, self.conv_dim + self.value_dim
+        mixed = ops.causal_conv1d(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
+                                  batch.slots, batch.cu_seqlens)  # [T, conv_dim]
+        z = proj[:, c:v_end].reshape(t, self.hv, self.dv)
+        g, beta = ops.delta_gates(proj[:, v_end + self.hv:], proj[:, v_end:v_end + self.hv], self.a_log,
+                                  self.dt_bias)  # [T, Hv] each
+        q = ops.l2_normalize(mixed[:, :self.key_dim].reshape(t, self.hk, self.dk))
+        k = ops.l2_normalize(mixed[:, self.key_dim:2 * self.key_dim].reshape(t, self.hk, self.dk))
+        v = mixed[:, 2 * self.key_dim:].reshape(t, self.hv, self.dv)
+        if self.hv != self.hk:  # value heads share key heads in groups (repeat_interleave, as HF)
+            rep = self.hv // self.hk
+            q, k = ops.repeat_heads(q, rep), ops.repeat_heads(k, rep)
+        o = ops.gated_delta_rule(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
+                                 batch.cu_seqlens)  # [T, Hv, Dv]
+        o = ops.gated_rms_norm(o, z, self.norm_weight, self.eps).reshape(t, self.value_dim)
+        return ops.linear(o, self.out_proj)  # [T, D]
+
+
+class DecoderLayer:
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, mixer, mlp, input_norm: RMSNorm, post_norm: RMSNorm):
+        self.mixer, self.mlp, self.input_norm, self.post_norm = mixer, mlp, input_norm, post_norm
+
+    def state_specs(self) -> list[RegionSpec]:
+        return self.mixer.state_specs()
+
+    def __call__(self, ops, x, batch, state):
+        x = ops.add(x, self.mixer(ops, self.input_norm(ops, x), batch, state))
+        return ops.add(x, self.mlp(ops, self.post_norm(ops, x)))
+
+
+class CausalLM:
+    """Embedding -> decoder layers -> final norm -> LM head; the families differ only in how they build layers."""
+
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, layers: list, final_norm: RMSNorm):
+        self.cfg = cfg
+        self.ops = load.ops
+        p = cfg.weight_prefix
+        self.embed_tokens = load.matrix(p + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        if cfg.tie_word_embeddings or "lm_head.weight" not in load.tensors:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = load.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.layers = layers
+        self.final_norm = final_norm
+
+    def state_specs(self) -> list[RegionSpec]:
+        return [s for layer in self.layers for s in layer.state_specs()]
+
+    def embed(self, token_ids):
+        return self.ops.embed(self.embed_tokens, token_ids)  # [T, D]
+
+    def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False):
+        """Run the step; returns fp32 logits [B, V] of each sequence's last new token ([T, V] if all_logits)."""
+        ops = self.ops
+        x = self.embed(batch.token_ids)
+        for layer in self.layers:
+            x = layer(ops, x, batch, state)
+        if not all_logits:
+            x = x[batch.last_token_index]
+        x = self.final_norm(ops, x)
+        return ops.logits(x, self.lm_head)

@@ -1,0 +1,10 @@
+"""Llama: the shared dense decoder without q/k norms (rope scaling types default, linear and llama3)."""
+from __future__ import annotations
+
+from prefixrun.engine.config import DenseConfig
+from prefixrun.engine.models.dense import build_dense
+from prefixrun.engine.models.layers import CausalLM, WeightLoader
+
+
+def build(cfg: DenseConfig, load: WeightLoader) -> CausalLM:
+    return build_dense(cfg, load, qk_norm=False)

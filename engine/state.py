@@ -1,0 +1,334 @@
+"""Per-sequence model state as named regions, in preallocated pools, with fork/save/restore.
+
+Every layer declares its state as regions (see `RegionSpec`); the engine never asks what kind of layer owns one.
+Two region kinds exist, and each knows how to copy, share and export itself:
+
+- `SlotRegion`: one fixed-shape array per sequence (recurrent state [H, Dk, Dv], conv history [C, K-1], a
+  sliding-window ring). Lives in a pool array [num_slots, *shape]; forking copies the slot.
+- `PagedRegion`: one row per token (attention K or V [Hkv, D]). Lives in a pool [num_blocks, block_size, *shape];
+  blocks are refcounted and shared between a checkpoint and every sequence forked from it; a shared partial last
+  block is copied before it is written (copy on write).
+
+A `StateHandle` (slot + block list + length) is what a running sequence and a checkpoint both are, so
+save = fork(sequence), restore = fork(checkpoint), and release frees whatever is no longer referenced.
+
+Contract (checked by `ModelState.check_invariants`):
+- every slot is either free or owned by exactly one live handle;
+- for every block, refcount == number of live handles listing it, and a block is free iff its refcount is 0;
+- free + used == total for slots and for blocks;
+- a handle of length n holds exactly ceil(n / block_size) blocks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+STATE_FORMAT_VERSION = 1
+
+
+class StateLayoutError(ValueError):
+    """Stored state does not fit this model's state layout; nothing was changed."""
+
+
+class OutOfStateMemory(RuntimeError):
+    """No free slot or block is left in the preallocated pools."""
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str  # unique, e.g. "layers.3.recurrent"
+    paged: bool  # True: one row per token in refcounted blocks; False: one fixed array per sequence
+    shape: tuple[int, ...]  # per token (paged) or per sequence (slot)
+    dtype: str  # "float32", or "act" for the backend's storage dtype (bf16 on CUDA, fp32 on CPU)
+
+
+@dataclass
+class StateHandle:
+    """The state of one sequence or one checkpoint: a slot, the K/V blocks covering [0, length), and length."""
+
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class BlockAllocator:
+    """Refcounted fixed-size blocks. `can_allocate` is pure; `allocate` takes all or nothing."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.refcount = np.zeros(num_blocks, np.int64)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise OutOfStateMemory(f"need {n} K/V blocks, {len(self._free)} free of {self.num_blocks}")
+        out = [self._free.pop() for _ in range(n)]
+        self.refcount[out] = 1
+        return out
+
+    def incref(self, blocks):
+        for b in blocks:
+            self.refcount[b] += 1
+
+    def decref(self, blocks):
+        for b in blocks:
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(b)
+
+    def check_invariants(self):
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("block free list holds duplicates")
+        used = int(np.count_nonzero(self.refcount))
+        if len(free) + used != self.num_blocks:
+            raise AssertionError(f"blocks: free {len(free)} + used {used} != total {self.num_blocks}")
+        if any(self.refcount[b] != 0 for b in free) or (self.refcount < 0).any():
+            raise AssertionError("a free block has a non-zero refcount, or a refcount is negative")
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.used: set[int] = set()
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfStateMemory(f"all {self.num_slots} state slots are in use")
+        s = self._free.pop()
+        self.used.add(s)
+        return s
+
+    def free(self, slot: int):
+        self.used.remove(slot)
+        self._free.append(slot)
+
+    def check_invariants(self):
+        if len(self._free) + len(self.used) != self.num_slots or set(self._free) & self.used:
+            raise AssertionError(f"slots: free {len(self._free)} + used {len(self.used)} != {self.num_slots}")
+
+
+@dataclass
+class ForwardBatch:
+    """Index arrays of one model step over B sequences and T new tokens (backend arrays unless noted)."""
+
+    token_ids: object  # [T] int32
+    positions: object  # [T] int32 absolute positions
+    cu_seqlens: object  # [B+1] int32
+    slots: object  # [B] int32 state slot per sequence
+    block_tables: object  # [B, max_blocks] int32
+    context_lens: object  # [B] int32 tokens in the cache after this step
+    kv_write_index: object  # [T] int32 flat K/V row (block * block_size + offset) of each new token
+    last_token_index: object  # [B] int32 row of each sequence's last new token in T
+    host_cu_seqlens: np.ndarray  # [B+1] on the host (loop bounds for host-driven ops)
+    host_context_lens: np.ndarray  # [B] on the host
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.host_cu_seqlens) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.host_cu_seqlens[-1])
+
+
+class ModelState:
+    """The preallocated state pools of one model, and the operations on handles into them."""
+
+    def __init__(self, specs: list[RegionSpec], ops, num_slots: int, num_blocks: int, block_size: int):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("state region names must be unique")
+        self.specs = list(specs)
+        self.ops = ops
+        self.block_size = block_size
+        self.slots = SlotAllocator(num_slots)
+        self.blocks = BlockAllocator(num_blocks)
+        self.arrays: dict[str, object] = {}
+        for s in specs:
+            dtype = np.float32 if s.dtype == "float32" else ops.act_dtype
+            lead = (num_blocks, block_size) if s.paged else (num_slots,)
+            self.arrays[s.name] = ops.zeros(lead + tuple(s.shape), dtype)
+        self._slot_arrays = [self.arrays[s.name] for s in specs if not s.paged]
+        self._paged_arrays = [self.arrays[s.name] for s in specs if s.paged]
+        self.live: dict[int, StateHandle] = {}  # id(handle) -> handle, for the invariant check
+
+    # ---- sizes --------------------------------------------------------------------------------------------
+    def _itemsize(self, spec: RegionSpec) -> int:
+        return 4 if spec.dtype == "float32" else np.dtype(self.ops.act_dtype).itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(int(np.prod(s.shape)) * self._itemsize(s) for s in self.specs if not s.paged)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(int(np.prod(s.shape)) * self._itemsize(s) * self.block_size for s in self.specs if s.paged)
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def handle_bytes(self, h: StateHandle) -> int:
+        """Memory a handle keeps alive: its slot plus its blocks (shared blocks counted in full)."""
+        return self.slot_bytes + len(h.blocks) * self.block_bytes
+
+    def layout(self) -> list[dict]:
+        return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),
+                 "dtype": "float32" if s.dtype == "float32" else np.dtype(self.ops.act_dtype).name}
+                for s in self.specs]
+
+    def layout_digest(self) -> str:
+        doc = {"version": STATE_FORMAT_VERSION, "regions": self.layout()}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+    # ---- handles ------------------------------------------------------------------------------------------
+    def new_sequence(self) -> StateHandle:
+        """An empty state (length 0): a fresh slot, zeroed."""
+        h = StateHandle(slot=self.slots.allocate())
+        for a in self._slot_arrays:
+            a[h.slot] = 0
+        self.live[id(h)] = h
+        return h
+
+    def fork(self, src: StateHandle) -> StateHandle:
+        """A new handle with the same state: the slot copied, the blocks shared (refcount + 1 each)."""
+        h = StateHandle(slot=self.slots.allocate(), blocks=list(src.blocks), length=src.length)
+        self.ops.copy_rows(self._slot_arrays, [src.slot], [h.slot])
+        self.blocks.incref(h.blocks)
+        self.live[id(h)] = h
+        return h
+
+    def release(self, h: StateHandle):
+        self.blocks.decref(h.blocks)
+        self.slots.free(h.slot)
+        h.blocks = []
+        h.slot = -1
+        del self.live[id(h)]
+
+    def blocks_needed(self, h: StateHandle, new_length: int) -> int:
+        """Blocks `reserve(h, new_length)` would take: new ones plus a copy of a shared partial last block."""
+        need = self.blocks_for(new_length) - len(h.blocks)
+        if h.length % self.block_size and new_length > h.length and self.blocks.refcount[h.blocks[-1]] > 1:
+            need += 1
+        return max(need, 0)
+
+    def reserve(self, h: StateHandle, new_length: int):
+        """Make h's blocks cover [0, new_length) and be writable from h.length on (copy on write)."""
+        need = self.blocks_needed(h, new_length)
+        if not self.blocks.can_allocate(need):
+            raise OutOfStateMemory(f"need {need} K/V blocks, {self.blocks.free_count} free")
+        if h.length % self.block_size and new_length > h.length and self.blocks.refcount[h.blocks[-1]] > 1:
+            (copy,) = self.blocks.allocate(1)
+            self.ops.copy_rows(self._paged_arrays, [h.blocks[-1]], [copy])
+            self.blocks.decref([h.blocks[-1]])
+            h.blocks[-1] = copy
+        extra = self.blocks_for(new_length) - len(h.blocks)
+        if extra > 0:
+            h.blocks.extend(self.blocks.allocate(extra))
+
+    def prepare_step(self, handles: list[StateHandle], new_tokens: list[list[int]]) -> ForwardBatch:
+        """Reserve room for each handle's new tokens and build the step's index arrays. Lengths advance."""
+        for h, toks in zip(handles, new_tokens):
+            self.reserve(h, h.length + len(toks))
+        lens = np.array([len(t) for t in new_tokens], np.int64)
+        cu = np.zeros(len(handles) + 1, np.int32)
+        np.cumsum(lens, out=cu[1:])
+        starts = np.array([h.length for h in handles], np.int64)
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int32)
+        max_blocks = max(1, max(len(h.blocks) for h in handles))
+        tables = np.zeros((len(handles), max_blocks), np.int32)
+        for i, h in enumerate(handles):
+            tables[i, :len(h.blocks)] = h.blocks
+        seq_of_token = np.repeat(np.arange(len(handles)), lens)
+        write_index = (tables[seq_of_token, positions // self.block_size] * self.block_size
+                       + positions % self.block_size).astype(np.int32)
+        context = (starts + lens).astype(np.int32)
+        for h, n in zip(handles, lens):
+            h.length += int(n)
+        up = self.ops.upload_index
+        return ForwardBatch(
+            token_ids=up(np.concatenate([np.asarray(t, np.int64) for t in new_tokens]).astype(np.int32)),
+            positions=up(positions), cu_seqlens=up(cu), slots=up(np.array([h.slot for h in handles], np.int32)),
+            block_tables=up(tables), context_lens=up(context), kv_write_index=up(write_index),
+            last_token_index=up(cu[1:] - 1), host_cu_seqlens=cu, host_context_lens=context,
+        )
+
+    # ---- export / import (the persistent cache's view of a handle) ----------------------------------------
+    def export(self, h: StateHandle) -> dict[str, np.ndarray]:
+        """Host copies of h's regions: slot regions whole, paged regions only their rows [0, length)."""
+        out = {}
+        for s in self.specs:
+            arr = self.arrays[s.name]
+            if s.paged:
+                rows = arr[h.blocks].reshape((-1,) + tuple(s.shape))[:h.length] if h.blocks else arr[:0, 0]
+                out[s.name] = self.ops.to_host(rows).copy()
+            else:
+                out[s.name] = self.ops.to_host(arr[h.slot]).copy()
+        return out
+
+    def validate_import(self, regions: dict[str, np.ndarray], length: int):
+        """Raise StateLayoutError unless `regions` is exactly this layout at `length` tokens (changes nothing)."""
+        if set(regions) != {s.name for s in self.specs}:
+            missing = {s.name for s in self.specs} - set(regions)
+            extra = set(regions) - {s.name for s in self.specs}
+            raise StateLayoutError(f"prefix state layout mismatch: missing {sorted(missing)[:3]}, "
+                                   f"unexpected {sorted(extra)[:3]}")
+        for s in self.specs:
+            want = ((length,) if s.paged else ()) + tuple(s.shape)
+            if tuple(regions[s.name].shape) != want:
+                raise StateLayoutError(f"prefix state layout mismatch: {s.name} has shape "
+                                       f"{tuple(regions[s.name].shape)}, expected {want}")
+
+    def import_state(self, regions: dict[str, np.ndarray], length: int) -> StateHandle:
+        """A new handle holding `regions`; validated first, so a failure leaves the pools untouched."""
+        self.validate_import(regions, length)
+        if self.slots.free_count < 1 or not self.blocks.can_allocate(self.blocks_for(length)):
+            raise OutOfStateMemory("no room to restore a stored checkpoint")
+        h = StateHandle(slot=self.slots.allocate(), blocks=self.blocks.allocate(self.blocks_for(length)),
+                        length=length)
+        self.live[id(h)] = h
+        for s in self.specs:
+            arr = self.arrays[s.name]
+            dtype = np.float32 if s.dtype == "float32" else self.ops.act_dtype
+            if s.paged:
+                padded = np.zeros((len(h.blocks) * self.block_size,) + tuple(s.shape), dtype)
+                padded[:length] = regions[s.name]
+                for i, b in enumerate(h.blocks):
+                    arr[b] = self.ops.upload(padded[i * self.block_size:(i + 1) * self.block_size], dtype)
+            else:
+                arr[h.slot] = self.ops.upload(regions[s.name], dtype)
+        return h
+
+    # ---- contract -----------------------------------------------------------------------------------------
+    def check_invariants(self):
+        self.slots.check_invariants()
+        self.blocks.check_invariants()
+        owners: dict[int, int] = {}
+        counts = np.zeros(self.blocks.num_blocks, np.int64)
+        for h in self.live.values():
+            if h.slot in owners:
+                raise AssertionError(f"slot {h.slot} owned by two handles")
+            owners[h.slot] = 1
+            if len(h.blocks) != self.blocks_for(h.length):
+                raise AssertionError(f"handle of length {h.length} holds {len(h.blocks)} blocks")
+            for b in h.blocks:
+                counts[b] += 1
+        if set(owners) != self.slots.used:
+            raise AssertionError("used slots differ from the slots of live handles")
+        if not np.array_equal(counts, self.blocks.refcount):
+            raise AssertionError("block refcounts differ from the handles that list the blocks")

@@ -1,0 +1,35 @@
+"""Kernel ops behind one interface, two backends: NumPy fp32 (CPU, the reference) and CuPy (CUDA).
+
+The engine calls `ops.<op>(...)` on the object `get_ops` returns and never imports numpy/cupy math itself.
+"""
+from __future__ import annotations
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one GPU (never raises)."""
+    try:
+        import cupy  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, CUDARuntimeError, missing driver libraries ...
+        return False
+
+
+def get_ops(device: str = "auto", dtype: str | None = None):
+    """The ops object for `device` ("auto", "cpu" or "cuda") computing in `dtype` (None: the device's default)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r} (use auto, cpu or cuda)")
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    if device == "cpu":
+        from prefixrun.kernels.reference import NumpyOps
+
+        if dtype not in (None, "float32"):
+            raise ValueError("the CPU backend computes in float32 only; --dtype applies to cuda")
+        return NumpyOps("float32")
+    if not cuda_available():
+        raise RuntimeError("--device cuda: CuPy is not installed or no GPU is visible "
+                           "(pip install 'prefixrun[cuda12]' or '[cuda13]')")
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(dtype or "bfloat16")

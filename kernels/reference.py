@@ -1,0 +1,261 @@
+"""NumPy implementations of every kernel op: the CPU backend (fp32) and the reference the CUDA kernels are
+tested against. Each op's docstring is its contract; kernels/cuda.py implements the same signatures.
+
+Conventions: T = tokens in the step (all sequences concatenated), B = sequences in the step, cu_seqlens [B+1]
+int32 offsets of each sequence's tokens in T. Per-sequence state lives in pools indexed by a slot number
+(`slots` [B]); attention K/V in paged pools indexed by block tables. Ops that update state do it in place.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from prefixrun.kernels.sampling import filtered_sample_index
+
+
+class NumpyOps:
+    """The CPU backend. Activations and weights are float32 here."""
+
+    name = "cpu"
+    xp = np
+
+    def __init__(self, dtype: str = "float32"):
+        if dtype != "float32":
+            raise ValueError("the CPU backend computes in float32 only")
+        self.act_dtype = np.float32
+        self.dtype_name = dtype
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def zeros(self, shape, dtype=None):
+        return np.zeros(shape, dtype=dtype or self.act_dtype)
+
+    def upload(self, host_array, dtype=None):
+        """Host array -> backend array (a copy, converted to `dtype` or the activation dtype)."""
+        return np.array(host_array, dtype=dtype or self.act_dtype, copy=True)
+
+    def upload_index(self, host_array):
+        return np.ascontiguousarray(host_array, dtype=np.int32)
+
+    def to_host(self, array) -> np.ndarray:
+        return np.asarray(array)
+
+    def synchronize(self):
+        pass
+
+    # ---- dense math ---------------------------------------------------------------------------------------
+    def embed(self, table, ids):
+        """table [V, D], ids [T] -> [T, D]"""
+        return table[ids].astype(self.act_dtype)
+
+    def linear(self, x, weight):
+        """x [T, in] @ weight[out, in].T -> [T, out] (weights are stored as HF stores them)"""
+        return x @ weight.T
+
+    def rms_norm(self, x, weight, eps):
+        """x [..., D] * rsqrt(mean(x^2) + eps) * weight [D]  (weight already includes any +1 offset)"""
+        x32 = x.astype(np.float32)
+        var = np.mean(x32 * x32, axis=-1, keepdims=True)
+        return (x32 / np.sqrt(var + eps) * weight).astype(self.act_dtype)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D])  (Gated DeltaNet output norm)"""
+        x32 = x.astype(np.float32)
+        var = np.mean(x32 * x32, axis=-1, keepdims=True)
+        g = gate.astype(np.float32)
+        return (x32 / np.sqrt(var + eps) * weight * (g / (1.0 + np.exp(-g)))).astype(self.act_dtype)
+
+    def silu_mul(self, gate_up):
+        """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
+        i = gate_up.shape[-1] // 2
+        g, u = gate_up[..., :i], gate_up[..., i:]
+        return g / (1.0 + np.exp(-g)) * u
+
+    def add(self, a, b):
+        return a + b
+
+    def repeat_heads(self, x, rep):
+        """x [T, H, D] -> [T, H * rep, D], each head repeated rep times in place (repeat_interleave)"""
+        return np.repeat(x, rep, axis=1)
+
+    def logits(self, x, lm_head):
+        """x [N, D] @ lm_head[V, D].T -> fp32 [N, V]"""
+        return (x @ lm_head.T).astype(np.float32)
+
+    def rotary(self, x, positions, inv_freq):
+        """Rotate the first 2*len(inv_freq) dims of each head, rotate-half layout (as HF). x [T, H, Dh] in place."""
+        half = inv_freq.shape[0]
+        ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # [T, half]
+        cos = np.cos(ang)[:, None, :]
+        sin = np.sin(ang)[:, None, :]
+        x1 = x[..., :half].copy()
+        x2 = x[..., half:2 * half].copy()
+        x[..., :half] = x1 * cos - x2 * sin
+        x[..., half:2 * half] = x2 * cos + x1 * sin
+        return x
+
+    def l2_normalize(self, x, eps=1e-6):
+        """x [..., D] * rsqrt(sum(x^2) + eps) (as the FLA kernels and HF do)"""
+        return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+    def sigmoid(self, x):
+        return 1.0 / (1.0 + np.exp(-x))
+
+    def delta_gates(self, a, b, a_log, dt_bias):
+        """Gated DeltaNet gates from projections a, b [T, Hv]: log-decay g = -exp(A_log) * softplus(a + dt_bias)
+        and write strength beta = sigmoid(b); both fp32 [T, Hv]."""
+        z = a.astype(np.float32) + dt_bias
+        softplus = np.where(z > 20.0, z, np.log1p(np.exp(np.minimum(z, 20.0))))
+        g = -np.exp(a_log.astype(np.float32)) * softplus
+        beta = 1.0 / (1.0 + np.exp(-b.astype(np.float32)))
+        return g.astype(np.float32), beta.astype(np.float32)
+
+    # ---- sequence mixing ----------------------------------------------------------------------------------
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens):
+        """Depthwise causal conv + SiLU over each sequence's new tokens, continuing from its conv history.
+
+        x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (the K-1 previous inputs, oldest first; zeros for
+        a new sequence), slots [B], cu_seqlens [B+1]. Returns y [T, C]; updates conv_state[slots] in place.
+        """
+        k = weight.shape[1]
+        y = np.empty_like(x)
+        for b in range(len(slots)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            if e == s:
+                continue
+            hist = conv_state[slots[b]]  # [C, K-1]
+            xpad = np.concatenate([hist.T.astype(np.float32), x[s:e].astype(np.float32)], axis=0)  # [K-1+L, C]
+            n = e - s
+            acc = np.zeros((n, x.shape[1]), np.float32)
+            for j in range(k):
+                acc += xpad[j:j + n] * weight[:, j]
+            y[s:e] = acc / (1.0 + np.exp(-acc))
+            conv_state[slots[b]] = xpad[n:].T  # the last K-1 inputs
+        return y
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
+        """Gated delta rule over each sequence's new tokens from its recurrent state (in place).
+
+        q, k [T, H, Dk] (already L2-normalised, q not yet scaled), v [T, H, Dv], g (log decay), beta [T, H],
+        state [num_slots, H, Dk, Dv] fp32. Per token: S = exp(g) S; u = beta (v - S^T k); S += k u^T;
+        o = S^T (q / sqrt(Dk)). Sequences of one token take the recurrent step; longer ones the chunked form.
+        Returns o [T, H, Dv].
+        """
+        out = np.empty(v.shape, np.float32)
+        scale = 1.0 / np.sqrt(q.shape[-1])
+        for b in range(len(slots)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            if e == s:
+                continue
+            S = state[slots[b]].astype(np.float32)  # [H, Dk, Dv]
+            qs = q[s:e].astype(np.float32).transpose(1, 0, 2) * scale  # [H, L, Dk]
+            ks = k[s:e].astype(np.float32).transpose(1, 0, 2)
+            vs = v[s:e].astype(np.float32).transpose(1, 0, 2)  # [H, L, Dv]
+            gs = g[s:e].T.astype(np.float32)  # [H, L]
+            bs = beta[s:e].T.astype(np.float32)
+            if e - s == 1:
+                o, S = _delta_step(qs[:, 0], ks[:, 0], vs[:, 0], gs[:, 0], bs[:, 0], S)
+                out[s] = o
+            else:
+                for c in range(0, e - s, chunk_size):
+                    sl = slice(c, min(c + chunk_size, e - s))
+                    o, S = _delta_chunk(qs[:, sl], ks[:, sl], vs[:, sl], gs[:, sl], bs[:, sl], S)
+                    out[s + sl.start:s + sl.stop] = o.transpose(1, 0, 2)
+            state[slots[b]] = S
+        return out.astype(self.act_dtype)
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset)."""
+        nb, bs = k_cache.shape[:2]
+        k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping] = k
+        v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping] = v
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
+                        sliding_window=None):
+        """Causal attention of each sequence's new queries over its cached K/V (new rows already written).
+
+        q [T, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
+        context_lens [B] = tokens in the cache after this step; the sequence's n new queries sit at positions
+        context_len - n .. context_len - 1. GQA: query head h reads kv head h // (Hq // Hkv).
+        `sliding_window` W: a query at position p sees keys in (p - W, p]. Returns [T, Hq, D].
+        """
+        bs = k_cache.shape[1]
+        hq, hkv = q.shape[1], k_cache.shape[2]
+        rep = hq // hkv
+        out = np.empty(q.shape, np.float32)
+        for b in range(len(context_lens)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            if e == s:
+                continue
+            ctx = int(context_lens[b])
+            nblk = -(-ctx // bs)
+            blocks = block_tables[b, :nblk]
+            kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx].astype(np.float32)  # [ctx, Hkv, D]
+            vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx].astype(np.float32)
+            kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [Hq, D, ctx]
+            vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [Hq, ctx, D]
+            qq = q[s:e].astype(np.float32).transpose(1, 0, 2)  # [Hq, n, D]
+            scores = (qq @ kk) * scale  # [Hq, n, ctx]
+            qpos = np.arange(ctx - (e - s), ctx)[:, None]
+            kpos = np.arange(ctx)[None, :]
+            visible = kpos <= qpos
+            if sliding_window is not None:
+                visible &= kpos > qpos - sliding_window
+            scores = np.where(visible[None], scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[s:e] = (p @ vv).transpose(1, 0, 2)
+        return out.astype(self.act_dtype)
+
+    # ---- state copies -------------------------------------------------------------------------------------
+    def copy_rows(self, arrays, src, dst):
+        """For each pool array: array[dst[i]] = array[src[i]] (slot or block copies for fork/save/restore)."""
+        for a in arrays:
+            a[dst] = a[src]
+
+    # ---- sampling -----------------------------------------------------------------------------------------
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
+        """Next token per row of logits [B, V] (fp32). temperature 0 = argmax; else softmax(logits/T) filtered by
+        top_k (0: off), top_p, min_p, then the inverse CDF at uniforms[b] in [0, 1). Returns int64 [B]."""
+        logits = np.asarray(logits, np.float32)
+        out = np.empty(logits.shape[0], np.int64)
+        for b in range(logits.shape[0]):
+            row = logits[b]
+            if temperature[b] <= 0:
+                out[b] = int(np.argmax(row))
+            else:
+                out[b] = filtered_sample_index(row, float(temperature[b]), int(top_k[b]), float(top_p[b]),
+                                               float(min_p[b]), float(uniforms[b]))
+        return out
+
+
+def _delta_step(q, k, v, g, beta, S):
+    """One recurrent step for all heads. q, k [H, Dk], v [H, Dv], g, beta [H], S [H, Dk, Dv]."""
+    S = S * np.exp(g)[:, None, None]
+    kv_mem = np.einsum("hkv,hk->hv", S, k)
+    u = (v - kv_mem) * beta[:, None]
+    S = S + k[:, :, None] * u[:, None, :]
+    return np.einsum("hkv,hk->hv", S, q), S
+
+
+def _delta_chunk(q, k, v, g, beta, S0):
+    """The same recurrence over a chunk of C tokens at once (all heads).
+
+    q, k [H, C, Dk], v [H, C, Dv], g, beta [H, C], S0 [H, Dk, Dv]. With G_t = exp(cumsum g) inside the chunk,
+    the pseudo-values u satisfy (I + L) U = beta*V - beta*G*(K S0), L[t,j] = beta_t (G_t/G_j) k_t.k_j for j < t;
+    outputs O = G*(Q S0) + ((Q K^T) * D) U with D[t,j] = G_t/G_j (j <= t); S_C = G_C S0 + K^T ((G_C/G) * U).
+    """
+    c = q.shape[1]
+    gc = np.cumsum(g, axis=1)  # [H, C]
+    diff = gc[:, :, None] - gc[:, None, :]  # [H, C, C] log(G_t / G_j)
+    lower_incl = np.tril(np.ones((c, c), bool))
+    decay = np.where(lower_incl[None], np.exp(np.where(lower_incl[None], diff, 0.0)), 0.0)
+    kk = k @ k.transpose(0, 2, 1)  # [H, C, C]
+    strict = np.tril(np.ones((c, c), bool), -1)
+    L = np.where(strict[None], beta[:, :, None] * decay * kk, 0.0)
+    G = np.exp(gc)  # [H, C]
+    rhs = beta[:, :, None] * (v - G[:, :, None] * (k @ S0))  # [H, C, Dv]
+    U = np.linalg.solve(np.eye(c, dtype=np.float32)[None] + L, rhs)
+    O = G[:, :, None] * (q @ S0) + ((q @ k.transpose(0, 2, 1)) * decay) @ U
+    tail = np.exp(gc[:, -1:] - gc)  # [H, C] G_C / G_j
+    S = np.exp(gc[:, -1])[:, None, None] * S0 + k.transpose(0, 2, 1) @ (tail[:, :, None] * U)
+    return O.astype(np.float32), S.astype(np.float32)

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random-weight model directories written by the model maker (once per session)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.state import ModelState
+from prefixrun.kernels import get_ops
+
+# Weight scale for parity models: large enough that greedy top-2 gaps sit well above fp32 error, small enough
+# that fp32 error stays far below the 1e-4 tolerance (measured: ~3e-5 max-abs at 0.05 on 150-token prompts).
+PARITY_STD = 0.05
+
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+}
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+}
+TINY_CONFIGS = {"qwen3_5": TINY_QWEN3_5, "qwen3": TINY_QWEN3, "llama": TINY_LLAMA}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """family -> directory of a tiny parity model (bf16 weights, as real checkpoints ship)."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_model_dir(root / name, cfg, seed=7, init_std=PARITY_STD) for name, cfg in TINY_CONFIGS.items()}
+
+
+@pytest.fixture(scope="session")
+def cpu_ops():
+    return get_ops("cpu")
+
+
+def new_state(model, ops, slots=16, blocks=256, block_size=16):
+    return ModelState(model.state_specs(), ops, num_slots=slots, num_blocks=blocks, block_size=block_size)
+
+
+def random_prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, length).tolist()
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dirs, cpu_ops):
+    """family -> model loaded on the CPU backend."""
+    return {name: load_model(path, cpu_ops)[0] for name, path in model_dirs.items()}
