@@ -157,3 +157,29 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+# The embedded default: a small Qwen3.5-architecture model with random weights (its text is meaningless; it
+# exists so that `prefixrun batch` runs out of the box and shows prefix reuse). Bump the version to rebuild it.
+DEFAULT_MODEL_VERSION = 1
+DEFAULT_MODEL_CONFIG = {**TINY_QWEN3_5, "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
+                        "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim": 32,
+                        "linear_value_head_dim": 32, "max_position_embeddings": 32768}
+
+
+def ensure_default_model(cache_root: Path) -> Path:
+    """The embedded default model directory under `cache_root`, created on first use (atomically: a concurrent
+    first use by another process either wins the rename or finds the finished directory)."""
+    target = Path(cache_root) / "models" / f"default-qwen3_5-v{DEFAULT_MODEL_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".{os.getpid()}.partial")
+    make_model_dir(tmp, DEFAULT_MODEL_CONFIG, seed=20261129, init_std=0.05)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -147,6 +147,17 @@ class ForwardBatch:
         return int(self.host_cu_seqlens[-1])
 
 
+def state_layout(specs: list[RegionSpec], ops) -> list[dict]:
+    """The regions with concrete dtypes: what a stored checkpoint must match to be restored."""
+    return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),
+             "dtype": "float32" if s.dtype == "float32" else np.dtype(ops.act_dtype).name} for s in specs]
+
+
+def layout_digest(specs: list[RegionSpec], ops) -> str:
+    doc = {"version": STATE_FORMAT_VERSION, "regions": state_layout(specs, ops)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
 class ModelState:
     """The preallocated state pools of one model, and the operations on handles into them."""
 
@@ -188,13 +199,10 @@ class ModelState:
         return self.slot_bytes + len(h.blocks) * self.block_bytes
 
     def layout(self) -> list[dict]:
-        return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),
-                 "dtype": "float32" if s.dtype == "float32" else np.dtype(self.ops.act_dtype).name}
-                for s in self.specs]
+        return state_layout(self.specs, self.ops)
 
     def layout_digest(self) -> str:
-        doc = {"version": STATE_FORMAT_VERSION, "regions": self.layout()}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+        return layout_digest(self.specs, self.ops)
 
     # ---- handles ------------------------------------------------------------------------------------------
     def new_sequence(self) -> StateHandle:

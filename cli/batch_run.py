@@ -1,0 +1,160 @@
+"""One `prefixrun batch` run: input lines -> windows of requests -> engine -> result lines, plus the report.
+
+Input is read as a stream in windows of `window` requests; each window is planned as one token trie. Bad lines
+become error records in their place and never stop the batch.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefixrun.cli import io
+from prefixrun.engine.request import InvalidRequest, Request
+
+
+class BatchRun:
+    def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int, window: int,
+                 max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
+                 cache_budget, reporter, sampling_overrides: dict):
+        from prefixrun.engine import loader
+        from prefixrun.engine.model_maker import ensure_default_model
+        from prefixrun.engine.runner import Engine, EngineOptions
+
+        self.reporter = reporter
+        if model_dir is None:
+            model_dir = ensure_default_model(cache_root)
+        self.loaded = loader.load(Path(model_dir), device, dtype)
+        self.model_name = Path(model_dir).name
+        gd = self.loaded.defaults
+        cli = {k: v for k, v in sampling_overrides.items() if v is not None}
+        from_model = {k: getattr(gd, k) for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+                      if getattr(gd, k) is not None}
+        self.defaults = io.SamplingDefaults(**{**from_model, **cli})
+        self.window = window
+        state_bytes = state_memory or _default_state_memory(self.loaded.ops)
+        if checkpoint_budget is None:
+            checkpoint_budget = state_bytes // 4
+        elif checkpoint_budget < 1 and checkpoint_budget > 0:
+            checkpoint_budget = int(state_bytes * checkpoint_budget)
+        self.store = None
+        persist = None
+        if use_cache and reuse:
+            from prefixrun.engine.persist import PersistentCheckpoints
+            from prefixrun.engine.store import CheckpointStore
+
+            self.store = CheckpointStore(cache_root / "checkpoints", cache_budget)
+            from prefixrun.engine.state import layout_digest
+
+            persist = PersistentCheckpoints(self.store, self.loaded.weights_digest(),
+                                            layout_digest(self.loaded.model.state_specs(), self.loaded.ops),
+                                            self.loaded.ops)
+        opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
+                             state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
+                             reuse=reuse)
+        self.engine = Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
+                             make_detokenizer=self._detokenizer, options=opts, persist=persist)
+        self.failed = 0
+        self.done = 0
+
+    def _detokenizer(self):
+        from prefixrun.engine.tokenizer import StreamDetokenizer
+
+        return StreamDetokenizer(self.loaded.tokenizer)
+
+    # ---- tokenization -------------------------------------------------------------------------------------
+    def _to_request(self, parsed: io.ParsedRequest) -> Request:
+        tok = self.loaded.tokenizer
+        if parsed.prompt_token_ids is not None:
+            ids = list(parsed.prompt_token_ids)
+            vocab = self.loaded.config.vocab_size
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequest(f"prompt_token_ids contains {bad[0]}, outside the model's vocabulary of {vocab}")
+        elif parsed.messages is not None:
+            ids = tok.encode_chat(parsed.messages)
+        else:
+            ids = tok.encode(parsed.prompt_text)
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenization")
+        limit = self.loaded.config.max_position_embeddings
+        if len(ids) >= limit:
+            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the model's context of {limit} tokens")
+        return Request(parsed.custom_id, ids, parsed.sampling, parsed.index)
+
+    # ---- the run ------------------------------------------------------------------------------------------
+    def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
+        started = time.perf_counter()
+        seen: set[str] = set()
+        window: list[tuple[io.ParsedRequest, Request]] = []
+        for raw in io.iter_input_lines(source):
+            item = io.parse_line(raw, self.defaults, seen)
+            if isinstance(item, io.LineError):
+                self._error(writer, item)
+                continue
+            if item.custom_id in done_ids:
+                writer.skip(item.index)
+                continue
+            try:
+                window.append((item, self._to_request(item)))
+            except InvalidRequest as exc:
+                self._error(writer, io.make_error(item, str(exc)))
+                continue
+            if len(window) >= self.window:
+                self._run_window(window, writer)
+                window = []
+        if window:
+            self._run_window(window, writer)
+        self.engine.close()
+        self.engine.check_invariants()
+        writer.close()
+        return self._report(time.perf_counter() - started)
+
+    def _error(self, writer, err: io.LineError):
+        self.failed += 1
+        self.reporter.error(f"line {err.line_no}" + (f" ({err.custom_id})" if err.custom_id else "") +
+                            f": {err.message}")
+        writer.add(err.index, io.format_error(err))
+
+    def _run_window(self, window, writer):
+        parsed = {req.index: p for p, req in window}
+        self.reporter.set_total(self.done + len(window))
+        created = int(time.time())
+        for result in self.engine.run([req for _, req in window]):
+            writer.add(result.index, io.format_result(parsed[result.index], result, model=self.model_name,
+                                                      created=created))
+            self.done += 1
+            self.reporter.advance(self.done, self.engine.stats)
+
+    def _report(self, wall: float) -> dict:
+        s, p = self.engine.stats, self.engine.pool.stats
+        report = {
+            "requests": s.requests, "failed_lines": self.failed, "prompt_tokens": s.prompt_tokens,
+            "distinct_prefix_tokens": s.distinct_prefix_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,
+            "reused_tokens": s.reused_tokens, "reused_from_disk_tokens": s.reused_from_disk_tokens,
+            "completion_tokens": s.completion_tokens,
+            "checkpoints_saved": p.saved, "checkpoints_restored": p.restored, "checkpoints_evicted": p.evicted,
+            "checkpoints_skipped_over_budget": p.skipped_over_budget,
+            "checkpoint_bytes_saved": p.saved_bytes, "checkpoint_bytes_evicted": p.evicted_bytes,
+            "peak_checkpoint_bytes": p.peak_bytes, "checkpoint_budget_bytes": self.engine.pool.budget_bytes,
+            "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,
+            "prefill_seconds": round(s.prefill_seconds, 4), "decode_seconds": round(s.decode_seconds, 4),
+            "prefill_tokens_per_second": s.computed_prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+            "decode_tokens_per_second": s.completion_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+            "wall_seconds": round(wall, 4), "model": str(self.loaded.path), "device": self.loaded.ops.name,
+        }
+        if self.store is not None:
+            st = self.store.stats
+            report["cache"] = {"dir": str(self.store.root), "entries": len(self.store.entries()),
+                               "bytes": self.store.total_bytes(), "budget_bytes": self.store.budget_bytes,
+                               "hits": st.hits, "misses": st.misses, "written": st.written,
+                               "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
+                               "rejected_too_large": st.rejected_too_large}
+        return report
+
+
+def _default_state_memory(ops) -> int:
+    """CPU: 1 GiB. CUDA: half of the memory free after the weights were loaded."""
+    if ops.name == "cpu":
+        return 1 << 30
+    free, _ = ops.xp.cuda.runtime.memGetInfo()
+    return int(free * 0.5)

@@ -1,0 +1,40 @@
+"""A model directory -> everything a run needs: backend ops, model, tokenizer and generation defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefixrun.engine.config import DecoderConfig, load_config
+from prefixrun.engine.models import build_model
+from prefixrun.engine.models.layers import CausalLM
+from prefixrun.engine.tokenizer import GenerationDefaults, Tokenizer
+from prefixrun.engine.weights import CheckpointTensors
+from prefixrun.kernels import get_ops
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: DecoderConfig
+    ops: object
+    model: CausalLM
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+    tensors: CheckpointTensors
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.defaults.eos_token_ids
+
+    def weights_digest(self) -> str:
+        return self.tensors.digest()
+
+
+def load(model_dir: Path, device: str = "auto", dtype: str | None = None) -> LoadedModel:
+    model_dir = Path(model_dir)
+    config, _ = load_config(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    defaults = GenerationDefaults.from_model_dir(model_dir, config_eos=list(config.eos_token_ids), tokenizer=tokenizer)
+    ops = get_ops(device, dtype)
+    tensors = CheckpointTensors(model_dir)
+    return LoadedModel(model_dir, config, ops, build_model(config, tensors, ops), tokenizer, defaults, tensors)

@@ -1,0 +1,874 @@
+"""Persistent checkpoint cache: model-state checkpoints of token prefixes, kept on disk between runs.
+
+A checkpoint is a dict of named numpy arrays ("regions": recurrent states, conv histories, KV rows, maybe the
+last logits) that belongs to one token prefix of one model with one state layout. The engine saves them at
+branch points and block boundaries; a later run restores the longest stored prefix of a prompt and prefills
+only the rest.
+
+On-disk contract (everything below lives under ``root``; nothing else may write there)
+------------------------------------------------------------------------------------------
+``index.sqlite3``   SQLite index in WAL mode, ``PRAGMA user_version = 1``. One table::
+
+        entries(entry_id TEXT PRIMARY KEY,      -- checkpoint_key(StoreKey, tokens): SHA-256 hex
+                model_digest, layout_digest,    -- copies of the StoreKey fields (lookup filters on them)
+                n_tokens INTEGER,               -- length of the token prefix
+                file_name TEXT,                 -- blob file holding this entry (see below)
+                nbytes INTEGER,                 -- size of that file on disk: what the budget counts
+                content_sha256 TEXT,            -- SHA-256 of the file's bytes, recorded at write
+                hits INTEGER, created REAL, last_used REAL,   -- wall-clock seconds (time.time())
+                use_order INTEGER,              -- LRU order: larger = used more recently (see below)
+                meta_json TEXT,                 -- the caller's meta dict
+                token_preview TEXT)             -- JSON list of the first PREVIEW_TOKENS token ids
+
+``blobs/<entry_id[:2]>/<entry_id>.<content_sha256[:16]>.safetensors``
+    One safetensors file per checkpoint. Tensors: every region, plus ``__tokens__`` (int32 [n_tokens], the
+    exact token prefix). bfloat16 regions are stored as their uint16 bit pattern (not every safetensors
+    release takes ml_dtypes' bfloat16); the real dtype of every region is recorded in the metadata. Metadata
+    (all strings): ``prefixrun.format`` = FORMAT_VERSION, ``prefixrun.model_digest``,
+    ``prefixrun.layout_digest``, ``prefixrun.n_tokens``, ``prefixrun.created``, ``prefixrun.dtypes`` (JSON
+    {region: dtype name}), ``prefixrun.meta`` (JSON of the caller's meta). The content hash is part of the
+    file name, so two writers of the same key never overwrite each other's file: a blob is immutable from
+    the moment it has its final name until it is deleted.
+``blobs/<xx>/.<entry_id>.<host>.<pid>.<random>.tmp``
+    A blob being written. Never read. ``sweep_orphans`` deletes those whose writer (same host, pid) is dead.
+``quarantine/``
+    Blobs that failed verification, moved aside with a ``.reason`` text file next to them, for a human to
+    look at. Only the newest QUARANTINE_KEEP files are kept.
+
+Write protocol (``put``): serialize into the temp file, flush + fsync it, ``os.replace`` it to its final name,
+fsync the directory, THEN insert the index row in one short ``BEGIN IMMEDIATE`` transaction that also
+evicts least-recently-used rows until the indexed total is within the budget. Evicted files are unlinked
+after that commit. So a crash at any point leaves at worst an unindexed temp or blob file (``sweep_orphans``
+removes it), never an index row pointing at a partial file. The indexed total never exceeds the budget at
+any commit, and the files on disk are within the budget whenever no ``put`` is in flight.
+
+Trust rules (``lookup``): the index only says where to look. Before an entry is returned the store checks
+that the file exists, its size and SHA-256 match the row, safetensors parses it, its format version,
+model and layout digests match, its stored token prefix hashes to the entry id, and the stored tokens equal
+the requested prefix exactly (a hash match alone is never trusted). A file that fails any check except the
+last is moved to ``quarantine/`` and its row deleted (counted as ``corrupt``); a file that passes all but the
+last is a key collision and is left alone. Either way the search goes on with the next shorter prefix.
+A bad entry never raises.
+
+Concurrency: several processes (and threads) may use one root at once. Every index change is one short
+transaction under SQLite's busy timeout; readers tolerate a file that another process has just evicted
+(that is a plain miss, not corruption). LRU order uses ``use_order``, a counter taken inside the index
+transaction, not the wall clock, so it is exact even when processes' clocks or timer resolutions differ.
+``stats`` counts what this instance did; the index's ``hits`` column counts across all processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = "prefixrun-ckpt-v1"
+INDEX_SCHEMA_VERSION = 1
+INDEX_FILE_NAME = "index.sqlite3"
+BLOBS_DIR_NAME = "blobs"
+QUARANTINE_DIR_NAME = "quarantine"
+TOKENS_TENSOR_NAME = "__tokens__"
+PREVIEW_TOKENS = 64
+QUARANTINE_KEEP = 32
+BUSY_TIMEOUT_S = 60.0
+DEFAULT_ORPHAN_GRACE_S = 300.0
+
+# Region dtypes the store round-trips, by name. Value: the dtype safetensors actually stores.
+_STORAGE_DTYPE_BY_NAME: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),  # bit pattern; viewed back as ml_dtypes.bfloat16 on load
+    "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_HEX_DIGEST = re.compile(r"[0-9a-f]+")
+_INT32_MAX = 2**31 - 1
+
+
+class StoreError(RuntimeError):
+    """The store itself cannot be used (unreadable index, foreign schema); the message says what to do."""
+
+
+class _BadEntry(Exception):
+    """An entry failed verification; `reason` is recorded next to the quarantined file."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    """What gives a checkpoint its meaning, besides its tokens. Both digests are computed by the engine."""
+
+    model_digest: str  # digest of the model's weights, lowercase hex
+    layout_digest: str  # digest of the state layout + dtypes + format version, lowercase hex
+
+    def __post_init__(self):
+        for name in ("model_digest", "layout_digest"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _HEX_DIGEST.fullmatch(value):
+                raise ValueError(f"StoreKey.{name} must be a non-empty lowercase hex string, got {value!r}")
+
+
+def checkpoint_key(key: StoreKey, tokens: Sequence[int]) -> str:
+    """SHA-256 hex over labelled fields. The digests are hex (no NUL), the token field is last and fixed-width,
+    so no two different (key, tokens) pairs serialize to the same bytes."""
+    token_array = _as_token_array(tokens)
+    hasher = hashlib.sha256()
+    hasher.update(FORMAT_VERSION.encode() + b"\0model=" + key.model_digest.encode())
+    hasher.update(b"\0layout=" + key.layout_digest.encode())
+    hasher.update(b"\0n_tokens=" + str(len(token_array)).encode())
+    hasher.update(b"\0tokens=" + token_array.astype("<i4", copy=False).tobytes())
+    return hasher.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """prefixrun's cache folder: $PREFIXRUN_CACHE_DIR, else $XDG_CACHE_HOME/prefixrun, else ~/.cache/prefixrun."""
+    explicit = os.environ.get("PREFIXRUN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "prefixrun"
+    return Path.home() / ".cache" / "prefixrun"
+
+
+def default_checkpoint_dir() -> Path:
+    """Where the CheckpointStore lives by default: the `checkpoints` folder of default_cache_dir()."""
+    return default_cache_dir() / "checkpoints"
+
+
+@dataclass
+class StoredCheckpoint:
+    tokens: tuple[int, ...]
+    regions: dict[str, np.ndarray]
+    meta: dict
+    nbytes: int  # size of the file on disk
+    entry_id: str
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    entry_id: str
+    model_digest: str
+    layout_digest: str
+    n_tokens: int
+    nbytes: int
+    hits: int
+    created: float
+    last_used: float
+    meta: dict
+    token_preview: tuple[int, ...]  # the first PREVIEW_TOKENS token ids
+    path: Path
+
+
+@dataclass(frozen=True)
+class CorruptEntry:
+    entry_id: str
+    reason: str
+
+
+@dataclass
+class SweepResult:
+    removed_temp_files: list[Path] = field(default_factory=list)
+    removed_unindexed_files: list[Path] = field(default_factory=list)
+    dropped_rows: list[str] = field(default_factory=list)  # entry ids whose file was gone
+
+
+@dataclass
+class StoreStats:
+    """What this CheckpointStore instance did (not persisted, not shared between processes)."""
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  # entries that failed verification and were quarantined
+    collisions: int = 0  # key matched, tokens did not (lookup), or put found another prefix under its key
+    evicted: int = 0  # entries evicted to keep within the budget (by put)
+    evicted_bytes: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    read_bytes: int = 0
+    rejected_too_large: int = 0
+    write_errors: int = 0  # OSError while writing a blob; the entry was not stored
+
+
+_ROW_COLUMNS = (
+    "entry_id, model_digest, layout_digest, n_tokens, file_name, nbytes, content_sha256, "
+    "hits, created, last_used, use_order, meta_json, token_preview"
+)
+
+
+@dataclass(frozen=True)
+class _Row:
+    entry_id: str
+    model_digest: str
+    layout_digest: str
+    n_tokens: int
+    file_name: str
+    nbytes: int
+    content_sha256: str
+    hits: int
+    created: float
+    last_used: float
+    use_order: int
+    meta_json: str
+    token_preview: str
+
+
+_SCHEMA = """
+CREATE TABLE entries (
+    entry_id TEXT PRIMARY KEY,
+    model_digest TEXT NOT NULL,
+    layout_digest TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    file_name TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    content_sha256 TEXT NOT NULL,
+    hits INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL,
+    use_order INTEGER NOT NULL,
+    meta_json TEXT NOT NULL,
+    token_preview TEXT NOT NULL
+);
+CREATE INDEX entries_by_model_length ON entries (model_digest, layout_digest, n_tokens);
+CREATE INDEX entries_by_use_order ON entries (use_order);
+"""
+
+
+class CheckpointStore:
+    """The on-disk checkpoint cache described in this module's docstring. Safe for several threads and
+    several processes on one root; each process opens its own store (do not share one across fork)."""
+
+    def __init__(self, root: Path | str, budget_bytes: int | None = None, *, clock: Callable[[], float] = time.time):
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0
+        ):
+            raise ValueError(f"budget_bytes must be None (unlimited) or an integer >= 0, got {budget_bytes!r}")
+        self.root = Path(root).expanduser()
+        self.budget_bytes = budget_bytes
+        self.stats = StoreStats()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._blobs_dir = self.root / BLOBS_DIR_NAME
+        self._quarantine_dir = self.root / QUARANTINE_DIR_NAME
+        self._host_tag = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+        for folder in (self.root, self._blobs_dir, self._quarantine_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        self._db = self._open_index(self.root / INDEX_FILE_NAME)
+
+    # ---------------------------------------------------------------- index plumbing
+
+    def _open_index(self, path: Path) -> sqlite3.Connection:
+        try:
+            # isolation_level=None: no implicit transactions; every write below is an explicit short
+            # BEGIN IMMEDIATE ... COMMIT, so a writer takes the lock up front instead of upgrading (deadlock-free).
+            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a power cut may lose the last rows, never corrupt
+            with self._write_transaction(db):
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version == 0:
+                    for statement in filter(str.strip, _SCHEMA.split(";")):
+                        db.execute(statement)
+                    db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
+                elif version != INDEX_SCHEMA_VERSION:
+                    raise StoreError(
+                        f"checkpoint index {path} has schema version {version}, this prefixrun uses "
+                        f"{INDEX_SCHEMA_VERSION}; delete the folder {self.root} (it is only a cache)"
+                    )
+            return db
+        except sqlite3.DatabaseError as error:
+            raise StoreError(
+                f"cannot open the checkpoint index {path}: {error}; delete the folder {self.root} (it is only a cache)"
+            ) from error
+
+    @contextmanager
+    def _write_transaction(self, db: sqlite3.Connection | None = None) -> Iterator[sqlite3.Connection]:
+        db = db or self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def _rows(self, where: str = "", params: Sequence = (), order: str = "") -> list[_Row]:
+        sql = f"SELECT {_ROW_COLUMNS} FROM entries {where} {order}"
+        return [_Row(*values) for values in self._db.execute(sql, params).fetchall()]
+
+    def _row(self, entry_id: str) -> _Row | None:
+        rows = self._rows("WHERE entry_id = ?", (entry_id,))
+        return rows[0] if rows else None
+
+    def _path_of(self, file_name: str) -> Path:
+        return self._blobs_dir / file_name[:2] / file_name
+
+    def _touch(self, db: sqlite3.Connection, entry_id: str, *, count_hit: bool) -> bool:
+        """Mark an entry most recently used. One statement, so it is atomic even outside a transaction.
+        False if the row is gone (another process evicted it)."""
+        return db.execute(
+            "UPDATE entries SET hits = hits + ?, last_used = ?, "
+            "use_order = (SELECT COALESCE(MAX(use_order), 0) + 1 FROM entries) WHERE entry_id = ?",
+            (1 if count_hit else 0, self._clock(), entry_id),
+        ).rowcount > 0
+
+    # ---------------------------------------------------------------- lookup
+
+    def lookup(
+        self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0
+    ) -> StoredCheckpoint | None:
+        """The longest stored prefix P of `tokens` with min_len < len(P) <= max_len for this model and layout,
+        verified (see the trust rules above); None if there is none."""
+        _check_store_key(key)
+        token_array = _as_token_array(tokens)
+        for name, value in (("max_len", max_len), ("min_len", min_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"lookup {name} must be an integer >= 0, got {value!r}")
+        upper = min(int(max_len), len(token_array))
+        with self._lock:
+            if upper > min_len:
+                # Only lengths that exist for this model/layout are probed, each by primary key: no scan of entries.
+                lengths = [
+                    n
+                    for (n,) in self._db.execute(
+                        "SELECT DISTINCT n_tokens FROM entries WHERE model_digest = ? AND layout_digest = ? "
+                        "AND n_tokens > ? AND n_tokens <= ? ORDER BY n_tokens DESC",
+                        (key.model_digest, key.layout_digest, int(min_len), upper),
+                    ).fetchall()
+                ]
+                for length in lengths:
+                    found = self._probe(key, token_array[:length])
+                    if found is not None:
+                        self.stats.hits += 1
+                        return found
+            self.stats.misses += 1
+            return None
+
+    def _probe(self, key: StoreKey, prefix: np.ndarray) -> StoredCheckpoint | None:
+        entry_id = checkpoint_key(key, prefix)
+        row = self._row(entry_id)
+        if row is None or row.n_tokens != len(prefix):
+            return None
+        if row.model_digest != key.model_digest or row.layout_digest != key.layout_digest:
+            return None  # only possible through a key collision; not this entry's fault
+        try:
+            checkpoint = self._read_verified(row)
+        except _BadEntry as bad:
+            self._quarantine_if_unchanged(row, bad.reason)
+            return None
+        if not np.array_equal(np.asarray(checkpoint.tokens, dtype=np.int64), prefix.astype(np.int64)):
+            # The file is intact and its tokens do hash to this id: a genuine collision. Leave it be.
+            self.stats.collisions += 1
+            return None
+        self._touch(self._db, entry_id, count_hit=True)
+        return checkpoint
+
+    def _read_verified(self, row: _Row) -> StoredCheckpoint:
+        """Read and fully check one entry against its row; raise _BadEntry saying what is wrong."""
+        path = self._path_of(row.file_name)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise _BadEntry("file missing") from None
+        if size != row.nbytes:
+            raise _BadEntry(f"size {size} != recorded {row.nbytes}")
+        try:
+            content_sha256 = _sha256_of_file(path)
+        except FileNotFoundError:
+            raise _BadEntry("file missing") from None
+        self.stats.read_bytes += size
+        if content_sha256 != row.content_sha256:
+            raise _BadEntry(f"content sha256 {content_sha256} != recorded {row.content_sha256}")
+        try:
+            with safe_open(str(path), framework="numpy") as blob:
+                metadata = blob.metadata() or {}
+                stored = {name: blob.get_tensor(name) for name in blob.keys()}
+        except Exception as error:  # safetensors raises several types for malformed files
+            raise _BadEntry(f"safetensors cannot parse it: {error}") from None
+        if metadata.get("prefixrun.format") != FORMAT_VERSION:
+            raise _BadEntry(f"format {metadata.get('prefixrun.format')!r} != {FORMAT_VERSION!r}")
+        if metadata.get("prefixrun.model_digest") != row.model_digest:
+            raise _BadEntry("model digest in file differs from the index")
+        if metadata.get("prefixrun.layout_digest") != row.layout_digest:
+            raise _BadEntry("layout digest in file differs from the index")
+        stored_tokens = stored.pop(TOKENS_TENSOR_NAME, None)
+        if stored_tokens is None or stored_tokens.dtype != np.int32 or stored_tokens.ndim != 1:
+            raise _BadEntry("no int32 [n_tokens] token prefix in the file")
+        if len(stored_tokens) != row.n_tokens:
+            raise _BadEntry(f"file holds {len(stored_tokens)} tokens, index says {row.n_tokens}")
+        stored_key = StoreKey(row.model_digest, row.layout_digest)
+        if checkpoint_key(stored_key, stored_tokens) != row.entry_id:
+            raise _BadEntry("stored tokens do not hash to the entry id")
+        try:
+            dtype_names = json.loads(metadata["prefixrun.dtypes"])
+            meta = json.loads(metadata["prefixrun.meta"])
+        except (KeyError, ValueError) as error:
+            raise _BadEntry(f"metadata unreadable: {error!r}") from None
+        if not isinstance(dtype_names, dict) or set(dtype_names) != set(stored):
+            raise _BadEntry("regions in the file differ from the recorded dtype table")
+        regions: dict[str, np.ndarray] = {}
+        for name, array in stored.items():
+            storage_dtype = _STORAGE_DTYPE_BY_NAME.get(dtype_names[name])
+            if storage_dtype is None or array.dtype != storage_dtype:
+                raise _BadEntry(f"region {name!r}: stored as {array.dtype}, recorded as {dtype_names[name]!r}")
+            regions[name] = array.view(_BFLOAT16) if dtype_names[name] == "bfloat16" else array
+        return StoredCheckpoint(
+            tokens=tuple(stored_tokens.tolist()),
+            regions=regions,
+            meta=meta,
+            nbytes=size,
+            entry_id=row.entry_id,
+        )
+
+    def _quarantine_if_unchanged(self, row: _Row, reason: str) -> bool:
+        """Move a bad entry aside, but only if its row is still the one we verified: if another process
+        evicted or replaced it meanwhile, the failure was that race, not corruption."""
+        with self._write_transaction() as db:
+            deleted = db.execute(
+                "DELETE FROM entries WHERE entry_id = ? AND file_name = ? AND content_sha256 = ?",
+                (row.entry_id, row.file_name, row.content_sha256),
+            ).rowcount
+        if not deleted:
+            return False
+        self.stats.corrupt += 1
+        log.warning("checkpoint %s failed verification (%s); moved to %s", row.entry_id, reason, self._quarantine_dir)
+        source = self._path_of(row.file_name)
+        target = self._quarantine_dir / row.file_name
+        try:
+            os.replace(source, target)
+            target.with_name(target.name + ".reason").write_text(
+                f"entry_id: {row.entry_id}\nreason: {reason}\nquarantined_at: {self._clock()}\n"
+            )
+            self._trim_quarantine()
+        except FileNotFoundError:
+            pass  # nothing left to keep
+        except OSError as error:  # keeping the evidence is best effort; the row is already gone
+            log.warning("could not move %s to quarantine: %s", source, error)
+            _unlink_quietly(source)
+        return True
+
+    def _trim_quarantine(self) -> None:
+        blobs = [p for p in self._quarantine_dir.glob("*.safetensors")]
+        blobs.sort(key=_mtime_or_zero, reverse=True)
+        for old in blobs[QUARANTINE_KEEP:]:
+            _unlink_quietly(old)
+            _unlink_quietly(old.with_name(old.name + ".reason"))
+
+    # ---------------------------------------------------------------- put
+
+    def put(
+        self, key: StoreKey, tokens: Sequence[int], regions: dict[str, np.ndarray], meta: dict | None = None
+    ) -> bool:
+        """Store one checkpoint. True if it is in the store when this returns (written now or already there);
+        False if it was not stored: larger than the budget, a different prefix holds its key, or a disk error.
+        Bad arguments raise ValueError/TypeError."""
+        _check_store_key(key)
+        token_array = _as_token_array(tokens)
+        if len(token_array) == 0:
+            raise ValueError("a checkpoint needs a non-empty token prefix")
+        storage_arrays, dtype_names = _storage_arrays(regions)
+        meta = {} if meta is None else meta
+        if not isinstance(meta, dict):
+            raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+        try:
+            meta_json = json.dumps(meta, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"meta must be JSON-serializable: {error}") from error
+        entry_id = checkpoint_key(key, token_array)
+        preview = json.dumps([int(t) for t in token_array[:PREVIEW_TOKENS]])
+
+        with self._lock:
+            existing = self._row(entry_id)
+            if existing is not None:
+                if existing.n_tokens != len(token_array) or existing.token_preview != preview:
+                    self.stats.collisions += 1
+                    return False
+                if _size_or_none(self._path_of(existing.file_name)) == existing.nbytes and self._touch(
+                    self._db, entry_id, count_hit=False
+                ):
+                    return True
+                # Row without a (whole) file: write a fresh blob and let the insert below replace the row.
+
+            payload_bytes = sum(a.nbytes for a in storage_arrays.values()) + token_array.nbytes
+            if self.budget_bytes is not None and payload_bytes > self.budget_bytes:
+                self.stats.rejected_too_large += 1  # known too large before writing anything
+                return False
+
+            created = self._clock()
+            metadata = {
+                "prefixrun.format": FORMAT_VERSION,
+                "prefixrun.model_digest": key.model_digest,
+                "prefixrun.layout_digest": key.layout_digest,
+                "prefixrun.n_tokens": str(len(token_array)),
+                "prefixrun.created": repr(created),
+                "prefixrun.dtypes": json.dumps(dtype_names, sort_keys=True),
+                "prefixrun.meta": meta_json,
+            }
+            tensors = dict(storage_arrays)
+            tensors[TOKENS_TENSOR_NAME] = np.ascontiguousarray(token_array, dtype="<i4")
+            written = self._write_blob(entry_id, tensors, metadata)
+            if written is None:
+                return False
+            file_name, nbytes, content_sha256 = written
+            if self.budget_bytes is not None and nbytes > self.budget_bytes:
+                _unlink_quietly(self._path_of(file_name))  # header pushed it over
+                self.stats.rejected_too_large += 1
+                return False
+
+            new_row = (
+                entry_id, key.model_digest, key.layout_digest, len(token_array), file_name, nbytes,
+                content_sha256, 0, created, created, 0, meta_json, preview,
+            )
+            files_to_delete: list[str] = []
+            stored = True
+            with self._write_transaction() as db:
+                current = self._row(entry_id)
+                if current is not None and current.file_name != file_name:
+                    if _size_or_none(self._path_of(current.file_name)) == current.nbytes:
+                        # Another writer stored this key while we were writing: keep theirs, drop ours.
+                        files_to_delete.append(file_name)
+                        stored = (current.n_tokens, current.token_preview) == (len(token_array), preview)
+                        if stored:
+                            self._touch(db, entry_id, count_hit=False)
+                    else:
+                        files_to_delete.append(current.file_name)
+                        current = None
+                if current is None or current.file_name == file_name:
+                    db.execute(f"INSERT OR REPLACE INTO entries ({_ROW_COLUMNS}) VALUES ({', '.join('?' * 13)})", new_row)
+                    self._touch(db, entry_id, count_hit=False)
+                    if self.budget_bytes is not None:
+                        victims = self._evict_lru(db, self.budget_bytes, spare=entry_id)
+                        files_to_delete += [victim_name for victim_name, _ in victims]
+                        self.stats.evicted += len(victims)
+                        self.stats.evicted_bytes += sum(victim_bytes for _, victim_bytes in victims)
+            for name in files_to_delete:
+                _unlink_quietly(self._path_of(name))
+            if file_name not in files_to_delete:
+                self.stats.written += 1
+                self.stats.written_bytes += nbytes
+            elif not stored:
+                self.stats.collisions += 1
+            return stored
+
+    def _write_blob(self, entry_id: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]):
+        """Temp file -> fsync -> rename -> fsync dir. Returns (file_name, nbytes, sha256) or None on OSError."""
+        shard = self._blobs_dir / entry_id[:2]
+        temp = shard / f".{entry_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            shard.mkdir(parents=True, exist_ok=True)
+            safetensors.numpy.save_file(tensors, str(temp), metadata=metadata)
+            with open(temp, "rb+") as handle:
+                hasher = hashlib.sha256()
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    hasher.update(chunk)
+                nbytes = handle.tell()
+                handle.flush()
+                os.fsync(handle.fileno())
+            content_sha256 = hasher.hexdigest()
+            file_name = f"{entry_id}.{content_sha256[:16]}.safetensors"
+            os.replace(temp, shard / file_name)
+            _fsync_dir(shard)
+            return file_name, nbytes, content_sha256
+        except OSError as error:
+            _unlink_quietly(temp)
+            self.stats.write_errors += 1
+            log.warning("could not write checkpoint %s to %s: %s", entry_id, shard, error)
+            return None
+
+    def _evict_lru(
+        self, db: sqlite3.Connection, budget: int, *, spare: str = "", scope: str = "", scope_params: Sequence = ()
+    ) -> list[tuple[str, int]]:
+        """Delete least-recently-used rows (inside the caller's transaction) until the indexed total is within
+        `budget`. Never the row `spare`; only rows matching the SQL condition `scope` if given. Returns the
+        victims' (file name, nbytes), for the caller to unlink after commit."""
+        total = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+        victims: list[tuple[str, int]] = []
+        if total <= budget:
+            return victims
+        condition = "entry_id != ?" + (f" AND ({scope})" if scope else "")
+        candidates = db.execute(
+            f"SELECT entry_id, file_name, nbytes FROM entries WHERE {condition} ORDER BY use_order ASC",
+            (spare, *scope_params),
+        ).fetchall()
+        for entry_id, file_name, nbytes in candidates:
+            if total <= budget:
+                break
+            db.execute("DELETE FROM entries WHERE entry_id = ?", (entry_id,))
+            total -= nbytes
+            victims.append((file_name, nbytes))
+        return victims
+
+    # ---------------------------------------------------------------- listing and removal
+
+    def entries(self, model_digest: str | None = None) -> list[EntryInfo]:
+        """All indexed entries (optionally of one model), most recently used first."""
+        with self._lock:
+            if model_digest is None:
+                rows = self._rows(order="ORDER BY use_order DESC")
+            else:
+                rows = self._rows("WHERE model_digest = ?", (model_digest,), "ORDER BY use_order DESC")
+        return [
+            EntryInfo(
+                entry_id=r.entry_id,
+                model_digest=r.model_digest,
+                layout_digest=r.layout_digest,
+                n_tokens=r.n_tokens,
+                nbytes=r.nbytes,
+                hits=r.hits,
+                created=r.created,
+                last_used=r.last_used,
+                meta=json.loads(r.meta_json),
+                token_preview=tuple(json.loads(r.token_preview)),
+                path=self._path_of(r.file_name),
+            )
+            for r in rows
+        ]
+
+    def total_bytes(self) -> int:
+        """Sum of the indexed entries' file sizes."""
+        with self._lock:
+            return self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+
+    def remove(self, entry_ids: Iterable[str] | str) -> int:
+        """Remove entries by id; unknown ids are ignored. Returns how many were removed."""
+        ids = [entry_ids] if isinstance(entry_ids, str) else list(entry_ids)
+        removed = 0
+        with self._lock:
+            for start in range(0, len(ids), 500):  # stay under SQLite's bound-parameter limit
+                chunk = ids[start : start + 500]
+                removed += self._delete_where(f"WHERE entry_id IN ({', '.join('?' * len(chunk))})", chunk)
+        return removed
+
+    def prune(
+        self, *, older_than_s: float | None = None, model_digest: str | None = None, to_bytes: int | None = None
+    ) -> int:
+        """Remove entries; returns how many. `model_digest` limits the scope to one model (alone: all of its
+        entries); `older_than_s` removes those not used for that many seconds; `to_bytes` then evicts
+        least-recently-used entries in scope until the whole store is within that many bytes."""
+        if older_than_s is None and model_digest is None and to_bytes is None:
+            raise ValueError("prune needs at least one of older_than_s, model_digest, to_bytes (clear() removes all)")
+        if older_than_s is not None and (not isinstance(older_than_s, (int, float)) or older_than_s < 0):
+            raise ValueError(f"older_than_s must be a number >= 0, got {older_than_s!r}")
+        if to_bytes is not None and (isinstance(to_bytes, bool) or not isinstance(to_bytes, int) or to_bytes < 0):
+            raise ValueError(f"to_bytes must be an integer >= 0, got {to_bytes!r}")
+        scope, scope_params = ("model_digest = ?", (model_digest,)) if model_digest is not None else ("", ())
+        with self._lock:
+            removed = 0
+            if older_than_s is not None or to_bytes is None:
+                conditions, params = ([scope], list(scope_params)) if scope else ([], [])
+                if older_than_s is not None:
+                    conditions.append("last_used < ?")
+                    params.append(self._clock() - older_than_s)
+                removed += self._delete_where("WHERE " + " AND ".join(conditions), params)
+            if to_bytes is not None:
+                with self._write_transaction() as db:
+                    victims = self._evict_lru(db, to_bytes, scope=scope, scope_params=scope_params)
+                for file_name, _ in victims:
+                    _unlink_quietly(self._path_of(file_name))
+                removed += len(victims)
+            return removed
+
+    def clear(self) -> int:
+        """Remove every entry and everything in quarantine/. Returns how many entries were removed."""
+        with self._lock:
+            removed = self._delete_where("", ())
+            for leftover in self._quarantine_dir.iterdir():
+                _unlink_quietly(leftover)
+            return removed
+
+    def _delete_where(self, where: str, params: Sequence) -> int:
+        with self._write_transaction() as db:
+            doomed = db.execute(f"SELECT entry_id, file_name FROM entries {where}", params).fetchall()
+            db.executemany("DELETE FROM entries WHERE entry_id = ?", [(entry_id,) for entry_id, _ in doomed])
+        for _, file_name in doomed:
+            _unlink_quietly(self._path_of(file_name))
+        return len(doomed)
+
+    # ---------------------------------------------------------------- maintenance
+
+    def verify_all(self) -> list[CorruptEntry]:
+        """Fully verify every indexed entry; quarantine the bad ones and return them."""
+        bad: list[CorruptEntry] = []
+        with self._lock:
+            for row in self._rows(order="ORDER BY entry_id"):
+                try:
+                    self._read_verified(row)
+                except _BadEntry as problem:
+                    if self._quarantine_if_unchanged(row, problem.reason):
+                        bad.append(CorruptEntry(row.entry_id, problem.reason))
+        return bad
+
+    def sweep_orphans(self, *, grace_s: float = DEFAULT_ORPHAN_GRACE_S) -> SweepResult:
+        """Remove temp files of dead writers, blob files the index does not name, and drop rows whose file is
+        gone. A temp file whose writer is alive on this host is kept; files younger than `grace_s` that cannot
+        be attributed (other host's temps, unindexed blobs that a writer may be about to index) are kept too."""
+        result = SweepResult()
+        now = time.time()  # file mtimes are wall-clock, whatever clock the store was given
+        with self._lock:
+            indexed = {file_name for (file_name,) in self._db.execute("SELECT file_name FROM entries").fetchall()}
+            for shard in sorted(p for p in self._blobs_dir.iterdir() if p.is_dir()):
+                for path in sorted(shard.iterdir()):
+                    age = now - _mtime_or_zero(path)
+                    if path.name.endswith(".tmp"):
+                        if self._temp_writer_is_dead(path.name) or age > grace_s:
+                            if _unlink_quietly(path):
+                                result.removed_temp_files.append(path)
+                    elif path.name not in indexed and age > grace_s:
+                        if not self._is_indexed(path.name) and _unlink_quietly(path):
+                            result.removed_unindexed_files.append(path)
+            for row in self._rows():
+                if not self._path_of(row.file_name).exists():
+                    with self._write_transaction() as db:
+                        gone = db.execute(
+                            "DELETE FROM entries WHERE entry_id = ? AND file_name = ?", (row.entry_id, row.file_name)
+                        ).rowcount
+                    if gone:
+                        result.dropped_rows.append(row.entry_id)
+        return result
+
+    def _is_indexed(self, file_name: str) -> bool:
+        """Re-read the index right before deleting a file: a writer may have indexed it since the sweep began."""
+        return self._db.execute("SELECT 1 FROM entries WHERE file_name = ?", (file_name,)).fetchone() is not None
+
+    def _temp_writer_is_dead(self, temp_name: str) -> bool:
+        # .<entry_id>.<host>.<pid>.<random>.tmp
+        parts = temp_name.split(".")
+        if len(parts) != 6 or parts[2] != self._host_tag or not parts[3].isdigit():
+            return False  # not ours to judge; left to the age rule
+        pid = int(parts[3])
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False  # alive, someone else's
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# -------------------------------------------------------------------- input checks and file helpers
+
+
+def _check_store_key(key) -> None:
+    if not isinstance(key, StoreKey):
+        raise TypeError(f"key must be a StoreKey, got {type(key).__name__}")
+
+
+def _as_token_array(tokens: Sequence[int]) -> np.ndarray:
+    """Token ids as an int64 array, checked to fit the int32 stored on disk."""
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be a flat sequence of token ids, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+    array = array.astype(np.int64, copy=False)
+    if array.min() < 0 or array.max() > _INT32_MAX:
+        raise ValueError("token ids must be in [0, 2**31 - 1]")
+    return array
+
+
+def _storage_arrays(regions: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Regions -> (arrays as safetensors stores them: contiguous little-endian, bf16 as uint16; dtype names)."""
+    if not isinstance(regions, dict) or not regions:
+        raise ValueError("regions must be a non-empty dict of name -> numpy array")
+    storage: dict[str, np.ndarray] = {}
+    dtype_names: dict[str, str] = {}
+    for name, array in regions.items():
+        if not isinstance(name, str) or not name or name == TOKENS_TENSOR_NAME:
+            raise ValueError(f"region names must be non-empty strings other than {TOKENS_TENSOR_NAME!r}, got {name!r}")
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"region {name!r} must be a numpy array, got {type(array).__name__}")
+        dtype_name = "bfloat16" if array.dtype == _BFLOAT16 else array.dtype.name
+        if dtype_name not in _STORAGE_DTYPE_BY_NAME:
+            raise ValueError(f"region {name!r} has dtype {array.dtype}; the store takes {sorted(_STORAGE_DTYPE_BY_NAME)}")
+        # np.ascontiguousarray would turn a 0-d array into 1-d; np.require keeps the shape.
+        stored = np.require(array, requirements="C")
+        if dtype_name == "bfloat16":
+            stored = stored.view(np.uint16)
+        storage[name] = stored.astype(stored.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
+        dtype_names[name] = dtype_name
+    return storage, dtype_names
+
+
+def _sha256_of_file(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable. Not possible (nor needed) on Windows."""
+    if os.name != "posix":
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _size_or_none(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _mtime_or_zero(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _unlink_quietly(path: Path) -> bool:
+    """Delete a file another process may already have deleted. True if this call deleted it."""
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
