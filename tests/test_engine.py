@@ -1,0 +1,240 @@
+"""The prefix-planned engine: plan decisions, invariance of outputs to reuse/batching/order/budget, accounting,
+pool invariants, seeded sampling. CPU fp32, tiny Qwen3.5 (hybrid) and Qwen3 (dense) models."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import random_prompt
+from prefixrun.engine.checkpoints import CheckpointPool
+from prefixrun.engine.plan import build_trie, distinct_tokens, iter_nodes, summarize
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.state import ModelState
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.py"
+FAMILIES = ["qwen3_5", "qwen3"]
+
+
+def run_engine(model, ops, prompts, opts=EngineOptions(), sampling=None, order=None, ids=None):
+    eng = Engine(model, ops, options=opts)
+    reqs = [Request(ids[i] if ids else f"r{i}", p, (sampling or SamplingParams(max_tokens=5, temperature=0)), i)
+            for i, p in enumerate(prompts)]
+    if order is not None:
+        reqs = [reqs[i] for i in order]
+    results = {r.custom_id: r for r in eng.run(reqs)}
+    eng.check_invariants()
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live, "states leaked after the run"
+    assert eng.state.blocks.free_count == eng.state.blocks.num_blocks
+    assert eng.state.slots.free_count == eng.state.slots.num_slots
+    return results, eng.stats, eng.pool.stats
+
+
+def edge_prompts():
+    base = random_prompt(100, 45)
+    return [
+        base + random_prompt(101, 7),  # branch after a shared prefix at a non-block-aligned offset (45)
+        base + random_prompt(102, 12),
+        base[:20],  # whole prompt is a prefix of others
+        base,  # prefix of others, ending exactly at the branch point
+        base,  # exact duplicate
+        [5],  # single-token prompt
+        [5, 9, 11],  # shares just one token with the previous
+        [6] + base[:30],  # branch at offset 0/1 vs [5...]
+        [6] + base[:30] + [1],
+    ]
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------
+def test_trie_branches_at_exact_offsets_and_counts_distinct_tokens():
+    a = list(range(100, 150))
+    prompts = [a + [1, 2], a + [3], a[:17], a[:17], [7]]
+    root = build_trie(prompts)
+    ends = sorted(n.end for n in iter_nodes(root) if n is not root and n.consumers > 1)
+    assert ends == [17, 50]  # at the exact divergence offsets, not rounded to a block
+    assert distinct_tokens(root) == 50 + 2 + 1 + 1
+    summary = summarize(root, prompts)
+    assert summary.distinct_tokens == 54 and set(summary.branch_points) == {17, 50}
+    # the checkpoint at 17 is released when its only child forks, before the one at 50 is saved
+    assert summary.max_live_checkpoints == 1
+    dup = [n for n in iter_nodes(root) if len(n.requests) == 2][0]
+    assert dup.end == 17 and dup.requests == [2, 3]
+
+
+def test_no_share_trie_has_one_leaf_per_request():
+    root = build_trie([[1, 2], [1, 2], [1]], share=False)
+    assert len(root.children) == 3 and distinct_tokens(root) == 5
+
+
+def test_depth_first_live_checkpoints_bounded_by_depth():
+    rng = random.Random(0)
+    prompts = []
+    for a in range(4):
+        for b in range(4):
+            for c in range(4):
+                prompts.append([a] * 5 + [10 + b] * 5 + [20 + c] * 3 + [rng.randrange(500)])
+    s = summarize(build_trie(prompts), prompts)
+    assert s.max_live_checkpoints <= 3
+
+
+# ---- invariance ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edge_trees_identical_with_reuse_on_off_alone_batched_shuffled(family, loaded, cpu_ops):
+    model = loaded[family]
+    prompts = edge_prompts()
+    off, s_off, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False))
+    on, s_on, p_on = run_engine(model, cpu_ops, prompts)
+    assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
+    for i, p in enumerate(prompts):  # each request alone
+        alone, _, _ = run_engine(model, cpu_ops, [p])
+        assert alone["r0"].token_ids == off[f"r{i}"].token_ids
+    order = list(range(len(prompts)))
+    random.Random(3).shuffle(order)
+    for opts in (EngineOptions(max_batch=1), EngineOptions(max_batch=3, max_prefill_tokens=16),
+                 EngineOptions(max_batch=2, block_size=4)):
+        got, _, _ = run_engine(model, cpu_ops, prompts, opts, order=order)
+        assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in off.items()}
+    # with an ample budget every distinct prefix token is computed exactly once (duplicates cost nothing)
+    assert s_on.computed_prompt_tokens == distinct_tokens(build_trie(prompts)) == s_on.distinct_prefix_tokens
+    assert s_off.computed_prompt_tokens == sum(map(len, prompts))
+    assert p_on.saved >= 3 and p_on.restored >= 3
+    # usage: the duplicate reuses its whole prompt; accounting adds up
+    assert on["r4"].usage.cached_tokens == len(prompts[4])
+    assert sum(r.usage.prompt_tokens - r.usage.cached_tokens for r in on.values()) == s_on.computed_prompt_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_budget_still_identical_and_never_worse_than_no_reuse(family, loaded, cpu_ops):
+    model = loaded[family]
+    prompts = edge_prompts()
+    off, s_off, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False))
+    for budget in (0, 40_000, 120_000):
+        got, s, p = run_engine(model, cpu_ops, prompts, EngineOptions(checkpoint_budget_bytes=budget))
+        assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in off.items()}
+        assert s.distinct_prefix_tokens <= s.computed_prompt_tokens <= s_off.computed_prompt_tokens
+        if budget == 0:
+            assert p.skipped_over_budget > 0 and p.saved == 0
+        assert p.peak_bytes <= budget
+
+
+def bench_workload(shape: str, *args) -> list[dict]:
+    if not WORKLOADS.is_file():
+        pytest.skip("shared/bench/workloads.py is not beside the checkout")
+    out = subprocess.run([sys.executable, str(WORKLOADS), shape, "--vocab-limit", "500", "--gen", "3", *args],
+                         check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+SHAPES = {
+    "shared-system": ["--requests", "6", "--prefix", "70", "--suffix", "9"],
+    "doc-qa": ["--docs", "2", "--per-doc", "3", "--prefix", "66", "--suffix", "5"],
+    "fewshot-tree": ["--prefix", "20", "--docs", "2", "--per-doc", "3", "--shots", "30", "--suffix", "4"],
+    "multiturn": ["--requests", "2", "--turns", "3", "--prefix", "20", "--suffix", "6", "--reply", "8"],
+    "unique": ["--requests", "4", "--prefix", "20", "--suffix", "5"],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bench_workload_shapes(family, shape, loaded, cpu_ops):
+    lines = bench_workload(shape, *SHAPES[shape])
+    prompts = [l["prompt_token_ids"] for l in lines]
+    ids = [l["custom_id"] for l in lines]
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    off, s_off, _ = run_engine(loaded[family], cpu_ops, prompts, EngineOptions(reuse=False), sp, ids=ids)
+    on, s_on, _ = run_engine(loaded[family], cpu_ops, prompts, EngineOptions(max_batch=4), sp, ids=ids)
+    assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
+    assert s_on.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+    assert all(len(r.token_ids) == 3 for r in on.values())
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
+def test_seeded_sampling_same_alone_and_in_any_batch(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    prompts = edge_prompts()
+    sp = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=1234)
+    batch, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=4), sp)
+    shuffled, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=2, reuse=False), sp,
+                                order=[8, 2, 5, 0, 7, 1, 6, 3, 4])
+    for i, p in enumerate(prompts):
+        alone, _, _ = run_engine(model, cpu_ops, [p], sampling=sp, ids=[f"r{i}"])
+        assert alone[f"r{i}"].token_ids == batch[f"r{i}"].token_ids == shuffled[f"r{i}"].token_ids
+    assert len({tuple(r.token_ids) for r in batch.values()}) > 1
+
+
+def test_stop_token_ids_and_max_tokens(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    prompt = random_prompt(5, 30)
+    ref, _, _ = run_engine(model, cpu_ops, [prompt], sampling=SamplingParams(max_tokens=8, temperature=0))
+    toks = ref["r0"].token_ids
+    assert ref["r0"].finish_reason == "length" and len(toks) == 8
+    stop_at = toks[3]
+    got, _, _ = run_engine(model, cpu_ops, [prompt], sampling=SamplingParams(
+        max_tokens=8, temperature=0, stop_token_ids=(stop_at,)))
+    assert got["r0"].finish_reason == "stop" and got["r0"].token_ids == toks[:toks.index(stop_at) + 1]
+
+
+# ---- pools ------------------------------------------------------------------------------------------------------
+def test_block_refcounts_copy_on_write_and_invariants(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    st = ModelState(model.state_specs(), cpu_ops, num_slots=6, num_blocks=12, block_size=4)
+    a = st.new_sequence()
+    model.forward(st.prepare_step([a], [random_prompt(1, 10)]), st)  # 3 blocks, the last partial
+    ck = st.fork(a)
+    assert ck.blocks == a.blocks and all(st.blocks.refcount[b] == 2 for b in a.blocks)
+    st.check_invariants()
+    shared_last = a.blocks[-1]
+    model.forward(st.prepare_step([a], [[1]]), st)  # writes into the partial block: copied first
+    assert a.blocks[-1] != shared_last and ck.blocks[-1] == shared_last
+    assert st.blocks.refcount[shared_last] == 1
+    exported = st.export(ck)
+    restored = st.import_state(exported, ck.length)
+    for name, arr in st.export(restored).items():
+        np.testing.assert_array_equal(arr, exported[name])
+    with pytest.raises(Exception, match="layout mismatch"):
+        st.import_state({k: v for k, v in exported.items() if "recurrent" not in k}, ck.length)
+    with pytest.raises(Exception, match="layout mismatch"):
+        st.import_state(exported, ck.length + 1)  # wrong length: refused before anything is copied
+    st.check_invariants()
+    for h in (a, ck, restored):
+        st.release(h)
+    st.check_invariants()
+    assert st.blocks.free_count == 12 and st.slots.free_count == 6
+
+
+def test_checkpoint_pool_seed_semantics(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    st = ModelState(model.state_specs(), cpu_ops, num_slots=8, num_blocks=32, block_size=4)
+    prompt = random_prompt(9, 40)
+    handles = {}
+    for n in (8, 16, 24):
+        h = st.new_sequence()
+        model.forward(st.prepare_step([h], [prompt[:n]]), st)
+        handles[n] = h
+    one = st.handle_bytes(handles[24])
+    pool = CheckpointPool(st, budget_bytes=2 * one + 10)
+    for n in (8, 16):
+        assert pool.save(prompt[:n], handles[n], None, pins=0, retain=True) is not None
+    assert pool.lookup(prompt, 0, 40).length == 16  # longest match
+    assert pool.lookup(prompt, 0, 15).length == 8  # within (minimum, maximum]
+    assert pool.lookup(prompt, 8, 15) is None
+    assert pool.lookup([999] + prompt, 0, 40) is None  # must match the prompt
+    pool.lookup(prompt, 0, 8)  # touch 8: 16 becomes least recently used
+    assert pool.save(prompt[:24], handles[24], None, pins=0, retain=True) is not None
+    assert set(e.length for e in pool.entries.values()) == {8, 24} and pool.stats.evicted == 1
+    pool.check_invariants()
+    e8 = pool.lookup(prompt, 0, 8)
+    pool.invalidate(e8)
+    assert pool.lookup(prompt, 0, 8) is None
+    pool.clear()
+    pool.check_invariants()
+    st.check_invariants()
+    assert not st.live
