@@ -199,6 +199,31 @@ def inspect_cache(
     raise typer.Exit(code)
 
 
+@app.command()
+def bench(
+    workload: Annotated[Path, typer.Argument(help="workload JSONL with prompt_token_ids (shared/bench/workloads.py)")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="HF model directory")],
+    device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
+    dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda)")] = None,
+    max_batch: Annotated[int, typer.Option(help="sequences decoded together")] = 64,
+    no_reuse: Annotated[bool, typer.Option("--no-reuse", help="prefill every request from scratch")] = False,
+    compare_transformers: Annotated[bool, typer.Option(help="also time transformers on the same workload")] = False,
+    transformers_batch: Annotated[int, typer.Option(help="requests per transformers generate() call")] = 32,
+    repeat: Annotated[int, typer.Option(help="timed repetitions (the best is reported)")] = 1,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the figures as JSON here")] = None,
+):
+    """Time a workload: wall time, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM
+    roofline, and (optionally) the ratio to transformers on the same model directory."""
+    from prefixrun.cli.bench import run_bench
+
+    figures = run_bench(workload, model, device=device, dtype=dtype, max_batch=max_batch, reuse=not no_reuse,
+                        transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+
+
 def main():
     app()
 
