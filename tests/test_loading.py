@@ -1,0 +1,95 @@
+"""Model directories as users have them: composite Qwen3.5 layout, shards, dtypes, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import PARITY_STD, new_state, random_prompt
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.models import load_model
+
+
+def last_logits(model_dir, ops, prompt):
+    model, _ = load_model(model_dir, ops)
+    st = new_state(model, ops)
+    return model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("plain"), TINY_QWEN3_5, seed=11, init_std=PARITY_STD)
+
+
+def test_composite_layout_loads_the_text_model(plain_dir, tmp_path, cpu_ops):
+    comp = make_model_dir(tmp_path / "comp", TINY_QWEN3_5, seed=11, init_std=PARITY_STD, composite=True)
+    cfg = json.loads((comp / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5" and "text_config" in cfg
+    from prefixrun.engine.weights import CheckpointTensors
+
+    names = CheckpointTensors(comp).names()
+    assert any(n.startswith("model.language_model.") for n in names)
+    assert any(n.startswith("mtp.") for n in names) and any(n.startswith("model.visual.") for n in names)
+    prompt = random_prompt(4, 50)
+    np.testing.assert_array_equal(last_logits(comp, cpu_ops, prompt), last_logits(plain_dir, cpu_ops, prompt))
+
+
+def test_sharded_and_float32_checkpoints(plain_dir, tmp_path, cpu_ops):
+    sharded = make_model_dir(tmp_path / "sh", TINY_QWEN3_5, seed=11, init_std=PARITY_STD, shards=3)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompt = random_prompt(5, 30)
+    np.testing.assert_array_equal(last_logits(sharded, cpu_ops, prompt), last_logits(plain_dir, cpu_ops, prompt))
+    f32 = make_model_dir(tmp_path / "f32", TINY_QWEN3_5, seed=11, init_std=PARITY_STD, dtype="float32")
+    assert np.isfinite(last_logits(f32, cpu_ops, prompt)).all()
+
+
+def test_parity_of_composite_with_transformers(tmp_path, cpu_ops):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    comp = make_model_dir(tmp_path / "comp", TINY_QWEN3_5, seed=12, init_std=PARITY_STD, composite=True)
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(comp, dtype=torch.float64).eval()
+    except Exception as exc:  # the stand-in vision tower is not a loadable one for every version
+        pytest.skip(f"transformers cannot build the composite stand-in: {exc}")
+    prompt = random_prompt(6, 40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(last_logits(comp, cpu_ops, prompt), ref, atol=1e-4, rtol=0)
+
+
+def test_errors_name_the_file_and_tensor(plain_dir, tmp_path, cpu_ops):
+    import shutil
+
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path / "nowhere", cpu_ops)
+
+    bad = tmp_path / "arch"
+    shutil.copytree(plain_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["MambaForCausalLM"], "mamba"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load_model(bad, cpu_ops)
+
+    shape = tmp_path / "shape"
+    shutil.copytree(plain_dir, shape)
+    cfg = json.loads((shape / "config.json").read_text())
+    cfg["intermediate_size"] = 96  # the checkpoint holds 128-wide MLPs
+    (shape / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*mlp\.gate_proj\.weight.*expected"):
+        load_model(shape, cpu_ops)
+
+    missing = tmp_path / "missing"
+    shutil.copytree(plain_dir, missing)
+    (missing / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        load_model(missing, cpu_ops)
+
+    trunc = tmp_path / "trunc"
+    shutil.copytree(plain_dir, trunc)
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(trunc, cpu_ops)
