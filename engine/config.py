@@ -149,6 +149,28 @@ class HybridConfig(DecoderConfig):
         return 2 * self.linear_key_dim + self.linear_value_dim
 
 
+@dataclass(frozen=True)
+class SlidingWindowConfig(DecoderConfig):
+    """Gemma 3 text: sliding-window (local) layers and full (global) layers in a pattern, each with its own rotary
+    base; q/k RMSNorm, sandwich norms around attention and MLP, scaled embeddings, GELU-tanh MLP."""
+
+    sliding_window: int = 4096
+    rope_local: RopeConfig | None = None
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+
+    def __post_init__(self):
+        super().__post_init__()
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ModelLoadError(f"config.json: unsupported layer types {sorted(unknown)}")
+        if self.sliding_window < 1:
+            raise ModelLoadError("config.json: sliding_window must be >= 1")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise ModelLoadError(f"config.json: hidden_activation {self.hidden_activation!r} is not supported")
+
+
 # HF architecture name -> (family, config class). The family names the module in engine/models/.
 _ARCHITECTURES = {
     "Qwen3_5ForCausalLM": ("qwen3_5", HybridConfig),
@@ -156,9 +178,12 @@ _ARCHITECTURES = {
     "Qwen3NextForCausalLM": ("qwen3_5", HybridConfig),
     "Qwen3ForCausalLM": ("qwen3", DenseConfig),
     "LlamaForCausalLM": ("llama", DenseConfig),
+    "Gemma3ForCausalLM": ("gemma3", SlidingWindowConfig),
+    "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-                "qwen3_next": "Qwen3NextForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
@@ -202,6 +227,17 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     hidden = need("hidden_size")
     head_dim = text.get("head_dim") or hidden // num_heads
     rope_params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    local_params = None
+    if family == "gemma3":
+        # per layer type: {"full_attention": {...}, "sliding_attention": {...}}, or the older flat keys
+        if "full_attention" in rope_params or "sliding_attention" in rope_params:
+            local_params = dict(rope_params.get("sliding_attention") or {})
+            rope_params = dict(rope_params.get("full_attention") or {})
+        else:
+            rope_params = dict(text.get("rope_scaling") or {})
+            local_params = {}
+        rope_params.setdefault("rope_theta", text.get("rope_theta", 1_000_000.0))
+        local_params.setdefault("rope_theta", text.get("rope_local_base_freq", 10_000.0))
     theta = rope_params.get("rope_theta", text.get("rope_theta", 10000.0))
     partial = rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor",
                                                                  0.25 if family == "qwen3_5" else 1.0))
@@ -216,7 +252,10 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     num_layers = need("num_hidden_layers")
     layer_types = text.get("layer_types")
     if layer_types is None:
-        if family == "qwen3_5":
+        if family == "gemma3":
+            pattern = text.get("sliding_window_pattern", 6)
+            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+        elif family == "qwen3_5":
             interval = text.get("full_attention_interval", 4)
             layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
         else:
@@ -228,7 +267,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         num_kv_heads=text.get("num_key_value_heads") or num_heads, head_dim=head_dim,
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope=rope,
         max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)), layer_types=layer_types,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", family == "gemma3")), layer_types=layer_types,
         weight_prefix=weight_prefix, torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
         attention_bias=bool(text.get("attention_bias", False)),
         eos_token_ids=_as_id_tuple(text.get("eos_token_id")), bos_token_id=text.get("bos_token_id"),
@@ -237,6 +276,17 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         linear = {k: text[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                        "linear_value_head_dim", "linear_conv_kernel_dim") if k in text}
         return HybridConfig(**common, **linear)
+    if cls is SlidingWindowConfig:
+        if text.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
+        local = RopeConfig(theta=float(local_params["rope_theta"]), rotary_dim=head_dim,
+                           rope_type=local_params.get("rope_type", "default"),
+                           factor=float(local_params.get("factor", 1.0)))
+        return SlidingWindowConfig(
+            **common, sliding_window=int(text.get("sliding_window") or 4096), rope_local=local,
+            query_pre_attn_scalar=float(text.get("query_pre_attn_scalar", head_dim)),
+            final_logit_softcapping=text.get("final_logit_softcapping"),
+            hidden_activation=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh")
     return DenseConfig(**common, qk_norm=(family == "qwen3"))
 
 

@@ -38,6 +38,9 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     gated = cfg.family == "qwen3_5"
     for n, kind in enumerate(cfg.layer_types):
         lp = f"{p}layers.{n}."
+        if cfg.family == "gemma3":
+            shapes.update({lp + "pre_feedforward_layernorm.weight": (d,),
+                           lp + "post_feedforward_layernorm.weight": (d,)})
         shapes.update({lp + "input_layernorm.weight": (d,), lp + "post_attention_layernorm.weight": (d,),
                        lp + "mlp.gate_proj.weight": (i, d), lp + "mlp.up_proj.weight": (i, d),
                        lp + "mlp.down_proj.weight": (d, i)})
@@ -57,7 +60,7 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
             hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             shapes.update({a + "q_proj.weight": (hq * hd * (2 if gated else 1), d), a + "k_proj.weight": (hkv * hd, d),
                            a + "v_proj.weight": (hkv * hd, d), a + "o_proj.weight": (d, hq * hd)})
-            if cfg.family in ("qwen3_5", "qwen3"):
+            if cfg.family in ("qwen3_5", "qwen3", "gemma3"):
                 shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
             if cfg.attention_bias:
                 shapes.update({a + "q_proj.bias": (hq * hd * (2 if gated else 1),),
@@ -132,7 +135,7 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     shapes = tensor_shapes(config)
     rng = np.random.default_rng(seed)
     std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
-    zero_centered = parse_config(config).family == "qwen3_5"
+    zero_centered = parse_config(config).family in ("qwen3_5", "gemma3")
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
     tensors = {name: _init(name, shape, rng, std, zero_centered).astype(np_dtype) for name, shape in shapes.items()}
     if composite:  # stand-ins the text model must ignore

@@ -3,9 +3,11 @@
 Every layer declares its state as regions (see `RegionSpec`); the engine never asks what kind of layer owns one.
 Two region kinds exist, and each knows how to copy, share and export itself:
 
-- `SlotRegion`: one fixed-shape array per sequence (recurrent state [H, Dk, Dv], conv history [C, K-1], a
-  sliding-window ring). Lives in a pool array [num_slots, *shape]; forking copies the slot.
-- `PagedRegion`: one row per token (attention K or V [Hkv, D]). Lives in a pool [num_blocks, block_size, *shape];
+- slot regions: one fixed-shape array per sequence (recurrent state [H, Dk, Dv], conv history [C, K-1], a
+  sliding-window ring [W, Hkv, D]). Live in a pool array [num_slots, *shape]; forking copies the slot. A ring keeps
+  position p at row p % W; exported, it is rotated into position order, so a stored checkpoint does not depend on
+  where the ring happened to wrap.
+- paged regions: one row per token (attention K or V [Hkv, D]). Lives in a pool [num_blocks, block_size, *shape];
   blocks are refcounted and shared between a checkpoint and every sequence forked from it; a shared partial last
   block is copied before it is written (copy on write).
 
@@ -43,6 +45,23 @@ class RegionSpec:
     paged: bool  # True: one row per token in refcounted blocks; False: one fixed array per sequence
     shape: tuple[int, ...]  # per token (paged) or per sequence (slot)
     dtype: str  # "float32", or "act" for the backend's storage dtype (bf16 on CUDA, fp32 on CPU)
+    ring: bool = False  # a slot region whose rows are a ring over positions (row = position % shape[0])
+
+    def to_position_order(self, rows: np.ndarray, length: int) -> np.ndarray:
+        """A ring's rows rotated so row i holds position length - W + i (rows before position 0 stay zero)."""
+        if not self.ring:
+            return rows
+        w = rows.shape[0]
+        return rows[(np.arange(length - w, length)) % w] * (np.arange(length - w, length) >= 0).reshape(
+            (w,) + (1,) * (rows.ndim - 1)).astype(rows.dtype)
+
+    def from_position_order(self, rows: np.ndarray, length: int) -> np.ndarray:
+        if not self.ring:
+            return rows
+        w = rows.shape[0]
+        out = np.zeros_like(rows)
+        out[np.arange(length - w, length) % w] = rows
+        return out
 
 
 @dataclass
@@ -286,7 +305,7 @@ class ModelState:
                 rows = arr[h.blocks].reshape((-1,) + tuple(s.shape))[:h.length] if h.blocks else arr[:0, 0]
                 out[s.name] = self.ops.to_host(rows).copy()
             else:
-                out[s.name] = self.ops.to_host(arr[h.slot]).copy()
+                out[s.name] = s.to_position_order(self.ops.to_host(arr[h.slot]).copy(), h.length)
         return out
 
     def validate_import(self, regions: dict[str, np.ndarray], length: int):
@@ -319,7 +338,7 @@ class ModelState:
                 for i, b in enumerate(h.blocks):
                     arr[b] = self.ops.upload(padded[i * self.block_size:(i + 1) * self.block_size], dtype)
             else:
-                arr[h.slot] = self.ops.upload(regions[s.name], dtype)
+                arr[h.slot] = self.ops.upload(s.from_position_order(np.asarray(regions[s.name]), length), dtype)
         return h
 
     # ---- contract -----------------------------------------------------------------------------------------

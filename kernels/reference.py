@@ -69,6 +69,21 @@ class NumpyOps:
         g, u = gate_up[..., :i], gate_up[..., i:]
         return g / (1.0 + np.exp(-g)) * u
 
+    def gelu_tanh_mul(self, gate_up):
+        """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU, tanh approximation as HF)"""
+        i = gate_up.shape[-1] // 2
+        g, u = gate_up[..., :i].astype(np.float32), gate_up[..., i:]
+        gelu = 0.5 * g * (1.0 + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)))
+        return (gelu * u).astype(self.act_dtype)
+
+    def scale(self, x, factor):
+        """x * factor (factor given in the storage dtype's precision by the caller)"""
+        return (x * factor).astype(self.act_dtype)
+
+    def softcap(self, x, cap):
+        """cap * tanh(x / cap) (final logit soft-capping)"""
+        return (np.tanh(x / cap) * cap).astype(x.dtype)
+
     def add(self, a, b):
         return a + b
 
@@ -204,6 +219,43 @@ class NumpyOps:
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
             out[s:e] = (p @ vv).transpose(1, 0, 2)
+        return out.astype(self.act_dtype)
+
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale):
+        """Sliding-window causal attention whose past K/V live in per-sequence rings, then the ring update.
+
+        q [T, Hq, D]; k, v [T, Hkv, D] (the new rows); k_ring/v_ring [num_slots, W, Hkv, D] hold position p at
+        row p % W for the W positions before the step. A query at position p sees keys in (p - W, p]. After the
+        attention the new rows are written into the rings (the last W of them). Returns [T, Hq, D].
+        """
+        w = k_ring.shape[1]
+        hq, hkv = q.shape[1], k.shape[1]
+        rep = hq // hkv
+        out = np.empty(q.shape, np.float32)
+        for b in range(len(slots)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            if e == s:
+                continue
+            ctx = int(context_lens[b])
+            start = ctx - (e - s)
+            prev = np.arange(max(0, start - w + 1), start)  # the ring rows a new query can still see
+            slot = slots[b]
+            kk = np.concatenate([k_ring[slot][prev % w], k[s:e]]).astype(np.float32)  # [P + n, Hkv, D]
+            vv = np.concatenate([v_ring[slot][prev % w], v[s:e]]).astype(np.float32)
+            kpos = np.concatenate([prev, np.arange(start, ctx)])[None, :]
+            qpos = np.arange(start, ctx)[:, None]
+            visible = (kpos <= qpos) & (kpos > qpos - w)
+            kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [Hq, D, P + n]
+            vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [Hq, P + n, D]
+            scores = (q[s:e].astype(np.float32).transpose(1, 0, 2) @ kk) * scale
+            scores = np.where(visible[None], scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[s:e] = (p @ vv).transpose(1, 0, 2)
+            keep = np.arange(max(start, ctx - w), ctx)  # the new positions the ring keeps
+            k_ring[slot][keep % w] = k[s + keep - start]
+            v_ring[slot][keep % w] = v[s + keep - start]
         return out.astype(self.act_dtype)
 
     # ---- state copies -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from prefixrun.engine.config import DecoderConfig, load_config
 from prefixrun.engine.models.layers import CausalLM, WeightLoader
 from prefixrun.engine.weights import CheckpointTensors
 
-_FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama"}
+_FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3"}
 
 
 def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops) -> CausalLM:

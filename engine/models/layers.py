@@ -44,15 +44,17 @@ class RMSNorm:
 
 
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)); gate and up are one stacked GEMM."""
+    """down(act(gate(x)) * up(x)); gate and up are one stacked GEMM. act: SiLU (SwiGLU) or GELU-tanh (GeGLU)."""
 
-    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str):
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str, activation: str = "silu"):
         d, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_up = load.stacked([prefix + "gate_proj.weight", prefix + "up_proj.weight"], [(i, d), (i, d)])
         self.down = load.matrix(prefix + "down_proj.weight", (d, i))
+        self.gelu = activation != "silu"
 
     def __call__(self, ops, x):
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down)  # [T, D]
+        h = ops.linear(x, self.gate_up)  # [T, 2I]
+        return ops.linear(ops.gelu_tanh_mul(h) if self.gelu else ops.silu_mul(h), self.down)  # [T, D]
 
 
 class Attention:
@@ -60,12 +62,10 @@ class Attention:
     and Qwen3.5's sigmoid output gate (q_proj then yields [query, gate] interleaved per head)."""
 
     def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str, layer: int, *, qk_norm: bool,
-                 output_gate: bool, zero_centered_norm: bool, sliding_window: int | None = None,
-                 rope_inv_freq=None):
+                 output_gate: bool, zero_centered_norm: bool, rope=None, scale: float | None = None):
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hq, self.hkv, self.hd = hq, hkv, hd
         self.output_gate = output_gate
-        self.sliding_window = sliding_window
         q_rows = hq * hd * (2 if output_gate else 1)
         self.qkv = load.stacked([prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"],
                                 [(q_rows, d), (hkv * hd, d), (hkv * hd, d)])
@@ -80,9 +80,8 @@ class Attention:
         if qk_norm:
             self.q_norm = RMSNorm(load, prefix + "q_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm)
             self.k_norm = RMSNorm(load, prefix + "k_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm)
-        self.inv_freq = rope_inv_freq if rope_inv_freq is not None else load.ops.upload(
-            np.array(cfg.rope.inverse_frequencies(), np.float32), np.float32)
-        self.scale = hd ** -0.5
+        self.inv_freq = load.ops.upload(np.array((rope or cfg.rope).inverse_frequencies(), np.float32), np.float32)
+        self.scale = scale if scale is not None else hd ** -0.5
         self.k_region = f"layers.{layer}.k"
         self.v_region = f"layers.{layer}.v"
 
@@ -108,13 +107,35 @@ class Attention:
             q, k = self.q_norm(ops, q), self.k_norm(ops, k)
         q = ops.rotary(q, batch.positions, self.inv_freq)  # [T, Hq, hd]
         k = ops.rotary(k, batch.positions, self.inv_freq)  # [T, Hkv, hd]
-        k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
-        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
-        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
-                                self.scale, self.sliding_window).reshape(t, self.hq * self.hd)
+        o = self.attend(ops, q, k, v, batch, state).reshape(t, self.hq * self.hd)
         if gate is not None:
             o = o * ops.sigmoid(gate)
         return ops.linear(o, self.o_proj)  # [T, D]
+
+    def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
+        """Store the new K/V rows in the shared paged cache, then attend over the whole prefix. [T, Hq, hd]"""
+        k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
+        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
+        return ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
+                                   self.scale)
+
+
+class SlidingWindowAttention(Attention):
+    """Attention over the last `window` positions only. Its K/V state is a ring of `window` rows per sequence
+    (memory independent of prompt length), copied whole on fork like a recurrent state."""
+
+    def __init__(self, *args, window: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+    def state_specs(self) -> list[RegionSpec]:
+        shape = (self.window, self.hkv, self.hd)
+        return [RegionSpec(self.k_region, False, shape, "act", ring=True),
+                RegionSpec(self.v_region, False, shape, "act", ring=True)]
+
+    def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
+        return ops.ring_attention(q, k, v, state.arrays[self.k_region], state.arrays[self.v_region], batch.slots,
+                                  batch.cu_seqlens, batch.context_lens, self.scale)
 
 
 class GatedDeltaNet:
@@ -167,24 +188,36 @@ class GatedDeltaNet:
 
 
 class DecoderLayer:
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)). Gemma adds sandwich norms on the
+    mixer's and the MLP's outputs (`mixer_out_norm`, `mlp_out_norm`)."""
 
-    def __init__(self, mixer, mlp, input_norm: RMSNorm, post_norm: RMSNorm):
+    def __init__(self, mixer, mlp, input_norm: RMSNorm, post_norm: RMSNorm, mixer_out_norm: RMSNorm | None = None,
+                 mlp_out_norm: RMSNorm | None = None):
         self.mixer, self.mlp, self.input_norm, self.post_norm = mixer, mlp, input_norm, post_norm
+        self.mixer_out_norm, self.mlp_out_norm = mixer_out_norm, mlp_out_norm
 
     def state_specs(self) -> list[RegionSpec]:
         return self.mixer.state_specs()
 
     def __call__(self, ops, x, batch, state):
-        x = ops.add(x, self.mixer(ops, self.input_norm(ops, x), batch, state))
-        return ops.add(x, self.mlp(ops, self.post_norm(ops, x)))
+        h = self.mixer(ops, self.input_norm(ops, x), batch, state)
+        if self.mixer_out_norm is not None:
+            h = self.mixer_out_norm(ops, h)
+        x = ops.add(x, h)
+        h = self.mlp(ops, self.post_norm(ops, x))
+        if self.mlp_out_norm is not None:
+            h = self.mlp_out_norm(ops, h)
+        return ops.add(x, h)
 
 
 class CausalLM:
     """Embedding -> decoder layers -> final norm -> LM head; the families differ only in how they build layers."""
 
-    def __init__(self, cfg: DecoderConfig, load: WeightLoader, layers: list, final_norm: RMSNorm):
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, layers: list, final_norm: RMSNorm, *,
+                 embed_scale: float | None = None, logit_softcap: float | None = None):
         self.cfg = cfg
+        self.embed_scale = embed_scale  # Gemma multiplies embeddings by sqrt(hidden), rounded to the storage dtype
+        self.logit_softcap = logit_softcap
         self.ops = load.ops
         p = cfg.weight_prefix
         self.embed_tokens = load.matrix(p + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
@@ -199,7 +232,10 @@ class CausalLM:
         return [s for layer in self.layers for s in layer.state_specs()]
 
     def embed(self, token_ids):
-        return self.ops.embed(self.embed_tokens, token_ids)  # [T, D]
+        x = self.ops.embed(self.embed_tokens, token_ids)  # [T, D]
+        if self.embed_scale is not None:
+            x = self.ops.scale(x, np.asarray(self.embed_scale, dtype=self.ops.act_dtype))
+        return x
 
     def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False):
         """Run the step; returns fp32 logits [B, V] of each sequence's last new token ([T, V] if all_logits)."""
@@ -210,4 +246,7 @@ class CausalLM:
         if not all_logits:
             x = x[batch.last_token_index]
         x = self.final_norm(ops, x)
-        return ops.logits(x, self.lm_head)
+        logits = ops.logits(x, self.lm_head)
+        if self.logit_softcap is not None:
+            logits = ops.softcap(logits, self.logit_softcap)
+        return logits
