@@ -78,6 +78,17 @@ class CheckpointPool:
     def evictable_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values() if e.pins == 0)
 
+    def evict_for_state(self, free_blocks_needed: int, free_slots_needed: int) -> bool:
+        """Evict least recently used unpinned entries until the state pools have the given room (memory
+        pressure from running sequences, not from the budget). True when the room exists afterwards."""
+        st = self.state
+        victims = sorted((e for e in self.entries.values() if e.pins == 0), key=lambda e: e.last_used)
+        for victim in victims:
+            if st.blocks.free_count >= free_blocks_needed and st.slots.free_count >= free_slots_needed:
+                break
+            self._drop(victim, evicted=True)
+        return st.blocks.free_count >= free_blocks_needed and st.slots.free_count >= free_slots_needed
+
     # ---- mutation -----------------------------------------------------------------------------------------
     def slot_for_write(self, tokens: tuple[int, ...], nbytes: int) -> CheckpointEntry | bool:
         """Room for an entry of `nbytes` under key `tokens`: the existing entry for that key, True when room was

@@ -256,6 +256,14 @@ class _Window:
 
     def _prefill_group(self, group: list[_WorkItem]):
         e = self.e
+        # under memory pressure, retained checkpoints give way before anything fails
+        st = e.state
+        need_blocks = sum(st.blocks_for(item.node.end) + 1 for item in group) + self._decode_growth()
+        if not e.pool.evict_for_state(need_blocks, len(group) + 1):
+            if not self.decoding and st.blocks.free_count < sum(st.blocks_for(i.node.end) + 1 for i in group):
+                raise OutOfStateMemory(
+                    f"a prompt of {group[0].node.end} tokens does not fit the state memory "
+                    f"({st.blocks.free_count} of {st.blocks.num_blocks} K/V blocks free); raise --state-memory")
         handles, todos, logits = [], [], []
         for item in group:
             h, todo, lg = self._start_state(item)
