@@ -5,6 +5,7 @@ Exit codes: see prefixrun.cli.io (0 all lines succeeded, 3 some lines failed, 2 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -21,8 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Offline batch inference that never prefills the same prefix twice.")
 
 
-def _parse_bytes(text: str | None, what: str, fraction_of: int | None = None) -> int | None:
-    """'512MiB', '2GB', '1e9', '0.25' (a fraction of `fraction_of`) -> bytes."""
+def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False) -> int | float | None:
+    """'512MiB', '2GB', '1e9' -> bytes; with allow_fraction, '0.25' -> the float 0.25, for the caller to scale."""
     if text is None:
         return None
     s = text.strip().lower().replace(" ", "")
@@ -41,10 +42,32 @@ def _parse_bytes(text: str | None, what: str, fraction_of: int | None = None) ->
     if value < 0:
         raise typer.BadParameter(f"{what} must not be negative")
     if factor == 1 and 0 < value < 1:
-        if fraction_of is None:
+        if not allow_fraction:
             raise typer.BadParameter(f"{what}: a fraction is not allowed here")
-        return int(value * fraction_of)
+        return value  # the total it is a fraction of is only known later (state memory depends on the device)
     return int(value * factor)
+
+
+class _LogToReporter(logging.Handler):
+    """Engine warnings (e.g. a cache entry that failed verification) go through the reporter: one 'warning:' line
+    each, and none with --quiet. Without a handler, logging's last resort would print them raw even then."""
+
+    def __init__(self, reporter: RunReporter):
+        super().__init__(logging.WARNING)
+        self.reporter = reporter
+
+    def emit(self, record: logging.LogRecord):
+        try:
+            (self.reporter.error if record.levelno >= logging.ERROR else self.reporter.warn)(record.getMessage())
+        except Exception:  # a log line must never break the run
+            self.handleError(record)
+
+
+def _route_engine_logs(reporter: RunReporter):
+    """Install the handler on the prefixrun logger; returns the function that removes it."""
+    handler, logger = _LogToReporter(reporter), logging.getLogger("prefixrun")
+    logger.addHandler(handler)
+    return lambda: logger.removeHandler(handler)
 
 
 def _cache_root(cache_dir: Optional[Path]) -> Path:
@@ -55,6 +78,7 @@ def _cache_root(cache_dir: Optional[Path]) -> Path:
 
 @app.command()
 def batch(
+    ctx: typer.Context,
     input: Annotated[str, typer.Argument(help="JSONL file of requests, or - for stdin")] = "-",
     model: Annotated[Optional[Path], typer.Option("--model", "-m", help="HF model directory (default: the "
                                                   "embedded random-weight demo model)")] = None,
@@ -88,6 +112,7 @@ def batch(
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
+    ctx.call_on_close(_route_engine_logs(reporter))
     try:
         defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, ignore_eos=ignore_eos)
@@ -97,12 +122,14 @@ def batch(
         for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
             if v < 1:
                 raise typer.BadParameter(f"{name} must be at least 1")
-        budget = _parse_bytes(checkpoint_budget, "--checkpoint-budget", fraction_of=1)
+        budget = _parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True)
         state_bytes = _parse_bytes(state_memory, "--state-memory")
         disk_budget = _parse_bytes(cache_budget, "--cache-budget")
         source = sys.stdin.buffer if input == "-" else None
         if source is None and not Path(input).is_file():
             raise typer.BadParameter(f"input file {input!r} does not exist")
+        if source is None and output is not None and output.exists() and output.resolve() == Path(input).resolve():
+            raise typer.BadParameter("-o names the input file; writing there would destroy the input")
     except (typer.BadParameter, InvalidRequest) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
@@ -114,13 +141,13 @@ def batch(
                        checkpoint_budget=budget, state_memory=state_bytes, reuse=not no_reuse,
                        use_cache=not no_cache, cache_budget=disk_budget, reporter=reporter,
                        sampling_overrides=defaults_cli)
-    except (ModelLoadError, ValueError, RuntimeError) as exc:
+    except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     with ExitStack() as stack:
         done_ids: set[str] = set()
         if output is not None:
-            if resume:
+            if resume and output.exists():  # a missing file is a fresh run: nothing to resume from yet
                 io.truncate_partial_last_line(output)
                 try:
                     done_ids = io.read_completed_ids(output)

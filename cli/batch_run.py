@@ -5,6 +5,7 @@ become error records in their place and never stop the batch.
 """
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -37,17 +38,25 @@ class BatchRun:
         elif checkpoint_budget < 1 and checkpoint_budget > 0:
             checkpoint_budget = int(state_bytes * checkpoint_budget)
         self.store = None
-        persist = None
+        self.persist = persist = None
         if use_cache and reuse:
             from prefixrun.engine.persist import PersistentCheckpoints
             from prefixrun.engine.store import CheckpointStore
 
             self.store = CheckpointStore(cache_root / "checkpoints", cache_budget)
+            if cache_budget is not None:
+                # The store only evicts when it writes; a cache filled under a larger budget (or a run that
+                # writes nothing, every entry being over budget) would otherwise stay over this run's budget.
+                try:
+                    self.store.prune(to_bytes=cache_budget)
+                except sqlite3.Error as exc:  # best effort: the next write evicts anyway
+                    reporter.warn(f"could not shrink the cache to --cache-budget: {exc}")
             from prefixrun.engine.state import layout_digest
 
-            persist = PersistentCheckpoints(self.store, self.loaded.weights_digest(),
+            persist = PersistentCheckpoints(self.store, self.loaded.weights_digest(cache_root / "digests"),
                                             layout_digest(self.loaded.model.state_specs(), self.loaded.ops),
                                             self.loaded.ops)
+            self.persist = persist
         opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
                              reuse=reuse)
@@ -107,7 +116,10 @@ class BatchRun:
         self.engine.close()
         self.engine.check_invariants()
         writer.close()
-        return self._report(time.perf_counter() - started)
+        report = self._report(time.perf_counter() - started)
+        if self.store is not None:
+            self.store.close()
+        return report
 
     def _error(self, writer, err: io.LineError):
         self.failed += 1
@@ -144,11 +156,17 @@ class BatchRun:
         }
         if self.store is not None:
             st = self.store.stats
-            report["cache"] = {"dir": str(self.store.root), "entries": len(self.store.entries()),
-                               "bytes": self.store.total_bytes(), "budget_bytes": self.store.budget_bytes,
+            try:
+                entries, total = len(self.store.entries()), self.store.total_bytes()
+            except sqlite3.Error:  # the store failed during the run (persist.store_error says how)
+                entries = total = None
+            report["cache"] = {"dir": str(self.store.root), "entries": entries,
+                               "bytes": total, "budget_bytes": self.store.budget_bytes,
                                "hits": st.hits, "misses": st.misses, "written": st.written,
                                "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
                                "rejected_too_large": st.rejected_too_large}
+            if self.persist is not None and self.persist.store_error is not None:
+                report["cache"]["error"] = f"{type(self.persist.store_error).__name__}: {self.persist.store_error}"
         return report
 
 

@@ -90,6 +90,13 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
         if verify:
             bad = store.verify_all()
             console.print(f"verified {len(entries)} entries: {len(bad)} bad, moved aside")
+            # Files a killed run left behind (temp files of dead writers, unindexed blobs) are never read, but
+            # they take disk space outside the budget; nothing else removes them.
+            swept = store.sweep_orphans()
+            n_files = len(swept.removed_temp_files) + len(swept.removed_unindexed_files)
+            if n_files or swept.dropped_rows:
+                console.print(f"removed {n_files} leftover files of interrupted writes, "
+                              f"{len(swept.dropped_rows)} entries whose file was gone")
             entries = store.entries()
         total = store.total_bytes()
         if as_json:

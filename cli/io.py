@@ -94,8 +94,9 @@ Exit codes
 code  name                meaning
 ====  ==================  ==========================================================================
 0     EXIT_OK             every line was processed and produced a result
-1     EXIT_FAILURE        the run was aborted (model could not load, out of memory, interrupted, ...)
-2     EXIT_USAGE          bad command-line options or an unreadable input file; nothing was run
+1     EXIT_FAILURE        the run was aborted (out of memory, interrupted, ...); finished results were kept
+2     EXIT_USAGE          bad command-line options, an unreadable input file or an unusable model
+                          directory; nothing was run
 3     EXIT_SOME_FAILED    some lines produced error records; every other line was processed
 ====  ==================  ==========================================================================
 """

@@ -50,11 +50,12 @@ class RunReporter:
             self._progress.update(self._task, total=total)
 
     def error(self, message: str):
-        self.console.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+        # soft_wrap: one line per message, never broken at the console width (logs are grepped)
+        self.console.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
 
     def warn(self, message: str):
         if not self.quiet:
-            self.console.print(f"[yellow]warning:[/yellow] {message}")
+            self.console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
 
     def stop(self):
         if self._progress is not None:
@@ -85,9 +86,13 @@ class RunReporter:
                   f" / {human_bytes(report['peak_checkpoint_bytes'])}")
         cache = report.get("cache")
         if cache:
-            t.add_row("disk cache", f"{cache['entries']:,} entries, {human_bytes(cache['bytes'])}"
+            size = (f"{cache['entries']:,} entries, {human_bytes(cache['bytes'])}" if cache["entries"] is not None
+                    else "size unknown")
+            t.add_row("disk cache", f"{size}"
                       f"{' of ' + human_bytes(cache['budget_bytes']) if cache.get('budget_bytes') else ''}; "
                       f"{cache['hits']} hits, {cache['written']} written, {cache['corrupt']} bad entries moved aside")
+            if cache.get("error"):
+                t.add_row("disk cache error", f"{cache['error']} (the run went on without the cache)")
         t.add_row("prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s")
         t.add_row("decode", f"{report['decode_tokens_per_second']:,.0f} tok/s "
                   f"({report['completion_tokens']:,} tokens)")

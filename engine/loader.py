@@ -26,8 +26,9 @@ class LoadedModel:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.defaults.eos_token_ids
 
-    def weights_digest(self) -> str:
-        return self.tensors.digest()
+    def weights_digest(self, memo_dir: Path | None = None) -> str:
+        """Content digest of the weights, remembered under `memo_dir` (the cache) so it is computed once."""
+        return self.tensors.digest(memo_dir)
 
 
 def load(model_dir: Path, device: str = "auto", dtype: str | None = None) -> LoadedModel:

@@ -120,7 +120,7 @@ class CheckpointTensors:
             raise ModelLoadError(f"{f.path}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
         return arr
 
-    def digest(self) -> str:
+    def digest(self, memo_dir: Path | None = None) -> str:
         """SHA-256 over the tensor contents (not the file names), so a renamed copy of a model is the same model.
 
         Hashing gigabytes takes seconds, so the result is remembered next to the files' identity
@@ -128,7 +128,7 @@ class CheckpointTensors:
         """
         ident = json.dumps([(str(f.path.resolve()), f.path.stat().st_size, f.path.stat().st_mtime_ns)
                             for f in self.files])
-        memo_dir = _memo_dir()
+        memo_dir = Path(memo_dir) if memo_dir is not None else _memo_dir()
         memo = memo_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".digest")
         try:
             return memo.read_text().strip()
