@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU benchmark behind docs/PERFORMANCE.md, run on the device machine from the repository root:
+#   needs ./.bench-shared (a copy of shared/bench) and ./.whl (flash-linear-attention wheels for the transformers
+#   baseline), both carried; writes figures to $OUT (or ./bench-out).
+set -uo pipefail
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PREFIXRUN_CACHE_DIR=/tmp/prefixrun-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+MODELS=${MODELS:-"qwen3_5-0.8b-like qwen3_5-4b-like"}
+W=.bench-shared/workloads.py
+python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/shared-system.jsonl
+python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/doc-qa.jsonl
+for m in $MODELS; do
+  prefixrun make-model /tmp/$m --config .bench-shared/models/$m.json --seed 0 || exit 1
+  for w in shared-system doc-qa; do
+    prefixrun bench /tmp/$w.jsonl --model /tmp/$m --device cuda ${BENCH_FLAGS:-} --json "$OUT/$m-$w.json" \
+      2>&1 | tail -40
+  done
+done
