@@ -1,0 +1,314 @@
+// Paged causal attention for varlen prefill and decode in one kernel family (online softmax, GQA, sliding window).
+//
+// attn_mma_kernel (bf16, head_dim a multiple of 16 up to 256): a block owns one KV head of one sequence and a tile
+// of 16 * NW query rows, where the rows of a (sequence, KV head) are its new tokens x the query heads sharing that KV
+// head (row r = token r / rep, head kv * rep + r % rep). So decode (one token, rep rows) and prefill use the same
+// kernel and K/V are read once per GQA group. Each of the NW warps owns 16 rows; QK^T and PV run on tensor cores
+// (mma.sync m16n8k16 bf16, fp32 accumulate); K/V tiles are gathered through the block table with cp.async (the
+// load of V overlaps QK^T, the load of the next K overlaps PV; row addresses are computed once per tile).
+// attn_scalar_kernel: one warp per (token, query head), fp32 math; the float32 backend and odd head dims use it.
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Element offsets of the cached rows of positions kt .. kt+BN-1 (sequence table, KV head h); -1 past ctx.
+template <int D, int BN>
+__device__ __forceinline__ void tile_offsets(i64* off, const int* __restrict__ table, int kt, int ctx, int block_size,
+                                             int hkv, int h) {
+    for (int row = threadIdx.x; row < BN; row += blockDim.x) {
+        const int kp = kt + row;
+        off[row] = kp < ctx ? (((i64)table[kp / block_size] * block_size + kp % block_size) * hkv + h) * D : -1;
+    }
+}
+
+// Gather one tile of BN cached rows into shared memory (rows past ctx are zero-filled).
+template <int D, int BN, int NT>
+__device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* __restrict__ cache, const i64* off) {
+    constexpr int LDS = D + 8;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    for (int idx = threadIdx.x; idx < BN * CH; idx += NT) {
+        const int row = idx / CH, c8 = idx % CH;
+        const i64 o = off[row];
+        cp_async16(dst + row * LDS + c8 * 8, o >= 0 ? cache + o + c8 * 8 : cache, o >= 0 ? 16 : 0);
+    }
+}
+
+// NW warps, 16 query rows each (BM = 16 * NW rows per block); BN keys per K/V tile.
+template <int D, int BN, int NW>
+__global__ void __launch_bounds__(NW * 32)
+attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
+                const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
+                int block_size, float scale_log2, int window, bf16* __restrict__ out) {
+    constexpr int BM = 16 * NW;
+    constexpr int NTH = 32 * NW;
+    constexpr int LDS = D + 8;
+    constexpr int NT = BN / 8;   // key n-tiles in S
+    constexpr int DT = D / 8;    // dim n-tiles in O
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+    bf16* sK = sQ + BM * LDS;
+    bf16* sV = sK + BN * LDS;
+    __shared__ int s_seq, s_tile;
+    __shared__ i64 s_off[2][BN];
+
+    const int h = blockIdx.y;
+    const int rep = hq / hkv;
+    if (threadIdx.x < 32) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, rep, BM, blockIdx.x, seq, tile)) seq = -1;
+        if (threadIdx.x == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    const int seq = s_seq;
+    if (seq < 0) return;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int ctx = context_lens[seq];
+    const int r0 = s_tile * BM;
+    const int r1 = min(r0 + BM, n * rep);
+    const int qpos0 = ctx - n;
+    const int* table = block_tables + (i64)seq * max_blocks;
+
+    // Q tile -> shared (zeros for rows past r1)
+    for (int idx = threadIdx.x; idx < BM * DT; idx += NTH) {
+        const int row = idx / DT, c8 = idx % DT;
+        const int r = r0 + row;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < r1)
+            val = *reinterpret_cast<const uint4*>(q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh +
+                                                  c8 * 8);
+        *reinterpret_cast<uint4*>(sQ + row * LDS + c8 * 8) = val;
+    }
+
+    const int qp_lo = qpos0 + r0 / rep, qp_hi = qpos0 + (r1 - 1) / rep;
+    const int kv_end = qp_hi + 1;
+    const int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
+    const int t_begin = (kv_begin / BN) * BN;
+    const int num_tiles = (kv_end - t_begin + BN - 1) / BN;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const bool warp_active = r0 + warp * 16 < r1;
+    int qp[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int r = r0 + warp * 16 + g + hf * 8;
+        row_ok[hf] = r < r1;
+        qp[hf] = qpos0 + (row_ok[hf] ? r / rep : 0);
+    }
+
+    float o[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+
+    tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
+    __syncthreads();
+    load_kv_tile<D, BN, NTH>(sK, k_cache, s_off[0]);
+    cp_async_commit();
+    for (int j = 0; j < num_tiles; ++j) {
+        const int kt = t_begin + j * BN;
+        const i64* off = s_off[j & 1];
+        load_kv_tile<D, BN, NTH>(sV, v_cache, off);
+        cp_async_commit();
+        if (j + 1 < num_tiles) tile_offsets<D, BN>(s_off[(j + 1) & 1], table, kt + BN, ctx, block_size, hkv, h);
+        cp_async_wait<1>();
+        __syncthreads();  // K tile j, the next tile's offsets (and on j == 0 the Q tile) visible
+
+        unsigned pa[BN / 16][4];
+        if (warp_active) {
+            float s[NT][4];
+#pragma unroll
+            for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned a[4];
+                ldsm_x4(a[0], a[1], a[2], a[3], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int n2 = 0; n2 < BN / 16; ++n2) {
+                    unsigned b0, b1, b2, b3;
+                    ldsm_x4(b0, b1, b2, b3,
+                            sK + (n2 * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                    mma16816(s[2 * n2], a, b0, b1);
+                    mma16816(s[2 * n2 + 1], a, b2, b3);
+                }
+            }
+            // mask, scale to log2 units, online softmax
+            const bool full = kt + BN - 1 <= qp_lo && (window <= 0 || kt > qp_hi - window);
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hf = e >> 1;
+                    float val = s[i][e] * scale_log2;
+                    if (!full) {
+                        const int key = kt + i * 8 + 2 * c + (e & 1);
+                        const bool vis = row_ok[hf] && key <= qp[hf] && (window <= 0 || key > qp[hf] - window);
+                        if (!vis) val = -INFINITY;
+                    }
+                    s[i][e] = val;
+                    mx[hf] = fmaxf(mx[hf], val);
+                }
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
+                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
+            }
+            float alpha[2], mnew[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                mnew[hf] = fmaxf(m_i[hf], mx[hf]);
+                alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
+                m_i[hf] = mnew[hf];
+                l_i[hf] *= alpha[hf];
+            }
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hf = e >> 1;
+                    const float pv = mnew[hf] == -INFINITY ? 0.f : exp2f(s[i][e] - mnew[hf]);
+                    s[i][e] = pv;
+                    l_i[hf] += pv;
+                }
+#pragma unroll
+            for (int i = 0; i < DT; ++i) {
+                o[i][0] *= alpha[0];
+                o[i][1] *= alpha[0];
+                o[i][2] *= alpha[1];
+                o[i][3] *= alpha[1];
+            }
+#pragma unroll
+            for (int k2 = 0; k2 < BN / 16; ++k2) {
+                pa[k2][0] = pack_bf16(s[2 * k2][0], s[2 * k2][1]);
+                pa[k2][1] = pack_bf16(s[2 * k2][2], s[2 * k2][3]);
+                pa[k2][2] = pack_bf16(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+                pa[k2][3] = pack_bf16(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+            }
+        }
+        __syncthreads();  // every warp is done with sK
+        if (j + 1 < num_tiles) {
+            load_kv_tile<D, BN, NTH>(sK, k_cache, s_off[(j + 1) & 1]);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // V tile j visible
+        if (warp_active) {
+#pragma unroll
+            for (int k2 = 0; k2 < BN / 16; ++k2)
+#pragma unroll
+                for (int d2 = 0; d2 < D / 16; ++d2) {
+                    unsigned b0, b1, b2, b3;
+                    ldsm_x4_t(b0, b1, b2, b3,
+                              sV + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + d2 * 16 + (lane >> 4) * 8);
+                    mma16816(o[2 * d2], pa[k2], b0, b1);
+                    mma16816(o[2 * d2 + 1], pa[k2], b2, b3);
+                }
+        }
+        __syncthreads();  // every warp is done with sV
+    }
+
+    if (!warp_active) return;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
+        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        if (!row_ok[hf]) continue;
+        const int r = r0 + warp * 16 + g + hf * 8;
+        const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+        bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
+#pragma unroll
+        for (int i = 0; i < DT; ++i)
+            *reinterpret_cast<unsigned*>(orow + i * 8 + 2 * c) = pack_bf16(o[i][2 * hf] * inv, o[i][2 * hf + 1] * inv);
+    }
+}
+
+// One warp per (token, query head); lane holds dims lane + 32 j. grid (T, ceil(hq / 4)), block 128.
+template <typename T, typename TC>
+__global__ void __launch_bounds__(128)
+attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restrict__ k_cache,
+                   const TC* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                   const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
+                   int d, int block_size, float scale, int window, T* __restrict__ out) {
+    constexpr int MAXJ = 8;  // head_dim <= 256
+    const int lane = threadIdx.x & 31;
+    const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
+    if (head >= hq) return;
+    const int t = blockIdx.x;
+    const int seq = seq_of_token(cu, num_seqs, t);
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int ctx = context_lens[seq];
+    const int qpos = ctx - n + (t - start);
+    const int hk = head / (hq / hkv);
+    float qr[MAXJ], acc[MAXJ];
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int dd = lane + 32 * j;
+        qr[j] = dd < d ? to_f(q[(i64)t * qst + (i64)head * qsh + dd]) : 0.f;
+        acc[j] = 0.f;
+    }
+    const int lo = window > 0 ? max(0, qpos - window + 1) : 0;
+    const int* table = block_tables + (i64)seq * max_blocks;
+    float m = -INFINITY, l = 0.f;
+    for (int kp = lo; kp <= qpos; ++kp) {
+        const i64 base = (((i64)table[kp / block_size] * block_size + kp % block_size) * hkv + hk) * d;
+        float part = 0.f;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int dd = lane + 32 * j;
+            if (dd < d) part += qr[j] * to_f(k_cache[base + dd]);
+        }
+        const float s = warp_sum(part) * scale;
+        const float mn = fmaxf(m, s);
+        const float alpha = expf(m - mn);
+        const float p = expf(s - mn);
+        l = l * alpha + p;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int dd = lane + 32 * j;
+            acc[j] = acc[j] * alpha + (dd < d ? p * to_f(v_cache[base + dd]) : 0.f);
+        }
+        m = mn;
+    }
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int dd = lane + 32 * j;
+        if (dd < d) out[((i64)t * hq + head) * d + dd] = from_f<T>(acc[j] * inv);
+    }
+}

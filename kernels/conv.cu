@@ -1,0 +1,67 @@
+// Depthwise causal conv1d + SiLU over varlen sequences, continuing from per-slot histories (Gated DeltaNet).
+// Two launches per call: conv_fwd reads the old histories, conv_state_update then overwrites them (a single
+// kernel would race: the chunk holding a sequence's start reads the history its last chunk rewrites).
+
+#define CONV_CHUNK 32
+
+// x [T, C] (row stride sx), weight fp32 [C, K], state [slots, C, K-1] (oldest first), out [T, C].
+// grid (ceil(C / blockDim.x), upper bound of chunks); block b of sequence-chunk pairs found by find_tile.
+template <typename T, typename TS, int K>
+__global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
+                                const TS* __restrict__ state, const int* __restrict__ slots,
+                                const int* __restrict__ cu, int num_seqs, int channels, T* __restrict__ out) {
+    __shared__ int s_seq, s_tile;
+    if (threadIdx.x < 32) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, 1, CONV_CHUNK, blockIdx.y, seq, tile)) seq = -1;
+        if (threadIdx.x == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    const int seq = s_seq;
+    if (seq < 0) return;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int i0 = s_tile * CONV_CHUNK;
+    const int i1 = min(n, i0 + CONV_CHUNK);
+    float w[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = weight[(i64)c * K + j];
+    // win[j] = input at local position i - (K-1) + j for the token i being computed; the last slot is filled per step
+    float win[K];
+    const TS* hist = state + ((i64)slots[seq] * channels + c) * (K - 1);
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int p = i0 - (K - 1) + j;
+        win[j] = p >= 0 ? to_f(x[(i64)(start + p) * sx + c]) : to_f(hist[K - 1 + p]);
+    }
+    for (int i = i0; i < i1; ++i) {
+        win[K - 1] = to_f(x[(i64)(start + i) * sx + c]);
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) acc += win[j] * w[j];
+        out[(i64)(start + i) * channels + c] = from_f<T>(silu_f(acc));
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
+    }
+}
+
+// New history = the last K-1 inputs of [old history, x]. grid (ceil(C / blockDim.x), num_seqs).
+template <typename T, typename TS, int K>
+__global__ void conv_state_kernel(const T* __restrict__ x, i64 sx, TS* __restrict__ state,
+                                  const int* __restrict__ slots, const int* __restrict__ cu, int channels) {
+    const int seq = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    if (n == 0) return;
+    TS* hist = state + ((i64)slots[seq] * channels + c) * (K - 1);
+    float nw[K > 1 ? K - 1 : 1];
+#pragma unroll
+    for (int m = 0; m < K - 1; ++m) {
+        const int p = n + m;  // index into [history (K-1), x (n)]
+        nw[m] = p < K - 1 ? to_f(hist[p]) : to_f(x[(i64)(start + p - (K - 1)) * sx + c]);
+    }
+#pragma unroll
+    for (int m = 0; m < K - 1; ++m) hist[m] = from_f<TS>(nw[m]);
+}

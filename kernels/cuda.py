@@ -1,0 +1,709 @@
+"""CUDA backend: the same ops as kernels/reference.py (`NumpyOps`) on CuPy arrays.
+
+Storage is bf16 (`ml_dtypes.bfloat16`, CUDA's `__nv_bfloat16`) or fp32; every kernel accumulates in fp32.
+Custom kernels live in kernels/*.cu and are compiled once per process and device by NVRTC (CuPy RawModule, the
+device's own architecture, C++17); GEMMs go through cuBLAS via the ctypes binding in kernels/cublas.py, so a whole
+decode step can be captured into a CUDA graph (`CudaOps.capture`).
+
+No op synchronises with the host except `sample` (it returns host token ids) and host->device index copies
+(`upload_index`; `copy_rows` given more than 8 host pairs — up to 8 travel as kernel arguments). Varlen kernels take
+device cu_seqlens and size their grids from host-known shapes (T tokens, B sequences), each block finding its
+sequence on the device, so no per-layer device->host read of lengths is needed.
+
+Wrappers accept strided views where the engine makes them (column slices of a fused projection, heads split out of
+a row): the last dimension must be contiguous, anything else is copied to a contiguous array first.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from prefixrun.kernels.cublas import get_cublas
+from prefixrun.kernels.sampling import filtered_sample_index
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+_TYPE_NAMES = {F32: "float", BF16: "bf16"}
+_THREADS = 256
+_LOG2E = 1.4426950408889634
+
+# ---- kernel sources and the template instantiations each file exports --------------------------------------------
+_KERNEL_DIR = Path(__file__).parent
+_T = ("float", "bf16")
+
+
+def _elementwise_names() -> list[str]:
+    names = []
+    for ti in _T:
+        for to in _T:
+            for wr in ("true", "false"):
+                names += [f"row_norm_kernel<{ti}, {ti}, {to}, 0, {wr}>", f"row_norm_kernel<{ti}, {ti}, {to}, 1, {wr}>"]
+                names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {wr}>" for tg in _T]
+            names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
+                      f"cast_kernel<{ti}, {to}>"]
+        names += [f"silu_mul_kernel<{ti}>", f"sigmoid_kernel<{ti}>", f"repeat_heads_kernel<{ti}>",
+                  f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
+    names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
+    names += ["argmax_kernel"]
+    return names
+
+
+_CONV_K = range(2, 9)
+_GDN_DKP = (16, 32, 64, 128)
+_GDN_SPLIT = (2, 4)
+_GDN_CC = (1, 2, 4)
+_MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
+_MMA_WARPS = (4, 8)
+
+
+def _mma_bns(d: int) -> tuple[int, ...]:
+    return (32, 64) if d > 128 else (64,)
+
+
+_NAMES = {
+    "elementwise": _elementwise_names(),
+    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
+    "delta_rule": [f"gdn_recurrent_kernel<{t}, {d}, {s}>" for t in _T for d in _GDN_DKP for s in _GDN_SPLIT]
+    + [f"gdn_cols_kernel<{t}, {d}, {cc}, false>" for t in _T for d in _GDN_DKP for cc in _GDN_CC]
+    + [f"gdn_cols_kernel<{t}, 128, 4, true>" for t in _T],
+    "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in _mma_bns(d) for nw in _MMA_WARPS]
+    + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T],
+}
+
+_MODULES: dict[tuple[int, str], cupy.RawModule] = {}
+_FUNCTIONS: dict[tuple[int, str, str], object] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _include_options() -> tuple[str, ...]:
+    """-I for a CUDA include directory holding cuda_bf16.h (CuPy's CUDA path, the nvidia wheels, the toolkit)."""
+    import os
+
+    candidates = []
+    try:
+        p = cupy.cuda.get_cuda_path()
+        if p:
+            candidates.append(Path(p) / "include")
+    except Exception:
+        pass
+    try:
+        import nvidia
+
+        for root in getattr(nvidia, "__path__", []):
+            candidates += [Path(root) / s / "include" for s in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for c in candidates:
+        if (c / "cuda_bf16.h").is_file():
+            return (f"-I{c}",)
+    return ()
+
+
+def kernel_source(file: str) -> str:
+    """The text NVRTC compiles for kernels/<file>.cu: common.cu, then the file."""
+    return (_KERNEL_DIR / "common.cu").read_text() + "\n" + (_KERNEL_DIR / f"{file}.cu").read_text()
+
+
+def _kernel(file: str, name: str):
+    """The compiled kernel `name` of kernels/<file>.cu on the current device (compiled once per process)."""
+    dev = cupy.cuda.Device().id
+    key = (dev, file, name)
+    fn = _FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
+    with _COMPILE_LOCK:
+        mod = _MODULES.get((dev, file))
+        if mod is None:
+            mod = cupy.RawModule(code=kernel_source(file), options=("-std=c++17",) + _include_options(),
+                                 name_expressions=_NAMES[file])
+            _MODULES[(dev, file)] = mod
+        fn = _FUNCTIONS[key] = mod.get_function(name)
+    return fn
+
+
+def compile_all():
+    """Compile every kernel file now (otherwise each compiles on first use)."""
+    for file, names in _NAMES.items():
+        _kernel(file, names[0])
+
+
+def _grid(n: int, threads: int = _THREADS) -> int:
+    return max(1, min(-(-n // threads), 1 << 16))
+
+
+def _i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v) -> np.int64:
+    return np.int64(v)
+
+
+# ---- array views -------------------------------------------------------------------------------------------------
+def _last_contiguous(x):
+    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        return cupy.ascontiguousarray(x)
+    return x
+
+
+def _rows(x):
+    """x [..., D] as rows of D contiguous elements: (x, rows, D, n1, s0, s1); row r starts at
+    (r // n1) * s0 + (r % n1) * s1 elements (leading dims collapsed to at most two)."""
+    x = _last_contiguous(x)
+    item = x.itemsize
+    merged: list[list[int]] = []
+    for size, stride in zip(x.shape[:-1], x.strides[:-1]):
+        if size == 1:
+            continue
+        stride //= item
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if len(merged) > 2:
+        x = cupy.ascontiguousarray(x)
+        return _rows(x)
+    d = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if not merged:
+        return x, rows, d, 1, d, 0
+    if len(merged) == 1:
+        return x, rows, d, 1, merged[0][1], 0
+    return x, rows, d, merged[1][0], merged[0][1], merged[1][1]
+
+
+def _heads(x):
+    """x [T, H, D] with a contiguous last dim: (x, token stride, head stride) in elements."""
+    if x.ndim != 3:
+        raise ValueError(f"expected [tokens, heads, dim], got shape {x.shape}")
+    x = _last_contiguous(x)
+    return x, x.strides[0] // x.itemsize, x.strides[1] // x.itemsize
+
+
+def _rows2(x):
+    """x [T, N] with contiguous rows: (x, row stride in elements)."""
+    if x.ndim != 2:
+        raise ValueError(f"expected a 2-d array, got shape {x.shape}")
+    x = _last_contiguous(x)
+    return x, (x.strides[0] // x.itemsize if x.shape[0] > 1 else x.shape[1])
+
+
+def _index(a):
+    """Device int32 contiguous index array (uploads host lists/arrays)."""
+    if isinstance(a, cupy.ndarray):
+        return cupy.ascontiguousarray(a if a.dtype == np.int32 else a.astype(np.int32))
+    return cupy.asarray(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def _cast(x, dtype, copy=False):
+    """Device dtype conversion (fp32 <-> bf16 by our kernel, round to nearest even); a copy if `copy`."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x.copy() if copy else x
+    if x.dtype in _TYPE_NAMES and dtype in _TYPE_NAMES:
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty(x.shape, dtype)
+        n = x.size
+        if n:
+            _kernel("elementwise", f"cast_kernel<{_tname(x.dtype)}, {_tname(dtype)}>")(
+                (_grid(n),), (_THREADS,), (x, _i64(n), out))
+        return out
+    return x.astype(dtype)
+
+
+def _f32(a):
+    a = a if isinstance(a, cupy.ndarray) else cupy.asarray(np.asarray(a, np.float32))
+    return cupy.ascontiguousarray(_cast(a, F32))
+
+
+def _tname(dtype) -> str:
+    try:
+        return _TYPE_NAMES[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"CUDA kernels take float32 or bfloat16 arrays, not {np.dtype(dtype)}") from None
+
+
+class CudaGraph:
+    """A captured sequence of launches; `replay()` reruns it on the current stream and returns the outputs the
+    captured function returned (the same arrays every time: replay overwrites them)."""
+
+    def __init__(self, graph, outputs, pool):
+        self.graph = graph
+        self.outputs = outputs
+        self._pool = pool  # the graph's private memory: alive (and never handed out again) as long as the graph
+
+    def replay(self):
+        self.graph.launch(cupy.cuda.get_current_stream())
+        return self.outputs
+
+    __call__ = replay
+
+
+class CudaOps:
+    """The CUDA backend. Activations in `act_dtype` (bf16 or fp32), recurrent states and gates in fp32."""
+
+    name = "cuda"
+    xp = cupy
+
+    def __init__(self, dtype: str = "bfloat16"):
+        if dtype == "bfloat16":
+            self.act_dtype = ml_dtypes.bfloat16
+        elif dtype == "float32":
+            self.act_dtype = np.float32
+        else:
+            raise ValueError(f"the CUDA backend computes in bfloat16 or float32, not {dtype!r}")
+        self.dtype_name = dtype
+        self._act = np.dtype(self.act_dtype)
+        self._blas = get_cublas()
+        self._copy_tables: dict[tuple, tuple] = {}
+        self._smem_set: set = set()
+        # Kernel variants. Defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --bench, 4b-like
+        # shapes): delta rule prefill cols/4 12.2 ms, cols/4 transposed 12.3, rows/2 13.1, cols/1 17.5, cols/2 19.4;
+        # decode batch 64 cols/4 98 us. The others stay selectable for tests and benches.
+        self.gdn_variant = "cols"  # "cols": a thread owns gdn_cols value columns; "rows": one, gdn_split threads
+        self.gdn_cols = 4
+        self.gdn_transposed = False  # transposed shuffle reductions (Dk 128, 4 columns per thread)
+        self.gdn_split = 2
+        # warps per block (16 query rows each); None: 8 above 128 head dims, else 4. Measured on an H200, 32 x 2304
+        # prefill: head dim 256 8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1; decode 4 warps.
+        self.attn_warps: dict[str, int | None] = {"prefill": None, "decode": 4}
+        self.attn_bn: dict[int, int] = {}  # head_dim -> keys per K/V tile (default 64)
+
+    # ---- memory -------------------------------------------------------------------------------------------------
+    def zeros(self, shape, dtype=None):
+        return cupy.zeros(shape, dtype=dtype or self.act_dtype)
+
+    def upload(self, host_array, dtype=None):
+        """Host array -> device array (a copy, converted to `dtype` or the activation dtype)."""
+        dt = np.dtype(dtype or self.act_dtype)
+        if isinstance(host_array, cupy.ndarray):
+            return self._cast(host_array, dt, copy=True)
+        h = np.ascontiguousarray(host_array, dtype=dt)
+        if dt == BF16:  # move the raw 16-bit patterns; the device array is a bf16 view of them
+            return cupy.array(h.view(np.uint16), copy=True).view(BF16)
+        return cupy.array(h, dtype=dt, copy=True)
+
+    def upload_index(self, host_array):
+        return _index(host_array)
+
+    def to_host(self, array) -> np.ndarray:
+        if isinstance(array, cupy.ndarray):
+            if array.dtype == BF16:
+                return cupy.asnumpy(cupy.ascontiguousarray(array).view(np.uint16)).view(BF16)
+            return cupy.asnumpy(array)
+        return np.asarray(array)
+
+    def synchronize(self):
+        cupy.cuda.get_current_stream().synchronize()
+
+    def _cast(self, x, dtype, copy=False):
+        return _cast(x, dtype, copy)
+
+    # ---- dense math ---------------------------------------------------------------------------------------------
+    def embed(self, table, ids):
+        """table [V, D], ids [T] -> [T, D]"""
+        table = cupy.ascontiguousarray(table)
+        ids = _index(ids)
+        t, d = ids.shape[0], table.shape[1]
+        out = cupy.empty((t, d), self._act)
+        if t:
+            _kernel("elementwise", f"embed_kernel<{_tname(table.dtype)}, {_tname(self._act)}>")(
+                (_grid(t * d),), (_THREADS,), (table, ids, _i64(t), _i32(d), out))
+        return out
+
+    def _gemm(self, x, weight, out_dtype):
+        k = x.shape[-1]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k) if x.ndim != 2 else x
+        if x2.dtype != weight.dtype:
+            x2 = self._cast(x2, weight.dtype)
+        item = x2.itemsize
+        if x2.shape[0] > 1 and (x2.strides[1] != item or x2.strides[0] < k * item or x2.strides[0] % item):
+            x2 = cupy.ascontiguousarray(x2)
+        elif x2.shape[0] <= 1 and k > 1 and x2.strides[1] != item:
+            x2 = cupy.ascontiguousarray(x2)
+        weight = cupy.ascontiguousarray(weight)
+        out = cupy.empty((x2.shape[0], weight.shape[0]), out_dtype)
+        self._blas.gemm_nt(x2, weight, out, pedantic=weight.dtype == F32)
+        return out.reshape(lead + (weight.shape[0],))
+
+    def linear(self, x, weight):
+        """x [T, in] @ weight[out, in].T -> [T, out] (cuBLAS, fp32 accumulate)"""
+        return self._gemm(x, weight, self._act)
+
+    def logits(self, x, lm_head):
+        """x [N, D] @ lm_head[V, D].T -> fp32 [N, V]"""
+        return self._gemm(x, lm_head, F32)
+
+    def _row_norm(self, mode: int, x, weight, eps, gate=None, out_dtype=None):
+        x, rows, d, n1, s0, s1 = _rows(x)
+        out_dtype = np.dtype(out_dtype or self._act)
+        out = cupy.empty(x.shape, out_dtype)
+        if rows == 0 or d == 0:
+            return out
+        w = _f32(weight) if weight is not None else cupy.empty(1, F32)
+        ti = _tname(x.dtype)
+        if gate is not None:
+            gate, grows, gd, gn1, gs0, gs1 = _rows(gate)
+            if grows != rows or gd != d:
+                raise ValueError(f"gate shape {gate.shape} does not match x {x.shape}")
+            tg = _tname(gate.dtype)
+        else:
+            gate, gn1, gs0, gs1, tg = x, n1, s0, s1, ti
+        warp_row = d <= 1024
+        name = f"row_norm_kernel<{ti}, {tg}, {_tname(out_dtype)}, {mode}, {'true' if warp_row else 'false'}>"
+        blocks = max(1, min(-(-rows // (_THREADS // 32)) if warp_row else rows, 1 << 16))
+        _kernel("elementwise", name)((blocks,), (_THREADS,), (
+            x, _i64(rows), _i32(d), _i64(n1), _i64(s0), _i64(s1), gate, _i64(gn1), _i64(gs0), _i64(gs1), w,
+            np.float32(eps), out))
+        return out
+
+    def rms_norm(self, x, weight, eps):
+        """x [..., D] * rsqrt(mean(x^2) + eps) * weight [D]"""
+        return self._row_norm(0, x, weight, eps)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D])"""
+        return self._row_norm(2, x, weight, eps, gate=gate)
+
+    def l2_normalize(self, x, eps=1e-6):
+        """x [..., D] * rsqrt(sum(x^2) + eps); keeps x's dtype"""
+        return self._row_norm(1, x, None, eps, out_dtype=x.dtype)
+
+    def silu_mul(self, gate_up):
+        """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
+        x, rows, d, n1, s0, _ = _rows(gate_up)
+        if n1 != 1:
+            x = cupy.ascontiguousarray(x)
+            s0 = d
+        inner = d // 2
+        out = cupy.empty(x.shape[:-1] + (inner,), x.dtype)
+        if rows and inner:
+            _kernel("elementwise", f"silu_mul_kernel<{_tname(x.dtype)}>")(
+                (_grid(rows * inner),), (_THREADS,), (x, _i64(rows), _i64(inner), _i64(s0), out))
+        return out
+
+    def add(self, a, b):
+        """a + b with b broadcast over a's leading dims; the result has a's dtype (b may be an fp32 bias)."""
+        if a.shape != b.shape:
+            b_shape = tuple(b.shape)
+            while b_shape and b_shape[0] == 1:
+                b_shape = b_shape[1:]
+            if len(b_shape) > a.ndim or tuple(a.shape[a.ndim - len(b_shape):]) != b_shape:
+                return (a.astype(np.float32) + b.astype(np.float32)).astype(a.dtype)  # general broadcast
+        a = cupy.ascontiguousarray(a)
+        b = cupy.ascontiguousarray(b)
+        out = cupy.empty(a.shape, a.dtype)
+        n = a.size
+        if n:
+            _kernel("elementwise", f"add_kernel<{_tname(a.dtype)}, {_tname(b.dtype)}>")(
+                (_grid(n),), (_THREADS,), (a, b, _i64(n), _i64(max(b.size, 1)), out))
+        return out
+
+    def sigmoid(self, x):
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty(x.shape, x.dtype)
+        if x.size:
+            _kernel("elementwise", f"sigmoid_kernel<{_tname(x.dtype)}>")(
+                (_grid(x.size),), (_THREADS,), (x, _i64(x.size), out))
+        return out
+
+    def repeat_heads(self, x, rep):
+        """x [T, H, D] -> [T, H * rep, D] (repeat_interleave over heads)"""
+        x, st, sh = _heads(x)
+        t, h, d = x.shape
+        out = cupy.empty((t, h * rep, d), x.dtype)
+        if out.size:
+            _kernel("elementwise", f"repeat_heads_kernel<{_tname(x.dtype)}>")(
+                (_grid(out.size),), (_THREADS,), (x, _i64(t), _i32(h), _i32(d), _i64(st), _i64(sh), _i32(rep), out))
+        return out
+
+    def rotary(self, x, positions, inv_freq):
+        """Rotate-half on the first 2*len(inv_freq) dims of each head of x [T, H, Dh], in place; returns x."""
+        if x.ndim != 3:
+            raise ValueError(f"rotary expects [tokens, heads, dim], got {x.shape}")
+        target = x
+        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+            x = cupy.ascontiguousarray(x)
+        t, h, _ = x.shape
+        half = int(inv_freq.shape[0])
+        if t and h and half:
+            _kernel("elementwise", f"rotary_kernel<{_tname(x.dtype)}>")(
+                (_grid(t * h * half),), (_THREADS,), (
+                    x, _i64(t), _i32(h), _i64(x.strides[0] // x.itemsize), _i64(x.strides[1] // x.itemsize),
+                    _index(positions), _f32(inv_freq), _i32(half)))
+        if x is not target:
+            target[...] = x
+        return target
+
+    def delta_gates(self, a, b, a_log, dt_bias):
+        """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); fp32 [T, Hv] each."""
+        a, sa = _rows2(a)
+        b, sb = _rows2(b)
+        if b.dtype != a.dtype:
+            b, sb = _rows2(self._cast(b, a.dtype))
+        t, h = a.shape
+        g = cupy.empty((t, h), F32)
+        beta = cupy.empty((t, h), F32)
+        if t and h:
+            _kernel("elementwise", f"delta_gates_kernel<{_tname(a.dtype)}>")(
+                (_grid(t * h),), (_THREADS,), (a, _i64(sa), b, _i64(sb), _i64(t), _i32(h), _f32(a_log),
+                                               _f32(dt_bias), g, beta))
+        return g, beta
+
+    # ---- sequence mixing ----------------------------------------------------------------------------------------
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens):
+        """Depthwise causal conv + SiLU per sequence from its conv history; updates conv_state[slots] in place.
+        x [T, C], weight [C, K], conv_state [num_slots, C, K-1], slots [B], cu_seqlens [B+1] -> y [T, C]."""
+        x, sx = _rows2(x)
+        t, c = x.shape
+        k = int(weight.shape[1])
+        if k not in _CONV_K:
+            raise ValueError(f"conv kernel width {k} not supported (2..8)")
+        if not conv_state.flags.c_contiguous or conv_state.shape[1:] != (c, k - 1):
+            raise ValueError(f"conv_state must be a contiguous [slots, {c}, {k - 1}] pool, got {conv_state.shape}")
+        out = cupy.empty((t, c), x.dtype)
+        slots, cu = _index(slots), _index(cu_seqlens)
+        nseq = slots.shape[0]
+        if t == 0 or nseq == 0 or c == 0:
+            return out
+        w = _f32(weight)
+        types = f"{_tname(x.dtype)}, {_tname(conv_state.dtype)}, {k}"
+        cblocks = -(-c // 128)
+        _kernel("conv", f"conv_fwd_kernel<{types}>")(
+            (cblocks, -(-t // 32) + nseq), (128,), (x, _i64(sx), w, conv_state, slots, cu, _i32(nseq), _i32(c), out))
+        _kernel("conv", f"conv_state_kernel<{types}>")(
+            (cblocks, nseq), (128,), (x, _i64(sx), conv_state, slots, cu, _i32(c)))
+        return out
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
+        """Gated delta rule per sequence from its fp32 recurrent state (updated in place); one launch.
+
+        q, k [T, H, Dk] (L2-normalised, q unscaled), v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv].
+        Steps token by token (the reference's chunked form is the same recurrence; `chunk_size` is accepted for
+        signature compatibility). Returns o [T, H, Dv] in v's dtype."""
+        dt = v.dtype
+        q = q if q.dtype == dt else self._cast(q, dt)
+        k = k if k.dtype == dt else self._cast(k, dt)
+        q, qst, qsh = _heads(q)
+        k, kst, ksh = _heads(k)
+        v, vst, vsh = _heads(v)
+        t, h, dk = q.shape
+        dv = v.shape[2]
+        if dk > 128 or dv < 1:
+            raise ValueError(f"gated_delta_rule supports key head dims up to 128, got {dk}")
+        if state.dtype != F32 or not state.flags.c_contiguous or state.shape[1:] != (h, dk, dv):
+            raise ValueError(f"state must be a contiguous fp32 [slots, {h}, {dk}, {dv}] pool, got "
+                             f"{state.dtype} {state.shape}")
+        g = cupy.ascontiguousarray(_f32(g)).reshape(t, h)
+        beta = cupy.ascontiguousarray(_f32(beta)).reshape(t, h)
+        out = cupy.empty((t, h, dv), dt)
+        slots, cu = _index(slots), _index(cu_seqlens)
+        nseq = slots.shape[0]
+        if t == 0 or nseq == 0:
+            return out
+        dkp = next(p for p in _GDN_DKP if p >= dk)
+        args = (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, state, slots, cu,
+                _i32(h), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)))
+        if self.gdn_variant == "cols":
+            cc = self.gdn_cols
+            rpt = min(64 // cc, dkp)
+            cols = 128 // (dkp // rpt) * cc
+            tr = "true" if self.gdn_transposed and dkp == 128 and cc == 4 else "false"
+            _kernel("delta_rule", f"gdn_cols_kernel<{_tname(dt)}, {dkp}, {cc}, {tr}>")(
+                (-(-dv // cols), h, nseq), (128,), args + (out,))
+        else:
+            split = self.gdn_split if dkp // self.gdn_split >= 4 else 2
+            cols = 128 // split
+            _kernel("delta_rule", f"gdn_recurrent_kernel<{_tname(dt)}, {dkp}, {split}>")(
+                (-(-dv // cols), h, nseq), (128,), args + (out,))
+        return out
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset)."""
+        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+            raise ValueError("K/V caches must be contiguous pools")
+        if v.dtype != k.dtype:
+            v = self._cast(v, k.dtype)
+        k, kst, ksh = _heads(k)
+        v, vst, vsh = _heads(v)
+        t, h, d = k.shape
+        if k_cache.shape[2:] != (h, d) or v_cache.shape[2:] != (h, d) or v.shape != k.shape:
+            raise ValueError(f"K/V rows {k.shape}/{v.shape} do not fit caches {k_cache.shape}/{v_cache.shape}")
+        if t == 0:
+            return
+        _kernel("elementwise", f"write_kv_kernel<{_tname(k.dtype)}, {_tname(k_cache.dtype)}>")(
+            (_grid(t * h * d),), (_THREADS,), (k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), _i64(t), _i32(h),
+                                               _i32(d), _index(slot_mapping), k_cache, v_cache))
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
+                        sliding_window=None):
+        """Causal attention of each sequence's new queries over its paged K/V (new rows already written).
+
+        q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
+        cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D]."""
+        q, qst, qsh = _heads(q)
+        t, hq, d = q.shape
+        nb, bs, hkv, dc = k_cache.shape
+        if dc != d or v_cache.shape != k_cache.shape or hq % hkv:
+            raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}/{v_cache.shape}")
+        if d > 256:
+            raise ValueError(f"head_dim up to 256 supported, got {d}")
+        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+            raise ValueError("K/V caches must be contiguous pools")
+        window = 0
+        if sliding_window is not None:
+            window = int(sliding_window)
+            if window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        out = cupy.empty((t, hq, d), q.dtype)
+        tables, ctx, cu = _index(block_tables), _index(context_lens), _index(cu_seqlens)
+        nseq = ctx.shape[0]
+        if t == 0 or nseq == 0:
+            return out
+        rep = hq // hkv
+        use_mma = (q.dtype == BF16 and k_cache.dtype == BF16 and d in _MMA_HEAD_DIMS and q.data.ptr % 16 == 0
+                   and qst % 8 == 0 and qsh % 8 == 0)
+        common = (tables, _i32(tables.shape[1]), ctx, cu, _i32(nseq), _i32(hq), _i32(hkv), _i32(bs))
+        if use_mma:
+            nw = self.attn_warps["prefill" if t > nseq else "decode"] or (8 if d > 128 else 4)
+            bn = self.attn_bn.get(d, 64)
+            kern = _kernel("attention", f"attn_mma_kernel<{d}, {bn}, {nw}>")
+            smem = (16 * nw + 2 * bn) * (d + 8) * 2
+            if smem > 48 * 1024 and (id(kern), smem) not in self._smem_set:
+                kern.max_dynamic_shared_size_bytes = smem
+                self._smem_set.add((id(kern), smem))
+            grid = (-(-t * rep // (16 * nw)) + nseq, hkv)
+            kern(grid, (32 * nw,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common
+                 + (np.float32(scale * _LOG2E), _i32(window), out), shared_mem=smem)
+        else:
+            kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
+            kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common[:7]
+                 + (_i32(d), _i32(bs), np.float32(scale), _i32(window), out))
+        return out
+
+    # ---- state copies -------------------------------------------------------------------------------------------
+    def copy_rows(self, arrays, src, dst):
+        """For each pool array: array[dst[i]] = array[src[i]] — all arrays and pairs in one launch.
+        dst rows must not also be source rows (checked when the indices are host lists)."""
+        arrays = list(arrays)
+        if not arrays:
+            return
+        host = not isinstance(src, cupy.ndarray) and not isinstance(dst, cupy.ndarray)
+        if host:
+            src_h = np.asarray(src, np.int64).reshape(-1)
+            dst_h = np.asarray(dst, np.int64).reshape(-1)
+            if src_h.shape != dst_h.shape:
+                raise ValueError("copy_rows: src and dst differ in length")
+            if src_h.size == 0:
+                return
+            if np.intersect1d(src_h, dst_h).size:  # overlapping: gather first, then scatter (numpy semantics)
+                src_i, dst_i = cupy.asarray(src_h), cupy.asarray(dst_h)
+                for a in arrays:
+                    raw = a.view(np.uint8).reshape(a.shape[0], -1)  # raw bytes: any dtype
+                    raw[dst_i] = raw[src_i].copy()
+                return
+            npairs = src_h.size
+            few = (src_h.tolist(), dst_h.tolist()) if npairs <= 8 else None
+            src_d = dst_d = None
+            if few is None:
+                src_d, dst_d = cupy.asarray(src_h), cupy.asarray(dst_h)
+        else:
+            src_d = cupy.ascontiguousarray(cupy.asarray(src).astype(np.int64).reshape(-1))
+            dst_d = cupy.ascontiguousarray(cupy.asarray(dst).astype(np.int64).reshape(-1))
+            if src_d.shape != dst_d.shape:
+                raise ValueError("copy_rows: src and dst differ in length")
+            if src_d.size == 0:
+                return
+            npairs, few = src_d.size, None
+        table, utype, max_units = self._copy_table(arrays)
+        if max_units == 0:
+            return
+        grid = (max(1, min(-(-max_units // _THREADS), 1024)), npairs, len(arrays))
+        if few is not None:  # indices as kernel arguments: no host->device copy
+            pad = [0] * (8 - npairs)
+            _kernel("elementwise", f"copy_rows_few_kernel<{utype}>")(
+                grid, (_THREADS,), (table[0], table[1]) + tuple(_i64(i) for i in list(few[0]) + pad)
+                + tuple(_i64(i) for i in list(few[1]) + pad))
+        else:
+            _kernel("elementwise", f"copy_rows_kernel<{utype}>")(grid, (_THREADS,), (table[0], table[1], src_d, dst_d))
+
+    def _copy_table(self, arrays):
+        """Device table (base pointers, row sizes in copy units) for a list of pools, cached on the list's identity
+        (the entry holds the arrays, so their ids stay theirs while it lives)."""
+        key = tuple(map(id, arrays))
+        entry = self._copy_tables.get(key)
+        if entry is not None:
+            return entry[1:]
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                raise ValueError("copy_rows needs contiguous pool arrays")
+        row_bytes = [a.nbytes // a.shape[0] if a.shape[0] else 0 for a in arrays]
+        ptrs = [a.data.ptr for a in arrays]
+        unit = 16
+        for rb, p in zip(row_bytes, ptrs):
+            while unit > 1 and (rb % unit or p % unit):
+                unit = 4 if unit == 16 else 1
+        table = (cupy.asarray(np.array(ptrs, np.uint64)), cupy.asarray(np.array(row_bytes, np.int64) // unit))
+        if len(self._copy_tables) >= 64:
+            self._copy_tables.clear()
+        utype = {16: "uint4", 4: "unsigned int", 1: "unsigned char"}[unit]
+        entry = self._copy_tables[key] = (tuple(arrays), table, utype, max(row_bytes) // unit)
+        return entry[1:]
+
+    # ---- sampling -----------------------------------------------------------------------------------------------
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
+        """Next token per row of fp32 logits [B, V]: argmax on the device for temperature <= 0 rows, the shared
+        host sampler (kernels.sampling) for the others, so the same logits give the CPU path's token. int64 [B]."""
+        temps = np.asarray(self.to_host(temperature), np.float64).reshape(-1)
+        logits = logits if logits.dtype == F32 else self._cast(logits, F32)
+        logits = cupy.ascontiguousarray(logits)
+        b, v = logits.shape
+        out = np.zeros(b, np.int64)
+        if b == 0:
+            return out
+        greedy = temps <= 0
+        if greedy.any():
+            idx = cupy.empty(b, np.int64)
+            _kernel("elementwise", "argmax_kernel")((min(b, 1 << 16),), (_THREADS,),
+                                                    (logits, _i32(b), _i32(v), _i64(v), idx))
+            out[:] = cupy.asnumpy(idx)
+        if not greedy.all():
+            rows = np.nonzero(~greedy)[0]
+            host = cupy.asnumpy(logits[cupy.asarray(rows)])
+            tk, tp, mp, u = (np.asarray(self.to_host(a)).reshape(-1) for a in (top_k, top_p, min_p, uniforms))
+            for j, r in enumerate(rows):
+                out[r] = filtered_sample_index(host[j], float(temps[r]), int(tk[r]), float(tp[r]), float(mp[r]),
+                                               float(u[r]))
+        return out
+
+    # ---- CUDA graphs --------------------------------------------------------------------------------------------
+    def capture(self, fn, *args, warmup: int = 1) -> CudaGraph:
+        """Capture fn(*args)'s launches (custom kernels and cuBLAS GEMMs) into a CUDA graph.
+
+        fn runs `warmup` times eagerly first (compiles kernels, binds cuBLAS), then once under capture on a
+        non-default stream with a private memory pool, so the buffers the graph writes are never handed to anyone
+        else. fn must not synchronise or copy host memory (no upload/to_host/sample inside). Replay reads the same
+        input buffers fn read at capture time: update them in place between replays."""
+        for _ in range(warmup):
+            fn(*args)
+        self.synchronize()
+        pool = cupy.cuda.MemoryPool()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            stream.begin_capture()
+            try:
+                outputs = fn(*args)
+            finally:
+                graph = stream.end_capture()
+        stream.synchronize()
+        return CudaGraph(graph, outputs, pool)

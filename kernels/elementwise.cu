@@ -1,0 +1,225 @@
+// Row-wise and elementwise ops: norms, activations, gates, rotary, gathers, K/V writes, row copies, argmax.
+// Inputs may be strided views (last dim contiguous; leading dims described by n1, s0, s1 — see row_offset);
+// outputs are contiguous. Grid-stride loops everywhere, so any grid size is correct.
+
+// ---- row norms -------------------------------------------------------------------------------------------------
+// MODE 0: RMSNorm * w     MODE 1: L2 normalise (x * rsqrt(sum x^2 + eps))     MODE 2: RMSNorm * w * silu(gate)
+// WARP_ROW: one warp per row (small D), else one 256-thread block per row.
+template <typename TI, typename TG, typename TO, int MODE, bool WARP_ROW>
+__global__ void row_norm_kernel(const TI* __restrict__ x, i64 rows, int d, i64 n1, i64 s0, i64 s1,
+                                const TG* __restrict__ gate, i64 gn1, i64 gs0, i64 gs1,
+                                const float* __restrict__ w, float eps, TO* __restrict__ out) {
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int step = WARP_ROW ? 32 : blockDim.x;
+    const int first = WARP_ROW ? lane : threadIdx.x;
+    const i64 rows_per_block = WARP_ROW ? (blockDim.x >> 5) : 1;
+    for (i64 r = blockIdx.x * rows_per_block + (WARP_ROW ? warp : 0); r < rows; r += gridDim.x * rows_per_block) {
+        const TI* xr = x + row_offset(r, n1, s0, s1);
+        float ss = 0.f;
+        for (int i = first; i < d; i += step) {
+            const float v = to_f(xr[i]);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (!WARP_ROW) {
+            if (lane == 0) red[warp] = ss;
+            __syncthreads();
+            float t = 0.f;
+            for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
+            ss = t;
+            __syncthreads();
+        }
+        const float inv = MODE == 1 ? 1.0f / sqrtf(ss + eps) : 1.0f / sqrtf(ss / (float)d + eps);
+        TO* orow = out + r * (i64)d;
+        const TG* gr = MODE == 2 ? gate + row_offset(r, gn1, gs0, gs1) : nullptr;
+        for (int i = first; i < d; i += step) {
+            float v = to_f(xr[i]) * inv;
+            if (MODE != 1) v *= w[i];
+            if (MODE == 2) v *= silu_f(to_f(gr[i]));
+            orow[i] = from_f<TO>(v);
+        }
+    }
+}
+
+// ---- elementwise --------------------------------------------------------------------------------------------
+// gate_up [rows, 2I] (row stride s0) -> silu(gate) * up [rows, I]
+template <typename T>
+__global__ void silu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
+    const i64 n = rows * inner;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const i64 r = e / inner, i = e - r * inner;
+        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
+        out[e] = from_f<T>(silu_f(g) * u);
+    }
+}
+
+// out[e] = a[e] + b[e % nb]   (b broadcast over the leading dims of a)
+template <typename TA, typename TB>
+__global__ void add_kernel(const TA* __restrict__ a, const TB* __restrict__ b, i64 n, i64 nb, TA* __restrict__ out) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x)
+        out[e] = from_f<TA>(to_f(a[e]) + to_f(b[nb == n ? e : e % nb]));
+}
+
+template <typename TI, typename TO>
+__global__ void cast_kernel(const TI* __restrict__ x, i64 n, TO* __restrict__ out) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x)
+        out[e] = from_f<TO>(to_f(x[e]));
+}
+
+template <typename T>
+__global__ void sigmoid_kernel(const T* __restrict__ x, i64 n, T* __restrict__ out) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x)
+        out[e] = from_f<T>(1.0f / (1.0f + expf(-to_f(x[e]))));
+}
+
+// x [T, H, D] (strides st, sh) -> out [T, H * rep, D]
+template <typename T>
+__global__ void repeat_heads_kernel(const T* __restrict__ x, i64 tokens, int heads, int d, i64 st, i64 sh, int rep,
+                                    T* __restrict__ out) {
+    const i64 n = tokens * heads * rep * (i64)d;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const int i = (int)(e % d);
+        const i64 row = e / d;  // t * heads * rep + h_out
+        const int ho = (int)(row % (heads * rep));
+        const i64 t = row / (heads * rep);
+        out[e] = x[t * st + (i64)(ho / rep) * sh + i];
+    }
+}
+
+// table [V, D] gathered at ids [T] -> out [T, D]
+template <typename TI, typename TO>
+__global__ void embed_kernel(const TI* __restrict__ table, const int* __restrict__ ids, i64 tokens, int d,
+                             TO* __restrict__ out) {
+    const i64 n = tokens * d;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const i64 t = e / d;
+        const int i = (int)(e - t * d);
+        out[e] = from_f<TO>(to_f(table[(i64)ids[t] * d + i]));
+    }
+}
+
+// In place: rotate-half on the first 2*half dims of x [T, H, D] (strides st, sh) at positions [T].
+template <typename T>
+__global__ void rotary_kernel(T* __restrict__ x, i64 tokens, int heads, i64 st, i64 sh, const int* __restrict__ pos,
+                              const float* __restrict__ inv_freq, int half) {
+    const i64 n = tokens * heads * half;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const int i = (int)(e % half);
+        const i64 th = e / half;
+        const int h = (int)(th % heads);
+        const i64 t = th / heads;
+        const float ang = __fmul_rn((float)pos[t], inv_freq[i]);
+        float sn, cs;
+        sincosf(ang, &sn, &cs);
+        T* p = x + t * st + (i64)h * sh;
+        const float x1 = to_f(p[i]), x2 = to_f(p[i + half]);
+        p[i] = from_f<T>(x1 * cs - x2 * sn);
+        p[i + half] = from_f<T>(x2 * cs + x1 * sn);
+    }
+}
+
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b [T, H] with row strides sa, sb; out fp32 [T, H]
+template <typename T>
+__global__ void delta_gates_kernel(const T* __restrict__ a, i64 sa, const T* __restrict__ b, i64 sb, i64 tokens,
+                                   int heads, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                   float* __restrict__ g, float* __restrict__ beta) {
+    const i64 n = tokens * heads;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const i64 t = e / heads;
+        const int h = (int)(e - t * heads);
+        const float z = to_f(a[t * sa + h]) + dt_bias[h];
+        const float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));
+        g[e] = -expf(a_log[h]) * sp;
+        beta[e] = 1.0f / (1.0f + expf(-to_f(b[t * sb + h])));
+    }
+}
+
+// k, v [T, H, D] (strides kst, ksh / vst, vsh) -> caches [rows, H, D] at rows slot_mapping[T] (negative: skip)
+template <typename TI, typename TC>
+__global__ void write_kv_kernel(const TI* __restrict__ k, i64 kst, i64 ksh, const TI* __restrict__ v, i64 vst, i64 vsh,
+                                i64 tokens, int heads, int d, const int* __restrict__ slot_mapping,
+                                TC* __restrict__ k_cache, TC* __restrict__ v_cache) {
+    const i64 n = tokens * heads * (i64)d;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const int i = (int)(e % d);
+        const i64 th = e / d;
+        const int h = (int)(th % heads);
+        const i64 t = th / heads;
+        const int slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const i64 dst = ((i64)slot * heads + h) * d + i;
+        k_cache[dst] = from_f<TC>(to_f(k[t * kst + h * ksh + i]));
+        v_cache[dst] = from_f<TC>(to_f(v[t * vst + h * vsh + i]));
+    }
+}
+
+// For every array a (base pointer bases[a], rows of row_units[a] units of type U) and pair p:
+// a[dst[p]] = a[src[p]]. grid (x: chunks of a row, y: pairs, z: arrays).
+template <typename U>
+__global__ void copy_rows_kernel(const unsigned long long* __restrict__ bases, const i64* __restrict__ row_units,
+                                 const i64* __restrict__ src, const i64* __restrict__ dst) {
+    const int a = blockIdx.z, p = blockIdx.y;
+    U* base = reinterpret_cast<U*>(bases[a]);
+    const i64 nu = row_units[a];
+    const U* s = base + src[p] * nu;
+    U* o = base + dst[p] * nu;
+    for (i64 u = blockIdx.x * (i64)blockDim.x + threadIdx.x; u < nu; u += (i64)gridDim.x * blockDim.x) o[u] = s[u];
+}
+
+// ---- argmax per row (ties: lowest index; NaN counts as the maximum, as numpy.argmax) ------------------------------
+__device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
+    const bool n1 = isnan(v1), n2 = isnan(v2);
+    if (n1 != n2) return n1;
+    if (!n1 && v1 != v2) return v1 > v2;
+    return i1 < i2;
+}
+
+extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stride,
+                                         long long* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* row = logits + (i64)r * row_stride;
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = row[i];
+            if (better(v, i, bv, bi)) { bv = v; bi = i; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < nw; ++w)
+                if (better(sv[w], si[w], bv, bi)) { bv = sv[w]; bi = si[w]; }
+            out[r] = bi == 0x7fffffff ? 0 : bi;
+        }
+        __syncthreads();
+    }
+}
+
+// The same for up to 8 (src, dst) pairs passed by value, so a fork or copy-on-write needs no index upload.
+template <typename U>
+__global__ void copy_rows_few_kernel(const unsigned long long* __restrict__ bases, const i64* __restrict__ row_units,
+                                     i64 s0, i64 s1, i64 s2, i64 s3, i64 s4, i64 s5, i64 s6, i64 s7,
+                                     i64 d0, i64 d1, i64 d2, i64 d3, i64 d4, i64 d5, i64 d6, i64 d7) {
+    const int a = blockIdx.z, p = blockIdx.y;
+    const i64 src[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    const i64 dst[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    i64 sp = s0, dp = d0;
+#pragma unroll
+    for (int i = 1; i < 8; ++i)
+        if (p == i) { sp = src[i]; dp = dst[i]; }
+    U* base = reinterpret_cast<U*>(bases[a]);
+    const i64 nu = row_units[a];
+    const U* s = base + sp * nu;
+    U* o = base + dp * nu;
+    for (i64 u = blockIdx.x * (i64)blockDim.x + threadIdx.x; u < nu; u += (i64)gridDim.x * blockDim.x) o[u] = s[u];
+}

@@ -1,0 +1,677 @@
+"""CUDA kernels vs the NumPy reference (kernels/reference.py), op by op, on random inputs.
+
+Skipped cleanly without CuPy or a GPU. Errors are norm-relative: ||gpu - ref|| / ||ref||.
+
+Bounds:
+- float32 backend: 1e-5 for every op. GEMMs use CUBLAS_COMPUTE_32F_PEDANTIC (no TF32). The delta rule compares the
+  GPU's token-by-token recurrence with the reference's chunked solve (same math, different rounding order).
+- bfloat16 backend: the reference gets the same bf16-rounded inputs (as fp32), so only the GPU's own rounding
+  counts: 1e-2 for GEMMs, norms and elementwise ops (one bf16 rounding of the output is ~2e-3 relative);
+  2e-2 for attention (softmax probabilities are rounded to bf16 before P·V) and for the delta rule and conv
+  (bf16 inputs/outputs over long recurrences). States kept in fp32 are compared at the same bounds.
+
+`python tests/test_cuda_kernels.py --bench` prints a timing table on the real model shapes.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+BF16 = ml_dtypes.bfloat16
+DTYPES = ["float32", "bfloat16"]
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+TOL_SEQ = {"float32": 1e-5, "bfloat16": 2e-2}  # attention, conv, delta rule
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyOps()
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def ops(request):
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def rnd(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def act_round(ops, x):
+    """x rounded to the backend's activation dtype, back as fp32 (what the reference should see)."""
+    return np.asarray(x, np.float32).astype(np.dtype(ops.act_dtype)).astype(np.float32)
+
+
+def host(ops, a):
+    return np.asarray(ops.to_host(a)).astype(np.float32)
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------------
+def test_memory_roundtrip(ops):
+    rng = np.random.default_rng(0)
+    x = rnd(rng, 5, 7)
+    d = ops.upload(x)
+    assert isinstance(d, cupy.ndarray) and d.dtype == np.dtype(ops.act_dtype)
+    back = ops.to_host(d)
+    assert isinstance(back, np.ndarray) and back.dtype == np.dtype(ops.act_dtype)
+    np.testing.assert_array_equal(back.astype(np.float32), act_round(ops, x))
+    f = ops.upload(x, np.float32)
+    assert f.dtype == np.float32 and np.array_equal(ops.to_host(f), x)
+    idx = ops.upload_index([3, 1, 2])
+    assert idx.dtype == np.int32 and ops.to_host(idx).tolist() == [3, 1, 2]
+    z = ops.zeros((2, 3))
+    assert z.dtype == np.dtype(ops.act_dtype) and not ops.to_host(z).astype(np.float32).any()
+    d2 = ops.upload(d, np.float32)  # device -> device conversion is a copy
+    assert d2.dtype == np.float32 and np.array_equal(ops.to_host(d2), act_round(ops, x))
+    ops.synchronize()
+
+
+def test_embed(ops, ref):
+    rng = np.random.default_rng(1)
+    table = act_round(ops, rnd(rng, 50, 48))
+    ids = rng.integers(0, 50, 33).astype(np.int32)
+    got = ops.embed(ops.upload(table), ops.upload_index(ids))
+    assert got.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, got), ref.embed(table, ids)) == 0.0
+
+
+# ---- GEMMs ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t,k,n", [(1, 64, 96), (37, 256, 200), (130, 520, 1030)])
+def test_linear_and_logits(ops, ref, t, k, n):
+    rng = np.random.default_rng(t)
+    x = act_round(ops, rnd(rng, t, k))
+    w = act_round(ops, rnd(rng, n, k, scale=0.05))
+    y = ops.linear(ops.upload(x), ops.upload(w))
+    assert y.shape == (t, n) and y.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, y), ref.linear(x, w)) <= TOL[ops.dtype_name]
+    lg = ops.logits(ops.upload(x), ops.upload(w))
+    assert lg.dtype == np.float32
+    assert rel(ops.to_host(lg), ref.logits(x, w)) <= (1e-5 if ops.dtype_name == "float32" else 2e-3)
+    # a column slice of a wider activation (row stride > k), as the engine passes proj[:, :c]
+    wide = act_round(ops, rnd(rng, t, k + 24))
+    ys = ops.linear(ops.upload(wide)[:, 8:8 + k], ops.upload(w))
+    assert rel(host(ops, ys), ref.linear(wide[:, 8:8 + k], w)) <= TOL[ops.dtype_name]
+
+
+# ---- row norms and elementwise --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [16, 64, 2560])
+def test_rms_norm(ops, ref, d):
+    rng = np.random.default_rng(d)
+    x = act_round(ops, rnd(rng, 19, d, scale=3.0))
+    w = rnd(rng, d) + 1.0
+    got = ops.rms_norm(ops.upload(x), ops.upload(w, np.float32), 1e-6)
+    assert got.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, got), ref.rms_norm(x, w, 1e-6)) <= TOL[ops.dtype_name]
+
+
+def test_norms_on_strided_head_views(ops, ref):
+    """q split out of a [T, H, 2*hd] projection (Qwen3.5's output gate): a view with head stride 2*hd."""
+    rng = np.random.default_rng(3)
+    t, h, hd = 11, 4, 32
+    qg = act_round(ops, rnd(rng, t, h, 2 * hd))
+    w = rnd(rng, hd) + 1.0
+    dq = ops.upload(qg)
+    got = ops.rms_norm(dq[:, :, :hd], ops.upload(w, np.float32), 1e-6)
+    assert rel(host(ops, got), ref.rms_norm(qg[:, :, :hd], w, 1e-6)) <= TOL[ops.dtype_name]
+    got = ops.l2_normalize(dq[:, :, hd:])
+    assert rel(host(ops, got), ref.l2_normalize(qg[:, :, hd:])) <= TOL[ops.dtype_name]
+    # gated norm with the gate a column slice reshaped to heads
+    proj = act_round(ops, rnd(rng, t, 3 * h * hd))
+    x = act_round(ops, rnd(rng, t, h, hd))
+    dproj = ops.upload(proj)
+    gate_d = dproj[:, h * hd:2 * h * hd].reshape(t, h, hd)
+    got = ops.gated_rms_norm(ops.upload(x), gate_d, ops.upload(w, np.float32), 1e-6)
+    want = ref.gated_rms_norm(x, proj[:, h * hd:2 * h * hd].reshape(t, h, hd), w, 1e-6)
+    assert rel(host(ops, got), want) <= TOL[ops.dtype_name]
+
+
+def test_elementwise(ops, ref):
+    rng = np.random.default_rng(4)
+    gu = act_round(ops, rnd(rng, 13, 2 * 40, scale=2.0))
+    got = ops.silu_mul(ops.upload(gu))
+    assert rel(host(ops, got), ref.silu_mul(gu)) <= TOL[ops.dtype_name]
+    a, b = act_round(ops, rnd(rng, 13, 40)), act_round(ops, rnd(rng, 13, 40))
+    got = ops.add(ops.upload(a), ops.upload(b))
+    assert rel(host(ops, got), ref.add(a, b)) <= TOL[ops.dtype_name]
+    bias = rnd(rng, 40)
+    got = ops.add(ops.upload(a), ops.upload(bias, np.float32))
+    assert got.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, got), ref.add(a, bias)) <= TOL[ops.dtype_name]
+    got = ops.sigmoid(ops.upload(a))
+    assert rel(host(ops, got), ref.sigmoid(a)) <= TOL[ops.dtype_name]
+    x = act_round(ops, rnd(rng, 7, 3, 16))
+    got = ops.repeat_heads(ops.upload(x), 4)
+    assert rel(host(ops, got), ref.repeat_heads(x, 4)) == 0.0
+
+
+def test_rotary_in_place_on_view(ops, ref):
+    rng = np.random.default_rng(5)
+    t, h, hd, half = 9, 3, 64, 16  # partial rotary: only the first 32 of 64 dims turn
+    qkv = act_round(ops, rnd(rng, t, h * hd * 2))
+    pos = rng.integers(0, 5000, t).astype(np.int32)
+    inv_freq = (1.0 / (10000.0 ** (np.arange(half, dtype=np.float32) / half))).astype(np.float32)
+    d = ops.upload(qkv)
+    view = d[:, h * hd:].reshape(t, h, hd)  # a strided view into qkv
+    out = ops.rotary(view, ops.upload_index(pos), ops.upload(inv_freq, np.float32))
+    want_full = qkv.copy()
+    want_view = want_full[:, h * hd:].reshape(t, h, hd)
+    ref.rotary(want_view, pos, inv_freq)
+    assert out is view
+    assert rel(host(ops, d), want_full) <= TOL[ops.dtype_name]
+    np.testing.assert_array_equal(host(ops, d)[:, :h * hd], qkv[:, :h * hd])
+
+
+def test_delta_gates(ops, ref):
+    rng = np.random.default_rng(6)
+    t, hv = 17, 6
+    proj = act_round(ops, rnd(rng, t, 50, scale=4.0))
+    proj[0, 30] = 40.0  # softplus's linear branch
+    a_log = rnd(rng, hv)
+    dt_bias = rnd(rng, hv)
+    d = ops.upload(proj)
+    g, beta = ops.delta_gates(d[:, 30:30 + hv], d[:, 20:20 + hv], ops.upload(a_log, np.float32),
+                              ops.upload(dt_bias, np.float32))
+    wg, wb = ref.delta_gates(proj[:, 30:30 + hv], proj[:, 20:20 + hv], a_log, dt_bias)
+    assert g.dtype == np.float32 and beta.dtype == np.float32
+    assert rel(ops.to_host(g), wg) <= 1e-5 and rel(ops.to_host(beta), wb) <= 1e-5
+
+
+# ---- sequence mixing ------------------------------------------------------------------------------------------------
+def _varlen(lens):
+    cu = np.zeros(len(lens) + 1, np.int32)
+    np.cumsum(lens, out=cu[1:])
+    return cu
+
+
+@pytest.mark.parametrize("k", [4, 2])
+def test_causal_conv1d(ops, ref, k):
+    rng = np.random.default_rng(7 + k)
+    lens = [1, 3, 70, 0, 33, 2, 1]
+    cu = _varlen(lens)
+    t, c, nslots = int(cu[-1]), 200, 12
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
+    proj = act_round(ops, rnd(rng, t, c + 40))
+    weight = rnd(rng, c, k, scale=0.5)
+    state = act_round(ops, rnd(rng, nslots, c, k - 1))
+    d_state = ops.upload(state)
+    y = ops.causal_conv1d(ops.upload(proj)[:, :c], ops.upload(weight, np.float32), d_state, ops.upload_index(slots),
+                          ops.upload_index(cu))
+    want_state = state.copy()
+    want = ref.causal_conv1d(proj[:, :c], weight, want_state, slots, cu)
+    assert rel(host(ops, y), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(host(ops, d_state), want_state) <= TOL_SEQ[ops.dtype_name]
+    untouched = np.setdiff1d(np.arange(nslots), slots)
+    np.testing.assert_array_equal(host(ops, d_state)[untouched], state[untouched])
+
+
+def _delta_inputs(rng, ops, lens, h, dk, dv, nslots):
+    cu = _varlen(lens)
+    t = int(cu[-1])
+    q = rnd(rng, t, h, dk)
+    k = rnd(rng, t, h, dk)
+    q /= np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+    k /= np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    q, k = act_round(ops, q), act_round(ops, k)
+    v = act_round(ops, rnd(rng, t, h, dv))
+    g = (-np.abs(rng.standard_normal((t, h))) * 0.3).astype(np.float32)
+    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32)
+    state = rnd(rng, nslots, h, dk, dv, scale=0.3)
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
+    return q, k, v, g, beta, state, slots, cu
+
+
+@pytest.mark.parametrize("h,dk,dv", [(4, 16, 16), (2, 128, 128), (3, 32, 48), (2, 100, 72), (1, 64, 18)])
+def test_gated_delta_rule(ops, ref, h, dk, dv):
+    rng = np.random.default_rng(dk + dv)
+    lens = [1, 5, 64, 65, 130, 0, 1, 17]
+    q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=10)
+    g[cu[4] + 40, 0] = -200.0  # a decay that underflows to 0 inside a long sequence (clears that head's state)
+    d_state = ops.upload(state, np.float32)
+    o = ops.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
+                             ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
+    want_state = state.copy()
+    want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
+    assert o.shape == want.shape and o.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, o), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
+    untouched = np.setdiff1d(np.arange(10), slots)
+    np.testing.assert_array_equal(ops.to_host(d_state)[untouched], state[untouched])
+
+
+GDN_VARIANTS = [("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2), ("cols", 1, False, 2),
+                ("rows", 4, False, 2), ("rows", 4, False, 4)]
+
+
+@pytest.mark.parametrize("variant,cols,transposed,split", GDN_VARIANTS)
+@pytest.mark.parametrize("h,dk,dv", [(2, 128, 128), (3, 64, 40)])
+def test_gated_delta_rule_variants(ops, ref, variant, cols, transposed, split, h, dk, dv):
+    """Every kernel variant (columns per thread, transposed reductions, the one-column "rows" kernel) agrees."""
+    rng = np.random.default_rng(11 + dk)
+    q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, [3, 40, 1, 0, 70], h, dk, dv, nslots=6)
+    old = ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split
+    ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = variant, cols, transposed, split
+    try:
+        d_state = ops.upload(state, np.float32)
+        o = ops.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
+                                 ops.upload(beta, np.float32), d_state, ops.upload_index(slots),
+                                 ops.upload_index(cu))
+    finally:
+        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = old
+    want_state = state.copy()
+    want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
+    assert rel(host(ops, o), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
+
+
+def _paged_case(rng, ops, seqs, hq, hkv, d, bs, strided_q=False):
+    """seqs: list of (context_len after the step, new tokens). Returns host and device inputs."""
+    nblk = [-(-c // bs) for c, _ in seqs]
+    num_blocks = sum(nblk) + 5
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(seqs), max(nblk) + 2), np.int32)
+    at = 0
+    for i, nb in enumerate(nblk):
+        tables[i, :nb] = perm[at:at + nb]
+        at += nb
+    k_cache = act_round(ops, rnd(rng, num_blocks, bs, hkv, d))
+    v_cache = act_round(ops, rnd(rng, num_blocks, bs, hkv, d))
+    lens = [n for _, n in seqs]
+    cu = _varlen(lens)
+    t = int(cu[-1])
+    ctx = np.array([c for c, _ in seqs], np.int32)
+    positions = np.concatenate([np.arange(c - n, c) for c, n in seqs]).astype(np.int64)
+    seq_of = np.repeat(np.arange(len(seqs)), lens)
+    slot_mapping = (tables[seq_of, positions // bs] * bs + positions % bs).astype(np.int32)
+    k_new = act_round(ops, rnd(rng, t, hkv, d))
+    v_new = act_round(ops, rnd(rng, t, hkv, d))
+    if strided_q:
+        qg = act_round(ops, rnd(rng, t, hq, 2 * d))
+        q_host = qg[:, :, :d]
+        q_dev = ops.upload(qg)[:, :, :d]
+    else:
+        q_host = act_round(ops, rnd(rng, t, hq, d))
+        q_dev = ops.upload(q_host)
+    return dict(k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx, cu=cu, slot_mapping=slot_mapping,
+                k_new=k_new, v_new=v_new, q_host=q_host, q_dev=q_dev)
+
+
+ATTN_CASES = [
+    # hq, hkv, d, block_size, window, strided q
+    (8, 2, 64, 16, None, False),
+    (8, 2, 128, 32, None, True),
+    (16, 4, 256, 16, None, False),
+    (4, 4, 32, 64, 5, False),
+    (6, 2, 128, 16, 37, False),
+    (4, 1, 40, 16, None, False),   # head dim outside the tensor-core set: scalar kernel
+    (4, 2, 16, 16, 100, False),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window,strided", ATTN_CASES)
+def test_write_kv_and_paged_attention(ops, ref, hq, hkv, d, bs, window, strided):
+    rng = np.random.default_rng(hq * d + bs)
+    # (context after step, new tokens): decode rows, prefill continuing a cached prefix, fresh prefills,
+    # lengths that are not multiples of the block size or of the 64-row tile
+    seqs = [(1, 1), (77, 1), (200, 1), (150, 70), (33, 33), (130, 2), (64, 64), (300, 1), (97, 20)]
+    c = _paged_case(rng, ops, seqs, hq, hkv, d, bs, strided_q=strided)
+    dk, dv = ops.upload(c["k_cache"]), ops.upload(c["v_cache"])
+    ops.write_kv(dk, dv, ops.upload(c["k_new"]), ops.upload(c["v_new"]), ops.upload_index(c["slot_mapping"]))
+    wk, wv = c["k_cache"].copy(), c["v_cache"].copy()
+    ref.write_kv(wk, wv, c["k_new"], c["v_new"], c["slot_mapping"])
+    np.testing.assert_array_equal(host(ops, dk), wk)
+    np.testing.assert_array_equal(host(ops, dv), wv)
+    scale = d ** -0.5
+    out = ops.paged_attention(c["q_dev"], dk, dv, ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]),
+                              ops.upload_index(c["cu"]), scale, window)
+    want = ref.paged_attention(c["q_host"], wk, wv, c["tables"], c["ctx"], c["cu"], scale, window)
+    assert out.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
+    # every row, not just the norm: no row may be garbage
+    per_row = np.linalg.norm(host(ops, out) - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert per_row.max() <= 10 * TOL_SEQ[ops.dtype_name]
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("warps,bn", [(4, None), (8, None), (8, 32), (4, 32)])
+@pytest.mark.parametrize("decode", [False, True])
+def test_paged_attention_tile_variants(ops, ref, d, warps, bn, decode):
+    """Every tensor-core tile shape (warps per block, keys per tile) on prefill-mixed and decode-only batches."""
+    if bn is not None and d <= 128 and bn != 64:
+        pytest.skip("one key-tile size below 129 dims")
+    rng = np.random.default_rng(d + warps)
+    seqs = [(300, 1), (65, 1), (1, 1), (129, 1)] if decode else [(300, 1), (260, 100), (40, 40), (129, 3)]
+    c = _paged_case(rng, ops, seqs, 8, 2, d, 16)
+    old = dict(ops.attn_warps), dict(ops.attn_bn)
+    ops.attn_warps = {"prefill": warps, "decode": warps}
+    if bn is not None:
+        ops.attn_bn = {d: bn}
+    try:
+        out = ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
+                                  ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
+                                  d ** -0.5, 50 if decode else None)
+    finally:
+        ops.attn_warps, ops.attn_bn = old
+    want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
+                               50 if decode else None)
+    assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
+
+
+def test_copy_rows(ops):
+    rng = np.random.default_rng(12)
+    rec = cupy.asarray(rnd(rng, 9, 3, 8, 8))
+    conv = ops.upload(rnd(rng, 9, 24, 3))
+    odd = cupy.asarray(rng.integers(0, 255, (9, 7), dtype=np.uint8))  # 7-byte rows: byte copies
+    pools = (rec, conv, odd)
+    before = [ops.to_host(a).copy() for a in pools]
+    ops.copy_rows(list(pools), [1, 4], [7, 2])
+    for a, b in zip(pools, before):
+        want = b.copy()
+        want[[7, 2]] = b[[1, 4]]
+        np.testing.assert_array_equal(ops.to_host(a), want)
+    ops.copy_rows([rec, conv], cupy.asarray([0], np.int32), cupy.asarray([5], np.int32))  # device indices
+    np.testing.assert_array_equal(ops.to_host(rec)[5], ops.to_host(rec)[0])
+    np.testing.assert_array_equal(ops.to_host(conv)[5], ops.to_host(conv)[0])
+    big = cupy.asarray(rnd(rng, 20, 5))  # more than 8 pairs: indices uploaded
+    snap_big = ops.to_host(big).copy()
+    ops.copy_rows([big], list(range(9)), list(range(10, 19)))
+    want_big = snap_big.copy()
+    want_big[10:19] = snap_big[:9]
+    np.testing.assert_array_equal(ops.to_host(big), want_big)
+    snap = ops.to_host(conv).copy()
+    ops.copy_rows([conv], [3, 6], [6, 8])  # overlapping: numpy semantics (gather, then scatter)
+    want = snap.copy()
+    want[[6, 8]] = snap[[3, 6]]
+    np.testing.assert_array_equal(ops.to_host(conv), want)
+
+
+def test_cupy_bf16_basics():
+    """What the engine does to bf16 pools and activations outside the ops (CuPy's own bf16 support)."""
+    a = cupy.zeros((4, 3), ml_dtypes.bfloat16)
+    a[1] = 0
+    a[2] = cupy.ones(3, ml_dtypes.bfloat16)
+    b = a * a
+    c = a[cupy.asarray([2, 0])]
+    a[cupy.asarray([3])] = a[cupy.asarray([2])]
+    np.testing.assert_array_equal(cupy.asnumpy(a).astype(np.float32)[[2, 3]], 1.0)
+    assert b.dtype == ml_dtypes.bfloat16 and cupy.asnumpy(c).astype(np.float32)[0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_sample_matches_cpu(ops, ref):
+    rng = np.random.default_rng(13)
+    logits = rnd(rng, 6, 1000, scale=3.0)
+    logits[0, [10, 500]] = 50.0  # a tie: the lower id wins, as numpy.argmax
+    temp = np.array([0.0, 0.7, 0.0, 1.0, 1.3, -1.0])
+    top_k = np.array([0, 50, 0, 0, 5, 0])
+    top_p = np.array([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])
+    min_p = np.array([0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
+    u = rng.random(6)
+    got = ops.sample(cupy.asarray(logits), temp, top_k, top_p, min_p, u)
+    want = ref.sample(logits, temp, top_k, top_p, min_p, u)
+    assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert got[0] == 10
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------------------------------
+def test_graph_replay_matches_eager(ops):
+    """A decode-shaped step (GEMMs through the ctypes cuBLAS, norm, delta rule on the state pool, paged attention,
+    logits) captured once; replay == eager, also after the inputs change in place."""
+    rng = np.random.default_rng(14)
+    b, dmodel, h, dk, hq, hkv, hd, bs = 4, 128, 2, 32, 4, 2, 32, 16
+    x_buf = ops.upload(rnd(rng, b, dmodel))
+    w1 = ops.upload(rnd(rng, 3 * h * dk, dmodel, scale=0.1))
+    w_lm = ops.upload(rnd(rng, 300, h * dk, scale=0.1))
+    norm_w = ops.upload(rnd(rng, h * dk) + 1.0, np.float32)
+    state0 = rnd(rng, 6, h, dk, dk, scale=0.3)
+    state = ops.upload(state0, np.float32)
+    g = ops.upload(-np.abs(rnd(rng, b, h)) * 0.2, np.float32)
+    beta = ops.upload(np.full((b, h), 0.5, np.float32), np.float32)
+    slots = ops.upload_index([5, 0, 3, 1])
+    cu = ops.upload_index(np.arange(b + 1))
+    c = _paged_case(rng, ops, [(40, 1), (17, 1), (64, 1), (5, 1)], hq, hkv, hd, bs)
+    kc, vc = ops.upload(c["k_cache"]), ops.upload(c["v_cache"])
+    tables, ctx = ops.upload_index(c["tables"]), ops.upload_index(c["ctx"])
+    q_att = ops.upload(rnd(rng, b, hq, hd))
+
+    def step():
+        y = ops.linear(x_buf, w1).reshape(b, 3, h, dk)
+        q, k = ops.l2_normalize(y[:, 0]), ops.l2_normalize(y[:, 1])
+        o = ops.gated_delta_rule(q, k, y[:, 2], g, beta, state, slots, cu)
+        o = ops.rms_norm(o.reshape(b, h * dk), norm_w, 1e-6)
+        a = ops.paged_attention(q_att, kc, vc, tables, ctx, cu, hd ** -0.5)
+        return ops.logits(o, w_lm), a
+
+    def eager():
+        state[...] = cupy.asarray(state0)
+        lg, a = step()
+        return cupy.asnumpy(lg), host(ops, a), cupy.asnumpy(state)
+
+    graph = ops.capture(step)
+    for trial in range(2):
+        want = eager()
+        state[...] = cupy.asarray(state0)
+        lg, a = graph.replay()
+        ops.synchronize()
+        got = (cupy.asnumpy(lg), host(ops, a), cupy.asnumpy(state))
+        for gv, wv in zip(got, want):
+            assert rel(gv, wv) <= 1e-6
+        x_buf[...] = ops.upload(rnd(rng, b, dmodel))  # new inputs in place: the graph reads the buffer
+
+
+# ---- whole model: CUDA fp32 vs CPU ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_tiny_model_forward_matches_cpu(model_dirs, family, dtype, tol):
+    """Prefill two prompts, then one decode step, on both backends: logits agree (fp32: 1e-4; bf16 activations
+    through every layer: 5e-2)."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.state import ModelState
+    from prefixrun.kernels.cuda import CudaOps
+
+    results = []
+    for ops in (NumpyOps(), CudaOps(dtype)):
+        model = load_model(model_dirs[family], ops)[0]
+        state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
+        hs = [state.new_sequence(), state.new_sequence()]
+        prompts = [list(range(3, 40)), list(range(100, 105))]
+        outs = [ops.to_host(model.forward(state.prepare_step(hs, prompts), state))]
+        outs.append(ops.to_host(model.forward(state.prepare_step(hs, [[7], [9]]), state)))
+        results.append(outs)
+    for cpu, gpu in zip(*results):
+        assert rel(gpu, cpu) <= tol
+
+
+# ---- timing table (python tests/test_cuda_kernels.py --bench) -------------------------------------------------------
+def _time_ms(fn, iters=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / iters
+
+
+def bench():  # pragma: no cover - device timing, not a test
+    import time
+
+    from prefixrun.kernels import cuda as kc
+
+    t0 = time.perf_counter()
+    kc.compile_all()
+    print(f"compile all kernel modules (NVRTC, cold or disk-cached): {time.perf_counter() - t0:.1f} s")
+    ops = kc.CudaOps("bfloat16")
+    rows = []
+
+    def rnd_dev(*shape, scale=1.0, dtype=BF16):
+        return ops._cast(cupy.random.standard_normal(shape, dtype=np.float32) * scale, dtype)
+
+    # GEMMs
+    x = rnd_dev(8192, 2560)
+    w = rnd_dev(9216 * 2, 2560, scale=0.02)
+    ms = _time_ms(lambda: ops.linear(x, w))
+    rows.append(("linear 8192x2560 @ 18432x2560^T", ms, f"{2 * 8192 * 2560 * 18432 / ms / 1e9:.0f} TFLOP/s"))
+    del x, w
+    xd = rnd_dev(64, 4096)
+    ws = [rnd_dev(4096, 4096, scale=0.02) for _ in range(10)]
+    graph = ops.capture(lambda: [ops.linear(xd, wi) for wi in ws])
+    ms = _time_ms(graph.replay, iters=50)
+    rows.append(("10x linear 64x4096x4096, graph replay", ms,
+                 f"{10 * 4096 * 4096 * 2 / ms / 1e9:.2f} TB/s weights (anchor 81 us)"))
+    ms_e = _time_ms(lambda: [ops.linear(xd, wi) for wi in ws], iters=50)
+    rows.append(("10x linear 64x4096x4096, eager (python launch overhead)", ms_e, ""))
+    try:
+        import torch
+
+        tx = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+        tws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
+        tg = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            [tx @ tw.T for tw in tws]
+        torch.cuda.synchronize()
+        with torch.cuda.graph(tg):
+            [tx @ tw.T for tw in tws]
+        for _ in range(3):
+            tg.replay()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        for _ in range(200):
+            tg.replay()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t1) / 200 * 1e3
+        rows.append(("  same through torch (cublasLt), graph replay, wall clock", ms,
+                     f"{10 * 4096 * 4096 * 2 / ms / 1e9:.2f} TB/s weights"))
+        del tx, tws, tg
+    except Exception as e:  # torch missing or without CUDA
+        rows.append((f"  torch comparison skipped: {type(e).__name__}", 0.0, ""))
+    del xd, ws
+
+    # gated delta rule, 4b-like: 32 value heads x 128 x 128, 32 seqs x 2304 tokens
+    b, L, h, dk = 32, 2304, 32, 128
+    t = b * L
+    q = ops.l2_normalize(rnd_dev(t, h, dk))
+    k = ops.l2_normalize(rnd_dev(t, h, dk))
+    v = rnd_dev(t, h, dk)
+    g = -cupy.abs(cupy.random.standard_normal((t, h), dtype=np.float32)) * 0.1
+    beta = cupy.full((t, h), 0.5, np.float32)
+    state = cupy.zeros((64, h, dk, dk), np.float32)
+    slots = ops.upload_index(np.arange(b))
+    cu = ops.upload_index(np.arange(b + 1) * L)
+    variants = [("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2), ("cols", 1, False, 2),
+                ("rows", 4, False, 2)]
+    default = (ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split)
+
+    def label(vr):
+        return f"{vr[0]}, {vr[1]} cols{', transposed' if vr[2] else ''}" if vr[0] == "cols" else f"rows, split {vr[3]}"
+
+    for vr in variants:
+        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = vr
+        ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
+        rows.append((f"gated delta rule prefill 32x2304, 32 heads 128x128 ({label(vr)})", ms,
+                     f"{t / ms / 1e3:.1f} M tok/s (anchor 4.70 ms)"))
+    del q, k, v
+    bd = 64
+    qd = ops.l2_normalize(rnd_dev(bd, h, dk))
+    kd = ops.l2_normalize(rnd_dev(bd, h, dk))
+    vd = rnd_dev(bd, h, dk)
+    gd = cupy.full((bd, h), -0.05, np.float32)
+    bdt = cupy.full((bd, h), 0.5, np.float32)
+    slots_d = ops.upload_index(np.arange(bd))
+    cu_d = ops.upload_index(np.arange(bd + 1))
+    for vr in variants:
+        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = vr
+        ms = _time_ms(lambda: ops.gated_delta_rule(qd, kd, vd, gd, bdt, state, slots_d, cu_d), iters=50)
+        nbytes = 2 * bd * h * dk * dk * 4
+        rows.append((f"gated delta rule decode batch 64 ({label(vr)})", ms,
+                     f"{nbytes / ms / 1e9:.2f} TB/s state r+w (anchor 109 us)"))
+    ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = default
+    del state
+
+    # conv1d prefill 73728 x 8192, K=4
+    xc = rnd_dev(t, 8192)
+    wc = cupy.random.standard_normal((8192, 4), dtype=np.float32) * 0.3
+    cs = ops.zeros((64, 8192, 3))
+    ms = _time_ms(lambda: ops.causal_conv1d(xc, wc, cs, slots, cu))
+    rows.append(("causal_conv1d 73728 x 8192, K=4", ms, f"{2 * xc.nbytes / ms / 1e9:.2f} TB/s"))
+    xr = rnd_dev(t, 2560)
+    wr = cupy.ones(2560, np.float32)
+    ms = _time_ms(lambda: ops.rms_norm(xr, wr, 1e-6))
+    rows.append(("rms_norm 73728 x 2560", ms, f"{2 * xr.nbytes / ms / 1e9:.2f} TB/s"))
+    del xc, xr
+
+    # attention 32 seqs x 2304 (block 32): 16 q / 4 kv heads x 256 (qwen3.5-4b) and 32 / 8 x 128 (qwen3-4b)
+    bs = 32
+    nblk = L // bs
+    tables = ops.upload_index(np.random.default_rng(0).permutation(b * nblk).reshape(b, nblk).astype(np.int32))
+    ctx = ops.upload_index(np.full(b, L, np.int32))
+    for hq, hkv, hd, configs in ((16, 4, 256, ((8, 64),)), (32, 8, 128, ((4, 64),))):
+        kcache = rnd_dev(b * nblk + 8, bs, hkv, hd)
+        vcache = rnd_dev(b * nblk + 8, bs, hkv, hd)
+        qa = rnd_dev(t, hq, hd)
+        flops = 4 * b * hq * hd * L * (L + 1) / 2
+        for nw, bn in configs:
+            ops.attn_warps["prefill"], ops.attn_bn = nw, {hd: bn}
+            ms = _time_ms(lambda: ops.paged_attention(qa, kcache, vcache, tables, ctx, cu, hd ** -0.5), iters=5,
+                          warmup=1)
+            anchor = " (anchor 2.18 ms)" if hd == 256 else ""
+            rows.append((f"paged attention prefill 32x2304, {hq}/{hkv} heads x {hd}, {nw} warps, {bn} keys", ms,
+                         f"{flops / ms / 1e9:.0f} TFLOP/s{anchor}"))
+        ops.attn_warps["prefill"], ops.attn_bn = None, {}
+        if hd == 256:
+            ms = _time_ms(lambda: ops.paged_attention(qa, kcache, vcache, tables, ctx, cu, hd ** -0.5, 512), iters=5,
+                          warmup=1)
+            rows.append(("  same, sliding window 512, default tiles", ms, ""))
+            qdec = rnd_dev(bd, hq, hd)
+            nb64 = (b * nblk) // bd
+            tables_d = ops.upload_index(np.arange(bd * nb64).reshape(bd, nb64).astype(np.int32))
+            ctx_d = ops.upload_index(np.full(bd, nb64 * bs, np.int32))
+            for nw in (4, 8):
+                ops.attn_warps["decode"] = nw
+                ms = _time_ms(lambda: ops.paged_attention(qdec, kcache, vcache, tables_d, ctx_d, cu_d, hd ** -0.5),
+                              iters=50)
+                kvbytes = 2 * bd * nb64 * bs * hkv * hd * 2
+                rows.append((f"paged attention decode batch 64, ctx {nb64 * bs}, {nw} warps", ms,
+                             f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
+            ops.attn_warps["decode"] = 4
+        del kcache, vcache, qa
+
+    # checkpoint fork of a 4b-like sequence: 24 GDN layers x (fp32 recurrent 2 MiB + bf16 conv 48 KiB)
+    pools = [cupy.zeros((8, 32, 128, 128), np.float32) for _ in range(24)] + [ops.zeros((8, 8192, 3))
+                                                                                for _ in range(24)]
+    ms = _time_ms(lambda: ops.copy_rows(pools, [1], [2]), iters=20)
+    nbytes = 2 * sum(p.nbytes // p.shape[0] for p in pools)
+    rows.append(("copy_rows fork, 48 pools (24 GDN layers), one launch", ms, f"{nbytes / ms / 1e9:.2f} TB/s"))
+
+    print(f"\n{'op':<75} {'ms':>9}  rate")
+    for name, ms, rate in rows:
+        print(f"{name:<75} {ms:>9.4f}  {rate}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--bench" in sys.argv:
+        bench()
+    else:
+        sys.exit(pytest.main([__file__, "-q"]))
