@@ -46,7 +46,7 @@ def _elementwise_names() -> list[str]:
                 names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {wr}>" for tg in _T]
             names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
                       f"cast_kernel<{ti}, {to}>"]
-        names += [f"silu_mul_kernel<{ti}>", f"sigmoid_kernel<{ti}>", f"repeat_heads_kernel<{ti}>",
+        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"sigmoid_kernel<{ti}>", f"repeat_heads_kernel<{ti}>",
                   f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
     names += ["argmax_kernel"]
@@ -381,6 +381,21 @@ class CudaOps:
 
     def silu_mul(self, gate_up):
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
+        return self._glu("silu_mul_kernel", gate_up)
+
+    def gelu_tanh_mul(self, gate_up):
+        """gate_up [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I]"""
+        return self._glu("gelu_tanh_mul_kernel", gate_up)
+
+    def scale(self, x, factor):
+        """x * factor in the storage dtype (factor already rounded to it by the caller)"""
+        return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
+
+    def softcap(self, x, cap):
+        """cap * tanh(x / cap) on fp32 logits"""
+        return (cupy.tanh(x / np.float32(cap)) * np.float32(cap)).astype(x.dtype)
+
+    def _glu(self, kernel_name, gate_up):
         x, rows, d, n1, s0, _ = _rows(gate_up)
         if n1 != 1:
             x = cupy.ascontiguousarray(x)
@@ -388,7 +403,7 @@ class CudaOps:
         inner = d // 2
         out = cupy.empty(x.shape[:-1] + (inner,), x.dtype)
         if rows and inner:
-            _kernel("elementwise", f"silu_mul_kernel<{_tname(x.dtype)}>")(
+            _kernel("elementwise", f"{kernel_name}<{_tname(x.dtype)}>")(
                 (_grid(rows * inner),), (_THREADS,), (x, _i64(rows), _i64(inner), _i64(s0), out))
         return out
 
@@ -589,6 +604,65 @@ class CudaOps:
             kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
             kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common[:7]
                  + (_i32(d), _i32(bs), np.float32(scale), _i32(window), out))
+        return out
+
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale):
+        """Sliding-window attention over per-sequence K/V rings (see NumpyOps.ring_attention for the contract).
+
+        A ring pool [num_slots, W, Hkv, D] is laid out exactly like a paged pool with block size W, and a
+        sequence's position p lives at row p % W of its slot, so attention runs on the paged kernel with a block
+        table that repeats the slot. Decode (one new token per sequence) writes the token first — the row it
+        overwrites, position p - W, is outside the window. Prefill must not overwrite rows its earlier queries
+        still see, so it gathers ring + new rows into a temporary cache (one block per sequence), attends there,
+        and then writes the kept new rows into the ring."""
+        w = k_ring.shape[1]
+        t, nseq = q.shape[0], slots.shape[0]
+        if t == 0:
+            return cupy.empty(q.shape, q.dtype)
+        slots_h, ctx_h, cu_h = (cupy.asnumpy(a).astype(np.int64) for a in (slots, context_lens, cu_seqlens))
+        n_h = cu_h[1:] - cu_h[:-1]
+        start_h = ctx_h - n_h
+        if t == nseq:  # decode: write, then attend with the slot repeated as every block
+            write_at = slots_h * w + start_h % w
+            self.write_kv(k_ring, v_ring, k, v, self.upload_index(write_at))
+            nblk = int(-(-ctx_h.max() // w))
+            tables = np.repeat(slots_h[:, None], nblk, axis=1)
+            return self.paged_attention(q, k_ring, v_ring, self.upload_index(tables), context_lens, cu_seqlens,
+                                        scale, sliding_window=w)
+        first_h = np.maximum(0, start_h - w + 1)  # earliest position a new query can see
+        local_len = ctx_h - first_h
+        width = int(local_len.max())
+        hkv, d = k.shape[1], k.shape[2]
+        tmp_k = cupy.zeros((nseq, width, hkv, d), k_ring.dtype)
+        tmp_v = cupy.zeros((nseq, width, hkv, d), v_ring.dtype)
+        # host-built gather maps: (sequence, local row) <- ring row or new row
+        ring_dst, ring_src, new_dst, new_src = [], [], [], []
+        for b in range(nseq):
+            prev = np.arange(first_h[b], start_h[b])
+            ring_dst.append(b * width + (prev - first_h[b]))
+            ring_src.append(slots_h[b] * w + prev % w)
+            new = np.arange(start_h[b], ctx_h[b])
+            new_dst.append(b * width + (new - first_h[b]))
+            new_src.append(cu_h[b] + new - start_h[b])
+        flat = lambda a: a.reshape((-1,) + a.shape[-2:])
+        ring_dst, ring_src = np.concatenate(ring_dst), np.concatenate(ring_src)
+        new_dst, new_src = self.upload_index(np.concatenate(new_dst)), self.upload_index(np.concatenate(new_src))
+        if ring_dst.size:
+            rd, rs = self.upload_index(ring_dst), self.upload_index(ring_src)
+            flat(tmp_k)[rd] = flat(k_ring)[rs]
+            flat(tmp_v)[rd] = flat(v_ring)[rs]
+        flat(tmp_k)[new_dst] = k[new_src].astype(k_ring.dtype)
+        flat(tmp_v)[new_dst] = v[new_src].astype(v_ring.dtype)
+        tables = self.upload_index(np.arange(nseq)[:, None])
+        out = self.paged_attention(q, tmp_k, tmp_v, tables, self.upload_index(local_len), cu_seqlens, scale,
+                                   sliding_window=w)
+        keep_src, keep_at = [], []
+        for b in range(nseq):
+            kept = np.arange(max(start_h[b], ctx_h[b] - w), ctx_h[b])
+            keep_src.append(cu_h[b] + kept - start_h[b])
+            keep_at.append(slots_h[b] * w + kept % w)
+        keep_src = self.upload_index(np.concatenate(keep_src))
+        self.write_kv(k_ring, v_ring, k[keep_src], v[keep_src], self.upload_index(np.concatenate(keep_at)))
         return out
 
     # ---- state copies -------------------------------------------------------------------------------------------

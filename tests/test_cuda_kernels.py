@@ -165,6 +165,43 @@ def test_elementwise(ops, ref):
     assert rel(host(ops, got), ref.repeat_heads(x, 4)) == 0.0
 
 
+def test_gemma_elementwise(ops, ref):
+    rng = np.random.default_rng(14)
+    gu = act_round(ops, rnd(rng, 9, 2 * 24, scale=2.0))
+    assert rel(host(ops, ops.gelu_tanh_mul(ops.upload(gu))), ref.gelu_tanh_mul(gu)) <= TOL[ops.dtype_name]
+    x = act_round(ops, rnd(rng, 9, 24))
+    factor = np.asarray(24 ** 0.5, dtype=ops.act_dtype)
+    assert rel(host(ops, ops.scale(ops.upload(x), factor)), ref.scale(x, np.float32(factor))) <= TOL[ops.dtype_name]
+    lg = rnd(rng, 3, 50, scale=40.0)
+    got = ops.softcap(ops.upload(lg, np.float32), 30.0)
+    assert rel(cupy.asnumpy(got), ref.softcap(lg, 30.0)) <= 1e-5
+
+
+@pytest.mark.parametrize("lens,window", [([1, 1, 1], 8), ([5, 17, 1, 30], 8), ([3, 8, 9], 8), ([40, 2], 16)])
+def test_ring_attention(ops, ref, lens, window):
+    """Prefill pieces and decode steps over per-sequence rings, starting from rings already holding history
+    (positions before the step), against the NumPy reference; the rings must end up identical too."""
+    rng = np.random.default_rng(sum(lens) + window)
+    hq, hkv, d, nslots = 4, 2, 32, 6
+    slots = np.array([4, 1, 3, 0][:len(lens)], np.int32)
+    past = np.array([0, 11, 3, 25][:len(lens)], np.int64)  # tokens already in each ring
+    ctx = (past + np.array(lens)).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    q = act_round(ops, rnd(rng, t, hq, d))
+    k = act_round(ops, rnd(rng, t, hkv, d))
+    v = act_round(ops, rnd(rng, t, hkv, d))
+    k_ring = act_round(ops, rnd(rng, nslots, window, hkv, d))
+    v_ring = act_round(ops, rnd(rng, nslots, window, hkv, d))
+    want_k, want_v = k_ring.copy(), v_ring.copy()
+    want = ref.ring_attention(q, k, v, want_k, want_v, slots, cu, ctx, 0.17)
+    dk, dv = ops.upload(k_ring), ops.upload(v_ring)
+    got = ops.ring_attention(ops.upload(q), ops.upload(k), ops.upload(v), dk, dv, ops.upload_index(slots),
+                             ops.upload_index(cu), ops.upload_index(ctx), 0.17)
+    assert rel(host(ops, got), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(host(ops, dk), want_k) <= TOL[ops.dtype_name] and rel(host(ops, dv), want_v) <= TOL[ops.dtype_name]
+
+
 def test_rotary_in_place_on_view(ops, ref):
     rng = np.random.default_rng(5)
     t, h, hd, half = 9, 3, 64, 16  # partial rotary: only the first 32 of 64 dims turn
@@ -480,8 +517,8 @@ def test_graph_replay_matches_eager(ops):
 
 # ---- whole model: CUDA fp32 vs CPU ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
-def test_tiny_model_forward_matches_cpu(model_dirs, family, dtype, tol):
+@pytest.mark.parametrize("family", ["qwen3_5", "llama", "gemma3"])
+def test_tiny_model_forward_matches_cpu(model_dirs, gemma_dir, family, dtype, tol):
     """Prefill two prompts, then one decode step, on both backends: logits agree (fp32: 1e-4; bf16 activations
     through every layer: 5e-2)."""
     from prefixrun.engine.models import load_model
@@ -489,8 +526,9 @@ def test_tiny_model_forward_matches_cpu(model_dirs, family, dtype, tol):
     from prefixrun.kernels.cuda import CudaOps
 
     results = []
+    path = gemma_dir if family == "gemma3" else model_dirs[family]
     for ops in (NumpyOps(), CudaOps(dtype)):
-        model = load_model(model_dirs[family], ops)[0]
+        model = load_model(path, ops)[0]
         state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
         hs = [state.new_sequence(), state.new_sequence()]
         prompts = [list(range(3, 40)), list(range(100, 105))]
@@ -499,6 +537,44 @@ def test_tiny_model_forward_matches_cpu(model_dirs, family, dtype, tol):
         results.append(outs)
     for cpu, gpu in zip(*results):
         assert rel(gpu, cpu) <= tol
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    from prefixrun.engine.model_maker import make_model_dir
+    from test_gemma3 import TINY_GEMMA3
+
+    return make_model_dir(tmp_path_factory.mktemp("gemma3"), TINY_GEMMA3, seed=5, init_std=0.05)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3", "gemma3"])
+def test_engine_cache_invariance_on_gpu(model_dirs, gemma_dir, family):
+    """fp32 on the GPU: greedy tokens identical with reuse on and off, batched and alone."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("float32")
+    model = load_model(gemma_dir if family == "gemma3" else model_dirs[family], ops)[0]
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 500, 50).tolist()
+    prompts = [base[:n] + rng.integers(0, 500, 6).tolist() for n in (3, 7, 8, 9, 30, 50)] + [base, base, [5]]
+
+    def run(opts, subset=None):
+        eng = Engine(model, ops, options=opts)
+        reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0), i) for i, p in enumerate(prompts)
+                if subset is None or i in subset]
+        out = {r.custom_id: r.token_ids for r in eng.run(reqs)}
+        eng.close()
+        eng.check_invariants()
+        return out
+
+    small = dict(state_memory_bytes=64 << 20, checkpoint_budget_bytes=16 << 20)
+    off = run(EngineOptions(reuse=False, **small))
+    assert run(EngineOptions(**small)) == off
+    assert run(EngineOptions(max_batch=2, max_prefill_tokens=7, **small)) == off
+    assert run(EngineOptions(**small), subset={4}) == {"r4": off["r4"]}
 
 
 # ---- timing table (python tests/test_cuda_kernels.py --bench) -------------------------------------------------------
