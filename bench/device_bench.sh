@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PREFIXRUN_CACHE_DIR=/tmp/prefixrun-cache
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
+python3 -m pip install -q --no-deps -e . >/dev/null 2>&1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -15,7 +15,8 @@ W=.bench-shared/workloads.py
 python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/shared-system.jsonl
 python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/doc-qa.jsonl
 for m in $MODELS; do
-  prefixrun make-model /tmp/$m --config .bench-shared/models/$m.json --seed 0 || exit 1
+  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+  [ -f /tmp/$m/config.json ] || prefixrun make-model /tmp/$m --config "$cfg" --seed 0 || exit 1
   for w in shared-system doc-qa; do
     prefixrun bench /tmp/$w.jsonl --model /tmp/$m --device cuda ${BENCH_FLAGS:-} --json "$OUT/$m-$w.json" \
       2>&1 | tail -40

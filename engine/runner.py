@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from prefixrun.engine.checkpoints import CheckpointEntry, CheckpointPool
+from prefixrun.engine.decode_graphs import DecodeGraphs
 from prefixrun.engine.plan import TrieNode, build_trie, distinct_tokens
 from prefixrun.engine.request import Request, Result, Usage
 from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle
@@ -33,6 +34,7 @@ class EngineOptions:
     reuse: bool = True  # False: every request prefilled from scratch (the baseline)
     retain_block: int = 256  # also keep block-aligned checkpoints of shared prefixes every this many tokens (0 off)
     run_seed: int = 0  # randomness of requests without a seed
+    decode_graphs: bool = True  # replay decode steps as CUDA graphs where the backend can capture them
 
     def __post_init__(self):
         for name in ("max_batch", "max_prefill_tokens", "block_size", "state_memory_bytes"):
@@ -114,6 +116,8 @@ class Engine:
         num_blocks = max(64, rest // max(block_bytes, 1)) if block_bytes else 1
         self.state = ModelState(specs, ops, num_slots, int(num_blocks), options.block_size)
         self.pool = CheckpointPool(self.state, options.checkpoint_budget_bytes if options.reuse else 0)
+        self.decoder = DecodeGraphs(model, self.state, ops, options.max_batch)
+        self.decoder.enabled = self.decoder.enabled and options.decode_graphs
         if persist is not None:
             self.pool.on_evict = lambda e: persist.offer(e.tokens, self.state, e.handle, e.logits)
         self.stats = RunStats()
@@ -143,6 +147,7 @@ class Engine:
             if self.persist is not None and e.origin == "memory":
                 self.persist.offer(e.tokens, self.state, e.handle, e.logits)
         self.pool.clear()
+        self.decoder.close()
         if self.persist is not None:
             self.persist.flush()
 
@@ -388,8 +393,7 @@ class _Window:
         batch = self.decoding[:e.opts.max_batch]
         e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
-        fb = e.state.prepare_step([d.handle for d in batch], [[d.tokens[-1]] for d in batch])
-        out = e.model.forward(fb, e.state)
+        out = e.decoder.step([d.handle for d in batch], [d.tokens[-1] for d in batch])  # [B, V]
         ids = self._sample(batch, out)
         e.stats.decode_seconds += time.perf_counter() - t0
         e.stats.decode_steps += 1

@@ -177,6 +177,30 @@ def layout_digest(specs: list[RegionSpec], ops) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+_BATCH_FIELDS = ("token_ids", "positions", "cu_seqlens", "slots", "block_tables", "context_lens", "kv_write_index",
+                 "last_token_index")
+
+
+def pack_step_arrays(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """All index arrays of a step in one int32 buffer, so a step costs one host-to-device copy."""
+    return np.concatenate([np.ascontiguousarray(arrays[f], np.int32).ravel() for f in _BATCH_FIELDS])
+
+
+def batch_views(device_buffer, arrays: dict[str, np.ndarray]) -> dict:
+    """Views of a packed device buffer with the shapes of `arrays`."""
+    views, off = {}, 0
+    for f in _BATCH_FIELDS:
+        n = arrays[f].size
+        views[f] = device_buffer[off:off + n].reshape(arrays[f].shape)
+        off += n
+    return views
+
+
+def batch_from_host(arrays: dict[str, np.ndarray], upload_index) -> ForwardBatch:
+    return ForwardBatch(**batch_views(upload_index(pack_step_arrays(arrays)), arrays),
+                        host_cu_seqlens=arrays["cu_seqlens"], host_context_lens=arrays["context_lens"])
+
+
 class ModelState:
     """The preallocated state pools of one model, and the operations on handles into them."""
 
@@ -270,6 +294,11 @@ class ModelState:
 
     def prepare_step(self, handles: list[StateHandle], new_tokens: list[list[int]]) -> ForwardBatch:
         """Reserve room for each handle's new tokens and build the step's index arrays. Lengths advance."""
+        return batch_from_host(self.step_arrays(handles, new_tokens), self.ops.upload_index)
+
+    def step_arrays(self, handles: list[StateHandle], new_tokens: list[list[int]],
+                    table_width: int | None = None) -> dict[str, np.ndarray]:
+        """The host int32 index arrays of a step (see ForwardBatch); reserves blocks and advances lengths."""
         for h, toks in zip(handles, new_tokens):
             self.reserve(h, h.length + len(toks))
         lens = np.array([len(t) for t in new_tokens], np.int64)
@@ -277,23 +306,20 @@ class ModelState:
         np.cumsum(lens, out=cu[1:])
         starts = np.array([h.length for h in handles], np.int64)
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int32)
-        max_blocks = max(1, max(len(h.blocks) for h in handles))
-        tables = np.zeros((len(handles), max_blocks), np.int32)
+        width = table_width or max(1, max(len(h.blocks) for h in handles))
+        tables = np.zeros((len(handles), width), np.int32)
         for i, h in enumerate(handles):
             tables[i, :len(h.blocks)] = h.blocks
         seq_of_token = np.repeat(np.arange(len(handles)), lens)
         write_index = (tables[seq_of_token, positions // self.block_size] * self.block_size
                        + positions % self.block_size).astype(np.int32)
-        context = (starts + lens).astype(np.int32)
         for h, n in zip(handles, lens):
             h.length += int(n)
-        up = self.ops.upload_index
-        return ForwardBatch(
-            token_ids=up(np.concatenate([np.asarray(t, np.int64) for t in new_tokens]).astype(np.int32)),
-            positions=up(positions), cu_seqlens=up(cu), slots=up(np.array([h.slot for h in handles], np.int32)),
-            block_tables=up(tables), context_lens=up(context), kv_write_index=up(write_index),
-            last_token_index=up(cu[1:] - 1), host_cu_seqlens=cu, host_context_lens=context,
-        )
+        return {"token_ids": np.concatenate([np.asarray(t, np.int64) for t in new_tokens]).astype(np.int32),
+                "positions": positions, "cu_seqlens": cu,
+                "slots": np.array([h.slot for h in handles], np.int32), "block_tables": tables,
+                "context_lens": (starts + lens).astype(np.int32), "kv_write_index": write_index,
+                "last_token_index": (cu[1:] - 1).astype(np.int32)}
 
     # ---- export / import (the persistent cache's view of a handle) ----------------------------------------
     def export(self, h: StateHandle) -> dict[str, np.ndarray]:

@@ -295,6 +295,10 @@ class CudaOps:
     def upload_index(self, host_array):
         return _index(host_array)
 
+    def write_index(self, dst, host_array):
+        """Overwrite an existing device index buffer in place with host data (one copy on the current stream)."""
+        dst.set(np.ascontiguousarray(host_array, dtype=np.int32).reshape(dst.shape))
+
     def to_host(self, array) -> np.ndarray:
         if isinstance(array, cupy.ndarray):
             if array.dtype == BF16:
@@ -606,7 +610,7 @@ class CudaOps:
                  + (_i32(d), _i32(bs), np.float32(scale), _i32(window), out))
         return out
 
-    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale):
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
         """Sliding-window attention over per-sequence K/V rings (see NumpyOps.ring_attention for the contract).
 
         A ring pool [num_slots, W, Hkv, D] is laid out exactly like a paged pool with block size W, and a
@@ -619,16 +623,16 @@ class CudaOps:
         t, nseq = q.shape[0], slots.shape[0]
         if t == 0:
             return cupy.empty(q.shape, q.dtype)
+        if t == nseq:  # decode: write, then attend with the slot repeated as every block (no host sync)
+            slots_d = _index(slots).astype(cupy.int32)
+            ctx_d = _index(context_lens).astype(cupy.int32)
+            self.write_kv(k_ring, v_ring, k, v, slots_d * w + (ctx_d - 1) % w)
+            nblk = -(-int(max_context) // w)
+            tables = cupy.ascontiguousarray(cupy.broadcast_to(slots_d[:, None], (nseq, nblk)))
+            return self.paged_attention(q, k_ring, v_ring, tables, context_lens, cu_seqlens, scale,
+                                        sliding_window=w)
         slots_h, ctx_h, cu_h = (cupy.asnumpy(a).astype(np.int64) for a in (slots, context_lens, cu_seqlens))
-        n_h = cu_h[1:] - cu_h[:-1]
-        start_h = ctx_h - n_h
-        if t == nseq:  # decode: write, then attend with the slot repeated as every block
-            write_at = slots_h * w + start_h % w
-            self.write_kv(k_ring, v_ring, k, v, self.upload_index(write_at))
-            nblk = int(-(-ctx_h.max() // w))
-            tables = np.repeat(slots_h[:, None], nblk, axis=1)
-            return self.paged_attention(q, k_ring, v_ring, self.upload_index(tables), context_lens, cu_seqlens,
-                                        scale, sliding_window=w)
+        start_h = ctx_h - (cu_h[1:] - cu_h[:-1])
         first_h = np.maximum(0, start_h - w + 1)  # earliest position a new query can see
         local_len = ctx_h - first_h
         width = int(local_len.max())

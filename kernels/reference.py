@@ -35,6 +35,10 @@ class NumpyOps:
     def upload_index(self, host_array):
         return np.ascontiguousarray(host_array, dtype=np.int32)
 
+    def write_index(self, dst, host_array):
+        """Overwrite an existing index buffer in place (graph inputs are updated this way)."""
+        dst[...] = host_array
+
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
@@ -221,8 +225,9 @@ class NumpyOps:
             out[s:e] = (p @ vv).transpose(1, 0, 2)
         return out.astype(self.act_dtype)
 
-    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale):
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
         """Sliding-window causal attention whose past K/V live in per-sequence rings, then the ring update.
+        (`max_context` bounds positions; backends that index rings like paged blocks size their tables by it.)
 
         q [T, Hq, D]; k, v [T, Hkv, D] (the new rows); k_ring/v_ring [num_slots, W, Hkv, D] hold position p at
         row p % W for the W positions before the step. A query at position p sees keys in (p - W, p]. After the

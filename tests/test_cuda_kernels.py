@@ -194,10 +194,10 @@ def test_ring_attention(ops, ref, lens, window):
     k_ring = act_round(ops, rnd(rng, nslots, window, hkv, d))
     v_ring = act_round(ops, rnd(rng, nslots, window, hkv, d))
     want_k, want_v = k_ring.copy(), v_ring.copy()
-    want = ref.ring_attention(q, k, v, want_k, want_v, slots, cu, ctx, 0.17)
+    want = ref.ring_attention(q, k, v, want_k, want_v, slots, cu, ctx, 0.17, 4096)
     dk, dv = ops.upload(k_ring), ops.upload(v_ring)
     got = ops.ring_attention(ops.upload(q), ops.upload(k), ops.upload(v), dk, dv, ops.upload_index(slots),
-                             ops.upload_index(cu), ops.upload_index(ctx), 0.17)
+                             ops.upload_index(cu), ops.upload_index(ctx), 0.17, 4096)
     assert rel(host(ops, got), want) <= TOL_SEQ[ops.dtype_name]
     assert rel(host(ops, dk), want_k) <= TOL[ops.dtype_name] and rel(host(ops, dv), want_v) <= TOL[ops.dtype_name]
 

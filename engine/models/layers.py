@@ -124,9 +124,10 @@ class SlidingWindowAttention(Attention):
     """Attention over the last `window` positions only. Its K/V state is a ring of `window` rows per sequence
     (memory independent of prompt length), copied whole on fork like a recurrent state."""
 
-    def __init__(self, *args, window: int, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, cfg: DecoderConfig, *args, window: int, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
         self.window = window
+        self.max_context = cfg.max_position_embeddings
 
     def state_specs(self) -> list[RegionSpec]:
         shape = (self.window, self.hkv, self.hd)
@@ -135,7 +136,7 @@ class SlidingWindowAttention(Attention):
 
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
         return ops.ring_attention(q, k, v, state.arrays[self.k_region], state.arrays[self.v_region], batch.slots,
-                                  batch.cu_seqlens, batch.context_lens, self.scale)
+                                  batch.cu_seqlens, batch.context_lens, self.scale, self.max_context)
 
 
 class GatedDeltaNet:
