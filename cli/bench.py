@@ -87,6 +87,8 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
         "decode_seconds": round(stats["decode_seconds"], 4), "decode_steps": stats["decode_steps"],
         "decode_step_ms": round(1e3 * stats["decode_seconds"] / decode_steps, 3),
         "decode_roofline_step_ms": round(1e3 * step_bytes / HBM_BYTES_PER_S, 3),
+        "decode_graphs": {"enabled": engine.decoder.enabled, "captures": engine.decoder.captures,
+                          "replays": engine.decoder.replays},
         "decode_fraction_of_roofline": round((step_bytes / HBM_BYTES_PER_S) / (stats["decode_seconds"] / decode_steps), 3)
         if stats["decode_seconds"] else None,
     }
