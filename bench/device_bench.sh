@@ -13,7 +13,8 @@ if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
 fi
 prefixrun() { python3 -m prefixrun.cli.app "$@"; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 MODELS=${MODELS:-"qwen3_5-0.8b-like qwen3_5-4b-like"}
