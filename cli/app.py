@@ -237,6 +237,7 @@ def bench(
     compare_transformers: Annotated[bool, typer.Option(help="also time transformers on the same workload")] = False,
     transformers_batch: Annotated[int, typer.Option(help="requests per transformers generate() call")] = 32,
     repeat: Annotated[int, typer.Option(help="timed repetitions (the best is reported)")] = 1,
+    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="replay decode steps as CUDA graphs")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the figures as JSON here")] = None,
 ):
     """Time a workload: wall time, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM
@@ -244,7 +245,8 @@ def bench(
     from prefixrun.cli.bench import run_bench
 
     figures = run_bench(workload, model, device=device, dtype=dtype, max_batch=max_batch, reuse=not no_reuse,
-                        transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat)
+                        transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat,
+                        graphs=graphs)
     text = json.dumps(figures, indent=2)
     print(text)
     if json_out is not None:

@@ -33,7 +33,7 @@ def state_bytes_per_sequence(model, ops) -> int:
 
 
 def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
-              transformers_batch: int, compare: bool, repeat: int) -> dict:
+              transformers_batch: int, compare: bool, repeat: int, graphs: bool = True) -> dict:
     from prefixrun.engine import loader
     from prefixrun.engine.request import Request, SamplingParams
     from prefixrun.engine.runner import Engine, EngineOptions
@@ -53,7 +53,8 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
         state_mem = int(free * 0.6)
     opts = EngineOptions(max_batch=max_batch, reuse=reuse, max_prefill_tokens=16384,
                          state_memory_bytes=state_mem or (1 << 30),
-                         checkpoint_budget_bytes=(state_mem or (1 << 30)) // 3, block_size=64 if ops.name == "cuda" else 16)
+                         checkpoint_budget_bytes=(state_mem or (1 << 30)) // 3, block_size=64 if ops.name == "cuda" else 16,
+                         decode_graphs=graphs)
     engine = Engine(model, ops, eos_token_ids=loaded.eos_token_ids, options=opts)
     # warm-up on the first few requests (kernel compilation, cuBLAS heuristics)
     list(engine.run(requests()[:2]))
@@ -78,7 +79,7 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
     step_bytes = weight_bytes + 2 * max_batch * state_bytes_per_sequence(model, ops)  # state read + write
     out = {
         "workload": str(workload), "model": str(model_dir), "device": ops.name, "dtype": ops.dtype_name,
-        "requests": len(lines), "wall_seconds": round(wall, 4),
+        "requests": len(lines), "reuse": reuse, "wall_seconds": round(wall, 4),
         "prompt_tokens": stats["prompt_tokens"], "distinct_prefix_tokens": stats["distinct_prefix_tokens"],
         "computed_prompt_tokens": stats["computed_prompt_tokens"], "completion_tokens": stats["completion_tokens"],
         "prefill_seconds": round(prefill_s, 4), "prefill_tokens_per_second": round(stats["computed_prompt_tokens"] / prefill_s),

@@ -378,7 +378,9 @@ class _Window:
     def _sample(self, decs: list[_Decoder], logits) -> list[int]:
         sp = [d.request.sampling for d in decs]
         temps = np.array([s.temperature if not s.greedy else 0.0 for s in sp], np.float32)
-        uniforms = np.array([request_uniform(self._seed_of(d), len(d.tokens)) for d in decs], np.float64)
+        # greedy rows need no randomness (and a batch of them skips the per-row hashing entirely)
+        uniforms = np.array([request_uniform(self._seed_of(d), len(d.tokens)) if t > 0 else 0.0
+                             for d, t in zip(decs, temps)], np.float64)
         ids = self.e.ops.sample(logits, temps, np.array([max(s.top_k, 0) for s in sp]),
                                 np.array([s.top_p for s in sp]), np.array([s.min_p for s in sp]), uniforms)
         return [int(i) for i in ids]

@@ -305,7 +305,8 @@ class ModelState:
         cu = np.zeros(len(handles) + 1, np.int32)
         np.cumsum(lens, out=cu[1:])
         starts = np.array([h.length for h in handles], np.int64)
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int32)
+        # position of every new token: its sequence's start plus its offset inside the sequence's piece
+        positions = (np.repeat(starts - cu[:-1], lens) + np.arange(int(cu[-1]))).astype(np.int32)
         width = table_width or max(1, max(len(h.blocks) for h in handles))
         tables = np.zeros((len(handles), width), np.int32)
         for i, h in enumerate(handles):
@@ -315,7 +316,8 @@ class ModelState:
                        + positions % self.block_size).astype(np.int32)
         for h, n in zip(handles, lens):
             h.length += int(n)
-        return {"token_ids": np.concatenate([np.asarray(t, np.int64) for t in new_tokens]).astype(np.int32),
+        token_ids = np.fromiter((t for toks in new_tokens for t in toks), np.int64, int(cu[-1]))
+        return {"token_ids": token_ids.astype(np.int32),
                 "positions": positions, "cu_seqlens": cu,
                 "slots": np.array([h.slot for h in handles], np.int32), "block_tables": tables,
                 "context_lens": (starts + lens).astype(np.int32), "kv_write_index": write_index,
