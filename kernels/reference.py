@@ -197,8 +197,7 @@ class NumpyOps:
         `sliding_window` W: a query at position p sees keys in (p - W, p]. Returns [T, Hq, D].
         """
         bs = k_cache.shape[1]
-        hq, hkv = q.shape[1], k_cache.shape[2]
-        rep = hq // hkv
+        hkv = k_cache.shape[2]
         out = np.empty(q.shape, np.float32)
         for b in range(len(context_lens)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
@@ -207,22 +206,9 @@ class NumpyOps:
             ctx = int(context_lens[b])
             nblk = -(-ctx // bs)
             blocks = block_tables[b, :nblk]
-            kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx].astype(np.float32)  # [ctx, Hkv, D]
-            vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx].astype(np.float32)
-            kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [Hq, D, ctx]
-            vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [Hq, ctx, D]
-            qq = q[s:e].astype(np.float32).transpose(1, 0, 2)  # [Hq, n, D]
-            scores = (qq @ kk) * scale  # [Hq, n, ctx]
-            qpos = np.arange(ctx - (e - s), ctx)[:, None]
-            kpos = np.arange(ctx)[None, :]
-            visible = kpos <= qpos
-            if sliding_window is not None:
-                visible &= kpos > qpos - sliding_window
-            scores = np.where(visible[None], scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[s:e] = (p @ vv).transpose(1, 0, 2)
+            kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]  # [ctx, Hkv, D]
+            vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]
+            out[s:e] = _attend(q[s:e], kk, vv, np.arange(ctx - (e - s), ctx), np.arange(ctx), scale, sliding_window)
         return out.astype(self.act_dtype)
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
@@ -234,8 +220,6 @@ class NumpyOps:
         attention the new rows are written into the rings (the last W of them). Returns [T, Hq, D].
         """
         w = k_ring.shape[1]
-        hq, hkv = q.shape[1], k.shape[1]
-        rep = hq // hkv
         out = np.empty(q.shape, np.float32)
         for b in range(len(slots)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
@@ -245,19 +229,10 @@ class NumpyOps:
             start = ctx - (e - s)
             prev = np.arange(max(0, start - w + 1), start)  # the ring rows a new query can still see
             slot = slots[b]
-            kk = np.concatenate([k_ring[slot][prev % w], k[s:e]]).astype(np.float32)  # [P + n, Hkv, D]
-            vv = np.concatenate([v_ring[slot][prev % w], v[s:e]]).astype(np.float32)
-            kpos = np.concatenate([prev, np.arange(start, ctx)])[None, :]
-            qpos = np.arange(start, ctx)[:, None]
-            visible = (kpos <= qpos) & (kpos > qpos - w)
-            kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [Hq, D, P + n]
-            vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [Hq, P + n, D]
-            scores = (q[s:e].astype(np.float32).transpose(1, 0, 2) @ kk) * scale
-            scores = np.where(visible[None], scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[s:e] = (p @ vv).transpose(1, 0, 2)
+            kk = np.concatenate([k_ring[slot][prev % w], k[s:e]])  # [P + n, Hkv, D]
+            vv = np.concatenate([v_ring[slot][prev % w], v[s:e]])
+            kpos = np.concatenate([prev, np.arange(start, ctx)])
+            out[s:e] = _attend(q[s:e], kk, vv, np.arange(start, ctx), kpos, scale, w)
             keep = np.arange(max(start, ctx - w), ctx)  # the new positions the ring keeps
             k_ring[slot][keep % w] = k[s + keep - start]
             v_ring[slot][keep % w] = v[s + keep - start]
@@ -283,6 +258,24 @@ class NumpyOps:
                 out[b] = filtered_sample_index(row, float(temperature[b]), int(top_k[b]), float(top_p[b]),
                                                float(min_p[b]), float(uniforms[b]))
         return out
+
+
+def _attend(q, k, v, qpos, kpos, scale, window=None):
+    """Softmax attention of queries q [n, Hq, D] at positions qpos [n] over keys/values k, v [m, Hkv, D] at
+    positions kpos [m]: causal (key position <= query position) and, with `window` W, within (p - W, p]. GQA:
+    query head h reads kv head h // (Hq // Hkv). Returns fp32 [n, Hq, D]."""
+    rep = q.shape[1] // k.shape[1]
+    kk = np.repeat(k.astype(np.float32), rep, axis=1).transpose(1, 2, 0)  # [Hq, D, m]
+    vv = np.repeat(v.astype(np.float32), rep, axis=1).transpose(1, 0, 2)  # [Hq, m, D]
+    scores = (q.astype(np.float32).transpose(1, 0, 2) @ kk) * scale  # [Hq, n, m]
+    visible = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        visible &= kpos[None, :] > qpos[:, None] - window
+    scores = np.where(visible[None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return (p @ vv).transpose(1, 0, 2)
 
 
 def _delta_step(q, k, v, g, beta, S):
