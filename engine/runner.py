@@ -91,7 +91,7 @@ class _Decoder:
     handle: StateHandle
     detok: object
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    stop_text: str | None = None  # the text cut before a stop string, once one appeared
     done: str | None = None
 
     @property
@@ -169,6 +169,7 @@ class _Window:
     def __init__(self, engine: Engine, requests: list[Request], root: TrieNode):
         self.e = engine
         self.requests = requests
+        self._index_of = {id(r): i for i, r in enumerate(requests)}
         self.computed = [0] * len(requests)  # prompt tokens computed on behalf of each request
         self.from_disk = [0] * len(requests)
         self.decoding: list[_Decoder] = []
@@ -418,7 +419,7 @@ class _Window:
                 text = d.detok.text
                 hits = [text.find(s) for s in sp.stop if s in text]
                 if hits:
-                    d.text = text[:min(hits)]
+                    d.stop_text = text[:min(hits)]
                     d.done = "stop"
                     return
         if len(d.tokens) >= sp.max_tokens or d.handle.length + 1 >= self.e.max_context:
@@ -427,28 +428,21 @@ class _Window:
     def _finish(self, d: _Decoder):
         e = self.e
         e.state.release(d.handle)
-        idx = self._request_index(d.request)
-        if d.done != "stop" or not d.text:
-            if d.detok is not None:
-                if hasattr(d.detok, "flush"):
-                    d.detok.flush()
-                text = d.detok.text
-                if d.done == "stop" and d.request.sampling.stop:
-                    cut = [text.find(s) for s in d.request.sampling.stop if s in text]
-                    text = text[:min(cut)] if cut else text
-                d.text = text
+        idx = self._index_of[id(d.request)]
+        if d.detok is None:
+            text = ""
+        elif d.stop_text is not None:
+            text = d.stop_text
+        else:
+            d.detok.flush()  # bytes held back for an incomplete character
+            text = d.detok.text
         prompt_len = len(d.request.prompt_token_ids)
         cached = prompt_len - self.computed[idx]
         e.stats.reused_tokens += cached
         e.stats.reused_from_disk_tokens += self.from_disk[idx]
         e.stats.completion_tokens += len(d.tokens)
-        self.finished.append(Result(d.request.custom_id, d.request.index, list(d.tokens), d.text, d.done,
+        self.finished.append(Result(d.request.custom_id, d.request.index, list(d.tokens), text, d.done,
                                     Usage(prompt_len, len(d.tokens), cached, self.from_disk[idx])))
-
-    def _request_index(self, req: Request) -> int:
-        if not hasattr(self, "_index_of"):
-            self._index_of = {id(r): i for i, r in enumerate(self.requests)}
-        return self._index_of[id(req)]
 
 
 class _Owned:

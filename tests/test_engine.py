@@ -277,3 +277,24 @@ def test_decode_graphs_give_the_eager_tokens(family, loaded, cpu_ops):
     eng.close()
     eng.check_invariants()
     assert not eng.state.live
+
+
+def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
+    from prefixrun.engine.tokenizer import StreamDetokenizer, Tokenizer
+
+    tok = Tokenizer.from_model_dir(model_dirs["qwen3_5"])
+    model = loaded["qwen3_5"]
+    prompt = tok.encode("The support team answered the customer about the refund")
+
+    def run(sp):
+        eng = Engine(model, cpu_ops, make_detokenizer=lambda: StreamDetokenizer(tok), options=EngineOptions())
+        (res,) = list(eng.run([Request("a", prompt, sp, 0)]))
+        eng.close()
+        return res
+
+    full = run(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert full.text == tok.decode(full.token_ids) and len(full.text) > 6
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    cut = run(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,)))
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 12
