@@ -235,7 +235,7 @@ class _Window:
         if e.opts.reuse:
             entry = e.pool.lookup(item.path, base_len, item.node.end)
             if entry is not None and entry is not item.base and (entry.length < item.node.end or entry.logits is not None):
-                found = (e.state.fork(entry), entry.logits if entry.length == item.node.end else None)
+                found = (e.state.fork(entry.handle), entry.logits if entry.length == item.node.end else None)
                 e.pool.stats.restored += 1
                 if entry.origin == "disk":
                     self.from_disk[item.node.carrier] += entry.length - base_len

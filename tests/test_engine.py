@@ -298,3 +298,36 @@ def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
     cut = run(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,)))
     assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
     assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 12
+
+
+class _NoDisk:
+    """A persistent-store stand-in that stores nothing: it turns on retention of checkpoints for later windows."""
+
+    def lookup(self, tokens, minimum, maximum, state):
+        return None
+
+    def offer(self, tokens, state, handle, logits):
+        return False
+
+    def flush(self):
+        pass
+
+
+def test_later_windows_reuse_retained_checkpoints(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    prompts = edge_prompts()
+    ref, _, _ = run_engine(model, cpu_ops, prompts)
+    eng = Engine(model, cpu_ops, options=EngineOptions(retain_block=16), persist=_NoDisk())
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
+    got = {}
+    for window in (reqs[:3], reqs[3:6], reqs[6:]):
+        got.update({r.custom_id: r.token_ids for r in eng.run(window)})
+        eng.check_invariants()
+    # the second window's prompts are prefixes of the first window's: served from retained states
+    assert eng.pool.stats.restored > 0
+    assert eng.stats.computed_prompt_tokens < sum(map(len, prompts))
+    assert got == {k: v.token_ids for k, v in ref.items()}
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live
