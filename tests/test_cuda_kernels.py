@@ -751,3 +751,51 @@ if __name__ == "__main__":  # pragma: no cover
         bench()
     else:
         sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- a model of real shape (needs PREFIXRUN_BIG_MODEL_DIR: a directory written by `prefixrun make-model`) ----------
+@pytest.mark.skipif(not __import__("os").environ.get("PREFIXRUN_BIG_MODEL_DIR"),
+                    reason="set PREFIXRUN_BIG_MODEL_DIR to a real-shape model directory (e.g. qwen3_5-0.8b-like)")
+def test_real_shape_model_logits_vs_cpu_and_transformers():
+    """Last-position logits of a 300-token prompt: CUDA fp32 vs the CPU fp32 path (norm-relative <= 1e-4), CUDA
+    fp32 vs transformers fp32 on the GPU (<= 1e-3), CUDA bf16 vs transformers bf16 on the GPU (<= 5e-2: two bf16
+    pipelines that round in different places)."""
+    import os
+
+    import torch
+    import transformers
+
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.state import ModelState
+    from prefixrun.kernels.cuda import CudaOps
+
+    path = os.environ["PREFIXRUN_BIG_MODEL_DIR"]
+    prompt = np.random.default_rng(0).integers(16, 30000, 300).tolist()
+
+    def ours(ops):
+        model = load_model(path, ops)[0]
+        st = ModelState(model.state_specs(), ops, num_slots=2, num_blocks=64, block_size=16)
+        out = np.asarray(ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st)[0]))
+        del model, st
+        return out.astype(np.float64)
+
+    def hf(dtype):
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+        with torch.no_grad():
+            out = m(torch.tensor([prompt]).cuda()).logits[0, -1].float().cpu().numpy()
+        del m
+        torch.cuda.empty_cache()
+        return out.astype(np.float64)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu32 = ours(CudaOps("float32"))
+    cupy.get_default_memory_pool().free_all_blocks()
+    gpu16 = ours(CudaOps("bfloat16"))
+    cupy.get_default_memory_pool().free_all_blocks()
+    cpu32 = ours(NumpyOps())
+    errors = {"cuda32_vs_cpu32": rel(gpu32, cpu32), "cuda32_vs_hf32": rel(gpu32, hf(torch.float32)),
+              "cuda16_vs_hf16": rel(gpu16, hf(torch.bfloat16))}
+    print(errors)
+    assert errors["cuda32_vs_cpu32"] <= 1e-4
+    assert errors["cuda32_vs_hf32"] <= 1e-3
+    assert errors["cuda16_vs_hf16"] <= 5e-2
