@@ -216,13 +216,16 @@ def inspect_cache(
     clear: Annotated[bool, typer.Option("--clear", help="remove every entry")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="check every entry; move bad ones aside")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask before removing")] = False,
+    cache_budget: Annotated[Optional[str], typer.Option(help="the budget to show the totals against (as given to "
+                                                        "`batch --cache-budget`)")] = "10GiB",
 ):
     """Show the persistent checkpoint cache; prune, verify or clear it."""
     from prefixrun.cli.cache_view import run_inspect
 
     code = run_inspect(_cache_root(cache_dir), model=model, as_json=as_json, tree=tree, model_dir=model_dir,
                        prune_older_than_days=prune_older_than,
-                       prune_to_bytes=_parse_bytes(prune_to, "--prune-to"), clear=clear, verify=verify, yes=yes)
+                       prune_to_bytes=_parse_bytes(prune_to, "--prune-to"), clear=clear, verify=verify, yes=yes,
+                       budget_bytes=_parse_bytes(cache_budget, "--cache-budget"))
     raise typer.Exit(code)
 
 

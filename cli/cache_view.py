@@ -51,7 +51,7 @@ def _nesting(entries) -> dict:
 
 
 def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than_days, prune_to_bytes, clear,
-                verify, yes) -> int:
+                verify, yes, budget_bytes: int | None = None) -> int:
     from prefixrun.engine.store import CheckpointStore
 
     console = Console(file=sys.stderr, stderr=True)
@@ -100,7 +100,7 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
             entries = store.entries()
         total = store.total_bytes()
         if as_json:
-            print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": None,
+            print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": budget_bytes,
                               "entries": [_entry_json(e) for e in entries]}, indent=2))
             return io.EXIT_OK
         tokenizer = None
@@ -127,7 +127,8 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
             table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), str(e.hits),
                           datetime.fromtimestamp(e.last_used).strftime("%Y-%m-%d %H:%M"), _preview(e, tokenizer))
         out.print(table)
-        out.print(f"{len(entries)} entries, {human_bytes(total)} in total")
+        against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
+        out.print(f"{len(entries)} entries, {human_bytes(total)} in total{against}")
         return io.EXIT_OK
     finally:
         store.close()
