@@ -113,7 +113,7 @@ class Engine:
         ckpt_slots = min(512, options.checkpoint_budget_bytes // max(slot_bytes, 1)) if options.reuse else 0
         num_slots = 2 * options.max_batch + ckpt_slots + 4
         rest = options.state_memory_bytes - num_slots * slot_bytes
-        num_blocks = max(64, rest // max(block_bytes, 1)) if block_bytes else 1
+        num_blocks = max(8, rest // max(block_bytes, 1)) if block_bytes else 1
         self.state = ModelState(specs, ops, num_slots, int(num_blocks), options.block_size)
         self.pool = CheckpointPool(self.state, options.checkpoint_budget_bytes if options.reuse else 0)
         self.decoder = DecodeGraphs(model, self.state, ops, options.max_batch)

@@ -331,3 +331,26 @@ def test_later_windows_reuse_retained_checkpoints(loaded, cpu_ops):
     eng.close()
     eng.check_invariants()
     assert not eng.state.live
+
+
+def test_state_memory_pressure_evicts_retained_checkpoints_first(loaded, cpu_ops):
+    """A state pool barely larger than the running batch: retained checkpoints give way (counted as evictions)
+    and the answers do not change."""
+    model = loaded["qwen3_5"]
+    # eight pairs of prompts, each pair sharing a 40-token prefix: eight branch points, each keeping 3 blocks
+    prompts = [random_prompt(300 + i // 2, 40) + random_prompt(400 + i, 6) for i in range(16)]
+    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False))
+    probe = Engine(model, cpu_ops, options=EngineOptions(max_batch=2))
+    slot, block = probe.state.slot_bytes, probe.state.block_bytes
+    probe.close()
+    ckpt_slots = 30
+    opts = EngineOptions(max_batch=2, retain_block=16, block_size=16, checkpoint_budget_bytes=ckpt_slots * slot,
+                         state_memory_bytes=(2 * 2 + ckpt_slots + 4) * slot + 16 * block)
+    eng = Engine(model, cpu_ops, options=opts, persist=_NoDisk())
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0), i) for i, p in enumerate(prompts)]
+    got = {r.custom_id: r.token_ids for r in eng.run(reqs)}
+    eng.check_invariants()
+    eng.close()
+    assert got == {k: v.token_ids for k, v in ref.items()}
+    assert eng.pool.stats.evicted > 0
+    assert not eng.state.live
