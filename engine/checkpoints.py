@@ -29,7 +29,6 @@ class CheckpointEntry:
     pins: int = 0
     retain: bool = False
     last_used: int = 0
-    origin: str = "memory"  # "memory" (computed this run) or "disk" (restored from the persistent store)
 
     @property
     def length(self) -> int:
@@ -105,8 +104,7 @@ class CheckpointPool:
             self._drop(victim, evicted=True)
         return True
 
-    def save(self, tokens, handle: StateHandle, logits, *, pins: int, retain: bool,
-             origin: str = "memory") -> CheckpointEntry | None:
+    def save(self, tokens, handle: StateHandle, logits, *, pins: int, retain: bool) -> CheckpointEntry | None:
         """Take ownership of `handle` as the checkpoint at `tokens` (no copy: the caller stops using it).
 
         Returns None (and leaves the handle with the caller) when the budget cannot hold it.
@@ -123,7 +121,7 @@ class CheckpointPool:
             room.last_used = self._tick()
             self.state.release(handle)
             return room
-        entry = CheckpointEntry(tokens, handle, logits, nbytes, pins, retain, self._tick(), origin)
+        entry = CheckpointEntry(tokens, handle, logits, nbytes, pins, retain, self._tick())
         self.entries[tokens] = entry
         self.bytes += nbytes
         self.stats.saved += 1

@@ -144,7 +144,7 @@ class Engine:
     def close(self):
         """Hand retained checkpoints to the persistent store and free them."""
         for e in list(self.pool.entries.values()):
-            if self.persist is not None and e.origin == "memory":
+            if self.persist is not None and e.handle.disk_length < e.length:  # not already on disk as is
                 self.persist.offer(e.tokens, self.state, e.handle, e.logits)
         self.pool.clear()
         self.decoder.close()
@@ -171,7 +171,6 @@ class _Window:
         self.requests = requests
         self._index_of = {id(r): i for i, r in enumerate(requests)}
         self.computed = [0] * len(requests)  # prompt tokens computed on behalf of each request
-        self.from_disk = [0] * len(requests)
         self.decoding: list[_Decoder] = []
         self.finished: list[Result] = []
         # stack of pending work, top = next; children pushed reversed so the first child runs first
@@ -237,12 +236,8 @@ class _Window:
             if entry is not None and entry is not item.base and (entry.length < item.node.end or entry.logits is not None):
                 found = (e.state.fork(entry.handle), entry.logits if entry.length == item.node.end else None)
                 e.pool.stats.restored += 1
-                if entry.origin == "disk":
-                    self.from_disk[item.node.carrier] += entry.length - base_len
             elif e.persist is not None:
                 found = e.persist.lookup(item.path, base_len, item.node.end, e.state)
-                if found is not None:
-                    self.from_disk[item.node.carrier] += found[0].length - base_len
         if found is not None:
             self._drop_base(item)
             handle, logits = found
@@ -427,6 +422,7 @@ class _Window:
 
     def _finish(self, d: _Decoder):
         e = self.e
+        from_disk = min(d.handle.disk_length, len(d.request.prompt_token_ids))
         e.state.release(d.handle)
         idx = self._index_of[id(d.request)]
         if d.detok is None:
@@ -439,10 +435,10 @@ class _Window:
         prompt_len = len(d.request.prompt_token_ids)
         cached = prompt_len - self.computed[idx]
         e.stats.reused_tokens += cached
-        e.stats.reused_from_disk_tokens += self.from_disk[idx]
+        e.stats.reused_from_disk_tokens += from_disk
         e.stats.completion_tokens += len(d.tokens)
         self.finished.append(Result(d.request.custom_id, d.request.index, list(d.tokens), text, d.done,
-                                    Usage(prompt_len, len(d.tokens), cached, self.from_disk[idx])))
+                                    Usage(prompt_len, len(d.tokens), cached, from_disk)))
 
 
 class _Owned:

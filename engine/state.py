@@ -71,6 +71,7 @@ class StateHandle:
     slot: int
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    disk_length: int = 0  # the prefix of this state that was restored from the persistent store (provenance)
 
 
 class BlockAllocator:
@@ -258,7 +259,8 @@ class ModelState:
 
     def fork(self, src: StateHandle) -> StateHandle:
         """A new handle with the same state: the slot copied, the blocks shared (refcount + 1 each)."""
-        h = StateHandle(slot=self.slots.allocate(), blocks=list(src.blocks), length=src.length)
+        h = StateHandle(slot=self.slots.allocate(), blocks=list(src.blocks), length=src.length,
+                        disk_length=src.disk_length)
         self.ops.copy_rows(self._slot_arrays, [src.slot], [h.slot])
         self.blocks.incref(h.blocks)
         self.live[id(h)] = h
@@ -355,7 +357,7 @@ class ModelState:
         if self.slots.free_count < 1 or not self.blocks.can_allocate(self.blocks_for(length)):
             raise OutOfStateMemory("no room to restore a stored checkpoint")
         h = StateHandle(slot=self.slots.allocate(), blocks=self.blocks.allocate(self.blocks_for(length)),
-                        length=length)
+                        length=length, disk_length=length)
         self.live[id(h)] = h
         for s in self.specs:
             arr = self.arrays[s.name]
