@@ -28,6 +28,16 @@ TINY_QWEN3_5 = {
 }
 
 
+# family -> (architecture, model_type, text model_type, a minimal vision config) of the multimodal layout
+_COMPOSITES = {
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5_text",
+                {"depth": 1, "hidden_size": 32, "num_heads": 2}),
+    "gemma3": ("Gemma3ForConditionalGeneration", "gemma3", "gemma3_text",
+               {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+}
+
+
 def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for the text model the config describes (the names transformers loads)."""
     cfg = parse_config(raw_config)
@@ -123,12 +133,15 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     text_cfg["bos_token_id"] = None
     text_cfg["torch_dtype"] = dtype
     if composite:
-        text_cfg["model_type"] = "qwen3_5_text"
+        family = parse_config(text_cfg).family
+        if family not in _COMPOSITES:
+            raise ValueError(f"no vision-language composite layout is known for the {family} family")
+        arch, model_type, text_type, vision = _COMPOSITES[family]
+        text_cfg["model_type"] = text_type
         text_cfg.pop("architectures", None)
-        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-                  "text_config": text_cfg, "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
-                                                             "out_hidden_size": text_cfg["hidden_size"]},
-                  "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False), "dtype": dtype}
+        config = {"architectures": [arch], "model_type": model_type, "text_config": text_cfg,
+                  "vision_config": {**vision, "out_hidden_size": text_cfg["hidden_size"]},
+                  "tie_word_embeddings": text_cfg.get("tie_word_embeddings", family == "gemma3"), "dtype": dtype}
     else:
         config = text_cfg
     shapes = tensor_shapes(config)
@@ -140,6 +153,7 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     if composite:  # stand-ins the text model must ignore
         tensors["mtp.fc.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
         tensors["model.visual.patch_embed.proj.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
+        tensors["model.vision_tower.stand_in.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
     names = list(tensors)
     if shards <= 1:
         write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})

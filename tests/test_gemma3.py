@@ -123,3 +123,18 @@ def test_exported_ring_is_in_position_order(gemma, cpu_ops):
     np.testing.assert_array_equal(ea[ring.name][0], raw[(n - WINDOW) % WINDOW])
     restored = st.import_state(ea, n)
     np.testing.assert_array_equal(cpu_ops.to_host(st.arrays[ring.name][restored.slot]), raw)
+
+
+def test_multimodal_composite_layout_loads_the_text_model(gemma_dir, tmp_path, cpu_ops):
+    comp = make_model_dir(tmp_path / "comp", TINY_GEMMA3, seed=5, init_std=PARITY_STD, composite=True)
+    import json
+
+    cfg = json.loads((comp / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"] and "text_config" in cfg
+    prompt = random_prompt(8, 3 * WINDOW)
+    outs = []
+    for path in (gemma_dir, comp):
+        model = load_model(path, cpu_ops)[0]
+        st = new_state(model, cpu_ops)
+        outs.append(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
+    np.testing.assert_array_equal(outs[0], outs[1])
