@@ -246,7 +246,8 @@ class _Window:
             return e.state.new_sequence(), item.path, None
         if isinstance(item.base, _Owned):
             return item.base.handle, item.path[base_len:], None
-        return e.pool.fork(item.base), item.path[base_len:], None
+        logits = item.base.logits if base_len == item.node.end else None  # a request ending at its checkpoint
+        return e.pool.fork(item.base), item.path[base_len:], logits
 
     def _drop_base(self, item: _WorkItem):
         """The item was served from a longer saved state: give back what its base held for it."""
@@ -334,10 +335,15 @@ class _Window:
         if node.consumers > 1 and e.opts.reuse:
             entry = e.pool.save(item.path, handle, logits, pins=node.consumers, retain=e.persist is not None)
         if entry is not None:
-            for rid in node.requests:
-                self._start_decoding(rid, e.pool.fork(entry), entry.logits)
             for child in reversed(children):
                 self.stack.append(_WorkItem(child, entry, item.path + child.tokens))
+            # requests ending here start decoding now as far as seats allow; the rest wait on the stack (zero
+            # tokens to compute, they fork from the checkpoint and take its logits when their turn comes)
+            seats = max(0, e.opts.max_batch - len(self.decoding))
+            for rid in reversed(node.requests[seats:]):
+                self.stack.append(_WorkItem(_single_request_node(node, rid), entry, item.path))
+            for rid in node.requests[:seats]:
+                self._start_decoding(rid, e.pool.fork(entry), entry.logits)
             return
         if e.persist is not None and node.requests and e.opts.reuse:
             e.persist.offer(item.path, e.state, handle, logits)  # the end of a prompt, for later runs

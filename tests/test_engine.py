@@ -354,3 +354,16 @@ def test_state_memory_pressure_evicts_retained_checkpoints_first(loaded, cpu_ops
     assert got == {k: v.token_ids for k, v in ref.items()}
     assert eng.pool.stats.evicted > 0
     assert not eng.state.live
+
+
+def test_more_duplicates_than_seats_wait_their_turn(loaded, cpu_ops):
+    """100 requests ending at one checkpoint with max_batch 4: they start decoding as seats free up instead of
+    all at once (which would need a state slot each), and none of them computes a prompt token again."""
+    model = loaded["qwen3_5"]
+    p = random_prompt(1, 30)
+    prompts = [p] * 80 + [p + [3]] * 20
+    res, stats, pool = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=4, checkpoint_budget_bytes=10**6))
+    assert len(res) == 100 and stats.computed_prompt_tokens == 31
+    alone, _, _ = run_engine(model, cpu_ops, [p, p + [3]])
+    assert {tuple(r.token_ids) for r in res.values()} == {tuple(r.token_ids) for r in alone.values()}
+    assert stats.peak_decode_batch <= 4
