@@ -367,3 +367,45 @@ def test_more_duplicates_than_seats_wait_their_turn(loaded, cpu_ops):
     alone, _, _ = run_engine(model, cpu_ops, [p, p + [3]])
     assert {tuple(r.token_ids) for r in res.values()} == {tuple(r.token_ids) for r in alone.values()}
     assert stats.peak_decode_batch <= 4
+
+
+@pytest.mark.parametrize("case", range(int(__import__("os").environ.get("PREFIXRUN_FUZZ_CASES", "12"))))
+def test_random_trees_any_options_same_answers(case, loaded, cpu_ops):
+    """Randomised prompt trees (shared stems, duplicates, prefixes of others) under random batch sizes, block
+    sizes, prefill chunking and budgets: always the no-reuse answers, never more compute, nothing leaked."""
+    rng = random.Random(case)
+    model = loaded["qwen3_5" if case % 2 else "qwen3"]
+    stems = [random_prompt(1000 + case * 10 + i, rng.randint(1, 40)) for i in range(rng.randint(1, 3))]
+    prompts = []
+    for _ in range(rng.randint(2, 10)):
+        stem = rng.choice(stems)
+        cut = rng.randint(1, len(stem))
+        tail = random_prompt(rng.randrange(10**6), rng.choice([0, 0, 1, 3, 9]))
+        prompts.append(stem[:cut] + tail)
+    sp = SamplingParams(max_tokens=rng.randint(1, 4), temperature=0)
+    ref, s_ref, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    opts = EngineOptions(max_batch=rng.randint(1, 6), block_size=rng.choice([2, 4, 16]),
+                         max_prefill_tokens=rng.choice([3, 17, 8192]),
+                         checkpoint_budget_bytes=rng.choice([0, 30_000, 10**8]))
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    got, s, _ = run_engine(model, cpu_ops, prompts, opts, sp, order=order)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in ref.items()}
+    assert s.computed_prompt_tokens <= s_ref.computed_prompt_tokens
+    if opts.checkpoint_budget_bytes == 10**8:
+        assert s.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+    # the same requests in windows, with checkpoints retained between them (as the CLI does with its cache)
+    eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=opts.max_batch, block_size=opts.block_size,
+                                                       retain_block=rng.choice([0, 4, 16]),
+                                                       checkpoint_budget_bytes=opts.checkpoint_budget_bytes),
+                 persist=_NoDisk())
+    reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
+    step = rng.randint(1, len(reqs))
+    windowed = {}
+    for w in range(0, len(reqs), step):
+        windowed.update({r.custom_id: r.token_ids for r in eng.run([reqs[i] for i in order[w:w + step]])})
+        eng.check_invariants()
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live
+    assert windowed == {k: v.token_ids for k, v in ref.items()}
