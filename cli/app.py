@@ -70,6 +70,26 @@ def _route_engine_logs(reporter: RunReporter):
     return lambda: logger.removeHandler(handler)
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a pipeline stage whose reader closed
+
+
+def _silence_stdout():
+    """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _keep_finished(writer):
+    """Write the results that finished out of order, so --resume can skip them; never raise from here."""
+    try:
+        writer.write_pending_out_of_order()
+    except OSError:
+        pass
+
+
 def _cache_root(cache_dir: Optional[Path]) -> Path:
     from prefixrun.engine.store import default_cache_dir
 
@@ -161,13 +181,22 @@ def batch(
         writer = io.OrderedWriter(out_stream, ordered=not unordered)
         try:
             report = run.execute(in_stream, writer, done_ids)
+        except BrokenPipeError:
+            # the reader of stdout went away (`| head`): stop quietly, as pipeline tools do on SIGPIPE
+            reporter.stop()
+            _silence_stdout()
+            raise typer.Exit(EXIT_BROKEN_PIPE)
         except KeyboardInterrupt:
-            writer.write_pending_out_of_order()
+            _keep_finished(writer)
             reporter.stop()
             reporter.error("interrupted; finished results were written (use --resume to continue)")
             raise typer.Exit(io.EXIT_FAILURE)
+        except OSError as exc:  # results cannot be written (disk full, closed file, ...)
+            reporter.stop()
+            reporter.error(f"cannot write results: {exc.strerror or exc}")
+            raise typer.Exit(io.EXIT_FAILURE)
         except Exception as exc:  # the run cannot continue: keep what finished, say why
-            writer.write_pending_out_of_order()
+            _keep_finished(writer)
             reporter.stop()
             reporter.error(f"run aborted: {type(exc).__name__}: {exc}")
             if os.environ.get("PREFIXRUN_DEBUG"):

@@ -98,6 +98,7 @@ code  name                meaning
 2     EXIT_USAGE          bad command-line options, an unreadable input file or an unusable model
                           directory; nothing was run
 3     EXIT_SOME_FAILED    some lines produced error records; every other line was processed
+141   (cli.app)           stdout was closed by its reader (`| head`); the run stopped quietly
 ====  ==================  ==========================================================================
 """
 from __future__ import annotations

@@ -339,6 +339,21 @@ def test_shell_pipeline_stdin_to_stdout(models, sample_file, tmp_path):
     assert "prefixrun report" in p.stderr.decode()
 
 
+def test_closed_stdout_and_full_disk_end_cleanly(models, tmp_path):
+    """`| head -1` closes the pipe early: exit 141 (as for SIGPIPE) and no traceback; a full disk: exit 1 and one
+    line saying why."""
+    lines = [{"prompt": f"request number {i} " * 8, "max_tokens": 30, "ignore_eos": True} for i in range(300)]
+    src = write_jsonl(tmp_path / "many.jsonl", lines)
+    base = " ".join(f"'{a}'" for a in cmd("batch", src, "--model", models["a"], "--device", "cpu", "--no-cache", "-q"))
+    p = subprocess.run(["bash", "-c", f"{base} | head -1 > /dev/null; echo ${{PIPESTATUS[0]}}"],
+                       capture_output=True, timeout=300)
+    assert p.stdout.decode().strip() == "141" and b"Traceback" not in p.stderr, p.stderr.decode()
+    if Path("/dev/full").exists():
+        p = subprocess.run(["bash", "-c", f"{base} > /dev/full"], capture_output=True, timeout=300)
+        assert p.returncode == 1 and b"Traceback" not in p.stderr
+        assert "cannot write results" in p.stderr.decode()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. --resume after a killed run
 
