@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Optional

@@ -15,7 +15,7 @@ ModelState; pinned entries have pins > 0; no two entries share a key.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prefixrun.engine.state import ModelState, StateHandle
 

@@ -14,7 +14,6 @@ Bounds:
 """
 from __future__ import annotations
 
-import math
 import sys
 
 import ml_dtypes

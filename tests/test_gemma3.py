@@ -58,8 +58,8 @@ def test_logits_match_transformers(length, gemma, gemma_dir, cpu_ops):
     got = [gemma.forward(st.prepare_step([h], [prompt[a:b]]), st, all_logits=True)
            for a, b in zip(cuts, cuts[1:])]
     np.testing.assert_allclose(np.concatenate(got), ref, atol=1e-4, rtol=0)
-    for i in range(3):  # decode steps continue the same sequence
-        nxt = int(np.argmax(ref[-1])) if i == 0 else int(np.argmax(step))
+    for _ in range(3):  # decode steps continue the same sequence (greedy on the reference's logits)
+        nxt = int(np.argmax(ref[-1]))
         prompt = prompt + [nxt]
         step = gemma.forward(st.prepare_step([h], [[nxt]]), st)[0]
         with torch.no_grad():
