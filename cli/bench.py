@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixrun.engine.state import pool_unit_bytes
+
 GEMM_CEILING_TFLOPS = 786.0
 HBM_BYTES_PER_S = 4.27e12
 
@@ -25,11 +27,6 @@ def matmul_params_per_token(model) -> int:
                 if shape is not None and len(shape) == 2 and min(shape) > 64:
                     total += int(np.prod(shape))
     return total
-
-
-def state_bytes_per_sequence(model, ops) -> int:
-    item = lambda s: 4 if s.dtype == "float32" else np.dtype(ops.act_dtype).itemsize
-    return sum(int(np.prod(s.shape)) * item(s) for s in model.state_specs() if not s.paged)
 
 
 def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
@@ -76,7 +73,7 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
     prefill_s = stats["prefill_seconds"] or 1e-9
     decode_steps = max(stats["decode_steps"], 1)
     weight_bytes = params * np.dtype(ops.act_dtype).itemsize + model.lm_head.size * np.dtype(ops.act_dtype).itemsize
-    step_bytes = weight_bytes + 2 * max_batch * state_bytes_per_sequence(model, ops)  # state read + write
+    step_bytes = weight_bytes + 2 * max_batch * pool_unit_bytes(model.state_specs(), ops, 1)[0]  # state read + write
     out = {
         "workload": str(workload), "model": str(model_dir), "device": ops.name, "dtype": ops.dtype_name,
         "requests": len(lines), "reuse": reuse, "wall_seconds": round(wall, 4),

@@ -23,10 +23,9 @@ def _bucket(n: int) -> int:
 
 
 class _Graph:
-    def __init__(self, replay, inputs, host_arrays):
+    def __init__(self, replay, inputs):
         self.replay = replay
         self.inputs = inputs  # the static packed index buffer the graph reads
-        self.host_arrays = host_arrays  # shapes of the packed fields
 
 
 class DecodeGraphs:
@@ -108,7 +107,7 @@ class DecodeGraphs:
         except Exception:
             return None
         self.captures += 1
-        return _Graph(graph.replay, inputs, arrays)
+        return _Graph(graph.replay, inputs)
 
 
 def _eager_batch(arrays: dict, ops) -> ForwardBatch:

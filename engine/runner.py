@@ -20,7 +20,7 @@ from prefixrun.engine.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.decode_graphs import DecodeGraphs
 from prefixrun.engine.plan import TrieNode, build_trie, distinct_tokens
 from prefixrun.engine.request import Request, Result, Usage
-from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle
+from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, pool_unit_bytes
 from prefixrun.kernels.sampling import request_uniform
 
 
@@ -109,7 +109,7 @@ class Engine:
         self.make_detokenizer = make_detokenizer
         self.persist = persist  # optional persistent checkpoint store adapter (engine/persist.py)
         specs = model.state_specs()
-        slot_bytes, block_bytes = _pool_unit_bytes(specs, ops, options.block_size)
+        slot_bytes, block_bytes = pool_unit_bytes(specs, ops, options.block_size)
         ckpt_slots = min(512, options.checkpoint_budget_bytes // max(slot_bytes, 1)) if options.reuse else 0
         num_slots = 2 * options.max_batch + ckpt_slots + 4
         rest = options.state_memory_bytes - num_slots * slot_bytes
@@ -154,13 +154,6 @@ class Engine:
     def check_invariants(self):
         self.state.check_invariants()
         self.pool.check_invariants()
-
-
-def _pool_unit_bytes(specs, ops, block_size) -> tuple[int, int]:
-    item = lambda s: 4 if s.dtype == "float32" else np.dtype(ops.act_dtype).itemsize
-    slot = sum(int(np.prod(s.shape)) * item(s) for s in specs if not s.paged)
-    block = sum(int(np.prod(s.shape)) * item(s) * block_size for s in specs if s.paged)
-    return slot, block
 
 
 class _Window:

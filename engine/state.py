@@ -167,6 +167,14 @@ class ForwardBatch:
         return int(self.host_cu_seqlens[-1])
 
 
+def pool_unit_bytes(specs: list[RegionSpec], ops, block_size: int) -> tuple[int, int]:
+    """(bytes of one sequence's slot regions, bytes of one K/V block across all paged regions)."""
+    item = lambda s: 4 if s.dtype == "float32" else np.dtype(ops.act_dtype).itemsize
+    slot = sum(int(np.prod(s.shape)) * item(s) for s in specs if not s.paged)
+    block = sum(int(np.prod(s.shape)) * item(s) * block_size for s in specs if s.paged)
+    return slot, block
+
+
 def state_layout(specs: list[RegionSpec], ops) -> list[dict]:
     """The regions with concrete dtypes: what a stored checkpoint must match to be restored."""
     return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),
@@ -212,6 +220,7 @@ class ModelState:
         self.specs = list(specs)
         self.ops = ops
         self.block_size = block_size
+        self.slot_bytes, self.block_bytes = pool_unit_bytes(specs, ops, block_size)
         self.slots = SlotAllocator(num_slots)
         self.blocks = BlockAllocator(num_blocks)
         self.arrays: dict[str, object] = {}
@@ -224,17 +233,6 @@ class ModelState:
         self.live: dict[int, StateHandle] = {}  # id(handle) -> handle, for the invariant check
 
     # ---- sizes --------------------------------------------------------------------------------------------
-    def _itemsize(self, spec: RegionSpec) -> int:
-        return 4 if spec.dtype == "float32" else np.dtype(self.ops.act_dtype).itemsize
-
-    @property
-    def slot_bytes(self) -> int:
-        return sum(int(np.prod(s.shape)) * self._itemsize(s) for s in self.specs if not s.paged)
-
-    @property
-    def block_bytes(self) -> int:
-        return sum(int(np.prod(s.shape)) * self._itemsize(s) * self.block_size for s in self.specs if s.paged)
-
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)
 
