@@ -29,8 +29,9 @@ def matmul_params_per_token(model) -> int:
     return total
 
 
-def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
-              transformers_batch: int, compare: bool, repeat: int, graphs: bool = True) -> dict:
+def build_engine(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
+                 graphs: bool = True):
+    """The engine `prefixrun bench` times, with its workload lines and a function making fresh requests."""
     from prefixrun.engine import loader
     from prefixrun.engine.request import Request, SamplingParams
     from prefixrun.engine.runner import Engine, EngineOptions
@@ -53,6 +54,14 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
                          checkpoint_budget_bytes=(state_mem or (1 << 30)) // 3, block_size=64 if ops.name == "cuda" else 16,
                          decode_graphs=graphs)
     engine = Engine(model, ops, eos_token_ids=loaded.eos_token_ids, options=opts)
+    return lines, loaded, engine, requests
+
+
+def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
+              transformers_batch: int, compare: bool, repeat: int, graphs: bool = True) -> dict:
+    lines, loaded, engine, requests = build_engine(workload, model_dir, device=device, dtype=dtype,
+                                                   max_batch=max_batch, reuse=reuse, graphs=graphs)
+    ops, model = loaded.ops, loaded.model
     # warm-up on the first few requests (kernel compilation, cuBLAS heuristics)
     list(engine.run(requests()[:2]))
     engine.close()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU checks beyond the kernel tests, run on the device machine from the repository root (needs ./.bench-shared):
+#   1. `prefixrun batch` end to end on CUDA: bf16 twice (second run from the persistent cache: identical results,
+#      prompt tokens reused from disk) and float32 on CUDA against the CPU path (identical greedy tokens);
+#   2. the real-shape (0.8b-like) logits test against the CPU fp32 path and transformers;
+#   3. (PROFILE=1) a per-kernel profile of the 4b-like shared-system run (bench/profile_phases.py).
+set -uo pipefail
+OUT=${OUT:-check-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+S=/tmp/prefixrun-src; mkdir -p $S/prefixrun && touch $S/prefixrun/__init__.py
+for d in cli engine kernels; do ln -sfn "$PWD/$d" $S/prefixrun/$d; done
+export PYTHONPATH=$S${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+P="python3 -m prefixrun.cli.app"
+(for m in ${MODELS:-qwen3_5-0.8b-like qwen3_5-4b-like}; do
+   [ -f /tmp/$m/config.json ] || $P make-model /tmp/$m --config .bench-shared/models/$m.json --seed 0 >/dev/null
+ done; touch /tmp/models-ready) &
+
+echo "== 1. prefixrun batch on CUDA"
+export PREFIXRUN_CACHE_DIR=/tmp/pr-cache
+in=sample_prompts/support_tickets.jsonl
+$P batch $in --device cuda --json-report $OUT/batch1.json > $OUT/cuda-bf16-1.jsonl 2> $OUT/batch1.err; echo "rc=$?"
+$P batch $in --device cuda --json-report $OUT/batch2.json > $OUT/cuda-bf16-2.jsonl 2> $OUT/batch2.err; echo "rc=$?"
+$P batch $in --device cuda --dtype float32 --no-cache > /tmp/cuda-f32.jsonl 2>/dev/null; echo "rc=$?"
+$P batch $in --device cpu --no-cache > /tmp/cpu.jsonl 2>/dev/null; echo "rc=$?"
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+def ids(p): return [json.loads(l) for l in open(p)]
+a, b = ids(f"{out}/cuda-bf16-1.jsonl"), ids(f"{out}/cuda-bf16-2.jsonl")
+c, d = ids("/tmp/cuda-f32.jsonl"), ids("/tmp/cpu.jsonl")
+strip = lambda rs: [{k: v for k, v in r.items() if k not in ("usage",)} for r in rs]
+print("bf16 run 2 (from disk) == run 1:", strip(a) == strip(b), len(a))
+print("cuda fp32 == cpu fp32:", strip(c) == strip(d), len(c))
+r2 = json.load(open(f"{out}/batch2.json"))
+print("run 2 report:", {k: r2.get(k) for k in ("prompt_tokens", "reused_tokens", "reused_from_disk_tokens", "computed_prompt_tokens")})
+PY
+$P inspect-cache | tail -5
+
+while [ ! -f /tmp/models-ready ]; do sleep 2; done
+echo "== 2. real-shape logits"
+PREFIXRUN_BIG_MODEL_DIR=/tmp/qwen3_5-0.8b-like timeout 400 python3 -m pytest -q -s tests/test_cuda_kernels.py -k real_shape 2>&1 | tail -5
+if [ -n "${PROFILE:-}" ]; then
+  echo "== 3. profile"
+  python3 .bench-shared/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/ss.jsonl
+  python3 bench/profile_phases.py /tmp/ss.jsonl --model /tmp/qwen3_5-4b-like 2>&1 | tee $OUT/profile.txt
+fi
