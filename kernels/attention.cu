@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(NW * 32)
 attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
                 const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                 const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
-                int block_size, float scale_log2, int window, bf16* __restrict__ out) {
+                int block_size, float scale_log2, int window, bf16* __restrict__ out, int splits,
+                float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int BM = 16 * NW;
     constexpr int NTH = 32 * NW;
     constexpr int LDS = D + 8;
@@ -84,7 +85,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     const int rep = hq / hkv;
     if (threadIdx.x < 32) {
         int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, rep, BM, blockIdx.x, seq, tile)) seq = -1;
+        if (!find_tile(cu, num_seqs, rep, BM, blockIdx.x / splits, seq, tile)) seq = -1;
         if (threadIdx.x == 0) { s_seq = seq; s_tile = tile; }
     }
     __syncthreads();
@@ -111,8 +112,12 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     const int qp_lo = qpos0 + r0 / rep, qp_hi = qpos0 + (r1 - 1) / rep;
     const int kv_end = qp_hi + 1;
     const int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
-    const int t_begin = (kv_begin / BN) * BN;
-    const int num_tiles = (kv_end - t_begin + BN - 1) / BN;
+    // split-K (decode): split s of `splits` takes its share of the key tiles and leaves a partial result
+    const int all_tiles = (kv_end - (kv_begin / BN) * BN + BN - 1) / BN;
+    const int per_split = (all_tiles + splits - 1) / splits;
+    const int split = blockIdx.x % splits;
+    const int t_begin = (kv_begin / BN) * BN + split * per_split * BN;
+    const int num_tiles = max(0, min(all_tiles - split * per_split, per_split));
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
@@ -131,10 +136,12 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
 
-    tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
-    __syncthreads();
-    load_kv_tile<D, BN, NTH>(sK, k_cache, s_off[0]);
-    cp_async_commit();
+    if (num_tiles > 0) {
+        tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
+        __syncthreads();
+        load_kv_tile<D, BN, NTH>(sK, k_cache, s_off[0]);
+        cp_async_commit();
+    }
     for (int j = 0; j < num_tiles; ++j) {
         const int kt = t_begin + j * BN;
         const i64* off = s_off[j & 1];
@@ -246,6 +253,21 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
         l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
         l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
     }
+    if (splits > 1) {  // unnormalised partial output, running max (log2 units) and sum, for attn_combine_kernel
+        const i64 total = cu[num_seqs];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            if (!row_ok[hf]) continue;
+            const int r = r0 + warp * 16 + g + hf * 8;
+            const i64 row = ((i64)split * total + start + r / rep) * hq + h * rep + r % rep;
+            float* po = part_o + row * D;
+#pragma unroll
+            for (int i = 0; i < DT; ++i)
+                *reinterpret_cast<float2*>(po + i * 8 + 2 * c) = make_float2(o[i][2 * hf], o[i][2 * hf + 1]);
+            if (c == 0) *reinterpret_cast<float2*>(part_ml + row * 2) = make_float2(m_i[hf], l_i[hf]);
+        }
+        return;
+    }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         if (!row_ok[hf]) continue;
@@ -255,6 +277,30 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
 #pragma unroll
         for (int i = 0; i < DT; ++i)
             *reinterpret_cast<unsigned*>(orow + i * 8 + 2 * c) = pack_bf16(o[i][2 * hf] * inv, o[i][2 * hf + 1] * inv);
+    }
+}
+
+// Merge the split-K partials of attn_mma_kernel: rows [T * Hq], partials [splits, T * Hq, D] and (max, sum) pairs.
+// grid rows, block 128 threads over D.
+extern "C" __global__ void __launch_bounds__(128)
+attn_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits, i64 rows, int d,
+                    bf16* __restrict__ out) {
+    const i64 row = blockIdx.x;
+    float m = -INFINITY;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, part_ml[((i64)s * rows + row) * 2]);
+    float l = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float ms = part_ml[((i64)s * rows + row) * 2];
+        if (ms != -INFINITY) l += exp2f(ms - m) * part_ml[((i64)s * rows + row) * 2 + 1];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float ms = part_ml[((i64)s * rows + row) * 2];
+            if (ms != -INFINITY) acc += exp2f(ms - m) * part_o[((i64)s * rows + row) * d + i];
+        }
+        out[row * d + i] = __float2bfloat16_rn(acc * inv);
     }
 }
 

@@ -57,8 +57,12 @@ _CONV_K = range(2, 9)
 _GDN_DKP = (16, 32, 64, 128)
 _GDN_SPLIT = (2, 4)
 _GDN_CC = (1, 2, 4)
+# chunked delta rule: sizes fixed in kernels/delta_rule.cu (GDN_C, GDN_DMAX, GDN_CB and the shared-memory layouts)
+_GDN_CHUNK, _GDN_CHUNK_DMAX, _GDN_SCAN_COLS = 64, 128, 32
+_GDN_PREP_SMEM = (2 * 128 * (64 + 4) + 64 * (64 + 1)) * 4
+_GDN_SCAN_SMEM = (128 * 32 + 64 * (128 + 4) + 64 * 32 + 64 * (64 + 1)) * 4
 _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
-_MMA_WARPS = (4, 8)
+_MMA_WARPS = (1, 4, 8)
 
 
 def _mma_bns(d: int) -> tuple[int, ...]:
@@ -70,9 +74,10 @@ _NAMES = {
     "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
     "delta_rule": [f"gdn_recurrent_kernel<{t}, {d}, {s}>" for t in _T for d in _GDN_DKP for s in _GDN_SPLIT]
     + [f"gdn_cols_kernel<{t}, {d}, {cc}, false>" for t in _T for d in _GDN_DKP for cc in _GDN_CC]
-    + [f"gdn_cols_kernel<{t}, 128, 4, true>" for t in _T],
+    + [f"gdn_cols_kernel<{t}, 128, 4, true>" for t in _T]
+    + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in _mma_bns(d) for nw in _MMA_WARPS]
-    + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T],
+    + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
 }
 
 _MODULES: dict[tuple[int, str], cupy.RawModule] = {}
@@ -273,10 +278,16 @@ class CudaOps:
         self.gdn_cols = 4
         self.gdn_transposed = False  # transposed shuffle reductions (Dk 128, 4 columns per thread)
         self.gdn_split = 2
+        # prefill (more tokens than sequences) uses the chunked form when Dk, Dv <= 128: long sequences are then
+        # 64-token chunk steps instead of token steps. False: always the token-stepped kernels (tests, benches).
+        self.gdn_chunked = True
         # warps per block (16 query rows each); None: 8 above 128 head dims, else 4. Measured on an H200, 32 x 2304
         # prefill: head dim 256 8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1; decode 4 warps.
         self.attn_warps: dict[str, int | None] = {"prefill": None, "decode": 4}
         self.attn_bn: dict[int, int] = {}  # head_dim -> keys per K/V tile (default 64)
+        # decode splits each sequence's keys over blocks of one warp (split-K, then a merge): a decode query tile
+        # has only Hq/Hkv real rows, so one (sequence, KV head) per block left most of the GPU idle.
+        self.attn_split_decode = True
 
     # ---- memory -------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -505,11 +516,12 @@ class CudaOps:
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
-        """Gated delta rule per sequence from its fp32 recurrent state (updated in place); one launch.
+        """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
         q, k [T, H, Dk] (L2-normalised, q unscaled), v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv].
-        Steps token by token (the reference's chunked form is the same recurrence; `chunk_size` is accepted for
-        signature compatibility). Returns o [T, H, Dv] in v's dtype."""
+        Decode (one token per sequence) steps token by token in one launch; prefill (more tokens than sequences)
+        takes the chunked form in 64-token chunks, two launches (`chunk_size` is the reference's and is accepted
+        for signature compatibility). Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
         q = q if q.dtype == dt else self._cast(q, dt)
         k = k if k.dtype == dt else self._cast(k, dt)
@@ -530,6 +542,9 @@ class CudaOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
             return out
+        if self.gdn_chunked and t > nseq and dk <= _GDN_CHUNK_DMAX and dv <= _GDN_CHUNK_DMAX:
+            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, out)
+            return out
         dkp = next(p for p in _GDN_DKP if p >= dk)
         args = (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, state, slots, cu,
                 _i32(h), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)))
@@ -546,6 +561,34 @@ class CudaOps:
             _kernel("delta_rule", f"gdn_recurrent_kernel<{_tname(dt)}, {dkp}, {split}>")(
                 (-(-dv // cols), h, nseq), (128,), args + (out,))
         return out
+
+    def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, out):
+        """The chunked form (kernels/delta_rule.cu): a parallel pass over all 64-token chunks writes W, U0, Aqk and
+        the cumulative gates to fp32 scratch, then a scan over each sequence's chunks applies the state."""
+        t, h, dk = q.shape
+        dv, nseq = v.shape[2], slots.shape[0]
+        c = _GDN_CHUNK
+        w = cupy.empty((t, h, dk), F32)
+        u = cupy.empty((t, h, dv), F32)
+        aqk = cupy.empty((t, h, c), F32)
+        gc = cupy.empty((t, h), F32)
+        scale = np.float32(1.0 / math.sqrt(dk))
+        tn = _tname(out.dtype)
+        prep = self._dynamic_smem(_kernel("delta_rule", f"gdn_chunk_prep_kernel<{tn}>"), _GDN_PREP_SMEM)
+        prep((-(-t // c) + nseq, h), (256,),
+             (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, cu, _i32(nseq),
+              _i32(h), _i32(dk), _i32(dv), scale, w, u, aqk, gc), shared_mem=_GDN_PREP_SMEM)
+        scan = self._dynamic_smem(_kernel("delta_rule", f"gdn_chunk_scan_kernel<{tn}>"), _GDN_SCAN_SMEM)
+        scan((-(-dv // _GDN_SCAN_COLS), h, nseq), (256,),
+             (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), w, u, aqk, gc, state, slots, cu, _i32(h), _i32(dk),
+              _i32(dv), scale, out), shared_mem=_GDN_SCAN_SMEM)
+
+    def _dynamic_smem(self, kern, nbytes: int):
+        """Allow `kern` more than the default 48 KiB of dynamic shared memory (set once per kernel and size)."""
+        if nbytes > 48 * 1024 and (id(kern), nbytes) not in self._smem_set:
+            kern.max_dynamic_shared_size_bytes = nbytes
+            self._smem_set.add((id(kern), nbytes))
+        return kern
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset)."""
@@ -594,16 +637,25 @@ class CudaOps:
                    and qst % 8 == 0 and qsh % 8 == 0)
         common = (tables, _i32(tables.shape[1]), ctx, cu, _i32(nseq), _i32(hq), _i32(hkv), _i32(bs))
         if use_mma:
-            nw = self.attn_warps["prefill" if t > nseq else "decode"] or (8 if d > 128 else 4)
-            bn = self.attn_bn.get(d, 64)
+            splits = 1
+            if self.attn_split_decode and t == nseq and rep <= 16:
+                nw, bn = 1, (32 if d > 128 else 64)
+                max_tiles = -(-tables.shape[1] * bs // bn)  # from the table width: static under graph capture
+                splits = min(32, max(1, -(-max_tiles // 8)))
+            else:
+                nw = self.attn_warps["prefill" if t > nseq else "decode"] or (8 if d > 128 else 4)
+                bn = self.attn_bn.get(d, 64)
             kern = _kernel("attention", f"attn_mma_kernel<{d}, {bn}, {nw}>")
             smem = (16 * nw + 2 * bn) * (d + 8) * 2
-            if smem > 48 * 1024 and (id(kern), smem) not in self._smem_set:
-                kern.max_dynamic_shared_size_bytes = smem
-                self._smem_set.add((id(kern), smem))
-            grid = (-(-t * rep // (16 * nw)) + nseq, hkv)
+            self._dynamic_smem(kern, smem)
+            grid = ((-(-t * rep // (16 * nw)) + nseq) * splits, hkv)
+            part_o = cupy.empty((splits, t * hq, d), F32) if splits > 1 else out
+            part_ml = cupy.empty((splits, t * hq, 2), F32) if splits > 1 else out
             kern(grid, (32 * nw,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common
-                 + (np.float32(scale * _LOG2E), _i32(window), out), shared_mem=smem)
+                 + (np.float32(scale * _LOG2E), _i32(window), out, _i32(splits), part_o, part_ml), shared_mem=smem)
+            if splits > 1:
+                _kernel("attention", "attn_combine_kernel")((t * hq,), (128,), (part_o, part_ml, _i32(splits),
+                                                                               _i64(t * hq), _i32(d), out))
         else:
             kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
             kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common[:7]
@@ -751,10 +803,13 @@ class CudaOps:
             return out
         greedy = temps <= 0
         if greedy.any():
-            idx = cupy.empty(b, np.int64)
-            _kernel("elementwise", "argmax_kernel")((min(b, 1 << 16),), (_THREADS,),
-                                                    (logits, _i32(b), _i32(v), _i64(v), idx))
-            out[:] = cupy.asnumpy(idx)
+            keys = cupy.zeros(b, np.uint64)
+            seg = 16 * _THREADS
+            for r0 in range(0, b, 65535):  # grid.y limit
+                rb = min(b - r0, 65535)
+                _kernel("elementwise", "argmax_kernel")((-(-v // seg), rb), (_THREADS,),
+                                                        (logits[r0:], _i32(rb), _i32(v), _i64(v), _i32(seg), keys[r0:]))
+            out[:] = 0xFFFFFFFF - (cupy.asnumpy(keys) & 0xFFFFFFFF).astype(np.int64)
         if not greedy.all():
             rows = np.nonzero(~greedy)[0]
             host = cupy.asnumpy(logits[cupy.asarray(rows)])

@@ -340,3 +340,301 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
             }
         }
 }
+
+// ---- chunked (WY) form for prefill ----------------------------------------------------------------------------
+// The token-by-token kernels above are bound by their dependency chain: a 2048-token sequence is 2048 serial steps.
+// The chunked form (the same math as the reference's _delta_chunk) cuts a sequence into chunks of C = 64 tokens.
+// With gc = cumsum(g) inside a chunk, G = exp(gc), L[t][j] = beta_t exp(gc_t - gc_j) k_t.k_j (j < t) and
+// T = (I + L)^-1, the chunk's pseudo-values from an entry state S are U = U0 - W S with
+//   W = T (beta G K)  [C, Dk],   U0 = T (beta V)  [C, Dv]                      (no dependency on S)
+// and then O = G (Q S) + Aqk U with Aqk[t][j] = exp(gc_t - gc_j) q_t.k_j / sqrt(Dk) (j <= t), and the exit state
+// S' = G_last S + K^T (exp(gc_last - gc) U). Every exponent is <= 0, so nothing overflows and a decay that
+// underflows clears the state as the recurrence would.
+//   gdn_chunk_prep_kernel: one block per (chunk, head), all chunks in parallel: W, U0, Aqk and gc to scratch.
+//   gdn_chunk_scan_kernel: one block per (value-column tile, head, sequence), chunks in order: the S-dependent
+//   part, with the [Dk, 32] state tile in shared memory. fp32 arithmetic throughout (SIMT FMAs).
+// Limits: Dk, Dv <= 128 (the wrapper falls back to the token-stepped kernel otherwise).
+
+#define GDN_C 64
+#define GDN_DMAX 128
+#define GDN_KT_LD (GDN_C + 4)    // sKT / sQT [d][t]: rows of C floats, 16-byte aligned, fewer bank conflicts
+#define GDN_L_LD (GDN_C + 1)     // [t][j] matrices read by column
+
+template <typename T>
+__global__ void __launch_bounds__(256, 2)
+gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
+                      const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
+                      const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int dk,
+                      int dv, float scale, float* __restrict__ w_out, float* __restrict__ u_out,
+                      float* __restrict__ aqk_out, float* __restrict__ gc_out) {
+    extern __shared__ __align__(16) float smem[];
+    float* sKT = smem;                           // [GDN_DMAX][GDN_KT_LD]  k transposed
+    float* sQT = sKT + GDN_DMAX * GDN_KT_LD;     // [GDN_DMAX][GDN_KT_LD]  q transposed (later: T, both layouts)
+    float* sL = sQT + GDN_DMAX * GDN_KT_LD;      // [C][GDN_L_LD]
+    float* sTs = sQT;                            // [C][GDN_L_LD]   T row-major (the solve writes it)
+    float* sTt = sQT + GDN_C * GDN_L_LD;         // [C][GDN_KT_LD]  T transposed: sTt[j][t] = T[t][j]
+    __shared__ float sgc[GDN_C], sbeta[GDN_C], sG[GDN_C];
+    __shared__ int s_seq, s_tile;
+
+    const int h = blockIdx.y, tid = threadIdx.x;
+    if (tid < 32) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, 1, GDN_C, blockIdx.x, seq, tile)) seq = -1;
+        if (tid == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    if (s_seq < 0) return;
+    const int start = cu[s_seq] + s_tile * GDN_C;
+    const int n = min(GDN_C, cu[s_seq + 1] - start);
+
+    // k, q (transposed) and the gates -> shared; rows past n and dims past dk are zero
+    for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+        const int t = idx / GDN_DMAX, d = idx % GDN_DMAX;
+        float kv = 0.f, qv = 0.f;
+        if (t < n && d < dk) {
+            kv = to_f(k[(i64)(start + t) * kst + (i64)h * ksh + d]);
+            qv = to_f(q[(i64)(start + t) * qst + (i64)h * qsh + d]);
+        }
+        sKT[d * GDN_KT_LD + t] = kv;
+        sQT[d * GDN_KT_LD + t] = qv;
+    }
+    if (tid < GDN_C) {
+        sgc[tid] = tid < n ? g[(i64)(start + tid) * heads + h] : 0.f;
+        sbeta[tid] = tid < n ? beta[(i64)(start + tid) * heads + h] : 0.f;
+    }
+    __syncthreads();
+    if (tid == 0) {  // inclusive cumsum of the log decays (64 adds)
+        float acc = 0.f;
+        for (int t = 0; t < GDN_C; ++t) { acc += sgc[t]; sgc[t] = acc; }
+    }
+    __syncthreads();
+    if (tid < GDN_C) {
+        sG[tid] = expf(sgc[tid]);
+        if (tid < n) gc_out[(i64)(start + tid) * heads + h] = sgc[tid];
+    }
+
+    // K K^T and Q K^T, a 4 x 4 tile of (t, j) per thread
+    {
+        const int t0 = (tid >> 4) * 4, j0 = (tid & 15) * 4;
+        float kk[4][4] = {}, qk[4][4] = {};
+        for (int d = 0; d < dk; ++d) {
+            const float4 a = *reinterpret_cast<const float4*>(sKT + d * GDN_KT_LD + t0);
+            const float4 aq = *reinterpret_cast<const float4*>(sQT + d * GDN_KT_LD + t0);
+            const float4 b = *reinterpret_cast<const float4*>(sKT + d * GDN_KT_LD + j0);
+            const float av[4] = {a.x, a.y, a.z, a.w}, qv[4] = {aq.x, aq.y, aq.z, aq.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) {
+                    kk[x][y] += av[x] * bv[y];
+                    qk[x][y] += qv[x] * bv[y];
+                }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const int t = t0 + x;
+#pragma unroll
+            for (int y = 0; y < 4; ++y) {
+                const int j = j0 + y;
+                const float decay = j <= t ? expf(sgc[t] - sgc[j]) : 0.f;
+                sL[t * GDN_L_LD + j] = j < t ? sbeta[t] * decay * kk[x][y] : 0.f;
+                if (t < n) aqk_out[((i64)(start + t) * heads + h) * GDN_C + j] = decay * qk[x][y] * scale;
+            }
+        }
+    }
+    __syncthreads();  // sL complete; sQT no longer needed (sTs / sTt reuse it)
+
+    // T = (I + L)^-1 by forward substitution: thread c owns column c (no synchronisation between rows)
+    if (tid < GDN_C) {
+        const int c = tid;
+        for (int i = 0; i < GDN_C; ++i) {
+            float s0 = i == c ? 1.f : 0.f, s1 = 0.f;
+            int j = c;
+            for (; j + 1 < i; j += 2) {  // two chains for latency
+                s0 -= sL[i * GDN_L_LD + j] * sTs[j * GDN_L_LD + c];
+                s1 -= sL[i * GDN_L_LD + j + 1] * sTs[(j + 1) * GDN_L_LD + c];
+            }
+            if (j < i) s0 -= sL[i * GDN_L_LD + j] * sTs[j * GDN_L_LD + c];
+            sTs[i * GDN_L_LD + c] = i < c ? 0.f : s0 + s1;
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < GDN_C * GDN_C; idx += 256) {
+        const int t = idx / GDN_C, j = idx % GDN_C;
+        sTt[j * GDN_KT_LD + t] = sTs[t * GDN_L_LD + j];
+    }
+    __syncthreads();
+
+    // W = T (beta G K) and U0 = T (beta V): thread owns dim/column x = tid % 128 and 32 rows
+    const int x = tid & 127, r0 = (tid >> 7) * 32;
+    float wa[32], ua[32];
+#pragma unroll
+    for (int r = 0; r < 32; ++r) wa[r] = ua[r] = 0.f;
+    const bool has_k = x < dk, has_v = x < dv;
+    for (int j = 0; j < n; ++j) {
+        const float kb = has_k ? sbeta[j] * sG[j] * sKT[x * GDN_KT_LD + j] : 0.f;
+        const float vb = has_v ? sbeta[j] * to_f(v[(i64)(start + j) * vst + (i64)h * vsh + x]) : 0.f;
+#pragma unroll
+        for (int r4 = 0; r4 < 8; ++r4) {
+            const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
+            const float tv[4] = {tt.x, tt.y, tt.z, tt.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                wa[r4 * 4 + e] += tv[e] * kb;
+                ua[r4 * 4 + e] += tv[e] * vb;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+        const int t = r0 + r;
+        if (t < n) {
+            if (has_k) w_out[((i64)(start + t) * heads + h) * dk + x] = wa[r];
+            if (has_v) u_out[((i64)(start + t) * heads + h) * dv + x] = ua[r];
+        }
+    }
+}
+
+#define GDN_CB 32                 // value columns per scan block
+#define GDN_BUF_LD (GDN_DMAX + 4) // [t][d] rows of W / Q / K
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
+                      const float* __restrict__ w_in, const float* __restrict__ u_in, const float* __restrict__ aqk_in,
+                      const float* __restrict__ gc_in, float* __restrict__ state, const int* __restrict__ slots,
+                      const int* __restrict__ cu, int heads, int dk, int dv, float scale, T* __restrict__ out) {
+    extern __shared__ __align__(16) float smem[];
+    float* sS = smem;                        // [GDN_DMAX][GDN_CB]  the state tile
+    float* sBuf = sS + GDN_DMAX * GDN_CB;    // [C][GDN_BUF_LD]     W, then Q, then K of the chunk
+    float* sU = sBuf + GDN_C * GDN_BUF_LD;   // [C][GDN_CB]         U (then scaled by the tail decay)
+    float* sA = sU + GDN_C * GDN_CB;         // [C][GDN_L_LD]       Aqk
+    __shared__ float sgc[GDN_C];
+
+    const int seq = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
+    const int seq_start = cu[seq], len = cu[seq + 1] - seq_start;
+    if (len == 0) return;
+    const int col0 = blockIdx.x * GDN_CB;
+    const int dkp = (dk + 3) & ~3;
+    float* st = state + ((i64)slots[seq] * heads + h) * (i64)dk * dv;
+
+    for (int idx = tid; idx < GDN_DMAX * GDN_CB; idx += 256) {
+        const int d = idx / GDN_CB, c = idx % GDN_CB;
+        sS[idx] = (d < dk && col0 + c < dv) ? st[(i64)d * dv + col0 + c] : 0.f;
+    }
+
+    // phase 1/2 mapping: row t, 8 columns; phase 3 mapping: state row d, 16 columns
+    const int t = tid >> 2, cg = (tid & 3) * 8;
+    const int sd = tid >> 1, sc = (tid & 1) * 16;
+
+    for (int c0 = 0; c0 < len; c0 += GDN_C) {
+        const int start = seq_start + c0, n = min(GDN_C, len - c0);
+        __syncthreads();  // the previous chunk's state update is done
+        for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+            const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
+            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? w_in[((i64)(start + r) * heads + h) * dk + d] : 0.f;
+        }
+        for (int idx = tid; idx < GDN_C * GDN_C; idx += 256) {
+            const int r = idx / GDN_C, j = idx % GDN_C;
+            sA[r * GDN_L_LD + j] = r < n ? aqk_in[((i64)(start + r) * heads + h) * GDN_C + j] : 0.f;
+        }
+        if (tid < GDN_C) sgc[tid] = tid < n ? gc_in[(i64)(start + tid) * heads + h] : 0.f;
+        __syncthreads();
+
+        // phase 1: U = U0 - W S
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+        for (int d = 0; d < dkp; d += 4) {
+            const float4 w4 = *reinterpret_cast<const float4*>(sBuf + t * GDN_BUF_LD + d);
+            const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg);
+                const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg + 4);
+                acc[0] += wv[e] * s0.x; acc[1] += wv[e] * s0.y; acc[2] += wv[e] * s0.z; acc[3] += wv[e] * s0.w;
+                acc[4] += wv[e] * s1.x; acc[5] += wv[e] * s1.y; acc[6] += wv[e] * s1.z; acc[7] += wv[e] * s1.w;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int col = col0 + cg + e;
+            sU[t * GDN_CB + cg + e] = (t < n && col < dv) ? u_in[((i64)(start + t) * heads + h) * dv + col] - acc[e] : 0.f;
+        }
+        __syncthreads();  // U complete, W consumed
+        for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+            const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
+            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(q[(i64)(start + r) * qst + (i64)h * qsh + d]) : 0.f;
+        }
+        __syncthreads();
+
+        // phase 2: O = G (Q S) / sqrt(Dk) + Aqk U
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+        for (int d = 0; d < dkp; d += 4) {
+            const float4 q4 = *reinterpret_cast<const float4*>(sBuf + t * GDN_BUF_LD + d);
+            const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg);
+                const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg + 4);
+                acc[0] += qv[e] * s0.x; acc[1] += qv[e] * s0.y; acc[2] += qv[e] * s0.z; acc[3] += qv[e] * s0.w;
+                acc[4] += qv[e] * s1.x; acc[5] += qv[e] * s1.y; acc[6] += qv[e] * s1.z; acc[7] += qv[e] * s1.w;
+            }
+        }
+        const float gq = expf(sgc[t]) * scale;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= gq;
+        for (int j = 0; j <= t && j < n; ++j) {
+            const float a = sA[t * GDN_L_LD + j];
+            const float4 u0 = *reinterpret_cast<const float4*>(sU + j * GDN_CB + cg);
+            const float4 u1 = *reinterpret_cast<const float4*>(sU + j * GDN_CB + cg + 4);
+            acc[0] += a * u0.x; acc[1] += a * u0.y; acc[2] += a * u0.z; acc[3] += a * u0.w;
+            acc[4] += a * u1.x; acc[5] += a * u1.y; acc[6] += a * u1.z; acc[7] += a * u1.w;
+        }
+        if (t < n) {
+            T* orow = out + ((i64)(start + t) * heads + h) * dv;
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (col0 + cg + e < dv) orow[col0 + cg + e] = from_f<T>(acc[e]);
+        }
+        __syncthreads();  // Q and U (unscaled) consumed
+        const float gl = sgc[n - 1];
+        for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+            const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
+            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(k[(i64)(start + r) * kst + (i64)h * ksh + d]) : 0.f;
+        }
+        for (int idx = tid; idx < GDN_C * GDN_CB; idx += 256) {
+            const int r = idx / GDN_CB;
+            if (r < n) sU[idx] *= expf(gl - sgc[r]);
+        }
+        __syncthreads();
+
+        // phase 3: S = G_last S + K^T (tail U)
+        {
+            float sa[16];
+            const float glast = expf(gl);
+#pragma unroll
+            for (int e = 0; e < 16; e += 4) {
+                const float4 s4 = *reinterpret_cast<const float4*>(sS + sd * GDN_CB + sc + e);
+                sa[e] = glast * s4.x; sa[e + 1] = glast * s4.y; sa[e + 2] = glast * s4.z; sa[e + 3] = glast * s4.w;
+            }
+            for (int j = 0; j < n; ++j) {
+                const float kv = sBuf[j * GDN_BUF_LD + sd];
+#pragma unroll
+                for (int e = 0; e < 16; e += 4) {
+                    const float4 u4 = *reinterpret_cast<const float4*>(sU + j * GDN_CB + sc + e);
+                    sa[e] += kv * u4.x; sa[e + 1] += kv * u4.y; sa[e + 2] += kv * u4.z; sa[e + 3] += kv * u4.w;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 16; e += 4)
+                *reinterpret_cast<float4*>(sS + sd * GDN_CB + sc + e) = make_float4(sa[e], sa[e + 1], sa[e + 2], sa[e + 3]);
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < GDN_DMAX * GDN_CB; idx += 256) {
+        const int d = idx / GDN_CB, c = idx % GDN_CB;
+        if (d < dk && col0 + c < dv) st[(i64)d * dv + col0 + c] = sS[idx];
+    }
+}

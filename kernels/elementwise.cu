@@ -180,40 +180,37 @@ __global__ void copy_rows_kernel(const unsigned long long* __restrict__ bases, c
 }
 
 // ---- argmax per row (ties: lowest index; NaN counts as the maximum, as numpy.argmax) ------------------------------
-__device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
-    const bool n1 = isnan(v1), n2 = isnan(v2);
-    if (n1 != n2) return n1;
-    if (!n1 && v1 != v2) return v1 > v2;
-    return i1 < i2;
+// A row of a 248k vocabulary is too long for one block (64 rows would use 64 of 132 SMs): blocks of a 2D grid
+// (row segment, row) each reduce a segment to one 64-bit key and atomicMax it into keys[row] (zeroed first).
+// key = (order-preserving bits of the value) << 32 | (0xffffffff - index): larger value wins, then lower index.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+    const unsigned b = __float_as_uint(v);
+    const unsigned ord = isnan(v) ? 0xffffffffu : ((b & 0x80000000u) ? ~b : (b | 0x80000000u));
+    return ((unsigned long long)ord << 32) | (0xffffffffu - (unsigned)i);
 }
 
 extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stride,
-                                         long long* __restrict__ out) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
+                                         int seg, unsigned long long* __restrict__ keys) {
+    __shared__ unsigned long long sk[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* row = logits + (i64)r * row_stride;
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            const float v = row[i];
-            if (better(v, i, bv, bi)) { bv = v; bi = i; }
-        }
+    const int r = blockIdx.y;
+    const float* row = logits + (i64)r * row_stride;
+    const int lo = blockIdx.x * seg, hi = min(cols, lo + seg);
+    unsigned long long best = 0;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const unsigned long long key = argmax_key(row[i], i);
+        best = key > best ? key : best;
+    }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int w = 1; w < nw; ++w)
-                if (better(sv[w], si[w], bv, bi)) { bv = sv[w]; bi = si[w]; }
-            out[r] = bi == 0x7fffffff ? 0 : bi;
-        }
-        __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(FULL_MASK, best, o);
+        best = other > best ? other : best;
+    }
+    if (lane == 0) sk[warp] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; ++w) best = sk[w] > best ? sk[w] : best;
+        atomicMax(keys + r, best);
     }
 }
 

@@ -4,7 +4,8 @@ Skipped cleanly without CuPy or a GPU. Errors are norm-relative: ||gpu - ref|| /
 
 Bounds:
 - float32 backend: 1e-5 for every op. GEMMs use CUBLAS_COMPUTE_32F_PEDANTIC (no TF32). The delta rule compares the
-  GPU's token-by-token recurrence with the reference's chunked solve (same math, different rounding order).
+  GPU's chunked form (prefill: explicit (I + L)^-1) and token-by-token recurrence (decode) with the reference's
+  chunked solve (same math, different rounding order).
 - bfloat16 backend: the reference gets the same bf16-rounded inputs (as fp32), so only the GPU's own rounding
   counts: 1e-2 for GEMMs, norms and elementwise ops (one bf16 rounding of the output is ~2e-3 relative);
   2e-2 for attention (softmax probabilities are rounded to bf16 before P·V) and for the delta rule and conv
@@ -295,29 +296,55 @@ def test_gated_delta_rule(ops, ref, h, dk, dv):
     np.testing.assert_array_equal(ops.to_host(d_state)[untouched], state[untouched])
 
 
-GDN_VARIANTS = [("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2), ("cols", 1, False, 2),
-                ("rows", 4, False, 2), ("rows", 4, False, 4)]
+GDN_VARIANTS = [("chunked", 4, False, 2), ("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2),
+                ("cols", 1, False, 2), ("rows", 4, False, 2), ("rows", 4, False, 4)]
 
 
 @pytest.mark.parametrize("variant,cols,transposed,split", GDN_VARIANTS)
 @pytest.mark.parametrize("h,dk,dv", [(2, 128, 128), (3, 64, 40)])
 def test_gated_delta_rule_variants(ops, ref, variant, cols, transposed, split, h, dk, dv):
-    """Every kernel variant (columns per thread, transposed reductions, the one-column "rows" kernel) agrees."""
+    """Every kernel variant (the chunked prefill; token-stepped: columns per thread, transposed reductions, the
+    one-column "rows" kernel) agrees."""
     rng = np.random.default_rng(11 + dk)
     q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, [3, 40, 1, 0, 70], h, dk, dv, nslots=6)
-    old = ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split
-    ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = variant, cols, transposed, split
+    old = ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split, ops.gdn_chunked
+    ops.gdn_chunked = variant == "chunked"
+    ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = (variant if variant != "chunked" else "cols",
+                                                                         cols, transposed, split)
     try:
         d_state = ops.upload(state, np.float32)
         o = ops.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
                                  ops.upload(beta, np.float32), d_state, ops.upload_index(slots),
                                  ops.upload_index(cu))
     finally:
-        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = old
+        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split, ops.gdn_chunked = old
     want_state = state.copy()
     want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
     assert rel(host(ops, o), want) <= TOL_SEQ[ops.dtype_name]
     assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
+
+
+@pytest.mark.parametrize("lens", [[1000], [64, 128], [63, 1, 65, 200], [2, 1]])
+def test_gated_delta_rule_chunked_long(ops, ref, lens):
+    """The chunked prefill on long single sequences, exact chunk multiples and ragged tails, from non-zero states,
+    with decays strong enough to underflow inside a chunk; then one decode step (token-stepped) from its state."""
+    rng = np.random.default_rng(len(lens) * 7 + lens[0])
+    h, dk, dv = 4, 128, 128
+    q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=5)
+    g[::97, 1] = -30.0  # exp(-30) per token: sub-chunk underflow of the cumulative decay
+    d_state = ops.upload(state, np.float32)
+    o = ops.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
+                             ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
+    want_state = state.copy()
+    want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
+    assert rel(host(ops, o), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
+    # a decode step per sequence continues from the chunked exit state
+    q1, k1, v1, g1, b1, _, _, cu1 = _delta_inputs(rng, ops, [1] * len(lens), h, dk, dv, nslots=5)
+    o1 = ops.gated_delta_rule(ops.upload(q1), ops.upload(k1), ops.upload(v1), ops.upload(g1, np.float32),
+                              ops.upload(b1, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu1))
+    want1 = ref.gated_delta_rule(q1, k1, v1, g1, b1, want_state, slots, cu1)
+    assert rel(host(ops, o1), want1) <= TOL_SEQ[ops.dtype_name]
 
 
 def _paged_case(rng, ops, seqs, hq, hkv, d, bs, strided_q=False):
@@ -398,8 +425,9 @@ def test_paged_attention_tile_variants(ops, ref, d, warps, bn, decode):
     rng = np.random.default_rng(d + warps)
     seqs = [(300, 1), (65, 1), (1, 1), (129, 1)] if decode else [(300, 1), (260, 100), (40, 40), (129, 3)]
     c = _paged_case(rng, ops, seqs, 8, 2, d, 16)
-    old = dict(ops.attn_warps), dict(ops.attn_bn)
+    old = dict(ops.attn_warps), dict(ops.attn_bn), ops.attn_split_decode
     ops.attn_warps = {"prefill": warps, "decode": warps}
+    ops.attn_split_decode = False
     if bn is not None:
         ops.attn_bn = {d: bn}
     try:
@@ -407,10 +435,31 @@ def test_paged_attention_tile_variants(ops, ref, d, warps, bn, decode):
                                   ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
                                   d ** -0.5, 50 if decode else None)
     finally:
-        ops.attn_warps, ops.attn_bn = old
+        ops.attn_warps, ops.attn_bn, ops.attn_split_decode = old
     want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
                                50 if decode else None)
     assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(16, 4, 256, 64, None), (8, 2, 128, 16, None),
+                                                (16, 4, 256, 16, 300), (4, 4, 64, 32, None)])
+def test_paged_attention_split_decode(ops, ref, hq, hkv, d, bs, window):
+    """Decode split over key ranges (one warp per split, then a merge): long and short contexts in one batch, splits
+    left empty by short sequences, a table wider than any context (as a decode graph's bucketed width), windows."""
+    rng = np.random.default_rng(d + bs)
+    seqs = [(3000, 1), (1, 1), (65, 1), (2049, 1), (700, 1)]
+    c = _paged_case(rng, ops, seqs, hq, hkv, d, bs)
+    wide = np.zeros((len(seqs), c["tables"].shape[1] * 2), np.int32)
+    wide[:, :c["tables"].shape[1]] = c["tables"]
+    args = (ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), ops.upload_index(wide), ops.upload_index(c["ctx"]),
+            ops.upload_index(c["cu"]), d ** -0.5, window)
+    assert ops.attn_split_decode
+    out = ops.paged_attention(c["q_dev"], *args)
+    want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
+                               window)
+    assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
+    per_row = np.linalg.norm(host(ops, out) - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert per_row.max() <= 10 * TOL_SEQ[ops.dtype_name]
 
 
 def test_copy_rows(ops):
@@ -662,11 +711,26 @@ def bench():  # pragma: no cover - device timing, not a test
     def label(vr):
         return f"{vr[0]}, {vr[1]} cols{', transposed' if vr[2] else ''}" if vr[0] == "cols" else f"rows, split {vr[3]}"
 
+    ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
+    rows.append(("gated delta rule prefill 32x2304, 32 heads 128x128 (chunked)", ms,
+                 f"{t / ms / 1e3:.1f} M tok/s (anchor: flash-linear-attention 4.70 ms)"))
+    for shape in [(1, 2048), (64, 256)]:  # the shared-system prefix alone, then its 64 suffixes
+        nb, nl = shape
+        cu_s = ops.upload_index(np.arange(nb + 1) * nl)
+        sl = ops.upload_index(np.arange(nb))
+        for chunked in (True, False):
+            ops.gdn_chunked = chunked
+            ms = _time_ms(lambda: ops.gated_delta_rule(q[:nb * nl], k[:nb * nl], v[:nb * nl], g[:nb * nl],
+                                                       beta[:nb * nl], state, sl, cu_s), iters=5, warmup=1)
+            rows.append((f"gated delta rule prefill {nb}x{nl} ({'chunked' if chunked else 'token-stepped'})", ms,
+                         f"{nb * nl / ms / 1e3:.1f} M tok/s"))
+    ops.gdn_chunked = False
     for vr in variants:
         ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = vr
         ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
         rows.append((f"gated delta rule prefill 32x2304, 32 heads 128x128 ({label(vr)})", ms,
                      f"{t / ms / 1e3:.1f} M tok/s (anchor 4.70 ms)"))
+    ops.gdn_chunked = True
     del q, k, v
     bd = 64
     qd = ops.l2_normalize(rnd_dev(bd, h, dk))
@@ -723,12 +787,14 @@ def bench():  # pragma: no cover - device timing, not a test
             nb64 = (b * nblk) // bd
             tables_d = ops.upload_index(np.arange(bd * nb64).reshape(bd, nb64).astype(np.int32))
             ctx_d = ops.upload_index(np.full(bd, nb64 * bs, np.int32))
-            for nw in (4, 8):
-                ops.attn_warps["decode"] = nw
+            for nw in (4, 8, "split"):
+                ops.attn_split_decode = nw == "split"
+                ops.attn_warps["decode"] = 4 if nw == "split" else nw
                 ms = _time_ms(lambda: ops.paged_attention(qdec, kcache, vcache, tables_d, ctx_d, cu_d, hd ** -0.5),
                               iters=50)
                 kvbytes = 2 * bd * nb64 * bs * hkv * hd * 2
-                rows.append((f"paged attention decode batch 64, ctx {nb64 * bs}, {nw} warps", ms,
+                label = "split-K, 1 warp per split" if nw == "split" else f"{nw} warps"
+                rows.append((f"paged attention decode batch 64, ctx {nb64 * bs} (distinct K/V), {label}", ms,
                              f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
             ops.attn_warps["decode"] = 4
         del kcache, vcache, qa
