@@ -46,7 +46,7 @@ def _elementwise_names() -> list[str]:
                 names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {wr}>" for tg in _T]
             names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
                       f"cast_kernel<{ti}, {to}>"]
-        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"sigmoid_kernel<{ti}>", f"repeat_heads_kernel<{ti}>",
+        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"sigmoid_kernel<{ti}>",
                   f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
     names += ["argmax_kernel"]
@@ -278,16 +278,20 @@ class CudaOps:
         self.gdn_cols = 4
         self.gdn_transposed = False  # transposed shuffle reductions (Dk 128, 4 columns per thread)
         self.gdn_split = 2
-        # prefill (more tokens than sequences) uses the chunked form when Dk, Dv <= 128: long sequences are then
-        # 64-token chunk steps instead of token steps. False: always the token-stepped kernels (tests, benches).
-        self.gdn_chunked = True
+        # prefill (more tokens than sequences) may use the chunked form (Dk, Dv <= 128): long sequences are then
+        # 64-token chunk steps instead of token steps. "auto": chunked when the token-stepped grid would not fill
+        # the GPU (few sequences, e.g. a long shared prefix alone), token-stepped otherwise (measured faster for
+        # many sequences); True / False force one form (tests, benches).
+        self.gdn_chunked: bool | str = "auto"
+        self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # warps per block (16 query rows each); None: 8 above 128 head dims, else 4. Measured on an H200, 32 x 2304
         # prefill: head dim 256 8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1; decode 4 warps.
         self.attn_warps: dict[str, int | None] = {"prefill": None, "decode": 4}
         self.attn_bn: dict[int, int] = {}  # head_dim -> keys per K/V tile (default 64)
-        # decode splits each sequence's keys over blocks of one warp (split-K, then a merge): a decode query tile
-        # has only Hq/Hkv real rows, so one (sequence, KV head) per block left most of the GPU idle.
-        self.attn_split_decode = True
+        # decode split over key ranges, one warp per split, then a merge (split-K). "auto": only when one block per
+        # (sequence, KV head) would leave SMs idle; at batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s
+        # on an H200 (1152 keys: 87 us vs 112 us split; 4b-like decode 171 vs 192 us per layer). True/False force.
+        self.attn_split_decode: bool | str = "auto"
 
     # ---- memory -------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -447,16 +451,6 @@ class CudaOps:
                 (_grid(x.size),), (_THREADS,), (x, _i64(x.size), out))
         return out
 
-    def repeat_heads(self, x, rep):
-        """x [T, H, D] -> [T, H * rep, D] (repeat_interleave over heads)"""
-        x, st, sh = _heads(x)
-        t, h, d = x.shape
-        out = cupy.empty((t, h * rep, d), x.dtype)
-        if out.size:
-            _kernel("elementwise", f"repeat_heads_kernel<{_tname(x.dtype)}>")(
-                (_grid(out.size),), (_THREADS,), (x, _i64(t), _i32(h), _i32(d), _i64(st), _i64(sh), _i32(rep), out))
-        return out
-
     def rotary(self, x, positions, inv_freq):
         """Rotate-half on the first 2*len(inv_freq) dims of each head of x [T, H, Dh], in place; returns x."""
         if x.ndim != 3:
@@ -518,8 +512,8 @@ class CudaOps:
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
-        q, k [T, H, Dk] (L2-normalised, q unscaled), v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv].
-        Decode (one token per sequence) steps token by token in one launch; prefill (more tokens than sequences)
+        q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
+        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Decode (one token per sequence) steps token by token in one launch; prefill (more tokens than sequences)
         takes the chunked form in 64-token chunks, two launches (`chunk_size` is the reference's and is accepted
         for signature compatibility). Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
@@ -528,8 +522,11 @@ class CudaOps:
         q, qst, qsh = _heads(q)
         k, kst, ksh = _heads(k)
         v, vst, vsh = _heads(v)
-        t, h, dk = q.shape
-        dv = v.shape[2]
+        t, hk, dk = q.shape
+        h, dv = v.shape[1], v.shape[2]
+        if k.shape != q.shape or v.shape[0] != t or hk < 1 or h % hk:
+            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
+        krep = h // hk
         if dk > 128 or dv < 1:
             raise ValueError(f"gated_delta_rule supports key head dims up to 128, got {dk}")
         if state.dtype != F32 or not state.flags.c_contiguous or state.shape[1:] != (h, dk, dv):
@@ -542,12 +539,12 @@ class CudaOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
             return out
-        if self.gdn_chunked and t > nseq and dk <= _GDN_CHUNK_DMAX and dv <= _GDN_CHUNK_DMAX:
-            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, out)
+        if self._use_chunked(t, nseq, h, dk, dv):
+            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
         dkp = next(p for p in _GDN_DKP if p >= dk)
         args = (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, state, slots, cu,
-                _i32(h), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)))
+                _i32(h), _i32(krep), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)))
         if self.gdn_variant == "cols":
             cc = self.gdn_cols
             rpt = min(64 // cc, dkp)
@@ -562,11 +559,18 @@ class CudaOps:
                 (-(-dv // cols), h, nseq), (128,), args + (out,))
         return out
 
-    def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, out):
+    def _use_chunked(self, t: int, nseq: int, h: int, dk: int, dv: int) -> bool:
+        if t <= nseq or dk > _GDN_CHUNK_DMAX or dv > _GDN_CHUNK_DMAX or not self.gdn_chunked:
+            return False
+        if self.gdn_chunked == "auto":  # token-stepped blocks: 64 value columns each, ~4 resident per SM
+            return nseq * h * -(-dv // 64) < 4 * self._sm_count
+        return True
+
+    def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
         """The chunked form (kernels/delta_rule.cu): a parallel pass over all 64-token chunks writes W, U0, Aqk and
         the cumulative gates to fp32 scratch, then a scan over each sequence's chunks applies the state."""
-        t, h, dk = q.shape
-        dv, nseq = v.shape[2], slots.shape[0]
+        t, _, dk = q.shape
+        h, dv, nseq = v.shape[1], v.shape[2], slots.shape[0]
         c = _GDN_CHUNK
         w = cupy.empty((t, h, dk), F32)
         u = cupy.empty((t, h, dv), F32)
@@ -577,11 +581,11 @@ class CudaOps:
         prep = self._dynamic_smem(_kernel("delta_rule", f"gdn_chunk_prep_kernel<{tn}>"), _GDN_PREP_SMEM)
         prep((-(-t // c) + nseq, h), (256,),
              (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, cu, _i32(nseq),
-              _i32(h), _i32(dk), _i32(dv), scale, w, u, aqk, gc), shared_mem=_GDN_PREP_SMEM)
+              _i32(h), _i32(krep), _i32(dk), _i32(dv), scale, w, u, aqk, gc), shared_mem=_GDN_PREP_SMEM)
         scan = self._dynamic_smem(_kernel("delta_rule", f"gdn_chunk_scan_kernel<{tn}>"), _GDN_SCAN_SMEM)
         scan((-(-dv // _GDN_SCAN_COLS), h, nseq), (256,),
-             (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), w, u, aqk, gc, state, slots, cu, _i32(h), _i32(dk),
-              _i32(dv), scale, out), shared_mem=_GDN_SCAN_SMEM)
+             (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), w, u, aqk, gc, state, slots, cu, _i32(h), _i32(krep),
+              _i32(dk), _i32(dv), scale, out), shared_mem=_GDN_SCAN_SMEM)
 
     def _dynamic_smem(self, kern, nbytes: int):
         """Allow `kern` more than the default 48 KiB of dynamic shared memory (set once per kernel and size)."""
@@ -638,7 +642,10 @@ class CudaOps:
         common = (tables, _i32(tables.shape[1]), ctx, cu, _i32(nseq), _i32(hq), _i32(hkv), _i32(bs))
         if use_mma:
             splits = 1
-            if self.attn_split_decode and t == nseq and rep <= 16:
+            split = self.attn_split_decode
+            if split == "auto":
+                split = nseq * hkv < self._sm_count
+            if split and t == nseq and rep <= 16:
                 nw, bn = 1, (32 if d > 128 else 64)
                 max_tiles = -(-tables.shape[1] * bs // bn)  # from the table width: static under graph capture
                 splits = min(32, max(1, -(-max_tiles // 8)))

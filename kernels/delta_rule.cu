@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(GDN_THREADS, DKP / SPLIT >= 64 ? 4 : 6)
 gdn_recurrent_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                      const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
                      const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ slots,
-                     const int* __restrict__ cu, int heads, int dk, int dv, float scale, T* __restrict__ out) {
+                     const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out) {
     constexpr int COLS = GDN_THREADS / SPLIT;
     constexpr int RPT = DKP / SPLIT;  // rows per thread
     constexpr int R4 = RPT / 4;
@@ -55,8 +55,8 @@ gdn_recurrent_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restr
             float kv = 0.f, qv = 0.f;
             if (tt < cnt && d < dk) {
                 const i64 t = start + c0 + tt;
-                kv = to_f(k[t * kst + h * ksh + d]);
-                qv = to_f(q[t * qst + h * qsh + d]) * scale;
+                kv = to_f(k[t * kst + (h / krep) * ksh + d]);
+                qv = to_f(q[t * qst + (h / krep) * qsh + d]) * scale;
             }
             sk[tt][d] = kv;
             sq[tt][d] = qv;
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(GDN_THREADS, CC == 4 ? 4 : 3)
 gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                 const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
                 const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ slots,
-                const int* __restrict__ cu, int heads, int dk, int dv, float scale, T* __restrict__ out) {
+                const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out) {
     constexpr int RPT = (64 / CC) < DKP ? (64 / CC) : DKP;  // rows per thread
     constexpr int SPLIT = DKP / RPT;             // threads per column group
     constexpr int GROUPS = GDN_THREADS / SPLIT;
@@ -215,8 +215,8 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
             float kv = 0.f, qv = 0.f;
             if (tt < cnt && d < dk) {
                 const i64 t = start + c0 + tt;
-                kv = to_f(k[t * kst + h * ksh + d]);
-                qv = to_f(q[t * qst + h * qsh + d]);
+                kv = to_f(k[t * kst + (h / krep) * ksh + d]);
+                qv = to_f(q[t * qst + (h / krep) * qsh + d]);
             }
             sk[tt][d] = kv;
             sq[tt][d] = qv;
@@ -354,6 +354,8 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
 //   gdn_chunk_scan_kernel: one block per (value-column tile, head, sequence), chunks in order: the S-dependent
 //   part, with the [Dk, 32] state tile in shared memory. fp32 arithmetic throughout (SIMT FMAs).
 // Limits: Dk, Dv <= 128 (the wrapper falls back to the token-stepped kernel otherwise).
+// Every kernel here reads q and k of value head h from key head h / krep (grouped value heads share key heads,
+// repeat_interleave order), so the key heads are never materialised per value head.
 
 #define GDN_C 64
 #define GDN_DMAX 128
@@ -364,7 +366,7 @@ template <typename T>
 __global__ void __launch_bounds__(256, 2)
 gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                       const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
-                      const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int dk,
+                      const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int krep, int dk,
                       int dv, float scale, float* __restrict__ w_out, float* __restrict__ u_out,
                       float* __restrict__ aqk_out, float* __restrict__ gc_out) {
     extern __shared__ __align__(16) float smem[];
@@ -387,13 +389,16 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     const int start = cu[s_seq] + s_tile * GDN_C;
     const int n = min(GDN_C, cu[s_seq + 1] - start);
 
-    // k, q (transposed) and the gates -> shared; rows past n and dims past dk are zero
-    for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+    // k, q (transposed) and the gates -> shared; rows past n and dims past dk are zero. Loads are unrolled so
+    // they are in flight together (a rolled loop waits out one global-load latency per element).
+#pragma unroll 8
+    for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
+        const int idx = tid + i * 256;
         const int t = idx / GDN_DMAX, d = idx % GDN_DMAX;
         float kv = 0.f, qv = 0.f;
         if (t < n && d < dk) {
-            kv = to_f(k[(i64)(start + t) * kst + (i64)h * ksh + d]);
-            qv = to_f(q[(i64)(start + t) * qst + (i64)h * qsh + d]);
+            kv = to_f(k[(i64)(start + t) * kst + (i64)(h / krep) * ksh + d]);
+            qv = to_f(q[(i64)(start + t) * qst + (i64)(h / krep) * qsh + d]);
         }
         sKT[d * GDN_KT_LD + t] = kv;
         sQT[d * GDN_KT_LD + t] = qv;
@@ -465,34 +470,46 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     }
     __syncthreads();
 
-    // W = T (beta G K) and U0 = T (beta V): thread owns dim/column x = tid % 128 and 32 rows
+    // W = T (beta G K), then U0 = T (beta V): thread owns dim/column x = tid % 128 and 32 rows
     const int x = tid & 127, r0 = (tid >> 7) * 32;
-    float wa[32], ua[32];
+    float acc[32];
 #pragma unroll
-    for (int r = 0; r < 32; ++r) wa[r] = ua[r] = 0.f;
-    const bool has_k = x < dk, has_v = x < dv;
+    for (int r = 0; r < 32; ++r) acc[r] = 0.f;
     for (int j = 0; j < n; ++j) {
-        const float kb = has_k ? sbeta[j] * sG[j] * sKT[x * GDN_KT_LD + j] : 0.f;
-        const float vb = has_v ? sbeta[j] * to_f(v[(i64)(start + j) * vst + (i64)h * vsh + x]) : 0.f;
+        const float kb = sbeta[j] * sG[j] * sKT[x * GDN_KT_LD + j];
 #pragma unroll
         for (int r4 = 0; r4 < 8; ++r4) {
             const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
-            const float tv[4] = {tt.x, tt.y, tt.z, tt.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                wa[r4 * 4 + e] += tv[e] * kb;
-                ua[r4 * 4 + e] += tv[e] * vb;
-            }
+            acc[r4 * 4 + 0] += tt.x * kb; acc[r4 * 4 + 1] += tt.y * kb;
+            acc[r4 * 4 + 2] += tt.z * kb; acc[r4 * 4 + 3] += tt.w * kb;
         }
     }
 #pragma unroll
-    for (int r = 0; r < 32; ++r) {
-        const int t = r0 + r;
-        if (t < n) {
-            if (has_k) w_out[((i64)(start + t) * heads + h) * dk + x] = wa[r];
-            if (has_v) u_out[((i64)(start + t) * heads + h) * dv + x] = ua[r];
+    for (int r = 0; r < 32; ++r)
+        if (r0 + r < n && x < dk) w_out[((i64)(start + r0 + r) * heads + h) * dk + x] = acc[r];
+    __syncthreads();  // k consumed: v (scaled by beta) takes its place, [j][x]
+    float* sV = sKT;
+#pragma unroll 8
+    for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
+        const int idx = tid + i * 256;
+        const int j = idx / GDN_DMAX, c = idx % GDN_DMAX;
+        sV[idx] = (j < n && c < dv) ? sbeta[j] * to_f(v[(i64)(start + j) * vst + (i64)h * vsh + c]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 32; ++r) acc[r] = 0.f;
+    for (int j = 0; j < n; ++j) {
+        const float vb = sV[j * GDN_DMAX + x];
+#pragma unroll
+        for (int r4 = 0; r4 < 8; ++r4) {
+            const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
+            acc[r4 * 4 + 0] += tt.x * vb; acc[r4 * 4 + 1] += tt.y * vb;
+            acc[r4 * 4 + 2] += tt.z * vb; acc[r4 * 4 + 3] += tt.w * vb;
         }
     }
+#pragma unroll
+    for (int r = 0; r < 32; ++r)
+        if (r0 + r < n && x < dv) u_out[((i64)(start + r0 + r) * heads + h) * dv + x] = acc[r];
 }
 
 #define GDN_CB 32                 // value columns per scan block
@@ -503,7 +520,7 @@ __global__ void __launch_bounds__(256)
 gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                       const float* __restrict__ w_in, const float* __restrict__ u_in, const float* __restrict__ aqk_in,
                       const float* __restrict__ gc_in, float* __restrict__ state, const int* __restrict__ slots,
-                      const int* __restrict__ cu, int heads, int dk, int dv, float scale, T* __restrict__ out) {
+                      const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out) {
     extern __shared__ __align__(16) float smem[];
     float* sS = smem;                        // [GDN_DMAX][GDN_CB]  the state tile
     float* sBuf = sS + GDN_DMAX * GDN_CB;    // [C][GDN_BUF_LD]     W, then Q, then K of the chunk
@@ -518,7 +535,9 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     const int dkp = (dk + 3) & ~3;
     float* st = state + ((i64)slots[seq] * heads + h) * (i64)dk * dv;
 
-    for (int idx = tid; idx < GDN_DMAX * GDN_CB; idx += 256) {
+#pragma unroll
+    for (int i = 0; i < GDN_DMAX * GDN_CB / 256; ++i) {
+        const int idx = tid + i * 256;
         const int d = idx / GDN_CB, c = idx % GDN_CB;
         sS[idx] = (d < dk && col0 + c < dv) ? st[(i64)d * dv + col0 + c] : 0.f;
     }
@@ -530,11 +549,15 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     for (int c0 = 0; c0 < len; c0 += GDN_C) {
         const int start = seq_start + c0, n = min(GDN_C, len - c0);
         __syncthreads();  // the previous chunk's state update is done
-        for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+#pragma unroll 8
+        for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
+            const int idx = tid + i * 256;
             const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
             sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? w_in[((i64)(start + r) * heads + h) * dk + d] : 0.f;
         }
-        for (int idx = tid; idx < GDN_C * GDN_C; idx += 256) {
+#pragma unroll 8
+        for (int i = 0; i < GDN_C * GDN_C / 256; ++i) {
+            const int idx = tid + i * 256;
             const int r = idx / GDN_C, j = idx % GDN_C;
             sA[r * GDN_L_LD + j] = r < n ? aqk_in[((i64)(start + r) * heads + h) * GDN_C + j] : 0.f;
         }
@@ -562,9 +585,11 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
             sU[t * GDN_CB + cg + e] = (t < n && col < dv) ? u_in[((i64)(start + t) * heads + h) * dv + col] - acc[e] : 0.f;
         }
         __syncthreads();  // U complete, W consumed
-        for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+#pragma unroll 8
+        for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
+            const int idx = tid + i * 256;
             const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
-            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(q[(i64)(start + r) * qst + (i64)h * qsh + d]) : 0.f;
+            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(q[(i64)(start + r) * qst + (i64)(h / krep) * qsh + d]) : 0.f;
         }
         __syncthreads();
 
@@ -600,9 +625,11 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
         }
         __syncthreads();  // Q and U (unscaled) consumed
         const float gl = sgc[n - 1];
-        for (int idx = tid; idx < GDN_C * GDN_DMAX; idx += 256) {
+#pragma unroll 8
+        for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
+            const int idx = tid + i * 256;
             const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
-            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(k[(i64)(start + r) * kst + (i64)h * ksh + d]) : 0.f;
+            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(k[(i64)(start + r) * kst + (i64)(h / krep) * ksh + d]) : 0.f;
         }
         for (int idx = tid; idx < GDN_C * GDN_CB; idx += 256) {
             const int r = idx / GDN_CB;

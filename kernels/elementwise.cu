@@ -85,20 +85,6 @@ __global__ void sigmoid_kernel(const T* __restrict__ x, i64 n, T* __restrict__ o
         out[e] = from_f<T>(1.0f / (1.0f + expf(-to_f(x[e]))));
 }
 
-// x [T, H, D] (strides st, sh) -> out [T, H * rep, D]
-template <typename T>
-__global__ void repeat_heads_kernel(const T* __restrict__ x, i64 tokens, int heads, int d, i64 st, i64 sh, int rep,
-                                    T* __restrict__ out) {
-    const i64 n = tokens * heads * rep * (i64)d;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const int i = (int)(e % d);
-        const i64 row = e / d;  // t * heads * rep + h_out
-        const int ho = (int)(row % (heads * rep));
-        const i64 t = row / (heads * rep);
-        out[e] = x[t * st + (i64)(ho / rep) * sh + i];
-    }
-}
-
 // table [V, D] gathered at ids [T] -> out [T, D]
 template <typename TI, typename TO>
 __global__ void embed_kernel(const TI* __restrict__ table, const int* __restrict__ ids, i64 tokens, int d,

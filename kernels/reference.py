@@ -91,10 +91,6 @@ class NumpyOps:
     def add(self, a, b):
         return a + b
 
-    def repeat_heads(self, x, rep):
-        """x [T, H, D] -> [T, H * rep, D], each head repeated rep times in place (repeat_interleave)"""
-        return np.repeat(x, rep, axis=1)
-
     def logits(self, x, lm_head):
         """x [N, D] @ lm_head[V, D].T -> fp32 [N, V]"""
         return (x @ lm_head.T).astype(np.float32)
@@ -153,11 +149,16 @@ class NumpyOps:
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
         """Gated delta rule over each sequence's new tokens from its recurrent state (in place).
 
-        q, k [T, H, Dk] (already L2-normalised, q not yet scaled), v [T, H, Dv], g (log decay), beta [T, H],
-        state [num_slots, H, Dk, Dv] fp32. Per token: S = exp(g) S; u = beta (v - S^T k); S += k u^T;
+        q, k [T, Hk, Dk] (already L2-normalised, q not yet scaled; H % Hk == 0: value head h reads key head
+        h // (H / Hk), as repeat_interleave), v [T, H, Dv], g (log decay), beta [T, H], state [num_slots, H, Dk, Dv] fp32. Per token: S = exp(g) S; u = beta (v - S^T k); S += k u^T;
         o = S^T (q / sqrt(Dk)). Sequences of one token take the recurrent step; longer ones the chunked form.
         Returns o [T, H, Dv].
         """
+        if k.shape != q.shape or v.shape[1] % q.shape[1]:
+            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
+        rep = v.shape[1] // q.shape[1]
+        if rep > 1:
+            q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
         out = np.empty(v.shape, np.float32)
         scale = 1.0 / np.sqrt(q.shape[-1])
         for b in range(len(slots)):

@@ -160,9 +160,6 @@ def test_elementwise(ops, ref):
     assert rel(host(ops, got), ref.add(a, bias)) <= TOL[ops.dtype_name]
     got = ops.sigmoid(ops.upload(a))
     assert rel(host(ops, got), ref.sigmoid(a)) <= TOL[ops.dtype_name]
-    x = act_round(ops, rnd(rng, 7, 3, 16))
-    got = ops.repeat_heads(ops.upload(x), 4)
-    assert rel(host(ops, got), ref.repeat_heads(x, 4)) == 0.0
 
 
 def test_gemma_elementwise(ops, ref):
@@ -294,6 +291,27 @@ def test_gated_delta_rule(ops, ref, h, dk, dv):
     assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
     untouched = np.setdiff1d(np.arange(10), slots)
     np.testing.assert_array_equal(ops.to_host(d_state)[untouched], state[untouched])
+
+
+@pytest.mark.parametrize("lens", [[3, 130, 1, 70], [1, 1, 1]])
+def test_gated_delta_rule_grouped_heads(ops, ref, lens):
+    """Value heads sharing key heads (Hv = 4 Hk, as Qwen3.5-4b's 32/16 at smaller scale): q and k are passed with
+    Hk heads, strided out of one buffer as the layer passes them; prefill (chunked) and decode (stepped)."""
+    rng = np.random.default_rng(5 + len(lens))
+    hk, h, dk, dv = 2, 8, 64, 64
+    q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=6)
+    qk = np.concatenate([q[:, :hk], k[:, :hk]], axis=1)  # [T, 2 Hk, Dk]
+    d_qk = ops.upload(qk)
+    d_state = ops.upload(state, np.float32)
+    o = ops.gated_delta_rule(d_qk[:, :hk], d_qk[:, hk:], ops.upload(v), ops.upload(g, np.float32),
+                             ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
+    want_state = state.copy()
+    want = ref.gated_delta_rule(qk[:, :hk], qk[:, hk:], v, g, beta, want_state, slots, cu)
+    want2 = ref.gated_delta_rule(np.repeat(qk[:, :hk], h // hk, axis=1), np.repeat(qk[:, hk:], h // hk, axis=1), v, g,
+                                 beta, state.copy(), slots, cu)  # the same through explicitly repeated heads
+    np.testing.assert_allclose(want, want2, rtol=0, atol=0)
+    assert rel(host(ops, o), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
 
 
 GDN_VARIANTS = [("chunked", 4, False, 2), ("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2),
@@ -453,8 +471,11 @@ def test_paged_attention_split_decode(ops, ref, hq, hkv, d, bs, window):
     wide[:, :c["tables"].shape[1]] = c["tables"]
     args = (ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), ops.upload_index(wide), ops.upload_index(c["ctx"]),
             ops.upload_index(c["cu"]), d ** -0.5, window)
-    assert ops.attn_split_decode
-    out = ops.paged_attention(c["q_dev"], *args)
+    old, ops.attn_split_decode = ops.attn_split_decode, True
+    try:
+        out = ops.paged_attention(c["q_dev"], *args)
+    finally:
+        ops.attn_split_decode = old
     want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
                                window)
     assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
@@ -711,6 +732,7 @@ def bench():  # pragma: no cover - device timing, not a test
     def label(vr):
         return f"{vr[0]}, {vr[1]} cols{', transposed' if vr[2] else ''}" if vr[0] == "cols" else f"rows, split {vr[3]}"
 
+    ops.gdn_chunked = True
     ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
     rows.append(("gated delta rule prefill 32x2304, 32 heads 128x128 (chunked)", ms,
                  f"{t / ms / 1e3:.1f} M tok/s (anchor: flash-linear-attention 4.70 ms)"))
@@ -730,7 +752,7 @@ def bench():  # pragma: no cover - device timing, not a test
         ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
         rows.append((f"gated delta rule prefill 32x2304, 32 heads 128x128 ({label(vr)})", ms,
                      f"{t / ms / 1e3:.1f} M tok/s (anchor 4.70 ms)"))
-    ops.gdn_chunked = True
+    ops.gdn_chunked = "auto"
     del q, k, v
     bd = 64
     qd = ops.l2_normalize(rnd_dev(bd, h, dk))
@@ -796,7 +818,7 @@ def bench():  # pragma: no cover - device timing, not a test
                 label = "split-K, 1 warp per split" if nw == "split" else f"{nw} warps"
                 rows.append((f"paged attention decode batch 64, ctx {nb64 * bs} (distinct K/V), {label}", ms,
                              f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
-            ops.attn_warps["decode"] = 4
+            ops.attn_warps["decode"], ops.attn_split_decode = 4, "auto"
         del kcache, vcache, qa
 
     # checkpoint fork of a 4b-like sequence: 24 GDN layers x (fp32 recurrent 2 MiB + bf16 conv 48 KiB)
@@ -823,8 +845,8 @@ if __name__ == "__main__":  # pragma: no cover
                     reason="set PREFIXRUN_BIG_MODEL_DIR to a real-shape model directory (e.g. qwen3_5-0.8b-like)")
 def test_real_shape_model_logits_vs_cpu_and_transformers():
     """Last-position logits of a 300-token prompt: CUDA fp32 vs the CPU fp32 path (norm-relative <= 1e-4), CUDA
-    fp32 vs transformers fp32 on the GPU (<= 1e-3), CUDA bf16 vs transformers bf16 on the GPU (<= 5e-2: two bf16
-    pipelines that round in different places)."""
+    fp32 vs transformers fp32 on the GPU (<= 1e-3); CUDA bf16's error against transformers fp32 no larger than
+    transformers bf16's own (x1.5)."""
     import os
 
     import torch
@@ -858,9 +880,12 @@ def test_real_shape_model_logits_vs_cpu_and_transformers():
     gpu16 = ours(CudaOps("bfloat16"))
     cupy.get_default_memory_pool().free_all_blocks()
     cpu32 = ours(NumpyOps())
-    errors = {"cuda32_vs_cpu32": rel(gpu32, cpu32), "cuda32_vs_hf32": rel(gpu32, hf(torch.float32)),
-              "cuda16_vs_hf16": rel(gpu16, hf(torch.bfloat16))}
+    hf32, hf16 = hf(torch.float32), hf(torch.bfloat16)
+    errors = {"cuda32_vs_cpu32": rel(gpu32, cpu32), "cuda32_vs_hf32": rel(gpu32, hf32),
+              "cuda16_vs_hf32": rel(gpu16, hf32), "hf16_vs_hf32": rel(hf16, hf32), "cuda16_vs_hf16": rel(gpu16, hf16)}
     print(errors)
     assert errors["cuda32_vs_cpu32"] <= 1e-4
     assert errors["cuda32_vs_hf32"] <= 1e-3
-    assert errors["cuda16_vs_hf16"] <= 5e-2
+    # bf16: two pipelines that round in different places differ by more than either does from the fp32 truth, so
+    # the bound is on ours against fp32: no worse than transformers' own bf16 error (x1.5, plus a floor)
+    assert errors["cuda16_vs_hf32"] <= 1.5 * errors["hf16_vs_hf32"] + 1e-3

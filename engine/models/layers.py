@@ -176,12 +176,11 @@ class GatedDeltaNet:
         z = proj[:, c:v_end].reshape(t, self.hv, self.dv)
         g, beta = ops.delta_gates(proj[:, v_end + self.hv:], proj[:, v_end:v_end + self.hv], self.a_log,
                                   self.dt_bias)  # [T, Hv] each
-        q = ops.l2_normalize(mixed[:, :self.key_dim].reshape(t, self.hk, self.dk))
-        k = ops.l2_normalize(mixed[:, self.key_dim:2 * self.key_dim].reshape(t, self.hk, self.dk))
+        # q and k are adjacent in `mixed`: one normalisation over their 2 Hk heads
+        qk = ops.l2_normalize(mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk))
+        q, k = qk[:, :self.hk], qk[:, self.hk:]
         v = mixed[:, 2 * self.key_dim:].reshape(t, self.hv, self.dv)
-        if self.hv != self.hk:  # value heads share key heads in groups (repeat_interleave, as HF)
-            rep = self.hv // self.hk
-            q, k = ops.repeat_heads(q, rep), ops.repeat_heads(k, rep)
+        # value heads share key heads in groups (repeat_interleave, as HF): the op reads key head h // (Hv / Hk)
         o = ops.gated_delta_rule(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
                                  batch.cu_seqlens)  # [T, Hv, Dv]
         o = ops.gated_rms_norm(o, z, self.norm_weight, self.eps).reshape(t, self.value_dim)
