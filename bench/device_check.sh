@@ -64,5 +64,7 @@ fi
 if has profile; then
   echo "== profile"
   python3 .bench-shared/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/ss.jsonl
-  python3 bench/profile_phases.py /tmp/ss.jsonl --model /tmp/qwen3_5-4b-like 2>&1 | tee $OUT/profile.txt
+  python3 .bench-shared/workloads.py doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/dq.jsonl
+  python3 bench/profile_phases.py /tmp/ss.jsonl --model /tmp/qwen3_5-4b-like --top 12 2>&1 | tee $OUT/profile.txt
+  python3 bench/profile_phases.py /tmp/dq.jsonl --model /tmp/qwen3_5-4b-like --top 12 2>&1 | tee $OUT/profile-docqa.txt
 fi

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.state import ModelState, StateHandle, batch_views, pack_step_arrays, ForwardBatch
+from prefixrun.engine.state import (ForwardBatch, ModelState, StateHandle, batch_views, pack_step_arrays,
+                                    shared_prefix_arrays)
 
 
 def _bucket(n: int) -> int:
@@ -33,7 +34,7 @@ class DecodeGraphs:
         self.model, self.state, self.ops = model, state, ops
         self.max_batch = max_batch
         self.enabled = hasattr(ops, "capture")
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}  # (batch bucket, table width, shared prefixes)
         self.scratch: StateHandle | None = None
         self.captures = 0
         self.replays = 0
@@ -62,13 +63,14 @@ class DecodeGraphs:
         width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
         arrays = st.step_arrays(handles, [[t] for t in tokens], table_width=width)
         arrays = self._pad(arrays, n, b)
-        graph = self.graphs.get((b, width))
+        key = (b, width, "shared_order" in arrays)
+        graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(arrays)
             if graph is None:  # this model cannot be captured: eager from now on
                 self.enabled = False
                 return self.model.forward(_eager_batch(arrays, self.ops), st)[:n]
-            self.graphs[(b, width)] = graph
+            self.graphs[key] = graph
         self.ops.write_index(graph.inputs, pack_step_arrays(arrays))
         self.replays += 1
         return graph.replay()[:n]
@@ -91,6 +93,8 @@ class DecodeGraphs:
         out["context_lens"] = np.concatenate([arrays["context_lens"], np.ones(pad, np.int32)])
         out["kv_write_index"] = np.concatenate([arrays["kv_write_index"], np.full(pad, s.blocks[0] * bs, np.int32)])
         out["last_token_index"] = np.arange(b, dtype=np.int32)
+        if "shared_order" in arrays:  # padding rows: one token of context, so nothing they share counts
+            out.update(shared_prefix_arrays(tables, out["context_lens"], bs))
         return out
 
     def _capture(self, arrays: dict) -> _Graph | None:

@@ -144,6 +144,17 @@ class SlotAllocator:
 
 
 @dataclass
+class SharedPrefixes:
+    """A decode step's shared-prefix groups (the shared_* fields of ForwardBatch), as backend arrays."""
+
+    order: object
+    cu: object
+    lens: object
+    tables: object
+    start: object
+
+
+@dataclass
 class ForwardBatch:
     """Index arrays of one model step over B sequences and T new tokens (backend arrays unless noted)."""
 
@@ -157,6 +168,20 @@ class ForwardBatch:
     last_token_index: object  # [B] int32 row of each sequence's last new token in T
     host_cu_seqlens: np.ndarray  # [B+1] on the host (loop bounds for host-driven ops)
     host_context_lens: np.ndarray  # [B] on the host
+    # decode steps only (one new token per sequence): groups of sequences whose block tables begin with the same
+    # physical K/V blocks, so attention reads a shared prefix once per group (see shared_prefix_arrays)
+    shared_order: object = None  # [B] batch rows, grouped
+    shared_cu: object = None  # [B+1] group g = shared_order[shared_cu[g]:shared_cu[g+1]] (empty groups pad to B)
+    shared_lens: object = None  # [B] keys in group g's shared prefix (whole blocks; 0 = none)
+    shared_tables: object = None  # [B, max_blocks] group g's block table (its first member's)
+    shared_start: object = None  # [B] per batch row: its group's shared length, where its own keys begin
+
+    @property
+    def shared(self) -> SharedPrefixes | None:
+        if self.shared_order is None:
+            return None
+        return SharedPrefixes(self.shared_order, self.shared_cu, self.shared_lens, self.shared_tables,
+                              self.shared_start)
 
     @property
     def num_seqs(self) -> int:
@@ -188,17 +213,72 @@ def layout_digest(specs: list[RegionSpec], ops) -> str:
 
 _BATCH_FIELDS = ("token_ids", "positions", "cu_seqlens", "slots", "block_tables", "context_lens", "kv_write_index",
                  "last_token_index")
+_SHARED_FIELDS = ("shared_order", "shared_cu", "shared_lens", "shared_tables", "shared_start")
+
+
+def _fields(arrays: dict) -> tuple[str, ...]:
+    return _BATCH_FIELDS + (_SHARED_FIELDS if "shared_order" in arrays else ())
+
+
+def shared_prefix_arrays(tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
+    """Group the sequences of a decode step by the physical K/V blocks their tables share (see ForwardBatch).
+
+    tables [B, W], context_lens [B] (after the step). Sequences whose first block is the same block are one group;
+    its shared prefix is the longest run of table columns equal across all members, cut to whole blocks every
+    member has completely before its new token. Sound because a block shared by several tables is never written
+    (copy-on-write), so every member holds the same keys there."""
+    b = tables.shape[0]
+    order = np.argsort(tables[:, 0], kind="stable").astype(np.int32)
+    first = tables[order, 0]
+    bounds = np.flatnonzero(np.r_[True, first[1:] != first[:-1], True]).astype(np.int32)  # [G+1]
+    ngroups = len(bounds) - 1
+    cu = np.full(b + 1, b, np.int32)
+    cu[:ngroups + 1] = bounds
+    lens = np.zeros(b, np.int32)
+    gtables = np.zeros_like(tables)
+    start = np.zeros(b, np.int32)
+    for g in range(ngroups):
+        members = order[bounds[g]:bounds[g + 1]]
+        gtables[g] = tables[members[0]]
+        if len(members) < 2:
+            continue
+        same = (tables[members] == tables[members[0]]).all(axis=0)
+        common = len(same) if same.all() else int(np.argmin(same))
+        nblk = min(common, int(((context_lens[members] - 1) // block_size).min()))
+        lens[g] = nblk * block_size
+        start[members] = lens[g]
+    return {"shared_order": order, "shared_cu": cu, "shared_lens": lens, "shared_tables": gtables,
+            "shared_start": start}
+
+
+def check_shared_prefix_arrays(arrays: dict[str, np.ndarray], block_size: int):
+    """The contract of a decode step's shared-prefix groups (host arrays, as step_arrays returns them): every row
+    is in exactly one group; a row's keys below its start are whole blocks that its own table and its group's table
+    both hold, before its new token; the groups' lengths and the rows' starts agree."""
+    tables, ctx = arrays["block_tables"], arrays["context_lens"]
+    order, cu, lens = arrays["shared_order"], arrays["shared_cu"], arrays["shared_lens"]
+    gtables, start = arrays["shared_tables"], arrays["shared_start"]
+    b = len(ctx)
+    if sorted(order.tolist()) != list(range(b)) or cu[0] != 0 or cu[-1] != b or (np.diff(cu) < 0).any():
+        raise AssertionError("shared prefixes: groups do not partition the batch")
+    for g in range(len(cu) - 1):
+        for r in order[cu[g]:cu[g + 1]]:
+            n = int(start[r])
+            if n != lens[g] or n % block_size or n > ctx[r] - 1:
+                raise AssertionError(f"shared prefixes: row {r} starts at {n}, group {g} shares {lens[g]}")
+            if (tables[r, :n // block_size] != gtables[g, :n // block_size]).any():
+                raise AssertionError(f"shared prefixes: row {r}'s blocks differ from its group's")
 
 
 def pack_step_arrays(arrays: dict[str, np.ndarray]) -> np.ndarray:
     """All index arrays of a step in one int32 buffer, so a step costs one host-to-device copy."""
-    return np.concatenate([np.ascontiguousarray(arrays[f], np.int32).ravel() for f in _BATCH_FIELDS])
+    return np.concatenate([np.ascontiguousarray(arrays[f], np.int32).ravel() for f in _fields(arrays)])
 
 
 def batch_views(device_buffer, arrays: dict[str, np.ndarray]) -> dict:
     """Views of a packed device buffer with the shapes of `arrays`."""
     views, off = {}, 0
-    for f in _BATCH_FIELDS:
+    for f in _fields(arrays):
         n = arrays[f].size
         views[f] = device_buffer[off:off + n].reshape(arrays[f].shape)
         off += n
@@ -230,6 +310,7 @@ class ModelState:
             self.arrays[s.name] = ops.zeros(lead + tuple(s.shape), dtype)
         self._slot_arrays = [self.arrays[s.name] for s in specs if not s.paged]
         self._paged_arrays = [self.arrays[s.name] for s in specs if s.paged]
+        self.has_paged = bool(self._paged_arrays)
         self.live: dict[int, StateHandle] = {}  # id(handle) -> handle, for the invariant check
 
     # ---- sizes --------------------------------------------------------------------------------------------
@@ -317,11 +398,14 @@ class ModelState:
         for h, n in zip(handles, lens):
             h.length += int(n)
         token_ids = np.fromiter((t for toks in new_tokens for t in toks), np.int64, int(cu[-1]))
-        return {"token_ids": token_ids.astype(np.int32),
-                "positions": positions, "cu_seqlens": cu,
-                "slots": np.array([h.slot for h in handles], np.int32), "block_tables": tables,
-                "context_lens": (starts + lens).astype(np.int32), "kv_write_index": write_index,
-                "last_token_index": (cu[1:] - 1).astype(np.int32)}
+        out = {"token_ids": token_ids.astype(np.int32),
+               "positions": positions, "cu_seqlens": cu,
+               "slots": np.array([h.slot for h in handles], np.int32), "block_tables": tables,
+               "context_lens": (starts + lens).astype(np.int32), "kv_write_index": write_index,
+               "last_token_index": (cu[1:] - 1).astype(np.int32)}
+        if self.has_paged and len(handles) and (lens == 1).all():  # a decode step
+            out.update(shared_prefix_arrays(tables, out["context_lens"], self.block_size))
+        return out
 
     # ---- export / import (the persistent cache's view of a handle) ----------------------------------------
     def export(self, h: StateHandle) -> dict[str, np.ndarray]:

@@ -7,6 +7,11 @@
 // (mma.sync m16n8k16 bf16, fp32 accumulate); K/V tiles are gathered through the block table with cp.async (the
 // load of V overlaps QK^T, the load of the next K overlaps PV; row addresses are computed once per tile).
 // attn_scalar_kernel: one warp per (token, query head), fp32 math; the float32 backend and odd head dims use it.
+//
+// Decode over a shared prefix (cascade): sequences whose block tables start with the same physical blocks read
+// those K/V once. Mode 1 runs the group's queries (all members x query heads as the rows of one "sequence") over
+// the shared keys, mode 2 each sequence over its own remaining keys; both leave partials (unnormalised output,
+// max, sum) that attn_combine_kernel merges. Mode 0 is plain attention; splits > 1 is split-K over key ranges.
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -68,7 +73,8 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
                 const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                 const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
                 int block_size, float scale_log2, int window, bf16* __restrict__ out, int splits,
-                float* __restrict__ part_o, float* __restrict__ part_ml) {
+                float* __restrict__ part_o, float* __restrict__ part_ml, int mode, int slot_base, i64 part_tokens,
+                const int* __restrict__ row_tok, const int* __restrict__ kv_from) {
     constexpr int BM = 16 * NW;
     constexpr int NTH = 32 * NW;
     constexpr int LDS = D + 8;
@@ -97,6 +103,8 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     const int r1 = min(r0 + BM, n * rep);
     const int qpos0 = ctx - n;
     const int* table = block_tables + (i64)seq * max_blocks;
+    // the q / output row of (virtual) token vt: a shared-prefix pass (mode 1) lists its group's tokens via row_tok
+    auto tok_of = [&](int vt) { return mode == 1 ? row_tok[vt] : vt; };
 
     // Q tile -> shared (zeros for rows past r1)
     for (int idx = threadIdx.x; idx < BM * DT; idx += NTH) {
@@ -104,14 +112,17 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
         const int r = r0 + row;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (r < r1)
-            val = *reinterpret_cast<const uint4*>(q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh +
-                                                  c8 * 8);
+            val = *reinterpret_cast<const uint4*>(q + (i64)tok_of(start + r / rep) * qst +
+                                                  (i64)(h * rep + r % rep) * qsh + c8 * 8);
         *reinterpret_cast<uint4*>(sQ + row * LDS + c8 * 8) = val;
     }
 
-    const int qp_lo = qpos0 + r0 / rep, qp_hi = qpos0 + (r1 - 1) / rep;
+    // mode 1 (a group's shared prefix): every row sees every key below ctx; mode 2 (the rest of a sequence after
+    // its group's shared prefix): keys from kv_from[seq] on
+    const int qp_lo = mode == 1 ? ctx - 1 : qpos0 + r0 / rep, qp_hi = mode == 1 ? ctx - 1 : qpos0 + (r1 - 1) / rep;
     const int kv_end = qp_hi + 1;
-    const int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
+    int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
+    if (mode == 2) kv_begin = max(kv_begin, kv_from[seq]);
     // split-K (decode): split s of `splits` takes its share of the key tiles and leaves a partial result
     const int all_tiles = (kv_end - (kv_begin / BN) * BN + BN - 1) / BN;
     const int per_split = (all_tiles + splits - 1) / splits;
@@ -128,7 +139,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     for (int hf = 0; hf < 2; ++hf) {
         const int r = r0 + warp * 16 + g + hf * 8;
         row_ok[hf] = r < r1;
-        qp[hf] = qpos0 + (row_ok[hf] ? r / rep : 0);
+        qp[hf] = mode == 1 ? ctx - 1 : qpos0 + (row_ok[hf] ? r / rep : 0);
     }
 
     float o[DT][4];
@@ -170,7 +181,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
                 }
             }
             // mask, scale to log2 units, online softmax
-            const bool full = kt + BN - 1 <= qp_lo && (window <= 0 || kt > qp_hi - window);
+            const bool full = kt + BN - 1 <= qp_lo && kt >= kv_begin && (window <= 0 || kt > qp_hi - window);
             float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
             for (int i = 0; i < NT; ++i)
@@ -180,7 +191,8 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
                     float val = s[i][e] * scale_log2;
                     if (!full) {
                         const int key = kt + i * 8 + 2 * c + (e & 1);
-                        const bool vis = row_ok[hf] && key <= qp[hf] && (window <= 0 || key > qp[hf] - window);
+                        const bool vis = row_ok[hf] && key <= qp[hf] && key >= kv_begin &&
+                                         (window <= 0 || key > qp[hf] - window);
                         if (!vis) val = -INFINITY;
                     }
                     s[i][e] = val;
@@ -253,13 +265,13 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
         l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
         l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
     }
-    if (splits > 1) {  // unnormalised partial output, running max (log2 units) and sum, for attn_combine_kernel
-        const i64 total = cu[num_seqs];
+    if (splits > 1 || mode != 0) {  // unnormalised partial output, running max (log2 units) and sum: merged by
+                                    // attn_combine_kernel from slot slot_base + split of [slots, part_tokens, Hq]
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             if (!row_ok[hf]) continue;
             const int r = r0 + warp * 16 + g + hf * 8;
-            const i64 row = ((i64)split * total + start + r / rep) * hq + h * rep + r % rep;
+            const i64 row = ((i64)(slot_base + split) * part_tokens + tok_of(start + r / rep)) * hq + h * rep + r % rep;
             float* po = part_o + row * D;
 #pragma unroll
             for (int i = 0; i < DT; ++i)

@@ -292,6 +292,8 @@ class CudaOps:
         # (sequence, KV head) would leave SMs idle; at batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s
         # on an H200 (1152 keys: 87 us vs 112 us split; 4b-like decode 171 vs 192 us per layer). True/False force.
         self.attn_split_decode: bool | str = "auto"
+        # decode steps that carry shared-prefix groups read each group's shared K/V once (cascade)
+        self.attn_cascade = True
 
     # ---- memory -------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -612,11 +614,13 @@ class CudaOps:
                                                _i32(d), _index(slot_mapping), k_cache, v_cache))
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None):
+                        sliding_window=None, shared=None):
         """Causal attention of each sequence's new queries over its paged K/V (new rows already written).
 
         q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
-        cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D]."""
+        cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D].
+        `shared` (decode, engine.state.SharedPrefixes): each group's shared prefix is read once for all its members
+        (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a merge)."""
         q, qst, qsh = _heads(q)
         t, hq, d = q.shape
         nb, bs, hkv, dc = k_cache.shape
@@ -639,35 +643,67 @@ class CudaOps:
         rep = hq // hkv
         use_mma = (q.dtype == BF16 and k_cache.dtype == BF16 and d in _MMA_HEAD_DIMS and q.data.ptr % 16 == 0
                    and qst % 8 == 0 and qsh % 8 == 0)
-        common = (tables, _i32(tables.shape[1]), ctx, cu, _i32(nseq), _i32(hq), _i32(hkv), _i32(bs))
-        if use_mma:
-            splits = 1
-            split = self.attn_split_decode
-            if split == "auto":
-                split = nseq * hkv < self._sm_count
-            if split and t == nseq and rep <= 16:
-                nw, bn = 1, (32 if d > 128 else 64)
-                max_tiles = -(-tables.shape[1] * bs // bn)  # from the table width: static under graph capture
-                splits = min(32, max(1, -(-max_tiles // 8)))
-            else:
-                nw = self.attn_warps["prefill" if t > nseq else "decode"] or (8 if d > 128 else 4)
-                bn = self.attn_bn.get(d, 64)
-            kern = _kernel("attention", f"attn_mma_kernel<{d}, {bn}, {nw}>")
-            smem = (16 * nw + 2 * bn) * (d + 8) * 2
-            self._dynamic_smem(kern, smem)
-            grid = ((-(-t * rep // (16 * nw)) + nseq) * splits, hkv)
-            part_o = cupy.empty((splits, t * hq, d), F32) if splits > 1 else out
-            part_ml = cupy.empty((splits, t * hq, 2), F32) if splits > 1 else out
-            kern(grid, (32 * nw,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common
-                 + (np.float32(scale * _LOG2E), _i32(window), out, _i32(splits), part_o, part_ml), shared_mem=smem)
-            if splits > 1:
-                _kernel("attention", "attn_combine_kernel")((t * hq,), (128,), (part_o, part_ml, _i32(splits),
-                                                                               _i64(t * hq), _i32(d), out))
-        else:
+        if not use_mma:  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
             kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
-            kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache) + common[:7]
-                 + (_i32(d), _i32(bs), np.float32(scale), _i32(window), out))
+            kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache, tables,
+                                            _i32(tables.shape[1]), ctx, cu, _i32(nseq), _i32(hq), _i32(hkv),
+                                            _i32(d), _i32(bs), np.float32(scale), _i32(window), out))
+            return out
+        mma = dict(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, bs=bs, hq=hq, hkv=hkv, d=d,
+                   scale=scale, window=window, out=out)
+        decode = t == nseq
+        if shared is not None and decode and window == 0 and self.attn_cascade:
+            # shared keys: the group's rows are many (members x query heads), so prefill-sized tiles, and split over
+            # key ranges (sized from the table width, static under capture) so a long prefix spreads over the GPU
+            bn = self.attn_bn.get(d, 64)
+            nw = self.attn_warps["prefill"] or (8 if d > 128 else 4)
+            splits = min(32, max(1, -(-tables.shape[1] * bs // bn) // 4))
+            part_o = cupy.empty((splits + 1, t * hq, d), F32)
+            part_ml = cupy.empty((splits + 1, t * hq, 2), F32)
+            self._attn_pass(**mma, tables=_index(shared.tables), ctx=_index(shared.lens), cu=_index(shared.cu),
+                            nseq=shared.lens.shape[0], tokens=t, nw=nw, bn=bn, splits=splits, mode=1, slot_base=0,
+                            part=(part_o, part_ml), row_tok=_index(shared.order), kv_from=ctx)
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t,
+                            nw=self.attn_warps["decode"] or 4, bn=bn, mode=2, slot_base=splits,
+                            part=(part_o, part_ml), row_tok=cu, kv_from=_index(shared.start))
+            self._attn_merge(part_o, part_ml, splits + 1, t * hq, d, out)
+            return out
+        split = self.attn_split_decode
+        if split == "auto":
+            split = nseq * hkv < self._sm_count
+        if split and decode and rep <= 16:
+            bn = 32 if d > 128 else 64
+            max_tiles = -(-tables.shape[1] * bs // bn)  # from the table width: static under graph capture
+            splits = min(32, max(1, -(-max_tiles // 8)))
+            part = (cupy.empty((splits, t * hq, d), F32), cupy.empty((splits, t * hq, 2), F32))
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=1, bn=bn, splits=splits,
+                            part=part)
+            self._attn_merge(*part, splits, t * hq, d, out)
+            return out
+        nw = self.attn_warps["prefill" if t > nseq else "decode"] or (8 if d > 128 else 4)
+        self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=nw, bn=self.attn_bn.get(d, 64))
         return out
+
+    def _attn_pass(self, *, q, qst, qsh, k_cache, v_cache, bs, hq, hkv, d, scale, window, out, tables, ctx, cu, nseq,
+                   tokens, nw, bn, splits=1, mode=0, slot_base=0, part=None, row_tok=None, kv_from=None):
+        """One launch of attn_mma_kernel (see kernels/attention.cu for the modes). Without `part` it writes `out`;
+        with it, partials into slots slot_base + split of part = ([slots, T * Hq, D], [slots, T * Hq, 2])."""
+        kern = _kernel("attention", f"attn_mma_kernel<{d}, {bn}, {nw}>")
+        smem = (16 * nw + 2 * bn) * (d + 8) * 2
+        self._dynamic_smem(kern, smem)
+        rep = hq // hkv
+        part_o, part_ml = part if part is not None else (out, out)
+        grid = ((-(-tokens * rep // (16 * nw)) + nseq) * splits, hkv)
+        kern(grid, (32 * nw,), (q, _i64(qst), _i64(qsh), k_cache, v_cache, tables, _i32(tables.shape[1]), ctx, cu,
+                                _i32(nseq), _i32(hq), _i32(hkv), _i32(bs), np.float32(scale * _LOG2E), _i32(window),
+                                out, _i32(splits), part_o, part_ml, _i32(mode), _i32(slot_base), _i64(tokens),
+                                row_tok if row_tok is not None else cu, kv_from if kv_from is not None else cu),
+             shared_mem=smem)
+
+    @staticmethod
+    def _attn_merge(part_o, part_ml, slots, rows, d, out):
+        _kernel("attention", "attn_combine_kernel")((rows,), (128,), (part_o, part_ml, _i32(slots), _i64(rows), _i32(d),
+                                                                      out))
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
         """Sliding-window attention over per-sequence K/V rings (see NumpyOps.ring_attention for the contract).

@@ -189,17 +189,25 @@ class NumpyOps:
         v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping] = v
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None):
+                        sliding_window=None, shared=None):
         """Causal attention of each sequence's new queries over its cached K/V (new rows already written).
 
         q [T, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
         context_lens [B] = tokens in the cache after this step; the sequence's n new queries sit at positions
         context_len - n .. context_len - 1. GQA: query head h reads kv head h // (Hq // Hkv).
         `sliding_window` W: a query at position p sees keys in (p - W, p]. Returns [T, Hq, D].
+        `shared` (decode steps, engine.state.SharedPrefixes): sequence b's keys below shared.start[b] are read
+        through its group's table — the same physical blocks, so the same answer; backends use it to read a
+        shared prefix once per group. Here it is followed literally, so CPU runs check the grouping.
         """
         bs = k_cache.shape[1]
         hkv = k_cache.shape[2]
         out = np.empty(q.shape, np.float32)
+        group_table = None
+        if shared is not None and sliding_window is None:
+            group_table = np.empty(len(context_lens), np.int64)  # batch row -> its group's table row
+            for g in range(len(shared.cu) - 1):
+                group_table[shared.order[shared.cu[g]:shared.cu[g + 1]]] = g
         for b in range(len(context_lens)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             if e == s:
@@ -207,6 +215,9 @@ class NumpyOps:
             ctx = int(context_lens[b])
             nblk = -(-ctx // bs)
             blocks = block_tables[b, :nblk]
+            if group_table is not None and shared.start[b] > 0:
+                nshared = int(shared.start[b]) // bs  # whole blocks, read through the group's table
+                blocks = np.concatenate([shared.tables[group_table[b], :nshared], blocks[nshared:]])
             kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]  # [ctx, Hkv, D]
             vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]
             out[s:e] = _attend(q[s:e], kk, vv, np.arange(ctx - (e - s), ctx), np.arange(ctx), scale, sliding_window)

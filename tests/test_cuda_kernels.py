@@ -483,6 +483,45 @@ def test_paged_attention_split_decode(ops, ref, hq, hkv, d, bs, window):
     assert per_row.max() <= 10 * TOL_SEQ[ops.dtype_name]
 
 
+@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 4, 256, 64), (8, 2, 128, 16), (4, 4, 64, 32)])
+def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
+    """Decode with shared-prefix groups (cascade: each group's shared K/V read once, then each sequence's own keys,
+    then a merge) equals plain attention: groups of 5, 3 and 1 members, prefixes of several blocks, members whose
+    own part is empty or long, and a wider table than any context (as under a decode graph)."""
+    from prefixrun.engine.state import SharedPrefixes, shared_prefix_arrays
+
+    rng = np.random.default_rng(hq + d + bs)
+    shared_a, shared_b = 5, 2  # blocks of the two shared prefixes
+    own = [0, 1, 3, 7, 2, 0, 4, 1, 12]  # own blocks after the prefix, per sequence
+    prefix = [shared_a] * 5 + [shared_b] * 3 + [0]
+    nblocks = shared_a + shared_b + sum(own) + sum(1 for o in own if o == 0) + 4
+    perm = rng.permutation(nblocks)
+    pa, pb, at = perm[:shared_a], perm[shared_a:shared_a + shared_b], shared_a + shared_b
+    width = max(p + max(o, 1) for p, o in zip(prefix, own)) * 2
+    tables = np.zeros((len(own), width), np.int32)
+    ctx = np.zeros(len(own), np.int32)
+    for i, (p, o) in enumerate(zip(prefix, own)):
+        o = max(o, 1)  # the new token needs a block of its own
+        tables[i, :p] = pa if p == shared_a else pb[:p]
+        tables[i, p:p + o] = perm[at:at + o]
+        at += o
+        ctx[i] = (p + o - 1) * bs + 1 + rng.integers(0, bs)  # the last block partly filled
+    arrays = shared_prefix_arrays(tables, ctx, bs)
+    assert sorted(arrays["shared_lens"][arrays["shared_lens"] > 0].tolist()) == [shared_b * bs, shared_a * bs]
+    k_cache = act_round(ops, rnd(rng, nblocks, bs, hkv, d))
+    v_cache = act_round(ops, rnd(rng, nblocks, bs, hkv, d))
+    q = act_round(ops, rnd(rng, len(own), hq, d))
+    cu = np.arange(len(own) + 1, dtype=np.int32)
+    shared = SharedPrefixes(*(ops.upload_index(arrays[f"shared_{f}"]) for f in ("order", "cu", "lens", "tables",
+                                                                                  "start")))
+    out = ops.paged_attention(ops.upload(q), ops.upload(k_cache), ops.upload(v_cache), ops.upload_index(tables),
+                              ops.upload_index(ctx), ops.upload_index(cu), d ** -0.5, shared=shared)
+    want = ref.paged_attention(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5)
+    assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
+    per_row = np.linalg.norm(host(ops, out) - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert per_row.max() <= 10 * TOL_SEQ[ops.dtype_name]
+
+
 def test_copy_rows(ops):
     rng = np.random.default_rng(12)
     rec = cupy.asarray(rnd(rng, 9, 3, 8, 8))
@@ -606,6 +645,45 @@ def test_tiny_model_forward_matches_cpu(model_dirs, gemma_dir, family, dtype, to
         results.append(outs)
     for cpu, gpu in zip(*results):
         assert rel(gpu, cpu) <= tol
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_decode_over_shared_prefixes_matches_plain_attention(model_dirs, graphs):
+    """bf16 decode of four sequences forked from one prefix: logits with cascade attention (the shared blocks read
+    once per group), eager or replayed from a CUDA graph, agree with plain attention in a separate identical run."""
+    from prefixrun.engine.decode_graphs import DecodeGraphs
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.state import ModelState
+    from prefixrun.kernels.cuda import CudaOps
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 500, 70).tolist()
+    suffixes = [rng.integers(0, 500, n).tolist() for n in (20, 1, 35, 8)]
+    logits = {}
+    for cascade in (False, True):
+        ops = CudaOps("bfloat16")
+        ops.attn_cascade = cascade
+        model = load_model(model_dirs["qwen3_5"], ops)[0]
+        st = ModelState(model.state_specs(), ops, num_slots=12, num_blocks=128, block_size=16)
+        root = st.new_sequence()
+        model.forward(st.prepare_step([root], [base]), st)
+        kids = [st.fork(root) for _ in suffixes]
+        model.forward(st.prepare_step(kids, suffixes), st)
+        steps = []
+        dec = DecodeGraphs(model, st, ops, max_batch=8) if cascade and graphs else None
+        for tok in (11, 12, 13):
+            if dec is not None:
+                out = dec.step(kids, [tok] * len(kids))
+            else:
+                batch = st.prepare_step(kids, [[tok]] * len(kids))
+                assert batch.shared is not None and int(ops.to_host(batch.shared.lens).max()) == 64
+                out = model.forward(batch, st)
+            steps.append(np.asarray(ops.to_host(out), np.float64))
+        if dec is not None:
+            assert dec.replays == 3 and dec.captures == 1
+        logits[cascade] = steps
+    for plain, casc in zip(logits[False], logits[True]):
+        assert rel(casc, plain) <= 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -819,6 +897,26 @@ def bench():  # pragma: no cover - device timing, not a test
                 rows.append((f"paged attention decode batch 64, ctx {nb64 * bs} (distinct K/V), {label}", ms,
                              f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
             ops.attn_warps["decode"], ops.attn_split_decode = 4, "auto"
+            # the shared-system decode: 64 sequences over one 2048-key prefix (32 blocks of 64) + 300 keys each
+            from prefixrun.engine.state import SharedPrefixes, shared_prefix_arrays
+
+            bs64, own = 64, 5
+            tabs = np.zeros((bd, 64), np.int32)
+            tabs[:, :32] = np.arange(32)
+            tabs[:, 32:32 + own] = 32 + np.arange(bd * own).reshape(bd, own)
+            kc = rnd_dev(32 + bd * own + 1, bs64, hkv, hd)
+            vc = rnd_dev(32 + bd * own + 1, bs64, hkv, hd)
+            ctx_c = np.full(bd, 2048 + 300, np.int32)
+            arr = shared_prefix_arrays(tabs, ctx_c, bs64)
+            sh = SharedPrefixes(*(ops.upload_index(arr[f"shared_{f}"]) for f in ("order", "cu", "lens", "tables",
+                                                                                   "start")))
+            tabs_d, ctx_cd = ops.upload_index(tabs), ops.upload_index(ctx_c)
+            for cascade in (False, True):
+                ms = _time_ms(lambda: ops.paged_attention(qdec, kc, vc, tabs_d, ctx_cd, cu_d, hd ** -0.5,
+                                                          shared=sh if cascade else None), iters=50)
+                rows.append((f"paged attention decode batch 64 over a shared 2048-key prefix + 300 own keys"
+                             f" ({'cascade' if cascade else 'plain'})", ms, ""))
+            del kc, vc
         del kcache, vcache, qa
 
     # checkpoint fork of a 4b-like sequence: 24 GDN layers x (fp32 recurrent 2 MiB + bf16 conv 48 KiB)

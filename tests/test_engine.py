@@ -16,7 +16,7 @@ from prefixrun.engine.checkpoints import CheckpointPool
 from prefixrun.engine.plan import build_trie, distinct_tokens, iter_nodes, summarize
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.state import ModelState
+from prefixrun.engine.state import ModelState, check_shared_prefix_arrays, shared_prefix_arrays
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.py"
 FAMILIES = ["qwen3_5", "qwen3"]
@@ -409,3 +409,67 @@ def test_random_trees_any_options_same_answers(case, loaded, cpu_ops):
     eng.check_invariants()
     assert not eng.state.live
     assert windowed == {k: v.token_ids for k, v in ref.items()}
+
+
+# ---- shared-prefix groups of decode steps (cascade attention) ---------------------------------------------------
+def test_shared_prefix_groups_cover_only_blocks_every_member_shares():
+    bs = 4
+    tables = np.array([[7, 8, 9, 30],   # group A: shares 7, 8 with row 2; 9 only with row 3
+                       [1, 2, 0, 0],    # alone
+                       [7, 8, 5, 0],
+                       [7, 8, 9, 31],
+                       [3, 4, 6, 0],    # group B: shares 3, 4, 6 — but row 5 has only 2 blocks before its token
+                       [3, 4, 11, 0]], np.int32)
+    ctx = np.array([14, 6, 11, 15, 12, 9], np.int32)  # after the step: the new token is at ctx - 1
+    out = shared_prefix_arrays(tables, ctx, bs)
+    order, cu, lens, gtables, start = (out[k] for k in ("shared_order", "shared_cu", "shared_lens",
+                                                        "shared_tables", "shared_start"))
+    groups = [sorted(order[cu[g]:cu[g + 1]].tolist()) for g in range(len(cu) - 1) if cu[g + 1] > cu[g]]
+    check_shared_prefix_arrays({"block_tables": tables, "context_lens": ctx, **out}, bs)
+    assert sorted(groups) == [[0, 2, 3], [1], [4, 5]]
+    assert sorted(order.tolist()) == list(range(6)) and cu[-1] == 6
+    by_row = {r: g for g in range(len(cu) - 1) for r in order[cu[g]:cu[g + 1]].tolist()}
+    assert lens[by_row[0]] == 2 * bs  # columns 0-1 equal across 0, 2, 3 (column 2 differs for row 2)
+    assert lens[by_row[4]] == 2 * bs  # column 2 differs (6 vs 11)
+    assert lens[by_row[1]] == 0  # alone: nothing shared
+    assert start.tolist() == [8, 0, 8, 8, 8, 8]
+    for r in range(6):  # a member's own table agrees with its group's table over the shared blocks
+        g = by_row[r]
+        assert (gtables[g, :lens[g] // bs] == tables[r, :lens[g] // bs]).all()
+    bad = dict(out, shared_start=out["shared_start"] + bs * (out["shared_start"] > 0))
+    with pytest.raises(AssertionError, match="shared prefixes"):
+        check_shared_prefix_arrays({"block_tables": tables, "context_lens": ctx, **bad}, bs)
+    # the new token's block is never shared, even when the tables agree on it
+    cut = shared_prefix_arrays(np.array([[5, 6], [5, 6]], np.int32), np.array([5, 8], np.int32), bs)
+    assert cut["shared_lens"].max() == bs and cut["shared_start"].tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_decode_reads_shared_prefixes_once_per_group(graphs, loaded, cpu_ops, monkeypatch):
+    """Requests forked from one prefix decode with groups that cover it (the CPU backend reads those keys through
+    the group's table, so a wrong grouping changes the answer); answers equal the no-reuse run's."""
+    model = loaded["qwen3_5"]
+    base = random_prompt(300, 70)
+    prompts = [base + random_prompt(301 + i, 20 + 6 * i) for i in range(4)] + [random_prompt(320, 40)]
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    seen = []
+    plain = cpu_ops.paged_attention
+
+    def spy(q, k_cache, v_cache, tables, ctx, cu, scale, sliding_window=None, shared=None):
+        if shared is not None:
+            arrays = {"block_tables": tables, "context_lens": ctx, "shared_order": shared.order,
+                      "shared_cu": shared.cu, "shared_lens": shared.lens, "shared_tables": shared.tables,
+                      "shared_start": shared.start}
+            check_shared_prefix_arrays({k: np.asarray(v) for k, v in arrays.items()}, 16)
+            seen.append(int(np.asarray(shared.lens).max()))
+        return plain(q, k_cache, v_cache, tables, ctx, cu, scale, sliding_window, shared=shared)
+
+    monkeypatch.setattr(cpu_ops, "paged_attention", spy)  # the model calls the ops it was built with
+    ops = _ReplayOps(cpu_ops) if graphs else cpu_ops
+    eng = Engine(model, ops, options=EngineOptions(max_batch=8, block_size=16, decode_graphs=graphs))
+    got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    eng.close()
+    eng.check_invariants()
+    want, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    assert got == {k: v.token_ids for k, v in want.items()}
+    assert seen and max(seen) >= 64  # the 70-token prefix: four whole 16-row blocks shared by the group

@@ -117,7 +117,7 @@ class Attention:
         k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
         ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
         return ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
-                                   self.scale)
+                                   self.scale, shared=batch.shared)
 
 
 class SlidingWindowAttention(Attention):
