@@ -29,3 +29,9 @@ for m in $MODELS; do
       2>&1 | tail -40
   done
 done
+if [ -n "${EXTRA:-}" ]; then  # what reuse and graphs buy: the 4b-like shared-system run without each
+  for flag in --no-reuse --no-graphs; do
+    prefixrun bench /tmp/shared-system.jsonl --model /tmp/qwen3_5-4b-like --device cuda $flag \
+      --json "$OUT/qwen3_5-4b-like-shared-system$flag.json" 2>&1 | tail -30
+  done
+fi

@@ -18,7 +18,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 P="python3 -m prefixrun.cli.app"
 (for m in ${MODELS:-qwen3_5-0.8b-like qwen3_5-4b-like}; do
-   [ -f /tmp/$m/config.json ] || $P make-model /tmp/$m --config .bench-shared/models/$m.json --seed 0 >/dev/null
+   cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+   [ -f /tmp/$m/config.json ] || $P make-model /tmp/$m --config "$cfg" --seed 0 >/dev/null
  done; touch /tmp/models-ready) &
 
 STAGES=${STAGES:-"tests cli real profile"}
@@ -68,3 +69,4 @@ if has profile; then
   python3 bench/profile_phases.py /tmp/ss.jsonl --model /tmp/qwen3_5-4b-like --top 12 2>&1 | tee $OUT/profile.txt
   python3 bench/profile_phases.py /tmp/dq.jsonl --model /tmp/qwen3_5-4b-like --top 12 2>&1 | tee $OUT/profile-docqa.txt
 fi
+wait  # the models are complete before anything else uses them

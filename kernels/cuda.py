@@ -671,10 +671,9 @@ class CudaOps:
         split = self.attn_split_decode
         if split == "auto":
             split = nseq * hkv < self._sm_count
-        if split and decode and rep <= 16:
-            bn = 32 if d > 128 else 64
-            max_tiles = -(-tables.shape[1] * bs // bn)  # from the table width: static under graph capture
-            splits = min(32, max(1, -(-max_tiles // 8)))
+        bn = 32 if d > 128 else 64
+        splits = min(32, max(1, -(-tables.shape[1] * bs // bn) // 8))  # from the table width: static under capture
+        if split and decode and rep <= 16 and splits > 1:
             part = (cupy.empty((splits, t * hq, d), F32), cupy.empty((splits, t * hq, 2), F32))
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=1, bn=bn, splits=splits,
                             part=part)
@@ -688,6 +687,8 @@ class CudaOps:
                    tokens, nw, bn, splits=1, mode=0, slot_base=0, part=None, row_tok=None, kv_from=None):
         """One launch of attn_mma_kernel (see kernels/attention.cu for the modes). Without `part` it writes `out`;
         with it, partials into slots slot_base + split of part = ([slots, T * Hq, D], [slots, T * Hq, 2])."""
+        if part is not None and splits == 1 and mode == 0:
+            raise ValueError("a plain pass with one split writes `out`, not partials")
         kern = _kernel("attention", f"attn_mma_kernel<{d}, {bn}, {nw}>")
         smem = (16 * nw + 2 * bn) * (d + 8) * 2
         self._dynamic_smem(kern, smem)

@@ -459,6 +459,20 @@ def test_paged_attention_tile_variants(ops, ref, d, warps, bn, decode):
     assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
 
 
+@pytest.mark.parametrize("d", [32, 256])
+@pytest.mark.parametrize("seqs", [[(40, 1), (17, 1)], [(40, 1), (17, 1), (2000, 1), (5, 1)]])
+def test_paged_attention_small_decode_batches(ops, ref, d, seqs):
+    """Decode batches too small to fill the GPU take the split-K path when their table is wide enough for more
+    than one split, and the plain kernel otherwise; both answer as the reference (GQA 2, as the tiny models)."""
+    rng = np.random.default_rng(d + len(seqs))
+    c = _paged_case(rng, ops, seqs, 4, 2, d, 16)
+    out = ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
+                              ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
+                              d ** -0.5)
+    want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5)
+    assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [(16, 4, 256, 64, None), (8, 2, 128, 16, None),
                                                 (16, 4, 256, 16, 300), (4, 4, 64, 32, None)])
 def test_paged_attention_split_decode(ops, ref, hq, hkv, d, bs, window):
