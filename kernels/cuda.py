@@ -564,8 +564,8 @@ class CudaOps:
     def _use_chunked(self, t: int, nseq: int, h: int, dk: int, dv: int) -> bool:
         if t <= nseq or dk > _GDN_CHUNK_DMAX or dv > _GDN_CHUNK_DMAX or not self.gdn_chunked:
             return False
-        if self.gdn_chunked == "auto":  # token-stepped blocks: 64 value columns each, ~4 resident per SM
-            return nseq * h * -(-dv // 64) < 4 * self._sm_count
+        if self.gdn_chunked == "auto":  # token-stepped blocks (64 value columns each) fill under half the SMs
+            return nseq * h * -(-dv // 64) <= self._sm_count // 2
         return True
 
     def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
