@@ -31,6 +31,17 @@ def phase_of(name: str) -> str:
     return "other elementwise"
 
 
+def timed_run(engine, requests, ops) -> float:
+    """Wall seconds of one run of the workload, from fresh statistics to the device drained."""
+    engine.stats.__init__()
+    t0 = time.perf_counter()
+    list(engine.run(requests()))
+    ops.synchronize()
+    wall = time.perf_counter() - t0
+    engine.close()
+    return wall
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("workload", type=Path)
@@ -72,12 +83,7 @@ def main():
         return out
 
     dec.step, ops.sample = timed_step, timed_sample
-    engine.stats.__init__()
-    t0 = time.perf_counter()
-    list(engine.run(requests()))
-    ops.synchronize()
-    wall = time.perf_counter() - t0
-    engine.close()
+    wall = timed_run(engine, requests, ops)
     dec.step, ops.sample = orig_step, orig_sample
     steps = max(engine.stats.decode_steps, 1)
     print(f"synchronised run: wall {wall:.3f} s, prefill {engine.stats.prefill_seconds:.3f} s, "
@@ -87,12 +93,7 @@ def main():
 
     # 2) device time per kernel over a normal (unsynchronised) run
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        engine.stats.__init__()
-        t0 = time.perf_counter()
-        list(engine.run(requests()))
-        ops.synchronize()
-        wall = time.perf_counter() - t0
-        engine.close()
+        wall = timed_run(engine, requests, ops)
     torch.cuda.synchronize()
     kernels = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():

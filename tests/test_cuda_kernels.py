@@ -738,6 +738,33 @@ def test_engine_cache_invariance_on_gpu(model_dirs, gemma_dir, family):
     assert run(EngineOptions(**small), subset={4}) == {"r4": off["r4"]}
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_bf16_logits_with_and_without_prefix_reuse(model_dirs, gemma_dir, family):
+    """bf16 on the GPU: a prompt continued from a checkpoint of its prefix (forked in memory, or exported to host
+    and imported, as the disk cache does) gives the logits of the prompt prefilled whole, within bf16 bounds
+    (2e-2: the pieces round at other points); the forked and the imported continuations agree exactly."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.state import ModelState
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16")
+    model = load_model(gemma_dir if family == "gemma3" else model_dirs[family], ops)[0]
+    st = ModelState(model.state_specs(), ops, num_slots=8, num_blocks=64, block_size=16)
+    rng = np.random.default_rng(2)
+    prefix, rest = rng.integers(0, 500, 45).tolist(), rng.integers(0, 500, 30).tolist()
+
+    def logits(handle, tokens):
+        return np.asarray(ops.to_host(model.forward(st.prepare_step([handle], [tokens]), st)), np.float64)
+
+    whole = logits(st.new_sequence(), prefix + rest)
+    base = st.new_sequence()
+    logits(base, prefix)
+    forked = logits(st.fork(base), rest)
+    imported = logits(st.import_state(st.export(base), len(prefix)), rest)
+    assert rel(forked, whole) <= 2e-2
+    assert rel(imported, forked) <= 1e-6
+
+
 # ---- timing table (python tests/test_cuda_kernels.py --bench) -------------------------------------------------------
 def _time_ms(fn, iters=10, warmup=2):
     for _ in range(warmup):
