@@ -279,9 +279,10 @@ class CudaOps:
         self.gdn_transposed = False  # transposed shuffle reductions (Dk 128, 4 columns per thread)
         self.gdn_split = 2
         # prefill (more tokens than sequences) may use the chunked form (Dk, Dv <= 128): long sequences are then
-        # 64-token chunk steps instead of token steps. "auto": chunked when the token-stepped grid would not fill
-        # the GPU (few sequences, e.g. a long shared prefix alone), token-stepped otherwise (measured faster for
-        # many sequences); True / False force one form (tests, benches).
+        # 64-token chunk steps instead of token steps. "auto": chunked when the token-stepped grid fills under half
+        # the SMs (a long shared prefix alone), token-stepped otherwise: the fp32 chunked kernels are bound by
+        # shared memory and lose from about four sequences on (H200: 1 x 2048 2.08 vs 2.39 ms, 64 x 256 8.4 vs
+        # 3.0 ms, doc-qa's four 4096-token documents slower chunked); True / False force one form (tests, benches).
         self.gdn_chunked: bool | str = "auto"
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # warps per block (16 query rows each); None: 8 above 128 head dims, else 4. Measured on an H200, 32 x 2304
@@ -515,9 +516,10 @@ class CudaOps:
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
-        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Decode (one token per sequence) steps token by token in one launch; prefill (more tokens than sequences)
-        takes the chunked form in 64-token chunks, two launches (`chunk_size` is the reference's and is accepted
-        for signature compatibility). Returns o [T, H, Dv] in v's dtype."""
+        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch, except a
+        prefill of a few long sequences, which takes the chunked form (64-token chunks, two launches; see
+        `gdn_chunked`). `chunk_size` is the reference's, accepted for signature compatibility.
+        Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
         q = q if q.dtype == dt else self._cast(q, dt)
         k = k if k.dtype == dt else self._cast(k, dt)
