@@ -737,3 +737,40 @@ def test_make_model_writes_a_loadable_directory(tmp_path):
     assert res.exit_code == 0 and len(records_of(res.stdout)[0]["token_ids"]) == 3
 
     assert cli("make-model", tmp_path / "bad", "--config", tmp_path / "missing.json").exit_code == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_reports_the_plan_and_compares_with_transformers(models, tmp_path):
+    """`prefixrun bench` on a shared-prefix workload (CPU): computed prefill tokens are the trie's distinct tokens
+    with reuse and every prompt token without; the figures are written as JSON too; with torch and transformers
+    installed the same workload runs through transformers and the ratio is reported."""
+    rng = __import__("random").Random(5)
+    prefix = [rng.randrange(10, 400) for _ in range(40)]
+    work = tmp_path / "work.jsonl"
+    with open(work, "w") as f:
+        for i in range(4):
+            ids = prefix + [rng.randrange(10, 400) for _ in range(6 + i)]
+            f.write(json.dumps({"custom_id": f"w{i}", "prompt_token_ids": ids, "max_tokens": 3}) + "\n")
+    prompt_tokens = 4 * 40 + sum(6 + i for i in range(4))
+
+    res = cli("bench", work, "--model", models["a"], "--device", "cpu", "--json", tmp_path / "b.json")
+    assert res.exit_code == 0, res.output
+    figures = json.loads(res.stdout)
+    assert figures == json.loads((tmp_path / "b.json").read_text())
+    assert figures["prompt_tokens"] == prompt_tokens and figures["completion_tokens"] == 12
+    assert figures["computed_prompt_tokens"] == figures["distinct_prefix_tokens"] == prompt_tokens - 3 * 40
+    assert figures["decode_steps"] == 2 and figures["decode_graphs"]["enabled"] is False  # no graphs on the CPU
+    assert figures["wall_seconds"] > 0 and figures["prefill_tflops"] >= 0
+
+    res = cli("bench", work, "--model", models["a"], "--device", "cpu", "--no-reuse", "--compare-transformers",
+              "--transformers-batch", "2")
+    assert res.exit_code == 0, res.output
+    figures = json.loads(res.stdout)
+    assert figures["computed_prompt_tokens"] == prompt_tokens
+    pytest.importorskip("transformers")
+    assert figures["transformers_wall_seconds"] > 0
+    assert figures["speedup_vs_transformers"] == pytest.approx(
+        figures["transformers_wall_seconds"] / figures["wall_seconds"], rel=0.02)
