@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.state import (ForwardBatch, ModelState, StateHandle, batch_views, pack_step_arrays,
-                                    shared_prefix_arrays)
+from prefixrun.engine.state import ForwardBatch, ModelState, StateHandle, batch_views, pack_step_arrays
 
 
 def _bucket(n: int) -> int:
@@ -61,8 +60,8 @@ class DecodeGraphs:
         n = len(handles)
         b = _bucket(n)
         width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
-        arrays = st.step_arrays(handles, [[t] for t in tokens], table_width=width)
-        arrays = self._pad(arrays, n, b)
+        arrays = self._pad(st.step_arrays(handles, [[t] for t in tokens], table_width=width, groups=False), n, b)
+        st.add_shared_groups(arrays)  # after padding: padding rows are groups of their own
         key = (b, width, "shared_order" in arrays)
         graph = self.graphs.get(key)
         if graph is None:
@@ -93,15 +92,14 @@ class DecodeGraphs:
         out["context_lens"] = np.concatenate([arrays["context_lens"], np.ones(pad, np.int32)])
         out["kv_write_index"] = np.concatenate([arrays["kv_write_index"], np.full(pad, s.blocks[0] * bs, np.int32)])
         out["last_token_index"] = np.arange(b, dtype=np.int32)
-        if "shared_order" in arrays:  # padding rows: one token of context, so nothing they share counts
-            out.update(shared_prefix_arrays(tables, out["context_lens"], bs))
         return out
 
     def _capture(self, arrays: dict) -> _Graph | None:
         b = len(arrays["slots"])
         # Warm up (kernel compilation, cuBLAS binding) on a batch of padding rows only, which touches nothing but
         # scratch; the capture itself executes nothing, so the real step runs exactly once: at the first replay.
-        warm = self._pad({k: v[:0] for k, v in arrays.items()}, 0, b)
+        warm = self._pad({k: v[:0] for k, v in arrays.items() if not k.startswith("shared_")}, 0, b)
+        self.state.add_shared_groups(warm)
         inputs = self.ops.upload_index(pack_step_arrays(warm))
         views = batch_views(inputs, arrays)
         batch = ForwardBatch(**views, host_cu_seqlens=arrays["cu_seqlens"], host_context_lens=arrays["context_lens"])

@@ -378,8 +378,10 @@ class ModelState:
         return batch_from_host(self.step_arrays(handles, new_tokens), self.ops.upload_index)
 
     def step_arrays(self, handles: list[StateHandle], new_tokens: list[list[int]],
-                    table_width: int | None = None) -> dict[str, np.ndarray]:
-        """The host int32 index arrays of a step (see ForwardBatch); reserves blocks and advances lengths."""
+                    table_width: int | None = None, groups: bool = True) -> dict[str, np.ndarray]:
+        """The host int32 index arrays of a step (see ForwardBatch); reserves blocks and advances lengths.
+        `groups=False` leaves out a decode step's shared-prefix groups (a caller that pads the batch adds them
+        afterwards with add_shared_groups)."""
         for h, toks in zip(handles, new_tokens):
             self.reserve(h, h.length + len(toks))
         lens = np.array([len(t) for t in new_tokens], np.int64)
@@ -403,9 +405,16 @@ class ModelState:
                "slots": np.array([h.slot for h in handles], np.int32), "block_tables": tables,
                "context_lens": (starts + lens).astype(np.int32), "kv_write_index": write_index,
                "last_token_index": (cu[1:] - 1).astype(np.int32)}
-        if self.has_paged and len(handles) and (lens == 1).all():  # a decode step
-            out.update(shared_prefix_arrays(tables, out["context_lens"], self.block_size))
+        if groups:
+            self.add_shared_groups(out)
         return out
+
+    def add_shared_groups(self, arrays: dict[str, np.ndarray]):
+        """Add the shared-prefix groups to the arrays of a decode step (one new token per sequence) of a model with
+        paged K/V; other steps are left as they are."""
+        cu = arrays["cu_seqlens"]
+        if self.has_paged and len(cu) > 1 and (np.diff(cu) == 1).all():
+            arrays.update(shared_prefix_arrays(arrays["block_tables"], arrays["context_lens"], self.block_size))
 
     # ---- export / import (the persistent cache's view of a handle) ----------------------------------------
     def export(self, h: StateHandle) -> dict[str, np.ndarray]:
