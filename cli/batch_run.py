@@ -152,7 +152,7 @@ class BatchRun:
             "prefill_seconds": round(s.prefill_seconds, 4), "decode_seconds": round(s.decode_seconds, 4),
             "prefill_tokens_per_second": s.computed_prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
             "decode_tokens_per_second": s.completion_tokens / s.decode_seconds if s.decode_seconds else 0.0,
-            "wall_seconds": round(wall, 4), "model": str(self.loaded.path), "device": self.loaded.ops.name,
+            "wall_seconds": round(wall, 4), "model": str(self.loaded.path), "device": self.loaded.ops.display_name,
         }
         if self.store is not None:
             st = self.store.stats
@@ -171,8 +171,9 @@ class BatchRun:
 
 
 def _default_state_memory(ops) -> int:
-    """CPU: 1 GiB. CUDA: half of the memory free after the weights were loaded."""
-    if ops.name == "cpu":
+    """Half of the device memory free after the weights were loaded; 1 GiB where the backend computes in host
+    memory (it reports no free device memory)."""
+    free = ops.free_memory()
+    if free is None:
         return 1 << 30
-    free, _ = ops.xp.cuda.runtime.memGetInfo()
     return int(free * 0.5)

@@ -45,13 +45,11 @@ def build_engine(workload: Path, model_dir: Path, *, device: str, dtype, max_bat
                         SamplingParams(max_tokens=l.get("max_tokens", 64), temperature=0,
                                        ignore_eos=l.get("ignore_eos", True)), i) for i, l in enumerate(lines)]
 
-    state_mem = None
-    if ops.name == "cuda":
-        free, _ = ops.xp.cuda.runtime.memGetInfo()
-        state_mem = int(free * 0.6)
+    free = ops.free_memory()
+    state_mem = int(free * 0.6) if free is not None else None
     opts = EngineOptions(max_batch=max_batch, reuse=reuse, max_prefill_tokens=16384,
                          state_memory_bytes=state_mem or (1 << 30),
-                         checkpoint_budget_bytes=(state_mem or (1 << 30)) // 3, block_size=64 if ops.name == "cuda" else 16,
+                         checkpoint_budget_bytes=(state_mem or (1 << 30)) // 3, block_size=ops.default_block_size,
                          decode_graphs=graphs)
     engine = Engine(model, ops, eos_token_ids=loaded.eos_token_ids, options=opts)
     return lines, loaded, engine, requests
@@ -82,10 +80,11 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
     flops = 2.0 * params * stats["computed_prompt_tokens"]
     prefill_s = stats["prefill_seconds"] or 1e-9
     decode_steps = max(stats["decode_steps"], 1)
-    weight_bytes = params * np.dtype(ops.act_dtype).itemsize + model.lm_head.size * np.dtype(ops.act_dtype).itemsize
+    act_bytes = ops.storage_dtype("act").itemsize
+    weight_bytes = params * act_bytes + model.lm_head.size * act_bytes
     step_bytes = weight_bytes + 2 * max_batch * pool_unit_bytes(model.state_specs(), ops, 1)[0]  # state read + write
     out = {
-        "workload": str(workload), "model": str(model_dir), "device": ops.name, "dtype": ops.dtype_name,
+        "workload": str(workload), "model": str(model_dir), "device": ops.display_name, "dtype": ops.dtype_name,
         "requests": len(lines), "reuse": reuse, "wall_seconds": round(wall, 4),
         "prompt_tokens": stats["prompt_tokens"], "distinct_prefix_tokens": stats["distinct_prefix_tokens"],
         "computed_prompt_tokens": stats["computed_prompt_tokens"], "completion_tokens": stats["completion_tokens"],
@@ -104,9 +103,8 @@ def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch:
     if compare:
         # give the GPU memory back before transformers loads its own copy of the model
         del engine, model, loaded, results, runs
-        if ops.name == "cuda":
-            ops.xp.get_default_memory_pool().free_all_blocks()
-        hf = transformers_baseline(model_dir, lines, ops.name, transformers_batch)
+        ops.release_cached_memory()
+        hf = transformers_baseline(model_dir, lines, ops.device_kind, transformers_batch)
         if hf is not None:
             out["transformers_wall_seconds"] = round(hf, 4)
             out["speedup_vs_transformers"] = round(hf / wall, 2)

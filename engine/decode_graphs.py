@@ -32,7 +32,7 @@ class DecodeGraphs:
     def __init__(self, model, state: ModelState, ops, max_batch: int):
         self.model, self.state, self.ops = model, state, ops
         self.max_batch = max_batch
-        self.enabled = hasattr(ops, "capture")
+        self.enabled = ops.can_capture_graphs
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}  # (batch bucket, table width, shared prefixes)
         self.scratch: StateHandle | None = None
         self.captures = 0

@@ -1,8 +1,11 @@
 """Kernel ops behind one interface, two backends: NumPy fp32 (CPU, the reference) and CuPy (CUDA).
 
-The engine calls `ops.<op>(...)` on the object `get_ops` returns and never imports numpy/cupy math itself.
+The engine calls `ops.<op>(...)` on the object `get_ops` returns and never imports numpy/cupy math itself; what it
+may call and ask is the `Ops` protocol in kernels/ops.py.
 """
 from __future__ import annotations
+
+from prefixrun.kernels.ops import Ops
 
 
 def cuda_available() -> bool:
@@ -15,7 +18,7 @@ def cuda_available() -> bool:
         return False
 
 
-def get_ops(device: str = "auto", dtype: str | None = None):
+def get_ops(device: str = "auto", dtype: str | None = None) -> Ops:
     """The ops object for `device` ("auto", "cpu" or "cuda") computing in `dtype` (None: the device's default)."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"unknown device {device!r} (use auto, cpu or cuda)")

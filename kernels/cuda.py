@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels.cublas import get_cublas
+from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import filtered_sample_index
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -258,6 +259,11 @@ class CudaOps:
 
     name = "cuda"
     xp = cupy
+    display_name = "cuda"
+    device_kind = "cuda"  # where arrays live, as torch names devices (for handing work to other libraries)
+    can_capture_graphs = True
+    # 64-row blocks: fewer table entries per sequence and whole MMA key tiles (measured faster than 16 on an H200)
+    default_block_size = 64
 
     def __init__(self, dtype: str = "bfloat16"):
         if dtype == "bfloat16":
@@ -295,6 +301,21 @@ class CudaOps:
         self.attn_split_decode: bool | str = "auto"
         # decode steps that carry shared-prefix groups read each group's shared K/V once (cascade)
         self.attn_cascade = True
+
+    # ---- queries ------------------------------------------------------------------------------------------------
+    def free_memory(self) -> int | None:
+        """Bytes the device can still hand out: free device memory plus what CuPy's pool holds unused."""
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        pool = cupy.get_default_memory_pool()
+        return int(free + pool.free_bytes())
+
+    def storage_dtype(self, kind: str) -> np.dtype:
+        """The array dtype of a state region declared `kind` ("float32", or "act" for the storage dtype)."""
+        return _storage_dtype(kind, self.act_dtype)
+
+    def release_cached_memory(self):
+        """Give CuPy's cached, unused device blocks back to the driver (before another library allocates)."""
+        cupy.get_default_memory_pool().free_all_blocks()
 
     # ---- memory -------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):

@@ -17,12 +17,30 @@ class NumpyOps:
 
     name = "cpu"
     xp = np
+    display_name = "cpu"
+    device_kind = "cpu"  # where arrays live, as torch names devices (for handing work to other libraries)
+    # graphs are a CUDA feature; `capture` still works here (replay re-runs the function), so the engine's
+    # padded graph path can be tested on the CPU by forcing it
+    can_capture_graphs = False
+    default_block_size = 16  # small blocks: more sharing granularity, and host copies are cheap
 
     def __init__(self, dtype: str = "float32"):
         if dtype != "float32":
             raise ValueError("the CPU backend computes in float32 only")
         self.act_dtype = np.float32
         self.dtype_name = dtype
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    def free_memory(self) -> int | None:
+        """None: state lives in host memory, which this backend does not manage (callers pick a fixed size)."""
+        return None
+
+    def storage_dtype(self, kind: str) -> np.dtype:
+        """The array dtype of a state region declared `kind` ("float32", or "act" for the storage dtype)."""
+        return _storage_dtype(kind, self.act_dtype)
+
+    def release_cached_memory(self):
+        """Return cached allocations to the system (nothing is cached on the host)."""
 
     # ---- memory -------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -256,6 +274,14 @@ class NumpyOps:
         for a in arrays:
             a[dst] = a[src]
 
+    # ---- graphs -------------------------------------------------------------------------------------------
+    def capture(self, fn, *args, warmup: int = 1) -> "ReplayGraph":
+        """A stand-in for CUDA graph capture with the same contract: fn runs `warmup` times now, and every
+        replay runs it again on the same arguments (which the caller updates in place between replays)."""
+        for _ in range(warmup):
+            fn(*args)
+        return ReplayGraph(fn, args)
+
     # ---- sampling -----------------------------------------------------------------------------------------
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
         """Next token per row of logits [B, V] (fp32). temperature 0 = argmax; else softmax(logits/T) filtered by
@@ -270,6 +296,26 @@ class NumpyOps:
                 out[b] = filtered_sample_index(row, float(temperature[b]), int(top_k[b]), float(top_p[b]),
                                                float(min_p[b]), float(uniforms[b]))
         return out
+
+
+class ReplayGraph:
+    """`NumpyOps.capture`'s graph: replay() calls the captured function again and returns its outputs."""
+
+    def __init__(self, fn, args):
+        self._fn, self._args = fn, args
+
+    def replay(self):
+        return self._fn(*self._args)
+
+    __call__ = replay
+
+
+def _storage_dtype(kind: str, act_dtype) -> np.dtype:
+    if kind == "float32":
+        return np.dtype(np.float32)
+    if kind == "act":
+        return np.dtype(act_dtype)
+    raise ValueError(f"unknown state region dtype {kind!r} (float32 or act)")
 
 
 def _attend(q, k, v, qpos, kpos, scale, window=None):

@@ -245,6 +245,8 @@ class _ReplayOps:
     """NumpyOps plus a `capture` whose replay re-runs the function: it exercises the static buffers, bucketing and
     padding of DecodeGraphs exactly as a real graph would (a replay reads the inputs as they are now)."""
 
+    can_capture_graphs = True  # forced on: the engine takes the graph path
+
     def __init__(self, base):
         self._base = base
         self.captured = 0

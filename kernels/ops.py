@@ -1,0 +1,145 @@
+"""The backend contract: everything the engine may call on an ops object, written down once.
+
+Two backends implement it: `NumpyOps` (kernels/reference.py: fp32 on the host, the reference every other backend
+is tested against) and `CudaOps` (kernels/cuda.py: CuPy, bf16 or fp32 storage, fp32 accumulation).
+tests/test_backend_contract.py checks that both have every member below with the same parameters, and that no
+code outside kernels/ asks which backend it holds: what differs between backends is a query here.
+
+Conventions: arrays are the backend's own (numpy or cupy); T = new tokens in a step (all sequences
+concatenated), B = sequences in the step, cu_seqlens [B+1] int32 offsets of each sequence's tokens in T.
+Per-sequence state lives in pools indexed by slot (`slots` [B]); attention K/V in paged pools
+[num_blocks, block_size, Hkv, D] indexed by block tables. Ops that update state do it in place. "act" is the
+backend's storage dtype (`act_dtype`): fp32 on the CPU, bf16 (default) or fp32 on CUDA. The reference
+implementation's docstrings are the full semantics of each op; this file states the shapes and what is promised.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+Array = Any  # numpy.ndarray or cupy.ndarray, as the backend makes them
+
+
+@runtime_checkable
+class Graph(Protocol):
+    """A captured step: replay() reruns it and returns the outputs the captured function returned."""
+
+    def replay(self) -> Any: ...
+
+
+@runtime_checkable
+class Ops(Protocol):
+    # ---- queries: what the engine and the CLI may ask instead of "which backend is this" -----------------------
+    display_name: str  # for reports ("cpu", "cuda")
+    device_kind: str  # where arrays live, as torch names devices ("cpu", "cuda"): for handing work to other libraries
+    dtype_name: str  # the storage dtype's name ("float32", "bfloat16")
+    act_dtype: Any  # the storage dtype (a numpy dtype or ml_dtypes.bfloat16)
+    can_capture_graphs: bool  # True: `capture` records launches and replays them without Python (worth using)
+    default_block_size: int  # K/V rows per paged block that this backend runs best with
+
+    def free_memory(self) -> int | None:
+        """Bytes of device memory still available for state pools; None when state lives in host memory that the
+        backend does not manage (the caller then picks a fixed size)."""
+
+    def storage_dtype(self, kind: str) -> np.dtype:
+        """The dtype of a state region declared `kind`: "float32" -> float32, "act" -> the storage dtype."""
+
+    def release_cached_memory(self) -> None:
+        """Give cached, unused allocations back (before another library allocates on the same device)."""
+
+    # ---- memory ------------------------------------------------------------------------------------------------
+    def zeros(self, shape, dtype=None) -> Array:
+        """A zeroed array of `shape` in `dtype` (default: act)."""
+
+    def upload(self, host_array, dtype=None) -> Array:
+        """Host (or backend) array -> a new backend array converted to `dtype` (default: act)."""
+
+    def upload_index(self, host_array) -> Array:
+        """Host integers -> a backend int32 array (contiguous)."""
+
+    def write_index(self, dst, host_array) -> None:
+        """Overwrite the int32 backend array `dst` in place with host data of the same size (graph inputs)."""
+
+    def to_host(self, array) -> np.ndarray:
+        """Backend array -> numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""
+
+    def synchronize(self) -> None:
+        """Wait until all queued work is done (timings)."""
+
+    # ---- dense math --------------------------------------------------------------------------------------------
+    def embed(self, table, ids) -> Array:
+        """table [V, D], ids [T] int -> act [T, D]"""
+
+    def linear(self, x, weight) -> Array:
+        """x [T, in] @ weight[out, in].T -> act [T, out] (fp32 accumulation)"""
+
+    def logits(self, x, lm_head) -> Array:
+        """x [N, D] @ lm_head[V, D].T -> fp32 [N, V]"""
+
+    def rms_norm(self, x, weight, eps) -> Array:
+        """x [..., D] * rsqrt(mean(x^2) + eps) * weight [D] -> act [..., D]"""
+
+    def gated_rms_norm(self, x, gate, weight, eps) -> Array:
+        """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D]) -> act [..., D]"""
+
+    def silu_mul(self, gate_up) -> Array:
+        """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
+
+    def gelu_tanh_mul(self, gate_up) -> Array:
+        """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I]"""
+
+    def scale(self, x, factor) -> Array:
+        """x * factor, in x's dtype"""
+
+    def softcap(self, x, cap) -> Array:
+        """cap * tanh(x / cap), in x's dtype"""
+
+    def add(self, a, b) -> Array:
+        """a + b, b broadcast over a's leading dims; a's dtype"""
+
+    def rotary(self, x, positions, inv_freq) -> Array:
+        """x [T, H, Dh] rotated in place (rotate-half, first 2 * len(inv_freq) dims) at positions [T]; returns x"""
+
+    def l2_normalize(self, x, eps=1e-6) -> Array:
+        """x [..., D] * rsqrt(sum(x^2) + eps), x's dtype"""
+
+    def sigmoid(self, x) -> Array:
+        """1 / (1 + exp(-x)), x's dtype"""
+
+    def delta_gates(self, a, b, a_log, dt_bias) -> tuple[Array, Array]:
+        """a, b [T, H] -> (g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b)), both fp32 [T, H]"""
+
+    # ---- sequence mixing ---------------------------------------------------------------------------------------
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens) -> Array:
+        """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]"""
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64) -> Array:
+        """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
+        -> o [T, H, Dv]"""
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        """k, v [T, Hkv, D] stored at flat rows slot_mapping [T] (block * block_size + offset) of the caches"""
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
+                        sliding_window=None, shared=None) -> Array:
+        """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] via block_tables [B, W] and context_lens [B]
+        (after the step), causal, optionally windowed; `shared` (engine.batch.SharedPrefixes) lets a backend read
+        a decode step's shared prefix once per group -> [T, Hq, D]"""
+
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context) -> Array:
+        """Sliding-window attention of q [T, Hq, D] over rings [num_slots, W, Hkv, D] (position p at row p % W)
+        plus the new rows k, v [T, Hkv, D], which are then written into the rings -> [T, Hq, D]"""
+
+    # ---- state copies ------------------------------------------------------------------------------------------
+    def copy_rows(self, arrays, src, dst) -> None:
+        """For each pool array a: a[dst[i]] = a[src[i]] (slot/block copies of fork, save, restore)."""
+
+    # ---- sampling ----------------------------------------------------------------------------------------------
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
+        """fp32 logits [B, V] and per-row parameters [B] -> host int64 token ids [B] (temperature 0: argmax)"""
+
+    # ---- graphs ------------------------------------------------------------------------------------------------
+    def capture(self, fn: Callable, *args, warmup: int = 1) -> Graph:
+        """Run fn(*args) `warmup` times, then record it; the returned graph's replay() reruns it on the same
+        input buffers (updated in place between replays) and returns the same output arrays."""
