@@ -1,18 +1,25 @@
 """HF `config.json` -> a frozen, validated dataclass per architecture family.
 
-Real checkpoints come in two layouts: a plain causal LM (`Qwen3_5ForCausalLM`, weights under `model.`) and the
-vision-language composite (`Qwen3_5ForConditionalGeneration`, `model_type: qwen3_5`, the text settings under
-`text_config`, weights under `model.language_model.`). Both load into the same text-model config; the
-composite's vision tower and MTP head are ignored.
+Fidelity rule: every field that transformers' modeling code for the family reads is either honoured or refused here
+with one ModelLoadError naming the field and its value; none is silently ignored. A field that is absent takes the
+default of transformers' config class for that family (e.g. Qwen3's head_dim is 128, not hidden/heads). Fields
+that cannot change inference (dropout, initializer range, pad_token_id's padding_idx) are not read.
+
+Real checkpoints come in two layouts: a plain causal LM (weights under `model.`) and the vision-language composite
+(`text_config` nested; weights under `model.language_model.` or, as transformers 5.17 saves Gemma 3,
+`language_model.model.` — engine.models resolves the stored layout). The composite's vision tower and MTP head are
+ignored. Rotary settings live in engine/rope.py. To add a family: a config subclass with `from_fields`, an
+entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`) and its transformers defaults in `_DEFAULTS`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.rope import RopeConfig, parse_rope
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -20,47 +27,9 @@ SLIDING_ATTENTION = "sliding_attention"
 
 _LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION, "linear": LINEAR_ATTENTION}
 
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rotary_dim: int  # leading dims of each head that rotate (partial rotary); the rest pass through
-    rope_type: str = "default"
-    # llama3 frequency scaling (rope_type "llama3"); ignored otherwise
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in ("default", "llama3", "linear"):
-            raise ModelLoadError(f"config.json: rope_type {self.rope_type!r} is not supported "
-                                 "(supported: default, linear, llama3)")
-        if self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ModelLoadError(f"config.json: rotary dimension {self.rotary_dim} must be even and positive")
-
-    def inverse_frequencies(self) -> list[float]:
-        """[rotary_dim/2] inverse frequencies, computed exactly as transformers does (fp32 by the caller)."""
-        half = self.rotary_dim // 2
-        inv = [1.0 / (self.theta ** (2 * i / self.rotary_dim)) for i in range(half)]
-        if self.rope_type == "linear":
-            inv = [f / self.factor for f in inv]
-        elif self.rope_type == "llama3":
-            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-            out = []
-            for f in inv:
-                wavelen = 2 * math.pi / f
-                if wavelen > low_wavelen:
-                    out.append(f / self.factor)
-                elif wavelen < high_wavelen:
-                    out.append(f)
-                else:
-                    smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                        self.high_freq_factor - self.low_freq_factor)
-                    out.append((1 - smooth) * f / self.factor + smooth * f)
-            inv = out
-        return inv
+# hidden_act values (transformers' ACT2FN names) with an op in both backends; engine.models.layers maps them
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_pytorch_tanh", "gelu_python_tanh",
+                         "gelu_new", "gelu_fast")
 
 
 @dataclass(frozen=True)
@@ -81,9 +50,12 @@ class DecoderConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     layer_types: tuple[str, ...]
-    weight_prefix: str  # "model." or "model.language_model." (composite checkpoints)
+    weight_prefix: str  # "model." or "model.language_model." (composite checkpoints, as transformers names them)
     torch_dtype: str = "bfloat16"
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v/o projections carry biases
+    mlp_bias: bool = False  # gate/up/down projections carry biases (Llama)
+    hidden_act: str = "silu"  # the MLP's activation (the GLU's gate)
+    composite: bool = False  # loaded from a vision-language composite's text_config
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -91,8 +63,10 @@ class DecoderConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ModelLoadError(f"config.json: {name} must be a positive integer, got {v!r}")
+        if not (isinstance(self.rms_norm_eps, float) and self.rms_norm_eps > 0):
+            raise ModelLoadError(f"config.json: rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
                                  f"num_key_value_heads ({self.num_kv_heads})")
@@ -100,20 +74,52 @@ class DecoderConfig:
             raise ModelLoadError(f"config.json: layer_types has {len(self.layer_types)} entries for "
                                  f"{self.num_layers} layers")
         if self.rope.rotary_dim > self.head_dim:
-            raise ModelLoadError("config.json: rotary dimension exceeds head_dim")
+            raise ModelLoadError(f"config.json: rotary dimension {self.rope.rotary_dim} exceeds head_dim "
+                                 f"{self.head_dim}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(f"config.json: hidden_act {self.hidden_act!r} is not supported "
+                                 f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+
+    def digest(self) -> str:
+        """SHA-256 of everything in the config that changes the computation (not where the weights are stored)."""
+        fields = asdict(self)
+        fields.pop("weight_prefix")
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
 class DenseConfig(DecoderConfig):
-    """Qwen3 and Llama: every layer full attention; Qwen3 adds per-head q/k RMSNorm."""
+    """Qwen3 and Llama: full-attention layers (Qwen3 may mix in sliding-window layers); Qwen3 adds per-head q/k
+    RMSNorm."""
 
     qk_norm: bool = False
+    sliding_window: int | None = None  # window of the sliding_attention layers (Qwen3 use_sliding_window)
 
     def __post_init__(self):
         super().__post_init__()
-        if set(self.layer_types) != {FULL_ATTENTION}:
-            raise ModelLoadError(f"config.json: {self.architecture} supports only full_attention layers, "
-                                 f"got {sorted(set(self.layer_types))}")
+        allowed = {FULL_ATTENTION, SLIDING_ATTENTION} if self.family == "qwen3" else {FULL_ATTENTION}
+        unknown = set(self.layer_types) - allowed
+        if unknown:
+            raise ModelLoadError(f"config.json: {self.architecture} does not support layer_types "
+                                 f"{sorted(unknown)}")
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ModelLoadError(f"config.json: sliding_attention layers need sliding_window >= 1, "
+                                 f"got {self.sliding_window!r}")
+
+    @classmethod
+    def from_fields(cls, f: _Fields, common: dict, rope_local: RopeConfig | None) -> DecoderConfig:
+        family = common["family"]
+        extra = dict(hidden_act=f.get("hidden_act"), qk_norm=family == "qwen3")
+        if family == "llama":
+            extra["mlp_bias"] = f.flag("mlp_bias")
+        if family == "qwen3" and SLIDING_ATTENTION in common["layer_types"]:
+            # Qwen3Config keeps sliding_window only when use_sliding_window is set; without it the "sliding" layers
+            # attend to everything (transformers passes sliding_window=None)
+            if f.flag("use_sliding_window") and f.get("sliding_window") is not None:
+                extra["sliding_window"] = f.number("sliding_window", int)
+            else:
+                common["layer_types"] = tuple(FULL_ATTENTION for _ in common["layer_types"])
+        return cls(**common, **extra)
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,16 @@ class HybridConfig(DecoderConfig):
             raise ModelLoadError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.linear_conv_kernel_dim < 2:
             raise ModelLoadError("config.json: linear_conv_kernel_dim must be >= 2")
+        if LINEAR_ATTENTION in self.layer_types and self.hidden_act not in ("silu", "swish"):
+            # transformers applies hidden_act after the linear-attention convolution too; that op is SiLU only
+            raise ModelLoadError(f"config.json: hidden_act {self.hidden_act!r} is not supported with "
+                                 "linear_attention layers (their convolution supports silu only)")
+
+    @classmethod
+    def from_fields(cls, f: _Fields, common: dict, rope_local: RopeConfig | None) -> DecoderConfig:
+        linear = {k: f.number(k, int) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                                "linear_value_head_dim", "linear_conv_kernel_dim") if k in f.text}
+        return cls(**common, **linear, hidden_act=f.get("hidden_act"))
 
     @property
     def linear_key_dim(self) -> int:
@@ -152,13 +168,12 @@ class HybridConfig(DecoderConfig):
 @dataclass(frozen=True)
 class SlidingWindowConfig(DecoderConfig):
     """Gemma 3 text: sliding-window (local) layers and full (global) layers in a pattern, each with its own rotary
-    base; q/k RMSNorm, sandwich norms around attention and MLP, scaled embeddings, GELU-tanh MLP."""
+    settings; q/k RMSNorm, sandwich norms around attention and MLP, scaled embeddings, GeGLU MLP."""
 
     sliding_window: int = 4096
     rope_local: RopeConfig | None = None
     query_pre_attn_scalar: float = 256.0
     final_logit_softcapping: float | None = None
-    hidden_activation: str = "gelu_pytorch_tanh"
 
     def __post_init__(self):
         super().__post_init__()
@@ -166,9 +181,122 @@ class SlidingWindowConfig(DecoderConfig):
         if unknown:
             raise ModelLoadError(f"config.json: unsupported layer types {sorted(unknown)}")
         if self.sliding_window < 1:
-            raise ModelLoadError("config.json: sliding_window must be >= 1")
-        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
-            raise ModelLoadError(f"config.json: hidden_activation {self.hidden_activation!r} is not supported")
+            raise ModelLoadError(f"config.json: sliding_window must be >= 1, got {self.sliding_window!r}")
+        if not self.query_pre_attn_scalar > 0:
+            raise ModelLoadError(f"config.json: query_pre_attn_scalar must be positive, "
+                                 f"got {self.query_pre_attn_scalar!r}")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ModelLoadError(f"config.json: final_logit_softcapping must be positive or null, "
+                                 f"got {self.final_logit_softcapping!r}")
+
+    @classmethod
+    def from_fields(cls, f: _Fields, common: dict, rope_local: RopeConfig | None) -> DecoderConfig:
+        f.refuse_unless("attn_logit_softcapping", f.get("attn_logit_softcapping") is None,
+                        "soft-capped attention scores are not implemented")
+        f.refuse_unless("use_bidirectional_attention", not f.flag("use_bidirectional_attention"),
+                        "bidirectional attention cannot resume from a causal prefix")
+        window = f.get("sliding_window")
+        if window is None and SLIDING_ATTENTION in common["layer_types"]:
+            f.refuse_unless("sliding_window", False, "sliding_attention layers need a window")
+        # transformers' composite Gemma 3 computes lm_head(hidden) with no final soft-capping (only Gemma3ForCausalLM
+        # applies text_config.final_logit_softcapping), so the composite loads without it
+        cap = None if common["composite"] else f.number("final_logit_softcapping", allow_none=True)
+        return cls(
+            **common, hidden_act=f.get("hidden_activation"),
+            sliding_window=f.number("sliding_window", int) if window is not None else 4096, rope_local=rope_local,
+            query_pre_attn_scalar=f.number("query_pre_attn_scalar"), final_logit_softcapping=cap)
+
+
+# transformers' config-class defaults for the fields read here, per family (used when config.json omits a field)
+_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu", rope_theta=10000.0)
+_DEFAULTS = {
+    "llama": dict(_COMMON_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None, head_dim=None,
+                  max_position_embeddings=2048, tie_word_embeddings=False, mlp_bias=False),
+    "qwen3": dict(_COMMON_DEFAULTS, vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=32768, tie_word_embeddings=False, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3_5": dict(_COMMON_DEFAULTS, vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                    max_position_embeddings=32768, tie_word_embeddings=False, partial_rotary_factor=0.25),
+    "gemma3": dict(_COMMON_DEFAULTS, vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                   max_position_embeddings=131072, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+                   attn_logit_softcapping=None, use_bidirectional_attention=False, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10_000.0),
+}
+# the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
+_COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "gemma3": True}
+
+
+class _Fields:
+    """config.json's text settings with the family's transformers defaults; errors name the field."""
+
+    def __init__(self, text: dict, family: str, source: str):
+        self.text, self.defaults, self.source = text, _DEFAULTS[family], source
+
+    def get(self, key, default=None):
+        if key in self.text:
+            return self.text[key]
+        return self.defaults.get(key, default)
+
+    def number(self, key, kind=float, allow_none=False):
+        v = self.get(key)
+        if v is None and allow_none:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+            raise ModelLoadError(f"{self.source}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                                 f"got {v!r}")
+        return kind(v)
+
+    def flag(self, key) -> bool:
+        v = self.get(key, False)
+        if v is None:
+            return False
+        if not isinstance(v, bool):
+            raise ModelLoadError(f"{self.source}: {key} must be true or false, got {v!r}")
+        return v
+
+    def refuse_unless(self, key, ok: bool, why: str):
+        if not ok:
+            raise ModelLoadError(f"{self.source}: {key} = {json.dumps(self.get(key))} is not supported ({why})")
+
+
+def _layer_types(f: _Fields, family: str, num_layers: int) -> tuple[str, ...]:
+    layer_types = f.get("layer_types")
+    if layer_types is None:  # derived exactly as the family's transformers config derives it
+        if family == "gemma3":
+            pattern = f.number("sliding_window_pattern", int) if "sliding_window_pattern" in f.text else 6
+            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+        elif family == "qwen3_5":
+            interval = f.number("full_attention_interval", int) if "full_attention_interval" in f.text else 4
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+        elif family == "qwen3":
+            window = f.get("sliding_window") if f.flag("use_sliding_window") else None
+            first = f.number("max_window_layers", int)
+            layer_types = [SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+                           for i in range(num_layers)]
+        else:
+            layer_types = [FULL_ATTENTION] * num_layers
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ModelLoadError(f"{f.source}: layer_types must be a list of strings, got {layer_types!r}")
+    return tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types)
+
+
+def _text_settings(raw: dict, family: str) -> tuple[dict, bool]:
+    """The text model's settings (a composite's `text_config`, with the top-level values transformers uses)."""
+    if not isinstance(raw.get("text_config"), dict):
+        return raw, False
+    text = {**raw["text_config"]}
+    for key in ("eos_token_id", "bos_token_id"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    # The composite's lm_head is tied (or not) by the composite config's own tie_word_embeddings, whatever the
+    # text_config says.
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", _COMPOSITE_TIE_DEFAULT.get(family, False))
+    return text, True
 
 
 # HF architecture name -> (family, config class). The family names the module in engine/models/.
@@ -208,86 +336,31 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         raise ModelLoadError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                              f"supported: {', '.join(supported_architectures())}")
     family, cls = _ARCHITECTURES[arch]
-    text = raw
-    weight_prefix = "model."
-    if "text_config" in raw and isinstance(raw["text_config"], dict):
-        # Composite vision-language checkpoint: text settings nested, weights under model.language_model.
-        text = {**raw["text_config"]}
-        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-            if key not in text and key in raw:
-                text[key] = raw[key]
-        weight_prefix = "model.language_model."
-
-    def need(key):
-        if key not in text:
-            raise ModelLoadError(f"{source}: missing required field {key!r}")
-        return text[key]
-
-    num_heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    head_dim = text.get("head_dim") or hidden // num_heads
-    rope_params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    local_params = None
-    if family == "gemma3":
-        # per layer type: {"full_attention": {...}, "sliding_attention": {...}}, or the older flat keys
-        if "full_attention" in rope_params or "sliding_attention" in rope_params:
-            local_params = dict(rope_params.get("sliding_attention") or {})
-            rope_params = dict(rope_params.get("full_attention") or {})
-        else:
-            rope_params = dict(text.get("rope_scaling") or {})
-            local_params = {}
-        rope_params.setdefault("rope_theta", text.get("rope_theta", 1_000_000.0))
-        local_params.setdefault("rope_theta", text.get("rope_local_base_freq", 10_000.0))
-    theta = rope_params.get("rope_theta", text.get("rope_theta", 10000.0))
-    partial = rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor",
-                                                                 0.25 if family == "qwen3_5" else 1.0))
-    rope = RopeConfig(
-        theta=float(theta), rotary_dim=int(head_dim * partial),
-        rope_type=rope_params.get("rope_type", rope_params.get("type", "default")),
-        factor=float(rope_params.get("factor", 1.0)),
-        low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rope_params.get("original_max_position_embeddings", 8192)),
-    )
-    num_layers = need("num_hidden_layers")
-    layer_types = text.get("layer_types")
-    if layer_types is None:
-        if family == "gemma3":
-            pattern = text.get("sliding_window_pattern", 6)
-            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
-        elif family == "qwen3_5":
-            interval = text.get("full_attention_interval", 4)
-            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
-        else:
-            layer_types = [FULL_ATTENTION] * num_layers
-    layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types)
+    text, composite = _text_settings(raw, family)
+    f = _Fields(text, family, source)
+    num_heads = f.number("num_attention_heads", int)
+    hidden = f.number("hidden_size", int)
+    if num_heads <= 0 or hidden <= 0:
+        raise ModelLoadError(f"{source}: hidden_size and num_attention_heads must be positive, got {hidden} "
+                             f"and {num_heads}")
+    head_dim = f.get("head_dim") or hidden // num_heads
+    kv_heads = f.get("num_key_value_heads") or num_heads
+    num_layers = f.number("num_hidden_layers", int)
+    layer_types = _layer_types(f, family, num_layers)
+    max_pos = f.number("max_position_embeddings", int)
+    rope, rope_local = parse_rope(text, family, head_dim=head_dim, max_position_embeddings=max_pos,
+                                  defaults=f.defaults, source=source)
     common = dict(
-        architecture=arch, family=family, vocab_size=need("vocab_size"), hidden_size=hidden,
-        intermediate_size=need("intermediate_size"), num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=text.get("num_key_value_heads") or num_heads, head_dim=head_dim,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope=rope,
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", family == "gemma3")), layer_types=layer_types,
-        weight_prefix=weight_prefix, torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
-        attention_bias=bool(text.get("attention_bias", False)),
+        architecture=arch, family=family, vocab_size=f.number("vocab_size", int), hidden_size=hidden,
+        intermediate_size=f.number("intermediate_size", int), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps"), rope=rope,
+        max_position_embeddings=max_pos, tie_word_embeddings=f.flag("tie_word_embeddings"),
+        layer_types=layer_types, weight_prefix="model.language_model." if composite else "model.",
+        torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
+        attention_bias=f.flag("attention_bias"), composite=composite,
         eos_token_ids=_as_id_tuple(text.get("eos_token_id")), bos_token_id=text.get("bos_token_id"),
     )
-    if cls is HybridConfig:
-        linear = {k: text[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                                       "linear_value_head_dim", "linear_conv_kernel_dim") if k in text}
-        return HybridConfig(**common, **linear)
-    if cls is SlidingWindowConfig:
-        if text.get("attn_logit_softcapping") is not None:
-            raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
-        local = RopeConfig(theta=float(local_params["rope_theta"]), rotary_dim=head_dim,
-                           rope_type=local_params.get("rope_type", "default"),
-                           factor=float(local_params.get("factor", 1.0)))
-        return SlidingWindowConfig(
-            **common, sliding_window=int(text.get("sliding_window") or 4096), rope_local=local,
-            query_pre_attn_scalar=float(text.get("query_pre_attn_scalar", head_dim)),
-            final_logit_softcapping=text.get("final_logit_softcapping"),
-            hidden_activation=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh")
-    return DenseConfig(**common, qk_norm=(family == "qwen3"))
+    return cls.from_fields(f, common, rope_local)
 
 
 def load_config(model_dir: Path) -> tuple[DecoderConfig, dict]:

@@ -1,7 +1,7 @@
 """Errors the engine raises for problems a user can fix (bad model directory, bad input)."""
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(ValueError):
     """A model directory cannot be used: missing file, unsupported architecture, wrong tensor shape.
 
     The message names the file (and tensor) at fault, so it can be shown to the user as is.

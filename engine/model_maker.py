@@ -74,7 +74,11 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
                 shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
             if cfg.attention_bias:
                 shapes.update({a + "q_proj.bias": (hq * hd * (2 if gated else 1),),
-                               a + "k_proj.bias": (hkv * hd,), a + "v_proj.bias": (hkv * hd,)})
+                               a + "k_proj.bias": (hkv * hd,), a + "v_proj.bias": (hkv * hd,),
+                               a + "o_proj.bias": (d,)})
+        if cfg.mlp_bias:
+            shapes.update({lp + "mlp.gate_proj.bias": (i,), lp + "mlp.up_proj.bias": (i,),
+                           lp + "mlp.down_proj.bias": (d,)})
     return shapes
 
 

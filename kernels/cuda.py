@@ -47,8 +47,8 @@ def _elementwise_names() -> list[str]:
                 names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {wr}>" for tg in _T]
             names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
                       f"cast_kernel<{ti}, {to}>"]
-        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"sigmoid_kernel<{ti}>",
-                  f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
+        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
+                  f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
     names += ["argmax_kernel"]
     return names
@@ -429,6 +429,10 @@ class CudaOps:
     def gelu_tanh_mul(self, gate_up):
         """gate_up [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I]"""
         return self._glu("gelu_tanh_mul_kernel", gate_up)
+
+    def gelu_mul(self, gate_up):
+        """gate_up [T, 2I] (gate then up) -> gelu(gate) * up [T, I], exact (erf) GELU"""
+        return self._glu("gelu_mul_kernel", gate_up)
 
     def scale(self, x, factor):
         """x * factor in the storage dtype (factor already rounded to it by the caller)"""

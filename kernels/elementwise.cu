@@ -66,6 +66,19 @@ __global__ void gelu_tanh_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inn
     }
 }
 
+// gate_up [rows, 2I] (row stride s0) -> gelu(gate) * up [rows, I]  (exact GELU, x * Phi(x), as torch's "gelu")
+// erfc of -x/sqrt(2) instead of 1 + erf(x/sqrt(2)): no cancellation for large negative gates
+template <typename T>
+__global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
+    const i64 n = rows * inner;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const i64 r = e / inner, i = e - r * inner;
+        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
+        const float gelu = 0.5f * g * erfcf(-0.7071067811865476f * g);
+        out[e] = from_f<T>(gelu * u);
+    }
+}
+
 // out[e] = a[e] + b[e % nb]   (b broadcast over the leading dims of a)
 template <typename TA, typename TB>
 __global__ void add_kernel(const TA* __restrict__ a, const TB* __restrict__ b, i64 n, i64 nb, TA* __restrict__ out) {

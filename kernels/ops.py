@@ -89,6 +89,9 @@ class Ops(Protocol):
     def gelu_tanh_mul(self, gate_up) -> Array:
         """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I]"""
 
+    def gelu_mul(self, gate_up) -> Array:
+        """gate_up [T, 2I] -> gelu(gate) * up [T, I], exact (erf) GELU"""
+
     def scale(self, x, factor) -> Array:
         """x * factor, in x's dtype"""
 

@@ -11,9 +11,25 @@ from prefixrun.engine.weights import CheckpointTensors
 _FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3"}
 
 
+# Composite checkpoints as transformers 5.17 saves some of them (Gemma 3 through its llava-style conversion):
+# name prefix transformers' model uses -> the prefix stored on disk. Picked when the canonical embedding is absent.
+_STORED_LAYOUTS = ({"model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head."},)
+
+
+def weight_renames(cfg: DecoderConfig, tensors: CheckpointTensors) -> dict[str, str]:
+    """How this checkpoint stores the names the model asks for ({} when as transformers names them in memory)."""
+    embed = cfg.weight_prefix + "embed_tokens.weight"
+    if embed in tensors or not cfg.composite:
+        return {}
+    for renames in _STORED_LAYOUTS:
+        if WeightLoader(tensors, None, renames).has(embed):
+            return renames
+    return {}  # the missing-tensor error then names the canonical name
+
+
 def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops) -> CausalLM:
     module = importlib.import_module(f"prefixrun.engine.models.{_FAMILIES[cfg.family]}")
-    return module.build(cfg, WeightLoader(tensors, ops))
+    return module.build(cfg, WeightLoader(tensors, ops, weight_renames(cfg, tensors)))
 
 
 def load_model(model_dir: Path, ops) -> tuple[CausalLM, CheckpointTensors]:

@@ -1,8 +1,10 @@
 """Gemma 3 text: local sliding-window layers (ring-buffer K/V state) and global full-attention layers (paged K/V)
-in the configured pattern, each with its own rotary base; q/k RMSNorm; sandwich norms; scaled embeddings; GeGLU.
+in the configured pattern, each with its own rotary settings; q/k RMSNorm; sandwich norms; scaled embeddings; GeGLU
+with the configured hidden_activation (tanh or exact GELU).
 
 All Gemma RMSNorms are zero-centred (`x * (1 + w)`). The composite Gemma3ForConditionalGeneration keeps the text
-weights under `model.language_model.` (handled by the config's weight prefix).
+weights under `model.language_model.` or `language_model.model.` (engine.models resolves which); its config has
+no final soft-capping, as transformers' composite applies none.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def build(cfg: SlidingWindowConfig, load: WeightLoader) -> CausalLM:
         else:
             mixer = Attention(cfg, load, p + "self_attn.", i, rope=cfg.rope, **common)
         norm = lambda name: RMSNorm(load, p + name, cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-        layers.append(DecoderLayer(mixer, GatedMLP(cfg, load, p + "mlp.", activation="gelu_tanh"),
+        layers.append(DecoderLayer(mixer, GatedMLP(cfg, load, p + "mlp."),
                                    norm("input_layernorm.weight"), norm("pre_feedforward_layernorm.weight"),
                                    mixer_out_norm=norm("post_attention_layernorm.weight"),
                                    mlp_out_norm=norm("post_feedforward_layernorm.weight")))

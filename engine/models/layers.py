@@ -7,54 +7,104 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.config import DecoderConfig, HybridConfig
+from prefixrun.engine.config import SUPPORTED_ACTIVATIONS, DecoderConfig, HybridConfig
 from prefixrun.engine.state import ForwardBatch, ModelState, RegionSpec
+from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.weights import CheckpointTensors
 
 
 class WeightLoader:
-    """Pulls named tensors from a checkpoint with expected shapes and uploads them to the backend."""
+    """Pulls named tensors from a checkpoint with expected shapes and uploads them to the backend.
 
-    def __init__(self, tensors: CheckpointTensors, ops):
+    Models ask for tensors by the names transformers' in-memory model uses; `renames` maps a name prefix to the
+    prefix the checkpoint stores it under (a composite saved as `language_model.model.*`, see engine.models)."""
+
+    def __init__(self, tensors: CheckpointTensors, ops, renames: dict[str, str] | None = None):
         self.tensors = tensors
         self.ops = ops
+        self.renames = dict(renames or {})
+
+    def stored_name(self, name: str) -> str:
+        for prefix, stored in self.renames.items():
+            if name.startswith(prefix):
+                return stored + name[len(prefix):]
+        return name
+
+    def has(self, name: str) -> bool:
+        return self.stored_name(name) in self.tensors
+
+    def host(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
+        """The stored tensor on the host, checked against `shape`."""
+        return self.tensors.get(self.stored_name(name), shape)
 
     def matrix(self, name: str, shape: tuple[int, ...]):
         """A weight in the backend's storage dtype."""
-        return self.ops.upload(self.tensors.get(name, shape))
+        return self.ops.upload(self.host(name, shape))
 
     def vector(self, name: str, shape: tuple[int, ...], offset: float = 0.0):
         """A small fp32 parameter (norm weights, gates); `offset` folds a zero-centred norm's +1 in."""
-        return self.ops.upload(self.tensors.get(name, shape).astype(np.float32) + np.float32(offset), np.float32)
+        return self.ops.upload(self.host(name, shape).astype(np.float32) + np.float32(offset), np.float32)
 
     def stacked(self, names: list[str], shapes: list[tuple[int, ...]]):
         """Several [out_i, in] matrices concatenated along out, so one GEMM computes all of them."""
-        parts = [self.tensors.get(n, s) for n, s in zip(names, shapes)]
-        return self.ops.upload(np.concatenate(parts, axis=0))
+        return self.ops.upload(np.concatenate([self.host(n, s) for n, s in zip(names, shapes)], axis=0))
+
+    def bias(self, names: list[str], sizes: list[int]):
+        """The fp32 biases of one (stacked) projection, concatenated like its weights; added with ops.add."""
+        return self.ops.upload(np.concatenate([self.host(n, (k,)).astype(np.float32) for n, k in zip(names, sizes)]),
+                               np.float32)
 
 
 class RMSNorm:
-    def __init__(self, load: WeightLoader, name: str, dim: int, eps: float, zero_centered: bool):
-        # Qwen3.5 norms store w and compute x * (1 + w); the others store the scale itself.
-        self.weight = load.vector(name, (dim,), 1.0 if zero_centered else 0.0)
+    def __init__(self, load: WeightLoader, name: str, dim: int, eps: float, zero_centered: bool,
+                 leading_scale: tuple[int, float] | None = None):
+        # Qwen3.5 / Gemma norms store w and compute x * (1 + w); the others store the scale itself.
+        w = load.host(name, (dim,)).astype(np.float32) + np.float32(1.0 if zero_centered else 0.0)
+        if leading_scale is not None:
+            # (n, s): the first n outputs also scaled by s (folds yarn's rotary attention factor into q/k norms)
+            n, s = leading_scale
+            w[:n] *= np.float32(s)
+        self.weight = load.ops.upload(w, np.float32)
         self.eps = eps
 
     def __call__(self, ops, x):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-class GatedMLP:
-    """down(act(gate(x)) * up(x)); gate and up are one stacked GEMM. act: SiLU (SwiGLU) or GELU-tanh (GeGLU)."""
+# hidden_act (transformers' ACT2FN names) -> the GLU op: act(gate) * up on a stacked [T, 2I] gate_up
+ACTIVATIONS = {
+    "silu": lambda ops, h: ops.silu_mul(h),
+    "swish": lambda ops, h: ops.silu_mul(h),
+    "gelu": lambda ops, h: ops.gelu_mul(h),  # exact: x * Phi(x) with erf
+    "gelu_python": lambda ops, h: ops.gelu_mul(h),
+    "gelu_pytorch_tanh": lambda ops, h: ops.gelu_tanh_mul(h),  # the tanh approximation ...
+    "gelu_python_tanh": lambda ops, h: ops.gelu_tanh_mul(h),
+    "gelu_new": lambda ops, h: ops.gelu_tanh_mul(h),  # ... which gelu_new and gelu_fast compute too
+    "gelu_fast": lambda ops, h: ops.gelu_tanh_mul(h),
+}
+assert set(ACTIVATIONS) == set(SUPPORTED_ACTIVATIONS)
 
-    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str, activation: str = "silu"):
+
+class GatedMLP:
+    """down(act(gate(x)) * up(x)) with optional biases (Llama mlp_bias); gate and up are one stacked GEMM."""
+
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str):
         d, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up = load.stacked([prefix + "gate_proj.weight", prefix + "up_proj.weight"], [(i, d), (i, d)])
+        names = [prefix + "gate_proj.", prefix + "up_proj."]
+        self.gate_up = load.stacked([n + "weight" for n in names], [(i, d), (i, d)])
         self.down = load.matrix(prefix + "down_proj.weight", (d, i))
-        self.gelu = activation != "silu"
+        self.gate_up_bias = self.down_bias = None
+        if cfg.mlp_bias:
+            self.gate_up_bias = load.bias([n + "bias" for n in names], [i, i])
+            self.down_bias = load.bias([prefix + "down_proj.bias"], [d])
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, ops, x):
         h = ops.linear(x, self.gate_up)  # [T, 2I]
-        return ops.linear(ops.gelu_tanh_mul(h) if self.gelu else ops.silu_mul(h), self.down)  # [T, D]
+        if self.gate_up_bias is not None:
+            h = ops.add(h, self.gate_up_bias)
+        out = ops.linear(self.act(ops, h), self.down)  # [T, D]
+        return out if self.down_bias is None else ops.add(out, self.down_bias)
 
 
 class Attention:
@@ -67,21 +117,33 @@ class Attention:
         self.hq, self.hkv, self.hd = hq, hkv, hd
         self.output_gate = output_gate
         q_rows = hq * hd * (2 if output_gate else 1)
-        self.qkv = load.stacked([prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"],
-                                [(q_rows, d), (hkv * hd, d), (hkv * hd, d)])
-        self.qkv_bias = None
-        if cfg.attention_bias:
-            t = load.tensors
-            self.qkv_bias = load.ops.upload(np.concatenate([
-                t.get(prefix + "q_proj.bias", (q_rows,)), t.get(prefix + "k_proj.bias", (hkv * hd,)),
-                t.get(prefix + "v_proj.bias", (hkv * hd,))]).astype(np.float32), np.float32)
+        names = [prefix + n for n in ("q_proj.", "k_proj.", "v_proj.")]
+        rows = [q_rows, hkv * hd, hkv * hd]
+        self.qkv = load.stacked([n + "weight" for n in names], [(r, d) for r in rows])
         self.o_proj = load.matrix(prefix + "o_proj.weight", (d, hq * hd))
+        self.qkv_bias = self.o_bias = None
+        if cfg.attention_bias:
+            self.qkv_bias = load.bias([n + "bias" for n in names], rows)
+            self.o_bias = load.bias([prefix + "o_proj.bias"], [d])
+        rope = rope or cfg.rope
+        self.scale = scale if scale is not None else hd ** -0.5
+        # yarn: transformers scales cos and sin, so the rotated dims of q and k, by the attention factor a
+        rotated_scale = None
+        if rope.attention_factor != 1.0:
+            if qk_norm:
+                rotated_scale = (rope.rotary_dim, rope.attention_factor)  # folded into the q/k norm weights
+            elif rope.rotary_dim == hd:
+                self.scale *= rope.attention_factor ** 2  # every dim rotates: q.k scales by a^2
+            else:
+                raise ModelLoadError(f"config.json: a yarn attention factor with partial rotary needs q/k norms "
+                                     f"({cfg.architecture} has none)")
         self.q_norm = self.k_norm = None
         if qk_norm:
-            self.q_norm = RMSNorm(load, prefix + "q_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm)
-            self.k_norm = RMSNorm(load, prefix + "k_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm)
-        self.inv_freq = load.ops.upload(np.array((rope or cfg.rope).inverse_frequencies(), np.float32), np.float32)
-        self.scale = scale if scale is not None else hd ** -0.5
+            self.q_norm = RMSNorm(load, prefix + "q_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm,
+                                  rotated_scale)
+            self.k_norm = RMSNorm(load, prefix + "k_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm,
+                                  rotated_scale)
+        self.inv_freq = load.ops.upload(np.array(rope.inverse_frequencies(), np.float32), np.float32)
         self.k_region = f"layers.{layer}.k"
         self.v_region = f"layers.{layer}.v"
 
@@ -110,7 +172,8 @@ class Attention:
         o = self.attend(ops, q, k, v, batch, state).reshape(t, self.hq * self.hd)
         if gate is not None:
             o = o * ops.sigmoid(gate)
-        return ops.linear(o, self.o_proj)  # [T, D]
+        out = ops.linear(o, self.o_proj)  # [T, D]
+        return out if self.o_bias is None else ops.add(out, self.o_bias)
 
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
         """Store the new K/V rows in the shared paged cache, then attend over the whole prefix. [T, Hq, hd]"""
@@ -153,7 +216,7 @@ class GatedDeltaNet:
         self.in_proj = load.stacked(
             [prefix + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")],
             [(self.conv_dim, d), (self.value_dim, d), (self.hv, d), (self.hv, d)])
-        conv = load.tensors.get(prefix + "conv1d.weight", (self.conv_dim, 1, self.kernel))
+        conv = load.host(prefix + "conv1d.weight", (self.conv_dim, 1, self.kernel))
         self.conv_weight = load.ops.upload(conv.reshape(self.conv_dim, self.kernel).astype(np.float32), np.float32)
         self.a_log = load.vector(prefix + "A_log", (self.hv,))
         self.dt_bias = load.vector(prefix + "dt_bias", (self.hv,))
@@ -221,10 +284,18 @@ class CausalLM:
         self.ops = load.ops
         p = cfg.weight_prefix
         self.embed_tokens = load.matrix(p + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        if cfg.tie_word_embeddings or "lm_head.weight" not in load.tensors:
+        # As transformers loads: a stored lm_head is used even when tie_word_embeddings is set (it does not tie two
+        # stored, different tensors); a missing one is the embedding only when tied (else it would be random).
+        stored = load.has("lm_head.weight")
+        if stored and cfg.tie_word_embeddings:  # a stored copy of the embedding is tied; no second upload
+            stored = not _same_bytes(load.host("lm_head.weight", None), load.host(p + "embed_tokens.weight", None))
+        if stored:
+            self.lm_head = load.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        elif cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = load.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+            raise ModelLoadError(f"{load.tensors.model_dir}: tie_word_embeddings is false but the checkpoint has no "
+                                 f"{load.stored_name('lm_head.weight')!r}")
         self.layers = layers
         self.final_norm = final_norm
 
@@ -250,3 +321,7 @@ class CausalLM:
         if self.logit_softcap is not None:
             logits = ops.softcap(logits, self.logit_softcap)
         return logits
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
