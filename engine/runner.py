@@ -21,7 +21,7 @@ from prefixrun.engine.decode_graphs import DecodeGraphs
 from prefixrun.engine.plan import TrieNode, build_trie, distinct_tokens
 from prefixrun.engine.request import Request, Result, Usage
 from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, pool_unit_bytes
-from prefixrun.kernels.sampling import request_uniform
+from prefixrun.kernels.sampling import as_seed_array
 
 
 @dataclass(frozen=True)
@@ -371,14 +371,15 @@ class _Window:
             self.decoding.append(dec)
 
     def _sample(self, decs: list[_Decoder], logits) -> list[int]:
+        """One token per decoder from logits [B, V], drawn on the backend for the whole batch at once: the
+        random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py)."""
         sp = [d.request.sampling for d in decs]
-        temps = np.array([s.temperature if not s.greedy else 0.0 for s in sp], np.float32)
-        # greedy rows need no randomness (and a batch of them skips the per-row hashing entirely)
-        uniforms = np.array([request_uniform(self._seed_of(d), len(d.tokens)) if t > 0 else 0.0
-                             for d, t in zip(decs, temps)], np.float64)
-        ids = self.e.ops.sample(logits, temps, np.array([max(s.top_k, 0) for s in sp]),
-                                np.array([s.top_p for s in sp]), np.array([s.min_p for s in sp]), uniforms)
-        return [int(i) for i in ids]
+        ids = self.e.ops.sample(logits, np.array([0.0 if s.greedy else s.temperature for s in sp], np.float32),
+                                np.array([max(s.top_k, 0) for s in sp], np.int32),
+                                np.array([s.top_p for s in sp], np.float32), np.array([s.min_p for s in sp], np.float32),
+                                as_seed_array([self._seed_of(d) for d in decs]),
+                                np.array([len(d.tokens) for d in decs], np.int64))
+        return [int(i) for i in self.e.ops.to_host(ids)]
 
     def _seed_of(self, d: _Decoder) -> int:
         if d.seed is not None:

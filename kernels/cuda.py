@@ -5,9 +5,9 @@ Custom kernels live in kernels/*.cu and are compiled once per process and device
 device's own architecture, C++17); GEMMs go through cuBLAS via the ctypes binding in kernels/cublas.py, so a whole
 decode step can be captured into a CUDA graph (`CudaOps.capture`).
 
-No op synchronises with the host except `sample` (it returns host token ids) and host->device index copies
-(`upload_index`; `copy_rows` given more than 8 host pairs — up to 8 travel as kernel arguments). Varlen kernels take
-device cu_seqlens and size their grids from host-known shapes (T tokens, B sequences), each block finding its
+No op synchronises with the host except host->device copies (`upload_index`, `sample`'s packed parameters,
+`copy_rows` given more than 8 host pairs — up to 8 travel as kernel arguments). Varlen kernels take device
+cu_seqlens and size their grids from host-known shapes (T tokens, B sequences), each block finding its
 sequence on the device, so no per-layer device->host read of lengths is needed.
 
 Wrappers accept strided views where the engine makes them (column slices of a fused projection, heads split out of
@@ -25,12 +25,13 @@ import numpy as np
 
 from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.reference import _storage_dtype
-from prefixrun.kernels.sampling import filtered_sample_index
+from prefixrun.kernels.sampling import pack_sampling_params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 _TYPE_NAMES = {F32: "float", BF16: "bf16"}
 _THREADS = 256
+_SAMPLE_THREADS = 1024  # SAMPLE_THREADS in kernels/sampling.cu
 _LOG2E = 1.4426950408889634
 
 # ---- kernel sources and the template instantiations each file exports --------------------------------------------
@@ -50,7 +51,6 @@ def _elementwise_names() -> list[str]:
         names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
                   f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
-    names += ["argmax_kernel"]
     return names
 
 
@@ -79,6 +79,7 @@ _NAMES = {
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in _mma_bns(d) for nw in _MMA_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
+    "sampling": ["sample_kernel"],
 }
 
 _MODULES: dict[tuple[int, str], cupy.RawModule] = {}
@@ -862,32 +863,30 @@ class CudaOps:
         return entry[1:]
 
     # ---- sampling -----------------------------------------------------------------------------------------------
-    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
-        """Next token per row of fp32 logits [B, V]: argmax on the device for temperature <= 0 rows, the shared
-        host sampler (kernels.sampling) for the others, so the same logits give the CPU path's token. int64 [B]."""
-        temps = np.asarray(self.to_host(temperature), np.float64).reshape(-1)
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, counters):
+        """Next token per row of logits [B, V] (NumpyOps.sample's contract: kernels/sampling.py semantics, the
+        same uniforms), computed on the device for the whole batch: one parameter upload, one kernel, no host
+        sync. Returns a device int64 [B] (ops.to_host for the ids)."""
+        params = cupy.asarray(pack_sampling_params(temperature, top_k, top_p, min_p, seeds, counters))
+        out = cupy.empty(params.shape[1], np.int64)
+        self.sample_into(logits, params, out)
+        return out
+
+    def sample_into(self, logits, params, out):
+        """`sample` with the parameters already packed on the device (uint32 [8, B], pack_sampling_params) into
+        a preallocated out int64 [B]: no allocation for fp32 logits, no copy, so it can be captured in a graph
+        whose replays rewrite `params` in place."""
         logits = logits if logits.dtype == F32 else self._cast(logits, F32)
-        logits = cupy.ascontiguousarray(logits)
+        logits = _last_contiguous(logits)
         b, v = logits.shape
-        out = np.zeros(b, np.int64)
+        if params.shape != (8, b) or params.dtype != np.uint32 or out.shape != (b,) or out.dtype != np.int64:
+            raise ValueError(f"sample_into: params uint32 [8, {b}] and out int64 [{b}] expected, got "
+                             f"{params.dtype} {params.shape} and {out.dtype} {out.shape}")
         if b == 0:
             return out
-        greedy = temps <= 0
-        if greedy.any():
-            keys = cupy.zeros(b, np.uint64)
-            seg = 16 * _THREADS
-            for r0 in range(0, b, 65535):  # grid.y limit
-                rb = min(b - r0, 65535)
-                _kernel("elementwise", "argmax_kernel")((-(-v // seg), rb), (_THREADS,),
-                                                        (logits[r0:], _i32(rb), _i32(v), _i64(v), _i32(seg), keys[r0:]))
-            out[:] = 0xFFFFFFFF - (cupy.asnumpy(keys) & 0xFFFFFFFF).astype(np.int64)
-        if not greedy.all():
-            rows = np.nonzero(~greedy)[0]
-            host = cupy.asnumpy(logits[cupy.asarray(rows)])
-            tk, tp, mp, u = (np.asarray(self.to_host(a)).reshape(-1) for a in (top_k, top_p, min_p, uniforms))
-            for j, r in enumerate(rows):
-                out[r] = filtered_sample_index(host[j], float(temps[r]), int(tk[r]), float(tp[r]), float(mp[r]),
-                                               float(u[r]))
+        _kernel("sampling", "sample_kernel")((b,), (_SAMPLE_THREADS,), (logits, _i32(b), _i32(v),
+                                                                         _i64(logits.strides[0] // 4),
+                                                                         cupy.ascontiguousarray(params), out))
         return out
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// Row-wise and elementwise ops: norms, activations, gates, rotary, gathers, K/V writes, row copies, argmax.
+// Row-wise and elementwise ops: norms, activations, gates, rotary, gathers, K/V writes, row copies.
 // Inputs may be strided views (last dim contiguous; leading dims described by n1, s0, s1 — see row_offset);
 // outputs are contiguous. Grid-stride loops everywhere, so any grid size is correct.
 
@@ -176,41 +176,6 @@ __global__ void copy_rows_kernel(const unsigned long long* __restrict__ bases, c
     const U* s = base + src[p] * nu;
     U* o = base + dst[p] * nu;
     for (i64 u = blockIdx.x * (i64)blockDim.x + threadIdx.x; u < nu; u += (i64)gridDim.x * blockDim.x) o[u] = s[u];
-}
-
-// ---- argmax per row (ties: lowest index; NaN counts as the maximum, as numpy.argmax) ------------------------------
-// A row of a 248k vocabulary is too long for one block (64 rows would use 64 of 132 SMs): blocks of a 2D grid
-// (row segment, row) each reduce a segment to one 64-bit key and atomicMax it into keys[row] (zeroed first).
-// key = (order-preserving bits of the value) << 32 | (0xffffffff - index): larger value wins, then lower index.
-__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
-    const unsigned b = __float_as_uint(v);
-    const unsigned ord = isnan(v) ? 0xffffffffu : ((b & 0x80000000u) ? ~b : (b | 0x80000000u));
-    return ((unsigned long long)ord << 32) | (0xffffffffu - (unsigned)i);
-}
-
-extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stride,
-                                         int seg, unsigned long long* __restrict__ keys) {
-    __shared__ unsigned long long sk[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int r = blockIdx.y;
-    const float* row = logits + (i64)r * row_stride;
-    const int lo = blockIdx.x * seg, hi = min(cols, lo + seg);
-    unsigned long long best = 0;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const unsigned long long key = argmax_key(row[i], i);
-        best = key > best ? key : best;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(FULL_MASK, best, o);
-        best = other > best ? other : best;
-    }
-    if (lane == 0) sk[warp] = best;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < nw; ++w) best = sk[w] > best ? sk[w] : best;
-        atomicMax(keys + r, best);
-    }
 }
 
 // The same for up to 8 (src, dst) pairs passed by value, so a fork or copy-on-write needs no index upload.

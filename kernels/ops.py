@@ -139,8 +139,13 @@ class Ops(Protocol):
         """For each pool array a: a[dst[i]] = a[src[i]] (slot/block copies of fork, save, restore)."""
 
     # ---- sampling ----------------------------------------------------------------------------------------------
-    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
-        """fp32 logits [B, V] and per-row parameters [B] -> host int64 token ids [B] (temperature 0: argmax)"""
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, counters) -> Array:
+        """logits [B, V] and per-row host parameters [B] (seeds uint64, counters = index of the token drawn) ->
+        backend int64 token ids [B] (kernels/sampling.py: the semantics; temperature 0: argmax). No host sync."""
+
+    def sample_into(self, logits, params, out) -> Array:
+        """`sample` with its parameters packed in a backend uint32 [8, B] array (sampling.pack_sampling_params)
+        into a preallocated int64 [B] `out`: allocates and syncs nothing, so a graph can capture it."""
 
     # ---- graphs ------------------------------------------------------------------------------------------------
     def capture(self, fn: Callable, *args, warmup: int = 1) -> Graph:

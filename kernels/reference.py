@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.kernels.sampling import filtered_sample_index
+from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, unpack_sampling_params
 
 
 class NumpyOps:
@@ -290,18 +290,23 @@ class NumpyOps:
         return ReplayGraph(fn, args)
 
     # ---- sampling -----------------------------------------------------------------------------------------
-    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
-        """Next token per row of logits [B, V] (fp32). temperature 0 = argmax; else softmax(logits/T) filtered by
-        top_k (0: off), top_p, min_p, then the inverse CDF at uniforms[b] in [0, 1). Returns int64 [B]."""
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, counters):
+        """Next token per row of logits [B, V]: temperature <= 0 rows the argmax (lowest id on ties); the others
+        draw from softmax(logits / T) after min-p, top-k and top-p (kernels/sampling.py defines the filters) at
+        the uniform of (seeds[b], counters[b]), so a row's token never depends on the other rows.
+
+        temperature, top_p, min_p float [B]; top_k int [B] (<= 0: off); seeds uint64 [B]; counters int [B] (the
+        index of the token being drawn). Returns int64 [B]."""
         logits = np.asarray(logits, np.float32)
-        out = np.empty(logits.shape[0], np.int64)
-        for b in range(logits.shape[0]):
-            row = logits[b]
-            if temperature[b] <= 0:
-                out[b] = int(np.argmax(row))
-            else:
-                out[b] = filtered_sample_index(row, float(temperature[b]), int(top_k[b]), float(top_p[b]),
-                                               float(min_p[b]), float(uniforms[b]))
+        temperature = np.asarray(temperature, np.float64).reshape(-1)
+        out = np.argmax(logits, axis=-1).astype(np.int64) if logits.shape[0] else np.zeros(0, np.int64)
+        rows = np.flatnonzero(temperature > 0)
+        if rows.size:
+            u = request_uniforms(np.asarray(seeds, np.uint64)[rows], np.asarray(counters)[rows])
+            top_k, top_p, min_p = (np.asarray(a).reshape(-1) for a in (top_k, top_p, min_p))
+            for j, b in enumerate(rows):  # the reference: one row at a time, in float64
+                out[b] = filtered_sample_index(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]),
+                                               float(min_p[b]), float(u[j]))
         return out
 
 
@@ -323,6 +328,11 @@ def _storage_dtype(kind: str, act_dtype) -> np.dtype:
     if kind == "act":
         return np.dtype(act_dtype)
     raise ValueError(f"unknown state region dtype {kind!r} (float32 or act)")
+
+    def sample_into(self, logits, params, out):
+        """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params)."""
+        out[:] = self.sample(logits, *unpack_sampling_params(params))
+        return out
 
 
 def _erfc(x):
