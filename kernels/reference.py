@@ -309,6 +309,11 @@ class NumpyOps:
                                                float(min_p[b]), float(u[j]))
         return out
 
+    def sample_into(self, logits, params, out):
+        """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params)."""
+        out[:] = self.sample(logits, *unpack_sampling_params(params))
+        return out
+
 
 class ReplayGraph:
     """`NumpyOps.capture`'s graph: replay() calls the captured function again and returns its outputs."""
@@ -328,11 +333,6 @@ def _storage_dtype(kind: str, act_dtype) -> np.dtype:
     if kind == "act":
         return np.dtype(act_dtype)
     raise ValueError(f"unknown state region dtype {kind!r} (float32 or act)")
-
-    def sample_into(self, logits, params, out):
-        """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params)."""
-        out[:] = self.sample(logits, *unpack_sampling_params(params))
-        return out
 
 
 def _erfc(x):

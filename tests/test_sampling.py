@@ -8,7 +8,8 @@ import pytest
 
 from prefixrun.kernels.reference import NumpyOps
 from prefixrun.kernels.sampling import (as_seed_array, filtered_probabilities, filtered_sample_index,
-                                        pack_sampling_params, request_uniform, request_uniforms)
+                                        pack_sampling_params, request_uniform, request_uniforms,
+                                        unpack_sampling_params)
 
 M64 = (1 << 64) - 1
 
@@ -68,6 +69,9 @@ def test_pack_sampling_params_layout():
     assert back.tolist() == [3, M64, (1 << 40) + 7]
     ctr = packed[6].astype(np.uint64) | (packed[7].astype(np.uint64) << np.uint64(32))
     assert ctr.tolist() == [0, 5, (1 << 32) + 9]
+    t, k, p, m, s, c = unpack_sampling_params(packed)
+    assert t.tolist() == np.float32([0.7, 0.0, 1.5]).tolist() and k.tolist() == [20, 0, (1 << 31) - 1]
+    assert s.tolist() == back.tolist() and c.tolist() == ctr.tolist() and m[1] == np.float32(0.05)
 
 
 # ---- each filter ---------------------------------------------------------------------------------------------------
@@ -161,6 +165,8 @@ def test_op_row_token_independent_of_the_batch():
     assert np.array_equal(ops.sample(logits[perm], *(a[perm] for a in args)), full[perm])
     for b in (1, 2, 11):
         assert ops.sample(logits[b:b + 1], *(a[b:b + 1] for a in args))[0] == full[b]
+    out = np.full(16, -1, np.int64)  # the packed form (what a captured decode graph would read) agrees
+    assert ops.sample_into(logits, pack_sampling_params(*args), out) is out and np.array_equal(out, full)
     # a different counter (the next token of the same request) draws a different uniform
     moved = ops.sample(logits, *args[:5], args[5] + 1)
     assert not np.array_equal(moved, full)
