@@ -15,6 +15,8 @@ a row): the last dimension must be contiguous, anything else is copied to a cont
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import threading
 from pathlib import Path
@@ -26,6 +28,8 @@ import numpy as np
 from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
+from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, CudaTuning, \
+    attention_plan, attn_tile_keys, delta_rule_launch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -55,29 +59,19 @@ def _elementwise_names() -> list[str]:
 
 
 _CONV_K = range(2, 9)
-_GDN_DKP = (16, 32, 64, 128)
-_GDN_SPLIT = (2, 4)
-_GDN_CC = (1, 2, 4)
 # chunked delta rule: sizes fixed in kernels/delta_rule.cu (GDN_C, GDN_DMAX, GDN_CB and the shared-memory layouts)
-_GDN_CHUNK, _GDN_CHUNK_DMAX, _GDN_SCAN_COLS = 64, 128, 32
+_GDN_CHUNK, _GDN_SCAN_COLS = 64, 32
 _GDN_PREP_SMEM = (2 * 128 * (64 + 4) + 64 * (64 + 1)) * 4
 _GDN_SCAN_SMEM = (128 * 32 + 64 * (128 + 4) + 64 * 32 + 64 * (64 + 1)) * 4
 _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
-_MMA_WARPS = (1, 4, 8)
-
-
-def _mma_bns(d: int) -> tuple[int, ...]:
-    return (32, 64) if d > 128 else (64,)
 
 
 _NAMES = {
     "elementwise": _elementwise_names(),
     "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
-    "delta_rule": [f"gdn_recurrent_kernel<{t}, {d}, {s}>" for t in _T for d in _GDN_DKP for s in _GDN_SPLIT]
-    + [f"gdn_cols_kernel<{t}, {d}, {cc}, false>" for t in _T for d in _GDN_DKP for cc in _GDN_CC]
-    + [f"gdn_cols_kernel<{t}, 128, 4, true>" for t in _T]
+    "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
-    "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in _mma_bns(d) for nw in _MMA_WARPS]
+    "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
     "sampling": ["sample_kernel"],
 }
@@ -258,15 +252,13 @@ class CudaGraph:
 class CudaOps:
     """The CUDA backend. Activations in `act_dtype` (bf16 or fp32), recurrent states and gates in fp32."""
 
-    name = "cuda"
-    xp = cupy
     display_name = "cuda"
     device_kind = "cuda"  # where arrays live, as torch names devices (for handing work to other libraries)
     can_capture_graphs = True
     # 64-row blocks: fewer table entries per sequence and whole MMA key tiles (measured faster than 16 on an H200)
     default_block_size = 64
 
-    def __init__(self, dtype: str = "bfloat16"):
+    def __init__(self, dtype: str = "bfloat16", tuning: CudaTuning | None = None):
         if dtype == "bfloat16":
             self.act_dtype = ml_dtypes.bfloat16
         elif dtype == "float32":
@@ -278,30 +270,16 @@ class CudaOps:
         self._blas = get_cublas()
         self._copy_tables: dict[tuple, tuple] = {}
         self._smem_set: set = set()
-        # Kernel variants. Defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --bench, 4b-like
-        # shapes): delta rule prefill cols/4 12.2 ms, cols/4 transposed 12.3, rows/2 13.1, cols/1 17.5, cols/2 19.4;
-        # decode batch 64 cols/4 98 us. The others stay selectable for tests and benches.
-        self.gdn_variant = "cols"  # "cols": a thread owns gdn_cols value columns; "rows": one, gdn_split threads
-        self.gdn_cols = 4
-        self.gdn_transposed = False  # transposed shuffle reductions (Dk 128, 4 columns per thread)
-        self.gdn_split = 2
-        # prefill (more tokens than sequences) may use the chunked form (Dk, Dv <= 128): long sequences are then
-        # 64-token chunk steps instead of token steps. "auto": chunked when the token-stepped grid fills under half
-        # the SMs (a long shared prefix alone), token-stepped otherwise: the fp32 chunked kernels are bound by
-        # shared memory and lose from about four sequences on (H200: 1 x 2048 2.08 vs 2.39 ms, 64 x 256 8.4 vs
-        # 3.0 ms, doc-qa's four 4096-token documents slower chunked); True / False force one form (tests, benches).
-        self.gdn_chunked: bool | str = "auto"
+        # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
+        self.tuning = tuning or CudaTuning()
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        # warps per block (16 query rows each); None: 8 above 128 head dims, else 4. Measured on an H200, 32 x 2304
-        # prefill: head dim 256 8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1; decode 4 warps.
-        self.attn_warps: dict[str, int | None] = {"prefill": None, "decode": 4}
-        self.attn_bn: dict[int, int] = {}  # head_dim -> keys per K/V tile (default 64)
-        # decode split over key ranges, one warp per split, then a merge (split-K). "auto": only when one block per
-        # (sequence, KV head) would leave SMs idle; at batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s
-        # on an H200 (1152 keys: 87 us vs 112 us split; 4b-like decode 171 vs 192 us per layer). True/False force.
-        self.attn_split_decode: bool | str = "auto"
-        # decode steps that carry shared-prefix groups read each group's shared K/V once (cascade)
-        self.attn_cascade = True
+
+    def retuned(self, **changes) -> "CudaOps":
+        """This backend with other kernel variants (tests and benches comparing them): a new ops object sharing
+        the cuBLAS handle and caches, its tuning `dataclasses.replace(self.tuning, **changes)`."""
+        other = copy.copy(self)
+        other.tuning = dataclasses.replace(self.tuning, **changes)
+        return other
 
     # ---- queries ------------------------------------------------------------------------------------------------
     def free_memory(self) -> int | None:
@@ -544,7 +522,7 @@ class CudaOps:
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
         v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch, except a
         prefill of a few long sequences, which takes the chunked form (64-token chunks, two launches; see
-        `gdn_chunked`). `chunk_size` is the reference's, accepted for signature compatibility.
+        kernels/tuning.py). `chunk_size` is the reference's, accepted for signature compatibility.
         Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
         q = q if q.dtype == dt else self._cast(q, dt)
@@ -569,32 +547,14 @@ class CudaOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
             return out
-        if self._use_chunked(t, nseq, h, dk, dv):
+        launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv)
+        if launch.chunked:
             self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
-        dkp = next(p for p in _GDN_DKP if p >= dk)
         args = (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, state, slots, cu,
                 _i32(h), _i32(krep), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)))
-        if self.gdn_variant == "cols":
-            cc = self.gdn_cols
-            rpt = min(64 // cc, dkp)
-            cols = 128 // (dkp // rpt) * cc
-            tr = "true" if self.gdn_transposed and dkp == 128 and cc == 4 else "false"
-            _kernel("delta_rule", f"gdn_cols_kernel<{_tname(dt)}, {dkp}, {cc}, {tr}>")(
-                (-(-dv // cols), h, nseq), (128,), args + (out,))
-        else:
-            split = self.gdn_split if dkp // self.gdn_split >= 4 else 2
-            cols = 128 // split
-            _kernel("delta_rule", f"gdn_recurrent_kernel<{_tname(dt)}, {dkp}, {split}>")(
-                (-(-dv // cols), h, nseq), (128,), args + (out,))
+        _kernel("delta_rule", launch.kernel.format(t=_tname(dt)))(launch.grid, (128,), args + (out,))
         return out
-
-    def _use_chunked(self, t: int, nseq: int, h: int, dk: int, dv: int) -> bool:
-        if t <= nseq or dk > _GDN_CHUNK_DMAX or dv > _GDN_CHUNK_DMAX or not self.gdn_chunked:
-            return False
-        if self.gdn_chunked == "auto":  # token-stepped blocks (64 value columns each) fill under half the SMs
-            return nseq * h * -(-dv // 64) <= self._sm_count // 2
-        return True
 
     def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
         """The chunked form (kernels/delta_rule.cu): a parallel pass over all 64-token chunks writes W, U0, Aqk and
@@ -668,10 +628,12 @@ class CudaOps:
         nseq = ctx.shape[0]
         if t == 0 or nseq == 0:
             return out
-        rep = hq // hkv
         use_mma = (q.dtype == BF16 and k_cache.dtype == BF16 and d in _MMA_HEAD_DIMS and q.data.ptr % 16 == 0
                    and qst % 8 == 0 and qsh % 8 == 0)
-        if not use_mma:  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
+        plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
+                              table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
+                              shared=shared is not None)
+        if plan.path == "scalar":  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
             kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
             kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache, tables,
                                             _i32(tables.shape[1]), ctx, cu, _i32(nseq), _i32(hq), _i32(hkv),
@@ -679,36 +641,24 @@ class CudaOps:
             return out
         mma = dict(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, bs=bs, hq=hq, hkv=hkv, d=d,
                    scale=scale, window=window, out=out)
-        decode = t == nseq
-        if shared is not None and decode and window == 0 and self.attn_cascade:
-            # shared keys: the group's rows are many (members x query heads), so prefill-sized tiles, and split over
-            # key ranges (sized from the table width, static under capture) so a long prefix spreads over the GPU
-            bn = self.attn_bn.get(d, 64)
-            nw = self.attn_warps["prefill"] or (8 if d > 128 else 4)
-            splits = min(32, max(1, -(-tables.shape[1] * bs // bn) // 4))
+        splits = plan.splits
+        if plan.path == "cascade":  # partial results: one slot per shared-key range, one for each row's own keys
             part_o = cupy.empty((splits + 1, t * hq, d), F32)
             part_ml = cupy.empty((splits + 1, t * hq, 2), F32)
             self._attn_pass(**mma, tables=_index(shared.tables), ctx=_index(shared.lens), cu=_index(shared.cu),
-                            nseq=shared.lens.shape[0], tokens=t, nw=nw, bn=bn, splits=splits, mode=1, slot_base=0,
-                            part=(part_o, part_ml), row_tok=_index(shared.order), kv_from=ctx)
-            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t,
-                            nw=self.attn_warps["decode"] or 4, bn=bn, mode=2, slot_base=splits,
-                            part=(part_o, part_ml), row_tok=cu, kv_from=_index(shared.start))
+                            nseq=shared.lens.shape[0], tokens=t, nw=plan.warps, bn=plan.keys, splits=splits, mode=1,
+                            slot_base=0, part=(part_o, part_ml), row_tok=_index(shared.order), kv_from=ctx)
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.own_warps, bn=plan.keys,
+                            mode=2, slot_base=splits, part=(part_o, part_ml), row_tok=cu, kv_from=_index(shared.start))
             self._attn_merge(part_o, part_ml, splits + 1, t * hq, d, out)
             return out
-        split = self.attn_split_decode
-        if split == "auto":
-            split = nseq * hkv < self._sm_count
-        bn = 32 if d > 128 else 64
-        splits = min(32, max(1, -(-tables.shape[1] * bs // bn) // 8))  # from the table width: static under capture
-        if split and decode and rep <= 16 and splits > 1:
+        if plan.path == "split":
             part = (cupy.empty((splits, t * hq, d), F32), cupy.empty((splits, t * hq, 2), F32))
-            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=1, bn=bn, splits=splits,
-                            part=part)
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys,
+                            splits=splits, part=part)
             self._attn_merge(*part, splits, t * hq, d, out)
             return out
-        nw = self.attn_warps["prefill" if t > nseq else "decode"] or (8 if d > 128 else 4)
-        self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=nw, bn=self.attn_bn.get(d, 64))
+        self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys)
         return out
 
     def _attn_pass(self, *, q, qst, qsh, k_cache, v_cache, bs, hq, hkv, d, scale, window, out, tables, ctx, cu, nseq,

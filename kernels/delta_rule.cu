@@ -2,161 +2,22 @@
 //
 // Per token: S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T (q / sqrt(Dk)).
 // Every value column j of S evolves independently, so a block owns (sequence, head, COLS value columns) and keeps
-// its [Dk, COLS] slice of S in registers for the whole sequence, stepping token by token: SPLIT threads share a
-// column, each holding Dk/SPLIT rows (rows interleaved in groups of 4 so float4 reads of k and q from shared memory
-// are broadcasts). Tokens are staged into shared memory CT at a time.
+// its [Dk, COLS] slice of S in registers for the whole sequence, stepping token by token (gdn_cols_kernel); prefill
+// of a few long sequences takes the chunked form further down. Tokens are staged into shared memory CT at a time.
 //
 // The decay is applied lazily: S = G * Sl with G the running product of exp(g); Sl is folded back (Sl *= G, G = 1)
 // whenever G drops below 1e-20, so nothing overflows and a decay of exactly 0 clears the state as it should.
 
 #define GDN_THREADS 128
-#define GDN_CT 16
 
-template <typename T, int DKP, int SPLIT>
-__global__ void __launch_bounds__(GDN_THREADS, DKP / SPLIT >= 64 ? 4 : 6)
-gdn_recurrent_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
-                     const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
-                     const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ slots,
-                     const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out) {
-    constexpr int COLS = GDN_THREADS / SPLIT;
-    constexpr int RPT = DKP / SPLIT;  // rows per thread
-    constexpr int R4 = RPT / 4;
-    static_assert(RPT % 4 == 0, "rows per thread must be a multiple of 4");
-    __shared__ __align__(16) float sk[GDN_CT][DKP];
-    __shared__ __align__(16) float sq[GDN_CT][DKP];
-    __shared__ float sv[GDN_CT][COLS];
-    __shared__ float sdecay[GDN_CT], sbeta[GDN_CT];
-
-    const int seq = blockIdx.z, h = blockIdx.y;
-    const int start = cu[seq], n = cu[seq + 1] - start;
-    if (n == 0) return;
-    const int tid = threadIdx.x;
-    const int p = tid % SPLIT;
-    const int cl = tid / SPLIT;
-    const int col = blockIdx.x * COLS + cl;
-    const bool col_ok = col < dv;
-    float* st = state + ((i64)slots[seq] * heads + h) * (i64)dk * dv;
-
-    float S[RPT];
-#pragma unroll
-    for (int r4 = 0; r4 < R4; ++r4)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = (r4 * SPLIT + p) * 4 + e;
-            S[r4 * 4 + e] = (col_ok && i < dk) ? st[(i64)i * dv + col] : 0.f;
-        }
-    float G = 1.f;
-
-    for (int c0 = 0; c0 < n; c0 += GDN_CT) {
-        const int cnt = min(GDN_CT, n - c0);
-        __syncthreads();  // the previous chunk is consumed
-        for (int idx = tid; idx < GDN_CT * DKP; idx += GDN_THREADS) {
-            const int tt = idx / DKP, d = idx % DKP;
-            float kv = 0.f, qv = 0.f;
-            if (tt < cnt && d < dk) {
-                const i64 t = start + c0 + tt;
-                kv = to_f(k[t * kst + (h / krep) * ksh + d]);
-                qv = to_f(q[t * qst + (h / krep) * qsh + d]) * scale;
-            }
-            sk[tt][d] = kv;
-            sq[tt][d] = qv;
-        }
-        for (int idx = tid; idx < GDN_CT * COLS; idx += GDN_THREADS) {
-            const int tt = idx / COLS, j = idx % COLS;
-            const int cc = blockIdx.x * COLS + j;
-            sv[tt][j] = (tt < cnt && cc < dv) ? to_f(v[(i64)(start + c0 + tt) * vst + h * vsh + cc]) : 0.f;
-        }
-        if (tid < GDN_CT) {
-            const i64 t = start + c0 + tid;
-            sdecay[tid] = tid < cnt ? expf(g[t * heads + h]) : 1.f;
-            sbeta[tid] = tid < cnt ? beta[t * heads + h] : 0.f;
-        }
-        __syncthreads();
-
-#pragma unroll 1
-        for (int tt = 0; tt < cnt; ++tt) {
-            const float gn = G * sdecay[tt];
-            if (gn < 1e-20f) {  // fold the decay into the state (uniform across the block)
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) S[r] *= gn;
-                G = 1.f;
-            } else {
-                G = gn;
-            }
-            const float* kk = sk[tt];
-            const float* qq = sq[tt];
-            float dot = 0.f;
-#pragma unroll
-            for (int r4 = 0; r4 < R4; ++r4) {
-                const float4 k4 = *reinterpret_cast<const float4*>(kk + (r4 * SPLIT + p) * 4);
-                dot += S[r4 * 4 + 0] * k4.x;
-                dot += S[r4 * 4 + 1] * k4.y;
-                dot += S[r4 * 4 + 2] * k4.z;
-                dot += S[r4 * 4 + 3] * k4.w;
-            }
-#pragma unroll
-            for (int o = 1; o < SPLIT; o <<= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
-            asm volatile("" ::: "memory");  // re-read k below rather than hold all of it in registers
-            const float u = sbeta[tt] * (sv[tt][cl] - G * dot);
-            const float ul = u / G;
-            float od = 0.f;
-#pragma unroll
-            for (int r4 = 0; r4 < R4; ++r4) {
-                const float4 k4 = *reinterpret_cast<const float4*>(kk + (r4 * SPLIT + p) * 4);
-                const float4 q4 = *reinterpret_cast<const float4*>(qq + (r4 * SPLIT + p) * 4);
-                S[r4 * 4 + 0] += k4.x * ul;
-                S[r4 * 4 + 1] += k4.y * ul;
-                S[r4 * 4 + 2] += k4.z * ul;
-                S[r4 * 4 + 3] += k4.w * ul;
-                od += S[r4 * 4 + 0] * q4.x;
-                od += S[r4 * 4 + 1] * q4.y;
-                od += S[r4 * 4 + 2] * q4.z;
-                od += S[r4 * 4 + 3] * q4.w;
-            }
-#pragma unroll
-            for (int o = 1; o < SPLIT; o <<= 1) od += __shfl_xor_sync(FULL_MASK, od, o);
-            if (p == 0 && col_ok) out[((i64)(start + c0 + tt) * heads + h) * dv + col] = from_f<T>(G * od);
-        }
-    }
-
-    // An opaque copy of dv, so the compiler recomputes these addresses instead of keeping the load loop's
-    // RPT pointers live in registers across the whole sequence.
-    int dv2;
-    asm volatile("mov.b32 %0, %1;" : "=r"(dv2) : "r"(dv));
-    float* st2 = state + ((i64)slots[seq] * heads + h) * (i64)dk * dv2;
-#pragma unroll
-    for (int r4 = 0; r4 < R4; ++r4)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = (r4 * SPLIT + p) * 4 + e;
-            if (col_ok && i < dk) st2[(i64)i * dv2 + col] = G * S[r4 * 4 + e];
-        }
-}
-
-// Sum of 4 per-lane values over the 8 lanes p = 0..7 of a group (lane & 7 == p), transposed: 4 shuffles, and lane p
-// ends with the full sum of column col_of_lane(p) (lanes p and p ^ 1 hold the same column).
-__device__ __forceinline__ int col_of_lane(int p) { return (((p >> 2) & 1) << 1) | ((p >> 1) & 1); }
-__device__ __forceinline__ float transposed_sum4(const float (&d)[4], int p) {
-    const bool b2 = (p >> 2) & 1;
-    const float r0 = __shfl_xor_sync(FULL_MASK, b2 ? d[0] : d[2], 4);
-    const float r1 = __shfl_xor_sync(FULL_MASK, b2 ? d[1] : d[3], 4);
-    const float e0 = (b2 ? d[2] : d[0]) + r0;  // column 2 * b2
-    const float e1 = (b2 ? d[3] : d[1]) + r1;  // column 2 * b2 + 1
-    const bool b1 = (p >> 1) & 1;
-    float f = (b1 ? e1 : e0) + __shfl_xor_sync(FULL_MASK, b1 ? e0 : e1, 2);
-    return f + __shfl_xor_sync(FULL_MASK, f, 1);
-}
-
-// ---- column-blocked variant (the default, CC = 4) ---------------------------------------------------------------
-// The variant above re-reads k and q from shared memory for each of its rows every token (one 128-bit shared load
-// per 4 FMAs). Here a thread owns CC adjacent value columns x RPT = 64 / CC rows (64 state registers whatever CC),
-// so each k/q value it reads feeds CC columns; SPLIT = DKP / RPT threads share a column group and reduce by
-// shuffles (CC * log2(SPLIT) per reduction). Measured on an H200 (32 x 2304 tokens, 32 heads, 128 x 128):
-// CC = 4 12.2 ms, the rows variant 13.1 ms, and neither fewer shared loads nor fewer shuffles (TR) moved it much:
-// the token-by-token dependency chain is what bounds both. The chunked (WY) form on tensor cores is the next step.
-// TR (used when SPLIT == 8 and CC == 4): transposed reductions, 4 shuffles for 4 columns over 8 lanes instead of 12
-// (each lane ends with one column's sum; u is then broadcast back).
-template <typename T, int DKP, int CC, bool TR>
+// ---- token-stepped, column-blocked ------------------------------------------------------------------------------
+// A thread owns CC adjacent value columns x RPT = 64 / CC rows (64 state registers whatever CC; rows interleaved in
+// groups of 4 so float4 reads of k and q from shared memory are broadcasts), so each k/q value it reads feeds CC
+// columns; SPLIT = DKP / RPT threads share a column group and reduce by shuffles (CC * log2(SPLIT) per reduction).
+// Measured on an H200 (32 x 2304 tokens, 32 heads, 128 x 128): CC = 4 12.2 ms; one column per thread (13.1 ms),
+// CC = 1 or 2 (17.5, 19.4) and transposed shuffle reductions (12.3) were slower or no better and were removed: the
+// token-by-token dependency chain is what bounds them all.
+template <typename T, int DKP, int CC>
 __global__ void __launch_bounds__(GDN_THREADS, CC == 4 ? 4 : 3)
 gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                 const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
@@ -170,7 +31,6 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
     constexpr bool KEEP_K = RPT <= 16;           // hold the token's k in registers between S^T k and the update
     constexpr int CT0 = 16384 / (DKP * 8 + COLS * 4);   // tokens staged per chunk: ~16 KiB of k, q, v
     constexpr int CT = CT0 > 32 ? 32 : (CT0 < 4 ? 4 : CT0);
-    constexpr bool TRANS = TR && SPLIT == 8 && CC == 4;
     static_assert(RPT % 4 == 0 && DKP % RPT == 0, "bad row split");
     __shared__ __align__(16) float sk[CT][DKP];
     __shared__ __align__(16) float sq[CT][DKP];
@@ -264,21 +124,12 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
             const float bt = sbeta[tt];
             const float inv_g = 1.f / G;
             float ul[CC];
-            if constexpr (TRANS) {
-                const float mine = transposed_sum4(dot, p);
-                const float u_mine = bt * (sv[tt][grp * CC + col_of_lane(p)] - G * mine) * inv_g;
-                const int base = threadIdx.x & ~7;
 #pragma unroll
-                for (int cc = 0; cc < CC; ++cc)
-                    ul[cc] = __shfl_sync(FULL_MASK, u_mine, base | (((cc >> 1) << 2) | ((cc & 1) << 1)));
-            } else {
+            for (int o = 1; o < SPLIT; o <<= 1)
 #pragma unroll
-                for (int o = 1; o < SPLIT; o <<= 1)
+                for (int cc = 0; cc < CC; ++cc) dot[cc] += __shfl_xor_sync(FULL_MASK, dot[cc], o);
 #pragma unroll
-                    for (int cc = 0; cc < CC; ++cc) dot[cc] += __shfl_xor_sync(FULL_MASK, dot[cc], o);
-#pragma unroll
-                for (int cc = 0; cc < CC; ++cc) ul[cc] = bt * (sv[tt][grp * CC + cc] - G * dot[cc]) * inv_g;
-            }
+            for (int cc = 0; cc < CC; ++cc) ul[cc] = bt * (sv[tt][grp * CC + cc] - G * dot[cc]) * inv_g;
             if (!KEEP_K) asm volatile("" ::: "memory");  // re-read k below rather than hold it in registers
             float od[CC];
 #pragma unroll
@@ -304,19 +155,13 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
                     }
             }
             T* orow = out + ((i64)(start + c0 + tt) * heads + h) * dv;
-            if constexpr (TRANS) {
-                const float mine = transposed_sum4(od, p);
-                const int cc = col_of_lane(p);
-                if ((p & 1) == 0 && col0 + cc < dv) orow[col0 + cc] = from_f<T>(G * mine * scale);
-            } else {
 #pragma unroll
-                for (int o = 1; o < SPLIT; o <<= 1)
+            for (int o = 1; o < SPLIT; o <<= 1)
 #pragma unroll
-                    for (int cc = 0; cc < CC; ++cc) od[cc] += __shfl_xor_sync(FULL_MASK, od[cc], o);
+                for (int cc = 0; cc < CC; ++cc) od[cc] += __shfl_xor_sync(FULL_MASK, od[cc], o);
 #pragma unroll
-                for (int cc = 0; cc < CC; ++cc)
-                    if (cc % SPLIT == p && col0 + cc < dv) orow[col0 + cc] = from_f<T>(G * od[cc] * scale);
-            }
+            for (int cc = 0; cc < CC; ++cc)
+                if (cc % SPLIT == p && col0 + cc < dv) orow[col0 + cc] = from_f<T>(G * od[cc] * scale);
         }
     }
 
@@ -342,7 +187,7 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
 }
 
 // ---- chunked (WY) form for prefill ----------------------------------------------------------------------------
-// The token-by-token kernels above are bound by their dependency chain: a 2048-token sequence is 2048 serial steps.
+// The token-by-token kernel above is bound by their dependency chain: a 2048-token sequence is 2048 serial steps.
 // The chunked form (the same math as the reference's _delta_chunk) cuts a sequence into chunks of C = 64 tokens.
 // With gc = cumsum(g) inside a chunk, G = exp(gc), L[t][j] = beta_t exp(gc_t - gc_j) k_t.k_j (j < t) and
 // T = (I + L)^-1, the chunk's pseudo-values from an entry state S are U = U0 - W S with

@@ -15,8 +15,6 @@ from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, 
 class NumpyOps:
     """The CPU backend. Activations and weights are float32 here."""
 
-    name = "cpu"
-    xp = np
     display_name = "cpu"
     device_kind = "cpu"  # where arrays live, as torch names devices (for handing work to other libraries)
     # graphs are a CUDA feature; `capture` still works here (replay re-runs the function), so the engine's

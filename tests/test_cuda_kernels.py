@@ -314,28 +314,16 @@ def test_gated_delta_rule_grouped_heads(ops, ref, lens):
     assert rel(ops.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
 
 
-GDN_VARIANTS = [("chunked", 4, False, 2), ("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2),
-                ("cols", 1, False, 2), ("rows", 4, False, 2), ("rows", 4, False, 4)]
-
-
-@pytest.mark.parametrize("variant,cols,transposed,split", GDN_VARIANTS)
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("h,dk,dv", [(2, 128, 128), (3, 64, 40)])
-def test_gated_delta_rule_variants(ops, ref, variant, cols, transposed, split, h, dk, dv):
-    """Every kernel variant (the chunked prefill; token-stepped: columns per thread, transposed reductions, the
-    one-column "rows" kernel) agrees."""
+def test_gated_delta_rule_variants(ops, ref, chunked, h, dk, dv):
+    """Both forms of a prefill (the chunked one and token steps) agree with the reference."""
     rng = np.random.default_rng(11 + dk)
     q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, [3, 40, 1, 0, 70], h, dk, dv, nslots=6)
-    old = ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split, ops.gdn_chunked
-    ops.gdn_chunked = variant == "chunked"
-    ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = (variant if variant != "chunked" else "cols",
-                                                                         cols, transposed, split)
-    try:
-        d_state = ops.upload(state, np.float32)
-        o = ops.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
-                                 ops.upload(beta, np.float32), d_state, ops.upload_index(slots),
-                                 ops.upload_index(cu))
-    finally:
-        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split, ops.gdn_chunked = old
+    tuned = ops.retuned(gdn_chunked=chunked)
+    d_state = ops.upload(state, np.float32)
+    o = tuned.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
+                               ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
     want_state = state.copy()
     want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
     assert rel(host(ops, o), want) <= TOL_SEQ[ops.dtype_name]
@@ -443,17 +431,11 @@ def test_paged_attention_tile_variants(ops, ref, d, warps, bn, decode):
     rng = np.random.default_rng(d + warps)
     seqs = [(300, 1), (65, 1), (1, 1), (129, 1)] if decode else [(300, 1), (260, 100), (40, 40), (129, 3)]
     c = _paged_case(rng, ops, seqs, 8, 2, d, 16)
-    old = dict(ops.attn_warps), dict(ops.attn_bn), ops.attn_split_decode
-    ops.attn_warps = {"prefill": warps, "decode": warps}
-    ops.attn_split_decode = False
-    if bn is not None:
-        ops.attn_bn = {d: bn}
-    try:
-        out = ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
-                                  ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
-                                  d ** -0.5, 50 if decode else None)
-    finally:
-        ops.attn_warps, ops.attn_bn, ops.attn_split_decode = old
+    tuned = ops.retuned(attn_prefill_warps=warps, attn_decode_warps=warps, attn_split_decode=False,
+                        attn_keys_per_tile=((d, bn),) if bn is not None else ())
+    out = tuned.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
+                                ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
+                                d ** -0.5, 50 if decode else None)
     want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
                                50 if decode else None)
     assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
@@ -485,11 +467,7 @@ def test_paged_attention_split_decode(ops, ref, hq, hkv, d, bs, window):
     wide[:, :c["tables"].shape[1]] = c["tables"]
     args = (ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), ops.upload_index(wide), ops.upload_index(c["ctx"]),
             ops.upload_index(c["cu"]), d ** -0.5, window)
-    old, ops.attn_split_decode = ops.attn_split_decode, True
-    try:
-        out = ops.paged_attention(c["q_dev"], *args)
-    finally:
-        ops.attn_split_decode = old
+    out = ops.retuned(attn_split_decode=True).paged_attention(c["q_dev"], *args)
     want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
                                window)
     assert rel(host(ops, out), want) <= TOL_SEQ[ops.dtype_name]
@@ -660,8 +638,7 @@ def test_decode_over_shared_prefixes_matches_plain_attention(model_dirs, graphs)
     suffixes = [rng.integers(0, 500, n).tolist() for n in (20, 1, 35, 8)]
     logits = {}
     for cascade in (False, True):
-        ops = CudaOps("bfloat16")
-        ops.attn_cascade = cascade
+        ops = CudaOps("bfloat16").retuned(attn_cascade=cascade)
         model = load_model(model_dirs["qwen3_5"], ops)[0]
         st = ModelState(model.state_specs(), ops, num_slots=12, num_blocks=128, block_size=16)
         root = st.new_sequence()
@@ -829,14 +806,9 @@ def bench():  # pragma: no cover - device timing, not a test
     state = cupy.zeros((64, h, dk, dk), np.float32)
     slots = ops.upload_index(np.arange(b))
     cu = ops.upload_index(np.arange(b + 1) * L)
-    variants = [("cols", 4, True, 2), ("cols", 4, False, 2), ("cols", 2, False, 2), ("cols", 1, False, 2),
-                ("rows", 4, False, 2)]
-    default = (ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split)
+    bench_ops = ops
 
-    def label(vr):
-        return f"{vr[0]}, {vr[1]} cols{', transposed' if vr[2] else ''}" if vr[0] == "cols" else f"rows, split {vr[3]}"
-
-    ops.gdn_chunked = True
+    ops = bench_ops.retuned(gdn_chunked=True)
     ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
     rows.append(("gated delta rule prefill 32x2304, 32 heads 128x128 (chunked)", ms,
                  f"{t / ms / 1e3:.1f} M tok/s (anchor: flash-linear-attention 4.70 ms)"))
@@ -845,18 +817,16 @@ def bench():  # pragma: no cover - device timing, not a test
         cu_s = ops.upload_index(np.arange(nb + 1) * nl)
         sl = ops.upload_index(np.arange(nb))
         for chunked in (True, False):
-            ops.gdn_chunked = chunked
+            ops = bench_ops.retuned(gdn_chunked=chunked)
             ms = _time_ms(lambda: ops.gated_delta_rule(q[:nb * nl], k[:nb * nl], v[:nb * nl], g[:nb * nl],
                                                        beta[:nb * nl], state, sl, cu_s), iters=5, warmup=1)
             rows.append((f"gated delta rule prefill {nb}x{nl} ({'chunked' if chunked else 'token-stepped'})", ms,
                          f"{nb * nl / ms / 1e3:.1f} M tok/s"))
-    ops.gdn_chunked = False
-    for vr in variants:
-        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = vr
-        ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
-        rows.append((f"gated delta rule prefill 32x2304, 32 heads 128x128 ({label(vr)})", ms,
-                     f"{t / ms / 1e3:.1f} M tok/s (anchor 4.70 ms)"))
-    ops.gdn_chunked = "auto"
+    ops = bench_ops.retuned(gdn_chunked=False)
+    ms = _time_ms(lambda: ops.gated_delta_rule(q, k, v, g, beta, state, slots, cu), iters=5, warmup=1)
+    rows.append(("gated delta rule prefill 32x2304, 32 heads 128x128 (token-stepped)", ms,
+                 f"{t / ms / 1e3:.1f} M tok/s (anchor 4.70 ms)"))
+    ops = bench_ops
     del q, k, v
     bd = 64
     qd = ops.l2_normalize(rnd_dev(bd, h, dk))
@@ -866,13 +836,9 @@ def bench():  # pragma: no cover - device timing, not a test
     bdt = cupy.full((bd, h), 0.5, np.float32)
     slots_d = ops.upload_index(np.arange(bd))
     cu_d = ops.upload_index(np.arange(bd + 1))
-    for vr in variants:
-        ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = vr
-        ms = _time_ms(lambda: ops.gated_delta_rule(qd, kd, vd, gd, bdt, state, slots_d, cu_d), iters=50)
-        nbytes = 2 * bd * h * dk * dk * 4
-        rows.append((f"gated delta rule decode batch 64 ({label(vr)})", ms,
-                     f"{nbytes / ms / 1e9:.2f} TB/s state r+w (anchor 109 us)"))
-    ops.gdn_variant, ops.gdn_cols, ops.gdn_transposed, ops.gdn_split = default
+    ms = _time_ms(lambda: ops.gated_delta_rule(qd, kd, vd, gd, bdt, state, slots_d, cu_d), iters=50)
+    nbytes = 2 * bd * h * dk * dk * 4
+    rows.append(("gated delta rule decode batch 64", ms, f"{nbytes / ms / 1e9:.2f} TB/s state r+w (anchor 109 us)"))
     del state
 
     # conv1d prefill 73728 x 8192, K=4
@@ -898,13 +864,13 @@ def bench():  # pragma: no cover - device timing, not a test
         qa = rnd_dev(t, hq, hd)
         flops = 4 * b * hq * hd * L * (L + 1) / 2
         for nw, bn in configs:
-            ops.attn_warps["prefill"], ops.attn_bn = nw, {hd: bn}
+            ops = bench_ops.retuned(attn_prefill_warps=nw, attn_keys_per_tile=((hd, bn),))
             ms = _time_ms(lambda: ops.paged_attention(qa, kcache, vcache, tables, ctx, cu, hd ** -0.5), iters=5,
                           warmup=1)
             anchor = " (anchor 2.18 ms)" if hd == 256 else ""
             rows.append((f"paged attention prefill 32x2304, {hq}/{hkv} heads x {hd}, {nw} warps, {bn} keys", ms,
                          f"{flops / ms / 1e9:.0f} TFLOP/s{anchor}"))
-        ops.attn_warps["prefill"], ops.attn_bn = None, {}
+        ops = bench_ops
         if hd == 256:
             ms = _time_ms(lambda: ops.paged_attention(qa, kcache, vcache, tables, ctx, cu, hd ** -0.5, 512), iters=5,
                           warmup=1)
@@ -914,15 +880,14 @@ def bench():  # pragma: no cover - device timing, not a test
             tables_d = ops.upload_index(np.arange(bd * nb64).reshape(bd, nb64).astype(np.int32))
             ctx_d = ops.upload_index(np.full(bd, nb64 * bs, np.int32))
             for nw in (4, 8, "split"):
-                ops.attn_split_decode = nw == "split"
-                ops.attn_warps["decode"] = 4 if nw == "split" else nw
+                ops = bench_ops.retuned(attn_split_decode=nw == "split", attn_decode_warps=4 if nw == "split" else nw)
                 ms = _time_ms(lambda: ops.paged_attention(qdec, kcache, vcache, tables_d, ctx_d, cu_d, hd ** -0.5),
                               iters=50)
                 kvbytes = 2 * bd * nb64 * bs * hkv * hd * 2
                 label = "split-K, 1 warp per split" if nw == "split" else f"{nw} warps"
                 rows.append((f"paged attention decode batch 64, ctx {nb64 * bs} (distinct K/V), {label}", ms,
                              f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
-            ops.attn_warps["decode"], ops.attn_split_decode = 4, "auto"
+            ops = bench_ops
             # the shared-system decode: 64 sequences over one 2048-key prefix (32 blocks of 64) + 300 keys each
             from prefixrun.engine.state import SharedPrefixes, shared_prefix_arrays
 

@@ -1,0 +1,134 @@
+"""How the CUDA backend picks its kernels: one frozen tuning value, and the choices as pure functions of shapes.
+
+No CuPy here, so the choices can be tested on a CPU (tests/test_kernel_tuning.py pins them for the shapes the
+benchmarks run). `CudaOps` holds one `CudaTuning`, fixed at construction; tests and benches that compare
+variants build another ops object with `CudaOps.retuned(...)` instead of flipping knobs on a shared one.
+
+The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --bench, 4b-like shapes):
+- delta rule, token-stepped: 4 value columns per thread, prefill 12.2 ms, decode batch 64 98 us (the slower
+  variants were removed from kernels/delta_rule.cu).
+- delta rule, chunked (64-token chunk steps, Dk, Dv <= 128) only when the token-stepped grid fills under half the
+  SMs (a long shared prefix alone): the fp32 chunked kernels are bound by shared memory and lose from about four
+  sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
+- attention warps per block (16 query rows each): 8 above 128 head dims, else 4 (32 x 2304 prefill: head dim 256
+  8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1); decode 4 warps.
+- decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
+  batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s (1152 keys: 87 us vs 112 us split).
+- cascade: a decode step with shared-prefix groups reads each group's shared K/V once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GDN_KEY_DIMS = (16, 32, 64, 128)  # token-stepped kernels are instantiated for these padded key dims
+GDN_COLS = 4  # value columns per thread of gdn_cols_kernel (the only instantiation: see kernels/delta_rule.cu)
+GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMAX in kernels/delta_rule.cu)
+ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
+
+
+def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
+    """Keys per K/V tile that attn_mma_kernel is instantiated with for `head_dim` (shared memory bounds 256)."""
+    return (32, 64) if head_dim > 128 else (64,)
+ATTN_MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class CudaTuning:
+    """Kernel variants of the CUDA backend. "auto" lets the shapes decide (see the module docstring)."""
+
+    gdn_chunked: bool | str = "auto"  # prefill in 64-token chunks: True, False or "auto"
+    attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
+    attn_decode_warps: int | None = 4
+    attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
+    attn_split_decode: bool | str = "auto"
+    attn_cascade: bool = True
+
+    def __post_init__(self):
+        for name in ("gdn_chunked", "attn_split_decode"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto'")
+        for name in ("attn_prefill_warps", "attn_decode_warps"):
+            if getattr(self, name) not in (None,) + ATTN_WARPS:
+                raise ValueError(f"{name} must be None or one of {ATTN_WARPS}")
+        for d, bn in self.attn_keys_per_tile:
+            if bn not in attn_tile_keys(d):
+                raise ValueError(f"no attention tile of {bn} keys for head dim {d}")
+
+    def keys_per_tile(self, head_dim: int) -> int:
+        return dict(self.attn_keys_per_tile).get(head_dim, 64)
+
+
+@dataclass(frozen=True)
+class DeltaRuleLaunch:
+    """How gated_delta_rule runs: the chunked form (two kernels, launched by their own wrapper), or one
+    token-stepped kernel (`kernel` with its template arguments but the storage type left as {t}) on `grid`."""
+
+    chunked: bool
+    kernel: str = ""
+    grid: tuple[int, int, int] = (0, 0, 0)
+
+
+def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, heads: int, dk: int,
+                      dv: int) -> DeltaRuleLaunch:
+    """The delta-rule kernel for a step of `tokens` new tokens over `seqs` sequences, `heads` value heads."""
+    if _use_chunked(tuning, sm_count, tokens, seqs, heads, dk, dv):
+        return DeltaRuleLaunch(chunked=True)
+    dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
+    rows_per_thread = min(64 // GDN_COLS, dkp)
+    cols = 128 // (dkp // rows_per_thread) * GDN_COLS  # value columns per 128-thread block
+    return DeltaRuleLaunch(chunked=False, kernel=f"gdn_cols_kernel<{{t}}, {dkp}, {GDN_COLS}>",
+                           grid=(-(-dv // cols), heads, seqs))
+
+
+def _use_chunked(tuning: CudaTuning, sm_count: int, tokens: int, seqs: int, heads: int, dk: int, dv: int) -> bool:
+    if tokens <= seqs or dk > GDN_CHUNK_DMAX or dv > GDN_CHUNK_DMAX or not tuning.gdn_chunked:
+        return False
+    if tuning.gdn_chunked == "auto":  # token-stepped blocks (64 value columns each) fill under half the SMs
+        return seqs * heads * -(-dv // 64) <= sm_count // 2
+    return True
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How paged_attention runs a step.
+
+    path: "scalar" (the fp32 / unaligned path), "plain" (one tensor-core pass), "split" (decode split over key
+    ranges, one warp per split, then a merge) or "cascade" (a pass per shared-prefix group over its shared keys with
+    `warps`, a pass per sequence over its own keys with `own_warps`, then a merge). `splits` key ranges, `keys` per
+    K/V tile."""
+
+    path: str
+    warps: int = 0
+    keys: int = 0
+    splits: int = 1
+    own_warps: int = 0
+
+
+def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, q_heads: int, kv_heads: int,
+                   head_dim: int, table_width: int, block_size: int, window: int, tensor_cores: bool,
+                   shared: bool) -> AttentionPlan:
+    """The attention path for `tokens` queries of `seqs` sequences over tables `table_width` blocks wide.
+    Split counts derive from the table width, not the contexts, so a captured decode graph stays valid.
+    `tensor_cores`: bf16 inputs with a supported head dim and 16-byte aligned rows (the caller checks)."""
+    if not tensor_cores:
+        return AttentionPlan("scalar")
+    d = head_dim
+    decode = tokens == seqs
+    wide = 8 if d > 128 else 4
+    table_keys = table_width * block_size
+    if shared and decode and window == 0 and tuning.attn_cascade:
+        # shared keys: a group's rows are many (members x query heads), so prefill-sized tiles, and split over
+        # key ranges so a long prefix spreads over the GPU
+        bn = tuning.keys_per_tile(d)
+        splits = min(ATTN_MAX_SPLITS, max(1, -(-table_keys // bn) // 4))
+        return AttentionPlan("cascade", warps=tuning.attn_prefill_warps or wide, keys=bn, splits=splits,
+                             own_warps=tuning.attn_decode_warps or 4)
+    split = tuning.attn_split_decode
+    if split == "auto":
+        split = seqs * kv_heads < sm_count
+    bn = 32 if d > 128 else 64
+    splits = min(ATTN_MAX_SPLITS, max(1, -(-table_keys // bn) // 8))
+    if split and decode and q_heads // kv_heads <= 16 and splits > 1:
+        return AttentionPlan("split", warps=1, keys=bn, splits=splits)
+    warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
+    return AttentionPlan("plain", warps=warps, keys=tuning.keys_per_tile(d))

@@ -1,0 +1,127 @@
+"""The CUDA backend's kernel choices, computed on the CPU (kernels/tuning.py needs no GPU).
+
+The expected values pin the decisions CudaOps made before the choices became pure functions (read off its
+if-chains for the 4b-like benchmark shapes on an H200, 132 SMs): a change here changes which kernel runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from prefixrun.kernels.tuning import AttentionPlan, CudaTuning, DeltaRuleLaunch, attention_plan, delta_rule_launch
+
+H200_SMS = 132
+DEFAULT = CudaTuning()
+
+
+@pytest.mark.parametrize("tokens,seqs,heads,dk,dv,want", [
+    # decode batch 64, 32 value heads 128 x 128: token-stepped, 4 columns per thread
+    (64, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (2, 32, 64))),
+    # the shared-system prefix alone (1 x 2048): the token-stepped grid would fill 64 of 132 SMs -> chunked
+    (2048, 1, 32, 128, 128, DeltaRuleLaunch(True)),
+    # its 64 suffixes of 256 tokens, and doc-qa's four 4096-token documents: token-stepped
+    (64 * 256, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (2, 32, 64))),
+    (4 * 4096, 4, 32, 128, 128, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (2, 32, 4))),
+    # at the boundary: 2 x 16 heads x 2 column blocks = 64 <= 66 -> chunked; 3 sequences: 96 -> not
+    (200, 2, 16, 128, 128, DeltaRuleLaunch(True)),
+    (300, 3, 16, 128, 128, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (2, 16, 3))),
+    # head dims above the chunked kernels' 128 never take it; small dims pad to the next instantiation
+    (2048, 1, 4, 128, 256, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (4, 4, 1))),
+    (40, 2, 4, 16, 32, DeltaRuleLaunch(True)),
+    (2, 2, 4, 12, 32, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 16, 4>", (1, 4, 2))),
+    (5, 5, 3, 64, 40, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 64, 4>", (1, 3, 5))),
+])
+def test_delta_rule_default_choices(tokens, seqs, heads, dk, dv, want):
+    assert delta_rule_launch(DEFAULT, H200_SMS, tokens=tokens, seqs=seqs, heads=heads, dk=dk, dv=dv) == want
+
+
+def test_delta_rule_forced_forms():
+    forced = dataclasses.replace(DEFAULT, gdn_chunked=True)
+    assert delta_rule_launch(forced, H200_SMS, tokens=64 * 256, seqs=64, heads=32, dk=128, dv=128).chunked
+    assert not delta_rule_launch(forced, H200_SMS, tokens=64, seqs=64, heads=32, dk=128, dv=128).chunked  # decode
+    off = dataclasses.replace(DEFAULT, gdn_chunked=False)
+    assert not delta_rule_launch(off, H200_SMS, tokens=2048, seqs=1, heads=32, dk=128, dv=128).chunked
+    # a smaller GPU reaches "half the SMs" sooner
+    assert not delta_rule_launch(DEFAULT, 100, tokens=2048, seqs=1, heads=32, dk=128, dv=128).chunked
+
+
+ATTN_4B = dict(q_heads=16, kv_heads=4, head_dim=256, window=0, tensor_cores=True)
+
+
+@pytest.mark.parametrize("shape,want", [
+    # shared-system decode, batch 64 over a 2048-key prefix (+ own keys, 37 blocks of 64): cascade
+    (dict(tokens=64, seqs=64, table_width=37, block_size=64, shared=True),
+     AttentionPlan("cascade", warps=8, keys=64, splits=9, own_warps=4)),
+    # the same without groups: 64 x 4 KV heads fill the SMs -> one plain pass, decode warps
+    (dict(tokens=64, seqs=64, table_width=37, block_size=64, shared=False), AttentionPlan("plain", 4, 64)),
+    # a small decode batch with a wide table: split-K over 8 key ranges of 32-key tiles
+    (dict(tokens=4, seqs=4, table_width=32, block_size=64, shared=False), AttentionPlan("split", 1, 32, 8)),
+    (dict(tokens=4, seqs=4, table_width=512, block_size=64, shared=False), AttentionPlan("split", 1, 32, 32)),
+    # ... and with a table one tile wide there is nothing to split
+    (dict(tokens=4, seqs=4, table_width=1, block_size=16, shared=False), AttentionPlan("plain", 4, 64)),
+    # prefill 32 x 2304: 8 warps at head dim 256
+    (dict(tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False), AttentionPlan("plain", 8, 64)),
+])
+def test_attention_default_choices(shape, want):
+    assert attention_plan(DEFAULT, H200_SMS, **ATTN_4B, **shape) == want
+
+
+def test_attention_other_choices():
+    base = dict(tokens=64, seqs=64, q_heads=32, kv_heads=8, head_dim=128, table_width=37, block_size=64,
+                window=0, tensor_cores=True, shared=False)
+    assert attention_plan(DEFAULT, H200_SMS, **{**base, "tokens": 32 * 2304}) == AttentionPlan("plain", 4, 64)
+    assert attention_plan(DEFAULT, H200_SMS, **{**base, "tensor_cores": False}) == AttentionPlan("scalar")
+    # sliding-window decode with groups: no cascade (the groups only describe full attention)
+    small = {**base, "seqs": 4, "tokens": 4, "shared": True, "window": 512}
+    assert attention_plan(DEFAULT, H200_SMS, **small) == AttentionPlan("split", 1, 64, 4)
+    no_cascade = dataclasses.replace(DEFAULT, attn_cascade=False)
+    assert attention_plan(no_cascade, H200_SMS, **{**base, "shared": True}).path == "plain"
+    forced = dataclasses.replace(DEFAULT, attn_split_decode=True, attn_keys_per_tile=((128, 64),))
+    assert attention_plan(forced, H200_SMS, **base) == AttentionPlan("split", 1, 64, 4)
+    # grouped-query ratios above 16 never split; fewer query tokens than sequences counts as decode warps
+    assert attention_plan(forced, H200_SMS, **{**base, "q_heads": 8 * 32}).path == "plain"
+    tiles = dataclasses.replace(DEFAULT, attn_prefill_warps=4, attn_keys_per_tile=((256, 32),))
+    assert attention_plan(tiles, H200_SMS, **ATTN_4B, tokens=100, seqs=2, table_width=4, block_size=64,
+                          shared=False) == AttentionPlan("plain", 4, 32)
+
+
+@pytest.mark.parametrize("bad", [dict(gdn_chunked="yes"), dict(attn_decode_warps=2),
+                                 dict(attn_keys_per_tile=((128, 32),)), dict(attn_split_decode=None)])
+def test_tuning_rejects_what_no_kernel_implements(bad):
+    with pytest.raises(ValueError):
+        CudaTuning(**bad)
+
+
+def test_tuning_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.gdn_chunked = False
+
+
+@pytest.mark.gpu
+def test_every_choice_names_a_compiled_kernel():
+    """On the device: the default tuning is CudaOps' own, and every kernel a choice can name is one that
+    kernels/cuda.py compiles (instantiates) — a renamed template fails here, not mid-run."""
+    cupy = pytest.importorskip("cupy")
+    from prefixrun.kernels import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs CuPy and a CUDA GPU")
+    from prefixrun.kernels import cuda
+
+    ops = cuda.CudaOps("bfloat16")
+    assert ops.tuning == DEFAULT and ops.retuned(gdn_chunked=False).tuning.gdn_chunked is False
+    assert ops.tuning == DEFAULT  # retuned leaves the original alone
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    for dk in (8, 16, 32, 64, 100, 128):
+        launch = delta_rule_launch(DEFAULT, sms, tokens=4, seqs=4, heads=2, dk=dk, dv=64)
+        for t in ("float", "bf16"):
+            assert launch.kernel.format(t=t) in cuda._NAMES["delta_rule"]
+    for d in (64, 128, 256):
+        for tuning in (DEFAULT, dataclasses.replace(DEFAULT, attn_split_decode=True),
+                       dataclasses.replace(DEFAULT, attn_prefill_warps=4, attn_decode_warps=8)):
+            for tokens, seqs, shared in ((64, 64, True), (4, 4, False), (500, 4, False), (64, 64, False)):
+                plan = attention_plan(tuning, sms, tokens=tokens, seqs=seqs, q_heads=16, kv_heads=4, head_dim=d,
+                                      table_width=40, block_size=64, window=0, tensor_cores=True, shared=shared)
+                for warps in {plan.warps, plan.own_warps} - {0}:
+                    assert f"attn_mma_kernel<{d}, {plan.keys}, {warps}>" in cuda._NAMES["attention"]
