@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from contextlib import ExitStack
@@ -21,8 +22,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Offline batch inference that never prefills the same prefix twice.")
 
 
-def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False) -> int | float | None:
-    """'512MiB', '2GB', '1e9' -> bytes; with allow_fraction, '0.25' -> the float 0.25, for the caller to scale."""
+def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False, minimum: int = 0) -> int | float | None:
+    """'512MiB', '2GB', '1e9' -> bytes; with allow_fraction, '0.25' -> the float 0.25, for the caller to scale.
+
+    Raises typer.BadParameter (exit 2, one line) for anything else: words, negative, infinite or NaN sizes, a
+    fraction where none is allowed, or less than `minimum` bytes.
+    """
     if text is None:
         return None
     s = text.strip().lower().replace(" ", "")
@@ -34,17 +39,23 @@ def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False) -> i
             break
     else:
         factor = 1
+    example = "e.g. 512MiB, 2GB" + (", or a fraction like 0.25" if allow_fraction else "")
     try:
         value = float(s)
     except ValueError:
-        raise typer.BadParameter(f"{what}: {text!r} is not a size (e.g. 512MiB, 2GB, or a fraction like 0.25)")
+        raise typer.BadParameter(f"{what}: {text!r} is not a size ({example})")
+    if not math.isfinite(value) or value * factor >= 2 ** 63:
+        raise typer.BadParameter(f"{what}: {text!r} is not a usable size ({example})")
     if value < 0:
         raise typer.BadParameter(f"{what} must not be negative")
     if factor == 1 and 0 < value < 1:
         if not allow_fraction:
-            raise typer.BadParameter(f"{what}: a fraction is not allowed here")
+            raise typer.BadParameter(f"{what}: {text!r} is a fraction; give a size ({example})")
         return value  # the total it is a fraction of is only known later (state memory depends on the device)
-    return int(value * factor)
+    size = int(value * factor)
+    if size < minimum:
+        raise typer.BadParameter(f"{what}: {text!r} is too small (at least {minimum:,} bytes)")
+    return size
 
 
 class _LogToReporter(logging.Handler):
@@ -81,10 +92,13 @@ def _silence_stdout():
         pass
 
 
-def _keep_finished(writer):
-    """Write the results that finished out of order, so --resume can skip them; never raise from here."""
+def _keep_finished(writer, journal=None):
+    """Write the results that finished out of order, so --resume can skip them; never raise from here. Once
+    they are in the output, the journal that also held them is not needed."""
     try:
         writer.write_pending_out_of_order()
+        if journal is not None:
+            journal.discard()
     except OSError:
         pass
 
@@ -98,12 +112,17 @@ def _cache_root(cache_dir: Optional[Path]) -> Path:
 @app.command()
 def batch(
     ctx: typer.Context,
-    input: Annotated[str, typer.Argument(help="JSONL file of requests, or - for stdin")] = "-",
+    input: Annotated[Optional[str], typer.Argument(help="JSONL file of requests, or - for stdin",
+                                                   show_default=False)] = None,
     model: Annotated[Optional[Path], typer.Option("--model", "-m", help="HF model directory (default: the "
                                                   "embedded random-weight demo model)")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="write results here instead of stdout")] = None,
-    resume: Annotated[bool, typer.Option(help="with -o: skip requests whose custom_id already has a result")] = False,
-    unordered: Annotated[bool, typer.Option(help="write results as they finish, not in input order")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="with -o: skip requests whose custom_id already has a "
+                                         "result")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an -o file that already holds "
+                                            "results")] = False,
+    unordered: Annotated[bool, typer.Option("--unordered", help="write results as they finish, not in input "
+                                            "order")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="default max_tokens")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="default temperature (0 = greedy)")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="default top_p")] = None,
@@ -114,6 +133,7 @@ def batch(
     max_batch: Annotated[int, typer.Option(help="sequences decoded together")] = 32,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
     max_prefill_tokens: Annotated[int, typer.Option(help="tokens per prefill step")] = 8192,
+    max_line_bytes: Annotated[str, typer.Option(help="longer input lines get an error record, unread")] = "4MiB",
     checkpoint_budget: Annotated[Optional[str], typer.Option(help="memory for live + retained checkpoints: bytes "
                                                              "(512MiB, 2GB) or a fraction of state memory")] = None,
     state_memory: Annotated[Optional[str], typer.Option(help="memory for all sequence and checkpoint state")] = None,
@@ -127,6 +147,7 @@ def batch(
     dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda); cpu is float32")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
+    from prefixrun.cli.output import OutputError, check_targets
     from prefixrun.engine.errors import ModelLoadError
     from prefixrun.engine.request import InvalidRequest
 
@@ -138,20 +159,23 @@ def batch(
         io.SamplingDefaults(**defaults_cli)  # validate options up front
         if resume and output is None:
             raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
+        if resume and overwrite:
+            raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
         for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
             if v < 1:
                 raise typer.BadParameter(f"{name} must be at least 1")
         budget = _parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True)
-        state_bytes = _parse_bytes(state_memory, "--state-memory")
+        state_bytes = _parse_bytes(state_memory, "--state-memory", minimum=MIN_STATE_MEMORY)
         disk_budget = _parse_bytes(cache_budget, "--cache-budget")
-        source = sys.stdin.buffer if input == "-" else None
-        if source is None and not Path(input).is_file():
-            raise typer.BadParameter(f"input file {input!r} does not exist")
-        if source is None and output is not None and output.exists() and output.resolve() == Path(input).resolve():
-            raise typer.BadParameter("-o names the input file; writing there would destroy the input")
-    except (typer.BadParameter, InvalidRequest) as exc:
+        line_limit = _parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64)
+        source, input_path = _open_input(input, reporter)
+        check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite)
+    except (typer.BadParameter, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    if model is None:
+        reporter.note("no --model given: using the built-in demo model, which has RANDOM weights (its text is "
+                      "meaningless); pass --model DIR for a real model")
     try:
         from prefixrun.cli.batch_run import BatchRun
 
@@ -159,52 +183,122 @@ def batch(
                        max_batch=max_batch, window=window, max_prefill_tokens=max_prefill_tokens,
                        checkpoint_budget=budget, state_memory=state_bytes, reuse=not no_reuse,
                        use_cache=not no_cache, cache_budget=disk_budget, reporter=reporter,
-                       sampling_overrides=defaults_cli)
+                       sampling_overrides=defaults_cli, max_line_bytes=line_limit)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
+        source.close()
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    report = _run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
+    reporter.final(report)
+    if report.get("resumed_skipped_lines"):
+        reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "
+                      f"{output}")
+    if report["requests"] == 0 and report["failed_lines"] == 0 and not report.get("resumed_skipped_lines"):
+        reporter.note("the input holds no requests (it is empty or has only blank lines); nothing was run")
+    if json_report is not None:
+        try:
+            json_report.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:
+            reporter.error(f"cannot write --json-report {json_report}: {exc.strerror or exc}")
+            raise typer.Exit(io.EXIT_FAILURE)
+    raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
+
+
+MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one sequence's state
+
+
+def _open_input(input: str | None, reporter: RunReporter):
+    """(binary stream, the input's path or None for stdin). A terminal on stdin with no input named gets a hint
+    instead of a silent wait."""
+    if input is None:
+        if _stdin_is_terminal():
+            raise typer.BadParameter("no input: give a JSONL file (prefixrun batch FILE), pipe one in "
+                                     "(cat FILE | prefixrun batch), or - to type requests on the terminal")
+        input = "-"
+    if input == "-":
+        if _stdin_is_terminal():
+            reporter.note("reading requests from the terminal, one JSON object per line; end with Ctrl-D")
+        return sys.stdin.buffer, None
+    path = Path(input)
+    if path.is_dir():
+        raise typer.BadParameter(f"input {input} is a directory; give a JSONL file")
+    if not path.exists():
+        raise typer.BadParameter(f"input file {input} does not exist")
+    try:
+        return open(path, "rb"), path
+    except OSError as exc:
+        raise typer.BadParameter(f"input file {input} cannot be read: {exc.strerror or exc}") from None
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):  # closed stdin
+        return False
+
+
+def _run_to_output(run, source, output: Optional[Path], *, resume: bool, unordered: bool,
+                   reporter: RunReporter) -> dict:
+    """Execute the run into stdout or -o. Every way it can end badly ends here with one line and an exit code."""
+    from prefixrun.cli import output as out_files
+
+    journal = None
     with ExitStack() as stack:
+        stack.callback(source.close)
         done_ids: set[str] = set()
         if output is not None:
-            if resume and output.exists():  # a missing file is a fresh run: nothing to resume from yet
-                io.truncate_partial_last_line(output)
+            if resume:
                 try:
-                    done_ids = io.read_completed_ids(output)
+                    done_ids, recovered = out_files.prepare_resume(output)
                 except ValueError as exc:
                     reporter.error(f"--resume: {exc}")
                     raise typer.Exit(io.EXIT_USAGE)
-            out_stream = stack.enter_context(open(output, "a" if resume else "w", encoding="utf-8"))
+                if recovered:
+                    reporter.note(f"--resume: recovered {recovered:,} finished results from the journal of the "
+                                  f"killed run")
+            out_stream, journal = out_files.open_output(output, resume=resume)
+            stack.callback(_close_quietly, out_stream)
+            stack.callback(lambda: journal and journal.close())
         else:
             out_stream = sys.stdout
-        in_stream = source if source is not None else stack.enter_context(open(input, "rb"))
-        writer = io.OrderedWriter(out_stream, ordered=not unordered)
+        writer = io.OrderedWriter(out_stream, ordered=not unordered, journal=journal)
         try:
-            report = run.execute(in_stream, writer, done_ids)
+            report = run.execute(source, writer, done_ids)
+            if output is not None:
+                out_files.finish_output(out_stream, journal)
+            return report
         except BrokenPipeError:
             # the reader of stdout went away (`| head`): stop quietly, as pipeline tools do on SIGPIPE
             reporter.stop()
             _silence_stdout()
             raise typer.Exit(EXIT_BROKEN_PIPE)
         except KeyboardInterrupt:
-            _keep_finished(writer)
+            _keep_finished(writer, journal)
             reporter.stop()
             reporter.error("interrupted; finished results were written (use --resume to continue)")
             raise typer.Exit(io.EXIT_FAILURE)
         except OSError as exc:  # results cannot be written (disk full, closed file, ...)
             reporter.stop()
-            reporter.error(f"cannot write results: {exc.strerror or exc}")
+            where = f"to {output}" if output is not None else "to stdout"
+            reporter.error(f"cannot write results {where}: {exc.strerror or exc}")
+            if output is None:
+                _silence_stdout()  # else the interpreter's last flush of stdout fails again, with a traceback
             raise typer.Exit(io.EXIT_FAILURE)
         except Exception as exc:  # the run cannot continue: keep what finished, say why
-            _keep_finished(writer)
+            _keep_finished(writer, journal)
             reporter.stop()
             reporter.error(f"run aborted: {type(exc).__name__}: {exc}")
             if os.environ.get("PREFIXRUN_DEBUG"):
                 raise
             raise typer.Exit(io.EXIT_FAILURE)
-    reporter.final(report)
-    if json_report is not None:
-        json_report.write_text(json.dumps(report, indent=2) + "\n")
-    raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
+
+
+def _close_quietly(stream):
+    """Close an output file whose last flush may fail again (disk full): the error was already reported."""
+    try:
+        stream.close()
+    except OSError:
+        pass
 
 
 @app.command("make-model")
@@ -216,19 +310,41 @@ def make_model(
     dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32")] = "bfloat16",
     shards: Annotated[int, typer.Option(help="number of safetensors shards")] = 1,
     composite: Annotated[bool, typer.Option(help="write the Qwen3.5 vision-language composite layout")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the model files of a folder that is "
+                                            "not empty")] = False,
 ):
     """Write a complete HF model directory with seeded random weights (for tests, benchmarks and demos)."""
+    from prefixrun.cli.report import literal
     from prefixrun.engine.errors import ModelLoadError
     from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 
+    reporter = RunReporter()
     try:
+        if shards < 1:
+            raise ValueError(f"--shards must be at least 1, got {shards}")
+        if init_std is not None and not (math.isfinite(init_std) and init_std > 0):
+            raise ValueError(f"--init-std must be a positive number, got {init_std}")
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"{out_dir} exists and is not a directory")
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            if not overwrite:
+                raise ValueError(f"{out_dir} is not empty; pass --overwrite to replace the model files in it")
+            _remove_model_files(out_dir)
         raw = json.loads(config.read_text()) if config else TINY_QWEN3_5
         path = make_model_dir(out_dir, raw, seed=seed, init_std=init_std, dtype=dtype, shards=shards,
                               composite=composite)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
-    typer.echo(f"wrote {path}", err=True)
+    reporter.console.print(literal(f"wrote {path}"), soft_wrap=True)
+
+
+def _remove_model_files(folder: Path):
+    """The files make-model writes (and stale shards of an earlier --shards), never anything else of the folder."""
+    for pattern in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja", "model*.safetensors", "model.safetensors.index.json"):
+        for path in folder.glob(pattern):
+            path.unlink()
 
 
 @app.command("inspect-cache")
@@ -265,16 +381,29 @@ def bench(
     dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda)")] = None,
     max_batch: Annotated[int, typer.Option(help="sequences decoded together")] = 64,
     no_reuse: Annotated[bool, typer.Option("--no-reuse", help="prefill every request from scratch")] = False,
-    compare_transformers: Annotated[bool, typer.Option(help="also time transformers on the same workload")] = False,
-    transformers_batch: Annotated[int, typer.Option(help="requests per transformers generate() call")] = 32,
+    compare_transformers: Annotated[bool, typer.Option("--compare-transformers", help="also time transformers on "
+                                                       "the same workload")] = False,
+    transformers_batch: Annotated[int, typer.Option("--transformers-batch", help="requests per transformers "
+                                                    "generate() call")] = 32,
     repeat: Annotated[int, typer.Option(help="timed repetitions (the best is reported)")] = 1,
-    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="replay decode steps as CUDA graphs")] = True,
+    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="replay decode steps as CUDA graphs "
+                                         "(default: on)", show_default=False)] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the figures as JSON here")] = None,
 ):
     """Time a workload: wall time, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM
     roofline, and (optionally) the ratio to transformers on the same model directory."""
     from prefixrun.cli.bench import run_bench
 
+    reporter = RunReporter()
+    try:
+        _check_bench_workload(workload)
+        if json_out is not None:
+            from prefixrun.cli.output import check_target
+
+            check_target(json_out, "--json")
+    except (ValueError, OSError) as exc:
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
     figures = run_bench(workload, model, device=device, dtype=dtype, max_batch=max_batch, reuse=not no_reuse,
                         transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat,
                         graphs=graphs)
@@ -282,6 +411,43 @@ def bench(
     print(text)
     if json_out is not None:
         json_out.write_text(text + "\n")
+
+
+def _check_bench_workload(workload: Path):
+    """bench times token-id workloads (their token counts must not depend on a tokenizer): say so in one line."""
+    if workload.is_dir():
+        raise ValueError(f"workload {workload} is a directory; give a JSONL file")
+    with open(workload, "rb") as f:
+        for line_no, data in enumerate(f, start=1):
+            if not data.strip():
+                continue
+            try:
+                line = json.loads(data)
+            except ValueError:
+                raise ValueError(f"workload {workload}, line {line_no}: not a JSON object") from None
+            ids = line.get("prompt_token_ids") if isinstance(line, dict) else None
+            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+                raise ValueError(f"workload {workload}, line {line_no}: bench needs prompt_token_ids (a list of "
+                                 f"token ids); for prompt text use `prefixrun batch ... --json-report FILE`")
+
+
+def _version_callback(value: bool):
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"prefixrun {version('prefixrun')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("prefixrun (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
+                                          help="print the version and exit")] = False,
+):
+    """Offline batch inference that never prefills the same prefix twice."""
 
 
 def main():

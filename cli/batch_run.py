@@ -16,7 +16,7 @@ from prefixrun.engine.request import InvalidRequest, Request
 class BatchRun:
     def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int, window: int,
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
-                 cache_budget, reporter, sampling_overrides: dict):
+                 cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES):
         from prefixrun.engine import loader
         from prefixrun.engine.model_maker import ensure_default_model
         from prefixrun.engine.runner import Engine, EngineOptions
@@ -64,6 +64,8 @@ class BatchRun:
                              make_detokenizer=self._detokenizer, options=opts, persist=persist)
         self.failed = 0
         self.done = 0
+        self.skipped = 0  # lines that already had a result (--resume)
+        self.max_line_bytes = max_line_bytes
 
     def _detokenizer(self):
         from prefixrun.engine.tokenizer import StreamDetokenizer
@@ -95,13 +97,15 @@ class BatchRun:
         started = time.perf_counter()
         seen: set[str] = set()
         window: list[tuple[io.ParsedRequest, Request]] = []
-        for raw in io.iter_input_lines(source):
+        self.reporter.watch(self.engine.stats)
+        for raw in io.iter_input_lines(source, self.max_line_bytes):
             item = io.parse_line(raw, self.defaults, seen)
             if isinstance(item, io.LineError):
                 self._error(writer, item)
                 continue
             if item.custom_id in done_ids:
                 writer.skip(item.index)
+                self.skipped += 1
                 continue
             try:
                 window.append((item, self._to_request(item)))
@@ -136,11 +140,13 @@ class BatchRun:
                                                       created=created))
             self.done += 1
             self.reporter.advance(self.done, self.engine.stats)
+        self.reporter.window_done()
 
     def _report(self, wall: float) -> dict:
         s, p = self.engine.stats, self.engine.pool.stats
         report = {
-            "requests": s.requests, "failed_lines": self.failed, "prompt_tokens": s.prompt_tokens,
+            "requests": s.requests, "failed_lines": self.failed, "resumed_skipped_lines": self.skipped,
+            "prompt_tokens": s.prompt_tokens,
             "distinct_prefix_tokens": s.distinct_prefix_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,
             "reused_tokens": s.reused_tokens, "reused_from_disk_tokens": s.reused_from_disk_tokens,
             "completion_tokens": s.completion_tokens,

@@ -147,7 +147,9 @@ class RawLine:
 
     index: int  # 0-based among non-blank lines: the output position
     line_no: int  # 1-based physical line number, blank lines included
-    data: bytes
+    data: bytes  # for a line over the byte limit: only its first bytes (to read a custom_id from)
+    oversize_bytes: int = 0  # the whole line's length when it is over the byte limit (it was never held whole)
+    byte_limit: int = 0  # the limit it was over
 
 
 @dataclass(frozen=True)
@@ -221,15 +223,42 @@ class _LineRejected(Exception):
 # Input
 
 
-def iter_input_lines(source: BinaryIO) -> Iterator[RawLine]:
-    """Yield the non-blank lines of `source` one at a time, with their output index and 1-based line number."""
+DEFAULT_MAX_LINE_BYTES = 4 << 20
+"""4 MiB: a whole 262k-token context as text or as prompt_token_ids fits; `--max-line-bytes` changes it."""
+_OVERSIZE_HEAD_BYTES = 4096  # kept of an oversize line, to name its custom_id in the error record
+_DRAIN_CHUNK = 1 << 20
+_LEADING_CUSTOM_ID = re.compile(rb'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,1000}"|-?\d{1,30})\s*,')
+
+
+def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[RawLine]:
+    """Yield the non-blank lines of `source` one at a time, with their output index and 1-based line number.
+
+    A line longer than `max_line_bytes` (newline not counted) is never held whole: it is read in chunks and
+    dropped, and comes back with `oversize_bytes` set and only its first bytes, so that a 100 MB line costs no
+    more memory than a short one.
+    """
     index = 0
-    for line_no, data in enumerate(source, start=1):
+    line_no = 0
+    while True:
+        data = source.readline(max_line_bytes + 1)
+        if not data:
+            return
+        line_no += 1
         if line_no == 1 and data.startswith(_UTF8_BOM):
             data = data[len(_UTF8_BOM):]
-        if not data.strip():
+        oversize = 0
+        if len(data) > max_line_bytes and not data.endswith(b"\n"):
+            oversize, head = len(data), data[:_OVERSIZE_HEAD_BYTES]
+            while not data.endswith(b"\n"):
+                data = source.readline(_DRAIN_CHUNK)
+                if not data:
+                    break
+                oversize += len(data)
+            oversize -= 1 if data.endswith(b"\n") else 0
+            data = head
+        elif not data.strip():
             continue
-        yield RawLine(index=index, line_no=line_no, data=data)
+        yield RawLine(index=index, line_no=line_no, data=data, oversize_bytes=oversize, byte_limit=max_line_bytes)
         index += 1
 
 
@@ -248,6 +277,8 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> 
     `seen_ids` holds the custom_ids of earlier lines; this line's id is added to it as soon as it is known to be
     new (even if the line has another error), so that every custom_id in the output is unique.
     """
+    if raw.oversize_bytes:
+        return _oversize_line_error(raw, seen_ids)
     custom_id: str | None = None
     openai_shape = False
     try:
@@ -280,6 +311,25 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> 
         prompt_token_ids=token_ids,
         sampling=sampling,
     )
+
+
+def _oversize_line_error(raw: RawLine, seen_ids: set[str]) -> LineError:
+    """The error record of a line over the byte limit, with its custom_id when the line starts with one."""
+    custom_id = None
+    match = _LEADING_CUSTOM_ID.match(raw.data)
+    if match:
+        try:
+            value = json.loads(match.group(1))
+        except ValueError:
+            value = None
+        candidate = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) and value != "" \
+            else None
+        if candidate is not None and candidate not in seen_ids:
+            custom_id = candidate
+            seen_ids.add(candidate)
+    return LineError(raw.index, raw.line_no, custom_id,
+                     f"line is {raw.oversize_bytes:,} bytes, over the limit of {raw.byte_limit:,} bytes "
+                     f"(--max-line-bytes)")
 
 
 def make_error(parsed_or_raw: ParsedRequest | RawLine, message: str) -> LineError:
@@ -644,6 +694,11 @@ def _derived_id(prefix: str, custom_id: str) -> str:
     return f"{prefix}{digest[:32]}"
 
 
+def is_success_record(record: Any) -> bool:
+    """A result line that --resume counts as done (not an error record)."""
+    return _is_success_record(record)
+
+
 def _is_success_record(record: Any) -> bool:
     if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str) or record.get("error") is not None:
         return False
@@ -668,8 +723,11 @@ class OrderedWriter:
     repairs). `stream` may be a text stream or a binary one. Not thread-safe: call it from one thread.
     """
 
-    def __init__(self, stream: TextIO | BinaryIO, ordered: bool = True):
+    def __init__(self, stream: TextIO | BinaryIO, ordered: bool = True, journal=None):
         self._stream = stream
+        # Ordered mode: a record that must wait for an earlier line is also appended to the journal at once
+        # (anything with an `add(line)`, see cli/output.py), so a killed run loses only the lines in flight.
+        self._journal = journal
         mode = getattr(stream, "mode", "")
         self._binary = isinstance(stream, (io.RawIOBase, io.BufferedIOBase)) or (isinstance(mode, str) and "b" in mode)
         self.ordered = ordered
@@ -747,6 +805,8 @@ class OrderedWriter:
             raise ValueError(f"a record for index {index} was already added")
         self._pending[index] = entry
         self._pending_records += entry is not None
+        if entry is not None and index != self._next_index and self._journal is not None:
+            self._journal.add(entry[0])
         wrote_any = False
         while self._next_index in self._pending:
             ready = self._pending.pop(self._next_index)

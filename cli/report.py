@@ -2,15 +2,20 @@
 
 Everything goes through one Rich console bound to stderr, so stdout carries results only. Rich itself honours
 NO_COLOR and TERM=dumb; on a non-terminal stderr there is no live bar, only the final report.
+
+Every message is built as a rich `Text`, never parsed as markup: custom_ids, field values, file and cache paths
+come from users and may contain `[...]` (`[/b]` would otherwise crash the run, `[red]` vanish).
 """
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 
 def human_bytes(n: float) -> str:
@@ -21,80 +26,151 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def literal(text: str, style: str = "") -> Text:
+    """User-derived text for Rich, printed exactly as given (no markup, no emoji codes)."""
+    return Text(str(text), style=style)
+
+
 class RunReporter:
-    """Progress while requests finish, then the final report. `quiet` keeps only errors."""
+    """Progress while requests finish, then the final report. `quiet` keeps only errors.
+
+    The live view has two rows: prefill tokens computed (it moves while a long shared prefix is prefilled, before
+    any request has finished) and requests finished. A background thread refreshes both from the engine's stats.
+    """
+
+    POLL_SECONDS = 0.25
 
     def __init__(self, quiet: bool = False, total: int | None = None):
-        self.console = Console(file=sys.stderr, stderr=True, highlight=False)
+        self.console = Console(file=sys.stderr, stderr=True, highlight=False, emoji=False)
         self.quiet = quiet
         self.started = time.perf_counter()
         self._progress = None
+        self._stats = None
+        self._done = 0
+        self._poller: threading.Thread | None = None
+        self._stop_polling = threading.Event()
         if not quiet and self.console.is_terminal:
+            # Column templates are our own text; the only values in them are numbers we format.
             self._progress = Progress(
-                TextColumn("[bold]prefixrun"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]} tok/s · reuse {task.fields[reuse]}"), TimeElapsedColumn(),
-                TimeRemainingColumn(), console=self.console, transient=True)
-            self._task = self._progress.add_task("requests", total=total, rate="0", reuse="0%")
+                TextColumn("[bold]{task.description:>8}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                console=self.console, transient=True)
+            self._prefill_task = self._progress.add_task("prefill", total=None, info="tokens")
+            self._task = self._progress.add_task("requests", total=total, info="0 tok/s · reuse 0%")
             self._progress.start()
 
-    def advance(self, done: int, stats):
-        if self._progress is None:
+    # ---- progress ---------------------------------------------------------------------------------------------
+    def watch(self, stats) -> None:
+        """Follow an engine's RunStats (computed_prompt_tokens, distinct_prefix_tokens, ...) while it runs."""
+        self._stats = stats
+        if self._progress is None or self._poller is not None:
             return
+        self._poller = threading.Thread(target=self._poll, name="prefixrun-progress", daemon=True)
+        self._poller.start()
+
+    def _poll(self):
+        while not self._stop_polling.wait(self.POLL_SECONDS):
+            try:
+                self._refresh()
+            except Exception:  # a progress bar must never break the run
+                return
+
+    def _refresh(self, window_finished: bool = False):
+        progress, stats = self._progress, self._stats
+        if progress is None or stats is None:
+            return
+        computed, ideal = stats.computed_prompt_tokens, stats.distinct_prefix_tokens
+        # The ideal (distinct prefix tokens) is known once a window is planned; recomputation after an eviction,
+        # or less work thanks to the disk cache, moves the real count off it, so the total follows the count.
+        total = max(ideal, computed)
+        progress.update(self._prefill_task, total=total or None,
+                        completed=total if window_finished else computed)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         tokens = stats.computed_prompt_tokens + stats.completion_tokens
         reuse = stats.reused_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
-        self._progress.update(self._task, completed=done, rate=f"{tokens / elapsed:,.0f}", reuse=f"{reuse:.0%}")
+        progress.update(self._task, completed=self._done, info=f"{tokens / elapsed:,.0f} tok/s · reuse {reuse:.0%}")
+
+    def advance(self, done: int, stats):
+        self._done, self._stats = done, stats
+        if self._progress is not None:
+            self._refresh()
+
+    def window_done(self):
+        """Every request of the planned window finished: its prefill is complete, whatever the estimate said."""
+        if self._progress is not None:
+            self._refresh(window_finished=True)
 
     def set_total(self, total: int):
         if self._progress is not None:
             self._progress.update(self._task, total=total)
 
+    # ---- messages ---------------------------------------------------------------------------------------------
     def error(self, message: str):
         # soft_wrap: one line per message, never broken at the console width (logs are grepped)
-        self.console.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
+        self.console.print(Text.assemble(("error:", "red"), " ", literal(message)), soft_wrap=True)
 
     def warn(self, message: str):
         if not self.quiet:
-            self.console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+            self.console.print(Text.assemble(("warning:", "yellow"), " ", literal(message)), soft_wrap=True)
+
+    def note(self, message: str):
+        """Information the person should see once (not a problem); hidden by --quiet."""
+        if not self.quiet:
+            self.console.print(Text.assemble(("note:", "cyan"), " ", literal(message)), soft_wrap=True)
 
     def stop(self):
+        self._stop_polling.set()
+        if self._poller is not None:
+            self._poller.join(timeout=1)
+            self._poller = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
 
+    # ---- the final table ------------------------------------------------------------------------------------
     def final(self, report: dict):
         self.stop()
         if self.quiet:
             return
-        t = Table(title="prefixrun report", show_header=False, title_justify="left")
-        t.add_column("what", style="bold")
-        t.add_column("value", justify="right")
-        pt = report["prompt_tokens"] or 1
-        t.add_row("requests", f"{report['requests']:,} ok, {report['failed_lines']:,} failed")
-        t.add_row("prompt tokens", f"{report['prompt_tokens']:,}")
-        t.add_row("distinct prefix tokens (ideal prefill)", f"{report['distinct_prefix_tokens']:,}")
-        t.add_row("computed prefill tokens", f"{report['computed_prompt_tokens']:,} "
-                  f"({report['computed_prompt_tokens'] / max(report['distinct_prefix_tokens'], 1):.2f}× ideal)")
-        t.add_row("reused tokens", f"{report['reused_tokens']:,} ({report['reused_tokens'] / pt:.1%}); "
-                  f"from disk {report['reused_from_disk_tokens']:,}, "
-                  f"from memory {report['reused_tokens'] - report['reused_from_disk_tokens']:,}")
-        t.add_row("checkpoints saved / restored / evicted",
-                  f"{report['checkpoints_saved']:,} / {report['checkpoints_restored']:,} / "
-                  f"{report['checkpoints_evicted']:,}")
-        t.add_row("checkpoint bytes saved / evicted / peak",
-                  f"{human_bytes(report['checkpoint_bytes_saved'])} / {human_bytes(report['checkpoint_bytes_evicted'])}"
-                  f" / {human_bytes(report['peak_checkpoint_bytes'])}")
-        cache = report.get("cache")
-        if cache:
-            size = (f"{cache['entries']:,} entries, {human_bytes(cache['bytes'])}" if cache["entries"] is not None
-                    else "size unknown")
-            t.add_row("disk cache", f"{size}"
-                      f"{' of ' + human_bytes(cache['budget_bytes']) if cache.get('budget_bytes') else ''}; "
-                      f"{cache['hits']} hits, {cache['written']} written, {cache['corrupt']} bad entries moved aside")
-            if cache.get("error"):
-                t.add_row("disk cache error", f"{cache['error']} (the run went on without the cache)")
-        t.add_row("prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s")
-        t.add_row("decode", f"{report['decode_tokens_per_second']:,.0f} tok/s "
-                  f"({report['completion_tokens']:,} tokens)")
-        t.add_row("wall time", f"{report['wall_seconds']:.2f} s")
-        self.console.print(t)
+        self.console.print(report_table(report))
+
+
+def report_table(report: dict) -> Table:
+    """The end-of-run table. Labels never wrap (an 80-column terminal folds the values instead)."""
+    t = Table(title="prefixrun report", show_header=False, title_justify="left")
+    t.add_column("what", style="bold", no_wrap=True)
+    t.add_column("value", justify="right", overflow="fold")
+
+    def row(label: str, value: str):
+        t.add_row(label, literal(value))
+
+    pt = report["prompt_tokens"] or 1
+    row("requests", f"{report['requests']:,} ok, {report['failed_lines']:,} failed")
+    if report.get("resumed_skipped_lines"):
+        row("skipped (--resume)", f"{report['resumed_skipped_lines']:,} lines already had results")
+    row("prompt tokens", f"{report['prompt_tokens']:,}")
+    row("ideal prefill tokens", f"{report['distinct_prefix_tokens']:,} (distinct prefix tokens)")
+    row("computed prefill", f"{report['computed_prompt_tokens']:,} "
+        f"({report['computed_prompt_tokens'] / max(report['distinct_prefix_tokens'], 1):.2f}× ideal)")
+    row("reused tokens", f"{report['reused_tokens']:,} ({report['reused_tokens'] / pt:.1%}); "
+        f"from disk {report['reused_from_disk_tokens']:,}, "
+        f"from memory {report['reused_tokens'] - report['reused_from_disk_tokens']:,}")
+    row("checkpoints", f"{report['checkpoints_saved']:,} saved / {report['checkpoints_restored']:,} restored / "
+        f"{report['checkpoints_evicted']:,} evicted")
+    row("checkpoint bytes", f"{human_bytes(report['checkpoint_bytes_saved'])} saved / "
+        f"{human_bytes(report['checkpoint_bytes_evicted'])} evicted / {human_bytes(report['peak_checkpoint_bytes'])}"
+        f" peak")
+    cache = report.get("cache")
+    if cache:
+        size = (f"{cache['entries']:,} entries, {human_bytes(cache['bytes'])}" if cache["entries"] is not None
+                else "size unknown")
+        budget = f" of {human_bytes(cache['budget_bytes'])}" if cache.get("budget_bytes") else ""
+        row("disk cache", f"{size}{budget}; {cache['hits']} hits, {cache['written']} written, "
+            f"{cache['corrupt']} bad entries moved aside")
+        row("cache dir", str(cache["dir"]))
+        if cache.get("error"):
+            row("disk cache error", f"{cache['error']} (the run went on without the cache)")
+    row("prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s")
+    row("decode", f"{report['decode_tokens_per_second']:,.0f} tok/s ({report['completion_tokens']:,} tokens)")
+    row("wall time", f"{report['wall_seconds']:.2f} s")
+    return t

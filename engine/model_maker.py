@@ -180,22 +180,53 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
 
 
 # The embedded default: a small Qwen3.5-architecture model with random weights (its text is meaningless; it
-# exists so that `prefixrun batch` runs out of the box and shows prefix reuse). Bump the version to rebuild it.
-DEFAULT_MODEL_VERSION = 1
+# exists so that `prefixrun batch` runs out of the box and shows prefix reuse). Its folder is named by a digest of
+# everything that defines it, so a change to any of them makes a new folder instead of reusing a stale one. Bump
+# DEFAULT_MODEL_FORMAT when the code that writes a model directory (weight init, files written) changes.
+DEFAULT_MODEL_FORMAT = 2
+DEFAULT_MODEL_SEED = 20261129
+DEFAULT_MODEL_INIT_STD = 0.05
 DEFAULT_MODEL_CONFIG = {**TINY_QWEN3_5, "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
                         "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim": 32,
                         "linear_value_head_dim": 32, "max_position_embeddings": 32768}
 
 
+def default_model_digest() -> str:
+    """SHA-256 over labelled fields: config, seed, weight scale, the tokenizer's training text and settings."""
+    import hashlib
+
+    import tokenizers
+
+    from prefixrun.engine import tokenizer_maker as tm
+
+    h = hashlib.sha256()
+
+    def field(name: str, value: bytes):
+        h.update(name.encode() + b"\0" + len(value).to_bytes(8, "little") + value)
+
+    field("format", str(DEFAULT_MODEL_FORMAT).encode())
+    field("config", json.dumps(DEFAULT_MODEL_CONFIG, sort_keys=True).encode())
+    field("seed", str(DEFAULT_MODEL_SEED).encode())
+    field("init_std", repr(DEFAULT_MODEL_INIT_STD).encode())
+    field("corpus", tm.default_corpus_bytes())
+    field("tokenizer", json.dumps([tm.SPECIAL_TOKENS, tm.CHAT_TEMPLATE, tm.MODEL_MAX_LENGTH,
+                                   tokenizers.__version__]).encode())
+    return h.hexdigest()
+
+
+def default_model_dir(cache_root: Path) -> Path:
+    return Path(cache_root) / "models" / f"default-qwen3_5-{default_model_digest()[:16]}"
+
+
 def ensure_default_model(cache_root: Path) -> Path:
     """The embedded default model directory under `cache_root`, created on first use (atomically: a concurrent
     first use by another process either wins the rename or finds the finished directory)."""
-    target = Path(cache_root) / "models" / f"default-qwen3_5-v{DEFAULT_MODEL_VERSION}"
+    target = default_model_dir(cache_root)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + f".{os.getpid()}.partial")
-    make_model_dir(tmp, DEFAULT_MODEL_CONFIG, seed=20261129, init_std=0.05)
+    make_model_dir(tmp, DEFAULT_MODEL_CONFIG, seed=DEFAULT_MODEL_SEED, init_std=DEFAULT_MODEL_INIT_STD)
     try:
         os.rename(tmp, target)
     except OSError:  # another process finished first

@@ -10,6 +10,7 @@ exactly, so emoji, accents and code survive a round trip even with a 512-entry v
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 from tokenizers import AddedToken
@@ -94,60 +95,21 @@ CHAT_TEMPLATE = """\
 {%- endif %}
 """
 
-# Used when the package is installed without sample_prompts/ next to it: a little prose, code and
-# non-ASCII text so the merges still cover the kinds of text the tests and demos tokenize.
-_BUILTIN_PARAGRAPHS = (
-    "The quick brown fox jumps over the lazy dog. A batch of prompts often starts with the same system "
-    "message, so computing that prefix once and reusing it saves most of the prefill work.",
-    "Customer support: my order arrived damaged and I would like a replacement or a refund, please. "
-    "The tracking number says it was delivered on Tuesday, but the box was left in the rain.",
-    "Question: What is the capital of France?\nAnswer: Paris.\nQuestion: How many legs does a spider have?\n"
-    "Answer: Eight.",
-    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-    "for (int i = 0; i < n; ++i) {\n    sum += values[i] * weights[i];\n}\nreturn sum / n;\n",
-    '{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}',
-    "Café, naïve, résumé, façade, jalapeño, Zürich, São Paulo, Kraków, Ελληνικά, русский, 日本語, 中文, 한국어.",
-    "Emoji also need to round-trip: 🙂 👍🏽 🚀 ❤️ 🇩🇪 — and so do dashes, “quotes” and ellipses…",
-    "Numbers and dates: 2024-03-15, 3.14159, 1,000,000, 42%, $19.99, 10:45 PM, version 2.0.1.",
-    "Summarize the following document in three sentences. Focus on the decisions that were made and who "
-    "is responsible for each follow-up action.",
-)
+# The training text of every tokenizer this module makes by default, shipped inside the package (package data):
+# one JSON string per line (the prompts and message contents of sample_prompts/ when it was written, plus prose,
+# code and non-ASCII text). Reading it from the package, never from a folder beside the code, makes the default
+# model identical whether prefixrun was installed from a wheel, a source tree or in editable mode.
+CORPUS_FILE = "tokenizer_corpus.jsonl"
 
 
 def default_corpus() -> list[str]:
-    """Texts to train the test tokenizer on: the sample prompts (when shipped next to the package) plus a
-    built-in paragraph list, so an installed wheel without sample_prompts/ still trains a usable tokenizer."""
-    texts: list[str] = []
-    sample_dir = Path(__file__).resolve().parents[1] / "sample_prompts"
-    if sample_dir.is_dir():
-        for jsonl_path in sorted(sample_dir.glob("*.jsonl")):
-            texts.extend(_texts_of_jsonl(jsonl_path))
-    texts.extend(_BUILTIN_PARAGRAPHS)
-    return texts
+    """The texts to train the default tokenizer on (the packaged tokenizer_corpus.jsonl)."""
+    return [json.loads(line) for line in default_corpus_bytes().decode("utf-8").splitlines() if line.strip()]
 
 
-def _texts_of_jsonl(path: Path) -> list[str]:
-    """The prompt strings and message contents of a request file; lines that are not requests are skipped,
-    since this only feeds tokenizer training."""
-    texts = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        if isinstance(record.get("prompt"), str):
-            texts.append(record["prompt"])
-        for message in record.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                texts.append(content)
-            elif isinstance(content, list):
-                texts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return texts
+def default_corpus_bytes() -> bytes:
+    """The packaged corpus file as stored (the default model's name is derived from a digest of it)."""
+    return resources.files("prefixrun.engine").joinpath(CORPUS_FILE).read_bytes()
 
 
 def write_tokenizer_files(out_dir: Path, vocab_size: int, corpus: list[str]) -> dict:

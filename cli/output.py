@@ -1,0 +1,198 @@
+"""Where results go: checking output targets before any work, opening `-o` without destroying old results, and
+the journal that makes every finished result durable the moment it finishes.
+
+Promises (docs/RELIABILITY.md lists the faults the tests inject):
+- `-o` and `--json-report` are checked before the model is loaded: a missing directory, a directory, an
+  unwritable place, or the input file itself (same device and inode: hard links and symlinks included) is a usage
+  error (exit 2) with one line.
+- An existing non-empty `-o` is never replaced silently: without `--resume` the run refuses to start unless
+  `--overwrite` is given (an explicit request to replace it).
+- In ordered mode a result that finishes before an earlier line waits in memory; it is also appended at once to
+  a journal beside the output (`<output>.journal`). A killed run leaves output + journal; `--resume` moves the
+  journal's results into the output first, so only the requests that were in flight run again. A run that ends
+  (normally or aborted with its finished results written) removes the journal.
+Durability is against the process dying (every line is flushed to the OS); a machine crash may lose the last
+lines, which `--resume` then recomputes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from prefixrun.cli import io
+
+
+class OutputError(Exception):
+    """An output target that cannot be used; the message is one line for the person who gave it."""
+
+
+JOURNAL_SUFFIX = ".journal"
+
+
+def journal_path(output: Path) -> Path:
+    return output.with_name(output.name + JOURNAL_SUFFIX)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks before any work
+
+
+def check_target(path: Path, option: str) -> None:
+    """Raise OutputError unless `path` can be written as a file (created, or an existing file/device appended)."""
+    if path.is_dir():
+        raise OutputError(f"{option} {path} is a directory; give a file name")
+    parent = path.absolute().parent
+    if not parent.exists():
+        raise OutputError(f"{option} {path}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise OutputError(f"{option} {path}: {parent} is not a directory")
+    try:
+        if path.exists():
+            # Opening for append changes nothing, and tells what os.access cannot (root, read-only mounts).
+            with open(path, "ab"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".prefixrun-probe-", dir=parent)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"{option} {path} cannot be written: {exc.strerror or exc}") from None
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (same device and inode; follows symlinks, sees hard links)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def check_targets(input_path: Path | None, output: Path | None, json_report: Path | None, *, resume: bool,
+                  overwrite: bool) -> None:
+    """Every check on -o / --json-report that can be made before the model is loaded."""
+    named = [(p, opt) for p, opt in ((output, "-o"), (json_report, "--json-report")) if p is not None]
+    for path, option in named:
+        check_target(path, option)
+        if input_path is not None and same_file(path, input_path):
+            raise OutputError(f"{option} {path} is the input file; writing there would destroy the input")
+    if output is not None and json_report is not None and same_file(output, json_report):
+        raise OutputError(f"-o and --json-report name the same file ({output})")
+    if output is not None and not resume and not overwrite and _holds_results(output):
+        raise OutputError(f"-o {output} already holds results; pass --resume to continue it or --overwrite to "
+                          f"replace it")
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _holds_results(output: Path) -> bool:
+    """A non-empty regular file, or the journal a killed run left beside it."""
+    for path in (output, journal_path(output)):
+        if _is_regular(path) and os.stat(path).st_size > 0:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The journal
+
+
+class Journal:
+    """Results that finished but wait for an earlier line, appended (and flushed) as they finish."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = None
+
+    def add(self, line: str) -> None:
+        if self._file is None:
+            self._file = open(self.path, "ab")
+        self._file.write(line.encode("utf-8"))
+        self._file.flush()
+
+    def discard(self) -> None:
+        """The output now holds every journaled result: remove the journal."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+
+def open_output(output: Path, *, resume: bool):
+    """(stream, journal or None). The journal exists only for regular files (not /dev/stdout, FIFOs, ...)."""
+    regular = _is_regular(output) or not output.exists()
+    stream = open(output, "a" if resume else "w", encoding="utf-8")
+    if not regular:
+        return stream, None
+    journal = Journal(journal_path(output))
+    if not resume:  # a fresh (or --overwrite) run: a journal left by an older run belongs to the replaced output
+        journal.path.unlink(missing_ok=True)
+    return stream, journal
+
+
+def finish_output(stream, journal: Journal | None) -> None:
+    """After the writer wrote everything: make the output durable, then drop the journal."""
+    stream.flush()
+    if journal is not None:
+        try:
+            os.fsync(stream.fileno())
+        except OSError:
+            pass
+        journal.discard()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resuming
+
+
+def recover_journal(output: Path) -> int:
+    """Move the successful results of a killed run's journal into the output (each custom_id once), then remove
+    the journal. Returns how many results were moved."""
+    journal = journal_path(output)
+    if not journal.is_file():
+        return 0
+    if output.exists():
+        io.truncate_partial_last_line(output)
+    done = io.read_completed_ids(output)
+    moved = 0
+    with open(output, "ab") as out, open(journal, "rb") as src:
+        for data in src:
+            if not data.endswith(b"\n"):
+                break  # a write cut short by the kill
+            try:
+                record = json.loads(data)
+            except ValueError:
+                continue  # the journal is ours; a damaged line is a result to recompute, not a reason to stop
+            if io.is_success_record(record) and record["custom_id"] not in done:
+                out.write(data)
+                done.add(record["custom_id"])
+                moved += 1
+        out.flush()
+        os.fsync(out.fileno())
+    journal.unlink()
+    return moved
+
+
+def prepare_resume(output: Path) -> tuple[set[str], int]:
+    """(custom_ids that already have a result, results recovered from a journal). Raises ValueError for a file
+    that is not a prefixrun output."""
+    if not output.exists() and not journal_path(output).exists():
+        return set(), 0  # a fresh run: nothing to resume from yet
+    recovered = recover_journal(output)
+    if output.exists():
+        io.truncate_partial_last_line(output)
+    return io.read_completed_ids(output), recovered
