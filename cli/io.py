@@ -86,7 +86,14 @@ A line that cannot be run gives an error record in its place, and the rest of th
 Resuming
 ========
 `--resume` reads an existing output file, skips every request that already has a successful result there, and
-appends the rest. A last line without its newline (a run killed mid-write) is cut off first.
+appends the rest. A last line without its newline (a run killed mid-write) is cut off first. Results that had
+finished but were waiting for an earlier line are in `<output>.journal` (cli/output.py); `--resume` moves them into
+the output first. Without `--resume`, an output that already holds results needs `--overwrite`.
+
+Limits
+======
+A line longer than `--max-line-bytes` (DEFAULT_MAX_LINE_BYTES, 4 MiB) gets an error record in its place; it is
+read in chunks and dropped, never held in memory whole.
 
 Exit codes
 ==========

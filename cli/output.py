@@ -63,11 +63,12 @@ def check_target(path: Path, option: str) -> None:
 
 
 def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (same device and inode; follows symlinks, sees hard links)."""
+    """Whether two paths name one file (same device and inode; follows symlinks, sees hard links). Paths that do
+    not exist yet are compared by their resolved names."""
     try:
         sa, sb = os.stat(a), os.stat(b)
     except OSError:
-        return False
+        return os.path.realpath(a) == os.path.realpath(b)
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 

@@ -1,0 +1,523 @@
+"""Faults a user (or an adversary) brings to the command line, and what the tool promises for each
+(docs/RELIABILITY.md is the table of these promises).
+
+Markup in user text, output targets (missing directory, a directory, unwritable, the input itself, an existing
+result file), SIGKILL in ordered mode (the journal), disk full, oversize input lines, the default model in a
+non-editable install, and the small frictions (--version, empty input, a terminal on stdin, bad sizes, help at 80
+columns, make-model, bench on a text workload). Faults about processes, files and exit codes run as real
+subprocesses; the rest in-process with typer's CliRunner. No traceback may reach the user in any of them.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pty
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from prefixrun.cli.app import app
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+MARKUP = ("[/b]", "[red]", "[link=x]", "[bold]")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("env")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        mp.setenv("NO_COLOR", "1")
+        mp.delenv("PREFIXRUN_DEBUG", raising=False)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "a", TINY_QWEN3_5, seed=3, init_std=0.05)
+
+
+def cli(*args, input=None, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False, env=env)
+
+
+def cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "prefixrun.cli.app", *map(str, args)]
+
+
+def run(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def write_jsonl(path: Path, lines) -> Path:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
+    return path
+
+
+def records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def assert_clean(stderr: str):
+    """No traceback, no 'Exception ignored' from the interpreter's last flush."""
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. User text is printed literally
+
+
+def test_markup_in_ids_values_and_paths_is_printed_literally(model, tmp_path):
+    folder = tmp_path / "dir[red]x[link=x]"
+    folder.mkdir()
+    src = write_jsonl(folder / "in[bold].jsonl", [
+        {"custom_id": "[/b]", "prompt": "hello [/b] world", "max_tokens": 2},
+        {"custom_id": "[red]", "prompt": "hi", "temperature": "[link=x]"},
+        {"custom_id": "[/b]", "prompt": "a duplicate"},
+        {"custom_id": "ok[bold]", "prompt": "fine", "max_tokens": 2},
+    ])
+    out, cache = folder / "out[red].jsonl", tmp_path / "cache[/b]x"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache, "-o", out)
+    assert res.exit_code == 3, res.stderr
+    assert "line 2 ([red]): temperature must be a finite number, got '[link=x]'" in res.stderr
+    assert "duplicate custom_id '[/b]'" in res.stderr
+    assert str(cache / "checkpoints") in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir, unfolded
+    assert [r["custom_id"] for r in records(out.read_text())] == ["[/b]", "[red]", None, "ok[bold]"]
+    # --resume: its note names the output path
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache, "-o", out, "--resume")
+    assert res.exit_code == 3 and f"skipped 2 lines that already had results in {out}" in res.stderr
+    # model path, input path and -o path in usage errors
+    res = cli("batch", src, "--model", tmp_path / "no[/b]model", "--device", "cpu", "--no-cache")
+    assert res.exit_code == 2 and f"{tmp_path / 'no[/b]model'}/config.json" in res.stderr
+    res = cli("batch", folder / "missing[red].jsonl")
+    assert res.exit_code == 2 and f"input file {folder / 'missing[red].jsonl'} does not exist" in res.stderr
+    res = cli("batch", src, "-o", folder / "nope[/b]" / "x.jsonl")
+    assert res.exit_code == 2 and f"directory {folder / 'nope[/b]'} does not exist" in res.stderr
+
+
+def test_engine_warnings_and_the_cuda_hint_are_literal(model, tmp_path):
+    """Log records of the engine (e.g. a bad cache entry) go through the same literal path; the CUDA install
+    hint keeps its brackets."""
+    import logging
+
+    from prefixrun.cli.report import RunReporter
+
+    reporter = RunReporter()
+    from prefixrun.cli.app import _route_engine_logs
+
+    remove = _route_engine_logs(reporter)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            import io
+
+            buf = io.StringIO()
+            mp.setattr(reporter.console, "file", buf)
+            logging.getLogger("prefixrun.engine.store").warning("entry [/b] in %s moved aside", "/c[red]/x")
+            reporter.error("pip install 'prefixrun[cuda12]' or '[cuda13]'")
+        assert "warning: entry [/b] in /c[red]/x moved aside" in buf.getvalue()
+        assert "error: pip install 'prefixrun[cuda12]' or '[cuda13]'" in buf.getvalue()
+    finally:
+        remove()
+    try:
+        import cupy  # noqa: F401
+        return  # with CuPy installed --device cuda may work; the literal path is covered above
+    except ImportError:
+        pass
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    p = run("batch", src, "--model", model, "--device", "cuda", "--no-cache")
+    assert p.returncode == 2 and "pip install 'prefixrun[cuda12]'" in p.stderr, p.stderr
+    assert_clean(p.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Output targets
+
+
+def test_output_targets_are_checked_before_the_model_is_loaded(tmp_path):
+    """A model path that does not exist proves the order: each target error comes first, as one line, exit 2."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    (tmp_path / "adir").mkdir()
+    os.link(src, tmp_path / "hard.jsonl")
+    os.symlink(src, tmp_path / "soft.jsonl")
+    cases = [
+        (["-o", tmp_path / "missing" / "out.jsonl"], "does not exist"),
+        (["-o", tmp_path / "adir"], "is a directory"),
+        (["-o", tmp_path / "hard.jsonl"], "is the input file"),
+        (["-o", tmp_path / "soft.jsonl"], "is the input file"),
+        (["-o", src], "is the input file"),
+        (["--json-report", tmp_path / "missing" / "r.json"], "does not exist"),
+        (["--json-report", tmp_path / "adir"], "is a directory"),
+        (["--json-report", src], "is the input file"),
+        (["-o", tmp_path / "same.jsonl", "--json-report", tmp_path / "same.jsonl"], "the same file"),
+    ]
+    if Path("/proc/version").exists():  # unwritable even for root
+        cases.append((["-o", "/proc/version"], "cannot be written"))
+    for extra, message in cases:
+        p = run("batch", src, "--model", tmp_path / "no-model", "--device", "cpu", "--no-cache", *extra)
+        assert p.returncode == 2 and p.stdout == "", (extra, p.stderr)
+        assert message in one_error_line(p.stderr), (extra, p.stderr)
+    assert src.read_text().strip() == '{"prompt": "x"}'  # the input survived every attempt
+    assert not (tmp_path / "same.jsonl").exists()
+
+
+def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "one", "max_tokens": 2}])
+    out = tmp_path / "out.jsonl"
+    old = '{"custom_id": "old", "text": "x"}\n'
+    out.write_text(old)
+    base = ("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out)
+    res = cli(*base)
+    assert res.exit_code == 2 and "already holds results" in res.stderr and out.read_text() == old
+    assert cli(*base, "--resume", "--overwrite").exit_code == 2 and out.read_text() == old
+    res = cli(*base, "--overwrite")
+    assert res.exit_code == 0 and [r["custom_id"] for r in records(out.read_text())] == ["a"]
+    # an empty output file is not "results": no flag needed
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", empty).exit_code == 0
+    # the journal of a killed run counts as results even when the output itself is empty
+    journal_only = tmp_path / "j.jsonl"
+    journal_only.write_text("")
+    Path(str(journal_only) + ".journal").write_text('{"custom_id": "a", "text": "x", "token_ids": []}\n')
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", journal_only)
+    assert res.exit_code == 2 and "already holds results" in res.stderr
+
+
+def test_sigkill_in_ordered_mode_loses_only_the_lines_in_flight(model, tmp_path):
+    """Line 0 decodes 2000 tokens while 40 short lines finish: in ordered mode they wait for line 0, and the
+    journal keeps them. After SIGKILL, --resume recomputes only line 0 and the output equals a clean run."""
+    n_short = 40
+    lines = [{"custom_id": "slow", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True,
+              "temperature": 0}]
+    lines += [{"custom_id": f"s{i}", "prompt": f"short request {i}", "max_tokens": 2, "temperature": 0}
+              for i in range(n_short)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out, journal = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal"
+    proc = subprocess.Popen(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out,
+                                "--max-batch", 64), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists() and journal.read_bytes().count(b"\n") >= n_short:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make line 0 longer"
+    assert out.read_bytes() == b"", "line 0 was still running: nothing can be in the output in order"
+    journaled = {r["custom_id"] for r in records(journal.read_text())}
+    assert len(journaled) == n_short
+
+    report = tmp_path / "report.json"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-o", out, "--resume",
+              "--json-report", report, "--max-batch", 64)
+    assert res.exit_code == 0, res.stderr
+    assert f"recovered {n_short} finished results" in res.stderr
+    figures = json.loads(report.read_text())
+    assert figures["requests"] == 1 and figures["resumed_skipped_lines"] == n_short  # only the line in flight
+    assert not journal.exists()
+    got = {r["custom_id"]: r["token_ids"] for r in records(out.read_text())}
+    assert len(records(out.read_text())) == n_short + 1 == len(got)
+
+    clean = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--max-batch", 64)
+    assert got == {r["custom_id"]: r["token_ids"] for r in records(clean.stdout)}
+
+
+def test_journal_is_removed_after_a_complete_run_and_ignored_for_stdout(model, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "long", "prompt": "x", "max_tokens": 12, "ignore_eos": True},
+        {"custom_id": "short", "prompt": "y", "max_tokens": 1}])
+    out = tmp_path / "o.jsonl"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out)
+    assert res.exit_code == 0
+    assert [r["custom_id"] for r in records(out.read_text())] == ["long", "short"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o.jsonl"]
+
+
+def test_disk_full_gives_one_line(model, tmp_path):
+    lines = [{"prompt": f"request {i}", "max_tokens": 2} for i in range(20)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q"),
+                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert p.returncode == 1
+        assert "cannot write results to stdout: No space left on device" in one_error_line(p.stderr)
+
+    # a file on a full disk: a stream that fails like one, in-process
+    from prefixrun.cli import output as out_files
+
+    real_open = out_files.open_output
+
+    class FullDisk:
+        def __init__(self, stream):
+            self.stream, self.written = stream, 0
+
+        def write(self, text):
+            self.written += len(text)
+            if self.written > 300:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.stream.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    def full_open(path, *, resume):
+        stream, journal = real_open(path, resume=resume)
+        return FullDisk(stream), journal
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(out_files, "open_output", full_open)
+        res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", tmp_path / "o.jsonl")
+    assert res.exit_code == 1
+    assert f"cannot write results to {tmp_path / 'o.jsonl'}: No space left on device" in one_error_line(res.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Input size limits
+
+
+def _peak_rss_mib(args, **kw) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the CLI in a child of a small Python wrapper that reports the child's peak RSS."""
+    wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True); "
+               "sys.stderr.write(p.stderr.decode()); sys.stdout.write(p.stdout.decode()); "
+               "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+               "sys.exit(p.returncode)")
+    p = subprocess.run([sys.executable, "-c", wrapper, *cmd(*args)], capture_output=True, text=True, timeout=300,
+                       **kw)
+    peak = int(re.search(r"PEAK (\d+)", p.stderr).group(1)) / 1024
+    return p, peak
+
+
+def test_a_10mb_line_gets_an_error_record_without_the_memory(model, tmp_path):
+    small = [{"custom_id": "a", "prompt": "before", "max_tokens": 2},
+             {"custom_id": "c", "prompt": "after", "max_tokens": 2}]
+    big = b'{"custom_id": "big", "prompt": "' + b"word " * (2 << 20) + b'"}'  # 10 MiB
+    base_src = write_jsonl(tmp_path / "small.jsonl", small)
+    big_src = write_jsonl(tmp_path / "big.jsonl", [json.dumps(small[0]).encode(), big, json.dumps(small[1]).encode()])
+    args = ("--model", model, "--device", "cpu", "--no-cache", "-q")
+    p0, base_peak = _peak_rss_mib(("batch", base_src, *args))
+    p1, big_peak = _peak_rss_mib(("batch", big_src, *args))
+    assert p0.returncode == 0 and p1.returncode == 3, p1.stderr
+    recs = records(p1.stdout)
+    assert [r["custom_id"] for r in recs] == ["a", "big", "c"]
+    assert recs[1]["error"]["line"] == 2 and "over the limit of 4,194,304 bytes" in recs[1]["error"]["message"]
+    assert big_peak - base_peak < 64, f"a rejected 10 MiB line cost {big_peak - base_peak:.0f} MiB"
+    assert_clean(p1.stderr)
+
+
+def test_max_line_bytes_option(model, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "short", "prompt": "x", "max_tokens": 1},
+                                              {"custom_id": "longer", "prompt": "y" * 200, "max_tokens": 1}])
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--max-line-bytes", "100")
+    assert res.exit_code == 3
+    recs = records(res.stdout)
+    assert recs[0]["custom_id"] == "short" and "error" not in recs[0]
+    assert recs[1]["custom_id"] == "longer" and "over the limit of 100 bytes" in recs[1]["error"]["message"]
+    for bad in ("lots", "-5", "10"):
+        res = cli("batch", src, "--max-line-bytes", bad)
+        assert res.exit_code == 2 and "--max-line-bytes" in one_error_line(res.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. The default model is the same whatever the install mode
+
+
+@pytest.mark.slow
+def test_default_model_in_a_non_editable_install(tmp_path):
+    """Build a wheel of this tree, install it into a fresh venv (system site-packages for the dependencies), run
+    the default model from there: same folder name (digest) as this install, a 2048-entry vocabulary, a note that
+    the weights are random, and text that decodes to something."""
+    from prefixrun.engine.model_maker import DEFAULT_MODEL_CONFIG, default_model_dir
+
+    system_python = Path(sys.base_prefix) / "bin" / "python3"
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("cli", "engine", "kernels"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([system_python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", tmp_path / "wheel", src], check=True, capture_output=True, timeout=300)
+    venv = tmp_path / "venv"
+    subprocess.run([system_python, "-m", "venv", "--system-site-packages", venv], check=True, timeout=300)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True,
+                   capture_output=True, timeout=300)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PREFIXRUN_CACHE_DIR": str(cache)}
+    env.pop("PYTHONPATH", None)
+    where = subprocess.run([venv / "bin" / "python", "-c", "import prefixrun.engine as e; print(e.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env, check=True)
+    assert str(venv) in where.stdout, "the test must import the installed copy, not this tree"
+    p = subprocess.run([venv / "bin" / "prefixrun", "batch", "-", "--device", "cpu"], cwd=tmp_path, env=env,
+                       input='{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}\n',
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "RANDOM weights" in p.stderr
+    (made,) = (cache / "models").iterdir()
+    assert made == default_model_dir(cache), "an installed wheel and this tree must build the same default model"
+    vocab = json.loads((made / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == DEFAULT_MODEL_CONFIG["vocab_size"]  # not the 396 entries of a corpus-less install
+    (rec,) = records(p.stdout)
+    assert rec["usage"]["prompt_tokens"] < 10 and rec["text"].strip()
+
+
+def test_default_model_folder_is_named_by_what_defines_it(monkeypatch, tmp_path):
+    from prefixrun.engine import model_maker
+
+    first = model_maker.default_model_dir(tmp_path)
+    assert first.name.startswith("default-qwen3_5-") and len(first.name) == len("default-qwen3_5-") + 16
+    monkeypatch.setattr(model_maker, "DEFAULT_MODEL_SEED", model_maker.DEFAULT_MODEL_SEED + 1)
+    assert model_maker.default_model_dir(tmp_path) != first
+    monkeypatch.undo()
+    monkeypatch.setattr(model_maker, "DEFAULT_MODEL_CONFIG", {**model_maker.DEFAULT_MODEL_CONFIG, "hidden_size": 64})
+    assert model_maker.default_model_dir(tmp_path) != first
+    monkeypatch.undo()
+    from prefixrun.engine import tokenizer_maker
+
+    monkeypatch.setattr(tokenizer_maker, "default_corpus_bytes", lambda: b'"other text"\n')
+    assert model_maker.default_model_dir(tmp_path) != first
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Frictions
+
+
+def test_version():
+    from importlib.metadata import version
+
+    p = run("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"prefixrun {version('prefixrun')}"
+
+
+def test_empty_input_says_so(model, tmp_path):
+    for content in (b"", b"\n\n  \n"):
+        src = tmp_path / "empty.jsonl"
+        src.write_bytes(content)
+        res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache")
+        assert res.exit_code == 0 and res.stdout == ""
+        assert "the input holds no requests" in res.stderr
+
+
+def test_no_input_on_a_terminal_gives_a_hint_instead_of_waiting(model):
+    """stdin is a pseudo-terminal: `batch` without an input exits 2 with a hint at once."""
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.run(cmd("batch", "--model", model, "--device", "cpu", "--no-cache"), stdin=follower,
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert p.returncode == 2 and "no input" in one_error_line(p.stderr)
+
+
+def test_input_that_is_a_directory(tmp_path):
+    res = cli("batch", tmp_path)
+    assert res.exit_code == 2 and "is a directory" in one_error_line(res.stderr)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--state-memory", "1KiB"), ("--state-memory", "0"), ("--state-memory", "abc"), ("--state-memory", "inf"),
+    ("--state-memory", "nan"), ("--state-memory", "1e30"), ("--state-memory", "0.5"),
+    ("--checkpoint-budget", "nan"), ("--cache-budget", "-1GiB"), ("--cache-budget", "0.5"),
+])
+def test_bad_sizes_exit_2_with_one_line(tmp_path, option, value):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    res = cli("batch", src, option, value, "--no-cache")
+    assert res.exit_code == 2 and option in one_error_line(res.stderr)
+
+
+def test_progress_moves_during_prefill(monkeypatch):
+    """The live view's prefill row follows the engine's computed tokens before any request has finished."""
+    from prefixrun.cli.report import RunReporter
+    from prefixrun.engine.runner import RunStats
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich: treat stderr as a terminal, so the bar exists
+    monkeypatch.setattr(RunReporter, "POLL_SECONDS", 0.01)
+    reporter = RunReporter()
+    try:
+        assert reporter._progress is not None
+        stats = RunStats(distinct_prefix_tokens=1000)
+        reporter.set_total(4)
+        reporter.watch(stats)
+        stats.computed_prompt_tokens = 600  # mid-prefill: no request has finished
+        prefill = reporter._progress.tasks[reporter._prefill_task]
+        deadline = time.monotonic() + 5
+        while prefill.completed != 600 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill.completed == 600 and prefill.total == 1000
+        assert reporter._progress.tasks[reporter._task].completed == 0
+        reporter.window_done()
+        assert prefill.completed == prefill.total
+    finally:
+        reporter.stop()
+
+
+def test_80_column_report_keeps_labels_on_one_line(model, tmp_path):
+    from prefixrun.cli.report import report_table
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_tokens": 1}])
+    p = run("batch", src, "--model", model, "--device", "cpu", "--cache-dir", tmp_path / ("long-cache-name-" * 4),
+            "--json-report", tmp_path / "r.json", env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr
+    table = report_table(json.loads((tmp_path / "r.json").read_text()))
+    labels = list(table.columns[0]._cells)
+    assert len(labels) >= 10
+    table_lines = [l for l in p.stderr.splitlines() if l.startswith("│")]
+    assert all(len(l) <= 80 for l in table_lines)
+    for label in labels:
+        assert any(l.startswith(f"│ {label} ") for l in table_lines), label
+
+
+@pytest.mark.parametrize("command", ["bench", "batch", "make-model", "inspect-cache"])
+def test_help_at_80_columns_shows_whole_option_names(command):
+    p = run(command, "--help", env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 0 and "…" not in p.stdout, p.stdout
+    if command == "bench":
+        for name in ("--compare-transformers", "--transformers-batch", "--no-graphs", "--repeat", "--json"):
+            assert name in p.stdout
+
+
+def test_make_model_refuses_to_overwrite_and_rejects_zero_shards(tmp_path):
+    out = tmp_path / "m"
+    assert cli("make-model", out, "--shards", 2).exit_code == 0
+    assert (out / "model.safetensors.index.json").exists()
+    res = cli("make-model", out)
+    assert res.exit_code == 2 and "--overwrite" in one_error_line(res.stderr)
+    (out / "notes.txt").write_text("mine")
+    res = cli("make-model", out, "--overwrite", "--seed", 1)
+    assert res.exit_code == 0, res.stderr
+    assert not list(out.glob("model-*")) and not (out / "model.safetensors.index.json").exists()  # stale shards
+    assert (out / "model.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
+    for bad in (["--shards", "0"], ["--shards", "-1"], ["--init-std", "0"]):
+        res = cli("make-model", tmp_path / "n", *bad)
+        assert res.exit_code == 2 and not (tmp_path / "n").exists(), bad
+    (tmp_path / "file").write_text("x")
+    assert cli("make-model", tmp_path / "file").exit_code == 2
+
+
+def test_bench_on_a_prompt_text_workload_gives_one_line(model, tmp_path):
+    work = write_jsonl(tmp_path / "w.jsonl", [{"prompt": "hello", "max_tokens": 2}])
+    p = run("bench", work, "--model", model, "--device", "cpu")
+    assert p.returncode == 2 and "prompt_token_ids" in one_error_line(p.stderr)
+    res = cli("bench", tmp_path, "--model", model)
+    assert res.exit_code == 2 and "is a directory" in one_error_line(res.stderr)
