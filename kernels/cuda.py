@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels.cublas import get_cublas
+from prefixrun.kernels.upload import upload_bytes
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, CudaTuning, \
@@ -301,14 +302,31 @@ class CudaOps:
         return cupy.zeros(shape, dtype=dtype or self.act_dtype)
 
     def upload(self, host_array, dtype=None):
-        """Host array -> device array (a copy, converted to `dtype` or the activation dtype)."""
+        """Host array -> device array (a copy, converted to `dtype` or the activation dtype). fp32 and bf16 move
+        as stored, through pinned staging when large (kernels/upload.py), and convert on the device."""
         dt = np.dtype(dtype or self.act_dtype)
         if isinstance(host_array, cupy.ndarray):
             return self._cast(host_array, dt, copy=True)
-        h = np.ascontiguousarray(host_array, dtype=dt)
-        if dt == BF16:  # move the raw 16-bit patterns; the device array is a bf16 view of them
-            return cupy.array(h.view(np.uint16), copy=True).view(BF16)
-        return cupy.array(h, dtype=dt, copy=True)
+        return self.upload_rows([host_array], dtype)
+
+    def upload_rows(self, host_parts, dtype=None):
+        """Host arrays [n_i, ...] -> one device array [sum n_i, ...], their concatenation along axis 0, each part
+        copied straight into its rows (no host-side concatenation or conversion copy of fp32/bf16 parts)."""
+        dt = np.dtype(dtype or self.act_dtype)
+        parts = [np.asarray(p) for p in host_parts]
+        if not parts or any(p.ndim == 0 or p.shape[1:] != parts[0].shape[1:] for p in parts):
+            if len(parts) == 1 and parts[0].ndim == 0:  # a scalar: nothing to stage
+                return cupy.asarray(np.asarray(parts[0], dt))
+            raise ValueError(f"upload_rows: parts {[p.shape for p in parts]} do not stack along axis 0")
+        src = parts[0].dtype
+        if src not in _TYPE_NAMES or any(p.dtype != src for p in parts):
+            src = dt  # other dtypes (or a mix) convert on the host, as NumPy converts them
+        out = cupy.empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], src)
+        row = 0
+        for p in parts:
+            upload_bytes(out[row:row + p.shape[0]], np.ascontiguousarray(p, dtype=src))
+            row += p.shape[0]
+        return out if src == dt else _cast(out, dt)
 
     def upload_index(self, host_array):
         return _index(host_array)

@@ -55,6 +55,10 @@ class Ops(Protocol):
     def upload(self, host_array, dtype=None) -> Array:
         """Host (or backend) array -> a new backend array converted to `dtype` (default: act)."""
 
+    def upload_rows(self, host_parts, dtype=None) -> Array:
+        """Host arrays [n_i, ...] -> one new backend array [sum n_i, ...] (their concatenation along axis 0) in
+        `dtype` (default: act), without a host-side concatenation where the backend can avoid it (weight loads)."""
+
     def upload_index(self, host_array) -> Array:
         """Host integers -> a backend int32 array (contiguous)."""
 

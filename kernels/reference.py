@@ -48,6 +48,10 @@ class NumpyOps:
         """Host array -> backend array (a copy, converted to `dtype` or the activation dtype)."""
         return np.array(host_array, dtype=dtype or self.act_dtype, copy=True)
 
+    def upload_rows(self, host_parts, dtype=None):
+        """Host arrays [n_i, ...] -> their concatenation along axis 0, converted to `dtype` or the activation dtype."""
+        return np.concatenate([np.asarray(p) for p in host_parts], axis=0).astype(dtype or self.act_dtype, copy=False)
+
     def upload_index(self, host_array):
         return np.ascontiguousarray(host_array, dtype=np.int32)
 

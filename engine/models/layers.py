@@ -47,7 +47,7 @@ class WeightLoader:
 
     def stacked(self, names: list[str], shapes: list[tuple[int, ...]]):
         """Several [out_i, in] matrices concatenated along out, so one GEMM computes all of them."""
-        return self.ops.upload(np.concatenate([self.host(n, s) for n, s in zip(names, shapes)], axis=0))
+        return self.ops.upload_rows([self.host(n, s) for n, s in zip(names, shapes)])
 
     def bias(self, names: list[str], sizes: list[int]):
         """The fp32 biases of one (stacked) projection, concatenated like its weights; added with ops.add."""
