@@ -130,7 +130,8 @@ def batch(
     min_p: Annotated[Optional[float], typer.Option(help="default min_p")] = None,
     seed: Annotated[Optional[int], typer.Option(help="default seed")] = None,
     ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="default ignore_eos")] = None,
-    max_batch: Annotated[int, typer.Option(help="sequences decoded together")] = 32,
+    max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
+                                                     "allows on a GPU, 32 on the CPU)")] = None,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
     max_prefill_tokens: Annotated[int, typer.Option(help="tokens per prefill step")] = 8192,
     max_line_bytes: Annotated[str, typer.Option(help="longer input lines get an error record, unread")] = "4MiB",
@@ -162,7 +163,7 @@ def batch(
         if resume and overwrite:
             raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
         for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
-            if v < 1:
+            if v is not None and v < 1:
                 raise typer.BadParameter(f"{name} must be at least 1")
         budget = _parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True)
         state_bytes = _parse_bytes(state_memory, "--state-memory", minimum=MIN_STATE_MEMORY)

@@ -14,7 +14,7 @@ from prefixrun.engine.request import InvalidRequest, Request
 
 
 class BatchRun:
-    def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int, window: int,
+    def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int | None, window: int,
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
                  cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES):
         from prefixrun.engine import loader
@@ -24,7 +24,10 @@ class BatchRun:
         self.reporter = reporter
         if model_dir is None:
             model_dir = ensure_default_model(cache_root)
+        load_started = time.perf_counter()
         self.loaded = loader.load(Path(model_dir), device, dtype)
+        self.loaded.ops.synchronize()
+        self.load_seconds = time.perf_counter() - load_started
         self.model_name = Path(model_dir).name
         gd = self.loaded.defaults
         cli = {k: v for k, v in sampling_overrides.items() if v is not None}
@@ -57,9 +60,14 @@ class BatchRun:
                                             layout_digest(self.loaded.model.state_specs(), self.loaded.ops),
                                             self.loaded.ops)
             self.persist = persist
+        ops = self.loaded.ops
+        self.max_batch_source = "--max-batch"
+        if max_batch is None:
+            max_batch, self.max_batch_source = _default_max_batch(self.loaded.model.state_specs(), ops,
+                                                                  int(state_bytes), int(checkpoint_budget))
         opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
-                             reuse=reuse)
+                             reuse=reuse, block_size=ops.default_block_size)
         self.engine = Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
                              make_detokenizer=self._detokenizer, options=opts, persist=persist)
         self.failed = 0
@@ -159,6 +167,8 @@ class BatchRun:
             "prefill_tokens_per_second": s.computed_prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
             "decode_tokens_per_second": s.completion_tokens / s.decode_seconds if s.decode_seconds else 0.0,
             "wall_seconds": round(wall, 4), "model": str(self.loaded.path), "device": self.loaded.ops.display_name,
+            "load_seconds": round(self.load_seconds, 4), "max_batch": self.engine.opts.max_batch,
+            "max_batch_from": self.max_batch_source, "block_size": self.engine.opts.block_size,
         }
         if self.store is not None:
             st = self.store.stats
@@ -174,6 +184,17 @@ class BatchRun:
             if self.persist is not None and self.persist.store_error is not None:
                 report["cache"]["error"] = f"{type(self.persist.store_error).__name__}: {self.persist.store_error}"
         return report
+
+
+def _default_max_batch(specs, ops, state_bytes: int, checkpoint_bytes: int) -> tuple[int, str]:
+    """(--max-batch when not given, where it came from): on a device, what its state memory allows; 32 where the
+    backend computes in host memory (CPU decode is bound by compute long before memory)."""
+    from prefixrun.engine.state import max_batch_for_memory
+
+    if ops.free_memory() is None:
+        return 32, "default"
+    return max_batch_for_memory(specs, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
+                                block_size=ops.default_block_size), "state memory"
 
 
 def _default_state_memory(ops) -> int:

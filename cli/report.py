@@ -172,5 +172,9 @@ def report_table(report: dict) -> Table:
             row("disk cache error", f"{cache['error']} (the run went on without the cache)")
     row("prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s")
     row("decode", f"{report['decode_tokens_per_second']:,.0f} tok/s ({report['completion_tokens']:,} tokens)")
+    if "max_batch" in report:
+        row("decode batch", f"up to {report['max_batch']:,} sequences ({report['max_batch_from']})")
+    if "load_seconds" in report:
+        row("model load", f"{report['load_seconds']:.2f} s on {report['device']}")
     row("wall time", f"{report['wall_seconds']:.2f} s")
     return t

@@ -200,6 +200,25 @@ def pool_unit_bytes(specs: list[RegionSpec], ops, block_size: int) -> tuple[int,
     return slot, block
 
 
+# A decoding seat is sized for this many tokens of its own K/V (prompt + completion; shared prefixes need less)
+SEAT_CONTEXT_TOKENS = 4096
+MAX_DEFAULT_BATCH = 256
+
+
+def max_batch_for_memory(specs: list[RegionSpec], ops, *, state_bytes: int, checkpoint_bytes: int, block_size: int,
+                         context_tokens: int = SEAT_CONTEXT_TOKENS, limit: int = MAX_DEFAULT_BATCH) -> int:
+    """The most sequences that can decode together in `state_bytes` of state memory after the checkpoint budget.
+
+    A seat costs two slots (the engine keeps a second slot per seat for prefill forks) plus the K/V blocks of
+    `context_tokens`. Rounded down to a power of two, because decode graphs are captured per power-of-two batch, and
+    kept between 1 and `limit` (past a few hundred rows a decode step is bound by compute, not by weights reads)."""
+    slot, block = pool_unit_bytes(specs, ops, block_size)
+    seat = 2 * slot + -(-context_tokens // block_size) * block
+    room = state_bytes - checkpoint_bytes - 4 * slot  # the engine's spare slots
+    n = max(1, min(limit, room // max(seat, 1)))
+    return 1 << (int(n).bit_length() - 1)
+
+
 def state_layout(specs: list[RegionSpec], ops) -> list[dict]:
     """The regions with concrete dtypes: what a stored checkpoint must match to be restored."""
     return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),

@@ -137,3 +137,23 @@ def test_cuda_backend_conforms():
     free = ops.free_memory()
     assert isinstance(free, int) and free > 0 and ops.can_capture_graphs
     assert ops.storage_dtype("act").itemsize == 2 and ops.storage_dtype("float32") == np.float32
+
+
+# ---- what the queries decide ------------------------------------------------------------------------------------
+def test_default_max_batch_follows_state_memory():
+    """--max-batch on a device: seats of two slots + 4096 tokens of K/V in the memory left after the checkpoint
+    budget, a power of two in [1, 256]."""
+    from prefixrun.engine.state import RegionSpec, max_batch_for_memory, pool_unit_bytes
+
+    ops = NumpyOps()
+    specs = [RegionSpec("rec", False, (4, 16, 16), "float32"), RegionSpec("k", True, (2, 8), "act"),
+             RegionSpec("v", True, (2, 8), "act")]
+    slot, block = pool_unit_bytes(specs, ops, 16)
+    seat = 2 * slot + (4096 // 16) * block
+    fit = lambda n_seats: max_batch_for_memory(specs, ops, state_bytes=n_seats * seat + 4 * slot + 1000,
+                                               checkpoint_bytes=1000, block_size=16)
+    assert [fit(n) for n in (0, 1, 2, 3, 5, 64, 100, 10_000)] == [1, 1, 2, 2, 4, 64, 64, 256]
+    # a model without K/V (all recurrent) pays only for its slots
+    rec = specs[:1]
+    assert max_batch_for_memory(rec, ops, state_bytes=2 * 40 * slot + 4 * slot, checkpoint_bytes=0,
+                                block_size=16) == 32
