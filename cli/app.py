@@ -1,5 +1,9 @@
 """The `prefixrun` command line: argument parsing, I/O wiring and reports. No model logic lives here.
 
+Longer than most modules because it holds the Typer declarations of every command: each option's declaration is
+its documentation (`--help`), and the checks that must run before any work (exit 2) sit next to them. Running a
+batch into its output, and every way that can end, is in cli/output.py.
+
 Exit codes: see prefixrun.cli.io (0 all lines succeeded, 3 some lines failed, 2 usage error, 1 run aborted).
 """
 from __future__ import annotations
@@ -7,9 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -78,29 +80,6 @@ def _route_engine_logs(reporter: RunReporter):
     handler, logger = _LogToReporter(reporter), logging.getLogger("prefixrun")
     logger.addHandler(handler)
     return lambda: logger.removeHandler(handler)
-
-
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a pipeline stage whose reader closed
-
-
-def _silence_stdout():
-    """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-
-
-def _keep_finished(writer, journal=None):
-    """Write the results that finished out of order, so --resume can skip them; never raise from here. Once
-    they are in the output, the journal that also held them is not needed."""
-    try:
-        writer.write_pending_out_of_order()
-        if journal is not None:
-            journal.discard()
-    except OSError:
-        pass
 
 
 def _cache_root(cache_dir: Optional[Path]) -> Path:
@@ -189,7 +168,9 @@ def batch(
         source.close()
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
-    report = _run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
+    from prefixrun.cli.output import run_to_output
+
+    report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
         reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "
@@ -236,70 +217,6 @@ def _stdin_is_terminal() -> bool:
         return sys.stdin is not None and sys.stdin.isatty()
     except (ValueError, OSError):  # closed stdin
         return False
-
-
-def _run_to_output(run, source, output: Optional[Path], *, resume: bool, unordered: bool,
-                   reporter: RunReporter) -> dict:
-    """Execute the run into stdout or -o. Every way it can end badly ends here with one line and an exit code."""
-    from prefixrun.cli import output as out_files
-
-    journal = None
-    with ExitStack() as stack:
-        stack.callback(source.close)
-        done_ids: set[str] = set()
-        if output is not None:
-            if resume:
-                try:
-                    done_ids, recovered = out_files.prepare_resume(output)
-                except ValueError as exc:
-                    reporter.error(f"--resume: {exc}")
-                    raise typer.Exit(io.EXIT_USAGE)
-                if recovered:
-                    reporter.note(f"--resume: recovered {recovered:,} finished results from the journal of the "
-                                  f"killed run")
-            out_stream, journal = out_files.open_output(output, resume=resume)
-            stack.callback(_close_quietly, out_stream)
-            stack.callback(lambda: journal and journal.close())
-        else:
-            out_stream = sys.stdout
-        writer = io.OrderedWriter(out_stream, ordered=not unordered, journal=journal)
-        try:
-            report = run.execute(source, writer, done_ids)
-            if output is not None:
-                out_files.finish_output(out_stream, journal)
-            return report
-        except BrokenPipeError:
-            # the reader of stdout went away (`| head`): stop quietly, as pipeline tools do on SIGPIPE
-            reporter.stop()
-            _silence_stdout()
-            raise typer.Exit(EXIT_BROKEN_PIPE)
-        except KeyboardInterrupt:
-            _keep_finished(writer, journal)
-            reporter.stop()
-            reporter.error("interrupted; finished results were written (use --resume to continue)")
-            raise typer.Exit(io.EXIT_FAILURE)
-        except OSError as exc:  # results cannot be written (disk full, closed file, ...)
-            reporter.stop()
-            where = f"to {output}" if output is not None else "to stdout"
-            reporter.error(f"cannot write results {where}: {exc.strerror or exc}")
-            if output is None:
-                _silence_stdout()  # else the interpreter's last flush of stdout fails again, with a traceback
-            raise typer.Exit(io.EXIT_FAILURE)
-        except Exception as exc:  # the run cannot continue: keep what finished, say why
-            _keep_finished(writer, journal)
-            reporter.stop()
-            reporter.error(f"run aborted: {type(exc).__name__}: {exc}")
-            if os.environ.get("PREFIXRUN_DEBUG"):
-                raise
-            raise typer.Exit(io.EXIT_FAILURE)
-
-
-def _close_quietly(stream):
-    """Close an output file whose last flush may fail again (disk full): the error was already reported."""
-    try:
-        stream.close()
-    except OSError:
-        pass
 
 
 @app.command("make-model")

@@ -53,7 +53,7 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
                 verify, yes, budget_bytes: int | None = None) -> int:
     from prefixrun.engine.store import CheckpointStore
 
-    console = Console(file=sys.stderr, stderr=True)
+    console = Console(file=sys.stderr, stderr=True, markup=False, emoji=False)  # paths and previews are user text
     ckpt_root = Path(root) / "checkpoints"
     if not ckpt_root.exists():
         if as_json:
@@ -107,7 +107,7 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
             from prefixrun.engine.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_model_dir(model_dir)
-        out = Console()  # the table is the command's output: stdout
+        out = Console(markup=False, emoji=False)  # the table is the command's output: stdout; its text is the user's
         if tree:
             parents = _nesting(entries)
             by_id = {e.entry_id: e for e in entries}

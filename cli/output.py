@@ -19,8 +19,13 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Optional
+
+import typer
 
 from prefixrun.cli import io
 
@@ -197,3 +202,93 @@ def prepare_resume(output: Path) -> tuple[set[str], int]:
     if output.exists():
         io.truncate_partial_last_line(output)
     return io.read_completed_ids(output), recovered
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running into the output, and every way that can end
+
+
+def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordered: bool,
+                  reporter) -> dict:
+    """Execute the run into stdout or -o and return its report. Every way it can end badly ends here: one line
+    on stderr and typer.Exit with the exit code (141 closed stdout, 1 aborted or unwritable, 2 bad --resume file)."""
+    journal = None
+    with ExitStack() as stack:
+        stack.callback(source.close)
+        done_ids: set[str] = set()
+        if output is not None:
+            if resume:
+                try:
+                    done_ids, recovered = prepare_resume(output)
+                except ValueError as exc:
+                    reporter.error(f"--resume: {exc}")
+                    raise typer.Exit(io.EXIT_USAGE)
+                if recovered:
+                    reporter.note(f"--resume: recovered {recovered:,} finished results from the journal of the "
+                                  f"killed run")
+            out_stream, journal = open_output(output, resume=resume)
+            stack.callback(_close_quietly, out_stream)
+            stack.callback(lambda: journal and journal.close())
+        else:
+            out_stream = sys.stdout
+        writer = io.OrderedWriter(out_stream, ordered=not unordered, journal=journal)
+        try:
+            report = run.execute(source, writer, done_ids)
+            if output is not None:
+                finish_output(out_stream, journal)
+            return report
+        except BrokenPipeError:
+            # the reader of stdout went away (`| head`): stop quietly, as pipeline tools do on SIGPIPE
+            reporter.stop()
+            _silence_stdout()
+            raise typer.Exit(EXIT_BROKEN_PIPE)
+        except KeyboardInterrupt:
+            _keep_finished(writer, journal)
+            reporter.stop()
+            reporter.error("interrupted; finished results were written (use --resume to continue)")
+            raise typer.Exit(io.EXIT_FAILURE)
+        except OSError as exc:  # results cannot be written (disk full, closed file, ...)
+            reporter.stop()
+            where = f"to {output}" if output is not None else "to stdout"
+            reporter.error(f"cannot write results {where}: {exc.strerror or exc}")
+            if output is None:
+                _silence_stdout()  # else the interpreter's final flush fails again, with a traceback
+            raise typer.Exit(io.EXIT_FAILURE)
+        except Exception as exc:  # the run cannot continue: keep what finished, say why
+            _keep_finished(writer, journal)
+            reporter.stop()
+            reporter.error(f"run aborted: {type(exc).__name__}: {exc}")
+            if os.environ.get("PREFIXRUN_DEBUG"):
+                raise
+            raise typer.Exit(io.EXIT_FAILURE)
+
+
+def _close_quietly(stream):
+    """Close an output file whose last flush may fail again (disk full): the error was already reported."""
+    try:
+        stream.close()
+    except OSError:
+        pass
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a pipeline stage whose reader closed
+
+
+def _silence_stdout():
+    """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _keep_finished(writer, journal=None):
+    """Write the results that finished out of order, so --resume can skip them; never raise from here. Once
+    they are in the output, the journal that also held them is not needed."""
+    try:
+        writer.write_pending_out_of_order()
+        if journal is not None:
+            journal.discard()
+    except OSError:
+        pass

@@ -104,6 +104,9 @@ def test_markup_in_ids_values_and_paths_is_printed_literally(model, tmp_path):
     # --resume: its note names the output path
     res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache, "-o", out, "--resume")
     assert res.exit_code == 3 and f"skipped 2 lines that already had results in {out}" in res.stderr
+    # inspect-cache on that cache: paths and previews are user text too
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 0 and re.search(r"\d+ entries", res.stdout), res.stdout + res.stderr
     # model path, input path and -o path in usage errors
     res = cli("batch", src, "--model", tmp_path / "no[/b]model", "--device", "cpu", "--no-cache")
     assert res.exit_code == 2 and f"{tmp_path / 'no[/b]model'}/config.json" in res.stderr
