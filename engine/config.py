@@ -227,8 +227,17 @@ _DEFAULTS = {
                    attn_logit_softcapping=None, use_bidirectional_attention=False, rope_theta=1_000_000.0,
                    rope_local_base_freq=10_000.0),
 }
+# the MoE hybrids (engine/moe_config.py): Qwen3NextConfig's and Qwen3_5MoeTextConfig's defaults; Qwen3.5-MoE has
+# no dense MLP, so its intermediate_size is never used
+_DEFAULTS["qwen3_next"] = dict(_DEFAULTS["qwen3_5"], vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=48, num_key_value_heads=2, decoder_sparse_step=1,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts_per_tok=10,
+                               num_experts=512, norm_topk_prob=True, mlp_only_layers=None)
+_DEFAULTS["qwen3_5_moe"] = dict(_DEFAULTS["qwen3_5"], vocab_size=248320, hidden_size=2048, intermediate_size=512,
+                                num_hidden_layers=40, num_key_value_heads=2, moe_intermediate_size=512,
+                                shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256)
 # the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
-_COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "gemma3": True}
+_COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "qwen3_5_moe": False, "gemma3": True}
 
 
 class _Fields:
@@ -270,7 +279,7 @@ def _layer_types(f: _Fields, family: str, num_layers: int) -> tuple[str, ...]:
         if family == "gemma3":
             pattern = f.number("sliding_window_pattern", int) if "sliding_window_pattern" in f.text else 6
             layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
-        elif family == "qwen3_5":
+        elif family in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
             interval = f.number("full_attention_interval", int) if "full_attention_interval" in f.text else 4
             layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
         elif family == "qwen3":
@@ -303,14 +312,18 @@ def _text_settings(raw: dict, family: str) -> tuple[dict, bool]:
 _ARCHITECTURES = {
     "Qwen3_5ForCausalLM": ("qwen3_5", HybridConfig),
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", HybridConfig),
-    "Qwen3NextForCausalLM": ("qwen3_5", HybridConfig),
+    # MoE hybrids: the class is engine/moe_config.py's MoeHybridConfig (a HybridConfig; imported in parse_config)
+    "Qwen3NextForCausalLM": ("qwen3_next", HybridConfig),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", HybridConfig),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", HybridConfig),
     "Qwen3ForCausalLM": ("qwen3", DenseConfig),
     "LlamaForCausalLM": ("llama", DenseConfig),
     "Gemma3ForCausalLM": ("gemma3", SlidingWindowConfig),
     "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-                "qwen3_next": "Qwen3NextForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 
 
@@ -336,6 +349,8 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         raise ModelLoadError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                              f"supported: {', '.join(supported_architectures())}")
     family, cls = _ARCHITECTURES[arch]
+    if family in ("qwen3_next", "qwen3_5_moe"):
+        from prefixrun.engine.moe_config import MoeHybridConfig as cls
     text, composite = _text_settings(raw, family)
     f = _Fields(text, family, source)
     num_heads = f.number("num_attention_heads", int)

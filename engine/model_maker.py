@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.config import LINEAR_ATTENTION, HybridConfig, parse_config
+from prefixrun.engine.moe_config import MoeHybridConfig, moe_tensor_shapes
 
 _ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
 
@@ -35,6 +36,8 @@ _COMPOSITES = {
     "gemma3": ("Gemma3ForConditionalGeneration", "gemma3", "gemma3_text",
                {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                 "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "qwen3_5_moe_text",
+                    {"depth": 1, "hidden_size": 32, "num_heads": 2}),
 }
 
 
@@ -45,7 +48,7 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    gated = cfg.family == "qwen3_5"
+    gated = cfg.family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
     for n, kind in enumerate(cfg.layer_types):
         lp = f"{p}layers.{n}."
         if cfg.family == "gemma3":
@@ -70,7 +73,7 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
             hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             shapes.update({a + "q_proj.weight": (hq * hd * (2 if gated else 1), d), a + "k_proj.weight": (hkv * hd, d),
                            a + "v_proj.weight": (hkv * hd, d), a + "o_proj.weight": (d, hq * hd)})
-            if cfg.family in ("qwen3_5", "qwen3", "gemma3"):
+            if cfg.family in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3", "gemma3"):
                 shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
             if cfg.attention_bias:
                 shapes.update({a + "q_proj.bias": (hq * hd * (2 if gated else 1),),
@@ -79,6 +82,8 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
         if cfg.mlp_bias:
             shapes.update({lp + "mlp.gate_proj.bias": (i,), lp + "mlp.up_proj.bias": (i,),
                            lp + "mlp.down_proj.bias": (d,)})
+    if isinstance(cfg, MoeHybridConfig):
+        shapes = moe_tensor_shapes(cfg, shapes)
     return shapes
 
 
@@ -151,7 +156,7 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     shapes = tensor_shapes(config)
     rng = np.random.default_rng(seed)
     std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
-    zero_centered = parse_config(config).family in ("qwen3_5", "gemma3")
+    zero_centered = parse_config(config).family in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3")
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
     tensors = {name: _init(name, shape, rng, std, zero_centered).astype(np_dtype) for name, shape in shapes.items()}
     if composite:  # stand-ins the text model must ignore

@@ -161,7 +161,7 @@ def parse_rope(text: dict, family: str, *, head_dim: int, max_position_embedding
     theta = text.get("rope_theta", defaults["rope_theta"])
     partial = text.get("partial_rotary_factor", defaults.get("partial_rotary_factor"))
     common = dict(head_dim=head_dim, max_position_embeddings=max_position_embeddings,
-                  partial_rotary=family == "qwen3_5", source=source)
+                  partial_rotary=family in ("qwen3_5", "qwen3_next", "qwen3_5_moe"), source=source)
 
     def standardised(params, rope_theta):
         if not isinstance(params or {}, dict):

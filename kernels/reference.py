@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, unpack_sampling_params
 
 
-class NumpyOps:
-    """The CPU backend. Activations and weights are float32 here."""
+class NumpyOps(MoeReferenceOps):
+    """The CPU backend. Activations and weights are float32 here. (The MoE ops live in kernels/moe_reference.py.)"""
 
     display_name = "cpu"
     device_kind = "cpu"  # where arrays live, as torch names devices (for handing work to other libraries)

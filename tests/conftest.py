@@ -27,7 +27,23 @@ TINY_LLAMA = {
                      "original_max_position_embeddings": 64},
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
 }
-TINY_CONFIGS = {"qwen3_5": TINY_QWEN3_5, "qwen3": TINY_QWEN3, "llama": TINY_LLAMA}
+# MoE hybrids: >= 4 experts, a shared expert, linear and full attention layers; Qwen3-Next also with a dense MLP
+# layer (mlp_only_layers), top-k weights not renormalised, and its fused, per-key-head interleaved projections.
+_MOE = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 16,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rope_type": "default"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48}
+TINY_QWEN3_NEXT = {**_MOE, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                   "intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+TINY_QWEN3_5_MOE = {**_MOE, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                    "num_experts": 6, "num_experts_per_tok": 2}
+TINY_CONFIGS = {"qwen3_5": TINY_QWEN3_5, "qwen3": TINY_QWEN3, "llama": TINY_LLAMA, "qwen3_next": TINY_QWEN3_NEXT,
+                "qwen3_5_moe": TINY_QWEN3_5_MOE}
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from prefixrun.engine.runner import Engine, EngineOptions
 from prefixrun.engine.state import ModelState, check_shared_prefix_arrays, shared_prefix_arrays
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.py"
-FAMILIES = ["qwen3_5", "qwen3"]
+FAMILIES = ["qwen3_5", "qwen3", "qwen3_next", "qwen3_5_moe"]  # the MoE hybrids: the router changes no invariant
 
 
 def run_engine(model, ops, prompts, opts=EngineOptions(), sampling=None, order=None, ids=None):

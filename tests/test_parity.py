@@ -19,7 +19,9 @@ FAMILIES = list(TINY_CONFIGS)
 
 @pytest.fixture(scope="module")
 def hf_models(model_dirs):
-    return {name: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    # eager experts: transformers' grouped-GEMM experts path has no float64
+    return {name: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                                     experts_implementation="eager").eval()
             for name, path in model_dirs.items()}
 
 

@@ -1,0 +1,65 @@
+"""The sparse MoE MLP of Qwen3-Next / Qwen3.5-MoE, written against the MoE kernel ops.
+
+Per token: router softmax over E experts, the top k (renormalised when norm_topk_prob), each chosen expert's SwiGLU
+MLP, the weighted sum, plus a shared expert scaled by sigmoid(shared_expert_gate(x)). The work is done in
+expert-sorted order: the T*k (token, choice) slots are permuted so each expert's rows are contiguous, one grouped
+GEMM per projection covers every expert, and the combine gathers each token's k rows back.
+
+Weights as transformers writes them: per expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (the hub layout), or
+fused `mlp.experts.gate_up_proj` [E, 2I, D] / `mlp.experts.down_proj` [E, D, I] (transformers' in-memory layout);
+`mlp.gate.weight` [E, D], `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight` [1, D].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.models.layers import WeightLoader
+from prefixrun.engine.moe_config import MoeSettings
+
+
+def _expert_stack(load: WeightLoader, prefix: str, e: int, d: int, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host arrays gate_up [E, 2I, D] (gate rows then up rows per expert) and down [E, D, I]."""
+    fused = prefix + "experts.gate_up_proj"
+    if load.has(fused):
+        return load.host(fused, (e, 2 * i, d)), load.host(prefix + "experts.down_proj", (e, d, i))
+    if not load.has(prefix + "experts.0.gate_proj.weight"):
+        raise ModelLoadError(f"{load.tensors.model_dir}: no expert weights under {prefix}experts. (expected "
+                             f"{prefix}experts.0.gate_proj.weight or {fused})")
+    gate_up = np.stack([np.concatenate([load.host(f"{prefix}experts.{x}.gate_proj.weight", (i, d)),
+                                        load.host(f"{prefix}experts.{x}.up_proj.weight", (i, d))]) for x in range(e)])
+    down = np.stack([load.host(f"{prefix}experts.{x}.down_proj.weight", (d, i)) for x in range(e)])
+    return gate_up, down
+
+
+class SparseMoeBlock:
+    def __init__(self, hidden_size: int, moe: MoeSettings, load: WeightLoader, prefix: str):
+        d, e, i, s = hidden_size, moe.num_experts, moe.expert_intermediate_size, moe.shared_expert_intermediate_size
+        self.num_experts, self.top_k, self.normalize = e, moe.top_k, moe.norm_topk_prob
+        # the router and the shared expert's gate in one GEMM: [E (+1), D]; fp32 logits for both
+        rows = [load.host(prefix + "gate.weight", (e, d))]
+        if s:
+            rows.append(load.host(prefix + "shared_expert_gate.weight", (1, d)))
+        self.router = load.ops.upload(np.concatenate(rows))
+        gate_up, down = _expert_stack(load, prefix, e, d, i)
+        self.gate_up = load.ops.upload(gate_up)  # [E, 2I, D]
+        self.down = load.ops.upload(down)  # [E, D, I]
+        del gate_up, down
+        self.shared_gate_up = self.shared_down = None
+        if s:
+            sp = prefix + "shared_expert."
+            self.shared_gate_up = load.stacked([sp + "gate_proj.weight", sp + "up_proj.weight"], [(s, d), (s, d)])
+            self.shared_down = load.matrix(sp + "down_proj.weight", (d, s))
+
+    def __call__(self, ops, x):
+        e, k = self.num_experts, self.top_k
+        logits = ops.logits(x, self.router)  # fp32 [T, E (+1)]
+        weights, experts = ops.moe_route(logits[:, :e], k, self.normalize)  # [T, k] fp32, [T, k] int32
+        token_of_row, position, offsets = ops.moe_permute(experts, e)  # [T*k], [T*k], [E+1]
+        h = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row)  # [T*k, 2I] expert-sorted rows
+        y = ops.moe_grouped_linear(ops.silu_mul(h), self.down, offsets)  # [T*k, D]
+        shared = shared_gate = None
+        if self.shared_gate_up is not None:
+            shared = ops.linear(ops.silu_mul(ops.linear(x, self.shared_gate_up)), self.shared_down)  # [T, D]
+            shared_gate = logits[:, e:]  # [T, 1]
+        return ops.moe_combine(y, position, weights, shared, shared_gate)  # [T, D]
