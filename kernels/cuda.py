@@ -75,6 +75,9 @@ _NAMES = {
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
     "sampling": ["sample_kernel"],
+    "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
+            "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
+    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")],
 }
 
 _MODULES: dict[tuple[int, str], cupy.RawModule] = {}
@@ -232,6 +235,13 @@ def _tname(dtype) -> str:
         return _TYPE_NAMES[np.dtype(dtype)]
     except KeyError:
         raise TypeError(f"CUDA kernels take float32 or bfloat16 arrays, not {np.dtype(dtype)}") from None
+
+
+def _moe():
+    """kernels/moe_cuda.py (imported on first use: it builds on this module)."""
+    from prefixrun.kernels import moe_cuda
+
+    return moe_cuda
 
 
 class CudaGraph:
@@ -760,6 +770,19 @@ class CudaOps:
         keep_src = self.upload_index(np.concatenate(keep_src))
         self.write_kv(k_ring, v_ring, k[keep_src], v[keep_src], self.upload_index(np.concatenate(keep_at)))
         return out
+
+    # ---- sparse MoE: kernels/moe_cuda.py (contracts: kernels/moe_reference.py) ----------------------------------
+    def moe_route(self, router_logits, top_k, normalize):
+        return _moe().route(router_logits, top_k, normalize)
+
+    def moe_permute(self, experts, num_experts):
+        return _moe().permute(experts, num_experts)
+
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None):
+        return _moe().grouped_linear(x, weight, offsets, token_of_row)
+
+    def moe_combine(self, y, position, weights, shared=None, shared_gate=None):
+        return _moe().combine(y, position, weights, shared, shared_gate, out_dtype=self._act)
 
     # ---- state copies -------------------------------------------------------------------------------------------
     def copy_rows(self, arrays, src, dst):

@@ -138,6 +138,25 @@ class Ops(Protocol):
         """Sliding-window attention of q [T, Hq, D] over rings [num_slots, W, Hkv, D] (position p at row p % W)
         plus the new rows k, v [T, Hkv, D], which are then written into the rings -> [T, Hq, D]"""
 
+    # ---- sparse MoE (kernels/moe_reference.py: full semantics) --------------------------------------------------
+    # N = T * k (token, choice) slots, grouped by expert into rows; sizes depend only on T, k and E, never on the
+    # routing, and no op syncs with the host, so a decode step with an MoE MLP stays capturable.
+    def moe_route(self, router_logits, top_k, normalize) -> tuple[Array, Array]:
+        """router_logits [T, E] fp32 (rows may be strided) -> (weights [T, k] fp32, experts [T, k] int32): softmax,
+        the k largest in descending order, renormalised to sum 1 when `normalize`."""
+
+    def moe_permute(self, experts, num_experts) -> tuple[Array, Array, Array]:
+        """experts [T, k] int32 -> (token_of_row [N], position [N] = row of slot t*k+j, offsets [E+1]) int32:
+        expert e's rows are offsets[e]..offsets[e+1]; within an expert any order."""
+
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None) -> Array:
+        """Every expert's projection in one call: out[r] = x_r @ weight[e].T for the rows r of expert e; weight
+        [E, out, in]; x_r = x[token_of_row[r]] if given, else x[r]. -> act [N, out] (fp32 accumulation)."""
+
+    def moe_combine(self, y, position, weights, shared=None, shared_gate=None) -> Array:
+        """out[t] = sum_j weights[t, j] * y[position[t*k + j]] (+ sigmoid(shared_gate[t]) * shared[t]) -> act
+        [T, D]; y [N, D], shared [T, D], shared_gate [T, 1] (may be a strided column)."""
+
     # ---- state copies ------------------------------------------------------------------------------------------
     def copy_rows(self, arrays, src, dst) -> None:
         """For each pool array a: a[dst[i]] = a[src[i]] (slot/block copies of fork, save, restore)."""

@@ -1,0 +1,280 @@
+// Sparse MoE kernels (kernels/moe_cuda.py launches them; kernels/moe_reference.py states the contracts).
+// N = T * k (token, choice) slots; slot s = t * k + j. Every grid is sized from T, k, E and the projection shapes
+// alone, and offsets stay on the device, so a decode step never waits on the host and can be captured.
+
+// ---- routing: one warp per token ----------------------------------------------------------------------------------
+// logits [T, E] fp32 with row stride ls; E <= 32 * MOE_PER_LANE; k <= 32. Softmax in fp32, then k rounds of a warp
+// argmax (ties: the lower expert), weights renormalised over the k when `normalize`.
+#define MOE_PER_LANE 16
+extern "C" __global__ void moe_route_kernel(const float* __restrict__ logits, i64 ls, int num_tokens, int num_experts,
+                                            int k, int normalize, float* __restrict__ weights,
+                                            int* __restrict__ experts) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (warp >= num_tokens) return;
+    const float* row = logits + (i64)warp * ls;
+    float v[MOE_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < MOE_PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        v[i] = e < num_experts ? row[e] : -INFINITY;
+        mx = fmaxf(mx, v[i]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < MOE_PER_LANE; ++i) {
+        v[i] = i * 32 + lane < num_experts ? expf(v[i] - mx) : -1.f;  // -1: never chosen (probabilities are >= 0)
+        sum += v[i] > 0.f ? v[i] : 0.f;
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.f / sum;
+#pragma unroll
+    for (int i = 0; i < MOE_PER_LANE; ++i) v[i] = v[i] >= 0.f ? v[i] * inv : -1.f;
+    float mine = 0.f, chosen_sum = 0.f;
+    int my_expert = 0;
+    for (int j = 0; j < k; ++j) {
+        float best = -2.f;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i)
+            if (v[i] > best) { best = v[i]; best_e = i * 32 + lane; }  // ascending e per lane: first max wins
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+            const int oe = __shfl_xor_sync(FULL_MASK, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
+        }
+        if ((best_e & 31) == lane) v[best_e >> 5] = -1.f;  // taken
+        if (lane == j) { mine = best; my_expert = best_e; }
+        chosen_sum += best;
+    }
+    if (lane < k) {
+        weights[(i64)warp * k + lane] = normalize ? mine / chosen_sum : mine;
+        experts[(i64)warp * k + lane] = my_expert;
+    }
+}
+
+// ---- permutation: histogram, scan, scatter ------------------------------------------------------------------------
+// counts [E] must be zero on entry.
+extern "C" __global__ void moe_count_kernel(const int* __restrict__ experts, i64 n, int* __restrict__ counts) {
+    for (i64 s = blockIdx.x * (i64)blockDim.x + threadIdx.x; s < n; s += (i64)gridDim.x * blockDim.x)
+        atomicAdd(&counts[experts[s]], 1);
+}
+
+// One block of 1024 threads, E <= 1024: offsets [E+1] = exclusive scan of counts; cursor [E] = offsets[:E].
+extern "C" __global__ void moe_offsets_kernel(const int* __restrict__ counts, int num_experts,
+                                              int* __restrict__ offsets, int* __restrict__ cursor) {
+    __shared__ int buf[1024];
+    const int e = threadIdx.x;
+    const int c = e < num_experts ? counts[e] : 0;
+    buf[e] = c;
+    __syncthreads();
+    for (int o = 1; o < 1024; o <<= 1) {  // Hillis-Steele inclusive scan
+        const int add = e >= o ? buf[e - o] : 0;
+        __syncthreads();
+        buf[e] += add;
+        __syncthreads();
+    }
+    if (e < num_experts) {
+        offsets[e + 1] = buf[e];
+        cursor[e] = buf[e] - c;
+    }
+    if (e == 0) offsets[0] = 0;
+}
+
+// Each slot takes the next free row of its expert. The order inside an expert depends on atomics; no result does
+// (a row's GEMM output is computed the same way wherever it sits, and the combine reads rows by slot).
+extern "C" __global__ void moe_scatter_kernel(const int* __restrict__ experts, i64 n, int k, int* __restrict__ cursor,
+                                              int* __restrict__ token_of_row, int* __restrict__ position) {
+    for (i64 s = blockIdx.x * (i64)blockDim.x + threadIdx.x; s < n; s += (i64)gridDim.x * blockDim.x) {
+        const int row = atomicAdd(&cursor[experts[s]], 1);
+        token_of_row[row] = (int)(s / k);
+        position[s] = row;
+    }
+}
+
+// ---- grouped GEMM over expert segments ----------------------------------------------------------------------------
+// out[r, n] = sum_i x_r[i] * w[e, n, i] for the rows r in [offsets[e], offsets[e+1]); x_r = x[token_of_row[r]] (or
+// x[r] when token_of_row is null), x rows with stride xs elements. Blocks: x = row tiles (ceil(N / BM) + E bounds
+// how many tiles the experts' segments need; surplus blocks exit), y = column tiles. find_tile (common.cu) maps a
+// block to (expert, tile) from the device offsets.
+
+__device__ __forceinline__ unsigned moe_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void moe_cp16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(moe_smem(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void moe_ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(moe_smem(p)));
+}
+__device__ __forceinline__ void moe_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bf16 tensor-core path: 128 threads, tile 64 rows x 64 columns, K in steps of 32 through a double-buffered
+// cp.async pipeline; warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) .. +32 (2 x 4 mma tiles).
+// Needs K % 8 == 0 (16-byte row chunks) and 16-byte aligned rows.
+#define MG_BM 64
+#define MG_BN 64
+#define MG_BK 32
+#define MG_LD (MG_BK + 8)  // padded smem row (80 bytes): ldmatrix rows fall in different banks
+template <typename TO>
+__global__ void __launch_bounds__(128)
+moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ token_of_row,
+                    const bf16* __restrict__ w, const int* __restrict__ offsets, int num_experts, int out_dim,
+                    int in_dim, TO* __restrict__ out) {
+    __shared__ __align__(16) bf16 sa[2][MG_BM * MG_LD];
+    __shared__ __align__(16) bf16 sb[2][MG_BN * MG_LD];
+    __shared__ int s_tile[2];
+    if (threadIdx.x < 32) {
+        int e, tile;
+        const bool ok = find_tile(offsets, num_experts, 1, MG_BM, blockIdx.x, e, tile);
+        if (threadIdx.x == 0) { s_tile[0] = ok ? e : -1; s_tile[1] = tile; }
+    }
+    __syncthreads();
+    const int e = s_tile[0];
+    if (e < 0) return;
+    const int row0 = offsets[e] + s_tile[1] * MG_BM;
+    const int rows = min(MG_BM, offsets[e + 1] - row0);
+    const int n0 = blockIdx.y * MG_BN;
+    const bf16* we = w + (i64)e * out_dim * in_dim;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    // each thread copies 2 chunks of 16 bytes of A and of B per K step: chunk c = tid + 128 i, row c / 4, part c % 4
+    const bf16* a_src[2];
+    const bf16* b_src[2];
+    bool a_ok[2], b_ok[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int c = tid + 128 * i, r = c >> 2, part = c & 3;
+        a_ok[i] = r < rows;
+        const i64 xr = a_ok[i] ? (token_of_row ? token_of_row[row0 + r] : row0 + r) : 0;
+        a_src[i] = x + xr * xs + part * 8;
+        b_ok[i] = n0 + r < out_dim;
+        b_src[i] = we + (i64)(b_ok[i] ? n0 + r : 0) * in_dim + part * 8;
+    }
+    auto load = [&](int buf, int k0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int c = tid + 128 * i, r = c >> 2, part = c & 3;
+            const bool kin = k0 + part * 8 < in_dim;
+            moe_cp16(&sa[buf][r * MG_LD + part * 8], a_src[i] + (kin ? k0 : 0), a_ok[i] && kin ? 16 : 0);
+            moe_cp16(&sb[buf][r * MG_LD + part * 8], b_src[i] + (kin ? k0 : 0), b_ok[i] && kin ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    float acc[2][4][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.f;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int steps = (in_dim + MG_BK - 1) / MG_BK;
+    load(0, 0);
+    for (int s = 0; s < steps; ++s) {
+        const int buf = s & 1;
+        if (s + 1 < steps) {
+            load(buf ^ 1, (s + 1) * MG_BK);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MG_BK; kk += 16) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                // x4: lanes 0-15 address rows 0-15 at column kk, lanes 16-31 the same rows at kk + 8
+                const int r = wm + m * 16 + (lane & 15), c = kk + (lane >> 4) * 8;
+                moe_ldsm_x4(a[m][0], a[m][1], a[m][2], a[m][3], &sa[buf][r * MG_LD + c]);
+            }
+#pragma unroll
+            for (int n2 = 0; n2 < 2; ++n2) {
+                // x4 over 16 columns (n) x 16 k: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+                const int r = wn + n2 * 16 + (lane & 7) + ((lane >> 4) << 3), c = kk + ((lane >> 3) & 1) * 8;
+                unsigned b0, b1, b2, b3;
+                moe_ldsm_x4(b0, b1, b2, b3, &sb[buf][r * MG_LD + c]);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    moe_mma(acc[m][2 * n2], a[m], b0, b1);
+                    moe_mma(acc[m][2 * n2 + 1], a[m], b2, b3);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // accumulator layout (m16n8): c0, c1 at (row lane / 4, cols 2 (lane % 4) + 0, 1); c2, c3 at row + 8
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wm + m * 16 + (lane >> 2) + h * 8;
+                const int col = n0 + wn + n * 8 + (lane & 3) * 2;
+                if (r < rows) {
+                    TO* o = out + (i64)(row0 + r) * out_dim;
+                    if (col < out_dim) o[col] = from_f<TO>(acc[m][n][2 * h]);
+                    if (col + 1 < out_dim) o[col + 1] = from_f<TO>(acc[m][n][2 * h + 1]);
+                }
+            }
+}
+
+// Any dtype, any K: 256 threads as 16 x 16, a 16-row x 16-column tile, K through shared memory in steps of 16 (the
+// fp32 backend's path and shapes the tensor-core path cannot take).
+template <typename T>
+__global__ void __launch_bounds__(256)
+moe_gemm_simt_kernel(const T* __restrict__ x, i64 xs, const int* __restrict__ token_of_row, const T* __restrict__ w,
+                     const int* __restrict__ offsets, int num_experts, int out_dim, int in_dim, T* __restrict__ out) {
+    __shared__ float sa[16][17], sb[16][17];
+    __shared__ int s_tile[2];
+    if (threadIdx.x < 32) {  // find_tile: one whole warp
+        int e, tile;
+        const bool ok = find_tile(offsets, num_experts, 1, 16, blockIdx.x, e, tile);
+        if (threadIdx.x == 0) { s_tile[0] = ok ? e : -1; s_tile[1] = tile; }
+    }
+    __syncthreads();
+    const int e = s_tile[0];
+    if (e < 0) return;
+    const int row0 = offsets[e] + s_tile[1] * 16, rows = min(16, offsets[e + 1] - row0);
+    const int n0 = blockIdx.y * 16;
+    const T* we = w + (i64)e * out_dim * in_dim;
+    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+    const i64 xr = ty < rows ? (token_of_row ? token_of_row[row0 + ty] : row0 + ty) : 0;
+    float acc = 0.f;
+    for (int k0 = 0; k0 < in_dim; k0 += 16) {
+        sa[ty][tx] = ty < rows && k0 + tx < in_dim ? to_f(x[xr * xs + k0 + tx]) : 0.f;
+        sb[ty][tx] = n0 + ty < out_dim && k0 + tx < in_dim ? to_f(we[(i64)(n0 + ty) * in_dim + k0 + tx]) : 0.f;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc += sa[ty][i] * sb[tx][i];
+        __syncthreads();
+    }
+    if (ty < rows && n0 + tx < out_dim) out[(i64)(row0 + ty) * out_dim + n0 + tx] = from_f<T>(acc);
+}
+
+// ---- combine ------------------------------------------------------------------------------------------------------
+// out[t, d] = sum_j weights[t, j] * y[position[t k + j], d] (+ sigmoid(gate[t * gs]) * shared[t, d]).
+template <typename T, bool SHARED>
+__global__ void moe_combine_kernel(const T* __restrict__ y, const int* __restrict__ position,
+                                   const float* __restrict__ weights, int num_tokens, int k, int dim,
+                                   const T* __restrict__ shared, const float* __restrict__ gate, i64 gs,
+                                   T* __restrict__ out) {
+    const i64 total = (i64)num_tokens * dim;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const int t = (int)(i / dim), d = (int)(i % dim);
+        float acc = 0.f;
+        for (int j = 0; j < k; ++j) acc += weights[(i64)t * k + j] * to_f(y[(i64)position[(i64)t * k + j] * dim + d]);
+        if (SHARED) acc += to_f(shared[i]) / (1.f + expf(-gate[t * gs]));
+        out[i] = from_f<T>(acc);
+    }
+}

@@ -1,0 +1,116 @@
+"""CUDA implementation of the MoE ops (kernels/moe.cu); `CudaOps` exposes them with the contracts of
+kernels/moe_reference.py.
+
+No function here reads anything back from the device: expert segment sizes stay in device `offsets`, grids are
+sized from T, k, E and the weight shapes (the grouped GEMM launches ceil(N / tile) + E row tiles; each block finds
+its expert segment on the device and surplus blocks exit), so a decode step with MoE layers is capturable.
+bf16 weights take the tensor-core kernel (mma.sync m16n8k16, fp32 accumulation); fp32 (or rows not 16-byte
+aligned) take a SIMT kernel with the same contract.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from prefixrun.kernels.cuda import BF16, F32, _cast, _grid, _i32, _i64, _index, _kernel, _tname
+
+MAX_EXPERTS = 512  # moe_route_kernel keeps 16 logits per lane (MOE_PER_LANE in kernels/moe.cu)
+MAX_TOP_K = 32  # one chosen expert per lane
+_MMA_TILE_ROWS, _MMA_TILE_COLS, _SIMT_TILE = 64, 64, 16  # MG_BM, MG_BN and the SIMT tile in kernels/moe.cu
+
+
+def route(router_logits, top_k: int, normalize: bool):
+    """router_logits [T, E] fp32 (row stride free, columns contiguous) -> (weights [T, k] fp32, experts [T, k])."""
+    t, e = router_logits.shape
+    if router_logits.dtype != F32:
+        raise TypeError(f"moe_route takes fp32 router logits, got {router_logits.dtype}")
+    if e > MAX_EXPERTS or not 1 <= top_k <= min(e, MAX_TOP_K):
+        raise ValueError(f"moe_route supports up to {MAX_EXPERTS} experts and top_k 1..{MAX_TOP_K} (<= experts); "
+                         f"got {e} experts, top_k {top_k}")
+    if e > 1 and router_logits.strides[1] != 4:
+        router_logits = cupy.ascontiguousarray(router_logits)
+    row_stride = router_logits.strides[0] // 4 if t > 1 else e
+    weights = cupy.empty((t, top_k), F32)
+    experts = cupy.empty((t, top_k), np.int32)
+    if t:
+        _kernel("moe", "moe_route_kernel")((-(-t // 8),), (256,), (
+            router_logits, _i64(row_stride), _i32(t), _i32(e), _i32(top_k), _i32(int(normalize)), weights, experts))
+    return weights, experts
+
+
+def permute(experts, num_experts: int):
+    """experts [T, k] int32 -> (token_of_row [N], position [N], offsets [E+1]) int32, on the device."""
+    if num_experts > 1024:
+        raise ValueError(f"moe_permute supports up to 1024 experts, got {num_experts}")
+    experts = _index(experts)
+    t, k = experts.shape
+    n = t * k
+    counts = cupy.zeros(num_experts, np.int32)
+    offsets = cupy.empty(num_experts + 1, np.int32)
+    cursor = cupy.empty(num_experts, np.int32)
+    token_of_row = cupy.empty(n, np.int32)
+    position = cupy.empty(n, np.int32)
+    if n:
+        _kernel("moe", "moe_count_kernel")((_grid(n),), (256,), (experts, _i64(n), counts))
+    _kernel("moe", "moe_offsets_kernel")((1,), (1024,), (counts, _i32(num_experts), offsets, cursor))
+    if n:
+        _kernel("moe", "moe_scatter_kernel")((_grid(n),), (256,), (experts, _i64(n), _i32(k), cursor, token_of_row,
+                                                                   position))
+    return token_of_row, position, offsets
+
+
+def grouped_linear(x, weight, offsets, token_of_row=None):
+    """out[r] = x_r @ weight[e].T over expert segments (see MoeReferenceOps.moe_grouped_linear). x [*, in],
+    weight [E, out, in]; N = len(token_of_row) when given, else x's rows. Returns [N, out] in weight's dtype."""
+    e, out_dim, in_dim = weight.shape
+    if x.ndim != 2 or x.shape[1] != in_dim:
+        raise ValueError(f"moe_grouped_linear: x {x.shape} does not fit weight {weight.shape}")
+    if x.dtype != weight.dtype:
+        x = _cast(x, weight.dtype)
+    if x.shape[0] > 1 and x.strides[1] != x.itemsize:
+        x = cupy.ascontiguousarray(x)
+    weight = cupy.ascontiguousarray(weight)
+    xs = x.strides[0] // x.itemsize if x.shape[0] > 1 else in_dim
+    n = token_of_row.shape[0] if token_of_row is not None else x.shape[0]
+    tor = _index(token_of_row) if token_of_row is not None else None
+    out = cupy.empty((n, out_dim), weight.dtype)
+    if n == 0 or out_dim == 0:
+        return out
+    offsets = _index(offsets)
+    aligned = (weight.dtype == BF16 and in_dim % 8 == 0 and xs % 8 == 0 and x.data.ptr % 16 == 0
+               and weight.data.ptr % 16 == 0)
+    null = np.uint64(0)
+    if aligned:
+        grid = (-(-n // _MMA_TILE_ROWS) + e, -(-out_dim // _MMA_TILE_COLS))
+        _kernel("moe", "moe_gemm_mma_kernel<bf16>")(grid, (128,), (
+            x, _i64(xs), tor if tor is not None else null, weight, offsets, _i32(e), _i32(out_dim), _i32(in_dim), out))
+    else:
+        grid = (-(-n // _SIMT_TILE) + e, -(-out_dim // _SIMT_TILE))
+        _kernel("moe", f"moe_gemm_simt_kernel<{_tname(weight.dtype)}>")(grid, (256,), (
+            x, _i64(xs), tor if tor is not None else null, weight, offsets, _i32(e), _i32(out_dim), _i32(in_dim), out))
+    return out
+
+
+def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None):
+    """out[t] = sum_j weights[t, j] * y[position[t k + j]] (+ sigmoid(shared_gate[t]) * shared[t]) -> [T, D]."""
+    t, k = weights.shape
+    y = cupy.ascontiguousarray(y)
+    dim = y.shape[1]
+    out = cupy.empty((t, dim), out_dtype or y.dtype)
+    if out.dtype != y.dtype:
+        raise TypeError(f"moe_combine: y is {y.dtype}, the output {out.dtype}")
+    if t == 0 or dim == 0:
+        return out
+    weights = cupy.ascontiguousarray(_cast(weights, F32))
+    position = _index(position)
+    ty = _tname(y.dtype)
+    if shared is None:
+        _kernel("moe", f"moe_combine_kernel<{ty}, false>")((_grid(t * dim),), (256,), (
+            y, position, weights, _i32(t), _i32(k), _i32(dim), y, weights, _i64(0), out))
+        return out
+    shared = cupy.ascontiguousarray(_cast(shared, y.dtype))
+    gate = _cast(shared_gate, F32)
+    gate_stride = gate.strides[0] // 4 if t > 1 else 1  # [T, 1] column of the router's logits, or contiguous
+    _kernel("moe", f"moe_combine_kernel<{ty}, true>")((_grid(t * dim),), (256,), (
+        y, position, weights, _i32(t), _i32(k), _i32(dim), shared, gate, _i64(gate_stride), out))
+    return out

@@ -1,0 +1,220 @@
+"""CUDA MoE ops (kernels/moe.cu via kernels/moe_cuda.py) vs the NumPy reference (kernels/moe_reference.py).
+
+Skipped cleanly without CuPy or a GPU. Routing is uneven on purpose (a skewed expert distribution, experts nobody
+chooses, single-token decode shapes and 300-token prefill shapes), and the grouped GEMM is checked on both of its
+paths: tensor cores (bf16, K % 8 == 0) and SIMT (fp32, odd K).
+
+Bounds (norm-relative, ||gpu - ref|| / ||ref||): fp32 1e-5; bf16 1e-2 (the reference gets the same bf16-rounded
+inputs as fp32, so only the GPU's output rounding counts: ~2e-3 per bf16 rounding). Routing (fp32 logits in
+both backends) must choose the same experts and weights within 1e-6. Whole tiny models: fp32 1e-4, bf16 5e-2 as
+tests/test_cuda_kernels.py bounds the dense families.
+
+`python tests/test_cuda_moe.py --bench` times one Qwen3.5-35B-A3B-shaped MoE layer with 64 experts.
+"""
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+BF16 = ml_dtypes.bfloat16
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyOps()
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ops(request):
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def skewed_experts(rng, t, k, e, unused=2):
+    """[T, k] distinct experts per token, popular experts far more often, the last `unused` never chosen."""
+    live = e - unused
+    p = 1.0 / np.arange(1, live + 1) ** 1.2
+    p /= p.sum()
+    return np.stack([rng.choice(live, k, replace=False, p=p) for _ in range(t)]).astype(np.int32)
+
+
+def as_stored(ops, a):
+    """(device array in the backend's storage dtype, the same values as fp32 on the host)."""
+    dev = ops.upload(a)
+    return dev, np.asarray(ops.to_host(dev), np.float32)
+
+
+@pytest.mark.parametrize("e,k,normalize", [(8, 2, True), (64, 8, True), (64, 8, False), (512, 10, True),
+                                           (6, 1, False)])
+def test_route_matches_reference(ops, ref, e, k, normalize):
+    rng = np.random.default_rng(e + k)
+    logits = rng.standard_normal((37, e + 1)).astype(np.float32) * 3  # + the shared gate's column: strided rows
+    w, x = ops.moe_route(ops.upload(logits, np.float32)[:, :e], k, normalize)
+    rw, rx = ref.moe_route(logits[:, :e], k, normalize)
+    assert (ops.to_host(x) == rx).all()
+    assert rel(ops.to_host(w), rw) <= 1e-6
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 8, 64), (5, 8, 64), (300, 8, 64), (300, 2, 6), (200, 10, 512), (0, 2, 8)])
+def test_permute_groups_slots_by_expert(ops, ref, t, k, e):
+    rng = np.random.default_rng(t + e)
+    experts = skewed_experts(rng, t, k, e) if t else np.zeros((0, k), np.int32)
+    tok, pos, off = (ops.to_host(a) for a in ops.moe_permute(ops.upload_index(experts.reshape(t, k)), e))
+    _, _, roff = ref.moe_permute(experts, e)
+    assert (off == roff).all()  # the same segment per expert, empty ones included
+    n = t * k
+    assert sorted(pos.tolist()) == list(range(n))  # a permutation
+    flat = experts.reshape(-1)
+    for s in range(n):
+        row = pos[s]
+        assert tok[row] == s // k and off[flat[s]] <= row < off[flat[s] + 1]
+
+
+@pytest.mark.parametrize("t,k,e,d_in,d_out", [(3, 8, 64, 256, 128), (300, 8, 64, 512, 384), (300, 2, 6, 64, 96),
+                                              (50, 3, 8, 36, 24), (1, 1, 4, 64, 64)])
+@pytest.mark.parametrize("gather", [True, False])
+def test_grouped_linear_matches_reference(ops, ref, t, k, e, d_in, d_out, gather):
+    rng = np.random.default_rng(d_in + t)
+    experts = skewed_experts(rng, t, k, e, unused=min(2, e - k))
+    tok, _, off = ops.moe_permute(ops.upload_index(experts), e)
+    n = t * k
+    x, x32 = as_stored(ops, rng.standard_normal((t if gather else n, d_in)).astype(np.float32))
+    w, w32 = as_stored(ops, (rng.standard_normal((e, d_out, d_in)) / np.sqrt(d_in)).astype(np.float32))
+    got = ops.moe_grouped_linear(x, w, off, tok if gather else None)
+    want = ref.moe_grouped_linear(x32, w32, ops.to_host(off), ops.to_host(tok) if gather else None)
+    assert got.shape == (n, d_out)
+    assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_combine_matches_reference(ops, ref, shared):
+    rng = np.random.default_rng(5)
+    t, k, e, d = 70, 4, 16, 96
+    experts = skewed_experts(rng, t, k, e)
+    _, pos, _ = ops.moe_permute(ops.upload_index(experts), e)
+    y, y32 = as_stored(ops, rng.standard_normal((t * k, d)).astype(np.float32))
+    weights = rng.random((t, k)).astype(np.float32)
+    logits = rng.standard_normal((t, e + 1)).astype(np.float32)
+    s, s32 = as_stored(ops, rng.standard_normal((t, d)).astype(np.float32))
+    gate = ops.upload(logits, np.float32)[:, e:]  # a strided column, as the model passes it
+    got = ops.moe_combine(y, pos, ops.upload(weights, np.float32), s if shared else None, gate if shared else None)
+    want = ref.moe_combine(y32, ops.to_host(pos), weights, s32 if shared else None, logits[:, e:] if shared else None)
+    assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
+
+
+def test_moe_block_replays_from_a_graph(model_dirs):
+    """A whole sparse MoE block captured into a CUDA graph (so none of its ops syncs with the host) and replayed on
+    new inputs gives the eager result."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.models.moe import SparseMoeBlock
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16")
+    model = load_model(model_dirs["qwen3_5_moe"], ops)[0]
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    rng = np.random.default_rng(0)
+    x = ops.upload(rng.standard_normal((16, model.cfg.hidden_size)).astype(np.float32))
+    graph = ops.capture(lambda inp: block(ops, inp), x)
+    fresh = ops.upload(rng.standard_normal((16, model.cfg.hidden_size)).astype(np.float32))
+    x.view(np.uint16)[...] = fresh.view(np.uint16)  # in place: the graph reads this buffer
+    replayed = ops.to_host(graph.replay()).astype(np.float32)
+    eager = ops.to_host(block(ops, fresh)).astype(np.float32)
+    assert np.array_equal(replayed, eager)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_tiny_moe_model_matches_cpu(model_dirs, family, dtype, tol):
+    """Prefill two prompts (one longer than the delta rule's chunk), then one decode step, on both backends."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.state import ModelState
+    from prefixrun.kernels.cuda import CudaOps
+
+    results = []
+    for ops in (NumpyOps(), CudaOps(dtype)):
+        model = load_model(model_dirs[family], ops)[0]
+        state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
+        hs = [state.new_sequence(), state.new_sequence()]
+        outs = [ops.to_host(model.forward(state.prepare_step(hs, [list(range(3, 140)), [100, 101, 102]]), state))]
+        outs.append(ops.to_host(model.forward(state.prepare_step(hs, [[7], [9]]), state)))
+        results.append(outs)
+    for cpu, gpu in zip(*results):
+        assert rel(gpu, cpu) <= tol
+
+
+def _bench():
+    """One MoE layer of the bench model (hidden 2048, 64 experts x 512, top 8 + a 512 shared expert), bf16."""
+    import time
+
+    from prefixrun.engine.models.moe import SparseMoeBlock
+    from prefixrun.engine.moe_config import MoeSettings
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16")
+    d, e, i, k = 2048, 64, 512, 8
+    rng = np.random.default_rng(0)
+    tensors = {"mlp.gate.weight": rng.standard_normal((e, d), np.float32) * 0.02,
+               "mlp.shared_expert_gate.weight": rng.standard_normal((1, d), np.float32) * 0.02,
+               "mlp.experts.gate_up_proj": rng.standard_normal((e, 2 * i, d), np.float32) * 0.02,
+               "mlp.experts.down_proj": rng.standard_normal((e, d, i), np.float32) * 0.02,
+               "mlp.shared_expert.gate_proj.weight": rng.standard_normal((i, d), np.float32) * 0.02,
+               "mlp.shared_expert.up_proj.weight": rng.standard_normal((i, d), np.float32) * 0.02,
+               "mlp.shared_expert.down_proj.weight": rng.standard_normal((d, i), np.float32) * 0.02}
+
+    class Load:
+        def __init__(self):
+            self.ops = ops
+
+        def has(self, name):
+            return name in tensors
+
+        def host(self, name, shape):
+            assert tensors[name].shape == tuple(shape), name
+            return tensors[name]
+
+        def matrix(self, name, shape):
+            return ops.upload(self.host(name, shape))
+
+        def stacked(self, names, shapes):
+            return ops.upload(np.concatenate([self.host(n, s) for n, s in zip(names, shapes)]))
+
+    block = SparseMoeBlock(d, MoeSettings(e, k, i, i, True, (True,)), Load(), "mlp.")
+    weight_bytes = (3 * e * i * d + 3 * i * d) * 2
+    for t in (1, 64, 2048, 16384):
+        x = ops.upload(rng.standard_normal((t, d), np.float32))
+        graph = ops.capture(lambda inp: block(ops, inp), x)
+        for _ in range(3):
+            graph.replay()
+        ops.synchronize()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        ops.synchronize()
+        dt = (time.perf_counter() - t0) / reps
+        flops = 2 * t * (k + 1) * 3 * i * d
+        print(f"T={t:6d}: {dt * 1e6:9.1f} us  {flops / dt / 1e12:7.1f} TFLOP/s  "
+              f"{weight_bytes / dt / 1e12:6.2f} TB/s if every weight is read once")
+
+
+if __name__ == "__main__" and "--bench" in sys.argv:
+    _bench()
