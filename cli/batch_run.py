@@ -69,7 +69,7 @@ class BatchRun:
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
                              reuse=reuse, block_size=ops.default_block_size)
         self.engine = Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
-                             make_detokenizer=self._detokenizer, options=opts, persist=persist)
+                             tokenizer=self.loaded.tokenizer, options=opts, persist=persist)
         self.failed = 0
         self.done = 0
         self.skipped = 0  # lines that already had a result (--resume)
@@ -144,6 +144,9 @@ class BatchRun:
         self.reporter.set_total(self.done + len(window))
         created = int(time.time())
         for result in self.engine.run([req for _, req in window]):
+            if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
+                self._error(writer, io.make_error(parsed[result.index], result.error))
+                continue
             writer.add(result.index, io.format_result(parsed[result.index], result, model=self.model_name,
                                                       created=created))
             self.done += 1

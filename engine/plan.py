@@ -1,12 +1,19 @@
-"""A window of tokenized requests -> token trie -> the order of work.
+"""A window of tokenized requests -> token trie -> an explicit plan: a tree of tasks, printable and cut-able.
 
-The trie is compressed: each node holds the segment of tokens between two branch points. Its end is where the
-whole model state is checkpointed when more than one consumer (a child segment or a request whose prompt ends
-there) needs it — at the exact branching offset, not rounded to a block. Work proceeds depth-first, so the live
-checkpoints are those of the current node's ancestors that still have pending children: bounded by tree depth.
+The trie is compressed: each node holds the segment of tokens between two branch points. A node's end state is
+checkpointed when more than one consumer (a child segment or a request whose prompt ends there) needs it — at the
+exact branching offset, not rounded to a block.
 
-Every distinct prefix token is one trie position, so an execution that prefills each node's segment once computes
-exactly `distinct_tokens` prompt tokens (the least any prefix-reusing engine can do).
+The plan has one `Task` per unit of work. A task brings a state to the end of its node: it starts from its base
+task's end state (forked from the base's checkpoint, or handed over whole when the base has a single consumer;
+no base = an empty state), computes the tokens in between, then either saves a checkpoint for its consumers
+(`saves`), or starts decoding its one request, or hands its state to its one child. Every request ending at a
+branch point is a task of its own with no tokens to compute (it forks the checkpoint and takes its logits).
+
+So each distinct prefix token belongs to exactly one task, and an execution that runs each task's own tokens once
+computes exactly `distinct_tokens` prompt tokens. A task's subtree (`Plan.subtree`) is self-contained given its
+base's state: the unit a later multi-worker split hands out. The runner executes tasks in a dependency-respecting
+order and records what it really did in a `Trace` (engine/trace.py), including every adaptation to the pools.
 """
 from __future__ import annotations
 
@@ -20,7 +27,6 @@ class TrieNode:
     parent: "TrieNode | None" = None
     children: dict[int, "TrieNode"] = field(default_factory=dict)  # first token of the child's segment -> child
     requests: list[int] = field(default_factory=list)  # requests whose whole prompt ends at this node's end
-    carrier: int = -1  # the first request (in work order) under this node: its prefill is charged to it
 
     @property
     def end(self) -> int:
@@ -33,13 +39,6 @@ class TrieNode:
 
     def ordered_children(self) -> list["TrieNode"]:
         return list(self.children.values())
-
-    def path_tokens(self) -> list[int]:
-        parts, node = [], self
-        while node is not None:
-            parts.append(node.tokens)
-            node = node.parent
-        return [t for seg in reversed(parts) for t in seg]
 
 
 def build_trie(prompts: list[list[int]], share: bool = True) -> TrieNode:
@@ -65,8 +64,7 @@ def build_trie(prompts: list[list[int]], share: bool = True) -> TrieNode:
                 node.children[prompt[pos]] = leaf
                 node, pos = leaf, len(prompt)
                 break
-            # walk the child's segment while it matches
-            seg = child.tokens
+            seg = child.tokens  # walk the child's segment while it matches
             n = 0
             limit = min(len(seg), len(prompt) - pos)
             while n < limit and seg[n] == prompt[pos + n]:
@@ -81,17 +79,7 @@ def build_trie(prompts: list[list[int]], share: bool = True) -> TrieNode:
                 child = upper
             node, pos = child, pos + n
         node.requests.append(idx)
-    _assign_carriers(root)
     return root
-
-
-def _assign_carriers(root: TrieNode):
-    """carrier = the first request reached in work order (own requests before children), bottom-up."""
-    for node in reversed(list(iter_nodes(root))):
-        if node.requests:
-            node.carrier = node.requests[0]
-        else:
-            node.carrier = next(iter(node.children.values())).carrier if node.children else -1
 
 
 def iter_nodes(root: TrieNode):
@@ -107,33 +95,103 @@ def distinct_tokens(root: TrieNode) -> int:
     return sum(len(n.tokens) for n in iter_nodes(root))
 
 
-@dataclass(frozen=True)
-class PlanSummary:
-    """The ideal plan's figures (what an ample budget achieves)."""
+@dataclass(eq=False)
+class Task:
+    """Bring a state to `end` (the end of `path`): from `base`'s end state, compute path[base.end:end].
 
-    requests: int
-    prompt_tokens: int
-    distinct_tokens: int  # trie size: prompt tokens computed once each
-    branch_points: tuple[int, ...]  # offsets where a checkpoint is saved (consumers > 1), in work order
-    max_live_checkpoints: int  # peak checkpoints alive under depth-first order
+    After that: `saves` -> checkpoint the state for the consumers (`consumers`: decode tasks, then child tasks);
+    else a `request` starts decoding from it, or the single child takes the state over whole.
+    """
+
+    id: int
+    path: tuple[int, ...]  # the whole token prefix up to this task's end
+    base: "Task | None"  # whose end state this task starts from (None: an empty state)
+    request: int | None = None  # the request that decodes from this task's end (None for inner tasks)
+    consumers: list["Task"] = field(default_factory=list)
+    carrier: int = -1  # the first request in work order under this task: computed tokens are charged to it
+
+    @property
+    def end(self) -> int:
+        return len(self.path)
+
+    @property
+    def start(self) -> int:
+        """Where the plan's own tokens begin (its base's end)."""
+        return self.base.end if self.base is not None else 0
+
+    @property
+    def saves(self) -> bool:
+        return len(self.consumers) > 1
+
+    @property
+    def depth(self) -> int:
+        d, t = 0, self.base
+        while t is not None:
+            d, t = d + 1, t.base
+        return d
+
+    def describe(self) -> str:
+        base = f"t{self.base.id}" if self.base is not None else "scratch"
+        what = f"prefill [{self.start}, {self.end}) from {base}" if self.end > self.start else f"fork {base}"
+        if self.saves:
+            what += f", save @{self.end} for {len(self.consumers)}"
+        if self.request is not None:
+            what += f", decode r{self.request}"
+        return f"t{self.id} {what}"
 
 
-def summarize(root: TrieNode, prompts: list[list[int]]) -> PlanSummary:
-    branch = []
-    peak = 0
+@dataclass
+class Plan:
+    """The tasks of one window in depth-first order (a base before its consumers)."""
 
-    def visit(node: TrieNode, live: int):
-        nonlocal peak
-        here = live + (1 if node is not root and node.consumers > 1 else 0)
-        if node is not root and node.consumers > 1:
-            branch.append(node.end)
-        peak = max(peak, here)
-        kids = node.ordered_children()
-        for i, child in enumerate(kids):
-            # the checkpoint is released when the last child has forked from it
-            visit(child, here - (1 if i == len(kids) - 1 and here > live else 0))
+    tasks: list[Task]
+    roots: list[Task]  # tasks that start from an empty state
+    distinct_tokens: int
+    depth: int  # nodes on the longest root-to-leaf trie path: the bound on live branch checkpoints per level
 
-    import sys
-    sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
-    visit(root, 0)
-    return PlanSummary(len(prompts), sum(len(p) for p in prompts), distinct_tokens(root), tuple(branch), peak)
+    def subtree(self, task: Task) -> list[Task]:
+        """`task` and every task that depends on it, in plan order: self-contained given task.base's state."""
+        out, stack = [], [task]
+        while stack:
+            t = stack.pop()
+            out.append(t)
+            stack.extend(reversed(t.consumers))
+        return out
+
+    def dump(self) -> str:
+        """One line per task, indented by depth."""
+        return "\n".join("  " * t.depth + t.describe() for t in self.tasks)
+
+
+def make_plan(prompts: list[list[int]], share: bool = True) -> Plan:
+    """The plan of a window: one task per trie node, plus one decode task per request ending at a branch point."""
+    root = build_trie(prompts, share)
+    tasks: list[Task] = []
+    roots: list[Task] = []
+
+    def new(path, base, request=None) -> Task:
+        t = Task(len(tasks), tuple(path), base, request)
+        tasks.append(t)
+        if base is None:
+            roots.append(t)
+        else:
+            base.consumers.append(t)
+        return t
+
+    # iterative pre-order over (node, base task, path): deep tries must not hit the recursion limit
+    stack = [(child, None, child.tokens) for child in reversed(root.ordered_children())]
+    while stack:
+        node, base, path = stack.pop()
+        single_request = node.requests[0] if node.consumers == 1 and node.requests else None
+        task = new(path, base, single_request)
+        if node.consumers > 1:  # a branch point: every request ending here forks it
+            for rid in node.requests:
+                new(path, task, rid)
+        for child in reversed(node.ordered_children()):
+            stack.append((child, task, list(path) + child.tokens))
+    # creation order is already depth-first with a node's decode tasks before its children: consumers come after
+    # their base, so carriers resolve bottom-up in reverse
+    for t in reversed(tasks):
+        t.carrier = t.request if t.request is not None else (t.consumers[0].carrier if t.consumers else -1)
+    depth = max((t.depth + 1 for t in tasks if t.end > t.start), default=0)
+    return Plan(tasks, roots, distinct_tokens(root), depth)

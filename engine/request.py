@@ -81,5 +81,6 @@ class Result:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (eos, stop string or stop token) or "length"
+    finish_reason: str  # "stop" (eos, stop string or stop token), "length", or "error" (see `error`)
     usage: Usage
+    error: str | None = None  # why the request could not run (e.g. its state can never fit the state memory)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import random_prompt
 from prefixrun.engine.checkpoints import CheckpointPool
-from prefixrun.engine.plan import build_trie, distinct_tokens, iter_nodes, summarize
+from prefixrun.engine.plan import build_trie, distinct_tokens, iter_nodes, make_plan
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
 from prefixrun.engine.state import ModelState, check_shared_prefix_arrays, shared_prefix_arrays
@@ -53,36 +53,117 @@ def edge_prompts():
     ]
 
 
-# ---- plan ----------------------------------------------------------------------------------------------------
-def test_trie_branches_at_exact_offsets_and_counts_distinct_tokens():
+# ---- plan (no model) ----------------------------------------------------------------------------------------------
+def test_plan_saves_at_exact_branch_offsets_prints_and_cuts_into_subtrees():
     a = list(range(100, 150))
     prompts = [a + [1, 2], a + [3], a[:17], a[:17], [7]]
     root = build_trie(prompts)
-    ends = sorted(n.end for n in iter_nodes(root) if n is not root and n.consumers > 1)
-    assert ends == [17, 50]  # at the exact divergence offsets, not rounded to a block
-    assert distinct_tokens(root) == 50 + 2 + 1 + 1
-    summary = summarize(root, prompts)
-    assert summary.distinct_tokens == 54 and set(summary.branch_points) == {17, 50}
-    # the checkpoint at 17 is released when its only child forks, before the one at 50 is saved
-    assert summary.max_live_checkpoints == 1
-    dup = [n for n in iter_nodes(root) if len(n.requests) == 2][0]
-    assert dup.end == 17 and dup.requests == [2, 3]
+    assert sorted(n.end for n in iter_nodes(root) if n is not root and n.consumers > 1) == [17, 50]
+    plan = make_plan(prompts)
+    assert plan.distinct_tokens == distinct_tokens(root) == 50 + 2 + 1 + 1
+    assert [t.end for t in plan.tasks if t.saves] == [17, 50]  # at the divergence offsets, not rounded to a block
+    # each distinct token belongs to exactly one task; the two duplicates at 17 fork it with nothing to compute
+    assert sum(t.end - t.start for t in plan.tasks) == plan.distinct_tokens
+    dups = [t for t in plan.tasks if t.request in (2, 3)]
+    assert [(t.start, t.end, t.base.end) for t in dups] == [(17, 17, 17)] * 2
+    assert sorted(t.request for t in plan.tasks if t.request is not None) == list(range(5))
+    for t in plan.tasks:  # a base comes before its consumers; carriers are requests under the task
+        assert t.base is None or plan.tasks.index(t.base) < plan.tasks.index(t)
+        assert t.carrier in {s.request for s in plan.subtree(t)}
+    text = plan.dump()
+    assert len(text.splitlines()) == len(plan.tasks) and "save @17 for 3" in text and "decode r2" in text
+    # a subtree is self-contained given its base: every other task in it starts from a task inside it
+    at17 = next(t for t in plan.tasks if t.end == 17 and t.saves)
+    sub = plan.subtree(at17)
+    assert all(t.base in sub for t in sub[1:]) and {t.request for t in sub if t.request is not None} == {0, 1, 2, 3}
+    assert plan.depth == 3  # [0,17) -> [17,50) -> the suffixes
 
 
-def test_no_share_trie_has_one_leaf_per_request():
-    root = build_trie([[1, 2], [1, 2], [1]], share=False)
-    assert len(root.children) == 3 and distinct_tokens(root) == 5
+def test_no_share_plan_has_one_task_per_request():
+    plan = make_plan([[1, 2], [1, 2], [1]], share=False)
+    assert len(plan.tasks) == 3 and plan.distinct_tokens == 5 and not any(t.saves for t in plan.tasks)
 
 
-def test_depth_first_live_checkpoints_bounded_by_depth():
-    rng = random.Random(0)
-    prompts = []
-    for a in range(4):
-        for b in range(4):
-            for c in range(4):
-                prompts.append([a] * 5 + [10 + b] * 5 + [20 + c] * 3 + [rng.randrange(500)])
-    s = summarize(build_trie(prompts), prompts)
-    assert s.max_live_checkpoints <= 3
+class _FakeModel:
+    """A stand-in model for plan execution tests: one slot region and one paged region, logits that depend only on
+    the last token (deterministic greedy tokens). Exercises the runner, scheduler and pools without weights."""
+
+    vocab = 61
+
+    def __init__(self, context=4096):
+        from types import SimpleNamespace
+
+        self.cfg = SimpleNamespace(max_position_embeddings=context)
+
+    def state_specs(self):
+        from prefixrun.engine.state import RegionSpec
+
+        return [RegionSpec("s", False, (2,), "float32"), RegionSpec("kv", True, (2,), "act")]
+
+    def forward(self, batch, state):
+        last = np.asarray(batch.token_ids)[np.asarray(batch.last_token_index)]  # [B]
+        out = np.zeros((len(last), self.vocab), np.float32)  # [B, V]
+        out[np.arange(len(last)), (last * 7 + 3) % self.vocab] = 1.0
+        return out
+
+
+def tree_prompts(seed=0):
+    rng = random.Random(seed)
+    return [[a] * 5 + [10 + b] * 5 + [20 + c] * 3 + [rng.randrange(500)]
+            for a in range(3) for b in range(3) for c in range(3)]
+
+
+def check_trace_against_plan(plan, trace):
+    """Every executed prefill is a planned task; it starts where the plan says unless a recorded adaptation (a
+    rebase or a hit) moved its start; every request decodes or gets an error exactly once."""
+    by_id = {t.id: t for t in plan.tasks}
+    moved = {e.task for e in trace.events if e.kind in ("rebase", "hit")}
+    for e in trace.of("prefill"):
+        t = by_id[e.task]
+        assert e.end == t.end and (e.start == t.start or e.task in moved), (str(e), t.describe())
+    served = [by_id[e.task].request for e in trace.events if e.kind in ("decode", "error")]
+    assert sorted(served) == sorted(t.request for t in plan.tasks if t.request is not None)
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 32])
+def test_executed_plan_computes_each_token_once_and_bounds_live_checkpoints(max_batch, cpu_ops):
+    prompts = tree_prompts()
+    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=max_batch, block_size=4))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
+    assert len(list(eng.run(reqs))) == len(prompts)
+    plan, trace = eng.last_plan, eng.last_trace
+    check_trace_against_plan(plan, trace)
+    assert trace.computed_tokens() == eng.stats.computed_prompt_tokens == plan.distinct_tokens
+    assert not trace.of("refused") and not trace.of("rebase")
+    # depth-first: live branch checkpoints are bounded by the tree depth (times the sibling group width)
+    assert trace.peak_live_checkpoints() <= plan.depth * max_batch
+    if max_batch == 1:
+        assert trace.peak_live_checkpoints() <= plan.depth == 3
+    assert len(trace.of("save")) == len(trace.of("release")) == sum(t.saves for t in plan.tasks)
+    eng.check_invariants()
+    eng.close()
+    assert not eng.state.live
+
+
+def test_refused_checkpoints_are_recorded_and_consumers_recompute(cpu_ops):
+    prompts = tree_prompts()
+    full = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=4, block_size=4))
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    want = {r.custom_id: r.token_ids for r in full.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    for budget in (0, 900):
+        eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=4, block_size=4,
+                                                                   checkpoint_budget_bytes=budget))
+        got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+        assert got == want
+        trace = eng.last_trace
+        check_trace_against_plan(eng.last_plan, trace)
+        assert trace.of("refused") and trace.of("rebase")
+        assert trace.computed_tokens() == eng.stats.computed_prompt_tokens
+        assert eng.last_plan.distinct_tokens < eng.stats.computed_prompt_tokens <= sum(map(len, prompts))
+        if budget == 0:
+            assert not trace.of("save")
+        eng.close()
+        assert not eng.state.live
 
 
 # ---- invariance ------------------------------------------------------------------------------------------------
@@ -210,32 +291,58 @@ def test_block_refcounts_copy_on_write_and_invariants(loaded, cpu_ops):
     assert st.blocks.free_count == 12 and st.slots.free_count == 6
 
 
-def test_checkpoint_pool_seed_semantics(loaded, cpu_ops):
+def test_checkpoint_pool_contract(loaded, cpu_ops):
     model = loaded["qwen3_5"]
-    st = ModelState(model.state_specs(), cpu_ops, num_slots=8, num_blocks=32, block_size=4)
+    st = ModelState(model.state_specs(), cpu_ops, num_slots=10, num_blocks=32, block_size=4)
     prompt = random_prompt(9, 40)
     handles = {}
-    for n in (8, 16, 24):
+    for n in (8, 16, 24, 30):
         h = st.new_sequence()
         model.forward(st.prepare_step([h], [prompt[:n]]), st)
         handles[n] = h
     one = st.handle_bytes(handles[24])
     pool = CheckpointPool(st, budget_bytes=2 * one + 10)
     for n in (8, 16):
-        assert pool.save(prompt[:n], handles[n], None, pins=0, retain=True) is not None
-    assert pool.lookup(prompt, 0, 40).length == 16  # longest match
+        entry, victims = pool.save(prompt[:n], handles[n], None, retain=True)
+        assert entry is not None and victims == []
+    e16 = pool.lookup(prompt, 0, 40)
+    assert e16.length == 16  # longest match
     assert pool.lookup(prompt, 0, 15).length == 8  # within (minimum, maximum]
     assert pool.lookup(prompt, 8, 15) is None
     assert pool.lookup([999] + prompt, 0, 40) is None  # must match the prompt
-    pool.lookup(prompt, 0, 8)  # touch 8: 16 becomes least recently used
-    assert pool.save(prompt[:24], handles[24], None, pins=0, retain=True) is not None
-    assert set(e.length for e in pool.entries.values()) == {8, 24} and pool.stats.evicted == 1
-    pool.check_invariants()
+    clock = [e.last_used for e in (pool.lookup(prompt, 0, 8), e16)]
+    assert [e.last_used for e in (pool.lookup(prompt, 0, 8), e16)] == clock  # lookup is pure
+    pool.touch(pool.lookup(prompt, 0, 8))  # explicit: 16 becomes least recently used
+    assert pool.can_save(prompt[:24], pool.entry_bytes(handles[24], None))
+    e24, victims = pool.save(prompt[:24], handles[24], None, consumers=["a", "b"])
+    assert [v.tokens for v in victims] == [tuple(prompt[:16])] and pool.stats.evicted == 1
+    st.release(victims[0].handle)  # the caller owns evicted states (the engine offers them to the store first)
+    # pinned entries are never evicted: nothing else fits the budget now
+    assert not pool.can_save(prompt[:30], pool.entry_bytes(handles[30], None))
+    assert pool.save(prompt[:30], handles[30], None, retain=True) == (None, [])
+    st.release(handles[30])
+    pool.check_invariants(consumers={"a", "b"})
+    with pytest.raises(AssertionError, match="not pending"):
+        pool.check_invariants(consumers={"a"})
+    with pytest.raises(ValueError, match="already pins"):
+        pool.add_consumers(e24, ["a"])
+    h = pool.acquire(e24, "a")  # a fork: "b" still pins the entry
+    assert pool.holds(e24) and e24.pins == 1 and h is not e24.handle
+    pool.add_consumers(e24, ["c"])
+    pool.release(e24, "c")
+    with pytest.raises(ValueError, match="does not pin"):
+        pool.release(e24, "a")
+    last = pool.acquire(e24, "b")  # the last consumer of an unretained entry takes its state itself
+    assert last is e24.handle and not pool.holds(e24)
+    for x in (h, last):
+        st.release(x)
     e8 = pool.lookup(prompt, 0, 8)
+    restored = pool.restore(e8)
+    st.release(restored)
     pool.invalidate(e8)
-    assert pool.lookup(prompt, 0, 8) is None
-    pool.clear()
-    pool.check_invariants()
+    assert pool.lookup(prompt, 0, 8) is None and len(pool) == 0
+    assert pool.drain() == []
+    pool.check_invariants(consumers=set())
     st.check_invariants()
     assert not st.live
 
@@ -282,14 +389,14 @@ def test_decode_graphs_give_the_eager_tokens(family, loaded, cpu_ops):
 
 
 def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
-    from prefixrun.engine.tokenizer import StreamDetokenizer, Tokenizer
+    from prefixrun.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_dir(model_dirs["qwen3_5"])
     model = loaded["qwen3_5"]
     prompt = tok.encode("The support team answered the customer about the refund")
 
     def run(sp):
-        eng = Engine(model, cpu_ops, make_detokenizer=lambda: StreamDetokenizer(tok), options=EngineOptions())
+        eng = Engine(model, cpu_ops, tokenizer=tok, options=EngineOptions())
         (res,) = list(eng.run([Request("a", prompt, sp, 0)]))
         eng.close()
         return res
@@ -475,3 +582,152 @@ def test_decode_reads_shared_prefixes_once_per_group(graphs, loaded, cpu_ops, mo
     want, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
     assert got == {k: v.token_ids for k, v in want.items()}
     assert seen and max(seen) >= 64  # the 70-token prefix: four whole 16-row blocks shared by the group
+
+
+# ---- memory pressure degrades, never aborts ------------------------------------------------------------------------
+def test_tiny_state_memory_shrinks_groups_and_refuses_only_what_can_never_fit(loaded, cpu_ops):
+    """State memory at its floor (8 K/V blocks of 16 tokens): every prompt that fits alone runs, one at a time if
+    need be, with the no-reuse answers; a prompt whose state alone exceeds the pools gets an error Result."""
+    model = loaded["qwen3_5"]
+    prompts = edge_prompts()
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    huge = random_prompt(77, 200)
+    for opts in (EngineOptions(state_memory_bytes=1), EngineOptions(state_memory_bytes=1, max_batch=3,
+                                                                    checkpoint_budget_bytes=1)):
+        eng = Engine(model, cpu_ops, options=opts)
+        reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)] + [Request("huge", huge, sp, 99)]
+        got = {r.custom_id: r for r in eng.run(reqs)}
+        eng.check_invariants()
+        assert {k: v.token_ids for k, v in got.items() if k != "huge"} == {k: v.token_ids for k, v in ref.items()}
+        assert got["huge"].error and "K/V blocks" in got["huge"].error and got["huge"].finish_reason == "error"
+        assert got["huge"].token_ids == [] and eng.stats.failed_requests == 1
+        assert eng.state.blocks.num_blocks == 8
+        check_trace_against_plan(eng.last_plan, eng.last_trace)
+        eng.close()
+        assert not eng.state.live
+
+
+def test_pressure_gives_up_pinned_checkpoints_instead_of_failing(cpu_ops):
+    """Wide sibling groups pin many branch checkpoints; with barely enough blocks for one request the runner
+    gives them up (recorded as drops and rebases) and still answers everything as with ample memory."""
+    prompts = tree_prompts(1)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    reqs = lambda: [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]  # noqa: E731
+    want = {r.custom_id: r.token_ids for r in Engine(_FakeModel(), cpu_ops).run(reqs())}
+    probe = Engine(_FakeModel(), cpu_ops, options=EngineOptions(block_size=2))
+    slot, block = probe.state.slot_bytes, probe.state.block_bytes
+    opts = EngineOptions(block_size=2, max_batch=8, state_memory_bytes=(2 * 8 + 512 + 4) * slot + 12 * block)
+    eng = Engine(_FakeModel(), cpu_ops, options=opts)
+    assert eng.state.blocks.num_blocks == 12
+    got = {r.custom_id: r.token_ids for r in eng.run(reqs())}
+    assert got == want
+    trace = eng.last_trace
+    assert trace.of("drop") and trace.of("rebase") and not trace.of("error")
+    check_trace_against_plan(eng.last_plan, trace)
+    eng.check_invariants()
+    eng.close()
+    assert not eng.state.live
+
+
+def test_model_without_paged_layers_runs(tmp_path, cpu_ops):
+    """Gemma 3 with only sliding-window layers keeps no paged K/V: prompts run (blocks are bookkeeping only)."""
+    from prefixrun.engine.model_maker import make_model_dir
+    from prefixrun.engine.models import load_model
+    from test_gemma3 import TINY_GEMMA3
+
+    cfg = {**TINY_GEMMA3, "layer_types": ["sliding_attention"] * TINY_GEMMA3["num_hidden_layers"]}
+    model = load_model(make_model_dir(tmp_path / "g", cfg, seed=5, init_std=0.05), cpu_ops)[0]
+    assert not any(s.paged for s in model.state_specs())
+    prompts = edge_prompts()
+    off, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False, state_memory_bytes=1))
+    on, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(state_memory_bytes=1, max_batch=3))
+    assert all(r.error is None and len(r.token_ids) == 5 for r in on.values())
+    assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
+
+
+def test_cli_tiny_state_memory_degrades_exit_0_or_3(tmp_path):
+    from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    lines = [{"custom_id": f"s{i}", "prompt_token_ids": random_prompt(i, 20 + i), "max_tokens": 4,
+              "temperature": 0} for i in range(5)]
+    src = tmp_path / "in.jsonl"
+
+    def run(extra, rows):
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        p = subprocess.run([sys.executable, "-m", "prefixrun.cli.app", "batch", str(src), "--model", str(model),
+                            "--device", "cpu", "--no-cache", "-q", *extra], capture_output=True, text=True,
+                           timeout=300, env={**__import__("os").environ, "PREFIXRUN_CACHE_DIR": str(tmp_path / "c")})
+        assert "Traceback" not in p.stderr, p.stderr
+        return p.returncode, [json.loads(l) for l in p.stdout.splitlines()]
+
+    code, ample = run([], lines)
+    assert code == 0
+    code, small = run(["--state-memory", "1KiB", "--checkpoint-budget", "1"], lines)
+    assert code == 0 and small == ample
+    huge = {"custom_id": "huge", "prompt_token_ids": random_prompt(9, 300), "max_tokens": 4, "temperature": 0}
+    code, mixed = run(["--state-memory", "1KiB"], lines + [huge])
+    assert code == 3 and mixed[:5] == ample
+    assert mixed[5]["custom_id"] == "huge" and "state memory" in json.dumps(mixed[5])
+
+
+# ---- accounting ------------------------------------------------------------------------------------------------------
+class _MemoryDisk:
+    """A persistent-store stand-in that keeps exported states in a dict (as engine/persist.py does on disk)."""
+
+    def __init__(self):
+        self.entries: dict[tuple, tuple] = {}
+
+    def lookup(self, tokens, minimum, maximum, state):
+        for n in range(maximum, minimum, -1):
+            hit = self.entries.get(tuple(tokens[:n]))
+            if hit is not None and (n < maximum or hit[1] is not None):
+                return state.import_state(hit[0], n), (hit[1] if n == maximum else None)
+        return None
+
+    def offer(self, tokens, state, handle, logits):
+        self.entries.setdefault(tuple(tokens), (state.export(handle), None if logits is None else logits.copy()))
+        return True
+
+
+def check_usage_adds_up(results, stats):
+    for r in results.values():
+        u = r.usage
+        assert 0 <= u.cached_from_disk_tokens <= u.cached_tokens <= u.prompt_tokens  # from memory >= 0 too
+    assert stats.reused_tokens == sum(r.usage.cached_tokens for r in results.values())
+    assert stats.reused_from_disk_tokens == sum(r.usage.cached_from_disk_tokens for r in results.values())
+    assert 0 <= stats.reused_from_disk_tokens <= stats.reused_tokens <= stats.prompt_tokens
+
+
+def test_reused_is_from_disk_plus_from_memory_cold_warm_mixed(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    prompts = edge_prompts()
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    disk = _MemoryDisk()
+
+    def run(batch, opts=EngineOptions(retain_block=16)):
+        eng = Engine(model, cpu_ops, options=opts, persist=disk)
+        got = {r.custom_id: r for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in batch])}
+        eng.close()
+        assert not eng.state.live
+        check_usage_adds_up(got, eng.stats)
+        assert {k: v.token_ids for k, v in got.items()} == {k: ref[k].token_ids for k in got}
+        return got, eng.stats
+
+    cold, s_cold = run(list(enumerate(prompts)))
+    assert s_cold.reused_from_disk_tokens == 0 and s_cold.reused_tokens > 0  # duplicates and shared prefixes
+    assert s_cold.reused_tokens == s_cold.prompt_tokens - s_cold.computed_prompt_tokens
+    warm, s_warm = run(list(enumerate(prompts)))
+    assert s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens and s_warm.reused_from_disk_tokens > 0
+    # mixed: a first half warm from disk, the other half new prompts over the same stems; small batches so that a
+    # disk hit can reach past a base already computed in memory (the case that once reported negative memory)
+    mixed = [(i, p) for i, p in enumerate(prompts)] + [(100 + i, p + [7, 7]) for i, p in enumerate(prompts)]
+    ref.update({f"r{100 + i}": r for i, r in run_engine(model, cpu_ops, [p for _, p in mixed[len(prompts):]],
+                                                         EngineOptions(reuse=False), sp,
+                                                         ids=[f"r{100 + i}" for i in range(len(prompts))])[0]
+                .items()})
+    disk.entries = {k: v for k, v in disk.entries.items() if len(k) > 30 or len(k) % 2}
+    _, s_mixed = run(mixed, EngineOptions(retain_block=16, max_batch=2, max_prefill_tokens=8))
+    assert 0 < s_mixed.reused_from_disk_tokens < s_mixed.reused_tokens

@@ -1,0 +1,47 @@
+"""Executes steps on the backend: a prefill forward over variable-length pieces, a decode step (replayed as a
+CUDA graph where the backend can capture one), and sampling the next token of a batch of sequences."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from prefixrun.engine.decode_graphs import DecodeGraphs
+from prefixrun.engine.sequence import Sequence
+from prefixrun.engine.state import ModelState, StateHandle
+from prefixrun.kernels.sampling import as_seed_array
+
+
+class ModelRunner:
+    def __init__(self, model, state: ModelState, ops, max_batch: int, *, graphs: bool, run_seed: int):
+        self.model, self.state, self.ops = model, state, ops
+        self.decoder = DecodeGraphs(model, state, ops, max_batch)
+        self.decoder.enabled = self.decoder.enabled and graphs
+        self.run_seed = run_seed
+
+    def prefill(self, handles: list[StateHandle], pieces: list[list[int]]):
+        """Append each piece to its handle's state; returns [B, V] logits of each piece's last token."""
+        return self.model.forward(self.state.prepare_step(handles, pieces), self.state)
+
+    def decode(self, seqs: list[Sequence]):
+        """Feed each sequence's last token; returns [B, V] logits."""
+        return self.decoder.step([s.handle for s in seqs], [s.tokens[-1] for s in seqs])
+
+    def sample(self, seqs: list[Sequence], logits) -> list[int]:
+        """One token per sequence from logits [B, V], drawn on the backend for the whole batch at once: the
+        random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py)."""
+        sp = [s.request.sampling for s in seqs]
+        ids = self.ops.sample(logits, np.array([0.0 if p.greedy else p.temperature for p in sp], np.float32),
+                              np.array([max(p.top_k, 0) for p in sp], np.int32),
+                              np.array([p.top_p for p in sp], np.float32), np.array([p.min_p for p in sp], np.float32),
+                              as_seed_array([self._seed_of(s) for s in seqs]),
+                              np.array([len(s.tokens) for s in seqs], np.int64))
+        return [int(i) for i in self.ops.to_host(ids)]
+
+    def _seed_of(self, s: Sequence) -> int:
+        if s.request.sampling.seed is not None:
+            return s.request.sampling.seed
+        return zlib.crc32(s.request.custom_id.encode()) ^ (self.run_seed * 0x9E3779B1)
+
+    def close(self):
+        self.decoder.close()
