@@ -664,10 +664,10 @@ def test_cli_tiny_state_memory_degrades_exit_0_or_3(tmp_path):
 
     code, ample = run([], lines)
     assert code == 0
-    code, small = run(["--state-memory", "1KiB", "--checkpoint-budget", "1"], lines)
+    code, small = run(["--state-memory", "1MiB", "--checkpoint-budget", "1"], lines)
     assert code == 0 and small == ample
     huge = {"custom_id": "huge", "prompt_token_ids": random_prompt(9, 300), "max_tokens": 4, "temperature": 0}
-    code, mixed = run(["--state-memory", "1KiB"], lines + [huge])
+    code, mixed = run(["--state-memory", "1MiB"], lines + [huge])
     assert code == 3 and mixed[:5] == ample
     assert mixed[5]["custom_id"] == "huge" and "state memory" in json.dumps(mixed[5])
 
@@ -724,10 +724,9 @@ def test_reused_is_from_disk_plus_from_memory_cold_warm_mixed(loaded, cpu_ops):
     # mixed: a first half warm from disk, the other half new prompts over the same stems; small batches so that a
     # disk hit can reach past a base already computed in memory (the case that once reported negative memory)
     mixed = [(i, p) for i, p in enumerate(prompts)] + [(100 + i, p + [7, 7]) for i, p in enumerate(prompts)]
-    ref.update({f"r{100 + i}": r for i, r in run_engine(model, cpu_ops, [p for _, p in mixed[len(prompts):]],
-                                                         EngineOptions(reuse=False), sp,
-                                                         ids=[f"r{100 + i}" for i in range(len(prompts))])[0]
-                .items()})
+    extra, _, _ = run_engine(model, cpu_ops, [p for _, p in mixed[len(prompts):]], EngineOptions(reuse=False), sp,
+                             ids=[f"r{i}" for i, _ in mixed[len(prompts):]])
+    ref.update(extra)
     disk.entries = {k: v for k, v in disk.entries.items() if len(k) > 30 or len(k) % 2}
     _, s_mixed = run(mixed, EngineOptions(retain_block=16, max_batch=2, max_prefill_tokens=8))
     assert 0 < s_mixed.reused_from_disk_tokens < s_mixed.reused_tokens
