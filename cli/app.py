@@ -82,6 +82,21 @@ def _route_engine_logs(reporter: RunReporter):
     return lambda: logger.removeHandler(handler)
 
 
+def _parse_chat_template_kwargs(text: str | None) -> dict | None:
+    """--chat-template-kwargs: a JSON object, checked as a line's chat_template_kwargs is."""
+    from prefixrun.engine.messages import check_template_kwargs
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise typer.BadParameter(f'--chat-template-kwargs is not valid JSON ({detail}); give an object such as '
+                                 f'\'{{"enable_thinking": false}}\'') from None
+    return check_template_kwargs(value, "--chat-template-kwargs")
+
+
 def _cache_root(cache_dir: Optional[Path]) -> Path:
     from prefixrun.engine.store import default_cache_dir
 
@@ -109,6 +124,9 @@ def batch(
     min_p: Annotated[Optional[float], typer.Option(help="default min_p")] = None,
     seed: Annotated[Optional[int], typer.Option(help="default seed")] = None,
     ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="default ignore_eos")] = None,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option(
+        help='chat-template variables for every messages line, as a JSON object, e.g. \'{"enable_thinking": '
+             'false}\' (a line\'s own chat_template_kwargs win)')] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
                                                      "allows on a GPU, 32 on the CPU)")] = None,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
@@ -137,6 +155,7 @@ def batch(
         defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, ignore_eos=ignore_eos)
         io.SamplingDefaults(**defaults_cli)  # validate options up front
+        template_kwargs = _parse_chat_template_kwargs(chat_template_kwargs)
         if resume and output is None:
             raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
         if resume and overwrite:
@@ -163,7 +182,8 @@ def batch(
                        max_batch=max_batch, window=window, max_prefill_tokens=max_prefill_tokens,
                        checkpoint_budget=budget, state_memory=state_bytes, reuse=not no_reuse,
                        use_cache=not no_cache, cache_budget=disk_budget, reporter=reporter,
-                       sampling_overrides=defaults_cli, max_line_bytes=line_limit)
+                       sampling_overrides=defaults_cli, max_line_bytes=line_limit,
+                       chat_template_kwargs=template_kwargs)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
         source.close()
         reporter.error(str(exc))

@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 
 from prefixrun.cli import io
-from prefixrun.engine.request import InvalidRequest, Request
+from prefixrun.engine.prompts import PromptEncoder
+from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 
 
 class BatchRun:
     def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int | None, window: int,
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
-                 cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES):
+                 cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES,
+                 chat_template_kwargs: dict | None = None):
         from prefixrun.engine import loader
         from prefixrun.engine.model_maker import ensure_default_model
         from prefixrun.engine.runner import Engine, EngineOptions
@@ -29,11 +31,14 @@ class BatchRun:
         self.loaded.ops.synchronize()
         self.load_seconds = time.perf_counter() - load_started
         self.model_name = Path(model_dir).name
-        gd = self.loaded.defaults
-        cli = {k: v for k, v in sampling_overrides.items() if v is not None}
-        from_model = {k: getattr(gd, k) for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
-                      if getattr(gd, k) is not None}
-        self.defaults = io.SamplingDefaults(**{**from_model, **cli})
+        # A line's own values win over these: the command line's, then the model's generation_config.
+        self.defaults = SamplingDefaults(**sampling_overrides).over(self.loaded.defaults.sampling)
+        config = self.loaded.config
+        self.prompts = PromptEncoder(self.loaded.tokenizer, vocab_size=config.vocab_size,
+                                     context_tokens=config.max_position_embeddings,
+                                     chat_template_kwargs=chat_template_kwargs)
+        self._unknown_keys: dict[str, int] = {}  # key -> first line number, for the one warning about them
+        self._unknown_keys_warned = 0
         self.window = window
         state_bytes = state_memory or _default_state_memory(self.loaded.ops)
         if checkpoint_budget is None:
@@ -80,26 +85,6 @@ class BatchRun:
 
         return StreamDetokenizer(self.loaded.tokenizer)
 
-    # ---- tokenization -------------------------------------------------------------------------------------
-    def _to_request(self, parsed: io.ParsedRequest) -> Request:
-        tok = self.loaded.tokenizer
-        if parsed.prompt_token_ids is not None:
-            ids = list(parsed.prompt_token_ids)
-            vocab = self.loaded.config.vocab_size
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequest(f"prompt_token_ids contains {bad[0]}, outside the model's vocabulary of {vocab}")
-        elif parsed.messages is not None:
-            ids = tok.encode_chat(parsed.messages)
-        else:
-            ids = tok.encode(parsed.prompt_text)
-        if not ids:
-            raise InvalidRequest("the prompt is empty after tokenization")
-        limit = self.loaded.config.max_position_embeddings
-        if len(ids) >= limit:
-            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the model's context of {limit} tokens")
-        return Request(parsed.custom_id, ids, parsed.sampling, parsed.index)
-
     # ---- the run ------------------------------------------------------------------------------------------
     def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
         started = time.perf_counter()
@@ -111,12 +96,14 @@ class BatchRun:
             if isinstance(item, io.LineError):
                 self._error(writer, item)
                 continue
+            for key in item.unknown_keys:
+                self._unknown_keys.setdefault(key, item.line_no)
             if item.custom_id in done_ids:
                 writer.skip(item.index)
                 self.skipped += 1
                 continue
             try:
-                window.append((item, self._to_request(item)))
+                window.append((item, self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling)))
             except InvalidRequest as exc:
                 self._error(writer, io.make_error(item, str(exc)))
                 continue
@@ -125,6 +112,7 @@ class BatchRun:
                 window = []
         if window:
             self._run_window(window, writer)
+        self._warn_unknown_keys()
         self.engine.close()
         self.engine.check_invariants()
         writer.close()
@@ -139,16 +127,26 @@ class BatchRun:
                             f": {err.message}")
         writer.add(err.index, io.format_error(err))
 
+    def _warn_unknown_keys(self):
+        """One warning for the keys no line should have (typos such as max_token), before the work they may
+        have been meant to change; a later window warns again only about keys it adds."""
+        keys = list(self._unknown_keys.items())[self._unknown_keys_warned:]
+        if keys:
+            self._unknown_keys_warned = len(self._unknown_keys)
+            listed = ", ".join(f"{key} (line {line_no})" for key, line_no in keys)
+            self.reporter.warn(f"ignoring unknown keys on input lines: {listed}")
+
     def _run_window(self, window, writer):
+        self._warn_unknown_keys()
         parsed = {req.index: p for p, req in window}
         self.reporter.set_total(self.done + len(window))
         created = int(time.time())
         for result in self.engine.run([req for _, req in window]):
             if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
                 self._error(writer, io.make_error(parsed[result.index], result.error))
-                continue
-            writer.add(result.index, io.format_result(parsed[result.index], result, model=self.model_name,
-                                                      created=created))
+            else:
+                writer.add(result.index, io.format_result(parsed[result.index], result, model=self.model_name,
+                                                          created=created))
             self.done += 1
             self.reporter.advance(self.done, self.engine.stats)
         self.reporter.window_done()

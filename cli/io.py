@@ -22,6 +22,19 @@ Exactly one of the three prompt fields, plus optional `custom_id` and sampling f
   message that carries `tool_calls`. Other keys of a message are passed to the template untouched.
 - `prompt_token_ids`: a non-empty list of non-negative integers.
 
+A `messages` line may also carry what vLLM's chat completions take beside the messages:
+
+- `tools`: a list of tool schemas (`{"type": "function", "function": {...}}`), rendered by the chat template
+  (as transformers' `apply_chat_template(tools=...)` does).
+- `chat_template_kwargs`: an object of extra template variables, e.g. `{"enable_thinking": false}`; its keys win
+  over `--chat-template-kwargs`. It may not set messages, tools, documents, add_generation_prompt or
+  continue_final_message.
+- `add_generation_prompt` (default true) and `continue_final_message` (default false): with
+  `continue_final_message` the prompt ends inside the last message (no end-of-turn), so the model continues it;
+  `add_generation_prompt` then defaults to false, and both true is an error.
+
+These keys on a `prompt` or `prompt_token_ids` line are an error.
+
 OpenAI Batch API lines
 ----------------------
 The request lines of the OpenAI Batch API (a line is read this way when it has `url` or `body` and none of the
@@ -37,6 +50,8 @@ plain prompt fields)::
 - `body.model` is ignored: the model is the one given on the command line.
 - `max_completion_tokens` and `max_tokens` mean the same; if both are given they must agree.
 - `n` may be 1 or absent: prefixrun generates one completion per request.
+- `body.tools`, `body.chat_template_kwargs`, `body.add_generation_prompt` and `body.continue_final_message` work
+  as on a plain line (below).
 
 Common fields
 -------------
@@ -47,7 +62,9 @@ Common fields
   `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`. In OpenAI lines they live in `body`.
   A value on the line wins over the command-line / generation_config defaults, which win over the built-in ones
   (max_tokens 16, temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
-- Other keys are ignored.
+- Other keys (e.g. a misspelled `max_token`) are ignored; `prefixrun batch` lists them in one warning on stderr.
+- Size: a text (or rendered chat) with more characters than the model's context could hold even at the longest
+  token of its vocabulary gets an error record without being tokenized (see prefixrun.engine.prompts).
 
 Output
 ======
@@ -81,7 +98,9 @@ A line that cannot be run gives an error record in its place, and the rest of th
     {"id": "batch_req_…", "custom_id": "r9", "response": null,
      "error": {"code": "invalid_request", "message": "…", "line": 9}}
 
-`custom_id` is null in an error record when the line was too broken to read one.
+`custom_id` is null in an error record when the line was too broken to read one. (A duplicate custom_id's record
+carries it; being an error record, it is never taken for the earlier line's result.) A request the engine could
+not run (e.g. a prompt that can never fit the state memory) also gets an error record in its place.
 
 Resuming
 ========
@@ -110,7 +129,6 @@ code  name                meaning
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -118,10 +136,13 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, BinaryIO, Literal, TextIO
 
-from prefixrun.engine.request import InvalidRequest, Result, SamplingParams
+from prefixrun.engine.messages import check_messages, check_template_kwargs, check_tools
+from prefixrun.engine.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from prefixrun.engine.request import SAMPLING_FIELDS, InvalidRequest, Result, SamplingDefaults, SamplingParams
+from prefixrun.engine.request import describe_value as _describe
+from prefixrun.engine.request import json_type_name as _json_type_name
 
 EXIT_OK = 0
 """Every line was processed and produced a result."""
@@ -139,9 +160,17 @@ COMPLETION_URL = "/v1/completions"
 _SHAPE_BY_URL: dict[str, Shape] = {CHAT_URL: "openai_chat", COMPLETION_URL: "openai_completion"}
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 _UTF8_BOM = b"\xef\xbb\xbf"
+REPLACEMENT_CHARACTER = "\ufffd"
 # A JSON escape of a UTF-16 surrogate. Only lines containing one can hold an unpaired surrogate, so only those
 # are searched for one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# The keys a line may use. Any other key is ignored, and `prefixrun batch` names it in one warning per run, so a
+# misspelled `max_token` or `temprature` is never silently without effect.
+_CHAT_KEYS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_PLAIN_KEYS = frozenset({"custom_id", *_PROMPT_FIELDS, "n", *_CHAT_KEYS, *SAMPLING_FIELDS})
+_OPENAI_ENVELOPE_KEYS = frozenset({"custom_id", "method", "url", "body"})
+_OPENAI_BODY_KEYS = frozenset({"model", "messages", "prompt", "n", "max_completion_tokens", *_CHAT_KEYS,
+                               *SAMPLING_FIELDS})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,55 +189,32 @@ class RawLine:
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
-    """Sampling values to use where a line gives none (from CLI options and the model's generation_config).
-
-    None means "not set here": the line's value, or else SamplingParams' built-in default, is used.
-    Validated on construction so a bad option fails once, up front, instead of on every line.
-    """
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] | None = None
-    stop_token_ids: tuple[int, ...] | None = None
-    ignore_eos: bool | None = None
-
-    def __post_init__(self):
-        normalized = _normalize_sampling_values(dataclasses.asdict(self))
-        for name, value in normalized.items():
-            object.__setattr__(self, name, value)
-        _build_sampling_params(normalized)  # raises InvalidRequest naming the bad option
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields that are set."""
-        return dict(self._set_fields)
-
-    @cached_property
-    def _set_fields(self) -> dict[str, Any]:
-        # Computed once: parse_line merges it into every line's values.
-        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
-
-
-@dataclass(frozen=True)
 class ParsedRequest:
-    """A valid input line, ready for the engine's tokenizer (which fills in token ids for text and messages)."""
+    """A valid input line: its prompt (tokenized by the engine's request layer) and its resolved sampling."""
 
     index: int
     line_no: int
     custom_id: str
     shape: Shape
-    prompt_text: str | None
-    messages: list[dict] | None
-    prompt_token_ids: list[int] | None
+    prompt: Prompt
     sampling: SamplingParams
+    unknown_keys: tuple[str, ...] = ()  # keys of the line that mean nothing here ("body.x" inside an OpenAI body)
 
     @property
     def is_openai(self) -> bool:
         return self.shape != "plain"
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompt.text if isinstance(self.prompt, TextPrompt) else None
+
+    @property
+    def messages(self) -> list[dict] | None:
+        return self.prompt.messages if isinstance(self.prompt, ChatPrompt) else None
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return list(self.prompt.token_ids) if isinstance(self.prompt, TokenPrompt) else None
 
 
 @dataclass(frozen=True)
@@ -281,29 +287,41 @@ def parse_input(
 def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> ParsedRequest | LineError:
     """Read one input line. Never raises for bad input: a line that cannot be run comes back as a LineError.
 
+    `defaults` are the command line's values over the model's generation_config; the line's own values win.
     `seen_ids` holds the custom_ids of earlier lines; this line's id is added to it as soon as it is known to be
-    new (even if the line has another error), so that every custom_id in the output is unique.
+    new (even if the line has another error), so that every successful custom_id in the output is unique.
     """
     if raw.oversize_bytes:
         return _oversize_line_error(raw, seen_ids)
     custom_id: str | None = None
     openai_shape = False
     try:
-        obj = _decode_json_object(raw.data)
-        openai_shape = _is_openai_line(obj)
-        custom_id = _read_custom_id(obj, raw.line_no)
+        text, utf8_error = _decode_utf8(raw.data)
+        try:
+            obj = _decode_json_object(text)
+            openai_shape = _is_openai_line(obj)
+            custom_id = _read_custom_id(obj, raw.line_no)
+        except _LineRejected:
+            if utf8_error:
+                raise _LineRejected(utf8_error) from None
+            raise
+        if utf8_error:
+            if REPLACEMENT_CHARACTER in custom_id:
+                custom_id = None  # a bad byte inside the id: it is not the id the line's writer meant
+            raise _LineRejected(utf8_error)
         if custom_id in seen_ids:
-            rejected_id, custom_id = custom_id, None  # the error record must not look like the earlier line's
-            raise _LineRejected(f"duplicate custom_id {rejected_id!r}: an earlier line already uses it")
+            # The record carries the id (so its writer can find the line), but as an error record it is never
+            # taken for the earlier line's result, by --resume or anyone else.
+            raise _LineRejected(f"duplicate custom_id {custom_id!r}: an earlier line already uses it")
         seen_ids.add(custom_id)
         if _SURROGATE_ESCAPE.search(raw.data):
             _reject_unpaired_surrogates(obj, "")
         if openai_shape:
-            shape, fields, prompt_text, messages, token_ids = _read_openai_line(obj)
+            shape, fields, prompt, unknown = _read_openai_line(obj)
         else:
-            shape, fields, prompt_text, messages, token_ids = _read_plain_line(obj)
+            shape, fields, prompt, unknown = _read_plain_line(obj)
         sampling = _sampling_for_line(fields, defaults, where="body." if openai_shape else "")
-    except _LineRejected as rejection:
+    except (_LineRejected, InvalidRequest) as rejection:
         return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
     except RecursionError:
         # Arrays nested hundreds deep exhaust json.loads or the checks that walk them.
@@ -313,10 +331,9 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> 
         line_no=raw.line_no,
         custom_id=custom_id,
         shape=shape,
-        prompt_text=prompt_text,
-        messages=messages,
-        prompt_token_ids=token_ids,
+        prompt=prompt,
         sampling=sampling,
+        unknown_keys=unknown,
     )
 
 
@@ -348,13 +365,17 @@ def make_error(parsed_or_raw: ParsedRequest | RawLine, message: str) -> LineErro
     return LineError(parsed_or_raw.index, parsed_or_raw.line_no, None, message)
 
 
-def _decode_json_object(data: bytes) -> dict:
+def _decode_utf8(data: bytes) -> tuple[str, str | None]:
+    """The line's text and None; for invalid UTF-8, the text with U+FFFD for the bad bytes and the error to report
+    (the rest of the line is still read, so that the error record can carry the line's custom_id)."""
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8"), None
     except UnicodeDecodeError as err:
-        raise _LineRejected(
-            f"line is not valid UTF-8 (byte 0x{data[err.start]:02x} at byte offset {err.start})"
-        ) from None
+        message = f"line is not valid UTF-8 (byte 0x{data[err.start]:02x} at byte offset {err.start})"
+        return data.decode("utf-8", "replace"), message
+
+
+def _decode_json_object(text: str) -> dict:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
@@ -388,24 +409,24 @@ def _read_custom_id(obj: dict, line_no: int) -> str:
     return value
 
 
-def _read_plain_line(obj: dict):
+def _read_plain_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
     given = [name for name in _PROMPT_FIELDS if obj.get(name) is not None]
     if not given:
         raise _LineRejected('no prompt: give one of "prompt", "messages" or "prompt_token_ids"')
     if len(given) > 1:
         raise _LineRejected(f"give only one of prompt, messages, prompt_token_ids; this line has {', '.join(given)}")
-    prompt_text = messages = token_ids = None
     if given[0] == "prompt":
-        prompt_text = _read_prompt_text(obj["prompt"], "prompt")
+        prompt = TextPrompt(_read_prompt_text(obj["prompt"], "prompt"))
     elif given[0] == "messages":
-        messages = _read_messages(obj["messages"], "messages")
+        prompt = _read_chat(obj, check_messages(obj["messages"], "messages"), where="")
     else:
-        token_ids = _read_token_ids(obj["prompt_token_ids"], "prompt_token_ids")
+        prompt = TokenPrompt(tuple(_read_token_ids(obj["prompt_token_ids"], "prompt_token_ids")))
+    _reject_chat_keys_without_messages(obj, prompt, where="")
     _reject_multiple_completions(obj.get("n"), "n")
-    return "plain", obj, prompt_text, messages, token_ids
+    return "plain", obj, prompt, tuple(key for key in obj if key not in _PLAIN_KEYS)
 
 
-def _read_openai_line(obj: dict):
+def _read_openai_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
     method = obj.get("method")
     if method is not None and method != "POST":
         raise _LineRejected(f'method must be "POST", got {_describe(method)}')
@@ -419,40 +440,70 @@ def _read_openai_line(obj: dict):
     if not isinstance(body, dict):
         raise _LineRejected(f'"body" must be a JSON object, got {_describe(body)}')
 
-    prompt_text = messages = token_ids = None
     if shape == "openai_chat":
         if body.get("messages") is None:
             hint = f' (for a prompt string use "{COMPLETION_URL}")' if body.get("prompt") is not None else ""
             raise _LineRejected(f'{CHAT_URL} needs "body.messages"{hint}')
-        messages = _read_messages(body["messages"], "body.messages")
+        prompt = _read_chat(body, check_messages(body["messages"], "body.messages"), where="body.")
     else:
         if body.get("prompt") is None:
             hint = f' (for messages use "{CHAT_URL}")' if body.get("messages") is not None else ""
             raise _LineRejected(f'{COMPLETION_URL} needs "body.prompt"{hint}')
-        prompt_text, token_ids = _read_completion_prompt(body["prompt"])
+        prompt = _read_completion_prompt(body["prompt"])
+        _reject_chat_keys_without_messages(body, prompt, where="body.")
 
     _reject_multiple_completions(body.get("n"), "body.n")
     fields = dict(body)
     fields["max_tokens"] = _read_openai_max_tokens(body)
-    return shape, fields, prompt_text, messages, token_ids
+    unknown = [key for key in obj if key not in _OPENAI_ENVELOPE_KEYS]
+    unknown += [f"body.{key}" for key in body if key not in _OPENAI_BODY_KEYS]
+    return shape, fields, prompt, tuple(unknown)
 
 
-def _read_completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+def _read_chat(fields: dict, messages: list[dict], where: str) -> ChatPrompt:
+    """The chat options a vLLM chat request takes beside its messages."""
+    tools = fields.get("tools")
+    kwargs = fields.get("chat_template_kwargs")
+    return ChatPrompt(
+        messages=messages,
+        tools=None if tools is None else check_tools(tools, f"{where}tools"),
+        template_kwargs={} if kwargs is None else check_template_kwargs(kwargs, f"{where}chat_template_kwargs"),
+        add_generation_prompt=_read_optional_bool(fields, "add_generation_prompt", where),
+        continue_final_message=bool(_read_optional_bool(fields, "continue_final_message", where)),
+    )
+
+
+def _read_optional_bool(fields: dict, name: str, where: str) -> bool | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _LineRejected(f"{where}{name} must be true or false, got {_describe(value)}")
+    return value
+
+
+def _reject_chat_keys_without_messages(fields: dict, prompt: Prompt, where: str) -> None:
+    if isinstance(prompt, ChatPrompt):
+        return
+    misplaced = [f"{where}{key}" for key in _CHAT_KEYS if fields.get(key) is not None]
+    if misplaced:
+        raise _LineRejected(f"{', '.join(misplaced)} apply only to a chat (messages), not to a plain prompt")
+
+
+def _read_completion_prompt(prompt: Any) -> TextPrompt | TokenPrompt:
     """/v1/completions takes a string, a token list, or a batch of those; a batch of one is unwrapped."""
     if isinstance(prompt, str):
-        return _read_prompt_text(prompt, "body.prompt"), None
+        return TextPrompt(_read_prompt_text(prompt, "body.prompt"))
     if not isinstance(prompt, list):
         raise _LineRejected(f"body.prompt must be a string or a list of token ids, got {_describe(prompt)}")
     is_batch = bool(prompt) and all(isinstance(item, (str, list)) for item in prompt)
     if not is_batch:
-        return None, _read_token_ids(prompt, "body.prompt")
+        return TokenPrompt(tuple(_read_token_ids(prompt, "body.prompt")))
     if len(prompt) > 1:
         raise _LineRejected(
             f"body.prompt holds {len(prompt)} prompts; prefixrun takes one prompt per line, so split them"
         )
     if isinstance(prompt[0], str):
-        return _read_prompt_text(prompt[0], "body.prompt[0]"), None
-    return None, _read_token_ids(prompt[0], "body.prompt[0]")
+        return TextPrompt(_read_prompt_text(prompt[0], "body.prompt[0]"))
+    return TokenPrompt(tuple(_read_token_ids(prompt[0], "body.prompt[0]")))
 
 
 def _read_openai_max_tokens(body: dict) -> Any:
@@ -502,45 +553,6 @@ def _read_token_ids(value: Any, where: str) -> list[int]:
     return value
 
 
-def _read_messages(value: Any, where: str) -> list[dict]:
-    if not isinstance(value, list):
-        raise _LineRejected(f"{where} must be a list of {{role, content}} objects, got {_describe(value)}")
-    if not value:
-        raise _LineRejected(f"{where} is empty")
-    for position, message in enumerate(value):
-        here = f"{where}[{position}]"
-        if not isinstance(message, dict):
-            raise _LineRejected(f"{here} must be a {{role, content}} object, got {_describe(message)}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise _LineRejected(f"{here}.role must be a non-empty string, got {_describe(role)}")
-        _read_message_content(message, f"{here}.content")
-    return value
-
-
-def _read_message_content(message: dict, where: str) -> None:
-    if "content" not in message:
-        raise _LineRejected(f"{where} is missing")
-    content = message["content"]
-    if content is None:
-        # OpenAI writes assistant turns that only call tools with null content.
-        if message.get("tool_calls"):
-            return
-        raise _LineRejected(f"{where} is null (only an assistant message with tool_calls may have no content)")
-    if isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise _LineRejected(f"{where} must be a string or a list of text parts, got {_describe(content)}")
-    for position, part in enumerate(content):
-        here = f"{where}[{position}]"
-        if not isinstance(part, dict):
-            raise _LineRejected(f'{here} must be an object like {{"type": "text", "text": "..."}}')
-        if part.get("type") != "text":
-            raise _LineRejected(f"{here}.type {_describe(part.get('type'))} is not supported: only text parts are")
-        if not isinstance(part.get("text"), str):
-            raise _LineRejected(f"{here}.text must be a string, got {_describe(part.get('text'))}")
-
-
 def _require_valid_unicode(value: str, where: str) -> None:
     # JSON can spell unpaired surrogates ("\ud800"); they are not text, and would fail later in the tokenizer or
     # when the output line is encoded.
@@ -566,53 +578,12 @@ def _reject_unpaired_surrogates(value: Any, where: str) -> None:
 # Sampling
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-
-
 def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str) -> SamplingParams:
-    """Line value > defaults > SamplingParams' own defaults."""
-    from_line = {name: fields[name] for name in _SAMPLING_FIELDS if fields.get(name) is not None}
+    """Line value > defaults (command line > generation_config) > SamplingParams' own defaults."""
     try:
-        merged = defaults.as_dict() | _normalize_sampling_values(from_line)
-        return _build_sampling_params(merged)
+        return SamplingDefaults.from_fields(fields).over(defaults).resolve()
     except InvalidRequest as err:
         raise _LineRejected(f"{where}{err}") from None
-
-
-def _normalize_sampling_values(values: dict[str, Any]) -> dict[str, Any]:
-    """JSON lists -> the tuples SamplingParams holds; a lone stop string -> a one-element tuple.
-
-    Raises InvalidRequest for the shapes SamplingParams cannot check itself (it iterates stop and
-    stop_token_ids, and does not check ignore_eos).
-    """
-    normalized = dict(values)
-    stop = values.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            normalized["stop"] = (stop,)
-        elif isinstance(stop, (list, tuple)):
-            normalized["stop"] = tuple(stop)
-        else:
-            raise InvalidRequest(f"stop must be a string or a list of strings, got {_describe(stop)}")
-    stop_token_ids = values.get("stop_token_ids")
-    if stop_token_ids is not None:
-        if not isinstance(stop_token_ids, (list, tuple)):
-            raise InvalidRequest(f"stop_token_ids must be a list of token ids, got {_describe(stop_token_ids)}")
-        normalized["stop_token_ids"] = tuple(stop_token_ids)
-    ignore_eos = values.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise InvalidRequest(f"ignore_eos must be true or false, got {_describe(ignore_eos)}")
-    return normalized
-
-
-def _build_sampling_params(values: dict[str, Any]) -> SamplingParams:
-    set_values = {name: value for name, value in values.items() if value is not None}
-    try:
-        return SamplingParams(**set_values)
-    except OverflowError:
-        # math.isfinite() cannot take a JSON integer with hundreds of digits.
-        too_big = [name for name, value in set_values.items() if isinstance(value, int) and abs(value) > 2**1023]
-        raise InvalidRequest(f"{', '.join(too_big) or 'a sampling value'} is out of range") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -897,22 +868,3 @@ def truncate_partial_last_line(path: str | os.PathLike) -> int:
         if keep < size:
             output.truncate(keep)
         return size - keep
-
-
-def _describe(value: Any) -> str:
-    """A short rendering of a JSON value for an error message."""
-    text = json.dumps(value, ensure_ascii=False) if _is_json_value(value) else repr(value)
-    # An unpaired surrogate in the message would make the error record itself unwritable.
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= 60 else f"{_json_type_name(value)} {text[:50]}…"
-
-
-def _is_json_value(value: Any) -> bool:
-    return value is None or isinstance(value, (str, int, float, bool, list, dict))
-
-
-def _json_type_name(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return "a number"
-    return names.get(type(value), type(value).__name__)

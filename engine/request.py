@@ -1,12 +1,17 @@
 """What goes into the engine (Request, SamplingParams) and what comes out (Result, Usage).
 
-These are the only types shared between cli/ and engine/: the CLI turns input lines into Requests and
-Results into output lines; the engine never sees JSON.
+The CLI turns input lines into prompts (engine.prompts) plus SamplingParams, and Results into output lines; the
+engine never sees JSON. Sampling values come from three layers, each a SamplingDefaults: the line, the command line
+and the model's generation_config; `line.over(command_line.over(model)).resolve()` is the SamplingParams to run.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 
 class InvalidRequest(ValueError):
@@ -55,6 +60,109 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling values from one source (a request line, the command line, a model's generation_config), any of
+    them unset (None). Validated and normalized on construction (a lone stop string becomes a one-element tuple,
+    lists become tuples), so a bad value fails once, where it was given, with InvalidRequest naming the field."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool | None = None
+
+    def __post_init__(self):
+        normalized = _normalize_sampling_values(dataclasses.asdict(self))
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
+        _build_sampling_params(normalized)  # raises InvalidRequest naming the bad value
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> SamplingDefaults:
+        """The sampling fields of a JSON object (other keys are not looked at); null counts as not given."""
+        return cls(**{name: fields[name] for name in SAMPLING_FIELDS if fields.get(name) is not None})
+
+    def over(self, base: SamplingDefaults) -> SamplingDefaults:
+        """These values where set, `base`'s elsewhere."""
+        return dataclasses.replace(base, **self.as_dict())
+
+    def resolve(self) -> SamplingParams:
+        """The SamplingParams to run: these values, SamplingParams' built-in defaults for the unset ones."""
+        return _build_sampling_params(self.as_dict())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that are set."""
+        return dict(self._set_fields)
+
+    @cached_property
+    def _set_fields(self) -> dict[str, Any]:
+        # Computed once: every request line is layered over the same defaults.
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _normalize_sampling_values(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists -> the tuples SamplingParams holds; a lone stop string -> a one-element tuple.
+
+    Raises InvalidRequest for the shapes SamplingParams cannot check itself (it iterates stop and
+    stop_token_ids, and does not check ignore_eos).
+    """
+    normalized = dict(values)
+    stop = values.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            normalized["stop"] = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            normalized["stop"] = tuple(stop)
+        else:
+            raise InvalidRequest(f"stop must be a string or a list of strings, got {describe_value(stop)}")
+    stop_token_ids = values.get("stop_token_ids")
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, (list, tuple)):
+            raise InvalidRequest(f"stop_token_ids must be a list of token ids, got {describe_value(stop_token_ids)}")
+        normalized["stop_token_ids"] = tuple(stop_token_ids)
+    ignore_eos = values.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise InvalidRequest(f"ignore_eos must be true or false, got {describe_value(ignore_eos)}")
+    return normalized
+
+
+def _build_sampling_params(values: dict[str, Any]) -> SamplingParams:
+    set_values = {name: value for name, value in values.items() if value is not None}
+    try:
+        return SamplingParams(**set_values)
+    except OverflowError:
+        # math.isfinite() cannot take a JSON integer with hundreds of digits.
+        too_big = [name for name, value in set_values.items() if isinstance(value, int) and abs(value) > 2**1023]
+        raise InvalidRequest(f"{', '.join(too_big) or 'a sampling value'} is out of range") from None
+
+
+def describe_value(value: Any) -> str:
+    """A short rendering of a JSON value for an error message meant for the person who wrote the request."""
+    text = json.dumps(value, ensure_ascii=False) if _is_json_value(value) else repr(value)
+    # An unpaired surrogate in the message would make the error record itself unwritable.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 60 else f"{json_type_name(value)} {text[:50]}…"
+
+
+def json_type_name(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
+
+
+def _is_json_value(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list, dict))
 
 
 @dataclass

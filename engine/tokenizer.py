@@ -29,7 +29,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.request import InvalidRequest
+from prefixrun.engine.messages import check_messages, check_tools
+from prefixrun.engine.request import InvalidRequest, SamplingDefaults
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -104,6 +105,17 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of (normalized) text one token can cover: its longest vocabulary entry, added
+        tokens included. Byte-level entries spell one byte per character, and a character is at least a byte."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+
+    @property
+    def has_normalizer(self) -> bool:
+        """Whether text is normalized (which may shorten it) before it is split into tokens."""
+        return self._backend.normalizer is not None
+
+    @cached_property
     def vocab_size(self) -> int:
         """One more than the largest id the tokenizer can produce, added tokens included.
 
@@ -135,27 +147,33 @@ class Tokenizer:
         return bool(self._chat_templates)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **extra: Any) -> str:
+                    tools: list[dict] | None = None, continue_final_message: bool = False, **extra: Any) -> str:
         """The prompt text of a conversation, as transformers' `apply_chat_template(..., tokenize=False)`.
 
         `extra` becomes template variables (e.g. enable_thinking=False) and overrides special-token variables of
-        the same name, as in transformers. Invalid messages, or a template that refuses them (raise_exception),
-        raise InvalidRequest.
+        the same name, as in transformers. With `continue_final_message` the text ends right after the last
+        message's content (no end-of-turn tokens), for the model to continue it. Invalid messages, or a template
+        that refuses them (raise_exception), raise InvalidRequest.
         """
-        _check_messages(messages)
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise InvalidRequest("tools must be a list of JSON objects (function schemas)")
+        check_messages(messages)
+        if tools is not None:
+            check_tools(tools)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true")
         template = self._template_for(tools)
+        if continue_final_message:
+            messages = _tag_final_message(messages)
         variables = {**self._special_tokens, **extra}
         variables.setdefault("documents", None)
         try:
-            return template.render(messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt, **variables)
+            rendered = template.render(messages=messages, tools=tools,
+                                       add_generation_prompt=add_generation_prompt, **variables)
         except InvalidRequest:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
             raise InvalidRequest(f"the chat template of {self._template_source} cannot render these "
                                  f"messages: {type(exc).__name__}: {exc}") from exc
+        return _cut_after_final_message(rendered) if continue_final_message else rendered
 
     def encode_chat(self, messages: list[dict], **kw: Any) -> list[int]:
         """Token ids of a rendered conversation. Special tokens are not added again: the template wrote them,
@@ -233,14 +251,10 @@ class StreamDetokenizer:
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """A model's own sampling defaults and stop tokens, from generation_config.json. None: not specified."""
+    """A model's stop tokens and its own sampling defaults, from generation_config.json."""
 
     eos_token_ids: tuple[int, ...] = ()
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = None
+    sampling: SamplingDefaults = SamplingDefaults()
 
     @classmethod
     def from_model_dir(cls, path: Path, config_eos: int | list[int] | None = None,
@@ -270,14 +284,14 @@ class GenerationDefaults:
         temperature = reader.number("temperature", minimum=0.0)
         if config.get("do_sample") is False:
             temperature = 0.0
-        return cls(
-            eos_token_ids=tuple(eos_ids),
+        sampling = SamplingDefaults(
             temperature=temperature,
             top_p=reader.number("top_p", minimum=0.0, maximum=1.0),
             top_k=reader.integer("top_k", minimum=-1),
             min_p=reader.number("min_p", minimum=0.0, maximum=1.0),
             max_tokens=reader.integer("max_new_tokens", minimum=1),
         )
+        return cls(eos_token_ids=tuple(eos_ids), sampling=sampling)
 
 
 class _GenerationConfigReader:
@@ -429,34 +443,37 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
     return environment
 
 
-# ---- message validation --------------------------------------------------------------------------------------
+# ---- continue_final_message ---------------------------------------------------------------------------------
+
+# transformers marks the end of the final message with this tag, renders, and cuts the text at the tag; the same
+# here gives the same text (and the same errors) for every template.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _check_messages(messages) -> None:
-    """Reject what no chat template can render, with a message for the person who wrote the request."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"{where} must be an object with 'role' and 'content', got "
-                                 f"{type(message).__name__}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"{where}.role must be a non-empty string, got {role!r}")
-        content = message.get("content")
-        if content is None:
-            if message.get("tool_calls"):
-                continue  # an assistant turn that only calls tools has no content (OpenAI format)
-            raise InvalidRequest(f"{where} ({role}) has no content")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise InvalidRequest(f"{where}.content must be a string or a list of parts, got "
-                                 f"{type(content).__name__}")
-        for part_index, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise InvalidRequest(f"{where}.content[{part_index}] must be an object with a string 'type' "
-                                     f"(e.g. {{\"type\": \"text\", \"text\": \"...\"}})")
-            if part["type"] == "text" and not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"{where}.content[{part_index}] is a text part without a string 'text'")
+def _tag_final_message(messages: list[dict]) -> list[dict]:
+    """A copy of `messages` whose final content ends with the tag (in its last text part, for a list of parts)."""
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG
+    elif isinstance(content, list):
+        parts = [dict(part) for part in content]
+        text_parts = [part for part in parts if "text" in part]
+        if not text_parts:
+            raise InvalidRequest("continue_final_message is set but the final message has no text to continue")
+        text_parts[-1]["text"] += _CONTINUE_TAG
+        final["content"] = parts
+    else:
+        raise InvalidRequest("continue_final_message is set but the final message has no content to continue")
+    return [*messages[:-1], final]
+
+
+def _cut_after_final_message(rendered: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if tag not in rendered:
+        raise InvalidRequest("continue_final_message is set but the chat template drops the final message's "
+                             "text, so there is nothing to continue")
+    at = rendered.rindex(tag)
+    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing space, and the tag's with it

@@ -271,7 +271,8 @@ def test_bad_lines_become_error_records_in_place(models, tmp_path):
         assert f"line {line_no}" in res.stderr
     by_line = dict(enumerate(recs, start=1))
     assert by_line[2]["custom_id"] is None  # too broken to read one
-    assert by_line[7]["custom_id"] is None  # a duplicate must not look like the earlier line's record
+    assert by_line[4]["custom_id"] == "utf"  # readable despite the bad bytes elsewhere on the line
+    assert by_line[7]["custom_id"] == "ok1"  # carried, in an error record: never taken for line 1's result
     assert by_line[8]["custom_id"] == "long"
     # An OpenAI-shaped line gets an OpenAI-shaped error record.
     assert by_line[6]["response"] is None and by_line[6]["error"]["code"] == "invalid_request"

@@ -20,7 +20,6 @@ from prefixrun.cli.io import (
     OrderedWriter,
     ParsedRequest,
     RawLine,
-    SamplingDefaults,
     format_error,
     format_result,
     iter_input_lines,
@@ -30,7 +29,8 @@ from prefixrun.cli.io import (
     read_completed_ids,
     truncate_partial_last_line,
 )
-from prefixrun.engine.request import InvalidRequest, Result, SamplingParams, Usage
+from prefixrun.engine.prompts import ChatPrompt
+from prefixrun.engine.request import InvalidRequest, Result, SamplingDefaults, SamplingParams, Usage
 
 NO_DEFAULTS = SamplingDefaults()
 
@@ -128,10 +128,20 @@ def test_custom_id_derived_from_line_number_or_converted_from_int():
     assert parse_ok({"prompt": "a", "custom_id": 42}).custom_id == "42"
 
 
-def test_unknown_keys_and_null_fields_are_ignored():
-    req = parse_ok({"prompt": "a", "messages": None, "metadata": {"x": 1}, "temperature": None, "url": "x"})
+def test_unknown_keys_are_ignored_but_listed_and_null_fields_count_as_not_given():
+    req = parse_ok({"prompt": "a", "messages": None, "metadata": {"x": 1}, "temperature": None, "url": "x",
+                    "max_token": 5, "temprature": 0})
     assert req.shape == "plain" and req.prompt_text == "a"
     assert req.sampling == SamplingParams()
+    assert req.unknown_keys == ("metadata", "url", "max_token", "temprature")
+    assert parse_ok({"prompt": "a", "max_tokens": 3, "custom_id": "k", "n": 1}).unknown_keys == ()
+
+
+def test_unknown_keys_of_an_openai_line_name_the_body():
+    req = parse_ok(dict(openai_line(messages=CHAT, temprature=0.2, presence_penalty=1, max_completion_tokens=4),
+                        metadata="m"))
+    assert req.unknown_keys == ("metadata", "body.temprature", "body.presence_penalty")
+    assert parse_ok(openai_line(messages=CHAT, tools=[], seed=1)).unknown_keys == ()
 
 
 def test_plain_sampling_fields():
@@ -329,6 +339,19 @@ def test_error_keeps_the_custom_id_when_one_could_be_read():
     assert parse({"prompt": "a", "custom_id": 1.5}).custom_id is None
 
 
+@pytest.mark.parametrize("data, custom_id", [
+    (b'{"custom_id": "q7", "prompt": "caf\xe9"}', "q7"),
+    (b'{"prompt": "caf\xe9 \xff", "custom_id": 12}', "12"),
+    (b'{"custom_id": "q\xe9", "prompt": "x"}', None),  # the id itself is broken: not the id that was meant
+    (b'{"custom_id": "q7", "prompt": "caf\xe9"', None),  # and not JSON either
+    (b'{"prompt": "caf\xe9"}', "line-1"),
+])
+def test_invalid_utf8_error_carries_the_custom_id_when_it_is_readable(data, custom_id):
+    error = parse(data)
+    assert isinstance(error, LineError) and "not valid UTF-8" in error.message
+    assert error.custom_id == custom_id
+
+
 def test_duplicate_custom_id_is_an_error_on_the_later_line():
     data = jsonl(
         {"custom_id": "a", "prompt": "x"},
@@ -340,7 +363,8 @@ def test_duplicate_custom_id_is_an_error_on_the_later_line():
     first, duplicate, other, explicit, derived = parse_input(io.BytesIO(data), NO_DEFAULTS)
     assert isinstance(first, ParsedRequest) and first.custom_id == "a"
     assert isinstance(duplicate, LineError) and "duplicate custom_id 'a'" in duplicate.message
-    assert duplicate.custom_id is None  # the record must not be mistaken for line 1's
+    assert duplicate.custom_id == "a"  # readable, so carried; an error record is never taken for line 1's result
+    assert format_error(duplicate) == {"custom_id": "a", "error": {"line": 2, "message": duplicate.message}}
     assert isinstance(other, ParsedRequest) and isinstance(explicit, ParsedRequest)
     assert isinstance(derived, LineError) and "duplicate custom_id 'line-5'" in derived.message
 

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.request import InvalidRequest
+from prefixrun.engine.request import InvalidRequest, SamplingDefaults
 from prefixrun.engine.tokenizer import GenerationDefaults, StreamDetokenizer, Tokenizer
 from prefixrun.engine.tokenizer_maker import IM_END, default_corpus, write_tokenizer_files
 
@@ -193,28 +193,32 @@ def test_raise_exception_in_custom_template(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("messages, expected", [
-    ([], "non-empty list"),
-    ("hello", "non-empty list"),
-    (["hello"], r"messages\[0\] must be an object"),
+    ([], "messages is empty"),
+    ("hello", "messages must be a list"),
+    (["hello"], r"messages\[0\] must be a \{role, content\} object"),
     ([{"content": "no role"}], r"messages\[0\]\.role"),
     ([{"role": "user", "content": 42}], r"messages\[0\]\.content must be a string or a list"),
-    ([{"role": "user"}], "has no content"),
+    ([{"role": "user"}], r"messages\[0\]\.content is missing"),
+    ([{"role": "user", "content": None}], r"messages\[0\]\.content is null"),
     ([{"role": "user", "content": ["text"]}], r"content\[0\] must be an object"),
-    ([{"role": "user", "content": [{"type": "text"}]}], "without a string 'text'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\]\.text must be a string"),
 ])
 def test_invalid_messages_are_rejected(tokenizer, messages, expected):
     with pytest.raises(InvalidRequest, match=expected):
         tokenizer.render_chat(messages)
 
 
-def test_template_failure_on_unsupported_part_type(tokenizer):
-    with pytest.raises(InvalidRequest, match="Only text content parts"):
+def test_non_text_parts_are_refused_before_the_template(tokenizer):
+    """The engine is text-only: an image part is refused by the one message validator, whatever the template."""
+    with pytest.raises(InvalidRequest, match='content\\[0\\].type "image" is not supported'):
         tokenizer.render_chat([{"role": "user", "content": [{"type": "image", "url": "x"}]}])
 
 
 def test_tools_must_be_objects(tokenizer):
-    with pytest.raises(InvalidRequest, match="tools must be a list"):
+    with pytest.raises(InvalidRequest, match=r"tools\[0\] must be a tool object"):
         tokenizer.render_chat([{"role": "user", "content": "hi"}], tools=["get_weather"])
+    with pytest.raises(InvalidRequest, match="tools must be a list"):
+        tokenizer.render_chat([{"role": "user", "content": "hi"}], tools={"type": "function"})
 
 
 # ---- (d) streaming detokenization -------------------------------------------------------------------------
@@ -267,8 +271,7 @@ def test_generation_defaults_union_of_eos_and_do_sample(model_dir, tmp_path):
     }))
     defaults = GenerationDefaults.from_model_dir(directory, config_eos=7)
     assert defaults.eos_token_ids == (2, 5, 7)  # the tokenizer's eos (2) is already there
-    assert defaults.temperature == 0.0
-    assert (defaults.top_p, defaults.top_k, defaults.min_p, defaults.max_tokens) == (0.8, 20, None, 100)
+    assert defaults.sampling == SamplingDefaults(temperature=0.0, top_p=0.8, top_k=20, max_tokens=100)
 
 
 def test_generation_defaults_sampling_and_config_eos_list(model_dir, tmp_path):
@@ -277,9 +280,8 @@ def test_generation_defaults_sampling_and_config_eos_list(model_dir, tmp_path):
         "eos_token_id": 9, "do_sample": True, "temperature": 0.6, "min_p": 0.05}))
     defaults = GenerationDefaults.from_model_dir(directory, config_eos=[9, 11])
     assert defaults.eos_token_ids == (9, 11, 2)
-    assert defaults.temperature == 0.6
-    assert defaults.min_p == 0.05
-    assert defaults.max_tokens is None
+    assert defaults.sampling == SamplingDefaults(temperature=0.6, min_p=0.05)
+    assert defaults.sampling.max_tokens is None
 
 
 def test_generation_defaults_without_file(model_dir, tmp_path):

@@ -1,0 +1,85 @@
+"""The one validator of chat requests: messages and tools as OpenAI and vLLM clients send them.
+
+Used where a request is read (cli/io.py, so the error names the line's own key, e.g. `body.messages[2]`) and
+again by `Tokenizer.render_chat`, so a library caller gets the same errors. It rejects what no chat template
+can render and what this text-only engine cannot run (image or audio parts); whatever a template itself refuses
+(an unknown role, a misplaced system message) is its own `raise_exception`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefixrun.engine.request import InvalidRequest, describe_value
+
+# Chat-template variables that a request sets through its own keys; chat_template_kwargs may not set them too.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                         "continue_final_message"})
+
+
+def check_messages(value: Any, where: str = "messages") -> list[dict]:
+    """`value` if it is a non-empty list of {role, content} messages; InvalidRequest naming `where` otherwise.
+
+    content is a string, a list of text parts ({"type": "text", "text": str}), or null on an assistant message
+    that carries tool_calls (OpenAI's format). Other keys of a message (name, tool_calls, tool_call_id,
+    reasoning_content, ...) are the template's business and pass untouched.
+    """
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{where} must be a list of {{role, content}} objects, got {describe_value(value)}")
+    if not value:
+        raise InvalidRequest(f"{where} is empty")
+    for position, message in enumerate(value):
+        here = f"{where}[{position}]"
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"{here} must be a {{role, content}} object, got {describe_value(message)}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequest(f"{here}.role must be a non-empty string, got {describe_value(role)}")
+        _check_content(message, f"{here}.content")
+    return value
+
+
+def check_tools(value: Any, where: str = "tools") -> list[dict]:
+    """`value` if it is a list of tool schemas (JSON objects, e.g. {"type": "function", "function": {...}})."""
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{where} must be a list of tool objects, got {describe_value(value)}")
+    for position, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"{where}[{position}] must be a tool object (a JSON schema such as "
+                                 f'{{"type": "function", "function": {{...}}}}), got {describe_value(tool)}')
+    return value
+
+
+def check_template_kwargs(value: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """`value` if it is an object of extra chat-template variables (e.g. {"enable_thinking": false})."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f'{where} must be an object such as {{"enable_thinking": false}}, got '
+                             f"{describe_value(value)}")
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(value))
+    if reserved:
+        raise InvalidRequest(f"{where} may not set {', '.join(reserved)}: give "
+                             f"{'it' if len(reserved) == 1 else 'them'} as request keys instead")
+    return value
+
+
+def _check_content(message: dict, where: str) -> None:
+    if "content" not in message:
+        raise InvalidRequest(f"{where} is missing")
+    content = message["content"]
+    if content is None:
+        # OpenAI writes assistant turns that only call tools with null content.
+        if message.get("tool_calls"):
+            return
+        raise InvalidRequest(f"{where} is null (only an assistant message with tool_calls may have no content)")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of text parts, got {describe_value(content)}")
+    for position, part in enumerate(content):
+        here = f"{where}[{position}]"
+        if not isinstance(part, dict):
+            raise InvalidRequest(f'{here} must be an object like {{"type": "text", "text": "..."}}')
+        if part.get("type") != "text":
+            raise InvalidRequest(f"{here}.type {describe_value(part.get('type'))} is not supported: only text "
+                                 "parts are")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{here}.text must be a string, got {describe_value(part.get('text'))}")

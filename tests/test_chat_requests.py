@@ -1,0 +1,358 @@
+"""Chat requests as OpenAI and vLLM users send them: tools, chat_template_kwargs, add_generation_prompt /
+continue_final_message, unknown keys; and the engine's request layer (prompts -> token ids, size limits).
+
+Prompt tokens are compared with transformers' apply_chat_template on the real Qwen3 and Llama 3.1 chat templates
+(tests/fixtures/chat_templates, taken from npm packages; see the README there), each side loading the same files.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from prefixrun.cli.app import app
+from prefixrun.cli.io import LineError, ParsedRequest, RawLine, format_error, make_error, parse_line
+from prefixrun.engine.prompts import ChatPrompt, PromptEncoder, TextPrompt, TokenPrompt
+from prefixrun.engine.request import InvalidRequest, Request, Result, SamplingDefaults, Usage
+from prefixrun.engine.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "chat_templates"
+FAMILIES = ("qwen3", "llama3_1")
+BIG = 10 ** 9  # a model vocabulary / context no fixture prompt reaches
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather <in> a city & its \"region\"",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Zürich?"}},
+                       "required": ["city"]},
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Local time",
+                                              "parameters": {"type": "object", "properties": {}}}}
+SYSTEM = {"role": "system", "content": "You are terse."}
+USER = {"role": "user", "content": "What is the weather in Paris, and what time is it?"}
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+TOOL_RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"}
+PREFILL = {"role": "assistant", "content": "The weather in Paris is"}
+
+# (messages, tools, template kwargs, add_generation_prompt, continue_final_message), as transformers takes them.
+CASES = [
+    ([USER], None, {}, True, False),
+    ([SYSTEM, USER], [WEATHER_TOOL], {}, True, False),
+    ([USER], [WEATHER_TOOL, TIME_TOOL], {}, True, False),
+    ([SYSTEM, USER, CALL, TOOL_RESULT], [WEATHER_TOOL], {}, True, False),
+    ([SYSTEM, USER], [WEATHER_TOOL], {"enable_thinking": False}, True, False),
+    ([USER], None, {"enable_thinking": True}, False, False),
+    ([SYSTEM, USER, PREFILL], None, {}, False, True),
+    ([SYSTEM, USER, PREFILL], [WEATHER_TOOL], {"enable_thinking": False}, False, True),
+    ([USER], [WEATHER_TOOL], {"tools_in_user_message": False, "date_string": "01 Jan 2026"}, True, False),
+    ([{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": " two"}]}],
+     None, {}, True, False),
+]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    directory = FIXTURES / request.param
+    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(str(directory))
+    return request.param, Tokenizer.from_model_dir(directory), hf
+
+
+def hf_chat_ids(hf, messages, tools, kwargs, add_generation_prompt, continue_final_message) -> list[int]:
+    out = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, tokenize=True, **kwargs)
+    return list(out["input_ids"]) if not isinstance(out, list) else out
+
+
+def parse(line: dict, defaults=SamplingDefaults(), line_no=1) -> ParsedRequest | LineError:
+    return parse_line(RawLine(0, line_no, json.dumps(line).encode()), defaults, set())
+
+
+def openai_chat(custom_id="r1", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", **body}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity with transformers on real templates
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_chat_prompt_tokens_equal_transformers(family, case):
+    name, tokenizer, hf = family
+    messages, tools, kwargs, add_generation_prompt, continue_final_message = CASES[case]
+    encoder = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=BIG)
+    prompt = ChatPrompt(messages, tools, kwargs, add_generation_prompt, continue_final_message)
+    try:
+        expected = hf_chat_ids(hf, messages, tools, kwargs, add_generation_prompt, continue_final_message)
+    except Exception as refusal:  # e.g. Qwen3's template calls str methods on content, so text parts fail there
+        with pytest.raises(InvalidRequest, match="cannot render these messages"):
+            encoder.encode(prompt)
+        assert (name, case) == ("qwen3", len(CASES) - 1), refusal  # the one known refusal
+        return
+    assert encoder.encode(prompt) == expected
+    if tools:  # the tools really are in the prompt: without them it is much shorter
+        assert len(expected) > len(hf_chat_ids(hf, messages, None, kwargs, add_generation_prompt,
+                                               continue_final_message)) + 20
+
+
+@pytest.mark.parity
+def test_lines_with_tools_and_kwargs_from_both_shapes_equal_transformers(family):
+    """Through the line parser: a plain line and an OpenAI Batch line, command-line kwargs under the line's."""
+    name, tokenizer, hf = family
+    messages = [SYSTEM, USER]
+    cli_kwargs = {"enable_thinking": True, "date_string": "02 Feb 2025"}
+    encoder = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=BIG, chat_template_kwargs=cli_kwargs)
+    line_kwargs = {"enable_thinking": False}
+    expected = hf_chat_ids(hf, messages, [WEATHER_TOOL], {**cli_kwargs, **line_kwargs}, True, False)
+    plain = parse({"messages": messages, "tools": [WEATHER_TOOL], "chat_template_kwargs": line_kwargs})
+    openai = parse(openai_chat(messages=messages, tools=[WEATHER_TOOL], chat_template_kwargs=line_kwargs))
+    for parsed in (plain, openai):
+        assert isinstance(parsed, ParsedRequest), parsed
+        assert parsed.unknown_keys == ()
+        assert encoder.request(parsed.custom_id, parsed.index, parsed.prompt, parsed.sampling).prompt_token_ids \
+            == expected
+    # Without the line's kwargs, the command line's apply.
+    only_cli = parse({"messages": messages, "tools": [WEATHER_TOOL]})
+    assert encoder.encode(only_cli.prompt) == hf_chat_ids(hf, messages, [WEATHER_TOOL], cli_kwargs, True, False)
+
+
+@pytest.mark.parity
+def test_continue_final_message_alone_means_no_generation_prompt(family):
+    """vLLM clients send continue_final_message: true without add_generation_prompt: false; it continues."""
+    name, tokenizer, hf = family
+    parsed = parse({"messages": [USER, PREFILL], "continue_final_message": True})
+    ids = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=BIG).encode(parsed.prompt)
+    assert ids == hf_chat_ids(hf, [USER, PREFILL], None, {}, False, True)
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith(PREFILL["content"])
+
+
+def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
+    directory = tmp_path / "drop"
+    directory.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / file).write_bytes((FIXTURES / "qwen3" / file).read_bytes())
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m.role }}:{% endfor %}")
+    with pytest.raises(InvalidRequest, match="drops the final message"):
+        Tokenizer.from_model_dir(directory).render_chat([USER], add_generation_prompt=False,
+                                                        continue_final_message=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Line errors
+
+
+@pytest.mark.parametrize("line, expected", [
+    ({"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}, "cannot both be true"),
+    (openai_chat(messages=[USER], add_generation_prompt=True, continue_final_message=True), "cannot both be true"),
+    ({"messages": [USER], "tools": {"type": "function"}}, "tools must be a list"),
+    (openai_chat(messages=[USER], tools=["get_weather"]), "body.tools[0] must be a tool object"),
+    ({"messages": [USER], "chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs must be an object"),
+    (openai_chat(messages=[USER], chat_template_kwargs={"add_generation_prompt": False}),
+     "body.chat_template_kwargs may not set add_generation_prompt"),
+    ({"messages": [USER], "chat_template_kwargs": {"messages": [], "tools": []}}, "may not set messages, tools"),
+    ({"messages": [USER], "add_generation_prompt": "no"}, "add_generation_prompt must be true or false"),
+    ({"prompt": "hi", "tools": [WEATHER_TOOL]}, "tools apply only to a chat"),
+    ({"prompt_token_ids": [1], "continue_final_message": False}, "continue_final_message apply only to a chat"),
+    ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "chat_template_kwargs": {}}},
+     "body.chat_template_kwargs apply only to a chat"),
+])
+def test_bad_chat_options_are_error_records(line, expected):
+    error = parse(line)
+    assert isinstance(error, LineError), error
+    assert expected in error.message
+    assert error.custom_id is not None
+    json.dumps(format_error(error))
+
+
+def test_null_chat_options_count_as_not_given():
+    parsed = parse({"messages": [USER], "tools": None, "chat_template_kwargs": None, "add_generation_prompt": None,
+                    "continue_final_message": None})
+    assert parsed.prompt == ChatPrompt([USER])
+    assert parsed.prompt.generation_prompt is True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request layer: checks before and after tokenizing
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    return Tokenizer.from_model_dir(FIXTURES / "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer():
+    return Tokenizer.from_model_dir(FIXTURES / "llama3_1")
+
+
+def test_vocabulary_and_context_checks(qwen3_tokenizer):
+    im_start = qwen3_tokenizer.token_to_id("<|im_start|>")
+    encoder = PromptEncoder(qwen3_tokenizer, vocab_size=im_start, context_tokens=8)
+    assert encoder.encode(TokenPrompt((1, 2, 3))) == [1, 2, 3]
+    with pytest.raises(InvalidRequest, match=f"token id {im_start}, outside the model's vocabulary of {im_start}"):
+        encoder.encode(TokenPrompt((1, im_start)))
+    with pytest.raises(InvalidRequest, match=f"token id {im_start},"):  # a chat's special tokens are checked too
+        encoder.encode(ChatPrompt([{"role": "user", "content": "x"}]))
+    with pytest.raises(InvalidRequest, match="prompt of 8 tokens does not fit the model's context of 8"):
+        encoder.encode(TokenPrompt(tuple(range(8))))
+    with pytest.raises(InvalidRequest, match="empty after tokenization"):
+        PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=BIG).encode(TextPrompt(""))
+
+
+def test_text_far_beyond_the_context_is_refused_without_tokenizing(qwen3_tokenizer, monkeypatch):
+    encoder = PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=100)
+    # Qwen3 normalizes (NFC), so the bound is context x longest entry x 4.
+    assert encoder.max_prompt_chars == 100 * qwen3_tokenizer.max_token_chars * 4
+    monkeypatch.setattr(qwen3_tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless prompt"))
+    huge = "x" * (encoder.max_prompt_chars + 1)
+    with pytest.raises(InvalidRequest, match=f"has {len(huge)} characters.*was not tokenized"):
+        encoder.encode(TextPrompt(huge))
+    with pytest.raises(InvalidRequest, match="the rendered chat has"):
+        encoder.encode(ChatPrompt([{"role": "user", "content": huge}]))
+
+
+@pytest.mark.parametrize("text", [
+    " " * 5000,  # the longest entries are runs of spaces
+    "=" * 3000 + "-" * 3000,
+    "\u1100\u1161\u11a8" * 1500,  # Hangul jamo: NFC composes 3 characters into one syllable
+    "e\u0301" * 2000 + "a\u0308\u0304" * 1000,  # combining marks composed by NFC
+    "😀" * 1000 + "中文" * 1000,
+    "abc def\n" * 800,
+])
+def test_the_character_bound_never_refuses_a_prompt_that_fits(qwen3_tokenizer, llama_tokenizer, text):
+    """The bound is safe: on adversarial texts every tokenizer needs at least len(text) / bound-per-token tokens,
+    so a refused text could never have fit."""
+    for tokenizer in (qwen3_tokenizer, llama_tokenizer):
+        per_token = tokenizer.max_token_chars * (4 if tokenizer.has_normalizer else 1)
+        ids = tokenizer.encode(text)
+        assert len(ids) * per_token >= len(text), (len(ids), per_token, len(text))
+        # The tightest context this prompt fits in: the encoder must still tokenize and accept it.
+        encoder = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=len(ids) + 1)
+        assert len(text) <= encoder.max_prompt_chars
+        assert encoder.encode(TextPrompt(text)) == ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CLI: --chat-template-kwargs, unknown keys, engine errors as records
+
+
+def test_bad_chat_template_kwargs_option_is_a_usage_error(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "x"}\n')
+    for value, expected in (("{enable_thinking: false}", "--chat-template-kwargs is not valid JSON"),
+                            ("[1]", "--chat-template-kwargs must be an object"),
+                            ('{"tools": []}', "--chat-template-kwargs may not set tools")):
+        result = CliRunner().invoke(app, ["batch", str(source), "--chat-template-kwargs", value])
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and expected in lines[0], result.stderr
+        assert "Traceback" not in result.output
+
+
+def test_a_run_warns_once_about_unknown_keys_and_renders_tools(tmp_path):
+    from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=3, init_std=0.05)
+    chat = [{"role": "user", "content": "hello there"}]
+    lines = [
+        {"custom_id": "plain", "messages": chat, "max_token": 3, "temperature": 0, "max_tokens": 2},
+        {"custom_id": "tools", "messages": chat, "tools": [WEATHER_TOOL], "temprature": 1, "temperature": 0,
+         "max_tokens": 2},
+        openai_chat("openai", messages=chat, tools=[WEATHER_TOOL], max_token=1, temperature=0, max_tokens=2),
+        {"custom_id": "again", "messages": chat, "max_token": 3, "temperature": 0, "max_tokens": 2},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(app, ["batch", str(source), "--model", str(model), "--no-cache", "--device", "cpu",
+                                      "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "unknown keys" in line]
+    assert len(warnings) == 1, result.stderr
+    for key in ("max_token (line 1)", "temprature (line 2)", "body.max_token (line 3)"):
+        assert key in warnings[0]
+    records = {r["custom_id"]: r for r in map(json.loads, result.stdout.splitlines())}
+    usage = {cid: (r.get("usage") or r["response"]["body"]["usage"])["prompt_tokens"] for cid, r in records.items()}
+    assert usage["tools"] == usage["openai"] > usage["plain"] + 20 and usage["again"] == usage["plain"]
+
+
+def test_engine_errors_become_error_records_in_both_shapes():
+    """A Result with `error` (e.g. a prompt that can never fit the state memory) is written as an error record in
+    its place and counts as a failed line (exit 3)."""
+    from prefixrun.cli.batch_run import BatchRun
+    from prefixrun.cli.io import OrderedWriter
+
+    plain = parse({"custom_id": "p", "prompt": "x"})
+    openai = parse(openai_chat("o", messages=[USER]), line_no=2)
+    openai = ParsedRequest(1, 2, openai.custom_id, openai.shape, openai.prompt, openai.sampling)
+    usage = Usage(prompt_tokens=3, completion_tokens=0, cached_tokens=0)
+    results = [Result("p", 0, [], "", "length", usage, error="needs 9 blocks; the state memory holds 4"),
+               Result("o", 1, [], "", "length", usage, error="needs 9 blocks; the state memory holds 4")]
+
+    class Engine:
+        stats = None
+
+        def run(self, requests):
+            return iter(results)
+
+    class Reporter:
+        def __init__(self):
+            self.errors, self.warnings = [], []
+
+        def error(self, message):
+            self.errors.append(message)
+
+        def warn(self, message):
+            self.warnings.append(message)
+
+        def set_total(self, n):
+            pass
+
+        def advance(self, done, stats):
+            pass
+
+    run = BatchRun.__new__(BatchRun)  # only what _run_window uses; loading a model is not the point here
+    run.engine, run.reporter, run.model_name, run.failed, run.done = Engine(), Reporter(), "m", 0, 0
+    run._unknown_keys, run._unknown_keys_warned = {}, 0
+    out = io.StringIO()
+    writer = OrderedWriter(out)
+    run._run_window([(p, Request(p.custom_id, [1, 2, 3], p.sampling, p.index)) for p in (plain, openai)], writer)
+    writer.close()
+    first, second = map(json.loads, out.getvalue().splitlines())
+    assert first == format_error(make_error(plain, results[0].error))
+    assert first["custom_id"] == "p" and "state memory" in first["error"]["message"]
+    assert second["custom_id"] == "o" and second["response"] is None
+    assert second["error"]["code"] == "invalid_request" and "state memory" in second["error"]["message"]
+    assert run.failed == 2 and run.done == 2 and len(run.reporter.errors) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layering
+
+
+def test_engine_never_imports_the_cli():
+    """The data path runs one way: cli -> engine -> kernels. No engine or kernels module imports prefixrun.cli
+    (nor the bare `cli` package), at module level or inside a function."""
+    offenders = []
+    for folder in ("engine", "kernels"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [("." * node.level) + (node.module or "")]
+                for name in names:
+                    if name.split(".")[:2] == ["prefixrun", "cli"] or name.split(".")[0] == "cli" \
+                            or (name.startswith("..") and "cli" in name.split(".")):
+                        offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert not offenders, offenders
