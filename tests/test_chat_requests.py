@@ -285,11 +285,12 @@ def test_a_run_warns_once_about_unknown_keys_and_renders_tools(tmp_path):
     assert usage["tools"] == usage["openai"] > usage["plain"] + 20 and usage["again"] == usage["plain"]
 
 
-def test_engine_errors_become_error_records_in_both_shapes():
+def test_engine_errors_become_error_records_in_both_shapes(capsys):
     """A Result with `error` (e.g. a prompt that can never fit the state memory) is written as an error record in
     its place and counts as a failed line (exit 3)."""
     from prefixrun.cli.batch_run import BatchRun
     from prefixrun.cli.io import OrderedWriter
+    from prefixrun.cli.report import RunReporter
 
     plain = parse({"custom_id": "p", "prompt": "x"})
     openai = parse(openai_chat("o", messages=[USER]), line_no=2)
@@ -304,24 +305,8 @@ def test_engine_errors_become_error_records_in_both_shapes():
         def run(self, requests):
             return iter(results)
 
-    class Reporter:
-        def __init__(self):
-            self.errors, self.warnings = [], []
-
-        def error(self, message):
-            self.errors.append(message)
-
-        def warn(self, message):
-            self.warnings.append(message)
-
-        def set_total(self, n):
-            pass
-
-        def advance(self, done, stats):
-            pass
-
     run = BatchRun.__new__(BatchRun)  # only what _run_window uses; loading a model is not the point here
-    run.engine, run.reporter, run.model_name, run.failed, run.done = Engine(), Reporter(), "m", 0, 0
+    run.engine, run.reporter, run.model_name, run.failed, run.done = Engine(), RunReporter(quiet=True), "m", 0, 0
     run._unknown_keys, run._unknown_keys_warned = {}, 0
     out = io.StringIO()
     writer = OrderedWriter(out)
@@ -332,7 +317,9 @@ def test_engine_errors_become_error_records_in_both_shapes():
     assert first["custom_id"] == "p" and "state memory" in first["error"]["message"]
     assert second["custom_id"] == "o" and second["response"] is None
     assert second["error"]["code"] == "invalid_request" and "state memory" in second["error"]["message"]
-    assert run.failed == 2 and run.done == 2 and len(run.reporter.errors) == 2
+    assert run.failed == 2 and run.done == 2
+    stderr = capsys.readouterr().err
+    assert "line 1 (p): needs 9 blocks" in stderr and "line 2 (o): needs 9 blocks" in stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
