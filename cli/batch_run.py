@@ -80,11 +80,6 @@ class BatchRun:
         self.skipped = 0  # lines that already had a result (--resume)
         self.max_line_bytes = max_line_bytes
 
-    def _detokenizer(self):
-        from prefixrun.engine.tokenizer import StreamDetokenizer
-
-        return StreamDetokenizer(self.loaded.tokenizer)
-
     # ---- the run ------------------------------------------------------------------------------------------
     def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
         started = time.perf_counter()
