@@ -171,7 +171,7 @@ class WindowExecutor:
             if found is not None:
                 self._let_go(task, base)
                 handle, logits = found
-                self.trace.add("hit", task.id, end=handle.length, note=source)
+                self.trace.add("hit", task.id, start=b, end=handle.length, note=source)
                 return handle, logits, _Run(task, None, hit=handle.length, from_disk=source == "disk")
         if base is None:
             return e.state.new_sequence(), None, _Run(task, None)

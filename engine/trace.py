@@ -8,7 +8,8 @@ an event here, so tests check the steps the runner executed, not a separate mode
   save      task's end state became a branch checkpoint for `count` consumers
   refused   the checkpoint budget could not hold task's branch checkpoint
   rebase    task's base changed (its planned base was refused or dropped): it starts from `start` instead
-  hit       task started from a saved state of length `end` (note: "memory" or "disk") instead of its base
+  hit       task started from a saved state of length `end` (note: "memory" or "disk") instead of its base state
+            of length `start`
   release   the last consumer of task's branch checkpoint took it (the checkpoint is no longer live)
   drop      task's branch checkpoint was given up under memory pressure (its consumers were rebased)
   decode    the task's request started decoding
@@ -29,9 +30,14 @@ class Event:
     note: str = ""
 
     def __str__(self) -> str:
-        span = f" [{self.start}, {self.end})" if self.kind == "prefill" else (
-            f" @{self.end}" if self.kind in ("save", "hit") else (f" @{self.start}" if self.kind in (
-                "fork", "rebase") else ""))
+        if self.kind in ("prefill", "hit"):
+            span = f" [{self.start}, {self.end})"
+        elif self.kind in ("fork", "rebase"):
+            span = f" @{self.start}"
+        elif self.end:
+            span = f" @{self.end}"
+        else:
+            span = ""
         extra = f" x{self.count}" if self.count else ""
         return f"{self.kind:<8} t{self.task}{span}{extra}" + (f"  {self.note}" if self.note else "")
 

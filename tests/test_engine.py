@@ -728,5 +728,12 @@ def test_reused_is_from_disk_plus_from_memory_cold_warm_mixed(loaded, cpu_ops):
                              ids=[f"r{i}" for i, _ in mixed[len(prompts):]])
     ref.update(extra)
     disk.entries = {k: v for k, v in disk.entries.items() if len(k) > 30 or len(k) % 2}
-    _, s_mixed = run(mixed, EngineOptions(retain_block=16, max_batch=2, max_prefill_tokens=8))
-    assert 0 < s_mixed.reused_from_disk_tokens < s_mixed.reused_tokens
+    eng = Engine(model, cpu_ops, options=EngineOptions(retain_block=16, max_batch=2, max_prefill_tokens=8),
+                 persist=disk)
+    got = {r.custom_id: r for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in mixed])}
+    eng.close()
+    check_usage_adds_up(got, eng.stats)
+    assert {k: v.token_ids for k, v in got.items()} == {k: ref[k].token_ids for k in got}
+    assert 0 < eng.stats.reused_from_disk_tokens < eng.stats.reused_tokens
+    # a disk hit that reached past a base state already computed in memory was among them
+    assert any(e.note == "disk" and e.start > 0 for e in eng.last_trace.of("hit")), eng.last_trace.dump()
