@@ -92,7 +92,6 @@ class DenseConfig(DecoderConfig):
     """Qwen3 and Llama: full-attention layers (Qwen3 may mix in sliding-window layers); Qwen3 adds per-head q/k
     RMSNorm."""
 
-    qk_norm: bool = False
     sliding_window: int | None = None  # window of the sliding_attention layers (Qwen3 use_sliding_window)
 
     def __post_init__(self):
@@ -109,7 +108,7 @@ class DenseConfig(DecoderConfig):
     @classmethod
     def from_fields(cls, f: _Fields, common: dict, rope_local: RopeConfig | None) -> DecoderConfig:
         family = common["family"]
-        extra = dict(hidden_act=f.get("hidden_act"), qk_norm=family == "qwen3")
+        extra = dict(hidden_act=f.get("hidden_act"))
         if family == "llama":
             extra["mlp_bias"] = f.flag("mlp_bias")
         if family == "qwen3" and SLIDING_ATTENTION in common["layer_types"]:

@@ -10,9 +10,8 @@ host), fall back to eager steps — same results, only slower.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from prefixrun.engine.state import ForwardBatch, ModelState, StateHandle, batch_views, pack_step_arrays
+from prefixrun.engine.batch import ForwardBatch, Padding
+from prefixrun.engine.state import ModelState, StateHandle
 
 
 def _bucket(n: int) -> int:
@@ -38,13 +37,14 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
 
-    def _scratch(self) -> StateHandle:
+    def _padding(self, rows: int) -> Padding:
+        """Padding rows up to `rows`, on a scratch state of one token (made on first use)."""
         if self.scratch is None:
             h = self.state.new_sequence()
             self.state.reserve(h, 1)
             h.length = 1
             self.scratch = h
-        return self.scratch
+        return Padding(rows=rows, slot=self.scratch.slot, block=self.scratch.blocks[0])
 
     def close(self):
         """Release the scratch state (the captured graphs stay; they read their inputs afresh every step)."""
@@ -60,49 +60,29 @@ class DecodeGraphs:
         n = len(handles)
         b = _bucket(n)
         width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
-        arrays = self._pad(st.step_arrays(handles, [[t] for t in tokens], table_width=width, groups=False), n, b)
-        st.add_shared_groups(arrays)  # after padding: padding rows are groups of their own
-        key = (b, width, "shared_order" in arrays)
+        host = st.step_arrays(handles, [[t] for t in tokens], table_width=width,
+                              pad=self._padding(b) if b > n else None)
+        key = (b, width, host.shared is not None)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(arrays)
+            graph = self._capture(host)
             if graph is None:  # this model cannot be captured: eager from now on
                 self.enabled = False
-                return self.model.forward(_eager_batch(arrays, self.ops), st)[:n]
+                return self.model.forward(host.to_backend(self.ops.upload_index), st)[:n]
             self.graphs[key] = graph
-        self.ops.write_index(graph.inputs, pack_step_arrays(arrays))
+        self.ops.write_index(graph.inputs, host.pack())
         self.replays += 1
         return graph.replay()[:n]
 
-    def _pad(self, arrays: dict, n: int, b: int) -> dict:
-        if n == b:
-            return arrays
-        s = self._scratch()
-        pad = b - n
-        bs = self.state.block_size
-        out = dict(arrays)
-        out["token_ids"] = np.concatenate([arrays["token_ids"], np.zeros(pad, np.int32)])
-        out["positions"] = np.concatenate([arrays["positions"], np.zeros(pad, np.int32)])
-        out["cu_seqlens"] = np.arange(b + 1, dtype=np.int32)
-        out["slots"] = np.concatenate([arrays["slots"], np.full(pad, s.slot, np.int32)])
-        tables = np.zeros((b, arrays["block_tables"].shape[1]), np.int32)
-        tables[:n] = arrays["block_tables"]
-        tables[n:, 0] = s.blocks[0]
-        out["block_tables"] = tables
-        out["context_lens"] = np.concatenate([arrays["context_lens"], np.ones(pad, np.int32)])
-        out["kv_write_index"] = np.concatenate([arrays["kv_write_index"], np.full(pad, s.blocks[0] * bs, np.int32)])
-        out["last_token_index"] = np.arange(b, dtype=np.int32)
-        return out
-
-    def _capture(self, arrays: dict) -> _Graph | None:
-        b = len(arrays["slots"])
-        # Warm up (kernel compilation, cuBLAS binding) on a batch of padding rows only, which touches nothing but
-        # scratch; the capture itself executes nothing, so the real step runs exactly once: at the first replay.
-        warm = self._pad({k: v[:0] for k, v in arrays.items() if not k.startswith("shared_")}, 0, b)
-        self.state.add_shared_groups(warm)
-        inputs = self.ops.upload_index(pack_step_arrays(warm))
-        views = batch_views(inputs, arrays)
-        batch = ForwardBatch(**views, host_cu_seqlens=arrays["cu_seqlens"], host_context_lens=arrays["context_lens"])
+    def _capture(self, like: ForwardBatch) -> _Graph | None:
+        """A graph of the model's step over batches laid out as the host batch `like` (same rows, table width and
+        groups). Warm-up (kernel compilation, cuBLAS binding) runs on a batch of padding rows only, which touches
+        nothing but scratch; the capture itself executes nothing, so the real step runs exactly once: at the first
+        replay."""
+        b, width = like.slots.shape[0], like.block_tables.shape[1]
+        warm = self.state.step_arrays([], [], table_width=width, pad=self._padding(b))
+        inputs = self.ops.upload_index(warm.pack())
+        batch = like.views(inputs)
         try:
             self.model.forward(batch, self.state)
             graph = self.ops.capture(lambda: self.model.forward(batch, self.state), warmup=0)
@@ -110,9 +90,3 @@ class DecodeGraphs:
             return None
         self.captures += 1
         return _Graph(graph.replay, inputs)
-
-
-def _eager_batch(arrays: dict, ops) -> ForwardBatch:
-    from prefixrun.engine.state import batch_from_host
-
-    return batch_from_host(arrays, ops.upload_index)

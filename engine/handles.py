@@ -1,0 +1,100 @@
+"""What a state is made of (regions), what names one (a handle), and how a handle leaves and re-enters the pools
+(export / import, the persistent cache's view of a state).
+
+Two region kinds exist, and each knows how to copy, share and export itself:
+- slot regions: one fixed-shape array per sequence (recurrent state [H, Dk, Dv], conv history [C, K-1], a
+  sliding-window ring [W, Hkv, D]), in a pool array [num_slots, *shape]. A ring keeps position p at row p % W;
+  exported, it is rotated into position order, so a stored checkpoint does not depend on where the ring wrapped.
+- paged regions: one row per token (attention K or V [Hkv, D]), in a pool [num_blocks, block_size, *shape];
+  exported, only the rows [0, length) of the handle's blocks, in position order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class StateLayoutError(ValueError):
+    """Stored state does not fit this model's state layout; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str  # unique, e.g. "layers.3.recurrent"
+    paged: bool  # True: one row per token in refcounted blocks; False: one fixed array per sequence
+    shape: tuple[int, ...]  # per token (paged) or per sequence (slot)
+    dtype: str  # "float32", or "act" for the backend's storage dtype (bf16 on CUDA, fp32 on CPU)
+    ring: bool = False  # a slot region whose rows are a ring over positions (row = position % shape[0])
+
+    def to_position_order(self, rows: np.ndarray, length: int) -> np.ndarray:
+        """A ring's rows rotated so row i holds position length - W + i (rows before position 0 stay zero)."""
+        if not self.ring:
+            return rows
+        w = rows.shape[0]
+        return rows[(np.arange(length - w, length)) % w] * (np.arange(length - w, length) >= 0).reshape(
+            (w,) + (1,) * (rows.ndim - 1)).astype(rows.dtype)
+
+    def from_position_order(self, rows: np.ndarray, length: int) -> np.ndarray:
+        if not self.ring:
+            return rows
+        w = rows.shape[0]
+        out = np.zeros_like(rows)
+        out[np.arange(length - w, length) % w] = rows
+        return out
+
+
+@dataclass
+class StateHandle:
+    """The state of one sequence or one checkpoint: a slot, the K/V blocks covering [0, length), and length.
+
+    A running sequence and a checkpoint are both handles, so save = fork(sequence), restore = fork(checkpoint),
+    and release frees whatever is no longer referenced."""
+
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+    disk_length: int = 0  # the prefix of this state that was restored from the persistent store (provenance)
+
+
+def export_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle) -> dict[str, np.ndarray]:
+    """Host copies of h's regions: slot regions whole (rings in position order), paged regions their rows
+    [0, length) in position order."""
+    out = {}
+    for s in specs:
+        arr = arrays[s.name]
+        if s.paged:
+            rows = arr[h.blocks].reshape((-1,) + tuple(s.shape))[:h.length] if h.blocks else arr[:0, 0]
+            out[s.name] = ops.to_host(rows).copy()
+        else:
+            out[s.name] = s.to_position_order(ops.to_host(arr[h.slot]).copy(), h.length)
+    return out
+
+
+def validate_regions(specs: list[RegionSpec], regions: dict[str, np.ndarray], length: int):
+    """Raise StateLayoutError unless `regions` is exactly this layout at `length` tokens (changes nothing)."""
+    names = {s.name for s in specs}
+    if set(regions) != names:
+        missing, extra = names - set(regions), set(regions) - names
+        raise StateLayoutError(f"prefix state layout mismatch: missing {sorted(missing)[:3]}, "
+                               f"unexpected {sorted(extra)[:3]}")
+    for s in specs:
+        want = ((length,) if s.paged else ()) + tuple(s.shape)
+        if tuple(regions[s.name].shape) != want:
+            raise StateLayoutError(f"prefix state layout mismatch: {s.name} has shape "
+                                   f"{tuple(regions[s.name].shape)}, expected {want}")
+
+
+def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, regions: dict[str, np.ndarray],
+                  block_size: int):
+    """Fill h's slot and blocks (allocated to cover h.length) with validated `regions`, undoing export_regions."""
+    for s in specs:
+        arr = arrays[s.name]
+        dtype = ops.storage_dtype(s.dtype)
+        if s.paged:
+            padded = np.zeros((len(h.blocks) * block_size,) + tuple(s.shape), dtype)  # [blocks * bs, *shape]
+            padded[:h.length] = regions[s.name]
+            for i, b in enumerate(h.blocks):
+                arr[b] = ops.upload(padded[i * block_size:(i + 1) * block_size], dtype)
+        else:
+            arr[h.slot] = ops.upload(s.from_position_order(np.asarray(regions[s.name]), h.length), dtype)

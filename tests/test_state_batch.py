@@ -1,0 +1,123 @@
+"""The state pools' pieces on their own: allocators, the one batch builder (padding, groups, packing), and the
+export / import of handles. No model needed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prefixrun.engine.allocators import BlockAllocator, OutOfStateMemory, SlotAllocator
+from prefixrun.engine.batch import ForwardBatch, Padding, build_batch, check_shared_prefix_arrays
+from prefixrun.engine.handles import RegionSpec, StateLayoutError
+from prefixrun.engine.state import ModelState
+from prefixrun.kernels.reference import NumpyOps
+
+BS = 4
+SPECS = [RegionSpec("rec", False, (2, 3), "float32"), RegionSpec("ring", False, (3, 2), "act", ring=True),
+         RegionSpec("k", True, (2,), "act"), RegionSpec("v", True, (2,), "act")]
+
+
+def _state(slots=8, blocks=32) -> ModelState:
+    return ModelState(SPECS, NumpyOps(), num_slots=slots, num_blocks=blocks, block_size=BS)
+
+
+def test_allocators_check_then_take_all_or_nothing():
+    blocks = BlockAllocator(3)
+    assert blocks.can_allocate(3) and not blocks.can_allocate(4)
+    with pytest.raises(OutOfStateMemory):
+        blocks.allocate(4)
+    assert blocks.free_count == 3  # nothing taken by the failed call
+    got = blocks.allocate(2)
+    blocks.incref(got[:1])
+    blocks.decref(got)
+    assert blocks.free_count == 2 and blocks.refcount[got[0]] == 1
+    blocks.check_invariants()
+    blocks.refcount[got[1]] = 1  # a free block with a reference: caught
+    with pytest.raises(AssertionError):
+        blocks.check_invariants()
+    slots = SlotAllocator(1)
+    s = slots.allocate()
+    assert not slots.can_allocate()
+    with pytest.raises(OutOfStateMemory):
+        slots.allocate()
+    slots.free(s)
+    slots.check_invariants()
+
+
+def test_padded_batch_is_the_batch_plus_padding_rows():
+    """The rows of a padded decode step are the unpadded step's rows, then rows on the scratch slot and block; the
+    groups are computed over the padded rows (padding rows share nothing)."""
+    starts, blocks, slots = [5, 9, 4], [[7, 8], [7, 8, 3], [7, 9]], [2, 0, 5]
+    toks = [[11], [12], [13]]
+    plain = build_batch(starts, blocks, slots, toks, BS, table_width=4, group=True)
+    pad = Padding(rows=8, slot=6, block=30)
+    padded = build_batch(starts, blocks, slots, toks, BS, table_width=4, pad=pad, group=True)
+    n, b = 3, 8
+    for name in ("token_ids", "positions", "slots", "context_lens", "kv_write_index", "last_token_index"):
+        assert np.array_equal(getattr(padded, name)[:n], getattr(plain, name)[:n]), name
+    assert np.array_equal(padded.block_tables[:n], plain.block_tables)
+    assert padded.token_ids[n:].tolist() == [0] * 5 and padded.positions[n:].tolist() == [0] * 5
+    assert padded.slots[n:].tolist() == [6] * 5 and padded.context_lens[n:].tolist() == [1] * 5
+    assert padded.kv_write_index[n:].tolist() == [30 * BS] * 5
+    assert padded.block_tables[n:].tolist() == [[30, 0, 0, 0]] * 5
+    assert padded.cu_seqlens.tolist() == list(range(b + 1)) and padded.last_token_index.tolist() == list(range(b))
+    # groups: rows 0, 1, 2 start with block 7 and share it (rows 0-1 also block 8, but row 2 does not)
+    check_shared_prefix_arrays(padded.arrays(), BS)
+    assert padded.shared_start.tolist() == [4, 4, 4, 0, 0, 0, 0, 0]
+    assert plain.shared_start.tolist() == [4, 4, 4]
+    # a prefill step (several tokens in a row) carries no groups
+    assert build_batch([0], [[1, 2]], [0], [[1, 2, 3, 4, 5]], BS, group=True).shared is None
+    with pytest.raises(ValueError, match="cannot pad"):
+        build_batch(starts, blocks, slots, toks, BS, pad=Padding(rows=2, slot=0, block=0))
+
+
+def test_pack_and_views_round_trip():
+    """One buffer holds every field; views of it have the host batch's shapes and values, and keep the host batch."""
+    host = build_batch([0, 3], [[4, 5], [6]], [1, 2], [[1, 2, 3, 4, 5], [9]], BS)
+    buf = host.pack()
+    assert buf.dtype == np.int32 and buf.size == sum(a.size for a in host.arrays().values())
+    dev = host.views(buf.copy())
+    assert dev.host is host and np.array_equal(dev.host_cu_seqlens, host.cu_seqlens)
+    for name, a in host.arrays().items():
+        assert np.array_equal(getattr(dev, name), a) and getattr(dev, name).shape == a.shape, name
+    assert host.positions.tolist() == [0, 1, 2, 3, 4, 3] and host.kv_write_index.tolist() == [16, 17, 18, 19, 20, 27]
+    assert set(ForwardBatch.array_fields()) >= set(host.arrays()) and "host" not in ForwardBatch.array_fields()
+
+
+def test_step_arrays_reserve_and_advance():
+    st = _state()
+    a = st.new_sequence()
+    batch = st.step_arrays([a], [[1] * 6])
+    assert a.length == 6 and len(a.blocks) == 2 and batch.context_lens.tolist() == [6]
+    b = st.fork(a)
+    st.step_arrays([b], [[2]])  # writes into the shared partial block: copied first
+    assert b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1]
+    st.check_invariants()
+    graph_like = st.step_arrays([a, b], [[3], [4]], table_width=4, pad=Padding(rows=4, slot=7, block=31))
+    assert graph_like.block_tables.shape == (4, 4) and graph_like.shared is not None
+    st.release(a)
+    st.release(b)
+    st.check_invariants()
+
+
+def test_export_import_round_trip_rotates_rings():
+    st = _state()
+    h = st.new_sequence()
+    st.step_arrays([h], [[1] * 7])  # 7 tokens: the ring (3 rows) wrapped
+    rng = np.random.default_rng(0)
+    for name, a in st.arrays.items():
+        a[...] = rng.standard_normal(a.shape).astype(a.dtype)
+    out = st.export(h)
+    ring = st.arrays["ring"][h.slot]
+    assert np.array_equal(out["ring"], ring[[4 % 3, 5 % 3, 6 % 3]])  # positions 4, 5, 6 in order
+    assert out["k"].shape == (7, 2) and np.array_equal(out["k"], st.arrays["k"][h.blocks].reshape(-1, 2)[:7])
+    back = st.import_state(out, 7)
+    assert back.disk_length == 7
+    again = st.export(back)
+    for name in out:
+        assert np.array_equal(again[name], out[name]), name
+    assert np.array_equal(st.arrays["ring"][back.slot], ring)  # the same physical ring rows
+    with pytest.raises(StateLayoutError, match="layout mismatch"):
+        st.import_state({**out, "k": out["k"][:6]}, 7)
+    with pytest.raises(StateLayoutError, match="missing"):
+        st.import_state({k: v for k, v in out.items() if k != "rec"}, 7)
+    st.check_invariants()
