@@ -90,8 +90,11 @@ _BASE = dict(vocab_size=384, hidden_size=64, num_hidden_layers=5, num_attention_
 VARIANTS = {
     "qwen3_next": ("qwen3_next", dict(_BASE, intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[3],
                                       norm_topk_prob=True, num_experts_per_tok=3)),
+    # the other fields transformers reads, at non-default values
     "qwen3_next_sparse_step": ("qwen3_next", dict(_BASE, intermediate_size=80, decoder_sparse_step=2,
-                                                  norm_topk_prob=False)),
+                                                  norm_topk_prob=False, attention_bias=True,
+                                                  partial_rotary_factor=0.5, rms_norm_eps=1e-5,
+                                                  tie_word_embeddings=True)),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(_BASE)),
 }
 
