@@ -11,26 +11,25 @@ fused `mlp.experts.gate_up_proj` [E, 2I, D] / `mlp.experts.down_proj` [E, D, I] 
 """
 from __future__ import annotations
 
-import numpy as np
-
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import WeightLoader
 from prefixrun.engine.moe_config import MoeSettings
 
 
-def _expert_stack(load: WeightLoader, prefix: str, e: int, d: int, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host arrays gate_up [E, 2I, D] (gate rows then up rows per expert) and down [E, D, I]."""
+def _expert_weights(load: WeightLoader, prefix: str, e: int, d: int, i: int):
+    """Backend arrays gate_up [E, 2I, D] (gate rows then up rows per expert) and down [E, D, I]. Per-expert
+    tensors go to the backend as rows of one array (no host-side stacking of gigabytes), then take their 3-d view."""
     fused = prefix + "experts.gate_up_proj"
     if load.has(fused):
-        return load.host(fused, (e, 2 * i, d)), load.host(prefix + "experts.down_proj", (e, d, i))
+        return (load.ops.upload(load.host(fused, (e, 2 * i, d))),
+                load.ops.upload(load.host(prefix + "experts.down_proj", (e, d, i))))
     if not load.has(prefix + "experts.0.gate_proj.weight"):
         raise ModelLoadError(f"{load.tensors.model_dir}: no expert weights under {prefix}experts. (expected "
                              f"{prefix}experts.0.gate_proj.weight or {fused})")
-    gate_up = np.stack([np.concatenate([load.host(f"{prefix}experts.{x}.gate_proj.weight", (i, d)),
-                                        load.host(f"{prefix}experts.{x}.up_proj.weight", (i, d))]) for x in range(e)])
-    down = np.stack([load.host(f"{prefix}experts.{x}.down_proj.weight", (d, i)) for x in range(e)])
-    return gate_up, down
-
+    expert = lambda x, proj, shape: load.host(f"{prefix}experts.{x}.{proj}.weight", shape)
+    gate_up = load.ops.upload_rows([expert(x, p, (i, d)) for x in range(e) for p in ("gate_proj", "up_proj")])
+    down = load.ops.upload_rows([expert(x, "down_proj", (d, i)) for x in range(e)])
+    return gate_up.reshape(e, 2 * i, d), down.reshape(e, d, i)
 
 class SparseMoeBlock:
     def __init__(self, hidden_size: int, moe: MoeSettings, load: WeightLoader, prefix: str):
@@ -40,11 +39,8 @@ class SparseMoeBlock:
         rows = [load.host(prefix + "gate.weight", (e, d))]
         if s:
             rows.append(load.host(prefix + "shared_expert_gate.weight", (1, d)))
-        self.router = load.ops.upload(np.concatenate(rows))
-        gate_up, down = _expert_stack(load, prefix, e, d, i)
-        self.gate_up = load.ops.upload(gate_up)  # [E, 2I, D]
-        self.down = load.ops.upload(down)  # [E, D, I]
-        del gate_up, down
+        self.router = load.ops.upload_rows(rows)
+        self.gate_up, self.down = _expert_weights(load, prefix, e, d, i)  # [E, 2I, D], [E, D, I]
         self.shared_gate_up = self.shared_down = None
         if s:
             sp = prefix + "shared_expert."
