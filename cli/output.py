@@ -55,7 +55,11 @@ def check_target(path: Path, option: str) -> None:
     if not parent.is_dir():
         raise OutputError(f"{option} {path}: {parent} is not a directory")
     try:
-        if path.exists():
+        if path.exists() and not _is_regular(path):
+            # A FIFO would block an open until its reader comes; /dev/null and terminals need no probe.
+            if not os.access(path, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        elif path.exists():
             # Opening for append changes nothing, and tells what os.access cannot (root, read-only mounts).
             with open(path, "ab"):
                 pass

@@ -524,3 +524,22 @@ def test_bench_on_a_prompt_text_workload_gives_one_line(model, tmp_path):
     assert p.returncode == 2 and "prompt_token_ids" in one_error_line(p.stderr)
     res = cli("bench", tmp_path, "--model", model)
     assert res.exit_code == 2 and "is a directory" in one_error_line(res.stderr)
+
+
+def test_output_to_a_fifo_or_dev_null(model, tmp_path):
+    """Non-regular outputs: checked without blocking on the FIFO, written without a journal beside them."""
+    import threading
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "x", "max_tokens": 1}])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", fifo, timeout=120)
+    reader.join(timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert [r["custom_id"] for r in records(got[0])] == ["a"]
+    assert not (tmp_path / "fifo.journal").exists()
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", os.devnull)
+    assert p.returncode == 0 and p.stderr == ""
