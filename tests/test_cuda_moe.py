@@ -161,6 +161,31 @@ def test_tiny_moe_model_matches_cpu(model_dirs, family, dtype, tol):
         assert rel(gpu, cpu) <= tol
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_engine_tokens_same_with_graphs_and_reuse_on_or_off(model_dirs, family):
+    """The engine on the GPU (fp32: top-2 gaps far above its rounding) with an MoE model: decode replayed from CUDA
+    graphs and prefix reuse give the tokens of eager decode without reuse."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("float32")
+    model = load_model(model_dirs[family], ops)[0]
+    base = list(range(5, 90))
+    prompts = [base + [1, 2, 3], base + [7], base[:40], [9, 8, 7], base + [1, 2, 3]]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = []
+    for opts in (EngineOptions(reuse=False, decode_graphs=False), EngineOptions(decode_graphs=True)):
+        eng = Engine(model, ops, options=opts)
+        runs.append({r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i)
+                                                                  for i, p in enumerate(prompts)])})
+        if opts.decode_graphs:
+            assert eng.decoder.replays > 0
+        eng.close()
+    assert runs[0] == runs[1]
+
+
 def _bench():
     """One MoE layer of the bench model (hidden 2048, 64 experts x 512, top 8 + a 512 shared expert), bf16."""
     import time
