@@ -63,18 +63,6 @@ class ForwardBatch:
         return SharedPrefixes(self.shared_order, self.shared_cu, self.shared_lens, self.shared_tables,
                               self.shared_start)
 
-    @property
-    def on_host(self) -> ForwardBatch:
-        return self.host if self.host is not None else self
-
-    @property
-    def host_cu_seqlens(self) -> np.ndarray:  # [B+1] loop bounds for host-driven ops
-        return self.on_host.cu_seqlens
-
-    @property
-    def host_context_lens(self) -> np.ndarray:  # [B]
-        return self.on_host.context_lens
-
     def pack(self) -> np.ndarray:
         """All index arrays of a host batch in one int32 buffer."""
         return np.concatenate([np.ascontiguousarray(a, np.int32).ravel() for a in self.arrays().values()])
