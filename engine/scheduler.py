@@ -85,13 +85,16 @@ class Scheduler:
         return sum(self.state.blocks_needed(s.handle, s.handle.length + s.remaining) for s in decoding)
 
     def can_admit(self, group: list[Task], decoding: list[Sequence]) -> bool:
-        seats = len(decoding) + sum(t.request is not None for t in group)
-        if seats > self.max_batch or len(group) > self.max_batch:
+        return self._fits(len(group), sum(t.request is not None for t in group),
+                          sum(self.task_blocks(t) for t in group), len(decoding), self.growth(decoding))
+
+    def _fits(self, tasks: int, requests: int, blocks: int, decoding: int, growth: int) -> bool:
+        """The rule itself, on the group's totals (so `next_group` can grow a group without recounting)."""
+        if decoding + requests > self.max_batch or tasks > self.max_batch:
             return False
-        if self.state.slots.free_count < len(group) + 1:
+        if self.state.slots.free_count < tasks + 1:
             return False
-        need = sum(self.task_blocks(t) for t in group) + self.growth(decoding)
-        return need <= self.state.blocks.free_count
+        return blocks + growth <= self.state.blocks.free_count
 
     def fits_alone(self, task: Task) -> bool:
         """Whether the task could run with nothing else in the pools (from an empty state)."""
@@ -101,17 +104,19 @@ class Scheduler:
     def next_group(self, decoding: list[Sequence]) -> list[Task]:
         """The largest run of top-of-stack tasks with one base that the pools admit (possibly none); not popped."""
         group: list[Task] = []
-        tokens = 0
+        tokens = requests = blocks = 0
+        growth = self.growth(decoding)
         for t in reversed(self.pending):
             if group and (self.base[t.id] is not self.base[group[0].id] or isinstance(self.base[t.id], Handoff)):
                 break
             n = self.todo_tokens(t)
             if group and tokens + n > self.max_prefill_tokens:
                 break
-            if not self.can_admit(group + [t], decoding):
+            r, b = requests + (t.request is not None), blocks + self.task_blocks(t)
+            if not self._fits(len(group) + 1, r, b, len(decoding), growth):
                 break
             group.append(t)
-            tokens += n
+            tokens, requests, blocks = tokens + n, r, b
         return group
 
     def admit(self, group: list[Task]):
