@@ -258,6 +258,8 @@ def make_model(
 
     reporter = RunReporter()
     try:
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
         if shards < 1:
             raise ValueError(f"--shards must be at least 1, got {shards}")
         if init_std is not None and not (math.isfinite(init_std) and init_std > 0):
@@ -342,9 +344,15 @@ def bench(
     except (ValueError, OSError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
-    figures = run_bench(workload, model, device=device, dtype=dtype, max_batch=max_batch, reuse=not no_reuse,
-                        transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat,
-                        graphs=graphs)
+    from prefixrun.engine.errors import ModelLoadError
+
+    try:
+        figures = run_bench(workload, model, device=device, dtype=dtype, max_batch=max_batch, reuse=not no_reuse,
+                            transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat,
+                            graphs=graphs)
+    except (ModelLoadError, ValueError) as exc:  # the model directory or an option is unusable: nothing timed
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
     text = json.dumps(figures, indent=2)
     print(text)
     if json_out is not None:
@@ -355,6 +363,8 @@ def _check_bench_workload(workload: Path):
     """bench times token-id workloads (their token counts must not depend on a tokenizer): say so in one line."""
     if workload.is_dir():
         raise ValueError(f"workload {workload} is a directory; give a JSONL file")
+    if not workload.exists():
+        raise ValueError(f"workload {workload} does not exist")
     with open(workload, "rb") as f:
         for line_no, data in enumerate(f, start=1):
             if not data.strip():

@@ -511,7 +511,7 @@ def test_make_model_refuses_to_overwrite_and_rejects_zero_shards(tmp_path):
     assert res.exit_code == 0, res.stderr
     assert not list(out.glob("model-*")) and not (out / "model.safetensors.index.json").exists()  # stale shards
     assert (out / "model.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
-    for bad in (["--shards", "0"], ["--shards", "-1"], ["--init-std", "0"]):
+    for bad in (["--shards", "0"], ["--shards", "-1"], ["--init-std", "0"], ["--dtype", "int8"]):
         res = cli("make-model", tmp_path / "n", *bad)
         assert res.exit_code == 2 and not (tmp_path / "n").exists(), bad
     (tmp_path / "file").write_text("x")
@@ -524,6 +524,11 @@ def test_bench_on_a_prompt_text_workload_gives_one_line(model, tmp_path):
     assert p.returncode == 2 and "prompt_token_ids" in one_error_line(p.stderr)
     res = cli("bench", tmp_path, "--model", model)
     assert res.exit_code == 2 and "is a directory" in one_error_line(res.stderr)
+    tokens = write_jsonl(tmp_path / "t.jsonl", [{"prompt_token_ids": [1, 2, 3], "max_tokens": 1}])
+    p = run("bench", tokens, "--model", tmp_path / "no-model", "--device", "cpu")
+    assert p.returncode == 2 and "config.json" in one_error_line(p.stderr)
+    p = run("bench", tmp_path / "missing.jsonl", "--model", model, "--device", "cpu")
+    assert p.returncode == 2 and "missing.jsonl" in one_error_line(p.stderr)
 
 
 def test_output_to_a_fifo_or_dev_null(model, tmp_path):
