@@ -100,7 +100,8 @@ def test_markup_in_ids_values_and_paths_is_printed_literally(model, tmp_path):
     assert "line 2 ([red]): temperature must be a finite number, got '[link=x]'" in res.stderr
     assert "duplicate custom_id '[/b]'" in res.stderr
     assert str(cache / "checkpoints") in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir, unfolded
-    assert [r["custom_id"] for r in records(out.read_text())] == ["[/b]", "[red]", None, "ok[bold]"]
+    # The duplicate's error record carries its (readable) id too.
+    assert [r["custom_id"] for r in records(out.read_text())] == ["[/b]", "[red]", "[/b]", "ok[bold]"]
     # --resume: its note names the output path
     res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache, "-o", out, "--resume")
     assert res.exit_code == 3 and f"skipped 2 lines that already had results in {out}" in res.stderr
