@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # The GPU benchmark behind docs/PERFORMANCE.md, run on the device machine from the repository root:
-#   needs ./.bench-shared (a copy of shared/bench) and ./.whl (flash-linear-attention wheels for the transformers
-#   baseline), both carried; writes figures to $OUT (or ./bench-out).
+#   needs ./.bench-shared (a copy of shared/bench) and, for the transformers baseline, ./.whl
+#   (flash-linear-attention wheels), both carried; writes figures to $OUT (or ./bench-out).
+#
+# Every figure is `prefixrun bench`, i.e. `prefixrun batch` as a user runs it, one process per row (model load
+# included in the process wall). Per model and workload, back to back:
+#   greedy-nocache    --temperature 0 --no-cache            (+ the transformers comparison with BENCH_FLAGS)
+#   sampled-nocache   the model's generation_config sampling, --no-cache
+#   sampled-cold      cache on, empty cache folder
+#   sampled-warm      the same command again (same folder)
+# and the long-prefix case where disk reuse must pay (LONG=1): doc-qa with four 16,384-token documents, questions
+# 0-7 of each document first, then questions 8-15 with that cache (warm) and with an empty one (cold).
+# One markdown table on stdout ($OUT/table.md); the JSON of every run in $OUT.
 set -uo pipefail
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PREFIXRUN_CACHE_DIR=/tmp/prefixrun-cache
+export PYTHONUNBUFFERED=1
 # Import the checkout as the `prefixrun` package without pip (the device has no index to build from).
 if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
   mkdir -p /tmp/prefixrun-src/prefixrun && touch /tmp/prefixrun-src/prefixrun/__init__.py
@@ -17,21 +27,83 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-MODELS=${MODELS:-"qwen3_5-0.8b-like qwen3_5-4b-like"}
+MODELS=${MODELS:-"qwen3_5-4b-like"}
+WORKLOADS=${WORKLOADS:-"shared-system doc-qa"}
 W=.bench-shared/workloads.py
-python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/shared-system.jsonl
-python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/doc-qa.jsonl
+python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/shared-system.jsonl 2>/dev/null
+python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/doc-qa.jsonl 2>/dev/null
+head -2 /tmp/shared-system.jsonl > /tmp/warmup.jsonl
+
+row() {  # label, json file: one table row from a bench JSON
+  python3 - "$1" "$2" <<'PY' | tee -a "$OUT/table.md"
+import json, sys
+label, path = sys.argv[1], sys.argv[2]
+try:
+    f = json.load(open(path))
+except Exception as exc:
+    print(f"| {label} | failed ({type(exc).__name__}) |" + " |" * 10); sys.exit()
+r, c = f["batch_report"], f["batch_report"].get("cache") or {}
+hf = f"{f['transformers_wall_seconds']:.2f} s ({f['speedup_vs_transformers']}×)" if "transformers_wall_seconds" in f else ""
+mib = lambda b: f"{b / 2**20:,.1f}" if isinstance(b, (int, float)) else ""
+print(f"| {label} | {f['process_wall_seconds']:.2f} | {f['load_seconds']:.2f} | **{f['wall_seconds']:.2f}** "
+      f"| {f['prefill_seconds']:.2f} | {f['decode_seconds']:.2f} | {f['decode_step_ms']:.2f} "
+      f"| {f['computed_prompt_tokens']:,} | {f['reused_from_disk_tokens']:,} | {mib(c.get('written_bytes'))} "
+      f"| {f['max_batch']} | {hf} |")
+PY
+}
+header() {
+  { echo; echo "### $1"; echo
+    echo "| mode | process wall s | load s | engine wall s | prefill s | decode s | decode step ms | computed tokens | from disk | MiB written | max batch | transformers |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|"; } | tee -a "$OUT/table.md"
+}
+bench() {  # name, workload, flags...: one process
+  local name=$1 wl=$2; shift 2
+  prefixrun bench "$wl" --model "$MODEL" --device cuda --ignore-eos -q --json "$OUT/$name.json" "$@" \
+    > /dev/null 2> "$OUT/$name.err" || { echo "($name: exit $?; last lines of $OUT/$name.err:)"; tail -5 "$OUT/$name.err"; }
+}
+
+: > "$OUT/table.md"
 for m in $MODELS; do
   cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
-  [ -f /tmp/$m/config.json ] || prefixrun make-model /tmp/$m --config "$cfg" --seed 0 || exit 1
-  for w in shared-system doc-qa; do
-    prefixrun bench /tmp/$w.jsonl --model /tmp/$m --device cuda ${BENCH_FLAGS:-} --json "$OUT/$m-$w.json" \
-      2>&1 | tail -40
+  MODEL=/tmp/$m
+  [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
+  # first process on this machine: NVRTC compiles every kernel into CuPy's on-disk cache (not timed below)
+  bench "$m-warmup" /tmp/warmup.jsonl --no-cache
+  for w in $WORKLOADS; do
+    CACHE=/tmp/prefixrun-bench-cache/$m-$w; rm -rf "$CACHE"
+    header "$m · $w"
+    bench "$m-$w-greedy-nocache" /tmp/$w.jsonl --temperature 0 --no-cache ${BENCH_FLAGS:-}
+    row "greedy, no cache" "$OUT/$m-$w-greedy-nocache.json"
+    bench "$m-$w-sampled-nocache" /tmp/$w.jsonl --no-cache
+    row "generation_config sampling, no cache" "$OUT/$m-$w-sampled-nocache.json"
+    bench "$m-$w-sampled-cold" /tmp/$w.jsonl --cache-dir "$CACHE"
+    row "sampling, cache cold" "$OUT/$m-$w-sampled-cold.json"
+    bench "$m-$w-sampled-warm" /tmp/$w.jsonl --cache-dir "$CACHE"
+    row "sampling, cache warm (same file again)" "$OUT/$m-$w-sampled-warm.json"
+    if [ -n "${EXTRA:-}" ]; then  # what prefix reuse buys
+      bench "$m-$w-greedy-noreuse" /tmp/$w.jsonl --temperature 0 --no-cache --no-reuse
+      row "greedy, no cache, --no-reuse" "$OUT/$m-$w-greedy-noreuse.json"
+    fi
+    du -sh "$CACHE" 2>/dev/null | awk '{print "cache folder after cold + warm: " $1}' | tee -a "$OUT/table.md"
   done
+  if [ -n "${LONG:-}" ]; then
+    python3 $W doc-qa --docs 4 --per-doc 16 --prefix 16384 --suffix 128 --gen 64 > /tmp/long.jsonl 2>/dev/null
+    python3 - <<'PY'
+import json
+lines = [l for l in open("/tmp/long.jsonl") if l.strip()]
+q = lambda l: int(json.loads(l)["custom_id"].rsplit("-q", 1)[1])
+open("/tmp/long-first.jsonl", "w").writelines(l for l in lines if q(l) < 8)
+open("/tmp/long-second.jsonl", "w").writelines(l for l in lines if q(l) >= 8)
+PY
+    CACHE=/tmp/prefixrun-bench-cache/$m-long; rm -rf "$CACHE"
+    header "$m · doc-qa, 4 × 16,384-token documents: new questions over cached documents"
+    bench "$m-long-first" /tmp/long-first.jsonl --cache-dir "$CACHE"
+    row "questions 0-7, cache cold" "$OUT/$m-long-first.json"
+    bench "$m-long-second-warm" /tmp/long-second.jsonl --cache-dir "$CACHE"
+    row "questions 8-15, cache warm (documents cached)" "$OUT/$m-long-second-warm.json"
+    rm -rf "$CACHE"
+    bench "$m-long-second-cold" /tmp/long-second.jsonl --cache-dir "$CACHE"
+    row "questions 8-15, cache cold" "$OUT/$m-long-second-cold.json"
+    rm -rf "$CACHE"
+  fi
 done
-if [ -n "${EXTRA:-}" ]; then  # what reuse and graphs buy: the 4b-like shared-system run without each
-  for flag in --no-reuse --no-graphs; do
-    prefixrun bench /tmp/shared-system.jsonl --model /tmp/qwen3_5-4b-like --device cuda $flag \
-      --json "$OUT/qwen3_5-4b-like-shared-system$flag.json" 2>&1 | tail -30
-  done
-fi

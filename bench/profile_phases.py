@@ -1,8 +1,11 @@
-"""Where the GPU time of one `prefixrun bench` run goes: every kernel's device time (CUPTI, through
+"""Where the GPU time of one `prefixrun batch` run goes: every kernel's device time (CUPTI, through
 torch.profiler, which sees CuPy's launches and graph replays too), grouped into phases, and the host's share of
 a decode step (preparing index arrays, replay, sampling) timed with synchronisation around each part.
 
-    python3 bench/profile_phases.py WORKLOAD.jsonl --model DIR [--no-reuse] [--top 25]
+    python3 bench/profile_phases.py WORKLOAD.jsonl --model DIR [--top 25] [-- BATCH OPTIONS...]
+
+The run is batch's (cli/app.py open_batch_run: the same options and defaults, sampling included), without the
+persistent cache so that the warm-up and the timed runs compute the same work.
 
 Needs torch (for its profiler) next to prefixrun; a development tool for the GPU machine, not part of the CLI.
 """
@@ -31,35 +34,39 @@ def phase_of(name: str) -> str:
     return "other elementwise"
 
 
-def timed_run(engine, requests, ops) -> float:
-    """Wall seconds of one run of the workload, from fresh statistics to the device drained."""
-    engine.stats.__init__()
+def timed_run(run, workload: Path, ops) -> float:
+    """Wall seconds of one batch execution of the workload (results discarded), to the device drained."""
+    import os
+
+    from prefixrun.cli import io
+
+    run.engine.stats.__init__()
     t0 = time.perf_counter()
-    list(engine.run(requests()))
+    with open(workload, "rb") as src, open(os.devnull, "w") as out:
+        run.execute(src, io.OrderedWriter(out), set())
     ops.synchronize()
-    wall = time.perf_counter() - t0
-    engine.close()
-    return wall
+    return time.perf_counter() - t0
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("workload", type=Path)
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--no-reuse", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("batch_options", nargs="*", help="after --: options as `prefixrun batch` takes them")
     args = ap.parse_args()
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from prefixrun.cli.bench import build_engine
+    from prefixrun.cli.app import RUN_OPTIONS, batch_params, open_batch_run, run_settings
+    from prefixrun.cli.report import RunReporter
 
-    _, loaded, engine, requests = build_engine(args.workload, args.model, device="cuda", dtype=None,
-                                               max_batch=64, reuse=not args.no_reuse)
-    ops = loaded.ops
-    list(engine.run(requests()))  # warm-up: compile kernels and capture the decode graphs of this workload
-    engine.close()
+    params = batch_params([str(args.workload), "--model", str(args.model), "--device", "cuda", "--no-cache",
+                           *args.batch_options])
+    run = open_batch_run(RunReporter(quiet=True), run_settings(**{name: params[name] for name in RUN_OPTIONS}))
+    ops, engine = run.loaded.ops, run.engine
+    timed_run(run, args.workload, ops)  # warm-up: compile kernels and capture the decode graphs of this workload
 
     # 1) the host's share of decode: time each part of DecodeGraphs.step with the device drained in between
     dec = engine.decoder
@@ -79,11 +86,11 @@ def main():
     def timed_sample(*a, **k):
         t0 = time.perf_counter()
         out = orig_sample(*a, **k)
-        parts["sample (incl. copy out)"] += time.perf_counter() - t0
+        parts["sample (launch)"] += time.perf_counter() - t0
         return out
 
     dec.step, ops.sample = timed_step, timed_sample
-    wall = timed_run(engine, requests, ops)
+    wall = timed_run(run, args.workload, ops)
     dec.step, ops.sample = orig_step, orig_sample
     steps = max(engine.stats.decode_steps, 1)
     print(f"synchronised run: wall {wall:.3f} s, prefill {engine.stats.prefill_seconds:.3f} s, "
@@ -93,7 +100,7 @@ def main():
 
     # 2) device time per kernel over a normal (unsynchronised) run
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        wall = timed_run(engine, requests, ops)
+        wall = timed_run(run, args.workload, ops)
     torch.cuda.synchronize()
     kernels = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():

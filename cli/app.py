@@ -8,10 +8,14 @@ Exit codes: see prefixrun.cli.io (0 all lines succeeded, 3 some lines failed, 2 
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
+import os
 import sys
+import time
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -146,48 +150,23 @@ def batch(
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
     from prefixrun.cli.output import OutputError, check_targets
-    from prefixrun.engine.errors import ModelLoadError
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
     ctx.call_on_close(_route_engine_logs(reporter))
+    given = locals()
     try:
-        defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                            seed=seed, ignore_eos=ignore_eos)
-        io.SamplingDefaults(**defaults_cli)  # validate options up front
-        template_kwargs = _parse_chat_template_kwargs(chat_template_kwargs)
+        settings = run_settings(**{name: given[name] for name in RUN_OPTIONS})
         if resume and output is None:
             raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
         if resume and overwrite:
             raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
-        for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
-            if v is not None and v < 1:
-                raise typer.BadParameter(f"{name} must be at least 1")
-        budget = _parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True)
-        state_bytes = _parse_bytes(state_memory, "--state-memory", minimum=MIN_STATE_MEMORY)
-        disk_budget = _parse_bytes(cache_budget, "--cache-budget")
-        line_limit = _parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64)
         source, input_path = _open_input(input, reporter)
         check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite)
     except (typer.BadParameter, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
-    if model is None:
-        reporter.note("no --model given: using the built-in demo model, which has RANDOM weights (its text is "
-                      "meaningless); pass --model DIR for a real model")
-    try:
-        from prefixrun.cli.batch_run import BatchRun
-
-        run = BatchRun(model_dir=model, cache_root=_cache_root(cache_dir), device=device, dtype=dtype,
-                       max_batch=max_batch, window=window, max_prefill_tokens=max_prefill_tokens,
-                       checkpoint_budget=budget, state_memory=state_bytes, reuse=not no_reuse,
-                       use_cache=not no_cache, cache_budget=disk_budget, reporter=reporter,
-                       sampling_overrides=defaults_cli, max_line_bytes=line_limit,
-                       chat_template_kwargs=template_kwargs)
-    except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
-        source.close()
-        reporter.error(str(exc))
-        raise typer.Exit(io.EXIT_USAGE)
+    run = open_batch_run(reporter, settings, source)
     from prefixrun.cli.output import run_to_output
 
     report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
@@ -207,6 +186,58 @@ def batch(
 
 
 MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one sequence's state
+
+# batch's options that shape the run (not its input and output): `run_settings` takes them; `bench` gets them by
+# parsing its command line as batch's (`batch_params`), so both commands run the same BatchRun with the same defaults
+RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
+               "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
+               "cache_dir", "no_cache", "cache_budget", "device", "dtype", "chat_template_kwargs")
+
+
+def batch_params(args: list[str]) -> dict:
+    """`batch`'s parameters, its defaults filled in, for a list of batch arguments (click errors raise)."""
+    return typer.main.get_command(app).commands["batch"].make_context("batch", list(args)).params
+
+
+def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
+                 max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
+                 cache_budget, device, dtype, chat_template_kwargs) -> dict:
+    """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
+    typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
+    defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                        seed=seed, ignore_eos=ignore_eos)
+    io.SamplingDefaults(**defaults_cli)  # validate options up front
+    template_kwargs = _parse_chat_template_kwargs(chat_template_kwargs)
+    for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
+        if v is not None and v < 1:
+            raise typer.BadParameter(f"{name} must be at least 1")
+    return dict(model_dir=model, cache_root=_cache_root(cache_dir), device=device, dtype=dtype, max_batch=max_batch,
+                window=window, max_prefill_tokens=max_prefill_tokens,
+                checkpoint_budget=_parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True),
+                state_memory=_parse_bytes(state_memory, "--state-memory", minimum=MIN_STATE_MEMORY),
+                reuse=not no_reuse, use_cache=not no_cache, cache_budget=_parse_bytes(cache_budget, "--cache-budget"),
+                sampling_overrides=defaults_cli,
+                max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
+                chat_template_kwargs=template_kwargs)
+
+
+def open_batch_run(reporter: RunReporter, settings: dict, source=None):
+    """The BatchRun of `settings` with its model loaded. A model that cannot be loaded is reported (the input
+    stream, if given, closed) and exits with the usage code."""
+    from prefixrun.engine.errors import ModelLoadError
+
+    if settings["model_dir"] is None:
+        reporter.note("no --model given: using the built-in demo model, which has RANDOM weights (its text is "
+                      "meaningless); pass --model DIR for a real model")
+    try:
+        from prefixrun.cli.batch_run import BatchRun
+
+        return BatchRun(reporter=reporter, **settings)
+    except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
+        if source is not None:
+            source.close()
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
 
 
 def _open_input(input: str | None, reporter: RunReporter):
@@ -313,70 +344,68 @@ def inspect_cache(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
-    workload: Annotated[Path, typer.Argument(help="workload JSONL with prompt_token_ids (shared/bench/workloads.py)")],
-    model: Annotated[Path, typer.Option("--model", "-m", help="HF model directory")],
-    device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
-    dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda)")] = None,
-    max_batch: Annotated[int, typer.Option(help="sequences decoded together")] = 64,
-    no_reuse: Annotated[bool, typer.Option("--no-reuse", help="prefill every request from scratch")] = False,
+    ctx: typer.Context,
     compare_transformers: Annotated[bool, typer.Option("--compare-transformers", help="also time transformers on "
-                                                       "the same workload")] = False,
+                                                       "the same token ids")] = False,
     transformers_batch: Annotated[int, typer.Option("--transformers-batch", help="requests per transformers "
                                                     "generate() call")] = 32,
-    repeat: Annotated[int, typer.Option(help="timed repetitions (the best is reported)")] = 1,
-    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="replay decode steps as CUDA graphs "
-                                         "(default: on)", show_default=False)] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the figures as JSON here")] = None,
 ):
-    """Time a workload: wall time, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM
-    roofline, and (optionally) the ratio to transformers on the same model directory."""
-    from prefixrun.cli.bench import run_bench
+    """Time `prefixrun batch WORKLOAD [BATCH OPTIONS]` as a user runs it: every other argument and option is
+    batch's, with batch's defaults (sampling from the lines, the options and generation_config; the persistent
+    cache on unless --no-cache; results discarded unless -o). Prints JSON on stdout: process wall and model load,
+    the batch report, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM roofline, and
+    (optionally) the ratio to transformers."""
+    import click
+
+    from prefixrun.cli import bench as figures_of
+    from prefixrun.cli.output import OutputError, check_target, check_targets, run_to_output
+    from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter()
     try:
-        _check_bench_workload(workload)
+        p = batch_params(ctx.args)
+        reporter = RunReporter(quiet=p["quiet"])
+        if p["input"] in (None, "-"):
+            raise typer.BadParameter("bench needs a workload file: prefixrun bench WORKLOAD.jsonl [batch options]")
+        if p["resume"]:
+            raise typer.BadParameter("bench runs the whole workload: --resume does not apply")
+        if transformers_batch < 1:
+            raise typer.BadParameter("--transformers-batch must be at least 1")
+        settings = run_settings(**{name: p[name] for name in RUN_OPTIONS})
+        source, workload = _open_input(p["input"], reporter)
+        check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"])
         if json_out is not None:
-            from prefixrun.cli.output import check_target
-
             check_target(json_out, "--json")
-    except (ValueError, OSError) as exc:
+    except (click.ClickException, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
-    from prefixrun.engine.errors import ModelLoadError
-
-    try:
-        figures = run_bench(workload, model, device=device, dtype=dtype, max_batch=max_batch, reuse=not no_reuse,
-                            transformers_batch=transformers_batch, compare=compare_transformers, repeat=repeat,
-                            graphs=graphs)
-    except (ModelLoadError, ValueError) as exc:  # the model directory or an option is unusable: nothing timed
-        reporter.error(str(exc))
-        raise typer.Exit(io.EXIT_USAGE)
+    ctx.call_on_close(_route_engine_logs(reporter))
+    started = time.perf_counter()
+    run = open_batch_run(reporter, settings, source)
+    open_seconds = time.perf_counter() - started
+    with ExitStack() as discard:
+        if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures
+            discard.enter_context(redirect_stdout(discard.enter_context(open(os.devnull, "w"))))
+        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter)
+    reporter.final(report)
+    if p["json_report"] is not None:
+        p["json_report"].write_text(json.dumps(report, indent=2) + "\n")
+    figures = figures_of.figures(run, report, workload, open_seconds)
+    if compare_transformers:
+        setup = figures_of.transformers_setup(run, workload)
+        ops = run.loaded.ops
+        del run  # give the device memory back before transformers loads its own copy of the model
+        gc.collect()
+        ops.release_cached_memory()
+        figures.update(figures_of.compare_with_transformers(setup, transformers_batch, report["wall_seconds"]))
     text = json.dumps(figures, indent=2)
     print(text)
     if json_out is not None:
         json_out.write_text(text + "\n")
-
-
-def _check_bench_workload(workload: Path):
-    """bench times token-id workloads (their token counts must not depend on a tokenizer): say so in one line."""
-    if workload.is_dir():
-        raise ValueError(f"workload {workload} is a directory; give a JSONL file")
-    if not workload.exists():
-        raise ValueError(f"workload {workload} does not exist")
-    with open(workload, "rb") as f:
-        for line_no, data in enumerate(f, start=1):
-            if not data.strip():
-                continue
-            try:
-                line = json.loads(data)
-            except ValueError:
-                raise ValueError(f"workload {workload}, line {line_no}: not a JSON object") from None
-            ids = line.get("prompt_token_ids") if isinstance(line, dict) else None
-            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
-                raise ValueError(f"workload {workload}, line {line_no}: bench needs prompt_token_ids (a list of "
-                                 f"token ids); for prompt text use `prefixrun batch ... --json-report FILE`")
+    raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
 
 
 def _version_callback(value: bool):

@@ -1,11 +1,13 @@
-"""`prefixrun bench`: time a workload JSONL on a model directory and relate the figures to the device's ceilings
-and, when torch + transformers are importable, to transformers on the same directory and tokens.
+"""`prefixrun bench`: the figures of one `prefixrun batch` run (cli/app.py runs it through the same BatchRun, with
+batch's options and defaults), related to the device's ceilings and, when torch + transformers are importable, to
+transformers on the same model directory, tokens and default sampling.
 
 Ceilings (one H200, measured; see shared/bench/README.md): bf16 GEMM 786 TFLOP/s, device copy 4.27 TB/s.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -15,6 +17,20 @@ from prefixrun.engine.state import pool_unit_bytes
 
 GEMM_CEILING_TFLOPS = 786.0
 HBM_BYTES_PER_S = 4.27e12
+_IMPORTED_AT = time.time()  # fallback start of the process where /proc is missing
+
+
+def process_wall_seconds() -> float:
+    """Seconds since this process started (interpreter start-up and imports included), from /proc on Linux;
+    elsewhere since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after "pid (comm)"
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED_AT
 
 
 def matmul_params_per_token(model) -> int:
@@ -29,91 +45,75 @@ def matmul_params_per_token(model) -> int:
     return total
 
 
-def build_engine(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
-                 graphs: bool = True):
-    """The engine `prefixrun bench` times, with its workload lines and a function making fresh requests."""
-    from prefixrun.engine import loader
-    from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine, EngineOptions
-
-    lines = [json.loads(l) for l in workload.read_text().splitlines() if l.strip()]
-    loaded = loader.load(model_dir, device, dtype)
-    ops, model = loaded.ops, loaded.model
-
-    def requests():
-        return [Request(l.get("custom_id", f"r{i}"), l["prompt_token_ids"],
-                        SamplingParams(max_tokens=l.get("max_tokens", 64), temperature=0,
-                                       ignore_eos=l.get("ignore_eos", True)), i) for i, l in enumerate(lines)]
-
-    free = ops.free_memory()
-    state_mem = int(free * 0.6) if free is not None else None
-    opts = EngineOptions(max_batch=max_batch, reuse=reuse, max_prefill_tokens=16384,
-                         state_memory_bytes=state_mem or (1 << 30),
-                         checkpoint_budget_bytes=(state_mem or (1 << 30)) // 3, block_size=ops.default_block_size,
-                         decode_graphs=graphs)
-    engine = Engine(model, ops, eos_token_ids=loaded.eos_token_ids, options=opts)
-    return lines, loaded, engine, requests
-
-
-def run_bench(workload: Path, model_dir: Path, *, device: str, dtype, max_batch: int, reuse: bool,
-              transformers_batch: int, compare: bool, repeat: int, graphs: bool = True) -> dict:
-    lines, loaded, engine, requests = build_engine(workload, model_dir, device=device, dtype=dtype,
-                                                   max_batch=max_batch, reuse=reuse, graphs=graphs)
-    ops, model = loaded.ops, loaded.model
-    # warm-up on the first few requests (kernel compilation, cuBLAS heuristics)
-    list(engine.run(requests()[:2]))
-    engine.close()
-    warm_captures, warm_replays = engine.decoder.captures, engine.decoder.replays
-    runs = []
-    for _ in range(repeat):
-        engine.stats.__init__()
-        engine.pool.stats.__init__()
-        ops.synchronize()
-        t0 = time.perf_counter()
-        results = list(engine.run(requests()))
-        ops.synchronize()
-        wall = time.perf_counter() - t0
-        engine.close()
-        runs.append((wall, dict(engine.stats.as_dict()), results))
-    wall, stats, results = min(runs, key=lambda r: r[0])
+def figures(run, report: dict, workload: Path, open_seconds: float) -> dict:
+    """The bench JSON of a finished BatchRun: process wall, model load (the report's) and the whole set-up before
+    the run (`open_seconds`: load, state pools, cache), the ceilings' ratios, and the batch report itself (under
+    "batch_report")."""
+    process_wall = process_wall_seconds()
+    ops, model, engine = run.loaded.ops, run.loaded.model, run.engine
     params = matmul_params_per_token(model)
-    flops = 2.0 * params * stats["computed_prompt_tokens"]
-    prefill_s = stats["prefill_seconds"] or 1e-9
-    decode_steps = max(stats["decode_steps"], 1)
+    computed = report["computed_prompt_tokens"]
+    flops = 2.0 * params * computed
+    prefill_s = report["prefill_seconds"] or 1e-9
+    decode_s = report["decode_seconds"]
+    decode_steps = max(report["decode_steps"], 1)
     act_bytes = ops.storage_dtype("act").itemsize
     weight_bytes = params * act_bytes + model.lm_head.size * act_bytes
+    max_batch = engine.opts.max_batch
     step_bytes = weight_bytes + 2 * max_batch * pool_unit_bytes(model.state_specs(), ops, 1)[0]  # state read + write
-    out = {
-        "workload": str(workload), "model": str(model_dir), "device": ops.display_name, "dtype": ops.dtype_name,
-        "requests": len(lines), "reuse": reuse, "wall_seconds": round(wall, 4),
-        "prompt_tokens": stats["prompt_tokens"], "distinct_prefix_tokens": stats["distinct_prefix_tokens"],
-        "computed_prompt_tokens": stats["computed_prompt_tokens"], "completion_tokens": stats["completion_tokens"],
-        "prefill_seconds": round(prefill_s, 4), "prefill_tokens_per_second": round(stats["computed_prompt_tokens"] / prefill_s),
+    defaults = run.defaults.as_dict()
+    return {
+        "workload": str(workload), "model": str(run.loaded.path), "device": ops.display_name, "dtype": ops.dtype_name,
+        "requests": report["requests"], "reuse": engine.opts.reuse, "cache": report.get("cache") is not None,
+        "max_batch": max_batch,
+        # the defaults lines fall back on (options over generation_config); a line's own values win
+        "sampling_defaults": {k: defaults[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in defaults},
+        "process_wall_seconds": round(process_wall, 4),
+        "load_seconds": report.get("load_seconds", round(open_seconds, 4)), "open_seconds": round(open_seconds, 4),
+        "wall_seconds": report["wall_seconds"],
+        "prompt_tokens": report["prompt_tokens"], "distinct_prefix_tokens": report["distinct_prefix_tokens"],
+        "computed_prompt_tokens": computed, "reused_from_disk_tokens": report["reused_from_disk_tokens"],
+        "completion_tokens": report["completion_tokens"],
+        "prefill_seconds": round(prefill_s, 4), "prefill_tokens_per_second": round(computed / prefill_s),
         "prefill_tflops": round(flops / prefill_s / 1e12, 1),
         "prefill_fraction_of_gemm_ceiling": round(flops / prefill_s / 1e12 / GEMM_CEILING_TFLOPS, 3),
-        "decode_seconds": round(stats["decode_seconds"], 4), "decode_steps": stats["decode_steps"],
-        "decode_step_ms": round(1e3 * stats["decode_seconds"] / decode_steps, 3),
+        "decode_seconds": round(decode_s, 4), "decode_steps": report["decode_steps"],
+        "decode_step_ms": round(1e3 * decode_s / decode_steps, 3),
         "decode_roofline_step_ms": round(1e3 * step_bytes / HBM_BYTES_PER_S, 3),
-        # graphs captured and replayed in the timed runs (the warm-up's left out)
-        "decode_graphs": {"enabled": engine.decoder.enabled, "captures": engine.decoder.captures - warm_captures,
-                          "replays": engine.decoder.replays - warm_replays},
-        "decode_fraction_of_roofline": round((step_bytes / HBM_BYTES_PER_S) / (stats["decode_seconds"] / decode_steps), 3)
-        if stats["decode_seconds"] else None,
+        "decode_graphs": {"enabled": engine.decoder.enabled, "captures": engine.decoder.captures,
+                          "replays": engine.decoder.replays},
+        "decode_fraction_of_roofline": round((step_bytes / HBM_BYTES_PER_S) / (decode_s / decode_steps), 3)
+        if decode_s else None,
+        "batch_report": report,
     }
-    if compare:
-        # give the GPU memory back before transformers loads its own copy of the model
-        del engine, model, loaded, results, runs
-        ops.release_cached_memory()
-        hf = transformers_baseline(model_dir, lines, ops.device_kind, transformers_batch)
-        if hf is not None:
-            out["transformers_wall_seconds"] = round(hf, 4)
-            out["speedup_vs_transformers"] = round(hf / wall, 2)
-    return out
 
 
-def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch: int) -> float | None:
-    """The same requests through transformers (greedy, exactly max_tokens new tokens, batches of `batch`, no
-    prefix reuse), after a warm-up on the same shapes; None when torch/transformers are missing."""
+def transformers_setup(run, workload: Path) -> dict:
+    """What the transformers comparison needs from the run (taken before the run is dropped)."""
+    lines = [json.loads(l) for l in workload.read_text().splitlines() if l.strip()]
+    d = run.defaults
+    return {"model_dir": run.loaded.path, "device": run.loaded.ops.device_kind, "lines": lines,
+            "sampling": {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p},
+            "default_max_tokens": d.max_tokens or 16}
+
+
+def compare_with_transformers(setup: dict, batch: int, wall: float) -> dict:
+    """transformers' wall time on the same token ids and the ratio to `wall`, or why it was left out."""
+    lines = setup["lines"]
+    if not all(isinstance(l, dict) and "prompt_token_ids" in l for l in lines):
+        return {"transformers_skipped": "the comparison needs prompt_token_ids on every line"}
+    hf = transformers_baseline(setup["model_dir"], lines, setup["device"], batch, setup["sampling"],
+                               setup["default_max_tokens"])
+    if hf is None:
+        return {"transformers_skipped": "torch or transformers is not importable"}
+    return {"transformers_wall_seconds": round(hf, 4), "speedup_vs_transformers": round(hf / wall, 2)}
+
+
+def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch: int, sampling: dict,
+                          default_max_tokens: int) -> float | None:
+    """The same requests through transformers (exactly max_tokens new tokens each, batches of `batch`, no prefix
+    reuse; sampled with the run's default temperature/top-p/top-k/min-p, greedy when the temperature is 0), after
+    a warm-up on the same shapes; None when torch/transformers are missing."""
     try:
         import torch
         import transformers
@@ -122,6 +122,12 @@ def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch
     dev = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()
+    temperature = sampling.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    how = {"do_sample": False}
+    if temperature > 0:
+        how = {"do_sample": True, "temperature": temperature, "top_p": sampling.get("top_p") or 1.0,
+               "top_k": sampling.get("top_k") or 0, "min_p": sampling.get("min_p") or None}
 
     def go(subset):
         for i in range(0, len(subset), batch):
@@ -133,10 +139,10 @@ def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch
                 p = l["prompt_token_ids"]
                 ids[j, width - len(p):] = torch.tensor(p)
                 mask[j, width - len(p):] = 1
-            gen = max(l.get("max_tokens", 64) for l in chunk)
+            gen = max(l.get("max_tokens", default_max_tokens) for l in chunk)
             with torch.no_grad():
                 hf.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=gen, min_new_tokens=gen,
-                            do_sample=False, pad_token_id=0)
+                            pad_token_id=0, **how)
         if dev == "cuda":
             torch.cuda.synchronize()
 

@@ -744,10 +744,10 @@ def test_make_model_writes_a_loadable_directory(tmp_path):
 # bench
 
 
-def test_bench_reports_the_plan_and_compares_with_transformers(models, tmp_path):
-    """`prefixrun bench` on a shared-prefix workload (CPU): computed prefill tokens are the trie's distinct tokens
-    with reuse and every prompt token without; the figures are written as JSON too; with torch and transformers
-    installed the same workload runs through transformers and the ratio is reported."""
+def test_bench_is_batch_with_figures(models, tmp_path):
+    """`prefixrun bench` runs `prefixrun batch`: the same tokens for the same options (generation_config sampling
+    by default, not forced greedy), the batch report inside its JSON, computed prefill tokens = the trie's distinct
+    tokens with reuse and every prompt token without, process wall >= model load; batch's usage errors apply."""
     rng = __import__("random").Random(5)
     prefix = [rng.randrange(10, 400) for _ in range(40)]
     work = tmp_path / "work.jsonl"
@@ -756,22 +756,58 @@ def test_bench_reports_the_plan_and_compares_with_transformers(models, tmp_path)
             ids = prefix + [rng.randrange(10, 400) for _ in range(6 + i)]
             f.write(json.dumps({"custom_id": f"w{i}", "prompt_token_ids": ids, "max_tokens": 3}) + "\n")
     prompt_tokens = 4 * 40 + sum(6 + i for i in range(4))
+    gen_cfg = json.loads((Path(models["a"]) / "generation_config.json").read_text())
+    assert gen_cfg.get("do_sample") and gen_cfg["temperature"] > 0  # the model samples by default
 
-    res = cli("bench", work, "--model", models["a"], "--device", "cpu", "--json", tmp_path / "b.json")
+    res = cli("bench", work, "--model", models["a"], "--device", "cpu", "--cache-dir", tmp_path / "cache",
+              "--ignore-eos", "-o", tmp_path / "bench.jsonl", "--json", tmp_path / "b.json")
     assert res.exit_code == 0, res.output
     figures = json.loads(res.stdout)
     assert figures == json.loads((tmp_path / "b.json").read_text())
-    assert figures["prompt_tokens"] == prompt_tokens and figures["completion_tokens"] == 12
+    assert figures["sampling_defaults"]["temperature"] == gen_cfg["temperature"]
+    assert figures["sampling_defaults"]["top_k"] == gen_cfg["top_k"]
+    assert figures["cache"] is True and figures["batch_report"]["cache"]["dir"] == str(tmp_path / "cache" / "checkpoints")
+    rep = figures["batch_report"]
+    assert figures["prompt_tokens"] == rep["prompt_tokens"] == prompt_tokens and figures["completion_tokens"] == 12
     assert figures["computed_prompt_tokens"] == figures["distinct_prefix_tokens"] == prompt_tokens - 3 * 40
     assert figures["decode_steps"] == 2 and figures["decode_graphs"]["enabled"] is False  # no graphs on the CPU
-    assert figures["wall_seconds"] > 0 and figures["prefill_tflops"] >= 0
+    assert figures["wall_seconds"] == rep["wall_seconds"] > 0 and figures["prefill_tflops"] >= 0
+    assert figures["process_wall_seconds"] >= figures["open_seconds"] + figures["wall_seconds"] > 0
+    assert 0 < figures["load_seconds"] <= figures["open_seconds"] and figures["max_batch"] == rep["max_batch"]
+
+    # the same command through batch gives the same (sampled) tokens
+    res = batch(models["a"], tmp_path / "cache2", work, "--ignore-eos", "-q")
+    assert res.exit_code == 0
+    via_batch = token_ids(records_of(res.stdout))
+    assert token_ids(records_of((tmp_path / "bench.jsonl").read_text())) == via_batch
+    greedy = cli("bench", work, "--model", models["a"], "--device", "cpu", "--no-cache", "--temperature", "0",
+                 "--ignore-eos", "-o", tmp_path / "greedy.jsonl")
+    assert greedy.exit_code == 0 and json.loads(greedy.stdout)["sampling_defaults"]["temperature"] == 0
+    assert json.loads(greedy.stdout)["cache"] is False
+    assert token_ids(records_of((tmp_path / "greedy.jsonl").read_text())) != via_batch  # sampling was not greedy
 
     res = cli("bench", work, "--model", models["a"], "--device", "cpu", "--no-reuse", "--compare-transformers",
-              "--transformers-batch", "2")
+              "--transformers-batch", "2", "--no-cache", "--temperature", "0", "-q")
     assert res.exit_code == 0, res.output
     figures = json.loads(res.stdout)
-    assert figures["computed_prompt_tokens"] == prompt_tokens
+    assert figures["computed_prompt_tokens"] == prompt_tokens and figures["reuse"] is False
     pytest.importorskip("transformers")
     assert figures["transformers_wall_seconds"] > 0
     assert figures["speedup_vs_transformers"] == pytest.approx(
         figures["transformers_wall_seconds"] / figures["wall_seconds"], rel=0.02)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{missing}", "--model", "{model}"], "does not exist"),
+    (["-", "--model", "{model}"], "workload file"),
+    (["{work}", "--model", "{model}", "--max-batch", "0"], "--max-batch"),
+    (["{work}", "--model", "{model}", "--temperature", "-1"], "temperature"),
+    (["{work}", "--model", "{model}", "--bogus"], "bogus"),
+    (["{work}", "--model", "{model}", "--transformers-batch", "0"], "--transformers-batch"),
+])
+def test_bench_usage_errors(models, tmp_path, args, message):
+    work = write_jsonl(tmp_path / "w.jsonl", [{"prompt_token_ids": [5, 6, 7], "max_tokens": 2}])
+    fill = {"missing": tmp_path / "nope.jsonl", "model": models["a"], "work": work}
+    res = cli("bench", *[a.format(**fill) for a in args], "--device", "cpu", "--no-cache")
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
