@@ -358,8 +358,6 @@ def bench(
     cache on unless --no-cache; results discarded unless -o). Prints JSON on stdout: process wall and model load,
     the batch report, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM roofline, and
     (optionally) the ratio to transformers."""
-    import click
-
     from prefixrun.cli import bench as figures_of
     from prefixrun.cli.output import OutputError, check_target, check_targets, run_to_output
     from prefixrun.engine.request import InvalidRequest
@@ -379,7 +377,7 @@ def bench(
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"])
         if json_out is not None:
             check_target(json_out, "--json")
-    except (click.ClickException, InvalidRequest, OutputError) as exc:
+    except (typer.TyperException, InvalidRequest, OutputError) as exc:  # bad batch options included (click's)
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     ctx.call_on_close(_route_engine_logs(reporter))

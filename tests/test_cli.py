@@ -811,3 +811,4 @@ def test_bench_usage_errors(models, tmp_path, args, message):
     res = cli("bench", *[a.format(**fill) for a in args], "--device", "cpu", "--no-cache")
     assert res.exit_code == 2, res.output
     assert message in res.output and "Traceback" not in res.output
+    assert res.output.lstrip().startswith("error: ") and "Usage:" not in res.output  # one line, as batch's errors
