@@ -326,8 +326,10 @@ def inspect_cache(
     tree: Annotated[bool, typer.Option(help="show how entries nest (prefix tree)")] = False,
     model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="decode previews with this model's "
                                                       "tokenizer")] = None,
-    prune_older_than: Annotated[Optional[float], typer.Option(help="remove entries unused for this many days")] = None,
-    prune_to: Annotated[Optional[str], typer.Option(help="evict LRU entries until the cache fits this size")] = None,
+    prune_older_than: Annotated[Optional[float], typer.Option(help="remove entries unused for this many days "
+                                                              "(>= 0; 0.5 = 12 hours)")] = None,
+    prune_to: Annotated[Optional[str], typer.Option(help="evict LRU entries until the cache fits this size "
+                                                    "(512MiB, 2GB)")] = None,
     clear: Annotated[bool, typer.Option("--clear", help="remove every entry")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="check every entry; move bad ones aside")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask before removing")] = False,
@@ -337,10 +339,21 @@ def inspect_cache(
     """Show the persistent checkpoint cache; prune, verify or clear it."""
     from prefixrun.cli.cache_view import run_inspect
 
-    code = run_inspect(_cache_root(cache_dir), model=model, as_json=as_json, tree=tree, model_dir=model_dir,
-                       prune_older_than_days=prune_older_than,
-                       prune_to_bytes=_parse_bytes(prune_to, "--prune-to"), clear=clear, verify=verify, yes=yes,
-                       budget_bytes=_parse_bytes(cache_budget, "--cache-budget"))
+    try:
+        if prune_older_than is not None and not prune_older_than >= 0:  # also rejects nan
+            raise typer.BadParameter(f"--prune-older-than must be a number of days >= 0, got {prune_older_than}")
+        prune_to_bytes = _parse_bytes(prune_to, "--prune-to")
+        budget_bytes = _parse_bytes(cache_budget, "--cache-budget")
+    except typer.BadParameter as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(io.EXIT_USAGE)
+    try:
+        code = run_inspect(_cache_root(cache_dir), model=model, as_json=as_json, tree=tree, model_dir=model_dir,
+                           prune_older_than_days=prune_older_than, prune_to_bytes=prune_to_bytes, clear=clear,
+                           verify=verify, yes=yes, budget_bytes=budget_bytes)
+    except BrokenPipeError:  # `inspect-cache | head`: the reader has what it wanted
+        _silence_stdout()
+        code = EXIT_BROKEN_PIPE
     raise typer.Exit(code)
 
 

@@ -45,26 +45,6 @@ class BatchRun:
             checkpoint_budget = state_bytes // 4
         elif checkpoint_budget < 1 and checkpoint_budget > 0:
             checkpoint_budget = int(state_bytes * checkpoint_budget)
-        self.store = None
-        self.persist = persist = None
-        if use_cache and reuse:
-            from prefixrun.engine.persist import PersistentCheckpoints
-            from prefixrun.engine.store import CheckpointStore
-
-            self.store = CheckpointStore(cache_root / "checkpoints", cache_budget)
-            if cache_budget is not None:
-                # The store only evicts when it writes; a cache filled under a larger budget (or a run that
-                # writes nothing, every entry being over budget) would otherwise stay over this run's budget.
-                try:
-                    self.store.prune(to_bytes=cache_budget)
-                except sqlite3.Error as exc:  # best effort: the next write evicts anyway
-                    reporter.warn(f"could not shrink the cache to --cache-budget: {exc}")
-            from prefixrun.engine.state import layout_digest
-
-            persist = PersistentCheckpoints(self.store, self.loaded.weights_digest(cache_root / "digests"),
-                                            layout_digest(self.loaded.model.state_specs(), self.loaded.ops),
-                                            self.loaded.ops)
-            self.persist = persist
         ops = self.loaded.ops
         self.max_batch_source = "--max-batch"
         if max_batch is None:
@@ -73,6 +53,16 @@ class BatchRun:
         opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
                              reuse=reuse, block_size=ops.default_block_size)
+        self.store = None
+        self.persist = persist = None
+        if use_cache and reuse:
+            from prefixrun.engine.persist import open_cache
+
+            # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
+            persist, problem = open_cache(cache_root, cache_budget, self.loaded, opts.block_size)
+            if problem:
+                reporter.warn(problem)
+            self.persist, self.store = persist, persist.store if persist is not None else None
         self.engine = Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
                              tokenizer=self.loaded.tokenizer, options=opts, persist=persist)
         self.failed = 0
@@ -170,7 +160,7 @@ class BatchRun:
             st = self.store.stats
             try:
                 entries, total = len(self.store.entries()), self.store.total_bytes()
-            except sqlite3.Error:  # the store failed during the run (persist.store_error says how)
+            except (sqlite3.Error, OSError):  # the store failed during the run (persist.store_error says how)
                 entries = total = None
             report["cache"] = {"dir": str(self.store.root), "entries": entries,
                                "bytes": total, "budget_bytes": self.store.budget_bytes,

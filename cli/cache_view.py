@@ -1,4 +1,9 @@
-"""`prefixrun inspect-cache`: the persistent checkpoint cache as a table, a tree or JSON; prune, verify, clear."""
+"""`prefixrun inspect-cache`: the persistent checkpoint cache as a table, a tree or JSON; prune, verify, clear.
+
+Stdout carries the command's output (the table, the tree, the JSON, the --verify summary); questions, progress
+notes and errors go to stderr, so a redirected stdout never hides a prompt. Everything shown that comes from the
+cache or the user (paths, decoded prompts) is printed literally, never as Rich markup.
+"""
 from __future__ import annotations
 
 import json
@@ -8,22 +13,59 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from prefixrun.cli import io
 from prefixrun.cli.report import human_bytes
 
+EXIT_DAMAGED = io.EXIT_FAILURE
+_SHOW_BAD = 20  # bad entries listed by --verify; the rest are counted
 
-def _preview(entry, tokenizer) -> str:
-    ids = list(entry.token_preview)
-    if tokenizer is not None:
+
+class _Previews:
+    """Entry prefix -> text with the tokenizer of the entry's model (--model-dir, else the model folder the entry
+    was written from, if it still loads), token ids otherwise."""
+
+    def __init__(self, model_dir: Path | None):
+        self._fixed = self._load(model_dir) if model_dir is not None else None
+        self._by_dir: dict[str, object] = {}
+
+    @staticmethod
+    def _load(model_dir):
+        from prefixrun.engine.tokenizer import Tokenizer
+
         try:
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            return (text[:60] + "…") if len(text) > 60 or entry.n_tokens > len(ids) else text
-        except Exception:  # an id outside this tokenizer's vocabulary: fall back to ids
-            pass
-    shown = " ".join(map(str, ids[:12]))
-    return shown + (" …" if entry.n_tokens > 12 else "")
+            return Tokenizer.from_model_dir(Path(model_dir))
+        except Exception:  # a moved, deleted or foreign model folder: previews fall back to token ids
+            return None
+
+    def _tokenizer_for(self, entry):
+        if self._fixed is not None:
+            return self._fixed
+        where = entry.meta.get("model_dir")
+        if not isinstance(where, str):
+            return None
+        if where not in self._by_dir:
+            self._by_dir[where] = self._load(where)
+        return self._by_dir[where]
+
+    def __call__(self, entry) -> str:
+        ids = list(entry.token_preview)
+        tokenizer = self._tokenizer_for(entry)
+        if tokenizer is not None:
+            try:
+                text = tokenizer.decode(ids, skip_special_tokens=False).replace("\n", "⏎")
+                return repr(text[:60] + "…") if len(text) > 60 or entry.n_tokens > len(ids) else repr(text)
+            except Exception:  # an id outside this tokenizer's vocabulary: fall back to ids
+                pass
+        shown = " ".join(map(str, ids[:12]))
+        return shown + (" …" if entry.n_tokens > 12 else "")
+
+
+def _reader_went_away():
+    """Rich exits with status 1 when stdout's reader leaves (`| head`); the command answers 141, as batch does."""
+    raise BrokenPipeError
 
 
 def _entry_json(e) -> dict:
@@ -49,85 +91,163 @@ def _nesting(entries) -> dict:
     return parent
 
 
+def _confirm(err: Console, question: str) -> bool | None:
+    """Ask on stderr, read stdin. None when stdin is not a terminal (the caller refuses without --yes)."""
+    if not sys.stdin.isatty():
+        return None
+    err.print(Text(f"{question} [y/N] "), end="", soft_wrap=True)
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _refuse_or_ask(err: Console, what: str, yes: bool) -> int | None:
+    """None to go ahead; otherwise the exit code to return."""
+    if yes:
+        return None
+    answer = _confirm(err, f"{what}?")
+    if answer is None:
+        err.print(Text(f"error: refusing to {what} without --yes (stdin is not a terminal)"), soft_wrap=True)
+        return io.EXIT_USAGE
+    if not answer:
+        err.print("nothing removed")
+        return io.EXIT_OK
+    return None
+
+
+def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, yes: bool) -> int:
+    """The index cannot be opened: say so in one line; --clear removes the cache folder's contents anyway."""
+    from prefixrun.engine.store import clear_folder, folder_bytes
+
+    if not clear:
+        err.print(Text(f"error: the checkpoint cache at {ckpt_root} is damaged ({problem}); it is only a cache: "
+                       "`prefixrun inspect-cache --clear` removes it (`--verify` checks the entries of a readable "
+                       "index)"), soft_wrap=True)
+        return EXIT_DAMAGED
+    refused = _refuse_or_ask(err, f"remove the damaged cache at {ckpt_root} ({human_bytes(folder_bytes(ckpt_root))})",
+                             yes)
+    if refused is not None:
+        return refused
+    removed = clear_folder(ckpt_root)
+    err.print(Text(f"removed the damaged cache ({removed} files)"), soft_wrap=True)
+    return io.EXIT_OK
+
+
 def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than_days, prune_to_bytes, clear,
                 verify, yes, budget_bytes: int | None = None) -> int:
-    from prefixrun.engine.store import CheckpointStore
+    import sqlite3
 
-    console = Console(file=sys.stderr, stderr=True, markup=False, emoji=False)  # paths and previews are user text
+    from prefixrun.engine.store import CheckpointStore, StoreError
+
+    err = Console(file=sys.stderr, stderr=True, highlight=False, markup=False, emoji=False)  # user text: literal
     ckpt_root = Path(root) / "checkpoints"
     if not ckpt_root.exists():
         if as_json:
             print(json.dumps({"cache_dir": str(ckpt_root), "entries": [], "total_bytes": 0}))
         else:
-            console.print(f"no cache at {ckpt_root}")
+            err.print(Text(f"no cache at {ckpt_root}"), soft_wrap=True)
         return io.EXIT_OK
-    store = CheckpointStore(ckpt_root)
     try:
-        entries = store.entries()
-        if model:
-            entries = [e for e in entries if e.model_digest.startswith(model)]
-        model_digest = entries[0].model_digest if model and entries else None
-        if clear or prune_older_than_days is not None or prune_to_bytes is not None:
-            what = "remove every entry" if clear and not model else (
-                f"remove entries of model {model}" if clear else "prune entries")
-            if not yes:
-                if not sys.stdin.isatty():
-                    console.print(f"refusing to {what} without --yes (stdin is not a terminal)")
-                    return io.EXIT_USAGE
-                if input(f"{what} in {ckpt_root}? [y/N] ").strip().lower() not in ("y", "yes"):
-                    console.print("nothing removed")
-                    return io.EXIT_OK
-            if clear and not model:
-                n = store.clear()
-            elif clear:
-                n = store.prune(model_digest=model_digest) if model_digest else 0
-            else:
-                n = store.prune(older_than_s=prune_older_than_days * 86400 if prune_older_than_days is not None
-                                else None, to_bytes=prune_to_bytes, model_digest=model_digest)
-            console.print(f"removed {n} entries")
-            entries = store.entries()
-        if verify:
-            bad = store.verify_all()
-            console.print(f"verified {len(entries)} entries: {len(bad)} bad, moved aside")
-            # Files a killed run left behind (temp files of dead writers, unindexed blobs) are never read, but
-            # they take disk space outside the budget; nothing else removes them.
-            swept = store.sweep_orphans()
-            n_files = len(swept.removed_temp_files) + len(swept.removed_unindexed_files)
-            if n_files or swept.dropped_rows:
-                console.print(f"removed {n_files} leftover files of interrupted writes, "
-                              f"{len(swept.dropped_rows)} entries whose file was gone")
-            entries = store.entries()
-        total = store.total_bytes()
-        if as_json:
-            print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": budget_bytes,
-                              "entries": [_entry_json(e) for e in entries]}, indent=2))
-            return io.EXIT_OK
-        tokenizer = None
-        if model_dir is not None:
-            from prefixrun.engine.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_model_dir(model_dir)
-        out = Console(markup=False, emoji=False)  # the table is the command's output: stdout; its text is the user's
-        if tree:
-            parents = _nesting(entries)
-            by_id = {e.entry_id: e for e in entries}
-            root_tree = Tree(f"{ckpt_root} ({len(entries)} entries, {human_bytes(total)})")
-            nodes = {}
-            for e in sorted(entries, key=lambda e: e.n_tokens):
-                label = f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} · {e.hits} hits · {_preview(e, tokenizer)}"
-                parent = parents[e.entry_id]
-                nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(label)
-            out.print(root_tree)
-            return io.EXIT_OK
-        table = Table(title=f"checkpoint cache {ckpt_root}")
-        for col in ("model", "tokens", "bytes", "hits", "last used", "prefix"):
-            table.add_column(col, justify="right" if col in ("tokens", "bytes", "hits") else "left")
-        for e in sorted(entries, key=lambda e: -e.last_used):
-            table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), str(e.hits),
-                          datetime.fromtimestamp(e.last_used).strftime("%Y-%m-%d %H:%M"), _preview(e, tokenizer))
-        out.print(table)
-        against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
-        out.print(f"{len(entries)} entries, {human_bytes(total)} in total{against}")
-        return io.EXIT_OK
+        store = CheckpointStore(ckpt_root)
+    except (StoreError, OSError) as problem:
+        return _damaged(err, ckpt_root, problem, clear=clear, yes=yes)
+    try:
+        return _inspect(store, err, ckpt_root, model=model, as_json=as_json, tree=tree, model_dir=model_dir,
+                        prune_older_than_days=prune_older_than_days, prune_to_bytes=prune_to_bytes, clear=clear,
+                        verify=verify, yes=yes, budget_bytes=budget_bytes)
+    except sqlite3.DatabaseError as problem:  # opened, but damaged further in
+        store.close()
+        return _damaged(err, ckpt_root, problem, clear=clear, yes=yes)
     finally:
         store.close()
+
+
+def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, model_dir, prune_older_than_days,
+             prune_to_bytes, clear, verify, yes, budget_bytes) -> int:
+    entries = store.entries()
+    if model:
+        entries = [e for e in entries if e.model_digest.startswith(model)]
+    model_digest = entries[0].model_digest if model and entries else None
+    if clear or prune_older_than_days is not None or prune_to_bytes is not None:
+        if clear:
+            scope = "every entry" if not model else f"the entries of model {model}"
+            what = f"remove {scope} in {ckpt_root}: {len(entries)} entries, " \
+                   f"{human_bytes(sum(e.nbytes for e in entries))}"
+        else:
+            what = f"prune the cache at {ckpt_root}"
+        refused = _refuse_or_ask(err, what, yes)
+        if refused is not None:
+            return refused
+        if clear and not model:
+            n = store.clear()
+        elif clear:
+            n = store.prune(model_digest=model_digest) if model_digest else 0
+        else:
+            n = store.prune(older_than_s=prune_older_than_days * 86400 if prune_older_than_days is not None
+                            else None, to_bytes=prune_to_bytes, model_digest=model_digest)
+        err.print(f"removed {n} entries", soft_wrap=True)
+        if not (as_json or tree or verify):
+            return io.EXIT_OK  # the change is the answer; the table is one `inspect-cache` away
+        entries = store.entries()
+    if verify:
+        return _verify(store, ckpt_root, as_json)
+    malformed = store.count_malformed_rows()
+    if malformed:
+        err.print(Text(f"warning: {malformed} malformed index rows are not shown; `prefixrun inspect-cache --verify` "
+                       "drops them"), soft_wrap=True)
+    total = store.total_bytes()
+    if as_json:
+        print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": budget_bytes,
+                          "entries": [_entry_json(e) for e in entries]}, indent=2))
+        return io.EXIT_OK
+    preview = _Previews(model_dir)
+    out = Console(highlight=False, markup=False, emoji=False)  # the command's output: stdout
+    out.on_broken_pipe = _reader_went_away
+    if tree:
+        parents = _nesting(entries)
+        by_id = {e.entry_id: e for e in entries}
+        root_tree = Tree(Text(f"{ckpt_root} ({len(entries)} entries, {human_bytes(total)})"))
+        nodes = {}
+        for e in sorted(entries, key=lambda e: e.n_tokens):
+            label = f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} · {e.hits} hits · {preview(e)}"
+            parent = parents[e.entry_id]
+            nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(Text(label))
+        out.print(root_tree)
+        return io.EXIT_OK
+    table = Table(title=Text(f"checkpoint cache {ckpt_root}"))
+    for col in ("model", "tokens", "bytes", "hits", "last used", "prefix"):
+        table.add_column(col, justify="right" if col in ("tokens", "bytes", "hits") else "left")
+    for e in sorted(entries, key=lambda e: -e.last_used):
+        table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), str(e.hits),
+                      datetime.fromtimestamp(e.last_used).strftime("%Y-%m-%d %H:%M"), Text(preview(e)))
+    out.print(table)
+    against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
+    out.print(Text(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
+    return io.EXIT_OK
+
+
+def _verify(store, ckpt_root: Path, as_json: bool) -> int:
+    """Check every entry, sweep what killed writers left; print a summary (not the table) on stdout, or with
+    --json the summary and the remaining entries."""
+    bad = store.verify_all()
+    # Files a killed run left behind (temp files of dead writers, unindexed blobs) are never read, but they take
+    # disk space; batch runs sweep them too, in bounded steps.
+    swept = store.sweep_orphans()
+    n_files = len(swept.removed_temp_files) + len(swept.removed_unindexed_files)
+    entries = store.entries()
+    ok = len(entries)
+    if as_json:
+        print(json.dumps({"cache_dir": str(ckpt_root), "verified": ok + len(bad), "ok": ok,
+                          "bad": [{"entry_id": b.entry_id, "reason": b.reason} for b in bad],
+                          "removed_leftover_files": n_files, "total_bytes": store.total_bytes(),
+                          "entries": [_entry_json(e) for e in entries]}, indent=2))
+        return io.EXIT_OK
+    lines = [f"verified {ok + len(bad)} entries: {ok} ok, {len(bad)} bad (moved to quarantine/ or dropped)"]
+    lines += [f"  bad {b.entry_id[:16]}: {b.reason}" for b in bad[:_SHOW_BAD]]
+    if len(bad) > _SHOW_BAD:
+        lines.append(f"  … and {len(bad) - _SHOW_BAD} more")
+    if n_files or swept.dropped_rows:
+        lines.append(f"removed {n_files} leftover files of interrupted writes, "
+                     f"{len(swept.dropped_rows)} entries whose file was gone")
+    lines.append(f"{ok} entries, {human_bytes(store.total_bytes())} in total")
+    print("\n".join(lines))
+    return io.EXIT_OK

@@ -106,6 +106,10 @@ _STORAGE_DTYPE_BY_NAME: dict[str, np.dtype] = {
 }
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _HEX_DIGEST = re.compile(r"[0-9a-f]+")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+_TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{8}\.[0-9]+\.[0-9a-f]{8}\.tmp")  # see _write_blob
+_BLOB_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.safetensors")  # <entry_id>.<content_sha256[:16]>...
 _INT32_MAX = 2**31 - 1
 
 
@@ -198,6 +202,7 @@ class SweepResult:
     removed_temp_files: list[Path] = field(default_factory=list)
     removed_unindexed_files: list[Path] = field(default_factory=list)
     dropped_rows: list[str] = field(default_factory=list)  # entry ids whose file was gone
+    kept_bytes: int = 0  # unindexed files kept (young, or a live writer's): on disk, outside any row
 
 
 @dataclass
@@ -240,6 +245,36 @@ class _Row:
     token_preview: str
 
 
+def _checked_row(values: Sequence) -> _Row | None:
+    """An index row with every column of the type and form this store writes, else None (malformed)."""
+    try:
+        row = _Row(*values)
+    except TypeError:
+        return None
+    text = (row.model_digest, row.layout_digest, row.meta_json, row.token_preview)
+    integers = (row.n_tokens, row.nbytes, row.hits, row.use_order)
+    if not isinstance(row.entry_id, str) or not _SHA256_HEX.fullmatch(row.entry_id) \
+            or not isinstance(row.content_sha256, str) or not _SHA256_HEX.fullmatch(row.content_sha256) \
+            or not all(isinstance(v, str) for v in text) \
+            or not all(isinstance(v, int) and v >= 0 for v in integers) or row.n_tokens < 1 \
+            or not all(isinstance(v, (int, float)) for v in (row.created, row.last_used)) \
+            or not _HEX_DIGEST.fullmatch(row.model_digest) or not _HEX_DIGEST.fullmatch(row.layout_digest):
+        return None
+    match = _BLOB_NAME.fullmatch(row.file_name) if isinstance(row.file_name, str) else None
+    if match is None or match.group(1) != row.entry_id:
+        return None
+    try:
+        meta, preview = json.loads(row.meta_json), json.loads(row.token_preview)
+    except ValueError:
+        return None
+    if not isinstance(meta, dict) or not isinstance(preview, list) \
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in preview):
+        return None
+    return row
+
+
+_SUM_NBYTES = "COALESCE(SUM(CASE WHEN typeof(nbytes) = 'integer' THEN nbytes ELSE 0 END), 0)"
+
 _SCHEMA = """
 CREATE TABLE entries (
     entry_id TEXT PRIMARY KEY,
@@ -278,6 +313,9 @@ class CheckpointStore:
         self._blobs_dir = self.root / BLOBS_DIR_NAME
         self._quarantine_dir = self.root / QUARANTINE_DIR_NAME
         self._host_tag = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+        # Bytes on disk that no index row accounts for (quarantine/, unindexed blobs, temp files), as measured by
+        # the last `maintain` and kept up to date by quarantining; eviction keeps indexed + this within budget.
+        self._overhead_bytes = 0
         for folder in (self.root, self._blobs_dir, self._quarantine_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self._db = self._open_index(self.root / INDEX_FILE_NAME)
@@ -300,13 +338,11 @@ class CheckpointStore:
                 elif version != INDEX_SCHEMA_VERSION:
                     raise StoreError(
                         f"checkpoint index {path} has schema version {version}, this prefixrun uses "
-                        f"{INDEX_SCHEMA_VERSION}; delete the folder {self.root} (it is only a cache)"
+                        f"{INDEX_SCHEMA_VERSION}"
                     )
             return db
         except sqlite3.DatabaseError as error:
-            raise StoreError(
-                f"cannot open the checkpoint index {path}: {error}; delete the folder {self.root} (it is only a cache)"
-            ) from error
+            raise StoreError(f"cannot open the checkpoint index {path}: {error}") from error
 
     @contextmanager
     def _write_transaction(self, db: sqlite3.Connection | None = None) -> Iterator[sqlite3.Connection]:
@@ -320,15 +356,29 @@ class CheckpointStore:
         db.execute("COMMIT")
 
     def _rows(self, where: str = "", params: Sequence = (), order: str = "") -> list[_Row]:
+        """The rows that pass `_checked_row`; a malformed row (a damaged or hand-edited index) is invisible here
+        and removed by `drop_malformed_rows`, so it can neither break a run nor point the store at a file."""
         sql = f"SELECT {_ROW_COLUMNS} FROM entries {where} {order}"
-        return [_Row(*values) for values in self._db.execute(sql, params).fetchall()]
+        rows = (_checked_row(values) for values in self._db.execute(sql, params).fetchall())
+        return [row for row in rows if row is not None]
 
     def _row(self, entry_id: str) -> _Row | None:
         rows = self._rows("WHERE entry_id = ?", (entry_id,))
         return rows[0] if rows else None
 
-    def _path_of(self, file_name: str) -> Path:
-        return self._blobs_dir / file_name[:2] / file_name
+    def _path_of(self, file_name) -> Path | None:
+        """The blob an index row names, or None when the name is not one this store writes
+        (``<entry_id>.<sha16>.safetensors``) or its shard folder resolves outside ``blobs/`` (a symlink): then
+        nothing is read, moved or deleted for that row. Every file operation on a row goes through here."""
+        if not isinstance(file_name, str) or not _BLOB_NAME.fullmatch(file_name):
+            return None
+        path = self._blobs_dir / file_name[:2] / file_name
+        try:
+            if path.parent.resolve().parent != self._blobs_dir.resolve():
+                return None
+        except OSError:
+            return None
+        return path
 
     def _touch(self, db: sqlite3.Connection, entry_id: str, *, count_hit: bool) -> bool:
         """Mark an entry most recently used. One statement, so it is atomic even outside a transaction.
@@ -342,10 +392,13 @@ class CheckpointStore:
     # ---------------------------------------------------------------- lookup
 
     def lookup(
-        self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0
+        self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0, *,
+        problem: Callable[[StoredCheckpoint], str | None] | None = None,
     ) -> StoredCheckpoint | None:
         """The longest stored prefix P of `tokens` with min_len < len(P) <= max_len for this model and layout,
-        verified (see the trust rules above); None if there is none."""
+        verified (see the trust rules above); None if there is none. `problem`, if given, checks a verified
+        entry against what the caller will do with it (tensor shapes, dtypes, finite values) and returns why it
+        is unusable or None; an unusable entry is quarantined like a corrupt file and the search goes on."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         for name, value in (("max_len", max_len), ("min_len", min_len)):
@@ -364,14 +417,14 @@ class CheckpointStore:
                     ).fetchall()
                 ]
                 for length in lengths:
-                    found = self._probe(key, token_array[:length])
+                    found = self._probe(key, token_array[:length], problem)
                     if found is not None:
                         self.stats.hits += 1
                         return found
             self.stats.misses += 1
             return None
 
-    def _probe(self, key: StoreKey, prefix: np.ndarray) -> StoredCheckpoint | None:
+    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None) -> StoredCheckpoint | None:
         entry_id = checkpoint_key(key, prefix)
         row = self._row(entry_id)
         if row is None or row.n_tokens != len(prefix):
@@ -387,12 +440,18 @@ class CheckpointStore:
             # The file is intact and its tokens do hash to this id: a genuine collision. Leave it be.
             self.stats.collisions += 1
             return None
+        reason = problem(checkpoint) if problem is not None else None
+        if reason is not None:
+            self._quarantine_if_unchanged(row, reason)
+            return None
         self._touch(self._db, entry_id, count_hit=True)
         return checkpoint
 
     def _read_verified(self, row: _Row) -> StoredCheckpoint:
         """Read and fully check one entry against its row; raise _BadEntry saying what is wrong."""
         path = self._path_of(row.file_name)
+        if path is None:
+            raise _BadEntry(f"file name {row.file_name!r} is not a blob name of this store")
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -460,9 +519,15 @@ class CheckpointStore:
         self.stats.corrupt += 1
         log.warning("checkpoint %s failed verification (%s); moved to %s", row.entry_id, reason, self._quarantine_dir)
         source = self._path_of(row.file_name)
-        target = self._quarantine_dir / row.file_name
+        if source is None:
+            return True  # the row named no file of ours: dropping the row is all there is to do
+        if not self._inside_root(self._quarantine_dir):
+            _unlink_quietly(source)  # quarantine/ leads out of the cache folder: never move anything there
+            return True
+        target = self._quarantine_dir / source.name
         try:
             os.replace(source, target)
+            self._overhead_bytes += _size_or_none(target) or 0
             target.with_name(target.name + ".reason").write_text(
                 f"entry_id: {row.entry_id}\nreason: {reason}\nquarantined_at: {self._clock()}\n"
             )
@@ -474,12 +539,29 @@ class CheckpointStore:
             _unlink_quietly(source)
         return True
 
-    def _trim_quarantine(self) -> None:
-        blobs = [p for p in self._quarantine_dir.glob("*.safetensors")]
+    def _inside_root(self, folder: Path) -> bool:
+        """`folder` is a direct child of the cache folder once symlinks are resolved."""
+        try:
+            return folder.resolve().parent == self.root.resolve()
+        except OSError:
+            return False
+
+    def _trim_quarantine(self, max_bytes: int | None = None) -> int:
+        """Keep the newest QUARANTINE_KEEP quarantined blobs, and only as many as fit in `max_bytes`; delete the
+        rest. Returns the bytes quarantine/ still holds."""
+        blobs = self._owned_files(self._quarantine_dir, lambda name: name.endswith(".safetensors"))
         blobs.sort(key=_mtime_or_zero, reverse=True)
-        for old in blobs[QUARANTINE_KEEP:]:
-            _unlink_quietly(old)
-            _unlink_quietly(old.with_name(old.name + ".reason"))
+        kept = 0
+        for rank, blob in enumerate(blobs):
+            size = (_size_or_none(blob) or 0) + (_size_or_none(blob.with_name(blob.name + ".reason")) or 0)
+            if rank < QUARANTINE_KEEP and (max_bytes is None or kept + size <= max_bytes):
+                kept += size
+                continue
+            self._overhead_bytes -= size
+            _unlink_quietly(blob)
+            _unlink_quietly(blob.with_name(blob.name + ".reason"))
+        self._overhead_bytes = max(self._overhead_bytes, 0)
+        return kept
 
     # ---------------------------------------------------------------- put
 
@@ -608,7 +690,8 @@ class CheckpointStore:
         """Delete least-recently-used rows (inside the caller's transaction) until the indexed total is within
         `budget`. Never the row `spare`; only rows matching the SQL condition `scope` if given. Returns the
         victims' (file name, nbytes), for the caller to unlink after commit."""
-        total = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+        total = db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0]
+        budget = max(budget - self._overhead_bytes, 0)
         victims: list[tuple[str, int]] = []
         if total <= budget:
             return victims
@@ -621,6 +704,7 @@ class CheckpointStore:
             if total <= budget:
                 break
             db.execute("DELETE FROM entries WHERE entry_id = ?", (entry_id,))
+            nbytes = nbytes if isinstance(nbytes, int) else 0  # a malformed row frees nothing it can prove
             total -= nbytes
             victims.append((file_name, nbytes))
         return victims
@@ -654,7 +738,7 @@ class CheckpointStore:
     def total_bytes(self) -> int:
         """Sum of the indexed entries' file sizes."""
         with self._lock:
-            return self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+            return self._db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0]
 
     def remove(self, entry_ids: Iterable[str] | str) -> int:
         """Remove entries by id; unknown ids are ignored. Returns how many were removed."""
@@ -696,11 +780,14 @@ class CheckpointStore:
             return removed
 
     def clear(self) -> int:
-        """Remove every entry and everything in quarantine/. Returns how many entries were removed."""
+        """Remove every entry, everything in quarantine/ and every unindexed blob or temp file. Returns how many
+        entries were removed."""
         with self._lock:
             removed = self._delete_where("", ())
-            for leftover in self._quarantine_dir.iterdir():
-                _unlink_quietly(leftover)
+            self._drop_rows_where(lambda values: True)  # malformed rows too: nothing may be left behind
+            for path in self._owned_files(self._quarantine_dir, lambda name: True):
+                _unlink_quietly(path)
+            self.sweep_orphans(grace_s=0.0)
             return removed
 
     def _delete_where(self, where: str, params: Sequence) -> int:
@@ -714,9 +801,12 @@ class CheckpointStore:
     # ---------------------------------------------------------------- maintenance
 
     def verify_all(self) -> list[CorruptEntry]:
-        """Fully verify every indexed entry; quarantine the bad ones and return them."""
+        """Fully verify every indexed entry; quarantine the bad ones and return them (malformed index rows are
+        dropped and reported too, with the entry id the row claimed)."""
         bad: list[CorruptEntry] = []
         with self._lock:
+            for entry_id in self.drop_malformed_rows():
+                bad.append(CorruptEntry(entry_id, "malformed index row (dropped; its file, if any, is left alone)"))
             for row in self._rows(order="ORDER BY entry_id"):
                 try:
                     self._read_verified(row)
@@ -725,26 +815,69 @@ class CheckpointStore:
                         bad.append(CorruptEntry(row.entry_id, problem.reason))
         return bad
 
-    def sweep_orphans(self, *, grace_s: float = DEFAULT_ORPHAN_GRACE_S) -> SweepResult:
+    def count_malformed_rows(self) -> int:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_ROW_COLUMNS} FROM entries").fetchall()
+        return sum(_checked_row(values) is None for values in rows)
+
+    def drop_malformed_rows(self) -> list[str]:
+        """Delete index rows that `_checked_row` rejects (the files they name are never touched). Returns the
+        entry ids they carried, as text."""
+        return self._drop_rows_where(lambda values: _checked_row(values) is None)
+
+    def _drop_rows_where(self, condition: Callable[[Sequence], bool]) -> list[str]:
+        with self._write_transaction() as db:
+            doomed = [(rowid, values) for rowid, *values in
+                      db.execute(f"SELECT rowid, {_ROW_COLUMNS} FROM entries").fetchall() if condition(values)]
+            db.executemany("DELETE FROM entries WHERE rowid = ?", [(rowid,) for rowid, _ in doomed])
+        return [str(values[0]) for _, values in doomed]
+
+    def maintain(self, *, max_files: int = 4096, grace_s: float = DEFAULT_ORPHAN_GRACE_S) -> SweepResult:
+        """What a batch run does first, in bounded work: drop malformed rows, sweep the leftovers of killed
+        writers (looking at most at `max_files` files), trim quarantine/, measure the bytes no row accounts for,
+        and evict least-recently-used entries until indexed + unaccounted bytes fit the budget."""
+        with self._lock:
+            self.drop_malformed_rows()
+            result = self.sweep_orphans(grace_s=grace_s, max_files=max_files)
+            indexed = self._db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0]
+            room = None if self.budget_bytes is None else max(self.budget_bytes - result.kept_bytes - indexed, 0)
+            # Evidence of corruption is worth less than cached work: quarantine/ gives way first.
+            self._overhead_bytes = result.kept_bytes + self._trim_quarantine(room)
+            if self.budget_bytes is not None:
+                self.prune(to_bytes=self.budget_bytes)
+            return result
+
+    def sweep_orphans(self, *, grace_s: float = DEFAULT_ORPHAN_GRACE_S, max_files: int | None = None) -> SweepResult:
         """Remove temp files of dead writers, blob files the index does not name, and drop rows whose file is
         gone. A temp file whose writer is alive on this host is kept; files younger than `grace_s` that cannot
-        be attributed (other host's temps, unindexed blobs that a writer may be about to index) are kept too."""
+        be attributed (other host's temps, unindexed blobs that a writer may be about to index) are kept too.
+        Only files with this store's names, in shard folders inside blobs/, are ever deleted; at most
+        `max_files` files are looked at (the rest wait for the next sweep)."""
         result = SweepResult()
         now = time.time()  # file mtimes are wall-clock, whatever clock the store was given
         with self._lock:
             indexed = {file_name for (file_name,) in self._db.execute("SELECT file_name FROM entries").fetchall()}
-            for shard in sorted(p for p in self._blobs_dir.iterdir() if p.is_dir()):
-                for path in sorted(shard.iterdir()):
+            looked_at = 0
+            for shard in self._owned_dirs(self._blobs_dir):
+                for path in self._owned_files(shard, lambda n: bool(_BLOB_NAME.fullmatch(n) or _TEMP_NAME.fullmatch(n))):
+                    if max_files is not None and looked_at >= max_files:
+                        break
+                    looked_at += 1
                     age = now - _mtime_or_zero(path)
                     if path.name.endswith(".tmp"):
                         if self._temp_writer_is_dead(path.name) or age > grace_s:
                             if _unlink_quietly(path):
                                 result.removed_temp_files.append(path)
-                    elif path.name not in indexed and age > grace_s:
-                        if not self._is_indexed(path.name) and _unlink_quietly(path):
+                                continue
+                        result.kept_bytes += _size_or_none(path) or 0
+                    elif path.name not in indexed:
+                        if age > grace_s and not self._is_indexed(path.name) and _unlink_quietly(path):
                             result.removed_unindexed_files.append(path)
+                        else:
+                            result.kept_bytes += _size_or_none(path) or 0
             for row in self._rows():
-                if not self._path_of(row.file_name).exists():
+                path = self._path_of(row.file_name)
+                if path is not None and not path.exists():
                     with self._write_transaction() as db:
                         gone = db.execute(
                             "DELETE FROM entries WHERE entry_id = ? AND file_name = ?", (row.entry_id, row.file_name)
@@ -752,6 +885,27 @@ class CheckpointStore:
                     if gone:
                         result.dropped_rows.append(row.entry_id)
         return result
+
+    def _owned_dirs(self, folder: Path) -> list[Path]:
+        """The shard folders (two hex digits) directly in `folder`, never through a symlink."""
+        if not self._inside_root(folder):
+            return []
+        try:
+            return sorted(p for p in folder.iterdir()
+                          if _SHARD_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+        except OSError:
+            return []
+
+    def _owned_files(self, folder: Path, name_ok: Callable[[str], bool]) -> list[Path]:
+        """Plain files (or symlinks, which unlink only removes) directly in `folder` whose names pass `name_ok`;
+        nothing when `folder` resolves outside the cache folder."""
+        try:
+            resolved, root, blobs = folder.resolve(), self.root.resolve(), self._blobs_dir.resolve()
+            if not (resolved.parent == root or (resolved.parent == blobs and blobs.parent == root)):
+                return []
+            return sorted(p for p in folder.iterdir() if name_ok(p.name) and (p.is_symlink() or p.is_file()))
+        except OSError:
+            return []
 
     def _is_indexed(self, file_name: str) -> bool:
         """Re-read the index right before deleting a file: a writer may have indexed it since the sweep began."""
@@ -787,6 +941,34 @@ class CheckpointStore:
 
 
 # -------------------------------------------------------------------- input checks and file helpers
+
+
+def _folder_files(root: Path) -> list[Path]:
+    """The files this store may have created under `root`, found without following symlinks: the index and its
+    journals, blobs and temp files in shard folders, and what quarantine/ holds."""
+    root = Path(root)
+    found = [root / (INDEX_FILE_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
+    found = [p for p in found if p.is_file() and not p.is_symlink()]
+    blobs, quarantine = root / BLOBS_DIR_NAME, root / QUARANTINE_DIR_NAME
+    if blobs.is_dir() and not blobs.is_symlink():
+        for shard in blobs.iterdir():
+            if _SHARD_NAME.fullmatch(shard.name) and shard.is_dir() and not shard.is_symlink():
+                found += [p for p in shard.iterdir() if (_BLOB_NAME.fullmatch(p.name) or _TEMP_NAME.fullmatch(p.name))
+                          and (p.is_symlink() or p.is_file())]
+    if quarantine.is_dir() and not quarantine.is_symlink():
+        found += [p for p in quarantine.iterdir() if p.is_symlink() or p.is_file()]
+    return found
+
+
+def folder_bytes(root: Path) -> int:
+    """Bytes of the files `clear_folder` would remove."""
+    return sum((_size_or_none(p) or 0) for p in _folder_files(root) if not p.is_symlink())
+
+
+def clear_folder(root: Path) -> int:
+    """Remove a store's files without opening its index (a damaged one cannot be opened): nothing else under
+    `root`, nothing outside it. Returns how many files were removed."""
+    return sum(_unlink_quietly(p) for p in _folder_files(root))
 
 
 def _check_store_key(key) -> None:
@@ -865,10 +1047,13 @@ def _mtime_or_zero(path: Path) -> float:
         return 0.0
 
 
-def _unlink_quietly(path: Path) -> bool:
-    """Delete a file another process may already have deleted. True if this call deleted it."""
+def _unlink_quietly(path: Path | None) -> bool:
+    """Delete a file another process may already have deleted (None: a name `_path_of` refused; a folder is left
+    alone). True if this call deleted it."""
+    if path is None:
+        return False
     try:
         path.unlink()
         return True
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
         return False

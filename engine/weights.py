@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.store import default_cache_dir
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -123,12 +124,13 @@ class CheckpointTensors:
     def digest(self, memo_dir: Path | None = None) -> str:
         """SHA-256 over the tensor contents (not the file names), so a renamed copy of a model is the same model.
 
-        Hashing gigabytes takes seconds, so the result is remembered next to the files' identity
-        (path, size, mtime) in the user cache; a changed file changes its identity and is hashed again.
+        Hashing gigabytes takes seconds, so the result is remembered under the files' identity in the user
+        cache. The identity is (path, device, inode, size, mtime_ns, ctime_ns): a file replaced by another of the
+        same size with its mtime put back (archive re-extraction, `rsync -t`, os.utime) still has a new ctime,
+        which no user call can set back, and a renamed-over file a new inode; either is hashed again.
         """
-        ident = json.dumps([(str(f.path.resolve()), f.path.stat().st_size, f.path.stat().st_mtime_ns)
-                            for f in self.files])
-        memo_dir = Path(memo_dir) if memo_dir is not None else _memo_dir()
+        ident = json.dumps([_file_identity(f.path) for f in self.files])
+        memo_dir = Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests"
         memo = memo_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".digest")
         try:
             return memo.read_text().strip()
@@ -150,9 +152,7 @@ class CheckpointTensors:
         return value
 
 
-def _memo_dir() -> Path:
-    base = os.environ.get("PREFIXRUN_CACHE_DIR")
-    if base:
-        return Path(base) / "digests"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "prefixrun" / "digests"
+def _file_identity(path: Path) -> list:
+    """What changes whenever the file's content may have: see CheckpointTensors.digest."""
+    st = path.stat()
+    return [str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]

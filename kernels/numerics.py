@@ -1,0 +1,16 @@
+"""The numerics version of the kernels: part of every persistent-cache key.
+
+A stored checkpoint is only valid for the arithmetic that produced it. Bump NUMERICS_VERSION whenever a kernel's
+results change in their last bits (a different accumulation order, a fused op, another rounding of bf16 storage,
+a new default for the chunked delta rule, ...): every entry written before then stops matching and is recomputed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+NUMERICS_VERSION = 1
+
+
+def numerics_id(ops) -> str:
+    """The version, the backend and its storage dtype: a CPU fp32 checkpoint never serves a CUDA bf16 run."""
+    return f"numerics-v{NUMERICS_VERSION}:{ops.name}:{np.dtype(ops.act_dtype).name}"
