@@ -6,11 +6,9 @@ a new default for the chunked delta rule, ...): every entry written before then 
 """
 from __future__ import annotations
 
-import numpy as np
-
 NUMERICS_VERSION = 1
 
 
 def numerics_id(ops) -> str:
     """The version, the backend and its storage dtype: a CPU fp32 checkpoint never serves a CUDA bf16 run."""
-    return f"numerics-v{NUMERICS_VERSION}:{ops.name}:{np.dtype(ops.act_dtype).name}"
+    return f"numerics-v{NUMERICS_VERSION}:{ops.display_name}:{ops.dtype_name}"
