@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, layout_digest
+from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, layout_digest, \
+    state_layout
 from prefixrun.engine.store import CheckpointStore, StoredCheckpoint, StoreError, StoreKey
 from prefixrun.kernels.numerics import numerics_id
 
@@ -87,7 +88,7 @@ class PersistentCheckpoints:
         """A new handle restored from the longest usable stored prefix, with its logits if it ends at maximum."""
         if self.store_error is not None:
             return None
-        layout = state.layout()
+        layout = state_layout(state.specs, state.ops)
         problem = lambda checkpoint: self._problem(checkpoint, layout)  # noqa: E731
         try:
             hit = self.store.lookup(self.key, tokens, maximum, minimum, problem=problem)
