@@ -345,7 +345,7 @@ sample_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stri
     RowFilter f;
     f.row = logits + (i64)r * row_stride;
     f.cols = cols;
-    f.vec = (reinterpret_cast<size_t>(f.row) & 15) == 0;
+    f.vec = (reinterpret_cast<unsigned long long>(f.row) & 15) == 0;
     const SampleParams p = load_params(params, rows, r);
 
     // 1. argmax: larger key wins, then the lower id (key = order_key << 32 | ~id)
