@@ -82,7 +82,7 @@ def test_distribution_small_vocab_matches_filtered_softmax(ops, setting):
 
 @pytest.mark.parametrize("setting", [dict(temperature=1.0, top_k=0, top_p=0.7, min_p=0.0),
                                      dict(temperature=0.8, top_k=3000, top_p=0.9, min_p=0.0),
-                                     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0005)])
+                                     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=5e-5)])
 def test_distribution_many_survivors_global_path(ops, setting):
     """More than 1024 tokens survive top-k/min-p: the kernel's fixed-point global-memory path."""
     rng = np.random.default_rng(22)
