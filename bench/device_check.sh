@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks, run on the device machine from the repository root (needs ./.bench-shared; STAGES picks them):
 #   tests   the GPU test files (kernels vs the NumPy reference; engine and cache invariance on the GPU);
-#   kbench  the kernel timing table (tests/test_cuda_kernels.py --bench);
+#   kbench  the kernel timing tables (tests/test_cuda_kernels.py --bench, tests/test_cuda_sampling.py --bench);
 #   cli     `prefixrun batch` end to end on CUDA: bf16 twice (second run from the persistent cache: identical
 #           results, prompt tokens reused from disk) and float32 on CUDA against the CPU path (identical tokens);
 #   real    the real-shape (0.8b-like) logits test against the CPU fp32 path and transformers;
@@ -26,11 +26,13 @@ STAGES=${STAGES:-"tests cli real profile"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
   echo "== GPU tests"
-  python3 -m pytest -q -rf -p no:warnings tests/test_cuda_kernels.py tests/test_engine.py tests/test_gemma3.py 2>&1 | tail -25
+  python3 -m pytest -q -rf -p no:warnings tests/test_cuda_kernels.py tests/test_cuda_sampling.py tests/test_engine.py \
+    tests/test_gemma3.py 2>&1 | tail -25
 fi
 if has kbench; then
   echo "== kernel bench"
   python3 tests/test_cuda_kernels.py --bench 2>&1 | tee $OUT/kbench.txt | grep -E "delta|attention|argmax|fork" | head -40
+  python3 tests/test_cuda_sampling.py --bench 2>&1 | tee $OUT/sampling-bench.txt
 fi
 if has cli; then
 echo "== prefixrun batch on CUDA"

@@ -3,8 +3,12 @@
 the global-memory path (more than 1024 survivors), (b) the CPU reference's token for the same seeds on nearly every
 row, (c) a row's token alone == in a batch == in another batch order, in eager launches and in a replayed graph,
 (d) greedy rows == argmax (lowest id on ties), also mixed with sampled rows. Skipped without CuPy and a GPU.
+
+`python tests/test_cuda_sampling.py --bench` prints the device time of one batched call per filter setting.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -211,3 +215,34 @@ def test_greedy_rows_are_argmax_with_lowest_id_on_ties(ops):
     assert got[0] == 10 and got[1] == 3 and got[2] == 4
     # empty batch
     assert ops.to_host(ops.sample(cupy.zeros((0, v), np.float32), *(a[:0] for a in args))).shape == (0,)
+
+
+# ---- timing (python tests/test_cuda_sampling.py --bench) ---------------------------------------------------------
+def bench_table(b: int = 64, v: int = 248320, reps: int = 50):
+    """Device time of one batched sampling call per setting, on peaked rows of the real vocabulary size."""
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16")
+    rng = np.random.default_rng(0)
+    logits = cupy.asarray(np.stack([peaked_row(v, rng, head=40) * 2 for _ in range(b)]))
+    settings = {"greedy": (0.0, 0, 1.0, 0.0), "T0.7 top_k 20 top_p 0.8 (Qwen)": (0.7, 20, 0.8, 0.0),
+                "T1 top_p 0.9 (global path)": (1.0, 0, 0.9, 0.0), "T1 min_p 0.05": (1.0, 0, 1.0, 0.05),
+                "T1 plain": (1.0, 0, 1.0, 0.0)}
+    out = cupy.empty(b, np.int64)
+    print(f"sampling {b} rows x {v} logits (fp32), device time per call:")
+    for name, (t, k, p, m) in settings.items():
+        params = cupy.asarray(pack_sampling_params(full(b, t), full(b, k, np.int32), full(b, p), full(b, m),
+                                                   as_seed_array(range(b)), np.zeros(b, np.int64)))
+        ops.sample_into(logits, params, out)  # compile, warm
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(reps):
+            ops.sample_into(logits, params, out)
+        stop.record()
+        stop.synchronize()
+        print(f"  {name:34s} {cupy.cuda.get_elapsed_time(start, stop) / reps:8.3f} ms")
+
+
+if __name__ == "__main__":
+    if "--bench" in sys.argv:
+        bench_table()
