@@ -112,12 +112,11 @@ class DenseConfig(DecoderConfig):
         if family == "llama":
             extra["mlp_bias"] = f.flag("mlp_bias")
         if family == "qwen3" and SLIDING_ATTENTION in common["layer_types"]:
-            # Qwen3Config keeps sliding_window only when use_sliding_window is set; without it the "sliding" layers
-            # attend to everything (transformers passes sliding_window=None)
-            if f.flag("use_sliding_window") and f.get("sliding_window") is not None:
-                extra["sliding_window"] = f.number("sliding_window", int)
-            else:
-                common["layer_types"] = tuple(FULL_ATTENTION for _ in common["layer_types"])
+            # Qwen3Config keeps sliding_window only when use_sliding_window is set; sliding layers without a window
+            # crash transformers' own cache, so there is no behaviour to match
+            f.refuse_unless("use_sliding_window", f.flag("use_sliding_window") and f.get("sliding_window") is not None,
+                            "layer_types has sliding_attention layers, which then have no window")
+            extra["sliding_window"] = f.number("sliding_window", int)
         return cls(**common, **extra)
 
 

@@ -1,0 +1,308 @@
+"""Config fidelity: tiny models written BY transformers (config class + model init + scaled weights +
+save_pretrained), one per swept config value, against transformers in float64 on the same directory.
+
+Each honoured value: full-prompt logits within 1e-4 (our fp32 CPU path) and 32 greedy tokens identical, with every
+step's top-2 gap far above the error (else an identical argmax would prove nothing). Each refused value: one
+ModelLoadError (a ValueError) naming the field and the value.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import new_state
+from prefixrun.engine.config import parse_config
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.models import load_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.parity
+
+TOL = 1e-4
+STD = 0.05  # matrices; norms get init + N(0, 0.1), biases N(0, 0.1): gaps well above fp32 error
+VOCAB = 256
+GREEDY = 32
+GELU_GATE_SCALE = 5.0
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None)
+BASE = {
+    "llama": dict(_SMALL, tie_word_embeddings=False),
+    "qwen3": dict(_SMALL, head_dim=16, tie_word_embeddings=False),
+    "qwen3_5_text": dict(_SMALL, head_dim=16, num_hidden_layers=3, tie_word_embeddings=False,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"],
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_conv_kernel_dim=4),
+    "gemma3_text": dict(_SMALL, head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=16, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+_VISION = {"gemma3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=28, patch_size=14),
+           "qwen3_5": dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64)}
+_COMPOSITE_TEXT = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+# (model_type, overrides, prompt length); every value here must be honoured exactly
+HONOURED = {
+    "llama-base": ("llama", {}, 40),
+    "llama-attention_bias": ("llama", dict(attention_bias=True), 40),
+    "llama-mlp_bias": ("llama", dict(mlp_bias=True), 40),
+    "llama-gelu": ("llama", dict(hidden_act="gelu"), 40),
+    "llama-gelu_pytorch_tanh": ("llama", dict(hidden_act="gelu_pytorch_tanh"), 40),
+    "llama-gelu_new": ("llama", dict(hidden_act="gelu_new"), 40),
+    "llama-rope-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 500.0}),
+                          40),
+    "llama-rope-dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                          "rope_theta": 10000.0}), 40),
+    "llama-rope-llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64}), 40),
+    "llama-rope-yarn": ("llama", dict(rope_parameters={**YARN, "rope_theta": 10000.0}), 40),
+    "llama-rope-yarn-mscale": ("llama", dict(rope_parameters={**YARN, "rope_theta": 10000.0, "mscale": 0.8,
+                                                              "mscale_all_dim": 0.5, "beta_fast": 16.0,
+                                                              "beta_slow": 2.0, "truncate": False}), 40),
+    "llama-head_dim": ("llama", dict(head_dim=24), 40),
+    "llama-tied-mha": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4), 40),
+    "llama-rms_norm_eps": ("llama", dict(rms_norm_eps=0.05), 40),
+    "qwen3-base": ("qwen3", {}, 40),
+    "qwen3-attention_bias": ("qwen3", dict(attention_bias=True), 40),
+    "qwen3-gelu": ("qwen3", dict(hidden_act="gelu"), 40),
+    "qwen3-rope-yarn": ("qwen3", dict(rope_parameters={**YARN, "rope_theta": 1e6}), 40),
+    "qwen3-sliding": ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), 40),
+    "qwen3-tied-gqa1": ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1), 40),
+    "qwen3_5-base": ("qwen3_5_text", {}, 80),  # longer than the delta rule's chunk
+    "qwen3_5-attention_bias": ("qwen3_5_text", dict(attention_bias=True), 40),
+    "qwen3_5-partial_rotary": ("qwen3_5_text", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                     "partial_rotary_factor": 0.5}), 40),
+    "qwen3_5-rope-yarn-partial": ("qwen3_5_text", dict(rope_parameters={**YARN, "rope_theta": 1e4,
+                                                                        "partial_rotary_factor": 0.5}), 40),
+    "qwen3_5-gelu-full-attention-only": ("qwen3_5_text", dict(hidden_act="gelu",
+                                                              layer_types=["full_attention"] * 3), 40),
+    "qwen3_5-tied": ("qwen3_5_text", dict(tie_word_embeddings=True), 40),
+    "gemma3-base": ("gemma3_text", {}, 40),
+    "gemma3-gelu-exact": ("gemma3_text", dict(hidden_activation="gelu"), 40),
+    "gemma3-final_logit_softcapping": ("gemma3_text", dict(final_logit_softcapping=3.0), 40),
+    "gemma3-attention_bias": ("gemma3_text", dict(attention_bias=True), 40),
+    "gemma3-rope-per-layer-type": ("gemma3_text", dict(rope_parameters={
+        "full_attention": {**YARN, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}), 40),
+    "gemma3-untied-eps": ("gemma3_text", dict(tie_word_embeddings=False, rms_norm_eps=0.02), 40),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """transformers' fp64 depthwise conv (Qwen3.5) takes ~1 s a call with several threads on a busy 2-core
+    machine and ~1 ms with one; the tiny models gain nothing from threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _scale_weights(model, seed: int, gate_scale: float):
+    """Weights large enough that greedy gaps dwarf fp32 error (transformers' init is too timid for that).
+    `gate_scale` widens the MLP gates (and ups): GELU variants differ only for gates of order one or more, and
+    by little even there."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("vision", "visual", "multi_modal")) or name.endswith(("A_log", "dt_bias")):
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if p.ndim == 1 and "norm" in name:
+                p.add_(noise * 0.1)  # around transformers' init: 1 for x * w norms, 0 for x * (1 + w) ones
+            elif p.ndim == 1:
+                p.copy_(noise * 0.1)  # biases
+            else:
+                p.copy_(noise * STD * (gate_scale if ("gate_proj" in name or "up_proj" in name) else 1.0))
+
+
+def write_hf_model(path, model_type: str, overrides: dict, seed: int = 0, composite_of: str | None = None):
+    """A model directory written by transformers itself; `composite_of` wraps the text config in that composite."""
+    text = {**BASE[model_type], **overrides}
+    if composite_of:
+        cfg = transformers.AutoConfig.for_model(composite_of, text_config=text, vision_config=_VISION[composite_of],
+                                                tie_word_embeddings=text["tie_word_embeddings"])
+        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    else:
+        cfg = transformers.AutoConfig.for_model(model_type, **text)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    act = text.get("hidden_activation" if model_type.startswith("gemma3") else "hidden_act", "")
+    _scale_weights(model, seed, gate_scale=GELU_GATE_SCALE if act and act.startswith("gelu") else 1.0)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_reference(path, prompt, composite: bool):
+    """transformers fp64: prompt logits [L, V], then GREEDY greedy tokens and each step's logits [GREEDY, V]
+    (decoded with transformers' own cache, token by token)."""
+    cls = transformers.AutoModelForImageTextToText if composite else transformers.AutoModelForCausalLM
+    hf = cls.from_pretrained(path, dtype=torch.float64).eval()
+    tokens, steps = [], []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        prompt_logits = out.logits[0].numpy()
+        last, past = prompt_logits[-1], out.past_key_values
+        for _ in range(GREEDY):
+            steps.append(last)
+            tokens.append(int(np.argmax(last)))
+            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            last, past = out.logits[0, -1].numpy(), out.past_key_values
+    return prompt_logits, tokens, np.stack(steps)
+
+
+def check_against_transformers(path, cpu_ops, prompt_len: int, composite: bool = False, seed: int = 1):
+    prompt = np.random.default_rng(seed).integers(0, VOCAB, prompt_len).tolist()
+    ref_prompt, ref_tokens, ref_steps = hf_reference(path, prompt, composite)
+    model, _ = load_model(path, cpu_ops)
+    st = new_state(model, cpu_ops)
+    h = st.new_sequence()
+    ours = model.forward(st.prepare_step([h], [prompt]), st, all_logits=True)
+    np.testing.assert_allclose(ours, ref_prompt, atol=TOL, rtol=0)
+    logits, tokens, errs = ours[-1], [], [np.abs(ours - ref_prompt).max()]
+    for i in range(GREEDY):
+        errs.append(np.abs(logits - ref_steps[i]).max())
+        tokens.append(int(np.argmax(logits)))
+        logits = model.forward(st.prepare_step([h], [[tokens[-1]]]), st)[0]
+    assert max(errs) <= TOL, max(errs)
+    assert tokens == ref_tokens
+    top2 = np.sort(ref_steps, axis=-1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0]).min() > 10 * max(errs), "a near-tie makes the greedy comparison meaningless"
+    return ref_prompt
+
+
+@pytest.mark.parametrize("case", sorted(HONOURED))
+def test_honoured_config_values_match_transformers(case, tmp_path, cpu_ops):
+    model_type, overrides, prompt_len = HONOURED[case]
+    path = write_hf_model(tmp_path / case, model_type, overrides)
+    check_against_transformers(path, cpu_ops, prompt_len)
+
+
+def test_values_change_the_answer(tmp_path, cpu_ops):
+    """The sweep is only as good as its values: each must move the logits far beyond the tolerance."""
+    prompt = np.random.default_rng(1).integers(0, VOCAB, 40).tolist()
+    outs = {}
+    for case in ("llama-base", "llama-gelu", "llama-gelu_pytorch_tanh", "llama-rope-yarn", "llama-rope-dynamic"):
+        path = write_hf_model(tmp_path / case, *HONOURED[case][:2])
+        outs[case] = hf_reference(path, prompt, False)[0]
+    # erf vs tanh GELU: a small difference even with wide gates, but beyond the tolerance, so computing one for
+    # the other fails the parity check
+    assert np.abs(outs["llama-gelu"] - outs["llama-gelu_pytorch_tanh"]).max() > 3 * TOL
+    assert np.abs(outs["llama-base"] - outs["llama-rope-yarn"]).max() > 100 * TOL
+    # dynamic NTK equals default within max_position_embeddings, the engine's context limit
+    np.testing.assert_allclose(outs["llama-rope-dynamic"], outs["llama-base"], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["language_model.model", "model.language_model"])
+def test_gemma3_composite_layouts_and_no_final_softcap(layout, tmp_path, cpu_ops):
+    """Gemma3ForConditionalGeneration as transformers 5.17 saves it (`language_model.model.*`) and in the older
+    `model.language_model.*` layout; text_config.final_logit_softcapping is not applied by transformers'
+    composite, so not by us either."""
+    path = write_hf_model(tmp_path / "g", "gemma3_text", dict(final_logit_softcapping=1.5, tie_word_embeddings=False),
+                          composite_of="gemma3")
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    assert any(k.startswith("language_model.model.") for k in tensors), sorted(tensors)[:5]
+    assert "language_model.lm_head.weight" in tensors
+    if layout == "model.language_model":
+        renamed = {}
+        for k, v in tensors.items():
+            k = k.replace("language_model.model.", "model.language_model.", 1)
+            renamed["lm_head.weight" if k == "language_model.lm_head.weight" else k] = v
+        save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    ref = check_against_transformers(path, cpu_ops, 30, composite=True)
+    capped = 1.5 * np.tanh(ref / 1.5)
+    assert np.abs(capped - ref).max() > 100 * TOL  # the cap would have changed the answer
+
+
+def test_qwen3_5_composite_as_transformers_writes_it(tmp_path, cpu_ops):
+    path = write_hf_model(tmp_path / "q", "qwen3_5_text", {}, composite_of="qwen3_5")
+    check_against_transformers(path, cpu_ops, 40, composite=True)
+
+
+REFUSED = {
+    "rope longrope": ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                  "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}),
+                      "rope_type 'longrope'"),
+    "rope unknown": ("llama", dict(rope_scaling={"rope_type": "proportional", "factor": 2.0}),
+                     "rope_type 'proportional'"),
+    "hidden_act relu": ("llama", dict(hidden_act="relu"), "hidden_act 'relu'"),
+    "partial rotary in Llama": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                               partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
+    "gelu before a delta-rule conv": ("qwen3_5_text", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    "attention softcap": ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping = 50.0"),
+    "bidirectional": ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention = true"),
+    "no window": ("gemma3_text", dict(sliding_window=None), "sliding_window = null"),
+    "sliding types without a window": ("qwen3", dict(layer_types=["full_attention", "sliding_attention"],
+                                                     use_sliding_window=False), "use_sliding_window = false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_values_name_field_and_value(case):
+    model_type, overrides, message = REFUSED[case]
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+    raw = {**BASE[model_type], **overrides, "model_type": model_type, "architectures": [arch[model_type]]}
+    with pytest.raises(ModelLoadError, match=".*".join(map(_escape, message.split()))) as err:
+        parse_config(raw)
+    assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+
+
+def _escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def test_untied_model_without_lm_head_is_refused(tmp_path, cpu_ops):
+    path = write_hf_model(tmp_path / "m", "llama", {})
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="tie_word_embeddings is false.*lm_head.weight"):
+        load_model(path, cpu_ops)
+
+
+def test_cli_shows_a_refusal_as_one_line_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    model = tmp_path / "model"
+    model.mkdir()
+    raw = {**BASE["gemma3_text"], "attn_logit_softcapping": 30.0, "model_type": "gemma3_text",
+           "architectures": ["Gemma3ForCausalLM"]}
+    (model / "config.json").write_text(json.dumps(raw))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    result = CliRunner().invoke(app, ["batch", str(prompts), "--model", str(model), "--no-cache"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "attn_logit_softcapping = 30.0" in lines[0], result.output
+
+
+def test_model_digest_covers_the_config(tmp_path):
+    """Persistent checkpoints are keyed by the model digest: the same weights under another config (here another
+    rope_theta) must never share entries, and the weights' storage layout must not matter."""
+    from prefixrun.engine.loader import LoadedModel
+    from prefixrun.engine.weights import CheckpointTensors
+
+    path = write_hf_model(tmp_path / "m", "llama", {})
+    raw = json.loads((path / "config.json").read_text())
+
+    def digest(config_raw):
+        cfg = parse_config(config_raw)
+        return LoadedModel(path, cfg, None, None, None, None, CheckpointTensors(path)).model_digest(tmp_path / "d")
+
+    other = {**raw, "rope_parameters": {**raw["rope_parameters"], "rope_theta": 1234.0}}
+    assert digest(raw) == digest(dict(raw))
+    assert digest(raw) != digest(other)
+    assert parse_config(raw).digest() == parse_config(raw).digest()
