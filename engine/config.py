@@ -10,6 +10,9 @@ Real checkpoints come in two layouts: a plain causal LM (weights under `model.`)
 `language_model.model.` — engine.models resolves the stored layout). The composite's vision tower and MTP head are
 ignored. Rotary settings live in engine/rope.py. To add a family: a config subclass with `from_fields`, an
 entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`) and its transformers defaults in `_DEFAULTS`.
+
+(Over 300 lines on purpose: each family's dataclass, field reading and transformers defaults sit together, so a
+family's fidelity can be checked in one file.)
 """
 from __future__ import annotations
 

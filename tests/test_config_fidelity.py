@@ -306,3 +306,17 @@ def test_model_digest_covers_the_config(tmp_path):
     assert digest(raw) == digest(dict(raw))
     assert digest(raw) != digest(other)
     assert parse_config(raw).digest() == parse_config(raw).digest()
+
+
+def test_tied_config_with_a_different_stored_lm_head(tmp_path, cpu_ops):
+    """transformers does not tie two stored, different tensors: the stored lm_head wins over the tie."""
+    path = write_hf_model(tmp_path / "m", "llama", dict(tie_word_embeddings=True))
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    rng = np.random.default_rng(9)
+    tensors["lm_head.weight"] = (rng.standard_normal(tensors["model.embed_tokens.weight"].shape) * STD).astype(
+        tensors["model.embed_tokens.weight"].dtype)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    check_against_transformers(path, cpu_ops, 30)
