@@ -16,9 +16,8 @@ family's fidelity can be checked in one file.)
 """
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefixrun.engine.errors import ModelLoadError
@@ -82,12 +81,6 @@ class DecoderConfig:
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(f"config.json: hidden_act {self.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-
-    def digest(self) -> str:
-        """SHA-256 of everything in the config that changes the computation (not where the weights are stored)."""
-        fields = asdict(self)
-        fields.pop("weight_prefix")
-        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -289,23 +289,18 @@ def test_cli_shows_a_refusal_as_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and "attn_logit_softcapping = 30.0" in lines[0], result.output
 
 
-def test_model_digest_covers_the_config(tmp_path):
-    """Persistent checkpoints are keyed by the model digest: the same weights under another config (here another
-    rope_theta) must never share entries, and the weights' storage layout must not matter."""
-    from prefixrun.engine.loader import LoadedModel
-    from prefixrun.engine.weights import CheckpointTensors
+def test_cache_key_covers_the_config(tmp_path, cpu_ops):
+    """Persistent checkpoints are keyed by the model key: the same weights under another config (here another
+    rope_theta, activation or bias setting) must never share entries."""
+    from prefixrun.engine.persist import model_key
 
     path = write_hf_model(tmp_path / "m", "llama", {})
     raw = json.loads((path / "config.json").read_text())
-
-    def digest(config_raw):
-        cfg = parse_config(config_raw)
-        return LoadedModel(path, cfg, None, None, None, None, CheckpointTensors(path)).model_digest(tmp_path / "d")
-
-    other = {**raw, "rope_parameters": {**raw["rope_parameters"], "rope_theta": 1234.0}}
-    assert digest(raw) == digest(dict(raw))
-    assert digest(raw) != digest(other)
-    assert parse_config(raw).digest() == parse_config(raw).digest()
+    keys = {model_key(parse_config(r), "ab" * 32, cpu_ops) for r in (
+        raw, {**raw, "rope_parameters": {**raw["rope_parameters"], "rope_theta": 1234.0}},
+        {**raw, "hidden_act": "gelu"}, {**raw, "mlp_bias": True})}
+    assert len(keys) == 4
+    assert model_key(parse_config(raw), "ab" * 32, cpu_ops) == model_key(parse_config(dict(raw)), "ab" * 32, cpu_ops)
 
 
 def test_tied_config_with_a_different_stored_lm_head(tmp_path, cpu_ops):
