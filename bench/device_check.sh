@@ -26,7 +26,7 @@ STAGES=${STAGES:-"tests cli real profile"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
   echo "== GPU tests"
-  python3 -m pytest -q -rf -p no:warnings tests/test_cuda_kernels.py tests/test_cuda_sampling.py tests/test_engine.py \
+  python3 -m pytest -q -rf -p no:warnings tests/test_cuda_kernels.py tests/test_cuda_sampling.py tests/test_cuda_activations.py tests/test_engine.py \
     tests/test_gemma3.py 2>&1 | tail -25
 fi
 if has kbench; then

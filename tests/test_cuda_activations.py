@@ -1,5 +1,6 @@
 """CUDA activation and bias ops that config fidelity added (exact-erf GELU, the GLU family as the MLP selects it,
-fp32 biases on strided GEMM outputs) vs the NumPy reference. Skipped cleanly without CuPy or a GPU.
+fp32 biases on strided GEMM outputs) vs the NumPy reference, then whole models using every such config option on
+the device vs the CPU path. Skipped cleanly without CuPy or a GPU.
 
 Bounds as in test_cuda_kernels.py: 1e-5 norm-relative on the fp32 backend, 1e-2 on bf16 (the reference sees the
 same bf16-rounded inputs, so only the GPU's own rounding counts).
@@ -84,3 +85,59 @@ def test_fp32_bias_on_projection_outputs(ops, ref):
     got = ops.add(ops.upload(x), ops.upload(bias, np.float32))
     assert got.dtype == np.dtype(ops.act_dtype)
     assert _rel(_host(ops, got), ref.add(x, bias)) <= TOL[ops.dtype_name]
+
+
+_SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+              tie_word_embeddings=False)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+# every config option whose forward runs on the device through the new ops: biases, exact GELU, yarn's attention
+# factor (folded into the attention scale, or into q/k norms), Qwen3 sliding layers, Gemma's final soft-cap
+GPU_CONFIGS = {
+    "llama-bias-gelu-yarn": dict(_SMALL, architectures=["LlamaForCausalLM"], model_type="llama",
+                                 attention_bias=True, mlp_bias=True, hidden_act="gelu", rope_parameters=_YARN),
+    "qwen3-sliding-bias": dict(_SMALL, architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True,
+                               use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                               hidden_act="gelu_pytorch_tanh"),
+    "qwen3_5-yarn-partial-bias": dict(_SMALL, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
+                                      num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                      linear_value_head_dim=8, attention_bias=True,
+                                      rope_parameters={**_YARN, "partial_rotary_factor": 0.5}),
+    "gemma3-gelu-softcap-bias": dict(_SMALL, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                                     query_pre_attn_scalar=16, hidden_activation="gelu", attention_bias=True,
+                                     final_logit_softcapping=5.0),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_config_dirs(tmp_path_factory):
+    from prefixrun.engine.model_maker import make_model_dir
+
+    root = tmp_path_factory.mktemp("gpu-configs")
+    return {name: make_model_dir(root / name, cfg, seed=3, init_std=0.05, dtype="float32")
+            for name, cfg in GPU_CONFIGS.items()}
+
+
+def _logits_and_steps(model_dir, backend, prompt, steps=4):
+    from conftest import new_state
+    from prefixrun.engine.models import load_model
+
+    model = load_model(model_dir, backend)[0]
+    st = new_state(model, backend)
+    h = st.new_sequence()
+    out = [np.asarray(backend.to_host(model.forward(st.prepare_step([h], [prompt]), st, all_logits=True)))]
+    for i in range(steps):  # fixed tokens: both backends decode the same sequence
+        out.append(np.asarray(backend.to_host(model.forward(st.prepare_step([h], [[(7 * i) % 256]]), st))))
+    return np.concatenate(out).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_config_options_on_the_device_match_the_cpu_path(name, gpu_config_dirs, ops, ref):
+    """The engine's forward with the config options above: the CUDA backend against the NumPy one on the same
+    directory (prefill longer than the window, then decode steps)."""
+    prompt = np.random.default_rng(2).integers(0, 256, 40).tolist()
+    want = _logits_and_steps(gpu_config_dirs[name], ref, prompt)
+    got = _logits_and_steps(gpu_config_dirs[name], ops, prompt)
+    assert _rel(got, want) <= (1e-5 if ops.dtype_name == "float32" else 3e-2)
