@@ -635,7 +635,7 @@ class CudaOps:
 
         q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
         cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D].
-        `shared` (decode, engine.state.SharedPrefixes): each group's shared prefix is read once for all its members
+        `shared` (decode, engine.batch.SharedPrefixes): each group's shared prefix is read once for all its members
         (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a merge)."""
         q, qst, qsh = _heads(q)
         t, hq, d = q.shape
