@@ -4,6 +4,7 @@
 #   kbench  the kernel timing tables (tests/test_cuda_kernels.py --bench, tests/test_cuda_sampling.py --bench);
 #   cli     `prefixrun batch` end to end on CUDA: bf16 twice (second run from the persistent cache: identical
 #           results, prompt tokens reused from disk) and float32 on CUDA against the CPU path (identical tokens);
+#   load    the 4b-like model's load time with its files in the page cache (tests/test_cuda_load.py);
 #   real    the real-shape (0.8b-like) logits test against the CPU fp32 path and transformers;
 #   profile a per-kernel profile of the 4b-like shared-system run (bench/profile_phases.py).
 set -uo pipefail
@@ -22,12 +23,13 @@ P="python3 -m prefixrun.cli.app"
    [ -f /tmp/$m/config.json ] || $P make-model /tmp/$m --config "$cfg" --seed 0 >/dev/null
  done; touch /tmp/models-ready) &
 
-STAGES=${STAGES:-"tests cli real profile"}
+STAGES=${STAGES:-"tests cli load real profile"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
   echo "== GPU tests"
   python3 -m pytest -q -rf -p no:warnings tests/test_cuda_kernels.py tests/test_cuda_sampling.py tests/test_cuda_activations.py tests/test_engine.py \
-    tests/test_gemma3.py 2>&1 | tail -25
+    tests/test_gemma3.py tests/test_cuda_load.py tests/test_cuda_graphs.py tests/test_kernel_tuning.py \
+    tests/test_backend_contract.py 2>&1 | tail -25
 fi
 if has kbench; then
   echo "== kernel bench"
@@ -52,12 +54,18 @@ strip = lambda rs: [{k: v for k, v in r.items() if k not in ("usage",)} for r in
 print("bf16 run 2 (from disk) == run 1:", strip(a) == strip(b), len(a))
 print("cuda fp32 == cpu fp32:", strip(c) == strip(d), len(c))
 r2 = json.load(open(f"{out}/batch2.json"))
-print("run 2 report:", {k: r2.get(k) for k in ("prompt_tokens", "reused_tokens", "reused_from_disk_tokens", "computed_prompt_tokens")})
+print("run 2 report:", {k: r2.get(k) for k in ("prompt_tokens", "reused_tokens", "reused_from_disk_tokens", "computed_prompt_tokens",
+                                               "max_batch", "max_batch_from", "load_seconds")})
 PY
 $P inspect-cache | tail -3
 fi
 
 while [ ! -f /tmp/models-ready ]; do sleep 2; done
+if has load; then  # the 4b-like model's load time (files in the page cache) and its weights spot-checked
+  echo "== model load"
+  PREFIXRUN_LOAD_MODEL=/tmp/qwen3_5-4b-like python3 -m pytest -q -s -rf -p no:warnings tests/test_cuda_load.py \
+    -k load_time 2>&1 | grep -E "load |passed|failed|assert" | head -5
+fi
 if has real; then
 echo "== real-shape logits"
 # transformers without flash-linear-attention (its Triton kernels use TF32 on fp32 inputs): the exact torch path
