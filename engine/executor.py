@@ -307,8 +307,7 @@ class WindowExecutor:
         batch = self.decoding[:e.opts.max_batch]
         e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
-        out = e.runner.decode(batch)  # [B, V]
-        ids = e.runner.sample(batch, out)
+        ids = e.runner.decode(batch)  # the forward and the sampling of the next tokens
         e.stats.decode_seconds += time.perf_counter() - t0
         e.stats.decode_steps += 1
         for s, tok in zip(batch, ids):

@@ -9,7 +9,7 @@ import numpy as np
 from prefixrun.engine.decode_graphs import DecodeGraphs
 from prefixrun.engine.sequence import Sequence
 from prefixrun.engine.state import ModelState, StateHandle
-from prefixrun.kernels.sampling import as_seed_array
+from prefixrun.kernels.sampling import as_seed_array, pack_sampling_params
 
 
 class ModelRunner:
@@ -23,20 +23,25 @@ class ModelRunner:
         """Append each piece to its handle's state; returns [B, V] logits of each piece's last token."""
         return self.model.forward(self.state.prepare_step(handles, pieces), self.state)
 
-    def decode(self, seqs: list[Sequence]):
-        """Feed each sequence's last token; returns [B, V] logits."""
-        return self.decoder.step([s.handle for s in seqs], [s.tokens[-1] for s in seqs])
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """Feed each sequence's last token and sample its next one; both run in the decode graph where the
+        backend captures one."""
+        _, ids = self.decoder.step_sampled([s.handle for s in seqs], [s.tokens[-1] for s in seqs],
+                                           pack_sampling_params(*self._sampling_arrays(seqs)))
+        return [int(i) for i in self.ops.to_host(ids)]
 
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         """One token per sequence from logits [B, V], drawn on the backend for the whole batch at once: the
         random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py)."""
+        return [int(i) for i in self.ops.to_host(self.ops.sample(logits, *self._sampling_arrays(seqs)))]
+
+    def _sampling_arrays(self, seqs: list[Sequence]) -> tuple:
+        """Per-row (temperature, top_k, top_p, min_p, seeds, counters), as ops.sample takes them."""
         sp = [s.request.sampling for s in seqs]
-        ids = self.ops.sample(logits, np.array([0.0 if p.greedy else p.temperature for p in sp], np.float32),
-                              np.array([max(p.top_k, 0) for p in sp], np.int32),
-                              np.array([p.top_p for p in sp], np.float32), np.array([p.min_p for p in sp], np.float32),
-                              as_seed_array([self._seed_of(s) for s in seqs]),
-                              np.array([len(s.tokens) for s in seqs], np.int64))
-        return [int(i) for i in self.ops.to_host(ids)]
+        return (np.array([0.0 if p.greedy else p.temperature for p in sp], np.float32),
+                np.array([max(p.top_k, 0) for p in sp], np.int32),
+                np.array([p.top_p for p in sp], np.float32), np.array([p.min_p for p in sp], np.float32),
+                as_seed_array([self._seed_of(s) for s in seqs]), np.array([len(s.tokens) for s in seqs], np.int64))
 
     def _seed_of(self, s: Sequence) -> int:
         if s.request.sampling.seed is not None:

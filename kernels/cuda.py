@@ -864,14 +864,16 @@ class CudaOps:
         return out
 
     def sample_into(self, logits, params, out):
-        """`sample` with the parameters already packed on the device (uint32 [8, B], pack_sampling_params) into
+        """`sample` with the parameters already packed on the device (uint32 [8, B], pack_sampling_params; int32
+        holding the same bits, as an index buffer written by write_index, is read the same) into
         a preallocated out int64 [B]: no allocation for fp32 logits, no copy, so it can be captured in a graph
         whose replays rewrite `params` in place."""
         logits = logits if logits.dtype == F32 else self._cast(logits, F32)
         logits = _last_contiguous(logits)
         b, v = logits.shape
-        if params.shape != (8, b) or params.dtype != np.uint32 or out.shape != (b,) or out.dtype != np.int64:
-            raise ValueError(f"sample_into: params uint32 [8, {b}] and out int64 [{b}] expected, got "
+        if params.shape != (8, b) or params.dtype not in (np.uint32, np.int32) or out.shape != (b,) \
+                or out.dtype != np.int64:
+            raise ValueError(f"sample_into: params uint32/int32 [8, {b}] and out int64 [{b}] expected, got "
                              f"{params.dtype} {params.shape} and {out.dtype} {out.shape}")
         if b == 0:
             return out

@@ -167,8 +167,9 @@ class Ops(Protocol):
         backend int64 token ids [B] (kernels/sampling.py: the semantics; temperature 0: argmax). No host sync."""
 
     def sample_into(self, logits, params, out) -> Array:
-        """`sample` with its parameters packed in a backend uint32 [8, B] array (sampling.pack_sampling_params)
-        into a preallocated int64 [B] `out`: allocates and syncs nothing, so a graph can capture it."""
+        """`sample` with its parameters packed in a backend uint32 [8, B] array (sampling.pack_sampling_params;
+        or int32 with the same bits) into a preallocated int64 [B] `out`: allocates and syncs nothing, so a graph
+        can capture it."""
 
     # ---- graphs ------------------------------------------------------------------------------------------------
     def capture(self, fn: Callable, *args, warmup: int = 1) -> Graph:

@@ -313,8 +313,9 @@ class NumpyOps(MoeReferenceOps):
         return out
 
     def sample_into(self, logits, params, out):
-        """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params)."""
-        out[:] = self.sample(logits, *unpack_sampling_params(params))
+        """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params) or
+        int32 holding the same bits."""
+        out[:] = self.sample(logits, *unpack_sampling_params(self.to_host(params)))
         return out
 
 

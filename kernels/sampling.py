@@ -115,8 +115,10 @@ def pack_sampling_params(temperature, top_k, top_p, min_p, seeds, counters) -> n
 
 
 def unpack_sampling_params(packed: np.ndarray) -> tuple:
-    """The inverse of `pack_sampling_params`: (temperature, top_k, top_p, min_p, seeds, counters) arrays [B]."""
-    p = np.asarray(packed, np.uint32)
+    """The inverse of `pack_sampling_params` (also of its bits viewed as int32): (temperature, top_k, top_p,
+    min_p, seeds, counters) arrays [B]."""
+    p = np.asarray(packed)
+    p = p.view(np.uint32) if p.dtype == np.int32 else p.astype(np.uint32)
     wide = p.astype(np.uint64)
     return (p[0].view(np.float32), p[1].astype(np.int64), p[2].view(np.float32), p[3].view(np.float32),
             wide[4] | (wide[5] << np.uint64(32)), wide[6] | (wide[7] << np.uint64(32)))

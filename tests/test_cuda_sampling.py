@@ -217,6 +217,46 @@ def test_greedy_rows_are_argmax_with_lowest_id_on_ties(ops):
     assert ops.to_host(ops.sample(cupy.zeros((0, v), np.float32), *(a[:0] for a in args))).shape == (0,)
 
 
+# ---- in the engine: sampling inside the decode graph -----------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_engine_sampled_tokens_graphs_on_off_alone_and_batched(model_dirs, family):
+    """fp32: the decode graph's captured sampler gives the eager steps' sampled tokens, and a request's tokens
+    are the same alone and in a batch (per-request seeds; the uniforms depend on (seed, n) only)."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("float32")
+    model = load_model(model_dirs[family], ops)[0]
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 500, 40).tolist()
+    prompts = [base + rng.integers(0, 500, n).tolist() for n in (2, 9, 15)] + [rng.integers(0, 500, 12).tolist()]
+    settings = [SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=1.2, min_p=0.02, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=0.6, top_p=0.5, seed=-3, ignore_eos=True)]
+
+    def run(graphs: bool, subset=None):
+        eng = Engine(model, ops, options=EngineOptions(max_batch=4, block_size=ops.default_block_size,
+                                                       decode_graphs=graphs))
+        reqs = [Request(f"r{i}", p, settings[i], i) for i, p in enumerate(prompts) if subset is None or i in subset]
+        got = {r.custom_id: r.token_ids for r in eng.run(reqs)}
+        decoder = eng.runner.decoder
+        eng.close()
+        eng.check_invariants()
+        return got, decoder
+
+    eager, off = run(False)
+    replayed, on = run(True)
+    assert not off.enabled and on.enabled and on.replays > 0
+    assert replayed == eager
+    for i in range(len(prompts)):
+        assert run(True, {i})[0] == {f"r{i}": eager[f"r{i}"]}
+    greedy = run(False, {2})[0]["r2"]
+    assert eager["r2"] == greedy and len({tuple(t) for t in eager.values()}) == len(prompts)
+
+
 # ---- timing (python tests/test_cuda_sampling.py --bench) ---------------------------------------------------------
 def bench_table(b: int = 64, v: int = 248320, reps: int = 50):
     """Device time of one batched sampling call per setting, on peaked rows of the real vocabulary size."""

@@ -72,6 +72,8 @@ def test_pack_sampling_params_layout():
     t, k, p, m, s, c = unpack_sampling_params(packed)
     assert t.tolist() == np.float32([0.7, 0.0, 1.5]).tolist() and k.tolist() == [20, 0, (1 << 31) - 1]
     assert s.tolist() == back.tolist() and c.tolist() == ctr.tolist() and m[1] == np.float32(0.05)
+    as_int32 = unpack_sampling_params(packed.view(np.int32))  # the bits in an int32 index buffer read the same
+    assert all(np.array_equal(a, b) for a, b in zip(as_int32, (t, k, p, m, s, c)))
 
 
 # ---- each filter ---------------------------------------------------------------------------------------------------
