@@ -129,8 +129,9 @@ def batch(
     seed: Annotated[Optional[int], typer.Option(help="default seed")] = None,
     ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="default ignore_eos")] = None,
     chat_template_kwargs: Annotated[Optional[str], typer.Option(
-        help='chat-template variables for every messages line, as a JSON object, e.g. \'{"enable_thinking": '
-             'false}\' (a line\'s own chat_template_kwargs win)')] = None,
+        help='variables for the chat template of every messages line, as a JSON object, e.g. '
+             '\'{"enable_thinking": false}\' (a line\'s own chat_template_kwargs win)',
+        rich_help_panel="Chat requests")] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
                                                      "allows on a GPU, 32 on the CPU)")] = None,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
