@@ -152,11 +152,12 @@ class WindowExecutor:
             if base.pins == 0:
                 self.trace.add("release", self.saver[id(base)][0].id, end=base.length)
 
-    def _start_state(self, task: Task, spare_blocks: int) -> tuple[StateHandle, object | None, _Run]:
+    def _start_state(self, task: Task, disk_ok: bool) -> tuple[StateHandle, object | None, _Run]:
         """The state to prefill from, the end logits if nothing is left to compute, and the run record.
 
         Prefers the longest saved state reaching past the base: a retained checkpoint of the pool, else the
-        persistent store (only with `spare_blocks` for a fresh copy: an imported state shares no blocks)."""
+        persistent store (only when `disk_ok`: an imported state shares no blocks with the base, so it needs the
+        blocks the admission rule credited to the base)."""
         e, end = self.e, task.end
         base = self.sched.base[task.id]
         b = self.sched.base_length(task)
@@ -165,8 +166,7 @@ class WindowExecutor:
             entry = e.pool.lookup(task.path, b, end)
             if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
                 found, source = (e.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
-            elif e.persist is not None and spare_blocks >= self.sched.task_blocks(task, None) \
-                    - self.sched.task_blocks(task) and e.state.slots.free_count >= 2:
+            elif e.persist is not None and disk_ok and e.state.slots.free_count >= 2:
                 found, source = e.persist.lookup(list(task.path), b, end, e.state), "disk"
             if found is not None:
                 self._let_go(task, base)
@@ -190,7 +190,10 @@ class WindowExecutor:
             - self.sched.growth(self.decoding)
         handles, todos, logits, runs = [], [], [], []
         for task in group:
-            h, lg, run = self._start_state(task, spare)
+            credit = self.sched.task_blocks(task, None) - self.sched.task_blocks(task)  # base blocks it shares
+            h, lg, run = self._start_state(task, spare >= credit)
+            if run.from_disk:
+                spare -= credit
             todo = list(task.path[h.length:])
             run.computed = len(todo)
             if todo:
