@@ -327,6 +327,21 @@ def test_a_10mb_line_gets_an_error_record_without_the_memory(model, tmp_path):
     assert_clean(p1.stderr)
 
 
+def test_a_prompt_far_beyond_the_context_is_refused_before_tokenizing(model, tmp_path):
+    """A line under --max-line-bytes whose text cannot fit the context (4096 tokens here) even at the longest
+    vocabulary entry per token gets an error record without being tokenized (tokenizing 3.5 MB costs ~GBs)."""
+    small = [{"custom_id": "a", "prompt": "before", "max_tokens": 2}]
+    big = {"custom_id": "big", "prompt": "word " * 700_000, "max_tokens": 2}  # 3.5 MB, under the 4 MiB cap
+    args = ("--model", model, "--device", "cpu", "--no-cache", "-q")
+    p0, base_peak = _peak_rss_mib(("batch", write_jsonl(tmp_path / "small.jsonl", small), *args))
+    p1, big_peak = _peak_rss_mib(("batch", write_jsonl(tmp_path / "big.jsonl", [big, *small]), *args))
+    assert p0.returncode == 0 and p1.returncode == 3, p1.stderr
+    recs = records(p1.stdout)
+    assert [r["custom_id"] for r in recs] == ["big", "a"]
+    assert "3500000 characters" in recs[0]["error"]["message"] and "not tokenized" in recs[0]["error"]["message"]
+    assert big_peak - base_peak < 64, f"a refused 3.5 MB prompt cost {big_peak - base_peak:.0f} MiB"
+
+
 def test_max_line_bytes_option(model, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "short", "prompt": "x", "max_tokens": 1},
                                               {"custom_id": "longer", "prompt": "y" * 200, "max_tokens": 1}])
