@@ -1,6 +1,6 @@
 """Where the GPU time of one `prefixrun batch` run goes: every kernel's device time (CUPTI, through
 torch.profiler, which sees CuPy's launches and graph replays too), grouped into phases, and the host's share of
-a decode step (preparing index arrays, replay, sampling) timed with synchronisation around each part.
+a decode step (preparing index arrays, replay of forward + sampling) timed with synchronisation around each part.
 
     python3 bench/profile_phases.py WORKLOAD.jsonl --model DIR [--top 25] [-- BATCH OPTIONS...]
 
@@ -68,30 +68,25 @@ def main():
     ops, engine = run.loaded.ops, run.engine
     timed_run(run, args.workload, ops)  # warm-up: compile kernels and capture the decode graphs of this workload
 
-    # 1) the host's share of decode: time each part of DecodeGraphs.step with the device drained in between
+    # 1) the host's share of decode: time each part of a decode step (forward + sampling, one graph replay) with
+    # the device drained in between
     dec = engine.decoder
     parts = defaultdict(float)
-    orig_step, orig_sample = dec.step, ops.sample
+    orig_step = dec.step_sampled
 
-    def timed_step(handles, tokens):
+    def timed_step(handles, tokens, params):
         ops.synchronize()
         t0 = time.perf_counter()
-        out = orig_step(handles, tokens)
+        out = orig_step(handles, tokens, params)
         t1 = time.perf_counter()
         ops.synchronize()
         parts["step: host prep + launch"] += t1 - t0
         parts["step: device after launch"] += time.perf_counter() - t1
         return out
 
-    def timed_sample(*a, **k):
-        t0 = time.perf_counter()
-        out = orig_sample(*a, **k)
-        parts["sample (launch)"] += time.perf_counter() - t0
-        return out
-
-    dec.step, ops.sample = timed_step, timed_sample
+    dec.step_sampled = timed_step
     wall = timed_run(run, args.workload, ops)
-    dec.step, ops.sample = orig_step, orig_sample
+    dec.step_sampled = orig_step
     steps = max(engine.stats.decode_steps, 1)
     print(f"synchronised run: wall {wall:.3f} s, prefill {engine.stats.prefill_seconds:.3f} s, "
           f"decode {engine.stats.decode_seconds:.3f} s over {steps} steps")
