@@ -150,7 +150,7 @@ def batch(
     dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda); cpu is float32")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
-    from prefixrun.cli.output import OutputError, check_targets
+    from prefixrun.cli.output import OutputError, check_targets, run_to_output
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
@@ -168,8 +168,6 @@ def batch(
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     run = open_batch_run(reporter, settings, source)
-    from prefixrun.cli.output import run_to_output
-
     report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
