@@ -24,7 +24,7 @@ import typer
 from prefixrun.cli import io
 from prefixrun.cli.report import RunReporter
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Offline batch inference that never prefills the same prefix twice.")
 
 
