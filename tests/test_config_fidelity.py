@@ -315,3 +315,30 @@ def test_tied_config_with_a_different_stored_lm_head(tmp_path, cpu_ops):
         tensors["model.embed_tokens.weight"].dtype)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     check_against_transformers(path, cpu_ops, 30)
+
+
+def test_hand_written_configs_take_the_family_defaults():
+    """Fields a config.json omits take the family's transformers defaults, derived the way its config class
+    derives them (checked against the config class itself)."""
+    cases = [("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3)),
+             ("qwen3", dict(head_dim=None)), ("gemma3_text", dict(sliding_window_pattern=2, num_hidden_layers=4)),
+             ("qwen3_5_text", dict(full_attention_interval=2, num_hidden_layers=4)), ("llama", dict(head_dim=None))]
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
+    for model_type, extra in cases:
+        raw = {k: v for k, v in {**BASE[model_type], **extra}.items()
+               if k not in ("layer_types", "head_dim", "query_pre_attn_scalar") and v is not None}
+        hf = transformers.AutoConfig.for_model(model_type, **raw)
+        ours = parse_config({**raw, "model_type": model_type, "architectures": [arch[model_type]]})
+        hf_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers  # Llama has none
+        assert list(ours.layer_types) == list(hf_types), (model_type, extra)
+        assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        assert ours.num_kv_heads == hf.num_key_value_heads and ours.rms_norm_eps == hf.rms_norm_eps
+        assert ours.max_position_embeddings == hf.max_position_embeddings
+        assert ours.tie_word_embeddings == hf.tie_word_embeddings
+        if model_type == "gemma3_text":
+            assert ours.query_pre_attn_scalar == hf.query_pre_attn_scalar
+            assert ours.rope_local.theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
+            assert ours.rope.theta == hf.rope_parameters["full_attention"]["rope_theta"]
+        else:
+            assert ours.rope.theta == hf.rope_parameters["rope_theta"]
