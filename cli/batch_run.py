@@ -65,6 +65,8 @@ class BatchRun:
             self.persist, self.store = persist, persist.store if persist is not None else None
         self.engine = Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
                              tokenizer=self.loaded.tokenizer, options=opts, persist=persist)
+        if persist is not None:
+            persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
         self.failed = 0
         self.done = 0
         self.skipped = 0  # lines that already had a result (--resume)
@@ -99,6 +101,8 @@ class BatchRun:
             self._run_window(window, writer)
         self._warn_unknown_keys()
         self.engine.close()
+        if self.persist is not None:
+            self.persist.finish()  # the background writer's last entries
         self.engine.check_invariants()
         writer.close()
         report = self._report(time.perf_counter() - started)
@@ -167,6 +171,8 @@ class BatchRun:
                                "hits": st.hits, "misses": st.misses, "written": st.written,
                                "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
                                "rejected_too_large": st.rejected_too_large}
+            if self.persist is not None:
+                report["cache"]["costs"] = self.persist.costs.as_dict()
             if self.persist is not None and self.persist.store_error is not None:
                 report["cache"]["error"] = f"{type(self.persist.store_error).__name__}: {self.persist.store_error}"
         return report

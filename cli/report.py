@@ -167,6 +167,12 @@ def report_table(report: dict) -> Table:
         budget = f" of {human_bytes(cache['budget_bytes'])}" if cache.get("budget_bytes") else ""
         row("disk cache", f"{size}{budget}; {cache['hits']} hits, {cache['written']} written, "
             f"{cache['corrupt']} bad entries moved aside")
+        costs = cache.get("costs")
+        if costs:
+            row("disk cache cost", f"read {human_bytes(costs['read_bytes'])} in {costs['read_seconds']:.2f} s "
+                f"({costs['restored_tokens']:,} tokens not computed); wrote {human_bytes(costs['written_bytes'])} "
+                f"in {costs['write_seconds']:.2f} s in the background; {costs['writes_skipped']} writes and "
+                f"{costs['reads_declined']} reads not worth their cost")
         row("cache dir", str(cache["dir"]))
         if cache.get("error"):
             row("disk cache error", f"{cache['error']} (the run went on without the cache)")

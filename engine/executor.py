@@ -156,8 +156,8 @@ class WindowExecutor:
         """The state to prefill from, the end logits if nothing is left to compute, and the run record.
 
         Prefers the longest saved state reaching past the base: a retained checkpoint of the pool, else the
-        persistent store (only when `disk_ok`: an imported state shares no blocks with the base, so it needs the
-        blocks the admission rule credited to the base)."""
+        persistent store (only when `disk_ok`: an imported state shares only the base's whole blocks, not its
+        partial last one, so it may need blocks the admission rule credited to the base)."""
         e, end = self.e, task.end
         base = self.sched.base[task.id]
         b = self.sched.base_length(task)
@@ -167,7 +167,9 @@ class WindowExecutor:
             if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
                 found, source = (e.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
             elif e.persist is not None and disk_ok and e.state.slots.free_count >= 2:
-                found, source = e.persist.lookup(list(task.path), b, end, e.state), "disk"
+                # sharing the base's whole K/V blocks: a restored state then shares them like a fork does
+                share = base.handle if base is not None else None
+                found, source = e.persist.lookup(list(task.path), b, end, e.state, share=share), "disk"
             if found is not None:
                 self._let_go(task, base)
                 handle, logits = found

@@ -86,15 +86,17 @@ def validate_regions(specs: list[RegionSpec], regions: dict[str, np.ndarray], le
 
 
 def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, regions: dict[str, np.ndarray],
-                  block_size: int):
-    """Fill h's slot and blocks (allocated to cover h.length) with validated `regions`, undoing export_regions."""
+                  block_size: int, first_block: int = 0):
+    """Fill h's slot and blocks (allocated to cover h.length) with validated `regions`, undoing export_regions.
+    Blocks before `first_block` are left as they are (shared with the state the regions extend)."""
     for s in specs:
         arr = arrays[s.name]
         dtype = ops.storage_dtype(s.dtype)
         if s.paged:
-            padded = np.zeros((len(h.blocks) * block_size,) + tuple(s.shape), dtype)  # [blocks * bs, *shape]
-            padded[:h.length] = regions[s.name]
-            for i, b in enumerate(h.blocks):
+            first_row, own = first_block * block_size, h.blocks[first_block:]
+            padded = np.zeros((len(own) * block_size,) + tuple(s.shape), dtype)  # [own blocks * bs, *shape]
+            padded[:h.length - first_row] = regions[s.name][first_row:h.length]
+            for i, b in enumerate(own):
                 arr[b] = ops.upload(padded[i * block_size:(i + 1) * block_size], dtype)
         else:
             arr[h.slot] = ops.upload(s.from_position_order(np.asarray(regions[s.name]), h.length), dtype)

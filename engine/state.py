@@ -169,15 +169,25 @@ class ModelState:
         """Raise StateLayoutError unless `regions` is exactly this layout at `length` tokens (changes nothing)."""
         validate_regions(self.specs, regions, length)
 
-    def import_state(self, regions: dict[str, np.ndarray], length: int) -> StateHandle:
-        """A new handle holding `regions`; validated first, so a failure leaves the pools untouched."""
+    def import_state(self, regions: dict[str, np.ndarray], length: int,
+                     share: StateHandle | None = None) -> StateHandle:
+        """A new handle holding `regions`; validated first, so a failure leaves the pools untouched.
+
+        `share`: a live handle holding the same first tokens (the state a restored checkpoint extends). Its whole
+        K/V blocks within [0, length) are shared (refcount + 1, as a fork shares them) instead of written again
+        from `regions`: a restored state costs only its own blocks, and siblings restored on top of one prefix
+        share its blocks (decode attention reads a shared prefix once per group)."""
         self.validate_import(regions, length)
-        if not self.slots.can_allocate() or not self.blocks.can_allocate(self.blocks_for(length)):
+        n_shared = min(share.length, length) // self.block_size if share is not None and self.has_paged else 0
+        shared = list(share.blocks[:n_shared]) if n_shared else []
+        if not self.slots.can_allocate() or not self.blocks.can_allocate(self.blocks_for(length) - n_shared):
             raise OutOfStateMemory("no room to restore a stored checkpoint")
-        h = StateHandle(slot=self.slots.allocate(), blocks=self.blocks.allocate(self.blocks_for(length)),
+        self.blocks.incref(shared)
+        h = StateHandle(slot=self.slots.allocate(),
+                        blocks=shared + self.blocks.allocate(self.blocks_for(length) - n_shared),
                         length=length, disk_length=length)
         self.live[id(h)] = h
-        write_regions(self.specs, self.arrays, self.ops, h, regions, self.block_size)
+        write_regions(self.specs, self.arrays, self.ops, h, regions, self.block_size, first_block=n_shared)
         return h
 
     # ---- contract -----------------------------------------------------------------------------------------

@@ -220,6 +220,7 @@ class StoreStats:
     read_bytes: int = 0
     rejected_too_large: int = 0
     write_errors: int = 0  # OSError while writing a blob; the entry was not stored
+    declined: int = 0  # entries found but not read: the caller's cost model said recomputing is cheaper
 
 
 _ROW_COLUMNS = (
@@ -394,11 +395,14 @@ class CheckpointStore:
     def lookup(
         self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0, *,
         problem: Callable[[StoredCheckpoint], str | None] | None = None,
+        afford: Callable[[int, int], bool] | None = None,
     ) -> StoredCheckpoint | None:
         """The longest stored prefix P of `tokens` with min_len < len(P) <= max_len for this model and layout,
         verified (see the trust rules above); None if there is none. `problem`, if given, checks a verified
         entry against what the caller will do with it (tensor shapes, dtypes, finite values) and returns why it
-        is unusable or None; an unusable entry is quarantined like a corrupt file and the search goes on."""
+        is unusable or None; an unusable entry is quarantined like a corrupt file and the search goes on.
+        `afford(n_tokens, nbytes)`, if given, decides from the index row alone (before any byte is read) whether
+        reading that entry is worth it; entries it declines are skipped (counted in stats.declined)."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         for name, value in (("max_len", max_len), ("min_len", min_len)):
@@ -417,17 +421,20 @@ class CheckpointStore:
                     ).fetchall()
                 ]
                 for length in lengths:
-                    found = self._probe(key, token_array[:length], problem)
+                    found = self._probe(key, token_array[:length], problem, afford)
                     if found is not None:
                         self.stats.hits += 1
                         return found
             self.stats.misses += 1
             return None
 
-    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None) -> StoredCheckpoint | None:
+    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None, afford=None) -> StoredCheckpoint | None:
         entry_id = checkpoint_key(key, prefix)
         row = self._row(entry_id)
         if row is None or row.n_tokens != len(prefix):
+            return None
+        if afford is not None and not afford(row.n_tokens, row.nbytes):
+            self.stats.declined += 1
             return None
         if row.model_digest != key.model_digest or row.layout_digest != key.layout_digest:
             return None  # only possible through a key collision; not this entry's fault
@@ -603,27 +610,30 @@ class CheckpointStore:
                 self.stats.rejected_too_large += 1  # known too large before writing anything
                 return False
 
-            created = self._clock()
-            metadata = {
-                "prefixrun.format": FORMAT_VERSION,
-                "prefixrun.model_digest": key.model_digest,
-                "prefixrun.layout_digest": key.layout_digest,
-                "prefixrun.n_tokens": str(len(token_array)),
-                "prefixrun.created": repr(created),
-                "prefixrun.dtypes": json.dumps(dtype_names, sort_keys=True),
-                "prefixrun.meta": meta_json,
-            }
-            tensors = dict(storage_arrays)
-            tensors[TOKENS_TENSOR_NAME] = np.ascontiguousarray(token_array, dtype="<i4")
-            written = self._write_blob(entry_id, tensors, metadata)
-            if written is None:
-                return False
-            file_name, nbytes, content_sha256 = written
-            if self.budget_bytes is not None and nbytes > self.budget_bytes:
-                _unlink_quietly(self._path_of(file_name))  # header pushed it over
+        created = self._clock()
+        metadata = {
+            "prefixrun.format": FORMAT_VERSION,
+            "prefixrun.model_digest": key.model_digest,
+            "prefixrun.layout_digest": key.layout_digest,
+            "prefixrun.n_tokens": str(len(token_array)),
+            "prefixrun.created": repr(created),
+            "prefixrun.dtypes": json.dumps(dtype_names, sort_keys=True),
+            "prefixrun.meta": meta_json,
+        }
+        tensors = dict(storage_arrays)
+        tensors[TOKENS_TENSOR_NAME] = np.ascontiguousarray(token_array, dtype="<i4")
+        # The file is written outside the lock, so that a background writer never holds up a lookup.
+        written = self._write_blob(entry_id, tensors, metadata)
+        if written is None:
+            return False
+        file_name, nbytes, content_sha256 = written
+        if self.budget_bytes is not None and nbytes > self.budget_bytes:
+            _unlink_quietly(self._path_of(file_name))  # header pushed it over
+            with self._lock:
                 self.stats.rejected_too_large += 1
-                return False
+            return False
 
+        with self._lock:
             new_row = (
                 entry_id, key.model_digest, key.layout_digest, len(token_array), file_name, nbytes,
                 content_sha256, 0, created, created, 0, meta_json, preview,
@@ -680,7 +690,8 @@ class CheckpointStore:
             return file_name, nbytes, content_sha256
         except OSError as error:
             _unlink_quietly(temp)
-            self.stats.write_errors += 1
+            with self._lock:
+                self.stats.write_errors += 1
             log.warning("could not write checkpoint %s to %s: %s", entry_id, shard, error)
             return None
 

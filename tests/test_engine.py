@@ -679,11 +679,11 @@ class _MemoryDisk:
     def __init__(self):
         self.entries: dict[tuple, tuple] = {}
 
-    def lookup(self, tokens, minimum, maximum, state):
+    def lookup(self, tokens, minimum, maximum, state, share=None):
         for n in range(maximum, minimum, -1):
             hit = self.entries.get(tuple(tokens[:n]))
             if hit is not None and (n < maximum or hit[1] is not None):
-                return state.import_state(hit[0], n), (hit[1] if n == maximum else None)
+                return state.import_state(hit[0], n, share=share), (hit[1] if n == maximum else None)
         return None
 
     def offer(self, tokens, state, handle, logits):
