@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefixrun.kernels.host_memory import keep_freed_memory
 from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, unpack_sampling_params
 
@@ -26,6 +27,7 @@ class NumpyOps(MoeReferenceOps):
     def __init__(self, dtype: str = "float32"):
         if dtype != "float32":
             raise ValueError("the CPU backend computes in float32 only")
+        keep_freed_memory()  # every step's large temporaries reuse the heap instead of faulting in fresh pages
         self.act_dtype = np.float32
         self.dtype_name = dtype
 

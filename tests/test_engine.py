@@ -412,14 +412,11 @@ def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
 class _NoDisk:
     """A persistent-store stand-in that stores nothing: it turns on retention of checkpoints for later windows."""
 
-    def lookup(self, tokens, minimum, maximum, state):
+    def lookup(self, tokens, minimum, maximum, state, share=None):
         return None
 
     def offer(self, tokens, state, handle, logits):
         return False
-
-    def flush(self):
-        pass
 
 
 def test_later_windows_reuse_retained_checkpoints(loaded, cpu_ops):
