@@ -497,7 +497,10 @@ def test_damaged_blobs_are_misses(models, sample_file, baseline, populated, tmp_
     assert rep["cache"]["corrupt"] >= 1 and rep["reused_from_disk_tokens"] == 0
     assert rep["computed_prompt_tokens"] == rep["distinct_prefix_tokens"]
     assert list((cache / "checkpoints" / "quarantine").glob("*.safetensors"))
-    assert verify_store(cache) == []  # bad entries were moved aside, fresh ones written
+    # Bad entries the run read were moved aside and fresh ones written; an entry the cost model declined to read
+    # (a few tokens past a state already in memory) was never looked at, so only --verify finds it.
+    assert len(verify_store(cache)) <= rep["cache"]["costs"]["reads_declined"]
+    assert verify_store(cache) == []
     if damage == "truncate":  # ... and the rewritten entries are used by the next run
         code, recs, rep = run_json(models["a"], cache, sample_file, tmp_path, name="third.json")
         assert code == 0 and token_ids(recs) == baseline["a"] and rep["reused_from_disk_tokens"] > 0
