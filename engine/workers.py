@@ -122,7 +122,7 @@ class WorkerPool:
             return
         live = self._live()
         if not live:
-            yield from (self._failed(r, "no worker is left alive") for r in requests)
+            yield from (failed_result(r, "no worker is left alive") for r in requests)
             return
         root = build_trie([r.prompt_token_ids for r in requests], share=self.reuse)
         plan = shard_window(root, [r.sampling.max_tokens for r in requests], len(live), self.decode_weight)
@@ -163,7 +163,7 @@ class WorkerPool:
                 for r in lost:
                     if r.index in pending and r not in again:
                         pending.discard(r.index)
-                        yield self._failed(r, f"worker {w.index} ({w.device}) failed: {w.report.failure}")
+                        yield failed_result(r, f"worker {w.index} ({w.device}) failed: {w.report.failure}")
                 if again:
                     target = min(survivors, key=lambda s: len(s.outstanding))
                     for r in again:
@@ -196,19 +196,7 @@ class WorkerPool:
     @property
     def stats(self):
         """The workers' run statistics summed (the same fields as one engine's RunStats)."""
-        from prefixrun.engine.runner import RunStats
-
-        total = RunStats()
-        for w in self.workers:
-            for f in fields(RunStats):
-                v = w.stats.get("run", {}).get(f.name)
-                if v is None:
-                    continue
-                if f.name == "peak_decode_batch":
-                    setattr(total, f.name, max(getattr(total, f.name), v))
-                else:
-                    setattr(total, f.name, getattr(total, f.name) + v)
-        return total
+        return merge_run_stats(w.stats for w in self.workers)
 
     def reports(self) -> list[WorkerReport]:
         for w in self.workers:
@@ -257,6 +245,22 @@ class WorkerPool:
             failures = "; ".join(f"{w.device}: {w.report.failure}" for w in self.workers)
             raise RuntimeError(f"no worker could start ({failures})")
 
-    @staticmethod
-    def _failed(r: Request, why: str) -> Result:
-        return Result(r.custom_id, r.index, [], "", "error", Usage(len(r.prompt_token_ids), 0, 0, 0), error=why)
+
+
+def failed_result(r: Request, why: str) -> Result:
+    """The Result of a request that no worker could finish."""
+    return Result(r.custom_id, r.index, [], "", "error", Usage(len(r.prompt_token_ids), 0, 0, 0), error=why)
+
+
+def merge_run_stats(snapshots) -> "RunStats":
+    """Sum the workers' RunStats snapshots (a peak is the max over workers)."""
+    from prefixrun.engine.runner import RunStats
+
+    total = RunStats()
+    for snap in snapshots:
+        for f in fields(RunStats):
+            v = snap.get("run", {}).get(f.name)
+            if v is not None:
+                old = getattr(total, f.name)
+                setattr(total, f.name, max(old, v) if f.name.startswith("peak_") else old + v)
+    return total
