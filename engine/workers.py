@@ -106,6 +106,7 @@ class WorkerPool:
         self.workers: list[_Worker] = []
         self.plans: list[ShardPlan] = []
         self._task_ids = 0
+        self._closed = False
         for i, dev in enumerate(devices):
             tasks = ctx.Queue()
             env = (envs or [{}] * len(devices))[i]
@@ -171,6 +172,10 @@ class WorkerPool:
                     self._send(target, again)
 
     def close(self):
+        """Close every engine (their retained checkpoints go to the persistent store), collect final statistics."""
+        if self._closed:
+            return
+        self._closed = True
         for w in self._live():
             w.tasks.put(None)
         deadline = time.monotonic() + 600

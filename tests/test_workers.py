@@ -1,0 +1,168 @@
+"""Several engines in worker processes (engine/workers.py) and on a local Ray cluster (engine/ray_pool.py).
+
+CPU workers run the same code path as GPU workers (one engine per process, the NumPy backend): their answers must
+be token-identical to one engine's, and their computed prompt tokens must equal one engine's plus exactly the
+prefix tokens the shard plan says it duplicated.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import random_prompt
+from prefixrun.engine.plan import build_trie, distinct_tokens
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.workers import WorkerPool
+
+
+def build_engine(model_dir: str, die_after: int | None = None, die_in: str | None = None):
+    """A CPU engine (runs in the worker). die_after/die_in: the worker whose label file says die_in exits hard
+    after yielding that many results — a process killed mid-run."""
+    from prefixrun.engine import loader
+    from prefixrun.engine.runner import Engine, EngineOptions
+
+    lm = loader.load(Path(model_dir), "cpu")
+    engine = Engine(lm.model, lm.ops, eos_token_ids=(), options=EngineOptions(max_batch=4))
+    if die_after is not None and os.environ.get("TEST_WORKER_LABEL") == die_in:
+        run = engine.run
+
+        def dying_run(requests):
+            for i, result in enumerate(run(requests)):
+                if i == die_after:
+                    os._exit(9)
+                yield result
+        engine.run = dying_run
+    return engine
+
+
+def shapes() -> dict[str, list[list[int]]]:
+    """Token prompts of the bench workload shapes (scaled down) and the engine's edge trees."""
+    system = random_prompt(1, 70)
+    docs = [random_prompt(10 + d, 66) for d in range(2)]
+    shots = random_prompt(20, 30)
+    base = random_prompt(100, 45)
+    return {
+        "shared-system": [system + random_prompt(200 + i, 9) for i in range(6)],
+        "doc-qa": [d + random_prompt(300 + 10 * j + q, 5) for j, d in enumerate(docs) for q in range(3)],
+        "fewshot-tree": [shots + d[:20] + random_prompt(400 + q, 4) for d in docs for q in range(3)],
+        "multiturn": [system[:20] + random_prompt(500, 6 * t) for t in range(1, 4)] * 2,
+        "unique": [random_prompt(600 + i, 25) for i in range(4)],
+        "edge": [base + random_prompt(101, 7), base + random_prompt(102, 12), base[:20], base, base, [5], [5, 9, 11],
+                 [6] + base[:30], [6] + base[:30] + [1]],
+    }
+
+
+def requests_of(prompts, sampling=None):
+    sp = sampling or SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    return [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(model_dirs):
+    return str(model_dirs["qwen3_5"])
+
+
+@pytest.fixture
+def pool(qwen_dir):
+    p = WorkerPool(functools.partial(build_engine, qwen_dir), ["cpu:0", "cpu:1"])
+    yield p
+    p.close()
+
+
+def test_workers_give_one_engines_tokens_on_every_shape(pool, qwen_dir):
+    single = build_engine(qwen_dir)
+    for name, prompts in shapes().items():
+        reqs = requests_of(prompts)
+        before = single.stats.computed_prompt_tokens
+        want = {r.index: r.token_ids for r in single.run(reqs)}
+        single_computed = single.stats.computed_prompt_tokens - before
+        got = [r for r in pool.run(reqs)]
+        assert sorted(r.index for r in got) == sorted(want), name  # every request exactly once
+        assert {r.index: r.token_ids for r in got} == want, name
+        plan = pool.plans[-1]
+        assert single_computed == distinct_tokens(build_trie(prompts)) == plan.distinct_tokens, name
+        assert sum(s.distinct_tokens for s in plan.shards) == single_computed + plan.duplicated_tokens, name
+    # the workers' computed tokens are what the plans said: each shard's trie once (ample budget)
+    pool.close()
+    assert pool.stats.computed_prompt_tokens == sum(sum(s.distinct_tokens for s in p.shards) for p in pool.plans)
+    per_worker = [sum(p.shards[w.worker].distinct_tokens for p in pool.plans) for w in pool.reports()]
+    assert [w.computed_tokens for w in pool.reports()] == per_worker == [w.distinct_tokens for w in pool.reports()]
+
+
+def test_seeded_sampling_same_on_workers(pool, qwen_dir):
+    prompts = shapes()["shared-system"]
+    sp = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, top_k=50, ignore_eos=True)
+    want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(requests_of(prompts, sp))}
+    got = {r.index: r.token_ids for r in pool.run(requests_of(prompts, sp))}
+    assert got == want
+
+
+def test_a_killed_worker_loses_nothing(qwen_dir):
+    """Worker 0 exits hard after its first result: its unfinished requests run once more on worker 1, and every
+    request yields exactly one Result, with the tokens one engine gives."""
+    prompts = shapes()["shared-system"] + shapes()["unique"]
+    reqs = requests_of(prompts)
+    want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(reqs)}
+    envs = [{"TEST_WORKER_LABEL": "a"}, {"TEST_WORKER_LABEL": "b"}]
+    pool = WorkerPool(functools.partial(build_engine, qwen_dir, die_after=1, die_in="a"), ["cpu:0", "cpu:1"], envs)
+    try:
+        got = list(pool.run(reqs))
+        assert sorted(r.index for r in got) == sorted(want)
+        assert all(r.error is None for r in got)
+        assert {r.index: r.token_ids for r in got} == want
+        reports = pool.reports()
+        assert not reports[0].alive and "exit" in reports[0].failure
+        # the next window runs on the survivor alone
+        again = list(pool.run(reqs))
+        assert {r.index: r.token_ids for r in again} == want
+    finally:
+        pool.close()
+
+
+def test_both_workers_dying_gives_error_results(qwen_dir):
+    prompts = shapes()["unique"]
+    envs = [{"TEST_WORKER_LABEL": "a"}, {"TEST_WORKER_LABEL": "a"}]
+    pool = WorkerPool(functools.partial(build_engine, qwen_dir, die_after=0, die_in="a"), ["cpu:0", "cpu:1"], envs)
+    try:
+        got = list(pool.run(requests_of(prompts)))
+        assert sorted(r.index for r in got) == list(range(len(prompts)))
+        assert all(r.error and r.finish_reason == "error" for r in got)
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_cannot_start_is_retired(qwen_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="no worker could start"):
+        WorkerPool(functools.partial(build_engine, str(tmp_path / "missing")), ["cpu:0"])
+
+
+def test_ray_cluster_gives_one_engines_tokens(qwen_dir):
+    """A local Ray cluster (a head and two worker nodes, as processes on this machine): identical outputs."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from prefixrun.engine.ray_pool import RayWorkerPool
+
+    prompts = shapes()["doc-qa"] + shapes()["edge"]
+    reqs = requests_of(prompts)
+    want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(reqs)}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        tests_dir = str(Path(__file__).parent)
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
+        pool = RayWorkerPool(functools.partial(build_engine, qwen_dir), cluster.address, gpus_per_worker=0)
+        got = list(pool.run(reqs))
+        pool.close()
+        assert sorted(r.index for r in got) == sorted(want)
+        assert {r.index: r.token_ids for r in got} == want
+        assert [r.requests for r in pool.reports()] != [0, 0] and len(pool.reports()) == 2
+        assert pool.stats.computed_prompt_tokens == sum(s.distinct_tokens for s in pool.plans[0].shards)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
