@@ -148,6 +148,12 @@ def batch(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only errors on stderr")] = False,
     device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
     dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda); cpu is float32")] = None,
+    devices: Annotated[Optional[str], typer.Option(
+        help="GPUs to spread the batch over, one worker process each: 0,1,... or all (with --device cpu: CPU "
+             "workers, e.g. 0,1)", rich_help_panel="Several devices")] = None,
+    ray: Annotated[Optional[str], typer.Option(
+        "--ray", metavar="ADDRESS", help="run the engines on a Ray cluster (auto, ray://host:10001); needs "
+                                         "prefixrun[ray]", rich_help_panel="Several devices")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
     from prefixrun.cli.output import OutputError, check_targets, run_to_output
@@ -190,7 +196,7 @@ MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one se
 # parsing its command line as batch's (`batch_params`), so both commands run the same BatchRun with the same defaults
 RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
                "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
-               "cache_dir", "no_cache", "cache_budget", "device", "dtype", "chat_template_kwargs")
+               "cache_dir", "no_cache", "cache_budget", "device", "dtype", "chat_template_kwargs", "devices", "ray")
 
 
 def batch_params(args: list[str]) -> dict:
@@ -200,7 +206,7 @@ def batch_params(args: list[str]) -> dict:
 
 def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
                  max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
-                 cache_budget, device, dtype, chat_template_kwargs) -> dict:
+                 cache_budget, device, dtype, chat_template_kwargs, devices, ray) -> dict:
     """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
     typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
     defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -217,7 +223,27 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
                 reuse=not no_reuse, use_cache=not no_cache, cache_budget=_parse_bytes(cache_budget, "--cache-budget"),
                 sampling_overrides=defaults_cli,
                 max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
-                chat_template_kwargs=template_kwargs)
+                chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray)
+
+
+def _parse_devices(value: str | None, device: str) -> list[str] | None:
+    """--devices: None (one in-process engine), or the device indices of the worker processes."""
+    if value is None:
+        return None
+    if value.strip() == "all":
+        if device == "cpu":
+            raise typer.BadParameter("--devices all counts GPUs; with --device cpu list the CPU workers: 0,1")
+        from prefixrun.kernels import cuda_device_count
+
+        count = cuda_device_count()
+        if count == 0:
+            raise typer.BadParameter("--devices all: no GPU is visible (pip install 'prefixrun[cuda12]' or "
+                                     "'[cuda13]', or list CPU workers with --device cpu --devices 0,1)")
+        return [str(i) for i in range(count)]
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise typer.BadParameter(f"--devices takes distinct device numbers such as 0,1 or 'all', not {value!r}")
+    return parts
 
 
 def open_batch_run(reporter: RunReporter, settings: dict, source=None):
@@ -386,6 +412,9 @@ def bench(
             raise typer.BadParameter("bench runs the whole workload: --resume does not apply")
         if transformers_batch < 1:
             raise typer.BadParameter("--transformers-batch must be at least 1")
+        if p["devices"] is not None or p["ray"] is not None:
+            raise typer.BadParameter("bench reads its figures from one in-process engine; time several devices "
+                                     "with prefixrun batch --devices ... --json-report FILE")
         settings = run_settings(**{name: p[name] for name in RUN_OPTIONS})
         source, workload = _open_input(p["input"], reporter)
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"])

@@ -5,7 +5,6 @@ become error records in their place and never stop the batch.
 """
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -15,69 +14,64 @@ from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 
 
 class BatchRun:
+    """devices / ray_address: run the engine work in worker processes, one per device (`--devices`), or on
+    Ray actors (`--ray`); this process then loads only the tokenizer and config, never the weights."""
+
     def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int | None, window: int,
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
                  cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
+                 ray_address: str | None = None):
         from prefixrun.engine import loader
         from prefixrun.engine.model_maker import ensure_default_model
-        from prefixrun.engine.runner import Engine, EngineOptions
+        from prefixrun.engine.session import EngineSession, EngineSettings
 
         self.reporter = reporter
         if model_dir is None:
             model_dir = ensure_default_model(cache_root)
-        load_started = time.perf_counter()
-        self.loaded = loader.load(Path(model_dir), device, dtype)
-        self.loaded.ops.synchronize()
-        self.load_seconds = time.perf_counter() - load_started
+        settings = EngineSettings(Path(model_dir), Path(cache_root), device, dtype, max_batch, max_prefill_tokens,
+                                  checkpoint_budget, state_memory, reuse, use_cache, cache_budget)
+        self.session = None  # the in-process engine session, when there is one
+        if devices is None and ray_address is None:
+            self.session = EngineSession(settings)
+            self.backend = self.session
+            front = self.session.loaded
+        else:
+            front = loader.load_front(Path(model_dir))
+            self.backend = _worker_pool(settings, devices, ray_address)
+        for warning in self.backend.warnings:
+            reporter.warn(warning)
         self.model_name = Path(model_dir).name
         # A line's own values win over these: the command line's, then the model's generation_config.
-        self.defaults = SamplingDefaults(**sampling_overrides).over(self.loaded.defaults.sampling)
-        config = self.loaded.config
-        self.prompts = PromptEncoder(self.loaded.tokenizer, vocab_size=config.vocab_size,
+        self.defaults = SamplingDefaults(**sampling_overrides).over(front.defaults.sampling)
+        config = front.config
+        self.prompts = PromptEncoder(front.tokenizer, vocab_size=config.vocab_size,
                                      context_tokens=config.max_position_embeddings,
                                      chat_template_kwargs=chat_template_kwargs)
         self._unknown_keys: dict[str, int] = {}  # key -> first line number, for the one warning about them
         self._unknown_keys_warned = 0
         self.window = window
-        state_bytes = state_memory or _default_state_memory(self.loaded.ops)
-        if checkpoint_budget is None:
-            checkpoint_budget = state_bytes // 4
-        elif checkpoint_budget < 1 and checkpoint_budget > 0:
-            checkpoint_budget = int(state_bytes * checkpoint_budget)
-        ops = self.loaded.ops
-        self.max_batch_source = "--max-batch"
-        if max_batch is None:
-            max_batch, self.max_batch_source = _default_max_batch(self.loaded.model.state_specs(), ops,
-                                                                  int(state_bytes), int(checkpoint_budget))
-        opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
-                             state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
-                             reuse=reuse, block_size=ops.default_block_size)
-        self.store = None
-        self.persist = persist = None
-        if use_cache and reuse:
-            from prefixrun.engine.persist import open_cache
-
-            # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
-            persist, problem = open_cache(cache_root, cache_budget, self.loaded, opts.block_size)
-            if problem:
-                reporter.warn(problem)
-            self.persist, self.store = persist, persist.store if persist is not None else None
-        self.engine = Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
-                             tokenizer=self.loaded.tokenizer, options=opts, persist=persist)
-        if persist is not None:
-            persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
         self.failed = 0
         self.done = 0
         self.skipped = 0  # lines that already had a result (--resume)
         self.max_line_bytes = max_line_bytes
+
+    @property
+    def loaded(self):
+        """The in-process model (None when worker processes hold the engines)."""
+        return self.session.loaded if self.session is not None else None
+
+    @property
+    def engine(self):
+        """The in-process engine (None when worker processes hold the engines)."""
+        return self.session.engine if self.session is not None else None
 
     # ---- the run ------------------------------------------------------------------------------------------
     def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
         started = time.perf_counter()
         seen: set[str] = set()
         window: list[tuple[io.ParsedRequest, Request]] = []
-        self.reporter.watch(self.engine.stats)
+        self.reporter.watch(self.backend.stats)
         for raw in io.iter_input_lines(source, self.max_line_bytes):
             item = io.parse_line(raw, self.defaults, seen)
             if isinstance(item, io.LineError):
@@ -100,15 +94,9 @@ class BatchRun:
         if window:
             self._run_window(window, writer)
         self._warn_unknown_keys()
-        self.engine.close()
-        if self.persist is not None:
-            self.persist.finish()  # the background writer's last entries
-        self.engine.check_invariants()
+        self.backend.close()  # retained checkpoints to the store, pools checked whole, workers joined
         writer.close()
-        report = self._report(time.perf_counter() - started)
-        if self.store is not None:
-            self.store.close()
-        return report
+        return self._report(time.perf_counter() - started)
 
     def _error(self, writer, err: io.LineError):
         self.failed += 1
@@ -130,69 +118,59 @@ class BatchRun:
         parsed = {req.index: p for p, req in window}
         self.reporter.set_total(self.done + len(window))
         created = int(time.time())
-        for result in self.engine.run([req for _, req in window]):
+        for result in self.backend.run([req for _, req in window]):
             if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
                 self._error(writer, io.make_error(parsed[result.index], result.error))
             else:
                 writer.add(result.index, io.format_result(parsed[result.index], result, model=self.model_name,
                                                           created=created))
             self.done += 1
-            self.reporter.advance(self.done, self.engine.stats)
+            self.reporter.advance(self.done, self.backend.stats)
         self.reporter.window_done()
 
     def _report(self, wall: float) -> dict:
-        s, p = self.engine.stats, self.engine.pool.stats
-        report = {
-            "requests": s.requests, "failed_lines": self.failed, "resumed_skipped_lines": self.skipped,
-            "prompt_tokens": s.prompt_tokens,
-            "distinct_prefix_tokens": s.distinct_prefix_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,
-            "reused_tokens": s.reused_tokens, "reused_from_disk_tokens": s.reused_from_disk_tokens,
-            "completion_tokens": s.completion_tokens,
-            "checkpoints_saved": p.saved, "checkpoints_restored": p.restored, "checkpoints_evicted": p.evicted,
-            "checkpoints_skipped_over_budget": p.skipped_over_budget,
-            "checkpoint_bytes_saved": p.saved_bytes, "checkpoint_bytes_evicted": p.evicted_bytes,
-            "peak_checkpoint_bytes": p.peak_bytes, "checkpoint_budget_bytes": self.engine.pool.budget_bytes,
-            "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,
-            "prefill_seconds": round(s.prefill_seconds, 4), "decode_seconds": round(s.decode_seconds, 4),
-            "prefill_tokens_per_second": s.computed_prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
-            "decode_tokens_per_second": s.completion_tokens / s.decode_seconds if s.decode_seconds else 0.0,
-            "wall_seconds": round(wall, 4), "model": str(self.loaded.path), "device": self.loaded.ops.display_name,
-            "load_seconds": round(self.load_seconds, 4), "max_batch": self.engine.opts.max_batch,
-            "max_batch_from": self.max_batch_source, "block_size": self.engine.opts.block_size,
-        }
-        if self.store is not None:
-            st = self.store.stats
-            try:
-                entries, total = len(self.store.entries()), self.store.total_bytes()
-            except (sqlite3.Error, OSError):  # the store failed during the run (persist.store_error says how)
-                entries = total = None
-            report["cache"] = {"dir": str(self.store.root), "entries": entries,
-                               "bytes": total, "budget_bytes": self.store.budget_bytes,
-                               "hits": st.hits, "misses": st.misses, "written": st.written,
-                               "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
-                               "rejected_too_large": st.rejected_too_large}
-            if self.persist is not None:
-                report["cache"]["costs"] = self.persist.costs.as_dict()
-            if self.persist is not None and self.persist.store_error is not None:
-                report["cache"]["error"] = f"{type(self.persist.store_error).__name__}: {self.persist.store_error}"
+        """The run's half (lines, wall time, rates) around the engine's half (engine/session.py)."""
+        report = {"requests": 0, "failed_lines": self.failed, "resumed_skipped_lines": self.skipped}
+        report.update(self.backend.report())
+        prefill_s, decode_s = report["prefill_seconds"], report["decode_seconds"]
+        report["prefill_tokens_per_second"] = report["computed_prompt_tokens"] / prefill_s if prefill_s else 0.0
+        report["decode_tokens_per_second"] = report["completion_tokens"] / decode_s if decode_s else 0.0
+        report["wall_seconds"] = round(wall, 4)
+        if self.session is None:
+            report["workers"] = _workers_report(self.backend)
         return report
 
 
-def _default_max_batch(specs, ops, state_bytes: int, checkpoint_bytes: int) -> tuple[int, str]:
-    """(--max-batch when not given, where it came from): on a device, what its state memory allows; 32 where the
-    backend computes in host memory (CPU decode is bound by compute long before memory)."""
-    from prefixrun.engine.state import max_batch_for_memory
+def _worker_pool(settings, devices: list[str] | None, ray_address: str | None):
+    """Engines in worker processes, one per device (CUDA: each sees only its GPU), or on Ray actors."""
+    import functools
 
-    if ops.free_memory() is None:
-        return 32, "default"
-    return max_batch_for_memory(specs, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
-                                block_size=ops.default_block_size), "state memory"
+    from prefixrun.engine.session import EngineSession
+
+    build = functools.partial(EngineSession, settings)
+    if ray_address is not None:
+        from prefixrun.engine.ray_pool import RayWorkerPool
+
+        return RayWorkerPool(build, ray_address, workers=len(devices) if devices else None,
+                             gpus_per_worker=0.0 if settings.device == "cpu" else 1.0, reuse=settings.reuse)
+    from prefixrun.engine.workers import WorkerPool
+
+    if settings.device == "cpu":  # CPU workers: the multi-GPU code path on the NumPy backend
+        return WorkerPool(build, [f"cpu:{d}" for d in devices], reuse=settings.reuse)
+    return WorkerPool(build, [f"cuda:{d}" for d in devices], [{"CUDA_VISIBLE_DEVICES": d} for d in devices],
+                      reuse=settings.reuse)
 
 
-def _default_state_memory(ops) -> int:
-    """Half of the device memory free after the weights were loaded; 1 GiB where the backend computes in host
-    memory (it reports no free device memory)."""
-    free = ops.free_memory()
-    if free is None:
-        return 1 << 30
-    return int(free * 0.5)
+def _workers_report(pool) -> dict:
+    """Per-worker figures and how even the work was: planned (the shards' token counts) and measured (busy time)."""
+    rows = [dict(vars(w)) for w in pool.reports()]
+    plans = pool.plans
+    duplicated = sum(p.duplicated_tokens for p in plans)
+    busy = [r["busy_seconds"] for r in rows if r["alive"]]
+    planned = [sum(p.shards[i].work(p.decode_weight) for p in plans if i < len(p.shards))
+               for i in range(len(rows))]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {"count": len(rows), "duplicated_prefix_tokens": duplicated,
+            "balance_planned": round(max(planned) / mean(planned), 3) if mean(planned) else None,
+            "balance_measured": round(max(busy) / mean(busy), 3) if mean(busy) else None,
+            "per_worker": rows}

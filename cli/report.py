@@ -182,5 +182,14 @@ def report_table(report: dict) -> Table:
         row("decode batch", f"up to {report['max_batch']:,} sequences ({report['max_batch_from']})")
     if "load_seconds" in report:
         row("model load", f"{report['load_seconds']:.2f} s on {report['device']}")
+    workers = report.get("workers")
+    if workers:
+        row("workers", f"{workers['count']}; {workers['duplicated_prefix_tokens']:,} prefix tokens computed on more "
+            f"than one; balance {workers['balance_planned'] or 0:.2f} planned, "
+            f"{workers['balance_measured'] or 0:.2f} measured (slowest / mean)")
+        for w in workers["per_worker"]:
+            state = "" if w["alive"] else f" FAILED: {w['failure']}"
+            row(f"  worker {w['worker']}", f"{w['device']}: {w['requests']:,} requests, {w['distinct_tokens']:,} "
+                f"distinct / {w['computed_tokens']:,} computed tokens, {w['busy_seconds']:.2f} s{state}")
     row("wall time", f"{report['wall_seconds']:.2f} s")
     return t

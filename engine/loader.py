@@ -31,11 +31,28 @@ class LoadedModel:
         return self.tensors.digest(memo_dir)
 
 
-def load(model_dir: Path, device: str = "auto", dtype: str | None = None) -> LoadedModel:
+@dataclass
+class ModelFront:
+    """What turns lines into requests, without weights or a device: a run that hands its engine work to worker
+    processes loads only this."""
+
+    path: Path
+    config: DecoderConfig
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+
+
+def load_front(model_dir: Path) -> ModelFront:
     model_dir = Path(model_dir)
     config, _ = load_config(model_dir)
     tokenizer = Tokenizer.from_model_dir(model_dir)
     defaults = GenerationDefaults.from_model_dir(model_dir, config_eos=list(config.eos_token_ids), tokenizer=tokenizer)
+    return ModelFront(model_dir, config, tokenizer, defaults)
+
+
+def load(model_dir: Path, device: str = "auto", dtype: str | None = None) -> LoadedModel:
+    front = load_front(model_dir)
+    model_dir, config, tokenizer, defaults = front.path, front.config, front.tokenizer, front.defaults
     ops = get_ops(device, dtype)
     tensors = CheckpointTensors(model_dir)
     return LoadedModel(model_dir, config, ops, build_model(config, tensors, ops), tokenizer, defaults, tensors)

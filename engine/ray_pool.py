@@ -19,7 +19,7 @@ from prefixrun.engine.workers import WorkerReport, failed_result, merge_run_stat
 
 
 class _EngineActor:
-    """Runs on a Ray worker: one engine, shards in, lists of Results out."""
+    """Runs on a Ray worker: one engine session (engine/session.py), shards in, lists of Results out."""
 
     def __init__(self, build: Callable):
         import time
@@ -34,13 +34,14 @@ class _EngineActor:
         self.busy += self._clock() - t0
         return out
 
+    def warnings(self) -> list[str]:
+        return list(self.engine.warnings)
+
     def snapshot(self) -> dict:
-        return {"run": self.engine.stats.as_dict(), "pool": dict(self.engine.pool.stats.__dict__),
-                "busy_seconds": self.busy}
+        return {"run": self.engine.stats.as_dict(), "report": self.engine.report(), "busy_seconds": self.busy}
 
     def close(self) -> dict:
         self.engine.close()
-        self.engine.check_invariants()
         return self.snapshot()
 
 
@@ -73,7 +74,8 @@ class RayWorkerPool:
         self.snapshots: list[dict] = [{} for _ in range(workers)]
         self._reports = [WorkerReport(i, f"ray:{i}") for i in range(workers)]
         self.plans: list[ShardPlan] = []
-        ray.get([a.snapshot.remote() for a in self.actors])  # every engine is built before the first window
+        # every engine is built before the first window; what they could not use (e.g. the cache) is reported
+        self.warnings = sorted({w for ws in ray.get([a.warnings.remote() for a in self.actors]) for w in ws})
 
     def run(self, requests: list[Request]) -> Iterator[Result]:
         ray = self.ray
@@ -127,9 +129,84 @@ class RayWorkerPool:
     def stats(self):
         return merge_run_stats(self.snapshots)
 
+    def report(self) -> dict:
+        from prefixrun.engine.session import merge_reports
+
+        return merge_reports([snap["report"] for snap in self.snapshots if "report" in snap])
+
     def reports(self) -> list[WorkerReport]:
         for rep, snap in zip(self._reports, self.snapshots):
             rep.computed_tokens = snap.get("run", {}).get("computed_prompt_tokens", 0)
             rep.busy_seconds = snap.get("busy_seconds", 0.0)
         return self._reports
 
+
+
+class RayDataPredictor:
+    """prefixrun as a Ray Data stage: each actor of `map_batches` holds one engine and runs each batch it gets as
+    one window (its shared prefixes computed once, checkpoints kept for later batches and the persistent cache):
+
+        ds.map_batches(RayDataPredictor, fn_constructor_kwargs={"model_dir": "/models/qwen"},
+                       concurrency=4, num_gpus=1, batch_size=4096)
+
+    A batch has a "prompt" (text) or "prompt_token_ids" column, optionally "custom_id" and the sampling columns
+    (max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos; missing or null: the
+    model's generation_config). It comes back with "text", "token_ids", "finish_reason", "prompt_tokens",
+    "cached_tokens" and "error" (None, or why that row could not run) added. Rows with shared prefixes should
+    be in the same batch: sort the dataset by prompt, or group it, before this stage.
+    """
+
+    def __init__(self, model_dir: str, *, device: str = "auto", cache_dir: str | None = None, use_cache: bool = True,
+                 **options):
+        from pathlib import Path
+
+        from prefixrun.engine.prompts import PromptEncoder
+        from prefixrun.engine.session import EngineSession, EngineSettings
+        from prefixrun.engine.store import default_cache_dir
+
+        root = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.session = EngineSession(EngineSettings(Path(model_dir), root, device=device, use_cache=use_cache,
+                                                    **options))
+        front = self.session.loaded
+        self.prompts = PromptEncoder(front.tokenizer, vocab_size=front.config.vocab_size,
+                                     context_tokens=front.config.max_position_embeddings)
+        self.defaults = front.defaults.sampling
+
+    def __call__(self, batch: dict) -> dict:
+        from prefixrun.engine.prompts import TextPrompt, TokenPrompt
+        from prefixrun.engine.request import SAMPLING_FIELDS, InvalidRequest, SamplingDefaults
+
+        rows = len(next(iter(batch.values()))) if batch else 0
+        column = lambda name, i: _plain(batch[name][i]) if name in batch else None  # noqa: E731
+        requests, errors = [], {}
+        for i in range(rows):
+            custom_id = str(column("custom_id", i) or f"row-{i}")
+            try:
+                ids = column("prompt_token_ids", i)
+                prompt = TokenPrompt(tuple(ids)) if ids is not None else TextPrompt(str(column("prompt", i)))
+                fields = {name: column(name, i) for name in SAMPLING_FIELDS}
+                sampling = SamplingDefaults.from_fields(fields).over(self.defaults).resolve()
+                requests.append(self.prompts.request(custom_id, i, prompt, sampling))
+            except InvalidRequest as exc:
+                errors[i] = str(exc)
+        results = {r.index: r for r in self.session.run(requests)}
+        out = dict(batch)
+        get = lambda i, f, empty: empty if i not in results or results[i].error else f(results[i])  # noqa: E731
+        out["text"] = [get(i, lambda r: r.text, "") for i in range(rows)]
+        out["token_ids"] = [get(i, lambda r: list(r.token_ids), []) for i in range(rows)]
+        out["finish_reason"] = [get(i, lambda r: r.finish_reason, "error") for i in range(rows)]
+        out["prompt_tokens"] = [get(i, lambda r: r.usage.prompt_tokens, 0) for i in range(rows)]
+        out["cached_tokens"] = [get(i, lambda r: r.usage.cached_tokens, 0) for i in range(rows)]
+        out["error"] = [errors.get(i) or (results[i].error if i in results else None) for i in range(rows)]
+        return out
+
+    def __del__(self):
+        try:
+            self.session.close()
+        except Exception:  # interpreter shutdown: the store may be gone already
+            pass
+
+
+def _plain(value):
+    """A numpy scalar or array from a Ray Data batch -> the Python value a request field holds."""
+    return value.tolist() if hasattr(value, "tolist") else value

@@ -60,7 +60,7 @@ def _worker_main(index: int, env: dict, build: Callable, tasks, results):
     except BaseException as exc:  # the model does not load here: the parent retires this worker
         results.put(("failed", index, f"{type(exc).__name__}: {exc}"))
         return
-    results.put(("ready", index, None))
+    results.put(("ready", index, list(engine.warnings)))
     busy = 0.0
     while True:
         task = tasks.get()
@@ -77,22 +77,23 @@ def _worker_main(index: int, env: dict, build: Callable, tasks, results):
         busy += time.perf_counter() - t0
         results.put(("done", index, (task_id, _snapshot(engine, busy))))
     try:
-        engine.close()
-        engine.check_invariants()
+        engine.close()  # retained checkpoints to the store; checks the pools are whole
     except BaseException as exc:
         results.put(("failed", index, f"{type(exc).__name__}: {exc}"))
         return
     results.put(("closed", index, _snapshot(engine, busy)))
 
 
-def _snapshot(engine, busy_seconds: float) -> dict:
-    return {"run": engine.stats.as_dict(), "pool": dict(engine.pool.stats.__dict__), "busy_seconds": busy_seconds}
+def _snapshot(session, busy_seconds: float) -> dict:
+    """What the parent knows of a worker: its run statistics and the engine half of its report."""
+    return {"run": session.stats.as_dict(), "report": session.report(), "busy_seconds": busy_seconds}
 
 
 class WorkerPool:
     """N engine processes with the interface of one Engine: run(window) -> Results, close(), stats.
 
-    build: a picklable function of no arguments that returns an Engine (called in each worker);
+    build: a picklable function of no arguments that returns an EngineSession (engine/session.py), called in
+    each worker;
     devices: one label per worker (e.g. "cuda:0", "cpu:1"), and envs: environment for each worker's process;
     decode_weight: what a decoded token costs relative to a prefilled one, for balancing (shard.py)."""
 
@@ -107,6 +108,7 @@ class WorkerPool:
         self.plans: list[ShardPlan] = []
         self._task_ids = 0
         self._closed = False
+        self.warnings: list[str] = []  # what the workers' engines reported at start (e.g. an unusable cache)
         for i, dev in enumerate(devices):
             tasks = ctx.Queue()
             env = (envs or [{}] * len(devices))[i]
@@ -203,6 +205,12 @@ class WorkerPool:
         """The workers' run statistics summed (the same fields as one engine's RunStats)."""
         return merge_run_stats(w.stats for w in self.workers)
 
+    def report(self) -> dict:
+        """The engine halves of the workers' reports merged (after close(): final figures)."""
+        from prefixrun.engine.session import merge_reports
+
+        return merge_reports([w.stats["report"] for w in self.workers if "report" in w.stats])
+
     def reports(self) -> list[WorkerReport]:
         for w in self.workers:
             w.report.computed_tokens = w.stats.get("run", {}).get("computed_prompt_tokens", 0)
@@ -241,6 +249,7 @@ class WorkerPool:
                 continue
             if kind == "ready":
                 waiting.discard(wid)
+                self.warnings += [f"{self.workers[wid].device}: {w}" for w in payload if w not in self.warnings]
             elif kind == "failed":
                 self._retire(self.workers[wid], payload)
                 waiting.discard(wid)

@@ -18,6 +18,16 @@ def cuda_available() -> bool:
         return False
 
 
+def cuda_device_count() -> int:
+    """How many GPUs CuPy sees (0 without CuPy or a driver; never raises)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
 def get_ops(device: str = "auto", dtype: str | None = None) -> Ops:
     """The ops object for `device` ("auto", "cpu" or "cuda") computing in `dtype` (None: the device's default)."""
     if device not in ("auto", "cpu", "cuda"):

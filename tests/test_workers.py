@@ -19,23 +19,24 @@ from prefixrun.engine.workers import WorkerPool
 
 
 def build_engine(model_dir: str, die_after: int | None = None, die_in: str | None = None):
-    """A CPU engine (runs in the worker). die_after/die_in: the worker whose label file says die_in exits hard
-    after yielding that many results — a process killed mid-run."""
-    from prefixrun.engine import loader
-    from prefixrun.engine.runner import Engine, EngineOptions
+    """A CPU engine session (runs in the worker), built as `prefixrun batch` builds one. die_after/die_in: the
+    worker whose TEST_WORKER_LABEL is die_in exits hard after yielding that many results (killed mid-run)."""
+    import tempfile
 
-    lm = loader.load(Path(model_dir), "cpu")
-    engine = Engine(lm.model, lm.ops, eos_token_ids=(), options=EngineOptions(max_batch=4))
+    from prefixrun.engine.session import EngineSession, EngineSettings
+
+    session = EngineSession(EngineSettings(Path(model_dir), Path(tempfile.gettempdir()), device="cpu", max_batch=4,
+                                           use_cache=False))
     if die_after is not None and os.environ.get("TEST_WORKER_LABEL") == die_in:
-        run = engine.run
+        run = session.run
 
         def dying_run(requests):
             for i, result in enumerate(run(requests)):
                 if i == die_after:
                     os._exit(9)
                 yield result
-        engine.run = dying_run
-    return engine
+        session.run = dying_run
+    return session
 
 
 def shapes() -> dict[str, list[list[int]]]:
@@ -139,30 +140,79 @@ def test_a_worker_that_cannot_start_is_retired(qwen_dir, tmp_path):
         WorkerPool(functools.partial(build_engine, str(tmp_path / "missing")), ["cpu:0"])
 
 
-def test_ray_cluster_gives_one_engines_tokens(qwen_dir):
-    """A local Ray cluster (a head and two worker nodes, as processes on this machine): identical outputs."""
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster: a head (no CPU for work) and two worker nodes of one CPU each, as processes here."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        tests_dir = str(Path(__file__).parent)  # the build function below lives in this module
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_ray_pool_gives_one_engines_tokens(ray_cluster, qwen_dir):
     from prefixrun.engine.ray_pool import RayWorkerPool
 
     prompts = shapes()["doc-qa"] + shapes()["edge"]
     reqs = requests_of(prompts)
     want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(reqs)}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        tests_dir = str(Path(__file__).parent)
-        ray.init(address=cluster.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
-        pool = RayWorkerPool(functools.partial(build_engine, qwen_dir), cluster.address, gpus_per_worker=0)
-        got = list(pool.run(reqs))
-        pool.close()
-        assert sorted(r.index for r in got) == sorted(want)
-        assert {r.index: r.token_ids for r in got} == want
-        assert [r.requests for r in pool.reports()] != [0, 0] and len(pool.reports()) == 2
-        assert pool.stats.computed_prompt_tokens == sum(s.distinct_tokens for s in pool.plans[0].shards)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    pool = RayWorkerPool(functools.partial(build_engine, qwen_dir), ray_cluster.address, gpus_per_worker=0)
+    got = list(pool.run(reqs))
+    pool.close()
+    assert sorted(r.index for r in got) == sorted(want)  # every request exactly once
+    assert {r.index: r.token_ids for r in got} == want
+    assert len(pool.reports()) == 2 and all(w.requests for w in pool.reports())
+    assert pool.stats.computed_prompt_tokens == sum(s.distinct_tokens for s in pool.plans[0].shards)
+
+
+def test_ray_cli_gives_the_single_process_results(ray_cluster, qwen_dir, tmp_path):
+    """`prefixrun batch --ray ADDRESS` with the CPU backend: the same result lines as one process."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    lines = [{"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 4, "temperature": 0}
+             for i, p in enumerate(shapes()["shared-system"] + shapes()["unique"])]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    base = ["batch", str(inp), "--model", qwen_dir, "--device", "cpu", "-q", "--cache-dir", str(tmp_path / "c")]
+    one = CliRunner().invoke(app, base, catch_exceptions=False)
+    many = CliRunner().invoke(app, base + ["--ray", ray_cluster.address, "--json-report", str(tmp_path / "r.json")],
+                              catch_exceptions=False)
+    assert one.exit_code == many.exit_code == 0
+    strip = lambda out: [{k: v for k, v in json.loads(l).items() if k != "usage"} for l in out.splitlines()]  # noqa
+    assert strip(many.stdout) == strip(one.stdout)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["workers"]["count"] == 2 and report["requests"] == len(lines)
+
+
+def test_ray_data_stage_gives_one_engines_tokens(ray_cluster, qwen_dir, tmp_path):
+    """The Ray Data entry point: map_batches over the predictor class, two actors."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    from prefixrun.engine.ray_pool import RayDataPredictor
+
+    prompts = shapes()["doc-qa"] + shapes()["multiturn"]
+    want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(requests_of(prompts))}
+    rows = [{"custom_id": f"r{i}", "prompt_token_ids": p, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+            for i, p in enumerate(prompts)] + [{"custom_id": "bad", "prompt_token_ids": [10**9], "max_tokens": 4,
+                                                "temperature": 0.0, "ignore_eos": True}]
+    ds = ray.data.from_items(rows).repartition(2)
+    out = ds.map_batches(RayDataPredictor, fn_constructor_kwargs={"model_dir": qwen_dir, "device": "cpu",
+                                                                  "cache_dir": str(tmp_path), "max_batch": 4},
+                         concurrency=2, batch_size=64, num_cpus=1).take_all()
+    got = {r["custom_id"]: list(r["token_ids"]) for r in out if r["error"] is None}
+    assert got == {f"r{i}": t for i, t in want.items()}
+    bad = [r for r in out if r["custom_id"] == "bad"]
+    assert len(bad) == 1 and "vocabulary" in bad[0]["error"]
