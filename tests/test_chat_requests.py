@@ -306,7 +306,7 @@ def test_engine_errors_become_error_records_in_both_shapes(capsys):
             return iter(results)
 
     run = BatchRun.__new__(BatchRun)  # only what _run_window uses; loading a model is not the point here
-    run.engine, run.reporter, run.model_name, run.failed, run.done = Engine(), RunReporter(quiet=True), "m", 0, 0
+    run.backend, run.reporter, run.model_name, run.failed, run.done = Engine(), RunReporter(quiet=True), "m", 0, 0
     run._unknown_keys, run._unknown_keys_warned = {}, 0
     out = io.StringIO()
     writer = OrderedWriter(out)
