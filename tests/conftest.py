@@ -53,6 +53,19 @@ def model_dirs(tmp_path_factory):
     return {name: make_model_dir(root / name, cfg, seed=7, init_std=PARITY_STD) for name, cfg in TINY_CONFIGS.items()}
 
 
+@pytest.fixture(scope="module")
+def isolated_env(tmp_path_factory):
+    """Keep every cache (checkpoints, weight digests, the default model) of a module's runs out of the user's home;
+    CLI test modules use it for all their tests (pytestmark)."""
+    root = tmp_path_factory.mktemp("env")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        mp.setenv("NO_COLOR", "1")
+        mp.delenv("PREFIXRUN_DEBUG", raising=False)
+        yield root
+
+
 @pytest.fixture(scope="session")
 def cpu_ops():
     return get_ops("cpu")

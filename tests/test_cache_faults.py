@@ -28,15 +28,7 @@ from prefixrun.engine.store import CheckpointStore, StoreKey
 PROMPTS = [list(range(5, 45)) + [100 + i, 200 + i] for i in range(3)]  # a shared prefix of 40, 3 endings
 
 
-@pytest.fixture(scope="module", autouse=True)
-def isolated_env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("env")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
-        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
-        mp.setenv("NO_COLOR", "1")
-        mp.delenv("PREFIXRUN_DEBUG", raising=False)
-        yield root
+pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these runs in a temporary folder
 
 
 @pytest.fixture(scope="module")

@@ -35,16 +35,7 @@ N_SAMPLE_LINES = 7  # 4 few-shot prompts sharing a long prefix + 3 turns of one 
 # Fixtures and helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def isolated_env(tmp_path_factory):
-    """Keep every cache (checkpoints, weight digests, the default model) out of the user's home."""
-    root = tmp_path_factory.mktemp("env")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
-        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
-        mp.setenv("NO_COLOR", "1")
-        mp.delenv("PREFIXRUN_DEBUG", raising=False)
-        yield root
+pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these runs in a temporary folder
 
 
 @pytest.fixture(scope="module")

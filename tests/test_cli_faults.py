@@ -31,15 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 MARKUP = ("[/b]", "[red]", "[link=x]", "[bold]")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def isolated_env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("env")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
-        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
-        mp.setenv("NO_COLOR", "1")
-        mp.delenv("PREFIXRUN_DEBUG", raising=False)
-        yield root
+pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these runs in a temporary folder
 
 
 @pytest.fixture(scope="module")
