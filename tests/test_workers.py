@@ -195,24 +195,3 @@ def test_ray_cli_gives_the_single_process_results(ray_cluster, qwen_dir, tmp_pat
     assert strip(many.stdout) == strip(one.stdout)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["workers"]["count"] == 2 and report["requests"] == len(lines)
-
-
-def test_ray_data_stage_gives_one_engines_tokens(ray_cluster, qwen_dir, tmp_path):
-    """The Ray Data entry point: map_batches over the predictor class, two actors."""
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("ray.data")
-    from prefixrun.engine.ray_pool import RayDataPredictor
-
-    prompts = shapes()["doc-qa"] + shapes()["multiturn"]
-    want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(requests_of(prompts))}
-    rows = [{"custom_id": f"r{i}", "prompt_token_ids": p, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-            for i, p in enumerate(prompts)] + [{"custom_id": "bad", "prompt_token_ids": [10**9], "max_tokens": 4,
-                                                "temperature": 0.0, "ignore_eos": True}]
-    ds = ray.data.from_items(rows).repartition(2)
-    out = ds.map_batches(RayDataPredictor, fn_constructor_kwargs={"model_dir": qwen_dir, "device": "cpu",
-                                                                  "cache_dir": str(tmp_path), "max_batch": 4},
-                         concurrency=2, batch_size=64, num_cpus=1).take_all()
-    got = {r["custom_id"]: list(r["token_ids"]) for r in out if r["error"] is None}
-    assert got == {f"r{i}": t for i, t in want.items()}
-    bad = [r for r in out if r["custom_id"] == "bad"]
-    assert len(bad) == 1 and "vocabulary" in bad[0]["error"]
