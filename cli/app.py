@@ -144,6 +144,10 @@ def batch(
     cache_dir: Annotated[Optional[Path], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="do not read or write the persistent cache")] = False,
     cache_budget: Annotated[Optional[str], typer.Option(help="disk budget of the persistent cache (LRU)")] = "10GiB",
+    cache_policy: Annotated[str, typer.Option(
+        envvar="PREFIXRUN_CACHE_POLICY", help="measured: store / read a state only where this run's measured rates say reading it back beats "
+             "recomputing it; always: store every checkpoint and read every match (e.g. to fill a cache that a "
+             "slower machine will read)")] = "measured",
     json_report: Annotated[Optional[Path], typer.Option(help="write the run report as JSON here")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only errors on stderr")] = False,
     device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
@@ -196,7 +200,8 @@ MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one se
 # parsing its command line as batch's (`batch_params`), so both commands run the same BatchRun with the same defaults
 RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
                "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
-               "cache_dir", "no_cache", "cache_budget", "device", "dtype", "chat_template_kwargs", "devices", "ray")
+               "cache_dir", "no_cache", "cache_budget", "cache_policy", "device", "dtype", "chat_template_kwargs",
+               "devices", "ray")
 
 
 def batch_params(args: list[str]) -> dict:
@@ -206,7 +211,7 @@ def batch_params(args: list[str]) -> dict:
 
 def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
                  max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
-                 cache_budget, device, dtype, chat_template_kwargs, devices, ray) -> dict:
+                 cache_budget, cache_policy, device, dtype, chat_template_kwargs, devices, ray) -> dict:
     """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
     typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
     defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -216,7 +221,11 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
     for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
         if v is not None and v < 1:
             raise typer.BadParameter(f"{name} must be at least 1")
-    return dict(model_dir=model, cache_root=_cache_root(cache_dir), device=device, dtype=dtype, max_batch=max_batch,
+    from prefixrun.engine.persist import CACHE_POLICIES
+
+    if cache_policy not in CACHE_POLICIES:
+        raise typer.BadParameter(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, not {cache_policy!r}")
+    return dict(model_dir=model, cache_root=_cache_root(cache_dir), cache_policy=cache_policy, device=device, dtype=dtype, max_batch=max_batch,
                 window=window, max_prefill_tokens=max_prefill_tokens,
                 checkpoint_budget=_parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True),
                 state_memory=_parse_bytes(state_memory, "--state-memory", minimum=MIN_STATE_MEMORY),

@@ -48,6 +48,9 @@ from prefixrun.kernels.numerics import numerics_id
 
 LOGITS_REGION = "__logits__"
 CACHE_KEY_VERSION = 2  # bump when what goes into the keys below changes
+# measured: write / read a state only where the rates measured in this run say reading it back beats recomputing;
+# always: every offered state is written and every match read (e.g. to fill a folder that another machine will read)
+CACHE_POLICIES = ("measured", "always")
 WRITE_MARGIN = 0.5  # write only if a later read is expected to take under half the recompute time
 MAX_PENDING_WRITE_BYTES = 512 << 20  # host copies waiting for the background writer; offer blocks beyond this
 _MIN_MEASURED_SECONDS = 1e-3  # below this a rate is noise, not a measurement
@@ -68,8 +71,8 @@ def layout_key(specs, ops, block_size: int) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int) -> tuple[PersistentCheckpoints | None,
-                                                                                        str | None]:
+def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
+               policy: str = "measured") -> tuple[PersistentCheckpoints | None, str | None]:
     """(the cache of `loaded` under `root`, None) or (None, the one-line reason it cannot be used this run).
     Opening also does the store's bounded maintenance (leftovers of killed writers, quarantine, budget)."""
     store = None
@@ -83,7 +86,7 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int) ->
             store.close()
         return None, (f"persistent checkpoint cache at {root} is not usable ({_describe(error)}); running without it "
                       "(`prefixrun inspect-cache --clear` removes a damaged cache)")
-    return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path), None
+    return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path, policy), None
 
 
 @dataclass
@@ -110,7 +113,8 @@ class CostModel:
     Until a rate is measured the cache gets the benefit of the doubt (write, read), so the first entries of a
     run are what measures the folder."""
 
-    def __init__(self):
+    def __init__(self, always: bool = False):
+        self.always = always  # --cache-policy always: write every offered state, read every match
         self.prefill_counters = None  # an object with computed_prompt_tokens and prefill_seconds (RunStats)
         self._read = [0, 0.0]  # bytes, seconds
         self._written = [0, 0.0]
@@ -147,10 +151,14 @@ class CostModel:
         return n_tokens / prefill, nbytes / read
 
     def worth_writing(self, n_tokens: int, nbytes: int) -> bool:
+        if self.always:
+            return True
         times = self._seconds(n_tokens, nbytes)
         return times is None or times[1] < WRITE_MARGIN * times[0]
 
     def worth_reading(self, gained_tokens: int, nbytes: int) -> bool:
+        if self.always:
+            return True
         times = self._seconds(gained_tokens, nbytes)
         return times is None or times[1] < times[0]
 
@@ -192,7 +200,8 @@ class _BackgroundWriter:
 
 
 class PersistentCheckpoints:
-    def __init__(self, store: CheckpointStore, key: StoreKey, ops, vocab_size: int, model_dir: Path | None = None):
+    def __init__(self, store: CheckpointStore, key: StoreKey, ops, vocab_size: int, model_dir: Path | None = None,
+                 policy: str = "measured"):
         self.store = store
         self.key = key
         self.ops = ops
@@ -202,7 +211,9 @@ class PersistentCheckpoints:
         self.offered: set[tuple[int, ...]] = set()
         self.store_error: Exception | None = None  # set once the store failed; it is not used after that
         self.costs = CacheCosts()
-        self.cost_model = CostModel()
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"cache policy must be one of {', '.join(CACHE_POLICIES)}, not {policy!r}")
+        self.cost_model = CostModel(always=policy == "always")
         self._writer: _BackgroundWriter | None = None
         self._warned = threading.Lock()
 

@@ -30,6 +30,7 @@ class EngineSettings:
     reuse: bool = True
     use_cache: bool = True
     cache_budget: int | None = None
+    cache_policy: str = "measured"  # persist.CACHE_POLICIES
 
 
 class EngineSession:
@@ -63,7 +64,8 @@ class EngineSession:
             from prefixrun.engine.persist import open_cache
 
             # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
-            self.persist, problem = open_cache(s.cache_root, s.cache_budget, self.loaded, opts.block_size)
+            self.persist, problem = open_cache(s.cache_root, s.cache_budget, self.loaded, opts.block_size,
+                                                 s.cache_policy)
             if problem:
                 self.warnings.append(problem)
             self.store = self.persist.store if self.persist is not None else None
@@ -122,7 +124,7 @@ class EngineSession:
                 entries, total = len(self.store.entries()), self.store.total_bytes()
             except (sqlite3.Error, OSError):  # the store failed during the run (persist.store_error says how)
                 entries = total = None
-            report["cache"] = {"dir": str(self.store.root), "entries": entries,
+            report["cache"] = {"dir": str(self.store.root), "policy": self.settings.cache_policy, "entries": entries,
                                "bytes": total, "budget_bytes": self.store.budget_bytes,
                                "hits": st.hits, "misses": st.misses, "written": st.written,
                                "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,

@@ -56,12 +56,17 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def isolated_env(tmp_path_factory):
     """Keep every cache (checkpoints, weight digests, the default model) of a module's runs out of the user's home;
-    CLI test modules use it for all their tests (pytestmark)."""
+    CLI test modules use it for all their tests (pytestmark).
+
+    The cache policy is `always`: these tests' premise is a folder that holds every checkpoint and is read back,
+    while `measured` (the default) decides by how fast this machine computes and writes, which differs between
+    machines and under load; tests/test_cache_costs.py tests `measured` with rates it sets itself."""
     root = tmp_path_factory.mktemp("env")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
         mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
         mp.setenv("NO_COLOR", "1")
+        mp.setenv("PREFIXRUN_CACHE_POLICY", "always")
         mp.delenv("PREFIXRUN_DEBUG", raising=False)
         yield root
 

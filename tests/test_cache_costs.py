@@ -71,8 +71,8 @@ def test_import_shares_the_whole_blocks_of_the_state_in_memory(loaded):
     assert state.blocks.free_count == state.blocks.num_blocks
 
 
-def run(loaded, cache_root, prompts, *, fast_device=False, max_tokens=4):
-    persist, problem = open_cache(cache_root, 1 << 30, loaded, 16)
+def run(loaded, cache_root, prompts, *, fast_device=False, max_tokens=4, policy="measured"):
+    persist, problem = open_cache(cache_root, 1 << 30, loaded, 16, policy)
     assert problem is None
     engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8), persist=persist)
     persist.watch_prefill(Counters(10 ** 12, 1.0) if fast_device else engine.stats)
@@ -89,7 +89,8 @@ def run(loaded, cache_root, prompts, *, fast_device=False, max_tokens=4):
 
 
 def test_warm_run_restores_from_disk_and_shares_blocks(loaded, tmp_path, monkeypatch):
-    cold, cold_costs, cold_stats, _ = run(loaded, tmp_path / "cache", PROMPTS)
+    # `always`: the premise is a folder that holds every state, whatever this (busy, or fast) machine's rates say
+    cold, cold_costs, cold_stats, _ = run(loaded, tmp_path / "cache", PROMPTS, policy="always")
     assert cold_costs.written_bytes > 0 and cold_costs.write_seconds > 0 and cold_costs.writes_skipped == 0
     assert cold_costs.restored_tokens == 0
     imports = []
@@ -113,12 +114,8 @@ def test_warm_run_restores_from_disk_and_shares_blocks(loaded, tmp_path, monkeyp
     assert all(shared == len(SHARED) // 16 for _, shared in imports[1:]), imports
 
 
-def test_a_device_faster_than_the_disk_neither_writes_nor_reads(loaded, tmp_path, monkeypatch):
-    from prefixrun.engine.persist import CostModel
-
-    with monkeypatch.context() as m:  # the folder holds every state, whatever this busy machine's rates said
-        m.setattr(CostModel, "worth_writing", lambda self, n_tokens, nbytes: True)
-        cold, _, _, _ = run(loaded, tmp_path / "cache", PROMPTS)
+def test_a_device_faster_than_the_disk_neither_writes_nor_reads(loaded, tmp_path):
+    cold, _, _, _ = run(loaded, tmp_path / "cache", PROMPTS, policy="always")  # the folder holds every state
     # the same folder, as seen by a device that computes 10^12 tokens/s: once the first read has measured the
     # folder, nothing stored is worth reading
     again, costs, stats, _ = run(loaded, tmp_path / "cache", PROMPTS, fast_device=True)

@@ -405,6 +405,21 @@ def test_resume_without_existing_output_is_a_fresh_run(models, tmp_path):
 # 5. Persistent cache and inspect-cache
 
 
+def test_cache_policy_option(models, sample_file, baseline, tmp_path, monkeypatch):
+    """`measured` is what a user gets (no option, no PREFIXRUN_CACHE_POLICY); `always` writes every checkpoint;
+    anything else is a usage error before the model loads."""
+    monkeypatch.delenv("PREFIXRUN_CACHE_POLICY")
+    code, recs, rep = run_json(models["a"], tmp_path / "c1", sample_file, tmp_path, name="1.json")
+    assert code == 0 and token_ids(recs) == baseline["a"] and rep["cache"]["policy"] == "measured"
+    code, recs, rep = run_json(models["a"], tmp_path / "c2", sample_file, tmp_path, "--cache-policy", "always",
+                               name="2.json")
+    assert code == 0 and token_ids(recs) == baseline["a"] and rep["cache"]["policy"] == "always"
+    assert rep["cache"]["written"] > 0 and rep["cache"]["costs"]["writes_skipped"] == 0
+    res = batch(models["a"], tmp_path / "c3", sample_file, "--cache-policy", "[bold]sometimes")
+    assert res.exit_code == 2 and "--cache-policy must be one of measured, always, not '[bold]sometimes'" in res.stderr
+    assert not (tmp_path / "c3").exists()
+
+
 def test_persistent_cache_reuse_and_inspect(models, sample_file, baseline, populated, tmp_path):
     cache = copy_cache(populated, tmp_path)
     assert populated[1]["reused_from_disk_tokens"] == 0
@@ -443,16 +458,9 @@ def test_persistent_cache_reuse_and_inspect(models, sample_file, baseline, popul
     assert listing["entries"] == [] and listing["total_bytes"] == 0 and blob_files(cache) == []
 
 
-def test_disk_reuse_covers_prompts_that_share_nothing(models, tmp_path, monkeypatch):
-    """Prompts with (almost) no common prefix: nearly every prompt token of the rerun comes from disk.
-
-    Whether an entry is worth writing depends on the rates this run measures (tests/test_cache_costs.py covers that
-    policy); on a busy machine the measured disk rate can say no. Here the policy is pinned to "write and read
-    everything" so the test checks what it is about: prompt ends stored and restored whole."""
-    from prefixrun.engine.persist import CostModel
-
-    monkeypatch.setattr(CostModel, "worth_writing", lambda self, n_tokens, nbytes: True)
-    monkeypatch.setattr(CostModel, "worth_reading", lambda self, gained_tokens, nbytes: True)
+def test_disk_reuse_covers_prompts_that_share_nothing(models, tmp_path):
+    """Prompts with (almost) no common prefix: nearly every prompt token of the rerun comes from disk (cache policy
+    `always`, see isolated_env: prompt ends stored and restored whole)."""
     turns = [json.loads(line) for line in (SAMPLES / "multiturn_chat.jsonl").read_text().splitlines()]
     src = write_jsonl(tmp_path / "in.jsonl", [{**t, "max_tokens": 2, "temperature": 0} for t in turns[::3]])
     cache = tmp_path / "cache"
