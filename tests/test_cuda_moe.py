@@ -6,8 +6,8 @@ paths: tensor cores (bf16, K % 8 == 0) and SIMT (fp32, odd K).
 
 Bounds (norm-relative, ||gpu - ref|| / ||ref||): fp32 1e-5; bf16 1e-2 (the reference gets the same bf16-rounded
 inputs as fp32, so only the GPU's output rounding counts: ~2e-3 per bf16 rounding). Routing (fp32 logits in
-both backends) must choose the same experts and weights within 1e-6. Whole tiny models: fp32 1e-4, bf16 5e-2 as
-tests/test_cuda_kernels.py bounds the dense families.
+both backends) must choose the same experts and weights within 1e-6. Whole tiny models: fp32 1e-4; bf16 against
+transformers' own bf16 error on the same weights (see test_tiny_moe_model_bf16_error_is_bf16_error).
 
 `python tests/test_cuda_moe.py --bench` times one Qwen3.5-35B-A3B-shaped MoE layer with 64 experts.
 """
@@ -141,24 +141,61 @@ def test_moe_block_replays_from_a_graph(model_dirs):
     assert np.array_equal(replayed, eager)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_tiny_moe_model_matches_cpu(model_dirs, family, dtype, tol):
-    """Prefill two prompts (one longer than the delta rule's chunk), then one decode step, on both backends."""
+PROMPTS, NEXT = [list(range(3, 140)), [100, 101, 102]], [7, 9]  # one prompt longer than the delta rule's chunk
+
+
+def engine_logits(model_dir, ops) -> list[np.ndarray]:
+    """[prefill logits [2, V], decode logits [2, V]]: the two prompts prefilled together, then one decode step."""
     from prefixrun.engine.models import load_model
     from prefixrun.engine.state import ModelState
+
+    model = load_model(model_dir, ops)[0]
+    state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
+    hs = [state.new_sequence(), state.new_sequence()]
+    outs = [ops.to_host(model.forward(state.prepare_step(hs, PROMPTS), state))]
+    outs.append(ops.to_host(model.forward(state.prepare_step(hs, [[t] for t in NEXT]), state)))
+    return [np.asarray(o, np.float32) for o in outs]
+
+
+def transformers_bf16_logits(model_dir) -> list[np.ndarray]:
+    """The same two steps' logits from transformers in bfloat16 (an independent implementation at our precision)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        last = lambda ids: model(torch.tensor([ids])).logits[0, -1].float().numpy()  # noqa: E731
+        return [np.stack([last(p) for p in PROMPTS]), np.stack([last(p + [t]) for p, t in zip(PROMPTS, NEXT)])]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_tiny_moe_model_matches_cpu_fp32(model_dirs, family):
+    """Prefill two prompts, then one decode step, on both backends in fp32: the same model to 1e-4."""
     from prefixrun.kernels.cuda import CudaOps
 
-    results = []
-    for ops in (NumpyOps(), CudaOps(dtype)):
-        model = load_model(model_dirs[family], ops)[0]
-        state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
-        hs = [state.new_sequence(), state.new_sequence()]
-        outs = [ops.to_host(model.forward(state.prepare_step(hs, [list(range(3, 140)), [100, 101, 102]]), state))]
-        outs.append(ops.to_host(model.forward(state.prepare_step(hs, [[7], [9]]), state)))
-        results.append(outs)
-    for cpu, gpu in zip(*results):
-        assert rel(gpu, cpu) <= tol
+    for cpu, gpu in zip(engine_logits(model_dirs[family], NumpyOps()), engine_logits(model_dirs[family],
+                                                                                       CudaOps("float32"))):
+        assert rel(gpu, cpu) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_tiny_moe_model_bf16_error_is_bf16_error(model_dirs, family):
+    """bf16 on the GPU against the fp32 reference (which matches transformers in float64 to ~1e-6, tests/test_moe.py).
+
+    A dense model's bf16 logits stay within 5e-2 of fp32 (tests/test_cuda_kernels.py). An MoE model can stray
+    further with no bug: bf16 hidden states move the router's scores, and a token whose k-th and (k+1)-th experts
+    nearly tie takes a different expert in ANY bf16 implementation. So the bound is what bf16 can give on this
+    model: the error of transformers' own bf16 forward on the same weights and tokens, measured here (on
+    qwen3_5_moe it is ~0.18 for the prefill step, on qwen3_next ~0.03). Ours may be up to 2x that (two
+    implementations round at different places), and never beyond the dense bound where transformers is closer.
+    A real bug (a wrong expert, weight or shared-expert gate) gives errors of order 1."""
+    from prefixrun.kernels.cuda import CudaOps
+
+    reference = engine_logits(model_dirs[family], NumpyOps())
+    ours = engine_logits(model_dirs[family], CudaOps("bfloat16"))
+    theirs = transformers_bf16_logits(model_dirs[family])
+    for step, ref_step, our_step, their_step in zip(("prefill", "decode"), reference, ours, theirs):
+        their_error, our_error = rel(their_step, ref_step), rel(our_step, ref_step)
+        assert our_error <= max(5e-2, 2 * their_error), (step, our_error, their_error)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
