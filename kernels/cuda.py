@@ -25,6 +25,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
+from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.upload import upload_bytes
 from prefixrun.kernels.reference import _storage_dtype
@@ -139,6 +140,8 @@ def compile_all():
     """Compile every kernel file now (otherwise each compiles on first use)."""
     for file, names in _NAMES.items():
         _kernel(file, names[0])
+    if attention_sm90.available():
+        attention_sm90.compile_module()
 
 
 def _grid(n: int, threads: int = _THREADS) -> int:
@@ -284,6 +287,7 @@ class CudaOps:
         # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
         self.tuning = tuning or CudaTuning()
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._wgmma = attention_sm90.available()  # sm_90a kernels (attention prefill) run here
 
     def retuned(self, **changes) -> "CudaOps":
         """This backend with other kernel variants (tests and benches comparing them): a new ops object sharing
@@ -660,7 +664,12 @@ class CudaOps:
                    and qst % 8 == 0 and qsh % 8 == 0)
         plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
                               table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
-                              shared=shared is not None)
+                              shared=shared is not None, wgmma=self._wgmma)
+        if plan.path == "wgmma":
+            attention_sm90.prefill(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx,
+                                   cu=cu, nseq=nseq, tokens=t, hq=hq, hkv=hkv, d=d, bs=bs,
+                                   scale_log2=scale * _LOG2E, window=window, out=out)
+            return out
         if plan.path == "scalar":  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
             kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
             kern((t, -(-hq // 4)), (128,), (q, _i64(qst), _i64(qsh), k_cache, v_cache, tables,

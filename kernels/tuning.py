@@ -15,6 +15,10 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
 - decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
   batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s (1152 keys: 87 us vs 112 us split).
 - cascade: a decode step with shared-prefix groups reads each group's shared K/V once.
+- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: the wgmma kernel
+  (kernels/attention_sm90.cu) when the step averages at least 64 query rows (tokens x GQA ratio) per sequence;
+  steps of a few rows per sequence (speculative verification, decode-like chunks) keep attn_mma_kernel, whose
+  16-row warps waste less of a tile.
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
     """Keys per K/V tile that attn_mma_kernel is instantiated with for `head_dim` (shared memory bounds 256)."""
     return (32, 64) if head_dim > 128 else (64,)
 ATTN_MAX_SPLITS = 32
+ATTN_PREFILL_KERNELS = ("auto", "mma", "wgmma")
+WGMMA_HEAD_DIMS = (64, 128, 256)  # kernels/attention_sm90.py HEAD_DIMS (no CuPy import here)
+WGMMA_MIN_ROWS_PER_SEQ = 64
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,13 @@ class CudaTuning:
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
     attn_split_decode: bool | str = "auto"
     attn_cascade: bool = True
+    # "wgmma" (sm_90 tensor-core kernel), "mma" (mma.sync) or "auto" (the rule in the module docstring). "mma"
+    # until the wgmma kernel has passed its first device run (tests/test_cuda_kernels.py forces "wgmma")
+    attn_prefill_kernel: str = "mma"
 
     def __post_init__(self):
+        if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
+            raise ValueError(f"attn_prefill_kernel must be one of {ATTN_PREFILL_KERNELS}")
         for name in ("gdn_chunked", "attn_split_decode"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be True, False or 'auto'")
@@ -92,7 +104,8 @@ def _use_chunked(tuning: CudaTuning, sm_count: int, tokens: int, seqs: int, head
 class AttentionPlan:
     """How paged_attention runs a step.
 
-    path: "scalar" (the fp32 / unaligned path), "plain" (one tensor-core pass), "split" (decode split over key
+    path: "scalar" (the fp32 / unaligned path), "wgmma" (prefill on sm_90 tensor cores, kernels/attention_sm90.cu),
+    "plain" (one mma.sync tensor-core pass), "split" (decode split over key
     ranges, one warp per split, then a merge) or "cascade" (a pass per shared-prefix group over its shared keys with
     `warps`, a pass per sequence over its own keys with `own_warps`, then a merge). `splits` key ranges, `keys` per
     K/V tile."""
@@ -106,14 +119,21 @@ class AttentionPlan:
 
 def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, q_heads: int, kv_heads: int,
                    head_dim: int, table_width: int, block_size: int, window: int, tensor_cores: bool,
-                   shared: bool) -> AttentionPlan:
+                   shared: bool, wgmma: bool = False) -> AttentionPlan:
     """The attention path for `tokens` queries of `seqs` sequences over tables `table_width` blocks wide.
     Split counts derive from the table width, not the contexts, so a captured decode graph stays valid.
-    `tensor_cores`: bf16 inputs with a supported head dim and 16-byte aligned rows (the caller checks)."""
+    `tensor_cores`: bf16 inputs with a supported head dim and 16-byte aligned rows (the caller checks);
+    `wgmma`: the device runs sm_90a code."""
     if not tensor_cores:
         return AttentionPlan("scalar")
     d = head_dim
     decode = tokens == seqs
+    choice = tuning.attn_prefill_kernel
+    if choice == "wgmma" and not wgmma:
+        raise ValueError("attn_prefill_kernel='wgmma' needs a compute capability 9.0 GPU (H100/H200)")
+    if wgmma and not decode and d in WGMMA_HEAD_DIMS and choice != "mma" and (
+            choice == "wgmma" or tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
+        return AttentionPlan("wgmma")
     wide = 8 if d > 128 else 4
     table_keys = table_width * block_size
     if shared and decode and window == 0 and tuning.attn_cascade:

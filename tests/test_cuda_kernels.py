@@ -514,6 +514,88 @@ def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
     assert per_row.max() <= 10 * TOL_SEQ[ops.dtype_name]
 
 
+# ---- attention prefill on sm_90 tensor cores (kernels/attention_sm90.cu, wgmma) ---------------------------------------
+# Bound (bf16): Q, K and V are bf16 on both sides (the reference gets the same rounded values) and every sum is fp32;
+# the kernel rounds the probabilities P to bf16 before P·V and the output to bf16, each a relative error <= 2^-9
+# (2e-3) per element, so the norm-relative error is ~3e-3 and 1e-2 leaves a 3x margin. The per-row bound 3e-2
+# catches a single row gone wrong; rows with few visible keys (first positions, windows of 5) change by O(1) when
+# one key is masked wrongly, and any fragment or swizzle layout error is O(1) everywhere.
+WGMMA_TOL, WGMMA_ROW_TOL = 1e-2, 3e-2
+WGMMA_CASES = [
+    # hq, hkv, d, block_size, window, strided q
+    (16, 4, 256, 64, None, False),  # the 4b-like layer: GQA 4, the engine's block size
+    (8, 8, 128, 16, None, False),   # GQA 1: 128 tokens per query tile
+    (8, 4, 64, 32, 5, False),       # GQA 2, a window shorter than a block
+    (16, 2, 128, 16, 37, True),     # GQA 8 (16 tokens per tile), a window, q as a strided view of a fused projection
+    (4, 1, 256, 48, 300, False),    # a window longer than a K/V tile, a block size that is no power of two
+    (32, 8, 128, 64, None, True),   # qwen3-4b-like
+    (2, 2, 64, 16, 200, False),
+]
+# (context after the step, new tokens): a first token alone, decode-like rows inside a prefill batch, history
+# before the queries (chunked prefill, restored checkpoints), lengths off every block, tile and 64-key boundary,
+# and one sequence long enough for many query tiles and K/V tiles
+WGMMA_SEQS = [(1, 1), (300, 1), (150, 70), (33, 33), (64, 64), (129, 129), (700, 260), (97, 20), (2, 2), (513, 400)]
+
+
+@pytest.fixture(scope="module")
+def wgmma_ops():
+    from prefixrun.kernels import attention_sm90
+    from prefixrun.kernels.cuda import CudaOps
+
+    if not attention_sm90.available():
+        pytest.skip("needs a compute capability 9.0 GPU (wgmma)")
+    return CudaOps("bfloat16").retuned(attn_prefill_kernel="wgmma")
+
+
+def _check_rows(got, want, tol, row_tol):
+    assert rel(got, want) <= tol
+    per_row = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert per_row.max() <= row_tol, np.argwhere(per_row > row_tol)[:10]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window,strided", WGMMA_CASES)
+def test_paged_attention_wgmma_prefill(wgmma_ops, ref, hq, hkv, d, bs, window, strided):
+    """The sm_90 prefill kernel against the NumPy reference: ragged batches with history, GQA 1/2/4/8, head dims
+    64/128/256, windows, paged caches in shuffled blocks."""
+    ops = wgmma_ops
+    rng = np.random.default_rng(hq * d + bs + (window or 0))
+    c = _paged_case(rng, ops, WGMMA_SEQS, hq, hkv, d, bs, strided_q=strided)
+    args = (ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]), d ** -0.5, window)
+    out = ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), *args)
+    want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
+                               window)
+    assert out.dtype == np.dtype(ops.act_dtype)
+    _check_rows(host(ops, out), want, WGMMA_TOL, WGMMA_ROW_TOL)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_paged_attention_wgmma_sharp_softmax(wgmma_ops, ref, d):
+    """Large logits (q scaled x8: near one-hot rows, where the running max changes between key tiles and the
+    rescaling of O matters) and a single 2304-token sequence after 1000 cached tokens, as a restored checkpoint."""
+    ops = wgmma_ops
+    rng = np.random.default_rng(d)
+    c = _paged_case(rng, ops, [(3304, 2304), (5, 5)], 16, 4, d, 64)
+    q = act_round(ops, c["q_host"] * 8)
+    out = ops.paged_attention(ops.upload(q), ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
+                              ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
+                              d ** -0.5)
+    want = ref.paged_attention(q, c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5)
+    _check_rows(host(ops, out), want, WGMMA_TOL, WGMMA_ROW_TOL)
+
+
+def test_paged_attention_auto_choice_matches_mma(wgmma_ops):
+    """The automatic choice (wgmma for prefill steps, mma.sync for steps of a few rows per sequence) and the
+    mma.sync kernel agree on a mixed batch within two bf16 roundings."""
+    ops = wgmma_ops
+    rng = np.random.default_rng(9)
+    c = _paged_case(rng, ops, WGMMA_SEQS, 16, 4, 256, 64)
+    args = (c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), ops.upload_index(c["tables"]),
+            ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]), 256 ** -0.5)
+    auto = host(ops, ops.retuned(attn_prefill_kernel="auto").paged_attention(*args))
+    mma = host(ops, ops.retuned(attn_prefill_kernel="mma").paged_attention(*args))
+    _check_rows(auto, mma, WGMMA_TOL, WGMMA_ROW_TOL)
+
+
 def test_copy_rows(ops):
     rng = np.random.default_rng(12)
     rec = cupy.asarray(rnd(rng, 9, 3, 8, 8))

@@ -1,0 +1,201 @@
+"""Kernel checks and timings on the bench models' shapes (device only): `python3 bench/kernel_bench.py [attn|delta]`.
+
+Each part (PARTS below; no argument runs them all) returns rows: a check (a kernel's error against the NumPy
+reference on the bench shapes, its bound) or a timing (ms and a rate, next to the old kernel and the vendor
+baseline). A part checks a kernel before it times it and times nothing that failed its check. The script prints one
+table per part and exits 1 when a check failed.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class Row:
+    name: str
+    ms: float | None = None  # a timing
+    rate: str = ""
+    error: float | None = None  # a check: norm-relative error against the reference, and its bound
+    bound: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None and not self.error <= self.bound  # NaN fails
+
+
+def time_ms(fn, iters: int = 10, warmup: int = 2) -> float:
+    """Mean device time of fn() in ms (CuPy events on the current stream)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / iters
+
+
+def torch_time_ms(fn, iters: int = 10, warmup: int = 2) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def rel(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---- attention prefill (issue 14): mma.sync vs wgmma vs torch SDPA ---------------------------------------------------
+# name, sequences, new tokens each, cached tokens before them, q heads, kv heads, head dim, window (0: none)
+ATTN_CASES = [
+    ("prefill 32 x 2304, 16/4 heads x 256", 32, 2304, 0, 16, 4, 256, 0),
+    ("prefill 32 x 2304, 32/8 heads x 128", 32, 2304, 0, 32, 8, 128, 0),
+    ("suffixes 64 x 256 after 2048 cached, 16/4 x 256", 64, 256, 2048, 16, 4, 256, 0),
+    ("prefix alone 1 x 2048, 16/4 x 256", 1, 2048, 0, 16, 4, 256, 0),
+    ("prefill 32 x 2304, window 512, 16/4 x 256", 32, 2304, 0, 16, 4, 256, 512),
+]
+ATTN_BOUND = 1e-2  # tests/test_cuda_kernels.py WGMMA_TOL: two bf16 roundings (P and the output)
+ATTN_CHECK_SEQS = 2  # sequences per case checked against the reference (the first and the last)
+
+
+def _causal_pairs(n: int, hist: int, window: int) -> int:
+    """(query, key) pairs a sequence of n new queries after `hist` cached tokens computes."""
+    if not window:
+        return n * hist + n * (n + 1) // 2
+    return sum(min(p + 1, window) for p in range(hist, hist + n))
+
+
+def attn_part() -> list[Row]:
+    import cupy
+    import numpy as np
+
+    from prefixrun.kernels import attention_sm90
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.reference import NumpyOps
+
+    base = CudaOps("bfloat16")
+    kernels = {"mma.sync": base.retuned(attn_prefill_kernel="mma")}
+    if attention_sm90.available():
+        kernels["wgmma"] = base.retuned(attn_prefill_kernel="wgmma")
+    ref = NumpyOps()
+    rng = np.random.default_rng(0)
+    bs = base.default_block_size
+    rows: list[Row] = []
+    for name, b, n, hist, hq, hkv, d, window in ATTN_CASES:
+        ctx_len = hist + n
+        nblk = -(-ctx_len // bs)
+        tables_h = rng.permutation(b * nblk).reshape(b, nblk).astype(np.int32)
+        ctx_h = np.full(b, ctx_len, np.int32)
+        cu_h = (np.arange(b + 1) * n).astype(np.int32)
+        k_cache = base.upload(cupy.random.standard_normal((b * nblk, bs, hkv, d), dtype=np.float32))  # bf16
+        v_cache = base.upload(cupy.random.standard_normal((b * nblk, bs, hkv, d), dtype=np.float32))
+        q = base.upload(cupy.random.standard_normal((b * n, hq, d), dtype=np.float32))
+        tables, ctx, cu = base.upload_index(tables_h), base.upload_index(ctx_h), base.upload_index(cu_h)
+        scale = d ** -0.5
+        win = window or None
+        flops = 4 * hq * d * b * _causal_pairs(n, hist, window)
+
+        # the reference on the first and the last sequence (their blocks only)
+        picked = sorted({0, b - 1})[:ATTN_CHECK_SEQS]
+        blocks = tables_h[picked].reshape(-1)
+        sub_tables = np.arange(len(blocks), dtype=np.int32).reshape(len(picked), nblk)
+        host = lambda a: np.asarray(base.to_host(a)).astype(np.float32)
+        k_sub, v_sub = host(k_cache[cupy.asarray(blocks)]), host(v_cache[cupy.asarray(blocks)])
+        q_rows = np.concatenate([np.arange(cu_h[s], cu_h[s + 1]) for s in picked])
+        q_rows_dev = cupy.asarray(q_rows)
+        q_sub = host(q[q_rows_dev])
+        sub_cu = (np.arange(len(picked) + 1) * n).astype(np.int32)
+        want = ref.paged_attention(q_sub, k_sub, v_sub, sub_tables, ctx_h[picked], sub_cu, scale, win)
+
+        for label, ops in kernels.items():
+            run = lambda ops=ops: ops.paged_attention(q, k_cache, v_cache, tables, ctx, cu, scale, win)
+            err = rel(host(run()[q_rows_dev]), want)
+            rows.append(Row(f"{name}: {label} vs reference", error=err, bound=ATTN_BOUND))
+            if rows[-1].failed:
+                continue
+            ms = time_ms(run, iters=10, warmup=2)
+            rows.append(Row(f"{name}: {label}", ms, f"{flops / ms / 1e9:.0f} TFLOP/s"))
+        rows += _sdpa_rows(name, b, n, hist, hq, hkv, d, window, flops)
+        del k_cache, v_cache, q
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def _sdpa_rows(name, b, n, hist, hq, hkv, d, window, flops) -> list[Row]:
+    """torch.nn.functional.scaled_dot_product_attention on dense [B, H, L, D] bf16 tensors of the same shape: GQA
+    native (enable_gqa) and with K/V repeated to every query head; queries after cached keys use the lower-right
+    causal mask. Sliding windows have no fused SDPA path: not timed."""
+    if window:
+        return [Row(f"{name}: torch SDPA", rate="n/a (no fused sliding-window path)")]
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError as e:
+        return [Row(f"{name}: torch SDPA", rate=f"skipped: {e}")]
+    qt = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
+    kt = torch.randn(b, hkv, hist + n, d, device="cuda", dtype=torch.bfloat16)
+    vt = torch.randn_like(kt)
+    mask = dict(is_causal=True) if hist == 0 else dict(attn_mask=causal_lower_right(n, hist + n))
+    rows = []
+    variants = {"torch SDPA, enable_gqa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True, **mask)}
+    kr, vr = kt.repeat_interleave(hq // hkv, dim=1), vt.repeat_interleave(hq // hkv, dim=1)
+    variants["torch SDPA, K/V repeated"] = lambda: F.scaled_dot_product_attention(qt, kr, vr, **mask)
+    for label, fn in variants.items():
+        try:
+            ms = torch_time_ms(fn)
+        except Exception as e:  # a backend without this combination
+            rows.append(Row(f"{name}: {label}", rate=f"failed: {type(e).__name__}: {str(e)[:80]}"))
+            continue
+        rows.append(Row(f"{name}: {label}", ms, f"{flops / ms / 1e9:.0f} TFLOP/s"))
+    del qt, kt, vt, kr, vr
+    torch.cuda.empty_cache()
+    return rows
+
+
+PARTS = {"attn": attn_part}
+
+
+def print_table(part: str, rows: list[Row]) -> None:
+    print(f"\n== {part} ==")
+    print(f"{'':<72} {'ms':>9}  rate / check")
+    for r in rows:
+        if r.error is not None:
+            verdict = "FAIL" if r.failed else "ok"
+            print(f"{r.name:<72} {'':>9}  {verdict}: error {r.error:.2e} (bound {r.bound:.0e})")
+        else:
+            ms = f"{r.ms:9.4f}" if r.ms is not None else f"{'':>9}"
+            print(f"{r.name:<72} {ms}  {r.rate}")
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(PARTS)
+    unknown = [a for a in names if a not in PARTS]
+    if unknown:
+        print(f"unknown part(s) {', '.join(unknown)}; parts: {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    failed = False
+    for part in names:
+        rows = PARTS[part]()
+        print_table(part, rows)
+        failed |= any(r.failed for r in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

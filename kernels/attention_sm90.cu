@@ -1,0 +1,301 @@
+// Paged causal attention prefill on Hopper tensor cores (wgmma, sm_90a): the bf16 prefill path of paged_attention.
+//
+// Same contract and row mapping as attn_mma_kernel in kernels/attention.cu (mode 0): a block owns one KV head of one
+// sequence and a tile of BM = 128 query rows, row r = new token r / rep, query head kv * rep + r % rep, so the rep
+// query heads of a KV head share every K/V tile load (GQA). Queries of a sequence are its last n positions
+// (ctx - n .. ctx - 1: chunked prefill or a restored checkpoint before them), keys come through the block table,
+// a query at position p sees keys in (p - window, p] (window 0: all of 0..p).
+//
+// Two warpgroups of 4 warps, 64 rows each. S = Q K^T and O += P V run as wgmma.m64n64k16 (fp32 accumulate): Q and K
+// are read by the tensor cores straight from shared memory (descriptors), P stays in registers (the accumulator
+// layout of S is the A-fragment layout of the next wgmma), V is the transposed (MN-major) B operand. Tiles live in
+// shared memory in the canonical 128-byte-swizzle layout: a [R x D] tile is D/64 column blocks of R rows x 128 bytes,
+// the 16-byte chunk c of row r stored at chunk c ^ (r % 8) of its row, 8-row atoms 1024 bytes apart. K/V tiles are
+// double-buffered: the gather of tile j+1 (cp.async through the block table) overlaps both GEMMs of tile j.
+// Work order: a sequence's heaviest (last) query tiles launch first, so the light ones fill the tail of the grid.
+//
+// Compiled for sm_90a only (kernels/attention_sm90.py: NVRTC, its own module); other GPUs use attn_mma_kernel.
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K) ignore the leading byte offset;
+// for the MN-major V with N = 64 per instruction only the 8-row group stride along K matters, and PTX and
+// CUTLASS name it differently for the two majors, so both offsets are that stride (1024 bytes).
+__device__ __forceinline__ u64 sw128_desc(unsigned saddr) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(1024 >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// keep the compiler from moving accesses of accumulator registers across the asynchronous wgmma window
+__device__ __forceinline__ void reg_fence(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void reg_fence(unsigned (&a)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+#define WG_D32                                                                                                        \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),      \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_OUT32                                                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31}"
+
+// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory; scale_d 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_OUT32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : WG_D32
+                 : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d[64 x 64] += A[64 x 16] B[16 x 64], A in registers (the m16n8k16 A fragment of each warp's 16 rows), B MN-major
+// (transposed) in shared memory.
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[32], const unsigned (&a)[4], u64 db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_OUT32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : WG_D32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ unsigned pack2_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Byte offset of 16-byte chunk ch (0 .. D/8-1) of row `row` in a swizzled [R x D] tile (see the top of the file).
+template <int R>
+__device__ __forceinline__ unsigned sw_off(int row, int ch) {
+    return (unsigned)((ch >> 3) * (R * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4));
+}
+
+// Gather K and V rows kt .. kt+BN-1 of (table, KV head h) into swizzled tiles; rows past ctx are zero-filled.
+template <int D, int BN>
+__device__ __forceinline__ void load_kv(unsigned sk, unsigned sv, const bf16* __restrict__ k_cache,
+                                        const bf16* __restrict__ v_cache, const int* __restrict__ table, int kt,
+                                        int ctx, int block_size, int hkv, int h) {
+    constexpr int CH = D / 8;
+    for (int idx = threadIdx.x; idx < BN * CH; idx += 256) {
+        const int row = idx / CH, ch = idx % CH;
+        const int kp = kt + row;
+        i64 o = 0;
+        if (kp < ctx) o = (((i64)table[kp / block_size] * block_size + kp % block_size) * hkv + h) * D + ch * 8;
+        const int bytes = kp < ctx ? 16 : 0;
+        const unsigned so = sw_off<BN>(row, ch);
+        cp_async16_zfill(sk + so, k_cache + o, bytes);
+        cp_async16_zfill(sv + so, v_cache + o, bytes);
+    }
+}
+
+// grid (ceil(T * rep / 128) + num_seqs, hkv), block 256, dynamic shared memory (128 + 4 BN) D * 2 + 1024 bytes.
+template <int D, int BN>
+__global__ void __launch_bounds__(256, 1)
+attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
+                  const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                  const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
+                  int block_size, float scale_log2, int window, bf16* __restrict__ out) {
+    static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle atoms");
+    constexpr int BM = 128;
+    constexpr int CH = D / 8;        // 16-byte chunks per row
+    constexpr int NP = BN / 64;      // 64-key pieces of S
+    constexpr int OP = D / 64;       // 64-column pieces of O
+    constexpr int KV_BYTES = BN * D * 2;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int s_seq, s_tile;
+
+    // 1024-byte aligned tiles (the swizzle pattern repeats every 1024 bytes of address): Q, then K[2], V[2]
+    const unsigned raw = smem_u32(smem_raw);
+    const unsigned sq = (raw + 1023u) & ~1023u;
+    const unsigned sk0 = sq + BM * D * 2;
+    const unsigned sv0 = sk0 + 2 * KV_BYTES;
+
+    const int h = blockIdx.y;
+    const int rep = hq / hkv;
+    if (threadIdx.x < 32) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, rep, BM, blockIdx.x, seq, tile)) seq = -1;
+        if (threadIdx.x == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    const int seq = s_seq;
+    if (seq < 0) return;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int ctx = context_lens[seq];
+    const int ntiles = (n * rep + BM - 1) / BM;
+    const int r0 = (ntiles - 1 - s_tile) * BM;  // heaviest tile first
+    const int r1 = min(r0 + BM, n * rep);
+    const int qpos0 = ctx - n;
+    const int* table = block_tables + (i64)seq * max_blocks;
+
+    const int qp_lo = qpos0 + r0 / rep, qp_hi = qpos0 + (r1 - 1) / rep;
+    const int kv_end = qp_hi + 1;
+    const int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
+    const int t_begin = (kv_begin / BN) * BN;
+    const int num_tiles = (kv_end - t_begin + BN - 1) / BN;
+
+    // Q tile and the first K/V tile (one cp.async group)
+    for (int idx = threadIdx.x; idx < BM * CH; idx += 256) {
+        const int row = idx / CH, ch = idx % CH;
+        const int r = r0 + row;
+        const bf16* src = q;
+        if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
+        cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
+    }
+    load_kv<D, BN>(sk0, sv0, k_cache, v_cache, table, t_begin, ctx, block_size, hkv, h);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wg = warp >> 2;
+    const int g = lane >> 2, c = lane & 3;
+    int qp[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int r = r0 + warp * 16 + g + hf * 8;  // warp w of warpgroup wg holds rows 64 wg + 16 w ..
+        row_ok[hf] = r < r1;
+        qp[hf] = qpos0 + (row_ok[hf] ? r / rep : 0);
+    }
+
+    float o[OP][32];
+#pragma unroll
+    for (int p = 0; p < OP; ++p)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+    const unsigned sq_wg = sq + wg * 64 * 128;  // this warpgroup's 64 rows in every column block
+
+    for (int j = 0; j < num_tiles; ++j) {
+        const int kt = t_begin + j * BN;
+        const unsigned sk = sk0 + (j & 1) * KV_BYTES, sv = sv0 + (j & 1) * KV_BYTES;
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        fence_async_smem();  // this thread's cp.async writes -> visible to the tensor cores' (async proxy) reads
+        __syncthreads();     // everyone's tile j landed; everyone finished tile j-1 (its buffers are free again)
+        if (j + 1 < num_tiles) {
+            load_kv<D, BN>(sk0 + ((j + 1) & 1) * KV_BYTES, sv0 + ((j + 1) & 1) * KV_BYTES, k_cache, v_cache, table,
+                           kt + BN, ctx, block_size, hkv, h);
+            asm volatile("cp.async.commit_group;\n" ::);
+        }
+
+        // S [64 x BN] per warpgroup, as NP pieces of 64 keys
+        float s[NP][32];
+#pragma unroll
+        for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u64 da = sw128_desc(sq_wg + (kk >> 2) * (BM * 128) + (kk & 3) * 32);
+#pragma unroll
+            for (int p = 0; p < NP; ++p)
+                wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * 64 * 128 + (kk & 3) * 32), kk > 0);
+        }
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+
+        // mask, scale to log2 units, online softmax. s[p][4 i + e]: row g + 8 (e / 2), key 64 p + 8 i + 2 c + e % 2
+        const bool full = kt + BN - 1 <= qp_lo && kt >= kv_begin && (window <= 0 || kt > qp_hi - window);
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int p = 0; p < NP; ++p)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hf = e >> 1;
+                    float val = s[p][4 * i + e] * scale_log2;
+                    if (!full) {
+                        const int key = kt + p * 64 + i * 8 + 2 * c + (e & 1);
+                        const bool vis = row_ok[hf] && key <= qp[hf] && key >= kv_begin &&
+                                         (window <= 0 || key > qp[hf] - window);
+                        if (!vis) val = -INFINITY;
+                    }
+                    s[p][4 * i + e] = val;
+                    mx[hf] = fmaxf(mx[hf], val);
+                }
+        float alpha[2], mnew[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
+            mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
+            mnew[hf] = fmaxf(m_i[hf], mx[hf]);
+            alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
+            m_i[hf] = mnew[hf];
+            l_i[hf] *= alpha[hf];
+        }
+        // P as the A fragments of O += P V: pa[k2] covers keys 16 k2 .. 16 k2 + 15
+        unsigned pa[BN / 16][4];
+#pragma unroll
+        for (int p = 0; p < NP; ++p)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float pv[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hf = e >> 1;
+                    pv[e] = mnew[hf] == -INFINITY ? 0.f : exp2f(s[p][4 * i + e] - mnew[hf]);
+                    l_i[hf] += pv[e];
+                }
+                const int k2 = p * 4 + (i >> 1), half = i & 1;
+                pa[k2][2 * half] = pack2_bf16(pv[0], pv[1]);      // row g, keys 8 half + 2c, +1
+                pa[k2][2 * half + 1] = pack2_bf16(pv[2], pv[3]);  // row g + 8
+            }
+#pragma unroll
+        for (int p = 0; p < OP; ++p) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                o[p][4 * i] *= alpha[0];
+                o[p][4 * i + 1] *= alpha[0];
+                o[p][4 * i + 2] *= alpha[1];
+                o[p][4 * i + 3] *= alpha[1];
+            }
+            reg_fence(o[p]);
+        }
+
+        // O [64 x D] += P [64 x BN] V [BN x D], as OP pieces of 64 columns
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BN / 16; ++k2)
+#pragma unroll
+            for (int p = 0; p < OP; ++p)
+                wgmma_rs_tb(o[p], pa[k2], sw128_desc(sv + p * (BN * 128) + k2 * 16 * 128));
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+#pragma unroll
+        for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);  // read by the tensor cores until the wait
+    }
+
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
+        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        if (!row_ok[hf]) continue;
+        const int r = r0 + warp * 16 + g + hf * 8;
+        const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+        bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
+#pragma unroll
+        for (int p = 0; p < OP; ++p)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                *reinterpret_cast<unsigned*>(orow + p * 64 + i * 8 + 2 * c) =
+                    pack2_bf16(o[p][4 * i + 2 * hf] * inv, o[p][4 * i + 2 * hf + 1] * inv);
+    }
+}

@@ -1,0 +1,125 @@
+"""Attention prefill on Hopper tensor cores: the launch wrapper and the NVRTC build of kernels/attention_sm90.cu.
+
+wgmma exists only in the arch-specific target sm_90a, and CuPy's RawModule always compiles for the device's plain
+architecture (sm_90), so this module drives NVRTC itself (the same common.cu prelude, one `-arch=sm_90a`) and loads
+the cubin through `RawModule(path=...)`. Cubins are kept in CuPy's kernel cache folder (CUPY_CACHE_DIR), keyed by
+the source, the options and the NVRTC version, so a process pays the compile once per machine like every other
+kernel. `CudaOps.paged_attention` calls `prefill` when `kernels.tuning.attention_plan` picks the "wgmma" path.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+HEAD_DIMS = (64, 128, 256)  # multiples of 64: whole 128-byte swizzle atoms per row (attention_sm90.cu)
+ROWS_PER_BLOCK = 128  # BM in attention_sm90.cu: two warpgroups of 64 query rows
+THREADS = 256
+
+
+def keys_per_tile(head_dim: int) -> int:
+    """BN of the instantiation for `head_dim`: 64 keys at 256 dims (registers: O is 128 of them per thread), else
+    128 (fewer barriers per key, more work per Q read)."""
+    return 64 if head_dim > 128 else 128
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one block: the Q tile, two K and two V tiles, 1024 bytes of alignment slack."""
+    return (ROWS_PER_BLOCK + 4 * keys_per_tile(head_dim)) * head_dim * 2 + 1024
+
+
+_NAMES = [f"attn_wgmma_kernel<{d}, {keys_per_tile(d)}>" for d in HEAD_DIMS]
+_LOCK = threading.Lock()
+_FUNCTIONS: dict[tuple[int, str], object] = {}
+_SMEM_SET: set[tuple[int, int]] = set()
+
+
+def available() -> bool:
+    """True on a compute capability 9.0 device (H100/H200): the only target sm_90a code runs on."""
+    try:
+        return cupy.cuda.Device().compute_capability == "90"
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+
+
+def _build() -> tuple[Path, dict[str, str]]:
+    """The cubin of attention_sm90.cu for sm_90a and the lowered (mangled) name of each kernel in _NAMES."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from prefixrun.kernels.cuda import _include_options, kernel_source
+
+    source = kernel_source("attention_sm90")
+    options = ("-std=c++17", "-arch=sm_90a") + _include_options()
+    key = hashlib.sha256(json.dumps([source, options, _NAMES, nvrtc.getVersion()]).encode()).hexdigest()[:32]
+    folder = _cache_dir()
+    cubin, names = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"
+    if cubin.is_file() and names.is_file():
+        return cubin, json.loads(names.read_text())
+    prog = nvrtc.createProgram(source, "attention_sm90.cu", (), ())
+    try:
+        for name in _NAMES:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC could not compile kernels/attention_sm90.cu for sm_90a: {e}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from None
+        binary = nvrtc.getCUBIN(prog)
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in _NAMES}
+    finally:
+        nvrtc.destroyProgram(prog)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, data in ((cubin, binary), (names, json.dumps(lowered).encode())):
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as tmp:  # atomic: concurrent processes
+            tmp.write(data)
+        os.replace(tmp.name, path)
+    return cubin, lowered
+
+
+def _function(head_dim: int):
+    dev = cupy.cuda.Device().id
+    name = f"attn_wgmma_kernel<{head_dim}, {keys_per_tile(head_dim)}>"
+    fn = _FUNCTIONS.get((dev, name))
+    if fn is None:
+        with _LOCK:
+            fn = _FUNCTIONS.get((dev, name))
+            if fn is None:
+                cubin, lowered = _build()
+                module = cupy.RawModule(path=str(cubin))
+                for n in _NAMES:
+                    _FUNCTIONS[(dev, n)] = module.get_function(lowered[n])
+                fn = _FUNCTIONS[(dev, name)]
+    smem = shared_bytes(head_dim)
+    if (id(fn), smem) not in _SMEM_SET:
+        fn.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET.add((id(fn), smem))
+    return fn
+
+
+def compile_module():
+    """Build (or load from the cache folder) every instantiation now."""
+    _function(HEAD_DIMS[0])
+
+
+def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
+            out):
+    """One launch of attn_wgmma_kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element strides
+    qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous)."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"the sm_90a attention kernel takes head dims {HEAD_DIMS}, not {d}")
+    rep = hq // hkv
+    grid = (-(-tokens * rep // ROWS_PER_BLOCK) + nseq, hkv)
+    _function(d)(grid, (THREADS,), (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables,
+                                    np.int32(tables.shape[1]), ctx, cu, np.int32(nseq), np.int32(hq), np.int32(hkv),
+                                    np.int32(bs), np.float32(scale_log2), np.int32(window), out),
+                 shared_mem=shared_bytes(d))
