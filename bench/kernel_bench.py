@@ -168,7 +168,18 @@ def _sdpa_rows(name, b, n, hist, hq, hkv, d, window, flops) -> list[Row]:
     return rows
 
 
-PARTS = {"attn": attn_part}
+def delta_part() -> list[Row]:
+    """The gated delta rule's prefill: tensor cores vs the previous kernels and flash-linear-attention
+    (bench/kbench_delta.py; apart because it is long)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kbench_delta
+
+    return kbench_delta.delta_part()
+
+
+PARTS = {"attn": attn_part, "delta": delta_part}
 
 
 def print_table(part: str, rows: list[Row]) -> None:

@@ -30,7 +30,7 @@ from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.upload import upload_bytes
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
-from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, CudaTuning, \
+from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, CudaTuning, \
     attention_plan, attn_tile_keys, delta_rule_launch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -68,11 +68,23 @@ _GDN_SCAN_SMEM = (128 * 32 + 64 * (128 + 4) + 64 * 32 + 64 * (64 + 1)) * 4
 _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
 
 
+def _gdn_tc_smem(dim: int, warps: int = 0) -> int:
+    """Dynamic shared memory of gdn_tc_prep_kernel<dim> (warps == 0) or gdn_tc_scan_kernel<dim, warps>, bytes
+    (the layouts at the top of each kernel in kernels/delta_tc.cu; C = 64 tokens, rows padded by 8 bf16)."""
+    c, ld, ald = 64, dim + 8, 64 + 8
+    if warps == 0:  # k, q/v [C][ld] bf16; L, T [C][C + 1] fp32; Aw, Au [C][ald] bf16
+        return 2 * c * ld * 2 + 2 * c * (c + 1) * 4 + 2 * c * ald * 2
+    uld = 16 * warps + 8  # W, k, q [C][ld]; Aqk [C][ald]; U0, O [C][uld]
+    return (3 * c * ld + c * ald + 2 * c * uld) * 2
+
+
 _NAMES = {
     "elementwise": _elementwise_names(),
     "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
+    "delta_tc": [f"gdn_tc_prep_kernel<{d}>" for d in GDN_TC_DIMS]
+    + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
     "sampling": ["sample_kernel"],
@@ -553,7 +565,8 @@ class CudaOps:
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
         v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch, except a
-        prefill of a few long sequences, which takes the chunked form (64-token chunks, two launches; see
+        prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
+        a prefill of a few long sequences the fp32 chunked form (64-token chunks, two launches each; see
         kernels/tuning.py). `chunk_size` is the reference's, accepted for signature compatibility.
         Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
@@ -579,7 +592,13 @@ class CudaOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
             return out
-        launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv)
+        aligned = dt == BF16 and all(x.data.ptr % 16 == 0 and s % 8 == 0 for x, s in
+                                     ((q, qst), (q, qsh), (k, kst), (k, ksh), (v, vst), (v, vsh)))
+        launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv,
+                                   tensor_cores=aligned)
+        if launch.tensor_cores:
+            self._gdn_tc(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
+            return out
         if launch.chunked:
             self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
@@ -608,6 +627,36 @@ class CudaOps:
         scan((-(-dv // _GDN_SCAN_COLS), h, nseq), (256,),
              (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), w, u, aqk, gc, state, slots, cu, _i32(h), _i32(krep),
               _i32(dk), _i32(dv), scale, out), shared_mem=_GDN_SCAN_SMEM)
+
+    def _gdn_tc(self, launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
+        """The tensor-core chunked form (kernels/delta_tc.cu): a parallel pass over all 64-token chunks writes W, U0,
+        Aqk (bf16) and the cumulative gates (fp32) to scratch, then a scan over each sequence's chunks applies the
+        state, kept in registers. Scratch: T x H x (Dk + Dv + 64) bf16 + T x H fp32."""
+        w, u, aqk, gc = self._gdn_tc_prep(launch.dim, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, cu,
+                                          slots.shape[0], krep)
+        h, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+        nbytes = _gdn_tc_smem(launch.dim, launch.warps)
+        scan = self._dynamic_smem(_kernel("delta_tc", launch.kernel), nbytes)
+        scan(launch.grid, (32 * launch.warps,),
+             (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), w, u, aqk, gc, state, slots, cu, _i32(h), _i32(krep),
+              _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)), out), shared_mem=nbytes)
+
+    def _gdn_tc_prep(self, dim, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, cu, nseq, krep):
+        """gdn_tc_prep_kernel<dim> over every chunk of `nseq` sequences: (W [T, H, Dk], U0 [T, H, Dv],
+        Aqk [T, H, 64], gc [T, H])."""
+        t, _, dk = q.shape
+        h, dv = v.shape[1], v.shape[2]
+        w = cupy.empty((t, h, dk), BF16)
+        u = cupy.empty((t, h, dv), BF16)
+        aqk = cupy.empty((t, h, 64), BF16)
+        gc = cupy.empty((t, h), F32)
+        nbytes = _gdn_tc_smem(dim)
+        prep = self._dynamic_smem(_kernel("delta_tc", f"gdn_tc_prep_kernel<{dim}>"), nbytes)
+        prep((-(-t // 64) + nseq, h), (128,),
+             (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, cu, _i32(nseq),
+              _i32(h), _i32(krep), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)), w, u, aqk, gc),
+             shared_mem=nbytes)
+        return w, u, aqk, gc
 
     def _dynamic_smem(self, kern, nbytes: int):
         """Allow `kern` more than the default 48 KiB of dynamic shared memory (set once per kernel and size)."""

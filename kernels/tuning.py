@@ -10,6 +10,11 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
 - delta rule, chunked (64-token chunk steps, Dk, Dv <= 128) only when the token-stepped grid fills under half the
   SMs (a long shared prefix alone): the fp32 chunked kernels are bound by shared memory and lose from about four
   sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
+- delta rule, tensor cores (kernels/delta_tc.cu: bf16 mma, 64-token chunks, key/value dims <= 128 and 16-byte
+  aligned rows): the bf16 prefill form whenever sequences average at least GDN_TC_MIN_MEAN tokens; its scan block
+  takes 16 value columns per warp, with the most warps (of 4, 2, 1) that still give every SM a block.
+  UNMEASURED first guess (session 4), and off by default until a device run has checked the kernel: the device
+  bench (`python3 bench/kernel_bench.py delta`) sets these figures.
 - attention warps per block (16 query rows each): 8 above 128 head dims, else 4 (32 x 2304 prefill: head dim 256
   8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1); decode 4 warps.
 - decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
@@ -27,6 +32,9 @@ from dataclasses import dataclass
 GDN_KEY_DIMS = (16, 32, 64, 128)  # token-stepped kernels are instantiated for these padded key dims
 GDN_COLS = 4  # value columns per thread of gdn_cols_kernel (the only instantiation: see kernels/delta_rule.cu)
 GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMAX in kernels/delta_rule.cu)
+GDN_TC_DIMS = (64, 128)  # gdn_tc_* instantiations: key and value dims padded to one of these
+GDN_TC_WARPS = (1, 2, 4, 8)  # gdn_tc_scan_kernel instantiations: warps (16 value columns each) per block
+GDN_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" takes the tensor-core form
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 
 
@@ -44,6 +52,10 @@ class CudaTuning:
     """Kernel variants of the CUDA backend. "auto" lets the shapes decide (see the module docstring)."""
 
     gdn_chunked: bool | str = "auto"  # prefill in 64-token chunks: True, False or "auto"
+    # bf16 prefill in the tensor-core chunked form: True, False or "auto". False until a device run has checked
+    # kernels/delta_tc.cu against the reference (session 4); then "auto"
+    gdn_tensor_cores: bool | str = False
+    gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: fill the SMs
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -56,7 +68,9 @@ class CudaTuning:
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
             raise ValueError(f"attn_prefill_kernel must be one of {ATTN_PREFILL_KERNELS}")
-        for name in ("gdn_chunked", "attn_split_decode"):
+        if self.gdn_tc_warps not in (None,) + GDN_TC_WARPS:
+            raise ValueError(f"gdn_tc_warps must be None or one of {GDN_TC_WARPS}")
+        for name in ("gdn_chunked", "gdn_tensor_cores", "attn_split_decode"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be True, False or 'auto'")
         for name in ("attn_prefill_warps", "attn_decode_warps"):
@@ -73,16 +87,29 @@ class CudaTuning:
 @dataclass(frozen=True)
 class DeltaRuleLaunch:
     """How gated_delta_rule runs: the chunked form (two kernels, launched by their own wrapper), or one
-    token-stepped kernel (`kernel` with its template arguments but the storage type left as {t}) on `grid`."""
+    token-stepped kernel (`kernel` with its template arguments but the storage type left as {t}) on `grid`.
+    `tensor_cores` (with chunked): the bf16 tensor-core chunked form, `kernel` its scan kernel on `grid` (the
+    wrapper runs gdn_tc_prep_kernel<dim> first), `dim` the padded key/value dim, `warps` the scan block's."""
 
     chunked: bool
     kernel: str = ""
     grid: tuple[int, int, int] = (0, 0, 0)
+    tensor_cores: bool = False
+    dim: int = 0
+    warps: int = 0
 
 
 def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, heads: int, dk: int,
-                      dv: int) -> DeltaRuleLaunch:
-    """The delta-rule kernel for a step of `tokens` new tokens over `seqs` sequences, `heads` value heads."""
+                      dv: int, tensor_cores: bool = False) -> DeltaRuleLaunch:
+    """The delta-rule kernel for a step of `tokens` new tokens over `seqs` sequences, `heads` value heads.
+    `tensor_cores`: bf16 q/k/v with 16-byte aligned rows (dims and strides multiples of 8; the caller checks)."""
+    if tensor_cores and _use_tensor_cores(tuning, tokens, seqs, dk, dv):
+        dim = next(d for d in GDN_TC_DIMS if d >= max(dk, dv))
+        warps = tuning.gdn_tc_warps or next(
+            (w for w in (4, 2) if -(-dv // (16 * w)) * heads * seqs >= sm_count), 1)
+        return DeltaRuleLaunch(chunked=True, kernel=f"gdn_tc_scan_kernel<{dim}, {warps}>",
+                               grid=(-(-dv // (16 * warps)), heads, seqs), tensor_cores=True, dim=dim,
+                               warps=warps)
     if _use_chunked(tuning, sm_count, tokens, seqs, heads, dk, dv):
         return DeltaRuleLaunch(chunked=True)
     dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
@@ -90,6 +117,12 @@ def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: i
     cols = 128 // (dkp // rows_per_thread) * GDN_COLS  # value columns per 128-thread block
     return DeltaRuleLaunch(chunked=False, kernel=f"gdn_cols_kernel<{{t}}, {dkp}, {GDN_COLS}>",
                            grid=(-(-dv // cols), heads, seqs))
+
+
+def _use_tensor_cores(tuning: CudaTuning, tokens: int, seqs: int, dk: int, dv: int) -> bool:
+    if tokens <= seqs or max(dk, dv) > GDN_TC_DIMS[-1] or dk % 8 or dv % 8 or not tuning.gdn_tensor_cores:
+        return False
+    return tuning.gdn_tensor_cores is True or tokens >= GDN_TC_MIN_MEAN * seqs
 
 
 def _use_chunked(tuning: CudaTuning, sm_count: int, tokens: int, seqs: int, heads: int, dk: int, dv: int) -> bool:

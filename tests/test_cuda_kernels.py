@@ -353,6 +353,115 @@ def test_gated_delta_rule_chunked_long(ops, ref, lens):
     assert rel(host(ops, o1), want1) <= TOL_SEQ[ops.dtype_name]
 
 
+# The tensor-core chunked form (kernels/delta_tc.cu), bf16 only. Bound 1e-2 (not TOL_SEQ's 2e-2): a NumPy model of
+# the kernel with the same bf16 rounding points (the state read as bf16 by the products, T, W, U0, Aqk and the
+# pseudo-values as bf16 operands, the state itself fp32 across chunks) stays at 2-4e-3 of the reference on these
+# inputs, 1000-2304 token sequences included (tests/test_delta_tc_model.py); the GPU adds only fp32 summation order.
+TOL_TC = 1e-2
+
+
+def _spy_tc(ops):
+    """ops with its tensor-core delta-rule path counted: (ops, calls)."""
+    calls = []
+    orig = ops._gdn_tc
+
+    def counted(*args):
+        calls.append(args[0])
+        return orig(*args)
+
+    ops._gdn_tc = counted
+    return ops, calls
+
+
+def _run_delta(ops, q, k, v, g, beta, state, slots, cu, hk=None):
+    """The op on device copies, q and k as strided views of one [T, 2 Hk, Dk] buffer (as the layer passes them).
+    -> (o, state) on the host."""
+    hk = hk or q.shape[1]
+    d_qk = ops.upload(np.concatenate([q, k], axis=1))
+    d_state = ops.upload(state, np.float32)
+    o = ops.gated_delta_rule(d_qk[:, :hk], d_qk[:, hk:], ops.upload(v), ops.upload(g, np.float32),
+                             ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
+    return host(ops, o), ops.to_host(d_state)
+
+
+# the two bench head shapes, qwen3_5-4b-like (16 key heads, 32 value heads) and 0.8b-like (16 / 16), 128 x 128,
+# with every scan block width (warps of 16 value columns; None: the default rule), and small / uneven head dims
+TC_CASES = [(16, 32, 128, 128, None), (16, 32, 128, 128, 1), (16, 32, 128, 128, 2), (16, 32, 128, 128, 8),
+            (16, 16, 128, 128, None), (16, 16, 128, 128, 4), (2, 4, 64, 64, None), (1, 3, 64, 40, 8),
+            (2, 2, 16, 24, 1)]
+
+
+@pytest.mark.parametrize("hk,h,dk,dv,warps", TC_CASES)
+def test_gated_delta_rule_tensor_cores(ops, ref, hk, h, dk, dv, warps):
+    """Ragged batch in one launch (many short, a few long, chunk-aligned and not, an empty one), non-zero initial
+    states, decays that underflow inside a chunk, key heads shared by value heads; then a decode step continues
+    from the exit states. bf16 takes the tensor-core form (counted), float32 never does (and stays exact)."""
+    if ops.dtype_name == "float32" and warps is not None:
+        pytest.skip("float32 never takes the tensor-core form: once per head shape is enough")
+    rng = np.random.default_rng(h * 131 + dk + (warps or 0))
+    lens = [1, 63, 64, 65, 0, 130, 7, 1000, 2, 191] if h >= 16 else [1, 63, 64, 65, 0, 130, 7, 700, 2, 191]
+    q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=12)
+    q, k = q[:, :hk], k[:, :hk]  # value head j reads key head j // (h / hk)
+    g[cu[7] + 100, 1] = -30.0    # exp(-30): the cumulative decay underflows inside a chunk
+    g[cu[5] + 70, 0] = -200.0    # a decay of exactly 0 after rounding: clears that head's state
+    tuned, calls = _spy_tc(ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=warps))
+    o, st = _run_delta(tuned, q, k, v, g, beta, state, slots, cu, hk)
+    want_state = state.copy()
+    want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
+    tol = TOL_TC if ops.dtype_name == "bfloat16" else 1e-5
+    assert len(calls) == (ops.dtype_name == "bfloat16")
+    assert rel(o, want) <= tol
+    assert rel(st, want_state) <= tol
+    for b in range(len(lens)):  # per sequence too: a short one must not hide behind the long ones' norm
+        s, e = cu[b], cu[b + 1]
+        if e > s:
+            assert rel(o[s:e], want[s:e]) <= 2 * tol, (b, lens[b])
+            assert rel(st[slots[b]], want_state[slots[b]]) <= 2 * tol, (b, lens[b])
+    untouched = np.setdiff1d(np.arange(12), slots)
+    np.testing.assert_array_equal(st[untouched], state[untouched])
+    # decode continues from the exit states (token-stepped)
+    q1, k1, v1, g1, b1, _, _, cu1 = _delta_inputs(rng, ops, [1] * len(lens), h, dk, dv, nslots=12)
+    o1, _ = _run_delta(tuned, q1[:, :hk], k1[:, :hk], v1, g1, b1, st, slots, cu1, hk)
+    want1 = ref.gated_delta_rule(q1[:, :hk], k1[:, :hk], v1, g1, b1, want_state, slots, cu1)
+    assert rel(o1, want1) <= tol
+
+
+def test_gated_delta_rule_tensor_cores_auto(ops, ref):
+    """The "auto" rule takes the tensor-core form for a bf16 prefill of long sequences (4b-like heads, the
+    shared-system shape scaled down), and falls back where the kernel does not apply: key dims not a multiple of 8,
+    decode steps. Results match the reference either way."""
+    rng = np.random.default_rng(3)
+    cases = [([300, 300, 257], 16, 32, 128, 128, True), ([300, 40], 2, 4, 100, 64, False),
+             ([1, 1, 1], 16, 32, 128, 128, False)]
+    for lens, hk, h, dk, dv, tc in cases:
+        q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=4)
+        tuned, calls = _spy_tc(ops.retuned(gdn_tensor_cores="auto"))
+        o, st = _run_delta(tuned, q[:, :hk], k[:, :hk], v, g, beta, state, slots, cu, hk)
+        want_state = state.copy()
+        want = ref.gated_delta_rule(q[:, :hk], k[:, :hk], v, g, beta, want_state, slots, cu)
+        assert len(calls) == (tc and ops.dtype_name == "bfloat16"), (lens, dk)
+        tol = TOL_TC if len(calls) else TOL_SEQ[ops.dtype_name]
+        assert rel(o, want) <= tol and rel(st, want_state) <= tol
+
+
+def test_gated_delta_rule_tensor_cores_unaligned_views_fall_back(ops, ref):
+    """q/k/v rows that are not 16-byte aligned (a view one element into a buffer) take the token-stepped or fp32
+    chunked kernels, never the tensor-core loads (cp.async needs 16-byte aligned sources)."""
+    rng = np.random.default_rng(4)
+    lens, h, dk, dv = [200, 90], 4, 64, 64
+    q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=3)
+    tuned, calls = _spy_tc(ops.retuned(gdn_tensor_cores=True))
+    big = ops.upload(np.concatenate([np.zeros((q.shape[0], h, 1), np.float32), v], axis=2))  # [T, H, 1 + Dv]
+    d_state = ops.upload(state, np.float32)
+    o = tuned.gated_delta_rule(ops.upload(q), ops.upload(k), big[:, :, 1:], ops.upload(g, np.float32),
+                               ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
+    want_state = state.copy()
+    want = ref.gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
+    assert calls == []
+    assert rel(host(tuned, o), want) <= TOL_SEQ[ops.dtype_name]
+    assert rel(tuned.to_host(d_state), want_state) <= TOL_SEQ[ops.dtype_name]
+
+
 def _paged_case(rng, ops, seqs, hq, hkv, d, bs, strided_q=False):
     """seqs: list of (context_len after the step, new tokens). Returns host and device inputs."""
     nblk = [-(-c // bs) for c, _ in seqs]

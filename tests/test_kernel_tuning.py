@@ -9,10 +9,12 @@ import dataclasses
 
 import pytest
 
-from prefixrun.kernels.tuning import AttentionPlan, CudaTuning, DeltaRuleLaunch, attention_plan, delta_rule_launch
+from prefixrun.kernels.tuning import GDN_TC_WARPS, AttentionPlan, CudaTuning, DeltaRuleLaunch, attention_plan, \
+    delta_rule_launch
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
+TC_AUTO = dataclasses.replace(DEFAULT, gdn_tensor_cores="auto")
 
 
 @pytest.mark.parametrize("tokens,seqs,heads,dk,dv,want", [
@@ -44,6 +46,46 @@ def test_delta_rule_forced_forms():
     assert not delta_rule_launch(off, H200_SMS, tokens=2048, seqs=1, heads=32, dk=128, dv=128).chunked
     # a smaller GPU reaches "half the SMs" sooner
     assert not delta_rule_launch(DEFAULT, 100, tokens=2048, seqs=1, heads=32, dk=128, dv=128).chunked
+
+
+@pytest.mark.parametrize("tokens,seqs,heads,dk,dv,want", [
+    # bf16 prefill, 4b-like heads: the tensor-core form; 4 warps (64 value columns) per scan block while that still
+    # gives every SM a block, fewer for few sequences (the shared prefix alone: 1 warp, 256 blocks)
+    (32 * 2304, 32, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 4>", (2, 32, 32), True, 128, 4)),
+    (2048, 1, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 1>", (8, 32, 1), True, 128, 1)),
+    (4 * 4096, 4, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 4>", (2, 32, 4), True, 128, 4)),
+    (2 * 4096, 2, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 2>", (4, 32, 2), True, 128, 2)),
+    (64 * 256, 64, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 4>", (2, 32, 64), True, 128, 4)),
+    # small dims pad to the 64 instantiation
+    (300, 3, 4, 16, 24, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<64, 1>", (2, 4, 3), True, 64, 1)),
+])
+def test_delta_rule_tensor_core_choices(tokens, seqs, heads, dk, dv, want):
+    assert delta_rule_launch(TC_AUTO, H200_SMS, tokens=tokens, seqs=seqs, heads=heads, dk=dk, dv=dv,
+                             tensor_cores=True) == want
+
+
+@pytest.mark.parametrize("tokens,seqs,dk,dv", [
+    (64, 64, 128, 128),   # decode: token-stepped
+    (64 * 15, 64, 128, 128),  # under 16 tokens per sequence on average
+    (2048, 1, 100, 128),  # key dim not a multiple of 8 (rows not 16-byte aligned)
+    (2048, 1, 128, 256),  # value dim above the largest instantiation
+])
+def test_delta_rule_tensor_cores_not_taken(tokens, seqs, dk, dv):
+    assert not delta_rule_launch(TC_AUTO, H200_SMS, tokens=tokens, seqs=seqs, heads=32, dk=dk, dv=dv,
+                                 tensor_cores=True).tensor_cores
+
+
+def test_delta_rule_tensor_cores_forced_and_off():
+    on = dataclasses.replace(DEFAULT, gdn_tensor_cores=True, gdn_tc_warps=8)
+    launch = delta_rule_launch(on, H200_SMS, tokens=64 * 4, seqs=64, heads=32, dk=128, dv=128, tensor_cores=True)
+    assert launch.tensor_cores and launch.warps == 8 and launch.grid == (1, 32, 64)
+    # never for decode, never without the caller's bf16/alignment go-ahead
+    assert not delta_rule_launch(on, H200_SMS, tokens=64, seqs=64, heads=32, dk=128, dv=128,
+                                 tensor_cores=True).tensor_cores
+    assert not delta_rule_launch(on, H200_SMS, tokens=2048, seqs=1, heads=32, dk=128, dv=128).tensor_cores
+    off = dataclasses.replace(DEFAULT, gdn_tensor_cores=False)
+    assert delta_rule_launch(off, H200_SMS, tokens=2048, seqs=1, heads=32, dk=128, dv=128,
+                             tensor_cores=True) == DeltaRuleLaunch(True)
 
 
 ATTN_4B = dict(q_heads=16, kv_heads=4, head_dim=256, window=0, tensor_cores=True)
@@ -112,7 +154,8 @@ def test_attention_wgmma_choice():
         attention_plan(forced, H200_SMS, **prefill, wgmma=False)
 
 
-@pytest.mark.parametrize("bad", [dict(gdn_chunked="yes"), dict(attn_decode_warps=2), dict(attn_prefill_kernel="fa3"),
+@pytest.mark.parametrize("bad", [dict(gdn_chunked="yes"), dict(gdn_tensor_cores="auto-ish"), dict(gdn_tc_warps=3),
+                                 dict(attn_decode_warps=2), dict(attn_prefill_kernel="fa3"),
                                  dict(attn_keys_per_tile=((128, 32),)), dict(attn_split_decode=None)])
 def test_tuning_rejects_what_no_kernel_implements(bad):
     with pytest.raises(ValueError):
@@ -143,6 +186,12 @@ def test_every_choice_names_a_compiled_kernel():
         launch = delta_rule_launch(DEFAULT, sms, tokens=4, seqs=4, heads=2, dk=dk, dv=64)
         for t in ("float", "bf16"):
             assert launch.kernel.format(t=t) in cuda._NAMES["delta_rule"]
+    for warps in (None,) + GDN_TC_WARPS:
+        for dk, dv in ((128, 128), (16, 64), (64, 40)):
+            launch = delta_rule_launch(dataclasses.replace(TC_AUTO, gdn_tc_warps=warps), sms, tokens=4096, seqs=2,
+                                       heads=4, dk=dk, dv=dv, tensor_cores=True)
+            assert launch.tensor_cores and launch.kernel in cuda._NAMES["delta_tc"]
+            assert f"gdn_tc_prep_kernel<{launch.dim}>" in cuda._NAMES["delta_tc"]
     for d in (64, 128, 256):
         for tuning in (DEFAULT, dataclasses.replace(DEFAULT, attn_split_decode=True),
                        dataclasses.replace(DEFAULT, attn_prefill_warps=4, attn_decode_warps=8)):

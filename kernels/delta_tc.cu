@@ -1,0 +1,425 @@
+// Chunked gated delta rule on tensor cores (bf16 mma.sync m16n8k16, fp32 accumulate): the bf16 prefill path.
+//
+// The math is the reference's _delta_chunk (kernels/reference.py) in the WY / UT form. Per chunk of C = 64 tokens,
+// with gc = cumsum(g) inside the chunk (every exponent below is <= 0: nothing overflows, an underflowing decay
+// clears what it should), beta, L2-normed q and k:
+//   L[t][j] = beta_t exp(gc_t - gc_j) k_t.k_j (j < t),  T = (I + L)^-1          (UT transform, fp32 solve)
+//   W = T diag(beta exp(gc)) K  [C, Dk],   U0 = T diag(beta) V  [C, Dv]           (no dependency on the state)
+//   Aqk[t][j] = exp(gc_t - gc_j) q_t.k_j / sqrt(Dk) (j <= t)                       (the intra-chunk attention)
+// and then, from the state S [Dk, Dv] at the chunk's start,
+//   Vn = U0 - W S,   O = exp(gc) (Q S) / sqrt(Dk) + Aqk Vn,   S' = exp(gc_last) S + K^T (exp(gc_last - gc) Vn).
+//
+// gdn_tc_prep_kernel: one block (4 warps) per (chunk, value head), every chunk of every sequence in parallel:
+//   K K^T and Q K^T on tensor cores, the triangular solve in fp32 (16 x 16 diagonal blocks by substitution, the
+//   off-diagonal blocks by block products), W and U0 on tensor cores; W, U0, Aqk (bf16) and gc (fp32) to scratch.
+// gdn_tc_scan_kernel: one block per (16 NW value columns, value head, sequence), its chunks in order. The state is
+//   kept TRANSPOSED, S^T [Dv, Dk], in fp32 mma accumulators: warp w owns value rows 16w..16w+15 of the tile, so
+//   every S-dependent product has the value dimension as its M dimension and a warp never needs another warp's
+//   rows (no reductions, no state in shared memory):
+//     Vn^T = U0^T - S^T W^T       (A = S^T from registers, B = W^T: W rows [t][dk] by ldmatrix)
+//     O^T  = exp(gc) S^T Q^T + Vn^T Aqk^T  (B = Aqk^T: Aqk rows [t][j] by ldmatrix; causal k-steps skipped)
+//     S^T  = exp(gc_last) S^T + (exp(gc_last - gc) Vn)^T K   (B = K rows [t][dk] by ldmatrix.trans)
+//   An accumulator tile (rows v, columns n) is also the A operand of the next product once packed to bf16 (the
+//   flash-attention register trick), so S^T and Vn^T never leave registers.
+// Numerics: the state stays fp32 across chunks; the products read it rounded to bf16 (as flash-linear-attention
+// does), T, W, U0, Aqk and Vn are bf16 operands. Limits (the wrapper checks them and falls back otherwise): bf16
+// q/k/v with rows 16-byte aligned (dims and strides multiples of 8 elements), Dk, Dv <= D (64 or 128).
+// Every kernel reads q and k of value head h from key head h / krep (grouped value heads share key heads).
+
+#define TC_C 64              // tokens per chunk
+#define TC_ALD (TC_C + 8)    // bf16 [C][C] rows: 144 bytes, ldmatrix rows fall in distinct banks
+#define TC_FLD (TC_C + 1)    // fp32 [C][C] rows of the solve
+
+__device__ __forceinline__ unsigned tc_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void tc_cp16(void* dst, const void* src, bool ok) {  // 16 bytes, or zeros when !ok
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tc_smem(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void tc_cp_wait_all() {
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+}
+__device__ __forceinline__ void tc_ldsm(unsigned (&r)[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tc_smem(p)));
+}
+__device__ __forceinline__ void tc_ldsm_t(unsigned (&r)[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tc_smem(p)));
+}
+// c += a b: a the 16 x 16 A fragment, (b0, b1) one 16 x 8 B fragment
+__device__ __forceinline__ void tc_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+// The A fragment (16 rows x 16 columns 16 ks .. 16 ks + 15) made of two adjacent m16n8 accumulator tiles.
+__device__ __forceinline__ void tc_acc_to_a(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = tc_pack(lo[0], lo[1]);
+    a[1] = tc_pack(lo[2], lo[3]);
+    a[2] = tc_pack(hi[0], hi[1]);
+    a[3] = tc_pack(hi[2], hi[3]);
+}
+// ldmatrix addresses (lane's row pointer) for a 16 x 16 tile at (row0, col0) of a row-major bf16 array:
+// as an A operand (rows = M, columns = K), or as two B operands n8 x k16 when rows = N, columns = K (non-trans).
+__device__ __forceinline__ const bf16* tc_a_addr(const bf16* base, int ld, int row0, int col0, int lane) {
+    return base + (row0 + (lane & 15)) * ld + col0 + (lane >> 4) * 8;
+}
+__device__ __forceinline__ const bf16* tc_b_addr(const bf16* base, int ld, int row0, int col0, int lane) {
+    return base + (row0 + (lane >> 4) * 8 + (lane & 7)) * ld + col0 + ((lane >> 3) & 1) * 8;
+}
+// ... and for .trans loads of B operands from an array stored [K][N] (rows = K, columns = N).
+__device__ __forceinline__ const bf16* tc_bt_addr(const bf16* base, int ld, int row0, int col0, int lane) {
+    return base + (row0 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ld + col0 + (lane >> 4) * 8;
+}
+
+// rows [0, C) x columns [0, W) of a bf16 tile into shared memory (row stride ld), by cp.async: row r < n, column
+// c < width from src + r * row_stride + c; everything else zero. W, width and row_stride are multiples of 8.
+template <int W, int NTH>
+__device__ __forceinline__ void tc_load_tile(bf16* dst, int ld, const bf16* __restrict__ src, i64 row_stride, int n,
+                                             int width) {
+    constexpr int VPR = W / 8;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < TC_C * VPR; idx += NTH) {
+        const int r = idx / VPR, c = (idx % VPR) * 8;
+        const bool ok = r < n && c < width;
+        tc_cp16(dst + r * ld + c, ok ? src + r * row_stride + c : src, ok);
+    }
+}
+
+// ---- per-chunk preparation ------------------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(128)
+gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
+                   const bf16* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
+                   const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int krep,
+                   int dk, int dv, float scale, bf16* __restrict__ w_out, bf16* __restrict__ u_out,
+                   bf16* __restrict__ a_out, float* __restrict__ gc_out) {
+    constexpr int LD = D + 8;
+    extern __shared__ __align__(16) unsigned char tc_smem_raw[];
+    bf16* sK = reinterpret_cast<bf16*>(tc_smem_raw);  // [C][LD]  k
+    bf16* sQV = sK + TC_C * LD;                        // [C][LD]  q, then v
+    float* sL = reinterpret_cast<float*>(sQV + TC_C * LD);  // [C][TC_FLD]  L (strictly lower)
+    float* sT = sL + TC_C * TC_FLD;                    // [C][TC_FLD]  T = (I + L)^-1 (lower, unit diagonal)
+    bf16* sAw = reinterpret_cast<bf16*>(sT + TC_C * TC_FLD);  // [C][TC_ALD]  T diag(beta exp(gc))
+    bf16* sAu = sAw + TC_C * TC_ALD;                   // [C][TC_ALD]  T diag(beta)
+    __shared__ float sgc[TC_C], sbeta[TC_C], sX[3 * 256];
+    __shared__ int s_seq, s_tile;
+
+    const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    if (warp == 0) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) seq = -1;
+        if (lane == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    if (s_seq < 0) return;
+    const int start = cu[s_seq] + s_tile * TC_C;
+    const int n = min(TC_C, cu[s_seq + 1] - start);
+    const int hk = h / krep;
+    tc_load_tile<D, 128>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
+    tc_load_tile<D, 128>(sQV, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
+    if (warp == 0) {  // gc = inclusive cumsum of g over the chunk: two tokens per lane, a warp scan
+        const int t0 = 2 * lane;
+        const float g0 = t0 < n ? g[(i64)(start + t0) * heads + h] : 0.f;
+        const float g1 = t0 + 1 < n ? g[(i64)(start + t0 + 1) * heads + h] : 0.f;
+        const float pair = g0 + g1;
+        float incl = pair;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+        }
+        const float c0 = incl - pair + g0;
+        sgc[t0] = c0;
+        sgc[t0 + 1] = incl;
+        sbeta[t0] = t0 < n ? beta[(i64)(start + t0) * heads + h] : 0.f;
+        sbeta[t0 + 1] = t0 + 1 < n ? beta[(i64)(start + t0 + 1) * heads + h] : 0.f;
+        if (t0 < n) gc_out[(i64)(start + t0) * heads + h] = c0;
+        if (t0 + 1 < n) gc_out[(i64)(start + t0 + 1) * heads + h] = incl;
+    }
+    tc_cp_wait_all();
+    __syncthreads();
+
+    // K K^T and Q K^T: warp w computes rows t = 16w .. 16w + 15, columns j <= t (16-column pairs n2 <= w)
+    {
+        float kk[8][4], qk[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kk[i][e] = qk[i][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            unsigned ak[4], aq[4];
+            tc_ldsm(ak, tc_a_addr(sK, LD, warp * 16, ks * 16, lane));
+            tc_ldsm(aq, tc_a_addr(sQV, LD, warp * 16, ks * 16, lane));
+#pragma unroll
+            for (int n2 = 0; n2 < 4; ++n2) {
+                if (n2 > warp) continue;
+                unsigned b[4];
+                tc_ldsm(b, tc_b_addr(sK, LD, n2 * 16, ks * 16, lane));
+                tc_mma(kk[2 * n2], ak, b[0], b[1]);
+                tc_mma(kk[2 * n2 + 1], ak, b[2], b[3]);
+                tc_mma(qk[2 * n2], aq, b[0], b[1]);
+                tc_mma(qk[2 * n2 + 1], aq, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int t = warp * 16 + gid + hf * 8;
+                float av[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = nt * 8 + 2 * tig + e;
+                    const float decay = j <= t ? expf(sgc[t] - sgc[j]) : 0.f;
+                    sL[t * TC_FLD + j] = j < t ? sbeta[t] * decay * kk[nt][hf * 2 + e] : 0.f;
+                    av[e] = decay * scale * qk[nt][hf * 2 + e];
+                }
+                if (t < n)
+                    *reinterpret_cast<unsigned*>(a_out + ((i64)(start + t) * heads + h) * TC_C + nt * 8 + 2 * tig) =
+                        tc_pack(av[0], av[1]);
+            }
+    }
+    __syncthreads();  // sL complete, q consumed: v takes its place while the solve runs
+    tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    // T = (I + L)^-1. Diagonal 16 x 16 blocks by forward substitution (thread per block column)...
+    if (tid < 64) {
+        const int b0 = (tid >> 4) * 16, c = tid & 15;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+            float s = r == c ? 1.f : 0.f;  // x[j] = 0 for j < c, so summing over every j < r is exact
+#pragma unroll
+            for (int j = 0; j < r; ++j) s -= sL[(b0 + r) * TC_FLD + b0 + j] * x[j];
+            x[r] = s;
+            sT[(b0 + r) * TC_FLD + b0 + c] = s;
+        }
+    }
+    __syncthreads();
+    // ... then block (i, j), i > j, by distance d = i - j: T_ij = -T_ii sum_{m=j}^{i-1} L_im T_mj
+    for (int d = 1; d < 4; ++d) {
+        const int nb = 4 - d;
+        for (int idx = tid; idx < nb * 256; idx += 128) {
+            const int bj = idx >> 8, bi = bj + d, r = (idx >> 4) & 15, c = idx & 15;
+            float s = 0.f;
+            for (int m = 16 * bj; m < 16 * bi; ++m) s += sL[(16 * bi + r) * TC_FLD + m] * sT[m * TC_FLD + 16 * bj + c];
+            sX[idx] = s;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < nb * 256; idx += 128) {
+            const int bj = idx >> 8, bi = bj + d, r = (idx >> 4) & 15, c = idx & 15;
+            float s = 0.f;
+            for (int m = 0; m <= r; ++m) s += sT[(16 * bi + r) * TC_FLD + 16 * bi + m] * sX[(bj << 8) + m * 16 + c];
+            sT[(16 * bi + r) * TC_FLD + 16 * bj + c] = -s;
+        }
+        __syncthreads();
+    }
+    // the two bf16 operands, zero above the diagonal
+    for (int idx = tid; idx < TC_C * TC_C; idx += 128) {
+        const int t = idx >> 6, j = idx & 63;
+        const float tv = j <= t ? sT[t * TC_FLD + j] : 0.f;
+        sAw[t * TC_ALD + j] = __float2bfloat16_rn(tv * sbeta[j] * expf(sgc[j]));
+        sAu[t * TC_ALD + j] = __float2bfloat16_rn(tv * sbeta[j]);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+
+    // W = Aw K and U0 = Au V: warp w rows 16w .. 16w + 15, all D columns; k-steps past the diagonal are zero
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        const bf16* sA = pass ? sAu : sAw;
+        const bf16* sB = pass ? sQV : sK;
+        bf16* dst = pass ? u_out : w_out;
+        const int width = pass ? dv : dk;
+        float acc[D / 8][4];
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            if (ks > warp) continue;
+            unsigned a[4];
+            tc_ldsm(a, tc_a_addr(sA, TC_ALD, warp * 16, ks * 16, lane));
+#pragma unroll
+            for (int d2 = 0; d2 < D / 16; ++d2) {
+                unsigned b[4];
+                tc_ldsm_t(b, tc_bt_addr(sB, LD, ks * 16, d2 * 16, lane));
+                tc_mma(acc[2 * d2], a, b[0], b[1]);
+                tc_mma(acc[2 * d2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const int col = nt * 8 + 2 * tig;
+            if (col >= width) continue;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int t = warp * 16 + gid + hf * 8;
+                if (t < n)
+                    *reinterpret_cast<unsigned*>(dst + ((i64)(start + t) * heads + h) * width + col) =
+                        tc_pack(acc[nt][hf * 2], acc[nt][hf * 2 + 1]);
+            }
+        }
+    }
+}
+
+// ---- the scan over each sequence's chunks ---------------------------------------------------------------------
+template <int D, int NW>
+__global__ void __launch_bounds__(NW * 32)
+gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
+                   const bf16* __restrict__ w_in, const bf16* __restrict__ u_in, const bf16* __restrict__ a_in,
+                   const float* __restrict__ gc_in, float* __restrict__ state, const int* __restrict__ slots,
+                   const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale,
+                   bf16* __restrict__ out) {
+    constexpr int LD = D + 8, BV = 16 * NW, ULD = BV + 8, NTH = 32 * NW;
+    extern __shared__ __align__(16) unsigned char tc_smem_raw[];
+    bf16* sW = reinterpret_cast<bf16*>(tc_smem_raw);  // [C][LD]   W of the chunk
+    bf16* sK = sW + TC_C * LD;                         // [C][LD]   k
+    bf16* sQ = sK + TC_C * LD;                         // [C][LD]   q
+    bf16* sA = sQ + TC_C * LD;                         // [C][TC_ALD]  Aqk
+    bf16* sU = sA + TC_C * TC_ALD;                     // [C][ULD]  U0, this block's value columns
+    bf16* sO = sU + TC_C * ULD;                        // [C][ULD]  outputs, staged for 16-byte stores
+    __shared__ float sgc[TC_C];
+
+    const int seq = blockIdx.z, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int seq_start = cu[seq], len = cu[seq + 1] - seq_start;
+    if (len <= 0) return;
+    const int v0 = blockIdx.x * BV, hk = h / krep;
+    const int vl0 = warp * 16 + gid;  // this thread's value rows (tile-local): vl0 and vl0 + 8
+    float* st = state + ((i64)slots[seq] * heads + h) * (i64)dk * dv;
+
+    float S[D / 8][4];  // S^T [value row][key dim]: tile nt holds key dims nt*8 + 2 tig + {0, 1}
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int d = nt * 8 + 2 * tig + (e & 1), vv = v0 + vl0 + (e >> 1) * 8;
+            S[nt][e] = d < dk && vv < dv ? st[(i64)d * dv + vv] : 0.f;
+        }
+
+    for (int c0 = 0; c0 < len; c0 += TC_C) {
+        const int start = seq_start + c0, n = min(TC_C, len - c0);
+        __syncthreads();  // the previous chunk's tiles are consumed
+        tc_load_tile<D, NTH>(sW, LD, w_in + ((i64)start * heads + h) * dk, (i64)heads * dk, n, dk);
+        tc_load_tile<D, NTH>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
+        tc_load_tile<D, NTH>(sQ, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
+        tc_load_tile<TC_C, NTH>(sA, TC_ALD, a_in + ((i64)start * heads + h) * TC_C, (i64)heads * TC_C, n, TC_C);
+        tc_load_tile<BV, NTH>(sU, ULD, u_in + ((i64)start * heads + h) * dv + v0, (i64)heads * dv, n, dv - v0);
+        for (int i = tid; i < TC_C; i += NTH) sgc[i] = i < n ? gc_in[(i64)(start + i) * heads + h] : 0.f;
+        tc_cp_wait_all();
+        __syncthreads();
+
+        // Vn^T = U0^T - S^T W^T  [16 value rows, C tokens]
+        float vn[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) vn[i][0] = vn[i][1] = vn[i][2] = vn[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            unsigned a[4];
+            tc_acc_to_a(a, S[2 * ks], S[2 * ks + 1]);
+#pragma unroll
+            for (int n2 = 0; n2 < 4; ++n2) {
+                unsigned b[4];
+                tc_ldsm(b, tc_b_addr(sW, LD, n2 * 16, ks * 16, lane));
+                tc_mma(vn[2 * n2], a, b[0], b[1]);
+                tc_mma(vn[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = nt * 8 + 2 * tig + (e & 1), vl = vl0 + (e >> 1) * 8;
+                vn[nt][e] = __bfloat162float(sU[t * ULD + vl]) - vn[nt][e];
+            }
+
+        // O^T = exp(gc) S^T Q^T / sqrt(Dk) + Vn^T Aqk^T
+        float o[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            unsigned a[4];
+            tc_acc_to_a(a, S[2 * ks], S[2 * ks + 1]);
+#pragma unroll
+            for (int n2 = 0; n2 < 4; ++n2) {
+                unsigned b[4];
+                tc_ldsm(b, tc_b_addr(sQ, LD, n2 * 16, ks * 16, lane));
+                tc_mma(o[2 * n2], a, b[0], b[1]);
+                tc_mma(o[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[nt][e] *= expf(sgc[nt * 8 + 2 * tig + (e & 1)]) * scale;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            unsigned a[4];
+            tc_acc_to_a(a, vn[2 * ks], vn[2 * ks + 1]);
+#pragma unroll
+            for (int n2 = ks; n2 < 4; ++n2) {  // Aqk[t][j] = 0 for j > t: output tokens before 16 ks skip
+                unsigned b[4];
+                tc_ldsm(b, tc_b_addr(sA, TC_ALD, n2 * 16, ks * 16, lane));
+                tc_mma(o[2 * n2], a, b[0], b[1]);
+                tc_mma(o[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = nt * 8 + 2 * tig + (e & 1), vl = vl0 + (e >> 1) * 8;
+                sO[t * ULD + vl] = __float2bfloat16_rn(o[nt][e]);
+            }
+
+        // S^T = exp(gc_last) S^T + (exp(gc_last - gc) Vn)^T K
+        const float gl = sgc[n - 1], eg = expf(gl);
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[nt][e] *= eg;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) vn[nt][e] *= expf(gl - sgc[nt * 8 + 2 * tig + (e & 1)]);
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            unsigned a[4];
+            tc_acc_to_a(a, vn[2 * ks], vn[2 * ks + 1]);
+#pragma unroll
+            for (int d2 = 0; d2 < D / 16; ++d2) {
+                unsigned b[4];
+                tc_ldsm_t(b, tc_bt_addr(sK, LD, ks * 16, d2 * 16, lane));
+                tc_mma(S[2 * d2], a, b[0], b[1]);
+                tc_mma(S[2 * d2 + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // sO complete
+        constexpr int VPR = BV / 8;
+        for (int idx = tid; idx < TC_C * VPR; idx += NTH) {
+            const int r = idx / VPR, c = (idx % VPR) * 8;
+            if (r < n && v0 + c < dv)
+                *reinterpret_cast<uint4*>(out + ((i64)(start + r) * heads + h) * dv + v0 + c) =
+                    *reinterpret_cast<const uint4*>(sO + r * ULD + c);
+        }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int d = nt * 8 + 2 * tig + (e & 1), vv = v0 + vl0 + (e >> 1) * 8;
+            if (d < dk && vv < dv) st[(i64)d * dv + vv] = S[nt][e];
+        }
+}
