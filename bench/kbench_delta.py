@@ -2,15 +2,18 @@
 reference, the previous CUDA kernels and flash-linear-attention's chunk_gated_delta_rule, on the bench shapes.
 
 Per shape, first the checks: the tensor-core form against the reference (kernels/reference.py, fp32, on the same
-bf16 inputs; three of the shape's sequences, outputs and exit states, from non-zero initial states) and against fla
-(every sequence); the previous kernels against the reference too. Then the timings: previous default kernel,
-tensor-core form (the default rule's block width and each forced one, and its prep pass alone), fla. The last table
-feeds kernels/tuning.py's rule (tensor cores vs the previous kernels by sequence count and length).
+bf16 inputs; one of the shape's sequences, outputs and exit state, from non-zero initial states), both scan block
+widths against each other, and against fla (every sequence, on the device); the previous kernels against the
+reference too. Then the timings: previous default kernel, tensor-core form (both widths, and its prep pass alone),
+fla. A form that failed a check is not timed. The device budget of session 4 allows ~30 s for this part, so by
+default it runs three shapes and fla on the anchor shape only; KBENCH_DELTA_FULL=1 runs every shape with fla and
+the tuning table (tensor cores vs the previous kernels by sequence count and length, for kernels/tuning.py).
 Inputs are laid out as the layer passes them: q and k strided views of one [T, 2 Hk, Dk] buffer.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -20,47 +23,59 @@ from prefixrun.kernels.tuning import GDN_TC_WARPS, delta_rule_launch
 TOL_REF = 1e-2  # tensor-core form vs the reference (tests/test_cuda_kernels.py TOL_TC says why)
 TOL_OLD = 2e-2  # the previous bf16 kernels vs the reference (TOL_SEQ)
 TOL_FLA = 2e-2  # against fla: both round to bf16 at similar points, so about twice one side's error
+FULL = os.environ.get("KBENCH_DELTA_FULL") == "1"
 
-# (label, value heads, key heads, sequence lengths); 128 x 128 heads throughout
+# (label, value heads, key heads, sequence lengths, compare with fla); 128 x 128 heads throughout
 SHAPES = [
-    ("4b-like 32 x 2304", 32, 16, [2304] * 32),  # the anchor: fla 4.70 ms, previous kernel 13.2 ms
-    ("0.8b-like 32 x 2304", 16, 16, [2304] * 32),
-    ("4b-like 1 x 2048 (shared prefix)", 32, 16, [2048]),
-    ("4b-like 64 x 256 (suffixes)", 32, 16, [256] * 64),
-    ("4b-like 4 x 4096 (doc-qa documents)", 32, 16, [4096] * 4),
-    ("4b-like ragged 60 x 100 + 4 x 2000 + 3 x 1", 32, 16, [100] * 60 + [2000] * 4 + [1] * 3),
-]
+    ("4b-like 32 x 2304", 32, 16, [2304] * 32, True),  # the anchor: fla 4.70 ms, previous kernel 13.2 ms
+    ("4b-like 1 x 2048 (shared prefix)", 32, 16, [2048], FULL),
+    ("4b-like 64 x 256 (suffixes)", 32, 16, [256] * 64, FULL),
+] + ([
+    ("0.8b-like 32 x 2304", 16, 16, [2304] * 32, True),
+    ("4b-like 4 x 4096 (doc-qa documents)", 32, 16, [4096] * 4, True),
+    ("4b-like ragged 60 x 100 + 4 x 2000 + 3 x 1", 32, 16, [100] * 60 + [2000] * 4 + [1] * 3, True),
+] if FULL else [])
 # (sequences, length) for the tuning table: where does the tensor-core form stop paying?
 RULE_SHAPES = [(1, 512), (8, 512), (64, 128), (64, 64), (64, 32), (64, 16), (128, 16), (256, 8), (64, 8)]
 
 
 def _rel(a, b) -> float:
+    """||a - b|| / ||b|| of host arrays."""
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     d = np.linalg.norm(b)
     return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
 
 
+def _rel_dev(a, b) -> float:
+    """The same on the device (fp32 CuPy arrays), so the whole batch's outputs never cross to the host."""
+    import cupy
+
+    d = float(cupy.linalg.norm(b))
+    return float(cupy.linalg.norm(a - b)) / (d if d > 0 else 1.0)
+
+
 class _Case:
-    """Device inputs of one shape (bf16 q/k/v as the layer lays them out, fp32 gates and states)."""
+    """Device inputs of one shape (bf16 q/k/v as the layer lays them out, fp32 gates and states), drawn on the
+    device (the anchor shape is 1.2 GB of inputs: drawing them on the host would take seconds)."""
 
     def __init__(self, ops, h, hk, lens, seed=0, dk=128, dv=128):
         import cupy
 
-        rng = np.random.default_rng(seed)
+        rng = cupy.random.default_rng(seed)
         self.h, self.hk, self.dk, self.dv, self.lens = h, hk, dk, dv, list(lens)
         self.cu = np.zeros(len(lens) + 1, np.int32)
         np.cumsum(lens, out=self.cu[1:])
-        t = int(self.cu[-1])
-        self.t = t
+        t = self.t = int(self.cu[-1])
         qk = rng.standard_normal((t, 2 * hk, dk), dtype=np.float32)
-        qk /= np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
-        self.qk = ops.upload(qk)  # bf16 [T, 2 Hk, Dk]
-        self.v = ops.upload(rng.standard_normal((t, h, dv), dtype=np.float32))
-        # decays as the model's gates make them (-exp(A_log) softplus(.)), mostly mild, a few strong
-        self.g = cupy.asarray(-np.abs(rng.standard_normal((t, h), dtype=np.float32)) * 0.1)
-        self.beta = cupy.asarray((1 / (1 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32))
-        self.state0 = cupy.asarray((rng.standard_normal((len(lens), h, dk, dv)) * 0.1).astype(np.float32))
+        qk /= cupy.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
+        self.qk = ops._cast(qk, ops.act_dtype)  # bf16 [T, 2 Hk, Dk]
+        del qk
+        self.v = ops._cast(rng.standard_normal((t, h, dv), dtype=np.float32), ops.act_dtype)
+        # decays as the model's gates make them (-exp(A_log) softplus(.) <= 0), beta in (0, 1)
+        self.g = -cupy.abs(rng.standard_normal((t, h), dtype=np.float32)) * 0.1
+        self.beta = 1 / (1 + cupy.exp(-rng.standard_normal((t, h), dtype=np.float32)))
+        self.state0 = rng.standard_normal((len(lens), h, dk, dv), dtype=np.float32) * 0.1
         self.slots = ops.upload_index(np.arange(len(lens)))
         self.cu_d = ops.upload_index(self.cu)
 
@@ -78,14 +93,14 @@ class _Case:
     def reference(self, ops, seqs):
         """The NumPy reference for sequences `seqs`: {b: (o [len, H, Dv], state [H, Dk, Dv])}."""
         host = lambda a: np.asarray(ops.to_host(a)).astype(np.float32)
-        qk, v, g, beta, s0 = host(self.qk), host(self.v), host(self.g), host(self.beta), host(self.state0)
         ref = NumpyOps()
         out = {}
         for b in seqs:
             s, e = int(self.cu[b]), int(self.cu[b + 1])
-            st = s0[b:b + 1].copy()
-            o = ref.gated_delta_rule(qk[s:e, :self.hk], qk[s:e, self.hk:], v[s:e], g[s:e], beta[s:e], st,
-                                     np.array([0]), np.array([0, e - s]))
+            qk, v, g, beta = (host(a[s:e]) for a in (self.qk, self.v, self.g, self.beta))
+            st = host(self.state0[b:b + 1])
+            o = ref.gated_delta_rule(qk[:, :self.hk], qk[:, self.hk:], v, g, beta, st, np.array([0]),
+                                     np.array([0, e - s]))
             out[b] = (o, st[0])
         return out
 
@@ -116,41 +131,38 @@ def delta_part() -> list:
     check = lambda name, err, bound: rows.append(Row(name, error=err, bound=bound)) or rows[-1].failed
     note = lambda text: rows.append(Row(text))
     ops = CudaOps("bfloat16")
-    tc_default = ops.retuned(gdn_tensor_cores=True)  # the "auto" rule's block width, the form forced on
+    f32 = lambda a: ops._cast(a, np.float32)
+    widths = {w: ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w) for w in GDN_TC_WARPS}
+    tc_auto = ops.retuned(gdn_tensor_cores=True)  # the "auto" rule's block width, the form forced on
     previous = ops.retuned(gdn_tensor_cores=False)
     fla, why = _fla()
     if fla is None:
         note(f"flash-linear-attention not importable ({why}): no fla checks or timings")
-    sms = ops._sm_count
     summary = []
-    for label, h, hk, lens in SHAPES:
+    for label, h, hk, lens, with_fla in SHAPES:
         case = _Case(ops, h, hk, lens)
-        t = case.t
-        note(f"-- {label}: {len(lens)} sequences, {t} tokens, {h} value / {hk} key heads, 128 x 128")
-        launch = delta_rule_launch(tc_default.tuning, sms, tokens=t, seqs=len(lens), heads=h, dk=128, dv=128,
+        t, nseq = case.t, len(lens)
+        launch = delta_rule_launch(tc_auto.tuning, ops._sm_count, tokens=t, seqs=nseq, heads=h, dk=128, dv=128,
                                    tensor_cores=True)
-        # correctness first: nothing that failed is timed
-        picks = sorted({0, len(lens) // 2, len(lens) - 1})
-        want = case.reference(ops, picks)
-        results, failed = {}, False
-        for name, o_ops in (("tensor cores", tc_default), ("previous", previous)):
+        note(f"-- {label}: {nseq} sequences, {t} tokens, {h} value / {hk} key heads, 128 x 128")
+        # correctness first; the reference on the longest sequence
+        pick = int(np.argmax(lens))
+        s, e = int(case.cu[pick]), int(case.cu[pick + 1])
+        want_o, want_s = case.reference(ops, [pick])[pick]
+        outs, failed = {}, False
+        for name, o_ops, tol in [(f"tensor cores {w} warps", w_ops, TOL_REF) for w, w_ops in widths.items()] + [
+                ("previous", previous, TOL_OLD)]:
             st = case.state0.copy()
-            o = np.asarray(o_ops.to_host(case.run(o_ops, st))).astype(np.float32)
-            st_h = cupy.asnumpy(st)
-            results[name] = (o, st_h)
-            tol = TOL_REF if name == "tensor cores" else TOL_OLD
-            err_o = max(_rel(o[case.cu[b]:case.cu[b + 1]], want[b][0]) for b in picks)
-            err_s = max(_rel(st_h[b], want[b][1]) for b in picks)
-            failed |= check(f"{label}: {name} outputs vs reference (seqs {picks})", err_o, tol)
-            failed |= check(f"{label}: {name} exit states vs reference", err_s, tol)
-        for w in GDN_TC_WARPS:  # every block width computes the same thing, up to fp32 summation order
-            o_ops = ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w)
-            st = case.state0.copy()
-            o = np.asarray(o_ops.to_host(case.run(o_ops, st))).astype(np.float32)
-            failed |= check(f"{label}: tensor cores, {w} warps, vs the default width", max(
-                _rel(o, results["tensor cores"][0]), _rel(cupy.asnumpy(st), results["tensor cores"][1])), 1e-5)
+            o = f32(case.run(o_ops, st))
+            outs[name] = (o, st)
+            err = max(_rel(cupy.asnumpy(o[s:e]), want_o), _rel(cupy.asnumpy(st[pick]), want_s))
+            bad = check(f"{label}: {name} vs reference (sequence {pick}: outputs, exit state)", err, tol)
+            failed |= bad and name != "previous"
+        (o_a, st_a), (o_b, st_b) = (outs[f"tensor cores {w} warps"] for w in GDN_TC_WARPS)
+        failed |= check(f"{label}: tensor cores, {GDN_TC_WARPS} warps agree (all sequences)",
+                        max(_rel_dev(o_a, o_b), _rel_dev(st_a, st_b)), 1e-5)
         run_fla = None
-        if fla is not None:
+        if fla is not None and with_fla:
             torch, chunk_gdr = fla
             tq = _torch_view(torch, case.q).contiguous()[None]
             tk = _torch_view(torch, case.k).contiguous()[None]
@@ -166,56 +178,57 @@ def delta_part() -> list:
 
             try:
                 fo, fs = run_fla()
-            except Exception as e:  # noqa: BLE001 - report the baseline's failure, keep benching ours
-                note(f"{label}: fla failed: {type(e).__name__}: {str(e)[:120]}")
+                torch.cuda.synchronize()
+            except Exception as ex:  # noqa: BLE001 - report the baseline's failure, keep benching ours
+                note(f"{label}: fla failed: {type(ex).__name__}: {str(ex)[:120]}")
                 run_fla = None
             else:
-                fo = fo[0].float().cpu().numpy()
-                fs = fs.float().cpu().numpy()
-                o, st_h = results["tensor cores"]
-                failed |= check(f"{label}: tensor cores vs fla, outputs (all sequences)", _rel(o, fo), TOL_FLA)
-                failed |= check(f"{label}: tensor cores vs fla, exit states", _rel(st_h, fs), TOL_FLA)
-                check(f"{label}: fla vs reference (seqs {picks}, for scale)",
-                      max(_rel(fo[case.cu[b]:case.cu[b + 1]], want[b][0]) for b in picks), TOL_FLA)
+                fo = cupy.from_dlpack(fo[0].float().contiguous())
+                fs = cupy.from_dlpack(fs.float().contiguous())
+                failed |= check(f"{label}: tensor cores vs fla (all sequences: outputs, exit states)",
+                                max(_rel_dev(o_a, fo), _rel_dev(st_a, fs)), TOL_FLA)
+                check(f"{label}: fla vs reference (sequence {pick}, for scale)",
+                      max(_rel(cupy.asnumpy(fo[s:e]), want_o), _rel(cupy.asnumpy(fs[pick]), want_s)), TOL_FLA)
+        del outs, o_a, o_b, st_a, st_b
         # then timings (the state evolves from call to call: the same work every time)
         st = case.state0.copy()
         rate = lambda ms: f"{t / ms / 1e3:.1f} M tok/s"
         row = {"shape": label}
-        ms = row["previous"] = time_ms(lambda: case.run(previous, st), iters=5, warmup=1)
+        ms = row["previous"] = time_ms(lambda: case.run(previous, st), iters=3, warmup=1)
         rows.append(Row(f"{label}: previous default kernel", ms, rate(ms)))
         if failed:
             note(f"{label}: tensor-core form not timed (a check failed)")
         else:
-            ms = row["tc"] = time_ms(lambda: case.run(tc_default, st))
-            rows.append(Row(f"{label}: tensor cores, default rule ({launch.warps} warps)", ms, rate(ms)))
-            for w in GDN_TC_WARPS:
-                o_ops = ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w)
-                ms = time_ms(lambda: case.run(o_ops, st))
-                rows.append(Row(f"{label}:   tensor cores, {w} warps per scan block", ms, rate(ms)))
+            for w, w_ops in widths.items():
+                ms = time_ms(lambda: case.run(w_ops, st), iters=5, warmup=1)
+                if w == launch.warps:
+                    row["tc"] = ms
+                rows.append(Row(f"{label}: tensor cores, {w} warps per scan block"
+                                f"{' (the auto rule)' if w == launch.warps else ''}", ms, rate(ms)))
             q, k, v = case.q, case.k, case.v
             ms = time_ms(lambda: ops._gdn_tc_prep(
                 128, q, q.strides[0] // 2, q.strides[1] // 2, k, k.strides[0] // 2, k.strides[1] // 2, v,
-                v.strides[0] // 2, v.strides[1] // 2, case.g, case.beta, case.cu_d, len(lens), h // hk))
-            rows.append(Row(f"{label}:   tensor cores, prep pass alone", ms))
+                v.strides[0] // 2, v.strides[1] // 2, case.g, case.beta, case.cu_d, nseq, h // hk), iters=5, warmup=1)
+            rows.append(Row(f"{label}:   of which the prep pass", ms))
         if run_fla is not None:
-            ms = row["fla"] = torch_time_ms(run_fla, iters=10, warmup=3)
+            ms = row["fla"] = torch_time_ms(run_fla, iters=5, warmup=2)
             rows.append(Row(f"{label}: flash-linear-attention chunk_gated_delta_rule", ms, rate(ms)))
         summary.append(row)
         del case
         cupy.get_default_memory_pool().free_all_blocks()
 
-    note("-- summary (ms): shape | previous | tensor cores | fla | tensor cores / fla (goal <= 1.5)")
+    note("-- summary, ms: previous | tensor cores (auto width) | fla | tensor cores / fla (goal <= 1.5)")
     nan = float("nan")
     for r in summary:
         ratio = f"{r['tc'] / r['fla']:.2f}" if "fla" in r and "tc" in r else "-"
-        note(f"   {r['shape']:<44} {r['previous']:>8.3f} {r.get('tc', nan):>8.3f} {r.get('fla', nan):>8.3f}  {ratio}")
-
-    note("-- tuning table: 4b-like heads, tensor cores (default width) vs the previous default kernel")
-    for nseq, length in RULE_SHAPES:
-        case = _Case(ops, 32, 16, [length] * nseq, seed=1)
-        st = case.state0.copy()
-        a = time_ms(lambda: case.run(previous, st))
-        b = time_ms(lambda: case.run(tc_default, st))
-        rows.append(Row(f"rule {nseq} x {length}: previous / tensor cores", a, f"tensor cores {b:.4f} ms, "
-                        f"ratio {b / a:.2f}"))
+        note(f"   {r['shape']:<42} {r['previous']:>8.3f} {r.get('tc', nan):>8.3f} {r.get('fla', nan):>8.3f}  {ratio}")
+    if FULL:
+        note("-- tuning table: 4b-like heads, the previous default kernel vs tensor cores (auto width)")
+        for nseq, length in RULE_SHAPES:
+            case = _Case(ops, 32, 16, [length] * nseq, seed=1)
+            st = case.state0.copy()
+            a = time_ms(lambda: case.run(previous, st))
+            b = time_ms(lambda: case.run(tc_auto, st))
+            rows.append(Row(f"rule {nseq} x {length}: previous; tensor cores in rate", a,
+                            f"tensor cores {b:.4f} ms, ratio {b / a:.2f}"))
     return rows

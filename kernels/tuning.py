@@ -12,7 +12,7 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
 - delta rule, tensor cores (kernels/delta_tc.cu: bf16 mma, 64-token chunks, key/value dims <= 128 and 16-byte
   aligned rows): the bf16 prefill form whenever sequences average at least GDN_TC_MIN_MEAN tokens; its scan block
-  takes 16 value columns per warp, with the most warps (of 4, 2, 1) that still give every SM a block.
+  takes 16 value columns per warp, 4 warps when that still gives every SM a block, else 2.
   UNMEASURED first guess (session 4), and off by default until a device run has checked the kernel: the device
   bench (`python3 bench/kernel_bench.py delta`) sets these figures.
 - attention warps per block (16 query rows each): 8 above 128 head dims, else 4 (32 x 2304 prefill: head dim 256
@@ -32,8 +32,10 @@ from dataclasses import dataclass
 GDN_KEY_DIMS = (16, 32, 64, 128)  # token-stepped kernels are instantiated for these padded key dims
 GDN_COLS = 4  # value columns per thread of gdn_cols_kernel (the only instantiation: see kernels/delta_rule.cu)
 GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMAX in kernels/delta_rule.cu)
-GDN_TC_DIMS = (64, 128)  # gdn_tc_* instantiations: key and value dims padded to one of these
-GDN_TC_WARPS = (1, 2, 4, 8)  # gdn_tc_scan_kernel instantiations: warps (16 value columns each) per block
+# gdn_tc_* instantiations (each costs seconds of NVRTC time on first use): key and value dims are padded to one of
+# GDN_TC_DIMS; the scan block has GDN_TC_WARPS warps of 16 value columns each
+GDN_TC_DIMS = (128,)
+GDN_TC_WARPS = (2, 4)
 GDN_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" takes the tensor-core form
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 
@@ -105,8 +107,7 @@ def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: i
     `tensor_cores`: bf16 q/k/v with 16-byte aligned rows (dims and strides multiples of 8; the caller checks)."""
     if tensor_cores and _use_tensor_cores(tuning, tokens, seqs, dk, dv):
         dim = next(d for d in GDN_TC_DIMS if d >= max(dk, dv))
-        warps = tuning.gdn_tc_warps or next(
-            (w for w in (4, 2) if -(-dv // (16 * w)) * heads * seqs >= sm_count), 1)
+        warps = tuning.gdn_tc_warps or (4 if -(-dv // 64) * heads * seqs >= sm_count else 2)
         return DeltaRuleLaunch(chunked=True, kernel=f"gdn_tc_scan_kernel<{dim}, {warps}>",
                                grid=(-(-dv // (16 * warps)), heads, seqs), tensor_cores=True, dim=dim,
                                warps=warps)

@@ -50,14 +50,14 @@ def test_delta_rule_forced_forms():
 
 @pytest.mark.parametrize("tokens,seqs,heads,dk,dv,want", [
     # bf16 prefill, 4b-like heads: the tensor-core form; 4 warps (64 value columns) per scan block while that still
-    # gives every SM a block, fewer for few sequences (the shared prefix alone: 1 warp, 256 blocks)
+    # gives every SM a block, else 2 (the shared prefix alone: 1 x 32 heads x 4 column blocks)
     (32 * 2304, 32, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 4>", (2, 32, 32), True, 128, 4)),
-    (2048, 1, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 1>", (8, 32, 1), True, 128, 1)),
+    (2048, 1, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 2>", (4, 32, 1), True, 128, 2)),
     (4 * 4096, 4, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 4>", (2, 32, 4), True, 128, 4)),
     (2 * 4096, 2, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 2>", (4, 32, 2), True, 128, 2)),
     (64 * 256, 64, 32, 128, 128, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 4>", (2, 32, 64), True, 128, 4)),
-    # small dims pad to the 64 instantiation
-    (300, 3, 4, 16, 24, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<64, 1>", (2, 4, 3), True, 64, 1)),
+    # small dims pad to the one instantiation
+    (300, 3, 4, 16, 24, DeltaRuleLaunch(True, "gdn_tc_scan_kernel<128, 2>", (1, 4, 3), True, 128, 2)),
 ])
 def test_delta_rule_tensor_core_choices(tokens, seqs, heads, dk, dv, want):
     assert delta_rule_launch(TC_AUTO, H200_SMS, tokens=tokens, seqs=seqs, heads=heads, dk=dk, dv=dv,
@@ -76,9 +76,9 @@ def test_delta_rule_tensor_cores_not_taken(tokens, seqs, dk, dv):
 
 
 def test_delta_rule_tensor_cores_forced_and_off():
-    on = dataclasses.replace(DEFAULT, gdn_tensor_cores=True, gdn_tc_warps=8)
+    on = dataclasses.replace(DEFAULT, gdn_tensor_cores=True, gdn_tc_warps=2)
     launch = delta_rule_launch(on, H200_SMS, tokens=64 * 4, seqs=64, heads=32, dk=128, dv=128, tensor_cores=True)
-    assert launch.tensor_cores and launch.warps == 8 and launch.grid == (1, 32, 64)
+    assert launch.tensor_cores and launch.warps == 2 and launch.grid == (4, 32, 64)
     # never for decode, never without the caller's bf16/alignment go-ahead
     assert not delta_rule_launch(on, H200_SMS, tokens=64, seqs=64, heads=32, dk=128, dv=128,
                                  tensor_cores=True).tensor_cores
