@@ -35,24 +35,30 @@ class BlockAllocator:
         self.refcount[out] = 1
         return out
 
+    # Array operations, not a Python loop over numpy scalars: forks and releases touch every block of a long
+    # prompt, and the pools of a GPU hold tens of thousands of blocks (the run's end checks all of them).
     def incref(self, blocks):
-        for b in blocks:
-            self.refcount[b] += 1
+        if len(blocks):
+            np.add.at(self.refcount, np.asarray(blocks, np.int64), 1)
 
     def decref(self, blocks):
-        for b in blocks:
-            self.refcount[b] -= 1
-            if self.refcount[b] == 0:
-                self._free.append(b)
+        if not len(blocks):
+            return
+        ids = np.asarray(blocks, np.int64)
+        np.subtract.at(self.refcount, ids, 1)
+        # blocks that reached zero go back to the free list, in the order given (a block listed twice, once)
+        self._free.extend(dict.fromkeys(ids[self.refcount[ids] == 0].tolist()))
 
     def check_invariants(self):
-        free = set(self._free)
-        if len(free) != len(self._free):
+        free = np.fromiter(self._free, np.int64, len(self._free))  # [F]
+        listed = np.zeros(self.num_blocks, bool)
+        listed[free] = True
+        if np.count_nonzero(listed) != free.size:
             raise AssertionError("block free list holds duplicates")
         used = int(np.count_nonzero(self.refcount))
-        if len(free) + used != self.num_blocks:
-            raise AssertionError(f"blocks: free {len(free)} + used {used} != total {self.num_blocks}")
-        if any(self.refcount[b] != 0 for b in free) or (self.refcount < 0).any():
+        if free.size + used != self.num_blocks:
+            raise AssertionError(f"blocks: free {free.size} + used {used} != total {self.num_blocks}")
+        if (self.refcount[free] != 0).any() or (self.refcount < 0).any():
             raise AssertionError("a free block has a non-zero refcount, or a refcount is negative")
 
 
