@@ -66,11 +66,9 @@ ATTN_CASES = [
     ("prefill 32 x 2304, 16/4 heads x 256", 32, 2304, 0, 16, 4, 256, 0),
     ("prefill 32 x 2304, 32/8 heads x 128", 32, 2304, 0, 32, 8, 128, 0),
     ("suffixes 64 x 256 after 2048 cached, 16/4 x 256", 64, 256, 2048, 16, 4, 256, 0),
-    ("prefix alone 1 x 2048, 16/4 x 256", 1, 2048, 0, 16, 4, 256, 0),
-    ("prefill 32 x 2304, window 512, 16/4 x 256", 32, 2304, 0, 16, 4, 256, 512),
-]
+]  # the device run has ~60 s for every part together: three shapes, one checked sequence each, 5 timed runs
 ATTN_BOUND = 1e-2  # tests/test_cuda_kernels.py WGMMA_TOL: two bf16 roundings (P and the output)
-ATTN_CHECK_SEQS = 2  # sequences per case checked against the reference (the first and the last)
+ATTN_CHECK_SEQS = 1  # sequences per case checked against the reference (the last: the most ragged table)
 
 
 def _causal_pairs(n: int, hist: int, window: int) -> int:
@@ -110,8 +108,8 @@ def attn_part() -> list[Row]:
         win = window or None
         flops = 4 * hq * d * b * _causal_pairs(n, hist, window)
 
-        # the reference on the first and the last sequence (their blocks only)
-        picked = sorted({0, b - 1})[:ATTN_CHECK_SEQS]
+        # the reference on the last sequences (their blocks only)
+        picked = list(range(b - ATTN_CHECK_SEQS, b))
         blocks = tables_h[picked].reshape(-1)
         sub_tables = np.arange(len(blocks), dtype=np.int32).reshape(len(picked), nblk)
         host = lambda a: np.asarray(base.to_host(a)).astype(np.float32)
@@ -128,7 +126,7 @@ def attn_part() -> list[Row]:
             rows.append(Row(f"{name}: {label} vs reference", error=err, bound=ATTN_BOUND))
             if rows[-1].failed:
                 continue
-            ms = time_ms(run, iters=10, warmup=2)
+            ms = time_ms(run, iters=5, warmup=1)
             rows.append(Row(f"{name}: {label}", ms, f"{flops / ms / 1e9:.0f} TFLOP/s"))
         rows += _sdpa_rows(name, b, n, hist, hq, hkv, d, window, flops)
         del k_cache, v_cache, q
@@ -158,7 +156,7 @@ def _sdpa_rows(name, b, n, hist, hq, hkv, d, window, flops) -> list[Row]:
     variants["torch SDPA, K/V repeated"] = lambda: F.scaled_dot_product_attention(qt, kr, vr, **mask)
     for label, fn in variants.items():
         try:
-            ms = torch_time_ms(fn)
+            ms = torch_time_ms(fn, iters=5, warmup=1)
         except Exception as e:  # a backend without this combination
             rows.append(Row(f"{name}: {label}", rate=f"failed: {type(e).__name__}: {str(e)[:80]}"))
             continue

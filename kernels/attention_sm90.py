@@ -18,15 +18,11 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-HEAD_DIMS = (64, 128, 256)  # multiples of 64: whole 128-byte swizzle atoms per row (attention_sm90.cu)
-ROWS_PER_BLOCK = 128  # BM in attention_sm90.cu: two warpgroups of 64 query rows
+from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
+from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
+from prefixrun.kernels.tuning import wgmma_keys_per_tile as keys_per_tile
+
 THREADS = 256
-
-
-def keys_per_tile(head_dim: int) -> int:
-    """BN of the instantiation for `head_dim`: 64 keys at 256 dims (registers: O is 128 of them per thread), else
-    128 (fewer barriers per key, more work per Q read)."""
-    return 64 if head_dim > 128 else 128
 
 
 def shared_bytes(head_dim: int) -> int:

@@ -45,8 +45,15 @@ def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
     return (32, 64) if head_dim > 128 else (64,)
 ATTN_MAX_SPLITS = 32
 ATTN_PREFILL_KERNELS = ("auto", "mma", "wgmma")
-WGMMA_HEAD_DIMS = (64, 128, 256)  # kernels/attention_sm90.py HEAD_DIMS (no CuPy import here)
+WGMMA_HEAD_DIMS = (64, 128, 256)  # attn_wgmma_kernel instantiations: whole 128-byte swizzle atoms per row
 WGMMA_MIN_ROWS_PER_SEQ = 64
+WGMMA_ROWS_PER_BLOCK = 128  # BM of attn_wgmma_kernel: two warpgroups of 64 query rows
+
+
+def wgmma_keys_per_tile(head_dim: int) -> int:
+    """BN of attn_wgmma_kernel for `head_dim`: 64 keys at 256 dims (O alone takes 128 registers per thread), else
+    128 (fewer barriers and Q reads per key)."""
+    return 64 if head_dim > 128 else 128
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ class CudaTuning:
     attn_split_decode: bool | str = "auto"
     attn_cascade: bool = True
     # "wgmma" (sm_90 tensor-core kernel), "mma" (mma.sync) or "auto" (the rule in the module docstring). "mma"
-    # until the wgmma kernel has passed its first device run (tests/test_cuda_kernels.py forces "wgmma")
+    # until the wgmma kernel has passed a device run (tests/test_cuda_kernels.py and bench/kernel_bench.py force
+    # it); switching the default to "auto" changes prefill numerics: bump kernels/numerics.py NUMERICS_VERSION too
     attn_prefill_kernel: str = "mma"
 
     def __post_init__(self):

@@ -136,7 +136,8 @@ def test_attention_wgmma_choice():
     prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
     assert attention_plan(auto, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma")
     assert attention_plan(auto, H200_SMS, **prefill, wgmma=False) == AttentionPlan("plain", 8, 64)
-    assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True).path == "plain"  # "mma" until the device run
+    default_path = {"mma": "plain", "auto": "wgmma"}[DEFAULT.attn_prefill_kernel]  # "mma" until a device run
+    assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True).path == default_path
     # 64 sequences verifying 4 drafted tokens each: 4 x 4 = 16 rows per sequence -> mma.sync
     verify = {**prefill, "tokens": 64 * 4, "seqs": 64}
     assert attention_plan(auto, H200_SMS, **verify, wgmma=True).path == "plain"
