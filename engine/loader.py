@@ -50,9 +50,10 @@ def load_front(model_dir: Path) -> ModelFront:
     return ModelFront(model_dir, config, tokenizer, defaults)
 
 
-def load(model_dir: Path, device: str = "auto", dtype: str | None = None) -> LoadedModel:
+def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False) -> LoadedModel:
+    """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none)."""
     front = load_front(model_dir)
     model_dir, config, tokenizer, defaults = front.path, front.config, front.tokenizer, front.defaults
     ops = get_ops(device, dtype)
     tensors = CheckpointTensors(model_dir)
-    return LoadedModel(model_dir, config, ops, build_model(config, tensors, ops), tokenizer, defaults, tensors)
+    return LoadedModel(model_dir, config, ops, build_model(config, tensors, ops, mtp), tokenizer, defaults, tensors)

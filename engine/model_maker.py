@@ -87,6 +87,37 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mtp_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
+    """The MTP head's tensors as Qwen3.5 / Qwen3-Next checkpoints ship them (top-level `mtp.*`, also in the
+    vision-language composite): fc [D, 2D] over [normed embedding, normed hidden], its two pre-fc norms, one gated
+    full-attention decoder layer (`mtp.layers.0.*`, an MoE MLP where the model's layer 0 is sparse) and a norm."""
+    cfg = parse_config(raw_config)
+    if not isinstance(cfg, HybridConfig):
+        raise ValueError(f"MTP weights exist for the Qwen3.5 / Qwen3-Next families, not {cfg.family}")
+    d, hq, hkv, hd, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    lp = "mtp.layers.0."
+    shapes = {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
+              "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
+              lp + "input_layernorm.weight": (d,), lp + "post_attention_layernorm.weight": (d,),
+              lp + "self_attn.q_proj.weight": (2 * hq * hd, d), lp + "self_attn.k_proj.weight": (hkv * hd, d),
+              lp + "self_attn.v_proj.weight": (hkv * hd, d), lp + "self_attn.o_proj.weight": (d, hq * hd),
+              lp + "self_attn.q_norm.weight": (hd,), lp + "self_attn.k_norm.weight": (hd,)}
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.sparse_layers[0]:
+        m, e, mi, s = lp + "mlp.", moe.num_experts, moe.expert_intermediate_size, moe.shared_expert_intermediate_size
+        shapes[m + "gate.weight"] = (e, d)
+        for x in range(e):
+            shapes.update({f"{m}experts.{x}.gate_proj.weight": (mi, d), f"{m}experts.{x}.up_proj.weight": (mi, d),
+                           f"{m}experts.{x}.down_proj.weight": (d, mi)})
+        if s:
+            shapes.update({m + "shared_expert.gate_proj.weight": (s, d), m + "shared_expert.up_proj.weight": (s, d),
+                           m + "shared_expert.down_proj.weight": (d, s), m + "shared_expert_gate.weight": (1, d)})
+    else:
+        shapes.update({lp + "mlp.gate_proj.weight": (i, d), lp + "mlp.up_proj.weight": (i, d),
+                       lp + "mlp.down_proj.weight": (d, i)})
+    return shapes
+
+
 def _init(name: str, shape, rng: np.random.Generator, std: float, zero_centered_norms: bool) -> np.ndarray:
     """Random values shaped like a trained model's: small matrices, norms near their neutral value."""
     if name.endswith("A_log"):
@@ -124,12 +155,13 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict
 
 def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: float | None = None,
                    dtype: str = "bfloat16", composite: bool = False, shards: int = 1,
-                   corpus: list[str] | None = None) -> Path:
+                   corpus: list[str] | None = None, mtp: bool = False) -> Path:
     """Write a complete random-weight model directory for `raw_config` (an HF config.json dict).
 
     init_std: the weight scale (default the config's initializer_range or 0.02); tests use larger scales so that
     top-2 logit gaps sit far above fp32 rounding. composite: write the Qwen3.5 vision-language layout (text
     settings under text_config, weights under model.language_model., plus stand-in mtp.* and model.visual.*).
+    mtp: also write the MTP head's weights (`mtp.*`, engine/models/mtp.py) and its layer count in the config.
     """
     from prefixrun.engine.tokenizer_maker import default_corpus, write_tokenizer_files
 
@@ -141,6 +173,9 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     text_cfg["pad_token_id"] = tok["pad_token_id"]
     text_cfg["bos_token_id"] = None
     text_cfg["torch_dtype"] = dtype
+    if mtp:  # the key each family's released configs use
+        text_cfg["num_nextn_predict_layers" if parse_config(text_cfg).family == "qwen3_next"
+                 else "mtp_num_hidden_layers"] = 1
     if composite:
         family = parse_config(text_cfg).family
         if family not in _COMPOSITES:
@@ -154,13 +189,16 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     else:
         config = text_cfg
     shapes = tensor_shapes(config)
+    if mtp:
+        shapes.update(mtp_tensor_shapes(config))
     rng = np.random.default_rng(seed)
     std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
     zero_centered = parse_config(config).family in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3")
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
     tensors = {name: _init(name, shape, rng, std, zero_centered).astype(np_dtype) for name, shape in shapes.items()}
     if composite:  # stand-ins the text model must ignore
-        tensors["mtp.fc.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
+        if not mtp:
+            tensors["mtp.fc.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
         tensors["model.visual.patch_embed.proj.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
         tensors["model.vision_tower.stand_in.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
     names = list(tensors)

@@ -143,6 +143,14 @@ class ModelState:
         if extra > 0:
             h.blocks.extend(self.blocks.allocate(extra))
 
+    def trim(self, h: StateHandle):
+        """Release h's blocks past its length (taken by a `reserve` for rows that were written and then dropped,
+        e.g. a drafter's scratch rows): afterwards h holds exactly blocks_for(h.length) blocks again."""
+        extra = h.blocks[self.blocks_for(h.length):]
+        if extra:
+            self.blocks.decref(extra)
+            del h.blocks[self.blocks_for(h.length):]
+
     def prepare_step(self, handles: list[StateHandle], new_tokens: list[list[int]]) -> ForwardBatch:
         """Reserve room for each handle's new tokens and build the step's index arrays on the backend. Lengths
         advance."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from prefixrun.engine.config import DecoderConfig, load_config
+from prefixrun.engine.config import DecoderConfig, HybridConfig, load_config
+from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import CausalLM, WeightLoader
 from prefixrun.engine.weights import CheckpointTensors
 
@@ -28,13 +29,23 @@ def weight_renames(cfg: DecoderConfig, tensors: CheckpointTensors) -> dict[str, 
     return {}  # the missing-tensor error then names the canonical name
 
 
-def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops) -> CausalLM:
+def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops, mtp: bool = False) -> CausalLM:
+    """The model on `ops`; `mtp`: with its MTP head (engine/models/mtp.py), whose state then joins the model's."""
     module = importlib.import_module(f"prefixrun.engine.models.{_FAMILIES[cfg.family]}")
-    return module.build(cfg, WeightLoader(tensors, ops, weight_renames(cfg, tensors)))
+    load = WeightLoader(tensors, ops, weight_renames(cfg, tensors))
+    model = module.build(cfg, load)
+    if mtp:
+        if not isinstance(cfg, HybridConfig):
+            raise ModelLoadError(f"{tensors.model_dir}: {cfg.architecture} has no MTP head (Qwen3.5 / Qwen3-Next "
+                                 f"checkpoints ship one); use --speculative ngram")
+        from prefixrun.engine.models.mtp import attach_mtp
+
+        attach_mtp(model, cfg, load)
+    return model
 
 
-def load_model(model_dir: Path, ops) -> tuple[CausalLM, CheckpointTensors]:
-    """Config + weights of `model_dir` on the backend `ops`."""
+def load_model(model_dir: Path, ops, mtp: bool = False) -> tuple[CausalLM, CheckpointTensors]:
+    """Config + weights of `model_dir` on the backend `ops` (`mtp`: with the MTP head)."""
     cfg, _ = load_config(model_dir)
     tensors = CheckpointTensors(model_dir)
-    return build_model(cfg, tensors, ops), tensors
+    return build_model(cfg, tensors, ops, mtp), tensors

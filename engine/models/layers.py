@@ -298,9 +298,11 @@ class CausalLM:
                                  f"{load.stored_name('lm_head.weight')!r}")
         self.layers = layers
         self.final_norm = final_norm
+        self.mtp = None  # the MTP head (engine/models/mtp.py), when loaded for --speculative mtp
 
     def state_specs(self) -> list[RegionSpec]:
-        return [s for layer in self.layers for s in layer.state_specs()]
+        specs = [s for layer in self.layers for s in layer.state_specs()]
+        return specs + (self.mtp.state_specs() if self.mtp is not None else [])
 
     def embed(self, token_ids):
         x = self.ops.embed(self.embed_tokens, token_ids)  # [T, D]
@@ -314,9 +316,15 @@ class CausalLM:
         x = self.embed(batch.token_ids)
         for layer in self.layers:
             x = layer(ops, x, batch, state)
-        if not all_logits:
-            x = x[batch.last_token_index]
-        x = self.final_norm(ops, x)
+        if self.mtp is not None:  # the head's state follows every step: it needs every row's final hidden state
+            x = self.final_norm(ops, x)  # [T, D]
+            self.mtp.absorb(ops, x, batch, state)
+            if not all_logits:
+                x = x[batch.last_token_index]
+        else:
+            if not all_logits:
+                x = x[batch.last_token_index]
+            x = self.final_norm(ops, x)
         logits = ops.logits(x, self.lm_head)
         if self.logit_softcap is not None:
             logits = ops.softcap(logits, self.logit_softcap)

@@ -1,7 +1,8 @@
 """Qwen3.5 / Qwen3-Next text model: Gated DeltaNet layers mixed with gated full attention (hybrid state).
 
 Weights as HF names them: `{prefix}layers.{i}.linear_attn.*` or `.self_attn.*`, `.mlp.*`, zero-centred RMSNorms
-(`x * (1 + w)`), tied or separate LM head. The composite checkpoint's `mtp.*` and `model.visual.*` are ignored.
+(`x * (1 + w)`), tied or separate LM head. The composite checkpoint's `model.visual.*` is ignored; `mtp.*` is the
+MTP head (engine/models/mtp.py), loaded only for --speculative mtp.
 """
 from __future__ import annotations
 

@@ -1,0 +1,273 @@
+"""The MTP head (engine/models/mtp.py) against a NumPy reference, and its drafter.
+
+transformers 5.17 does not implement the head (it drops `mtp.*` on load), so the reference here is written from the
+checkpoint layout alone, in float64, reading the safetensors file itself: entry e = fc([norm(embed(x_{e+1})),
+norm(h_e)]) -> one gated full-attention decoder layer at rotary position e (causal over entries 0..e) -> norm ->
+LM head, with h_e the target's final-normed hidden state from transformers (float64, same weights), and drafts
+chained on the head's own output. Nothing of prefixrun's engine is used to compute the expected values.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import TINY_QWEN3_5, TINY_QWEN3_5_MOE, TINY_QWEN3_NEXT, new_state, random_prompt
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.model_maker import make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.models.mtp import MtpDrafter
+from prefixrun.engine.speculative import DraftInput
+from prefixrun.engine.state import StateLayoutError, layout_digest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+TOL = 1e-4
+CONFIGS = {"qwen3_5": TINY_QWEN3_5, "qwen3_5_moe": TINY_QWEN3_5_MOE, "qwen3_next": TINY_QWEN3_NEXT}
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp-models")
+    return {name: make_model_dir(root / name, cfg, seed=11, init_std=0.05, dtype="float32", mtp=True)
+            for name, cfg in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def mtp_models(mtp_dirs, cpu_ops):
+    return {name: load_model(path, cpu_ops, mtp=True)[0] for name, path in mtp_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def references(mtp_dirs):
+    return {name: Reference(path) for name, path in mtp_dirs.items()}
+
+
+class Reference:
+    """The target's hidden states from transformers, the head in float64 NumPy from the safetensors file."""
+
+    def __init__(self, path):
+        raw = json.loads((path / "config.json").read_text())
+        self.cfg = raw.get("text_config", raw)
+        self.w = {k: v.astype(np.float64) for k, v in safetensors_numpy.load_file(path / "model.safetensors").items()}
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                                    experts_implementation="eager").eval()
+        self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+
+    def hidden(self, tokens):
+        """[n, D] final-normed hidden states of the target."""
+        with torch.no_grad():
+            return self.hf.model(torch.tensor([tokens])).last_hidden_state[0].numpy()
+
+    def norm(self, x, name):
+        eps = self.cfg["rms_norm_eps"]
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + self.w[name])
+
+    def rotate(self, x, pos):  # x [n, H, hd], partial rotate-half rotary
+        hd = x.shape[-1]
+        rope = self.cfg["rope_parameters"]
+        rd = int(hd * rope["partial_rotary_factor"])
+        inv = 1.0 / rope["rope_theta"] ** (np.arange(0, rd, 2) / rd)
+        ang = np.asarray(pos, np.float64)[:, None] * inv[None]  # [n, rd/2]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+        r = x[..., :rd]
+        half = np.concatenate([-r[..., rd // 2:], r[..., :rd // 2]], -1)
+        return np.concatenate([r * cos + half * sin, x[..., rd:]], -1)
+
+    def mlp(self, x, p):
+        silu = lambda a: a / (1.0 + np.exp(-a))
+        ffn = lambda a, q: (silu(a @ self.w[q + "gate_proj.weight"].T) * (a @ self.w[q + "up_proj.weight"].T)) \
+            @ self.w[q + "down_proj.weight"].T
+        if p + "gate.weight" not in self.w:
+            return ffn(x, p)
+        logits = x @ self.w[p + "gate.weight"].T  # [n, E]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        k = self.cfg["num_experts_per_tok"]
+        out = np.zeros_like(x)
+        for t in range(x.shape[0]):
+            top = np.argsort(-probs[t], kind="stable")[:k]
+            wts = probs[t, top]
+            if self.cfg.get("norm_topk_prob", True):
+                wts = wts / wts.sum()
+            for e, wt in zip(top, wts):
+                out[t] += wt * ffn(x[t:t + 1], f"{p}experts.{e}.")[0]
+        if p + "shared_expert.gate_proj.weight" in self.w:
+            gate = 1.0 / (1.0 + np.exp(-(x @ self.w[p + "shared_expert_gate.weight"].T)))  # [n, 1]
+            out += gate * ffn(x, p + "shared_expert.")
+        return out
+
+    def entries(self, hiddens, tokens):
+        """Head outputs g [n, D] for entries e = 0..n-1 from hiddens [n, D] (h_e) and tokens [n] (x_{e+1})."""
+        w, c = self.w, self.cfg
+        n = len(tokens)
+        hq, hkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        emb = w["model.embed_tokens.weight"][np.asarray(tokens)]
+        u = np.concatenate([self.norm(emb, "mtp.pre_fc_norm_embedding.weight"),
+                            self.norm(hiddens, "mtp.pre_fc_norm_hidden.weight")], -1) @ w["mtp.fc.weight"].T
+        p = "mtp.layers.0."
+        a = self.norm(u, p + "input_layernorm.weight")
+        qg = (a @ w[p + "self_attn.q_proj.weight"].T).reshape(n, hq, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, hq * hd)
+        k = (a @ w[p + "self_attn.k_proj.weight"].T).reshape(n, hkv, hd)
+        v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(n, hkv, hd)
+        q = self.rotate(self.norm(q, p + "self_attn.q_norm.weight"), range(n))
+        k = self.rotate(self.norm(k, p + "self_attn.k_norm.weight"), range(n))
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # [n, Hq, hd]
+        s = np.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        s = np.where(np.tril(np.ones((n, n), bool))[None], s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", pr, v).reshape(n, hq * hd) / (1.0 + np.exp(-gate))
+        u = u + o @ w[p + "self_attn.o_proj.weight"].T
+        u = u + self.mlp(self.norm(u, p + "post_attention_layernorm.weight"), p + "mlp.")
+        return self.norm(u, "mtp.norm.weight")
+
+    def chain(self, tokens, k):
+        """The state after tokens[:-1], then k chained drafts from tokens[-1] -> (drafts, logits [k, V])."""
+        hid = list(self.hidden(tokens[:-1]))
+        toks = list(tokens[1:])
+        drafts, logits = [], []
+        for _ in range(k):
+            g = self.entries(np.array(hid), toks)[-1]
+            lg = g @ self.lm_head.T
+            logits.append(lg)
+            drafts.append(int(np.argmax(lg)))
+            hid.append(g)
+            toks.append(drafts[-1])
+        return drafts, np.array(logits)
+
+
+def _draft(model, state, handle, tokens, k):
+    drafter = MtpDrafter(model, state)
+    drafts = drafter.propose([DraftInput(tokens=tokens, num_drafts=k, handle=handle, request=None)])[0]
+    return drafts, np.concatenate(drafter.last_logits)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("length", [2, 17, 40])
+def test_head_logits_match_reference(family, length, mtp_models, references, cpu_ops):
+    """One prefill, then the drafter's chain: every step's logits equal the reference's (the first step reads
+    every row the prefill wrote; later steps read the chain's own rows)."""
+    model, ref = mtp_models[family], references[family]
+    tokens = random_prompt(length, length)
+    state = new_state(model, cpu_ops)
+    h = state.new_sequence()
+    model.forward(state.prepare_step([h], [tokens[:-1]]), state)
+    drafts, logits = _draft(model, state, h, tokens, 4)
+    want_drafts, want_logits = ref.chain(tokens, 4)
+    np.testing.assert_allclose(logits, want_logits, atol=TOL, rtol=0)
+    assert drafts == want_drafts
+    assert h.length == length - 1  # drafting leaves the sequence where it was
+    state.release(h)
+    state.check_invariants()
+
+
+def test_rows_follow_every_step_kind(mtp_models, references, cpu_ops):
+    """Pieces, single-token steps, forks at block-aligned and unaligned lengths, a batch of uneven sequences: the
+    head's rows and hidden state are those of one prefill (block size 16)."""
+    model, ref = mtp_models["qwen3_5"], references["qwen3_5"]
+    a, b = random_prompt(3, 50), random_prompt(4, 50)
+    b[:32] = a[:32]
+    state = new_state(model, cpu_ops)
+    h = state.new_sequence()
+    model.forward(state.prepare_step([h], [a[:32]]), state)  # block-aligned end
+    fork = state.fork(h)
+    model.forward(state.prepare_step([h, fork], [a[32:37], b[32:45]]), state)  # uneven pieces, partial blocks
+    fork2 = state.fork(h)  # unaligned: shares a partial block
+    for t in range(37, 41):
+        model.forward(state.prepare_step([h, fork2], [[a[t]], [b[t]]]), state)
+    for handle, tokens in ((h, a[:42]), (fork, b[:46]), (fork2, a[:37] + b[37:42])):
+        drafts, logits = _draft(model, state, handle, tokens, 3)
+        want_drafts, want_logits = ref.chain(tokens, 3)
+        np.testing.assert_allclose(logits, want_logits, atol=TOL, rtol=0)
+        assert drafts == want_drafts
+    state.check_invariants()
+
+
+def test_batched_drafts_equal_single(mtp_models, cpu_ops):
+    """Several sequences with different lengths and draft counts (0 included) in one propose."""
+    model = mtp_models["qwen3_5_moe"]
+    prompts = [random_prompt(10 + i, n) for i, n in enumerate([5, 33, 16, 21])]
+    wants = [3, 1, 0, 4]
+    state = new_state(model, cpu_ops)
+    handles = [state.new_sequence() for _ in prompts]
+    model.forward(state.prepare_step(handles, [p[:-1] for p in prompts]), state)
+    singles = [_draft(model, state, h, p, k)[0] if k else [] for h, p, k in zip(handles, prompts, wants)]
+    drafter = MtpDrafter(model, state)
+    batched = drafter.propose([DraftInput(tokens=p, num_drafts=k, handle=h, request=None)
+                               for h, p, k in zip(handles, prompts, wants)])
+    assert batched == singles
+    assert [len(d) for d in batched] == wants
+    state.check_invariants()
+
+
+def test_state_export_import_and_layout(mtp_models, loaded, cpu_ops):
+    """The head's regions travel with a state (the persistent cache's path): an imported state drafts the same;
+    a state without them is refused, and the layouts' digests (part of every cache key) differ."""
+    model = mtp_models["qwen3_5"]
+    tokens = random_prompt(5, 30)
+    state = new_state(model, cpu_ops)
+    h = state.new_sequence()
+    model.forward(state.prepare_step([h], [tokens[:-1]]), state)
+    regions = state.export(h)
+    assert {"mtp.layers.0.k", "mtp.layers.0.v", "mtp.hidden"} <= set(regions)
+    want = _draft(model, state, h, tokens, 3)
+    other = new_state(model, cpu_ops)
+    restored = other.import_state(regions, h.length)
+    got = _draft(model, other, restored, tokens, 3)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1], want[1])
+    plain = loaded["qwen3_5"]
+    assert layout_digest(model.state_specs(), cpu_ops) != layout_digest(plain.state_specs(), cpu_ops)
+    no_mtp = {k: v for k, v in regions.items() if not k.startswith("mtp.")}
+    with pytest.raises(StateLayoutError):
+        other.validate_import(no_mtp, h.length)
+    with pytest.raises(StateLayoutError):
+        new_state(plain, cpu_ops).validate_import(regions, h.length)
+
+
+def test_head_does_not_change_the_target(mtp_models, mtp_dirs, cpu_ops):
+    """Loading the head adds state and work, never a different answer: the target's logits are identical."""
+    prompt = random_prompt(6, 45)
+    with_head = mtp_models["qwen3_next"]
+    without, _ = load_model(mtp_dirs["qwen3_next"], cpu_ops)
+    outs = []
+    for model in (with_head, without):
+        state = new_state(model, cpu_ops)
+        h = state.new_sequence()
+        outs.append(model.forward(state.prepare_step([h], [prompt]), state, all_logits=True))
+        outs.append(model.forward(state.prepare_step([h], [[7]]), state))
+    np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[3])
+
+
+def test_clear_errors(model_dirs, loaded, cpu_ops, tmp_path):
+    with pytest.raises(ModelLoadError, match="no MTP head"):
+        load_model(model_dirs["qwen3_5"], cpu_ops, mtp=True)  # a checkpoint without mtp.*
+    with pytest.raises(ModelLoadError, match="has no MTP head"):
+        load_model(model_dirs["qwen3"], cpu_ops, mtp=True)  # a family without one
+    with pytest.raises(ModelLoadError, match="mtp"):
+        MtpDrafter(loaded["qwen3_5"], new_state(loaded["qwen3_5"], cpu_ops))
+    # a composite's stand-in mtp.fc of the wrong shape is named, not a traceback
+    bad = make_model_dir(tmp_path / "composite", TINY_QWEN3_5, seed=1, composite=True)
+    with pytest.raises(ModelLoadError, match="mtp.fc.weight"):
+        load_model(bad, cpu_ops, mtp=True)
+
+
+def test_composite_layout(mtp_models, tmp_path, cpu_ops):
+    """The vision-language layout keeps `mtp.*` at the top level; same seed, same weights, same drafts."""
+    path = make_model_dir(tmp_path / "vl", TINY_QWEN3_5, seed=11, init_std=0.05, dtype="float32", mtp=True,
+                          composite=True)
+    composite, _ = load_model(path, cpu_ops, mtp=True)
+    tokens = random_prompt(8, 20)
+    got = []
+    for model in (composite, mtp_models["qwen3_5"]):
+        state = new_state(model, cpu_ops)
+        h = state.new_sequence()
+        model.forward(state.prepare_step([h], [tokens[:-1]]), state)
+        got.append(_draft(model, state, h, tokens, 2)[0])
+    assert got[0] == got[1]
