@@ -24,11 +24,12 @@ __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K) ignore the leading byte offset;
-// for the MN-major V with N = 64 per instruction only the 8-row group stride along K matters, and PTX and
-// CUTLASS name it differently for the two majors, so both offsets are that stride (1024 bytes).
-__device__ __forceinline__ u64 sw128_desc(unsigned saddr) {
-    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(1024 >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets (>> 4).
+// K-major operands (Q, K): 8-row groups 1024 bytes apart (SBO), the leading offset unused (0, as in CUTLASS and
+// DeepGEMM). The MN-major V with N = 64 per instruction (one atom wide) only has a stride between 8-key groups,
+// which PTX and CUTLASS name differently, so both offsets are that stride (1024 bytes).
+__device__ __forceinline__ u64 sw128_desc(unsigned saddr, unsigned lbo) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -196,10 +197,10 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            const u64 da = sw128_desc(sq_wg + (kk >> 2) * (BM * 128) + (kk & 3) * 32);
+            const u64 da = sw128_desc(sq_wg + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 0);
 #pragma unroll
             for (int p = 0; p < NP; ++p)
-                wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * 64 * 128 + (kk & 3) * 32), kk > 0);
+                wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * 64 * 128 + (kk & 3) * 32, 0), kk > 0);
         }
         wg_commit();
         wg_wait0();
@@ -271,7 +272,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         for (int k2 = 0; k2 < BN / 16; ++k2)
 #pragma unroll
             for (int p = 0; p < OP; ++p)
-                wgmma_rs_tb(o[p], pa[k2], sw128_desc(sv + p * (BN * 128) + k2 * 16 * 128));
+                wgmma_rs_tb(o[p], pa[k2], sw128_desc(sv + p * (BN * 128) + k2 * 16 * 128, 1024));
         wg_commit();
         wg_wait0();
 #pragma unroll

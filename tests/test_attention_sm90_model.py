@@ -177,10 +177,10 @@ def stored(base: int, rows: int, d: int) -> dict[int, tuple[int, int]]:
     return mem
 
 
-def desc_fields(saddr: int) -> dict[str, int]:
+def desc_fields(saddr: int, lbo: int) -> dict[str, int]:
     """attention_sm90.cu sw128_desc, decoded back by the PTX bit fields (start 0-13, LBO 16-29, SBO 32-45,
     swizzle mode 62-63, all byte quantities >> 4)."""
-    desc = ((saddr & 0x3FFFF) >> 4) | ((1024 >> 4) << 16) | ((1024 >> 4) << 32) | (1 << 62)
+    desc = ((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((1024 >> 4) << 32) | (1 << 62)
     return dict(start=(desc & 0x3FFF) << 4, lbo=((desc >> 16) & 0x3FFF) << 4, sbo=((desc >> 32) & 0x3FFF) << 4,
                 base_offset=(desc >> 49) & 7, swizzle=desc >> 62)
 
@@ -195,19 +195,19 @@ def test_descriptors_read_what_the_gathers_wrote(d):
     assert all(a % 1024 == 0 for a in (sq, sk, sv))
     for kk in range(d // 16):  # S = Q K^T, one wgmma per (warpgroup, 64-key piece, 16 dims)
         for wg in range(2):
-            f = desc_fields(sq + wg * 64 * 128 + (kk >> 2) * (BM * 128) + (kk & 3) * 32)
+            f = desc_fields(sq + wg * 64 * 128 + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 0)
             assert f["swizzle"] == 1 and f["base_offset"] == 0
             for r in range(64):
                 for k in range(16):
                     assert q_mem[k_major(f["start"], r, k, f["sbo"])] == (64 * wg + r, 16 * kk + k)
         for p in range(bn // 64):
-            f = desc_fields(sk + (kk >> 2) * (bn * 128) + p * 64 * 128 + (kk & 3) * 32)
+            f = desc_fields(sk + (kk >> 2) * (bn * 128) + p * 64 * 128 + (kk & 3) * 32, 0)
             for n in range(64):
                 for k in range(16):
                     assert k_mem[k_major(f["start"], n, k, f["sbo"])] == (64 * p + n, 16 * kk + k)
     for k2 in range(bn // 16):  # O += P V: B[k = key][n = dim] = V[key][dim], transposed
         for p in range(d // 64):
-            f = desc_fields(sv + p * (bn * 128) + k2 * 16 * 128)
+            f = desc_fields(sv + p * (bn * 128) + k2 * 16 * 128, 1024)
             for n in range(64):
                 for k in range(16):
                     want = (16 * k2 + k, 64 * p + n)
@@ -216,7 +216,7 @@ def test_descriptors_read_what_the_gathers_wrote(d):
                     assert v_mem[mn_major(f["start"], n, k, f["sbo"], f["lbo"])] == want
 
 
-# ---- 3. registers: accumulator and A-fragment layouts -----------------------------------------------------------------
+# ---- 3. registers: accumulator and A-fragment layouts ----------------------------------------------------------------
 def d_fragment(warp: int, lane: int, i: int) -> tuple[int, int]:
     """wgmma .m64nNk16 f32 accumulator: register i of `lane` in warp `warp` (of 4) -> (row of 64, column)."""
     return 16 * warp + lane // 4 + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * (lane % 4) + i % 2

@@ -622,7 +622,7 @@ def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
     assert per_row.max() <= 10 * TOL_SEQ[ops.dtype_name]
 
 
-# ---- attention prefill on sm_90 tensor cores (kernels/attention_sm90.cu, wgmma) ---------------------------------------
+# ---- attention prefill on sm_90 tensor cores (kernels/attention_sm90.cu, wgmma) --------------------------------------
 # Bound (bf16): Q, K and V are bf16 on both sides (the reference gets the same rounded values) and every sum is fp32;
 # the kernel rounds the probabilities P to bf16 before P·V and the output to bf16, each a relative error <= 2^-9
 # (2e-3) per element, so the norm-relative error is ~3e-3 and 1e-2 leaves a 3x margin. The per-row bound 3e-2
