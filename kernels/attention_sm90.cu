@@ -66,10 +66,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db, int sca
 // d[64 x 64] += A[64 x 16] B[16 x 64], A in registers (the m16n8k16 A fragment of each warp's 16 rows), B MN-major
 // (transposed) in shared memory.
 __device__ __forceinline__ void wgmma_rs_tb(float (&d)[32], const unsigned (&a)[4], u64 db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_OUT32
-                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_OUT32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : WG_D32
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
 __device__ __forceinline__ unsigned pack2_bf16(float lo, float hi) {
