@@ -645,13 +645,40 @@ WGMMA_CASES = [
 WGMMA_SEQS = [(1, 1), (300, 1), (150, 70), (33, 33), (64, 64), (129, 129), (700, 260), (97, 20), (2, 2), (513, 400)]
 
 
+def _wgmma_smoke():
+    """Every wgmma instantiation once on a mixed batch, synchronised (the child process of `wgmma_ops`)."""
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16").retuned(attn_prefill_kernel="wgmma")
+    rng = np.random.default_rng(0)
+    for hq, hkv, d in ((16, 4, 256), (8, 8, 128), (4, 2, 64)):
+        c = _paged_case(rng, ops, WGMMA_SEQS, hq, hkv, d, 16)
+        out = ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
+                                  ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]),
+                                  ops.upload_index(c["cu"]), d ** -0.5)
+        cupy.cuda.runtime.deviceSynchronize()
+        assert np.isfinite(host(ops, out)).all(), f"non-finite output at head dim {d}"
+
+
 @pytest.fixture(scope="module")
 def wgmma_ops():
+    import subprocess
+    from pathlib import Path
+
     from prefixrun.kernels import attention_sm90
     from prefixrun.kernels.cuda import CudaOps
 
     if not attention_sm90.available():
         pytest.skip("needs a compute capability 9.0 GPU (wgmma)")
+    # a kernel fault is sticky for the process's CUDA context: run the kernel in a child process first, so a broken
+    # kernel fails these tests instead of every GPU test after them
+    try:
+        child = subprocess.run([sys.executable, "-c", "import test_cuda_kernels as t; t._wgmma_smoke()"],
+                               cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("attn_wgmma_kernel did not finish in a child process within 300 s")
+    if child.returncode != 0:
+        pytest.fail(f"attn_wgmma_kernel failed in a child process:\n{child.stderr[-4000:]}")
     return CudaOps("bfloat16").retuned(attn_prefill_kernel="wgmma")
 
 
