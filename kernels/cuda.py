@@ -31,7 +31,7 @@ from prefixrun.kernels.upload import upload_bytes
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, CudaTuning, \
-    attention_plan, attn_tile_keys, delta_rule_launch
+    attention_plan, attn_tile_keys, delta_rule_launch, gdn_tc_smem_bytes
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -67,15 +67,6 @@ _GDN_PREP_SMEM = (2 * 128 * (64 + 4) + 64 * (64 + 1)) * 4
 _GDN_SCAN_SMEM = (128 * 32 + 64 * (128 + 4) + 64 * 32 + 64 * (64 + 1)) * 4
 _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
 
-
-def _gdn_tc_smem(dim: int, warps: int = 0) -> int:
-    """Dynamic shared memory of gdn_tc_prep_kernel<dim> (warps == 0) or gdn_tc_scan_kernel<dim, warps>, bytes
-    (the layouts at the top of each kernel in kernels/delta_tc.cu; C = 64 tokens, rows padded by 8 bf16)."""
-    c, ld, ald = 64, dim + 8, 64 + 8
-    if warps == 0:  # k, q/v [C][ld] bf16; L, T [C][C + 1] fp32; Aw, Au [C][ald] bf16
-        return 2 * c * ld * 2 + 2 * c * (c + 1) * 4 + 2 * c * ald * 2
-    uld = 16 * warps + 8  # W, k, q [C][ld]; Aqk [C][ald]; U0, O [C][uld]
-    return (3 * c * ld + c * ald + 2 * c * uld) * 2
 
 
 _NAMES = {
@@ -635,7 +626,7 @@ class CudaOps:
         w, u, aqk, gc = self._gdn_tc_prep(launch.dim, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, cu,
                                           slots.shape[0], krep)
         h, dk, dv = v.shape[1], q.shape[2], v.shape[2]
-        nbytes = _gdn_tc_smem(launch.dim, launch.warps)
+        nbytes = gdn_tc_smem_bytes(launch.dim, launch.warps)
         scan = self._dynamic_smem(_kernel("delta_tc", launch.kernel), nbytes)
         scan(launch.grid, (32 * launch.warps,),
              (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), w, u, aqk, gc, state, slots, cu, _i32(h), _i32(krep),
@@ -650,7 +641,7 @@ class CudaOps:
         u = cupy.empty((t, h, dv), BF16)
         aqk = cupy.empty((t, h, 64), BF16)
         gc = cupy.empty((t, h), F32)
-        nbytes = _gdn_tc_smem(dim)
+        nbytes = gdn_tc_smem_bytes(dim)
         prep = self._dynamic_smem(_kernel("delta_tc", f"gdn_tc_prep_kernel<{dim}>"), nbytes)
         prep((-(-t // 64) + nseq, h), (128,),
              (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, cu, _i32(nseq),

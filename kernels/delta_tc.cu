@@ -30,15 +30,16 @@
 #define TC_ALD (TC_C + 8)    // bf16 [C][C] rows: 144 bytes, ldmatrix rows fall in distinct banks
 #define TC_FLD (TC_C + 1)    // fp32 [C][C] rows of the solve
 
+// The PTX below is all of this file's inline assembly: tests/test_delta_tc_emulated.py compiles the file for the CPU
+// with TC_HOST_EMULATION defined and these helpers replaced by a model of the warp (tests/cuda_emu.h).
+#ifndef TC_HOST_EMULATION
 __device__ __forceinline__ unsigned tc_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void tc_cp16(void* dst, const void* src, bool ok) {  // 16 bytes, or zeros when !ok
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tc_smem(dst)), "l"(src), "r"(ok ? 16 : 0));
 }
-__device__ __forceinline__ void tc_cp_wait_all() {
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::);
-}
+__device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void tc_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 __device__ __forceinline__ void tc_ldsm(unsigned (&r)[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tc_smem(p)));
@@ -54,6 +55,7 @@ __device__ __forceinline__ void tc_mma(float (&c)[4], const unsigned (&a)[4], un
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif
 __device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
@@ -144,6 +146,7 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
         if (t0 < n) gc_out[(i64)(start + t0) * heads + h] = c0;
         if (t0 + 1 < n) gc_out[(i64)(start + t0 + 1) * heads + h] = incl;
     }
+    tc_cp_commit();
     tc_cp_wait_all();
     __syncthreads();
 
@@ -190,7 +193,7 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     }
     __syncthreads();  // sL complete, q consumed: v takes its place while the solve runs
     tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
-    asm volatile("cp.async.commit_group;\n" ::);
+    tc_cp_commit();
 
     // T = (I + L)^-1. Diagonal 16 x 16 blocks by forward substitution (thread per block column)...
     if (tid < 64) {
@@ -231,7 +234,7 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
         sAw[t * TC_ALD + j] = __float2bfloat16_rn(tv * sbeta[j] * expf(sgc[j]));
         sAu[t * TC_ALD + j] = __float2bfloat16_rn(tv * sbeta[j]);
     }
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    tc_cp_wait_all();
     __syncthreads();
 
     // W = Aw K and U0 = Au V: warp w rows 16w .. 16w + 15, all D columns; k-steps past the diagonal are zero
@@ -316,6 +319,7 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
         tc_load_tile<TC_C, NTH>(sA, TC_ALD, a_in + ((i64)start * heads + h) * TC_C, (i64)heads * TC_C, n, TC_C);
         tc_load_tile<BV, NTH>(sU, ULD, u_in + ((i64)start * heads + h) * dv + v0, (i64)heads * dv, n, dv - v0);
         for (int i = tid; i < TC_C; i += NTH) sgc[i] = i < n ? gc_in[(i64)(start + i) * heads + h] : 0.f;
+        tc_cp_commit();
         tc_cp_wait_all();
         __syncthreads();
 

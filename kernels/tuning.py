@@ -128,6 +128,16 @@ def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: i
                            grid=(-(-dv // cols), heads, seqs))
 
 
+def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:
+    """Dynamic shared memory of gdn_tc_prep_kernel<dim> (warps == 0) or gdn_tc_scan_kernel<dim, warps>, bytes
+    (the layouts at the top of each kernel in kernels/delta_tc.cu; C = 64 tokens, rows padded by 8 bf16)."""
+    c, ld, ald = 64, dim + 8, 64 + 8
+    if warps == 0:  # k, q/v [C][ld] bf16; L, T [C][C + 1] fp32; Aw, Au [C][ald] bf16
+        return 2 * c * ld * 2 + 2 * c * (c + 1) * 4 + 2 * c * ald * 2
+    uld = 16 * warps + 8  # W, k, q [C][ld]; Aqk [C][ald]; U0, O [C][uld]
+    return (3 * c * ld + c * ald + 2 * c * uld) * 2
+
+
 def _use_tensor_cores(tuning: CudaTuning, tokens: int, seqs: int, dk: int, dv: int) -> bool:
     if tokens <= seqs or max(dk, dv) > GDN_TC_DIMS[-1] or dk % 8 or dv % 8 or not tuning.gdn_tensor_cores:
         return False
