@@ -121,24 +121,12 @@ def _torch_view(torch, a):
     return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
 
 
-def delta_part() -> list:
+def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, fla):
+    """Checks, then timings, shape by shape (SHAPES); appends to rows and summary."""
     import cupy
 
     from kernel_bench import Row, time_ms, torch_time_ms
-    from prefixrun.kernels.cuda import CudaOps
 
-    rows: list = []
-    check = lambda name, err, bound: rows.append(Row(name, error=err, bound=bound)) or rows[-1].failed
-    note = lambda text: rows.append(Row(text))
-    ops = CudaOps("bfloat16")
-    f32 = lambda a: ops._cast(a, np.float32)
-    widths = {w: ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w) for w in GDN_TC_WARPS}
-    tc_auto = ops.retuned(gdn_tensor_cores=True)  # the "auto" rule's block width, the form forced on
-    previous = ops.retuned(gdn_tensor_cores=False)
-    fla, why = _fla()
-    if fla is None:
-        note(f"flash-linear-attention not importable ({why}): no fla checks or timings")
-    summary = []
     for label, h, hk, lens, with_fla in SHAPES:
         case = _Case(ops, h, hk, lens)
         t, nseq = case.t, len(lens)
@@ -161,7 +149,7 @@ def delta_part() -> list:
         (o_a, st_a), (o_b, st_b) = (outs[f"tensor cores {w} warps"] for w in GDN_TC_WARPS)
         failed |= check(f"{label}: tensor cores, {GDN_TC_WARPS} warps agree (all sequences)",
                         max(_rel_dev(o_a, o_b), _rel_dev(st_a, st_b)), 1e-5)
-        run_fla = None
+        timed_fla = None
         if fla is not None and with_fla:
             torch, chunk_gdr = fla
             tq = _torch_view(torch, case.q).contiguous()[None]
@@ -181,8 +169,8 @@ def delta_part() -> list:
                 torch.cuda.synchronize()
             except Exception as ex:  # noqa: BLE001 - report the baseline's failure, keep benching ours
                 note(f"{label}: fla failed: {type(ex).__name__}: {str(ex)[:120]}")
-                run_fla = None
             else:
+                timed_fla = run_fla
                 fo = cupy.from_dlpack(fo[0].float().contiguous())
                 fs = cupy.from_dlpack(fs.float().contiguous())
                 failed |= check(f"{label}: tensor cores vs fla (all sequences: outputs, exit states)",
@@ -210,13 +198,35 @@ def delta_part() -> list:
                 128, q, q.strides[0] // 2, q.strides[1] // 2, k, k.strides[0] // 2, k.strides[1] // 2, v,
                 v.strides[0] // 2, v.strides[1] // 2, case.g, case.beta, case.cu_d, nseq, h // hk), iters=5, warmup=1)
             rows.append(Row(f"{label}:   of which the prep pass", ms))
-        if run_fla is not None:
-            ms = row["fla"] = torch_time_ms(run_fla, iters=5, warmup=2)
+        if timed_fla is not None:
+            ms = row["fla"] = torch_time_ms(timed_fla, iters=5, warmup=2)
             rows.append(Row(f"{label}: flash-linear-attention chunk_gated_delta_rule", ms, rate(ms)))
         summary.append(row)
-        del case
+        case = None  # the next shape's inputs replace these
         cupy.get_default_memory_pool().free_all_blocks()
 
+
+def delta_part() -> list:
+    from kernel_bench import Row, time_ms
+    from prefixrun.kernels.cuda import CudaOps
+
+    rows: list = []
+    check = lambda name, err, bound: rows.append(Row(name, error=err, bound=bound)) or rows[-1].failed
+    note = lambda text: rows.append(Row(text))
+    ops = CudaOps("bfloat16")
+    f32 = lambda a: ops._cast(a, np.float32)
+    widths = {w: ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w) for w in GDN_TC_WARPS}
+    tc_auto = ops.retuned(gdn_tensor_cores=True)  # the "auto" rule's block width, the form forced on
+    previous = ops.retuned(gdn_tensor_cores=False)
+    fla, why = _fla()
+    if fla is None:
+        note(f"flash-linear-attention not importable ({why}): no fla checks or timings")
+    summary = []
+    try:
+        _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, fla)
+    except Exception as ex:  # noqa: BLE001 - a kernel fault is sticky: report it as a failed row, keep the rows so far
+        rows.append(Row(f"delta part stopped: {type(ex).__name__}: {str(ex)[:160]}", error=float("inf"), bound=0.0))
+        return rows
     note("-- summary, ms: previous | tensor cores (auto width) | fla | tensor cores / fla (goal <= 1.5)")
     nan = float("nan")
     for r in summary:

@@ -360,6 +360,35 @@ def test_gated_delta_rule_chunked_long(ops, ref, lens):
 TOL_TC = 1e-2
 
 
+def _tc_smoke():
+    """Both scan widths once on a ragged batch, synchronised (the child process of `tc_checked`)."""
+    from prefixrun.kernels.cuda import CudaOps
+
+    rng = np.random.default_rng(0)
+    for warps in (2, 4):
+        ops = CudaOps("bfloat16").retuned(gdn_tensor_cores=True, gdn_tc_warps=warps)
+        q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, [1, 64, 65, 0, 130], 4, 128, 128, nslots=6)
+        o, st = _run_delta(ops, q[:, :2], k[:, :2], v, g, beta, state, slots, cu, 2)
+        cupy.cuda.runtime.deviceSynchronize()
+        assert np.isfinite(o).all() and np.isfinite(st).all(), f"non-finite results with {warps} warps"
+
+
+@pytest.fixture(scope="module")
+def tc_checked():
+    """The tensor-core delta rule run once in a child process first: a kernel fault is sticky for the process's
+    CUDA context, so a broken kernel fails the tests that use it instead of every GPU test after them."""
+    import subprocess
+    from pathlib import Path
+
+    try:
+        child = subprocess.run([sys.executable, "-c", "import test_cuda_kernels as t; t._tc_smoke()"],
+                               cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("gdn_tc kernels did not finish in a child process within 300 s")
+    if child.returncode != 0:
+        pytest.fail(f"gdn_tc kernels failed in a child process:\n{child.stderr[-4000:]}")
+
+
 def _spy_tc(ops):
     """ops with its tensor-core delta-rule path counted: (ops, calls)."""
     calls = []
@@ -391,7 +420,7 @@ TC_CASES = [(16, 32, 128, 128, None), (16, 32, 128, 128, 2), (16, 16, 128, 128, 
 
 
 @pytest.mark.parametrize("hk,h,dk,dv,warps", TC_CASES)
-def test_gated_delta_rule_tensor_cores(ops, ref, hk, h, dk, dv, warps):
+def test_gated_delta_rule_tensor_cores(tc_checked, ops, ref, hk, h, dk, dv, warps):
     """Ragged batch in one launch (many short, a few long, chunk-aligned and not, an empty one), non-zero initial
     states, decays that underflow inside a chunk, key heads shared by value heads; then a decode step continues
     from the exit states. bf16 takes the tensor-core form (counted), float32 never does (and stays exact)."""
@@ -425,7 +454,7 @@ def test_gated_delta_rule_tensor_cores(ops, ref, hk, h, dk, dv, warps):
     assert rel(o1, want1) <= tol
 
 
-def test_gated_delta_rule_tensor_cores_auto(ops, ref):
+def test_gated_delta_rule_tensor_cores_auto(tc_checked, ops, ref):
     """The "auto" rule takes the tensor-core form for a bf16 prefill of long sequences (4b-like heads, the
     shared-system shape scaled down), and falls back where the kernel does not apply: key dims not a multiple of 8,
     decode steps. Results match the reference either way."""
@@ -841,7 +870,7 @@ def test_tiny_model_forward_matches_cpu(model_dirs, gemma_dir, family, dtype, to
         assert rel(gpu, cpu) <= tol
 
 
-def test_tiny_qwen3_5_with_tensor_core_delta_rule_matches_cpu(model_dirs):
+def test_tiny_qwen3_5_with_tensor_core_delta_rule_matches_cpu(tc_checked, model_dirs):
     """The tiny Qwen3.5 in bf16 with the delta rule's tensor-core form switched on ("auto", as the lead turns it on
     once the kernel has passed on the device): its prefill takes that form (counted), and the logits of the prefill
     and of a decode step after it agree with the CPU's as closely as the default kernels' do (bf16 bound 5e-2)."""
