@@ -37,10 +37,16 @@ class BatchRun:
             self.backend = self.session
             front = self.session.loaded
         else:
-            front = loader.load_front(Path(model_dir))
+            # worker processes start first and load their models while this process loads the tokenizer, reads,
+            # tokenizes and plans the first window (the pool waits for them in its first run)
             self.backend = _worker_pool(settings, devices, ray_address)
-        for warning in self.backend.warnings:
-            reporter.warn(warning)
+            try:
+                front = loader.load_front(Path(model_dir))
+            except BaseException:
+                self.backend.abort()
+                raise
+        self._warned = 0  # backend warnings shown so far (workers report theirs when they are ready)
+        self._show_backend_warnings()
         self.model_name = Path(model_dir).name
         # A line's own values win over these: the command line's, then the model's generation_config.
         self.defaults = SamplingDefaults(**sampling_overrides).over(front.defaults.sampling)
@@ -94,7 +100,7 @@ class BatchRun:
         if window:
             self._run_window(window, writer)
         self._warn_unknown_keys()
-        self.backend.close()  # retained checkpoints to the store, pools checked whole, workers joined
+        self.backend.close()  # retained checkpoints to the store, pools checked whole, workers' final reports in
         writer.close()
         return self._report(time.perf_counter() - started)
 
@@ -119,6 +125,7 @@ class BatchRun:
         self.reporter.set_total(self.done + len(window))
         created = int(time.time())
         for result in self.backend.run([req for _, req in window]):
+            self._show_backend_warnings()
             if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
                 self._error(writer, io.make_error(parsed[result.index], result.error))
             else:
@@ -128,6 +135,11 @@ class BatchRun:
             self.reporter.advance(self.done, self.backend.stats)
         self.reporter.window_done()
 
+    def _show_backend_warnings(self):
+        for warning in self.backend.warnings[self._warned:]:
+            self.reporter.warn(warning)
+        self._warned = len(self.backend.warnings)
+
     def _report(self, wall: float) -> dict:
         """The run's half (lines, wall time, rates) around the engine's half (engine/session.py)."""
         report = {"requests": 0, "failed_lines": self.failed, "resumed_skipped_lines": self.skipped}
@@ -135,9 +147,13 @@ class BatchRun:
         prefill_s, decode_s = report["prefill_seconds"], report["decode_seconds"]
         report["prefill_tokens_per_second"] = report["computed_prompt_tokens"] / prefill_s if prefill_s else 0.0
         report["decode_tokens_per_second"] = report["completion_tokens"] / decode_s if decode_s else 0.0
-        report["wall_seconds"] = round(wall, 4)
+        # the run's wall: from reading the first line to the last result written and the engines closed, with
+        # the models' load left out on both paths (in process it happens before; worker processes load while
+        # the first window is read, and the time waited for them after that is load, reported apart)
         if self.session is None:
             report["workers"] = _workers_report(self.backend)
+            wall -= self.backend.start_wait_seconds
+        report["wall_seconds"] = round(wall, 4)
         return report
 
 
@@ -156,9 +172,9 @@ def _worker_pool(settings, devices: list[str] | None, ray_address: str | None):
     from prefixrun.engine.workers import WorkerPool
 
     if settings.device == "cpu":  # CPU workers: the multi-GPU code path on the NumPy backend
-        return WorkerPool(build, [f"cpu:{d}" for d in devices], reuse=settings.reuse)
+        return WorkerPool(build, [f"cpu:{d}" for d in devices], reuse=settings.reuse, wait=False)
     return WorkerPool(build, [f"cuda:{d}" for d in devices], [{"CUDA_VISIBLE_DEVICES": d} for d in devices],
-                      reuse=settings.reuse)
+                      reuse=settings.reuse, wait=False)
 
 
 def _workers_report(pool) -> dict:
@@ -171,6 +187,7 @@ def _workers_report(pool) -> dict:
                for i in range(len(rows))]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     return {"count": len(rows), "duplicated_prefix_tokens": duplicated,
+            "start_wait_seconds": round(pool.start_wait_seconds, 4),
             "balance_planned": round(max(planned) / mean(planned), 3) if mean(planned) else None,
             "balance_measured": round(max(busy) / mean(busy), 3) if mean(busy) else None,
             "per_worker": rows}

@@ -28,6 +28,7 @@ from typing import Optional
 import typer
 
 from prefixrun.cli import io
+from prefixrun.engine.errors import EnginesDidNotStart
 
 
 class OutputError(Exception):
@@ -241,6 +242,10 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             if output is not None:
                 finish_output(out_stream, journal)
             return report
+        except EnginesDidNotStart as exc:  # worker processes load the model while the first window is read
+            reporter.stop()
+            reporter.error(str(exc))
+            raise typer.Exit(io.EXIT_USAGE)
         except BrokenPipeError:
             # the reader of stdout went away (`| head`): stop quietly, as pipeline tools do on SIGPIPE
             reporter.stop()

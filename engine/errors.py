@@ -6,3 +6,8 @@ class ModelLoadError(ValueError):
 
     The message names the file (and tensor) at fault, so it can be shown to the user as is.
     """
+
+
+class EnginesDidNotStart(RuntimeError):
+    """No worker process (or actor) could build its engine: the model does not load there. The message says why
+    for each worker."""

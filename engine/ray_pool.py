@@ -76,6 +76,11 @@ class RayWorkerPool:
         self.plans: list[ShardPlan] = []
         # every engine is built before the first window; what they could not use (e.g. the cache) is reported
         self.warnings = sorted({w for ws in ray.get([a.warnings.remote() for a in self.actors]) for w in ws})
+        self.start_wait_seconds = 0.0  # (WorkerPool's figure: here the engines are built before any run)
+
+    def abort(self):
+        for actor in self.actors:
+            self.ray.kill(actor)
 
     def run(self, requests: list[Request]) -> Iterator[Result]:
         ray = self.ray

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
+from prefixrun.engine.errors import EnginesDidNotStart
 from prefixrun.engine.plan import build_trie
 from prefixrun.engine.request import Request, Result, Usage
 from prefixrun.engine.shard import ShardPlan, shard_window
@@ -98,7 +99,7 @@ class WorkerPool:
     decode_weight: what a decoded token costs relative to a prefilled one, for balancing (shard.py)."""
 
     def __init__(self, build: Callable, devices: list[str], envs: list[dict] | None = None, *,
-                 reuse: bool = True, decode_weight: float = 1.0, start_timeout: float = 600.0):
+                 reuse: bool = True, decode_weight: float = 1.0, start_timeout: float = 600.0, wait: bool = True):
         if not devices:
             raise ValueError("a worker pool needs at least one device")
         ctx = mp.get_context("spawn")
@@ -108,6 +109,9 @@ class WorkerPool:
         self.plans: list[ShardPlan] = []
         self._task_ids = 0
         self._closed = False
+        self._starting = True  # not every worker has said ready or failed yet
+        self.start_timeout = start_timeout
+        self.start_wait_seconds = 0.0  # time run() waited for the workers' engines to load (wait=False)
         self.warnings: list[str] = []  # what the workers' engines reported at start (e.g. an unusable cache)
         for i, dev in enumerate(devices):
             tasks = ctx.Queue()
@@ -116,13 +120,28 @@ class WorkerPool:
                                name=f"prefixrun-worker-{i}")
             proc.start()
             self.workers.append(_Worker(i, dev, proc, tasks, WorkerReport(i, dev)))
-        self._wait_ready(start_timeout)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self):
+        """Block until every worker's engine is built (or has failed); RuntimeError if none could start.
+        With wait=False the pool is made at once and the first run() waits here: the workers load their models
+        while the caller reads, tokenizes and plans its first window."""
+        if not self._starting:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._wait_ready(self.start_timeout)
+        finally:
+            self._starting = False
+            self.start_wait_seconds += time.perf_counter() - t0
 
     # ---- the Engine interface -----------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> Iterator[Result]:
         """Shard the window over the live workers and yield each request's Result once, as it arrives."""
         if not requests:
             return
+        self.wait_ready()
         live = self._live()
         if not live:
             yield from (failed_result(r, "no worker is left alive") for r in requests)
@@ -174,7 +193,11 @@ class WorkerPool:
                     self._send(target, again)
 
     def close(self):
-        """Close every engine (their retained checkpoints go to the persistent store), collect final statistics."""
+        """Close every engine (their retained checkpoints go to the persistent store), collect final statistics.
+
+        Returns once every live worker has sent its final report, its work done and its files written: the
+        processes' own exit (interpreter and device teardown, hundreds of ms for a GPU process holding its state
+        pools) is not waited for here, where it would count as the run's time; `join` reaps them."""
         if self._closed:
             return
         self._closed = True
@@ -194,8 +217,19 @@ class WorkerPool:
             elif kind == "failed":
                 self._retire(self.workers[wid], payload)
                 waiting.discard(wid)
+        for i in waiting:  # no final report within the deadline
+            self._retire(self.workers[i], "did not close within 600 s")
+
+    def abort(self):
+        """Stop every worker now, whatever it is doing (the run cannot go ahead)."""
+        self._closed = True
+        self.join(timeout=0.0)
+
+    def join(self, timeout: float = 5.0):
+        """Wait for the worker processes to exit (after close); those still running after `timeout` are killed."""
+        deadline = time.monotonic() + timeout
         for w in self.workers:
-            w.process.join(timeout=5)
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
@@ -257,7 +291,7 @@ class WorkerPool:
             self._retire(self.workers[i], f"did not start within {timeout:.0f} s")
         if not self._live():
             failures = "; ".join(f"{w.device}: {w.report.failure}" for w in self.workers)
-            raise RuntimeError(f"no worker could start ({failures})")
+            raise EnginesDidNotStart(f"no worker could start ({failures})")
 
 
 

@@ -75,6 +75,22 @@ def test_cpu_workers_give_the_single_process_results(model, batch_file, single, 
     assert report["computed_prompt_tokens"] == single[1]["computed_prompt_tokens"] + workers["duplicated_prefix_tokens"]
     assert [w["computed_tokens"] for w in workers["per_worker"]] == [w["distinct_tokens"] for w in workers["per_worker"]]
     assert report["reused_tokens"] >= 0 and report["prompt_tokens"] == single[1]["prompt_tokens"]
+    # the wall leaves the models' load out, as in one process: what the run waited for the workers is apart
+    assert workers["start_wait_seconds"] >= 0 and report["wall_seconds"] > 0
+
+
+def test_workers_whose_model_does_not_load_exit_2(model, batch_file, tmp_path):
+    """The parent reads config and tokenizer; the weights fail in the workers, after the parent read its input:
+    one clear error and the usage exit code, as when one process cannot load the model."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(model).iterdir():
+        if f.is_file():
+            (broken / f.name).write_bytes(b"not safetensors" if f.suffix == ".safetensors" else f.read_bytes())
+    res = CliRunner().invoke(app, ["batch", str(batch_file), "--model", str(broken), "--device", "cpu", "-q",
+                                   "--no-cache", "--devices", "0"])
+    assert res.exit_code == 2, res.stderr
+    assert "no worker could start" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_shared_cache_folder_cold_then_warm(model, batch_file, single, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,18 @@ import pytest
 from conftest import random_prompt
 from prefixrun.engine.plan import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.errors import EnginesDidNotStart
 from prefixrun.engine.workers import WorkerPool
 
 
-def build_engine(model_dir: str, die_after: int | None = None, die_in: str | None = None):
+def build_engine(model_dir: str, die_after: int | None = None, die_in: str | None = None,
+                 slow_exit: float = 0.0):
     """A CPU engine session (runs in the worker), built as `prefixrun batch` builds one. die_after/die_in: the
-    worker whose TEST_WORKER_LABEL is die_in exits hard after yielding that many results (killed mid-run)."""
+    worker whose TEST_WORKER_LABEL is die_in exits hard after yielding that many results (killed mid-run).
+    slow_exit: the worker process takes that many seconds to exit after its work (as a GPU process's teardown)."""
+    import atexit
     import tempfile
+    import time
 
     from prefixrun.engine.session import EngineSession, EngineSettings
 
@@ -36,6 +42,8 @@ def build_engine(model_dir: str, die_after: int | None = None, die_in: str | Non
                     os._exit(9)
                 yield result
         session.run = dying_run
+    if slow_exit:
+        atexit.register(time.sleep, slow_exit)
     return session
 
 
@@ -138,6 +146,34 @@ def test_both_workers_dying_gives_error_results(qwen_dir):
 def test_a_worker_that_cannot_start_is_retired(qwen_dir, tmp_path):
     with pytest.raises(RuntimeError, match="no worker could start"):
         WorkerPool(functools.partial(build_engine, str(tmp_path / "missing")), ["cpu:0"])
+    # started without waiting: the first run says so
+    pool = WorkerPool(functools.partial(build_engine, str(tmp_path / "missing")), ["cpu:0"], wait=False)
+    with pytest.raises(EnginesDidNotStart, match="no worker could start"):
+        list(pool.run(requests_of(shapes()["unique"])))
+    pool.close()
+
+
+def test_workers_load_while_the_caller_plans_and_close_without_their_exit(qwen_dir):
+    """wait=False: the pool returns at once (the caller reads and tokenizes meanwhile) and its first run waits for
+    the engines, measuring that wait apart; close() returns with every final report in, not after the processes'
+    own exit (a GPU process's teardown would otherwise count as the run's time)."""
+    prompts = shapes()["shared-system"]
+    want = {r.index: r.token_ids for r in build_engine(qwen_dir).run(requests_of(prompts))}
+    t0 = time.monotonic()
+    pool = WorkerPool(functools.partial(build_engine, qwen_dir, slow_exit=30.0), ["cpu:0", "cpu:1"], wait=False)
+    assert time.monotonic() - t0 < 5.0 and pool.start_wait_seconds == 0.0  # spawned, not loaded
+    try:
+        assert {r.index: r.token_ids for r in pool.run(requests_of(prompts))} == want
+        assert pool.start_wait_seconds > 0.0
+        t0 = time.monotonic()
+        pool.close()
+        assert time.monotonic() - t0 < 20.0  # not the workers' 30 s exit
+        assert all(w.process.is_alive() for w in pool.workers)  # still exiting: their reports are in all the same
+        assert pool.stats.computed_prompt_tokens == sum(s.distinct_tokens for s in pool.plans[0].shards)
+        assert all(w.alive for w in pool.reports())
+    finally:
+        pool.join(timeout=0.0)  # kills what still runs
+    assert not any(w.process.is_alive() for w in pool.workers)
 
 
 @pytest.fixture(scope="module")
