@@ -62,23 +62,24 @@ class MtpAttention(Attention):
         return super().__call__(ops, x, dataclasses.replace(batch, positions=batch.positions - 1), state)
 
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
-        t, hq, hkv = q.shape[0], self.hq, self.hkv
-        # [T, 1, 1] act: 0 for the row-0 token (rotary position -1 here), else 1
-        real = ops.upload(ops.upload((batch.positions + 1).clip(0, 1), np.float32)).reshape(t, 1, 1)
-        k2, v2 = ops.zeros((t, 2 * hkv, self.hd)), ops.zeros((t, 2 * hkv, self.hd))  # [T, 2 Hkv, hd]
-        k2[:, :hkv] = k * real
-        k2[:, hkv:] = k2[:, :hkv]
-        v2[:, :hkv] = v * real
+        t, hq, hkv, f32 = q.shape[0], self.hq, self.hkv, np.float32
+        # the masking arithmetic runs in fp32 (explicit casts: no bf16 arithmetic outside the kernels)
+        real = ops.upload((batch.positions + 1).clip(0, 1), f32).reshape(t, 1, 1)  # [T, 1, 1]: 0 for row 0
+        k32, v32 = ops.upload(k, f32) * real, ops.upload(v, f32) * real  # [T, Hkv, hd]
+        k2, v2 = ops.zeros((t, 2 * hkv, self.hd), f32), ops.zeros((t, 2 * hkv, self.hd), f32)  # [T, 2 Hkv, hd]
+        k2[:, :hkv] = k32
+        k2[:, hkv:] = k32
+        v2[:, :hkv] = v32
         v2[:, hkv:] = real
         q2 = ops.zeros((t, 2 * hq, self.hd))  # [T, 2 Hq, hd]
         q2[:, :hq] = q
         q2[:, hq:] = q
         k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
-        ops.write_kv(k_cache, v_cache, k2, v2, batch.kv_write_index)
-        o = ops.paged_attention(q2, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
-                                self.scale, shared=batch.shared)  # [T, 2 Hq, hd]
+        ops.write_kv(k_cache, v_cache, ops.upload(k2), ops.upload(v2), batch.kv_write_index)
+        o = ops.upload(ops.paged_attention(q2, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                           batch.cu_seqlens, self.scale, shared=batch.shared), f32)  # [T, 2 Hq, hd]
         # the row-0 token's query sees row 0 alone (0 / 0): its output is unused, make it 0 instead of NaN
-        return o[:, :hq] / (o[:, hq:] + (1 - real))  # [T, Hq, hd]
+        return ops.upload(o[:, :hq] / (o[:, hq:] + (1 - real)))  # [T, Hq, hd]
 
 
 class MtpHead:
