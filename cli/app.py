@@ -158,6 +158,12 @@ def batch(
     ray: Annotated[Optional[str], typer.Option(
         "--ray", metavar="ADDRESS", help="run the engines on a Ray cluster (auto, ray://host:10001); needs "
                                          "prefixrun[ray]", rich_help_panel="Several devices")] = None,
+    speculative: Annotated[str, typer.Option(
+        help="speculative decoding: auto (n-gram drafts for greedy requests on small decode batches, backing off "
+             "where measured slower), off, ngram (prompt lookup drafts for every request), mtp (the model's MTP "
+             "head); greedy outputs never change", rich_help_panel="Speculative decoding")] = "auto",
+    num_draft_tokens: Annotated[Optional[int], typer.Option(
+        help="drafted tokens per sequence and step (default 5)", rich_help_panel="Speculative decoding")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
     from prefixrun.cli.output import OutputError, check_targets, run_to_output
@@ -201,7 +207,7 @@ MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one se
 RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
                "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
                "cache_dir", "no_cache", "cache_budget", "cache_policy", "device", "dtype", "chat_template_kwargs",
-               "devices", "ray")
+               "devices", "ray", "speculative", "num_draft_tokens")
 
 
 def batch_params(args: list[str]) -> dict:
@@ -211,7 +217,8 @@ def batch_params(args: list[str]) -> dict:
 
 def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
                  max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
-                 cache_budget, cache_policy, device, dtype, chat_template_kwargs, devices, ray) -> dict:
+                 cache_budget, cache_policy, device, dtype, chat_template_kwargs, devices, ray, speculative,
+                 num_draft_tokens) -> dict:
     """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
     typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
     defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -225,6 +232,12 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
 
     if cache_policy not in CACHE_POLICIES:
         raise typer.BadParameter(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, not {cache_policy!r}")
+    from prefixrun.engine.speculative import SPECULATIVE_MODES
+
+    if speculative not in SPECULATIVE_MODES:
+        raise typer.BadParameter(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {speculative!r}")
+    if num_draft_tokens is not None and not 1 <= num_draft_tokens <= 64:
+        raise typer.BadParameter("--num-draft-tokens must be in 1..64")
     return dict(model_dir=model, cache_root=_cache_root(cache_dir), cache_policy=cache_policy, device=device, dtype=dtype, max_batch=max_batch,
                 window=window, max_prefill_tokens=max_prefill_tokens,
                 checkpoint_budget=_parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True),
@@ -232,7 +245,8 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
                 reuse=not no_reuse, use_cache=not no_cache, cache_budget=_parse_bytes(cache_budget, "--cache-budget"),
                 sampling_overrides=defaults_cli,
                 max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
-                chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray)
+                chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray,
+                speculative=speculative, num_draft_tokens=num_draft_tokens or 0)
 
 
 def _parse_devices(value: str | None, device: str) -> list[str] | None:

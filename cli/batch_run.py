@@ -21,7 +21,8 @@ class BatchRun:
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
                  cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES,
                  chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
-                 ray_address: str | None = None, cache_policy: str = "measured"):
+                 ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
+                 num_draft_tokens: int = 0):
         from prefixrun.engine import loader
         from prefixrun.engine.model_maker import ensure_default_model
         from prefixrun.engine.session import EngineSession, EngineSettings
@@ -30,7 +31,8 @@ class BatchRun:
         if model_dir is None:
             model_dir = ensure_default_model(cache_root)
         settings = EngineSettings(Path(model_dir), Path(cache_root), device, dtype, max_batch, max_prefill_tokens,
-                                  checkpoint_budget, state_memory, reuse, use_cache, cache_budget, cache_policy)
+                                  checkpoint_budget, state_memory, reuse, use_cache, cache_budget, cache_policy,
+                                  speculative, num_draft_tokens)
         self.session = None  # the in-process engine session, when there is one
         if devices is None and ray_address is None:
             self.session = EngineSession(settings)

@@ -178,6 +178,16 @@ def report_table(report: dict) -> Table:
             row("disk cache error", f"{cache['error']} (the run went on without the cache)")
     row("prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s")
     row("decode", f"{report['decode_tokens_per_second']:,.0f} tok/s ({report['completion_tokens']:,} tokens)")
+    spec = report.get("speculative")
+    if spec:
+        for method, m in spec["methods"].items():
+            rate = f"{m['acceptance_rate']:.1%}" if m["acceptance_rate"] is not None else "-"
+            per_step = f"{m['tokens_per_step']:.2f}" if m["tokens_per_step"] is not None else "-"
+            row(f"speculative {method}", f"{m['accepted']:,} of {m['drafted']:,} drafts accepted ({rate}); "
+                f"{per_step} tokens per sequence step; {m['verify_steps']:,} verify / {spec['plain_steps']:,} plain "
+                f"steps ({spec['mode']})")
+        row("speculative saved", f"{spec['time_saved_seconds']:.2f} s of decode (est.)"
+            + (f"; backed off {spec['backoffs']}×" if spec["backoffs"] else ""))
     if "max_batch" in report:
         row("decode batch", f"up to {report['max_batch']:,} sequences ({report['max_batch_from']})")
     if "load_seconds" in report:

@@ -46,6 +46,9 @@ class ForwardBatch:
     shared_lens: Any = None  # [B] keys in group g's shared prefix (whole blocks; 0 = none)
     shared_tables: Any = None  # [B, W] group g's block table (its first member's)
     shared_start: Any = None  # [B] per batch row: its group's shared length, where its own keys begin
+    # multi-row (speculative verify) steps: per token, the snapshot row that receives the state of `snapshot`
+    # regions after that token (-1: none needed, e.g. a sequence's last row, whose state stays in its slot)
+    snapshot_rows: Any = None  # [T]
     host: ForwardBatch | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -91,10 +94,12 @@ class Padding:
 
 def build_batch(starts: Sequence[int], blocks: Sequence[Sequence[int]], slots: Sequence[int],
                 new_tokens: Sequence[Sequence[int]], block_size: int, *, table_width: int | None = None,
-                pad: Padding | None = None, group: bool = False) -> ForwardBatch:
+                pad: Padding | None = None, group: bool = False,
+                snapshot_rows: Sequence[int] | None = None) -> ForwardBatch:
     """The host arrays of a step. Sequence i has starts[i] tokens cached, its K/V blocks `blocks[i]` (already
     covering its new tokens), state slot slots[i], and computes new_tokens[i]. `table_width` fixes the block table
-    width (graphs); `pad` adds padding rows; `group` adds shared-prefix groups when the step is a decode step."""
+    width (graphs); `pad` adds padding rows; `group` adds shared-prefix groups when the step is a decode step;
+    `snapshot_rows` [T of the real rows] makes it a multi-row step that snapshots (padding rows snapshot nothing)."""
     if pad is not None:
         extra = pad.rows - len(starts)
         if extra < 0:
@@ -121,6 +126,10 @@ def build_batch(starts: Sequence[int], blocks: Sequence[Sequence[int]], slots: S
                          slots=np.array(slots, np.int32), block_tables=tables,
                          context_lens=(start + lens).astype(np.int32), kv_write_index=write_index,
                          last_token_index=(cu[1:] - 1).astype(np.int32))
+    if snapshot_rows is not None:
+        rows = np.full(int(cu[-1]), -1, np.int32)  # [T]
+        rows[:len(snapshot_rows)] = snapshot_rows
+        batch.snapshot_rows = rows
     if group and len(starts) and (lens == 1).all():
         for name, a in shared_prefix_arrays(tables, batch.context_lens, block_size).items():
             setattr(batch, name, a)

@@ -312,13 +312,25 @@ class WindowExecutor:
         batch = self.decoding[:e.opts.max_batch]
         e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
-        ids = e.runner.decode(batch)  # the forward and the sampling of the next tokens
+        spec = e.speculator
+        drafts = spec.drafts(batch) if spec is not None else None
+        if drafts is None:
+            new = [[i] for i in e.runner.decode(batch)]  # the forward and the sampling of the next tokens
+            if spec is not None:
+                e.ops.synchronize()
+                spec.plain_step_done(len(batch), time.perf_counter() - t0)
+        else:
+            new = spec.step(batch, drafts)  # drafts verified, each sequence's kept rows committed
         e.stats.decode_seconds += time.perf_counter() - t0
         e.stats.decode_steps += 1
-        for s, tok in zip(batch, ids):
-            s.accept(tok)
+        for s, toks in zip(batch, new):
+            for tok in toks:  # the same stop rules, token by token, as plain steps apply them
+                if not s.done:
+                    s.accept(tok)
         for s in [s for s in batch if s.done]:
             self.decoding.remove(s)
+            if spec is not None:
+                spec.forget(s)
             self._finish(s)
 
     def _finish(self, seq: Sequence):

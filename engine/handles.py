@@ -7,6 +7,9 @@ Two region kinds exist, and each knows how to copy, share and export itself:
   exported, it is rotated into position order, so a stored checkpoint does not depend on where the ring wrapped.
 - paged regions: one row per token (attention K or V [Hkv, D]), in a pool [num_blocks, block_size, *shape];
   exported, only the rows [0, length) of the handle's blocks, in position order.
+Each kind also knows how a multi-row (speculative) step is rolled back to its first n rows (ModelState.commit):
+paged rows past n are trimmed, `snapshot` slot regions take the snapshot after row n - 1, rings get back the rows
+that rejected positions overwrote.
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ class RegionSpec:
     shape: tuple[int, ...]  # per token (paged) or per sequence (slot)
     dtype: str  # "float32", or "act" for the backend's storage dtype (bf16 on CUDA, fp32 on CPU)
     ring: bool = False  # a slot region whose rows are a ring over positions (row = position % shape[0])
+    # a slot region that a multi-row (speculative) step snapshots after every row: the op that updates it writes
+    # its value after row j to the step's snapshot row (ForwardBatch.snapshot_rows), and ModelState.commit(n)
+    # restores the one after row n - 1. (Paged regions roll back by length alone; rings by the rows a step
+    # overwrote, which the state layer saves before the step.)
+    snapshot: bool = False
 
     def to_position_order(self, rows: np.ndarray, length: int) -> np.ndarray:
         """A ring's rows rotated so row i holds position length - W + i (rows before position 0 stay zero)."""

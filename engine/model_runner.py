@@ -9,6 +9,7 @@ import numpy as np
 from prefixrun.engine.decode_graphs import DecodeGraphs
 from prefixrun.engine.sequence import Sequence
 from prefixrun.engine.state import ModelState, StateHandle
+from prefixrun.engine.verify import accept_greedy, accept_sampled
 from prefixrun.kernels.sampling import as_seed_array, pack_sampling_params
 
 
@@ -18,6 +19,8 @@ class ModelRunner:
         self.decoder = DecodeGraphs(model, state, ops, max_batch)
         self.decoder.enabled = self.decoder.enabled and graphs
         self.run_seed = run_seed
+        self.last_hidden = None  # verify(with_hidden=True): final-normed hidden states [T, D] of its rows
+        self.last_row_starts: list[int] = []  # each sequence's first row in those
 
     def prefill(self, handles: list[StateHandle], pieces: list[list[int]]):
         """Append each piece to its handle's state; returns [B, V] logits of each piece's last token."""
@@ -29,6 +32,31 @@ class ModelRunner:
         _, ids = self.decoder.step_sampled([s.handle for s in seqs], [s.tokens[-1] for s in seqs],
                                            pack_sampling_params(*self._sampling_arrays(seqs)))
         return [int(i) for i in self.ops.to_host(ids)]
+
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False) -> list[list[int]]:
+        """One multi-row step: each sequence is fed its last token then its drafts; returns each sequence's tokens
+        (the accepted drafts, then the target's own next token: engine/verify.py). The caller commits
+        len(tokens[i]) rows of each (ModelState.commit)."""
+        pieces = [[s.tokens[-1]] + list(d) for s, d in zip(seqs, drafts)]
+        batch = self.state.prepare_rows_step([s.handle for s in seqs], pieces)
+        out = self.model.forward(batch, self.state, all_logits=True, with_hidden=with_hidden)
+        logits, self.last_hidden = out if with_hidden else (out, None)  # [T, V], [T, D]
+        starts = np.cumsum([0] + [len(p) for p in pieces])[:-1].tolist()
+        self.last_row_starts = starts
+        t = logits.shape[0]
+        # every row's argmax on the backend (the sampler's temperature-0 rows: lowest id on ties)
+        zeros = np.zeros(t, np.float32)
+        argmax = self.ops.to_host(self.ops.sample(logits, zeros, np.zeros(t, np.int32), np.ones(t, np.float32),
+                                                  zeros, np.zeros(t, np.uint64), np.zeros(t, np.int64)))
+        tokens = []
+        for s, d, start, p in zip(seqs, drafts, starts, pieces):
+            sp = s.request.sampling
+            if sp.greedy:
+                tokens.append(accept_greedy(d, argmax[start:start + len(p)]))
+            else:
+                rows = self.ops.to_host(logits[start:start + len(p)]).astype(np.float32)  # [k + 1, V]
+                tokens.append(accept_sampled(d, rows, sp, self._seed_of(s), len(s.tokens)))
+        return tokens
 
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         """One token per sequence from logits [B, V], drawn on the backend for the whole batch at once: the

@@ -13,7 +13,8 @@ from prefixrun.engine.checkpoints import CheckpointPool
 from prefixrun.engine.model_runner import ModelRunner
 from prefixrun.engine.plan import Plan, make_plan
 from prefixrun.engine.request import Request, Result, Usage
-from prefixrun.engine.state import ModelState, pool_unit_bytes
+from prefixrun.engine.speculative import make_speculator, snapshot_capacity
+from prefixrun.engine.state import ModelState, pool_unit_bytes, snapshot_row_bytes
 from prefixrun.engine.trace import Trace
 
 
@@ -28,6 +29,8 @@ class EngineOptions:
     retain_block: int = 256  # also keep block-aligned checkpoints of shared prefixes every this many tokens (0 off)
     run_seed: int = 0  # randomness of requests without a seed
     decode_graphs: bool = True  # replay decode steps as CUDA graphs where the backend can capture them
+    speculative: str = "off"  # engine/speculative.py SPECULATIVE_MODES: auto, off, ngram, mtp
+    num_draft_tokens: int = 0  # drafts per sequence and step (0: the default, DEFAULT_DRAFT_TOKENS)
 
     def __post_init__(self):
         for name in ("max_batch", "max_prefill_tokens", "block_size", "state_memory_bytes"):
@@ -35,6 +38,12 @@ class EngineOptions:
                 raise ValueError(f"{name} must be positive")
         if self.checkpoint_budget_bytes < 0 or self.retain_block < 0:
             raise ValueError("checkpoint budget and retain block must be >= 0")
+        from prefixrun.engine.speculative import SPECULATIVE_MODES
+
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if not 0 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be in 0..64, got {self.num_draft_tokens}")
 
 
 @dataclass
@@ -71,14 +80,19 @@ class Engine:
         slot_bytes, block_bytes = pool_unit_bytes(specs, ops, options.block_size)
         ckpt_slots = min(512, options.checkpoint_budget_bytes // max(slot_bytes, 1)) if options.reuse else 0
         num_slots = 2 * options.max_batch + ckpt_slots + 4
+        # speculative steps' rollback rows come out of the same state memory as the slots and blocks
+        snap_rows = snapshot_capacity(options, specs)
+        snap_bytes = snap_rows * snapshot_row_bytes(specs, ops)
         if block_bytes:
-            num_blocks = max(8, (options.state_memory_bytes - num_slots * slot_bytes) // block_bytes)
+            num_blocks = max(8, (options.state_memory_bytes - num_slots * slot_bytes - snap_bytes) // block_bytes)
         else:  # no paged region: blocks are bookkeeping only and cost nothing, so every slot may reach the context
             num_blocks = num_slots * -(-self.max_context // options.block_size) + 1
-        self.state = ModelState(specs, ops, num_slots, int(num_blocks), options.block_size)
+        self.state = ModelState(specs, ops, num_slots, int(num_blocks), options.block_size,
+                                snapshot_capacity=snap_rows)
         self.pool = CheckpointPool(self.state, options.checkpoint_budget_bytes if options.reuse else 0)
         self.runner = ModelRunner(model, self.state, ops, options.max_batch, graphs=options.decode_graphs,
                                   run_seed=options.run_seed)
+        self.speculator = make_speculator(options, model, ops, self.state, self.runner)  # None: off
         self.stats = RunStats()
         self.last_plan: Plan | None = None
         self.last_trace: Trace | None = None  # what the last window really executed

@@ -31,6 +31,8 @@ class EngineSettings:
     use_cache: bool = True
     cache_budget: int | None = None
     cache_policy: str = "measured"  # persist.CACHE_POLICIES
+    speculative: str = "auto"  # engine/speculative.py SPECULATIVE_MODES
+    num_draft_tokens: int = 0  # 0: the default
 
 
 class EngineSession:
@@ -58,7 +60,8 @@ class EngineSession:
                                                                   int(state_bytes), int(checkpoint_budget))
         opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=s.max_prefill_tokens,
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
-                             reuse=s.reuse, block_size=ops.default_block_size)
+                             reuse=s.reuse, block_size=ops.default_block_size, speculative=s.speculative,
+                             num_draft_tokens=s.num_draft_tokens)
         self.store = self.persist = None
         if s.use_cache and s.reuse:
             from prefixrun.engine.persist import open_cache
@@ -118,6 +121,8 @@ class EngineSession:
             "load_seconds": round(self.load_seconds, 4), "max_batch": opts.max_batch,
             "max_batch_from": self.max_batch_source, "block_size": opts.block_size,
         }
+        if self.engine.speculator is not None:
+            report["speculative"] = self.engine.speculator.stats.as_dict()
         if self.store is not None:
             st = self.store.stats
             try:
@@ -139,7 +144,7 @@ class EngineSession:
 # What a merged report (several workers) takes as the largest value rather than the sum: sizes and settings that
 # each worker has on its own, and facts about the one shared cache folder.
 _NOT_SUMMED = {"checkpoint_budget_bytes", "load_seconds", "max_batch", "block_size", "entries", "bytes",
-               "budget_bytes"}
+               "budget_bytes", "num_draft_tokens"}
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -163,6 +168,10 @@ def merge_reports(reports: list[dict]) -> dict:
                 merged[key] = max(merged[key], value)
             else:
                 merged[key] = round(merged[key] + value, 4) if isinstance(value, float) else merged[key] + value
+    if "drafted" in merged and "sequence_steps" in merged:  # a speculative method's rates: from the summed counts
+        from prefixrun.engine.speculative import rates_of
+
+        merged = rates_of(merged)
     return merged
 
 

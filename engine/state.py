@@ -11,6 +11,13 @@ Contract (checked by `ModelState.check_invariants`):
 - for every block, refcount == number of live handles listing it, and a block is free iff its refcount is 0;
 - free + used == total for slots and for blocks;
 - a handle of length n holds exactly ceil(n / block_size) blocks.
+
+Multi-row (speculative) steps: `prepare_rows_step` feeds each sequence 1 + k_i tokens and reserves what rolling
+back needs — a snapshot row per possibly rejected row of every `snapshot` region (written by the op that updates
+the region) and a copy of every ring row a later row overwrites; `commit(kept)` then keeps each sequence's first
+n_i rows: paged K/V past them is trimmed (blocks freed), snapshot regions take the snapshot after row n_i - 1, rings
+get their overwritten rows back. The snapshot pool (`snapshot_capacity` rows, `snapshot_row_bytes` each) is
+preallocated with the pools and counted in the state memory the engine sizes them from.
 """
 from __future__ import annotations
 
@@ -42,6 +49,18 @@ SEAT_CONTEXT_TOKENS = 4096
 MAX_DEFAULT_BATCH = 256
 
 
+def snapshot_row_bytes(specs: list[RegionSpec], ops) -> int:
+    """Bytes of one snapshot row: every `snapshot` region whole plus one row of every ring."""
+    item = lambda s: ops.storage_dtype(s.dtype).itemsize
+    return (sum(int(np.prod(s.shape)) * item(s) for s in specs if s.snapshot and not s.paged)
+            + sum(int(np.prod(s.shape[1:])) * item(s) for s in specs if s.ring))
+
+
+def max_step_rows(specs: list[RegionSpec]) -> int:
+    """The most rows one sequence may take in a multi-row step: a ring of W rows can roll back at most W rows."""
+    return min([s.shape[0] for s in specs if s.ring], default=1 << 30)
+
+
 def max_batch_for_memory(specs: list[RegionSpec], ops, *, state_bytes: int, checkpoint_bytes: int, block_size: int,
                          context_tokens: int = SEAT_CONTEXT_TOKENS, limit: int = MAX_DEFAULT_BATCH) -> int:
     """The most sequences that can decode together in `state_bytes` of state memory after the checkpoint budget.
@@ -70,7 +89,8 @@ def layout_digest(specs: list[RegionSpec], ops) -> str:
 class ModelState:
     """The preallocated state pools of one model, and the operations on handles into them."""
 
-    def __init__(self, specs: list[RegionSpec], ops, num_slots: int, num_blocks: int, block_size: int):
+    def __init__(self, specs: list[RegionSpec], ops, num_slots: int, num_blocks: int, block_size: int,
+                 snapshot_capacity: int = 0):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError("state region names must be unique")
@@ -87,6 +107,19 @@ class ModelState:
         self._slot_arrays = [self.arrays[s.name] for s in specs if not s.paged]
         self._paged_arrays = [self.arrays[s.name] for s in specs if s.paged]
         self.has_paged = bool(self._paged_arrays)
+        # the rollback pool of multi-row steps: [capacity, *shape] per snapshot region, [capacity, *row] per ring
+        self.snapshot_capacity = snapshot_capacity
+        self.snapshots: dict[str, object] = {}
+        if snapshot_capacity:
+            for s in specs:
+                if s.snapshot and not s.paged:
+                    self.snapshots[s.name] = ops.zeros((snapshot_capacity,) + tuple(s.shape),
+                                                       ops.storage_dtype(s.dtype))
+                elif s.ring:
+                    self.snapshots[s.name] = ops.zeros((snapshot_capacity,) + tuple(s.shape[1:]),
+                                                       ops.storage_dtype(s.dtype))
+        self.max_step_rows = max_step_rows(specs)
+        self._rows_step: tuple | None = None  # the multi-row step awaiting its commit
         self.live: dict[int, StateHandle] = {}  # id(handle) -> handle, for the invariant check
 
     # ---- sizes --------------------------------------------------------------------------------------------
@@ -157,16 +190,82 @@ class ModelState:
         return self.step_arrays(handles, new_tokens).to_backend(self.ops.upload_index)
 
     def step_arrays(self, handles: list[StateHandle], new_tokens: list[list[int]], table_width: int | None = None,
-                    pad: Padding | None = None) -> ForwardBatch:
+                    pad: Padding | None = None, snapshot_rows: list[int] | None = None) -> ForwardBatch:
         """The step's host index arrays (engine.batch.build_batch: optionally padded to a graph's batch size, with
         a decode step's shared-prefix groups); reserves blocks and advances lengths."""
         for h, toks in zip(handles, new_tokens):
             self.reserve(h, h.length + len(toks))
         batch = build_batch([h.length for h in handles], [h.blocks for h in handles], [h.slot for h in handles],
-                            new_tokens, self.block_size, table_width=table_width, pad=pad, group=self.has_paged)
+                            new_tokens, self.block_size, table_width=table_width, pad=pad, group=self.has_paged,
+                            snapshot_rows=snapshot_rows)
         for h, toks in zip(handles, new_tokens):
             h.length += len(toks)
         return batch
+
+    # ---- multi-row steps and their rollback ---------------------------------------------------------------
+    def rollback_rows(self, new_tokens: list[list[int]]) -> int:
+        """Snapshot rows a multi-row step with these pieces takes (every row but each sequence's last)."""
+        return sum(max(len(t) - 1, 0) for t in new_tokens)
+
+    def prepare_rows_step(self, handles: list[StateHandle], new_tokens: list[list[int]]) -> ForwardBatch:
+        """`prepare_step` for a step whose rows past each sequence's first may be rejected by `commit`: assigns
+        snapshot rows and saves the ring rows the step will overwrite. Exactly one `commit` must follow."""
+        if self._rows_step is not None:
+            raise RuntimeError("a multi-row step is still waiting for its commit")
+        need = self.rollback_rows(new_tokens)
+        if need > self.snapshot_capacity:
+            raise OutOfStateMemory(f"a multi-row step needs {need} snapshot rows, the pool has "
+                                   f"{self.snapshot_capacity}")
+        if any(len(t) > self.max_step_rows for t in new_tokens) or any(not t for t in new_tokens):
+            raise ValueError(f"a multi-row step takes 1 to {self.max_step_rows} rows per sequence")
+        starts = [h.length for h in handles]
+        bases = np.cumsum([0] + [len(t) - 1 for t in new_tokens])[:-1].tolist()  # first snapshot row per sequence
+        rows = [b + j if j < len(t) - 1 else -1 for b, t in zip(bases, new_tokens) for j in range(len(t))]
+        # ring rows of positions start + j (j >= 1) are overwritten; keep their old contents at row base + j - 1
+        slots = [h.slot for h, t in zip(handles, new_tokens) for _ in range(1, len(t))]
+        positions = [p + j for p, t in zip(starts, new_tokens) for j in range(1, len(t))]
+        if positions:
+            for s in self.specs:
+                if s.ring:
+                    self.snapshots[s.name][:len(positions)] = self.arrays[s.name][
+                        self.ops.upload_index(slots), self.ops.upload_index(np.array(positions) % s.shape[0])]
+        batch = self.step_arrays(handles, new_tokens, snapshot_rows=rows).to_backend(self.ops.upload_index)
+        self._rows_step = (list(handles), starts, [len(t) for t in new_tokens], bases)
+        return batch
+
+    def commit(self, kept: list[int]):
+        """Keep the first kept[i] rows (>= 1) of sequence i of the pending multi-row step: its length becomes
+        start + kept[i], K/V blocks past that are freed, snapshot regions take the snapshot after its last kept
+        row, rings get back the rows its rejected rows overwrote. With every row kept nothing is copied."""
+        if self._rows_step is None:
+            raise RuntimeError("commit without a multi-row step")
+        handles, starts, lens, bases = self._rows_step
+        if len(kept) != len(handles) or any(not 1 <= n <= r for n, r in zip(kept, lens)):
+            raise ValueError(f"commit keeps 1..rows per sequence: rows {lens}, kept {list(kept)}")
+        self._rows_step = None
+        snap_src, snap_dst, ring_src, ring_slot, ring_pos = [], [], [], [], []
+        for h, start, n, r, base in zip(handles, starts, kept, lens, bases):
+            if n < r:
+                snap_src.append(base + n - 1)
+                snap_dst.append(h.slot)
+                for j in range(n, r):
+                    ring_src.append(base + j - 1)
+                    ring_slot.append(h.slot)
+                    ring_pos.append(start + j)
+            h.length = start + n
+            extra = h.blocks[self.blocks_for(h.length):]
+            if extra:
+                self.blocks.decref(extra)
+                del h.blocks[self.blocks_for(h.length):]
+        if not snap_dst:
+            return
+        up = self.ops.upload_index
+        for s in self.specs:
+            if s.snapshot and not s.paged:
+                self.arrays[s.name][up(snap_dst)] = self.snapshots[s.name][up(snap_src)]
+            elif s.ring:
+                self.arrays[s.name][up(ring_slot), up(np.array(ring_pos) % s.shape[0])] = \
+                    self.snapshots[s.name][up(ring_src)]
 
     # ---- export / import (the persistent cache's view of a handle) ----------------------------------------
     def export(self, h: StateHandle) -> dict[str, np.ndarray]:

@@ -79,6 +79,8 @@ _NAMES = {
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
     "sampling": ["sample_kernel"],
+    "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
+    + [f"gdn_rows_kernel<{t}>" for t in _T],
     "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
     + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")],
@@ -818,6 +820,58 @@ class CudaOps:
             keep_at.append(slots_h[b] * w + kept % w)
         keep_src = self.upload_index(np.concatenate(keep_src))
         self.write_kv(k_ring, v_ring, k[keep_src], v[keep_src], self.upload_index(np.concatenate(keep_at)))
+        return out
+
+    # ---- speculative (multi-row) steps: kernels/spec_rows.cu ----------------------------------------------------
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows):
+        """`causal_conv1d`, and the conv history after every token t with snapshot_rows[t] >= 0 in
+        snapshots[snapshot_rows[t]] ([R, C, K-1], conv_state's dtype). The snapshots are taken first, from the
+        old histories the conv then rewrites."""
+        xr, sx = _rows2(x)
+        t, c = xr.shape
+        km1 = int(weight.shape[1]) - 1
+        if snapshots.dtype != conv_state.dtype or not snapshots.flags.c_contiguous \
+                or snapshots.shape[1:] != (c, km1):
+            raise ValueError(f"snapshots must be a contiguous [rows, {c}, {km1}] {conv_state.dtype} pool, got "
+                             f"{snapshots.dtype} {snapshots.shape}")
+        slots_i, cu, rows = _index(slots), _index(cu_seqlens), _index(snapshot_rows)
+        nseq = slots_i.shape[0]
+        if t and c and nseq and km1 > 0:
+            _kernel("spec_rows", f"conv_snapshot_kernel<{_tname(xr.dtype)}, {_tname(conv_state.dtype)}>")(
+                (-(-c // 128), t), (128,), (xr, _i64(sx), conv_state, snapshots, slots_i, cu, rows, _i32(nseq),
+                                            _i32(c), _i32(km1)))
+        return self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens)
+
+    def gated_delta_rule_rows(self, q, k, v, g, beta, state, slots, cu_seqlens, snapshots, snapshot_rows):
+        """`gated_delta_rule` token by token, and the fp32 state after every token t with snapshot_rows[t] >= 0
+        in snapshots[snapshot_rows[t]] ([R, H, Dk, Dv]). One launch; a block per (sequence, head, 32 columns)."""
+        dt = v.dtype
+        q = q if q.dtype == dt else self._cast(q, dt)
+        k = k if k.dtype == dt else self._cast(k, dt)
+        q, qst, qsh = _heads(q)
+        k, kst, ksh = _heads(k)
+        v, vst, vsh = _heads(v)
+        t, hk, dk = q.shape
+        h, dv = v.shape[1], v.shape[2]
+        if k.shape != q.shape or v.shape[0] != t or hk < 1 or h % hk:
+            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
+        if dk > 128:
+            raise ValueError(f"gated_delta_rule_rows supports key head dims up to 128, got {dk}")
+        for name, a in (("state", state), ("snapshots", snapshots)):
+            if a.dtype != F32 or not a.flags.c_contiguous or a.shape[1:] != (h, dk, dv):
+                raise ValueError(f"{name} must be a contiguous fp32 [rows, {h}, {dk}, {dv}] pool, got "
+                                 f"{a.dtype} {a.shape}")
+        g = cupy.ascontiguousarray(_f32(g)).reshape(t, h)
+        beta = cupy.ascontiguousarray(_f32(beta)).reshape(t, h)
+        out = cupy.empty((t, h, dv), dt)
+        slots_i, cu, rows = _index(slots), _index(cu_seqlens), _index(snapshot_rows)
+        nseq = slots_i.shape[0]
+        if t and nseq:
+            _kernel("spec_rows", f"gdn_rows_kernel<{_tname(dt)}>")(
+                (-(-dv // 32), h, nseq), (128,),
+                (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, state,
+                 snapshots, slots_i, cu, rows, _i32(h), _i32(h // hk), _i32(dk), _i32(dv),
+                 np.float32(1.0 / math.sqrt(dk)), out))
         return out
 
     # ---- sparse MoE: kernels/moe_cuda.py (contracts: kernels/moe_reference.py) ----------------------------------

@@ -125,6 +125,16 @@ class Ops(Protocol):
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
         -> o [T, H, Dv]"""
 
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows) -> Array:
+        """`causal_conv1d`, and the conv history after every token t with snapshot_rows[t] >= 0 written to
+        snapshots[snapshot_rows[t]] (snapshots [R, C, K-1] in conv_state's dtype; snapshot_rows [T] int32, -1: none).
+        Each token's output and the final state equal `causal_conv1d`'s (a speculative step's rows)."""
+
+    def gated_delta_rule_rows(self, q, k, v, g, beta, state, slots, cu_seqlens, snapshots, snapshot_rows) -> Array:
+        """`gated_delta_rule` stepped token by token (every row computed as a one-token decode step computes it),
+        and the state after every token t with snapshot_rows[t] >= 0 written to snapshots[snapshot_rows[t]]
+        (fp32 [R, H, Dk, Dv]; snapshot_rows [T] int32, -1: none) -> o [T, H, Dv]"""
+
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         """k, v [T, Hkv, D] stored at flat rows slot_mapping [T] (block * block_size + offset) of the caches"""
 

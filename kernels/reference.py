@@ -212,6 +212,38 @@ class NumpyOps(MoeReferenceOps):
             state[slots[b]] = S
         return out.astype(self.act_dtype)
 
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows):
+        """`causal_conv1d` (the same arithmetic per token), plus the conv history after every token t with
+        snapshot_rows[t] >= 0 in snapshots[snapshot_rows[t]] ([R, C, K-1]; -1: no snapshot). A speculative
+        verify step's rows: commit restores the history after the last kept row from its snapshot."""
+        k = weight.shape[1]
+        history = {}  # sequence -> [K-1+L, C] its old history then its new inputs, oldest first
+        for b in range(len(slots)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            history[b] = np.concatenate([conv_state[slots[b]].T.astype(np.float32), x[s:e].astype(np.float32)])
+        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens)
+        for b in range(len(slots)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            for j in range(e - s):
+                if snapshot_rows[s + j] >= 0:
+                    snapshots[snapshot_rows[s + j]] = history[b][j + 1:j + k].T  # the K-1 inputs up to token j
+        return y
+
+    def gated_delta_rule_rows(self, q, k, v, g, beta, state, slots, cu_seqlens, snapshots, snapshot_rows):
+        """`gated_delta_rule` one token at a time (each row exactly as a one-token decode step computes it), plus
+        the state after every token t with snapshot_rows[t] >= 0 in snapshots[snapshot_rows[t]] (fp32
+        [R, H, Dk, Dv]; -1: no snapshot). Returns o [T, H, Dv]."""
+        out = np.empty(v.shape, self.act_dtype)
+        one = np.array([0, 1], np.int32)
+        for b in range(len(slots)):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            for t in range(s, e):
+                out[t] = self.gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state,
+                                               slots[b:b + 1], one)[0]
+                if snapshot_rows[t] >= 0:
+                    snapshots[snapshot_rows[t]] = state[slots[b]]
+        return out
+
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset)."""
         nb, bs = k_cache.shape[:2]

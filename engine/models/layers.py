@@ -227,15 +227,21 @@ class GatedDeltaNet:
         self.recurrent_region = f"layers.{layer}.recurrent"
 
     def state_specs(self) -> list[RegionSpec]:
-        return [RegionSpec(self.conv_region, False, (self.conv_dim, self.kernel - 1), "act"),
-                RegionSpec(self.recurrent_region, False, (self.hv, self.dk, self.dv), "float32")]
+        # both are rolled back to a row of a speculative step from the per-row snapshots the ops write
+        return [RegionSpec(self.conv_region, False, (self.conv_dim, self.kernel - 1), "act", snapshot=True),
+                RegionSpec(self.recurrent_region, False, (self.hv, self.dk, self.dv), "float32", snapshot=True)]
 
     def __call__(self, ops, x, batch: ForwardBatch, state: ModelState):
         t = x.shape[0]
         proj = ops.linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2 Hv]
         c, v_end = self.conv_dim, self.conv_dim + self.value_dim
-        mixed = ops.causal_conv1d(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
-                                  batch.slots, batch.cu_seqlens)  # [T, conv_dim]
+        rows = batch.snapshot_rows  # a speculative step: every row's state also goes to its snapshot row
+        if rows is None:
+            mixed = ops.causal_conv1d(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
+                                      batch.slots, batch.cu_seqlens)  # [T, conv_dim]
+        else:
+            mixed = ops.causal_conv1d_rows(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
+                                           batch.slots, batch.cu_seqlens, state.snapshots[self.conv_region], rows)
         z = proj[:, c:v_end].reshape(t, self.hv, self.dv)
         g, beta = ops.delta_gates(proj[:, v_end + self.hv:], proj[:, v_end:v_end + self.hv], self.a_log,
                                   self.dt_bias)  # [T, Hv] each
@@ -244,8 +250,12 @@ class GatedDeltaNet:
         q, k = qk[:, :self.hk], qk[:, self.hk:]
         v = mixed[:, 2 * self.key_dim:].reshape(t, self.hv, self.dv)
         # value heads share key heads in groups (repeat_interleave, as HF): the op reads key head h // (Hv / Hk)
-        o = ops.gated_delta_rule(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
-                                 batch.cu_seqlens)  # [T, Hv, Dv]
+        if rows is None:
+            o = ops.gated_delta_rule(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
+                                     batch.cu_seqlens)  # [T, Hv, Dv]
+        else:
+            o = ops.gated_delta_rule_rows(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
+                                          batch.cu_seqlens, state.snapshots[self.recurrent_region], rows)
         o = ops.gated_rms_norm(o, z, self.norm_weight, self.eps).reshape(t, self.value_dim)
         return ops.linear(o, self.out_proj)  # [T, D]
 
@@ -310,8 +320,9 @@ class CausalLM:
             x = self.ops.scale(x, np.asarray(self.embed_scale, dtype=self.ops.act_dtype))
         return x
 
-    def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False):
-        """Run the step; returns fp32 logits [B, V] of each sequence's last new token ([T, V] if all_logits)."""
+    def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False, with_hidden: bool = False):
+        """Run the step; returns fp32 logits [B, V] of each sequence's last new token ([T, V] if all_logits).
+        with_hidden: (logits, the final-normed hidden states [B or T, D] the logits were computed from)."""
         ops = self.ops
         x = self.embed(batch.token_ids)
         for layer in self.layers:
@@ -328,7 +339,7 @@ class CausalLM:
         logits = ops.logits(x, self.lm_head)
         if self.logit_softcap is not None:
             logits = ops.softcap(logits, self.logit_softcap)
-        return logits
+        return (logits, x) if with_hidden else logits
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:

@@ -1,0 +1,135 @@
+"""Speculative decoding on the GPU: the multi-row ops with per-row snapshots against the NumPy reference, rollback
+of every region after every accepted count, and greedy tokens with speculation equal to speculation off (fp32).
+Skipped cleanly without CuPy or a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+
+from conftest import PARITY_STD, TINY_QWEN3, random_prompt  # noqa: E402
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir  # noqa: E402
+from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
+from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+from test_speculative import OracleDrafter, prompts  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+def _case(rng, lens, h, hk, dk, dv, conv_c, conv_k, num_slots=6):
+    t = sum(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    slots = rng.permutation(num_slots)[:len(lens)].astype(np.int32)
+    # snapshot rows: every row but each sequence's last, numbered in order; -1 for the last rows
+    rows, r = [], 0
+    for n in lens:
+        for j in range(n):
+            rows.append(r if j < n - 1 else -1)
+            r += j < n - 1
+    return dict(
+        q=rng.normal(0, 1, (t, hk, dk)).astype(np.float32), k=rng.normal(0, 1, (t, hk, dk)).astype(np.float32),
+        v=rng.normal(0, 1, (t, h, dv)).astype(np.float32), g=-rng.uniform(0.01, 1.0, (t, h)).astype(np.float32),
+        beta=rng.uniform(0, 1, (t, h)).astype(np.float32),
+        state=rng.normal(0, 0.1, (num_slots, h, dk, dv)).astype(np.float32),
+        x=rng.normal(0, 1, (t, conv_c)).astype(np.float32), w=rng.normal(0, 0.5, (conv_c, conv_k)).astype(np.float32),
+        conv=rng.normal(0, 1, (num_slots, conv_c, conv_k - 1)).astype(np.float32),
+        slots=slots, cu=cu, rows=np.array(rows, np.int32), nsnap=max(r, 1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(4, 2, 128, 128), (2, 2, 16, 40), (6, 3, 64, 32)])
+def test_rows_ops_match_the_reference(dtype, shape):
+    import cupy
+
+    from prefixrun.kernels.cuda import CudaOps
+
+    h, hk, dk, dv = shape
+    rng = np.random.default_rng(sum(shape))
+    c = _case(rng, [1, 5, 3, 9], h, hk, dk, dv, conv_c=72, conv_k=4)
+    ref, gpu = NumpyOps(), CudaOps(dtype)
+    l2 = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
+    q, k = l2(c["q"]), l2(c["k"])
+    state_ref, snaps_ref = c["state"].copy(), np.zeros((c["nsnap"], h, dk, dv), np.float32)
+    o_ref = ref.gated_delta_rule_rows(q, k, c["v"], c["g"], c["beta"], state_ref, c["slots"], c["cu"], snaps_ref,
+                                      c["rows"])
+    state, snaps = cupy.asarray(c["state"]), cupy.zeros((c["nsnap"], h, dk, dv), np.float32)
+    o = gpu.gated_delta_rule_rows(gpu.upload(q), gpu.upload(k), gpu.upload(c["v"]), cupy.asarray(c["g"]),
+                                  cupy.asarray(c["beta"]), state, c["slots"], c["cu"], snaps, c["rows"])
+    tol = dict(rtol=2e-2, atol=3e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gpu.to_host(o).astype(np.float32), o_ref, **tol)
+    np.testing.assert_allclose(cupy.asnumpy(state), state_ref, **tol)
+    np.testing.assert_allclose(cupy.asnumpy(snaps), snaps_ref, **tol)
+
+    conv_ref, csnap_ref = c["conv"].copy(), np.zeros((c["nsnap"],) + c["conv"].shape[1:], np.float32)
+    y_ref = ref.causal_conv1d_rows(c["x"], c["w"], conv_ref, c["slots"], c["cu"], csnap_ref, c["rows"])
+    conv = gpu.upload(c["conv"])
+    csnap = gpu.zeros((c["nsnap"],) + c["conv"].shape[1:])
+    y = gpu.causal_conv1d_rows(gpu.upload(c["x"]), cupy.asarray(c["w"]), conv, c["slots"], c["cu"], csnap,
+                               c["rows"])
+    np.testing.assert_allclose(gpu.to_host(y).astype(np.float32), y_ref, **tol)
+    np.testing.assert_allclose(gpu.to_host(conv).astype(np.float32), conv_ref, **tol)
+    np.testing.assert_allclose(gpu.to_host(csnap).astype(np.float32), csnap_ref, **tol)
+
+
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory):
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("float32")
+    root = tmp_path_factory.mktemp("cuda-spec")
+    return {name: load_model(make_model_dir(root / name, cfg, seed=7, init_std=PARITY_STD), ops)[0]
+            for name, cfg in (("qwen3_5", TINY_QWEN3_5), ("qwen3", TINY_QWEN3))}, ops
+
+
+def _run(model, ops, opts, drafter=None, sp=SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)):
+    eng = Engine(model, ops, options=opts)
+    if drafter is not None:
+        eng.speculator.drafter = drafter
+    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts())])}
+    eng.check_invariants()
+    eng.close()
+    assert not eng.state.live
+    return out, eng.speculator.stats if eng.speculator is not None else None
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_greedy_tokens_identical_on_gpu(family, gpu_models):
+    models, ops = gpu_models
+    model = models[family]
+    off, _ = _run(model, ops, EngineOptions(max_batch=4))
+    for k in (1, 3, 8):
+        on, stats = _run(model, ops, EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k),
+                         OracleDrafter(off, spread=k == 3))
+        assert on == off, k
+        assert 0 < stats.methods["oracle"].accepted < stats.methods["oracle"].drafted
+    on, _ = _run(model, ops, EngineOptions(max_batch=4, speculative="auto"))
+    assert on == off
+
+
+def test_rollback_on_gpu_restores_the_plain_state(gpu_models):
+    models, ops = gpu_models
+    model = models["qwen3_5"]
+    from prefixrun.engine.state import ModelState
+
+    prompt, rows = random_prompt(5, 21), random_prompt(6, 7)
+    st = ModelState(model.state_specs(), ops, num_slots=8, num_blocks=64, block_size=16,
+                    snapshot_capacity=len(rows) - 1)
+    for n in range(1, len(rows) + 1):
+        plain = st.new_sequence()
+        model.forward(st.prepare_step([plain], [prompt]), st)
+        spec = st.fork(plain)
+        for t in rows[:n]:
+            model.forward(st.prepare_step([plain], [[t]]), st)
+        model.forward(st.prepare_rows_step([spec], [rows]), st, all_logits=True)
+        st.commit([n])
+        a, b = st.export(spec), st.export(plain)
+        for name in a:
+            np.testing.assert_allclose(a[name].astype(np.float32), b[name].astype(np.float32), rtol=1e-3,
+                                       atol=1e-4, err_msg=f"n={n} {name}")
+        st.release(spec)
+        st.release(plain)
+        st.check_invariants()

@@ -1,0 +1,303 @@
+"""Speculative decoding on the CPU reference (fp32): greedy outputs identical to speculation off for every family,
+every draft count and mixed counts, with prefix reuse and from disk; rollback restores exactly the regions of a
+non-speculative run after every possible accepted count; the sampled path keeps the target's distribution."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import PARITY_STD, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_5_MOE, new_state, random_prompt
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.speculative import DraftInput, Drafter, NgramDrafter
+from prefixrun.engine.verify import accept_greedy, accept_sampled
+from test_gemma3 import TINY_GEMMA3
+
+FAMILIES = {"qwen3_5": TINY_QWEN3_5, "qwen3": TINY_QWEN3, "llama": TINY_LLAMA, "gemma3": TINY_GEMMA3,
+            "qwen3_5_moe": TINY_QWEN3_5_MOE}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, cpu_ops):
+    root = tmp_path_factory.mktemp("spec-models")
+    return {name: load_model(make_model_dir(root / name, cfg, seed=7, init_std=PARITY_STD), cpu_ops)[0]
+            for name, cfg in FAMILIES.items()}
+
+
+def prompts():
+    base = random_prompt(100, 37)
+    return [base + random_prompt(101, 9), base + random_prompt(102, 4), base, [5, 6, 7] * 9,
+            random_prompt(103, 17) * 2]
+
+
+class OracleDrafter:
+    """Drafts the true greedy continuation (from a run with speculation off) with deliberate errors, so steps
+    accept every count from 0 to k; each sequence gets its own draft count (mixed k)."""
+
+    method = "oracle"
+    needs_hidden = False
+
+    def __init__(self, reference: dict[str, list[int]], spread: bool = True):
+        self.reference, self.spread = reference, spread
+
+    def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+        out = []
+        for x in inputs:
+            ref = self.reference[x.request.custom_id]
+            done = len(x.tokens) - len(x.request.prompt_token_ids)  # tokens generated so far
+            k = x.num_drafts
+            if self.spread:
+                k = 1 + (done + len(x.request.custom_id) * 3) % x.num_drafts  # per sequence and step
+            draft = list(ref[done:done + k])
+            for j in range(len(draft)):
+                if (done * 7 + j * 3) % 11 == 0:  # a wrong token ends acceptance here
+                    draft[j] = (draft[j] + 1) % 512
+            out.append(draft)
+        return out
+
+
+def run(model, ops, prompt_list, opts, *, drafter=None, sampling=None, persist=None):
+    eng = Engine(model, ops, options=opts, persist=persist)
+    if drafter is not None:
+        eng.speculator.drafter = drafter
+    sp = sampling or SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompt_list)]
+    out = {r.custom_id: r.token_ids for r in eng.run(reqs)}
+    eng.check_invariants()
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live and eng.state.blocks.free_count == eng.state.blocks.num_blocks
+    stats = eng.speculator.stats if eng.speculator is not None else None
+    return out, stats
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_tokens_identical_for_every_draft_count(family, models, cpu_ops):
+    model = models[family]
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    rejected = 0
+    for k in range(1, 9):
+        spread = k % 2 == 0  # odd k: every sequence drafts k; even k: mixed counts per sequence and step
+        on, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram",
+                                                                 num_draft_tokens=k), drafter=OracleDrafter(off, spread))
+        assert on == off, (family, k, spread)
+        m = stats.methods["oracle"]
+        assert m.drafted > 0 and 0 < m.accepted <= m.drafted
+        rejected += m.drafted - m.accepted
+    assert rejected > 0
+    on, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=4))
+    assert on == off and stats.methods["ngram"].drafted > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_every_accepted_count_occurs_and_outputs_match(family, models, cpu_ops):
+    """Across one run each accepted count 0..k occurs (so every rollback depth is exercised end to end)."""
+    model = models[family]
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4), sampling=sp)
+    seen: set[int] = set()
+    drafter = OracleDrafter(ref, spread=False)
+    eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=5))
+    eng.speculator.drafter = drafter
+    step = eng.speculator.step
+
+    def spy(seqs, drafts):
+        new = step(seqs, drafts)
+        seen.update(len(t) - 1 for t, d in zip(new, drafts) if len(d) == 5)
+        return new
+
+    eng.speculator.step = spy
+    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts())])}
+    eng.close()
+    assert out == ref
+    assert seen == set(range(6)), seen
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rollback_restores_the_regions_of_a_plain_run(family, models, cpu_ops):
+    """Feed R rows in one multi-row step, commit n (every n), and compare every region with a state that was fed
+    the same first n tokens one decode step at a time."""
+    model = models[family]
+    prompt = random_prompt(5, 13)
+    rows = random_prompt(6, 6)  # R = 6 <= the tiny Gemma's window of 8
+    st = new_state(model, cpu_ops)
+    st.snapshot_capacity = 0
+    st2 = type(st)(model.state_specs(), cpu_ops, num_slots=16, num_blocks=256, block_size=16,
+                   snapshot_capacity=len(rows) - 1)
+    for n in range(1, len(rows) + 1):
+        plain = st2.new_sequence()
+        model.forward(st2.prepare_step([plain], [prompt]), st2)
+        spec = st2.fork(plain)
+        for t in rows[:n]:
+            model.forward(st2.prepare_step([plain], [[t]]), st2)
+        model.forward(st2.prepare_rows_step([spec], [rows]), st2, all_logits=True)
+        st2.commit([n])
+        assert spec.length == plain.length == len(prompt) + n
+        assert len(spec.blocks) == st2.blocks_for(spec.length)
+        a, b = st2.export(spec), st2.export(plain)
+        # equal up to fp32 rounding (the projections of 6 rows and of 1 row round differently in the last bits);
+        # a state one row off differs by orders of magnitude more, which the continuation check below would show
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"{family} n={n} {name}")
+        # and the rolled-back state continues exactly like the plain one
+        la = model.forward(st2.prepare_step([spec], [[3]]), st2)
+        lb = model.forward(st2.prepare_step([plain], [[3]]), st2)
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+        st2.release(spec)
+        st2.release(plain)
+        st2.check_invariants()
+    assert st2.blocks.free_count == st2.blocks.num_blocks
+
+
+def test_commit_and_prepare_refuse_misuse(models, cpu_ops):
+    model = models["qwen3_5"]
+    st = type(new_state(model, cpu_ops))(model.state_specs(), cpu_ops, num_slots=4, num_blocks=32, block_size=16,
+                                         snapshot_capacity=3)
+    h = st.new_sequence()
+    with pytest.raises(RuntimeError, match="commit without"):
+        st.commit([1])
+    with pytest.raises(Exception, match="snapshot rows"):
+        st.prepare_rows_step([h], [[1, 2, 3, 4, 5]])
+    model.forward(st.prepare_rows_step([h], [[1, 2, 3]]), st, all_logits=True)
+    with pytest.raises(RuntimeError, match="still waiting"):
+        st.prepare_rows_step([h], [[1]])
+    with pytest.raises(ValueError, match="commit keeps"):
+        st.commit([4])
+    st.commit([2])
+    assert h.length == 2
+    st.release(h)
+    st.check_invariants()
+
+
+def test_snapshot_memory_comes_out_of_the_state_budget(models, cpu_ops):
+    model = models["qwen3_5"]
+    opts = dict(max_batch=4, state_memory_bytes=64 << 20)
+    off = Engine(model, cpu_ops, options=EngineOptions(**opts))
+    on = Engine(model, cpu_ops, options=EngineOptions(**opts, speculative="ngram", num_draft_tokens=6))
+    from prefixrun.engine.state import snapshot_row_bytes
+
+    rows = on.state.snapshot_capacity
+    assert rows == 4 * 6 and off.state.snapshot_capacity == 0
+    snap = rows * snapshot_row_bytes(model.state_specs(), cpu_ops)
+    assert snap > 0
+    fewer = off.state.blocks.num_blocks - on.state.blocks.num_blocks  # the blocks the snapshot rows took
+    assert snap // on.state.block_bytes <= fewer <= -(-snap // on.state.block_bytes)
+
+
+def test_greedy_identical_with_prefix_reuse_and_from_disk(models, cpu_ops):
+    from test_engine import _MemoryDisk
+
+    model = models["qwen3_5"]
+    ps = prompts() + [prompts()[0][:30] + [9, 9]]
+    off, _ = run(model, cpu_ops, ps, EngineOptions(max_batch=4, reuse=False))
+    disk = _MemoryDisk()
+    opts = EngineOptions(max_batch=2, speculative="ngram", num_draft_tokens=3, retain_block=16)
+    cold, _ = run(model, cpu_ops, ps, opts, drafter=OracleDrafter(off), persist=disk)
+    assert disk.entries
+    warm, _ = run(model, cpu_ops, ps, opts, drafter=OracleDrafter(off), persist=disk)
+    assert cold == warm == off
+
+
+def test_auto_drafts_only_for_greedy_requests_and_sampled_seeds_reproduce(models, cpu_ops):
+    model = models["qwen3"]
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4), sampling=sp)
+    auto, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="auto"), sampling=sp)
+    assert auto == off and stats.methods["ngram"].drafted == 0
+    a, sa = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp)
+    b, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp)
+    assert a == b and sa.methods["ngram"].drafted > 0
+
+
+# ---- verification rules --------------------------------------------------------------------------------------------
+def test_accept_greedy_takes_the_longest_matching_prefix():
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accept_greedy([4, 9, 6], [4, 5, 6, 7]) == [4, 5]
+    assert accept_greedy([9], [4, 5]) == [4]
+    assert accept_greedy([], [4]) == [4]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Drafts from a deliberately different guess: the first two output tokens must still follow the target
+    (chi-square against the exact distributions, 20000 seeds)."""
+    rng = np.random.default_rng(0)
+    v = 6
+    rows = rng.normal(0, 1.5, (3, v)).astype(np.float32)  # [k + 1, V] the target's logits after each fed token
+    sp = SamplingParams(max_tokens=8, temperature=0.9, top_k=5)
+    from prefixrun.kernels.sampling import filtered_probabilities
+
+    p0 = filtered_probabilities(rows[0], 0.9, 5, 1.0, 0.0)
+    p1 = filtered_probabilities(rows[1], 0.9, 5, 1.0, 0.0)
+    drafts = [int(np.argsort(p0)[-2]), int(np.argmax(p1))]  # the second most likely first token: often rejected
+    n = 20000
+    first = np.zeros(v)
+    second = np.zeros(v)
+    for seed in range(n):
+        toks = accept_sampled(drafts, rows, sp, seed, 3)
+        assert 1 <= len(toks) <= 3
+        first[toks[0]] += 1
+        if toks[0] == drafts[0]:
+            second[toks[1]] += 1
+        assert toks == accept_sampled(drafts, rows, sp, seed, 3)  # reproducible per seed
+    for counts, p in ((first, p0), (second, p1)):
+        total = counts.sum()
+        mask = p > 0
+        assert counts[~mask].sum() == 0  # never a filtered-out token
+        chi2 = (((counts - total * p) ** 2)[mask] / (total * p[mask])).sum()
+        assert chi2 < 25, (chi2, counts / total, p)  # df <= 5: p-value ~1e-4
+
+
+def test_ngram_lookup():
+    d = NgramDrafter()
+    assert isinstance(d, Drafter)
+    assert d.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 3) == [4, 5, 9]
+    assert d.lookup([5, 5, 5], 4) == [5, 5, 5, 5]  # a run continues past the history
+    assert d.lookup([1, 2, 3, 1, 2, 3, 1], 5) == [2, 3, 1, 2, 3]
+    assert d.lookup([1, 2, 3], 2) == [] and d.lookup([1], 3) == [] and d.lookup([1, 2, 1], 0) == []
+    assert d.lookup([7, 1, 2, 8, 1, 2], 1) == [8]  # the longest suffix that matched (n = 2)
+    with pytest.raises(ValueError):
+        NgramDrafter(3, 2)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("isolated_env")
+def test_cli_flags_report_and_same_output(tmp_path, models):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3, seed=7, init_std=PARITY_STD)
+    work = tmp_path / "in.jsonl"
+    with open(work, "w") as f:
+        for i, p in enumerate(prompts()):
+            f.write(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 20, "temperature": 0,
+                                "ignore_eos": True}) + "\n")
+    runner = CliRunner()
+    outs = {}
+    for mode in ("off", "ngram", "auto"):
+        rep = tmp_path / f"{mode}.json"
+        res = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", "--no-cache",
+                                  "--speculative", mode, "--num-draft-tokens", "4", "-o", str(tmp_path / f"{mode}.out"),
+                                  "--json-report", str(rep)])
+        assert res.exit_code == 0, res.output
+        outs[mode] = [json.loads(line)["token_ids"] if "token_ids" in json.loads(line) else json.loads(line)
+                      for line in (tmp_path / f"{mode}.out").read_text().splitlines()]
+        report = json.loads(rep.read_text())
+        if mode == "off":
+            assert "speculative" not in report.get("engine", report)
+        else:
+            spec = report.get("speculative") or report["engine"]["speculative"]
+            m = spec["methods"]["ngram"]
+            assert m["drafted"] > 0 and m["accepted"] > 0 and 0 < m["acceptance_rate"] <= 1
+            assert "time_saved_seconds" in spec and "speculative ngram" in res.stderr
+    assert outs["off"] == outs["ngram"] == outs["auto"]
+    bad = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", "--speculative", "x"])
+    assert bad.exit_code == 2 and "--speculative must be one of" in bad.stderr
+    bad = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu",
+                              "--num-draft-tokens", "0"])
+    assert bad.exit_code == 2 and "--num-draft-tokens" in bad.stderr
