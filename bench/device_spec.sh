@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Speculative decoding on the GPU, one command, run on the device machine from the repository root (issue 15):
+#   needs ./.bench-shared (a copy of shared/bench, carried); writes figures to $OUT (or ./bench-out-spec).
+#   MODELS="qwen3_5-4b-like" for the issue's figures (making that model costs ~80 s); default: the 0.8b-like one.
+#
+# Decode-bound workloads, each with --speculative off / ngram / auto (greedy, no cache, one process per row):
+#   repetitive  B requests (B = 1, 4, 16, --max-batch B) over a document with repetitive structure (a table whose
+#               rows repeat a template), 512 new tokens each
+#   the shared bench workloads (shared-system, doc-qa; 64 new tokens), at their default batch
+# Prints one markdown table ($OUT/spec.md): decode tokens/s, speed-up over off, acceptance rate, tokens per
+# sequence step, time saved as the engine estimates it.
+set -uo pipefail
+OUT=${OUT:-bench-out-spec}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
+  mkdir -p /tmp/prefixrun-src/prefixrun && touch /tmp/prefixrun-src/prefixrun/__init__.py
+  for d in cli engine kernels; do ln -sfn "$PWD/$d" /tmp/prefixrun-src/prefixrun/$d; done
+  export PYTHONPATH=/tmp/prefixrun-src${PYTHONPATH:+:$PYTHONPATH}
+fi
+prefixrun() { python3 -m prefixrun.cli.app "$@"; }
+MODELS=${MODELS:-"qwen3_5-0.8b-like"}
+BATCHES=${BATCHES:-"1 4 16"}
+GEN=${GEN:-512}
+W=.bench-shared/workloads.py
+[ -f "$W" ] || W=/work/shared/bench/workloads.py
+python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/spec-shared-system.jsonl 2>/dev/null
+python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/spec-doc-qa.jsonl 2>/dev/null
+for b in $BATCHES; do  # a 2,000-token document of 40 rows that repeat one 50-token template with small changes
+  python3 - "$b" "$GEN" > /tmp/spec-repetitive-$b.jsonl <<'PY'
+import json, random, sys
+b, gen = int(sys.argv[1]), int(sys.argv[2])
+rng = random.Random(0)
+template = [rng.randrange(100, 20000) for _ in range(50)]
+for i in range(b):
+    doc = []
+    for row in range(40):
+        r = list(template)
+        for j in rng.sample(range(50), 3):
+            r[j] = rng.randrange(100, 20000)
+        doc += r
+    question = [rng.randrange(100, 20000) for _ in range(16)]
+    print(json.dumps({"custom_id": f"rep-{i}", "prompt_token_ids": doc + question, "max_tokens": gen,
+                      "temperature": 0, "ignore_eos": True}))
+PY
+done
+
+bench() {  # name, workload, flags...: one process
+  local name=$1 wl=$2; shift 2
+  prefixrun bench "$wl" --model "$MODEL" --device cuda --ignore-eos -q --no-cache --temperature 0 \
+    --json "$OUT/$name.json" "$@" > /dev/null 2> "$OUT/$name.err" \
+    || { echo "($name: exit $?; last lines of $OUT/$name.err:)"; tail -5 "$OUT/$name.err"; }
+}
+row() {  # label, off json, json
+  python3 - "$1" "$2" "$3" <<'PY' | tee -a "$OUT/spec.md"
+import json, sys
+label, off_path, path = sys.argv[1:]
+def rate(p):
+    f = json.load(open(p))
+    return f, f["completion_tokens"] / max(f["decode_seconds"], 1e-9)
+try:
+    f, tps = rate(path)
+    _, off = rate(off_path)
+except Exception as exc:
+    print(f"| {label} | failed ({type(exc).__name__}: {exc}) | | | | | |"); sys.exit()
+spec = f["batch_report"].get("speculative") or {}
+m = next(iter(spec.get("methods", {}).values()), {})
+fmt = lambda v, s="{:.2f}": s.format(v) if isinstance(v, (int, float)) else "-"
+print(f"| {label} | {tps:,.0f} | {tps / off:.2f}× | {fmt(m.get('acceptance_rate'), '{:.1%}')} "
+      f"| {fmt(m.get('tokens_per_step'))} | {fmt(spec.get('time_saved_seconds'))} | {f['decode_step_ms']:.2f} |")
+PY
+}
+
+: > "$OUT/spec.md"
+for m in $MODELS; do
+  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=/work/shared/bench/models/$m.json
+  MODEL=/tmp/$m
+  [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
+  bench "$m-warmup" /tmp/spec-repetitive-1.jsonl --max-tokens 8 --speculative ngram  # NVRTC compiles, untimed
+  { echo; echo "### $m: decode tokens/s with speculative decoding (greedy, no cache)"; echo
+    echo "| workload · mode | decode tok/s | vs off | acceptance | tokens / seq step | saved s (est.) | step ms |"
+    echo "|---|---|---|---|---|---|---|"; } | tee -a "$OUT/spec.md"
+  for b in $BATCHES; do
+    for mode in off ngram auto; do
+      bench "$m-rep$b-$mode" /tmp/spec-repetitive-$b.jsonl --max-batch "$b" --speculative $mode
+      row "repetitive, batch $b · $mode" "$OUT/$m-rep$b-off.json" "$OUT/$m-rep$b-$mode.json"
+    done
+  done
+  for w in shared-system doc-qa; do
+    for mode in off ngram auto; do
+      bench "$m-$w-$mode" /tmp/spec-$w.jsonl --speculative $mode
+      row "$w · $mode" "$OUT/$m-$w-off.json" "$OUT/$m-$w-$mode.json"
+    done
+  done
+done
