@@ -20,6 +20,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -100,8 +102,25 @@ inline int __ffs(unsigned x) { return __builtin_ffs(int(x)); }
 // ---- the replacements for kernels/delta_tc.cu's PTX helpers ----------------------------------------------------
 typedef __nv_bfloat16 emu_bf16;
 
+// Global memory the kernels may read through cp.async (registered by the harness): a source outside every range,
+// or a misaligned address, stops the run (the device would fault or read garbage).
+struct EmuRange { const unsigned char* lo; const unsigned char* hi; };
+inline std::vector<EmuRange> emu_readable;
+inline void emu_fail(const char* what) { throw std::runtime_error(what); }
+inline void emu_check_read(const void* p, int bytes) {
+    const unsigned char* a = static_cast<const unsigned char*>(p);
+    for (const EmuRange& r : emu_readable)
+        if (a >= r.lo && a + bytes <= r.hi) return;
+    emu_fail("cp.async source outside the kernel's arrays");
+}
+
 // cp.async.cg 16 bytes, `bytes` of them read from src (the rest zero-filled)
-inline void emu_cp_async(void* dst, const void* src, int bytes) { emu_open.push_back({dst, src, bytes}); }
+inline void emu_cp_async(void* dst, const void* src, int bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || (bytes && reinterpret_cast<uintptr_t>(src) % 16))
+        emu_fail("cp.async address not 16-byte aligned");
+    if (bytes && !emu_readable.empty()) emu_check_read(src, bytes);
+    emu_open.push_back({dst, src, bytes});
+}
 inline void emu_cp_commit() {
     emu_groups.push_back(std::move(emu_open));
     emu_open.clear();
@@ -122,6 +141,7 @@ inline void tc_cp_wait_all() { emu_cp_wait(0); }
 inline void emu_ldsm(unsigned (&r)[4], const void* p, bool trans) {
     EmuWarp& w = *emu_warp;
     const int l = emu_lane;
+    if (reinterpret_cast<uintptr_t>(p) % 16) emu_fail("ldmatrix row address not 16-byte aligned");
     w.ptr[l] = p;
     w.bar.arrive_and_wait();
     for (int i = 0; i < 4; ++i) {
@@ -190,12 +210,24 @@ inline void emu_launch(emu_dim3 grid, int threads, size_t dynamic_smem, const st
                         blockIdx = {x, y, z};
                         emu_warp = &warps[t / 32];
                         emu_lane = t % 32;
-                        body();
+                        try {
+                            body();
+                        } catch (const std::exception& e) {
+                            // the block's other threads would wait at a barrier forever: end the process (the
+                            // harness runs the emulation in a child process and reports this line)
+                            std::fprintf(stderr, "emulated thread %d of block (%u, %u, %u): %s\n", t, x, y, z, e.what());
+                            std::fflush(stderr);
+                            std::_Exit(3);
+                        }
                         emu_open.clear();
                         emu_groups.clear();
                     });
                 for (auto& th : pool) th.join();
                 for (size_t i = 0; i < guard; ++i)
-                    if (emu_dynamic_smem[dynamic_smem + i] != 0xcd) throw std::runtime_error("shared memory overrun");
+                    if (emu_dynamic_smem[dynamic_smem + i] != 0xcd) {
+                        std::fprintf(stderr, "block (%u, %u, %u) wrote past its dynamic shared memory\n", x, y, z);
+                        std::fflush(stderr);
+                        std::_Exit(4);
+                    }
             }
 }

@@ -32,6 +32,9 @@ ENTRY = r"""
     cu, nseq, heads, krep, dk, dv, scale, (bf16*)w, (bf16*)u, (bf16*)aqk, gc
 #define EMU_KERNEL_ARGS_SCAN (const bf16*)q, qst, qsh, (const bf16*)k, kst, ksh, (const bf16*)w, (const bf16*)u, \
     (const bf16*)aqk, gc, state, slots, cu, heads, krep, dk, dv, scale, (bf16*)out
+extern "C" void emu_readable_add(const void* p, size_t bytes) {
+    emu_readable.push_back({static_cast<const unsigned char*>(p), static_cast<const unsigned char*>(p) + bytes});
+}
 extern "C" int emu_gdn_tc(const uint16_t* q, i64 qst, i64 qsh, const uint16_t* k, i64 kst, i64 ksh,
                           const uint16_t* v, i64 vst, i64 vsh, const float* g, const float* beta, float* state,
                           const int* slots, const int* cu, int nseq, int heads, int krep, int dk, int dv,
@@ -39,22 +42,49 @@ extern "C" int emu_gdn_tc(const uint16_t* q, i64 qst, i64 qsh, const uint16_t* k
                           uint16_t* aqk, float* gc, uint16_t* out) {
     // geometry: {grid x, y, z, threads, dynamic shared bytes, warps}, as kernels/cuda.py launches them
     const float scale = 1.0f / std::sqrt(float(dk));
-    try {
-        emu_launch({prep_geom[0], prep_geom[1], prep_geom[2]}, prep_geom[3], prep_geom[4],
-                   [&] { gdn_tc_prep_kernel<128>(EMU_KERNEL_ARGS_PREP); });
-        const emu_dim3 grid{scan_geom[0], scan_geom[1], scan_geom[2]};
-        if (scan_geom[5] == 2)
-            emu_launch(grid, scan_geom[3], scan_geom[4], [&] { gdn_tc_scan_kernel<128, 2>(EMU_KERNEL_ARGS_SCAN); });
-        else if (scan_geom[5] == 4)
-            emu_launch(grid, scan_geom[3], scan_geom[4], [&] { gdn_tc_scan_kernel<128, 4>(EMU_KERNEL_ARGS_SCAN); });
-        else
-            return 2;
-    } catch (const std::exception&) {
-        return 1;
-    }
+    emu_launch({prep_geom[0], prep_geom[1], prep_geom[2]}, prep_geom[3], prep_geom[4],
+               [&] { gdn_tc_prep_kernel<128>(EMU_KERNEL_ARGS_PREP); });
+    const emu_dim3 grid{scan_geom[0], scan_geom[1], scan_geom[2]};
+    if (scan_geom[5] == 2)
+        emu_launch(grid, scan_geom[3], scan_geom[4], [&] { gdn_tc_scan_kernel<128, 2>(EMU_KERNEL_ARGS_SCAN); });
+    else if (scan_geom[5] == 4)
+        emu_launch(grid, scan_geom[3], scan_geom[4], [&] { gdn_tc_scan_kernel<128, 4>(EMU_KERNEL_ARGS_SCAN); });
+    else
+        return 2;
     return 0;
 }
 """
+CANARY = 4096  # elements of canary before and after every array the kernels write (more than a token row)
+
+
+def _forked(fn):
+    """fn() in a forked child process (the emulation ends its process on a fault, and may hang on a broken
+    barrier): its result, or a test failure with what the child said."""
+    import os
+    import pickle
+
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(rd)
+        try:
+            data = pickle.dumps(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            data = pickle.dumps(("error", repr(e)))
+        with os.fdopen(wr, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(wr)
+    with os.fdopen(rd, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        pytest.fail(f"the emulated kernels ended their process (exit status {os.waitstatus_to_exitcode(status)}); "
+                    "see the captured stderr")
+    kind, value = pickle.loads(data)
+    if kind != "ok":
+        pytest.fail(f"emulation failed: {value}")
+    return value
 
 
 def _source() -> str:
@@ -89,35 +119,56 @@ def _ptr(a: np.ndarray):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
+def _guarded(shape, dtype):
+    """A zeroed array inside a larger one whose ends hold a canary: (array, check) where check() is True while the
+    canary is intact (the kernels wrote nothing past the array)."""
+    n = int(np.prod(shape))
+    buf = np.full(n + 2 * CANARY, 0x5A5A, np.uint16).view(np.uint16)
+    if np.dtype(dtype).itemsize == 4:
+        buf = np.full(n + 2 * CANARY, 0x5A5A5A5A, np.uint32)
+    arr = buf[CANARY:CANARY + n].view(dtype).reshape(shape)
+    arr[...] = 0
+    return arr, lambda: bool((buf[:CANARY] == buf[0]).all() and (buf[-CANARY:] == buf[0]).all())
+
+
 def run_emulated(so, qk, hk, v, g, beta, state, slots, cu, warps=None):
-    """The wrapper's launches (kernels/cuda.py `_gdn_tc`) on the emulator: q and k are strided views of qk
-    [T, 2 Hk, Dk] (bf16), v [T, H, Dv] (bf16), state [slots, H, Dk, Dv] fp32 (updated). -> o [T, H, Dv] fp32."""
+    """The wrapper's launches (kernels/cuda.py `_gdn_tc`) on the emulator, in a forked child: q and k are strided
+    views of qk [T, 2 Hk, Dk] (bf16), v [T, H, Dv] (bf16), state [slots, H, Dk, Dv] fp32.
+    -> (o [T, H, Dv] fp32, the state after the call)."""
     t, _, dk = qk.shape
     h, dv = v.shape[1], v.shape[2]
     nseq = len(slots)
     tuning = CudaTuning(gdn_tensor_cores=True, gdn_tc_warps=warps)
     launch = delta_rule_launch(tuning, 132, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv, tensor_cores=True)
     assert launch.tensor_cores
-    qk_u16, v_u16 = qk.view(np.uint16), np.ascontiguousarray(v).view(np.uint16)
-    row, head = qk.shape[1] * dk, dk  # element strides of the q and k views
-    w = np.zeros((t, h, dk), np.uint16)
-    u = np.zeros((t, h, dv), np.uint16)
-    aqk = np.zeros((t, h, 64), np.uint16)
-    gc = np.zeros((t, h), np.float32)
-    out = np.zeros((t, h, dv), np.uint16)
     prep_geom = np.array([-(-t // 64) + nseq, h, 1, 128, gdn_tc_smem_bytes(launch.dim), 0], np.uint32)
     scan_geom = np.array(list(launch.grid) + [32 * launch.warps, gdn_tc_smem_bytes(launch.dim, launch.warps),
                                               launch.warps], np.uint32)
-    k_view = qk_u16[:, hk:]
-    g, beta = np.ascontiguousarray(g, np.float32), np.ascontiguousarray(beta, np.float32)
-    slots, cu = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(cu, np.int32)
-    i64 = ctypes.c_longlong
-    rc = so.emu_gdn_tc(_ptr(qk_u16), i64(row), i64(head), k_view.ctypes.data_as(ctypes.c_void_p), i64(row),
-                       i64(head), _ptr(v_u16), i64(h * dv), i64(dv), _ptr(g), _ptr(beta), _ptr(state), _ptr(slots),
-                       _ptr(cu), nseq, h, h // hk, dk, dv, _ptr(prep_geom), _ptr(scan_geom), _ptr(w), _ptr(u),
-                       _ptr(aqk), _ptr(gc), _ptr(out))
-    assert rc == 0, "the emulated kernels wrote past their dynamic shared memory" if rc == 1 else rc
-    return out.view(BF16).astype(np.float32)
+
+    def emulate():
+        qk_u16, v_u16 = np.ascontiguousarray(qk).view(np.uint16), np.ascontiguousarray(v).view(np.uint16)
+        row, head = qk.shape[1] * dk, dk  # element strides of the q and k views
+        w, w_ok = _guarded((t, h, dk), np.uint16)
+        u, u_ok = _guarded((t, h, dv), np.uint16)
+        aqk, a_ok = _guarded((t, h, 64), np.uint16)
+        gc, gc_ok = _guarded((t, h), np.float32)
+        out, out_ok = _guarded((t, h, dv), np.uint16)
+        st, st_ok = _guarded(state.shape, np.float32)
+        st[...] = state
+        for a in (qk_u16, v_u16, w, u, aqk):  # what the kernels read with cp.async
+            so.emu_readable_add(_ptr(a), ctypes.c_size_t(a.nbytes))
+        gf, bf = np.ascontiguousarray(g, np.float32), np.ascontiguousarray(beta, np.float32)
+        sl, cuc = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(cu, np.int32)
+        i64 = ctypes.c_longlong
+        rc = so.emu_gdn_tc(_ptr(qk_u16), i64(row), i64(head), _ptr(qk_u16[:, hk:]), i64(row), i64(head), _ptr(v_u16),
+                           i64(h * dv), i64(dv), _ptr(gf), _ptr(bf), _ptr(st), _ptr(sl), _ptr(cuc), nseq, h, h // hk,
+                           dk, dv, _ptr(prep_geom), _ptr(scan_geom), _ptr(w), _ptr(u), _ptr(aqk), _ptr(gc), _ptr(out))
+        assert rc == 0, rc
+        for name, ok in (("W", w_ok), ("U0", u_ok), ("Aqk", a_ok), ("gc", gc_ok), ("out", out_ok), ("state", st_ok)):
+            assert ok(), f"the kernels wrote past the ends of {name}"
+        return out.view(BF16).astype(np.float32), st.copy()
+
+    return _forked(emulate)
 
 
 def _inputs(rng, lens, hk, h, dk, dv, nslots):
@@ -151,8 +202,7 @@ def test_emulated_kernels_match_reference(emu, lens, hk, h, dk, dv, warps):
     rng = np.random.default_rng(sum(lens) + dk)
     qk, v, g, beta, state, slots, cu = _inputs(rng, lens, hk, h, dk, dv, nslots=len(lens) + 2)
     g[cu[int(np.argmax(lens))] + 30, 0] = -30.0  # exp(-30): the cumulative decay underflows inside a chunk
-    got_state = state.copy()
-    o = run_emulated(emu, qk, hk, v, g, beta, got_state, slots, cu, warps)
+    o, got_state = run_emulated(emu, qk, hk, v, g, beta, state, slots, cu, warps)
     qkf, vf = qk.astype(np.float32), v.astype(np.float32)
     want_state = state.copy()
     want = NumpyOps().gated_delta_rule(qkf[:, :hk], qkf[:, hk:], vf, g, beta, want_state, slots, cu)
