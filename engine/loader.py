@@ -55,5 +55,6 @@ def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: b
     front = load_front(model_dir)
     model_dir, config, tokenizer, defaults = front.path, front.config, front.tokenizer, front.defaults
     ops = get_ops(device, dtype)
+    ops.prepare_kernels()  # in the background, while the weights load
     tensors = CheckpointTensors(model_dir)
     return LoadedModel(model_dir, config, ops, build_model(config, tensors, ops, mtp), tokenizer, defaults, tensors)

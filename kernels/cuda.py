@@ -145,6 +145,22 @@ def compile_all():
     """Compile every kernel file now (otherwise each compiles on first use)."""
     for file, names in _NAMES.items():
         _kernel(file, names[0])
+
+
+# What `CudaOps.prepare_kernels` loads ahead, in the order a first prefill step needs them (the MoE file only
+# when an MoE model first calls it). A module's first use in a fresh process costs its load from CuPy's disk
+# cache (an NVRTC compile on the very first run): host time in the first prefill step, while the GPU idles.
+PREPARED_FILES = ("elementwise", "conv", "delta_rule", "attention", "sampling")
+_PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
+
+
+def _load_modules(device: int, files=PREPARED_FILES):
+    with cupy.cuda.Device(device):
+        for file in files:
+            try:
+                _kernel(file, _NAMES[file][0])
+            except Exception:  # noqa: BLE001 - the first real use raises it again, with its message
+                pass
     if attention_sm90.available():
         attention_sm90.compile_module()
 
@@ -292,6 +308,7 @@ class CudaOps:
         # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
         self.tuning = tuning or CudaTuning()
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._preparing: threading.Thread | None = None  # prepare_kernels' loader
         self._wgmma = attention_sm90.available()  # sm_90a kernels (attention prefill) run here
 
     def retuned(self, **changes) -> "CudaOps":
@@ -315,6 +332,15 @@ class CudaOps:
     def release_cached_memory(self):
         """Give CuPy's cached, unused device blocks back to the driver (before another library allocates)."""
         cupy.get_default_memory_pool().free_all_blocks()
+
+    def prepare_kernels(self):
+        """Load the kernel modules (PREPARED_FILES) on a background thread while the caller uploads the weights;
+        `_kernel`'s lock makes a step that needs a module still loading wait for it, never load it twice."""
+        if self._preparing is None:
+            self._preparing = threading.Thread(target=_load_modules, args=(cupy.cuda.Device().id,), daemon=True,
+                                               name="prefixrun-kernels")
+            self._preparing.start()
+            _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 
     # ---- memory -------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -993,6 +1019,8 @@ class CudaOps:
         non-default stream with a private memory pool, so the buffers the graph writes are never handed to anyone
         else. fn must not synchronise or copy host memory (no upload/to_host/sample inside). Replay reads the same
         input buffers fn read at capture time: update them in place between replays."""
+        for loader in _PREPARERS:  # no module load on another thread while a stream captures
+            loader.join()
         for _ in range(warmup):
             fn(*args)
         self.synchronize()

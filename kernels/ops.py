@@ -48,6 +48,11 @@ class Ops(Protocol):
     def release_cached_memory(self) -> None:
         """Give cached, unused allocations back (before another library allocates on the same device)."""
 
+    def prepare_kernels(self) -> None:
+        """Start making the backend's kernels ready (compile, load) in the background and return at once: the
+        loader calls it before uploading the weights, so that a fresh process's first step does not pay for it.
+        Nothing to do where there are no kernels; a kernel that fails here fails again, with its error, when used."""
+
     # ---- memory ------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None) -> Array:
         """A zeroed array of `shape` in `dtype` (default: act)."""

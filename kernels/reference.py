@@ -43,6 +43,9 @@ class NumpyOps(MoeReferenceOps):
     def release_cached_memory(self):
         """Return cached allocations to the system (nothing is cached on the host)."""
 
+    def prepare_kernels(self):
+        """Nothing to compile: NumPy's routines are ready."""
+
     # ---- memory -------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
         return np.zeros(shape, dtype=dtype or self.act_dtype)

@@ -132,3 +132,34 @@ def test_real_size_load_time(ops):
         stored = tensors.get(head)
         assert np.array_equal(_bits(ops.to_host(model.lm_head)[:64]), _bits(np.asarray(stored[:64]).astype(BF16)))
     assert seconds <= float(os.environ.get("PREFIXRUN_LOAD_SECONDS", "2.5"))
+
+
+def test_kernels_load_in_the_background_while_ops_run():
+    """A fresh process: prepare_kernels returns at once, an op used meanwhile waits for (or loads) its module and
+    gives the reference's answer, and the thread ends with every prepared module loaded."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, time
+from prefixrun.kernels import cuda
+from prefixrun.kernels.reference import NumpyOps
+assert not cuda._MODULES
+ops = cuda.CudaOps("float32")
+t0 = time.perf_counter()
+ops.prepare_kernels()
+ops.prepare_kernels()  # one loader
+assert time.perf_counter() - t0 < 1.0, "prepare_kernels must not block"
+x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+w = np.linspace(0.5, 1.5, 64, dtype=np.float32)
+got = ops.to_host(ops.rms_norm(ops.upload(x), ops.upload(w), 1e-6))
+np.testing.assert_allclose(got, NumpyOps().rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+ops._preparing.join(timeout=600)
+assert not ops._preparing.is_alive()
+dev = cuda.cupy.cuda.Device().id
+missing = [f for f in cuda.PREPARED_FILES if (dev, f) not in cuda._MODULES]
+assert not missing, missing
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
