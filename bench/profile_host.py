@@ -114,14 +114,14 @@ def instrument(rec: Recorder, sync_steps: bool):
 
         ops_classes.append(cuda_mod.CudaOps)
 
+        proxies: dict = {}
+
         def counting_kernel(original):
             def kernel(file, name):
-                fn = original(file, name)
-
-                def launch(*a, **k):
-                    rec.launch(name)
-                    return fn(*a, **k)
-                return launch
+                key = (file, name)
+                if key not in proxies:  # one proxy per kernel: callers key per-kernel settings on id(kernel)
+                    proxies[key] = _CountingKernel(original(file, name), name, rec)
+                return proxies[key]
             return kernel
 
         _wrap(cuda_mod, "_kernel", counting_kernel)
@@ -193,6 +193,26 @@ def instrument(rec: Recorder, sync_steps: bool):
     # step_sampled (new) is called by the runner; step (both) calls step_sampled in the new code: count once
     if not _wrap(decode_graphs.DecodeGraphs, "step_sampled", decode):
         _wrap(decode_graphs.DecodeGraphs, "step", decode)
+
+
+class _CountingKernel:
+    """A compiled kernel that counts its launches; attributes (e.g. max_dynamic_shared_size_bytes) go through to
+    the kernel itself."""
+
+    def __init__(self, fn, name: str, rec: Recorder):
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_rec", rec)
+
+    def __call__(self, *args, **kwargs):
+        self._rec.launch(self._name)
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._fn, name, value)
 
 
 def _blocking(rec: Recorder, what: str, original):
