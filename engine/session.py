@@ -44,7 +44,7 @@ class EngineSession:
         self.warnings: list[str] = []
         self._final_report: dict | None = None  # taken at close()
         started = time.perf_counter()
-        self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype)
+        self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp")
         ops = self.loaded.ops
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started

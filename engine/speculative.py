@@ -283,9 +283,9 @@ def make_drafter(method: str, model, ops, state) -> Drafter:
     """The drafter of a method: n-gram prompt lookup, or the model's own MTP head (engine/models/mtp.py)."""
     if method == "ngram":
         return NgramDrafter()
-    from prefixrun.engine.models import mtp  # the MTP head's own module (engineer mtp)
+    from prefixrun.engine.models.mtp import MtpDrafter  # the model must carry its head (loaded with mtp=True)
 
-    return mtp.make_drafter(model, ops, state)
+    return MtpDrafter(model, state)
 
 
 def make_speculator(options, model, ops, state, runner) -> "Speculator | None":

@@ -301,3 +301,40 @@ def test_cli_flags_report_and_same_output(tmp_path, models):
     bad = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu",
                               "--num-draft-tokens", "0"])
     assert bad.exit_code == 2 and "--num-draft-tokens" in bad.stderr
+
+
+# ---- the MTP head as a drafter (engine/models/mtp.py) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory, cpu_ops):
+    path = make_model_dir(tmp_path_factory.mktemp("mtp"), TINY_QWEN3_5, seed=11, init_std=0.05, dtype="float32",
+                          mtp=True)
+    return load_model(path, cpu_ops, mtp=True)[0]
+
+
+def test_mtp_drafts_keep_greedy_tokens_and_roll_back_its_state(mtp_model, cpu_ops):
+    off, _ = run(mtp_model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    for k in (1, 3, 6):
+        on, stats = run(mtp_model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="mtp",
+                                                                     num_draft_tokens=k))
+        assert on == off, k
+        assert stats.methods["mtp"].drafted > 0
+    # with the oracle's rejections the head's own regions (its K/V rows, mtp.hidden) are rolled back too: a wrong
+    # mtp.hidden would change the head's later drafts, never the tokens, so compare the regions directly
+    prompt, rows = random_prompt(5, 13), random_prompt(6, 5)
+    st = type(new_state(mtp_model, cpu_ops))(mtp_model.state_specs(), cpu_ops, num_slots=8, num_blocks=64,
+                                             block_size=16, snapshot_capacity=len(rows) - 1)
+    assert any(s.name.startswith("mtp.") and s.snapshot for s in st.specs)
+    for n in range(1, len(rows) + 1):
+        plain = st.new_sequence()
+        mtp_model.forward(st.prepare_step([plain], [prompt]), st)
+        spec = st.fork(plain)
+        for t in rows[:n]:
+            mtp_model.forward(st.prepare_step([plain], [[t]]), st)
+        mtp_model.forward(st.prepare_rows_step([spec], [rows]), st, all_logits=True)
+        st.commit([n])
+        a, b = st.export(spec), st.export(plain)
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
+        st.release(spec)
+        st.release(plain)
+    st.check_invariants()

@@ -118,7 +118,9 @@ class MtpHead:
         self.hidden_region = PREFIX + "hidden"
 
     def state_specs(self) -> list[RegionSpec]:
-        return self.layer.state_specs() + [RegionSpec(self.hidden_region, False, (self.hidden_size,), "act")]
+        # mtp.hidden rolls back with a speculative step's commit: absorb writes every row's value to its snapshot
+        return self.layer.state_specs() + [RegionSpec(self.hidden_region, False, (self.hidden_size,), "act",
+                                                      snapshot=True)]
 
     def step(self, ops, token_ids, hidden, batch: ForwardBatch, state: ModelState):
         """Entries for tokens `token_ids` [T] (at batch's rows: rotary position = row - 1) paired with the hidden
@@ -141,6 +143,11 @@ class MtpHead:
         before[batch.cu_seqlens[:-1]] = pending[batch.slots]
         self.step(ops, batch.token_ids, before[:t], batch, state)
         pending[batch.slots] = hidden[batch.last_token_index]
+        if batch.snapshot_rows is not None:  # a multi-row step: the value after each row, for ModelState.commit
+            rows = batch.host.snapshot_rows  # [T] host, -1: no snapshot
+            kept = np.flatnonzero(rows >= 0)
+            if kept.size:
+                state.snapshots[self.hidden_region][ops.upload_index(rows[kept])] = hidden[ops.upload_index(kept)]
 
 
 def attach_mtp(model, cfg: HybridConfig, load: WeightLoader):
