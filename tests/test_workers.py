@@ -186,6 +186,7 @@ def ray_cluster():
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
         tests_dir = str(Path(__file__).parent)  # the build function below lives in this module
         ray.init(address=cluster.address, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
@@ -231,3 +232,51 @@ def test_ray_cli_gives_the_single_process_results(ray_cluster, qwen_dir, tmp_pat
     assert strip(many.stdout) == strip(one.stdout)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["workers"]["count"] == 2 and report["requests"] == len(lines)
+
+
+RAY_DATA_SCRIPT = r"""
+import json, sys
+import ray
+from prefixrun.engine.ray_pool import RayDataPredictor
+
+address, model_dir, cache_dir, rows_path = sys.argv[1:5]
+ray.init(address=address, log_to_driver=False)
+rows = json.load(open(rows_path))
+# Two blocks made here, in the driver: the test cluster's two CPUs are both held by the two engine actors, so a
+# Ray Data task that needs a CPU of its own (a repartition) could never run (first written that way, it hung).
+ds = ray.data.from_items(rows, override_num_blocks=2)
+out = ds.map_batches(RayDataPredictor, fn_constructor_kwargs={"model_dir": model_dir, "device": "cpu",
+                                                              "cache_dir": cache_dir, "max_batch": 4},
+                     concurrency=2, batch_size=64, num_cpus=1).take_all()
+print(json.dumps([{"custom_id": r["custom_id"], "token_ids": [int(t) for t in r["token_ids"]], "error": r["error"]}
+                  for r in out]))
+"""
+
+
+def test_ray_data_stage_gives_one_engines_tokens(ray_cluster, qwen_dir, tmp_path):
+    """The Ray Data entry point: map_batches over the predictor class, two actors, one of them given a row the
+    model cannot take. Run as a separate driver with a time limit, so that a scheduling deadlock fails the test
+    instead of hanging the suite."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray.data")
+    prompts = shapes()["doc-qa"] + shapes()["multiturn"]
+    want = {f"r{r.index}": r.token_ids for r in build_engine(qwen_dir).run(requests_of(prompts))}
+    rows = [{"custom_id": f"r{i}", "prompt_token_ids": p, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+            for i, p in enumerate(prompts)] + [{"custom_id": "bad", "prompt_token_ids": [10**9], "max_tokens": 4,
+                                                "temperature": 0.0, "ignore_eos": True}]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    try:
+        p = subprocess.run([sys.executable, "-c", RAY_DATA_SCRIPT, ray_cluster.address, qwen_dir,
+                            str(tmp_path / "cache"), str(tmp_path / "rows.json")],
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the Ray Data pipeline did not finish in {exc.timeout} s (a scheduling deadlock?)")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert sorted(r["custom_id"] for r in out) == sorted([*want, "bad"])  # every row exactly once
+    assert {r["custom_id"]: r["token_ids"] for r in out if r["error"] is None} == want
+    bad = [r for r in out if r["custom_id"] == "bad"]
+    assert len(bad) == 1 and "vocabulary" in bad[0]["error"] and bad[0]["token_ids"] == []
