@@ -284,3 +284,54 @@ def test_emulator_reproduces_device_verified_attention(tmp_path):
     want = NumpyOps().paged_attention(q.astype(np.float32), kc.astype(np.float32), vc.astype(np.float32), tables,
                                       ctx, cu, scale)
     assert rel(out.view(BF16).astype(np.float32), want) <= 5e-3
+
+
+TSAN_MAIN = r"""
+#include <random>
+int main(int argc, char** argv) {  // argv: warps, prep geometry (6), scan geometry (6)
+    unsigned prep[6], scan[6];
+    for (int i = 0; i < 6; ++i) prep[i] = unsigned(std::atol(argv[2 + i])), scan[i] = unsigned(std::atol(argv[8 + i]));
+    const int lens[] = {1, 64, 65, 0, 150};
+    const int nseq = 5, hk = 1, h = 2, dk = 128, dv = 40;
+    std::vector<int> cu(nseq + 1, 0), slots = {3, 0, 4, 1, 2};
+    for (int i = 0; i < nseq; ++i) cu[i + 1] = cu[i] + lens[i];
+    const int t = cu[nseq];
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    std::vector<uint16_t> qk(size_t(t) * 2 * hk * dk), v(size_t(t) * h * dv);
+    for (auto& x : qk) x = __float2bfloat16_rn(nd(rng) * 0.09f).x;
+    for (auto& x : v) x = __float2bfloat16_rn(nd(rng)).x;
+    std::vector<float> g(t * h), beta(t * h, 0.5f), state(size_t(nseq) * h * dk * dv), gc(t * h);
+    for (auto& x : g) x = -std::fabs(nd(rng)) * 0.3f;
+    for (auto& x : state) x = nd(rng) * 0.3f;
+    std::vector<uint16_t> w(size_t(t) * h * dk), u(size_t(t) * h * dv), aqk(size_t(t) * h * 64), out(size_t(t) * h * dv);
+    return emu_gdn_tc(qk.data(), 2 * hk * dk, dk, qk.data() + hk * dk, 2 * hk * dk, dk, v.data(), h * dv, dv, g.data(),
+                      beta.data(), state.data(), slots.data(), cu.data(), nseq, h, h / hk, dk, dv, prep, scan, w.data(),
+                      u.data(), aqk.data(), gc.data(), out.data());
+}
+"""
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("PREFIXRUN_TSAN"),
+                    reason="a few minutes: set PREFIXRUN_TSAN=1 to race-check the kernels under ThreadSanitizer")
+@pytest.mark.parametrize("warps", [2, 4])
+def test_emulated_kernels_have_no_shared_memory_races(tmp_path, warps):
+    """The emulated kernels under ThreadSanitizer: every shared-memory write is ordered before the other threads'
+    reads by a __syncthreads (a removed barrier, e.g. before the scan's output stores, is reported)."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++ with ThreadSanitizer")
+    (tmp_path / "tsan.cpp").write_text(_source() + TSAN_MAIN)
+    exe = tmp_path / "tsan"
+    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-w", f"-I{ROOT / 'tests'}",
+                           str(tmp_path / "tsan.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"no ThreadSanitizer build here: {proc.stderr[-300:]}")
+    launch = delta_rule_launch(CudaTuning(gdn_tensor_cores=True, gdn_tc_warps=warps), 132, tokens=280, seqs=5,
+                               heads=2, dk=128, dv=40, tensor_cores=True)
+    prep = [-(-280 // 64) + 5, 2, 1, 128, gdn_tc_smem_bytes(128), 0]
+    scan = list(launch.grid) + [32 * warps, gdn_tc_smem_bytes(128, warps), warps]
+    run = subprocess.run([str(exe), str(warps)] + [str(x) for x in prep + scan], capture_output=True, text=True,
+                         timeout=1200)
+    assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
+    assert run.returncode == 0, run.stderr[-2000:]
