@@ -327,6 +327,8 @@ def make_model(
     dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32")] = "bfloat16",
     shards: Annotated[int, typer.Option(help="number of safetensors shards")] = 1,
     composite: Annotated[bool, typer.Option(help="write the Qwen3.5 vision-language composite layout")] = False,
+    mtp: Annotated[bool, typer.Option(help="also write an MTP head (mtp.*) for --speculative mtp (Qwen3.5 / "
+                                           "Qwen3-Next families)")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the model files of a folder that is "
                                             "not empty")] = False,
 ):
@@ -351,7 +353,7 @@ def make_model(
             _remove_model_files(out_dir)
         raw = json.loads(config.read_text()) if config else TINY_QWEN3_5
         path = make_model_dir(out_dir, raw, seed=seed, init_std=init_std, dtype=dtype, shards=shards,
-                              composite=composite)
+                              composite=composite, mtp=mtp)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)

@@ -76,3 +76,27 @@ def test_bf16_head_close_to_cpu(mtp_dir, cpu_ops):
     assert np.isfinite(got).all()
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 5e-2 * scale
+
+
+def test_fp32_speculative_mtp_tokens_equal_off(mtp_dir):
+    """The whole loop on the GPU (multi-row verify steps, the head's snapshot rows, commit, decode graphs for the
+    plain steps): greedy tokens with MTP drafts equal those without."""
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.kernels.cuda import CudaOps
+
+    gpu = CudaOps("float32")
+    model = load_model(mtp_dir["qwen3_5"], gpu, mtp=True)[0]
+    base = random_prompt(7, 40)
+    prompts = [base + random_prompt(8, 5), base, random_prompt(9, 23)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = []
+    for spec in ("off", "mtp"):
+        eng = Engine(model, gpu, options=EngineOptions(max_batch=4, speculative=spec, num_draft_tokens=3))
+        outs.append({r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i)
+                                                                for i, p in enumerate(prompts)])})
+        if spec == "mtp":
+            assert eng.speculator.stats.methods["mtp"].verify_steps > 0
+        eng.close()
+        eng.check_invariants()
+    assert outs[0] == outs[1]

@@ -271,3 +271,122 @@ def test_composite_layout(mtp_models, tmp_path, cpu_ops):
         model.forward(state.prepare_step([h], [tokens[:-1]]), state)
         got.append(_draft(model, state, h, tokens, 2)[0])
     assert got[0] == got[1]
+
+
+# ---- with the speculative loop (engine/speculative.py) ----------------------------------------------------------
+def _prompts():
+    base = random_prompt(100, 37)
+    return [base + random_prompt(101, 9), base + random_prompt(102, 4), base, [5, 6, 7] * 9, random_prompt(103, 17)]
+
+
+def _run(model, ops, prompt_list, opts, persist=None, max_tokens=12):
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.runner import Engine
+
+    eng = Engine(model, ops, options=opts, persist=persist)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompt_list)])}
+    eng.check_invariants()
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live and eng.state.blocks.free_count == eng.state.blocks.num_blocks
+    return out, (eng.speculator.stats if eng.speculator is not None else None)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_greedy_tokens_with_mtp_drafts_identical_to_off(family, mtp_models, cpu_ops):
+    from prefixrun.engine.runner import EngineOptions
+
+    model = mtp_models[family]
+    off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4))
+    for k in range(1, 5):
+        on, stats = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4, speculative="mtp",
+                                                                   num_draft_tokens=k))
+        assert on == off, (family, k)
+        assert stats.methods["mtp"].drafted > 0 and stats.methods["mtp"].verify_steps > 0
+
+
+def test_greedy_identical_with_prefix_reuse_and_from_disk(mtp_models, cpu_ops):
+    """Shared prefixes (branch and block-aligned checkpoints carry the head's rows), then the same batch restored
+    from a stand-in of the persistent store: the same tokens as a run without reuse or speculation."""
+    from prefixrun.engine.runner import EngineOptions
+    from test_engine import _MemoryDisk
+
+    model = mtp_models["qwen3_5"]
+    ps = _prompts() + [_prompts()[0][:32] + [9, 9]]
+    off, _ = _run(model, cpu_ops, ps, EngineOptions(max_batch=4, reuse=False))
+    disk = _MemoryDisk()
+    opts = EngineOptions(max_batch=2, speculative="mtp", num_draft_tokens=3, retain_block=16)
+    cold, _ = _run(model, cpu_ops, ps, opts, persist=disk)
+    assert disk.entries and all("mtp.hidden" in e[0] for e in disk.entries.values())
+    warm, stats = _run(model, cpu_ops, ps, opts, persist=disk)
+    assert cold == warm == off
+    assert stats.methods["mtp"].drafted > 0
+
+
+def test_rollback_restores_the_head_state_of_a_plain_run(mtp_models, cpu_ops):
+    """A multi-row step of R rows committed at every n: the head's rows and hidden state equal those of a state
+    fed the same n tokens one step at a time, and both draft the same continuation."""
+    from prefixrun.engine.state import ModelState
+
+    model = mtp_models["qwen3_5"]
+    prompt, rows = random_prompt(5, 13), random_prompt(6, 6)
+    st = ModelState(model.state_specs(), cpu_ops, num_slots=16, num_blocks=256, block_size=16,
+                    snapshot_capacity=len(rows) - 1)
+    for n in range(1, len(rows) + 1):
+        plain = st.new_sequence()
+        model.forward(st.prepare_step([plain], [prompt]), st)
+        spec = st.fork(plain)
+        for t in rows[:n]:
+            model.forward(st.prepare_step([plain], [[t]]), st)
+        model.forward(st.prepare_rows_step([spec], [rows]), st, all_logits=True)
+        st.commit([n])
+        a, b = st.export(spec), st.export(plain)
+        for name in ("mtp.layers.0.k", "mtp.layers.0.v", "mtp.hidden"):
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
+        tokens = prompt + rows[:n] + [3]
+        da, la = _draft(model, st, spec, tokens, 3)
+        db, lb = _draft(model, st, plain, tokens, 3)
+        assert da == db
+        np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-4)
+        st.release(spec)
+        st.release(plain)
+        st.check_invariants()
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_cli_make_model_with_head_and_batch_with_mtp_drafts(tmp_path):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    runner = CliRunner()
+    model_dir, plain_dir = tmp_path / "m", tmp_path / "plain"
+    assert runner.invoke(app, ["make-model", str(model_dir), "--mtp", "--seed", "3"]).exit_code == 0
+    assert runner.invoke(app, ["make-model", str(plain_dir), "--seed", "3"]).exit_code == 0
+    work = tmp_path / "in.jsonl"
+    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 10,
+                                        "temperature": 0, "ignore_eos": True}) + "\n" for i, p in enumerate(_prompts())))
+    # one cache folder for all runs: a run without the head must not be served the entries of a run with it (their
+    # state layouts differ, so do their keys), nor the other way round; a second run with the head reads its own
+    outs, cached = [], []
+    for n, mode in enumerate(("off", "mtp", "mtp", "off")):
+        out, rep = tmp_path / f"{n}.out", tmp_path / f"{n}.json"
+        res = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu",
+                                  "--speculative", mode, "--num-draft-tokens", "3", "-o", str(out),
+                                  "--json-report", str(rep)])
+        assert res.exit_code == 0, res.output
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        outs.append([line["token_ids"] for line in lines])
+        cached.append(sum(line["usage"]["prompt_tokens_details"]["cached_tokens"] for line in lines))
+        if mode == "mtp":
+            report = json.loads(rep.read_text())
+            spec = report.get("speculative") or report["engine"]["speculative"]
+            assert spec["methods"]["mtp"]["drafted"] > 0
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    total = sum(len(p) for p in _prompts())
+    within_run = cached[0]  # the prompts' shared prefix, reused in memory
+    assert within_run < total and cached[1] == within_run and cached[2] == total and cached[3] == total
+    # a checkpoint without the head: one clear error, no traceback
+    res = runner.invoke(app, ["batch", str(work), "--model", str(plain_dir), "--device", "cpu", "--speculative", "mtp"])
+    assert res.exit_code != 0 and "no MTP head" in res.output and "Traceback" not in res.output
