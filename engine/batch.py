@@ -84,12 +84,13 @@ class ForwardBatch:
 
 @dataclass(frozen=True)
 class Padding:
-    """Rows that fill a batch up to `rows` (a captured graph's batch size): one token each at position 0 of a
-    scratch state slot and K/V block, so whatever they compute lands where nobody reads."""
+    """Rows that fill a batch up to `rows` (a captured graph's batch size): `tokens` tokens each at positions
+    0 .. tokens - 1 of a scratch state slot and K/V block, so whatever they compute lands where nobody reads."""
 
     rows: int
     slot: int
     block: int
+    tokens: int = 1  # tokens per padding row (a multi-row step's rows per sequence; at most the block size)
 
 
 def build_batch(starts: Sequence[int], blocks: Sequence[Sequence[int]], slots: Sequence[int],
@@ -107,7 +108,7 @@ def build_batch(starts: Sequence[int], blocks: Sequence[Sequence[int]], slots: S
         starts = list(starts) + [0] * extra
         blocks = list(blocks) + [[pad.block]] * extra
         slots = list(slots) + [pad.slot] * extra
-        new_tokens = list(new_tokens) + [[0]] * extra
+        new_tokens = list(new_tokens) + [[0] * pad.tokens] * extra
     lens = np.array([len(t) for t in new_tokens], np.int64)  # [B]
     cu = np.zeros(len(starts) + 1, np.int32)  # [B+1]
     np.cumsum(lens, out=cu[1:])

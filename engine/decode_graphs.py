@@ -9,6 +9,10 @@ The graph samples too (`step_sampled`): the rows' packed sampling parameters go 
 (padding rows: zeros, i.e. greedy) and `ops.sample_into` draws every row's next token inside the replay, so a decode
 step is one index copy, one parameter copy, one replay and one copy of the token ids back.
 
+Speculative verify steps (`rows_step`: every sequence fed the same number R of rows, ModelState.prepare_rows_step)
+are captured the same way per (batch bucket, R, table width): the forward with every row's logits and their argmax
+(greedy parameters), padding sequences of R rows on the scratch state.
+
 Backends without graph capture (the CPU), and models whose forward cannot be captured (an op that syncs with the
 host), fall back to eager steps — same results, only slower.
 """
@@ -40,19 +44,52 @@ class DecodeGraphs:
         self.model, self.state, self.ops = model, state, ops
         self.max_batch = max_batch
         self.enabled = ops.can_capture_graphs
-        self.graphs: dict[tuple[int, int, bool], _Graph] = {}  # (batch bucket, table width, shared prefixes)
+        self.rows_enabled = True  # off once a multi-row step failed to capture (e.g. a ring layer's host sync)
+        self.graphs: dict[tuple, _Graph] = {}  # (batch bucket, table width, shared prefixes) or ("rows", b, R, W)
         self.scratch: StateHandle | None = None
         self.captures = 0
         self.replays = 0
 
-    def _padding(self, rows: int) -> Padding:
-        """Padding rows up to `rows`, on a scratch state of one token (made on first use)."""
+    def _padding(self, rows: int, tokens: int = 1) -> Padding:
+        """Padding rows up to `rows` of `tokens` tokens each, on a scratch state of one block (made on first use)."""
         if self.scratch is None:
             h = self.state.new_sequence()
             self.state.reserve(h, 1)
             h.length = 1
             self.scratch = h
-        return Padding(rows=rows, slot=self.scratch.slot, block=self.scratch.blocks[0])
+        return Padding(rows=rows, slot=self.scratch.slot, block=self.scratch.blocks[0], tokens=tokens)
+
+    def can_replay_rows(self, sequences: int, rows: int) -> bool:
+        """Whether a multi-row step of `sequences` sequences of `rows` rows each can run as a graph: padding
+        sequences must fit the scratch block, and every real row but the last of each sequence a snapshot row."""
+        return (self.enabled and self.rows_enabled and rows <= self.state.block_size
+                and sequences * (rows - 1) <= self.state.snapshot_capacity)
+
+    def rows_step(self, handles: list[StateHandle], pieces: list[list[int]]):
+        """A speculative verify step (ModelState.prepare_rows_step; `commit` follows): (fp32 logits [T, V] of every
+        row, backend int64 argmax [T]). Replayed as a graph when every piece has the same length and
+        `can_replay_rows`; eager otherwise."""
+        st, ops = self.state, self.ops
+        n, r = len(handles), len(pieces[0]) if pieces else 1
+        if not (pieces and all(len(p) == r for p in pieces) and self.can_replay_rows(n, r)):
+            logits = self.model.forward(st.prepare_rows_step(handles, pieces), st, all_logits=True)
+            return logits, ops.sample(logits, *greedy_params(logits.shape[0]))
+        b = _bucket(n)
+        width = _bucket(max(st.blocks_for(h.length + r) for h in handles))
+        host = st.rows_step_arrays(handles, pieces, table_width=width, pad=self._padding(b, r) if b > n else None)
+        key = ("rows", b, r, width)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(host, rows=r)
+            if graph is None:  # this model's multi-row step cannot be captured: eager from now on (decode keeps
+                self.rows_enabled = False  # its graphs)
+                logits = self.model.forward(host.to_backend(ops.upload_index), st, all_logits=True)[:n * r]
+                return logits, ops.sample(logits, *greedy_params(n * r))
+            self.graphs[key] = graph
+        ops.write_index(graph.inputs, host.pack())
+        self.replays += 1
+        logits, ids = graph.replay()
+        return logits[:n * r], ids[:n * r]
 
     def close(self):
         """Release the scratch state (the captured graphs stay; they read their inputs afresh every step)."""
@@ -98,20 +135,22 @@ class DecodeGraphs:
         logits = self.model.forward(batch, self.state)
         return logits, None if params is None else self.ops.sample(logits, *unpack_sampling_params(params))
 
-    def _capture(self, like: ForwardBatch) -> _Graph | None:
+    def _capture(self, like: ForwardBatch, rows: int | None = None) -> _Graph | None:
         """A graph of the model's step over batches laid out as the host batch `like` (same rows, table width and
         groups). Warm-up (kernel compilation, cuBLAS binding) runs on a batch of padding rows only, which touches
         nothing but scratch; the capture itself executes nothing, so the real step runs exactly once: at the first
-        replay."""
+        replay. `rows`: a multi-row step of that many rows per sequence (every row's logits and argmax)."""
         b, width = like.slots.shape[0], like.block_tables.shape[1]
-        warm = self.state.step_arrays([], [], table_width=width, pad=self._padding(b))
+        t = b * (rows or 1)
+        warm = self.state.step_arrays([], [], table_width=width, pad=self._padding(b, rows or 1),
+                                      snapshot_rows=[] if rows else None)
         inputs = self.ops.upload_index(warm.pack())
-        params = self.ops.upload_index(np.zeros((8, b), np.int32))  # greedy until a step writes its rows
-        ids = self.ops.zeros((b,), np.int64)
+        params = self.ops.upload_index(np.zeros((8, t), np.int32))  # greedy until a step writes its rows
+        ids = self.ops.zeros((t,), np.int64)
         batch = like.views(inputs)
 
         def step():
-            logits = self.model.forward(batch, self.state)
+            logits = self.model.forward(batch, self.state, all_logits=rows is not None)
             return logits, self.ops.sample_into(logits, params, ids)
 
         try:
@@ -121,3 +160,9 @@ class DecodeGraphs:
             return None
         self.captures += 1
         return _Graph(graph.replay, inputs, params)
+
+
+def greedy_params(n: int) -> tuple:
+    """ops.sample's parameters for n greedy rows (every row's argmax)."""
+    return (np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32),
+            np.zeros(n, np.uint64), np.zeros(n, np.int64))

@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from prefixrun.engine.decode_graphs import DecodeGraphs
+from prefixrun.engine.decode_graphs import DecodeGraphs, greedy_params
 from prefixrun.engine.sequence import Sequence
 from prefixrun.engine.state import ModelState, StateHandle
 from prefixrun.engine.verify import accept_greedy, accept_sampled
@@ -38,23 +38,30 @@ class ModelRunner:
         (the accepted drafts, then the target's own next token: engine/verify.py). The caller commits
         len(tokens[i]) rows of each (ModelState.commit)."""
         pieces = [[s.tokens[-1]] + list(d) for s, d in zip(seqs, drafts)]
-        batch = self.state.prepare_rows_step([s.handle for s in seqs], pieces)
-        out = self.model.forward(batch, self.state, all_logits=True, with_hidden=with_hidden)
-        logits, self.last_hidden = out if with_hidden else (out, None)  # [T, V], [T, D]
+        handles = [s.handle for s in seqs]
+        r = max(len(p) for p in pieces)
+        if with_hidden:  # the drafter needs every row's hidden state: an eager step returns it
+            out = self.model.forward(self.state.prepare_rows_step(handles, pieces), self.state, all_logits=True,
+                                     with_hidden=True)
+            logits, self.last_hidden = out  # [T, V], [T, D]
+            argmax = self.ops.sample(logits, *greedy_params(logits.shape[0]))
+        else:
+            # a graph replays R rows per sequence: shorter pieces are padded with rows that are computed and then
+            # rejected (never kept: verification reads only a sequence's own drafts), where the sequence has room
+            if self.decoder.can_replay_rows(len(seqs), r) and all(r <= s.remaining and s.handle.length + r + 2
+                                                                  <= s.max_context for s in seqs):
+                pieces = [p + [p[-1]] * (r - len(p)) for p in pieces]
+            logits, argmax = self.decoder.rows_step(handles, pieces)  # [T, V], backend [T]
         starts = np.cumsum([0] + [len(p) for p in pieces])[:-1].tolist()
         self.last_row_starts = starts
-        t = logits.shape[0]
-        # every row's argmax on the backend (the sampler's temperature-0 rows: lowest id on ties)
-        zeros = np.zeros(t, np.float32)
-        argmax = self.ops.to_host(self.ops.sample(logits, zeros, np.zeros(t, np.int32), np.ones(t, np.float32),
-                                                  zeros, np.zeros(t, np.uint64), np.zeros(t, np.int64)))
+        argmax = self.ops.to_host(argmax)  # every row's argmax (the sampler's temperature-0 rows: lowest id on ties)
         tokens = []
-        for s, d, start, p in zip(seqs, drafts, starts, pieces):
+        for s, d, start in zip(seqs, drafts, starts):
             sp = s.request.sampling
             if sp.greedy:
-                tokens.append(accept_greedy(d, argmax[start:start + len(p)]))
+                tokens.append(accept_greedy(d, argmax[start:start + len(d) + 1]))
             else:
-                rows = self.ops.to_host(logits[start:start + len(p)]).astype(np.float32)  # [k + 1, V]
+                rows = self.ops.to_host(logits[start:start + len(d) + 1]).astype(np.float32)  # [k + 1, V]
                 tokens.append(accept_sampled(d, rows, sp, self._seed_of(s), len(s.tokens)))
         return tokens
 
@@ -78,3 +85,4 @@ class ModelRunner:
 
     def close(self):
         self.decoder.close()
+

@@ -14,7 +14,7 @@ from prefixrun.engine.model_runner import ModelRunner
 from prefixrun.engine.plan import Plan, make_plan
 from prefixrun.engine.request import Request, Result, Usage
 from prefixrun.engine.speculative import make_speculator, snapshot_capacity
-from prefixrun.engine.state import ModelState, pool_unit_bytes, snapshot_row_bytes
+from prefixrun.engine.state import ModelState, pool_unit_bytes, snapshot_pool_bytes
 from prefixrun.engine.trace import Trace
 
 
@@ -82,7 +82,7 @@ class Engine:
         num_slots = 2 * options.max_batch + ckpt_slots + 4
         # speculative steps' rollback rows come out of the same state memory as the slots and blocks
         snap_rows = snapshot_capacity(options, specs)
-        snap_bytes = snap_rows * snapshot_row_bytes(specs, ops)
+        snap_bytes = snapshot_pool_bytes(specs, ops, snap_rows)
         if block_bytes:
             num_blocks = max(8, (options.state_memory_bytes - num_slots * slot_bytes - snap_bytes) // block_bytes)
         else:  # no paged region: blocks are bookkeeping only and cost nothing, so every slot may reach the context

@@ -56,6 +56,11 @@ def snapshot_row_bytes(specs: list[RegionSpec], ops) -> int:
             + sum(int(np.prod(s.shape[1:])) * item(s) for s in specs if s.ring))
 
 
+def snapshot_pool_bytes(specs: list[RegionSpec], ops, capacity: int) -> int:
+    """Bytes of a snapshot pool of `capacity` rows (plus its scratch row; nothing when capacity is 0)."""
+    return (capacity + 1) * snapshot_row_bytes(specs, ops) if capacity else 0
+
+
 def max_step_rows(specs: list[RegionSpec]) -> int:
     """The most rows one sequence may take in a multi-row step: a ring of W rows can roll back at most W rows."""
     return min([s.shape[0] for s in specs if s.ring], default=1 << 30)
@@ -107,16 +112,18 @@ class ModelState:
         self._slot_arrays = [self.arrays[s.name] for s in specs if not s.paged]
         self._paged_arrays = [self.arrays[s.name] for s in specs if s.paged]
         self.has_paged = bool(self._paged_arrays)
-        # the rollback pool of multi-row steps: [capacity, *shape] per snapshot region, [capacity, *row] per ring
+        # the rollback pool of multi-row steps: [capacity + 1, *shape] per snapshot region, [capacity + 1, *row]
+        # per ring. Row `capacity` is scratch: a writer without a "skip -1" path (an array scatter in a graph)
+        # may send the rows marked -1 there, as rows % (capacity + 1)
         self.snapshot_capacity = snapshot_capacity
         self.snapshots: dict[str, object] = {}
         if snapshot_capacity:
             for s in specs:
                 if s.snapshot and not s.paged:
-                    self.snapshots[s.name] = ops.zeros((snapshot_capacity,) + tuple(s.shape),
+                    self.snapshots[s.name] = ops.zeros((snapshot_capacity + 1,) + tuple(s.shape),
                                                        ops.storage_dtype(s.dtype))
                 elif s.ring:
-                    self.snapshots[s.name] = ops.zeros((snapshot_capacity,) + tuple(s.shape[1:]),
+                    self.snapshots[s.name] = ops.zeros((snapshot_capacity + 1,) + tuple(s.shape[1:]),
                                                        ops.storage_dtype(s.dtype))
         self.max_step_rows = max_step_rows(specs)
         self._rows_step: tuple | None = None  # the multi-row step awaiting its commit
@@ -210,6 +217,11 @@ class ModelState:
     def prepare_rows_step(self, handles: list[StateHandle], new_tokens: list[list[int]]) -> ForwardBatch:
         """`prepare_step` for a step whose rows past each sequence's first may be rejected by `commit`: assigns
         snapshot rows and saves the ring rows the step will overwrite. Exactly one `commit` must follow."""
+        return self.rows_step_arrays(handles, new_tokens).to_backend(self.ops.upload_index)
+
+    def rows_step_arrays(self, handles: list[StateHandle], new_tokens: list[list[int]],
+                         table_width: int | None = None, pad: Padding | None = None) -> ForwardBatch:
+        """`prepare_rows_step`'s host arrays (optionally padded and of a fixed table width, for a graph)."""
         if self._rows_step is not None:
             raise RuntimeError("a multi-row step is still waiting for its commit")
         need = self.rollback_rows(new_tokens)
@@ -229,7 +241,7 @@ class ModelState:
                 if s.ring:
                     self.snapshots[s.name][:len(positions)] = self.arrays[s.name][
                         self.ops.upload_index(slots), self.ops.upload_index(np.array(positions) % s.shape[0])]
-        batch = self.step_arrays(handles, new_tokens, snapshot_rows=rows).to_backend(self.ops.upload_index)
+        batch = self.step_arrays(handles, new_tokens, table_width=table_width, pad=pad, snapshot_rows=rows)
         self._rows_step = (list(handles), starts, [len(t) for t in new_tokens], bases)
         return batch
 

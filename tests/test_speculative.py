@@ -182,7 +182,7 @@ def test_snapshot_memory_comes_out_of_the_state_budget(models, cpu_ops):
 
     rows = on.state.snapshot_capacity
     assert rows == 4 * 6 and off.state.snapshot_capacity == 0
-    snap = rows * snapshot_row_bytes(model.state_specs(), cpu_ops)
+    snap = (rows + 1) * snapshot_row_bytes(model.state_specs(), cpu_ops)  # + the scratch row
     assert snap > 0
     fewer = off.state.blocks.num_blocks - on.state.blocks.num_blocks  # the blocks the snapshot rows took
     assert snap // on.state.block_bytes <= fewer <= -(-snap // on.state.block_bytes)
@@ -338,3 +338,25 @@ def test_mtp_drafts_keep_greedy_tokens_and_roll_back_its_state(mtp_model, cpu_op
         st.release(spec)
         st.release(plain)
     st.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3", "gemma3"])
+def test_verify_steps_replayed_as_graphs_give_the_eager_tokens(family, models, cpu_ops):
+    """The graph path (forced on with a replaying stand-in for capture): R rows per sequence, shorter draft lists
+    padded with rows that are computed and rejected, padding sequences on the scratch state."""
+    from test_engine import _ReplayOps
+
+    model = models[family]
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    ops = _ReplayOps(cpu_ops)
+    eng = Engine(model, ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=5))
+    eng.speculator.drafter = OracleDrafter(off, spread=True)
+    sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts())])}
+    assert got == off
+    rows_graphs = [k for k in eng.decoder.graphs if k[0] == "rows"]
+    assert rows_graphs and {k[2] for k in rows_graphs} != {1}, eng.decoder.graphs.keys()
+    assert any(k[1] > 1 for k in rows_graphs)  # padded batches too
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live

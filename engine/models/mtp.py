@@ -144,10 +144,8 @@ class MtpHead:
         self.step(ops, batch.token_ids, before[:t], batch, state)
         pending[batch.slots] = hidden[batch.last_token_index]
         if batch.snapshot_rows is not None:  # a multi-row step: the value after each row, for ModelState.commit
-            rows = batch.host.snapshot_rows  # [T] host, -1: no snapshot
-            kept = np.flatnonzero(rows >= 0)
-            if kept.size:
-                state.snapshots[self.hidden_region][ops.upload_index(rows[kept])] = hidden[ops.upload_index(kept)]
+            snaps = state.snapshots[self.hidden_region]  # rows marked -1 land in its last row, scratch (graph-safe)
+            snaps[batch.snapshot_rows % snaps.shape[0]] = hidden
 
 
 def attach_mtp(model, cfg: HybridConfig, load: WeightLoader):
