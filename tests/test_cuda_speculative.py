@@ -93,6 +93,9 @@ def _run(model, ops, opts, drafter=None, sp=SamplingParams(max_tokens=16, temper
     eng.check_invariants()
     eng.close()
     assert not eng.state.live
+    if eng.speculator is not None and eng.speculator.stats.methods[eng.speculator.drafter.method].verify_steps:
+        # verify steps ran as captured graphs (the multi-row kernels and paged attention are capturable)
+        assert any(k[0] == "rows" for k in eng.decoder.graphs) and eng.decoder.rows_enabled
     return out, eng.speculator.stats if eng.speculator is not None else None
 
 
@@ -133,3 +136,11 @@ def test_rollback_on_gpu_restores_the_plain_state(gpu_models):
         st.release(spec)
         st.release(plain)
         st.check_invariants()
+
+
+def test_sampled_speculation_reproduces_on_gpu(gpu_models):
+    models, ops = gpu_models
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, seed=3, ignore_eos=True)
+    a, stats = _run(models["qwen3"], ops, EngineOptions(max_batch=4, speculative="ngram"), sp=sp)
+    b, _ = _run(models["qwen3"], ops, EngineOptions(max_batch=4, speculative="ngram"), sp=sp)
+    assert a == b and stats.methods["ngram"].drafted > 0
