@@ -2,18 +2,23 @@
 reference, the previous CUDA kernels and flash-linear-attention's chunk_gated_delta_rule, on the bench shapes.
 
 Per shape, first the checks: the tensor-core form against the reference (kernels/reference.py, fp32, on the same
-bf16 inputs; one of the shape's sequences, outputs and exit state, from non-zero initial states), both scan block
-widths against each other, and against fla (every sequence, on the device); the previous kernels against the
-reference too. Then the timings: previous default kernel, tensor-core form (both widths, and its prep pass alone),
-fla. A form that failed a check is not timed. The device budget of session 4 allows ~30 s for this part, so by
-default it runs three shapes and fla on the anchor shape only; KBENCH_DELTA_FULL=1 runs every shape with fla and
-the tuning table (tensor cores vs the previous kernels by sequence count and length, for kernels/tuning.py).
+bf16 inputs; the longest sequence, outputs and exit state, from non-zero initial states), both scan block widths
+against each other, the previous kernels against the reference too. Then the timings: previous default kernel,
+tensor-core form (both widths, and its prep pass alone). A form that failed a check is not timed. Last, fla in a
+child process with what is left of the part's time budget (Triton compiles and autotunes fla's kernels on first use,
+tens of seconds on a fresh machine): the tensor-core form against fla on every sequence, then fla's time.
+Budget: KBENCH_DELTA_BUDGET_S (default 32 s, the session-4 device run's share); KBENCH_DELTA_FULL=1 runs every
+shape with fla and the tuning table (tensor cores vs the previous kernels by sequence count and length).
 Inputs are laid out as the layer passes them: q and k strided views of one [T, 2 Hk, Dk] buffer.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 
@@ -24,6 +29,7 @@ TOL_REF = 1e-2  # tensor-core form vs the reference (tests/test_cuda_kernels.py 
 TOL_OLD = 2e-2  # the previous bf16 kernels vs the reference (TOL_SEQ)
 TOL_FLA = 2e-2  # against fla: both round to bf16 at similar points, so about twice one side's error
 FULL = os.environ.get("KBENCH_DELTA_FULL") == "1"
+BUDGET_S = float(os.environ.get("KBENCH_DELTA_BUDGET_S", "32"))
 
 # (label, value heads, key heads, sequence lengths, compare with fla); 128 x 128 heads throughout
 SHAPES = [
@@ -105,15 +111,6 @@ class _Case:
         return out
 
 
-def _fla():
-    try:
-        import torch
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception as e:  # noqa: BLE001 - any import failure means "no baseline here"
-        return None, f"{type(e).__name__}: {e}"
-    return (torch, chunk_gated_delta_rule), ""
-
-
 def _torch_view(torch, a):
     """A torch tensor over a CuPy array's memory (no copy, strides kept); bf16 through its 16-bit words."""
     if a.dtype in (np.float32, np.int32):
@@ -121,13 +118,52 @@ def _torch_view(torch, a):
     return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
 
 
-def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, fla):
+def fla_child(shape_index: int) -> dict:
+    """In a child process: SHAPES[shape_index] through fla's chunk_gated_delta_rule and the tensor-core form (auto
+    width), their difference over every sequence (outputs and exit states, on the device), then fla's time.
+    -> {"err": ..., "ms": ...} or {"skip": why}."""
+    import cupy
+
+    from kernel_bench import time_ms, torch_time_ms
+    from prefixrun.kernels.cuda import CudaOps
+
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - any import failure means "no baseline here"
+        return {"skip": f"fla not importable: {type(e).__name__}: {e}"}
+    label, h, hk, lens, _ = SHAPES[shape_index]
+    ops = CudaOps("bfloat16").retuned(gdn_tensor_cores=True)
+    case = _Case(ops, h, hk, lens)
+    st = case.state0.copy()
+    o = ops._cast(case.run(ops, st), np.float32)
+    tq, tk = (_torch_view(torch, a).contiguous()[None] for a in (case.q, case.k))
+    tv, tg, tb = _torch_view(torch, case.v)[None], _torch_view(torch, case.g)[None], _torch_view(torch, case.beta)[None]
+    tcu, tcu_cpu = torch.from_dlpack(case.cu_d).long(), torch.from_numpy(case.cu.astype(np.int64))
+    h0 = _torch_view(torch, case.state0)
+
+    def run():
+        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, scale=1 / math.sqrt(128), initial_state=h0,
+                                      output_final_state=True, cu_seqlens=tcu, cu_seqlens_cpu=tcu_cpu)
+
+    t0 = time.perf_counter()
+    fo, fs = run()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    fo, fs = cupy.from_dlpack(fo[0].float().contiguous()), cupy.from_dlpack(fs.float().contiguous())
+    err = max(_rel_dev(o, fo), _rel_dev(st, fs))
+    del o, st, fo, fs
+    ms = torch_time_ms(run, iters=5, warmup=1)
+    return {"err": err, "ms": ms, "first_s": first_s, "tc_ms": time_ms(lambda: case.run(ops, case.state0.copy()))}
+
+
+def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous):
     """Checks, then timings, shape by shape (SHAPES); appends to rows and summary."""
     import cupy
 
-    from kernel_bench import Row, time_ms, torch_time_ms
+    from kernel_bench import Row, time_ms
 
-    for label, h, hk, lens, with_fla in SHAPES:
+    for label, h, hk, lens, _ in SHAPES:
         case = _Case(ops, h, hk, lens)
         t, nseq = case.t, len(lens)
         launch = delta_rule_launch(tc_auto.tuning, ops._sm_count, tokens=t, seqs=nseq, heads=h, dk=128, dv=128,
@@ -149,39 +185,11 @@ def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, fla
         (o_a, st_a), (o_b, st_b) = (outs[f"tensor cores {w} warps"] for w in GDN_TC_WARPS)
         failed |= check(f"{label}: tensor cores, {GDN_TC_WARPS} warps agree (all sequences)",
                         max(_rel_dev(o_a, o_b), _rel_dev(st_a, st_b)), 1e-5)
-        timed_fla = None
-        if fla is not None and with_fla:
-            torch, chunk_gdr = fla
-            tq = _torch_view(torch, case.q).contiguous()[None]
-            tk = _torch_view(torch, case.k).contiguous()[None]
-            tv = _torch_view(torch, case.v)[None]
-            tg, tb = _torch_view(torch, case.g)[None], _torch_view(torch, case.beta)[None]
-            tcu = torch.from_dlpack(case.cu_d).long()
-            tcu_cpu = torch.from_numpy(case.cu.astype(np.int64))
-            h0 = _torch_view(torch, case.state0)
-
-            def run_fla():
-                return chunk_gdr(tq, tk, tv, tg, tb, scale=1 / math.sqrt(128), initial_state=h0,
-                                 output_final_state=True, cu_seqlens=tcu, cu_seqlens_cpu=tcu_cpu)
-
-            try:
-                fo, fs = run_fla()
-                torch.cuda.synchronize()
-            except Exception as ex:  # noqa: BLE001 - report the baseline's failure, keep benching ours
-                note(f"{label}: fla failed: {type(ex).__name__}: {str(ex)[:120]}")
-            else:
-                timed_fla = run_fla
-                fo = cupy.from_dlpack(fo[0].float().contiguous())
-                fs = cupy.from_dlpack(fs.float().contiguous())
-                failed |= check(f"{label}: tensor cores vs fla (all sequences: outputs, exit states)",
-                                max(_rel_dev(o_a, fo), _rel_dev(st_a, fs)), TOL_FLA)
-                check(f"{label}: fla vs reference (sequence {pick}, for scale)",
-                      max(_rel(cupy.asnumpy(fo[s:e]), want_o), _rel(cupy.asnumpy(fs[pick]), want_s)), TOL_FLA)
         del outs, o_a, o_b, st_a, st_b
         # then timings (the state evolves from call to call: the same work every time)
         st = case.state0.copy()
         rate = lambda ms: f"{t / ms / 1e3:.1f} M tok/s"
-        row = {"shape": label}
+        row = {"shape": label, "failed": failed}
         ms = row["previous"] = time_ms(lambda: case.run(previous, st), iters=3, warmup=1)
         rows.append(Row(f"{label}: previous default kernel", ms, rate(ms)))
         if failed:
@@ -198,18 +206,50 @@ def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, fla
                 128, q, q.strides[0] // 2, q.strides[1] // 2, k, k.strides[0] // 2, k.strides[1] // 2, v,
                 v.strides[0] // 2, v.strides[1] // 2, case.g, case.beta, case.cu_d, nseq, h // hk), iters=5, warmup=1)
             rows.append(Row(f"{label}:   of which the prep pass", ms))
-        if timed_fla is not None:
-            ms = row["fla"] = torch_time_ms(timed_fla, iters=5, warmup=2)
-            rows.append(Row(f"{label}: flash-linear-attention chunk_gated_delta_rule", ms, rate(ms)))
         summary.append(row)
         case = None  # the next shape's inputs replace these
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _fla_rows(rows, check, note, summary, deadline):
+    """fla per shape that asks for it, each in a child process limited to what is left of the budget."""
+    from kernel_bench import Row
+
+    for i, (label, h, hk, lens, with_fla) in enumerate(SHAPES):
+        row = summary[i] if i < len(summary) else {}
+        if not with_fla or row.get("failed", True):
+            continue
+        left = deadline - time.monotonic()
+        if left < 5:
+            note(f"{label}: fla not run (the part's {BUDGET_S:.0f} s budget is spent)")
+            continue
+        code = f"import kbench_delta as k, json; print('FLA ' + json.dumps(k.fla_child({i})))"
+        try:
+            child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                   capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            note(f"{label}: fla did not finish within the {left:.0f} s left of the budget (Triton compiling and "
+                 f"autotuning on a fresh machine); KBENCH_DELTA_BUDGET_S raises it")
+            continue
+        out = [ln for ln in child.stdout.splitlines() if ln.startswith("FLA ")]
+        if child.returncode or not out:
+            note(f"{label}: fla child failed: {child.stderr.strip()[-300:]}")
+            continue
+        res = json.loads(out[-1][4:])
+        if "skip" in res:
+            note(f"{label}: {res['skip']}")
+            continue
+        check(f"{label}: tensor cores vs fla (all sequences: outputs, exit states)", res["err"], TOL_FLA)
+        row["fla"] = res["ms"]
+        rows.append(Row(f"{label}: flash-linear-attention chunk_gated_delta_rule (first call {res['first_s']:.1f} s)",
+                        res["ms"], f"tensor cores in the same process {res['tc_ms']:.4f} ms"))
 
 
 def delta_part() -> list:
     from kernel_bench import Row, time_ms
     from prefixrun.kernels.cuda import CudaOps
 
+    deadline = time.monotonic() + (1e9 if FULL else BUDGET_S)
     rows: list = []
     check = lambda name, err, bound: rows.append(Row(name, error=err, bound=bound)) or rows[-1].failed
     note = lambda text: rows.append(Row(text))
@@ -218,15 +258,13 @@ def delta_part() -> list:
     widths = {w: ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w) for w in GDN_TC_WARPS}
     tc_auto = ops.retuned(gdn_tensor_cores=True)  # the "auto" rule's block width, the form forced on
     previous = ops.retuned(gdn_tensor_cores=False)
-    fla, why = _fla()
-    if fla is None:
-        note(f"flash-linear-attention not importable ({why}): no fla checks or timings")
     summary = []
     try:
-        _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, fla)
+        _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous)
     except Exception as ex:  # noqa: BLE001 - a kernel fault is sticky: report it as a failed row, keep the rows so far
         rows.append(Row(f"delta part stopped: {type(ex).__name__}: {str(ex)[:160]}", error=float("inf"), bound=0.0))
         return rows
+    _fla_rows(rows, check, note, summary, deadline)
     note("-- summary, ms: previous | tensor cores (auto width) | fla | tensor cores / fla (goal <= 1.5)")
     nan = float("nan")
     for r in summary:
