@@ -236,11 +236,15 @@ class ModelState:
         # ring rows of positions start + j (j >= 1) are overwritten; keep their old contents at row base + j - 1
         slots = [h.slot for h, t in zip(handles, new_tokens) for _ in range(1, len(t))]
         positions = [p + j for p, t in zip(starts, new_tokens) for j in range(1, len(t))]
-        if positions:
-            for s in self.specs:
-                if s.ring:
-                    self.snapshots[s.name][:len(positions)] = self.arrays[s.name][
-                        self.ops.upload_index(slots), self.ops.upload_index(np.array(positions) % s.shape[0])]
+        rings = [s for s in self.specs if s.ring]
+        if positions and rings:
+            up = self.ops.upload_index
+            slot_idx, ring_rows = up(slots), {}  # index arrays uploaded once per ring size, not per region
+            for s in rings:
+                w = s.shape[0]
+                if w not in ring_rows:
+                    ring_rows[w] = up(np.array(positions) % w)
+                self.snapshots[s.name][:len(positions)] = self.arrays[s.name][slot_idx, ring_rows[w]]
         batch = self.step_arrays(handles, new_tokens, table_width=table_width, pad=pad, snapshot_rows=rows)
         self._rows_step = (list(handles), starts, [len(t) for t in new_tokens], bases)
         return batch
@@ -272,12 +276,16 @@ class ModelState:
         if not snap_dst:
             return
         up = self.ops.upload_index
+        dst, src = up(snap_dst), up(snap_src)  # uploaded once for every region
+        r_slot, r_src, r_rows = up(ring_slot), up(ring_src), {}
         for s in self.specs:
             if s.snapshot and not s.paged:
-                self.arrays[s.name][up(snap_dst)] = self.snapshots[s.name][up(snap_src)]
+                self.arrays[s.name][dst] = self.snapshots[s.name][src]
             elif s.ring:
-                self.arrays[s.name][up(ring_slot), up(np.array(ring_pos) % s.shape[0])] = \
-                    self.snapshots[s.name][up(ring_src)]
+                w = s.shape[0]
+                if w not in r_rows:
+                    r_rows[w] = up(np.array(ring_pos) % w)
+                self.arrays[s.name][r_slot, r_rows[w]] = self.snapshots[s.name][r_src]
 
     # ---- export / import (the persistent cache's view of a handle) ----------------------------------------
     def export(self, h: StateHandle) -> dict[str, np.ndarray]:

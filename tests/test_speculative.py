@@ -360,3 +360,62 @@ def test_verify_steps_replayed_as_graphs_give_the_eager_tokens(family, models, c
     eng.close()
     eng.check_invariants()
     assert not eng.state.live
+
+
+# ---- auto's policy (fake model: only the timing and the acceptance matter) -------------------------------------------
+class _FakeState:
+    snapshot_capacity, max_step_rows = 1000, 1000
+
+    def commit(self, kept):
+        pass
+
+
+class _FakeRunner:
+    def __init__(self, seconds, accept):
+        self.seconds, self.accept = seconds, accept
+
+    def verify(self, seqs, drafts, with_hidden=False):
+        import time
+
+        time.sleep(self.seconds)
+        return [list(d) + [1] if self.accept else [1] for d in drafts]
+
+
+class _FakeSeq:
+    def __init__(self, greedy=True):
+        from prefixrun.engine.state import StateHandle
+
+        self.request = Request("x", [1, 2, 3] * 10, SamplingParams(max_tokens=10_000,
+                                                                   temperature=0 if greedy else 1.0), 0)
+        self.tokens, self.handle, self.max_context = [1, 2, 3], StateHandle(slot=0, length=32), 1 << 20
+
+    @property
+    def remaining(self):
+        return 10_000
+
+
+def _drive(runner, seqs, steps=200, plain_seconds=0.001):
+    from prefixrun.engine.speculative import NgramDrafter, Speculator
+
+    spec = Speculator(NgramDrafter(), "auto", 5, _FakeState(), runner, 16)
+    verify = 0
+    for _ in range(steps):
+        drafts = spec.drafts(seqs)
+        if drafts is None:
+            spec.plain_step_done(len(seqs), plain_seconds)
+        else:
+            spec.step(seqs, drafts)
+            verify += 1
+    return spec.stats, verify
+
+
+def test_auto_backs_off_when_verify_steps_are_slower_and_stays_on_when_they_pay():
+    slow, verify = _drive(_FakeRunner(0.003, accept=False), [_FakeSeq(), _FakeSeq()])
+    assert slow.backoffs >= 2 and verify < 60, (slow, verify)  # exponential back-off: mostly plain steps
+    fast, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq(), _FakeSeq()], plain_seconds=0.01)
+    assert fast.backoffs == 0 and verify > 150 and fast.saved_seconds > 0
+    assert fast.methods["ngram"].accepted == fast.methods["ngram"].drafted > 0
+    big, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq() for _ in range(17)])
+    assert verify == 0  # more than AUTO_MAX_BATCH sequences: plain steps only
+    sampled, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq(greedy=False)])
+    assert verify == 0  # auto never drafts for sampled requests
