@@ -150,8 +150,8 @@ class BatchRun:
         report["prefill_tokens_per_second"] = report["computed_prompt_tokens"] / prefill_s if prefill_s else 0.0
         report["decode_tokens_per_second"] = report["completion_tokens"] / decode_s if decode_s else 0.0
         # the run's wall: from reading the first line to the last result written and the engines closed, with
-        # the models' load left out on both paths (in process it happens before; worker processes load while
-        # the first window is read, and the time waited for them after that is load, reported apart)
+        # the models' load left out on both paths (in process it happens before; worker processes start and load
+        # while the first window is read, and the time waited for them after that is reported apart)
         if self.session is None:
             report["workers"] = _workers_report(self.backend)
             wall -= self.backend.start_wait_seconds

@@ -190,9 +190,12 @@ def report_table(report: dict) -> Table:
             + (f"; backed off {spec['backoffs']}×" if spec["backoffs"] else ""))
     if "max_batch" in report:
         row("decode batch", f"up to {report['max_batch']:,} sequences ({report['max_batch_from']})")
-    if "load_seconds" in report:
-        row("model load", f"{report['load_seconds']:.2f} s on {report['device']}")
     workers = report.get("workers")
+    if "load_seconds" in report:
+        waited = f"; the run waited {workers['start_wait_seconds']:.2f} s for the workers to start (process and " \
+            "model) after reading its input" \
+            if workers and "start_wait_seconds" in workers else ""
+        row("model load", f"{report['load_seconds']:.2f} s on {report['device']}{waited}")
     if workers:
         row("workers", f"{workers['count']}; {workers['duplicated_prefix_tokens']:,} prefix tokens computed on more "
             f"than one; balance {workers['balance_planned'] or 0:.2f} planned, "

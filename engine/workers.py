@@ -201,6 +201,10 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.wait_ready()  # (a run with no window) their load is start wait, not closing time
+        except EnginesDidNotStart:
+            return
         for w in self._live():
             w.tasks.put(None)
         deadline = time.monotonic() + 600
