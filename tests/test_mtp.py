@@ -390,3 +390,20 @@ def test_cli_make_model_with_head_and_batch_with_mtp_drafts(tmp_path):
     # a checkpoint without the head: one clear error, no traceback
     res = runner.invoke(app, ["batch", str(work), "--model", str(plain_dir), "--device", "cpu", "--speculative", "mtp"])
     assert res.exit_code != 0 and "no MTP head" in res.output and "Traceback" not in res.output
+
+
+def test_drafter_without_room_proposes_nothing_and_leaves_the_pools_intact(mtp_models, cpu_ops):
+    """No free block for the chain's rows: that sequence gets no drafts (a plain row), the others theirs."""
+    from prefixrun.engine.state import ModelState
+
+    model = mtp_models["qwen3_5"]
+    st = ModelState(model.state_specs(), cpu_ops, num_slots=4, num_blocks=4, block_size=16)
+    full, short = st.new_sequence(), st.new_sequence()
+    a, b = random_prompt(20, 33), random_prompt(21, 10)
+    model.forward(st.prepare_step([full, short], [a[:32], b[:9]]), st)  # 2 + 1 blocks; 1 free
+    st.blocks.allocate(1)  # now none
+    drafter = MtpDrafter(model, st)
+    got = drafter.propose([DraftInput(tokens=a, num_drafts=3, handle=full, request=None),
+                           DraftInput(tokens=b, num_drafts=3, handle=short, request=None)])
+    assert got[0] == [] and len(got[1]) == 3
+    assert len(full.blocks) == 2 and len(short.blocks) == 1 and st.blocks.free_count == 0

@@ -181,20 +181,23 @@ class MtpDrafter:
         ops, st, head = self.ops, self.state, self.head
         handles = [x.handle for x in inputs]
         wants = [max(int(x.num_drafts), 0) for x in inputs]
-        active = [i for i, k in enumerate(wants) if k > 0]
         drafts: list[list[int]] = [[] for _ in inputs]
-        if not active:
-            return drafts
-        for i in active:
-            st.reserve(handles[i], handles[i].length + wants[i])
-        ids = ops.upload_index([inputs[i].tokens[-1] for i in active])  # [A]
-        hidden = st.arrays[head.hidden_region][ops.upload_index([handles[i].slot for i in active])]  # [A, D]
         chain = []  # (rows of `active` at that step, backend ids [A])
         self.last_logits = []
-        j = 0
         try:
+            for i, h in enumerate(handles):
+                if wants[i] and not st.blocks.can_allocate(st.blocks_needed(h, h.length + wants[i])):
+                    wants[i] = 0  # no room for the chain's rows: this sequence takes a plain row
+                if wants[i]:
+                    st.reserve(h, h.length + wants[i])
+            active = [i for i, k in enumerate(wants) if k > 0]
+            if active:
+                ids = ops.upload_index([inputs[i].tokens[-1] for i in active])  # [A]
+                hidden = st.arrays[head.hidden_region][ops.upload_index([handles[i].slot for i in active])]  # [A, D]
+            j = 0
             while active:
                 hs = [handles[i] for i in active]
+                # positions and K/V rows of the chain's step j; the token ids are embedded from `ids` directly
                 batch = build_batch([h.length + j for h in hs], [h.blocks for h in hs], [h.slot for h in hs],
                                     [[0]] * len(hs), st.block_size).to_backend(ops.upload_index)
                 g = head.step(ops, ids, hidden, batch, st)  # [A, D]
@@ -210,9 +213,8 @@ class MtpDrafter:
                 active = [active[r] for r in keep]
                 ids, hidden = nxt, g
         finally:
-            for i, h in enumerate(handles):
-                if wants[i]:
-                    st.trim(h)
+            for h in handles:
+                st.trim(h)
         for rows, ids_dev in chain:
             for i, tok in zip(rows, ops.to_host(ids_dev).tolist()):
                 drafts[i].append(int(tok))
