@@ -18,7 +18,8 @@ script runs on an old checkout and a new one side by side. Per run it prints:
 --trace-ops FILE writes one line per op call (phase, step, op, argument shapes): diff two commits' files to see
 whether they run the same op sequence (works on the CPU backend too).
 
-A development tool for the GPU machine (and the CPU, for --trace-ops), not part of the CLI.
+A development tool for the GPU machine (and the CPU, for --trace-ops), not part of the CLI. Over 300 lines as one
+self-contained file: it must run unchanged against old checkouts, so it imports nothing of its own from them.
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ Failure: a worker that dies (killed, crashed, out of memory) loses only the requ
 handed once to another live worker. A request whose second worker dies too, or that no live worker is left for,
 gets an error Result. A result that arrives after its request was handed on is dropped, so every request yields
 exactly one Result.
+
+Over 300 lines because the start / run / failure / close protocol of the processes shares one piece of bookkeeping
+(each worker's outstanding requests, liveness and reports); split, it would pass that around.
 """
 from __future__ import annotations
 
