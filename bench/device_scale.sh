@@ -40,21 +40,22 @@ import json, re, sys
 out = sys.argv[1]
 walls = dict(re.findall(r"(\S+) rc=\d+ process_wall=([\d.]+)", open(f"{out}/walls.txt").read()))
 print("| workload | run | requests | engine wall s | process wall s | tokens/s (prompt+completion, engine) | "
-      "computed prompt tokens | duplicated | balance planned / measured |")
-print("|---|---|---|---|---|---|---|---|---|")
+      "computed prompt tokens | duplicated | balance planned / measured | waited for workers s |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for wl in ("ss4", "dq4"):
     base = None
     for name, label in (("one", "one GPU, in process"), ("dev0", "--devices 0"), ("dev01", "--devices 0,1")):
         try:
             r = json.load(open(f"{out}/{wl}-{name}.json"))
         except Exception as exc:
-            print(f"| {wl} | {label} | failed ({type(exc).__name__}) | | | | | | |"); continue
+            print(f"| {wl} | {label} | failed ({type(exc).__name__}) | | | | | | | |"); continue
         tok = r["prompt_tokens"] + r["completion_tokens"]
         w = r.get("workers") or {}
         base = base or r["wall_seconds"]
         print(f"| {wl} | {label} | {r['requests']} | **{r['wall_seconds']:.2f}** ({base / r['wall_seconds']:.2f}x) "
               f"| {walls.get(f'{wl}-{name}', '?')} | {tok / r['wall_seconds']:,.0f} | {r['computed_prompt_tokens']:,} "
-              f"| {w.get('duplicated_prefix_tokens', 0):,} | {w.get('balance_planned', '')} / {w.get('balance_measured', '')} |")
+              f"| {w.get('duplicated_prefix_tokens', 0):,} | {w.get('balance_planned', '')} / {w.get('balance_measured', '')} "
+              f"| {w.get('start_wait_seconds', '')} |")
     a = [json.loads(l)["token_ids"] for l in open(f"{out}/{wl}-one.jsonl")]
     b = [json.loads(l)["token_ids"] for l in open(f"{out}/{wl}-dev01.jsonl")]
     same = sum(x == y for x, y in zip(a, b))
