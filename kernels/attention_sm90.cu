@@ -12,9 +12,13 @@
 // shared memory in the canonical 128-byte-swizzle layout: a [R x D] tile is D/64 column blocks of R rows x 128 bytes,
 // the 16-byte chunk c of row r stored at chunk c ^ (r % 8) of its row, 8-row atoms 1024 bytes apart. K/V tiles are
 // double-buffered: the gather of tile j+1 (cp.async through the block table) overlaps both GEMMs of tile j.
+// Two schedules (template OVERLAP): S, softmax, P V per tile in turn; or S of tile j+1 and P V of tile j issued
+// together and the softmax of tile j+1 run while P V of tile j is on the tensor cores (FlashAttention-3's
+// intra-warpgroup overlap; K gathered two tiles ahead).
 // Work order: a sequence's heaviest (last) query tiles launch first, so the light ones fill the tail of the grid.
 //
 // Compiled for sm_90a only (kernels/attention_sm90.py: NVRTC, its own module); other GPUs use attn_mma_kernel.
+// (Over 300 lines: one kernel, its two schedules and the wgmma/descriptor helpers only it uses.)
 
 typedef unsigned long long u64;
 
@@ -34,7 +38,6 @@ __device__ __forceinline__ u64 sw128_desc(unsigned saddr, unsigned lbo) {
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // keep the compiler from moving accesses of accumulator registers across the asynchronous wgmma window
 __device__ __forceinline__ void reg_fence(float (&d)[32]) {
@@ -84,26 +87,129 @@ __device__ __forceinline__ unsigned sw_off(int row, int ch) {
     return (unsigned)((ch >> 3) * (R * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4));
 }
 
-// Gather K and V rows kt .. kt+BN-1 of (table, KV head h) into swizzled tiles; rows past ctx are zero-filled.
+// Gather rows kt .. kt+BN-1 of (table, KV head h) of one cache into a swizzled tile; rows past ctx are zero-filled.
 template <int D, int BN>
-__device__ __forceinline__ void load_kv(unsigned sk, unsigned sv, const bf16* __restrict__ k_cache,
-                                        const bf16* __restrict__ v_cache, const int* __restrict__ table, int kt,
-                                        int ctx, int block_size, int hkv, int h) {
+__device__ __forceinline__ void load_rows(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ table,
+                                          int kt, int ctx, int block_size, int hkv, int h) {
     constexpr int CH = D / 8;
     for (int idx = threadIdx.x; idx < BN * CH; idx += 256) {
         const int row = idx / CH, ch = idx % CH;
         const int kp = kt + row;
         i64 o = 0;
         if (kp < ctx) o = (((i64)table[kp / block_size] * block_size + kp % block_size) * hkv + h) * D + ch * 8;
-        const int bytes = kp < ctx ? 16 : 0;
-        const unsigned so = sw_off<BN>(row, ch);
-        cp_async16_zfill(sk + so, k_cache + o, bytes);
-        cp_async16_zfill(sv + so, v_cache + o, bytes);
+        cp_async16_zfill(dst + sw_off<BN>(row, ch), cache + o, kp < ctx ? 16 : 0);
+    }
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// One warpgroup's S [64 x BN] = Q K^T (its 64 rows of Q at sq_wg, the K tile at sk), as BN / 64 pieces of 64 keys.
+// Asynchronous: the caller commits and waits.
+template <int D, int BN>
+__device__ __forceinline__ void issue_qk(float (&s)[BN / 64][32], unsigned sq_wg, unsigned sk) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u64 da = sw128_desc(sq_wg + (kk >> 2) * (128 * 128) + (kk & 3) * 32, 0);  // Q tile: 128 rows
+#pragma unroll
+        for (int p = 0; p < BN / 64; ++p)
+            wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * 64 * 128 + (kk & 3) * 32, 0), kk > 0);
     }
 }
 
-// grid (ceil(T * rep / 128) + num_seqs, hkv), block 256, dynamic shared memory (128 + 4 BN) D * 2 + 1024 bytes.
+// O [64 x D] += P [64 x BN] V [BN x D] (the V tile at sv), as D / 64 pieces of 64 columns. Asynchronous.
 template <int D, int BN>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const unsigned (&pa)[BN / 16][4], unsigned sv) {
+#pragma unroll
+    for (int k2 = 0; k2 < BN / 16; ++k2)
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) wgmma_rs_tb(o[p], pa[k2], sw128_desc(sv + p * (BN * 128) + k2 * 2048, 1024));
+}
+
+// The thread's two rows (g and g + 8 of its warp) and what they may see.
+struct RowsView {
+    int qp[2];      // query positions
+    bool ok[2];     // row inside the tile's valid rows
+    int kv_begin;   // the block's first visible key
+    int qp_lo, qp_hi;
+    int window;
+    int c;          // lane % 4: the thread's key columns 2c, 2c + 1 of every 8
+    float scale_log2;
+};
+
+// Mask (unless every key of the tile is visible to every row), scale to log2 units and run the online softmax over
+// one S tile: updates the running max m and sum l, returns in alpha the factor that rescales O, writes P as bf16 A
+// fragments (pa[k2]: keys 16 k2 .. 16 k2 + 15). s[p][4 i + e]: row g + 8 (e / 2), key kt + 64 p + 8 i + 2 c + e % 2.
+template <int BN>
+__device__ __forceinline__ void online_softmax(const float (&s)[BN / 64][32], unsigned (&pa)[BN / 16][4],
+                                               float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
+                                               const RowsView& rv) {
+    // s is only read: with OVERLAP it is the accumulator of a wgmma group whose stage lasts until P V completes, and
+    // ptxas serialises the pipeline if other instructions write such registers, so masked scores are recomputed
+    const bool full = kt + BN - 1 <= rv.qp_lo && kt >= rv.kv_begin && (rv.window <= 0 || kt > rv.qp_hi - rv.window);
+    auto score = [&](int p, int i, int e) {
+        const int hf = e >> 1;
+        const float val = s[p][4 * i + e] * rv.scale_log2;
+        if (full) return val;
+        const int key = kt + p * 64 + i * 8 + 2 * rv.c + (e & 1);
+        const bool vis = rv.ok[hf] && key <= rv.qp[hf] && key >= rv.kv_begin &&
+                         (rv.window <= 0 || key > rv.qp[hf] - rv.window);
+        return vis ? val : -INFINITY;
+    };
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int p = 0; p < BN / 64; ++p)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(p, i, e));
+    float mnew[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
+        mnew[hf] = fmaxf(m_i[hf], mx[hf]);
+        alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
+        m_i[hf] = mnew[hf];
+        l_i[hf] *= alpha[hf];
+    }
+#pragma unroll
+    for (int p = 0; p < BN / 64; ++p)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float pv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int hf = e >> 1;
+                pv[e] = mnew[hf] == -INFINITY ? 0.f : exp2f(score(p, i, e) - mnew[hf]);
+                l_i[hf] += pv[e];
+            }
+            const int k2 = p * 4 + (i >> 1), half = i & 1;
+            pa[k2][2 * half] = pack2_bf16(pv[0], pv[1]);      // row g, keys 8 half + 2c, +1
+            pa[k2][2 * half + 1] = pack2_bf16(pv[2], pv[3]);  // row g + 8
+        }
+}
+
+template <int OP>
+__device__ __forceinline__ void rescale(float (&o)[OP][32], const float (&alpha)[2]) {
+#pragma unroll
+    for (int p = 0; p < OP; ++p)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            o[p][4 * i] *= alpha[0];
+            o[p][4 * i + 1] *= alpha[0];
+            o[p][4 * i + 2] *= alpha[1];
+            o[p][4 * i + 3] *= alpha[1];
+        }
+}
+
+// grid (ceil(T * rep / 128) + num_seqs, hkv), block 256, dynamic shared memory (128 + 4 BN) D * 2 + 1024 bytes.
+// OVERLAP: each warpgroup issues S of tile j + 1 and P V of tile j back to back and runs the softmax of tile j + 1
+// while P V of tile j is still on the tensor cores (K is gathered two tiles ahead, V one); otherwise each tile is
+// S, softmax, P V in turn.
+template <int D, int BN, bool OVERLAP>
 __global__ void __launch_bounds__(256, 1)
 attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
                   const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
@@ -142,13 +248,16 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     const int qpos0 = ctx - n;
     const int* table = block_tables + (i64)seq * max_blocks;
 
-    const int qp_lo = qpos0 + r0 / rep, qp_hi = qpos0 + (r1 - 1) / rep;
-    const int kv_end = qp_hi + 1;
-    const int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
-    const int t_begin = (kv_begin / BN) * BN;
-    const int num_tiles = (kv_end - t_begin + BN - 1) / BN;
+    RowsView rv;
+    rv.qp_lo = qpos0 + r0 / rep;
+    rv.qp_hi = qpos0 + (r1 - 1) / rep;
+    rv.kv_begin = window > 0 ? max(0, rv.qp_lo - window + 1) : 0;
+    rv.window = window;
+    rv.scale_log2 = scale_log2;
+    const int t_begin = (rv.kv_begin / BN) * BN;
+    const int num_tiles = (rv.qp_hi + 1 - t_begin + BN - 1) / BN;
 
-    // Q tile and the first K/V tile (one cp.async group)
+    // Q tile and the first K/V tile (one cp.async group); with OVERLAP also the second K tile (another group)
     for (int idx = threadIdx.x; idx < BM * CH; idx += 256) {
         const int row = idx / CH, ch = idx % CH;
         const int r = r0 + row;
@@ -156,19 +265,23 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
         cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
     }
-    load_kv<D, BN>(sk0, sv0, k_cache, v_cache, table, t_begin, ctx, block_size, hkv, h);
-    asm volatile("cp.async.commit_group;\n" ::);
+    load_rows<D, BN>(sk0, k_cache, table, t_begin, ctx, block_size, hkv, h);
+    load_rows<D, BN>(sv0, v_cache, table, t_begin, ctx, block_size, hkv, h);
+    cp_commit();
+    if (OVERLAP && num_tiles > 1) {
+        load_rows<D, BN>(sk0 + KV_BYTES, k_cache, table, t_begin + BN, ctx, block_size, hkv, h);
+        cp_commit();
+    }
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2;
-    const int g = lane >> 2, c = lane & 3;
-    int qp[2];
-    bool row_ok[2];
+    const int g = lane >> 2;
+    rv.c = lane & 3;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int r = r0 + warp * 16 + g + hf * 8;  // warp w of warpgroup wg holds rows 64 wg + 16 w ..
-        row_ok[hf] = r < r1;
-        qp[hf] = qpos0 + (row_ok[hf] ? r / rep : 0);
+        rv.ok[hf] = r < r1;
+        rv.qp[hf] = qpos0 + (rv.ok[hf] ? r / rep : 0);
     }
 
     float o[OP][32];
@@ -176,110 +289,108 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     for (int p = 0; p < OP; ++p)
 #pragma unroll
         for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
-    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f}, alpha[2];
     const unsigned sq_wg = sq + wg * 64 * 128;  // this warpgroup's 64 rows in every column block
+    float s[NP][32];
+    unsigned pa[BN / 16][4];
 
-    for (int j = 0; j < num_tiles; ++j) {
-        const int kt = t_begin + j * BN;
-        const unsigned sk = sk0 + (j & 1) * KV_BYTES, sv = sv0 + (j & 1) * KV_BYTES;
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        fence_async_smem();  // this thread's cp.async writes -> visible to the tensor cores' (async proxy) reads
-        __syncthreads();     // everyone's tile j landed; everyone finished tile j-1 (its buffers are free again)
-        if (j + 1 < num_tiles) {
-            load_kv<D, BN>(sk0 + ((j + 1) & 1) * KV_BYTES, sv0 + ((j + 1) & 1) * KV_BYTES, k_cache, v_cache, table,
-                           kt + BN, ctx, block_size, hkv, h);
-            asm volatile("cp.async.commit_group;\n" ::);
+    if (!OVERLAP) {
+        for (int j = 0; j < num_tiles; ++j) {
+            const int kt = t_begin + j * BN;
+            cp_wait<0>();
+            fence_async_smem();  // this thread's cp.async writes -> visible to the tensor cores' (async proxy) reads
+            __syncthreads();     // everyone's tile j landed; everyone finished tile j-1 (its buffers are free again)
+            if (j + 1 < num_tiles) {
+                load_rows<D, BN>(sk0 + ((j + 1) & 1) * KV_BYTES, k_cache, table, kt + BN, ctx, block_size, hkv, h);
+                load_rows<D, BN>(sv0 + ((j + 1) & 1) * KV_BYTES, v_cache, table, kt + BN, ctx, block_size, hkv, h);
+                cp_commit();
+            }
+#pragma unroll
+            for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+            wg_fence();
+            issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
+            wg_commit();
+            wg_wait<0>();
+#pragma unroll
+            for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+            online_softmax<BN>(s, pa, m_i, l_i, alpha, kt, rv);
+            rescale<OP>(o, alpha);
+#pragma unroll
+            for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+            wg_fence();
+            issue_pv<D, BN>(o, pa, sv0 + (j & 1) * KV_BYTES);
+            wg_commit();
+            wg_wait<0>();
+#pragma unroll
+            for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+#pragma unroll
+            for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);  // read by the tensor cores until the wait
         }
-
-        // S [64 x BN] per warpgroup, as NP pieces of 64 keys
-        float s[NP][32];
+    } else {
+        // tile 0's scores and P first; then iteration j: S(j+1) and P(j) V(j) issued together, the softmax of
+        // tile j + 1 while P(j) V(j) runs, then O rescaled for tile j + 1
+        if (num_tiles > 1) cp_wait<1>(); else cp_wait<0>();  // Q, K(0), V(0) landed (K(1) may be in flight)
+        fence_async_smem();
+        __syncthreads();
 #pragma unroll
         for (int p = 0; p < NP; ++p) reg_fence(s[p]);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u64 da = sw128_desc(sq_wg + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 0);
-#pragma unroll
-            for (int p = 0; p < NP; ++p)
-                wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * 64 * 128 + (kk & 3) * 32, 0), kk > 0);
-        }
+        issue_qk<D, BN>(s, sq_wg, sk0);
         wg_commit();
-        wg_wait0();
+        wg_wait<0>();
 #pragma unroll
         for (int p = 0; p < NP; ++p) reg_fence(s[p]);
-
-        // mask, scale to log2 units, online softmax. s[p][4 i + e]: row g + 8 (e / 2), key 64 p + 8 i + 2 c + e % 2
-        const bool full = kt + BN - 1 <= qp_lo && kt >= kv_begin && (window <= 0 || kt > qp_hi - window);
-        float mx[2] = {-INFINITY, -INFINITY};
+        online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin, rv);  // O is still zero: nothing to rescale
+        // P of the next tile goes to pn and is merged into pa after P V is done as (pa & zero) | pn, with `zero` 0 at
+        // run time but unknown to the compiler: a plain copy lets the register allocator give pn the registers the
+        // next P V reads, defined while the current P V runs, and ptxas then serialises every wgmma. No branch sits
+        // between a wgmma.fence and its wgmmas either (the last tile's P V is peeled off the loop).
+        const unsigned zero = 0u - (unsigned)(num_tiles < 0);
+        for (int j = 0; j + 1 < num_tiles; ++j) {
+            const int kt1 = t_begin + (j + 1) * BN;
+            cp_wait<0>();
+            fence_async_smem();
+            __syncthreads();  // K(j+1) and V(j) landed; everyone is done with K(j) (S(j)) and V(j-1) (P V of j-1)
+            load_rows<D, BN>(sv0 + ((j + 1) & 1) * KV_BYTES, v_cache, table, kt1, ctx, block_size, hkv, h);
+            if (j + 2 < num_tiles)
+                load_rows<D, BN>(sk0 + (j & 1) * KV_BYTES, k_cache, table, kt1 + BN, ctx, block_size, hkv, h);
+            cp_commit();
 #pragma unroll
-        for (int p = 0; p < NP; ++p)
+            for (int p = 0; p < NP; ++p) reg_fence(s[p]);
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
+            for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+            wg_fence();
+            issue_qk<D, BN>(s, sq_wg, sk0 + ((j + 1) & 1) * KV_BYTES);
+            wg_commit();
+            issue_pv<D, BN>(o, pa, sv0 + (j & 1) * KV_BYTES);
+            wg_commit();
+            wg_wait<1>();  // S(j+1) done; P(j) V(j) may still run
+            unsigned pn[BN / 16][4];
+            online_softmax<BN>(s, pn, m_i, l_i, alpha, kt1, rv);
+            wg_wait<0>();
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int hf = e >> 1;
-                    float val = s[p][4 * i + e] * scale_log2;
-                    if (!full) {
-                        const int key = kt + p * 64 + i * 8 + 2 * c + (e & 1);
-                        const bool vis = row_ok[hf] && key <= qp[hf] && key >= kv_begin &&
-                                         (window <= 0 || key > qp[hf] - window);
-                        if (!vis) val = -INFINITY;
-                    }
-                    s[p][4 * i + e] = val;
-                    mx[hf] = fmaxf(mx[hf], val);
-                }
-        float alpha[2], mnew[2];
+            for (int p = 0; p < OP; ++p) reg_fence(o[p]);
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
-            mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
-            mnew[hf] = fmaxf(m_i[hf], mx[hf]);
-            alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
-            m_i[hf] = mnew[hf];
-            l_i[hf] *= alpha[hf];
-        }
-        // P as the A fragments of O += P V: pa[k2] covers keys 16 k2 .. 16 k2 + 15
-        unsigned pa[BN / 16][4];
+            for (int k2 = 0; k2 < BN / 16; ++k2) {
+                reg_fence(pa[k2]);
 #pragma unroll
-        for (int p = 0; p < NP; ++p)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float pv[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int hf = e >> 1;
-                    pv[e] = mnew[hf] == -INFINITY ? 0.f : exp2f(s[p][4 * i + e] - mnew[hf]);
-                    l_i[hf] += pv[e];
-                }
-                const int k2 = p * 4 + (i >> 1), half = i & 1;
-                pa[k2][2 * half] = pack2_bf16(pv[0], pv[1]);      // row g, keys 8 half + 2c, +1
-                pa[k2][2 * half + 1] = pack2_bf16(pv[2], pv[3]);  // row g + 8
+                for (int x = 0; x < 4; ++x) pa[k2][x] = (pa[k2][x] & zero) | pn[k2][x];
             }
-#pragma unroll
-        for (int p = 0; p < OP; ++p) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                o[p][4 * i] *= alpha[0];
-                o[p][4 * i + 1] *= alpha[0];
-                o[p][4 * i + 2] *= alpha[1];
-                o[p][4 * i + 3] *= alpha[1];
-            }
-            reg_fence(o[p]);
+            rescale<OP>(o, alpha);
         }
-
-        // O [64 x D] += P [64 x BN] V [BN x D], as OP pieces of 64 columns
+        cp_wait<0>();  // the last tile's P V
+        fence_async_smem();
+        __syncthreads();
+#pragma unroll
+        for (int p = 0; p < OP; ++p) reg_fence(o[p]);
         wg_fence();
-#pragma unroll
-        for (int k2 = 0; k2 < BN / 16; ++k2)
-#pragma unroll
-            for (int p = 0; p < OP; ++p)
-                wgmma_rs_tb(o[p], pa[k2], sw128_desc(sv + p * (BN * 128) + k2 * 16 * 128, 1024));
+        issue_pv<D, BN>(o, pa, sv0 + ((num_tiles - 1) & 1) * KV_BYTES);
         wg_commit();
-        wg_wait0();
+        wg_wait<0>();
 #pragma unroll
         for (int p = 0; p < OP; ++p) reg_fence(o[p]);
 #pragma unroll
-        for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);  // read by the tensor cores until the wait
+        for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);
     }
 
 #pragma unroll
@@ -289,7 +400,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        if (!row_ok[hf]) continue;
+        if (!rv.ok[hf]) continue;
         const int r = r0 + warp * 16 + g + hf * 8;
         const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
         bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
@@ -297,7 +408,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         for (int p = 0; p < OP; ++p)
 #pragma unroll
             for (int i = 0; i < 8; ++i)
-                *reinterpret_cast<unsigned*>(orow + p * 64 + i * 8 + 2 * c) =
+                *reinterpret_cast<unsigned*>(orow + p * 64 + i * 8 + 2 * rv.c) =
                     pack2_bf16(o[p][4 * i + 2 * hf] * inv, o[p][4 * i + 2 * hf + 1] * inv);
     }
 }

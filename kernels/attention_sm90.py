@@ -30,7 +30,11 @@ def shared_bytes(head_dim: int) -> int:
     return (ROWS_PER_BLOCK + 4 * keys_per_tile(head_dim)) * head_dim * 2 + 1024
 
 
-_NAMES = [f"attn_wgmma_kernel<{d}, {keys_per_tile(d)}>" for d in HEAD_DIMS]
+def kernel_name(head_dim: int, overlap: bool) -> str:
+    return f"attn_wgmma_kernel<{head_dim}, {keys_per_tile(head_dim)}, {str(overlap).lower()}>"
+
+
+_NAMES = [kernel_name(d, overlap) for d in HEAD_DIMS for overlap in (False, True)]
 _LOCK = threading.Lock()
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 _SMEM_SET: set[tuple[int, int]] = set()
@@ -55,7 +59,7 @@ def _build() -> tuple[Path, dict[str, str]]:
     from prefixrun.kernels.cuda import _include_options, kernel_source
 
     source = kernel_source("attention_sm90")
-    options = ("-std=c++17", "-arch=sm_90a") + _include_options()
+    options = ("-std=c++17", "-arch=sm_90a", "-ftz=true") + _include_options()  # -ftz as CuPy compiles the rest
     key = hashlib.sha256(json.dumps([source, options, _NAMES, nvrtc.getVersion()]).encode()).hexdigest()[:32]
     folder = _cache_dir()
     cubin, names = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"
@@ -82,9 +86,9 @@ def _build() -> tuple[Path, dict[str, str]]:
     return cubin, lowered
 
 
-def _function(head_dim: int):
+def _function(head_dim: int, overlap: bool):
     dev = cupy.cuda.Device().id
-    name = f"attn_wgmma_kernel<{head_dim}, {keys_per_tile(head_dim)}>"
+    name = kernel_name(head_dim, overlap)
     fn = _FUNCTIONS.get((dev, name))
     if fn is None:
         with _LOCK:
@@ -104,18 +108,19 @@ def _function(head_dim: int):
 
 def compile_module():
     """Build (or load from the cache folder) every instantiation now."""
-    _function(HEAD_DIMS[0])
+    _function(HEAD_DIMS[0], False)
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
-            out):
+            out, overlap=False):
     """One launch of attn_wgmma_kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element strides
-    qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous)."""
+    qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous). `overlap`:
+    the schedule that runs a tile's softmax while the previous tile's P V is on the tensor cores."""
     if d not in HEAD_DIMS:
         raise ValueError(f"the sm_90a attention kernel takes head dims {HEAD_DIMS}, not {d}")
     rep = hq // hkv
     grid = (-(-tokens * rep // ROWS_PER_BLOCK) + nseq, hkv)
-    _function(d)(grid, (THREADS,), (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables,
+    _function(d, overlap)(grid, (THREADS,), (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables,
                                     np.int32(tables.shape[1]), ctx, cu, np.int32(nseq), np.int32(hq), np.int32(hkv),
                                     np.int32(bs), np.float32(scale_log2), np.int32(window), out),
                  shared_mem=shared_bytes(d))

@@ -20,10 +20,11 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
 - decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
   batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s (1152 keys: 87 us vs 112 us split).
 - cascade: a decode step with shared-prefix groups reads each group's shared K/V once.
-- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: the wgmma kernel
-  (kernels/attention_sm90.cu) when the step averages at least 64 query rows (tokens x GQA ratio) per sequence;
-  steps of a few rows per sequence (speculative verification, decode-like chunks) keep attn_mma_kernel, whose
-  16-row warps waste less of a tile.
+- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: `attn_prefill_kernel` "wgmma" or
+  "wgmma-overlap" (kernels/attention_sm90.cu, its two schedules) when the step averages at least 64 query rows
+  (tokens x GQA ratio) per sequence; steps of a few rows per sequence (speculative verification, decode-like
+  chunks) and other GPUs keep attn_mma_kernel, whose 16-row warps waste less of a tile. Default "mma" until a
+  device run has checked the wgmma kernels.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
     """Keys per K/V tile that attn_mma_kernel is instantiated with for `head_dim` (shared memory bounds 256)."""
     return (32, 64) if head_dim > 128 else (64,)
 ATTN_MAX_SPLITS = 32
-ATTN_PREFILL_KERNELS = ("auto", "mma", "wgmma")
+ATTN_PREFILL_KERNELS = ("mma", "wgmma", "wgmma-overlap")
 WGMMA_HEAD_DIMS = (64, 128, 256)  # attn_wgmma_kernel instantiations: whole 128-byte swizzle atoms per row
 WGMMA_MIN_ROWS_PER_SEQ = 64
 WGMMA_ROWS_PER_BLOCK = 128  # BM of attn_wgmma_kernel: two warpgroups of 64 query rows
@@ -70,9 +71,9 @@ class CudaTuning:
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
     attn_split_decode: bool | str = "auto"
     attn_cascade: bool = True
-    # "wgmma" (sm_90 tensor-core kernel), "mma" (mma.sync) or "auto" (the rule in the module docstring). "mma"
-    # until the wgmma kernel has passed a device run (tests/test_cuda_kernels.py and bench/kernel_bench.py force
-    # it); switching the default to "auto" changes prefill numerics: bump kernels/numerics.py NUMERICS_VERSION too
+    # the prefill kernel on sm_90 (see the module docstring): "mma" until a device run has checked the wgmma
+    # kernels (tests/test_cuda_kernels.py and bench/kernel_bench.py run them explicitly); a new default changes
+    # prefill numerics: bump kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "mma"
 
     def __post_init__(self):
@@ -160,13 +161,14 @@ class AttentionPlan:
     "plain" (one mma.sync tensor-core pass), "split" (decode split over key
     ranges, one warp per split, then a merge) or "cascade" (a pass per shared-prefix group over its shared keys with
     `warps`, a pass per sequence over its own keys with `own_warps`, then a merge). `splits` key ranges, `keys` per
-    K/V tile."""
+    K/V tile; `overlap`: the wgmma schedule that overlaps a tile's softmax with the previous tile's P V."""
 
     path: str
     warps: int = 0
     keys: int = 0
     splits: int = 1
     own_warps: int = 0
+    overlap: bool = False
 
 
 def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, q_heads: int, kv_heads: int,
@@ -181,11 +183,9 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     d = head_dim
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
-    if choice == "wgmma" and not wgmma:
-        raise ValueError("attn_prefill_kernel='wgmma' needs a compute capability 9.0 GPU (H100/H200)")
-    if wgmma and not decode and d in WGMMA_HEAD_DIMS and choice != "mma" and (
-            choice == "wgmma" or tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
-        return AttentionPlan("wgmma")
+    if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
+            and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
+        return AttentionPlan("wgmma", warps=8, keys=wgmma_keys_per_tile(d), overlap=choice == "wgmma-overlap")
     wide = 8 if d > 128 else 4
     table_keys = table_width * block_size
     if shared and decode and window == 0 and tuning.attn_cascade:

@@ -1,6 +1,8 @@
 """attn_wgmma_kernel (kernels/attention_sm90.cu) checked on the CPU, so that a device run only has to confirm it.
 
-Three independent pieces, each a transcription of the kernel's own formulas checked against something else:
+Three independent pieces, each a transcription of the kernel's own formulas checked against something else (both
+schedules, OVERLAP or not, do the same arithmetic in the same order and read shared memory through the same
+descriptors; they differ in when each wgmma is issued):
 1. the algorithm: a NumPy model of the kernel's blocks (row mapping tokens x GQA heads, the K/V tile range of a
    query tile, the fully-visible-tile shortcut, online softmax in log2 units, P rounded to bf16, fp32 sums, bf16
    output) against the reference attention (kernels/reference.py) on ragged batches with history and windows,

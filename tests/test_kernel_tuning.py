@@ -130,29 +130,28 @@ def test_attention_other_choices():
 
 def test_attention_wgmma_choice():
     """On an sm_90 GPU ("wgmma": the device runs sm_90a code) prefill steps of at least 64 query rows per sequence
-    take the wgmma kernel under "auto"; decode, few-row steps (speculative verification), other head dims and
-    fp32 keep their paths; "mma" keeps the mma.sync kernel; forcing "wgmma" elsewhere is an error."""
-    auto = dataclasses.replace(DEFAULT, attn_prefill_kernel="auto")
+    take the wgmma kernel chosen by attn_prefill_kernel; decode, few-row steps (speculative verification), other
+    head dims, fp32 and other GPUs keep their paths."""
     prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
-    assert attention_plan(auto, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma")
-    assert attention_plan(auto, H200_SMS, **prefill, wgmma=False) == AttentionPlan("plain", 8, 64)
-    default_path = {"mma": "plain", "auto": "wgmma"}[DEFAULT.attn_prefill_kernel]  # "mma" until a device run
+    default_path = {"mma": "plain"}.get(DEFAULT.attn_prefill_kernel, "wgmma")  # "mma" until a device run
     assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True).path == default_path
-    # 64 sequences verifying 4 drafted tokens each: 4 x 4 = 16 rows per sequence -> mma.sync
-    verify = {**prefill, "tokens": 64 * 4, "seqs": 64}
-    assert attention_plan(auto, H200_SMS, **verify, wgmma=True).path == "plain"
-    # 16 tokens x GQA 4 = 64 rows per sequence: the threshold
-    assert attention_plan(auto, H200_SMS, **{**prefill, "tokens": 64 * 16, "seqs": 64}, wgmma=True).path == "wgmma"
-    decode = {**prefill, "tokens": 64, "seqs": 64, "shared": True}
-    assert attention_plan(auto, H200_SMS, **decode, wgmma=True).path == "cascade"
-    assert attention_plan(auto, H200_SMS, **{**prefill, "head_dim": 80}, wgmma=True).path == "plain"
-    assert attention_plan(auto, H200_SMS, **{**prefill, "tensor_cores": False}, wgmma=True).path == "scalar"
-    forced = dataclasses.replace(DEFAULT, attn_prefill_kernel="wgmma")
-    assert attention_plan(forced, H200_SMS, **verify, wgmma=True).path == "wgmma"
-    mma = dataclasses.replace(DEFAULT, attn_prefill_kernel="mma")
-    assert attention_plan(mma, H200_SMS, **prefill, wgmma=True).path == "plain"
-    with pytest.raises(ValueError, match="9.0"):
-        attention_plan(forced, H200_SMS, **prefill, wgmma=False)
+    for choice, overlap in (("wgmma", False), ("wgmma-overlap", True)):
+        tuned = dataclasses.replace(DEFAULT, attn_prefill_kernel=choice)
+        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma", 8, 64,
+                                                                                       overlap=overlap)
+        assert attention_plan(tuned, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True).keys == 128
+        # not an sm_90 GPU: the mma.sync kernel, never an error
+        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=False) == AttentionPlan("plain", 8, 64)
+        # 64 sequences verifying 4 drafted tokens each: 4 x 4 = 16 rows per sequence -> mma.sync
+        verify = {**prefill, "tokens": 64 * 4, "seqs": 64}
+        assert attention_plan(tuned, H200_SMS, **verify, wgmma=True).path == "plain"
+        # 16 tokens x GQA 4 = 64 rows per sequence: the threshold
+        assert attention_plan(tuned, H200_SMS, **{**prefill, "tokens": 64 * 16, "seqs": 64}, wgmma=True).path == \
+            "wgmma"
+        decode = {**prefill, "tokens": 64, "seqs": 64, "shared": True}
+        assert attention_plan(tuned, H200_SMS, **decode, wgmma=True).path == "cascade"
+        assert attention_plan(tuned, H200_SMS, **{**prefill, "head_dim": 80}, wgmma=True).path == "plain"
+        assert attention_plan(tuned, H200_SMS, **{**prefill, "tensor_cores": False}, wgmma=True).path == "scalar"
 
 
 @pytest.mark.parametrize("bad", [dict(gdn_chunked="yes"), dict(gdn_tensor_cores="auto-ish"), dict(gdn_tc_warps=3),
