@@ -290,7 +290,7 @@ def make_drafter(method: str, model, ops, state) -> Drafter:
 
 def make_speculator(options, model, ops, state, runner) -> "Speculator | None":
     """The engine's speculator for its options (None when off). `auto` drafts with n-gram lookup."""
-    if options.speculative == "off":
+    if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
         return None
     k = _draft_count(options, model.state_specs())
     if k < 1:

@@ -307,6 +307,7 @@ class CudaOps:
         self._smem_set: set = set()
         # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
         self.tuning = tuning or CudaTuning()
+        self.auto_speculation = self.tuning.speculative_auto  # the Ops query (kernels/ops.py)
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._preparing: threading.Thread | None = None  # prepare_kernels' loader
         self._wgmma = attention_sm90.available()  # sm_90a kernels (attention prefill) run here
@@ -316,6 +317,7 @@ class CudaOps:
         the cuBLAS handle and caches, its tuning `dataclasses.replace(self.tuning, **changes)`."""
         other = copy.copy(self)
         other.tuning = dataclasses.replace(self.tuning, **changes)
+        other.auto_speculation = other.tuning.speculative_auto
         return other
 
     # ---- queries ------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Ops(Protocol):
     act_dtype: Any  # the storage dtype (a numpy dtype or ml_dtypes.bfloat16)
     can_capture_graphs: bool  # True: `capture` records launches and replays them without Python (worth using)
     default_block_size: int  # K/V rows per paged block that this backend runs best with
+    auto_speculation: bool  # --speculative auto may draft here (the backend's multi-row steps have been checked)
 
     def free_memory(self) -> int | None:
         """Bytes of device memory still available for state pools; None when state lives in host memory that the

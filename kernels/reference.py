@@ -23,6 +23,7 @@ class NumpyOps(MoeReferenceOps):
     # padded graph path can be tested on the CPU by forcing it
     can_capture_graphs = False
     default_block_size = 16  # small blocks: more sharing granularity, and host copies are cheap
+    auto_speculation = True  # the reference's multi-row steps are what the speculative tests check
 
     def __init__(self, dtype: str = "float32"):
         if dtype != "float32":
