@@ -296,6 +296,17 @@ def test_cli_flags_report_and_same_output(tmp_path, models):
             assert m["drafted"] > 0 and m["accepted"] > 0 and 0 < m["acceptance_rate"] <= 1
             assert "time_saved_seconds" in spec and "speculative ngram" in res.stderr
     assert outs["off"] == outs["ngram"] == outs["auto"]
+    for run_no in range(2):  # with the persistent cache: cold, then every prompt restored from disk
+        rep = tmp_path / f"disk{run_no}.json"
+        res = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", "--cache-dir",
+                                  str(tmp_path / "cache"), "--speculative", "ngram", "-o",
+                                  str(tmp_path / f"disk{run_no}.out"), "--json-report", str(rep)])
+        assert res.exit_code == 0, res.output
+        got = [json.loads(line)["token_ids"] for line in (tmp_path / f"disk{run_no}.out").read_text().splitlines()]
+        assert got == outs["off"]
+        report = json.loads(rep.read_text())
+        if run_no:
+            assert (report.get("reused_from_disk_tokens") or report["engine"]["reused_from_disk_tokens"]) > 0
     bad = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", "--speculative", "x"])
     assert bad.exit_code == 2 and "--speculative must be one of" in bad.stderr
     bad = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu",
@@ -419,3 +430,33 @@ def test_auto_backs_off_when_verify_steps_are_slower_and_stays_on_when_they_pay(
     assert verify == 0  # more than AUTO_MAX_BATCH sequences: plain steps only
     sampled, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq(greedy=False)])
     assert verify == 0  # auto never drafts for sampled requests
+
+
+class _HiddenOracle(OracleDrafter):
+    """A needs_hidden drafter: checks what it is handed against the interface's promise (hidden[-1] is the row whose
+    logits gave tokens[-1]; m = the rows the previous step kept) and drafts like the oracle."""
+
+    needs_hidden = True
+
+    def __init__(self, reference, model):
+        super().__init__(reference, spread=True)
+        self.model, self.seen = model, []
+
+    def propose(self, inputs):
+        for x in inputs:
+            assert x.hidden is not None and x.hidden.ndim == 2 and x.hidden.shape[1] == self.model.cfg.hidden_size
+            logits = self.model.ops.logits(x.hidden[-1:], self.model.lm_head)  # [1, V]
+            assert int(np.argmax(logits[0])) == x.tokens[-1]  # greedy: the row's argmax is the token it gave
+            self.seen.append(x.hidden.shape[0])
+        return super().propose(inputs)
+
+
+def test_needs_hidden_drafters_get_the_kept_rows_hidden_states(models, cpu_ops):
+    model = models["qwen3"]
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    drafter = _HiddenOracle(off, model)
+    on, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=4),
+                    drafter=drafter)
+    assert on == off
+    assert drafter.seen and max(drafter.seen) > 1 and min(drafter.seen) == 1  # m = n + 1 kept rows
+    assert stats.methods["oracle"].accepted > 0
