@@ -658,15 +658,12 @@ def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
 # catches a single row gone wrong; rows with few visible keys (first positions, windows of 5) change by O(1) when
 # one key is masked wrongly, and any fragment or swizzle layout error is O(1) everywhere.
 WGMMA_TOL, WGMMA_ROW_TOL = 1e-2, 3e-2
-WGMMA_CASES = [
+WGMMA_CASES = [  # the device run allows seconds per GPU test: four cases that together cover every feature
     # hq, hkv, d, block_size, window, strided q
     (16, 4, 256, 64, None, False),  # the 4b-like layer: GQA 4, the engine's block size
-    (8, 8, 128, 16, None, False),   # GQA 1: 128 tokens per query tile
-    (8, 4, 64, 32, 5, False),       # GQA 2, a window shorter than a block
-    (16, 2, 128, 16, 37, True),     # GQA 8 (16 tokens per tile), a window, q as a strided view of a fused projection
-    (4, 1, 256, 48, 300, False),    # a window longer than a K/V tile, a block size that is no power of two
-    (32, 8, 128, 64, None, True),   # qwen3-4b-like
-    (2, 2, 64, 16, 200, False),
+    (8, 8, 128, 16, 37, True),      # GQA 1 (128 tokens per query tile), a window, q a strided view (fused projection)
+    (8, 4, 64, 48, 5, False),       # GQA 2, a window shorter than a block, blocks of 48 (no power of two)
+    (16, 2, 128, 32, 300, False),   # GQA 8 (16 tokens per tile), a window longer than a K/V tile
 ]
 # (context after the step, new tokens): a first token alone, decode-like rows inside a prefill batch, history
 # before the queries (chunked prefill, restored checkpoints), lengths off every block, tile and 64-key boundary,
@@ -685,7 +682,7 @@ def _wgmma_smoke():
     for kernel in WGMMA_KERNELS:
         ops = CudaOps("bfloat16").retuned(attn_prefill_kernel=kernel)
         for hq, hkv, d in ((16, 4, 256), (8, 8, 128), (4, 2, 64)):
-            c = _paged_case(rng, ops, WGMMA_SEQS, hq, hkv, d, 16)
+            c = _paged_case(rng, ops, WGMMA_SEQS[:6], hq, hkv, d, 16)
             out = ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
                                       ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]),
                                       ops.upload_index(c["cu"]), d ** -0.5)
@@ -744,10 +741,10 @@ def test_paged_attention_wgmma_prefill(wgmma_ops, ref, hq, hkv, d, bs, window, s
 @pytest.mark.parametrize("d", [256])
 def test_paged_attention_wgmma_sharp_softmax(wgmma_ops, ref, d):
     """Large logits (q scaled x8: near one-hot rows, where the running max changes between key tiles and the
-    rescaling of O matters) and a single 2304-token sequence after 1000 cached tokens, as a restored checkpoint."""
+    rescaling of O matters) and a 1200-token sequence after 300 cached tokens, as after a restored checkpoint."""
     ops = wgmma_ops
     rng = np.random.default_rng(d)
-    c = _paged_case(rng, ops, [(3304, 2304), (5, 5)], 16, 4, d, 64)
+    c = _paged_case(rng, ops, [(1500, 1200), (5, 5)], 16, 4, d, 64)
     q = act_round(ops, c["q_host"] * 8)
     out = ops.paged_attention(ops.upload(q), ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
                               ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
