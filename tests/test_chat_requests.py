@@ -301,13 +301,14 @@ def test_engine_errors_become_error_records_in_both_shapes(capsys):
 
     class Engine:
         stats = None
+        warnings: list[str] = []  # what the backend could not use (shown as its results arrive)
 
         def run(self, requests):
             return iter(results)
 
     run = BatchRun.__new__(BatchRun)  # only what _run_window uses; loading a model is not the point here
     run.backend, run.reporter, run.model_name, run.failed, run.done = Engine(), RunReporter(quiet=True), "m", 0, 0
-    run._unknown_keys, run._unknown_keys_warned = {}, 0
+    run._unknown_keys, run._unknown_keys_warned, run._warned = {}, 0, 0
     out = io.StringIO()
     writer = OrderedWriter(out)
     run._run_window([(p, Request(p.custom_id, [1, 2, 3], p.sampling, p.index)) for p in (plain, openai)], writer)
