@@ -40,6 +40,7 @@ __device__ __forceinline__ void tc_cp16(void* dst, const void* src, bool ok) {  
 }
 __device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void tc_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void tc_cp_wait_all_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void tc_ldsm(unsigned (&r)[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tc_smem(p)));
@@ -310,17 +311,30 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
             S[nt][e] = d < dk && vv < dv ? st[(i64)d * dv + vv] : 0.f;
         }
 
-    for (int c0 = 0; c0 < len; c0 += TC_C) {
-        const int start = seq_start + c0, n = min(TC_C, len - c0);
-        __syncthreads();  // the previous chunk's tiles are consumed
+    // The loads of chunk c + 1 overlap chunk c's products, in two cp.async groups issued as soon as every warp is
+    // done with the tiles they replace: W and U0 (read only by the first product) after it, q, Aqk and k (and the
+    // gates) after the last. A chunk starts once its W and U0 have arrived and waits for the rest after its first
+    // product.
+    auto load_wu = [&](int start, int n) {
         tc_load_tile<D, NTH>(sW, LD, w_in + ((i64)start * heads + h) * dk, (i64)heads * dk, n, dk);
+        tc_load_tile<BV, NTH>(sU, ULD, u_in + ((i64)start * heads + h) * dv + v0, (i64)heads * dv, n, dv - v0);
+        tc_cp_commit();
+    };
+    auto load_qak = [&](int start, int n) {
         tc_load_tile<D, NTH>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
         tc_load_tile<D, NTH>(sQ, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
         tc_load_tile<TC_C, NTH>(sA, TC_ALD, a_in + ((i64)start * heads + h) * TC_C, (i64)heads * TC_C, n, TC_C);
-        tc_load_tile<BV, NTH>(sU, ULD, u_in + ((i64)start * heads + h) * dv + v0, (i64)heads * dv, n, dv - v0);
-        for (int i = tid; i < TC_C; i += NTH) sgc[i] = i < n ? gc_in[(i64)(start + i) * heads + h] : 0.f;
         tc_cp_commit();
-        tc_cp_wait_all();
+        for (int i = tid; i < TC_C; i += NTH) sgc[i] = i < n ? gc_in[(i64)(start + i) * heads + h] : 0.f;
+    };
+    load_wu(seq_start, min(TC_C, len));
+    load_qak(seq_start, min(TC_C, len));
+
+    for (int c0 = 0; c0 < len; c0 += TC_C) {
+        const int start = seq_start + c0, n = min(TC_C, len - c0);
+        const bool more = c0 + TC_C < len;
+        const int next_n = min(TC_C, len - c0 - TC_C);
+        tc_cp_wait_all_but_newest();  // this chunk's W and U0 (its q, Aqk, k may still be in flight)
         __syncthreads();
 
         // Vn^T = U0^T - S^T W^T  [16 value rows, C tokens]
@@ -346,6 +360,9 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
                 const int t = nt * 8 + 2 * tig + (e & 1), vl = vl0 + (e >> 1) * 8;
                 vn[nt][e] = __bfloat162float(sU[t * ULD + vl]) - vn[nt][e];
             }
+        tc_cp_wait_all();  // this chunk's q, Aqk and k
+        __syncthreads();   // ... visible to every warp, and every warp is done with W and U0
+        if (more) load_wu(start + TC_C, next_n);
 
         // O^T = exp(gc) S^T Q^T / sqrt(Dk) + Vn^T Aqk^T
         float o[8][4];
@@ -409,7 +426,8 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
                 tc_mma(S[2 * d2 + 1], a, b[2], b[3]);
             }
         }
-        __syncthreads();  // sO complete
+        __syncthreads();  // sO complete; q, Aqk, k and the gates consumed
+        if (more) load_qak(start + TC_C, next_n);
         constexpr int VPR = BV / 8;
         for (int idx = tid; idx < TC_C * VPR; idx += NTH) {
             const int r = idx / VPR, c = (idx % VPR) * 8;

@@ -10,7 +10,9 @@
 //   ldmatrix .x4: lanes 8i .. 8i + 7 give the row addresses of matrix i; register i of lane l holds row l / 4,
 //     elements 2 (l % 4) and +1 of matrix i; with .trans, elements [2 (l % 4)][l / 4] and [2 (l % 4) + 1][l / 4].
 //   cp.async: queued per thread in commit groups and performed at cp.async.wait_group (copies never committed and
-//     waited for are dropped), so a missing commit or wait reads stale shared memory here as it may on the device.
+//     waited for are dropped), so a missing commit or wait reads stale shared memory here as it may on the device;
+//     with EMU_CP_EAGER (the ThreadSanitizer build) also written at issue, so a copy issued while other threads still
+//     read its destination is a race too.
 // Only what the kernel needs is modelled; nothing here is fast.
 #pragma once
 #include <algorithm>
@@ -119,6 +121,10 @@ inline void emu_cp_async(void* dst, const void* src, int bytes) {
     if (reinterpret_cast<uintptr_t>(dst) % 16 || (bytes && reinterpret_cast<uintptr_t>(src) % 16))
         emu_fail("cp.async address not 16-byte aligned");
     if (bytes && !emu_readable.empty()) emu_check_read(src, bytes);
+#ifdef EMU_CP_EAGER  // the race-check build: the copy may land any time from issue to wait, so write at both ends
+    std::memset(dst, 0, 16);
+    std::memcpy(dst, src, bytes);
+#endif
     emu_open.push_back({dst, src, bytes});
 }
 inline void emu_cp_commit() {
@@ -137,6 +143,7 @@ inline void emu_cp_wait(int newest_pending) {  // cp.async.wait_group N: all but
 inline void tc_cp16(void* dst, const void* src, bool ok) { emu_cp_async(dst, src, ok ? 16 : 0); }
 inline void tc_cp_commit() { emu_cp_commit(); }
 inline void tc_cp_wait_all() { emu_cp_wait(0); }
+inline void tc_cp_wait_all_but_newest() { emu_cp_wait(1); }
 
 inline void emu_ldsm(unsigned (&r)[4], const void* p, bool trans) {
     EmuWarp& w = *emu_warp;

@@ -316,14 +316,16 @@ int main(int argc, char** argv) {  // argv: warps, prep geometry (6), scan geome
                     reason="a few minutes: set PREFIXRUN_TSAN=1 to race-check the kernels under ThreadSanitizer")
 @pytest.mark.parametrize("warps", [2, 4])
 def test_emulated_kernels_have_no_shared_memory_races(tmp_path, warps):
-    """The emulated kernels under ThreadSanitizer: every shared-memory write is ordered before the other threads'
-    reads by a __syncthreads (a removed barrier, e.g. before the scan's output stores, is reported)."""
+    """The emulated kernels under ThreadSanitizer: every shared-memory write (cp.async ones from issue to wait) is
+    ordered against the other threads' reads by a __syncthreads (a removed barrier, e.g. before the scan's output
+    stores, is reported)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("needs g++ with ThreadSanitizer")
     (tmp_path / "tsan.cpp").write_text(_source() + TSAN_MAIN)
     exe = tmp_path / "tsan"
-    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-w", f"-I{ROOT / 'tests'}",
+    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-DEMU_CP_EAGER", "-pthread", "-w",
+                           f"-I{ROOT / 'tests'}",
                            str(tmp_path / "tsan.cpp"), "-o", str(exe)], capture_output=True, text=True)
     if proc.returncode:
         pytest.skip(f"no ThreadSanitizer build here: {proc.stderr[-300:]}")
