@@ -87,17 +87,23 @@ __device__ __forceinline__ unsigned sw_off(int row, int ch) {
     return (unsigned)((ch >> 3) * (R * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4));
 }
 
-// Gather rows kt .. kt+BN-1 of (table, KV head h) of one cache into a swizzled tile; rows past ctx are zero-filled.
+// Gather rows kt .. kt+BN-1 of (table, KV head h) of one cache into a swizzled tile, and with dst2 != 0 the same
+// rows of cache2 (K and V of one tile: one table lookup per row); rows past ctx are zero-filled. Each thread keeps
+// one 16-byte column and walks rows 256 / (D / 8) apart.
 template <int D, int BN>
-__device__ __forceinline__ void load_rows(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ table,
-                                          int kt, int ctx, int block_size, int hkv, int h) {
+__device__ __forceinline__ void load_rows(unsigned dst, const bf16* __restrict__ cache, unsigned dst2,
+                                          const bf16* __restrict__ cache2, const int* __restrict__ table, int kt,
+                                          int ctx, int block_size, int hkv, int h) {
     constexpr int CH = D / 8;
-    for (int idx = threadIdx.x; idx < BN * CH; idx += 256) {
-        const int row = idx / CH, ch = idx % CH;
+    static_assert(256 % CH == 0, "whole rows per pass");
+    const int ch = threadIdx.x % CH;
+    for (int row = threadIdx.x / CH; row < BN; row += 256 / CH) {
         const int kp = kt + row;
         i64 o = 0;
         if (kp < ctx) o = (((i64)table[kp / block_size] * block_size + kp % block_size) * hkv + h) * D + ch * 8;
-        cp_async16_zfill(dst + sw_off<BN>(row, ch), cache + o, kp < ctx ? 16 : 0);
+        const unsigned so = sw_off<BN>(row, ch);
+        cp_async16_zfill(dst + so, cache + o, kp < ctx ? 16 : 0);
+        if (dst2) cp_async16_zfill(dst2 + so, cache2 + o, kp < ctx ? 16 : 0);
     }
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -265,11 +271,10 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
         cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
     }
-    load_rows<D, BN>(sk0, k_cache, table, t_begin, ctx, block_size, hkv, h);
-    load_rows<D, BN>(sv0, v_cache, table, t_begin, ctx, block_size, hkv, h);
+    load_rows<D, BN>(sk0, k_cache, sv0, v_cache, table, t_begin, ctx, block_size, hkv, h);
     cp_commit();
     if (OVERLAP && num_tiles > 1) {
-        load_rows<D, BN>(sk0 + KV_BYTES, k_cache, table, t_begin + BN, ctx, block_size, hkv, h);
+        load_rows<D, BN>(sk0 + KV_BYTES, k_cache, 0, k_cache, table, t_begin + BN, ctx, block_size, hkv, h);
         cp_commit();
     }
 
@@ -300,16 +305,16 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
             cp_wait<0>();
             fence_async_smem();  // this thread's cp.async writes -> visible to the tensor cores' (async proxy) reads
             __syncthreads();     // everyone's tile j landed; everyone finished tile j-1 (its buffers are free again)
-            if (j + 1 < num_tiles) {
-                load_rows<D, BN>(sk0 + ((j + 1) & 1) * KV_BYTES, k_cache, table, kt + BN, ctx, block_size, hkv, h);
-                load_rows<D, BN>(sv0 + ((j + 1) & 1) * KV_BYTES, v_cache, table, kt + BN, ctx, block_size, hkv, h);
-                cp_commit();
-            }
 #pragma unroll
             for (int p = 0; p < NP; ++p) reg_fence(s[p]);
             wg_fence();
             issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
             wg_commit();
+            if (j + 1 < num_tiles) {  // the next tile's gathers while the tensor cores compute S
+                const unsigned nb = ((j + 1) & 1) * KV_BYTES;
+                load_rows<D, BN>(sk0 + nb, k_cache, sv0 + nb, v_cache, table, kt + BN, ctx, block_size, hkv, h);
+                cp_commit();
+            }
             wg_wait<0>();
 #pragma unroll
             for (int p = 0; p < NP; ++p) reg_fence(s[p]);
@@ -351,10 +356,6 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
             cp_wait<0>();
             fence_async_smem();
             __syncthreads();  // K(j+1) and V(j) landed; everyone is done with K(j) (S(j)) and V(j-1) (P V of j-1)
-            load_rows<D, BN>(sv0 + ((j + 1) & 1) * KV_BYTES, v_cache, table, kt1, ctx, block_size, hkv, h);
-            if (j + 2 < num_tiles)
-                load_rows<D, BN>(sk0 + (j & 1) * KV_BYTES, k_cache, table, kt1 + BN, ctx, block_size, hkv, h);
-            cp_commit();
 #pragma unroll
             for (int p = 0; p < NP; ++p) reg_fence(s[p]);
 #pragma unroll
@@ -364,6 +365,12 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
             wg_commit();
             issue_pv<D, BN>(o, pa, sv0 + (j & 1) * KV_BYTES);
             wg_commit();
+            // the gathers of V(j+1) and K(j+2) while the tensor cores run (their buffers are not read by either)
+            load_rows<D, BN>(sv0 + ((j + 1) & 1) * KV_BYTES, v_cache, 0, v_cache, table, kt1, ctx, block_size, hkv, h);
+            if (j + 2 < num_tiles)
+                load_rows<D, BN>(sk0 + (j & 1) * KV_BYTES, k_cache, 0, k_cache, table, kt1 + BN, ctx, block_size, hkv,
+                                 h);
+            cp_commit();
             wg_wait<1>();  // S(j+1) done; P(j) V(j) may still run
             unsigned pn[BN / 16][4];
             online_softmax<BN>(s, pn, m_i, l_i, alpha, kt1, rv);
