@@ -169,7 +169,7 @@ def merge_reports(reports: list[dict]) -> dict:
             else:
                 merged[key] = round(merged[key] + value, 4) if isinstance(value, float) else merged[key] + value
     if "drafted" in merged and "sequence_steps" in merged:  # a speculative method's rates: from the summed counts
-        from prefixrun.engine.speculative import rates_of
+        from prefixrun.engine.speculator import rates_of
 
         merged = rates_of(merged)
     return merged

@@ -3,8 +3,8 @@
 A speculative decode step feeds each sequence its last token plus k drafted tokens (k may differ per sequence,
 even 0) in one multi-row step, verifies the drafts against the target model's own next-token choice for every
 row, and keeps the longest verified prefix: `ModelState.commit` rolls each sequence's state back to its last kept
-row (engine/state.py). The verification rules live in engine/verify.py; `Speculator` below decides when to
-speculate and how many drafts to ask for, runs the step and keeps the report's figures.
+row (engine/state.py). The verification rules live in engine/verify.py; `Speculator` (engine/speculator.py)
+decides when to speculate and how many drafts to ask for, runs the step and keeps the report's figures.
 
 The drafter interface (stable; the MTP head, engine/models/mtp.py, implements it too):
 
@@ -32,8 +32,7 @@ like any other region.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -101,168 +100,11 @@ class NgramDrafter:
         return []
 
 
-# ---- when to speculate, and the step -----------------------------------------------------------------------------
+# ---- modes and sizes (the Speculator itself: engine/speculator.py) ---------------------------------------------
 SPECULATIVE_MODES = ("auto", "off", "ngram", "mtp")
 DEFAULT_DRAFT_TOKENS = 5
 AUTO_MAX_BATCH = 16  # auto speculates only on decode steps this small: larger ones are closer to compute bound
 SPEC_MAX_SEQS = 16  # sequences that may draft in one step (sizes the snapshot pool: SPEC_MAX_SEQS x k rows)
-_PROBE_EVERY = 32  # auto: one plain step in this many keeps the plain step time (the yardstick) measured
-_EMA = 0.2
-
-
-@dataclass
-class MethodStats:
-    drafted: int = 0
-    accepted: int = 0
-    verify_steps: int = 0
-    sequence_steps: int = 0  # (sequence, verify step) pairs that carried drafts
-    tokens: int = 0  # tokens those pairs yielded (accepted + one of the target's own each)
-
-    def as_dict(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
-                "verify_steps": self.verify_steps, "sequence_steps": self.sequence_steps, "tokens": self.tokens,
-                "tokens_per_step": round(self.tokens / self.sequence_steps, 4) if self.sequence_steps else None}
-
-
-def rates_of(method: dict) -> dict:
-    """A method's report entry with its rates recomputed from its counts (after several workers' were summed)."""
-    return {**method, "acceptance_rate": round(method["accepted"] / method["drafted"], 4) if method["drafted"] else None,
-            "tokens_per_step": round(method["tokens"] / method["sequence_steps"], 4) if method["sequence_steps"]
-            else None}
-
-
-@dataclass
-class SpecStats:
-    mode: str = "off"
-    num_draft_tokens: int = 0
-    methods: dict[str, MethodStats] = field(default_factory=dict)
-    plain_steps: int = 0  # decode steps without drafts (nothing matched, probes, backed off, batch too large)
-    backoffs: int = 0  # times auto turned itself off because speculation was measured slower than plain steps
-    saved_seconds: float = 0.0  # sum over verify steps of (plain step time x steps replaced - the step's time)
-    unmeasured_steps: int = 0  # verify steps taken before any plain step of their batch size was measured
-
-    def as_dict(self) -> dict:
-        return {"mode": self.mode, "num_draft_tokens": self.num_draft_tokens,
-                "methods": {m: s.as_dict() for m, s in self.methods.items()}, "plain_steps": self.plain_steps,
-                "backoffs": self.backoffs, "time_saved_seconds": round(self.saved_seconds, 4),
-                "unmeasured_steps": self.unmeasured_steps}
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-class Speculator:
-    """Runs a window's decode steps with drafts where they pay. A request's sampled output depends on the steps
-    it drafted in (the same drafts, the same tokens), so `auto`, whose choices follow measured times, drafts for
-    greedy requests only (their tokens never change); explicit methods draft for every request. Every _PROBE_EVERY-th step (the first included) is
-    a plain one, which measures the yardstick of the time saved and of auto's decisions. `mode` "auto": only decode
-    steps of at most
-    AUTO_MAX_BATCH sequences, per-sequence draft counts that follow the acceptance (all accepted: one more, up to
-    `num_drafts`; else the accepted count + 1), and speculation backs off (for 2, 4, .. 512 steps) whenever its
-    measured tokens/s fall below plain steps' at the same batch size, so it is never slower than off for long.
-    Explicit methods draft every step, `num_drafts` each."""
-
-    def __init__(self, drafter: Drafter, mode: str, num_drafts: int, state, runner, max_seqs: int):
-        self.drafter, self.mode, self.num_drafts = drafter, mode, num_drafts
-        self.state, self.runner = state, runner
-        self.max_seqs = max_seqs
-        self.stats = SpecStats(mode=mode, num_draft_tokens=num_drafts)
-        self.stats.methods[drafter.method] = MethodStats()
-        self._k: dict[int, int] = {}  # id(sequence) -> drafts to ask for next (auto)
-        self._hidden: dict[int, Any] = {}  # id(sequence) -> hidden rows last kept (needs_hidden drafters)
-        self._plain_time: dict[int, float] = {}  # batch bucket -> EMA seconds of a plain step
-        self._spec_rate: dict[int, float] = {}  # batch bucket -> EMA tokens/s of verify steps
-        self._backoff, self._off_for, self._steps = 1, 0, 0
-
-    # ---- the decision ---------------------------------------------------------------------------------------
-    def drafts(self, seqs: list) -> list[list[int]] | None:
-        """Drafts per sequence for the coming step, or None: take a plain decode step."""
-        self._steps += 1
-        auto = self.mode == "auto"
-        if self._steps % _PROBE_EVERY == 1 or (auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
-            self._off_for = max(0, self._off_for - 1)
-            return None if not self.drafter.needs_hidden else [[] for _ in seqs]
-        room = self.state.snapshot_capacity
-        inputs, where = [], []
-        for i, s in enumerate(seqs[:self.max_seqs]):
-            # drafts never carry a sequence past its token or context limit within the step (each of the k + 1
-            # tokens is then accepted under the same rules a plain step applies)
-            k = min(self._k.get(id(s), self.num_drafts) if auto else self.num_drafts, s.remaining - 1,
-                    s.max_context - s.handle.length - 3, self.state.max_step_rows - 1, room)
-            hidden = self._hidden.get(id(s))
-            # auto leaves sampled requests alone: their tokens then never depend on its timing-driven choices
-            if k < 1 or (self.drafter.needs_hidden and hidden is None) or (auto and not s.request.sampling.greedy):
-                continue
-            inputs.append(DraftInput(list(s.request.prompt_token_ids) + s.tokens, k, s.handle, s.request, hidden))
-            where.append(i)
-            room -= k
-        out: list[list[int]] = [[] for _ in seqs]
-        if inputs:
-            for i, x, d in zip(where, inputs, self.drafter.propose(inputs)):
-                out[i] = [int(t) for t in d[:x.num_drafts]]
-        if not any(out) and not self.drafter.needs_hidden:
-            return None
-        return out
-
-    # ---- the step -------------------------------------------------------------------------------------------
-    def step(self, seqs: list, drafts: list[list[int]]) -> list[list[int]]:
-        """One multi-row step: feed each sequence its last token and its drafts, verify, commit the kept rows.
-        Returns each sequence's new tokens (1 .. k + 1)."""
-        t0 = time.perf_counter()
-        tokens = self.runner.verify(seqs, drafts, with_hidden=self.drafter.needs_hidden)
-        kept = [len(t) for t in tokens]
-        self.state.commit(kept)
-        if self.drafter.needs_hidden:
-            hidden = self.runner.last_hidden
-            for s, start, n in zip(seqs, self.runner.last_row_starts, kept):
-                self._hidden[id(s)] = hidden[start:start + n]
-        seconds = time.perf_counter() - t0
-        self._account(seqs, drafts, tokens, seconds)
-        return tokens
-
-    def plain_step_done(self, batch_size: int, seconds: float):
-        """A plain decode step of `batch_size` sequences took `seconds` (the yardstick of auto and of the time
-        saved)."""
-        self.stats.plain_steps += 1
-        b = _bucket(batch_size)
-        old = self._plain_time.get(b)
-        self._plain_time[b] = seconds if old is None else old + _EMA * (seconds - old)
-
-    def forget(self, seq):
-        self._k.pop(id(seq), None)
-        self._hidden.pop(id(seq), None)
-
-    def _account(self, seqs, drafts, tokens, seconds: float):
-        m = self.stats.methods.setdefault(self.drafter.method, MethodStats())
-        m.verify_steps += 1
-        for s, d, t in zip(seqs, drafts, tokens):
-            if d:
-                m.drafted += len(d)
-                m.accepted += len(t) - 1
-                m.sequence_steps += 1
-                m.tokens += len(t)
-                # all accepted: ask for one more next time; else as many as were accepted, plus one
-                self._k[id(s)] = min(self.num_drafts, len(t)) if len(t) <= len(d) else min(self.num_drafts,
-                                                                                            len(d) + 1)
-        b = _bucket(len(seqs))
-        produced = sum(len(t) for t in tokens)
-        plain = self._plain_time.get(b)
-        if plain is None:
-            self.stats.unmeasured_steps += 1
-        else:
-            self.stats.saved_seconds += plain * produced / len(seqs) - seconds
-        rate = produced / max(seconds, 1e-9)
-        old = self._spec_rate.get(b)
-        self._spec_rate[b] = rate if old is None else old + _EMA * (rate - old)
-        if self.mode == "auto" and plain is not None and m.verify_steps >= 4:
-            if self._spec_rate[b] < len(seqs) / plain:
-                self._off_for, self._backoff = self._backoff, min(2 * self._backoff, 512)
-                self.stats.backoffs += 1
-                self._spec_rate.pop(b)  # measured afresh after the pause
-            else:
-                self._backoff = 1
 
 
 def _draft_count(options, specs) -> int:
@@ -288,7 +130,7 @@ def make_drafter(method: str, model, ops, state) -> Drafter:
     return MtpDrafter(model, state)
 
 
-def make_speculator(options, model, ops, state, runner) -> "Speculator | None":
+def make_speculator(options, model, ops, state, runner):
     """The engine's speculator for its options (None when off). `auto` drafts with n-gram lookup."""
     if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
         return None
@@ -296,5 +138,7 @@ def make_speculator(options, model, ops, state, runner) -> "Speculator | None":
     if k < 1:
         return None
     method = "ngram" if options.speculative == "auto" else options.speculative
+    from prefixrun.engine.speculator import Speculator
+
     return Speculator(make_drafter(method, model, ops, state), options.speculative, k, state, runner,
                       min(options.max_batch, SPEC_MAX_SEQS))

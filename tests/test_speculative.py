@@ -384,6 +384,7 @@ class _FakeState:
 class _FakeRunner:
     def __init__(self, seconds, accept):
         self.seconds, self.accept = seconds, accept
+        self.decoder = type("Decoder", (), {"captures": 0})()
 
     def verify(self, seqs, drafts, with_hidden=False):
         import time
@@ -406,7 +407,8 @@ class _FakeSeq:
 
 
 def _drive(runner, seqs, steps=200, plain_seconds=0.001):
-    from prefixrun.engine.speculative import NgramDrafter, Speculator
+    from prefixrun.engine.speculative import NgramDrafter
+    from prefixrun.engine.speculator import Speculator
 
     spec = Speculator(NgramDrafter(), "auto", 5, _FakeState(), runner, 16)
     verify = 0

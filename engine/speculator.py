@@ -1,0 +1,182 @@
+"""When and how far to speculate, the verify step, and the report's figures (engine/speculative.py: the drafter
+interface, the modes and the sizes)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixrun.engine.speculative import AUTO_MAX_BATCH, DraftInput, Drafter
+
+_PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
+_EMA = 0.2
+
+
+@dataclass
+class MethodStats:
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    sequence_steps: int = 0  # (sequence, verify step) pairs that carried drafts
+    tokens: int = 0  # tokens those pairs yielded (accepted + one of the target's own each)
+
+    def as_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "verify_steps": self.verify_steps, "sequence_steps": self.sequence_steps, "tokens": self.tokens,
+                "tokens_per_step": round(self.tokens / self.sequence_steps, 4) if self.sequence_steps else None}
+
+
+def rates_of(method: dict) -> dict:
+    """A method's report entry with its rates recomputed from its counts (after several workers' were summed)."""
+    return {**method, "acceptance_rate": round(method["accepted"] / method["drafted"], 4) if method["drafted"] else None,
+            "tokens_per_step": round(method["tokens"] / method["sequence_steps"], 4) if method["sequence_steps"]
+            else None}
+
+
+@dataclass
+class SpecStats:
+    mode: str = "off"
+    num_draft_tokens: int = 0
+    methods: dict[str, MethodStats] = field(default_factory=dict)
+    plain_steps: int = 0  # decode steps without drafts (nothing matched, probes, backed off, batch too large)
+    backoffs: int = 0  # times auto turned itself off because speculation was measured slower than plain steps
+    saved_seconds: float = 0.0  # sum over verify steps of (plain step time x steps replaced - the step's time)
+    unmeasured_steps: int = 0  # verify steps without a yardstick (warm-ups, or no plain step of their size yet)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "num_draft_tokens": self.num_draft_tokens,
+                "methods": {m: s.as_dict() for m, s in self.methods.items()}, "plain_steps": self.plain_steps,
+                "backoffs": self.backoffs, "time_saved_seconds": round(self.saved_seconds, 4),
+                "unmeasured_steps": self.unmeasured_steps}
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Speculator:
+    """Runs a window's decode steps with drafts where they pay.
+
+    `auto`: only on decode steps of at most AUTO_MAX_BATCH sequences and only for greedy requests (a sampled
+    request's tokens depend on the steps it drafted in, and auto's choices follow measured times); per-sequence
+    draft counts follow the acceptance (all accepted: one more, up to `num_drafts`; else the accepted count + 1);
+    and it backs off (for 1, 2, 4 .. 512 steps) whenever its measured tokens/s fall below plain steps' at the same
+    batch size, so it is never slower than off for long. Explicit methods draft `num_drafts` for every request on
+    every step. Every _PROBE_EVERY-th step (the second included) is a plain one, whose time (the fastest seen per
+    batch size) is the yardstick of the time saved and of auto's decisions; steps that compiled or captured
+    something measure nothing."""
+
+    def __init__(self, drafter: Drafter, mode: str, num_drafts: int, state, runner, max_seqs: int):
+        self.drafter, self.mode, self.num_drafts = drafter, mode, num_drafts
+        self.state, self.runner = state, runner
+        self.max_seqs = max_seqs
+        self.stats = SpecStats(mode=mode, num_draft_tokens=num_drafts)
+        self.stats.methods[drafter.method] = MethodStats()
+        self._k: dict[int, int] = {}  # id(sequence) -> drafts to ask for next (auto)
+        self._hidden: dict[int, Any] = {}  # id(sequence) -> hidden rows last kept (needs_hidden drafters)
+        self._plain_time: dict[int, float] = {}  # batch bucket -> fastest plain step seen (robust to stalls)
+        self._spec_rate: dict[int, float] = {}  # batch bucket -> EMA tokens/s of verify steps
+        self._backoff, self._off_for, self._steps = 1, 0, 0
+        self._captures = 0  # the decoder's graph captures so far: a step that captured one is no measurement
+
+    # ---- the decision ---------------------------------------------------------------------------------------
+    def drafts(self, seqs: list) -> list[list[int]] | None:
+        """Drafts per sequence for the coming step, or None: take a plain decode step."""
+        self._steps += 1
+        auto = self.mode == "auto"
+        if self._steps % _PROBE_EVERY == 2 or (auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
+            self._off_for = max(0, self._off_for - 1)
+            return None if not self.drafter.needs_hidden else [[] for _ in seqs]
+        room = self.state.snapshot_capacity
+        inputs, where = [], []
+        for i, s in enumerate(seqs[:self.max_seqs]):
+            # drafts never carry a sequence past its token or context limit within the step (each of the k + 1
+            # tokens is then accepted under the same rules a plain step applies)
+            k = min(self._k.get(id(s), self.num_drafts) if auto else self.num_drafts, s.remaining - 1,
+                    s.max_context - s.handle.length - 3, self.state.max_step_rows - 1, room)
+            hidden = self._hidden.get(id(s))
+            # auto leaves sampled requests alone: their tokens then never depend on its timing-driven choices
+            if k < 1 or (self.drafter.needs_hidden and hidden is None) or (auto and not s.request.sampling.greedy):
+                continue
+            inputs.append(DraftInput(list(s.request.prompt_token_ids) + s.tokens, k, s.handle, s.request, hidden))
+            where.append(i)
+            room -= k
+        out: list[list[int]] = [[] for _ in seqs]
+        if inputs:
+            for i, x, d in zip(where, inputs, self.drafter.propose(inputs)):
+                out[i] = [int(t) for t in d[:x.num_drafts]]
+        if not any(out) and not self.drafter.needs_hidden:
+            return None
+        return out
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def step(self, seqs: list, drafts: list[list[int]]) -> list[list[int]]:
+        """One multi-row step: feed each sequence its last token and its drafts, verify, commit the kept rows.
+        Returns each sequence's new tokens (1 .. k + 1)."""
+        t0 = time.perf_counter()
+        tokens = self.runner.verify(seqs, drafts, with_hidden=self.drafter.needs_hidden)
+        kept = [len(t) for t in tokens]
+        self.state.commit(kept)
+        if self.drafter.needs_hidden:
+            hidden = self.runner.last_hidden
+            for s, start, n in zip(seqs, self.runner.last_row_starts, kept):
+                self._hidden[id(s)] = hidden[start:start + n]
+        seconds = time.perf_counter() - t0
+        self._account(seqs, drafts, tokens, seconds)
+        return tokens
+
+    def plain_step_done(self, batch_size: int, seconds: float):
+        """A plain decode step of `batch_size` sequences took `seconds` (the yardstick of auto and of the time
+        saved)."""
+        self.stats.plain_steps += 1
+        if self._warming():
+            return
+        b = _bucket(batch_size)
+        self._plain_time[b] = min(seconds, self._plain_time.get(b, seconds))
+
+    def _warming(self) -> bool:
+        """Whether the step just taken was a warm-up (the window's first, or one that captured a graph), whose
+        time measures compilation and capture rather than steps."""
+        captures = self.runner.decoder.captures
+        warm, self._captures = self._steps <= 1 or captures != self._captures, captures
+        return warm
+
+    def forget(self, seq):
+        self._k.pop(id(seq), None)
+        self._hidden.pop(id(seq), None)
+
+    def _account(self, seqs, drafts, tokens, seconds: float):
+        m = self.stats.methods.setdefault(self.drafter.method, MethodStats())
+        m.verify_steps += 1
+        for s, d, t in zip(seqs, drafts, tokens):
+            if d:
+                m.drafted += len(d)
+                m.accepted += len(t) - 1
+                m.sequence_steps += 1
+                m.tokens += len(t)
+                # all accepted: ask for one more next time; else as many as were accepted, plus one
+                self._k[id(s)] = min(self.num_drafts, len(t)) if len(t) <= len(d) else min(self.num_drafts,
+                                                                                            len(d) + 1)
+        b = _bucket(len(seqs))
+        produced = sum(len(t) for t in tokens)
+        plain = self._plain_time.get(b)
+        if self._warming():
+            self.stats.unmeasured_steps += 1
+            return
+        if plain is None:
+            self.stats.unmeasured_steps += 1
+        else:
+            self.stats.saved_seconds += plain * produced / len(seqs) - seconds
+        rate = produced / max(seconds, 1e-9)
+        old = self._spec_rate.get(b)
+        self._spec_rate[b] = rate if old is None else old + _EMA * (rate - old)
+        if self.mode == "auto" and plain is not None and m.verify_steps >= 4:
+            if self._spec_rate[b] < len(seqs) / plain:
+                self._off_for, self._backoff = self._backoff, min(2 * self._backoff, 512)
+                self.stats.backoffs += 1
+                self._spec_rate.pop(b)  # measured afresh after the pause
+            else:
+                self._backoff = 1
+
+
