@@ -79,6 +79,7 @@ class Speculator:
         self._spec_rate: dict[int, float] = {}  # batch bucket -> EMA tokens/s of verify steps
         self._backoff, self._off_for, self._steps = 1, 0, 0
         self._captures = 0  # the decoder's graph captures so far: a step that captured one is no measurement
+        self._draft_seconds = 0.0  # the last `drafts` call's drafting time
 
     # ---- the decision ---------------------------------------------------------------------------------------
     def drafts(self, seqs: list) -> list[list[int]] | None:
@@ -103,9 +104,11 @@ class Speculator:
             where.append(i)
             room -= k
         out: list[list[int]] = [[] for _ in seqs]
+        t0 = time.perf_counter()
         if inputs:
             for i, x, d in zip(where, inputs, self.drafter.propose(inputs)):
                 out[i] = [int(t) for t in d[:x.num_drafts]]
+        self._draft_seconds = time.perf_counter() - t0  # part of the step's cost (an MTP head runs a model)
         if not any(out) and not self.drafter.needs_hidden:
             return None
         return out
@@ -122,7 +125,7 @@ class Speculator:
             hidden = self.runner.last_hidden
             for s, start, n in zip(seqs, self.runner.last_row_starts, kept):
                 self._hidden[id(s)] = hidden[start:start + n]
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 + self._draft_seconds
         self._account(seqs, drafts, tokens, seconds)
         return tokens
 
