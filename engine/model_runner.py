@@ -33,10 +33,12 @@ class ModelRunner:
                                            pack_sampling_params(*self._sampling_arrays(seqs)))
         return [int(i) for i in self.ops.to_host(ids)]
 
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False) -> list[list[int]]:
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False,
+               pad_to: int | None = None) -> list[list[int]]:
         """One multi-row step: each sequence is fed its last token then its drafts; returns each sequence's tokens
         (the accepted drafts, then the target's own next token: engine/verify.py). The caller commits
-        len(tokens[i]) rows of each (ModelState.commit)."""
+        len(tokens[i]) rows of each (ModelState.commit). `pad_to`: the rows per sequence a replayed graph should
+        have where they fit (fewer distinct graphs)."""
         pieces = [[s.tokens[-1]] + list(d) for s, d in zip(seqs, drafts)]
         handles = [s.handle for s in seqs]
         r = max(len(p) for p in pieces)
@@ -47,9 +49,12 @@ class ModelRunner:
             argmax = self.ops.sample(logits, *greedy_params(logits.shape[0]))
         else:
             # a graph replays R rows per sequence: shorter pieces are padded with rows that are computed and then
-            # rejected (never kept: verification reads only a sequence's own drafts), where the sequence has room
-            if self.decoder.can_replay_rows(len(seqs), r) and all(r <= s.remaining and s.handle.length + r + 2
-                                                                  <= s.max_context for s in seqs):
+            # rejected (never kept: verification reads only a sequence's own drafts), where every sequence has
+            # room; R = `pad_to` where it fits (one graph per batch size and width, whatever the drafts' lengths)
+            fits = lambda n: self.decoder.can_replay_rows(len(seqs), n) and all(
+                n <= s.remaining and s.handle.length + n + 2 <= s.max_context for s in seqs)
+            r = max(r, pad_to) if pad_to and fits(max(r, pad_to)) else r
+            if fits(r):
                 pieces = [p + [p[-1]] * (r - len(p)) for p in pieces]
             logits, argmax = self.decoder.rows_step(handles, pieces)  # [T, V], backend [T]
         starts = np.cumsum([0] + [len(p) for p in pieces])[:-1].tolist()

@@ -118,7 +118,7 @@ class Speculator:
         """One multi-row step: feed each sequence its last token and its drafts, verify, commit the kept rows.
         Returns each sequence's new tokens (1 .. k + 1)."""
         t0 = time.perf_counter()
-        tokens = self.runner.verify(seqs, drafts, with_hidden=self.drafter.needs_hidden)
+        tokens = self.runner.verify(seqs, drafts, with_hidden=self.drafter.needs_hidden, pad_to=1 + self.num_drafts)
         kept = [len(t) for t in tokens]
         self.state.commit(kept)
         if self.drafter.needs_hidden:

@@ -367,6 +367,7 @@ def test_verify_steps_replayed_as_graphs_give_the_eager_tokens(family, models, c
     assert got == off
     rows_graphs = [k for k in eng.decoder.graphs if k[0] == "rows"]
     assert rows_graphs and {k[2] for k in rows_graphs} != {1}, eng.decoder.graphs.keys()
+    assert 6 in {k[2] for k in rows_graphs}  # padded to 1 + num_draft_tokens rows where they fit
     assert any(k[1] > 1 for k in rows_graphs)  # padded batches too
     eng.close()
     eng.check_invariants()
@@ -386,7 +387,7 @@ class _FakeRunner:
         self.seconds, self.accept = seconds, accept
         self.decoder = type("Decoder", (), {"captures": 0})()
 
-    def verify(self, seqs, drafts, with_hidden=False):
+    def verify(self, seqs, drafts, with_hidden=False, pad_to=None):
         import time
 
         time.sleep(self.seconds)
