@@ -11,7 +11,9 @@
 #   sampled-warm      the same command again (same folder)
 # and the long-prefix case where disk reuse must pay (LONG=1): doc-qa with four 16,384-token documents, questions
 # 0-7 of each document first, then questions 8-15 with that cache (warm) and with an empty one (cold).
-# One markdown table on stdout ($OUT/table.md); the JSON of every run in $OUT.
+# One markdown table per section on stdout ($OUT/table.md), each cached section followed by its cache costs (tokens
+# read from disk, reads declined, writes skipped, export / read / write seconds, the rates the cost model used and
+# why it declined what it declined); the JSON of every run in $OUT.
 set -uo pipefail
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -51,6 +53,32 @@ print(f"| {label} | {f['process_wall_seconds']:.2f} | {f['load_seconds']:.2f} | 
       f"| {f['max_batch']} | {hf} |")
 PY
 }
+costs() {  # label, json file: the cache's costs of one run, into the section's cache table (printed by flush_costs)
+  python3 - "$1" "$2" <<'PY' >> "$OUT/costs.part"
+import json, sys
+label, path = sys.argv[1], sys.argv[2]
+try:
+    c = json.load(open(path))["batch_report"]["cache"]["costs"]
+except Exception as exc:
+    print(f"| {label} | no cache costs ({type(exc).__name__}) |" + " |" * 10); sys.exit()
+mib = lambda b: f"{b / 2**20:,.1f}"
+r = c.get("rates") or {}
+rates = (f"prefill {r.get('prefill_tokens_per_s') or 0:,.0f} tok/s ({r.get('prefill_from')}), "
+         f"read {(r.get('read_bytes_per_s') or 0) / 1e9:.2f} GB/s ({r.get('read_from')})")
+why = "; ".join(f"{d['count']} × {k}: {d['example']}" for k, d in (c.get("declines") or {}).items())
+print(f"| {label} | {c['restored_tokens']:,} | {c['reads_declined']} | {c['writes_skipped']} | {mib(c['read_bytes'])} "
+      f"| {c['read_seconds']:.3f} | {mib(c['written_bytes'])} | {c['export_seconds']:.3f} | {c['write_seconds']:.3f} "
+      f"| {c['finish_wait_seconds']:.3f} | {rates} | {why} |")
+PY
+}
+flush_costs() {  # the section's cache table, after its main table
+  [ -s "$OUT/costs.part" ] || return 0
+  { echo; echo "cache costs (tokens read from disk, reads declined, writes skipped, where the time went, why):"; echo
+    echo "| mode | tokens from disk | reads declined | writes skipped | MiB read | read s | MiB written | export s | write s (background) | end wait s | rates used | declines (count × reason: example) |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    cat "$OUT/costs.part"; } | tee -a "$OUT/table.md"
+  rm -f "$OUT/costs.part"
+}
 header() {
   { echo; echo "### $1"; echo
     echo "| mode | process wall s | load s | engine wall s | prefill s | decode s | decode step ms | computed tokens | from disk | MiB written | max batch | transformers |"
@@ -77,13 +105,15 @@ for m in $MODELS; do
     bench "$m-$w-sampled-nocache" /tmp/$w.jsonl --no-cache
     row "generation_config sampling, no cache" "$OUT/$m-$w-sampled-nocache.json"
     bench "$m-$w-sampled-cold" /tmp/$w.jsonl --cache-dir "$CACHE"
-    row "sampling, cache cold" "$OUT/$m-$w-sampled-cold.json"
+    row "sampling, cache cold" "$OUT/$m-$w-sampled-cold.json"; costs "cold" "$OUT/$m-$w-sampled-cold.json"
     bench "$m-$w-sampled-warm" /tmp/$w.jsonl --cache-dir "$CACHE"
     row "sampling, cache warm (same file again)" "$OUT/$m-$w-sampled-warm.json"
+    costs "warm" "$OUT/$m-$w-sampled-warm.json"
     if [ -n "${EXTRA:-}" ]; then  # what prefix reuse buys
       bench "$m-$w-greedy-noreuse" /tmp/$w.jsonl --temperature 0 --no-cache --no-reuse
       row "greedy, no cache, --no-reuse" "$OUT/$m-$w-greedy-noreuse.json"
     fi
+    flush_costs
     du -sh "$CACHE" 2>/dev/null | awk '{print "cache folder after cold + warm: " $1}' | tee -a "$OUT/table.md"
   done
   if [ -n "${LONG:-}" ]; then
@@ -98,12 +128,15 @@ PY
     CACHE=/tmp/prefixrun-bench-cache/$m-long; rm -rf "$CACHE"
     header "$m · doc-qa, 4 × 16,384-token documents: new questions over cached documents"
     bench "$m-long-first" /tmp/long-first.jsonl --cache-dir "$CACHE"
-    row "questions 0-7, cache cold" "$OUT/$m-long-first.json"
+    row "questions 0-7, cache cold" "$OUT/$m-long-first.json"; costs "questions 0-7, cold" "$OUT/$m-long-first.json"
     bench "$m-long-second-warm" /tmp/long-second.jsonl --cache-dir "$CACHE"
     row "questions 8-15, cache warm (documents cached)" "$OUT/$m-long-second-warm.json"
+    costs "questions 8-15, warm" "$OUT/$m-long-second-warm.json"
     rm -rf "$CACHE"
     bench "$m-long-second-cold" /tmp/long-second.jsonl --cache-dir "$CACHE"
     row "questions 8-15, cache cold" "$OUT/$m-long-second-cold.json"
+    costs "questions 8-15, cold" "$OUT/$m-long-second-cold.json"
+    flush_costs
     rm -rf "$CACHE"
   fi
 done

@@ -171,8 +171,17 @@ def report_table(report: dict) -> Table:
         if costs:
             row("disk cache cost", f"read {human_bytes(costs['read_bytes'])} in {costs['read_seconds']:.2f} s "
                 f"({costs['restored_tokens']:,} tokens not computed); wrote {human_bytes(costs['written_bytes'])} "
-                f"in {costs['write_seconds']:.2f} s in the background; {costs['writes_skipped']} writes and "
-                f"{costs['reads_declined']} reads not worth their cost")
+                f"in {costs['write_seconds']:.2f} s in the background (export {costs['export_seconds']:.2f} s, "
+                f"end wait {costs['finish_wait_seconds']:.2f} s); {costs['writes_skipped']} writes skipped, "
+                f"{costs['reads_declined']} reads declined")
+            rates = costs.get("rates") or {}
+            if rates:
+                prefill = rates.get("prefill_tokens_per_s")
+                row("disk cache rates", (f"prefill {prefill:,.0f} tok/s" if prefill else "prefill not measured")
+                    + f" ({rates.get('prefill_from')}); read {human_bytes(rates.get('read_bytes_per_s') or 0)}/s "
+                    f"({rates.get('read_from')})")
+            for reason, decline in (costs.get("declines") or {}).items():
+                row("disk cache decision", f"{decline['count']:,} × {reason}; e.g. {decline['example']}")
         row("cache dir", str(cache["dir"]))
         if cache.get("error"):
             row("disk cache error", f"{cache['error']} (the run went on without the cache)")

@@ -269,6 +269,8 @@ class WindowExecutor:
                                          retain=e.persist is not None)
             e.spill(victims)
             if entry is not None:
+                if e.persist is not None:  # a branch point: the state later runs share most, offered while fresh
+                    e.persist.offer(task.path, e.state, entry.handle, entry.logits)
                 self.saved[task.id] = entry
                 self.saver[id(entry)] = (task, run)
                 self.trace.add("save", task.id, end=task.end, count=len(task.consumers))

@@ -68,15 +68,26 @@ class StateHandle:
 def export_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle) -> dict[str, np.ndarray]:
     """Host copies of h's regions: slot regions whole (rings in position order), paged regions their rows
     [0, length) in position order."""
-    out = {}
+    return export_regions_later(specs, arrays, ops, h)()
+
+
+def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle):
+    """Capture h's regions now (the handle may change right after) and return a function that gives their host
+    copies (export_regions' result); on a device the transfers happen when it is called, off the caller's path."""
+    pending = {}
     for s in specs:
         arr = arrays[s.name]
         if s.paged:
             rows = arr[h.blocks].reshape((-1,) + tuple(s.shape))[:h.length] if h.blocks else arr[:0, 0]
-            out[s.name] = ops.to_host(rows).copy()
+            pending[s.name] = ops.start_host_copy(rows)  # [length, *shape]
         else:
-            out[s.name] = s.to_position_order(ops.to_host(arr[h.slot]).copy(), h.length)
-    return out
+            pending[s.name] = ops.start_host_copy(arr[h.slot])  # [*shape]
+    length = h.length
+
+    def finish() -> dict[str, np.ndarray]:
+        return {s.name: s.to_position_order(pending[s.name](), length) for s in specs}
+
+    return finish
 
 
 def validate_regions(specs: list[RegionSpec], regions: dict[str, np.ndarray], length: int):
@@ -97,14 +108,18 @@ def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, re
                   block_size: int, first_block: int = 0):
     """Fill h's slot and blocks (allocated to cover h.length) with validated `regions`, undoing export_regions.
     Blocks before `first_block` are left as they are (shared with the state the regions extend)."""
+    own = h.blocks[first_block:]
+    index = ops.upload_index(np.asarray(own, np.int64)) if own else None
     for s in specs:
         arr = arrays[s.name]
         dtype = ops.storage_dtype(s.dtype)
         if s.paged:
-            first_row, own = first_block * block_size, h.blocks[first_block:]
-            padded = np.zeros((len(own) * block_size,) + tuple(s.shape), dtype)  # [own blocks * bs, *shape]
-            padded[:h.length - first_row] = regions[s.name][first_row:h.length]
-            for i, b in enumerate(own):
-                arr[b] = ops.upload(padded[i * block_size:(i + 1) * block_size], dtype)
+            if not own:
+                continue
+            first_row = first_block * block_size
+            rows = ops.upload(regions[s.name][first_row:h.length], dtype)  # [n, *shape]: one transfer per region
+            padded = ops.zeros((len(own) * block_size,) + tuple(s.shape), dtype)  # the last block's tail stays 0
+            padded[:h.length - first_row] = rows
+            arr[index] = padded.reshape((len(own), block_size) + tuple(s.shape))  # scattered into h's own blocks
         else:
             arr[h.slot] = ops.upload(s.from_position_order(np.asarray(regions[s.name]), h.length), dtype)

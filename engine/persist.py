@@ -11,16 +11,20 @@ digest and the kernels' numerics id (version, backend, storage dtype). The layou
 the block size. Every tensor read back (state regions and logits) is checked against the model (names, shapes,
 dtypes, finite values) before anything is copied; an entry that fails is quarantined and counts as a miss.
 
-Cost. A checkpoint on disk pays only when reading it back is cheaper than recomputing it. `CostModel` compares
-this run's measured prefill rate (tokens/s of this model on this device, from the engine's own counters) with the
-cache folder's measured read rate (bytes/s of this run's reads, or of its writes until it has read anything): an
-entry is written only where a later read is expected to take under half the time of recomputing its tokens, and a
-stored entry is read only when loading it beats computing the tokens it adds to the best state already in memory.
-On a CPU (hundreds of tokens/s) nearly everything pays; on a GPU (tens of thousands of tokens/s, ~100 MiB states)
-only long prefixes do.
+Cost (engine/cache_costs.py). A checkpoint on disk pays only when reading it back is cheaper than recomputing the
+tokens it adds. An offered state is written only where a later read is expected to take under half the time of
+recomputing the tokens it adds to the longest prefix already on disk (a prompt's end over a stored document adds
+its question, not the document); a stored entry is read only when loading it beats computing the tokens it adds
+to the best state already in memory. Rates: this run's prefill tokens/s and the folder's read bytes/s (reads
+only: the writer reads back what it wrote until enough reads were timed), each counted once it rests on enough
+work, else the rates earlier runs remembered in the folder, else a prior. On a CPU (hundreds of tokens/s) nearly
+everything pays; on a GPU (tens of thousands of tokens/s, ~100 MiB states) only long prefixes do. Every skipped
+write and declined read is counted by reason, with an example in figures (the report's cache costs).
 
-Writes run off the critical path: `offer` copies the state to the host (it must, before the handle changes) and a
-bounded background thread writes it; `finish` waits for the writer (the run's end).
+Writes run off the critical path: `offer` captures the state (on a device: a device-side copy, ordered after the
+work that computed it; the handle changes right after) and a bounded background thread copies it to the host and
+writes it; when the writer's queue is full the state is skipped rather than the run
+stalled on the disk; `finish` waits for the writer (the run's end).
 
 The store is an optimization, never a reason for a run to fail: a store that cannot be opened, or that raises an
 environmental error later (SQLite locked past its busy timeout, disk full, the folder removed, a damaged index),
@@ -32,15 +36,18 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import queue
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
+from prefixrun.engine.cache_costs import CacheCosts, CostModel, human_bytes, load_rates, measure_read_rate, \
+    save_rates
 from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, layout_digest, \
     state_layout
 from prefixrun.engine.store import CheckpointStore, StoredCheckpoint, StoreError, StoreKey
@@ -51,9 +58,6 @@ CACHE_KEY_VERSION = 2  # bump when what goes into the keys below changes
 # measured: write / read a state only where the rates measured in this run say reading it back beats recomputing;
 # always: every offered state is written and every match read (e.g. to fill a folder that another machine will read)
 CACHE_POLICIES = ("measured", "always")
-WRITE_MARGIN = 0.5  # write only if a later read is expected to take under half the recompute time
-MAX_PENDING_WRITE_BYTES = 512 << 20  # host copies waiting for the background writer; offer blocks beyond this
-_MIN_MEASURED_SECONDS = 1e-3  # below this a rate is noise, not a measurement
 _STORE_FAILURES = (sqlite3.Error, OSError, StoreError)
 log = logging.getLogger(__name__)
 
@@ -86,98 +90,37 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
             store.close()
         return None, (f"persistent checkpoint cache at {root} is not usable ({_describe(error)}); running without it "
                       "(`prefixrun inspect-cache --clear` removes a damaged cache)")
-    return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path, policy), None
-
-
-@dataclass
-class CacheCosts:
-    """What the persistent cache cost and saved in this run (the report's cache section)."""
-
-    restored_tokens: int = 0  # prompt tokens taken from disk instead of computed
-    read_bytes: int = 0
-    read_seconds: float = 0.0  # lookups: index, file read and verification, import into the state pools
-    written_bytes: int = 0
-    write_seconds: float = 0.0  # in the background writer, off the critical path
-    export_seconds: float = 0.0  # on the critical path: copying states to the host for the writer
-    finish_wait_seconds: float = 0.0  # the run's end waiting for the writer
-    writes_skipped: int = 0  # states not written: the cost model expected recomputing to be cheaper
-    reads_declined: int = 0  # stored entries not read: the cost model expected computing to be cheaper
-
-    def as_dict(self) -> dict:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
-
-
-class CostModel:
-    """Measured rates of this run: prefill tokens/s (from the engine's counters) and the cache folder's bytes/s.
-
-    Until a rate is measured the cache gets the benefit of the doubt (write, read), so the first entries of a
-    run are what measures the folder."""
-
-    def __init__(self, always: bool = False):
-        self.always = always  # --cache-policy always: write every offered state, read every match
-        self.prefill_counters = None  # an object with computed_prompt_tokens and prefill_seconds (RunStats)
-        self._read = [0, 0.0]  # bytes, seconds
-        self._written = [0, 0.0]
-        self._lock = threading.Lock()
-
-    def observe_read(self, nbytes: int, seconds: float):
-        with self._lock:
-            self._read[0] += nbytes
-            self._read[1] += seconds
-
-    def observe_write(self, nbytes: int, seconds: float):
-        with self._lock:
-            self._written[0] += nbytes
-            self._written[1] += seconds
-
-    def prefill_tokens_per_second(self) -> float | None:
-        c = self.prefill_counters
-        if c is None or c.prefill_seconds < _MIN_MEASURED_SECONDS or c.computed_prompt_tokens <= 0:
-            return None
-        return c.computed_prompt_tokens / c.prefill_seconds
-
-    def read_bytes_per_second(self) -> float | None:
-        """Measured reads; before any, the writes (a read is rarely slower than the write of the same bytes)."""
-        with self._lock:
-            for nbytes, seconds in (self._read, self._written):
-                if seconds >= _MIN_MEASURED_SECONDS and nbytes > 0:
-                    return nbytes / seconds
-        return None
-
-    def _seconds(self, n_tokens: int, nbytes: int) -> tuple[float, float] | None:
-        prefill, read = self.prefill_tokens_per_second(), self.read_bytes_per_second()
-        if prefill is None or read is None:
-            return None
-        return n_tokens / prefill, nbytes / read
-
-    def worth_writing(self, n_tokens: int, nbytes: int) -> bool:
-        if self.always:
-            return True
-        times = self._seconds(n_tokens, nbytes)
-        return times is None or times[1] < WRITE_MARGIN * times[0]
-
-    def worth_reading(self, gained_tokens: int, nbytes: int) -> bool:
-        if self.always:
-            return True
-        times = self._seconds(gained_tokens, nbytes)
-        return times is None or times[1] < times[0]
+    return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path, policy,
+                                 rates_root=Path(root)), None
 
 
 class _BackgroundWriter:
-    """One thread that writes offered states in order; at most MAX_PENDING_WRITE_BYTES of host copies wait."""
+    """One thread that writes offered states in order; at most `max_pending` bytes of host copies wait."""
 
-    def __init__(self, write):
-        self._write = write  # (tokens, regions, meta) -> None, run on the thread
+    def __init__(self, write, max_pending: int):
+        self._write = write  # (tokens, regions_later, logits_later) -> None, run on the thread
+        self._max_pending = max_pending
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._room = threading.Condition()
         self._thread = threading.Thread(target=self._drain, name="prefixrun-cache-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, job: tuple, nbytes: int):
+    @property
+    def pending_bytes(self) -> int:
         with self._room:
-            # one job may exceed the bound alone; otherwise wait until the writer has made room
-            self._room.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= MAX_PENDING_WRITE_BYTES)
+            return self._pending
+
+    def has_room(self, nbytes: int) -> bool:
+        """One job may exceed the bound alone; otherwise the host copies waiting must stay within it."""
+        with self._room:
+            return self._pending == 0 or self._pending + nbytes <= self._max_pending
+
+    def submit(self, job: tuple, nbytes: int):
+        """Queue a job, waiting for room first (only `--cache-policy always` waits: the measured policy checks
+        `has_room` and skips instead, so the run never stalls on the disk)."""
+        with self._room:
+            self._room.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= self._max_pending)
             self._pending += nbytes
         self._queue.put((job, nbytes))
 
@@ -201,7 +144,7 @@ class _BackgroundWriter:
 
 class PersistentCheckpoints:
     def __init__(self, store: CheckpointStore, key: StoreKey, ops, vocab_size: int, model_dir: Path | None = None,
-                 policy: str = "measured"):
+                 policy: str = "measured", rates_root: Path | None = None):
         self.store = store
         self.key = key
         self.ops = ops
@@ -209,13 +152,28 @@ class PersistentCheckpoints:
         # Recorded with each entry so that `inspect-cache` can show its prefix as text.
         self.meta = {"model_dir": str(Path(model_dir).resolve())} if model_dir is not None else {}
         self.offered: set[tuple[int, ...]] = set()
+        # prefixes this run knows to be on disk (queued for writing, or restored): a child entry's worth is the
+        # tokens it adds to the longest of them, not its whole length
+        self._on_disk: dict[int, set[tuple[int, ...]]] = {}
         self.store_error: Exception | None = None  # set once the store failed; it is not used after that
         self.costs = CacheCosts()
         if policy not in CACHE_POLICIES:
             raise ValueError(f"cache policy must be one of {', '.join(CACHE_POLICIES)}, not {policy!r}")
-        self.cost_model = CostModel(always=policy == "always")
+        self._rates_root = rates_root
+        self._earlier_rates = load_rates(rates_root) if rates_root is not None else {}
+        self.cost_model = CostModel(always=policy == "always", earlier=self._earlier_rates, model=key.model_digest)
+        self.max_pending_write_bytes = max_pending_write_bytes()
         self._writer: _BackgroundWriter | None = None
         self._warned = threading.Lock()
+        self._calibration = None
+        if rates_root is not None and not self.cost_model.always and not self._earlier_rates.get("read_bytes_per_s"):
+            # a folder no run has measured: time a read of it while the first prefill runs
+            self._calibration = threading.Thread(target=self._calibrate, name="prefixrun-cache-calibration",
+                                                 daemon=True)
+            self._calibration.start()
+
+    def _calibrate(self):
+        self.cost_model.calibrated_read = measure_read_rate(self.store.root)
 
     def watch_prefill(self, counters):
         """The engine's counters (computed_prompt_tokens, prefill_seconds) that measure this device's prefill."""
@@ -228,6 +186,19 @@ class PersistentCheckpoints:
             self.store_error = error
         log.warning("persistent checkpoint cache: %s failed (%s); running without it", what, _describe(error))
 
+    def _remember_on_disk(self, tokens: tuple[int, ...]):
+        self._on_disk.setdefault(len(tokens), set()).add(tokens)
+
+    def _stored_base(self, key: tuple[int, ...]) -> int:
+        """The length of the longest proper prefix of `key` known to be on disk (this run's writes and restores,
+        then the index, which is read without opening any file)."""
+        best = max((n for n, keys in self._on_disk.items() if n < len(key) and key[:n] in keys), default=0)
+        try:
+            return max(best, self.store.indexed_prefix_length(self.key, key, len(key) - 1, best))
+        except _STORE_FAILURES:
+            return best
+
+    # ---- read ---------------------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], minimum: int, maximum: int, state: ModelState,
                share: StateHandle | None = None) -> tuple[StateHandle, object | None] | None:
         """A new handle restored from the longest usable stored prefix, with its logits if it ends at maximum.
@@ -236,8 +207,13 @@ class PersistentCheckpoints:
         if self.store_error is not None:
             return None
         started = time.perf_counter()
-        found = self._lookup(tokens, minimum, maximum, state, share)
-        self.costs.read_seconds += time.perf_counter() - started
+        found, read = self._lookup(tokens, minimum, maximum, state, share)
+        seconds = time.perf_counter() - started
+        self.costs.read_seconds += seconds
+        if read:
+            self.costs.read_bytes += read
+            self.cost_model.observe_read(read, seconds)  # index, file, verification and import: what a read costs
+        self.costs.rates = self.cost_model.rates()
         return found
 
     def _lookup(self, tokens, minimum, maximum, state, share):
@@ -245,36 +221,35 @@ class PersistentCheckpoints:
         problem = lambda checkpoint: self._problem(checkpoint, layout)  # noqa: E731
         afford = self._affordable(minimum)
         read_before = self.store.stats.read_bytes
-        started = time.perf_counter()
         try:
             hit = self.store.lookup(self.key, tokens, maximum, minimum, problem=problem, afford=afford)
             if hit is not None and len(hit.tokens) == maximum and LOGITS_REGION not in hit.regions:
                 hit = self.store.lookup(self.key, tokens, maximum - 1, minimum, problem=problem, afford=afford)
         except _STORE_FAILURES as error:
             self._give_up("lookup", error)
-            return None
+            return None, 0
         read = self.store.stats.read_bytes - read_before
-        self.costs.read_bytes += read
-        self.cost_model.observe_read(read, time.perf_counter() - started)
         if hit is None:
-            return None
+            return None, read
         regions = dict(hit.regions)
         logits = regions.pop(LOGITS_REGION, None)
         try:
             handle = state.import_state(regions, len(hit.tokens), share=share)
         except (StateLayoutError, OutOfStateMemory):
-            return None  # a miss: the caller computes instead (the layout was checked; this is lack of room)
+            return None, read  # a miss: the caller computes instead (the layout was checked; this is lack of room)
         self.offered.add(tuple(hit.tokens))
+        self._remember_on_disk(tuple(hit.tokens))
         self.costs.restored_tokens += len(hit.tokens) - minimum
         logits_dev = self.ops.upload(logits, np.float32) if logits is not None and len(hit.tokens) == maximum \
             else None
-        return handle, logits_dev
+        return (handle, logits_dev), read
 
     def _affordable(self, minimum: int):
         def afford(n_tokens: int, nbytes: int) -> bool:
-            if self.cost_model.worth_reading(n_tokens - minimum, nbytes):
+            reason = self.cost_model.judge_read(n_tokens - minimum, nbytes)
+            if reason is None:
                 return True
-            self.costs.reads_declined += 1
+            self.costs.decline("read declined: computing from the state in memory is cheaper", reason, write=False)
             return False
         return afford
 
@@ -297,33 +272,54 @@ class PersistentCheckpoints:
                 return f"stored logits: {reason}"
         return None
 
+    # ---- write --------------------------------------------------------------------------------------------
     def offer(self, tokens, state: ModelState, handle: StateHandle, logits) -> bool:
         """Queue the state at `tokens` for the store (once per prefix per run), if the cost model says a later
-        read will beat recomputing it. True if it was queued."""
+        read will beat recomputing the tokens it adds to the longest prefix already on disk. True if queued."""
         key = tuple(tokens)
         if self.store_error is not None or key in self.offered or handle.length != len(key):
             return False
         self.offered.add(key)
-        if not self.cost_model.worth_writing(len(key), state.handle_bytes(handle)):
-            self.costs.writes_skipped += 1
+        nbytes = state.handle_bytes(handle)
+        gained = len(key) - self._stored_base(key)
+        reason = self.cost_model.judge_write(gained, nbytes)
+        self.costs.rates = self.cost_model.rates()
+        if reason is not None:
+            self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
+            return False
+        if self._writer is None:
+            # waiting states are device snapshots until the writer copies them: bounded by device memory too
+            device_free = self.ops.free_memory()
+            if device_free is not None:
+                self.max_pending_write_bytes = min(self.max_pending_write_bytes, max(device_free // 4, 1))
+            self._writer = _BackgroundWriter(self._write, self.max_pending_write_bytes)
+        if not self.cost_model.always and not self._writer.has_room(nbytes):
+            # waiting would stall the device on the disk; this state is simply not kept
+            self.costs.decline("write skipped: the background writer's queue is full", (
+                f"{human_bytes(self._writer.pending_bytes)} waiting to be written, bound "
+                f"{human_bytes(self.max_pending_write_bytes)}; this state {human_bytes(nbytes)}"), write=True)
             return False
         started = time.perf_counter()
-        regions = state.export(handle)
-        if logits is not None:
-            regions[LOGITS_REGION] = np.asarray(self.ops.to_host(logits), np.float32)
+        # captured now (the handle changes next); the device -> host copies run on the writer thread
+        regions_later = state.export_later(handle)
+        logits_later = self.ops.start_host_copy(logits) if logits is not None else None
         self.costs.export_seconds += time.perf_counter() - started
-        if self._writer is None:
-            self._writer = _BackgroundWriter(self._write)
-        self._writer.submit((list(key), regions), sum(a.nbytes for a in regions.values()))
+        self._remember_on_disk(key)
+        self._writer.submit((list(key), regions_later, logits_later), nbytes)
         return True
 
-    def _write(self, tokens: list[int], regions: dict):
+    def _write(self, tokens: list[int], regions_later, logits_later):
         """On the writer thread."""
         if self.store_error is not None:
             return
         written_before = self.store.stats.written_bytes
-        started = time.perf_counter()
         try:
+            started = time.perf_counter()
+            regions = regions_later()
+            if logits_later is not None:
+                regions[LOGITS_REGION] = np.asarray(logits_later(), np.float32)
+            self.costs.host_copy_seconds += time.perf_counter() - started
+            started = time.perf_counter()
             self.store.put(self.key, tokens, regions, {"tokens": len(tokens), **self.meta})
         except Exception as error:  # on this thread nothing else would see it; the cache is optional
             self._give_up("write", error)
@@ -334,14 +330,47 @@ class PersistentCheckpoints:
         self.costs.write_seconds += seconds
         if written:
             self.cost_model.observe_write(written, seconds)
+            if not self.cost_model.always and not self.cost_model.reads_measured():
+                self._probe_read(tokens)
+
+    def _probe_read(self, tokens: list[int]):
+        """Read back what was just written, as a lookup would (file, hash, parse), to measure this folder's read
+        rate apart from its (fsync'd, slower) write rate. Only until enough reads were timed."""
+        started = time.perf_counter()
+        try:
+            nbytes = self.store.read_back(self.key, tokens)
+        except _STORE_FAILURES as error:
+            self._give_up("read back", error)
+            return
+        if nbytes:
+            seconds = time.perf_counter() - started
+            self.costs.probe_read_bytes += nbytes
+            self.costs.probe_read_seconds += seconds
+            self.cost_model.observe_read(nbytes, seconds)
 
     def finish(self):
-        """Wait for the background writer (the run's end); the store stays open for the report."""
+        """Wait for the background writer (the run's end) and remember the measured rates in the folder; the
+        store stays open for the report."""
         if self._writer is not None:
             started = time.perf_counter()
             self._writer.finish()
             self._writer = None
             self.costs.finish_wait_seconds += time.perf_counter() - started
+        if self._calibration is not None:
+            self._calibration.join()
+            self._calibration = None
+        self.costs.rates = self.cost_model.rates()
+        if self._rates_root is not None and self.store_error is None:
+            save_rates(self._rates_root, self.cost_model.remembered(self._earlier_rates))
+
+
+def max_pending_write_bytes() -> int:
+    """Host copies that may wait for the writer: 4 GiB, or an eighth of the host's memory if that is less."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        host = 8 << 30
+    return int(max(256 << 20, min(4 << 30, host // 8)))
 
 
 def _tensor_problem(array: np.ndarray, shape: tuple, dtype_name: str) -> str | None:
@@ -349,9 +378,16 @@ def _tensor_problem(array: np.ndarray, shape: tuple, dtype_name: str) -> str | N
         return f"shape {tuple(array.shape)}, expected {tuple(shape)}"
     if array.dtype.name != dtype_name:
         return f"dtype {array.dtype.name}, expected {dtype_name}"
-    if not np.isfinite(array.astype(np.float32, copy=False)).all():
+    if not _all_finite(array):
         return "non-finite values"
     return None
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """bfloat16 checked on its bits (exponent all ones: inf or nan) instead of converting GiBs of K/V to fp32."""
+    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+        return not np.any((array.view(np.uint16) & 0x7F80) == 0x7F80)
+    return bool(np.isfinite(array).all()) if array.dtype.kind == "f" else True
 
 
 def _describe(error: Exception) -> str:

@@ -144,7 +144,7 @@ class EngineSession:
 # What a merged report (several workers) takes as the largest value rather than the sum: sizes and settings that
 # each worker has on its own, and facts about the one shared cache folder.
 _NOT_SUMMED = {"checkpoint_budget_bytes", "load_seconds", "max_batch", "block_size", "entries", "bytes",
-               "budget_bytes", "num_draft_tokens"}
+               "budget_bytes", "num_draft_tokens", "prefill_tokens_per_s", "read_bytes_per_s", "write_bytes_per_s"}
 
 
 def merge_reports(reports: list[dict]) -> dict:

@@ -35,7 +35,7 @@ from prefixrun.engine.allocators import BlockAllocator, OutOfStateMemory, SlotAl
 from prefixrun.engine.batch import ForwardBatch, Padding, SharedPrefixes, build_batch  # noqa: F401
 from prefixrun.engine.batch import check_shared_prefix_arrays, shared_prefix_arrays  # noqa: F401
 from prefixrun.engine.handles import RegionSpec, StateHandle, StateLayoutError  # noqa: F401
-from prefixrun.engine.handles import export_regions, validate_regions, write_regions
+from prefixrun.engine.handles import export_regions, export_regions_later, validate_regions, write_regions
 
 STATE_FORMAT_VERSION = 1
 
@@ -295,6 +295,11 @@ class ModelState:
     def export(self, h: StateHandle) -> dict[str, np.ndarray]:
         """Host copies of h's regions: slot regions whole, paged regions only their rows [0, length)."""
         return export_regions(self.specs, self.arrays, self.ops, h)
+
+    def export_later(self, h: StateHandle):
+        """h's regions captured now; the returned function gives export(h)'s result, copying to the host when it
+        is called (on a device: off the caller's critical path, e.g. on the cache's writer thread)."""
+        return export_regions_later(self.specs, self.arrays, self.ops, h)
 
     def validate_import(self, regions: dict[str, np.ndarray], length: int):
         """Raise StateLayoutError unless `regions` is exactly this layout at `length` tokens (changes nothing)."""

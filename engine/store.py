@@ -1,5 +1,9 @@
 """Persistent checkpoint cache: model-state checkpoints of token prefixes, kept on disk between runs.
 
+(Over 300 lines because the on-disk contract below, the write protocol, the trust rules and the maintenance that
+keeps them true under concurrent processes and crashes share one index and one lock; a blob's bytes, how they are
+hashed, read and parsed, live in engine/blob_format.py.)
+
 A checkpoint is a dict of named numpy arrays ("regions": recurrent states, conv histories, KV rows, maybe the
 last logits) that belongs to one token prefix of one model with one state layout. The engine saves them at
 branch points and block boundaries; a later run restores the longest stored prefix of a prompt and prefills
@@ -7,14 +11,16 @@ only the rest.
 
 On-disk contract (everything below lives under ``root``; nothing else may write there)
 ------------------------------------------------------------------------------------------
-``index.sqlite3``   SQLite index in WAL mode, ``PRAGMA user_version = 1``. One table::
+``index.sqlite3``   SQLite index in WAL mode, ``PRAGMA user_version = 2`` (an index of version 1 is emptied on
+                    open: its digests are flat SHA-256). One table::
 
         entries(entry_id TEXT PRIMARY KEY,      -- checkpoint_key(StoreKey, tokens): SHA-256 hex
                 model_digest, layout_digest,    -- copies of the StoreKey fields (lookup filters on them)
                 n_tokens INTEGER,               -- length of the token prefix
                 file_name TEXT,                 -- blob file holding this entry (see below)
                 nbytes INTEGER,                 -- size of that file on disk: what the budget counts
-                content_sha256 TEXT,            -- SHA-256 of the file's bytes, recorded at write
+                content_sha256 TEXT,            -- tree digest of the file's bytes (engine/blob_format.py:
+                                                --   SHA-256 over the SHA-256 of each 8 MiB chunk), at write
                 hits INTEGER, created REAL, last_used REAL,   -- wall-clock seconds (time.time())
                 use_order INTEGER,              -- LRU order: larger = used more recently (see below)
                 meta_json TEXT,                 -- the caller's meta dict
@@ -43,7 +49,8 @@ removes it), never an index row pointing at a partial file. The indexed total ne
 any commit, and the files on disk are within the budget whenever no ``put`` is in flight.
 
 Trust rules (``lookup``): the index only says where to look. Before an entry is returned the store checks
-that the file exists, its size and SHA-256 match the row, safetensors parses it, its format version,
+that the file exists, its size and content digest match the row, its safetensors layout parses (every offset,
+shape and dtype checked, engine/blob_format.py), its format version,
 model and layout digests match, its stored token prefix hashes to the entry id, and the stored tokens equal
 the requested prefix exactly (a hash match alone is never trusted). A file that fails any check except the
 last is moved to ``quarantine/`` and its row deleted (counted as ``corrupt``); a file that passes all but the
@@ -75,13 +82,13 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
-import safetensors.numpy
-from safetensors import safe_open
+
+from prefixrun.engine import blob_format
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = "prefixrun-ckpt-v1"
-INDEX_SCHEMA_VERSION = 1
+INDEX_SCHEMA_VERSION = 2  # 2: content_sha256 holds the tree digest of engine/blob_format.py (1: a flat SHA-256)
 INDEX_FILE_NAME = "index.sqlite3"
 BLOBS_DIR_NAME = "blobs"
 QUARANTINE_DIR_NAME = "quarantine"
@@ -336,6 +343,11 @@ class CheckpointStore:
                     for statement in filter(str.strip, _SCHEMA.split(";")):
                         db.execute(statement)
                     db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
+                elif version == 1:
+                    # rows of the flat-SHA-256 era: dropped (their files become unindexed and are swept), so that
+                    # they are recomputed rather than all quarantined as corrupt
+                    db.execute("DELETE FROM entries")
+                    db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
                 elif version != INDEX_SCHEMA_VERSION:
                     raise StoreError(
                         f"checkpoint index {path} has schema version {version}, this prefixrun uses "
@@ -428,6 +440,43 @@ class CheckpointStore:
             self.stats.misses += 1
             return None
 
+    def indexed_prefix_length(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0) -> int:
+        """The length of the longest prefix P of `tokens` with min_len < len(P) <= max_len that has an index row
+        for this model and layout, else 0. The index only: no file is opened, so this says where an entry is
+        expected, not that it is intact (a lookup verifies)."""
+        _check_store_key(key)
+        token_array = _as_token_array(tokens)
+        upper = min(int(max_len), len(token_array))
+        with self._lock:
+            if upper <= min_len:
+                return 0
+            for (length,) in self._db.execute(
+                "SELECT DISTINCT n_tokens FROM entries WHERE model_digest = ? AND layout_digest = ? "
+                "AND n_tokens > ? AND n_tokens <= ? ORDER BY n_tokens DESC",
+                (key.model_digest, key.layout_digest, int(min_len), upper),
+            ).fetchall():
+                row = self._row(checkpoint_key(key, token_array[:length]))
+                if row is not None and row.n_tokens == length:
+                    return length
+            return 0
+
+    def read_back(self, key: StoreKey, tokens: Sequence[int]) -> int | None:
+        """Read and verify the entry of exactly `tokens` as a lookup would, without using it (no hit, no LRU
+        change): the bytes read, or None if there is no such entry. A bad entry is quarantined. The file is read
+        outside the store lock, so a lookup on another thread does not wait for it."""
+        _check_store_key(key)
+        with self._lock:
+            row = self._row(checkpoint_key(key, _as_token_array(tokens)))
+        if row is None:
+            return None
+        try:
+            self._read_verified(row, count=False)
+        except _BadEntry as bad:
+            with self._lock:
+                self._quarantine_if_unchanged(row, bad.reason)
+            return None
+        return row.nbytes
+
     def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None, afford=None) -> StoredCheckpoint | None:
         entry_id = checkpoint_key(key, prefix)
         row = self._row(entry_id)
@@ -454,8 +503,9 @@ class CheckpointStore:
         self._touch(self._db, entry_id, count_hit=True)
         return checkpoint
 
-    def _read_verified(self, row: _Row) -> StoredCheckpoint:
-        """Read and fully check one entry against its row; raise _BadEntry saying what is wrong."""
+    def _read_verified(self, row: _Row, *, count: bool = True) -> StoredCheckpoint:
+        """Read and fully check one entry against its row; raise _BadEntry saying what is wrong. `count`: add the
+        bytes to stats.read_bytes (False for a read-back on another thread, which a lookup must not count)."""
         path = self._path_of(row.file_name)
         if path is None:
             raise _BadEntry(f"file name {row.file_name!r} is not a blob name of this store")
@@ -466,18 +516,19 @@ class CheckpointStore:
         if size != row.nbytes:
             raise _BadEntry(f"size {size} != recorded {row.nbytes}")
         try:
-            content_sha256 = _sha256_of_file(path)
+            buffer, content_sha256 = blob_format.read_file(path, size)
         except FileNotFoundError:
             raise _BadEntry("file missing") from None
-        self.stats.read_bytes += size
+        except (OSError, blob_format.BlobFormatError) as error:
+            raise _BadEntry(f"unreadable: {error}") from None
+        if count:
+            self.stats.read_bytes += size
         if content_sha256 != row.content_sha256:
-            raise _BadEntry(f"content sha256 {content_sha256} != recorded {row.content_sha256}")
+            raise _BadEntry(f"content digest {content_sha256} != recorded {row.content_sha256}")
         try:
-            with safe_open(str(path), framework="numpy") as blob:
-                metadata = blob.metadata() or {}
-                stored = {name: blob.get_tensor(name) for name in blob.keys()}
-        except Exception as error:  # safetensors raises several types for malformed files
-            raise _BadEntry(f"safetensors cannot parse it: {error}") from None
+            metadata, stored = blob_format.parse(buffer)
+        except blob_format.BlobFormatError as error:
+            raise _BadEntry(f"not a safetensors file: {error}") from None
         if metadata.get("prefixrun.format") != FORMAT_VERSION:
             raise _BadEntry(f"format {metadata.get('prefixrun.format')!r} != {FORMAT_VERSION!r}")
         if metadata.get("prefixrun.model_digest") != row.model_digest:
@@ -675,15 +726,14 @@ class CheckpointStore:
         temp = shard / f".{entry_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             shard.mkdir(parents=True, exist_ok=True)
-            safetensors.numpy.save_file(tensors, str(temp), metadata=metadata)
-            with open(temp, "rb+") as handle:
-                hasher = hashlib.sha256()
-                for chunk in iter(lambda: handle.read(1 << 20), b""):
-                    hasher.update(chunk)
-                nbytes = handle.tell()
+            payload = blob_format.serialize(tensors, metadata)
+            content_sha256 = blob_format.tree_digest(payload)
+            nbytes = len(payload)
+            with open(temp, "xb") as handle:
+                handle.write(payload)
                 handle.flush()
                 os.fsync(handle.fileno())
-            content_sha256 = hasher.hexdigest()
+            del payload
             file_name = f"{entry_id}.{content_sha256[:16]}.safetensors"
             os.replace(temp, shard / file_name)
             _fsync_dir(shard)
@@ -1023,14 +1073,6 @@ def _storage_arrays(regions: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarra
         storage[name] = stored.astype(stored.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
         dtype_names[name] = dtype_name
     return storage, dtype_names
-
-
-def _sha256_of_file(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import get_cublas
+from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.upload import upload_bytes
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
@@ -388,6 +389,10 @@ class CudaOps:
                 return cupy.asnumpy(cupy.ascontiguousarray(array).view(np.uint16)).view(BF16)
             return cupy.asnumpy(array)
         return np.asarray(array)
+
+    def start_host_copy(self, array):
+        """A device snapshot now, its device -> host copy when the function is called (kernels/host_memory.py)."""
+        return start_device_to_host(array)
 
     def synchronize(self):
         cupy.cuda.get_current_stream().synchronize()

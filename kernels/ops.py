@@ -74,6 +74,11 @@ class Ops(Protocol):
     def to_host(self, array) -> np.ndarray:
         """Backend array -> numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""
 
+    def start_host_copy(self, array):
+        """Capture `array`'s content now (later writes to it do not show) and return a function that gives it as a
+        new numpy array (same dtype). The function may block until the copy is done and may be called from another
+        thread: the device -> host transfer need not hold up the work queued after this call."""
+
     def synchronize(self) -> None:
         """Wait until all queued work is done (timings)."""
 

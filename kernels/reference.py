@@ -69,6 +69,11 @@ class NumpyOps(MoeReferenceOps):
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
+    def start_host_copy(self, array):
+        """The copy is made now (the caller changes the array next); the function only hands it over."""
+        copied = np.array(array, copy=True)
+        return lambda: copied
+
     def synchronize(self):
         pass
 

@@ -5,6 +5,7 @@ Engine-level runs use a tiny random-weight hybrid model on the CPU with a tempor
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,10 +14,13 @@ import pytest
 
 from prefixrun.engine import loader
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.cache_costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
+    save_rates
 from prefixrun.engine.persist import CostModel, open_cache
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.state import ModelState
+from prefixrun.engine.cache_costs import WRITE_MARGIN
+from prefixrun.engine.state import ModelState, pool_unit_bytes
 
 SHARED = list(range(3, 203))  # 200 shared tokens
 PROMPTS = [SHARED + [300 + i, 400 + i, 450 + i] for i in range(4)]
@@ -30,16 +34,94 @@ class Counters:
 
 def test_cost_model_writes_and_reads_only_what_pays():
     model = CostModel()
-    assert model.worth_writing(10, 10 << 30) and model.worth_reading(10, 10 << 30)  # nothing measured yet
+    assert model.worth_writing(10, 10 << 30) and model.worth_reading(10, 10 << 30)  # no prefill measured: doubt
     model.prefill_counters = Counters(1000, 1.0)  # 1000 tokens/s
-    model.observe_write(1_000_000, 1.0)  # 1 MB/s, the read rate until a read is measured
-    assert model.worth_writing(1000, 100_000)  # 0.1 s to read back vs 1 s to recompute
-    assert not model.worth_writing(100, 100_000)  # 0.1 s vs 0.1 s: under the margin
-    assert model.worth_reading(200, 100_000) and not model.worth_reading(50, 100_000)
-    model.observe_read(100_000_000, 1.0)  # reads measured: 100 MB/s
-    assert model.worth_reading(50, 100_000) and model.worth_writing(100, 100_000)
+    # no read measured yet: the prior read rate (1 GB/s), never the write rate
+    model.observe_write(1_000_000, 1.0)  # 1 MB/s of fsync'd writes says nothing about reads
+    assert model.read_rate() == (PRIOR_READ_BYTES_PER_S, "prior")
+    assert model.worth_writing(1000, 100_000_000)  # 0.1 s to read back vs 1 s to recompute
+    assert not model.worth_writing(150, 100_000_000)  # 0.1 s vs 0.15 s: not under half
+    assert model.worth_reading(150, 100_000_000) and not model.worth_reading(50, 100_000_000)
+    model.observe_read(4 << 30, 1.0)  # reads measured: 4 GiB/s
+    assert model.read_rate()[1] == "this run"
+    assert model.worth_reading(50, 100_000_000) and model.worth_writing(150, 100_000_000)
     model.prefill_counters = Counters(10 ** 9, 1.0)  # a device that computes faster than any disk
     assert not model.worth_writing(4096, 100 << 20) and not model.worth_reading(4096, 100 << 20)
+    assert "adds no token" in model.judge_write(0, 1)
+    assert CostModel(always=True).worth_writing(0, 1 << 40)
+
+
+def test_a_tiny_first_measurement_decides_nothing():
+    model = CostModel()
+    model.prefill_counters = Counters(3, 0.001)  # a first step of 3 tokens: noise, not a rate
+    assert model.prefill_rate() == (None, "not measured") and model.worth_writing(1, 1 << 40)
+    model.observe_read(4096, 0.01)  # one small read that happened to be slow (400 KB/s)
+    assert model.read_rate()[1] == "prior"
+    model.observe_read(100 << 20, 0.04)  # enough bytes now: this run's rate
+    rate, source = model.read_rate()
+    assert source == "this run" and rate == pytest.approx(((100 << 20) + 4096) / 0.05)
+
+
+def test_rates_are_remembered_in_the_folder_and_a_bad_file_is_ignored(tmp_path):
+    model = CostModel(model="m1")
+    model.prefill_counters = Counters(50_000, 0.5)
+    model.observe_read(1 << 30, 0.5)
+    model.observe_write(1 << 30, 2.0)
+    save_rates(tmp_path, model.remembered({}))
+    earlier = load_rates(tmp_path)
+    later = CostModel(earlier=earlier, model="m1")
+    assert later.prefill_rate() == (pytest.approx(100_000), "earlier runs")
+    assert later.read_rate() == (pytest.approx(2 << 30), "earlier runs")  # the read rate, not the write rate
+    assert CostModel(earlier=earlier, model="m2").prefill_rate()[0] is None  # prefill is per model
+    # a run that measured too little keeps the earlier figures
+    assert CostModel(earlier=earlier, model="m1").remembered(earlier)["read_bytes_per_s"] == pytest.approx(2 << 30)
+    for damaged in (b"{not json", b'{"version": 1, "read_bytes_per_s": -5, "prefill_tokens_per_s": [1]}',
+                    b'{"version": 99, "read_bytes_per_s": 5}', b"x" * (2 << 20), b'[1, 2]',
+                    b'{"version": 1, "read_bytes_per_s": NaN}'):
+        (tmp_path / RATES_FILE_NAME).write_bytes(damaged)
+        rates = load_rates(tmp_path)
+        assert "read_bytes_per_s" not in rates and not rates.get("prefill_tokens_per_s"), damaged
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"version": 1, "read_bytes_per_s": 5.0}')
+    (tmp_path / RATES_FILE_NAME).unlink()
+    (tmp_path / RATES_FILE_NAME).symlink_to(outside)
+    assert load_rates(tmp_path) == {}  # not followed out of the folder
+    save_rates(tmp_path, model.remembered({}))
+    assert outside.read_text() == '{"version": 1, "read_bytes_per_s": 5.0}'  # nor written through
+
+
+# The bench model of the long-document case (shared/bench/models/qwen3_5-4b-like.json): 8 full-attention layers
+# (4 K/V heads of 256, bf16) and 24 Gated DeltaNet layers (32 value heads of 128x128 fp32 state, conv history of
+# 8192 channels x 3 in bf16). On an H200: prefill ~100k tokens/s on 2k-token prompts, ~22k tokens/s with the 16k
+# documents (measured: 69,632 tokens in 3.12 s).
+KV_BYTES_PER_TOKEN = 8 * 2 * 4 * 256 * 2  # 32 KiB
+SLOT_BYTES = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)  # 49 MiB
+
+
+def state_bytes(tokens: int) -> int:
+    return SLOT_BYTES + tokens * KV_BYTES_PER_TOKEN
+
+
+def test_h200_costs_long_documents_pay_short_prefixes_and_prompt_ends_do_not():
+    """Issue 12's device runs reasoned through with the H200's costs. The cold long-document run wrote two prompt
+    ends (the two offered before the first write had measured anything: 2 x 565 MiB = the 1,132 MiB reported) and
+    none of the document states (offered only at the run's end, and judged with the fsync'd WRITE rate), so the run
+    of new questions found nothing to read. Now: the document state is written and read, the question on top of it
+    is not worth its 49 MiB of recurrent state, and shared-system's 2k prefix is cheaper to recompute."""
+    model = CostModel()
+    model.prefill_counters = Counters(69_632, 3.12)  # the long-document run's measured prefill
+    model.observe_read(4 << 30, 1.0)  # page-cache reads with verification: a few GB/s
+    document, question = 16_384, 128
+    assert model.worth_writing(document, state_bytes(document))  # 0.74 s to recompute, ~0.14 s to read
+    assert model.worth_reading(document, state_bytes(document))
+    assert not model.worth_writing(question, state_bytes(document + question))  # 5.7 ms vs 138 ms
+    model.prefill_counters = Counters(18_432, 0.18)  # shared-system: ~100k tokens/s
+    assert not model.worth_writing(2048, state_bytes(2048))  # 20 ms to recompute vs 28 ms to read
+    assert not model.worth_writing(256, state_bytes(2048 + 256))
+    # read at the prior (before this folder was ever measured) the document is still worth it: 0.59 s < 0.74 s
+    fresh = CostModel()
+    fresh.prefill_counters = Counters(69_632, 3.12)
+    assert fresh.worth_reading(document, state_bytes(document))
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +153,21 @@ def test_import_shares_the_whole_blocks_of_the_state_in_memory(loaded):
     assert state.blocks.free_count == state.blocks.num_blocks
 
 
-def run(loaded, cache_root, prompts, *, fast_device=False, max_tokens=4, policy="measured", disk_measured=False):
-    """disk_measured: the folder's rate is known before the first write (1 GB/s), as it is once a run's first
-    writes are done; otherwise early writes go ahead on the benefit of the doubt, as many as the writer queues
-    before its first write finishes, which depends on this machine's load."""
+def run(loaded, cache_root, prompts, *, fast_device=False, max_tokens=4, policy="measured", disk_measured=False,
+        prefill_rate=None, setup=None):
+    """disk_measured: the folder's read rate is known from the start (1 GB/s), as it is once a run's first
+    writes were read back or an earlier run measured it. prefill_rate: tokens/s the device is taken to compute
+    (default: this machine's measured rate). setup(persist): anything else to arrange before the run."""
     persist, problem = open_cache(cache_root, 1 << 30, loaded, 16, policy)
     assert problem is None
     if disk_measured:
-        persist.cost_model.observe_write(1 << 30, 1.0)
+        persist.cost_model.observe_read(1 << 30, 1.0)
     engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8), persist=persist)
-    persist.watch_prefill(Counters(10 ** 12, 1.0) if fast_device else engine.stats)
+    if fast_device:
+        prefill_rate = 10 ** 12
+    persist.watch_prefill(Counters(prefill_rate, 1.0) if prefill_rate else engine.stats)
+    if setup is not None:
+        setup(persist)
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0), i)
                 for i, p in enumerate(prompts)]
     results = {r.custom_id: r.token_ids for r in engine.run(requests)}
@@ -108,7 +195,7 @@ def test_warm_run_restores_from_disk_and_shares_blocks(loaded, tmp_path, monkeyp
         return handle
 
     monkeypatch.setattr(ModelState, "import_state", spy)
-    warm, warm_costs, warm_stats, engine = run(loaded, tmp_path / "cache", PROMPTS)
+    warm, warm_costs, warm_stats, engine = run(loaded, tmp_path / "cache", PROMPTS, policy="always")
     assert warm == cold
     assert warm_costs.restored_tokens >= len(SHARED) and warm_costs.read_bytes > 0
     assert warm_stats.computed_prompt_tokens == 0
@@ -127,3 +214,85 @@ def test_a_device_faster_than_the_disk_neither_writes_nor_reads(loaded, tmp_path
     assert again == cold and costs.restored_tokens <= len(SHARED) and costs.reads_declined >= len(PROMPTS)
     fresh, costs, _, _ = run(loaded, tmp_path / "fresh", PROMPTS, fast_device=True, disk_measured=True)
     assert fresh == cold and costs.writes_skipped > 0 and costs.written_bytes == 0
+
+
+def test_a_fresh_folder_is_calibrated_and_leaves_nothing_behind(tmp_path):
+    before = set(tmp_path.iterdir())
+    rate = measure_read_rate(tmp_path, 4 << 20)
+    assert rate is not None and rate > 1e6  # bytes/s of a page-cache read + sha256: far above 1 MB/s anywhere
+    assert set(tmp_path.iterdir()) == before
+    model = CostModel()
+    model.calibrated_read = rate
+    assert model.read_rate() == (rate, "calibration")
+    model.earlier_read = 123.0
+    assert model.read_rate() == (123.0, "earlier runs")  # a measurement of real entries wins
+
+
+def without_cache(loaded, prompts, max_tokens=4):
+    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8))
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0), i)
+                for i, p in enumerate(prompts)]
+    results = {r.custom_id: r.token_ids for r in engine.run(requests)}
+    engine.close()
+    return results
+
+
+def tiny_state_bytes(loaded, tokens: int) -> int:
+    slot, block = pool_unit_bytes(loaded.model.state_specs(), loaded.ops, 16)
+    return slot + -(-tokens // 16) * block
+
+
+DOCUMENT = list(range(3, 203))  # 200 tokens
+FIRST = [DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(4)]
+SECOND = [DOCUMENT + [310 + i, 410 + i, 460 + i] for i in range(4)]  # new questions over the same document
+
+
+def test_new_questions_over_a_stored_document_read_it_and_prompt_ends_are_not_written(loaded, tmp_path):
+    """The long-document case on the CPU, with a device taken to compute the tiny model as fast, relative to its
+    state size, as it breaks even at 50 tokens: the document's state (a branch point, offered when it is saved)
+    is written; a prompt's end adds 3 tokens to the stored document, not worth its state; the second batch reads
+    the document and computes only its questions."""
+    breakeven = 1e9 * 50 * WRITE_MARGIN / tiny_state_bytes(loaded, 200)  # tokens/s: writing pays from ~50 tokens
+    first, costs, stats, _ = run(loaded, tmp_path / "c", FIRST, disk_measured=True, prefill_rate=breakeven)
+    assert costs.writes_skipped == len(FIRST), costs.declines  # every prompt end, for the reason below
+    (reason, decline), = costs.declines.items()
+    assert reason.startswith("write skipped: recomputing is cheaper") and decline["count"] == len(FIRST)
+    assert "recomputing 3 tokens" in decline["example"] and "(this run)" in decline["example"]
+    assert costs.written_bytes > 0 and costs.restored_tokens == 0
+    second, costs, stats, _ = run(loaded, tmp_path / "c", SECOND, disk_measured=True, prefill_rate=breakeven)
+    assert costs.restored_tokens == len(DOCUMENT) and stats.reused_from_disk_tokens == len(DOCUMENT) * len(SECOND)
+    assert stats.computed_prompt_tokens == 3 * len(SECOND) and costs.reads_declined == 0
+    assert second == without_cache(loaded, SECOND)  # the cache never changes an answer
+
+
+def test_a_full_writer_queue_skips_states_instead_of_stalling_the_run(loaded, tmp_path, monkeypatch):
+    from prefixrun.engine.store import CheckpointStore
+    release = threading.Event()
+    real_put = CheckpointStore.put
+
+    def slow_put(self, *args, **kwargs):
+        release.wait(30)  # the disk is busy until the run has offered everything
+        return real_put(self, *args, **kwargs)
+
+    def arrange(persist):
+        persist.max_pending_write_bytes = 1  # room for one state at a time
+        monkeypatch.setattr(CheckpointStore, "put", slow_put)
+        original = persist.finish
+        persist.finish = lambda: (release.set(), original())[1]
+
+    results, costs, _, _ = run(loaded, tmp_path / "c", FIRST, disk_measured=True, prefill_rate=1.0, setup=arrange)
+    full = costs.declines["write skipped: the background writer's queue is full"]
+    assert full["count"] == costs.writes_skipped >= 1 and "waiting to be written" in full["example"]
+    assert costs.written_bytes > 0  # the first state offered was written
+    assert results == without_cache(loaded, FIRST)
+
+
+def test_rates_measured_by_a_run_are_used_by_the_next(loaded, tmp_path):
+    def measured(persist):
+        persist.cost_model.observe_read(300 << 20, 0.1)  # 3 GiB/s of reads in this run
+
+    run(loaded, tmp_path / "c", FIRST, setup=measured, prefill_rate=5000.0)
+    seen = {}
+    run(loaded, tmp_path / "c", FIRST, setup=lambda p: seen.update(p.cost_model.rates()))
+    assert seen["read_from"] == "earlier runs" and seen["read_bytes_per_s"] == pytest.approx(3 << 30, rel=0.05)
+    assert seen["prefill_from"] == "earlier runs" and seen["prefill_tokens_per_s"] == pytest.approx(5000.0)

@@ -1,0 +1,283 @@
+"""What the persistent cache may cost: measured rates, the write / read rule, and the account of every decision.
+
+A stored state pays only when reading it back is cheaper than recomputing the tokens it adds. Three rates decide:
+- prefill tokens/s of this model on this device (the engine's own counters: computed tokens over prefill seconds);
+- the cache folder's READ bytes/s, measured on reads only (lookups, and the writer reading back what it wrote until
+  enough reads were timed). A write is fsync'd and several times slower than a read from the page cache, so it
+  never stands in for a read;
+- the folder's write bytes/s, reported (what the background writer spends), never used to judge a read.
+
+No decision hinges on one small, noisy first measurement: a rate counts once it rests on at least
+`MIN_READ_BYTES` / `MIN_PREFILL_SECONDS` of work. Until then the rate measured by earlier runs in this folder
+(`rates.json` next to `checkpoints/`, validated on read, a bad file ignored) stands in; in a folder no run has
+measured, a calibration (`measure_read_rate`: CALIBRATION_BYTES written to an unnamed file in the folder and read
+back with the store's hash, on a thread while the first prefill runs); and only before that finishes, a
+conservative prior (`PRIOR_READ_BYTES_PER_S`). An unknown prefill rate (no prefill yet, no earlier run of this
+model) gives the cache the benefit of the doubt.
+
+Every write skipped and every read declined is counted by reason, with one worked example per reason (the
+report's cache costs), so a run that read nothing from disk says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WRITE_MARGIN = 0.5  # write only if a later read is expected to take under half the recompute time
+MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under MIN_READ_SECONDS) is noise
+MIN_READ_SECONDS = 0.05
+MIN_PREFILL_SECONDS = 0.05  # likewise for the prefill rate (a GPU's first step also pays its warm-up)
+PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
+CALIBRATION_BYTES = 32 << 20
+RATES_FILE_NAME = "rates.json"
+RATES_VERSION = 1
+_MAX_RATES_FILE_BYTES = 1 << 20
+_MAX_MODELS_REMEMBERED = 64
+
+
+@dataclass
+class CacheCosts:
+    """What the persistent cache cost and saved in this run (the report's cache section)."""
+
+    restored_tokens: int = 0  # prompt tokens taken from disk instead of computed
+    read_bytes: int = 0
+    read_seconds: float = 0.0  # lookups: index, file read and verification, import into the state pools
+    written_bytes: int = 0
+    write_seconds: float = 0.0  # in the background writer, off the critical path
+    export_seconds: float = 0.0  # on the critical path: capturing offered states (a device-side copy on a GPU)
+    host_copy_seconds: float = 0.0  # on the writer thread: their device -> host copies
+    finish_wait_seconds: float = 0.0  # the run's end waiting for the writer
+    probe_read_bytes: int = 0  # the writer reading back what it wrote, to measure the folder's read rate
+    probe_read_seconds: float = 0.0
+    writes_skipped: int = 0  # states not written (see `declines`)
+    reads_declined: int = 0  # stored entries not read (see `declines`)
+    rates: dict = field(default_factory=dict)  # the rates the last decision used, and where each came from
+    declines: dict = field(default_factory=dict)  # reason -> {"count": n, "example": one decision in figures}
+
+    def decline(self, reason: str, example: str, *, write: bool):
+        if write:
+            self.writes_skipped += 1
+        else:
+            self.reads_declined += 1
+        entry = self.declines.setdefault(reason, {"count": 0, "example": example})
+        entry["count"] += 1
+
+    def as_dict(self) -> dict:
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        out["rates"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in self.rates.items()}
+        return out
+
+
+@dataclass
+class _Measured:
+    amount: float = 0.0  # bytes or tokens
+    seconds: float = 0.0
+
+    def rate(self, min_amount: float, min_seconds: float) -> float | None:
+        if self.seconds <= 0 or self.amount <= 0 or (self.amount < min_amount and self.seconds < min_seconds):
+            return None
+        return self.amount / self.seconds
+
+
+class CostModel:
+    """This run's measured rates (plus earlier runs' as a fallback) and the write / read rule."""
+
+    def __init__(self, always: bool = False, earlier: dict | None = None, model: str = ""):
+        self.always = always  # --cache-policy always: write every offered state, read every match
+        self.prefill_counters = None  # an object with computed_prompt_tokens and prefill_seconds (RunStats)
+        self.model = model  # the model key: prefill rates are remembered per model (and backend)
+        earlier = earlier or {}
+        self.earlier_read = earlier.get("read_bytes_per_s")
+        self.earlier_write = earlier.get("write_bytes_per_s")
+        self.earlier_prefill = earlier.get("prefill_tokens_per_s", {}).get(model)
+        self.calibrated_read: float | None = None  # measure_read_rate's figure, when no earlier run measured one
+        self._read = _Measured()
+        self._written = _Measured()
+        self._lock = threading.Lock()
+
+    # ---- measurements --------------------------------------------------------------------------------------
+    def observe_read(self, nbytes: int, seconds: float):
+        with self._lock:
+            self._read.amount += nbytes
+            self._read.seconds += seconds
+
+    def observe_write(self, nbytes: int, seconds: float):
+        with self._lock:
+            self._written.amount += nbytes
+            self._written.seconds += seconds
+
+    def reads_measured(self) -> bool:
+        with self._lock:
+            return self._read.rate(MIN_READ_BYTES, MIN_READ_SECONDS) is not None
+
+    def prefill_rate(self) -> tuple[float | None, str]:
+        """(tokens/s, where it came from)."""
+        c = self.prefill_counters
+        if c is not None:
+            measured = _Measured(c.computed_prompt_tokens, c.prefill_seconds).rate(math.inf, MIN_PREFILL_SECONDS)
+            if measured is not None:
+                return measured, "this run"
+        if self.earlier_prefill:
+            return self.earlier_prefill, "earlier runs"
+        return None, "not measured"
+
+    def read_rate(self) -> tuple[float, str]:
+        """(bytes/s of a read, where it came from): this run's reads, else earlier runs', else the prior."""
+        with self._lock:
+            measured = self._read.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
+        if measured is not None:
+            return measured, "this run"
+        if self.earlier_read:
+            return self.earlier_read, "earlier runs"
+        if self.calibrated_read:
+            return self.calibrated_read, "calibration"
+        return PRIOR_READ_BYTES_PER_S, "prior"
+
+    def write_rate(self) -> float | None:
+        with self._lock:
+            return self._written.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
+
+    def rates(self) -> dict:
+        prefill, prefill_from = self.prefill_rate()
+        read, read_from = self.read_rate()
+        return {"prefill_tokens_per_s": prefill, "prefill_from": prefill_from,
+                "read_bytes_per_s": read, "read_from": read_from, "write_bytes_per_s": self.write_rate()}
+
+    # ---- the rule ------------------------------------------------------------------------------------------
+    def judge_write(self, gained_tokens: int, nbytes: int) -> str | None:
+        """None if a state of `nbytes` that saves recomputing `gained_tokens` is worth writing, else why not."""
+        return None if self.always else self._judge(gained_tokens, nbytes, WRITE_MARGIN, "a later read")
+
+    def judge_read(self, gained_tokens: int, nbytes: int) -> str | None:
+        """None if reading `nbytes` beats computing `gained_tokens`, else why not."""
+        return None if self.always else self._judge(gained_tokens, nbytes, 1.0, "reading")
+
+    def worth_writing(self, gained_tokens: int, nbytes: int) -> bool:
+        return self.judge_write(gained_tokens, nbytes) is None
+
+    def worth_reading(self, gained_tokens: int, nbytes: int) -> bool:
+        return self.judge_read(gained_tokens, nbytes) is None
+
+    def _judge(self, gained_tokens: int, nbytes: int, margin: float, what: str) -> str | None:
+        prefill, prefill_from = self.prefill_rate()
+        if prefill is None:
+            return None  # nothing to compare with yet: the benefit of the doubt
+        if gained_tokens <= 0:
+            return f"it adds no token to a state already at hand ({human_bytes(nbytes)})"
+        read, read_from = self.read_rate()
+        compute_s, read_s = gained_tokens / prefill, nbytes / read
+        if read_s < margin * compute_s:
+            return None
+        factor = "" if margin == 1.0 else f" x {margin:g}"
+        return (f"recomputing {gained_tokens:,} tokens takes {compute_s * 1e3:,.1f} ms at {prefill:,.0f} tok/s "
+                f"({prefill_from}){factor}; {what} of {human_bytes(nbytes)} {read_s * 1e3:,.1f} ms at "
+                f"{human_bytes(read)}/s ({read_from})")
+
+    # ---- remembered between runs ---------------------------------------------------------------------------
+    def remembered(self, earlier: dict | None) -> dict:
+        """The rates file's new content: this run's well-measured rates over the earlier ones."""
+        doc = {"version": RATES_VERSION, "prefill_tokens_per_s": dict((earlier or {}).get("prefill_tokens_per_s", {}))}
+        with self._lock:
+            read = self._read.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
+            write = self._written.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
+        for key, mine, old in (("read_bytes_per_s", read, self.earlier_read),
+                               ("write_bytes_per_s", write, self.earlier_write)):
+            if mine or old:
+                doc[key] = mine or old
+        prefill, prefill_from = self.prefill_rate()
+        if prefill is not None and prefill_from == "this run" and self.model:
+            models = doc["prefill_tokens_per_s"]
+            models.pop(self.model, None)
+            models[self.model] = prefill  # newest last: the oldest models are forgotten first
+            while len(models) > _MAX_MODELS_REMEMBERED:
+                models.pop(next(iter(models)))
+        return doc
+
+
+def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | None:
+    """Bytes/s of reading back and hashing (as a lookup verifies an entry) `nbytes` just written to an unnamed
+    file in `folder` (O_TMPFILE: nothing is left behind, whatever happens). None where that is not possible."""
+    flags = getattr(os, "O_TMPFILE", 0)
+    if not flags:
+        return None
+    try:
+        descriptor = os.open(folder, flags | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        chunk = os.urandom(1 << 20)
+        for _ in range(nbytes >> 20):
+            os.write(descriptor, chunk)
+        started = time.perf_counter()
+        hasher, offset = hashlib.sha256(), 0
+        while True:
+            data = os.pread(descriptor, 4 << 20, offset)
+            if not data:
+                break
+            hasher.update(data)
+            offset += len(data)
+        seconds = time.perf_counter() - started
+        return offset / seconds if offset and seconds > 0 else None
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def load_rates(root: Path) -> dict:
+    """The rates earlier runs measured in this cache folder; {} when there are none or the file is not one this
+    code wrote (never raises: a damaged file only means starting without them)."""
+    path = Path(root) / RATES_FILE_NAME
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(descriptor, "rb") as handle:
+            raw = handle.read(_MAX_RATES_FILE_BYTES + 1)
+        doc = json.loads(raw) if len(raw) <= _MAX_RATES_FILE_BYTES else None
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("version") != RATES_VERSION:
+        return {}
+    rates: dict = {"prefill_tokens_per_s": {}}
+    for key in ("read_bytes_per_s", "write_bytes_per_s"):
+        if _positive(doc.get(key)):
+            rates[key] = float(doc[key])
+    models = doc.get("prefill_tokens_per_s")
+    if isinstance(models, dict):
+        rates["prefill_tokens_per_s"] = {k: float(v) for k, v in models.items()
+                                         if isinstance(k, str) and len(k) <= 128 and _positive(v)}
+    return rates
+
+
+def save_rates(root: Path, doc: dict) -> None:
+    """Replace the rates file atomically (several processes may finish at once: the last one wins, whole)."""
+    path = Path(root) / RATES_FILE_NAME
+    temp = path.with_name(f".{RATES_FILE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        if path.is_symlink():
+            return  # never write through a link out of the folder
+        temp.write_text(json.dumps(doc, sort_keys=True))
+        os.replace(temp, path)
+    except OSError:
+        try:
+            temp.unlink()
+        except OSError:
+            pass
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"

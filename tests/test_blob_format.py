@@ -1,0 +1,87 @@
+"""engine.blob_format: a blob's bytes read once and hashed on several threads, its safetensors layout parsed from
+that buffer with every field checked (the persistent cache's files are input: a damaged one must be an error
+that names the problem, never a crash or a wrong tensor)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from prefixrun.engine import blob_format
+from prefixrun.engine.blob_format import BlobFormatError, parse, read_file, serialize, tree_digest
+
+
+def tensors():
+    rng = np.random.default_rng(0)
+    return {"state": rng.standard_normal((3, 5), dtype=np.float32), "kv": np.arange(14, dtype=np.uint16).reshape(7, 2),
+            "empty": np.zeros((0, 4), np.float32), "__tokens__": np.arange(3, dtype=np.int32),
+            "flag": np.array(True), "half": np.ones(3, np.float16)}
+
+
+def test_round_trip_matches_safetensors_and_reads_back_bit_exact(tmp_path):
+    payload = serialize(tensors(), {"prefixrun.format": "x"})
+    assert payload == safetensors.numpy.save(tensors(), metadata={"prefixrun.format": "x"})  # plain safetensors
+    path = tmp_path / "blob"
+    path.write_bytes(payload)
+    buffer, digest = read_file(path, len(payload))
+    assert digest == tree_digest(payload)
+    metadata, got = parse(buffer)
+    assert metadata == {"prefixrun.format": "x"}
+    for name, want in tensors().items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape
+        assert got[name].tobytes() == want.tobytes(), name
+
+
+def test_tree_digest_sees_every_byte_and_the_size(monkeypatch):
+    monkeypatch.setattr(blob_format, "CHUNK_BYTES", 64)  # many chunks on a small buffer
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8).tobytes())
+    base = tree_digest(bytes(data))
+    for i in (0, 63, 64, 500, 999):
+        flipped = bytearray(data)
+        flipped[i] ^= 1
+        assert tree_digest(bytes(flipped)) != base, i
+    assert tree_digest(bytes(data) + b"\0") != base and tree_digest(bytes(data[:-1])) != base
+    chunks = [hashlib.sha256(bytes(data[i:i + 64])).digest() for i in range(0, 1000, 64)]
+    assert base == hashlib.sha256(blob_format.TREE_LABEL + (1000).to_bytes(8, "little") + b"".join(chunks)).hexdigest()
+
+
+def test_a_file_of_another_length_than_recorded_is_an_error(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(b"x" * 100)
+    with pytest.raises(BlobFormatError, match="longer"):
+        read_file(path, 50)
+    with pytest.raises(BlobFormatError, match="shorter"):
+        read_file(path, 150)
+    with pytest.raises(FileNotFoundError):
+        read_file(tmp_path / "gone", 10)
+
+
+def blob(header: dict, data: bytes = b"") -> np.ndarray:
+    raw = json.dumps(header).encode()
+    return np.frombuffer(struct.pack("<Q", len(raw)) + raw + data, np.uint8)
+
+
+@pytest.mark.parametrize("buffer, problem", [
+    (np.zeros(4, np.uint8), "shorter than a safetensors header"),
+    (np.frombuffer(struct.pack("<Q", 1 << 40) + b"{}", np.uint8), "header length"),
+    (np.frombuffer(struct.pack("<Q", 3) + b"{x}", np.uint8), "not JSON"),
+    (np.frombuffer(struct.pack("<Q", 2) + b"\xff\xfe", np.uint8), "not JSON"),
+    (blob([1, 2]), "not a JSON object"),
+    (blob({"__metadata__": {"a": 1}}), "metadata"),
+    (blob({"t": {"dtype": "F32", "shape": [1]}}), "malformed entry"),
+    (blob({"t": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "unknown dtype"),
+    (blob({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4), "bad shape"),
+    (blob({"t": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, b"\0" * 4), "bad shape"),
+    (blob({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4), "outside the data"),
+    (blob({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4, 0]}}, b"\0" * 8), "outside the data"),
+    (blob({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8), "bytes for shape"),
+    (blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12), "overlap"),
+])
+def test_malformed_layouts_are_named(buffer, problem):
+    with pytest.raises(BlobFormatError, match=problem):
+        parse(buffer)
