@@ -150,7 +150,8 @@ def compile_all():
 
 # What `CudaOps.prepare_kernels` loads ahead, in the order a first prefill step needs them (the MoE file only
 # when an MoE model first calls it). A module's first use in a fresh process costs its load from CuPy's disk
-# cache (an NVRTC compile on the very first run): host time in the first prefill step, while the GPU idles.
+# cache (an NVRTC compile on the very first run, and in every process with CuPy < 14.2, whose cache skipped
+# modules with name_expressions): host time in the first prefill step, while the GPU idles.
 PREPARED_FILES = ("elementwise", "conv", "delta_rule", "attention", "sampling")
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
