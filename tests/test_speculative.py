@@ -463,3 +463,41 @@ def test_needs_hidden_drafters_get_the_kept_rows_hidden_states(models, cpu_ops):
     assert on == off
     assert drafter.seen and max(drafter.seen) > 1 and min(drafter.seen) == 1  # m = n + 1 kept rows
     assert stats.methods["oracle"].accepted > 0
+
+
+def test_sampled_outputs_follow_the_non_speculative_distribution(models, cpu_ops):
+    """End to end: many seeds of one prompt, sampled with top-k 3 (so the joint law of the first three tokens has
+    few cells), every decode step drafting (the greedy continuation, a deterministic guess that is often right)
+    against speculation off — a two-sample chi-square test on (token 2, token 3), the tokens verify steps make."""
+    model = models["qwen3"]
+    prompt = [5, 6, 7, 8] * 6
+    n = 256
+    greedy, _ = run(model, cpu_ops, [prompt], EngineOptions(), sampling=SamplingParams(max_tokens=8, temperature=0))
+    reference = {f"s{i}": greedy["r0"] for i in range(n)}
+
+    def sample(opts):
+        eng = Engine(model, cpu_ops, options=opts)
+        if eng.speculator is not None:
+            eng.speculator.drafter = OracleDrafter(reference, spread=False)
+        reqs = [Request(f"s{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i,
+                                                        ignore_eos=True), i) for i in range(n)]
+        out = [tuple(r.token_ids[1:3]) for r in eng.run(reqs)]
+        stats = eng.speculator.stats if eng.speculator is not None else None
+        eng.close()
+        return out, stats
+
+    off, _ = sample(EngineOptions(max_batch=16))
+    on, stats = sample(EngineOptions(max_batch=16, speculative="ngram", num_draft_tokens=2))
+    m = stats.methods["oracle"]
+    assert m.drafted > 200 and 0 < m.accepted < m.drafted
+    cells = sorted(set(off) | set(on))
+    a = np.array([off.count(c) for c in cells], float)
+    b = np.array([on.count(c) for c in cells], float)
+    keep = (a + b) >= 10  # pool rare cells
+    a = np.append(a[keep], a[~keep].sum())
+    b = np.append(b[keep], b[~keep].sum())
+    ok = (a + b) > 0
+    chi2 = (((a - b) ** 2)[ok] / (a + b)[ok]).sum()  # equal sample sizes
+    df = int(ok.sum()) - 1
+    assert chi2 < df + 5 * np.sqrt(2 * df) + 10, (chi2, df)
+    assert off != on  # the speculative sampler draws its own numbers (only the law is the same)
