@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from conftest import TINY_QWEN3_5, TINY_QWEN3_5_MOE, new_state, random_prompt  # noqa: E402
+from conftest import TINY_QWEN3_5, new_state, random_prompt  # noqa: E402
 from prefixrun.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from prefixrun.engine.model_maker import make_model_dir  # noqa: E402
 from prefixrun.engine.models import load_model  # noqa: E402
@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda-mtp")
-    return {name: make_model_dir(root / name, cfg, seed=11, init_std=0.05, mtp=True)
-            for name, cfg in (("qwen3_5", TINY_QWEN3_5), ("qwen3_5_moe", TINY_QWEN3_5_MOE))}
+    # one family: the device run is short (the MoE ops are the same ops test_cuda_moe checks)
+    return {"qwen3_5": make_model_dir(root / "qwen3_5", TINY_QWEN3_5, seed=11, init_std=0.05, mtp=True)}
 
 
 def _drafts(model, ops, prompts, k, decode_steps=0, graphs=False):
@@ -49,14 +49,13 @@ def _drafts(model, ops, prompts, k, decode_steps=0, graphs=False):
     return drafts, first, captures
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_fp32_head_equals_cpu_eager_and_in_graphs(family, mtp_dir, cpu_ops):
+def test_fp32_head_equals_cpu_eager_and_in_graphs(mtp_dir, cpu_ops):
     from prefixrun.kernels.cuda import CudaOps
 
     gpu = CudaOps("float32")
     prompts = [random_prompt(1, 37), random_prompt(2, 20), random_prompt(3, 5)]
-    cpu_model = load_model(mtp_dir[family], cpu_ops, mtp=True)[0]
-    gpu_model = load_model(mtp_dir[family], gpu, mtp=True)[0]
+    cpu_model = load_model(mtp_dir["qwen3_5"], cpu_ops, mtp=True)[0]
+    gpu_model = load_model(mtp_dir["qwen3_5"], gpu, mtp=True)[0]
     want, want_logits, _ = _drafts(cpu_model, cpu_ops, prompts, 3, decode_steps=3)
     for graphs in (False, True):
         got, logits, captures = _drafts(gpu_model, gpu, prompts, 3, decode_steps=3, graphs=graphs)
