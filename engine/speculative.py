@@ -26,9 +26,10 @@ gave `tokens[-1]`; the rows sit at positions `handle.length - m .. handle.length
 kept n drafts (1 after a step without drafts). It is None on a sequence's first decode step (a prompt's end state
 may come from a checkpoint, which holds no hidden states): propose nothing then. With such a drafter every decode
 step of a speculating sequence runs as a multi-row step, so the hidden states are always at hand. A drafter that
-keeps state per position of its own (the MTP layer's K/V) declares it as state regions of the model (`state_specs`), written by the model's
-forward, so that prefix checkpoints, forks and `commit` (paged rows past the kept length are trimmed) cover it
-like any other region.
+keeps state per position of its own (the MTP layer's K/V) declares it as state regions of the model
+(`state_specs`), written by the model's forward, so that prefix checkpoints, forks and `commit` cover it like any
+other region: paged rows past the kept length are trimmed, `snapshot` slot regions roll back to the kept row
+(their writer fills the step's snapshot rows, as engine/models/mtp.py does for `mtp.hidden`).
 """
 from __future__ import annotations
 

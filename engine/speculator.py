@@ -29,9 +29,9 @@ class MethodStats:
 
 def rates_of(method: dict) -> dict:
     """A method's report entry with its rates recomputed from its counts (after several workers' were summed)."""
-    return {**method, "acceptance_rate": round(method["accepted"] / method["drafted"], 4) if method["drafted"] else None,
-            "tokens_per_step": round(method["tokens"] / method["sequence_steps"], 4) if method["sequence_steps"]
-            else None}
+    drafted, steps = method["drafted"], method["sequence_steps"]
+    return {**method, "acceptance_rate": round(method["accepted"] / drafted, 4) if drafted else None,
+            "tokens_per_step": round(method["tokens"] / steps, 4) if steps else None}
 
 
 @dataclass

@@ -93,7 +93,8 @@ def _run(model, ops, opts, drafter=None, sp=SamplingParams(max_tokens=16, temper
     eng.check_invariants()
     eng.close()
     assert not eng.state.live
-    if eng.speculator is not None and eng.speculator.stats.methods[eng.speculator.drafter.method].verify_steps:
+    method = eng.speculator.stats.methods.get(eng.speculator.drafter.method) if eng.speculator is not None else None
+    if method is not None and method.verify_steps:
         # verify steps ran as captured graphs (the multi-row kernels and paged attention are capturable)
         assert any(k[0] == "rows" for k in eng.decoder.graphs) and eng.decoder.rows_enabled
     return out, eng.speculator.stats if eng.speculator is not None else None

@@ -82,8 +82,8 @@ def test_greedy_tokens_identical_for_every_draft_count(family, models, cpu_ops):
     rejected = 0
     for k in range(1, 9):
         spread = k % 2 == 0  # odd k: every sequence drafts k; even k: mixed counts per sequence and step
-        on, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram",
-                                                                 num_draft_tokens=k), drafter=OracleDrafter(off, spread))
+        opts = EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k)
+        on, stats = run(model, cpu_ops, prompts(), opts, drafter=OracleDrafter(off, spread))
         assert on == off, (family, k, spread)
         m = stats.methods["oracle"]
         assert m.drafted > 0 and 0 < m.accepted <= m.drafted
