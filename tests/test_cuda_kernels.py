@@ -415,8 +415,7 @@ def _run_delta(ops, q, k, v, g, beta, state, slots, cu, hk=None):
 
 # the two bench head shapes, qwen3_5-4b-like (16 key heads, 32 value heads) and 0.8b-like (16 / 16), 128 x 128,
 # with both scan block widths (warps of 16 value columns; None: the "auto" rule), and small / uneven head dims
-TC_CASES = [(16, 32, 128, 128, None), (16, 32, 128, 128, 2), (16, 16, 128, 128, 4), (2, 4, 64, 64, None),
-            (1, 3, 64, 40, 4), (2, 2, 16, 24, 2)]
+TC_CASES = [(16, 32, 128, 128, None), (16, 16, 128, 128, 2), (1, 3, 64, 40, 4), (2, 2, 16, 24, 2)]
 
 
 @pytest.mark.parametrize("hk,h,dk,dv,warps", TC_CASES)
@@ -458,6 +457,8 @@ def test_gated_delta_rule_tensor_cores_auto(tc_checked, ops, ref):
     """The "auto" rule takes the tensor-core form for a bf16 prefill of long sequences (4b-like heads, the
     shared-system shape scaled down), and falls back where the kernel does not apply: key dims not a multiple of 8,
     decode steps. Results match the reference either way."""
+    if ops.dtype_name == "float32":
+        pytest.skip("float32 never takes the tensor-core form (test_gated_delta_rule_tensor_cores checks it)")
     rng = np.random.default_rng(3)
     cases = [([300, 300, 257], 16, 32, 128, 128, True), ([300, 40], 2, 4, 100, 64, False),
              ([1, 1, 1], 16, 32, 128, 128, False)]
