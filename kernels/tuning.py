@@ -63,7 +63,8 @@ class CudaTuning:
 
     gdn_chunked: bool | str = "auto"  # prefill in 64-token chunks: True, False or "auto"
     # bf16 prefill in the tensor-core chunked form: True, False or "auto". False until a device run has checked
-    # kernels/delta_tc.cu against the reference (session 4); then "auto"
+    # kernels/delta_tc.cu against the reference (session 4); then "auto", with "delta_tc" added to PREPARED_FILES in
+    # kernels/cuda.py (its module then loads while the weights upload instead of in the first prefill step)
     gdn_tensor_cores: bool | str = False
     gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: fill the SMs
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
