@@ -66,7 +66,8 @@ r = c.get("rates") or {}
 rates = (f"prefill {r.get('prefill_tokens_per_s') or 0:,.0f} tok/s ({r.get('prefill_from')}), "
          f"read {(r.get('read_bytes_per_s') or 0) / 1e9:.2f} GB/s ({r.get('read_from')})")
 why = "; ".join(f"{d['count']} × {k}: {d['example']}" for k, d in (c.get("declines") or {}).items())
-print(f"| {label} | {c['restored_tokens']:,} | {c['reads_declined']} | {c['writes_skipped']} | {mib(c['read_bytes'])} "
+print(f"| {label} | {c['restored_tokens']:,} | {c['reads_declined']} | {c['writes_skipped']} "
+      f"| {mib(c['read_bytes'])} + {mib(c.get('prefetch_used_bytes', 0))} ahead ({c.get('prefetch_seconds', 0):.3f} s) "
       f"| {c['read_seconds']:.3f} | {mib(c['written_bytes'])} | {c['export_seconds']:.3f} | {c['write_seconds']:.3f} "
       f"| {c['finish_wait_seconds']:.3f} | {rates} | {why} |")
 PY
@@ -74,7 +75,7 @@ PY
 flush_costs() {  # the section's cache table, after its main table
   [ -s "$OUT/costs.part" ] || return 0
   { echo; echo "cache costs (tokens read from disk, reads declined, writes skipped, where the time went, why):"; echo
-    echo "| mode | tokens from disk | reads declined | writes skipped | MiB read | read s | MiB written | export s | write s (background) | end wait s | rates used | declines (count × reason: example) |"
+    echo "| mode | tokens from disk | reads declined | writes skipped | MiB read (+ read ahead in the background) | read s (critical path) | MiB written | export s | write s (background) | end wait s | rates used | declines (count × reason: example) |"
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
     cat "$OUT/costs.part"; } | tee -a "$OUT/table.md"
   rm -f "$OUT/costs.part"

@@ -169,7 +169,10 @@ def report_table(report: dict) -> Table:
             f"{cache['corrupt']} bad entries moved aside")
         costs = cache.get("costs")
         if costs:
-            row("disk cache cost", f"read {human_bytes(costs['read_bytes'])} in {costs['read_seconds']:.2f} s "
+            ahead = (f", {human_bytes(costs['prefetch_used_bytes'])} of them read ahead in the background"
+                     if costs.get("prefetch_used_bytes") else "")
+            row("disk cache cost", f"read {human_bytes(costs['read_bytes'] + costs.get('prefetch_used_bytes', 0))} "
+                f"in {costs['read_seconds']:.2f} s on the critical path{ahead} "
                 f"({costs['restored_tokens']:,} tokens not computed); wrote {human_bytes(costs['written_bytes'])} "
                 f"in {costs['write_seconds']:.2f} s in the background (export {costs['export_seconds']:.2f} s, "
                 f"end wait {costs['finish_wait_seconds']:.2f} s); {costs['writes_skipped']} writes skipped, "

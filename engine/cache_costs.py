@@ -56,6 +56,9 @@ class CacheCosts:
     finish_wait_seconds: float = 0.0  # the run's end waiting for the writer
     probe_read_bytes: int = 0  # the writer reading back what it wrote, to measure the folder's read rate
     probe_read_seconds: float = 0.0
+    prefetch_bytes: int = 0  # entries read ahead on the prefetch thread, while the device computed
+    prefetch_seconds: float = 0.0
+    prefetch_used_bytes: int = 0  # of those, taken by lookups (the rest was not needed after all)
     writes_skipped: int = 0  # states not written (see `declines`)
     reads_declined: int = 0  # stored entries not read (see `declines`)
     rates: dict = field(default_factory=dict)  # the rates the last decision used, and where each came from

@@ -166,6 +166,14 @@ class PersistentCheckpoints:
         self._writer: _BackgroundWriter | None = None
         self._warned = threading.Lock()
         self._calibration = None
+        # read-ahead (prefetch): prefix -> [done event, checkpoint or None], filled by one background thread
+        self._ahead: dict[tuple[int, ...], list] = {}
+        self._ahead_bytes = 0
+        self._ahead_lock = threading.Lock()
+        self._ahead_generation = 0
+        self._ahead_queue: queue.Queue = queue.Queue()
+        self._ahead_thread: threading.Thread | None = None
+        self.max_prefetch_bytes = max_pending_write_bytes() // 2
         if rates_root is not None and not self.cost_model.always and not self._earlier_rates.get("read_bytes_per_s"):
             # a folder no run has measured: time a read of it while the first prefill runs
             self._calibration = threading.Thread(target=self._calibrate, name="prefixrun-cache-calibration",
@@ -220,11 +228,14 @@ class PersistentCheckpoints:
         layout = state_layout(state.specs, state.ops)
         problem = lambda checkpoint: self._problem(checkpoint, layout)  # noqa: E731
         afford = self._affordable(minimum)
+        self._await_read_ahead(tokens, minimum, maximum)
         read_before = self.store.stats.read_bytes
         try:
-            hit = self.store.lookup(self.key, tokens, maximum, minimum, problem=problem, afford=afford)
+            hit = self.store.lookup(self.key, tokens, maximum, minimum, problem=problem, afford=afford,
+                                    preread=self._take_read_ahead)
             if hit is not None and len(hit.tokens) == maximum and LOGITS_REGION not in hit.regions:
-                hit = self.store.lookup(self.key, tokens, maximum - 1, minimum, problem=problem, afford=afford)
+                hit = self.store.lookup(self.key, tokens, maximum - 1, minimum, problem=problem, afford=afford,
+                                        preread=self._take_read_ahead)
         except _STORE_FAILURES as error:
             self._give_up("lookup", error)
             return None, 0
@@ -271,6 +282,118 @@ class PersistentCheckpoints:
             if reason:
                 return f"stored logits: {reason}"
         return None
+
+    # ---- read ahead ---------------------------------------------------------------------------------------
+    def prefetch(self, roots):
+        """Read ahead, on a background thread while the device computes, the stored entries this window's lookups
+        are expected to use: for each task of the plan (roots first, then their consumers, breadth first), the
+        longest indexed prefix in (task.start, task.end] that the cost model would read. Chosen here from the index
+        (no file is opened on this thread, so a lookup right after finds them registered and waits instead of
+        reading twice); read in that order on the prefetch thread. Entries wait in memory (at most
+        `max_prefetch_bytes`) until a lookup takes them; a new window's call drops the unused ones."""
+        if self.store_error is not None:
+            return
+        with self._ahead_lock:
+            self._ahead_generation += 1
+            self._drop_unused_read_ahead()
+            generation = self._ahead_generation
+        chosen, level, seen = [], list(roots), set()
+        try:
+            while level:
+                for task in level:
+                    tokens = tuple(task.path)
+                    found = self.store.indexed_entry(self.key, tokens, len(tokens), task.start)
+                    if found is None or tokens[:found[0]] in seen:
+                        continue
+                    n, nbytes = found
+                    prefix = tokens[:n]
+                    if self.cost_model.judge_read(n - task.start, nbytes) is not None:
+                        continue  # the lookup will not read it (and will say why)
+                    with self._ahead_lock:
+                        if prefix in self._ahead or self._ahead_bytes + nbytes > self.max_prefetch_bytes:
+                            continue
+                        self._ahead[prefix] = [threading.Event(), None]
+                        self._ahead_bytes += nbytes
+                    seen.add(prefix)
+                    chosen.append((prefix, nbytes))
+                level = [c for t in level for c in t.consumers]
+        except _STORE_FAILURES as error:
+            self._give_up("prefetch", error)
+        if not chosen:
+            return
+        if self._ahead_thread is None:
+            self._ahead_thread = threading.Thread(target=self._read_ahead, name="prefixrun-cache-prefetch",
+                                                  daemon=True)
+            self._ahead_thread.start()
+        self._ahead_queue.put((generation, chosen))
+
+    def _read_ahead(self):
+        """On the prefetch thread: read the chosen entries in order."""
+        while True:
+            job = self._ahead_queue.get()
+            if job is None:
+                return
+            generation, chosen = job
+            for prefix, nbytes in chosen:
+                with self._ahead_lock:
+                    slot = self._ahead.get(prefix)
+                if slot is None or slot[0].is_set():
+                    continue
+                checkpoint = None
+                if generation == self._ahead_generation and self.store_error is None:
+                    started = time.perf_counter()
+                    try:
+                        checkpoint = self.store.read_entry(self.key, prefix)
+                    except _STORE_FAILURES as error:
+                        self._give_up("prefetch", error)
+                    seconds = time.perf_counter() - started
+                    if checkpoint is not None:
+                        self.costs.prefetch_bytes += checkpoint.nbytes
+                        self.costs.prefetch_seconds += seconds
+                        self.cost_model.observe_read(checkpoint.nbytes, seconds)
+                with self._ahead_lock:
+                    slot[1] = checkpoint
+                    if checkpoint is None:
+                        self._ahead_bytes -= nbytes
+                    slot[0].set()  # read, or never to be read: nobody may wait on it any longer
+
+    def _await_read_ahead(self, tokens, minimum: int, maximum: int):
+        """Wait for read-ahead in flight of a prefix this lookup may use (reading it again would take longer)."""
+        with self._ahead_lock:
+            waits = [slot[0] for prefix, slot in self._ahead.items()
+                     if minimum < len(prefix) <= maximum and not slot[0].is_set()
+                     and tuple(tokens[:len(prefix)]) == prefix]
+        for event in waits:
+            event.wait()
+
+    def _take_read_ahead(self, entry_id: str, file_name: str) -> StoredCheckpoint | None:
+        """The store's `preread`: a read-ahead entry of that blob, handed over once."""
+        with self._ahead_lock:
+            for prefix, slot in self._ahead.items():
+                checkpoint = slot[1]
+                if checkpoint is not None and checkpoint.entry_id == entry_id and checkpoint.file_name == file_name:
+                    del self._ahead[prefix]
+                    self._ahead_bytes -= checkpoint.nbytes
+                    self.costs.prefetch_used_bytes += checkpoint.nbytes
+                    return checkpoint
+        return None
+
+    def _drop_unused_read_ahead(self):
+        """Under _ahead_lock: forget read-ahead entries already read and not taken."""
+        for prefix in [p for p, slot in self._ahead.items() if slot[0].is_set()]:
+            checkpoint = self._ahead.pop(prefix)[1]
+            if checkpoint is not None:
+                self._ahead_bytes -= checkpoint.nbytes
+
+    def _stop_read_ahead(self):
+        if self._ahead_thread is not None:
+            with self._ahead_lock:
+                self._ahead_generation += 1
+            self._ahead_queue.put(None)
+            self._ahead_thread.join()
+            self._ahead_thread = None
+        with self._ahead_lock:
+            self._drop_unused_read_ahead()
 
     # ---- write --------------------------------------------------------------------------------------------
     def offer(self, tokens, state: ModelState, handle: StateHandle, logits) -> bool:
@@ -356,6 +479,7 @@ class PersistentCheckpoints:
             self._writer.finish()
             self._writer = None
             self.costs.finish_wait_seconds += time.perf_counter() - started
+        self._stop_read_ahead()
         if self._calibration is not None:
             self._calibration.join()
             self._calibration = None

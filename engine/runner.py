@@ -121,6 +121,8 @@ class Engine:
         self.stats.distinct_prefix_tokens += plan.distinct_tokens if self.opts.reuse \
             else make_plan(prompts).distinct_tokens
         self.last_plan, self.last_trace = plan, Trace()
+        if self.persist is not None and self.opts.reuse:
+            self.persist.prefetch(plan.roots)  # stored states this window will look up, read while it computes
         from prefixrun.engine.executor import WindowExecutor
 
         self._window = WindowExecutor(self, runnable, plan, self.last_trace)

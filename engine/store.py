@@ -181,6 +181,7 @@ class StoredCheckpoint:
     meta: dict
     nbytes: int  # size of the file on disk
     entry_id: str
+    file_name: str = ""  # the blob it was read from (immutable under that name)
 
 
 @dataclass(frozen=True)
@@ -408,13 +409,17 @@ class CheckpointStore:
         self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0, *,
         problem: Callable[[StoredCheckpoint], str | None] | None = None,
         afford: Callable[[int, int], bool] | None = None,
+        preread: Callable[[str, str], StoredCheckpoint | None] | None = None,
     ) -> StoredCheckpoint | None:
         """The longest stored prefix P of `tokens` with min_len < len(P) <= max_len for this model and layout,
         verified (see the trust rules above); None if there is none. `problem`, if given, checks a verified
         entry against what the caller will do with it (tensor shapes, dtypes, finite values) and returns why it
         is unusable or None; an unusable entry is quarantined like a corrupt file and the search goes on.
         `afford(n_tokens, nbytes)`, if given, decides from the index row alone (before any byte is read) whether
-        reading that entry is worth it; entries it declines are skipped (counted in stats.declined)."""
+        reading that entry is worth it; entries it declines are skipped (counted in stats.declined).
+        `preread(entry_id, file_name)`, if given, may return that file's content already read and verified
+        (read_entry, e.g. prefetched on another thread): a blob is immutable under its name, so it is used instead
+        of reading the file again; the remaining checks (tokens, `problem`) still run."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         for name, value in (("max_len", max_len), ("min_len", min_len)):
@@ -433,23 +438,24 @@ class CheckpointStore:
                     ).fetchall()
                 ]
                 for length in lengths:
-                    found = self._probe(key, token_array[:length], problem, afford)
+                    found = self._probe(key, token_array[:length], problem, afford, preread)
                     if found is not None:
                         self.stats.hits += 1
                         return found
             self.stats.misses += 1
             return None
 
-    def indexed_prefix_length(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0) -> int:
-        """The length of the longest prefix P of `tokens` with min_len < len(P) <= max_len that has an index row
-        for this model and layout, else 0. The index only: no file is opened, so this says where an entry is
-        expected, not that it is intact (a lookup verifies)."""
+    def indexed_entry(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0
+                      ) -> tuple[int, int] | None:
+        """(length, file bytes) of the longest prefix P of `tokens` with min_len < len(P) <= max_len that has an
+        index row for this model and layout, else None. The index only: no file is opened, so this says where an
+        entry is expected, not that it is intact (a read verifies)."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         upper = min(int(max_len), len(token_array))
         with self._lock:
             if upper <= min_len:
-                return 0
+                return None
             for (length,) in self._db.execute(
                 "SELECT DISTINCT n_tokens FROM entries WHERE model_digest = ? AND layout_digest = ? "
                 "AND n_tokens > ? AND n_tokens <= ? ORDER BY n_tokens DESC",
@@ -457,27 +463,42 @@ class CheckpointStore:
             ).fetchall():
                 row = self._row(checkpoint_key(key, token_array[:length]))
                 if row is not None and row.n_tokens == length:
-                    return length
-            return 0
+                    return length, row.nbytes
+            return None
 
-    def read_back(self, key: StoreKey, tokens: Sequence[int]) -> int | None:
-        """Read and verify the entry of exactly `tokens` as a lookup would, without using it (no hit, no LRU
-        change): the bytes read, or None if there is no such entry. A bad entry is quarantined. The file is read
-        outside the store lock, so a lookup on another thread does not wait for it."""
+    def indexed_prefix_length(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0) -> int:
+        """indexed_entry's length, 0 if none."""
+        found = self.indexed_entry(key, tokens, max_len, min_len)
+        return found[0] if found else 0
+
+    def read_entry(self, key: StoreKey, tokens: Sequence[int]) -> StoredCheckpoint | None:
+        """The entry of exactly `tokens`, read and verified as a lookup would (file, digest, layout, stored tokens),
+        without using it (no hit, no LRU change), or None if there is no such entry or it is bad (quarantined).
+        The file is read outside the store lock, so a lookup on another thread does not wait for it; the bytes are
+        not added to stats.read_bytes (the caller accounts for them)."""
         _check_store_key(key)
+        token_array = _as_token_array(tokens)
         with self._lock:
-            row = self._row(checkpoint_key(key, _as_token_array(tokens)))
-        if row is None:
+            row = self._row(checkpoint_key(key, token_array))
+        if row is None or row.n_tokens != len(token_array):
             return None
         try:
-            self._read_verified(row, count=False)
+            checkpoint = self._read_verified(row, count=False)
         except _BadEntry as bad:
             with self._lock:
                 self._quarantine_if_unchanged(row, bad.reason)
             return None
-        return row.nbytes
+        if not np.array_equal(np.asarray(checkpoint.tokens, dtype=np.int64), token_array):
+            return None  # a key collision: not this prefix's entry
+        return checkpoint
 
-    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None, afford=None) -> StoredCheckpoint | None:
+    def read_back(self, key: StoreKey, tokens: Sequence[int]) -> int | None:
+        """read_entry's file bytes (what reading the entry back took), or None."""
+        checkpoint = self.read_entry(key, tokens)
+        return checkpoint.nbytes if checkpoint is not None else None
+
+    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None, afford=None, preread=None
+               ) -> StoredCheckpoint | None:
         entry_id = checkpoint_key(key, prefix)
         row = self._row(entry_id)
         if row is None or row.n_tokens != len(prefix):
@@ -487,8 +508,10 @@ class CheckpointStore:
             return None
         if row.model_digest != key.model_digest or row.layout_digest != key.layout_digest:
             return None  # only possible through a key collision; not this entry's fault
+        checkpoint = preread(row.entry_id, row.file_name) if preread is not None else None
         try:
-            checkpoint = self._read_verified(row)
+            if checkpoint is None:
+                checkpoint = self._read_verified(row)
         except _BadEntry as bad:
             self._quarantine_if_unchanged(row, bad.reason)
             return None
@@ -562,6 +585,7 @@ class CheckpointStore:
             meta=meta,
             nbytes=size,
             entry_id=row.entry_id,
+            file_name=row.file_name,
         )
 
     def _quarantine_if_unchanged(self, row: _Row, reason: str) -> bool:

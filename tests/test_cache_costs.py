@@ -16,7 +16,7 @@ from prefixrun.engine import loader
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.cache_costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
     save_rates
-from prefixrun.engine.persist import CostModel, open_cache
+from prefixrun.engine.persist import CostModel, PersistentCheckpoints, open_cache
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
 from prefixrun.engine.cache_costs import WRITE_MARGIN
@@ -197,7 +197,7 @@ def test_warm_run_restores_from_disk_and_shares_blocks(loaded, tmp_path, monkeyp
     monkeypatch.setattr(ModelState, "import_state", spy)
     warm, warm_costs, warm_stats, engine = run(loaded, tmp_path / "cache", PROMPTS, policy="always")
     assert warm == cold
-    assert warm_costs.restored_tokens >= len(SHARED) and warm_costs.read_bytes > 0
+    assert warm_costs.restored_tokens >= len(SHARED) and warm_costs.read_bytes + warm_costs.prefetch_used_bytes > 0
     assert warm_stats.computed_prompt_tokens == 0
     assert warm_costs.written_bytes == 0  # everything it offered was already on disk
     # The shared prefix is imported once; each prompt's own entry is imported on top of it, sharing its whole
@@ -296,3 +296,43 @@ def test_rates_measured_by_a_run_are_used_by_the_next(loaded, tmp_path):
     run(loaded, tmp_path / "c", FIRST, setup=lambda p: seen.update(p.cost_model.rates()))
     assert seen["read_from"] == "earlier runs" and seen["read_bytes_per_s"] == pytest.approx(3 << 30, rel=0.05)
     assert seen["prefill_from"] == "earlier runs" and seen["prefill_tokens_per_s"] == pytest.approx(5000.0)
+
+
+def test_read_ahead_serves_the_lookups_and_a_bad_entry_read_ahead_is_still_a_miss(loaded, tmp_path, monkeypatch):
+    """The second batch's document state is read on the prefetch thread when the window is planned; the lookup
+    takes it without reading the file again. A file damaged on disk is caught by the read-ahead's verification
+    (quarantined, a miss, computed), exactly as a lookup's own read would catch it."""
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+    second, costs, stats, _ = run(loaded, tmp_path / "c", SECOND)
+    assert costs.prefetch_bytes > 0 and costs.prefetch_used_bytes > 0 and costs.read_bytes == 0
+    assert costs.restored_tokens >= len(DOCUMENT) and second == without_cache(loaded, SECOND)
+    # the document's entry is the longest stored prefix of every prompt of SECOND: damage it
+    for blob in (tmp_path / "c" / "checkpoints" / "blobs").rglob("*.safetensors"):
+        with open(blob, "r+b") as handle:
+            handle.seek(-7, 2)
+            handle.write(b"\xff" * 7)
+    seen = []
+    real_take = PersistentCheckpoints._take_read_ahead
+
+    def spy(self, entry_id, file_name):
+        found = real_take(self, entry_id, file_name)
+        seen.append(found)
+        return found
+
+    monkeypatch.setattr(PersistentCheckpoints, "_take_read_ahead", spy)
+    damaged, costs, stats, _ = run(loaded, tmp_path / "c", SECOND)
+    assert damaged == second and costs.restored_tokens == 0 and stats.reused_from_disk_tokens == 0
+    assert not any(seen) and costs.prefetch_used_bytes == 0
+    assert list((tmp_path / "c" / "checkpoints" / "quarantine").glob("*.safetensors"))
+
+
+def test_read_ahead_stays_within_its_bound_and_skips_what_the_cost_model_would_not_read(loaded, tmp_path):
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+
+    def no_room(persist):
+        persist.max_prefetch_bytes = 1
+
+    _, costs, _, _ = run(loaded, tmp_path / "c", SECOND, setup=no_room)
+    assert costs.prefetch_bytes == 0 and costs.restored_tokens >= len(DOCUMENT)  # the lookup read it itself
+    _, costs, _, _ = run(loaded, tmp_path / "c", SECOND, fast_device=True, disk_measured=True)
+    assert costs.prefetch_bytes == 0 and costs.restored_tokens == 0 and costs.reads_declined > 0

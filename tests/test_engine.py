@@ -418,6 +418,9 @@ class _NoDisk:
     def offer(self, tokens, state, handle, logits):
         return False
 
+    def prefetch(self, roots):
+        pass
+
 
 def test_later_windows_reuse_retained_checkpoints(loaded, cpu_ops):
     model = loaded["qwen3_5"]
@@ -682,6 +685,9 @@ class _MemoryDisk:
             if hit is not None and (n < maximum or hit[1] is not None):
                 return state.import_state(hit[0], n, share=share), (hit[1] if n == maximum else None)
         return None
+
+    def prefetch(self, roots):
+        pass  # nothing to read ahead: the entries are in memory
 
     def offer(self, tokens, state, handle, logits):
         self.entries.setdefault(tuple(tokens), (state.export(handle), None if logits is None else logits.copy()))
