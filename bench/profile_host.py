@@ -149,20 +149,36 @@ def instrument(rec: Recorder, sync_steps: bool):
                 continue
             setattr(cls, name, _timed_op(rec, name, fn))
 
+    def begin_step(handles, pieces):
+        rec.phase = "prefill"
+        rec.steps.append({"seqs": len(handles), "tokens": sum(len(t) for t in pieces), "prepare": 0.0,
+                          "forward": 0.0, "device_tail": 0.0, "start": _NOW()})
+
+    try:  # main: the model runner's prefill is a step (decode and verify steps prepare theirs too)
+        from prefixrun.engine import model_runner
+        runner = model_runner.ModelRunner
+    except ImportError:  # 7c1fe06: the executor prepares prefill steps itself
+        runner = None
+
+    def prefill(original):
+        def step(self, handles, pieces, *a, **k):
+            begin_step(handles, pieces)
+            try:
+                return original(self, handles, pieces, *a, **k)
+            finally:
+                rec.phase = "other"  # the executor's bookkeeping until the next step
+        return step
+
     def prepare(original):
         def prepare_step(self, handles, new_tokens, *a, **k):
-            if rec.phase != "decode":  # a prefill step begins (eager decode steps prepare inside decode)
-                rec.phase = "prefill"
-                rec.steps.append({"seqs": len(handles), "tokens": sum(len(t) for t in new_tokens), "prepare": 0.0,
-                                  "forward": 0.0, "device_tail": 0.0, "start": _NOW()})
+            if runner is None and rec.phase != "decode":  # 7c1fe06: a prefill step begins here
+                begin_step(handles, new_tokens)
             t0 = _NOW()
             out = original(self, handles, new_tokens, *a, **k)
             if rec.step is not None:
                 rec.step["prepare"] += _NOW() - t0
             return out
         return prepare_step
-
-    _wrap(state.ModelState, "prepare_step", prepare)
 
     def forward(original):
         def fwd(self, batch, st, *a, **k):
@@ -175,11 +191,10 @@ def instrument(rec: Recorder, sync_steps: bool):
                     t1 = _NOW()
                     self.ops.synchronize()
                     step["device_tail"] += _NOW() - t1
-                rec.phase = "other"  # the executor's bookkeeping until the next step
+                if runner is None:
+                    rec.phase = "other"
             return out
         return fwd
-
-    _wrap(layers.CausalLM, "forward", forward)
 
     def decode(original):
         def step(self, *a, **k):
@@ -191,8 +206,13 @@ def instrument(rec: Recorder, sync_steps: bool):
                 rec.phase = outer if outer != "prefill" else "other"
         return step
 
-    # step_sampled (new) is called by the runner; step (both) calls step_sampled in the new code: count once
-    if not _wrap(decode_graphs.DecodeGraphs, "step_sampled", decode):
+    _wrap(state.ModelState, "prepare_step", prepare)
+    _wrap(layers.CausalLM, "forward", forward)
+    if runner is not None:
+        _wrap(runner, "prefill", prefill)
+        _wrap(runner, "decode", decode)
+        _wrap(runner, "verify", decode)  # a speculative decoding step
+    else:
         _wrap(decode_graphs.DecodeGraphs, "step", decode)
 
 
