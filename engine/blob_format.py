@@ -74,25 +74,31 @@ def read_file(path, size: int) -> tuple[np.ndarray, str]:
     """(the file's `size` bytes as a uint8 array, their tree digest), read and hashed chunk by chunk on several
     threads. Raises OSError (FileNotFoundError when the file is gone) or BlobFormatError if it is not `size`
     bytes long."""
-    buffer = np.empty(size, np.uint8)
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
-        def read_and_hash(span: tuple[int, int]) -> bytes:
-            start, stop = span
-            view = memoryview(buffer[start:stop])
-            done = 0
-            while done < stop - start:
-                n = os.preadv(descriptor, [view[done:]], start + done)
-                if n <= 0:
-                    raise BlobFormatError(f"file shorter than its recorded {size} bytes")
-                done += n
-            return hashlib.sha256(view).digest()
-
-        digests = list(_threads().map(read_and_hash, _chunks(size)))
-        if os.pread(descriptor, 1, size):
-            raise BlobFormatError(f"file longer than its recorded {size} bytes")
+        return read_descriptor(descriptor, size)
     finally:
         os.close(descriptor)
+
+
+def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
+    """read_file on an open file (its offset is not used)."""
+    buffer = np.empty(size, np.uint8)
+
+    def read_and_hash(span: tuple[int, int]) -> bytes:
+        start, stop = span
+        view = memoryview(buffer[start:stop])
+        done = 0
+        while done < stop - start:
+            n = os.preadv(descriptor, [view[done:]], start + done)
+            if n <= 0:
+                raise BlobFormatError(f"file shorter than its recorded {size} bytes")
+            done += n
+        return hashlib.sha256(view).digest()
+
+    digests = list(_threads().map(read_and_hash, _chunks(size)))
+    if os.pread(descriptor, 1, size):
+        raise BlobFormatError(f"file longer than its recorded {size} bytes")
     return buffer, _tree(digests, size)
 
 

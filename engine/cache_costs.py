@@ -11,9 +11,11 @@ No decision hinges on one small, noisy first measurement: a rate counts once it 
 `MIN_READ_BYTES` / `MIN_PREFILL_SECONDS` of work. Until then the rate measured by earlier runs in this folder
 (`rates.json` next to `checkpoints/`, validated on read, a bad file ignored) stands in; in a folder no run has
 measured, a calibration (`measure_read_rate`: CALIBRATION_BYTES written to an unnamed file in the folder and read
-back with the store's hash, on a thread while the first prefill runs); and only before that finishes, a
-conservative prior (`PRIOR_READ_BYTES_PER_S`). An unknown prefill rate (no prefill yet, no earlier run of this
-model) gives the cache the benefit of the doubt.
+back through the store's read path, on a thread while the first prefill runs); and only before that finishes, a
+conservative prior (`PRIOR_READ_BYTES_PER_S`). A write offered before the prefill rate is measured (the first
+group's prefill may be a GPU's few warm-up milliseconds) is captured and decided on the writer thread once it is
+(or at the run's end, from earlier runs' rate, else written); a read before any prefill gives the cache the
+benefit of the doubt.
 
 Every write skipped and every read declined is counted by reason, with one worked example per reason (the
 report's cache costs), so a run that read nothing from disk says why.
@@ -35,7 +37,7 @@ MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under M
 MIN_READ_SECONDS = 0.05
 MIN_PREFILL_SECONDS = 0.05  # likewise for the prefill rate (a GPU's first step also pays its warm-up)
 PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
-CALIBRATION_BYTES = 32 << 20
+CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at full width
 RATES_FILE_NAME = "rates.json"
 RATES_VERSION = 1
 _MAX_RATES_FILE_BYTES = 1 << 20
@@ -93,6 +95,7 @@ class CostModel:
     """This run's measured rates (plus earlier runs' as a fallback) and the write / read rule."""
 
     def __init__(self, always: bool = False, earlier: dict | None = None, model: str = ""):
+        self.settled = threading.Event()  # set at the run's end: deferred decisions wait no longer
         self.always = always  # --cache-policy always: write every offered state, read every match
         self.prefill_counters = None  # an object with computed_prompt_tokens and prefill_seconds (RunStats)
         self.model = model  # the model key: prefill rates are remembered per model (and backend)
@@ -124,7 +127,9 @@ class CostModel:
         """(tokens/s, where it came from)."""
         c = self.prefill_counters
         if c is not None:
-            measured = _Measured(c.computed_prompt_tokens, c.prefill_seconds).rate(math.inf, MIN_PREFILL_SECONDS)
+            # at the run's end all of its prefill is the measurement, however little it was
+            least = 0.0 if self.settled.is_set() else MIN_PREFILL_SECONDS
+            measured = _Measured(c.computed_prompt_tokens, c.prefill_seconds).rate(math.inf, least)
             if measured is not None:
                 return measured, "this run"
         if self.earlier_prefill:
@@ -154,6 +159,10 @@ class CostModel:
                 "read_bytes_per_s": read, "read_from": read_from, "write_bytes_per_s": self.write_rate()}
 
     # ---- the rule ------------------------------------------------------------------------------------------
+    def can_judge(self) -> bool:
+        """Whether a decision rests on a prefill rate (this run's or earlier runs'), not on the benefit of the doubt."""
+        return self.always or self.prefill_rate()[0] is not None
+
     def judge_write(self, gained_tokens: int, nbytes: int) -> str | None:
         """None if a state of `nbytes` that saves recomputing `gained_tokens` is worth writing, else why not."""
         return None if self.always else self._judge(gained_tokens, nbytes, WRITE_MARGIN, "a later read")
@@ -194,8 +203,10 @@ class CostModel:
                                ("write_bytes_per_s", write, self.earlier_write)):
             if mine or old:
                 doc[key] = mine or old
-        prefill, prefill_from = self.prefill_rate()
-        if prefill is not None and prefill_from == "this run" and self.model:
+        c = self.prefill_counters
+        prefill = None if c is None else \
+            _Measured(c.computed_prompt_tokens, c.prefill_seconds).rate(math.inf, MIN_PREFILL_SECONDS)
+        if prefill is not None and self.model:  # only a measurement that rests on enough work is remembered
             models = doc["prefill_tokens_per_s"]
             models.pop(self.model, None)
             models[self.model] = prefill  # newest last: the oldest models are forgotten first
@@ -205,8 +216,11 @@ class CostModel:
 
 
 def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | None:
-    """Bytes/s of reading back and hashing (as a lookup verifies an entry) `nbytes` just written to an unnamed
-    file in `folder` (O_TMPFILE: nothing is left behind, whatever happens). None where that is not possible."""
+    """Bytes/s of reading back and verifying `nbytes` just written to an unnamed file in `folder` (O_TMPFILE:
+    nothing is left behind, whatever happens), through the store's own read path (engine/blob_format.py: several
+    threads reading and hashing chunks). None where that is not possible."""
+    from prefixrun.engine.blob_format import BlobFormatError, read_descriptor
+
     flags = getattr(os, "O_TMPFILE", 0)
     if not flags:
         return None
@@ -218,17 +232,12 @@ def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | 
         chunk = os.urandom(1 << 20)
         for _ in range(nbytes >> 20):
             os.write(descriptor, chunk)
+        size = (nbytes >> 20) << 20
         started = time.perf_counter()
-        hasher, offset = hashlib.sha256(), 0
-        while True:
-            data = os.pread(descriptor, 4 << 20, offset)
-            if not data:
-                break
-            hasher.update(data)
-            offset += len(data)
+        read_descriptor(descriptor, size)
         seconds = time.perf_counter() - started
-        return offset / seconds if offset and seconds > 0 else None
-    except OSError:
+        return size / seconds if size and seconds > 0 else None
+    except (OSError, BlobFormatError):
         return None
     finally:
         os.close(descriptor)

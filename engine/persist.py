@@ -98,7 +98,7 @@ class _BackgroundWriter:
     """One thread that writes offered states in order; at most `max_pending` bytes of host copies wait."""
 
     def __init__(self, write, max_pending: int):
-        self._write = write  # (tokens, regions_later, logits_later) -> None, run on the thread
+        self._write = write  # (tokens, regions_later, logits_later, deferred) -> None, run on the thread
         self._max_pending = max_pending
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
@@ -405,10 +405,8 @@ class PersistentCheckpoints:
         self.offered.add(key)
         nbytes = state.handle_bytes(handle)
         gained = len(key) - self._stored_base(key)
-        reason = self.cost_model.judge_write(gained, nbytes)
-        self.costs.rates = self.cost_model.rates()
-        if reason is not None:
-            self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
+        deferred = not self.cost_model.can_judge()  # decided on the writer thread once prefill is measured
+        if not deferred and not self._worth_writing(gained, nbytes):
             return False
         if self._writer is None:
             # waiting states are device snapshots until the writer copies them: bounded by device memory too
@@ -428,13 +426,26 @@ class PersistentCheckpoints:
         logits_later = self.ops.start_host_copy(logits) if logits is not None else None
         self.costs.export_seconds += time.perf_counter() - started
         self._remember_on_disk(key)
-        self._writer.submit((list(key), regions_later, logits_later), nbytes)
+        self._writer.submit((list(key), regions_later, logits_later, (gained, nbytes) if deferred else None), nbytes)
         return True
 
-    def _write(self, tokens: list[int], regions_later, logits_later):
-        """On the writer thread."""
+    def _worth_writing(self, gained: int, nbytes: int) -> bool:
+        reason = self.cost_model.judge_write(gained, nbytes)
+        self.costs.rates = self.cost_model.rates()
+        if reason is not None:
+            self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
+        return reason is None
+
+    def _write(self, tokens: list[int], regions_later, logits_later, deferred: tuple[int, int] | None):
+        """On the writer thread. `deferred` (tokens gained, bytes): offered before the prefill rate was known;
+        decided here, once it is (or at the run's end)."""
         if self.store_error is not None:
             return
+        if deferred is not None:
+            while not self.cost_model.can_judge() and not self.cost_model.settled.wait(0.01):
+                pass  # the run's prefill is being measured; the state waits as a capture meanwhile
+            if not self._worth_writing(*deferred):
+                return
         written_before = self.store.stats.written_bytes
         try:
             started = time.perf_counter()
@@ -474,6 +485,7 @@ class PersistentCheckpoints:
     def finish(self):
         """Wait for the background writer (the run's end) and remember the measured rates in the folder; the
         store stays open for the report."""
+        self.cost_model.settled.set()
         if self._writer is not None:
             started = time.perf_counter()
             self._writer.finish()

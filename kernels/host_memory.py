@@ -53,7 +53,10 @@ def start_device_to_host(array) -> "callable":
     snapshot to a new host array (blocking the calling thread only; callable from any thread, once)."""
     import cupy
 
-    snapshot = cupy.array(array, copy=True, order="C")  # [same shape], on the caller's stream
+    dtype = array.dtype
+    # copied as unsigned integers of the same width: a plain byte copy for any dtype (bf16 included)
+    raw = array.view(np.dtype(f"u{dtype.itemsize}")) if dtype.itemsize in (1, 2, 4, 8) else array
+    snapshot = cupy.array(raw, copy=True, order="C")  # [same shape], on the caller's stream
     ready = cupy.cuda.get_current_stream().record()
     device = snapshot.device
 
@@ -68,7 +71,7 @@ def start_device_to_host(array) -> "callable":
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
                 stream.synchronize()
             snapshot = None  # the device copy is freed as soon as the host has the bytes
-            return host
+            return host.view(dtype)
 
     return finish
 

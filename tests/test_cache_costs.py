@@ -336,3 +336,38 @@ def test_read_ahead_stays_within_its_bound_and_skips_what_the_cost_model_would_n
     assert costs.prefetch_bytes == 0 and costs.restored_tokens >= len(DOCUMENT)  # the lookup read it itself
     _, costs, _, _ = run(loaded, tmp_path / "c", SECOND, fast_device=True, disk_measured=True)
     assert costs.prefetch_bytes == 0 and costs.restored_tokens == 0 and costs.reads_declined > 0
+
+
+@pytest.mark.parametrize("device_rate, written", [(10 ** 12, False), (1.0, True)])
+def test_a_write_offered_before_prefill_is_measured_is_decided_once_it_is(loaded, tmp_path, device_rate, written):
+    """A GPU's first prefill group may be a few warm-up milliseconds: too little to judge by. The states offered
+    meanwhile are captured and wait on the writer thread; once the prefill rate is known (here: set at the run's
+    end) they are written or skipped by it, not on the benefit of the doubt."""
+    counters = Counters(0, 0.0)
+
+    def arrange(persist):
+        persist.watch_prefill(counters)
+        finish = persist.finish
+
+        def measured_then_finish():
+            counters.computed_prompt_tokens, counters.prefill_seconds = device_rate, 1.0
+            finish()
+
+        persist.finish = measured_then_finish
+
+    results, costs, _, _ = run(loaded, tmp_path / "c", FIRST, disk_measured=True, setup=arrange)
+    assert results == without_cache(loaded, FIRST)
+    if written:
+        assert costs.written_bytes > 0 and costs.writes_skipped == 0
+    else:
+        assert costs.written_bytes == 0 and costs.writes_skipped >= 1 + len(FIRST)  # the document and each prompt end
+        assert "(this run)" in next(iter(costs.declines.values()))["example"]
+
+
+def test_at_the_runs_end_a_small_prefill_is_the_measurement_but_is_not_remembered(tmp_path):
+    model = CostModel(model="m")
+    model.prefill_counters = Counters(100, 0.01)  # 10 ms of prefill: the whole run's, but little
+    assert not model.can_judge()
+    model.settled.set()
+    assert model.can_judge() and model.prefill_rate() == (pytest.approx(10_000), "this run")
+    assert "m" not in model.remembered({}).get("prefill_tokens_per_s", {})

@@ -32,15 +32,15 @@ SECOND = [DOCUMENT + [310 + i, 410 + i] for i in range(4)]
 
 
 def test_host_copy_captures_the_content_at_the_call_and_finishes_on_another_thread():
-    import cupy
     from prefixrun.kernels.cuda import BF16, CudaOps
 
     ops = CudaOps("bfloat16")
     for dtype in (np.float32, BF16):
-        device = cupy.arange(3 << 20, dtype=np.float32).astype(dtype).reshape(3, -1)  # [3, 1M]
-        want = cupy.asnumpy(device.view(np.uint16) if dtype == BF16 else device)
+        host = np.arange(3 << 20, dtype=np.float32).astype(dtype).reshape(3, -1)  # [3, 1M]
+        device = ops.upload(host, dtype)
+        want = host.view(np.uint16) if dtype == BF16 else host
         finish = ops.start_host_copy(device[1:])  # a view: the snapshot must not follow it
-        device.fill(0)  # the caller's next work changes the array at once
+        device.view(np.uint16 if dtype == BF16 else np.uint32).fill(0)  # the caller's next work changes it at once
         got = {}
         worker = threading.Thread(target=lambda: got.setdefault("host", finish()))
         worker.start()
@@ -84,7 +84,9 @@ def test_cold_then_warm_on_gpu_reads_the_document_and_changes_no_token(loaded, t
     if loaded.ops.act_dtype == np.float32:  # fp32: exactly the tokens of a run without the cache
         assert first == run(loaded, FIRST)[0] and second == run(loaded, SECOND)[0]
     again, costs, stats = run(loaded, FIRST, tmp_path / "c")  # the prompts' own ends, with logits
-    assert again == first and stats.computed_prompt_tokens == 0
+    assert stats.computed_prompt_tokens == 0
+    if loaded.ops.act_dtype == np.float32:
+        assert again == first
 
 
 def test_import_scatters_into_the_right_blocks_on_gpu(loaded):
