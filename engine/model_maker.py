@@ -102,7 +102,7 @@ def mtp_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
               lp + "self_attn.q_proj.weight": (2 * hq * hd, d), lp + "self_attn.k_proj.weight": (hkv * hd, d),
               lp + "self_attn.v_proj.weight": (hkv * hd, d), lp + "self_attn.o_proj.weight": (d, hq * hd),
               lp + "self_attn.q_norm.weight": (hd,), lp + "self_attn.k_norm.weight": (hd,)}
-    moe = getattr(cfg, "moe", None)
+    moe = cfg.moe if isinstance(cfg, MoeHybridConfig) else None
     if moe is not None and moe.sparse_layers[0]:
         m, e, mi, s = lp + "mlp.", moe.num_experts, moe.expert_intermediate_size, moe.shared_expert_intermediate_size
         shapes[m + "gate.weight"] = (e, d)

@@ -30,6 +30,7 @@ from prefixrun.engine.batch import build_batch
 from prefixrun.engine.config import HybridConfig
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, WeightLoader
+from prefixrun.engine.moe_config import MoeHybridConfig
 from prefixrun.engine.state import ForwardBatch, ModelState, RegionSpec
 
 PREFIX = "mtp."
@@ -101,11 +102,11 @@ class MtpHead:
         self.norm_hidden = norm("pre_fc_norm_hidden.weight")
         self.final_norm = norm("norm.weight")
         lp = PREFIX + "layers.0."
-        moe = getattr(cfg, "moe", None)
-        if moe is not None and moe.sparse_layers[0]:  # as the model's layer 0 (vLLM's rule for the MTP layer)
+        if isinstance(cfg, MoeHybridConfig) and cfg.moe is not None and cfg.moe.sparse_layers[0]:
+            # sparse as the model's layer 0 is (vLLM's rule for the MTP layer)
             from prefixrun.engine.models.moe import SparseMoeBlock
 
-            mlp = SparseMoeBlock(d, moe, load, lp + "mlp.")
+            mlp = SparseMoeBlock(d, cfg.moe, load, lp + "mlp.")
         else:
             mlp = GatedMLP(cfg, load, lp + "mlp.")
         self.layer = DecoderLayer(MtpAttention(cfg, load, lp + "self_attn."), mlp,
@@ -170,7 +171,7 @@ class MtpDrafter:
     needs_hidden = False
 
     def __init__(self, model, state: ModelState):
-        if getattr(model, "mtp", None) is None:
+        if model.mtp is None:
             raise ModelLoadError("--speculative mtp needs the model loaded with its MTP head (mtp.* weights)")
         self.model, self.head, self.state, self.ops = model, model.mtp, state, model.ops
         self.last_logits: list = []  # per chain step: fp32 [active rows, V] (tests read the head's logits here)
