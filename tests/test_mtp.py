@@ -407,3 +407,25 @@ def test_drafter_without_room_proposes_nothing_and_leaves_the_pools_intact(mtp_m
                            DraftInput(tokens=b, num_drafts=3, handle=short, request=None)])
     assert got[0] == [] and len(got[1]) == 3
     assert len(full.blocks) == 2 and len(short.blocks) == 1 and st.blocks.free_count == 0
+
+
+def test_drafting_changes_no_state_it_does_not_own(mtp_models, cpu_ops):
+    """A chain writes only rows past the sequences' lengths: every region of every state (the drafting ones, and a
+    fork sharing their partial last block) exports the same before and after, and drafting twice gives the same."""
+    model = mtp_models["qwen3_5"]
+    tokens = random_prompt(30, 40)
+    state = new_state(model, cpu_ops)
+    h = state.new_sequence()
+    model.forward(state.prepare_step([h], [tokens[:-1]]), state)  # 39 tokens: a partial last block
+    sibling = state.fork(h)  # shares it
+    before = {id(x): state.export(x) for x in (h, sibling)}
+    first = _draft(model, state, h, tokens, 4)
+    second = _draft(model, state, sibling, tokens, 4)
+    for x in (h, sibling):
+        after = state.export(x)
+        for name, arr in before[id(x)].items():
+            np.testing.assert_array_equal(after[name], arr, err_msg=name)
+    assert first[0] == second[0]
+    np.testing.assert_array_equal(first[1], second[1])
+    assert _draft(model, state, h, tokens, 4)[0] == first[0]
+    state.check_invariants()
