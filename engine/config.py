@@ -8,8 +8,9 @@ that cannot change inference (dropout, initializer range, pad_token_id's padding
 Real checkpoints come in two layouts: a plain causal LM (weights under `model.`) and the vision-language composite
 (`text_config` nested; weights under `model.language_model.` or, as transformers 5.17 saves Gemma 3,
 `language_model.model.` — engine.models resolves the stored layout). The composite's vision tower is ignored; the MTP
-head (`mtp.*`, either layout) is found by its weights when asked for (engine/models/mtp.py). Rotary settings live in engine/rope.py. To add a family: a config subclass with `from_fields`, an
-entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`) and its transformers defaults in `_DEFAULTS`.
+head (`mtp.*`, either layout) is found by its weights when asked for (engine/models/mtp.py). Rotary settings live in
+engine/rope.py. To add a family: a config subclass with `from_fields`, an entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`)
+and its transformers defaults in `_DEFAULTS`.
 
 (Over 300 lines on purpose: each family's dataclass, field reading and transformers defaults sit together, so a
 family's fidelity can be checked in one file.)
