@@ -365,8 +365,9 @@ def test_cli_make_model_with_head_and_batch_with_mtp_drafts(tmp_path):
     assert runner.invoke(app, ["make-model", str(model_dir), "--mtp", "--seed", "3"]).exit_code == 0
     assert runner.invoke(app, ["make-model", str(plain_dir), "--seed", "3"]).exit_code == 0
     work = tmp_path / "in.jsonl"
-    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 10,
-                                        "temperature": 0, "ignore_eos": True}) + "\n" for i, p in enumerate(_prompts())))
+    lines = [{"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+             for i, p in enumerate(_prompts())]
+    work.write_text("".join(json.dumps(line) + "\n" for line in lines))
     # one cache folder for all runs: a run without the head must not be served the entries of a run with it (their
     # state layouts differ, so do their keys), nor the other way round; a second run with the head reads its own
     outs, cached = [], []
