@@ -161,9 +161,12 @@ def transformers_bf16_logits(model_dir) -> list[np.ndarray]:
     """The same two steps' logits from transformers in bfloat16 (an independent implementation at our precision)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    # on the GPU when torch has one: with flash-linear-attention installed transformers runs its Triton kernels,
+    # which take device tensors only (the first device run of this test failed on CPU tensors)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     with torch.no_grad():
-        last = lambda ids: model(torch.tensor([ids])).logits[0, -1].float().numpy()  # noqa: E731
+        last = lambda ids: model(torch.tensor([ids], device=device)).logits[0, -1].float().cpu().numpy()  # noqa: E731
         return [np.stack([last(p) for p in PROMPTS]), np.stack([last(p + [t]) for p, t in zip(PROMPTS, NEXT)])]
 
 
