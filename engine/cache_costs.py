@@ -42,6 +42,7 @@ RATES_FILE_NAME = "rates.json"
 RATES_VERSION = 1
 _MAX_RATES_FILE_BYTES = 1 << 20
 _MAX_MODELS_REMEMBERED = 64
+_DECLINE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -67,12 +68,14 @@ class CacheCosts:
     declines: dict = field(default_factory=dict)  # reason -> {"count": n, "example": one decision in figures}
 
     def decline(self, reason: str, example: str, *, write: bool):
-        if write:
-            self.writes_skipped += 1
-        else:
-            self.reads_declined += 1
-        entry = self.declines.setdefault(reason, {"count": 0, "example": example})
-        entry["count"] += 1
+        """Count one skipped write or declined read (from the engine's thread or the writer's)."""
+        with _DECLINE_LOCK:
+            if write:
+                self.writes_skipped += 1
+            else:
+                self.reads_declined += 1
+            entry = self.declines.setdefault(reason, {"count": 0, "example": example})
+            entry["count"] += 1
 
     def as_dict(self) -> dict:
         out = {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
