@@ -43,7 +43,8 @@ def _forget_pool_after_fork():
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _threads() -> ThreadPoolExecutor:
+def threads() -> ThreadPoolExecutor:
+    """The shared pool of blob threads (reading, hashing, checking)."""
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
@@ -62,7 +63,7 @@ def _chunks(size: int) -> list[tuple[int, int]]:
 def tree_digest(buffer) -> str:
     """The content digest of `buffer` (bytes-like)."""
     view = memoryview(buffer).cast("B")
-    digests = list(_threads().map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), _chunks(len(view))))
+    digests = list(threads().map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), _chunks(len(view))))
     return _tree(digests, len(view))
 
 
@@ -96,7 +97,7 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
             done += n
         return hashlib.sha256(view).digest()
 
-    digests = list(_threads().map(read_and_hash, _chunks(size)))
+    digests = list(threads().map(read_and_hash, _chunks(size)))
     if os.pread(descriptor, 1, size):
         raise BlobFormatError(f"file longer than its recorded {size} bytes")
     return buffer, _tree(digests, size)

@@ -46,6 +46,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from prefixrun.engine.blob_format import threads as blob_threads
 from prefixrun.engine.cache_costs import CacheCosts, CostModel, human_bytes, load_rates, measure_read_rate, \
     save_rates
 from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, layout_digest, \
@@ -174,6 +175,8 @@ class PersistentCheckpoints:
         self._ahead_queue: queue.Queue = queue.Queue()
         self._ahead_thread: threading.Thread | None = None
         self.max_prefetch_bytes = max_pending_write_bytes() // 2
+        self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
+        self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
         if rates_root is not None and not self.cost_model.always and not self._earlier_rates.get("read_bytes_per_s"):
             # a folder no run has measured: time a read of it while the first prefill runs
             self._calibration = threading.Thread(target=self._calibrate, name="prefixrun-cache-calibration",
@@ -226,7 +229,11 @@ class PersistentCheckpoints:
 
     def _lookup(self, tokens, minimum, maximum, state, share):
         layout = state_layout(state.specs, state.ops)
-        problem = lambda checkpoint: self._problem(checkpoint, layout)  # noqa: E731
+        def problem(checkpoint):  # already checked against this model on the prefetch thread, or now
+            if (checkpoint.entry_id, checkpoint.file_name) in self._checked:
+                return None
+            return self._problem(checkpoint, layout)
+
         afford = self._affordable(minimum)
         self._await_read_ahead(tokens, minimum, maximum)
         read_before = self.store.stats.read_bytes
@@ -284,7 +291,7 @@ class PersistentCheckpoints:
         return None
 
     # ---- read ahead ---------------------------------------------------------------------------------------
-    def prefetch(self, roots):
+    def prefetch(self, roots, state: ModelState | None = None):
         """Read ahead, on a background thread while the device computes, the stored entries this window's lookups
         are expected to use: for each task of the plan (roots first, then their consumers, breadth first), the
         longest indexed prefix in (task.start, task.end] that the cost model would read. Chosen here from the index
@@ -293,6 +300,8 @@ class PersistentCheckpoints:
         `max_prefetch_bytes`) until a lookup takes them; a new window's call drops the unused ones."""
         if self.store_error is not None:
             return
+        if state is not None:
+            self._ahead_layout = state_layout(state.specs, state.ops)
         with self._ahead_lock:
             self._ahead_generation += 1
             self._drop_unused_read_ahead()
@@ -344,6 +353,11 @@ class PersistentCheckpoints:
                     started = time.perf_counter()
                     try:
                         checkpoint = self.store.read_entry(self.key, prefix)
+                        if checkpoint is not None and self._ahead_layout is not None:
+                            if self._problem(checkpoint, self._ahead_layout) is None:
+                                self._checked.add((checkpoint.entry_id, checkpoint.file_name))
+                            else:
+                                checkpoint = None  # the lookup reads it itself and moves it aside, saying why
                     except _STORE_FAILURES as error:
                         self._give_up("prefetch", error)
                     seconds = time.perf_counter() - started
@@ -519,11 +533,26 @@ def _tensor_problem(array: np.ndarray, shape: tuple, dtype_name: str) -> str | N
     return None
 
 
+_FINITE_CHUNK = 8 << 20  # elements per piece: a restored K/V region is checked on several threads
+
+
 def _all_finite(array: np.ndarray) -> bool:
-    """bfloat16 checked on its bits (exponent all ones: inf or nan) instead of converting GiBs of K/V to fp32."""
-    if array.dtype == np.dtype(ml_dtypes.bfloat16):
-        return not np.any((array.view(np.uint16) & 0x7F80) == 0x7F80)
-    return bool(np.isfinite(array).all()) if array.dtype.kind == "f" else True
+    """bfloat16 checked on its bits (exponent all ones: inf or nan) instead of converting GiBs of K/V to fp32;
+    large arrays in pieces on the blob threads (NumPy releases the GIL)."""
+    bf16 = array.dtype == np.dtype(ml_dtypes.bfloat16)
+    if not bf16 and array.dtype.kind != "f":
+        return True
+    flat = array.reshape(-1)
+
+    def finite(piece: np.ndarray) -> bool:
+        if bf16:
+            return not np.any((piece.view(np.uint16) & 0x7F80) == 0x7F80)
+        return bool(np.isfinite(piece).all())
+
+    if flat.size <= _FINITE_CHUNK:
+        return finite(flat)
+    pieces = [flat[i:i + _FINITE_CHUNK] for i in range(0, flat.size, _FINITE_CHUNK)]
+    return all(blob_threads().map(finite, pieces))
 
 
 def _describe(error: Exception) -> str:

@@ -122,7 +122,7 @@ class Engine:
             else make_plan(prompts).distinct_tokens
         self.last_plan, self.last_trace = plan, Trace()
         if self.persist is not None and self.opts.reuse:
-            self.persist.prefetch(plan.roots)  # stored states this window will look up, read while it computes
+            self.persist.prefetch(plan.roots, self.state)  # stored states this window will look up, read meanwhile
         from prefixrun.engine.executor import WindowExecutor
 
         self._window = WindowExecutor(self, runnable, plan, self.last_trace)

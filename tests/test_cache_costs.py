@@ -371,3 +371,34 @@ def test_at_the_runs_end_a_small_prefill_is_the_measurement_but_is_not_remembere
     model.settled.set()
     assert model.can_judge() and model.prefill_rate() == (pytest.approx(10_000), "this run")
     assert "m" not in model.remembered({}).get("prefill_tokens_per_s", {})
+
+
+def test_read_ahead_checks_entries_against_the_model_off_the_critical_path(loaded, tmp_path, monkeypatch):
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+    threads = []
+    real_problem = PersistentCheckpoints._problem
+
+    def spy(self, checkpoint, layout):
+        threads.append(threading.current_thread().name)
+        return real_problem(self, checkpoint, layout)
+
+    monkeypatch.setattr(PersistentCheckpoints, "_problem", spy)
+    second, costs, _, _ = run(loaded, tmp_path / "c", SECOND)
+    assert costs.prefetch_used_bytes > 0 and costs.restored_tokens >= len(DOCUMENT)
+    assert threads and set(threads) == {"prefixrun-cache-prefetch"}  # each entry checked once, there
+    assert second == without_cache(loaded, SECOND)
+
+
+def test_finite_check_in_pieces_finds_one_bad_value_anywhere(monkeypatch):
+    from prefixrun.engine import persist as persist_module
+    import ml_dtypes
+
+    monkeypatch.setattr(persist_module, "_FINITE_CHUNK", 1000)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        array = np.ones((37, 101), dtype)
+        assert persist_module._all_finite(array)
+        for bad in (np.nan, np.inf, -np.inf):
+            for where in ((0, 0), (20, 50), (36, 100)):
+                broken = array.copy()
+                broken[where] = bad
+                assert not persist_module._all_finite(broken), (dtype, bad, where)

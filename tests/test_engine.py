@@ -418,7 +418,7 @@ class _NoDisk:
     def offer(self, tokens, state, handle, logits):
         return False
 
-    def prefetch(self, roots):
+    def prefetch(self, roots, state=None):
         pass
 
 
@@ -686,7 +686,7 @@ class _MemoryDisk:
                 return state.import_state(hit[0], n, share=share), (hit[1] if n == maximum else None)
         return None
 
-    def prefetch(self, roots):
+    def prefetch(self, roots, state=None):
         pass  # nothing to read ahead: the entries are in memory
 
     def offer(self, tokens, state, handle, logits):
