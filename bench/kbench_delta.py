@@ -191,7 +191,7 @@ def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous):
         rate = lambda ms: f"{t / ms / 1e3:.1f} M tok/s"
         row = {"shape": label, "failed": failed}
         ms = row["previous"] = time_ms(lambda: case.run(previous, st), iters=3, warmup=1)
-        rows.append(Row(f"{label}: previous default kernel", ms, rate(ms)))
+        rows.append(Row(f"{label}: previous kernels (gdn_tensor_cores=False)", ms, rate(ms)))
         if failed:
             note(f"{label}: tensor-core form not timed (a check failed)")
         else:

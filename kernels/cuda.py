@@ -152,7 +152,7 @@ def compile_all():
 # when an MoE model first calls it). A module's first use in a fresh process costs its load from CuPy's disk
 # cache (an NVRTC compile on the very first run, and in every process with CuPy < 14.2, whose cache skipped
 # modules with name_expressions): host time in the first prefill step, while the GPU idles.
-PREPARED_FILES = ("elementwise", "conv", "delta_rule", "attention", "sampling")
+PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", "sampling")
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
 

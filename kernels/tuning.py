@@ -11,10 +11,13 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   SMs (a long shared prefix alone): the fp32 chunked kernels are bound by shared memory and lose from about four
   sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
 - delta rule, tensor cores (kernels/delta_tc.cu: bf16 mma, 64-token chunks, key/value dims <= 128 and 16-byte
-  aligned rows): the bf16 prefill form whenever sequences average at least GDN_TC_MIN_MEAN tokens; its scan block
-  takes 16 value columns per warp, 4 warps when that still gives every SM a block, else 2.
-  UNMEASURED first guess (session 4), and off by default until a device run has checked the kernel: the device
-  bench (`python3 bench/kernel_bench.py delta`) sets these figures.
+  aligned rows): the bf16 prefill form whenever sequences average at least GDN_TC_MIN_MEAN tokens, scan blocks of
+  4 warps (64 value columns). Measured 2026-12-01 (`bench/kernel_bench.py delta`, 4b-like heads), previous default
+  kernel / tensor cores with 4 warps / with 2: 32 x 2304 13.13 / 4.94 / 5.73 ms; 1 x 2048 2.02 / 0.250 / 0.279;
+  64 x 256 2.92 / 1.18 / 1.34. 4 warps won even where 2 give twice the blocks (one sequence). The threshold is
+  derived from the same figures, not measured at it: the token-stepped kernel costs ~11 us per token step at 64
+  sequences (~1 us alone), the tensor-core form ~0.3 ms per 64-token chunk round at 64 sequences (~8 us alone)
+  whether the chunk is full or not, so at 64 sequences they break even near 26 tokens each; 32 leaves a margin.
 - attention warps per block (16 query rows each): 8 above 128 head dims, else 4 (32 x 2304 prefill: head dim 256
   8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1); decode 4 warps.
 - decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
@@ -37,7 +40,7 @@ GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMA
 # GDN_TC_DIMS; the scan block has GDN_TC_WARPS warps of 16 value columns each
 GDN_TC_DIMS = (128,)
 GDN_TC_WARPS = (2, 4)
-GDN_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" takes the tensor-core form
+GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the tensor-core form
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 
 
@@ -62,11 +65,10 @@ class CudaTuning:
     """Kernel variants of the CUDA backend. "auto" lets the shapes decide (see the module docstring)."""
 
     gdn_chunked: bool | str = "auto"  # prefill in 64-token chunks: True, False or "auto"
-    # bf16 prefill in the tensor-core chunked form: True, False or "auto". False until a device run has checked
-    # kernels/delta_tc.cu against the reference (session 4); then "auto", with "delta_tc" added to PREPARED_FILES in
-    # kernels/cuda.py (its module then loads while the weights upload instead of in the first prefill step)
-    gdn_tensor_cores: bool | str = False
-    gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: fill the SMs
+    # bf16 prefill in the tensor-core chunked form: True, False or "auto" (checked against the reference on an H200,
+    # 2026-12-01; "delta_tc" is in kernels/cuda.py's PREPARED_FILES so its module loads while the weights upload)
+    gdn_tensor_cores: bool | str = "auto"
+    gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: 4 (the faster on every measured shape)
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -120,7 +122,7 @@ def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: i
     `tensor_cores`: bf16 q/k/v with 16-byte aligned rows (dims and strides multiples of 8; the caller checks)."""
     if tensor_cores and _use_tensor_cores(tuning, tokens, seqs, dk, dv):
         dim = next(d for d in GDN_TC_DIMS if d >= max(dk, dv))
-        warps = tuning.gdn_tc_warps or (4 if -(-dv // 64) * heads * seqs >= sm_count else 2)
+        warps = tuning.gdn_tc_warps or 4
         return DeltaRuleLaunch(chunked=True, kernel=f"gdn_tc_scan_kernel<{dim}, {warps}>",
                                grid=(-(-dv // (16 * warps)), heads, seqs), tensor_cores=True, dim=dim,
                                warps=warps)

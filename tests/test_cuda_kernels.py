@@ -277,6 +277,7 @@ def _delta_inputs(rng, ops, lens, h, dk, dv, nslots):
 
 @pytest.mark.parametrize("h,dk,dv", [(4, 16, 16), (2, 128, 128), (3, 32, 48), (2, 100, 72), (1, 64, 18)])
 def test_gated_delta_rule(ops, ref, h, dk, dv):
+    ops = ops.retuned(gdn_tensor_cores=False)  # the token-stepped / fp32 chunked kernels (tensor cores below)
     rng = np.random.default_rng(dk + dv)
     lens = [1, 5, 64, 65, 130, 0, 1, 17]
     q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=10)
@@ -297,6 +298,7 @@ def test_gated_delta_rule(ops, ref, h, dk, dv):
 def test_gated_delta_rule_grouped_heads(ops, ref, lens):
     """Value heads sharing key heads (Hv = 4 Hk, as Qwen3.5-4b's 32/16 at smaller scale): q and k are passed with
     Hk heads, strided out of one buffer as the layer passes them; prefill (chunked) and decode (stepped)."""
+    ops = ops.retuned(gdn_tensor_cores=False)
     rng = np.random.default_rng(5 + len(lens))
     hk, h, dk, dv = 2, 8, 64, 64
     q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=6)
@@ -320,7 +322,7 @@ def test_gated_delta_rule_variants(ops, ref, chunked, h, dk, dv):
     """Both forms of a prefill (the chunked one and token steps) agree with the reference."""
     rng = np.random.default_rng(11 + dk)
     q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, [3, 40, 1, 0, 70], h, dk, dv, nslots=6)
-    tuned = ops.retuned(gdn_chunked=chunked)
+    tuned = ops.retuned(gdn_chunked=chunked, gdn_tensor_cores=False)
     d_state = ops.upload(state, np.float32)
     o = tuned.gated_delta_rule(ops.upload(q), ops.upload(k), ops.upload(v), ops.upload(g, np.float32),
                                ops.upload(beta, np.float32), d_state, ops.upload_index(slots), ops.upload_index(cu))
@@ -334,6 +336,7 @@ def test_gated_delta_rule_variants(ops, ref, chunked, h, dk, dv):
 def test_gated_delta_rule_chunked_long(ops, ref, lens):
     """The chunked prefill on long single sequences, exact chunk multiples and ragged tails, from non-zero states,
     with decays strong enough to underflow inside a chunk; then one decode step (token-stepped) from its state."""
+    ops = ops.retuned(gdn_tensor_cores=False)
     rng = np.random.default_rng(len(lens) * 7 + lens[0])
     h, dk, dv = 4, 128, 128
     q, k, v, g, beta, state, slots, cu = _delta_inputs(rng, ops, lens, h, dk, dv, nslots=5)
@@ -878,16 +881,16 @@ def test_tiny_model_forward_matches_cpu(model_dirs, gemma_dir, family, dtype, to
 
 
 def test_tiny_qwen3_5_with_tensor_core_delta_rule_matches_cpu(tc_checked, model_dirs):
-    """The tiny Qwen3.5 in bf16 with the delta rule's tensor-core form switched on ("auto", as the lead turns it on
-    once the kernel has passed on the device): its prefill takes that form (counted), and the logits of the prefill
-    and of a decode step after it agree with the CPU's as closely as the default kernels' do (bf16 bound 5e-2)."""
+    """The tiny Qwen3.5 in bf16 with the delta rule's tensor-core form ("auto", the default): its prefill takes that
+    form (counted), and the logits of the prefill and of a decode step after it agree with the CPU's as closely as
+    with the previous kernels (bf16 bound 5e-2)."""
     from prefixrun.engine.models import load_model
     from prefixrun.engine.state import ModelState
     from prefixrun.kernels.cuda import CudaOps
 
     tc_ops, calls = _spy_tc(CudaOps("bfloat16").retuned(gdn_tensor_cores="auto"))
     results = []
-    for ops in (NumpyOps(), CudaOps("bfloat16"), tc_ops):
+    for ops in (NumpyOps(), CudaOps("bfloat16").retuned(gdn_tensor_cores=False), tc_ops):
         model = load_model(model_dirs["qwen3_5"], ops)[0]
         state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
         hs = [state.new_sequence(), state.new_sequence()]
