@@ -25,6 +25,8 @@
 // does), T, W, U0, Aqk and Vn are bf16 operands. Limits (the wrapper checks them and falls back otherwise): bf16
 // q/k/v with rows 16-byte aligned (dims and strides multiples of 8 elements), Dk, Dv <= D (64 or 128).
 // Every kernel reads q and k of value head h from key head h / krep (grouped value heads share key heads).
+// One file over ~300 lines on purpose: the two kernels share the chunk layout, the fragment helpers and the scratch
+// format between them, and tests/test_delta_tc_emulated.py compiles exactly this file for the CPU.
 
 #define TC_C 64              // tokens per chunk
 #define TC_ALD (TC_C + 8)    // bf16 [C][C] rows: 144 bytes, ldmatrix rows fall in distinct banks

@@ -6,7 +6,8 @@ registers by the PTX ISA's fragment layouts, cp.async a per-thread queue perform
 own indexing (fragment addresses, tile loads, causal skips, strides, grouped heads, ragged chunks, the launch
 geometry and shared-memory sizes kernels/tuning.py gives the wrapper) is checked on every CI run; only the
 hardware's behaviour beyond the ISA's definitions is left to the device tests (tests/test_cuda_kernels.py).
-Slow by nature (one OS thread per CUDA thread): the shapes are small.
+Slow by nature (one OS thread per CUDA thread): the shapes are small. Over ~300 lines because the harnesses (the
+kernels' entry points, the attention cross-check, the ThreadSanitizer build) share its compile and launch helpers.
 """
 from __future__ import annotations
 
