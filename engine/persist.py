@@ -133,6 +133,8 @@ class _BackgroundWriter:
             job, nbytes = item
             try:
                 self._write(*job)
+            except Exception as error:  # the thread must live on: jobs wait behind this one, finish() joins it
+                log.warning("persistent checkpoint cache: a background write failed (%s)", _describe(error))
             finally:
                 with self._room:
                     self._pending -= nbytes
@@ -360,6 +362,9 @@ class PersistentCheckpoints:
                                 checkpoint = None  # the lookup reads it itself and moves it aside, saying why
                     except _STORE_FAILURES as error:
                         self._give_up("prefetch", error)
+                    except Exception as error:  # read-ahead is optional: the lookup reads the entry itself
+                        checkpoint = None
+                        log.warning("persistent checkpoint cache: read-ahead failed (%s)", _describe(error))
                     seconds = time.perf_counter() - started
                     if checkpoint is not None:
                         self.costs.prefetch_bytes += checkpoint.nbytes
@@ -489,6 +494,9 @@ class PersistentCheckpoints:
             nbytes = self.store.read_back(self.key, tokens)
         except _STORE_FAILURES as error:
             self._give_up("read back", error)
+            return
+        except Exception as error:  # only a measurement: the entry itself is written
+            log.warning("persistent checkpoint cache: reading back an entry failed (%s)", _describe(error))
             return
         if nbytes:
             seconds = time.perf_counter() - started

@@ -402,3 +402,16 @@ def test_finite_check_in_pieces_finds_one_bad_value_anywhere(monkeypatch):
                 broken = array.copy()
                 broken[where] = bad
                 assert not persist_module._all_finite(broken), (dtype, bad, where)
+
+
+def test_a_read_ahead_that_fails_unexpectedly_leaves_the_lookup_to_read_itself(loaded, tmp_path, monkeypatch):
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+    from prefixrun.engine.store import CheckpointStore
+
+    def broken(self, key, tokens):
+        raise RuntimeError("a bug in the read-ahead")
+
+    monkeypatch.setattr(CheckpointStore, "read_entry", broken)
+    second, costs, _, _ = run(loaded, tmp_path / "c", SECOND)  # must not wait forever for the read-ahead
+    assert costs.prefetch_bytes == 0 and costs.read_bytes > 0 and costs.restored_tokens >= len(DOCUMENT)
+    assert second == without_cache(loaded, SECOND)
