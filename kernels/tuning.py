@@ -78,9 +78,9 @@ class CudaTuning:
     # kernels (tests/test_cuda_kernels.py and bench/kernel_bench.py run them explicitly); a new default changes
     # prefill numerics: bump kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "mma"
-    # --speculative auto drafts on this backend: False until a device run has checked kernels/spec_rows.cu and the
-    # verify-step graphs (tests/test_cuda_speculative.py, session 4); explicit --speculative ngram/mtp run anyway
-    speculative_auto: bool = False
+    # --speculative auto drafts on this backend: on since the 2026-12-01 device run passed kernels/spec_rows.cu and
+    # the verify-step graphs (tests/test_cuda_speculative.py); False turns auto off here (ngram/mtp still run)
+    speculative_auto: bool = True
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:

@@ -110,8 +110,7 @@ def test_greedy_tokens_identical_on_gpu(family, gpu_models):
                          OracleDrafter(off, spread=k == 3))
         assert on == off, k
         assert 0 < stats.methods["oracle"].accepted < stats.methods["oracle"].drafted
-    # auto on the GPU (forced: CudaTuning.speculative_auto stays False until this file has passed on a device)
-    on, stats = _run(model, ops.retuned(speculative_auto=True), EngineOptions(max_batch=4, speculative="auto"))
+    on, stats = _run(model, ops, EngineOptions(max_batch=4, speculative="auto"))  # CudaTuning.speculative_auto
     assert on == off and stats is not None
 
 
