@@ -6,7 +6,7 @@ a new default for the chunked delta rule, ...): every entry written before then 
 """
 from __future__ import annotations
 
-NUMERICS_VERSION = 1
+NUMERICS_VERSION = 2  # 2: bf16 prefill on tensor cores by default (wgmma attention on sm_90, the delta rule's tc form)
 
 
 def numerics_id(ops) -> str:

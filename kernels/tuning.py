@@ -23,11 +23,13 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
 - decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
   batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s (1152 keys: 87 us vs 112 us split).
 - cascade: a decode step with shared-prefix groups reads each group's shared K/V once.
-- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: `attn_prefill_kernel` "wgmma" or
-  "wgmma-overlap" (kernels/attention_sm90.cu, its two schedules) when the step averages at least 64 query rows
+- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: the wgmma kernel
+  (kernels/attention_sm90.cu, `attn_prefill_kernel` "wgmma") when the step averages at least 64 query rows
   (tokens x GQA ratio) per sequence; steps of a few rows per sequence (speculative verification, decode-like
-  chunks) and other GPUs keep attn_mma_kernel, whose 16-row warps waste less of a tile. Default "mma" until a
-  device run has checked the wgmma kernels.
+  chunks) and other GPUs keep attn_mma_kernel, whose 16-row warps waste less of a tile. Measured 2026-12-01 on an
+  H200 (bench/kernel_bench.py attn, mma.sync / wgmma / wgmma-overlap): 32 x 2304, 16/4 x 256: 7.50 / 5.32 / 7.25 ms;
+  32/8 x 128: 7.46 / 6.85 / 10.10 ms; 64 x 256 after 2048 cached: 3.00 / 2.15 / 2.97 ms. The "wgmma-overlap"
+  schedule loses everywhere and stays selectable only for measuring it.
 """
 from __future__ import annotations
 
@@ -74,10 +76,9 @@ class CudaTuning:
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
     attn_split_decode: bool | str = "auto"
     attn_cascade: bool = True
-    # the prefill kernel on sm_90 (see the module docstring): "mma" until a device run has checked the wgmma
-    # kernels (tests/test_cuda_kernels.py and bench/kernel_bench.py run them explicitly); a new default changes
-    # prefill numerics: bump kernels/numerics.py NUMERICS_VERSION with it
-    attn_prefill_kernel: str = "mma"
+    # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
+    # kernels/numerics.py NUMERICS_VERSION with it
+    attn_prefill_kernel: str = "wgmma"
     # --speculative auto drafts on this backend: on since the 2026-12-01 device run passed kernels/spec_rows.cu and
     # the verify-step graphs (tests/test_cuda_speculative.py); False turns auto off here (ngram/mtp still run)
     speculative_auto: bool = True

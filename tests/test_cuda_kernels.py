@@ -573,6 +573,7 @@ def test_paged_attention_tile_variants(ops, ref, d, warps, bn, decode):
     seqs = [(300, 1), (65, 1), (1, 1), (129, 1)] if decode else [(300, 1), (260, 100), (40, 40), (129, 3)]
     c = _paged_case(rng, ops, seqs, 8, 2, d, 16)
     tuned = ops.retuned(attn_prefill_warps=warps, attn_decode_warps=warps, attn_split_decode=False,
+                        attn_prefill_kernel="mma",  # the mma.sync tiles (the wgmma kernel: tests below)
                         attn_keys_per_tile=((d, bn),) if bn is not None else ())
     out = tuned.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]),
                                 ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]),
@@ -1145,7 +1146,7 @@ def bench():  # pragma: no cover - device timing, not a test
         qa = rnd_dev(t, hq, hd)
         flops = 4 * b * hq * hd * L * (L + 1) / 2
         for nw, bn in configs:
-            ops = bench_ops.retuned(attn_prefill_warps=nw, attn_keys_per_tile=((hd, bn),))
+            ops = bench_ops.retuned(attn_prefill_warps=nw, attn_keys_per_tile=((hd, bn),), attn_prefill_kernel="mma")
             ms = _time_ms(lambda: ops.paged_attention(qa, kcache, vcache, tables, ctx, cu, hd ** -0.5), iters=5,
                           warmup=1)
             anchor = " (anchor 2.18 ms)" if hd == 256 else ""
