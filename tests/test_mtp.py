@@ -430,3 +430,32 @@ def test_drafting_changes_no_state_it_does_not_own(mtp_models, cpu_ops):
     np.testing.assert_array_equal(first[1], second[1])
     assert _draft(model, state, h, tokens, 4)[0] == first[0]
     state.check_invariants()
+
+
+def test_echo_head_accepts_drafts_in_the_real_loop(tmp_path, cpu_ops):
+    """A random head's drafts are almost never accepted, so the loop above mostly rolls back to one row. Here the
+    head is made to echo its input token (fc passes the normed embedding through; the layer's outputs scaled down),
+    which the tiny model's repetitive greedy output accepts often: partial acceptances of the MTP drafter's own
+    chains, cold and restored from a store, with the same tokens as speculation off."""
+    from safetensors.numpy import load_file
+
+    from prefixrun.engine.model_maker import write_safetensors
+    from prefixrun.engine.runner import EngineOptions
+    from test_engine import _MemoryDisk
+
+    path = make_model_dir(tmp_path / "echo", TINY_QWEN3_5, seed=11, init_std=0.05, dtype="float32", mtp=True)
+    w = load_file(path / "model.safetensors")
+    d = w["mtp.fc.weight"].shape[0]
+    w["mtp.fc.weight"] = np.concatenate([np.eye(d, dtype=np.float32), 0.1 * w["mtp.fc.weight"][:, d:]], 1)
+    for name in ("mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.mlp.down_proj.weight"):
+        w[name] = 0.1 * w[name]
+    write_safetensors(path / "model.safetensors", w, {"format": "pt"})
+    model = load_model(path, cpu_ops, mtp=True)[0]
+    off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4), max_tokens=30)
+    disk = _MemoryDisk()
+    opts = EngineOptions(max_batch=4, speculative="mtp", num_draft_tokens=4, retain_block=16)
+    for _ in range(2):  # cold, then from the store
+        on, stats = _run(model, cpu_ops, _prompts(), opts, persist=disk, max_tokens=30)
+        assert on == off
+        m = stats.methods["mtp"]
+        assert 0.1 * m.drafted < m.accepted < m.drafted and m.tokens > m.sequence_steps
