@@ -80,6 +80,27 @@ def new_state(model, ops, slots=16, blocks=256, block_size=16):
     return ModelState(model.state_specs(), ops, num_slots=slots, num_blocks=blocks, block_size=block_size)
 
 
+def rollbacks(model, ops, prompt: list[int], rows: list[int], slots: int = 16, blocks: int = 256):
+    """For n = 1 .. len(rows): (n, state, spec, plain) where, from the same prefilled prompt, `spec` took all rows
+    in one multi-row step and kept the first n (commit) and `plain` was fed those n rows one decode step at a
+    time — the pair every rollback test compares. Both handles are released (and the state's invariants checked)
+    when the caller moves on to the next n."""
+    state = ModelState(model.state_specs(), ops, num_slots=slots, num_blocks=blocks, block_size=16,
+                       snapshot_capacity=len(rows) - 1)
+    for n in range(1, len(rows) + 1):
+        plain = state.new_sequence()
+        model.forward(state.prepare_step([plain], [prompt]), state)
+        spec = state.fork(plain)
+        for t in rows[:n]:
+            model.forward(state.prepare_step([plain], [[t]]), state)
+        model.forward(state.prepare_rows_step([spec], [rows]), state, all_logits=True)
+        state.commit([n])
+        yield n, state, spec, plain
+        state.release(spec)
+        state.release(plain)
+        state.check_invariants()
+
+
 def random_prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, length).tolist()
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from conftest import PARITY_STD, TINY_QWEN3, random_prompt  # noqa: E402
+from conftest import PARITY_STD, TINY_QWEN3, random_prompt, rollbacks  # noqa: E402
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir  # noqa: E402
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
 from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
@@ -121,26 +121,12 @@ def test_greedy_tokens_identical_on_gpu(family, gpu_models):
 def test_rollback_on_gpu_restores_the_plain_state(gpu_models):
     models, ops = gpu_models
     model = models["qwen3_5"]
-    from prefixrun.engine.state import ModelState
-
     prompt, rows = random_prompt(5, 21), random_prompt(6, 7)
-    st = ModelState(model.state_specs(), ops, num_slots=8, num_blocks=64, block_size=16,
-                    snapshot_capacity=len(rows) - 1)
-    for n in range(1, len(rows) + 1):
-        plain = st.new_sequence()
-        model.forward(st.prepare_step([plain], [prompt]), st)
-        spec = st.fork(plain)
-        for t in rows[:n]:
-            model.forward(st.prepare_step([plain], [[t]]), st)
-        model.forward(st.prepare_rows_step([spec], [rows]), st, all_logits=True)
-        st.commit([n])
+    for n, st, spec, plain in rollbacks(model, ops, prompt, rows, slots=8, blocks=64):
         a, b = st.export(spec), st.export(plain)
         for name in a:
             np.testing.assert_allclose(a[name].astype(np.float32), b[name].astype(np.float32), rtol=1e-3,
                                        atol=1e-4, err_msg=f"n={n} {name}")
-        st.release(spec)
-        st.release(plain)
-        st.check_invariants()
 
 
 def test_sampled_speculation_reproduces_on_gpu(gpu_models):

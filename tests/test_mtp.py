@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TINY_QWEN3_5, TINY_QWEN3_5_MOE, TINY_QWEN3_NEXT, new_state, random_prompt
+from conftest import TINY_QWEN3_5, TINY_QWEN3_5_MOE, TINY_QWEN3_NEXT, new_state, random_prompt, rollbacks
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
@@ -327,20 +327,9 @@ def test_greedy_identical_with_prefix_reuse_and_from_disk(mtp_models, cpu_ops):
 def test_rollback_restores_the_head_state_of_a_plain_run(mtp_models, cpu_ops):
     """A multi-row step of R rows committed at every n: the head's rows and hidden state equal those of a state
     fed the same n tokens one step at a time, and both draft the same continuation."""
-    from prefixrun.engine.state import ModelState
-
     model = mtp_models["qwen3_5"]
     prompt, rows = random_prompt(5, 13), random_prompt(6, 6)
-    st = ModelState(model.state_specs(), cpu_ops, num_slots=16, num_blocks=256, block_size=16,
-                    snapshot_capacity=len(rows) - 1)
-    for n in range(1, len(rows) + 1):
-        plain = st.new_sequence()
-        model.forward(st.prepare_step([plain], [prompt]), st)
-        spec = st.fork(plain)
-        for t in rows[:n]:
-            model.forward(st.prepare_step([plain], [[t]]), st)
-        model.forward(st.prepare_rows_step([spec], [rows]), st, all_logits=True)
-        st.commit([n])
+    for n, st, spec, plain in rollbacks(model, cpu_ops, prompt, rows):
         a, b = st.export(spec), st.export(plain)
         for name in ("mtp.layers.0.k", "mtp.layers.0.v", "mtp.hidden"):
             np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
@@ -349,9 +338,6 @@ def test_rollback_restores_the_head_state_of_a_plain_run(mtp_models, cpu_ops):
         db, lb = _draft(model, st, plain, tokens, 3)
         assert da == db
         np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-4)
-        st.release(spec)
-        st.release(plain)
-        st.check_invariants()
 
 
 @pytest.mark.usefixtures("isolated_env")

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PARITY_STD, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_5_MOE, new_state, random_prompt
+from conftest import PARITY_STD, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_5_MOE, new_state, random_prompt, rollbacks
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.request import Request, SamplingParams
@@ -124,18 +124,7 @@ def test_rollback_restores_the_regions_of_a_plain_run(family, models, cpu_ops):
     model = models[family]
     prompt = random_prompt(5, 13)
     rows = random_prompt(6, 6)  # R = 6 <= the tiny Gemma's window of 8
-    st = new_state(model, cpu_ops)
-    st.snapshot_capacity = 0
-    st2 = type(st)(model.state_specs(), cpu_ops, num_slots=16, num_blocks=256, block_size=16,
-                   snapshot_capacity=len(rows) - 1)
-    for n in range(1, len(rows) + 1):
-        plain = st2.new_sequence()
-        model.forward(st2.prepare_step([plain], [prompt]), st2)
-        spec = st2.fork(plain)
-        for t in rows[:n]:
-            model.forward(st2.prepare_step([plain], [[t]]), st2)
-        model.forward(st2.prepare_rows_step([spec], [rows]), st2, all_logits=True)
-        st2.commit([n])
+    for n, st2, spec, plain in rollbacks(model, cpu_ops, prompt, rows):
         assert spec.length == plain.length == len(prompt) + n
         assert len(spec.blocks) == st2.blocks_for(spec.length)
         a, b = st2.export(spec), st2.export(plain)
@@ -147,9 +136,6 @@ def test_rollback_restores_the_regions_of_a_plain_run(family, models, cpu_ops):
         la = model.forward(st2.prepare_step([spec], [[3]]), st2)
         lb = model.forward(st2.prepare_step([plain], [[3]]), st2)
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
-        st2.release(spec)
-        st2.release(plain)
-        st2.check_invariants()
     assert st2.blocks.free_count == st2.blocks.num_blocks
 
 
@@ -332,23 +318,11 @@ def test_mtp_drafts_keep_greedy_tokens_and_roll_back_its_state(mtp_model, cpu_op
     # with the oracle's rejections the head's own regions (its K/V rows, mtp.hidden) are rolled back too: a wrong
     # mtp.hidden would change the head's later drafts, never the tokens, so compare the regions directly
     prompt, rows = random_prompt(5, 13), random_prompt(6, 5)
-    st = type(new_state(mtp_model, cpu_ops))(mtp_model.state_specs(), cpu_ops, num_slots=8, num_blocks=64,
-                                             block_size=16, snapshot_capacity=len(rows) - 1)
-    assert any(s.name.startswith("mtp.") and s.snapshot for s in st.specs)
-    for n in range(1, len(rows) + 1):
-        plain = st.new_sequence()
-        mtp_model.forward(st.prepare_step([plain], [prompt]), st)
-        spec = st.fork(plain)
-        for t in rows[:n]:
-            mtp_model.forward(st.prepare_step([plain], [[t]]), st)
-        mtp_model.forward(st.prepare_rows_step([spec], [rows]), st, all_logits=True)
-        st.commit([n])
+    assert any(s.name.startswith("mtp.") and s.snapshot for s in mtp_model.state_specs())
+    for n, st, spec, plain in rollbacks(mtp_model, cpu_ops, prompt, rows, slots=8, blocks=64):
         a, b = st.export(spec), st.export(plain)
         for name in a:
             np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
-        st.release(spec)
-        st.release(plain)
-    st.check_invariants()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3", "gemma3"])
