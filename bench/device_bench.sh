@@ -17,13 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# Import the checkout as the `prefixrun` package without pip (the device has no index to build from).
-if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
-  mkdir -p /tmp/prefixrun-src/prefixrun && touch /tmp/prefixrun-src/prefixrun/__init__.py
-  for d in cli engine kernels; do ln -sfn "$PWD/$d" /tmp/prefixrun-src/prefixrun/$d; done
-  export PYTHONPATH=/tmp/prefixrun-src${PYTHONPATH:+:$PYTHONPATH}
-fi
-prefixrun() { python3 -m prefixrun.cli.app "$@"; }
+. bench/checkout_env.sh  # the checkout as the `prefixrun` package and command
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

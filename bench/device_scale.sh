@@ -7,12 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-scale-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
-  mkdir -p /tmp/prefixrun-src/prefixrun && touch /tmp/prefixrun-src/prefixrun/__init__.py
-  for d in cli engine kernels; do ln -sfn "$PWD/$d" /tmp/prefixrun-src/prefixrun/$d; done
-  export PYTHONPATH=/tmp/prefixrun-src${PYTHONPATH:+:$PYTHONPATH}
-fi
-prefixrun() { python3 -m prefixrun.cli.app "$@"; }
+. bench/checkout_env.sh  # the checkout as the `prefixrun` package and command
 M=${MODEL_NAME:-qwen3_5-4b-like}; MODEL=/tmp/$M
 cfg=.bench-shared/models/$M.json; [ -f "$cfg" ] || cfg=bench/models/$M.json
 [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 >/dev/null || exit 1

@@ -12,12 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-bench-out-spec}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
-  mkdir -p /tmp/prefixrun-src/prefixrun && touch /tmp/prefixrun-src/prefixrun/__init__.py
-  for d in cli engine kernels; do ln -sfn "$PWD/$d" /tmp/prefixrun-src/prefixrun/$d; done
-  export PYTHONPATH=/tmp/prefixrun-src${PYTHONPATH:+:$PYTHONPATH}
-fi
-prefixrun() { python3 -m prefixrun.cli.app "$@"; }
+. bench/checkout_env.sh  # the checkout as the `prefixrun` package and command
 MODELS=${MODELS:-"qwen3_5-0.8b-like"}
 BATCHES=${BATCHES:-"1 4 16"}
 GEN=${GEN:-512}
