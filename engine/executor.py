@@ -319,8 +319,10 @@ class WindowExecutor:
         if drafts is None:
             new = [[i] for i in e.runner.decode(batch)]  # the forward and the sampling of the next tokens
             if spec is not None:
-                e.ops.synchronize()
-                spec.plain_step_done(len(batch), time.perf_counter() - t0)
+                timed = spec.times_plain_steps(len(batch))
+                if timed:
+                    e.ops.synchronize()
+                spec.plain_step_done(len(batch), time.perf_counter() - t0 if timed else None)
         else:
             new = spec.step(batch, drafts)  # drafts verified, each sequence's kept rows committed
         e.stats.decode_seconds += time.perf_counter() - t0

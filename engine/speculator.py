@@ -129,11 +129,16 @@ class Speculator:
         self._account(seqs, drafts, tokens, seconds)
         return tokens
 
-    def plain_step_done(self, batch_size: int, seconds: float):
+    def times_plain_steps(self, batch_size: int) -> bool:
+        """Whether a plain step of `batch_size` sequences is worth timing (timing it costs a device sync): not when
+        auto never speculates at that size, so large batches keep their host/device overlap."""
+        return not (self.mode == "auto" and batch_size > AUTO_MAX_BATCH)
+
+    def plain_step_done(self, batch_size: int, seconds: float | None):
         """A plain decode step of `batch_size` sequences took `seconds` (the yardstick of auto and of the time
-        saved)."""
+        saved; None: not timed, see times_plain_steps)."""
         self.stats.plain_steps += 1
-        if self._warming():
+        if self._warming() or seconds is None:
             return
         b = _bucket(batch_size)
         self._plain_time[b] = min(seconds, self._plain_time.get(b, seconds))

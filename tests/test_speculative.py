@@ -389,8 +389,8 @@ def _drive(runner, seqs, steps=200, plain_seconds=0.001):
     verify = 0
     for _ in range(steps):
         drafts = spec.drafts(seqs)
-        if drafts is None:
-            spec.plain_step_done(len(seqs), plain_seconds)
+        if drafts is None:  # the executor times (syncs) a plain step only where the speculator asks it to
+            spec.plain_step_done(len(seqs), plain_seconds if spec.times_plain_steps(len(seqs)) else None)
         else:
             spec.step(seqs, drafts)
             verify += 1
@@ -404,7 +404,8 @@ def test_auto_backs_off_when_verify_steps_are_slower_and_stays_on_when_they_pay(
     assert fast.backoffs == 0 and verify > 150 and fast.saved_seconds > 0
     assert fast.methods["ngram"].accepted == fast.methods["ngram"].drafted > 0
     big, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq() for _ in range(17)])
-    assert verify == 0  # more than AUTO_MAX_BATCH sequences: plain steps only
+    assert verify == 0  # more than AUTO_MAX_BATCH sequences: plain steps only, counted but never timed (no sync)
+    assert big.plain_steps == 200 and big.saved_seconds == 0
     sampled, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq(greedy=False)])
     assert verify == 0  # auto never drafts for sampled requests
 
