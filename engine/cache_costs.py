@@ -52,7 +52,14 @@ class CacheCosts:
     restored_tokens: int = 0  # prompt tokens taken from disk instead of computed
     read_bytes: int = 0
     read_seconds: float = 0.0  # lookups: index, file read and verification, import into the state pools
-    written_bytes: int = 0
+    written_bytes: int = 0  # everything written: state blobs plus new K/V blocks
+    written_block_bytes: int = 0  # of written_bytes, K/V blocks (the rest: state blobs)
+    blocks_written: int = 0
+    blocks_reused: int = 0  # K/V blocks a written entry references that were stored already: not written again
+    block_bytes_reused: int = 0
+    read_block_bytes: int = 0  # of read_bytes, K/V blocks
+    blocks_read: int = 0
+    blocks_resident: int = 0  # K/V blocks a restore took from the state in memory instead of reading them
     write_seconds: float = 0.0  # in the background writer, off the critical path
     export_seconds: float = 0.0  # on the critical path: capturing offered states (a device-side copy on a GPU)
     host_copy_seconds: float = 0.0  # on the writer thread: their device -> host copies
@@ -61,6 +68,7 @@ class CacheCosts:
     probe_read_seconds: float = 0.0
     prefetch_bytes: int = 0  # entries read ahead on the prefetch thread, while the device computed
     prefetch_seconds: float = 0.0
+    prefetch_block_bytes: int = 0  # of prefetch_bytes, K/V blocks
     prefetch_used_bytes: int = 0  # of those, taken by lookups (the rest was not needed after all)
     writes_skipped: int = 0  # states not written (see `declines`)
     reads_declined: int = 0  # stored entries not read (see `declines`)

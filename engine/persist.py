@@ -51,6 +51,7 @@ from prefixrun.engine.cache_costs import CacheCosts, CostModel, human_bytes, loa
     save_rates
 from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, layout_digest, \
     state_layout
+from prefixrun.engine.kv_blocks import block_rows
 from prefixrun.engine.store import CheckpointStore, StoredCheckpoint, StoreError, StoreKey
 from prefixrun.kernels.numerics import numerics_id
 
@@ -179,6 +180,10 @@ class PersistentCheckpoints:
         self.max_prefetch_bytes = max_pending_write_bytes() // 2
         self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
         self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
+        # K/V blocks (engine/kv_blocks.py): the paged regions, K/V rows per stored block, the engine's block size
+        self._kv_names: list[str] = []
+        self._block_rows = 0
+        self._engine_block_size = 0
         if rates_root is not None and not self.cost_model.always and not self._earlier_rates.get("read_bytes_per_s"):
             # a folder no run has measured: time a read of it while the first prefill runs
             self._calibration = threading.Thread(target=self._calibrate, name="prefixrun-cache-calibration",
@@ -198,6 +203,21 @@ class PersistentCheckpoints:
                 return
             self.store_error = error
         log.warning("persistent checkpoint cache: %s failed (%s); running without it", what, _describe(error))
+
+    def _learn_layout(self, state: ModelState):
+        """The paged regions and the K/V rows per stored block of `state` (one layout per run)."""
+        if self._engine_block_size:
+            return
+        self._kv_names = [s.name for s in state.specs if s.paged]
+        if self._kv_names:
+            self._block_rows = block_rows(state.block_size, state.block_bytes // state.block_size)
+        self._engine_block_size = state.block_size
+
+    def _resident_rows(self, share: StateHandle | None) -> int:
+        """K/V rows an import sharing `share` takes from memory (its whole blocks): not read from disk."""
+        if share is None or not self._kv_names or not self._engine_block_size:
+            return 0
+        return share.length // self._engine_block_size * self._engine_block_size
 
     def _remember_on_disk(self, tokens: tuple[int, ...]):
         self._on_disk.setdefault(len(tokens), set()).add(tokens)
@@ -236,19 +256,27 @@ class PersistentCheckpoints:
                 return None
             return self._problem(checkpoint, layout)
 
+        self._learn_layout(state)
         afford = self._affordable(minimum)
         self._await_read_ahead(tokens, minimum, maximum)
-        read_before = self.store.stats.read_bytes
+        stats = self.store.stats
+        read_before, blocks_before = stats.read_bytes, (stats.block_bytes_read, stats.blocks_read, stats.blocks_resident)
+        resident = self._resident_rows(share)  # whole K/V blocks of the state in memory: neither read nor paid for
+        def preread(entry_id, file_name):
+            return self._take_read_ahead(entry_id, file_name, resident)
         try:
             hit = self.store.lookup(self.key, tokens, maximum, minimum, problem=problem, afford=afford,
-                                    preread=self._take_read_ahead)
+                                    preread=preread, resident_rows=resident)
             if hit is not None and len(hit.tokens) == maximum and LOGITS_REGION not in hit.regions:
                 hit = self.store.lookup(self.key, tokens, maximum - 1, minimum, problem=problem, afford=afford,
-                                        preread=self._take_read_ahead)
+                                        preread=preread, resident_rows=resident)
         except _STORE_FAILURES as error:
             self._give_up("lookup", error)
             return None, 0
         read = self.store.stats.read_bytes - read_before
+        self.costs.read_block_bytes += stats.block_bytes_read - blocks_before[0]
+        self.costs.blocks_read += stats.blocks_read - blocks_before[1]
+        self.costs.blocks_resident += stats.blocks_resident - blocks_before[2]
         if hit is None:
             return None, read
         regions = dict(hit.regions)
@@ -304,6 +332,7 @@ class PersistentCheckpoints:
             return
         if state is not None:
             self._ahead_layout = state_layout(state.specs, state.ops)
+            self._learn_layout(state)
         with self._ahead_lock:
             self._ahead_generation += 1
             self._drop_unused_read_ahead()
@@ -313,7 +342,8 @@ class PersistentCheckpoints:
             while level:
                 for task in level:
                     tokens = tuple(task.path)
-                    found = self.store.indexed_entry(self.key, tokens, len(tokens), task.start)
+                    resident = self._resident_rows(_Resident(task.start))  # the base state's whole blocks
+                    found = self.store.indexed_entry(self.key, tokens, len(tokens), task.start, resident)
                     if found is None or tokens[:found[0]] in seen:
                         continue
                     n, nbytes = found
@@ -326,7 +356,7 @@ class PersistentCheckpoints:
                         self._ahead[prefix] = [threading.Event(), None]
                         self._ahead_bytes += nbytes
                     seen.add(prefix)
-                    chosen.append((prefix, nbytes))
+                    chosen.append((prefix, nbytes, resident))
                 level = [c for t in level for c in t.consumers]
         except _STORE_FAILURES as error:
             self._give_up("prefetch", error)
@@ -345,7 +375,7 @@ class PersistentCheckpoints:
             if job is None:
                 return
             generation, chosen = job
-            for prefix, nbytes in chosen:
+            for prefix, nbytes, resident in chosen:
                 with self._ahead_lock:
                     slot = self._ahead.get(prefix)
                 if slot is None or slot[0].is_set():
@@ -354,7 +384,7 @@ class PersistentCheckpoints:
                 if generation == self._ahead_generation and self.store_error is None:
                     started = time.perf_counter()
                     try:
-                        checkpoint = self.store.read_entry(self.key, prefix)
+                        checkpoint = self.store.read_entry(self.key, prefix, resident)
                         if checkpoint is not None and self._ahead_layout is not None:
                             if self._problem(checkpoint, self._ahead_layout) is None:
                                 self._checked.add((checkpoint.entry_id, checkpoint.file_name))
@@ -368,6 +398,7 @@ class PersistentCheckpoints:
                     seconds = time.perf_counter() - started
                     if checkpoint is not None:
                         self.costs.prefetch_bytes += checkpoint.nbytes
+                        self.costs.prefetch_block_bytes += checkpoint.block_bytes
                         self.costs.prefetch_seconds += seconds
                         self.cost_model.observe_read(checkpoint.nbytes, seconds)
                 with self._ahead_lock:
@@ -385,12 +416,14 @@ class PersistentCheckpoints:
         for event in waits:
             event.wait()
 
-    def _take_read_ahead(self, entry_id: str, file_name: str) -> StoredCheckpoint | None:
-        """The store's `preread`: a read-ahead entry of that blob, handed over once."""
+    def _take_read_ahead(self, entry_id: str, file_name: str, resident_rows: int = 0) -> StoredCheckpoint | None:
+        """The store's `preread`: a read-ahead entry of that blob, handed over once, if it read every K/V block the
+        lookup needs (those past the lookup's `resident_rows`)."""
         with self._ahead_lock:
             for prefix, slot in self._ahead.items():
                 checkpoint = slot[1]
-                if checkpoint is not None and checkpoint.entry_id == entry_id and checkpoint.file_name == file_name:
+                if checkpoint is not None and checkpoint.entry_id == entry_id and checkpoint.file_name == file_name \
+                        and checkpoint.resident_rows <= resident_rows:
                     del self._ahead[prefix]
                     self._ahead_bytes -= checkpoint.nbytes
                     self.costs.prefetch_used_bytes += checkpoint.nbytes
@@ -422,7 +455,8 @@ class PersistentCheckpoints:
         if self.store_error is not None or key in self.offered or handle.length != len(key):
             return False
         self.offered.add(key)
-        nbytes = state.handle_bytes(handle)
+        self._learn_layout(state)
+        nbytes = self._new_bytes(key, state, handle)  # what the write moves: K/V blocks already stored are not
         gained = len(key) - self._stored_base(key)
         deferred = not self.cost_model.can_judge()  # decided on the writer thread once prefill is measured
         if not deferred and not self._worth_writing(gained, nbytes):
@@ -448,6 +482,17 @@ class PersistentCheckpoints:
         self._writer.submit((list(key), regions_later, logits_later, (gained, nbytes) if deferred else None), nbytes)
         return True
 
+    def _new_bytes(self, key: tuple[int, ...], state: ModelState, handle: StateHandle) -> int:
+        """Bytes a write of this state adds to the folder: the state less its whole K/V blocks the index has."""
+        nbytes = state.handle_bytes(handle)
+        if not self._block_rows or len(key) < self._block_rows:
+            return nbytes
+        try:
+            stored = sum(self.store.block_presence(self.key, key, self._block_rows))
+        except _STORE_FAILURES:
+            return nbytes
+        return max(nbytes - stored * self._block_rows * (state.block_bytes // state.block_size), 0)
+
     def _worth_writing(self, gained: int, nbytes: int) -> bool:
         reason = self.cost_model.judge_write(gained, nbytes)
         self.costs.rates = self.cost_model.rates()
@@ -465,7 +510,9 @@ class PersistentCheckpoints:
                 pass  # the run's prefill is being measured; the state waits as a capture meanwhile
             if not self._worth_writing(*deferred):
                 return
-        written_before = self.store.stats.written_bytes
+        stats = self.store.stats
+        before = (stats.written_bytes, stats.block_bytes_written, stats.blocks_written, stats.blocks_reused,
+                  stats.block_bytes_reused)
         try:
             started = time.perf_counter()
             regions = regions_later()
@@ -473,13 +520,18 @@ class PersistentCheckpoints:
                 regions[LOGITS_REGION] = np.asarray(logits_later(), np.float32)
             self.costs.host_copy_seconds += time.perf_counter() - started
             started = time.perf_counter()
-            self.store.put(self.key, tokens, regions, {"tokens": len(tokens), **self.meta})
+            self.store.put(self.key, tokens, regions, {"tokens": len(tokens), **self.meta},
+                           kv_regions=self._kv_names, block_rows=self._block_rows)
         except Exception as error:  # on this thread nothing else would see it; the cache is optional
             self._give_up("write", error)
             return
         seconds = time.perf_counter() - started
-        written = self.store.stats.written_bytes - written_before
+        written = stats.written_bytes - before[0]
         self.costs.written_bytes += written
+        self.costs.written_block_bytes += stats.block_bytes_written - before[1]
+        self.costs.blocks_written += stats.blocks_written - before[2]
+        self.costs.blocks_reused += stats.blocks_reused - before[3]
+        self.costs.block_bytes_reused += stats.block_bytes_reused - before[4]
         self.costs.write_seconds += seconds
         if written:
             self.cost_model.observe_write(written, seconds)
@@ -520,6 +572,13 @@ class PersistentCheckpoints:
         self.costs.rates = self.cost_model.rates()
         if self._rates_root is not None and self.store_error is None:
             save_rates(self._rates_root, self.cost_model.remembered(self._earlier_rates))
+
+
+class _Resident:
+    """A stand-in for the state of a task's first `length` tokens (prefetch plans before the state exists)."""
+
+    def __init__(self, length: int):
+        self.length = length
 
 
 def max_pending_write_bytes() -> int:

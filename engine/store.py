@@ -11,8 +11,10 @@ only the rest.
 
 On-disk contract (everything below lives under ``root``; nothing else may write there)
 ------------------------------------------------------------------------------------------
-``index.sqlite3``   SQLite index in WAL mode, ``PRAGMA user_version = 2`` (an index of version 1 is emptied on
-                    open: its digests are flat SHA-256). One table::
+``index.sqlite3``   SQLite index in WAL mode, ``PRAGMA user_version = 3`` (an index of version 1 or 2 is emptied on
+                    open, a clear miss: version 1's digests are flat SHA-256, version 2's entries are whole states
+                    without K/V blocks; their files become unindexed and are swept). The entries table, plus the
+                    K/V block tables of engine/kv_blocks.py (blocks, entry_blocks)::
 
         entries(entry_id TEXT PRIMARY KEY,      -- checkpoint_key(StoreKey, tokens): SHA-256 hex
                 model_digest, layout_digest,    -- copies of the StoreKey fields (lookup filters on them)
@@ -28,7 +30,10 @@ On-disk contract (everything below lives under ``root``; nothing else may write 
 
 ``blobs/<entry_id[:2]>/<entry_id>.<content_sha256[:16]>.safetensors``
     One safetensors file per checkpoint. Tensors: every region, plus ``__tokens__`` (int32 [n_tokens], the
-    exact token prefix). bfloat16 regions are stored as their uint16 bit pattern (not every safetensors
+    exact token prefix); a paged (K/V) region named in ``put(kv_regions=...)`` holds only its tail rows past the
+    entry's last whole K/V block, its whole blocks live in ``kv_blocks/`` (engine/kv_blocks.py), shared between
+    entries and listed in the metadata ``prefixrun.blocks`` (JSON ids, in order; ``prefixrun.block_rows`` rows
+    each; ``prefixrun.kv_regions`` the paged region names) and in the index's entry_blocks rows. bfloat16 regions are stored as their uint16 bit pattern (not every safetensors
     release takes ml_dtypes' bfloat16); the real dtype of every region is recorded in the metadata. Metadata
     (all strings): ``prefixrun.format`` = FORMAT_VERSION, ``prefixrun.model_digest``,
     ``prefixrun.layout_digest``, ``prefixrun.n_tokens``, ``prefixrun.created``, ``prefixrun.dtypes`` (JSON
@@ -51,8 +56,11 @@ any commit, and the files on disk are within the budget whenever no ``put`` is i
 Trust rules (``lookup``): the index only says where to look. Before an entry is returned the store checks
 that the file exists, its size and content digest match the row, its safetensors layout parses (every offset,
 shape and dtype checked, engine/blob_format.py), its format version,
-model and layout digests match, its stored token prefix hashes to the entry id, and the stored tokens equal
-the requested prefix exactly (a hash match alone is never trusted). A file that fails any check except the
+model and layout digests match, its stored token prefix hashes to the entry id, the block ids it lists are the ones
+its tokens give and the index lists, every block it needs is verified (kv_blocks.BlockFiles.read: size, content
+digest, metadata, shapes against the entry's tail), and the stored tokens equal
+the requested prefix exactly (a hash match alone is never trusted). A bad block is moved to ``quarantine/`` and
+every entry that references it is dropped (none of them can be restored any more): a miss, never a wrong state. A file that fails any check except the
 last is moved to ``quarantine/`` and its row deleted (counted as ``corrupt``); a file that passes all but the
 last is a key collision and is left alone. Either way the search goes on with the next shorter prefix.
 A bad entry never raises.
@@ -83,12 +91,13 @@ from typing import Callable, Iterable, Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine import blob_format
+from prefixrun.engine import blob_format, kv_blocks
+from prefixrun.engine.kv_blocks import BadBlock
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = "prefixrun-ckpt-v1"
-INDEX_SCHEMA_VERSION = 2  # 2: content_sha256 holds the tree digest of engine/blob_format.py (1: a flat SHA-256)
+FORMAT_VERSION = "prefixrun-ckpt-v2"  # v2: paged regions hold only their tail; whole K/V blocks in kv_blocks/
+INDEX_SCHEMA_VERSION = 3  # 3: K/V block tables (2: whole-state entries; 1: flat SHA-256 digests)
 INDEX_FILE_NAME = "index.sqlite3"
 BLOBS_DIR_NAME = "blobs"
 QUARANTINE_DIR_NAME = "quarantine"
@@ -179,9 +188,11 @@ class StoredCheckpoint:
     tokens: tuple[int, ...]
     regions: dict[str, np.ndarray]
     meta: dict
-    nbytes: int  # size of the file on disk
+    nbytes: int  # bytes read: the blob plus the K/V blocks read
     entry_id: str
     file_name: str = ""  # the blob it was read from (immutable under that name)
+    block_bytes: int = 0  # of nbytes, K/V blocks
+    resident_rows: int = 0  # K/V rows [0, resident_rows) whose whole blocks were not read (zero here)
 
 
 @dataclass(frozen=True)
@@ -197,6 +208,9 @@ class EntryInfo:
     meta: dict
     token_preview: tuple[int, ...]  # the first PREVIEW_TOKENS token ids
     path: Path
+    blocks: int = 0  # K/V blocks the entry references
+    block_bytes: int = 0  # their bytes (a block shared with other entries counted here in full)
+    shared_blocks: int = 0  # of its blocks, those other entries reference too
 
 
 @dataclass(frozen=True)
@@ -229,6 +243,13 @@ class StoreStats:
     rejected_too_large: int = 0
     write_errors: int = 0  # OSError while writing a blob; the entry was not stored
     declined: int = 0  # entries found but not read: the caller's cost model said recomputing is cheaper
+    blocks_written: int = 0  # K/V blocks written (their bytes are in written_bytes too)
+    block_bytes_written: int = 0
+    blocks_reused: int = 0  # K/V blocks an entry referenced that were already stored: not written again
+    block_bytes_reused: int = 0
+    blocks_read: int = 0
+    block_bytes_read: int = 0  # (in read_bytes too)
+    blocks_resident: int = 0  # blocks an entry needed that the caller already held in memory: not read
 
 
 _ROW_COLUMNS = (
@@ -327,6 +348,7 @@ class CheckpointStore:
         self._overhead_bytes = 0
         for folder in (self.root, self._blobs_dir, self._quarantine_dir):
             folder.mkdir(parents=True, exist_ok=True)
+        self._kv = kv_blocks.BlockFiles(self.root, self._host_tag)
         self._db = self._open_index(self.root / INDEX_FILE_NAME)
 
     # ---------------------------------------------------------------- index plumbing
@@ -343,17 +365,19 @@ class CheckpointStore:
                 if version == 0:
                     for statement in filter(str.strip, _SCHEMA.split(";")):
                         db.execute(statement)
-                    db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
-                elif version == 1:
-                    # rows of the flat-SHA-256 era: dropped (their files become unindexed and are swept), so that
-                    # they are recomputed rather than all quarantined as corrupt
+                elif version in (1, 2):
+                    # rows of the flat-SHA-256 era (1) or whole-state entries without K/V blocks (2): dropped (their
+                    # files become unindexed and are swept), a clear miss: recomputed and written in the new form
+                    # rather than quarantined as corrupt
                     db.execute("DELETE FROM entries")
-                    db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
                 elif version != INDEX_SCHEMA_VERSION:
                     raise StoreError(
                         f"checkpoint index {path} has schema version {version}, this prefixrun uses "
                         f"{INDEX_SCHEMA_VERSION}"
                     )
+                for statement in filter(str.strip, kv_blocks.SCHEMA.split(";")):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
             return db
         except sqlite3.DatabaseError as error:
             raise StoreError(f"cannot open the checkpoint index {path}: {error}") from error
@@ -403,6 +427,74 @@ class CheckpointStore:
             (1 if count_hit else 0, self._clock(), entry_id),
         ).rowcount > 0
 
+    # ---------------------------------------------------------------- K/V block references
+
+    def _drop_references(self, db: sqlite3.Connection, entry_ids: Sequence[str]) -> tuple[list[Path | None], int]:
+        """Inside the caller's transaction: delete the block references of `entry_ids` (whose rows the caller
+        deletes) and the blocks no entry references any longer. (block files to unlink after commit, their bytes)"""
+        block_ids: set[str] = set()
+        ids = list(entry_ids)
+        for start in range(0, len(ids), 500):  # stay under SQLite's bound-parameter limit
+            chunk = ids[start:start + 500]
+            marks = ", ".join("?" * len(chunk))
+            block_ids.update(b for (b,) in db.execute(
+                f"SELECT block_id FROM entry_blocks WHERE entry_id IN ({marks})", chunk).fetchall())
+            db.execute(f"DELETE FROM entry_blocks WHERE entry_id IN ({marks})", chunk)
+        return self._drop_unreferenced(db, block_ids)
+
+    def _drop_unreferenced(self, db: sqlite3.Connection, block_ids: Iterable[str] | None = None
+                           ) -> tuple[list[Path | None], int]:
+        """Inside the caller's transaction: delete those of `block_ids` (None: all blocks) that no entry references.
+        (their files, to unlink after commit; their bytes)"""
+        if block_ids is None:
+            garbage = db.execute(kv_blocks.GARBAGE_SQL).fetchall()
+        else:
+            garbage = [row for block_id in block_ids for row in db.execute(
+                "SELECT block_id, file_name, nbytes FROM blocks WHERE block_id = ? AND NOT EXISTS "
+                "(SELECT 1 FROM entry_blocks WHERE block_id = ?)", (block_id, block_id)).fetchall()]
+        db.executemany("DELETE FROM blocks WHERE block_id = ?", [(row[0],) for row in garbage])
+        return [self._kv.path_of(row[1]) for row in garbage], sum(row[2] for row in garbage if isinstance(row[2], int))
+
+    def _indexed_bytes(self, db: sqlite3.Connection) -> int:
+        """What the budget counts: every entry's blob plus every block once."""
+        return db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0] + db.execute(
+            kv_blocks.SUM_BLOCK_BYTES).fetchone()[0]
+
+    def collect_garbage(self) -> int:
+        """Delete references of entries that no longer exist and blocks nobody references (left by a crash between
+        a reference's last user and its block's deletion, or an index edited by hand). Returns blocks deleted."""
+        with self._lock:
+            with self._write_transaction() as db:
+                db.execute(kv_blocks.DANGLING_SQL)
+                paths, _ = self._drop_unreferenced(db)
+            for path in paths:
+                _unlink_quietly(path)
+            return len(paths)
+
+    def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> None:
+        """A block failed verification: drop its row and every entry referencing it (none can be restored), move
+        its file to quarantine/ (only if its row still names that file: else the failure was a race)."""
+        with self._write_transaction() as db:
+            row = db.execute("SELECT file_name FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+            if file_name is not None and (row is None or row[0] != file_name):
+                return
+            users = [e for (e,) in db.execute("SELECT DISTINCT entry_id FROM entry_blocks WHERE block_id = ?",
+                                              (block_id,)).fetchall()]
+            blobs = [f for e in users for (f,) in db.execute(
+                "SELECT file_name FROM entries WHERE entry_id = ?", (e,)).fetchall()]
+            db.executemany("DELETE FROM entries WHERE entry_id = ?", [(e,) for e in users])
+            db.execute("DELETE FROM entry_blocks WHERE block_id = ?", (block_id,))
+            db.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
+            freed, _ = self._drop_references(db, users)
+        self.stats.corrupt += 1
+        log.warning("K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
+                    len(users))
+        for path in [self._path_of(f) for f in blobs] + freed:
+            _unlink_quietly(path)
+        source = self._kv.path_of(row[0]) if row is not None else None
+        if source is not None:
+            self._move_to_quarantine(source, f"block_id: {block_id}\nreason: {reason}\n")
+
     # ---------------------------------------------------------------- lookup
 
     def lookup(
@@ -410,6 +502,7 @@ class CheckpointStore:
         problem: Callable[[StoredCheckpoint], str | None] | None = None,
         afford: Callable[[int, int], bool] | None = None,
         preread: Callable[[str, str], StoredCheckpoint | None] | None = None,
+        resident_rows: int = 0,
     ) -> StoredCheckpoint | None:
         """The longest stored prefix P of `tokens` with min_len < len(P) <= max_len for this model and layout,
         verified (see the trust rules above); None if there is none. `problem`, if given, checks a verified
@@ -419,7 +512,9 @@ class CheckpointStore:
         reading that entry is worth it; entries it declines are skipped (counted in stats.declined).
         `preread(entry_id, file_name)`, if given, may return that file's content already read and verified
         (read_entry, e.g. prefetched on another thread): a blob is immutable under its name, so it is used instead
-        of reading the file again; the remaining checks (tokens, `problem`) still run."""
+        of reading the file again; the remaining checks (tokens, `problem`) still run. `resident_rows`: K/V rows
+        the caller holds in memory already (the state it would otherwise compute from); whole K/V blocks within
+        them are neither read nor counted by `afford` (their rows are zero in the result)."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         for name, value in (("max_len", max_len), ("min_len", min_len)):
@@ -438,18 +533,19 @@ class CheckpointStore:
                     ).fetchall()
                 ]
                 for length in lengths:
-                    found = self._probe(key, token_array[:length], problem, afford, preread)
+                    found = self._probe(key, token_array[:length], problem, afford, preread, resident_rows)
                     if found is not None:
                         self.stats.hits += 1
                         return found
             self.stats.misses += 1
             return None
 
-    def indexed_entry(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0
-                      ) -> tuple[int, int] | None:
-        """(length, file bytes) of the longest prefix P of `tokens` with min_len < len(P) <= max_len that has an
-        index row for this model and layout, else None. The index only: no file is opened, so this says where an
-        entry is expected, not that it is intact (a read verifies)."""
+    def indexed_entry(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0,
+                      resident_rows: int = 0) -> tuple[int, int] | None:
+        """(length, bytes a read takes) of the longest prefix P of `tokens` with min_len < len(P) <= max_len that
+        has an index row for this model and layout, else None: its blob plus its K/V blocks not within
+        `resident_rows`. The index only: no file is opened, so this says where an entry is expected, not that it
+        is intact (a read verifies)."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         upper = min(int(max_len), len(token_array))
@@ -463,15 +559,31 @@ class CheckpointStore:
             ).fetchall():
                 row = self._row(checkpoint_key(key, token_array[:length]))
                 if row is not None and row.n_tokens == length:
-                    return length, row.nbytes
+                    return length, row.nbytes + self._block_bytes_to_read(row.entry_id, resident_rows)
             return None
+
+    def _block_bytes_to_read(self, entry_id: str, resident_rows: int) -> int:
+        """Bytes of an entry's K/V blocks that end past `resident_rows` (the rest the caller holds already)."""
+        return self._db.execute(
+            "SELECT COALESCE(SUM(CASE WHEN typeof(b.nbytes) = 'integer' THEN b.nbytes ELSE 0 END), 0) "
+            "FROM entry_blocks r JOIN blocks b ON b.block_id = r.block_id WHERE r.entry_id = ? AND r.end_row > ?",
+            (entry_id, int(resident_rows))).fetchone()[0]
+
+    def block_presence(self, key: StoreKey, tokens: Sequence[int], rows: int) -> list[bool]:
+        """For each whole K/V block of `tokens` at `rows` rows per block: whether the index has it (no file is
+        opened). What a `put` of that prefix would not write again."""
+        _check_store_key(key)
+        ids = kv_blocks.block_ids(key.model_digest, key.layout_digest, _as_token_array(tokens), rows)
+        with self._lock:
+            return [self._db.execute("SELECT 1 FROM blocks WHERE block_id = ?", (b,)).fetchone() is not None
+                    for b in ids]
 
     def indexed_prefix_length(self, key: StoreKey, tokens: Sequence[int], max_len: int, min_len: int = 0) -> int:
         """indexed_entry's length, 0 if none."""
         found = self.indexed_entry(key, tokens, max_len, min_len)
         return found[0] if found else 0
 
-    def read_entry(self, key: StoreKey, tokens: Sequence[int]) -> StoredCheckpoint | None:
+    def read_entry(self, key: StoreKey, tokens: Sequence[int], resident_rows: int = 0) -> StoredCheckpoint | None:
         """The entry of exactly `tokens`, read and verified as a lookup would (file, digest, layout, stored tokens),
         without using it (no hit, no LRU change), or None if there is no such entry or it is bad (quarantined).
         The file is read outside the store lock, so a lookup on another thread does not wait for it; the bytes are
@@ -483,10 +595,14 @@ class CheckpointStore:
         if row is None or row.n_tokens != len(token_array):
             return None
         try:
-            checkpoint = self._read_verified(row, count=False)
+            checkpoint = self._read_verified(row, count=False, resident_rows=resident_rows)
         except _BadEntry as bad:
             with self._lock:
                 self._quarantine_if_unchanged(row, bad.reason)
+            return None
+        except BadBlock as bad:
+            with self._lock:
+                self._drop_block(bad.block_id, bad.file_name, bad.reason)
             return None
         if not np.array_equal(np.asarray(checkpoint.tokens, dtype=np.int64), token_array):
             return None  # a key collision: not this prefix's entry
@@ -497,13 +613,14 @@ class CheckpointStore:
         checkpoint = self.read_entry(key, tokens)
         return checkpoint.nbytes if checkpoint is not None else None
 
-    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None, afford=None, preread=None
+    def _probe(self, key: StoreKey, prefix: np.ndarray, problem=None, afford=None, preread=None, resident_rows=0
                ) -> StoredCheckpoint | None:
         entry_id = checkpoint_key(key, prefix)
         row = self._row(entry_id)
         if row is None or row.n_tokens != len(prefix):
             return None
-        if afford is not None and not afford(row.n_tokens, row.nbytes):
+        if afford is not None and not afford(row.n_tokens,
+                                             row.nbytes + self._block_bytes_to_read(entry_id, resident_rows)):
             self.stats.declined += 1
             return None
         if row.model_digest != key.model_digest or row.layout_digest != key.layout_digest:
@@ -511,9 +628,12 @@ class CheckpointStore:
         checkpoint = preread(row.entry_id, row.file_name) if preread is not None else None
         try:
             if checkpoint is None:
-                checkpoint = self._read_verified(row)
+                checkpoint = self._read_verified(row, resident_rows=resident_rows)
         except _BadEntry as bad:
             self._quarantine_if_unchanged(row, bad.reason)
+            return None
+        except BadBlock as bad:
+            self._drop_block(bad.block_id, bad.file_name, bad.reason)
             return None
         if not np.array_equal(np.asarray(checkpoint.tokens, dtype=np.int64), prefix.astype(np.int64)):
             # The file is intact and its tokens do hash to this id: a genuine collision. Leave it be.
@@ -526,9 +646,11 @@ class CheckpointStore:
         self._touch(self._db, entry_id, count_hit=True)
         return checkpoint
 
-    def _read_verified(self, row: _Row, *, count: bool = True) -> StoredCheckpoint:
-        """Read and fully check one entry against its row; raise _BadEntry saying what is wrong. `count`: add the
-        bytes to stats.read_bytes (False for a read-back on another thread, which a lookup must not count)."""
+    def _read_verified(self, row: _Row, *, count: bool = True, resident_rows: int = 0) -> StoredCheckpoint:
+        """Read and fully check one entry and the K/V blocks it needs against the index; raise _BadEntry (the entry
+        is bad) or BadBlock (a block is: every entry using it is) saying what is wrong. `count`: add the bytes to
+        stats (False for a read-back on another thread, which a lookup must not count). `resident_rows`: the
+        caller holds K/V rows [0, resident_rows) in memory already; whole blocks within them are not read."""
         path = self._path_of(row.file_name)
         if path is None:
             raise _BadEntry(f"file name {row.file_name!r} is not a blob name of this store")
@@ -573,6 +695,7 @@ class CheckpointStore:
             raise _BadEntry(f"metadata unreadable: {error!r}") from None
         if not isinstance(dtype_names, dict) or set(dtype_names) != set(stored):
             raise _BadEntry("regions in the file differ from the recorded dtype table")
+        block_bytes, resident = self._read_blocks(row, metadata, stored_tokens, stored, resident_rows, count)
         regions: dict[str, np.ndarray] = {}
         for name, array in stored.items():
             storage_dtype = _STORAGE_DTYPE_BY_NAME.get(dtype_names[name])
@@ -583,10 +706,60 @@ class CheckpointStore:
             tokens=tuple(stored_tokens.tolist()),
             regions=regions,
             meta=meta,
-            nbytes=size,
+            nbytes=size + block_bytes,
             entry_id=row.entry_id,
             file_name=row.file_name,
+            block_bytes=block_bytes,
+            resident_rows=resident,
         )
+
+    def _read_blocks(self, row: _Row, metadata: dict, tokens: np.ndarray, stored: dict[str, np.ndarray],
+                     resident_rows: int, count: bool) -> tuple[int, int]:
+        """Check an entry's block list (metadata = ids its tokens give = the index's references), read the blocks
+        it needs and join them into its paged regions in `stored` (in place). (block bytes read, resident rows)"""
+        try:
+            rows = int(metadata["prefixrun.block_rows"])
+            listed = json.loads(metadata["prefixrun.blocks"])
+            kv_names = json.loads(metadata["prefixrun.kv_regions"])
+        except (KeyError, ValueError) as error:
+            raise _BadEntry(f"K/V block metadata unreadable: {error!r}") from None
+        if not isinstance(listed, list) or not isinstance(kv_names, list) or not set(kv_names) <= set(stored) \
+                or (kv_names and rows <= 0) or (not kv_names and (rows != 0 or listed)):
+            raise _BadEntry("K/V block metadata malformed")
+        if not kv_names:
+            return 0, 0
+        n_blocks = len(tokens) // rows
+        if listed != kv_blocks.block_ids(row.model_digest, row.layout_digest, tokens, rows):
+            raise _BadEntry("its K/V block list is not the one its tokens give")
+        tails = {name: stored[name] for name in kv_names}
+        if any(t.ndim < 1 or t.shape[0] != len(tokens) - n_blocks * rows for t in tails.values()):
+            raise _BadEntry("its K/V tail rows do not match its length")
+        with self._lock:
+            refs = self._db.execute(
+                "SELECT r.block_id, b.block_id, b.file_name, b.nbytes, b.content_sha256 FROM entry_blocks r "
+                "LEFT JOIN blocks b ON b.block_id = r.block_id WHERE r.entry_id = ? ORDER BY r.position",
+                (row.entry_id,)).fetchall()
+        if [r[0] for r in refs] != listed:
+            raise _BadEntry("the index's K/V block references differ from the file's")
+        skip = min(max(int(resident_rows), 0) // rows, n_blocks)
+        needed = refs[skip:]
+        missing = [r[0] for r in needed if r[1] is None]
+        if missing:
+            raise _BadEntry(f"K/V block {missing[0]} is not in the index")
+        for r in needed:
+            if not isinstance(r[3], int) or not isinstance(r[4], str):
+                raise BadBlock(r[0], "malformed index row")
+        tensors = self._kv.read_many([r[1:] for r in needed], row.model_digest, row.layout_digest)
+        for r, block in zip(needed, tensors):
+            kv_blocks.check_block(r[0], block, tails, rows)
+        kv_blocks.join(stored, kv_names, [None] * skip + tensors, rows)
+        read = sum(r[3] for r in needed)
+        if count:
+            self.stats.blocks_read += len(needed)
+            self.stats.block_bytes_read += read
+            self.stats.read_bytes += read
+            self.stats.blocks_resident += skip
+        return read, skip * rows
 
     def _quarantine_if_unchanged(self, row: _Row, reason: str) -> bool:
         """Move a bad entry aside, but only if its row is still the one we verified: if another process
@@ -596,30 +769,33 @@ class CheckpointStore:
                 "DELETE FROM entries WHERE entry_id = ? AND file_name = ? AND content_sha256 = ?",
                 (row.entry_id, row.file_name, row.content_sha256),
             ).rowcount
+            freed = self._drop_references(db, [row.entry_id])[0] if deleted else []
         if not deleted:
             return False
+        for path in freed:  # blocks only this entry used: intact as far as anyone knows, but unreferenced now
+            _unlink_quietly(path)
         self.stats.corrupt += 1
         log.warning("checkpoint %s failed verification (%s); moved to %s", row.entry_id, reason, self._quarantine_dir)
         source = self._path_of(row.file_name)
-        if source is None:
-            return True  # the row named no file of ours: dropping the row is all there is to do
+        if source is not None:  # else the row named no file of ours: dropping the row is all there is to do
+            self._move_to_quarantine(source, f"entry_id: {row.entry_id}\nreason: {reason}\n")
+        return True
+
+    def _move_to_quarantine(self, source: Path, reason_text: str) -> None:
         if not self._inside_root(self._quarantine_dir):
             _unlink_quietly(source)  # quarantine/ leads out of the cache folder: never move anything there
-            return True
+            return
         target = self._quarantine_dir / source.name
         try:
             os.replace(source, target)
             self._overhead_bytes += _size_or_none(target) or 0
-            target.with_name(target.name + ".reason").write_text(
-                f"entry_id: {row.entry_id}\nreason: {reason}\nquarantined_at: {self._clock()}\n"
-            )
+            target.with_name(target.name + ".reason").write_text(f"{reason_text}quarantined_at: {self._clock()}\n")
             self._trim_quarantine()
         except FileNotFoundError:
             pass  # nothing left to keep
         except OSError as error:  # keeping the evidence is best effort; the row is already gone
             log.warning("could not move %s to quarantine: %s", source, error)
             _unlink_quietly(source)
-        return True
 
     def _inside_root(self, folder: Path) -> bool:
         """`folder` is a direct child of the cache folder once symlinks are resolved."""
@@ -648,16 +824,27 @@ class CheckpointStore:
     # ---------------------------------------------------------------- put
 
     def put(
-        self, key: StoreKey, tokens: Sequence[int], regions: dict[str, np.ndarray], meta: dict | None = None
+        self, key: StoreKey, tokens: Sequence[int], regions: dict[str, np.ndarray], meta: dict | None = None, *,
+        kv_regions: Sequence[str] = (), block_rows: int = 0,
     ) -> bool:
         """Store one checkpoint. True if it is in the store when this returns (written now or already there);
         False if it was not stored: larger than the budget, a different prefix holds its key, or a disk error.
-        Bad arguments raise ValueError/TypeError."""
+        `kv_regions`: the paged (K/V) regions, [n_tokens, ...] each; their whole blocks of `block_rows` rows go to
+        content-addressed block files (engine/kv_blocks.py), written only where the index lacks them, the rest
+        (tail rows) into the entry's blob. Bad arguments raise ValueError/TypeError."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         if len(token_array) == 0:
             raise ValueError("a checkpoint needs a non-empty token prefix")
         storage_arrays, dtype_names = _storage_arrays(regions)
+        kv_names = list(kv_regions)
+        for name in kv_names:
+            if name not in storage_arrays or storage_arrays[name].ndim < 1 \
+                    or storage_arrays[name].shape[0] != len(token_array):
+                raise ValueError(f"K/V region {name!r} must be a region of [n_tokens, ...] rows")
+        if kv_names and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows <= 0):
+            raise ValueError(f"block_rows must be an integer > 0 with kv_regions, got {block_rows!r}")
+        rows = int(block_rows) if kv_names else 0
         meta = {} if meta is None else meta
         if not isinstance(meta, dict):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
@@ -667,6 +854,8 @@ class CheckpointStore:
             raise ValueError(f"meta must be JSON-serializable: {error}") from error
         entry_id = checkpoint_key(key, token_array)
         preview = json.dumps([int(t) for t in token_array[:PREVIEW_TOKENS]])
+        ids = kv_blocks.block_ids(key.model_digest, key.layout_digest, token_array, rows) if rows else []
+        own, blocks = kv_blocks.split(storage_arrays, kv_names, len(ids), rows)
 
         with self._lock:
             existing = self._row(entry_id)
@@ -684,8 +873,26 @@ class CheckpointStore:
             if self.budget_bytes is not None and payload_bytes > self.budget_bytes:
                 self.stats.rejected_too_large += 1  # known too large before writing anything
                 return False
+            present = {b for b in ids if self._intact_block(b)}
 
         created = self._clock()
+        # Blocks first, then the blob, all outside the lock (a background writer never holds up a lookup); nothing
+        # is indexed before every file it names is durable.
+        new_blocks: list[tuple[str, str, int, str, int]] = []  # (id, file name, bytes, digest, end row)
+        block_meta = kv_blocks.block_metadata(key.model_digest, key.layout_digest, rows,
+                                              {n: dtype_names[n] for n in kv_names})
+        for position, block_id in enumerate(ids):
+            if block_id in present:
+                continue
+            try:
+                new_blocks.append((block_id, *self._kv.write(block_id, blocks[position], block_meta, _fsync_dir),
+                                   (position + 1) * rows))
+            except OSError as error:
+                with self._lock:
+                    self.stats.write_errors += 1
+                self._discard_unindexed_blocks(new_blocks)
+                log.warning("could not write a K/V block of checkpoint %s: %s", entry_id, error)
+                return False
         metadata = {
             "prefixrun.format": FORMAT_VERSION,
             "prefixrun.model_digest": key.model_digest,
@@ -694,16 +901,20 @@ class CheckpointStore:
             "prefixrun.created": repr(created),
             "prefixrun.dtypes": json.dumps(dtype_names, sort_keys=True),
             "prefixrun.meta": meta_json,
+            "prefixrun.block_rows": str(rows),
+            "prefixrun.blocks": json.dumps(ids),
+            "prefixrun.kv_regions": json.dumps(kv_names),
         }
-        tensors = dict(storage_arrays)
+        tensors = dict(own)
         tensors[TOKENS_TENSOR_NAME] = np.ascontiguousarray(token_array, dtype="<i4")
-        # The file is written outside the lock, so that a background writer never holds up a lookup.
         written = self._write_blob(entry_id, tensors, metadata)
         if written is None:
+            self._discard_unindexed_blocks(new_blocks)
             return False
         file_name, nbytes, content_sha256 = written
         if self.budget_bytes is not None and nbytes > self.budget_bytes:
             _unlink_quietly(self._path_of(file_name))  # header pushed it over
+            self._discard_unindexed_blocks(new_blocks)
             with self._lock:
                 self.stats.rejected_too_large += 1
             return False
@@ -713,36 +924,94 @@ class CheckpointStore:
                 entry_id, key.model_digest, key.layout_digest, len(token_array), file_name, nbytes,
                 content_sha256, 0, created, created, 0, meta_json, preview,
             )
-            files_to_delete: list[str] = []
-            stored = True
+            files_to_delete: list[Path | None] = []
+            stored, inserted, indexed_blocks = True, False, []
             with self._write_transaction() as db:
                 current = self._row(entry_id)
                 if current is not None and current.file_name != file_name:
                     if _size_or_none(self._path_of(current.file_name)) == current.nbytes:
                         # Another writer stored this key while we were writing: keep theirs, drop ours.
-                        files_to_delete.append(file_name)
+                        files_to_delete.append(self._path_of(file_name))
                         stored = (current.n_tokens, current.token_preview) == (len(token_array), preview)
                         if stored:
                             self._touch(db, entry_id, count_hit=False)
                     else:
-                        files_to_delete.append(current.file_name)
+                        files_to_delete.append(self._path_of(current.file_name))
                         current = None
-                if current is None or current.file_name == file_name:
+                if (current is None or current.file_name == file_name) and any(
+                        db.execute("SELECT 1 FROM blocks WHERE block_id = ?", (b,)).fetchone() is None
+                        for b in present):
+                    stored = False  # a block it relied on was evicted meanwhile: not stored this time
+                    files_to_delete.append(self._path_of(file_name))
+                elif current is None or current.file_name == file_name:
                     db.execute(f"INSERT OR REPLACE INTO entries ({_ROW_COLUMNS}) VALUES ({', '.join('?' * 13)})", new_row)
+                    indexed_blocks = self._index_blocks(db, new_blocks, created, files_to_delete)
+                    db.execute("DELETE FROM entry_blocks WHERE entry_id = ?", (entry_id,))
+                    db.executemany("INSERT INTO entry_blocks (entry_id, position, block_id, end_row) VALUES (?, ?, ?, ?)",
+                                   [(entry_id, i, b, (i + 1) * rows) for i, b in enumerate(ids)])
                     self._touch(db, entry_id, count_hit=False)
+                    inserted = True
+                    fresh = {b[0] for b in indexed_blocks}
+                    reused_bytes = sum(db.execute("SELECT nbytes FROM blocks WHERE block_id = ?", (b,)).fetchone()[0]
+                                       for b in set(ids) - fresh)
                     if self.budget_bytes is not None:
                         victims = self._evict_lru(db, self.budget_bytes, spare=entry_id)
-                        files_to_delete += [victim_name for victim_name, _ in victims]
+                        files_to_delete += [path for paths, _ in victims for path in paths]
                         self.stats.evicted += len(victims)
                         self.stats.evicted_bytes += sum(victim_bytes for _, victim_bytes in victims)
-            for name in files_to_delete:
-                _unlink_quietly(self._path_of(name))
-            if file_name not in files_to_delete:
+                if not inserted:  # our new blocks are nobody's: dropped unless a row names the same file
+                    files_to_delete += self._unindexed_block_paths(db, new_blocks)
+            for path in files_to_delete:
+                _unlink_quietly(path)
+            if inserted:
+                block_bytes = sum(b[2] for b in indexed_blocks)
                 self.stats.written += 1
-                self.stats.written_bytes += nbytes
+                self.stats.written_bytes += nbytes + block_bytes
+                self.stats.blocks_written += len(indexed_blocks)
+                self.stats.block_bytes_written += block_bytes
+                self.stats.blocks_reused += len(ids) - len(indexed_blocks)
+                self.stats.block_bytes_reused += reused_bytes
             elif not stored:
                 self.stats.collisions += 1
             return stored
+
+    def _intact_block(self, block_id: str) -> bool:
+        """The index has this block and its file has the recorded size (a put then does not write it again)."""
+        row = self._db.execute("SELECT file_name, nbytes FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+        return row is not None and _size_or_none(self._kv.path_of(row[0])) == row[1]
+
+    def _index_blocks(self, db: sqlite3.Connection, new_blocks: list, created: float,
+                      files_to_delete: list) -> list:
+        """Inside put's transaction: index the blocks this put wrote. Where another writer indexed the same block
+        meanwhile and its file is whole, theirs is kept (ours is deleted unless it is the same file). Returns the
+        blocks indexed from this put's files."""
+        indexed = []
+        for block_id, file_name, nbytes, content_sha256, _ in new_blocks:
+            current = db.execute("SELECT file_name, nbytes FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+            if current is not None and current[0] != file_name \
+                    and _size_or_none(self._kv.path_of(current[0])) == current[1]:
+                files_to_delete.append(self._kv.path_of(file_name))
+                continue
+            if current is not None and current[0] != file_name:
+                files_to_delete.append(self._kv.path_of(current[0]))
+            db.execute("INSERT OR REPLACE INTO blocks (block_id, file_name, nbytes, content_sha256, created) "
+                       "VALUES (?, ?, ?, ?, ?)", (block_id, file_name, nbytes, content_sha256, created))
+            indexed.append((block_id, file_name, nbytes))
+        return indexed
+
+    def _unindexed_block_paths(self, db: sqlite3.Connection, new_blocks: list) -> list[Path | None]:
+        return [self._kv.path_of(b[1]) for b in new_blocks
+                if db.execute("SELECT 1 FROM blocks WHERE file_name = ?", (b[1],)).fetchone() is None]
+
+    def _discard_unindexed_blocks(self, new_blocks: list) -> None:
+        """A put gave up: delete the block files it wrote, except any that an index row names (the same block
+        written by another writer has the same content and so the same file name)."""
+        if not new_blocks:
+            return
+        with self._lock:
+            paths = self._unindexed_block_paths(self._db, new_blocks)
+        for path in paths:
+            _unlink_quietly(path)
 
     def _write_blob(self, entry_id: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]):
         """Temp file -> fsync -> rename -> fsync dir. Returns (file_name, nbytes, sha256) or None on OSError."""
@@ -771,13 +1040,14 @@ class CheckpointStore:
 
     def _evict_lru(
         self, db: sqlite3.Connection, budget: int, *, spare: str = "", scope: str = "", scope_params: Sequence = ()
-    ) -> list[tuple[str, int]]:
-        """Delete least-recently-used rows (inside the caller's transaction) until the indexed total is within
-        `budget`. Never the row `spare`; only rows matching the SQL condition `scope` if given. Returns the
-        victims' (file name, nbytes), for the caller to unlink after commit."""
-        total = db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0]
+    ) -> list[tuple[list[Path | None], int]]:
+        """Delete least-recently-used rows (inside the caller's transaction) until the indexed total (blobs plus
+        each K/V block once) is within `budget`; an evicted entry's blocks that no other entry references go with
+        it. Never the row `spare`; only rows matching the SQL condition `scope` if given. Returns, per evicted
+        entry, (files to unlink after commit: its blob and freed blocks, bytes freed)."""
+        total = self._indexed_bytes(db)
         budget = max(budget - self._overhead_bytes, 0)
-        victims: list[tuple[str, int]] = []
+        victims: list[tuple[list[Path | None], int]] = []
         if total <= budget:
             return victims
         condition = "entry_id != ?" + (f" AND ({scope})" if scope else "")
@@ -789,9 +1059,10 @@ class CheckpointStore:
             if total <= budget:
                 break
             db.execute("DELETE FROM entries WHERE entry_id = ?", (entry_id,))
-            nbytes = nbytes if isinstance(nbytes, int) else 0  # a malformed row frees nothing it can prove
+            freed_paths, freed_bytes = self._drop_references(db, [entry_id])
+            nbytes = (nbytes if isinstance(nbytes, int) else 0) + freed_bytes  # a malformed row frees what it proves
             total -= nbytes
-            victims.append((file_name, nbytes))
+            victims.append(([self._path_of(file_name), *freed_paths], nbytes))
         return victims
 
     # ---------------------------------------------------------------- listing and removal
@@ -803,6 +1074,12 @@ class CheckpointStore:
                 rows = self._rows(order="ORDER BY use_order DESC")
             else:
                 rows = self._rows("WHERE model_digest = ?", (model_digest,), "ORDER BY use_order DESC")
+            block_info = {entry_id: {"blocks": n, "block_bytes": nbytes, "shared_blocks": shared}
+                          for entry_id, n, nbytes, shared in self._db.execute(
+                              "SELECT r.entry_id, COUNT(*), COALESCE(SUM(b.nbytes), 0), SUM(CASE WHEN EXISTS (SELECT 1 "
+                              "FROM entry_blocks o WHERE o.block_id = r.block_id AND o.entry_id != r.entry_id) "
+                              "THEN 1 ELSE 0 END) FROM entry_blocks r LEFT JOIN blocks b ON b.block_id = r.block_id "
+                              "GROUP BY r.entry_id").fetchall()}
         return [
             EntryInfo(
                 entry_id=r.entry_id,
@@ -816,14 +1093,26 @@ class CheckpointStore:
                 meta=json.loads(r.meta_json),
                 token_preview=tuple(json.loads(r.token_preview)),
                 path=self._path_of(r.file_name),
+                **block_info.get(r.entry_id, {}),
             )
             for r in rows
         ]
 
     def total_bytes(self) -> int:
-        """Sum of the indexed entries' file sizes."""
+        """Sum of the indexed entries' file sizes plus each indexed K/V block once."""
         with self._lock:
-            return self._db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0]
+            return self._indexed_bytes(self._db)
+
+    def block_summary(self) -> dict:
+        """The K/V blocks: how many, their bytes, how many are referenced by more than one entry, and the bytes
+        that sharing saved (what storing every reference's block again would have taken)."""
+        with self._lock:
+            count, nbytes = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()
+            shared, saved = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM((uses - 1) * nbytes), 0) FROM (SELECT b.nbytes AS nbytes, "
+                "COUNT(*) AS uses FROM entry_blocks r JOIN blocks b ON b.block_id = r.block_id GROUP BY r.block_id) "
+                "WHERE uses > 1").fetchone()
+        return {"blocks": count, "block_bytes": nbytes, "shared_blocks": shared, "bytes_saved_by_sharing": saved}
 
     def remove(self, entry_ids: Iterable[str] | str) -> int:
         """Remove entries by id; unknown ids are ignored. Returns how many were removed."""
@@ -859,8 +1148,9 @@ class CheckpointStore:
             if to_bytes is not None:
                 with self._write_transaction() as db:
                     victims = self._evict_lru(db, to_bytes, scope=scope, scope_params=scope_params)
-                for file_name, _ in victims:
-                    _unlink_quietly(self._path_of(file_name))
+                for paths, _ in victims:
+                    for path in paths:
+                        _unlink_quietly(path)
                 removed += len(victims)
             return removed
 
@@ -870,6 +1160,7 @@ class CheckpointStore:
         with self._lock:
             removed = self._delete_where("", ())
             self._drop_rows_where(lambda values: True)  # malformed rows too: nothing may be left behind
+            self.collect_garbage()
             for path in self._owned_files(self._quarantine_dir, lambda name: True):
                 _unlink_quietly(path)
             self.sweep_orphans(grace_s=0.0)
@@ -879,8 +1170,9 @@ class CheckpointStore:
         with self._write_transaction() as db:
             doomed = db.execute(f"SELECT entry_id, file_name FROM entries {where}", params).fetchall()
             db.executemany("DELETE FROM entries WHERE entry_id = ?", [(entry_id,) for entry_id, _ in doomed])
-        for _, file_name in doomed:
-            _unlink_quietly(self._path_of(file_name))
+            freed, _ = self._drop_references(db, [entry_id for entry_id, _ in doomed])
+        for path in [self._path_of(file_name) for _, file_name in doomed] + freed:
+            _unlink_quietly(path)
         return len(doomed)
 
     # ---------------------------------------------------------------- maintenance
@@ -898,6 +1190,11 @@ class CheckpointStore:
                 except _BadEntry as problem:
                     if self._quarantine_if_unchanged(row, problem.reason):
                         bad.append(CorruptEntry(row.entry_id, problem.reason))
+                except BadBlock as problem:
+                    if self._row(row.entry_id) is not None:
+                        self._drop_block(problem.block_id, problem.file_name, problem.reason)
+                        if self._row(row.entry_id) is None:
+                            bad.append(CorruptEntry(row.entry_id, f"K/V block {problem.block_id}: {problem.reason}"))
         return bad
 
     def count_malformed_rows(self) -> int:
@@ -923,8 +1220,9 @@ class CheckpointStore:
         and evict least-recently-used entries until indexed + unaccounted bytes fit the budget."""
         with self._lock:
             self.drop_malformed_rows()
+            self.collect_garbage()  # references of dropped rows, blocks nobody references (a crash, a hand edit)
             result = self.sweep_orphans(grace_s=grace_s, max_files=max_files)
-            indexed = self._db.execute(f"SELECT {_SUM_NBYTES} FROM entries").fetchone()[0]
+            indexed = self._indexed_bytes(self._db)
             room = None if self.budget_bytes is None else max(self.budget_bytes - result.kept_bytes - indexed, 0)
             # Evidence of corruption is worth less than cached work: quarantine/ gives way first.
             self._overhead_bytes = result.kept_bytes + self._trim_quarantine(room)
@@ -967,9 +1265,44 @@ class CheckpointStore:
                         gone = db.execute(
                             "DELETE FROM entries WHERE entry_id = ? AND file_name = ?", (row.entry_id, row.file_name)
                         ).rowcount
+                        freed = self._drop_references(db, [row.entry_id])[0] if gone else []
+                    for freed_path in freed:
+                        _unlink_quietly(freed_path)
                     if gone:
                         result.dropped_rows.append(row.entry_id)
+            self._sweep_blocks(result, now, grace_s, max_files, looked_at)
         return result
+
+    def _sweep_blocks(self, result: SweepResult, now: float, grace_s: float, max_files: int | None, looked_at: int):
+        """sweep_orphans for kv_blocks/: temp files of dead writers, block files no row names (a put killed between
+        its block files and its index transaction), and rows whose block file is gone (with the entries using them)."""
+        indexed = {f for (f,) in self._db.execute("SELECT file_name FROM blocks").fetchall()}
+        for shard in self._kv.shard_dirs():
+            for path in self._owned_files(shard, lambda n: bool(kv_blocks.BLOCK_NAME.fullmatch(n)
+                                                                  or kv_blocks.TEMP_NAME.fullmatch(n))):
+                if max_files is not None and looked_at >= max_files:
+                    break
+                looked_at += 1
+                age = now - _mtime_or_zero(path)
+                if path.name.endswith(".tmp"):
+                    if (self._temp_writer_is_dead(path.name) or age > grace_s) and _unlink_quietly(path):
+                        result.removed_temp_files.append(path)
+                    else:
+                        result.kept_bytes += _size_or_none(path) or 0
+                elif path.name not in indexed:
+                    still_unindexed = self._db.execute("SELECT 1 FROM blocks WHERE file_name = ?",
+                                                       (path.name,)).fetchone() is None
+                    if age > grace_s and still_unindexed and _unlink_quietly(path):
+                        result.removed_unindexed_files.append(path)
+                    else:
+                        result.kept_bytes += _size_or_none(path) or 0
+        for block_id, file_name in self._db.execute("SELECT block_id, file_name FROM blocks").fetchall():
+            path = self._kv.path_of(file_name)
+            if path is not None and not path.exists():
+                users = self._db.execute("SELECT DISTINCT entry_id FROM entry_blocks WHERE block_id = ?",
+                                         (block_id,)).fetchall()
+                self._drop_block(block_id, file_name, "file missing")
+                result.dropped_rows += [e for (e,) in users]
 
     def _owned_dirs(self, folder: Path) -> list[Path]:
         """The shard folders (two hex digits) directly in `folder`, never through a symlink."""
@@ -985,8 +1318,9 @@ class CheckpointStore:
         """Plain files (or symlinks, which unlink only removes) directly in `folder` whose names pass `name_ok`;
         nothing when `folder` resolves outside the cache folder."""
         try:
-            resolved, root, blobs = folder.resolve(), self.root.resolve(), self._blobs_dir.resolve()
-            if not (resolved.parent == root or (resolved.parent == blobs and blobs.parent == root)):
+            resolved, root = folder.resolve(), self.root.resolve()
+            shard_parents = [d.resolve() for d in (self._blobs_dir, self._kv.folder)]
+            if not (resolved.parent == root or any(resolved.parent == d and d.parent == root for d in shard_parents)):
                 return []
             return sorted(p for p in folder.iterdir() if name_ok(p.name) and (p.is_symlink() or p.is_file()))
         except OSError:
@@ -1034,8 +1368,10 @@ def _folder_files(root: Path) -> list[Path]:
     root = Path(root)
     found = [root / (INDEX_FILE_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
     found = [p for p in found if p.is_file() and not p.is_symlink()]
-    blobs, quarantine = root / BLOBS_DIR_NAME, root / QUARANTINE_DIR_NAME
-    if blobs.is_dir() and not blobs.is_symlink():
+    quarantine = root / QUARANTINE_DIR_NAME
+    for blobs in (root / BLOBS_DIR_NAME, root / kv_blocks.BLOCKS_DIR_NAME):
+        if not blobs.is_dir() or blobs.is_symlink():
+            continue
         for shard in blobs.iterdir():
             if _SHARD_NAME.fullmatch(shard.name) and shard.is_dir() and not shard.is_symlink():
                 found += [p for p in shard.iterdir() if (_BLOB_NAME.fullmatch(p.name) or _TEMP_NAME.fullmatch(p.name))
