@@ -70,7 +70,8 @@ def _reader_went_away():
 
 def _entry_json(e) -> dict:
     return {"entry_id": e.entry_id, "model_digest": e.model_digest, "layout_digest": e.layout_digest,
-            "tokens": e.n_tokens, "bytes": e.nbytes, "hits": e.hits, "created": e.created,
+            "tokens": e.n_tokens, "bytes": e.nbytes, "kv_blocks": e.blocks, "kv_block_bytes": e.block_bytes,
+            "kv_blocks_shared": e.shared_blocks, "hits": e.hits, "created": e.created,
             "last_used": e.last_used, "token_preview": list(e.token_preview), "path": str(e.path), "meta": e.meta}
 
 
@@ -197,7 +198,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     total = store.total_bytes()
     if as_json:
         print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": budget_bytes,
-                          "entries": [_entry_json(e) for e in entries]}, indent=2))
+                          "kv_blocks": store.block_summary(), "entries": [_entry_json(e) for e in entries]}, indent=2))
         return io.EXIT_OK
     preview = _Previews(model_dir)
     out = Console(highlight=False, markup=False, emoji=False)  # the command's output: stdout
@@ -208,21 +209,36 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         root_tree = Tree(Text(f"{ckpt_root} ({len(entries)} entries, {human_bytes(total)})"))
         nodes = {}
         for e in sorted(entries, key=lambda e: e.n_tokens):
-            label = f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} · {e.hits} hits · {preview(e)}"
+            label = f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · {e.hits} hits · {preview(e)}"
             parent = parents[e.entry_id]
             nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(Text(label))
         out.print(root_tree)
         return io.EXIT_OK
     table = Table(title=Text(f"checkpoint cache {ckpt_root}"))
-    for col in ("model", "tokens", "bytes", "hits", "last used", "prefix"):
-        table.add_column(col, justify="right" if col in ("tokens", "bytes", "hits") else "left")
+    for col in ("model", "tokens", "bytes", "K/V blocks", "hits", "last used", "prefix"):
+        table.add_column(col, justify="right" if col in ("tokens", "bytes", "K/V blocks", "hits") else "left")
     for e in sorted(entries, key=lambda e: -e.last_used):
-        table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), str(e.hits),
+        table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), _blocks_cell(e), str(e.hits),
                       datetime.fromtimestamp(e.last_used).strftime("%Y-%m-%d %H:%M"), Text(preview(e)))
     out.print(table)
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
     out.print(Text(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
+    out.print(Text(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
+
+
+def _blocks_cell(e) -> str:
+    """An entry's K/V block references: how many, their bytes, how many other entries share."""
+    if not e.blocks:
+        return "-"
+    return f"{e.blocks} ({human_bytes(e.block_bytes)}, {e.shared_blocks} shared)"
+
+
+def _blocks_line(summary: dict, total: int) -> str:
+    return (f"of which state blobs {human_bytes(total - summary['block_bytes'])}, K/V blocks "
+            f"{human_bytes(summary['block_bytes'])} ({summary['blocks']:,} blocks, each stored once; "
+            f"{summary['shared_blocks']:,} shared by several entries, saving "
+            f"{human_bytes(summary['bytes_saved_by_sharing'])})")
 
 
 def _verify(store, ckpt_root: Path, as_json: bool) -> int:
@@ -248,6 +264,8 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
     if n_files or swept.dropped_rows:
         lines.append(f"removed {n_files} leftover files of interrupted writes, "
                      f"{len(swept.dropped_rows)} entries whose file was gone")
-    lines.append(f"{ok} entries, {human_bytes(store.total_bytes())} in total")
+    total = store.total_bytes()
+    lines.append(f"{ok} entries, {human_bytes(total)} in total")
+    lines.append(_blocks_line(store.block_summary(), total))
     print("\n".join(lines))
     return io.EXIT_OK

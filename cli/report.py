@@ -177,6 +177,16 @@ def report_table(report: dict) -> Table:
                 f"in {costs['write_seconds']:.2f} s in the background (export {costs['export_seconds']:.2f} s, "
                 f"end wait {costs['finish_wait_seconds']:.2f} s); {costs['writes_skipped']} writes skipped, "
                 f"{costs['reads_declined']} reads declined")
+            if costs.get("blocks_written") or costs.get("blocks_reused") or costs.get("blocks_read"):
+                written_blocks = costs.get("written_block_bytes", 0)
+                row("disk cache K/V blocks",
+                    f"wrote state blobs {human_bytes(costs['written_bytes'] - written_blocks)} + "
+                    f"{costs.get('blocks_written', 0):,} new K/V blocks {human_bytes(written_blocks)}; "
+                    f"{costs.get('blocks_reused', 0):,} blocks already stored were referenced, not rewritten "
+                    f"({human_bytes(costs.get('block_bytes_reused', 0))}); read "
+                    f"{costs.get('blocks_read', 0):,} blocks "
+                    f"({human_bytes(costs.get('read_block_bytes', 0) + costs.get('prefetch_block_bytes', 0))}, "
+                    f"read ahead included), {costs.get('blocks_resident', 0):,} taken from memory instead")
             rates = costs.get("rates") or {}
             if rates:
                 prefill = rates.get("prefill_tokens_per_s")

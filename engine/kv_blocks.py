@@ -49,7 +49,7 @@ from prefixrun.engine import blob_format
 BLOCKS_DIR_NAME = "kv_blocks"
 BLOCK_FORMAT = "prefixrun-kvblock-v1"
 BLOCK_TARGET_BYTES = 4 << 20  # about one blob-format chunk: read and hashed by one thread, blocks read in parallel
-MAX_BLOCK_ROWS = 1024
+MAX_BLOCK_ROWS = 256  # an entry re-stores at most this many - 1 rows of its parent as its own tail
 BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.safetensors")
 TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{8}\.[0-9]+\.[0-9a-f]{8}\.tmp")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")

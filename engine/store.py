@@ -471,13 +471,14 @@ class CheckpointStore:
                 _unlink_quietly(path)
             return len(paths)
 
-    def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> None:
+    def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> list[str]:
         """A block failed verification: drop its row and every entry referencing it (none can be restored), move
-        its file to quarantine/ (only if its row still names that file: else the failure was a race)."""
+        its file to quarantine/ (only if its row still names that file: else the failure was a race). Returns the
+        entries dropped."""
         with self._write_transaction() as db:
             row = db.execute("SELECT file_name FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
             if file_name is not None and (row is None or row[0] != file_name):
-                return
+                return []
             users = [e for (e,) in db.execute("SELECT DISTINCT entry_id FROM entry_blocks WHERE block_id = ?",
                                               (block_id,)).fetchall()]
             blobs = [f for e in users for (f,) in db.execute(
@@ -486,14 +487,18 @@ class CheckpointStore:
             db.execute("DELETE FROM entry_blocks WHERE block_id = ?", (block_id,))
             db.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
             freed, _ = self._drop_references(db, users)
+        if row is None and not users:
+            return []  # evicted meanwhile: a race, not corruption
         self.stats.corrupt += 1
         log.warning("K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
                     len(users))
         for path in [self._path_of(f) for f in blobs] + freed:
             _unlink_quietly(path)
-        source = self._kv.path_of(row[0]) if row is not None else None
+        # only a file named for this block is its own: a row naming another block's file leaves that file alone
+        source = self._kv.path_of(row[0]) if row is not None and str(row[0]).startswith(block_id) else None
         if source is not None:
             self._move_to_quarantine(source, f"block_id: {block_id}\nreason: {reason}\n")
+        return users
 
     # ---------------------------------------------------------------- lookup
 
@@ -1191,10 +1196,8 @@ class CheckpointStore:
                     if self._quarantine_if_unchanged(row, problem.reason):
                         bad.append(CorruptEntry(row.entry_id, problem.reason))
                 except BadBlock as problem:
-                    if self._row(row.entry_id) is not None:
-                        self._drop_block(problem.block_id, problem.file_name, problem.reason)
-                        if self._row(row.entry_id) is None:
-                            bad.append(CorruptEntry(row.entry_id, f"K/V block {problem.block_id}: {problem.reason}"))
+                    for entry_id in self._drop_block(problem.block_id, problem.file_name, problem.reason):
+                        bad.append(CorruptEntry(entry_id, f"K/V block {problem.block_id}: {problem.reason}"))
         return bad
 
     def count_malformed_rows(self) -> int:

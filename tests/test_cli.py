@@ -439,7 +439,9 @@ def test_persistent_cache_reuse_and_inspect(models, sample_file, baseline, popul
     listing = json.loads(res.stdout)
     entries = listing["entries"]
     assert len(entries) == second["cache"]["entries"] > 0
-    assert listing["total_bytes"] == second["cache"]["bytes"] == sum(e["bytes"] for e in entries)
+    # state blobs plus each shared K/V block once
+    assert listing["total_bytes"] == second["cache"]["bytes"] == sum(e["bytes"] for e in entries) \
+        + listing["kv_blocks"]["block_bytes"]
     assert len({e["model_digest"] for e in entries}) == 1
     assert all(Path(e["path"]).is_file() and e["tokens"] > 0 for e in entries)
     assert sum(e["hits"] for e in entries) >= second["cache"]["hits"]
@@ -601,11 +603,13 @@ if where == "before-rename":  # the blob is written and fsynced under its temp n
             maybe_die()
         return real_replace(src, dst, *args, **kwargs)
     os.replace = replace
-else:  # renamed to its final name, not yet in the index
+else:  # renamed to its final name, not yet in the index (a checkpoint blob, or a K/V block file)
     real_fsync_dir = store._fsync_dir
+    kind = "kv_blocks" if where == "after-block-rename" else "blobs"
     def fsync_dir(folder):
         real_fsync_dir(folder)
-        maybe_die()
+        if folder.parent.name == kind:
+            maybe_die()
     store._fsync_dir = fsync_dir
 
 from prefixrun.cli.app import main
@@ -614,15 +618,18 @@ main()
 """
 
 
-@pytest.mark.parametrize("where", ["before-rename", "after-rename"])
+@pytest.mark.parametrize("where", ["before-rename", "after-rename", "after-block-rename"])
 def test_kill_in_the_middle_of_a_cache_write(models, sample_file, baseline, tmp_path, where):
     cache = tmp_path / "cache"
-    env = dict(os.environ, KILL_AT=where, KILL_AFTER="2")
+    env = dict(os.environ, KILL_AT=where, KILL_AFTER="0" if where == "after-block-rename" else "2")
     p = subprocess.run([sys.executable, "-c", KILL_WRAPPER, "batch", sample_file, "--model", models["a"], "--device",
                         "cpu", "--cache-dir", cache, "-q"], env=env, capture_output=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr.decode()
     leftovers = [q for q in (cache / "checkpoints" / "blobs").glob("*/*") if q.is_file()]
-    assert len(leftovers) == 3  # two complete writes, one cut short
+    if where == "after-block-rename":  # the first K/V block is on disk; nothing names it
+        assert len(list((cache / "checkpoints" / "kv_blocks").glob("*/*.safetensors"))) == 1
+    else:
+        assert len(leftovers) == 3  # two complete writes, one cut short
     assert verify_store(cache) == []
 
     code, recs, rep = run_json(models["a"], cache, sample_file, tmp_path)
