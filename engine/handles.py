@@ -71,21 +71,34 @@ def export_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle) -
     return export_regions_later(specs, arrays, ops, h)()
 
 
-def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle):
+def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, skip_rows: int = 0):
     """Capture h's regions now (the handle may change right after) and return a function that gives their host
-    copies (export_regions' result); on a device the transfers happen when it is called, off the caller's path."""
+    copies (export_regions' result); on a device the transfers happen when it is called, off the caller's path.
+    `skip_rows` (a multiple of the block size): paged rows [0, skip_rows) are neither captured nor copied (the
+    persistent cache has them already); they are zero in the result."""
     pending = {}
+    length = h.length
     for s in specs:
         arr = arrays[s.name]
         if s.paged:
-            rows = arr[h.blocks].reshape((-1,) + tuple(s.shape))[:h.length] if h.blocks else arr[:0, 0]
-            pending[s.name] = ops.start_host_copy(rows)  # [length, *shape]
+            first = min(skip_rows // arr.shape[1], len(h.blocks))  # arr [num_blocks, block_size, *shape]
+            own = h.blocks[first:]
+            rows = arr[own].reshape((-1,) + tuple(s.shape))[:length - first * arr.shape[1]] if own else arr[:0, 0]
+            pending[s.name] = (first * arr.shape[1], ops.start_host_copy(rows))  # [length - skipped, *shape]
         else:
-            pending[s.name] = ops.start_host_copy(arr[h.slot])  # [*shape]
-    length = h.length
+            pending[s.name] = (None, ops.start_host_copy(arr[h.slot]))  # [*shape]
+
+    def host(s: RegionSpec) -> np.ndarray:
+        skipped, copy = pending[s.name]
+        rows = copy()
+        if not skipped:
+            return rows
+        whole = np.zeros((length,) + tuple(s.shape), rows.dtype)  # pages of the skipped rows are never touched
+        whole[skipped:] = rows
+        return whole
 
     def finish() -> dict[str, np.ndarray]:
-        return {s.name: s.to_position_order(pending[s.name](), length) for s in specs}
+        return {s.name: s.to_position_order(host(s), length) for s in specs}
 
     return finish
 

@@ -456,7 +456,12 @@ class PersistentCheckpoints:
             return False
         self.offered.add(key)
         self._learn_layout(state)
-        nbytes = self._new_bytes(key, state, handle)  # what the write moves: K/V blocks already stored are not
+        presence = self._block_presence(key)
+        nbytes = self._new_bytes(state, handle, sum(presence))  # what the write moves: stored K/V blocks are not
+        # the leading K/V blocks already stored are not even captured or copied to the host (put checks they are
+        # still there when it writes; if one was evicted meanwhile, this state is simply not stored)
+        stored_lead = next((i for i, there in enumerate(presence) if not there), len(presence))
+        footprint = self._new_bytes(state, handle, stored_lead)
         gained = len(key) - self._stored_base(key)
         deferred = not self.cost_model.can_judge()  # decided on the writer thread once prefill is measured
         if not deferred and not self._worth_writing(gained, nbytes):
@@ -467,31 +472,35 @@ class PersistentCheckpoints:
             if device_free is not None:
                 self.max_pending_write_bytes = min(self.max_pending_write_bytes, max(device_free // 4, 1))
             self._writer = _BackgroundWriter(self._write, self.max_pending_write_bytes)
-        if not self.cost_model.always and not self._writer.has_room(nbytes):
+        if not self.cost_model.always and not self._writer.has_room(footprint):
             # waiting would stall the device on the disk; this state is simply not kept
             self.costs.decline("write skipped: the background writer's queue is full", (
                 f"{human_bytes(self._writer.pending_bytes)} waiting to be written, bound "
-                f"{human_bytes(self.max_pending_write_bytes)}; this state {human_bytes(nbytes)}"), write=True)
+                f"{human_bytes(self.max_pending_write_bytes)}; this state {human_bytes(footprint)}"), write=True)
             return False
         started = time.perf_counter()
         # captured now (the handle changes next); the device -> host copies run on the writer thread
-        regions_later = state.export_later(handle)
+        regions_later = state.export_later(handle, stored_lead * self._block_rows)
         logits_later = self.ops.start_host_copy(logits) if logits is not None else None
         self.costs.export_seconds += time.perf_counter() - started
         self._remember_on_disk(key)
-        self._writer.submit((list(key), regions_later, logits_later, (gained, nbytes) if deferred else None), nbytes)
+        self._writer.submit((list(key), regions_later, logits_later, (gained, nbytes) if deferred else None,
+                             stored_lead), footprint)
         return True
 
-    def _new_bytes(self, key: tuple[int, ...], state: ModelState, handle: StateHandle) -> int:
-        """Bytes a write of this state adds to the folder: the state less its whole K/V blocks the index has."""
-        nbytes = state.handle_bytes(handle)
+    def _block_presence(self, key: tuple[int, ...]) -> list[bool]:
+        """Whether the index has each whole K/V block of `key` (no file opened)."""
         if not self._block_rows or len(key) < self._block_rows:
-            return nbytes
+            return []
         try:
-            stored = sum(self.store.block_presence(self.key, key, self._block_rows))
+            return self.store.block_presence(self.key, key, self._block_rows)
         except _STORE_FAILURES:
-            return nbytes
-        return max(nbytes - stored * self._block_rows * (state.block_bytes // state.block_size), 0)
+            return []
+
+    def _new_bytes(self, state: ModelState, handle: StateHandle, stored_blocks: int) -> int:
+        """The state's bytes less `stored_blocks` whole K/V blocks."""
+        return max(state.handle_bytes(handle) - stored_blocks * self._block_rows * (state.block_bytes // state.block_size),
+                   0)
 
     def _worth_writing(self, gained: int, nbytes: int) -> bool:
         reason = self.cost_model.judge_write(gained, nbytes)
@@ -500,9 +509,10 @@ class PersistentCheckpoints:
             self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
         return reason is None
 
-    def _write(self, tokens: list[int], regions_later, logits_later, deferred: tuple[int, int] | None):
+    def _write(self, tokens: list[int], regions_later, logits_later, deferred: tuple[int, int] | None,
+               stored_lead: int = 0):
         """On the writer thread. `deferred` (tokens gained, bytes): offered before the prefill rate was known;
-        decided here, once it is (or at the run's end)."""
+        decided here, once it is (or at the run's end). `stored_lead`: leading K/V blocks not captured (stored)."""
         if self.store_error is not None:
             return
         if deferred is not None:
@@ -521,7 +531,7 @@ class PersistentCheckpoints:
             self.costs.host_copy_seconds += time.perf_counter() - started
             started = time.perf_counter()
             self.store.put(self.key, tokens, regions, {"tokens": len(tokens), **self.meta},
-                           kv_regions=self._kv_names, block_rows=self._block_rows)
+                           kv_regions=self._kv_names, block_rows=self._block_rows, stored_blocks=stored_lead)
         except Exception as error:  # on this thread nothing else would see it; the cache is optional
             self._give_up("write", error)
             return

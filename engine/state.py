@@ -296,10 +296,11 @@ class ModelState:
         """Host copies of h's regions: slot regions whole, paged regions only their rows [0, length)."""
         return export_regions(self.specs, self.arrays, self.ops, h)
 
-    def export_later(self, h: StateHandle):
+    def export_later(self, h: StateHandle, skip_rows: int = 0):
         """h's regions captured now; the returned function gives export(h)'s result, copying to the host when it
-        is called (on a device: off the caller's critical path, e.g. on the cache's writer thread)."""
-        return export_regions_later(self.specs, self.arrays, self.ops, h)
+        is called (on a device: off the caller's critical path, e.g. on the cache's writer thread). Paged rows
+        [0, skip_rows) (a multiple of block_size) are not captured: zero in the result."""
+        return export_regions_later(self.specs, self.arrays, self.ops, h, skip_rows)
 
     def validate_import(self, regions: dict[str, np.ndarray], length: int):
         """Raise StateLayoutError unless `regions` is exactly this layout at `length` tokens (changes nothing)."""

@@ -830,13 +830,15 @@ class CheckpointStore:
 
     def put(
         self, key: StoreKey, tokens: Sequence[int], regions: dict[str, np.ndarray], meta: dict | None = None, *,
-        kv_regions: Sequence[str] = (), block_rows: int = 0,
+        kv_regions: Sequence[str] = (), block_rows: int = 0, stored_blocks: int = 0,
     ) -> bool:
         """Store one checkpoint. True if it is in the store when this returns (written now or already there);
         False if it was not stored: larger than the budget, a different prefix holds its key, or a disk error.
         `kv_regions`: the paged (K/V) regions, [n_tokens, ...] each; their whole blocks of `block_rows` rows go to
         content-addressed block files (engine/kv_blocks.py), written only where the index lacks them, the rest
-        (tail rows) into the entry's blob. Bad arguments raise ValueError/TypeError."""
+        (tail rows) into the entry's blob. `stored_blocks`: the caller did not provide the rows of the first that
+        many blocks (it knew them stored); if one is not stored any more, nothing is written and False returned.
+        Bad arguments raise ValueError/TypeError."""
         _check_store_key(key)
         token_array = _as_token_array(tokens)
         if len(token_array) == 0:
@@ -879,6 +881,8 @@ class CheckpointStore:
                 self.stats.rejected_too_large += 1  # known too large before writing anything
                 return False
             present = {b for b in ids if self._intact_block(b)}
+            if not set(ids[:stored_blocks]) <= present:
+                return False  # evicted since the caller looked: its rows were not captured, so it cannot be written
 
         created = self._clock()
         # Blocks first, then the blob, all outside the lock (a background writer never holds up a lookup); nothing

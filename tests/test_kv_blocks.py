@@ -19,6 +19,7 @@ from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.persist import open_cache
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.state import ModelState
 from prefixrun.engine.store import INDEX_FILE_NAME, CheckpointStore, StoreKey
 
 KEY = StoreKey("ab" * 8, "cd" * 8)
@@ -114,6 +115,42 @@ def test_blocks_held_in_memory_are_neither_read_nor_paid_for(tmp_path):
     assert not partial.regions["k"][:32].any()  # not read: the caller takes them from memory
     np.testing.assert_array_equal(partial.regions["k"][32:], full.regions["k"][32:])
     assert store.indexed_entry(KEY, child, 70, 0, resident_rows=40)[1] == asked[1]
+
+
+def test_a_put_without_the_rows_of_stored_blocks_uses_them_and_fails_cleanly_if_they_went(tmp_path):
+    store = CheckpointStore(tmp_path)
+    put(store, DOC)
+    child = DOC + list(range(100, 130))
+    regions = state_of(child)
+    for name in ("k", "v"):
+        regions[name][:32] = 0  # rows of the two stored blocks: not captured by the caller
+    assert store.put(KEY, child, regions, kv_regions=["k", "v"], block_rows=ROWS, stored_blocks=2)
+    same_state(get(store, child), child)  # the stored blocks' rows, not the zeros
+    other = list(range(500, 540)) + list(range(100, 110))
+    put(store, other[:40])
+    store.remove([e.entry_id for e in store.entries() if e.n_tokens == 40 and e.token_preview[0] == 500])
+    written = store.stats.blocks_written
+    gone = state_of(other)
+    assert not store.put(KEY, other, gone, kv_regions=["k", "v"], block_rows=ROWS, stored_blocks=2)
+    assert store.stats.blocks_written == written and get(store, other) is None  # nothing written from zeros
+    assert store.verify_all() == []
+
+
+def test_export_without_stored_rows_copies_only_the_rest(loaded):
+    state = ModelState(loaded.model.state_specs(), loaded.ops, num_slots=2, num_blocks=16, block_size=16)
+    handle = state.new_sequence()
+    state.reserve(handle, 40)
+    handle.length = 40
+    for s in state.specs:
+        state.arrays[s.name][...] = np.random.default_rng(1).standard_normal(state.arrays[s.name].shape)
+    whole, skipped = state.export_later(handle)(), state.export_later(handle, 32)()
+    for s in state.specs:
+        if s.paged:
+            assert not skipped[s.name][:32].any()
+            np.testing.assert_array_equal(skipped[s.name][32:], whole[s.name][32:])
+        else:
+            np.testing.assert_array_equal(skipped[s.name], whole[s.name])
+    state.release(handle)
 
 
 def test_eviction_drops_references_and_deletes_blocks_nobody_uses(tmp_path):
@@ -302,7 +339,8 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(kv_blocks, "MAX_BLOCK_ROWS", 32)  # the tiny model's K/V is a few bytes per row
 
 
-def test_doc_qa_entries_share_the_documents_blocks_and_answers_never_change(loaded, tmp_path, small_blocks):
+def test_doc_qa_entries_share_the_documents_blocks_and_answers_never_change(loaded, tmp_path, small_blocks,
+                                                                             monkeypatch):
     reference, _, _ = run(loaded, None, QUESTIONS + NEW_QUESTIONS, cache=False)
     cold, costs, _ = run(loaded, tmp_path / "c", QUESTIONS)
     assert cold == {f"r{i}": reference[f"r{i}"] for i in range(len(QUESTIONS))}
@@ -311,11 +349,25 @@ def test_doc_qa_entries_share_the_documents_blocks_and_answers_never_change(load
     assert 0 < costs.written_block_bytes < costs.written_bytes
     warm, costs, stats = run(loaded, tmp_path / "c", QUESTIONS)
     assert warm == cold and stats.computed_prompt_tokens == 0 and costs.written_bytes == 0
-    # a second batch of new questions over the stored documents: the documents come from disk
+    # a second batch of new questions over the stored documents: the documents come from disk, and the prompt ends
+    # are captured without the documents' stored blocks
+    skipped = []
+    real_export = ModelState.export_later
+
+    def spy(self, handle, skip_rows=0):
+        skipped.append(skip_rows)
+        return real_export(self, handle, skip_rows)
+
+    monkeypatch.setattr(ModelState, "export_later", spy)
     second, costs, stats = run(loaded, tmp_path / "c", NEW_QUESTIONS)
+    assert max(skipped) == 64
     assert second == {f"r{i}": reference[f"r{i + len(QUESTIONS)}"] for i in range(len(NEW_QUESTIONS))}
     assert costs.restored_tokens >= sum(len(d) for d in DOCS) and costs.blocks_written == 0
     assert stats.computed_prompt_tokens == sum(len(p) - 90 for p in NEW_QUESTIONS)
+    # its prompt ends were captured without the documents' stored blocks (export_later(skip_rows)); read back whole
+    again, costs, stats = run(loaded, tmp_path / "c", NEW_QUESTIONS)
+    assert again == second and stats.computed_prompt_tokens == 0
+    assert costs.read_block_bytes + costs.prefetch_block_bytes > 0 or costs.blocks_resident > 0
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "evict"])
