@@ -142,6 +142,12 @@ class Cublas:
         self._one = ctypes.c_float(1.0)
         self._zero = ctypes.c_float(0.0)
 
+    def close(self):
+        """Destroy the handle (a throwaway handle's; the process's own lives as long as the process)."""
+        if self.handle is not None:
+            self.lib.cublasDestroy_v2(self.handle)
+            self.handle = None
+
     def _bind(self):
         stream = self._cupy.cuda.get_current_stream().ptr
         if stream != self._bound_stream:

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels import attention_sm90
-from prefixrun.kernels.cublas import get_cublas
+from prefixrun.kernels.cublas import Cublas, get_cublas
 from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.upload import upload_bytes
 from prefixrun.kernels.reference import _storage_dtype
@@ -156,8 +156,10 @@ PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", 
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
 
-def _load_modules(device: int, files=PREPARED_FILES):
+def _load_modules(device: int, act_dtype=None, files=PREPARED_FILES):
     with cupy.cuda.Device(device):
+        if act_dtype is not None:
+            _warm_cublas(np.dtype(act_dtype))
         for file in files:
             try:
                 _kernel(file, _NAMES[file][0])
@@ -168,6 +170,27 @@ def _load_modules(device: int, files=PREPARED_FILES):
             attention_sm90.compile_module()
         except Exception:  # noqa: BLE001 - the first real use raises it again, with its message
             pass
+
+
+def _warm_cublas(act_dtype: np.dtype):
+    """cuBLAS loads its GEMM kernels and heuristics on first use: on the H200 a fresh process's first bf16 GEMM
+    took 90-100 ms and its first fp32-output GEMM (the logits) ~45 ms, then ~3 ms per new shape (2026-12-01),
+    all inside the first prefill step. A throwaway handle on its own stream pays the one-time part here, on the
+    loader thread while the weights upload; cuBLAS is thread-safe across handles."""
+    try:
+        blas = Cublas()
+    except Exception:  # noqa: BLE001 - a warm-up only: the real first GEMM reports any cuBLAS problem
+        return
+    try:
+        with cupy.cuda.Stream(non_blocking=True) as stream:
+            x = cupy.zeros((1024, 4096), act_dtype)  # a prefill-sized product, then a logits-like one
+            blas.gemm_nt(x, cupy.zeros((4096, 4096), act_dtype), cupy.empty((1024, 4096), act_dtype))
+            blas.gemm_nt(x[:64], cupy.zeros((16384, 4096), act_dtype), cupy.empty((64, 16384), F32))
+            stream.synchronize()
+    except Exception:  # noqa: BLE001 - as above
+        pass
+    finally:
+        blas.close()
 
 
 def _grid(n: int, threads: int = _THREADS) -> int:
@@ -341,11 +364,12 @@ class CudaOps:
         cupy.get_default_memory_pool().free_all_blocks()
 
     def prepare_kernels(self):
-        """Load the kernel modules (PREPARED_FILES) on a background thread while the caller uploads the weights;
-        `_kernel`'s lock makes a step that needs a module still loading wait for it, never load it twice."""
+        """Load the kernel modules (PREPARED_FILES) and warm cuBLAS up (`_warm_cublas`) on a background thread while
+        the caller uploads the weights; `_kernel`'s lock makes a step that needs a module still loading wait for it,
+        never load it twice; a stream capture waits for the thread (`_PREPARERS`)."""
         if self._preparing is None:
-            self._preparing = threading.Thread(target=_load_modules, args=(cupy.cuda.Device().id,), daemon=True,
-                                               name="prefixrun-kernels")
+            self._preparing = threading.Thread(target=_load_modules, args=(cupy.cuda.Device().id, self._act),
+                                               daemon=True, name="prefixrun-kernels")
             self._preparing.start()
             _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 

@@ -136,7 +136,8 @@ def test_real_size_load_time(ops):
 
 def test_kernels_load_in_the_background_while_ops_run():
     """A fresh process: prepare_kernels returns at once, an op used meanwhile waits for (or loads) its module and
-    gives the reference's answer, and the thread ends with every prepared module loaded."""
+    gives the reference's answer, a GEMM meanwhile (cuBLAS warming up on the loader thread's own handle) too, and
+    the thread ends with every prepared module loaded."""
     import subprocess
     import sys
 
@@ -154,6 +155,9 @@ x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
 w = np.linspace(0.5, 1.5, 64, dtype=np.float32)
 got = ops.to_host(ops.rms_norm(ops.upload(x), ops.upload(w), 1e-6))
 np.testing.assert_allclose(got, NumpyOps().rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+a = np.random.default_rng(1).standard_normal((7, 48)).astype(np.float32)  # a GEMM while cuBLAS warms up there
+b = np.random.default_rng(2).standard_normal((33, 48)).astype(np.float32)
+np.testing.assert_allclose(ops.to_host(ops.linear(ops.upload(a), ops.upload(b))), a @ b.T, rtol=1e-5, atol=1e-5)
 ops._preparing.join(timeout=600)
 assert not ops._preparing.is_alive()
 dev = cuda.cupy.cuda.Device().id
