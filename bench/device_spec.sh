@@ -3,18 +3,27 @@
 #   needs ./.bench-shared (a copy of shared/bench, carried); writes figures to $OUT (or ./bench-out-spec).
 #   MODELS="qwen3_5-4b-like" for the figures (making that model costs ~80 s); default: the 0.8b-like one.
 #
-# Decode-bound workloads, each with --speculative off / ngram / auto (greedy, no cache, one process per row):
+# Two models of the same shapes (same config, kernels and bytes):
+#   random      the made model (random weights): no draft is ever accepted, so its rows measure what failed
+#               drafts cost (the aim: within a few % of off)
+#   copy-prone  the same model with every residual branch's output projection scaled by 1e-3 (bench/copy_prone.py):
+#               its greedy output repeats, n-gram drafts are accepted — the machinery's speed-up at high acceptance
+# Decode-bound workloads, each with --speculative $MODES (default off, ngram; `auto` is off on CUDA,
+# CudaTuning.speculative_auto, so its rows would repeat off's; MODES="off ngram auto" adds them), greedy, no cache,
+# one process per row:
 #   repetitive  B requests (B = 1, 4, 16, --max-batch B) over a document with repetitive structure (a table whose
-#               rows repeat a template), 512 new tokens each
-#   the shared bench workloads (shared-system, doc-qa; 64 new tokens), at their default batch
+#               rows repeat a template), 512 new tokens each; both models
+#   the shared bench workloads (shared-system, doc-qa; 64 new tokens), at their default batch; the random model
 # Prints one markdown table ($OUT/spec.md): decode tokens/s, speed-up over off, acceptance rate, tokens per
-# sequence step, time saved as the engine estimates it.
+# sequence step, verify steps (of them eager, graphs captured), steps declined (drafts not expected to pay),
+# sequence steps paused after rejections, host drafting time, step time.
 set -uo pipefail
 OUT=${OUT:-bench-out-spec}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 . bench/checkout_env.sh  # the checkout as the `prefixrun` package and command
 MODELS=${MODELS:-"qwen3_5-0.8b-like"}
 BATCHES=${BATCHES:-"1 4 16"}
+MODES=${MODES:-"off ngram"}
 GEN=${GEN:-512}
 W=.bench-shared/workloads.py
 [ -f "$W" ] || W=/work/shared/bench/workloads.py
@@ -56,12 +65,16 @@ try:
     f, tps = rate(path)
     _, off = rate(off_path)
 except Exception as exc:
-    print(f"| {label} | failed ({type(exc).__name__}: {exc}) | | | | | |"); sys.exit()
+    print(f"| {label} | failed ({type(exc).__name__}: {exc}) |" + " |" * 8); sys.exit()
 spec = f["batch_report"].get("speculative") or {}
 m = next(iter(spec.get("methods", {}).values()), {})
 fmt = lambda v, s="{:.2f}": s.format(v) if isinstance(v, (int, float)) else "-"
+verify = (f"{m['verify_steps']} ({spec.get('eager_verify_steps', '?')} eager, "
+          f"{spec.get('verify_graph_captures', '?')} captured)") if m else "-"
 print(f"| {label} | {tps:,.0f} | {tps / off:.2f}× | {fmt(m.get('acceptance_rate'), '{:.1%}')} "
-      f"| {fmt(m.get('tokens_per_step'))} | {fmt(spec.get('time_saved_seconds'))} | {f['decode_step_ms']:.2f} |")
+      f"| {fmt(m.get('tokens_per_step'))} | {verify} | {spec.get('declined_steps', '-')} "
+      f"| {spec.get('paused_sequence_steps', '-')} | {fmt(spec.get('draft_seconds'), '{:.3f}')} "
+      f"| {f['decode_step_ms']:.2f} |")
 PY
 }
 
@@ -70,20 +83,30 @@ for m in $MODELS; do
   cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=/work/shared/bench/models/$m.json
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
+  [ -f /tmp/$m-copy-prone/config.json ] || python3 bench/copy_prone.py $MODEL /tmp/$m-copy-prone || exit 1
   bench "$m-warmup" /tmp/spec-repetitive-1.jsonl --max-tokens 8 --speculative ngram  # NVRTC compiles, untimed
   { echo; echo "### $m: decode tokens/s with speculative decoding (greedy, no cache)"; echo
-    echo "| workload · mode | decode tok/s | vs off | acceptance | tokens / seq step | saved s (est.) | step ms |"
-    echo "|---|---|---|---|---|---|---|"; } | tee -a "$OUT/spec.md"
-  for b in $BATCHES; do
-    for mode in off ngram auto; do
-      bench "$m-rep$b-$mode" /tmp/spec-repetitive-$b.jsonl --max-batch "$b" --speculative $mode
-      row "repetitive, batch $b · $mode" "$OUT/$m-rep$b-off.json" "$OUT/$m-rep$b-$mode.json"
+    echo "random: the made model (random weights, drafts never accepted: the cost of failed drafts);" \
+         "copy-prone: the same shapes with residual outputs x1e-3 (bench/copy_prone.py: the output repeats)."
+    echo "auto is off on CUDA (CudaTuning.speculative_auto), i.e. the off rows."; echo
+    echo "| model · workload · mode | decode tok/s | vs off | acceptance | tokens / seq step | verify steps" \
+         "| declined | paused seq-steps | draft s | step ms |"
+    echo "|---|---|---|---|---|---|---|---|---|---|"; } | tee -a "$OUT/spec.md"
+  for variant in random copy-prone; do
+    MODEL=/tmp/$m; [ $variant = copy-prone ] && MODEL=/tmp/$m-copy-prone
+    for b in $BATCHES; do
+      for mode in $MODES; do
+        bench "$m-$variant-rep$b-$mode" /tmp/spec-repetitive-$b.jsonl --max-batch "$b" --speculative $mode
+        row "$variant · repetitive, batch $b · $mode" "$OUT/$m-$variant-rep$b-off.json" \
+          "$OUT/$m-$variant-rep$b-$mode.json"
+      done
     done
   done
+  MODEL=/tmp/$m
   for w in shared-system doc-qa; do
-    for mode in off ngram auto; do
+    for mode in $MODES; do
       bench "$m-$w-$mode" /tmp/spec-$w.jsonl --speculative $mode
-      row "$w · $mode" "$OUT/$m-$w-off.json" "$OUT/$m-$w-$mode.json"
+      row "random · $w · $mode" "$OUT/$m-$w-off.json" "$OUT/$m-$w-$mode.json"
     done
   done
 done

@@ -10,8 +10,9 @@ The graph samples too (`step_sampled`): the rows' packed sampling parameters go 
 step is one index copy, one parameter copy, one replay and one copy of the token ids back.
 
 Speculative verify steps (`rows_step`: every sequence fed the same number R of rows, ModelState.prepare_rows_step)
-are captured the same way per (batch bucket, R, table width): the forward with every row's logits and their argmax
-(greedy parameters), padding sequences of R rows on the scratch state.
+are captured the same way per (batch bucket, R, table width), once such a shape recurs (its first step runs
+eagerly on the same padded batch): the forward with every row's logits and their argmax (greedy parameters),
+padding sequences of R rows on the scratch state.
 
 Backends without graph capture (the CPU), and models whose forward cannot be captured (an op that syncs with the
 host), fall back to eager steps — same results, only slower.
@@ -49,6 +50,9 @@ class DecodeGraphs:
         self.scratch: StateHandle | None = None
         self.captures = 0
         self.replays = 0
+        self.rows_captures = 0  # of those, verify steps' graphs
+        self.rows_eager = 0  # verify steps run eagerly (a shape's first time, or no graph possible)
+        self._rows_seen: set[tuple] = set()  # verify step shapes run once: captured when they recur
 
     def _padding(self, rows: int, tokens: int = 1) -> Padding:
         """Padding rows up to `rows` of `tokens` tokens each, on a scratch state of one block (made on first use)."""
@@ -58,6 +62,11 @@ class DecodeGraphs:
             h.length = 1
             self.scratch = h
         return Padding(rows=rows, slot=self.scratch.slot, block=self.scratch.blocks[0], tokens=tokens)
+
+    @property
+    def replays_rows(self) -> bool:
+        """Whether verify steps run as graphs (of the same rows for every sequence) at all."""
+        return self.enabled and self.rows_enabled
 
     def can_replay_rows(self, sequences: int, rows: int) -> bool:
         """Whether a multi-row step of `sequences` sequences of `rows` rows each can run as a graph: padding
@@ -72,6 +81,7 @@ class DecodeGraphs:
         st, ops = self.state, self.ops
         n, r = len(handles), len(pieces[0]) if pieces else 1
         if not (pieces and all(len(p) == r for p in pieces) and self.can_replay_rows(n, r)):
+            self.rows_eager += 1
             logits = self.model.forward(st.prepare_rows_step(handles, pieces), st, all_logits=True)
             return logits, ops.sample(logits, *greedy_params(logits.shape[0]))
         b = _bucket(n)
@@ -80,11 +90,17 @@ class DecodeGraphs:
         key = ("rows", b, r, width)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(host, rows=r)
-            if graph is None:  # this model's multi-row step cannot be captured: eager from now on (decode keeps
-                self.rows_enabled = False  # its graphs)
+            # a capture costs a warm-up forward and the capture itself (~2 eager steps): worth it for a shape
+            # that recurs, not for one that occurs once (drafts that keep failing make verify steps rare)
+            graph = self._capture(host, rows=r) if key in self._rows_seen else None
+            if graph is None:
+                if key in self._rows_seen:  # this model's multi-row step cannot be captured: eager from now on
+                    self.rows_enabled = False  # (decode keeps its graphs)
+                self._rows_seen.add(key)
+                self.rows_eager += 1
                 logits = self.model.forward(host.to_backend(ops.upload_index), st, all_logits=True)[:n * r]
                 return logits, ops.sample(logits, *greedy_params(n * r))
+            self.rows_captures += 1
             self.graphs[key] = graph
         ops.write_index(graph.inputs, host.pack())
         self.replays += 1

@@ -43,6 +43,7 @@ class ModelRunner:
         handles = [s.handle for s in seqs]
         r = max(len(p) for p in pieces)
         if with_hidden:  # the drafter needs every row's hidden state: an eager step returns it
+            self.decoder.rows_eager += 1
             out = self.model.forward(self.state.prepare_rows_step(handles, pieces), self.state, all_logits=True,
                                      with_hidden=True)
             logits, self.last_hidden = out  # [T, V], [T, D]

@@ -15,6 +15,8 @@ The drafter interface (stable; the MTP head, engine/models/mtp.py, implements it
 
 `propose` is called once per decode step with one DraftInput per sequence that may speculate, and returns, per
 input, at most `num_drafts` token ids (fewer, even none, is fine: that sequence then takes a plain one-token row).
+A drafter that keeps something per request across steps (the n-gram index) may also define `forget(request)`,
+called when that request stops decoding. `DraftInput.tokens` is a view (TokenHistory): copy only what is needed.
 Drafts must be a deterministic function of the inputs: the verifier treats each draft as a point-mass proposal,
 which is what keeps the output distribution of sampled requests exactly the target's (rejection sampling with
 q = delta(draft): accept with probability p(draft), else draw from p with the draft removed).
@@ -34,6 +36,8 @@ other region: paged rows past the kept length are trimmed, `snapshot` slot regio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence as SequenceABC
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -62,10 +66,114 @@ class Drafter(Protocol):
         """Per input, at most num_drafts draft token ids (module doc: deterministic, possibly none)."""
 
 
+class TokenHistory(SequenceABC):
+    """A sequence's prompt followed by its output so far, read without copying either (drafters look at it every
+    step; a copy of a long prompt per step and sequence would cost more than the lookup)."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: Sequence[int], output: Sequence[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, i):
+        p = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            return list(self.prompt[start:min(stop, p)]) + list(self.output[max(start - p, 0):max(stop - p, 0)])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("token index out of range")
+        return self.prompt[i] if i < p else self.output[i - p]
+
+
+class NgramIndex:
+    """Where each token id occurs in one token history, so that a lookup looks only at the occurrences of the
+    history's last token (few, and none at all on most steps where nothing repeats) instead of scanning the whole
+    history. The first `extend` (the prompt: thousands of tokens) is indexed at once with NumPy (a stable sort);
+    later tokens go into a dict of positions. Lookups give exactly the draft of a scan (tests/test_speculative.py
+    compares them with one)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._buffer = np.zeros(256, np.int64)  # the history as an array, for candidates checked at once
+        self._bulk_tokens: list[int] = []  # token ids of the bulk-indexed positions, sorted
+        self._bulk_positions = np.zeros(0, np.int64)  # those positions, ascending within one token id
+        self._recent: dict[int, list[int]] = {}  # token id -> its later positions, ascending
+        self.indexed = 0  # positions before this one are indexed (a match must be followed by a token)
+
+    def extend(self, new: Sequence[int]):
+        start = len(self.tokens)
+        self.tokens.extend(new)  # token ids: ints
+        length = len(self.tokens)
+        if length > self._buffer.shape[0]:
+            grown = np.zeros(max(2 * self._buffer.shape[0], length), np.int64)
+            grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        self._buffer[start:length] = self.tokens[start:]
+        stop = length - 1
+        if self.indexed == 0 and stop > 64:
+            order = np.argsort(self._buffer[:stop], kind="stable")  # [stop] positions grouped by token id
+            self._bulk_tokens, self._bulk_positions = self._buffer[order].tolist(), order
+        else:
+            for e in range(self.indexed, stop):
+                self._recent.setdefault(self.tokens[e], []).append(e)
+        self.indexed = max(self.indexed, stop)
+
+    def draft(self, k: int, lookback: int) -> list[int]:
+        """Up to k tokens following the latest earlier match of the longest suffix (n = max_n .. min_n) that
+        starts within the last `lookback` tokens; [] when nothing matches."""
+        toks, length = self.tokens, len(self.tokens)
+        top = min(self.max_n, min(length, lookback) - 1)  # the suffix itself lies in the window
+        if k < 1 or top < self.min_n:
+            return []
+        last, window = toks[-1], max(length - lookback, 0)
+        lo, hi = bisect_left(self._bulk_tokens, last), bisect_right(self._bulk_tokens, last)
+        recent = self._recent.get(last, ())
+        # the latest occurrences one by one (usually few, and a repeated run matches fully at its latest one)
+        best_n, best_e = 0, -1
+        latest = list(reversed(recent[-16:]))
+        if len(latest) < 16:
+            latest += reversed(self._bulk_positions[max(lo, hi - 16 + len(latest)):hi].tolist())
+        for e in latest:
+            n = 0
+            while n < top and e - n >= window and toks[e - n] == toks[length - 1 - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_e = n, e
+                if n == top:
+                    break
+        if best_n < top and hi - lo + len(recent) > len(latest):  # many more: every match length at once
+            cands = np.concatenate([self._bulk_positions[lo:hi], np.asarray(recent, np.int64)])  # [c] ascending
+            buf, matched = self._buffer, np.ones(cands.shape[0], bool)
+            lengths = np.zeros(cands.shape[0], np.int64)
+            for j in range(top):
+                matched &= (cands - j >= window) & (buf[np.maximum(cands - j, 0)] == toks[length - 1 - j])
+                lengths += matched
+            best_n = int(lengths.max())
+            best_e = int(cands[np.flatnonzero(lengths == best_n)[-1]])
+        if best_n < self.min_n:
+            return []
+        # the match implies a period (length - 1) - e: past the end of the history the draft continues with its
+        # own earlier tokens (a repeated run drafts k tokens, not only what the history holds)
+        start, out = best_e + 1, []
+        for m in range(k):
+            out.append(toks[start + m] if start + m < length else out[start + m - length])
+        return out
+
+
 class NgramDrafter:
     """Prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens (n from `max_n` down
     to `min_n`) in its prompt and output so far, and draft the tokens that followed it. Strong where the output
-    copies its input (document QA, extraction, code edits) or repeats itself; costs no model work."""
+    copies its input (document QA, extraction, code edits) or repeats itself; costs no model work. Each sequence's
+    history is indexed once (NgramIndex) and extended by the tokens of each step, so drafting costs microseconds
+    per sequence and step, whatever the prompt's length."""
 
     method = "ngram"
     needs_hidden = False
@@ -74,31 +182,30 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n, self.lookback = min_n, max_n, lookback
+        self._indexes: dict[int, tuple[object, NgramIndex]] = {}  # id(request) -> (the request, its index)
 
     def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
-        return [self.lookup(x.tokens, x.num_drafts) for x in inputs]
+        out = []
+        for x in inputs:
+            held = self._indexes.get(id(x.request))
+            index = held[1] if held is not None and held[0] is x.request else None
+            if index is None or len(index.tokens) > len(x.tokens) or (
+                    index.tokens and index.tokens[-1] != x.tokens[len(index.tokens) - 1]):
+                index = NgramIndex(self.min_n, self.max_n)  # new, or not the history it indexed: start afresh
+                self._indexes[id(x.request)] = (x.request, index)
+            index.extend(x.tokens[len(index.tokens):])
+            out.append(index.draft(x.num_drafts, self.lookback))
+        return out
+
+    def forget(self, request):
+        """The request stopped decoding: drop its index."""
+        self._indexes.pop(id(request), None)
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens following the latest earlier match of the longest suffix of `tokens` (n-gram sizes
-        max_n .. min_n) within the last `lookback` tokens; [] when nothing matches."""
-        if k < 1:
-            return []
-        arr = np.asarray(tokens[-self.lookback:], np.int64)  # [L]
-        length = arr.shape[0]
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # candidate starts i < length - n: the match [i, i + n) is followed by at least one token
-            hit = arr[:length - n] == arr[length - n]  # [L - n]
-            for j in range(1, n):
-                hit &= arr[j:length - n + j] == arr[length - n + j]
-            found = np.flatnonzero(hit)
-            if found.size:
-                # the match implies a period (length - n) - i: past the end of the history the draft continues
-                # with its own earlier tokens (a repeated run drafts k tokens, not only what the history holds)
-                start, out = int(found[-1]) + n, []
-                for m in range(k):
-                    out.append(int(arr[start + m]) if start + m < length else out[start + m - length])
-                return out
-        return []
+        """Up to k drafts for a token history seen once (no index kept)."""
+        index = NgramIndex(self.min_n, self.max_n)
+        index.extend(tokens)
+        return index.draft(k, self.lookback)
 
 
 # ---- modes and sizes (the Speculator itself: engine/speculator.py) ---------------------------------------------

@@ -6,10 +6,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixrun.engine.speculative import AUTO_MAX_BATCH, DraftInput, Drafter
+from prefixrun.engine.speculative import AUTO_MAX_BATCH, DraftInput, Drafter, TokenHistory
 
 _PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
 _EMA = 0.2
+# A verify step of B sequences x R rows costs about 1 + VERIFY_ROW_COST x (R - 1) plain steps of B sequences
+# (H200, 4b-like model, 2026-12-01: 6 rows ~1.45x at batch 4, ~1.6x at batch 16), so it pays only when its drafts
+# are expected to yield more than VERIFY_ROW_COST x (R - 1) x B extra tokens.
+VERIFY_ROW_COST = 0.1
+_PRIOR_RATE = 0.5  # a sequence's expected share of accepted drafts before it has any history (and after a pause)
+_RATE_EMA = 0.5
+_PAUSE_MAX = 128  # decode steps a sequence stops drafting for after repeated rejections, at most
 
 
 @dataclass
@@ -43,29 +50,55 @@ class SpecStats:
     backoffs: int = 0  # times auto turned itself off because speculation was measured slower than plain steps
     saved_seconds: float = 0.0  # sum over verify steps of (plain step time x steps replaced - the step's time)
     unmeasured_steps: int = 0  # verify steps without a yardstick (warm-ups, or no plain step of their size yet)
+    declined_steps: int = 0  # steps with drafts taken as plain ones: the drafts were not expected to pay the step
+    paused_sequence_steps: int = 0  # (sequence, step) pairs without drafting: paused after rejected drafts
+    verify_graph_captures: int = 0  # CUDA graphs captured for verify steps (each costs about two forwards)
+    eager_verify_steps: int = 0  # verify steps run without a graph (a shape's first time, or no capture possible)
+    draft_seconds: float = 0.0  # host time spent drafting (on the step's critical path)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "num_draft_tokens": self.num_draft_tokens,
                 "methods": {m: s.as_dict() for m, s in self.methods.items()}, "plain_steps": self.plain_steps,
                 "backoffs": self.backoffs, "time_saved_seconds": round(self.saved_seconds, 4),
-                "unmeasured_steps": self.unmeasured_steps}
+                "unmeasured_steps": self.unmeasured_steps, "declined_steps": self.declined_steps,
+                "paused_sequence_steps": self.paused_sequence_steps,
+                "verify_graph_captures": self.verify_graph_captures, "eager_verify_steps": self.eager_verify_steps,
+                "draft_seconds": round(self.draft_seconds, 4)}
 
 
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclass
+class _SequencePolicy:
+    """How one sequence drafts: counters of its own history only, never timing."""
+
+    k: int  # drafts to ask for
+    rate: float = _PRIOR_RATE  # EMA of the share of its drafts accepted
+    pause: int = 0  # the length of its last pause (doubles while rejections continue)
+    paused_for: int = 0  # steps it still sits out
+
+    def expected(self, drafts: int) -> float:
+        """Tokens `drafts` drafts are expected to add (accepted one after another at `rate` each)."""
+        return sum(self.rate ** j for j in range(1, drafts + 1))
+
+
 class Speculator:
     """Runs a window's decode steps with drafts where they pay.
 
-    `auto`: only on decode steps of at most AUTO_MAX_BATCH sequences and only for greedy requests (a sampled
-    request's tokens depend on the steps it drafted in, and auto's choices follow measured times); per-sequence
-    draft counts follow the acceptance (all accepted: one more, up to `num_drafts`; else the accepted count + 1);
-    and it backs off (for 1, 2, 4 .. 512 steps) whenever its measured tokens/s fall below plain steps' at the same
-    batch size, so it is never slower than off for long. Explicit methods draft `num_drafts` for every request on
-    every step. Every _PROBE_EVERY-th step (the second included) is a plain one, whose time (the fastest seen per
-    batch size) is the yardstick of the time saved and of auto's decisions; steps that compiled or captured
-    something measure nothing."""
+    Every mode (counters only, so a run's choices never depend on timing): per sequence, as many drafts as recently
+    paid (all accepted: one more, up to `num_drafts`; some: the accepted count + 1) and, after a step that accepted
+    none of its drafts, a pause of 1, 2, 4 .. _PAUSE_MAX decode steps without drafting, then a probe; a verify step
+    is taken only when its drafts are expected to yield more tokens than it costs (VERIFY_ROW_COST), so a batch in
+    which a few sequences found a match takes a plain step. Every sequence of a verify step gets the same number of
+    rows (so the step replays as one CUDA graph per batch size and width), as many as the snapshot pool and every
+    sequence's room allow.
+    `auto` in addition: only on decode steps of at most AUTO_MAX_BATCH sequences and only for greedy requests (a
+    sampled request's tokens depend on the steps it drafted in), and it backs off (for 1, 2, 4 .. 512 steps)
+    whenever its measured tokens/s fall below plain steps' at the same batch size. Every _PROBE_EVERY-th step (the
+    second included) is a plain one, whose time (the fastest seen per batch size) is the yardstick of the time
+    saved and of auto's decisions; steps that compiled or captured something measure nothing."""
 
     def __init__(self, drafter: Drafter, mode: str, num_drafts: int, state, runner, max_seqs: int):
         self.drafter, self.mode, self.num_drafts = drafter, mode, num_drafts
@@ -73,13 +106,16 @@ class Speculator:
         self.max_seqs = max_seqs
         self.stats = SpecStats(mode=mode, num_draft_tokens=num_drafts)
         self.stats.methods[drafter.method] = MethodStats()
-        self._k: dict[int, int] = {}  # id(sequence) -> drafts to ask for next (auto)
+        self._policy: dict[int, _SequencePolicy] = {}  # id(sequence) -> how it drafts
+        self.verify_row_cost = VERIFY_ROW_COST
+        self.adaptive = True  # False: every sequence drafts num_drafts whenever it can (tests of the machinery)
         self._hidden: dict[int, Any] = {}  # id(sequence) -> hidden rows last kept (needs_hidden drafters)
         self._plain_time: dict[int, float] = {}  # batch bucket -> fastest plain step seen (robust to stalls)
         self._spec_rate: dict[int, float] = {}  # batch bucket -> EMA tokens/s of verify steps
         self._backoff, self._off_for, self._steps = 1, 0, 0
         self._captures = 0  # the decoder's graph captures so far: a step that captured one is no measurement
         self._draft_seconds = 0.0  # the last `drafts` call's drafting time
+        self._rows = 1 + num_drafts  # rows per sequence of the coming verify step
 
     # ---- the decision ---------------------------------------------------------------------------------------
     def drafts(self, seqs: list) -> list[list[int]] | None:
@@ -89,28 +125,57 @@ class Speculator:
         if self._steps % _PROBE_EVERY == 2 or (auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
             self._off_for = max(0, self._off_for - 1)
             return None if not self.drafter.needs_hidden else [[] for _ in seqs]
+        none = None if not self.drafter.needs_hidden else [[] for _ in seqs]
+        b = len(seqs)
+        # drafts never carry a sequence past its token or context limit within the step (each of the k + 1 tokens
+        # is then accepted under the same rules a plain step applies)
+        room_of = lambda s: min(s.remaining, s.max_context - s.handle.length - 2)  # rows it may take
+        rows = min(1 + self.num_drafts, self.state.max_step_rows)
+        if self.runner.decoder.replays_rows:
+            # a replayed step gives every sequence the same rows: the snapshot pool must hold b x (rows - 1), and
+            # every sequence needs room for them (one at its last token makes this step a plain one)
+            rows = min(rows, 1 + self.state.snapshot_capacity // b, min(room_of(s) for s in seqs))
+            if rows < 2:
+                return none
         room = self.state.snapshot_capacity
-        inputs, where = [], []
+        inputs, where, policies = [], [], []
         for i, s in enumerate(seqs[:self.max_seqs]):
-            # drafts never carry a sequence past its token or context limit within the step (each of the k + 1
-            # tokens is then accepted under the same rules a plain step applies)
-            k = min(self._k.get(id(s), self.num_drafts) if auto else self.num_drafts, s.remaining - 1,
-                    s.max_context - s.handle.length - 3, self.state.max_step_rows - 1, room)
+            policy = self._policy.get(id(s))
+            if policy is None:
+                policy = self._policy[id(s)] = _SequencePolicy(self.num_drafts)
+            if not self.adaptive:
+                policy.k, policy.paused_for = self.num_drafts, 0
+            if policy.paused_for:
+                policy.paused_for -= 1
+                self.stats.paused_sequence_steps += 1
+                if not policy.paused_for:
+                    policy.rate = max(policy.rate, _PRIOR_RATE)  # a probe comes next
+                continue
+            k = min(policy.k, rows - 1, room_of(s) - 1, room)
             hidden = self._hidden.get(id(s))
             # auto leaves sampled requests alone: their tokens then never depend on its timing-driven choices
             if k < 1 or (self.drafter.needs_hidden and hidden is None) or (auto and not s.request.sampling.greedy):
                 continue
-            inputs.append(DraftInput(list(s.request.prompt_token_ids) + s.tokens, k, s.handle, s.request, hidden))
+            inputs.append(DraftInput(TokenHistory(s.request.prompt_token_ids, s.tokens), k, s.handle, s.request,
+                                     hidden))
             where.append(i)
+            policies.append(policy)
             room -= k
         out: list[list[int]] = [[] for _ in seqs]
         t0 = time.perf_counter()
+        expected = 0.0
         if inputs:
-            for i, x, d in zip(where, inputs, self.drafter.propose(inputs)):
+            for i, x, d, policy in zip(where, inputs, self.drafter.propose(inputs), policies):
                 out[i] = [int(t) for t in d[:x.num_drafts]]
+                expected += policy.expected(len(out[i]))
         self._draft_seconds = time.perf_counter() - t0  # part of the step's cost (an MTP head runs a model)
-        if not any(out) and not self.drafter.needs_hidden:
-            return None
+        self.stats.draft_seconds += self._draft_seconds
+        if not any(out):
+            return none
+        if self.adaptive and expected <= self.verify_row_cost * (rows - 1) * b:
+            self.stats.declined_steps += 1
+            return none
+        self._rows = rows
         return out
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -118,7 +183,9 @@ class Speculator:
         """One multi-row step: feed each sequence its last token and its drafts, verify, commit the kept rows.
         Returns each sequence's new tokens (1 .. k + 1)."""
         t0 = time.perf_counter()
-        tokens = self.runner.verify(seqs, drafts, with_hidden=self.drafter.needs_hidden, pad_to=1 + self.num_drafts)
+        tokens = self.runner.verify(seqs, drafts, with_hidden=self.drafter.needs_hidden, pad_to=self._rows)
+        decoder = self.runner.decoder
+        self.stats.verify_graph_captures, self.stats.eager_verify_steps = decoder.rows_captures, decoder.rows_eager
         kept = [len(t) for t in tokens]
         self.state.commit(kept)
         if self.drafter.needs_hidden:
@@ -151,21 +218,32 @@ class Speculator:
         return warm
 
     def forget(self, seq):
-        self._k.pop(id(seq), None)
+        self._policy.pop(id(seq), None)
         self._hidden.pop(id(seq), None)
+        forget = getattr(self.drafter, "forget", None)  # drafters that keep something per request (n-gram index)
+        if forget is not None:
+            forget(seq.request)
 
     def _account(self, seqs, drafts, tokens, seconds: float):
         m = self.stats.methods.setdefault(self.drafter.method, MethodStats())
         m.verify_steps += 1
         for s, d, t in zip(seqs, drafts, tokens):
             if d:
+                accepted = len(t) - 1
                 m.drafted += len(d)
-                m.accepted += len(t) - 1
+                m.accepted += accepted
                 m.sequence_steps += 1
                 m.tokens += len(t)
-                # all accepted: ask for one more next time; else as many as were accepted, plus one
-                self._k[id(s)] = min(self.num_drafts, len(t)) if len(t) <= len(d) else min(self.num_drafts,
-                                                                                            len(d) + 1)
+                policy = self._policy.get(id(s))
+                if policy is None:
+                    continue
+                policy.rate += _RATE_EMA * (accepted / len(d) - policy.rate)
+                if accepted == 0:  # sit out the next 1, 2, 4 .. steps, then probe again
+                    policy.pause = min(max(1, 2 * policy.pause), _PAUSE_MAX)
+                    policy.paused_for = policy.pause
+                else:  # all accepted: ask for one more next time; else as many as were accepted, plus one
+                    policy.pause = 0
+                    policy.k = min(self.num_drafts, len(d) + 1) if accepted == len(d) else accepted + 1
         b = _bucket(len(seqs))
         produced = sum(len(t) for t in tokens)
         plain = self._plain_time.get(b)

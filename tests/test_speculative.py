@@ -60,10 +60,12 @@ class OracleDrafter:
         return out
 
 
-def run(model, ops, prompt_list, opts, *, drafter=None, sampling=None, persist=None):
+def run(model, ops, prompt_list, opts, *, drafter=None, sampling=None, persist=None, verify_row_cost=None):
     eng = Engine(model, ops, options=opts, persist=persist)
-    if drafter is not None:
-        eng.speculator.drafter = drafter
+    if verify_row_cost is not None:  # 0: every step with drafts verifies them (the adaptive policy otherwise on)
+        eng.speculator.verify_row_cost = verify_row_cost
+    if drafter is not None:  # a test drafter exercises the verify machinery on every step it can
+        eng.speculator.drafter, eng.speculator.adaptive = drafter, False
     sp = sampling or SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompt_list)]
     out = {r.custom_id: r.token_ids for r in eng.run(reqs)}
@@ -102,7 +104,7 @@ def test_every_accepted_count_occurs_and_outputs_match(family, models, cpu_ops):
     seen: set[int] = set()
     drafter = OracleDrafter(ref, spread=False)
     eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=5))
-    eng.speculator.drafter = drafter
+    eng.speculator.drafter, eng.speculator.adaptive = drafter, False
     step = eng.speculator.step
 
     def spy(seqs, drafts):
@@ -194,9 +196,11 @@ def test_auto_drafts_only_for_greedy_requests_and_sampled_seeds_reproduce(models
     off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4), sampling=sp)
     auto, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="auto"), sampling=sp)
     assert auto == off and stats.methods["ngram"].drafted == 0
-    a, sa = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp)
-    b, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp)
-    assert a == b and sa.methods["ngram"].drafted > 0
+    a, sa = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp,
+                verify_row_cost=0)
+    b, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp,
+               verify_row_cost=0)
+    assert a == b and sa.methods["ngram"].drafted > 0 and sa.methods["ngram"].verify_steps > 0
 
 
 # ---- verification rules --------------------------------------------------------------------------------------------
@@ -335,7 +339,7 @@ def test_verify_steps_replayed_as_graphs_give_the_eager_tokens(family, models, c
     off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
     ops = _ReplayOps(cpu_ops)
     eng = Engine(model, ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=5))
-    eng.speculator.drafter = OracleDrafter(off, spread=True)
+    eng.speculator.drafter, eng.speculator.adaptive = OracleDrafter(off, spread=True), False
     sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts())])}
     assert got == off
@@ -359,7 +363,8 @@ class _FakeState:
 class _FakeRunner:
     def __init__(self, seconds, accept):
         self.seconds, self.accept = seconds, accept
-        self.decoder = type("Decoder", (), {"captures": 0})()
+        self.decoder = type("Decoder", (), {"captures": 0, "rows_captures": 0, "rows_eager": 0,
+                                                 "replays_rows": False})()
 
     def verify(self, seqs, drafts, with_hidden=False, pad_to=None):
         import time
@@ -381,11 +386,12 @@ class _FakeSeq:
         return 10_000
 
 
-def _drive(runner, seqs, steps=200, plain_seconds=0.001):
+def _drive(runner, seqs, steps=200, plain_seconds=0.001, adaptive=False):
     from prefixrun.engine.speculative import NgramDrafter
     from prefixrun.engine.speculator import Speculator
 
     spec = Speculator(NgramDrafter(), "auto", 5, _FakeState(), runner, 16)
+    spec.adaptive = adaptive  # off: auto's timing alone decides (the counters' policy: the next test)
     verify = 0
     for _ in range(steps):
         drafts = spec.drafts(seqs)
@@ -453,7 +459,7 @@ def test_sampled_outputs_follow_the_non_speculative_distribution(models, cpu_ops
     def sample(opts):
         eng = Engine(model, cpu_ops, options=opts)
         if eng.speculator is not None:
-            eng.speculator.drafter = OracleDrafter(reference, spread=False)
+            eng.speculator.drafter, eng.speculator.adaptive = OracleDrafter(reference, spread=False), False
         reqs = [Request(f"s{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i,
                                                         ignore_eos=True), i) for i in range(n)]
         out = [tuple(r.token_ids[1:3]) for r in eng.run(reqs)]

@@ -1,0 +1,95 @@
+"""A copy-prone variant of a made model, for measuring speculative decoding at high acceptance (bench/device_spec.sh).
+
+A model made by `prefixrun make-model` has random weights: its greedy continuation follows no pattern, so no
+n-gram draft is ever accepted and a speculative run measures only what failed drafts cost. This variant keeps
+everything that decides speed — the same config, tensor names, dtypes, shapes and bytes, so the same kernels —
+and scales the output projection of every residual branch (attention `o_proj`, Gated DeltaNet `out_proj`, MLP and
+expert `down_proj`) by a small factor. The residual stream then stays close to the input token's embedding, and
+with tied embeddings the LM head's largest logit is that same token: the greedy output repeats, which n-gram
+drafts predict — the machinery's speed-up at high acceptance, not a claim about real text.
+
+    python3 bench/copy_prone.py SRC_MODEL_DIR DST_MODEL_DIR [--factor 1e-3]
+
+Only NumPy is needed (the device image may lack torch): each safetensors file is copied, then the chosen tensors
+are rewritten in place (bf16 rounded to nearest even)."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+
+# the last projection of each residual branch: what scaling makes the branch's contribution small
+RESIDUAL_OUTPUTS = re.compile(r"(^|\.)(o_proj|out_proj|down_proj)(\.weight)?$")
+_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def _scale_bf16(raw: np.ndarray, factor: float) -> np.ndarray:
+    """bf16 bits [n] uint16 -> the bits of factor x value, rounded to nearest even."""
+    f = (raw.astype(np.uint32) << 16).view(np.float32) * np.float32(factor)
+    u = f.view(np.uint32)
+    u = u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))
+    return (u >> 16).astype(np.uint16)
+
+
+def scale_file(path: Path, factor: float) -> int:
+    """Scale the residual-output tensors of one safetensors file in place; returns how many it scaled."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r+")
+    base, scaled = 8 + header_len, 0
+    for name, info in header.items():
+        if name == "__metadata__" or not RESIDUAL_OUTPUTS.search(name):
+            continue
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: {name} has dtype {info['dtype']}, not one of {', '.join(_DTYPES)}")
+        start, end = info["data_offsets"]
+        view = data[base + start:base + end].view(dtype)  # the tensor's elements, flat
+        for lo in range(0, view.shape[0], 1 << 24):  # in pieces: a 4b model's projections are GBs together
+            piece = view[lo:lo + (1 << 24)]
+            if info["dtype"] == "BF16":
+                piece[:] = _scale_bf16(piece, factor)
+            else:
+                piece[:] = (piece.astype(np.float32) * np.float32(factor)).astype(dtype)
+        scaled += 1
+    data.flush()
+    del data
+    return scaled
+
+
+def make_copy_prone(src: Path, dst: Path, factor: float = 1e-3) -> int:
+    """dst: src's files with every residual branch's output projection scaled by `factor`; returns the number of
+    tensors scaled (an error if none: not a model this fixture understands)."""
+    src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} is not a model folder (no config.json)")
+    dst.mkdir(parents=True, exist_ok=True)
+    scaled = 0
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            shutil.copyfile(p, dst / p.name)
+            if p.suffix == ".safetensors":
+                scaled += scale_file(dst / p.name, factor)
+    if not scaled:
+        raise ValueError(f"{src}: no o_proj / out_proj / down_proj tensors found to scale")
+    return scaled
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--factor", type=float, default=1e-3)
+    a = ap.parse_args()
+    n = make_copy_prone(Path(a.src), Path(a.dst), a.factor)
+    print(f"wrote {a.dst}: {n} residual-output tensors scaled by {a.factor:g}")
+
+
+if __name__ == "__main__":
+    main()
