@@ -133,9 +133,10 @@ class Speculator:
         rows = min(1 + self.num_drafts, self.state.max_step_rows)
         if self.runner.decoder.replays_rows:
             # a replayed step gives every sequence the same rows: the snapshot pool must hold b x (rows - 1), and
-            # every sequence needs room for them (one at its last token makes this step a plain one)
-            rows = min(rows, 1 + self.state.snapshot_capacity // b, min(room_of(s) for s in seqs))
-            if rows < 2:
+            # every sequence needs room for them. A sequence within that many tokens of its end makes the step a
+            # plain one: fewer rows would be a graph shape of its own, run eagerly (several plain steps' time)
+            rows = min(rows, 1 + self.state.snapshot_capacity // b)
+            if rows < 2 or any(room_of(s) < rows for s in seqs):
                 return none
         room = self.state.snapshot_capacity
         inputs, where, policies = [], [], []
@@ -162,6 +163,10 @@ class Speculator:
             policies.append(policy)
             room -= k
         out: list[list[int]] = [[] for _ in seqs]
+        threshold = self.verify_row_cost * (rows - 1) * b if self.adaptive else -1.0
+        if inputs and sum(p.expected(x.num_drafts) for p, x in zip(policies, inputs)) <= threshold:
+            self.stats.declined_steps += 1  # cannot pay even with every draft found: not drafted at all (an MTP
+            return none  # head's drafts cost model steps)
         t0 = time.perf_counter()
         expected = 0.0
         if inputs:
@@ -172,7 +177,7 @@ class Speculator:
         self.stats.draft_seconds += self._draft_seconds
         if not any(out):
             return none
-        if self.adaptive and expected <= self.verify_row_cost * (rows - 1) * b:
+        if expected <= threshold:
             self.stats.declined_steps += 1
             return none
         self._rows = rows
