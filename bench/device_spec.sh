@@ -6,7 +6,7 @@
 # Two models of the same shapes (same config, kernels and bytes):
 #   random      the made model (random weights): no draft is ever accepted, so its rows measure what failed
 #               drafts cost (the aim: within a few % of off)
-#   copy-prone  the same model with every residual branch's output projection scaled by 1e-3 (bench/copy_prone.py):
+#   copy-prone  the same model with every residual branch's output projection scaled by 2^-10 (bench/copy_prone.py):
 #               its greedy output repeats, n-gram drafts are accepted — the machinery's speed-up at high acceptance
 # Decode-bound workloads, each with --speculative $MODES (default off, ngram; `auto` is off on CUDA,
 # CudaTuning.speculative_auto, so its rows would repeat off's; MODES="off ngram auto" adds them), greedy, no cache,
@@ -87,7 +87,7 @@ for m in $MODELS; do
   bench "$m-warmup" /tmp/spec-repetitive-1.jsonl --max-tokens 8 --speculative ngram  # NVRTC compiles, untimed
   { echo; echo "### $m: decode tokens/s with speculative decoding (greedy, no cache)"; echo
     echo "random: the made model (random weights, drafts never accepted: the cost of failed drafts);" \
-         "copy-prone: the same shapes with residual outputs x1e-3 (bench/copy_prone.py: the output repeats)."
+         "copy-prone: the same shapes with residual outputs x2^-10 (bench/copy_prone.py: the output repeats)."
     echo "auto is off on CUDA (CudaTuning.speculative_auto), i.e. the off rows."; echo
     echo "| model · workload · mode | decode tok/s | vs off | acceptance | tokens / seq step | verify steps" \
          "| declined | paused seq-steps | draft s | step ms |"
