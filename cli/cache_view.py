@@ -219,12 +219,20 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         table.add_column(col, justify="right" if col in ("tokens", "bytes", "K/V blocks", "hits") else "left")
     for e in sorted(entries, key=lambda e: -e.last_used):
         table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), _blocks_cell(e), str(e.hits),
-                      datetime.fromtimestamp(e.last_used).strftime("%Y-%m-%d %H:%M"), Text(preview(e)))
+                      _when(e.last_used), Text(preview(e)))
     out.print(table)
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
     out.print(Text(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
     out.print(Text(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
+
+
+def _when(timestamp: float) -> str:
+    """A last-used time as a date; "?" for one no calendar holds (a hand-edited or damaged index: 1e300, inf)."""
+    try:
+        return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")
+    except (OverflowError, ValueError, OSError):
+        return "?"
 
 
 def _blocks_cell(e) -> str:

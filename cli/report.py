@@ -165,7 +165,9 @@ def report_table(report: dict) -> Table:
         size = (f"{cache['entries']:,} entries, {human_bytes(cache['bytes'])}" if cache["entries"] is not None
                 else "size unknown")
         budget = f" of {human_bytes(cache['budget_bytes'])}" if cache.get("budget_bytes") else ""
-        row("disk cache", f"{size}{budget}; {cache['hits']} hits, {cache['written']} written, "
+        not_written = (f", {cache['write_errors']:,} not written (disk errors, e.g. a full disk: see the warnings)"
+                       if cache.get("write_errors") else "")
+        row("disk cache", f"{size}{budget}; {cache['hits']} hits, {cache['written']} written{not_written}, "
             f"{cache['corrupt']} bad entries moved aside")
         costs = cache.get("costs")
         if costs:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -75,8 +76,12 @@ def read_file(path, size: int) -> tuple[np.ndarray, str]:
     """(the file's `size` bytes as a uint8 array, their tree digest), read and hashed chunk by chunk on several
     threads. Raises OSError (FileNotFoundError when the file is gone) or BlobFormatError if it is not `size`
     bytes long."""
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    # O_NONBLOCK: opening a FIFO put where a blob should be would otherwise wait for a writer forever (a hang);
+    # it changes nothing for a regular file, and anything else (FIFO, device, socket) is refused before a read.
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise BlobFormatError("not a regular file")
         return read_descriptor(descriptor, size)
     finally:
         os.close(descriptor)

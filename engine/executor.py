@@ -46,6 +46,7 @@ class _Run:
     computed: int = 0
     hit: int = 0
     from_disk: bool = False
+    start: int = 0  # a hit above a base: the base's length (tokens [0, start) are the base chain's, not the hit's)
 
 
 class WindowExecutor:
@@ -171,10 +172,15 @@ class WindowExecutor:
                 share = base.handle if base is not None else None
                 found, source = e.persist.lookup(list(task.path), b, end, e.state, share=share), "disk"
             if found is not None:
+                # the base was made (and its tokens charged) all the same: the chain goes on through its run, so
+                # its carrier still pays for what it computed and only [b, hit) counts as the hit's
+                base_run = base.origin if isinstance(base, Handoff) else \
+                    self.saver[id(base)][1] if isinstance(base, CheckpointEntry) else None
                 self._let_go(task, base)
                 handle, logits = found
                 self.trace.add("hit", task.id, start=b, end=handle.length, note=source)
-                return handle, logits, _Run(task, None, hit=handle.length, from_disk=source == "disk")
+                return handle, logits, _Run(task, base_run, hit=handle.length, from_disk=source == "disk",
+                                            start=b if base_run is not None else 0)
         if base is None:
             return e.state.new_sequence(), None, _Run(task, None)
         if isinstance(base, Handoff):
@@ -361,7 +367,7 @@ def _charged(run: _Run) -> tuple[int, int]:
     while run is not None:
         if run.task.carrier == rid:
             computed += run.computed
-        if run.base is None and run.from_disk:
-            from_disk = run.hit
+        if run.from_disk:
+            from_disk += run.hit - run.start
         run = run.base
     return computed, from_disk

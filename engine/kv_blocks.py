@@ -174,7 +174,7 @@ class BlockFiles:
         try:
             if path.parent.resolve().parent != self.folder.resolve():
                 return None
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
             return None
         return path
 

@@ -133,7 +133,7 @@ class EngineSession:
                                "bytes": total, "budget_bytes": self.store.budget_bytes,
                                "hits": st.hits, "misses": st.misses, "written": st.written,
                                "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
-                               "rejected_too_large": st.rejected_too_large,
+                               "rejected_too_large": st.rejected_too_large, "write_errors": st.write_errors,
                                "blocks_written": st.blocks_written, "block_bytes_written": st.block_bytes_written,
                                "blocks_reused": st.blocks_reused}
             if self.persist is not None:

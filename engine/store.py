@@ -414,7 +414,7 @@ class CheckpointStore:
         try:
             if path.parent.resolve().parent != self._blobs_dir.resolve():
                 return None
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
             return None
         return path
 
@@ -806,7 +806,7 @@ class CheckpointStore:
         """`folder` is a direct child of the cache folder once symlinks are resolved."""
         try:
             return folder.resolve().parent == self.root.resolve()
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
             return False
 
     def _trim_quarantine(self, max_bytes: int | None = None) -> int:
@@ -1330,7 +1330,7 @@ class CheckpointStore:
             if not (resolved.parent == root or any(resolved.parent == d and d.parent == root for d in shard_parents)):
                 return []
             return sorted(p for p in folder.iterdir() if name_ok(p.name) and (p.is_symlink() or p.is_file()))
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
             return []
 
     def _is_indexed(self, file_name: str) -> bool:
@@ -1453,17 +1453,21 @@ def _fsync_dir(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _size_or_none(path: Path) -> int | None:
+def _size_or_none(path: Path | None) -> int | None:
+    """A file's size; None when there is none to measure: a name `_path_of` refused (None), a missing file, or one
+    that cannot be looked at (a symlink loop, a folder without permission) -- never an exception."""
+    if path is None:
+        return None
     try:
         return path.stat().st_size
-    except FileNotFoundError:
+    except OSError:
         return None
 
 
 def _mtime_or_zero(path: Path) -> float:
     try:
         return path.stat().st_mtime
-    except FileNotFoundError:
+    except OSError:  # gone, or a symlink loop / unreadable: as old as can be (the sweep's age rules decide)
         return 0.0
 
 

@@ -1,0 +1,463 @@
+"""An adversarial second reading of the persistent cache's K/V block store (engine/kv_blocks.py, engine/store.py):
+block files and index rows as a hostile user and a hostile file system leave them, the accounting of what a run
+reused, a full disk, killed writers and processes sharing one folder, end to end through the CLI.
+
+The rules every case checks (issue 11): the cache never changes an answer (greedy tokens equal --no-cache), a bad,
+missing or hostile file is a miss (recomputed) with at most a warning, never a traceback, a hang, a deletion or a
+write outside the cache folder; killed processes and full disks leave a consistent store.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from prefixrun.engine import kv_blocks, loader
+from prefixrun.engine.kv_blocks import BLOCKS_DIR_NAME, block_ids
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.persist import open_cache
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.store import INDEX_FILE_NAME, CheckpointStore, StoreKey
+
+KEY = StoreKey("ab" * 8, "cd" * 8)
+OTHER_LAYOUT = StoreKey("ab" * 8, "ef" * 8)
+ROWS = 16
+DOC = list(range(1, 41))  # 40 tokens: two whole blocks of 16 rows and a tail of 8
+CHILD = DOC + list(range(100, 130))  # shares the document's two blocks, adds two of its own
+SHORT = DOC[:20]  # one block: the document's first
+
+
+def state_of(tokens) -> dict[str, np.ndarray]:
+    """A made-up state whose K/V row r depends on tokens[:r + 1] (as real K/V does); one bfloat16 region."""
+    rows = np.cumsum(np.asarray(tokens, np.float64))[:, None] * (1 + np.arange(6))  # [n, 6]
+    rng = np.random.default_rng(len(tokens))
+    return {"recurrent": rng.standard_normal((3, 5)).astype(np.float32),
+            "k": rows.reshape(-1, 2, 3).astype(np.float32),  # [n, 2, 3]
+            "v": (rows[:, :4] / 7).astype(ml_dtypes.bfloat16)}  # [n, 4]
+
+
+def put(store, tokens, key=KEY):
+    return store.put(key, tokens, state_of(tokens), {"tokens": len(tokens)}, kv_regions=["k", "v"],
+                     block_rows=ROWS)
+
+
+def get(store, tokens):
+    return store.lookup(KEY, tokens, len(tokens), len(tokens) - 1)
+
+
+def assert_state(checkpoint, tokens):
+    assert checkpoint is not None and checkpoint.tokens == tuple(tokens)
+    for name, array in state_of(tokens).items():
+        np.testing.assert_array_equal(checkpoint.regions[name], array)
+
+
+def filled(root: Path) -> tuple[CheckpointStore, dict[str, str], list[str]]:
+    """A store holding SHORT, DOC and CHILD: (store, block id -> file name, DOC's two block ids)."""
+    store = CheckpointStore(root)
+    for tokens in (SHORT, DOC, CHILD):
+        assert put(store, tokens)
+    with sqlite3.connect(root / INDEX_FILE_NAME) as db:
+        names = dict(db.execute("SELECT block_id, file_name FROM blocks").fetchall())
+    return store, names, block_ids(KEY.model_digest, KEY.layout_digest, np.array(DOC), ROWS)
+
+
+def edit_index(root: Path, *statements):
+    db = sqlite3.connect(root / INDEX_FILE_NAME)
+    for statement in statements:
+        db.execute(*statement) if isinstance(statement, tuple) else db.execute(statement)
+    db.commit()
+    db.close()
+
+
+def in_time(call, seconds=20.0):
+    """call() on a thread: (finished in time, its result). A hang fails the test instead of hanging the suite."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = call()
+        except BaseException as error:  # reported by the assertion below
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    return not thread.is_alive(), box.get("result")
+
+
+def release_fifo(path: Path):
+    """Open a FIFO for writing and close it: a reader blocked in open() on it goes on (after a failed test)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Odd things where a block file should be: every user of the block misses, nothing else is hurt, no hang
+
+
+def _damage_block(root: Path, path: Path, outside: Path, damage: str) -> dict:
+    """Put `damage` where the block file `path` is; returns index edits that go with it (column -> value)."""
+    if damage == "zero_length":
+        path.write_bytes(b"")
+    elif damage == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_text("a folder where a block should be")
+    elif damage == "symlink_outside":  # a link to a file outside the folder, holding the block's very bytes
+        outside.write_bytes(path.read_bytes())
+        path.unlink()
+        path.symlink_to(outside)
+    elif damage == "symlink_dev_zero":
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    elif damage == "symlink_loop":
+        path.unlink()
+        path.symlink_to(path.name)
+    elif damage == "fifo":  # the index says 0 bytes, as stat says of a FIFO: only the open can tell
+        path.unlink()
+        os.mkfifo(path)
+        return {"nbytes": 0}
+    elif damage == "huge_sparse":  # 64 GiB that stat reports but nobody should read
+        with open(path, "r+b") as handle:
+            handle.truncate(64 << 30)
+    elif damage == "other_layout":  # a block of the right id name, but another layout's content, made consistent
+        other = CheckpointStore(root.parent / f"{root.name}-other")
+        put(other, DOC, key=OTHER_LAYOUT)
+        source = sorted((root.parent / f"{root.name}-other" / BLOCKS_DIR_NAME).glob("*/*.safetensors"))[0]
+        data = source.read_bytes()
+        path.write_bytes(data)
+        from prefixrun.engine.blob_format import tree_digest
+        return {"nbytes": len(data), "content_sha256": tree_digest(data)}
+    return {}
+
+
+ODD_BLOCKS = ["zero_length", "directory", "symlink_outside", "symlink_dev_zero", "symlink_loop", "fifo",
+              "huge_sparse", "other_layout"]
+
+
+@pytest.mark.parametrize("damage", ODD_BLOCKS)
+def test_anything_but_the_block_file_is_a_miss_for_its_users_and_never_a_hang(tmp_path, damage):
+    root = tmp_path / "cache"
+    store, names, (first, second) = filled(root)
+    path = root / BLOCKS_DIR_NAME / second[:2] / names[second]
+    outside = tmp_path / "outside.safetensors"
+    original = path.read_bytes()
+    edits = _damage_block(root, path, outside, damage)
+    if edits:
+        edit_index(root, *[(f"UPDATE blocks SET {column} = ? WHERE block_id = ?", (value, second))
+                           for column, value in edits.items()])
+    try:
+        done, found = in_time(lambda: (get(store, CHILD), get(store, DOC)))
+        assert done, f"a lookup over a {damage} block hangs"
+    finally:
+        release_fifo(path)
+    assert found == (None, None)  # both entries need the bad block: misses
+    assert_state(get(store, SHORT), SHORT)  # an entry that does not need it is served
+    assert store.stats.corrupt >= 1
+    if damage == "symlink_outside":
+        assert outside.read_bytes() == original  # the file the link named is untouched
+    # the next run: maintenance and a full verification pass, then the entries are written and served again
+    again = CheckpointStore(root)
+    done, _ = in_time(lambda: again.maintain(grace_s=0.0))
+    assert done
+    assert again.verify_all() == []
+    assert put(again, DOC) and put(again, CHILD)
+    assert_state(get(again, CHILD), CHILD)
+    assert_state(get(again, DOC), DOC)
+    if damage == "symlink_outside":
+        assert outside.read_bytes() == original and not outside.is_symlink()
+
+
+def test_a_fifo_in_place_of_an_entry_blob_is_a_miss_never_a_hang(tmp_path):
+    root = tmp_path / "cache"
+    store, _, _ = filled(root)
+    (entry_id, file_name) = next((e, f) for e, f, n in sqlite3.connect(root / INDEX_FILE_NAME).execute(
+        "SELECT entry_id, file_name, n_tokens FROM entries") if n == len(DOC))
+    path = root / "blobs" / file_name[:2] / file_name
+    path.unlink()
+    os.mkfifo(path)
+    edit_index(root, ("UPDATE entries SET nbytes = 0 WHERE entry_id = ?", (entry_id,)))
+    try:
+        done, found = in_time(lambda: get(store, DOC))
+        assert done, "a lookup of an entry whose blob is a FIFO hangs"
+        done, bad = in_time(lambda: CheckpointStore(root).verify_all())
+        assert done
+    finally:
+        release_fifo(path)
+    assert found is None
+    assert_state(get(store, CHILD), CHILD)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Hostile index rows and file system loops: a put or the maintenance never raises, nothing outside is touched
+
+
+@pytest.mark.parametrize("damage", ["row_names_outside", "row_names_garbage", "shard_is_a_loop"])
+def test_a_hostile_block_row_or_shard_never_breaks_a_put(tmp_path, damage):
+    root = tmp_path / "cache"
+    store, names, (first, second) = filled(root)
+    victim = tmp_path / "victim.safetensors"
+    victim.write_bytes(b"not the cache's")
+    if damage == "row_names_outside":
+        edit_index(root, ("UPDATE blocks SET file_name = ? WHERE block_id = ?", (f"../../../{victim.name}", second)))
+    elif damage == "row_names_garbage":
+        edit_index(root, ("UPDATE blocks SET file_name = ? WHERE block_id = ?", ("\u202e[/b]\x00 ü", second)))
+    else:  # the block's shard folder replaced by a symlink to itself (every stat in it fails with ELOOP)
+        shard = root / BLOCKS_DIR_NAME / second[:2]
+        shutil.rmtree(shard)
+        shard.symlink_to(shard.name)
+    longer = CHILD + list(range(200, 220))  # needs the document's blocks: the put looks at the bad one
+    if damage == "shard_is_a_loop":  # no block can be written there: a write error, not an exception
+        assert not put(store, longer) and store.stats.write_errors == 1
+        assert get(store, longer) is None and get(store, CHILD) is None
+        assert first[:2] == second[:2] or get(store, SHORT) is not None
+    else:  # the bad block is written again (its row healed), not an exception
+        assert put(store, longer)
+        assert_state(get(store, longer), longer)
+    assert victim.read_bytes() == b"not the cache's"
+    store.maintain(grace_s=0.0)
+    assert store.verify_all() == []
+    assert victim.read_bytes() == b"not the cache's"
+
+
+def test_a_symlink_loop_named_like_a_block_never_breaks_the_maintenance(tmp_path):
+    root = tmp_path / "cache"
+    store, names, (first, second) = filled(root)
+    loop = root / BLOCKS_DIR_NAME / "00" / f"{'0' * 64}.{'1' * 16}.safetensors"
+    loop.parent.mkdir(exist_ok=True)
+    loop.symlink_to(loop.name)
+    store.maintain(grace_s=0.0)  # an unindexed file to sweep, which stat cannot look at
+    assert not loop.is_symlink()
+    assert_state(get(store, CHILD), CHILD)
+    assert store.verify_all() == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Accounting: reused = from disk + from memory, per request and per run, with a disk hit above a base in memory
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = make_model_dir(tmp_path_factory.mktemp("model") / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    return loader.load(path, "cpu")
+
+
+def engine_run(loaded, cache_root, prompts, *, cache=True):
+    """(results by id, engine stats); the cache policy `always` (this test's premise: every state is written)."""
+    persist = None
+    if cache:
+        persist, problem = open_cache(cache_root, 1 << 30, loaded, 16, "always")
+        assert problem is None
+    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=4, reuse=True), persist=persist)
+    if persist is not None:
+        persist.watch_prefill(engine.stats)
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
+    results = {r.custom_id: r for r in engine.run(requests)}
+    engine.close()
+    if persist is not None:
+        persist.finish()
+        persist.store.close()
+    return results, engine.stats
+
+
+def assert_accounting_adds_up(results, stats):
+    assert stats.prompt_tokens == stats.computed_prompt_tokens + stats.reused_tokens
+    assert stats.reused_tokens == sum(r.usage.cached_tokens for r in results.values())
+    assert stats.reused_from_disk_tokens == sum(r.usage.cached_from_disk_tokens for r in results.values())
+    for r in results.values():  # per request: from disk and from memory each >= 0
+        assert 0 <= r.usage.cached_from_disk_tokens <= r.usage.cached_tokens <= r.usage.prompt_tokens
+
+
+def test_a_disk_hit_above_a_computed_base_counts_only_what_came_from_disk(loaded, tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_blocks, "MAX_BLOCK_ROWS", 32)  # the document's K/V in shared blocks
+    doc = list(range(3, 93))  # 90 tokens
+    first, second = doc + [400, 410, 420], doc + [401, 411, 421]
+    reference, _ = engine_run(loaded, None, [first, second], cache=False)
+    # run 1 stores the first prompt's whole state (no entry ends at the document: it had no branch point)
+    engine_run(loaded, tmp_path / "c", [first])
+    # run 2: the document is computed (a branch point now), then the first prompt's end is read from disk above it,
+    # sharing the document's K/V blocks in memory
+    results, stats = engine_run(loaded, tmp_path / "c", [first, second])
+    assert {k: r.token_ids for k, r in results.items()} == {k: r.token_ids for k, r in reference.items()}
+    assert stats.computed_prompt_tokens == 90 + 3
+    assert_accounting_adds_up(results, stats)
+    # 3 tokens came from disk (the first prompt's end), 90 from memory (the document, for the second prompt)
+    assert stats.reused_from_disk_tokens == 3 and stats.reused_tokens == 93
+    assert results["r0"].usage.cached_from_disk_tokens == results["r0"].usage.cached_tokens == 3
+    assert results["r1"].usage.cached_tokens == 90 and results["r1"].usage.cached_from_disk_tokens == 0
+
+
+def test_accounting_adds_up_cold_warm_and_mixed_with_shared_blocks(loaded, tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_blocks, "MAX_BLOCK_ROWS", 32)
+    docs = [list(range(3 + 50 * d, 93 + 50 * d)) for d in range(2)]
+    old = [doc + [400 + 7 * d + q, 410 + q] for d, doc in enumerate(docs) for q in range(2)]
+    new = [doc + [430 + 5 * d + q, 440 + q] for d, doc in enumerate(docs) for q in range(2)]
+    reference, _ = engine_run(loaded, None, old + new, cache=False)
+    for prompts in (old, old, old + new, new + old):  # cold, warm, mixed (new questions over stored documents)
+        results, stats = engine_run(loaded, tmp_path / "c", prompts)
+        assert_accounting_adds_up(results, stats)
+        assert {k: r.token_ids for k, r in results.items()} == \
+            {f"r{i}": reference[f"r{(old + new).index(p)}"].token_ids for i, p in enumerate(prompts)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. End to end through the CLI, in real processes: answers equal --no-cache, exit codes as documented, no traceback
+
+pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these runs in a temporary folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("cli-model") / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+
+
+def _prompts(seed: int, n_docs: int, per_doc: int, doc_len: int) -> list[list[int]]:
+    """Documents long enough for whole K/V blocks of the tiny model (256 rows), each with a few questions."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(3, 500) for _ in range(doc_len + 40 * d)] for d in range(n_docs)]
+    return [doc + [200 + q, 300 + d, 7] for d, doc in enumerate(docs) for q in range(per_doc)]
+
+
+def write_input(path: Path, prompts) -> Path:
+    path.write_text("".join(json.dumps({"custom_id": f"r{i}[/b]", "prompt_token_ids": p, "max_tokens": 3,
+                                        "temperature": 0}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, model_dir) -> dict:
+    """Input files and their --no-cache answers: `base` (3 documents x 2 questions) and `other` (overlapping it:
+    the same documents, other questions, plus a new document)."""
+    root = tmp_path_factory.mktemp("cli-inputs")
+    base = _prompts(1, 3, 2, 540)
+    other = [p[:-3] + [250, 350, 9] for p in base[::2]] + _prompts(2, 1, 2, 560)
+    files = {"base": write_input(root / "base.jsonl", base), "other": write_input(root / "other.jsonl", other)}
+    answers = {}
+    for name, path in files.items():
+        code, answers[name], _, stderr = batch(model_dir, root / "unused", path, root, "--no-cache")
+        assert code == 0 and len(answers[name]) == len(base if name == "base" else other), stderr
+    return {"files": files, "answers": answers}
+
+
+def cli_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "prefixrun.cli.app", *map(str, args)]
+
+
+def batch(model, cache, src, tmp_path, *extra, wrapper=None, env=None):
+    """`prefixrun batch` in a subprocess -> (exit code, {custom_id: token_ids}, JSON report or None, stderr)."""
+    report_path = tmp_path / f"report-{time.monotonic_ns()}.json"
+    args = ["batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache, "--json-report", report_path,
+            *extra]
+    argv = [sys.executable, "-c", wrapper, *map(str, args)] if wrapper else cli_cmd(*args)
+    p = subprocess.run(argv, capture_output=True, timeout=300, env=env)
+    records = [json.loads(line) for line in p.stdout.decode().splitlines()]
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return p.returncode, {r["custom_id"]: r["token_ids"] for r in records}, report, p.stderr.decode()
+
+
+def inspect(cache, *extra) -> tuple[int, str, str]:
+    p = subprocess.run(cli_cmd("inspect-cache", "--cache-dir", cache, *extra), capture_output=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    return p.returncode, p.stdout.decode(), p.stderr.decode()
+
+
+def assert_consistent(cache: Path):
+    """inspect-cache --verify finds nothing bad; the index accounts for every block and blob file on disk."""
+    code, out, err = inspect(cache, "--verify", "--json")
+    assert code == 0 and "Traceback" not in err, err
+    verified = json.loads(out)
+    assert verified["bad"] == [], verified["bad"]
+    root = cache / "checkpoints"
+    on_disk = sum(p.stat().st_size for folder in ("blobs", BLOCKS_DIR_NAME)
+                  for p in (root / folder).glob("*/*.safetensors"))
+    assert on_disk == verified["total_bytes"]  # no unreferenced block, no unindexed blob left behind
+    assert not list(root.glob("*/*/.*.tmp"))  # no temp file of a dead writer
+
+
+@pytest.fixture(scope="module")
+def populated(model_dir, inputs, tmp_path_factory) -> Path:
+    """A cache filled by one run of `base` (copy it before changing it)."""
+    tmp = tmp_path_factory.mktemp("populated")
+    code, answers, report, stderr = batch(model_dir, tmp / "cache", inputs["files"]["base"], tmp)
+    assert code == 0 and answers == inputs["answers"]["base"], stderr
+    assert report["cache"]["blocks_written"] > 0 and report["cache"]["blocks_reused"] > 0  # blocks shared
+    return tmp / "cache"
+
+
+def test_inspect_cache_survives_last_used_times_no_calendar_holds(populated, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(populated, cache)
+    edit_index(cache / "checkpoints", "UPDATE entries SET last_used = 1e300 WHERE rowid = 1",
+               "UPDATE entries SET last_used = -1e300 WHERE rowid = 2")
+    for extra in ((), ("--tree",), ("--verify",)):
+        code, out, err = inspect(cache, *extra)
+        assert code == 0 and "Traceback" not in err and out, (extra, err)
+    assert "?" in inspect(cache)[1]  # the time no calendar holds, shown as unknown
+
+
+FULL_DISK_WRAPPER = r"""
+import builtins, errno, sys
+from prefixrun.engine import kv_blocks, store
+
+class FillsUp:
+    # a file on a disk that fills up part way through a write: half the bytes land, then ENOSPC / EDQUOT
+    def __init__(self, handle, code):
+        self.handle, self.code = handle, code
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.handle.close()
+    def write(self, data):
+        self.handle.write(bytes(memoryview(data)[:len(data) // 2]))
+        self.handle.flush()
+        raise OSError(self.code, errno.errorcode[self.code])
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+def filling_open(code, every):
+    created = [0]
+    def fake_open(path, mode="r", *args, **kwargs):
+        handle = builtins.open(path, mode, *args, **kwargs)
+        created[0] += "x" in mode  # the store creates its temp files with "xb"
+        return FillsUp(handle, code) if "x" in mode and created[0] % every == 0 else handle
+    return fake_open
+
+kv_blocks.open = filling_open(errno.ENOSPC, 2)  # every other block file
+store.open = filling_open(errno.EDQUOT, 3)  # and every third entry blob
+from prefixrun.cli.app import main
+sys.argv = ["prefixrun"] + sys.argv[1:]
+main()
+"""
+
+
+def test_a_full_disk_mid_block_loses_no_result_and_the_report_says_what_was_not_written(model_dir, inputs, tmp_path):
+    cache = tmp_path / "cache"
+    code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path,
+                                          wrapper=FULL_DISK_WRAPPER)
+    assert code == 0 and answers == inputs["answers"]["base"], stderr
+    assert "Traceback" not in stderr
+    not_written = report["cache"]["write_errors"]
+    assert not_written > 0 and report["cache"]["written"] > 0
+    assert f"{not_written:,} not written (disk errors" in stderr  # the report's line, besides the warnings
+    assert_consistent(cache)  # half-written temp files removed, nothing unindexed left
+    code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)  # the disk has room
+    assert code == 0 and answers == inputs["answers"]["base"] and report["cache"]["write_errors"] == 0, stderr
+    assert_consistent(cache)
