@@ -78,6 +78,11 @@ class TokenHistory(SequenceABC):
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def since(self, i: int) -> list[int]:
+        """The tokens from position i on (what a drafter that keeps the history adds each step)."""
+        p = len(self.prompt)
+        return list(self.output[i - p:]) if i >= p else list(self.prompt[i:]) + list(self.output)
+
     def __getitem__(self, i):
         p = len(self.prompt)
         if isinstance(i, slice):
@@ -102,29 +107,41 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self._buffer = np.zeros(256, np.int64)  # the history as an array, for candidates checked at once
+        self._array = np.zeros(0, np.int64)  # the history as an array (filled when candidates are checked at once)
+        self._filled = 0
         self._bulk_tokens: list[int] = []  # token ids of the bulk-indexed positions, sorted
         self._bulk_positions = np.zeros(0, np.int64)  # those positions, ascending within one token id
         self._recent: dict[int, list[int]] = {}  # token id -> its later positions, ascending
         self.indexed = 0  # positions before this one are indexed (a match must be followed by a token)
 
     def extend(self, new: Sequence[int]):
-        start = len(self.tokens)
         self.tokens.extend(new)  # token ids: ints
-        length = len(self.tokens)
-        if length > self._buffer.shape[0]:
-            grown = np.zeros(max(2 * self._buffer.shape[0], length), np.int64)
-            grown[:start] = self._buffer[:start]
-            self._buffer = grown
-        self._buffer[start:length] = self.tokens[start:]
-        stop = length - 1
+        stop = len(self.tokens) - 1
         if self.indexed == 0 and stop > 64:
-            order = np.argsort(self._buffer[:stop], kind="stable")  # [stop] positions grouped by token id
-            self._bulk_tokens, self._bulk_positions = self._buffer[order].tolist(), order
+            prompt = np.asarray(self.tokens[:stop], np.int64)
+            order = np.argsort(prompt, kind="stable")  # [stop] positions grouped by token id
+            self._bulk_tokens, self._bulk_positions = prompt[order].tolist(), order
         else:
+            recent = self._recent
             for e in range(self.indexed, stop):
-                self._recent.setdefault(self.tokens[e], []).append(e)
+                t = self.tokens[e]
+                if t in recent:
+                    recent[t].append(e)
+                else:
+                    recent[t] = [e]
         self.indexed = max(self.indexed, stop)
+
+    def _as_array(self) -> np.ndarray:
+        """The history as an int64 array [len(tokens)] (a view of a buffer grown by doubling, filled lazily)."""
+        length = len(self.tokens)
+        if length > self._array.shape[0]:
+            grown = np.zeros(max(2 * self._array.shape[0], length), np.int64)
+            grown[:self._filled] = self._array[:self._filled]
+            self._array = grown
+        if self._filled < length:
+            self._array[self._filled:length] = self.tokens[self._filled:]
+            self._filled = length
+        return self._array[:length]
 
     def draft(self, k: int, lookback: int) -> list[int]:
         """Up to k tokens following the latest earlier match of the longest suffix (n = max_n .. min_n) that
@@ -134,8 +151,12 @@ class NgramIndex:
         if k < 1 or top < self.min_n:
             return []
         last, window = toks[-1], max(length - lookback, 0)
-        lo, hi = bisect_left(self._bulk_tokens, last), bisect_right(self._bulk_tokens, last)
+        lo = bisect_left(self._bulk_tokens, last)
+        hi = bisect_right(self._bulk_tokens, last, lo) if lo < len(self._bulk_tokens) and \
+            self._bulk_tokens[lo] == last else lo
         recent = self._recent.get(last, ())
+        if hi == lo and not recent:  # the last token never occurred before (most steps of non-repeating text)
+            return []
         # the latest occurrences one by one (usually few, and a repeated run matches fully at its latest one)
         best_n, best_e = 0, -1
         latest = list(reversed(recent[-16:]))
@@ -151,7 +172,7 @@ class NgramIndex:
                     break
         if best_n < top and hi - lo + len(recent) > len(latest):  # many more: every match length at once
             cands = np.concatenate([self._bulk_positions[lo:hi], np.asarray(recent, np.int64)])  # [c] ascending
-            buf, matched = self._buffer, np.ones(cands.shape[0], bool)
+            buf, matched = self._as_array(), np.ones(cands.shape[0], bool)
             lengths = np.zeros(cands.shape[0], np.int64)
             for j in range(top):
                 matched &= (cands - j >= window) & (buf[np.maximum(cands - j, 0)] == toks[length - 1 - j])
@@ -189,11 +210,12 @@ class NgramDrafter:
         for x in inputs:
             held = self._indexes.get(id(x.request))
             index = held[1] if held is not None and held[0] is x.request else None
-            if index is None or len(index.tokens) > len(x.tokens) or (
-                    index.tokens and index.tokens[-1] != x.tokens[len(index.tokens) - 1]):
-                index = NgramIndex(self.min_n, self.max_n)  # new, or not the history it indexed: start afresh
+            have, length = (len(index.tokens) if index is not None else 0), len(x.tokens)
+            if index is None or have > length:  # new (a request's history only grows): index it whole
+                index, have = NgramIndex(self.min_n, self.max_n), 0
                 self._indexes[id(x.request)] = (x.request, index)
-            index.extend(x.tokens[len(index.tokens):])
+            if length > have:
+                index.extend(x.tokens.since(have) if isinstance(x.tokens, TokenHistory) else x.tokens[have:])
             out.append(index.draft(x.num_drafts, self.lookback))
         return out
 

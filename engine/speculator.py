@@ -80,8 +80,10 @@ class _SequencePolicy:
     paused_for: int = 0  # steps it still sits out
 
     def expected(self, drafts: int) -> float:
-        """Tokens `drafts` drafts are expected to add (accepted one after another at `rate` each)."""
-        return sum(self.rate ** j for j in range(1, drafts + 1))
+        """Tokens `drafts` drafts are expected to add (accepted one after another at `rate` each): the sum of
+        rate^j for j = 1 .. drafts."""
+        r = self.rate
+        return float(drafts) if r >= 1.0 else r * (1.0 - r ** drafts) / (1.0 - r)
 
 
 class Speculator:

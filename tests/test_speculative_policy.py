@@ -77,6 +77,7 @@ def test_ngram_drafter_keeps_one_index_per_request_and_forgets_it():
     assert not d._indexes
     h = TokenHistory([1, 2, 3], [4, 5])
     assert len(h) == 5 and h[-1] == 5 and h[1:4] == [2, 3, 4] and h[3:] == [4, 5] and list(h) == [1, 2, 3, 4, 5]
+    assert h.since(1) == [2, 3, 4, 5] and h.since(3) == [4, 5] and h.since(5) == [] and h[::2] == [1, 3, 5]
 
 
 # ---- the policy (a fake model: only the drafts and their acceptance matter) ------------------------------------
