@@ -10,11 +10,13 @@ from prefixrun.engine.speculative import AUTO_MAX_BATCH, DraftInput, Drafter, To
 
 _PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
 _EMA = 0.2
-# A verify step of B sequences x R rows costs about 1 + VERIFY_ROW_COST x (R - 1) plain steps of B sequences
-# (H200, 4b-like model, 2026-12-01: 6 rows ~1.45x at batch 4, ~1.6x at batch 16), so it pays only when its drafts
-# are expected to yield more than VERIFY_ROW_COST x (R - 1) x B extra tokens.
+# A verify step of B sequences x R rows costs about 1 + VERIFY_ROW_COST x (R - 1) x max(1, B / VERIFY_BATCH_KNEE)
+# plain steps of B sequences (H200, 4b-like model, 2026-12-01, 6 rows: ~1.5x at batch 4, ~2.2x at batch 16: past a
+# few sequences the extra rows' work grows with the batch), so it pays only when its drafts are expected to yield
+# more than that excess x B tokens.
 VERIFY_ROW_COST = 0.1
-_PRIOR_RATE = 0.5  # a sequence's expected share of accepted drafts before it has any history (and after a pause)
+VERIFY_BATCH_KNEE = 7
+_PRIOR_RATE = 0.7  # a sequence's expected share of accepted drafts before it has any history (and after a pause)
 _RATE_EMA = 0.5
 _PAUSE_MAX = 128  # decode steps a sequence stops drafting for after repeated rejections, at most
 
@@ -165,7 +167,8 @@ class Speculator:
             policies.append(policy)
             room -= k
         out: list[list[int]] = [[] for _ in seqs]
-        threshold = self.verify_row_cost * (rows - 1) * b if self.adaptive else -1.0
+        excess = self.verify_row_cost * (rows - 1) * max(1.0, b / VERIFY_BATCH_KNEE)  # in plain steps
+        threshold = excess * b if self.adaptive else -1.0  # tokens the drafts must be expected to add
         if inputs and sum(p.expected(x.num_drafts) for p, x in zip(policies, inputs)) <= threshold:
             self.stats.declined_steps += 1  # cannot pay even with every draft found: not drafted at all (an MTP
             return none  # head's drafts cost model steps)
