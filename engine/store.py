@@ -728,7 +728,11 @@ class CheckpointStore:
             kv_names = json.loads(metadata["prefixrun.kv_regions"])
         except (KeyError, ValueError) as error:
             raise _BadEntry(f"K/V block metadata unreadable: {error!r}") from None
-        if not isinstance(listed, list) or not isinstance(kv_names, list) or not set(kv_names) <= set(stored) \
+        # names checked to be distinct strings before any set() of them (a list in the list raised TypeError out of
+        # a lookup; a name twice joined its blocks twice)
+        if not isinstance(listed, list) or not isinstance(kv_names, list) \
+                or not all(isinstance(n, str) for n in kv_names) or len(set(kv_names)) != len(kv_names) \
+                or not set(kv_names) <= set(stored) \
                 or (kv_names and rows <= 0) or (not kv_names and (rows != 0 or listed)):
             raise _BadEntry("K/V block metadata malformed")
         if not kv_names:
