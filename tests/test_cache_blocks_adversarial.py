@@ -564,3 +564,62 @@ def test_a_bad_block_through_the_cli_is_a_miss_with_the_same_answers(model_dir, 
     code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)  # the folder heals
     assert code == 0 and answers == inputs["answers"]["base"] and report["cache"]["hits"] > 0, stderr
     assert "warning:" not in stderr, stderr
+
+
+def test_two_processes_share_a_folder_while_one_evicts_under_a_tiny_budget(model_dir, inputs, tmp_path):
+    """`base` with the default budget and `other` (the same documents, other questions, a new document) under a
+    budget smaller than one run's writes, at once: the second one evicts blocks the first is writing and reading."""
+    cache = tmp_path / "cache"
+    runs = [("base", ()), ("other", ("--cache-budget", "400KiB")), ("base", ())]
+    for round_ in range(2):  # cold, then warm over whatever survived the evictions
+        procs = []
+        for name, extra in runs:
+            report = tmp_path / f"{name}-{len(procs)}-{round_}.json"
+            argv = cli_cmd("batch", inputs["files"][name], "--model", model_dir, "--device", "cpu", "--cache-dir",
+                           cache, "--json-report", report, *extra)
+            procs.append((name, report, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+        for name, report, proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0 and "Traceback" not in err.decode(), err.decode()
+            answers = {r["custom_id"]: r["token_ids"] for r in map(json.loads, out.decode().splitlines())}
+            assert answers == inputs["answers"][name]
+            figures = json.loads(report.read_text())
+            assert figures["reused_from_disk_tokens"] >= 0
+            assert figures["prompt_tokens"] == figures["computed_prompt_tokens"] + figures["reused_tokens"]
+        assert_consistent(cache)
+
+
+KILL_WRAPPER = r"""
+import sys
+from prefixrun.engine import kv_blocks
+kv_blocks.MAX_BLOCK_ROWS = 32  # many small blocks: a kill lands between block files, blobs and index rows
+from prefixrun.cli.app import main
+sys.argv = ["prefixrun"] + sys.argv[1:]
+main()
+"""
+
+
+def test_kill_9_during_the_writer_at_random_times_then_a_rerun_gives_the_same_answers(model_dir, tmp_path):
+    src = write_input(tmp_path / "long.jsonl", _prompts(3, 10, 2, 300))
+    code, expected, _, stderr = batch(model_dir, tmp_path / "unused", src, tmp_path, "--no-cache")
+    assert code == 0 and len(expected) == 20, stderr
+    cache = tmp_path / "cache"
+    rng = random.Random(11)
+    args = ["batch", src, "--model", model_dir, "--device", "cpu", "--cache-dir", cache, "-o", tmp_path / "out.jsonl",
+            "--overwrite", "-q"]
+    killed = 0
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", KILL_WRAPPER, *map(str, args)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(1.0, 3.5))  # the tiny model's run: ~1 s to start, then prefill and writes
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed += 1
+        proc.communicate(timeout=300)
+        assert_consistent(cache)  # whatever the kill left is swept or indexed whole; nothing indexed is missing
+        shutil.rmtree(cache / "checkpoints" / "quarantine", ignore_errors=True)
+    assert killed >= 1  # at least one kill landed mid-run
+    code, answers, report, stderr = batch(model_dir, cache, src, tmp_path, wrapper=KILL_WRAPPER)
+    assert code == 0 and answers == expected and "Traceback" not in stderr, stderr
+    assert report["cache"]["corrupt"] == 0  # a killed writer never leaves an index row to a partial file
+    assert_consistent(cache)
