@@ -348,6 +348,10 @@ class CheckpointStore:
         self._overhead_bytes = 0
         for folder in (self.root, self._blobs_dir, self._quarantine_dir):
             folder.mkdir(parents=True, exist_ok=True)
+        for folder in (self._blobs_dir, self.root / kv_blocks.BLOCKS_DIR_NAME):
+            if folder.is_symlink() and not self._inside_root(folder):
+                # writes and evictions would happen wherever it leads; `inspect-cache --clear` removes the link
+                raise StoreError(f"{folder} is a symbolic link leading out of the cache folder")
         self._kv = kv_blocks.BlockFiles(self.root, self._host_tag)
         self._db = self._open_index(self.root / INDEX_FILE_NAME)
 
@@ -1375,13 +1379,17 @@ class CheckpointStore:
 
 def _folder_files(root: Path) -> list[Path]:
     """The files this store may have created under `root`, found without following symlinks: the index and its
-    journals, blobs and temp files in shard folders, and what quarantine/ holds."""
+    journals, blobs and temp files in shard folders, what quarantine/ holds, and a blobs/ or kv_blocks/ that is a
+    symlink (the link itself)."""
     root = Path(root)
     found = [root / (INDEX_FILE_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
     found = [p for p in found if p.is_file() and not p.is_symlink()]
     quarantine = root / QUARANTINE_DIR_NAME
     for blobs in (root / BLOBS_DIR_NAME, root / kv_blocks.BLOCKS_DIR_NAME):
-        if not blobs.is_dir() or blobs.is_symlink():
+        if blobs.is_symlink():
+            found.append(blobs)  # the link itself (unlink removes only the link), never what it leads to
+            continue
+        if not blobs.is_dir():
             continue
         for shard in blobs.iterdir():
             if _SHARD_NAME.fullmatch(shard.name) and shard.is_dir() and not shard.is_symlink():

@@ -623,3 +623,26 @@ def test_kill_9_during_the_writer_at_random_times_then_a_rerun_gives_the_same_an
     assert code == 0 and answers == expected and "Traceback" not in stderr, stderr
     assert report["cache"]["corrupt"] == 0  # a killed writer never leaves an index row to a partial file
     assert_consistent(cache)
+
+
+@pytest.mark.parametrize("folder", [BLOCKS_DIR_NAME, "blobs"])
+def test_a_block_or_blob_folder_linked_out_of_the_cache_is_never_written_through(model_dir, inputs, tmp_path, folder):
+    cache = tmp_path / "cache"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("someone else's")
+    (cache / "checkpoints").mkdir(parents=True)
+    (cache / "checkpoints" / folder).symlink_to(outside, target_is_directory=True)
+    code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)
+    assert code == 0 and answers == inputs["answers"]["base"], stderr
+    warnings = [line for line in stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "symbolic link leading out of the cache folder" in warnings[0], stderr
+    assert sorted(p.name for p in outside.rglob("*")) == ["keep.txt"]  # nothing written there
+    code, out, err = inspect(cache)
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "--clear" in err, err
+    code, out, err = inspect(cache, "--clear", "--yes")
+    assert code == 0 and not (cache / "checkpoints" / folder).is_symlink(), err
+    assert (outside / "keep.txt").read_text() == "someone else's"
+    code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)  # usable again
+    assert code == 0 and answers == inputs["answers"]["base"] and report["cache"]["written"] > 0, stderr
+    assert sorted(p.name for p in outside.rglob("*")) == ["keep.txt"]
