@@ -1093,7 +1093,8 @@ class CheckpointStore:
                 rows = self._rows("WHERE model_digest = ?", (model_digest,), "ORDER BY use_order DESC")
             block_info = {entry_id: {"blocks": n, "block_bytes": nbytes, "shared_blocks": shared}
                           for entry_id, n, nbytes, shared in self._db.execute(
-                              "SELECT r.entry_id, COUNT(*), COALESCE(SUM(b.nbytes), 0), SUM(CASE WHEN EXISTS (SELECT 1 "
+                              "SELECT r.entry_id, COUNT(*), COALESCE(SUM(CASE WHEN typeof(b.nbytes) = 'integer' "
+                              "THEN b.nbytes ELSE 0 END), 0), SUM(CASE WHEN EXISTS (SELECT 1 "
                               "FROM entry_blocks o WHERE o.block_id = r.block_id AND o.entry_id != r.entry_id) "
                               "THEN 1 ELSE 0 END) FROM entry_blocks r LEFT JOIN blocks b ON b.block_id = r.block_id "
                               "GROUP BY r.entry_id").fetchall()}
@@ -1124,9 +1125,12 @@ class CheckpointStore:
         """The K/V blocks: how many, their bytes, how many are referenced by more than one entry, and the bytes
         that sharing saved (what storing every reference's block again would have taken)."""
         with self._lock:
-            count, nbytes = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()
+            # sizes as the budget counts them: a malformed (non-integer) nbytes is 0, never text summed as a float
+            count = self._db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0]
+            nbytes = self._db.execute(kv_blocks.SUM_BLOCK_BYTES).fetchone()[0]
             shared, saved = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM((uses - 1) * nbytes), 0) FROM (SELECT b.nbytes AS nbytes, "
+                "SELECT COUNT(*), COALESCE(SUM((uses - 1) * nbytes), 0) FROM (SELECT CASE WHEN "
+                "typeof(b.nbytes) = 'integer' THEN b.nbytes ELSE 0 END AS nbytes, "
                 "COUNT(*) AS uses FROM entry_blocks r JOIN blocks b ON b.block_id = r.block_id GROUP BY r.block_id) "
                 "WHERE uses > 1").fetchone()
         return {"blocks": count, "block_bytes": nbytes, "shared_blocks": shared, "bytes_saved_by_sharing": saved}

@@ -347,6 +347,33 @@ def test_accounting_adds_up_cold_warm_and_mixed_with_shared_blocks(loaded, tmp_p
             {f"r{i}": reference[f"r{(old + new).index(p)}"].token_ids for i, p in enumerate(prompts)}
 
 
+@pytest.mark.parametrize("seed, budget", [(1, 1 << 30), (4, 60_000)], ids=["roomy", "evicting"])
+def test_random_runs_over_one_folder_keep_answers_and_accounting(loaded, tmp_path, monkeypatch, seed, budget):
+    """Random subsets of documents + questions (some prompts extending others) run one after another over one
+    folder, with room for everything or under a budget that evicts blocks other entries were about to share."""
+    monkeypatch.setattr(kv_blocks, "MAX_BLOCK_ROWS", 32)
+    rng = random.Random(seed)
+    docs = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 120))] for _ in range(4)]
+    pool = []
+    for doc in docs:
+        for _ in range(4):
+            pool.append(doc + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))])
+            if rng.random() < 0.3:
+                pool.append(pool[-1] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))])
+    reference, _ = engine_run(loaded, None, pool, cache=False)
+    expected = {tuple(p): reference[f"r{i}"].token_ids for i, p in enumerate(pool)}
+    real_open = open_cache
+    monkeypatch.setattr(sys.modules[__name__], "open_cache", lambda root, _, *args: real_open(root, budget, *args))
+    for _ in range(6):
+        prompts = rng.sample(pool, rng.randrange(1, len(pool)))
+        results, stats = engine_run(loaded, tmp_path / "c", prompts)
+        assert_accounting_adds_up(results, stats)
+        assert {k: r.token_ids for k, r in results.items()} == \
+            {f"r{i}": expected[tuple(p)] for i, p in enumerate(prompts)}
+    with CheckpointStore(tmp_path / "c" / "checkpoints") as store:
+        assert store.verify_all() == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. End to end through the CLI, in real processes: answers equal --no-cache, exit codes as documented, no traceback
 
@@ -646,3 +673,18 @@ def test_a_block_or_blob_folder_linked_out_of_the_cache_is_never_written_through
     code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)  # usable again
     assert code == 0 and answers == inputs["answers"]["base"] and report["cache"]["written"] > 0, stderr
     assert sorted(p.name for p in outside.rglob("*")) == ["keep.txt"]
+
+
+def test_inspect_cache_counts_a_block_row_with_a_malformed_size_as_the_budget_does(populated, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(populated, cache)
+    block_id, _, _ = _shared_block(cache / "checkpoints")
+    edit_index(cache / "checkpoints", ("UPDATE blocks SET nbytes = ? WHERE block_id = ?", ("99999999999 bytes", block_id)))
+    code, out, err = inspect(cache, "--json")
+    assert code == 0, err
+    listing = json.loads(out)
+    summary = listing["kv_blocks"]
+    assert isinstance(summary["block_bytes"], int) and 0 <= summary["block_bytes"] <= listing["total_bytes"]
+    assert all(isinstance(e["kv_block_bytes"], int) for e in listing["entries"])
+    code, out, err = inspect(cache)
+    assert code == 0 and "state blobs -" not in out and "Traceback" not in err, err
