@@ -35,9 +35,9 @@ other region: paged rows past the kept length are trimmed, `snapshot` slot regio
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -101,8 +101,8 @@ class NgramIndex:
     """Where each token id occurs in one token history, so that a lookup looks only at the occurrences of the
     history's last token (few, and none at all on most steps where nothing repeats) instead of scanning the whole
     history. The first `extend` (the prompt: thousands of tokens) is indexed at once with NumPy (a stable sort);
-    later tokens go into a dict of positions. Lookups give exactly the draft of a scan (tests/test_speculative.py
-    compares them with one)."""
+    later tokens go into a dict of positions. Lookups give exactly the draft of a scan
+    (tests/test_speculative_policy.py compares them with one)."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
