@@ -250,6 +250,50 @@ def test_a_symlink_loop_named_like_a_block_never_breaks_the_maintenance(tmp_path
     assert store.verify_all() == []
 
 
+def test_duplicate_entry_rows_and_block_lists_longer_than_the_tokens_need_are_misses(tmp_path):
+    root = tmp_path / "cache"
+    store, _, _ = filled(root)
+    store.close()
+    db = sqlite3.connect(root / INDEX_FILE_NAME)
+    columns = ", ".join(row[1] for row in db.execute("PRAGMA table_info(entries)"))
+    db.executescript(f"""
+        CREATE TABLE copied AS SELECT * FROM entries; DROP TABLE entries; CREATE TABLE entries ({columns});
+        INSERT INTO entries SELECT * FROM copied; INSERT INTO entries SELECT * FROM copied; DROP TABLE copied;
+        UPDATE entries SET nbytes = nbytes + 1 WHERE rowid = (SELECT MAX(rowid) FROM entries);
+        INSERT INTO entry_blocks SELECT entry_id, position + 100, block_id, end_row FROM entry_blocks
+            WHERE position = 0;""")  # every entry without a primary key, twice; each block list one block too long
+    db.commit()
+    db.close()
+    again = CheckpointStore(root)
+    again.maintain(grace_s=0.0)
+    assert [get(again, t) for t in (SHORT, DOC, CHILD)] == [None, None, None]
+    assert again.verify_all() == []
+    assert put(again, DOC) and put(again, CHILD)
+    assert_state(get(again, CHILD), CHILD)
+    assert again.prune(to_bytes=0) >= 2 and again.block_summary()["blocks"] == 0
+
+
+def test_a_block_file_that_cannot_be_opened_is_a_miss(tmp_path, monkeypatch):
+    """Permissions 000 (emulated: these tests may run as root, whom permissions do not stop)."""
+    from prefixrun.engine import blob_format
+
+    root = tmp_path / "cache"
+    store, names, (first, second) = filled(root)
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if str(path).endswith(names[second]):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(blob_format.os, "open", refusing_open)
+    assert get(store, CHILD) is None and get(store, DOC) is None
+    assert_state(get(store, SHORT), SHORT)
+    monkeypatch.undo()
+    assert put(store, CHILD)
+    assert_state(get(store, CHILD), CHILD)
+
+
 @pytest.mark.parametrize("field, value", [
     ("prefixrun.kv_regions", '[["k"]]'), ("prefixrun.kv_regions", '["k", "k", "v"]'),
     ("prefixrun.kv_regions", '{"k": 1}'), ("prefixrun.kv_regions", '["recurrent"]'),
