@@ -7,6 +7,7 @@ cache or the user (paths, decoded prompts) is printed literally, never as Rich m
 from __future__ import annotations
 
 import json
+import math
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -71,8 +72,9 @@ def _reader_went_away():
 def _entry_json(e) -> dict:
     return {"entry_id": e.entry_id, "model_digest": e.model_digest, "layout_digest": e.layout_digest,
             "tokens": e.n_tokens, "bytes": e.nbytes, "kv_blocks": e.blocks, "kv_block_bytes": e.block_bytes,
-            "kv_blocks_shared": e.shared_blocks, "hits": e.hits, "created": e.created,
-            "last_used": e.last_used, "token_preview": list(e.token_preview), "path": str(e.path), "meta": e.meta}
+            "kv_blocks_shared": e.shared_blocks, "hits": e.hits, "created": _finite_or_none(e.created),
+            "last_used": _finite_or_none(e.last_used), "token_preview": list(e.token_preview), "path": str(e.path),
+            "meta": e.meta}
 
 
 def _nesting(entries) -> dict:
@@ -225,6 +227,11 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     out.print(Text(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
     out.print(Text(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no inf / nan (a damaged index can hold them): null instead, so the output stays parseable."""
+    return value if math.isfinite(value) else None
 
 
 def _when(timestamp: float) -> str:

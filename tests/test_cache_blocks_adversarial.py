@@ -511,11 +511,19 @@ def test_inspect_cache_survives_last_used_times_no_calendar_holds(populated, tmp
     cache = tmp_path / "cache"
     shutil.copytree(populated, cache)
     edit_index(cache / "checkpoints", "UPDATE entries SET last_used = 1e300 WHERE rowid = 1",
-               "UPDATE entries SET last_used = -1e300 WHERE rowid = 2")
+               "UPDATE entries SET last_used = -1e300 WHERE rowid = 2",
+               "UPDATE entries SET last_used = 1e999, created = -1e999 WHERE rowid = 3")  # SQLite keeps +-inf
     for extra in ((), ("--tree",), ("--verify",)):
         code, out, err = inspect(cache, *extra)
         assert code == 0 and "Traceback" not in err and out, (extra, err)
     assert "?" in inspect(cache)[1]  # the time no calendar holds, shown as unknown
+    code, out, err = inspect(cache, "--json")
+
+    def not_json(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    listing = json.loads(out, parse_constant=not_json)  # strict JSON: no Infinity / NaN
+    assert code == 0 and None in {e["last_used"] for e in listing["entries"]}
 
 
 FULL_DISK_WRAPPER = r"""
