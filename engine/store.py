@@ -1384,14 +1384,16 @@ class CheckpointStore:
 def _folder_files(root: Path) -> list[Path]:
     """The files this store may have created under `root`, found without following symlinks: the index and its
     journals, blobs and temp files in shard folders, what quarantine/ holds, and a blobs/ or kv_blocks/ that is a
-    symlink (the link itself)."""
+    symlink (the link itself) or a plain file."""
     root = Path(root)
     found = [root / (INDEX_FILE_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
     found = [p for p in found if p.is_file() and not p.is_symlink()]
     quarantine = root / QUARANTINE_DIR_NAME
     for blobs in (root / BLOBS_DIR_NAME, root / kv_blocks.BLOCKS_DIR_NAME):
-        if blobs.is_symlink():
-            found.append(blobs)  # the link itself (unlink removes only the link), never what it leads to
+        if blobs.is_symlink() or blobs.is_file():
+            # the link itself (unlink removes only the link, never what it leads to), or a file in the folder's
+            # place: either makes the store unusable, so --clear must take it for the cache to work again
+            found.append(blobs)
             continue
         if not blobs.is_dir():
             continue

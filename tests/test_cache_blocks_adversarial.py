@@ -705,6 +705,24 @@ def test_kill_9_during_the_writer_at_random_times_then_a_rerun_gives_the_same_an
 
 
 @pytest.mark.parametrize("folder", [BLOCKS_DIR_NAME, "blobs"])
+def test_a_file_in_place_of_the_block_or_blob_folder_is_cleared_by_inspect_cache(model_dir, inputs, populated,
+                                                                                  tmp_path, folder):
+    cache = tmp_path / "cache"
+    shutil.copytree(populated, cache)
+    shutil.rmtree(cache / "checkpoints" / folder)
+    (cache / "checkpoints" / folder).write_text("not a folder")
+    code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)
+    assert code == 0 and answers == inputs["answers"]["base"] and "running without it" in stderr, stderr
+    code, out, err = inspect(cache)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "--clear" in err, err
+    code, out, err = inspect(cache, "--clear", "--yes")  # what that line advises: it must make the cache work again
+    assert code == 0, err
+    code, answers, report, stderr = batch(model_dir, cache, inputs["files"]["base"], tmp_path)
+    assert code == 0 and answers == inputs["answers"]["base"] and report["cache"]["written"] > 0, stderr
+    assert "warning:" not in stderr, stderr
+
+
+@pytest.mark.parametrize("folder", [BLOCKS_DIR_NAME, "blobs"])
 def test_a_block_or_blob_folder_linked_out_of_the_cache_is_never_written_through(model_dir, inputs, tmp_path, folder):
     cache = tmp_path / "cache"
     outside = tmp_path / "elsewhere"
