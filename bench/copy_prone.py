@@ -79,15 +79,21 @@ def make_copy_prone(src: Path, dst: Path, factor: float = DEFAULT_FACTOR) -> int
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not a model folder (no config.json)")
-    dst.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists")
+    partial = dst.with_name(dst.name + ".partial")  # renamed when complete: an interrupted run leaves no model
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     scaled = 0
     for p in sorted(src.iterdir()):
         if p.is_file():
-            shutil.copyfile(p, dst / p.name)
+            shutil.copyfile(p, partial / p.name)
             if p.suffix == ".safetensors":
-                scaled += scale_file(dst / p.name, factor)
+                scaled += scale_file(partial / p.name, factor)
     if not scaled:
+        shutil.rmtree(partial)
         raise ValueError(f"{src}: no o_proj / out_proj / down_proj tensors found to scale")
+    partial.rename(dst)
     return scaled
 
 

@@ -84,7 +84,9 @@ for m in $MODELS; do
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
   [ -f /tmp/$m-copy-prone/config.json ] || python3 bench/copy_prone.py $MODEL /tmp/$m-copy-prone || exit 1
-  bench "$m-warmup" /tmp/spec-repetitive-1.jsonl --max-tokens 8 --speculative ngram  # NVRTC compiles, untimed
+  # NVRTC compiles, untimed: on the copy-prone model, whose drafts are accepted, so verify steps (the multi-row
+  # kernels) run too
+  MODEL=/tmp/$m-copy-prone bench "$m-warmup" /tmp/spec-repetitive-1.jsonl --max-tokens 16 --speculative ngram
   { echo; echo "### $m: decode tokens/s with speculative decoding (greedy, no cache)"; echo
     echo "random: the made model (random weights, drafts never accepted: the cost of failed drafts);" \
          "copy-prone: the same shapes with residual outputs x2^-10 (bench/copy_prone.py: the output repeats)."

@@ -272,3 +272,6 @@ def test_copy_prone_model_keeps_every_tensor_and_makes_ngram_drafts_accepted(cpu
     assert m["acceptance_rate"] > 0.9 and m["tokens_per_step"] > 4  # the output repeats: ~k + 1 tokens per step
     with pytest.raises(FileNotFoundError):
         mod.make_copy_prone(tmp_path / "nowhere", tmp_path / "x")
+    with pytest.raises(FileExistsError):
+        mod.make_copy_prone(src, dst)
+    assert not (tmp_path / "copy.partial").exists()
