@@ -9,6 +9,7 @@ from typing import Any
 from prefixrun.engine.speculative import AUTO_MAX_BATCH, DraftInput, Drafter, TokenHistory
 
 _PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
+_REPORT_PROBE_EVERY = 256  # the same for explicit methods, whose yardstick only serves the report's time saved
 _EMA = 0.2
 # A verify step of B sequences x R rows costs about 1 + VERIFY_ROW_COST x (R - 1) x max(1, B / VERIFY_BATCH_KNEE)
 # plain steps of B sequences (H200, 4b-like model, 2026-12-01, 6 rows: ~1.5x at batch 4, ~2.2x at batch 16: past a
@@ -100,9 +101,10 @@ class Speculator:
     sequence's room allow.
     `auto` in addition: only on decode steps of at most AUTO_MAX_BATCH sequences and only for greedy requests (a
     sampled request's tokens depend on the steps it drafted in), and it backs off (for 1, 2, 4 .. 512 steps)
-    whenever its measured tokens/s fall below plain steps' at the same batch size. Every _PROBE_EVERY-th step (the
-    second included) is a plain one, whose time (the fastest seen per batch size) is the yardstick of the time
-    saved and of auto's decisions; steps that compiled or captured something measure nothing."""
+    whenever its measured tokens/s fall below plain steps' at the same batch size. Every _PROBE_EVERY-th step
+    (_REPORT_PROBE_EVERY-th for explicit methods; the second included) is a plain one, whose time (the fastest
+    seen per batch size) is the yardstick of the time saved and of auto's decisions; steps that compiled or
+    captured something measure nothing."""
 
     def __init__(self, drafter: Drafter, mode: str, num_drafts: int, state, runner, max_seqs: int):
         self.drafter, self.mode, self.num_drafts = drafter, mode, num_drafts
@@ -126,7 +128,8 @@ class Speculator:
         """Drafts per sequence for the coming step, or None: take a plain decode step."""
         self._steps += 1
         auto = self.mode == "auto"
-        if self._steps % _PROBE_EVERY == 2 or (auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
+        if self._steps % (_PROBE_EVERY if auto else _REPORT_PROBE_EVERY) == 2 or (
+                auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
             self._off_for = max(0, self._off_for - 1)
             return None if not self.drafter.needs_hidden else [[] for _ in seqs]
         none = None if not self.drafter.needs_hidden else [[] for _ in seqs]
