@@ -3,8 +3,8 @@
 A stored state pays only when reading it back is cheaper than recomputing the tokens it adds. Three rates decide:
 - prefill tokens/s of this model on this device (the engine's own counters: computed tokens over prefill seconds);
 - the cache folder's READ bytes/s, measured on reads only (lookups, and the writer reading back what it wrote until
-  enough reads were timed). A write is fsync'd and several times slower than a read from the page cache, so it
-  never stands in for a read;
+  enough reads were timed). A write (serialize, hash, copy into the page cache) runs at another rate than a
+  verified read, so it never stands in for one;
 - the folder's write bytes/s, reported (what the background writer spends), never used to judge a read.
 
 No decision hinges on one small, noisy first measurement: a rate counts once it rests on at least
@@ -38,6 +38,10 @@ MIN_READ_SECONDS = 0.05
 MIN_PREFILL_SECONDS = 0.05  # likewise for the prefill rate (a GPU's first step also pays its warm-up)
 PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
 CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at full width
+# Reads of the calibration file, the fastest counted: it runs while the first prefill keeps the host thread (and the
+# GIL) busy, and a single read there measured 1.3-1.5 GiB/s on the H200 host where real reads of entries measured
+# 5.8-6.8 GB/s a run later; the fastest of several is the one the engine's thread disturbed least.
+CALIBRATION_READS = 6
 RATES_FILE_NAME = "rates.json"
 RATES_VERSION = 1
 _MAX_RATES_FILE_BYTES = 1 << 20
@@ -229,7 +233,7 @@ class CostModel:
 def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | None:
     """Bytes/s of reading back and verifying `nbytes` just written to an unnamed file in `folder` (O_TMPFILE:
     nothing is left behind, whatever happens), through the store's own read path (engine/blob_format.py: several
-    threads reading and hashing chunks). None where that is not possible."""
+    threads reading and hashing chunks): the fastest of CALIBRATION_READS reads. None where that is not possible."""
     from prefixrun.engine.blob_format import BlobFormatError, read_descriptor
 
     flags = getattr(os, "O_TMPFILE", 0)
@@ -244,10 +248,14 @@ def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | 
         for _ in range(nbytes >> 20):
             os.write(descriptor, chunk)
         size = (nbytes >> 20) << 20
-        started = time.perf_counter()
-        read_descriptor(descriptor, size)
-        seconds = time.perf_counter() - started
-        return size / seconds if size and seconds > 0 else None
+        best = None
+        for _ in range(CALIBRATION_READS):
+            started = time.perf_counter()
+            read_descriptor(descriptor, size)
+            seconds = time.perf_counter() - started
+            if size and seconds > 0:
+                best = max(best or 0.0, size / seconds)
+        return best
     except (OSError, BlobFormatError):
         return None
     finally:

@@ -20,8 +20,8 @@ read also checks the block's tree digest against the one recorded when it was wr
 model, layout, row count) against the index, and each region's trailing shape and dtype against the entry's tail.
 
 Files: ``kv_blocks/<id[:2]>/<id>.<content_sha256[:16]>.safetensors`` (temp files while writing:
-``kv_blocks/<xx>/.<id>.<host>.<pid>.<random>.tmp``), written with the store's protocol (temp, fsync, rename,
-fsync dir) before the index row that names them. Index tables (in the store's SQLite index, schema 3):
+``kv_blocks/<xx>/.<id>.<host>.<pid>.<random>.tmp``), written with the store's protocol (temp file, rename; no
+fsync: every read checks the recorded digest) before the index row that names them. Index tables (in the store's SQLite index, schema 3):
 
     blocks(block_id TEXT PRIMARY KEY, file_name, nbytes, content_sha256, created)
     entry_blocks(entry_id, position, block_id, end_row, PRIMARY KEY (entry_id, position))  -- references, in order
@@ -178,9 +178,8 @@ class BlockFiles:
             return None
         return path
 
-    def write(self, block_id: str, tensors: dict[str, np.ndarray], metadata: dict[str, str], fsync_dir
-              ) -> tuple[str, int, str]:
-        """Temp file -> fsync -> rename -> fsync dir; (file_name, nbytes, content digest). Raises OSError."""
+    def write(self, block_id: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[str, int, str]:
+        """Temp file -> rename; (file_name, nbytes, content digest). Raises OSError."""
         if not _SHA256_HEX.fullmatch(block_id):
             raise ValueError(f"block id {block_id!r} is not a SHA-256 hex digest")
         shard = self.folder / block_id[:2]
@@ -192,11 +191,8 @@ class BlockFiles:
             content_sha256 = blob_format.tree_digest(payload)
             with open(temp, "xb") as handle:
                 handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
             file_name = f"{block_id}.{content_sha256[:16]}.safetensors"
             os.replace(temp, shard / file_name)
-            fsync_dir(shard)
             return file_name, len(payload), content_sha256
         except BaseException:
             try:
@@ -241,14 +237,30 @@ class BlockFiles:
                 raise BadBlock(block_id, f"{field_name} in the file differs from the index")
         return tensors
 
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                               thread_name_prefix="prefixrun-kv-block")
+        return self._readers
+
     def read_many(self, rows: list[tuple], model_digest: str, layout_digest: str) -> list[dict[str, np.ndarray]]:
         """`read` of several blocks, on a few threads (each block is about one digest chunk: one thread each)."""
         if len(rows) <= 1:
             return [self.read(row, model_digest, layout_digest) for row in rows]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                               thread_name_prefix="prefixrun-kv-block")
-        return list(self._readers.map(lambda row: self.read(row, model_digest, layout_digest), rows))
+        return list(self._pool().map(lambda row: self.read(row, model_digest, layout_digest), rows))
+
+    def write_many(self, blocks: list[tuple[str, dict, int]], metadata: dict[str, str]
+                   ) -> tuple[list[tuple[str, str, int, str, int]], OSError | None]:
+        """`write` of several blocks (id, tensors, end row) on a few threads. (the blocks written: (id, file name,
+        bytes, digest, end row), the first OSError or None): on an error the caller discards what was written."""
+        def one(block):
+            block_id, tensors, end_row = block
+            try:
+                return (block_id, *self.write(block_id, tensors, metadata), end_row), None
+            except OSError as error:
+                return None, error
+        done = [one(b) for b in blocks] if len(blocks) <= 1 else list(self._pool().map(one, blocks))
+        return [d for d, _ in done if d is not None], next((e for _, e in done if e is not None), None)
 
     def shard_dirs(self) -> list[Path]:
         try:

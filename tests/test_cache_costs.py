@@ -6,6 +6,7 @@ Engine-level runs use a tiny random-weight hybrid model on the CPU with a tempor
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -415,3 +416,28 @@ def test_a_read_ahead_that_fails_unexpectedly_leaves_the_lookup_to_read_itself(l
     second, costs, _, _ = run(loaded, tmp_path / "c", SECOND)  # must not wait forever for the read-ahead
     assert costs.prefetch_bytes == 0 and costs.read_bytes > 0 and costs.restored_tokens >= len(DOCUMENT)
     assert second == without_cache(loaded, SECOND)
+
+
+@pytest.mark.parametrize("policy", ["measured", "always"])
+def test_the_runs_end_waits_for_the_writer_only_within_its_bound(loaded, tmp_path, monkeypatch, policy):
+    """Writes not started within the end's bound are dropped and counted (measured policy); `always` writes all."""
+    from prefixrun.engine import persist as persist_module
+    from prefixrun.engine.store import CheckpointStore
+    monkeypatch.setattr(persist_module, "END_WAIT_MIN_S", 0.0)
+    monkeypatch.setattr(persist_module, "END_WAIT_FRACTION", 0.0)
+    real_put = CheckpointStore.put
+
+    def slow_put(self, *args, **kwargs):
+        time.sleep(0.3)
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "put", slow_put)
+    results, costs, _, _ = run(loaded, tmp_path / "c", PROMPTS, policy=policy, disk_measured=True,
+                               prefill_rate=1.0)  # a slow device: every offered state is worth writing
+    assert results == without_cache(loaded, PROMPTS)
+    dropped = costs.declines.get("write dropped: the run's end would have waited for it")
+    if policy == "always":
+        assert dropped is None and costs.writes_skipped == 0
+    else:
+        assert dropped and dropped["count"] >= 1 and "not started" in dropped["example"]
+        assert costs.written_bytes > 0 or dropped["count"] == costs.writes_skipped

@@ -596,21 +596,19 @@ def maybe_die():
     if count > after:
         os.kill(os.getpid(), signal.SIGKILL)
 
-if where == "before-rename":  # the blob is written and fsynced under its temp name
-    real_replace = os.replace
+real_replace = os.replace
+if where == "before-rename":  # the blob is written under its temp name
     def replace(src, dst, *args, **kwargs):
         if str(src).endswith(".tmp") and "blobs" in str(src):  # checkpoint blobs only
             maybe_die()
         return real_replace(src, dst, *args, **kwargs)
-    os.replace = replace
 else:  # renamed to its final name, not yet in the index (a checkpoint blob, or a K/V block file)
-    real_fsync_dir = store._fsync_dir
     kind = "kv_blocks" if where == "after-block-rename" else "blobs"
-    def fsync_dir(folder):
-        real_fsync_dir(folder)
-        if folder.parent.name == kind:
+    def replace(src, dst, *args, **kwargs):
+        real_replace(src, dst, *args, **kwargs)
+        if str(src).endswith(".tmp") and os.path.basename(os.path.dirname(os.path.dirname(str(dst)))) == kind:
             maybe_die()
-    store._fsync_dir = fsync_dir
+os.replace = replace
 
 from prefixrun.cli.app import main
 sys.argv = ["prefixrun"] + sys.argv[1:]
