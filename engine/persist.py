@@ -65,6 +65,7 @@ CACHE_POLICIES = ("measured", "always")
 # for its writes (fsync'd then) after 2.3 s of work; a write is worth a later read, not a slower run now.
 END_WAIT_MIN_S = 0.5
 END_WAIT_FRACTION = 0.25  # of the time since the cache was opened (~ the run's wall so far)
+END_WAIT_DROP_MIN_BYTES = 32 << 20  # smaller late jobs are still written: they cost little to finish
 _STORE_FAILURES = (sqlite3.Error, OSError, StoreError)
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class _BackgroundWriter:
             job, nbytes = item
             try:
                 late = time.perf_counter() - self._deadline if self._deadline is not None else 0.0
-                if late > 0 and self._drop is not None:
+                if late > 0 and self._drop is not None and nbytes >= END_WAIT_DROP_MIN_BYTES:
                     self._drop(job, nbytes, late)
                 else:
                     self._write(*job)

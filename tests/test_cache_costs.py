@@ -315,8 +315,8 @@ def test_read_ahead_serves_the_lookups_and_a_bad_entry_read_ahead_is_still_a_mis
     seen = []
     real_take = PersistentCheckpoints._take_read_ahead
 
-    def spy(self, entry_id, file_name):
-        found = real_take(self, entry_id, file_name)
+    def spy(self, entry_id, file_name, *resident_rows):
+        found = real_take(self, entry_id, file_name, *resident_rows)
         seen.append(found)
         return found
 
@@ -425,6 +425,7 @@ def test_the_runs_end_waits_for_the_writer_only_within_its_bound(loaded, tmp_pat
     from prefixrun.engine.store import CheckpointStore
     monkeypatch.setattr(persist_module, "END_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(persist_module, "END_WAIT_FRACTION", 0.0)
+    monkeypatch.setattr(persist_module, "END_WAIT_DROP_MIN_BYTES", 0)
     real_put = CheckpointStore.put
 
     def slow_put(self, *args, **kwargs):
