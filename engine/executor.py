@@ -175,7 +175,7 @@ class WindowExecutor:
                 # the base was made (and its tokens charged) all the same: the chain goes on through its run, so
                 # its carrier still pays for what it computed and only [b, hit) counts as the hit's
                 base_run = base.origin if isinstance(base, Handoff) else \
-                    self.saver[id(base)][1] if isinstance(base, CheckpointEntry) else None
+                    self.saver.get(id(base), (None, None))[1] if isinstance(base, CheckpointEntry) else None
                 self._let_go(task, base)
                 handle, logits = found
                 self.trace.add("hit", task.id, start=b, end=handle.length, note=source)
