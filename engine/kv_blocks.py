@@ -130,18 +130,15 @@ def split(storage: dict[str, np.ndarray], kv_regions: Sequence[str], n_blocks: i
     return own, blocks
 
 
-def join(regions: dict[str, np.ndarray], kv_regions: Sequence[str], blocks: list[dict[str, np.ndarray] | None],
-         rows: int) -> None:
-    """In place: each paged region becomes [len(blocks) * rows + tail rows, ...], block i's rows first. A block of
-    None (already resident in memory, not read) leaves its rows zero."""
-    for name in kv_regions:
-        tail = regions[name]  # [tail, ...]
-        whole = np.zeros((len(blocks) * rows + tail.shape[0], *tail.shape[1:]), dtype=tail.dtype)
-        for i, block in enumerate(blocks):
-            if block is not None:
-                whole[i * rows:(i + 1) * rows] = block[name]
-        whole[len(blocks) * rows:] = tail
-        regions[name] = whole
+def allocate(tails: dict[str, np.ndarray], n_blocks: int, rows: int) -> dict[str, np.ndarray]:
+    """Each paged region whole, [n_blocks * rows + tail rows, ...]: the tail copied in, block rows zero until
+    `BlockFiles.read_into` fills them (rows of blocks not read, resident in memory, stay zero and untouched)."""
+    wholes = {}
+    for name, tail in tails.items():  # tail [tail rows, ...]
+        whole = np.zeros((n_blocks * rows + tail.shape[0], *tail.shape[1:]), dtype=tail.dtype)
+        whole[n_blocks * rows:] = tail
+        wholes[name] = whole
+    return wholes
 
 
 def check_block(block_id: str, tensors: dict[str, np.ndarray], tails: dict[str, np.ndarray], rows: int) -> None:
@@ -243,11 +240,23 @@ class BlockFiles:
                                                thread_name_prefix="prefixrun-kv-block")
         return self._readers
 
-    def read_many(self, rows: list[tuple], model_digest: str, layout_digest: str) -> list[dict[str, np.ndarray]]:
-        """`read` of several blocks, on a few threads (each block is about one digest chunk: one thread each)."""
-        if len(rows) <= 1:
-            return [self.read(row, model_digest, layout_digest) for row in rows]
-        return list(self._pool().map(lambda row: self.read(row, model_digest, layout_digest), rows))
+    def read_into(self, rows: list[tuple], positions: list[int], model_digest: str, layout_digest: str,
+                  wholes: dict[str, np.ndarray], tails: dict[str, np.ndarray], block_rows: int) -> None:
+        """`read` each block and copy it into its rows of `wholes` (`allocate`), on a few threads: reading,
+        hashing and copying overlap, and a block's buffer is let go as soon as it is copied. Raises BadBlock."""
+        def one(job):
+            position, row = job
+            tensors = self.read(row, model_digest, layout_digest)
+            check_block(row[0], tensors, tails, block_rows)
+            for name, whole in wholes.items():
+                whole[position * block_rows:(position + 1) * block_rows] = tensors[name]  # copy releases the GIL
+
+        jobs = list(zip(positions, rows))
+        if len(jobs) <= 1:
+            for job in jobs:
+                one(job)
+        else:
+            list(self._pool().map(one, jobs))
 
     def write_many(self, blocks: list[tuple[str, dict, int]], metadata: dict[str, str]
                    ) -> tuple[list[tuple[str, str, int, str, int]], OSError | None]:

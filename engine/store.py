@@ -764,10 +764,10 @@ class CheckpointStore:
         for r in needed:
             if not isinstance(r[3], int) or not isinstance(r[4], str):
                 raise BadBlock(r[0], "malformed index row")
-        tensors = self._kv.read_many([r[1:] for r in needed], row.model_digest, row.layout_digest)
-        for r, block in zip(needed, tensors):
-            kv_blocks.check_block(r[0], block, tails, rows)
-        kv_blocks.join(stored, kv_names, [None] * skip + tensors, rows)
+        wholes = kv_blocks.allocate(tails, n_blocks, rows)
+        self._kv.read_into([r[1:] for r in needed], list(range(skip, n_blocks)), row.model_digest, row.layout_digest,
+                           wholes, tails, rows)
+        stored.update(wholes)
         read = sum(r[3] for r in needed)
         if count:
             self.stats.blocks_read += len(needed)
