@@ -274,7 +274,7 @@ class PersistentCheckpoints:
             return self._problem(checkpoint, layout)
 
         self._learn_layout(state)
-        afford = self._affordable(minimum)
+        afford = self._affordable(minimum, tokens, self._resident_rows(share))
         self._await_read_ahead(tokens, minimum, maximum)
         stats = self.store.stats
         read_before, blocks_before = stats.read_bytes, (stats.block_bytes_read, stats.blocks_read, stats.blocks_resident)
@@ -309,8 +309,10 @@ class PersistentCheckpoints:
             else None
         return (handle, logits_dev), read
 
-    def _affordable(self, minimum: int):
+    def _affordable(self, minimum: int, tokens, resident_rows: int):
         def afford(n_tokens: int, nbytes: int) -> bool:
+            if self._read_ahead_done(tuple(tokens[:n_tokens]), resident_rows):
+                return True  # its bytes are in memory already: only the import is left, never slower than computing
             reason = self.cost_model.judge_read(n_tokens - minimum, nbytes)
             if reason is None:
                 return True
@@ -447,6 +449,14 @@ class PersistentCheckpoints:
                     return checkpoint
         return None
 
+    def _read_ahead_done(self, prefix: tuple[int, ...], resident_rows: int) -> bool:
+        """The read-ahead of exactly `prefix` has finished with what a lookup holding `resident_rows` needs in
+        memory (the lookup's `preread` takes it)."""
+        with self._ahead_lock:
+            slot = self._ahead.get(prefix)
+            return slot is not None and slot[0].is_set() and slot[1] is not None \
+                and slot[1].resident_rows <= resident_rows
+
     def _drop_unused_read_ahead(self):
         """Under _ahead_lock: forget read-ahead entries already read and not taken."""
         for prefix in [p for p, slot in self._ahead.items() if slot[0].is_set()]:
@@ -473,6 +483,11 @@ class PersistentCheckpoints:
             return False
         self.offered.add(key)
         self._learn_layout(state)
+        try:
+            if self.store.indexed_entry(self.key, key, len(key), len(key) - 1) is not None:
+                return False  # stored already (e.g. recomputed after a declined read): not even captured
+        except _STORE_FAILURES:
+            pass
         presence = self._block_presence(key)
         nbytes = self._new_bytes(state, handle, sum(presence))  # what the write moves: stored K/V blocks are not
         # the leading K/V blocks already stored are not even captured or copied to the host (put checks they are

@@ -442,3 +442,48 @@ def test_the_runs_end_waits_for_the_writer_only_within_its_bound(loaded, tmp_pat
     else:
         assert dropped and dropped["count"] >= 1 and "not started" in dropped["example"]
         assert costs.written_bytes > 0 or dropped["count"] == costs.writes_skipped
+
+
+def test_an_entry_read_ahead_is_used_even_where_the_disk_rate_would_decline_it(loaded, tmp_path):
+    """Its bytes are in memory once the read-ahead is done: only the import is left (the device's LONG warm run
+    read 1.18 GB ahead, then declined all of it for the disk rate)."""
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+
+    def arrange(persist):
+        real_prefetch = persist.prefetch
+
+        def prefetch_then_turn_fast(roots, state=None):
+            real_prefetch(roots, state)
+            with persist._ahead_lock:
+                slots = list(persist._ahead.values())
+            for slot in slots:
+                slot[0].wait(30)
+            persist.watch_prefill(Counters(10 ** 12, 1.0))  # from now on nothing on disk is worth reading
+        persist.prefetch = prefetch_then_turn_fast
+
+    second, costs, stats, _ = run(loaded, tmp_path / "c", SECOND, disk_measured=True, setup=arrange)
+    assert costs.prefetch_used_bytes > 0 and costs.restored_tokens >= len(DOCUMENT) and costs.read_bytes == 0
+    assert second == without_cache(loaded, SECOND)
+
+
+def test_a_state_already_stored_is_not_captured_again(loaded, tmp_path, monkeypatch):
+    cold, _, _, _ = run(loaded, tmp_path / "c", PROMPTS, policy="always")
+    captured = []
+    real_export = ModelState.export_later
+
+    def spy(self, handle, skip_rows=0):
+        captured.append(handle.length)
+        return real_export(self, handle, skip_rows)
+
+    monkeypatch.setattr(ModelState, "export_later", spy)
+    # every state recomputed (no lookup finds anything) on a device slow enough that each is worth writing: all are
+    # offered again, and all are on disk already
+    monkeypatch.setattr(PersistentCheckpoints, "lookup", lambda self, *args, **kwargs: None)
+    again, costs, stats, _ = run(loaded, tmp_path / "c", PROMPTS, disk_measured=True, prefill_rate=1.0)
+    assert again == cold and stats.computed_prompt_tokens > 0 and captured == [] and costs.written_bytes == 0
+    monkeypatch.undo()
+    fresh_captures = []
+    monkeypatch.setattr(ModelState, "export_later", lambda self, handle, skip_rows=0: (
+        fresh_captures.append(handle.length), real_export(self, handle, skip_rows))[1])
+    run(loaded, tmp_path / "fresh", PROMPTS, disk_measured=True, prefill_rate=1.0)
+    assert fresh_captures  # the same run over an empty folder does capture (the check above can fail)
