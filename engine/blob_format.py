@@ -64,7 +64,10 @@ def _chunks(size: int) -> list[tuple[int, int]]:
 def tree_digest(buffer) -> str:
     """The content digest of `buffer` (bytes-like)."""
     view = memoryview(buffer).cast("B")
-    digests = list(threads().map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), _chunks(len(view))))
+    chunks = _chunks(len(view))
+    if len(chunks) == 1:  # one chunk (a K/V block): hashed inline
+        return _tree([hashlib.sha256(view).digest()], len(view))
+    digests = list(threads().map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), chunks))
     return _tree(digests, len(view))
 
 
@@ -102,7 +105,9 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
             done += n
         return hashlib.sha256(view).digest()
 
-    digests = list(threads().map(read_and_hash, _chunks(size)))
+    chunks = _chunks(size)
+    # one chunk (a K/V block): read inline, without a hand-over to the pool and back (each costs the GIL twice)
+    digests = [read_and_hash(chunks[0])] if len(chunks) == 1 else list(threads().map(read_and_hash, chunks))
     if os.pread(descriptor, 1, size):
         raise BlobFormatError(f"file longer than its recorded {size} bytes")
     return buffer, _tree(digests, size)

@@ -72,7 +72,7 @@ def test_block_ids_depend_on_the_whole_prefix_and_nothing_collides():
     assert block_ids("ef" * 8, KEY.layout_digest, a, ROWS)[0] != ids[0]  # another model
     assert block_ids(KEY.model_digest, KEY.layout_digest, a, 8)[1] != ids[0]  # same rows [0, 16), other block size
     assert block_ids(KEY.model_digest, KEY.layout_digest, a[:ROWS], ROWS) == ids[:1]  # a prefix's ids are a prefix
-    assert block_rows(16, 512) % 16 == 0 and block_rows(16, 10 ** 9) == 16 and block_rows(64, 32 << 10) == 128
+    assert block_rows(16, 512) % 16 == 0 and block_rows(16, 10 ** 9) == 16 and block_rows(64, 32 << 10) == 256
 
 
 def test_a_child_entry_writes_only_its_own_blocks_and_both_restore_exactly(tmp_path):
