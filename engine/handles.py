@@ -82,15 +82,22 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
         arr = arrays[s.name]
         if s.paged:
             first = min(skip_rows // arr.shape[1], len(h.blocks))  # arr [num_blocks, block_size, *shape]
-            own = h.blocks[first:]
-            rows = arr[own].reshape((-1,) + tuple(s.shape))[:length - first * arr.shape[1]] if own else arr[:0, 0]
-            pending[s.name] = (first * arr.shape[1], ops.start_host_copy(rows))  # [length - skipped, *shape]
+            # contiguous runs of blocks as slices: a gather by a list of block ids would upload that list to the
+            # device, and an upload from pageable memory may wait for the device's queue (the capture measured
+            # 0.15 s of critical path for one state on the H200)
+            runs = _runs(h.blocks[first:]) or [(0, 0)]
+            pieces = [ops.start_host_copy(arr[a:b]) for a, b in runs]  # [b - a, block_size, *shape] each
+            pending[s.name] = (first * arr.shape[1], pieces)
         else:
-            pending[s.name] = (None, ops.start_host_copy(arr[h.slot]))  # [*shape]
+            pending[s.name] = (None, [ops.start_host_copy(arr[h.slot])])  # [*shape]
 
     def host(s: RegionSpec) -> np.ndarray:
-        skipped, copy = pending[s.name]
-        rows = copy()
+        skipped, pieces = pending[s.name]
+        if skipped is None:
+            return pieces[0]()
+        parts = [p() for p in pieces]
+        rows = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape((-1,) + tuple(s.shape))
+        rows = rows[:length - skipped]  # [length - skipped, *shape]
         if not skipped:
             return rows
         whole = np.zeros((length,) + tuple(s.shape), rows.dtype)  # pages of the skipped rows are never touched
@@ -101,6 +108,17 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
         return {s.name: s.to_position_order(host(s), length) for s in specs}
 
     return finish
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Block ids as maximal runs of consecutive ids: [(first, last + 1), ...], in order."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    return [(a, b) for a, b in runs]
 
 
 def validate_regions(specs: list[RegionSpec], regions: dict[str, np.ndarray], length: int):

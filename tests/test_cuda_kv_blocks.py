@@ -73,6 +73,24 @@ def test_export_without_stored_rows_on_gpu(loaded):
     state.check_invariants()
 
 
+def test_export_of_blocks_that_are_not_consecutive_on_gpu(loaded):
+    state = ModelState(loaded.model.state_specs(), loaded.ops, num_slots=3, num_blocks=16, block_size=64)
+    a, b = state.new_sequence(), state.new_sequence()
+    loaded.model.forward(state.prepare_step([a], [FIRST[0][:64]]), state)
+    loaded.model.forward(state.prepare_step([b], [FIRST[1][:64]]), state)
+    loaded.model.forward(state.prepare_step([a], [FIRST[0][64:]]), state)  # a's later blocks after b's
+    length = a.length
+    for skip in (0, 64, 128):
+        got = state.export_later(a, skip)()
+        for s in [s for s in state.specs if s.paged]:  # against an independent gather of a's blocks on the host
+            pool = loaded.ops.to_host(state.arrays[s.name])  # [num_blocks, block_size, *shape]
+            expected = pool[a.blocks].reshape((-1,) + tuple(s.shape))[:length]
+            assert got[s.name][skip:].tobytes() == expected[skip:].tobytes(), (s.name, skip)
+    for h in (a, b):
+        state.release(h)
+    state.check_invariants()
+
+
 def test_documents_blocks_are_written_once_and_runs_change_no_token(loaded, tmp_path, small_blocks):
     first, costs, _ = run(loaded, FIRST, tmp_path / "c")
     assert costs.blocks_written >= 2 * len(DOCS) and costs.blocks_reused >= len(FIRST)
