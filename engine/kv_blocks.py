@@ -186,14 +186,12 @@ class BlockFiles:
         temp = shard / f".{block_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             shard.mkdir(parents=True, exist_ok=True)
-            payload = blob_format.serialize(tensors, {**metadata, "prefixrun.format": BLOCK_FORMAT,
-                                                      "prefixrun.block_id": block_id})
-            content_sha256 = blob_format.tree_digest(payload)
             with open(temp, "xb") as handle:
-                handle.write(payload)
+                nbytes, content_sha256 = blob_format.write_file(
+                    handle, tensors, {**metadata, "prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id})
             file_name = f"{block_id}.{content_sha256[:16]}.safetensors"
             os.replace(temp, shard / file_name)
-            return file_name, len(payload), content_sha256
+            return file_name, nbytes, content_sha256
         except BaseException:
             try:
                 temp.unlink()

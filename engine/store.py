@@ -1035,12 +1035,8 @@ class CheckpointStore:
         temp = shard / f".{entry_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             shard.mkdir(parents=True, exist_ok=True)
-            payload = blob_format.serialize(tensors, metadata)
-            content_sha256 = blob_format.tree_digest(payload)
-            nbytes = len(payload)
             with open(temp, "xb") as handle:
-                handle.write(payload)
-            del payload
+                nbytes, content_sha256 = blob_format.write_file(handle, tensors, metadata)
             file_name = f"{entry_id}.{content_sha256[:16]}.safetensors"
             os.replace(temp, shard / file_name)
             return file_name, nbytes, content_sha256

@@ -85,3 +85,27 @@ def blob(header: dict, data: bytes = b"") -> np.ndarray:
 def test_malformed_layouts_are_named(buffer, problem):
     with pytest.raises(BlobFormatError, match=problem):
         parse(buffer)
+
+
+def test_streamed_write_is_safetensors_with_the_digest_of_its_bytes(tmp_path):
+    from prefixrun.engine import blob_format
+    big = np.arange(3 * (blob_format.CHUNK_BYTES // 4) + 5, dtype=np.float32)  # chunk boundaries inside a tensor
+    cases = [tensors(), {"big": big, "small": np.arange(3, dtype=np.int16), "z": np.zeros((0, 4), np.uint16),
+                         "s": np.array(7, np.int64), "b": np.array([True, False])}]
+    for i, case in enumerate(cases):
+        path = tmp_path / f"{i}.safetensors"
+        with open(path, "wb") as handle:
+            size, digest = blob_format.write_file(handle, case, {"prefixrun.format": "x"})
+        data = path.read_bytes()
+        assert size == len(data) and digest == tree_digest(data)
+        loaded = safetensors.numpy.load(data)  # the official reader takes it
+        metadata, parsed = parse(np.frombuffer(data, np.uint8))
+        assert metadata == {"prefixrun.format": "x"} and set(loaded) == set(parsed) == set(case)
+        for name, array in case.items():
+            assert loaded[name].dtype == array.dtype and np.array_equal(loaded[name], array)
+            assert np.array_equal(parsed[name], array)
+        buffer, read_digest = read_file(path, size)
+        assert read_digest == digest
+    with pytest.raises(ValueError):
+        with open(tmp_path / "bad", "wb") as handle:
+            blob_format.write_file(handle, {"t": np.zeros((4, 4), np.float32)[:, ::2]}, {})
