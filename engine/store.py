@@ -48,9 +48,12 @@ On-disk contract (everything below lives under ``root``; nothing else may write 
 
 Write protocol (``put``): serialize into the temp file, ``os.replace`` it to its final name, THEN insert the
 index row in one short ``BEGIN IMMEDIATE`` transaction that also evicts least-recently-used rows until the
-indexed total is within the budget. Evicted files are unlinked after that commit. So a killed process leaves at
-worst an unindexed temp or blob file (``sweep_orphans`` removes it), never an index row pointing at a partial
-file. Files are not fsync'd (an fsync'd write ran at ~0.5 GB/s on the H200 host, and the run's end waited seconds
+indexed total is within the budget. Evicted blobs are unlinked after that commit, freed K/V block files before it
+(a block's name is a function of its content: another process may write that very name right after the commit; a
+process killed between those deletes and its commit leaves block rows naming missing files: misses, dropped by the
+next maintenance). So a killed process leaves at worst an unindexed temp or blob file (``sweep_orphans`` removes
+it), never an index row pointing at a partial file.
+Files are not fsync'd (an fsync'd write ran at ~0.5 GB/s on the H200 host, and the run's end waited seconds
 for it): after a power loss a recently written file may be torn or empty under its final name, and since every
 read checks the content digest the index recorded, such a file is a miss (quarantined), never a wrong state. The indexed total never exceeds the budget at
 any commit, and the files on disk are within the budget whenever no ``put`` is in flight.
@@ -450,8 +453,10 @@ class CheckpointStore:
 
     def _drop_unreferenced(self, db: sqlite3.Connection, block_ids: Iterable[str] | None = None
                            ) -> tuple[list[Path | None], int]:
-        """Inside the caller's transaction: delete those of `block_ids` (None: all blocks) that no entry references.
-        (their files, to unlink after commit; their bytes)"""
+        """Inside the caller's transaction: delete those of `block_ids` (None: all blocks) that no entry references,
+        and their files, before the commit: a block's file name is a function of its content, so another process may
+        write and index that very name right after the commit, and an unlink after it would take that new file
+        (its row then names a missing file). (no files left to unlink: [], their bytes)"""
         if block_ids is None:
             garbage = db.execute(kv_blocks.GARBAGE_SQL).fetchall()
         else:
@@ -459,7 +464,9 @@ class CheckpointStore:
                 "SELECT block_id, file_name, nbytes FROM blocks WHERE block_id = ? AND NOT EXISTS "
                 "(SELECT 1 FROM entry_blocks WHERE block_id = ?)", (block_id, block_id)).fetchall()]
         db.executemany("DELETE FROM blocks WHERE block_id = ?", [(row[0],) for row in garbage])
-        return [self._kv.path_of(row[1]) for row in garbage], sum(row[2] for row in garbage if isinstance(row[2], int))
+        for row in garbage:
+            _unlink_quietly(self._kv.path_of(row[1]))
+        return [], sum(row[2] for row in garbage if isinstance(row[2], int))
 
     def _indexed_bytes(self, db: sqlite3.Connection) -> int:
         """What the budget counts: every entry's blob plus every block once."""
@@ -953,10 +960,12 @@ class CheckpointStore:
                     else:
                         files_to_delete.append(self._path_of(current.file_name))
                         current = None
-                if (current is None or current.file_name == file_name) and any(
+                if (current is None or current.file_name == file_name) and (any(
                         db.execute("SELECT 1 FROM blocks WHERE block_id = ?", (b,)).fetchone() is None
-                        for b in present):
-                    stored = False  # a block it relied on was evicted meanwhile: not stored this time
+                        for b in present) or any(_size_or_none(self._kv.path_of(b[1])) != b[2] for b in new_blocks)):
+                    # a block it relied on was evicted meanwhile, or a file it wrote was deleted by an evictor that
+                    # freed the same name: not stored this time
+                    stored = False
                     files_to_delete.append(self._path_of(file_name))
                 elif current is None or current.file_name == file_name:
                     db.execute(f"INSERT OR REPLACE INTO entries ({_ROW_COLUMNS}) VALUES ({', '.join('?' * 13)})", new_row)
@@ -976,8 +985,8 @@ class CheckpointStore:
                         self.stats.evicted_bytes += sum(victim_bytes for _, victim_bytes in victims)
                 if not inserted:  # our new blocks are nobody's: dropped unless a row names the same file
                     files_to_delete += self._unindexed_block_paths(db, new_blocks)
-            for path in files_to_delete:
-                _unlink_quietly(path)
+                for path in files_to_delete:  # before the commit (see _drop_unreferenced)
+                    _unlink_quietly(path)
             if inserted:
                 block_bytes = sum(b[2] for b in indexed_blocks)
                 self.stats.written += 1
@@ -1023,10 +1032,9 @@ class CheckpointStore:
         written by another writer has the same content and so the same file name)."""
         if not new_blocks:
             return
-        with self._lock:
-            paths = self._unindexed_block_paths(self._db, new_blocks)
-        for path in paths:
-            _unlink_quietly(path)
+        with self._lock, self._write_transaction() as db:  # no row may name them between the check and the unlink
+            for path in self._unindexed_block_paths(db, new_blocks):
+                _unlink_quietly(path)
 
     def _write_blob(self, entry_id: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]):
         """Temp file -> rename (no fsync: see the write protocol). Returns (file_name, nbytes, sha256) or None on

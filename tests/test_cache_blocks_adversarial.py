@@ -759,3 +759,35 @@ def test_inspect_cache_counts_a_block_row_with_a_malformed_size_as_the_budget_do
     assert all(isinstance(e["kv_block_bytes"], int) for e in listing["entries"])
     code, out, err = inspect(cache)
     assert code == 0 and "state blobs -" not in out and "Traceback" not in err, err
+
+
+def test_an_evictor_never_deletes_a_block_file_another_process_has_just_written_again(tmp_path, monkeypatch):
+    """Block files are named by their content, so after an evicting process commits the removal of a block, another
+    process may write and index the very same file name. The evictor deletes the files it freed before its commit
+    (holding the index's write lock): the other writer either sees the block still stored and stores nothing, or
+    writes it after the delete; never a row naming a file the evictor deleted afterwards."""
+    from prefixrun.engine import store as store_module
+
+    root = tmp_path / "cache"
+    evictor, writer = CheckpointStore(root), CheckpointStore(root)
+    assert put(evictor, DOC)
+    real_unlink = store_module._unlink_quietly
+    other = []
+
+    def unlink_while_another_process_writes(path):
+        if not other:  # the other process writes the document again right now (on a thread: it has its own index
+            other.append(threading.Thread(target=lambda: other.append(put(writer, DOC))))  # connection and lock)
+            other[0].start()
+            other[0].join(1.5)  # done, or waiting for the evictor's write lock
+        return real_unlink(path)
+
+    monkeypatch.setattr(store_module, "_unlink_quietly", unlink_while_another_process_writes)
+    evictor.remove([e.entry_id for e in evictor.entries()])
+    monkeypatch.undo()
+    other[0].join(30)
+    found = get(writer, DOC)
+    assert writer.stats.corrupt == 0  # no row names a file the evictor deleted
+    assert found is None or assert_state(found, DOC) is None
+    assert put(writer, DOC)
+    assert_state(get(writer, DOC), DOC)
+    assert writer.verify_all() == []
