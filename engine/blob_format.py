@@ -11,7 +11,9 @@ tensor would eat the gain, so:
   with every field validated: known dtype, non-negative shape, offsets inside the data, sizes that match the
   shapes, no overlapping tensors. A malformed file raises BlobFormatError, never anything else.
 
-The format on disk is plain safetensors (`safetensors.numpy.save`), so any safetensors reader can open a blob.
+The format on disk is plain safetensors, so any safetensors reader can open a blob. It is written by `write_file`,
+streamed from the arrays' own memory (header, then each tensor's buffer; the digest's chunks hashed in place), not
+through `safetensors.numpy.save`, which builds a copy of the whole payload while holding the GIL.
 """
 from __future__ import annotations
 
