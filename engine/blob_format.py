@@ -168,8 +168,17 @@ def parse(buffer: np.ndarray) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     header_len = int.from_bytes(buffer[:8].tobytes(), "little")
     if header_len > min(MAX_HEADER_BYTES, buffer.size - 8):
         raise BlobFormatError(f"header length {header_len} exceeds the file")
+    data = buffer[8 + header_len:]
+    metadata, layout = _layout(buffer[8:8 + header_len].tobytes(), data.size)
+    return metadata, {name: data[start:stop].view(dtype).reshape(shape)
+                      for name, (dtype, shape, start, stop) in layout.items()}
+
+
+def _layout(header_bytes: bytes, data_size: int) -> tuple[dict[str, str], dict[str, tuple]]:
+    """(metadata, {name: (dtype, shape, start, stop)}) of a safetensors header, every field checked against a data
+    area of `data_size` bytes."""
     try:
-        header = json.loads(buffer[8:8 + header_len].tobytes())
+        header = json.loads(header_bytes)
     except (UnicodeDecodeError, ValueError) as error:
         raise BlobFormatError(f"header is not JSON: {error}") from None
     if not isinstance(header, dict):
@@ -178,8 +187,7 @@ def parse(buffer: np.ndarray) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise BlobFormatError("metadata is not a map of strings")
-    data = buffer[8 + header_len:]
-    tensors, spans = {}, []
+    layout, spans = {}, []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise BlobFormatError(f"tensor {name!r}: malformed entry")
@@ -189,15 +197,70 @@ def parse(buffer: np.ndarray) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise BlobFormatError(f"tensor {name!r}: bad shape {shape!r}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) \
-                or not 0 <= offsets[0] <= offsets[1] <= data.size:
+                or not 0 <= offsets[0] <= offsets[1] <= data_size:
             raise BlobFormatError(f"tensor {name!r}: data offsets {offsets!r} outside the data")
         itemsize = np.dtype(_DTYPES[dtype]).itemsize
         if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * itemsize:
             raise BlobFormatError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape}")
         spans.append((offsets[0], offsets[1], name))
-        tensors[name] = data[offsets[0]:offsets[1]].view(_DTYPES[dtype]).reshape(shape)
+        layout[name] = (np.dtype(_DTYPES[dtype]), tuple(shape), offsets[0], offsets[1])
     spans.sort()
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
             raise BlobFormatError(f"tensors {first!r} and {second!r} overlap")
-    return metadata, tensors
+    return metadata, layout
+
+
+def read_into(path, size: int, places) -> tuple[dict[str, str], str]:
+    """Read a safetensors file of `size` bytes straight into caller-owned arrays (a K/V block into its rows of the
+    restored regions): `places(names)` returns {name: destination} for the tensor names of the checked header,
+    each destination C-contiguous and exactly its tensor's dtype and shape. The tensors must tile the data area;
+    it is read into the destinations in file order and hashed in place: no buffer of the file, no copy (per-block
+    buffers cost a fresh mapping and its page faults each, on several threads at once). Returns (metadata, tree
+    digest). Raises OSError, BlobFormatError, or what `places` raises; on an error, destinations may hold part of
+    the file."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise BlobFormatError("not a regular file")
+        head = os.pread(descriptor, 8, 0)
+        if len(head) < 8 or size < 8:
+            raise BlobFormatError("shorter than a safetensors header")
+        header_len = int.from_bytes(head, "little")
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            raise BlobFormatError(f"header length {header_len} exceeds the file")
+        text = os.pread(descriptor, header_len, 8)
+        if len(text) != header_len:
+            raise BlobFormatError(f"file shorter than its recorded {size} bytes")
+        metadata, layout = _layout(text, size - 8 - header_len)
+        destinations = places(sorted(layout))
+        pieces, position = [memoryview(head + text)], 0
+        for name in sorted(layout, key=lambda n: layout[n][2]):
+            dtype, shape, start, stop = layout[name]
+            target = destinations[name]
+            if target.dtype != dtype or tuple(target.shape) != shape or not target.flags.c_contiguous:
+                raise BlobFormatError(f"tensor {name!r}: {dtype} {shape} does not fit its place "
+                                      f"({target.dtype} {tuple(target.shape)})")
+            if start != position:
+                raise BlobFormatError(f"tensor {name!r} does not follow the one before it")
+            pieces.append(memoryview(target.reshape(-1).view(np.uint8)))
+            position = stop
+        if position != size - 8 - header_len:
+            raise BlobFormatError("the tensors do not cover the data area")
+        offset = 8 + header_len
+        for piece in pieces[1:]:
+            done = 0
+            while done < len(piece):
+                n = os.preadv(descriptor, [piece[done:]], offset + done)
+                if n <= 0:
+                    raise BlobFormatError(f"file shorter than its recorded {size} bytes")
+                done += n
+            offset += len(piece)
+        if os.pread(descriptor, 1, size):
+            raise BlobFormatError(f"file longer than its recorded {size} bytes")
+    finally:
+        os.close(descriptor)
+    chunks = _chunks(size)
+    if len(chunks) == 1:
+        return metadata, _tree([_hash_span(pieces, *chunks[0])], size)
+    return metadata, _tree(list(threads().map(lambda span: _hash_span(pieces, *span), chunks)), size)

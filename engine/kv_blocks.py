@@ -144,18 +144,6 @@ def allocate(tails: dict[str, np.ndarray], n_blocks: int, rows: int) -> dict[str
     return wholes
 
 
-def check_block(block_id: str, tensors: dict[str, np.ndarray], tails: dict[str, np.ndarray], rows: int) -> None:
-    """Raise BadBlock unless a block's tensors are exactly the entry's paged regions at `rows` rows (names,
-    trailing shapes and dtypes of the entry's tails)."""
-    if set(tensors) != set(tails):
-        raise BadBlock(block_id, "its regions are not the entry's paged regions")
-    for name, tail in tails.items():
-        array = tensors[name]
-        if array.dtype != tail.dtype or tuple(array.shape) != (rows, *tail.shape[1:]):
-            raise BadBlock(block_id, f"region {name!r}: {array.dtype} {tuple(array.shape)}, expected "
-                                     f"{tail.dtype} {(rows, *tail.shape[1:])}")
-
-
 class BlockFiles:
     """The kv_blocks/ folder: names, writes and verified reads of block files (the index is the store's)."""
 
@@ -199,42 +187,6 @@ class BlockFiles:
                 pass
             raise
 
-    def read(self, row: tuple, model_digest: str, layout_digest: str) -> dict[str, np.ndarray]:
-        """One block, verified against its index row (block_id, file_name, nbytes, content_sha256): confined
-        path, size, tree digest, safetensors layout, metadata. Raises BadBlock saying what is wrong."""
-        block_id, file_name, nbytes, content_sha256 = row
-        try:
-            return self._read(block_id, file_name, nbytes, content_sha256, model_digest, layout_digest)
-        except BadBlock as bad:
-            bad.file_name = file_name
-            raise
-
-    def _read(self, block_id, file_name, nbytes, content_sha256, model_digest, layout_digest):
-        path = self.path_of(file_name)
-        if path is None or BLOCK_NAME.fullmatch(file_name).group(1) != block_id:
-            raise BadBlock(block_id, f"file name {file_name!r} is not this block's name")
-        try:
-            size = path.stat().st_size
-            if size != nbytes:
-                raise BadBlock(block_id, f"size {size} != recorded {nbytes}")
-            buffer, digest = blob_format.read_file(path, size)
-        except FileNotFoundError:
-            raise BadBlock(block_id, "file missing") from None
-        except (OSError, blob_format.BlobFormatError) as error:
-            raise BadBlock(block_id, f"unreadable: {error}") from None
-        if digest != content_sha256:
-            raise BadBlock(block_id, f"content digest {digest} != recorded {content_sha256}")
-        try:
-            metadata, tensors = blob_format.parse(buffer)
-        except blob_format.BlobFormatError as error:
-            raise BadBlock(block_id, f"not a safetensors file: {error}") from None
-        expected = {"prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id,
-                    "prefixrun.model_digest": model_digest, "prefixrun.layout_digest": layout_digest}
-        for field_name, value in expected.items():
-            if metadata.get(field_name) != value:
-                raise BadBlock(block_id, f"{field_name} in the file differs from the index")
-        return tensors
-
     def _pool(self) -> ThreadPoolExecutor:
         if self._readers is None:
             self._readers = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
@@ -243,14 +195,37 @@ class BlockFiles:
 
     def read_into(self, rows: list[tuple], positions: list[int], model_digest: str, layout_digest: str,
                   wholes: dict[str, np.ndarray], tails: dict[str, np.ndarray], block_rows: int) -> None:
-        """`read` each block and copy it into its rows of `wholes` (`allocate`), on a few threads: reading,
-        hashing and copying overlap, and a block's buffer is let go as soon as it is copied. Raises BadBlock."""
+        """Read each block straight into its rows of `wholes` (`allocate`; blob_format.read_into: no buffer, no
+        copy), verified as `read` verifies (confined name, size, digest, metadata, names, dtypes and shapes against
+        the entry's tails), on a few threads. Raises BadBlock."""
         def one(job):
-            position, row = job
-            tensors = self.read(row, model_digest, layout_digest)
-            check_block(row[0], tensors, tails, block_rows)
-            for name, whole in wholes.items():
-                whole[position * block_rows:(position + 1) * block_rows] = tensors[name]  # copy releases the GIL
+            position, (block_id, file_name, nbytes, content_sha256) = job
+            rows = slice(position * block_rows, (position + 1) * block_rows)
+
+            def places(names):
+                if set(names) != set(wholes):
+                    raise BadBlock(block_id, "its regions are not the entry's paged regions", file_name)
+                return {name: wholes[name][rows] for name in names}  # [block_rows, ...] views, C-contiguous
+
+            path = self.path_of(file_name)
+            if path is None or BLOCK_NAME.fullmatch(file_name).group(1) != block_id:
+                raise BadBlock(block_id, f"file name {file_name!r} is not this block's name", file_name)
+            try:
+                size = path.stat().st_size
+                if size != nbytes:
+                    raise BadBlock(block_id, f"size {size} != recorded {nbytes}", file_name)
+                metadata, digest = blob_format.read_into(path, size, places)
+            except FileNotFoundError:
+                raise BadBlock(block_id, "file missing", file_name) from None
+            except (OSError, blob_format.BlobFormatError) as error:
+                raise BadBlock(block_id, f"unreadable: {error}", file_name) from None
+            if digest != content_sha256:
+                raise BadBlock(block_id, f"content digest {digest} != recorded {content_sha256}", file_name)
+            expected = {"prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id,
+                        "prefixrun.model_digest": model_digest, "prefixrun.layout_digest": layout_digest}
+            for field_name, value in expected.items():
+                if metadata.get(field_name) != value:
+                    raise BadBlock(block_id, f"{field_name} in the file differs from the index", file_name)
 
         jobs = list(zip(positions, rows))
         if len(jobs) <= 1:

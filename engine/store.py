@@ -62,7 +62,7 @@ Trust rules (``lookup``): the index only says where to look. Before an entry is 
 that the file exists, its size and content digest match the row, its safetensors layout parses (every offset,
 shape and dtype checked, engine/blob_format.py), its format version,
 model and layout digests match, its stored token prefix hashes to the entry id, the block ids it lists are the ones
-its tokens give and the index lists, every block it needs is verified (kv_blocks.BlockFiles.read: size, content
+its tokens give and the index lists, every block it needs is verified (kv_blocks.BlockFiles.read_into: size, content
 digest, metadata, shapes against the entry's tail), and the stored tokens equal
 the requested prefix exactly (a hash match alone is never trusted). A bad block is moved to ``quarantine/`` and
 every entry that references it is dropped (none of them can be restored any more): a miss, never a wrong state. A file that fails any check except the

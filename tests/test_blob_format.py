@@ -109,3 +109,26 @@ def test_streamed_write_is_safetensors_with_the_digest_of_its_bytes(tmp_path):
     with pytest.raises(ValueError):
         with open(tmp_path / "bad", "wb") as handle:
             blob_format.write_file(handle, {"t": np.zeros((4, 4), np.float32)[:, ::2]}, {})
+
+
+def test_read_into_places_fills_them_with_the_files_tensors_and_checks_the_fit(tmp_path):
+    from prefixrun.engine import blob_format
+    case = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.uint16)}
+    path = tmp_path / "t.safetensors"
+    with open(path, "wb") as handle:
+        size, digest = blob_format.write_file(handle, case, {"k": "v"})
+    places = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.uint16)}
+    metadata, got = blob_format.read_into(path, size, lambda names: places)
+    assert metadata == {"k": "v"} and got == digest == tree_digest(path.read_bytes())
+    assert all(np.array_equal(places[n], case[n]) for n in case)
+    for wrong in ({"a": np.zeros((4, 3), np.float32), "b": np.zeros(5, np.uint16)},
+                  {"a": np.zeros((3, 4), np.float64), "b": np.zeros(5, np.uint16)},
+                  {"a": np.zeros((3, 8), np.float32)[:, ::2], "b": np.zeros(5, np.uint16)}):
+        with pytest.raises(BlobFormatError):
+            blob_format.read_into(path, size, lambda names, wrong=wrong: wrong)
+    with pytest.raises(BlobFormatError):  # a size other than the file's
+        blob_format.read_into(path, size - 1, lambda names: places)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert blob_format.read_into(path, size, lambda names: places)[1] != digest  # the caller compares digests
