@@ -624,8 +624,8 @@ def test_kill_in_the_middle_of_a_cache_write(models, sample_file, baseline, tmp_
                         "cpu", "--cache-dir", cache, "-q"], env=env, capture_output=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr.decode()
     leftovers = [q for q in (cache / "checkpoints" / "blobs").glob("*/*") if q.is_file()]
-    if where == "after-block-rename":  # the first K/V block is on disk; nothing names it
-        assert len(list((cache / "checkpoints" / "kv_blocks").glob("*/*.safetensors"))) == 1
+    if where == "after-block-rename":  # K/V blocks on disk (written on several threads: one or more); nothing names them
+        assert len(list((cache / "checkpoints" / "kv_blocks").glob("*/*.safetensors"))) >= 1
     else:
         assert len(leftovers) == 3  # two complete writes, one cut short
     assert verify_store(cache) == []
