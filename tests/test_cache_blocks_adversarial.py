@@ -31,7 +31,7 @@ from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.persist import open_cache
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.store import INDEX_FILE_NAME, CheckpointStore, StoreKey
+from prefixrun.engine.store import BLOBS_DIR_NAME, INDEX_FILE_NAME, CheckpointStore, StoreKey
 
 KEY = StoreKey("ab" * 8, "cd" * 8)
 OTHER_LAYOUT = StoreKey("ab" * 8, "ef" * 8)
@@ -687,11 +687,19 @@ def test_kill_9_during_the_writer_at_random_times_then_a_rerun_gives_the_same_an
     rng = random.Random(11)
     args = ["batch", src, "--model", model_dir, "--device", "cpu", "--cache-dir", cache, "-o", tmp_path / "out.jsonl",
             "--overwrite", "-q"]
+    written = [cache / "checkpoints" / BLOBS_DIR_NAME, cache / "checkpoints" / BLOCKS_DIR_NAME]
+    files_written = lambda: sum(len(names) for d in written if d.is_dir() for _, _, names in os.walk(d))
     killed = 0
     for _ in range(4):
+        before = files_written()
         proc = subprocess.Popen([sys.executable, "-c", KILL_WRAPPER, *map(str, args)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(1.0, 3.5))  # the tiny model's run: ~1 s to start, then prefill and writes
+        # the kill lands once this run's writer has begun (a new blob or block file, temp files included), at a
+        # random moment just after: a fixed sleep missed every run on a fast machine (the run was over by then)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and files_written() == before and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.05))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             killed += 1
