@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
@@ -71,6 +73,21 @@ def tree_digest(buffer) -> str:
         return _tree([hashlib.sha256(view).digest()], len(view))
     digests = list(threads().map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), chunks))
     return _tree(digests, len(view))
+
+
+def confined_path(folder: Path, file_name, pattern: re.Pattern) -> Path | None:
+    """`folder/<first two characters>/file_name`, or None when `file_name` is not a string of `pattern` or its shard
+    folder resolves outside `folder` (a symlink): then nothing is read, moved or deleted for that name. The one
+    path rule of the cache's blobs and K/V blocks."""
+    if not isinstance(file_name, str) or not pattern.fullmatch(file_name):
+        return None
+    path = folder / file_name[:2] / file_name
+    try:
+        if path.parent.resolve().parent != folder.resolve():
+            return None
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
+        return None
+    return path
 
 
 def serialize(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:

@@ -156,15 +156,7 @@ class BlockFiles:
     def path_of(self, file_name) -> Path | None:
         """A block file's path, or None when the name is not one this store writes or its shard folder resolves
         outside kv_blocks/ (a symlink): nothing is then read, moved or deleted."""
-        if not isinstance(file_name, str) or not BLOCK_NAME.fullmatch(file_name):
-            return None
-        path = self.folder / file_name[:2] / file_name
-        try:
-            if path.parent.resolve().parent != self.folder.resolve():
-                return None
-        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
-            return None
-        return path
+        return blob_format.confined_path(self.folder, file_name, BLOCK_NAME)
 
     def write(self, block_id: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[str, int, str]:
         """Temp file -> rename; (file_name, nbytes, content digest). Raises OSError."""

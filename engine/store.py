@@ -417,15 +417,7 @@ class CheckpointStore:
         """The blob an index row names, or None when the name is not one this store writes
         (``<entry_id>.<sha16>.safetensors``) or its shard folder resolves outside ``blobs/`` (a symlink): then
         nothing is read, moved or deleted for that row. Every file operation on a row goes through here."""
-        if not isinstance(file_name, str) or not _BLOB_NAME.fullmatch(file_name):
-            return None
-        path = self._blobs_dir / file_name[:2] / file_name
-        try:
-            if path.parent.resolve().parent != self._blobs_dir.resolve():
-                return None
-        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
-            return None
-        return path
+        return blob_format.confined_path(self._blobs_dir, file_name, _BLOB_NAME)
 
     def _touch(self, db: sqlite3.Connection, entry_id: str, *, count_hit: bool) -> bool:
         """Mark an entry most recently used. One statement, so it is atomic even outside a transaction.
