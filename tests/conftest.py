@@ -109,3 +109,38 @@ def random_prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
 def loaded(model_dirs, cpu_ops):
     """family -> model loaded on the CPU backend."""
     return {name: load_model(path, cpu_ops)[0] for name, path in model_dirs.items()}
+
+
+def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy="always", max_tokens=6,
+                   **options):
+    """Greedy results of `prompts` through one Engine over a persistent cache at `cache_root` (none: no cache),
+    then the engine closed, its invariants checked and the cache's writer finished: (Result by custom_id, the
+    cache's costs or None, the engine's stats). `options`: EngineOptions fields (max_batch, reuse, ...)."""
+    from prefixrun.engine.persist import open_cache
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.runner import Engine, EngineOptions
+
+    persist = None
+    if cache_root is not None:
+        persist, problem = open_cache(cache_root, 1 << 30, loaded, block_size or loaded.ops.default_block_size,
+                                      policy)
+        assert problem is None
+    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(**options), persist=persist)
+    if persist is not None:
+        persist.watch_prefill(engine.stats)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    got = {r.custom_id: r for r in engine.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    engine.close()
+    engine.check_invariants()
+    costs = None
+    if persist is not None:
+        persist.finish()
+        costs = persist.costs
+        persist.store.close()
+    return got, costs, engine.stats
+
+
+def run_tokens(loaded, prompts, cache_root=None, **kwargs):
+    """run_with_cache with the results as token ids by custom_id."""
+    got, costs, stats = run_with_cache(loaded, prompts, cache_root, **kwargs)
+    return {k: r.token_ids for k, r in got.items()}, costs, stats

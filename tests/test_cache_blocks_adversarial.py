@@ -29,9 +29,9 @@ from prefixrun.engine import kv_blocks, loader
 from prefixrun.engine.kv_blocks import BLOCKS_DIR_NAME, block_ids
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.persist import open_cache
-from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
 from prefixrun.engine.store import BLOBS_DIR_NAME, INDEX_FILE_NAME, CheckpointStore, StoreKey
+
+from conftest import run_with_cache
 
 KEY = StoreKey("ab" * 8, "cd" * 8)
 OTHER_LAYOUT = StoreKey("ab" * 8, "ef" * 8)
@@ -335,20 +335,9 @@ def loaded(tmp_path_factory):
 
 def engine_run(loaded, cache_root, prompts, *, cache=True):
     """(results by id, engine stats); the cache policy `always` (this test's premise: every state is written)."""
-    persist = None
-    if cache:
-        persist, problem = open_cache(cache_root, 1 << 30, loaded, 16, "always")
-        assert problem is None
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=4, reuse=True), persist=persist)
-    if persist is not None:
-        persist.watch_prefill(engine.stats)
-    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
-    results = {r.custom_id: r for r in engine.run(requests)}
-    engine.close()
-    if persist is not None:
-        persist.finish()
-        persist.store.close()
-    return results, engine.stats
+    results, _, stats = run_with_cache(loaded, prompts, cache_root if cache else None, block_size=16, max_tokens=3,
+                                       max_batch=4)
+    return results, stats
 
 
 def assert_accounting_adds_up(results, stats):

@@ -12,11 +12,9 @@ import pytest
 pytest.importorskip("cupy")
 
 from prefixrun.engine import kv_blocks, loader  # noqa: E402
-from prefixrun.engine.persist import open_cache  # noqa: E402
-from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
-from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
 from prefixrun.engine.state import ModelState  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
+from conftest import run_tokens  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -36,24 +34,7 @@ def small_blocks(monkeypatch):
 
 
 def run(loaded, prompts, cache=None):
-    persist = None
-    if cache is not None:
-        persist, problem = open_cache(cache, 1 << 30, loaded, loaded.ops.default_block_size, "always")
-        assert problem is None
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8, state_memory_bytes=256 << 20),
-                    persist=persist)
-    if persist is not None:
-        persist.watch_prefill(engine.stats)
-    sp = SamplingParams(max_tokens=6, temperature=0)
-    got = {r.custom_id: r.token_ids for r in engine.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
-    engine.close()
-    engine.check_invariants()
-    costs = None
-    if persist is not None:
-        persist.finish()
-        costs = persist.costs
-        persist.store.close()
-    return got, costs, engine.stats
+    return run_tokens(loaded, prompts, cache, max_batch=8, state_memory_bytes=256 << 20)
 
 
 def test_export_without_stored_rows_on_gpu(loaded):

@@ -16,11 +16,9 @@ import pytest
 from prefixrun.engine import kv_blocks, loader
 from prefixrun.engine.kv_blocks import BLOCKS_DIR_NAME, block_ids, block_rows
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.persist import open_cache
-from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
 from prefixrun.engine.state import ModelState
 from prefixrun.engine.store import INDEX_FILE_NAME, CheckpointStore, StoreKey
+from conftest import run_tokens
 
 KEY = StoreKey("ab" * 8, "cd" * 8)
 ROWS = 16
@@ -329,24 +327,8 @@ def loaded(tmp_path_factory):
 
 
 def run(loaded, cache_root, prompts, *, cache=True, max_tokens=4):
-    persist = None
-    if cache:
-        persist, problem = open_cache(cache_root, 1 << 30, loaded, 16, "always")
-        assert problem is None
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=4, reuse=cache), persist=persist)
-    if persist is not None:
-        persist.watch_prefill(engine.stats)
-    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0), i)
-                for i, p in enumerate(prompts)]
-    results = {r.custom_id: r.token_ids for r in engine.run(requests)}
-    engine.close()
-    engine.check_invariants()
-    costs = None
-    if persist is not None:
-        persist.finish()
-        costs = persist.costs
-        persist.store.close()
-    return results, costs, engine.stats
+    return run_tokens(loaded, prompts, cache_root if cache else None, block_size=16, max_tokens=max_tokens,
+                          max_batch=4, reuse=cache)
 
 
 DOCS = [list(range(3 + 50 * d, 3 + 50 * d + 90)) for d in range(2)]  # two 90-token documents
