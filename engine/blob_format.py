@@ -29,6 +29,7 @@ import numpy as np
 import safetensors.numpy
 
 CHUNK_BYTES = 8 << 20
+_INLINE_TAIL_BYTES = 64 << 10  # past one chunk, a tail this small is hashed on the caller's thread too
 TREE_LABEL = b"prefixrun-tree-sha256-v1\0"
 MAX_HEADER_BYTES = 64 << 20
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -65,14 +66,20 @@ def _chunks(size: int) -> list[tuple[int, int]]:
     return [(start, min(start + CHUNK_BYTES, size)) for start in range(0, size, CHUNK_BYTES)] or [(0, 0)]
 
 
+def _chunk_digests(hash_span, size: int) -> list[bytes]:
+    """hash_span((start, stop)) of every chunk of a `size`-byte file, in order: on the blob threads, except for a
+    file of one chunk plus a small tail (a K/V block: 8 MiB of rows and its header), hashed inline without a hand-over
+    to the pool and back (each costs the GIL twice, and the caller is a reading thread of the K/V block pool)."""
+    chunks = _chunks(size)
+    if size <= CHUNK_BYTES + _INLINE_TAIL_BYTES:
+        return [hash_span(span) for span in chunks]
+    return list(threads().map(hash_span, chunks))
+
+
 def tree_digest(buffer) -> str:
     """The content digest of `buffer` (bytes-like)."""
     view = memoryview(buffer).cast("B")
-    chunks = _chunks(len(view))
-    if len(chunks) == 1:  # one chunk (a K/V block): hashed inline
-        return _tree([hashlib.sha256(view).digest()], len(view))
-    digests = list(threads().map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), chunks))
-    return _tree(digests, len(view))
+    return _tree(_chunk_digests(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), len(view)), len(view))
 
 
 def confined_path(folder: Path, file_name, pattern: re.Pattern) -> Path | None:
@@ -121,10 +128,7 @@ def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -
     size = sum(len(p) for p in pieces)
     for piece in pieces:
         file.write(piece)  # large writes go straight to the file, the GIL released meanwhile
-    chunks = _chunks(size)
-    if len(chunks) == 1:  # a K/V block: hashed inline
-        return size, _tree([_hash_span(pieces, *chunks[0])], size)
-    return size, _tree(list(threads().map(lambda span: _hash_span(pieces, *span), chunks)), size)
+    return size, _tree(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
 
 
 def _hash_span(pieces: list[memoryview], start: int, stop: int) -> bytes:
@@ -170,9 +174,7 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
             done += n
         return hashlib.sha256(view).digest()
 
-    chunks = _chunks(size)
-    # one chunk (a K/V block): read inline, without a hand-over to the pool and back (each costs the GIL twice)
-    digests = [read_and_hash(chunks[0])] if len(chunks) == 1 else list(threads().map(read_and_hash, chunks))
+    digests = _chunk_digests(read_and_hash, size)
     if os.pread(descriptor, 1, size):
         raise BlobFormatError(f"file longer than its recorded {size} bytes")
     return buffer, _tree(digests, size)
@@ -277,7 +279,4 @@ def read_into(path, size: int, places) -> tuple[dict[str, str], str]:
             raise BlobFormatError(f"file longer than its recorded {size} bytes")
     finally:
         os.close(descriptor)
-    chunks = _chunks(size)
-    if len(chunks) == 1:
-        return metadata, _tree([_hash_span(pieces, *chunks[0])], size)
-    return metadata, _tree(list(threads().map(lambda span: _hash_span(pieces, *span), chunks)), size)
+    return metadata, _tree(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)

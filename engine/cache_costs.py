@@ -11,7 +11,7 @@ No decision hinges on one small, noisy first measurement: a rate counts once it 
 `MIN_READ_BYTES` / `MIN_PREFILL_SECONDS` of work. Until then the rate measured by earlier runs in this folder
 (`rates.json` next to `checkpoints/`, validated on read, a bad file ignored) stands in; in a folder no run has
 measured, a calibration (`measure_read_rate`: CALIBRATION_BYTES written to an unnamed file in the folder and read
-back through the store's read path, on a thread while the first prefill runs); and only before that finishes, a
+back through the store's read path, on a thread started before the model loads); and only before that finishes, a
 conservative prior (`PRIOR_READ_BYTES_PER_S`). A write offered before the prefill rate is measured (the first
 group's prefill may be a GPU's few warm-up milliseconds) is captured and decided on the writer thread once it is
 (or at the run's end, from earlier runs' rate, else written); a read before any prefill gives the cache the
@@ -23,7 +23,6 @@ report's cache costs), so a run that read nothing from disk says why.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -32,7 +31,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WRITE_MARGIN = 0.5  # write only if a later read is expected to take under half the recompute time
+# A read (index, files, digests, import) competes with the engine for the host and is timed at lookups, so in a
+# near-tie recomputing on the device is the safer choice. Writes need the clearer margin: what is written is read
+# by later lookups only if it passes theirs (on the H200 a 16k-token document's 561 MiB reads in ~0.2 s, ~0.4 s to
+# recompute: written and read; shared-system's 2k-token 114 MiB prefix ~40 ms either way: neither).
+WRITE_MARGIN = 0.7  # write only if a later read is expected to take under 70% of the recompute time
+READ_MARGIN = 0.85  # read only if it is expected to take under 85% of computing from the state in memory
 MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under MIN_READ_SECONDS) is noise
 MIN_READ_SECONDS = 0.05
 MIN_PREFILL_SECONDS = 0.05  # likewise for the prefill rate (a GPU's first step also pays its warm-up)
@@ -119,6 +123,7 @@ class CostModel:
         self.earlier_write = earlier.get("write_bytes_per_s")
         self.earlier_prefill = earlier.get("prefill_tokens_per_s", {}).get(model)
         self.calibrated_read: float | None = None  # measure_read_rate's figure, when no earlier run measured one
+        self.calibration: ReadCalibration | None = None  # or one still measuring (its rate once it is done)
         self._read = _Measured()
         self._written = _Measured()
         self._lock = threading.Lock()
@@ -159,8 +164,9 @@ class CostModel:
             return measured, "this run"
         if self.earlier_read:
             return self.earlier_read, "earlier runs"
-        if self.calibrated_read:
-            return self.calibrated_read, "calibration"
+        calibrated = self.calibrated_read or (self.calibration.rate if self.calibration is not None else None)
+        if calibrated:
+            return calibrated, "calibration"
         return PRIOR_READ_BYTES_PER_S, "prior"
 
     def write_rate(self) -> float | None:
@@ -184,7 +190,7 @@ class CostModel:
 
     def judge_read(self, gained_tokens: int, nbytes: int) -> str | None:
         """None if reading `nbytes` beats computing `gained_tokens`, else why not."""
-        return None if self.always else self._judge(gained_tokens, nbytes, 1.0, "reading")
+        return None if self.always else self._judge(gained_tokens, nbytes, READ_MARGIN, "reading")
 
     def worth_writing(self, gained_tokens: int, nbytes: int) -> bool:
         return self.judge_write(gained_tokens, nbytes) is None
@@ -260,6 +266,34 @@ def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | 
         return None
     finally:
         os.close(descriptor)
+
+
+class ReadCalibration:
+    """`measure_read_rate` of a cache folder on a background thread; `rate` stays None until it is done. The session
+    starts it before the model loads, so that it reads while the weights upload instead of competing with the first
+    prefill for the host's cores. A folder that does not exist yet is measured at its nearest existing ancestor
+    (the same file system, as a rule)."""
+
+    def __init__(self, folder: Path):
+        self.rate: float | None = None
+        self._thread = threading.Thread(target=self._measure, args=(Path(folder),), name="prefixrun-cache-calibration",
+                                        daemon=True)
+        self._thread.start()
+
+    def _measure(self, folder: Path):
+        while not folder.is_dir() and folder.parent != folder:
+            folder = folder.parent
+        self.rate = measure_read_rate(folder)
+
+    def join(self):
+        self._thread.join()
+
+
+def start_calibration(root: Path) -> ReadCalibration | None:
+    """A calibration of the cache folder `root`, or None where an earlier run measured its read rate already."""
+    if load_rates(root).get("read_bytes_per_s"):
+        return None
+    return ReadCalibration(Path(root) / "checkpoints")
 
 
 def load_rates(root: Path) -> dict:

@@ -76,7 +76,7 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
     copies (export_regions' result); on a device the transfers happen when it is called, off the caller's path.
     `skip_rows` (a multiple of the block size): paged rows [0, skip_rows) are neither captured nor copied (the
     persistent cache has them already); they are zero in the result."""
-    pending = {}
+    sources, places = [], {}  # the device arrays to capture; per region: (skipped rows or None, their indices)
     length = h.length
     for s in specs:
         arr = arrays[s.name]
@@ -86,16 +86,18 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
             # device, and an upload from pageable memory may wait for the device's queue (the capture measured
             # 0.15 s of critical path for one state on the H200)
             runs = _runs(h.blocks[first:]) or [(0, 0)]
-            pieces = [ops.start_host_copy(arr[a:b]) for a, b in runs]  # [b - a, block_size, *shape] each
-            pending[s.name] = (first * arr.shape[1], pieces)
+            places[s.name] = (first * arr.shape[1], range(len(sources), len(sources) + len(runs)))
+            sources += [arr[a:b] for a, b in runs]  # [b - a, block_size, *shape] each
         else:
-            pending[s.name] = (None, [ops.start_host_copy(arr[h.slot])])  # [*shape]
+            places[s.name] = (None, range(len(sources), len(sources) + 1))
+            sources.append(arr[h.slot])  # [*shape]
+    copied = ops.start_host_copy(sources)  # one capture of the whole state
 
-    def host(s: RegionSpec) -> np.ndarray:
-        skipped, pieces = pending[s.name]
+    def host(s: RegionSpec, got: list[np.ndarray]) -> np.ndarray:
+        skipped, indices = places[s.name]
+        parts = [got[i] for i in indices]
         if skipped is None:
-            return pieces[0]()
-        parts = [p() for p in pieces]
+            return parts[0]
         rows = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape((-1,) + tuple(s.shape))
         rows = rows[:length - skipped]  # [length - skipped, *shape]
         if not skipped:
@@ -105,7 +107,8 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
         return whole
 
     def finish() -> dict[str, np.ndarray]:
-        return {s.name: s.to_position_order(host(s), length) for s in specs}
+        got = copied()
+        return {s.name: s.to_position_order(host(s, got), length) for s in specs}
 
     return finish
 
@@ -138,19 +141,33 @@ def validate_regions(specs: list[RegionSpec], regions: dict[str, np.ndarray], le
 def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, regions: dict[str, np.ndarray],
                   block_size: int, first_block: int = 0):
     """Fill h's slot and blocks (allocated to cover h.length) with validated `regions`, undoing export_regions.
-    Blocks before `first_block` are left as they are (shared with the state the regions extend)."""
+    Blocks before `first_block` are left as they are (shared with the state the regions extend).
+
+    Each run of consecutive blocks gets its rows straight from the host arrays, and each slot region its array, all
+    in one `ops.upload_into` (on a GPU one staged transfer: no device temporary, no scatter kernel, no pageable
+    copy per region waiting for the device's queue). The last block's rows past h.length are zeroed."""
     own = h.blocks[first_block:]
-    index = ops.upload_index(np.asarray(own, np.int64)) if own else None
+    first_row = first_block * block_size
+    pairs = []  # (device destination, host source): one upload_into for the whole state
     for s in specs:
         arr = arrays[s.name]
         dtype = ops.storage_dtype(s.dtype)
-        if s.paged:
-            if not own:
-                continue
-            first_row = first_block * block_size
-            rows = ops.upload(regions[s.name][first_row:h.length], dtype)  # [n, *shape]: one transfer per region
-            padded = ops.zeros((len(own) * block_size,) + tuple(s.shape), dtype)  # the last block's tail stays 0
-            padded[:h.length - first_row] = rows
-            arr[index] = padded.reshape((len(own), block_size) + tuple(s.shape))  # scattered into h's own blocks
-        else:
-            arr[h.slot] = ops.upload(s.from_position_order(np.asarray(regions[s.name]), h.length), dtype)
+        if not s.paged:
+            pairs.append((arr[h.slot], _in_dtype(s.from_position_order(np.asarray(regions[s.name]), h.length),
+                                                 dtype)))  # [*shape]
+            continue
+        rows = _in_dtype(regions[s.name][first_row:h.length], dtype)  # [n, *shape]
+        done = 0
+        for a, b in _runs(own):
+            dst = arr[a:b].reshape(((b - a) * block_size,) + tuple(s.shape))  # the run's rows, a view
+            n = min(len(dst), len(rows) - done)
+            pairs.append((dst[:n], rows[done:done + n]))
+            if n < len(dst):
+                pairs.append((dst[n:], np.zeros(dst[n:].shape, dtype)))
+            done += n
+    ops.upload_into(pairs)
+
+
+def _in_dtype(array: np.ndarray, dtype) -> np.ndarray:
+    """`array` itself when it is stored as `dtype` already (no copy of a page-locked region), else converted."""
+    return array if array.dtype == dtype else np.asarray(array, dtype)

@@ -44,6 +44,12 @@ class EngineSession:
         self.warnings: list[str] = []
         self._final_report: dict | None = None  # taken at close()
         started = time.perf_counter()
+        calibration = None
+        if s.use_cache and s.reuse and s.cache_policy != "always":
+            from prefixrun.engine.cache_costs import start_calibration
+
+            # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
+            calibration = start_calibration(Path(s.cache_root))
         self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp")
         ops = self.loaded.ops
         ops.synchronize()
@@ -68,7 +74,7 @@ class EngineSession:
 
             # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
             self.persist, problem = open_cache(s.cache_root, s.cache_budget, self.loaded, opts.block_size,
-                                                 s.cache_policy)
+                                                 s.cache_policy, calibration)
             if problem:
                 self.warnings.append(problem)
             self.store = self.persist.store if self.persist is not None else None

@@ -198,6 +198,7 @@ class StoredCheckpoint:
     file_name: str = ""  # the blob it was read from (immutable under that name)
     block_bytes: int = 0  # of nbytes, K/V blocks
     resident_rows: int = 0  # K/V rows [0, resident_rows) whose whole blocks were not read (zero here)
+    block_rows: int = 0  # K/V rows [0, block_rows) came from K/V block files (each verified by its own digest)
 
 
 @dataclass(frozen=True)
@@ -705,7 +706,8 @@ class CheckpointStore:
             raise _BadEntry(f"metadata unreadable: {error!r}") from None
         if not isinstance(dtype_names, dict) or set(dtype_names) != set(stored):
             raise _BadEntry("regions in the file differ from the recorded dtype table")
-        block_bytes, resident = self._read_blocks(row, metadata, stored_tokens, stored, resident_rows, count)
+        block_bytes, resident, from_blocks = self._read_blocks(row, metadata, stored_tokens, stored, resident_rows,
+                                                               count)
         regions: dict[str, np.ndarray] = {}
         for name, array in stored.items():
             storage_dtype = _STORAGE_DTYPE_BY_NAME.get(dtype_names[name])
@@ -721,12 +723,14 @@ class CheckpointStore:
             file_name=row.file_name,
             block_bytes=block_bytes,
             resident_rows=resident,
+            block_rows=from_blocks,
         )
 
     def _read_blocks(self, row: _Row, metadata: dict, tokens: np.ndarray, stored: dict[str, np.ndarray],
-                     resident_rows: int, count: bool) -> tuple[int, int]:
+                     resident_rows: int, count: bool) -> tuple[int, int, int]:
         """Check an entry's block list (metadata = ids its tokens give = the index's references), read the blocks
-        it needs and join them into its paged regions in `stored` (in place). (block bytes read, resident rows)"""
+        it needs and join them into its paged regions in `stored` (in place). (block bytes read, resident rows,
+        rows covered by blocks)"""
         try:
             rows = int(metadata["prefixrun.block_rows"])
             listed = json.loads(metadata["prefixrun.blocks"])
@@ -741,7 +745,7 @@ class CheckpointStore:
                 or (kv_names and rows <= 0) or (not kv_names and (rows != 0 or listed)):
             raise _BadEntry("K/V block metadata malformed")
         if not kv_names:
-            return 0, 0
+            return 0, 0, 0
         n_blocks = len(tokens) // rows
         if listed != kv_blocks.block_ids(row.model_digest, row.layout_digest, tokens, rows):
             raise _BadEntry("its K/V block list is not the one its tokens give")
@@ -773,7 +777,7 @@ class CheckpointStore:
             self.stats.block_bytes_read += read
             self.stats.read_bytes += read
             self.stats.blocks_resident += skip
-        return read, skip * rows
+        return read, skip * rows, n_blocks * rows
 
     def _quarantine_if_unchanged(self, row: _Row, reason: str) -> bool:
         """Move a bad entry aside, but only if its row is still the one we verified: if another process

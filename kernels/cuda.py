@@ -28,7 +28,7 @@ import numpy as np
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import Cublas, get_cublas
 from prefixrun.kernels.host_memory import start_device_to_host
-from prefixrun.kernels.upload import upload_bytes
+from prefixrun.kernels.upload import upload_bytes, upload_bytes_many
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, CudaTuning, \
@@ -418,9 +418,23 @@ class CudaOps:
             return cupy.asnumpy(array)
         return np.asarray(array)
 
-    def start_host_copy(self, array):
-        """A device snapshot now, its device -> host copy when the function is called (kernels/host_memory.py)."""
-        return start_device_to_host(array)
+    def upload_into(self, pairs):
+        """All pairs in one staged transfer (kernels/upload.py): packed into the pinned staging buffers, one DMA per
+        destination piece, no device temporary and no kernel."""
+        checked = []
+        for dst, host_array in pairs:
+            host_array = np.asarray(host_array)
+            if tuple(dst.shape) != tuple(host_array.shape) or dst.dtype.itemsize != host_array.dtype.itemsize \
+                    or not dst.flags.c_contiguous:
+                raise ValueError(f"upload_into: host {host_array.dtype} {host_array.shape} into device {dst.dtype} "
+                                 f"{tuple(dst.shape)} (C-contiguous: {dst.flags.c_contiguous})")
+            checked.append((dst, host_array))
+        upload_bytes_many(checked)
+
+    def start_host_copy(self, arrays):
+        """Device copies into one snapshot now; its device -> host copy when the function is called
+        (kernels/host_memory.py)."""
+        return start_device_to_host(arrays)
 
     def synchronize(self):
         cupy.cuda.get_current_stream().synchronize()

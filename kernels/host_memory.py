@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import threading
 
 import numpy as np
 
@@ -42,49 +41,49 @@ def keep_freed_memory() -> None:
 
 # ---- device -> host copies that do not hold up the device ------------------------------------------------------------
 # Exporting a state for the persistent cache used to copy it to the host synchronously, on the prefill's critical
-# path (a 16k-token document state of a 4B hybrid model is ~560 MiB). Instead the caller's stream makes a device-side
-# copy (the state's content at that moment, at device memory speed, ordered after the work that computed it) and
-# records an event; the device -> host copy of that snapshot runs later, on the thread that wants the bytes (the
-# cache's background writer), on a side stream that waits for the event, so prefill and decode go on meanwhile.
+# path (a 16k-token document state of a 4B hybrid model is ~560 MiB). Instead the caller's stream copies the state's
+# regions into one device buffer (their content at that moment, at device memory speed, ordered after the work that
+# computed them: plain device-to-device memcpys, no kernel to compile or load, one allocation per state) and records
+# an event; the device -> host copy of that snapshot runs later, on the thread that wants the bytes (the cache's
+# background writer), through the pinned staging buffers of kernels/upload.py (a pageable device -> host copy is staged
+# by the driver in small synchronous pieces that held up the engine thread's launches: the long-document cold run's
+# prefill took 0.3 s longer), after the event, so prefill and decode go on meanwhile. Fresh page-locked memory for
+# each state would save that staging copy, but pinning costs ~0.5 s per GB on the H200 host (273 ms for 114 MiB,
+# 552 ms for 562 MiB), far more than the copy it saves.
+
+_ALIGN = 256  # bytes: each region's place in the snapshot starts aligned for any dtype and for the DMA engines
 
 
-def start_device_to_host(array) -> "callable":
-    """CUDA: snapshot a cupy array now (device copy, on the current stream) and return a function that copies the
-    snapshot to a new host array (blocking the calling thread only; callable from any thread, once)."""
+def start_device_to_host(arrays) -> "callable":
+    """CUDA: snapshot cupy `arrays` now (device copies into one buffer, on the current stream) and return a function
+    that copies the snapshot to the host and gives the list of numpy arrays (same shapes and dtypes), blocking the
+    calling thread only; callable from any thread, once."""
     import cupy
 
-    dtype = array.dtype
-    # copied as unsigned integers of the same width: a plain byte copy for any dtype (bf16 included)
-    raw = array.view(np.dtype(f"u{dtype.itemsize}")) if dtype.itemsize in (1, 2, 4, 8) else array
-    snapshot = cupy.array(raw, copy=True, order="C")  # [same shape], on the caller's stream
-    ready = cupy.cuda.get_current_stream().record()
+    arrays = [a if a.flags.c_contiguous else cupy.ascontiguousarray(a) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    snapshot = cupy.empty(total, cupy.uint8)  # [total bytes]
+    stream = cupy.cuda.get_current_stream()
+    for a, offset in zip(arrays, offsets):
+        if a.nbytes:
+            cupy.cuda.runtime.memcpyAsync(snapshot.data.ptr + offset, a.data.ptr, a.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+    ready = stream.record()
     device = snapshot.device
+    layout = [(a.shape, a.dtype, offset) for a, offset in zip(arrays, offsets)]
 
-    def finish():
+    def finish() -> list[np.ndarray]:
         nonlocal snapshot
+        from prefixrun.kernels.upload import download_bytes
+
         with device:
-            stream = _side_stream(device.id)
-            stream.wait_event(ready)
-            host = np.empty(snapshot.shape, snapshot.dtype)
-            if host.nbytes:
-                cupy.cuda.runtime.memcpyAsync(host.ctypes.data, snapshot.data.ptr, host.nbytes,
-                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-                stream.synchronize()
+            host = np.empty(total, np.uint8)
+            download_bytes(host, snapshot.data.ptr, ready)
             snapshot = None  # the device copy is freed as soon as the host has the bytes
-            return host.view(dtype)
+        return [host[offset:offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+                for shape, dtype, offset in layout]
 
     return finish
-
-
-_side_streams: dict = {}
-_side_streams_lock = threading.Lock()
-
-
-def _side_stream(device_id: int):
-    import cupy
-
-    with _side_streams_lock:
-        stream = _side_streams.get(device_id)
-        if stream is None:
-            stream = _side_streams[device_id] = cupy.cuda.Stream(non_blocking=True)
-        return stream

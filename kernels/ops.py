@@ -71,13 +71,19 @@ class Ops(Protocol):
     def write_index(self, dst, host_array) -> None:
         """Overwrite the int32 backend array `dst` in place with host data of the same size (graph inputs)."""
 
+    def upload_into(self, pairs) -> None:
+        """For each (dst, host_array) in `pairs`: copy host_array into dst, a C-contiguous backend array (or view of
+        one) of the same shape and item size, in place, ordered before any later work on dst. One call for many
+        small arrays (a restored state's regions): the backend may batch them into one transfer."""
+
     def to_host(self, array) -> np.ndarray:
         """Backend array -> numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""
 
-    def start_host_copy(self, array):
-        """Capture `array`'s content now (later writes to it do not show) and return a function that gives it as a
-        new numpy array (same dtype). The function may block until the copy is done and may be called from another
-        thread: the device -> host transfer need not hold up the work queued after this call."""
+    def start_host_copy(self, arrays):
+        """Capture the content of the list `arrays` now (later writes to them do not show) and return a function
+        that gives them as a list of new numpy arrays (same shapes and dtypes). The function may block until the
+        copies are done and may be called from another thread: the device -> host transfers need not hold up the
+        work queued after this call."""
 
     def synchronize(self) -> None:
         """Wait until all queued work is done (timings)."""

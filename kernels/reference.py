@@ -66,12 +66,20 @@ class NumpyOps(MoeReferenceOps):
         """Overwrite an existing index buffer in place (graph inputs are updated this way)."""
         dst[...] = host_array
 
+    def upload_into(self, pairs):
+        """Plain copies (same shape and item size; a bf16/fp32 mismatch is refused, not converted)."""
+        for dst, host_array in pairs:
+            if tuple(dst.shape) != tuple(np.shape(host_array)) or dst.dtype.itemsize != host_array.dtype.itemsize:
+                raise ValueError(f"upload_into: {host_array.dtype} {np.shape(host_array)} into {dst.dtype} "
+                                 f"{dst.shape}")
+            dst[...] = host_array
+
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
-    def start_host_copy(self, array):
-        """The copy is made now (the caller changes the array next); the function only hands it over."""
-        copied = np.array(array, copy=True)
+    def start_host_copy(self, arrays):
+        """The copies are made now (the caller changes the arrays next); the function only hands them over."""
+        copied = [np.array(a, copy=True) for a in arrays]
         return lambda: copied
 
     def synchronize(self):

@@ -1,4 +1,5 @@
-"""Host -> device copies at memory/PCIe speed, for model weights (GBs, memory-mapped safetensors) and restored state.
+"""Host <-> device copies at memory/PCIe speed: model weights (GBs, memory-mapped safetensors) and restored states
+up, the persistent cache's state snapshots down (`download`, the same staging buffers in the other direction).
 
 A plain `cupy.array(host)` copies from pageable memory: the driver stages it through its own small pinned buffer,
 one synchronous piece at a time, and the first touch of each mmap'd page faults on the one copying thread. Here a
@@ -48,34 +49,101 @@ class StagedUploader:
 
     def copy(self, dst: cupy.ndarray, src: np.ndarray):
         """dst (C-contiguous device array) <- the bytes of src (C-contiguous host array of dst.nbytes bytes)."""
-        if dst.nbytes != src.nbytes or not dst.flags.c_contiguous:
-            raise ValueError(f"staged copy: {src.nbytes} host bytes into a {dst.nbytes}-byte device array")
-        if src.nbytes == 0:
-            return
-        src_bytes = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
-        if src.nbytes < DIRECT_BYTES:
-            dst.view(np.uint8).reshape(-1).set(src_bytes)
+        self.copy_many([(dst, src)])
+
+    def copy_many(self, pairs: list[tuple[cupy.ndarray, np.ndarray]]):
+        """Each dst (C-contiguous device array) <- the bytes of its src (host array of dst.nbytes bytes). Small
+        sources are packed together into the staging buffers (a restored state is ~60 regions, many of 1-2 MiB:
+        one pageable copy each waited for the device's queue every time), one DMA per piece of a destination."""
+        pieces = []  # (dst address, source bytes)
+        for dst, src in pairs:
+            if dst.nbytes != src.nbytes or not dst.flags.c_contiguous:
+                raise ValueError(f"staged copy: {src.nbytes} host bytes into a {dst.nbytes}-byte device array")
+            if src.nbytes:
+                pieces.append((dst.data.ptr, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
+        total = sum(p[1].size for p in pieces)
+        if total < DIRECT_BYTES:
+            for dst, src in pairs:
+                if src.nbytes:
+                    dst.view(np.uint8).reshape(-1).set(np.ascontiguousarray(src).reshape(-1).view(np.uint8))
             return
         with self._lock:
             self._setup()
             caller = cupy.cuda.get_current_stream()
-            # the destination may have been allocated (or last used) by work still queued on the caller's stream
+            # a destination may have been allocated (or last used) by work still queued on the caller's stream
             self._stream.wait_event(caller.record())
             last = None
-            for off in range(0, src_bytes.size, CHUNK_BYTES):
-                n = min(CHUNK_BYTES, src_bytes.size - off)
+            for chunk in _chunks(pieces, CHUNK_BYTES):  # [(dst address, bytes, offset in the chunk)]
                 i = self._next
                 self._next ^= 1
                 if self._done[i] is not None:
-                    self._done[i].synchronize()  # its previous DMA has read the buffer out
+                    self._done[i].synchronize()  # its previous DMAs have read the buffer out
                 buf = self._buffers[i]
-                pieces = [(p, min(p + PIECE_BYTES, n)) for p in range(0, n, PIECE_BYTES)]
-                list(self._pool.map(lambda ab: np.copyto(buf[ab[0]:ab[1]], src_bytes[off + ab[0]:off + ab[1]]),
-                                    pieces))
-                cupy.cuda.runtime.memcpyAsync(dst.data.ptr + off, buf.ctypes.data, n,
-                                              cupy.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
+                copies = [(offset + a, piece[a:b]) for _, piece, offset in chunk
+                          for a, b in ((p, min(p + PIECE_BYTES, piece.size)) for p in range(0, piece.size, PIECE_BYTES))]
+                list(self._pool.map(lambda job: np.copyto(buf[job[0]:job[0] + job[1].size], job[1]), copies))
+                for address, piece, offset in chunk:
+                    cupy.cuda.runtime.memcpyAsync(address, buf.ctypes.data + offset, piece.size,
+                                                  cupy.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
                 last = self._done[i] = self._stream.record()
             caller.wait_event(last)
+
+
+    def download(self, dst: np.ndarray, src_address: int, after) -> None:
+        """dst (C-contiguous host array) <- dst.nbytes bytes of device memory at `src_address`, once the event
+        `after` has happened; blocks the calling thread until dst holds them. Each chunk moves in one DMA into a
+        staging buffer (pinned: no driver staging, whose pageable copies hold up other threads' launches) and is
+        copied out by several threads while the next chunk's DMA runs."""
+        out = dst.reshape(-1).view(np.uint8)
+        if not out.size:
+            return
+        with self._lock:
+            self._setup()
+            self._stream.wait_event(after)
+            offsets = list(range(0, out.size, CHUNK_BYTES))
+            in_flight = []  # (buffer index, offset, bytes, event), oldest first
+
+            def start(offset: int):
+                i = self._next
+                self._next ^= 1
+                if self._done[i] is not None:
+                    self._done[i].synchronize()  # (an upload's DMA may still read it)
+                n = min(CHUNK_BYTES, out.size - offset)
+                cupy.cuda.runtime.memcpyAsync(self._buffers[i].ctypes.data, src_address + offset, n,
+                                              cupy.cuda.runtime.memcpyDeviceToHost, self._stream.ptr)
+                self._done[i] = self._stream.record()
+                in_flight.append((i, offset, n, self._done[i]))
+
+            for offset in offsets[:2]:
+                start(offset)
+            for offset in offsets[2:] + [None, None]:
+                if not in_flight:
+                    break
+                i, at, n, event = in_flight.pop(0)
+                event.synchronize()
+                buf = self._buffers[i]
+                spans = [(p, min(p + PIECE_BYTES, n)) for p in range(0, n, PIECE_BYTES)]
+                list(self._pool.map(lambda ab: np.copyto(out[at + ab[0]:at + ab[1]], buf[ab[0]:ab[1]]), spans))
+                if offset is not None:
+                    start(offset)  # into the buffer just emptied
+
+
+def _chunks(pieces: list[tuple[int, np.ndarray]], size: int):
+    """The pieces' bytes cut into chunks of at most `size` bytes: per chunk [(dst address, bytes, offset)], a piece
+    longer than the room left split across chunks (its destination address advanced accordingly)."""
+    chunk, used = [], 0
+    for address, data in pieces:
+        start = 0
+        while start < data.size:
+            n = min(size - used, data.size - start)
+            chunk.append((address + start, data[start:start + n], used))
+            used += n
+            start += n
+            if used == size:
+                yield chunk
+                chunk, used = [], 0
+    if chunk:
+        yield chunk
 
 
 _UPLOADER = StagedUploader()
@@ -84,3 +152,14 @@ _UPLOADER = StagedUploader()
 def upload_bytes(dst: cupy.ndarray, src: np.ndarray):
     """Copy host `src` into device `dst` byte for byte (same size, both C-contiguous) through the shared uploader."""
     _UPLOADER.copy(dst, src)
+
+
+def download_bytes(dst: np.ndarray, src_address: int, after) -> None:
+    """Device bytes at `src_address` -> host `dst` (C-contiguous), after the event `after`, through the shared
+    staging buffers (StagedUploader.download)."""
+    _UPLOADER.download(dst, src_address, after)
+
+
+def upload_bytes_many(pairs: list[tuple[cupy.ndarray, np.ndarray]]):
+    """upload_bytes of several (dst, src) pairs in one staged transfer."""
+    _UPLOADER.copy_many(pairs)

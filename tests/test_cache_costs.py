@@ -20,7 +20,7 @@ from prefixrun.engine.cache_costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME
 from prefixrun.engine.persist import CostModel, PersistentCheckpoints, open_cache
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.cache_costs import WRITE_MARGIN
+from prefixrun.engine.cache_costs import READ_MARGIN, WRITE_MARGIN
 from prefixrun.engine.state import ModelState, pool_unit_bytes
 
 SHARED = list(range(3, 203))  # 200 shared tokens
@@ -41,8 +41,13 @@ def test_cost_model_writes_and_reads_only_what_pays():
     model.observe_write(1_000_000, 1.0)  # 1 MB/s of fsync'd writes says nothing about reads
     assert model.read_rate() == (PRIOR_READ_BYTES_PER_S, "prior")
     assert model.worth_writing(1000, 100_000_000)  # 0.1 s to read back vs 1 s to recompute
-    assert not model.worth_writing(150, 100_000_000)  # 0.1 s vs 0.15 s: not under half
-    assert model.worth_reading(150, 100_000_000) and not model.worth_reading(50, 100_000_000)
+    # 0.1 s to read: worth it just above the tokens whose recompute time x the margin is 0.1 s, not just below
+    write_even, read_even = 100 / WRITE_MARGIN, 100 / READ_MARGIN  # tokens at 1000 tokens/s
+    assert model.worth_writing(int(write_even) + 3, 100_000_000)
+    assert not model.worth_writing(int(write_even) - 3, 100_000_000)
+    assert model.worth_reading(int(read_even) + 3, 100_000_000)
+    assert not model.worth_reading(int(read_even) - 3, 100_000_000) and not model.worth_reading(50, 100_000_000)
+    assert WRITE_MARGIN < READ_MARGIN <= 1  # what is written passes the later lookups' rule
     model.observe_read(4 << 30, 1.0)  # reads measured: 4 GiB/s
     assert model.read_rate()[1] == "this run"
     assert model.worth_reading(50, 100_000_000) and model.worth_writing(150, 100_000_000)
@@ -394,7 +399,8 @@ def test_finite_check_in_pieces_finds_one_bad_value_anywhere(monkeypatch):
     from prefixrun.engine import persist as persist_module
     import ml_dtypes
 
-    monkeypatch.setattr(persist_module, "_FINITE_CHUNK", 1000)
+    monkeypatch.setattr(persist_module, "_FINITE_TASK", 1000)
+    monkeypatch.setattr(persist_module, "_FINITE_PIECE", 300)
     for dtype in (np.float32, ml_dtypes.bfloat16):
         array = np.ones((37, 101), dtype)
         assert persist_module._all_finite(array)

@@ -1,5 +1,5 @@
 """The persistent cache on the GPU: states captured on the device and copied to the host on the writer thread
-(`ops.start_host_copy`), restored states uploaded once per region and scattered into their blocks, cold and warm
+(`ops.start_host_copy`), restored states uploaded in one staged transfer straight into their blocks, cold and warm
 runs giving the tokens of a run without the cache. Skipped cleanly without CuPy or a GPU.
 
 `python3 tests/test_cuda_cache.py --bench` prints what offering and restoring a 16k-token state of the 4b-like
@@ -36,16 +36,77 @@ def test_host_copy_captures_the_content_at_the_call_and_finishes_on_another_thre
     for dtype in (np.float32, BF16):
         host = np.arange(3 << 20, dtype=np.float32).astype(dtype).reshape(3, -1)  # [3, 1M]
         device = ops.upload(host, dtype)
+        small = ops.upload(np.arange(7, dtype=np.float32), np.float32)  # odd sizes: places stay aligned
         want = host.view(np.uint16) if dtype == BF16 else host
-        finish = ops.start_host_copy(device[1:])  # a view: the snapshot must not follow it
+        # views, one of them not contiguous: the snapshot must not follow them
+        finish = ops.start_host_copy([device[1:], small, device[:, ::2]])
         device.view(np.uint16 if dtype == BF16 else np.uint32).fill(0)  # the caller's next work changes it at once
+        small.fill(0)
         got = {}
         worker = threading.Thread(target=lambda: got.setdefault("host", finish()))
         worker.start()
         worker.join()
-        host = got["host"]
-        assert host.dtype == np.dtype(dtype) and host.shape == (2, 1 << 20)
-        assert np.array_equal(host.view(np.uint16) if dtype == BF16 else host, want[1:])
+        rows, copied_small, strided = got["host"]
+        assert rows.dtype == np.dtype(dtype) and rows.shape == (2, 1 << 20)
+        assert np.array_equal(rows.view(np.uint16) if dtype == BF16 else rows, want[1:])
+        assert np.array_equal(copied_small, np.arange(7, dtype=np.float32))
+        assert np.array_equal(strided.view(np.uint16) if dtype == BF16 else strided, want[:, ::2])
+
+
+def test_host_copy_of_a_state_larger_than_the_staging_buffers_arrives_whole():
+    """A 16k-token document's state is ~560 MiB: the copy down runs chunk by chunk through the two staging buffers
+    (several chunks each), and an upload between two such copies finds the buffers as it expects."""
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.upload import CHUNK_BYTES
+
+    ops = CudaOps("bfloat16")
+    n = (5 * CHUNK_BYTES + 12345) // 4
+    host = np.random.default_rng(0).integers(0, 1 << 30, n, dtype=np.int64).astype(np.float32)  # ~5 chunks
+    device = ops.upload(host, np.float32)
+    finish = ops.start_host_copy([device[:7], device])
+    device.fill(0)
+    head, whole = finish()
+    assert np.array_equal(whole, host) and np.array_equal(head, host[:7])
+    again = ops.upload(host[::-1].copy(), np.float32)  # the staging buffers, up again
+    assert np.array_equal(ops.start_host_copy([again])()[0], host[::-1])
+
+
+def test_upload_into_packs_many_regions_into_one_staged_transfer_and_touches_nothing_else():
+    """ops.upload_into (the import of restored states): many destinations of mixed sizes and dtypes (a whole state
+    is ~60 regions, small ones packed together, large ones split over the staging buffers), each gets exactly its
+    bytes, nothing around them changes, even with work still queued on the stream when it is called."""
+    import cupy
+
+    from prefixrun.kernels.cuda import BF16, CudaOps
+    from prefixrun.kernels.upload import CHUNK_BYTES
+
+    ops = CudaOps("bfloat16")
+    rng = np.random.default_rng(0)
+    busy = cupy.ones((4096, 4096), cupy.float32)
+    for _ in range(10):
+        busy = busy @ busy * (1.0 / 4096)  # work queued ahead of the copies
+    pools = {np.dtype(np.float32): ops.zeros((9, 1 << 22), np.float32), BF16: ops.zeros((9, 1 << 22), BF16)}
+    pairs, expected = [], []
+    for dtype, start, rows in [(np.float32, 1, 1), (BF16, 0, 2), (np.float32, 3, 3), (BF16, 4, 1), (np.float32, 7, 2)]:
+        host = rng.standard_normal((rows, 1 << 22)).astype(dtype)  # 8-48 MiB: packed, and split over the staging buffers
+        pairs.append((pools[np.dtype(dtype)][start:start + rows], host))
+        expected.append((np.dtype(dtype), start, rows, host))
+    tiny = rng.standard_normal((3, 5)).astype(np.float32)
+    tiny_dst = ops.zeros((3, 5), np.float32)
+    pairs.append((tiny_dst, tiny))
+    assert sum(p[1].nbytes for p in pairs) > CHUNK_BYTES
+    ops.upload_into(pairs)
+    got = {k: ops.to_host(v) for k, v in pools.items()}
+    final = {k: np.zeros((9, 1 << 22), np.uint16 if k == BF16 else np.uint32) for k in pools}
+    for dtype, start, rows, host in expected:
+        final[dtype][start:start + rows] = host.view(np.uint16 if dtype == BF16 else np.uint32)
+    for dtype in pools:
+        assert np.array_equal(got[dtype].view(np.uint16 if dtype == BF16 else np.uint32), final[dtype]), dtype
+    assert np.array_equal(ops.to_host(tiny_dst), tiny)
+    with pytest.raises(ValueError):
+        ops.upload_into([(pools[BF16][0:2], np.empty((3, 1 << 22), BF16))])
+    with pytest.raises(ValueError):
+        ops.upload_into([(pools[BF16][:, ::2], np.empty((9, 1 << 21), BF16))])  # not contiguous
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -121,3 +121,42 @@ def test_export_import_round_trip_rotates_rings():
     with pytest.raises(StateLayoutError, match="missing"):
         st.import_state({k: v for k, v in out.items() if k != "rec"}, 7)
     st.check_invariants()
+
+
+def test_import_fills_scattered_blocks_run_by_run_and_zeroes_the_last_block_tail():
+    """write_regions copies each run of consecutive blocks in one piece: blocks scattered over the pool (and a
+    shared base) must still get exactly their rows, the rows past the length zero, nothing else touched."""
+    st = _state()
+    rng = np.random.default_rng(1)
+    base = st.new_sequence()
+    st.step_arrays([base], [[1] * 6])  # 6 tokens: one whole block to share, one partial
+    for a in st.arrays.values():
+        a[...] = rng.standard_normal(a.shape).astype(a.dtype)  # garbage everywhere, tails included
+    holders = [st.new_sequence() for _ in range(5)]
+    for i, h in enumerate(holders):
+        st.step_arrays([h], [[1] * (BS * (1 + i % 2))])
+    for h in holders[::2]:
+        st.release(h)  # the free list now interleaves with live blocks
+    source = st.new_sequence()
+    st.step_arrays([source], [[1] * 14])
+    for a in st.arrays.values():
+        a[...] = rng.standard_normal(a.shape).astype(a.dtype)
+    out = st.export(source)
+    out = {k: v.copy() for k, v in out.items()}
+    out["k"][:BS] = st.export(base)["k"][:BS]  # the shared first block holds the same rows as the base
+    out["v"][:BS] = st.export(base)["v"][:BS]
+    st.release(source)  # its scattered blocks are the next ones handed out
+    untouched = {k: a.copy() for k, a in st.arrays.items()}
+    back = st.import_state(out, 14, share=base)
+    assert back.blocks[0] == base.blocks[0]
+    own = back.blocks[1:]
+    assert any(b - a != 1 for a, b in zip(own, own[1:])), f"blocks {own} are one run: the test needs scattered ones"
+    again = st.export(back)
+    for name in out:
+        assert np.array_equal(again[name], out[name]), name
+    last = back.blocks[-1]
+    for name in ("k", "v"):
+        assert not st.arrays[name][last][14 % BS:].any(), "rows past the length are zero"
+        others = [b for b in range(st.arrays[name].shape[0]) if b not in own]
+        assert np.array_equal(st.arrays[name][others], untouched[name][others]), "only its own blocks change"
+    st.check_invariants()
