@@ -14,7 +14,11 @@ script runs on an old checkout and a new one side by side. Per run it prints:
 - blocking calls: ops.synchronize / to_host / sample, cupy.asnumpy, stream and device synchronisation;
 - launches per prefill step: our NVRTC kernels (kernels/cuda.py `_kernel`) and cuBLAS GEMMs by name;
 - with --cupti (needs torch): the CUDA runtime/driver API calls inside each prefill step (cudaMalloc, cudaFree,
-  cuModuleLoad*, memcpy, synchronize, launches) with their host time, from torch.profiler.
+  cuModuleLoad*, memcpy, synchronize, launches) with their host time, from torch.profiler;
+- where the checkout has kernels/cuda_warmup.py: what the background warm-up of that run did (seconds, GEMMs run
+  and left out, errors) and when it ended relative to the first prefill step.
+With --runs >= 2 it ends with the first-use table: host ms per (phase, op) of the cold run against the last run,
+largest difference first, and each prefill step's forward ms cold and warm.
 --trace-ops FILE writes one line per op call (phase, step, op, argument shapes): diff two commits' files to see
 whether they run the same op sequence (works on the CPU backend too).
 
@@ -320,6 +324,49 @@ def report(rec: Recorder, command_s: float, batch: dict, label: str, top: int):
             p(f"    {n:6d}  {name[:110]}")
 
 
+def snapshot(rec: Recorder) -> dict:
+    """What the first-use table needs of a run (the recorder is reset for the next)."""
+    return {"op_time": dict(rec.op_time), "op_calls": dict(rec.op_calls),
+            "forward": [s["forward"] for s in rec.steps]}
+
+
+def report_warmup(run_started: float, rec: Recorder):
+    """The background warm-up's account (kernels/cuda_warmup.py LAST) if this run started one."""
+    try:
+        from prefixrun.kernels import cuda_warmup
+    except ImportError:  # an older checkout, or no CuPy
+        return
+    acc = getattr(cuda_warmup, "LAST", None) or {}
+    if not acc or acc.get("started", 0) < run_started:
+        print("  warm-up: none started in this run")
+        return
+    ended = acc.get("ended")
+    first = rec.steps[0]["start"] if rec.steps else None
+    when = "still running at the end" if ended is None else (
+        f"ended {1e3 * (ended - first):+.1f} ms relative to the first prefill step's start" if first else "ended")
+    print(f"  warm-up: modules {1e3 * acc.get('modules_s', 0):.1f} ms, GEMMs {1e3 * acc.get('gemms_s', 0):.1f} ms "
+          f"({acc.get('gemm_calls', 0)} products, {acc.get('gemms_left_out', 0)} left out); {when}")
+    for err in acc.get("errors", [])[:5]:
+        print(f"    warm-up error: {err}")
+
+
+def report_first_use(cold: dict, warm: dict, top: int):
+    """Host ms per (phase, op) of the cold run against a warm one, largest difference first."""
+    p = print
+    p("\n=== first-use costs: the cold run against the last (warm) run, host ms")
+    p(f"  {'phase':8s} {'op':24s} {'cold ms':>9s} {'warm ms':>9s} {'cold-warm':>10s} {'calls':>6s}")
+    keys = set(cold["op_time"]) | set(warm["op_time"])
+    diffs = sorted(((cold["op_time"].get(k, 0.0) - warm["op_time"].get(k, 0.0), k) for k in keys), reverse=True)
+    for d, (phase, name) in diffs[:2 * top]:
+        p(f"  {phase:8s} {name:24s} {1e3 * cold['op_time'].get((phase, name), 0.0):9.2f} "
+          f"{1e3 * warm['op_time'].get((phase, name), 0.0):9.2f} {1e3 * d:10.2f} "
+          f"{cold['op_calls'].get((phase, name), 0):6d}")
+    total = sum(d for d, _ in diffs)
+    p(f"  all ops: cold - warm = {1e3 * total:.1f} ms")
+    p("  prefill forward ms per step, cold / warm: " + ", ".join(
+        f"{1e3 * c:.1f}/{1e3 * w:.1f}" for c, w in zip(cold["forward"], warm["forward"])))
+
+
 def cupti_profiler(enabled: bool):
     """torch.profiler (CPU + CUDA activities) around a run, or a context doing nothing."""
     if not enabled:
@@ -360,15 +407,21 @@ def main():
     trace = open(args.trace_ops, "w") if args.trace_ops else None
     rec = Recorder()
     instrument(rec, args.sync)
+    runs = []
     for run in range(args.runs):
         last = run == args.runs - 1
         rec.reset()
         rec.trace = trace if last else None
+        started = _NOW()
         with cupti_profiler(args.cupti and last) as prof:
             seconds, batch = run_batch(args.workload, args.model, args.batch_options)
         report(rec, seconds, batch, f"run {run + 1} ({'cold' if run == 0 else 'warm'})", args.top)
+        report_warmup(started, rec)
+        runs.append(snapshot(rec))
         if prof is not None:
             show_api_calls(prof, 2 * args.top)
+    if len(runs) >= 2:
+        report_first_use(runs[0], runs[-1], args.top)
     if trace is not None:
         trace.close()
     print(f"\ncommit: {os.popen('git rev-parse --short HEAD 2>/dev/null').read().strip() or '?'}; "

@@ -1,6 +1,7 @@
 """A model directory -> everything a run needs: backend ops, model, tokenizer and generation defaults."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from prefixrun.engine.config import DecoderConfig, load_config
 from prefixrun.engine.models import build_model
 from prefixrun.engine.models.layers import CausalLM
 from prefixrun.engine.tokenizer import GenerationDefaults, Tokenizer
+from prefixrun.engine.warmup import model_plan
 from prefixrun.engine.weights import CheckpointTensors
 from prefixrun.kernels import get_ops
 
@@ -50,11 +52,16 @@ def load_front(model_dir: Path) -> ModelFront:
     return ModelFront(model_dir, config, tokenizer, defaults)
 
 
-def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False) -> LoadedModel:
-    """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none)."""
+def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
+         max_step_tokens: int = 8192, max_batch: int | None = None) -> LoadedModel:
+    """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none).
+    `max_step_tokens` (tokens per prefill step) and `max_batch` (None: not known yet) bound the GEMM row counts the
+    backend may get ready while the weights load (engine/warmup.py)."""
     front = load_front(model_dir)
     model_dir, config, tokenizer, defaults = front.path, front.config, front.tokenizer, front.defaults
     ops = get_ops(device, dtype)
-    ops.prepare_kernels()  # in the background, while the weights load
     tensors = CheckpointTensors(model_dir)
+    # in the background, while the weights load; the plan (a dry build of the model) is made there too
+    ops.prepare_kernels(functools.partial(model_plan, config, tensors, ops.act_dtype, mtp=mtp,
+                                          max_step_tokens=max_step_tokens, max_logit_rows=max_batch))
     return LoadedModel(model_dir, config, ops, build_model(config, tensors, ops, mtp), tokenizer, defaults, tensors)

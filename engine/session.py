@@ -50,7 +50,8 @@ class EngineSession:
 
             # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
             calibration = start_calibration(Path(s.cache_root))
-        self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp")
+        self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
+                                  max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch)
         ops = self.loaded.ops
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started

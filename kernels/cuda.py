@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels import attention_sm90
-from prefixrun.kernels.cublas import Cublas, get_cublas
+from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.upload import upload_bytes, upload_bytes_many
 from prefixrun.kernels.reference import _storage_dtype
@@ -148,49 +148,14 @@ def compile_all():
         _kernel(file, names[0])
 
 
-# What `CudaOps.prepare_kernels` loads ahead, in the order a first prefill step needs them (the MoE file only
-# when an MoE model first calls it). A module's first use in a fresh process costs its load from CuPy's disk
-# cache (an NVRTC compile on the very first run, and in every process with CuPy < 14.2, whose cache skipped
-# modules with name_expressions): host time in the first prefill step, while the GPU idles.
+# What `CudaOps.prepare_kernels` loads ahead (kernels/cuda_warmup.py), in the order a first prefill step needs them;
+# LATER_FILES after the GEMM warm-up (speculative verify steps; the MoE file only when an MoE model first calls it).
+# A module's first use in a fresh process costs its load from CuPy's disk cache (an NVRTC compile on the very first
+# run, and in every process with CuPy < 14.2, whose cache skipped modules with name_expressions) and a lazy load
+# of each function: host time in the first steps, while the GPU idles.
 PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", "sampling")
+LATER_FILES = ("spec_rows",)
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
-
-
-def _load_modules(device: int, act_dtype=None, files=PREPARED_FILES):
-    with cupy.cuda.Device(device):
-        if act_dtype is not None:
-            _warm_cublas(np.dtype(act_dtype))
-        for file in files:
-            try:
-                _kernel(file, _NAMES[file][0])
-            except Exception:  # noqa: BLE001 - the first real use raises it again, with its message
-                pass
-    if attention_sm90.available():
-        try:
-            attention_sm90.compile_module()
-        except Exception:  # noqa: BLE001 - the first real use raises it again, with its message
-            pass
-
-
-def _warm_cublas(act_dtype: np.dtype):
-    """cuBLAS loads its GEMM kernels and heuristics on first use: on the H200 a fresh process's first bf16 GEMM
-    took 90-100 ms and its first fp32-output GEMM (the logits) ~45 ms, then ~3 ms per new shape (2026-12-01),
-    all inside the first prefill step. A throwaway handle on its own stream pays the one-time part here, on the
-    loader thread while the weights upload; cuBLAS is thread-safe across handles."""
-    try:
-        blas = Cublas()
-    except Exception:  # noqa: BLE001 - a warm-up only: the real first GEMM reports any cuBLAS problem
-        return
-    try:
-        with cupy.cuda.Stream(non_blocking=True) as stream:
-            x = cupy.zeros((1024, 4096), act_dtype)  # a prefill-sized product, then a logits-like one
-            blas.gemm_nt(x, cupy.zeros((4096, 4096), act_dtype), cupy.empty((1024, 4096), act_dtype))
-            blas.gemm_nt(x[:64], cupy.zeros((16384, 4096), act_dtype), cupy.empty((64, 16384), F32))
-            stream.synchronize()
-    except Exception:  # noqa: BLE001 - as above
-        pass
-    finally:
-        blas.close()
 
 
 def _grid(n: int, threads: int = _THREADS) -> int:
@@ -363,13 +328,17 @@ class CudaOps:
         """Give CuPy's cached, unused device blocks back to the driver (before another library allocates)."""
         cupy.get_default_memory_pool().free_all_blocks()
 
-    def prepare_kernels(self):
-        """Load the kernel modules (PREPARED_FILES) and warm cuBLAS up (`_warm_cublas`) on a background thread while
-        the caller uploads the weights; `_kernel`'s lock makes a step that needs a module still loading wait for it,
-        never load it twice; a stream capture waits for the thread (`_PREPARERS`)."""
+    def prepare_kernels(self, plan=None):
+        """Load every kernel module's functions and warm cuBLAS up for the plan's GEMMs (kernels/cuda_warmup.py) on a
+        background thread while the caller uploads the weights. `plan`: None, or a function returning the model's
+        kernels/warmup.py KernelPlan, called on that thread. `_kernel`'s lock makes a step that needs a module still
+        loading wait for it, never load it twice; a stream capture waits for the thread (`_PREPARERS`)."""
         if self._preparing is None:
-            self._preparing = threading.Thread(target=_load_modules, args=(cupy.cuda.Device().id, self._act),
-                                               daemon=True, name="prefixrun-kernels")
+            from prefixrun.kernels import cuda_warmup
+
+            self._preparing = threading.Thread(target=cuda_warmup.prepare, daemon=True, name="prefixrun-kernels",
+                                               args=(cupy.cuda.Device().id, self._act, plan, PREPARED_FILES,
+                                                     LATER_FILES))
             self._preparing.start()
             _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 

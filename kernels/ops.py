@@ -49,10 +49,12 @@ class Ops(Protocol):
     def release_cached_memory(self) -> None:
         """Give cached, unused allocations back (before another library allocates on the same device)."""
 
-    def prepare_kernels(self) -> None:
-        """Start making the backend's kernels ready (compile, load) in the background and return at once: the
-        loader calls it before uploading the weights, so that a fresh process's first step does not pay for it.
-        Nothing to do where there are no kernels; a kernel that fails here fails again, with its error, when used."""
+    def prepare_kernels(self, plan=None) -> None:
+        """Start making the backend's kernels ready (compile, load, pick GEMM kernels) in the background and return
+        at once: the loader calls it before uploading the weights, so that a fresh process's first steps do not pay
+        for it. `plan`: None, or a function (called in the background) returning the model's kernels/warmup.py
+        KernelPlan: the GEMM shapes the forward will compute. Never changes a result and never fails: nothing to do
+        where there are no kernels; a kernel that fails here fails again, with its error, when used."""
 
     # ---- memory ------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None) -> Array:
@@ -90,7 +92,8 @@ class Ops(Protocol):
 
     # ---- dense math --------------------------------------------------------------------------------------------
     def embed(self, table, ids) -> Array:
-        """table [V, D], ids [T] int -> act [T, D]"""
+        """table [V, D], ids [T] int -> act [T, D]: rows gathered (the model also picks each sequence's last row
+        of an act [T, D] with it)"""
 
     def linear(self, x, weight) -> Array:
         """x [T, in] @ weight[out, in].T -> act [T, out] (fp32 accumulation)"""

@@ -44,8 +44,8 @@ class NumpyOps(MoeReferenceOps):
     def release_cached_memory(self):
         """Return cached allocations to the system (nothing is cached on the host)."""
 
-    def prepare_kernels(self):
-        """Nothing to compile: NumPy's routines are ready."""
+    def prepare_kernels(self, plan=None):
+        """Nothing to compile or pick: NumPy's routines are ready (the plan is not even computed)."""
 
     # ---- memory -------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):

@@ -28,7 +28,10 @@ def test_profile_host_cold_warm_and_op_trace(model_dirs, tmp_path):
                           str(model_dirs["qwen3_5"]), "--runs", "2", "--trace-ops", str(trace), "--",
                           "--device", "cpu", "--no-cache"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    runs = [block for block in res.stdout.split("=== ")[1:]]
+    blocks = res.stdout.split("=== ")[1:]
+    runs = [block for block in blocks if block.startswith("run ")]
+    first_use = [block for block in blocks if block.startswith("first-use costs")]
+    assert len(first_use) == 1 and "cold-warm" in first_use[0] and "prefill forward ms per step" in first_use[0]
     assert len(runs) == 2 and runs[0].startswith("run 1 (cold)") and runs[1].startswith("run 2 (warm)")
     # the shared prefix alone, then the four suffixes together: the same two steps in both runs
     steps = [[line.split()[:3] for line in block.splitlines()[2:] if line.split()[:1] in (["0"], ["1"])]

@@ -331,10 +331,10 @@ class CausalLM:
             x = self.final_norm(ops, x)  # [T, D]
             self.mtp.absorb(ops, x, batch, state)
             if not all_logits:
-                x = x[batch.last_token_index]
+                x = ops.embed(x, batch.last_token_index)  # [B, D]: each sequence's last row (a prepared kernel)
         else:
             if not all_logits:
-                x = x[batch.last_token_index]
+                x = ops.embed(x, batch.last_token_index)  # [B, D] (not x[index]: a library kernel's first use)
             x = self.final_norm(ops, x)
         logits = ops.logits(x, self.lm_head)
         if self.logit_softcap is not None:

@@ -1,0 +1,112 @@
+"""`CudaOps.prepare_kernels`' background work: everything a run's first steps would load, loaded while the weights
+upload, on a thread with its own cuBLAS handle, stream and memory pool.
+
+Why each part (first-use costs measured inside a fresh process's first steps on an H200, bench/profile_host.py
+cold vs warm, 2026-12-01). With CUDA's lazy loading (the default since 12.2) a kernel's code reaches the device
+only when it is first fetched or launched, and that load may wait for the device queue to drain; so a first use
+behind a queued prefill step costs the host the whole step:
+- our NVRTC modules (kernels/*.cu, PREPARED_FILES): loaded from CuPy's cache (compiled on the very first run), and
+  then *every* function fetched (cuModuleGetFunction is where a lazily loaded module loads that function). Fetching
+  only one function per module left copy_rows' first launch at 87 ms (host) against 0.05 ms warm.
+- cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range: the
+  first logits GEMM of a step cost 25 ms against 0.1 ms warm, the first step's linear layers 58 ms more than warm.
+  Each product of the model's `KernelPlan` (the loader derives it from the model, engine/warmup.py) runs once per
+  row count of its ladder (kernels/warmup.py) on scratch memory, so the engine's own products find their kernels
+  loaded. Scratch comes from a private pool, is written only by these products and goes back to the device at the
+  end: a warm-up never touches the model's arrays, so it cannot change a result.
+Nothing here raises: a failed part costs only its first use later (where the op reports the error itself), and the
+account of the latest warm-up is in `LAST` (bench/profile_host.py prints it).
+"""
+from __future__ import annotations
+
+import time
+
+import cupy
+import numpy as np
+
+from prefixrun.kernels import attention_sm90
+from prefixrun.kernels.cublas import Cublas
+from prefixrun.kernels.cuda import F32, _NAMES, _kernel
+from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
+
+# with no plan (a caller that knows no model): one tiny product per output kind, for cuBLAS's one-time set-up
+_GENERIC = KernelPlan((GemmShape(256, 256, (1, 64)), GemmShape(256, 256, (1, 64), "float32")))
+_SCRATCH_CAP = 8 << 30  # bytes: the largest scratch a warm-up takes (a 152k-vocabulary LM head is 0.8 GB in bf16)
+
+LAST: dict = {}  # the latest warm-up's account: seconds per part, products run and left out, errors
+
+
+def prepare(device: int, act_dtype, plan_fn, first_files, later_files):
+    """The loader thread's body: `first_files`' modules, the sm_90a attention module, the plan's GEMMs (plan_fn():
+    a KernelPlan, or None for the generic one), then `later_files`' modules (used after the first steps)."""
+    global LAST
+    account = LAST = {"modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0, "errors": [],
+                      "started": time.perf_counter(), "ended": None}  # perf_counter times
+    with cupy.cuda.Device(device):
+        t0 = time.perf_counter()
+        load_modules(first_files, account)
+        if attention_sm90.available():
+            _guarded(account, "attention_sm90", attention_sm90.compile_module)
+        account["modules_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        plan = _guarded(account, "plan", plan_fn) if plan_fn is not None else _GENERIC
+        if plan is not None:
+            _guarded(account, "gemms", warm_gemms, plan, np.dtype(act_dtype), account)
+        account["gemms_s"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        load_modules(later_files, account)
+        account["modules_s"] += time.perf_counter() - t2
+    account["ended"] = time.perf_counter()
+
+
+def _guarded(account: dict, what: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a warm-up only: the real first use reports any problem
+        account["errors"].append(f"{what}: {type(exc).__name__}: {exc}"[:300])
+        return None
+
+
+def load_modules(files, account: dict):
+    """Compile or load each file's module and fetch every function it exports (loads each function's code)."""
+    for file in files:
+        for name in _NAMES[file]:
+            if _guarded(account, f"{file} {name}", _kernel, file, name) is None:
+                break  # the module itself failed: its other functions would fail the same way
+
+
+def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
+    """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights."""
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    budget = min(max(free - plan.weight_bytes, 0) // 4, _SCRATCH_CAP)
+    scratch = plan_scratch(plan.gemms, act.itemsize, budget)
+    account["gemms_left_out"] = sum(len(g.rows) for g in plan.gemms) - sum(len(g.rows) for g in scratch.gemms)
+    if not scratch.gemms:
+        return
+    pool = cupy.cuda.MemoryPool()  # private: handed back whole at the end, never mixed with the run's memory
+    try:
+        with cupy.cuda.using_allocator(pool.malloc):  # this thread's allocations only
+            blas = Cublas()
+            try:
+                with cupy.cuda.Stream(non_blocking=True) as stream:
+                    _run_products(blas, scratch, act, account)
+                    stream.synchronize()
+            finally:
+                blas.close()
+                del blas  # its workspace goes back to the private pool
+    finally:
+        pool.free_all_blocks()
+
+
+def _run_products(blas: Cublas, scratch, act: np.dtype, account: dict):
+    w = cupy.empty(scratch.weight_elems, act)  # stand-ins: only the shapes matter to the choice of kernel
+    x = cupy.empty(scratch.input_elems, act)
+    out = cupy.empty(scratch.output_bytes, np.uint8)
+    for m, g in sorted(((m, g) for g in scratch.gemms for m in g.rows),
+                       key=lambda mg: (mg[0], mg[1].output, mg[1].out_features, mg[1].in_features)):
+        n, k = g.out_features, g.in_features
+        out_dt = F32 if g.output == "float32" else act
+        y = out[:m * n * out_dt.itemsize].view(out_dt).reshape(m, n)  # [M, N]
+        # pedantic as CudaOps._gemm chooses it: fp32 weights compute in strict fp32
+        blas.gemm_nt(x[:m * k].reshape(m, k), w[:n * k].reshape(n, k), y, pedantic=act == F32)
+        account["gemm_calls"] += 1
