@@ -42,10 +42,13 @@ MIN_READ_SECONDS = 0.05
 MIN_PREFILL_SECONDS = 0.05  # likewise for the prefill rate (a GPU's first step also pays its warm-up)
 PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
 CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at full width
-# Reads of the calibration file, the fastest counted: it runs while the first prefill keeps the host thread (and the
-# GIL) busy, and a single read there measured 1.3-1.5 GiB/s on the H200 host where real reads of entries measured
-# 5.8-6.8 GB/s a run later; the fastest of several is the one the engine's thread disturbed least.
+# Reads of the calibration file, the fastest counted: one read's time varies with whatever else the host does (one
+# taken during a first prefill measured 1.3-1.5 GiB/s where the same folder's reads measured 5.8 GB/s later).
 CALIBRATION_READS = 6
+# ... and it runs before the engine does (while the weights load), on an idle host: reads at lookups, beside the
+# engine's thread and its copies, measured about half of it on the H200 (calibration 4.4-5.9 GiB/s, the same
+# folder's reads in the runs 2.2-4.0 GB/s), so a calibrated rate counts at half until the run measures its own.
+CALIBRATION_WEIGHT = 0.5
 RATES_FILE_NAME = "rates.json"
 RATES_VERSION = 1
 _MAX_RATES_FILE_BYTES = 1 << 20
@@ -166,7 +169,7 @@ class CostModel:
             return self.earlier_read, "earlier runs"
         calibrated = self.calibrated_read or (self.calibration.rate if self.calibration is not None else None)
         if calibrated:
-            return calibrated, "calibration"
+            return calibrated * CALIBRATION_WEIGHT, "calibration"
         return PRIOR_READ_BYTES_PER_S, "prior"
 
     def write_rate(self) -> float | None:

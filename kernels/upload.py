@@ -36,6 +36,7 @@ class StagedUploader:
         self._next = 0
         self._stream = None
         self._lock = threading.Lock()  # one staged copy at a time per uploader
+        self._staged: list = []  # (caller's event, device staging buffer) of through-device copies in flight
 
     def _setup(self):
         if self._buffers:
@@ -51,10 +52,16 @@ class StagedUploader:
         """dst (C-contiguous device array) <- the bytes of src (C-contiguous host array of dst.nbytes bytes)."""
         self.copy_many([(dst, src)])
 
-    def copy_many(self, pairs: list[tuple[cupy.ndarray, np.ndarray]]):
+    def copy_many(self, pairs: list[tuple[cupy.ndarray, np.ndarray]], through_device: bool = False):
         """Each dst (C-contiguous device array) <- the bytes of its src (host array of dst.nbytes bytes). Small
         sources are packed together into the staging buffers (a restored state is ~60 regions, many of 1-2 MiB:
-        one pageable copy each waited for the device's queue every time), one DMA per piece of a destination."""
+        one pageable copy each waited for the device's queue every time).
+
+        The destinations may still be in use by work queued on the caller's stream, so the bytes land after it.
+        Straight DMAs into them must wait for that queue, and with them the host, each time it reuses a staging
+        buffer: a restore behind a queued prefill waited for the prefill. `through_device`: the bytes go up into
+        a device buffer of this uploader's stream instead (nothing queued uses it: no wait), and the caller's
+        stream copies them into place after its queued work (device-to-device, asynchronous to the host)."""
         pieces = []  # (dst address, source bytes)
         for dst, src in pairs:
             if dst.nbytes != src.nbytes or not dst.flags.c_contiguous:
@@ -70,24 +77,58 @@ class StagedUploader:
         with self._lock:
             self._setup()
             caller = cupy.cuda.get_current_stream()
-            # a destination may have been allocated (or last used) by work still queued on the caller's stream
-            self._stream.wait_event(caller.record())
-            last = None
-            for chunk in _chunks(pieces, CHUNK_BYTES):  # [(dst address, bytes, offset in the chunk)]
-                i = self._next
-                self._next ^= 1
-                if self._done[i] is not None:
-                    self._done[i].synchronize()  # its previous DMAs have read the buffer out
-                buf = self._buffers[i]
-                copies = [(offset + a, piece[a:b]) for _, piece, offset in chunk
-                          for a, b in ((p, min(p + PIECE_BYTES, piece.size)) for p in range(0, piece.size, PIECE_BYTES))]
-                list(self._pool.map(lambda job: np.copyto(buf[job[0]:job[0] + job[1].size], job[1]), copies))
+            staging = self._device_staging(total) if through_device else None  # [total] uint8 or None
+            if staging is None:
+                self._stream.wait_event(caller.record())  # the destinations: after the caller's queued work
+                self._stage(pieces)
+                caller.wait_event(self._stream.record())
+                return
+            at, placed = 0, []  # (dst address, staging offset, bytes)
+            for address, data in pieces:
+                placed.append((address, at, data.size))
+                at += data.size
+            self._stage(pieces, into=staging.data.ptr)  # the pieces back to back in the staging buffer
+            caller.wait_event(self._stream.record())
+            for address, offset, n in placed:
+                cupy.cuda.runtime.memcpyAsync(address, staging.data.ptr + offset, n,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, caller.ptr)
+            self._staged.append((caller.record(), staging))  # freed once the caller's copies have read it
+
+    def _device_staging(self, nbytes: int):
+        """A device buffer for `nbytes` on this uploader's stream (CuPy's pool keeps memory of one stream for that
+        stream), once those of earlier transfers the caller has finished copying are released; None where the
+        device has no room for it (the transfer then goes straight into place)."""
+        self._staged = [(event, buf) for event, buf in self._staged if not event.done]
+        try:
+            with self._stream:
+                return cupy.empty(nbytes, cupy.uint8)
+        except cupy.cuda.memory.OutOfMemoryError:
+            return None
+
+    def _stage(self, pieces: list[tuple[int, np.ndarray]], into: int | None = None):
+        """On this uploader's stream: the pieces' bytes through the two pinned buffers, chunk by chunk (host threads
+        pack a chunk while the DMA engine moves the previous one). `into`: one device span receiving the pieces
+        back to back (a chunk: one DMA), else each piece goes to its own destination address."""
+        position = 0
+        for chunk in _chunks(pieces, CHUNK_BYTES):  # [(dst address, bytes, offset in the chunk)]
+            i = self._next
+            self._next ^= 1
+            if self._done[i] is not None:
+                self._done[i].synchronize()  # its previous DMAs have read the buffer out
+            buf = self._buffers[i]
+            copies = [(offset + a, piece[a:b]) for _, piece, offset in chunk
+                      for a, b in ((p, min(p + PIECE_BYTES, piece.size)) for p in range(0, piece.size, PIECE_BYTES))]
+            list(self._pool.map(lambda job: np.copyto(buf[job[0]:job[0] + job[1].size], job[1]), copies))
+            used = sum(piece.size for _, piece, _ in chunk)
+            if into is not None:
+                cupy.cuda.runtime.memcpyAsync(into + position, buf.ctypes.data, used,
+                                              cupy.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
+            else:
                 for address, piece, offset in chunk:
                     cupy.cuda.runtime.memcpyAsync(address, buf.ctypes.data + offset, piece.size,
                                                   cupy.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
-                last = self._done[i] = self._stream.record()
-            caller.wait_event(last)
-
+            position += used
+            self._done[i] = self._stream.record()
 
     def download(self, dst: np.ndarray, src_address: int, after) -> None:
         """dst (C-contiguous host array) <- dst.nbytes bytes of device memory at `src_address`, once the event
@@ -161,5 +202,6 @@ def download_bytes(dst: np.ndarray, src_address: int, after) -> None:
 
 
 def upload_bytes_many(pairs: list[tuple[cupy.ndarray, np.ndarray]]):
-    """upload_bytes of several (dst, src) pairs in one staged transfer."""
-    _UPLOADER.copy_many(pairs)
+    """upload_bytes of several (dst, src) pairs in one staged transfer, through a device buffer (destinations that
+    work queued on the caller's stream may still use: a restored state's blocks)."""
+    _UPLOADER.copy_many(pairs, through_device=True)

@@ -20,7 +20,7 @@ from prefixrun.engine.cache_costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME
 from prefixrun.engine.persist import CostModel, PersistentCheckpoints, open_cache
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.cache_costs import READ_MARGIN, WRITE_MARGIN
+from prefixrun.engine.cache_costs import CALIBRATION_WEIGHT, READ_MARGIN, WRITE_MARGIN
 from prefixrun.engine.state import ModelState, pool_unit_bytes
 
 SHARED = list(range(3, 203))  # 200 shared tokens
@@ -229,7 +229,7 @@ def test_a_fresh_folder_is_calibrated_and_leaves_nothing_behind(tmp_path):
     assert set(tmp_path.iterdir()) == before
     model = CostModel()
     model.calibrated_read = rate
-    assert model.read_rate() == (rate, "calibration")
+    assert model.read_rate() == (rate * CALIBRATION_WEIGHT, "calibration")  # measured idle: counted at half
     model.earlier_read = 123.0
     assert model.read_rate() == (123.0, "earlier runs")  # a measurement of real entries wins
 

@@ -96,7 +96,13 @@ def test_upload_into_packs_many_regions_into_one_staged_transfer_and_touches_not
     pairs.append((tiny_dst, tiny))
     assert sum(p[1].nbytes for p in pairs) > CHUNK_BYTES
     ops.upload_into(pairs)
+    # a second transfer at once, the stream still busy: its staging must not take over the first one's before the
+    # first's copies into place have run
+    again = rng.standard_normal((2, 1 << 22)).astype(np.float32)
+    again_dst = ops.zeros((2, 1 << 22), np.float32)
+    ops.upload_into([(again_dst, again)])
     got = {k: ops.to_host(v) for k, v in pools.items()}
+    assert np.array_equal(ops.to_host(again_dst), again)
     final = {k: np.zeros((9, 1 << 22), np.uint16 if k == BF16 else np.uint32) for k in pools}
     for dtype, start, rows, host in expected:
         final[dtype][start:start + rows] = host.view(np.uint16 if dtype == BF16 else np.uint32)
