@@ -148,13 +148,13 @@ def compile_all():
         _kernel(file, names[0])
 
 
-# What `CudaOps.prepare_kernels` loads ahead (kernels/cuda_warmup.py), in the order a first prefill step needs them;
-# LATER_FILES after the GEMM warm-up (speculative verify steps; the MoE file only when an MoE model first calls it).
-# A module's first use in a fresh process costs its load from CuPy's disk cache (an NVRTC compile on the very first
-# run, and in every process with CuPy < 14.2, whose cache skipped modules with name_expressions) and a lazy load
-# of each function: host time in the first steps, while the GPU idles.
+# What `CudaOps.prepare_kernels` loads ahead (kernels/cuda_warmup.py), in the order a first prefill step needs them.
+# Not the multi-row (speculative) or MoE files: a decode step's capture waits for the loader thread, and where
+# CuPy compiles them (the very first run; every process with CuPy < 14.2, whose cache skipped modules with
+# name_expressions) that would hold up every run's decode for a file most runs never use.
+# A module's first use in a fresh process costs its load from CuPy's disk cache and a lazy load of each function:
+# host time in the first steps, while the GPU idles.
 PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", "sampling")
-LATER_FILES = ("spec_rows",)
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
 
@@ -337,8 +337,7 @@ class CudaOps:
             from prefixrun.kernels import cuda_warmup
 
             self._preparing = threading.Thread(target=cuda_warmup.prepare, daemon=True, name="prefixrun-kernels",
-                                               args=(cupy.cuda.Device().id, self._act, plan, PREPARED_FILES,
-                                                     LATER_FILES))
+                                               args=(cupy.cuda.Device().id, self._act, plan, PREPARED_FILES))
             self._preparing.start()
             _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 

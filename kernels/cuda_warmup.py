@@ -36,15 +36,15 @@ _SCRATCH_CAP = 8 << 30  # bytes: the largest scratch a warm-up takes (a 152k-voc
 LAST: dict = {}  # the latest warm-up's account: seconds per part, products run and left out, errors
 
 
-def prepare(device: int, act_dtype, plan_fn, first_files, later_files):
-    """The loader thread's body: `first_files`' modules, the sm_90a attention module, the plan's GEMMs (plan_fn():
-    a KernelPlan, or None for the generic one), then `later_files`' modules (used after the first steps)."""
+def prepare(device: int, act_dtype, plan_fn, files):
+    """The loader thread's body: `files`' modules, the sm_90a attention module, then the plan's GEMMs (plan_fn(): a
+    KernelPlan; plan_fn None: a generic one)."""
     global LAST
     account = LAST = {"modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0, "errors": [],
                       "started": time.perf_counter(), "ended": None}  # perf_counter times
     with cupy.cuda.Device(device):
         t0 = time.perf_counter()
-        load_modules(first_files, account)
+        load_modules(files, account)
         if attention_sm90.available():
             _guarded(account, "attention_sm90", attention_sm90.compile_module)
         account["modules_s"] = time.perf_counter() - t0
@@ -53,9 +53,6 @@ def prepare(device: int, act_dtype, plan_fn, first_files, later_files):
         if plan is not None:
             _guarded(account, "gemms", warm_gemms, plan, np.dtype(act_dtype), account)
         account["gemms_s"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        load_modules(later_files, account)
-        account["modules_s"] += time.perf_counter() - t2
     account["ended"] = time.perf_counter()
 
 

@@ -24,7 +24,7 @@ def _prepare(ops, plan_fn):
     """The loader thread's body, run here (so the test sees its end); returns its account."""
     from prefixrun.kernels import cuda, cuda_warmup
 
-    cuda_warmup.prepare(cupy.cuda.Device().id, ops.act_dtype, plan_fn, cuda.PREPARED_FILES, cuda.LATER_FILES)
+    cuda_warmup.prepare(cupy.cuda.Device().id, ops.act_dtype, plan_fn, cuda.PREPARED_FILES)
     return cuda_warmup.LAST
 
 
@@ -63,7 +63,7 @@ def test_every_prepared_function_is_loaded():
     account = _prepare(ops, None)
     assert not account["errors"], account["errors"]
     dev = cupy.cuda.Device().id
-    missing = [(f, n) for f in cuda.PREPARED_FILES + cuda.LATER_FILES for n in cuda._NAMES[f]
+    missing = [(f, n) for f in cuda.PREPARED_FILES for n in cuda._NAMES[f]
                if (dev, f, n) not in cuda._FUNCTIONS]
     assert not missing, missing[:5]
 
