@@ -39,7 +39,9 @@ WRITE_MARGIN = 0.7  # write only if a later read is expected to take under 70% o
 READ_MARGIN = 0.85  # read only if it is expected to take under 85% of computing from the state in memory
 MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under MIN_READ_SECONDS) is noise
 MIN_READ_SECONDS = 0.05
-MIN_PREFILL_SECONDS = 0.05  # likewise for the prefill rate (a GPU's first step also pays its warm-up)
+# likewise for the prefill rate: a GPU's first steps also pay first-use costs (shared-system's 2k-token prefix took
+# ~60 ms of a fresh process's first group, ~40 ms later), which made a near-tie state look worth writing
+MIN_PREFILL_SECONDS = 0.15
 PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
 CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at full width
 # Reads of the calibration file, the fastest counted: one read's time varies with whatever else the host does (one
@@ -73,7 +75,7 @@ class CacheCosts:
     blocks_resident: int = 0  # K/V blocks a restore took from the state in memory instead of reading them
     write_seconds: float = 0.0  # in the background writer, off the critical path
     export_seconds: float = 0.0  # on the critical path: capturing offered states (a device-side copy on a GPU)
-    host_copy_seconds: float = 0.0  # on the writer thread: their device -> host copies
+    host_copy_seconds: float = 0.0  # on the writer thread: waiting for their device -> host copies (made ahead)
     finish_wait_seconds: float = 0.0  # the run's end waiting for the writer
     probe_read_bytes: int = 0  # the writer reading back what it wrote, to measure the folder's read rate
     probe_read_seconds: float = 0.0

@@ -493,3 +493,58 @@ def test_a_state_already_stored_is_not_captured_again(loaded, tmp_path, monkeypa
         fresh_captures.append(handle.length), real_export(self, handle, skip_rows))[1])
     run(loaded, tmp_path / "fresh", PROMPTS, disk_measured=True, prefill_rate=1.0)
     assert fresh_captures  # the same run over an empty folder does capture (the check above can fail)
+
+
+def test_the_writer_copies_the_next_state_to_the_host_while_it_writes_this_one():
+    """A state's host copy starts when it is queued (the copier thread), not when the writer reaches it; a job the
+    run's end drops has its copy cancelled, not made."""
+    from prefixrun.engine.persist import END_WAIT_DROP_MIN_BYTES, _BackgroundWriter, _HostCopy
+
+    first_writing, release, copied, written, dropped = threading.Event(), threading.Event(), [], [], []
+
+    def write(name, regions_later):
+        if name == "first":
+            first_writing.set()
+            assert release.wait(10)
+        written.append((name, regions_later()))
+
+    writer = _BackgroundWriter(write, 1 << 40, drop=lambda job, nbytes, late: dropped.append(job[0]))
+    jobs = {name: _HostCopy(lambda name=name: copied.append(name) or f"{name} on the host")
+            for name in ("first", "second")}
+    writer.submit(("first", jobs["first"]), 1, jobs["first"])
+    assert first_writing.wait(10)
+    writer.submit(("second", jobs["second"]), 1, jobs["second"])
+    for _ in range(1000):  # the second copy is made while the first write is still held up
+        if "second" in copied:
+            break
+        time.sleep(0.01)
+    assert copied == ["first", "second"] and written == []
+    release.set()
+    for _ in range(1000):
+        if len(written) == 2:
+            break
+        time.sleep(0.01)
+    assert written == [("first", "first on the host"), ("second", "second on the host")]
+    # the end: the writer held up by a write, the copier by a copy; a big job queued behind both is dropped at
+    # the deadline, and its copy, cancelled then, is never made
+    hold_write, hold_copy = threading.Event(), threading.Event()
+    writer._write = lambda name, regions_later: (hold_write.wait(10), written.append((name, None)))
+    plug = _HostCopy(lambda: hold_copy.wait(10) and "plug")
+    writer.submit(("held", plug), 1, plug)
+    late = _HostCopy(lambda: copied.append("late") or "late on the host")
+    writer.submit(("late", late), END_WAIT_DROP_MIN_BYTES, late)
+    ending = threading.Thread(target=writer.finish, kwargs={"deadline": time.perf_counter() - 1})
+    ending.start()
+    time.sleep(0.05)
+    hold_write.set()
+    for _ in range(1000):
+        if dropped:
+            break
+        time.sleep(0.01)
+    hold_copy.set()
+    ending.join(10)
+    assert not ending.is_alive()
+    assert [name for name, _ in written] == ["first", "second", "held"]
+    assert dropped == ["late"] and "late" not in copied  # cancelled before the copier reached it
+    with pytest.raises(RuntimeError, match="cancelled"):
+        late()
