@@ -4,8 +4,10 @@
 # run 1 is what a user's fresh process pays, run 2 the same command warm. Prints both runs' engine wall, what the
 # background warm-up did (kernels/cuda_warmup.py) and when it ended against the first prefill step, the per-op
 # first-use table (host ms cold vs warm), and the GPU tests of the warm-up.
-# Run on the device machine from the repository root; needs ./.bench-shared (carried). Writes $OUT/firstuse.txt
-# and $OUT/tests.txt. Under 150 s on an H200 (model creation ~20 s, the kernel cache fill ~30 s on a bare machine).
+# Then bench/firstuse_probe.py: which kinds of first use wait for the device queue.
+# Run on the device machine from the repository root; needs ./.bench-shared (carried). Writes $OUT/firstuse.txt,
+# $OUT/probe.txt and $OUT/tests.txt. Under 150 s on an H200 (model creation ~20 s, the kernel cache fill ~30 s on a
+# bare machine).
 set -uo pipefail
 OUT=${OUT:-firstuse-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,6 +29,8 @@ echo "profile_host: exit $?"
 grep -E "^=== run|^  warm-up" "$OUT/firstuse.txt"
 grep -A4 "^step " "$OUT/firstuse.txt" | grep -vE "^--$"
 sed -n '/^=== first-use costs/,$p' "$OUT/firstuse.txt"
+echo "== which first uses wait for the device queue (bench/firstuse_probe.py)"
+python3 bench/firstuse_probe.py 2>&1 | tee "$OUT/probe.txt" | tail -20
 python3 -m pytest -q -rf -p no:warnings -m gpu tests/test_cuda_warmup.py \
   "tests/test_cuda_load.py::test_kernels_load_in_the_background_while_ops_run" > "$OUT/tests.txt" 2>&1
 echo "GPU tests: exit $?"; tail -15 "$OUT/tests.txt"

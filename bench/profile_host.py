@@ -344,7 +344,8 @@ def report_warmup(run_started: float, rec: Recorder):
     first = rec.steps[0]["start"] if rec.steps else None
     when = "still running at the end" if ended is None else (
         f"ended {1e3 * (ended - first):+.1f} ms relative to the first prefill step's start" if first else "ended")
-    print(f"  warm-up: modules {1e3 * acc.get('modules_s', 0):.1f} ms, GEMMs {1e3 * acc.get('gemms_s', 0):.1f} ms "
+    ms = {k: 1e3 * acc.get(f"{k}_s", 0.0) for k in ("pinned", "modules", "gemms")}
+    print(f"  warm-up: pinned {ms['pinned']:.1f} ms, modules {ms['modules']:.1f} ms, GEMMs {ms['gemms']:.1f} ms "
           f"({acc.get('gemm_calls', 0)} products, {acc.get('gemms_left_out', 0)} left out); {when}")
     for err in acc.get("errors", [])[:5]:
         print(f"    warm-up error: {err}")

@@ -7,8 +7,8 @@ exactly as the real build makes them, with no second description of each family,
 (its tensors are memory-mapped views; only small vectors are touched). Of the model that results:
 - the LM head(s) are multiplied with fp32 output (`ops.logits`), for up to `max_logit_rows` rows: a step's
   sequences, a decode batch bucket;
-- every other 2-D weight the model holds that was uploaded in the storage dtype is a linear layer (`ops.linear`), for up to
-  `max_step_tokens` rows, except the embedding tables (read by `ops.embed`, never multiplied). A MoE router
+- every other 2-D weight the model holds that was uploaded in the storage dtype is a linear layer (`ops.linear`),
+  for up to `max_step_tokens` rows, except the embedding tables (read by `ops.embed`, never multiplied). A MoE router
   counts as linear although the forward multiplies it with fp32 output: its fp32 product stays cold.
 Expert weights are 3-D (grouped GEMMs of our own kernels, loaded with their module), so they are not in the plan.
 """

@@ -1,5 +1,5 @@
 """`CudaOps.prepare_kernels`' background work: everything a run's first steps would load, loaded while the weights
-upload, on a thread with its own cuBLAS handle, stream and memory pool.
+upload, on a thread with its own cuBLAS handle, stream and device memory pool.
 
 Why each part (first-use costs measured inside a fresh process's first steps on an H200, bench/profile_host.py
 cold vs warm, 2026-12-01). With CUDA's lazy loading (the default since 12.2) a kernel's code reaches the device
@@ -14,11 +14,16 @@ behind a queued prefill step costs the host the whole step:
   row count of its ladder (kernels/warmup.py) on scratch memory, so the engine's own products find their kernels
   loaded. Scratch comes from a private pool, is written only by these products and goes back to the device at the
   end: a warm-up never touches the model's arrays, so it cannot change a result.
+- CuPy's pinned staging pool: `cupy.asarray(host)` stages the copy through a page-locked block from a pool that keeps
+  blocks by exact size, and allocating page-locked memory synchronises with the device: copy_rows' first fork (its
+  pointer table's upload) waited 72 ms for the queued prefill step in run 6, against 0.07 ms warm. Small requests
+  now take power-of-two size classes (kernels/warmup.py `pinned_size_class`), whose blocks are made here.
 Nothing here raises: a failed part costs only its first use later (where the op reports the error itself), and the
 account of the latest warm-up is in `LAST` (bench/profile_host.py prints it).
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import cupy
@@ -27,7 +32,7 @@ import numpy as np
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import Cublas
 from prefixrun.kernels.cuda import F32, _NAMES, _kernel
-from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
+from prefixrun.kernels.warmup import GemmShape, KernelPlan, pinned_blocks, pinned_size_class, plan_scratch
 
 # with no plan (a caller that knows no model): one tiny product per output kind, for cuBLAS's one-time set-up
 _GENERIC = KernelPlan((GemmShape(256, 256, (1, 64)), GemmShape(256, 256, (1, 64), "float32")))
@@ -37,12 +42,15 @@ LAST: dict = {}  # the latest warm-up's account: seconds per part, products run 
 
 
 def prepare(device: int, act_dtype, plan_fn, files):
-    """The loader thread's body: `files`' modules, the sm_90a attention module, then the plan's GEMMs (plan_fn(): a
-    KernelPlan; plan_fn None: a generic one)."""
+    """The loader thread's body: pinned staging blocks, `files`' modules, the sm_90a attention module, then the plan's
+    GEMMs (plan_fn(): a KernelPlan; plan_fn None: a generic one)."""
     global LAST
-    account = LAST = {"modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0, "errors": [],
-                      "started": time.perf_counter(), "ended": None}  # perf_counter times
+    account = LAST = {"pinned_s": 0.0, "modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0,
+                      "errors": [], "started": time.perf_counter(), "ended": None}  # perf_counter times
     with cupy.cuda.Device(device):
+        t0 = time.perf_counter()
+        _guarded(account, "pinned", make_pinned_blocks)
+        account["pinned_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         load_modules(files, account)
         if attention_sm90.available():
@@ -62,6 +70,31 @@ def _guarded(account: dict, what: str, fn, *args):
     except Exception as exc:  # noqa: BLE001 - a warm-up only: the real first use reports any problem
         account["errors"].append(f"{what}: {type(exc).__name__}: {exc}"[:300])
         return None
+
+
+class _SizeClassedPinned:
+    """CuPy's pinned allocator with small requests rounded up to their size class (kernels/warmup.py)."""
+
+    def __init__(self, malloc):
+        self.malloc = malloc
+
+    def __call__(self, nbytes: int):
+        return self.malloc(pinned_size_class(nbytes))
+
+
+_PINNED_LOCK = threading.Lock()
+_pinned_installed = False
+
+
+def make_pinned_blocks():
+    """Size classes for CuPy's pinned pool (once per process), and blocks of each class made now, back in the pool."""
+    global _pinned_installed
+    with _PINNED_LOCK:
+        if not _pinned_installed:
+            cupy.cuda.set_pinned_memory_allocator(_SizeClassedPinned(cupy.get_default_pinned_memory_pool().malloc))
+            _pinned_installed = True
+        blocks = [cupy.cuda.alloc_pinned_memory(n) for n in pinned_blocks()]
+        del blocks  # each goes back to the pool's free list of its class
 
 
 def load_modules(files, account: dict):

@@ -84,6 +84,29 @@ def test_scratch_goes_back_to_the_device():
     assert free_after >= free_before - (64 << 20), (free_before, free_after)
 
 
+def test_small_uploads_take_blocks_made_ahead():
+    """After a warm-up, a small host array's staged copy takes a block of its class from the pool (no page-locked
+    allocation, which waits for the device) and arrives intact; a large one still arrives intact."""
+    from prefixrun.kernels import cuda_warmup
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.warmup import pinned_blocks
+
+    ops = CudaOps("float32")
+    _prepare(ops, None)
+    pool = cupy.get_default_pinned_memory_pool()
+    cuda_warmup.make_pinned_blocks()  # a second time: the classes stay installed once, more blocks are made
+    assert pool.n_free_blocks() >= len(pinned_blocks())
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.alloc_pinned_memory(1)  # the pool takes back every block whose copy is done (and this one)
+    free = pool.n_free_blocks()
+    host = np.arange(700, dtype=np.int32)
+    dev = ops.upload_index(host)
+    assert pool.n_free_blocks() == free - 1
+    assert np.array_equal(ops.to_host(dev), host)
+    big = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)  # 12 MB: its own size
+    assert np.array_equal(ops.to_host(cupy.asarray(big)), big)
+
+
 def test_a_failing_warmup_is_harmless(monkeypatch):
     from prefixrun.kernels.cublas import Cublas
     from prefixrun.kernels.cuda import CudaOps
