@@ -1,5 +1,5 @@
 """`CudaOps.prepare_kernels`' background work: everything a run's first steps would load, loaded while the weights
-upload, on a thread with its own cuBLAS handle, stream and device memory pool.
+upload, on a thread with its own stream and device memory pool.
 
 Why each part (first-use costs measured inside a fresh process's first steps on an H200, bench/profile_host.py
 cold vs warm, 2026-12-01). With CUDA's lazy loading (the default since 12.2) a kernel's code reaches the device
@@ -11,9 +11,11 @@ behind a queued prefill step costs the host the whole step:
 - cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range: the
   first logits GEMM of a step cost 25 ms against 0.1 ms warm, the first step's linear layers 58 ms more than warm.
   Each product of the model's `KernelPlan` (the loader derives it from the model, engine/warmup.py) runs once per
-  row count of its ladder (kernels/warmup.py) on scratch memory, so the engine's own products find their kernels
-  loaded. Scratch comes from a private pool, is written only by these products and goes back to the device at the
-  end: a warm-up never touches the model's arrays, so it cannot change a result.
+  row count of its ladder (kernels/warmup.py) on scratch memory, through the process's own handle (a throwaway
+  handle left the engine's first steps 5-6 ms each to pay for shapes it had run, device run 6), so the engine's own
+  products find everything ready. Scratch comes from a private pool, is written only by these products and goes
+  back to the device at the end; each product holds the handle alone and is finished before anyone else's GEMM
+  (they share its workspace): a warm-up never touches the model's arrays, so it cannot change a result.
 - CuPy's pinned staging pool: `cupy.asarray(host)` stages the copy through a page-locked block from a pool that keeps
   blocks by exact size, and allocating page-locked memory synchronises with the device: copy_rows' first fork (its
   pointer table's upload) waited 72 ms for the queued prefill step in run 6, against 0.07 ms warm. Small requests
@@ -30,7 +32,7 @@ import cupy
 import numpy as np
 
 from prefixrun.kernels import attention_sm90
-from prefixrun.kernels.cublas import Cublas
+from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.cuda import F32, _NAMES, _kernel
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, pinned_blocks, pinned_size_class, plan_scratch
 
@@ -46,7 +48,8 @@ def prepare(device: int, act_dtype, plan_fn, files):
     GEMMs (plan_fn(): a KernelPlan; plan_fn None: a generic one)."""
     global LAST
     account = LAST = {"pinned_s": 0.0, "modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0,
-                      "errors": [], "started": time.perf_counter(), "ended": None}  # perf_counter times
+                      "gemms_stopped": False, "errors": [], "started": time.perf_counter(), "ended": None}
+    # (times: perf_counter; gemms_stopped: the engine's own GEMMs began before the last planned product)
     with cupy.cuda.Device(device):
         t0 = time.perf_counter()
         _guarded(account, "pinned", make_pinned_blocks)
@@ -106,7 +109,8 @@ def load_modules(files, account: dict):
 
 
 def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
-    """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights."""
+    """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, through
+    the process's own cuBLAS handle (whatever cuBLAS keeps per handle is then ready for the engine's products)."""
     free, _ = cupy.cuda.runtime.memGetInfo()
     budget = min(max(free - plan.weight_bytes, 0) // 4, _SCRATCH_CAP)
     scratch = plan_scratch(plan.gemms, act.itemsize, budget)
@@ -116,27 +120,35 @@ def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
     pool = cupy.cuda.MemoryPool()  # private: handed back whole at the end, never mixed with the run's memory
     try:
         with cupy.cuda.using_allocator(pool.malloc):  # this thread's allocations only
-            blas = Cublas()
-            try:
-                with cupy.cuda.Stream(non_blocking=True) as stream:
-                    _run_products(blas, scratch, act, account)
-                    stream.synchronize()
-            finally:
-                blas.close()
-                del blas  # its workspace goes back to the private pool
+            with cupy.cuda.Stream(non_blocking=True) as stream:
+                _run_products(get_cublas(), stream, scratch, act, account)
     finally:
         pool.free_all_blocks()
 
 
-def _run_products(blas: Cublas, scratch, act: np.dtype, account: dict):
+def _run_products(blas, stream, scratch, act: np.dtype, account: dict):
+    """The products, each under the handle's lock and finished before the lock is let go: the engine's GEMMs share
+    the handle's workspace, so none may run beside one of these. Stops once a GEMM of anyone else went through the
+    handle: the engine computes now, and a product here would only make it wait."""
     w = cupy.empty(scratch.weight_elems, act)  # stand-ins: only the shapes matter to the choice of kernel
     x = cupy.empty(scratch.input_elems, act)
     out = cupy.empty(scratch.output_bytes, np.uint8)
+    expected = blas.calls
     for m, g in sorted(((m, g) for g in scratch.gemms for m in g.rows),
                        key=lambda mg: (mg[0], mg[1].output, mg[1].out_features, mg[1].in_features)):
         n, k = g.out_features, g.in_features
         out_dt = F32 if g.output == "float32" else act
         y = out[:m * n * out_dt.itemsize].view(out_dt).reshape(m, n)  # [M, N]
-        # pedantic as CudaOps._gemm chooses it: fp32 weights compute in strict fp32
-        blas.gemm_nt(x[:m * k].reshape(m, k), w[:n * k].reshape(n, k), y, pedantic=act == F32)
+        with blas.lock:
+            if blas.calls != expected:
+                account["gemms_stopped"] = True
+                return
+            last = blas.bound_stream
+            if last is not None and last != stream.ptr:  # GEMMs queued there may still be using the workspace
+                other = cupy.cuda.Stream.null if last == 0 else cupy.cuda.ExternalStream(last)
+                stream.wait_event(other.record())
+            # pedantic as CudaOps._gemm chooses it: fp32 weights compute in strict fp32
+            blas.gemm_nt(x[:m * k].reshape(m, k), w[:n * k].reshape(n, k), y, pedantic=act == F32)
+            stream.synchronize()
+            expected += 1
         account["gemm_calls"] += 1

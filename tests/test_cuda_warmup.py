@@ -107,6 +107,34 @@ def test_small_uploads_take_blocks_made_ahead():
     assert np.array_equal(ops.to_host(cupy.asarray(big)), big)
 
 
+def test_gemms_beside_a_warmup_are_exact_and_stop_it():
+    """The warm-up shares the process's cuBLAS handle (and its workspace) with the engine: GEMMs issued while it runs
+    give exactly the answers they give alone, and the warm-up stops at the first of them."""
+    import threading
+
+    from prefixrun.kernels import cuda, cuda_warmup
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("float32")
+    rng = np.random.default_rng(4)
+    pairs = [(rng.standard_normal((m, 512)).astype(np.float32), rng.standard_normal((384, 512)).astype(np.float32))
+             for m in (1, 7, 300, 2048)]
+    alone = [ops.to_host(ops.linear(ops.upload(a), ops.upload(w))) for a, w in pairs]
+    plan = KernelPlan((GemmShape(8192, 4096, row_ladder(8192)), GemmShape(4096, 8192, row_ladder(8192))))
+    thread = threading.Thread(target=cuda_warmup.prepare, args=(cupy.cuda.Device().id, ops.act_dtype, lambda: plan,
+                                                              cuda.PREPARED_FILES))
+    thread.start()
+    while cuda_warmup.LAST.get("gemm_calls", 0) < 3 and thread.is_alive():
+        pass  # until the warm-up is among its products
+    beside = [ops.to_host(ops.linear(ops.upload(a), ops.upload(w))) for a, w in pairs]
+    thread.join(timeout=600)
+    account = cuda_warmup.LAST
+    assert not account["errors"], account["errors"]
+    assert account["gemms_stopped"] or account["gemm_calls"] == 2 * len(row_ladder(8192))
+    for a, b in zip(alone, beside):
+        assert np.array_equal(a, b)
+
+
 def test_a_failing_warmup_is_harmless(monkeypatch):
     from prefixrun.kernels.cublas import Cublas
     from prefixrun.kernels.cuda import CudaOps
