@@ -1,5 +1,5 @@
 """`CudaOps.prepare_kernels`' background work: everything a run's first steps would load, loaded while the weights
-upload, on a thread with its own stream and device memory pool.
+upload, on a thread with its own stream.
 
 Why each part (first-use costs measured inside a fresh process's first steps on an H200, bench/profile_host.py
 cold vs warm, 2026-12-01). With CUDA's lazy loading (the default since 12.2) a kernel's code reaches the device
@@ -13,8 +13,8 @@ behind a queued prefill step costs the host the whole step:
   Each product of the model's `KernelPlan` (the loader derives it from the model, engine/warmup.py) runs once per
   row count of its ladder (kernels/warmup.py) on scratch memory, through the process's own handle (a throwaway
   handle left the engine's first steps 5-6 ms each to pay for shapes it had run, device run 6), so the engine's own
-  products find everything ready. Scratch comes from a private pool, is written only by these products and goes
-  back to the device at the end; each product holds the handle alone and is finished before anyone else's GEMM
+  products find everything ready. The scratch is written only by these products and is left in the device pool for
+  the first steps' activations; each product holds the handle alone and is finished before anyone else's GEMM
   (they share its workspace): a warm-up never touches the model's arrays, so it cannot change a result.
 - CuPy's pinned staging pool: `cupy.asarray(host)` stages the copy through a page-locked block from a pool that keeps
   blocks by exact size, and allocating page-locked memory synchronises with the device: copy_rows' first fork (its
@@ -110,29 +110,34 @@ def load_modules(files, account: dict):
 
 def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
     """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, through
-    the process's own cuBLAS handle (whatever cuBLAS keeps per handle is then ready for the engine's products)."""
+    the process's own cuBLAS handle (whatever cuBLAS keeps per handle is then ready for the engine's products).
+
+    The scratch comes from the device pool as the engine's thread allocates (the default stream's arena) and stays
+    there, free, once the products are done: the first steps' activations are cut from it instead of each growing
+    the pool (a cudaMalloc) in the middle of a step (device run 6: the first step's forward took 40 ms more than
+    warm). The pool lends it to anyone; no array of the model is ever written."""
     free, _ = cupy.cuda.runtime.memGetInfo()
     budget = min(max(free - plan.weight_bytes, 0) // 4, _SCRATCH_CAP)
     scratch = plan_scratch(plan.gemms, act.itemsize, budget)
     account["gemms_left_out"] = sum(len(g.rows) for g in plan.gemms) - sum(len(g.rows) for g in scratch.gemms)
     if not scratch.gemms:
         return
-    pool = cupy.cuda.MemoryPool()  # private: handed back whole at the end, never mixed with the run's memory
+    buffers = (cupy.empty(scratch.weight_elems, act),  # stand-ins: only the shapes matter to the choice of kernel
+               cupy.empty(scratch.input_elems, act), cupy.empty(scratch.output_bytes, np.uint8))
+    stream = cupy.cuda.Stream(non_blocking=True)
     try:
-        with cupy.cuda.using_allocator(pool.malloc):  # this thread's allocations only
-            with cupy.cuda.Stream(non_blocking=True) as stream:
-                _run_products(get_cublas(), stream, scratch, act, account)
+        with stream:
+            _run_products(get_cublas(), stream, buffers, scratch, act, account)
     finally:
-        pool.free_all_blocks()
+        stream.synchronize()  # nothing may still write the buffers when they go back to the pool
+        del buffers
 
 
-def _run_products(blas, stream, scratch, act: np.dtype, account: dict):
+def _run_products(blas, stream, buffers, scratch, act: np.dtype, account: dict):
     """The products, each under the handle's lock and finished before the lock is let go: the engine's GEMMs share
     the handle's workspace, so none may run beside one of these. Stops once a GEMM of anyone else went through the
     handle: the engine computes now, and a product here would only make it wait."""
-    w = cupy.empty(scratch.weight_elems, act)  # stand-ins: only the shapes matter to the choice of kernel
-    x = cupy.empty(scratch.input_elems, act)
-    out = cupy.empty(scratch.output_bytes, np.uint8)
+    w, x, out = buffers
     expected = blas.calls
     for m, g in sorted(((m, g) for g in scratch.gemms for m in g.rows),
                        key=lambda mg: (mg[0], mg[1].output, mg[1].out_features, mg[1].in_features)):
