@@ -90,14 +90,16 @@ _pinned_installed = False
 
 
 def make_pinned_blocks():
-    """Size classes for CuPy's pinned pool (once per process), and blocks of each class made now, back in the pool."""
+    """Size classes for CuPy's pinned pool and blocks of each class made now, back in the pool (once per process:
+    the blocks stay in the pool for every later run)."""
     global _pinned_installed
     with _PINNED_LOCK:
-        if not _pinned_installed:
-            cupy.cuda.set_pinned_memory_allocator(_SizeClassedPinned(cupy.get_default_pinned_memory_pool().malloc))
-            _pinned_installed = True
+        if _pinned_installed:
+            return
+        cupy.cuda.set_pinned_memory_allocator(_SizeClassedPinned(cupy.get_default_pinned_memory_pool().malloc))
         blocks = [cupy.cuda.alloc_pinned_memory(n) for n in pinned_blocks()]
         del blocks  # each goes back to the pool's free list of its class
+        _pinned_installed = True
 
 
 def load_modules(files, account: dict):
