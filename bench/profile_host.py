@@ -344,8 +344,8 @@ def report_warmup(run_started: float, rec: Recorder):
     first = rec.steps[0]["start"] if rec.steps else None
     when = "still running at the end" if ended is None else (
         f"ended {1e3 * (ended - first):+.1f} ms relative to the first prefill step's start" if first else "ended")
-    ms = {k: 1e3 * acc.get(f"{k}_s", 0.0) for k in ("pinned", "modules", "gemms")}
-    print(f"  warm-up: pinned {ms['pinned']:.1f} ms, modules {ms['modules']:.1f} ms, GEMMs {ms['gemms']:.1f} ms "
+    ms = {k: 1e3 * acc.get(f"{k}_s", 0.0) for k in ("modules", "gemms")}
+    print(f"  warm-up: modules {ms['modules']:.1f} ms, GEMMs {ms['gemms']:.1f} ms "
           f"({acc.get('gemm_calls', 0)} products, {acc.get('gemms_left_out', 0)} left out"
           f"{', stopped when the engine began' if acc.get('gemms_stopped') else ''}); {when}")
     for err in acc.get("errors", [])[:5]:

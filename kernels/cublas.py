@@ -138,9 +138,7 @@ class Cublas:
         _check(self.lib.cublasSetMathMode(handle, _CUBLAS_DEFAULT_MATH), "cublasSetMathMode")  # no TF32
         self.workspace = cupy.empty(workspace_bytes, dtype=np.uint8)
         self._bound_stream: int | None = None
-        # one GEMM at a time: threads share the handle (kernels/cuda_warmup.py warms it up while the weights load)
-        self.lock = threading.RLock()
-        self.calls = 0  # GEMMs issued through this handle
+        self.calls = 0  # GEMMs issued through this handle (a warm-up stops once the engine's have begun)
         self.algo = _CUBLAS_GEMM_DEFAULT  # cublasGemmAlgo_t (benches may try others)
         self._one = ctypes.c_float(1.0)
         self._zero = ctypes.c_float(0.0)
@@ -150,12 +148,6 @@ class Cublas:
         if self.handle is not None:
             self.lib.cublasDestroy_v2(self.handle)
             self.handle = None
-
-    @property
-    def bound_stream(self) -> int | None:
-        """The stream (pointer) the last GEMM went to: whoever shares the handle waits for its work there first,
-        since the GEMMs share the workspace."""
-        return self._bound_stream
 
     def _bind(self):
         stream = self._cupy.cuda.get_current_stream().ptr
@@ -183,15 +175,14 @@ class Cublas:
             a_type, b_type, c_type = _DATA_TYPES[w.dtype], _DATA_TYPES[x.dtype], _DATA_TYPES[out.dtype]
         except KeyError as e:
             raise TypeError(f"gemm dtypes not supported: x {x.dtype}, w {w.dtype}, out {out.dtype}") from e
+        self._bind()
         compute = CUBLAS_COMPUTE_32F_PEDANTIC if pedantic else CUBLAS_COMPUTE_32F
-        with self.lock:
-            self._bind()
-            status = self.lib.cublasGemmEx(
-                self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m_rows, k, ctypes.byref(self._one),
-                ctypes.c_void_p(w.data.ptr), a_type, k, ctypes.c_void_p(x.data.ptr), b_type, ldb,
-                ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), c_type, n, compute, self.algo)
-            self.calls += 1
-        _check(status, "cublasGemmEx")
+        _check(self.lib.cublasGemmEx(
+            self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m_rows, k, ctypes.byref(self._one),
+            ctypes.c_void_p(w.data.ptr), a_type, k, ctypes.c_void_p(x.data.ptr), b_type, ldb,
+            ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), c_type, n, compute, self.algo),
+            "cublasGemmEx")
+        self.calls += 1
         return out
 
 

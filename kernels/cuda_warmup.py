@@ -1,40 +1,38 @@
 """`CudaOps.prepare_kernels`' background work: everything a run's first steps would load, loaded while the weights
-upload, on a thread with its own stream.
+upload, on a thread with its own cuBLAS handle and stream.
 
-Why each part (first-use costs measured inside a fresh process's first steps on an H200, bench/profile_host.py
-cold vs warm, 2026-12-01). With CUDA's lazy loading (the default since 12.2) a kernel's code reaches the device
-only when it is first fetched or launched, and that load may wait for the device queue to drain; so a first use
-behind a queued prefill step costs the host the whole step:
+Why each part (first-use costs measured inside a fresh process's first steps on an H200: bench/profile_host.py cold
+vs warm, and bench/firstuse_probe.py, 2026-12-01). With CUDA's lazy loading (the default since 12.2) code reaches
+the device when first needed, and loading a module waits for the device queue to drain (probe: 50 ms behind 50 ms
+of queued work; fetching a function of a loaded module, its first launch, a new pinned or device block: < 2 ms);
+so a first use behind a queued prefill step costs the host the rest of the step:
 - our NVRTC modules (kernels/*.cu, PREPARED_FILES): loaded from CuPy's cache (compiled on the very first run), and
-  then *every* function fetched (cuModuleGetFunction is where a lazily loaded module loads that function). Fetching
-  only one function per module left copy_rows' first launch at 87 ms (host) against 0.05 ms warm.
+  every function fetched (cheap; the module is then wholly ready).
 - cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range: the
   first logits GEMM of a step cost 25 ms against 0.1 ms warm, the first step's linear layers 58 ms more than warm.
   Each product of the model's `KernelPlan` (the loader derives it from the model, engine/warmup.py) runs once per
-  row count of its ladder (kernels/warmup.py) on scratch memory, through the process's own handle (a throwaway
-  handle left the engine's first steps 5-6 ms each to pay for shapes it had run, device run 6), so the engine's own
-  products find everything ready. The scratch is written only by these products and is left in the device pool for
-  the first steps' activations; each product holds the handle alone and is finished before anyone else's GEMM
-  (they share its workspace): a warm-up never touches the model's arrays, so it cannot change a result.
-- CuPy's pinned staging pool: `cupy.asarray(host)` stages the copy through a page-locked block from a pool that keeps
-  blocks by exact size, and allocating page-locked memory synchronises with the device: copy_rows' first fork (its
-  pointer table's upload) waited 72 ms for the queued prefill step in run 6, against 0.07 ms warm. Small requests
-  now take power-of-two size classes (kernels/warmup.py `pinned_size_class`), whose blocks are made here.
+  row count of its ladder (kernels/warmup.py) on scratch memory with a handle of its own (a kernel, once loaded,
+  serves every handle: bench/firstuse_probe.py), so the engine's own products find their kernels loaded. The
+  scratch is written only by these products and is left in the device pool for the first steps' activations:
+  a warm-up never touches the model's arrays, so it cannot change a result.
+- CuPy's own elementwise kernels, generated per dtype and dimension count and loaded from CuPy's cache (compiled
+  on a bare machine) at first use: the model code's array expressions on act arrays (a strided view made
+  contiguous, e.g. Qwen3.5's attention gate; a product, o * sigmoid(gate); casts to and from fp32). Device run 7:
+  the first prefill step took 287 ms against 22 ms for the next, on a machine whose CuPy cache was empty.
 Nothing here raises: a failed part costs only its first use later (where the op reports the error itself), and the
 account of the latest warm-up is in `LAST` (bench/profile_host.py prints it).
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import cupy
 import numpy as np
 
 from prefixrun.kernels import attention_sm90
-from prefixrun.kernels.cublas import get_cublas
+from prefixrun.kernels.cublas import Cublas, get_cublas
 from prefixrun.kernels.cuda import F32, _NAMES, _kernel
-from prefixrun.kernels.warmup import GemmShape, KernelPlan, pinned_blocks, pinned_size_class, plan_scratch
+from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
 
 # with no plan (a caller that knows no model): one tiny product per output kind, for cuBLAS's one-time set-up
 _GENERIC = KernelPlan((GemmShape(256, 256, (1, 64)), GemmShape(256, 256, (1, 64), "float32")))
@@ -44,20 +42,18 @@ LAST: dict = {}  # the latest warm-up's account: seconds per part, products run 
 
 
 def prepare(device: int, act_dtype, plan_fn, files):
-    """The loader thread's body: pinned staging blocks, `files`' modules, the sm_90a attention module, then the plan's
-    GEMMs (plan_fn(): a KernelPlan; plan_fn None: a generic one)."""
+    """The loader thread's body: `files`' modules, the sm_90a attention module, then the plan's GEMMs (plan_fn(): a
+    KernelPlan; plan_fn None: a generic one)."""
     global LAST
-    account = LAST = {"pinned_s": 0.0, "modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0,
+    account = LAST = {"modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0,
                       "gemms_stopped": False, "errors": [], "started": time.perf_counter(), "ended": None}
     # (times: perf_counter; gemms_stopped: the engine's own GEMMs began before the last planned product)
     with cupy.cuda.Device(device):
         t0 = time.perf_counter()
-        _guarded(account, "pinned", make_pinned_blocks)
-        account["pinned_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
         load_modules(files, account)
         if attention_sm90.available():
             _guarded(account, "attention_sm90", attention_sm90.compile_module)
+        _guarded(account, "cupy kernels", warm_array_kernels, np.dtype(act_dtype))
         account["modules_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         plan = _guarded(account, "plan", plan_fn) if plan_fn is not None else _GENERIC
@@ -75,33 +71,6 @@ def _guarded(account: dict, what: str, fn, *args):
         return None
 
 
-class _SizeClassedPinned:
-    """CuPy's pinned allocator with small requests rounded up to their size class (kernels/warmup.py)."""
-
-    def __init__(self, malloc):
-        self.malloc = malloc
-
-    def __call__(self, nbytes: int):
-        return self.malloc(pinned_size_class(nbytes))
-
-
-_PINNED_LOCK = threading.Lock()
-_pinned_installed = False
-
-
-def make_pinned_blocks():
-    """Size classes for CuPy's pinned pool and blocks of each class made now, back in the pool (once per process:
-    the blocks stay in the pool for every later run)."""
-    global _pinned_installed
-    with _PINNED_LOCK:
-        if _pinned_installed:
-            return
-        cupy.cuda.set_pinned_memory_allocator(_SizeClassedPinned(cupy.get_default_pinned_memory_pool().malloc))
-        blocks = [cupy.cuda.alloc_pinned_memory(n) for n in pinned_blocks()]
-        del blocks  # each goes back to the pool's free list of its class
-        _pinned_installed = True
-
-
 def load_modules(files, account: dict):
     """Compile or load each file's module and fetch every function it exports (loads each function's code)."""
     for file in files:
@@ -110,14 +79,27 @@ def load_modules(files, account: dict):
                 break  # the module itself failed: its other functions would fail the same way
 
 
+def warm_array_kernels(act: np.dtype):
+    """CuPy's kernels for the array expressions model code writes on act arrays, run once on tiny arrays (a kernel
+    is compiled per dtypes and dimension count, not per size): strided copies of 2 and 3 dimensions, an elementwise
+    product, casts to fp32 and back."""
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        base = cupy.zeros((4, 3, 16), act)
+        base[:, :, 8:].reshape(4, 24)  # [T, H, 2D] -> the second half of each head, as rows: a 2-d strided copy
+        cupy.ascontiguousarray(base[:, ::2, 8:])  # 3-d strided
+        flat = base.reshape(-1)
+        flat * flat  # noqa: B018 - the product kernel is the point
+        (flat.astype(F32) * np.float32(0.5)).astype(act)
+        stream.synchronize()
+
+
 def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
-    """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, through
-    the process's own cuBLAS handle (whatever cuBLAS keeps per handle is then ready for the engine's products).
+    """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, with
+    a cuBLAS handle of its own (kernels load per context, not per handle: bench/firstuse_probe.py, device run 7).
 
     The scratch comes from the device pool as the engine's thread allocates (the default stream's arena) and stays
-    there, free, once the products are done: the first steps' activations are cut from it instead of each growing
-    the pool (a cudaMalloc) in the middle of a step (device run 6: the first step's forward took 40 ms more than
-    warm). The pool lends it to anyone; no array of the model is ever written."""
+    there, free, once the products are done: the first steps' activations (or the state pools) are cut from it
+    instead of growing the pool. No array of the model is ever written."""
     free, _ = cupy.cuda.runtime.memGetInfo()
     budget = min(max(free - plan.weight_bytes, 0) // 4, _SCRATCH_CAP)
     scratch = plan_scratch(plan.gemms, act.itemsize, budget)
@@ -126,36 +108,32 @@ def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
         return
     buffers = (cupy.empty(scratch.weight_elems, act),  # stand-ins: only the shapes matter to the choice of kernel
                cupy.empty(scratch.input_elems, act), cupy.empty(scratch.output_bytes, np.uint8))
+    blas = Cublas()
     stream = cupy.cuda.Stream(non_blocking=True)
     try:
         with stream:
-            _run_products(get_cublas(), stream, buffers, scratch, act, account)
+            _run_products(blas, get_cublas(), stream, buffers, scratch, act, account)
     finally:
         stream.synchronize()  # nothing may still write the buffers when they go back to the pool
+        blas.close()
         del buffers
 
 
-def _run_products(blas, stream, buffers, scratch, act: np.dtype, account: dict):
-    """The products, each under the handle's lock and finished before the lock is let go: the engine's GEMMs share
-    the handle's workspace, so none may run beside one of these. Stops once a GEMM of anyone else went through the
-    handle: the engine computes now, and a product here would only make it wait."""
+def _run_products(blas: Cublas, engine_blas: Cublas, stream, buffers, scratch, act: np.dtype, account: dict):
+    """The products, each finished before the next (a product's cost is its kernel's load, on this thread; its GPU
+    time stays out of the engine's way). Stops once the engine has issued a GEMM: it computes now, and these
+    products would only compete with it."""
     w, x, out = buffers
-    expected = blas.calls
+    engine_calls = engine_blas.calls
     for m, g in sorted(((m, g) for g in scratch.gemms for m in g.rows),
                        key=lambda mg: (mg[0], mg[1].output, mg[1].out_features, mg[1].in_features)):
+        if engine_blas.calls != engine_calls:
+            account["gemms_stopped"] = True
+            return
         n, k = g.out_features, g.in_features
         out_dt = F32 if g.output == "float32" else act
         y = out[:m * n * out_dt.itemsize].view(out_dt).reshape(m, n)  # [M, N]
-        with blas.lock:
-            if blas.calls != expected:
-                account["gemms_stopped"] = True
-                return
-            last = blas.bound_stream
-            if last is not None and last != stream.ptr:  # GEMMs queued there may still be using the workspace
-                other = cupy.cuda.Stream.null if last == 0 else cupy.cuda.ExternalStream(last)
-                stream.wait_event(other.record())
-            # pedantic as CudaOps._gemm chooses it: fp32 weights compute in strict fp32
-            blas.gemm_nt(x[:m * k].reshape(m, k), w[:n * k].reshape(n, k), y, pedantic=act == F32)
-            stream.synchronize()
-            expected += 1
+        # pedantic as CudaOps._gemm chooses it: fp32 weights compute in strict fp32
+        blas.gemm_nt(x[:m * k].reshape(m, k), w[:n * k].reshape(n, k), y, pedantic=act == F32)
+        stream.synchronize()
         account["gemm_calls"] += 1

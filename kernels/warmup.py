@@ -90,27 +90,3 @@ def plan_scratch(gemms, act_itemsize: int, budget_bytes: int) -> Scratch:
         out_bytes = max(out_bytes, max(rows) * g.out_features * out_item)
     return Scratch(tuple(kept), w_elems, x_elems, out_bytes)
 
-
-# Host -> device copies of small host arrays (index arrays, sampling parameters, copy tables) are staged through
-# page-locked blocks from a pool that keeps blocks by size; allocating page-locked memory synchronises with the
-# device, so a block size a process has not used yet costs a wait for the queued steps. Sizes up to
-# PINNED_CLASS_MAX go up to a power of two from PINNED_CLASS_MIN on (a few classes, all made ahead: `pinned_blocks`);
-# larger ones (staging buffers, made once) keep their size.
-PINNED_CLASS_MIN, PINNED_CLASS_MAX = 4 << 10, 1 << 20
-
-
-def pinned_size_class(nbytes: int) -> int:
-    """The block size a staged copy of `nbytes` takes."""
-    if nbytes > PINNED_CLASS_MAX:
-        return nbytes
-    return max(PINNED_CLASS_MIN, 1 << max(nbytes - 1, 0).bit_length())
-
-
-def pinned_blocks() -> list[int]:
-    """The blocks to make ahead: several of the smallest class (every small upload: parameters, tables; a few are in
-    flight at once) and two of each larger class (a step's index arrays grow with its tokens)."""
-    sizes, c = [PINNED_CLASS_MIN] * 8, PINNED_CLASS_MIN * 2
-    while c <= PINNED_CLASS_MAX:
-        sizes += [c, c]
-        c *= 2
-    return sizes

@@ -20,8 +20,7 @@ from prefixrun.engine.speculative import DraftInput
 from prefixrun.engine.warmup import DEFAULT_LOGIT_ROWS, model_plan
 from prefixrun.engine.weights import CheckpointTensors
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.warmup import (PINNED_CLASS_MAX, PINNED_CLASS_MIN, GemmShape, KernelPlan, pinned_blocks,
-                                      pinned_size_class, plan_scratch, row_ladder)
+from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch, row_ladder
 from test_gemma3 import TINY_GEMMA3
 
 
@@ -61,20 +60,6 @@ def test_scratch_fits_its_budget_and_leaves_out_what_does_not():
     assert [g.out_features for g in small.gemms] == [18432] and max(small.gemms[0].rows) < 8192
     whole = plan_scratch([head, mlp], 2, 16 << 30)
     assert whole.gemms == (head, mlp)
-
-
-def test_pinned_size_classes():
-    """Small staged copies share a few power-of-two classes (all made ahead); large ones keep their size."""
-    classes = set()
-    for n in list(range(0, 9000, 7)) + [PINNED_CLASS_MAX - 1, PINNED_CLASS_MAX]:
-        c = pinned_size_class(n)
-        assert c >= max(n, PINNED_CLASS_MIN) and c & (c - 1) == 0 and c < 2 * max(n, PINNED_CLASS_MIN)
-        classes.add(c)
-    for n in (PINNED_CLASS_MAX + 1, 64 << 20, (64 << 20) + 3):
-        assert pinned_size_class(n) == n
-    made = pinned_blocks()
-    assert set(made) == {pinned_size_class(n) for n in range(1, PINNED_CLASS_MAX + 1, 4093)} | {PINNED_CLASS_MAX}
-    assert made.count(PINNED_CLASS_MIN) >= 4 and sum(made) < 8 << 20
 
 
 # ---- the plan of each model family against its forward ------------------------------------------------------
