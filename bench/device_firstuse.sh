@@ -18,11 +18,13 @@ cfg=.bench-shared/models/$M.json; [ -f "$cfg" ] || cfg=bench/models/$M.json
 python3 .bench-shared/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 \
   > /tmp/firstuse-shared-system.jsonl 2>/dev/null || exit 1
 # A user's fresh process finds CuPy's kernel cache filled by earlier runs: fill it here (compiles only on a bare
-# machine), so that run 1 measures first use, not NVRTC.
+# machine: our modules and CuPy's own kernels of the model code), so that run 1 measures first use, not NVRTC.
 python3 -c "
-from prefixrun.kernels import attention_sm90, cuda
+import ml_dtypes, numpy as np
+from prefixrun.kernels import attention_sm90, cuda, cuda_warmup
 cuda.compile_all()
-attention_sm90.available() and attention_sm90.compile_module()" || echo "kernel cache fill failed (exit $?)"
+attention_sm90.available() and attention_sm90.compile_module()
+cuda_warmup.warm_array_kernels(np.dtype(ml_dtypes.bfloat16))" || echo "kernel cache fill failed (exit $?)"
 python3 bench/profile_host.py /tmp/firstuse-shared-system.jsonl --model $MODEL --runs 2 -- \
   --temperature 0 --no-cache --ignore-eos > "$OUT/firstuse.txt" 2>&1
 echo "profile_host: exit $?"
