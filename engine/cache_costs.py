@@ -47,10 +47,12 @@ CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at fu
 # Reads of the calibration file, the fastest counted: one read's time varies with whatever else the host does (one
 # taken during a first prefill measured 1.3-1.5 GiB/s where the same folder's reads measured 5.8 GB/s later).
 CALIBRATION_READS = 6
-# ... and it runs before the engine does (while the weights load), on an idle host: reads at lookups, beside the
-# engine's thread and its copies, measured about half of it on the H200 (calibration 4.4-5.9 GiB/s, the same
-# folder's reads in the runs 2.2-4.0 GB/s), so a calibrated rate counts at half until the run measures its own.
-CALIBRATION_WEIGHT = 0.5
+# ... and it runs before the engine does (while the weights load), on an idle host, so it is an optimistic figure:
+# reads beside the engine measured 2.2-4.0 GB/s on the H200 where calibrations gave 3.4-5.9 GiB/s. It is used as it
+# is: it decides only a fresh folder's first writes, and the first write's read-back measures the real rate for
+# every later decision. (Counted at half, it kept a fresh folder from ever writing the long documents' states on a
+# host whose calibration measured 3.4 GiB/s: nothing written, so nothing read back, so never measured.)
+CALIBRATION_WEIGHT = 1.0
 RATES_FILE_NAME = "rates.json"
 RATES_VERSION = 1
 _MAX_RATES_FILE_BYTES = 1 << 20

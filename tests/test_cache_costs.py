@@ -229,7 +229,7 @@ def test_a_fresh_folder_is_calibrated_and_leaves_nothing_behind(tmp_path):
     assert set(tmp_path.iterdir()) == before
     model = CostModel()
     model.calibrated_read = rate
-    assert model.read_rate() == (rate * CALIBRATION_WEIGHT, "calibration")  # measured idle: counted at half
+    assert model.read_rate() == (rate * CALIBRATION_WEIGHT, "calibration")
     model.earlier_read = 123.0
     assert model.read_rate() == (123.0, "earlier runs")  # a measurement of real entries wins
 
