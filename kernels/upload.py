@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy
@@ -116,9 +117,7 @@ class StagedUploader:
             if self._done[i] is not None:
                 self._done[i].synchronize()  # its previous DMAs have read the buffer out
             buf = self._buffers[i]
-            copies = [(offset + a, piece[a:b]) for _, piece, offset in chunk
-                      for a, b in ((p, min(p + PIECE_BYTES, piece.size)) for p in range(0, piece.size, PIECE_BYTES))]
-            list(self._pool.map(lambda job: np.copyto(buf[job[0]:job[0] + job[1].size], job[1]), copies))
+            self._copy_in_pieces([(buf[offset:offset + piece.size], piece) for _, piece, offset in chunk])
             used = sum(piece.size for _, piece, _ in chunk)
             if into is not None:
                 cupy.cuda.runtime.memcpyAsync(into + position, buf.ctypes.data, used,
@@ -141,32 +140,34 @@ class StagedUploader:
         with self._lock:
             self._setup()
             self._stream.wait_event(after)
-            offsets = list(range(0, out.size, CHUNK_BYTES))
-            in_flight = []  # (buffer index, offset, bytes, event), oldest first
-
-            def start(offset: int):
-                i = self._next
+            in_flight: deque = deque()  # (staging buffer index, offset, bytes, event), oldest first: two at most
+            for offset in range(0, out.size, CHUNK_BYTES):
+                if len(in_flight) == 2:
+                    self._copy_out(in_flight.popleft(), out)
+                i = self._next  # the buffer just emptied (they alternate)
                 self._next ^= 1
                 if self._done[i] is not None:
-                    self._done[i].synchronize()  # (an upload's DMA may still read it)
+                    self._done[i].synchronize()  # an upload's DMA may still read it
                 n = min(CHUNK_BYTES, out.size - offset)
                 cupy.cuda.runtime.memcpyAsync(self._buffers[i].ctypes.data, src_address + offset, n,
                                               cupy.cuda.runtime.memcpyDeviceToHost, self._stream.ptr)
                 self._done[i] = self._stream.record()
                 in_flight.append((i, offset, n, self._done[i]))
+            while in_flight:
+                self._copy_out(in_flight.popleft(), out)
 
-            for offset in offsets[:2]:
-                start(offset)
-            for offset in offsets[2:] + [None, None]:
-                if not in_flight:
-                    break
-                i, at, n, event = in_flight.pop(0)
-                event.synchronize()
-                buf = self._buffers[i]
-                spans = [(p, min(p + PIECE_BYTES, n)) for p in range(0, n, PIECE_BYTES)]
-                list(self._pool.map(lambda ab: np.copyto(out[at + ab[0]:at + ab[1]], buf[ab[0]:ab[1]]), spans))
-                if offset is not None:
-                    start(offset)  # into the buffer just emptied
+    def _copy_out(self, chunk: tuple, out: np.ndarray):
+        """Wait for a chunk's DMA into its staging buffer, then copy it to its place in `out`."""
+        i, offset, n, event = chunk
+        event.synchronize()
+        self._copy_in_pieces([(out[offset:offset + n], self._buffers[i][:n])])
+
+    def _copy_in_pieces(self, pairs: list[tuple[np.ndarray, np.ndarray]]):
+        """np.copyto of each (destination, source) byte-array pair, cut into PIECE_BYTES spans, on the copying
+        threads (NumPy releases the GIL for raw byte copies)."""
+        jobs = [(dst[a:a + PIECE_BYTES], src[a:a + PIECE_BYTES]) for dst, src in pairs
+                for a in range(0, src.size, PIECE_BYTES)]
+        list(self._pool.map(lambda job: np.copyto(*job), jobs))
 
 
 def _chunks(pieces: list[tuple[int, np.ndarray]], size: int):
