@@ -169,5 +169,5 @@ def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, re
 
 
 def _in_dtype(array: np.ndarray, dtype) -> np.ndarray:
-    """`array` itself when it is stored as `dtype` already (no copy of a page-locked region), else converted."""
+    """`array` itself when it is stored as `dtype` already (a region read from the cache: no copy), else converted."""
     return array if array.dtype == dtype else np.asarray(array, dtype)
