@@ -1,4 +1,4 @@
-"""Kernel checks and timings on the bench models' shapes (device only): `python3 bench/kernel_bench.py [attn|delta]`.
+"""Kernel checks and timings on the bench models' shapes (device only): `python3 bench/kernel_bench.py [attn|delta|decode]`.
 
 Each part (PARTS below; no argument runs them all) returns rows: a check (a kernel's error against the NumPy
 reference on the bench shapes, its bound) or a timing (ms and a rate, next to the old kernel and the vendor
@@ -190,7 +190,18 @@ def delta_part() -> list[Row]:
     return kbench_delta.delta_part()
 
 
-PARTS = {"attn": attn_part, "delta": delta_part}
+def decode_part() -> list[Row]:
+    """The gated delta rule's decode step: gdn_decode_kernel vs the previous kernel, GB/s by batch
+    (bench/kbench_delta_decode.py)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kbench_delta_decode
+
+    return kbench_delta_decode.decode_part()
+
+
+PARTS = {"attn": attn_part, "delta": delta_part, "decode": decode_part}
 
 
 def print_table(part: str, rows: list[Row]) -> None:

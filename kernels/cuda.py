@@ -31,8 +31,8 @@ from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.upload import upload_bytes, upload_bytes_many
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
-from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, CudaTuning, \
-    attention_plan, attn_tile_keys, delta_rule_launch, gdn_tc_smem_bytes
+from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, \
+    CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, gdn_tc_smem_bytes
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -74,6 +74,7 @@ _NAMES = {
     "elementwise": _elementwise_names(),
     "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
+    + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
     "delta_tc": [f"gdn_tc_prep_kernel<{d}>" for d in GDN_TC_DIMS]
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
@@ -640,7 +641,7 @@ class CudaOps:
             return out
         args = (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, state, slots, cu,
                 _i32(h), _i32(krep), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)))
-        _kernel("delta_rule", launch.kernel.format(t=_tname(dt)))(launch.grid, (128,), args + (out,))
+        _kernel("delta_rule", launch.kernel.format(t=_tname(dt)))(launch.grid, (launch.threads,), args + (out,))
         return out
 
     def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):

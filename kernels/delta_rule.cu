@@ -186,6 +186,115 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
         }
 }
 
+// ---- decode: a few tokens per sequence, the state streamed once ------------------------------------------------
+// A decode step reads and writes every sequence's whole fp32 state (64 KiB per 128 x 128 head) and does ~4 FLOP per
+// state element: it is bound by memory traffic alone, so the layout is chosen for the memory system. A block owns one
+// (sequence, head, BC = 4 LCOLS value columns): LCOLS lanes hold 4 adjacent columns each (float4), so a warp covers
+// 32 / LCOLS rows per instruction, each a contiguous 4 LCOLS-float piece (a whole 512-byte row at LCOLS = 32;
+// gdn_cols_kernel reads eight 64-byte pieces); row group grp owns rows grp, grp + GROUPS, ... Every load of the
+// state is issued before its first use, and nothing else the block reads is big. Per token, with a = exp(g):
+// SK = S^T k, SQ = S^T q and k.q are reduced in one pass (registers, then across row groups through shared memory),
+//   u = beta (v - a SK),  o = (a SQ + (k.q) u) / sqrt(Dk),  S = a S + k u^T,
+// the reference's step (S = a S; u = beta (v - S^T k); S += k u^T; o = S^T q) with S^T q expanded, so the state is
+// read once per token. Any token count per sequence is exact (tokens step one after another), but each costs three
+// block barriers: kernels/tuning.py takes this kernel for decode-like steps. Needs Dv % 4 == 0 (16-byte rows).
+template <typename T, int DKP, int WARPS, int LCOLS>
+__global__ void __launch_bounds__(WARPS * 32, 65536 / (WARPS * 32 * (DKP / (WARPS * 32 / LCOLS) >= 16 ? 128 : 64)))
+gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
+                  const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
+                  const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ slots,
+                  const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out) {
+    constexpr int THREADS = WARPS * 32;
+    constexpr int GROUPS = THREADS / LCOLS;  // row groups
+    constexpr int BC = 4 * LCOLS;            // value columns per block
+    constexpr int R = DKP / GROUPS;          // state rows per thread
+    static_assert(R >= 1 && DKP % GROUPS == 0 && 32 % LCOLS == 0, "bad row split");
+    __shared__ float sk[DKP], sq[DKP];
+    __align__(16) __shared__ float red[GROUPS][2][BC];  // per row group: partial S^T k, S^T q over its rows
+    __align__(16) __shared__ float fin[2][BC];          // S^T k, S^T q
+    __shared__ float rkq[GROUPS];                       // per row group: partial k.q
+
+    const int seq = blockIdx.z, h = blockIdx.y;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    if (n == 0) return;
+    const int tid = threadIdx.x, grp = tid / LCOLS, lc = tid % LCOLS;
+    const int col = blockIdx.x * BC + lc * 4;
+    const bool colok = col < dv;  // Dv % 4 == 0: all four columns or none
+    float* st = state + ((i64)slots[seq] * heads + h) * (i64)dk * dv + col;
+    const i64 kh = (i64)(h / krep);
+
+    float4 S[R];  // rows grp + r GROUPS, columns col..col+3
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = grp + r * GROUPS;
+        S[r] = (colok && i < dk) ? *reinterpret_cast<const float4*>(st + (i64)i * dv) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
+    for (int tt = 0; tt < n; ++tt) {
+        const i64 t = start + tt;
+        if (tt > 0) __syncthreads();  // the previous token's update has read sk
+        for (int d = tid; d < DKP; d += THREADS) {
+            sk[d] = d < dk ? to_f(k[t * kst + kh * ksh + d]) : 0.f;
+            sq[d] = d < dk ? to_f(q[t * qst + kh * qsh + d]) : 0.f;
+        }
+        const float a = expf(g[t * heads + h]), bt = beta[t * heads + h];
+        float vv[4] = {0.f, 0.f, 0.f, 0.f};
+        if (colok) {
+            const T* vrow = v + t * vst + (i64)h * vsh + col;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) vv[e] = to_f(vrow[e]);
+        }
+        __syncthreads();
+
+        float4 pk = make_float4(0.f, 0.f, 0.f, 0.f), pq = pk;
+        float kq = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float kr = sk[grp + r * GROUPS], qr = sq[grp + r * GROUPS];
+            pk.x += S[r].x * kr; pk.y += S[r].y * kr; pk.z += S[r].z * kr; pk.w += S[r].w * kr;
+            pq.x += S[r].x * qr; pq.y += S[r].y * qr; pq.z += S[r].z * qr; pq.w += S[r].w * qr;
+            kq += kr * qr;
+        }
+        *reinterpret_cast<float4*>(&red[grp][0][lc * 4]) = pk;
+        *reinterpret_cast<float4*>(&red[grp][1][lc * 4]) = pq;
+        if (lc == 0) rkq[grp] = kq;
+        __syncthreads();
+        for (int idx = tid; idx < 2 * BC; idx += THREADS) {
+            float s = 0.f;
+#pragma unroll
+            for (int gg = 0; gg < GROUPS; ++gg) s += red[gg][idx / BC][idx % BC];
+            fin[idx / BC][idx % BC] = s;
+        }
+        __syncthreads();
+        float kqs = 0.f;
+#pragma unroll
+        for (int gg = 0; gg < GROUPS; ++gg) kqs += rkq[gg];
+        const float4 sk4 = *reinterpret_cast<const float4*>(&fin[0][lc * 4]);
+        const float4 sq4 = *reinterpret_cast<const float4*>(&fin[1][lc * 4]);
+        const float u[4] = {bt * (vv[0] - a * sk4.x), bt * (vv[1] - a * sk4.y), bt * (vv[2] - a * sk4.z),
+                            bt * (vv[3] - a * sk4.w)};
+        if (grp == 0 && colok) {
+            T* orow = out + (t * heads + h) * (i64)dv + col;
+            orow[0] = from_f<T>((a * sq4.x + kqs * u[0]) * scale);
+            orow[1] = from_f<T>((a * sq4.y + kqs * u[1]) * scale);
+            orow[2] = from_f<T>((a * sq4.z + kqs * u[2]) * scale);
+            orow[3] = from_f<T>((a * sq4.w + kqs * u[3]) * scale);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float kr = sk[grp + r * GROUPS];
+            S[r].x = a * S[r].x + kr * u[0]; S[r].y = a * S[r].y + kr * u[1];
+            S[r].z = a * S[r].z + kr * u[2]; S[r].w = a * S[r].w + kr * u[3];
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = grp + r * GROUPS;
+        if (colok && i < dk) *reinterpret_cast<float4*>(st + (i64)i * dv) = S[r];
+    }
+}
+
 // ---- chunked (WY) form for prefill ----------------------------------------------------------------------------
 // The token-by-token kernel above is bound by their dependency chain: a 2048-token sequence is 2048 serial steps.
 // The chunked form (the same math as the reference's _delta_chunk) cuts a sequence into chunks of C = 64 tokens.

@@ -6,7 +6,9 @@ a new default for the chunked delta rule, ...): every entry written before then 
 """
 from __future__ import annotations
 
-NUMERICS_VERSION = 2  # 2: bf16 prefill on tensor cores by default (wgmma attention on sm_90, the delta rule's tc form)
+# 2: bf16 prefill on tensor cores by default (wgmma attention on sm_90, the delta rule's tc form); 3: the delta rule's
+# decode kernel (one-token steps sum S^T k, S^T q in another order)
+NUMERICS_VERSION = 3
 
 
 def numerics_id(ops) -> str:

@@ -7,6 +7,9 @@ variants build another ops object with `CudaOps.retuned(...)` instead of flippin
 The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --bench, 4b-like shapes):
 - delta rule, token-stepped: 4 value columns per thread, prefill 12.2 ms, decode batch 64 98 us (the slower
   variants were removed from kernels/delta_rule.cu).
+- delta rule, decode (kernels/delta_rule.cu gdn_decode_kernel: the state in 512-byte rows, read and written once)
+  for steps of at most GDN_DECODE_MAX_MEAN tokens per sequence with Dv % 4 == 0; blocks of 8 warps and 128 value
+  columns (figures: bench/kernel_bench.py decode).
 - delta rule, chunked (64-token chunk steps, Dk, Dv <= 128) only when the token-stepped grid fills under half the
   SMs (a long shared prefix alone): the fp32 chunked kernels are bound by shared memory and lose from about four
   sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
@@ -43,6 +46,9 @@ GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMA
 GDN_TC_DIMS = (128,)
 GDN_TC_WARPS = (2, 4)
 GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the tensor-core form
+# gdn_decode_kernel instantiations, (warps, value columns) per block; the first is the default
+GDN_DECODE_BLOCKS = ((8, 128), (16, 128), (8, 64), (4, 64))
+GDN_DECODE_MAX_MEAN = 1  # tokens per sequence (mean) up to which "auto" takes gdn_decode_kernel
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 
 
@@ -71,6 +77,9 @@ class CudaTuning:
     # 2026-12-01; "delta_tc" is in kernels/cuda.py's PREPARED_FILES so its module loads while the weights upload)
     gdn_tensor_cores: bool | str = "auto"
     gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: 4 (the faster on every measured shape)
+    # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
+    gdn_decode: bool | str = "auto"
+    gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -90,7 +99,9 @@ class CudaTuning:
             raise ValueError(f"attn_prefill_kernel must be one of {ATTN_PREFILL_KERNELS}")
         if self.gdn_tc_warps not in (None,) + GDN_TC_WARPS:
             raise ValueError(f"gdn_tc_warps must be None or one of {GDN_TC_WARPS}")
-        for name in ("gdn_chunked", "gdn_tensor_cores", "attn_split_decode"):
+        if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
+            raise ValueError(f"gdn_decode_block must be None or one of {GDN_DECODE_BLOCKS}")
+        for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be True, False or 'auto'")
         for name in ("attn_prefill_warps", "attn_decode_warps"):
@@ -109,7 +120,8 @@ class DeltaRuleLaunch:
     """How gated_delta_rule runs: the chunked form (two kernels, launched by their own wrapper), or one
     token-stepped kernel (`kernel` with its template arguments but the storage type left as {t}) on `grid`.
     `tensor_cores` (with chunked): the bf16 tensor-core chunked form, `kernel` its scan kernel on `grid` (the
-    wrapper runs gdn_tc_prep_kernel<dim> first), `dim` the padded key/value dim, `warps` the scan block's."""
+    wrapper runs gdn_tc_prep_kernel<dim> first), `dim` the padded key/value dim, `warps` the scan block's.
+    `threads`: the token-stepped kernel's block size."""
 
     chunked: bool
     kernel: str = ""
@@ -117,6 +129,7 @@ class DeltaRuleLaunch:
     tensor_cores: bool = False
     dim: int = 0
     warps: int = 0
+    threads: int = 128
 
 
 def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, heads: int, dk: int,
@@ -132,6 +145,10 @@ def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: i
     if _use_chunked(tuning, sm_count, tokens, seqs, heads, dk, dv):
         return DeltaRuleLaunch(chunked=True)
     dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
+    if _use_decode(tuning, tokens, seqs, dv):
+        warps, cols = tuning.gdn_decode_block or GDN_DECODE_BLOCKS[0]
+        return DeltaRuleLaunch(chunked=False, kernel=f"gdn_decode_kernel<{{t}}, {dkp}, {warps}, {cols // 4}>",
+                               grid=(-(-dv // cols), heads, seqs), threads=32 * warps)
     rows_per_thread = min(64 // GDN_COLS, dkp)
     cols = 128 // (dkp // rows_per_thread) * GDN_COLS  # value columns per 128-thread block
     return DeltaRuleLaunch(chunked=False, kernel=f"gdn_cols_kernel<{{t}}, {dkp}, {GDN_COLS}>",
@@ -152,6 +169,12 @@ def _use_tensor_cores(tuning: CudaTuning, tokens: int, seqs: int, dk: int, dv: i
     if tokens <= seqs or max(dk, dv) > GDN_TC_DIMS[-1] or dk % 8 or dv % 8 or not tuning.gdn_tensor_cores:
         return False
     return tuning.gdn_tensor_cores is True or tokens >= GDN_TC_MIN_MEAN * seqs
+
+
+def _use_decode(tuning: CudaTuning, tokens: int, seqs: int, dv: int) -> bool:
+    if dv % 4 or not tuning.gdn_decode:  # the decode kernel moves the state in float4 rows
+        return False
+    return tuning.gdn_decode is True or tokens <= GDN_DECODE_MAX_MEAN * seqs
 
 
 def _use_chunked(tuning: CudaTuning, sm_count: int, tokens: int, seqs: int, heads: int, dk: int, dv: int) -> bool:

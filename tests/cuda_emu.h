@@ -44,6 +44,8 @@ inline thread_local emu_dim3 threadIdx, blockIdx;
 struct __nv_bfloat16 { uint16_t x; };
 struct __nv_bfloat162 { __nv_bfloat16 x, y; };
 struct uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 inline float __bfloat162float(__nv_bfloat16 h) {
     uint32_t u = uint32_t(h.x) << 16;

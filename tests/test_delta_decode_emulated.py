@@ -1,0 +1,117 @@
+"""kernels/delta_rule.cu's decode kernel (gdn_decode_kernel) itself, compiled for the CPU with tests/cuda_emu.h and
+run against the NumPy reference with the launch kernels/tuning.py gives the wrapper (grid, block size): its row and
+column split, the float4 state rows, the cross-warp reductions and their barriers, strides, grouped heads, empty
+sequences, several tokens per sequence, partial column tiles and padded key dims are checked without a GPU. fp32
+storage, so the bound is tight (1e-5, as the device test's fp32 bound). Arrays the kernel writes carry canaries;
+state slots no sequence names must come back bit for bit."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixrun.kernels.reference import NumpyOps
+from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, CudaTuning, delta_rule_launch
+from test_delta_tc_emulated import _forked, _guarded, _ptr
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ENTRY = r"""
+extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, i64 kst, i64 ksh, const float* v,
+                              i64 vst, i64 vsh, const float* g, const float* beta, float* state, const int* slots,
+                              const int* cu, int heads, int krep, int dk, int dv, float scale, float* out,
+                              const unsigned* geom) {
+    // geom: {grid x, y, z, threads, DKP, LCOLS}, as kernels/tuning.py gives them to kernels/cuda.py
+    const emu_dim3 grid{geom[0], geom[1], geom[2]};
+#define EMU_DECODE(D, W, L) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L) { \
+        emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, \
+                                              beta, state, slots, cu, heads, krep, dk, dv, scale, out); }); return 0; }
+#define EMU_DECODE_DIMS(W, L) EMU_DECODE(16, W, L) EMU_DECODE(64, W, L) EMU_DECODE(128, W, L)
+    EMU_DECODE_DIMS(8, 32) EMU_DECODE_DIMS(16, 32) EMU_DECODE_DIMS(8, 16) EMU_DECODE_DIMS(4, 16)
+    return 1;  // no such instantiation
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("needs a C++20 compiler (g++ or clang++)")
+    common = (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
+    # the decode kernel's section of the file alone (the others' shared-memory declarations are not the emulator's)
+    text = (ROOT / "kernels" / "delta_rule.cu").read_text()
+    kernels = text[text.index("// ---- decode:"):text.index("// ---- chunked (WY) form")]
+    src = "#include \"cuda_emu.h\"\n" + common + "\n" + kernels + ENTRY
+    tag = hashlib.sha256(src.encode() + (ROOT / "tests" / "cuda_emu.h").read_bytes()).hexdigest()[:16]
+    out = tmp_path_factory.mktemp("delta_decode_emu")
+    (out / "emu.cpp").write_text(src)
+    lib = out / f"emu_{tag}.so"
+    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", f"-I{ROOT / 'tests'}",
+                           str(out / "emu.cpp"), "-o", str(lib)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _inputs(rng, lens, hk, h, dk, dv, nslots):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    qk = rng.standard_normal((t, 2 * hk, dk)).astype(np.float32)
+    qk /= np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
+    v = rng.standard_normal((t, h, dv)).astype(np.float32)
+    g = (-np.abs(rng.standard_normal((t, h))) * 0.3).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32)
+    state0 = (rng.standard_normal((nslots, h, dk, dv)) * 0.3).astype(np.float32)
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
+    return cu, qk, v, g, beta, state0, slots
+
+
+@pytest.mark.parametrize("block", GDN_DECODE_BLOCKS)
+@pytest.mark.parametrize("lens,hk,h,dk,dv", [
+    ([1, 1, 0, 1], 1, 2, 128, 128),  # decode, 2 value heads per key head, an empty sequence
+    ([3, 1, 2], 2, 2, 64, 40),  # several tokens per sequence; columns past Dv idle
+    ([1, 2], 1, 1, 12, 132),  # key dim padded to 16; a second, partial 128-column tile
+])
+def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv):
+    rng = np.random.default_rng(sum(lens) * 31 + dk + dv + block[0] + block[1])
+    nslots = len(lens) + 2
+    cu, qk, v, g, beta, state0, slots = _inputs(rng, lens, hk, h, dk, dv, nslots)
+    t = int(cu[-1])
+    g[0, 0] = -200.0  # a decay that underflows to 0: the first token of head 0 starts from a cleared state
+    q, k = qk[:, :hk], qk[:, hk:]  # strided views, as the model hands them over
+    ref_state = state0.copy()
+    ref_o = NumpyOps().gated_delta_rule_rows(q, k, v, g, beta, ref_state, slots, cu,
+                                             np.zeros((1, h, dk, dv), np.float32), -np.ones(t, np.int32))
+    tuning = CudaTuning(gdn_chunked=False, gdn_decode=True, gdn_decode_block=block)
+    launch = delta_rule_launch(tuning, 132, tokens=t, seqs=len(lens),
+                               heads=h, dk=dk, dv=dv)
+    assert launch.kernel.startswith("gdn_decode_kernel<")
+    dkp, lcols = (int(x) for x in launch.kernel.rstrip(">").split(",")[1::2])
+    geom = np.array(list(launch.grid) + [launch.threads, dkp, lcols], np.uint32)
+
+    def emulate():
+        st, st_ok = _guarded(state0.shape, np.float32)
+        st[...] = state0
+        out, out_ok = _guarded((t, h, dv), np.float32)
+        out[...] = np.nan  # every output element must be written
+        i64 = ctypes.c_longlong
+        gc, bc = np.ascontiguousarray(g), np.ascontiguousarray(beta)
+        rc = emu.emu_gdn_decode(_ptr(qk), i64(2 * hk * dk), i64(dk), _ptr(qk[:, hk:]), i64(2 * hk * dk), i64(dk),
+                                _ptr(v), i64(h * dv), i64(dv), _ptr(gc), _ptr(bc), _ptr(st), _ptr(slots), _ptr(cu), h,
+                                h // hk, dk, dv, ctypes.c_float(1.0 / np.sqrt(dk)), _ptr(out), _ptr(geom))
+        assert rc == 0, "no gdn_decode_kernel instantiation for this launch"
+        assert st_ok() and out_ok(), "the kernel wrote past the ends of the state or the output"
+        return out.copy(), st.copy()
+
+    o, state = _forked(emulate)
+    assert np.isfinite(o).all()
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert rel(o, ref_o) <= 1e-5
+    assert rel(state, ref_state) <= 1e-5
+    untouched = np.setdiff1d(np.arange(nslots), slots[np.diff(cu) > 0])
+    np.testing.assert_array_equal(state[untouched], state0[untouched])
