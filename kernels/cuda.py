@@ -601,7 +601,8 @@ class CudaOps:
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
-        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch, except a
+        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch (decode-like
+        steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
         prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
         a prefill of a few long sequences the fp32 chunked form (64-token chunks, two launches each; see
         kernels/tuning.py). `chunk_size` is the reference's, accepted for signature compatibility.

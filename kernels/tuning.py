@@ -7,9 +7,15 @@ variants build another ops object with `CudaOps.retuned(...)` instead of flippin
 The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --bench, 4b-like shapes):
 - delta rule, token-stepped: 4 value columns per thread, prefill 12.2 ms, decode batch 64 98 us (the slower
   variants were removed from kernels/delta_rule.cu).
-- delta rule, decode (kernels/delta_rule.cu gdn_decode_kernel: the state in 512-byte rows, read and written once)
-  for steps of at most GDN_DECODE_MAX_MEAN tokens per sequence with Dv % 4 == 0; blocks of 8 warps and 128 value
-  columns (figures: bench/kernel_bench.py decode).
+- delta rule, decode (kernels/delta_rule.cu gdn_decode_kernel: the state read and written once, in float4 rows) for
+  steps of at most GDN_DECODE_MAX_MEAN tokens per sequence with Dv % 4 == 0, blocks of 8 warps x 64 value columns.
+  Measured 2026-12-01 on an H200 (`bench/kernel_bench.py decode`, 4b-like heads, 24 layers' pools in one graph; us
+  per layer call, state read + written; copy ceiling 4189 GB/s), previous gdn_cols_kernel / 8 warps x 64 columns /
+  8 x 128 / 16 x 128 / 4 x 64: batch 1 6.1 / 3.9 / 4.7 / 4.7 / 4.1; batch 8 14.6 / 10.9 / 11.5 / 11.6 / 11.5;
+  batch 32 53.6 / 36.6 / 38.0 / 38.5 / 39.1; batch 64 96.7 (2776 GB/s) / 69.6 (3858 GB/s) / 71.0 / 71.6 / 71.7;
+  batch 64 x 2, 4, 8 tokens each: 104 / 75 / 76 / 83 / 89, 122 / 98 / 102 / 108 / 116, 162 / 146 / 149 / 166 /
+  172. 8 x 64 won every shape (16 x 128 and 4 x 64 were removed); above 8 tokens per sequence nothing was measured,
+  so the previous kernel keeps those steps.
 - delta rule, chunked (64-token chunk steps, Dk, Dv <= 128) only when the token-stepped grid fills under half the
   SMs (a long shared prefix alone): the fp32 chunked kernels are bound by shared memory and lose from about four
   sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
@@ -46,9 +52,9 @@ GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMA
 GDN_TC_DIMS = (128,)
 GDN_TC_WARPS = (2, 4)
 GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the tensor-core form
-# gdn_decode_kernel instantiations, (warps, value columns) per block; the first is the default
-GDN_DECODE_BLOCKS = ((8, 128), (16, 128), (8, 64), (4, 64))
-GDN_DECODE_MAX_MEAN = 1  # tokens per sequence (mean) up to which "auto" takes gdn_decode_kernel
+# gdn_decode_kernel instantiations, (warps, value columns) per block; the first is the default (the module docstring)
+GDN_DECODE_BLOCKS = ((8, 64), (8, 128))
+GDN_DECODE_MAX_MEAN = 8  # tokens per sequence (mean) up to which "auto" takes gdn_decode_kernel (measured to 8)
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 
 

@@ -32,7 +32,7 @@ extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, 
         emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, \
                                               beta, state, slots, cu, heads, krep, dk, dv, scale, out); }); return 0; }
 #define EMU_DECODE_DIMS(W, L) EMU_DECODE(16, W, L) EMU_DECODE(64, W, L) EMU_DECODE(128, W, L)
-    EMU_DECODE_DIMS(8, 32) EMU_DECODE_DIMS(16, 32) EMU_DECODE_DIMS(8, 16) EMU_DECODE_DIMS(4, 16)
+    EMU_DECODE_DIMS(8, 16) EMU_DECODE_DIMS(8, 32)
     return 1;  // no such instantiation
 }
 """

@@ -17,8 +17,8 @@ DEFAULT = CudaTuning()
 
 
 @pytest.mark.parametrize("tokens,seqs,heads,dk,dv,want", [
-    # decode batch 64, 32 value heads 128 x 128: the decode kernel, one block per (sequence, head), 8 warps
-    (64, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 32>", (1, 32, 64), threads=256)),
+    # decode batch 64, 32 value heads 128 x 128: the decode kernel, blocks of 8 warps x 64 value columns
+    (64, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 16>", (2, 32, 64), threads=256)),
     # the shared-system prefix alone (1 x 2048): the token-stepped grid would fill 64 of 132 SMs -> chunked
     (2048, 1, 32, 128, 128, DeltaRuleLaunch(True)),
     # its 64 suffixes of 256 tokens, and doc-qa's four 4096-token documents: token-stepped
@@ -30,13 +30,15 @@ DEFAULT = CudaTuning()
     # head dims above the chunked kernels' 128 never take it; small dims pad to the next instantiation
     (2048, 1, 4, 128, 256, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (4, 4, 1))),
     (40, 2, 4, 16, 32, DeltaRuleLaunch(True)),
-    (2, 2, 4, 12, 32, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 16, 8, 32>", (1, 4, 2), threads=256)),
-    (5, 5, 3, 64, 40, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 64, 8, 32>", (1, 3, 5), threads=256)),
-    (3, 3, 2, 128, 260, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 32>", (3, 2, 3), threads=256)),
+    (2, 2, 4, 12, 32, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 16, 8, 16>", (1, 4, 2), threads=256)),
+    (5, 5, 3, 64, 40, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 64, 8, 16>", (1, 3, 5), threads=256)),
+    (3, 3, 2, 128, 260, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 16>", (5, 2, 3), threads=256)),
     # the decode kernel moves float4 state rows: Dv % 4 != 0 keeps the previous kernel
     (5, 5, 3, 64, 42, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 64, 4>", (1, 3, 5))),
-    # several tokens per sequence (mean > GDN_DECODE_MAX_MEAN): the previous kernel
-    (128, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (2, 32, 64))),
+    # up to 8 tokens per sequence (GDN_DECODE_MAX_MEAN; measured faster at 2, 4 and 8) the decode kernel, then the
+    # previous one
+    (64 * 8, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 16>", (2, 32, 64), threads=256)),
+    (64 * 8 + 1, 64, 32, 128, 128, DeltaRuleLaunch(False, "gdn_cols_kernel<{t}, 128, 4>", (2, 32, 64))),
 ])
 def test_delta_rule_default_choices(tokens, seqs, heads, dk, dv, want):
     assert delta_rule_launch(DEFAULT, H200_SMS, tokens=tokens, seqs=seqs, heads=heads, dk=dk, dv=dv) == want
@@ -51,11 +53,11 @@ def test_delta_rule_forced_forms():
     # the decode kernel forced off, forced on for several tokens per sequence, with 16 warps
     off = dataclasses.replace(DEFAULT, gdn_decode=False)
     assert delta_rule_launch(off, H200_SMS, tokens=64, seqs=64, heads=32, dk=128, dv=128).kernel.startswith("gdn_cols")
-    on = dataclasses.replace(DEFAULT, gdn_decode=True, gdn_decode_block=(4, 64))
-    assert delta_rule_launch(on, H200_SMS, tokens=256, seqs=64, heads=32, dk=128, dv=128) == \
-        DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 4, 16>", (2, 32, 64), threads=128)
+    on = dataclasses.replace(DEFAULT, gdn_decode=True, gdn_decode_block=(8, 128))
+    assert delta_rule_launch(on, H200_SMS, tokens=64 * 20, seqs=64, heads=32, dk=128, dv=128) == \
+        DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 32>", (1, 32, 64), threads=256)
     with pytest.raises(ValueError, match="gdn_decode_block"):
-        CudaTuning(gdn_decode_block=(4, 128))
+        CudaTuning(gdn_decode_block=(4, 64))
     with pytest.raises(ValueError, match="gdn_decode"):
         CudaTuning(gdn_decode="yes")
     # a smaller GPU reaches "half the SMs" sooner
