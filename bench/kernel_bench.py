@@ -60,7 +60,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-# ---- attention prefill (issue 14): mma.sync vs wgmma vs torch SDPA ---------------------------------------------------
+# ---- attention prefill (issue 14): mma.sync vs the wgmma schedules vs torch SDPA -------------------------------------
 # name, sequences, new tokens each, cached tokens before them, q heads, kv heads, head dim, window (0: none)
 ATTN_CASES = [
     ("prefill 32 x 2304, 16/4 heads x 256", 32, 2304, 0, 16, 4, 256, 0),
@@ -90,7 +90,8 @@ def attn_part() -> list[Row]:
     kernels = {"mma.sync": base.retuned(attn_prefill_kernel="mma")}
     if attention_sm90.available():  # both schedules of kernels/attention_sm90.cu
         kernels["wgmma"] = base.retuned(attn_prefill_kernel="wgmma")
-        kernels["wgmma-overlap"] = base.retuned(attn_prefill_kernel="wgmma-overlap")
+        for choice in ("wgmma-overlap", "wgmma-ws", "wgmma-pingpong"):
+            kernels[choice] = base.retuned(attn_prefill_kernel=choice)
     ref = NumpyOps()
     rng = np.random.default_rng(0)
     bs = base.default_block_size

@@ -1,4 +1,6 @@
-"""Attention prefill on Hopper tensor cores: the launch wrapper and the NVRTC build of kernels/attention_sm90.cu.
+"""Attention prefill on Hopper tensor cores: the launch wrapper and the NVRTC builds of kernels/attention_sm90.cu
+(attn_wgmma_kernel) and of the same file with kernels/attention_sm90_ws.cu appended (attn_ws_kernel, built from its
+helpers; a module of its own, so the default kernel never depends on the newer one compiling).
 
 wgmma exists only in the arch-specific target sm_90a, and CuPy's RawModule always compiles for the device's plain
 architecture (sm_90), so this module drives NVRTC itself (the same common.cu prelude, one `-arch=sm_90a`) and loads
@@ -22,19 +24,34 @@ from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
 from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
 from prefixrun.kernels.tuning import wgmma_keys_per_tile as keys_per_tile
 
-THREADS = 256
+SCHEDULES = ("serial", "overlap", "ws", "pingpong")  # kernels/tuning.py WGMMA_SCHEDULES
+
+
+def threads(schedule: str) -> int:
+    """Block size: two warpgroups (attn_wgmma_kernel), or a producer and two consumers (attn_ws_kernel)."""
+    return 384 if schedule in ("ws", "pingpong") else 256
 
 
 def shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one block: the Q tile, two K and two V tiles, 1024 bytes of alignment slack."""
+    """Dynamic shared memory of one block (both kernels): the Q tile, two K and two V tiles, 1024 bytes of alignment
+    slack."""
     return (ROWS_PER_BLOCK + 4 * keys_per_tile(head_dim)) * head_dim * 2 + 1024
 
 
-def kernel_name(head_dim: int, overlap: bool) -> str:
-    return f"attn_wgmma_kernel<{head_dim}, {keys_per_tile(head_dim)}, {str(overlap).lower()}>"
+def kernel_name(head_dim: int, schedule: str) -> str:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"wgmma schedule must be one of {SCHEDULES}, not {schedule!r}")
+    bn = keys_per_tile(head_dim)
+    if schedule in ("ws", "pingpong"):
+        return f"attn_ws_kernel<{head_dim}, {bn}, {str(schedule == 'pingpong').lower()}>"
+    return f"attn_wgmma_kernel<{head_dim}, {bn}, {str(schedule == 'overlap').lower()}>"
 
 
-_NAMES = [kernel_name(d, overlap) for d in HEAD_DIMS for overlap in (False, True)]
+def _module_of(schedule: str) -> str:
+    return "ws" if schedule in ("ws", "pingpong") else "base"
+
+
+_NAMES = {m: [kernel_name(d, s) for d in HEAD_DIMS for s in SCHEDULES if _module_of(s) == m] for m in ("base", "ws")}
 _LOCK = threading.Lock()
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 _SMEM_SET: set[tuple[int, int]] = set()
@@ -52,22 +69,26 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
 
 
-def _build() -> tuple[Path, dict[str, str]]:
-    """The cubin of attention_sm90.cu for sm_90a and the lowered (mangled) name of each kernel in _NAMES."""
+def _build(module: str) -> tuple[Path, dict[str, str]]:
+    """The cubin of `module` ("base": attention_sm90.cu; "ws": with attention_sm90_ws.cu appended) for sm_90a and
+    the lowered (mangled) name of each of its kernels (_NAMES[module])."""
     from cupy_backends.cuda.libs import nvrtc
 
     from prefixrun.kernels.cuda import _include_options, kernel_source
 
     source = kernel_source("attention_sm90")
+    if module == "ws":
+        source += "\n" + (Path(__file__).parent / "attention_sm90_ws.cu").read_text()
+    names = _NAMES[module]
     options = ("-std=c++17", "-arch=sm_90a", "-ftz=true") + _include_options()  # -ftz as CuPy compiles the rest
-    key = hashlib.sha256(json.dumps([source, options, _NAMES, nvrtc.getVersion()]).encode()).hexdigest()[:32]
+    key = hashlib.sha256(json.dumps([source, options, names, nvrtc.getVersion()]).encode()).hexdigest()[:32]
     folder = _cache_dir()
-    cubin, names = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"
-    if cubin.is_file() and names.is_file():
-        return cubin, json.loads(names.read_text())
+    cubin, lowered_file = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"
+    if cubin.is_file() and lowered_file.is_file():
+        return cubin, json.loads(lowered_file.read_text())
     prog = nvrtc.createProgram(source, "attention_sm90.cu", (), ())
     try:
-        for name in _NAMES:
+        for name in names:
             nvrtc.addNameExpression(prog, name)
         try:
             nvrtc.compileProgram(prog, options)
@@ -75,28 +96,29 @@ def _build() -> tuple[Path, dict[str, str]]:
             raise RuntimeError(f"NVRTC could not compile kernels/attention_sm90.cu for sm_90a: {e}\n"
                                f"{nvrtc.getProgramLog(prog)}") from None
         binary = nvrtc.getCUBIN(prog)
-        lowered = {name: nvrtc.getLoweredName(prog, name) for name in _NAMES}
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
     finally:
         nvrtc.destroyProgram(prog)
     folder.mkdir(parents=True, exist_ok=True)
-    for path, data in ((cubin, binary), (names, json.dumps(lowered).encode())):
+    for path, data in ((cubin, binary), (lowered_file, json.dumps(lowered).encode())):
         with tempfile.NamedTemporaryFile(dir=folder, delete=False) as tmp:  # atomic: concurrent processes
             tmp.write(data)
         os.replace(tmp.name, path)
     return cubin, lowered
 
 
-def _function(head_dim: int, overlap: bool):
+def _function(head_dim: int, schedule: str):
     dev = cupy.cuda.Device().id
-    name = kernel_name(head_dim, overlap)
+    name = kernel_name(head_dim, schedule)
     fn = _FUNCTIONS.get((dev, name))
     if fn is None:
         with _LOCK:
             fn = _FUNCTIONS.get((dev, name))
             if fn is None:
-                cubin, lowered = _build()
+                module_name = _module_of(schedule)
+                cubin, lowered = _build(module_name)
                 module = cupy.RawModule(path=str(cubin))
-                for n in _NAMES:
+                for n in _NAMES[module_name]:
                     _FUNCTIONS[(dev, n)] = module.get_function(lowered[n])
                 fn = _FUNCTIONS[(dev, name)]
     smem = shared_bytes(head_dim)
@@ -107,20 +129,21 @@ def _function(head_dim: int, overlap: bool):
 
 
 def compile_module():
-    """Build (or load from the cache folder) every instantiation now."""
-    _function(HEAD_DIMS[0], False)
+    """Build (or load from the cache folder) every instantiation of the default module now (the warp-specialised
+    one compiles on its first use)."""
+    _function(HEAD_DIMS[0], "serial")
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
-            out, overlap=False):
-    """One launch of attn_wgmma_kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element strides
-    qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous). `overlap`:
-    the schedule that runs a tile's softmax while the previous tile's P V is on the tensor cores."""
+            out, schedule="serial"):
+    """One launch of the sm_90a prefill kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element
+    strides qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous).
+    `schedule` (SCHEDULES): "serial" S, softmax, P V per tile; "overlap" a tile's softmax while the previous tile's
+    P V runs; "ws" / "pingpong" the warp-specialised kernel (kernels/attention_sm90_ws.cu)."""
     if d not in HEAD_DIMS:
         raise ValueError(f"the sm_90a attention kernel takes head dims {HEAD_DIMS}, not {d}")
     rep = hq // hkv
     grid = (-(-tokens * rep // ROWS_PER_BLOCK) + nseq, hkv)
-    _function(d, overlap)(grid, (THREADS,), (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables,
-                                    np.int32(tables.shape[1]), ctx, cu, np.int32(nseq), np.int32(hq), np.int32(hkv),
-                                    np.int32(bs), np.float32(scale_log2), np.int32(window), out),
-                 shared_mem=shared_bytes(d))
+    args = (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables, np.int32(tables.shape[1]), ctx, cu,
+            np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out)
+    _function(d, schedule)(grid, (threads(schedule),), args, shared_mem=shared_bytes(d))

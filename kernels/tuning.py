@@ -62,7 +62,11 @@ def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
     """Keys per K/V tile that attn_mma_kernel is instantiated with for `head_dim` (shared memory bounds 256)."""
     return (32, 64) if head_dim > 128 else (64,)
 ATTN_MAX_SPLITS = 32
-ATTN_PREFILL_KERNELS = ("mma", "wgmma", "wgmma-overlap")
+ATTN_PREFILL_KERNELS = ("mma", "wgmma", "wgmma-overlap", "wgmma-ws", "wgmma-pingpong")
+# attn_prefill_kernel -> the schedule of kernels/attention_sm90.cu (+ attention_sm90_ws.cu) that runs it: "serial"
+# and "overlap" (attn_wgmma_kernel, 8 warps in step), "ws" and "pingpong" (attn_ws_kernel: a producer warpgroup of
+# cp.async gathers and two consumer warpgroups, with or without turns on the tensor cores)
+WGMMA_SCHEDULES = {"wgmma": "serial", "wgmma-overlap": "overlap", "wgmma-ws": "ws", "wgmma-pingpong": "pingpong"}
 WGMMA_HEAD_DIMS = (64, 128, 256)  # attn_wgmma_kernel instantiations: whole 128-byte swizzle atoms per row
 WGMMA_MIN_ROWS_PER_SEQ = 64
 WGMMA_ROWS_PER_BLOCK = 128  # BM of attn_wgmma_kernel: two warpgroups of 64 query rows
@@ -199,14 +203,14 @@ class AttentionPlan:
     "plain" (one mma.sync tensor-core pass), "split" (decode split over key
     ranges, one warp per split, then a merge) or "cascade" (a pass per shared-prefix group over its shared keys with
     `warps`, a pass per sequence over its own keys with `own_warps`, then a merge). `splits` key ranges, `keys` per
-    K/V tile; `overlap`: the wgmma schedule that overlaps a tile's softmax with the previous tile's P V."""
+    K/V tile; `schedule`: the wgmma kernel's schedule (WGMMA_SCHEDULES)."""
 
     path: str
     warps: int = 0
     keys: int = 0
     splits: int = 1
     own_warps: int = 0
-    overlap: bool = False
+    schedule: str = ""
 
 
 def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, q_heads: int, kv_heads: int,
@@ -223,7 +227,9 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     choice = tuning.attn_prefill_kernel
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
-        return AttentionPlan("wgmma", warps=8, keys=wgmma_keys_per_tile(d), overlap=choice == "wgmma-overlap")
+        schedule = WGMMA_SCHEDULES[choice]
+        return AttentionPlan("wgmma", warps=12 if schedule in ("ws", "pingpong") else 8, keys=wgmma_keys_per_tile(d),
+                             schedule=schedule)
     wide = 8 if d > 128 else 4
     table_keys = table_width * block_size
     if shared and decode and window == 0 and tuning.attn_cascade:

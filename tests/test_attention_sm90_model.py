@@ -261,3 +261,125 @@ def test_register_layouts(d):
         rows = range(64 * wg, 64 * wg + 64)
         assert s_cover == p_cover == {(r, k) for r in rows for k in range(bn)}
         assert o_cover == {(r, col) for r in rows for col in range(d)}
+
+
+# ---- 4. attn_ws_kernel (kernels/attention_sm90_ws.cu): the producer's gathers and the pipeline's barriers -----------
+@pytest.mark.parametrize("d", WGMMA_HEAD_DIMS)
+def test_ws_gather_covers_the_tile(d):
+    """gather_tile: the 64 threads of a producer group write every 16-byte chunk of the [BN x D] tile exactly once,
+    each from the cache row of its own key (the row index taken from the lane that looked it up)."""
+    bn, ch_per_row = wgmma_keys_per_tile(d), d // 8
+    rpi, step = 32 // ch_per_row, 2 * 32 // ch_per_row
+    kt, ctx, block_size, table = 64, 64 + bn - 5, 16, [7, 3, 9, 1, 4, 8, 2, 6, 5, 0, 11, 10, 13, 12, 15, 14]
+    cache_row = {}  # (warp, lane, i) -> the lane's lookup for key kt + lane + 32 i
+    for w in range(2):
+        for lane in range(32):
+            for i in range(bn // 32):
+                kp = kt + lane + 32 * i
+                cache_row[w, lane, i] = table[kp // block_size] * block_size + kp % block_size if kp < ctx else -1
+    written = {}
+    for w in range(2):
+        for lane in range(32):
+            sub, ch = lane // ch_per_row, lane % ch_per_row
+            for i in range(bn // 32):
+                for it in range(32 // step):
+                    row32 = it * step + w * rpi + sub
+                    cr = cache_row[w, row32, i]  # __shfl_sync from lane row32
+                    dst = sw_off(bn, 32 * i + row32, ch)
+                    assert dst not in written
+                    written[dst] = (32 * i + row32, ch, cr)
+    assert len(written) == bn * ch_per_row
+    for row, ch, cr in written.values():
+        kp = kt + row
+        assert cr == (table[kp // block_size] * block_size + kp % block_size if kp < ctx else -1)
+
+
+class _Mbarrier:
+    """mbarrier: a phase completes after `expected` arrivals; try_wait.parity(p) passes once the current phase's
+    parity differs from p (so parity 1 passes on a fresh barrier)."""
+
+    def __init__(self, expected):
+        self.expected, self.arrived, self.phase = expected, 0, 0
+
+    def arrive(self):
+        self.arrived += 1
+        assert self.arrived <= self.expected
+        if self.arrived == self.expected:
+            self.arrived, self.phase = 0, self.phase + 1
+
+    def passed(self, parity):
+        return (self.phase & 1) != parity
+
+
+def _ws_agents(num_tiles, pingpong, log):
+    """attn_ws_kernel's synchronisation, transcribed: generators that yield a condition to wait on. Consumers log
+    what each stage holds when their wgmmas read it; the producers check they never overwrite a stage being read."""
+    full = {(kv, s): _Mbarrier(1) for kv in "kv" for s in range(2)}  # 64 producer threads: one agent here
+    empty = {(kv, s): _Mbarrier(2) for kv in "kv" for s in range(2)}  # 2 consumers (4 warps each: one agent)
+    turn = {0: [0, 0], 1: [0, 0]}  # named barrier of consumer c: [arrivals in this generation, generations done]
+    stage = {}  # (kv, s) -> tile held
+    reading = {}  # (kv, s) -> consumers whose wgmmas read the stage now
+
+    def producer(kv):
+        for j in range(num_tiles):
+            s = j & 1
+            if j >= 2:
+                yield lambda: empty[kv, s].passed(((j >> 1) & 1) ^ 1)
+            assert not reading.get((kv, s)), f"{kv}({j}) overwrites stage {s} while it is read"
+            stage[kv, s] = j
+            full[kv, s].arrive()
+
+    def named(c, kind):  # bar.arrive / bar.sync of 256 threads: two warpgroups' worth per generation
+        bar = turn[c]
+        gen = bar[1]
+        bar[0] += 1
+        if bar[0] == 2:
+            bar[0], bar[1] = 0, bar[1] + 1
+        if kind == "sync":
+            yield lambda: bar[1] > gen
+
+    def consumer(c):
+        for j in range(num_tiles + 1):
+            has_s, has_pv = j < num_tiles, j > 0
+            if has_s:
+                yield lambda: full["k", j & 1].passed((j >> 1) & 1)
+            if has_pv:
+                yield lambda: full["v", (j - 1) & 1].passed(((j - 1) >> 1) & 1)
+            if pingpong and (c == 1 or has_pv):
+                yield from named(c, "sync")
+            used = ([("k", j & 1, j)] if has_s else []) + ([("v", (j - 1) & 1, j - 1)] if has_pv else [])
+            for kv, s, tile in used:
+                log.append((c, kv, tile, stage[kv, s]))
+                reading.setdefault((kv, s), set()).add(c)
+            if pingpong and (c == 0 or has_s):
+                yield from named(c ^ 1, "arrive")
+            yield lambda: True  # the wgmmas run (any other agent may move meanwhile)
+            for kv, s, _ in used:
+                reading[kv, s].discard(c)
+                empty[kv, s].arrive()
+
+    return [producer("k"), producer("v"), consumer(0), consumer(1)], turn
+
+
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 7])
+def test_ws_pipeline_in_any_order(num_tiles, pingpong):
+    """Random interleavings of the producer groups and consumers: never a deadlock, every wgmma reads the tile it
+    expects, no stage is overwritten while read, and no named barrier is left with arrivals nobody waits for."""
+    rng = np.random.default_rng(num_tiles + 10 * pingpong)
+    for _ in range(200):
+        log = []
+        agents, turn = _ws_agents(num_tiles, pingpong, log)
+        waiting = {i: (lambda: True) for i in range(len(agents))}
+        while waiting:
+            ready = [i for i, cond in waiting.items() if cond()]
+            assert ready, "deadlock"
+            i = ready[rng.integers(len(ready))]
+            try:
+                waiting[i] = next(agents[i])
+            except StopIteration:
+                del waiting[i]
+        assert all(tile == held for _, _, tile, held in log)
+        assert sorted((c, kv, t) for c, kv, t, _ in log) == sorted(
+            (c, kv, t) for c in range(2) for kv in "kv" for t in range(num_tiles))
+        assert all(bar[0] == 0 for bar in turn.values())

@@ -151,10 +151,11 @@ def test_attention_wgmma_choice():
     prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
     default_path = {"mma": "plain"}.get(DEFAULT.attn_prefill_kernel, "wgmma")  # "mma" until a device run
     assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True).path == default_path
-    for choice, overlap in (("wgmma", False), ("wgmma-overlap", True)):
+    for choice, warps, schedule in (("wgmma", 8, "serial"), ("wgmma-overlap", 8, "overlap"),
+                                    ("wgmma-ws", 12, "ws"), ("wgmma-pingpong", 12, "pingpong")):
         tuned = dataclasses.replace(DEFAULT, attn_prefill_kernel=choice)
-        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma", 8, 64,
-                                                                                       overlap=overlap)
+        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma", warps, 64,
+                                                                                       schedule=schedule)
         assert attention_plan(tuned, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True).keys == 128
         # not an sm_90 GPU: the mma.sync kernel, never an error
         assert attention_plan(tuned, H200_SMS, **prefill, wgmma=False) == AttentionPlan("plain", 8, 64)

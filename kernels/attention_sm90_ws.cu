@@ -1,0 +1,257 @@
+// Paged causal attention prefill on Hopper tensor cores, warp-specialised (sm_90a): attn_ws_kernel.
+//
+// Compiled after kernels/attention_sm90.cu (kernels/attention_sm90.py appends this file to it) and built from its
+// helpers: the same contract, row mapping, tiles, swizzled layouts, descriptors and online softmax as
+// attn_wgmma_kernel, and the same arithmetic in the same order on O (rescale by the tile's alpha, then += P V), so
+// the two give the same bits. What changes is who waits for what:
+// - a producer warpgroup gathers the K and V tiles (warps 0-1 K, warps 2-3 V) through the block table with cp.async
+//   into two stages each, and signals each landed tile on an mbarrier ("full"); the consumers release a stage on
+//   another ("empty") once their wgmmas have read it. No block-wide barrier per tile: the two consumer warpgroups
+//   (64 query rows each) run apart. setmaxnreg hands the producer's registers to the consumers: 40 + 2 x 232 =
+//   3 x 168, exactly the pool a 384-thread block gets at launch (an increase beyond it would wait forever).
+// - each consumer issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) together, waits, then runs the softmax of tile j
+//   while the other consumer's wgmmas run (PINGPONG: two named barriers hand the tensor cores from one consumer to
+//   the other, FlashAttention-3's inter-warpgroup schedule; without it the warpgroups interleave as they come).
+// The producer waits for its own copies (cp.async.wait_group), fences them to the async proxy and then arrives, as
+// the block-synchronous kernel does before its __syncthreads: the order the device run verified for wgmma reads of
+// cp.async data.
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` of the barrier has completed (phases alternate 0, 1, 0, ...).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    // the label is local to the braces, so every inlined copy may repeat it
+    asm volatile(
+        "{\n.reg .pred p;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra LAB_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <bool B>
+struct Flag {  // a compile-time flag passed to a generic lambda
+    static constexpr bool value = B;
+};
+template <int N>
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// One producer group (2 warps, `gt` = its thread 0..63) gathers rows kt .. kt+BN-1 of KV head h into a swizzled
+// [BN x D] tile. Each lane first looks up the cache rows of keys kt + lane + 32 i (one table read per row, not per
+// chunk; -1 past ctx), then every copy takes its row's index from the lane that holds it.
+template <int D, int BN>
+__device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ table,
+                                            int kt, int ctx, int block_size, int hkv, int h, int gt) {
+    constexpr int CH = D / 8;       // 16-byte chunks per row
+    constexpr int RPI = 32 / CH;    // rows one warp instruction covers
+    constexpr int STEP = 2 * RPI;   // rows both warps cover per step
+    static_assert(32 % CH == 0 && 32 % STEP == 0 && BN % 32 == 0, "rows per step divide a 32-row group");
+    const int lane = gt & 31, w = gt >> 5;
+    int cache_row[BN / 32];
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) {
+        const int kp = kt + lane + 32 * i;
+        cache_row[i] = kp < ctx ? table[kp / block_size] * block_size + kp % block_size : -1;
+    }
+    const int sub = lane / CH, ch = lane % CH;
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) {  // 32-row groups: the row indices of group i are in cache_row[i]
+#pragma unroll 4
+        for (int it = 0; it < 32 / STEP; ++it) {  // unrolled in part: the producer has 40 registers
+            const int row32 = it * STEP + w * RPI + sub;
+            const int cr = __shfl_sync(FULL_MASK, cache_row[i], row32);
+            const i64 o = cr < 0 ? 0 : ((i64)cr * hkv + h) * D + ch * 8;
+            cp_async16_zfill(dst + sw_off<BN>(32 * i + row32, ch), cache + o, cr < 0 ? 0 : 16);
+        }
+    }
+}
+
+// grid (ceil(T * rep / 128) + num_seqs, hkv), block 384 (producer warpgroup, two consumer warpgroups), dynamic
+// shared memory (128 + 4 BN) D * 2 + 1024 bytes (Q, two stages of K and of V; as attn_wgmma_kernel).
+template <int D, int BN, bool PINGPONG>
+__global__ void __launch_bounds__(384, 1)
+attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
+               const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+               const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
+               int block_size, float scale_log2, int window, bf16* __restrict__ out) {
+    static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle atoms");
+    constexpr int BM = 128;
+    constexpr int CH = D / 8;
+    constexpr int NP = BN / 64;
+    constexpr int OP = D / 64;
+    constexpr int KV_BYTES = BN * D * 2;
+    // named barriers (0 is __syncthreads): 1, 2 a consumer's own Q load; 3, 4 a consumer's turn on the tensor cores
+    constexpr int BAR_Q = 1, BAR_TURN = 3;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int s_seq, s_tile;
+    __shared__ __align__(8) unsigned long long s_bar[8];  // full K[2], full V[2], empty K[2], empty V[2]
+
+    const unsigned raw = smem_u32(smem_raw);
+    const unsigned sq = (raw + 1023u) & ~1023u;
+    const unsigned sk0 = sq + BM * D * 2;
+    const unsigned sv0 = sk0 + 2 * KV_BYTES;
+    const unsigned bar0 = smem_u32(s_bar);
+    auto full_k = [&](int s) { return bar0 + 8u * s; };
+    auto full_v = [&](int s) { return bar0 + 8u * (2 + s); };
+    auto empty_k = [&](int s) { return bar0 + 8u * (4 + s); };
+    auto empty_v = [&](int s) { return bar0 + 8u * (6 + s); };
+
+    const int h = blockIdx.y;
+    const int rep = hq / hkv;
+    if (threadIdx.x < 32) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, rep, BM, blockIdx.x, seq, tile)) seq = -1;
+        if (threadIdx.x == 0) {
+            s_seq = seq;
+            s_tile = tile;
+            for (int s = 0; s < 2; ++s) {
+                mbar_init(full_k(s), 64);  // every thread of a producer group, after its copies landed
+                mbar_init(full_v(s), 64);
+                mbar_init(empty_k(s), 8);  // one lane of each consumer warp, after its wgmmas read the stage
+                mbar_init(empty_v(s), 8);
+            }
+        }
+    }
+    __syncthreads();
+    const int seq = s_seq;
+    if (seq < 0) return;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int ctx = context_lens[seq];
+    const int ntiles = (n * rep + BM - 1) / BM;
+    const int r0 = (ntiles - 1 - s_tile) * BM;  // heaviest tile first
+    const int r1 = min(r0 + BM, n * rep);
+    const int qpos0 = ctx - n;
+    const int* table = block_tables + (i64)seq * max_blocks;
+
+    RowsView rv;
+    rv.qp_lo = qpos0 + r0 / rep;
+    rv.qp_hi = qpos0 + (r1 - 1) / rep;
+    rv.kv_begin = window > 0 ? max(0, rv.qp_lo - window + 1) : 0;
+    rv.window = window;
+    rv.scale_log2 = scale_log2;
+    const int t_begin = (rv.kv_begin / BN) * BN;
+    const int num_tiles = (rv.qp_hi + 1 - t_begin + BN - 1) / BN;
+    const int wg = threadIdx.x >> 7;
+
+    if (wg == 0) {  // producer: warps 0-1 gather K, warps 2-3 V, each into stage j % 2 once the consumers freed it
+        regs_dec<40>();
+        const int gt = threadIdx.x & 63;
+        const bool is_v = threadIdx.x >= 64;
+        const bf16* cache = is_v ? v_cache : k_cache;
+        const unsigned base = is_v ? sv0 : sk0;
+        for (int j = 0; j < num_tiles; ++j) {
+            const int s = j & 1;
+            if (j >= 2) mbar_wait(is_v ? empty_v(s) : empty_k(s), ((j >> 1) & 1) ^ 1);  // tile j-2 released
+            gather_tile<D, BN>(base + s * KV_BYTES, cache, table, t_begin + j * BN, ctx, block_size, hkv, h, gt);
+            cp_commit();
+            cp_wait<0>();
+            fence_async_smem();  // the landed copies -> visible to the tensor cores' (async proxy) reads
+            mbar_arrive(is_v ? full_v(s) : full_k(s));
+        }
+        return;
+    }
+
+    regs_inc<232>();
+    const int c = wg - 1;  // consumer 0 or 1: rows 64 c .. 64 c + 63 of the query tile
+    const int ct = threadIdx.x - 128 - 128 * c;
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    rv.c = lane & 3;
+    // this consumer's 64 rows of Q (its own rows only: no wait on the other consumer)
+    for (int idx = ct; idx < 64 * CH; idx += 128) {
+        const int row = 64 * c + idx / CH, ch = idx % CH;
+        const int r = r0 + row;
+        const bf16* src = q;
+        if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
+        cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
+    }
+    cp_commit();
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int r = r0 + 64 * c + warp * 16 + g + hf * 8;
+        rv.ok[hf] = r < r1;
+        rv.qp[hf] = qpos0 + (rv.ok[hf] ? r / rep : 0);
+    }
+    float o[OP][32];
+#pragma unroll
+    for (int p = 0; p < OP; ++p)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f}, alpha[2];
+    const unsigned sq_wg = sq + c * 64 * 128;
+    float s[NP][32];
+    unsigned pa[BN / 16][4];
+    cp_wait<0>();
+    fence_async_smem();
+    named_sync(BAR_Q + c, 128);  // the warpgroup's Q rows landed
+    const int lead = lane == 0;  // one arrival per warp on the empty barriers
+
+    // step j (0 .. num_tiles): S(j) (j < num_tiles) and P(j-1) V(j-1) (j > 0) issued together, then the softmax of
+    // tile j and O rescaled by its alpha. The first step (S only) and the last (P V only) are separate instances of
+    // `step`, so no branch sits between a wgmma.fence and its wgmmas (ptxas would serialise them).
+    auto step = [&](int j, auto has_s, auto has_pv) {
+        if constexpr (decltype(has_s)::value) mbar_wait(full_k(j & 1), (j >> 1) & 1);
+        if constexpr (decltype(has_pv)::value) mbar_wait(full_v((j - 1) & 1), ((j - 1) >> 1) & 1);
+        // consumer 0 takes the first turn without waiting; every later turn waits for the other's hand-over
+        if (PINGPONG && (c == 1 || decltype(has_pv)::value)) named_sync(BAR_TURN + c, 256);
+#pragma unroll
+        for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+#pragma unroll
+        for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+        wg_fence();
+        if constexpr (decltype(has_s)::value) issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
+        if constexpr (decltype(has_pv)::value) issue_pv<D, BN>(o, pa, sv0 + ((j - 1) & 1) * KV_BYTES);
+        wg_commit();
+        // the other consumer's turn; consumer 1's last turn hands over to nobody (an arrival nobody waits for)
+        if (PINGPONG && (c == 0 || decltype(has_s)::value)) named_arrive(BAR_TURN + (c ^ 1), 256);
+        wg_wait<0>();
+#pragma unroll
+        for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+#pragma unroll
+        for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+#pragma unroll
+        for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);
+        __syncwarp();
+        if (lead) {
+            if constexpr (decltype(has_s)::value) mbar_arrive(empty_k(j & 1));
+            if constexpr (decltype(has_pv)::value) mbar_arrive(empty_v((j - 1) & 1));
+        }
+        if constexpr (decltype(has_s)::value) {
+            online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin + j * BN, rv);
+            rescale<OP>(o, alpha);
+        }
+    };
+    step(0, Flag<true>(), Flag<false>());
+    for (int j = 1; j < num_tiles; ++j) step(j, Flag<true>(), Flag<true>());
+    step(num_tiles, Flag<false>(), Flag<true>());
+
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
+        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        if (!rv.ok[hf]) continue;
+        const int r = r0 + 64 * c + warp * 16 + g + hf * 8;
+        const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+        bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
+#pragma unroll
+        for (int p = 0; p < OP; ++p)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                *reinterpret_cast<unsigned*>(orow + p * 64 + i * 8 + 2 * rv.c) =
+                    pack2_bf16(o[p][4 * i + 2 * hf] * inv, o[p][4 * i + 2 * hf + 1] * inv);
+    }
+}
