@@ -38,10 +38,6 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-template <bool B>
-struct Flag {  // a compile-time flag passed to a generic lambda
-    static constexpr bool value = B;
-};
 template <int N>
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
@@ -198,23 +194,23 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
     const int lead = lane == 0;  // one arrival per warp on the empty barriers
 
     // step j (0 .. num_tiles): S(j) (j < num_tiles) and P(j-1) V(j-1) (j > 0) issued together, then the softmax of
-    // tile j and O rescaled by its alpha. The first step (S only) and the last (P V only) are separate instances of
-    // `step`, so no branch sits between a wgmma.fence and its wgmmas (ptxas would serialise them).
-    auto step = [&](int j, auto has_s, auto has_pv) {
-        if constexpr (decltype(has_s)::value) mbar_wait(full_k(j & 1), (j >> 1) & 1);
-        if constexpr (decltype(has_pv)::value) mbar_wait(full_v((j - 1) & 1), ((j - 1) >> 1) & 1);
+    // tile j and O rescaled by its alpha. `step` is inlined at its three calls with constant flags (the first step S
+    // only, the last P V only), so no branch sits between a wgmma.fence and its wgmmas (ptxas would serialise them).
+    auto step = [&](int j, bool has_s, bool has_pv) {
+        if (has_s) mbar_wait(full_k(j & 1), (j >> 1) & 1);
+        if (has_pv) mbar_wait(full_v((j - 1) & 1), ((j - 1) >> 1) & 1);
         // consumer 0 takes the first turn without waiting; every later turn waits for the other's hand-over
-        if (PINGPONG && (c == 1 || decltype(has_pv)::value)) named_sync(BAR_TURN + c, 256);
+        if (PINGPONG && (c == 1 || has_pv)) named_sync(BAR_TURN + c, 256);
 #pragma unroll
         for (int p = 0; p < NP; ++p) reg_fence(s[p]);
 #pragma unroll
         for (int p = 0; p < OP; ++p) reg_fence(o[p]);
         wg_fence();
-        if constexpr (decltype(has_s)::value) issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
-        if constexpr (decltype(has_pv)::value) issue_pv<D, BN>(o, pa, sv0 + ((j - 1) & 1) * KV_BYTES);
+        if (has_s) issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
+        if (has_pv) issue_pv<D, BN>(o, pa, sv0 + ((j - 1) & 1) * KV_BYTES);
         wg_commit();
         // the other consumer's turn; consumer 1's last turn hands over to nobody (an arrival nobody waits for)
-        if (PINGPONG && (c == 0 || decltype(has_s)::value)) named_arrive(BAR_TURN + (c ^ 1), 256);
+        if (PINGPONG && (c == 0 || has_s)) named_arrive(BAR_TURN + (c ^ 1), 256);
         wg_wait<0>();
 #pragma unroll
         for (int p = 0; p < NP; ++p) reg_fence(s[p]);
@@ -224,17 +220,17 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
         for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);
         __syncwarp();
         if (lead) {
-            if constexpr (decltype(has_s)::value) mbar_arrive(empty_k(j & 1));
-            if constexpr (decltype(has_pv)::value) mbar_arrive(empty_v((j - 1) & 1));
+            if (has_s) mbar_arrive(empty_k(j & 1));
+            if (has_pv) mbar_arrive(empty_v((j - 1) & 1));
         }
-        if constexpr (decltype(has_s)::value) {
+        if (has_s) {
             online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin + j * BN, rv);
             rescale<OP>(o, alpha);
         }
     };
-    step(0, Flag<true>(), Flag<false>());
-    for (int j = 1; j < num_tiles; ++j) step(j, Flag<true>(), Flag<true>());
-    step(num_tiles, Flag<false>(), Flag<true>());
+    step(0, true, false);
+    for (int j = 1; j < num_tiles; ++j) step(j, true, true);
+    step(num_tiles, false, true);
 
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
