@@ -38,7 +38,10 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   chunks) and other GPUs keep attn_mma_kernel, whose 16-row warps waste less of a tile. Measured 2026-12-01 on an
   H200 (bench/kernel_bench.py attn, mma.sync / wgmma / wgmma-overlap): 32 x 2304, 16/4 x 256: 7.50 / 5.32 / 7.25 ms;
   32/8 x 128: 7.46 / 6.85 / 10.10 ms; 64 x 256 after 2048 cached: 3.00 / 2.15 / 2.97 ms. The "wgmma-overlap"
-  schedule loses everywhere and stays selectable only for measuring it.
+  schedule loses everywhere and stays selectable only for measuring it. "wgmma-ws" / "wgmma-pingpong"
+  (kernels/attention_sm90_ws.cu: a producer warpgroup gathers K/V into mbarrier-guarded stages, two consumer
+  warpgroups run apart, optionally taking turns on the tensor cores) do the default's arithmetic in the same order;
+  not yet measured on a device (2026-12-01, session 7), so not the default.
 """
 from __future__ import annotations
 
