@@ -29,7 +29,8 @@ import numpy as np
 import safetensors.numpy
 
 CHUNK_BYTES = 8 << 20
-_INLINE_TAIL_BYTES = 64 << 10  # past one chunk, a tail this small is hashed on the caller's thread too
+_INLINE_TAIL_BYTES = 64 << 10
+_MAX_IOVECS = 1024  # IOV_MAX on Linux: one preadv takes at most this many buffers  # past one chunk, a tail this small is hashed on the caller's thread too
 TREE_LABEL = b"prefixrun-tree-sha256-v1\0"
 MAX_HEADER_BYTES = 64 << 20
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -180,6 +181,23 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
     return buffer, _tree(digests, size)
 
 
+def _read_pieces(descriptor: int, pieces: list[memoryview], offset: int, size: int):
+    """Fill `pieces` with the file's bytes from `offset` on, in order: one preadv over all of them (a K/V block's
+    16 tensors in one system call, so a reading thread gives up and takes back the GIL once, not once per tensor:
+    beside a busy engine thread each take-back waits), continued after a short read."""
+    pending = [piece for piece in pieces if len(piece)]
+    while pending:
+        n = os.preadv(descriptor, pending[:_MAX_IOVECS], offset)
+        if n <= 0:
+            raise BlobFormatError(f"file shorter than its recorded {size} bytes")
+        offset += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
+
+
 def parse(buffer: np.ndarray) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     """(metadata, tensors as views into `buffer`) of a safetensors byte buffer, every field checked."""
     if buffer.size < 8:
@@ -266,15 +284,7 @@ def read_into(path, size: int, places) -> tuple[dict[str, str], str]:
             position = stop
         if position != size - 8 - header_len:
             raise BlobFormatError("the tensors do not cover the data area")
-        offset = 8 + header_len
-        for piece in pieces[1:]:
-            done = 0
-            while done < len(piece):
-                n = os.preadv(descriptor, [piece[done:]], offset + done)
-                if n <= 0:
-                    raise BlobFormatError(f"file shorter than its recorded {size} bytes")
-                done += n
-            offset += len(piece)
+        _read_pieces(descriptor, pieces[1:], 8 + header_len, size)
         if os.pread(descriptor, 1, size):
             raise BlobFormatError(f"file longer than its recorded {size} bytes")
     finally:

@@ -37,6 +37,12 @@ from pathlib import Path
 # recompute: written and read; shared-system's 2k-token 114 MiB prefix ~40 ms either way: neither).
 WRITE_MARGIN = 0.7  # write only if a later read is expected to take under 70% of the recompute time
 READ_MARGIN = 0.85  # read only if it is expected to take under 85% of computing from the state in memory
+# ... and save at least this much per later read: a write costs the run it is made in (its host copy and files
+# beside the engine, the end's wait for the writer: shared-system's 164 MiB prefix state cost 0.13 s, doc-qa's
+# four 4k-token documents, 913 MiB, 0.2 s on the H200), so a state that saves a few tens of ms per read would take
+# several reruns to repay it — and the rates it is judged by are least sure in a fresh folder (the calibration read
+# 4.7 GiB/s where that doc-qa run's lookups read 1.95 GB/s). A 16k-token document saves ~0.15-0.25 s per read.
+MIN_WRITE_SAVING_SECONDS = 0.05
 MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under MIN_READ_SECONDS) is noise
 MIN_READ_SECONDS = 0.05
 # likewise for the prefill rate: a GPU's first steps also pay first-use costs (shared-system's 2k-token prefix took
@@ -213,12 +219,16 @@ class CostModel:
             return f"it adds no token to a state already at hand ({human_bytes(nbytes)})"
         read, read_from = self.read_rate()
         compute_s, read_s = gained_tokens / prefill, nbytes / read
-        if read_s < margin * compute_s:
+        least_saving = MIN_WRITE_SAVING_SECONDS if margin == WRITE_MARGIN else 0.0
+        if read_s < margin * compute_s and compute_s - read_s >= least_saving:
             return None
         factor = "" if margin == 1.0 else f" x {margin:g}"
-        return (f"recomputing {gained_tokens:,} tokens takes {compute_s * 1e3:,.1f} ms at {prefill:,.0f} tok/s "
-                f"({prefill_from}){factor}; {what} of {human_bytes(nbytes)} {read_s * 1e3:,.1f} ms at "
-                f"{human_bytes(read)}/s ({read_from})")
+        why = (f"recomputing {gained_tokens:,} tokens takes {compute_s * 1e3:,.1f} ms at {prefill:,.0f} tok/s "
+               f"({prefill_from}){factor}; {what} of {human_bytes(nbytes)} {read_s * 1e3:,.1f} ms at "
+               f"{human_bytes(read)}/s ({read_from})")
+        if read_s < margin * compute_s:
+            why += f": it would save {(compute_s - read_s) * 1e3:,.1f} ms per read, under {least_saving * 1e3:g} ms"
+        return why
 
     # ---- remembered between runs ---------------------------------------------------------------------------
     def remembered(self, earlier: dict | None) -> dict:

@@ -83,15 +83,51 @@ def layout_key(specs, ops, block_size: int) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+class StoreOpening:
+    """The store opened and maintained (leftovers of killed writers, quarantine, budget) on a thread started before
+    the model loads: that bounded work took ~75 ms of a warm run's critical path on the H200 host. `join` gives
+    the open store, or raises what opening it raised, on the caller's thread."""
+
+    def __init__(self, root: Path, budget_bytes: int | None):
+        self._store: CheckpointStore | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._open, args=(Path(root), budget_bytes),
+                                        name="prefixrun-cache-open", daemon=True)
+        self._thread.start()
+
+    def _open(self, root: Path, budget_bytes: int | None):
+        store = None
+        try:
+            store = CheckpointStore(root / "checkpoints", budget_bytes)
+            store.maintain()
+            self._store = store
+        except BaseException as error:  # handed to the caller, whatever it is
+            if store is not None:
+                store.close()
+            self._error = error
+
+    def join(self) -> CheckpointStore:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._store
+
+    def abandon(self):
+        """The run stopped before using the cache (its model did not load): close the store once it is open."""
+        self._thread.join()
+        if self._store is not None:
+            self._store.close()
+
+
 def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
-               policy: str = "measured", calibration: ReadCalibration | None = None
-               ) -> tuple[PersistentCheckpoints | None, str | None]:
+               policy: str = "measured", calibration: ReadCalibration | None = None,
+               opening: StoreOpening | None = None) -> tuple[PersistentCheckpoints | None, str | None]:
     """(the cache of `loaded` under `root`, None) or (None, the one-line reason it cannot be used this run).
-    Opening also does the store's bounded maintenance (leftovers of killed writers, quarantine, budget)."""
+    Opening also does the store's bounded maintenance (leftovers of killed writers, quarantine, budget); `opening`:
+    that work started earlier (`StoreOpening(root, budget_bytes)`, while the model loaded)."""
     store = None
     try:
-        store = CheckpointStore(Path(root) / "checkpoints", budget_bytes)
-        store.maintain()
+        store = (opening or StoreOpening(root, budget_bytes)).join()
         key = StoreKey(model_key(loaded.config, loaded.weights_digest(Path(root) / "digests"), loaded.ops),
                        layout_key(loaded.model.state_specs(), loaded.ops, block_size))
     except _STORE_FAILURES as error:
@@ -247,7 +283,9 @@ class PersistentCheckpoints:
         self._ahead_generation = 0
         self._ahead_queue: queue.Queue = queue.Queue()
         self._ahead_thread: threading.Thread | None = None
-        self.max_prefetch_bytes = max_pending_write_bytes() // 2
+        # as much as the writer may hold: a window's documents should all fit (on the H200, half of it held three
+        # of four 16k-token documents, 562 MiB each; the fourth was read on the engine's critical path, 0.14 s)
+        self.max_prefetch_bytes = max_pending_write_bytes()
         self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
         self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
         # K/V blocks (engine/kv_blocks.py): the paged regions, K/V rows per stored block, the engine's block size

@@ -50,8 +50,18 @@ class EngineSession:
 
             # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
             calibration = start_calibration(Path(s.cache_root))
-        self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
-                                  max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch)
+        opening = None
+        if s.use_cache and s.reuse:
+            from prefixrun.engine.persist import StoreOpening
+
+            opening = StoreOpening(Path(s.cache_root), s.cache_budget)  # its maintenance runs while the weights load
+        try:
+            self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
+                                      max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch)
+        except BaseException:
+            if opening is not None:
+                opening.abandon()
+            raise
         ops = self.loaded.ops
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started
@@ -75,7 +85,7 @@ class EngineSession:
 
             # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
             self.persist, problem = open_cache(s.cache_root, s.cache_budget, self.loaded, opts.block_size,
-                                                 s.cache_policy, calibration)
+                                                 s.cache_policy, calibration, opening)
             if problem:
                 self.warnings.append(problem)
             self.store = self.persist.store if self.persist is not None else None

@@ -132,3 +132,37 @@ def test_read_into_places_fills_them_with_the_files_tensors_and_checks_the_fit(t
     data[-1] ^= 1
     path.write_bytes(bytes(data))
     assert blob_format.read_into(path, size, lambda names: places)[1] != digest  # the caller compares digests
+
+
+@pytest.mark.parametrize("most", [1, 7, 48, 1000])
+def test_read_into_fills_every_tensor_through_short_reads(tmp_path, monkeypatch, most):
+    """All tensors of a file are read with one preadv over their buffers; a read that returns fewer bytes (a
+    signal, a network file system) continues where it stopped, inside a tensor or at its edge."""
+    rng = np.random.default_rng(1)
+    case = {"a": rng.standard_normal((5, 9), dtype=np.float32), "b": np.arange(11, dtype=np.uint16),
+            "c": np.zeros((0, 3), np.float32), "d": rng.integers(0, 255, 37, dtype=np.uint8)}
+    path = tmp_path / "t.safetensors"
+    with open(path, "wb") as handle:
+        size, digest = blob_format.write_file(handle, case, {})
+    real, calls = blob_format.os.preadv, []
+
+    def short_preadv(descriptor, buffers, offset):
+        calls.append(len(buffers))
+        budget, taken = most, []
+        for buffer in buffers:  # the kernel fills the buffers in order: give it at most `most` bytes in all
+            if budget <= 0:
+                break
+            taken.append(memoryview(buffer)[:budget])
+            budget -= len(taken[-1])
+        return real(descriptor, taken, offset)
+
+    monkeypatch.setattr(blob_format.os, "preadv", short_preadv)
+    places = {name: np.full_like(array, 0) for name, array in case.items()}
+    _, got = blob_format.read_into(path, size, lambda names: places)
+    assert got == digest
+    assert all(np.array_equal(places[n], case[n]) for n in case)
+    if most >= 1000:
+        assert calls == [3]  # every non-empty tensor in one call
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(BlobFormatError):
+        blob_format.read_into(path, size, lambda names: places)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixrun.engine import loader
+from prefixrun.engine import cache_costs, loader
 from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.cache_costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
     save_rates
@@ -33,7 +33,27 @@ class Counters:
     prefill_seconds: float
 
 
-def test_cost_model_writes_and_reads_only_what_pays():
+def test_a_write_must_save_a_floor_per_read_however_good_the_ratio():
+    """A near-tie in absolute terms is not written even where the ratio passes (the write costs its own run more
+    than a later read saves), and says so; reads have no floor: reading what is on disk is judged by the ratio."""
+    model = CostModel()
+    model.prefill_counters = Counters(1000, 1.0)  # 1000 tokens/s; reads at the prior 1 GB/s
+    floor = cache_costs.MIN_WRITE_SAVING_SECONDS
+    nbytes = 10_000_000  # 10 ms to read
+    small = int((0.010 + floor) * 1000) - 5  # tokens: the ratio passes (10 ms < 0.7 x recompute), the saving not
+    assert 0.010 < WRITE_MARGIN * small / 1000
+    reason = model.judge_write(small, nbytes)
+    assert reason is not None and f"under {floor * 1e3:g} ms" in reason and "save" in reason
+    assert model.judge_read(small, nbytes) is None
+    assert model.judge_write(small + 10, nbytes) is None  # a saving of the floor and more: written
+    always = CostModel(always=True)
+    always.prefill_counters = Counters(1000, 1.0)
+    assert always.judge_write(small, nbytes) is None  # --cache-policy always writes everything
+
+
+def test_cost_model_writes_and_reads_only_what_pays(monkeypatch):
+    # the margins alone (the saving floor has its own test below)
+    monkeypatch.setattr(cache_costs, "MIN_WRITE_SAVING_SECONDS", 0.0)
     model = CostModel()
     assert model.worth_writing(10, 10 << 30) and model.worth_reading(10, 10 << 30)  # no prefill measured: doubt
     model.prefill_counters = Counters(1000, 1.0)  # 1000 tokens/s
@@ -253,11 +273,13 @@ FIRST = [DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(4)]
 SECOND = [DOCUMENT + [310 + i, 410 + i, 460 + i] for i in range(4)]  # new questions over the same document
 
 
-def test_new_questions_over_a_stored_document_read_it_and_prompt_ends_are_not_written(loaded, tmp_path):
+def test_new_questions_over_a_stored_document_read_it_and_prompt_ends_are_not_written(loaded, tmp_path, monkeypatch):
     """The long-document case on the CPU, with a device taken to compute the tiny model as fast, relative to its
     state size, as it breaks even at 50 tokens: the document's state (a branch point, offered when it is saved)
     is written; a prompt's end adds 3 tokens to the stored document, not worth its state; the second batch reads
     the document and computes only its questions."""
+    # a tiny model's states save microseconds: judged by the margins only, as a large model's would be
+    monkeypatch.setattr(cache_costs, "MIN_WRITE_SAVING_SECONDS", 0.0)
     breakeven = 1e9 * 50 * WRITE_MARGIN / tiny_state_bytes(loaded, 200)  # tokens/s: writing pays from ~50 tokens
     first, costs, stats, _ = run(loaded, tmp_path / "c", FIRST, disk_measured=True, prefill_rate=breakeven)
     assert costs.writes_skipped == len(FIRST), costs.declines  # every prompt end, for the reason below
