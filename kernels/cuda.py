@@ -56,7 +56,10 @@ def _elementwise_names() -> list[str]:
             names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
                       f"cast_kernel<{ti}, {to}>"]
         names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
-                  f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>"]
+                  f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>",
+                  f"sigmoid_mul_kernel<{ti}>"]
+        names += [f"add_rms_norm_kernel<{ti}, {wr}>" for wr in ("true", "false")]
+        names += [f"qk_norm_rotary_kernel<{ti}, {nm}>" for nm in ("true", "false")]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
     return names
 
@@ -72,7 +75,7 @@ _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
 
 _NAMES = {
     "elementwise": _elementwise_names(),
-    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
+    "conv": [f"conv_fused_kernel<{t}, {ts}, {kk}>" for t in _T for ts in _T for kk in _CONV_K],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
@@ -478,6 +481,69 @@ class CudaOps:
         """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D])"""
         return self._row_norm(2, x, weight, eps, gate=gate)
 
+    def add_rms_norm(self, x, h, weight, eps):
+        """(s = x + h, RMSNorm(s) * weight) for x, h [..., D] in one launch (kernels/elementwise.cu); the same
+        numbers as `add` then `rms_norm`. Both outputs in the storage dtype."""
+        if x.shape != h.shape:
+            raise ValueError(f"add_rms_norm: x {x.shape} and h {h.shape} differ")
+        x = cupy.ascontiguousarray(x if x.dtype == self._act else self._cast(x, self._act))
+        h = cupy.ascontiguousarray(h if h.dtype == self._act else self._cast(h, self._act))
+        s, out = cupy.empty(x.shape, self._act), cupy.empty(x.shape, self._act)
+        d = x.shape[-1] if x.ndim else 1
+        rows = x.size // d if d else 0
+        if rows == 0:
+            return s, out
+        warp_row = d <= 1024  # as _row_norm chooses, so the sums run in the same order
+        blocks = max(1, min(-(-rows // (_THREADS // 32)) if warp_row else rows, 1 << 16))
+        _kernel("elementwise", f"add_rms_norm_kernel<{_tname(self._act)}, {'true' if warp_row else 'false'}>")(
+            (blocks,), (_THREADS,), (x, h, _i64(rows), _i32(d), _f32(weight), np.float32(eps), s, out))
+        return s, out
+
+    def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, positions, inv_freq):
+        """Per-head RMSNorm (weights None: none) and rotate-half rotary of q [T, Hq, Dh] and k [T, Hk, Dh] in one
+        launch (one warp per head row) -> new contiguous arrays in the storage dtype."""
+        if (q_weight is None) != (k_weight is None):
+            raise ValueError("qk_norm_rotary: give both q and k norm weights, or neither")
+        if q.ndim != 3 or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"qk_norm_rotary: q {q.shape} and k {k.shape} must be [tokens, heads, dim] alike")
+        half = int(inv_freq.shape[0])
+        if 2 * half > q.shape[2]:
+            raise ValueError(f"qk_norm_rotary: {half} frequencies rotate more than head dim {q.shape[2]}")
+        q = q if q.dtype == self._act else self._cast(q, self._act)
+        k = k if k.dtype == self._act else self._cast(k, self._act)
+        q, qst, qsh = _heads(q)
+        k, kst, ksh = _heads(k)
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        qo, ko = cupy.empty((t, hq, d), self._act), cupy.empty((t, hk, d), self._act)
+        rows = t * (hq + hk)
+        if rows == 0 or d == 0:
+            return qo, ko
+        norm = q_weight is not None
+        qw = _f32(q_weight) if norm else cupy.empty(1, F32)
+        kw = _f32(k_weight) if norm else qw
+        blocks = max(1, min(-(-rows // (_THREADS // 32)), 1 << 16))
+        _kernel("elementwise", f"qk_norm_rotary_kernel<{_tname(self._act)}, {'true' if norm else 'false'}>")(
+            (blocks,), (_THREADS,), (q, _i64(qst), _i64(qsh), _i32(hq), k, _i64(kst), _i64(ksh), _i32(hk), _i64(t),
+                                     _i32(d), qw, kw, np.float32(eps), _index(positions), _f32(inv_freq), _i32(half),
+                                     qo, ko))
+        return qo, ko
+
+    def sigmoid_mul(self, x, gate):
+        """x * sigmoid(gate) for x, gate [..., D] of one shape (strided rows allowed) in one launch."""
+        if x.shape != gate.shape:
+            raise ValueError(f"sigmoid_mul: x {x.shape} and gate {gate.shape} differ")
+        x = x if x.dtype == self._act else self._cast(x, self._act)
+        gate = gate if gate.dtype == self._act else self._cast(gate, self._act)
+        x, rows, d, xn1, xs0, xs1 = _rows(x)
+        gate, _, _, gn1, gs0, gs1 = _rows(gate)
+        out = cupy.empty(x.shape, self._act)
+        if rows and d:
+            _kernel("elementwise", f"sigmoid_mul_kernel<{_tname(self._act)}>")(
+                (_grid(rows * d),), (_THREADS,), (x, _i64(xn1), _i64(xs0), _i64(xs1), gate, _i64(gn1), _i64(gs0),
+                                                  _i64(gs1), _i64(rows), _i32(d), out))
+        return out
+
     def l2_normalize(self, x, eps=1e-6):
         """x [..., D] * rsqrt(sum(x^2) + eps); keeps x's dtype"""
         return self._row_norm(1, x, None, eps, out_dtype=x.dtype)
@@ -576,6 +642,27 @@ class CudaOps:
     def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens):
         """Depthwise causal conv + SiLU per sequence from its conv history; updates conv_state[slots] in place.
         x [T, C], weight [C, K], conv_state [num_slots, C, K-1], slots [B], cu_seqlens [B+1] -> y [T, C]."""
+        return self._conv(x, weight, conv_state, slots, cu_seqlens, 0, 32, 0.0)
+
+    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
+        """`causal_conv1d` with the first `norm_channels` outputs L2-normalised per group of `head_dim`, in the
+        conv's launch when a group fits a block (a power of two up to 32, or a multiple of 32 up to 1024);
+        otherwise the conv, then `l2_normalize` on those channels."""
+        c = x.shape[1] if x.ndim == 2 else -1
+        if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
+            raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
+        fits = (head_dim <= 32 and 32 % head_dim == 0) or (head_dim % 32 == 0 and head_dim <= 1024)
+        if fits:
+            return self._conv(x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps)
+        y = self._conv(x, weight, conv_state, slots, cu_seqlens, 0, 32, 0.0)  # [T, C]
+        t = y.shape[0]
+        if t and norm_channels:
+            qk = y[:, :norm_channels].reshape(t, norm_channels // head_dim, head_dim)
+            y[:, :norm_channels] = self.l2_normalize(qk, eps).reshape(t, norm_channels)
+        return y
+
+    def _conv(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, group, eps):
+        """conv_fused_kernel (kernels/conv.cu): conv + SiLU, the history update and the optional group L2 norm."""
         x, sx = _rows2(x)
         t, c = x.shape
         k = int(weight.shape[1])
@@ -588,13 +675,12 @@ class CudaOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0 or c == 0:
             return out
-        w = _f32(weight)
+        threads = group if norm_channels and group > 32 else 128  # a block is one norm group when groups are wide
         types = f"{_tname(x.dtype)}, {_tname(conv_state.dtype)}, {k}"
-        cblocks = -(-c // 128)
-        _kernel("conv", f"conv_fwd_kernel<{types}>")(
-            (cblocks, -(-t // 32) + nseq), (128,), (x, _i64(sx), w, conv_state, slots, cu, _i32(nseq), _i32(c), out))
-        _kernel("conv", f"conv_state_kernel<{types}>")(
-            (cblocks, nseq), (128,), (x, _i64(sx), conv_state, slots, cu, _i32(c)))
+        _kernel("conv", f"conv_fused_kernel<{types}>")(
+            (-(-c // threads), -(-t // 32) + nseq), (threads,),
+            (x, _i64(sx), _f32(weight), conv_state, slots, cu, _i32(nseq), _i32(c), _i32(norm_channels), _i32(group),
+             np.float32(eps), out))
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):

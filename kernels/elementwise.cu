@@ -42,6 +42,94 @@ __global__ void row_norm_kernel(const TI* __restrict__ x, i64 rows, int d, i64 n
     }
 }
 
+// ---- fused norms ----------------------------------------------------------------------------------------------
+// The residual add and the next RMSNorm in one pass: sum = x + h (rounded to T), out = RMSNorm(sum) * w computed
+// from sum as stored, so both equal add_kernel's and then row_norm_kernel<MODE 0>'s (same loop order and blocks:
+// bit-identical). x, h, sum, out [rows, d] contiguous; WARP_ROW as row_norm_kernel.
+template <typename T, bool WARP_ROW>
+__global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ h, i64 rows, int d,
+                                    const float* __restrict__ w, float eps, T* __restrict__ sum,
+                                    T* __restrict__ out) {
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int step = WARP_ROW ? 32 : blockDim.x;
+    const int first = WARP_ROW ? lane : threadIdx.x;
+    const i64 rows_per_block = WARP_ROW ? (blockDim.x >> 5) : 1;
+    for (i64 r = blockIdx.x * rows_per_block + (WARP_ROW ? warp : 0); r < rows; r += gridDim.x * rows_per_block) {
+        const i64 base = r * (i64)d;
+        float ss = 0.f;
+        for (int i = first; i < d; i += step) {
+            const T s = from_f<T>(to_f(x[base + i]) + to_f(h[base + i]));
+            sum[base + i] = s;
+            const float v = to_f(s);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (!WARP_ROW) {
+            if (lane == 0) red[warp] = ss;
+            __syncthreads();
+            float t = 0.f;
+            for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
+            ss = t;
+            __syncthreads();
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int i = first; i < d; i += step) {  // this thread's own writes above: no barrier needed
+            float v = to_f(sum[base + i]) * inv;
+            v *= w[i];
+            out[base + i] = from_f<T>(v);
+        }
+    }
+}
+
+// Attention's q/k per-head RMSNorm (NORM) and rotate-half rotary (first 2*half dims, at pos[t]) of q [T, Hq, d] and
+// k [T, Hk, d] (token/head strides) into contiguous qo, ko: one warp per (token, head) row, q's rows first. The
+// normed value is rounded to T before it turns, as row_norm_kernel then rotary_kernel store and reread it.
+template <typename T, bool NORM>
+__global__ void qk_norm_rotary_kernel(const T* __restrict__ q, i64 qst, i64 qsh, int hq, const T* __restrict__ k,
+                                      i64 kst, i64 ksh, int hk, i64 tokens, int d, const float* __restrict__ qw,
+                                      const float* __restrict__ kw, float eps, const int* __restrict__ pos,
+                                      const float* __restrict__ inv_freq, int half, T* __restrict__ qo,
+                                      T* __restrict__ ko) {
+    const int lane = threadIdx.x & 31;
+    const i64 nq = tokens * hq, n = nq + tokens * hk;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
+        const bool is_q = r < nq;
+        const i64 rr = is_q ? r : r - nq;
+        const int heads = is_q ? hq : hk;
+        const i64 t = rr / heads;
+        const int hh = (int)(rr - t * heads);
+        const T* xr = is_q ? q + t * qst + hh * qsh : k + t * kst + hh * ksh;
+        const float* w = is_q ? qw : kw;
+        T* orow = (is_q ? qo : ko) + rr * (i64)d;
+        float inv = 1.f;
+        if (NORM) {
+            float ss = 0.f;
+            for (int i = lane; i < d; i += 32) {
+                const float v = to_f(xr[i]);
+                ss += v * v;
+            }
+            inv = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
+        }
+        auto normed = [&](int i) {  // dim i after the norm, as the unfused norm stores it
+            if (!NORM) return to_f(xr[i]);
+            float v = to_f(xr[i]) * inv;
+            v *= w[i];
+            return to_f(from_f<T>(v));
+        };
+        const float p = (float)pos[t];
+        for (int i = lane; i < half; i += 32) {
+            float sn, cs;
+            sincosf(__fmul_rn(p, inv_freq[i]), &sn, &cs);
+            const float x1 = normed(i), x2 = normed(i + half);
+            orow[i] = from_f<T>(x1 * cs - x2 * sn);
+            orow[i + half] = from_f<T>(x2 * cs + x1 * sn);
+        }
+        for (int i = 2 * half + lane; i < d; i += 32) orow[i] = from_f<T>(normed(i));
+    }
+}
+
 // ---- elementwise --------------------------------------------------------------------------------------------
 // gate_up [rows, 2I] (row stride s0) -> silu(gate) * up [rows, I]
 template <typename T>
@@ -76,6 +164,21 @@ __global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i
         const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
         const float gelu = 0.5f * g * erfcf(-0.7071067811865476f * g);
         out[e] = from_f<T>(gelu * u);
+    }
+}
+
+// out = x * sigmoid(gate) over rows of d (x, gate: row views as row_norm_kernel's; out contiguous); the sigmoid is
+// rounded to T first, as sigmoid_kernel's output then a product would round it.
+template <typename T>
+__global__ void sigmoid_mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1, const T* __restrict__ gate,
+                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out) {
+    const i64 n = rows * d;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const i64 r = e / d;
+        const int i = (int)(e - r * d);
+        const float g = to_f(gate[row_offset(r, gn1, gs0, gs1) + i]);
+        const float sig = to_f(from_f<T>(1.0f / (1.0f + expf(-g))));
+        out[e] = from_f<T>(to_f(x[row_offset(r, xn1, xs0, xs1) + i]) * sig);
     }
 }
 

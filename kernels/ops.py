@@ -107,6 +107,18 @@ class Ops(Protocol):
     def gated_rms_norm(self, x, gate, weight, eps) -> Array:
         """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D]) -> act [..., D]"""
 
+    def add_rms_norm(self, x, h, weight, eps) -> tuple[Array, Array]:
+        """x, h [T, D] -> (s = x + h, rms_norm(s)), both act [T, D]: the residual add and the next norm in one
+        pass; the same numbers as `add` then `rms_norm` (the norm reads s as stored)."""
+
+    def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, positions, inv_freq) -> tuple[Array, Array]:
+        """q [T, Hq, Dh], k [T, Hk, Dh] -> new act arrays: per-head `rms_norm` (weights [Dh]; both None: no norm)
+        then `rotary` at positions [T], for both in one pass; the same numbers as those ops one after another."""
+
+    def sigmoid_mul(self, x, gate) -> Array:
+        """x * sigmoid(gate), both [..., D] of one shape (strided views allowed) -> act; the sigmoid is rounded to
+        act before the product, as `x * sigmoid(gate)` rounds it."""
+
     def silu_mul(self, gate_up) -> Array:
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
 
@@ -140,6 +152,10 @@ class Ops(Protocol):
     # ---- sequence mixing ---------------------------------------------------------------------------------------
     def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens) -> Array:
         """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]"""
+
+    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6) -> Array:
+        """`causal_conv1d`, and its first `norm_channels` output channels `l2_normalize`d per group of `head_dim`
+        (Gated DeltaNet's q/k heads) in the same pass -> act [T, C]; the same numbers as those two ops."""
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64) -> Array:
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)

@@ -107,6 +107,31 @@ class NumpyOps(MoeReferenceOps):
         g = gate.astype(np.float32)
         return (x32 / np.sqrt(var + eps) * weight * (g / (1.0 + np.exp(-g)))).astype(self.act_dtype)
 
+    def add_rms_norm(self, x, h, weight, eps):
+        """The residual add and the next RMSNorm in one op: s = x + h (rounded to the storage dtype), then
+        (s, rms_norm(s)). x, h [T, D] -> (act [T, D], act [T, D]); the same numbers as `add` then `rms_norm`."""
+        s = (x + h).astype(self.act_dtype)
+        return s, self.rms_norm(s, weight, eps)
+
+    def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, positions, inv_freq):
+        """Attention's per-head q/k RMSNorm (weights [Dh] each, or both None: no norm) and the rotary embedding of
+        both, in one op: q [T, Hq, Dh], k [T, Hk, Dh] -> new act arrays (q', k'), the same numbers as
+        `rms_norm` on each, then `rotary` (rotate-half on the first 2 * len(inv_freq) dims at positions [T])."""
+        if (q_weight is None) != (k_weight is None):
+            raise ValueError("qk_norm_rotary: give both q and k norm weights, or neither")
+        out = []
+        for x, w in ((q, q_weight), (k, k_weight)):
+            x = self.rms_norm(x, w, eps) if w is not None else np.array(x, self.act_dtype, copy=True)
+            out.append(self.rotary(x, positions, inv_freq))
+        return out[0], out[1]
+
+    def sigmoid_mul(self, x, gate):
+        """x * sigmoid(gate) (an attention output gate), x and gate [..., D] of one shape -> act: the same numbers
+        as `x * sigmoid(gate)` with the sigmoid rounded to the storage dtype first."""
+        if x.shape != gate.shape:
+            raise ValueError(f"sigmoid_mul: x {x.shape} and gate {gate.shape} differ")
+        return (x * self.sigmoid(gate).astype(self.act_dtype)).astype(self.act_dtype)
+
     def silu_mul(self, gate_up):
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
         i = gate_up.shape[-1] // 2
@@ -191,6 +216,19 @@ class NumpyOps(MoeReferenceOps):
                 acc += xpad[j:j + n] * weight[:, j]
             y[s:e] = acc / (1.0 + np.exp(-acc))
             conv_state[slots[b]] = xpad[n:].T  # the last K-1 inputs
+        return y
+
+    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
+        """`causal_conv1d`, then its first `norm_channels` output channels L2-normalised per group of `head_dim`
+        (Gated DeltaNet's q and k heads: `l2_normalize` of y[:, :norm_channels] viewed [T, n / head_dim, head_dim]);
+        the other channels as the conv gives them. -> act [T, C]; conv_state updated as `causal_conv1d` does."""
+        c = x.shape[1]
+        if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
+            raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
+        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens).astype(self.act_dtype)  # [T, C]
+        t = y.shape[0]
+        qk = y[:, :norm_channels].reshape(t, norm_channels // head_dim, head_dim)
+        y[:, :norm_channels] = self.l2_normalize(qk, eps).reshape(t, norm_channels)
         return y
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):

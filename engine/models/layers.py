@@ -70,6 +70,12 @@ class RMSNorm:
     def __call__(self, ops, x):
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def add_norm(self, ops, x, h):
+        """(x + h, norm(x + h)) in one op; h None: nothing to add, (x, norm(x))."""
+        if h is None:
+            return x, ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, h, self.weight, self.eps)
+
 
 # hidden_act (transformers' ACT2FN names) -> the GLU op: act(gate) * up on a stacked [T, 2I] gate_up
 ACTIVATIONS = {
@@ -160,19 +166,19 @@ class Attention:
         kv_rows = self.hkv * self.hd
         if self.output_gate:
             qg = qkv[:, :q_rows].reshape(t, self.hq, 2 * self.hd)
-            q, gate = qg[:, :, :self.hd], qg[:, :, self.hd:].reshape(t, self.hq * self.hd)
+            q, gate = qg[:, :, :self.hd], qg[:, :, self.hd:]  # [T, Hq, hd] each
         else:
             q, gate = qkv[:, :q_rows].reshape(t, self.hq, self.hd), None
         k = qkv[:, q_rows:q_rows + kv_rows].reshape(t, self.hkv, self.hd)
         v = qkv[:, q_rows + kv_rows:].reshape(t, self.hkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(ops, q), self.k_norm(ops, k)
-        q = ops.rotary(q, batch.positions, self.inv_freq)  # [T, Hq, hd]
-        k = ops.rotary(k, batch.positions, self.inv_freq)  # [T, Hkv, hd]
-        o = self.attend(ops, q, k, v, batch, state).reshape(t, self.hq * self.hd)
+        qw, kw, eps = (None, None, 0.0) if self.q_norm is None else \
+            (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        # q [T, Hq, hd], k [T, Hkv, hd]: normed (where the model norms them) and rotated, one op for both
+        q, k = ops.qk_norm_rotary(q, k, qw, kw, eps, batch.positions, self.inv_freq)
+        o = self.attend(ops, q, k, v, batch, state)  # [T, Hq, hd]
         if gate is not None:
-            o = o * ops.sigmoid(gate)
-        out = ops.linear(o, self.o_proj)  # [T, D]
+            o = ops.sigmoid_mul(o, gate)
+        out = ops.linear(o.reshape(t, self.hq * self.hd), self.o_proj)  # [T, D]
         return out if self.o_bias is None else ops.add(out, self.o_bias)
 
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
@@ -236,17 +242,18 @@ class GatedDeltaNet:
         proj = ops.linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2 Hv]
         c, v_end = self.conv_dim, self.conv_dim + self.value_dim
         rows = batch.snapshot_rows  # a speculative step: every row's state also goes to its snapshot row
+        # q and k are adjacent in `mixed`: one L2 normalisation over their 2 Hk heads (in the conv's pass)
         if rows is None:
-            mixed = ops.causal_conv1d(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
-                                      batch.slots, batch.cu_seqlens)  # [T, conv_dim]
+            mixed = ops.causal_conv1d_l2(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
+                                         batch.slots, batch.cu_seqlens, 2 * self.key_dim, self.dk)  # [T, conv_dim]
+            qk = mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk)
         else:
             mixed = ops.causal_conv1d_rows(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
                                            batch.slots, batch.cu_seqlens, state.snapshots[self.conv_region], rows)
+            qk = ops.l2_normalize(mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk))
         z = proj[:, c:v_end].reshape(t, self.hv, self.dv)
         g, beta = ops.delta_gates(proj[:, v_end + self.hv:], proj[:, v_end:v_end + self.hv], self.a_log,
                                   self.dt_bias)  # [T, Hv] each
-        # q and k are adjacent in `mixed`: one normalisation over their 2 Hk heads
-        qk = ops.l2_normalize(mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk))
         q, k = qk[:, :self.hk], qk[:, self.hk:]
         v = mixed[:, 2 * self.key_dim:].reshape(t, self.hv, self.dv)
         # value heads share key heads in groups (repeat_interleave, as HF): the op reads key head h // (Hv / Hk)
@@ -273,14 +280,21 @@ class DecoderLayer:
         return self.mixer.state_specs()
 
     def __call__(self, ops, x, batch, state):
-        h = self.mixer(ops, self.input_norm(ops, x), batch, state)
+        x, h = self.step(ops, x, None, batch, state)
+        return ops.add(x, h)
+
+    def step(self, ops, x, pending, batch, state):
+        """The layer on the residual stream x + pending (pending None: x alone), each residual add fused into the
+        norm that follows it -> (residual, this layer's last output h, not yet added: the next norm adds it)."""
+        x, normed = self.input_norm.add_norm(ops, x, pending)
+        h = self.mixer(ops, normed, batch, state)
         if self.mixer_out_norm is not None:
             h = self.mixer_out_norm(ops, h)
-        x = ops.add(x, h)
-        h = self.mlp(ops, self.post_norm(ops, x))
+        x, normed = self.post_norm.add_norm(ops, x, h)
+        h = self.mlp(ops, normed)
         if self.mlp_out_norm is not None:
             h = self.mlp_out_norm(ops, h)
-        return ops.add(x, h)
+        return x, h
 
 
 class CausalLM:
@@ -324,18 +338,19 @@ class CausalLM:
         """Run the step; returns fp32 logits [B, V] of each sequence's last new token ([T, V] if all_logits).
         with_hidden: (logits, the final-normed hidden states [B or T, D] the logits were computed from)."""
         ops = self.ops
-        x = self.embed(batch.token_ids)
+        x, h = self.embed(batch.token_ids), None  # the residual stream is x + h: each add runs in the next norm
         for layer in self.layers:
-            x = layer(ops, x, batch, state)
+            x, h = layer.step(ops, x, h, batch, state)
         if self.mtp is not None:  # the head's state follows every step: it needs every row's final hidden state
-            x = self.final_norm(ops, x)  # [T, D]
+            _, x = self.final_norm.add_norm(ops, x, h)  # [T, D]
             self.mtp.absorb(ops, x, batch, state)
             if not all_logits:
                 x = ops.embed(x, batch.last_token_index)  # [B, D]: each sequence's last row (a prepared kernel)
         else:
-            if not all_logits:
-                x = ops.embed(x, batch.last_token_index)  # [B, D] (not x[index]: a library kernel's first use)
-            x = self.final_norm(ops, x)
+            if not all_logits:  # [B, D]: each sequence's last row of both (not x[index]: a library kernel's first use)
+                x = ops.embed(x, batch.last_token_index)
+                h = ops.embed(h, batch.last_token_index) if h is not None else None
+            _, x = self.final_norm.add_norm(ops, x, h)
         logits = ops.logits(x, self.lm_head)
         if self.logit_softcap is not None:
             logits = ops.softcap(logits, self.logit_softcap)

@@ -1,0 +1,243 @@
+"""The fused CUDA ops (residual add + RMSNorm, q/k norm + rotary, sigmoid gate, conv + SiLU + q/k L2 norm) against
+the NumPy reference and against the unfused CUDA ops they replace, on ragged and odd shapes, fp32 and bf16.
+
+Skipped cleanly without CuPy or a GPU. `python tests/test_cuda_fused.py --bench` times each fused op against the
+unfused launches it replaces on the 4b-like shapes (decode batch 64 inside a CUDA graph, as decode runs; prefill of
+18,432 tokens eagerly) and prints a table.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+TOL_SEQ = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyOps()
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ops(request):
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def rnd(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def act_round(ops, x):
+    return np.asarray(x, np.float32).astype(np.dtype(ops.act_dtype)).astype(np.float32)
+
+
+def host(ops, a):
+    return np.asarray(ops.to_host(a)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 16), (19, 64), (64, 2560), (7, 3000)])  # warp rows and block rows
+def test_add_rms_norm(ops, ref, rows, d):
+    rng = np.random.default_rng(d + rows)
+    x, h = act_round(ops, rnd(rng, rows, d, scale=2.0)), act_round(ops, rnd(rng, rows, d))
+    w = rnd(rng, d) + 1.0
+    dx, dh, dw = ops.upload(x), ops.upload(h), ops.upload(w, np.float32)
+    s, n = ops.add_rms_norm(dx, dh, dw, 1e-6)
+    assert s.dtype == n.dtype == np.dtype(ops.act_dtype) and s.shape == n.shape == (rows, d)
+    want_s, want_n = ref.add_rms_norm(x, h, w, 1e-6)
+    assert rel(host(ops, s), want_s) <= TOL[ops.dtype_name]
+    assert rel(host(ops, n), want_n) <= TOL[ops.dtype_name]
+    # the unfused ops on the device give the very same bits (same rounding of the sum, same reduction order)
+    s2 = ops.add(dx, dh)
+    n2 = ops.rms_norm(s2, dw, 1e-6)
+    assert np.array_equal(ops.to_host(s), ops.to_host(s2)) and np.array_equal(ops.to_host(n), ops.to_host(n2))
+    with pytest.raises(ValueError):
+        ops.add_rms_norm(dx, dh[:, :-1], dw, 1e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("t,hq,hk,d,half", [(1, 16, 4, 256, 32), (9, 4, 2, 64, 32), (37, 8, 8, 128, 64),
+                                            (5, 3, 1, 80, 12)])
+def test_qk_norm_rotary(ops, ref, norm, t, hq, hk, d, half):
+    """q and k as the model hands them: q a head view of [query, gate] rows, k a column slice of the projection."""
+    rng = np.random.default_rng(t * d + half)
+    qkv = act_round(ops, rnd(rng, t, (2 * hq + 2 * hk) * d, scale=2.0))
+    q_of = lambda a: a[:, :2 * hq * d].reshape(t, hq, 2 * d)[:, :, :d]
+    k_of = lambda a: a[:, 2 * hq * d:(2 * hq + hk) * d].reshape(t, hk, d)
+    qw, kw = rnd(rng, d) + 1.0, rnd(rng, d) + 1.0
+    pos = rng.integers(0, 30000, t).astype(np.int32)
+    inv_freq = (1e6 ** (-np.arange(half) / half)).astype(np.float32)
+    dqkv = ops.upload(qkv)
+    dpos, dfreq = ops.upload_index(pos), ops.upload(inv_freq, np.float32)
+    dqw, dkw = (ops.upload(qw, np.float32), ops.upload(kw, np.float32)) if norm else (None, None)
+    before = ops.to_host(dqkv).copy()
+    gq, gk = ops.qk_norm_rotary(q_of(dqkv), k_of(dqkv), dqw, dkw, 1e-6, dpos, dfreq)
+    assert np.array_equal(ops.to_host(dqkv), before), "the inputs must not change"
+    wq, wk = ref.qk_norm_rotary(q_of(qkv), k_of(qkv), qw if norm else None, kw if norm else None, 1e-6, pos, inv_freq)
+    assert gq.shape == (t, hq, d) and gk.shape == (t, hk, d) and gq.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, gq), wq) <= TOL[ops.dtype_name]
+    assert rel(host(ops, gk), wk) <= TOL[ops.dtype_name]
+    # against the unfused device ops: the same roundings, so at most float contraction differences
+    uq, uk = q_of(dqkv), k_of(dqkv)
+    if norm:
+        uq, uk = ops.rms_norm(uq, dqw, 1e-6), ops.rms_norm(uk, dkw, 1e-6)
+    else:
+        uq, uk = uq.copy(), uk.copy()
+    uq, uk = ops.rotary(uq, dpos, dfreq), ops.rotary(uk, dpos, dfreq)
+    assert rel(host(ops, gq), host(ops, uq)) <= (1e-6 if ops.dtype_name == "float32" else 4e-3)
+    assert rel(host(ops, gk), host(ops, uk)) <= (1e-6 if ops.dtype_name == "float32" else 4e-3)
+    with pytest.raises(ValueError):
+        ops.qk_norm_rotary(q_of(dqkv), k_of(dqkv), dqw if norm else ops.upload(qw, np.float32), None, 1e-6, dpos,
+                           dfreq)
+
+
+def test_sigmoid_mul_strided_gate(ops, ref):
+    rng = np.random.default_rng(5)
+    t, h, d = 13, 5, 48
+    x = act_round(ops, rnd(rng, t, h, d))
+    qg = act_round(ops, rnd(rng, t, h, 2 * d, scale=3.0))
+    got = ops.sigmoid_mul(ops.upload(x), ops.upload(qg)[:, :, d:])
+    assert got.shape == (t, h, d) and got.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, got), ref.sigmoid_mul(x, qg[:, :, d:])) <= TOL[ops.dtype_name]
+    with pytest.raises(ValueError):
+        ops.sigmoid_mul(ops.upload(x), ops.upload(qg))
+
+
+@pytest.mark.parametrize("lens,k,head_dim,heads,extra", [
+    ([1, 3, 70, 0, 33, 2, 1], 4, 16, 4, 40),  # in-warp groups; empty and multi-chunk sequences; ragged channels
+    ([1] * 64, 4, 128, 32, 4096),  # the 4b-like decode step: 16 + 16 q/k heads of 128, 4096 value channels
+    ([300, 5], 4, 128, 4, 100),  # a long prefill: many chunks of one sequence
+    ([2, 1, 4], 2, 64, 2, 7),  # fewer tokens than history rows; block-wide groups of 64
+    ([6, 9], 3, 48, 2, 10),  # a group that fits no block: the conv, then the separate norm
+])
+def test_causal_conv1d_l2(ops, ref, lens, k, head_dim, heads, extra):
+    rng = np.random.default_rng(sum(lens) + head_dim + k)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    norm_c = heads * head_dim
+    c, t, nslots = norm_c + extra, int(cu[-1]), len(lens) + 5
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
+    proj = act_round(ops, rnd(rng, t, c + 24))
+    weight = rnd(rng, c, k, scale=0.5)
+    state = act_round(ops, rnd(rng, nslots, c, k - 1))
+    d_state = ops.upload(state)
+    y = ops.causal_conv1d_l2(ops.upload(proj)[:, :c], ops.upload(weight, np.float32), d_state,
+                             ops.upload_index(slots), ops.upload_index(cu), norm_c, head_dim)
+    want_state = state.copy()
+    want = ref.causal_conv1d_l2(proj[:, :c], weight, want_state, slots, cu, norm_c, head_dim)
+    assert y.shape == (t, c)
+    assert rel(host(ops, y)[:, :norm_c], want[:, :norm_c]) <= TOL_SEQ[ops.dtype_name]
+    assert rel(host(ops, y)[:, norm_c:], want[:, norm_c:]) <= TOL_SEQ[ops.dtype_name]
+    # every normalised head has unit length (a missed or misaligned group would not)
+    heads_out = host(ops, y)[:, :norm_c].reshape(t, heads, head_dim)
+    np.testing.assert_allclose(np.linalg.norm(heads_out, axis=-1), 1.0, atol=1e-4 if ops.dtype_name == "float32"
+                               else 1e-2)
+    np.testing.assert_array_equal(host(ops, d_state), want_state)  # copies of inputs: exact
+    # the same numbers as the unfused ops on the device
+    d_state2 = ops.upload(state)
+    y2 = ops.causal_conv1d(ops.upload(proj)[:, :c], ops.upload(weight, np.float32), d_state2,
+                           ops.upload_index(slots), ops.upload_index(cu))
+    qk = ops.l2_normalize(y2[:, :norm_c].reshape(t, heads, head_dim)).reshape(t, norm_c)
+    assert rel(host(ops, y)[:, :norm_c], host(ops, qk)) <= (1e-6 if ops.dtype_name == "float32" else 4e-3)
+    assert np.array_equal(ops.to_host(y)[:, norm_c:], ops.to_host(y2)[:, norm_c:])
+    with pytest.raises(ValueError):
+        ops.causal_conv1d_l2(ops.upload(proj)[:, :c], ops.upload(weight, np.float32), d_state,
+                             ops.upload_index(slots), ops.upload_index(cu), norm_c + 1, head_dim)
+
+
+def test_fused_ops_capture_and_replay(ops):
+    """The decode step captures these ops into a graph: replays on updated inputs give the eager results."""
+    rng = np.random.default_rng(9)
+    b, d = 8, 256
+    x, h = ops.upload(rnd(rng, b, d)), ops.upload(rnd(rng, b, d))
+    w = ops.upload(rnd(rng, d) + 1.0, np.float32)
+    graph = ops.capture(lambda: ops.add_rms_norm(x, h, w, 1e-6))
+    x[...] = ops.upload(rnd(rng, b, d))
+    s, n = graph.replay()
+    s2, n2 = ops.add_rms_norm(x, h, w, 1e-6)
+    assert np.array_equal(ops.to_host(s), ops.to_host(s2)) and np.array_equal(ops.to_host(n), ops.to_host(n2))
+
+
+# ---- timing (not a test) ------------------------------------------------------------------------------------------
+def _graph_us(ops, fn, reps=50, iters=20):
+    """Device microseconds of one fn() inside a CUDA graph of `reps` calls, replayed `iters` times."""
+    graph = ops.capture(lambda: [fn() for _ in range(reps)])
+    graph.replay()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * cupy.cuda.get_elapsed_time(start, end) / (iters * reps)
+
+
+def bench():  # pragma: no cover - device timing, not a test
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16")
+    r = lambda *s: ops.upload(np.random.default_rng(0).standard_normal(s).astype(np.float32))
+    rows = []
+    for label, tok in (("decode 64", 64), ("prefill 18432", 18432)):
+        d, hd, hq, hk = 2560, 256, 16, 4
+        x, h, w = r(tok, d), r(tok, d), ops.upload(np.ones(d, np.float32), np.float32)
+        fused = lambda: ops.add_rms_norm(x, h, w, 1e-6)
+        unfused = lambda: ops.rms_norm(ops.add(x, h), w, 1e-6)
+        rows.append((f"{label}: add + rms_norm [{tok}, {d}]", unfused, fused))
+        qkv = r(tok, (2 * hq + 2 * hk) * hd)
+        q = qkv[:, :2 * hq * hd].reshape(tok, hq, 2 * hd)[:, :, :hd]
+        k = qkv[:, 2 * hq * hd:(2 * hq + hk) * hd].reshape(tok, hk, hd)
+        pos = ops.upload_index(np.arange(tok) + 2048)
+        inv = ops.upload((1e7 ** (-np.arange(32) / 32)).astype(np.float32), np.float32)
+        nw = ops.upload(np.ones(hd, np.float32), np.float32)
+        fused = lambda: ops.qk_norm_rotary(q, k, nw, nw, 1e-6, pos, inv)
+        unfused = lambda: (ops.rotary(ops.rms_norm(q, nw, 1e-6), pos, inv), ops.rotary(ops.rms_norm(k, nw, 1e-6), pos, inv))
+        rows.append((f"{label}: q/k norm + rotary 16/4 x 256", unfused, fused))
+        o = r(tok, hq, hd)
+        gate = qkv[:, :2 * hq * hd].reshape(tok, hq, 2 * hd)[:, :, hd:]
+        fused = lambda: ops.sigmoid_mul(o, gate)
+        unfused = lambda: o * ops.sigmoid(gate.reshape(tok, hq * hd)).reshape(tok, hq, hd)
+        rows.append((f"{label}: attention gate 16 x 256", unfused, fused))
+        nseq = 64 if tok == 64 else 8
+        lens = [tok // nseq] * nseq
+        cu = ops.upload_index(np.concatenate([[0], np.cumsum(lens)]))
+        slots = ops.upload_index(np.arange(nseq))
+        c, kd, nk = 8192, 128, 16
+        proj = r(tok, c + 4096 + 64)
+        cw = ops.upload(np.random.default_rng(1).standard_normal((c, 4)).astype(np.float32) * 0.3, np.float32)
+        cs = ops.zeros((nseq, c, 3))
+        fused = lambda: ops.causal_conv1d_l2(proj[:, :c], cw, cs, slots, cu, 2 * nk * kd, kd)
+        unfused = lambda: ops.l2_normalize(ops.causal_conv1d(proj[:, :c], cw, cs, slots, cu)[:, :2 * nk * kd]
+                                           .reshape(tok, 2 * nk, kd))
+        rows.append((f"{label}: conv1d + q/k L2 norm, {c} ch", unfused, fused))
+    print(f"{'op (bf16, H200)':58s} {'unfused us':>11s} {'fused us':>9s}")
+    for label, unfused, fused in rows:
+        if label.startswith("decode"):
+            a, b = _graph_us(ops, unfused), _graph_us(ops, fused)
+        else:
+            a, b = _graph_us(ops, unfused, reps=5, iters=5), _graph_us(ops, fused, reps=5, iters=5)
+        print(f"{label:58s} {a:11.1f} {b:9.1f}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--bench" in sys.argv:
+        bench()
+    else:
+        sys.exit(pytest.main([__file__, "-q"]))
