@@ -646,12 +646,13 @@ class CudaOps:
 
     def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
         """`causal_conv1d` with the first `norm_channels` outputs L2-normalised per group of `head_dim`, in the
-        conv's launch when a group fits a block (a power of two up to 32, or a multiple of 32 up to 1024);
+        conv's launch when a group fits a block (a power of two up to 32, or a multiple of 32 up to 256: the
+        kernel keeps a 32-token chunk in registers, ~110 of them per thread, so wider blocks would not launch);
         otherwise the conv, then `l2_normalize` on those channels."""
         c = x.shape[1] if x.ndim == 2 else -1
         if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
             raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
-        fits = (head_dim <= 32 and 32 % head_dim == 0) or (head_dim % 32 == 0 and head_dim <= 1024)
+        fits = (head_dim <= 32 and 32 % head_dim == 0) or (head_dim % 32 == 0 and head_dim <= 256)
         if fits:
             return self._conv(x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps)
         y = self._conv(x, weight, conv_state, slots, cu_seqlens, 0, 32, 0.0)  # [T, C]

@@ -127,6 +127,7 @@ def test_sigmoid_mul_strided_gate(ops, ref):
     ([300, 5], 4, 128, 4, 100),  # a long prefill: many chunks of one sequence
     ([2, 1, 4], 2, 64, 2, 7),  # fewer tokens than history rows; block-wide groups of 64
     ([6, 9], 3, 48, 2, 10),  # a group that fits no block: the conv, then the separate norm
+    ([3, 2], 4, 512, 1, 10),  # too wide for one block: the same fallback
 ])
 def test_causal_conv1d_l2(ops, ref, lens, k, head_dim, heads, extra):
     rng = np.random.default_rng(sum(lens) + head_dim + k)
