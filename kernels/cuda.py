@@ -75,7 +75,7 @@ _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
 
 _NAMES = {
     "elementwise": _elementwise_names(),
-    "conv": [f"conv_fused_kernel<{t}, {ts}, {kk}>" for t in _T for ts in _T for kk in _CONV_K],
+    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
@@ -642,28 +642,6 @@ class CudaOps:
     def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens):
         """Depthwise causal conv + SiLU per sequence from its conv history; updates conv_state[slots] in place.
         x [T, C], weight [C, K], conv_state [num_slots, C, K-1], slots [B], cu_seqlens [B+1] -> y [T, C]."""
-        return self._conv(x, weight, conv_state, slots, cu_seqlens, 0, 32, 0.0)
-
-    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
-        """`causal_conv1d` with the first `norm_channels` outputs L2-normalised per group of `head_dim`, in the
-        conv's launch when a group fits a block (a power of two up to 32, or a multiple of 32 up to 256: the
-        kernel keeps a 32-token chunk in registers, ~110 of them per thread, so wider blocks would not launch);
-        otherwise the conv, then `l2_normalize` on those channels."""
-        c = x.shape[1] if x.ndim == 2 else -1
-        if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
-            raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
-        fits = (head_dim <= 32 and 32 % head_dim == 0) or (head_dim % 32 == 0 and head_dim <= 256)
-        if fits:
-            return self._conv(x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps)
-        y = self._conv(x, weight, conv_state, slots, cu_seqlens, 0, 32, 0.0)  # [T, C]
-        t = y.shape[0]
-        if t and norm_channels:
-            qk = y[:, :norm_channels].reshape(t, norm_channels // head_dim, head_dim)
-            y[:, :norm_channels] = self.l2_normalize(qk, eps).reshape(t, norm_channels)
-        return y
-
-    def _conv(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, group, eps):
-        """conv_fused_kernel (kernels/conv.cu): conv + SiLU, the history update and the optional group L2 norm."""
         x, sx = _rows2(x)
         t, c = x.shape
         k = int(weight.shape[1])
@@ -676,13 +654,28 @@ class CudaOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0 or c == 0:
             return out
-        threads = group if norm_channels and group > 32 else 128  # a block is one norm group when groups are wide
+        w = _f32(weight)
         types = f"{_tname(x.dtype)}, {_tname(conv_state.dtype)}, {k}"
-        _kernel("conv", f"conv_fused_kernel<{types}>")(
-            (-(-c // threads), -(-t // 32) + nseq), (threads,),
-            (x, _i64(sx), _f32(weight), conv_state, slots, cu, _i32(nseq), _i32(c), _i32(norm_channels), _i32(group),
-             np.float32(eps), out))
+        cblocks = -(-c // 128)
+        _kernel("conv", f"conv_fwd_kernel<{types}>")(
+            (cblocks, -(-t // 32) + nseq), (128,), (x, _i64(sx), w, conv_state, slots, cu, _i32(nseq), _i32(c), out))
+        _kernel("conv", f"conv_state_kernel<{types}>")(
+            (cblocks, nseq), (128,), (x, _i64(sx), conv_state, slots, cu, _i32(c)))
         return out
+
+    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
+        """`causal_conv1d`, then `l2_normalize` of its first `norm_channels` outputs in groups of `head_dim`.
+        (Not one launch yet: a first fused kernel, measured on an H200, ran decode steps slower than these
+        three launches, since it held a 32-token chunk in registers; see docs/PERFORMANCE.md.)"""
+        c = x.shape[1] if x.ndim == 2 else -1
+        if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
+            raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
+        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens)  # [T, C]
+        t = y.shape[0]
+        if t and norm_channels:
+            qk = y[:, :norm_channels].reshape(t, norm_channels // head_dim, head_dim)
+            y[:, :norm_channels] = self.l2_normalize(qk, eps).reshape(t, norm_channels)
+        return y
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).

@@ -199,8 +199,8 @@ def bench():  # pragma: no cover - device timing, not a test
     for label, tok in (("decode 64", 64), ("prefill 18432", 18432)):
         d, hd, hq, hk = 2560, 256, 16, 4
         x, h, w = r(tok, d), r(tok, d), ops.upload(np.ones(d, np.float32), np.float32)
-        fused = lambda: ops.add_rms_norm(x, h, w, 1e-6)
-        unfused = lambda: ops.rms_norm(ops.add(x, h), w, 1e-6)
+        fused = lambda x=x, h=h, w=w: ops.add_rms_norm(x, h, w, 1e-6)
+        unfused = lambda x=x, h=h, w=w: ops.rms_norm(ops.add(x, h), w, 1e-6)
         rows.append((f"{label}: add + rms_norm [{tok}, {d}]", unfused, fused))
         qkv = r(tok, (2 * hq + 2 * hk) * hd)
         q = qkv[:, :2 * hq * hd].reshape(tok, hq, 2 * hd)[:, :, :hd]
@@ -208,13 +208,14 @@ def bench():  # pragma: no cover - device timing, not a test
         pos = ops.upload_index(np.arange(tok) + 2048)
         inv = ops.upload((1e7 ** (-np.arange(32) / 32)).astype(np.float32), np.float32)
         nw = ops.upload(np.ones(hd, np.float32), np.float32)
-        fused = lambda: ops.qk_norm_rotary(q, k, nw, nw, 1e-6, pos, inv)
-        unfused = lambda: (ops.rotary(ops.rms_norm(q, nw, 1e-6), pos, inv), ops.rotary(ops.rms_norm(k, nw, 1e-6), pos, inv))
+        fused = lambda q=q, k=k, pos=pos: ops.qk_norm_rotary(q, k, nw, nw, 1e-6, pos, inv)
+        unfused = lambda q=q, k=k, pos=pos: (ops.rotary(ops.rms_norm(q, nw, 1e-6), pos, inv),
+                                            ops.rotary(ops.rms_norm(k, nw, 1e-6), pos, inv))
         rows.append((f"{label}: q/k norm + rotary 16/4 x 256", unfused, fused))
         o = r(tok, hq, hd)
         gate = qkv[:, :2 * hq * hd].reshape(tok, hq, 2 * hd)[:, :, hd:]
-        fused = lambda: ops.sigmoid_mul(o, gate)
-        unfused = lambda: o * ops.sigmoid(gate.reshape(tok, hq * hd)).reshape(tok, hq, hd)
+        fused = lambda o=o, gate=gate: ops.sigmoid_mul(o, gate)
+        unfused = lambda o=o, gate=gate, tok=tok: o * ops.sigmoid(gate.reshape(tok, hq * hd)).reshape(tok, hq, hd)
         rows.append((f"{label}: attention gate 16 x 256", unfused, fused))
         nseq = 64 if tok == 64 else 8
         lens = [tok // nseq] * nseq
@@ -224,9 +225,10 @@ def bench():  # pragma: no cover - device timing, not a test
         proj = r(tok, c + 4096 + 64)
         cw = ops.upload(np.random.default_rng(1).standard_normal((c, 4)).astype(np.float32) * 0.3, np.float32)
         cs = ops.zeros((nseq, c, 3))
-        fused = lambda: ops.causal_conv1d_l2(proj[:, :c], cw, cs, slots, cu, 2 * nk * kd, kd)
-        unfused = lambda: ops.l2_normalize(ops.causal_conv1d(proj[:, :c], cw, cs, slots, cu)[:, :2 * nk * kd]
-                                           .reshape(tok, 2 * nk, kd))
+        fused = lambda proj=proj, cs=cs, slots=slots, cu=cu: ops.causal_conv1d_l2(proj[:, :c], cw, cs, slots, cu,
+                                                                                  2 * nk * kd, kd)
+        unfused = lambda proj=proj, cs=cs, slots=slots, cu=cu, tok=tok: ops.l2_normalize(
+            ops.causal_conv1d(proj[:, :c], cw, cs, slots, cu)[:, :2 * nk * kd].reshape(tok, 2 * nk, kd))
         rows.append((f"{label}: conv1d + q/k L2 norm, {c} ch", unfused, fused))
     print(f"{'op (bf16, H200)':58s} {'unfused us':>11s} {'fused us':>9s}")
     for label, unfused, fused in rows:

@@ -1,8 +1,7 @@
-"""The fused kernels of kernels/elementwise.cu (residual add + RMSNorm, q/k norm + rotary, sigmoid gate) and
-kernels/conv.cu (conv + SiLU + history update + q/k L2 norm in one launch), compiled for the CPU with
-tests/cuda_emu.h and run against the NumPy reference with the launch geometry kernels/cuda.py uses: indexing,
-strided views, ragged and empty sequences, multi-chunk sequences, idle lanes and the block-wide and in-warp norm
-reductions are checked without a GPU (fp32 storage: tight bounds). Arrays the kernels write carry canaries."""
+"""The fused kernels of kernels/elementwise.cu (residual add + RMSNorm, q/k norm + rotary, sigmoid gate), compiled
+for the CPU with tests/cuda_emu.h and run against the NumPy reference with the launch geometry kernels/cuda.py uses:
+indexing, strided views, grid-stride loops, warp and block reductions are checked without a GPU (fp32 storage:
+tight bounds). Arrays the kernels write carry canaries."""
 from __future__ import annotations
 
 import ctypes
@@ -56,19 +55,6 @@ extern "C" int emu_sigmoid_mul(const float* x, i64 xn1, i64 xs0, i64 xs1, const 
     emu_launch(gridDim, 256, 0, [&] { sigmoid_mul_kernel<float>(x, xn1, xs0, xs1, g, gn1, gs0, gs1, rows, d, out); });
     return 0;
 }
-extern "C" int emu_conv(const float* x, i64 sx, const float* w, float* state, const int* slots, const int* cu,
-                        int nseq, int channels, int norm_channels, int group, float eps, float* out, int t, int k) {
-    // as kernels/cuda.py _conv launches it
-    const int threads = norm_channels && group > 32 ? group : 128;
-    gridDim = {unsigned((channels + threads - 1) / threads), unsigned((t + 31) / 32 + nseq), 1};
-    emu_launch(gridDim, threads, 0, [&] {
-        if (k == 4) conv_fused_kernel<float, float, 4>(x, sx, w, state, slots, cu, nseq, channels, norm_channels,
-                                                      group, eps, out);
-        else conv_fused_kernel<float, float, 2>(x, sx, w, state, slots, cu, nseq, channels, norm_channels, group,
-                                                eps, out);
-    });
-    return 0;
-}
 """
 
 
@@ -79,7 +65,7 @@ def emu(tmp_path_factory):
         pytest.skip("needs a C++20 compiler (g++ or clang++)")
     common = (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
     src = "#include \"cuda_emu.h\"\n" + PRELUDE + common + "\n" + (ROOT / "kernels" / "elementwise.cu").read_text() \
-        + "\n" + (ROOT / "kernels" / "conv.cu").read_text() + ENTRY
+        + ENTRY
     tag = hashlib.sha256(src.encode() + (ROOT / "tests" / "cuda_emu.h").read_bytes()).hexdigest()[:16]
     out = tmp_path_factory.mktemp("fused_emu")
     (out / "emu.cpp").write_text(src)
@@ -93,7 +79,8 @@ def emu(tmp_path_factory):
 i64, f32 = ctypes.c_longlong, ctypes.c_float
 
 
-@pytest.mark.parametrize("rows,d,blocks", [(5, 40, 1), (19, 96, 2), (3, 1500, 2)])  # warp rows (grid-stride), block rows
+# warp rows (one block, then a grid-stride loop), block rows
+@pytest.mark.parametrize("rows,d,blocks", [(5, 40, 1), (19, 96, 2), (3, 1500, 2)])
 def test_add_rms_norm_kernel(emu, rows, d, blocks):
     rng = np.random.default_rng(d)
     x, h = rng.standard_normal((2, rows, d)).astype(np.float32)
@@ -165,47 +152,3 @@ def test_sigmoid_mul_kernel_on_a_strided_gate(emu):
         return out.copy()
 
     np.testing.assert_allclose(_forked(emulate), want, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("lens,k,head_dim,heads", [
-    ([1, 0, 3, 70], 4, 16, 4),  # in-warp groups; an empty sequence; a 3-chunk one; norm boundary inside a block
-    ([2, 1], 2, 64, 2),  # block-wide groups (64 threads), fewer tokens than K-1 history rows
-    ([33, 5], 4, 64, 0),  # no norm at all (plain causal_conv1d), a sequence just past one chunk
-    ([40], 4, 128, 2),  # 4b-like q/k heads
-])
-def test_conv_fused_kernel(emu, lens, k, head_dim, heads):
-    rng = np.random.default_rng(sum(lens) + head_dim)
-    norm_c = heads * head_dim
-    c = norm_c + 40  # value channels after q/k: not a multiple of the block (idle lanes)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    t, nslots = int(cu[-1]), 6
-    proj = rng.standard_normal((t, c + 9)).astype(np.float32)  # the conv input is a column slice of a projection
-    x = proj[:, :c]
-    w = rng.standard_normal((c, k)).astype(np.float32)
-    hist0 = rng.standard_normal((nslots, c, k - 1)).astype(np.float32)
-    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
-    ref = NumpyOps()
-    want_hist = hist0.copy()
-    if heads:
-        want = ref.causal_conv1d_l2(x, w, want_hist, slots, cu, norm_c, head_dim)
-    else:
-        want = ref.causal_conv1d(x, w, want_hist, slots, cu)
-    unfused_hist = hist0.copy()
-    y = ref.causal_conv1d(x, w, unfused_hist, slots, cu)
-    if heads:
-        y[:, :norm_c] = ref.l2_normalize(y[:, :norm_c].reshape(t, heads, head_dim)).reshape(t, norm_c)
-    np.testing.assert_array_equal(want, y)
-    np.testing.assert_array_equal(want_hist, unfused_hist)
-
-    def emulate():
-        st, st_ok = _guarded(hist0.shape, np.float32)
-        st[...] = hist0
-        out, out_ok = _guarded((t, c), np.float32)
-        rc = emu.emu_conv(_ptr(proj), i64(proj.shape[1]), _ptr(w), _ptr(st), _ptr(slots), _ptr(cu), len(lens), c,
-                          norm_c, head_dim if heads else 32, f32(1e-6), _ptr(out), t, k)
-        assert rc == 0 and st_ok() and out_ok(), "the kernel wrote past an array"
-        return out.copy(), st.copy()
-
-    out, hist = _forked(emulate)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(hist, want_hist)  # copies of inputs: exact; untouched slots unchanged
