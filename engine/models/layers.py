@@ -242,15 +242,14 @@ class GatedDeltaNet:
         proj = ops.linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2 Hv]
         c, v_end = self.conv_dim, self.conv_dim + self.value_dim
         rows = batch.snapshot_rows  # a speculative step: every row's state also goes to its snapshot row
-        # q and k are adjacent in `mixed`: one L2 normalisation over their 2 Hk heads (in the conv's pass)
         if rows is None:
-            mixed = ops.causal_conv1d_l2(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
-                                         batch.slots, batch.cu_seqlens, 2 * self.key_dim, self.dk)  # [T, conv_dim]
-            qk = mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk)
+            mixed = ops.causal_conv1d(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
+                                      batch.slots, batch.cu_seqlens)  # [T, conv_dim]
         else:
             mixed = ops.causal_conv1d_rows(proj[:, :c], self.conv_weight, state.arrays[self.conv_region],
                                            batch.slots, batch.cu_seqlens, state.snapshots[self.conv_region], rows)
-            qk = ops.l2_normalize(mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk))
+        # q and k are adjacent in `mixed`: one normalisation over their 2 Hk heads
+        qk = ops.l2_normalize(mixed[:, :2 * self.key_dim].reshape(t, 2 * self.hk, self.dk))
         z = proj[:, c:v_end].reshape(t, self.hv, self.dv)
         g, beta = ops.delta_gates(proj[:, v_end + self.hv:], proj[:, v_end:v_end + self.hv], self.a_log,
                                   self.dt_bias)  # [T, Hv] each
