@@ -91,6 +91,8 @@ class CacheCosts:
     prefetch_seconds: float = 0.0
     prefetch_block_bytes: int = 0  # of prefetch_bytes, K/V blocks
     prefetch_used_bytes: int = 0  # of those, taken by lookups (the rest was not needed after all)
+    prefetch_device_bytes: int = 0  # of prefetch_bytes, K/V rows copied to the device on the prefetch thread
+    prefetch_device_seconds: float = 0.0
     writes_skipped: int = 0  # states not written (see `declines`)
     reads_declined: int = 0  # stored entries not read (see `declines`)
     rates: dict = field(default_factory=dict)  # the rates the last decision used, and where each came from

@@ -139,9 +139,11 @@ def validate_regions(specs: list[RegionSpec], regions: dict[str, np.ndarray], le
 
 
 def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, regions: dict[str, np.ndarray],
-                  block_size: int, first_block: int = 0):
+                  block_size: int, first_block: int = 0, on_device: dict | None = None):
     """Fill h's slot and blocks (allocated to cover h.length) with validated `regions`, undoing export_regions.
-    Blocks before `first_block` are left as they are (shared with the state the regions extend).
+    Blocks before `first_block` are left as they are (shared with the state the regions extend). `on_device`:
+    {paged region name: its rows already on the device} (`ops.upload_ahead` of those regions, read ahead): their
+    rows are copied within the device instead of uploaded.
 
     Each run of consecutive blocks gets its rows straight from the host arrays, and each slot region its array, all
     in one `ops.upload_into` (on a GPU one staged transfer: no device temporary, no scatter kernel, no pageable
@@ -156,7 +158,11 @@ def write_regions(specs: list[RegionSpec], arrays: dict, ops, h: StateHandle, re
             pairs.append((arr[h.slot], _in_dtype(s.from_position_order(np.asarray(regions[s.name]), h.length),
                                                  dtype)))  # [*shape]
             continue
-        rows = _in_dtype(regions[s.name][first_row:h.length], dtype)  # [n, *shape]
+        ahead = (on_device or {}).get(s.name)
+        if ahead is not None and np.dtype(regions[s.name].dtype) == np.dtype(dtype):
+            rows = ahead[first_row:h.length]  # [n, *shape], on the device
+        else:
+            rows = _in_dtype(regions[s.name][first_row:h.length], dtype)  # [n, *shape]
         done = 0
         for a, b in _runs(own):
             dst = arr[a:b].reshape(((b - a) * block_size,) + tuple(s.shape))  # the run's rows, a view

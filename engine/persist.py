@@ -287,6 +287,8 @@ class PersistentCheckpoints:
         # of four 16k-token documents, 562 MiB each; the fourth was read on the engine's critical path, 0.14 s)
         self.max_prefetch_bytes = max_pending_write_bytes()
         self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
+        # (entry id, blob) -> {paged region: its rows on the device}, of a read-ahead entry a lookup has just taken
+        self._taken_on_device: dict[tuple[str, str], dict] = {}
         self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
         # K/V blocks (engine/kv_blocks.py): the paged regions, K/V rows per stored block, the engine's block size
         self._kv_names: list[str] = []
@@ -382,6 +384,9 @@ class PersistentCheckpoints:
         except _STORE_FAILURES as error:
             self._give_up("lookup", error)
             return None, 0
+        with self._ahead_lock:
+            taken, self._taken_on_device = self._taken_on_device, {}  # others: taken by probes that then failed
+        on_device = taken.get((hit.entry_id, hit.file_name)) if hit is not None else None
         read = self.store.stats.read_bytes - read_before
         self.costs.read_block_bytes += stats.block_bytes_read - blocks_before[0]
         self.costs.blocks_read += stats.blocks_read - blocks_before[1]
@@ -391,7 +396,7 @@ class PersistentCheckpoints:
         regions = dict(hit.regions)
         logits = regions.pop(LOGITS_REGION, None)
         try:
-            handle = state.import_state(regions, len(hit.tokens), share=share)
+            handle = state.import_state(regions, len(hit.tokens), share=share, on_device=on_device)
         except (StateLayoutError, OutOfStateMemory):
             return None, read  # a miss: the caller computes instead (the layout was checked; this is lack of room)
         self.offered.add(tuple(hit.tokens))
@@ -468,7 +473,7 @@ class PersistentCheckpoints:
                     with self._ahead_lock:
                         if prefix in self._ahead or self._ahead_bytes + nbytes > self.max_prefetch_bytes:
                             continue
-                        self._ahead[prefix] = [threading.Event(), None]
+                        self._ahead[prefix] = [threading.Event(), None, None]  # done, checkpoint, rows on device
                         self._ahead_bytes += nbytes
                     seen.add(prefix)
                     chosen.append((prefix, nbytes, resident))
@@ -516,11 +521,32 @@ class PersistentCheckpoints:
                         self.costs.prefetch_block_bytes += checkpoint.block_bytes
                         self.costs.prefetch_seconds += seconds
                         self.cost_model.observe_read(checkpoint.nbytes, seconds)
+                        slot[2] = self._upload_ahead(checkpoint)
                 with self._ahead_lock:
                     slot[1] = checkpoint
                     if checkpoint is None:
                         self._ahead_bytes -= nbytes
                     slot[0].set()  # read, or never to be read: nobody may wait on it any longer
+
+    def _upload_ahead(self, checkpoint: StoredCheckpoint) -> dict | None:
+        """On the prefetch thread: the entry's K/V rows (its paged regions, ~95% of a long document's bytes) copied
+        to the device now (`ops.upload_ahead`, beside the engine's work), so that restoring it is a copy within the
+        device: on the H200 a 16k-token document's import took 25-60 ms of the engine thread through the staging
+        buffers. None where the device has no room or nothing is paged (the lookup uploads from the host)."""
+        names = [r["name"] for r in self._ahead_layout or () if r["paged"] and r["name"] in checkpoint.regions]
+        if not names:
+            return None
+        started = time.perf_counter()
+        try:
+            rows = self.ops.upload_ahead([checkpoint.regions[name] for name in names])
+        except Exception as error:  # optional like the read-ahead itself: the lookup uploads from the host
+            log.warning("persistent checkpoint cache: upload ahead failed (%s)", _describe(error))
+            return None
+        if rows is None:
+            return None
+        self.costs.prefetch_device_bytes += sum(checkpoint.regions[name].nbytes for name in names)
+        self.costs.prefetch_device_seconds += time.perf_counter() - started
+        return dict(zip(names, rows))
 
     def _await_read_ahead(self, tokens, minimum: int, maximum: int):
         """Wait for read-ahead in flight of a prefix this lookup may use (reading it again would take longer)."""
@@ -542,6 +568,8 @@ class PersistentCheckpoints:
                     del self._ahead[prefix]
                     self._ahead_bytes -= checkpoint.nbytes
                     self.costs.prefetch_used_bytes += checkpoint.nbytes
+                    if slot[2] is not None:
+                        self._taken_on_device[(entry_id, file_name)] = slot[2]
                     return checkpoint
         return None
 

@@ -307,13 +307,14 @@ class ModelState:
         validate_regions(self.specs, regions, length)
 
     def import_state(self, regions: dict[str, np.ndarray], length: int,
-                     share: StateHandle | None = None) -> StateHandle:
+                     share: StateHandle | None = None, on_device: dict | None = None) -> StateHandle:
         """A new handle holding `regions`; validated first, so a failure leaves the pools untouched.
 
         `share`: a live handle holding the same first tokens (the state a restored checkpoint extends). Its whole
         K/V blocks within [0, length) are shared (refcount + 1, as a fork shares them) instead of written again
         from `regions`: a restored state costs only its own blocks, and siblings restored on top of one prefix
-        share its blocks (decode attention reads a shared prefix once per group)."""
+        share its blocks (decode attention reads a shared prefix once per group). `on_device`: paged regions'
+        rows already on the device (`write_regions`)."""
         self.validate_import(regions, length)
         n_shared = min(share.length, length) // self.block_size if share is not None and self.has_paged else 0
         shared = list(share.blocks[:n_shared]) if n_shared else []
@@ -324,7 +325,8 @@ class ModelState:
                         blocks=shared + self.blocks.allocate(self.blocks_for(length) - n_shared),
                         length=length, disk_length=length)
         self.live[id(h)] = h
-        write_regions(self.specs, self.arrays, self.ops, h, regions, self.block_size, first_block=n_shared)
+        write_regions(self.specs, self.arrays, self.ops, h, regions, self.block_size, first_block=n_shared,
+                      on_device=on_device)
         return h
 
     # ---- contract -----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import numpy as np
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.host_memory import start_device_to_host
-from prefixrun.kernels.upload import upload_bytes, upload_bytes_many
+from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_many
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, \
@@ -306,6 +306,7 @@ class CudaOps:
         self.tuning = tuning or CudaTuning()
         self.auto_speculation = self.tuning.speculative_auto  # the Ops query (kernels/ops.py)
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._device_id = cupy.cuda.Device().id  # for calls from other threads (upload_ahead)
         self._preparing: threading.Thread | None = None  # prepare_kernels' loader
         self._wgmma = attention_sm90.available()  # sm_90a kernels (attention prefill) run here
 
@@ -394,14 +395,20 @@ class CudaOps:
         """All pairs in one staged transfer (kernels/upload.py): packed into the pinned staging buffers, one DMA per
         destination piece, no device temporary and no kernel."""
         checked = []
-        for dst, host_array in pairs:
-            host_array = np.asarray(host_array)
-            if tuple(dst.shape) != tuple(host_array.shape) or dst.dtype.itemsize != host_array.dtype.itemsize \
-                    or not dst.flags.c_contiguous:
-                raise ValueError(f"upload_into: host {host_array.dtype} {host_array.shape} into device {dst.dtype} "
+        for dst, source in pairs:
+            source = source if isinstance(source, cupy.ndarray) else np.asarray(source)  # device: upload_ahead's
+            if tuple(dst.shape) != tuple(source.shape) or dst.dtype.itemsize != source.dtype.itemsize \
+                    or not dst.flags.c_contiguous or not source.flags.c_contiguous:
+                raise ValueError(f"upload_into: {source.dtype} {source.shape} into device {dst.dtype} "
                                  f"{tuple(dst.shape)} (C-contiguous: {dst.flags.c_contiguous})")
-            checked.append((dst, host_array))
+            checked.append((dst, source))
         upload_bytes_many(checked)
+
+    def upload_ahead(self, arrays):
+        """Through the pinned staging buffers into one device buffer of the uploader's stream (kernels/upload.py),
+        on the calling thread; None where the device has no room."""
+        with cupy.cuda.Device(self._device_id):  # the calling thread's current device may be another
+            return upload_ahead(arrays)
 
     def start_host_copy(self, arrays):
         """Device copies into one snapshot now; its device -> host copy when the function is called

@@ -76,7 +76,15 @@ class Ops(Protocol):
     def upload_into(self, pairs) -> None:
         """For each (dst, host_array) in `pairs`: copy host_array into dst, a C-contiguous backend array (or view of
         one) of the same shape and item size, in place, ordered before any later work on dst. One call for many
-        small arrays (a restored state's regions): the backend may batch them into one transfer."""
+        small arrays (a restored state's regions): the backend may batch them into one transfer. A source may also
+        be a slice along the first axis of an array `upload_ahead` returned (then a copy within the device)."""
+
+    def upload_ahead(self, arrays) -> list | None:
+        """Backend copies of the host arrays in the list `arrays` (same shapes, same item sizes), for `upload_into`
+        to use later: a restored state's K/V rows moved to the device while the engine computes something else.
+        May be called from a thread other than the engine's, runs beside the engine's queued work, and returns once
+        the copies are complete. None where the device has no room for them (the caller keeps the host arrays).
+        A backend that computes in host memory returns the arrays themselves."""
 
     def to_host(self, array) -> np.ndarray:
         """Backend array -> numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""

@@ -64,15 +64,20 @@ class StagedUploader:
         a device buffer of this uploader's stream instead (nothing queued uses it: no wait), and the caller's
         stream copies them into place after its queued work (device-to-device, asynchronous to the host)."""
         pieces = []  # (dst address, source bytes)
+        on_device = []  # (dst, device source): slices of upload_ahead's buffers
         for dst, src in pairs:
             if dst.nbytes != src.nbytes or not dst.flags.c_contiguous:
-                raise ValueError(f"staged copy: {src.nbytes} host bytes into a {dst.nbytes}-byte device array")
-            if src.nbytes:
+                raise ValueError(f"staged copy: {src.nbytes} source bytes into a {dst.nbytes}-byte device array")
+            if isinstance(src, cupy.ndarray):
+                on_device.append((dst, src))
+            elif src.nbytes:
                 pieces.append((dst.data.ptr, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
+        if on_device:
+            self._place(on_device)
         total = sum(p[1].size for p in pieces)
         if total < DIRECT_BYTES:
             for dst, src in pairs:
-                if src.nbytes:
+                if src.nbytes and not isinstance(src, cupy.ndarray):
                     dst.view(np.uint8).reshape(-1).set(np.ascontiguousarray(src).reshape(-1).view(np.uint8))
             return
         with self._lock:
@@ -94,6 +99,39 @@ class StagedUploader:
                 cupy.cuda.runtime.memcpyAsync(address, staging.data.ptr + offset, n,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, caller.ptr)
             self._staged.append((caller.record(), staging))  # freed once the caller's copies have read it
+
+    def _place(self, pairs: list[tuple[cupy.ndarray, cupy.ndarray]]):
+        """Device-to-device copies on the caller's stream (after its queued work, asynchronous to the host); each
+        source's buffer is kept until they have read it (CuPy's pool would hand it to the uploader's next buffer)."""
+        caller = cupy.cuda.get_current_stream()
+        for dst, src in pairs:
+            if not src.flags.c_contiguous:
+                raise ValueError("staged copy: a device source must be C-contiguous")
+            if src.nbytes:
+                cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, caller.ptr)
+        with self._lock:
+            self._staged.append((caller.record(), [src for _, src in pairs]))
+
+    def upload_ahead(self, arrays: list[np.ndarray]) -> list[cupy.ndarray] | None:
+        """Device copies of host arrays (same shapes; dtypes CuPy lacks as unsigned integers of their size), made
+        on this uploader's stream through the staging buffers into one device buffer and complete on return (the
+        calling thread waits; the engine's stream does not). None where the device has no room for them."""
+        sources = [np.ascontiguousarray(a) for a in arrays]
+        offsets, total = [], 0
+        for a in sources:
+            offsets.append(total)
+            total += -(-a.nbytes // 256) * 256  # each array 256-byte aligned in the buffer
+        with self._lock:
+            self._setup()
+            staging = self._device_staging(max(total, 1))
+            if staging is None:
+                return None
+            self._stage([(staging.data.ptr + at, a.reshape(-1).view(np.uint8))
+                         for at, a in zip(offsets, sources) if a.nbytes])
+            self._stream.synchronize()
+        return [staging[at:at + a.nbytes].view(_device_dtype(a.dtype)).reshape(a.shape)
+                for at, a in zip(offsets, sources)]
 
     def _device_staging(self, nbytes: int):
         """A device buffer for `nbytes` on this uploader's stream (CuPy's pool keeps memory of one stream for that
@@ -170,6 +208,15 @@ class StagedUploader:
         list(self._pool.map(lambda job: np.copyto(*job), jobs))
 
 
+def _device_dtype(dtype: np.dtype) -> np.dtype:
+    """`dtype` where CuPy has it, else the unsigned integer of its size (bf16 -> uint16: bytes move as they are)."""
+    try:
+        cupy.empty(0, dtype)
+        return np.dtype(dtype)
+    except (TypeError, ValueError):
+        return np.dtype(f"u{np.dtype(dtype).itemsize}")
+
+
 def _chunks(pieces: list[tuple[int, np.ndarray]], size: int):
     """The pieces' bytes cut into chunks of at most `size` bytes: per chunk [(dst address, bytes, offset)], a piece
     longer than the room left split across chunks (its destination address advanced accordingly)."""
@@ -206,3 +253,8 @@ def upload_bytes_many(pairs: list[tuple[cupy.ndarray, np.ndarray]]):
     """upload_bytes of several (dst, src) pairs in one staged transfer, through a device buffer (destinations that
     work queued on the caller's stream may still use: a restored state's blocks)."""
     _UPLOADER.copy_many(pairs, through_device=True)
+
+
+def upload_ahead(arrays: list[np.ndarray]) -> list[cupy.ndarray] | None:
+    """StagedUploader.upload_ahead through the shared uploader: device copies made on its stream, complete on return."""
+    return _UPLOADER.upload_ahead(arrays)

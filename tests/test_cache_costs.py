@@ -214,8 +214,8 @@ def test_warm_run_restores_from_disk_and_shares_blocks(loaded, tmp_path, monkeyp
     imports = []
     real_import = ModelState.import_state
 
-    def spy(self, regions, length, share=None):
-        handle = real_import(self, regions, length, share=share)
+    def spy(self, regions, length, share=None, on_device=None):
+        handle = real_import(self, regions, length, share=share, on_device=on_device)
         shared = len(share.blocks) and share.length // self.block_size if share is not None else 0
         imports.append((length, sum(a == b for a, b in zip(handle.blocks, share.blocks[:shared])) if shared else 0))
         return handle
@@ -570,3 +570,38 @@ def test_the_writer_copies_the_next_state_to_the_host_while_it_writes_this_one()
     assert dropped == ["late"] and "late" not in copied  # cancelled before the copier reached it
     with pytest.raises(RuntimeError, match="cancelled"):
         late()
+
+
+@pytest.mark.parametrize("device_answer", ["copies", "no room", "fails"])
+def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them_from_there(
+        loaded, tmp_path, monkeypatch, device_answer):
+    """The prefetch thread hands a read-ahead entry's paged regions (K/V rows) to `ops.upload_ahead`; the lookup's
+    import takes its rows from those device copies. Where the device has no room (None) or the call fails, the
+    import uploads the host rows as before. Answers never change."""
+    import prefixrun.engine.state as state_module
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+    calls, imported = [], []
+
+    def upload_ahead(arrays):
+        calls.append(threading.current_thread().name)
+        if device_answer == "fails":
+            raise RuntimeError("no device today")
+        return [np.array(a, copy=True) for a in arrays] if device_answer == "copies" else None
+
+    real_write = state_module.write_regions
+
+    def spy_write(*args, on_device=None, **kwargs):
+        imported.append(on_device)
+        return real_write(*args, on_device=on_device, **kwargs)
+
+    monkeypatch.setattr(loaded.ops, "upload_ahead", upload_ahead, raising=False)
+    monkeypatch.setattr(state_module, "write_regions", spy_write)
+    second, costs, stats, _ = run(loaded, tmp_path / "c", SECOND)
+    assert second == without_cache(loaded, SECOND) and costs.restored_tokens >= len(DOCUMENT)
+    assert calls and set(calls) == {"prefixrun-cache-prefetch"}
+    paged = {spec.name for spec in loaded.model.state_specs() if spec.paged}
+    assert paged and imported
+    if device_answer == "copies":
+        assert set(imported[0]) == paged and costs.prefetch_device_bytes > 0
+    else:
+        assert imported[0] is None and costs.prefetch_device_bytes == 0

@@ -115,6 +115,38 @@ def test_upload_into_packs_many_regions_into_one_staged_transfer_and_touches_not
         ops.upload_into([(pools[BF16][:, ::2], np.empty((9, 1 << 21), BF16))])  # not contiguous
 
 
+def test_rows_uploaded_ahead_on_another_thread_are_placed_behind_queued_work():
+    """ops.upload_ahead on another thread (the prefetch thread) while the engine's stream is busy: it returns
+    complete device copies (same shapes, bf16 included) without waiting for that stream; upload_into then places
+    row slices of them (and host sources beside them) after the queued work, and nothing else changes."""
+    import cupy
+
+    from prefixrun.kernels.cuda import BF16, CudaOps
+
+    ops = CudaOps("bfloat16")
+    rng = np.random.default_rng(5)
+    hosts = [rng.standard_normal((300, 1 << 16)).astype(BF16), rng.standard_normal((7, 33)).astype(np.float32),
+             np.zeros((0, 8), np.float32), rng.standard_normal((1200, 1 << 15)).astype(np.float32)]  # 37+150 MiB
+    busy = cupy.ones((4096, 4096), cupy.float32)
+    for _ in range(20):
+        busy = busy @ busy * (1.0 / 4096)  # work queued on the engine's stream ahead of everything below
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(rows=ops.upload_ahead(hosts)), name="prefetch-like")
+    started = time.perf_counter()
+    worker.start()
+    worker.join()
+    assert got["rows"] is not None and [tuple(a.shape) for a in got["rows"]] == [h.shape for h in hosts]
+    for device, host in zip(got["rows"], hosts):
+        assert np.array_equal(cupy.asnumpy(device).view(np.uint8), host.view(np.uint8))
+    first = ops.zeros((100, 1 << 16), BF16)
+    last = ops.zeros((1200, 1 << 15), np.float32)
+    small = ops.zeros((7, 33), np.float32)
+    ops.upload_into([(first, got["rows"][0][50:150]), (last, got["rows"][3]), (small, hosts[1])])
+    assert np.array_equal(ops.to_host(first).view(np.uint16), hosts[0][50:150].view(np.uint16))
+    assert np.array_equal(ops.to_host(last), hosts[3]) and np.array_equal(ops.to_host(small), hosts[1])
+    assert time.perf_counter() - started < 60
+
+
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def loaded(request, model_dirs):
     return loader.load(Path(model_dirs["qwen3_5"]), "cuda", request.param)

@@ -160,3 +160,26 @@ def test_import_fills_scattered_blocks_run_by_run_and_zeroes_the_last_block_tail
         others = [b for b in range(st.arrays[name].shape[0]) if b not in own]
         assert np.array_equal(st.arrays[name][others], untouched[name][others]), "only its own blocks change"
     st.check_invariants()
+
+
+def test_import_takes_k_v_rows_from_the_device_copies_it_is_given():
+    """import_state(on_device=...): the paged regions' rows come from the arrays that `ops.upload_ahead` made (a
+    read-ahead entry's rows already on the device), the slot regions and the zeroed tail as always; a region whose
+    host dtype is not its storage dtype is converted from the host rows instead."""
+    st = _state()
+    rng = np.random.default_rng(3)
+    source = st.new_sequence()
+    st.step_arrays([source], [[1] * 10])
+    for a in st.arrays.values():
+        a[...] = rng.standard_normal(a.shape).astype(a.dtype)
+    out = {k: v.copy() for k, v in st.export(source).items()}
+    ahead = {name: out[name] + 100 for name in ("k", "v")}  # recognisably other rows than the host's
+    back = st.import_state(out, 10, on_device=ahead)
+    again = st.export(back)
+    assert np.array_equal(again["k"], ahead["k"]) and np.array_equal(again["v"], ahead["v"])
+    assert np.array_equal(again["rec"], out["rec"]) and np.array_equal(again["ring"], out["ring"])
+    assert not st.arrays["k"][back.blocks[-1]][10 % BS:].any()
+    converted = dict(out, k=out["k"].astype(np.float64))  # not the storage dtype: from the host, converted
+    back = st.import_state(converted, 10, on_device=ahead)
+    again = st.export(back)
+    assert np.array_equal(again["k"], out["k"]) and np.array_equal(again["v"], ahead["v"])

@@ -33,6 +33,9 @@ class _Stream:
     def wait_event(self, event):
         pass
 
+    def synchronize(self):
+        pass
+
     def __enter__(self):
         return self
 
@@ -57,6 +60,17 @@ class _DeviceArray:
 
     def set(self, src):
         self.host[...] = src
+
+    @property
+    def shape(self):
+        return self.host.shape
+
+    @property
+    def dtype(self):
+        return self.host.dtype
+
+    def __getitem__(self, index):
+        return _DeviceArray(self.host[index])
 
 
 def _fake_cupy():
@@ -117,3 +131,33 @@ def test_a_size_mismatch_is_refused_before_anything_moves(upload):
     with pytest.raises(ValueError, match="staged copy"):
         upload.StagedUploader().copy_many([(_DeviceArray(dst), np.ones(11, np.uint8))])
     assert not dst.any()
+
+
+def test_rows_uploaded_ahead_land_whole_and_are_placed_by_copies_within_the_device(upload):
+    """upload_ahead: host arrays (odd sizes, one empty, over several chunks) as device arrays of the same shapes and
+    bytes; upload_into-style placement of row slices of them next to host sources, and the sources kept alive
+    until the caller's copies have read them."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal((37, 5)).astype(np.float32), rng.integers(0, 2 ** 16, (300, 4), dtype=np.uint16),
+              np.zeros((0, 3), np.float32), rng.integers(0, 256, 1001, dtype=np.uint8)]
+    uploader = upload.StagedUploader(threads=2)
+    ahead = uploader.upload_ahead(arrays)
+    assert [a.shape for a in ahead] == [a.shape for a in arrays]
+    assert all(np.array_equal(a.host, b) for a, b in zip(ahead, arrays))
+    first, second = np.zeros((17, 5), np.float32), np.zeros((300, 4), np.uint16)
+    small = np.zeros(9, np.uint8)
+    uploader.copy_many([(_DeviceArray(first), ahead[0][3:20]), (_DeviceArray(second), ahead[1]),
+                        (_DeviceArray(small), arrays[3][:9])], through_device=True)
+    assert np.array_equal(first, arrays[0][3:20]) and np.array_equal(second, arrays[1])
+    assert np.array_equal(small, arrays[3][:9])
+    kept = [src for _, sources in uploader._staged if isinstance(sources, list) for src in sources]
+    assert any(src.host.base is ahead[0].host.base for src in kept)
+    with pytest.raises(ValueError, match="staged copy"):
+        uploader.copy_many([(_DeviceArray(np.zeros((2, 5), np.float32)), ahead[0][:3])])
+
+
+def test_no_room_on_the_device_means_no_upload_ahead(upload, monkeypatch):
+    def full(n, dtype):
+        raise MemoryError
+    monkeypatch.setattr(upload.cupy, "empty", full)
+    assert upload.StagedUploader().upload_ahead([np.ones(5000, np.uint8)]) is None
