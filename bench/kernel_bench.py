@@ -1,4 +1,5 @@
-"""Kernel checks and timings on the bench models' shapes (device only): `python3 bench/kernel_bench.py [attn|delta|decode]`.
+"""Kernel checks and timings on the bench models' shapes (device only):
+`python3 bench/kernel_bench.py [attn|delta|decode]`.
 
 Each part (PARTS below; no argument runs them all) returns rows: a check (a kernel's error against the NumPy
 reference on the bench shapes, its bound) or a timing (ms and a rate, next to the old kernel and the vendor
