@@ -41,13 +41,15 @@ READ_MARGIN = 0.85  # read only if it is expected to take under 85% of computing
 # beside the engine, the end's wait for the writer: shared-system's 164 MiB prefix state cost 0.13 s, doc-qa's
 # four 4k-token documents, 913 MiB, 0.2 s on the H200), so a state that saves a few tens of ms per read would take
 # several reruns to repay it — and the rates it is judged by are least sure in a fresh folder (the calibration read
-# 4.7 GiB/s where that doc-qa run's lookups read 1.95 GB/s). A 16k-token document saves ~0.15-0.25 s per read.
-MIN_WRITE_SAVING_SECONDS = 0.05
+# 4.7 GiB/s where that doc-qa run's lookups read 1.95 GB/s; doc-qa's documents save 35-60 ms by the estimate,
+# nothing in fact). A 16k-token document saves ~0.15-0.25 s per read.
+MIN_WRITE_SAVING_SECONDS = 0.06
 MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under MIN_READ_SECONDS) is noise
 MIN_READ_SECONDS = 0.05
 # likewise for the prefill rate: a GPU's first steps also pay first-use costs (shared-system's 2k-token prefix took
-# ~60 ms of a fresh process's first group, ~40 ms later), which made a near-tie state look worth writing
-MIN_PREFILL_SECONDS = 0.15
+# ~60 ms of a fresh process's first group, ~40 ms later), which made a near-tie state look worth writing; doc-qa's
+# documents, judged after 0.15 s of prefill, were written at a rate of < 45k tok/s where the run's was 52.6k
+MIN_PREFILL_SECONDS = 0.3
 PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
 CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at full width
 # Reads of the calibration file, the fastest counted: one read's time varies with whatever else the host does (one

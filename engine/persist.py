@@ -145,22 +145,31 @@ class _HostCopy:
     H200, one after the other). Calling it gives the host arrays, waiting for them; a copy cancelled before its
     turn (its write dropped at the run's end) is not made."""
 
-    def __init__(self, copy):
+    def __init__(self, copy, decide=None):
         self._copy = copy
+        self._decide = decide  # () -> bool, for a state offered before its write could be judged: copy it or not
         self._done = threading.Event()
         self._result = None
         self._error: Exception | None = None
         self.cancelled = False
+        self.declined = False
 
     def run(self):
         try:
-            if not self.cancelled:
+            if not self.cancelled and self._decide is not None and not self._decide():
+                self.declined = True  # not worth writing after all: no copy (a prompt end's 49 MiB, 64 of them)
+            elif not self.cancelled:
                 self._result = self._copy()
         except Exception as error:  # handed to whoever calls for the result (the writer: a failed write)
             self._error = error
         finally:
             self._copy = None  # the capture (a device snapshot) is freed once copied
             self._done.set()
+
+    def wanted(self) -> bool:
+        """Wait for the decision (and the copy); False if the state was declined or cancelled."""
+        self._done.wait()
+        return not (self.declined or self.cancelled)
 
     def __call__(self):
         self._done.wait()
@@ -643,7 +652,9 @@ class PersistentCheckpoints:
             return False
         started = time.perf_counter()
         # captured now (the handle changes next); the device -> host copies run on the writer thread
-        regions_later = _HostCopy(state.export_later(handle, stored_lead * self._block_rows))
+        # a state offered before its write can be judged waits as a device snapshot; the copier decides it first
+        decide = (lambda: self._decide_deferred(gained, nbytes)) if deferred else None
+        regions_later = _HostCopy(state.export_later(handle, stored_lead * self._block_rows), decide)
         logits_later = self.ops.start_host_copy([logits]) if logits is not None else None
         self.costs.export_seconds += time.perf_counter() - started
         self._remember_on_disk(key)
@@ -672,17 +683,21 @@ class PersistentCheckpoints:
             self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
         return reason is None
 
+    def _decide_deferred(self, gained: int, nbytes: int) -> bool:
+        """On the copier thread, for a state offered before the prefill rate was known: wait until it is (or the
+        run's end), then judge the write, before any byte of it is copied to the host."""
+        while not self.cost_model.can_judge() and not self.cost_model.settled.wait(0.01):
+            pass  # the run's prefill is being measured; the state waits as a device snapshot meanwhile
+        return self._worth_writing(gained, nbytes)
+
     def _write(self, tokens: list[int], regions_later, logits_later, deferred: tuple[int, int] | None,
                stored_lead: int = 0):
         """On the writer thread. `deferred` (tokens gained, bytes): offered before the prefill rate was known;
         decided here, once it is (or at the run's end). `stored_lead`: leading K/V blocks not captured (stored)."""
         if self.store_error is not None:
             return
-        if deferred is not None:
-            while not self.cost_model.can_judge() and not self.cost_model.settled.wait(0.01):
-                pass  # the run's prefill is being measured; the state waits as a capture meanwhile
-            if not self._worth_writing(*deferred):
-                return
+        if deferred is not None and not regions_later.wanted():
+            return  # decided on the copier thread (_decide_deferred): declined, counted there
         stats = self.store.stats
         before = (stats.written_bytes, stats.block_bytes_written, stats.blocks_written, stats.blocks_reused,
                   stats.block_bytes_reused)

@@ -527,22 +527,26 @@ class CheckpointStore:
         the caller holds in memory already (the state it would otherwise compute from); whole K/V blocks within
         them are neither read nor counted by `afford` (their rows are zero in the result)."""
         _check_store_key(key)
-        token_array = _as_token_array(tokens)
         for name, value in (("max_len", max_len), ("min_len", min_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"lookup {name} must be an integer >= 0, got {value!r}")
-        upper = min(int(max_len), len(token_array))
+        upper = min(int(max_len), len(tokens))
         with self._lock:
             if upper > min_len:
                 # Only lengths that exist for this model/layout are probed, each by primary key: no scan of entries.
                 lengths = [
-                    n
+                    n  # an index row edited to hold a non-integer length is no length (a hostile or broken row)
                     for (n,) in self._db.execute(
                         "SELECT DISTINCT n_tokens FROM entries WHERE model_digest = ? AND layout_digest = ? "
                         "AND n_tokens > ? AND n_tokens <= ? ORDER BY n_tokens DESC",
                         (key.model_digest, key.layout_digest, int(min_len), upper),
                     ).fetchall()
+                    if type(n) is int
                 ]
+                # only the prefix a stored length can use is converted and checked: most lookups of a run (its
+                # prompts' ends, with nothing stored past their shared prefix) find no length and convert nothing
+                # (a 16k-token prompt's conversion took ~2 ms of the engine thread per lookup)
+                token_array = _as_token_array(tokens[:lengths[0]]) if lengths else None
                 for length in lengths:
                     found = self._probe(key, token_array[:length], problem, afford, preread, resident_rows)
                     if found is not None:
@@ -558,16 +562,17 @@ class CheckpointStore:
         `resident_rows`. The index only: no file is opened, so this says where an entry is expected, not that it
         is intact (a read verifies)."""
         _check_store_key(key)
-        token_array = _as_token_array(tokens)
-        upper = min(int(max_len), len(token_array))
+        upper = min(int(max_len), len(tokens))
         with self._lock:
             if upper <= min_len:
                 return None
-            for (length,) in self._db.execute(
+            lengths = [n for (n,) in self._db.execute(
                 "SELECT DISTINCT n_tokens FROM entries WHERE model_digest = ? AND layout_digest = ? "
                 "AND n_tokens > ? AND n_tokens <= ? ORDER BY n_tokens DESC",
                 (key.model_digest, key.layout_digest, int(min_len), upper),
-            ).fetchall():
+            ).fetchall() if type(n) is int]
+            token_array = _as_token_array(tokens[:lengths[0]]) if lengths else None  # as in lookup
+            for length in lengths:
                 row = self._row(checkpoint_key(key, token_array[:length]))
                 if row is not None and row.n_tokens == length:
                     return length, row.nbytes + self._block_bytes_to_read(row.entry_id, resident_rows)
