@@ -7,7 +7,10 @@ scratch state slot and a scratch K/V block, so whatever they compute lands where
 
 The graph samples too (`step_sampled`): the rows' packed sampling parameters go into a second static buffer
 (padding rows: zeros, i.e. greedy) and `ops.sample_into` draws every row's next token inside the replay, so a decode
-step is one index copy, one parameter copy, one replay and one copy of the token ids back.
+step is one index copy, one parameter copy, one replay and one copy of the token ids back. With `feed`
+(engine/decode_pipeline.py) rows take their token from an earlier step's ids still on the device (`ops.feed_tokens`
+into the graph's token_ids, between the index copy and the replay): the step is queued before those ids reach
+the host, and nothing here waits for the device (the copies go through pinned buffers, in stream order).
 
 Speculative verify steps (`rows_step`: every sequence fed the same number R of rows, ModelState.prepare_rows_step)
 are captured the same way per (batch bucket, R, table width), once such a shape recurs (its first step runs
@@ -34,10 +37,12 @@ def _bucket(n: int) -> int:
 
 
 class _Graph:
-    def __init__(self, replay, inputs, params):
+    def __init__(self, replay, inputs, params, batch):
         self.replay = replay  # -> (fp32 logits [b, V], int64 token ids [b])
         self.inputs = inputs  # the static packed index buffer the graph reads
         self.params = params  # the static sampling parameters, int32 [8, b] (pack_sampling_params' bits)
+        self.batch = batch  # the ForwardBatch of views into `inputs` (token_ids: what `feed` writes)
+        self.source = None  # int32 [b]: the feed's source rows (made on a step's first feed)
 
 
 class DecodeGraphs:
@@ -117,13 +122,20 @@ class DecodeGraphs:
         """One decode token per handle; returns fp32 logits [len(handles), V]."""
         return self.step_sampled(handles, tokens, None)[0]
 
-    def step_sampled(self, handles: list[StateHandle], tokens: list[int], params):
+    def step_sampled(self, handles: list[StateHandle], tokens: list[int], params, feed=None):
         """One decode token per handle and the next token sampled from its logits: (fp32 logits [n, V], backend
         int64 token ids [n]). params: the rows' sampling parameters packed as kernels/sampling.py
-        pack_sampling_params makes them (uint32 [8, n]); None: no sampling (ids None)."""
+        pack_sampling_params makes them (uint32 [8, n]); None: no sampling (ids None).
+        feed: None, or (source int32 [n] on the host, previous: backend int64 ids of an earlier step): rows with
+        source[i] >= 0 take previous[source[i]] as their token on the device (their `tokens` entry is ignored),
+        so the step can be queued before the earlier step's ids reach the host. Nothing here waits for the device
+        (the returned ids are the graph's output buffer: copy them before its next replay is queued)."""
         st = self.state
         if not self.enabled:
-            return self._eager(st.prepare_step(handles, [[t] for t in tokens]), params)
+            batch = st.prepare_step(handles, [[t] for t in tokens])
+            if feed is not None:
+                self.ops.feed_tokens(batch.token_ids, self.ops.upload_index(feed[0]), feed[1])
+            return self._eager(batch, params)
         n = len(handles)
         b = _bucket(n)
         width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
@@ -135,10 +147,19 @@ class DecodeGraphs:
             graph = self._capture(host)
             if graph is None:  # this model cannot be captured: eager from now on
                 self.enabled = False
-                logits = self.model.forward(host.to_backend(self.ops.upload_index), st)[:n]
+                batch = host.to_backend(self.ops.upload_index)
+                if feed is not None:
+                    self.ops.feed_tokens(batch.token_ids, self.ops.upload_index(_padded_source(feed[0], b)),
+                                         feed[1])
+                logits = self.model.forward(batch, st)[:n]
                 return logits, None if params is None else self.ops.sample(logits, *unpack_sampling_params(params))
             self.graphs[key] = graph
         self.ops.write_index(graph.inputs, host.pack())
+        if feed is not None:  # after the index copy, before the replay: the token ids of the fed rows
+            if graph.source is None:
+                graph.source = self.ops.upload_index(np.full(b, -1, np.int32))
+            self.ops.write_index(graph.source, _padded_source(feed[0], b))
+            self.ops.feed_tokens(graph.batch.token_ids, graph.source, feed[1])
         if params is not None:
             padded = np.zeros((8, b), np.uint32)  # padding rows: temperature 0, greedy
             padded[:, :n] = params
@@ -175,7 +196,14 @@ class DecodeGraphs:
         except Exception:
             return None
         self.captures += 1
-        return _Graph(graph.replay, inputs, params)
+        return _Graph(graph.replay, inputs, params, batch)
+
+
+def _padded_source(source, rows: int) -> np.ndarray:
+    """A feed's source rows padded to a graph's batch size (padding rows keep their token): int32 [rows]."""
+    out = np.full(rows, -1, np.int32)
+    out[:len(source)] = source
+    return out
 
 
 def greedy_params(n: int) -> tuple:

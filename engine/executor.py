@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from prefixrun.engine.checkpoints import CheckpointEntry
+from prefixrun.engine.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan import Plan, Task
 from prefixrun.engine.request import Request, Result, Usage
 from prefixrun.engine.scheduler import Handoff, Scheduler
@@ -63,6 +64,10 @@ class WindowExecutor:
         self.finished: list[Result] = []
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
+        # plain decode steps queued one ahead of their tokens (engine/decode_pipeline.py); speculative steps need
+        # every token on the host before drafting, so with a speculator every step is synchronous
+        self.pipeline = DecodePipeline(engine.runner, engine.ops, o.max_batch) \
+            if o.overlap_decode and engine.speculator is None else None
 
     # ---- main loop ----------------------------------------------------------------------------------------
     def execute(self) -> Iterator[Result]:
@@ -70,6 +75,7 @@ class WindowExecutor:
         while sched.pending or self.decoding:
             group = sched.next_group(self.decoding) if sched.pending and len(self.decoding) < max_batch else []
             if group:
+                self._drain()  # the decoding set changes: its tokens up to date first (and the decode time true)
                 sched.admit(group)
                 self._prefill_group(group)
             elif sched.pending and len(self.decoding) < max_batch and self._evict_retained():
@@ -80,6 +86,9 @@ class WindowExecutor:
                 self._refuse(sched.pop())
             while self.finished:
                 yield self.finished.pop(0)
+        self._drain()  # a step of rows whose sequences had all ended may still be in flight
+        while self.finished:
+            yield self.finished.pop(0)
 
     # ---- memory pressure ----------------------------------------------------------------------------------
     def _evict_retained(self) -> bool:
@@ -315,8 +324,31 @@ class WindowExecutor:
         else:
             self.decoding.append(seq)
 
+    def _drain(self):
+        """Accept the tokens of the decode step in flight (none: nothing to do)."""
+        if self.pipeline is not None and self.pipeline.busy:
+            t0 = time.perf_counter()
+            ended = self.pipeline.drain()
+            self.e.stats.decode_seconds += time.perf_counter() - t0
+            self._retire(ended)
+
+    def _retire(self, ended: list[Sequence]):
+        for s in ended:
+            self.decoding.remove(s)
+            if self.e.speculator is not None:
+                self.e.speculator.forget(s)
+            self._finish(s)
+
     def _decode_step(self):
         e = self.e
+        if self.pipeline is not None:
+            t0 = time.perf_counter()
+            rows, ended = self.pipeline.advance(self.decoding)
+            e.stats.decode_seconds += time.perf_counter() - t0
+            e.stats.decode_steps += rows > 0
+            e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, rows)
+            self._retire(ended)
+            return
         batch = self.decoding[:e.opts.max_batch]
         e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
@@ -337,11 +369,7 @@ class WindowExecutor:
             for tok in toks:  # the same stop rules, token by token, as plain steps apply them
                 if not s.done:
                     s.accept(tok)
-        for s in [s for s in batch if s.done]:
-            self.decoding.remove(s)
-            if spec is not None:
-                spec.forget(s)
-            self._finish(s)
+        self._retire([s for s in batch if s.done])
 
     def _finish(self, seq: Sequence):
         e = self.e

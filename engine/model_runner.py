@@ -33,6 +33,17 @@ class ModelRunner:
                                            pack_sampling_params(*self._sampling_arrays(seqs)))
         return [int(i) for i in self.ops.to_host(ids)]
 
+    def launch_decode(self, seqs: list[Sequence], source: np.ndarray, previous):
+        """`decode` queued without waiting for the device: sequence i is fed previous[source[i]] (the token an
+        earlier step sampled for it, not yet accepted on the host) where source[i] >= 0, else its last token.
+        Returns the backend int64 ids [n] (valid until the next step is queued: copy them first)."""
+        ahead = (source >= 0).astype(np.int64)  # tokens each sequence has beyond s.tokens when this one is drawn
+        _, ids = self.decoder.step_sampled(
+            [s.handle for s in seqs], [0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)],
+            pack_sampling_params(*self._sampling_arrays(seqs, ahead)),
+            feed=(source, previous) if ahead.any() else None)
+        return ids
+
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False,
                pad_to: int | None = None) -> list[list[int]]:
         """One multi-row step: each sequence is fed its last token then its drafts; returns each sequence's tokens
@@ -76,13 +87,17 @@ class ModelRunner:
         random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py)."""
         return [int(i) for i in self.ops.to_host(self.ops.sample(logits, *self._sampling_arrays(seqs)))]
 
-    def _sampling_arrays(self, seqs: list[Sequence]) -> tuple:
-        """Per-row (temperature, top_k, top_p, min_p, seeds, counters), as ops.sample takes them."""
+    def _sampling_arrays(self, seqs: list[Sequence], ahead: np.ndarray | None = None) -> tuple:
+        """Per-row (temperature, top_k, top_p, min_p, seeds, counters), as ops.sample takes them. A row's counter is
+        the index of the token being drawn: its tokens so far, plus `ahead[i]` drawn but not yet accepted."""
         sp = [s.request.sampling for s in seqs]
+        counters = np.array([len(s.tokens) for s in seqs], np.int64)
+        if ahead is not None:
+            counters += ahead
         return (np.array([0.0 if p.greedy else p.temperature for p in sp], np.float32),
                 np.array([max(p.top_k, 0) for p in sp], np.int32),
                 np.array([p.top_p for p in sp], np.float32), np.array([p.min_p for p in sp], np.float32),
-                as_seed_array([self._seed_of(s) for s in seqs]), np.array([len(s.tokens) for s in seqs], np.int64))
+                as_seed_array([self._seed_of(s) for s in seqs]), counters)
 
     def _seed_of(self, s: Sequence) -> int:
         if s.request.sampling.seed is not None:

@@ -29,6 +29,7 @@ class EngineOptions:
     retain_block: int = 256  # also keep block-aligned checkpoints of shared prefixes every this many tokens (0 off)
     run_seed: int = 0  # randomness of requests without a seed
     decode_graphs: bool = True  # replay decode steps as CUDA graphs where the backend can capture them
+    overlap_decode: bool = True  # queue decode step n+1 before reading step n's tokens (engine/decode_pipeline.py)
     speculative: str = "off"  # engine/speculative.py SPECULATIVE_MODES: auto, off, ngram, mtp
     num_draft_tokens: int = 0  # drafts per sequence and step (0: the default, DEFAULT_DRAFT_TOKENS)
 

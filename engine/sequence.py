@@ -29,9 +29,12 @@ class Sequence:
         return max(0, min(self.request.sampling.max_tokens - len(self.tokens),
                           self.max_context - 1 - self.handle.length))
 
-    def accept(self, tok: int):
-        """Append a sampled token and decide whether the request is done (eos, stop id/string, length)."""
+    def accept(self, tok: int, length: int | None = None):
+        """Append a sampled token and decide whether the request is done (eos, stop id/string, length). `length`:
+        the state length of the step that sampled it (default: the handle's; a pipelined step may have advanced
+        the handle past it already)."""
         sp = self.request.sampling
+        length = self.handle.length if length is None else length
         self.tokens.append(tok)
         if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
             self.finish_reason = "stop"
@@ -45,8 +48,13 @@ class Sequence:
                     self.stop_text = text[:min(hits)]
                     self.finish_reason = "stop"
                     return
-        if len(self.tokens) >= sp.max_tokens or self.handle.length + 1 >= self.max_context:
+        if len(self.tokens) >= sp.max_tokens or length + 1 >= self.max_context:
             self.finish_reason = "length"
+
+    def ends_after_pending(self) -> bool:
+        """Whether the one token in flight (sampled from the handle's current state, not yet accepted) ends the
+        request by its length rules, whatever token it is: then no step after it needs to be queued."""
+        return len(self.tokens) + 1 >= self.request.sampling.max_tokens or self.handle.length + 1 >= self.max_context
 
     def text(self) -> str:
         """The final text (call once, when done): cut at a stop string, or everything decoded."""

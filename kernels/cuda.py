@@ -83,7 +83,7 @@ _NAMES = {
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
-    "sampling": ["sample_kernel"],
+    "sampling": ["sample_kernel", "feed_tokens_kernel"],
     "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
     + [f"gdn_rows_kernel<{t}>" for t in _T],
     "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
@@ -309,6 +309,7 @@ class CudaOps:
         self._device_id = cupy.cuda.Device().id  # for calls from other threads (upload_ahead)
         self._preparing: threading.Thread | None = None  # prepare_kernels' loader
         self._wgmma = attention_sm90.available()  # sm_90a kernels (attention prefill) run here
+        self._copies = None  # a decode step's small copies through pinned buffers (kernels/step_io.py)
 
     def retuned(self, **changes) -> "CudaOps":
         """This backend with other kernel variants (tests and benches comparing them): a new ops object sharing
@@ -381,8 +382,20 @@ class CudaOps:
         return _index(host_array)
 
     def write_index(self, dst, host_array):
-        """Overwrite an existing device index buffer in place with host data (one copy on the current stream)."""
-        dst.set(np.ascontiguousarray(host_array, dtype=np.int32).reshape(dst.shape))
+        """Overwrite an existing device index buffer in place with host data: one copy on the current stream,
+        through a pinned buffer (kernels/step_io.py), so the host does not wait for the queued work."""
+        self._step_copies().write(dst, np.ascontiguousarray(host_array, dtype=np.int32).reshape(dst.shape))
+
+    def to_host_later(self, array):
+        """The copy down queued now, after the work queued so far; the function waits for it alone."""
+        return self._step_copies().fetch_later(array)
+
+    def _step_copies(self):
+        if self._copies is None:
+            from prefixrun.kernels.step_io import StepCopies
+
+            self._copies = StepCopies()
+        return self._copies
 
     def to_host(self, array) -> np.ndarray:
         if isinstance(array, cupy.ndarray):
@@ -1097,6 +1110,19 @@ class CudaOps:
         out = cupy.empty(params.shape[1], np.int64)
         self.sample_into(logits, params, out)
         return out
+
+    def feed_tokens(self, token_ids, source, previous):
+        """token_ids[i] = previous[source[i]] where source[i] >= 0, in place, one launch, no host sync (a decode
+        step's inputs fed with the previous step's sampled ids while those are still on the device)."""
+        if token_ids.dtype != np.int32 or source.dtype != np.int32 or previous.dtype != np.int64 \
+                or token_ids.shape != source.shape or token_ids.ndim != 1:
+            raise ValueError(f"feed_tokens: int32 token_ids and source of one shape [T] and int64 previous "
+                             f"expected, got {token_ids.dtype} {token_ids.shape}, {source.dtype} {source.shape}, "
+                             f"{previous.dtype}")
+        if token_ids.size:
+            n = token_ids.size
+            _kernel("sampling", "feed_tokens_kernel")((_grid(n),), (_THREADS,),
+                                                      (token_ids, cupy.ascontiguousarray(source), previous, _i32(n)))
 
     def sample_into(self, logits, params, out):
         """`sample` with the parameters already packed on the device (uint32 [8, B], pack_sampling_params; int32

@@ -89,6 +89,12 @@ class Ops(Protocol):
     def to_host(self, array) -> np.ndarray:
         """Backend array -> numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""
 
+    def to_host_later(self, array) -> Callable[[], np.ndarray]:
+        """Queue a copy of the small backend array `array` (as it is once the work queued so far is done) to the
+        host and return a function that waits for that copy alone and gives it as a new numpy array; call it once,
+        before 8 later calls reuse its buffer. The host does not wait for the device here (a decode step's
+        sampled ids, read one step late)."""
+
     def start_host_copy(self, arrays):
         """Capture the content of the list `arrays` now (later writes to them do not show) and return a function
         that gives them as a list of new numpy arrays (same shapes and dtypes). The function may block until the
@@ -219,6 +225,11 @@ class Ops(Protocol):
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, counters) -> Array:
         """logits [B, V] and per-row host parameters [B] (seeds uint64, counters = index of the token drawn) ->
         backend int64 token ids [B] (kernels/sampling.py: the semantics; temperature 0: argmax). No host sync."""
+
+    def feed_tokens(self, token_ids, source, previous) -> None:
+        """token_ids int32 [T] (in place), source int32 [T], previous int64 [P] (a previous step's sampled ids):
+        token_ids[i] = previous[source[i]] where source[i] >= 0, other rows unchanged. No host sync: a decode step
+        is fed the tokens of the step before it while they are still on the device."""
 
     def sample_into(self, logits, params, out) -> Array:
         """`sample` with its parameters packed in a backend uint32 [8, B] array (sampling.pack_sampling_params;

@@ -81,6 +81,11 @@ class NumpyOps(MoeReferenceOps):
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
+    def to_host_later(self, array):
+        """The copy is made now (the device is the host: nothing is queued)."""
+        copied = np.array(array, copy=True)
+        return lambda: copied
+
     def start_host_copy(self, arrays):
         """The copies are made now (the caller changes the arrays next); the function only hands them over."""
         copied = [np.array(a, copy=True) for a in arrays]
@@ -404,6 +409,15 @@ class NumpyOps(MoeReferenceOps):
                 out[b] = filtered_sample_index(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]),
                                                float(min_p[b]), float(u[j]))
         return out
+
+    def feed_tokens(self, token_ids, source, previous):
+        """token_ids[i] = previous[source[i]] where source[i] >= 0 (int32 token_ids [T] in place)."""
+        source = np.asarray(source)
+        if token_ids.dtype != np.int32 or source.shape != token_ids.shape or token_ids.ndim != 1:
+            raise ValueError(f"feed_tokens: int32 token_ids and source of one shape [T] expected, got "
+                             f"{token_ids.dtype} {token_ids.shape} and {source.shape}")
+        rows = source >= 0
+        token_ids[rows] = np.asarray(previous)[source[rows]]
 
     def sample_into(self, logits, params, out):
         """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params) or

@@ -410,3 +410,11 @@ sample_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stri
     const int token = n <= SAMPLE_CAP ? sample_compacted(n, f, p.top_p, u, sh) : sample_global(f, p.top_p, u, sh);
     if (threadIdx.x == 0) out[r] = token;
 }
+
+// A decode step's token ids fed from the previous step's sampled ids while those are still on the device:
+// tokens[i] = previous[source[i]] where source[i] >= 0; rows with source -1 keep the token the host wrote.
+extern "C" __global__ void feed_tokens_kernel(int* __restrict__ tokens, const int* __restrict__ source,
+                                              const i64* __restrict__ previous, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && source[i] >= 0) tokens[i] = (int)previous[source[i]];
+}
