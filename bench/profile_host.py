@@ -215,6 +215,7 @@ def instrument(rec: Recorder, sync_steps: bool):
     if runner is not None:
         _wrap(runner, "prefill", prefill)
         _wrap(runner, "decode", decode)
+        _wrap(runner, "launch_decode", decode)  # a plain step queued one ahead (engine/decode_pipeline.py)
         _wrap(runner, "verify", decode)  # a speculative decoding step
     else:
         _wrap(decode_graphs.DecodeGraphs, "step", decode)
