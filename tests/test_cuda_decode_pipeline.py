@@ -108,8 +108,9 @@ def _run(model, ops, reqs, overlap: bool, eos=()):
 
 # bf16: ends by length only. A row ended by a stop is computed once more, so a step's batch (hence its padded
 # GEMM shape) may differ from the synchronous one; in fp32 that changes no token of these models, in bf16 a
-# near-tie could flip, which would not be the pipeline's error
-@pytest.mark.parametrize("family,dtype,stops", [("qwen3_5", "float32", True), ("qwen3", "float32", True),
+# near-tie could flip, which would not be the pipeline's error. The tiny qwen3 repeats its first token, so its
+# stop ids would all end rows at the prompt's own token: ends by length there.
+@pytest.mark.parametrize("family,dtype,stops", [("qwen3_5", "float32", True), ("qwen3", "float32", False),
                                                ("qwen3_5", "bfloat16", False)])
 def test_overlap_gives_the_synchronous_answers_on_the_gpu(model_dirs, family, dtype, stops):
     from prefixrun.engine.models import load_model
