@@ -186,7 +186,7 @@ class BlockFiles:
         left for the engine's thread. The writing threads: fewer, as writes run beside the engine (a cold run)."""
         if reading:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(max_workers=max(2, min(12, (os.cpu_count() or 2) - 2)),
+                self._readers = ThreadPoolExecutor(max_workers=max(2, min(14, (os.cpu_count() or 2) - 2)),
                                                    thread_name_prefix="prefixrun-kv-block")
             return self._readers
         if self._writers is None:

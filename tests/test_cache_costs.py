@@ -424,7 +424,7 @@ def test_read_ahead_checks_entries_against_the_model_off_the_critical_path(loade
     monkeypatch.setattr(PersistentCheckpoints, "_problem", spy)
     second, costs, _, _ = run(loaded, tmp_path / "c", SECOND)
     assert costs.prefetch_used_bytes > 0 and costs.restored_tokens >= len(DOCUMENT)
-    assert threads and set(threads) == {"prefixrun-cache-prefetch"}  # each entry checked once, there
+    assert threads and set(threads) == {"prefixrun-cache-stage"}  # each entry checked once, beside the reads
     assert second == without_cache(loaded, SECOND)
 
 
@@ -609,7 +609,7 @@ def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them
     monkeypatch.setattr(state_module, "write_regions", spy_write)
     second, costs, stats, _ = run(loaded, tmp_path / "c", SECOND)
     assert second == without_cache(loaded, SECOND) and costs.restored_tokens >= len(DOCUMENT)
-    assert calls and set(calls) == {"prefixrun-cache-prefetch"}
+    assert calls and set(calls) == {"prefixrun-cache-stage"}
     paged = {spec.name for spec in loaded.model.state_specs() if spec.paged}
     assert paged and imported
     if device_answer == "copies":
