@@ -569,6 +569,9 @@ class PersistentCheckpoints:
         names = [r["name"] for r in self._ahead_layout or () if r["paged"] and r["name"] in checkpoint.regions]
         if not names:
             return None
+        free = self.ops.free_memory()
+        if free is not None and sum(checkpoint.regions[n].nbytes for n in names) > free // 4:
+            return None  # the engine's own allocations (activations, the writer's snapshots) come first
         started = time.perf_counter()
         try:
             rows = self.ops.upload_ahead([checkpoint.regions[name] for name in names])

@@ -583,7 +583,7 @@ def test_the_writer_copies_the_next_state_to_the_host_while_it_writes_this_one()
         late()
 
 
-@pytest.mark.parametrize("device_answer", ["copies", "no room", "fails"])
+@pytest.mark.parametrize("device_answer", ["copies", "no room", "fails", "little free memory"])
 def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them_from_there(
         loaded, tmp_path, monkeypatch, device_answer):
     """The prefetch thread hands a read-ahead entry's paged regions (K/V rows) to `ops.upload_ahead`; the lookup's
@@ -607,9 +607,14 @@ def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them
 
     monkeypatch.setattr(loaded.ops, "upload_ahead", upload_ahead, raising=False)
     monkeypatch.setattr(state_module, "write_regions", spy_write)
+    if device_answer == "little free memory":  # the rows would take more than a quarter of it: not even asked
+        monkeypatch.setattr(loaded.ops, "free_memory", lambda: 1024, raising=False)
     second, costs, stats, _ = run(loaded, tmp_path / "c", SECOND)
     assert second == without_cache(loaded, SECOND) and costs.restored_tokens >= len(DOCUMENT)
-    assert calls and set(calls) == {"prefixrun-cache-stage"}
+    if device_answer == "little free memory":
+        assert not calls
+    else:
+        assert calls and set(calls) == {"prefixrun-cache-stage"}
     paged = {spec.name for spec in loaded.model.state_specs() if spec.paged}
     assert paged and imported
     if device_answer == "copies":
