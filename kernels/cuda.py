@@ -683,20 +683,6 @@ class CudaOps:
             (cblocks, nseq), (128,), (x, _i64(sx), conv_state, slots, cu, _i32(c)))
         return out
 
-    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
-        """`causal_conv1d`, then `l2_normalize` of its first `norm_channels` outputs in groups of `head_dim`.
-        (Not one launch yet: a first fused kernel, measured on an H200, ran decode steps slower than these
-        three launches, since it held a 32-token chunk in registers; see docs/PERFORMANCE.md.)"""
-        c = x.shape[1] if x.ndim == 2 else -1
-        if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
-            raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
-        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens)  # [T, C]
-        t = y.shape[0]
-        if t and norm_channels:
-            qk = y[:, :norm_channels].reshape(t, norm_channels // head_dim, head_dim)
-            y[:, :norm_channels] = self.l2_normalize(qk, eps).reshape(t, norm_channels)
-        return y
-
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 

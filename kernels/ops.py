@@ -167,10 +167,6 @@ class Ops(Protocol):
     def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens) -> Array:
         """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]"""
 
-    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6) -> Array:
-        """`causal_conv1d`, and its first `norm_channels` output channels `l2_normalize`d per group of `head_dim`
-        (Gated DeltaNet's q/k heads) in the same pass -> act [T, C]; the same numbers as those two ops."""
-
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64) -> Array:
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
         -> o [T, H, Dv]"""

@@ -227,19 +227,6 @@ class NumpyOps(MoeReferenceOps):
             conv_state[slots[b]] = xpad[n:].T  # the last K-1 inputs
         return y
 
-    def causal_conv1d_l2(self, x, weight, conv_state, slots, cu_seqlens, norm_channels, head_dim, eps=1e-6):
-        """`causal_conv1d`, then its first `norm_channels` output channels L2-normalised per group of `head_dim`
-        (Gated DeltaNet's q and k heads: `l2_normalize` of y[:, :norm_channels] viewed [T, n / head_dim, head_dim]);
-        the other channels as the conv gives them. -> act [T, C]; conv_state updated as `causal_conv1d` does."""
-        c = x.shape[1]
-        if head_dim < 1 or norm_channels < 0 or norm_channels > c or norm_channels % head_dim:
-            raise ValueError(f"causal_conv1d_l2: {norm_channels} normalised channels of {c} in groups of {head_dim}")
-        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens).astype(self.act_dtype)  # [T, C]
-        t = y.shape[0]
-        qk = y[:, :norm_channels].reshape(t, norm_channels // head_dim, head_dim)
-        y[:, :norm_channels] = self.l2_normalize(qk, eps).reshape(t, norm_channels)
-        return y
-
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
         """Gated delta rule over each sequence's new tokens from its recurrent state (in place).
 
