@@ -161,19 +161,14 @@ def attn_part() -> list[Row]:
 
 def _ws_smoke_failure() -> str:
     """Why the warp-specialised kernel must not run in this process ("" if it may): it runs first in a child process
-    (tests/test_cuda_attention_prefill.py), so a fault or a pipeline that never completes costs a row, not the part."""
-    import subprocess
+    (tests/test_cuda_kernels.py wgmma_smoke_in_child), so a fault or a pipeline that never completes costs a row,
+    not the part."""
     from pathlib import Path
 
-    try:
-        child = subprocess.run([sys.executable, "-c", "import test_cuda_attention_prefill as t; t._ws_smoke()"],
-                               cwd=Path(__file__).resolve().parent.parent / "tests", capture_output=True, text=True,
-                               timeout=120)
-    except subprocess.TimeoutExpired:
-        return "FAILED: no result within 120 s in a child process"
-    if child.returncode != 0:
-        return "FAILED in a child process: " + " ".join(child.stderr.split()[-30:])
-    return ""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_cuda_kernels import wgmma_smoke_in_child
+
+    return wgmma_smoke_in_child(("wgmma-ws", "wgmma-pingpong"), "attn_ws_kernel", 120).replace("\n", " ")[-400:]
 
 
 def _sdpa_rows(name, b, n, hist, hq, hkv, d, window, flops) -> list[Row]:

@@ -679,12 +679,13 @@ WGMMA_SEQS = [(1, 1), (300, 1), (150, 70), (33, 33), (64, 64), (129, 129), (700,
 WGMMA_KERNELS = ("wgmma", "wgmma-overlap")  # kernels/tuning.py attn_prefill_kernel: the two schedules
 
 
-def _wgmma_smoke():
-    """Every wgmma instantiation once on a mixed batch, synchronised (the child process of `wgmma_checked`)."""
+def _wgmma_smoke(kernels=WGMMA_KERNELS):
+    """Every instantiation of the sm_90a prefill `kernels` (attn_prefill_kernel choices) once on a mixed batch,
+    synchronised (the child process of `wgmma_smoke_in_child`)."""
     from prefixrun.kernels.cuda import CudaOps
 
     rng = np.random.default_rng(0)
-    for kernel in WGMMA_KERNELS:
+    for kernel in kernels:
         ops = CudaOps("bfloat16").retuned(attn_prefill_kernel=kernel)
         for hq, hkv, d in ((16, 4, 256), (8, 8, 128), (4, 2, 64)):
             c = _paged_case(rng, ops, WGMMA_SEQS[:6], hq, hkv, d, 16)
@@ -695,26 +696,41 @@ def _wgmma_smoke():
             assert np.isfinite(host(ops, out)).all(), f"{kernel}: non-finite output at head dim {d}"
 
 
-@pytest.fixture(scope="module")
-def wgmma_checked():
+def wgmma_smoke_in_child(kernels, what: str, timeout: int) -> str:
+    """Run `_wgmma_smoke(kernels)` in a child process: a kernel fault is sticky for the process's CUDA context, so
+    a broken kernel must fail its own tests (or bench row) instead of every GPU test after them. Returns why it
+    failed, "" if it did not."""
     import subprocess
     from pathlib import Path
 
+    code = f"import test_cuda_kernels as t; t._wgmma_smoke({tuple(kernels)!r})"
+    try:
+        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"{what} did not finish in a child process within {timeout} s"
+    if child.returncode != 0:
+        return f"{what} failed in a child process:\n{child.stderr[-4000:]}"
+    return ""
+
+
+def sm90_checked_ops(kernels, what: str, timeout: int):
+    """A bf16 CudaOps once the sm_90a prefill `kernels` passed their smoke run in a child process; skips the test
+    on other GPUs and fails it if the child did."""
     from prefixrun.kernels import attention_sm90
     from prefixrun.kernels.cuda import CudaOps
 
     if not attention_sm90.available():
         pytest.skip("needs a compute capability 9.0 GPU (wgmma)")
-    # a kernel fault is sticky for the process's CUDA context: run the kernel in a child process first, so a broken
-    # kernel fails these tests instead of every GPU test after them
-    try:
-        child = subprocess.run([sys.executable, "-c", "import test_cuda_kernels as t; t._wgmma_smoke()"],
-                               cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("attn_wgmma_kernel did not finish in a child process within 300 s")
-    if child.returncode != 0:
-        pytest.fail(f"attn_wgmma_kernel failed in a child process:\n{child.stderr[-4000:]}")
+    failure = wgmma_smoke_in_child(kernels, what, timeout)
+    if failure:
+        pytest.fail(failure)
     return CudaOps("bfloat16")
+
+
+@pytest.fixture(scope="module")
+def wgmma_checked():
+    return sm90_checked_ops(WGMMA_KERNELS, "attn_wgmma_kernel", 300)
 
 
 @pytest.fixture(params=WGMMA_KERNELS)
@@ -728,11 +744,8 @@ def _check_rows(got, want, tol, row_tol):
     assert per_row.max() <= row_tol, np.argwhere(per_row > row_tol)[:10]
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,window,strided", WGMMA_CASES)
-def test_paged_attention_wgmma_prefill(wgmma_ops, ref, hq, hkv, d, bs, window, strided):
-    """The sm_90 prefill kernel against the NumPy reference: ragged batches with history, GQA 1/2/4/8, head dims
-    64/128/256, windows, paged caches in shuffled blocks."""
-    ops = wgmma_ops
+def check_wgmma_prefill(ops, ref, hq, hkv, d, bs, window, strided):
+    """`ops`'s prefill kernel against the NumPy reference on WGMMA_SEQS (one of WGMMA_CASES)."""
     rng = np.random.default_rng(hq * d + bs + (window or 0))
     c = _paged_case(rng, ops, WGMMA_SEQS, hq, hkv, d, bs, strided_q=strided)
     args = (ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]), d ** -0.5, window)
@@ -743,11 +756,8 @@ def test_paged_attention_wgmma_prefill(wgmma_ops, ref, hq, hkv, d, bs, window, s
     _check_rows(host(ops, out), want, WGMMA_TOL, WGMMA_ROW_TOL)
 
 
-@pytest.mark.parametrize("d", [256])
-def test_paged_attention_wgmma_sharp_softmax(wgmma_ops, ref, d):
-    """Large logits (q scaled x8: near one-hot rows, where the running max changes between key tiles and the
-    rescaling of O matters) and a 1200-token sequence after 300 cached tokens, as after a restored checkpoint."""
-    ops = wgmma_ops
+def check_wgmma_sharp_softmax(ops, ref, d):
+    """Near one-hot rows (q x8) over a 1200-token sequence after 300 cached tokens, against the reference."""
     rng = np.random.default_rng(d)
     c = _paged_case(rng, ops, [(1500, 1200), (5, 5)], 16, 4, d, 64)
     q = act_round(ops, c["q_host"] * 8)
@@ -756,6 +766,20 @@ def test_paged_attention_wgmma_sharp_softmax(wgmma_ops, ref, d):
                               d ** -0.5)
     want = ref.paged_attention(q, c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5)
     _check_rows(host(ops, out), want, WGMMA_TOL, WGMMA_ROW_TOL)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window,strided", WGMMA_CASES)
+def test_paged_attention_wgmma_prefill(wgmma_ops, ref, hq, hkv, d, bs, window, strided):
+    """The sm_90 prefill kernel against the NumPy reference: ragged batches with history, GQA 1/2/4/8, head dims
+    64/128/256, windows, paged caches in shuffled blocks."""
+    check_wgmma_prefill(wgmma_ops, ref, hq, hkv, d, bs, window, strided)
+
+
+@pytest.mark.parametrize("d", [256])
+def test_paged_attention_wgmma_sharp_softmax(wgmma_ops, ref, d):
+    """Large logits (q scaled x8: near one-hot rows, where the running max changes between key tiles and the
+    rescaling of O matters) and a 1200-token sequence after 300 cached tokens, as after a restored checkpoint."""
+    check_wgmma_sharp_softmax(wgmma_ops, ref, d)
 
 
 def test_paged_attention_wgmma_schedules_agree(wgmma_checked):
