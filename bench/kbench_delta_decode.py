@@ -68,18 +68,10 @@ class _Step:
 
     def time_us(self, ops, iters: int = 20) -> float:
         """Device time of one layer's call, us: LAYERS calls on their own pools in one graph, replayed."""
-        import cupy
+        from kernel_bench import time_ms
 
         graph = ops.capture(lambda: [self.call(ops, st) for st in self.states], warmup=1)
-        for _ in range(2):
-            graph.replay()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end) * 1e3 / (iters * LAYERS)
+        return time_ms(graph.replay, iters=iters, warmup=2) * 1e3 / LAYERS
 
 
 def _copy_ceiling_gbs() -> float:

@@ -14,6 +14,7 @@ cupy = pytest.importorskip("cupy")
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
 from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, delta_rule_launch  # noqa: E402
+from test_cuda_kernels import rel  # noqa: E402 - ||a - b|| / ||b||, shapes checked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -24,12 +25,6 @@ def ops(request):
     from prefixrun.kernels.cuda import CudaOps
 
     return CudaOps(request.param)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 class _Step:
@@ -100,8 +95,8 @@ def test_decode_kernel_matches_the_reference(ops, block, lens, hk, h, dk, dv):
     rows = np.concatenate([np.arange(step.cu[b], step.cu[b + 1]) for b in real])
     used = step.slots[real]
     assert np.isfinite(o[rows]).all()
-    assert _rel(o[rows], want_o[rows]) <= TOL[ops.dtype_name]
-    assert _rel(state[used], want_state[used]) <= TOL[ops.dtype_name]
+    assert rel(o[rows], want_o[rows]) <= TOL[ops.dtype_name]
+    assert rel(state[used], want_state[used]) <= TOL[ops.dtype_name]
     untouched = np.setdiff1d(np.arange(nslots), step.slots[np.asarray(lens) > 0])
     np.testing.assert_array_equal(state[untouched], step.state0[untouched])
 
@@ -115,8 +110,8 @@ def test_decode_kernel_agrees_with_the_previous_kernel(ops):
     for name, tuned in (("new", _decode_ops(ops, None)), ("old", ops.retuned(gdn_decode=False))):
         d_state = ops.upload(step.state0, np.float32)
         got[name] = (ops.to_host(tuned._cast(step.run(tuned, d_state), np.float32)), ops.to_host(d_state))
-    assert _rel(got["new"][0], got["old"][0]) <= TOL[ops.dtype_name] / 2
-    assert _rel(got["new"][1], got["old"][1]) <= 1e-5  # fp32 states either way
+    assert rel(got["new"][0], got["old"][0]) <= TOL[ops.dtype_name] / 2
+    assert rel(got["new"][1], got["old"][1]) <= 1e-5  # fp32 states either way
 
 
 def test_decode_kernel_replays_in_a_graph(ops):
@@ -142,6 +137,6 @@ def test_decode_kernel_replays_in_a_graph(ops):
             dst.data.copy_from_device(src.data, src.nbytes)  # in place: the graph reads these buffers
         o = ops.to_host(tuned._cast(graph.replay(), np.float32))
         want_o, want_state = step.reference(range(5))
-        assert _rel(o, want_o) <= TOL[ops.dtype_name]
+        assert rel(o, want_o) <= TOL[ops.dtype_name]
         host_state = ops.to_host(d_state)
-        assert _rel(host_state, want_state) <= TOL[ops.dtype_name]
+        assert rel(host_state, want_state) <= TOL[ops.dtype_name]

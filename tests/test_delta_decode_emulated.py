@@ -7,9 +7,6 @@ state slots no sequence names must come back bit for bit."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +14,7 @@ import pytest
 
 from prefixrun.kernels.reference import NumpyOps
 from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, CudaTuning, delta_rule_launch
-from test_delta_tc_emulated import _forked, _guarded, _ptr
+from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,22 +37,11 @@ extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("needs a C++20 compiler (g++ or clang++)")
-    common = (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
     # the decode kernel's section of the file alone (the others' shared-memory declarations are not the emulator's)
     text = (ROOT / "kernels" / "delta_rule.cu").read_text()
     kernels = text[text.index("// ---- decode:"):text.index("// ---- chunked (WY) form")]
-    src = "#include \"cuda_emu.h\"\n" + common + "\n" + kernels + ENTRY
-    tag = hashlib.sha256(src.encode() + (ROOT / "tests" / "cuda_emu.h").read_bytes()).hexdigest()[:16]
-    out = tmp_path_factory.mktemp("delta_decode_emu")
-    (out / "emu.cpp").write_text(src)
-    lib = out / f"emu_{tag}.so"
-    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", f"-I{ROOT / 'tests'}",
-                           str(out / "emu.cpp"), "-o", str(lib)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    return compile_emulated(tmp_path_factory, "delta_decode_emu",
+                            "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + kernels + ENTRY)
 
 
 def _inputs(rng, lens, hk, h, dk, dv, nslots):

@@ -89,7 +89,7 @@ def _forked(fn):
 
 
 def _source() -> str:
-    common = (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
+    common = emulator_common()
     kernel = (ROOT / "kernels" / "delta_tc.cu").read_text()
     dyn = "extern __shared__ __align__(16) unsigned char tc_smem_raw[];"
     assert kernel.count(dyn) == 2, "the emulation expects the kernels' dynamic shared memory declared this way"
@@ -97,21 +97,31 @@ def _source() -> str:
     return ("#define TC_HOST_EMULATION\n#include \"cuda_emu.h\"\n" + common + "\n" + kernel + "\n" + ENTRY)
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
+def emulator_common() -> str:
+    """kernels/common.cu as the emulated kernels include it (tests/cuda_emu.h stands in for cuda_bf16.h)."""
+    return (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
+
+
+def compile_emulated(tmp_path_factory, name: str, src: str) -> ctypes.CDLL:
+    """`src` (C++ including "cuda_emu.h") compiled into a shared library and loaded; the test module skips without a
+    C++20 compiler. The emulated-kernel test modules share this (and _forked, _guarded, _ptr below)."""
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("needs a C++20 compiler (g++ or clang++)")
-    src = _source()
     tag = hashlib.sha256(src.encode() + (ROOT / "tests" / "cuda_emu.h").read_bytes()).hexdigest()[:16]
-    out = tmp_path_factory.mktemp("delta_tc_emu")
+    out = tmp_path_factory.mktemp(name)
     (out / "emu.cpp").write_text(src)
     lib = out / f"emu_{tag}.so"
     proc = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w",
                            f"-I{ROOT / 'tests'}", str(out / "emu.cpp"), "-o", str(lib)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    so = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    so = compile_emulated(tmp_path_factory, "delta_tc_emu", _source())
     so.emu_gdn_tc.restype = ctypes.c_int
     return so
 

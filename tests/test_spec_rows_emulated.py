@@ -5,16 +5,13 @@ checked without a GPU (fp32 storage, so the comparison is tight). Arrays the ker
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from test_delta_tc_emulated import _forked, _guarded, _ptr
+from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,19 +40,8 @@ extern "C" int emu_conv_snapshot(const float* x, i64 sx, const float* state, flo
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("needs a C++20 compiler (g++ or clang++)")
-    common = (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
-    src = "#include \"cuda_emu.h\"\n" + common + "\n" + (ROOT / "kernels" / "spec_rows.cu").read_text() + ENTRY
-    tag = hashlib.sha256(src.encode() + (ROOT / "tests" / "cuda_emu.h").read_bytes()).hexdigest()[:16]
-    out = tmp_path_factory.mktemp("spec_rows_emu")
-    (out / "emu.cpp").write_text(src)
-    lib = out / f"emu_{tag}.so"
-    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", f"-I{ROOT / 'tests'}",
-                           str(out / "emu.cpp"), "-o", str(lib)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    src = "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + (ROOT / "kernels" / "spec_rows.cu").read_text()
+    return compile_emulated(tmp_path_factory, "spec_rows_emu", src + ENTRY)
 
 
 def _layout(lens):
