@@ -15,42 +15,10 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from prefixrun.kernels import cuda_available  # noqa: E402
-from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+# the GPU tests' shared fixtures (ops: fp32 and bf16 backends; ref: NumpyOps), bounds and helpers
+from test_cuda_kernels import TOL, act_round, host, ops, ref, rel, rnd  # noqa: E402,F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
-
-TOL = {"float32": 1e-5, "bfloat16": 1e-2}
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyOps()
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    denom = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
-
-
-def rnd(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-def act_round(ops, x):
-    return np.asarray(x, np.float32).astype(np.dtype(ops.act_dtype)).astype(np.float32)
-
-
-def host(ops, a):
-    return np.asarray(ops.to_host(a)).astype(np.float32)
 
 
 @pytest.mark.parametrize("rows,d", [(1, 16), (19, 64), (64, 2560), (7, 3000)])  # warp rows and block rows

@@ -5,16 +5,13 @@ tight bounds). Arrays the kernels write carry canaries."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from test_delta_tc_emulated import _forked, _guarded, _ptr
+from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 256  # kernels/cuda.py _THREADS
@@ -60,20 +57,9 @@ extern "C" int emu_sigmoid_mul(const float* x, i64 xn1, i64 xs0, i64 xs1, const 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("needs a C++20 compiler (g++ or clang++)")
-    common = (ROOT / "kernels" / "common.cu").read_text().replace("#include <cuda_bf16.h>", "")
-    src = "#include \"cuda_emu.h\"\n" + PRELUDE + common + "\n" + (ROOT / "kernels" / "elementwise.cu").read_text() \
-        + ENTRY
-    tag = hashlib.sha256(src.encode() + (ROOT / "tests" / "cuda_emu.h").read_bytes()).hexdigest()[:16]
-    out = tmp_path_factory.mktemp("fused_emu")
-    (out / "emu.cpp").write_text(src)
-    lib = out / f"emu_{tag}.so"
-    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", f"-I{ROOT / 'tests'}",
-                           str(out / "emu.cpp"), "-o", str(lib)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    src = "#include \"cuda_emu.h\"\n" + PRELUDE + emulator_common() + "\n" \
+        + (ROOT / "kernels" / "elementwise.cu").read_text() + ENTRY
+    return compile_emulated(tmp_path_factory, "fused_emu", src)
 
 
 i64, f32 = ctypes.c_longlong, ctypes.c_float
