@@ -17,17 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def timed_run(run, workload: Path, ops, out_path: Path) -> float:
-    """Wall seconds of one batch execution of the workload (results to out_path), to the device drained."""
-    from prefixrun.cli import io
-
-    run.engine.stats.__init__()
-    t0 = time.perf_counter()
-    with open(workload, "rb") as src, open(out_path, "w") as out:
-        run.execute(src, io.OrderedWriter(out), set())
-    ops.synchronize()
-    return time.perf_counter() - t0
+from profile_phases import drained_steps, timed_run  # bench/ is on the path of a script run from it
 
 
 def answers(path: Path) -> dict:
@@ -112,23 +102,9 @@ def main():
 
     # the device time of a decode step: each step timed from its launch to the device drained, host prep apart
     engine.opts = dataclasses.replace(base, overlap_decode=False)
-    dec = engine.decoder
     parts = {"prep+launch": 0.0, "device after launch": 0.0}
-    orig = dec.step_sampled
-
-    def timed_step(*a, **kw):
-        ops.synchronize()
-        t0 = time.perf_counter()
-        out = orig(*a, **kw)
-        t1 = time.perf_counter()
-        ops.synchronize()
-        parts["prep+launch"] += t1 - t0
-        parts["device after launch"] += time.perf_counter() - t1
-        return out
-
-    dec.step_sampled = timed_step
-    timed_run(run, args.workload, ops, args.out / "synced.jsonl")
-    dec.step_sampled = orig
+    with drained_steps(engine.decoder, ops, parts, "prep+launch", "device after launch"):
+        timed_run(run, args.workload, ops, args.out / "synced.jsonl")
     steps = max(engine.stats.decode_steps, 1)
     engine.opts = base
 

@@ -12,6 +12,8 @@ Needs torch (for its profiler) next to prefixrun; a development tool for the GPU
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,18 +36,40 @@ def phase_of(name: str) -> str:
     return "other elementwise"
 
 
-def timed_run(run, workload: Path, ops) -> float:
-    """Wall seconds of one batch execution of the workload (results discarded), to the device drained."""
-    import os
-
+def timed_run(run, workload: Path, ops, out_path=os.devnull) -> float:
+    """Wall seconds of one batch execution of the workload (results to out_path, by default discarded), to the
+    device drained."""
     from prefixrun.cli import io
 
     run.engine.stats.__init__()
     t0 = time.perf_counter()
-    with open(workload, "rb") as src, open(os.devnull, "w") as out:
+    with open(workload, "rb") as src, open(out_path, "w") as out:
         run.execute(src, io.OrderedWriter(out), set())
     ops.synchronize()
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def drained_steps(decoder, ops, parts: dict, host: str, device: str):
+    """Within the block, every decode step (`step_sampled`) runs with the device drained before and after it:
+    parts[host] adds the host's preparation and launch, parts[device] the device work left after the launch."""
+    original = decoder.step_sampled
+
+    def timed_step(*args, **kwargs):
+        ops.synchronize()
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        t1 = time.perf_counter()
+        ops.synchronize()
+        parts[host] = parts.get(host, 0.0) + t1 - t0
+        parts[device] = parts.get(device, 0.0) + time.perf_counter() - t1
+        return out
+
+    decoder.step_sampled = timed_step
+    try:
+        yield
+    finally:
+        decoder.step_sampled = original
 
 
 def main():
@@ -70,23 +94,9 @@ def main():
 
     # 1) the host's share of decode: time each part of a decode step (forward + sampling, one graph replay) with
     # the device drained in between
-    dec = engine.decoder
     parts = defaultdict(float)
-    orig_step = dec.step_sampled
-
-    def timed_step(*args, **kwargs):
-        ops.synchronize()
-        t0 = time.perf_counter()
-        out = orig_step(*args, **kwargs)
-        t1 = time.perf_counter()
-        ops.synchronize()
-        parts["step: host prep + launch"] += t1 - t0
-        parts["step: device after launch"] += time.perf_counter() - t1
-        return out
-
-    dec.step_sampled = timed_step
-    wall = timed_run(run, args.workload, ops)
-    dec.step_sampled = orig_step
+    with drained_steps(engine.decoder, ops, parts, "step: host prep + launch", "step: device after launch"):
+        wall = timed_run(run, args.workload, ops)
     steps = max(engine.stats.decode_steps, 1)
     print(f"synchronised run: wall {wall:.3f} s, prefill {engine.stats.prefill_seconds:.3f} s, "
           f"decode {engine.stats.decode_seconds:.3f} s over {steps} steps")
