@@ -569,8 +569,9 @@ class PersistentCheckpoints:
         names = [r["name"] for r in self._ahead_layout or () if r["paged"] and r["name"] in checkpoint.regions]
         if not names:
             return None
+        nbytes = sum(checkpoint.regions[name].nbytes for name in names)
         free = self.ops.free_memory()
-        if free is not None and sum(checkpoint.regions[n].nbytes for n in names) > free // 4:
+        if free is not None and nbytes > free // 4:
             return None  # the engine's own allocations (activations, the writer's snapshots) come first
         started = time.perf_counter()
         try:
@@ -580,7 +581,7 @@ class PersistentCheckpoints:
             return None
         if rows is None:
             return None
-        self.costs.prefetch_device_bytes += sum(checkpoint.regions[name].nbytes for name in names)
+        self.costs.prefetch_device_bytes += nbytes
         self.costs.prefetch_device_seconds += time.perf_counter() - started
         return dict(zip(names, rows))
 
