@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -77,8 +78,10 @@ def main():
     ap.add_argument("workload", type=Path)
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("batch_options", nargs="*", help="after --: options as `prefixrun batch` takes them")
-    args = ap.parse_args()
+    argv = sys.argv[1:]  # after --: options as `prefixrun batch` takes them (argparse would read them as its own)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.batch_options = argv[cut + 1:]
 
     import torch
     from torch.profiler import ProfilerActivity, profile
