@@ -69,6 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("workload", type=Path)
     ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tool itself (no device intervals)")
     ap.add_argument("--warm", action="store_true", help="one unprofiled run first (no first-use costs)")
     ap.add_argument("--min-gap-ms", type=float, default=0.3)
     ap.add_argument("--top", type=int, default=40)
@@ -84,7 +85,7 @@ def main():
     from prefixrun.cli.report import RunReporter
 
     wrap_all()
-    params = batch_params([str(args.workload), "--model", str(args.model), "--device", "cuda", *argv[cut + 1:]])
+    params = batch_params([str(args.workload), "--model", str(args.model), "--device", args.device, *argv[cut + 1:]])
     run = open_batch_run(RunReporter(quiet=True), run_settings(**{name: params[name] for name in RUN_OPTIONS}))
     ops = run.loaded.ops
 
@@ -101,7 +102,6 @@ def main():
             report = execute()
             ops.synchronize()
         wall = time.perf_counter() - t0
-    torch.cuda.synchronize()
 
     events = list(prof.events())
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
