@@ -133,7 +133,7 @@ class CostModel:
     def __init__(self, always: bool = False, earlier: dict | None = None, model: str = ""):
         self.settled = threading.Event()  # set at the run's end: deferred decisions wait no longer
         self.always = always  # --cache-policy always: write every offered state, read every match
-        self.prefill_counters = None  # an object with computed_prompt_tokens and prefill_seconds (RunStats)
+        self.prefill_counters = None  # an object with timed_prefill_tokens and prefill_seconds (RunStats)
         self.model = model  # the model key: prefill rates are remembered per model (and backend)
         earlier = earlier or {}
         self.earlier_read = earlier.get("read_bytes_per_s")
@@ -166,7 +166,7 @@ class CostModel:
         if c is not None:
             # at the run's end all of its prefill is the measurement, however little it was
             least = 0.0 if self.settled.is_set() else MIN_PREFILL_SECONDS
-            measured = _Measured(c.computed_prompt_tokens, c.prefill_seconds).rate(math.inf, least)
+            measured = _Measured(c.timed_prefill_tokens, c.prefill_seconds).rate(math.inf, least)
             if measured is not None:
                 return measured, "this run"
         if self.earlier_prefill:
@@ -247,7 +247,7 @@ class CostModel:
                 doc[key] = mine or old
         c = self.prefill_counters
         prefill = None if c is None else \
-            _Measured(c.computed_prompt_tokens, c.prefill_seconds).rate(math.inf, MIN_PREFILL_SECONDS)
+            _Measured(c.timed_prefill_tokens, c.prefill_seconds).rate(math.inf, MIN_PREFILL_SECONDS)
         if prefill is not None and self.model:  # only a measurement that rests on enough work is remembered
             models = doc["prefill_tokens_per_s"]
             models.pop(self.model, None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.batch import ForwardBatch, Padding
+from prefixrun.engine.batch import ForwardBatch, Padding, build_batch
 from prefixrun.engine.state import ModelState, StateHandle
 from prefixrun.kernels.sampling import unpack_sampling_params
 
@@ -167,6 +167,31 @@ class DecodeGraphs:
         self.replays += 1
         logits, ids = graph.replay()
         return logits[:n], None if params is None else ids[:n]
+
+    def prepare(self, handles: list[StateHandle]):
+        """Capture ahead the graph a decode step of these handles (their first max_batch, one new token each)
+        will replay, if there is none yet: the executor calls this while a prefill's work is still queued, so the
+        capture's host time (~40 ms at 4b-like shapes, the device idle meanwhile when the step captures it)
+        overlaps the device. Nothing is reserved or advanced: a block a sequence's new token will take is stood
+        in for by the scratch block (beyond every sequence's cached keys, so the shared-prefix groups are the
+        step's own). A guess: if the step that comes has another shape (a sequence ended at its first token),
+        it captures its own graph as before."""
+        handles = handles[:self.max_batch]
+        if not (self.enabled and handles):
+            return
+        st = self.state
+        n, b = len(handles), _bucket(len(handles))
+        width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
+        pad = self._padding(b)
+        blocks = [list(h.blocks) + [pad.block] * max(0, st.blocks_for(h.length + 1) - len(h.blocks))
+                  for h in handles]
+        like = build_batch([h.length for h in handles], blocks, [h.slot for h in handles], [[0]] * n,
+                           st.block_size, table_width=width, pad=pad if b > n else None, group=st.has_paged)
+        key = (b, width, like.shared is not None)
+        if key not in self.graphs:
+            graph = self._capture(like)
+            if graph is not None:  # else the step itself finds out (and turns graphs off)
+                self.graphs[key] = graph
 
     def _eager(self, batch: ForwardBatch, params):
         logits = self.model.forward(batch, self.state)

@@ -35,6 +35,8 @@ from prefixrun.engine.sequence import Sequence
 from prefixrun.engine.state import StateHandle
 from prefixrun.engine.trace import Trace
 
+FIRST_TOKEN_ROWS = 64  # first tokens sampled per call: 64 rows of a 248k vocabulary's fp32 logits are 63 MiB
+
 
 @dataclass(eq=False)
 class _Run:
@@ -61,6 +63,7 @@ class WindowExecutor:
                                reserved_blocks=1)  # the decode graphs' scratch block
         self.sched.push(plan.roots, None)
         self.decoding: list[Sequence] = []
+        self.starting: list[tuple[Sequence, object]] = []  # sequences a group started, before their first token
         self.finished: list[Result] = []
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
@@ -243,10 +246,17 @@ class WindowExecutor:
                 else:
                     self._maybe_retain(group[i], handles[i], out[row])
             pending = [i for i in pending if offsets[i] < len(todos[i])]
-        e.ops.synchronize()
-        e.stats.prefill_seconds += time.perf_counter() - t0
+        # the tasks' bookkeeping (checkpoints, offers to the store, new sequences) and the capture of the decode
+        # graph the new sequences will replay run while the device computes the steps queued above
         for task, h, lg, run in zip(group, handles, logits, runs):
             self._finish_task(task, h, lg, run)
+        if self.starting and self.pipeline is not None:
+            e.runner.prepare_decode([s for s in self.decoding if not s.done] + [s for s, _ in self.starting])
+        e.ops.synchronize()
+        seconds = time.perf_counter() - t0
+        e.stats.prefill_seconds += seconds
+        e.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate
+        self._sample_first_tokens()
 
     def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int) -> int:
         """Where this step's piece of a task stops: the token budget, or a block-aligned retention point of a
@@ -318,11 +328,28 @@ class WindowExecutor:
             detok = StreamDetokenizer(e.tokenizer)
         seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run)
         self.trace.add("decode", task.id)
-        seq.accept(e.runner.sample([seq], logits[None] if logits.ndim == 1 else logits)[0])
-        if seq.done:
-            self._finish(seq)
-        else:
-            self.decoding.append(seq)
+        self.starting.append((seq, logits))
+
+    def _sample_first_tokens(self):
+        """The first token of every sequence the group started, drawn together: one sampling call and one wait
+        for the device per FIRST_TOKEN_ROWS rows instead of one per request (a row's draw depends only on its
+        seed, its token index and its logits, never on the batch)."""
+        starting, self.starting = self.starting, []
+        for at in range(0, len(starting), FIRST_TOKEN_ROWS):
+            part = starting[at:at + FIRST_TOKEN_ROWS]
+            rows = [lg[None] if lg.ndim == 1 else lg for _, lg in part]  # each [1, V]
+            logits = rows[0]
+            if len(rows) > 1:
+                logits = self.e.ops.zeros((len(rows), rows[0].shape[-1]), rows[0].dtype)  # [n, V]
+                for i, row in enumerate(rows):
+                    logits[i:i + 1] = row
+            seqs = [seq for seq, _ in part]
+            for seq, token in zip(seqs, self.e.runner.sample(seqs, logits)):
+                seq.accept(token)
+                if seq.done:
+                    self._finish(seq)
+                else:
+                    self.decoding.append(seq)
 
     def _drain(self):
         """Accept the tokens of the decode step in flight (none: nothing to do)."""

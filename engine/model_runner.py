@@ -33,6 +33,10 @@ class ModelRunner:
                                            pack_sampling_params(*self._sampling_arrays(seqs)))
         return [int(i) for i in self.ops.to_host(ids)]
 
+    def prepare_decode(self, seqs: list[Sequence]):
+        """Get the decode graph of a step over these sequences ready ahead of it (DecodeGraphs.prepare)."""
+        self.decoder.prepare([s.handle for s in seqs])
+
     def launch_decode(self, seqs: list[Sequence], source: np.ndarray, previous):
         """`decode` queued without waiting for the device: sequence i is fed previous[source[i]] (the token an
         earlier step sampled for it, not yet accepted on the host) where source[i] >= 0, else its last token.

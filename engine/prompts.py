@@ -113,8 +113,8 @@ class PromptEncoder:
             raise TypeError(f"not a prompt: {type(prompt).__name__}")
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenization")
-        out_of_vocab = next((t for t in ids if t >= self.vocab_size), None)
-        if out_of_vocab is not None:
+        if max(ids) >= self.vocab_size:  # checked in C; the first offending id is looked for only then
+            out_of_vocab = next(t for t in ids if t >= self.vocab_size)
             raise InvalidRequest(f"the prompt contains token id {out_of_vocab}, outside the model's vocabulary of "
                                  f"{self.vocab_size}")
         if len(ids) >= self.context_tokens:

@@ -79,7 +79,9 @@ class SamplingDefaults:
     ignore_eos: bool | None = None
 
     def __post_init__(self):
-        normalized = _normalize_sampling_values(dataclasses.asdict(self))
+        # the fields as a flat dict (values are scalars or tuples of scalars: no deep copy, unlike asdict, which
+        # cost ~0.1 ms per request line)
+        normalized = _normalize_sampling_values({name: getattr(self, name) for name in _DEFAULTS_FIELDS})
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
         _build_sampling_params(normalized)  # raises InvalidRequest naming the bad value
@@ -104,7 +106,10 @@ class SamplingDefaults:
     @cached_property
     def _set_fields(self) -> dict[str, Any]:
         # Computed once: every request line is layered over the same defaults.
-        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+        return {name: value for name in _DEFAULTS_FIELDS if (value := getattr(self, name)) is not None}
+
+
+_DEFAULTS_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingDefaults))
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

@@ -60,6 +60,9 @@ class RunStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_seconds: float = 0.0
+    # the prompt tokens whose compute time prefill_seconds holds (both advance together once a group's device work
+    # is done; computed_prompt_tokens counts a group from its start): the prefill rate the cost model reads
+    timed_prefill_tokens: int = 0
     decode_seconds: float = 0.0
     peak_decode_batch: int = 0
 

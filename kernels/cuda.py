@@ -267,16 +267,51 @@ def _moe():
 
 class CudaGraph:
     """A captured sequence of launches; `replay()` reruns it on the current stream and returns the outputs the
-    captured function returned (the same arrays every time: replay overwrites them)."""
+    captured function returned (the same arrays every time: replay overwrites them).
+
+    Replays alternate between two executable instances of the one captured graph: a launch of an instance whose
+    previous launch is still running holds the host until that launch ends (seen on the H200: ~0.8 ms of device
+    idle in every pipelined decode step, the host inside cudaGraphLaunch), so back-to-back steps take turns. Both
+    instances have the same nodes and buffers and run in stream order, so results are the same. The second is
+    made from the captured cudaGraph_t at the second replay (no new capture); where CuPy keeps no cudaGraph_t,
+    replays stay on the one instance."""
 
     def __init__(self, graph, outputs, pool):
         self.graph = graph
         self.outputs = outputs
         self._pool = pool  # the graph's private memory: alive (and never handed out again) as long as the graph
+        self._second = None  # the other cudaGraphExec_t (int), 0 when none can be made
+        self._turn = 0
 
     def replay(self):
-        self.graph.launch(cupy.cuda.get_current_stream())
+        stream = cupy.cuda.get_current_stream()
+        if self._turn:
+            if self._second is None:
+                self._second = self._instantiate_again()
+            if self._second:
+                cupy.cuda.runtime.graphLaunch(self._second, stream.ptr)
+            else:
+                self.graph.launch(stream)
+        else:
+            self.graph.launch(stream)
+        self._turn ^= 1
         return self.outputs
+
+    def _instantiate_again(self) -> int:
+        captured = getattr(self.graph, "graph", 0)
+        if not captured:
+            return 0
+        try:
+            return cupy.cuda.runtime.graphInstantiate(captured)
+        except Exception:  # an older CuPy without the runtime call: one instance
+            return 0
+
+    def __del__(self):
+        if self._second:
+            try:
+                cupy.cuda.runtime.graphExecDestroy(self._second)
+            except Exception:
+                pass
 
     __call__ = replay
 
@@ -1141,7 +1176,10 @@ class CudaOps:
             loader.join()
         for _ in range(warmup):
             fn(*args)
-        self.synchronize()
+        if warmup:
+            self.synchronize()
+        # without a warm-up nothing needs the device drained: the capture records launches, it runs none, so
+        # the work still queued (a prefill's tail) computes while the host captures
         pool = cupy.cuda.MemoryPool()
         stream = cupy.cuda.Stream(non_blocking=True)
         with cupy.cuda.using_allocator(pool.malloc), stream:

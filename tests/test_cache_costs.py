@@ -29,7 +29,7 @@ PROMPTS = [SHARED + [300 + i, 400 + i, 450 + i] for i in range(4)]
 
 @dataclass
 class Counters:
-    computed_prompt_tokens: int
+    timed_prefill_tokens: int
     prefill_seconds: float
 
 
@@ -388,7 +388,7 @@ def test_a_write_offered_before_prefill_is_measured_is_decided_once_it_is(loaded
         finish = persist.finish
 
         def measured_then_finish():
-            counters.computed_prompt_tokens, counters.prefill_seconds = device_rate, 1.0
+            counters.timed_prefill_tokens, counters.prefill_seconds = device_rate, 1.0
             finish()
 
         persist.finish = measured_then_finish
