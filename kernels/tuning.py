@@ -251,3 +251,50 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
         return AttentionPlan("split", warps=1, keys=bn, splits=splits)
     warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
     return AttentionPlan("plain", warps=warps, keys=tuning.keys_per_tile(d))
+
+
+# ---- row norms and elementwise ops (kernels/elementwise.cu) ------------------------------------------------------
+NORM_CHUNKS = (1, 2, 4)  # row_norm_kernel / add_rms_norm_kernel instantiations: 16-byte chunks kept in registers
+NORM_MAX_LANES = 512  # threads of one row (a block) before a thread keeps several chunks
+NORM_SUBWARP_THREADS = 128  # block size when a row takes at most a warp (several rows per block)
+
+
+@dataclass(frozen=True)
+class NormLaunch:
+    """How a row norm of `d` elements runs: `lanes` threads per row (a power of two <= 32: lane groups of a
+    `threads`-thread block, several rows each; else one row per block of `lanes` threads), each owning the row's
+    16-byte chunks lane, lane + lanes, ...; the first `chunks` of them held in registers (the kernels' C).
+    The reduction order follows from (d, vector width, lanes) alone, so fused and unfused norms, and a row in
+    any batch, sum alike."""
+
+    lanes: int
+    chunks: int
+    threads: int
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.threads // self.lanes if self.lanes <= 32 else 1
+
+
+def norm_launch(d: int, itemsize: int) -> NormLaunch:
+    """The launch of a norm over rows of `d` elements of `itemsize` bytes (the input type): a function of these
+    two only (never the row count: the numbers of a row must not depend on its batch)."""
+    chunks = max(1, -(-d // (16 // itemsize)))  # 16-byte chunks in a row
+    if chunks <= 32:
+        lanes = 1 << (chunks - 1).bit_length()
+        return NormLaunch(lanes, 1, NORM_SUBWARP_THREADS)
+    if chunks <= 32 * NORM_CHUNKS[-1]:
+        per = -(-chunks // 32)
+        return NormLaunch(32, next(c for c in NORM_CHUNKS if c >= per), NORM_SUBWARP_THREADS)
+    for c in NORM_CHUNKS:
+        lanes = 32 * -(-chunks // (32 * c))
+        if lanes <= NORM_MAX_LANES:
+            return NormLaunch(lanes, c, lanes)
+    c = NORM_CHUNKS[-1]
+    lanes = min(1024, 32 * -(-chunks // (32 * c)))  # wider rows: threads read their further chunks twice
+    return NormLaunch(lanes, c, lanes)
+
+
+def elementwise_vector(itemsize: int) -> int:
+    """Elements of `itemsize` bytes in the 16-byte vectors of the elementwise kernels' vector paths."""
+    return 16 // itemsize

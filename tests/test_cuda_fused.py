@@ -21,7 +21,9 @@ from test_cuda_kernels import TOL, act_round, host, ops, ref, rel, rnd  # noqa: 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
 
-@pytest.mark.parametrize("rows,d", [(1, 16), (19, 64), (64, 2560), (7, 3000)])  # warp rows and block rows
+# lane groups, warps, a block per row; decode's 64 x 2560, a ragged row (element path), rows that re-read chunks
+@pytest.mark.parametrize("rows,d", [(1, 16), (19, 64), (64, 2560), (7, 3000), (33, 2562), (300, 128), (5, 1000),
+                                    (3, 40000), (2048, 2560)])
 def test_add_rms_norm(ops, ref, rows, d):
     rng = np.random.default_rng(d + rows)
     x, h = act_round(ops, rnd(rng, rows, d, scale=2.0)), act_round(ops, rnd(rng, rows, d))
@@ -38,6 +40,25 @@ def test_add_rms_norm(ops, ref, rows, d):
     assert np.array_equal(ops.to_host(s), ops.to_host(s2)) and np.array_equal(ops.to_host(n), ops.to_host(n2))
     with pytest.raises(ValueError):
         ops.add_rms_norm(dx, dh[:, :-1], dw, 1e-6)
+
+
+@pytest.mark.parametrize("d", [128, 2560, 2568])
+def test_norms_alike_on_every_path(ops, d):
+    """A row's norm has the same bits whether its chunks move as 16-byte vectors (an aligned row) or element by
+    element (a view one element in), and whatever the batch around it (the order depends on d alone)."""
+    rng = np.random.default_rng(d)
+    wide = ops.upload(act_round(ops, rnd(rng, 70, d + 1, scale=2.0)))
+    w = ops.upload(rnd(rng, d) + 1.0, np.float32)
+    view = wide[:, 1:]  # rows start one element in: the element path
+    dense = cupy.ascontiguousarray(view)  # the same values, aligned: the vector path (d permitting)
+    for op in (lambda a: ops.rms_norm(a, w, 1e-6), ops.l2_normalize,
+               lambda a: ops.gated_rms_norm(a, a, w, 1e-6)):
+        a, b = ops.to_host(op(view)), ops.to_host(op(dense))
+        assert np.array_equal(a, b)
+        assert np.array_equal(ops.to_host(op(dense[:1])), b[:1]) and np.array_equal(ops.to_host(op(dense[64:])), b[64:])
+    s, n = ops.add_rms_norm(dense, dense, w, 1e-6)
+    s1, n1 = ops.add_rms_norm(dense[3:4], dense[3:4], w, 1e-6)
+    assert np.array_equal(ops.to_host(n)[3:4], ops.to_host(n1))
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -7,10 +7,12 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
+from prefixrun.kernels.tuning import norm_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,13 +26,29 @@ inline void sincosf(float a, float* s, float* c) { *s = std::sin(a); *c = std::c
 """
 
 ENTRY = r"""
-extern "C" int emu_add_rms_norm(const float* x, const float* h, i64 rows, int d, const float* w, float eps,
-                                float* sum, float* out, int blocks) {
+// the norms for storage T (0: float, 1: bf16) with C chunks in registers, on `blocks` blocks of `threads`
+#define EMU_NORM_DISPATCH(T, C, CALL)                                                                               \
+    if (C == 1) CALL(T, 1) else if (C == 2) CALL(T, 2) else if (C == 4) CALL(T, 4) else return 2;
+extern "C" int emu_add_rms_norm(int bf, const void* x, const void* h, i64 rows, int d, const float* w, float eps,
+                                void* sum, void* out, int blocks, int threads, int lanes, int chunks, int vec) {
     gridDim = {unsigned(blocks), 1, 1};
-    emu_launch(gridDim, 256, 0, [&] {
-        if (d <= 1024) add_rms_norm_kernel<float, true>(x, h, rows, d, w, eps, sum, out);
-        else add_rms_norm_kernel<float, false>(x, h, rows, d, w, eps, sum, out);
-    });
+#define EMU_ADD_NORM(T, C) emu_launch(gridDim, threads, 0, [&] { add_rms_norm_kernel<T, C>(                     \
+        (const T*)x, (const T*)h, rows, d, w, eps, (T*)sum, (T*)out, lanes, vec); });
+    if (bf) { EMU_NORM_DISPATCH(bf16, chunks, EMU_ADD_NORM) } else { EMU_NORM_DISPATCH(float, chunks, EMU_ADD_NORM) }
+    return 0;
+}
+extern "C" int emu_row_norm(int bf, int mode, const void* x, i64 rows, int d, i64 n1, i64 s0, i64 s1,
+                            const void* g, i64 gn1, i64 gs0, i64 gs1, const float* w, float eps, void* out,
+                            int blocks, int threads, int lanes, int chunks, int vec) {
+    gridDim = {unsigned(blocks), 1, 1};
+#define EMU_ROW_NORM(T, C) emu_launch(gridDim, threads, 0, [&] {                                                \
+        if (mode == 0) row_norm_kernel<T, T, T, 0, C>((const T*)x, rows, d, n1, s0, s1, (const T*)g, gn1, gs0,  \
+                                                      gs1, w, eps, (T*)out, lanes, vec);                        \
+        else if (mode == 1) row_norm_kernel<T, T, T, 1, C>((const T*)x, rows, d, n1, s0, s1, (const T*)g, gn1,  \
+                                                           gs0, gs1, w, eps, (T*)out, lanes, vec);              \
+        else row_norm_kernel<T, T, T, 2, C>((const T*)x, rows, d, n1, s0, s1, (const T*)g, gn1, gs0, gs1, w,    \
+                                            eps, (T*)out, lanes, vec); });
+    if (bf) { EMU_NORM_DISPATCH(bf16, chunks, EMU_ROW_NORM) } else { EMU_NORM_DISPATCH(float, chunks, EMU_ROW_NORM) }
     return 0;
 }
 extern "C" int emu_qk_norm_rotary(const float* q, i64 qst, i64 qsh, int hq, const float* k, i64 kst, i64 ksh,
@@ -65,27 +83,121 @@ def emu(tmp_path_factory):
 i64, f32 = ctypes.c_longlong, ctypes.c_float
 
 
-# warp rows (one block, then a grid-stride loop), block rows
-@pytest.mark.parametrize("rows,d,blocks", [(5, 40, 1), (19, 96, 2), (3, 1500, 2)])
-def test_add_rms_norm_kernel(emu, rows, d, blocks):
-    rng = np.random.default_rng(d)
-    x, h = rng.standard_normal((2, rows, d)).astype(np.float32)
-    w = rng.standard_normal(d).astype(np.float32)
-    ref = NumpyOps()
-    want_s, want = ref.add_rms_norm(x, h, w, 1e-6)
-    np.testing.assert_array_equal(want_s, ref.add(x, h))  # the contract: add, then rms_norm
-    np.testing.assert_array_equal(want, ref.rms_norm(ref.add(x, h), w, 1e-6))
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _norm_geometry(rows, d, itemsize, blocks=None):
+    """kernels/cuda.py's launch of a norm: norm_launch's lanes, chunks and block size; `blocks` fewer blocks than
+    it would take (a grid-stride loop over rows)."""
+    launch = norm_launch(d, itemsize)
+    return (blocks or max(1, -(-rows // launch.rows_per_block)), launch.threads, launch.lanes, launch.chunks)
+
+
+def _store(a, dtype):
+    """a as the kernels' storage: (host array holding the bits the kernel reads, the values it stands for)."""
+    a = np.asarray(a, np.float32).astype(dtype)
+    return (a.view(np.uint16) if dtype == BF16 else a), a.astype(np.float32)
+
+
+def _emu_add_rms_norm(emu, x, h, w, dtype, geometry, vec):
+    rows, d = x.shape
+    bf = int(dtype == BF16)
 
     def emulate():
-        s, s_ok = _guarded((rows, d), np.float32)
-        o, o_ok = _guarded((rows, d), np.float32)
-        assert emu.emu_add_rms_norm(_ptr(x), _ptr(h), i64(rows), d, _ptr(w), f32(1e-6), _ptr(s), _ptr(o), blocks) == 0
-        assert s_ok() and o_ok(), "the kernel wrote past an output"
+        st = np.uint16 if bf else np.float32
+        s, s_ok = _guarded((rows, d), st)
+        o, o_ok = _guarded((rows, d), st)
+        rc = emu.emu_add_rms_norm(bf, _ptr(x), _ptr(h), i64(rows), d, _ptr(w), f32(1e-6), _ptr(s), _ptr(o),
+                                  *geometry, int(vec))
+        assert rc == 0 and s_ok() and o_ok(), "the kernel wrote past an output"
         return s.copy(), o.copy()
 
-    s, o = _forked(emulate)
-    np.testing.assert_array_equal(s, want_s)
-    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
+    return _forked(emulate)
+
+
+def _emu_row_norm(emu, mode, x, view, w, dtype, geometry, vec, gate=None, gate_view=None, out_shape=None):
+    """view / gate_view: (pointer offset in elements, rows, d, n1, s0, s1) as kernels/cuda.py _rows describes it."""
+    off, rows, d, n1, s0, s1 = view
+    goff, _, _, gn1, gs0, gs1 = gate_view or view
+    g = x if gate is None else gate
+    bf = int(dtype == BF16)
+
+    def emulate():
+        o, ok = _guarded((rows, d), np.uint16 if bf else np.float32)
+        item = x.itemsize
+        xp = ctypes.c_void_p(x.ctypes.data + off * item)
+        gp = ctypes.c_void_p(g.ctypes.data + goff * item)
+        rc = emu.emu_row_norm(bf, mode, xp, i64(rows), d, i64(n1), i64(s0), i64(s1), gp, i64(gn1), i64(gs0),
+                              i64(gs1), _ptr(w), f32(1e-6), _ptr(o), *geometry, int(vec))
+        assert rc == 0 and ok(), "the kernel wrote past the output"
+        return o.copy()
+
+    return _forked(emulate)
+
+
+def _values(a, dtype):
+    return a.view(BF16).astype(np.float32) if dtype == BF16 else a
+
+
+# rows of 1-32 lanes (several rows a block, ragged last block), a warp with 2 and 4 chunks, a block per row (one
+# chunk; two; a thread's further chunks re-read), a grid-stride loop (fewer blocks than rows)
+NORM_CASES = [(5, 40, None), (19, 96, None), (37, 128, 2), (6, 520, None), (9, 1000, 2), (3, 2560, None),
+              (4, 6000, None), (3, 40000, None)]
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,d,blocks", NORM_CASES)
+def test_add_rms_norm_kernel(emu, dtype, rows, d, blocks):
+    """Vector and element paths give the same bits; the fused op equals add then row_norm MODE 0 bit for bit (the
+    emulated kernels, same geometry) and the reference (fp32: 1e-5; bf16: against the reference on the stored sum)."""
+    rng = np.random.default_rng(d)
+    (xs, x), (hs, h) = _store(rng.standard_normal((rows, d)), dtype), _store(rng.standard_normal((rows, d)), dtype)
+    w = rng.standard_normal(d).astype(np.float32)
+    geometry = _norm_geometry(rows, d, dtype.itemsize, blocks)
+    s, o = _emu_add_rms_norm(emu, xs, hs, w, dtype, geometry, vec=d % (16 // dtype.itemsize) == 0)
+    s2, o2 = _emu_add_rms_norm(emu, xs, hs, w, dtype, geometry, vec=False)
+    np.testing.assert_array_equal(s, s2)
+    np.testing.assert_array_equal(o, o2)
+    unfused = _emu_row_norm(emu, 0, s, (0, rows, d, 1, d, 0), w, dtype, geometry, vec=False)
+    np.testing.assert_array_equal(o, unfused)
+    ref = NumpyOps()
+    want_s = (x + h).astype(dtype).astype(np.float32)
+    np.testing.assert_array_equal(_values(s, dtype), want_s)
+    want = ref.rms_norm(want_s, w, 1e-6)
+    if dtype == BF16:
+        np.testing.assert_allclose(_values(o, dtype), want, rtol=1e-2, atol=1e-2)
+    else:
+        np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
+        want_s, want = ref.add_rms_norm(x, h, w, 1e-6)
+        np.testing.assert_array_equal(want_s, ref.add(x, h))  # the contract: add, then rms_norm
+        np.testing.assert_array_equal(want, ref.rms_norm(ref.add(x, h), w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("d", [24, 128, 260, 2560])  # lane groups, a warp, ragged (element path), a block per row
+def test_row_norm_kernel_on_head_views(emu, dtype, mode, d):
+    """row_norm_kernel on [T, H, d] head views of wider rows (x: every other head of a [T, 2H, d] projection, the
+    gate a column slice, as the model hands them): vector and element paths alike, against the reference."""
+    rng = np.random.default_rng(mode * 7 + d)
+    t, hh = 5, 3
+    (ps, p) = _store(rng.standard_normal((t, 2 * hh, d)) * 2.0, dtype)
+    (gs, gv) = _store(rng.standard_normal((t, 3 * hh * d)), dtype)
+    w = (rng.standard_normal(d) + 1.0).astype(np.float32)
+    x, gate = p[:, ::2], gv[:, hh * d:2 * hh * d].reshape(t, hh, d)
+    view = (0, t * hh, d, hh, 2 * hh * d, 2 * d)
+    gate_view = (hh * d, t * hh, d, hh, 3 * hh * d, d)
+    geometry = _norm_geometry(t * hh, d, dtype.itemsize)
+    vec = d % (16 // dtype.itemsize) == 0
+    got = _emu_row_norm(emu, mode, ps, view, w, dtype, geometry, vec, gs, gate_view)
+    np.testing.assert_array_equal(got, _emu_row_norm(emu, mode, ps, view, w, dtype, geometry, False, gs, gate_view))
+    ref = NumpyOps()
+    want = (ref.rms_norm(x, w, 1e-6), ref.l2_normalize(x), ref.gated_rms_norm(x, gate, w, 1e-6))[mode]
+    got = _values(got, dtype).reshape(t, hh, d)
+    if dtype == BF16:
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("norm", [True, False])
