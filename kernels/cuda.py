@@ -32,8 +32,8 @@ from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_ma
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, \
-    NORM_CHUNKS, CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, elementwise_vector, \
-    gdn_tc_smem_bytes, norm_launch
+    NORM_CHUNKS, CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, elementwise_launch, \
+    elementwise_vector, gdn_tc_smem_bytes, norm_launch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -581,9 +581,11 @@ class CudaOps:
         gate, _, _, gn1, gs0, gs1 = _rows(gate)
         out = cupy.empty(x.shape, self._act)
         if rows and d:
+            vec = _vectors_ok(d, x.itemsize, (x, x.itemsize, xs0, xs1), (gate, gate.itemsize, gs0, gs1))
+            launch = elementwise_launch(d // elementwise_vector(x.itemsize) if vec else d, rows)
             _kernel("elementwise", f"sigmoid_mul_kernel<{_tname(self._act)}>")(
-                (_grid(rows * d),), (_THREADS,), (x, _i64(xn1), _i64(xs0), _i64(xs1), gate, _i64(gn1), _i64(gs0),
-                                                  _i64(gs1), _i64(rows), _i32(d), out))
+                launch.grid, (launch.threads,), (x, _i64(xn1), _i64(xs0), _i64(xs1), gate, _i64(gn1), _i64(gs0),
+                                                 _i64(gs1), _i64(rows), _i32(d), out, _i32(launch.tx), _i32(vec)))
         return out
 
     def l2_normalize(self, x, eps=1e-6):
@@ -618,8 +620,11 @@ class CudaOps:
         inner = d // 2
         out = cupy.empty(x.shape[:-1] + (inner,), x.dtype)
         if rows and inner:
+            vec = _vectors_ok(inner, x.itemsize, (x, x.itemsize, s0))  # the up half starts inner elements on
+            launch = elementwise_launch(inner // elementwise_vector(x.itemsize) if vec else inner, rows)
             _kernel("elementwise", f"{kernel_name}<{_tname(x.dtype)}>")(
-                (_grid(rows * inner),), (_THREADS,), (x, _i64(rows), _i64(inner), _i64(s0), out))
+                launch.grid, (launch.threads,), (x, _i64(rows), _i64(inner), _i64(s0), out, _i32(launch.tx),
+                                                 _i32(vec)))
         return out
 
     def add(self, a, b):

@@ -271,54 +271,100 @@ __global__ void qk_norm_rotary_kernel(const T* __restrict__ q, i64 qst, i64 qsh,
 }
 
 // ---- elementwise --------------------------------------------------------------------------------------------
-// gate_up [rows, 2I] (row stride s0) -> silu(gate) * up [rows, I]
-template <typename T>
-__global__ void silu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
-    const i64 n = rows * inner;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / inner, i = e - r * inner;
-        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
-        out[e] = from_f<T>(silu_f(g) * u);
+// Row-wise elementwise launches (kernels/tuning.py elementwise_launch): a block is `tx` threads along a row times
+// blockDim.x / tx rows; grid (x: the row's units, y: row groups, grid-stride). A unit is a 16-byte vector of
+// NORM_V(T) elements when `vec` (row length, strides and bases multiples of it: kernels/cuda.py checks), else one
+// element; each element's arithmetic is the same on both paths. No 64-bit division.
+struct RowUnits {
+    i64 u, r0, rstep;  // this thread's unit of a row, its first row, the row step
+    __device__ __forceinline__ RowUnits(int tx) {
+        const int ry = (int)threadIdx.x / tx, rpb = (int)blockDim.x / tx;
+        u = (i64)blockIdx.x * tx + ((int)threadIdx.x - ry * tx);
+        r0 = (i64)blockIdx.y * rpb + ry;
+        rstep = (i64)gridDim.y * rpb;
+    }
+};
+
+// The GLUs: gate_up [rows, 2I] (row stride s0) -> act(gate) * up [rows, I].
+template <typename T, typename Act>
+__device__ __forceinline__ void glu_rows(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
+                                         int tx, int vec, Act act) {
+    constexpr int V = NORM_V(T);
+    const RowUnits t(tx);
+    const i64 u = t.u;
+    for (i64 r = t.r0; r < rows; r += t.rstep) {
+        const T* g = gu + r * s0;
+        T* o = out + r * inner;
+        if (vec) {
+            if (u * V >= inner) return;
+            float a[V], b[V];
+            load_chunk<T, V>(g + u * V, a);
+            load_chunk<T, V>(g + inner + u * V, b);
+#pragma unroll
+            for (int k = 0; k < V; ++k) a[k] = act(a[k]) * b[k];
+            store_chunk<T, V>(o + u * V, a);
+        } else {
+            if (u >= inner) return;
+            o[u] = from_f<T>(act(to_f(g[u])) * to_f(g[inner + u]));
+        }
     }
 }
 
-// gate_up [rows, 2I] (row stride s0) -> gelu_tanh(gate) * up [rows, I]  (GeGLU, tanh approximation)
-template <typename T>
-__global__ void gelu_tanh_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
-    const i64 n = rows * inner;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / inner, i = e - r * inner;
-        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
-        const float gelu = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-        out[e] = from_f<T>(gelu * u);
+struct SiluAct {
+    __device__ __forceinline__ float operator()(float g) const { return silu_f(g); }
+};
+struct GeluTanhAct {  // GeGLU, tanh approximation
+    __device__ __forceinline__ float operator()(float g) const {
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
     }
+};
+struct GeluAct {  // exact GELU, x * Phi(x), as torch's "gelu"; erfc of -x/sqrt(2): no cancellation for large negative x
+    __device__ __forceinline__ float operator()(float g) const { return 0.5f * g * erfcf(-0.7071067811865476f * g); }
+};
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out, int tx,
+                               int vec) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, SiluAct());
 }
 
-// gate_up [rows, 2I] (row stride s0) -> gelu(gate) * up [rows, I]  (exact GELU, x * Phi(x), as torch's "gelu")
-// erfc of -x/sqrt(2) instead of 1 + erf(x/sqrt(2)): no cancellation for large negative gates
 template <typename T>
-__global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
-    const i64 n = rows * inner;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / inner, i = e - r * inner;
-        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
-        const float gelu = 0.5f * g * erfcf(-0.7071067811865476f * g);
-        out[e] = from_f<T>(gelu * u);
-    }
+__global__ void gelu_tanh_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
+                                     int tx, int vec) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, GeluTanhAct());
+}
+
+template <typename T>
+__global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out, int tx,
+                               int vec) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, GeluAct());
 }
 
 // out = x * sigmoid(gate) over rows of d (x, gate: row views as row_norm_kernel's; out contiguous); the sigmoid is
-// rounded to T first, as sigmoid_kernel's output then a product would round it.
+// rounded to T first, as sigmoid_kernel's output then a product would round it. Units as glu_rows' (vec: d, the
+// strides and bases aligned to NORM_V(T)); launched as the GLUs.
 template <typename T>
 __global__ void sigmoid_mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1, const T* __restrict__ gate,
-                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out) {
-    const i64 n = rows * d;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / d;
-        const int i = (int)(e - r * d);
-        const float g = to_f(gate[row_offset(r, gn1, gs0, gs1) + i]);
-        const float sig = to_f(from_f<T>(1.0f / (1.0f + expf(-g))));
-        out[e] = from_f<T>(to_f(x[row_offset(r, xn1, xs0, xs1) + i]) * sig);
+                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out, int tx, int vec) {
+    constexpr int V = NORM_V(T);
+    const RowUnits t(tx);
+    const int u = (int)t.u;
+    if ((vec ? t.u * V : t.u) >= d) return;
+    for (i64 r = t.r0; r < rows; r += t.rstep) {
+        const T* xr = x + row_offset(r, xn1, xs0, xs1);
+        const T* gr = gate + row_offset(r, gn1, gs0, gs1);
+        T* o = out + r * (i64)d;
+        if (vec) {
+            float a[V], g[V];
+            load_chunk<T, V>(xr + u * V, a);
+            load_chunk<T, V>(gr + u * V, g);
+#pragma unroll
+            for (int k = 0; k < V; ++k) a[k] *= to_f(from_f<T>(1.0f / (1.0f + expf(-g[k]))));
+            store_chunk<T, V>(o + u * V, a);
+        } else {
+            const float sig = to_f(from_f<T>(1.0f / (1.0f + expf(-to_f(gr[u])))));
+            o[u] = from_f<T>(to_f(xr[u]) * sig);
+        }
     }
 }
 

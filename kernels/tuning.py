@@ -298,3 +298,34 @@ def norm_launch(d: int, itemsize: int) -> NormLaunch:
 def elementwise_vector(itemsize: int) -> int:
     """Elements of `itemsize` bytes in the 16-byte vectors of the elementwise kernels' vector paths."""
     return 16 // itemsize
+
+
+ELEMENTWISE_THREADS = 256  # block size of the row-wise elementwise kernels (GLUs, sigmoid_mul)
+ELEMENTWISE_ROW_THREADS = 128  # at most this many threads along one row per block
+
+
+@dataclass(frozen=True)
+class ElementwiseLaunch:
+    """A row-wise elementwise launch: blocks of `threads` = `tx` threads along a row x threads / tx rows, on
+    grid (x: the row's units, y: row groups). The geometry never changes a result."""
+
+    tx: int
+    threads: int
+    grid: tuple[int, int]
+
+
+def elementwise_launch(units: int, rows: int) -> ElementwiseLaunch:
+    """`rows` rows of `units` units (16-byte vectors or elements): a row's units over at most 128 threads (a
+    multiple of 32 or a smaller power of two), rows stacked to fill 256-thread blocks, so 64 decode rows of a few
+    hundred vectors still spread over the SMs."""
+    units = max(units, 1)
+    if units >= ELEMENTWISE_ROW_THREADS:
+        tx = ELEMENTWISE_ROW_THREADS
+    elif units > 32:
+        tx = 32 * -(-units // 32)
+        tx = tx if ELEMENTWISE_THREADS % tx == 0 else 1 << (tx - 1).bit_length()
+    else:
+        tx = 1 << (units - 1).bit_length()
+    threads = ELEMENTWISE_THREADS
+    rpb = threads // tx
+    return ElementwiseLaunch(tx, threads, (-(-units // tx), max(1, min(-(-rows // rpb), 65535))))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import norm_launch
+from prefixrun.kernels.tuning import elementwise_launch, norm_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +21,7 @@ THREADS = 256  # kernels/cuda.py _THREADS
 # what the emulator lacks for these files: the grid size (set by each entry before its launch), fp32 intrinsics
 PRELUDE = r"""
 inline emu_dim3 gridDim;
+
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline void sincosf(float a, float* s, float* c) { *s = std::sin(a); *c = std::cos(a); }
 """
@@ -64,10 +65,22 @@ extern "C" int emu_qk_norm_rotary(const float* q, i64 qst, i64 qsh, int hq, cons
     });
     return 0;
 }
-extern "C" int emu_sigmoid_mul(const float* x, i64 xn1, i64 xs0, i64 xs1, const float* g, i64 gn1, i64 gs0,
-                               i64 gs1, i64 rows, int d, float* out, int blocks) {
-    gridDim = {unsigned(blocks), 1, 1};
-    emu_launch(gridDim, 256, 0, [&] { sigmoid_mul_kernel<float>(x, xn1, xs0, xs1, g, gn1, gs0, gs1, rows, d, out); });
+extern "C" int emu_sigmoid_mul(int bf, const void* x, i64 xn1, i64 xs0, i64 xs1, const void* g, i64 gn1, i64 gs0,
+                               i64 gs1, i64 rows, int d, void* out, int gx, int gy, int threads, int tx, int vec) {
+    gridDim = {unsigned(gx), unsigned(gy), 1};
+#define EMU_SIGMUL(T) emu_launch(gridDim, threads, 0, [&] { sigmoid_mul_kernel<T>((const T*)x, xn1, xs0, xs1,      \
+        (const T*)g, gn1, gs0, gs1, rows, d, (T*)out, tx, vec); });
+    if (bf) EMU_SIGMUL(bf16) else EMU_SIGMUL(float)
+    return 0;
+}
+extern "C" int emu_glu(int bf, int act, const void* gu, i64 rows, i64 inner, i64 s0, void* out, int gx, int gy,
+                       int threads, int tx, int vec) {
+    gridDim = {unsigned(gx), unsigned(gy), 1};
+#define EMU_GLU(T) emu_launch(gridDim, threads, 0, [&] {                                                           \
+        if (act == 0) silu_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec);                           \
+        else if (act == 1) gelu_tanh_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec);                 \
+        else gelu_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec); });
+    if (bf) EMU_GLU(bf16) else EMU_GLU(float)
     return 0;
 }
 """
@@ -232,21 +245,77 @@ def test_qk_norm_rotary_kernel(emu, norm, d, half, blocks):
     np.testing.assert_allclose(ko, want_k, rtol=1e-5, atol=2e-6)
 
 
-def test_sigmoid_mul_kernel_on_a_strided_gate(emu):
-    rng = np.random.default_rng(3)
-    t, h, d = 6, 3, 24
-    x = rng.standard_normal((t, h, d)).astype(np.float32)
-    qg = rng.standard_normal((t, h, 2 * d)).astype(np.float32)
-    gate = qg[:, :, d:]  # the gate half of each head's [query, gate] rows
-    want = NumpyOps().sigmoid_mul(x, gate)
-    np.testing.assert_array_equal(want, x * NumpyOps().sigmoid(gate))
+def _elementwise_geometry(units, rows, rows_cap=None):
+    """elementwise_launch's geometry; rows_cap: fewer row groups than it would take (a grid-stride loop)."""
+    launch = elementwise_launch(units, rows)
+    gy = min(launch.grid[1], rows_cap) if rows_cap else launch.grid[1]
+    return launch.grid[0], gy, launch.threads, launch.tx
 
-    def emulate():
-        out, ok = _guarded((t, h, d), np.float32)
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,h,d,rows_cap", [(6, 3, 24, None), (5, 16, 256, 3), (4, 3, 20, None), (3, 2, 1032, None)])
+def test_sigmoid_mul_kernel_on_a_strided_gate(emu, dtype, t, h, d, rows_cap):
+    """Vector and element paths give the reference's bits element for element (d = 20: the element path only)."""
+    rng = np.random.default_rng(3 + d)
+    xs, x = _store(rng.standard_normal((t, h, d)), dtype)
+    qgs, qg = _store(rng.standard_normal((t, h, 2 * d)) * 3.0, dtype)
+    gate = qg[:, :, d:]  # the gate half of each head's [query, gate] rows
+    ref = NumpyOps()
+    want = ref.sigmoid_mul(x, gate)
+    np.testing.assert_array_equal(want, x * ref.sigmoid(gate))
+    if dtype == BF16:  # the kernel rounds the sigmoid to the storage type, then the product
+        want = (x * ref.sigmoid(gate).astype(dtype).astype(np.float32)).astype(dtype).astype(np.float32)
+    v = 16 // dtype.itemsize
+    bf = int(dtype == BF16)
+
+    def emulate(vec):
+        out, ok = _guarded((t, h, d), np.uint16 if bf else np.float32)
+        geometry = _elementwise_geometry(d // v if vec else d, t * h, rows_cap)
+        gp = ctypes.c_void_p(qgs.ctypes.data + d * qgs.itemsize)
         # _rows' description of each: x contiguous (n1 1, s0 d); the gate rows (n1 h, s0 2hd, s1 2d)
-        rc = emu.emu_sigmoid_mul(_ptr(x), i64(1), i64(d), i64(0), _ptr(qg[:, :, d:]), i64(h), i64(2 * h * d),
-                                 i64(2 * d), i64(t * h), d, _ptr(out), 2)
+        rc = emu.emu_sigmoid_mul(bf, _ptr(xs), i64(1), i64(d), i64(0), gp, i64(h), i64(2 * h * d), i64(2 * d),
+                                 i64(t * h), d, _ptr(out), *geometry, int(vec))
         assert rc == 0 and ok(), "the kernel wrote past the output"
         return out.copy()
 
-    np.testing.assert_allclose(_forked(emulate), want, rtol=1e-6, atol=1e-7)
+    paths = [False] + ([True] if d % v == 0 else [])
+    for vec in paths:
+        got = _values(_forked(lambda: emulate(vec)), dtype)
+        if dtype == BF16:  # the device's expf may differ from NumPy's in the last fp32 bit before rounding to bf16
+            np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    if len(paths) == 2:
+        np.testing.assert_array_equal(_forked(lambda: emulate(True)), _forked(lambda: emulate(False)))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", [0, 1, 2])
+@pytest.mark.parametrize("rows,inner,stride_pad,rows_cap", [(7, 48, 0, None), (3, 1152, 16, 2), (5, 37, 0, None),
+                                                           (2, 9216, 0, None)])
+def test_glu_kernels(emu, dtype, act, rows, inner, stride_pad, rows_cap):
+    """silu / gelu_tanh / gelu times up, on rows of a wider projection (row stride 2I + pad): vector and element
+    paths agree bit for bit and match the reference (inner 37: element path only)."""
+    rng = np.random.default_rng(act * 13 + inner)
+    wide_s, wide = _store(rng.standard_normal((rows, 2 * inner + stride_pad)) * 3.0, dtype)
+    gu = wide[:, :2 * inner]
+    ref = NumpyOps()
+    want = (ref.silu_mul, ref.gelu_tanh_mul, ref.gelu_mul)[act](gu)
+    v = 16 // dtype.itemsize
+    bf = int(dtype == BF16)
+
+    def emulate(vec):
+        out, ok = _guarded((rows, inner), np.uint16 if bf else np.float32)
+        geometry = _elementwise_geometry(inner // v if vec else inner, rows, rows_cap)
+        rc = emu.emu_glu(bf, act, _ptr(wide_s), i64(rows), i64(inner), i64(wide.shape[1]), _ptr(out), *geometry,
+                         int(vec))
+        assert rc == 0 and ok(), "the kernel wrote past the output"
+        return out.copy()
+
+    paths = [False] + ([True] if inner % v == 0 and wide.shape[1] % v == 0 else [])
+    results = [_forked(lambda vec=vec: emulate(vec)) for vec in paths]
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+    got = _values(results[0], dtype).astype(np.float64)  # norm-relative, as tests/test_cuda_activations.py: the
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)  # tanh form cancels in fp32 for large negative gates
+    assert err <= (1e-2 if dtype == BF16 else 1e-5), err
