@@ -71,6 +71,29 @@ __device__ __forceinline__ float sum_squares(float ss, const float (&v)[V]) {
     return ss;
 }
 
+// chunk j (< C: else nothing) into / out of a thread's registers (static indices: no local-memory array)
+template <int C, int V>
+__device__ __forceinline__ void keep_chunk(float (&keep)[C][V], int j, const float (&v)[V]) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        if (c == j) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) keep[c][k] = v[k];
+        }
+    }
+}
+
+template <int C, int V>
+__device__ __forceinline__ void kept_chunk(const float (&keep)[C][V], int j, float (&v)[V]) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        if (c == j) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) v[k] = keep[c][k];
+        }
+    }
+}
+
 // The row's total of each thread's `ss` (see above); red: __shared__ float[64], `parity` alternates per row so one
 // barrier per row suffices (a thread writing the next row's half has passed this row's barrier, as have all readers
 // of the other half's previous row).
@@ -110,16 +133,14 @@ __global__ void row_norm_kernel(const TI* __restrict__ x, i64 rows, int d, i64 n
         for (int j = 0; j < per_thread; ++j) {
             const int i0 = (lane + j * lanes) * V;
             float v[V];
-            if (live && i0 < d) read_chunk<TI, V>(xr, i0, d, vec, v);
-            else
+            if (live && i0 < d) {
+                read_chunk<TI, V>(xr, i0, d, vec, v);
+            } else {
 #pragma unroll
                 for (int k = 0; k < V; ++k) v[k] = 0.f;
+            }
             ss = sum_squares<V>(ss, v);
-#pragma unroll
-            for (int c = 0; c < C; ++c)
-                if (c == j)
-#pragma unroll
-                    for (int k = 0; k < V; ++k) xv[c][k] = v[k];
+            keep_chunk<C, V>(xv, j, v);
         }
         ss = norm_row_sum(ss, lanes, red, parity);
         if (!live) continue;
@@ -131,11 +152,7 @@ __global__ void row_norm_kernel(const TI* __restrict__ x, i64 rows, int d, i64 n
             if (i0 >= d) break;
             float v[V];
             if (j < C) {
-#pragma unroll
-                for (int c = 0; c < C; ++c)
-                    if (c == j)
-#pragma unroll
-                        for (int k = 0; k < V; ++k) v[k] = xv[c][k];
+                kept_chunk<C, V>(xv, j, v);
             } else {
                 read_chunk<TI, V>(xr, i0, d, vec, v);
             }
@@ -189,11 +206,7 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict
                 for (int k = 0; k < V; ++k) v[k] = 0.f;
             }
             ss = sum_squares<V>(ss, v);
-#pragma unroll
-            for (int c = 0; c < C; ++c)
-                if (c == j)
-#pragma unroll
-                    for (int k = 0; k < V; ++k) sv[c][k] = v[k];
+            keep_chunk<C, V>(sv, j, v);
         }
         ss = norm_row_sum(ss, lanes, red, parity);
         if (!live) continue;
@@ -203,11 +216,7 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict
             if (i0 >= d) break;
             float v[V], wv[V];
             if (j < C) {
-#pragma unroll
-                for (int c = 0; c < C; ++c)
-                    if (c == j)
-#pragma unroll
-                        for (int k = 0; k < V; ++k) v[k] = sv[c][k];
+                kept_chunk<C, V>(sv, j, v);
             } else {
                 read_chunk<T, V>(sum + off, i0, d, vec, v);  // this thread's own writes above: no barrier needed
             }

@@ -42,6 +42,9 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   (kernels/attention_sm90_ws.cu: a producer warpgroup gathers K/V into mbarrier-guarded stages, two consumer
   warpgroups run apart, optionally taking turns on the tensor cores) do the default's arithmetic in the same order;
   not yet measured on a device (2026-12-01, session 7), so not the default.
+- row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
+  per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
+  a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
 """
 from __future__ import annotations
 

@@ -109,6 +109,33 @@ def test_sigmoid_mul_strided_gate(ops, ref):
         ops.sigmoid_mul(ops.upload(x), ops.upload(qg))
 
 
+@pytest.mark.parametrize("rows,inner", [(64, 9216), (3, 37), (9, 48), (2, 8)])
+def test_glus_alike_on_every_path(ops, ref, rows, inner):
+    """silu / gelu_tanh / gelu_mul on aligned rows (16-byte vectors) and on the same rows one element into a wider
+    buffer (element by element): the same bits, and the reference's numbers."""
+    rng = np.random.default_rng(inner)
+    wide = act_round(ops, rnd(rng, rows, 2 * inner + 1, scale=3.0))
+    dwide = ops.upload(wide)
+    for op, rop in ((ops.silu_mul, ref.silu_mul), (ops.gelu_tanh_mul, ref.gelu_tanh_mul),
+                    (ops.gelu_mul, ref.gelu_mul)):
+        shifted = op(dwide[:, 1:])
+        dense = op(cupy.ascontiguousarray(dwide[:, 1:]))
+        assert np.array_equal(ops.to_host(shifted), ops.to_host(dense))
+        assert rel(host(ops, dense), rop(wide[:, 1:])) <= TOL[ops.dtype_name]
+
+
+@pytest.mark.parametrize("t,h,d", [(64, 16, 256), (3, 5, 20), (8192, 1, 256)])
+def test_sigmoid_mul_alike_on_every_path(ops, ref, t, h, d):
+    rng = np.random.default_rng(d + t)
+    x = act_round(ops, rnd(rng, t, h, d))
+    qg = act_round(ops, rnd(rng, t, h, 2 * d + 1, scale=3.0))
+    dx, dqg = ops.upload(x), ops.upload(qg)
+    aligned = ops.sigmoid_mul(dx, dqg[:, :, d + 1:])  # head stride 2d + 1: element path for every d
+    dense = ops.sigmoid_mul(dx, cupy.ascontiguousarray(dqg[:, :, d + 1:]))
+    assert np.array_equal(ops.to_host(aligned), ops.to_host(dense))
+    assert rel(host(ops, dense), ref.sigmoid_mul(x, qg[:, :, d + 1:])) <= TOL[ops.dtype_name]
+
+
 def test_fused_ops_capture_and_replay(ops):
     """The decode step captures these ops into a graph: replays on updated inputs give the eager results."""
     rng = np.random.default_rng(9)
