@@ -1,5 +1,5 @@
 """Kernel checks and timings on the bench models' shapes (device only):
-`python3 bench/kernel_bench.py [attn|delta|decode]`.
+`python3 bench/kernel_bench.py [attn|delta|decode|elem]`.
 
 Each part (PARTS below; no argument runs them all) returns rows: a check (a kernel's error against the NumPy
 reference on the bench shapes, its bound) or a timing (ms and a rate, next to the old kernel and the vendor
@@ -225,7 +225,18 @@ def decode_part() -> list[Row]:
     return kbench_delta_decode.decode_part()
 
 
-PARTS = {"attn": attn_part, "delta": delta_part, "decode": decode_part}
+def elem_part() -> list[Row]:
+    """Row norms, GLUs and sigmoid_mul at decode (64 rows) and prefill (8192 rows) shapes: us and GB/s
+    (bench/kbench_elem.py)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kbench_elem
+
+    return kbench_elem.elem_part()
+
+
+PARTS = {"attn": attn_part, "delta": delta_part, "decode": decode_part, "elem": elem_part}
 
 
 def print_table(part: str, rows: list[Row]) -> None:

@@ -26,7 +26,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Offset (in elements) of row r of a [n0, n1, D] view with leading element strides s0, s1 (last dim contiguous).
-__device__ __forceinline__ i64 row_offset(i64 r, i64 n1, i64 s0, i64 s1) { return (r / n1) * s0 + (r % n1) * s1; }
+__device__ __forceinline__ i64 row_offset(i64 r, i64 n1, i64 s0, i64 s1) {
+    if (n1 == 1) return r * s0;  // rows of one stride: no 64-bit division
+    return (r / n1) * s0 + (r % n1) * s1;
+}
 
 // Varlen work split without a host sync: sequence b owns ceil(len_b * rep / per_tile) tiles, tiles numbered
 // sequence by sequence. Called by one whole warp; returns false when `target` is past the last tile.

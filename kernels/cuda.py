@@ -32,7 +32,8 @@ from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_ma
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, \
-    CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, gdn_tc_smem_bytes
+    NORM_CHUNKS, CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, elementwise_launch, \
+    elementwise_vector, gdn_tc_smem_bytes, norm_launch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -50,15 +51,15 @@ def _elementwise_names() -> list[str]:
     names = []
     for ti in _T:
         for to in _T:
-            for wr in ("true", "false"):
-                names += [f"row_norm_kernel<{ti}, {ti}, {to}, 0, {wr}>", f"row_norm_kernel<{ti}, {ti}, {to}, 1, {wr}>"]
-                names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {wr}>" for tg in _T]
+            for c in NORM_CHUNKS:
+                names += [f"row_norm_kernel<{ti}, {ti}, {to}, 0, {c}>", f"row_norm_kernel<{ti}, {ti}, {to}, 1, {c}>"]
+                names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {c}>" for tg in _T]
             names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
                       f"cast_kernel<{ti}, {to}>"]
         names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
                   f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>",
                   f"sigmoid_mul_kernel<{ti}>"]
-        names += [f"add_rms_norm_kernel<{ti}, {wr}>" for wr in ("true", "false")]
+        names += [f"add_rms_norm_kernel<{ti}, {c}>" for c in NORM_CHUNKS]
         names += [f"qk_norm_rotary_kernel<{ti}, {nm}>" for nm in ("true", "false")]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
     return names
@@ -164,6 +165,25 @@ _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started 
 
 def _grid(n: int, threads: int = _THREADS) -> int:
     return max(1, min(-(-n // threads), 1 << 16))
+
+
+def _vectors_ok(d: int, itemsize: int, *arrays) -> bool:
+    """Whether rows of d elements move as the kernels' 16-byte vectors of the input type (elementwise_vector): d a
+    multiple of the vector, and every (array, itemsize, row strides in elements...) at a base and strides aligned
+    to its unit (a vector's elements of its type, at most 16 bytes). Otherwise the kernels go element by element
+    (the same arithmetic in the same order)."""
+    v = elementwise_vector(itemsize)
+    if d % v:
+        return False
+    for a, item, *strides in arrays:
+        unit = min(16, v * item)
+        if a.data.ptr % unit or any((st * item) % unit for st in strides):
+            return False
+    return True
+
+
+def _norm_blocks(launch, rows: int) -> int:
+    return max(1, min(-(-rows // launch.rows_per_block), 1 << 16))
 
 
 def _i32(v) -> np.int32:
@@ -520,12 +540,12 @@ class CudaOps:
             tg = _tname(gate.dtype)
         else:
             gate, gn1, gs0, gs1, tg = x, n1, s0, s1, ti
-        warp_row = d <= 1024
-        name = f"row_norm_kernel<{ti}, {tg}, {_tname(out_dtype)}, {mode}, {'true' if warp_row else 'false'}>"
-        blocks = max(1, min(-(-rows // (_THREADS // 32)) if warp_row else rows, 1 << 16))
-        _kernel("elementwise", name)((blocks,), (_THREADS,), (
+        launch = norm_launch(d, x.itemsize)
+        vec = _vectors_ok(d, x.itemsize, (x, x.itemsize, s0, s1), (gate, gate.itemsize, gs0, gs1), (w, 4))
+        name = f"row_norm_kernel<{ti}, {tg}, {_tname(out_dtype)}, {mode}, {launch.chunks}>"
+        _kernel("elementwise", name)((_norm_blocks(launch, rows),), (launch.threads,), (
             x, _i64(rows), _i32(d), _i64(n1), _i64(s0), _i64(s1), gate, _i64(gn1), _i64(gs0), _i64(gs1), w,
-            np.float32(eps), out))
+            np.float32(eps), out, _i32(launch.lanes), _i32(vec)))
         return out
 
     def rms_norm(self, x, weight, eps):
@@ -548,10 +568,12 @@ class CudaOps:
         rows = x.size // d if d else 0
         if rows == 0:
             return s, out
-        warp_row = d <= 1024  # as _row_norm chooses, so the sums run in the same order
-        blocks = max(1, min(-(-rows // (_THREADS // 32)) if warp_row else rows, 1 << 16))
-        _kernel("elementwise", f"add_rms_norm_kernel<{_tname(self._act)}, {'true' if warp_row else 'false'}>")(
-            (blocks,), (_THREADS,), (x, h, _i64(rows), _i32(d), _f32(weight), np.float32(eps), s, out))
+        launch = norm_launch(d, x.itemsize)  # as _row_norm's, so the sums run in the same order
+        w = _f32(weight)
+        vec = _vectors_ok(d, x.itemsize, (x, x.itemsize, d), (h, h.itemsize, d), (w, 4))
+        _kernel("elementwise", f"add_rms_norm_kernel<{_tname(self._act)}, {launch.chunks}>")(
+            (_norm_blocks(launch, rows),), (launch.threads,), (x, h, _i64(rows), _i32(d), w, np.float32(eps), s, out,
+                                                              _i32(launch.lanes), _i32(vec)))
         return s, out
 
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, positions, inv_freq):
@@ -594,9 +616,11 @@ class CudaOps:
         gate, _, _, gn1, gs0, gs1 = _rows(gate)
         out = cupy.empty(x.shape, self._act)
         if rows and d:
+            vec = _vectors_ok(d, x.itemsize, (x, x.itemsize, xs0, xs1), (gate, gate.itemsize, gs0, gs1))
+            launch = elementwise_launch(d // elementwise_vector(x.itemsize) if vec else d, rows)
             _kernel("elementwise", f"sigmoid_mul_kernel<{_tname(self._act)}>")(
-                (_grid(rows * d),), (_THREADS,), (x, _i64(xn1), _i64(xs0), _i64(xs1), gate, _i64(gn1), _i64(gs0),
-                                                  _i64(gs1), _i64(rows), _i32(d), out))
+                launch.grid, (launch.threads,), (x, _i64(xn1), _i64(xs0), _i64(xs1), gate, _i64(gn1), _i64(gs0),
+                                                 _i64(gs1), _i64(rows), _i32(d), out, _i32(launch.tx), _i32(vec)))
         return out
 
     def l2_normalize(self, x, eps=1e-6):
@@ -631,8 +655,11 @@ class CudaOps:
         inner = d // 2
         out = cupy.empty(x.shape[:-1] + (inner,), x.dtype)
         if rows and inner:
+            vec = _vectors_ok(inner, x.itemsize, (x, x.itemsize, s0))  # the up half starts inner elements on
+            launch = elementwise_launch(inner // elementwise_vector(x.itemsize) if vec else inner, rows)
             _kernel("elementwise", f"{kernel_name}<{_tname(x.dtype)}>")(
-                (_grid(rows * inner),), (_THREADS,), (x, _i64(rows), _i64(inner), _i64(s0), out))
+                launch.grid, (launch.threads,), (x, _i64(rows), _i64(inner), _i64(s0), out, _i32(launch.tx),
+                                                 _i32(vec)))
         return out
 
     def add(self, a, b):

@@ -3,81 +3,230 @@
 // outputs are contiguous. Grid-stride loops everywhere, so any grid size is correct.
 
 // ---- row norms -------------------------------------------------------------------------------------------------
+// A row of d elements is cut into chunks of NORM_V(TI) elements (16 bytes of the input type); the `lanes` threads of a
+// row own chunks lane, lane + lanes, ... Each thread sums the squares of its chunks in order (fmaf), then the row's
+// threads combine their sums: lanes <= 32 (a power of two): an xor butterfly within the lane group, several rows per
+// block; lanes > 32 (a multiple of 32, == blockDim.x): a butterfly per warp, then the warp sums in warp order, one row
+// per block. So a row's sum depends only on d and lanes (kernels/tuning.py norm_launch: a function of d and the
+// type), never on the row count, the grid or whether the chunks moved as 16-byte vectors (`vec`: every row base
+// aligned and d a multiple of the chunk) or element by element (the scalar path pads a ragged last chunk with zeros,
+// which add nothing). The first C chunks of a thread stay in registers between the sum and the output; any further
+// ones are read again.
+#define NORM_V(T) (16 / (int)sizeof(T))
+
+// N elements of T at p (aligned to N * sizeof(T), at most 16 bytes) moved as one vector
+template <typename T, int N>
+struct alignas(sizeof(T) * N) VecN { T v[N]; };
+
+// chunk of V elements at p (p + u * U aligned to the unit) -> fp32; units of min(16 bytes, the chunk)
+template <typename T, int V>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ p, float (&o)[V]) {
+    constexpr int U = V * (int)sizeof(T) >= 16 ? 16 / (int)sizeof(T) : V;
+#pragma unroll
+    for (int u = 0; u < V / U; ++u) {
+        const VecN<T, U> q = reinterpret_cast<const VecN<T, U>*>(p)[u];
+#pragma unroll
+        for (int k = 0; k < U; ++k) o[u * U + k] = to_f(q.v[k]);
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_chunk(T* __restrict__ p, const float (&o)[V]) {
+    constexpr int U = V * (int)sizeof(T) >= 16 ? 16 / (int)sizeof(T) : V;
+#pragma unroll
+    for (int u = 0; u < V / U; ++u) {
+        VecN<T, U> q;
+#pragma unroll
+        for (int k = 0; k < U; ++k) q.v[k] = from_f<T>(o[u * U + k]);
+        reinterpret_cast<VecN<T, U>*>(p)[u] = q;
+    }
+}
+
+// elements i0 .. i0 + V - 1 of a row of d (vec: one vector; else element by element, zeros past d)
+template <typename T, int V>
+__device__ __forceinline__ void read_chunk(const T* __restrict__ row, int i0, int d, bool vec, float (&o)[V]) {
+    if (vec) {
+        load_chunk<T, V>(row + i0, o);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) o[k] = i0 + k < d ? to_f(row[i0 + k]) : 0.f;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void write_chunk(T* __restrict__ row, int i0, int d, bool vec, const float (&o)[V]) {
+    if (vec) {
+        store_chunk<T, V>(row + i0, o);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        if (i0 + k < d) row[i0 + k] = from_f<T>(o[k]);
+}
+
+template <int V>
+__device__ __forceinline__ float sum_squares(float ss, const float (&v)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss = fmaf(v[k], v[k], ss);
+    return ss;
+}
+
+// chunk j (< C: else nothing) into / out of a thread's registers (static indices: no local-memory array)
+template <int C, int V>
+__device__ __forceinline__ void keep_chunk(float (&keep)[C][V], int j, const float (&v)[V]) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        if (c == j) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) keep[c][k] = v[k];
+        }
+    }
+}
+
+template <int C, int V>
+__device__ __forceinline__ void kept_chunk(const float (&keep)[C][V], int j, float (&v)[V]) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        if (c == j) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) v[k] = keep[c][k];
+        }
+    }
+}
+
+// The row's total of each thread's `ss` (see above); red: __shared__ float[64], `parity` alternates per row so one
+// barrier per row suffices (a thread writing the next row's half has passed this row's barrier, as have all readers
+// of the other half's previous row).
+__device__ __forceinline__ float norm_row_sum(float ss, int lanes, float* red, int parity) {
+    if (lanes <= 32) {
+        for (int o = lanes >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+        return ss;
+    }
+    ss = warp_sum(ss);
+    float* r = red + 32 * parity;
+    if ((threadIdx.x & 31) == 0) r[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < (lanes >> 5); ++i) t += r[i];
+    return t;
+}
+
 // MODE 0: RMSNorm * w     MODE 1: L2 normalise (x * rsqrt(sum x^2 + eps))     MODE 2: RMSNorm * w * silu(gate)
-// WARP_ROW: one warp per row (small D), else one 256-thread block per row.
-template <typename TI, typename TG, typename TO, int MODE, bool WARP_ROW>
+// x, gate: row views (row_offset); out contiguous [rows, d]; `lanes` threads per row as above, C chunks in registers.
+template <typename TI, typename TG, typename TO, int MODE, int C>
 __global__ void row_norm_kernel(const TI* __restrict__ x, i64 rows, int d, i64 n1, i64 s0, i64 s1,
                                 const TG* __restrict__ gate, i64 gn1, i64 gs0, i64 gs1,
-                                const float* __restrict__ w, float eps, TO* __restrict__ out) {
-    __shared__ float red[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int step = WARP_ROW ? 32 : blockDim.x;
-    const int first = WARP_ROW ? lane : threadIdx.x;
-    const i64 rows_per_block = WARP_ROW ? (blockDim.x >> 5) : 1;
-    for (i64 r = blockIdx.x * rows_per_block + (WARP_ROW ? warp : 0); r < rows; r += gridDim.x * rows_per_block) {
-        const TI* xr = x + row_offset(r, n1, s0, s1);
+                                const float* __restrict__ w, float eps, TO* __restrict__ out, int lanes, int vec) {
+    constexpr int V = NORM_V(TI);
+    __shared__ float red[64];
+    const int per_block = lanes <= 32 ? (int)blockDim.x / lanes : 1;
+    const int lane = lanes <= 32 ? (int)threadIdx.x % lanes : (int)threadIdx.x;
+    const int sub = lanes <= 32 ? (int)threadIdx.x / lanes : 0;
+    const int chunks = (d + V - 1) / V, per_thread = (chunks + lanes - 1) / lanes;
+    int parity = 0;
+    for (i64 base = (i64)blockIdx.x * per_block; base < rows; base += (i64)gridDim.x * per_block, parity ^= 1) {
+        const i64 r = base + sub;
+        const bool live = r < rows;  // every thread of a block runs each iteration (the shuffles and the barrier)
+        const TI* xr = x + (live ? row_offset(r, n1, s0, s1) : 0);
+        float xv[C][V];
         float ss = 0.f;
-        for (int i = first; i < d; i += step) {
-            const float v = to_f(xr[i]);
-            ss += v * v;
+        for (int j = 0; j < per_thread; ++j) {
+            const int i0 = (lane + j * lanes) * V;
+            float v[V];
+            if (live && i0 < d) {
+                read_chunk<TI, V>(xr, i0, d, vec, v);
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; ++k) v[k] = 0.f;
+            }
+            ss = sum_squares<V>(ss, v);
+            keep_chunk<C, V>(xv, j, v);
         }
-        ss = warp_sum(ss);
-        if (!WARP_ROW) {
-            if (lane == 0) red[warp] = ss;
-            __syncthreads();
-            float t = 0.f;
-            for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
-            ss = t;
-            __syncthreads();
-        }
+        ss = norm_row_sum(ss, lanes, red, parity);
+        if (!live) continue;
         const float inv = MODE == 1 ? 1.0f / sqrtf(ss + eps) : 1.0f / sqrtf(ss / (float)d + eps);
         TO* orow = out + r * (i64)d;
         const TG* gr = MODE == 2 ? gate + row_offset(r, gn1, gs0, gs1) : nullptr;
-        for (int i = first; i < d; i += step) {
-            float v = to_f(xr[i]) * inv;
-            if (MODE != 1) v *= w[i];
-            if (MODE == 2) v *= silu_f(to_f(gr[i]));
-            orow[i] = from_f<TO>(v);
+        for (int j = 0; j < per_thread; ++j) {
+            const int i0 = (lane + j * lanes) * V;
+            if (i0 >= d) break;
+            float v[V];
+            if (j < C) {
+                kept_chunk<C, V>(xv, j, v);
+            } else {
+                read_chunk<TI, V>(xr, i0, d, vec, v);
+            }
+            float wv[V], gv[V];
+            if (MODE != 1) read_chunk<float, V>(w, i0, d, vec, wv);
+            if (MODE == 2) read_chunk<TG, V>(gr, i0, d, vec, gv);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                v[k] = v[k] * inv;
+                if (MODE != 1) v[k] *= wv[k];
+                if (MODE == 2) v[k] *= silu_f(gv[k]);
+            }
+            write_chunk<TO, V>(orow, i0, d, vec, v);
         }
     }
 }
 
 // ---- fused norms ----------------------------------------------------------------------------------------------
 // The residual add and the next RMSNorm in one pass: sum = x + h (rounded to T), out = RMSNorm(sum) * w computed
-// from sum as stored, so both equal add_kernel's and then row_norm_kernel<MODE 0>'s (same loop order and blocks:
-// bit-identical). x, h, sum, out [rows, d] contiguous; WARP_ROW as row_norm_kernel.
-template <typename T, bool WARP_ROW>
+// from sum as stored, so both equal add_kernel's and then row_norm_kernel<MODE 0>'s (the same chunks, lanes and
+// order of the sums: bit-identical). x, h, sum, out [rows, d] contiguous; lanes, C, vec as row_norm_kernel.
+template <typename T, int C>
 __global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ h, i64 rows, int d,
                                     const float* __restrict__ w, float eps, T* __restrict__ sum,
-                                    T* __restrict__ out) {
-    __shared__ float red[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int step = WARP_ROW ? 32 : blockDim.x;
-    const int first = WARP_ROW ? lane : threadIdx.x;
-    const i64 rows_per_block = WARP_ROW ? (blockDim.x >> 5) : 1;
-    for (i64 r = blockIdx.x * rows_per_block + (WARP_ROW ? warp : 0); r < rows; r += gridDim.x * rows_per_block) {
-        const i64 base = r * (i64)d;
+                                    T* __restrict__ out, int lanes, int vec) {
+    constexpr int V = NORM_V(T);
+    __shared__ float red[64];
+    const int per_block = lanes <= 32 ? (int)blockDim.x / lanes : 1;
+    const int lane = lanes <= 32 ? (int)threadIdx.x % lanes : (int)threadIdx.x;
+    const int sub = lanes <= 32 ? (int)threadIdx.x / lanes : 0;
+    const int chunks = (d + V - 1) / V, per_thread = (chunks + lanes - 1) / lanes;
+    int parity = 0;
+    for (i64 base = (i64)blockIdx.x * per_block; base < rows; base += (i64)gridDim.x * per_block, parity ^= 1) {
+        const i64 r = base + sub;
+        const bool live = r < rows;
+        const i64 off = live ? r * (i64)d : 0;
+        float sv[C][V];
         float ss = 0.f;
-        for (int i = first; i < d; i += step) {
-            const T s = from_f<T>(to_f(x[base + i]) + to_f(h[base + i]));
-            sum[base + i] = s;
-            const float v = to_f(s);
-            ss += v * v;
+        for (int j = 0; j < per_thread; ++j) {
+            const int i0 = (lane + j * lanes) * V;
+            float v[V];
+            if (live && i0 < d) {
+                float a[V], b[V];
+                read_chunk<T, V>(x + off, i0, d, vec, a);
+                read_chunk<T, V>(h + off, i0, d, vec, b);
+#pragma unroll
+                for (int k = 0; k < V; ++k) v[k] = to_f(from_f<T>(a[k] + b[k]));  // the sum as stored
+                write_chunk<T, V>(sum + off, i0, d, vec, v);
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; ++k) v[k] = 0.f;
+            }
+            ss = sum_squares<V>(ss, v);
+            keep_chunk<C, V>(sv, j, v);
         }
-        ss = warp_sum(ss);
-        if (!WARP_ROW) {
-            if (lane == 0) red[warp] = ss;
-            __syncthreads();
-            float t = 0.f;
-            for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
-            ss = t;
-            __syncthreads();
-        }
+        ss = norm_row_sum(ss, lanes, red, parity);
+        if (!live) continue;
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int i = first; i < d; i += step) {  // this thread's own writes above: no barrier needed
-            float v = to_f(sum[base + i]) * inv;
-            v *= w[i];
-            out[base + i] = from_f<T>(v);
+        for (int j = 0; j < per_thread; ++j) {
+            const int i0 = (lane + j * lanes) * V;
+            if (i0 >= d) break;
+            float v[V], wv[V];
+            if (j < C) {
+                kept_chunk<C, V>(sv, j, v);
+            } else {
+                read_chunk<T, V>(sum + off, i0, d, vec, v);  // this thread's own writes above: no barrier needed
+            }
+            read_chunk<float, V>(w, i0, d, vec, wv);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                v[k] = v[k] * inv;
+                v[k] *= wv[k];
+            }
+            write_chunk<T, V>(out + off, i0, d, vec, v);
         }
     }
 }
@@ -131,54 +280,100 @@ __global__ void qk_norm_rotary_kernel(const T* __restrict__ q, i64 qst, i64 qsh,
 }
 
 // ---- elementwise --------------------------------------------------------------------------------------------
-// gate_up [rows, 2I] (row stride s0) -> silu(gate) * up [rows, I]
-template <typename T>
-__global__ void silu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
-    const i64 n = rows * inner;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / inner, i = e - r * inner;
-        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
-        out[e] = from_f<T>(silu_f(g) * u);
+// Row-wise elementwise launches (kernels/tuning.py elementwise_launch): a block is `tx` threads along a row times
+// blockDim.x / tx rows; grid (x: the row's units, y: row groups, grid-stride). A unit is a 16-byte vector of
+// NORM_V(T) elements when `vec` (row length, strides and bases multiples of it: kernels/cuda.py checks), else one
+// element; each element's arithmetic is the same on both paths. No 64-bit division.
+struct RowUnits {
+    i64 u, r0, rstep;  // this thread's unit of a row, its first row, the row step
+    __device__ __forceinline__ RowUnits(int tx) {
+        const int ry = (int)threadIdx.x / tx, rpb = (int)blockDim.x / tx;
+        u = (i64)blockIdx.x * tx + ((int)threadIdx.x - ry * tx);
+        r0 = (i64)blockIdx.y * rpb + ry;
+        rstep = (i64)gridDim.y * rpb;
+    }
+};
+
+// The GLUs: gate_up [rows, 2I] (row stride s0) -> act(gate) * up [rows, I].
+template <typename T, typename Act>
+__device__ __forceinline__ void glu_rows(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
+                                         int tx, int vec, Act act) {
+    constexpr int V = NORM_V(T);
+    const RowUnits t(tx);
+    const i64 u = t.u;
+    for (i64 r = t.r0; r < rows; r += t.rstep) {
+        const T* g = gu + r * s0;
+        T* o = out + r * inner;
+        if (vec) {
+            if (u * V >= inner) return;
+            float a[V], b[V];
+            load_chunk<T, V>(g + u * V, a);
+            load_chunk<T, V>(g + inner + u * V, b);
+#pragma unroll
+            for (int k = 0; k < V; ++k) a[k] = act(a[k]) * b[k];
+            store_chunk<T, V>(o + u * V, a);
+        } else {
+            if (u >= inner) return;
+            o[u] = from_f<T>(act(to_f(g[u])) * to_f(g[inner + u]));
+        }
     }
 }
 
-// gate_up [rows, 2I] (row stride s0) -> gelu_tanh(gate) * up [rows, I]  (GeGLU, tanh approximation)
-template <typename T>
-__global__ void gelu_tanh_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
-    const i64 n = rows * inner;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / inner, i = e - r * inner;
-        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
-        const float gelu = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-        out[e] = from_f<T>(gelu * u);
+struct SiluAct {
+    __device__ __forceinline__ float operator()(float g) const { return silu_f(g); }
+};
+struct GeluTanhAct {  // GeGLU, tanh approximation
+    __device__ __forceinline__ float operator()(float g) const {
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
     }
+};
+struct GeluAct {  // exact GELU, x * Phi(x), as torch's "gelu"; erfc of -x/sqrt(2): no cancellation for large negative x
+    __device__ __forceinline__ float operator()(float g) const { return 0.5f * g * erfcf(-0.7071067811865476f * g); }
+};
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out, int tx,
+                               int vec) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, SiluAct());
 }
 
-// gate_up [rows, 2I] (row stride s0) -> gelu(gate) * up [rows, I]  (exact GELU, x * Phi(x), as torch's "gelu")
-// erfc of -x/sqrt(2) instead of 1 + erf(x/sqrt(2)): no cancellation for large negative gates
 template <typename T>
-__global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out) {
-    const i64 n = rows * inner;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / inner, i = e - r * inner;
-        const float g = to_f(gu[r * s0 + i]), u = to_f(gu[r * s0 + inner + i]);
-        const float gelu = 0.5f * g * erfcf(-0.7071067811865476f * g);
-        out[e] = from_f<T>(gelu * u);
-    }
+__global__ void gelu_tanh_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
+                                     int tx, int vec) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, GeluTanhAct());
+}
+
+template <typename T>
+__global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out, int tx,
+                               int vec) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, GeluAct());
 }
 
 // out = x * sigmoid(gate) over rows of d (x, gate: row views as row_norm_kernel's; out contiguous); the sigmoid is
-// rounded to T first, as sigmoid_kernel's output then a product would round it.
+// rounded to T first, as sigmoid_kernel's output then a product would round it. Units as glu_rows' (vec: d, the
+// strides and bases aligned to NORM_V(T)); launched as the GLUs.
 template <typename T>
 __global__ void sigmoid_mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1, const T* __restrict__ gate,
-                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out) {
-    const i64 n = rows * d;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const i64 r = e / d;
-        const int i = (int)(e - r * d);
-        const float g = to_f(gate[row_offset(r, gn1, gs0, gs1) + i]);
-        const float sig = to_f(from_f<T>(1.0f / (1.0f + expf(-g))));
-        out[e] = from_f<T>(to_f(x[row_offset(r, xn1, xs0, xs1) + i]) * sig);
+                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out, int tx, int vec) {
+    constexpr int V = NORM_V(T);
+    const RowUnits t(tx);
+    const int u = (int)t.u;
+    if ((vec ? t.u * V : t.u) >= d) return;
+    for (i64 r = t.r0; r < rows; r += t.rstep) {
+        const T* xr = x + row_offset(r, xn1, xs0, xs1);
+        const T* gr = gate + row_offset(r, gn1, gs0, gs1);
+        T* o = out + r * (i64)d;
+        if (vec) {
+            float a[V], g[V];
+            load_chunk<T, V>(xr + u * V, a);
+            load_chunk<T, V>(gr + u * V, g);
+#pragma unroll
+            for (int k = 0; k < V; ++k) a[k] *= to_f(from_f<T>(1.0f / (1.0f + expf(-g[k]))));
+            store_chunk<T, V>(o + u * V, a);
+        } else {
+            const float sig = to_f(from_f<T>(1.0f / (1.0f + expf(-to_f(gr[u])))));
+            o[u] = from_f<T>(to_f(xr[u]) * sig);
+        }
     }
 }
 

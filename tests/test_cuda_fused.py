@@ -21,7 +21,9 @@ from test_cuda_kernels import TOL, act_round, host, ops, ref, rel, rnd  # noqa: 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
 
-@pytest.mark.parametrize("rows,d", [(1, 16), (19, 64), (64, 2560), (7, 3000)])  # warp rows and block rows
+# lane groups, warps, a block per row; decode's 64 x 2560, a ragged row (element path), rows that re-read chunks
+@pytest.mark.parametrize("rows,d", [(1, 16), (19, 64), (64, 2560), (7, 3000), (33, 2562), (300, 128), (5, 1000),
+                                    (3, 40000), (2048, 2560)])
 def test_add_rms_norm(ops, ref, rows, d):
     rng = np.random.default_rng(d + rows)
     x, h = act_round(ops, rnd(rng, rows, d, scale=2.0)), act_round(ops, rnd(rng, rows, d))
@@ -38,6 +40,25 @@ def test_add_rms_norm(ops, ref, rows, d):
     assert np.array_equal(ops.to_host(s), ops.to_host(s2)) and np.array_equal(ops.to_host(n), ops.to_host(n2))
     with pytest.raises(ValueError):
         ops.add_rms_norm(dx, dh[:, :-1], dw, 1e-6)
+
+
+@pytest.mark.parametrize("d", [128, 2560, 2568])
+def test_norms_alike_on_every_path(ops, d):
+    """A row's norm has the same bits whether its chunks move as 16-byte vectors (an aligned row) or element by
+    element (a view one element in), and whatever the batch around it (the order depends on d alone)."""
+    rng = np.random.default_rng(d)
+    wide = ops.upload(act_round(ops, rnd(rng, 70, d + 1, scale=2.0)))
+    w = ops.upload(rnd(rng, d) + 1.0, np.float32)
+    view = wide[:, 1:]  # rows start one element in: the element path
+    dense = cupy.ascontiguousarray(view)  # the same values, aligned: the vector path (d permitting)
+    for op in (lambda a: ops.rms_norm(a, w, 1e-6), ops.l2_normalize,
+               lambda a: ops.gated_rms_norm(a, a, w, 1e-6)):
+        a, b = ops.to_host(op(view)), ops.to_host(op(dense))
+        assert np.array_equal(a, b)
+        assert np.array_equal(ops.to_host(op(dense[:1])), b[:1]) and np.array_equal(ops.to_host(op(dense[64:])), b[64:])
+    s, n = ops.add_rms_norm(dense, dense, w, 1e-6)
+    s1, n1 = ops.add_rms_norm(dense[3:4], dense[3:4], w, 1e-6)
+    assert np.array_equal(ops.to_host(n)[3:4], ops.to_host(n1))
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -86,6 +107,33 @@ def test_sigmoid_mul_strided_gate(ops, ref):
     assert rel(host(ops, got), ref.sigmoid_mul(x, qg[:, :, d:])) <= TOL[ops.dtype_name]
     with pytest.raises(ValueError):
         ops.sigmoid_mul(ops.upload(x), ops.upload(qg))
+
+
+@pytest.mark.parametrize("rows,inner", [(64, 9216), (3, 37), (9, 48), (2, 8)])
+def test_glus_alike_on_every_path(ops, ref, rows, inner):
+    """silu / gelu_tanh / gelu_mul on aligned rows (16-byte vectors) and on the same rows one element into a wider
+    buffer (element by element): the same bits, and the reference's numbers."""
+    rng = np.random.default_rng(inner)
+    wide = act_round(ops, rnd(rng, rows, 2 * inner + 1, scale=3.0))
+    dwide = ops.upload(wide)
+    for op, rop in ((ops.silu_mul, ref.silu_mul), (ops.gelu_tanh_mul, ref.gelu_tanh_mul),
+                    (ops.gelu_mul, ref.gelu_mul)):
+        shifted = op(dwide[:, 1:])
+        dense = op(cupy.ascontiguousarray(dwide[:, 1:]))
+        assert np.array_equal(ops.to_host(shifted), ops.to_host(dense))
+        assert rel(host(ops, dense), rop(wide[:, 1:])) <= TOL[ops.dtype_name]
+
+
+@pytest.mark.parametrize("t,h,d", [(64, 16, 256), (3, 5, 20), (8192, 1, 256)])
+def test_sigmoid_mul_alike_on_every_path(ops, ref, t, h, d):
+    rng = np.random.default_rng(d + t)
+    x = act_round(ops, rnd(rng, t, h, d))
+    qg = act_round(ops, rnd(rng, t, h, 2 * d + 1, scale=3.0))
+    dx, dqg = ops.upload(x), ops.upload(qg)
+    aligned = ops.sigmoid_mul(dx, dqg[:, :, d + 1:])  # head stride 2d + 1: element path for every d
+    dense = ops.sigmoid_mul(dx, cupy.ascontiguousarray(dqg[:, :, d + 1:]))
+    assert np.array_equal(ops.to_host(aligned), ops.to_host(dense))
+    assert rel(host(ops, dense), ref.sigmoid_mul(x, qg[:, :, d + 1:])) <= TOL[ops.dtype_name]
 
 
 def test_fused_ops_capture_and_replay(ops):

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from prefixrun.kernels.tuning import GDN_TC_WARPS, AttentionPlan, CudaTuning, DeltaRuleLaunch, attention_plan, \
-    delta_rule_launch
+from prefixrun.kernels.tuning import GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, DeltaRuleLaunch, \
+    NormLaunch, attention_plan, delta_rule_launch, norm_launch
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
@@ -217,3 +217,29 @@ def test_every_choice_names_a_compiled_kernel():
                                       table_width=40, block_size=64, window=0, tensor_cores=True, shared=shared)
                 for warps in {plan.warps, plan.own_warps} - {0}:
                     assert f"attn_mma_kernel<{d}, {plan.keys}, {warps}>" in cuda._NAMES["attention"]
+
+
+@pytest.mark.parametrize("d,itemsize,want", [
+    # the 4b-like model's norms: hidden 2560 (a block of 320 threads per row, one 16-byte chunk each; fp32 two),
+    # Gated DeltaNet heads of 128 (16 lanes, 8 rows a block), attention heads of 256 (a warp)
+    (2560, 2, NormLaunch(320, 1, 320)), (2560, 4, NormLaunch(320, 2, 320)),
+    (128, 2, NormLaunch(16, 1, 128)), (128, 4, NormLaunch(32, 1, 128)), (256, 2, NormLaunch(32, 1, 128)),
+    (1024, 2, NormLaunch(32, 4, 128)), (520, 2, NormLaunch(32, 4, 128)), (4096, 2, NormLaunch(512, 1, 512)),
+    (8192, 2, NormLaunch(512, 2, 512)), (5, 2, NormLaunch(1, 1, 128)), (40, 4, NormLaunch(16, 1, 128)),
+    (100000, 2, NormLaunch(1024, 4, 1024)),  # wider than 1024 x 4 chunks: further chunks read twice
+])
+def test_norm_launch(d, itemsize, want):
+    got = norm_launch(d, itemsize)
+    assert got == want
+    assert got.chunks in NORM_CHUNKS and (got.lanes <= 32 or got.threads == got.lanes and got.lanes % 32 == 0)
+    assert got.lanes * got.chunks * (16 // itemsize) >= d or got.lanes == 1024
+
+
+def test_norm_launch_depends_on_the_row_only():
+    """The reduction order of a row follows from (d, itemsize) alone: there is no row-count argument to vary, and
+    lane groups tile a block exactly (rows of a block never share a warp's shuffles unevenly)."""
+    for d in range(1, 3000, 7):
+        for item in (2, 4):
+            launch = norm_launch(d, item)
+            assert launch.threads % launch.lanes == 0 or launch.lanes > 32
+            assert launch.rows_per_block >= 1
