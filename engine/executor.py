@@ -250,7 +250,8 @@ class WindowExecutor:
         # graph the new sequences will replay run while the device computes the steps queued above
         for task, h, lg, run in zip(group, handles, logits, runs):
             self._finish_task(task, h, lg, run)
-        if self.starting and self.pipeline is not None:
+        if self.starting and (not self.sched.pending or
+                              len(self.decoding) + len(self.starting) >= e.opts.max_batch):  # decoding is next
             e.runner.prepare_decode([s for s in self.decoding if not s.done] + [s for s, _ in self.starting])
         e.ops.synchronize()
         seconds = time.perf_counter() - t0

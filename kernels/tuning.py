@@ -260,6 +260,7 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
 NORM_CHUNKS = (1, 2, 4)  # row_norm_kernel / add_rms_norm_kernel instantiations: 16-byte chunks kept in registers
 NORM_MAX_LANES = 512  # threads of one row (a block) before a thread keeps several chunks
 NORM_SUBWARP_THREADS = 128  # block size when a row takes at most a warp (several rows per block)
+NORM_WIDE_LANES = 256  # threads of a row wider than NORM_MAX_LANES x NORM_CHUNKS[-1] chunks
 
 
 @dataclass(frozen=True)
@@ -293,9 +294,10 @@ def norm_launch(d: int, itemsize: int) -> NormLaunch:
         lanes = 32 * -(-chunks // (32 * c))
         if lanes <= NORM_MAX_LANES:
             return NormLaunch(lanes, c, lanes)
+    # wider rows: threads read their further chunks twice; 256 threads, as 1024 threads of 4 register chunks
+    # asked for more registers than a block may have (d = 40000, bf16, on the H200)
     c = NORM_CHUNKS[-1]
-    lanes = min(1024, 32 * -(-chunks // (32 * c)))  # wider rows: threads read their further chunks twice
-    return NormLaunch(lanes, c, lanes)
+    return NormLaunch(NORM_WIDE_LANES, c, NORM_WIDE_LANES)
 
 
 def elementwise_vector(itemsize: int) -> int:

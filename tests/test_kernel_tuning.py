@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from prefixrun.kernels.tuning import GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, DeltaRuleLaunch, \
-    NormLaunch, attention_plan, delta_rule_launch, norm_launch
+    NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, norm_launch
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
@@ -226,13 +226,13 @@ def test_every_choice_names_a_compiled_kernel():
     (128, 2, NormLaunch(16, 1, 128)), (128, 4, NormLaunch(32, 1, 128)), (256, 2, NormLaunch(32, 1, 128)),
     (1024, 2, NormLaunch(32, 4, 128)), (520, 2, NormLaunch(32, 4, 128)), (4096, 2, NormLaunch(512, 1, 512)),
     (8192, 2, NormLaunch(512, 2, 512)), (5, 2, NormLaunch(1, 1, 128)), (40, 4, NormLaunch(16, 1, 128)),
-    (100000, 2, NormLaunch(1024, 4, 1024)),  # wider than 1024 x 4 chunks: further chunks read twice
+    (100000, 2, NormLaunch(256, 4, 256)),  # wider than 512 x 4 chunks: further chunks read twice
 ])
 def test_norm_launch(d, itemsize, want):
     got = norm_launch(d, itemsize)
     assert got == want
     assert got.chunks in NORM_CHUNKS and (got.lanes <= 32 or got.threads == got.lanes and got.lanes % 32 == 0)
-    assert got.lanes * got.chunks * (16 // itemsize) >= d or got.lanes == 1024
+    assert got.lanes * got.chunks * (16 // itemsize) >= d or got.lanes == NORM_WIDE_LANES
 
 
 def test_norm_launch_depends_on_the_row_only():
