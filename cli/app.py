@@ -280,7 +280,7 @@ def open_batch_run(reporter: RunReporter, settings: dict, source=None):
     try:
         from prefixrun.cli.batch_run import BatchRun
 
-        return BatchRun(reporter=reporter, **settings)
+        return BatchRun(reporter=reporter, input_ahead=source, **settings)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
         if source is not None:
             source.close()

@@ -15,14 +15,17 @@ from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 
 class BatchRun:
     """devices / ray_address: run the engine work in worker processes, one per device (`--devices`), or on
-    Ray actors (`--ray`); this process then loads only the tokenizer and config, never the weights."""
+    Ray actors (`--ray`); this process then loads only the tokenizer and config, never the weights.
+    input_ahead: the input stream `execute` will read; where it is a regular file, its first window's prompts are
+    read on a thread while the model loads (cli/input_ahead.py), so the persistent cache reads their stored
+    prefixes meanwhile (engine/cache_opening.py). The stream itself is read by `execute` only."""
 
     def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int | None, window: int,
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
                  cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES,
                  chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
                  ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
-                 num_draft_tokens: int = 0):
+                 num_draft_tokens: int = 0, input_ahead=None):
         from prefixrun.engine import loader
         from prefixrun.engine.model_maker import ensure_default_model
         from prefixrun.engine.session import EngineSession, EngineSettings
@@ -34,10 +37,23 @@ class BatchRun:
                                   checkpoint_budget, state_memory, reuse, use_cache, cache_budget, cache_policy,
                                   speculative, num_draft_tokens)
         self.session = None  # the in-process engine session, when there is one
+        self._ahead = None  # the first window read ahead (cli/input_ahead.py)
         if devices is None and ray_address is None:
-            self.session = EngineSession(settings)
+            front = loader.load_front(Path(model_dir))
+            self._set_front(front, sampling_overrides, chat_template_kwargs)
+            upcoming = None
+            if input_ahead is not None and use_cache and reuse:
+                from prefixrun.cli.input_ahead import FirstWindowAhead
+
+                self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, max_line_bytes)
+                upcoming = self._ahead.prompts
+            try:
+                self.session = EngineSession(settings, front=front, upcoming=upcoming)
+            except BaseException:
+                if self._ahead is not None:
+                    self._ahead.stop()
+                raise
             self.backend = self.session
-            front = self.session.loaded
         else:
             # worker processes start first and load their models while this process loads the tokenizer, reads,
             # tokenizes and plans the first window (the pool waits for them in its first run)
@@ -47,15 +63,10 @@ class BatchRun:
             except BaseException:
                 self.backend.abort()
                 raise
+            self._set_front(front, sampling_overrides, chat_template_kwargs)
         self._warned = 0  # backend warnings shown so far (workers report theirs when they are ready)
         self._show_backend_warnings()
         self.model_name = Path(model_dir).name
-        # A line's own values win over these: the command line's, then the model's generation_config.
-        self.defaults = SamplingDefaults(**sampling_overrides).over(front.defaults.sampling)
-        config = front.config
-        self.prompts = PromptEncoder(front.tokenizer, vocab_size=config.vocab_size,
-                                     context_tokens=config.max_position_embeddings,
-                                     chat_template_kwargs=chat_template_kwargs)
         self._unknown_keys: dict[str, int] = {}  # key -> first line number, for the one warning about them
         self._unknown_keys_warned = 0
         self.window = window
@@ -63,6 +74,25 @@ class BatchRun:
         self.done = 0
         self.skipped = 0  # lines that already had a result (--resume)
         self.max_line_bytes = max_line_bytes
+
+    def _set_front(self, front, sampling_overrides: dict, chat_template_kwargs: dict | None):
+        # A line's own values win over these: the command line's, then the model's generation_config.
+        self.defaults = SamplingDefaults(**sampling_overrides).over(front.defaults.sampling)
+        config = front.config
+        self.prompts = PromptEncoder(front.tokenizer, vocab_size=config.vocab_size,
+                                     context_tokens=config.max_position_embeddings,
+                                     chat_template_kwargs=chat_template_kwargs)
+
+    def _tokens_ahead(self, raw: io.RawLine) -> list[int] | None:
+        """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it
+        will reject (its own set of seen ids: duplicates are for `execute` to report)."""
+        item = io.parse_line(raw, self.defaults, set())
+        if isinstance(item, io.LineError):
+            return None
+        try:
+            return self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling).prompt_token_ids
+        except InvalidRequest:
+            return None
 
     @property
     def loaded(self):
@@ -76,6 +106,8 @@ class BatchRun:
 
     # ---- the run ------------------------------------------------------------------------------------------
     def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
+        if self._ahead is not None:
+            self._ahead.stop()  # the run reads its input itself from here (the hint read no byte of this stream)
         started = time.perf_counter()
         seen: set[str] = set()
         window: list[tuple[io.ParsedRequest, Request]] = []

@@ -50,7 +50,7 @@ from prefixrun.engine.blob_format import threads as blob_threads
 from prefixrun.engine.cache_costs import CacheCosts, CostModel, ReadCalibration, human_bytes, load_rates, \
     save_rates
 from prefixrun.engine.state import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, layout_digest, \
-    state_layout
+    pool_unit_bytes, state_layout
 from prefixrun.engine.kv_blocks import block_rows
 from prefixrun.engine.store import CheckpointStore, StoredCheckpoint, StoreError, StoreKey
 from prefixrun.kernels.numerics import numerics_id
@@ -123,13 +123,14 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
                policy: str = "measured", calibration: ReadCalibration | None = None,
                opening: StoreOpening | None = None) -> tuple[PersistentCheckpoints | None, str | None]:
     """(the cache of `loaded` under `root`, None) or (None, the one-line reason it cannot be used this run).
+    `loaded`: a LoadedModel, or a load under way (loader.Loading: the key is known before the weights upload).
     Opening also does the store's bounded maintenance (leftovers of killed writers, quarantine, budget); `opening`:
     that work started earlier (`StoreOpening(root, budget_bytes)`, while the model loaded)."""
     store = None
     try:
         store = (opening or StoreOpening(root, budget_bytes)).join()
         key = StoreKey(model_key(loaded.config, loaded.weights_digest(Path(root) / "digests"), loaded.ops),
-                       layout_key(loaded.model.state_specs(), loaded.ops, block_size))
+                       layout_key(loaded.state_specs(), loaded.ops, block_size))
     except _STORE_FAILURES as error:
         if store is not None:
             store.close()
@@ -285,7 +286,8 @@ class PersistentCheckpoints:
         self._writer: _BackgroundWriter | None = None
         self._warned = threading.Lock()
         self._calibration = None
-        # read-ahead (prefetch): prefix -> [done event, checkpoint or None], filled by one background thread
+        # read-ahead (prefetch): prefix -> [done event, checkpoint or None, rows on the device or None, generation of
+        # the latest prefetch that wants it], filled by one background thread
         self._ahead: dict[tuple[int, ...], list] = {}
         self._ahead_bytes = 0
         self._ahead_lock = threading.Lock()
@@ -297,6 +299,11 @@ class PersistentCheckpoints:
         # of four 16k-token documents, 562 MiB each; the fourth was read on the engine's critical path, 0.14 s)
         self.max_prefetch_bytes = max_pending_write_bytes()
         self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
+        # set once the engine's pools exist (`attach`): before, read-ahead entries are read and checked on the host
+        # but none is moved to the device (a read-ahead started while the weights load must not take the device
+        # memory the pools are sized from); `_ahead_stopping`: the read-ahead is being stopped, nothing more uploads
+        self._device_ready = threading.Event()
+        self._ahead_stopping = False
         # (entry id, blob) -> {paged region: its rows on the device}, of a read-ahead entry a lookup has just taken
         self._taken_on_device: dict[tuple[str, str], dict] = {}
         self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
@@ -323,12 +330,27 @@ class PersistentCheckpoints:
 
     def _learn_layout(self, state: ModelState):
         """The paged regions and the K/V rows per stored block of `state` (one layout per run)."""
+        self.expect_layout(state.specs, state.block_size)
+
+    def expect_layout(self, specs, block_size: int):
+        """The state layout the engine will have (`specs`, its K/V block size), known before its pools exist (e.g.
+        from a dry build while the weights load): read-ahead can then pick entries by their K/V blocks and check
+        them against the model before the engine is built. One layout per run: the first one given counts."""
         if self._engine_block_size:
             return
-        self._kv_names = [s.name for s in state.specs if s.paged]
+        if self._ahead_layout is None:
+            self._ahead_layout = state_layout(specs, self.ops)
+        self._kv_names = [s.name for s in specs if s.paged]
         if self._kv_names:
-            self._block_rows = block_rows(state.block_size, state.block_bytes // state.block_size)
-        self._engine_block_size = state.block_size
+            _, block_bytes = pool_unit_bytes(specs, self.ops, block_size)
+            self._block_rows = block_rows(block_size, block_bytes // block_size)
+        self._engine_block_size = block_size
+
+    def attach(self, state: ModelState):
+        """The engine's pools exist (`state`): read-ahead entries may now go to the device (`ops.upload_ahead`)."""
+        self._ahead_layout = state_layout(state.specs, state.ops)
+        self._learn_layout(state)
+        self._device_ready.set()
 
     def _resident_rows(self, share: StateHandle | None) -> int:
         """K/V rows an import sharing `share` takes from memory (its whole blocks): not read from disk."""
@@ -457,17 +479,14 @@ class PersistentCheckpoints:
         longest indexed prefix in (task.start, task.end] that the cost model would read. Chosen here from the index
         (no file is opened on this thread, so a lookup right after finds them registered and waits instead of
         reading twice); read in that order on the prefetch thread. Entries wait in memory (at most
-        `max_prefetch_bytes`) until a lookup takes them; a new window's call drops the unused ones."""
+        `max_prefetch_bytes`) until a lookup takes them. A later call keeps the entries it chooses again (read, or
+        being read: e.g. the first window's, read ahead while the model loaded, `engine/cache_opening.py`) and
+        drops the unused ones. `state`: the engine's pools (`attach`); None before the engine exists."""
         if self.store_error is not None:
             return
         if state is not None:
-            self._ahead_layout = state_layout(state.specs, state.ops)
-            self._learn_layout(state)
-        with self._ahead_lock:
-            self._ahead_generation += 1
-            self._drop_unused_read_ahead()
-            generation = self._ahead_generation
-        chosen, level, seen = [], list(roots), set()
+            self.attach(state)
+        candidates, level, seen = [], list(roots), set()
         try:
             while level:
                 for task in level:
@@ -480,23 +499,39 @@ class PersistentCheckpoints:
                     prefix = tokens[:n]
                     if self.cost_model.judge_read(n - task.start, nbytes) is not None:
                         continue  # the lookup will not read it (and will say why)
-                    with self._ahead_lock:
-                        if prefix in self._ahead or self._ahead_bytes + nbytes > self.max_prefetch_bytes:
-                            continue
-                        self._ahead[prefix] = [threading.Event(), None, None]  # done, checkpoint, rows on device
-                        self._ahead_bytes += nbytes
                     seen.add(prefix)
-                    chosen.append((prefix, nbytes, resident))
+                    candidates.append((prefix, nbytes, resident))
                 level = [c for t in level for c in t.consumers]
         except _STORE_FAILURES as error:
             self._give_up("prefetch", error)
+        chosen = []
+        with self._ahead_lock:
+            self._ahead_generation += 1
+            generation = self._ahead_generation
+            # entries read and not chosen again are dropped first (their bytes are room for this window's);
+            # an entry the read-ahead could not use (None) is chosen afresh
+            for prefix in [p for p, slot in self._ahead.items()
+                           if slot[0].is_set() and (p not in seen or slot[1] is None)]:
+                checkpoint = self._ahead.pop(prefix)[1]
+                if checkpoint is not None:
+                    self._ahead_bytes -= checkpoint.nbytes
+            for prefix, nbytes, resident in candidates:
+                slot = self._ahead.get(prefix)
+                if slot is not None:  # read or being read for an earlier call: this window wants it too
+                    slot[3] = generation
+                    continue
+                if self._ahead_bytes + nbytes > self.max_prefetch_bytes:
+                    continue
+                self._ahead[prefix] = [threading.Event(), None, None, generation]
+                self._ahead_bytes += nbytes
+                chosen.append((prefix, nbytes, resident))
         if not chosen:
             return
         if self._ahead_thread is None:
             self._ahead_thread = threading.Thread(target=self._read_ahead, name="prefixrun-cache-prefetch",
                                                   daemon=True)
             self._ahead_thread.start()
-        self._ahead_queue.put((generation, chosen))
+        self._ahead_queue.put(chosen)
 
     def _read_ahead(self):
         """On the prefetch thread: read the chosen entries in order; each read entry goes to the staging thread
@@ -509,14 +544,14 @@ class PersistentCheckpoints:
                 job = self._ahead_queue.get()
                 if job is None:
                     return
-                generation, chosen = job
-                for prefix, nbytes, resident in chosen:
+                for prefix, nbytes, resident in job:
                     with self._ahead_lock:
                         slot = self._ahead.get(prefix)
                     if slot is None or slot[0].is_set():
                         continue
                     checkpoint, seconds = None, 0.0
-                    if generation == self._ahead_generation and self.store_error is None:
+                    # read only what the latest prefetch still wants (a new window's plan may not)
+                    if slot[3] == self._ahead_generation and self.store_error is None:
                         started = time.perf_counter()
                         try:
                             checkpoint = self.store.read_entry(self.key, prefix, resident)
@@ -550,7 +585,9 @@ class PersistentCheckpoints:
                     self.costs.prefetch_block_bytes += checkpoint.block_bytes
                     self.costs.prefetch_seconds += seconds
                     self.cost_model.observe_read(checkpoint.nbytes, seconds)
-                    slot[2] = self._upload_ahead(checkpoint)
+                    self._device_ready.wait()  # the engine's pools first (`attach`)
+                    if not self._ahead_stopping:
+                        slot[2] = self._upload_ahead(checkpoint)
             except Exception as error:  # optional as the read-ahead is: the lookup reads the entry itself
                 checkpoint = None
                 log.warning("persistent checkpoint cache: read-ahead failed (%s)", _describe(error))
@@ -629,11 +666,21 @@ class PersistentCheckpoints:
         if self._ahead_thread is not None:
             with self._ahead_lock:
                 self._ahead_generation += 1
+            self._ahead_stopping = True
+            attached = self._device_ready.is_set()
+            self._device_ready.set()  # a staging thread waiting for the engine's pools moves on (uploading nothing)
             self._ahead_queue.put(None)
             self._ahead_thread.join()
             self._ahead_thread = None
+            self._ahead_stopping = False
+            if not attached:
+                self._device_ready.clear()
         with self._ahead_lock:
             self._drop_unused_read_ahead()
+
+    def stop_read_ahead(self):
+        """Stop the read-ahead and forget what it read (e.g. the run stops before its engine exists)."""
+        self._stop_read_ahead()
 
     # ---- write --------------------------------------------------------------------------------------------
     def offer(self, tokens, state: ModelState, handle: StateHandle, logits) -> bool:

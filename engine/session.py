@@ -36,7 +36,12 @@ class EngineSettings:
 
 
 class EngineSession:
-    def __init__(self, settings: EngineSettings):
+    """`front`: the model's front, loaded already by the caller (its tokenizer reads the input meanwhile).
+    `upcoming`: a Future of the token ids of the prompts the first run will be given, e.g. read from the input
+    on another thread while the weights load: a hint to read their stored prefixes ahead meanwhile
+    (engine/cache_opening.py); it never changes what runs."""
+
+    def __init__(self, settings: EngineSettings, front=None, upcoming=None):
         from prefixrun.engine import loader
         from prefixrun.engine.runner import Engine, EngineOptions
 
@@ -50,16 +55,26 @@ class EngineSession:
 
             # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
             calibration = start_calibration(Path(s.cache_root))
-        opening = None
+        opening = self._cache_opening = None
         if s.use_cache and s.reuse:
             from prefixrun.engine.persist import StoreOpening
 
             opening = StoreOpening(Path(s.cache_root), s.cache_budget)  # its maintenance runs while the weights load
         try:
-            self.loaded = loader.load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
-                                      max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch)
-        except BaseException:
+            loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
+                                        max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front)
             if opening is not None:
+                from prefixrun.engine.cache_opening import CacheOpening
+
+                # the cache key and the first window's read-ahead, while the weights upload
+                self._cache_opening = CacheOpening(Path(s.cache_root), s.cache_budget, loading,
+                                                   loading.ops.default_block_size, s.cache_policy, calibration,
+                                                   opening, upcoming)
+            self.loaded = loading.finish()
+        except BaseException:
+            if self._cache_opening is not None:
+                self._cache_opening.abandon()
+            elif opening is not None:
                 opening.abandon()
             raise
         ops = self.loaded.ops
@@ -80,12 +95,9 @@ class EngineSession:
                              reuse=s.reuse, block_size=ops.default_block_size, speculative=s.speculative,
                              num_draft_tokens=s.num_draft_tokens)
         self.store = self.persist = None
-        if s.use_cache and s.reuse:
-            from prefixrun.engine.persist import open_cache
-
+        if self._cache_opening is not None:
             # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
-            self.persist, problem = open_cache(s.cache_root, s.cache_budget, self.loaded, opts.block_size,
-                                                 s.cache_policy, calibration, opening)
+            self.persist, problem = self._cache_opening.join(self.loaded)
             if problem:
                 self.warnings.append(problem)
             self.store = self.persist.store if self.persist is not None else None
@@ -93,9 +105,15 @@ class EngineSession:
                              tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist)
         if self.persist is not None:
             self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
+            self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+
+    def _end_hints(self):
+        if self._cache_opening is not None:
+            self._cache_opening.close()
 
     # ---- the engine's interface ---------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> Iterator[Result]:
+        self._end_hints()  # the engine's own prefetch decides from here
         return self.engine.run(requests)
 
     @property
@@ -110,6 +128,7 @@ class EngineSession:
         the final report was taken from it)."""
         if self._final_report is not None:
             return
+        self._end_hints()
         self.engine.close()
         if self.persist is not None:
             self.persist.finish()  # the background writer's last entries

@@ -95,3 +95,9 @@ def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max
         shapes[(int(a.shape[0]), int(a.shape[1]), output)] = logit_rows if key in head_ids else linear_rows
     gemms = tuple(GemmShape(n, k, rows, output) for (n, k, output), rows in sorted(shapes.items()))
     return KernelPlan(gemms, ops.nbytes)
+
+
+def dry_state_specs(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False):
+    """The state regions (RegionSpecs) of `cfg`'s model, from the same dry build: known before the weights upload
+    (the persistent cache's layout key, engine/cache_opening.py). Raises what the build raises."""
+    return build_model(cfg, tensors, _ShapeOps(act_dtype), mtp).state_specs()

@@ -1,0 +1,114 @@
+"""The persistent cache opened, and the first window's stored prefixes read ahead, while the model loads
+(engine/cache_opening.py, cli/input_ahead.py): the warm run's reads leave the engine's critical path; answers,
+accounting and the input stream stay exactly as they were."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from typer.testing import CliRunner
+
+from prefixrun.cli.app import app
+from prefixrun.cli.input_ahead import FirstWindowAhead
+from prefixrun.engine import loader
+from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.store import CheckpointStore
+
+DOCUMENT = list(range(3, 203))  # 200 tokens
+FIRST = [DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(4)]
+SECOND = [DOCUMENT + [310 + i, 410 + i, 460 + i] for i in range(4)]  # new questions over the stored document
+
+
+def write_input(path, prompts):
+    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt_token_ids": p, "max_tokens": 4,
+                                        "temperature": 0}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def batch(model, input_path, report, *extra):
+    res = CliRunner().invoke(app, ["batch", str(input_path), "--model", str(model), "--device", "cpu", "-q",
+                                   "--json-report", str(report), *map(str, extra)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    tokens = {r["custom_id"]: r["token_ids"] for r in map(json.loads, res.stdout.splitlines())}
+    return tokens, json.loads(report.read_text())
+
+
+def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(tmp_path, monkeypatch):
+    """A stand-in slow load: the weights' build waits until the read-ahead has begun (at most 20 s). Before, the
+    read-ahead began only once the engine planned its first window, after the load: the build waited in vain."""
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    cache = tmp_path / "cache"
+    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
+          "--cache-policy", "always")
+    second = write_input(tmp_path / "second.jsonl", SECOND)
+    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
+
+    reading = threading.Event()
+    order: list[str] = []
+    reads: list[int] = []
+    real_read_entry, real_build = CheckpointStore.read_entry, loader.build_model
+
+    def read_entry(self, key, tokens, *args, **kwargs):
+        order.append("read ahead")
+        reads.append(len(tokens))
+        reading.set()
+        return real_read_entry(self, key, tokens, *args, **kwargs)
+
+    def slow_build(*args, **kwargs):
+        reading.wait(20)  # the weights take as long as the read-ahead needs to begin
+        model = real_build(*args, **kwargs)
+        order.append("weights loaded")
+        return model
+
+    monkeypatch.setattr(CheckpointStore, "read_entry", read_entry)
+    monkeypatch.setattr(loader, "build_model", slow_build)
+    warm, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    assert order[:2] == ["read ahead", "weights loaded"]
+    assert warm == expected  # the cache never changes an answer
+    costs = report["cache"]["costs"]
+    # the lookups took what was read ahead during the load; the engine's own prefetch kept it (read once)
+    assert costs["prefetch_used_bytes"] > 0 and costs["read_bytes"] == 0 and reads == [len(DOCUMENT)]
+    assert report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
+    assert report["reused_tokens"] == report["reused_from_disk_tokens"]  # nothing shared in memory besides
+
+
+def test_a_damaged_entry_read_ahead_during_the_load_is_still_a_miss(tmp_path):
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    cache = tmp_path / "cache"
+    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
+          "--cache-policy", "always")
+    for blob in (cache / "checkpoints").rglob("*.safetensors"):
+        with open(blob, "r+b") as handle:
+            handle.seek(-7, 2)
+            handle.write(b"\xff" * 7)
+    second = write_input(tmp_path / "second.jsonl", SECOND)
+    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
+    damaged, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    assert damaged == expected and report["reused_from_disk_tokens"] == 0
+    assert report["cache"]["corrupt"] >= 1
+
+
+def tokens_of(raw):
+    return json.loads(raw.data)["prompt_token_ids"]
+
+
+def test_a_file_is_read_ahead_without_moving_the_runs_stream(tmp_path):
+    path = write_input(tmp_path / "in.jsonl", FIRST + SECOND)
+    with open(path, "rb") as source:
+        ahead = FirstWindowAhead(source, 3, tokens_of)
+        assert ahead.prompts.result(10) == FIRST[:3]
+        ahead.stop()
+        assert source.tell() == 0 and json.loads(source.readline())["prompt_token_ids"] == FIRST[0]
+
+
+def test_a_pipe_is_not_read_ahead(tmp_path):
+    """A pipe's bytes are the run's to read (and a read on it may wait on its writer forever): no hint."""
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as source, os.fdopen(write_end, "wb") as sink:
+        sink.write(b'{"prompt_token_ids": [1, 2, 3]}\n')
+        sink.flush()
+        ahead = FirstWindowAhead(source, 3, tokens_of)
+        assert ahead.prompts.cancelled() and ahead.thread is None
+        ahead.stop()
+        assert json.loads(source.readline())["prompt_token_ids"] == [1, 2, 3]
