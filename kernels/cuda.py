@@ -293,25 +293,21 @@ class CudaGraph:
     previous launch is still running holds the host until that launch ends (seen on the H200: ~0.8 ms of device
     idle in every pipelined decode step, the host inside cudaGraphLaunch), so back-to-back steps take turns. Both
     instances have the same nodes and buffers and run in stream order, so results are the same. The second is
-    made from the captured cudaGraph_t at the second replay (no new capture); where CuPy keeps no cudaGraph_t,
-    replays stay on the one instance."""
+    made from the captured cudaGraph_t with the first (no new capture; instantiating it at its first replay left
+    the device idle for ~5 ms); where CuPy keeps no cudaGraph_t, replays stay on the one instance."""
 
     def __init__(self, graph, outputs, pool):
         self.graph = graph
         self.outputs = outputs
         self._pool = pool  # the graph's private memory: alive (and never handed out again) as long as the graph
-        self._second = None  # the other cudaGraphExec_t (int), 0 when none can be made
+        self._second = 0
+        self._second = self._instantiate_again()  # the other cudaGraphExec_t (int), 0 when none can be made
         self._turn = 0
 
     def replay(self):
         stream = cupy.cuda.get_current_stream()
-        if self._turn:
-            if self._second is None:
-                self._second = self._instantiate_again()
-            if self._second:
-                cupy.cuda.runtime.graphLaunch(self._second, stream.ptr)
-            else:
-                self.graph.launch(stream)
+        if self._turn and self._second:
+            cupy.cuda.runtime.graphLaunch(self._second, stream.ptr)
         else:
             self.graph.launch(stream)
         self._turn ^= 1
