@@ -246,17 +246,18 @@ class WindowExecutor:
                 else:
                     self._maybe_retain(group[i], handles[i], out[row])
             pending = [i for i in pending if offsets[i] < len(todos[i])]
-        # the tasks' bookkeeping (checkpoints, offers to the store, new sequences) and the capture of the decode
-        # graph the new sequences will replay run while the device computes the steps queued above
+        # the decode graph the group's new sequences will replay is captured while the device computes the steps
+        # queued above, when decoding comes next (no more prefill groups: none pending, none this group makes)
+        starting = [h for t, h in zip(group, handles) if t.request is not None]
+        if starting and not any(t.consumers for t in group) and (
+                not self.sched.pending or len(self.decoding) + len(starting) >= e.opts.max_batch):
+            e.runner.prepare_decode([s.handle for s in self.decoding if not s.done] + starting)
+        e.ops.synchronize()
+        e.stats.prefill_seconds += time.perf_counter() - t0
+        e.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate
+        # the group's time is counted before its states are offered: the store judges them by the rate measured
         for task, h, lg, run in zip(group, handles, logits, runs):
             self._finish_task(task, h, lg, run)
-        if self.starting and (not self.sched.pending or
-                              len(self.decoding) + len(self.starting) >= e.opts.max_batch):  # decoding is next
-            e.runner.prepare_decode([s for s in self.decoding if not s.done] + [s for s, _ in self.starting])
-        e.ops.synchronize()
-        seconds = time.perf_counter() - t0
-        e.stats.prefill_seconds += seconds
-        e.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate
         self._sample_first_tokens()
 
     def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int) -> int:

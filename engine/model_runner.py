@@ -33,9 +33,9 @@ class ModelRunner:
                                            pack_sampling_params(*self._sampling_arrays(seqs)))
         return [int(i) for i in self.ops.to_host(ids)]
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """Get the decode graph of a step over these sequences ready ahead of it (DecodeGraphs.prepare)."""
-        self.decoder.prepare([s.handle for s in seqs])
+    def prepare_decode(self, handles: list[StateHandle]):
+        """Get the decode graph of a step over these states ready ahead of it (DecodeGraphs.prepare)."""
+        self.decoder.prepare(handles)
 
     def launch_decode(self, seqs: list[Sequence], source: np.ndarray, previous):
         """`decode` queued without waiting for the device: sequence i is fed previous[source[i]] (the token an
