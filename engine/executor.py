@@ -248,10 +248,10 @@ class WindowExecutor:
             pending = [i for i in pending if offsets[i] < len(todos[i])]
         # the decode graph the group's new sequences will replay is captured while the device computes the steps
         # queued above, when decoding comes next (no more prefill groups: none pending, none this group makes)
-        starting = [h for t, h in zip(group, handles) if t.request is not None]
-        if starting and not any(t.consumers for t in group) and (
-                not self.sched.pending or len(self.decoding) + len(starting) >= e.opts.max_batch):
-            e.runner.prepare_decode([s.handle for s in self.decoding if not s.done] + starting)
+        new_states = [h for t, h in zip(group, handles) if t.request is not None]
+        if new_states and not any(t.consumers for t in group) and (
+                not self.sched.pending or len(self.decoding) + len(new_states) >= e.opts.max_batch):
+            e.runner.prepare_decode([s.handle for s in self.decoding if not s.done] + new_states)
         e.ops.synchronize()
         e.stats.prefill_seconds += time.perf_counter() - t0
         e.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate

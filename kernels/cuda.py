@@ -300,7 +300,6 @@ class CudaGraph:
         self.graph = graph
         self.outputs = outputs
         self._pool = pool  # the graph's private memory: alive (and never handed out again) as long as the graph
-        self._second = 0
         self._second = self._instantiate_again()  # the other cudaGraphExec_t (int), 0 when none can be made
         self._turn = 0
 
@@ -323,7 +322,7 @@ class CudaGraph:
             return 0
 
     def __del__(self):
-        if self._second:
+        if getattr(self, "_second", 0):
             try:
                 cupy.cuda.runtime.graphExecDestroy(self._second)
             except Exception:
@@ -651,7 +650,7 @@ class CudaOps:
         inner = d // 2
         out = cupy.empty(x.shape[:-1] + (inner,), x.dtype)
         if rows and inner:
-            vec = _vectors_ok(inner, x.itemsize, (x, x.itemsize, s0))  # the up half starts inner elements on
+            vec = _vectors_ok(inner, x.itemsize, (x, x.itemsize, s0))  # the up half, inner elements on, aligned too
             launch = elementwise_launch(inner // elementwise_vector(x.itemsize) if vec else inner, rows)
             _kernel("elementwise", f"{kernel_name}<{_tname(x.dtype)}>")(
                 launch.grid, (launch.threads,), (x, _i64(rows), _i64(inner), _i64(s0), out, _i32(launch.tx),
