@@ -239,7 +239,7 @@ import json, sys
 import ray
 from prefixrun.engine.ray_pool import RayDataPredictor
 
-address, model_dir, cache_dir, rows_path = sys.argv[1:5]
+address, model_dir, cache_dir, rows_path, out_path = sys.argv[1:6]
 ray.init(address=address, log_to_driver=False)
 rows = json.load(open(rows_path))
 # Two blocks made here, in the driver: the test cluster's two CPUs are both held by the two engine actors, so a
@@ -248,8 +248,9 @@ ds = ray.data.from_items(rows, override_num_blocks=2)
 out = ds.map_batches(RayDataPredictor, fn_constructor_kwargs={"model_dir": model_dir, "device": "cpu",
                                                               "cache_dir": cache_dir, "max_batch": 4},
                      concurrency=2, batch_size=64, num_cpus=1).take_all()
-print(json.dumps([{"custom_id": r["custom_id"], "token_ids": [int(t) for t in r["token_ids"]], "error": r["error"]}
-                  for r in out]))
+# to a file: Ray's raylet messages can reach the driver's stdout after the last line printed here
+open(out_path, "w").write(json.dumps([{"custom_id": r["custom_id"], "token_ids": [int(t) for t in r["token_ids"]],
+                                       "error": r["error"]} for r in out]))
 """
 
 
@@ -270,12 +271,12 @@ def test_ray_data_stage_gives_one_engines_tokens(ray_cluster, qwen_dir, tmp_path
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     try:
         p = subprocess.run([sys.executable, "-c", RAY_DATA_SCRIPT, ray_cluster.address, qwen_dir,
-                            str(tmp_path / "cache"), str(tmp_path / "rows.json")],
+                            str(tmp_path / "cache"), str(tmp_path / "rows.json"), str(tmp_path / "out.json")],
                            capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the Ray Data pipeline did not finish in {exc.timeout} s (a scheduling deadlock?)")
     assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = json.loads((tmp_path / "out.json").read_text())
     assert sorted(r["custom_id"] for r in out) == sorted([*want, "bad"])  # every row exactly once
     assert {r["custom_id"]: r["token_ids"] for r in out if r["error"] is None} == want
     bad = [r for r in out if r["custom_id"] == "bad"]
