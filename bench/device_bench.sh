@@ -58,7 +58,8 @@ except Exception as exc:
 mib = lambda b: f"{b / 2**20:,.1f}"
 r = c.get("rates") or {}
 rates = (f"prefill {r.get('prefill_tokens_per_s') or 0:,.0f} tok/s ({r.get('prefill_from')}), "
-         f"read {(r.get('read_bytes_per_s') or 0) / 1e9:.2f} GB/s ({r.get('read_from')})")
+         f"read {(r.get('read_bytes_per_s') or 0) / 1e9:.2f} GB/s ({r.get('read_from')}), "
+         f"read ahead {(r.get('ahead_bytes_per_s') or 0) / 1e9:.2f} GB/s ({r.get('ahead_from')})")
 why = "; ".join(f"{d['count']} × {k}: {d['example']}" for k, d in (c.get("declines") or {}).items())
 print(f"| {label} | {c['restored_tokens']:,} | {c['reads_declined']} | {c['writes_skipped']} "
       f"| {mib(c['read_bytes'])} + {mib(c.get('prefetch_used_bytes', 0))} ahead ({c.get('prefetch_seconds', 0):.3f} s) "

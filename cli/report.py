@@ -194,7 +194,9 @@ def report_table(report: dict) -> Table:
                 prefill = rates.get("prefill_tokens_per_s")
                 row("disk cache rates", (f"prefill {prefill:,.0f} tok/s" if prefill else "prefill not measured")
                     + f" ({rates.get('prefill_from')}); read {human_bytes(rates.get('read_bytes_per_s') or 0)}/s "
-                    f"({rates.get('read_from')})")
+                    f"({rates.get('read_from')})"
+                    + (f"; read ahead {human_bytes(rates['ahead_bytes_per_s'])}/s ({rates.get('ahead_from')})"
+                       if rates.get("ahead_bytes_per_s") else ""))
             for reason, decline in (costs.get("declines") or {}).items():
                 row("disk cache decision", f"{decline['count']:,} × {reason}; e.g. {decline['example']}")
         row("cache dir", str(cache["dir"]))

@@ -17,6 +17,21 @@ group's prefill may be a GPU's few warm-up milliseconds) is captured and decided
 (or at the run's end, from earlier runs' rate, else written); a read before any prefill gives the cache the
 benefit of the doubt.
 
+Most reads of a later run are hidden: its first window's stored prefixes are read while its weights load
+(engine/cache_opening.py), a later window's while the device computes (`prefetch`), so what such a read costs the
+run is the lookup's own time (waiting for it, checking, moving it into the state pools), not the disk. A write is
+therefore priced at the READ-AHEAD rate (bytes restored over the seconds their lookups took the engine's thread) for
+as many bytes as one window's read-ahead holds, at the read rate beyond them; and the read-ahead picks entries by
+the same rate. That rate is this run's (lookups that took read-ahead entries), else earlier runs', else this run's
+model load (the weights' bytes over the load's seconds: file to device memory, as an import goes), else the read
+rate. (Priced at the read rate, two of four 16k-token documents, 561 MiB each, were near-ties at a contended 2.08
+GB/s and not written; the next run read the other two ahead in 0.06 s of its engine's time.)
+
+A write offered before the prefill rate is measured is captured (a device snapshot) and decided later, unless it
+does not pay even at a quarter of the rate measured so far (`EARLY_PREFILL_FACTOR`): then it is declined at once.
+(doc-qa's 64 prompt ends, 128 tokens past their documents, were each captured as 181 MiB snapshots, 4 GiB in all,
+~3 ms of the engine's thread apiece, only to be declined once the rate was known.)
+
 Every write skipped and every read declined is counted by reason, with one worked example per reason (the
 report's cache costs), so a run that read nothing from disk says why.
 """
@@ -50,6 +65,10 @@ MIN_READ_SECONDS = 0.05
 # ~60 ms of a fresh process's first group, ~40 ms later), which made a near-tie state look worth writing; doc-qa's
 # documents, judged after 0.15 s of prefill, were written at a rate of < 45k tok/s where the run's was 52.6k
 MIN_PREFILL_SECONDS = 0.3
+# Before the prefill rate rests on MIN_PREFILL_SECONDS, the rate measured so far (the first group or two, slowed by
+# first-use costs, or sped up by long sequences: doc-qa's documents ran at 96k tok/s, its whole prefill at 47k) is
+# trusted only to decline: a state that does not pay even at this fraction of it would not pay at the true rate.
+EARLY_PREFILL_FACTOR = 0.25
 PRIOR_READ_BYTES_PER_S = 1e9  # before this folder's reads were ever measured: a verified read from NVMe / page cache
 CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at full width
 # Reads of the calibration file, the fastest counted: one read's time varies with whatever else the host does (one
@@ -139,10 +158,13 @@ class CostModel:
         self.earlier_read = earlier.get("read_bytes_per_s")
         self.earlier_write = earlier.get("write_bytes_per_s")
         self.earlier_prefill = earlier.get("prefill_tokens_per_s", {}).get(model)
+        self.earlier_ahead = earlier.get("ahead_bytes_per_s")
+        self.load_rate: float | None = None  # this run's model load: weight bytes / seconds (`note_load`)
         self.calibrated_read: float | None = None  # measure_read_rate's figure, when no earlier run measured one
         self.calibration: ReadCalibration | None = None  # or one still measuring (its rate once it is done)
         self._read = _Measured()
         self._written = _Measured()
+        self._ahead = _Measured()  # lookups that took a read-ahead entry: its bytes, the engine thread's seconds
         self._lock = threading.Lock()
 
     # ---- measurements --------------------------------------------------------------------------------------
@@ -155,6 +177,17 @@ class CostModel:
         with self._lock:
             self._written.amount += nbytes
             self._written.seconds += seconds
+
+    def observe_ahead(self, nbytes: int, seconds: float):
+        with self._lock:
+            self._ahead.amount += nbytes
+            self._ahead.seconds += seconds
+
+    def note_load(self, nbytes: int, seconds: float):
+        """The model's weights (`nbytes`) went from their files to the device in `seconds`: the rate an import of a
+        read-ahead entry is expected at until one is measured."""
+        if nbytes > 0 and seconds > 0:
+            self.load_rate = nbytes / seconds
 
     def reads_measured(self) -> bool:
         with self._lock:
@@ -186,6 +219,26 @@ class CostModel:
             return calibrated * CALIBRATION_WEIGHT, "calibration"
         return PRIOR_READ_BYTES_PER_S, "prior"
 
+    def ahead_rate(self) -> tuple[float, str]:
+        """(bytes/s a read-ahead entry costs the engine's thread, where it came from); the read rate if nothing
+        better is known."""
+        with self._lock:
+            measured = self._ahead.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
+        if measured is not None:
+            return measured, "this run"
+        if self.earlier_ahead:
+            return self.earlier_ahead, "earlier runs"
+        if self.load_rate:
+            return self.load_rate, "the model load"
+        return self.read_rate()
+
+    def early_prefill_rate(self) -> float | None:
+        """This run's prefill rate however little it rests on (None before any group's time is in)."""
+        c = self.prefill_counters
+        if c is None:
+            return None
+        return _Measured(c.timed_prefill_tokens, c.prefill_seconds).rate(0.0, 0.0)
+
     def write_rate(self) -> float | None:
         with self._lock:
             return self._written.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
@@ -193,35 +246,61 @@ class CostModel:
     def rates(self) -> dict:
         prefill, prefill_from = self.prefill_rate()
         read, read_from = self.read_rate()
+        ahead, ahead_from = self.ahead_rate()
         return {"prefill_tokens_per_s": prefill, "prefill_from": prefill_from,
-                "read_bytes_per_s": read, "read_from": read_from, "write_bytes_per_s": self.write_rate()}
+                "read_bytes_per_s": read, "read_from": read_from,
+                "ahead_bytes_per_s": ahead, "ahead_from": ahead_from, "write_bytes_per_s": self.write_rate()}
 
     # ---- the rule ------------------------------------------------------------------------------------------
     def can_judge(self) -> bool:
         """Whether a decision rests on a prefill rate (this run's or earlier runs'), not on the benefit of the doubt."""
         return self.always or self.prefill_rate()[0] is not None
 
-    def judge_write(self, gained_tokens: int, nbytes: int) -> str | None:
-        """None if a state of `nbytes` that saves recomputing `gained_tokens` is worth writing, else why not."""
-        return None if self.always else self._judge(gained_tokens, nbytes, WRITE_MARGIN, "a later read")
+    def judge_write(self, gained_tokens: int, nbytes: int, ahead: bool = False) -> str | None:
+        """None if a state of `nbytes` that saves recomputing `gained_tokens` is worth writing, else why not.
+        `ahead`: a later run is expected to read it ahead (priced at the read-ahead rate)."""
+        if self.always:
+            return None
+        prefill = self.prefill_rate()
+        return None if prefill[0] is None else \
+            self._judge(gained_tokens, nbytes, WRITE_MARGIN, "a later read", prefill, self._read_for(ahead))
 
-    def judge_read(self, gained_tokens: int, nbytes: int) -> str | None:
-        """None if reading `nbytes` beats computing `gained_tokens`, else why not."""
-        return None if self.always else self._judge(gained_tokens, nbytes, READ_MARGIN, "reading")
+    def judge_write_early(self, gained_tokens: int, nbytes: int, ahead: bool = False) -> str | None:
+        """Before the prefill rate can be judged by: why the write would not pay even at EARLY_PREFILL_FACTOR of the
+        rate measured so far (None: it may pay; decided once the rate is known)."""
+        early = None if self.always else self.early_prefill_rate()
+        if early is None:
+            return None
+        return self._judge(gained_tokens, nbytes, WRITE_MARGIN, "a later read",
+                           (early * EARLY_PREFILL_FACTOR, f"{EARLY_PREFILL_FACTOR:g} x this run's so far"),
+                           self._read_for(ahead))
 
-    def worth_writing(self, gained_tokens: int, nbytes: int) -> bool:
-        return self.judge_write(gained_tokens, nbytes) is None
+    def judge_read(self, gained_tokens: int, nbytes: int, ahead: bool = False) -> str | None:
+        """None if reading `nbytes` beats computing `gained_tokens`, else why not. `ahead`: read on the read-ahead
+        thread, so it costs the engine the read-ahead rate."""
+        if self.always:
+            return None
+        prefill = self.prefill_rate()
+        return None if prefill[0] is None else \
+            self._judge(gained_tokens, nbytes, READ_MARGIN, "reading", prefill, self._read_for(ahead))
 
-    def worth_reading(self, gained_tokens: int, nbytes: int) -> bool:
-        return self.judge_read(gained_tokens, nbytes) is None
+    def worth_writing(self, gained_tokens: int, nbytes: int, ahead: bool = False) -> bool:
+        return self.judge_write(gained_tokens, nbytes, ahead) is None
 
-    def _judge(self, gained_tokens: int, nbytes: int, margin: float, what: str) -> str | None:
-        prefill, prefill_from = self.prefill_rate()
-        if prefill is None:
-            return None  # nothing to compare with yet: the benefit of the doubt
+    def worth_reading(self, gained_tokens: int, nbytes: int, ahead: bool = False) -> bool:
+        return self.judge_read(gained_tokens, nbytes, ahead) is None
+
+    def _read_for(self, ahead: bool) -> tuple[float, str]:
+        if not ahead:
+            return self.read_rate()
+        rate, source = self.ahead_rate()
+        return rate, f"read ahead: {source}"
+
+    def _judge(self, gained_tokens: int, nbytes: int, margin: float, what: str, prefill_rate: tuple[float, str],
+               read_rate: tuple[float, str]) -> str | None:
+        (prefill, prefill_from), (read, read_from) = prefill_rate, read_rate
         if gained_tokens <= 0:
             return f"it adds no token to a state already at hand ({human_bytes(nbytes)})"
-        read, read_from = self.read_rate()
         compute_s, read_s = gained_tokens / prefill, nbytes / read
         least_saving = MIN_WRITE_SAVING_SECONDS if margin == WRITE_MARGIN else 0.0
         if read_s < margin * compute_s and compute_s - read_s >= least_saving:
@@ -241,8 +320,10 @@ class CostModel:
         with self._lock:
             read = self._read.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
             write = self._written.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
+            ahead = self._ahead.rate(MIN_READ_BYTES, MIN_READ_SECONDS)
         for key, mine, old in (("read_bytes_per_s", read, self.earlier_read),
-                               ("write_bytes_per_s", write, self.earlier_write)):
+                               ("write_bytes_per_s", write, self.earlier_write),
+                               ("ahead_bytes_per_s", ahead, self.earlier_ahead)):
             if mine or old:
                 doc[key] = mine or old
         c = self.prefill_counters
@@ -331,7 +412,7 @@ def load_rates(root: Path) -> dict:
     if not isinstance(doc, dict) or doc.get("version") != RATES_VERSION:
         return {}
     rates: dict = {"prefill_tokens_per_s": {}}
-    for key in ("read_bytes_per_s", "write_bytes_per_s"):
+    for key in ("read_bytes_per_s", "write_bytes_per_s", "ahead_bytes_per_s"):
         if _positive(doc.get(key)):
             rates[key] = float(doc[key])
     models = doc.get("prefill_tokens_per_s")

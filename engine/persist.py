@@ -298,6 +298,11 @@ class PersistentCheckpoints:
         # as much as the writer may hold: a window's documents should all fit (on the H200, half of it held three
         # of four 16k-token documents, 562 MiB each; the fourth was read on the engine's critical path, 0.14 s)
         self.max_prefetch_bytes = max_pending_write_bytes()
+        # this run's writes a later run is expected to read ahead (one window's read-ahead holds this many bytes):
+        # priced at the read-ahead rate; the writes past them at the read rate (cache_costs.py)
+        self._ahead_write_room = self.max_prefetch_bytes
+        self._ahead_room_lock = threading.Lock()
+        self._layout_memo: tuple[object, list[dict]] | None = None  # (specs, state_layout): one layout per run
         self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
         # set once the engine's pools exist (`attach`): before, read-ahead entries are read and checked on the host
         # but none is moved to the device (a read-ahead started while the weights load must not take the device
@@ -316,6 +321,11 @@ class PersistentCheckpoints:
             # session before the model loaded; else now, while the first prefill runs)
             self._calibration = calibration or ReadCalibration(self.store.root)
             self.cost_model.calibration = self._calibration
+
+    def note_load(self, weight_bytes: int, seconds: float):
+        """The model's load (its weights' bytes, the seconds to the device): what an import of a read-ahead entry
+        is expected to cost until one is measured (cache_costs.py)."""
+        self.cost_model.note_load(weight_bytes, seconds)
 
     def watch_prefill(self, counters):
         """The engine's counters (computed_prompt_tokens, prefill_seconds) that measure this device's prefill."""
@@ -383,17 +393,27 @@ class PersistentCheckpoints:
         if self.store_error is not None:
             return None
         started = time.perf_counter()
+        taken_before = self.costs.prefetch_used_bytes
         found, read = self._lookup(tokens, minimum, maximum, state, share)
         seconds = time.perf_counter() - started
         self.costs.read_seconds += seconds
         if read:
             self.costs.read_bytes += read
             self.cost_model.observe_read(read, seconds)  # index, file, verification and import: what a read costs
+        elif found is not None and self.costs.prefetch_used_bytes > taken_before:
+            # restored from the read-ahead: what it cost the engine's thread (waiting, checks, import)
+            self.cost_model.observe_ahead(self.costs.prefetch_used_bytes - taken_before, seconds)
         self.costs.rates = self.cost_model.rates()
         return found
 
+    def _layout(self, state: ModelState) -> list[dict]:
+        """state_layout of the engine's pools, made once (a lookup per prompt made it afresh: ~0.3 ms each)."""
+        if self._layout_memo is None or self._layout_memo[0] is not state.specs:
+            self._layout_memo = (state.specs, state_layout(state.specs, state.ops))
+        return self._layout_memo[1]
+
     def _lookup(self, tokens, minimum, maximum, state, share):
-        layout = state_layout(state.specs, state.ops)
+        layout = self._layout(state)
         def problem(checkpoint):  # already checked against this model on the prefetch thread, or now
             if (checkpoint.entry_id, checkpoint.file_name) in self._checked:
                 return None
@@ -497,8 +517,8 @@ class PersistentCheckpoints:
                         continue
                     n, nbytes = found
                     prefix = tokens[:n]
-                    if self.cost_model.judge_read(n - task.start, nbytes) is not None:
-                        continue  # the lookup will not read it (and will say why)
+                    if self.cost_model.judge_read(n - task.start, nbytes, ahead=True) is not None:
+                        continue  # not worth even a read ahead (the lookup will not read it, and will say why)
                     seen.add(prefix)
                     candidates.append((prefix, nbytes, resident))
                 level = [c for t in level for c in t.consumers]
@@ -691,12 +711,13 @@ class PersistentCheckpoints:
             return False
         self.offered.add(key)
         self._learn_layout(state)
-        if not self.cost_model.always and self.cost_model.can_judge():
+        if not self.cost_model.always:
             # the best case first, without touching the index (a prompt end's index queries took 5-17 ms of the
             # engine's thread on the H200, 0.14-0.21 s per run): every K/V block already stored (only the slot
             # regions written) and every token past the longest prefix this run knows on disk gained. A state
-            # that does not pay even so is declined here, for the reason the full rule would give.
-            if not self._worth_writing(len(key) - self._known_on_disk(key), state.slot_bytes):
+            # that does not pay even so is declined here, for the reason the full rule would give (before the
+            # prefill rate is known: at a fraction of the rate so far, `_declined_now`).
+            if self._declined_now(len(key) - self._known_on_disk(key), state.slot_bytes):
                 return False
         try:
             if self.store.indexed_entry(self.key, key, len(key), len(key) - 1) is not None:
@@ -711,7 +732,7 @@ class PersistentCheckpoints:
         footprint = self._new_bytes(state, handle, stored_lead)
         gained = len(key) - self._stored_base(key)
         deferred = not self.cost_model.can_judge()  # decided on the writer thread once prefill is measured
-        if not deferred and not self._worth_writing(gained, nbytes):
+        if not self.cost_model.always and self._declined_now(gained, nbytes):
             return False
         if self._writer is None:
             # waiting states are device snapshots until the writer copies them: bounded by device memory too
@@ -733,6 +754,8 @@ class PersistentCheckpoints:
         logits_later = self.ops.start_host_copy([logits]) if logits is not None else None
         self.costs.export_seconds += time.perf_counter() - started
         self._remember_on_disk(key)
+        if not deferred:
+            self._take_ahead_room(nbytes)
         self._writer.submit((list(key), regions_later, logits_later, (gained, nbytes) if deferred else None,
                              stored_lead), footprint, regions_later)
         return True
@@ -752,18 +775,42 @@ class PersistentCheckpoints:
                    0)
 
     def _worth_writing(self, gained: int, nbytes: int) -> bool:
-        reason = self.cost_model.judge_write(gained, nbytes)
+        """The write rule, the prefill rate known (priced as read ahead while this run's writes so priced leave room
+        for it: `_take_ahead_room` once it is queued)."""
+        reason = self.cost_model.judge_write(gained, nbytes, ahead=self._ahead_room_for(nbytes))
         self.costs.rates = self.cost_model.rates()
         if reason is not None:
             self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
         return reason is None
+
+    def _declined_now(self, gained: int, nbytes: int) -> bool:
+        """Whether the write is declined at once: by the rule once the prefill rate is known; before that, if it
+        would not pay even at a fraction of the rate measured so far (else it is captured and decided later)."""
+        if self.cost_model.can_judge():
+            return not self._worth_writing(gained, nbytes)
+        reason = self.cost_model.judge_write_early(gained, nbytes, ahead=self._ahead_room_for(nbytes))
+        if reason is not None:
+            self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
+        return reason is not None
+
+    def _ahead_room_for(self, nbytes: int) -> bool:
+        with self._ahead_room_lock:
+            return nbytes <= self._ahead_write_room
+
+    def _take_ahead_room(self, nbytes: int):
+        """A write is queued (or decided): its bytes count against what a later window's read-ahead holds."""
+        with self._ahead_room_lock:
+            self._ahead_write_room -= nbytes
 
     def _decide_deferred(self, gained: int, nbytes: int) -> bool:
         """On the copier thread, for a state offered before the prefill rate was known: wait until it is (or the
         run's end), then judge the write, before any byte of it is copied to the host."""
         while not self.cost_model.can_judge() and not self.cost_model.settled.wait(0.01):
             pass  # the run's prefill is being measured; the state waits as a device snapshot meanwhile
-        return self._worth_writing(gained, nbytes)
+        if not self._worth_writing(gained, nbytes):
+            return False
+        self._take_ahead_room(nbytes)
+        return True
 
     def _write(self, tokens: list[int], regions_later, logits_later, deferred: tuple[int, int] | None,
                stored_lead: int = 0):

@@ -105,6 +105,8 @@ class EngineSession:
                              tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist)
         if self.persist is not None:
             self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
+            # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
+            self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
             self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
 
     def _end_hints(self):
@@ -181,6 +183,13 @@ class EngineSession:
 
 # What a merged report (several workers) takes as the largest value rather than the sum: sizes and settings that
 # each worker has on its own, and facts about the one shared cache folder.
+def _weight_file_bytes(tensors) -> int:
+    try:
+        return sum(f.path.stat().st_size for f in tensors.files)
+    except OSError:
+        return 0
+
+
 _NOT_SUMMED = {"checkpoint_budget_bytes", "load_seconds", "max_batch", "block_size", "entries", "bytes",
                "budget_bytes", "num_draft_tokens", "prefill_tokens_per_s", "read_bytes_per_s", "write_bytes_per_s"}
 

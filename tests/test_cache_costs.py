@@ -150,6 +150,57 @@ def test_h200_costs_long_documents_pay_short_prefixes_and_prompt_ends_do_not():
     assert fresh.worth_reading(document, state_bytes(document))
 
 
+def test_a_write_a_later_run_reads_ahead_is_priced_at_the_read_ahead_rate_within_one_windows_room():
+    """Session 8's run 6: the long documents' cold run measured its folder's reads at a contended 2.08 GB/s (the
+    writer reading back what it wrote), which made a 16k-token document's 561 MiB a near-tie (0.28 s to read vs
+    0.38 s to recompute, margin 0.7): two of four were not written. The next run read the other two ahead while its
+    weights loaded, and their lookups took 0.06 s of its engine's thread for 1.18 GB. A read-ahead entry costs the
+    lookup's time, so such a write is priced at the read-ahead rate: this run's model load (8.4 GB in 1.42 s) until
+    a lookup measured one; past one window's read-ahead room at the read rate again. doc-qa's 4k-token documents
+    and shared-system's 2k prefix still save too little per read to be written."""
+    model = CostModel()
+    model.prefill_counters = Counters(69_632, 1.6054)  # 43,374 tokens/s
+    model.observe_read(589_595_032, 0.2839)  # the probe reads: 2.08 GB/s
+    document = 16_384
+    assert model.ahead_rate() == model.read_rate()  # nothing better known: the read rate
+    assert not model.worth_writing(document, state_bytes(document), ahead=True)
+    model.note_load(8_400_000_000, 1.42)
+    assert model.ahead_rate() == (pytest.approx(8.4e9 / 1.42), "the model load")
+    assert not model.worth_writing(document, state_bytes(document))  # at the read rate: the near-tie
+    assert model.worth_writing(document, state_bytes(document), ahead=True)
+    assert "read ahead: the model load" in model.judge_write(128, state_bytes(document + 128), ahead=True)
+    model.prefill_counters = Counters(24_576, 0.4316)  # doc-qa: 56,942 tokens/s
+    assert not model.worth_writing(4096, state_bytes(4096), ahead=True)  # 72 ms vs 31 ms: saves under 60 ms
+    model.prefill_counters = Counters(18_432, 0.31)
+    assert not model.worth_writing(2048, state_bytes(2048), ahead=True)
+    # a lookup that took read-ahead entries measures the rate; the folder remembers it for the next runs
+    model.observe_ahead(1_179_190_072, 0.0585)
+    assert model.ahead_rate() == (pytest.approx(1_179_190_072 / 0.0585), "this run")
+    later = CostModel(earlier=load_rates_doc(model.remembered({})))
+    assert later.ahead_rate() == (pytest.approx(1_179_190_072 / 0.0585), "earlier runs")
+
+
+def load_rates_doc(doc: dict) -> dict:
+    """A rates document as load_rates gives it back (through a file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_rates(Path(folder), doc)
+        return load_rates(Path(folder))
+
+
+def test_before_the_prefill_rate_is_known_only_a_state_that_does_not_pay_even_at_a_fraction_is_declined():
+    model = CostModel()
+    assert model.judge_write_early(1, 1 << 40) is None  # nothing measured at all: nothing declined yet
+    model.prefill_counters = Counters(16_384, 0.17)  # doc-qa's first group alone: 96k tokens/s, under 0.3 s
+    model.observe_read(4 << 30, 1.0)  # the folder's reads: 4.3 GB/s
+    assert not model.can_judge()
+    assert model.judge_write_early(4096, state_bytes(4096)) is None  # pays at 24k tokens/s: decided later
+    why = model.judge_write_early(128, SLOT_BYTES)  # a prompt end past its document: not even at 24k tokens/s
+    assert why is not None and "0.25 x this run's so far" in why
+    assert CostModel(always=True).judge_write_early(0, 1 << 40) is None
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     path = make_model_dir(tmp_path_factory.mktemp("model") / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
@@ -401,6 +452,41 @@ def test_a_write_offered_before_prefill_is_measured_is_decided_once_it_is(loaded
         assert costs.written_bytes == 0 and costs.writes_skipped >= 1 + len(FIRST)  # the document and each prompt end
         assert not copies
         assert "(this run)" in next(iter(costs.declines.values()))["example"]
+
+
+def test_prompt_ends_offered_early_are_declined_at_once_and_never_captured(loaded, tmp_path, monkeypatch):
+    """doc-qa's cold run on the H200: the first groups' prefill (0.17 s) was too little to judge by, so every prompt
+    end offered meanwhile was captured as a device snapshot (181 MiB each, ~3 ms of the engine's thread, 4 GiB in
+    all, then a full writer queue) and declined later. A state that would not pay even at a quarter of the rate
+    measured so far is declined at once; the document, which may pay, is still captured and decided later."""
+    monkeypatch.setattr(cache_costs, "MIN_WRITE_SAVING_SECONDS", 0.0)
+    breakeven = 1e9 * 50 * WRITE_MARGIN / tiny_state_bytes(loaded, 200)  # tokens/s: writing pays from ~50 tokens
+    counters = Counters(int(4 * breakeven * 0.1), 0.1)  # 4 x break-even so far, over too little time to judge
+    captured = []
+    real_export_later = ModelState.export_later
+
+    def counted_export_later(self, handle, *args, **kwargs):
+        captured.append(handle.length)
+        return real_export_later(self, handle, *args, **kwargs)
+
+    monkeypatch.setattr(ModelState, "export_later", counted_export_later)
+
+    def arrange(persist):
+        persist.watch_prefill(counters)
+        finish = persist.finish
+
+        def measured_then_finish():
+            counters.timed_prefill_tokens, counters.prefill_seconds = int(breakeven), 1.0
+            finish()
+
+        persist.finish = measured_then_finish
+
+    results, costs, _, _ = run(loaded, tmp_path / "c", FIRST, disk_measured=True, setup=arrange)
+    assert results == without_cache(loaded, FIRST)
+    assert captured == [len(DOCUMENT)]  # the document only
+    assert costs.written_bytes > 0 and costs.writes_skipped == len(FIRST)
+    assert "0.25 x this run's so far" in costs.declines["write skipped: recomputing is cheaper than a later read"][
+        "example"]
 
 
 def test_at_the_runs_end_a_small_prefill_is_the_measurement_but_is_not_remembered(tmp_path):
