@@ -129,9 +129,10 @@ def _function(head_dim: int, schedule: str):
 
 
 def compile_module():
-    """Build (or load from the cache folder) every instantiation of the default module now (the warp-specialised
-    one compiles on its first use)."""
+    """Build (or load from the cache folder) both modules now: the default "auto" takes the warp-specialised one at
+    head dim 256 and the base one below (kernels/tuning.py)."""
     _function(HEAD_DIMS[0], "serial")
+    _function(HEAD_DIMS[0], "ws")
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,

@@ -40,8 +40,11 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   32/8 x 128: 7.46 / 6.85 / 10.10 ms; 64 x 256 after 2048 cached: 3.00 / 2.15 / 2.97 ms. The "wgmma-overlap"
   schedule loses everywhere and stays selectable only for measuring it. "wgmma-ws" / "wgmma-pingpong"
   (kernels/attention_sm90_ws.cu: a producer warpgroup gathers K/V into mbarrier-guarded stages, two consumer
-  warpgroups run apart, optionally taking turns on the tensor cores) do the default's arithmetic in the same order;
-  not yet measured on a device (2026-12-01, session 7), so not the default.
+  warpgroups run apart, optionally taking turns on the tensor cores) do the serial schedule's arithmetic in the
+  same order. "auto" (the default since session 9) takes "wgmma-ws" at head dim 256 and "wgmma" below: H200, time
+  / torch SDPA (sessions 8 and 9, bench/kernel_bench.py attn): 32 x 2304, 16/4 x 256: wgmma 2.50x, ws 2.13x,
+  pingpong 2.11x; 64 x 256 after 2048 cached: 1.14x / 0.97x / 0.98x; 32/8 x 128: 2.85x / 3.48x / 3.44x. End to end
+  (4b-like, one process per row, two rows each) ws and pingpong were within run-to-run noise of each other.
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -68,7 +71,7 @@ def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
     """Keys per K/V tile that attn_mma_kernel is instantiated with for `head_dim` (shared memory bounds 256)."""
     return (32, 64) if head_dim > 128 else (64,)
 ATTN_MAX_SPLITS = 32
-ATTN_PREFILL_KERNELS = ("mma", "wgmma", "wgmma-overlap", "wgmma-ws", "wgmma-pingpong")
+ATTN_PREFILL_KERNELS = ("auto", "mma", "wgmma", "wgmma-overlap", "wgmma-ws", "wgmma-pingpong")
 # attn_prefill_kernel -> the schedule of kernels/attention_sm90.cu (+ attention_sm90_ws.cu) that runs it: "serial"
 # and "overlap" (attn_wgmma_kernel, 8 warps in step), "ws" and "pingpong" (attn_ws_kernel: a producer warpgroup of
 # cp.async gathers and two consumer warpgroups, with or without turns on the tensor cores)
@@ -103,7 +106,7 @@ class CudaTuning:
     attn_cascade: bool = True
     # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
     # kernels/numerics.py NUMERICS_VERSION with it
-    attn_prefill_kernel: str = "wgmma"
+    attn_prefill_kernel: str = "auto"
     # --speculative auto drafts on this backend. The 2026-12-01 device run passed kernels/spec_rows.cu and the
     # verify-step graphs (tests/test_cuda_speculative.py), but no device run has measured a speed-up yet, and auto
     # follows measured times: in bf16 a verify step rounds differently from a plain step, so near-tie greedy tokens
@@ -231,6 +234,8 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     d = head_dim
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
+    if choice == "auto":
+        choice = "wgmma-ws" if d > 128 else "wgmma"  # measured: the module docstring
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
         schedule = WGMMA_SCHEDULES[choice]

@@ -162,7 +162,7 @@ def test_a_write_a_later_run_reads_ahead_is_priced_at_the_read_ahead_rate_within
     model.prefill_counters = Counters(69_632, 1.6054)  # 43,374 tokens/s
     model.observe_read(589_595_032, 0.2839)  # the probe reads: 2.08 GB/s
     document = 16_384
-    assert model.ahead_rate() == model.read_rate()  # nothing better known: the read rate
+    assert model.ahead_rate() == (model.read_rate()[0], "the read rate, this run")  # nothing better known
     assert not model.worth_writing(document, state_bytes(document), ahead=True)
     model.note_load(8_400_000_000, 1.42)
     assert model.ahead_rate() == (pytest.approx(8.4e9 / 1.42), "the model load")
@@ -487,6 +487,33 @@ def test_prompt_ends_offered_early_are_declined_at_once_and_never_captured(loade
     assert costs.written_bytes > 0 and costs.writes_skipped == len(FIRST)
     assert "0.25 x this run's so far" in costs.declines["write skipped: recomputing is cheaper than a later read"][
         "example"]
+
+
+def test_a_state_past_a_declined_branch_point_is_judged_by_the_tokens_it_adds(loaded, tmp_path, monkeypatch):
+    """A document declined as a near-tie makes its prompt ends near-ties too: judged as their whole length, the first
+    passed where the document had just failed (3 tokens more, the same bytes), and once its K/V blocks were stored
+    each sibling cost only its slot regions, so all were written (doc-qa's warm rerun: 17 entries, 1 GiB, 0.52 s
+    waited at its end). Past a declined prefix only the tokens a state adds count."""
+    monkeypatch.setattr(cache_costs, "MIN_WRITE_SAVING_SECONDS", 0.0)
+    nbytes = tiny_state_bytes(loaded, len(DOCUMENT))
+    assert tiny_state_bytes(loaded, len(FIRST[0])) == nbytes  # the prompt ends: no K/V block more
+    between = (1 << 30) * (len(DOCUMENT) + 1.5) * WRITE_MARGIN / nbytes  # the document fails, its length + 3 passes
+    results, costs, _, _ = run(loaded, tmp_path / "c", FIRST, disk_measured=True, prefill_rate=between)
+    assert results == without_cache(loaded, FIRST)
+    assert costs.written_bytes == 0 and costs.writes_skipped == 1 + len(FIRST), costs.declines
+
+
+def test_a_write_is_judged_by_the_faster_of_this_runs_and_earlier_runs_prefill():
+    model = CostModel(earlier={"prefill_tokens_per_s": {"m": 48_383.0}}, model="m")
+    model.observe_read(4 << 30, 1.0)
+    model.prefill_counters = Counters(24_576, 24_576 / 46_999)  # this run: slower than the earlier one
+    prompt_end = 4224
+    assert model.prefill_rate() == (pytest.approx(46_999), "this run")
+    why = model.judge_write(prompt_end, state_bytes(prompt_end))
+    assert why is not None and "48,383 tok/s (earlier runs, faster than this run's)" in why
+    assert model.judge_read(prompt_end, state_bytes(prompt_end)) is None  # reads: this run's own rate
+    model.prefill_counters = Counters(24_576, 24_576 / 60_000)  # faster now: this run's
+    assert "(this run)" in model.judge_write(prompt_end, state_bytes(prompt_end))
 
 
 def test_at_the_runs_end_a_small_prefill_is_the_measurement_but_is_not_remembered(tmp_path):
