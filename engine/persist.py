@@ -272,6 +272,12 @@ class PersistentCheckpoints:
         # prefixes this run knows to be on disk (queued for writing, or restored): a child entry's worth is the
         # tokens it adds to the longest of them, not its whole length
         self._on_disk: dict[int, set[tuple[int, ...]]] = {}
+        # prefixes whose write this run declined: recomputing them was judged cheaper than reading them, so a state
+        # past one is judged by the tokens it adds to it (doc-qa's prompt ends, 128 tokens past a declined
+        # document, were judged as 4,224 tokens gained, written, and their siblings after them). Also added to
+        # from the copier thread (deferred decisions): under `_judged_lock`
+        self._declined: dict[int, set[tuple[int, ...]]] = {}
+        self._judged_lock = threading.Lock()
         self.store_error: Exception | None = None  # set once the store failed; it is not used after that
         self.costs = CacheCosts()
         if policy not in CACHE_POLICIES:
@@ -375,10 +381,20 @@ class PersistentCheckpoints:
         """The length of the longest proper prefix of `key` this run wrote or restored (no index query)."""
         return max((n for n, keys in self._on_disk.items() if n < len(key) and key[:n] in keys), default=0)
 
+    def _decline_prefix(self, key: tuple[int, ...]):
+        with self._judged_lock:
+            self._declined.setdefault(len(key), set()).add(key)
+
+    def _judged_base(self, key: tuple[int, ...]) -> int:
+        """The length of the longest proper prefix of `key` this run wrote, restored or declined to write."""
+        with self._judged_lock:
+            declined = max((n for n, keys in self._declined.items() if n < len(key) and key[:n] in keys), default=0)
+        return max(self._known_on_disk(key), declined)
+
     def _stored_base(self, key: tuple[int, ...]) -> int:
-        """The length of the longest proper prefix of `key` known to be on disk (this run's writes and restores,
-        then the index, which is read without opening any file)."""
-        best = self._known_on_disk(key)
+        """The length of the longest proper prefix of `key` known to be on disk or judged not worth it (this run's
+        writes, restores and declines, then the index, which is read without opening any file)."""
+        best = self._judged_base(key)
         try:
             return max(best, self.store.indexed_prefix_length(self.key, key, len(key) - 1, best))
         except _STORE_FAILURES:
@@ -717,7 +733,8 @@ class PersistentCheckpoints:
             # regions written) and every token past the longest prefix this run knows on disk gained. A state
             # that does not pay even so is declined here, for the reason the full rule would give (before the
             # prefill rate is known: at a fraction of the rate so far, `_declined_now`).
-            if self._declined_now(len(key) - self._known_on_disk(key), state.slot_bytes):
+            if self._declined_now(len(key) - self._judged_base(key), state.slot_bytes):
+                self._decline_prefix(key)
                 return False
         try:
             if self.store.indexed_entry(self.key, key, len(key), len(key) - 1) is not None:
@@ -733,6 +750,7 @@ class PersistentCheckpoints:
         gained = len(key) - self._stored_base(key)
         deferred = not self.cost_model.can_judge()  # decided on the writer thread once prefill is measured
         if not self.cost_model.always and self._declined_now(gained, nbytes):
+            self._decline_prefix(key)
             return False
         if self._writer is None:
             # waiting states are device snapshots until the writer copies them: bounded by device memory too
@@ -808,7 +826,7 @@ class PersistentCheckpoints:
         while not self.cost_model.can_judge() and not self.cost_model.settled.wait(0.01):
             pass  # the run's prefill is being measured; the state waits as a device snapshot meanwhile
         if not self._worth_writing(gained, nbytes):
-            return False
+            return False  # (its prefix stays among the known ones: the states after it were judged past it)
         self._take_ahead_room(nbytes)
         return True
 
