@@ -239,10 +239,13 @@ def test_hostile_file_names_touch_nothing_outside(models, prompts_file, populate
     # The cache sits two levels below, so "../../victims" from a shard folder would reach them.
     cache = copy_cache(populated, tmp_path)
     _hostile_rows(cache, victims)
-    # A shard folder that is a symlink to the outside, holding a file with a store-like name.
-    trap = outside / f"{'cd' * 32}.{'1' * 16}.safetensors"
+    # A shard folder that is a symlink to the outside, holding a file with a store-like name. The shard is one no
+    # real entry uses (entry ids hash the numerics version among the rest, so any fixed prefix collides some day).
+    blobs = cache / "checkpoints" / "blobs"
+    shard = next(x for x in (f"{(0xcd + i) % 256:02x}" for i in range(256)) if not (blobs / x).exists())
+    trap = outside / f"{shard * 32}.{'1' * 16}.safetensors"
     trap.write_text("do not touch")
-    os.symlink(outside, cache / "checkpoints" / "blobs" / "cd")
+    os.symlink(outside, blobs / shard)
     old = time.time() - 10 * 86400
     os.utime(trap, (old, old))
 
