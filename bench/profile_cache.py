@@ -65,6 +65,13 @@ TIMED = [
     ("prefixrun.kernels.cuda", "CudaOps", "synchronize"),
     ("prefixrun.engine.cache_costs", None, "measure_read_rate"),
     ("prefixrun.engine.persist", None, "open_cache"),
+    # what a cache-on run does in its prefill groups that a --no-cache run does not (retained block-aligned states)
+    ("prefixrun.engine.executor", "WindowExecutor", "_maybe_retain"),
+    ("prefixrun.engine.executor", "WindowExecutor", "_finish_task"),
+    ("prefixrun.engine.model_runner", "ModelRunner", "prefill"),
+    ("prefixrun.engine.model_runner", "ModelRunner", "prepare_decode"),
+    ("prefixrun.engine.state", "ModelState", "fork"),
+    ("prefixrun.engine.checkpoints", "CheckpointPool", "save"),
 ]
 
 

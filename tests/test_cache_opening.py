@@ -112,3 +112,56 @@ def test_a_pipe_is_not_read_ahead(tmp_path):
         assert ahead.prompts.cancelled() and ahead.thread is None
         ahead.stop()
         assert json.loads(source.readline())["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_the_run_takes_the_lines_parsed_during_the_load_only_where_their_bytes_are_the_same(tmp_path, monkeypatch):
+    """Without a cache too: the first window is parsed and tokenized while the weights load, and the run takes each
+    line from there when the bytes it reads are those read ahead. A line rewritten in between is parsed afresh, a
+    duplicate custom_id still gets its error record, and the output is the pipe's (never read ahead) line for line."""
+    from prefixrun.cli import batch_run, io
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    prompts = FIRST + [FIRST[0]]
+    path = write_input(tmp_path / "in.jsonl", prompts)
+    lines = path.read_text().splitlines(keepends=True)
+    lines[3] = lines[3].replace('"q3"', '"q0"')  # a duplicate id: an error record, whether read ahead or not
+    path.write_text("".join(lines))
+    piped = CliRunner().invoke(app, ["batch", "-", "--model", str(model), "--device", "cpu", "-q", "--no-cache"],
+                               input=path.read_text().replace('"q2"', '"q9"'), catch_exceptions=False)
+    assert piped.exit_code == 3, piped.output  # some lines failed (the duplicate)
+
+    ahead_done = threading.Event()
+    real_tokens_ahead, real_build, real_parse = batch_run.BatchRun._tokens_ahead, loader.build_model, io.parse_line
+    seen_ahead: list[int] = []
+    parsed_by_run: list[int] = []
+
+    def tokens_ahead(self, raw):
+        out = real_tokens_ahead(self, raw)
+        seen_ahead.append(raw.line_no)
+        if len(seen_ahead) == len(prompts):
+            ahead_done.set()
+        return out
+
+    def build_then_rewrite(*args, **kwargs):
+        assert ahead_done.wait(20)
+        with open(path, "r+b") as handle:  # the run's stream is open already: it reads the new bytes
+            data = handle.read()
+            handle.seek(0)
+            handle.write(data.replace(b'"q2"', b'"q9"'))
+        return real_build(*args, **kwargs)
+
+    def parse_line(raw, defaults, seen):
+        if threading.current_thread() is threading.main_thread():
+            parsed_by_run.append(raw.line_no)
+        return real_parse(raw, defaults, seen)
+
+    monkeypatch.setattr(batch_run.BatchRun, "_tokens_ahead", tokens_ahead)
+    monkeypatch.setattr(loader, "build_model", build_then_rewrite)
+    monkeypatch.setattr(io, "parse_line", parse_line)
+    res = CliRunner().invoke(app, ["batch", str(path), "--model", str(model), "--device", "cpu", "-q", "--no-cache"],
+                             catch_exceptions=False)
+    assert res.exit_code == 3, res.output
+    assert res.stdout == piped.stdout
+    assert sorted(seen_ahead) == [1, 2, 3, 4, 5]
+    assert parsed_by_run == [3, 4]  # the rewritten line, and the duplicate (the first q0 was taken from ahead)
+    assert '"custom_id":"q9"' in res.stdout and "duplicate custom_id" in res.stdout
