@@ -4,7 +4,9 @@ reference, the previous CUDA kernels and flash-linear-attention's chunk_gated_de
 Per shape, first the checks: the tensor-core form against the reference (kernels/reference.py, fp32, on the same
 bf16 inputs; the longest sequence, outputs and exit state, from non-zero initial states), both scan block widths
 against each other, the previous kernels against the reference too. Then the timings: previous default kernel,
-tensor-core form (both widths, and its prep pass alone). A form that failed a check is not timed. Last, fla in a
+tensor-core form (both widths, and its prep pass alone), then each prep variant (kernels/tuning.py GDN_TC_PREPS):
+checked (its full form against the reference, its scratch against v1's) and timed side by side, on the bench shapes
+and on PREP_SHAPES (the 4b-like model's 8192-token steps). A form that failed a check is not timed. Last, fla in a
 child process with what is left of the part's time budget (Triton compiles and autotunes fla's kernels on first use,
 tens of seconds on a fresh machine): the tensor-core form against fla on every sequence, then fla's time.
 Budget: KBENCH_DELTA_BUDGET_S (default 32 s, the session-4 device run's share); KBENCH_DELTA_FULL=1 runs every
@@ -23,11 +25,14 @@ import time
 import numpy as np
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import GDN_TC_WARPS, delta_rule_launch
+from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, delta_rule_launch
 
 TOL_REF = 1e-2  # tensor-core form vs the reference (tests/test_cuda_kernels.py TOL_TC says why)
 TOL_OLD = 2e-2  # the previous bf16 kernels vs the reference (TOL_SEQ)
 TOL_FLA = 2e-2  # against fla: both round to bf16 at similar points, so about twice one side's error
+# prep variants against each other (W, U0: the same fp32 solve in another order, so an operand of T diag(.) rounds
+# to the other bf16 neighbour now and then: 4e-5 on the CPU emulation's inputs); Aqk and gc are computed alike
+TOL_PREP = 1e-3
 FULL = os.environ.get("KBENCH_DELTA_FULL") == "1"
 BUDGET_S = float(os.environ.get("KBENCH_DELTA_BUDGET_S", "32"))
 
@@ -41,6 +46,9 @@ SHAPES = [
     ("4b-like 4 x 4096 (doc-qa documents)", 32, 16, [4096] * 4, True),
     ("4b-like ragged 60 x 100 + 4 x 2000 + 3 x 1", 32, 16, [100] * 60 + [2000] * 4 + [1] * 3, True),
 ] if FULL else [])
+# the prep pass alone on the 8192-token steps of the 4b-like model (32 value / 16 key heads): v1 against v2
+PREP_SHAPES = [(32, 256), (64, 128), (4, 2048), (1, 8192)]
+PREP_REF_TOKENS = 1024  # the reference checks the first tokens of sequence 0 (outputs are causal: a prefix suffices)
 # (sequences, length) for the tuning table: where does the tensor-core form stop paying?
 RULE_SHAPES = [(1, 512), (8, 512), (64, 128), (64, 64), (64, 32), (64, 16), (128, 16), (256, 8), (64, 8)]
 
@@ -96,13 +104,15 @@ class _Case:
     def run(self, ops, state):
         return ops.gated_delta_rule(self.q, self.k, self.v, self.g, self.beta, state, self.slots, self.cu_d)
 
-    def reference(self, ops, seqs):
-        """The NumPy reference for sequences `seqs`: {b: (o [len, H, Dv], state [H, Dk, Dv])}."""
+    def reference(self, ops, seqs, tokens=None):
+        """The NumPy reference for sequences `seqs` (each cut to its first `tokens`, when given):
+        {b: (o [len, H, Dv], state [H, Dk, Dv])}."""
         host = lambda a: np.asarray(ops.to_host(a)).astype(np.float32)
         ref = NumpyOps()
         out = {}
         for b in seqs:
             s, e = int(self.cu[b]), int(self.cu[b + 1])
+            e = e if tokens is None else min(e, s + tokens)
             qk, v, g, beta = (host(a[s:e]) for a in (self.qk, self.v, self.g, self.beta))
             st = host(self.state0[b:b + 1])
             o = ref.gated_delta_rule(qk[:, :self.hk], qk[:, self.hk:], v, g, beta, st, np.array([0]),
@@ -116,6 +126,50 @@ def _torch_view(torch, a):
     if a.dtype in (np.float32, np.int32):
         return torch.from_dlpack(a)
     return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
+
+
+def _prep(case, ops):
+    """ops's prep pass (its tuning's gdn_tc_prep variant) on the case: (W, U0, Aqk, gc)."""
+    q, k, v = case.q, case.k, case.v
+    return ops._gdn_tc_prep(128, q, q.strides[0] // 2, q.strides[1] // 2, k, k.strides[0] // 2, k.strides[1] // 2, v,
+                            v.strides[0] // 2, v.strides[1] // 2, case.g, case.beta, case.cu_d, len(case.lens),
+                            case.h // case.hk)
+
+
+def _prep_rows(rows, check, note, label, case, preps, ref_ops):
+    """The prep variants on one case: each one's full tensor-core form against the reference (the first
+    PREP_REF_TOKENS outputs of sequence 0), the new variants' scratch against v1's, then each variant's prep time
+    side by side. A variant that failed a check is not timed and its failure is a FAIL row (the part exits 1)."""
+    import cupy
+
+    from kernel_bench import Row, time_ms
+
+    f32 = lambda a: ref_ops._cast(a, np.float32)
+    n0 = min(PREP_REF_TOKENS, case.lens[0])
+    want_o, _ = case.reference(ref_ops, [0], tokens=n0)[0]
+    base = _prep(case, preps["v1"])
+    ok = {}
+    for name, p_ops in preps.items():
+        o = f32(case.run(p_ops, case.state0.copy()))
+        bad = check(f"{label}: tensor cores with prep {name} vs reference (sequence 0, first {n0} tokens)",
+                    _rel(cupy.asnumpy(o[:n0]), want_o), TOL_REF)
+        if name != "v1":
+            got = _prep(case, p_ops)
+            for what, a, b in zip(("W", "U0", "Aqk", "gc"), got, base):
+                bad |= check(f"{label}: prep {name} vs v1, {what} (all tokens)",
+                             _rel_dev(f32(a), f32(b)), TOL_PREP if what in ("W", "U0") else 1e-6)
+            del got
+        ok[name] = not bad
+        del o
+    del base
+    times = {}
+    for name, p_ops in preps.items():
+        if not ok[name]:
+            note(f"{label}: prep {name} NOT timed: it failed a check above")
+            continue
+        ms = times[name] = time_ms(lambda: _prep(case, p_ops), iters=10, warmup=2)
+        speedup = f", {times['v1'] / ms:.2f}x v1" if "v1" in times and name != "v1" else ""
+        rows.append(Row(f"{label}:   prep pass {name}", ms, f"{case.t / ms / 1e3:.1f} M tok/s{speedup}"))
 
 
 def fla_child(shape_index: int) -> dict:
@@ -157,7 +211,7 @@ def fla_child(shape_index: int) -> dict:
     return {"err": err, "ms": ms, "first_s": first_s, "tc_ms": time_ms(lambda: case.run(ops, case.state0.copy()))}
 
 
-def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous):
+def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, preps):
     """Checks, then timings, shape by shape (SHAPES); appends to rows and summary."""
     import cupy
 
@@ -201,11 +255,9 @@ def _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous):
                     row["tc"] = ms
                 rows.append(Row(f"{label}: tensor cores, {w} warps per scan block"
                                 f"{' (the auto rule)' if w == launch.warps else ''}", ms, rate(ms)))
-            q, k, v = case.q, case.k, case.v
-            ms = time_ms(lambda: ops._gdn_tc_prep(
-                128, q, q.strides[0] // 2, q.strides[1] // 2, k, k.strides[0] // 2, k.strides[1] // 2, v,
-                v.strides[0] // 2, v.strides[1] // 2, case.g, case.beta, case.cu_d, nseq, h // hk), iters=5, warmup=1)
-            rows.append(Row(f"{label}:   of which the prep pass", ms))
+            ms = time_ms(lambda: _prep(case, ops), iters=5, warmup=1)
+            rows.append(Row(f"{label}:   of which the prep pass ({ops.tuning.gdn_tc_prep}, the default)", ms))
+            _prep_rows(rows, check, note, label, case, preps, ops)
         summary.append(row)
         case = None  # the next shape's inputs replace these
         cupy.get_default_memory_pool().free_all_blocks()
@@ -258,9 +310,14 @@ def delta_part() -> list:
     widths = {w: ops.retuned(gdn_tensor_cores=True, gdn_tc_warps=w) for w in GDN_TC_WARPS}
     tc_auto = ops.retuned(gdn_tensor_cores=True)  # the "auto" rule's block width, the form forced on
     previous = ops.retuned(gdn_tensor_cores=False)
+    preps = {p: ops.retuned(gdn_tensor_cores=True, gdn_tc_prep=p) for p in GDN_TC_PREPS}
     summary = []
     try:
-        _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous)
+        _shapes(rows, check, note, summary, ops, f32, widths, tc_auto, previous, preps)
+        note("-- the prep pass alone, 8192-token steps (4b-like heads): " + ", ".join(GDN_TC_PREPS))
+        for nseq, length in PREP_SHAPES:
+            _prep_rows(rows, check, note, f"prep {nseq} x {length}", _Case(ops, 32, 16, [length] * nseq, seed=2),
+                       preps, ops)
     except Exception as ex:  # noqa: BLE001 - a kernel fault is sticky: report it as a failed row, keep the rows so far
         rows.append(Row(f"delta part stopped: {type(ex).__name__}: {str(ex)[:160]}", error=float("inf"), bound=0.0))
         return rows

@@ -33,7 +33,7 @@ from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, \
     NORM_CHUNKS, CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, elementwise_launch, \
-    elementwise_vector, gdn_tc_smem_bytes, norm_launch
+    elementwise_vector, gdn_tc_prep_launch, gdn_tc_smem_bytes, norm_launch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -80,7 +80,7 @@ _NAMES = {
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
-    "delta_tc": [f"gdn_tc_prep_kernel<{d}>" for d in GDN_TC_DIMS]
+    "delta_tc": [f"gdn_tc_prep_kernel<{d}>" for d in GDN_TC_DIMS] + [f"gdn_tc_prep_v2_kernel<{d}>" for d in GDN_TC_DIMS]
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
@@ -823,20 +823,20 @@ class CudaOps:
               _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)), out), shared_mem=nbytes)
 
     def _gdn_tc_prep(self, dim, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, cu, nseq, krep):
-        """gdn_tc_prep_kernel<dim> over every chunk of `nseq` sequences: (W [T, H, Dk], U0 [T, H, Dv],
-        Aqk [T, H, 64], gc [T, H])."""
+        """The prep pass (the tuning's gdn_tc_prep variant, <dim>) over every chunk of `nseq` sequences:
+        (W [T, H, Dk], U0 [T, H, Dv], Aqk [T, H, 64], gc [T, H])."""
         t, _, dk = q.shape
         h, dv = v.shape[1], v.shape[2]
         w = cupy.empty((t, h, dk), BF16)
         u = cupy.empty((t, h, dv), BF16)
         aqk = cupy.empty((t, h, 64), BF16)
         gc = cupy.empty((t, h), F32)
-        nbytes = gdn_tc_smem_bytes(dim)
-        prep = self._dynamic_smem(_kernel("delta_tc", f"gdn_tc_prep_kernel<{dim}>"), nbytes)
-        prep((-(-t // 64) + nseq, h), (128,),
+        launch = gdn_tc_prep_launch(self.tuning, dim, tokens=t, seqs=nseq, heads=h)
+        prep = self._dynamic_smem(_kernel("delta_tc", launch.kernel), launch.smem)
+        prep(launch.grid, (launch.threads,),
              (q, _i64(qst), _i64(qsh), k, _i64(kst), _i64(ksh), v, _i64(vst), _i64(vsh), g, beta, cu, _i32(nseq),
               _i32(h), _i32(krep), _i32(dk), _i32(dv), np.float32(1.0 / math.sqrt(dk)), w, u, aqk, gc),
-             shared_mem=nbytes)
+             shared_mem=launch.smem)
         return w, u, aqk, gc
 
     def _dynamic_smem(self, kern, nbytes: int):

@@ -12,6 +12,8 @@
 // gdn_tc_prep_kernel: one block (4 warps) per (chunk, value head), every chunk of every sequence in parallel:
 //   K K^T and Q K^T on tensor cores, the triangular solve in fp32 (16 x 16 diagonal blocks by substitution, the
 //   off-diagonal blocks by block products), W and U0 on tensor cores; W, U0, Aqk (bf16) and gc (fp32) to scratch.
+// gdn_tc_prep_v2_kernel: the same pass in 35 KB of shared memory instead of 89 KB (see its comment); which one runs
+//   is kernels/tuning.py CudaTuning.gdn_tc_prep.
 // gdn_tc_scan_kernel: one block per (16 NW value columns, value head, sequence), its chunks in order. The state is
 //   kept TRANSPOSED, S^T [Dv, Dk], in fp32 mma accumulators: warp w owns value rows 16w..16w+15 of the tile, so
 //   every S-dependent product has the value dimension as its M dimension and a warp never needs another warp's
@@ -25,7 +27,7 @@
 // does), T, W, U0, Aqk and Vn are bf16 operands. Limits (the wrapper checks them and falls back otherwise): bf16
 // q/k/v with rows 16-byte aligned (dims and strides multiples of 8 elements), Dk, Dv <= D (64 or 128).
 // Every kernel reads q and k of value head h from key head h / krep (grouped value heads share key heads).
-// One file over ~300 lines on purpose: the two kernels share the chunk layout, the fragment helpers and the scratch
+// One file over ~300 lines on purpose (two prep variants kept side by side for A/B timing on the device): the two kernels share the chunk layout, the fragment helpers and the scratch
 // format between them, and tests/test_delta_tc_emulated.py compiles exactly this file for the CPU.
 
 #define TC_C 64              // tokens per chunk
@@ -273,6 +275,305 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
                 if (t < n)
                     *reinterpret_cast<unsigned*>(dst + ((i64)(start + t) * heads + h) * width + col) =
                         tc_pack(acc[nt][hf * 2], acc[nt][hf * 2 + 1]);
+            }
+        }
+    }
+}
+
+// ---- per-chunk preparation, v2: one block = 35 KB of shared memory ------------------------------------------
+// The same outputs as gdn_tc_prep_kernel (and the same fp32 blocked solve), laid out so a block needs 35 KB of
+// shared memory instead of 89 KB (5 blocks, 20 warps, per SM instead of 2 and 8: the serial parts of one block hide
+// behind the others):
+//   - one fp32 [C][TC_SLD] array holds L and T at once: L strictly below the diagonal, T TRANSPOSED strictly above
+//     it (T's unit diagonal and zero upper triangle are constants, never stored). It lives where q was (q is dead
+//     once Q K^T is in registers), and v takes the same bytes once T is in registers;
+//   - T diag(beta exp(gc)) and T diag(beta) never go through shared memory: each warp reads its 16 rows of T into
+//     mma A fragments (scaled and packed to bf16 in registers), so the bf16 [C][C] Aw / Au arrays are gone;
+//   - beta exp(gc) is computed once per token (not once per element of Aw).
+// The solve: warp w inverts the diagonal block w (16 x 16, a column per lane, right-looking substitution: a
+// dependency chain of 16 fused multiply-adds instead of 120), then warp j computes column block j of T down the
+// rows, T_ij = -T_ii sum_{m=j}^{i-1} L_im T_mj for i = j + 1 .. 3, from float4 loads of register tiles (4 rows x 2
+// columns a lane), with only warp barriers between its steps (column block j needs nothing from other warps but
+// the diagonal blocks). The price: v arrives after the solve (overlapped with the W pass only), not during it.
+#define TC_SLD (TC_C + 4)  // fp32 rows of the v2 solve: float4-aligned; lanes reading 8 rows apart hit distinct banks
+
+template <int D>
+__global__ void __launch_bounds__(128, 5)
+gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
+                      const bf16* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
+                      const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int krep,
+                      int dk, int dv, float scale, bf16* __restrict__ w_out, bf16* __restrict__ u_out,
+                      bf16* __restrict__ a_out, float* __restrict__ gc_out) {
+    constexpr int LD = D + 8;
+    extern __shared__ __align__(16) unsigned char tc_smem_raw[];
+    bf16* sK = reinterpret_cast<bf16*>(tc_smem_raw);  // [C][LD]  k
+    // then max(C LD bf16, C TC_SLD fp32) bytes (kernels/tuning.py gdn_tc_prep_smem_bytes): q [C][LD] bf16, then
+    // L / T^T [C][TC_SLD] fp32, then v [C][LD] bf16
+    bf16* sQV = sK + TC_C * LD;
+    float* sLT = reinterpret_cast<float*>(sQV);
+    __shared__ float sgc[TC_C], sbeta[TC_C], sbw[TC_C];  // gc, beta, beta exp(gc) per token
+    __shared__ int s_seq, s_tile;
+
+    const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    if (warp == 0) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) seq = -1;
+        if (lane == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    if (s_seq < 0) return;
+    const int start = cu[s_seq] + s_tile * TC_C;
+    const int n = min(TC_C, cu[s_seq + 1] - start);
+    const int hk = h / krep;
+    tc_load_tile<D, 128>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
+    tc_load_tile<D, 128>(sQV, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
+    tc_cp_commit();
+    if (warp == 0) {  // gc = inclusive cumsum of g over the chunk (two tokens per lane, a warp scan), as v1
+        const int t0 = 2 * lane;
+        const float g0 = t0 < n ? g[(i64)(start + t0) * heads + h] : 0.f;
+        const float g1 = t0 + 1 < n ? g[(i64)(start + t0 + 1) * heads + h] : 0.f;
+        const float pair = g0 + g1;
+        float incl = pair;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+        }
+        const float c0 = incl - pair + g0;
+        const float b0 = t0 < n ? beta[(i64)(start + t0) * heads + h] : 0.f;
+        const float b1 = t0 + 1 < n ? beta[(i64)(start + t0 + 1) * heads + h] : 0.f;
+        sgc[t0] = c0;
+        sgc[t0 + 1] = incl;
+        sbeta[t0] = b0;
+        sbeta[t0 + 1] = b1;
+        sbw[t0] = b0 * expf(c0);
+        sbw[t0 + 1] = b1 * expf(incl);
+        if (t0 < n) gc_out[(i64)(start + t0) * heads + h] = c0;
+        if (t0 + 1 < n) gc_out[(i64)(start + t0 + 1) * heads + h] = incl;
+    }
+    tc_cp_wait_all();
+    __syncthreads();
+
+    // Q K^T, then K K^T (one after the other: 32 accumulators live, not 64): warp w computes rows t = 16w .. 16w + 15,
+    // columns j <= t (16-column pairs n2 <= w); Aqk goes straight to global memory, K K^T stays in registers
+    float kk[8][4];
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const bf16* sA = pass ? sK : sQV;
+        float acc[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            unsigned a[4];
+            tc_ldsm(a, tc_a_addr(sA, LD, warp * 16, ks * 16, lane));
+#pragma unroll
+            for (int n2 = 0; n2 < 4; ++n2) {
+                if (n2 > warp) continue;
+                unsigned b[4];
+                tc_ldsm(b, tc_b_addr(sK, LD, n2 * 16, ks * 16, lane));
+                tc_mma(acc[2 * n2], a, b[0], b[1]);
+                tc_mma(acc[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+        if (pass) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) kk[i][e] = acc[i][e];
+            break;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int t = warp * 16 + gid + hf * 8;
+                float av[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = nt * 8 + 2 * tig + e;
+                    av[e] = j <= t ? expf(sgc[t] - sgc[j]) * scale * acc[nt][hf * 2 + e] : 0.f;
+                }
+                if (t < n)
+                    *reinterpret_cast<unsigned*>(a_out + ((i64)(start + t) * heads + h) * TC_C + nt * 8 + 2 * tig) =
+                        tc_pack(av[0], av[1]);
+            }
+    }
+    __syncthreads();  // every warp is done with q: L takes its bytes
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (nt > 2 * warp + 1) continue;  // columns past the warp's rows: L is zero there and never read
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int t = warp * 16 + gid + hf * 8;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = nt * 8 + 2 * tig + e;
+                if (j < t) sLT[t * TC_SLD + j] = sbeta[t] * expf(sgc[t] - sgc[j]) * kk[nt][hf * 2 + e];
+            }
+        }
+    }
+    __syncthreads();
+
+    // T_ww = (I + L_ww)^-1, warp w, lane c < 16 owning column c: once x[r] is final it is subtracted from every later
+    // row (right-looking), so each x[r] waits on one multiply-add after x[r - 1]; x[j] = 0 for j < c, so running every
+    // lane over every r is exact. Stored transposed: T[b0 + r][b0 + c] at sLT[(b0 + c)][b0 + r], r > c.
+    if (lane < 16) {
+        const int b0 = warp * 16, c = lane;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) x[r] = r == c ? 1.f : 0.f;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+#pragma unroll
+            for (int r2 = r + 1; r2 < 16; ++r2) x[r2] -= sLT[(b0 + r2) * TC_SLD + b0 + r] * x[r];
+            if (r > c) sLT[(b0 + c) * TC_SLD + b0 + r] = x[r];
+        }
+    }
+    __syncthreads();  // the diagonal blocks are every warp's
+
+    // Column block j = warp of T, down the block rows i = j + 1 .. 3 (warp 3 has none):
+    //   P = sum_{m=16j}^{16i-1} L[16i + r][m] T[m][16j + c],  T_ij = -T_ii P  (16 x 16 each).
+    // Lane tile: rows 4 rg .. 4 rg + 3 (rg = lane / 8, the same for a quarter-warp: L loads broadcast), columns cg
+    // and cg + 8 (cg = lane % 8: a quarter-warp reads 8 T^T rows 68 floats apart, distinct banks). P goes where T_ij
+    // will be (T^T block (j, i)) so every lane can read all its rows for the T_ii product; a warp barrier orders it.
+    {
+        const int j = warp, rg = lane >> 3, cg = lane & 7;
+#pragma unroll 1
+        for (int i = j + 1; i < 4; ++i) {
+            float p[4][2];
+#pragma unroll
+            for (int rr = 0; rr < 4; ++rr) p[rr][0] = p[rr][1] = 0.f;
+#pragma unroll 1
+            for (int m4 = 16 * j; m4 < 16 * i; m4 += 4) {
+                float4 l4[4], t4[2];
+#pragma unroll
+                for (int rr = 0; rr < 4; ++rr)
+                    l4[rr] = *reinterpret_cast<const float4*>(sLT + (16 * i + 4 * rg + rr) * TC_SLD + m4);
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) {
+                    const int col = 16 * j + cg + 8 * cc;  // T[m][col], stored at sLT[col][m] for m > col
+                    float4 t = *reinterpret_cast<const float4*>(sLT + col * TC_SLD + m4);
+                    if (m4 < 16 * j + 16) {  // the diagonal block T_jj: 1 at m == col, 0 above, L's bytes below
+                        t.x = m4 > col ? t.x : (m4 == col ? 1.f : 0.f);
+                        t.y = m4 + 1 > col ? t.y : (m4 + 1 == col ? 1.f : 0.f);
+                        t.z = m4 + 2 > col ? t.z : (m4 + 2 == col ? 1.f : 0.f);
+                        t.w = m4 + 3 > col ? t.w : (m4 + 3 == col ? 1.f : 0.f);
+                    }
+                    t4[cc] = t;
+                }
+#pragma unroll
+                for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+                    for (int cc = 0; cc < 2; ++cc)
+                        p[rr][cc] += l4[rr].x * t4[cc].x + l4[rr].y * t4[cc].y + l4[rr].z * t4[cc].z +
+                                     l4[rr].w * t4[cc].w;
+            }
+            // P^T rows col, columns 16 i + 4 rg .. + 3: one float4 per column
+            float* pt[2];
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                pt[cc] = sLT + (16 * j + cg + 8 * cc) * TC_SLD + 16 * i;
+                *reinterpret_cast<float4*>(pt[cc] + 4 * rg) = make_float4(p[0][cc], p[1][cc], p[2][cc], p[3][cc]);
+            }
+            __syncwarp();
+            // T_ij[r][c] = -(P[r][c] + sum_{m < r} T_ii[r][m] P[m][c]); T_ii[r][m] at sLT[16 i + m][16 i + r]
+            float o[4][2];
+#pragma unroll
+            for (int rr = 0; rr < 4; ++rr) o[rr][0] = p[rr][0], o[rr][1] = p[rr][1];
+#pragma unroll
+            for (int m4 = 0; m4 < 16; m4 += 4) {
+                float4 pm[2];
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) pm[cc] = *reinterpret_cast<const float4*>(pt[cc] + m4);
+#pragma unroll
+                for (int mm = 0; mm < 4; ++mm) {
+                    const int m = m4 + mm;
+                    const float4 d4 = *reinterpret_cast<const float4*>(sLT + (16 * i + m) * TC_SLD + 16 * i + 4 * rg);
+                    const float dr[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+                    for (int rr = 0; rr < 4; ++rr) {
+                        const float dv_ = m < 4 * rg + rr ? dr[rr] : 0.f;  // T_ii is lower: L's bytes elsewhere
+#pragma unroll
+                        for (int cc = 0; cc < 2; ++cc) {
+                            const float pmv = mm == 0 ? pm[cc].x : mm == 1 ? pm[cc].y : mm == 2 ? pm[cc].z : pm[cc].w;
+                            o[rr][cc] += dv_ * pmv;
+                        }
+                    }
+                }
+            }
+            __syncwarp();  // every lane has read P
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc)
+                *reinterpret_cast<float4*>(pt[cc] + 4 * rg) = make_float4(-o[0][cc], -o[1][cc], -o[2][cc], -o[3][cc]);
+            __syncwarp();  // T_ij is read by the next block row's P
+        }
+    }
+    __syncthreads();  // T complete
+
+    // The A fragments of T diag(beta exp(gc)) and T diag(beta), warp w's rows 16w .. 16w + 15, k-steps ks <= w
+    // (T is zero past the diagonal): T[row][col] = sLT[col][row] below the diagonal, 1 on it, 0 above.
+    unsigned aw[4][4], au[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        if (ks > warp) continue;
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+            const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
+            float tv[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                tv[e] = col + e < row ? sLT[(col + e) * TC_SLD + row] : (col + e == row ? 1.f : 0.f);
+            aw[ks][reg] = tc_pack(tv[0] * sbw[col], tv[1] * sbw[col + 1]);
+            au[ks][reg] = tc_pack(tv[0] * sbeta[col], tv[1] * sbeta[col + 1]);
+        }
+    }
+    __syncthreads();  // every warp has its fragments: v takes the solve's bytes, arriving during the W pass
+    tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
+    tc_cp_commit();
+
+    // W = Aw K, then U0 = Au V: warp w rows 16w .. 16w + 15, in 64-column halves (32 accumulators live)
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass) {
+            tc_cp_wait_all();
+            __syncthreads();
+        }
+        const bf16* sB = pass ? sQV : sK;
+        bf16* dst = pass ? u_out : w_out;
+        const int width = pass ? dv : dk;
+#pragma unroll 1
+        for (int c0 = 0; c0 < D; c0 += 64) {
+            if (c0 >= width) break;
+            float acc[8][4];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                if (ks > warp) continue;
+                unsigned a[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) a[r] = pass ? au[ks][r] : aw[ks][r];
+#pragma unroll
+                for (int d2 = 0; d2 < 4; ++d2) {
+                    unsigned b[4];
+                    tc_ldsm_t(b, tc_bt_addr(sB, LD, ks * 16, c0 + d2 * 16, lane));
+                    tc_mma(acc[2 * d2], a, b[0], b[1]);
+                    tc_mma(acc[2 * d2 + 1], a, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const int col = c0 + nt * 8 + 2 * tig;
+                if (col >= width) continue;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int t = warp * 16 + gid + hf * 8;
+                    if (t < n)
+                        *reinterpret_cast<unsigned*>(dst + ((i64)(start + t) * heads + h) * width + col) =
+                            tc_pack(acc[nt][hf * 2], acc[nt][hf * 2 + 1]);
+                }
             }
         }
     }

@@ -23,7 +23,9 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   aligned rows): the bf16 prefill form whenever sequences average at least GDN_TC_MIN_MEAN tokens, scan blocks of
   4 warps (64 value columns). Measured 2026-12-01 (`bench/kernel_bench.py delta`, 4b-like heads), previous default
   kernel / tensor cores with 4 warps / with 2: 32 x 2304 13.13 / 4.94 / 5.73 ms; 1 x 2048 2.02 / 0.250 / 0.279;
-  64 x 256 2.92 / 1.18 / 1.34. 4 warps won even where 2 give twice the blocks (one sequence). The threshold is
+  64 x 256 2.92 / 1.18 / 1.34. 4 warps won even where 2 give twice the blocks (one sequence). The per-chunk prep
+  pass, 3.30 of those 4.94 ms (v1, gdn_tc_prep_kernel: 89 KB of shared memory, 2 blocks per SM), defaults to
+  gdn_tc_prep_v2_kernel (35 KB, 5 blocks per SM; written 2026-12 without a device, its timing still to be taken). The threshold is
   derived from the same figures, not measured at it: the token-stepped kernel costs ~11 us per token step at 64
   sequences (~1 us alone), the tensor-core form ~0.3 ms per 64-token chunk round at 64 sequences (~8 us alone)
   whether the chunk is full or not, so at 64 sequences they break even near 26 tokens each; 32 leaves a margin.
@@ -60,6 +62,9 @@ GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMA
 # GDN_TC_DIMS; the scan block has GDN_TC_WARPS warps of 16 value columns each
 GDN_TC_DIMS = (128,)
 GDN_TC_WARPS = (2, 4)
+# gdn_tc_prep variants (kernels/delta_tc.cu): "v1" gdn_tc_prep_kernel (89 KB of shared memory a block), "v2"
+# gdn_tc_prep_v2_kernel (35 KB: L and T share one fp32 array, T's bf16 operands built in registers)
+GDN_TC_PREPS = ("v1", "v2")
 GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the tensor-core form
 # gdn_decode_kernel instantiations, (warps, value columns) per block; the first is the default (the module docstring)
 GDN_DECODE_BLOCKS = ((8, 64), (8, 128))
@@ -96,6 +101,10 @@ class CudaTuning:
     # 2026-12-01; "delta_tc" is in kernels/cuda.py's PREPARED_FILES so its module loads while the weights upload)
     gdn_tensor_cores: bool | str = "auto"
     gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: 4 (the faster on every measured shape)
+    # the tensor-core form's per-chunk pass (GDN_TC_PREPS). "v2" is written for 5 blocks per SM where "v1" fits 2;
+    # checked on the CPU (tests/test_delta_tc_emulated.py), not yet timed on a device (2026-12, bench/kbench_delta.py
+    # times both). Both give the same outputs up to fp32 summation order in the solve.
+    gdn_tc_prep: str = "v2"
     # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
     gdn_decode: bool | str = "auto"
     gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block
@@ -118,6 +127,8 @@ class CudaTuning:
             raise ValueError(f"attn_prefill_kernel must be one of {ATTN_PREFILL_KERNELS}")
         if self.gdn_tc_warps not in (None,) + GDN_TC_WARPS:
             raise ValueError(f"gdn_tc_warps must be None or one of {GDN_TC_WARPS}")
+        if self.gdn_tc_prep not in GDN_TC_PREPS:
+            raise ValueError(f"gdn_tc_prep must be one of {GDN_TC_PREPS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
             raise ValueError(f"gdn_decode_block must be None or one of {GDN_DECODE_BLOCKS}")
         for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode"):
@@ -139,7 +150,7 @@ class DeltaRuleLaunch:
     """How gated_delta_rule runs: the chunked form (two kernels, launched by their own wrapper), or one
     token-stepped kernel (`kernel` with its template arguments but the storage type left as {t}) on `grid`.
     `tensor_cores` (with chunked): the bf16 tensor-core chunked form, `kernel` its scan kernel on `grid` (the
-    wrapper runs gdn_tc_prep_kernel<dim> first), `dim` the padded key/value dim, `warps` the scan block's.
+    wrapper runs the prep pass of gdn_tc_prep_launch first), `dim` the padded key/value dim, `warps` the scan block's.
     `threads`: the token-stepped kernel's block size."""
 
     chunked: bool
@@ -182,6 +193,34 @@ def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:
         return 2 * c * ld * 2 + 2 * c * (c + 1) * 4 + 2 * c * ald * 2
     uld = 16 * warps + 8  # W, k, q [C][ld]; Aqk [C][ald]; U0, O [C][uld]
     return (3 * c * ld + c * ald + 2 * c * uld) * 2
+
+
+def gdn_tc_prep_smem_bytes(dim: int, variant: str) -> int:
+    """Dynamic shared memory of the prep kernel `variant` (GDN_TC_PREPS) for padded dim `dim`, bytes."""
+    if variant == "v1":
+        return gdn_tc_smem_bytes(dim)
+    c, ld, sld = 64, dim + 8, 64 + 4  # k [C][ld] bf16; then q / v [C][ld] bf16 or L and T^T [C][sld] fp32, in turn
+    return c * ld * 2 + max(c * ld * 2, c * sld * 4)
+
+
+@dataclass(frozen=True)
+class GdnPrepLaunch:
+    """The tensor-core form's per-chunk pass: `kernel` on `grid` (x: chunk slots, y: value heads) of `threads`
+    threads and `smem` bytes of dynamic shared memory."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+
+
+def gdn_tc_prep_launch(tuning: CudaTuning, dim: int, *, tokens: int, seqs: int, heads: int) -> GdnPrepLaunch:
+    """The prep pass over `tokens` tokens of `seqs` sequences: a block per (64-token chunk, value head). The grid
+    has ceil(tokens / 64) + seqs chunk slots, enough for every sequence's ragged last chunk without a host sync
+    (the blocks past the last chunk return at once)."""
+    name = "gdn_tc_prep_kernel" if tuning.gdn_tc_prep == "v1" else "gdn_tc_prep_v2_kernel"
+    return GdnPrepLaunch(f"{name}<{dim}>", (-(-tokens // 64) + seqs, heads, 1), 128,
+                         gdn_tc_prep_smem_bytes(dim, tuning.gdn_tc_prep))
 
 
 def _use_tensor_cores(tuning: CudaTuning, tokens: int, seqs: int, dk: int, dv: int) -> bool:

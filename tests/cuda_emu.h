@@ -13,6 +13,7 @@
 //     waited for are dropped), so a missing commit or wait reads stale shared memory here as it may on the device;
 //     with EMU_CP_EAGER (the ThreadSanitizer build) also written at issue, so a copy issued while other threads still
 //     read its destination is a race too.
+//   __syncwarp: a rendezvous of the warp (full mask only).
 // Only what the kernel needs is modelled; nothing here is fast.
 #pragma once
 #include <algorithm>
@@ -77,6 +78,9 @@ inline std::barrier<>* emu_block_barrier;
 inline unsigned char* emu_dynamic_smem;
 
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+// bar.warp.sync with a full mask: a rendezvous of the warp's 32 threads that orders their memory accesses (the
+// kernels only call it warp-uniformly, as the ISA requires for the threads of the mask)
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.arrive_and_wait(); }
 
 template <typename T>
 inline T emu_shfl(T v, int src) {  // value of lane `src` (own value when src is out of range)

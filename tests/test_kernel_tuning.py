@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from prefixrun.kernels.tuning import GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, DeltaRuleLaunch, \
-    NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, norm_launch
+    GdnPrepLaunch, NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, gdn_tc_prep_launch, \
+    gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
@@ -104,6 +105,32 @@ def test_delta_rule_tensor_cores_forced_and_off():
                              tensor_cores=True) == DeltaRuleLaunch(True)
 
 
+@pytest.mark.parametrize("prep,tokens,seqs,want", [
+    # v1 (gdn_tc_prep_kernel): 89 KB a block (k, q/v bf16; L, T fp32; Aw, Au bf16): 2 blocks per 228 KB SM
+    ("v1", 8192, 32, GdnPrepLaunch("gdn_tc_prep_kernel<128>", (160, 32, 1), 128, 86528)),
+    # v2 (the default): k and one 17 KB region that holds q, then L with T^T, then v: 5 blocks per SM (its 95
+    # registers under __launch_bounds__(128, 5) allow 5 too); a chunk slot per sequence for the ragged last chunks
+    ("v2", 8192, 32, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128>", (160, 32, 1), 128, 34816)),
+    ("v2", 8192, 1, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128>", (129, 32, 1), 128, 34816)),
+    ("v2", 150, 3, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128>", (6, 32, 1), 128, 34816)),
+])
+def test_delta_rule_tensor_core_prep_launch(prep, tokens, seqs, want):
+    tuning = dataclasses.replace(DEFAULT, gdn_tc_prep=prep)
+    assert gdn_tc_prep_launch(tuning, 128, tokens=tokens, seqs=seqs, heads=32) == want
+
+
+def test_delta_rule_tensor_core_prep_shared_memory():
+    assert DEFAULT.gdn_tc_prep == "v2"
+    assert gdn_tc_prep_smem_bytes(128, "v1") == gdn_tc_smem_bytes(128)
+    # v2's fp32 [64][68] solve array fits the bytes q and v take at 128 dims, and sets the size at 64
+    assert gdn_tc_prep_smem_bytes(128, "v2") == 2 * 64 * 136 * 2
+    assert gdn_tc_prep_smem_bytes(64, "v2") == 64 * 72 * 2 + 64 * 68 * 4
+    # blocks per H200 SM by shared memory (228 KB, 1 KB reserved a block; static: v1 3600 B, v2 784 B)
+    per_sm = lambda dyn, static: 228 * 1024 // (dyn + static + 1024)
+    assert per_sm(gdn_tc_prep_smem_bytes(128, "v1"), 3600) == 2
+    assert per_sm(gdn_tc_prep_smem_bytes(128, "v2"), 784) == 6
+
+
 ATTN_4B = dict(q_heads=16, kv_heads=4, head_dim=256, window=0, tensor_cores=True)
 
 
@@ -174,7 +201,7 @@ def test_attention_wgmma_choice():
 
 
 @pytest.mark.parametrize("bad", [dict(gdn_chunked="yes"), dict(gdn_tensor_cores="auto-ish"), dict(gdn_tc_warps=3),
-                                 dict(attn_decode_warps=2), dict(attn_prefill_kernel="fa3"),
+                                 dict(gdn_tc_prep="v3"), dict(attn_decode_warps=2), dict(attn_prefill_kernel="fa3"),
                                  dict(attn_keys_per_tile=((128, 32),)), dict(attn_split_decode=None)])
 def test_tuning_rejects_what_no_kernel_implements(bad):
     with pytest.raises(ValueError):
@@ -210,7 +237,10 @@ def test_every_choice_names_a_compiled_kernel():
             launch = delta_rule_launch(dataclasses.replace(DEFAULT, gdn_tc_warps=warps), sms, tokens=4096, seqs=2,
                                        heads=4, dk=dk, dv=dv, tensor_cores=True)
             assert launch.tensor_cores and launch.kernel in cuda._NAMES["delta_tc"]
-            assert f"gdn_tc_prep_kernel<{launch.dim}>" in cuda._NAMES["delta_tc"]
+            for prep in ("v1", "v2"):
+                prep_launch = gdn_tc_prep_launch(dataclasses.replace(DEFAULT, gdn_tc_prep=prep), launch.dim,
+                                                 tokens=4096, seqs=2, heads=4)
+                assert prep_launch.kernel in cuda._NAMES["delta_tc"]
     for d in (64, 128, 256):
         for tuning in (DEFAULT, dataclasses.replace(DEFAULT, attn_split_decode=True),
                        dataclasses.replace(DEFAULT, attn_prefill_warps=4, attn_decode_warps=8)):
