@@ -31,9 +31,9 @@ from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_many
 from prefixrun.kernels.reference import _storage_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
-from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, GDN_TC_WARPS, \
-    NORM_CHUNKS, CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, elementwise_launch, \
-    elementwise_vector, gdn_tc_prep_launch, gdn_tc_smem_bytes, norm_launch
+from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
+    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, NORM_CHUNKS, CudaTuning, attention_plan, attn_tile_keys, delta_rule_launch, \
+    elementwise_launch, elementwise_vector, gdn_tc_prep_launch, gdn_tc_smem_bytes, norm_launch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -80,7 +80,7 @@ _NAMES = {
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
-    "delta_tc": [f"gdn_tc_prep_kernel<{d}>" for d in GDN_TC_DIMS] + [f"gdn_tc_prep_v2_kernel<{d}>" for d in GDN_TC_DIMS]
+    "delta_tc": [k.format(d=d) for k in GDN_TC_PREP_KERNELS.values() for d in GDN_TC_DIMS]
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in _MMA_HEAD_DIMS for bn in attn_tile_keys(d) for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],

@@ -27,8 +27,8 @@
 // does), T, W, U0, Aqk and Vn are bf16 operands. Limits (the wrapper checks them and falls back otherwise): bf16
 // q/k/v with rows 16-byte aligned (dims and strides multiples of 8 elements), Dk, Dv <= D (64 or 128).
 // Every kernel reads q and k of value head h from key head h / krep (grouped value heads share key heads).
-// One file over ~300 lines on purpose (two prep variants kept side by side for A/B timing on the device): the two kernels share the chunk layout, the fragment helpers and the scratch
-// format between them, and tests/test_delta_tc_emulated.py compiles exactly this file for the CPU.
+// One file over ~300 lines on purpose (the prep variants side by side, for A/B timing on the device): the kernels
+// share the chunk layout, the fragment helpers and the scratch format between them, and tests/test_delta_tc_emulated.py compiles exactly this file for the CPU.
 
 #define TC_C 64              // tokens per chunk
 #define TC_ALD (TC_C + 8)    // bf16 [C][C] rows: 144 bytes, ldmatrix rows fall in distinct banks
@@ -282,8 +282,8 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 
 // ---- per-chunk preparation, v2: one block = 35 KB of shared memory ------------------------------------------
 // The same outputs as gdn_tc_prep_kernel (and the same fp32 blocked solve), laid out so a block needs 35 KB of
-// shared memory instead of 89 KB (5 blocks, 20 warps, per SM instead of 2 and 8: the serial parts of one block hide
-// behind the others):
+// shared memory instead of 89 KB (MIN_BLOCKS = 5 or 6 blocks, 20 or 24 warps, per SM instead of 2 and 8: the serial
+// parts of one block hide behind the others; 5 fit 96 registers without spilling, 6 ask for 80):
 //   - one fp32 [C][TC_SLD] array holds L and T at once: L strictly below the diagonal, T TRANSPOSED strictly above
 //     it (T's unit diagonal and zero upper triangle are constants, never stored). It lives where q was (q is dead
 //     once Q K^T is in registers), and v takes the same bytes once T is in registers;
@@ -297,8 +297,8 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 // the diagonal blocks). The price: v arrives after the solve (overlapped with the W pass only), not during it.
 #define TC_SLD (TC_C + 4)  // fp32 rows of the v2 solve: float4-aligned; lanes reading 8 rows apart hit distinct banks
 
-template <int D>
-__global__ void __launch_bounds__(128, 5)
+template <int D, int MIN_BLOCKS>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
 gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
                       const bf16* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
                       const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int krep,
@@ -533,7 +533,8 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
     tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
     tc_cp_commit();
 
-    // W = Aw K, then U0 = Au V: warp w rows 16w .. 16w + 15, in 64-column halves (32 accumulators live)
+    // W = Aw K, then U0 = Au V: warp w rows 16w .. 16w + 15, 32 columns at a time (16 accumulators live next to the
+    // 32 registers of fragments: what lets MIN_BLOCKS = 6 fit 80 registers; the same mma and ldmatrix count)
 #pragma unroll 1
     for (int pass = 0; pass < 2; ++pass) {
         if (pass) {
@@ -544,11 +545,11 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
         bf16* dst = pass ? u_out : w_out;
         const int width = pass ? dv : dk;
 #pragma unroll 1
-        for (int c0 = 0; c0 < D; c0 += 64) {
+        for (int c0 = 0; c0 < D; c0 += 32) {
             if (c0 >= width) break;
-            float acc[8][4];
+            float acc[4][4];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+            for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
                 if (ks > warp) continue;
@@ -556,7 +557,7 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
 #pragma unroll
                 for (int r = 0; r < 4; ++r) a[r] = pass ? au[ks][r] : aw[ks][r];
 #pragma unroll
-                for (int d2 = 0; d2 < 4; ++d2) {
+                for (int d2 = 0; d2 < 2; ++d2) {
                     unsigned b[4];
                     tc_ldsm_t(b, tc_bt_addr(sB, LD, ks * 16, c0 + d2 * 16, lane));
                     tc_mma(acc[2 * d2], a, b[0], b[1]);
@@ -564,7 +565,7 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
                 }
             }
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
+            for (int nt = 0; nt < 4; ++nt) {
                 const int col = c0 + nt * 8 + 2 * tig;
                 if (col >= width) continue;
 #pragma unroll

@@ -62,9 +62,13 @@ GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMA
 # GDN_TC_DIMS; the scan block has GDN_TC_WARPS warps of 16 value columns each
 GDN_TC_DIMS = (128,)
 GDN_TC_WARPS = (2, 4)
-# gdn_tc_prep variants (kernels/delta_tc.cu): "v1" gdn_tc_prep_kernel (89 KB of shared memory a block), "v2"
-# gdn_tc_prep_v2_kernel (35 KB: L and T share one fp32 array, T's bf16 operands built in registers)
-GDN_TC_PREPS = ("v1", "v2")
+# gdn_tc_prep variants (kernels/delta_tc.cu): "v1" gdn_tc_prep_kernel (89 KB of shared memory a block, 2 blocks per
+# SM), "v2" gdn_tc_prep_v2_kernel (35 KB: L and T share one fp32 array, T's bf16 operands built in registers)
+# compiled for 5 blocks per SM (96 registers, no spills), "v2-6" the same code held to 80 registers for 6 (a 4-byte
+# spill, by ptxas 13.0): which occupancy pays is for the device to say
+GDN_TC_PREPS = ("v1", "v2", "v2-6")
+GDN_TC_PREP_KERNELS = {"v1": "gdn_tc_prep_kernel<{d}>", "v2": "gdn_tc_prep_v2_kernel<{d}, 5>",
+                       "v2-6": "gdn_tc_prep_v2_kernel<{d}, 6>"}
 GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the tensor-core form
 # gdn_decode_kernel instantiations, (warps, value columns) per block; the first is the default (the module docstring)
 GDN_DECODE_BLOCKS = ((8, 64), (8, 128))
@@ -196,7 +200,8 @@ def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:
 
 
 def gdn_tc_prep_smem_bytes(dim: int, variant: str) -> int:
-    """Dynamic shared memory of the prep kernel `variant` (GDN_TC_PREPS) for padded dim `dim`, bytes."""
+    """Dynamic shared memory of the prep kernel `variant` (GDN_TC_PREPS) for padded dim `dim`, bytes (the layout at
+    the top of each kernel in kernels/delta_tc.cu)."""
     if variant == "v1":
         return gdn_tc_smem_bytes(dim)
     c, ld, sld = 64, dim + 8, 64 + 4  # k [C][ld] bf16; then q / v [C][ld] bf16 or L and T^T [C][sld] fp32, in turn
@@ -218,9 +223,9 @@ def gdn_tc_prep_launch(tuning: CudaTuning, dim: int, *, tokens: int, seqs: int, 
     """The prep pass over `tokens` tokens of `seqs` sequences: a block per (64-token chunk, value head). The grid
     has ceil(tokens / 64) + seqs chunk slots, enough for every sequence's ragged last chunk without a host sync
     (the blocks past the last chunk return at once)."""
-    name = "gdn_tc_prep_kernel" if tuning.gdn_tc_prep == "v1" else "gdn_tc_prep_v2_kernel"
-    return GdnPrepLaunch(f"{name}<{dim}>", (-(-tokens // 64) + seqs, heads, 1), 128,
-                         gdn_tc_prep_smem_bytes(dim, tuning.gdn_tc_prep))
+    kernel = GDN_TC_PREP_KERNELS[tuning.gdn_tc_prep].format(d=dim)
+    smem = gdn_tc_prep_smem_bytes(dim, tuning.gdn_tc_prep)
+    return GdnPrepLaunch(kernel, (-(-tokens // 64) + seqs, heads, 1), 128, smem)
 
 
 def _use_tensor_cores(tuning: CudaTuning, tokens: int, seqs: int, dk: int, dv: int) -> bool:

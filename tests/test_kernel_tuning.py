@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from prefixrun.kernels.tuning import GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, DeltaRuleLaunch, \
-    GdnPrepLaunch, NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, gdn_tc_prep_launch, \
+from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, \
+    DeltaRuleLaunch, GdnPrepLaunch, NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, gdn_tc_prep_launch, \
     gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch
 
 H200_SMS = 132
@@ -108,11 +108,13 @@ def test_delta_rule_tensor_cores_forced_and_off():
 @pytest.mark.parametrize("prep,tokens,seqs,want", [
     # v1 (gdn_tc_prep_kernel): 89 KB a block (k, q/v bf16; L, T fp32; Aw, Au bf16): 2 blocks per 228 KB SM
     ("v1", 8192, 32, GdnPrepLaunch("gdn_tc_prep_kernel<128>", (160, 32, 1), 128, 86528)),
-    # v2 (the default): k and one 17 KB region that holds q, then L with T^T, then v: 5 blocks per SM (its 95
+    # v2 (the default): k and one 17 KB region that holds q, then L with T^T, then v: 5 blocks per SM (its 96
     # registers under __launch_bounds__(128, 5) allow 5 too); a chunk slot per sequence for the ragged last chunks
-    ("v2", 8192, 32, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128>", (160, 32, 1), 128, 34816)),
-    ("v2", 8192, 1, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128>", (129, 32, 1), 128, 34816)),
-    ("v2", 150, 3, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128>", (6, 32, 1), 128, 34816)),
+    ("v2", 8192, 32, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128, 5>", (160, 32, 1), 128, 34816)),
+    ("v2", 8192, 1, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128, 5>", (129, 32, 1), 128, 34816)),
+    ("v2", 150, 3, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128, 5>", (6, 32, 1), 128, 34816)),
+    # v2-6: the same kernel compiled for 6 blocks per SM (80 registers); shared memory allows 6
+    ("v2-6", 8192, 32, GdnPrepLaunch("gdn_tc_prep_v2_kernel<128, 6>", (160, 32, 1), 128, 34816)),
 ])
 def test_delta_rule_tensor_core_prep_launch(prep, tokens, seqs, want):
     tuning = dataclasses.replace(DEFAULT, gdn_tc_prep=prep)
@@ -237,7 +239,7 @@ def test_every_choice_names_a_compiled_kernel():
             launch = delta_rule_launch(dataclasses.replace(DEFAULT, gdn_tc_warps=warps), sms, tokens=4096, seqs=2,
                                        heads=4, dk=dk, dv=dv, tensor_cores=True)
             assert launch.tensor_cores and launch.kernel in cuda._NAMES["delta_tc"]
-            for prep in ("v1", "v2"):
+            for prep in GDN_TC_PREPS:
                 prep_launch = gdn_tc_prep_launch(dataclasses.replace(DEFAULT, gdn_tc_prep=prep), launch.dim,
                                                  tokens=4096, seqs=2, heads=4)
                 assert prep_launch.kernel in cuda._NAMES["delta_tc"]
