@@ -10,7 +10,7 @@ from __future__ import annotations
 # decode kernel (one-token steps sum S^T k, S^T q in another order); 4: row norms (RMSNorm, the fused add + RMSNorm,
 # gated RMSNorm, L2) sum a row in 16-byte chunks over norm_launch's lanes (kernels/tuning.py); 5: attention prefill at
 # head dim 256 in the warp-specialised kernel (attn_prefill_kernel "auto"); 6: the delta rule's tensor-core prep pass
-# gdn_tc_prep_v2_kernel by default (the same fp32 solve in another summation order)
+# gdn_tc_prep_v2_kernel (6 blocks per SM, "v2-6") by default (the same fp32 solve in another summation order)
 NUMERICS_VERSION = 6
 
 

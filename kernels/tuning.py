@@ -25,7 +25,7 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   kernel / tensor cores with 4 warps / with 2: 32 x 2304 13.13 / 4.94 / 5.73 ms; 1 x 2048 2.02 / 0.250 / 0.279;
   64 x 256 2.92 / 1.18 / 1.34. 4 warps won even where 2 give twice the blocks (one sequence). The per-chunk prep
   pass, 3.30 of those 4.94 ms (v1, gdn_tc_prep_kernel: 89 KB of shared memory, 2 blocks per SM), defaults to
-  gdn_tc_prep_v2_kernel (35 KB, 5 blocks per SM; written 2026-12 without a device, its timing still to be taken). The threshold is
+  gdn_tc_prep_v2_kernel held to 6 blocks per SM ("v2-6", 35 KB: 1.90 ms on 32 x 2304, 1.73x v1). The threshold is
   derived from the same figures, not measured at it: the token-stepped kernel costs ~11 us per token step at 64
   sequences (~1 us alone), the tensor-core form ~0.3 ms per 64-token chunk round at 64 sequences (~8 us alone)
   whether the chunk is full or not, so at 64 sequences they break even near 26 tokens each; 32 leaves a margin.
@@ -105,10 +105,11 @@ class CudaTuning:
     # 2026-12-01; "delta_tc" is in kernels/cuda.py's PREPARED_FILES so its module loads while the weights upload)
     gdn_tensor_cores: bool | str = "auto"
     gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: 4 (the faster on every measured shape)
-    # the tensor-core form's per-chunk pass (GDN_TC_PREPS). "v2" is written for 5 blocks per SM where "v1" fits 2;
-    # checked on the CPU (tests/test_delta_tc_emulated.py), not yet timed on a device (2026-12, bench/kbench_delta.py
-    # times both). Both give the same outputs up to fp32 summation order in the solve.
-    gdn_tc_prep: str = "v2"
+    # the tensor-core form's per-chunk pass (GDN_TC_PREPS). Measured on an H200 (2026-12-01, session 9,
+    # bench/kernel_bench.py delta, 4b-like heads), v1 / v2 / v2-6: 8192-token steps 0.378 / 0.226 / 0.219 ms (1.73x),
+    # 32 x 2304 3.32 / 1.91 / 1.90 ms, 1 x 2048 0.101 / 0.078 / 0.077 ms; v2 and v2-6 equal v1 to 6e-6 (W, U0) and
+    # bit for bit (Aqk, gc). Both give the same outputs up to fp32 summation order in the solve.
+    gdn_tc_prep: str = "v2-6"
     # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
     gdn_decode: bool | str = "auto"
     gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block

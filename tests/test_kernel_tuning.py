@@ -122,7 +122,7 @@ def test_delta_rule_tensor_core_prep_launch(prep, tokens, seqs, want):
 
 
 def test_delta_rule_tensor_core_prep_shared_memory():
-    assert DEFAULT.gdn_tc_prep == "v2"
+    assert DEFAULT.gdn_tc_prep == "v2-6"  # the fastest measured on the H200 (kernels/tuning.py)
     assert gdn_tc_prep_smem_bytes(128, "v1") == gdn_tc_smem_bytes(128)
     # v2's fp32 [64][68] solve array fits the bytes q and v take at 128 dims, and sets the size at 64
     assert gdn_tc_prep_smem_bytes(128, "v2") == 2 * 64 * 136 * 2
