@@ -270,9 +270,17 @@ class WindowExecutor:
         if rb and task.consumers and self.e.opts.reuse and self.e.persist is not None:
             pos = handle.length  # tokens already in the state
             aligned = ((pos + (total - offset)) - rb) // rb * rb  # the seed's (end - block) // block * block
-            if pos < aligned < pos + (stop - offset):
+            if pos < aligned < pos + (stop - offset) and self._may_retain(task, aligned):
                 stop = offset + (aligned - pos)
         return stop
+
+    def _may_retain(self, task: Task, length: int) -> bool:
+        """Whether the store may keep the state of task.path[:length] (its cost model, once it can judge, says a
+        later read of it would pay): else the prefill is not split there, nor the state retained. A warm rerun of
+        shared-system knew from the start that its 1,792-token point would never be written."""
+        e = self.e
+        return e.persist.may_retain(task.path[:length], e.state.slot_bytes + e.state.blocks_for(length) *
+                                    e.state.block_bytes)
 
     def _maybe_retain(self, task: Task, handle: StateHandle, logits_row):
         """Keep a copy of an intermediate state at a block-aligned point (evictable, for later runs). Only where

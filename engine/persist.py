@@ -719,6 +719,17 @@ class PersistentCheckpoints:
         self._stop_read_ahead()
 
     # ---- write --------------------------------------------------------------------------------------------
+    def may_retain(self, tokens, nbytes: int) -> bool:
+        """Whether a state at `tokens` of about `nbytes` could be worth writing (so worth keeping a copy of): False
+        only where the cost model can judge now and says no. A question, not a decision: nothing is counted."""
+        if self.store_error is not None:
+            return False
+        if self.cost_model.always or not self.cost_model.can_judge():
+            return True
+        key = tuple(tokens)
+        gained = len(key) - self._judged_base(key)
+        return self.cost_model.judge_write(gained, nbytes, ahead=self._ahead_room_for(nbytes)) is None
+
     def offer(self, tokens, state: ModelState, handle: StateHandle, logits) -> bool:
         """Queue the state at `tokens` for the store (once per prefix per run), if the cost model says a later
         read will beat recomputing the tokens it adds to the longest prefix already on disk. True if queued."""

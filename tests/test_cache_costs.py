@@ -734,3 +734,21 @@ def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them
         assert set(imported[0]) == paged and costs.prefetch_device_bytes > 0
     else:
         assert imported[0] is None and costs.prefetch_device_bytes == 0
+
+
+LONG_DOCUMENT = [3 + i % 290 for i in range(600)]  # 600 tokens: a block-aligned retention point at 256 (retain_block 256)
+LONG_FIRST = [LONG_DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(3)]
+
+
+@pytest.mark.parametrize("policy, fast, split", [("always", False, True), ("measured", True, False)])
+def test_a_shared_prefix_is_split_at_its_retention_point_only_where_the_store_may_keep_that_state(
+        loaded, tmp_path, policy, fast, split):
+    """The block-aligned point inside a shared prefix costs a prefill step of its own and a copy of the state; a
+    run whose cost model already says the state would never be written (a warm rerun knows the device's prefill
+    rate from the start) prefills the prefix in one step and keeps no copy. Answers are the same either way."""
+    results, _, stats, engine = run(loaded, tmp_path / "c", LONG_FIRST, policy=policy, fast_device=fast)
+    assert results == without_cache(loaded, LONG_FIRST)
+    baseline = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8))
+    list(baseline.run([Request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0), i)
+                       for i, p in enumerate(LONG_FIRST)]))
+    assert stats.prefill_steps == baseline.stats.prefill_steps + (1 if split else 0)

@@ -418,6 +418,9 @@ class _NoDisk:
     def offer(self, tokens, state, handle, logits):
         return False
 
+    def may_retain(self, tokens, nbytes):
+        return True
+
     def prefetch(self, roots, state=None):
         pass
 
@@ -692,6 +695,9 @@ class _MemoryDisk:
     def offer(self, tokens, state, handle, logits):
         self.entries.setdefault(tuple(tokens), (state.export(handle), None if logits is None else logits.copy()))
         return True
+
+    def may_retain(self, tokens, nbytes):
+        return True  # keeps everything
 
 
 def check_usage_adds_up(results, stats):
