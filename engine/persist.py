@@ -379,7 +379,7 @@ class PersistentCheckpoints:
 
     def _known_on_disk(self, key: tuple[int, ...]) -> int:
         """The length of the longest proper prefix of `key` this run wrote or restored (no index query)."""
-        return max((n for n, keys in self._on_disk.items() if n < len(key) and key[:n] in keys), default=0)
+        return _longest_proper_prefix(self._on_disk, key)
 
     def _decline_prefix(self, key: tuple[int, ...]):
         with self._judged_lock:
@@ -388,7 +388,7 @@ class PersistentCheckpoints:
     def _judged_base(self, key: tuple[int, ...]) -> int:
         """The length of the longest proper prefix of `key` this run wrote, restored or declined to write."""
         with self._judged_lock:
-            declined = max((n for n, keys in self._declined.items() if n < len(key) and key[:n] in keys), default=0)
+            declined = _longest_proper_prefix(self._declined, key)
         return max(self._known_on_disk(key), declined)
 
     def _stored_base(self, key: tuple[int, ...]) -> int:
@@ -927,6 +927,11 @@ class _Resident:
 
     def __init__(self, length: int):
         self.length = length
+
+
+def _longest_proper_prefix(by_length: dict[int, set[tuple[int, ...]]], key: tuple[int, ...]) -> int:
+    """The length of the longest proper prefix of `key` among `by_length` (length -> prefixes of that length)."""
+    return max((n for n, keys in by_length.items() if n < len(key) and key[:n] in keys), default=0)
 
 
 def max_pending_write_bytes() -> int:
