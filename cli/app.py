@@ -23,6 +23,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli.report import RunReporter
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Offline batch inference that never prefills the same prefix twice.")
@@ -135,7 +136,7 @@ def batch(
     max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
                                                      "allows on a GPU, 32 on the CPU)")] = None,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
-    max_prefill_tokens: Annotated[int, typer.Option(help="tokens per prefill step")] = 8192,
+    max_prefill_tokens: Annotated[int, typer.Option(help="tokens per prefill step")] = DEFAULT_PREFILL_TOKENS,
     max_line_bytes: Annotated[str, typer.Option(help="longer input lines get an error record, unread")] = "4MiB",
     checkpoint_budget: Annotated[Optional[str], typer.Option(help="memory for live + retained checkpoints: bytes "
                                                              "(512MiB, 2GB) or a fraction of state memory")] = None,

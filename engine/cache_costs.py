@@ -375,7 +375,7 @@ def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | 
             if size and seconds > 0:
                 best = max(best or 0.0, size / seconds)
         return best
-    except (OSError, BlobFormatError):
+    except (OSError, BlobFormatError, RuntimeError):  # RuntimeError: the interpreter exits meanwhile (no threads)
         return None
     finally:
         os.close(descriptor)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixrun.engine.config import DecoderConfig, load_config
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
 from prefixrun.engine.models import build_model
 from prefixrun.engine.models.layers import CausalLM
 from prefixrun.engine.tokenizer import GenerationDefaults, Tokenizer
@@ -92,7 +93,7 @@ class Loading:
 
 
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
-               max_step_tokens: int = 8192, max_batch: int | None = None,
+               max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
                front: ModelFront | None = None) -> Loading:
     """The load's first part (see `load`): the front (`front`: loaded already), the backend, the checkpoint's
     files opened, the backend's kernels getting ready in the background."""
@@ -106,7 +107,7 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
 
 
 def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
-         max_step_tokens: int = 8192, max_batch: int | None = None, front: ModelFront | None = None) -> LoadedModel:
+         max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None, front: ModelFront | None = None) -> LoadedModel:
     """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none).
     `max_step_tokens` (tokens per prefill step) and `max_batch` (None: not known yet) bound the GEMM row counts the
     backend may get ready while the weights load (engine/warmup.py)."""

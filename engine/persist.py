@@ -720,15 +720,23 @@ class PersistentCheckpoints:
 
     # ---- write --------------------------------------------------------------------------------------------
     def may_retain(self, tokens, nbytes: int) -> bool:
-        """Whether a state at `tokens` of about `nbytes` could be worth writing (so worth keeping a copy of): False
-        only where the cost model can judge now and says no. A question, not a decision: nothing is counted."""
+        """Whether a state at `tokens` of about `nbytes` could be worth writing (so worth keeping a copy of, at the
+        price of a prefill step of its own): by the rule once the prefill rate is known, before that by the early
+        rule at a fraction of this run's rate so far. Before any prefill time is in (a fresh folder's first group)
+        there is nothing to judge by, and the answer is no: on the H200 the split alone cost the 4b-like
+        shared-system run a step's host launches, and a state no run will read is the rule's usual verdict there.
+        A question, not a decision: nothing is counted."""
         if self.store_error is not None:
             return False
-        if self.cost_model.always or not self.cost_model.can_judge():
+        model = self.cost_model
+        if model.always:
             return True
         key = tuple(tokens)
         gained = len(key) - self._judged_base(key)
-        return self.cost_model.judge_write(gained, nbytes, ahead=self._ahead_room_for(nbytes)) is None
+        ahead = self._ahead_room_for(nbytes)
+        if model.can_judge():
+            return model.judge_write(gained, nbytes, ahead=ahead) is None
+        return model.early_prefill_rate() is not None and model.judge_write_early(gained, nbytes, ahead=ahead) is None
 
     def offer(self, tokens, state: ModelState, handle: StateHandle, logits) -> bool:
         """Queue the state at `tokens` for the store (once per prefix per run), if the cost model says a later

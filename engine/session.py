@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from prefixrun.engine.request import Request, Result
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, Request, Result
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class EngineSettings:
     device: str = "auto"
     dtype: str | None = None
     max_batch: int | None = None  # None: what state memory allows on a device, 32 on the CPU
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     checkpoint_budget: float | int | None = None  # bytes, a fraction (0, 1) of state memory, or None (a quarter)
     state_memory: int | None = None  # None: half the free device memory (1 GiB on the CPU)
     reuse: bool = True

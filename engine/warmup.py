@@ -18,6 +18,7 @@ import numpy as np
 
 from prefixrun.engine.config import DecoderConfig
 from prefixrun.engine.models import build_model
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, row_ladder
 
 # logits rows beyond this stay cold unless the run's --max-batch says more (a decode bucket or a prefill group of
@@ -74,7 +75,7 @@ def _held_arrays(root) -> dict[int, np.ndarray]:
     return found
 
 
-def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max_step_tokens: int = 8192,
+def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max_step_tokens: int = DEFAULT_PREFILL_TOKENS,
                max_logit_rows: int | None = None) -> KernelPlan:
     """The GEMMs of `cfg`'s model (with its MTP head when `mtp`) as the forward runs them on a backend storing
     `act_dtype`: linear layers for 1..max_step_tokens rows, the LM head for 1..max_logit_rows (default

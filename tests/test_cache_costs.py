@@ -740,13 +740,17 @@ LONG_DOCUMENT = [3 + i % 290 for i in range(600)]  # 600 tokens: a block-aligned
 LONG_FIRST = [LONG_DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(3)]
 
 
-@pytest.mark.parametrize("policy, fast, split", [("always", False, True), ("measured", True, False)])
+@pytest.mark.parametrize("policy, rate, split", [("always", None, True), ("measured", 10 ** 12, False),
+                                                 ("measured", 1.0, True), ("measured", None, False)])
 def test_a_shared_prefix_is_split_at_its_retention_point_only_where_the_store_may_keep_that_state(
-        loaded, tmp_path, policy, fast, split):
-    """The block-aligned point inside a shared prefix costs a prefill step of its own and a copy of the state; a
-    run whose cost model already says the state would never be written (a warm rerun knows the device's prefill
-    rate from the start) prefills the prefix in one step and keeps no copy. Answers are the same either way."""
-    results, _, stats, engine = run(loaded, tmp_path / "c", LONG_FIRST, policy=policy, fast_device=fast)
+        loaded, tmp_path, policy, rate, split):
+    """The block-aligned point inside a shared prefix costs a prefill step of its own and a copy of the state. It
+    is split there where the state may be written: always under `always`, and where the cost model, knowing the
+    prefill rate (a warm rerun does from the start), says a later read would pay (a slow device: 1 token/s).
+    Where it says no (10^12 tokens/s), or before any prefill time is in (a fresh folder's first group: rate None,
+    this machine's own, measured only once the group has run), the prefix is prefilled in one step and no copy
+    is kept. Answers are the same either way."""
+    results, _, stats, engine = run(loaded, tmp_path / "c", LONG_FIRST, policy=policy, prefill_rate=rate)
     assert results == without_cache(loaded, LONG_FIRST)
     baseline = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8))
     list(baseline.run([Request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0), i)

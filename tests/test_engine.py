@@ -251,6 +251,67 @@ def test_seeded_sampling_same_alone_and_in_any_batch(loaded, cpu_ops):
     assert len({tuple(r.token_ids) for r in batch.values()}) > 1
 
 
+def test_the_cyclic_collector_is_held_off_while_a_window_runs_and_as_it_was_after(loaded, cpu_ops):
+    """A collection pauses the engine's thread at any allocation (device idle on the GPU); inside a window the
+    collector is off, after it (ended, abandoned, interleaved with another window) it is as it was, and a
+    window's reference cycles are collected once it is over."""
+    import gc
+    import weakref
+
+    model = loaded["qwen3_5"]
+    prompts = edge_prompts()
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
+    eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4))
+    assert gc.isenabled()
+    seen = [gc.isenabled() for _ in eng.run(requests)]
+    assert seen and not any(seen) and gc.isenabled()
+    plan = weakref.ref(eng.last_plan.roots[0])  # plan tasks point at their bases and consumers: cycles
+    eng.last_plan = None
+    gc.collect()
+    assert plan() is None
+    first, second = eng.run(requests[:4]), Engine(model, cpu_ops, options=EngineOptions(max_batch=4)).run(
+        requests[4:])
+    next(first), next(second)
+    first.close()  # abandoned: the other window still runs without the collector
+    assert not gc.isenabled()
+    list(second)
+    assert gc.isenabled()
+    gc.disable()  # a caller that turned it off itself keeps it off
+    try:
+        list(eng.run(requests[:2]))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+_FIRST_WINDOW_IMPORTS = """
+import sys
+from pathlib import Path
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.session import EngineSession, EngineSettings
+session = EngineSession(EngineSettings(Path(sys.argv[1]), Path(sys.argv[2]), device="cpu", cache_policy=sys.argv[3]))
+before = set(sys.modules)
+requests = [Request(f"r{i}", [5 + i % 3] * 40 + [i + 7] * 9,
+                    SamplingParams(max_tokens=4, temperature=0.7 if i % 2 else 0, top_p=0.9, seed=i), i)
+            for i in range(6)]
+results = list(session.engine.run(requests))
+assert len(results) == 6 and not any(r.error for r in results)
+print(sorted(set(sys.modules) - before))
+session.close()
+"""
+
+
+@pytest.mark.parametrize("policy", ["measured", "always"])
+def test_a_fresh_process_imports_no_module_while_its_first_window_runs(model_dirs, tmp_path, policy):
+    """A module imported on first use is paid for inside the run, on the engine's thread (numpy.ma, pulled in by
+    the first np.intersect1d, cost every run 92 ms in its first group on the H200 machine): everything a window
+    needs is imported by the time the session is built."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_WINDOW_IMPORTS, str(model_dirs["qwen3_5"]),
+                          str(tmp_path / "cache"), policy], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_stop_token_ids_and_max_tokens(loaded, cpu_ops):
     model = loaded["qwen3_5"]
     prompt = random_prompt(5, 30)
