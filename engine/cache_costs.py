@@ -185,8 +185,11 @@ class CostModel:
 
     def note_load(self, nbytes: int, seconds: float):
         """The model's weights (`nbytes`) went from their files to the device in `seconds`: the rate an import of a
-        read-ahead entry is expected at until one is measured."""
-        if nbytes > 0 and seconds > 0:
+        read-ahead entry is expected at until one is measured. Only a load of at least MIN_READ_BYTES counts: a
+        small model's load is its fixed costs (config, tokenizer, kernels), not bytes — the tiny model's 0.4 s for
+        a few MB gave 3.4 MiB/s on a CPU that reads its cache folder at ~1 GB/s, and the sample_prompts documents'
+        states (1.7 MB each, 0.7 s to recompute) were declined as a 0.5 s read."""
+        if nbytes >= MIN_READ_BYTES and seconds > 0:
             self.load_rate = nbytes / seconds
 
     def reads_measured(self) -> bool:

@@ -164,6 +164,8 @@ def test_a_write_a_later_run_reads_ahead_is_priced_at_the_read_ahead_rate_within
     document = 16_384
     assert model.ahead_rate() == (model.read_rate()[0], "the read rate, this run")  # nothing better known
     assert not model.worth_writing(document, state_bytes(document), ahead=True)
+    model.note_load(4_200_000, 0.4)  # a tiny model's load: its fixed costs, no byte rate
+    assert model.ahead_rate() == (model.read_rate()[0], "the read rate, this run")
     model.note_load(8_400_000_000, 1.42)
     assert model.ahead_rate() == (pytest.approx(8.4e9 / 1.42), "the model load")
     assert not model.worth_writing(document, state_bytes(document))  # at the read rate: the near-tie
