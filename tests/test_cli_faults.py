@@ -560,3 +560,27 @@ def test_output_to_a_fifo_or_dev_null(model, tmp_path):
     assert not (tmp_path / "fifo.journal").exists()
     p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", os.devnull)
     assert p.returncode == 0 and p.stderr == ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Extreme values that pass validation
+
+
+def test_a_top_k_or_temperature_beyond_the_sampling_arrays_runs_like_its_limit(model, tmp_path):
+    """JSON numbers are unbounded; the sampling arrays are int32 / float32. A top_k past the vocabulary is no
+    filter at all and a temperature past float32's range is the flattest distribution, so both run (as vLLM
+    runs them), alongside the other lines, and nothing overflows on the way."""
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "k0", "prompt": "x", "max_tokens": 3, "seed": 5, "top_k": 0},
+        {"custom_id": "k-huge", "prompt": "x", "max_tokens": 3, "seed": 5, "top_k": 10**12},
+        {"custom_id": "t-huge", "prompt": "x", "max_tokens": 3, "seed": 5, "temperature": 1e300},
+        {"custom_id": "t-max", "prompt": "x", "max_tokens": 3, "seed": 5, "temperature": 3.4e38},
+    ])
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    by_id = {r["custom_id"]: r for r in records(p.stdout)}
+    assert by_id["k-huge"]["token_ids"] == by_id["k0"]["token_ids"]
+    assert by_id["t-huge"]["token_ids"] == by_id["t-max"]["token_ids"]
+    # the same top_k as a command-line default
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--top-k", 10**11)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
