@@ -395,7 +395,9 @@ def inspect_cache(
         prune_to_bytes = _parse_bytes(prune_to, "--prune-to")
         budget_bytes = _parse_bytes(cache_budget, "--cache-budget")
     except typer.BadParameter as exc:
-        typer.echo(f"error: {exc}", err=True)
+        from prefixrun.cli.report import printable
+
+        typer.echo(f"error: {printable(str(exc))}", err=True)  # the message quotes the option's value
         raise typer.Exit(io.EXIT_USAGE)
     try:
         code = run_inspect(_cache_root(cache_dir), model=model, as_json=as_json, tree=tree, model_dir=model_dir,

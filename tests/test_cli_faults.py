@@ -109,6 +109,26 @@ def test_markup_in_ids_values_and_paths_is_printed_literally(model, tmp_path):
     assert res.exit_code == 2 and f"directory {folder / 'nope[/b]'} does not exist" in res.stderr
 
 
+def test_control_characters_in_user_text_reach_the_terminal_as_escapes(model, tmp_path):
+    """ESC starts terminal commands (colours, cursor moves, the window title) and a newline splits a message: in a
+    custom_id, a key or a path they are shown escaped, so every message stays one line of plain text."""
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "a\x1b[2Jb\nc\x9bd", "prompt": "x", "temperature": -1},
+        {"custom_id": "ok", "prompt": "x", "max_tokens": 1, "te\x1b]0;title\x07mp\x00": 1},
+    ])
+    cache = tmp_path / "cache\x1b[31m\u2028x"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache)
+    assert res.exit_code == 3, res.stderr
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", res.stderr), ascii(res.stderr)
+    assert "error: line 1 (a\\x1b[2Jb\\nc\\x9bd): temperature must be >= 0, got -1" in res.stderr
+    assert "te\\x1b]0;title\\x07mp\\x00 (line 2)" in res.stderr
+    assert "cache\\x1b[31m\\u2028x/checkpoints" in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir
+    # the records themselves keep the id as given
+    assert records(res.stdout)[0]["custom_id"] == "a\x1b[2Jb\nc\x9bd"
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 0 and "\x1b" not in res.stdout + res.stderr
+
+
 def test_engine_warnings_and_the_cuda_hint_are_literal(model, tmp_path):
     """Log records of the engine (e.g. a bad cache entry) go through the same literal path; the CUDA install
     hint keeps its brackets."""
