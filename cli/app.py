@@ -166,7 +166,7 @@ def batch(
         help="drafted tokens per sequence and step (default 5)", rich_help_panel="Speculative decoding")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
-    from prefixrun.cli.output import OutputError, check_targets, run_to_output
+    from prefixrun.cli.output import OutputError, check_targets, claim_output, run_to_output
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
@@ -180,11 +180,14 @@ def batch(
             raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
         source, input_path = _open_input(input, reporter)
         check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite)
+        claim = claim_output(output)
     except (typer.BadParameter, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    if claim is not None:
+        ctx.call_on_close(claim.release)
     run = open_batch_run(reporter, settings, source)
-    report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
+    report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter, claim=claim)
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
         reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "
@@ -426,7 +429,7 @@ def bench(
     the batch report, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM roofline, and
     (optionally) the ratio to transformers."""
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import OutputError, check_target, check_targets, run_to_output
+    from prefixrun.cli.output import OutputError, check_target, check_targets, claim_output, run_to_output
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter()
@@ -447,9 +450,12 @@ def bench(
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"])
         if json_out is not None:
             check_target(json_out, "--json")
+        claim = claim_output(p["output"])
     except (typer.TyperException, InvalidRequest, OutputError) as exc:  # bad batch options included (click's)
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    if claim is not None:
+        ctx.call_on_close(claim.release)
     ctx.call_on_close(_route_engine_logs(reporter))
     started = time.perf_counter()
     run = open_batch_run(reporter, settings, source)
@@ -457,7 +463,8 @@ def bench(
     with ExitStack() as discard:
         if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures
             discard.enter_context(redirect_stdout(discard.enter_context(open(os.devnull, "w"))))
-        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter)
+        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter,
+                               claim=claim)
     reporter.final(report)
     if p["json_report"] is not None:
         p["json_report"].write_text(json.dumps(report, indent=2) + "\n")

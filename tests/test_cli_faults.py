@@ -217,6 +217,38 @@ def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
     assert res.exit_code == 2 and "already holds results" in res.stderr
 
 
+def test_a_second_run_into_the_same_output_is_refused_while_the_first_writes(model, tmp_path):
+    """Two runs into one -o would truncate each other and interleave their lines (a broken record, exit 0 for
+    both); the file is claimed before the model loads, so the second run is refused (exit 2, one line) and the
+    first one's output is whole."""
+    lines = [{"custom_id": f"r{i}", "prompt": f"request number {i} " + "pad " * (i % 40), "max_tokens": 16}
+             for i in range(300)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    first = subprocess.Popen(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for extra in ((), ("--overwrite",), ("--resume",)):
+            res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out, *extra)
+            assert res.exit_code == 2 and "is being written by another prefixrun run" in one_error_line(res.stderr)
+            assert first.poll() is None, "the first run ended before the second was refused; make it longer"
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr
+    assert [r["custom_id"] for r in records(out.read_text())] == [f"r{i}" for i in range(300)]
+    # the claim ends with its run: the file can be resumed now (nothing left to do)
+    assert cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out,
+               "--resume").exit_code == 0
+    # a run whose model does not load leaves no empty output behind
+    fresh = tmp_path / "fresh.jsonl"
+    assert cli("batch", src, "--model", tmp_path / "no-model", "--device", "cpu", "--no-cache", "-q", "-o",
+               fresh).exit_code == 2
+    assert not fresh.exists()
+
+
 def test_sigkill_in_ordered_mode_loses_only_the_lines_in_flight(model, tmp_path):
     """Line 0 decodes 2000 tokens while 40 short lines finish: in ordered mode they wait for line 0, and the
     journal keeps them. After SIGKILL, --resume recomputes only line 0 and the output equals a clean run."""
