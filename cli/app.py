@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import ExitStack, redirect_stdout
@@ -337,11 +338,15 @@ def make_model(
 ):
     """Write a complete HF model directory with seeded random weights (for tests, benchmarks and demos)."""
     from prefixrun.cli.report import literal
+    from prefixrun.engine.config import parse_config
     from prefixrun.engine.errors import ModelLoadError
     from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 
     reporter = RunReporter()
+    created = _first_missing_folder(out_dir)  # removed again if the command fails: no half-written model
     try:
+        if seed < 0:
+            raise ValueError(f"--seed must be a non-negative integer, got {seed}")
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
         if shards < 1:
@@ -354,13 +359,36 @@ def make_model(
             if not overwrite:
                 raise ValueError(f"{out_dir} is not empty; pass --overwrite to replace the model files in it")
             _remove_model_files(out_dir)
-        raw = json.loads(config.read_text()) if config else TINY_QWEN3_5
+        raw = _read_model_config(config) if config else TINY_QWEN3_5
+        parse_config(raw, source=str(config or "config.json"))  # the loader's checks, before anything is written
         path = make_model_dir(out_dir, raw, seed=seed, init_std=init_std, dtype=dtype, shards=shards,
                               composite=composite, mtp=mtp)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     reporter.console.print(literal(f"wrote {path}"), soft_wrap=True)
+
+
+def _read_model_config(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object (an HF config.json)")
+    return raw
+
+
+def _first_missing_folder(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (the one a mkdir -p would create first)."""
+    missing = None
+    for folder in (path, *path.absolute().parents):
+        if folder.exists() or folder.is_symlink():
+            return missing
+        missing = folder
+    return missing
 
 
 def _remove_model_files(folder: Path):

@@ -578,6 +578,26 @@ def test_make_model_refuses_to_overwrite_and_rejects_zero_shards(tmp_path):
     assert cli("make-model", tmp_path / "file").exit_code == 2
 
 
+def test_make_model_with_a_bad_config_or_seed_is_one_line_and_leaves_no_folder(tmp_path):
+    """A config that is not an object, that the loader would refuse, or whose weights cannot fit in memory, and a
+    negative seed: exit 2 with one line naming the problem, never a traceback, and no half-written folder."""
+    good = json.loads(json.dumps(TINY_QWEN3_5))
+    configs = {
+        "array": ([1], "expected a JSON object"),
+        "not json": ("{bad", "not valid JSON"),
+        "refused": ({**good, "hidden_act": "relu"}, "hidden_act 'relu'"),
+        "huge": ({**good, "vocab_size": 10**12}, "do not fit in memory"),
+    }
+    for name, (config, message) in configs.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        p = run("make-model", tmp_path / "out" / name, "--config", path)
+        assert p.returncode == 2 and message in one_error_line(p.stderr), (name, p.stderr)
+        assert not (tmp_path / "out").exists(), name
+    p = run("make-model", tmp_path / "out", "--seed", -1)
+    assert p.returncode == 2 and "--seed" in one_error_line(p.stderr) and not (tmp_path / "out").exists()
+
+
 def test_bench_on_a_prompt_text_workload_runs_it_as_batch_does(model, tmp_path):
     """bench is batch: prompt text is tokenized as batch tokenizes it; only the transformers comparison, which
     replays token ids, is left out (said in the JSON)."""
