@@ -578,6 +578,31 @@ def test_make_model_refuses_to_overwrite_and_rejects_zero_shards(tmp_path):
     assert cli("make-model", tmp_path / "file").exit_code == 2
 
 
+def test_a_broken_chat_template_fails_the_chat_lines_only(model, tmp_path):
+    """A model folder whose chat template does not compile (or is not UTF-8): transformers loads it and fails
+    only apply_chat_template, so here each chat line gets an error record naming the file and the plain prompts
+    still run (exit 3), instead of the run aborting at the first chat line."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% if %}")
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "p1", "prompt": "before", "max_tokens": 2},
+        {"custom_id": "c1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {"custom_id": "p2", "prompt": "after", "max_tokens": 2},
+        {"custom_id": "c2", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2},
+    ])
+    p = run("batch", src, "--model", broken, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 3, p.stderr
+    assert_clean(p.stderr)
+    by_id = {r["custom_id"]: r for r in records(p.stdout)}
+    assert "text" in by_id["p1"] and "text" in by_id["p2"]
+    for cid in ("c1", "c2"):
+        assert "chat_template.jinja: chat template 'default' is not valid jinja" in by_id[cid]["error"]["message"]
+    (broken / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")  # not UTF-8: refused at load, one line
+    p = run("batch", src, "--model", broken, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 2 and "chat_template.jinja: not valid UTF-8" in one_error_line(p.stderr)
+
+
 def test_make_model_with_a_bad_config_or_seed_is_one_line_and_leaves_no_folder(tmp_path):
     """A config that is not an object, that the loader would refuse, or whose weights cannot fit in memory, and a
     negative seed: exit 2 with one line naming the problem, never a traceback, and no half-written folder."""
