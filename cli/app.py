@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import ExitStack, redirect_stdout
@@ -167,7 +168,7 @@ def batch(
         help="drafted tokens per sequence and step (default 5)", rich_help_panel="Speculative decoding")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
-    from prefixrun.cli.output import OutputError, check_targets, run_to_output
+    from prefixrun.cli.output import OutputError, check_targets, claim_output, run_to_output
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
@@ -181,11 +182,14 @@ def batch(
             raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
         source, input_path = _open_input(input, reporter)
         check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite)
+        claim = claim_output(output)
     except (typer.BadParameter, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    if claim is not None:
+        ctx.call_on_close(claim.release)
     run = open_batch_run(reporter, settings, source)
-    report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter)
+    report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter, claim=claim)
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
         reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "
@@ -335,11 +339,15 @@ def make_model(
 ):
     """Write a complete HF model directory with seeded random weights (for tests, benchmarks and demos)."""
     from prefixrun.cli.report import literal
+    from prefixrun.engine.config import parse_config
     from prefixrun.engine.errors import ModelLoadError
     from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
 
     reporter = RunReporter()
+    created = _first_missing_folder(out_dir)  # removed again if the command fails: no half-written model
     try:
+        if seed < 0:
+            raise ValueError(f"--seed must be a non-negative integer, got {seed}")
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
         if shards < 1:
@@ -352,13 +360,36 @@ def make_model(
             if not overwrite:
                 raise ValueError(f"{out_dir} is not empty; pass --overwrite to replace the model files in it")
             _remove_model_files(out_dir)
-        raw = json.loads(config.read_text()) if config else TINY_QWEN3_5
+        raw = _read_model_config(config) if config else TINY_QWEN3_5
+        parse_config(raw, source=str(config or "config.json"))  # the loader's checks, before anything is written
         path = make_model_dir(out_dir, raw, seed=seed, init_std=init_std, dtype=dtype, shards=shards,
                               composite=composite, mtp=mtp)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     reporter.console.print(literal(f"wrote {path}"), soft_wrap=True)
+
+
+def _read_model_config(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object (an HF config.json)")
+    return raw
+
+
+def _first_missing_folder(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (the one a mkdir -p would create first)."""
+    missing = None
+    for folder in (path, *path.absolute().parents):
+        if folder.exists() or folder.is_symlink():
+            return missing
+        missing = folder
+    return missing
 
 
 def _remove_model_files(folder: Path):
@@ -396,7 +427,9 @@ def inspect_cache(
         prune_to_bytes = _parse_bytes(prune_to, "--prune-to")
         budget_bytes = _parse_bytes(cache_budget, "--cache-budget")
     except typer.BadParameter as exc:
-        typer.echo(f"error: {exc}", err=True)
+        from prefixrun.cli.report import printable
+
+        typer.echo(f"error: {printable(str(exc))}", err=True)  # the message quotes the option's value
         raise typer.Exit(io.EXIT_USAGE)
     try:
         code = run_inspect(_cache_root(cache_dir), model=model, as_json=as_json, tree=tree, model_dir=model_dir,
@@ -425,7 +458,7 @@ def bench(
     the batch report, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM roofline, and
     (optionally) the ratio to transformers."""
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import OutputError, check_target, check_targets, run_to_output
+    from prefixrun.cli.output import OutputError, check_target, check_targets, claim_output, run_to_output
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter()
@@ -446,9 +479,12 @@ def bench(
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"])
         if json_out is not None:
             check_target(json_out, "--json")
+        claim = claim_output(p["output"])
     except (typer.TyperException, InvalidRequest, OutputError) as exc:  # bad batch options included (click's)
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    if claim is not None:
+        ctx.call_on_close(claim.release)
     ctx.call_on_close(_route_engine_logs(reporter))
     started = time.perf_counter()
     run = open_batch_run(reporter, settings, source)
@@ -456,7 +492,8 @@ def bench(
     with ExitStack() as discard:
         if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures
             discard.enter_context(redirect_stdout(discard.enter_context(open(os.devnull, "w"))))
-        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter)
+        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter,
+                               claim=claim)
     reporter.final(report)
     if p["json_report"] is not None:
         p["json_report"].write_text(json.dumps(report, indent=2) + "\n")

@@ -2,7 +2,8 @@
 
 Stdout carries the command's output (the table, the tree, the JSON, the --verify summary); questions, progress
 notes and errors go to stderr, so a redirected stdout never hides a prompt. Everything shown that comes from the
-cache or the user (paths, decoded prompts) is printed literally, never as Rich markup.
+cache or the user (paths, decoded prompts) is printed literally, never as Rich markup, control characters escaped
+(cli/report.py `literal`).
 """
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 from rich.tree import Tree
 
 from prefixrun.cli import io
-from prefixrun.cli.report import human_bytes
+from prefixrun.cli.report import human_bytes, literal, printable
 
 EXIT_DAMAGED = io.EXIT_FAILURE
 _SHOW_BAD = 20  # bad entries listed by --verify; the rest are counted
@@ -98,7 +98,7 @@ def _confirm(err: Console, question: str) -> bool | None:
     """Ask on stderr, read stdin. None when stdin is not a terminal (the caller refuses without --yes)."""
     if not sys.stdin.isatty():
         return None
-    err.print(Text(f"{question} [y/N] "), end="", soft_wrap=True)
+    err.print(literal(f"{question} [y/N] "), end="", soft_wrap=True)
     answer = sys.stdin.readline()
     return answer.strip().lower() in ("y", "yes")
 
@@ -109,7 +109,7 @@ def _refuse_or_ask(err: Console, what: str, yes: bool) -> int | None:
         return None
     answer = _confirm(err, f"{what}?")
     if answer is None:
-        err.print(Text(f"error: refusing to {what} without --yes (stdin is not a terminal)"), soft_wrap=True)
+        err.print(literal(f"error: refusing to {what} without --yes (stdin is not a terminal)"), soft_wrap=True)
         return io.EXIT_USAGE
     if not answer:
         err.print("nothing removed")
@@ -122,16 +122,16 @@ def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, 
     from prefixrun.engine.store import clear_folder, folder_bytes
 
     if not clear:
-        err.print(Text(f"error: the checkpoint cache at {ckpt_root} is damaged ({problem}); it is only a cache: "
-                       "`prefixrun inspect-cache --clear` removes it (`--verify` checks the entries of a readable "
-                       "index)"), soft_wrap=True)
+        err.print(literal(f"error: the checkpoint cache at {ckpt_root} is damaged ({problem}); it is only a cache: "
+                          "`prefixrun inspect-cache --clear` removes it (`--verify` checks the entries of a readable "
+                          "index)"), soft_wrap=True)
         return EXIT_DAMAGED
     refused = _refuse_or_ask(err, f"remove the damaged cache at {ckpt_root} ({human_bytes(folder_bytes(ckpt_root))})",
                              yes)
     if refused is not None:
         return refused
     removed = clear_folder(ckpt_root)
-    err.print(Text(f"removed the damaged cache ({removed} files)"), soft_wrap=True)
+    err.print(literal(f"removed the damaged cache ({removed} files)"), soft_wrap=True)
     return io.EXIT_OK
 
 
@@ -147,7 +147,7 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
         if as_json:
             print(json.dumps({"cache_dir": str(ckpt_root), "entries": [], "total_bytes": 0}))
         else:
-            err.print(Text(f"no cache at {ckpt_root}"), soft_wrap=True)
+            err.print(literal(f"no cache at {ckpt_root}"), soft_wrap=True)
         return io.EXIT_OK
     try:
         store = CheckpointStore(ckpt_root)
@@ -195,8 +195,8 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         return _verify(store, ckpt_root, as_json)
     malformed = store.count_malformed_rows()
     if malformed:
-        err.print(Text(f"warning: {malformed} malformed index rows are not shown; `prefixrun inspect-cache --verify` "
-                       "drops them"), soft_wrap=True)
+        err.print(literal(f"warning: {malformed} malformed index rows are not shown; "
+                          "`prefixrun inspect-cache --verify` drops them"), soft_wrap=True)
     total = store.total_bytes()
     if as_json:
         print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": budget_bytes,
@@ -208,24 +208,25 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     if tree:
         parents = _nesting(entries)
         by_id = {e.entry_id: e for e in entries}
-        root_tree = Tree(Text(f"{ckpt_root} ({len(entries)} entries, {human_bytes(total)})"))
+        root_tree = Tree(literal(f"{ckpt_root} ({len(entries)} entries, {human_bytes(total)})"))
         nodes = {}
         for e in sorted(entries, key=lambda e: e.n_tokens):
-            label = f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · {e.hits} hits · {preview(e)}"
+            label = (f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · {e.hits} hits · "
+                     f"{preview(e)}")
             parent = parents[e.entry_id]
-            nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(Text(label))
+            nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(literal(label))
         out.print(root_tree)
         return io.EXIT_OK
-    table = Table(title=Text(f"checkpoint cache {ckpt_root}"))
+    table = Table(title=literal(f"checkpoint cache {ckpt_root}"))
     for col in ("model", "tokens", "bytes", "K/V blocks", "hits", "last used", "prefix"):
         table.add_column(col, justify="right" if col in ("tokens", "bytes", "K/V blocks", "hits") else "left")
     for e in sorted(entries, key=lambda e: -e.last_used):
         table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), _blocks_cell(e), str(e.hits),
-                      _when(e.last_used), Text(preview(e)))
+                      _when(e.last_used), literal(preview(e)))
     out.print(table)
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
-    out.print(Text(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
-    out.print(Text(_blocks_line(store.block_summary(), total)))
+    out.print(literal(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
+    out.print(literal(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
 
 
@@ -273,7 +274,7 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
                           "entries": [_entry_json(e) for e in entries]}, indent=2))
         return io.EXIT_OK
     lines = [f"verified {ok + len(bad)} entries: {ok} ok, {len(bad)} bad (moved to quarantine/ or dropped)"]
-    lines += [f"  bad {b.entry_id[:16]}: {b.reason}" for b in bad[:_SHOW_BAD]]
+    lines += [f"  bad {printable(b.entry_id[:16])}: {printable(b.reason)}" for b in bad[:_SHOW_BAD]]
     if len(bad) > _SHOW_BAD:
         lines.append(f"  … and {len(bad) - _SHOW_BAD} more")
     if n_files or swept.dropped_rows:

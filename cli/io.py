@@ -812,9 +812,11 @@ class OrderedWriter:
 
 def _to_json_line(record: dict) -> str:
     line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    # U+2028/U+2029 are legal inside JSON strings but are line breaks to JavaScript and to str.splitlines();
-    # escaped, a record stays one line for every reader. (They can only occur inside strings, so this is exact.)
-    return line.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"
+    # U+2028/U+2029 and NEL (U+0085) are legal inside JSON strings but are line breaks to str.splitlines() (the
+    # first two to JavaScript too); json escapes the other characters splitlines() breaks at, being below U+0020.
+    # Escaped, a record stays one line for every reader. (They can only occur inside strings, so this is exact.)
+    # (str.replace, not str.translate: 30x faster on a line that has none of them, the usual case)
+    return line.replace("\u0085", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,11 +11,17 @@ Promises (docs/RELIABILITY.md lists the faults the tests inject):
   a journal beside the output (`<output>.journal`). A killed run leaves output + journal; `--resume` moves the
   journal's results into the output first, so only the requests that were in flight run again. A run that ends
   (normally or aborted with its finished results written) removes the journal.
+- A regular `-o` file is claimed (an exclusive `flock`) right after those checks and held until the process exits:
+  a second run into the same file, also with `--resume` or `--overwrite`, is refused (exit 2) instead of
+  truncating the first one's results and interleaving lines with it. The kernel drops the claim when the process
+  dies, kill -9 included, so no stale lock is ever left; a file the claim created is removed again if no run
+  opened it (the model did not load).
 Durability is against the process dying (every line is flushed to the OS); a machine crash may lose the last
 lines, which `--resume` then recomputes.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -95,6 +101,48 @@ def check_targets(input_path: Path | None, output: Path | None, json_report: Pat
     if output is not None and not resume and not overwrite and _holds_results(output):
         raise OutputError(f"-o {output} already holds results; pass --resume to continue it or --overwrite to "
                           f"replace it")
+
+
+class OutputClaim:
+    """The exclusive claim of one run on a regular -o file (module docstring). `opened` is set once the run opens
+    the file for its results; until then a file the claim itself created is still nobody's."""
+
+    def __init__(self, output: Path):
+        self.path, self.opened = output, False
+        self.created = not output.exists()
+        # O_CREAT without O_TRUNC: claiming changes no byte of an existing file; O_CLOEXEC: worker processes do
+        # not inherit (and so cannot prolong) the claim.
+        self._fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise OutputError(f"-o {output} is being written by another prefixrun run; wait for it to end or give "
+                              f"another file") from None
+        except OSError:
+            pass  # a file system without locks (some network mounts): the run goes on unclaimed, as before
+
+    def release(self) -> None:
+        """At the command's end: a file this claim created and no run opened is removed (it holds nothing)."""
+        try:
+            if self.created and not self.opened and os.fstat(self._fd).st_size == 0:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+
+
+def claim_output(output: Path | None) -> OutputClaim | None:
+    """Claim a regular (or not yet existing) -o file for this run; None for stdout, FIFOs and devices, which are
+    not truncated or journaled. Raises OutputError when another run holds it. Call after check_targets."""
+    if output is None or (output.exists() and not _is_regular(output)):
+        return None
+    try:
+        return OutputClaim(output)
+    except OutputError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"-o {output} cannot be written: {exc.strerror or exc}") from None
 
 
 def _is_regular(path: Path) -> bool:
@@ -214,13 +262,16 @@ def prepare_resume(output: Path) -> tuple[set[str], int]:
 
 
 def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordered: bool,
-                  reporter) -> dict:
-    """Execute the run into stdout or -o and return its report. Every way it can end badly ends here: one line
-    on stderr and typer.Exit with the exit code (141 closed stdout, 1 aborted or unwritable, 2 bad --resume file)."""
+                  reporter, claim: OutputClaim | None = None) -> dict:
+    """Execute the run into stdout or -o (claimed by `claim`, see claim_output) and return its report. Every way
+    it can end badly ends here: one line on stderr and typer.Exit with the exit code (141 closed stdout, 1 aborted
+    or unwritable, 2 bad --resume file)."""
     journal = None
     with ExitStack() as stack:
         stack.callback(source.close)
         done_ids: set[str] = set()
+        if claim is not None:
+            claim.opened = True
         if output is not None:
             if resume:
                 try:

@@ -4,10 +4,12 @@ Everything goes through one Rich console bound to stderr, so stdout carries resu
 NO_COLOR and TERM=dumb; on a non-terminal stderr there is no live bar, only the final report.
 
 Every message is built as a rich `Text`, never parsed as markup: custom_ids, field values, file and cache paths
-come from users and may contain `[...]` (`[/b]` would otherwise crash the run, `[red]` vanish).
+come from users and may contain `[...]` (`[/b]` would otherwise crash the run, `[red]` vanish), and control
+characters are shown as escapes (`\\x1b`, `\\n`): ESC would start a terminal command, a newline split a message.
 """
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -26,9 +28,20 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+# C0 and C1 control characters but the tab, and the Unicode line and paragraph separators: ESC (or C1's CSI)
+# starts a terminal command (colours, cursor moves, the window title), the others break a message's one line.
+# Lone surrogates too: a file name's undecodable bytes (surrogateescape) cannot be encoded for the terminal.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """`text` with each control character as its Python escape (`\\x1b`, `\\n`, `\\u2028`), the rest as given."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
 def literal(text: str, style: str = "") -> Text:
-    """User-derived text for Rich, printed exactly as given (no markup, no emoji codes)."""
-    return Text(str(text), style=style)
+    """User-derived text for Rich, printed as given (no markup, no emoji codes; control characters escaped)."""
+    return Text(printable(str(text)), style=style)
 
 
 class RunReporter:

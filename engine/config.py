@@ -18,6 +18,7 @@ family's fidelity can be checked in one file.)
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,7 +251,9 @@ class _Fields:
         v = self.get(key)
         if v is None and allow_none:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+        # (inf and nan, which Python's json reads, first: int() of them raises)
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or (kind is int and v != int(v))):
             raise ModelLoadError(f"{self.source}: {key} must be {'an integer' if kind is int else 'a number'}, "
                                  f"got {v!r}")
         return kind(v)
@@ -326,12 +329,13 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def _as_id_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+def _token_ids(f: _Fields, key: str) -> tuple[int, ...]:
+    """A token id or a list of them (`eos_token_id`), as generation_config's are checked."""
+    value = f.text.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{f.source}: {key} must be a non-negative integer or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
@@ -353,8 +357,8 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if num_heads <= 0 or hidden <= 0:
         raise ModelLoadError(f"{source}: hidden_size and num_attention_heads must be positive, got {hidden} "
                              f"and {num_heads}")
-    head_dim = f.get("head_dim") or hidden // num_heads
-    kv_heads = f.get("num_key_value_heads") or num_heads
+    head_dim = f.number("head_dim", int, allow_none=True) or hidden // num_heads
+    kv_heads = f.number("num_key_value_heads", int, allow_none=True) or num_heads
     num_layers = f.number("num_hidden_layers", int)
     layer_types = _layer_types(f, family, num_layers)
     max_pos = f.number("max_position_embeddings", int)
@@ -368,7 +372,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         layer_types=layer_types, weight_prefix="model.language_model." if composite else "model.",
         torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
         attention_bias=f.flag("attention_bias"), composite=composite,
-        eos_token_ids=_as_id_tuple(text.get("eos_token_id")), bos_token_id=text.get("bos_token_id"),
+        eos_token_ids=_token_ids(f, "eos_token_id"), bos_token_id=text.get("bos_token_id"),
     )
     return cls.from_fields(f, common, rope_local)
 

@@ -7,6 +7,7 @@ from shared/bench/models) and the embedded default model. A directory holds conf
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -153,6 +154,13 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict
     os.replace(tmp, path)
 
 
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not on this platform: no bound
+        return 1 << 62
+
+
 def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: float | None = None,
                    dtype: str = "bfloat16", composite: bool = False, shards: int = 1,
                    corpus: list[str] | None = None, mtp: bool = False) -> Path:
@@ -191,6 +199,12 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     shapes = tensor_shapes(config)
     if mtp:
         shapes.update(mtp_tensor_shapes(config))
+    # Every tensor is drawn in float32 and held until the file is written: refuse before drawing what cannot fit
+    # (a vocab_size of 10**12 asked numpy for 233 TiB, a MemoryError traceback or the OOM killer)
+    draw_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
+    if draw_bytes > _physical_memory_bytes():
+        raise ValueError(f"the weights of this config ({draw_bytes / 2**30:,.1f} GiB as float32 while they are "
+                         f"drawn) do not fit in memory ({_physical_memory_bytes() / 2**30:,.1f} GiB)")
     rng = np.random.default_rng(seed)
     std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
     zero_centered = parse_config(config).family in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3")

@@ -12,6 +12,9 @@ from prefixrun.engine.state import ModelState, StateHandle
 from prefixrun.engine.verify import accept_greedy, accept_sampled
 from prefixrun.kernels.sampling import as_seed_array, pack_sampling_params
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = (1 << 31) - 1
+
 
 class ModelRunner:
     def __init__(self, model, state: ModelState, ops, max_batch: int, *, graphs: bool, run_seed: int):
@@ -98,8 +101,12 @@ class ModelRunner:
         counters = np.array([len(s.tokens) for s in seqs], np.int64)
         if ahead is not None:
             counters += ahead
-        return (np.array([0.0 if p.greedy else p.temperature for p in sp], np.float32),
-                np.array([max(p.top_k, 0) for p in sp], np.int32),
+        # A request's numbers are unbounded JSON; the arrays are float32 / int32. Clamped, each keeps its meaning:
+        # a temperature past float32's range is the flattest distribution (as inf would be, without inf's NaNs),
+        # a top_k past the vocabulary (so past int32) is no filter.
+        temperatures = np.array([0.0 if p.greedy else p.temperature for p in sp], np.float64)
+        return (np.minimum(temperatures, _FLOAT32_MAX).astype(np.float32),
+                np.array([min(max(p.top_k, 0), _INT32_MAX) for p in sp], np.int32),
                 np.array([p.top_p for p in sp], np.float32), np.array([p.min_p for p in sp], np.float32),
                 as_seed_array([self._seed_of(s) for s in seqs]), counters)
 

@@ -197,7 +197,9 @@ class Tokenizer:
             try:
                 self._compiled_templates[name] = _template_environment().from_string(self._chat_templates[name])
             except jinja2.TemplateSyntaxError as exc:
-                raise ModelLoadError(f"{self._template_source}: chat template {name!r} is not valid jinja: "
+                # A request error, not a load error: as in transformers, the folder still serves plain prompts,
+                # and each chat line gets an error record instead of the run aborting at the first one.
+                raise InvalidRequest(f"{self._template_source}: chat template {name!r} is not valid jinja: "
                                      f"{exc}") from exc
         return self._compiled_templates[name]
 
@@ -361,16 +363,23 @@ def _register_missing_special_tokens(backend: BackendTokenizer, tokens) -> None:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
 
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
 def _chat_templates_of(path: Path, config: dict) -> tuple[dict[str, str], str]:
     """Named chat templates and a description of where they came from (for error messages)."""
     templates: dict[str, str] = {}
     jinja_file = path / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
-        templates["default"] = jinja_file.read_text(encoding="utf-8")
+        templates["default"] = _read_template(jinja_file)
     extra_dir = path / EXTRA_CHAT_TEMPLATES_DIR
     if extra_dir.is_dir():
         for template_file in sorted(extra_dir.glob("*.jinja")):
-            templates[template_file.name.removesuffix(".jinja")] = template_file.read_text(encoding="utf-8")
+            templates[template_file.name.removesuffix(".jinja")] = _read_template(template_file)
     if templates:
         return templates, str(jinja_file if "default" in templates else extra_dir)
 

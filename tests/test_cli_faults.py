@@ -109,6 +109,26 @@ def test_markup_in_ids_values_and_paths_is_printed_literally(model, tmp_path):
     assert res.exit_code == 2 and f"directory {folder / 'nope[/b]'} does not exist" in res.stderr
 
 
+def test_control_characters_in_user_text_reach_the_terminal_as_escapes(model, tmp_path):
+    """ESC starts terminal commands (colours, cursor moves, the window title) and a newline splits a message: in a
+    custom_id, a key or a path they are shown escaped, so every message stays one line of plain text."""
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "a\x1b[2Jb\nc\x9bd", "prompt": "x", "temperature": -1},
+        {"custom_id": "ok", "prompt": "x", "max_tokens": 1, "te\x1b]0;title\x07mp\x00": 1},
+    ])
+    cache = tmp_path / "cache\x1b[31m\u2028x"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache)
+    assert res.exit_code == 3, res.stderr
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", res.stderr), ascii(res.stderr)
+    assert "error: line 1 (a\\x1b[2Jb\\nc\\x9bd): temperature must be >= 0, got -1" in res.stderr
+    assert "te\\x1b]0;title\\x07mp\\x00 (line 2)" in res.stderr
+    assert "cache\\x1b[31m\\u2028x/checkpoints" in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir
+    # the records themselves keep the id as given
+    assert records(res.stdout)[0]["custom_id"] == "a\x1b[2Jb\nc\x9bd"
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 0 and "\x1b" not in res.stdout + res.stderr
+
+
 def test_engine_warnings_and_the_cuda_hint_are_literal(model, tmp_path):
     """Log records of the engine (e.g. a bad cache entry) go through the same literal path; the CUDA install
     hint keeps its brackets."""
@@ -195,6 +215,38 @@ def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
     Path(str(journal_only) + ".journal").write_text('{"custom_id": "a", "text": "x", "token_ids": []}\n')
     res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", journal_only)
     assert res.exit_code == 2 and "already holds results" in res.stderr
+
+
+def test_a_second_run_into_the_same_output_is_refused_while_the_first_writes(model, tmp_path):
+    """Two runs into one -o would truncate each other and interleave their lines (a broken record, exit 0 for
+    both); the file is claimed before the model loads, so the second run is refused (exit 2, one line) and the
+    first one's output is whole."""
+    lines = [{"custom_id": f"r{i}", "prompt": f"request number {i} " + "pad " * (i % 40), "max_tokens": 16}
+             for i in range(300)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    first = subprocess.Popen(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for extra in ((), ("--overwrite",), ("--resume",)):
+            res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out, *extra)
+            assert res.exit_code == 2 and "is being written by another prefixrun run" in one_error_line(res.stderr)
+            assert first.poll() is None, "the first run ended before the second was refused; make it longer"
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr
+    assert [r["custom_id"] for r in records(out.read_text())] == [f"r{i}" for i in range(300)]
+    # the claim ends with its run: the file can be resumed now (nothing left to do)
+    assert cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out,
+               "--resume").exit_code == 0
+    # a run whose model does not load leaves no empty output behind
+    fresh = tmp_path / "fresh.jsonl"
+    assert cli("batch", src, "--model", tmp_path / "no-model", "--device", "cpu", "--no-cache", "-q", "-o",
+               fresh).exit_code == 2
+    assert not fresh.exists()
 
 
 def test_sigkill_in_ordered_mode_loses_only_the_lines_in_flight(model, tmp_path):
@@ -526,6 +578,51 @@ def test_make_model_refuses_to_overwrite_and_rejects_zero_shards(tmp_path):
     assert cli("make-model", tmp_path / "file").exit_code == 2
 
 
+def test_a_broken_chat_template_fails_the_chat_lines_only(model, tmp_path):
+    """A model folder whose chat template does not compile (or is not UTF-8): transformers loads it and fails
+    only apply_chat_template, so here each chat line gets an error record naming the file and the plain prompts
+    still run (exit 3), instead of the run aborting at the first chat line."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% if %}")
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "p1", "prompt": "before", "max_tokens": 2},
+        {"custom_id": "c1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {"custom_id": "p2", "prompt": "after", "max_tokens": 2},
+        {"custom_id": "c2", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2},
+    ])
+    p = run("batch", src, "--model", broken, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 3, p.stderr
+    assert_clean(p.stderr)
+    by_id = {r["custom_id"]: r for r in records(p.stdout)}
+    assert "text" in by_id["p1"] and "text" in by_id["p2"]
+    for cid in ("c1", "c2"):
+        assert "chat_template.jinja: chat template 'default' is not valid jinja" in by_id[cid]["error"]["message"]
+    (broken / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")  # not UTF-8: refused at load, one line
+    p = run("batch", src, "--model", broken, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 2 and "chat_template.jinja: not valid UTF-8" in one_error_line(p.stderr)
+
+
+def test_make_model_with_a_bad_config_or_seed_is_one_line_and_leaves_no_folder(tmp_path):
+    """A config that is not an object, that the loader would refuse, or whose weights cannot fit in memory, and a
+    negative seed: exit 2 with one line naming the problem, never a traceback, and no half-written folder."""
+    good = json.loads(json.dumps(TINY_QWEN3_5))
+    configs = {
+        "array": ([1], "expected a JSON object"),
+        "not json": ("{bad", "not valid JSON"),
+        "refused": ({**good, "hidden_act": "relu"}, "hidden_act 'relu'"),
+        "huge": ({**good, "vocab_size": 10**12}, "do not fit in memory"),
+    }
+    for name, (config, message) in configs.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        p = run("make-model", tmp_path / "out" / name, "--config", path)
+        assert p.returncode == 2 and message in one_error_line(p.stderr), (name, p.stderr)
+        assert not (tmp_path / "out").exists(), name
+    p = run("make-model", tmp_path / "out", "--seed", -1)
+    assert p.returncode == 2 and "--seed" in one_error_line(p.stderr) and not (tmp_path / "out").exists()
+
+
 def test_bench_on_a_prompt_text_workload_runs_it_as_batch_does(model, tmp_path):
     """bench is batch: prompt text is tokenized as batch tokenizes it; only the transformers comparison, which
     replays token ids, is left out (said in the JSON)."""
@@ -560,3 +657,27 @@ def test_output_to_a_fifo_or_dev_null(model, tmp_path):
     assert not (tmp_path / "fifo.journal").exists()
     p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", os.devnull)
     assert p.returncode == 0 and p.stderr == ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Extreme values that pass validation
+
+
+def test_a_top_k_or_temperature_beyond_the_sampling_arrays_runs_like_its_limit(model, tmp_path):
+    """JSON numbers are unbounded; the sampling arrays are int32 / float32. A top_k past the vocabulary is no
+    filter at all and a temperature past float32's range is the flattest distribution, so both run (as vLLM
+    runs them), alongside the other lines, and nothing overflows on the way."""
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "k0", "prompt": "x", "max_tokens": 3, "seed": 5, "top_k": 0},
+        {"custom_id": "k-huge", "prompt": "x", "max_tokens": 3, "seed": 5, "top_k": 10**12},
+        {"custom_id": "t-huge", "prompt": "x", "max_tokens": 3, "seed": 5, "temperature": 1e300},
+        {"custom_id": "t-max", "prompt": "x", "max_tokens": 3, "seed": 5, "temperature": 3.4e38},
+    ])
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    by_id = {r["custom_id"]: r for r in records(p.stdout)}
+    assert by_id["k-huge"]["token_ids"] == by_id["k0"]["token_ids"]
+    assert by_id["t-huge"]["token_ids"] == by_id["t-max"]["token_ids"]
+    # the same top_k as a command-line default
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--top-k", 10**11)
+    assert p.returncode == 0 and p.stderr == "", p.stderr

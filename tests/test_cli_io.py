@@ -666,14 +666,16 @@ def test_unordered_writer_writes_immediately():
 def test_writer_lines_are_compact_utf8_and_one_line_each():
     stream = io.BytesIO()
     writer = OrderedWriter(stream)
-    record = {"custom_id": "é", "text": "line1\nline2\u2028line3 日本"}
+    # every character str.splitlines() breaks at: \x0b, \x0c, \x1c-\x1e (json escapes them as control characters),
+    # \x85 (NEL, a C1 character json leaves as it is), U+2028, U+2029
+    record = {"custom_id": "é\x85", "text": "line1\nline2\u2028line3 日本\x0b\x0c\x1c\x1d\x1e\x85\u2029"}
     writer.add(0, record)
     writer.close()
     data = stream.getvalue()
     assert data.count(b"\n") == 1 and data.endswith(b"\n")
     text = data.decode("utf-8")
-    assert '"custom_id":"é"' in text and "日本" in text
-    assert len(text.splitlines()) == 1  # U+2028 is escaped, so even splitlines() sees one line
+    assert '"custom_id":"é\\u0085"' in text and "日本" in text
+    assert len(text.splitlines()) == 1  # U+2028, NEL, ... are escaped, so even splitlines() sees one line
     assert json.loads(text) == record
 
 

@@ -241,6 +241,15 @@ REFUSED = {
     "no window": ("gemma3_text", dict(sliding_window=None), "sliding_window = null"),
     "sliding types without a window": ("qwen3", dict(layer_types=["full_attention", "sliding_attention"],
                                                      use_sliding_window=False), "use_sliding_window = false"),
+    # values of the wrong type: one line naming the field, never a TypeError / ValueError / OverflowError
+    "eos a float": ("llama", dict(eos_token_id=1.5), "eos_token_id must be a non-negative integer or a list of "
+                                                     "them, got 1.5"),
+    "eos names": ("llama", dict(eos_token_id=["</s>"]), "eos_token_id must be a non-negative integer or a list "
+                                                        "of them, got ['</s>']"),
+    "head_dim a string": ("qwen3", dict(head_dim="128"), "head_dim must be an integer, got '128'"),
+    "kv heads a string": ("qwen3", dict(num_key_value_heads="2"), "num_key_value_heads must be an integer, got '2'"),
+    "hidden_size inf": ("llama", dict(hidden_size=float("inf")), "hidden_size must be an integer, got inf"),
+    "vocab_size nan": ("llama", dict(vocab_size=float("nan")), "vocab_size must be an integer, got nan"),
 }
 
 

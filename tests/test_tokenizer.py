@@ -425,8 +425,9 @@ def test_malformed_tokenizer_config_names_the_file(model_dir, tmp_path):
         Tokenizer.from_model_dir(directory)
 
 
-def test_invalid_template_syntax_is_a_model_error(model_dir, tmp_path):
+def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir, tmp_path):
+    """As transformers: the folder loads (plain prompts work), each chat request is refused naming the file."""
     directory = _variant(model_dir, tmp_path / "syntax", {})
     (directory / "chat_template.jinja").write_text("{% for m in messages %}")
-    with pytest.raises(ModelLoadError, match="not valid jinja"):
+    with pytest.raises(InvalidRequest, match="chat_template.jinja: chat template 'default' is not valid jinja"):
         Tokenizer.from_model_dir(directory).render_chat([{"role": "user", "content": "x"}])
