@@ -17,6 +17,9 @@ logits processors — min-p by default — then `apply_top_k_top_p`: top-k, then
           u * (kept mass). Index order needs no sort, so the GPU's prefix scan picks the CPU's token for the same
           u up to floating-point rounding at the boundaries.
 Greedy rows (temperature 0) take the exact argmax, lowest id on ties (numpy.argmax).
+A row that is not all finite (a damaged checkpoint, an overflow) still draws a token instead of failing the batch:
+NaN counts as -inf; if some logits are +inf, those tokens share all the mass; if none is finite or +inf, every token
+is equally likely. (Only the reference pins this; the GPU kernel's draw on such rows is unspecified.)
 """
 from __future__ import annotations
 
@@ -62,6 +65,8 @@ def _weights_and_kept(logits: np.ndarray, temperature: float, top_k: int, top_p:
 
     temperature > 0; top_k <= 0 or >= V: off; top_p >= 1: off; min_p <= 0: off."""
     x = np.asarray(logits, np.float64)
+    if not np.isfinite(x).all():
+        x = _finite_logits(x)
     v = x.shape[0]
     w = np.exp((x - x.max()) / temperature)  # [V]
     keep = np.ones(v, bool)
@@ -77,6 +82,17 @@ def _weights_and_kept(logits: np.ndarray, temperature: float, top_k: int, top_p:
         j = min(int(np.searchsorted(cum, top_p * cum[-1], side="left")), len(cum) - 1)
         keep &= x >= vals[order[j]]  # the logit at which the cumulative mass first reaches top_p
     return w, keep
+
+
+def _finite_logits(x: np.ndarray) -> np.ndarray:
+    """A row with NaN or infinite logits as the module doc reads it, in finite numbers: +inf tokens at 0 and the
+    rest at -inf where any is +inf; NaN at -inf; all zeros where nothing finite is left (uniform)."""
+    x = np.where(np.isnan(x), -np.inf, x)
+    if np.isposinf(x).any():
+        return np.where(np.isposinf(x), 0.0, -np.inf)
+    if np.isneginf(x).all():
+        return np.zeros_like(x)
+    return x
 
 
 def filtered_sample_index(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,

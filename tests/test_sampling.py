@@ -157,6 +157,31 @@ def test_op_greedy_rows_mixed_with_sampled_rows():
                                                float(args[3][b]), float(u[b]))
 
 
+@pytest.mark.parametrize("filters", [(1.0, 0, 1.0, 0.0), (0.7, 20, 0.8, 0.0), (1.3, 5, 0.5, 0.1)])
+def test_rows_that_are_not_all_finite_still_draw_a_token(filters):
+    """A damaged checkpoint's NaN logits made top-p's kept set empty (IndexError: every line of the run lost):
+    NaN counts as -inf, +inf tokens share all the mass, a row with nothing finite draws uniformly."""
+    t, k, p, m = filters
+    rng = np.random.default_rng(9)
+    v = 64
+    some_nan = rng.standard_normal(v)
+    some_nan[::3] = np.nan
+    some_inf = rng.standard_normal(v)
+    some_inf[[4, 40]] = np.inf
+    some_inf[5] = np.nan
+    nothing = np.full(v, np.nan)
+    nothing[::2] = -np.inf
+    for u in np.linspace(0.0, 0.999, 25):
+        assert filtered_sample_index(some_nan, t, k, p, m, u) % 3 != 0
+        assert filtered_sample_index(some_inf, t, k, p, m, u) in (4, 40)
+        assert 0 <= filtered_sample_index(nothing, t, k, p, m, u) < v
+    assert np.allclose(filtered_probabilities(nothing, t, 0, 1.0, 0.0), 1 / v)
+    logits = np.stack([some_nan, some_inf, nothing]).astype(np.float32)
+    args = (np.full(3, t), np.full(3, k), np.full(3, p), np.full(3, m), as_seed_array([1, 2, 3]), np.zeros(3, np.int64))
+    got = NumpyOps().sample(logits, *args)
+    assert got[0] % 3 != 0 and got[1] in (4, 40) and 0 <= got[2] < v
+
+
 def test_op_row_token_independent_of_the_batch():
     rng = np.random.default_rng(6)
     logits = (rng.standard_normal((16, 500)) * 2).astype(np.float32)
