@@ -103,10 +103,16 @@ def _parse_chat_template_kwargs(text: str | None) -> dict | None:
     return check_template_kwargs(value, "--chat-template-kwargs")
 
 
-def _cache_root(cache_dir: Optional[Path]) -> Path:
+def _cache_root(cache_dir: Optional[str]) -> Path:
+    """--cache-dir as given (a string: an empty one, e.g. an unset shell variable in `--cache-dir "$DIR"`, would
+    otherwise become the working directory and fill it with cache files), else the default folder."""
     from prefixrun.engine.store import default_cache_dir
 
-    return Path(cache_dir) if cache_dir else default_cache_dir()
+    if cache_dir is None:
+        return default_cache_dir()
+    if not cache_dir.strip():
+        raise typer.BadParameter("--cache-dir is empty; give a folder (or leave the option out for the default)")
+    return Path(cache_dir)
 
 
 @app.command()
@@ -143,7 +149,8 @@ def batch(
                                                              "(512MiB, 2GB) or a fraction of state memory")] = None,
     state_memory: Annotated[Optional[str], typer.Option(help="memory for all sequence and checkpoint state")] = None,
     no_reuse: Annotated[bool, typer.Option("--no-reuse", help="prefill every request from scratch (baseline)")] = False,
-    cache_dir: Annotated[Optional[Path], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir")] = None,
+    cache_dir: Annotated[Optional[str], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir",
+                                                     metavar="<path>")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="do not read or write the persistent cache")] = False,
     cache_budget: Annotated[Optional[str], typer.Option(help="disk budget of the persistent cache (LRU)")] = "10GiB",
     cache_policy: Annotated[str, typer.Option(
@@ -402,7 +409,8 @@ def _remove_model_files(folder: Path):
 
 @app.command("inspect-cache")
 def inspect_cache(
-    cache_dir: Annotated[Optional[Path], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir")] = None,
+    cache_dir: Annotated[Optional[str], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir",
+                                                     metavar="<path>")] = None,
     model: Annotated[Optional[str], typer.Option(help="only entries of this model digest (prefix ok)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print entries as JSON on stdout")] = False,
     tree: Annotated[bool, typer.Option(help="show how entries nest (prefix tree)")] = False,
@@ -426,13 +434,14 @@ def inspect_cache(
             raise typer.BadParameter(f"--prune-older-than must be a number of days >= 0, got {prune_older_than}")
         prune_to_bytes = _parse_bytes(prune_to, "--prune-to")
         budget_bytes = _parse_bytes(cache_budget, "--cache-budget")
+        cache_root = _cache_root(cache_dir)
     except typer.BadParameter as exc:
         from prefixrun.cli.report import printable
 
         typer.echo(f"error: {printable(str(exc))}", err=True)  # the message quotes the option's value
         raise typer.Exit(io.EXIT_USAGE)
     try:
-        code = run_inspect(_cache_root(cache_dir), model=model, as_json=as_json, tree=tree, model_dir=model_dir,
+        code = run_inspect(cache_root, model=model, as_json=as_json, tree=tree, model_dir=model_dir,
                            prune_older_than_days=prune_older_than, prune_to_bytes=prune_to_bytes, clear=clear,
                            verify=verify, yes=yes, budget_bytes=budget_bytes)
     except BrokenPipeError:  # `inspect-cache | head`: the reader has what it wanted

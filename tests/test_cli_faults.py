@@ -508,6 +508,18 @@ def test_bad_sizes_exit_2_with_one_line(tmp_path, option, value):
     assert res.exit_code == 2 and option in one_error_line(res.stderr)
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_cache_dir_is_refused_not_taken_for_the_working_directory(tmp_path, monkeypatch, value):
+    """`--cache-dir "$DIR"` with DIR unset: exit 2, one line, and no cache files in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    res = cli("batch", src, "--cache-dir", value)
+    assert res.exit_code == 2 and "--cache-dir is empty" in one_error_line(res.stderr)
+    res = cli("inspect-cache", "--cache-dir", value)
+    assert res.exit_code == 2 and "--cache-dir is empty" in one_error_line(res.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 def test_progress_moves_during_prefill(monkeypatch):
     """The live view's prefill row follows the engine's computed tokens before any request has finished."""
     from prefixrun.cli.report import RunReporter
