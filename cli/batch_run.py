@@ -79,6 +79,9 @@ class BatchRun:
         self.done = 0
         self.skipped = 0  # lines that already had a result (--resume)
         self.max_line_bytes = max_line_bytes
+        # every input line's output position by custom_id and by line number, when asked (`--resume` rewrites the
+        # output in input order at the end: cli/output.py restore_input_order); None: not recorded
+        self.positions: io.InputPositions | None = None
 
     def _set_front(self, front, sampling_overrides: dict, chat_template_kwargs: dict | None):
         # A line's own values win over these: the command line's, then the model's generation_config.
@@ -130,6 +133,8 @@ class BatchRun:
         self.reporter.watch(self.backend.stats)
         for raw in io.iter_input_lines(source, self.max_line_bytes):
             item, request = self._parse(raw, seen)
+            if self.positions is not None:
+                self.positions.note(raw, item)
             if isinstance(item, io.LineError):
                 self._error(writer, item)
                 continue

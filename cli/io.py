@@ -823,6 +823,31 @@ def _to_json_line(record: dict) -> str:
 # Resuming
 
 
+class InputPositions:
+    """Where each input line's record belongs in the output: by custom_id for a result (ids of results are unique:
+    a repeated id is an error), by line number for an error record (which may repeat an id, or have none)."""
+
+    def __init__(self):
+        self.by_id: dict[str, int] = {}
+        self.by_line: dict[int, int] = {}
+
+    def note(self, raw: RawLine, item) -> None:
+        self.by_line[raw.line_no] = raw.index
+        if isinstance(item, ParsedRequest):
+            self.by_id.setdefault(item.custom_id, raw.index)
+
+    def of(self, record: Any) -> int | None:
+        """The output position of a record, None where no input line of this run made it."""
+        if not isinstance(record, dict):
+            return None
+        error = record.get("error")
+        if error is not None:
+            line = error.get("line") if isinstance(error, dict) else None
+            return self.by_line.get(line) if isinstance(line, int) and not isinstance(line, bool) else None
+        custom_id = record.get("custom_id")
+        return self.by_id.get(custom_id) if isinstance(custom_id, str) else None
+
+
 def read_completed_ids(path: str | os.PathLike) -> set[str]:
     """The custom_ids that have a successful result in an existing output file (empty if there is no file).
 

@@ -10,7 +10,9 @@ Promises (docs/RELIABILITY.md lists the faults the tests inject):
 - In ordered mode a result that finishes before an earlier line waits in memory; it is also appended at once to
   a journal beside the output (`<output>.journal`). A killed run leaves output + journal; `--resume` moves the
   journal's results into the output first, so only the requests that were in flight run again. A run that ends
-  (normally or aborted with its finished results written) removes the journal.
+  (normally or aborted with its finished results written) removes the journal. A resumed run that ends rewrites
+  the output as one record per input line in input order (`restore_input_order`), as an uninterrupted run
+  leaves it.
 - A regular `-o` file is claimed (an exclusive `flock`) right after those checks and held until the process exits:
   a second run into the same file, also with `--resume` or `--overwrite`, is refused (exit 2) instead of
   truncating the first one's results and interleaving lines with it. The kernel drops the claim when the process
@@ -257,6 +259,53 @@ def prepare_resume(output: Path) -> tuple[set[str], int]:
     return io.read_completed_ids(output), recovered
 
 
+def restore_input_order(output: Path, positions: io.InputPositions) -> bool:
+    """After a resumed run that ended: the output as one record per input line in input order, as an uninterrupted
+    run leaves it. A resumed file holds the killed run's records, then the journal's (in the order they finished),
+    then this run's; an error record of the killed run was followed by this run's record for the same line (the
+    line runs again). Per input line the newest record is kept; records no input line of this run made (the input
+    changed) follow, in file order. A file already in order is not touched; else the new file is written beside
+    it and replaces it atomically (a kill meanwhile leaves the old one whole). True if it was rewritten."""
+    real = Path(os.path.realpath(output))
+    spans: list[tuple[int, int]] = []  # (offset, length) of each complete line
+    newest: dict[int, int] = {}  # output position -> index into spans of its newest record
+    strays: list[int] = []
+    with open(real, "rb") as src:
+        offset = 0
+        for data in src:
+            if not data.endswith(b"\n"):
+                break
+            span = len(spans)
+            spans.append((offset, len(data)))
+            offset += len(data)
+            try:
+                position = positions.of(json.loads(data)) if data.strip() else None
+            except ValueError:
+                position = None
+            if position is None:
+                strays.append(span)
+            else:
+                newest[position] = span
+        order = [newest[p] for p in sorted(newest)] + strays
+        if order == list(range(len(spans))):
+            return False
+        temp = real.with_name(f".{real.name}.{os.getpid()}.reorder")
+        try:
+            with open(temp, "wb") as out:
+                for span in order:
+                    start, length = spans[span]
+                    src.seek(start)
+                    out.write(src.read(length))
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(temp, stat.S_IMODE(os.stat(real).st_mode))
+            os.replace(temp, real)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Running into the output, and every way that can end
 
@@ -274,6 +323,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             claim.opened = True
         if output is not None:
             if resume:
+                run.positions = io.InputPositions()
                 try:
                     done_ids, recovered = prepare_resume(output)
                 except ValueError as exc:
@@ -292,6 +342,8 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             report = run.execute(source, writer, done_ids)
             if output is not None:
                 finish_output(out_stream, journal)
+                if run.positions is not None and restore_input_order(output, run.positions):
+                    reporter.note(f"--resume: {output} rewritten in input order, one record per line")
             return report
         except EnginesDidNotStart as exc:  # worker processes load the model while the first window is read
             reporter.stop()

@@ -381,7 +381,7 @@ def test_resume_after_kill(models, tmp_path):
     final = out.read_bytes()
     assert final.startswith(kept), "finished results must be kept as they were"
     recs = records_of(final.decode())
-    assert sorted(r["custom_id"] for r in recs) == sorted(f"r{i}" for i in range(n))  # exactly one each
+    assert [r["custom_id"] for r in recs] == [f"r{i}" for i in range(n)]  # exactly one each, in input order
     assert all(r.get("error") is None and len(r["token_ids"]) == 60 for r in recs)
     report = json.loads(report_path.read_text())
     assert report["requests"] == n - done_before < n
@@ -390,6 +390,30 @@ def test_resume_after_kill(models, tmp_path):
     res = batch(models["a"], cache, src, "--resume", "-o", out, "-q", "--json-report", report_path)
     assert res.exit_code == 0 and out.read_bytes() == final
     assert json.loads(report_path.read_text())["requests"] == 0
+
+
+def test_a_resumed_output_ends_in_input_order_with_one_record_per_line(models, tmp_path):
+    """What a killed run leaves: results in order, then the journal's in the order they finished, and error
+    records of lines that run again. The resumed run ends with the file an uninterrupted run writes: one record
+    per input line (the newest: an error record is not kept twice), in input order."""
+    lines = [{"custom_id": f"r{i}", "prompt": f"line {i}", "max_tokens": 3, "temperature": 0} for i in range(6)]
+    lines[2]["max_tokens"] = -1  # an error record, in every run
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    reference = tmp_path / "reference.jsonl"
+    res = batch(models["a"], tmp_path / "cache", src, "-o", reference, "-q")
+    assert res.exit_code == 3, res.stderr
+    ref_lines = reference.read_text().splitlines(keepends=True)
+    out = tmp_path / "out.jsonl"
+    out.write_text(ref_lines[0] + ref_lines[4] + ref_lines[2] + ref_lines[1])  # r0, r4 (journal), error of r2, r1
+    res = batch(models["a"], tmp_path / "cache", src, "-o", out, "--resume", "-q")
+    assert res.exit_code == 3, res.stderr
+    key = lambda r: (r.get("custom_id"), r.get("token_ids"), r.get("error"))  # usage may differ (reuse)
+    expected = [key(r) for r in records_of(reference.read_text())]
+    assert [key(r) for r in records_of(out.read_text())] == expected
+    resumed = out.read_bytes()
+    res = batch(models["a"], tmp_path / "cache", src, "-o", out, "--resume", "-q")  # again: the same file
+    assert res.exit_code == 3 and [key(r) for r in records_of(out.read_text())] == expected
+    assert out.read_bytes() == resumed  # the error record written again, in its place
 
 
 def test_resume_without_existing_output_is_a_fresh_run(models, tmp_path):
