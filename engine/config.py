@@ -351,6 +351,12 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if family in ("qwen3_next", "qwen3_5_moe"):
         from prefixrun.engine.moe_config import MoeHybridConfig as cls
     text, composite = _text_settings(raw, family)
+    for layer in (raw, text):
+        quantization = layer.get("quantization_config")
+        if quantization:  # transformers loads such weights through a quantizer: other tensors, other numbers
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ModelLoadError(f"{source}: quantization_config (quant_method {json.dumps(method)}) is not "
+                                 f"supported: give the checkpoint's unquantized (bf16 / fp16 / fp32) weights")
     f = _Fields(text, family, source)
     num_heads = f.number("num_attention_heads", int)
     hidden = f.number("hidden_size", int)
