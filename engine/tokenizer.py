@@ -284,7 +284,7 @@ class GenerationDefaults:
 
         reader = _GenerationConfigReader(config, config_file.name)
         temperature = reader.number("temperature", minimum=0.0)
-        if config.get("do_sample") is False:
+        if reader.flag("do_sample") is False:
             temperature = 0.0
         sampling = SamplingDefaults(
             temperature=temperature,
@@ -311,6 +311,12 @@ class _GenerationConfigReader:
             raise ModelLoadError(f"{self._file_name}: {key} must be a number in [{minimum}, {maximum}], "
                                  f"got {value!r}")
         return float(value)
+
+    def flag(self, key: str) -> bool | None:
+        value = self._config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ModelLoadError(f"{self._file_name}: {key} must be true or false, got {value!r}")
+        return value
 
     def integer(self, key: str, minimum: int) -> int | None:
         value = self._config.get(key)
