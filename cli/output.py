@@ -267,6 +267,8 @@ def restore_input_order(output: Path, positions: io.InputPositions) -> bool:
     changed) follow, in file order. A file already in order is not touched; else the new file is written beside
     it and replaces it atomically (a kill meanwhile leaves the old one whole). True if it was rewritten."""
     real = Path(os.path.realpath(output))
+    if not _is_regular(real):
+        return False  # a device or FIFO is written once, never rewritten
     spans: list[tuple[int, int]] = []  # (offset, length) of each complete line
     newest: dict[int, int] = {}  # output position -> index into spans of its newest record
     strays: list[int] = []
