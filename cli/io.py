@@ -825,14 +825,15 @@ def _to_json_line(record: dict) -> str:
 
 class InputPositions:
     """Where each input line's record belongs in the output: by custom_id for a result (ids of results are unique:
-    a repeated id is an error), by line number for an error record (which may repeat an id, or have none)."""
+    a repeated id is an error), by line number for an error record, if its custom_id is the one this run read on
+    that line (the input may have changed since the record was written)."""
 
     def __init__(self):
         self.by_id: dict[str, int] = {}
-        self.by_line: dict[int, int] = {}
+        self.by_line: dict[int, tuple[int, str | None]] = {}  # line number -> (output position, custom_id)
 
     def note(self, raw: RawLine, item) -> None:
-        self.by_line[raw.line_no] = raw.index
+        self.by_line[raw.line_no] = (raw.index, item.custom_id)
         if isinstance(item, ParsedRequest):
             self.by_id.setdefault(item.custom_id, raw.index)
 
@@ -843,9 +844,23 @@ class InputPositions:
         error = record.get("error")
         if error is not None:
             line = error.get("line") if isinstance(error, dict) else None
-            return self.by_line.get(line) if isinstance(line, int) and not isinstance(line, bool) else None
+            here = self.by_line.get(line) if isinstance(line, int) and not isinstance(line, bool) else None
+            return here[0] if here is not None and here[1] == record.get("custom_id") else None
         custom_id = record.get("custom_id")
         return self.by_id.get(custom_id) if isinstance(custom_id, str) else None
+
+
+def record_key(record: Any):
+    """What identifies an output record's input line across runs: its custom_id, else (for an error record of a
+    line without one) its line number; None for anything else."""
+    if not isinstance(record, dict):
+        return None
+    custom_id = record.get("custom_id")
+    if isinstance(custom_id, str):
+        return custom_id
+    error = record.get("error")
+    line = error.get("line") if isinstance(error, dict) else None
+    return ("line", line) if isinstance(line, int) and not isinstance(line, bool) else None
 
 
 def read_completed_ids(path: str | os.PathLike) -> set[str]:

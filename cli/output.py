@@ -11,9 +11,10 @@ Promises (docs/RELIABILITY.md lists the faults the tests inject):
   a journal beside the output (`<output>.journal`). A killed run leaves output + journal; `--resume` moves the
   journal's results into the output first, so only the requests that were in flight run again. A run that ends
   (normally or aborted with its finished results written) removes the journal. A resumed run that ends rewrites
-  the output as one record per input line in input order (`restore_input_order`), as an uninterrupted run
-  leaves it.
-- A regular `-o` file is claimed (an exclusive `flock`) right after those checks and held until the process exits:
+  the output as an uninterrupted run leaves it (`restore_input_order`: input order, an error record of a line
+  that ran again dropped; never an earlier result).
+- A regular `-o` file is claimed (an exclusive `flock`) right after those checks and held until the process exits
+  (a resumed run's final rewrite replaces the file in its last step, after every result is written):
   a second run into the same file, also with `--resume` or `--overwrite`, is refused (exit 2) instead of
   truncating the first one's results and interleaving lines with it. The kernel drops the claim when the process
   dies, kill -9 included, so no stale lock is ever left; a file the claim created is removed again if no run
@@ -259,48 +260,70 @@ def prepare_resume(output: Path) -> tuple[set[str], int]:
     return io.read_completed_ids(output), recovered
 
 
-def restore_input_order(output: Path, positions: io.InputPositions) -> bool:
-    """After a resumed run that ended: the output as one record per input line in input order, as an uninterrupted
-    run leaves it. A resumed file holds the killed run's records, then the journal's (in the order they finished),
-    then this run's; an error record of the killed run was followed by this run's record for the same line (the
-    line runs again). Per input line the newest record is kept; records no input line of this run made (the input
-    changed) follow, in file order. A file already in order is not touched; else the new file is written beside
-    it and replaces it atomically (a kill meanwhile leaves the old one whole). True if it was rewritten."""
+def restore_input_order(output: Path, positions: io.InputPositions, fresh_from: int, *, ordered: bool) -> bool:
+    """After a resumed run that ended: the output as an uninterrupted run leaves it, where that is sure.
+
+    A resumed file holds the killed run's records, then the journal's (in the order they finished), then this
+    run's, from byte `fresh_from` on. An error record written before `fresh_from` is dropped when this run wrote a
+    record with its key (its custom_id, or its line number where it has none): the line ran again. Nothing else is
+    ever dropped: an earlier result stays even where the input changed meanwhile. With `ordered`, the records go in
+    input order (by custom_id for results, by line number for error records whose custom_id is the one this run
+    read on that line); records no line of this run placed follow, in file order. A file that needs no change is
+    not touched; else the new file is written beside it (`.<name>.reorder`, mode and owner kept) and replaces it
+    atomically, so a kill meanwhile leaves the old file whole (and the next resumed run removes the copy).
+    True if it was rewritten. Raises OSError where it cannot be (the caller warns: the records are all there)."""
     real = Path(os.path.realpath(output))
     if not _is_regular(real):
         return False  # a device or FIFO is written once, never rewritten
+    temp = real.with_name(f".{real.name}.reorder")
     spans: list[tuple[int, int]] = []  # (offset, length) of each complete line
-    newest: dict[int, int] = {}  # output position -> index into spans of its newest record
-    strays: list[int] = []
+    keys: list[object] = []  # each line's key (None: not a record)
+    placed: list[int | None] = []  # each line's output position (None: no line of this run made it)
+    old_errors: list[bool] = []
+    fresh_keys: set = set()
     with open(real, "rb") as src:
         offset = 0
         for data in src:
             if not data.endswith(b"\n"):
                 break
-            span = len(spans)
-            spans.append((offset, len(data)))
-            offset += len(data)
             try:
-                position = positions.of(json.loads(data)) if data.strip() else None
+                record = json.loads(data) if data.strip() else None
             except ValueError:
-                position = None
-            if position is None:
-                strays.append(span)
-            else:
-                newest[position] = span
-        order = [newest[p] for p in sorted(newest)] + strays
-        if order == list(range(len(spans))):
+                record = None
+            key = io.record_key(record)
+            spans.append((offset, len(data)))
+            keys.append(key)
+            placed.append(positions.of(record))
+            old_errors.append(offset < fresh_from and isinstance(record, dict) and record.get("error") is not None)
+            if offset >= fresh_from and key is not None:
+                fresh_keys.add(key)
+            offset += len(data)
+        kept = [i for i in range(len(spans)) if not (old_errors[i] and keys[i] in fresh_keys)]
+        if ordered:
+            kept = sorted((i for i in kept if placed[i] is not None), key=lambda i: (placed[i], i)) + \
+                [i for i in kept if placed[i] is None]
+        if kept == list(range(len(spans))):
+            temp.unlink(missing_ok=True)  # a copy a killed rewrite left
             return False
-        temp = real.with_name(f".{real.name}.{os.getpid()}.reorder")
+        info = os.stat(real)
+        if info.st_nlink > 1:
+            raise OSError(f"it has {info.st_nlink} hard links, which a rewrite would split")
+        mode = stat.S_IMODE(info.st_mode)
         try:
-            with open(temp, "wb") as out:
-                for span in order:
-                    start, length = spans[span]
+            descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), mode)
+            with os.fdopen(descriptor, "wb") as out:
+                os.fchmod(out.fileno(), mode)  # as the original, not as the umask makes it
+                if (info.st_uid, info.st_gid) != (os.getuid(), os.getgid()):
+                    try:
+                        os.fchown(out.fileno(), info.st_uid, info.st_gid)
+                    except PermissionError:
+                        pass
+                for i in kept:
+                    start, length = spans[i]
                     src.seek(start)
                     out.write(src.read(length))
                 out.flush()
                 os.fsync(out.fileno())
-            os.chmod(temp, stat.S_IMODE(os.stat(real).st_mode))
             os.replace(temp, real)
         except BaseException:
             temp.unlink(missing_ok=True)
@@ -334,6 +357,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
                 if recovered:
                     reporter.note(f"--resume: recovered {recovered:,} finished results from the journal of the "
                                   f"killed run")
+                fresh_from = output.stat().st_size if output.exists() else 0  # this run's records start here
             out_stream, journal = open_output(output, resume=resume)
             stack.callback(_close_quietly, out_stream)
             stack.callback(lambda: journal and journal.close())
@@ -344,8 +368,8 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             report = run.execute(source, writer, done_ids)
             if output is not None:
                 finish_output(out_stream, journal)
-                if run.positions is not None and restore_input_order(output, run.positions):
-                    reporter.note(f"--resume: {output} rewritten in input order, one record per line")
+                if run.positions is not None:
+                    _restore_input_order(output, run.positions, fresh_from, not unordered, reporter)
             return report
         except EnginesDidNotStart as exc:  # worker processes load the model while the first window is read
             reporter.stop()
@@ -375,6 +399,16 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             if os.environ.get("PREFIXRUN_DEBUG"):
                 raise
             raise typer.Exit(io.EXIT_FAILURE)
+
+
+def _restore_input_order(output: Path, positions, fresh_from: int, ordered: bool, reporter) -> None:
+    """restore_input_order, where it cannot be done a warning: every record is in the file all the same."""
+    try:
+        if restore_input_order(output, positions, fresh_from, ordered=ordered):
+            reporter.note(f"--resume: {output} rewritten as an uninterrupted run writes it")
+    except OSError as exc:
+        reporter.warn(f"--resume: {output} holds every result, but could not be rewritten in input order "
+                      f"({exc.strerror or exc}); an error record of a line that ran again may stand twice")
 
 
 def _close_quietly(stream):

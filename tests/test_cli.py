@@ -416,6 +416,39 @@ def test_a_resumed_output_ends_in_input_order_with_one_record_per_line(models, t
     assert out.read_bytes() == resumed  # the error record written again, in its place
 
 
+def test_a_resume_over_a_changed_input_keeps_every_earlier_result(models, tmp_path):
+    """The input changed between the runs (a line added on top, a bad line fixed): no earlier result is dropped,
+    the fixed line's old error record goes, and the file ends in this input's order. A hard-linked output is not
+    rewritten (the link would split): a warning, every record still there. A 0600 file stays 0600."""
+    first = [{"custom_id": "a", "prompt": "one", "max_tokens": 2, "temperature": 0},
+             {"custom_id": "b", "prompt": "two", "max_tokens": -1},
+             {"custom_id": "c", "prompt": "three", "max_tokens": 2, "temperature": 0}]
+    out = tmp_path / "out.jsonl"
+    res = batch(models["a"], tmp_path / "cache", write_jsonl(tmp_path / "v1.jsonl", first), "-o", out, "-q")
+    assert res.exit_code == 3
+    a_record = next(line for line in out.read_text().splitlines() if '"custom_id":"a"' in line)
+    out.chmod(0o600)
+    second = [{"custom_id": "z", "prompt": "zero", "max_tokens": 2, "temperature": 0}, first[0],
+              {**first[1], "max_tokens": 2, "temperature": 0}, first[2]]
+    v2 = write_jsonl(tmp_path / "v2.jsonl", second)
+    (tmp_path / ".out.jsonl.reorder").write_text("left by a killed rewrite\n")
+    res = batch(models["a"], tmp_path / "cache", v2, "-o", out, "--resume", "-q")
+    assert res.exit_code == 0, res.stderr
+    recs = records_of(out.read_text())
+    assert [(r["custom_id"], r.get("error") is None) for r in recs] == [("z", True), ("a", True), ("b", True),
+                                                                         ("c", True)]
+    assert a_record in out.read_text().splitlines()  # kept byte for byte, not recomputed
+    assert out.stat().st_mode & 0o777 == 0o600 and not (tmp_path / ".out.jsonl.reorder").exists()
+
+    linked = tmp_path / "linked.jsonl"
+    res = batch(models["a"], tmp_path / "cache", write_jsonl(tmp_path / "v1.jsonl", first), "-o", linked, "-q")
+    os.link(linked, tmp_path / "other-name.jsonl")
+    res = batch(models["a"], tmp_path / "cache", v2, "-o", linked, "--resume")
+    assert res.exit_code == 0 and "could not be rewritten in input order" in res.stderr
+    assert sorted(r["custom_id"] for r in records_of(linked.read_text()) if r.get("error") is None) == \
+        ["a", "b", "c", "z"]
+
+
 def test_resume_without_existing_output_is_a_fresh_run(models, tmp_path):
     """A script may always pass --resume: the first time, there is no output file yet."""
     src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "one"}, {"custom_id": "b", "prompt": "two"}])
