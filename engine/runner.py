@@ -132,10 +132,16 @@ class Engine:
         if self.persist is not None and self.opts.reuse:
             self.persist.prefetch(plan.roots, self.state)  # stored states this window will look up, read meanwhile
         self._window = WindowExecutor(self, runnable, plan, self.last_trace)
+        results = self._window.execute()
         try:
-            with collector_held_off():
-                yield from self._window.execute()
+            while True:
+                with collector_held_off():  # while the engine works, not while its caller holds a result
+                    result = next(results, None)
+                if result is None:
+                    break
+                yield result
         finally:
+            results.close()
             self._window = None
 
     def close(self):
@@ -163,14 +169,16 @@ class Engine:
 
 @contextlib.contextmanager
 def collector_held_off():
-    """Python's cyclic garbage collector paused while a window runs, as it was after.
+    """Python's cyclic garbage collector paused while the engine works on a window, as it was after.
 
     A collection stops the engine's thread at whatever line allocated last, and during a prefill group the device
     waits on that thread's launches. It is small today (the 4b-like shared-system window on the H200 ran 6
     generation-0 collections, 3.5 ms, the longest 1.8 ms) but grows with what a window allocates, and a full
-    collection over the loaded libraries' objects took 25 ms on a CPU. What a window frees is freed by reference
-    counting; its few reference cycles (a plan's tasks point at their bases and consumers) wait until the window
-    ends, so they are bounded by one window. Nested or interleaved windows resume it when the last one ends."""
+    collection over the loaded libraries' objects took 25 ms on a CPU. `Engine.run` holds it off only between
+    results: from resuming the executor to its next Result, so a caller that keeps (or abandons) the generator
+    runs with the collector as it was. What the engine frees meanwhile is freed by reference counting; its few
+    reference cycles (a plan's tasks point at their bases and consumers) wait for the collector's next pass.
+    Nested or concurrent holds (generators interleaved, threads) resume it when the last one ends."""
     global _windows_running, _collector_was_enabled
     with _collector_lock:
         if _windows_running == 0:

@@ -314,9 +314,11 @@ class _GenerationConfigReader:
 
     def flag(self, key: str) -> bool | None:
         value = self._config.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise ModelLoadError(f"{self._file_name}: {key} must be true or false, got {value!r}")
-        return value
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):  # transformers reads it by truth
+            return bool(value)
+        raise ModelLoadError(f"{self._file_name}: {key} must be true or false, got {value!r}")
 
     def integer(self, key: str, minimum: int) -> int | None:
         value = self._config.get(key)

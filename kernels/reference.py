@@ -387,7 +387,8 @@ class NumpyOps(MoeReferenceOps):
         index of the token being drawn). Returns int64 [B]."""
         logits = np.asarray(logits, np.float32)
         temperature = np.asarray(temperature, np.float64).reshape(-1)
-        out = np.argmax(logits, axis=-1).astype(np.int64) if logits.shape[0] else np.zeros(0, np.int64)
+        ranked = logits if np.isfinite(logits).all() else np.where(np.isnan(logits), -np.inf, logits)  # NaN: -inf
+        out = np.argmax(ranked, axis=-1).astype(np.int64) if logits.shape[0] else np.zeros(0, np.int64)
         rows = np.flatnonzero(temperature > 0)
         if rows.size:
             u = request_uniforms(np.asarray(seeds, np.uint64)[rows], np.asarray(counters)[rows])

@@ -18,7 +18,7 @@ logits processors — min-p by default — then `apply_top_k_top_p`: top-k, then
           u up to floating-point rounding at the boundaries.
 Greedy rows (temperature 0) take the exact argmax, lowest id on ties (numpy.argmax).
 A row that is not all finite (a damaged checkpoint, an overflow) still draws a token instead of failing the batch:
-NaN counts as -inf; if some logits are +inf, those tokens share all the mass; if none is finite or +inf, every token
+NaN counts as -inf (for greedy rows too); if some logits are +inf, those tokens share all the mass; if none is finite or +inf, every token
 is equally likely. (Only the reference pins this; the GPU kernel's draw on such rows is unspecified.)
 """
 from __future__ import annotations

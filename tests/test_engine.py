@@ -251,10 +251,10 @@ def test_seeded_sampling_same_alone_and_in_any_batch(loaded, cpu_ops):
     assert len({tuple(r.token_ids) for r in batch.values()}) > 1
 
 
-def test_the_cyclic_collector_is_held_off_while_a_window_runs_and_as_it_was_after(loaded, cpu_ops):
-    """A collection pauses the engine's thread at any allocation (device idle on the GPU); inside a window the
-    collector is off, after it (ended, abandoned, interleaved with another window) it is as it was, and a
-    window's reference cycles are collected once it is over."""
+def test_the_cyclic_collector_is_held_off_while_the_engine_works_and_as_it_was_otherwise(loaded, cpu_ops):
+    """A collection pauses the engine's thread at any allocation (device idle on the GPU): the collector is off
+    while the executor works towards the next Result, on while the caller holds one, and a generator the caller
+    abandons (even inside a reference cycle only the collector can free) leaves it on."""
     import gc
     import weakref
 
@@ -263,22 +263,34 @@ def test_the_cyclic_collector_is_held_off_while_a_window_runs_and_as_it_was_afte
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
     eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4))
     assert gc.isenabled()
+    inside = []
+    real_prefill = eng.runner.prefill
+
+    def prefill(*args, **kwargs):
+        inside.append(gc.isenabled())
+        return real_prefill(*args, **kwargs)
+
+    eng.runner.prefill = prefill
     seen = [gc.isenabled() for _ in eng.run(requests)]
-    assert seen and not any(seen) and gc.isenabled()
+    assert inside and not any(inside) and seen and all(seen) and gc.isenabled()
     plan = weakref.ref(eng.last_plan.roots[0])  # plan tasks point at their bases and consumers: cycles
     eng.last_plan = None
     gc.collect()
     assert plan() is None
-    first, second = eng.run(requests[:4]), Engine(model, cpu_ops, options=EngineOptions(max_batch=4)).run(
-        requests[4:])
-    next(first), next(second)
-    first.close()  # abandoned: the other window still runs without the collector
-    assert not gc.isenabled()
-    list(second)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.me, holder.results = holder, eng.run(requests)  # a cycle holding a suspended run
+    next(holder.results)
+    del holder
+    assert gc.isenabled()
+    gc.collect()  # frees the cycle and closes the generator
     assert gc.isenabled()
     gc.disable()  # a caller that turned it off itself keeps it off
     try:
-        list(eng.run(requests[:2]))
+        list(Engine(model, cpu_ops, options=EngineOptions(max_batch=4)).run(requests[:2]))
         assert not gc.isenabled()
     finally:
         gc.enable()

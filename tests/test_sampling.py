@@ -180,6 +180,8 @@ def test_rows_that_are_not_all_finite_still_draw_a_token(filters):
     args = (np.full(3, t), np.full(3, k), np.full(3, p), np.full(3, m), as_seed_array([1, 2, 3]), np.zeros(3, np.int64))
     got = NumpyOps().sample(logits, *args)
     assert got[0] % 3 != 0 and got[1] in (4, 40) and 0 <= got[2] < v
+    greedy = NumpyOps().sample(logits, np.zeros(3), *args[1:])
+    assert greedy[0] == np.nanargmax(some_nan) and greedy[1] == 4 and greedy[2] == 0  # NaN as -inf here too
 
 
 def test_op_row_token_independent_of_the_batch():

@@ -291,7 +291,7 @@ def test_generation_defaults_without_file(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"eos_token_id": "two"}, {"temperature": -1}, {"top_p": 1.5},
-                                 {"max_new_tokens": 0}, {"top_k": 2.5}, {"do_sample": "no"}, {"do_sample": 0}])
+                                 {"max_new_tokens": 0}, {"top_k": 2.5}, {"do_sample": "no"}, {"do_sample": 2}])
 def test_generation_defaults_reject_bad_values(tmp_path, bad):
     (tmp_path / "generation_config.json").write_text(json.dumps(bad))
     with pytest.raises(ModelLoadError, match="generation_config.json"):
