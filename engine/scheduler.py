@@ -2,7 +2,9 @@
 
 The scheduler keeps the pending tasks as a stack (top = next; a finished task pushes its consumers, so work goes
 depth-first) and each pending task's current base: a pool checkpoint it pins, a state handed over whole, or
-nothing (an empty state). A group is a run of stack tasks with the same base, prefilled together.
+nothing (an empty state). A group is a run of stack tasks prefilled together in varlen steps: siblings that fork
+one checkpoint, and with them the next siblings of other checkpoints (doc-qa's 64 questions over four documents:
+one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over whole runs alone.
 
 One admission rule, `can_admit(group, decoding)` (pure), counts what the group adds to the pools until its
 requests finish:
@@ -102,12 +104,13 @@ class Scheduler:
         return self.task_blocks(task, None) <= capacity and self.state.slots.num_slots >= 2
 
     def next_group(self, decoding: list[Sequence]) -> list[Task]:
-        """The largest run of top-of-stack tasks with one base that the pools admit (possibly none); not popped."""
+        """The largest run of top-of-stack tasks the pools admit (possibly none), within the step token budget once
+        it holds a task; a task whose base is a hand-over runs alone. Not popped."""
         group: list[Task] = []
         tokens = requests = blocks = 0
         growth = self.growth(decoding)
         for t in reversed(self.pending):
-            if group and (self.base[t.id] is not self.base[group[0].id] or isinstance(self.base[t.id], Handoff)):
+            if group and (isinstance(self.base[t.id], Handoff) or isinstance(self.base[group[0].id], Handoff)):
                 break
             n = self.todo_tokens(t)
             if group and tokens + n > self.max_prefill_tokens:

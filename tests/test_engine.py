@@ -237,6 +237,25 @@ def test_bench_workload_shapes(family, shape, loaded, cpu_ops):
     assert all(len(r.token_ids) == 3 for r in on.values())
 
 
+def test_questions_over_several_documents_prefill_in_one_step(loaded, cpu_ops):
+    """doc-qa's questions fork different documents' checkpoints: they are one group (one varlen step, drained once),
+    not one group per document, and give the tokens they give one document at a time."""
+    lines = bench_workload("doc-qa", "--docs", "3", "--per-doc", "4", "--prefix", "66", "--suffix", "5")
+    prompts, ids = [l["prompt_token_ids"] for l in lines], [l["custom_id"] for l in lines]
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    model = loaded["qwen3_5"]
+    together, stats, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=16), sp, ids=ids)
+    assert stats.prefill_steps == 2  # the three documents, then the twelve questions
+    per_doc, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=16, max_prefill_tokens=20), sp,
+                               ids=ids)
+    alone = {}
+    for i in range(0, len(prompts), 4):
+        r, _, _ = run_engine(model, cpu_ops, prompts[i:i + 4], EngineOptions(max_batch=16), sp, ids=ids[i:i + 4])
+        alone.update(r)
+    tokens = {k: v.token_ids for k, v in together.items()}
+    assert tokens == {k: v.token_ids for k, v in per_doc.items()} == {k: v.token_ids for k, v in alone.items()}
+
+
 # ---- sampling ----------------------------------------------------------------------------------------------------
 def test_seeded_sampling_same_alone_and_in_any_batch(loaded, cpu_ops):
     model = loaded["qwen3_5"]
