@@ -26,22 +26,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Offset (in elements) of row r of a [n0, n1, D] view with leading element strides s0, s1 (last dim contiguous).
-// A 64-bit division is a long instruction sequence, and every thread of a row computes it: where r and n1 fit in 32
-// bits (every batch this engine builds) a 32-bit one gives the same offset. (On the H200 the norms over such views,
-// the gated RMSNorm and the L2 norm of q and k, ran at ~40% of HBM bandwidth with the 64-bit one, those over
-// contiguous rows at ~80%.)
 __device__ __forceinline__ i64 row_offset(i64 r, i64 n1, i64 s0, i64 s1) {
-    if (n1 == 1) return r * s0;  // rows of one stride: no division
-    if ((unsigned long long)r <= 0xffffffffull && (unsigned long long)n1 <= 0xffffffffull) {
-        const unsigned q = (unsigned)r / (unsigned)n1;
-        return (i64)q * s0 + (i64)((unsigned)r - q * (unsigned)n1) * s1;
-    }
+    if (n1 == 1) return r * s0;  // rows of one stride: no 64-bit division
     return (r / n1) * s0 + (r % n1) * s1;
 }
-
-// N elements of T at p (aligned to N * sizeof(T), at most 16 bytes) moved as one vector
-template <typename T, int N>
-struct alignas(sizeof(T) * N) VecN { T v[N]; };
 
 // Varlen work split without a host sync: sequence b owns ceil(len_b * rep / per_tile) tiles, tiles numbered
 // sequence by sequence. Called by one whole warp; returns false when `target` is past the last tile.

@@ -46,65 +46,6 @@ __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __
     }
 }
 
-// conv_fwd_kernel with V = 16 / sizeof(T) adjacent channels per thread, each token's V inputs and outputs moved as one
-// 16-byte vector (channels, sx and x's base are multiples of V elements: kernels/cuda.py checks); every channel's sum
-// is conv_fwd_kernel's, term by term. (One 2-byte channel per thread read the 8,192 channels of a 4B-like layer at
-// ~40% of HBM bandwidth.) grid (ceil(C / (blockDim.x * V)), as conv_fwd_kernel).
-template <typename T, typename TS, int K>
-__global__ void conv_fwd_vec_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
-                                    const TS* __restrict__ state, const int* __restrict__ slots,
-                                    const int* __restrict__ cu, int num_seqs, int channels, T* __restrict__ out) {
-    constexpr int V = 16 / (int)sizeof(T);
-    __shared__ int s_seq, s_tile;
-    if (threadIdx.x < 32) {
-        int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, 1, CONV_CHUNK, blockIdx.y, seq, tile)) seq = -1;
-        if (threadIdx.x == 0) { s_seq = seq; s_tile = tile; }
-    }
-    __syncthreads();
-    const int seq = s_seq;
-    if (seq < 0) return;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
-    if (c0 >= channels) return;
-    const int start = cu[seq], n = cu[seq + 1] - start;
-    const int i0 = s_tile * CONV_CHUNK;
-    const int i1 = min(n, i0 + CONV_CHUNK);
-    float w[V][K];
-#pragma unroll
-    for (int u = 0; u < V; ++u)
-#pragma unroll
-        for (int j = 0; j < K; ++j) w[u][j] = weight[(i64)(c0 + u) * K + j];
-    float win[V][K];  // win[u][j]: channel c0 + u's input at local position i - (K-1) + j
-    const TS* hist = state + ((i64)slots[seq] * channels + c0) * (K - 1);
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) {
-        const int p = i0 - (K - 1) + j;
-        if (p >= 0) {
-            const VecN<T, V> in = *reinterpret_cast<const VecN<T, V>*>(x + (i64)(start + p) * sx + c0);
-#pragma unroll
-            for (int u = 0; u < V; ++u) win[u][j] = to_f(in.v[u]);
-        } else {
-#pragma unroll
-            for (int u = 0; u < V; ++u) win[u][j] = to_f(hist[u * (K - 1) + K - 1 + p]);
-        }
-    }
-    for (int i = i0; i < i1; ++i) {
-        const VecN<T, V> in = *reinterpret_cast<const VecN<T, V>*>(x + (i64)(start + i) * sx + c0);
-        VecN<T, V> res;
-#pragma unroll
-        for (int u = 0; u < V; ++u) {
-            win[u][K - 1] = to_f(in.v[u]);
-            float acc = 0.f;
-#pragma unroll
-            for (int j = 0; j < K; ++j) acc += win[u][j] * w[u][j];
-            res.v[u] = from_f<T>(silu_f(acc));
-#pragma unroll
-            for (int j = 0; j < K - 1; ++j) win[u][j] = win[u][j + 1];
-        }
-        *reinterpret_cast<VecN<T, V>*>(out + (i64)(start + i) * channels + c0) = res;
-    }
-}
-
 // New history = the last K-1 inputs of [old history, x]. grid (ceil(C / blockDim.x), num_seqs).
 template <typename T, typename TS, int K>
 __global__ void conv_state_kernel(const T* __restrict__ x, i64 sx, TS* __restrict__ state,

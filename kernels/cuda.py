@@ -77,8 +77,7 @@ _MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)
 
 _NAMES = {
     "elementwise": _elementwise_names(),
-    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "fwd_vec", "state") for t in _T for ts in _T
-             for kk in _CONV_K],
+    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T for kk in _CONV_K],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
     + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
@@ -734,12 +733,8 @@ class CudaOps:
         w = _f32(weight)
         types = f"{_tname(x.dtype)}, {_tname(conv_state.dtype)}, {k}"
         cblocks = -(-c // 128)
-        per_thread = 16 // x.itemsize  # conv_fwd_vec_kernel's channels per thread, moved as one 16-byte vector
-        vec = c % per_thread == 0 and sx % per_thread == 0 and x.data.ptr % 16 == 0
-        fwd = "conv_fwd_vec_kernel" if vec else "conv_fwd_kernel"
-        _kernel("conv", f"{fwd}<{types}>")(
-            (-(-c // (128 * per_thread)) if vec else cblocks, -(-t // 32) + nseq), (128,),
-            (x, _i64(sx), w, conv_state, slots, cu, _i32(nseq), _i32(c), out))
+        _kernel("conv", f"conv_fwd_kernel<{types}>")(
+            (cblocks, -(-t // 32) + nseq), (128,), (x, _i64(sx), w, conv_state, slots, cu, _i32(nseq), _i32(c), out))
         _kernel("conv", f"conv_state_kernel<{types}>")(
             (cblocks, nseq), (128,), (x, _i64(sx), conv_state, slots, cu, _i32(c)))
         return out

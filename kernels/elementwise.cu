@@ -14,6 +14,10 @@
 // ones are read again.
 #define NORM_V(T) (16 / (int)sizeof(T))
 
+// N elements of T at p (aligned to N * sizeof(T), at most 16 bytes) moved as one vector
+template <typename T, int N>
+struct alignas(sizeof(T) * N) VecN { T v[N]; };
+
 // chunk of V elements at p (p + u * U aligned to the unit) -> fp32; units of min(16 bytes, the chunk)
 template <typename T, int V>
 __device__ __forceinline__ void load_chunk(const T* __restrict__ p, float (&o)[V]) {
