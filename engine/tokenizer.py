@@ -56,6 +56,8 @@ class Tokenizer:
         self._chat_templates = dict(chat_templates)
         self._template_source = template_source
         self._compiled_templates: dict[str, jinja2.Template] = {}
+        # name -> why it does not compile: a broken template is compiled once, not once per chat line
+        self._template_errors: dict[str, str] = {}
 
     @classmethod
     def from_model_dir(cls, path: Path) -> Tokenizer:
@@ -193,14 +195,17 @@ class Tokenizer:
         else:
             raise InvalidRequest(f"{self._template_source} has several chat templates "
                                  f"({', '.join(sorted(self._chat_templates))}) and none named 'default'")
+        if name in self._template_errors:
+            raise InvalidRequest(self._template_errors[name])
         if name not in self._compiled_templates:
             try:
                 self._compiled_templates[name] = _template_environment().from_string(self._chat_templates[name])
             except jinja2.TemplateSyntaxError as exc:
                 # A request error, not a load error: as in transformers, the folder still serves plain prompts,
                 # and each chat line gets an error record instead of the run aborting at the first one.
-                raise InvalidRequest(f"{self._template_source}: chat template {name!r} is not valid jinja: "
-                                     f"{exc}") from exc
+                self._template_errors[name] = f"{self._template_source}: chat template {name!r} is not valid " \
+                                              f"jinja: {exc}"
+                raise InvalidRequest(self._template_errors[name]) from exc
         return self._compiled_templates[name]
 
 

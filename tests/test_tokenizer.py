@@ -429,5 +429,19 @@ def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir,
     """As transformers: the folder loads (plain prompts work), each chat request is refused naming the file."""
     directory = _variant(model_dir, tmp_path / "syntax", {})
     (directory / "chat_template.jinja").write_text("{% for m in messages %}")
+    tok = Tokenizer.from_model_dir(directory)
     with pytest.raises(InvalidRequest, match="chat_template.jinja: chat template 'default' is not valid jinja"):
-        Tokenizer.from_model_dir(directory).render_chat([{"role": "user", "content": "x"}])
+        tok.render_chat([{"role": "user", "content": "x"}])
+    # compiled once: later chat lines get the same error without another compile
+    import prefixrun.engine.tokenizer as tokenizer_module
+    compiles = []
+    real = tokenizer_module._template_environment
+    tokenizer_module._template_environment = lambda: compiles.append(1) or real()
+    try:
+        for _ in range(3):
+            with pytest.raises(InvalidRequest, match="is not valid jinja"):
+                tok.render_chat([{"role": "user", "content": "y"}])
+    finally:
+        tokenizer_module._template_environment = real
+    assert compiles == []
+    assert tok.encode("plain prompt")
