@@ -425,7 +425,7 @@ def test_malformed_tokenizer_config_names_the_file(model_dir, tmp_path):
         Tokenizer.from_model_dir(directory)
 
 
-def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir, tmp_path):
+def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir, tmp_path, monkeypatch):
     """As transformers: the folder loads (plain prompts work), each chat request is refused naming the file."""
     directory = _variant(model_dir, tmp_path / "syntax", {})
     (directory / "chat_template.jinja").write_text("{% for m in messages %}")
@@ -436,12 +436,9 @@ def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir,
     import prefixrun.engine.tokenizer as tokenizer_module
     compiles = []
     real = tokenizer_module._template_environment
-    tokenizer_module._template_environment = lambda: compiles.append(1) or real()
-    try:
-        for _ in range(3):
-            with pytest.raises(InvalidRequest, match="is not valid jinja"):
-                tok.render_chat([{"role": "user", "content": "y"}])
-    finally:
-        tokenizer_module._template_environment = real
+    monkeypatch.setattr(tokenizer_module, "_template_environment", lambda: compiles.append(1) or real())
+    for _ in range(3):
+        with pytest.raises(InvalidRequest, match="is not valid jinja"):
+            tok.render_chat([{"role": "user", "content": "y"}])
     assert compiles == []
     assert tok.encode("plain prompt")
