@@ -148,37 +148,51 @@ struct RowsView {
 // Mask (unless every key of the tile is visible to every row), scale to log2 units and run the online softmax over
 // one S tile: updates the running max m and sum l, returns in alpha the factor that rescales O, writes P as bf16 A
 // fragments (pa[k2]: keys 16 k2 .. 16 k2 + 15). s[p][4 i + e]: row g + 8 (e / 2), key kt + 64 p + 8 i + 2 c + e % 2.
-template <int BN>
-__device__ __forceinline__ void online_softmax(const float (&s)[BN / 64][32], unsigned (&pa)[BN / 16][4],
-                                               float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
-                                               const RowsView& rv) {
+// MASKED is decided once per tile (online_softmax), and a masked tile compares each key against its row's visible
+// range with no branch: per-element branches (short-circuit tests) cost ~5 instructions per score on every tile.
+template <int BN, bool MASKED>
+__device__ __forceinline__ void softmax_tile(const float (&s)[BN / 64][32], unsigned (&pa)[BN / 16][4],
+                                             float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
+                                             const RowsView& rv) {
     // s is only read: with OVERLAP it is the accumulator of a wgmma group whose stage lasts until P V completes, and
     // ptxas serialises the pipeline if other instructions write such registers, so masked scores are recomputed
-    const bool full = kt + BN - 1 <= rv.qp_lo && kt >= rv.kv_begin && (rv.window <= 0 || kt > rv.qp_hi - rv.window);
-    auto score = [&](int p, int i, int e) {
-        const int hf = e >> 1;
-        const float val = s[p][4 * i + e] * rv.scale_log2;
-        if (full) return val;
-        const int key = kt + p * 64 + i * 8 + 2 * rv.c + (e & 1);
-        const bool vis = rv.ok[hf] && key <= rv.qp[hf] && key >= rv.kv_begin &&
-                         (rv.window <= 0 || key > rv.qp[hf] - rv.window);
+    // row hf sees keys kt + 2c + off for lo[hf] <= off <= hi[hf] (off: the compile-time part of the key's index)
+    int lo[2], hi[2];
+    if (MASKED) {
+        const int base = kt + 2 * rv.c;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int first = rv.window > 0 ? max(rv.kv_begin, rv.qp[hf] - rv.window + 1) : rv.kv_begin;
+            lo[hf] = first - base;
+            hi[hf] = rv.ok[hf] ? rv.qp[hf] - base : -(1 << 30);  // a row past the tile's rows sees nothing
+        }
+    }
+    auto visible = [&](int p, int i, int e, float val) {
+        if (!MASKED) return val;
+        const int off = p * 64 + i * 8 + (e & 1);
+        const bool vis = (off >= lo[e >> 1]) & (off <= hi[e >> 1]);
         return vis ? val : -INFINITY;
     };
+    auto score = [&](int p, int i, int e) { return visible(p, i, e, s[p][4 * i + e] * rv.scale_log2); };
+    // the row max over the raw scores, scaled once: the same bits as the max of the scaled scores (scale_log2 > 0,
+    // and rounding is monotonic), one multiply per row instead of one per score
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int p = 0; p < BN / 64; ++p)
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(p, i, e));
-    float mnew[2];
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], visible(p, i, e, s[p][4 * i + e]));
+    float mref[2];  // the max the exponents subtract: 0 for a row that sees nothing yet (its scores are all -inf)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
-        mnew[hf] = fmaxf(m_i[hf], mx[hf]);
-        alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
-        m_i[hf] = mnew[hf];
+        mx[hf] *= rv.scale_log2;
+        const float mnew = fmaxf(m_i[hf], mx[hf]);
+        alpha[hf] = mnew == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew);
+        m_i[hf] = mnew;
+        mref[hf] = mnew == -INFINITY ? 0.f : mnew;
         l_i[hf] *= alpha[hf];
     }
 #pragma unroll
@@ -189,13 +203,24 @@ __device__ __forceinline__ void online_softmax(const float (&s)[BN / 64][32], un
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int hf = e >> 1;
-                pv[e] = mnew[hf] == -INFINITY ? 0.f : exp2f(score(p, i, e) - mnew[hf]);
+                pv[e] = exp2f(score(p, i, e) - mref[hf]);  // -inf (masked, or nothing visible) -> 0
                 l_i[hf] += pv[e];
             }
             const int k2 = p * 4 + (i >> 1), half = i & 1;
             pa[k2][2 * half] = pack2_bf16(pv[0], pv[1]);      // row g, keys 8 half + 2c, +1
             pa[k2][2 * half + 1] = pack2_bf16(pv[2], pv[3]);  // row g + 8
         }
+}
+
+template <int BN>
+__device__ __forceinline__ void online_softmax(const float (&s)[BN / 64][32], unsigned (&pa)[BN / 16][4],
+                                               float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
+                                               const RowsView& rv) {
+    const bool full = kt + BN - 1 <= rv.qp_lo && kt >= rv.kv_begin && (rv.window <= 0 || kt > rv.qp_hi - rv.window);
+    if (full)
+        softmax_tile<BN, false>(s, pa, m_i, l_i, alpha, kt, rv);
+    else
+        softmax_tile<BN, true>(s, pa, m_i, l_i, alpha, kt, rv);
 }
 
 template <int OP>

@@ -15,6 +15,10 @@
 // The producer waits for its own copies (cp.async.wait_group), fences them to the async proxy and then arrives, as
 // the block-synchronous kernel does before its __syncthreads: the order the device run verified for wgmma reads of
 // cp.async data.
+// - blocks are persistent (kernels/attention_sm90.py persistent_blocks: one wave over the device): a block takes
+//   query tiles in turn, its stage ring and its consumers' turns running on from one tile to the next, and each
+//   consumer loads its next tile's Q rows as soon as its last S of the current tile is done. One tile per block
+//   paid a launch, a Q load and the first K/V gathers with idle tensor cores for each of 9,344 tiles (32 x 2304).
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -73,8 +77,45 @@ __device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict
     }
 }
 
-// grid (ceil(T * rep / 128) + num_seqs, hkv), block 384 (producer warpgroup, two consumer warpgroups), dynamic
-// shared memory (128 + 4 BN) D * 2 + 1024 bytes (Q, two stages of K and of V; as attn_wgmma_kernel).
+// One query tile of the flattened work (item = find_tile's index): its sequence, rows and visible keys. Every warp
+// computes it for itself (find_tile is warp-collective), so no role waits for another to learn what comes next.
+struct WsItem {
+    int seq, start, n, ctx, r0, r1, qpos0, t_begin, num_tiles;
+    const int* table;
+    RowsView rv;
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ bool ws_item(WsItem& it, int item, const int* __restrict__ cu, const int* __restrict__ ctxs,
+                                        const int* __restrict__ block_tables, int max_blocks, int num_seqs, int rep,
+                                        int window, float scale_log2) {
+    int seq = -1, tile = 0;
+    if (!find_tile(cu, num_seqs, rep, BM, item, seq, tile)) return false;
+    it.seq = seq;
+    it.start = cu[seq];
+    it.n = cu[seq + 1] - it.start;
+    it.ctx = ctxs[seq];
+    const int ntiles = (it.n * rep + BM - 1) / BM;
+    it.r0 = (ntiles - 1 - tile) * BM;  // heaviest tile first
+    it.r1 = min(it.r0 + BM, it.n * rep);
+    it.qpos0 = it.ctx - it.n;
+    it.table = block_tables + (i64)seq * max_blocks;
+    it.rv.qp_lo = it.qpos0 + it.r0 / rep;
+    it.rv.qp_hi = it.qpos0 + (it.r1 - 1) / rep;
+    it.rv.kv_begin = window > 0 ? max(0, it.rv.qp_lo - window + 1) : 0;
+    it.rv.window = window;
+    it.rv.scale_log2 = scale_log2;
+    it.t_begin = (it.rv.kv_begin / BN) * BN;
+    it.num_tiles = (it.rv.qp_hi + 1 - it.t_begin + BN - 1) / BN;
+    return true;
+}
+
+// grid (G, hkv), block 384 (producer warpgroup, two consumer warpgroups), dynamic shared memory (128 + 4 BN) D * 2 +
+// 1024 bytes (Q, two stages of K and of V; as attn_wgmma_kernel). Block x takes query tiles x, x + G, x + 2G, ...
+// of KV head blockIdx.y (G = ceil(T * rep / 128) + num_seqs: one tile each; G = a wave of blocks: persistent, so
+// a tile's Q load, first K/V gathers and O stores overlap the neighbouring tiles' work instead of a block launch).
+// The stage ring and the consumers' turns run on across tiles: the n-th K/V tile of the block (over all its
+// items) sits in stage n % 2 with parity (n / 2) & 1.
 template <int D, int BN, bool PINGPONG>
 __global__ void __launch_bounds__(384, 1)
 attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
@@ -90,7 +131,6 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
     // named barriers (0 is __syncthreads): 1, 2 a consumer's own Q load; 3, 4 a consumer's turn on the tensor cores
     constexpr int BAR_Q = 1, BAR_TURN = 3;
     extern __shared__ unsigned char smem_raw[];
-    __shared__ int s_seq, s_tile;
     __shared__ __align__(8) unsigned long long s_bar[8];  // full K[2], full V[2], empty K[2], empty V[2]
 
     const unsigned raw = smem_u32(smem_raw);
@@ -105,56 +145,42 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
 
     const int h = blockIdx.y;
     const int rep = hq / hkv;
-    if (threadIdx.x < 32) {
-        int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, rep, BM, blockIdx.x, seq, tile)) seq = -1;
-        if (threadIdx.x == 0) {
-            s_seq = seq;
-            s_tile = tile;
-            for (int s = 0; s < 2; ++s) {
-                mbar_init(full_k(s), 64);  // every thread of a producer group, after its copies landed
-                mbar_init(full_v(s), 64);
-                mbar_init(empty_k(s), 8);  // one lane of each consumer warp, after its wgmmas read the stage
-                mbar_init(empty_v(s), 8);
-            }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(full_k(s), 64);  // every thread of a producer group, after its copies landed
+            mbar_init(full_v(s), 64);
+            mbar_init(empty_k(s), 8);  // one lane of each consumer warp, after its wgmmas read the stage
+            mbar_init(empty_v(s), 8);
         }
     }
     __syncthreads();
-    const int seq = s_seq;
-    if (seq < 0) return;
-    const int start = cu[seq], n = cu[seq + 1] - start;
-    const int ctx = context_lens[seq];
-    const int ntiles = (n * rep + BM - 1) / BM;
-    const int r0 = (ntiles - 1 - s_tile) * BM;  // heaviest tile first
-    const int r1 = min(r0 + BM, n * rep);
-    const int qpos0 = ctx - n;
-    const int* table = block_tables + (i64)seq * max_blocks;
-
-    RowsView rv;
-    rv.qp_lo = qpos0 + r0 / rep;
-    rv.qp_hi = qpos0 + (r1 - 1) / rep;
-    rv.kv_begin = window > 0 ? max(0, rv.qp_lo - window + 1) : 0;
-    rv.window = window;
-    rv.scale_log2 = scale_log2;
-    const int t_begin = (rv.kv_begin / BN) * BN;
-    const int num_tiles = (rv.qp_hi + 1 - t_begin + BN - 1) / BN;
+    WsItem it;
+    int item = blockIdx.x;
+    if (!ws_item<BM, BN>(it, item, cu, context_lens, block_tables, max_blocks, num_seqs, rep, window, scale_log2))
+        return;  // every thread of the block: none has a tile
     const int wg = threadIdx.x >> 7;
 
-    if (wg == 0) {  // producer: warps 0-1 gather K, warps 2-3 V, each into stage j % 2 once the consumers freed it
+    if (wg == 0) {  // producer: warps 0-1 gather K, warps 2-3 V, each into stage n % 2 once the consumers freed it
         regs_dec<40>();
         const int gt = threadIdx.x & 63;
         const bool is_v = threadIdx.x >= 64;
         const bf16* cache = is_v ? v_cache : k_cache;
         const unsigned base = is_v ? sv0 : sk0;
-        for (int j = 0; j < num_tiles; ++j) {
-            const int s = j & 1;
-            if (j >= 2) mbar_wait(is_v ? empty_v(s) : empty_k(s), ((j >> 1) & 1) ^ 1);  // tile j-2 released
-            gather_tile<D, BN>(base + s * KV_BYTES, cache, table, t_begin + j * BN, ctx, block_size, hkv, h, gt);
-            cp_commit();
-            cp_wait<0>();
-            fence_async_smem();  // the landed copies -> visible to the tensor cores' (async proxy) reads
-            mbar_arrive(is_v ? full_v(s) : full_k(s));
-        }
+        int n = 0;  // K/V tiles of this block so far
+        do {
+            for (int j = 0; j < it.num_tiles; ++j, ++n) {
+                const int s = n & 1;
+                if (n >= 2) mbar_wait(is_v ? empty_v(s) : empty_k(s), ((n >> 1) & 1) ^ 1);  // tile n-2 released
+                gather_tile<D, BN>(base + s * KV_BYTES, cache, it.table, it.t_begin + j * BN, it.ctx, block_size,
+                                   hkv, h, gt);
+                cp_commit();
+                cp_wait<0>();
+                fence_async_smem();  // the landed copies -> visible to the tensor cores' (async proxy) reads
+                mbar_arrive(is_v ? full_v(s) : full_k(s));
+            }
+            item += gridDim.x;
+        } while (ws_item<BM, BN>(it, item, cu, context_lens, block_tables, max_blocks, num_seqs, rep, window,
+                                 scale_log2));
         return;
     }
 
@@ -163,91 +189,119 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
     const int ct = threadIdx.x - 128 - 128 * c;
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2;
-    rv.c = lane & 3;
-    // this consumer's 64 rows of Q (its own rows only: no wait on the other consumer)
-    for (int idx = ct; idx < 64 * CH; idx += 128) {
-        const int row = 64 * c + idx / CH, ch = idx % CH;
-        const int r = r0 + row;
-        const bf16* src = q;
-        if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
-        cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
-    }
-    cp_commit();
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int r = r0 + 64 * c + warp * 16 + g + hf * 8;
-        rv.ok[hf] = r < r1;
-        rv.qp[hf] = qpos0 + (rv.ok[hf] ? r / rep : 0);
-    }
-    float o[OP][32];
-#pragma unroll
-    for (int p = 0; p < OP; ++p)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
-    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f}, alpha[2];
     const unsigned sq_wg = sq + c * 64 * 128;
+    const int lead = lane == 0;  // one arrival per warp on the empty barriers
+    // this consumer's 64 rows of Q of a tile (its own rows only: no wait on the other consumer)
+    auto load_q = [&](int start, int r0, int r1) {
+        for (int idx = ct; idx < 64 * CH; idx += 128) {
+            const int row = 64 * c + idx / CH, ch = idx % CH;
+            const int r = r0 + row;
+            const bf16* src = q;
+            if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
+            cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
+        }
+        cp_commit();
+    };
+    load_q(it.start, it.r0, it.r1);
+    float o[OP][32];
     float s[NP][32];
     unsigned pa[BN / 16][4];
-    cp_wait<0>();
-    fence_async_smem();
-    named_sync(BAR_Q + c, 128);  // the warpgroup's Q rows landed
-    const int lead = lane == 0;  // one arrival per warp on the empty barriers
-
-    // step j (0 .. num_tiles): S(j) (j < num_tiles) and P(j-1) V(j-1) (j > 0) issued together, then the softmax of
-    // tile j and O rescaled by its alpha. `step` is inlined at its three calls with constant flags (the first step S
-    // only, the last P V only), so no branch sits between a wgmma.fence and its wgmmas (ptxas would serialise them).
-    auto step = [&](int j, bool has_s, bool has_pv) {
-        if (has_s) mbar_wait(full_k(j & 1), (j >> 1) & 1);
-        if (has_pv) mbar_wait(full_v((j - 1) & 1), ((j - 1) >> 1) & 1);
-        // consumer 0 takes the first turn without waiting; every later turn waits for the other's hand-over
-        if (PINGPONG && (c == 1 || has_pv)) named_sync(BAR_TURN + c, 256);
+    float m_i[2], l_i[2], alpha[2];
+    int n0 = 0;         // K/V tiles of this block before the current one
+    bool first = true;  // the block's first tile: consumer 0's first turn waits for nobody
+    bool last;          // the block's last tile: consumer 1's last turn hands over to nobody
+    while (true) {
+        RowsView rv = it.rv;
+        rv.c = lane & 3;
 #pragma unroll
-        for (int p = 0; p < NP; ++p) reg_fence(s[p]);
-#pragma unroll
-        for (int p = 0; p < OP; ++p) reg_fence(o[p]);
-        wg_fence();
-        if (has_s) issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
-        if (has_pv) issue_pv<D, BN>(o, pa, sv0 + ((j - 1) & 1) * KV_BYTES);
-        wg_commit();
-        // the other consumer's turn; consumer 1's last turn hands over to nobody (an arrival nobody waits for)
-        if (PINGPONG && (c == 0 || has_s)) named_arrive(BAR_TURN + (c ^ 1), 256);
-        wg_wait<0>();
-#pragma unroll
-        for (int p = 0; p < NP; ++p) reg_fence(s[p]);
-#pragma unroll
-        for (int p = 0; p < OP; ++p) reg_fence(o[p]);
-#pragma unroll
-        for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);
-        __syncwarp();
-        if (lead) {
-            if (has_s) mbar_arrive(empty_k(j & 1));
-            if (has_pv) mbar_arrive(empty_v((j - 1) & 1));
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = it.r0 + 64 * c + warp * 16 + g + hf * 8;
+            rv.ok[hf] = r < it.r1;
+            rv.qp[hf] = it.qpos0 + (rv.ok[hf] ? r / rep : 0);
         }
-        if (has_s) {
-            online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin + j * BN, rv);
-            rescale<OP>(o, alpha);
-        }
-    };
-    step(0, true, false);
-    for (int j = 1; j < num_tiles; ++j) step(j, true, true);
-    step(num_tiles, false, true);
-
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
-        l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        if (!rv.ok[hf]) continue;
-        const int r = r0 + 64 * c + warp * 16 + g + hf * 8;
-        const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
-        bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
+        const int t_begin = it.t_begin, num_tiles = it.num_tiles;
 #pragma unroll
         for (int p = 0; p < OP; ++p)
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-                *reinterpret_cast<unsigned*>(orow + p * 64 + i * 8 + 2 * rv.c) =
-                    pack2_bf16(o[p][4 * i + 2 * hf] * inv, o[p][4 * i + 2 * hf + 1] * inv);
+            for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
+        m_i[0] = m_i[1] = -INFINITY;
+        l_i[0] = l_i[1] = 0.f;
+        cp_wait<0>();
+        fence_async_smem();
+        named_sync(BAR_Q + c, 128);  // the warpgroup's Q rows landed
+
+        // step j (0 .. num_tiles): S(j) (j < num_tiles) and P(j-1) V(j-1) (j > 0) issued together, then the softmax
+        // of tile j and O rescaled by its alpha. `step` is inlined at its three calls with constant flags (the first
+        // step S only, the last P V only), so no branch sits between a wgmma.fence and its wgmmas (ptxas would
+        // serialise them). The turns alternate strictly over the block's whole run: consumer 0 waits at every step
+        // but the block's very first, consumer 1 hands over at every step but the block's very last.
+        auto step = [&](int j, bool has_s, bool has_pv) {
+            const int nk = n0 + j, nv = n0 + j - 1;
+            if (has_s) mbar_wait(full_k(nk & 1), (nk >> 1) & 1);
+            if (has_pv) mbar_wait(full_v(nv & 1), (nv >> 1) & 1);
+            if (PINGPONG && (c == 1 || has_pv || !first)) named_sync(BAR_TURN + c, 256);
+#pragma unroll
+            for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+#pragma unroll
+            for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+            wg_fence();
+            if (has_s) issue_qk<D, BN>(s, sq_wg, sk0 + (nk & 1) * KV_BYTES);
+            if (has_pv) issue_pv<D, BN>(o, pa, sv0 + (nv & 1) * KV_BYTES);
+            wg_commit();
+            if (PINGPONG && (c == 0 || has_s || !last)) named_arrive(BAR_TURN + (c ^ 1), 256);
+            wg_wait<0>();
+#pragma unroll
+            for (int p = 0; p < NP; ++p) reg_fence(s[p]);
+#pragma unroll
+            for (int p = 0; p < OP; ++p) reg_fence(o[p]);
+#pragma unroll
+            for (int k2 = 0; k2 < BN / 16; ++k2) reg_fence(pa[k2]);
+            __syncwarp();
+            if (lead) {
+                if (has_s) mbar_arrive(empty_k(nk & 1));
+                if (has_pv) mbar_arrive(empty_v(nv & 1));
+            }
+            if (has_s) {
+                online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin + j * BN, rv);
+                rescale<OP>(o, alpha);
+            }
+        };
+        step(0, true, false);
+        for (int j = 1; j < num_tiles; ++j) step(j, true, true);
+        // this tile's last S is done: the next tile's Q rows load while its last P V runs and O is stored
+        last = !ws_item<BM, BN>(it, item + gridDim.x, cu, context_lens, block_tables, max_blocks, num_seqs, rep,
+                                window, scale_log2);
+        if (!last) load_q(it.start, it.r0, it.r1);
+        step(num_tiles, false, true);
+
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
+            l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
+        }
+        // this tile's rows again (`it` holds the next tile's now): recomputed rather than kept through the steps,
+        // where every register is taken (an opaque copy of the index keeps the compiler from keeping them)
+        int done_item;
+        asm volatile("mov.b32 %0, %1;\n" : "=r"(done_item) : "r"(item));
+        WsItem done;
+        ws_item<BM, BN>(done, done_item, cu, context_lens, block_tables, max_blocks, num_seqs, rep, window,
+                        scale_log2);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            if (!rv.ok[hf]) continue;
+            const int r = done.r0 + 64 * c + warp * 16 + g + hf * 8;
+            const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+            bf16* orow = out + ((i64)(done.start + r / rep) * hq + h * rep + r % rep) * D;
+#pragma unroll
+            for (int p = 0; p < OP; ++p)
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    *reinterpret_cast<unsigned*>(orow + p * 64 + i * 8 + 2 * rv.c) =
+                        pack2_bf16(o[p][4 * i + 2 * hf] * inv, o[p][4 * i + 2 * hf + 1] * inv);
+        }
+        if (last) break;
+        n0 += num_tiles;
+        first = false;
+        item += gridDim.x;
     }
 }

@@ -43,10 +43,14 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   schedule loses everywhere and stays selectable only for measuring it. "wgmma-ws" / "wgmma-pingpong"
   (kernels/attention_sm90_ws.cu: a producer warpgroup gathers K/V into mbarrier-guarded stages, two consumer
   warpgroups run apart, optionally taking turns on the tensor cores) do the serial schedule's arithmetic in the
-  same order. "auto" (the default since session 9) takes "wgmma-ws" at head dim 256 and "wgmma" below: H200, time
+  same order. "auto" (sessions 9-11) took "wgmma-ws" at head dim 256 and "wgmma" below: H200, time
   / torch SDPA (sessions 8 and 9, bench/kernel_bench.py attn): 32 x 2304, 16/4 x 256: wgmma 2.50x, ws 2.13x,
   pingpong 2.11x; 64 x 256 after 2048 cached: 1.14x / 0.97x / 0.98x; 32/8 x 128: 2.85x / 3.48x / 3.44x. End to end
   (4b-like, one process per row, two rows each) ws and pingpong were within run-to-run noise of each other.
+  Since session 12 "auto" takes "wgmma-pingpong" at head dim 256, in persistent blocks (a wave over the device,
+  each block taking query tiles in turn) with the mask decided per tile: same process, H200, 32 x 2304: ws
+  2.075x SDPA before, ws 2.040x, pingpong 2.005x after; 64 x 256 after 2048 cached: ws 0.928x before, pingpong
+  0.936x after (bench/kernel_bench.py attn, the outputs bit for bit those of the kernels before).
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -280,7 +284,7 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
     if choice == "auto":
-        choice = "wgmma-ws" if d > 128 else "wgmma"  # measured: the module docstring
+        choice = "wgmma-pingpong" if d > 128 else "wgmma"  # measured: the module docstring
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
         schedule = WGMMA_SCHEDULES[choice]

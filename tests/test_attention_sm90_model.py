@@ -311,23 +311,28 @@ class _Mbarrier:
         return (self.phase & 1) != parity
 
 
-def _ws_agents(num_tiles, pingpong, log):
+def _ws_agents(items, pingpong, log):
     """attn_ws_kernel's synchronisation, transcribed: generators that yield a condition to wait on. Consumers log
-    what each stage holds when their wgmmas read it; the producers check they never overwrite a stage being read."""
+    what each stage holds when their wgmmas read it; the producers check they never overwrite a stage being read.
+    `items`: the K/V tile count of each query tile the block takes in turn (the ring and the turns run on across
+    them: the block's n-th K/V tile sits in stage n % 2 with parity (n / 2) & 1)."""
     full = {(kv, s): _Mbarrier(1) for kv in "kv" for s in range(2)}  # 64 producer threads: one agent here
     empty = {(kv, s): _Mbarrier(2) for kv in "kv" for s in range(2)}  # 2 consumers (4 warps each: one agent)
     turn = {0: [0, 0], 1: [0, 0]}  # named barrier of consumer c: [arrivals in this generation, generations done]
-    stage = {}  # (kv, s) -> tile held
+    stage = {}  # (kv, s) -> block tile held
     reading = {}  # (kv, s) -> consumers whose wgmmas read the stage now
 
     def producer(kv):
-        for j in range(num_tiles):
-            s = j & 1
-            if j >= 2:
-                yield lambda: empty[kv, s].passed(((j >> 1) & 1) ^ 1)
-            assert not reading.get((kv, s)), f"{kv}({j}) overwrites stage {s} while it is read"
-            stage[kv, s] = j
-            full[kv, s].arrive()
+        n = 0
+        for num_tiles in items:
+            for _ in range(num_tiles):
+                s = n & 1
+                if n >= 2:
+                    yield lambda: empty[kv, s].passed(((n >> 1) & 1) ^ 1)
+                assert not reading.get((kv, s)), f"{kv}({n}) overwrites stage {s} while it is read"
+                stage[kv, s] = n
+                full[kv, s].arrive()
+                n += 1
 
     def named(c, kind):  # bar.arrive / bar.sync of 256 threads: two warpgroups' worth per generation
         bar = turn[c]
@@ -339,37 +344,44 @@ def _ws_agents(num_tiles, pingpong, log):
             yield lambda: bar[1] > gen
 
     def consumer(c):
-        for j in range(num_tiles + 1):
-            has_s, has_pv = j < num_tiles, j > 0
-            if has_s:
-                yield lambda: full["k", j & 1].passed((j >> 1) & 1)
-            if has_pv:
-                yield lambda: full["v", (j - 1) & 1].passed(((j - 1) >> 1) & 1)
-            if pingpong and (c == 1 or has_pv):
-                yield from named(c, "sync")
-            used = ([("k", j & 1, j)] if has_s else []) + ([("v", (j - 1) & 1, j - 1)] if has_pv else [])
-            for kv, s, tile in used:
-                log.append((c, kv, tile, stage[kv, s]))
-                reading.setdefault((kv, s), set()).add(c)
-            if pingpong and (c == 0 or has_s):
-                yield from named(c ^ 1, "arrive")
-            yield lambda: True  # the wgmmas run (any other agent may move meanwhile)
-            for kv, s, _ in used:
-                reading[kv, s].discard(c)
-                empty[kv, s].arrive()
+        n0 = 0
+        for index, num_tiles in enumerate(items):
+            first, last = index == 0, index == len(items) - 1
+            for j in range(num_tiles + 1):
+                has_s, has_pv = j < num_tiles, j > 0
+                nk, nv = n0 + j, n0 + j - 1
+                if has_s:
+                    yield lambda: full["k", nk & 1].passed((nk >> 1) & 1)
+                if has_pv:
+                    yield lambda: full["v", nv & 1].passed((nv >> 1) & 1)
+                if pingpong and (c == 1 or has_pv or not first):
+                    yield from named(c, "sync")
+                used = ([("k", nk & 1, nk)] if has_s else []) + ([("v", nv & 1, nv)] if has_pv else [])
+                for kv, s, tile in used:
+                    log.append((c, kv, tile, stage[kv, s]))
+                    reading.setdefault((kv, s), set()).add(c)
+                if pingpong and (c == 0 or has_s or not last):
+                    yield from named(c ^ 1, "arrive")
+                yield lambda: True  # the wgmmas run (any other agent may move meanwhile)
+                for kv, s, _ in used:
+                    reading[kv, s].discard(c)
+                    empty[kv, s].arrive()
+            n0 += num_tiles
 
     return [producer("k"), producer("v"), consumer(0), consumer(1)], turn
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 7])
-def test_ws_pipeline_in_any_order(num_tiles, pingpong):
-    """Random interleavings of the producer groups and consumers: never a deadlock, every wgmma reads the tile it
-    expects, no stage is overwritten while read, and no named barrier is left with arrivals nobody waits for."""
-    rng = np.random.default_rng(num_tiles + 10 * pingpong)
+@pytest.mark.parametrize("items", [[1], [2], [3], [4], [7], [1, 1], [1, 3, 2], [4, 1, 1, 5], [2, 2, 2, 2, 2]])
+def test_ws_pipeline_in_any_order(items, pingpong):
+    """Random interleavings of the producer groups and consumers over one block's query tiles: never a deadlock,
+    every wgmma reads the tile it expects, no stage is overwritten while read, and no named barrier is left with
+    arrivals nobody waits for (nor completes a generation with one consumer's arrivals alone)."""
+    rng = np.random.default_rng(sum(items) * 7 + len(items) + 10 * pingpong)
+    total = sum(items)
     for _ in range(200):
         log = []
-        agents, turn = _ws_agents(num_tiles, pingpong, log)
+        agents, turn = _ws_agents(items, pingpong, log)
         waiting = {i: (lambda: True) for i in range(len(agents))}
         while waiting:
             ready = [i for i, cond in waiting.items() if cond()]
@@ -381,5 +393,5 @@ def test_ws_pipeline_in_any_order(num_tiles, pingpong):
                 del waiting[i]
         assert all(tile == held for _, _, tile, held in log)
         assert sorted((c, kv, t) for c, kv, t, _ in log) == sorted(
-            (c, kv, t) for c in range(2) for kv in "kv" for t in range(num_tiles))
+            (c, kv, t) for c in range(2) for kv in "kv" for t in range(total))
         assert all(bar[0] == 0 for bar in turn.values())

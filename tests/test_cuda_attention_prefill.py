@@ -74,3 +74,26 @@ def test_ws_same_bits_as_wgmma(ws_checked, d, window):
         assert rel(first, base) <= 1e-3, kernel
         for _ in range(3):
             np.testing.assert_array_equal(host(ops, tuned.paged_attention(*args)), first, err_msg=kernel)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, None])
+@pytest.mark.parametrize("d,window", [(256, None), (256, 50), (128, None), (64, 7)])
+def test_ws_persistent_blocks_give_the_bits_of_one_tile_per_block(ws_checked, monkeypatch, blocks, d, window):
+    """Blocks that take many query tiles in turn (the stage ring, the mbarrier phases and the consumers' turns run on
+    across tiles; the next tile's Q loads during the last P V) give the bits of one tile per block, on ragged
+    sequences with history: 1 and 3 blocks per KV head, and the default (a wave over the device)."""
+    from prefixrun.kernels import attention_sm90
+
+    ops = ws_checked
+    rng = np.random.default_rng(31 + d + (window or 0))
+    c = _paged_case(rng, ops, WGMMA_SEQS, 8, 2, d, 64)
+    args = (c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), ops.upload_index(c["tables"]),
+            ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]), d ** -0.5, window)
+    default = attention_sm90.persistent_blocks
+    for kernel in WS_KERNELS:
+        tuned = ops.retuned(attn_prefill_kernel=kernel)
+        monkeypatch.setattr(attention_sm90, "persistent_blocks", lambda tiles, heads, sms: tiles)
+        one_each = host(ops, tuned.paged_attention(*args))
+        monkeypatch.setattr(attention_sm90, "persistent_blocks",
+                            default if blocks is None else (lambda tiles, heads, sms: blocks))
+        np.testing.assert_array_equal(host(ops, tuned.paged_attention(*args)), one_each, err_msg=kernel)

@@ -178,8 +178,9 @@ def test_attention_wgmma_choice():
     take the wgmma kernel chosen by attn_prefill_kernel; decode, few-row steps (speculative verification), other
     head dims, fp32 and other GPUs keep their paths."""
     prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
-    # the default ("auto"): the warp-specialised kernel at head dim 256, the serial one below
-    assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma", 12, 64, schedule="ws")
+    # the default ("auto"): the warp-specialised kernel taking turns at head dim 256, the serial one below
+    assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True) == \
+        AttentionPlan("wgmma", 12, 64, schedule="pingpong")
     assert attention_plan(DEFAULT, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True) == \
         AttentionPlan("wgmma", 8, 128, schedule="serial")
     for choice, warps, schedule in (("wgmma", 8, "serial"), ("wgmma-overlap", 8, "overlap"),
