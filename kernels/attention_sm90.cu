@@ -167,28 +167,28 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[BN / 64][32], unsi
             hi[hf] = rv.ok[hf] ? rv.qp[hf] - base : -(1 << 30);  // a row past the tile's rows sees nothing
         }
     }
-    auto visible = [&](int p, int i, int e, float val) {
+    // one scaled score serves the max and the exponent: scaling only the row max (max(s) x c, the same value)
+    // let the compiler contract the exponent's multiply and subtract into one FMA, changing its rounding (measured
+    // on the device: other bits, no faster)
+    auto score = [&](int p, int i, int e) {
+        const float val = s[p][4 * i + e] * rv.scale_log2;
         if (!MASKED) return val;
         const int off = p * 64 + i * 8 + (e & 1);
         const bool vis = (off >= lo[e >> 1]) & (off <= hi[e >> 1]);
         return vis ? val : -INFINITY;
     };
-    auto score = [&](int p, int i, int e) { return visible(p, i, e, s[p][4 * i + e] * rv.scale_log2); };
-    // the row max over the raw scores, scaled once: the same bits as the max of the scaled scores (scale_log2 > 0,
-    // and rounding is monotonic), one multiply per row instead of one per score
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int p = 0; p < BN / 64; ++p)
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], visible(p, i, e, s[p][4 * i + e]));
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(p, i, e));
     float mref[2];  // the max the exponents subtract: 0 for a row that sees nothing yet (its scores are all -inf)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
-        mx[hf] *= rv.scale_log2;
         const float mnew = fmaxf(m_i[hf], mx[hf]);
         alpha[hf] = mnew == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew);
         m_i[hf] = mnew;
