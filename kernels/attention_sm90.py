@@ -23,6 +23,7 @@ import numpy as np
 from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
 from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
 from prefixrun.kernels.tuning import wgmma_keys_per_tile as keys_per_tile
+from prefixrun.kernels.tuning import ws_persistent_blocks
 
 SCHEDULES = ("serial", "overlap", "ws", "pingpong")  # kernels/tuning.py WGMMA_SCHEDULES
 
@@ -144,19 +145,13 @@ def compile_module():
     _function(HEAD_DIMS[0], "ws")
 
 
-def persistent_blocks(query_tiles: int, kv_heads: int, sm_count: int) -> int:
-    """Blocks per KV head of the warp-specialised kernel: one wave over the device (a block per SM: its shared
-    memory), each block taking query tiles x, x + blocks, ... of its head; never more blocks than tiles."""
-    return max(1, min(query_tiles, -(-sm_count // kv_heads)))
-
-
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
             out, schedule="serial", blocks=None):
     """One launch of the sm_90a prefill kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element
     strides qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous).
     `schedule` (SCHEDULES): "serial" S, softmax, P V per tile; "overlap" a tile's softmax while the previous tile's
     P V runs; "ws" / "pingpong" the warp-specialised kernel (kernels/attention_sm90_ws.cu), persistent: `blocks`
-    per KV head (None: persistent_blocks; the tile count: one tile per block)."""
+    per KV head (None: kernels/tuning.py ws_persistent_blocks; the tile count: one tile per block)."""
     if d not in HEAD_DIMS:
         raise ValueError(f"the sm_90a attention kernel takes head dims {HEAD_DIMS}, not {d}")
     rep = hq // hkv
@@ -164,7 +159,7 @@ def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq,
     grid = (query_tiles, hkv)
     if schedule in ("ws", "pingpong"):
         if blocks is None:
-            blocks = persistent_blocks(query_tiles, hkv, _sm_count())
+            blocks = ws_persistent_blocks(query_tiles, hkv, _sm_count())
         grid = (max(1, min(int(blocks), query_tiles)), hkv)
     args = (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables, np.int32(tables.shape[1]), ctx, cu,
             np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out)

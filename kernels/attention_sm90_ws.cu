@@ -15,7 +15,7 @@
 // The producer waits for its own copies (cp.async.wait_group), fences them to the async proxy and then arrives, as
 // the block-synchronous kernel does before its __syncthreads: the order the device run verified for wgmma reads of
 // cp.async data.
-// - blocks are persistent (kernels/attention_sm90.py persistent_blocks: one wave over the device): a block takes
+// - blocks are persistent (kernels/tuning.py ws_persistent_blocks: one wave over the device): a block takes
 //   query tiles in turn, its stage ring and its consumers' turns running on from one tile to the next, and each
 //   consumer loads its next tile's Q rows as soon as its last S of the current tile is done. One tile per block
 //   paid a launch, a Q load and the first K/V gathers with idle tensor cores for each of 9,344 tiles (32 x 2304).

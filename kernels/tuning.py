@@ -100,6 +100,14 @@ def wgmma_keys_per_tile(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
+def ws_persistent_blocks(query_tiles: int, kv_heads: int, sm_count: int) -> int:
+    """Blocks per KV head of the warp-specialised kernel: at most one wave over the device (a block per SM: its
+    shared memory), each block taking query tiles x, x + blocks, ... of its head; never more blocks than tiles.
+    Rounded down: a block past the wave would start only when another ends, and then run its share alone (16 KV
+    heads on 132 SMs: 8 blocks each, not 9)."""
+    return max(1, min(query_tiles, sm_count // kv_heads))
+
+
 @dataclass(frozen=True)
 class CudaTuning:
     """Kernel variants of the CUDA backend. "auto" lets the shapes decide (see the module docstring)."""

@@ -89,11 +89,11 @@ def test_ws_persistent_blocks_give_the_bits_of_one_tile_per_block(ws_checked, mo
     c = _paged_case(rng, ops, WGMMA_SEQS, 8, 2, d, 64)
     args = (c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), ops.upload_index(c["tables"]),
             ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]), d ** -0.5, window)
-    default = attention_sm90.persistent_blocks
+    default = attention_sm90.ws_persistent_blocks
     for kernel in WS_KERNELS:
         tuned = ops.retuned(attn_prefill_kernel=kernel)
-        monkeypatch.setattr(attention_sm90, "persistent_blocks", lambda tiles, heads, sms: tiles)
+        monkeypatch.setattr(attention_sm90, "ws_persistent_blocks", lambda tiles, heads, sms: tiles)
         one_each = host(ops, tuned.paged_attention(*args))
-        monkeypatch.setattr(attention_sm90, "persistent_blocks",
+        monkeypatch.setattr(attention_sm90, "ws_persistent_blocks",
                             default if blocks is None else (lambda tiles, heads, sms: blocks))
         np.testing.assert_array_equal(host(ops, tuned.paged_attention(*args)), one_each, err_msg=kernel)

@@ -11,7 +11,7 @@ import pytest
 
 from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, \
     DeltaRuleLaunch, GdnPrepLaunch, NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, gdn_tc_prep_launch, \
-    gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch
+    gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch, ws_persistent_blocks
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
@@ -278,3 +278,17 @@ def test_norm_launch_depends_on_the_row_only():
             launch = norm_launch(d, item)
             assert launch.threads % launch.lanes == 0 or launch.lanes > 32
             assert launch.rows_per_block >= 1
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3, 4, 5, 8, 16, 40, 132, 200])
+@pytest.mark.parametrize("tiles", [1, 7, 33, 2336])
+def test_ws_persistent_blocks_never_make_a_second_wave(kv_heads, tiles):
+    """The persistent attention kernel's blocks per KV head (one block per SM): all heads' blocks fit one wave of
+    132 SMs whenever the heads do (a block past it would run its share after the others, alone), at least one block
+    per head, never more blocks than query tiles."""
+    blocks = ws_persistent_blocks(tiles, kv_heads, H200_SMS)
+    assert 1 <= blocks <= tiles
+    if kv_heads <= H200_SMS:
+        assert blocks * kv_heads <= H200_SMS
+        # and no SM left idle that one more block per head would have filled
+        assert blocks == tiles or (blocks + 1) * kv_heads > H200_SMS
