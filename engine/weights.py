@@ -126,11 +126,17 @@ class CheckpointTensors:
         """SHA-256 over the tensor contents (not the file names), so a renamed copy of a model is the same model.
 
         Hashing gigabytes takes seconds, so the result is remembered under the files' identity in the user
-        cache. The identity is (path, device, inode, size, mtime_ns, ctime_ns): a file replaced by another of the
+        cache. The identity is (path, device, inode, size, mtime_ns, ctime_ns) of every file, and which file each
+        tensor is read from: a file replaced by another of the
         same size with its mtime put back (archive re-extraction, `rsync -t`, os.utime) still has a new ctime,
         which no user call can set back, and a renamed-over file a new inode; either is hashed again.
         """
-        ident = json.dumps([_file_identity(f.path) for f in self.files])
+        # The files' identities alone are not enough for a sharded model: its index picks the shard each tensor is
+        # read from, so an edited weight_map can load other values (a tensor that two shards hold) from untouched
+        # files. Which file serves each name is part of the identity.
+        served_by = {id(f): i for i, f in enumerate(self.files)}
+        ident = json.dumps([[_file_identity(f.path) for f in self.files],
+                            sorted((name, served_by[id(f)]) for name, f in self._where.items())])
         memo_dir = Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests"
         memo = memo_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".digest")
         try:

@@ -151,6 +151,30 @@ def test_replaced_weights_with_the_old_mtime_get_a_new_digest(models, prompts_fi
     assert report["reused_from_disk_tokens"] == 0
 
 
+def test_a_weight_map_edit_that_picks_another_copy_of_a_tensor_gets_a_new_digest(prompts_file, tmp_path):
+    """The digest memo is named by the shard files' identities; the sharded index decides which shard each tensor
+    is read from. Pointing a tensor at another shard that also holds it (every shard file untouched) changes the
+    weights the model loads: the memo must not hand back the old digest (it did: stale logits were served)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=3, init_std=0.05, shards=2)
+    first, second = model / "model-00001-of-00002.safetensors", model / "model-00002-of-00002.safetensors"
+    index_path = model / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = next(n for n, f in index["weight_map"].items() if f == first.name and n != "model.embed_tokens.weight")
+    tensors = load_file(str(second))
+    tensors[name] = (load_file(str(first))[name] * -3.0 + 0.5).astype(tensors[next(iter(tensors))].dtype)
+    save_file(tensors, str(second))  # a second copy of `name`, with other values; the index still picks the first
+    cache = tmp_path / "cache"
+    code, _, report, _ = run(model, cache, prompts_file, tmp_path, "-q")
+    assert code == 0 and report["cache"]["written"] > 0
+    index["weight_map"][name] = second.name  # the shard order (by first mention) and every shard file unchanged
+    index_path.write_text(json.dumps(index))
+    code, answers, report, _ = run(model, cache, prompts_file, tmp_path, "-q")
+    assert code == 0 and answers == no_cache_answers(model, prompts_file, tmp_path)
+    assert report["reused_from_disk_tokens"] == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Tensors read back are checked against the model
 
