@@ -145,6 +145,20 @@ def _hash_span(pieces: list[memoryview], start: int, stop: int) -> bytes:
     return hasher.digest()
 
 
+def read_small_file(path, limit: int) -> bytes:
+    """The bytes of the small regular file `path` (a side file of the cache folder: rates, digest memos). Raises
+    OSError if it is anything else (a FIFO, a device, a link, a folder) or longer than `limit` bytes: such a file
+    is as good as missing, and opening a FIFO or reading /dev/zero would otherwise hang the run before it starts."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))  # see read_file
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        raw = handle.read(limit + 1)
+    if len(raw) > limit:
+        raise OSError(f"{path}: longer than {limit} bytes")
+    return raw
+
+
 def read_file(path, size: int) -> tuple[np.ndarray, str]:
     """(the file's `size` bytes as a uint8 array, their tree digest), read and hashed chunk by chunk on several
     threads. Raises OSError (FileNotFoundError when the file is gone) or BlobFormatError if it is not `size`

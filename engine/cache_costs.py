@@ -415,12 +415,12 @@ def start_calibration(root: Path) -> ReadCalibration | None:
 def load_rates(root: Path) -> dict:
     """The rates earlier runs measured in this cache folder; {} when there are none or the file is not one this
     code wrote (never raises: a damaged file only means starting without them)."""
+    from prefixrun.engine.blob_format import read_small_file
+
     path = Path(root) / RATES_FILE_NAME
     try:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(descriptor, "rb") as handle:
-            raw = handle.read(_MAX_RATES_FILE_BYTES + 1)
-        doc = json.loads(raw) if len(raw) <= _MAX_RATES_FILE_BYTES else None
+        # a FIFO named rates.json blocked a plain open for a writer forever: only a small regular file is read
+        doc = json.loads(read_small_file(path, _MAX_RATES_FILE_BYTES))
     except (OSError, ValueError):
         return {}
     if not isinstance(doc, dict) or doc.get("version") != RATES_VERSION:

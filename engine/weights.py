@@ -9,15 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.blob_format import tree_digest
+from prefixrun.engine.blob_format import read_small_file, tree_digest
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.store import default_cache_dir
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -140,7 +143,11 @@ class CheckpointTensors:
         memo_dir = Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests"
         memo = memo_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".digest")
         try:
-            return memo.read_text().strip()
+            # a FIFO, a link to /dev/zero or a memo torn empty by a power loss (not fsync'd) is no memo: only one
+            # digest, as written below, in a small regular file is taken, else the weights are hashed again
+            remembered = read_small_file(memo, 128).decode("ascii", "replace").strip()
+            if _SHA256_HEX.fullmatch(remembered):
+                return remembered
         except OSError:
             pass
         # Each tensor's bytes are hashed in 8 MiB chunks on the blob threads (hashlib releases the GIL), so the

@@ -116,6 +116,24 @@ def test_rates_are_remembered_in_the_folder_and_a_bad_file_is_ignored(tmp_path):
     assert outside.read_text() == '{"version": 1, "read_bytes_per_s": 5.0}'  # nor written through
 
 
+def test_a_fifo_or_device_in_place_of_the_rates_file_is_ignored_never_a_hang(tmp_path):
+    """load_rates runs before the model loads: a FIFO named rates.json blocked its open for a writer forever."""
+    import os
+
+    path = tmp_path / RATES_FILE_NAME
+    os.mkfifo(path)
+    result = []
+    reader = threading.Thread(target=lambda: result.append(load_rates(tmp_path)), daemon=True)
+    reader.start()
+    reader.join(5)
+    hung = reader.is_alive()
+    if hung:
+        with open(os.open(path, os.O_WRONLY | os.O_NONBLOCK), "wb"):  # let the blocked open go
+            pass
+        reader.join(5)
+    assert not hung and result == [{}], "load_rates hangs on a FIFO"
+
+
 # The bench model of the long-document case (shared/bench/models/qwen3_5-4b-like.json): 8 full-attention layers
 # (4 K/V heads of 256, bf16) and 24 Gated DeltaNet layers (32 value heads of 128x128 fp32 state, conv history of
 # 8192 channels x 3 in bf16). On an H200: prefill ~100k tokens/s on 2k-token prompts, ~22k tokens/s with the 16k

@@ -175,6 +175,41 @@ def test_a_weight_map_edit_that_picks_another_copy_of_a_tensor_gets_a_new_digest
     assert report["reused_from_disk_tokens"] == 0
 
 
+@pytest.mark.parametrize("damage", ["fifo", "dev_zero", "huge", "torn"])
+def test_a_hostile_weights_digest_memo_is_recomputed_never_a_hang(models, tmp_path, damage):
+    """The memo is read before the model is keyed: a FIFO in its place blocked the run forever, a link to
+    /dev/zero read without end, and any text was taken as the digest (a memo torn empty by a power loss, not
+    fsync'd, gave every such model the weights digest ""). Anything but one digest in a small regular file is a
+    missing memo: the weights are hashed again."""
+    import threading
+
+    from prefixrun.engine.weights import CheckpointTensors
+
+    memo_dir = tmp_path / "digests"
+    expected = CheckpointTensors(models["a"]).digest(memo_dir)
+    (memo,) = memo_dir.glob("*.digest")
+    memo.unlink()
+    if damage == "fifo":
+        os.mkfifo(memo)
+    elif damage == "dev_zero":
+        memo.symlink_to("/dev/zero")
+    elif damage == "huge":
+        memo.write_bytes(b"0" * (4 << 20))
+    else:
+        memo.write_bytes(b"")
+    result = []
+    reader = threading.Thread(target=lambda: result.append(CheckpointTensors(models["a"]).digest(memo_dir)),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    hung = reader.is_alive()
+    if hung and damage == "fifo":
+        with open(os.open(memo, os.O_WRONLY | os.O_NONBLOCK), "wb"):  # let the blocked open go
+            pass
+        reader.join(10)
+    assert not hung and result == [expected], f"the digest memo as {damage} hangs or gives another digest"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Tensors read back are checked against the model
 
