@@ -119,7 +119,7 @@ def _refuse_or_ask(err: Console, what: str, yes: bool) -> int | None:
 
 def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, yes: bool) -> int:
     """The index cannot be opened: say so in one line; --clear removes the cache folder's contents anyway."""
-    from prefixrun.engine.store import clear_folder, folder_bytes
+    from prefixrun.engine.store import CheckpointStore, StoreError, clear_folder, folder_bytes
 
     if not clear:
         err.print(literal(f"error: the checkpoint cache at {ckpt_root} is damaged ({problem}); it is only a cache: "
@@ -131,6 +131,12 @@ def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, 
     if refused is not None:
         return refused
     removed = clear_folder(ckpt_root)
+    try:  # say "removed" only if the cache works again: something clear_folder may not delete can remain
+        CheckpointStore(ckpt_root).close()
+    except (StoreError, OSError) as still:
+        err.print(literal(f"error: removed {removed} files, but the checkpoint cache at {ckpt_root} is still damaged "
+                          f"({still}); remove what is left there by hand"), soft_wrap=True)
+        return EXIT_DAMAGED
     err.print(literal(f"removed the damaged cache ({removed} files)"), soft_wrap=True)
     return io.EXIT_OK
 

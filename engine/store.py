@@ -104,6 +104,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = "prefixrun-ckpt-v2"  # v2: paged regions hold only their tail; whole K/V blocks in kv_blocks/
 INDEX_SCHEMA_VERSION = 3  # 3: K/V block tables (2: whole-state entries; 1: flat SHA-256 digests)
 INDEX_FILE_NAME = "index.sqlite3"
+INDEX_FILE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the index and the files SQLite keeps beside it
 BLOBS_DIR_NAME = "blobs"
 QUARANTINE_DIR_NAME = "quarantine"
 TOKENS_TENSOR_NAME = "__tokens__"
@@ -358,6 +359,11 @@ class CheckpointStore:
             if folder.is_symlink() and not self._inside_root(folder):
                 # writes and evictions would happen wherever it leads; `inspect-cache --clear` removes the link
                 raise StoreError(f"{folder} is a symbolic link leading out of the cache folder")
+        for suffix in INDEX_FILE_SUFFIXES:
+            if (self.root / (INDEX_FILE_NAME + suffix)).is_symlink():
+                # SQLite follows it: the index (or its journal) would be created and written wherever it leads, even
+                # outside the cache folder; `inspect-cache --clear` removes the link
+                raise StoreError(f"{self.root / (INDEX_FILE_NAME + suffix)} is a symbolic link")
         self._kv = kv_blocks.BlockFiles(self.root, self._host_tag)
         self._db = self._open_index(self.root / INDEX_FILE_NAME)
 
@@ -1387,8 +1393,10 @@ def _folder_files(root: Path) -> list[Path]:
     journals, blobs and temp files in shard folders, what quarantine/ holds, and a blobs/ or kv_blocks/ that is a
     symlink (the link itself) or a plain file."""
     root = Path(root)
-    found = [root / (INDEX_FILE_NAME + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
-    found = [p for p in found if p.is_file() and not p.is_symlink()]
+    found = [root / (INDEX_FILE_NAME + suffix) for suffix in INDEX_FILE_SUFFIXES]
+    # anything but a folder under the index's names (a link itself, a FIFO, a socket): the store cannot open its
+    # index while it is there, so --clear must take it (a folder is left to `clear_folder`)
+    found = [p for p in found if p.is_symlink() or (p.exists() and not p.is_dir())]
     quarantine = root / QUARANTINE_DIR_NAME
     for blobs in (root / BLOBS_DIR_NAME, root / kv_blocks.BLOCKS_DIR_NAME):
         if blobs.is_symlink() or blobs.is_file():
@@ -1415,7 +1423,14 @@ def folder_bytes(root: Path) -> int:
 def clear_folder(root: Path) -> int:
     """Remove a store's files without opening its index (a damaged one cannot be opened): nothing else under
     `root`, nothing outside it. Returns how many files were removed."""
-    return sum(_unlink_quietly(p) for p in _folder_files(root))
+    removed = sum(_unlink_quietly(p) for p in _folder_files(root))
+    for suffix in INDEX_FILE_SUFFIXES:  # an empty folder in the index's place (one that holds files is not ours)
+        try:
+            os.rmdir(Path(root) / (INDEX_FILE_NAME + suffix))
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def _check_store_key(key) -> None:

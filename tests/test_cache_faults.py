@@ -321,6 +321,53 @@ def test_hostile_file_names_touch_nothing_outside(models, prompts_file, populate
     assert sorted(p.name for p in outside.iterdir()) == sorted(p.name for p in victims + [trap])
 
 
+@pytest.mark.parametrize("journal", ["", "-wal"])
+def test_an_index_linked_out_of_the_folder_is_never_written_through(models, prompts_file, populated, tmp_path,
+                                                                     journal):
+    """SQLite follows a symlink named index.sqlite3 (or its -wal): a run created its tables in whatever file the
+    link led to, outside the cache folder. Such a cache is unusable (one warning), and --clear removes the link."""
+    cache = copy_cache(populated, tmp_path)
+    victim = tmp_path / "victim.db"
+    victim.write_bytes(b"")  # SQLite takes an empty file for an empty database
+    index = cache / "checkpoints" / ("index.sqlite3" + journal)
+    index.unlink(missing_ok=True)
+    index.symlink_to(victim)
+    code, answers, report, stderr = run(models["a"], cache, prompts_file, tmp_path, subprocess_run=True)
+    assert code == 0 and answers == populated[1]
+    assert victim.read_bytes() == b"" and not list(tmp_path.glob("victim.db?*")), "written through the link"
+    assert len(warnings_in(stderr)) == 1 and "not usable" in stderr
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 1 and "link" in res.stderr and victim.read_bytes() == b""
+    assert cli("inspect-cache", "--cache-dir", cache, "--clear", "--yes").exit_code == 0
+    assert victim.exists() and not index.is_symlink()
+    code, answers, report, stderr = run(models["a"], cache, prompts_file, tmp_path, subprocess_run=True)
+    assert code == 0 and answers == populated[1] and not warnings_in(stderr)
+
+
+@pytest.mark.parametrize("damage", ["fifo", "folder", "folder_with_a_file"])
+def test_clear_removes_whatever_is_in_the_index_s_place_or_says_it_could_not(populated, tmp_path, damage):
+    """--clear said "removed the damaged cache" and left a FIFO (or a folder) named index.sqlite3 in place: the
+    cache stayed damaged, and every run after it warned again."""
+    cache = copy_cache(populated, tmp_path)
+    index = cache / "checkpoints" / "index.sqlite3"
+    for path in index.parent.glob("index.sqlite3*"):
+        path.unlink()
+    if damage == "fifo":
+        os.mkfifo(index)
+    else:
+        index.mkdir()
+        if damage == "folder_with_a_file":
+            (index / "keep.txt").write_text("someone's")
+    assert cli("inspect-cache", "--cache-dir", cache).exit_code == 1
+    res = cli("inspect-cache", "--cache-dir", cache, "--clear", "--yes")
+    if damage == "folder_with_a_file":  # not the store's to delete: said, not claimed removed
+        assert res.exit_code == 1 and "still damaged" in res.stderr and (index / "keep.txt").exists()
+        return
+    assert res.exit_code == 0, res.stderr
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 0, res.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 5. An unusable cache: one warning, a run without it
 
