@@ -175,7 +175,9 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     entries = store.entries()
     if model:
         entries = [e for e in entries if e.model_digest.startswith(model)]
-    model_digest = entries[0].model_digest if model and entries else None
+    # --model is a prefix: it may match several models, or none (then a prune must remove nothing, not lose its
+    # scope and prune every model)
+    model_digests = sorted({e.model_digest for e in entries}) if model else None
     if clear or prune_older_than_days is not None or prune_to_bytes is not None:
         if clear:
             scope = "every entry" if not model else f"the entries of model {model}"
@@ -186,13 +188,13 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         refused = _refuse_or_ask(err, what, yes)
         if refused is not None:
             return refused
+        older_than_s = prune_older_than_days * 86400 if prune_older_than_days is not None else None
         if clear and not model:
             n = store.clear()
         elif clear:
-            n = store.prune(model_digest=model_digest) if model_digest else 0
+            n = store.prune(model_digest=model_digests)
         else:
-            n = store.prune(older_than_s=prune_older_than_days * 86400 if prune_older_than_days is not None
-                            else None, to_bytes=prune_to_bytes, model_digest=model_digest)
+            n = store.prune(older_than_s=older_than_s, to_bytes=prune_to_bytes, model_digest=model_digests)
         err.print(f"removed {n} entries", soft_wrap=True)
         if not (as_json or tree or verify):
             return io.EXIT_OK  # the change is the answer; the table is one `inspect-cache` away

@@ -1153,18 +1153,23 @@ class CheckpointStore:
         return removed
 
     def prune(
-        self, *, older_than_s: float | None = None, model_digest: str | None = None, to_bytes: int | None = None
+        self, *, older_than_s: float | None = None, model_digest: str | Sequence[str] | None = None,
+        to_bytes: int | None = None
     ) -> int:
-        """Remove entries; returns how many. `model_digest` limits the scope to one model (alone: all of its
-        entries); `older_than_s` removes those not used for that many seconds; `to_bytes` then evicts
-        least-recently-used entries in scope until the whole store is within that many bytes."""
+        """Remove entries; returns how many. `model_digest` limits the scope to one model, or to the models of a
+        list (alone: all of their entries; an empty list: nothing); `older_than_s` removes those not used for that
+        many seconds; `to_bytes` then evicts least-recently-used entries in scope until the whole store is within
+        that many bytes."""
         if older_than_s is None and model_digest is None and to_bytes is None:
             raise ValueError("prune needs at least one of older_than_s, model_digest, to_bytes (clear() removes all)")
         if older_than_s is not None and (not isinstance(older_than_s, (int, float)) or older_than_s < 0):
             raise ValueError(f"older_than_s must be a number >= 0, got {older_than_s!r}")
         if to_bytes is not None and (isinstance(to_bytes, bool) or not isinstance(to_bytes, int) or to_bytes < 0):
             raise ValueError(f"to_bytes must be an integer >= 0, got {to_bytes!r}")
-        scope, scope_params = ("model_digest = ?", (model_digest,)) if model_digest is not None else ("", ())
+        digests = (model_digest,) if isinstance(model_digest, str) else tuple(model_digest or ())
+        if model_digest is not None and not digests:
+            return 0  # a scope of no model
+        scope, scope_params = (f"model_digest IN ({', '.join('?' * len(digests))})", digests) if digests else ("", ())
         with self._lock:
             removed = 0
             if older_than_s is not None or to_bytes is None:

@@ -474,6 +474,35 @@ def test_budget_counts_quarantine_and_unindexed_files(models, prompts_file, popu
 # 7. inspect-cache manners
 
 
+@pytest.mark.parametrize("action", [("--prune-older-than", "0"), ("--prune-to", "0"), ("--clear",)],
+                         ids=["prune_older_than", "prune_to", "clear"])
+def test_inspect_cache_model_scope_is_every_matching_model_and_only_those(populated, tmp_path, action):
+    """--model is a digest prefix. A prefix that matched no entry lost the scope: `--model typo --prune-older-than 0`
+    removed every model's entries; one that matched several models pruned only the first of them."""
+    cache = copy_cache(populated, tmp_path)
+    db = sqlite3.connect(cache / "checkpoints" / "index.sqlite3")
+    (digest,), = set(db.execute("SELECT model_digest FROM entries"))
+    ids = [e for (e,) in db.execute("SELECT entry_id FROM entries ORDER BY entry_id")]
+    other = digest[:1] + ("0" if digest[1] != "0" else "1") * (len(digest) - 1)  # a second model, same first digit
+    with db:
+        db.executemany("UPDATE entries SET model_digest = ? WHERE entry_id = ?", [(other, e) for e in ids[::2]])
+    third = "f" * 64 if digest[0] != "f" else "e" * 64
+    with db:
+        db.execute("UPDATE entries SET model_digest = ? WHERE entry_id = ?", (third, ids[1]))
+    db.close()
+
+    def left():
+        return sorted(e["model_digest"] for e in
+                      json.loads(cli("inspect-cache", "--cache-dir", cache, "--json").stdout)["entries"])
+
+    before = left()
+    no_match = "abc" if not any(d.startswith("abc") for d in before) else "cba"
+    assert cli("inspect-cache", "--cache-dir", cache, "--model", no_match, *action, "--yes").exit_code == 0
+    assert left() == before  # nothing of any other model
+    assert cli("inspect-cache", "--cache-dir", cache, "--model", digest[:1], *action, "--yes").exit_code == 0
+    assert left() == [third]  # both models of that prefix, not only the first
+
+
 def test_inspect_cache_manners(models, prompts_file, populated, tmp_path):
     cache = copy_cache(populated, tmp_path)
     listing = json.loads(cli("inspect-cache", "--cache-dir", cache, "--json").stdout)
