@@ -143,6 +143,8 @@ class CheckpointTensors:
         memo_dir = Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests"
         memo = memo_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".digest")
         try:
+            if memo_dir.is_symlink():
+                raise OSError("the memo folder is a link")  # not this cache's memo: see the write below
             # a FIFO, a link to /dev/zero or a memo torn empty by a power loss (not fsync'd) is no memo: only one
             # digest, as written below, in a small regular file is taken, else the weights are hashed again
             remembered = read_small_file(memo, 128).decode("ascii", "replace").strip()
@@ -159,6 +161,8 @@ class CheckpointTensors:
             h.update(name.encode() + b"\0" + str(arr.dtype).encode() + str(arr.shape).encode() + b"\0")
             h.update(tree_digest(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).encode())
         value = h.hexdigest()
+        if memo_dir.is_symlink():
+            return value  # never write through a link out of the cache folder (as save_rates): hashed each run
         try:
             memo_dir.mkdir(parents=True, exist_ok=True)
             tmp = memo.with_suffix(f".{os.getpid()}.tmp")

@@ -210,6 +210,19 @@ def test_a_hostile_weights_digest_memo_is_recomputed_never_a_hang(models, tmp_pa
     assert not hung and result == [expected], f"the digest memo as {damage} hangs or gives another digest"
 
 
+def test_a_digests_folder_linked_out_of_the_cache_is_never_written_through(models, prompts_file, tmp_path):
+    """The weights digest memo was written wherever a `digests` link in the cache folder led (save_rates already
+    refuses to write through a link; the store refuses blobs/ and kv_blocks/ links)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "digests").symlink_to(outside)
+    code, answers, _, _ = run(models["a"], cache, prompts_file, tmp_path, "-q")
+    assert code == 0 and answers == no_cache_answers(models["a"], prompts_file, tmp_path)
+    assert list(outside.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Tensors read back are checked against the model
 
