@@ -130,9 +130,9 @@ class CheckpointTensors:
 
         Hashing gigabytes takes seconds, so the result is remembered under the files' identity in the user
         cache. The identity is (path, device, inode, size, mtime_ns, ctime_ns) of every file, and which file each
-        tensor is read from: a file replaced by another of the
-        same size with its mtime put back (archive re-extraction, `rsync -t`, os.utime) still has a new ctime,
-        which no user call can set back, and a renamed-over file a new inode; either is hashed again.
+        tensor is read from: a file replaced by another of the same size with its mtime put back (archive
+        re-extraction, `rsync -t`, os.utime) still has a new ctime, which no user call can set back, and a
+        renamed-over file a new inode; either is hashed again.
         """
         # The files' identities alone are not enough for a sharded model: its index picks the shard each tensor is
         # read from, so an edited weight_map can load other values (a tensor that two shards hold) from untouched
