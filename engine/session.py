@@ -90,6 +90,16 @@ class EngineSession:
         if max_batch is None:
             max_batch, self.max_batch_source = _default_max_batch(self.loaded.model.state_specs(), ops,
                                                                   int(state_bytes), int(checkpoint_budget))
+        else:
+            from prefixrun.engine.state import seats_in_memory
+
+            fits = seats_in_memory(self.loaded.model.state_specs(), ops, state_bytes=int(state_bytes),
+                                   checkpoint_bytes=int(checkpoint_budget), block_size=ops.default_block_size,
+                                   reuse=s.reuse)
+            if max_batch > fits:  # batching never changes a token, so fewer seats only cost time
+                self.warnings.append(f"--max-batch {max_batch:,}: the state memory ({int(state_bytes):,} bytes) "
+                                     f"holds at most {fits:,} sequences; decoding up to {fits:,} together")
+                max_batch, self.max_batch_source = fits, "--max-batch, capped by the state memory"
         opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=s.max_prefill_tokens,
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
                              reuse=s.reuse, block_size=ops.default_block_size, speculative=s.speculative,

@@ -84,6 +84,18 @@ def max_batch_for_memory(specs: list[RegionSpec], ops, *, state_bytes: int, chec
     return 1 << (int(n).bit_length() - 1)
 
 
+def seats_in_memory(specs: list[RegionSpec], ops, *, state_bytes: int, checkpoint_bytes: int, block_size: int,
+                    reuse: bool = True) -> int:
+    """The most sequences `state_bytes` can hold at all: each needs its two slots (as the engine allocates them)
+    and at least one K/V block, after the engine's checkpoint and spare slots. The engine allocates its slot pools
+    for --max-batch up front, so an explicit --max-batch beyond this is capped to it (a huge value otherwise asks
+    for terabytes, or overflows a C size, before any request runs)."""
+    slot, block = pool_unit_bytes(specs, ops, block_size)
+    checkpoint_slots = min(512, checkpoint_bytes // max(slot, 1)) if reuse else 0
+    room = state_bytes - (checkpoint_slots + 4) * slot
+    return max(1, room // max(2 * slot + block, 1))
+
+
 def state_layout(specs: list[RegionSpec], ops) -> list[dict]:
     """The regions with concrete dtypes: what a stored checkpoint must match to be restored."""
     return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),

@@ -693,3 +693,22 @@ def test_a_top_k_or_temperature_beyond_the_sampling_arrays_runs_like_its_limit(m
     # the same top_k as a command-line default
     p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--top-k", 10**11)
     assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+@pytest.mark.parametrize("max_batch", [10**8, 10**20])
+def test_a_max_batch_beyond_the_state_memory_decodes_what_fits(model, tmp_path, max_batch):
+    """An explicit --max-batch sized the slot pools whatever --state-memory said: 10**8 asked numpy for hundreds
+    of GiB (MemoryError), 10**20 overflowed a C size (OverflowError), both as tracebacks. The decode batch is
+    capped to what the state memory holds (one warning); tokens never depend on it."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"q{i}", "prompt": f"x {i}", "max_tokens": 3,
+                                               "temperature": 0} for i in range(3)])
+    report = tmp_path / "report.json"
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "--max-batch", max_batch,
+            "--json-report", report)
+    assert p.returncode == 0, p.stderr
+    assert_clean(p.stderr)
+    assert "--max-batch" in p.stderr and "state memory" in p.stderr
+    figures = json.loads(report.read_text())
+    assert figures["max_batch"] < max_batch and "state memory" in figures["max_batch_from"]
+    one = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--max-batch", 1)
+    assert [r["token_ids"] for r in records(p.stdout)] == [r["token_ids"] for r in records(one.stdout)]
