@@ -883,7 +883,7 @@ def read_completed_ids(path: str | os.PathLike) -> set[str]:
                 continue
             try:
                 record = json.loads(data)
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
                 raise ValueError(
                     f"{os.fspath(path)}, line {line_no}: not a JSON line; is this a prefixrun output file?"
                 ) from None

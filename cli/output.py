@@ -237,7 +237,7 @@ def recover_journal(output: Path) -> int:
                 break  # a write cut short by the kill
             try:
                 record = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deeply for json.loads
                 continue  # the journal is ours; a damaged line is a result to recompute, not a reason to stop
             if io.is_success_record(record) and record["custom_id"] not in done:
                 out.write(data)
@@ -288,7 +288,7 @@ def restore_input_order(output: Path, positions: io.InputPositions, fresh_from: 
                 break
             try:
                 record = json.loads(data) if data.strip() else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 record = None
             key = io.record_key(record)
             spans.append((offset, len(data)))

@@ -458,6 +458,31 @@ def test_resume_without_existing_output_is_a_fresh_run(models, tmp_path):
     assert [r["custom_id"] for r in records_of(out.read_text())] == ["a", "b"]
 
 
+def test_resume_over_json_nested_too_deeply_is_one_line_not_a_traceback(models, tmp_path):
+    """A damaged output or journal line of 100,000 nested brackets made json.loads raise RecursionError, which no
+    reader of the files caught: a traceback. In the output it is what any non-JSON line is (exit 2, one line, the
+    file untouched); in the journal (ours) a damaged line is a result to recompute."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": f"line {i}", "max_tokens": 2,
+                                               "temperature": 0} for i in range(3)])
+    deep = b"[" * 100_000 + b"\n"
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(deep)
+    res = batch(models["a"], tmp_path / "cache", src, "-o", out, "--resume", "-q")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "not a JSON line" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert out.read_bytes() == deep
+
+    reference = tmp_path / "reference.jsonl"
+    assert batch(models["a"], tmp_path / "cache", src, "-o", reference, "-q").exit_code == 0
+    first = reference.read_text().splitlines(keepends=True)[0]
+    out.write_text(first)
+    (tmp_path / "out.jsonl.journal").write_bytes(deep)
+    res = batch(models["a"], tmp_path / "cache", src, "-o", out, "--resume", "-q")
+    assert res.exit_code == 0 and "Traceback" not in res.stderr, res.stderr
+    assert [r["custom_id"] for r in records_of(out.read_text())] == ["r0", "r1", "r2"]
+    assert not (tmp_path / "out.jsonl.journal").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Persistent cache and inspect-cache
 
