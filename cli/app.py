@@ -309,9 +309,13 @@ def _open_input(input: str | None, reporter: RunReporter):
                                      "(cat FILE | prefixrun batch), or - to type requests on the terminal")
         input = "-"
     if input == "-":
+        if sys.stdin is None:  # started with stdin closed (`<&-`): Python has no stream for it
+            raise typer.BadParameter("no input: stdin is closed; give a JSONL file or pipe one in")
         if _stdin_is_terminal():
             reporter.note("reading requests from the terminal, one JSON object per line; end with Ctrl-D")
         return sys.stdin.buffer, None
+    if not input.strip():  # `batch "$FILE"` with FILE unset: Path("") is the working directory, not a file
+        raise typer.BadParameter("the input file name is empty; give a JSONL file, or - for stdin")
     path = Path(input)
     if path.is_dir():
         raise typer.BadParameter(f"input {input} is a directory; give a JSONL file")

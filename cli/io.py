@@ -243,17 +243,31 @@ _DRAIN_CHUNK = 1 << 20
 _LEADING_CUSTOM_ID = re.compile(rb'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,1000}"|-?\d{1,30})\s*,')
 
 
+class InputReadError(Exception):
+    """The input stream failed to read (EIO, a vanished network mount, ...). Not an OSError: the run's callers take
+    an OSError for a failed write of results, and a read error must name the input instead."""
+
+
+def _read_input_line(source: BinaryIO, limit: int) -> bytes:
+    try:
+        return source.readline(limit)
+    except OSError as exc:
+        name = getattr(source, "name", None)
+        where = f" {name}" if isinstance(name, str) and not name.startswith("<") else ""  # '<stdin>': no path
+        raise InputReadError(f"cannot read the input{where}: {exc.strerror or exc}") from exc
+
+
 def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[RawLine]:
     """Yield the non-blank lines of `source` one at a time, with their output index and 1-based line number.
 
     A line longer than `max_line_bytes` (newline not counted) is never held whole: it is read in chunks and
     dropped, and comes back with `oversize_bytes` set and only its first bytes, so that a 100 MB line costs no
-    more memory than a short one.
+    more memory than a short one. A read that fails raises InputReadError.
     """
     index = 0
     line_no = 0
     while True:
-        data = source.readline(max_line_bytes + 1)
+        data = _read_input_line(source, max_line_bytes + 1)
         if not data:
             return
         line_no += 1
@@ -263,7 +277,7 @@ def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BY
         if len(data) > max_line_bytes and not data.endswith(b"\n"):
             oversize, head = len(data), data[:_OVERSIZE_HEAD_BYTES]
             while not data.endswith(b"\n"):
-                data = source.readline(_DRAIN_CHUNK)
+                data = _read_input_line(source, _DRAIN_CHUNK)
                 if not data:
                     break
                 oversize += len(data)

@@ -380,6 +380,11 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             reporter.stop()
             _silence_stdout()
             raise typer.Exit(EXIT_BROKEN_PIPE)
+        except io.InputReadError as exc:  # before OSError's branch, which is about writing the results
+            _keep_finished(writer, journal)
+            reporter.stop()
+            reporter.error(f"{exc}; finished results were written" + (" (use --resume to continue)" if output else ""))
+            raise typer.Exit(io.EXIT_FAILURE)
         except KeyboardInterrupt:
             _keep_finished(writer, journal)
             reporter.stop()

@@ -492,6 +492,46 @@ def test_no_input_on_a_terminal_gives_a_hint_instead_of_waiting(model):
     assert p.returncode == 2 and "no input" in one_error_line(p.stderr)
 
 
+def test_a_closed_stdin_or_an_empty_input_name_is_one_line(model, tmp_path):
+    """`prefixrun batch - <&-` (stdin closed: Python's sys.stdin is None) was an AttributeError traceback; an
+    empty name (`prefixrun batch "$FILE"` with FILE unset) was called a directory (Path("") is the working
+    directory). Both: exit 2, one line saying what is wrong."""
+    for args in (["-"], []):
+        p = subprocess.run(cmd("batch", *args, "--model", model, "--device", "cpu", "--no-cache"),
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                           preexec_fn=lambda: os.close(0))
+        assert p.returncode == 2 and "stdin is closed" in one_error_line(p.stderr), p.stderr
+    res = cli("batch", "", "--model", model, "--device", "cpu", "--no-cache")
+    assert res.exit_code == 2 and "input file name is empty" in one_error_line(res.stderr)
+
+
+def test_an_input_that_fails_to_read_is_named_as_the_input(model, tmp_path, monkeypatch):
+    """An input read error (EIO from a failing disk or a network mount) was reported as "cannot write results
+    to stdout": the user looks at the wrong end. It names the input; the results that finished are kept and the
+    exit code is 1 (aborted: --resume continues)."""
+    import io as stdio
+
+    from prefixrun.cli import app as app_module
+
+    good = b"".join(json.dumps({"custom_id": f"q{i}", "prompt": f"x {i}", "max_tokens": 2}).encode() + b"\n"
+                    for i in range(2))
+
+    class FailingInput(stdio.BytesIO):
+        def readline(self, size=-1):
+            if self.tell() >= len(good):
+                raise OSError(errno.EIO, "Input/output error")
+            return super().readline(size)
+
+    src = write_jsonl(tmp_path / "in.jsonl", [])
+    monkeypatch.setattr(app_module, "_open_input", lambda name, reporter: (FailingInput(good), Path(name)))
+    out = tmp_path / "out.jsonl"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "--window", 1, "-q", "-o", out)
+    assert res.exit_code == 1
+    line = one_error_line(res.stderr)
+    assert "cannot read the input" in line and "Input/output error" in line and "write" not in line, line
+    assert [r["custom_id"] for r in records(out.read_text())] == ["q0", "q1"]
+
+
 def test_input_that_is_a_directory(tmp_path):
     res = cli("batch", tmp_path)
     assert res.exit_code == 2 and "is a directory" in one_error_line(res.stderr)
