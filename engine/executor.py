@@ -144,6 +144,8 @@ class WindowExecutor:
         """The task cannot fit even an empty pool: its requests (and those of every task after it) get errors."""
         self._let_go(task, self.sched.base[task.id])
         s = self.e.state
+        # the state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V
+        fewer = f", lower --max-batch ({self.e.opts.max_batch:,} now)" if self.e.opts.max_batch > 1 else ""
         for t in self.plan.subtree(task):
             if t.request is None:
                 continue
@@ -153,7 +155,8 @@ class WindowExecutor:
             self.finished.append(self.e.error_result(r, (
                 f"prompt of {len(r.prompt_token_ids)} tokens with up to {r.sampling.max_tokens} new tokens needs "
                 f"{need} K/V blocks of {s.block_size} tokens; the state memory holds "
-                f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory or lower max_tokens")))
+                f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer} or lower "
+                f"max_tokens")))
 
     # ---- prefill ------------------------------------------------------------------------------------------
     def _let_go(self, task: Task, base):

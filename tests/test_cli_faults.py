@@ -752,3 +752,17 @@ def test_a_max_batch_beyond_the_state_memory_decodes_what_fits(model, tmp_path, 
     assert figures["max_batch"] < max_batch and "state memory" in figures["max_batch_from"]
     one = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--max-batch", 1)
     assert [r["token_ids"] for r in records(p.stdout)] == [r["token_ids"] for r in records(one.stdout)]
+
+
+def test_a_request_that_fits_only_a_smaller_batch_is_told_so(model, tmp_path):
+    """With a small --state-memory most of it goes to the slots of --max-batch sequences (32 on the CPU), so a
+    500-token prompt found only 7 K/V blocks and its error said "raise --state-memory or lower max_tokens"; it
+    runs with --max-batch 1, and the message says so."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "long", "prompt_token_ids": [5 + i % 200 for i in
+                                                                                         range(500)],
+                                               "max_tokens": 4, "temperature": 0}])
+    base = ("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--state-memory", "2MiB")
+    p = run(*base)
+    assert p.returncode == 3 and "--max-batch" in records(p.stdout)[0]["error"]["message"], p.stdout
+    p = run(*base, "--max-batch", 1)
+    assert p.returncode == 0 and len(records(p.stdout)[0]["token_ids"]) == 4, p.stderr
