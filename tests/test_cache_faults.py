@@ -441,6 +441,18 @@ def test_an_unusable_cache_is_one_warning_and_a_run_without_it(models, prompts_f
         assert code == 0 and answers == populated[1] and not warnings_in(stderr) and report["cache"]["written"]
 
 
+def test_inspect_cache_on_a_read_only_cache_does_not_call_it_damaged(populated, tmp_path):
+    """A read-only (or full) cache folder cannot open its index for writing; inspect-cache called that "damaged"
+    and offered `--clear`, which deletes a cache that is whole. It says what failed and where to look instead."""
+    cache = copy_cache(populated, tmp_path)
+    p = subprocess.run([sys.executable, "-c", READ_ONLY_WRAPPER, "inspect-cache", "--cache-dir", str(cache)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "damaged" not in p.stderr and "--clear" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "cannot be opened" in p.stderr and "permissions" in p.stderr, p.stderr
+    assert list((cache / "checkpoints").rglob("*.safetensors"))  # untouched
+
+
 @pytest.mark.parametrize("column, value", [("meta_json", "{"), ("n_tokens", "many"), ("file_name", None),
                                            ("token_preview", "[1, 2"), ("nbytes", "big")])
 def test_a_malformed_index_column_never_aborts_a_run(models, prompts_file, populated, tmp_path, column, value):
