@@ -60,6 +60,9 @@ def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False, mini
         if not allow_fraction:
             raise typer.BadParameter(f"{what}: {text!r} is a fraction; give a size ({example})")
         return value  # the total it is a fraction of is only known later (state memory depends on the device)
+    if factor == 1 and value != int(value):
+        # '1.5' is neither a fraction (those are below 1) nor a number of bytes; it was taken as 1 byte
+        raise typer.BadParameter(f"{what}: {text!r} is not a whole number of bytes; give a unit ({example})")
     size = int(value * factor)
     if size < minimum:
         raise typer.BadParameter(f"{what}: {text!r} is too small (at least {minimum:,} bytes)")
@@ -437,6 +440,12 @@ def inspect_cache(
         if prune_older_than is not None and not prune_older_than >= 0:  # also rejects nan
             raise typer.BadParameter(f"--prune-older-than must be a number of days >= 0, got {prune_older_than}")
         prune_to_bytes = _parse_bytes(prune_to, "--prune-to")
+        if clear and (prune_to is not None or prune_older_than is not None):
+            # --clear removes every entry in scope: a prune beside it would silently mean nothing
+            raise typer.BadParameter("--clear removes every entry; give it alone, or --prune-to / "
+                                     "--prune-older-than without it")
+        if model_dir is not None and not model_dir.is_dir():  # previews would quietly fall back to token ids
+            raise typer.BadParameter(f"--model-dir {model_dir} is not a folder")
         budget_bytes = _parse_bytes(cache_budget, "--cache-budget")
         cache_root = _cache_root(cache_dir)
     except typer.BadParameter as exc:

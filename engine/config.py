@@ -390,7 +390,7 @@ def load_config(model_dir: Path) -> tuple[DecoderConfig, dict]:
         raise ModelLoadError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: too deep
         raise ModelLoadError(f"{path}: cannot be read as JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")

@@ -344,7 +344,7 @@ def _read_json_object(path: Path, missing_ok: bool) -> dict:
         raise ModelLoadError(f"{path}: not found")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise ModelLoadError(f"{path}: expected a JSON object at the top level")

@@ -41,7 +41,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot be read: {exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ModelLoadError(f"{path}: corrupt safetensors header: {exc}") from None
     return header, 8 + n
 
@@ -87,8 +87,12 @@ class CheckpointTensors:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, KeyError, json.JSONDecodeError) as exc:
+            except (OSError, KeyError, TypeError, json.JSONDecodeError, RecursionError) as exc:
+                # TypeError: not an object; RecursionError: nested too deeply for json.loads
                 raise ModelLoadError(f"{index}: not a valid safetensors index: {exc}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                           for k, v in weight_map.items()):
+                raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names")
             files: dict[str, SafetensorsFile] = {}
             for name, fname in weight_map.items():
                 if fname not in files:

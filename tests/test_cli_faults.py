@@ -541,11 +541,25 @@ def test_input_that_is_a_directory(tmp_path):
     ("--state-memory", "1KiB"), ("--state-memory", "0"), ("--state-memory", "abc"), ("--state-memory", "inf"),
     ("--state-memory", "nan"), ("--state-memory", "1e30"), ("--state-memory", "0.5"),
     ("--checkpoint-budget", "nan"), ("--cache-budget", "-1GiB"), ("--cache-budget", "0.5"),
+    ("--checkpoint-budget", "1.5"), ("--cache-budget", "1.5"), ("--state-memory", "2.5e9.5"),
 ])
 def test_bad_sizes_exit_2_with_one_line(tmp_path, option, value):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     res = cli("batch", src, option, value, "--no-cache")
     assert res.exit_code == 2 and option in one_error_line(res.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--clear", "--prune-to", "1GiB"], "--clear removes every entry"),
+    (["--clear", "--prune-older-than", "3"], "--clear removes every entry"),
+    (["--model-dir", "/nonexistent-model-dir"], "is not a folder"),
+])
+def test_inspect_cache_options_that_would_mean_nothing_are_refused(tmp_path, args, message):
+    """A prune beside --clear, or previews from a model folder that does not exist, would quietly do something else
+    than asked: exit 2, one line, and the cache untouched."""
+    res = cli("inspect-cache", "--cache-dir", tmp_path / "cache", *args, "--yes")
+    assert res.exit_code == 2 and message in one_error_line(res.stderr)
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("value", ["", "  "])
@@ -653,6 +667,23 @@ def test_a_broken_chat_template_fails_the_chat_lines_only(model, tmp_path):
     (broken / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")  # not UTF-8: refused at load, one line
     p = run("batch", src, "--model", broken, "--device", "cpu", "--no-cache", "-q")
     assert p.returncode == 2 and "chat_template.jinja: not valid UTF-8" in one_error_line(p.stderr)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("config.json", "[" * 100_000), ("generation_config.json", "[" * 100_000),
+    ("tokenizer_config.json", "[" * 100_000), ("model.safetensors.index.json", "[" * 100_000),
+    ("model.safetensors.index.json", '{"weight_map": [1, 2]}'),
+    ("model.safetensors.index.json", '{"weight_map": {"model.norm.weight": 7}}'),
+])
+def test_a_model_file_nested_too_deeply_or_of_the_wrong_shape_is_named_in_one_line(model, tmp_path, name, content):
+    """JSON nested deeper than json.loads recurses, or an index whose weight_map is not names to file names: exit 2
+    with one line that names the file (was 'maximum recursion depth exceeded' with no file, or a traceback)."""
+    broken = tmp_path / "model"
+    shutil.copytree(model, broken)
+    (broken / name).write_text(content)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_tokens": 1}])
+    p = run("batch", src, "--model", broken, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 2 and name in one_error_line(p.stderr), p.stderr
 
 
 def test_make_model_with_a_bad_config_or_seed_is_one_line_and_leaves_no_folder(tmp_path):
