@@ -326,7 +326,9 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> 
         if custom_id in seen_ids:
             # The record carries the id (so its writer can find the line), but as an error record it is never
             # taken for the earlier line's result, by --resume or anyone else.
-            raise _LineRejected(f"duplicate custom_id {custom_id!r}: an earlier line already uses it")
+            given = "" if obj.get("custom_id") is not None else \
+                " (the id this line gets for having none: give it a custom_id)"
+            raise _LineRejected(f"duplicate custom_id {custom_id!r}{given}: an earlier line already uses it")
         seen_ids.add(custom_id)
         if _SURROGATE_ESCAPE.search(raw.data):
             _reject_unpaired_surrogates(obj, "")

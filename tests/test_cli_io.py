@@ -367,6 +367,9 @@ def test_duplicate_custom_id_is_an_error_on_the_later_line():
     assert format_error(duplicate) == {"custom_id": "a", "error": {"line": 2, "message": duplicate.message}}
     assert isinstance(other, ParsedRequest) and isinstance(explicit, ParsedRequest)
     assert isinstance(derived, LineError) and "duplicate custom_id 'line-5'" in derived.message
+    # the line gave no id: the message says the id is the one it got, and how to avoid the clash
+    assert "for having none: give it a custom_id" in derived.message
+    assert "for having none" not in duplicate.message
 
 
 def test_a_custom_id_is_taken_even_when_its_line_has_another_error():
