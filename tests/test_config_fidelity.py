@@ -125,6 +125,18 @@ def _scale_weights(model, seed: int, gate_scale: float):
 def write_hf_model(path, model_type: str, overrides: dict, seed: int = 0, composite_of: str | None = None):
     """A model directory written by transformers itself; `composite_of` wraps the text config in that composite."""
     text = {**BASE[model_type], **overrides}
+    # from_config draws what _scale_weights leaves alone (A_log, dt_bias) from torch's global generator: seeded
+    # here, so a model does not depend on which tests ran before it (CI once drew a near-tie that way)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _model_from_config(model_type, text, composite_of)
+    act = text.get("hidden_activation" if model_type.startswith("gemma3") else "hidden_act", "")
+    _scale_weights(model, seed, gate_scale=GELU_GATE_SCALE if act and act.startswith("gelu") else 1.0)
+    model.save_pretrained(path)
+    return path
+
+
+def _model_from_config(model_type: str, text: dict, composite_of: str | None):
     if composite_of:
         cfg = transformers.AutoConfig.for_model(composite_of, text_config=text, vision_config=_VISION[composite_of],
                                                 tie_word_embeddings=text["tie_word_embeddings"])
@@ -132,10 +144,7 @@ def write_hf_model(path, model_type: str, overrides: dict, seed: int = 0, compos
     else:
         cfg = transformers.AutoConfig.for_model(model_type, **text)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    act = text.get("hidden_activation" if model_type.startswith("gemma3") else "hidden_act", "")
-    _scale_weights(model, seed, gate_scale=GELU_GATE_SCALE if act and act.startswith("gelu") else 1.0)
-    model.save_pretrained(path)
-    return path
+    return model
 
 
 def hf_reference(path, prompt, composite: bool):

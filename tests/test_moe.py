@@ -112,7 +112,10 @@ def _scaled(model, seed):
 
 def _write(path, model_type, fields, seed=0):
     cfg = transformers.AutoConfig.for_model(model_type, **fields)
-    model = _scaled(transformers.AutoModelForCausalLM.from_config(cfg), seed).to(torch.bfloat16)
+    with torch.random.fork_rng(devices=[]):  # what _scaled leaves (A_log, dt_bias) must not depend on test order
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = _scaled(model, seed).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
 
