@@ -56,15 +56,6 @@ _NAMES = {m: [kernel_name(d, s) for d in HEAD_DIMS for s in SCHEDULES if _module
 _LOCK = threading.Lock()
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 _SMEM_SET: set[tuple[int, int]] = set()
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count() -> int:
-    dev = cupy.cuda.Device().id
-    n = _SM_COUNTS.get(dev)
-    if n is None:
-        n = _SM_COUNTS[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
-    return n
 
 
 def available() -> bool:
@@ -146,12 +137,13 @@ def compile_module():
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
-            out, schedule="serial", blocks=None):
+            out, sm_count, schedule="serial", blocks=None):
     """One launch of the sm_90a prefill kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element
     strides qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous).
     `schedule` (SCHEDULES): "serial" S, softmax, P V per tile; "overlap" a tile's softmax while the previous tile's
     P V runs; "ws" / "pingpong" the warp-specialised kernel (kernels/attention_sm90_ws.cu), persistent: `blocks`
-    per KV head (None: kernels/tuning.py ws_persistent_blocks; the tile count: one tile per block)."""
+    per KV head (None: kernels/tuning.py ws_persistent_blocks for `sm_count` SMs; the tile count: one tile per
+    block)."""
     if d not in HEAD_DIMS:
         raise ValueError(f"the sm_90a attention kernel takes head dims {HEAD_DIMS}, not {d}")
     rep = hq // hkv
@@ -159,7 +151,7 @@ def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq,
     grid = (query_tiles, hkv)
     if schedule in ("ws", "pingpong"):
         if blocks is None:
-            blocks = ws_persistent_blocks(query_tiles, hkv, _sm_count())
+            blocks = ws_persistent_blocks(query_tiles, hkv, sm_count)
         grid = (max(1, min(int(blocks), query_tiles)), hkv)
     args = (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables, np.int32(tables.shape[1]), ctx, cu,
             np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out)

@@ -897,7 +897,8 @@ class CudaOps:
         if plan.path == "wgmma":
             attention_sm90.prefill(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx,
                                    cu=cu, nseq=nseq, tokens=t, hq=hq, hkv=hkv, d=d, bs=bs,
-                                   scale_log2=scale * _LOG2E, window=window, out=out, schedule=plan.schedule)
+                                   scale_log2=scale * _LOG2E, window=window, out=out, schedule=plan.schedule,
+                                   sm_count=self._sm_count)
             return out
         if plan.path == "scalar":  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
             kern = _kernel("attention", f"attn_scalar_kernel<{_tname(q.dtype)}, {_tname(k_cache.dtype)}>")
