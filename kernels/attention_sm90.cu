@@ -40,9 +40,10 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // keep the compiler from moving accesses of accumulator registers across the asynchronous wgmma window
-__device__ __forceinline__ void reg_fence(float (&d)[32]) {
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 __device__ __forceinline__ void reg_fence(unsigned (&a)[4]) {
 #pragma unroll
@@ -54,15 +55,27 @@ __device__ __forceinline__ void reg_fence(unsigned (&a)[4]) {
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_D40                                                                                                        \
+    WG_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 #define WG_OUT32                                                                                                      \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_OUT40                                                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 
-// d[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in shared memory; scale_d 0 overwrites d.
+// d[64 x N] (+)= A[64 x 16] B[16 x N], A and B K-major in shared memory; scale_d 0 overwrites d. N = 64 or 80 (the
+// accumulator's size picks the overload: N / 2 floats per thread).
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db, int scale_d) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_OUT32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : WG_D32
+                 : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[40], u64 da, u64 db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 " WG_OUT40 ", %40, %41, p, 1, 1, 0, 0;\n}\n"
+                 : WG_D40
                  : "l"(da), "l"(db), "r"(scale_d));
 }
 
@@ -112,16 +125,27 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
-// One warpgroup's S [64 x BN] = Q K^T (its 64 rows of Q at sq_wg, the K tile at sk), as BN / 64 pieces of 64 keys.
-// Asynchronous: the caller commits and waits.
+// How a tile's S [64 x BN] splits into wgmmas: pieces of 64 keys when BN is a multiple of 64, else one piece of BN
+// keys (80: the warp-specialised kernel at head dim 256, where two stages of 128-key tiles do not fit). One wgmma
+// of N keys reads the 64 x 16 Q slice once for all N, so wider pieces read Q from shared memory less often per key.
+template <int BN>
+struct SPieces {
+    static constexpr int N = BN % 64 == 0 ? 64 : BN;  // keys per piece (one wgmma's N)
+    static constexpr int COUNT = BN / N;
+    static_assert(BN % 16 == 0 && (N == 64 || N == 80), "wgmma_ss has N = 64 and N = 80");
+};
+
+// One warpgroup's S [64 x BN] = Q K^T (its 64 rows of Q at sq_wg, the K tile at sk), in SPieces<BN>. Asynchronous:
+// the caller commits and waits.
 template <int D, int BN>
-__device__ __forceinline__ void issue_qk(float (&s)[BN / 64][32], unsigned sq_wg, unsigned sk) {
+__device__ __forceinline__ void issue_qk(float (&s)[SPieces<BN>::COUNT][SPieces<BN>::N / 2], unsigned sq_wg, unsigned sk) {
+    constexpr int PN = SPieces<BN>::N;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const u64 da = sw128_desc(sq_wg + (kk >> 2) * (128 * 128) + (kk & 3) * 32, 0);  // Q tile: 128 rows
 #pragma unroll
-        for (int p = 0; p < BN / 64; ++p)
-            wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * 64 * 128 + (kk & 3) * 32, 0), kk > 0);
+        for (int p = 0; p < SPieces<BN>::COUNT; ++p)
+            wgmma_ss(s[p], da, sw128_desc(sk + (kk >> 2) * (BN * 128) + p * PN * 128 + (kk & 3) * 32, 0), kk > 0);
     }
 }
 
@@ -147,13 +171,15 @@ struct RowsView {
 
 // Mask (unless every key of the tile is visible to every row), scale to log2 units and run the online softmax over
 // one S tile: updates the running max m and sum l, returns in alpha the factor that rescales O, writes P as bf16 A
-// fragments (pa[k2]: keys 16 k2 .. 16 k2 + 15). s[p][4 i + e]: row g + 8 (e / 2), key kt + 64 p + 8 i + 2 c + e % 2.
+// fragments (pa[k2]: keys 16 k2 .. 16 k2 + 15). s[p][4 i + e]: row g + 8 (e / 2), key kt + PN p + 8 i + 2 c + e % 2
+// (PN = SPieces<BN>::N).
 // MASKED is decided once per tile (online_softmax), and a masked tile compares each key against its row's visible
 // range with no branch: per-element branches (short-circuit tests) cost ~5 instructions per score on every tile.
 template <int BN, bool MASKED>
-__device__ __forceinline__ void softmax_tile(const float (&s)[BN / 64][32], unsigned (&pa)[BN / 16][4],
+__device__ __forceinline__ void softmax_tile(const float (&s)[SPieces<BN>::COUNT][SPieces<BN>::N / 2], unsigned (&pa)[BN / 16][4],
                                              float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
                                              const RowsView& rv) {
+    constexpr int PN = SPieces<BN>::N, NP = SPieces<BN>::COUNT;
     // s is only read: with OVERLAP it is the accumulator of a wgmma group whose stage lasts until P V completes, and
     // ptxas serialises the pipeline if other instructions write such registers, so masked scores are recomputed
     // row hf sees keys kt + 2c + off for lo[hf] <= off <= hi[hf] (off: the compile-time part of the key's index)
@@ -173,15 +199,15 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[BN / 64][32], unsi
     auto score = [&](int p, int i, int e) {
         const float val = s[p][4 * i + e] * rv.scale_log2;
         if (!MASKED) return val;
-        const int off = p * 64 + i * 8 + (e & 1);
+        const int off = p * PN + i * 8 + (e & 1);
         const bool vis = (off >= lo[e >> 1]) & (off <= hi[e >> 1]);
         return vis ? val : -INFINITY;
     };
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int p = 0; p < BN / 64; ++p)
+    for (int p = 0; p < NP; ++p)
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < PN / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(p, i, e));
     float mref[2];  // the max the exponents subtract: 0 for a row that sees nothing yet (its scores are all -inf)
@@ -196,9 +222,9 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[BN / 64][32], unsi
         l_i[hf] *= alpha[hf];
     }
 #pragma unroll
-    for (int p = 0; p < BN / 64; ++p)
+    for (int p = 0; p < NP; ++p)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < PN / 8; ++i) {
             float pv[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -206,14 +232,14 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[BN / 64][32], unsi
                 pv[e] = exp2f(score(p, i, e) - mref[hf]);  // -inf (masked, or nothing visible) -> 0
                 l_i[hf] += pv[e];
             }
-            const int k2 = p * 4 + (i >> 1), half = i & 1;
+            const int k2 = (p * PN) / 16 + (i >> 1), half = i & 1;
             pa[k2][2 * half] = pack2_bf16(pv[0], pv[1]);      // row g, keys 8 half + 2c, +1
             pa[k2][2 * half + 1] = pack2_bf16(pv[2], pv[3]);  // row g + 8
         }
 }
 
 template <int BN>
-__device__ __forceinline__ void online_softmax(const float (&s)[BN / 64][32], unsigned (&pa)[BN / 16][4],
+__device__ __forceinline__ void online_softmax(const float (&s)[SPieces<BN>::COUNT][SPieces<BN>::N / 2], unsigned (&pa)[BN / 16][4],
                                                float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
                                                const RowsView& rv) {
     const bool full = kt + BN - 1 <= rv.qp_lo && kt >= rv.kv_begin && (rv.window <= 0 || kt > rv.qp_hi - rv.window);
@@ -249,7 +275,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle atoms");
     constexpr int BM = 128;
     constexpr int CH = D / 8;        // 16-byte chunks per row
-    constexpr int NP = BN / 64;      // 64-key pieces of S
+    constexpr int NP = SPieces<BN>::COUNT;  // pieces of S (64 keys each)
     constexpr int OP = D / 64;       // 64-column pieces of O
     constexpr int KV_BYTES = BN * D * 2;
     extern __shared__ unsigned char smem_raw[];
@@ -321,7 +347,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
     float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f}, alpha[2];
     const unsigned sq_wg = sq + wg * 64 * 128;  // this warpgroup's 64 rows in every column block
-    float s[NP][32];
+    float s[NP][SPieces<BN>::N / 2];
     unsigned pa[BN / 16][4];
 
     if (!OVERLAP) {

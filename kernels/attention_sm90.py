@@ -22,8 +22,7 @@ import numpy as np
 
 from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
 from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
-from prefixrun.kernels.tuning import wgmma_keys_per_tile as keys_per_tile
-from prefixrun.kernels.tuning import ws_persistent_blocks
+from prefixrun.kernels.tuning import wgmma_keys_per_tile, ws_keys_per_tile, ws_persistent_blocks
 
 SCHEDULES = ("serial", "overlap", "ws", "pingpong")  # kernels/tuning.py WGMMA_SCHEDULES
 
@@ -33,16 +32,21 @@ def threads(schedule: str) -> int:
     return 384 if schedule in ("ws", "pingpong") else 256
 
 
-def shared_bytes(head_dim: int) -> int:
+def keys_per_tile(head_dim: int, schedule: str) -> int:
+    """BN, the keys of one K/V tile: the warp-specialised kernel's (80 at head dim 256) or the other's."""
+    return ws_keys_per_tile(head_dim) if schedule in ("ws", "pingpong") else wgmma_keys_per_tile(head_dim)
+
+
+def shared_bytes(head_dim: int, schedule: str) -> int:
     """Dynamic shared memory of one block (both kernels): the Q tile, two K and two V tiles, 1024 bytes of alignment
     slack."""
-    return (ROWS_PER_BLOCK + 4 * keys_per_tile(head_dim)) * head_dim * 2 + 1024
+    return (ROWS_PER_BLOCK + 4 * keys_per_tile(head_dim, schedule)) * head_dim * 2 + 1024
 
 
 def kernel_name(head_dim: int, schedule: str) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"wgmma schedule must be one of {SCHEDULES}, not {schedule!r}")
-    bn = keys_per_tile(head_dim)
+    bn = keys_per_tile(head_dim, schedule)
     if schedule in ("ws", "pingpong"):
         return f"attn_ws_kernel<{head_dim}, {bn}, {str(schedule == 'pingpong').lower()}>"
     return f"attn_wgmma_kernel<{head_dim}, {bn}, {str(schedule == 'overlap').lower()}>"
@@ -122,7 +126,7 @@ def _function(head_dim: int, schedule: str):
                 for n in _NAMES[module_name]:
                     _FUNCTIONS[(dev, n)] = module.get_function(lowered[n])
                 fn = _FUNCTIONS[(dev, name)]
-    smem = shared_bytes(head_dim)
+    smem = shared_bytes(head_dim, schedule)
     if (id(fn), smem) not in _SMEM_SET:
         fn.max_dynamic_shared_size_bytes = smem
         _SMEM_SET.add((id(fn), smem))
@@ -155,4 +159,4 @@ def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq,
         grid = (max(1, min(int(blocks), query_tiles)), hkv)
     args = (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables, np.int32(tables.shape[1]), ctx, cu,
             np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out)
-    _function(d, schedule)(grid, (threads(schedule),), args, shared_mem=shared_bytes(d))
+    _function(d, schedule)(grid, (threads(schedule),), args, shared_mem=shared_bytes(d, schedule))

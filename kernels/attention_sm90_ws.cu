@@ -1,12 +1,15 @@
 // Paged causal attention prefill on Hopper tensor cores, warp-specialised (sm_90a): attn_ws_kernel.
 //
 // Compiled after kernels/attention_sm90.cu (kernels/attention_sm90.py appends this file to it) and built from its
-// helpers: the same contract, row mapping, tiles, swizzled layouts, descriptors and online softmax as
-// attn_wgmma_kernel, and the same arithmetic in the same order on O (rescale by the tile's alpha, then += P V), so
-// the two give the same bits. What changes is who waits for what:
+// helpers: the same contract, row mapping, swizzled layouts, descriptors and online softmax as attn_wgmma_kernel,
+// and the same arithmetic in the same order on O (rescale by the tile's alpha, then += P V), so on the same tiles
+// (head dims 64 and 128) the two give the same bits. What changes is who waits for what:
 // - a producer warpgroup gathers the K and V tiles (warps 0-1 K, warps 2-3 V) through the block table with cp.async
 //   into two stages each, and signals each landed tile on an mbarrier ("full"); the consumers release a stage on
-//   another ("empty") once their wgmmas have read it. No block-wide barrier per tile: the two consumer warpgroups
+//   another ("empty") once their wgmmas have read it. The gathers are the kernel's limit when they cost many
+//   instructions (four warps feed eight: gather_tile keeps each 16-byte copy at ~6), and at head dim 256 a tile is 80
+//   keys (kernels/tuning.py ws_keys_per_tile: the most for which two stages of each fit beside Q; S is then one
+//   m64n80 wgmma per 16 dims). No block-wide barrier per tile: the two consumer warpgroups
 //   (64 query rows each) run apart. setmaxnreg hands the producer's registers to the consumers: 40 + 2 x 232 =
 //   3 x 168, exactly the pool a 384-thread block gets at launch (an increase beyond it would wait forever).
 // - each consumer issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) together, waits, then runs the softmax of tile j
@@ -47,34 +50,54 @@ __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.a
 template <int N>
 __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
+// 16 bytes from base + row x row_bytes to shared memory, or 16 zero bytes when row < 0 (nothing is read then). In PTX
+// so that the address is one wide multiply-add and the test one compare (as C++ they compiled to six instructions).
+__device__ __forceinline__ void cp_async16_row(unsigned dst, const char* base, int row, unsigned row_bytes) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b32 r;\n.reg .b64 a;\n"
+        "setp.lt.s32 p, %2, 0;\n"
+        "max.s32 r, %2, 0;\n"
+        "mad.wide.u32 a, r, %3, %1;\n"
+        "cp.async.cg.shared.global [%0], [a], 16, p;\n}\n" ::"r"(dst),
+        "l"(base), "r"(row), "r"(row_bytes));
+}
+
 // One producer group (2 warps, `gt` = its thread 0..63) gathers rows kt .. kt+BN-1 of KV head h into a swizzled
-// [BN x D] tile. Each lane first looks up the cache rows of keys kt + lane + 32 i (one table read per row, not per
-// chunk; -1 past ctx), then every copy takes its row's index from the lane that holds it.
+// [BN x D] tile. Warp w copies the 8-row atoms w, w + 2, ...: its j-th row is 16 (j / 8) + 8 w + j % 8, one warp
+// instruction per RPI rows. Each lane first looks up where its warp's rows j = lane + 32 i sit (one table read per
+// key, not per chunk): their row in the cache's [rows x hkv] view of D-element head rows, -1 past ctx. A copy of
+// row 16 m + 8 w + RPI v + sub (m, v unrolled; w, sub the thread's own) then takes that index from lane
+// 8 (m % 4) + RPI v + sub of group m / 4, a constant at D = 256, and its place in the swizzled tile is a per-thread
+// base plus a constant: a shuffle, a clamp, a multiply-add, a compare and an xor per 16-byte copy (it was ~29
+// instructions, and the producer warps, busy issuing them, fed the tensor cores K/V tiles late: ncu, session 13).
 template <int D, int BN>
 __device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ table,
                                             int kt, int ctx, int block_size, int hkv, int h, int gt) {
-    constexpr int CH = D / 8;       // 16-byte chunks per row
-    constexpr int RPI = 32 / CH;    // rows one warp instruction covers
-    constexpr int STEP = 2 * RPI;   // rows both warps cover per step
-    static_assert(32 % CH == 0 && 32 % STEP == 0 && BN % 32 == 0, "rows per step divide a 32-row group");
+    constexpr int CH = D / 8;      // 16-byte chunks per row
+    constexpr int RPI = 32 / CH;   // rows one warp instruction covers
+    constexpr int GROUPS = (BN / 2 + 31) / 32;
+    static_assert(32 % CH == 0 && RPI <= 8 && BN % 16 == 0, "whole rows per warp instruction, whole atom pairs");
     const int lane = gt & 31, w = gt >> 5;
-    int cache_row[BN / 32];
+    int head_row[GROUPS];
 #pragma unroll
-    for (int i = 0; i < BN / 32; ++i) {
-        const int kp = kt + lane + 32 * i;
-        cache_row[i] = kp < ctx ? table[kp / block_size] * block_size + kp % block_size : -1;
+    for (int i = 0; i < GROUPS; ++i) {
+        const int j = lane + 32 * i;
+        const int kp = kt + 16 * (j >> 3) + 8 * w + (j & 7);
+        head_row[i] = kp < ctx ? (table[kp / block_size] * block_size + kp % block_size) * hkv + h : -1;
     }
     const int sub = lane / CH, ch = lane % CH;
+    const char* src_ch = reinterpret_cast<const char*>(cache) + ch * 16;
+    const unsigned row_base = dst + (ch >> 3) * (BN * 128) + (8 * w + sub) * 128;
+    // sw_off's swizzle: chunk ch & 7 of row r goes to chunk (ch & 7) ^ (r & 7), and r & 7 = RPI v + sub = RPI v ^ sub
+    const unsigned sw = ((ch & 7) ^ sub) << 4;
 #pragma unroll
-    for (int i = 0; i < BN / 32; ++i) {  // 32-row groups: the row indices of group i are in cache_row[i]
-#pragma unroll 4
-        for (int it = 0; it < 32 / STEP; ++it) {  // unrolled in part: the producer has 40 registers
-            const int row32 = it * STEP + w * RPI + sub;
-            const int cr = __shfl_sync(FULL_MASK, cache_row[i], row32);
-            const i64 o = cr < 0 ? 0 : ((i64)cr * hkv + h) * D + ch * 8;
-            cp_async16_zfill(dst + sw_off<BN>(32 * i + row32, ch), cache + o, cr < 0 ? 0 : 16);
+    for (int m = 0; m < BN / 16; ++m)
+#pragma unroll
+        for (int v = 0; v < 8 / RPI; ++v) {
+            const int hr = __shfl_sync(FULL_MASK, head_row[m / 4], 8 * (m & 3) + RPI * v + sub);
+            const unsigned d = row_base + (16 * m + RPI * v) * 128 + (sw ^ ((RPI * v) << 4));
+            cp_async16_row(d, src_ch, hr, D * 2);
         }
-    }
 }
 
 // One query tile of the flattened work (item = find_tile's index): its sequence, rows and visible keys. Every warp
@@ -122,10 +145,10 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
                const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
                int block_size, float scale_log2, int window, bf16* __restrict__ out) {
-    static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle atoms");
+    static_assert(D % 64 == 0 && BN % 16 == 0, "rows of whole 128-byte swizzle atoms; P V takes keys 16 at a time");
     constexpr int BM = 128;
     constexpr int CH = D / 8;
-    constexpr int NP = BN / 64;
+    constexpr int NP = SPieces<BN>::COUNT;
     constexpr int OP = D / 64;
     constexpr int KV_BYTES = BN * D * 2;
     // named barriers (0 is __syncthreads): 1, 2 a consumer's own Q load; 3, 4 a consumer's turn on the tensor cores
@@ -204,7 +227,7 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
     };
     load_q(it.start, it.r0, it.r1);
     float o[OP][32];
-    float s[NP][32];
+    float s[NP][SPieces<BN>::N / 2];
     unsigned pa[BN / 16][4];
     float m_i[2], l_i[2], alpha[2];
     int n0 = 0;         // K/V tiles of this block before the current one
@@ -263,7 +286,9 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
             }
             if (has_s) {
                 online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin + j * BN, rv);
-                rescale<OP>(o, alpha);
+                // alpha is exactly 1 for a row whose max did not grow (x * 1 = x): a warp none of whose rows grew
+                // skips the D / 2 multiplies, with the same bits
+                if (__any_sync(FULL_MASK, (alpha[0] != 1.f) | (alpha[1] != 1.f))) rescale<OP>(o, alpha);
             }
         };
         step(0, true, false);

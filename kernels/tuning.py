@@ -50,7 +50,10 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   Since session 12 "auto" takes "wgmma-pingpong" at head dim 256, in persistent blocks (a wave over the device,
   each block taking query tiles in turn) with the mask decided per tile: same process, H200, 32 x 2304: ws
   2.075x SDPA before, ws 2.040x, pingpong 2.005x after; 64 x 256 after 2048 cached: ws 0.928x before, pingpong
-  0.936x after (bench/kernel_bench.py attn, the outputs bit for bit those of the kernels before).
+  0.936x after (bench/kernel_bench.py attn, the outputs bit for bit those of the kernels before). Session 13: the
+  producer warps were the limit (ncu: busy issuing ~29 instructions per 16-byte copy while the consumers waited on
+  K); with ~6 per copy and 80-key tiles at head dim 256 (ws_keys_per_tile), 32 x 2304: pingpong 4.43 -> 3.16 ms,
+  1.41x SDPA; 64 x 256 after 2048 cached: 0.58x SDPA.
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -98,6 +101,14 @@ def wgmma_keys_per_tile(head_dim: int) -> int:
     """BN of attn_wgmma_kernel for `head_dim`: 64 keys at 256 dims (O alone takes 128 registers per thread), else
     128 (fewer barriers and Q reads per key)."""
     return 64 if head_dim > 128 else 128
+
+
+def ws_keys_per_tile(head_dim: int) -> int:
+    """BN of attn_ws_kernel: 80 keys at 256 dims, the most for which its two K and two V stages fit beside the Q tile
+    ((128 + 4 x 80) x 512 bytes + 1 KB of 227 KB; one m64n80 wgmma per 16 dims reads the Q slice once per 80 keys,
+    and a tile's fixed costs, barriers and the O rescale, are spread over 80 keys: H200, 32 x 2304, 16/4 x 256,
+    3.16 ms against 3.39 ms at 64 keys, session 13); else the block-synchronous kernel's BN."""
+    return 80 if head_dim > 128 else wgmma_keys_per_tile(head_dim)
 
 
 def ws_persistent_blocks(query_tiles: int, kv_heads: int, sm_count: int) -> int:
@@ -296,8 +307,9 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
         schedule = WGMMA_SCHEDULES[choice]
-        return AttentionPlan("wgmma", warps=12 if schedule in ("ws", "pingpong") else 8, keys=wgmma_keys_per_tile(d),
-                             schedule=schedule)
+        ws = schedule in ("ws", "pingpong")
+        keys = ws_keys_per_tile(d) if ws else wgmma_keys_per_tile(d)
+        return AttentionPlan("wgmma", warps=12 if ws else 8, keys=keys, schedule=schedule)
     wide = 8 if d > 128 else 4
     table_keys = table_width * block_size
     if shared and decode and window == 0 and tuning.attn_cascade:

@@ -21,9 +21,16 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS, WGMMA_ROWS_PER_BLOCK as BM, wgmma_keys_per_tile
+from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS, WGMMA_ROWS_PER_BLOCK as BM, wgmma_keys_per_tile, ws_keys_per_tile
 
 BF16 = ml_dtypes.bfloat16
+# (head dim, BN) of every instantiation: attn_wgmma_kernel's tiles and attn_ws_kernel's (80 keys at head dim 256)
+TILES = sorted({(d, f(d)) for d in WGMMA_HEAD_DIMS for f in (wgmma_keys_per_tile, ws_keys_per_tile)})
+
+
+def s_piece(bn: int) -> int:
+    """attention_sm90.cu SPieces<BN>::N: keys per S wgmma (64-key pieces, or one piece of 80)."""
+    return 64 if bn % 64 == 0 else bn
 LOG2E = 1.4426950408889634
 TOL, ROW_TOL = 1e-2, 3e-2  # tests/test_cuda_kernels.py WGMMA_TOL, WGMMA_ROW_TOL (the derivation is there)
 
@@ -33,12 +40,13 @@ def bf16(x):
 
 
 # ---- 1. the algorithm ------------------------------------------------------------------------------------------------
-def kernel_model(q, k_cache, v_cache, tables, ctx, cu, scale, window):
-    """attn_wgmma_kernel block by block: a block = (sequence, KV head, tile of BM rows), rows r = token r / rep,
-    query head kv * rep + r % rep; each block walks its key tiles exactly as the kernel does."""
+def kernel_model(q, k_cache, v_cache, tables, ctx, cu, scale, window, bn=None):
+    """attn_wgmma_kernel (attn_ws_kernel with bn = ws_keys_per_tile) block by block: a block = (sequence, KV head,
+    tile of BM rows), rows r = token r / rep, query head kv * rep + r % rep; each block walks its key tiles exactly
+    as the kernel does."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    rep, bn, win = hq // hkv, wgmma_keys_per_tile(d), window or 0
+    rep, bn, win = hq // hkv, bn or wgmma_keys_per_tile(d), window or 0
     scale_log2 = np.float32(scale * LOG2E)
     k_rows, v_rows = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
     out = np.full((t, hq, d), np.nan, np.float32)
@@ -116,16 +124,19 @@ def _case(rng, seqs, hq, hkv, d, bs):
 SEQS = [(1, 1), (300, 1), (150, 70), (33, 33), (129, 129), (97, 20), (2, 2), (400, 190)]
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,window", [
-    (8, 2, 64, 16, None),    # GQA 4, 128-key tiles
-    (8, 8, 128, 32, 37),     # GQA 1, a window
-    (16, 2, 256, 48, 5),     # GQA 8, 64-key tiles, a window shorter than a block, blocks of 48
-    (4, 1, 256, 16, 130),    # GQA 4, a window over two key tiles
+@pytest.mark.parametrize("hq,hkv,d,bs,window,bn", [
+    (8, 2, 64, 16, None, None),    # GQA 4, 128-key tiles
+    (8, 8, 128, 32, 37, None),     # GQA 1, a window
+    (16, 2, 256, 48, 5, None),     # GQA 8, 64-key tiles, a window shorter than a block, blocks of 48
+    (4, 1, 256, 16, 130, None),    # GQA 4, a window over two key tiles
+    (16, 2, 256, 48, 5, 80),       # attn_ws_kernel's 80-key tiles: tiles across block boundaries
+    (4, 1, 256, 64, 130, 80),
+    (8, 2, 256, 16, None, 80),
 ])
-def test_kernel_model_matches_reference(hq, hkv, d, bs, window):
+def test_kernel_model_matches_reference(hq, hkv, d, bs, window, bn):
     rng = np.random.default_rng(d + hq + (window or 0))
     q, k_cache, v_cache, tables, ctx, cu = _case(rng, SEQS, hq, hkv, d, bs)
-    got = kernel_model(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, window)
+    got = kernel_model(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, window, bn)
     want = NumpyOps().paged_attention(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, window)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= TOL
     per_row = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
@@ -187,26 +198,26 @@ def desc_fields(saddr: int, lbo: int) -> dict[str, int]:
                 base_offset=(desc >> 49) & 7, swizzle=desc >> 62)
 
 
-@pytest.mark.parametrize("d", WGMMA_HEAD_DIMS)
-def test_descriptors_read_what_the_gathers_wrote(d):
-    bn = wgmma_keys_per_tile(d)
+@pytest.mark.parametrize("d,bn", TILES)
+def test_descriptors_read_what_the_gathers_wrote(d, bn):
+    pn = s_piece(bn)
     kv_bytes = bn * d * 2
     sq = 1024 * 5  # the kernel rounds the dynamic shared memory up to 1024 bytes
     sk, sv = sq + BM * d * 2 + kv_bytes, sq + BM * d * 2 + 3 * kv_bytes  # the second K and V stages
     q_mem, k_mem, v_mem = stored(sq, BM, d), stored(sk, bn, d), stored(sv, bn, d)
     assert all(a % 1024 == 0 for a in (sq, sk, sv))
-    for kk in range(d // 16):  # S = Q K^T, one wgmma per (warpgroup, 64-key piece, 16 dims)
+    for kk in range(d // 16):  # S = Q K^T, one wgmma per (warpgroup, piece of pn keys, 16 dims)
         for wg in range(2):
             f = desc_fields(sq + wg * 64 * 128 + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 0)
             assert f["swizzle"] == 1 and f["base_offset"] == 0
             for r in range(64):
                 for k in range(16):
                     assert q_mem[k_major(f["start"], r, k, f["sbo"])] == (64 * wg + r, 16 * kk + k)
-        for p in range(bn // 64):
-            f = desc_fields(sk + (kk >> 2) * (bn * 128) + p * 64 * 128 + (kk & 3) * 32, 0)
-            for n in range(64):
+        for p in range(bn // pn):
+            f = desc_fields(sk + (kk >> 2) * (bn * 128) + p * pn * 128 + (kk & 3) * 32, 0)
+            for n in range(pn):
                 for k in range(16):
-                    assert k_mem[k_major(f["start"], n, k, f["sbo"])] == (64 * p + n, 16 * kk + k)
+                    assert k_mem[k_major(f["start"], n, k, f["sbo"])] == (pn * p + n, 16 * kk + k)
     for k2 in range(bn // 16):  # O += P V: B[k = key][n = dim] = V[key][dim], transposed
         for p in range(d // 64):
             f = desc_fields(sv + p * (bn * 128) + k2 * 16 * 128, 1024)
@@ -229,25 +240,26 @@ def a_fragment(warp: int, lane: int, j: int, half: int) -> tuple[int, int]:
     return 16 * warp + lane // 4 + 8 * (j % 2), 2 * (lane % 4) + half + 8 * (j // 2)
 
 
-@pytest.mark.parametrize("d", WGMMA_HEAD_DIMS)
-def test_register_layouts(d):
-    bn = wgmma_keys_per_tile(d)
+@pytest.mark.parametrize("d,bn", TILES)
+def test_register_layouts(d, bn):
+    pn = s_piece(bn)
     for wg in range(2):
         s_cover, p_cover, o_cover = set(), set(), set()
         for w in range(4):
             warp = 4 * wg + w  # the kernel's warp index in the block
             for lane in range(32):
                 g, c = lane >> 2, lane & 3
-                for p in range(bn // 64):
-                    for i in range(8):
+                for p in range(bn // pn):
+                    for i in range(pn // 8):
                         for e in range(4):
                             # the kernel's masking and softmax: s[p][4i+e] is (row 16 warp + g + 8(e/2), key ...)
-                            row, key = 16 * warp + g + 8 * (e >> 1), 64 * p + 8 * i + 2 * c + (e & 1)
+                            row, key = 16 * warp + g + 8 * (e >> 1), pn * p + 8 * i + 2 * c + (e & 1)
                             hr, hc = d_fragment(w, lane, 4 * i + e)
-                            assert (64 * wg + hr, 64 * p + hc) == (row, key)
+                            assert (64 * wg + hr, pn * p + hc) == (row, key)
                             s_cover.add((row, key))
-                            # the kernel's P packing: pa[k2][2 half + e/2] element e%2, k2 = 4p + i/2, half = i%2
-                            k2, half = 4 * p + i // 2, i & 1
+                            # the kernel's P packing: pa[k2][2 half + e/2] element e%2, k2 = pn p / 16 + i/2,
+                            # half = i%2
+                            k2, half = pn * p // 16 + i // 2, i & 1
                             ar, ak = a_fragment(w, lane, 2 * half + (e >> 1), e & 1)
                             assert (64 * wg + ar, 16 * k2 + ak) == (row, key)
                             p_cover.add((row, key))
@@ -264,34 +276,43 @@ def test_register_layouts(d):
 
 
 # ---- 4. attn_ws_kernel (kernels/attention_sm90_ws.cu): the producer's gathers and the pipeline's barriers -----------
-@pytest.mark.parametrize("d", WGMMA_HEAD_DIMS)
-def test_ws_gather_covers_the_tile(d):
+@pytest.mark.parametrize("d,bn", TILES)
+@pytest.mark.parametrize("kt,ctx_past", [(0, 0), (64, 5), (160, 79), (80, 1)])
+def test_ws_gather_covers_the_tile(d, bn, kt, ctx_past):
     """gather_tile: the 64 threads of a producer group write every 16-byte chunk of the [BN x D] tile exactly once,
-    each from the cache row of its own key (the row index taken from the lane that looked it up)."""
-    bn, ch_per_row = wgmma_keys_per_tile(d), d // 8
-    rpi, step = 32 // ch_per_row, 2 * 32 // ch_per_row
-    kt, ctx, block_size, table = 64, 64 + bn - 5, 16, [7, 3, 9, 1, 4, 8, 2, 6, 5, 0, 11, 10, 13, 12, 15, 14]
-    cache_row = {}  # (warp, lane, i) -> the lane's lookup for key kt + lane + 32 i
+    each from the cache row of its own key (the row index taken from the lane that looked it up), zeros past ctx."""
+    ch_per_row = d // 8
+    rpi, groups = 32 // ch_per_row, -(-(bn // 2) // 32)
+    block_size, hkv, h = 16, 3, 2
+    table = list(np.random.default_rng(bn + d).permutation(40))
+    ctx = kt + bn - ctx_past
+    head_row = {}  # (warp, lane, i) -> the lane's lookup for its warp's row j = lane + 32 i
     for w in range(2):
         for lane in range(32):
-            for i in range(bn // 32):
-                kp = kt + lane + 32 * i
-                cache_row[w, lane, i] = table[kp // block_size] * block_size + kp % block_size if kp < ctx else -1
+            for i in range(groups):
+                j = lane + 32 * i
+                kp = kt + 16 * (j >> 3) + 8 * w + (j & 7)
+                head_row[w, lane, i] = ((table[kp // block_size] * block_size + kp % block_size) * hkv + h
+                                        if kp < ctx else -1)
     written = {}
     for w in range(2):
         for lane in range(32):
             sub, ch = lane // ch_per_row, lane % ch_per_row
-            for i in range(bn // 32):
-                for it in range(32 // step):
-                    row32 = it * step + w * rpi + sub
-                    cr = cache_row[w, row32, i]  # __shfl_sync from lane row32
-                    dst = sw_off(bn, 32 * i + row32, ch)
+            row_base = (ch >> 3) * (bn * 128) + (8 * w + sub) * 128
+            sw = ((ch & 7) ^ sub) << 4
+            for m in range(bn // 16):
+                for v in range(8 // rpi):
+                    hr = head_row[w, 8 * (m & 3) + rpi * v + sub, m // 4]  # __shfl_sync from that lane
+                    dst = row_base + (16 * m + rpi * v) * 128 + (sw ^ ((rpi * v) << 4))
+                    row = 16 * m + 8 * w + rpi * v + sub
+                    assert dst == sw_off(bn, row, ch)  # the swizzled place the descriptors read (section 2)
                     assert dst not in written
-                    written[dst] = (32 * i + row32, ch, cr)
+                    written[dst] = (row, ch, hr)
     assert len(written) == bn * ch_per_row
-    for row, ch, cr in written.values():
+    for row, ch, hr in written.values():
         kp = kt + row
-        assert cr == (table[kp // block_size] * block_size + kp % block_size if kp < ctx else -1)
+        # the copy reads byte hr x (D x 2) + 16 ch of the cache ([rows x hkv] x D), or writes zeros (hr < 0)
+        assert hr == ((table[kp // block_size] * block_size + kp % block_size) * hkv + h if kp < ctx else -1)
 
 
 class _Mbarrier:

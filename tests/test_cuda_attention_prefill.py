@@ -60,8 +60,11 @@ def test_ws_sharp_softmax_many_tiles(ws_ops, ref):
 
 @pytest.mark.parametrize("d,window", [(256, None), (128, 100), (64, 7)])
 def test_ws_same_bits_as_wgmma(ws_checked, d, window):
-    """attn_ws_kernel does attn_wgmma_kernel's arithmetic in the same order: equal up to the last bits; and the
-    same bits run after run (a race between the producer and the consumers would show as a difference that moves)."""
+    """attn_ws_kernel does attn_wgmma_kernel's arithmetic in the same order on the same tiles: equal up to the last
+    bits; and the same bits run after run (a race between the producer and the consumers would show as a
+    difference that moves). At head dim 256 its tiles are 80 keys, not 64: the running max then rescales at other
+    keys and P rounds in other groups, each kernel within ~2e-3 of the fp32 reference (the bf16 output rounding),
+    so the two within twice that."""
     ops = ws_checked
     rng = np.random.default_rng(9 + d)
     c = _paged_case(rng, ops, WGMMA_SEQS, 8, 2, d, 64)
@@ -71,7 +74,7 @@ def test_ws_same_bits_as_wgmma(ws_checked, d, window):
     for kernel in WS_KERNELS:
         tuned = ops.retuned(attn_prefill_kernel=kernel)
         first = host(ops, tuned.paged_attention(*args))
-        assert rel(first, base) <= 1e-3, kernel
+        assert rel(first, base) <= (1e-3 if d <= 128 else 4e-3), kernel
         for _ in range(3):
             np.testing.assert_array_equal(host(ops, tuned.paged_attention(*args)), first, err_msg=kernel)
 

@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 
-from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, AttentionPlan, CudaTuning, \
-    DeltaRuleLaunch, GdnPrepLaunch, NORM_WIDE_LANES, NormLaunch, attention_plan, delta_rule_launch, gdn_tc_prep_launch, \
-    gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch, ws_persistent_blocks
+from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, NORM_WIDE_LANES, WGMMA_HEAD_DIMS, \
+    AttentionPlan, CudaTuning, DeltaRuleLaunch, GdnPrepLaunch, NormLaunch, attention_plan, delta_rule_launch, \
+    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch, wgmma_keys_per_tile, \
+    ws_keys_per_tile, ws_persistent_blocks
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
@@ -178,15 +179,16 @@ def test_attention_wgmma_choice():
     take the wgmma kernel chosen by attn_prefill_kernel; decode, few-row steps (speculative verification), other
     head dims, fp32 and other GPUs keep their paths."""
     prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
-    # the default ("auto"): the warp-specialised kernel taking turns at head dim 256, the serial one below
+    # the default ("auto"): the warp-specialised kernel taking turns at head dim 256 (80-key tiles), the serial
+    # one below
     assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True) == \
-        AttentionPlan("wgmma", 12, 64, schedule="pingpong")
+        AttentionPlan("wgmma", 12, 80, schedule="pingpong")
     assert attention_plan(DEFAULT, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True) == \
         AttentionPlan("wgmma", 8, 128, schedule="serial")
-    for choice, warps, schedule in (("wgmma", 8, "serial"), ("wgmma-overlap", 8, "overlap"),
-                                    ("wgmma-ws", 12, "ws"), ("wgmma-pingpong", 12, "pingpong")):
+    for choice, warps, keys, schedule in (("wgmma", 8, 64, "serial"), ("wgmma-overlap", 8, 64, "overlap"),
+                                          ("wgmma-ws", 12, 80, "ws"), ("wgmma-pingpong", 12, 80, "pingpong")):
         tuned = dataclasses.replace(DEFAULT, attn_prefill_kernel=choice)
-        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma", warps, 64,
+        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=True) == AttentionPlan("wgmma", warps, keys,
                                                                                        schedule=schedule)
         assert attention_plan(tuned, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True).keys == 128
         # not an sm_90 GPU: the mma.sync kernel, never an error
@@ -292,3 +294,17 @@ def test_ws_persistent_blocks_never_make_a_second_wave(kv_heads, tiles):
         assert blocks * kv_heads <= H200_SMS
         # and no SM left idle that one more block per head would have filled
         assert blocks == tiles or (blocks + 1) * kv_heads > H200_SMS
+
+
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+def test_wgmma_tiles_fit_shared_memory(head_dim):
+    """Both sm_90a attention kernels keep the Q tile (128 rows), two K and two V stages of BN keys and 1 KB of
+    alignment slack in dynamic shared memory, with attn_ws_kernel's 64 bytes of mbarriers beside them, within the
+    227 KB a block may opt into on an H100/H200; at head dim 256 the warp-specialised kernel's 80 keys are the most
+    that fit (a multiple of 16: P V takes keys 16 at a time)."""
+    limit, barriers = 227 * 1024, 64
+    smem = lambda bn: (128 + 4 * bn) * head_dim * 2 + 1024 + barriers
+    for bn in (wgmma_keys_per_tile(head_dim), ws_keys_per_tile(head_dim)):
+        assert bn % 16 == 0 and smem(bn) <= limit
+    if head_dim == 256:
+        assert ws_keys_per_tile(head_dim) == 80 and smem(80 + 16) > limit
