@@ -78,7 +78,7 @@ __device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict
     constexpr int GROUPS = (BN / 2 + 31) / 32;
     static_assert(32 % CH == 0 && RPI <= 8 && BN % 16 == 0, "whole rows per warp instruction, whole atom pairs");
     const int lane = gt & 31, w = gt >> 5;
-    int head_row[GROUPS];
+    int head_row[GROUPS];  // 32 bits suffice: 2^31 head rows of D >= 64 bf16 would be 256 GiB of cache
 #pragma unroll
     for (int i = 0; i < GROUPS; ++i) {
         const int j = lane + 32 * i;
