@@ -100,3 +100,26 @@ def test_ws_persistent_blocks_give_the_bits_of_one_tile_per_block(ws_checked, mo
         monkeypatch.setattr(attention_sm90, "ws_persistent_blocks",
                             default if blocks is None else (lambda tiles, heads, sms: blocks))
         np.testing.assert_array_equal(host(ops, tuned.paged_attention(*args)), one_each, err_msg=kernel)
+
+
+@pytest.mark.parametrize("d,bs", [(256, 64), (256, 48), (128, 16), (64, 32)])
+def test_ws_rows_past_the_context_are_zero_filled(ws_ops, ref, d, bs):
+    """Cache rows no query may see (past each sequence's context in its last block, and every block no table
+    names) hold NaN, as rows of a pool never written may: the gathers must fill those rows of a tile with zeros
+    rather than read them (P is 0 there, but 0 x NaN is NaN), so the output is finite and the reference's."""
+    rng = np.random.default_rng(5 + d + bs)
+    c = _paged_case(rng, ws_ops, WGMMA_SEQS, 8, 2, d, bs)
+    k_cache, v_cache = c["k_cache"].copy(), c["v_cache"].copy()
+    visible = np.zeros(k_cache.shape[:2], bool)  # [blocks, rows]
+    for seq, n_ctx in enumerate(c["ctx"]):
+        for p in range(int(n_ctx)):
+            visible[c["tables"][seq, p // bs], p % bs] = True
+    assert (~visible).any(axis=1).sum() >= len(c["ctx"]) // 2  # partial last blocks, and unused ones
+    k_cache[~visible], v_cache[~visible] = np.nan, np.nan
+    want = ref.paged_attention(c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5,
+                               None)
+    got = host(ws_ops, ws_ops.paged_attention(c["q_dev"], ws_ops.upload(k_cache), ws_ops.upload(v_cache),
+                                              ws_ops.upload_index(c["tables"]), ws_ops.upload_index(c["ctx"]),
+                                              ws_ops.upload_index(c["cu"]), d ** -0.5, None))
+    assert np.isfinite(got).all()
+    assert rel(got, want) <= 1e-2  # tests/test_cuda_kernels.py WGMMA_TOL
