@@ -134,9 +134,8 @@ def _function(head_dim: int, schedule: str):
 
 
 def compile_module():
-    """Build (or load from the cache folder) both modules now: the default "auto" takes the warp-specialised one at
-    head dim 256 and the base one below (kernels/tuning.py)."""
-    _function(HEAD_DIMS[0], "serial")
+    """Build (or load from the cache folder) the module the default takes now: "auto" runs the warp-specialised
+    kernel at every head dim (kernels/tuning.py); the block-synchronous module builds on first use when chosen."""
     _function(HEAD_DIMS[0], "ws")
 
 

@@ -53,7 +53,11 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   0.936x after (bench/kernel_bench.py attn, the outputs bit for bit those of the kernels before). Session 13: the
   producer warps were the limit (ncu: busy issuing ~29 instructions per 16-byte copy while the consumers waited on
   K); with ~6 per copy and 80-key tiles at head dim 256 (ws_keys_per_tile), 32 x 2304: pingpong 4.43 -> 3.16 ms,
-  1.41x SDPA; 64 x 256 after 2048 cached: 0.58x SDPA.
+  1.41x SDPA; 64 x 256 after 2048 cached: 0.58x SDPA. "auto" takes "wgmma-pingpong" at head dims 64 and 128 too
+  since: the same tiles as "wgmma" there, bit for bit its outputs, and time / "wgmma" on an H200 (session 13,
+  through CudaOps.paged_attention, median of 11): 32 x 2304, 32/8 x 128: 0.73; 64 x 256 after 2048, 32/8 x 128:
+  0.75; 8 x 1024, 16/2 x 128: 0.99; ragged with history, 16/2 x 128: 0.94; 4 x 512, 8/8 x 128: 0.92; 32 x 2304,
+  16/4 x 64: 0.68; 64 x 256 after 2048, 16/4 x 64: 0.70.
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -303,7 +307,7 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
     if choice == "auto":
-        choice = "wgmma-pingpong" if d > 128 else "wgmma"  # measured: the module docstring
+        choice = "wgmma-pingpong"  # measured at every head dim it takes: the module docstring
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
         schedule = WGMMA_SCHEDULES[choice]

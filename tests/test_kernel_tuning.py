@@ -179,12 +179,12 @@ def test_attention_wgmma_choice():
     take the wgmma kernel chosen by attn_prefill_kernel; decode, few-row steps (speculative verification), other
     head dims, fp32 and other GPUs keep their paths."""
     prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
-    # the default ("auto"): the warp-specialised kernel taking turns at head dim 256 (80-key tiles), the serial
-    # one below
+    # the default ("auto"): the warp-specialised kernel taking turns at every head dim (80-key tiles at 256)
     assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=True) == \
         AttentionPlan("wgmma", 12, 80, schedule="pingpong")
-    assert attention_plan(DEFAULT, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True) == \
-        AttentionPlan("wgmma", 8, 128, schedule="serial")
+    for d in (64, 128):
+        assert attention_plan(DEFAULT, H200_SMS, **{**prefill, "head_dim": d}, wgmma=True) == \
+            AttentionPlan("wgmma", 12, 128, schedule="pingpong")
     for choice, warps, keys, schedule in (("wgmma", 8, 64, "serial"), ("wgmma-overlap", 8, 64, "overlap"),
                                           ("wgmma-ws", 12, 80, "ws"), ("wgmma-pingpong", 12, 80, "pingpong")):
         tuned = dataclasses.replace(DEFAULT, attn_prefill_kernel=choice)
