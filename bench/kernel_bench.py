@@ -93,7 +93,7 @@ def attn_part() -> list[Row]:
     if attention_sm90.available():  # the schedules of kernels/attention_sm90.cu and attention_sm90_ws.cu
         kernels["wgmma"] = base.retuned(attn_prefill_kernel="wgmma")
         kernels["wgmma-overlap"] = base.retuned(attn_prefill_kernel="wgmma-overlap")
-        # the warp-specialised kernel (the head-dim-256 default) after a smoke run in a child process: a pipeline
+        # the warp-specialised kernel (the default at every head dim) after a smoke run in a child process: a pipeline
         # that never completes costs the child's timeout, not the bench
         ws_failure = _ws_smoke_failure()
         if ws_failure:

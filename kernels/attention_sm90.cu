@@ -6,7 +6,8 @@
 // (ctx - n .. ctx - 1: chunked prefill or a restored checkpoint before them), keys come through the block table,
 // a query at position p sees keys in (p - window, p] (window 0: all of 0..p).
 //
-// Two warpgroups of 4 warps, 64 rows each. S = Q K^T and O += P V run as wgmma.m64n64k16 (fp32 accumulate): Q and K
+// Two warpgroups of 4 warps, 64 rows each. S = Q K^T and O += P V run as wgmma.m64nNk16 (fp32 accumulate; N = 64,
+// and 80 for S in attention_sm90_ws.cu's 80-key tiles): Q and K
 // are read by the tensor cores straight from shared memory (descriptors), P stays in registers (the accumulator
 // layout of S is the A-fragment layout of the next wgmma), V is the transposed (MN-major) B operand. Tiles live in
 // shared memory in the canonical 128-byte-swizzle layout: a [R x D] tile is D/64 column blocks of R rows x 128 bytes,
@@ -134,11 +135,13 @@ struct SPieces {
     static constexpr int COUNT = BN / N;
     static_assert(BN % 16 == 0 && (N == 64 || N == 80), "wgmma_ss has N = 64 and N = 80");
 };
+template <int BN>
+using STile = float[SPieces<BN>::COUNT][SPieces<BN>::N / 2];  // a thread's accumulators of S
 
 // One warpgroup's S [64 x BN] = Q K^T (its 64 rows of Q at sq_wg, the K tile at sk), in SPieces<BN>. Asynchronous:
 // the caller commits and waits.
 template <int D, int BN>
-__device__ __forceinline__ void issue_qk(float (&s)[SPieces<BN>::COUNT][SPieces<BN>::N / 2], unsigned sq_wg, unsigned sk) {
+__device__ __forceinline__ void issue_qk(STile<BN>& s, unsigned sq_wg, unsigned sk) {
     constexpr int PN = SPieces<BN>::N;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -176,7 +179,7 @@ struct RowsView {
 // MASKED is decided once per tile (online_softmax), and a masked tile compares each key against its row's visible
 // range with no branch: per-element branches (short-circuit tests) cost ~5 instructions per score on every tile.
 template <int BN, bool MASKED>
-__device__ __forceinline__ void softmax_tile(const float (&s)[SPieces<BN>::COUNT][SPieces<BN>::N / 2], unsigned (&pa)[BN / 16][4],
+__device__ __forceinline__ void softmax_tile(const STile<BN>& s, unsigned (&pa)[BN / 16][4],
                                              float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
                                              const RowsView& rv) {
     constexpr int PN = SPieces<BN>::N, NP = SPieces<BN>::COUNT;
@@ -239,7 +242,7 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[SPieces<BN>::COUNT
 }
 
 template <int BN>
-__device__ __forceinline__ void online_softmax(const float (&s)[SPieces<BN>::COUNT][SPieces<BN>::N / 2], unsigned (&pa)[BN / 16][4],
+__device__ __forceinline__ void online_softmax(const STile<BN>& s, unsigned (&pa)[BN / 16][4],
                                                float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], int kt,
                                                const RowsView& rv) {
     const bool full = kt + BN - 1 <= rv.qp_lo && kt >= rv.kv_begin && (rv.window <= 0 || kt > rv.qp_hi - rv.window);
@@ -347,7 +350,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         for (int i = 0; i < 32; ++i) o[p][i] = 0.f;
     float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f}, alpha[2];
     const unsigned sq_wg = sq + wg * 64 * 128;  // this warpgroup's 64 rows in every column block
-    float s[NP][SPieces<BN>::N / 2];
+    STile<BN> s;
     unsigned pa[BN / 16][4];
 
     if (!OVERLAP) {

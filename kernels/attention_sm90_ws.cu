@@ -67,8 +67,9 @@ __device__ __forceinline__ void cp_async16_row(unsigned dst, const char* base, i
 // instruction per RPI rows. Each lane first looks up where its warp's rows j = lane + 32 i sit (one table read per
 // key, not per chunk): their row in the cache's [rows x hkv] view of D-element head rows, -1 past ctx. A copy of
 // row 16 m + 8 w + RPI v + sub (m, v unrolled; w, sub the thread's own) then takes that index from lane
-// 8 (m % 4) + RPI v + sub of group m / 4, a constant at D = 256, and its place in the swizzled tile is a per-thread
-// base plus a constant: a shuffle, a clamp, a multiply-add, a compare and an xor per 16-byte copy (it was ~29
+// 8 (m % 4) + RPI v + sub of group m / 4 (a constant at D = 256, where sub = 0), and its place in the swizzled tile
+// is a per-thread base, a constant and (D < 256) the thread's swizzle bits xor a constant: a shuffle, a clamp, a
+// multiply-add and a compare per 16-byte copy at D = 256 (it was ~29
 // instructions, and the producer warps, busy issuing them, fed the tensor cores K/V tiles late: ncu, session 13).
 template <int D, int BN>
 __device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ table,
@@ -83,6 +84,8 @@ __device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict
     for (int i = 0; i < GROUPS; ++i) {
         const int j = lane + 32 * i;
         const int kp = kt + 16 * (j >> 3) + 8 * w + (j & 7);
+        // (lanes past the warp's BN / 2 rows, 24 of 64 at BN = 80, look up keys no copy asks for: kp < ctx keeps
+        // their table reads in range; skipping them changed the register allocation, unmeasured)
         head_row[i] = kp < ctx ? (table[kp / block_size] * block_size + kp % block_size) * hkv + h : -1;
     }
     const int sub = lane / CH, ch = lane % CH;
@@ -227,7 +230,7 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
     };
     load_q(it.start, it.r0, it.r1);
     float o[OP][32];
-    float s[NP][SPieces<BN>::N / 2];
+    STile<BN> s;
     unsigned pa[BN / 16][4];
     float m_i[2], l_i[2], alpha[2];
     int n0 = 0;         // K/V tiles of this block before the current one
@@ -287,7 +290,8 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
             if (has_s) {
                 online_softmax<BN>(s, pa, m_i, l_i, alpha, t_begin + j * BN, rv);
                 // alpha is exactly 1 for a row whose max did not grow (x * 1 = x): a warp none of whose rows grew
-                // skips the D / 2 multiplies, with the same bits
+                // skips the D / 2 multiplies, with the same bits (but for subnormal O, which the -ftz multiply
+                // would have flushed to 0: O below 2^-126 needs V of that size)
                 if (__any_sync(FULL_MASK, (alpha[0] != 1.f) | (alpha[1] != 1.f))) rescale<OP>(o, alpha);
             }
         };

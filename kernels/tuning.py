@@ -34,8 +34,9 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
 - decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
   batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s (1152 keys: 87 us vs 112 us split).
 - cascade: a decode step with shared-prefix groups reads each group's shared K/V once.
-- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: the wgmma kernel
-  (kernels/attention_sm90.cu, `attn_prefill_kernel` "wgmma") when the step averages at least 64 query rows
+- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: the wgmma kernels
+  (kernels/attention_sm90.cu and attention_sm90_ws.cu; the default since session 13 is "wgmma-pingpong" at every
+  head dim, see below) when the step averages at least 64 query rows
   (tokens x GQA ratio) per sequence; steps of a few rows per sequence (speculative verification, decode-like
   chunks) and other GPUs keep attn_mma_kernel, whose 16-row warps waste less of a tile. Measured 2026-12-01 on an
   H200 (bench/kernel_bench.py attn, mma.sync / wgmma / wgmma-overlap): 32 x 2304, 16/4 x 256: 7.50 / 5.32 / 7.25 ms;
@@ -43,7 +44,8 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   schedule loses everywhere and stays selectable only for measuring it. "wgmma-ws" / "wgmma-pingpong"
   (kernels/attention_sm90_ws.cu: a producer warpgroup gathers K/V into mbarrier-guarded stages, two consumer
   warpgroups run apart, optionally taking turns on the tensor cores) do the serial schedule's arithmetic in the
-  same order. "auto" (sessions 9-11) took "wgmma-ws" at head dim 256 and "wgmma" below: H200, time
+  same order on the same tiles (since session 13 their tiles at head dim 256 are 80 keys, not 64). "auto" (sessions
+  9-11) took "wgmma-ws" at head dim 256 and "wgmma" below: H200, time
   / torch SDPA (sessions 8 and 9, bench/kernel_bench.py attn): 32 x 2304, 16/4 x 256: wgmma 2.50x, ws 2.13x,
   pingpong 2.11x; 64 x 256 after 2048 cached: 1.14x / 0.97x / 0.98x; 32/8 x 128: 2.85x / 3.48x / 3.44x. End to end
   (4b-like, one process per row, two rows each) ws and pingpong were within run-to-run noise of each other.
@@ -54,7 +56,8 @@ The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --b
   producer warps were the limit (ncu: busy issuing ~29 instructions per 16-byte copy while the consumers waited on
   K); with ~6 per copy and 80-key tiles at head dim 256 (ws_keys_per_tile), 32 x 2304: pingpong 4.43 -> 3.16 ms,
   1.41x SDPA; 64 x 256 after 2048 cached: 0.58x SDPA. "auto" takes "wgmma-pingpong" at head dims 64 and 128 too
-  since: the same tiles as "wgmma" there, bit for bit its outputs, and time / "wgmma" on an H200 (session 13,
+  since: the same tiles as "wgmma" there, bit for bit its outputs (but where O holds subnormals: the skipped
+  rescale of a row whose max held does not flush them), and time / "wgmma" on an H200 (session 13,
   through CudaOps.paged_attention, median of 11): 32 x 2304, 32/8 x 128: 0.73; 64 x 256 after 2048, 32/8 x 128:
   0.75; 8 x 1024, 16/2 x 128: 0.99; ragged with history, 16/2 x 128: 0.94; 4 x 512, 8/8 x 128: 0.92; 32 x 2304,
   16/4 x 64: 0.68; 64 x 256 after 2048, 16/4 x 64: 0.70.

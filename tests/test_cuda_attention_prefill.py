@@ -59,7 +59,7 @@ def test_ws_sharp_softmax_many_tiles(ws_ops, ref):
 
 
 @pytest.mark.parametrize("d,window", [(256, None), (128, 100), (64, 7)])
-def test_ws_same_bits_as_wgmma(ws_checked, d, window):
+def test_ws_agrees_with_wgmma(ws_checked, d, window):
     """attn_ws_kernel does attn_wgmma_kernel's arithmetic in the same order on the same tiles: equal up to the last
     bits; and the same bits run after run (a race between the producer and the consumers would show as a
     difference that moves). At head dim 256 its tiles are 80 keys, not 64: the running max then rescales at other
