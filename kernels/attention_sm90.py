@@ -22,7 +22,8 @@ import numpy as np
 
 from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
 from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
-from prefixrun.kernels.tuning import wgmma_keys_per_tile, ws_keys_per_tile, ws_persistent_blocks
+from prefixrun.kernels.tuning import wgmma_tile_keys as keys_per_tile
+from prefixrun.kernels.tuning import ws_persistent_blocks
 
 SCHEDULES = ("serial", "overlap", "ws", "pingpong")  # kernels/tuning.py WGMMA_SCHEDULES
 
@@ -30,11 +31,6 @@ SCHEDULES = ("serial", "overlap", "ws", "pingpong")  # kernels/tuning.py WGMMA_S
 def threads(schedule: str) -> int:
     """Block size: two warpgroups (attn_wgmma_kernel), or a producer and two consumers (attn_ws_kernel)."""
     return 384 if schedule in ("ws", "pingpong") else 256
-
-
-def keys_per_tile(head_dim: int, schedule: str) -> int:
-    """BN, the keys of one K/V tile: the warp-specialised kernel's (80 at head dim 256) or the other's."""
-    return ws_keys_per_tile(head_dim) if schedule in ("ws", "pingpong") else wgmma_keys_per_tile(head_dim)
 
 
 def shared_bytes(head_dim: int, schedule: str) -> int:

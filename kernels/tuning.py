@@ -118,6 +118,11 @@ def ws_keys_per_tile(head_dim: int) -> int:
     return 80 if head_dim > 128 else wgmma_keys_per_tile(head_dim)
 
 
+def wgmma_tile_keys(head_dim: int, schedule: str) -> int:
+    """BN, the keys of one K/V tile, of the sm_90a kernel that runs `schedule` (WGMMA_SCHEDULES' values)."""
+    return ws_keys_per_tile(head_dim) if schedule in ("ws", "pingpong") else wgmma_keys_per_tile(head_dim)
+
+
 def ws_persistent_blocks(query_tiles: int, kv_heads: int, sm_count: int) -> int:
     """Blocks per KV head of the warp-specialised kernel: at most one wave over the device (a block per SM: its
     shared memory), each block taking query tiles x, x + blocks, ... of its head; never more blocks than tiles.
@@ -314,9 +319,8 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
         schedule = WGMMA_SCHEDULES[choice]
-        ws = schedule in ("ws", "pingpong")
-        keys = ws_keys_per_tile(d) if ws else wgmma_keys_per_tile(d)
-        return AttentionPlan("wgmma", warps=12 if ws else 8, keys=keys, schedule=schedule)
+        return AttentionPlan("wgmma", warps=12 if schedule in ("ws", "pingpong") else 8,
+                             keys=wgmma_tile_keys(d, schedule), schedule=schedule)
     wide = 8 if d > 128 else 4
     table_keys = table_width * block_size
     if shared and decode and window == 0 and tuning.attn_cascade:
