@@ -1,4 +1,4 @@
-"""Decode steps with and without host/device overlap (engine/decode_pipeline.py), in one process on one model:
+"""Decode steps with and without host/device overlap (engine/step/decode_pipeline.py), in one process on one model:
 the decode step's wall time, the device time of a step (measured synchronously: the step's replay to the device
 drained), and whether the answers are the same.
 
@@ -36,7 +36,7 @@ def make_model_fast(out: Path, config: Path):
     import ml_dtypes
     import numpy as np
 
-    from prefixrun.engine import model_maker
+    from prefixrun.engine.load import model_maker
 
     pool = (np.random.default_rng(0).standard_normal(1 << 24, dtype=np.float32) * np.float32(0.02)) \
         .astype(ml_dtypes.bfloat16)  # [16M]

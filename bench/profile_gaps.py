@@ -25,13 +25,13 @@ from pathlib import Path
 
 # (module, class): every public method is wrapped; the engine's own steps besides
 WRAPPED_CLASSES = [
-    ("prefixrun.engine.executor", "WindowExecutor"),
-    ("prefixrun.engine.model_runner", "ModelRunner"),
-    ("prefixrun.engine.decode_graphs", "DecodeGraphs"),
-    ("prefixrun.engine.decode_pipeline", "DecodePipeline"),
-    ("prefixrun.engine.state", "ModelState"),
-    ("prefixrun.engine.checkpoints", "CheckpointPool"),
-    ("prefixrun.engine.scheduler", "Scheduler"),
+    ("prefixrun.engine.run.executor", "WindowExecutor"),
+    ("prefixrun.engine.step.model_runner", "ModelRunner"),
+    ("prefixrun.engine.step.decode_graphs", "DecodeGraphs"),
+    ("prefixrun.engine.step.decode_pipeline", "DecodePipeline"),
+    ("prefixrun.engine.state.pools", "ModelState"),
+    ("prefixrun.engine.state.checkpoints", "CheckpointPool"),
+    ("prefixrun.engine.plan.scheduler", "Scheduler"),
     ("prefixrun.kernels.cuda", "CudaOps"),
 ]
 PRIVATE_WANTED = {"_prefill_group", "_start_state", "_finish_task", "_start_decoding", "_decode_step", "_drain",

@@ -106,7 +106,8 @@ def _wrap(owner, name: str, around):
 
 def instrument(rec: Recorder, sync_steps: bool):
     """Patch the classes the run will use (before the run creates its objects)."""
-    from prefixrun.engine import decode_graphs, state
+    from prefixrun.engine.step import decode_graphs
+from prefixrun.engine.state import pools as state
     from prefixrun.engine.models import layers
     from prefixrun.kernels.reference import NumpyOps
 
@@ -159,7 +160,7 @@ def instrument(rec: Recorder, sync_steps: bool):
                           "forward": 0.0, "device_tail": 0.0, "start": _NOW()})
 
     try:  # main: the model runner's prefill is a step (decode and verify steps prepare theirs too)
-        from prefixrun.engine import model_runner
+        from prefixrun.engine.step import model_runner
         runner = model_runner.ModelRunner
     except ImportError:  # 7c1fe06: the executor prepares prefill steps itself
         runner = None
@@ -215,7 +216,7 @@ def instrument(rec: Recorder, sync_steps: bool):
     if runner is not None:
         _wrap(runner, "prefill", prefill)
         _wrap(runner, "decode", decode)
-        _wrap(runner, "launch_decode", decode)  # a plain step queued one ahead (engine/decode_pipeline.py)
+        _wrap(runner, "launch_decode", decode)  # a plain step queued one ahead (engine/step/decode_pipeline.py)
         _wrap(runner, "verify", decode)  # a speculative decoding step
     else:
         _wrap(decode_graphs.DecodeGraphs, "step", decode)

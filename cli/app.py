@@ -93,7 +93,7 @@ def _route_engine_logs(reporter: RunReporter):
 
 def _parse_chat_template_kwargs(text: str | None) -> dict | None:
     """--chat-template-kwargs: a JSON object, checked as a line's chat_template_kwargs is."""
-    from prefixrun.engine.messages import check_template_kwargs
+    from prefixrun.engine.load.messages import check_template_kwargs
 
     if text is None:
         return None
@@ -109,7 +109,7 @@ def _parse_chat_template_kwargs(text: str | None) -> dict | None:
 def _cache_root(cache_dir: Optional[str]) -> Path:
     """--cache-dir as given (a string: an empty one, e.g. an unset shell variable in `--cache-dir "$DIR"`, would
     otherwise become the working directory and fill it with cache files), else the default folder."""
-    from prefixrun.engine.store import default_cache_dir
+    from prefixrun.engine.cache.store import default_cache_dir
 
     if cache_dir is None:
         return default_cache_dir()
@@ -243,11 +243,11 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
     for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
         if v is not None and v < 1:
             raise typer.BadParameter(f"{name} must be at least 1")
-    from prefixrun.engine.persist import CACHE_POLICIES
+    from prefixrun.engine.cache.persist import CACHE_POLICIES
 
     if cache_policy not in CACHE_POLICIES:
         raise typer.BadParameter(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, not {cache_policy!r}")
-    from prefixrun.engine.speculative import SPECULATIVE_MODES
+    from prefixrun.engine.spec.drafters import SPECULATIVE_MODES
 
     if speculative not in SPECULATIVE_MODES:
         raise typer.BadParameter(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {speculative!r}")
@@ -353,9 +353,9 @@ def make_model(
 ):
     """Write a complete HF model directory with seeded random weights (for tests, benchmarks and demos)."""
     from prefixrun.cli.report import literal
-    from prefixrun.engine.config import parse_config
+    from prefixrun.engine.load.config import parse_config
     from prefixrun.engine.errors import ModelLoadError
-    from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
     reporter = RunReporter()
     created = _first_missing_folder(out_dir)  # removed again if the command fails: no half-written model

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from prefixrun.cli import io
-from prefixrun.engine.prompts import PromptEncoder
+from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 
 
@@ -18,7 +18,7 @@ class BatchRun:
     Ray actors (`--ray`); this process then loads only the tokenizer and config, never the weights.
     input_ahead: the input stream `execute` will read; where it is a regular file, its first window's prompts are
     read on a thread while the model loads (cli/input_ahead.py), so the persistent cache reads their stored
-    prefixes meanwhile (engine/cache_opening.py), and `execute` takes each line's parse and tokens from there when
+    prefixes meanwhile (engine/cache/opening.py), and `execute` takes each line's parse and tokens from there when
     the bytes it reads are the very bytes read ahead (the 4b-like shared-system batch's 64 lines took ~30-40 ms of
     parsing before its first kernel). The stream itself is read by `execute` only."""
 
@@ -28,9 +28,9 @@ class BatchRun:
                  chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
                  ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
                  num_draft_tokens: int = 0, input_ahead=None):
-        from prefixrun.engine import loader
-        from prefixrun.engine.model_maker import ensure_default_model
-        from prefixrun.engine.session import EngineSession, EngineSettings
+        from prefixrun.engine.load import loader
+        from prefixrun.engine.load.model_maker import ensure_default_model
+        from prefixrun.engine.run.session import EngineSession, EngineSettings
 
         self.reporter = reporter
         if model_dir is None:
@@ -199,7 +199,7 @@ class BatchRun:
         self._warned = len(self.backend.warnings)
 
     def _report(self, wall: float) -> dict:
-        """The run's half (lines, wall time, rates) around the engine's half (engine/session.py)."""
+        """The run's half (lines, wall time, rates) around the engine's half (engine/run/session.py)."""
         report = {"requests": 0, "failed_lines": self.failed, "resumed_skipped_lines": self.skipped}
         report.update(self.backend.report())
         prefill_s, decode_s = report["prefill_seconds"], report["decode_seconds"]
@@ -219,15 +219,15 @@ def _worker_pool(settings, devices: list[str] | None, ray_address: str | None):
     """Engines in worker processes, one per device (CUDA: each sees only its GPU), or on Ray actors."""
     import functools
 
-    from prefixrun.engine.session import EngineSession
+    from prefixrun.engine.run.session import EngineSession
 
     build = functools.partial(EngineSession, settings)
     if ray_address is not None:
-        from prefixrun.engine.ray_pool import RayWorkerPool
+        from prefixrun.engine.scale.ray_pool import RayWorkerPool
 
         return RayWorkerPool(build, ray_address, workers=len(devices) if devices else None,
                              gpus_per_worker=0.0 if settings.device == "cpu" else 1.0, reuse=settings.reuse)
-    from prefixrun.engine.workers import WorkerPool
+    from prefixrun.engine.scale.workers import WorkerPool
 
     if settings.device == "cpu":  # CPU workers: the multi-GPU code path on the NumPy backend
         return WorkerPool(build, [f"cpu:{d}" for d in devices], reuse=settings.reuse, wait=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixrun.engine.state import pool_unit_bytes
+from prefixrun.engine.state.pools import pool_unit_bytes
 
 GEMM_CEILING_TFLOPS = 786.0
 HBM_BYTES_PER_S = 4.27e12

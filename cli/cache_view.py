@@ -34,7 +34,7 @@ class _Previews:
 
     @staticmethod
     def _load(model_dir):
-        from prefixrun.engine.tokenizer import Tokenizer
+        from prefixrun.engine.load.tokenizer import Tokenizer
 
         try:
             return Tokenizer.from_model_dir(Path(model_dir))
@@ -135,7 +135,7 @@ def _place_not_cache(ckpt_root: Path, problem: Exception) -> bool:
 
 def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, yes: bool) -> int:
     """The index cannot be opened: say so in one line; --clear removes the cache folder's contents anyway."""
-    from prefixrun.engine.store import CheckpointStore, StoreError, clear_folder, folder_bytes
+    from prefixrun.engine.cache.store import CheckpointStore, StoreError, clear_folder, folder_bytes
 
     if not clear and _place_not_cache(ckpt_root, problem):
         err.print(literal(f"error: the checkpoint cache at {ckpt_root} cannot be opened ({problem}): check the "
@@ -166,7 +166,7 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
                 verify, yes, budget_bytes: int | None = None) -> int:
     import sqlite3
 
-    from prefixrun.engine.store import CheckpointStore, StoreError
+    from prefixrun.engine.cache.store import CheckpointStore, StoreError
 
     err = Console(file=sys.stderr, stderr=True, highlight=False, markup=False, emoji=False)  # user text: literal
     ckpt_root = Path(root) / "checkpoints"

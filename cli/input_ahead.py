@@ -4,7 +4,7 @@ The reading thread never touches the input stream the run reads: it reads the fi
 (`os.pread`, which moves no file position) from where the stream stands, parses the lines as the run will and
 turns them into token ids, up to one window of requests (or `MAX_AHEAD_BYTES` of input). So the run's own reading,
 its line numbers and its error records are exactly what they were; the prompts only tell the persistent cache
-which stored prefixes to read while the weights upload (engine/cache_opening.py).
+which stored prefixes to read while the weights upload (engine/cache/opening.py).
 
 Only a regular file is read ahead (a file named on the command line, or stdin redirected from one): its reads
 always finish. A pipe or a terminal cannot be read without consuming what the run must read, and a read on it may

@@ -64,7 +64,7 @@ Common fields
   (max_tokens 16, temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
 - Other keys (e.g. a misspelled `max_token`) are ignored; `prefixrun batch` lists them in one warning on stderr.
 - Size: a text (or rendered chat) with more characters than the model's context could hold even at the longest
-  token of its vocabulary gets an error record without being tokenized (see prefixrun.engine.prompts).
+  token of its vocabulary gets an error record without being tokenized (see prefixrun.engine.load.prompts).
 
 Output
 ======
@@ -138,8 +138,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal, TextIO
 
-from prefixrun.engine.messages import check_messages, check_template_kwargs, check_tools
-from prefixrun.engine.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
+from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from prefixrun.engine.request import SAMPLING_FIELDS, InvalidRequest, Result, SamplingDefaults, SamplingParams
 from prefixrun.engine.request import describe_value as _describe
 from prefixrun.engine.request import json_type_name as _json_type_name

@@ -10,7 +10,7 @@ so a first use behind a queued prefill step costs the host the rest of the step:
   every function fetched (cheap; the module is then wholly ready).
 - cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range: the
   first logits GEMM of a step cost 25 ms against 0.1 ms warm, the first step's linear layers 58 ms more than warm.
-  Each product of the model's `KernelPlan` (the loader derives it from the model, engine/warmup.py) runs once per
+  Each product of the model's `KernelPlan` (the loader derives it from the model, engine/load/gemm_plan.py) runs once per
   row count of its ladder (kernels/warmup.py) on scratch memory with a handle of its own (a kernel, once loaded,
   serves every handle: bench/firstuse_probe.py), so the engine's own products find their kernels loaded. The
   scratch is written only by these products and is left in the device pool for the first steps' activations:

@@ -38,7 +38,7 @@ class GemmShape:
 
 def row_ladder(max_rows: int) -> tuple[int, ...]:
     """Row counts that stand for every M in 1..max_rows: all powers of two (decode steps run at power-of-two batch
-    buckets, engine/decode_graphs.py) and the half-octaves between them (a prefill step's token count is arbitrary,
+    buckets, engine/step/decode_graphs.py) and the half-octaves between them (a prefill step's token count is arbitrary,
     and a GEMM library's choice of kernel changes with M in ranges, not at exact values), plus max_rows itself
     (the step-token budget, where full prefill steps land)."""
     if max_rows < 1:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
-from prefixrun.engine.state import ModelState
+from prefixrun.engine.state.pools import ModelState
 from prefixrun.kernels import get_ops
 
 # Weight scale for parity models: large enough that greedy top-2 gaps sit well above fp32 error, small enough
@@ -116,9 +116,9 @@ def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy=
     """Greedy results of `prompts` through one Engine over a persistent cache at `cache_root` (none: no cache),
     then the engine closed, its invariants checked and the cache's writer finished: (Result by custom_id, the
     cache's costs or None, the engine's stats). `options`: EngineOptions fields (max_batch, reuse, ...)."""
-    from prefixrun.engine.persist import open_cache
+    from prefixrun.engine.cache.persist import open_cache
     from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.engine.run.core import Engine, EngineOptions
 
     persist = None
     if cache_root is not None:

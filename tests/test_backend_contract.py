@@ -143,7 +143,7 @@ def test_cuda_backend_conforms():
 def test_default_max_batch_follows_state_memory():
     """--max-batch on a device: seats of two slots + 4096 tokens of K/V in the memory left after the checkpoint
     budget, a power of two in [1, 256]."""
-    from prefixrun.engine.state import RegionSpec, max_batch_for_memory, pool_unit_bytes
+    from prefixrun.engine.state.pools import RegionSpec, max_batch_for_memory, pool_unit_bytes
 
     ops = NumpyOps()
     specs = [RegionSpec("rec", False, (4, 16, 16), "float32"), RegionSpec("k", True, (2, 8), "act"),

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from prefixrun.engine import blob_format
-from prefixrun.engine.blob_format import BlobFormatError, parse, read_file, serialize, tree_digest
+from prefixrun.engine.cache import blob_format
+from prefixrun.engine.cache.blob_format import BlobFormatError, parse, read_file, serialize, tree_digest
 
 
 def tensors():
@@ -88,7 +88,7 @@ def test_malformed_layouts_are_named(buffer, problem):
 
 
 def test_streamed_write_is_safetensors_with_the_digest_of_its_bytes(tmp_path):
-    from prefixrun.engine import blob_format
+    from prefixrun.engine.cache import blob_format
     big = np.arange(3 * (blob_format.CHUNK_BYTES // 4) + 5, dtype=np.float32)  # chunk boundaries inside a tensor
     cases = [tensors(), {"big": big, "small": np.arange(3, dtype=np.int16), "z": np.zeros((0, 4), np.uint16),
                          "s": np.array(7, np.int64), "b": np.array([True, False])}]
@@ -112,7 +112,7 @@ def test_streamed_write_is_safetensors_with_the_digest_of_its_bytes(tmp_path):
 
 
 def test_read_into_places_fills_them_with_the_files_tensors_and_checks_the_fit(tmp_path):
-    from prefixrun.engine import blob_format
+    from prefixrun.engine.cache import blob_format
     case = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.uint16)}
     path = tmp_path / "t.safetensors"
     with open(path, "wb") as handle:

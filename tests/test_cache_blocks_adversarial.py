@@ -1,4 +1,4 @@
-"""An adversarial second reading of the persistent cache's K/V block store (engine/kv_blocks.py, engine/store.py):
+"""An adversarial second reading of the persistent cache's K/V block store (engine/cache/kv_blocks.py, engine/cache/store.py):
 block files and index rows as a hostile user and a hostile file system leave them, the accounting of what a run
 reused, a full disk, killed writers and processes sharing one folder, end to end through the CLI.
 
@@ -25,11 +25,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from prefixrun.engine import kv_blocks, loader
-from prefixrun.engine.kv_blocks import BLOCKS_DIR_NAME, block_ids
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.persist import open_cache
-from prefixrun.engine.store import BLOBS_DIR_NAME, INDEX_FILE_NAME, CheckpointStore, StoreKey
+from prefixrun.engine.cache import kv_blocks
+from prefixrun.engine.load import loader
+from prefixrun.engine.cache.kv_blocks import BLOCKS_DIR_NAME, block_ids
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.cache.persist import open_cache
+from prefixrun.engine.cache.store import BLOBS_DIR_NAME, INDEX_FILE_NAME, CheckpointStore, StoreKey
 
 from conftest import run_with_cache
 
@@ -144,7 +145,7 @@ def _damage_block(root: Path, path: Path, outside: Path, damage: str) -> dict:
         source = sorted((root.parent / f"{root.name}-other" / BLOCKS_DIR_NAME).glob("*/*.safetensors"))[0]
         data = source.read_bytes()
         path.write_bytes(data)
-        from prefixrun.engine.blob_format import tree_digest
+        from prefixrun.engine.cache.blob_format import tree_digest
         return {"nbytes": len(data), "content_sha256": tree_digest(data)}
     return {}
 
@@ -275,7 +276,7 @@ def test_duplicate_entry_rows_and_block_lists_longer_than_the_tokens_need_are_mi
 
 def test_a_block_file_that_cannot_be_opened_is_a_miss(tmp_path, monkeypatch):
     """Permissions 000 (emulated: these tests may run as root, whom permissions do not stop)."""
-    from prefixrun.engine import blob_format
+    from prefixrun.engine.cache import blob_format
 
     root = tmp_path / "cache"
     store, names, (first, second) = filled(root)
@@ -301,7 +302,7 @@ def test_a_block_file_that_cannot_be_opened_is_a_miss(tmp_path, monkeypatch):
 def test_an_entry_re_signed_with_hostile_block_metadata_is_a_miss(tmp_path, field, value):
     """A blob rewritten with odd K/V block metadata and re-signed in the index (digest, size, name all consistent):
     only the metadata's own checks stand between it and a restore."""
-    from prefixrun.engine import blob_format
+    from prefixrun.engine.cache import blob_format
 
     root = tmp_path / "cache"
     store, _, _ = filled(root)
@@ -517,7 +518,8 @@ def test_inspect_cache_survives_last_used_times_no_calendar_holds(populated, tmp
 
 FULL_DISK_WRAPPER = r"""
 import builtins, errno, sys
-from prefixrun.engine import kv_blocks, store
+from prefixrun.engine.cache import kv_blocks
+from prefixrun.engine.cache import store
 
 class FillsUp:
     # a file on a disk that fills up part way through a write: half the bytes land, then ENOSPC / EDQUOT
@@ -660,7 +662,7 @@ def test_two_processes_share_a_folder_while_one_evicts_under_a_tiny_budget(model
 
 KILL_WRAPPER = r"""
 import sys
-from prefixrun.engine import kv_blocks
+from prefixrun.engine.cache import kv_blocks
 kv_blocks.MAX_BLOCK_ROWS = 32  # many small blocks: a kill lands between block files, blobs and index rows
 from prefixrun.cli.app import main
 sys.argv = ["prefixrun"] + sys.argv[1:]
@@ -763,7 +765,7 @@ def test_an_evictor_never_deletes_a_block_file_another_process_has_just_written_
     process may write and index the very same file name. The evictor deletes the files it freed before its commit
     (holding the index's write lock): the other writer either sees the block still stored and stores nothing, or
     writes it after the delete; never a row naming a file the evictor deleted afterwards."""
-    from prefixrun.engine import store as store_module
+    from prefixrun.engine.cache import store as store_module
 
     root = tmp_path / "cache"
     evictor, writer = CheckpointStore(root), CheckpointStore(root)

@@ -13,15 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixrun.engine import cache_costs, loader
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.cache_costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
+from prefixrun.engine.cache import costs as cache_costs
+from prefixrun.engine.load import loader
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.cache.costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
     save_rates
-from prefixrun.engine.persist import CostModel, PersistentCheckpoints, open_cache
+from prefixrun.engine.cache.persist import CostModel, PersistentCheckpoints, open_cache
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.cache_costs import CALIBRATION_WEIGHT, READ_MARGIN, WRITE_MARGIN
-from prefixrun.engine.state import ModelState, pool_unit_bytes
+from prefixrun.engine.run.core import Engine, EngineOptions
+from prefixrun.engine.cache.costs import CALIBRATION_WEIGHT, READ_MARGIN, WRITE_MARGIN
+from prefixrun.engine.state.pools import ModelState, pool_unit_bytes
 
 SHARED = list(range(3, 203))  # 200 shared tokens
 PROMPTS = [SHARED + [300 + i, 400 + i, 450 + i] for i in range(4)]
@@ -365,7 +366,7 @@ def test_new_questions_over_a_stored_document_read_it_and_prompt_ends_are_not_wr
 
 
 def test_a_full_writer_queue_skips_states_instead_of_stalling_the_run(loaded, tmp_path, monkeypatch):
-    from prefixrun.engine.store import CheckpointStore
+    from prefixrun.engine.cache.store import CheckpointStore
     release = threading.Event()
     real_put = CheckpointStore.put
 
@@ -562,7 +563,7 @@ def test_read_ahead_checks_entries_against_the_model_off_the_critical_path(loade
 
 
 def test_finite_check_in_pieces_finds_one_bad_value_anywhere(monkeypatch):
-    from prefixrun.engine import persist as persist_module
+    from prefixrun.engine.cache import persist as persist_module
     import ml_dtypes
 
     monkeypatch.setattr(persist_module, "_FINITE_TASK", 1000)
@@ -579,7 +580,7 @@ def test_finite_check_in_pieces_finds_one_bad_value_anywhere(monkeypatch):
 
 def test_a_read_ahead_that_fails_unexpectedly_leaves_the_lookup_to_read_itself(loaded, tmp_path, monkeypatch):
     run(loaded, tmp_path / "c", FIRST, policy="always")
-    from prefixrun.engine.store import CheckpointStore
+    from prefixrun.engine.cache.store import CheckpointStore
 
     def broken(self, key, tokens):
         raise RuntimeError("a bug in the read-ahead")
@@ -593,8 +594,8 @@ def test_a_read_ahead_that_fails_unexpectedly_leaves_the_lookup_to_read_itself(l
 @pytest.mark.parametrize("policy", ["measured", "always"])
 def test_the_runs_end_waits_for_the_writer_only_within_its_bound(loaded, tmp_path, monkeypatch, policy):
     """Writes not started within the end's bound are dropped and counted (measured policy); `always` writes all."""
-    from prefixrun.engine import persist as persist_module
-    from prefixrun.engine.store import CheckpointStore
+    from prefixrun.engine.cache import persist as persist_module
+    from prefixrun.engine.cache.store import CheckpointStore
     monkeypatch.setattr(persist_module, "END_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(persist_module, "END_WAIT_FRACTION", 0.0)
     monkeypatch.setattr(persist_module, "END_WAIT_DROP_MIN_BYTES", 0)
@@ -664,7 +665,7 @@ def test_a_state_already_stored_is_not_captured_again(loaded, tmp_path, monkeypa
 def test_the_writer_copies_the_next_state_to_the_host_while_it_writes_this_one():
     """A state's host copy starts when it is queued (the copier thread), not when the writer reaches it; a job the
     run's end drops has its copy cancelled, not made."""
-    from prefixrun.engine.persist import END_WAIT_DROP_MIN_BYTES, _BackgroundWriter, _HostCopy
+    from prefixrun.engine.cache.persist import END_WAIT_DROP_MIN_BYTES, _BackgroundWriter, _HostCopy
 
     first_writing, release, copied, written, dropped = threading.Event(), threading.Event(), [], [], []
 
@@ -722,7 +723,7 @@ def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them
     """The prefetch thread hands a read-ahead entry's paged regions (K/V rows) to `ops.upload_ahead`; the lookup's
     import takes its rows from those device copies. Where the device has no room (None) or the call fails, the
     import uploads the host rows as before. Answers never change."""
-    import prefixrun.engine.state as state_module
+    import prefixrun.engine.state.pools as state_module
     run(loaded, tmp_path / "c", FIRST, policy="always")
     calls, imported = [], []
 

@@ -22,8 +22,8 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.store import CheckpointStore, StoreKey
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.cache.store import CheckpointStore, StoreKey
 
 PROMPTS = [list(range(5, 45)) + [100 + i, 200 + i] for i in range(3)]  # a shared prefix of 40, 3 endings
 
@@ -132,7 +132,7 @@ def test_editing_the_config_never_reuses_old_entries(models, prompts_file, popul
 
 
 def test_replaced_weights_with_the_old_mtime_get_a_new_digest(models, prompts_file, populated, tmp_path):
-    from prefixrun.engine.weights import CheckpointTensors
+    from prefixrun.engine.load.weights import CheckpointTensors
 
     cache = copy_cache(populated, tmp_path)
     model = copy_model(models["a"], tmp_path / "model")
@@ -183,7 +183,7 @@ def test_a_hostile_weights_digest_memo_is_recomputed_never_a_hang(models, tmp_pa
     missing memo: the weights are hashed again."""
     import threading
 
-    from prefixrun.engine.weights import CheckpointTensors
+    from prefixrun.engine.load.weights import CheckpointTensors
 
     memo_dir = tmp_path / "digests"
     expected = CheckpointTensors(models["a"]).digest(memo_dir)

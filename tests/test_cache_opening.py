@@ -1,5 +1,5 @@
 """The persistent cache opened, and the first window's stored prefixes read ahead, while the model loads
-(engine/cache_opening.py, cli/input_ahead.py): the warm run's reads leave the engine's critical path; answers,
+(engine/cache/opening.py, cli/input_ahead.py): the warm run's reads leave the engine's critical path; answers,
 accounting and the input stream stay exactly as they were."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
 from prefixrun.cli.input_ahead import FirstWindowAhead
-from prefixrun.engine import loader
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.store import CheckpointStore
+from prefixrun.engine.load import loader
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.cache.store import CheckpointStore
 
 DOCUMENT = list(range(3, 203))  # 200 tokens
 FIRST = [DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(4)]

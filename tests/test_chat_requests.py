@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
 from prefixrun.cli.io import LineError, ParsedRequest, RawLine, format_error, make_error, parse_line
-from prefixrun.engine.prompts import ChatPrompt, PromptEncoder, TextPrompt, TokenPrompt
+from prefixrun.engine.load.prompts import ChatPrompt, PromptEncoder, TextPrompt, TokenPrompt
 from prefixrun.engine.request import InvalidRequest, Request, Result, SamplingDefaults, Usage
-from prefixrun.engine.tokenizer import Tokenizer
+from prefixrun.engine.load.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "chat_templates"
@@ -260,7 +260,7 @@ def test_bad_chat_template_kwargs_option_is_a_usage_error(tmp_path):
 
 
 def test_a_run_warns_once_about_unknown_keys_and_renders_tools(tmp_path):
-    from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
     model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=3, init_std=0.05)
     chat = [{"role": "user", "content": "hello there"}]

@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sample_prompts"
@@ -113,7 +113,7 @@ def disk_bytes(cache: Path) -> int:
 
 
 def verify_store(cache: Path) -> list:
-    from prefixrun.engine.store import CheckpointStore
+    from prefixrun.engine.cache.store import CheckpointStore
 
     with CheckpointStore(cache / "checkpoints") as store:
         return store.verify_all()
@@ -163,7 +163,7 @@ def copy_cache(populated, tmp_path) -> Path:
 
 
 def test_every_input_shape_and_sampling_defaults(models, tmp_path):
-    from prefixrun.engine.tokenizer import Tokenizer
+    from prefixrun.engine.load.tokenizer import Tokenizer
 
     text = "The capital of France is"
     ids = Tokenizer.from_model_dir(models["a"]).encode(text)
@@ -623,7 +623,7 @@ def test_other_model_does_not_reuse_entries(models, sample_file, baseline, popul
 
 
 def test_other_state_layout_does_not_reuse_entries(models, sample_file, baseline, populated, tmp_path, monkeypatch):
-    import prefixrun.engine.state as state
+    import prefixrun.engine.state.pools as state
 
     cache = copy_cache(populated, tmp_path)
     monkeypatch.setattr(state, "STATE_FORMAT_VERSION", state.STATE_FORMAT_VERSION + 1000)
@@ -636,7 +636,7 @@ def test_other_state_layout_does_not_reuse_entries(models, sample_file, baseline
 
 
 def test_forced_key_collisions_stay_correct(models, sample_file, baseline, tmp_path, monkeypatch):
-    import prefixrun.engine.store as store
+    import prefixrun.engine.cache.store as store
 
     monkeypatch.setattr(store, "checkpoint_key", lambda key, tokens: "ab" * 32)
     cache = tmp_path / "cache"
@@ -667,7 +667,7 @@ def test_concurrent_writers(models, sample_file, baseline, tmp_path):
 
 KILL_WRAPPER = r"""
 import os, signal, sys
-import prefixrun.engine.store as store
+import prefixrun.engine.cache.store as store
 
 where, after = os.environ["KILL_AT"], int(os.environ["KILL_AFTER"])
 count = 0
@@ -745,7 +745,7 @@ def test_store_failure_mid_run_does_not_fail_the_batch(models, sample_file, base
     """SQLite locked past its busy timeout, or a full disk: the run goes on without the cache and says so."""
     import sqlite3
 
-    from prefixrun.engine.store import CheckpointStore
+    from prefixrun.engine.cache.store import CheckpointStore
 
     cache = copy_cache(populated, tmp_path) if fail == "lookup" else tmp_path / "cache"
     message = "database is locked" if fail == "lookup" else "database or disk is full"
@@ -797,7 +797,7 @@ def test_checkpoint_budget_options(models, tmp_path):
 
 
 def test_make_model_writes_a_loadable_directory(tmp_path):
-    from prefixrun.engine import loader
+    from prefixrun.engine.load import loader
 
     out = tmp_path / "made"
     res = cli("make-model", out, "--seed", 5, "--init-std", 0.05)

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

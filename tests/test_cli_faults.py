@@ -25,7 +25,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 MARKUP = ("[/b]", "[red]", "[link=x]", "[bold]")
@@ -146,7 +146,7 @@ def test_engine_warnings_and_the_cuda_hint_are_literal(model, tmp_path):
 
             buf = io.StringIO()
             mp.setattr(reporter.console, "file", buf)
-            logging.getLogger("prefixrun.engine.store").warning("entry [/b] in %s moved aside", "/c[red]/x")
+            logging.getLogger("prefixrun.engine.cache.store").warning("entry [/b] in %s moved aside", "/c[red]/x")
             reporter.error("pip install 'prefixrun[cuda12]' or '[cuda13]'")
         assert "warning: entry [/b] in /c[red]/x moved aside" in buf.getvalue()
         assert "error: pip install 'prefixrun[cuda12]' or '[cuda13]'" in buf.getvalue()
@@ -408,7 +408,7 @@ def test_default_model_in_a_non_editable_install(tmp_path):
     """Build a wheel of this tree, install it into a fresh venv (system site-packages for the dependencies), run
     the default model from there: same folder name (digest) as this install, a 2048-entry vocabulary, a note that
     the weights are random, and text that decodes to something."""
-    from prefixrun.engine.model_maker import DEFAULT_MODEL_CONFIG, default_model_dir
+    from prefixrun.engine.load.model_maker import DEFAULT_MODEL_CONFIG, default_model_dir
 
     system_python = Path(sys.base_prefix) / "bin" / "python3"
     src = tmp_path / "src"
@@ -444,7 +444,7 @@ def test_default_model_in_a_non_editable_install(tmp_path):
 
 
 def test_default_model_folder_is_named_by_what_defines_it(monkeypatch, tmp_path):
-    from prefixrun.engine import model_maker
+    from prefixrun.engine.load import model_maker
 
     first = model_maker.default_model_dir(tmp_path)
     assert first.name.startswith("default-qwen3_5-") and len(first.name) == len("default-qwen3_5-") + 16
@@ -454,7 +454,7 @@ def test_default_model_folder_is_named_by_what_defines_it(monkeypatch, tmp_path)
     monkeypatch.setattr(model_maker, "DEFAULT_MODEL_CONFIG", {**model_maker.DEFAULT_MODEL_CONFIG, "hidden_size": 64})
     assert model_maker.default_model_dir(tmp_path) != first
     monkeypatch.undo()
-    from prefixrun.engine import tokenizer_maker
+    from prefixrun.engine.load import tokenizer_maker
 
     monkeypatch.setattr(tokenizer_maker, "default_corpus_bytes", lambda: b'"other text"\n')
     assert model_maker.default_model_dir(tmp_path) != first
@@ -577,7 +577,7 @@ def test_an_empty_cache_dir_is_refused_not_taken_for_the_working_directory(tmp_p
 def test_progress_moves_during_prefill(monkeypatch):
     """The live view's prefill row follows the engine's computed tokens before any request has finished."""
     from prefixrun.cli.report import RunReporter
-    from prefixrun.engine.runner import RunStats
+    from prefixrun.engine.run.core import RunStats
 
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("FORCE_COLOR", "1")  # rich: treat stderr as a terminal, so the bar exists

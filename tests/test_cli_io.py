@@ -29,7 +29,7 @@ from prefixrun.cli.io import (
     read_completed_ids,
     truncate_partial_last_line,
 )
-from prefixrun.engine.prompts import ChatPrompt
+from prefixrun.engine.load.prompts import ChatPrompt
 from prefixrun.engine.request import InvalidRequest, Result, SamplingDefaults, SamplingParams, Usage
 
 NO_DEFAULTS = SamplingDefaults()

@@ -113,7 +113,7 @@ GPU_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def gpu_config_dirs(tmp_path_factory):
-    from prefixrun.engine.model_maker import make_model_dir
+    from prefixrun.engine.load.model_maker import make_model_dir
 
     root = tmp_path_factory.mktemp("gpu-configs")
     return {name: make_model_dir(root / name, cfg, seed=3, init_std=0.05, dtype="float32")

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from prefixrun.engine import loader  # noqa: E402
-from prefixrun.engine.handles import RegionSpec  # noqa: E402
-from prefixrun.engine.state import ModelState  # noqa: E402
+from prefixrun.engine.load import loader  # noqa: E402
+from prefixrun.engine.state.handles import RegionSpec  # noqa: E402
+from prefixrun.engine.state.pools import ModelState  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from conftest import run_tokens  # noqa: E402
 

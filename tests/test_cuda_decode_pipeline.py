@@ -1,4 +1,4 @@
-"""Decode steps queued one ahead of their tokens on the GPU (engine/decode_pipeline.py): the device-side feed of
+"""Decode steps queued one ahead of their tokens on the GPU (engine/step/decode_pipeline.py): the device-side feed of
 the previous step's ids (`feed_tokens`) against the NumPy reference, the pinned-buffer step copies
 (kernels/step_io.py: stream-ordered, no host wait), and the engine's answers with overlap on and off through the
 replayed decode graphs — rows ending at different steps by max_tokens, stop ids, EOS; seeded sampling.
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("cupy")
 
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
-from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
+from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
@@ -86,7 +86,7 @@ def _run(model, ops, reqs, overlap: bool, eos=()):
     eng = Engine(model, ops, eos_token_ids=eos, options=EngineOptions(
         max_batch=8, block_size=ops.default_block_size, overlap_decode=overlap))
     pipelines = []
-    from prefixrun.engine import executor as executor_mod
+    from prefixrun.engine.run import executor as executor_mod
 
     real = executor_mod.DecodePipeline
 

@@ -9,7 +9,7 @@ pytest.importorskip("cupy")
 
 from conftest import random_prompt  # noqa: E402
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
-from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
+from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from test_engine import _MemoryDisk, check_trace_against_plan, check_usage_adds_up, edge_prompts  # noqa: E402
 

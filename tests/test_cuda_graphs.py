@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("cupy")
 
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
-from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
+from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]

@@ -622,7 +622,7 @@ def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
     """Decode with shared-prefix groups (cascade: each group's shared K/V read once, then each sequence's own keys,
     then a merge) equals plain attention: groups of 5, 3 and 1 members, prefixes of several blocks, members whose
     own part is empty or long, and a wider table than any context (as under a decode graph)."""
-    from prefixrun.engine.state import SharedPrefixes, shared_prefix_arrays
+    from prefixrun.engine.state.pools import SharedPrefixes, shared_prefix_arrays
 
     rng = np.random.default_rng(hq + d + bs)
     shared_a, shared_b = 5, 2  # blocks of the two shared prefixes
@@ -888,7 +888,7 @@ def test_tiny_model_forward_matches_cpu(model_dirs, gemma_dir, family, dtype, to
     """Prefill two prompts, then one decode step, on both backends: logits agree (fp32: 1e-4; bf16 activations
     through every layer: 5e-2)."""
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
     from prefixrun.kernels.cuda import CudaOps
 
     results = []
@@ -910,7 +910,7 @@ def test_tiny_qwen3_5_with_tensor_core_delta_rule_matches_cpu(tc_checked, model_
     form (counted), and the logits of the prefill and of a decode step after it agree with the CPU's as closely as
     with the previous kernels (bf16 bound 5e-2)."""
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
     from prefixrun.kernels.cuda import CudaOps
 
     tc_ops, calls = _spy_tc(CudaOps("bfloat16").retuned(gdn_tensor_cores="auto"))
@@ -934,9 +934,9 @@ def test_tiny_qwen3_5_with_tensor_core_delta_rule_matches_cpu(tc_checked, model_
 def test_decode_over_shared_prefixes_matches_plain_attention(model_dirs, graphs):
     """bf16 decode of four sequences forked from one prefix: logits with cascade attention (the shared blocks read
     once per group), eager or replayed from a CUDA graph, agree with plain attention in a separate identical run."""
-    from prefixrun.engine.decode_graphs import DecodeGraphs
+    from prefixrun.engine.step.decode_graphs import DecodeGraphs
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
     from prefixrun.kernels.cuda import CudaOps
 
     rng = np.random.default_rng(3)
@@ -970,7 +970,7 @@ def test_decode_over_shared_prefixes_matches_plain_attention(model_dirs, graphs)
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
-    from prefixrun.engine.model_maker import make_model_dir
+    from prefixrun.engine.load.model_maker import make_model_dir
     from test_gemma3 import TINY_GEMMA3
 
     return make_model_dir(tmp_path_factory.mktemp("gemma3"), TINY_GEMMA3, seed=5, init_std=0.05)
@@ -981,7 +981,7 @@ def test_engine_cache_invariance_on_gpu(model_dirs, gemma_dir, family):
     """fp32 on the GPU: greedy tokens identical with reuse on and off, batched and alone."""
     from prefixrun.engine.models import load_model
     from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.engine.run.core import Engine, EngineOptions
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("float32")
@@ -1012,7 +1012,7 @@ def test_bf16_logits_with_and_without_prefix_reuse(model_dirs, gemma_dir, family
     and imported, as the disk cache does) gives the logits of the prompt prefilled whole, within bf16 bounds
     (2e-2: the pieces round at other points); the forked and the imported continuations agree exactly."""
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("bfloat16")
@@ -1195,7 +1195,7 @@ def bench():  # pragma: no cover - device timing, not a test
                              f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
             ops = bench_ops
             # the shared-system decode: 64 sequences over one 2048-key prefix (32 blocks of 64) + 300 keys each
-            from prefixrun.engine.state import SharedPrefixes, shared_prefix_arrays
+            from prefixrun.engine.state.pools import SharedPrefixes, shared_prefix_arrays
 
             bs64, own = 64, 5
             tabs = np.zeros((bd, 64), np.int32)
@@ -1248,7 +1248,7 @@ def test_real_shape_model_logits_vs_cpu_and_transformers():
     import transformers
 
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
     from prefixrun.kernels.cuda import CudaOps
 
     path = os.environ["PREFIXRUN_BIG_MODEL_DIR"]

@@ -1,4 +1,4 @@
-"""K/V blocks of the persistent cache on the GPU (engine/kv_blocks.py): a state captured without the rows of its
+"""K/V blocks of the persistent cache on the GPU (engine/cache/kv_blocks.py): a state captured without the rows of its
 stored blocks (`export_later(skip_rows)`, a device-side capture of the rest only), entries over one document sharing
 its blocks, and cold / second-batch / warm runs giving the tokens of a run without the cache (fp32; bf16 runs are
 checked for running and reusing). Skipped cleanly without CuPy or a GPU."""
@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from prefixrun.engine import kv_blocks, loader  # noqa: E402
-from prefixrun.engine.state import ModelState  # noqa: E402
+from prefixrun.engine.cache import kv_blocks
+from prefixrun.engine.load import loader  # noqa: E402
+from prefixrun.engine.state.pools import ModelState  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from conftest import run_tokens  # noqa: E402
 

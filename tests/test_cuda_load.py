@@ -112,7 +112,7 @@ def test_model_weights_equal_the_cpu_load(ops, model_dirs):
 @pytest.mark.skipif(not os.environ.get("PREFIXRUN_LOAD_MODEL"), reason="set PREFIXRUN_LOAD_MODEL=DIR to time a load")
 def test_real_size_load_time(ops):
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.weights import CheckpointTensors
+    from prefixrun.engine.load.weights import CheckpointTensors
 
     path = Path(os.environ["PREFIXRUN_LOAD_MODEL"])
     tensors = CheckpointTensors(path)

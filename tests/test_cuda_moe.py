@@ -147,7 +147,7 @@ PROMPTS, NEXT = [list(range(3, 140)), [100, 101, 102]], [7, 9]  # one prompt lon
 def engine_logits(model_dir, ops) -> list[np.ndarray]:
     """[prefill logits [2, V], decode logits [2, V]]: the two prompts prefilled together, then one decode step."""
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
 
     model = load_model(model_dir, ops)[0]
     state = ModelState(model.state_specs(), ops, num_slots=4, num_blocks=64, block_size=16)
@@ -207,7 +207,7 @@ def test_engine_tokens_same_with_graphs_and_reuse_on_or_off(model_dirs, family):
     graphs and prefix reuse give the tokens of eager decode without reuse."""
     from prefixrun.engine.models import load_model
     from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.engine.run.core import Engine, EngineOptions
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("float32")
@@ -231,7 +231,7 @@ def _bench():
     import time
 
     from prefixrun.engine.models.moe import SparseMoeBlock
-    from prefixrun.engine.moe_config import MoeSettings
+    from prefixrun.engine.load.moe_config import MoeSettings
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("bfloat16")

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("cupy")
 
 from conftest import TINY_QWEN3_5, new_state, random_prompt  # noqa: E402
-from prefixrun.engine.decode_graphs import DecodeGraphs  # noqa: E402
-from prefixrun.engine.model_maker import make_model_dir  # noqa: E402
+from prefixrun.engine.step.decode_graphs import DecodeGraphs  # noqa: E402
+from prefixrun.engine.load.model_maker import make_model_dir  # noqa: E402
 from prefixrun.engine.models import load_model  # noqa: E402
 from prefixrun.engine.models.mtp import MtpDrafter  # noqa: E402
-from prefixrun.engine.speculative import DraftInput  # noqa: E402
+from prefixrun.engine.spec.drafters import DraftInput  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
@@ -81,7 +81,7 @@ def test_fp32_speculative_mtp_tokens_equal_off(mtp_dir):
     """The whole loop on the GPU (multi-row verify steps, the head's snapshot rows, commit, decode graphs for the
     plain steps): greedy tokens with MTP drafts equal those without."""
     from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.engine.run.core import Engine, EngineOptions
     from prefixrun.kernels.cuda import CudaOps
 
     gpu = CudaOps("float32")

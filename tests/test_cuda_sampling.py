@@ -224,7 +224,7 @@ def test_engine_sampled_tokens_graphs_on_off_alone_and_batched(model_dirs, famil
     are the same alone and in a batch (per-request seeds; the uniforms depend on (seed, n) only)."""
     from prefixrun.engine.models import load_model
     from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine, EngineOptions
+    from prefixrun.engine.run.core import Engine, EngineOptions
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("float32")

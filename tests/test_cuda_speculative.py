@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("cupy")
 
 from conftest import PARITY_STD, TINY_QWEN3, random_prompt, rollbacks  # noqa: E402
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir  # noqa: E402
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir  # noqa: E402
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
-from prefixrun.engine.runner import Engine, EngineOptions  # noqa: E402
+from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
 from test_speculative import OracleDrafter, prompts  # noqa: E402

@@ -11,10 +11,10 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from conftest import new_state, random_prompt  # noqa: E402
-from prefixrun.engine.config import load_config  # noqa: E402
+from prefixrun.engine.load.config import load_config  # noqa: E402
 from prefixrun.engine.models import load_model  # noqa: E402
-from prefixrun.engine.warmup import model_plan  # noqa: E402
-from prefixrun.engine.weights import CheckpointTensors  # noqa: E402
+from prefixrun.engine.load.gemm_plan import model_plan  # noqa: E402
+from prefixrun.engine.load.weights import CheckpointTensors  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, row_ladder  # noqa: E402
 
@@ -174,9 +174,9 @@ def test_loader_warms_up_in_a_fresh_process(model_dirs):
 
     code = """
 import sys, numpy as np
-from prefixrun.engine import loader
+from prefixrun.engine.load import loader
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.kernels import cuda, cuda_warmup
 if sys.argv[2] == "off":
     cuda.CudaOps.prepare_kernels = lambda self, plan=None: None

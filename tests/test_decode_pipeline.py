@@ -1,4 +1,4 @@
-"""Decode steps queued one ahead of their tokens (engine/decode_pipeline.py) give the synchronous path's answers:
+"""Decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) give the synchronous path's answers:
 greedy and seeded sampled tokens, finish reasons and usage, with rows ending at different steps by max_tokens, stop
 ids, EOS, stop strings and the context, alone and batched, eager and through the graph stand-in. CPU fp32: the NumPy
 backend runs the same one-step-late bookkeeping (tokens fed from the previous step's ids by `ops.feed_tokens`)."""
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import random_prompt
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.run.core import Engine, EngineOptions
 from test_engine import _ReplayOps, edge_prompts
 
 
@@ -91,7 +91,7 @@ def test_rows_ended_by_a_stop_compute_one_discarded_token_and_free_their_state(l
         first_new_token(ref[f"r{i}"].token_ids, 1 + i % 4),)), i) for i, p in enumerate(prompts)]
     eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=8))
     executor_pipelines = []
-    from prefixrun.engine import executor as executor_mod
+    from prefixrun.engine.run import executor as executor_mod
 
     real = executor_mod.DecodePipeline
 
@@ -136,7 +136,7 @@ def test_context_end_is_judged_by_the_length_of_the_step_that_sampled_the_token(
 
 
 def test_stop_strings_with_overlap(loaded, model_dirs, cpu_ops):
-    from prefixrun.engine.tokenizer import Tokenizer
+    from prefixrun.engine.load.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_dir(model_dirs["qwen3_5"])
     model = loaded["qwen3_5"]
@@ -175,7 +175,7 @@ def test_every_family_same_answers_with_overlap(family, loaded, cpu_ops, tmp_pat
     its own state, so every other row's tokens stay the synchronous ones (graph stand-in: static inputs fed)."""
     if family == "gemma3":
         from conftest import PARITY_STD
-        from prefixrun.engine.model_maker import make_model_dir
+        from prefixrun.engine.load.model_maker import make_model_dir
         from prefixrun.engine.models import load_model
         from test_gemma3 import TINY_GEMMA3
 

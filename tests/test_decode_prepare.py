@@ -4,9 +4,9 @@ captured and never replayed). The CPU backend cannot capture, so the capture is 
 the step itself then runs eagerly, so answers are the plain path's."""
 from __future__ import annotations
 
-from prefixrun.engine.decode_graphs import DecodeGraphs, _bucket
+from prefixrun.engine.step.decode_graphs import DecodeGraphs, _bucket
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.run.core import Engine, EngineOptions
 
 from conftest import random_prompt
 

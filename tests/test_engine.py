@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import random_prompt
-from prefixrun.engine.checkpoints import CheckpointPool
-from prefixrun.engine.plan import build_trie, distinct_tokens, iter_nodes, make_plan
+from prefixrun.engine.state.checkpoints import CheckpointPool
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens, iter_nodes, make_plan
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.state import ModelState, check_shared_prefix_arrays, shared_prefix_arrays
+from prefixrun.engine.run.core import Engine, EngineOptions
+from prefixrun.engine.state.pools import ModelState, check_shared_prefix_arrays, shared_prefix_arrays
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.py"
 FAMILIES = ["qwen3_5", "qwen3", "qwen3_next", "qwen3_5_moe"]  # the MoE hybrids: the router changes no invariant
@@ -96,7 +96,7 @@ class _FakeModel:
         self.cfg = SimpleNamespace(max_position_embeddings=context)
 
     def state_specs(self):
-        from prefixrun.engine.state import RegionSpec
+        from prefixrun.engine.state.pools import RegionSpec
 
         return [RegionSpec("s", False, (2,), "float32"), RegionSpec("kv", True, (2,), "act")]
 
@@ -319,7 +319,7 @@ _FIRST_WINDOW_IMPORTS = """
 import sys
 from pathlib import Path
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.session import EngineSession, EngineSettings
+from prefixrun.engine.run.session import EngineSession, EngineSettings
 session = EngineSession(EngineSettings(Path(sys.argv[1]), Path(sys.argv[2]), device="cpu", cache_policy=sys.argv[3]))
 before = set(sys.modules)
 requests = [Request(f"r{i}", [5 + i % 3] * 40 + [i + 7] * 9,
@@ -481,7 +481,7 @@ def test_decode_graphs_give_the_eager_tokens(family, loaded, cpu_ops):
 
 
 def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
-    from prefixrun.engine.tokenizer import Tokenizer
+    from prefixrun.engine.load.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_dir(model_dirs["qwen3_5"])
     model = loaded["qwen3_5"]
@@ -727,7 +727,7 @@ def test_pressure_gives_up_pinned_checkpoints_instead_of_failing(cpu_ops):
 
 def test_model_without_paged_layers_runs(tmp_path, cpu_ops):
     """Gemma 3 with only sliding-window layers keeps no paged K/V: prompts run (blocks are bookkeeping only)."""
-    from prefixrun.engine.model_maker import make_model_dir
+    from prefixrun.engine.load.model_maker import make_model_dir
     from prefixrun.engine.models import load_model
     from test_gemma3 import TINY_GEMMA3
 
@@ -742,7 +742,7 @@ def test_model_without_paged_layers_runs(tmp_path, cpu_ops):
 
 
 def test_cli_tiny_state_memory_degrades_exit_0_or_3(tmp_path):
-    from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
     model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
     lines = [{"custom_id": f"s{i}", "prompt_token_ids": random_prompt(i, 20 + i), "max_tokens": 4,
@@ -769,7 +769,7 @@ def test_cli_tiny_state_memory_degrades_exit_0_or_3(tmp_path):
 
 # ---- accounting ------------------------------------------------------------------------------------------------------
 class _MemoryDisk:
-    """A persistent-store stand-in that keeps exported states in a dict (as engine/persist.py does on disk)."""
+    """A persistent-store stand-in that keeps exported states in a dict (as engine/cache/persist.py does on disk)."""
 
     def __init__(self):
         self.entries: dict[tuple, tuple] = {}

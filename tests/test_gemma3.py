@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from conftest import PARITY_STD, new_state, random_prompt
-from prefixrun.engine.model_maker import make_model_dir
+from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
-from prefixrun.engine.plan import build_trie, distinct_tokens
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
+from prefixrun.engine.run.core import Engine, EngineOptions
 
 WINDOW = 8
 TINY_GEMMA3 = {

@@ -1,4 +1,4 @@
-"""Attention K/V stored once per block (engine/kv_blocks.py): content addressing, sharing between entries, reference
+"""Attention K/V stored once per block (engine/cache/kv_blocks.py): content addressing, sharing between entries, reference
 counting and garbage, budgets that count a shared block once, reads that skip blocks held in memory, and the
 hardening of issue 11 for block files (every bad, missing, hostile or half-written block is a miss, never a wrong
 state). Engine runs: greedy tokens identical with the cache off, cold, warm, and after a shared block went bad."""
@@ -13,11 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from prefixrun.engine import kv_blocks, loader
-from prefixrun.engine.kv_blocks import BLOCKS_DIR_NAME, block_ids, block_rows
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.state import ModelState
-from prefixrun.engine.store import INDEX_FILE_NAME, CheckpointStore, StoreKey
+from prefixrun.engine.cache import kv_blocks
+from prefixrun.engine.load import loader
+from prefixrun.engine.cache.kv_blocks import BLOCKS_DIR_NAME, block_ids, block_rows
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.state.pools import ModelState
+from prefixrun.engine.cache.store import INDEX_FILE_NAME, CheckpointStore, StoreKey
 from conftest import run_tokens
 
 KEY = StoreKey("ab" * 8, "cd" * 8)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import PARITY_STD, new_state, random_prompt
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 
 
@@ -27,7 +27,7 @@ def test_composite_layout_loads_the_text_model(plain_dir, tmp_path, cpu_ops):
     comp = make_model_dir(tmp_path / "comp", TINY_QWEN3_5, seed=11, init_std=PARITY_STD, composite=True)
     cfg = json.loads((comp / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_5" and "text_config" in cfg
-    from prefixrun.engine.weights import CheckpointTensors
+    from prefixrun.engine.load.weights import CheckpointTensors
 
     names = CheckpointTensors(comp).names()
     assert any(n.startswith("model.language_model.") for n in names)

@@ -15,11 +15,11 @@ import pytest
 
 from conftest import TINY_QWEN3_5, TINY_QWEN3_5_MOE, TINY_QWEN3_NEXT, new_state, random_prompt, rollbacks
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.model_maker import make_model_dir
+from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.models.mtp import MtpDrafter
-from prefixrun.engine.speculative import DraftInput
-from prefixrun.engine.state import StateLayoutError, layout_digest
+from prefixrun.engine.spec.drafters import DraftInput
+from prefixrun.engine.state.pools import StateLayoutError, layout_digest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -273,7 +273,7 @@ def test_composite_layout(mtp_models, tmp_path, cpu_ops):
     assert got[0] == got[1]
 
 
-# ---- with the speculative loop (engine/speculative.py) ----------------------------------------------------------
+# ---- with the speculative loop (engine/spec/drafters.py) ----------------------------------------------------------
 def _prompts():
     base = random_prompt(100, 37)
     return [base + random_prompt(101, 9), base + random_prompt(102, 4), base, [5, 6, 7] * 9, random_prompt(103, 17)]
@@ -281,7 +281,7 @@ def _prompts():
 
 def _run(model, ops, prompt_list, opts, persist=None, max_tokens=12):
     from prefixrun.engine.request import Request, SamplingParams
-    from prefixrun.engine.runner import Engine
+    from prefixrun.engine.run.core import Engine
 
     eng = Engine(model, ops, options=opts, persist=persist)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -295,7 +295,7 @@ def _run(model, ops, prompt_list, opts, persist=None, max_tokens=12):
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_greedy_tokens_with_mtp_drafts_identical_to_off(family, mtp_models, cpu_ops):
-    from prefixrun.engine.runner import EngineOptions
+    from prefixrun.engine.run.core import EngineOptions
 
     model = mtp_models[family]
     off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4))
@@ -309,7 +309,7 @@ def test_greedy_tokens_with_mtp_drafts_identical_to_off(family, mtp_models, cpu_
 def test_greedy_identical_with_prefix_reuse_and_from_disk(mtp_models, cpu_ops):
     """Shared prefixes (branch and block-aligned checkpoints carry the head's rows), then the same batch restored
     from a stand-in of the persistent store: the same tokens as a run without reuse or speculation."""
-    from prefixrun.engine.runner import EngineOptions
+    from prefixrun.engine.run.core import EngineOptions
     from test_engine import _MemoryDisk
 
     model = mtp_models["qwen3_5"]
@@ -381,7 +381,7 @@ def test_cli_make_model_with_head_and_batch_with_mtp_drafts(tmp_path):
 
 def test_drafter_without_room_proposes_nothing_and_leaves_the_pools_intact(mtp_models, cpu_ops):
     """No free block for the chain's rows: that sequence gets no drafts (a plain row), the others theirs."""
-    from prefixrun.engine.state import ModelState
+    from prefixrun.engine.state.pools import ModelState
 
     model = mtp_models["qwen3_5"]
     st = ModelState(model.state_specs(), cpu_ops, num_slots=4, num_blocks=4, block_size=16)
@@ -425,8 +425,8 @@ def test_echo_head_accepts_drafts_in_the_real_loop(tmp_path, cpu_ops):
     chains, cold and restored from a store, with the same tokens as speculation off."""
     from safetensors.numpy import load_file
 
-    from prefixrun.engine.model_maker import write_safetensors
-    from prefixrun.engine.runner import EngineOptions
+    from prefixrun.engine.load.model_maker import write_safetensors
+    from prefixrun.engine.run.core import EngineOptions
     from test_engine import _MemoryDisk
 
     path = make_model_dir(tmp_path / "echo", TINY_QWEN3_5, seed=11, init_std=0.05, dtype="float32", mtp=True)

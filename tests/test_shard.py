@@ -1,12 +1,12 @@
-"""Sharding a window's trie over workers (engine/shard.py): no model needed, exact token counts."""
+"""Sharding a window's trie over workers (engine/plan/shard.py): no model needed, exact token counts."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from prefixrun.engine.plan import build_trie, distinct_tokens
-from prefixrun.engine.shard import shard_window
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens
+from prefixrun.engine.plan.shard import shard_window
 
 
 def shared_system(requests=64, prefix=2048, suffix=256):

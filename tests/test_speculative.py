@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import PARITY_STD, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_5_MOE, new_state, random_prompt, rollbacks
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.speculative import DraftInput, Drafter, NgramDrafter
-from prefixrun.engine.verify import accept_greedy, accept_sampled
+from prefixrun.engine.run.core import Engine, EngineOptions
+from prefixrun.engine.spec.drafters import DraftInput, Drafter, NgramDrafter
+from prefixrun.engine.spec.verify import accept_greedy, accept_sampled
 from test_gemma3 import TINY_GEMMA3
 
 FAMILIES = {"qwen3_5": TINY_QWEN3_5, "qwen3": TINY_QWEN3, "llama": TINY_LLAMA, "gemma3": TINY_GEMMA3,
@@ -166,7 +166,7 @@ def test_snapshot_memory_comes_out_of_the_state_budget(models, cpu_ops):
     opts = dict(max_batch=4, state_memory_bytes=64 << 20)
     off = Engine(model, cpu_ops, options=EngineOptions(**opts))
     on = Engine(model, cpu_ops, options=EngineOptions(**opts, speculative="ngram", num_draft_tokens=6))
-    from prefixrun.engine.state import snapshot_row_bytes
+    from prefixrun.engine.state.pools import snapshot_row_bytes
 
     rows = on.state.snapshot_capacity
     assert rows == 4 * 6 and off.state.snapshot_capacity == 0
@@ -375,7 +375,7 @@ class _FakeRunner:
 
 class _FakeSeq:
     def __init__(self, greedy=True):
-        from prefixrun.engine.state import StateHandle
+        from prefixrun.engine.state.pools import StateHandle
 
         self.request = Request("x", [1, 2, 3] * 10, SamplingParams(max_tokens=10_000,
                                                                    temperature=0 if greedy else 1.0), 0)
@@ -387,8 +387,8 @@ class _FakeSeq:
 
 
 def _drive(runner, seqs, steps=200, plain_seconds=0.001, adaptive=False):
-    from prefixrun.engine.speculative import NgramDrafter
-    from prefixrun.engine.speculator import Speculator
+    from prefixrun.engine.spec.drafters import NgramDrafter
+    from prefixrun.engine.spec.speculator import Speculator
 
     spec = Speculator(NgramDrafter(), "auto", 5, _FakeState(), runner, 16)
     spec.adaptive = adaptive  # off: auto's timing alone decides (the counters' policy: the next test)

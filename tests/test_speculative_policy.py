@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.runner import Engine, EngineOptions
-from prefixrun.engine.speculative import NgramDrafter, NgramIndex, TokenHistory
-from prefixrun.engine.speculator import Speculator
-from prefixrun.engine.state import StateHandle
+from prefixrun.engine.run.core import Engine, EngineOptions
+from prefixrun.engine.spec.drafters import NgramDrafter, NgramIndex, TokenHistory
+from prefixrun.engine.spec.speculator import Speculator
+from prefixrun.engine.state.pools import StateHandle
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_ngram_index_gives_the_scans_drafts_as_it_grows():
 
 
 def test_ngram_drafter_keeps_one_index_per_request_and_forgets_it():
-    from prefixrun.engine.speculative import DraftInput
+    from prefixrun.engine.spec.drafters import DraftInput
 
     d = NgramDrafter()
     req = Request("a", [1, 2, 3, 4, 5, 9] * 20, SamplingParams(max_tokens=8), 0)

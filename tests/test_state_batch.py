@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixrun.engine.allocators import BlockAllocator, OutOfStateMemory, SlotAllocator
-from prefixrun.engine.batch import ForwardBatch, Padding, build_batch, check_shared_prefix_arrays
-from prefixrun.engine.handles import RegionSpec, StateLayoutError
-from prefixrun.engine.state import ModelState
+from prefixrun.engine.state.allocators import BlockAllocator, OutOfStateMemory, SlotAllocator
+from prefixrun.engine.step.forward_batch import ForwardBatch, Padding, build_batch, check_shared_prefix_arrays
+from prefixrun.engine.state.handles import RegionSpec, StateLayoutError
+from prefixrun.engine.state.pools import ModelState
 from prefixrun.kernels.reference import NumpyOps
 
 BS = 4

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixrun.engine import store as store_module
-from prefixrun.engine.store import (
+from prefixrun.engine.cache import store as store_module
+from prefixrun.engine.cache.store import (
     CheckpointStore,
     StoreError,
     StoreKey,

@@ -14,8 +14,8 @@ from tokenizers import processors
 
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.request import InvalidRequest, SamplingDefaults
-from prefixrun.engine.tokenizer import GenerationDefaults, StreamDetokenizer, Tokenizer
-from prefixrun.engine.tokenizer_maker import IM_END, default_corpus, write_tokenizer_files
+from prefixrun.engine.load.tokenizer import GenerationDefaults, StreamDetokenizer, Tokenizer
+from prefixrun.engine.load.tokenizer_maker import IM_END, default_corpus, write_tokenizer_files
 
 VOCAB_SIZE = 512
 
@@ -433,7 +433,7 @@ def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir,
     with pytest.raises(InvalidRequest, match="chat_template.jinja: chat template 'default' is not valid jinja"):
         tok.render_chat([{"role": "user", "content": "x"}])
     # compiled once: later chat lines get the same error without another compile
-    import prefixrun.engine.tokenizer as tokenizer_module
+    import prefixrun.engine.load.tokenizer as tokenizer_module
     compiles = []
     real = tokenizer_module._template_environment
     monkeypatch.setattr(tokenizer_module, "_template_environment", lambda: compiles.append(1) or real())

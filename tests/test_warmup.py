@@ -1,4 +1,4 @@
-"""The GEMM plan a backend warms up before the first step (engine/warmup.py, kernels/warmup.py), on the CPU: the
+"""The GEMM plan a backend warms up before the first step (engine/load/gemm_plan.py, kernels/warmup.py), on the CPU: the
 plan holds exactly the products the forward computes, for the row counts it computes them at, from a dry build
 that uploads nothing; the scratch plan stays within its budget; the loader hands the plan over."""
 from __future__ import annotations
@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS, new_state, random_prompt
-from prefixrun.engine import loader
-from prefixrun.engine.config import load_config
+from prefixrun.engine.load import loader
+from prefixrun.engine.load.config import load_config
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.models.mtp import MtpDrafter
-from prefixrun.engine.speculative import DraftInput
-from prefixrun.engine.warmup import DEFAULT_LOGIT_ROWS, model_plan
-from prefixrun.engine.weights import CheckpointTensors
+from prefixrun.engine.spec.drafters import DraftInput
+from prefixrun.engine.load.gemm_plan import DEFAULT_LOGIT_ROWS, model_plan
+from prefixrun.engine.load.weights import CheckpointTensors
 from prefixrun.kernels.reference import NumpyOps
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch, row_ladder
 from test_gemma3 import TINY_GEMMA3

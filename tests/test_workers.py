@@ -1,4 +1,4 @@
-"""Several engines in worker processes (engine/workers.py) and on a local Ray cluster (engine/ray_pool.py).
+"""Several engines in worker processes (engine/scale/workers.py) and on a local Ray cluster (engine/scale/ray_pool.py).
 
 CPU workers run the same code path as GPU workers (one engine per process, the NumPy backend): their answers must
 be token-identical to one engine's, and their computed prompt tokens must equal one engine's plus exactly the
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import random_prompt
-from prefixrun.engine.plan import build_trie, distinct_tokens
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.errors import EnginesDidNotStart
-from prefixrun.engine.workers import WorkerPool
+from prefixrun.engine.scale.workers import WorkerPool
 
 
 def build_engine(model_dir: str, die_after: int | None = None, die_in: str | None = None,
@@ -29,7 +29,7 @@ def build_engine(model_dir: str, die_after: int | None = None, die_in: str | Non
     import tempfile
     import time
 
-    from prefixrun.engine.session import EngineSession, EngineSettings
+    from prefixrun.engine.run.session import EngineSession, EngineSettings
 
     session = EngineSession(EngineSettings(Path(model_dir), Path(tempfile.gettempdir()), device="cpu", max_batch=4,
                                            use_cache=False))
@@ -197,7 +197,7 @@ def ray_cluster():
 
 
 def test_ray_pool_gives_one_engines_tokens(ray_cluster, qwen_dir):
-    from prefixrun.engine.ray_pool import RayWorkerPool
+    from prefixrun.engine.scale.ray_pool import RayWorkerPool
 
     prompts = shapes()["doc-qa"] + shapes()["edge"]
     reqs = requests_of(prompts)
@@ -237,7 +237,7 @@ def test_ray_cli_gives_the_single_process_results(ray_cluster, qwen_dir, tmp_pat
 RAY_DATA_SCRIPT = r"""
 import json, sys
 import ray
-from prefixrun.engine.ray_pool import RayDataPredictor
+from prefixrun.engine.scale.ray_pool import RayDataPredictor
 
 address, model_dir, cache_dir, rows_path, out_path = sys.argv[1:6]
 ray.init(address=address, log_to_driver=False)

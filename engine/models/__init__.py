@@ -4,10 +4,10 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from prefixrun.engine.config import DecoderConfig, HybridConfig, load_config
+from prefixrun.engine.load.config import DecoderConfig, HybridConfig, load_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import CausalLM, WeightLoader
-from prefixrun.engine.weights import CheckpointTensors
+from prefixrun.engine.load.weights import CheckpointTensors
 
 _FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3",
              "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_next"}

@@ -2,7 +2,7 @@
 ring of `sliding_window` K/V rows) + gated MLP, plain RMSNorms; biases where the config says so."""
 from __future__ import annotations
 
-from prefixrun.engine.config import SLIDING_ATTENTION, DenseConfig
+from prefixrun.engine.load.config import SLIDING_ATTENTION, DenseConfig
 from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm,
                                             SlidingWindowAttention, WeightLoader)
 

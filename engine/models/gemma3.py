@@ -8,7 +8,7 @@ no final soft-capping, as transformers' composite applies none.
 """
 from __future__ import annotations
 
-from prefixrun.engine.config import SLIDING_ATTENTION, SlidingWindowConfig
+from prefixrun.engine.load.config import SLIDING_ATTENTION, SlidingWindowConfig
 from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm,
                                             SlidingWindowAttention, WeightLoader)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.config import SUPPORTED_ACTIVATIONS, DecoderConfig, HybridConfig
-from prefixrun.engine.state import ForwardBatch, ModelState, RegionSpec
+from prefixrun.engine.load.config import SUPPORTED_ACTIVATIONS, DecoderConfig, HybridConfig
+from prefixrun.engine.state.pools import ForwardBatch, ModelState, RegionSpec
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.weights import CheckpointTensors
+from prefixrun.engine.load.weights import CheckpointTensors
 
 
 class WeightLoader:

@@ -1,7 +1,7 @@
 """Llama: the shared dense decoder without q/k norms (rope scaling types default, linear and llama3)."""
 from __future__ import annotations
 
-from prefixrun.engine.config import DenseConfig
+from prefixrun.engine.load.config import DenseConfig
 from prefixrun.engine.models.dense import build_dense
 from prefixrun.engine.models.layers import CausalLM, WeightLoader
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import WeightLoader
-from prefixrun.engine.moe_config import MoeSettings
+from prefixrun.engine.load.moe_config import MoeSettings
 
 
 def _expert_weights(load: WeightLoader, prefix: str, e: int, d: int, i: int):

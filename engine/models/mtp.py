@@ -26,12 +26,12 @@ import dataclasses
 
 import numpy as np
 
-from prefixrun.engine.batch import build_batch
-from prefixrun.engine.config import HybridConfig
+from prefixrun.engine.step.forward_batch import build_batch
+from prefixrun.engine.load.config import HybridConfig
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, WeightLoader
-from prefixrun.engine.moe_config import MoeHybridConfig
-from prefixrun.engine.state import ForwardBatch, ModelState, RegionSpec
+from prefixrun.engine.load.moe_config import MoeHybridConfig
+from prefixrun.engine.state.pools import ForwardBatch, ModelState, RegionSpec
 
 PREFIX = "mtp."
 

@@ -6,7 +6,7 @@ MTP head (engine/models/mtp.py), loaded only for --speculative mtp.
 """
 from __future__ import annotations
 
-from prefixrun.engine.config import LINEAR_ATTENTION, HybridConfig
+from prefixrun.engine.load.config import LINEAR_ATTENTION, HybridConfig
 from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, GatedDeltaNet, GatedMLP, RMSNorm,
                                             WeightLoader)
 

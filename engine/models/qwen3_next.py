@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.config import LINEAR_ATTENTION
+from prefixrun.engine.load.config import LINEAR_ATTENTION
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, GatedDeltaNet, GatedMLP, RMSNorm,
                                             WeightLoader)
 from prefixrun.engine.models.moe import SparseMoeBlock
-from prefixrun.engine.moe_config import MoeHybridConfig
-from prefixrun.engine.weights import CheckpointTensors
+from prefixrun.engine.load.moe_config import MoeHybridConfig
+from prefixrun.engine.load.weights import CheckpointTensors
 
 _SPLIT = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 

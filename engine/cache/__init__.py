@@ -1,0 +1,1 @@
+"""The persistent checkpoint cache on disk."""

@@ -1,0 +1,101 @@
+"""The persistent cache opened while the model loads, and the first window's read-ahead started then.
+
+A warm run's first lookups waited for their entries' reads (a 16k-token document: ~590 MB read and hashed), on
+the engine's critical path, although nothing in those reads needs the weights: the store key needs the parsed
+config, the weights' content digest (remembered in the cache folder), the backend's numerics id and the state
+layout (a dry build of the model family, engine/load/gemm_plan.py), and which entries to read needs only the first
+window's plan (its prompts' token ids). `CacheOpening` does that on a thread started when the load starts: it opens
+the cache for the load under way (`loader.Loading`) and, once the caller says which prompts come first
+(`upcoming`: a Future of token-id lists, e.g. the first window of an input file read on another thread), starts
+`PersistentCheckpoints.prefetch` of their plan's roots. Before the engine exists that is host work only (read,
+verified, checked against the layout); the K/V rows go to the device once the pools do (`attach`), so the
+pools are sized as without it. The engine's own prefetch of that window keeps those entries.
+
+Nothing here changes an answer: read-ahead is a hint, and every entry is verified and checked as before. Hints
+are taken until the engine runs its first window (`close`); after that the engine's prefetch alone decides.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+from prefixrun.engine.cache.persist import PersistentCheckpoints, StoreOpening, layout_key, open_cache
+from prefixrun.engine.plan.planner import make_plan
+
+log = logging.getLogger(__name__)
+
+
+class CacheOpening:
+    """`open_cache` for a load under way, on a thread; `join(loaded)` gives its result once the weights are up."""
+
+    def __init__(self, root: Path, budget_bytes: int | None, loading, block_size: int, policy: str,
+                 calibration, store: StoreOpening, upcoming: Future | None = None):
+        self._args = (Path(root), budget_bytes, block_size, policy, calibration, store)
+        self._lock = threading.Lock()  # a hint's prefetch against `close`: none runs once the engine does
+        self._closed = False
+        self._persist: PersistentCheckpoints | None = None
+        self._problem: str | None = None
+        self._early_error: BaseException | None = None  # the key could not be made before the load: made after
+        self._thread = threading.Thread(target=self._open, args=(loading, upcoming), name="prefixrun-cache-early",
+                                        daemon=True)
+        self._thread.start()
+
+    def _open(self, loading, upcoming: Future | None):
+        root, budget_bytes, block_size, policy, calibration, store = self._args
+        try:
+            specs = loading.state_specs()  # the dry build first: if it fails, nothing below has happened
+            self._persist, self._problem = open_cache(root, budget_bytes, loading, block_size, policy, calibration,
+                                                      store)
+        except BaseException as error:  # whatever it is, the run opens the cache after the load as it used to
+            self._early_error = error
+            return
+        if self._persist is not None:
+            self._persist.expect_layout(specs, block_size)
+            if upcoming is not None:
+                upcoming.add_done_callback(self._hinted)
+
+    def _hinted(self, upcoming: Future):
+        """The first prompts are known (on the thread that found them): read their stored prefixes ahead."""
+        if upcoming.cancelled() or upcoming.exception() is not None:
+            return
+        prompts = [p for p in upcoming.result() if p]
+        with self._lock:
+            if self._closed or not prompts or self._persist is None:
+                return
+            try:
+                self._persist.prefetch(make_plan(prompts, share=True).roots)
+            except Exception as error:  # a hint: never a reason for the run to fail
+                log.warning("persistent checkpoint cache: the first window's read-ahead failed (%s: %s)",
+                            type(error).__name__, error)
+
+    def join(self, loaded) -> tuple[PersistentCheckpoints | None, str | None]:
+        """After the load: (the cache, None) or (None, why it cannot be used), as `open_cache(loaded)` gives."""
+        root, budget_bytes, block_size, policy, calibration, store = self._args
+        self._thread.join()
+        persist = self._persist
+        if self._early_error is not None:
+            return open_cache(root, budget_bytes, loaded, block_size, policy, calibration, store)
+        if persist is not None and persist.key.layout_digest != layout_key(loaded.state_specs(), loaded.ops,
+                                                                          block_size):
+            # the dry build's layout is not the model's (never expected): nothing read ahead under that key is used
+            self.close()
+            persist.stop_read_ahead()
+            log.warning("persistent checkpoint cache: the state layout known before the load differs from the "
+                        "loaded model's; the read-ahead started during the load was dropped")
+            return open_cache(root, budget_bytes, loaded, block_size, policy, calibration, store)
+        return persist, self._problem
+
+    def close(self):
+        """No more hints: the engine runs its first window (its own prefetch decides from here), or the run ends."""
+        with self._lock:
+            self._closed = True
+
+    def abandon(self):
+        """The model did not load: the read-ahead stopped, the store closed."""
+        self.close()
+        self._thread.join()
+        if self._persist is not None:
+            self._persist.stop_read_ahead()
+        self._args[5].abandon()

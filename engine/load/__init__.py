@@ -1,0 +1,1 @@
+"""Loading a model and reading requests: config.json, weights, tokenizer, prompts, made models."""

@@ -1,0 +1,115 @@
+"""A model directory -> everything a run needs: backend ops, model, tokenizer and generation defaults."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefixrun.engine.load.config import DecoderConfig, load_config
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
+from prefixrun.engine.models import build_model
+from prefixrun.engine.models.layers import CausalLM
+from prefixrun.engine.load.tokenizer import GenerationDefaults, Tokenizer
+from prefixrun.engine.load.gemm_plan import dry_state_specs, model_plan
+from prefixrun.engine.load.weights import CheckpointTensors
+from prefixrun.kernels import get_ops
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: DecoderConfig
+    ops: object
+    model: CausalLM
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+    tensors: CheckpointTensors
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.defaults.eos_token_ids
+
+    def weights_digest(self, memo_dir: Path | None = None) -> str:
+        """Content digest of the weights, remembered under `memo_dir` (the cache) so it is computed once."""
+        return self.tensors.digest(memo_dir)
+
+    def state_specs(self):
+        return self.model.state_specs()
+
+
+@dataclass
+class ModelFront:
+    """What turns lines into requests, without weights or a device: a run that hands its engine work to worker
+    processes loads only this."""
+
+    path: Path
+    config: DecoderConfig
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+
+
+def load_front(model_dir: Path) -> ModelFront:
+    model_dir = Path(model_dir)
+    config, _ = load_config(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    defaults = GenerationDefaults.from_model_dir(model_dir, config_eos=list(config.eos_token_ids), tokenizer=tokenizer)
+    return ModelFront(model_dir, config, tokenizer, defaults)
+
+
+@dataclass
+class Loading:
+    """A load under way: what is known before the weights upload (the front, the backend, the checkpoint's files),
+    so that work needing only that (the persistent cache's key and its read-ahead: engine/cache/opening.py) can
+    run on another thread while `finish` uploads the weights on this one."""
+
+    front: ModelFront
+    ops: object
+    tensors: CheckpointTensors
+    mtp: bool
+    _specs: list | None = field(default=None, init=False, repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.front.path
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.front.config
+
+    def weights_digest(self, memo_dir: Path | None = None) -> str:
+        return self.tensors.digest(memo_dir)
+
+    def state_specs(self):
+        """The state regions the model will have, from a dry build (no weight is uploaded; engine/load/gemm_plan.py)."""
+        if self._specs is None:
+            self._specs = dry_state_specs(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
+        return self._specs
+
+    def finish(self) -> LoadedModel:
+        """Upload the weights: the loaded model."""
+        f = self.front
+        return LoadedModel(f.path, f.config, self.ops, build_model(f.config, self.tensors, self.ops, self.mtp),
+                           f.tokenizer, f.defaults, self.tensors)
+
+
+def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
+               max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
+               front: ModelFront | None = None) -> Loading:
+    """The load's first part (see `load`): the front (`front`: loaded already), the backend, the checkpoint's
+    files opened, the backend's kernels getting ready in the background."""
+    front = front or load_front(model_dir)
+    ops = get_ops(device, dtype)
+    tensors = CheckpointTensors(front.path)
+    # in the background, while the weights load; the plan (a dry build of the model) is made there too
+    ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
+                                          max_step_tokens=max_step_tokens, max_logit_rows=max_batch))
+    return Loading(front, ops, tensors, mtp)
+
+
+def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
+         max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None, front: ModelFront | None = None) -> LoadedModel:
+    """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none).
+    `max_step_tokens` (tokens per prefill step) and `max_batch` (None: not known yet) bound the GEMM row counts the
+    backend may get ready while the weights load (engine/load/gemm_plan.py)."""
+    return start_load(model_dir, device, dtype, mtp, max_step_tokens=max_step_tokens, max_batch=max_batch,
+                      front=front).finish()

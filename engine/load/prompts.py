@@ -1,0 +1,137 @@
+"""The engine's request layer: a prompt as a request gives it (text, token ids or a chat) -> a runnable Request.
+
+The CLI reads lines into these prompt types and formats results; tokenizing, rendering chats through the model's
+template, and the vocabulary and context checks happen here, for every caller alike. A prompt that cannot run
+raises InvalidRequest with a message for the person who wrote it (the CLI turns it into an error record).
+
+Size limit before tokenizing: no token covers more characters than the longest entry of the vocabulary (added
+tokens included; for byte-level vocabularies an entry's characters are bytes, and a character is at least one
+byte). So a text of more than `context × longest` characters needs more tokens than the context holds and is
+refused without being tokenized: tokenizing a 10 MB line costs GBs of memory for an answer known in advance. A
+normalizer can shorten text before tokenizing; Unicode composition (NFC/NFKC) merges at most 3 characters into
+one (Hangul jamo), so with a normalizer the bound is 4 × larger. (A normalizer that deletes characters outright,
+e.g. stripping control characters, can in principle make a refused text fit; such a text is megabytes of
+characters the model would never see.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
+from prefixrun.engine.request import InvalidRequest, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from prefixrun.engine.load.tokenizer import Tokenizer
+
+# Unicode composition shortens text by at most this factor (3 Hangul jamo -> 1 syllable), rounded up.
+NORMALIZER_SHRINK_BOUND = 4
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """Text tokenized as is (with whatever BOS the tokenizer's post-processor adds)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """Token ids given by the request; only checked against the vocabulary and the context."""
+
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered through the model's chat template, as vLLM's chat completions render it.
+
+    `add_generation_prompt` None means "not given": true, unless `continue_final_message` is set (then the last
+    message is left open for the model to continue, which a generation prompt would close). Both true is an
+    error, as in vLLM. `template_kwargs` become extra template variables (e.g. enable_thinking) and win over the
+    engine-wide ones (`PromptEncoder(chat_template_kwargs=...)`, the command line's).
+    """
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+
+    def __post_init__(self):
+        check_messages(self.messages)
+        if self.tools is not None:
+            check_tools(self.tools)
+        check_template_kwargs(self.template_kwargs)
+        for name in ("add_generation_prompt", "continue_final_message"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true: one "
+                                 "starts a new assistant message, the other continues the last one")
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template appends the header of a new assistant message."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
+Prompt = TextPrompt | TokenPrompt | ChatPrompt
+
+
+class PromptEncoder:
+    """Prompts -> token ids for one model: rendering, tokenizing, and the checks that make a prompt runnable."""
+
+    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, context_tokens: int,
+                 chat_template_kwargs: dict[str, Any] | None = None):
+        """`vocab_size`: the model's embedding rows (every id must be below it); `context_tokens`: its maximum
+        positions (a prompt must leave room for one generated token); `chat_template_kwargs`: template variables
+        for every chat (a request's own win per key)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_tokens = context_tokens
+        self.chat_template_kwargs = dict(check_template_kwargs(chat_template_kwargs or {}, "--chat-template-kwargs"))
+        shrink = NORMALIZER_SHRINK_BOUND if tokenizer.has_normalizer else 1
+        self.max_prompt_chars = context_tokens * tokenizer.max_token_chars * shrink
+
+    def request(self, custom_id: str, index: int, prompt: Prompt, sampling: SamplingParams) -> Request:
+        """A Request ready for the engine; InvalidRequest if the prompt cannot run on this model."""
+        return Request(custom_id, self.encode(prompt), sampling, index)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, TokenPrompt):
+            ids = list(prompt.token_ids)
+        elif isinstance(prompt, ChatPrompt):
+            ids = self.tokenizer.encode(self._checked_length(self.render(prompt), "the rendered chat"),
+                                        add_special_tokens=False)  # the template wrote the special tokens
+        elif isinstance(prompt, TextPrompt):
+            ids = self.tokenizer.encode(self._checked_length(prompt.text, "the prompt"))
+        else:
+            raise TypeError(f"not a prompt: {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenization")
+        if max(ids) >= self.vocab_size:  # checked in C; the first offending id is looked for only then
+            out_of_vocab = next(t for t in ids if t >= self.vocab_size)
+            raise InvalidRequest(f"the prompt contains token id {out_of_vocab}, outside the model's vocabulary of "
+                                 f"{self.vocab_size}")
+        if len(ids) >= self.context_tokens:
+            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the model's context of "
+                                 f"{self.context_tokens} tokens (one position is needed for the reply)")
+        return ids
+
+    def render(self, prompt: ChatPrompt) -> str:
+        """The prompt text of a chat, as transformers' apply_chat_template(tokenize=False) renders it."""
+        return self.tokenizer.render_chat(
+            prompt.messages, add_generation_prompt=prompt.generation_prompt, tools=prompt.tools,
+            continue_final_message=prompt.continue_final_message,
+            **{**self.chat_template_kwargs, **prompt.template_kwargs})
+
+    def _checked_length(self, text: str, what: str) -> str:
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"{what} has {len(text)} characters: more than the model's context of {self.context_tokens} "
+                f"tokens can hold (at most {self.max_prompt_chars} characters); it was not tokenized")
+        return text

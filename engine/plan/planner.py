@@ -1,0 +1,210 @@
+"""A window of tokenized requests -> token trie -> an explicit plan: a tree of tasks, printable and cut-able.
+
+The trie is compressed: each node holds the segment of tokens between two branch points. A node's end state is
+checkpointed when more than one consumer (a child segment or a request whose prompt ends there) needs it — at the
+exact branching offset, not rounded to a block.
+
+The plan has one `Task` per unit of work. A task brings a state to the end of its node: it starts from its base
+task's end state (forked from the base's checkpoint, or handed over whole when the base has a single consumer;
+no base = an empty state), computes the tokens in between, then either saves a checkpoint for its consumers
+(`saves`), or starts decoding its one request, or hands its state to its one child. Every request ending at a
+branch point is a task of its own with no tokens to compute (it forks the checkpoint and takes its logits).
+
+So each distinct prefix token belongs to exactly one task, and an execution that runs each task's own tokens once
+computes exactly `distinct_tokens` prompt tokens. A task's subtree (`Plan.subtree`) is self-contained given its
+base's state: the unit a later multi-worker split hands out. The runner executes tasks in a dependency-respecting
+order and records what it really did in a `Trace` (engine/plan/trace.py), including every adaptation to the pools.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class TrieNode:
+    start: int  # prompt tokens before this node's segment
+    tokens: list[int]  # the segment
+    parent: "TrieNode | None" = None
+    children: dict[int, "TrieNode"] = field(default_factory=dict)  # first token of the child's segment -> child
+    requests: list[int] = field(default_factory=list)  # requests whose whole prompt ends at this node's end
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def consumers(self) -> int:
+        """How many continuations need this node's end state: child segments plus requests ending here."""
+        return len(self.children) + len(self.requests)
+
+    def ordered_children(self) -> list["TrieNode"]:
+        return list(self.children.values())
+
+
+def build_trie(prompts: list[list[int]], share: bool = True) -> TrieNode:
+    """The compressed token trie of `prompts` (indexed by position in the list).
+
+    share=False gives every request its own root child (the no-reuse baseline: nothing is shared, duplicates
+    included), so the same executor runs both modes.
+    """
+    root = TrieNode(0, [])
+    for idx, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"request {idx} has an empty prompt")
+        if not share:
+            leaf = TrieNode(0, list(prompt), root)
+            leaf.requests.append(idx)
+            root.children[-(idx + 1)] = leaf  # unique keys: never shared
+            continue
+        node, pos = root, 0
+        while pos < len(prompt):
+            child = node.children.get(prompt[pos])
+            if child is None:
+                leaf = TrieNode(pos, list(prompt[pos:]), node)
+                node.children[prompt[pos]] = leaf
+                node, pos = leaf, len(prompt)
+                break
+            seg = child.tokens
+            n = _common_prefix(seg, prompt, pos)
+            if n < len(seg):  # diverges (or ends) inside the segment: split it at the exact offset
+                upper = TrieNode(child.start, seg[:n], node)
+                node.children[prompt[pos]] = upper
+                child.tokens = seg[n:]
+                child.start = upper.end
+                child.parent = upper
+                upper.children[child.tokens[0]] = child
+                child = upper
+            node, pos = child, pos + n
+        node.requests.append(idx)
+    return root
+
+
+def _common_prefix(seg: list[int], prompt: list[int], pos: int) -> int:
+    """How many of seg's tokens prompt[pos:] starts with. List slices compare in C: a whole matching segment is
+    one comparison, a divergence is found by bisection (a window's trie walks every prompt token, ~10^5-10^6)."""
+    limit = min(len(seg), len(prompt) - pos)
+    if seg[:limit] == prompt[pos:pos + limit]:
+        return limit
+    lo, hi = 0, limit  # seg[:lo] matches, seg[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if seg[lo:mid] == prompt[pos + lo:pos + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def iter_nodes(root: TrieNode):
+    """Pre-order (depth-first, children in insertion order) over all nodes, the root first."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.ordered_children()))
+
+
+def distinct_tokens(root: TrieNode) -> int:
+    return sum(len(n.tokens) for n in iter_nodes(root))
+
+
+@dataclass(eq=False)
+class Task:
+    """Bring a state to `end` (the end of `path`): from `base`'s end state, compute path[base.end:end].
+
+    After that: `saves` -> checkpoint the state for the consumers (`consumers`: decode tasks, then child tasks);
+    else a `request` starts decoding from it, or the single child takes the state over whole.
+    """
+
+    id: int
+    path: tuple[int, ...]  # the whole token prefix up to this task's end
+    base: "Task | None"  # whose end state this task starts from (None: an empty state)
+    request: int | None = None  # the request that decodes from this task's end (None for inner tasks)
+    consumers: list["Task"] = field(default_factory=list)
+    carrier: int = -1  # the first request in work order under this task: computed tokens are charged to it
+
+    @property
+    def end(self) -> int:
+        return len(self.path)
+
+    @property
+    def start(self) -> int:
+        """Where the plan's own tokens begin (its base's end)."""
+        return self.base.end if self.base is not None else 0
+
+    @property
+    def saves(self) -> bool:
+        return len(self.consumers) > 1
+
+    @property
+    def depth(self) -> int:
+        d, t = 0, self.base
+        while t is not None:
+            d, t = d + 1, t.base
+        return d
+
+    def describe(self) -> str:
+        base = f"t{self.base.id}" if self.base is not None else "scratch"
+        what = f"prefill [{self.start}, {self.end}) from {base}" if self.end > self.start else f"fork {base}"
+        if self.saves:
+            what += f", save @{self.end} for {len(self.consumers)}"
+        if self.request is not None:
+            what += f", decode r{self.request}"
+        return f"t{self.id} {what}"
+
+
+@dataclass
+class Plan:
+    """The tasks of one window in depth-first order (a base before its consumers)."""
+
+    tasks: list[Task]
+    roots: list[Task]  # tasks that start from an empty state
+    distinct_tokens: int
+    depth: int  # nodes on the longest root-to-leaf trie path: the bound on live branch checkpoints per level
+
+    def subtree(self, task: Task) -> list[Task]:
+        """`task` and every task that depends on it, in plan order: self-contained given task.base's state."""
+        out, stack = [], [task]
+        while stack:
+            t = stack.pop()
+            out.append(t)
+            stack.extend(reversed(t.consumers))
+        return out
+
+    def dump(self) -> str:
+        """One line per task, indented by depth."""
+        return "\n".join("  " * t.depth + t.describe() for t in self.tasks)
+
+
+def make_plan(prompts: list[list[int]], share: bool = True) -> Plan:
+    """The plan of a window: one task per trie node, plus one decode task per request ending at a branch point."""
+    root = build_trie(prompts, share)
+    tasks: list[Task] = []
+    roots: list[Task] = []
+
+    def new(path, base, request=None) -> Task:
+        t = Task(len(tasks), tuple(path), base, request)
+        tasks.append(t)
+        if base is None:
+            roots.append(t)
+        else:
+            base.consumers.append(t)
+        return t
+
+    # iterative pre-order over (node, base task, path): deep tries must not hit the recursion limit
+    stack = [(child, None, child.tokens) for child in reversed(root.ordered_children())]
+    while stack:
+        node, base, path = stack.pop()
+        single_request = node.requests[0] if node.consumers == 1 and node.requests else None
+        task = new(path, base, single_request)
+        if node.consumers > 1:  # a branch point: every request ending here forks it
+            for rid in node.requests:
+                new(path, task, rid)
+        for child in reversed(node.ordered_children()):
+            stack.append((child, task, list(path) + child.tokens))
+    # creation order is already depth-first with a node's decode tasks before its children: consumers come after
+    # their base, so carriers resolve bottom-up in reverse
+    for t in reversed(tasks):
+        t.carrier = t.request if t.request is not None else (t.consumers[0].carrier if t.consumers else -1)
+    depth = max((t.depth + 1 for t in tasks if t.end > t.start), default=0)
+    return Plan(tasks, roots, distinct_tokens(root), depth)

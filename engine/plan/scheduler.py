@@ -1,0 +1,135 @@
+"""Which planned tasks run next, admitted against the pools with one rule.
+
+The scheduler keeps the pending tasks as a stack (top = next; a finished task pushes its consumers, so work goes
+depth-first) and each pending task's current base: a pool checkpoint it pins, a state handed over whole, or
+nothing (an empty state). A group is a run of stack tasks prefilled together in varlen steps: siblings that fork
+one checkpoint, and with them the next siblings of other checkpoints (doc-qa's 64 questions over four documents:
+one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over whole runs alone.
+
+One admission rule, `can_admit(group, decoding)` (pure), counts what the group adds to the pools until its
+requests finish:
+- seats: decoding sequences + the group's requests <= max_batch;
+- state slots: one per task, plus one spare for a retained copy;
+- K/V blocks (`task_blocks`): each task's blocks up to its last possible length (its end; for a request, end plus
+  its new tokens, within the context), less the blocks its base already holds and shares, plus one copy of a shared
+  partial block; plus what every decoding sequence still needs to reach its own last length (`growth`).
+So a sequence once admitted never runs out of blocks. `admit` pops the group. When nothing fits, the runner
+degrades in order: evict retained checkpoints, wait for decoders, give up pinned checkpoints (their consumers
+recompute from an older state), and only a task that cannot fit an empty pool is refused (`fits_alone`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
+from prefixrun.engine.plan.planner import Task
+from prefixrun.engine.request import Request
+from prefixrun.engine.step.sequence import Sequence
+from prefixrun.engine.state.pools import ModelState, StateHandle
+
+
+@dataclass(eq=False)
+class Handoff:
+    """A finished task's end state given whole to its single consumer (with the end logits, for a request)."""
+
+    handle: StateHandle
+    logits: object | None
+    origin: object = None  # the runner's record of how the state was made (for accounting)
+
+
+class Scheduler:
+    def __init__(self, state: ModelState, pool: CheckpointPool, requests: list[Request], *, max_batch: int,
+                 max_prefill_tokens: int, max_context: int, reserved_blocks: int = 0):
+        self.state, self.pool, self.requests = state, pool, requests
+        self.max_batch, self.max_prefill_tokens, self.max_context = max_batch, max_prefill_tokens, max_context
+        self.reserved_blocks = reserved_blocks  # held outside the scheduler's view (the decode-graph scratch)
+        self.pending: list[Task] = []
+        self.base: dict[int, object] = {}  # task id -> CheckpointEntry | Handoff | None
+
+    # ---- the pending stack --------------------------------------------------------------------------------
+    def push(self, tasks: list[Task], base):
+        """Queue consumers that start from `base`, the first to run first."""
+        for t in reversed(tasks):
+            self.base[t.id] = base
+            self.pending.append(t)
+
+    def set_base(self, task: Task, base):
+        self.base[task.id] = base
+
+    def base_length(self, task: Task) -> int:
+        b = self.base[task.id]
+        return 0 if b is None else (b.length if isinstance(b, CheckpointEntry) else b.handle.length)
+
+    def todo_tokens(self, task: Task) -> int:
+        return task.end - self.base_length(task)
+
+    def pending_ids(self) -> set[int]:
+        return {t.id for t in self.pending}
+
+    # ---- the one admission rule ---------------------------------------------------------------------------
+    def _final_length(self, task: Task) -> int:
+        if task.request is None:
+            return task.end
+        return min(task.end + self.requests[task.request].sampling.max_tokens - 1, self.max_context)
+
+    def task_blocks(self, task: Task, base=...) -> int:
+        """New K/V blocks `task` takes until it is done (see the module doc)."""
+        base = self.base[task.id] if base is ... else base
+        held = 0
+        if isinstance(base, CheckpointEntry):
+            held = self.pool.num_blocks(base)
+        elif isinstance(base, Handoff):
+            held = len(base.handle.blocks)
+        return max(0, self.state.blocks_for(self._final_length(task)) - held) + 1
+
+    def growth(self, decoding: list[Sequence]) -> int:
+        """Blocks the decoding sequences still need to reach their last length."""
+        return sum(self.state.blocks_needed(s.handle, s.handle.length + s.remaining) for s in decoding)
+
+    def can_admit(self, group: list[Task], decoding: list[Sequence]) -> bool:
+        return self._fits(len(group), sum(t.request is not None for t in group),
+                          sum(self.task_blocks(t) for t in group), len(decoding), self.growth(decoding))
+
+    def _fits(self, tasks: int, requests: int, blocks: int, decoding: int, growth: int) -> bool:
+        """The rule itself, on the group's totals (so `next_group` can grow a group without recounting)."""
+        if decoding + requests > self.max_batch or tasks > self.max_batch:
+            return False
+        if self.state.slots.free_count < tasks + 1:
+            return False
+        return blocks + growth <= self.state.blocks.free_count
+
+    def fits_alone(self, task: Task) -> bool:
+        """Whether the task could run with nothing else in the pools (from an empty state)."""
+        capacity = self.state.blocks.num_blocks - self.reserved_blocks
+        return self.task_blocks(task, None) <= capacity and self.state.slots.num_slots >= 2
+
+    def next_group(self, decoding: list[Sequence]) -> list[Task]:
+        """The largest run of top-of-stack tasks the pools admit (possibly none), within the step token budget once
+        it holds a task; a task whose base is a hand-over runs alone. Not popped."""
+        group: list[Task] = []
+        tokens = requests = blocks = 0
+        growth = self.growth(decoding)
+        for t in reversed(self.pending):
+            if group and (isinstance(self.base[t.id], Handoff) or isinstance(self.base[group[0].id], Handoff)):
+                break
+            n = self.todo_tokens(t)
+            if group and tokens + n > self.max_prefill_tokens:
+                break
+            r, b = requests + (t.request is not None), blocks + self.task_blocks(t)
+            if not self._fits(len(group) + 1, r, b, len(decoding), growth):
+                break
+            group.append(t)
+            tokens, requests, blocks = tokens + n, r, b
+        return group
+
+    def admit(self, group: list[Task]):
+        """Take an admitted group off the stack (it is the top of the stack, in order)."""
+        for t in group:
+            if self.pending.pop() is not t:
+                raise RuntimeError("admitted group is not the top of the pending stack")
+
+    def pop(self) -> Task:
+        return self.pending.pop()
+
+    def consumers_of(self, base) -> list[Task]:
+        return [t for t in self.pending if self.base[t.id] is base]

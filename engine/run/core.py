@@ -1,0 +1,199 @@
+"""The engine: runs windows of requests by executing their plan against the pools.
+
+`Engine` owns what lives across windows (the model runner, the state pools, the checkpoint pool with its retained
+entries, the persistent-store adapter, the run statistics). Each window is planned (engine/plan/planner.py: a tree of
+tasks) and executed by engine/run/executor.py, which records what it really did in a Trace (engine/plan/trace.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from prefixrun.engine.state.checkpoints import CheckpointPool
+from prefixrun.engine.run.executor import WindowExecutor
+from prefixrun.engine.step.model_runner import ModelRunner
+from prefixrun.engine.plan.planner import Plan, make_plan
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, Request, Result, Usage
+from prefixrun.engine.spec.drafters import make_speculator, snapshot_capacity
+from prefixrun.engine.state.pools import ModelState, pool_unit_bytes, snapshot_pool_bytes
+from prefixrun.engine.plan.trace import Trace
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 32  # decoding sequences per step (and requests per prefill group)
+    max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # tokens per prefill step; longer segments take several steps
+    block_size: int = 16  # K/V rows per paged block
+    state_memory_bytes: int = 1 << 30  # slot + block pools, preallocated once (a small floor always exists)
+    checkpoint_budget_bytes: int = 256 << 20  # live + retained checkpoints
+    reuse: bool = True  # False: every request prefilled from scratch (the baseline)
+    retain_block: int = 256  # also keep block-aligned checkpoints of shared prefixes every this many tokens (0 off)
+    run_seed: int = 0  # randomness of requests without a seed
+    decode_graphs: bool = True  # replay decode steps as CUDA graphs where the backend can capture them
+    overlap_decode: bool = True  # queue decode step n+1 before reading step n's tokens (engine/step/decode_pipeline.py)
+    speculative: str = "off"  # engine/spec/drafters.py SPECULATIVE_MODES: auto, off, ngram, mtp
+    num_draft_tokens: int = 0  # drafts per sequence and step (0: the default, DEFAULT_DRAFT_TOKENS)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_prefill_tokens", "block_size", "state_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.checkpoint_budget_bytes < 0 or self.retain_block < 0:
+            raise ValueError("checkpoint budget and retain block must be >= 0")
+        from prefixrun.engine.spec.drafters import SPECULATIVE_MODES
+
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if not 0 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be in 0..64, got {self.num_draft_tokens}")
+
+
+@dataclass
+class RunStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    distinct_prefix_tokens: int = 0
+    computed_prompt_tokens: int = 0  # all prefill work, including work given up under memory pressure
+    reused_tokens: int = 0  # sum over requests of prompt tokens not computed for them (from disk + from memory)
+    reused_from_disk_tokens: int = 0
+    completion_tokens: int = 0
+    failed_requests: int = 0  # requests that got an error Result
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    # the prompt tokens whose compute time prefill_seconds holds (both advance together once a group's device work
+    # is done; computed_prompt_tokens counts a group from its start): the prefill rate the cost model reads
+    timed_prefill_tokens: int = 0
+    decode_seconds: float = 0.0
+    peak_decode_batch: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Engine:
+    """Runs windows of requests on one model; keeps the state pools and retained checkpoints across windows."""
+
+    def __init__(self, model, ops, *, eos_token_ids=(), tokenizer=None, options: EngineOptions = EngineOptions(),
+                 persist=None):
+        self.model, self.ops, self.opts = model, ops, options
+        self.eos = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer  # engine/load/tokenizer.py's Tokenizer: result texts and stop strings (None: no text)
+        self.persist = persist  # optional persistent checkpoint store adapter (engine/cache/persist.py)
+        self.max_context = model.cfg.max_position_embeddings
+        specs = model.state_specs()
+        slot_bytes, block_bytes = pool_unit_bytes(specs, ops, options.block_size)
+        ckpt_slots = min(512, options.checkpoint_budget_bytes // max(slot_bytes, 1)) if options.reuse else 0
+        num_slots = 2 * options.max_batch + ckpt_slots + 4
+        # speculative steps' rollback rows come out of the same state memory as the slots and blocks
+        snap_rows = snapshot_capacity(options, specs)
+        snap_bytes = snapshot_pool_bytes(specs, ops, snap_rows)
+        if block_bytes:
+            num_blocks = max(8, (options.state_memory_bytes - num_slots * slot_bytes - snap_bytes) // block_bytes)
+        else:  # no paged region: blocks are bookkeeping only and cost nothing, so every slot may reach the context
+            num_blocks = num_slots * -(-self.max_context // options.block_size) + 1
+        self.state = ModelState(specs, ops, num_slots, int(num_blocks), options.block_size,
+                                snapshot_capacity=snap_rows)
+        self.pool = CheckpointPool(self.state, options.checkpoint_budget_bytes if options.reuse else 0)
+        self.runner = ModelRunner(model, self.state, ops, options.max_batch, graphs=options.decode_graphs,
+                                  run_seed=options.run_seed)
+        self.speculator = make_speculator(options, model, ops, self.state, self.runner)  # None: off
+        self.stats = RunStats()
+        self.last_plan: Plan | None = None
+        self.last_trace: Trace | None = None  # what the last window really executed
+        self._window = None  # the executor of the window being run
+
+    @property
+    def decoder(self):
+        return self.runner.decoder
+
+    # ---- public -------------------------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> Iterator[Result]:
+        """Run one window; yields each Result as soon as its request finishes (error Results included)."""
+        runnable = []
+        for r in requests:
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(r.prompt_token_ids)
+            if not r.prompt_token_ids or len(r.prompt_token_ids) + 1 > self.max_context:
+                yield self.error_result(r, f"prompt of {len(r.prompt_token_ids)} tokens leaves no room in the "
+                                           f"model context of {self.max_context}")
+            else:
+                runnable.append(r)
+        if not runnable:
+            return
+        prompts = [r.prompt_token_ids for r in runnable]
+        plan = make_plan(prompts, share=self.opts.reuse)
+        self.stats.distinct_prefix_tokens += plan.distinct_tokens if self.opts.reuse \
+            else make_plan(prompts).distinct_tokens
+        self.last_plan, self.last_trace = plan, Trace()
+        if self.persist is not None and self.opts.reuse:
+            self.persist.prefetch(plan.roots, self.state)  # stored states this window will look up, read meanwhile
+        self._window = WindowExecutor(self, runnable, plan, self.last_trace)
+        results = self._window.execute()
+        try:
+            while True:
+                with collector_held_off():  # while the engine works, not while its caller holds a result
+                    result = next(results, None)
+                if result is None:
+                    break
+                yield result
+        finally:
+            results.close()
+            self._window = None
+
+    def close(self):
+        """Hand retained checkpoints to the persistent store and free them."""
+        self.spill(self.pool.drain())
+        self.runner.close()
+
+    def spill(self, evicted):
+        """States leaving the pool: offered to the persistent store (it keeps those worth keeping), then freed."""
+        for v in evicted:
+            if self.persist is not None:
+                self.persist.offer(v.tokens, self.state, v.handle, v.logits)
+            self.state.release(v.handle)
+
+    def check_invariants(self):
+        self.state.check_invariants()
+        pending = self._window.sched.pending_ids() if self._window is not None else set()
+        self.pool.check_invariants(consumers=pending)
+
+    def error_result(self, r: Request, message: str) -> Result:
+        self.stats.failed_requests += 1
+        n = len(r.prompt_token_ids)
+        return Result(r.custom_id, r.index, [], "", "error", Usage(n, 0, 0, 0), error=message)
+
+
+@contextlib.contextmanager
+def collector_held_off():
+    """Python's cyclic garbage collector paused while the engine works on a window, as it was after.
+
+    A collection stops the engine's thread at whatever line allocated last, and during a prefill group the device
+    waits on that thread's launches. It is small today (the 4b-like shared-system window on the H200 ran 6
+    generation-0 collections, 3.5 ms, the longest 1.8 ms) but grows with what a window allocates, and a full
+    collection over the loaded libraries' objects took 25 ms on a CPU. `Engine.run` holds it off only between
+    results: from resuming the executor to its next Result, so a caller that keeps (or abandons) the generator
+    runs with the collector as it was. What the engine frees meanwhile is freed by reference counting; its few
+    reference cycles (a plan's tasks point at their bases and consumers) wait for the collector's next pass.
+    Nested or concurrent holds (generators interleaved, threads) resume it when the last one ends."""
+    global _windows_running, _collector_was_enabled
+    with _collector_lock:
+        if _windows_running == 0:
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _windows_running += 1
+    try:
+        yield
+    finally:
+        with _collector_lock:
+            _windows_running -= 1
+            if _windows_running == 0 and _collector_was_enabled:
+                gc.enable()
+
+
+_collector_lock = threading.Lock()
+_windows_running = 0  # windows inside collector_held_off now
+_collector_was_enabled = True

@@ -1,0 +1,443 @@
+"""Executes one window's plan: prefill groups interleaved with decode steps, every step recorded in a Trace.
+
+The scheduler (engine/plan/scheduler.py) picks the next group of sibling tasks the pools admit; this module starts
+each task's state (fork of its base checkpoint, the state handed over, an empty one, or a longer saved state found
+in memory or on disk), prefills the group in variable-length steps through the model runner
+(engine/step/model_runner.py), and finishes each task: save a branch checkpoint for its consumers, start decoding its
+request, or hand its state to its single child. Decode steps of up to `max_batch` sequences run between prefill
+groups.
+
+Memory pressure degrades, never aborts: a group shrinks to what the pools admit; when not even one task fits,
+retained checkpoints are evicted, decoders finish, then pinned checkpoints and handed-over states are given up
+(their consumers recompute from an older checkpoint or from scratch); a request whose state cannot fit an empty
+pool gets an error Result. A refused checkpoint (budget) makes its consumers recompute the same way: it costs
+compute, never answers.
+
+Accounting: each executed task leaves a `_Run` record (how its state was made); a request's usage follows the chain
+of runs that made its state, so reused = from disk + from memory, each >= 0, per request and per run.
+
+Over 300 lines because the task lifecycle (start, prefill, finish, decode) and its pressure relief share the
+window's bookkeeping (saved checkpoints, their savers, the decoding set); split further it would pass that state
+around instead.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from prefixrun.engine.state.checkpoints import CheckpointEntry
+from prefixrun.engine.step.decode_pipeline import DecodePipeline
+from prefixrun.engine.plan.planner import Plan, Task
+from prefixrun.engine.request import Request, Result, Usage
+from prefixrun.engine.plan.scheduler import Handoff, Scheduler
+from prefixrun.engine.step.sequence import Sequence
+from prefixrun.engine.state.pools import StateHandle
+from prefixrun.engine.plan.trace import Trace
+
+FIRST_TOKEN_ROWS = 64  # first tokens sampled per call: 64 rows of a 248k vocabulary's fp32 logits are 63 MiB
+
+
+@dataclass(eq=False)
+class _Run:
+    """How one executed task's end state was made, for accounting. The chain of `base` links from a request's
+    task partitions its prompt: a hit (a saved state of length `hit`) or an empty state at the bottom, then each
+    run's `computed` tokens."""
+
+    task: Task
+    base: "_Run | None"
+    computed: int = 0
+    hit: int = 0
+    from_disk: bool = False
+    start: int = 0  # a hit above a base: the base's length (tokens [0, start) are the base chain's, not the hit's)
+
+
+class WindowExecutor:
+    """The execution of one window's plan: prefill groups interleaved with decode steps."""
+
+    def __init__(self, engine, requests: list[Request], plan: Plan, trace: Trace):
+        self.e, self.requests, self.plan, self.trace = engine, requests, plan, trace
+        o = engine.opts
+        self.sched = Scheduler(engine.state, engine.pool, requests, max_batch=o.max_batch,
+                               max_prefill_tokens=o.max_prefill_tokens, max_context=engine.max_context,
+                               reserved_blocks=1)  # the decode graphs' scratch block
+        self.sched.push(plan.roots, None)
+        self.decoding: list[Sequence] = []
+        self.starting: list[tuple[Sequence, object]] = []  # sequences a group started, before their first token
+        self.finished: list[Result] = []
+        self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
+        self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
+        # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py); speculative steps need
+        # every token on the host before drafting, so with a speculator every step is synchronous
+        self.pipeline = DecodePipeline(engine.runner, engine.ops, o.max_batch) \
+            if o.overlap_decode and engine.speculator is None else None
+
+    # ---- main loop ----------------------------------------------------------------------------------------
+    def execute(self) -> Iterator[Result]:
+        sched, max_batch = self.sched, self.e.opts.max_batch
+        while sched.pending or self.decoding:
+            group = sched.next_group(self.decoding) if sched.pending and len(self.decoding) < max_batch else []
+            if group:
+                self._drain()  # the decoding set changes: its tokens up to date first (and the decode time true)
+                sched.admit(group)
+                self._prefill_group(group)
+            elif sched.pending and len(self.decoding) < max_batch and self._evict_retained():
+                pass
+            elif self.decoding:
+                self._decode_step()
+            elif not self._give_up_one():
+                self._refuse(sched.pop())
+            while self.finished:
+                yield self.finished.pop(0)
+        self._drain()  # a step of rows whose sequences had all ended may still be in flight
+        while self.finished:
+            yield self.finished.pop(0)
+
+    # ---- memory pressure ----------------------------------------------------------------------------------
+    def _evict_retained(self) -> bool:
+        """Evict retained checkpoints until the top task is admitted; True if anything was evicted."""
+        top, evicted = self.sched.pending[-1], False
+        while not self.sched.can_admit([top], self.decoding):
+            victim = self.e.pool.evict_lru()
+            if victim is None:
+                break
+            self.e.spill([victim])
+            evicted = True
+        return evicted
+
+    def _give_up_one(self) -> bool:
+        """Nothing decodes and the top task does not fit: give up one held state (a handed-over state or a pinned
+        checkpoint, the top task's own base last); its consumers recompute from an older state. False if none."""
+        top = self.sched.pending[-1]
+        bases = [self.sched.base[t.id] for t in self.sched.pending if self.sched.base[t.id] is not None]
+        mine = self.sched.base[top.id]
+        for b in sorted(bases, key=lambda b: (b is mine, not isinstance(b, Handoff))):
+            consumers = self.sched.consumers_of(b)
+            if isinstance(b, Handoff):
+                self.e.state.release(b.handle)
+                owner = consumers[0].base
+            else:
+                owner = self.saver[id(b)][0]
+                self.e.pool.drop(b)
+                self.trace.add("drop", owner.id, end=b.length)
+            self._rebase(consumers, self._fallback(owner, exclude=b))
+            return True
+        return False
+
+    def _fallback(self, task: Task | None, exclude=None) -> CheckpointEntry | None:
+        """The longest live branch checkpoint among `task` and its ancestors (None: start from scratch)."""
+        while task is not None:
+            e = self.saved.get(task.id)
+            if e is not None and e is not exclude and self.e.pool.holds(e):
+                return e
+            task = task.base
+        return None
+
+    def _rebase(self, tasks: list[Task], base: CheckpointEntry | None):
+        for t in tasks:
+            self.sched.set_base(t, base)
+            self.trace.add("rebase", t.id, start=base.length if base is not None else 0)
+        if base is not None:
+            self.e.pool.add_consumers(base, [t.id for t in tasks])
+
+    def _refuse(self, task: Task):
+        """The task cannot fit even an empty pool: its requests (and those of every task after it) get errors."""
+        self._let_go(task, self.sched.base[task.id])
+        s = self.e.state
+        # the state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V
+        fewer = f", lower --max-batch ({self.e.opts.max_batch:,} now)" if self.e.opts.max_batch > 1 else ""
+        for t in self.plan.subtree(task):
+            if t.request is None:
+                continue
+            r = self.requests[t.request]
+            need = self.sched.task_blocks(t, None)
+            self.trace.add("error", t.id, note="does not fit the state memory")
+            self.finished.append(self.e.error_result(r, (
+                f"prompt of {len(r.prompt_token_ids)} tokens with up to {r.sampling.max_tokens} new tokens needs "
+                f"{need} K/V blocks of {s.block_size} tokens; the state memory holds "
+                f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer} or lower "
+                f"max_tokens")))
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+    def _let_go(self, task: Task, base):
+        """The task will not use its base after all: give back what the base holds for it."""
+        if isinstance(base, Handoff):
+            self.e.state.release(base.handle)
+        elif isinstance(base, CheckpointEntry):
+            self.e.pool.release(base, task.id)
+            if base.pins == 0:
+                self.trace.add("release", self.saver[id(base)][0].id, end=base.length)
+
+    def _start_state(self, task: Task, disk_ok: bool) -> tuple[StateHandle, object | None, _Run]:
+        """The state to prefill from, the end logits if nothing is left to compute, and the run record.
+
+        Prefers the longest saved state reaching past the base: a retained checkpoint of the pool, else the
+        persistent store (only when `disk_ok`: an imported state shares only the base's whole blocks, not its
+        partial last one, so it may need blocks the admission rule credited to the base)."""
+        e, end = self.e, task.end
+        base = self.sched.base[task.id]
+        b = self.sched.base_length(task)
+        if e.opts.reuse:
+            found, source = None, ""
+            entry = e.pool.lookup(task.path, b, end)
+            if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
+                found, source = (e.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
+            elif e.persist is not None and disk_ok and e.state.slots.free_count >= 2:
+                # sharing the base's whole K/V blocks: a restored state then shares them like a fork does
+                share = base.handle if base is not None else None
+                found, source = e.persist.lookup(list(task.path), b, end, e.state, share=share), "disk"
+            if found is not None:
+                # the base was made (and its tokens charged) all the same: the chain goes on through its run, so
+                # its carrier still pays for what it computed and only [b, hit) counts as the hit's
+                base_run = base.origin if isinstance(base, Handoff) else \
+                    self.saver.get(id(base), (None, None))[1] if isinstance(base, CheckpointEntry) else None
+                self._let_go(task, base)
+                handle, logits = found
+                self.trace.add("hit", task.id, start=b, end=handle.length, note=source)
+                return handle, logits, _Run(task, base_run, hit=handle.length, from_disk=source == "disk",
+                                            start=b if base_run is not None else 0)
+        if base is None:
+            return e.state.new_sequence(), None, _Run(task, None)
+        if isinstance(base, Handoff):
+            return base.handle, base.logits if b == end else None, _Run(task, base.origin)
+        handle = e.pool.acquire(base, task.id)
+        saver, saver_run = self.saver[id(base)]
+        self.trace.add("fork", task.id, start=b)
+        if base.pins == 0:
+            self.trace.add("release", saver.id, end=b)
+        return handle, base.logits if b == end else None, _Run(task, saver_run)
+
+    def _prefill_group(self, group: list[Task]):
+        e = self.e
+        spare = e.state.blocks.free_count - sum(self.sched.task_blocks(t) for t in group) \
+            - self.sched.growth(self.decoding)
+        handles, todos, logits, runs = [], [], [], []
+        for task in group:
+            credit = self.sched.task_blocks(task, None) - self.sched.task_blocks(task)  # base blocks it shares
+            h, lg, run = self._start_state(task, spare >= credit)
+            if run.from_disk:
+                spare -= credit
+            todo = list(task.path[h.length:])
+            run.computed = len(todo)
+            if todo:
+                self.trace.add("prefill", task.id, start=h.length, end=task.end)
+            e.stats.computed_prompt_tokens += len(todo)
+            handles.append(h)
+            todos.append(todo)
+            logits.append(lg)
+            runs.append(run)
+        # run the pieces: each step takes up to max_prefill_tokens over the tasks that still have tokens
+        pending = [i for i, t in enumerate(todos) if t]
+        offsets = [0] * len(group)
+        t0 = time.perf_counter()
+        while pending:
+            budget = e.opts.max_prefill_tokens
+            batch_idx, pieces = [], []
+            for i in pending:
+                if budget <= 0:
+                    break
+                stop = self._piece_end(group[i], handles[i], offsets[i], len(todos[i]), budget)
+                batch_idx.append(i)
+                pieces.append(todos[i][offsets[i]:stop])
+                budget -= stop - offsets[i]
+            out = e.runner.prefill([handles[i] for i in batch_idx], pieces)  # [B, V]
+            e.stats.prefill_steps += 1
+            for row, i, piece in zip(range(len(batch_idx)), batch_idx, pieces):
+                offsets[i] += len(piece)
+                if offsets[i] == len(todos[i]):
+                    logits[i] = out[row].copy()
+                else:
+                    self._maybe_retain(group[i], handles[i], out[row])
+            pending = [i for i in pending if offsets[i] < len(todos[i])]
+        # the decode graph the group's new sequences will replay is captured while the device computes the steps
+        # queued above, when decoding comes next (no more prefill groups: none pending, none this group makes)
+        new_states = [h for t, h in zip(group, handles) if t.request is not None]
+        if new_states and not any(t.consumers for t in group) and (
+                not self.sched.pending or len(self.decoding) + len(new_states) >= e.opts.max_batch):
+            e.runner.prepare_decode([s.handle for s in self.decoding if not s.done] + new_states)
+        e.ops.synchronize()
+        e.stats.prefill_seconds += time.perf_counter() - t0
+        e.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate
+        # the group's time is counted before its states are offered: the store judges them by the rate measured
+        for task, h, lg, run in zip(group, handles, logits, runs):
+            self._finish_task(task, h, lg, run)
+        self._sample_first_tokens()
+
+    def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int) -> int:
+        """Where this step's piece of a task stops: the token budget, or a block-aligned retention point of a
+        shared prefix (so that its state can be kept for later runs, as the seed cache does)."""
+        stop = min(total, offset + budget)
+        rb = self.e.opts.retain_block
+        # only where `_maybe_retain` may keep the state: without a store a split step is only a slower one (the
+        # 4b-like shared prefix as 1792 + 256 tokens: 46 ms of host launches for ~30 ms of device work, vs 29 ms)
+        if rb and task.consumers and self.e.opts.reuse and self.e.persist is not None:
+            pos = handle.length  # tokens already in the state
+            aligned = ((pos + (total - offset)) - rb) // rb * rb  # the seed's (end - block) // block * block
+            if pos < aligned < pos + (stop - offset) and self._may_retain(task, aligned):
+                stop = offset + (aligned - pos)
+        return stop
+
+    def _may_retain(self, task: Task, length: int) -> bool:
+        """Whether the store may keep the state of task.path[:length] (its cost model, once it can judge, says a
+        later read of it would pay): else the prefill is not split there, nor the state retained. A warm rerun of
+        shared-system knew from the start that its 1,792-token point would never be written."""
+        e = self.e
+        return e.persist.may_retain(task.path[:length], e.state.slot_bytes + e.state.blocks_for(length) *
+                                    e.state.block_bytes)
+
+    def _maybe_retain(self, task: Task, handle: StateHandle, logits_row):
+        """Keep a copy of an intermediate state at a block-aligned point (evictable, for later runs). Only where
+        the copy shares whole blocks (no copy-on-write block) and a spare slot exists, so it never takes room
+        that admitted work counts on."""
+        e = self.e
+        rb = e.opts.retain_block
+        if not rb or handle.length % rb or handle.length % e.state.block_size or e.persist is None \
+                or e.state.slots.free_count < 2:
+            return
+        prefix = task.path[:handle.length]
+        row = logits_row.copy()
+        if not e.pool.can_save(prefix, e.pool.entry_bytes(handle, row)):
+            return
+        entry, victims = e.pool.save(prefix, e.state.fork(handle), row, retain=True)
+        e.spill(victims)
+
+    def _finish_task(self, task: Task, handle: StateHandle, logits, run: _Run):
+        """The task's end state is ready: checkpoint it for its consumers, start its request, or hand it over."""
+        e, sched = self.e, self.sched
+        if task.saves:
+            entry, victims = e.pool.save(task.path, handle, logits, consumers=[c.id for c in task.consumers],
+                                         retain=e.persist is not None)
+            e.spill(victims)
+            if entry is not None:
+                if e.persist is not None:  # a branch point: the state later runs share most, offered while fresh
+                    e.persist.offer(task.path, e.state, entry.handle, entry.logits)
+                self.saved[task.id] = entry
+                self.saver[id(entry)] = (task, run)
+                self.trace.add("save", task.id, end=task.end, count=len(task.consumers))
+                sched.push(task.consumers, entry)
+                return
+            # refused for lack of budget: the first consumer takes the state whole; the others recompute
+            self.trace.add("refused", task.id, end=task.end)
+            if e.persist is not None and any(c.request is not None and c.end == task.end for c in task.consumers):
+                e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
+            sched.push(task.consumers, Handoff(handle, logits, run))
+            self._rebase(task.consumers[1:], self._fallback(task.base))
+            return
+        if task.request is not None:
+            if e.persist is not None and e.opts.reuse:
+                e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
+            self._start_decoding(task, handle, logits, run)
+        elif task.consumers:
+            sched.push(task.consumers, Handoff(handle, logits, run))
+        else:
+            e.state.release(handle)
+
+    # ---- decode -------------------------------------------------------------------------------------------
+    def _start_decoding(self, task: Task, handle: StateHandle, logits, run: _Run):
+        e = self.e
+        req = self.requests[task.request]
+        detok = None
+        if e.tokenizer is not None:
+            from prefixrun.engine.load.tokenizer import StreamDetokenizer
+
+            detok = StreamDetokenizer(e.tokenizer)
+        seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run)
+        self.trace.add("decode", task.id)
+        self.starting.append((seq, logits))
+
+    def _sample_first_tokens(self):
+        """The first token of every sequence the group started, drawn together: one sampling call and one wait
+        for the device per FIRST_TOKEN_ROWS rows instead of one per request (a row's draw depends only on its
+        seed, its token index and its logits, never on the batch)."""
+        starting, self.starting = self.starting, []
+        for at in range(0, len(starting), FIRST_TOKEN_ROWS):
+            part = starting[at:at + FIRST_TOKEN_ROWS]
+            rows = [lg[None] if lg.ndim == 1 else lg for _, lg in part]  # each [1, V]
+            logits = rows[0]
+            if len(rows) > 1:
+                logits = self.e.ops.zeros((len(rows), rows[0].shape[-1]), rows[0].dtype)  # [n, V]
+                for i, row in enumerate(rows):
+                    logits[i:i + 1] = row
+            seqs = [seq for seq, _ in part]
+            for seq, token in zip(seqs, self.e.runner.sample(seqs, logits)):
+                seq.accept(token)
+                if seq.done:
+                    self._finish(seq)
+                else:
+                    self.decoding.append(seq)
+
+    def _drain(self):
+        """Accept the tokens of the decode step in flight (none: nothing to do)."""
+        if self.pipeline is not None and self.pipeline.busy:
+            t0 = time.perf_counter()
+            ended = self.pipeline.drain()
+            self.e.stats.decode_seconds += time.perf_counter() - t0
+            self._retire(ended)
+
+    def _retire(self, ended: list[Sequence]):
+        for s in ended:
+            self.decoding.remove(s)
+            if self.e.speculator is not None:
+                self.e.speculator.forget(s)
+            self._finish(s)
+
+    def _decode_step(self):
+        e = self.e
+        if self.pipeline is not None:
+            t0 = time.perf_counter()
+            rows, ended = self.pipeline.advance(self.decoding)
+            e.stats.decode_seconds += time.perf_counter() - t0
+            e.stats.decode_steps += rows > 0
+            e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, rows)
+            self._retire(ended)
+            return
+        batch = self.decoding[:e.opts.max_batch]
+        e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
+        t0 = time.perf_counter()
+        spec = e.speculator
+        drafts = spec.drafts(batch) if spec is not None else None
+        if drafts is None:
+            new = [[i] for i in e.runner.decode(batch)]  # the forward and the sampling of the next tokens
+            if spec is not None:
+                timed = spec.times_plain_steps(len(batch))
+                if timed:
+                    e.ops.synchronize()
+                spec.plain_step_done(len(batch), time.perf_counter() - t0 if timed else None)
+        else:
+            new = spec.step(batch, drafts)  # drafts verified, each sequence's kept rows committed
+        e.stats.decode_seconds += time.perf_counter() - t0
+        e.stats.decode_steps += 1
+        for s, toks in zip(batch, new):
+            for tok in toks:  # the same stop rules, token by token, as plain steps apply them
+                if not s.done:
+                    s.accept(tok)
+        self._retire([s for s in batch if s.done])
+
+    def _finish(self, seq: Sequence):
+        e = self.e
+        e.state.release(seq.handle)
+        prompt_len = len(seq.request.prompt_token_ids)
+        computed, from_disk = _charged(seq.origin)
+        cached = prompt_len - computed
+        e.stats.reused_tokens += cached
+        e.stats.reused_from_disk_tokens += from_disk
+        e.stats.completion_tokens += len(seq.tokens)
+        self.finished.append(Result(seq.request.custom_id, seq.request.index, list(seq.tokens), seq.text(),
+                                    seq.finish_reason, Usage(prompt_len, len(seq.tokens), cached, from_disk)))
+
+
+def _charged(run: _Run) -> tuple[int, int]:
+    """(prompt tokens computed for the request of `run`'s task, prompt tokens it got from disk), from the chain of
+    runs that made its
+    state: computed tokens count where the request carried the run (the first request under a task pays for it;
+    the others reused them), disk tokens where the chain starts at a stored state. Each is at most the prompt
+    length and they never overlap, so reused = prompt - computed >= from disk >= 0."""
+    rid = run.task.request
+    computed = from_disk = 0
+    while run is not None:
+        if run.task.carrier == rid:
+            computed += run.computed
+        if run.from_disk:
+            from_disk += run.hit - run.start
+        run = run.base
+    return computed, from_disk

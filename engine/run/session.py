@@ -1,0 +1,252 @@
+"""One engine as a run holds it: the model loaded on one device, the persistent cache opened, the pools sized.
+
+`EngineSettings` is everything that decides how an engine is built, and it pickles, so a worker process (or a Ray
+actor) builds exactly the engine a single-device run builds: `EngineSession(settings)` is the one way to make one.
+A session offers the engine's interface (run, close, stats) plus `report()`, the engine's half of the run report.
+Problems that cost a feature but not the run (an unusable cache folder) are collected in `warnings` for the caller
+to show, since the engine never prints.
+"""
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, Request, Result
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model_dir: Path
+    cache_root: Path  # the persistent cache's folder (checkpoints/, digests/)
+    device: str = "auto"
+    dtype: str | None = None
+    max_batch: int | None = None  # None: what state memory allows on a device, 32 on the CPU
+    max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS
+    checkpoint_budget: float | int | None = None  # bytes, a fraction (0, 1) of state memory, or None (a quarter)
+    state_memory: int | None = None  # None: half the free device memory (1 GiB on the CPU)
+    reuse: bool = True
+    use_cache: bool = True
+    cache_budget: int | None = None
+    cache_policy: str = "measured"  # persist.CACHE_POLICIES
+    speculative: str = "auto"  # engine/spec/drafters.py SPECULATIVE_MODES
+    num_draft_tokens: int = 0  # 0: the default
+
+
+class EngineSession:
+    """`front`: the model's front, loaded already by the caller (its tokenizer reads the input meanwhile).
+    `upcoming`: a Future of the token ids of the prompts the first run will be given, e.g. read from the input
+    on another thread while the weights load: a hint to read their stored prefixes ahead meanwhile
+    (engine/cache/opening.py); it never changes what runs."""
+
+    def __init__(self, settings: EngineSettings, front=None, upcoming=None):
+        from prefixrun.engine.load import loader
+        from prefixrun.engine.run.core import Engine, EngineOptions
+
+        self.settings = s = settings
+        self.warnings: list[str] = []
+        self._final_report: dict | None = None  # taken at close()
+        started = time.perf_counter()
+        calibration = None
+        if s.use_cache and s.reuse and s.cache_policy != "always":
+            from prefixrun.engine.cache.costs import start_calibration
+
+            # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
+            calibration = start_calibration(Path(s.cache_root))
+        opening = self._cache_opening = None
+        if s.use_cache and s.reuse:
+            from prefixrun.engine.cache.persist import StoreOpening
+
+            opening = StoreOpening(Path(s.cache_root), s.cache_budget)  # its maintenance runs while the weights load
+        try:
+            loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
+                                        max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front)
+            if opening is not None:
+                from prefixrun.engine.cache.opening import CacheOpening
+
+                # the cache key and the first window's read-ahead, while the weights upload
+                self._cache_opening = CacheOpening(Path(s.cache_root), s.cache_budget, loading,
+                                                   loading.ops.default_block_size, s.cache_policy, calibration,
+                                                   opening, upcoming)
+            self.loaded = loading.finish()
+        except BaseException:
+            if self._cache_opening is not None:
+                self._cache_opening.abandon()
+            elif opening is not None:
+                opening.abandon()
+            raise
+        ops = self.loaded.ops
+        ops.synchronize()
+        self.load_seconds = time.perf_counter() - started
+        state_bytes = s.state_memory or _default_state_memory(ops)
+        checkpoint_budget = s.checkpoint_budget
+        if checkpoint_budget is None:
+            checkpoint_budget = state_bytes // 4
+        elif 0 < checkpoint_budget < 1:
+            checkpoint_budget = int(state_bytes * checkpoint_budget)
+        max_batch, self.max_batch_source = s.max_batch, "--max-batch"
+        if max_batch is None:
+            max_batch, self.max_batch_source = _default_max_batch(self.loaded.model.state_specs(), ops,
+                                                                  int(state_bytes), int(checkpoint_budget))
+        else:
+            from prefixrun.engine.state.pools import seats_in_memory
+
+            fits = seats_in_memory(self.loaded.model.state_specs(), ops, state_bytes=int(state_bytes),
+                                   checkpoint_bytes=int(checkpoint_budget), block_size=ops.default_block_size,
+                                   reuse=s.reuse)
+            if max_batch > fits:  # batching never changes a token, so fewer seats only cost time
+                self.warnings.append(f"--max-batch {max_batch:,}: the state memory ({int(state_bytes):,} bytes) "
+                                     f"holds at most {fits:,} sequences; decoding up to {fits:,} together")
+                max_batch, self.max_batch_source = fits, "--max-batch, capped by the state memory"
+        opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=s.max_prefill_tokens,
+                             state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
+                             reuse=s.reuse, block_size=ops.default_block_size, speculative=s.speculative,
+                             num_draft_tokens=s.num_draft_tokens)
+        self.store = self.persist = None
+        if self._cache_opening is not None:
+            # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
+            self.persist, problem = self._cache_opening.join(self.loaded)
+            if problem:
+                self.warnings.append(problem)
+            self.store = self.persist.store if self.persist is not None else None
+        self.engine = Engine(self.loaded.model, ops, eos_token_ids=self.loaded.eos_token_ids,
+                             tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist)
+        if self.persist is not None:
+            self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
+            # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
+            self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
+            self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+
+    def _end_hints(self):
+        if self._cache_opening is not None:
+            self._cache_opening.close()
+
+    # ---- the engine's interface ---------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> Iterator[Result]:
+        self._end_hints()  # the engine's own prefetch decides from here
+        return self.engine.run(requests)
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def check_invariants(self):
+        self.engine.check_invariants()
+
+    def close(self):
+        """Retained checkpoints go to the persistent store; the pools must be whole; the store is closed (after
+        the final report was taken from it)."""
+        if self._final_report is not None:
+            return
+        self._end_hints()
+        self.engine.close()
+        if self.persist is not None:
+            self.persist.finish()  # the background writer's last entries
+        self.engine.check_invariants()
+        self._final_report = self.report()
+        if self.store is not None:
+            self.store.close()
+
+    def report(self) -> dict:
+        """The engine's half of the run report: its statistics, its pools, its device and its cache."""
+        if self._final_report is not None:
+            return self._final_report
+        s, p, opts = self.engine.stats, self.engine.pool.stats, self.engine.opts
+        report = {
+            "requests": s.requests, "prompt_tokens": s.prompt_tokens,
+            "distinct_prefix_tokens": s.distinct_prefix_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,
+            "reused_tokens": s.reused_tokens, "reused_from_disk_tokens": s.reused_from_disk_tokens,
+            "completion_tokens": s.completion_tokens,
+            "checkpoints_saved": p.saved, "checkpoints_restored": p.restored, "checkpoints_evicted": p.evicted,
+            "checkpoints_skipped_over_budget": p.skipped_over_budget,
+            "checkpoint_bytes_saved": p.saved_bytes, "checkpoint_bytes_evicted": p.evicted_bytes,
+            "peak_checkpoint_bytes": p.peak_bytes, "checkpoint_budget_bytes": self.engine.pool.budget_bytes,
+            "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,
+            "prefill_seconds": round(s.prefill_seconds, 4), "decode_seconds": round(s.decode_seconds, 4),
+            "model": str(self.loaded.path), "device": self.loaded.ops.display_name,
+            "load_seconds": round(self.load_seconds, 4), "max_batch": opts.max_batch,
+            "max_batch_from": self.max_batch_source, "block_size": opts.block_size,
+        }
+        if self.engine.speculator is not None:
+            report["speculative"] = self.engine.speculator.stats.as_dict()
+        if self.store is not None:
+            st = self.store.stats
+            try:
+                entries, total = len(self.store.entries()), self.store.total_bytes()
+            except (sqlite3.Error, OSError):  # the store failed during the run (persist.store_error says how)
+                entries = total = None
+            report["cache"] = {"dir": str(self.store.root), "policy": self.settings.cache_policy, "entries": entries,
+                               "bytes": total, "budget_bytes": self.store.budget_bytes,
+                               "hits": st.hits, "misses": st.misses, "written": st.written,
+                               "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
+                               "rejected_too_large": st.rejected_too_large, "write_errors": st.write_errors,
+                               "blocks_written": st.blocks_written, "block_bytes_written": st.block_bytes_written,
+                               "blocks_reused": st.blocks_reused}
+            if self.persist is not None:
+                report["cache"]["costs"] = self.persist.costs.as_dict()
+            if self.persist is not None and self.persist.store_error is not None:
+                report["cache"]["error"] = f"{type(self.persist.store_error).__name__}: {self.persist.store_error}"
+        return report
+
+
+# What a merged report (several workers) takes as the largest value rather than the sum: sizes and settings that
+# each worker has on its own, and facts about the one shared cache folder.
+def _weight_file_bytes(tensors) -> int:
+    try:
+        return sum(f.path.stat().st_size for f in tensors.files)
+    except OSError:
+        return 0
+
+
+_NOT_SUMMED = {"checkpoint_budget_bytes", "load_seconds", "max_batch", "block_size", "entries", "bytes",
+               "budget_bytes", "num_draft_tokens", "prefill_tokens_per_s", "read_bytes_per_s", "write_bytes_per_s"}
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """The engine halves of several workers' reports as one: counts and seconds summed, peaks and sizes the
+    largest, texts joined where they differ (e.g. "cuda:0, cuda:1")."""
+    merged: dict = {}
+    for report in reports:
+        for key, value in report.items():
+            if key not in merged:
+                merged[key] = dict(value) if isinstance(value, dict) else value
+            elif isinstance(value, dict):
+                merged[key] = merge_reports([merged[key], value])
+            elif value is None or merged[key] is None:  # a figure one worker could not give
+                merged[key] = merged[key] if value is None else value
+            elif isinstance(value, str) or isinstance(merged[key], str):
+                parts = str(merged[key]).split(", ")
+                if str(value) not in parts:
+                    parts.append(str(value))
+                merged[key] = ", ".join(parts)
+            elif key.startswith("peak_") or key in _NOT_SUMMED:
+                merged[key] = max(merged[key], value)
+            else:
+                merged[key] = round(merged[key] + value, 4) if isinstance(value, float) else merged[key] + value
+    if "drafted" in merged and "sequence_steps" in merged:  # a speculative method's rates: from the summed counts
+        from prefixrun.engine.spec.speculator import rates_of
+
+        merged = rates_of(merged)
+    return merged
+
+
+def _default_max_batch(specs, ops, state_bytes: int, checkpoint_bytes: int) -> tuple[int, str]:
+    """(--max-batch when not given, where it came from): on a device, what its state memory allows; 32 where the
+    backend computes in host memory (CPU decode is bound by compute long before memory)."""
+    from prefixrun.engine.state.pools import max_batch_for_memory
+
+    if ops.free_memory() is None:
+        return 32, "default"
+    return max_batch_for_memory(specs, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
+                                block_size=ops.default_block_size), "state memory"
+
+
+def _default_state_memory(ops) -> int:
+    """Half of the device memory free after the weights were loaded; 1 GiB where the backend computes in host
+    memory (it reports no free device memory)."""
+    free = ops.free_memory()
+    if free is None:
+        return 1 << 30
+    return int(free * 0.5)

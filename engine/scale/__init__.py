@@ -1,0 +1,1 @@
+"""Several engines: worker processes and Ray actors."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, when to speculate, verification."""

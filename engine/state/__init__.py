@@ -1,0 +1,1 @@
+"""Model state: regions, handles, pools and their allocators, the checkpoint pool."""

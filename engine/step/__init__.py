@@ -1,0 +1,1 @@
+"""One model step: the model runner, its index arrays, decode graphs and the decode pipeline, sequences."""

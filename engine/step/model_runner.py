@@ -1,0 +1,120 @@
+"""Executes steps on the backend: a prefill forward over variable-length pieces, a decode step (replayed as a
+CUDA graph where the backend can capture one), and sampling the next token of a batch of sequences."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from prefixrun.engine.step.decode_graphs import DecodeGraphs, greedy_params
+from prefixrun.engine.step.sequence import Sequence
+from prefixrun.engine.state.pools import ModelState, StateHandle
+from prefixrun.engine.spec.verify import accept_greedy, accept_sampled
+from prefixrun.kernels.sampling import as_seed_array, pack_sampling_params
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = (1 << 31) - 1
+
+
+class ModelRunner:
+    def __init__(self, model, state: ModelState, ops, max_batch: int, *, graphs: bool, run_seed: int):
+        self.model, self.state, self.ops = model, state, ops
+        self.decoder = DecodeGraphs(model, state, ops, max_batch)
+        self.decoder.enabled = self.decoder.enabled and graphs
+        self.run_seed = run_seed
+        self.last_hidden = None  # verify(with_hidden=True): final-normed hidden states [T, D] of its rows
+        self.last_row_starts: list[int] = []  # each sequence's first row in those
+
+    def prefill(self, handles: list[StateHandle], pieces: list[list[int]]):
+        """Append each piece to its handle's state; returns [B, V] logits of each piece's last token."""
+        return self.model.forward(self.state.prepare_step(handles, pieces), self.state)
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """Feed each sequence's last token and sample its next one; both run in the decode graph where the
+        backend captures one."""
+        _, ids = self.decoder.step_sampled([s.handle for s in seqs], [s.tokens[-1] for s in seqs],
+                                           pack_sampling_params(*self._sampling_arrays(seqs)))
+        return [int(i) for i in self.ops.to_host(ids)]
+
+    def prepare_decode(self, handles: list[StateHandle]):
+        """Get the decode graph of a step over these states ready ahead of it (DecodeGraphs.prepare)."""
+        self.decoder.prepare(handles)
+
+    def launch_decode(self, seqs: list[Sequence], source: np.ndarray, previous):
+        """`decode` queued without waiting for the device: sequence i is fed previous[source[i]] (the token an
+        earlier step sampled for it, not yet accepted on the host) where source[i] >= 0, else its last token.
+        Returns the backend int64 ids [n] (valid until the next step is queued: copy them first)."""
+        ahead = (source >= 0).astype(np.int64)  # tokens each sequence has beyond s.tokens when this one is drawn
+        _, ids = self.decoder.step_sampled(
+            [s.handle for s in seqs], [0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)],
+            pack_sampling_params(*self._sampling_arrays(seqs, ahead)),
+            feed=(source, previous) if ahead.any() else None)
+        return ids
+
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False,
+               pad_to: int | None = None) -> list[list[int]]:
+        """One multi-row step: each sequence is fed its last token then its drafts; returns each sequence's tokens
+        (the accepted drafts, then the target's own next token: engine/spec/verify.py). The caller commits
+        len(tokens[i]) rows of each (ModelState.commit). `pad_to`: the rows per sequence a replayed graph should
+        have where they fit (fewer distinct graphs)."""
+        pieces = [[s.tokens[-1]] + list(d) for s, d in zip(seqs, drafts)]
+        handles = [s.handle for s in seqs]
+        r = max(len(p) for p in pieces)
+        if with_hidden:  # the drafter needs every row's hidden state: an eager step returns it
+            self.decoder.rows_eager += 1
+            out = self.model.forward(self.state.prepare_rows_step(handles, pieces), self.state, all_logits=True,
+                                     with_hidden=True)
+            logits, self.last_hidden = out  # [T, V], [T, D]
+            argmax = self.ops.sample(logits, *greedy_params(logits.shape[0]))
+        else:
+            # a graph replays R rows per sequence: shorter pieces are padded with rows that are computed and then
+            # rejected (never kept: verification reads only a sequence's own drafts), where every sequence has
+            # room; R = `pad_to` where it fits (one graph per batch size and width, whatever the drafts' lengths)
+            fits = lambda n: self.decoder.can_replay_rows(len(seqs), n) and all(
+                n <= s.remaining and s.handle.length + n + 2 <= s.max_context for s in seqs)
+            r = max(r, pad_to) if pad_to and fits(max(r, pad_to)) else r
+            if fits(r):
+                pieces = [p + [p[-1]] * (r - len(p)) for p in pieces]
+            logits, argmax = self.decoder.rows_step(handles, pieces)  # [T, V], backend [T]
+        starts = np.cumsum([0] + [len(p) for p in pieces])[:-1].tolist()
+        self.last_row_starts = starts
+        argmax = self.ops.to_host(argmax)  # every row's argmax (the sampler's temperature-0 rows: lowest id on ties)
+        tokens = []
+        for s, d, start in zip(seqs, drafts, starts):
+            sp = s.request.sampling
+            if sp.greedy:
+                tokens.append(accept_greedy(d, argmax[start:start + len(d) + 1]))
+            else:
+                rows = self.ops.to_host(logits[start:start + len(d) + 1]).astype(np.float32)  # [k + 1, V]
+                tokens.append(accept_sampled(d, rows, sp, self._seed_of(s), len(s.tokens)))
+        return tokens
+
+    def sample(self, seqs: list[Sequence], logits) -> list[int]:
+        """One token per sequence from logits [B, V], drawn on the backend for the whole batch at once: the
+        random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py)."""
+        return [int(i) for i in self.ops.to_host(self.ops.sample(logits, *self._sampling_arrays(seqs)))]
+
+    def _sampling_arrays(self, seqs: list[Sequence], ahead: np.ndarray | None = None) -> tuple:
+        """Per-row (temperature, top_k, top_p, min_p, seeds, counters), as ops.sample takes them. A row's counter is
+        the index of the token being drawn: its tokens so far, plus `ahead[i]` drawn but not yet accepted."""
+        sp = [s.request.sampling for s in seqs]
+        counters = np.array([len(s.tokens) for s in seqs], np.int64)
+        if ahead is not None:
+            counters += ahead
+        # A request's numbers are unbounded JSON; the arrays are float32 / int32. Clamped, each keeps its meaning:
+        # a temperature past float32's range is the flattest distribution (as inf would be, without inf's NaNs),
+        # a top_k past the vocabulary (so past int32) is no filter.
+        temperatures = np.array([0.0 if p.greedy else p.temperature for p in sp], np.float64)
+        return (np.minimum(temperatures, _FLOAT32_MAX).astype(np.float32),
+                np.array([min(max(p.top_k, 0), _INT32_MAX) for p in sp], np.int32),
+                np.array([p.top_p for p in sp], np.float32), np.array([p.min_p for p in sp], np.float32),
+                as_seed_array([self._seed_of(s) for s in seqs]), counters)
+
+    def _seed_of(self, s: Sequence) -> int:
+        if s.request.sampling.seed is not None:
+            return s.request.sampling.seed
+        return zlib.crc32(s.request.custom_id.encode()) ^ (self.run_seed * 0x9E3779B1)
+
+    def close(self):
+        self.decoder.close()
+

@@ -1,0 +1,66 @@
+"""One request while it decodes: its state handle, generated tokens, detokenizer, stop rules and finish reason."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixrun.engine.request import Request
+from prefixrun.engine.state.pools import StateHandle
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    handle: StateHandle
+    detok: object | None  # a StreamDetokenizer, or None when the engine has no tokenizer (texts stay empty)
+    max_context: int
+    eos: frozenset = frozenset()
+    tokens: list[int] = field(default_factory=list)
+    stop_text: str | None = None  # the text cut before a stop string, once one appeared
+    finish_reason: str | None = None  # "stop" or "length" once done
+    origin: object = None  # the runner's record of how the prompt state was made (for accounting)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate."""
+        return max(0, min(self.request.sampling.max_tokens - len(self.tokens),
+                          self.max_context - 1 - self.handle.length))
+
+    def accept(self, tok: int, length: int | None = None):
+        """Append a sampled token and decide whether the request is done (eos, stop id/string, length). `length`:
+        the state length of the step that sampled it (default: the handle's; a pipelined step may have advanced
+        the handle past it already)."""
+        sp = self.request.sampling
+        length = self.handle.length if length is None else length
+        self.tokens.append(tok)
+        if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            self.finish_reason = "stop"
+            return
+        if self.detok is not None:
+            self.detok.feed(tok)
+            if sp.stop:
+                text = self.detok.text
+                hits = [text.find(s) for s in sp.stop if s in text]
+                if hits:
+                    self.stop_text = text[:min(hits)]
+                    self.finish_reason = "stop"
+                    return
+        if len(self.tokens) >= sp.max_tokens or length + 1 >= self.max_context:
+            self.finish_reason = "length"
+
+    def ends_after_pending(self) -> bool:
+        """Whether the one token in flight (sampled from the handle's current state, not yet accepted) ends the
+        request by its length rules, whatever token it is: then no step after it needs to be queued."""
+        return len(self.tokens) + 1 >= self.request.sampling.max_tokens or self.handle.length + 1 >= self.max_context
+
+    def text(self) -> str:
+        """The final text (call once, when done): cut at a stop string, or everything decoded."""
+        if self.detok is None:
+            return ""
+        if self.stop_text is not None:
+            return self.stop_text
+        self.detok.flush()  # bytes held back for an incomplete character
+        return self.detok.text
