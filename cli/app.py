@@ -24,7 +24,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli.report import RunReporter
-from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
+from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Offline batch inference that never prefills the same prefix twice.")
@@ -238,7 +238,7 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
     typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
     defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         seed=seed, ignore_eos=ignore_eos)
-    io.SamplingDefaults(**defaults_cli)  # validate options up front
+    SamplingDefaults(**defaults_cli)  # validate options up front
     template_kwargs = _parse_chat_template_kwargs(chat_template_kwargs)
     for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
         if v is not None and v < 1:

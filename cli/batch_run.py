@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from prefixrun.cli import io
+from prefixrun.cli import lines
+from prefixrun.cli import records
 from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 
@@ -24,7 +26,7 @@ class BatchRun:
 
     def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int | None, window: int,
                  max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
-                 cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES,
+                 cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES,
                  chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
                  ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
                  num_draft_tokens: int = 0, input_ahead=None):
@@ -42,7 +44,7 @@ class BatchRun:
         self._ahead = None  # the first window read ahead (cli/input_ahead.py)
         # (index, line number, bytes) -> (ParsedRequest, Request) of the lines read ahead, as `execute` would make
         # them for a custom_id not seen before; filled on the reading thread, read after it stopped
-        self._parsed_ahead: dict[tuple[int, int, bytes], tuple[io.ParsedRequest, Request]] = {}
+        self._parsed_ahead: dict[tuple[int, int, bytes], tuple[lines.ParsedRequest, Request]] = {}
         if devices is None and ray_address is None:
             front = loader.load_front(Path(model_dir))
             self._set_front(front, sampling_overrides, chat_template_kwargs)
@@ -91,11 +93,11 @@ class BatchRun:
                                      context_tokens=config.max_position_embeddings,
                                      chat_template_kwargs=chat_template_kwargs)
 
-    def _tokens_ahead(self, raw: io.RawLine) -> list[int] | None:
+    def _tokens_ahead(self, raw: lines.RawLine) -> list[int] | None:
         """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it
         will reject (its own set of seen ids: duplicates are for `execute` to report)."""
-        item = io.parse_line(raw, self.defaults, set())
-        if isinstance(item, io.LineError):
+        item = lines.parse_line(raw, self.defaults, set())
+        if isinstance(item, lines.LineError):
             return None
         try:
             request = self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling)
@@ -104,14 +106,14 @@ class BatchRun:
         self._parsed_ahead[(raw.index, raw.line_no, bytes(raw.data))] = (item, request)
         return request.prompt_token_ids
 
-    def _parse(self, raw: io.RawLine, seen: set[str]):
-        """The line as `io.parse_line` and the prompt encoder make it: taken from the read-ahead where the same bytes
+    def _parse(self, raw: lines.RawLine, seen: set[str]):
+        """The line as `lines.parse_line` and the prompt encoder make it: taken from the read-ahead where the same bytes
         were parsed there (a custom_id seen before goes the full way, to its duplicate error)."""
         ahead = self._parsed_ahead.pop((raw.index, raw.line_no, bytes(raw.data)), None) if self._parsed_ahead else None
         if ahead is not None and ahead[0].custom_id not in seen:
             seen.add(ahead[0].custom_id)
             return ahead
-        return io.parse_line(raw, self.defaults, seen), None
+        return lines.parse_line(raw, self.defaults, seen), None
 
     @property
     def loaded(self):
@@ -129,13 +131,13 @@ class BatchRun:
             self._ahead.stop()  # the run reads its input itself from here (the hint read no byte of this stream)
         started = time.perf_counter()
         seen: set[str] = set()
-        window: list[tuple[io.ParsedRequest, Request]] = []
+        window: list[tuple[lines.ParsedRequest, Request]] = []
         self.reporter.watch(self.backend.stats)
-        for raw in io.iter_input_lines(source, self.max_line_bytes):
+        for raw in lines.iter_input_lines(source, self.max_line_bytes):
             item, request = self._parse(raw, seen)
             if self.positions is not None:
                 self.positions.note(raw, item)
-            if isinstance(item, io.LineError):
+            if isinstance(item, lines.LineError):
                 self._error(writer, item)
                 continue
             for key in item.unknown_keys:
@@ -149,7 +151,7 @@ class BatchRun:
                     request = self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling)
                 window.append((item, request))
             except InvalidRequest as exc:
-                self._error(writer, io.make_error(item, str(exc)))
+                self._error(writer, lines.make_error(item, str(exc)))
                 continue
             if len(window) >= self.window:
                 self._run_window(window, writer)
@@ -162,11 +164,11 @@ class BatchRun:
         writer.close()
         return self._report(time.perf_counter() - started)
 
-    def _error(self, writer, err: io.LineError):
+    def _error(self, writer, err: lines.LineError):
         self.failed += 1
         self.reporter.error(f"line {err.line_no}" + (f" ({err.custom_id})" if err.custom_id else "") +
                             f": {err.message}")
-        writer.add(err.index, io.format_error(err))
+        writer.add(err.index, records.format_error(err))
 
     def _warn_unknown_keys(self):
         """One warning for the keys no line should have (typos such as max_token), before the work they may
@@ -185,9 +187,9 @@ class BatchRun:
         for result in self.backend.run([req for _, req in window]):
             self._show_backend_warnings()
             if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
-                self._error(writer, io.make_error(parsed[result.index], result.error))
+                self._error(writer, lines.make_error(parsed[result.index], result.error))
             else:
-                writer.add(result.index, io.format_result(parsed[result.index], result, model=self.model_name,
+                writer.add(result.index, records.format_result(parsed[result.index], result, model=self.model_name,
                                                           created=created))
             self.done += 1
             self.reporter.advance(self.done, self.backend.stats)

@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import Future
 from typing import BinaryIO, Callable
 
-from prefixrun.cli import io
+from prefixrun.cli import lines
 
 MAX_AHEAD_BYTES = 64 << 20  # input bytes parsed ahead at most: a hint needs no more
 _CHUNK = 1 << 20
@@ -63,8 +63,8 @@ class FirstWindowAhead:
     ids for; it returns None for a line the run will reject), read on a thread; cancelled where `source` is not a
     regular file. `stop()`: the run reads the input itself now; a read not finished yet gives what it has."""
 
-    def __init__(self, source: BinaryIO, window: int, to_tokens: Callable[[io.RawLine], list[int] | None],
-                 max_line_bytes: int = io.DEFAULT_MAX_LINE_BYTES):
+    def __init__(self, source: BinaryIO, window: int, to_tokens: Callable[[lines.RawLine], list[int] | None],
+                 max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES):
         self.prompts: Future = Future()
         self._stop = threading.Event()
         where = regular_file_offset(source)
@@ -80,7 +80,7 @@ class FirstWindowAhead:
         found: list[list[int]] = []
         try:
             reader = _FileAt(*where)
-            for raw in io.iter_input_lines(reader, max_line_bytes):
+            for raw in lines.iter_input_lines(reader, max_line_bytes):
                 if self._stop.is_set() or reader.consumed > MAX_AHEAD_BYTES:
                     break
                 tokens = to_tokens(raw)

@@ -37,6 +37,7 @@ from typing import Optional
 import typer
 
 from prefixrun.cli import io
+from prefixrun.cli import lines
 from prefixrun.engine.errors import EnginesDidNotStart
 
 
@@ -380,7 +381,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             reporter.stop()
             _silence_stdout()
             raise typer.Exit(EXIT_BROKEN_PIPE)
-        except io.InputReadError as exc:  # before OSError's branch, which is about writing the results
+        except lines.InputReadError as exc:  # before OSError's branch, which is about writing the results
             _keep_finished(writer, journal)
             reporter.stop()
             reporter.error(f"{exc}; finished results were written" + (" (use --resume to continue)" if output else ""))

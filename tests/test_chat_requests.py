@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
-from prefixrun.cli.io import LineError, ParsedRequest, RawLine, format_error, make_error, parse_line
+from prefixrun.cli.lines import LineError, ParsedRequest, RawLine, make_error, parse_line
+from prefixrun.cli.records import format_error
 from prefixrun.engine.load.prompts import ChatPrompt, PromptEncoder, TextPrompt, TokenPrompt
 from prefixrun.engine.request import InvalidRequest, Request, Result, SamplingDefaults, Usage
 from prefixrun.engine.load.tokenizer import Tokenizer

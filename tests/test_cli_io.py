@@ -1,4 +1,4 @@
-"""cli/io.py: input line shapes and errors, sampling precedence, output records, ordered writing, resume."""
+"""cli/io.py, cli/lines.py, cli/records.py: input line shapes and errors, sampling precedence, output records, ordered writing, resume."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,19 +16,12 @@ from prefixrun.cli.io import (
     EXIT_OK,
     EXIT_SOME_FAILED,
     EXIT_USAGE,
-    LineError,
     OrderedWriter,
-    ParsedRequest,
-    RawLine,
-    format_error,
-    format_result,
-    iter_input_lines,
-    make_error,
-    parse_input,
-    parse_line,
     read_completed_ids,
     truncate_partial_last_line,
 )
+from prefixrun.cli.lines import LineError, ParsedRequest, RawLine, iter_input_lines, make_error, parse_input, parse_line
+from prefixrun.cli.records import format_error, format_result
 from prefixrun.engine.load.prompts import ChatPrompt
 from prefixrun.engine.request import InvalidRequest, Result, SamplingDefaults, SamplingParams, Usage
 

@@ -1,6 +1,6 @@
 """The one validator of chat requests: messages and tools as OpenAI and vLLM clients send them.
 
-Used where a request is read (cli/io.py, so the error names the line's own key, e.g. `body.messages[2]`) and
+Used where a request is read (cli/lines.py, so the error names the line's own key, e.g. `body.messages[2]`) and
 again by `Tokenizer.render_chat`, so a library caller gets the same errors. It rejects what no chat template
 can render and what this text-only engine cannot run (image or audio parts); whatever a template itself refuses
 (an unknown role, a misplaced system message) is its own `raise_exception`.

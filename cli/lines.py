@@ -1,0 +1,470 @@
+"""Input lines -> requests: reading the JSONL stream and turning each line into a ParsedRequest or a LineError.
+
+The formats are described in the docstring of prefixrun.cli.io (the format reference); this module implements
+the input side of it. Nothing here raises for bad input: a line that cannot run becomes a LineError, which
+cli/records.py turns into the error record written in the line's place.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Literal
+
+from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
+from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from prefixrun.engine.request import SAMPLING_FIELDS, InvalidRequest, SamplingDefaults, SamplingParams
+from prefixrun.engine.request import describe_value as _describe
+from prefixrun.engine.request import json_type_name as _json_type_name
+
+Shape = Literal["plain", "openai_chat", "openai_completion"]
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETION_URL = "/v1/completions"
+_SHAPE_BY_URL: dict[str, Shape] = {CHAT_URL: "openai_chat", COMPLETION_URL: "openai_completion"}
+_PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+_UTF8_BOM = b"\xef\xbb\xbf"
+REPLACEMENT_CHARACTER = "\ufffd"
+# A JSON escape of a UTF-16 surrogate. Only lines containing one can hold an unpaired surrogate, so only those
+# are searched for one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# The keys a line may use. Any other key is ignored, and `prefixrun batch` names it in one warning per run, so a
+# misspelled `max_token` or `temprature` is never silently without effect.
+_CHAT_KEYS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_PLAIN_KEYS = frozenset({"custom_id", *_PROMPT_FIELDS, "n", *_CHAT_KEYS, *SAMPLING_FIELDS})
+_OPENAI_ENVELOPE_KEYS = frozenset({"custom_id", "method", "url", "body"})
+_OPENAI_BODY_KEYS = frozenset({"model", "messages", "prompt", "n", "max_completion_tokens", *_CHAT_KEYS,
+                               *SAMPLING_FIELDS})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Types
+
+
+@dataclass(frozen=True, slots=True)
+class RawLine:
+    """One non-blank input line, not yet decoded."""
+
+    index: int  # 0-based among non-blank lines: the output position
+    line_no: int  # 1-based physical line number, blank lines included
+    data: bytes  # for a line over the byte limit: only its first bytes (to read a custom_id from)
+    oversize_bytes: int = 0  # the whole line's length when it is over the byte limit (it was never held whole)
+    byte_limit: int = 0  # the limit it was over
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A valid input line: its prompt (tokenized by the engine's request layer) and its resolved sampling."""
+
+    index: int
+    line_no: int
+    custom_id: str
+    shape: Shape
+    prompt: Prompt
+    sampling: SamplingParams
+    unknown_keys: tuple[str, ...] = ()  # keys of the line that mean nothing here ("body.x" inside an OpenAI body)
+
+    @property
+    def is_openai(self) -> bool:
+        return self.shape != "plain"
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompt.text if isinstance(self.prompt, TextPrompt) else None
+
+    @property
+    def messages(self) -> list[dict] | None:
+        return self.prompt.messages if isinstance(self.prompt, ChatPrompt) else None
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return list(self.prompt.token_ids) if isinstance(self.prompt, TokenPrompt) else None
+
+
+@dataclass(frozen=True)
+class LineError:
+    """An input line (or a request) that produced no result; the message is for the person who wrote the line."""
+
+    index: int
+    line_no: int
+    custom_id: str | None
+    message: str
+    openai_shape: bool = False  # the line was read as an OpenAI Batch API line: its error record uses that format
+
+
+class _LineRejected(Exception):
+    """Internal: stops parsing a line; becomes a LineError."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input
+
+
+DEFAULT_MAX_LINE_BYTES = 4 << 20
+"""4 MiB: a whole 262k-token context as text or as prompt_token_ids fits; `--max-line-bytes` changes it."""
+_OVERSIZE_HEAD_BYTES = 4096  # kept of an oversize line, to name its custom_id in the error record
+_DRAIN_CHUNK = 1 << 20
+_LEADING_CUSTOM_ID = re.compile(rb'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,1000}"|-?\d{1,30})\s*,')
+
+
+class InputReadError(Exception):
+    """The input stream failed to read (EIO, a vanished network mount, ...). Not an OSError: the run's callers take
+    an OSError for a failed write of results, and a read error must name the input instead."""
+
+
+def _read_input_line(source: BinaryIO, limit: int) -> bytes:
+    try:
+        return source.readline(limit)
+    except OSError as exc:
+        name = getattr(source, "name", None)
+        where = f" {name}" if isinstance(name, str) and not name.startswith("<") else ""  # '<stdin>': no path
+        raise InputReadError(f"cannot read the input{where}: {exc.strerror or exc}") from exc
+
+
+def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[RawLine]:
+    """Yield the non-blank lines of `source` one at a time, with their output index and 1-based line number.
+
+    A line longer than `max_line_bytes` (newline not counted) is never held whole: it is read in chunks and
+    dropped, and comes back with `oversize_bytes` set and only its first bytes, so that a 100 MB line costs no
+    more memory than a short one. A read that fails raises InputReadError.
+    """
+    index = 0
+    line_no = 0
+    while True:
+        data = _read_input_line(source, max_line_bytes + 1)
+        if not data:
+            return
+        line_no += 1
+        if line_no == 1 and data.startswith(_UTF8_BOM):
+            data = data[len(_UTF8_BOM):]
+        oversize = 0
+        if len(data) > max_line_bytes and not data.endswith(b"\n"):
+            oversize, head = len(data), data[:_OVERSIZE_HEAD_BYTES]
+            while not data.endswith(b"\n"):
+                data = _read_input_line(source, _DRAIN_CHUNK)
+                if not data:
+                    break
+                oversize += len(data)
+            oversize -= 1 if data.endswith(b"\n") else 0
+            data = head
+        elif not data.strip():
+            continue
+        yield RawLine(index=index, line_no=line_no, data=data, oversize_bytes=oversize, byte_limit=max_line_bytes)
+        index += 1
+
+
+def parse_input(
+    source: BinaryIO, defaults: SamplingDefaults, seen_ids: set[str] | None = None
+) -> Iterator[ParsedRequest | LineError]:
+    """iter_input_lines + parse_line: one ParsedRequest or LineError per non-blank line, in input order."""
+    seen_ids = set() if seen_ids is None else seen_ids
+    for raw in iter_input_lines(source):
+        yield parse_line(raw, defaults, seen_ids)
+
+
+def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> ParsedRequest | LineError:
+    """Read one input line. Never raises for bad input: a line that cannot be run comes back as a LineError.
+
+    `defaults` are the command line's values over the model's generation_config; the line's own values win.
+    `seen_ids` holds the custom_ids of earlier lines; this line's id is added to it as soon as it is known to be
+    new (even if the line has another error), so that every successful custom_id in the output is unique.
+    """
+    if raw.oversize_bytes:
+        return _oversize_line_error(raw, seen_ids)
+    custom_id: str | None = None
+    openai_shape = False
+    try:
+        text, utf8_error = _decode_utf8(raw.data)
+        try:
+            obj = _decode_json_object(text)
+            openai_shape = _is_openai_line(obj)
+            custom_id = _read_custom_id(obj, raw.line_no)
+        except _LineRejected:
+            if utf8_error:
+                raise _LineRejected(utf8_error) from None
+            raise
+        if utf8_error:
+            if REPLACEMENT_CHARACTER in custom_id:
+                custom_id = None  # a bad byte inside the id: it is not the id the line's writer meant
+            raise _LineRejected(utf8_error)
+        if custom_id in seen_ids:
+            # The record carries the id (so its writer can find the line), but as an error record it is never
+            # taken for the earlier line's result, by --resume or anyone else.
+            given = "" if obj.get("custom_id") is not None else \
+                " (the id this line gets for having none: give it a custom_id)"
+            raise _LineRejected(f"duplicate custom_id {custom_id!r}{given}: an earlier line already uses it")
+        seen_ids.add(custom_id)
+        if _SURROGATE_ESCAPE.search(raw.data):
+            _reject_unpaired_surrogates(obj, "")
+        if openai_shape:
+            shape, fields, prompt, unknown = _read_openai_line(obj)
+        else:
+            shape, fields, prompt, unknown = _read_plain_line(obj)
+        sampling = _sampling_for_line(fields, defaults, where="body." if openai_shape else "")
+    except (_LineRejected, InvalidRequest) as rejection:
+        return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
+    except RecursionError:
+        # Arrays nested hundreds deep exhaust json.loads or the checks that walk them.
+        return LineError(raw.index, raw.line_no, custom_id, "the line's JSON is nested too deeply", openai_shape)
+    return ParsedRequest(
+        index=raw.index,
+        line_no=raw.line_no,
+        custom_id=custom_id,
+        shape=shape,
+        prompt=prompt,
+        sampling=sampling,
+        unknown_keys=unknown,
+    )
+
+
+def _oversize_line_error(raw: RawLine, seen_ids: set[str]) -> LineError:
+    """The error record of a line over the byte limit, with its custom_id when the line starts with one."""
+    custom_id = None
+    match = _LEADING_CUSTOM_ID.match(raw.data)
+    if match:
+        try:
+            value = json.loads(match.group(1))
+        except ValueError:
+            value = None
+        candidate = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) and value != "" \
+            else None
+        if candidate is not None and candidate not in seen_ids:
+            custom_id = candidate
+            seen_ids.add(candidate)
+    return LineError(raw.index, raw.line_no, custom_id,
+                     f"line is {raw.oversize_bytes:,} bytes, over the limit of {raw.byte_limit:,} bytes "
+                     f"(--max-line-bytes)")
+
+
+def make_error(parsed_or_raw: ParsedRequest | RawLine, message: str) -> LineError:
+    """An error record for a line that parsed but failed later (e.g. a prompt longer than the model's context)."""
+    if isinstance(parsed_or_raw, ParsedRequest):
+        return LineError(
+            parsed_or_raw.index, parsed_or_raw.line_no, parsed_or_raw.custom_id, message, parsed_or_raw.is_openai
+        )
+    return LineError(parsed_or_raw.index, parsed_or_raw.line_no, None, message)
+
+
+def _decode_utf8(data: bytes) -> tuple[str, str | None]:
+    """The line's text and None; for invalid UTF-8, the text with U+FFFD for the bad bytes and the error to report
+    (the rest of the line is still read, so that the error record can carry the line's custom_id)."""
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as err:
+        message = f"line is not valid UTF-8 (byte 0x{data[err.start]:02x} at byte offset {err.start})"
+        return data.decode("utf-8", "replace"), message
+
+
+def _decode_json_object(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _LineRejected(
+            f"malformed JSON at column {err.colno}: {err.msg} "
+            '(each line must be one JSON object, e.g. {"prompt": "..."})'
+        ) from None
+    except ValueError:
+        # Python refuses to convert integers of more than 4300 digits (int_max_str_digits).
+        raise _LineRejected("unreadable JSON: a number on this line has too many digits") from None
+    if not isinstance(obj, dict):
+        raise _LineRejected(f"each line must be a JSON object, got {_json_type_name(obj)}")
+    return obj
+
+
+def _is_openai_line(obj: dict) -> bool:
+    # A plain line may carry extra keys such as "url" as metadata; its prompt field decides.
+    has_plain_prompt = any(obj.get(name) is not None for name in _PROMPT_FIELDS)
+    return not has_plain_prompt and ("url" in obj or "body" in obj)
+
+
+def _read_custom_id(obj: dict, line_no: int) -> str:
+    value = obj.get("custom_id")
+    if value is None:
+        return f"line-{line_no}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str) or not value:
+        raise _LineRejected(f"custom_id must be a non-empty string (or an integer), got {_describe(value)}")
+    _require_valid_unicode(value, "custom_id")
+    return value
+
+
+def _read_plain_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
+    given = [name for name in _PROMPT_FIELDS if obj.get(name) is not None]
+    if not given:
+        raise _LineRejected('no prompt: give one of "prompt", "messages" or "prompt_token_ids"')
+    if len(given) > 1:
+        raise _LineRejected(f"give only one of prompt, messages, prompt_token_ids; this line has {', '.join(given)}")
+    if given[0] == "prompt":
+        prompt = TextPrompt(_read_prompt_text(obj["prompt"], "prompt"))
+    elif given[0] == "messages":
+        prompt = _read_chat(obj, check_messages(obj["messages"], "messages"), where="")
+    else:
+        prompt = TokenPrompt(tuple(_read_token_ids(obj["prompt_token_ids"], "prompt_token_ids")))
+    _reject_chat_keys_without_messages(obj, prompt, where="")
+    _reject_multiple_completions(obj.get("n"), "n")
+    return "plain", obj, prompt, tuple(key for key in obj if key not in _PLAIN_KEYS)
+
+
+def _read_openai_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
+    method = obj.get("method")
+    if method is not None and method != "POST":
+        raise _LineRejected(f'method must be "POST", got {_describe(method)}')
+    url = obj.get("url")
+    if url is None:
+        raise _LineRejected(f'missing "url": use "{CHAT_URL}" or "{COMPLETION_URL}"')
+    shape = _SHAPE_BY_URL.get(url) if isinstance(url, str) else None
+    if shape is None:
+        raise _LineRejected(f'unsupported url {_describe(url)}: use "{CHAT_URL}" or "{COMPLETION_URL}"')
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _LineRejected(f'"body" must be a JSON object, got {_describe(body)}')
+
+    if shape == "openai_chat":
+        if body.get("messages") is None:
+            hint = f' (for a prompt string use "{COMPLETION_URL}")' if body.get("prompt") is not None else ""
+            raise _LineRejected(f'{CHAT_URL} needs "body.messages"{hint}')
+        prompt = _read_chat(body, check_messages(body["messages"], "body.messages"), where="body.")
+    else:
+        if body.get("prompt") is None:
+            hint = f' (for messages use "{CHAT_URL}")' if body.get("messages") is not None else ""
+            raise _LineRejected(f'{COMPLETION_URL} needs "body.prompt"{hint}')
+        prompt = _read_completion_prompt(body["prompt"])
+        _reject_chat_keys_without_messages(body, prompt, where="body.")
+
+    _reject_multiple_completions(body.get("n"), "body.n")
+    fields = dict(body)
+    fields["max_tokens"] = _read_openai_max_tokens(body)
+    unknown = [key for key in obj if key not in _OPENAI_ENVELOPE_KEYS]
+    unknown += [f"body.{key}" for key in body if key not in _OPENAI_BODY_KEYS]
+    return shape, fields, prompt, tuple(unknown)
+
+
+def _read_chat(fields: dict, messages: list[dict], where: str) -> ChatPrompt:
+    """The chat options a vLLM chat request takes beside its messages."""
+    tools = fields.get("tools")
+    kwargs = fields.get("chat_template_kwargs")
+    return ChatPrompt(
+        messages=messages,
+        tools=None if tools is None else check_tools(tools, f"{where}tools"),
+        template_kwargs={} if kwargs is None else check_template_kwargs(kwargs, f"{where}chat_template_kwargs"),
+        add_generation_prompt=_read_optional_bool(fields, "add_generation_prompt", where),
+        continue_final_message=bool(_read_optional_bool(fields, "continue_final_message", where)),
+    )
+
+
+def _read_optional_bool(fields: dict, name: str, where: str) -> bool | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _LineRejected(f"{where}{name} must be true or false, got {_describe(value)}")
+    return value
+
+
+def _reject_chat_keys_without_messages(fields: dict, prompt: Prompt, where: str) -> None:
+    if isinstance(prompt, ChatPrompt):
+        return
+    misplaced = [f"{where}{key}" for key in _CHAT_KEYS if fields.get(key) is not None]
+    if misplaced:
+        raise _LineRejected(f"{', '.join(misplaced)} apply only to a chat (messages), not to a plain prompt")
+
+
+def _read_completion_prompt(prompt: Any) -> TextPrompt | TokenPrompt:
+    """/v1/completions takes a string, a token list, or a batch of those; a batch of one is unwrapped."""
+    if isinstance(prompt, str):
+        return TextPrompt(_read_prompt_text(prompt, "body.prompt"))
+    if not isinstance(prompt, list):
+        raise _LineRejected(f"body.prompt must be a string or a list of token ids, got {_describe(prompt)}")
+    is_batch = bool(prompt) and all(isinstance(item, (str, list)) for item in prompt)
+    if not is_batch:
+        return TokenPrompt(tuple(_read_token_ids(prompt, "body.prompt")))
+    if len(prompt) > 1:
+        raise _LineRejected(
+            f"body.prompt holds {len(prompt)} prompts; prefixrun takes one prompt per line, so split them"
+        )
+    if isinstance(prompt[0], str):
+        return TextPrompt(_read_prompt_text(prompt[0], "body.prompt[0]"))
+    return TokenPrompt(tuple(_read_token_ids(prompt[0], "body.prompt[0]")))
+
+
+def _read_openai_max_tokens(body: dict) -> Any:
+    completion_limit, legacy_limit = body.get("max_completion_tokens"), body.get("max_tokens")
+    if completion_limit is not None and legacy_limit is not None and completion_limit != legacy_limit:
+        raise _LineRejected(
+            f"body.max_completion_tokens ({_describe(completion_limit)}) and body.max_tokens "
+            f"({_describe(legacy_limit)}) disagree; give one of them"
+        )
+    if completion_limit is not None:
+        key, limit = "max_completion_tokens", completion_limit
+    else:
+        key, limit = "max_tokens", legacy_limit
+    # Checked here, not only by SamplingParams, so the message names the key the line actually used.
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise _LineRejected(f"body.{key} must be a positive integer, got {_describe(limit)}")
+    return limit
+
+
+def _reject_multiple_completions(n: Any, where: str) -> None:
+    if n is None or (isinstance(n, int) and not isinstance(n, bool) and n == 1):
+        return
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise _LineRejected(
+            f"{where}={n} is not supported: prefixrun makes one completion per request; "
+            "repeat the line with different custom_ids (and seeds) instead"
+        )
+    raise _LineRejected(f"{where} must be 1, got {_describe(n)}")
+
+
+def _read_prompt_text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _LineRejected(f"{where} must be a string, got {_describe(value)}")
+    if not value:
+        raise _LineRejected(f"{where} is empty")
+    return value
+
+
+def _read_token_ids(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list):
+        raise _LineRejected(f"{where} must be a list of token ids, got {_describe(value)}")
+    if not value:
+        raise _LineRejected(f"{where} is empty")
+    # the common case checked in C (a long prompt is ~100k ids); the loop below finds the first bad id's position
+    if set(map(type, value)) == {int} and min(value) >= 0:
+        return value
+    for position, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise _LineRejected(f"{where}[{position}] must be a non-negative integer, got {_describe(token)}")
+    return value
+
+
+def _require_valid_unicode(value: str, where: str) -> None:
+    # JSON can spell unpaired surrogates ("\ud800"); they are not text, and would fail later in the tokenizer or
+    # when the output line is encoded.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _LineRejected(f"{where} contains an unpaired surrogate escape, which is not valid Unicode") from None
+
+
+def _reject_unpaired_surrogates(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        _require_valid_unicode(value, where or "the line")
+    elif isinstance(value, list):
+        for position, item in enumerate(value):
+            _reject_unpaired_surrogates(item, f"{where}[{position}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _require_valid_unicode(key, f"a key of {where or 'the line'}")
+            _reject_unpaired_surrogates(item, f"{where}.{key}" if where else key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str) -> SamplingParams:
+    """Line value > defaults (command line > generation_config) > SamplingParams' own defaults."""
+    try:
+        return SamplingDefaults.from_fields(fields).over(defaults).resolve()
+    except InvalidRequest as err:
+        raise _LineRejected(f"{where}{err}") from None

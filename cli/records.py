@@ -1,0 +1,90 @@
+"""Finished requests -> output records: a result or an error record in the shape of the line that asked for it
+(plain, or an OpenAI Batch response). The formats are described in the docstring of prefixrun.cli.io."""
+from __future__ import annotations
+
+import hashlib
+
+from prefixrun.cli.lines import LineError, ParsedRequest
+from prefixrun.engine.request import Result
+
+
+def format_result(req: ParsedRequest, result: Result, *, model: str = "", created: int = 0) -> dict:
+    """The output record for a finished request, in the format of the line's shape.
+
+    `model` and `created` (Unix seconds) fill the OpenAI response body's fields of those names; the caller passes
+    the model name and the run's start time. created defaults to 0 so that output stays reproducible in tests.
+    """
+    if result.custom_id != req.custom_id:
+        raise ValueError(f"result {result.custom_id!r} does not belong to request {req.custom_id!r}")
+    usage = _usage_record(result)
+    if req.shape == "plain":
+        return {
+            "custom_id": req.custom_id,
+            "text": result.text,
+            "token_ids": list(result.token_ids),
+            "finish_reason": result.finish_reason,
+            "usage": usage,
+        }
+    if req.shape == "openai_chat":
+        body = {
+            "id": _derived_id("chatcmpl-", req.custom_id),
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text},
+                    "logprobs": None,
+                    "finish_reason": result.finish_reason,
+                }
+            ],
+            "usage": usage,
+        }
+    else:
+        body = {
+            "id": _derived_id("cmpl-", req.custom_id),
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+            "usage": usage,
+        }
+    return {
+        "id": _batch_request_id(req.custom_id),
+        "custom_id": req.custom_id,
+        "response": {"status_code": 200, "request_id": _derived_id("req_", req.custom_id), "body": body},
+        "error": None,
+    }
+
+
+def format_error(err: LineError) -> dict:
+    """The output record for a line that produced no result."""
+    if not err.openai_shape:
+        return {"custom_id": err.custom_id, "error": {"line": err.line_no, "message": err.message}}
+    return {
+        "id": _batch_request_id(err.custom_id if err.custom_id is not None else f"line-{err.line_no}"),
+        "custom_id": err.custom_id,
+        "response": None,
+        "error": {"code": "invalid_request", "message": err.message, "line": err.line_no},
+    }
+
+
+def _usage_record(result: Result) -> dict:
+    usage = result.usage
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _batch_request_id(custom_id: str) -> str:
+    return _derived_id("batch_req_", custom_id)
+
+
+def _derived_id(prefix: str, custom_id: str) -> str:
+    # The prefix is hashed too, so a request's batch id, request id and completion id all differ.
+    digest = hashlib.sha256(f"{prefix}\0{custom_id}".encode("utf-8")).hexdigest()
+    return f"{prefix}{digest[:32]}"
