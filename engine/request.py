@@ -11,7 +11,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixrun.engine.grammar.spec import StructuredOutput
 
 
 # Prompt tokens per prefill step (--max-prefill-tokens). 16,384 rather than 8,192: on the H200 the 4b-like
@@ -38,6 +41,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # what the reply must match (engine/grammar/spec.py; None: free text). Read from the request's own fields only
+    # (response_format, structured_outputs, guided_*), never layered from defaults: not a SAMPLING_FIELDS name
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -119,7 +125,7 @@ class SamplingDefaults:
 _DEFAULTS_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingDefaults))
 
 
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "structured")
 
 
 def _normalize_sampling_values(values: dict[str, Any]) -> dict[str, Any]:
