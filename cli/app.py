@@ -353,7 +353,7 @@ def make_model(
 ):
     """Write a complete HF model directory with seeded random weights (for tests, benchmarks and demos)."""
     from prefixrun.cli.report import literal
-    from prefixrun.engine.load.config import parse_config
+    from prefixrun.engine.load.hf_config import parse_config
     from prefixrun.engine.errors import ModelLoadError
     from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import new_state
-from prefixrun.engine.load.config import parse_config
+from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models import load_model
 

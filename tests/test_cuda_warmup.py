@@ -11,7 +11,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from conftest import new_state, random_prompt  # noqa: E402
-from prefixrun.engine.load.config import load_config  # noqa: E402
+from prefixrun.engine.load.hf_config import load_config  # noqa: E402
 from prefixrun.engine.models import load_model  # noqa: E402
 from prefixrun.engine.load.gemm_plan import model_plan  # noqa: E402
 from prefixrun.engine.load.weights import CheckpointTensors  # noqa: E402

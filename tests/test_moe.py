@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import new_state, random_prompt
-from prefixrun.engine.load.config import parse_config
+from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models import load_model
 from prefixrun.kernels.reference import NumpyOps

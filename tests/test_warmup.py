@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY_CONFIGS, new_state, random_prompt
 from prefixrun.engine.load import loader
-from prefixrun.engine.load.config import load_config
+from prefixrun.engine.load.hf_config import load_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model

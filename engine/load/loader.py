@@ -5,7 +5,8 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixrun.engine.load.config import DecoderConfig, load_config
+from prefixrun.engine.load.config import DecoderConfig
+from prefixrun.engine.load.hf_config import load_config
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
 from prefixrun.engine.models import build_model
 from prefixrun.engine.models.layers import CausalLM

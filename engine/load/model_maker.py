@@ -14,7 +14,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.load.config import LINEAR_ATTENTION, HybridConfig, parse_config
+from prefixrun.engine.load.config import LINEAR_ATTENTION, HybridConfig
+from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
 
 _ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from prefixrun.engine.load.config import HybridConfig
+from prefixrun.engine.load.config import ConfigFields, HybridConfig
 from prefixrun.engine.errors import ModelLoadError
 
 QWEN3_NEXT = "Qwen3NextForCausalLM"
@@ -60,8 +60,8 @@ class MoeHybridConfig(HybridConfig):
                                  "(silu only)")
 
     @classmethod
-    def from_fields(cls, f, common: dict, rope_local) -> MoeHybridConfig:
-        """engine.config's field reader `f` (the family's transformers defaults included) -> the config."""
+    def from_fields(cls, f: ConfigFields, common: dict, rope_local) -> MoeHybridConfig:
+        """The field reader `f` (with the family's transformers defaults) -> the config."""
         base = super().from_fields(f, common, rope_local)
         qwen3_next = common["architecture"] == QWEN3_NEXT
         num_layers = common["num_layers"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from prefixrun.engine.load.config import DecoderConfig, HybridConfig, load_config
+from prefixrun.engine.load.config import DecoderConfig, HybridConfig
+from prefixrun.engine.load.hf_config import load_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import CausalLM, WeightLoader
 from prefixrun.engine.load.weights import CheckpointTensors

@@ -17,7 +17,8 @@ from prefixrun.engine.run.executor import WindowExecutor
 from prefixrun.engine.step.model_runner import ModelRunner
 from prefixrun.engine.plan.planner import Plan, make_plan
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, Request, Result, Usage
-from prefixrun.engine.spec.drafters import make_speculator, snapshot_capacity
+from prefixrun.engine.spec.drafters import snapshot_capacity
+from prefixrun.engine.spec.speculator import make_speculator
 from prefixrun.engine.state.pools import ModelState, pool_unit_bytes, snapshot_pool_bytes
 from prefixrun.engine.plan.trace import Trace
 

@@ -237,7 +237,7 @@ AUTO_MAX_BATCH = 16  # auto speculates only on decode steps this small: larger o
 SPEC_MAX_SEQS = 16  # sequences that may draft in one step (sizes the snapshot pool: SPEC_MAX_SEQS x k rows)
 
 
-def _draft_count(options, specs) -> int:
+def draft_count(options, specs) -> int:
     """Drafts per sequence: the option, or the default; a ring of W rows rolls back at most W - 1 drafts."""
     from prefixrun.engine.state.pools import max_step_rows
 
@@ -248,7 +248,7 @@ def snapshot_capacity(options, specs) -> int:
     """Snapshot rows the state pools need for the options' speculation (0 when off)."""
     if options.speculative == "off":
         return 0
-    return min(options.max_batch, SPEC_MAX_SEQS) * max(_draft_count(options, specs), 0)
+    return min(options.max_batch, SPEC_MAX_SEQS) * max(draft_count(options, specs), 0)
 
 
 def make_drafter(method: str, model, ops, state) -> Drafter:
@@ -258,17 +258,3 @@ def make_drafter(method: str, model, ops, state) -> Drafter:
     from prefixrun.engine.models.mtp import MtpDrafter  # the model must carry its head (loaded with mtp=True)
 
     return MtpDrafter(model, state)
-
-
-def make_speculator(options, model, ops, state, runner):
-    """The engine's speculator for its options (None when off). `auto` drafts with n-gram lookup."""
-    if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
-        return None
-    k = _draft_count(options, model.state_specs())
-    if k < 1:
-        return None
-    method = "ngram" if options.speculative == "auto" else options.speculative
-    from prefixrun.engine.spec.speculator import Speculator
-
-    return Speculator(make_drafter(method, model, ops, state), options.speculative, k, state, runner,
-                      min(options.max_batch, SPEC_MAX_SEQS))

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixrun.engine.spec.drafters import AUTO_MAX_BATCH, DraftInput, Drafter, TokenHistory
+from prefixrun.engine.spec.drafters import AUTO_MAX_BATCH, SPEC_MAX_SEQS, DraftInput, Drafter, TokenHistory, \
+    draft_count, make_drafter
 
 _PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
 _REPORT_PROBE_EVERY = 256  # the same for explicit methods, whose yardstick only serves the report's time saved
@@ -279,3 +280,13 @@ class Speculator:
                 self._backoff = 1
 
 
+def make_speculator(options, model, ops, state, runner):
+    """The engine's speculator for its options (None when off). `auto` drafts with n-gram lookup."""
+    if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
+        return None
+    k = draft_count(options, model.state_specs())
+    if k < 1:
+        return None
+    method = "ngram" if options.speculative == "auto" else options.speculative
+    return Speculator(make_drafter(method, model, ops, state), options.speculative, k, state, runner,
+                      min(options.max_batch, SPEC_MAX_SEQS))

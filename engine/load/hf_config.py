@@ -1,0 +1,176 @@
+"""Hugging Face `config.json` -> the family's config (engine/load/config.py's classes).
+
+Real checkpoints come in two layouts: a plain causal LM (weights under `model.`) and the vision-language composite
+(`text_config` nested; weights under `model.language_model.` or, as transformers 5.17 saves Gemma 3,
+`language_model.model.` - engine.models resolves the stored layout). The composite's vision tower is ignored; the
+MTP head (`mtp.*`, either layout) is found by its weights when asked for (engine/models/mtp.py). To add a family: a
+config class with `from_fields`, an entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`) and its transformers defaults in
+`_DEFAULTS`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ConfigFields, \
+    DecoderConfig, DenseConfig, HybridConfig, SlidingWindowConfig
+from prefixrun.engine.load.moe_config import MoeHybridConfig
+from prefixrun.engine.load.rope import parse_rope
+
+_LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION, "linear": LINEAR_ATTENTION}
+
+# transformers' config-class defaults for the fields read here, per family (used when config.json omits a field)
+_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu", rope_theta=10000.0)
+_DEFAULTS = {
+    "llama": dict(_COMMON_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None, head_dim=None,
+                  max_position_embeddings=2048, tie_word_embeddings=False, mlp_bias=False),
+    "qwen3": dict(_COMMON_DEFAULTS, vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=32768, tie_word_embeddings=False, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3_5": dict(_COMMON_DEFAULTS, vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                    max_position_embeddings=32768, tie_word_embeddings=False, partial_rotary_factor=0.25),
+    "gemma3": dict(_COMMON_DEFAULTS, vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                   max_position_embeddings=131072, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+                   attn_logit_softcapping=None, use_bidirectional_attention=False, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10_000.0),
+}
+# the MoE hybrids (engine/load/moe_config.py): Qwen3NextConfig's and Qwen3_5MoeTextConfig's defaults; Qwen3.5-MoE has
+# no dense MLP, so its intermediate_size is never used
+_DEFAULTS["qwen3_next"] = dict(_DEFAULTS["qwen3_5"], vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=48, num_key_value_heads=2, decoder_sparse_step=1,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts_per_tok=10,
+                               num_experts=512, norm_topk_prob=True, mlp_only_layers=None)
+_DEFAULTS["qwen3_5_moe"] = dict(_DEFAULTS["qwen3_5"], vocab_size=248320, hidden_size=2048, intermediate_size=512,
+                                num_hidden_layers=40, num_key_value_heads=2, moe_intermediate_size=512,
+                                shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256)
+# the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
+_COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "qwen3_5_moe": False, "gemma3": True}
+
+
+def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ...]:
+    layer_types = f.get("layer_types")
+    if layer_types is None:  # derived exactly as the family's transformers config derives it
+        if family == "gemma3":
+            pattern = f.number("sliding_window_pattern", int) if "sliding_window_pattern" in f.text else 6
+            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+        elif family in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
+            interval = f.number("full_attention_interval", int) if "full_attention_interval" in f.text else 4
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+        elif family == "qwen3":
+            window = f.get("sliding_window") if f.flag("use_sliding_window") else None
+            first = f.number("max_window_layers", int)
+            layer_types = [SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+                           for i in range(num_layers)]
+        else:
+            layer_types = [FULL_ATTENTION] * num_layers
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ModelLoadError(f"{f.source}: layer_types must be a list of strings, got {layer_types!r}")
+    return tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types)
+
+
+def _text_settings(raw: dict, family: str) -> tuple[dict, bool]:
+    """The text model's settings (a composite's `text_config`, with the top-level values transformers uses)."""
+    if not isinstance(raw.get("text_config"), dict):
+        return raw, False
+    text = {**raw["text_config"]}
+    for key in ("eos_token_id", "bos_token_id"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    # The composite's lm_head is tied (or not) by the composite config's own tie_word_embeddings, whatever the
+    # text_config says.
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", _COMPOSITE_TIE_DEFAULT.get(family, False))
+    return text, True
+
+
+# HF architecture name -> (family, config class). The family names the module in engine/models/.
+_ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": ("qwen3_5", HybridConfig),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", HybridConfig),
+    "Qwen3NextForCausalLM": ("qwen3_next", MoeHybridConfig),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", MoeHybridConfig),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", MoeHybridConfig),
+    "Qwen3ForCausalLM": ("qwen3", DenseConfig),
+    "LlamaForCausalLM": ("llama", DenseConfig),
+    "Gemma3ForCausalLM": ("gemma3", SlidingWindowConfig),
+    "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
+}
+_MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def _token_ids(f: ConfigFields, key: str) -> tuple[int, ...]:
+    """A token id or a list of them (`eos_token_id`), as generation_config's are checked."""
+    value = f.text.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{f.source}: {key} must be a non-negative integer or a list of them, got {value!r}")
+    return tuple(ids)
+
+
+def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
+    """Build the family config from a parsed config.json dict (the composite layout included)."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in _ARCHITECTURES), None)
+    if arch is None:
+        arch = _MODEL_TYPES.get(raw.get("model_type", ""))
+    if arch is None:
+        raise ModelLoadError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                             f"supported: {', '.join(supported_architectures())}")
+    family, cls = _ARCHITECTURES[arch]
+    text, composite = _text_settings(raw, family)
+    for layer in (raw, text):
+        quantization = layer.get("quantization_config")
+        if quantization:  # transformers loads such weights through a quantizer: other tensors, other numbers
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ModelLoadError(f"{source}: quantization_config (quant_method {json.dumps(method)}) is not "
+                                 f"supported: give the checkpoint's unquantized (bf16 / fp16 / fp32) weights")
+    f = ConfigFields(text, _DEFAULTS[family], source)
+    num_heads = f.number("num_attention_heads", int)
+    hidden = f.number("hidden_size", int)
+    if num_heads <= 0 or hidden <= 0:
+        raise ModelLoadError(f"{source}: hidden_size and num_attention_heads must be positive, got {hidden} "
+                             f"and {num_heads}")
+    head_dim = f.number("head_dim", int, allow_none=True) or hidden // num_heads
+    kv_heads = f.number("num_key_value_heads", int, allow_none=True) or num_heads
+    num_layers = f.number("num_hidden_layers", int)
+    layer_types = _layer_types(f, family, num_layers)
+    max_pos = f.number("max_position_embeddings", int)
+    rope, rope_local = parse_rope(text, family, head_dim=head_dim, max_position_embeddings=max_pos,
+                                  defaults=f.defaults, source=source)
+    common = dict(
+        architecture=arch, family=family, vocab_size=f.number("vocab_size", int), hidden_size=hidden,
+        intermediate_size=f.number("intermediate_size", int), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps"), rope=rope,
+        max_position_embeddings=max_pos, tie_word_embeddings=f.flag("tie_word_embeddings"),
+        layer_types=layer_types, weight_prefix="model.language_model." if composite else "model.",
+        torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
+        attention_bias=f.flag("attention_bias"), composite=composite,
+        eos_token_ids=_token_ids(f, "eos_token_id"), bos_token_id=text.get("bos_token_id"),
+    )
+    return cls.from_fields(f, common, rope_local)
+
+
+def load_config(model_dir: Path) -> tuple[DecoderConfig, dict]:
+    """Read and parse `model_dir/config.json`; returns the config and the raw dict."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: too deep
+        raise ModelLoadError(f"{path}: cannot be read as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return parse_config(raw, str(path)), raw
