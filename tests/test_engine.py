@@ -145,6 +145,46 @@ def test_executed_plan_computes_each_token_once_and_bounds_live_checkpoints(max_
     assert not eng.state.live
 
 
+def test_plan_visits_continuations_by_their_lowest_input_line():
+    a = list(range(100, 130))
+    # request 3 ends at the branch point of [a]; the child holding request 1 comes before it, that of 4 after it
+    prompts = [[7, 7], a + [1], a + [2], a, a + [3]]
+    plan = make_plan(prompts)
+    assert [t.request for t in plan.tasks if t.request is not None] == [0, 1, 2, 3, 4]
+    branch = next(t for t in plan.tasks if t.saves)
+    assert [t.carrier for t in branch.consumers] == [1, 2, 3, 4] and branch.carrier == 1
+
+
+def ordered_lag(indices: list[int]) -> tuple[int, int]:
+    """(how many results had left when input line 0 could be written in order, the most results any line waited
+    for beyond its own position) for results leaving in the order `indices`."""
+    written, done, at = [], set(), 0
+    for k, index in enumerate(indices):
+        done.add(index)
+        while at in done:
+            written.append(k + 1)
+            at += 1
+    return written[0], max(w - i - 1 for i, w in enumerate(written))
+
+
+def test_results_leave_the_engine_near_input_order(cpu_ops):
+    """Results in input order flow from the start of a window: line 0 shares its prefix with the last line and
+    ten system prompts cover the lines between, in blocks. Plan order by the lowest line each subtree holds, and a
+    pending stack that stays in plan order whatever order a group's tasks finish in, keep the in-order writer's lag
+    to about a decode batch (it was the whole window: line 0 finished among the last)."""
+    rng = random.Random(3)
+    n, shared = 400, [rng.randrange(500) for _ in range(40)]
+    prompts = [[7 + i * 10 // n] * 20 + [rng.randrange(500) for _ in range(rng.randrange(5, 40))] for i in range(n)]
+    prompts[0], prompts[-1] = shared + [1, 2], shared + [3, 4]
+    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=8))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=rng.randrange(2, 30), temperature=0, ignore_eos=True), i)
+            for i, p in enumerate(prompts)]
+    first, lag = ordered_lag([r.index for r in eng.run(reqs)])
+    assert first <= n // 20 and lag <= 4 * 8, (first, lag)
+    assert eng.stats.computed_prompt_tokens == eng.last_plan.distinct_tokens  # the same reuse as any order
+    eng.close()
+
+
 def test_refused_checkpoints_are_recorded_and_consumers_recompute(cpu_ops):
     prompts = tree_prompts()
     full = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=4, block_size=4))

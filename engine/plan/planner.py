@@ -104,6 +104,15 @@ def iter_nodes(root: TrieNode):
         stack.extend(reversed(node.ordered_children()))
 
 
+def _first_requests(root: TrieNode) -> dict[int, int]:
+    """id(node) -> the lowest request index in the node's subtree (its own requests and its children's)."""
+    first: dict[int, int] = {}
+    for node in reversed(list(iter_nodes(root))):  # reversed pre-order: every child before its parent
+        lowest = [node.requests[0]] if node.requests else []
+        first[id(node)] = min(lowest + [first[id(c)] for c in node.children.values()], default=-1)
+    return first
+
+
 def distinct_tokens(root: TrieNode) -> int:
     return sum(len(n.tokens) for n in iter_nodes(root))
 
@@ -155,7 +164,9 @@ class Task:
 
 @dataclass
 class Plan:
-    """The tasks of one window in depth-first order (a base before its consumers)."""
+    """The tasks of one window in depth-first order (a base before its consumers), a task's consumers by the lowest
+    request index each holds: the order in which a run that goes depth-first finishes its requests soonest in
+    input order."""
 
     tasks: list[Task]
     roots: list[Task]  # tasks that start from an empty state
@@ -191,19 +202,27 @@ def make_plan(prompts: list[list[int]], share: bool = True) -> Plan:
             base.consumers.append(t)
         return t
 
-    # iterative pre-order over (node, base task, path): deep tries must not hit the recursion limit
+    first = _first_requests(root)
+    # iterative pre-order over (node or request ending at the base, base task, path): deep tries must not hit the
+    # recursion limit. A node's continuations (its child segments and the requests that end there and fork it) go
+    # by the lowest input line each holds, so results in input order can be written from the start of a run.
     stack = [(child, None, child.tokens) for child in reversed(root.ordered_children())]
     while stack:
         node, base, path = stack.pop()
+        if isinstance(node, int):  # a request ending at a branch point: it forks its base's checkpoint
+            new(path, base, node)
+            continue
         single_request = node.requests[0] if node.consumers == 1 and node.requests else None
         task = new(path, base, single_request)
-        if node.consumers > 1:  # a branch point: every request ending here forks it
-            for rid in node.requests:
-                new(path, task, rid)
-        for child in reversed(node.ordered_children()):
-            stack.append((child, task, list(path) + child.tokens))
-    # creation order is already depth-first with a node's decode tasks before its children: consumers come after
-    # their base, so carriers resolve bottom-up in reverse
+        if node.consumers > 1:  # a branch point
+            after = [(rid, rid, path) for rid in node.requests] + \
+                [(first[id(child)], child, list(path) + child.tokens) for child in node.ordered_children()]
+            for _, item, item_path in sorted(after, key=lambda a: a[0], reverse=True):
+                stack.append((item, task, item_path))
+        else:
+            for child in node.ordered_children():  # one child: the state is handed over whole
+                stack.append((child, task, list(path) + child.tokens))
+    # creation order is depth-first: consumers come after their base, so carriers resolve bottom-up in reverse
     for t in reversed(tasks):
         t.carrier = t.request if t.request is not None else (t.consumers[0].carrier if t.consumers else -1)
     depth = max((t.depth + 1 for t in tasks if t.end > t.start), default=0)

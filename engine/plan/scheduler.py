@@ -1,7 +1,7 @@
 """Which planned tasks run next, admitted against the pools with one rule.
 
-The scheduler keeps the pending tasks as a stack (top = next; a finished task pushes its consumers, so work goes
-depth-first) and each pending task's current base: a pool checkpoint it pins, a state handed over whole, or
+The scheduler keeps the pending tasks as a stack in plan order (top = next, the lowest task id; a finished task
+pushes its consumers, so work goes depth-first, by the lowest input line each subtree holds) and each pending task's current base: a pool checkpoint it pins, a state handed over whole, or
 nothing (an empty state). A group is a run of stack tasks prefilled together in varlen steps: siblings that fork
 one checkpoint, and with them the next siblings of other checkpoints (doc-qa's 64 questions over four documents:
 one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over whole runs alone.
@@ -19,6 +19,7 @@ recompute from an older state), and only a task that cannot fit an empty pool is
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
@@ -37,6 +38,11 @@ class Handoff:
     origin: object = None  # the runner's record of how the state was made (for accounting)
 
 
+def _stack_position(task: Task) -> int:
+    """The pending stack's sort key: its top (the end of the list) is the lowest task id, the next in plan order."""
+    return -task.id
+
+
 class Scheduler:
     def __init__(self, state: ModelState, pool: CheckpointPool, requests: list[Request], *, max_batch: int,
                  max_prefill_tokens: int, max_context: int, reserved_blocks: int = 0):
@@ -48,10 +54,12 @@ class Scheduler:
 
     # ---- the pending stack --------------------------------------------------------------------------------
     def push(self, tasks: list[Task], base):
-        """Queue consumers that start from `base`, the first to run first."""
-        for t in reversed(tasks):
+        """Queue consumers that start from `base`. The stack stays in plan order (the lowest task id on top),
+        whatever order tasks finish in: the consumers of a group's first task run before those of its second,
+        so requests finish as near to input order as the plan allows (engine/plan/planner.py)."""
+        for t in tasks:
             self.base[t.id] = base
-            self.pending.append(t)
+            bisect.insort(self.pending, t, key=_stack_position)
 
     def set_base(self, task: Task, base):
         self.base[task.id] = base
