@@ -132,7 +132,9 @@ def batch(
                                             "results")] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="write results as they finish, not in input "
                                             "order")] = False,
-    max_tokens: Annotated[Optional[int], typer.Option(help="default max_tokens")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        help="default max_tokens (without it: chat lines generate up to the rest of the context, completion "
+             "lines 16, as vLLM and OpenAI do)")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="default temperature (0 = greedy)")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="default top_p")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="default top_k (0 = off)")] = None,
@@ -143,6 +145,9 @@ def batch(
         help='variables for the chat template of every messages line, as a JSON object, e.g. '
              '\'{"enable_thinking": false}\' (a line\'s own chat_template_kwargs win)',
         rich_help_panel="Chat requests")] = None,
+    lenient: Annotated[bool, typer.Option(
+        "--lenient", help="ignore request fields prefixrun cannot honour and unknown keys (a warning counts the "
+                          "lines per key) instead of giving those lines error records")] = False,
     max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
                                                      "allows on a GPU, 32 on the CPU)")] = None,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
@@ -222,7 +227,7 @@ MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one se
 RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
                "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
                "cache_dir", "no_cache", "cache_budget", "cache_policy", "device", "dtype", "chat_template_kwargs",
-               "devices", "ray", "speculative", "num_draft_tokens")
+               "devices", "ray", "speculative", "num_draft_tokens", "lenient")
 
 
 def batch_params(args: list[str]) -> dict:
@@ -233,7 +238,7 @@ def batch_params(args: list[str]) -> dict:
 def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
                  max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
                  cache_budget, cache_policy, device, dtype, chat_template_kwargs, devices, ray, speculative,
-                 num_draft_tokens) -> dict:
+                 num_draft_tokens, lenient) -> dict:
     """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
     typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
     defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -261,7 +266,7 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
                 sampling_overrides=defaults_cli,
                 max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
                 chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray,
-                speculative=speculative, num_draft_tokens=num_draft_tokens or 0)
+                speculative=speculative, num_draft_tokens=num_draft_tokens or 0, lenient=lenient)
 
 
 def _parse_devices(value: str | None, device: str) -> list[str] | None:

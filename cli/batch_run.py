@@ -29,7 +29,7 @@ class BatchRun:
                  cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES,
                  chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
                  ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
-                 num_draft_tokens: int = 0, input_ahead=None):
+                 num_draft_tokens: int = 0, input_ahead=None, lenient: bool = False):
         from prefixrun.engine.load import loader
         from prefixrun.engine.load.model_maker import ensure_default_model
         from prefixrun.engine.run.session import EngineSession, EngineSettings
@@ -74,8 +74,8 @@ class BatchRun:
         self._warned = 0  # backend warnings shown so far (workers report theirs when they are ready)
         self._show_backend_warnings()
         self.model_name = Path(model_dir).name
-        self._unknown_keys: dict[str, int] = {}  # key -> first line number, for the one warning about them
-        self._unknown_keys_warned = 0
+        self.lenient = lenient  # refused and unknown request fields are ignored (with warnings), not errors
+        self.ignored_fields = IgnoredFields()
         self.window = window
         self.failed = 0
         self.done = 0
@@ -96,7 +96,7 @@ class BatchRun:
     def _tokens_ahead(self, raw: lines.RawLine) -> list[int] | None:
         """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it
         will reject (its own set of seen ids: duplicates are for `execute` to report)."""
-        item = lines.parse_line(raw, self.defaults, set())
+        item = lines.parse_line(raw, self.defaults, set(), lenient=self.lenient)
         if isinstance(item, lines.LineError):
             return None
         try:
@@ -113,7 +113,7 @@ class BatchRun:
         if ahead is not None and ahead[0].custom_id not in seen:
             seen.add(ahead[0].custom_id)
             return ahead
-        return lines.parse_line(raw, self.defaults, seen), None
+        return lines.parse_line(raw, self.defaults, seen, lenient=self.lenient), None
 
     @property
     def loaded(self):
@@ -140,8 +140,7 @@ class BatchRun:
             if isinstance(item, lines.LineError):
                 self._error(writer, item)
                 continue
-            for key in item.unknown_keys:
-                self._unknown_keys.setdefault(key, item.line_no)
+            self.ignored_fields.note(item)
             if item.custom_id in done_ids:
                 writer.skip(item.index)
                 self.skipped += 1
@@ -159,7 +158,9 @@ class BatchRun:
         if window:
             self._run_window(window, writer)
         self._parsed_ahead.clear()
-        self._warn_unknown_keys()
+        self._warn_ignored_fields()
+        if self.ignored_fields.counts:
+            self.reporter.warn(f"--lenient: ignored on input lines: {self.ignored_fields.totals()}")
         self.backend.close()  # retained checkpoints to the store, pools checked whole, workers' final reports in
         writer.close()
         return self._report(time.perf_counter() - started)
@@ -170,17 +171,16 @@ class BatchRun:
                             f": {err.message}")
         writer.add(err.index, records.format_error(err))
 
-    def _warn_unknown_keys(self):
-        """One warning for the keys no line should have (typos such as max_token), before the work they may
-        have been meant to change; a later window warns again only about keys it adds."""
-        keys = list(self._unknown_keys.items())[self._unknown_keys_warned:]
-        if keys:
-            self._unknown_keys_warned = len(self._unknown_keys)
-            listed = ", ".join(f"{key} (line {line_no})" for key, line_no in keys)
-            self.reporter.warn(f"ignoring unknown keys on input lines: {listed}")
+    def _warn_ignored_fields(self):
+        """--lenient: a warning naming the fields a window ignores for the first time, before the work they may
+        have been meant to change; the run's end gives every key's count of lines."""
+        fresh = self.ignored_fields.take_fresh()
+        if fresh:
+            listed = ", ".join(f"{key} (line {line_no})" for key, line_no in fresh)
+            self.reporter.warn(f"--lenient: ignoring fields prefixrun cannot honour or does not know: {listed}")
 
     def _run_window(self, window, writer):
-        self._warn_unknown_keys()
+        self._warn_ignored_fields()
         parsed = {req.index: p for p, req in window}
         self.reporter.set_total(self.done + len(window))
         created = int(time.time())
@@ -203,6 +203,8 @@ class BatchRun:
     def _report(self, wall: float) -> dict:
         """The run's half (lines, wall time, rates) around the engine's half (engine/run/session.py)."""
         report = {"requests": 0, "failed_lines": self.failed, "resumed_skipped_lines": self.skipped}
+        if self.ignored_fields.counts:  # --lenient: lines per ignored key
+            report["ignored_fields"] = dict(self.ignored_fields.counts)
         report.update(self.backend.report())
         prefill_s, decode_s = report["prefill_seconds"], report["decode_seconds"]
         report["prefill_tokens_per_second"] = report["computed_prompt_tokens"] / prefill_s if prefill_s else 0.0
@@ -251,3 +253,26 @@ def _workers_report(pool) -> dict:
             "balance_planned": round(max(planned) / mean(planned), 3) if mean(planned) else None,
             "balance_measured": round(max(busy) / mean(busy), 3) if mean(busy) else None,
             "per_worker": rows}
+
+
+class IgnoredFields:
+    """--lenient: the lines that had each ignored field (a key of a line, "body.x" inside an OpenAI body)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.first_line: dict[str, int] = {}
+        self._warned = 0  # keys already named by take_fresh (dicts keep insertion order)
+
+    def note(self, item: lines.ParsedRequest) -> None:
+        for key in item.ignored_fields:
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self.first_line.setdefault(key, item.line_no)
+
+    def take_fresh(self) -> list[tuple[str, int]]:
+        """The keys not named before, with the first line that had each."""
+        fresh = list(self.first_line.items())[self._warned:]
+        self._warned = len(self.first_line)
+        return fresh
+
+    def totals(self) -> str:
+        return ", ".join(f"{key} on {count:,} line{'s' if count != 1 else ''}" for key, count in self.counts.items())

@@ -49,7 +49,6 @@ plain prompt fields)::
   `/v1/completions` (body needs `prompt`: a string, a list of token ids, or a one-element list of either).
 - `body.model` is ignored: the model is the one given on the command line.
 - `max_completion_tokens` and `max_tokens` mean the same; if both are given they must agree.
-- `n` may be 1 or absent: prefixrun generates one completion per request.
 - `body.tools`, `body.chat_template_kwargs`, `body.add_generation_prompt` and `body.continue_final_message` work
   as on a plain line (below).
 
@@ -62,7 +61,14 @@ Common fields
   `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`. In OpenAI lines they live in `body`.
   A value on the line wins over the command-line / generation_config defaults, which win over the built-in ones
   (max_tokens 16, temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
-- Other keys (e.g. a misspelled `max_token`) are ignored; `prefixrun batch` lists them in one warning on stderr.
+- Every other field is listed in cli/request_fields.py (the README's table of request fields is made from it):
+  honoured, accepted because it changes nothing offline (`user`, `metadata`, `store`, `stream: false`, ...), or
+  refused. A line that sets a refused field to anything but its "off" value, or has a key that is not in the
+  registry (a misspelled `max_token`: the message suggests `max_tokens`), gets an error record naming the key.
+  Your own data goes under `metadata`. With `--lenient` such keys are ignored instead; `prefixrun batch` names
+  each when it first appears and counts the lines per key at the end. A field of chats (`tools`, ...) on a
+  completion, or of completions (`suffix`) on a chat, is an error either way. An OpenAI line holds custom_id,
+  method, url and body only.
 - Size: a text (or rendered chat) with more characters than the model's context could hold even at the longest
   token of its vocabulary gets an error record without being tokenized (see prefixrun.engine.load.prompts).
 

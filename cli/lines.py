@@ -6,15 +6,18 @@ cli/records.py turns into the error record written in the line's place.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
+from prefixrun.cli import request_fields
+from prefixrun.cli.request_fields import CHAT, COMPLETION, REFUSED, Kind
 from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
 from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
-from prefixrun.engine.request import SAMPLING_FIELDS, InvalidRequest, SamplingDefaults, SamplingParams
+from prefixrun.engine.request import InvalidRequest, SamplingDefaults, SamplingParams
 from prefixrun.engine.request import describe_value as _describe
 from prefixrun.engine.request import json_type_name as _json_type_name
 
@@ -29,13 +32,11 @@ REPLACEMENT_CHARACTER = "\ufffd"
 # A JSON escape of a UTF-16 surrogate. Only lines containing one can hold an unpaired surrogate, so only those
 # are searched for one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# The keys a line may use. Any other key is ignored, and `prefixrun batch` names it in one warning per run, so a
-# misspelled `max_token` or `temprature` is never silently without effect.
-_CHAT_KEYS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
-_PLAIN_KEYS = frozenset({"custom_id", *_PROMPT_FIELDS, "n", *_CHAT_KEYS, *SAMPLING_FIELDS})
-_OPENAI_ENVELOPE_KEYS = frozenset({"custom_id", "method", "url", "body"})
-_OPENAI_BODY_KEYS = frozenset({"model", "messages", "prompt", "n", "max_completion_tokens", *_CHAT_KEYS,
-                               *SAMPLING_FIELDS})
+# What a request may carry is decided by cli/request_fields.py alone. The honoured fields this module reads itself
+# (the rest are SamplingParams' fields, read by SamplingDefaults.from_fields):
+READ_BY_PARSER = frozenset({*_PROMPT_FIELDS, "tools", "chat_template_kwargs", "add_generation_prompt",
+                            "continue_final_message", "max_completion_tokens"})
+_OPENAI_ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -63,7 +64,8 @@ class ParsedRequest:
     shape: Shape
     prompt: Prompt
     sampling: SamplingParams
-    unknown_keys: tuple[str, ...] = ()  # keys of the line that mean nothing here ("body.x" inside an OpenAI body)
+    # --lenient: the refused or unknown keys of the line that were ignored ("body.x" inside an OpenAI body)
+    ignored_fields: tuple[str, ...] = ()
 
     @property
     def is_openai(self) -> bool:
@@ -155,20 +157,23 @@ def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BY
 
 
 def parse_input(
-    source: BinaryIO, defaults: SamplingDefaults, seen_ids: set[str] | None = None
+    source: BinaryIO, defaults: SamplingDefaults, seen_ids: set[str] | None = None, *, lenient: bool = False
 ) -> Iterator[ParsedRequest | LineError]:
     """iter_input_lines + parse_line: one ParsedRequest or LineError per non-blank line, in input order."""
     seen_ids = set() if seen_ids is None else seen_ids
     for raw in iter_input_lines(source):
-        yield parse_line(raw, defaults, seen_ids)
+        yield parse_line(raw, defaults, seen_ids, lenient=lenient)
 
 
-def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> ParsedRequest | LineError:
+def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
+               lenient: bool = False) -> ParsedRequest | LineError:
     """Read one input line. Never raises for bad input: a line that cannot be run comes back as a LineError.
 
     `defaults` are the command line's values over the model's generation_config; the line's own values win.
     `seen_ids` holds the custom_ids of earlier lines; this line's id is added to it as soon as it is known to be
     new (even if the line has another error), so that every successful custom_id in the output is unique.
+    A field that cannot be honoured (cli/request_fields.py) or is unknown makes the line a LineError; with
+    `lenient` it is ignored instead and listed in `ignored_fields`.
     """
     if raw.oversize_bytes:
         return _oversize_line_error(raw, seen_ids)
@@ -198,9 +203,9 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> 
         if _SURROGATE_ESCAPE.search(raw.data):
             _reject_unpaired_surrogates(obj, "")
         if openai_shape:
-            shape, fields, prompt, unknown = _read_openai_line(obj)
+            shape, fields, prompt, ignored = _read_openai_line(obj, lenient)
         else:
-            shape, fields, prompt, unknown = _read_plain_line(obj)
+            shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
         sampling = _sampling_for_line(fields, defaults, where="body." if openai_shape else "")
     except (_LineRejected, InvalidRequest) as rejection:
         return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
@@ -214,7 +219,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str]) -> 
         shape=shape,
         prompt=prompt,
         sampling=sampling,
-        unknown_keys=unknown,
+        ignored_fields=ignored,
     )
 
 
@@ -290,7 +295,7 @@ def _read_custom_id(obj: dict, line_no: int) -> str:
     return value
 
 
-def _read_plain_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
+def _read_plain_line(obj: dict, lenient: bool) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
     given = [name for name in _PROMPT_FIELDS if obj.get(name) is not None]
     if not given:
         raise _LineRejected('no prompt: give one of "prompt", "messages" or "prompt_token_ids"')
@@ -302,12 +307,14 @@ def _read_plain_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
         prompt = _read_chat(obj, check_messages(obj["messages"], "messages"), where="")
     else:
         prompt = TokenPrompt(tuple(_read_token_ids(obj["prompt_token_ids"], "prompt_token_ids")))
-    _reject_chat_keys_without_messages(obj, prompt, where="")
-    _reject_multiple_completions(obj.get("n"), "n")
-    return "plain", obj, prompt, tuple(key for key in obj if key not in _PLAIN_KEYS)
+    request = {key: value for key, value in obj.items() if key != "custom_id"}
+    ignored = _check_fields(request, _kind_of(prompt), "", lenient)
+    fields = dict(obj)
+    fields["max_tokens"] = _read_max_tokens(obj, "")
+    return "plain", fields, prompt, ignored
 
 
-def _read_openai_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
+def _read_openai_line(obj: dict, lenient: bool) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
     method = obj.get("method")
     if method is not None and method != "POST":
         raise _LineRejected(f'method must be "POST", got {_describe(method)}')
@@ -331,14 +338,12 @@ def _read_openai_line(obj: dict) -> tuple[Shape, dict, Prompt, tuple[str, ...]]:
             hint = f' (for messages use "{CHAT_URL}")' if body.get("messages") is not None else ""
             raise _LineRejected(f'{COMPLETION_URL} needs "body.prompt"{hint}')
         prompt = _read_completion_prompt(body["prompt"])
-        _reject_chat_keys_without_messages(body, prompt, where="body.")
 
-    _reject_multiple_completions(body.get("n"), "body.n")
+    ignored = _check_envelope(obj, lenient)
+    ignored += _check_fields(body, _kind_of(prompt), "body.", lenient)
     fields = dict(body)
-    fields["max_tokens"] = _read_openai_max_tokens(body)
-    unknown = [key for key in obj if key not in _OPENAI_ENVELOPE_KEYS]
-    unknown += [f"body.{key}" for key in body if key not in _OPENAI_BODY_KEYS]
-    return shape, fields, prompt, tuple(unknown)
+    fields["max_tokens"] = _read_max_tokens(body, "body.")
+    return shape, fields, prompt, ignored
 
 
 def _read_chat(fields: dict, messages: list[dict], where: str) -> ChatPrompt:
@@ -361,12 +366,56 @@ def _read_optional_bool(fields: dict, name: str, where: str) -> bool | None:
     return value
 
 
-def _reject_chat_keys_without_messages(fields: dict, prompt: Prompt, where: str) -> None:
-    if isinstance(prompt, ChatPrompt):
-        return
-    misplaced = [f"{where}{key}" for key in _CHAT_KEYS if fields.get(key) is not None]
-    if misplaced:
-        raise _LineRejected(f"{', '.join(misplaced)} apply only to a chat (messages), not to a plain prompt")
+def _kind_of(prompt: Prompt) -> Kind:
+    return CHAT if isinstance(prompt, ChatPrompt) else COMPLETION
+
+
+def _check_fields(fields: dict, kind: Kind, where: str, lenient: bool) -> tuple[str, ...]:
+    """Every key of a request against the registry (cli/request_fields.py): a field of the other kind of request
+    is an error; a refused field with a value that is not inert, or an unknown key, is an error too, or with
+    `lenient` is returned among the ignored keys."""
+    ignored = []
+    for key, value in fields.items():
+        field = request_fields.lookup(key)
+        if field is not None and value is not None and not field.applies_to & kind:
+            raise _LineRejected(f"{where}{key} applies only to {_kind_words(field.applies_to)}, not to "
+                                f"{_kind_words(kind)}")
+        if field is not None and (field.status is not REFUSED or field.is_inert(value)):
+            continue
+        if not lenient:
+            raise _LineRejected(_refusal(f"{where}{key}", key, field))
+        ignored.append(f"{where}{key}")
+    return tuple(ignored)
+
+
+def _check_envelope(obj: dict, lenient: bool) -> tuple[str, ...]:
+    """The keys of an OpenAI Batch line beside its body: custom_id, method, url; anything else is unknown."""
+    unknown = tuple(key for key in obj if key not in _OPENAI_ENVELOPE_KEYS)
+    if unknown and not lenient:
+        near = {key: difflib.get_close_matches(key, _OPENAI_ENVELOPE_KEYS, n=1, cutoff=0.75) for key in unknown}
+        key = unknown[0]
+        hint = f' (did you mean "{near[key][0]}"?)' if near[key] else ""
+        raise _LineRejected(f'unknown key "{key}"{hint}: an OpenAI Batch line holds custom_id, method, url and '
+                            "body (request fields go in body); --lenient ignores unknown keys")
+    return unknown
+
+
+def _refusal(shown: str, key: str, field) -> str:
+    if field is None:
+        near = request_fields.closest_name(key)
+        hint = f' (did you mean "{near}"?)' if near else ""
+        return (f'unknown field "{shown}"{hint}: prefixrun refuses keys it does not know rather than ignore them; '
+                'put your own data under "metadata", or run with --lenient to ignore unknown fields')
+    return (f"{shown} is refused: {field.refusal}; prefixrun refuses a field it cannot honour rather than "
+            "ignore it (--lenient ignores it)")
+
+
+def _kind_words(kind: Kind) -> str:
+    if kind == CHAT:
+        return "a chat (messages)"
+    if kind == COMPLETION:
+        return "a completion (prompt)"
+    return "chats and completions"
 
 
 def _read_completion_prompt(prompt: Any) -> TextPrompt | TokenPrompt:
@@ -387,11 +436,11 @@ def _read_completion_prompt(prompt: Any) -> TextPrompt | TokenPrompt:
     return TokenPrompt(tuple(_read_token_ids(prompt[0], "body.prompt[0]")))
 
 
-def _read_openai_max_tokens(body: dict) -> Any:
+def _read_max_tokens(body: dict, where: str) -> Any:
     completion_limit, legacy_limit = body.get("max_completion_tokens"), body.get("max_tokens")
     if completion_limit is not None and legacy_limit is not None and completion_limit != legacy_limit:
         raise _LineRejected(
-            f"body.max_completion_tokens ({_describe(completion_limit)}) and body.max_tokens "
+            f"{where}max_completion_tokens ({_describe(completion_limit)}) and {where}max_tokens "
             f"({_describe(legacy_limit)}) disagree; give one of them"
         )
     if completion_limit is not None:
@@ -400,19 +449,8 @@ def _read_openai_max_tokens(body: dict) -> Any:
         key, limit = "max_tokens", legacy_limit
     # Checked here, not only by SamplingParams, so the message names the key the line actually used.
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise _LineRejected(f"body.{key} must be a positive integer, got {_describe(limit)}")
+        raise _LineRejected(f"{where}{key} must be a positive integer, got {_describe(limit)}")
     return limit
-
-
-def _reject_multiple_completions(n: Any, where: str) -> None:
-    if n is None or (isinstance(n, int) and not isinstance(n, bool) and n == 1):
-        return
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        raise _LineRejected(
-            f"{where}={n} is not supported: prefixrun makes one completion per request; "
-            "repeat the line with different custom_ids (and seeds) instead"
-        )
-    raise _LineRejected(f"{where} must be 1, got {_describe(n)}")
 
 
 def _read_prompt_text(value: Any, where: str) -> str:

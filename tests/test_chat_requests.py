@@ -119,7 +119,7 @@ def test_lines_with_tools_and_kwargs_from_both_shapes_equal_transformers(family)
     openai = parse(openai_chat(messages=messages, tools=[WEATHER_TOOL], chat_template_kwargs=line_kwargs))
     for parsed in (plain, openai):
         assert isinstance(parsed, ParsedRequest), parsed
-        assert parsed.unknown_keys == ()
+        assert parsed.ignored_fields == ()
         assert encoder.request(parsed.custom_id, parsed.index, parsed.prompt, parsed.sampling).prompt_token_ids \
             == expected
     # Without the line's kwargs, the command line's apply.
@@ -162,10 +162,10 @@ def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
      "body.chat_template_kwargs may not set add_generation_prompt"),
     ({"messages": [USER], "chat_template_kwargs": {"messages": [], "tools": []}}, "may not set messages, tools"),
     ({"messages": [USER], "add_generation_prompt": "no"}, "add_generation_prompt must be true or false"),
-    ({"prompt": "hi", "tools": [WEATHER_TOOL]}, "tools apply only to a chat"),
-    ({"prompt_token_ids": [1], "continue_final_message": False}, "continue_final_message apply only to a chat"),
+    ({"prompt": "hi", "tools": [WEATHER_TOOL]}, "tools applies only to a chat"),
+    ({"prompt_token_ids": [1], "continue_final_message": False}, "continue_final_message applies only to a chat"),
     ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "chat_template_kwargs": {}}},
-     "body.chat_template_kwargs apply only to a chat"),
+     "body.chat_template_kwargs applies only to a chat"),
 ])
 def test_bad_chat_options_are_error_records(line, expected):
     error = parse(line)
@@ -260,7 +260,7 @@ def test_bad_chat_template_kwargs_option_is_a_usage_error(tmp_path):
         assert "Traceback" not in result.output
 
 
-def test_a_run_warns_once_about_unknown_keys_and_renders_tools(tmp_path):
+def test_a_lenient_run_counts_the_lines_of_each_ignored_key_and_renders_tools(tmp_path):
     from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
     model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=3, init_std=0.05)
@@ -274,13 +274,22 @@ def test_a_run_warns_once_about_unknown_keys_and_renders_tools(tmp_path):
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    result = CliRunner().invoke(app, ["batch", str(source), "--model", str(model), "--no-cache", "--device", "cpu",
-                                      "--chat-template-kwargs", '{"enable_thinking": false}'])
+    args = ["batch", str(source), "--model", str(model), "--no-cache", "--device", "cpu",
+            "--chat-template-kwargs", '{"enable_thinking": false}']
+    strict = CliRunner().invoke(app, args)
+    assert strict.exit_code == 3, strict.output
+    assert [json.loads(line)["error"] is not None for line in strict.stdout.splitlines()] == [True] * 4
+    assert 'unknown field "max_token" (did you mean "max_tokens"?)' in strict.stderr
+    result = CliRunner().invoke(app, [*args, "--lenient", "--json-report", str(tmp_path / "report.json")])
     assert result.exit_code == 0, result.output
-    warnings = [line for line in result.stderr.splitlines() if "unknown keys" in line]
-    assert len(warnings) == 1, result.stderr
+    first = [line for line in result.stderr.splitlines() if "ignoring fields" in line]
+    assert len(first) == 1, result.stderr
     for key in ("max_token (line 1)", "temprature (line 2)", "body.max_token (line 3)"):
-        assert key in warnings[0]
+        assert key in first[0]
+    totals = [line for line in result.stderr.splitlines() if "ignored on input lines" in line]
+    assert len(totals) == 1 and "max_token on 2 lines" in totals[0] and "body.max_token on 1 line" in totals[0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ignored_fields"] == {"max_token": 2, "temprature": 1, "body.max_token": 1}
     records = {r["custom_id"]: r for r in map(json.loads, result.stdout.splitlines())}
     usage = {cid: (r.get("usage") or r["response"]["body"]["usage"])["prompt_tokens"] for cid, r in records.items()}
     assert usage["tools"] == usage["openai"] > usage["plain"] + 20 and usage["again"] == usage["plain"]
@@ -289,7 +298,7 @@ def test_a_run_warns_once_about_unknown_keys_and_renders_tools(tmp_path):
 def test_engine_errors_become_error_records_in_both_shapes(capsys):
     """A Result with `error` (e.g. a prompt that can never fit the state memory) is written as an error record in
     its place and counts as a failed line (exit 3)."""
-    from prefixrun.cli.batch_run import BatchRun
+    from prefixrun.cli.batch_run import BatchRun, IgnoredFields
     from prefixrun.cli.io import OrderedWriter
     from prefixrun.cli.report import RunReporter
 
@@ -309,7 +318,7 @@ def test_engine_errors_become_error_records_in_both_shapes(capsys):
 
     run = BatchRun.__new__(BatchRun)  # only what _run_window uses; loading a model is not the point here
     run.backend, run.reporter, run.model_name, run.failed, run.done = Engine(), RunReporter(quiet=True), "m", 0, 0
-    run._unknown_keys, run._unknown_keys_warned, run._warned = {}, 0, 0
+    run.ignored_fields, run._warned = IgnoredFields(), 0
     out = io.StringIO()
     writer = OrderedWriter(out)
     run._run_window([(p, Request(p.custom_id, [1, 2, 3], p.sampling, p.index)) for p in (plain, openai)], writer)

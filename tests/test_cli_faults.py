@@ -121,7 +121,7 @@ def test_control_characters_in_user_text_reach_the_terminal_as_escapes(model, tm
     assert res.exit_code == 3, res.stderr
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", res.stderr), ascii(res.stderr)
     assert "error: line 1 (a\\x1b[2Jb\\nc\\x9bd): temperature must be >= 0, got -1" in res.stderr
-    assert "te\\x1b]0;title\\x07mp\\x00 (line 2)" in res.stderr
+    assert 'error: line 2 (ok): unknown field "te\\x1b]0;title\\x07mp\\x00"' in res.stderr
     assert "cache\\x1b[31m\\u2028x/checkpoints" in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir
     # the records themselves keep the id as given
     assert records(res.stdout)[0]["custom_id"] == "a\x1b[2Jb\nc\x9bd"

@@ -33,9 +33,10 @@ def jsonl(*lines) -> bytes:
     return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
 
 
-def parse(line, defaults=NO_DEFAULTS, seen_ids=None, line_no=1, index=0):
+def parse(line, defaults=NO_DEFAULTS, seen_ids=None, line_no=1, index=0, lenient=False):
     data = line if isinstance(line, bytes) else json.dumps(line).encode()
-    return parse_line(RawLine(index, line_no, data), defaults, set() if seen_ids is None else seen_ids)
+    return parse_line(RawLine(index, line_no, data), defaults, set() if seen_ids is None else seen_ids,
+                      lenient=lenient)
 
 
 def parse_ok(line, **kwargs) -> ParsedRequest:
@@ -121,20 +122,24 @@ def test_custom_id_derived_from_line_number_or_converted_from_int():
     assert parse_ok({"prompt": "a", "custom_id": 42}).custom_id == "42"
 
 
-def test_unknown_keys_are_ignored_but_listed_and_null_fields_count_as_not_given():
-    req = parse_ok({"prompt": "a", "messages": None, "metadata": {"x": 1}, "temperature": None, "url": "x",
-                    "max_token": 5, "temprature": 0})
+def test_lenient_ignores_unknown_keys_but_lists_them_and_null_fields_count_as_not_given():
+    line = {"prompt": "a", "messages": None, "metadata": {"x": 1}, "temperature": None, "url": "x",
+            "max_token": 5, "temprature": 0}
+    assert "unknown field" in parse(line).message
+    req = parse_ok(line, lenient=True)
     assert req.shape == "plain" and req.prompt_text == "a"
     assert req.sampling == SamplingParams()
-    assert req.unknown_keys == ("metadata", "url", "max_token", "temprature")
-    assert parse_ok({"prompt": "a", "max_tokens": 3, "custom_id": "k", "n": 1}).unknown_keys == ()
+    assert req.ignored_fields == ("url", "max_token", "temprature")
+    assert parse_ok({"prompt": "a", "max_tokens": 3, "custom_id": "k", "n": 1, "model": "m"}).ignored_fields == ()
 
 
-def test_unknown_keys_of_an_openai_line_name_the_body():
-    req = parse_ok(dict(openai_line(messages=CHAT, temprature=0.2, presence_penalty=1, max_completion_tokens=4),
-                        metadata="m"))
-    assert req.unknown_keys == ("metadata", "body.temprature", "body.presence_penalty")
-    assert parse_ok(openai_line(messages=CHAT, tools=[], seed=1)).unknown_keys == ()
+def test_ignored_keys_of_an_openai_line_name_the_body():
+    line = dict(openai_line(messages=CHAT, temprature=0.2, presence_penalty=1, max_completion_tokens=4),
+                metadata="m")
+    assert isinstance(parse(line), LineError)
+    req = parse_ok(line, lenient=True)
+    assert req.ignored_fields == ("metadata", "body.temprature", "body.presence_penalty")
+    assert parse_ok(openai_line(messages=CHAT, tools=[], seed=1)).ignored_fields == ()
 
 
 def test_plain_sampling_fields():
@@ -268,7 +273,7 @@ ERROR_CASES = [
     ({"prompt": "a", "custom_id": 1.5}, "custom_id must be a non-empty string", False),
     ({"prompt": "a", "custom_id": True}, "custom_id must be a non-empty string", False),
     ({"prompt": "a", "custom_id": ["x"]}, "custom_id must be a non-empty string", False),
-    ({"prompt": "a", "n": 2}, "n=2 is not supported", False),
+    ({"prompt": "a", "n": 2}, "n is refused", False),
     ({"prompt": "a", "temperature": -1}, "temperature must be >= 0", False),
     ({"prompt": "a", "temperature": "0.5"}, "temperature must be a finite number", False),
     ({"prompt": "a", "temperature": float("inf")}, "temperature must be a finite number", False),
@@ -302,8 +307,8 @@ ERROR_CASES = [
     # Deep, and with a surrogate to search for: whichever check trips first, the line becomes an error record.
     (b'{"prompt": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}", "", False),
     (openai_line(messages=[{"role": "user", "content": 1}]), "body.messages[0].content must be a string", True),
-    (openai_line(messages=CHAT, n=3), "body.n=3 is not supported", True),
-    (openai_line(messages=CHAT, n=0), "body.n must be 1, got 0", True),
+    (openai_line(messages=CHAT, n=3), "body.n is refused", True),
+    (openai_line(messages=CHAT, n=0), "body.n is refused", True),
     (openai_line(messages=CHAT, temperature=-0.5), "body.temperature must be >= 0", True),
     (openai_line(messages=CHAT, max_completion_tokens=0), "body.max_completion_tokens must be a positive integer",
      True),

@@ -1,0 +1,272 @@
+"""Every field a request line may carry, and what prefixrun does with it: the one registry of request fields.
+
+A field is HONOURED (it changes the result as documented), HARMLESS (accepted; it changes nothing in an offline
+batch, e.g. `user`, `store`), or REFUSED (a line that sets it to anything but an inert value gets an error record
+naming the field, exit code 3; `--lenient` ignores it instead, with a warning that counts the lines per key).
+A key that is not in this registry is refused the same way, with the closest known name suggested
+(`max_token` -> `max_tokens`).
+
+The line parser (cli/lines.py), the README's table of request fields and the tests all read this table; nothing
+else decides whether a field is accepted.
+
+To make a field honoured, implement it, then flip its line below: `REFUSED` -> `HONOURED` (keep the text in
+`does`, it is the README's description; drop `why` and `inert` if they no longer apply), and rewrite the README
+table with `python -m prefixrun.cli.request_fields --write-readme`. A test checks that every honoured field is read
+by something: SamplingParams (engine/request.py; every field of it must be listed here as honoured) or the line
+parser's own READ_BY_PARSER (cli/lines.py), and that the README table matches this registry.
+
+`applies_to` says which requests a field belongs to: CHAT (messages: a plain `messages` line or
+/v1/chat/completions), COMPLETION (a plain `prompt` / `prompt_token_ids` line or /v1/completions), or BOTH. A field
+given to the other kind of request is an error naming the kind it belongs to. `inert` lists values that mean
+"off" and are accepted even while the field is refused (`n: 1`, `stream: false`, `logprobs: false`); null always
+counts as not given.
+"""
+from __future__ import annotations
+
+import difflib
+import enum
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class Status(enum.Enum):
+    HONOURED = "honoured"
+    HARMLESS = "accepted, changes nothing"
+    REFUSED = "refused"
+
+
+HONOURED, HARMLESS, REFUSED = Status.HONOURED, Status.HARMLESS, Status.REFUSED
+
+
+class Kind(enum.Flag):
+    CHAT = enum.auto()
+    COMPLETION = enum.auto()
+
+
+CHAT, COMPLETION = Kind.CHAT, Kind.COMPLETION
+BOTH = CHAT | COMPLETION
+
+# The reason given for a refused field without its own `why`: a feature that is being built.
+NOT_IMPLEMENTED = "not implemented in prefixrun yet"
+
+
+@dataclass(frozen=True)
+class RequestField:
+    name: str
+    status: Status
+    applies_to: Kind
+    does: str  # what the field means (the README's description)
+    why: str = ""  # REFUSED: why prefixrun refuses it; HARMLESS: why it changes nothing here
+    inert: tuple = ()  # values that change nothing and are accepted even while the field is refused
+
+    def is_inert(self, value: Any) -> bool:
+        return value is None or any(_same_json_value(value, off) for off in self.inert)
+
+    @property
+    def refusal(self) -> str:
+        return self.why or NOT_IMPLEMENTED
+
+
+def _same_json_value(value: Any, other: Any) -> bool:
+    # JSON types, not Python's: true is not 1, and 0 equals 0.0
+    if isinstance(value, bool) or isinstance(other, bool):
+        return isinstance(value, bool) and isinstance(other, bool) and value == other
+    if isinstance(value, (int, float)) and isinstance(other, (int, float)):
+        return value == other
+    return type(value) is type(other) and value == other
+
+
+_F = RequestField
+FIELDS: tuple[RequestField, ...] = (
+    # ---- the prompt ----
+    _F("prompt", HONOURED, COMPLETION, "the text to complete (OpenAI: also a token list, or a list of one)"),
+    _F("prompt_token_ids", HONOURED, COMPLETION, "the prompt as token ids (plain lines)"),
+    _F("messages", HONOURED, CHAT, "the conversation, rendered through the model's chat template"),
+    _F("model", HARMLESS, BOTH, "the model name", why="the model is the one given on the command line"),
+    # ---- chat template ----
+    _F("tools", HONOURED, CHAT, "function schemas, rendered by the chat template"),
+    _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false}"),
+    _F("add_generation_prompt", HONOURED, CHAT, "end the prompt with the assistant header (default true)"),
+    _F("continue_final_message", HONOURED, CHAT, "leave the last message open for the model to continue"),
+    _F("documents", REFUSED, CHAT, "documents for templates that render them (RAG)"),
+    _F("chat_template", REFUSED, CHAT, "a Jinja chat template for this request",
+       why="a batch renders every chat with the model's own template"),
+    _F("add_special_tokens", REFUSED, BOTH, "add the tokenizer's special tokens (BOS) to the prompt"),
+    _F("reasoning_effort", REFUSED, CHAT, "how much a reasoning model thinks"),
+    _F("include_reasoning", REFUSED, CHAT, "return the reasoning (false drops it)", inert=(True,)),
+    _F("thinking_token_budget", REFUSED, CHAT, "the most tokens a reasoning model may think"),
+    _F("tool_choice", REFUSED, CHAT, "none / auto / required / a named function", inert=("none",)),
+    _F("parallel_tool_calls", HARMLESS, CHAT, "whether the model may call several tools at once",
+       why="tool calls are not parsed out of the text (yet), so it changes nothing"),
+    _F("functions", REFUSED, CHAT, "deprecated form of tools", why="deprecated by OpenAI: use tools"),
+    _F("function_call", REFUSED, CHAT, "deprecated form of tool_choice", why="deprecated by OpenAI: use tool_choice"),
+    _F("mm_processor_kwargs", REFUSED, CHAT, "options of a multimodal processor",
+       why="prefixrun runs text models only", inert=({},)),
+    _F("media_io_kwargs", REFUSED, CHAT, "options of media loaders", why="prefixrun runs text models only",
+       inert=({},)),
+    _F("modalities", REFUSED, CHAT, "output modalities", why="prefixrun generates text only", inert=(["text"],)),
+    _F("audio", REFUSED, CHAT, "audio output", why="prefixrun generates text only"),
+    # ---- length and stopping ----
+    _F("max_tokens", HONOURED, BOTH, "the most tokens to generate (chat: the rest of the context if not given; "
+       "completions: 16)"),
+    _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
+    _F("min_tokens", REFUSED, BOTH, "the fewest tokens before end-of-sequence or a stop token may end the output",
+       inert=(0,)),
+    _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),
+    _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output"),
+    _F("ignore_eos", HONOURED, BOTH, "keep generating after the end-of-sequence token"),
+    _F("include_stop_str_in_output", REFUSED, BOTH, "keep the matched stop string in the text", inert=(False,)),
+    _F("truncate_prompt_tokens", REFUSED, BOTH, "keep only the last N prompt tokens"),
+    _F("truncation_side", REFUSED, BOTH, "which side truncate_prompt_tokens cuts"),
+    # ---- sampling ----
+    _F("temperature", HONOURED, BOTH, "sampling temperature; 0 is greedy"),
+    _F("top_p", HONOURED, BOTH, "nucleus sampling: the smallest set of tokens whose probability reaches top_p"),
+    _F("top_k", HONOURED, BOTH, "sample among the k most likely tokens (0 or -1: all)"),
+    _F("min_p", HONOURED, BOTH, "drop tokens less likely than min_p times the most likely one"),
+    _F("seed", HONOURED, BOTH, "the request's random seed (default: derived from custom_id)"),
+    _F("n", REFUSED, BOTH, "how many completions to return", inert=(1,)),
+    _F("best_of", REFUSED, BOTH, "sample best_of completions, return the n most likely", inert=(1,)),
+    _F("presence_penalty", REFUSED, BOTH, "penalise tokens that appeared in the output", inert=(0,)),
+    _F("frequency_penalty", REFUSED, BOTH, "penalise tokens by how often they appeared in the output", inert=(0,)),
+    _F("repetition_penalty", REFUSED, BOTH, "penalise tokens that appeared in the prompt or output", inert=(1,)),
+    _F("logit_bias", REFUSED, BOTH, "token id -> bias added to its logit", inert=({},)),
+    _F("bad_words", REFUSED, BOTH, "words that may not be generated", inert=([],)),
+    _F("allowed_token_ids", REFUSED, BOTH, "the only token ids that may be generated"),
+    _F("use_beam_search", REFUSED, BOTH, "beam search instead of sampling",
+       why="prefixrun samples (use n with best_of for the most likely of several samples)", inert=(False,)),
+    _F("length_penalty", REFUSED, BOTH, "beam search's length penalty", why="beam search is not used",
+       inert=(1,)),
+    _F("watermarking", REFUSED, BOTH, "watermark the sampled text", why="no watermarking scheme is implemented",
+       inert=(False,)),
+    _F("repetition_detection", REFUSED, BOTH, "end the output when an n-gram repeats"),
+    # ---- log probabilities ----
+    _F("logprobs", REFUSED, BOTH, "log probabilities of the output tokens (chat: true/false; completions: k)",
+       inert=(False,)),
+    _F("top_logprobs", REFUSED, CHAT, "how many most likely alternatives to list per token", inert=(0,)),
+    _F("prompt_logprobs", REFUSED, BOTH, "log probabilities of the prompt tokens (vLLM)"),
+    _F("logprob_token_ids", REFUSED, BOTH, "token ids whose log probabilities to return at every step"),
+    _F("return_tokens_as_token_ids", REFUSED, BOTH, "name logprob tokens as token_id:N", inert=(False,)),
+    # ---- structured output ----
+    _F("response_format", REFUSED, BOTH, "text, json_object, or json_schema (strict)", inert=({"type": "text"},)),
+    _F("structured_outputs", REFUSED, BOTH, "vLLM's constraints: json, regex, choice, grammar, structural_tag"),
+    _F("guided_json", REFUSED, BOTH, "a JSON schema the output must follow (vLLM's older name)"),
+    _F("guided_regex", REFUSED, BOTH, "a regular expression the output must match (vLLM's older name)"),
+    _F("guided_choice", REFUSED, BOTH, "the output is one of these strings (vLLM's older name)"),
+    _F("guided_grammar", REFUSED, BOTH, "a grammar the output must follow (vLLM's older name)"),
+    _F("structural_tag", REFUSED, BOTH, "tagged regions with their own schemas"),
+    _F("guided_decoding_backend", REFUSED, BOTH, "which grammar engine vLLM uses"),
+    _F("guided_whitespace_pattern", REFUSED, BOTH, "whitespace allowed in guided JSON"),
+    # ---- output text ----
+    _F("echo", REFUSED, BOTH, "completions: the prompt is prepended to the text; chat: the last message, if it "
+       "has the reply's role", inert=(False,)),
+    _F("skip_special_tokens", REFUSED, BOTH, "leave special tokens out of the text (default true)", inert=(True,)),
+    _F("spaces_between_special_tokens", REFUSED, BOTH, "put spaces between special tokens in the text "
+       "(default true)", inert=(True,)),
+    _F("detokenize", REFUSED, BOTH, "false: return token ids only", inert=(True,)),
+    _F("return_token_ids", REFUSED, BOTH, "add the prompt's and the output's token ids to an OpenAI response",
+       inert=(False,)),
+    _F("return_prompt_text", REFUSED, CHAT, "add the rendered prompt to the response", inert=(False,)),
+    _F("suffix", REFUSED, COMPLETION, "text that follows the completion (fill-in-the-middle)",
+       why="fill-in-the-middle needs the model's own FIM prompt format: write it into the prompt"),
+    _F("verbosity", REFUSED, CHAT, "how long the answer should be (OpenAI)",
+       why="no model-independent meaning: ask for it in the messages"),
+    _F("web_search_options", REFUSED, CHAT, "web search (OpenAI)", why="offline inference has no web search"),
+    _F("prediction", HARMLESS, CHAT, "predicted output (OpenAI)",
+       why="a prediction only speeds up generation; it never changes the output"),
+    _F("logits_processors", REFUSED, BOTH, "custom logits processors (vLLM)",
+       why="code cannot be loaded from a request line"),
+    _F("vllm_xargs", REFUSED, BOTH, "arguments for vLLM extensions", why="prefixrun has no extensions"),
+    _F("extra_args", REFUSED, BOTH, "arguments for custom sampling code", why="prefixrun has no extensions"),
+    _F("trace_decode_token_ids", REFUSED, BOTH, "force these output tokens (vLLM debugging)",
+       why="forced decoding is not implemented"),
+    # ---- streaming and serving (nothing to do offline) ----
+    _F("stream", REFUSED, BOTH, "stream the response",
+       why="a batch writes each result as one line: leave stream out or false", inert=(False,)),
+    _F("stream_options", HARMLESS, BOTH, "streaming options", why="nothing is streamed"),
+    _F("stream_interval", HARMLESS, BOTH, "tokens per streamed chunk", why="nothing is streamed"),
+    _F("output_kind", HARMLESS, BOTH, "vLLM's streaming mode", why="a batch returns final outputs only"),
+    _F("user", HARMLESS, BOTH, "an end-user id", why="kept by the API provider only"),
+    _F("metadata", HARMLESS, BOTH, "your own key-value data", why="for your records (plain lines too)"),
+    _F("store", HARMLESS, BOTH, "store the completion with the provider", why="nothing is stored"),
+    _F("service_tier", HARMLESS, BOTH, "the provider's processing tier", why="one tier: this machine"),
+    _F("safety_identifier", HARMLESS, BOTH, "an end-user id for abuse detection",
+       why="kept by the API provider only"),
+    _F("prompt_cache_key", HARMLESS, BOTH, "a prompt-cache routing hint",
+       why="prefixrun finds shared prefixes itself"),
+    _F("prompt_cache_retention", HARMLESS, BOTH, "how long the provider keeps cached prompts",
+       why="the persistent cache has its own budget (--cache-budget)"),
+    _F("cache_salt", HARMLESS, BOTH, "separates prefix caches of different users",
+       why="a batch belongs to one user; cached state never changes an answer"),
+    _F("skip_reading_prefix_cache", HARMLESS, BOTH, "bypass the prefix cache",
+       why="cached state never changes an answer (use --no-reuse to measure without it)"),
+    _F("request_id", HARMLESS, BOTH, "the server's request id", why="ids are derived from custom_id"),
+    _F("session_id", HARMLESS, BOTH, "a session id for routing", why="nothing is routed"),
+    _F("priority", HARMLESS, BOTH, "scheduling priority", why="a batch runs every line; order changes no answer"),
+    _F("kv_transfer_params", HARMLESS, BOTH, "disaggregated-serving parameters", why="one engine, no transfer"),
+    _F("ec_transfer_params", HARMLESS, BOTH, "encoder-cache transfer parameters", why="one engine, no transfer"),
+    _F("routed_experts_prompt_start", HARMLESS, BOTH, "vLLM debugging of MoE routing",
+       why="routing data is not returned"),
+    _F("flat_logprobs", HARMLESS, BOTH, "vLLM's in-memory logprobs layout", why="only the output shape counts"),
+)
+
+BY_NAME: dict[str, RequestField] = {field.name: field for field in FIELDS}
+
+
+def lookup(name: str) -> RequestField | None:
+    return BY_NAME.get(name)
+
+
+def closest_name(name: str) -> str | None:
+    """The known field a misspelled key most likely meant (`temprature` -> `temperature`), or None."""
+    found = difflib.get_close_matches(name, BY_NAME, n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The README table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_START = "<!-- request fields: generated by `python -m prefixrun.cli.request_fields --write-readme` -->"
+TABLE_END = "<!-- end of request fields -->"
+_KIND_NAMES = {BOTH: "both", CHAT: "chat", COMPLETION: "completions"}
+
+
+def markdown_table() -> str:
+    """The README's table of request fields, one row per field of the registry."""
+    rows = ["| field | requests | status | what it does |", "|---|---|---|---|"]
+    for field in FIELDS:
+        status = field.status.value
+        note = field.does
+        if field.status is REFUSED:
+            note += f". Refused: {field.refusal}"
+            if field.inert:
+                note += f" (accepted: {', '.join(_json(v) for v in field.inert)})"
+        elif field.status is HARMLESS:
+            note += f". {field.why[:1].upper()}{field.why[1:]}" if field.why else ""
+        rows.append(f"| `{field.name}` | {_KIND_NAMES[field.applies_to]} | {status} | {note} |")
+    return "\n".join(rows)
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return f"`{json.dumps(value)}`"
+
+
+def readme_with_table(readme: str) -> str:
+    start, end = readme.index(TABLE_START), readme.index(TABLE_END)
+    return readme[:start + len(TABLE_START)] + "\n" + markdown_table() + "\n" + readme[end:]
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write-readme"]:
+        README.write_text(readme_with_table(README.read_text(encoding="utf-8")), encoding="utf-8")
+        return 0
+    print(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
