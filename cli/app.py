@@ -4,7 +4,8 @@ Longer than most modules because it holds the Typer declarations of every comman
 its documentation (`--help`), and the checks that must run before any work (exit 2) sit next to them. Running a
 batch into its output, and every way that can end, is in cli/output.py.
 
-Exit codes: see prefixrun.cli.io (0 all lines succeeded, 3 some lines failed, 2 usage error, 1 run aborted).
+Exit codes: see prefixrun.cli.io (0 all lines succeeded, 3 some lines failed, 2 usage error, 1 run aborted, 128 +
+the signal's number when SIGINT, SIGTERM or SIGHUP stopped it).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli.report import RunReporter
+from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -183,7 +185,7 @@ def batch(
         help="drafted tokens per sequence and step (default 5)", rich_help_panel="Speculative decoding")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
-    from prefixrun.cli.output import OutputError, check_targets, claim_output, run_to_output
+    from prefixrun.cli.output import OutputError, check_targets, claim_output, run_to_output, write_json_report
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
@@ -203,20 +205,18 @@ def batch(
         raise typer.Exit(io.EXIT_USAGE)
     if claim is not None:
         ctx.call_on_close(claim.release)
-    run = open_batch_run(reporter, settings, source)
-    report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter, claim=claim)
+    with stop_signals_raise():
+        run = open_batch_run(reporter, settings, source)
+        report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter,
+                               claim=claim, json_report=json_report)
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
         reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "
                       f"{output}")
     if report["requests"] == 0 and report["failed_lines"] == 0 and not report.get("resumed_skipped_lines"):
         reporter.note("the input holds no requests (it is empty or has only blank lines); nothing was run")
-    if json_report is not None:
-        try:
-            json_report.write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as exc:
-            reporter.error(f"cannot write --json-report {json_report}: {exc.strerror or exc}")
-            raise typer.Exit(io.EXIT_FAILURE)
+    if json_report is not None and not write_json_report(json_report, report, reporter):
+        raise typer.Exit(io.EXIT_FAILURE)
     raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
 
 
@@ -306,6 +306,13 @@ def open_batch_run(reporter: RunReporter, settings: dict, source=None):
             source.close()
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP while the model loads: nothing ran yet
+        stop = stop_reason(exc)
+        if source is not None:
+            source.close()
+        reporter.stop()
+        reporter.error(f"stopped by {stop.name} while the model loaded; no request ran")
+        raise typer.Exit(stop.exit_code)
 
 
 def _open_input(input: str | None, reporter: RunReporter):
@@ -519,8 +526,9 @@ def bench(
     with ExitStack() as discard:
         if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures
             discard.enter_context(redirect_stdout(discard.enter_context(open(os.devnull, "w"))))
+        discard.enter_context(stop_signals_raise())
         report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter,
-                               claim=claim)
+                               claim=claim, json_report=p["json_report"])
     reporter.final(report)
     if p["json_report"] is not None:
         p["json_report"].write_text(json.dumps(report, indent=2) + "\n")

@@ -79,6 +79,7 @@ class BatchRun:
         self.window = window
         self.failed = 0
         self.done = 0
+        self._started = time.perf_counter()  # from `execute` on: when the run started reading its input
         self.skipped = 0  # lines that already had a result (--resume)
         self.max_line_bytes = max_line_bytes
         # every input line's output position by custom_id and by line number, when asked (`--resume` rewrites the
@@ -129,7 +130,7 @@ class BatchRun:
     def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
         if self._ahead is not None:
             self._ahead.stop()  # the run reads its input itself from here (the hint read no byte of this stream)
-        started = time.perf_counter()
+        started = self._started = time.perf_counter()
         seen: set[str] = set()
         window: list[tuple[lines.ParsedRequest, Request]] = []
         self.reporter.watch(self.backend.stats)
@@ -199,6 +200,14 @@ class BatchRun:
         for warning in self.backend.warnings[self._warned:]:
             self.reporter.warn(warning)
         self._warned = len(self.backend.warnings)
+
+    def partial_report(self, stopped_by: str) -> dict:
+        """The report of a run a signal stopped, `stopped_by` its name: the engines' figures until then, and
+        `finished_requests`, the requests that came back from the engines (their records written, in -o in input
+        order or, for those after a line still in flight, out of it for --resume to find)."""
+        report = self._report(time.perf_counter() - self._started)
+        report.update(stopped_by=stopped_by, finished_requests=self.done)
+        return report
 
     def _report(self, wall: float) -> dict:
         """The run's half (lines, wall time, rates) around the engine's half (engine/run/session.py)."""

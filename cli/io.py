@@ -126,11 +126,12 @@ Exit codes
 code  name                meaning
 ====  ==================  ==========================================================================
 0     EXIT_OK             every line was processed and produced a result
-1     EXIT_FAILURE        the run was aborted (out of memory, interrupted, ...); finished results were kept
+1     EXIT_FAILURE        the run was aborted (out of memory, an input read error, ...); finished results kept
 2     EXIT_USAGE          bad command-line options, an unreadable input file or an unusable model
                           directory; nothing was run
 3     EXIT_SOME_FAILED    some lines produced error records; every other line was processed
-141   (cli.app)           stdout was closed by its reader (`| head`); the run stopped quietly
+141   (cli.output)        stdout was closed by its reader (`| head`); the run stopped quietly
+130   (cli.stop_signals)  Ctrl-C (SIGINT); finished results were kept (143: SIGTERM, 129: SIGHUP)
 ====  ==================  ==========================================================================
 """
 from __future__ import annotations

@@ -38,6 +38,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
+from prefixrun.cli.stop_signals import stop_reason
 from prefixrun.engine.errors import EnginesDidNotStart
 
 
@@ -337,10 +338,11 @@ def restore_input_order(output: Path, positions: io.InputPositions, fresh_from: 
 
 
 def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordered: bool,
-                  reporter, claim: OutputClaim | None = None) -> dict:
+                  reporter, claim: OutputClaim | None = None, json_report: Optional[Path] = None) -> dict:
     """Execute the run into stdout or -o (claimed by `claim`, see claim_output) and return its report. Every way
     it can end badly ends here: one line on stderr and typer.Exit with the exit code (141 closed stdout, 1 aborted
-    or unwritable, 2 bad --resume file)."""
+    or unwritable, 2 bad --resume file, 128 + the signal's number when a signal stopped it: then the report of
+    what finished goes to `json_report`, with `stopped_by`)."""
     journal = None
     with ExitStack() as stack:
         stack.callback(source.close)
@@ -386,11 +388,15 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             reporter.stop()
             reporter.error(f"{exc}; finished results were written" + (" (use --resume to continue)" if output else ""))
             raise typer.Exit(io.EXIT_FAILURE)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP (cli/stop_signals.py)
+            stop = stop_reason(exc)
             _keep_finished(writer, journal)
             reporter.stop()
-            reporter.error("interrupted; finished results were written (use --resume to continue)")
-            raise typer.Exit(io.EXIT_FAILURE)
+            reporter.error(f"stopped by {stop.name}; finished results were written" +
+                           (" (use --resume to continue)" if output is not None else ""))
+            if json_report is not None:
+                write_json_report(json_report, run.partial_report(stop.name), reporter)
+            raise typer.Exit(stop.exit_code)
         except OSError as exc:  # results cannot be written (disk full, closed file, ...)
             reporter.stop()
             where = f"to {output}" if output is not None else "to stdout"
@@ -405,6 +411,16 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             if os.environ.get("PREFIXRUN_DEBUG"):
                 raise
             raise typer.Exit(io.EXIT_FAILURE)
+
+
+def write_json_report(path: Path, report: dict, reporter) -> bool:
+    """The report as JSON at `path`; where it cannot be written, one line on stderr and False."""
+    try:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        return True
+    except OSError as exc:
+        reporter.error(f"cannot write --json-report {path}: {exc.strerror or exc}")
+        return False
 
 
 def _restore_input_order(output: Path, positions, fresh_from: int, ordered: bool, reporter) -> None:

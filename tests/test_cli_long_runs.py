@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,58 @@ def test_ordered_output_grows_while_the_run_goes_on(model, tmp_path, monkeypatch
     halfway = seen[n // 2]
     assert halfway >= n // 4, seen  # in order, half the results in: a quarter of the lines are in -o already
     assert next(k for k, lines in enumerate(seen) if lines) <= n // 8, seen  # about a decode batch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SIGTERM, SIGHUP and SIGINT
+
+
+def slow_batch(n: int = 30) -> list[dict]:
+    """Line 0 decodes long while short lines finish behind it (they wait for it in ordered mode)."""
+    lines = [{"custom_id": "slow", "prompt": "a long story", "max_tokens": 3000, "ignore_eos": True,
+              "temperature": 0}]
+    return lines + [{"custom_id": f"s{i}", "prompt": f"short request {i}", "max_tokens": 2, "temperature": 0}
+                    for i in range(n)]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
+def test_a_stop_signal_keeps_finished_results_and_writes_a_partial_report(model, tmp_path, signum, code):
+    """SIGTERM and SIGHUP end a run as Ctrl-C does: the results that finished are moved into -o (in input order,
+    the slow line 0 missing), one line on stderr, exit 128 + the signal, and --json-report holds what finished
+    (SIGTERM and SIGHUP killed the process: no results moved, no report; SIGINT exited 1)."""
+    n_short = 30
+    src = write_jsonl(tmp_path / "in.jsonl", slow_batch(n_short))
+    out, journal, report = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal", tmp_path / "report.json"
+    proc = subprocess.Popen(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out,
+                                "--max-batch", 64, "--json-report", report),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists() and journal.read_bytes().count(b"\n") >= n_short:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [f"error: stopped by {signal.Signals(signum).name}; finished results were "
+                                           f"written (use --resume to continue)"]
+    assert [r["custom_id"] for r in records(out.read_text())] == [f"s{i}" for i in range(n_short)]
+    assert not journal.exists()
+    figures = json.loads(report.read_text())
+    assert figures["stopped_by"] == signal.Signals(signum).name
+    assert figures["finished_requests"] == n_short and figures["completion_tokens"] >= 2 * n_short
+
+
+def test_an_ignored_sighup_stays_ignored(model, tmp_path):
+    """Under nohup (SIGHUP ignored at the start) a SIGHUP does not stop the run."""
+    src = write_jsonl(tmp_path / "in.jsonl", slow_batch(3)[1:])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(["nohup", *cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q",
+                                           "-o", out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert len(records(out.read_text())) == 3
