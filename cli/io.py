@@ -60,7 +60,8 @@ Common fields
 - Sampling, named as vLLM names them: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`,
   `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`. In OpenAI lines they live in `body`.
   A value on the line wins over the command-line / generation_config defaults, which win over the built-in ones
-  (max_tokens 16, temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
+  (max_tokens: the rest of the model's context for a chat, 16 for a completion, as in vLLM and OpenAI;
+  temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
 - Every other field is listed in cli/request_fields.py (the README's table of request fields is made from it):
   honoured, accepted because it changes nothing offline (`user`, `metadata`, `store`, `stream: false`, ...), or
   refused. A line that sets a refused field to anything but its "off" value, or has a key that is not in the

@@ -6,6 +6,7 @@ cli/records.py turns into the error record written in the line's place.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
@@ -206,7 +207,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
             shape, fields, prompt, ignored = _read_openai_line(obj, lenient)
         else:
             shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
-        sampling = _sampling_for_line(fields, defaults, where="body." if openai_shape else "")
+        sampling = _sampling_for_line(fields, defaults, "body." if openai_shape else "", _kind_of(prompt))
     except (_LineRejected, InvalidRequest) as rejection:
         return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
     except RecursionError:
@@ -500,9 +501,15 @@ def _reject_unpaired_surrogates(value: Any, where: str) -> None:
 # Sampling
 
 
-def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str) -> SamplingParams:
-    """Line value > defaults (command line > generation_config) > SamplingParams' own defaults."""
+def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str, kind: Kind) -> SamplingParams:
+    """Line value > defaults (command line > generation_config) > SamplingParams' own defaults, except that a
+    chat's max_tokens defaults to the rest of the context (None here; the prompt encoder resolves it), as in vLLM's
+    and OpenAI's chat completions; completions keep 16."""
     try:
-        return SamplingDefaults.from_fields(fields).over(defaults).resolve()
+        layered = SamplingDefaults.from_fields(fields).over(defaults)
+        sampling = layered.resolve()
     except InvalidRequest as err:
         raise _LineRejected(f"{where}{err}") from None
+    if kind == CHAT and layered.max_tokens is None:
+        sampling = dataclasses.replace(sampling, max_tokens=None)
+    return sampling

@@ -32,7 +32,7 @@ class InvalidRequest(ValueError):
 class SamplingParams:
     """Per-request sampling, named as vLLM names them. Validated on construction."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (chat's default; PromptEncoder.request resolves it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k filter
@@ -49,7 +49,8 @@ class SamplingParams:
         def bad(msg):
             raise InvalidRequest(msg)
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)

@@ -213,12 +213,38 @@ def test_every_input_shape_and_sampling_defaults(models, tmp_path):
     assert by_id["oc"]["response"]["body"]["usage"]["prompt_tokens"] == by_id["m"]["usage"]["prompt_tokens"]
     assert by_id["7"]["response"]["body"]["usage"]["prompt_tokens"] == len(ids)
 
-    # Without --ignore-eos / --max-tokens: the built-in max_tokens of 16 bounds every completion.
+    # Without --ignore-eos / --max-tokens: the built-in max_tokens of 16 bounds every completion (a chat line's
+    # default is the rest of the context: test_a_chat_line_without_max_tokens_may_fill_the_context).
     res = batch(models["a"], tmp_path / "cache", src, "--temperature", 0, "--no-cache")
     assert res.exit_code == 0
     for r in records_of(res.stdout):
-        if "usage" in r:
+        if "usage" in r and r["custom_id"] != "m":
             assert 1 <= r["usage"]["completion_tokens"] <= (5 if r["custom_id"] == "own" else 16)
+
+
+def test_a_chat_line_without_max_tokens_may_fill_the_context(models, tmp_path):
+    """As in vLLM's and OpenAI's chat completions: a chat's max_tokens defaults to the rest of the context;
+    completions keep 16; --max-tokens or the line's own value win over both."""
+    chat = [{"role": "user", "content": "hello"}]
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "chat", "messages": chat},
+        {"custom_id": "openai", "url": "/v1/chat/completions", "body": {"messages": chat}},
+        {"custom_id": "completion", "prompt": "hello"},
+        {"custom_id": "own", "messages": chat, "max_tokens": 3},
+    ])
+    res = batch(models["short"], tmp_path / "cache", src, "--ignore-eos", "--temperature", 0, "--no-cache")
+    assert res.exit_code == 0, res.stderr
+    by_id = {r["custom_id"]: r for r in records_of(res.stdout)}
+    for cid in ("chat", "openai"):
+        record = by_id[cid]
+        usage = record["usage"] if cid == "chat" else record["response"]["body"]["usage"]
+        assert usage["total_tokens"] == 64 and usage["completion_tokens"] > 16  # the context is 64
+    assert by_id["completion"]["usage"]["completion_tokens"] == 16
+    assert by_id["own"]["usage"]["completion_tokens"] == 3
+    res = batch(models["short"], tmp_path / "cache", src, "--ignore-eos", "--temperature", 0, "--no-cache",
+                "--max-tokens", 4)
+    assert [r.get("usage", {}).get("completion_tokens") or r["response"]["body"]["usage"]["completion_tokens"]
+            for r in records_of(res.stdout)] == [4, 4, 4, 3]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ characters the model would never see.)
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,8 +99,12 @@ class PromptEncoder:
         self.max_prompt_chars = context_tokens * tokenizer.max_token_chars * shrink
 
     def request(self, custom_id: str, index: int, prompt: Prompt, sampling: SamplingParams) -> Request:
-        """A Request ready for the engine; InvalidRequest if the prompt cannot run on this model."""
-        return Request(custom_id, self.encode(prompt), sampling, index)
+        """A Request ready for the engine; InvalidRequest if the prompt cannot run on this model. A max_tokens of
+        None becomes the rest of the context after the prompt (vLLM's default for chat requests)."""
+        ids = self.encode(prompt)
+        if sampling.max_tokens is None:
+            sampling = dataclasses.replace(sampling, max_tokens=self.context_tokens - len(ids))
+        return Request(custom_id, ids, sampling, index)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokenPrompt):
