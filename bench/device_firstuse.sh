@@ -21,8 +21,8 @@ python3 .bench-shared/workloads.py shared-system --requests 64 --prefix 2048 --s
 # machine: our modules and CuPy's own kernels of the model code), so that run 1 measures first use, not NVRTC.
 python3 -c "
 import ml_dtypes, numpy as np
-from prefixrun.kernels import attention_sm90, cuda, cuda_warmup
-cuda.compile_all()
+from prefixrun.kernels import attention_sm90, cuda_modules, cuda_warmup
+cuda_modules.compile_all()
 attention_sm90.available() and attention_sm90.compile_module()
 cuda_warmup.warm_array_kernels(np.dtype(ml_dtypes.bfloat16))" || echo "kernel cache fill failed (exit $?)"
 python3 bench/profile_host.py /tmp/firstuse-shared-system.jsonl --model $MODEL --runs 2 -- \

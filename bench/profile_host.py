@@ -12,7 +12,7 @@ script runs on an old checkout and a new one side by side. Per run it prints:
   seconds to launch the forward, and (with --sync) the device's tail after the launch returned;
 - the ops by host time in prefill and in decode (a slow op is host work, or a hidden wait on the device);
 - blocking calls: ops.synchronize / to_host / sample, cupy.asnumpy, stream and device synchronisation;
-- launches per prefill step: our NVRTC kernels (kernels/cuda.py `_kernel`) and cuBLAS GEMMs by name;
+- launches per prefill step: our NVRTC kernels (kernels/cuda_modules.py `kernel`) and cuBLAS GEMMs by name;
 - with --cupti (needs torch): the CUDA runtime/driver API calls inside each prefill step (cudaMalloc, cudaFree,
   cuModuleLoad*, memcpy, synchronize, launches) with their host time, from torch.profiler;
 - where the checkout has kernels/cuda_warmup.py: what the background warm-up of that run did (seconds, GEMMs run
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import os
 import sys
 import time
@@ -107,7 +108,7 @@ def _wrap(owner, name: str, around):
 def instrument(rec: Recorder, sync_steps: bool):
     """Patch the classes the run will use (before the run creates its objects)."""
     from prefixrun.engine.step import decode_graphs
-from prefixrun.engine.state import pools as state
+    from prefixrun.engine.state import pools as state
     from prefixrun.engine.models import layers
     from prefixrun.kernels.reference import NumpyOps
 
@@ -130,7 +131,13 @@ from prefixrun.engine.state import pools as state
                 return proxies[key]
             return kernel
 
-        _wrap(cuda_mod, "_kernel", counting_kernel)
+        for module_name in ("cuda", "cuda_arrays", "cuda_dense", "cuda_mixing", "cuda_attention", "moe_cuda"):
+            try:  # each module binds the kernel lookup itself
+                module = importlib.import_module(f"prefixrun.kernels.{module_name}")
+            except ImportError:
+                continue
+            for attr in ("kernel", "_kernel"):
+                _wrap(module, attr, counting_kernel)
 
         def counting_gemm(original):
             def gemm_nt(self, x, w, out, *a, **k):

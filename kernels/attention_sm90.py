@@ -20,6 +20,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
+from prefixrun.kernels.cuda_modules import include_options, kernel_source
 from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
 from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
 from prefixrun.kernels.tuning import wgmma_tile_keys as keys_per_tile
@@ -75,13 +76,11 @@ def _build(module: str) -> tuple[Path, dict[str, str]]:
     the lowered (mangled) name of each of its kernels (_NAMES[module])."""
     from cupy_backends.cuda.libs import nvrtc
 
-    from prefixrun.kernels.cuda import _include_options, kernel_source
-
     source = kernel_source("attention_sm90")
     if module == "ws":
         source += "\n" + (Path(__file__).parent / "attention_sm90_ws.cu").read_text()
     names = _NAMES[module]
-    options = ("-std=c++17", "-arch=sm_90a", "-ftz=true") + _include_options()  # -ftz as CuPy compiles the rest
+    options = ("-std=c++17", "-arch=sm_90a", "-ftz=true") + include_options()  # -ftz as CuPy compiles the rest
     key = hashlib.sha256(json.dumps([source, options, names, nvrtc.getVersion()]).encode()).hexdigest()[:32]
     folder = _cache_dir()
     cubin, lowered_file = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"

@@ -1,4 +1,4 @@
-// Helpers shared by every kernel file (kernels/cuda.py prepends this text to each .cu before NVRTC compiles it).
+// Helpers shared by every kernel file (kernels/cuda_modules.py prepends this text to each .cu before NVRTC compiles it).
 // Storage is float or __nv_bfloat16; arithmetic is always float.
 #include <cuda_bf16.h>
 

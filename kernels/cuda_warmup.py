@@ -31,7 +31,8 @@ import numpy as np
 
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import Cublas, get_cublas
-from prefixrun.kernels.cuda import F32, _NAMES, _kernel
+from prefixrun.kernels.cuda_arrays import F32
+from prefixrun.kernels.cuda_modules import KERNEL_NAMES, kernel
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
 
 # with no plan (a caller that knows no model): one tiny product per output kind, for cuBLAS's one-time set-up
@@ -74,8 +75,8 @@ def _guarded(account: dict, what: str, fn, *args):
 def load_modules(files, account: dict):
     """Compile or load each file's module and fetch every function it exports (loads each function's code)."""
     for file in files:
-        for name in _NAMES[file]:
-            if _guarded(account, f"{file} {name}", _kernel, file, name) is None:
+        for name in KERNEL_NAMES[file]:
+            if _guarded(account, f"{file} {name}", kernel, file, name) is None:
                 break  # the module itself failed: its other functions would fail the same way
 
 

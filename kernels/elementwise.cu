@@ -282,7 +282,7 @@ __global__ void qk_norm_rotary_kernel(const T* __restrict__ q, i64 qst, i64 qsh,
 // ---- elementwise --------------------------------------------------------------------------------------------
 // Row-wise elementwise launches (kernels/tuning.py elementwise_launch): a block is `tx` threads along a row times
 // blockDim.x / tx rows; grid (x: the row's units, y: row groups, grid-stride). A unit is a 16-byte vector of
-// NORM_V(T) elements when `vec` (row length, strides and bases multiples of it: kernels/cuda.py checks), else one
+// NORM_V(T) elements when `vec` (row length, strides and bases multiples of it: kernels/cuda_arrays.py checks), else one
 // element; each element's arithmetic is the same on both paths. No 64-bit division.
 struct RowUnits {
     i64 u, r0, rstep;  // this thread's unit of a row, its first row, the row step

@@ -12,7 +12,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from prefixrun.kernels.cuda import BF16, F32, _cast, _grid, _i32, _i64, _index, _kernel, _tname
+from prefixrun.kernels.cuda_arrays import BF16, F32, blocks_for, cast, device_index, i32, i64, type_name
+from prefixrun.kernels.cuda_modules import kernel
 
 MAX_EXPERTS = 512  # moe_route_kernel keeps 16 logits per lane (MOE_PER_LANE in kernels/moe.cu)
 MAX_TOP_K = 32  # one chosen expert per lane
@@ -33,8 +34,8 @@ def route(router_logits, top_k: int, normalize: bool):
     weights = cupy.empty((t, top_k), F32)
     experts = cupy.empty((t, top_k), np.int32)
     if t:
-        _kernel("moe", "moe_route_kernel")((-(-t // 8),), (256,), (
-            router_logits, _i64(row_stride), _i32(t), _i32(e), _i32(top_k), _i32(int(normalize)), weights, experts))
+        kernel("moe", "moe_route_kernel")((-(-t // 8),), (256,), (
+            router_logits, i64(row_stride), i32(t), i32(e), i32(top_k), i32(int(normalize)), weights, experts))
     return weights, experts
 
 
@@ -42,7 +43,7 @@ def permute(experts, num_experts: int):
     """experts [T, k] int32 -> (token_of_row [N], position [N], offsets [E+1]) int32, on the device."""
     if num_experts > 1024:
         raise ValueError(f"moe_permute supports up to 1024 experts, got {num_experts}")
-    experts = _index(experts)
+    experts = device_index(experts)
     t, k = experts.shape
     n = t * k
     counts = cupy.zeros(num_experts, np.int32)
@@ -51,10 +52,10 @@ def permute(experts, num_experts: int):
     token_of_row = cupy.empty(n, np.int32)
     position = cupy.empty(n, np.int32)
     if n:
-        _kernel("moe", "moe_count_kernel")((_grid(n),), (256,), (experts, _i64(n), counts))
-    _kernel("moe", "moe_offsets_kernel")((1,), (1024,), (counts, _i32(num_experts), offsets, cursor))
+        kernel("moe", "moe_count_kernel")((blocks_for(n),), (256,), (experts, i64(n), counts))
+    kernel("moe", "moe_offsets_kernel")((1,), (1024,), (counts, i32(num_experts), offsets, cursor))
     if n:
-        _kernel("moe", "moe_scatter_kernel")((_grid(n),), (256,), (experts, _i64(n), _i32(k), cursor, token_of_row,
+        kernel("moe", "moe_scatter_kernel")((blocks_for(n),), (256,), (experts, i64(n), i32(k), cursor, token_of_row,
                                                                    position))
     return token_of_row, position, offsets
 
@@ -66,28 +67,28 @@ def grouped_linear(x, weight, offsets, token_of_row=None):
     if x.ndim != 2 or x.shape[1] != in_dim:
         raise ValueError(f"moe_grouped_linear: x {x.shape} does not fit weight {weight.shape}")
     if x.dtype != weight.dtype:
-        x = _cast(x, weight.dtype)
+        x = cast(x, weight.dtype)
     if x.shape[0] > 1 and x.strides[1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
     xs = x.strides[0] // x.itemsize if x.shape[0] > 1 else in_dim
     n = token_of_row.shape[0] if token_of_row is not None else x.shape[0]
-    tor = _index(token_of_row) if token_of_row is not None else None
+    tor = device_index(token_of_row) if token_of_row is not None else None
     out = cupy.empty((n, out_dim), weight.dtype)
     if n == 0 or out_dim == 0:
         return out
-    offsets = _index(offsets)
+    offsets = device_index(offsets)
     aligned = (weight.dtype == BF16 and in_dim % 8 == 0 and xs % 8 == 0 and x.data.ptr % 16 == 0
                and weight.data.ptr % 16 == 0)
     null = np.uint64(0)
     if aligned:
         grid = (-(-n // _MMA_TILE_ROWS) + e, -(-out_dim // _MMA_TILE_COLS))
-        _kernel("moe", "moe_gemm_mma_kernel<bf16>")(grid, (128,), (
-            x, _i64(xs), tor if tor is not None else null, weight, offsets, _i32(e), _i32(out_dim), _i32(in_dim), out))
+        kernel("moe", "moe_gemm_mma_kernel<bf16>")(grid, (128,), (
+            x, i64(xs), tor if tor is not None else null, weight, offsets, i32(e), i32(out_dim), i32(in_dim), out))
     else:
         grid = (-(-n // _SIMT_TILE) + e, -(-out_dim // _SIMT_TILE))
-        _kernel("moe", f"moe_gemm_simt_kernel<{_tname(weight.dtype)}>")(grid, (256,), (
-            x, _i64(xs), tor if tor is not None else null, weight, offsets, _i32(e), _i32(out_dim), _i32(in_dim), out))
+        kernel("moe", f"moe_gemm_simt_kernel<{type_name(weight.dtype)}>")(grid, (256,), (
+            x, i64(xs), tor if tor is not None else null, weight, offsets, i32(e), i32(out_dim), i32(in_dim), out))
     return out
 
 
@@ -101,16 +102,16 @@ def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None)
         raise TypeError(f"moe_combine: y is {y.dtype}, the output {out.dtype}")
     if t == 0 or dim == 0:
         return out
-    weights = cupy.ascontiguousarray(_cast(weights, F32))
-    position = _index(position)
-    ty = _tname(y.dtype)
+    weights = cupy.ascontiguousarray(cast(weights, F32))
+    position = device_index(position)
+    ty = type_name(y.dtype)
     if shared is None:
-        _kernel("moe", f"moe_combine_kernel<{ty}, false>")((_grid(t * dim),), (256,), (
-            y, position, weights, _i32(t), _i32(k), _i32(dim), y, weights, _i64(0), out))
+        kernel("moe", f"moe_combine_kernel<{ty}, false>")((blocks_for(t * dim),), (256,), (
+            y, position, weights, i32(t), i32(k), i32(dim), y, weights, i64(0), out))
         return out
-    shared = cupy.ascontiguousarray(_cast(shared, y.dtype))
-    gate = _cast(shared_gate, F32)
+    shared = cupy.ascontiguousarray(cast(shared, y.dtype))
+    gate = cast(shared_gate, F32)
     gate_stride = gate.strides[0] // 4 if t > 1 else 1  # [T, 1] column of the router's logits, or contiguous
-    _kernel("moe", f"moe_combine_kernel<{ty}, true>")((_grid(t * dim),), (256,), (
-        y, position, weights, _i32(t), _i32(k), _i32(dim), shared, gate, _i64(gate_stride), out))
+    kernel("moe", f"moe_combine_kernel<{ty}, true>")((blocks_for(t * dim),), (256,), (
+        y, position, weights, i32(t), i32(k), i32(dim), shared, gate, i64(gate_stride), out))
     return out

@@ -39,7 +39,7 @@ class NumpyOps(MoeReferenceOps):
 
     def storage_dtype(self, kind: str) -> np.dtype:
         """The array dtype of a state region declared `kind` ("float32", or "act" for the storage dtype)."""
-        return _storage_dtype(kind, self.act_dtype)
+        return region_dtype(kind, self.act_dtype)
 
     def release_cached_memory(self):
         """Return cached allocations to the system (nothing is cached on the host)."""
@@ -426,7 +426,8 @@ class ReplayGraph:
     __call__ = replay
 
 
-def _storage_dtype(kind: str, act_dtype) -> np.dtype:
+def region_dtype(kind: str, act_dtype) -> np.dtype:
+    """The array dtype of a state region declared `kind` in a backend storing activations as `act_dtype`."""
     if kind == "float32":
         return np.dtype(np.float32)
     if kind == "act":

@@ -137,7 +137,7 @@ class CudaTuning:
 
     gdn_chunked: bool | str = "auto"  # prefill in 64-token chunks: True, False or "auto"
     # bf16 prefill in the tensor-core chunked form: True, False or "auto" (checked against the reference on an H200,
-    # 2026-12-01; "delta_tc" is in kernels/cuda.py's PREPARED_FILES so its module loads while the weights upload)
+    # 2026-12-01; "delta_tc" is in kernels/cuda_modules.py's PREPARED_FILES so its module loads while the weights upload)
     gdn_tensor_cores: bool | str = "auto"
     gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: 4 (the faster on every measured shape)
     # the tensor-core form's per-chunk pass (GDN_TC_PREPS). Measured on an H200 (2026-12-01, session 9,

@@ -91,10 +91,21 @@ def test_reference_backend_queries():
 
 def _cuda_class_statically() -> tuple[dict[str, inspect.Signature], set[str]]:
     """CudaOps' methods and attributes read from kernels/cuda.py's source, without importing CuPy: methods with
-    their signatures, attributes from class-level assignments and `self.x = ...` in __init__."""
-    tree = ast.parse((ROOT / "kernels" / "cuda.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CudaOps")
+    their signatures (its own and its op-family bases', each read from the kernels/ module it is imported from),
+    attributes from class-level assignments and `self.x = ...` in __init__."""
     methods, attrs = {}, set()
+    _read_class_statically("cuda", "CudaOps", methods, attrs)
+    return methods, attrs
+
+
+def _read_class_statically(module: str, name: str, methods: dict, attrs: set):
+    tree = ast.parse((ROOT / "kernels" / f"{module}.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    sources = {a.asname or a.name: node.module.rsplit(".", 1)[-1] for node in tree.body
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prefixrun.kernels.")
+               for a in node.names}
+    for base in reversed(cls.bases):  # the first base wins, as in the method resolution order
+        _read_class_statically(sources[base.id], base.id, methods, attrs)
     for node in cls.body:
         if isinstance(node, ast.FunctionDef):
             # compile the bare signature (defaults are literals in this file) into a real function to inspect
@@ -114,7 +125,6 @@ def _cuda_class_statically() -> tuple[dict[str, inspect.Signature], set[str]]:
             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
                 if isinstance(t, ast.Name):
                     attrs.add(t.id)
-    return methods, attrs
 
 
 def test_cuda_backend_conforms_statically():

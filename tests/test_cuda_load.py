@@ -143,9 +143,9 @@ def test_kernels_load_in_the_background_while_ops_run():
 
     code = """
 import numpy as np, time
-from prefixrun.kernels import cuda
+from prefixrun.kernels import cuda, cuda_modules
 from prefixrun.kernels.reference import NumpyOps
-assert not cuda._MODULES
+assert not cuda_modules._MODULES
 ops = cuda.CudaOps("float32")
 t0 = time.perf_counter()
 ops.prepare_kernels()
@@ -161,7 +161,7 @@ np.testing.assert_allclose(ops.to_host(ops.linear(ops.upload(a), ops.upload(b)))
 ops._preparing.join(timeout=600)
 assert not ops._preparing.is_alive()
 dev = cuda.cupy.cuda.Device().id
-missing = [f for f in cuda.PREPARED_FILES if (dev, f) not in cuda._MODULES]
+missing = [f for f in cuda_modules.PREPARED_FILES if (dev, f) not in cuda_modules._MODULES]
 assert not missing, missing
 print("ok")
 """

@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="
 
 def _prepare(ops, plan_fn):
     """The loader thread's body, run here (so the test sees its end); returns its account."""
-    from prefixrun.kernels import cuda, cuda_warmup
+    from prefixrun.kernels import cuda_modules, cuda_warmup
 
-    cuda_warmup.prepare(cupy.cuda.Device().id, ops.act_dtype, plan_fn, cuda.PREPARED_FILES)
+    cuda_warmup.prepare(cupy.cuda.Device().id, ops.act_dtype, plan_fn, cuda_modules.PREPARED_FILES)
     return cuda_warmup.LAST
 
 
@@ -58,14 +58,14 @@ def test_warmup_changes_no_result(model_dirs, dtype):
 
 
 def test_every_prepared_function_is_loaded():
-    from prefixrun.kernels import cuda
+    from prefixrun.kernels import cuda, cuda_modules
 
     ops = cuda.CudaOps("bfloat16")
     account = _prepare(ops, None)
     assert not account["errors"], account["errors"]
     dev = cupy.cuda.Device().id
-    missing = [(f, n) for f in cuda.PREPARED_FILES for n in cuda._NAMES[f]
-               if (dev, f, n) not in cuda._FUNCTIONS]
+    missing = [(f, n) for f in cuda_modules.PREPARED_FILES for n in cuda_modules.KERNEL_NAMES[f]
+               if (dev, f, n) not in cuda_modules._FUNCTIONS]
     assert not missing, missing[:5]
 
 
@@ -94,7 +94,7 @@ def test_gemms_beside_a_warmup_are_exact_and_stop_it():
     give exactly the answers they give alone, and the warm-up stops at the first of them."""
     import threading
 
-    from prefixrun.kernels import cuda, cuda_warmup
+    from prefixrun.kernels import cuda_modules, cuda_warmup
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("float32")
@@ -104,7 +104,7 @@ def test_gemms_beside_a_warmup_are_exact_and_stop_it():
     alone = [ops.to_host(ops.linear(ops.upload(a), ops.upload(w))) for a, w in pairs]
     plan = KernelPlan((GemmShape(8192, 4096, row_ladder(8192)), GemmShape(4096, 8192, row_ladder(8192))))
     thread = threading.Thread(target=cuda_warmup.prepare, args=(cupy.cuda.Device().id, ops.act_dtype, lambda: plan,
-                                                              cuda.PREPARED_FILES))
+                                                              cuda_modules.PREPARED_FILES))
     thread.start()
     while cuda_warmup.LAST.get("gemm_calls", 0) < 3 and thread.is_alive():
         pass  # until the warm-up is among its products

@@ -23,7 +23,7 @@ extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, 
                               i64 vst, i64 vsh, const float* g, const float* beta, float* state, const int* slots,
                               const int* cu, int heads, int krep, int dk, int dv, float scale, float* out,
                               const unsigned* geom) {
-    // geom: {grid x, y, z, threads, DKP, LCOLS}, as kernels/tuning.py gives them to kernels/cuda.py
+    // geom: {grid x, y, z, threads, DKP, LCOLS}, as kernels/tuning.py gives them to kernels/cuda_mixing.py
     const emu_dim3 grid{geom[0], geom[1], geom[2]};
 #define EMU_DECODE(D, W, L) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L) { \
         emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, \

@@ -42,7 +42,7 @@ extern "C" int emu_gdn_tc(const uint16_t* q, i64 qst, i64 qsh, const uint16_t* k
                           const int* slots, const int* cu, int nseq, int heads, int krep, int dk, int dv,
                           const unsigned* prep_geom, const unsigned* scan_geom, uint16_t* w, uint16_t* u,
                           uint16_t* aqk, float* gc, uint16_t* out) {
-    // geometry: {grid x, y, z, threads, dynamic shared bytes, warps (scan) or prep variant}, as kernels/cuda.py
+    // geometry: {grid x, y, z, threads, dynamic shared bytes, warps (scan) or prep variant}, as kernels/cuda_mixing.py
     // launches them
     const float scale = 1.0f / std::sqrt(float(dk));
     const emu_dim3 prep_grid{prep_geom[0], prep_geom[1], prep_geom[2]};
@@ -152,7 +152,7 @@ def _guarded(shape, dtype):
 
 
 def _prep_geometry(tuning: CudaTuning, dim: int, tokens: int, seqs: int, heads: int) -> list[int]:
-    """The prep launch kernels/cuda.py `_gdn_tc_prep` makes (kernels/tuning.py gdn_tc_prep_launch), as the entry
+    """The prep launch kernels/cuda_mixing.py `_gdn_tc_prep` makes (kernels/tuning.py gdn_tc_prep_launch), as the entry
     point's geometry: grid, threads, shared bytes, then the variant's number (1: v1, 2: v2, 3: v2-6)."""
     prep = gdn_tc_prep_launch(tuning, dim, tokens=tokens, seqs=seqs, heads=heads)
     assert prep.kernel == {"v1": "gdn_tc_prep_kernel<128>", "v2": "gdn_tc_prep_v2_kernel<128, 5>",
@@ -161,7 +161,7 @@ def _prep_geometry(tuning: CudaTuning, dim: int, tokens: int, seqs: int, heads: 
 
 
 def run_emulated(so, qk, hk, v, g, beta, state, slots, cu, warps=None, prep="v2", scratch=False):
-    """The wrapper's launches (kernels/cuda.py `_gdn_tc`) on the emulator, in a forked child: q and k are strided
+    """The wrapper's launches (kernels/cuda_mixing.py `_gdn_tc`) on the emulator, in a forked child: q and k are strided
     views of qk [T, 2 Hk, Dk] (bf16), v [T, H, Dv] (bf16), state [slots, H, Dk, Dv] fp32; `prep` the prep variant.
     -> (o [T, H, Dv] fp32, the state after the call), and with `scratch` the prep pass's outputs after them:
     W [T, H, Dk], U0 [T, H, Dv], Aqk [T, H, 64] (fp32 from bf16), gc [T, H]."""
@@ -335,7 +335,7 @@ def test_emulator_reproduces_device_verified_attention(tmp_path):
     so.emu_attn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong] + [ctypes.c_void_p] * 3 + [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p,
                                                                                   ctypes.c_uint, ctypes.c_size_t]
-    gx = -(-107 * (hq // hkv) // 64) + 2  # as kernels/cuda.py _attn_pass: 16 * 4 rows per block, + sequences
+    gx = -(-107 * (hq // hkv) // 64) + 2  # as kernels/cuda_attention.py _attn_pass: 16 * 4 rows per block, + sequences
     so.emu_attn(_ptr(q.view(np.uint16)), hq * d, d, _ptr(kc.view(np.uint16)), _ptr(vc.view(np.uint16)), _ptr(tables),
                 nblk, _ptr(ctx), _ptr(cu), 2, hq, hkv, bs, scale * 1.4426950408889634, _ptr(out), gx,
                 (64 + 2 * 64) * (d + 8) * 2)

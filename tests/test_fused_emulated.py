@@ -16,7 +16,7 @@ from prefixrun.kernels.tuning import elementwise_launch, norm_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
-THREADS = 256  # kernels/cuda.py _THREADS
+THREADS = 256  # kernels/cuda_arrays.py THREADS
 
 # what the emulator lacks for these files: the grid size (set by each entry before its launch), fp32 intrinsics
 PRELUDE = r"""
@@ -100,7 +100,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _norm_geometry(rows, d, itemsize, blocks=None):
-    """kernels/cuda.py's launch of a norm: norm_launch's lanes, chunks and block size; `blocks` fewer blocks than
+    """kernels/cuda_dense.py's launch of a norm: norm_launch's lanes, chunks and block size; `blocks` fewer blocks than
     it would take (a grid-stride loop over rows)."""
     launch = norm_launch(d, itemsize)
     return (blocks or max(1, -(-rows // launch.rows_per_block)), launch.threads, launch.lanes, launch.chunks)
@@ -129,7 +129,7 @@ def _emu_add_rms_norm(emu, x, h, w, dtype, geometry, vec):
 
 
 def _emu_row_norm(emu, mode, x, view, w, dtype, geometry, vec, gate=None, gate_view=None, out_shape=None):
-    """view / gate_view: (pointer offset in elements, rows, d, n1, s0, s1) as kernels/cuda.py _rows describes it."""
+    """view / gate_view: (pointer offset in elements, rows, d, n1, s0, s1) as kernels/cuda_arrays.py row_view describes it."""
     off, rows, d, n1, s0, s1 = view
     goff, _, _, gn1, gs0, gs1 = gate_view or view
     g = x if gate is None else gate

@@ -221,13 +221,13 @@ def test_tuning_is_frozen():
 @pytest.mark.gpu
 def test_every_choice_names_a_compiled_kernel():
     """On the device: the default tuning is CudaOps' own, and every kernel a choice can name is one that
-    kernels/cuda.py compiles (instantiates) — a renamed template fails here, not mid-run."""
+    kernels/cuda_modules.py compiles (instantiates) — a renamed template fails here, not mid-run."""
     cupy = pytest.importorskip("cupy")
     from prefixrun.kernels import cuda_available
 
     if not cuda_available():
         pytest.skip("needs CuPy and a CUDA GPU")
-    from prefixrun.kernels import cuda
+    from prefixrun.kernels import cuda, cuda_modules
 
     ops = cuda.CudaOps("bfloat16")
     assert ops.tuning == DEFAULT and ops.retuned(gdn_chunked=False).tuning.gdn_chunked is False
@@ -236,16 +236,16 @@ def test_every_choice_names_a_compiled_kernel():
     for dk in (8, 16, 32, 64, 100, 128):
         launch = delta_rule_launch(DEFAULT, sms, tokens=4, seqs=4, heads=2, dk=dk, dv=64)
         for t in ("float", "bf16"):
-            assert launch.kernel.format(t=t) in cuda._NAMES["delta_rule"]
+            assert launch.kernel.format(t=t) in cuda_modules.KERNEL_NAMES["delta_rule"]
     for warps in (None,) + GDN_TC_WARPS:
         for dk, dv in ((128, 128), (16, 64), (64, 40)):
             launch = delta_rule_launch(dataclasses.replace(DEFAULT, gdn_tc_warps=warps), sms, tokens=4096, seqs=2,
                                        heads=4, dk=dk, dv=dv, tensor_cores=True)
-            assert launch.tensor_cores and launch.kernel in cuda._NAMES["delta_tc"]
+            assert launch.tensor_cores and launch.kernel in cuda_modules.KERNEL_NAMES["delta_tc"]
             for prep in GDN_TC_PREPS:
                 prep_launch = gdn_tc_prep_launch(dataclasses.replace(DEFAULT, gdn_tc_prep=prep), launch.dim,
                                                  tokens=4096, seqs=2, heads=4)
-                assert prep_launch.kernel in cuda._NAMES["delta_tc"]
+                assert prep_launch.kernel in cuda_modules.KERNEL_NAMES["delta_tc"]
     for d in (64, 128, 256):
         for tuning in (DEFAULT, dataclasses.replace(DEFAULT, attn_split_decode=True),
                        dataclasses.replace(DEFAULT, attn_prefill_warps=4, attn_decode_warps=8)):
@@ -253,7 +253,7 @@ def test_every_choice_names_a_compiled_kernel():
                 plan = attention_plan(tuning, sms, tokens=tokens, seqs=seqs, q_heads=16, kv_heads=4, head_dim=d,
                                       table_width=40, block_size=64, window=0, tensor_cores=True, shared=shared)
                 for warps in {plan.warps, plan.own_warps} - {0}:
-                    assert f"attn_mma_kernel<{d}, {plan.keys}, {warps}>" in cuda._NAMES["attention"]
+                    assert f"attn_mma_kernel<{d}, {plan.keys}, {warps}>" in cuda_modules.KERNEL_NAMES["attention"]
 
 
 @pytest.mark.parametrize("d,itemsize,want", [

@@ -20,7 +20,7 @@ extern "C" int emu_gdn_rows(const float* q, i64 qst, i64 qsh, const float* k, i6
                             i64 vst, i64 vsh, const float* g, const float* beta, float* state, float* snaps,
                             const int* slots, const int* cu, const int* rows, int nseq, int heads, int krep, int dk,
                             int dv, float scale, float* out) {
-    // as kernels/cuda.py gated_delta_rule_rows launches it: grid (ceil(Dv / 32), H, nseq), 128 threads
+    // as kernels/cuda_mixing.py gated_delta_rule_rows launches it: grid (ceil(Dv / 32), H, nseq), 128 threads
     emu_launch({unsigned((dv + 31) / 32), unsigned(heads), unsigned(nseq)}, 128, 0, [&] {
         gdn_rows_kernel<float>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snaps, slots, cu, rows,
                                heads, krep, dk, dv, scale, out);
@@ -29,7 +29,7 @@ extern "C" int emu_gdn_rows(const float* q, i64 qst, i64 qsh, const float* k, i6
 }
 extern "C" int emu_conv_snapshot(const float* x, i64 sx, const float* state, float* snaps, const int* slots,
                                  const int* cu, const int* rows, int nseq, int channels, int km1, int t) {
-    // as kernels/cuda.py causal_conv1d_rows launches it: grid (ceil(C / 128), T), 128 threads
+    // as kernels/cuda_mixing.py causal_conv1d_rows launches it: grid (ceil(C / 128), T), 128 threads
     emu_launch({unsigned((channels + 127) / 128), unsigned(t), 1}, 128, 0, [&] {
         conv_snapshot_kernel<float, float>(x, sx, state, snaps, slots, cu, rows, nseq, channels, km1);
     });

@@ -1,0 +1,185 @@
+"""The CUDA backend's attention: K/V writes, paged attention over block tables (kernels/attention.cu, or the
+sm_90a prefill kernels of kernels/attention_sm90.py where tuning picks them) and sliding-window attention over
+per-sequence rings.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from prefixrun.kernels import attention_sm90
+from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, blocks_for, device_index, head_view, i32, i64, \
+    type_name
+from prefixrun.kernels.cuda_modules import MMA_HEAD_DIMS, kernel
+from prefixrun.kernels.tuning import attention_plan
+
+_LOG2E = 1.4426950408889634
+
+class AttentionOps:
+    """CudaOps' attention ops (its `tuning`, `_sm_count`, `_wgmma`, `_cast`, `_dynamic_smem` and `upload_index`)."""
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset)."""
+        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+            raise ValueError("K/V caches must be contiguous pools")
+        if v.dtype != k.dtype:
+            v = self._cast(v, k.dtype)
+        k, kst, ksh = head_view(k)
+        v, vst, vsh = head_view(v)
+        t, h, d = k.shape
+        if k_cache.shape[2:] != (h, d) or v_cache.shape[2:] != (h, d) or v.shape != k.shape:
+            raise ValueError(f"K/V rows {k.shape}/{v.shape} do not fit caches {k_cache.shape}/{v_cache.shape}")
+        if t == 0:
+            return
+        kernel("elementwise", f"write_kv_kernel<{type_name(k.dtype)}, {type_name(k_cache.dtype)}>")(
+            (blocks_for(t * h * d),), (THREADS,), (k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), i64(t), i32(h),
+                                               i32(d), device_index(slot_mapping), k_cache, v_cache))
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
+                        sliding_window=None, shared=None):
+        """Causal attention of each sequence's new queries over its paged K/V (new rows already written).
+
+        q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
+        cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D].
+        `shared` (decode, engine.batch.SharedPrefixes): each group's shared prefix is read once for all its members
+        (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a merge)."""
+        q, qst, qsh = head_view(q)
+        t, hq, d = q.shape
+        nb, bs, hkv, dc = k_cache.shape
+        if dc != d or v_cache.shape != k_cache.shape or hq % hkv:
+            raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}/{v_cache.shape}")
+        if d > 256:
+            raise ValueError(f"head_dim up to 256 supported, got {d}")
+        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+            raise ValueError("K/V caches must be contiguous pools")
+        window = 0
+        if sliding_window is not None:
+            window = int(sliding_window)
+            if window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        out = cupy.empty((t, hq, d), q.dtype)
+        tables, ctx, cu = device_index(block_tables), device_index(context_lens), device_index(cu_seqlens)
+        nseq = ctx.shape[0]
+        if t == 0 or nseq == 0:
+            return out
+        use_mma = (q.dtype == BF16 and k_cache.dtype == BF16 and d in MMA_HEAD_DIMS and q.data.ptr % 16 == 0
+                   and qst % 8 == 0 and qsh % 8 == 0)
+        plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
+                              table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
+                              shared=shared is not None, wgmma=self._wgmma)
+        if plan.path == "wgmma":
+            attention_sm90.prefill(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx,
+                                   cu=cu, nseq=nseq, tokens=t, hq=hq, hkv=hkv, d=d, bs=bs,
+                                   scale_log2=scale * _LOG2E, window=window, out=out, schedule=plan.schedule,
+                                   sm_count=self._sm_count)
+            return out
+        if plan.path == "scalar":  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
+            kern = kernel("attention", f"attn_scalar_kernel<{type_name(q.dtype)}, {type_name(k_cache.dtype)}>")
+            kern((t, -(-hq // 4)), (128,), (q, i64(qst), i64(qsh), k_cache, v_cache, tables,
+                                            i32(tables.shape[1]), ctx, cu, i32(nseq), i32(hq), i32(hkv),
+                                            i32(d), i32(bs), np.float32(scale), i32(window), out))
+            return out
+        mma = dict(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, bs=bs, hq=hq, hkv=hkv, d=d,
+                   scale=scale, window=window, out=out)
+        splits = plan.splits
+        if plan.path == "cascade":  # partial results: one slot per shared-key range, one for each row's own keys
+            part_o = cupy.empty((splits + 1, t * hq, d), F32)
+            part_ml = cupy.empty((splits + 1, t * hq, 2), F32)
+            self._attn_pass(**mma, tables=device_index(shared.tables), ctx=device_index(shared.lens),
+                            cu=device_index(shared.cu), nseq=shared.lens.shape[0], tokens=t, nw=plan.warps, bn=plan.keys, splits=splits, mode=1,
+                            slot_base=0, part=(part_o, part_ml), row_tok=device_index(shared.order), kv_from=ctx)
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.own_warps, bn=plan.keys,
+                            mode=2, slot_base=splits, part=(part_o, part_ml), row_tok=cu,
+                            kv_from=device_index(shared.start))
+            self._attn_merge(part_o, part_ml, splits + 1, t * hq, d, out)
+            return out
+        if plan.path == "split":
+            part = (cupy.empty((splits, t * hq, d), F32), cupy.empty((splits, t * hq, 2), F32))
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys,
+                            splits=splits, part=part)
+            self._attn_merge(*part, splits, t * hq, d, out)
+            return out
+        self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys)
+        return out
+
+    def _attn_pass(self, *, q, qst, qsh, k_cache, v_cache, bs, hq, hkv, d, scale, window, out, tables, ctx, cu, nseq,
+                   tokens, nw, bn, splits=1, mode=0, slot_base=0, part=None, row_tok=None, kv_from=None):
+        """One launch of attn_mma_kernel (see kernels/attention.cu for the modes). Without `part` it writes `out`;
+        with it, partials into slots slot_base + split of part = ([slots, T * Hq, D], [slots, T * Hq, 2])."""
+        if part is not None and splits == 1 and mode == 0:
+            raise ValueError("a plain pass with one split writes `out`, not partials")
+        kern = kernel("attention", f"attn_mma_kernel<{d}, {bn}, {nw}>")
+        smem = (16 * nw + 2 * bn) * (d + 8) * 2
+        self._dynamic_smem(kern, smem)
+        rep = hq // hkv
+        part_o, part_ml = part if part is not None else (out, out)
+        grid = ((-(-tokens * rep // (16 * nw)) + nseq) * splits, hkv)
+        kern(grid, (32 * nw,), (q, i64(qst), i64(qsh), k_cache, v_cache, tables, i32(tables.shape[1]), ctx, cu,
+                                i32(nseq), i32(hq), i32(hkv), i32(bs), np.float32(scale * _LOG2E), i32(window),
+                                out, i32(splits), part_o, part_ml, i32(mode), i32(slot_base), i64(tokens),
+                                row_tok if row_tok is not None else cu, kv_from if kv_from is not None else cu),
+             shared_mem=smem)
+
+    @staticmethod
+    def _attn_merge(part_o, part_ml, slots, rows, d, out):
+        kernel("attention", "attn_combine_kernel")((rows,), (128,), (part_o, part_ml, i32(slots), i64(rows), i32(d),
+                                                                      out))
+
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
+        """Sliding-window attention over per-sequence K/V rings (see NumpyOps.ring_attention for the contract).
+
+        A ring pool [num_slots, W, Hkv, D] is laid out exactly like a paged pool with block size W, and a
+        sequence's position p lives at row p % W of its slot, so attention runs on the paged kernel with a block
+        table that repeats the slot. Decode (one new token per sequence) writes the token first — the row it
+        overwrites, position p - W, is outside the window. Prefill must not overwrite rows its earlier queries
+        still see, so it gathers ring + new rows into a temporary cache (one block per sequence), attends there,
+        and then writes the kept new rows into the ring."""
+        w = k_ring.shape[1]
+        t, nseq = q.shape[0], slots.shape[0]
+        if t == 0:
+            return cupy.empty(q.shape, q.dtype)
+        if t == nseq:  # decode: write, then attend with the slot repeated as every block (no host sync)
+            slots_d = device_index(slots).astype(cupy.int32)
+            ctx_d = device_index(context_lens).astype(cupy.int32)
+            self.write_kv(k_ring, v_ring, k, v, slots_d * w + (ctx_d - 1) % w)
+            nblk = -(-int(max_context) // w)
+            tables = cupy.ascontiguousarray(cupy.broadcast_to(slots_d[:, None], (nseq, nblk)))
+            return self.paged_attention(q, k_ring, v_ring, tables, context_lens, cu_seqlens, scale,
+                                        sliding_window=w)
+        slots_h, ctx_h, cu_h = (cupy.asnumpy(a).astype(np.int64) for a in (slots, context_lens, cu_seqlens))
+        start_h = ctx_h - (cu_h[1:] - cu_h[:-1])
+        first_h = np.maximum(0, start_h - w + 1)  # earliest position a new query can see
+        local_len = ctx_h - first_h
+        width = int(local_len.max())
+        hkv, d = k.shape[1], k.shape[2]
+        tmp_k = cupy.zeros((nseq, width, hkv, d), k_ring.dtype)
+        tmp_v = cupy.zeros((nseq, width, hkv, d), v_ring.dtype)
+        # host-built gather maps: (sequence, local row) <- ring row or new row
+        ring_dst, ring_src, new_dst, new_src = [], [], [], []
+        for b in range(nseq):
+            prev = np.arange(first_h[b], start_h[b])
+            ring_dst.append(b * width + (prev - first_h[b]))
+            ring_src.append(slots_h[b] * w + prev % w)
+            new = np.arange(start_h[b], ctx_h[b])
+            new_dst.append(b * width + (new - first_h[b]))
+            new_src.append(cu_h[b] + new - start_h[b])
+        flat = lambda a: a.reshape((-1,) + a.shape[-2:])
+        ring_dst, ring_src = np.concatenate(ring_dst), np.concatenate(ring_src)
+        new_dst, new_src = self.upload_index(np.concatenate(new_dst)), self.upload_index(np.concatenate(new_src))
+        if ring_dst.size:
+            rd, rs = self.upload_index(ring_dst), self.upload_index(ring_src)
+            flat(tmp_k)[rd] = flat(k_ring)[rs]
+            flat(tmp_v)[rd] = flat(v_ring)[rs]
+        flat(tmp_k)[new_dst] = k[new_src].astype(k_ring.dtype)
+        flat(tmp_v)[new_dst] = v[new_src].astype(v_ring.dtype)
+        tables = self.upload_index(np.arange(nseq)[:, None])
+        out = self.paged_attention(q, tmp_k, tmp_v, tables, self.upload_index(local_len), cu_seqlens, scale,
+                                   sliding_window=w)
+        keep_src, keep_at = [], []
+        for b in range(nseq):
+            kept = np.arange(max(start_h[b], ctx_h[b] - w), ctx_h[b])
+            keep_src.append(cu_h[b] + kept - start_h[b])
+            keep_at.append(slots_h[b] * w + kept % w)
+        keep_src = self.upload_index(np.concatenate(keep_src))
+        self.write_kv(k_ring, v_ring, k[keep_src], v[keep_src], self.upload_index(np.concatenate(keep_at)))
+        return out

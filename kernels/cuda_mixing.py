@@ -1,0 +1,200 @@
+"""The CUDA backend's sequence mixing: the causal convolution (kernels/conv.cu) and the gated delta rule
+(kernels/delta_rule.cu, kernels/delta_tc.cu), and their multi-row forms for speculative steps
+(kernels/spec_rows.cu), which also snapshot the state after chosen tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from prefixrun.kernels.cuda_arrays import BF16, F32, as_f32, device_index, head_view, i32, i64, matrix_view, \
+    type_name
+from prefixrun.kernels.cuda_modules import CONV_WIDTHS, kernel
+from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes
+
+# chunked delta rule: sizes fixed in kernels/delta_rule.cu (GDN_C, GDN_DMAX, GDN_CB and the shared-memory layouts)
+_GDN_CHUNK, _GDN_SCAN_COLS = 64, 32
+_GDN_PREP_SMEM = (2 * 128 * (64 + 4) + 64 * (64 + 1)) * 4
+_GDN_SCAN_SMEM = (128 * 32 + 64 * (128 + 4) + 64 * 32 + 64 * (64 + 1)) * 4
+
+
+class SequenceMixingOps:
+    """CudaOps' recurrent-layer ops (its `tuning`, `_sm_count`, `_cast` and `_dynamic_smem`)."""
+
+    # ---- sequence mixing: kernels/conv.cu, kernels/delta_rule.cu, kernels/delta_tc.cu --------------------------------
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens):
+        """Depthwise causal conv + SiLU per sequence from its conv history; updates conv_state[slots] in place.
+        x [T, C], weight [C, K], conv_state [num_slots, C, K-1], slots [B], cu_seqlens [B+1] -> y [T, C]."""
+        x, sx = matrix_view(x)
+        t, c = x.shape
+        k = int(weight.shape[1])
+        if k not in CONV_WIDTHS:
+            raise ValueError(f"conv kernel width {k} not supported (2..8)")
+        if not conv_state.flags.c_contiguous or conv_state.shape[1:] != (c, k - 1):
+            raise ValueError(f"conv_state must be a contiguous [slots, {c}, {k - 1}] pool, got {conv_state.shape}")
+        out = cupy.empty((t, c), x.dtype)
+        slots, cu = device_index(slots), device_index(cu_seqlens)
+        nseq = slots.shape[0]
+        if t == 0 or nseq == 0 or c == 0:
+            return out
+        w = as_f32(weight)
+        types = f"{type_name(x.dtype)}, {type_name(conv_state.dtype)}, {k}"
+        cblocks = -(-c // 128)
+        kernel("conv", f"conv_fwd_kernel<{types}>")(
+            (cblocks, -(-t // 32) + nseq), (128,), (x, i64(sx), w, conv_state, slots, cu, i32(nseq), i32(c), out))
+        kernel("conv", f"conv_state_kernel<{types}>")(
+            (cblocks, nseq), (128,), (x, i64(sx), conv_state, slots, cu, i32(c)))
+        return out
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
+        """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
+
+        q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
+        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch (decode-like
+        steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
+        prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
+        a prefill of a few long sequences the fp32 chunked form (64-token chunks, two launches each; see
+        kernels/tuning.py). `chunk_size` is the reference's, accepted for signature compatibility.
+        Returns o [T, H, Dv] in v's dtype."""
+        dt = v.dtype
+        q = q if q.dtype == dt else self._cast(q, dt)
+        k = k if k.dtype == dt else self._cast(k, dt)
+        q, qst, qsh = head_view(q)
+        k, kst, ksh = head_view(k)
+        v, vst, vsh = head_view(v)
+        t, hk, dk = q.shape
+        h, dv = v.shape[1], v.shape[2]
+        if k.shape != q.shape or v.shape[0] != t or hk < 1 or h % hk:
+            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
+        krep = h // hk
+        if dk > 128 or dv < 1:
+            raise ValueError(f"gated_delta_rule supports key head dims up to 128, got {dk}")
+        if state.dtype != F32 or not state.flags.c_contiguous or state.shape[1:] != (h, dk, dv):
+            raise ValueError(f"state must be a contiguous fp32 [slots, {h}, {dk}, {dv}] pool, got "
+                             f"{state.dtype} {state.shape}")
+        g = cupy.ascontiguousarray(as_f32(g)).reshape(t, h)
+        beta = cupy.ascontiguousarray(as_f32(beta)).reshape(t, h)
+        out = cupy.empty((t, h, dv), dt)
+        slots, cu = device_index(slots), device_index(cu_seqlens)
+        nseq = slots.shape[0]
+        if t == 0 or nseq == 0:
+            return out
+        aligned = dt == BF16 and all(x.data.ptr % 16 == 0 and s % 8 == 0 for x, s in
+                                     ((q, qst), (q, qsh), (k, kst), (k, ksh), (v, vst), (v, vsh)))
+        launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv,
+                                   tensor_cores=aligned)
+        if launch.tensor_cores:
+            self._gdn_tc(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
+            return out
+        if launch.chunked:
+            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
+            return out
+        args = (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state, slots, cu,
+                i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)))
+        kernel("delta_rule", launch.kernel.format(t=type_name(dt)))(launch.grid, (launch.threads,), args + (out,))
+        return out
+
+    def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
+        """The chunked form (kernels/delta_rule.cu): a parallel pass over all 64-token chunks writes W, U0, Aqk and
+        the cumulative gates to fp32 scratch, then a scan over each sequence's chunks applies the state."""
+        t, _, dk = q.shape
+        h, dv, nseq = v.shape[1], v.shape[2], slots.shape[0]
+        c = _GDN_CHUNK
+        w = cupy.empty((t, h, dk), F32)
+        u = cupy.empty((t, h, dv), F32)
+        aqk = cupy.empty((t, h, c), F32)
+        gc = cupy.empty((t, h), F32)
+        scale = np.float32(1.0 / math.sqrt(dk))
+        tn = type_name(out.dtype)
+        prep = self._dynamic_smem(kernel("delta_rule", f"gdn_chunk_prep_kernel<{tn}>"), _GDN_PREP_SMEM)
+        prep((-(-t // c) + nseq, h), (256,),
+             (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, cu, i32(nseq),
+              i32(h), i32(krep), i32(dk), i32(dv), scale, w, u, aqk, gc), shared_mem=_GDN_PREP_SMEM)
+        scan = self._dynamic_smem(kernel("delta_rule", f"gdn_chunk_scan_kernel<{tn}>"), _GDN_SCAN_SMEM)
+        scan((-(-dv // _GDN_SCAN_COLS), h, nseq), (256,),
+             (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), w, u, aqk, gc, state, slots, cu, i32(h), i32(krep),
+              i32(dk), i32(dv), scale, out), shared_mem=_GDN_SCAN_SMEM)
+
+    def _gdn_tc(self, launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
+        """The tensor-core chunked form (kernels/delta_tc.cu): a parallel pass over all 64-token chunks writes W, U0,
+        Aqk (bf16) and the cumulative gates (fp32) to scratch, then a scan over each sequence's chunks applies the
+        state, kept in registers. Scratch: T x H x (Dk + Dv + 64) bf16 + T x H fp32."""
+        w, u, aqk, gc = self._gdn_tc_prep(launch.dim, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, cu,
+                                          slots.shape[0], krep)
+        h, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+        nbytes = gdn_tc_smem_bytes(launch.dim, launch.warps)
+        scan = self._dynamic_smem(kernel("delta_tc", launch.kernel), nbytes)
+        scan(launch.grid, (32 * launch.warps,),
+             (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), w, u, aqk, gc, state, slots, cu, i32(h), i32(krep),
+              i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)), out), shared_mem=nbytes)
+
+    def _gdn_tc_prep(self, dim, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, cu, nseq, krep):
+        """The prep pass (the tuning's gdn_tc_prep variant, <dim>) over every chunk of `nseq` sequences:
+        (W [T, H, Dk], U0 [T, H, Dv], Aqk [T, H, 64], gc [T, H])."""
+        t, _, dk = q.shape
+        h, dv = v.shape[1], v.shape[2]
+        w = cupy.empty((t, h, dk), BF16)
+        u = cupy.empty((t, h, dv), BF16)
+        aqk = cupy.empty((t, h, 64), BF16)
+        gc = cupy.empty((t, h), F32)
+        launch = gdn_tc_prep_launch(self.tuning, dim, tokens=t, seqs=nseq, heads=h)
+        prep = self._dynamic_smem(kernel("delta_tc", launch.kernel), launch.smem)
+        prep(launch.grid, (launch.threads,),
+             (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, cu, i32(nseq),
+              i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)), w, u, aqk, gc),
+             shared_mem=launch.smem)
+        return w, u, aqk, gc
+
+    # ---- speculative (multi-row) steps: kernels/spec_rows.cu ----------------------------------------------------
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows):
+        """`causal_conv1d`, and the conv history after every token t with snapshot_rows[t] >= 0 in
+        snapshots[snapshot_rows[t]] ([R, C, K-1], conv_state's dtype). The snapshots are taken first, from the
+        old histories the conv then rewrites."""
+        xr, sx = matrix_view(x)
+        t, c = xr.shape
+        km1 = int(weight.shape[1]) - 1
+        if snapshots.dtype != conv_state.dtype or not snapshots.flags.c_contiguous \
+                or snapshots.shape[1:] != (c, km1):
+            raise ValueError(f"snapshots must be a contiguous [rows, {c}, {km1}] {conv_state.dtype} pool, got "
+                             f"{snapshots.dtype} {snapshots.shape}")
+        slots_i, cu, rows = device_index(slots), device_index(cu_seqlens), device_index(snapshot_rows)
+        nseq = slots_i.shape[0]
+        if t and c and nseq and km1 > 0:
+            kernel("spec_rows", f"conv_snapshot_kernel<{type_name(xr.dtype)}, {type_name(conv_state.dtype)}>")(
+                (-(-c // 128), t), (128,), (xr, i64(sx), conv_state, snapshots, slots_i, cu, rows, i32(nseq),
+                                            i32(c), i32(km1)))
+        return self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens)
+
+    def gated_delta_rule_rows(self, q, k, v, g, beta, state, slots, cu_seqlens, snapshots, snapshot_rows):
+        """`gated_delta_rule` token by token, and the fp32 state after every token t with snapshot_rows[t] >= 0
+        in snapshots[snapshot_rows[t]] ([R, H, Dk, Dv]). One launch; a block per (sequence, head, 32 columns)."""
+        dt = v.dtype
+        q = q if q.dtype == dt else self._cast(q, dt)
+        k = k if k.dtype == dt else self._cast(k, dt)
+        q, qst, qsh = head_view(q)
+        k, kst, ksh = head_view(k)
+        v, vst, vsh = head_view(v)
+        t, hk, dk = q.shape
+        h, dv = v.shape[1], v.shape[2]
+        if k.shape != q.shape or v.shape[0] != t or hk < 1 or h % hk:
+            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
+        if dk > 128:
+            raise ValueError(f"gated_delta_rule_rows supports key head dims up to 128, got {dk}")
+        for name, a in (("state", state), ("snapshots", snapshots)):
+            if a.dtype != F32 or not a.flags.c_contiguous or a.shape[1:] != (h, dk, dv):
+                raise ValueError(f"{name} must be a contiguous fp32 [rows, {h}, {dk}, {dv}] pool, got "
+                                 f"{a.dtype} {a.shape}")
+        g = cupy.ascontiguousarray(as_f32(g)).reshape(t, h)
+        beta = cupy.ascontiguousarray(as_f32(beta)).reshape(t, h)
+        out = cupy.empty((t, h, dv), dt)
+        slots_i, cu, rows = device_index(slots), device_index(cu_seqlens), device_index(snapshot_rows)
+        nseq = slots_i.shape[0]
+        if t and nseq:
+            kernel("spec_rows", f"gdn_rows_kernel<{type_name(dt)}>")(
+                (-(-dv // 32), h, nseq), (128,),
+                (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state,
+                 snapshots, slots_i, cu, rows, i32(h), i32(h // hk), i32(dk), i32(dv),
+                 np.float32(1.0 / math.sqrt(dk)), out))
+        return out

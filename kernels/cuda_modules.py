@@ -1,0 +1,130 @@
+"""The CUDA kernels' NVRTC modules: kernels/<file>.cu and the template instantiations each exports, compiled once
+per process and device (CuPy RawModule, the device's own architecture, C++17) and looked up by name.
+
+CuPy keeps compiled modules in its disk cache, so a process after the first loads them rather than compiling.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import cupy
+
+from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
+    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, NORM_CHUNKS, attn_tile_keys
+
+# ---- kernel sources and the template instantiations each file exports --------------------------------------------
+_KERNEL_DIR = Path(__file__).parent
+_T = ("float", "bf16")
+
+
+def _elementwise_names() -> list[str]:
+    names = []
+    for ti in _T:
+        for to in _T:
+            for c in NORM_CHUNKS:
+                names += [f"row_norm_kernel<{ti}, {ti}, {to}, 0, {c}>", f"row_norm_kernel<{ti}, {ti}, {to}, 1, {c}>"]
+                names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {c}>" for tg in _T]
+            names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
+                      f"cast_kernel<{ti}, {to}>"]
+        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
+                  f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>",
+                  f"sigmoid_mul_kernel<{ti}>"]
+        names += [f"add_rms_norm_kernel<{ti}, {c}>" for c in NORM_CHUNKS]
+        names += [f"qk_norm_rotary_kernel<{ti}, {nm}>" for nm in ("true", "false")]
+    names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
+    return names
+
+
+CONV_WIDTHS = range(2, 9)  # the causal convolution's kernel widths K (kernels/conv.cu)
+MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)  # head dims of attn_mma_kernel (kernels/attention.cu)
+
+
+KERNEL_NAMES = {
+    "elementwise": _elementwise_names(),
+    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T
+             for kk in CONV_WIDTHS],
+    "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
+    + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
+    + [f"gdn_chunk_{p}_kernel<{t}>" for p in ("prep", "scan") for t in _T],
+    "delta_tc": [k.format(d=d) for k in GDN_TC_PREP_KERNELS.values() for d in GDN_TC_DIMS]
+    + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
+    "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in MMA_HEAD_DIMS for bn in attn_tile_keys(d)
+                  for nw in ATTN_WARPS]
+    + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
+    "sampling": ["sample_kernel", "feed_tokens_kernel"],
+    "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
+    + [f"gdn_rows_kernel<{t}>" for t in _T],
+    "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
+            "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
+    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")],
+}
+
+_MODULES: dict[tuple[int, str], cupy.RawModule] = {}
+_FUNCTIONS: dict[tuple[int, str, str], object] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def include_options() -> tuple[str, ...]:
+    """-I for a CUDA include directory holding cuda_bf16.h (CuPy's CUDA path, the nvidia wheels, the toolkit)."""
+    import os
+
+    candidates = []
+    try:
+        p = cupy.cuda.get_cuda_path()
+        if p:
+            candidates.append(Path(p) / "include")
+    except Exception:
+        pass
+    try:
+        import nvidia
+
+        for root in getattr(nvidia, "__path__", []):
+            candidates += [Path(root) / s / "include" for s in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for c in candidates:
+        if (c / "cuda_bf16.h").is_file():
+            return (f"-I{c}",)
+    return ()
+
+
+def kernel_source(file: str) -> str:
+    """The text NVRTC compiles for kernels/<file>.cu: common.cu, then the file."""
+    return (_KERNEL_DIR / "common.cu").read_text() + "\n" + (_KERNEL_DIR / f"{file}.cu").read_text()
+
+
+def kernel(file: str, name: str):
+    """The compiled kernel `name` of kernels/<file>.cu on the current device (compiled once per process)."""
+    dev = cupy.cuda.Device().id
+    key = (dev, file, name)
+    fn = _FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
+    with _COMPILE_LOCK:
+        mod = _MODULES.get((dev, file))
+        if mod is None:
+            mod = cupy.RawModule(code=kernel_source(file), options=("-std=c++17",) + include_options(),
+                                 name_expressions=KERNEL_NAMES[file])
+            _MODULES[(dev, file)] = mod
+        fn = _FUNCTIONS[key] = mod.get_function(name)
+    return fn
+
+
+def compile_all():
+    """Compile every kernel file now (otherwise each compiles on first use)."""
+    for file, names in KERNEL_NAMES.items():
+        kernel(file, names[0])
+
+
+# What `CudaOps.prepare_kernels` loads ahead (kernels/cuda_warmup.py), in the order a first prefill step needs them.
+# Not the multi-row (speculative) or MoE files: a decode step's capture waits for the loader thread, and where
+# CuPy compiles them (the very first run; every process with CuPy < 14.2, whose cache skipped modules with
+# name_expressions) that would hold up every run's decode for a file most runs never use.
+# A module's first use in a fresh process costs its load from CuPy's disk cache and a lazy load of each function:
+# host time in the first steps, while the GPU idles.
+PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", "sampling")
