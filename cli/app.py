@@ -169,6 +169,8 @@ def batch(
              "slower machine will read)")] = "measured",
     json_report: Annotated[Optional[Path], typer.Option(help="write the run report as JSON here")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only errors on stderr")] = False,
+    progress_interval: Annotated[float, typer.Option(
+        help="when stderr is not a terminal (a log): seconds between plain progress lines (0: none)")] = 30.0,
     device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
     dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda); cpu is float32")] = None,
     devices: Annotated[Optional[str], typer.Option(
@@ -192,6 +194,7 @@ def batch(
     ctx.call_on_close(_route_engine_logs(reporter))
     given = locals()
     try:
+        reporter.progress_interval = _progress_interval(progress_interval)
         settings = run_settings(**{name: given[name] for name in RUN_OPTIONS})
         if resume and output is None:
             raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
@@ -267,6 +270,13 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
                 max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
                 chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray,
                 speculative=speculative, num_draft_tokens=num_draft_tokens or 0, lenient=lenient)
+
+
+def _progress_interval(seconds: float) -> float:
+    """--progress-interval checked: a finite number of seconds, 0 or more (0: no progress lines)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise typer.BadParameter(f"--progress-interval must be 0 or more seconds, not {seconds}")
+    return seconds
 
 
 def _parse_devices(value: str | None, device: str) -> list[str] | None:
@@ -498,7 +508,7 @@ def bench(
     reporter = RunReporter()
     try:
         p = batch_params(ctx.args)
-        reporter = RunReporter(quiet=p["quiet"])
+        reporter = RunReporter(quiet=p["quiet"], progress_interval=_progress_interval(p["progress_interval"]))
         if p["input"] in (None, "-"):
             raise typer.BadParameter("bench needs a workload file: prefixrun bench WORKLOAD.jsonl [batch options]")
         if p["resume"]:

@@ -157,7 +157,7 @@ class BatchRun:
                 self._run_window(window, writer)
                 window = []
         if window:
-            self._run_window(window, writer)
+            self._run_window(window, writer, last=True)
         self._parsed_ahead.clear()
         self._warn_ignored_fields()
         if self.ignored_fields.counts:
@@ -180,10 +180,11 @@ class BatchRun:
             listed = ", ".join(f"{key} (line {line_no})" for key, line_no in fresh)
             self.reporter.warn(f"--lenient: ignoring fields prefixrun cannot honour or does not know: {listed}")
 
-    def _run_window(self, window, writer):
+    def _run_window(self, window, writer, last: bool = False):
+        """`last`: the input ended, so the run's total is known."""
         self._warn_ignored_fields()
         parsed = {req.index: p for p, req in window}
-        self.reporter.set_total(self.done + len(window))
+        self.reporter.set_total(self.done + len(window), final=last)
         created = int(time.time())
         for result in self.backend.run([req for _, req in window]):
             self._show_backend_warnings()

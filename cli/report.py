@@ -1,7 +1,8 @@
 """What a run tells the person on stderr: a progress bar while it works and a report at the end.
 
 Everything goes through one Rich console bound to stderr, so stdout carries results only. Rich itself honours
-NO_COLOR and TERM=dumb; on a non-terminal stderr there is no live bar, only the final report.
+NO_COLOR and TERM=dumb; on a non-terminal stderr there is no live bar but a plain progress line at a steady
+interval (`--progress-interval`), then the final report.
 
 Every message is built as a rich `Text`, never parsed as markup: custom_ids, field values, file and cache paths
 come from users and may contain `[...]` (`[/b]` would otherwise crash the run, `[red]` vanish), and control
@@ -47,38 +48,52 @@ def literal(text: str, style: str = "") -> Text:
 class RunReporter:
     """Progress while requests finish, then the final report. `quiet` keeps only errors.
 
-    The live view has two rows: prefill tokens computed (it moves while a long shared prefix is prefilled, before
-    any request has finished) and requests finished. A background thread refreshes both from the engine's stats.
+    On a terminal the live view has two rows: prefill tokens computed (it moves while a long shared prefix is
+    prefilled, before any request has finished) and requests finished. A background thread refreshes both from the
+    engine's stats. Without a terminal (a log file, nohup, Slurm, CI) a plain line every `progress_interval`
+    seconds says the same (`progress_line`); 0 turns it off. Both start when the run starts (`watch`), after the
+    messages of its set-up (the hint of a terminal on stdin first).
     """
 
     POLL_SECONDS = 0.25
 
-    def __init__(self, quiet: bool = False, total: int | None = None):
+    def __init__(self, quiet: bool = False, total: int | None = None, progress_interval: float = 30.0):
         self.console = Console(file=sys.stderr, stderr=True, highlight=False, emoji=False)
         self.quiet = quiet
         self.started = time.perf_counter()
+        self.progress_interval = progress_interval
         self._progress = None
         self._stats = None
         self._done = 0
+        self._total, self._total_final = total, False
         self._poller: threading.Thread | None = None
         self._stop_polling = threading.Event()
-        if not quiet and self.console.is_terminal:
-            # Column templates are our own text; the only values in them are numbers we format.
-            self._progress = Progress(
-                TextColumn("[bold]{task.description:>8}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                console=self.console, transient=True)
-            self._prefill_task = self._progress.add_task("prefill", total=None, info="tokens")
-            self._task = self._progress.add_task("requests", total=total, info="0 tok/s · reuse 0%")
-            self._progress.start()
+
+    def _start_bar(self):
+        # Column templates are our own text; the only values in them are numbers we format.
+        self._progress = Progress(
+            TextColumn("[bold]{task.description:>8}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=self.console, transient=True)
+        self._prefill_task = self._progress.add_task("prefill", total=None, info="tokens")
+        self._task = self._progress.add_task("requests", total=self._total, info="0 tok/s · reuse 0%")
+        self._progress.start()
 
     # ---- progress ---------------------------------------------------------------------------------------------
     def watch(self, stats) -> None:
         """Follow an engine's RunStats (computed_prompt_tokens, distinct_prefix_tokens, ...) while it runs."""
         self._stats = stats
-        if self._progress is None or self._poller is not None:
+        if self.quiet or self._poller is not None or self._stop_polling.is_set():
             return
-        self._poller = threading.Thread(target=self._poll, name="prefixrun-progress", daemon=True)
+        self.started = time.perf_counter()  # rates and the ETA count from the run's start, not the model's load
+        if self.console.is_terminal:
+            self._start_bar()
+            target = self._poll
+        elif self.progress_interval > 0:
+            target = self._print_lines
+        else:
+            return
+        self._poller = threading.Thread(target=target, name="prefixrun-progress", daemon=True)
         self._poller.start()
 
     def _poll(self):
@@ -87,6 +102,26 @@ class RunReporter:
                 self._refresh()
             except Exception:  # a progress bar must never break the run
                 return
+
+    def _print_lines(self):
+        while not self._stop_polling.wait(self.progress_interval):
+            try:
+                self.console.print(Text(self.progress_line()), soft_wrap=True)
+            except Exception:  # a progress line must never break the run
+                return
+
+    def progress_line(self) -> str:
+        """One plain line: requests done (of how many, once the whole input is read), tokens per second since
+        the run started, and the time left at that pace (once the total is known)."""
+        stats, done, total = self._stats, self._done, self._total
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        tokens = (stats.computed_prompt_tokens + stats.completion_tokens) if stats is not None else 0
+        of = f" of {total:,}" if total is not None else ""
+        line = f"progress: {done:,}{of} {plural(total if total is not None else done, 'request')} done · " \
+               f"{tokens / elapsed:,.0f} tok/s · {duration(elapsed)} elapsed"
+        if self._total_final and total and done:
+            line += f" · ETA {duration(elapsed / done * (total - done))}"
+        return line
 
     def _refresh(self, window_finished: bool = False):
         progress, stats = self._progress, self._stats
@@ -113,7 +148,9 @@ class RunReporter:
         if self._progress is not None:
             self._refresh(window_finished=True)
 
-    def set_total(self, total: int):
+    def set_total(self, total: int, final: bool = False):
+        """The requests read so far (`final`: the whole input is read, so the time left can be estimated)."""
+        self._total, self._total_final = total, final
         if self._progress is not None:
             self._progress.update(self._task, total=total)
 
@@ -146,6 +183,21 @@ class RunReporter:
         if self.quiet:
             return
         self.console.print(report_table(report))
+
+
+def plural(count: int, word: str) -> str:
+    """`word` as `count` of it needs: 1 request, 2 requests, 0 requests."""
+    return word if count == 1 else word + "s"
+
+
+def duration(seconds: float) -> str:
+    """A span of time as a person reads it: 42s, 3m05s, 2h07m."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def report_table(report: dict) -> Table:

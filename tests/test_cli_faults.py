@@ -584,10 +584,11 @@ def test_progress_moves_during_prefill(monkeypatch):
     monkeypatch.setattr(RunReporter, "POLL_SECONDS", 0.01)
     reporter = RunReporter()
     try:
-        assert reporter._progress is not None
+        assert reporter._progress is None  # the bar starts with the run, after the set-up's messages
         stats = RunStats(distinct_prefix_tokens=1000)
         reporter.set_total(4)
         reporter.watch(stats)
+        assert reporter._progress is not None
         stats.computed_prompt_tokens = 600  # mid-prefill: no request has finished
         prefill = reporter._progress.tasks[reporter._prefill_task]
         deadline = time.monotonic() + 5

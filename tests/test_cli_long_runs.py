@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -139,3 +140,58 @@ def test_an_ignored_sighup_stays_ignored(model, tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert len(records(out.read_text())) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Progress without a terminal
+
+PROGRESS_LINE = re.compile(r"^progress: [\d,]+( of [\d,]+)? requests? done · [\d,]+ tok/s · \S+ elapsed( · ETA \S+)?$")
+
+
+def test_progress_lines_in_a_log_at_the_interval_and_none_with_quiet(model, tmp_path):
+    """stderr into a file (nohup, Slurm, CI): a plain progress line every --progress-interval seconds, with the
+    total and an ETA once the input is read; none with -q (there was no progress at all without a terminal)."""
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": c, "prompt": f"story {c}", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        for c in "ab"])
+    args = ("batch", src, "--model", model, "--device", "cpu", "--no-cache", "--max-batch", 1,
+            "--progress-interval", 0.1)
+    slow = subprocess.run(cmd(*args), capture_output=True, text=True, timeout=300)
+    assert slow.returncode == 0, slow.stderr
+    lines = [line for line in slow.stderr.splitlines() if line.startswith("progress:")]
+    assert len(lines) >= 3, slow.stderr
+    assert all(PROGRESS_LINE.match(line) for line in lines), lines
+    assert any(" of 2 requests done" in line and "ETA" in line for line in lines), lines
+    quiet = subprocess.run(cmd(*args, "-q"), capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "progress" not in quiet.stderr, quiet.stderr
+
+
+def test_progress_interval_must_be_a_number_of_seconds(model, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", slow_batch(1)[1:])
+    for bad in ("-1", "nan", "inf"):
+        res = cli("batch", src, "--model", model, "--device", "cpu", "--progress-interval", bad)
+        assert res.exit_code == 2 and "--progress-interval must be 0 or more seconds" in res.stderr, res.stderr
+
+
+def test_a_terminal_on_stdin_gets_its_hint_before_any_progress_bar(model):
+    """stdin and stderr are a terminal: the hint to type requests comes first (the progress bar was started,
+    and drawn over the terminal, before it)."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.Popen(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache"), stdin=follower,
+                             stderr=follower, stdout=subprocess.PIPE)
+        seen = b""
+        deadline = time.monotonic() + 120
+        while b"end with Ctrl-D" not in seen and time.monotonic() < deadline:
+            seen += os.read(leader, 4096)
+        os.write(leader, b'{"prompt": "hi", "max_tokens": 2}\n\x04')
+        out, _ = p.communicate(timeout=120)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert p.returncode == 0 and len(records(out.decode())) == 1
+    before = seen[:seen.index(b"reading requests from the terminal")]
+    assert b"prefill" not in before and b"requests" not in before and b"\x1b[?25l" not in before, before
