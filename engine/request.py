@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     from prefixrun.engine.grammar.spec import StructuredOutput
 
 
-# Prompt tokens per prefill step (--max-prefill-tokens). 16,384 rather than 8,192: on the H200 the 4b-like
-# shared-system batch (its 64 suffixes in one step instead of two) went from 0.786 / 0.771 to 0.723 / 0.761 s and
-# doc-qa from 0.898 / 0.966 to 0.875 / 0.894 s (session 10, run 2); a step's activations, ~1.3 GB for that model,
-# fit beside the state memory, which takes half of what the weights leave free.
+# Prompt tokens per prefill step (--max-prefill-tokens). 16,384 rather than 8,192: fewer, fuller steps (the 4b-like
+# shared-system batch's 64 suffixes in one step instead of two) were faster on both bench workloads
+# (docs/PERFORMANCE.md, "Measurements behind code comments"); a step's activations, ~1.3 GB for that model, fit
+# beside the state memory, which takes half of what the weights leave free.
 DEFAULT_PREFILL_TOKENS = 16384
 
 

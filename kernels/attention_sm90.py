@@ -60,7 +60,7 @@ _SMEM_SET: set[tuple[int, int]] = set()
 
 
 def available() -> bool:
-    """True on a compute capability 9.0 device (H100/H200): the only target sm_90a code runs on."""
+    """True on a compute capability 9.0 device (Hopper): the only target sm_90a code runs on."""
     try:
         return cupy.cuda.Device().compute_capability == "90"
     except cupy.cuda.runtime.CUDARuntimeError:

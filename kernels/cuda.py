@@ -51,7 +51,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
     display_name = "cuda"
     device_kind = "cuda"  # where arrays live, as torch names devices (for handing work to other libraries)
     can_capture_graphs = True
-    # 64-row blocks: fewer table entries per sequence and whole MMA key tiles (measured faster than 16 on an H200)
+    # 64-row blocks: fewer table entries per sequence and whole MMA key tiles (measured faster than 16)
     default_block_size = 64
 
     def __init__(self, dtype: str = "bfloat16", tuning: CudaTuning | None = None):
@@ -230,7 +230,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
             if src_h.size == 0:
                 return
             # overlapping: gather first, then scatter (numpy semantics). A set, not np.intersect1d: that one's first
-            # call imports numpy.ma (92 ms on the H200 machine, in the first fork of every run's first group)
+            # call imports numpy.ma (tens of ms, in the first fork of every run's first group)
             if not set(src_h.tolist()).isdisjoint(dst_h.tolist()):
                 src_i, dst_i = cupy.asarray(src_h), cupy.asarray(dst_h)
                 for a in arrays:

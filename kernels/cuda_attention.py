@@ -86,8 +86,9 @@ class AttentionOps:
             part_o = cupy.empty((splits + 1, t * hq, d), F32)
             part_ml = cupy.empty((splits + 1, t * hq, 2), F32)
             self._attn_pass(**mma, tables=device_index(shared.tables), ctx=device_index(shared.lens),
-                            cu=device_index(shared.cu), nseq=shared.lens.shape[0], tokens=t, nw=plan.warps, bn=plan.keys, splits=splits, mode=1,
-                            slot_base=0, part=(part_o, part_ml), row_tok=device_index(shared.order), kv_from=ctx)
+                            cu=device_index(shared.cu), nseq=shared.lens.shape[0], tokens=t, nw=plan.warps,
+                            bn=plan.keys, splits=splits, mode=1, slot_base=0, part=(part_o, part_ml),
+                            row_tok=device_index(shared.order), kv_from=ctx)
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.own_warps, bn=plan.keys,
                             mode=2, slot_base=splits, part=(part_o, part_ml), row_tok=cu,
                             kv_from=device_index(shared.start))

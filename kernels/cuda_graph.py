@@ -9,11 +9,12 @@ class CudaGraph:
     captured function returned (the same arrays every time: replay overwrites them).
 
     Replays alternate between two executable instances of the one captured graph: a launch of an instance whose
-    previous launch is still running holds the host until that launch ends (seen on the H200: ~0.8 ms of device
-    idle in every pipelined decode step, the host inside cudaGraphLaunch), so back-to-back steps take turns. Both
+    previous launch is still running holds the host until that launch ends (the device then idles in every
+    pipelined decode step while the host waits inside cudaGraphLaunch), so back-to-back steps take turns. Both
     instances have the same nodes and buffers and run in stream order, so results are the same. The second is
     made from the captured cudaGraph_t with the first (no new capture; instantiating it at its first replay left
-    the device idle for ~5 ms); where CuPy keeps no cudaGraph_t, replays stay on the one instance."""
+    the device idle for milliseconds); where CuPy keeps no cudaGraph_t, replays stay on the one instance. Figures:
+    docs/PERFORMANCE.md, "Measurements behind code comments"."""
 
     def __init__(self, graph, outputs, pool):
         self.graph = graph

@@ -1,24 +1,24 @@
 """`CudaOps.prepare_kernels`' background work: everything a run's first steps would load, loaded while the weights
 upload, on a thread with its own cuBLAS handle and stream.
 
-Why each part (first-use costs measured inside a fresh process's first steps on an H200: bench/profile_host.py cold
-vs warm, and bench/firstuse_probe.py, 2026-12-01). With CUDA's lazy loading (the default since 12.2) code reaches
-the device when first needed, and loading a module waits for the device queue to drain (probe: 50 ms behind 50 ms
-of queued work; fetching a function of a loaded module, its first launch, a new pinned or device block: < 2 ms);
-so a first use behind a queued prefill step costs the host the rest of the step:
+Why each part (first-use costs inside a fresh process's first steps, measured with bench/profile_host.py cold vs
+warm and bench/firstuse_probe.py; figures in docs/PERFORMANCE.md, "Measurements behind code comments"). With
+CUDA's lazy loading (the default since 12.2) code reaches the device when first needed, and loading a module waits
+for the device queue to drain (fetching a function of a loaded module, its first launch, a new pinned or device
+block are cheap); so a first use behind a queued prefill step costs the host the rest of the step:
 - our NVRTC modules (kernels/*.cu, PREPARED_FILES): loaded from CuPy's cache (compiled on the very first run), and
   every function fetched (cheap; the module is then wholly ready).
-- cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range: the
-  first logits GEMM of a step cost 25 ms against 0.1 ms warm, the first step's linear layers 58 ms more than warm.
-  Each product of the model's `KernelPlan` (the loader derives it from the model, engine/load/gemm_plan.py) runs once per
-  row count of its ladder (kernels/warmup.py) on scratch memory with a handle of its own (a kernel, once loaded,
-  serves every handle: bench/firstuse_probe.py), so the engine's own products find their kernels loaded. The
+- cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range (the
+  first logits GEMM of a step costs hundreds of times its warm time). Each product of the model's `KernelPlan`
+  (the loader derives it from the model, engine/load/gemm_plan.py) runs once per row count of its ladder
+  (kernels/warmup.py) on scratch memory with a handle of its own (a kernel, once loaded, serves every handle:
+  bench/firstuse_probe.py), so the engine's own products find their kernels loaded. The
   scratch is written only by these products and is left in the device pool for the first steps' activations:
   a warm-up never touches the model's arrays, so it cannot change a result.
 - CuPy's own elementwise kernels, generated per dtype and dimension count and loaded from CuPy's cache (compiled
   on a bare machine) at first use: the model code's array expressions on act arrays (a strided view made
-  contiguous, e.g. Qwen3.5's attention gate; a product, o * sigmoid(gate)). Device run 7:
-  the first prefill step took 287 ms against 22 ms for the next, on a machine whose CuPy cache was empty.
+  contiguous, e.g. Qwen3.5's attention gate; a product, o * sigmoid(gate)); on a machine whose CuPy cache was
+  empty they made the first prefill step many times slower than the next.
 Nothing here raises: a failed part costs only its first use later (where the op reports the error itself), and the
 account of the latest warm-up is in `LAST` (bench/profile_host.py prints it).
 """
@@ -95,7 +95,7 @@ def warm_array_kernels(act: np.dtype):
 
 def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
     """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, with
-    a cuBLAS handle of its own (kernels load per context, not per handle: bench/firstuse_probe.py, device run 7).
+    a cuBLAS handle of its own (kernels load per context, not per handle: bench/firstuse_probe.py).
 
     The scratch comes from the device pool as the engine's thread allocates (the default stream's arena) and stays
     there, free, once the products are done: the first steps' activations (or the state pools) are cut from it

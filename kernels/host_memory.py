@@ -48,8 +48,8 @@ def keep_freed_memory() -> None:
 # background writer), through the pinned staging buffers of kernels/upload.py (a pageable device -> host copy is staged
 # by the driver in small synchronous pieces that held up the engine thread's launches: the long-document cold run's
 # prefill took 0.3 s longer), after the event, so prefill and decode go on meanwhile. Fresh page-locked memory for
-# each state would save that staging copy, but pinning costs ~0.5 s per GB on the H200 host (273 ms for 114 MiB,
-# 552 ms for 562 MiB), far more than the copy it saves.
+# each state would save that staging copy, but pinning costs far more than the copy it saves (about half a second
+# per GB: docs/PERFORMANCE.md, "Measurements behind code comments").
 
 _ALIGN = 256  # bytes: each region's place in the snapshot starts aligned for any dtype and for the DMA engines
 

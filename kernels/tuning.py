@@ -4,63 +4,37 @@ No CuPy here, so the choices can be tested on a CPU (tests/test_kernel_tuning.py
 benchmarks run). `CudaOps` holds one `CudaTuning`, fixed at construction; tests and benches that compare
 variants build another ops object with `CudaOps.retuned(...)` instead of flipping knobs on a shared one.
 
-The defaults are the fastest measured on an H200 (tests/test_cuda_kernels.py --bench, 4b-like shapes):
-- delta rule, token-stepped: 4 value columns per thread, prefill 12.2 ms, decode batch 64 98 us (the slower
-  variants were removed from kernels/delta_rule.cu).
+Each default is the variant that was fastest on the benchmarks' shapes (4b-like heads); the measurements, with
+their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices". Why each choice:
+- delta rule, token-stepped: 4 value columns per thread (the other widths were slower and were removed).
 - delta rule, decode (kernels/delta_rule.cu gdn_decode_kernel: the state read and written once, in float4 rows) for
-  steps of at most GDN_DECODE_MAX_MEAN tokens per sequence with Dv % 4 == 0, blocks of 8 warps x 64 value columns.
-  Measured 2026-12-01 on an H200 (`bench/kernel_bench.py decode`, 4b-like heads, 24 layers' pools in one graph; us
-  per layer call, state read + written; copy ceiling 4189 GB/s), previous gdn_cols_kernel / 8 warps x 64 columns /
-  8 x 128 / 16 x 128 / 4 x 64: batch 1 6.1 / 3.9 / 4.7 / 4.7 / 4.1; batch 8 14.6 / 10.9 / 11.5 / 11.6 / 11.5;
-  batch 32 53.6 / 36.6 / 38.0 / 38.5 / 39.1; batch 64 96.7 (2776 GB/s) / 69.6 (3858 GB/s) / 71.0 / 71.6 / 71.7;
-  batch 64 x 2, 4, 8 tokens each: 104 / 75 / 76 / 83 / 89, 122 / 98 / 102 / 108 / 116, 162 / 146 / 149 / 166 /
-  172. 8 x 64 won every shape (16 x 128 and 4 x 64 were removed); above 8 tokens per sequence nothing was measured,
-  so the previous kernel keeps those steps.
+  steps of at most GDN_DECODE_MAX_MEAN tokens per sequence with Dv % 4 == 0, blocks of 8 warps x 64 value columns:
+  a decode step is bound by the state's bytes, and this block moves them near the copy ceiling at every batch.
+  Longer steps were not measured, so the token-stepped kernel keeps them.
 - delta rule, chunked (64-token chunk steps, Dk, Dv <= 128) only when the token-stepped grid fills under half the
   SMs (a long shared prefix alone): the fp32 chunked kernels are bound by shared memory and lose from about four
-  sequences on (1 x 2048: 2.08 vs 2.39 ms; 64 x 256: 8.4 vs 3.0 ms; doc-qa's four 4096-token documents slower).
+  sequences on.
 - delta rule, tensor cores (kernels/delta_tc.cu: bf16 mma, 64-token chunks, key/value dims <= 128 and 16-byte
   aligned rows): the bf16 prefill form whenever sequences average at least GDN_TC_MIN_MEAN tokens, scan blocks of
-  4 warps (64 value columns). Measured 2026-12-01 (`bench/kernel_bench.py delta`, 4b-like heads), previous default
-  kernel / tensor cores with 4 warps / with 2: 32 x 2304 13.13 / 4.94 / 5.73 ms; 1 x 2048 2.02 / 0.250 / 0.279;
-  64 x 256 2.92 / 1.18 / 1.34. 4 warps won even where 2 give twice the blocks (one sequence). The per-chunk prep
-  pass, 3.30 of those 4.94 ms (v1, gdn_tc_prep_kernel: 89 KB of shared memory, 2 blocks per SM), defaults to
-  gdn_tc_prep_v2_kernel held to 6 blocks per SM ("v2-6", 35 KB: 1.90 ms on 32 x 2304, 1.73x v1). The threshold is
-  derived from the same figures, not measured at it: the token-stepped kernel costs ~11 us per token step at 64
-  sequences (~1 us alone), the tensor-core form ~0.3 ms per 64-token chunk round at 64 sequences (~8 us alone)
-  whether the chunk is full or not, so at 64 sequences they break even near 26 tokens each; 32 leaves a margin.
-- attention warps per block (16 query rows each): 8 above 128 head dims, else 4 (32 x 2304 prefill: head dim 256
-  8 warps 7.4 ms / 4 warps 9.1; head dim 128 4 warps 7.5 / 8 warps 9.1); decode 4 warps.
-- decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: at
-  batch 64 the unsplit kernel already streams K/V at ~3.5 TB/s (1152 keys: 87 us vs 112 us split).
+  4 warps (64 value columns; they beat 2 even where 2 give twice the blocks), the per-chunk prep pass
+  gdn_tc_prep_v2_kernel held to 6 blocks per SM ("v2-6": 35 KB of shared memory against v1's 89 KB). The threshold
+  is derived from the measured costs, not measured at: the token-stepped kernel costs ~11 us per token step at 64
+  sequences, the tensor-core form ~0.3 ms per 64-token chunk round whether the chunk is full or not, so at 64
+  sequences they break even near 26 tokens each; 32 leaves a margin.
+- attention warps per block (16 query rows each): 8 above 128 head dims, else 4; decode 4 warps.
+- decode split over key ranges (split-K) only when one block per (sequence, KV head) would leave SMs idle: unsplit,
+  a decode batch of 64 already streams K/V near the copy ceiling.
 - cascade: a decode step with shared-prefix groups reads each group's shared K/V once.
-- attention prefill on an sm_90 GPU (H100/H200) with head dims 64/128/256: the wgmma kernels
-  (kernels/attention_sm90.cu and attention_sm90_ws.cu; the default since session 13 is "wgmma-pingpong" at every
-  head dim, see below) when the step averages at least 64 query rows
-  (tokens x GQA ratio) per sequence; steps of a few rows per sequence (speculative verification, decode-like
-  chunks) and other GPUs keep attn_mma_kernel, whose 16-row warps waste less of a tile. Measured 2026-12-01 on an
-  H200 (bench/kernel_bench.py attn, mma.sync / wgmma / wgmma-overlap): 32 x 2304, 16/4 x 256: 7.50 / 5.32 / 7.25 ms;
-  32/8 x 128: 7.46 / 6.85 / 10.10 ms; 64 x 256 after 2048 cached: 3.00 / 2.15 / 2.97 ms. The "wgmma-overlap"
-  schedule loses everywhere and stays selectable only for measuring it. "wgmma-ws" / "wgmma-pingpong"
-  (kernels/attention_sm90_ws.cu: a producer warpgroup gathers K/V into mbarrier-guarded stages, two consumer
-  warpgroups run apart, optionally taking turns on the tensor cores) do the serial schedule's arithmetic in the
-  same order on the same tiles (since session 13 their tiles at head dim 256 are 80 keys, not 64). "auto" (sessions
-  9-11) took "wgmma-ws" at head dim 256 and "wgmma" below: H200, time
-  / torch SDPA (sessions 8 and 9, bench/kernel_bench.py attn): 32 x 2304, 16/4 x 256: wgmma 2.50x, ws 2.13x,
-  pingpong 2.11x; 64 x 256 after 2048 cached: 1.14x / 0.97x / 0.98x; 32/8 x 128: 2.85x / 3.48x / 3.44x. End to end
-  (4b-like, one process per row, two rows each) ws and pingpong were within run-to-run noise of each other.
-  Since session 12 "auto" takes "wgmma-pingpong" at head dim 256, in persistent blocks (a wave over the device,
-  each block taking query tiles in turn) with the mask decided per tile: same process, H200, 32 x 2304: ws
-  2.075x SDPA before, ws 2.040x, pingpong 2.005x after; 64 x 256 after 2048 cached: ws 0.928x before, pingpong
-  0.936x after (bench/kernel_bench.py attn, the outputs bit for bit those of the kernels before). Session 13: the
-  producer warps were the limit (ncu: busy issuing ~29 instructions per 16-byte copy while the consumers waited on
-  K); with ~6 per copy and 80-key tiles at head dim 256 (ws_keys_per_tile), 32 x 2304: pingpong 4.43 -> 3.16 ms,
-  1.41x SDPA; 64 x 256 after 2048 cached: 0.58x SDPA. "auto" takes "wgmma-pingpong" at head dims 64 and 128 too
-  since: the same tiles as "wgmma" there, bit for bit its outputs (but where O holds subnormals: the skipped
-  rescale of a row whose max held does not flush them), and time / "wgmma" on an H200 (session 13,
-  through CudaOps.paged_attention, median of 11): 32 x 2304, 32/8 x 128: 0.73; 64 x 256 after 2048, 32/8 x 128:
-  0.75; 8 x 1024, 16/2 x 128: 0.99; ragged with history, 16/2 x 128: 0.94; 4 x 512, 8/8 x 128: 0.92; 32 x 2304,
-  16/4 x 64: 0.68; 64 x 256 after 2048, 16/4 x 64: 0.70.
+- attention prefill on Hopper (sm_90) with head dims 64/128/256: the wgmma kernels (kernels/attention_sm90.cu and
+  attention_sm90_ws.cu) when the step averages at least 64 query rows (tokens x GQA ratio) per sequence; steps of a
+  few rows per sequence (speculative verification, decode-like chunks) and other GPUs keep attn_mma_kernel, whose
+  16-row warps waste less of a tile. "auto" is "wgmma-pingpong" at every head dim: a producer warpgroup gathers
+  K/V into mbarrier-guarded stages and two consumer warpgroups take turns on the tensor cores, in persistent
+  blocks (a wave over the device, each block taking query tiles in turn) with the mask decided per tile. It does
+  the serial "wgmma" schedule's arithmetic in the same order on the same tiles, so its outputs are "wgmma"'s bit
+  for bit, except where O holds subnormals (the rescale it skips for a row whose max held does not flush them).
+  "wgmma-ws" (no turn-taking) is as fast within noise; "wgmma-overlap" loses everywhere and stays selectable only
+  for measuring it.
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -113,8 +87,8 @@ def wgmma_keys_per_tile(head_dim: int) -> int:
 def ws_keys_per_tile(head_dim: int) -> int:
     """BN of attn_ws_kernel: 80 keys at 256 dims, the most for which its two K and two V stages fit beside the Q tile
     ((128 + 4 x 80) x 512 bytes + 1 KB of 227 KB; one m64n80 wgmma per 16 dims reads the Q slice once per 80 keys,
-    and a tile's fixed costs, barriers and the O rescale, are spread over 80 keys: H200, 32 x 2304, 16/4 x 256,
-    3.16 ms against 3.39 ms at 64 keys, session 13); else the block-synchronous kernel's BN."""
+    and a tile's fixed costs, barriers and the O rescale, are spread over 80 keys: faster than 64 keys, see
+    docs/PERFORMANCE.md, "Kernel choices"); else the block-synchronous kernel's BN."""
     return 80 if head_dim > 128 else wgmma_keys_per_tile(head_dim)
 
 
@@ -136,14 +110,14 @@ class CudaTuning:
     """Kernel variants of the CUDA backend. "auto" lets the shapes decide (see the module docstring)."""
 
     gdn_chunked: bool | str = "auto"  # prefill in 64-token chunks: True, False or "auto"
-    # bf16 prefill in the tensor-core chunked form: True, False or "auto" (checked against the reference on an H200,
-    # 2026-12-01; "delta_tc" is in kernels/cuda_modules.py's PREPARED_FILES so its module loads while the weights upload)
+    # bf16 prefill in the tensor-core chunked form: True, False or "auto" (checked against the reference on the
+    # device by tests/test_cuda_kernels.py; "delta_tc" is in kernels/cuda_modules.py's PREPARED_FILES so its module
+    # loads while the weights upload)
     gdn_tensor_cores: bool | str = "auto"
     gdn_tc_warps: int | None = None  # warps per tensor-core scan block; None: 4 (the faster on every measured shape)
-    # the tensor-core form's per-chunk pass (GDN_TC_PREPS). Measured on an H200 (2026-12-01, session 9,
-    # bench/kernel_bench.py delta, 4b-like heads), v1 / v2 / v2-6: 8192-token steps 0.378 / 0.226 / 0.219 ms (1.73x),
-    # 32 x 2304 3.32 / 1.91 / 1.90 ms, 1 x 2048 0.101 / 0.078 / 0.077 ms; v2 and v2-6 equal v1 to 6e-6 (W, U0) and
-    # bit for bit (Aqk, gc). Both give the same outputs up to fp32 summation order in the solve.
+    # the tensor-core form's per-chunk pass (GDN_TC_PREPS); "v2-6" the fastest (docs/PERFORMANCE.md, "Kernel
+    # choices"). v2 and v2-6 equal v1 to 6e-6 (W, U0) and bit for bit (Aqk, gc): the same outputs up to fp32
+    # summation order in the solve.
     gdn_tc_prep: str = "v2-6"
     # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
     gdn_decode: bool | str = "auto"
@@ -156,10 +130,9 @@ class CudaTuning:
     # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
     # kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "auto"
-    # --speculative auto drafts on this backend. The 2026-12-01 device run passed kernels/spec_rows.cu and the
-    # verify-step graphs (tests/test_cuda_speculative.py), but no device run has measured a speed-up yet, and auto
-    # follows measured times: in bf16 a verify step rounds differently from a plain step, so near-tie greedy tokens
-    # would depend on timing from run to run. Off until bench/device_spec.sh shows it pays (ngram/mtp still run).
+    # --speculative auto drafts on this backend. Off: auto would follow measured times, and in bf16 a verify step
+    # rounds differently from a plain step, so near-tie greedy tokens would depend on timing from run to run; on
+    # only once bench/device_spec.sh shows it pays on real text (ngram/mtp still run when asked for).
     speculative_auto: bool = False
 
     def __post_init__(self):
@@ -380,7 +353,7 @@ def norm_launch(d: int, itemsize: int) -> NormLaunch:
         if lanes <= NORM_MAX_LANES:
             return NormLaunch(lanes, c, lanes)
     # wider rows: threads read their further chunks twice; 256 threads, as 1024 threads of 4 register chunks
-    # asked for more registers than a block may have (d = 40000, bf16, on the H200)
+    # asked for more registers than a block may have (d = 40000, bf16)
     c = NORM_CHUNKS[-1]
     return NormLaunch(NORM_WIDE_LANES, c, NORM_WIDE_LANES)
 

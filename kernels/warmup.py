@@ -3,7 +3,8 @@
 Libraries that pick a GEMM kernel by shape (cuBLAS on the GPU) pay for the choice and for loading the chosen kernel
 the first time a shape is used. With CUDA's lazy module loading (the default since CUDA 12.2) that load may wait
 for the whole device queue to drain, so a fresh process's first prefill and decode steps stall on every new
-shape: on an H200, the first logits GEMM of a step cost ~25 ms of host time against 0.1 ms warm (2026-12-01).
+shape (the first logits GEMM of a step: hundreds of times its warm cost; docs/PERFORMANCE.md, "Measurements behind
+code comments").
 The loader hands these shapes to `Ops.prepare_kernels`, which may run each product once on scratch memory while
 the weights upload (kernels/cuda_warmup.py); the engine's own products then find everything loaded.
 

@@ -157,8 +157,9 @@ class CheckpointTensors:
         except OSError:
             pass
         # Each tensor's bytes are hashed in 8 MiB chunks on the blob threads (hashlib releases the GIL), so the
-        # first cached run of a model hashes its weights at several GB/s instead of one core's ~1.4 GB/s (6 s
-        # for the 8.4 GB 4b-like model on the H200 machine). Same content -> same digest, whatever the threads.
+        # first cached run of a model hashes its weights at several GB/s instead of one core's ~1.4 GB/s (seconds for
+        # a 4B model: docs/PERFORMANCE.md, "Measurements behind code comments"). Same content -> same digest,
+        # whatever the threads.
         h = hashlib.sha256(b"prefixrun-weights-v2\0")
         for name in sorted(self._where):
             arr = self._where[name].get(name)

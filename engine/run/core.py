@@ -173,8 +173,8 @@ def collector_held_off():
     """Python's cyclic garbage collector paused while the engine works on a window, as it was after.
 
     A collection stops the engine's thread at whatever line allocated last, and during a prefill group the device
-    waits on that thread's launches. It is small today (the 4b-like shared-system window on the H200 ran 6
-    generation-0 collections, 3.5 ms, the longest 1.8 ms) but grows with what a window allocates, and a full
+    waits on that thread's launches. It is small today (a few ms per bench window: docs/PERFORMANCE.md,
+    "Measurements behind code comments") but grows with what a window allocates, and a full
     collection over the loaded libraries' objects took 25 ms on a CPU. `Engine.run` holds it off only between
     results: from resuming the executor to its next Result, so a caller that keeps (or abandons) the generator
     runs with the collector as it was. What the engine frees meanwhile is freed by reference counting; its few

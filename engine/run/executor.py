@@ -16,9 +16,8 @@ compute, never answers.
 Accounting: each executed task leaves a `_Run` record (how its state was made); a request's usage follows the chain
 of runs that made its state, so reused = from disk + from memory, each >= 0, per request and per run.
 
-Over 300 lines because the task lifecycle (start, prefill, finish, decode) and its pressure relief share the
-window's bookkeeping (saved checkpoints, their savers, the decoding set); split further it would pass that state
-around instead.
+The task lifecycle (start, prefill, finish, decode) and its pressure relief share the window's bookkeeping (saved
+checkpoints, their savers, the decoding set), so they live together.
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ handed once to another live worker. A request whose second worker dies too, or t
 gets an error Result. A result that arrives after its request was handed on is dropped, so every request yields
 exactly one Result.
 
-Over 300 lines because the start / run / failure / close protocol of the processes shares one piece of bookkeeping
-(each worker's outstanding requests, liveness and reports); split, it would pass that around.
+The start / run / failure / close protocol of the processes shares one piece of bookkeeping (each worker's
+outstanding requests, liveness and reports), so it lives in one module.
 """
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ _PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the 
 _REPORT_PROBE_EVERY = 256  # the same for explicit methods, whose yardstick only serves the report's time saved
 _EMA = 0.2
 # A verify step of B sequences x R rows costs about 1 + VERIFY_ROW_COST x (R - 1) x max(1, B / VERIFY_BATCH_KNEE)
-# plain steps of B sequences (H200, 4b-like model, 2026-12-01, 6 rows: ~1.5x at batch 4, ~2.2x at batch 16: past a
-# few sequences the extra rows' work grows with the batch), so it pays only when its drafts are expected to yield
-# more than that excess x B tokens.
+# plain steps of B sequences (fitted to measured verify steps, docs/PERFORMANCE.md "Measurements behind code
+# comments": past a few sequences the extra rows' work grows with the batch), so it pays only when its drafts are
+# expected to yield more than that excess x B tokens.
 VERIFY_ROW_COST = 0.1
 VERIFY_BATCH_KNEE = 7
 _PRIOR_RATE = 0.7  # a sequence's expected share of accepted drafts before it has any history (and after a pause)

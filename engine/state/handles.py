@@ -83,8 +83,8 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
         if s.paged:
             first = min(skip_rows // arr.shape[1], len(h.blocks))  # arr [num_blocks, block_size, *shape]
             # contiguous runs of blocks as slices: a gather by a list of block ids would upload that list to the
-            # device, and an upload from pageable memory may wait for the device's queue (the capture measured
-            # 0.15 s of critical path for one state on the H200)
+            # device, and an upload from pageable memory may wait for the device's queue (a tenth of a second and
+            # more of critical path for one state: docs/PERFORMANCE.md, "Measurements behind code comments")
             runs = _runs(h.blocks[first:]) or [(0, 0)]
             places[s.name] = (first * arr.shape[1], range(len(sources), len(sources) + len(runs)))
             sources += [arr[a:b] for a, b in runs]  # [b - a, block_size, *shape] each

@@ -19,9 +19,8 @@ n_i rows: paged K/V past them is trimmed (blocks freed), snapshot regions take t
 get their overwritten rows back. The snapshot pool (`snapshot_capacity` rows, `snapshot_row_bytes` each) is
 preallocated with the pools and counted in the state memory the engine sizes them from.
 
-Over 300 lines because every operation here (fork / reserve, steps, multi-row steps and their rollback, export /
-import) changes the same allocators and pool arrays under one contract; split, each part would reach into the
-others' bookkeeping.
+Every operation here (fork / reserve, steps, multi-row steps and their rollback, export / import) changes the
+same allocators and pool arrays under one contract, so they live together.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Decode steps queued one ahead of their results, so the host's work for step n+1 runs while step n computes.
 
 A synchronous step prepares its index arrays, queues the replay, waits for the sampled ids and applies the stop
-rules: the device idles while the host prepares and decides (~1.2 ms of a 9.4 ms step at batch 64 on an H200).
+rules: the device idles while the host prepares and decides (over a tenth of a decode step at batch 64:
+docs/PERFORMANCE.md, "Measurements behind code comments").
 Here `advance` queues step n+1 first and only then reads step n's ids:
 - a sequence of step n is fed its step-n token on the device (`ops.feed_tokens`, from step n's ids buffer), so
   step n+1 needs nothing from the host that step n computes;
