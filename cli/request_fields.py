@@ -117,7 +117,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),
     _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output"),
     _F("ignore_eos", HONOURED, BOTH, "keep generating after the end-of-sequence token"),
-    _F("include_stop_str_in_output", REFUSED, BOTH, "keep the matched stop string in the text", inert=(False,)),
+    _F("include_stop_str_in_output", HONOURED, BOTH, "keep the matched stop string in the text"),
     _F("truncate_prompt_tokens", REFUSED, BOTH, "keep only the last N prompt tokens"),
     _F("truncation_side", REFUSED, BOTH, "which side truncate_prompt_tokens cuts"),
     # ---- sampling ----
@@ -161,9 +161,9 @@ FIELDS: tuple[RequestField, ...] = (
     # ---- output text ----
     _F("echo", REFUSED, BOTH, "completions: the prompt is prepended to the text; chat: the last message, if it "
        "has the reply's role", inert=(False,)),
-    _F("skip_special_tokens", REFUSED, BOTH, "leave special tokens out of the text (default true)", inert=(True,)),
-    _F("spaces_between_special_tokens", REFUSED, BOTH, "put spaces between special tokens in the text "
-       "(default true)", inert=(True,)),
+    _F("skip_special_tokens", HONOURED, BOTH, "leave special tokens out of the text (default true)"),
+    _F("spaces_between_special_tokens", HONOURED, BOTH, "false: no space between two special tokens in the "
+       "text (with skip_special_tokens false; default true)"),
     _F("detokenize", REFUSED, BOTH, "false: return token ids only", inert=(True,)),
     _F("return_token_ids", REFUSED, BOTH, "add the prompt's and the output's token ids to an OpenAI response",
        inert=(False,)),

@@ -41,6 +41,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # the output text (the detokenizer; vLLM's names and defaults)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # with skip_special_tokens false: as decoded, or none between two
     # what the reply must match (engine/grammar/spec.py; None: free text). Read from the request's own fields only
     # (response_format, structured_outputs, guided_*), never layered from defaults: not a SAMPLING_FIELDS name
     structured: StructuredOutput | None = None
@@ -70,6 +74,9 @@ class SamplingParams:
             bad("stop must be a string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers")
+        for name in _TEXT_FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {describe_value(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +98,9 @@ class SamplingDefaults:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
     def __post_init__(self):
         # the fields as a flat dict (values are scalars or tuples of scalars: no deep copy, unlike asdict, which
@@ -127,6 +137,7 @@ _DEFAULTS_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingDefaults))
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "structured")
+_TEXT_FLAGS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 def _normalize_sampling_values(values: dict[str, Any]) -> dict[str, Any]:

@@ -107,6 +107,11 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     @cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """The added tokens (special tokens among them): id -> the token's text."""
+        return {token_id: token.content for token_id, token in self._backend.get_added_tokens_decoder().items()}
+
+    @cached_property
     def max_token_chars(self) -> int:
         """The most characters of (normalized) text one token can cover: its longest vocabulary entry, added
         tokens included. Byte-level entries spell one byte per character, and a character is at least a byte."""
@@ -216,11 +221,19 @@ class StreamDetokenizer:
     shows when it is decoded after another token, so each step decodes a short window of recent tokens and emits
     the part after the window's already-emitted prefix, holding text back while it still ends in U+FFFD (an
     incomplete UTF-8 sequence). Once every character is complete, `text` equals decoding all fed ids at once.
+
+    `spaces_between_special_tokens` false (with `skip_special_tokens` false) writes an added token that follows
+    another added token as its bare text, without the space some decoders (WordPiece's) put between tokens, as
+    vLLM's detokenizer does.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._bare_after_added = (tokenizer.added_tokens if not (skip_special_tokens or spaces_between_special_tokens)
+                                  else {})
+        self._last_added = False
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window: context that is already emitted
         self._read_offset = 0  # end of what has been emitted
@@ -229,7 +242,14 @@ class StreamDetokenizer:
     def feed(self, token_id: int) -> str:
         """Add one token; returns the text it completes ("" while a character is still incomplete)."""
         self._ids.append(token_id)
-        return self._emit(hold_incomplete=True)
+        new_text = self._emit(hold_incomplete=True)
+        if self._bare_after_added:
+            bare = self._bare_after_added.get(token_id)
+            if bare is not None and self._last_added and new_text:
+                self._text = self._text[:len(self._text) - len(new_text)] + bare
+                new_text = bare
+            self._last_added = bare is not None
+        return new_text
 
     def flush(self) -> str:
         """Emit whatever is held back (with U+FFFD for bytes that never completed), e.g. at end of generation."""

@@ -339,7 +339,8 @@ class WindowExecutor:
         if e.tokenizer is not None:
             from prefixrun.engine.load.tokenizer import StreamDetokenizer
 
-            detok = StreamDetokenizer(e.tokenizer)
+            detok = StreamDetokenizer(e.tokenizer, req.sampling.skip_special_tokens,
+                                      req.sampling.spaces_between_special_tokens)
         seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run)
         self.trace.add("decode", task.id)
         self.starting.append((seq, logits))

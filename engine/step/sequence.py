@@ -43,9 +43,12 @@ class Sequence:
             self.detok.feed(tok)
             if sp.stop:
                 text = self.detok.text
-                hits = [text.find(s) for s in sp.stop if s in text]
+                hits = [(at, -len(s)) for s in sp.stop if (at := text.find(s)) >= 0]
                 if hits:
-                    self.stop_text = text[:min(hits)]
+                    # the earliest stop string (the longest of those starting there) ends the text: before it, or
+                    # after it with include_stop_str_in_output
+                    at, minus_length = min(hits)
+                    self.stop_text = text[:at - minus_length if sp.include_stop_str_in_output else at]
                     self.finish_reason = "stop"
                     return
         if len(self.tokens) >= sp.max_tokens or length + 1 >= self.max_context:
