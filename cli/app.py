@@ -201,7 +201,8 @@ def batch(
         if resume and overwrite:
             raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
         source, input_path = _open_input(input, reporter)
-        check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite)
+        check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite,
+                      input_fd=_descriptor(source))
         claim = claim_output(output)
     except (typer.BadParameter, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
@@ -323,6 +324,14 @@ def open_batch_run(reporter: RunReporter, settings: dict, source=None):
         reporter.stop()
         reporter.error(f"stopped by {stop.name} while the model loaded; no request ran")
         raise typer.Exit(stop.exit_code)
+
+
+def _descriptor(stream) -> int | None:
+    """The file descriptor under a stream (None for one in memory)."""
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return None
 
 
 def _open_input(input: str | None, reporter: RunReporter):
@@ -520,7 +529,8 @@ def bench(
                                      "with prefixrun batch --devices ... --json-report FILE")
         settings = run_settings(**{name: p[name] for name in RUN_OPTIONS})
         source, workload = _open_input(p["input"], reporter)
-        check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"])
+        check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],
+                      input_fd=_descriptor(source))
         if json_out is not None:
             check_target(json_out, "--json")
         claim = claim_output(p["output"])

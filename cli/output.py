@@ -3,8 +3,9 @@ the journal that makes every finished result durable the moment it finishes.
 
 Promises (docs/RELIABILITY.md lists the faults the tests inject):
 - `-o` and `--json-report` are checked before the model is loaded: a missing directory, a directory, an
-  unwritable place, or the input file itself (same device and inode: hard links and symlinks included) is a usage
-  error (exit 2) with one line.
+  unwritable place, or the input itself (same device and inode: hard links and symlinks included; also whatever
+  file or pipe is open as the input or on standard input, reached through /dev/stdin or /proc/self/fd/0) is a
+  usage error (exit 2) with one line.
 - An existing non-empty `-o` is never replaced silently: without `--resume` the run refuses to start unless
   `--overwrite` is given (an explicit request to replace it).
 - In ordered mode a result that finishes before an earlier line waits in memory; it is also appended at once to
@@ -93,14 +94,37 @@ def same_file(a: Path, b: Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+def reads_from(path: Path, descriptors) -> bool:
+    """Whether `path` leads (through links, /dev/stdin, /proc/self/fd/N) to the file or pipe open on one of
+    `descriptors`. A character device is never counted: reading /dev/null or a terminal while writing it
+    destroys nothing."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return False
+    for fd in descriptors:
+        try:
+            opened = os.fstat(fd)
+        except OSError:
+            continue
+        if not stat.S_ISCHR(opened.st_mode) and (opened.st_dev, opened.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
+
+
 def check_targets(input_path: Path | None, output: Path | None, json_report: Path | None, *, resume: bool,
-                  overwrite: bool) -> None:
-    """Every check on -o / --json-report that can be made before the model is loaded."""
+                  overwrite: bool, input_fd: int | None = None) -> None:
+    """Every check on -o / --json-report that can be made before the model is loaded. `input_fd`: the opened
+    input, which no target may lead to, nor to what is open on standard input (`-o /dev/stdin` with a file on
+    stdin truncated the file before a line of it was read)."""
     named = [(p, opt) for p, opt in ((output, "-o"), (json_report, "--json-report")) if p is not None]
+    inputs = [fd for fd in (input_fd, 0) if fd is not None]
     for path, option in named:
         check_target(path, option)
-        if input_path is not None and same_file(path, input_path):
-            raise OutputError(f"{option} {path} is the input file; writing there would destroy the input")
+        if input_path is not None and same_file(path, input_path) or reads_from(path, inputs):
+            raise OutputError(f"{option} {path} is the input" + (" file" if input_path is not None else
+                                                                 " (standard input)") +
+                              "; writing there would destroy the input")
     if output is not None and json_report is not None and same_file(output, json_report):
         raise OutputError(f"-o and --json-report name the same file ({output})")
     if output is not None and not resume and not overwrite and _holds_results(output):

@@ -195,3 +195,36 @@ def test_a_terminal_on_stdin_gets_its_hint_before_any_progress_bar(model):
     assert p.returncode == 0 and len(records(out.decode())) == 1
     before = seen[:seen.index(b"reading requests from the terminal")]
     assert b"prefill" not in before and b"requests" not in before and b"\x1b[?25l" not in before, before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An output that is the input
+
+
+@pytest.mark.parametrize("target", ["/dev/stdin", "/proc/self/fd/0", "link"])
+@pytest.mark.parametrize("feed", ["file", "pipe"])
+def test_an_output_that_leads_to_standard_input_is_refused(model, tmp_path, target, feed):
+    """`batch - -o /dev/stdin --overwrite < in.jsonl` emptied the input and exited 0: any -o (or --json-report)
+    that leads to what is open on standard input, a file or a pipe, is exit 2 with one line, the input intact."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "x", "max_tokens": 1}])
+    before = src.read_bytes()
+    if target == "link":
+        (tmp_path / "link").symlink_to("/dev/stdin")
+        target = tmp_path / "link"
+    for option in ("-o", "--json-report"):
+        args = cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache", "--overwrite", option, target)
+        if feed == "file":
+            with open(src, "rb") as stdin:
+                p = subprocess.run(args, stdin=stdin, capture_output=True, text=True, timeout=120)
+        else:
+            p = subprocess.run(args, input=before.decode(), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().splitlines() == [f"error: {option} {target} is the input (standard input); writing "
+                                                 f"there would destroy the input"]
+        assert src.read_bytes() == before
+
+
+def test_dev_null_for_input_and_output_is_no_conflict(model, tmp_path):
+    p = subprocess.run(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", "/dev/null"),
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
