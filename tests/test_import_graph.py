@@ -250,3 +250,11 @@ def test_modules_import_public_names_only():
     assert not found - set(PRIVATE_IMPORTS_LEFT), sorted(found - set(PRIVATE_IMPORTS_LEFT))
     fixed = set(PRIVATE_IMPORTS_LEFT) - found
     assert not fixed, f"no longer imported: remove from PRIVATE_IMPORTS_LEFT: {sorted(fixed)}"
+
+
+def test_imports_go_down_from_the_command_line_to_the_kernels():
+    # cli/ may use engine/ and kernels/, engine/ may use kernels/; kernels/ knows neither, engine/ not the cli
+    rank = {"cli": 0, "engine": 1, "kernels": 2}
+    upward = [f"{MODULES[e.source].relative_to(ROOT)}:{e.line} imports {e.target}" for e in EDGES
+              if rank[e.target.split(".")[1]] < rank[e.source.split(".")[1]]]
+    assert not upward, upward

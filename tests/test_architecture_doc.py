@@ -1,0 +1,54 @@
+"""docs/ARCHITECTURE.md stays true to the tree: every path it names exists, every room of engine/ is described,
+and its lines are wrapped. The same path check holds docs/CACHE.md to the tree."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+MAX_LINE = 120
+# a path into the repository: a top folder, then names (a glob's * allowed), e.g. engine/load/config.py, kernels/*.cu
+_PATH = re.compile(r"(?<![\w./-])((?:cli|engine|kernels|bench|tests|docs)/[\w*./-]*[\w*/])")
+_BARE_MODULE = re.compile(r"`([a-z_0-9]+\.py)`")
+
+
+def named_paths(text: str) -> set[str]:
+    return {m.group(1) for m in _PATH.finditer(text)}
+
+
+def missing_paths(text: str, root: Path = ROOT) -> list[str]:
+    missing = [p for p in sorted(named_paths(text)) if not any(root.glob(p.rstrip("/")))]
+    code = [p for folder in ("cli", "engine", "kernels") for p in (root / folder).rglob("*.py")]
+    missing += [f"`{name}`" for name in sorted(set(_BARE_MODULE.findall(text))) if not any(p.name == name
+                                                                                          for p in code)]
+    return missing
+
+
+@pytest.mark.parametrize("doc", ["docs/ARCHITECTURE.md", "docs/CACHE.md"])
+def test_every_named_path_exists(doc):
+    missing = missing_paths((ROOT / doc).read_text(encoding="utf-8"))
+    assert not missing, f"{doc} names what the tree does not hold: {missing}"
+
+
+def test_every_engine_room_is_described():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    rooms = sorted(p.parent.name for p in (ROOT / "engine").glob("*/__init__.py"))
+    assert len(rooms) >= 9
+    undescribed = [room for room in rooms if f"`engine/{room}/`" not in text]
+    assert not undescribed, f"engine/ sub-packages docs/ARCHITECTURE.md does not describe: {undescribed}"
+
+
+def test_lines_are_wrapped():
+    long = [(n, len(line)) for n, line in enumerate(ARCHITECTURE.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > MAX_LINE]
+    assert not long, f"docs/ARCHITECTURE.md lines over {MAX_LINE} characters (line, length): {long}"
+
+
+def test_the_path_check_can_fail(tmp_path):
+    (tmp_path / "engine" / "load").mkdir(parents=True)
+    (tmp_path / "engine" / "load" / "config.py").write_text("")
+    text = "`engine/load/config.py`, engine/load/ and engine/load/*.py; engine/gone.py, `vanished.py`, `config.py`."
+    assert missing_paths(text, tmp_path) == ["engine/gone.py", "`vanished.py`"]
