@@ -62,6 +62,12 @@ Common fields
   A value on the line wins over the command-line / generation_config defaults, which win over the built-in ones
   (max_tokens: the rest of the model's context for a chat, 16 for a completion, as in vLLM and OpenAI;
   temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
+- Structured output (engine/grammar/spec.py has the details): `response_format` (`{"type": "json_object"}`,
+  `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}` or `{"type": "text"}`),
+  vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`; at most one per line. Every token of the reply is drawn
+  from those the grammar allows, so the text matches it whole unless max_tokens ends it first (`length`); a
+  complete match ends the reply (`stop`). A schema or grammar the engine cannot compile is an error record.
 - Every other field is listed in cli/request_fields.py (the README's table of request fields is made from it):
   honoured, accepted because it changes nothing offline (`user`, `metadata`, `store`, `stream: false`, ...), or
   refused. A line that sets a refused field to anything but its "off" value, or has a key that is not in the

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Literal
 
 from prefixrun.cli import request_fields
 from prefixrun.cli.request_fields import CHAT, COMPLETION, REFUSED, Kind
+from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_output
 from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
 from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from prefixrun.engine.request import InvalidRequest, SamplingDefaults, SamplingParams
@@ -36,7 +37,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # What a request may carry is decided by cli/request_fields.py alone. The honoured fields this module reads itself
 # (the rest are SamplingParams' fields, read by SamplingDefaults.from_fields):
 READ_BY_PARSER = frozenset({*_PROMPT_FIELDS, "tools", "chat_template_kwargs", "add_generation_prompt",
-                            "continue_final_message", "max_completion_tokens"})
+                            "continue_final_message", "max_completion_tokens",
+                            *STRUCTURED_FIELDS})  # the last by engine/grammar/spec.py, from _sampling_for_line
 _OPENAI_ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 
 
@@ -512,4 +514,4 @@ def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str, kin
         raise _LineRejected(f"{where}{err}") from None
     if kind == CHAT and layered.max_tokens is None:
         sampling = dataclasses.replace(sampling, max_tokens=None)
-    return sampling
+    return with_structured_output(sampling, fields, where)  # its InvalidRequest names the field itself

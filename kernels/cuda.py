@@ -308,6 +308,23 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
             kernel("sampling", "feed_tokens_kernel")((blocks_for(n),), (THREADS,),
                                                       (token_ids, cupy.ascontiguousarray(source), previous, i32(n)))
 
+    def apply_token_bitmask(self, logits, bitmask):
+        """logits[b, v] = -inf where bit v % 32 of bitmask[b, v // 32] is clear: fp32 logits [B, V] in place (rows
+        may be strided, columns contiguous), int32 bitmask [B, W] on the device with W * 32 >= V. One launch of
+        one thread per logit, no host sync (structured output's masks, uploaded by the caller)."""
+        if logits.dtype != F32 or logits.ndim != 2 or logits.strides[1] != 4 or bitmask.ndim != 2 \
+                or bitmask.dtype not in (np.int32, np.uint32) or bitmask.shape[0] != logits.shape[0] \
+                or bitmask.shape[1] * 32 < logits.shape[1]:
+            raise ValueError(f"apply_token_bitmask: fp32 logits [B, V] with contiguous rows and an int32 bitmask "
+                             f"[B, >= V / 32] expected, got {logits.dtype} {logits.shape} {logits.strides} and "
+                             f"{bitmask.dtype} {bitmask.shape}")
+        b, v = logits.shape
+        if b and v:
+            mask = cupy.ascontiguousarray(bitmask)
+            kernel("sampling", "token_bitmask_kernel")((-(-v // THREADS), b), (THREADS,),
+                                                       (logits, mask, i32(v), i64(logits.strides[0] // 4),
+                                                        i32(mask.shape[1])))
+
     def sample_into(self, logits, params, out):
         """`sample` with the parameters already packed on the device (uint32 [8, B], pack_sampling_params; int32
         holding the same bits, as an index buffer written by write_index, is read the same) into

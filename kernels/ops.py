@@ -227,6 +227,11 @@ class Ops(Protocol):
         token_ids[i] = previous[source[i]] where source[i] >= 0, other rows unchanged. No host sync: a decode step
         is fed the tokens of the step before it while they are still on the device."""
 
+    def apply_token_bitmask(self, logits, bitmask) -> None:
+        """logits fp32 [B, V] (rows may be strided; in place), bitmask int32 [B, W] backend, W * 32 >= V: logits
+        [b, v] = -inf where bit v % 32 of bitmask[b, v // 32] is clear (structured output's allowed tokens; bits
+        past V are not read). No host sync."""
+
     def sample_into(self, logits, params, out) -> Array:
         """`sample` with its parameters packed in a backend uint32 [8, B] array (sampling.pack_sampling_params;
         or int32 with the same bits) into a preallocated int64 [B] `out`: allocates and syncs nothing, so a graph

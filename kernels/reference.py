@@ -407,6 +407,19 @@ class NumpyOps(MoeReferenceOps):
         rows = source >= 0
         token_ids[rows] = np.asarray(previous)[source[rows]]
 
+    def apply_token_bitmask(self, logits, bitmask):
+        """Disallowed tokens' logits (their bit clear) to -inf, in place: logits fp32 [B, V], bitmask int32
+        [B, W] with W * 32 >= V; token v is bit v % 32 (least significant first) of word v // 32."""
+        bitmask = np.asarray(bitmask)
+        b, v = logits.shape
+        if logits.dtype != np.float32 or bitmask.dtype != np.int32 or bitmask.ndim != 2 \
+                or bitmask.shape[0] != b or bitmask.shape[1] * 32 < v:
+            raise ValueError(f"apply_token_bitmask: fp32 logits [B, V] and int32 bitmask [B, >= V / 32] expected, "
+                             f"got {logits.dtype} {logits.shape} and {bitmask.dtype} {bitmask.shape}")
+        words = np.ascontiguousarray(bitmask).astype("<i4").view(np.uint8)  # [B, 4W] bytes, least significant first
+        allowed = np.unpackbits(words, axis=1, bitorder="little")[:, :v].astype(bool)  # [B, V]
+        logits[~allowed] = -np.inf
+
     def sample_into(self, logits, params, out):
         """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params) or
         int32 holding the same bits."""

@@ -411,6 +411,16 @@ sample_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stri
     if (threadIdx.x == 0) out[r] = token;
 }
 
+// Structured output: logits[r, v] = -inf where bit v % 32 of mask[r, v / 32] is clear (the grammar does not allow
+// token v in row r). Grid (ceil(cols / blockDim.x), rows): one thread per logit; rows `row_stride` floats apart.
+extern "C" __global__ void token_bitmask_kernel(float* __restrict__ logits, const unsigned* __restrict__ mask,
+                                                int cols, i64 row_stride, int words) {
+    const int v = blockIdx.x * blockDim.x + threadIdx.x;
+    const int r = blockIdx.y;
+    if (v >= cols) return;
+    if (!((mask[(i64)r * words + (v >> 5)] >> (v & 31)) & 1u)) logits[(i64)r * row_stride + v] = -INFINITY;
+}
+
 // A decode step's token ids fed from the previous step's sampled ids while those are still on the device:
 // tokens[i] = previous[source[i]] where source[i] >= 0; rows with source -1 keep the token the host wrote.
 extern "C" __global__ void feed_tokens_kernel(int* __restrict__ tokens, const int* __restrict__ source,

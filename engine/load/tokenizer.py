@@ -106,6 +106,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The vocabulary as tokenizer.json text (added tokens included), for libraries that read that format."""
+        return self._backend.to_str()
+
     @cached_property
     def added_tokens(self) -> dict[int, str]:
         """The added tokens (special tokens among them): id -> the token's text."""

@@ -12,6 +12,9 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+from prefixrun.engine.grammar.compiler import GrammarCompiler
+from prefixrun.engine.grammar.masks import TokenMasks
+from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.state.checkpoints import CheckpointPool
 from prefixrun.engine.run.executor import WindowExecutor
 from prefixrun.engine.step.model_runner import ModelRunner
@@ -99,8 +102,10 @@ class Engine:
         self.state = ModelState(specs, ops, num_slots, int(num_blocks), options.block_size,
                                 snapshot_capacity=snap_rows)
         self.pool = CheckpointPool(self.state, options.checkpoint_budget_bytes if options.reuse else 0)
+        # structured output: specs compiled against this model's tokenizer, masks as wide as its vocabulary
+        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos)
         self.runner = ModelRunner(model, self.state, ops, options.max_batch, graphs=options.decode_graphs,
-                                  run_seed=options.run_seed)
+                                  run_seed=options.run_seed, masks=TokenMasks(ops, self.grammars.mask_words))
         self.speculator = make_speculator(options, model, ops, self.state, self.runner)  # None: off
         self.stats = RunStats()
         self.last_plan: Plan | None = None
@@ -121,8 +126,14 @@ class Engine:
             if not r.prompt_token_ids or len(r.prompt_token_ids) + 1 > self.max_context:
                 yield self.error_result(r, f"prompt of {len(r.prompt_token_ids)} tokens leaves no room in the "
                                            f"model context of {self.max_context}")
-            else:
-                runnable.append(r)
+                continue
+            if r.sampling.structured is not None:
+                try:  # a spec this model's grammar engine cannot compile: an error, before any work for it
+                    self.grammars.template(r.sampling.structured)
+                except InvalidRequest as exc:
+                    yield self.error_result(r, str(exc))
+                    continue
+            runnable.append(r)
         if not runnable:
             return
         prompts = [r.prompt_token_ids for r in runnable]

@@ -341,7 +341,8 @@ class WindowExecutor:
 
             detok = StreamDetokenizer(e.tokenizer, req.sampling.skip_special_tokens,
                                       req.sampling.spaces_between_special_tokens)
-        seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run)
+        seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run,
+                       grammar=e.grammars.start(req.sampling.structured))  # compiled (and checked) by Engine.run
         self.trace.add("decode", task.id)
         self.starting.append((seq, logits))
 
@@ -395,7 +396,9 @@ class WindowExecutor:
         e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
         spec = e.speculator
-        drafts = spec.drafts(batch) if spec is not None else None
+        # drafts are never verified against a grammar: a step with a constrained row runs plain, under its masks
+        constrained = any(s.grammar.constrained for s in batch)
+        drafts = spec.drafts(batch) if spec is not None and not constrained else None
         if drafts is None:
             new = [[i] for i in e.runner.decode(batch)]  # the forward and the sampling of the next tokens
             if spec is not None:

@@ -14,6 +14,10 @@ Here `advance` queues step n+1 first and only then reads step n's ids:
   accepted tokens in blocks `reserve` gave it alone (a shared partial block is copied first), inside the
   max_tokens growth the scheduler admitted it with. Its handle is released when its end is seen; whatever later
   reuses the slot or blocks is queued after step n+1 on the same stream.
+Structured output needs step n's tokens for step n+1's masks, so `advance` queues step n+1's forward first,
+accepts step n's tokens (each grammar takes its token), and only then finishes step n+1: the runner fills the
+constrained rows' masks on the host while the device computes that forward, and queues their redraw after it
+(engine/grammar/masks.py). Unconstrained rows in the same step keep their place in the pipeline.
 Every answer is the synchronous path's (tests/test_decode_pipeline.py; the NumPy backend runs this same
 bookkeeping). Batch membership may change between steps (new sequences are fed from the host); the executor
 drains the pipeline before anything but a decode step, and speculative steps stay synchronous.
@@ -59,12 +63,19 @@ class DecodePipeline:
         batch = [s for s in decoding if not s.done and not (id(s) in row_of and s.ends_after_pending())]
         batch = batch[:self.max_batch]
         self.queued = None
+        launch = None
         if batch:
             source = np.array([row_of.get(id(s), -1) for s in batch], np.int32)  # [n] row of prev, or -1: host
-            ids = self.runner.launch_decode(batch, source, prev.ids if prev is not None else None)
-            self.queued = _Queued(batch, [s.handle.length for s in batch], ids, self.ops.to_host_later(ids))
+            launch = self.runner.launch_decode(batch, source, prev.ids if prev is not None else None)
+            lengths = [s.handle.length for s in batch]
             self.steps += 1
-        return len(batch), self._accept(prev) if prev is not None else []
+        ended = self._accept(prev) if prev is not None else []
+        if launch is not None:
+            # every grammar has now taken the tokens before this step's: its rows' masks are filled while the
+            # device computes the step's forward, and their redraw is queued after it (engine/grammar/masks.py)
+            ids = self.runner.finish_decode(launch)
+            self.queued = _Queued(batch, lengths, ids, self.ops.to_host_later(ids))
+        return len(batch), ended
 
     def drain(self) -> list[Sequence]:
         """Accept the tokens of the step in flight, if any; returns the sequences that ended."""

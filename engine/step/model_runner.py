@@ -3,9 +3,13 @@ CUDA graph where the backend can capture one), and sampling the next token of a 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from prefixrun.engine.grammar.compiler import UNCONSTRAINED
+from prefixrun.engine.grammar.masks import TokenMasks
 from prefixrun.engine.step.decode_graphs import DecodeGraphs, greedy_params
 from prefixrun.engine.step.sequence import Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
@@ -16,9 +20,23 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = (1 << 31) - 1
 
 
+@dataclass(eq=False)
+class DecodeLaunch:
+    """A decode step queued on the device: its rows, their fp32 logits [n, V] and sampled ids (backend int64 [n],
+    valid until the next step is queued), and the packed sampling parameters they were drawn with."""
+
+    seqs: list[Sequence]
+    logits: Any
+    ids: Any
+    params: np.ndarray  # uint32 [8, n], pack_sampling_params
+
+
 class ModelRunner:
-    def __init__(self, model, state: ModelState, ops, max_batch: int, *, graphs: bool, run_seed: int):
+    def __init__(self, model, state: ModelState, ops, max_batch: int, *, graphs: bool, run_seed: int,
+                 masks: TokenMasks | None = None):
+        """`masks`: structured output's masks, sized for the grammars' vocabulary (default: the model's)."""
         self.model, self.state, self.ops = model, state, ops
+        self.masks = masks or TokenMasks(ops, (model.cfg.vocab_size + 31) // 32)
         self.decoder = DecodeGraphs(model, state, ops, max_batch)
         self.decoder.enabled = self.decoder.enabled and graphs
         self.run_seed = run_seed
@@ -31,25 +49,33 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence's last token and sample its next one; both run in the decode graph where the
-        backend captures one."""
-        _, ids = self.decoder.step_sampled([s.handle for s in seqs], [s.tokens[-1] for s in seqs],
-                                           pack_sampling_params(*self._sampling_arrays(seqs)))
-        return [int(i) for i in self.ops.to_host(ids)]
+        backend captures one (rows with a grammar are drawn again under its mask: `finish_decode`)."""
+        launch = self.launch_decode(seqs, np.full(len(seqs), -1, np.int32), None)
+        return [int(i) for i in self.ops.to_host(self.finish_decode(launch))]
 
     def prepare_decode(self, handles: list[StateHandle]):
         """Get the decode graph of a step over these states ready ahead of it (DecodeGraphs.prepare)."""
         self.decoder.prepare(handles)
 
-    def launch_decode(self, seqs: list[Sequence], source: np.ndarray, previous):
+    def launch_decode(self, seqs: list[Sequence], source: np.ndarray, previous) -> DecodeLaunch:
         """`decode` queued without waiting for the device: sequence i is fed previous[source[i]] (the token an
         earlier step sampled for it, not yet accepted on the host) where source[i] >= 0, else its last token.
-        Returns the backend int64 ids [n] (valid until the next step is queued: copy them first)."""
+        The step's ids are `finish_decode`'s."""
         ahead = (source >= 0).astype(np.int64)  # tokens each sequence has beyond s.tokens when this one is drawn
-        _, ids = self.decoder.step_sampled(
-            [s.handle for s in seqs], [0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)],
-            pack_sampling_params(*self._sampling_arrays(seqs, ahead)),
+        params = pack_sampling_params(*self._sampling_arrays(seqs, ahead))
+        logits, ids = self.decoder.step_sampled(
+            [s.handle for s in seqs], [0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)], params,
             feed=(source, previous) if ahead.any() else None)
-        return ids
+        return DecodeLaunch(seqs, logits, ids, params)
+
+    def finish_decode(self, launch: DecodeLaunch):
+        """The launched step's backend int64 ids [n] (valid until the next step is queued: copy them first): the
+        graph's draw, or where a row has a grammar, every row drawn again from the logits under the rows' masks
+        (engine/grammar/masks.py). Call it once every row's grammar has taken the tokens before this step's; a
+        row whose sequence has ended meanwhile (its token is never accepted) is left unconstrained."""
+        grammars = [UNCONSTRAINED if s.done else s.grammar for s in launch.seqs]
+        ids = self.masks.redraw(grammars, launch.logits, launch.params)
+        return launch.ids if ids is None else ids
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False,
                pad_to: int | None = None) -> list[list[int]]:
@@ -91,8 +117,14 @@ class ModelRunner:
 
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         """One token per sequence from logits [B, V], drawn on the backend for the whole batch at once: the
-        random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py)."""
-        return [int(i) for i in self.ops.to_host(self.ops.sample(logits, *self._sampling_arrays(seqs)))]
+        random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py). Rows
+        with a grammar draw under its mask (from a copy: the logits may be a checkpoint's, shared)."""
+        arrays = self._sampling_arrays(seqs)
+        if any(s.grammar.constrained for s in seqs):
+            ids = self.masks.redraw([s.grammar for s in seqs], logits.astype(np.float32), pack_sampling_params(*arrays))
+        else:
+            ids = self.ops.sample(logits, *arrays)
+        return [int(i) for i in self.ops.to_host(ids)]
 
     def _sampling_arrays(self, seqs: list[Sequence], ahead: np.ndarray | None = None) -> tuple:
         """Per-row (temperature, top_k, top_p, min_p, seeds, counters), as ops.sample takes them. A row's counter is

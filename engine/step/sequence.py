@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixrun.engine.grammar.compiler import UNCONSTRAINED
 from prefixrun.engine.request import Request
 from prefixrun.engine.state.pools import StateHandle
 
@@ -18,6 +19,7 @@ class Sequence:
     stop_text: str | None = None  # the text cut before a stop string, once one appeared
     finish_reason: str | None = None  # "stop" or "length" once done
     origin: object = None  # the runner's record of how the prompt state was made (for accounting)
+    grammar: object = UNCONSTRAINED  # structured output: engine/grammar/compiler.py GrammarState (masks, stop)
 
     @property
     def done(self) -> bool:
@@ -30,7 +32,8 @@ class Sequence:
                           self.max_context - 1 - self.handle.length))
 
     def accept(self, tok: int, length: int | None = None):
-        """Append a sampled token and decide whether the request is done (eos, stop id/string, length). `length`:
+        """Append a sampled token and decide whether the request is done (eos, stop id/string, a grammar that is
+        complete, length: a reply cut by max_tokens mid-grammar ends "length", as in vLLM). `length`:
         the state length of the step that sampled it (default: the handle's; a pipelined step may have advanced
         the handle past it already)."""
         sp = self.request.sampling
@@ -39,6 +42,7 @@ class Sequence:
         if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
             self.finish_reason = "stop"
             return
+        complete = self.grammar.accept(tok)
         if self.detok is not None:
             self.detok.feed(tok)
             if sp.stop:
@@ -51,6 +55,9 @@ class Sequence:
                     self.stop_text = text[:at - minus_length if sp.include_stop_str_in_output else at]
                     self.finish_reason = "stop"
                     return
+        if complete:
+            self.finish_reason = "stop"
+            return
         if len(self.tokens) >= sp.max_tokens or length + 1 >= self.max_context:
             self.finish_reason = "length"
 

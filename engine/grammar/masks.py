@@ -1,0 +1,71 @@
+"""A step's token masks: filled on the host from the rows' grammar states, applied to the step's logits on the
+device, and the rows' tokens drawn again from the masked logits.
+
+A decode step samples inside its replayed graph before the host knows the tokens that decide the next masks
+(engine/step/decode_pipeline.py queues step n+1 before it reads step n's ids). So the graph's draw stays as it is,
+and a step with constrained rows gets one more launch sequence, queued once the host has the previous tokens:
+the bitmask upload (int32 [n, ceil(V / 32)], through the pinned step copies), `ops.apply_token_bitmask` (the
+disallowed logits to -inf, in place), and `ops.sample_into` over the same logits with the same per-row
+parameters. A row without a grammar keeps an all-ones mask, so its redrawn token is the graph's own (a row's draw
+is a function of its logits and parameters only); the step's ids are those of the redraw. The host fills the masks
+while the device computes the step's forward (queued before), on llguidance's threads without the GIL; nothing
+here waits for the device.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class TokenMasks:
+    """Masks and redraws for steps of up to any number of rows (device buffers grow to the largest step)."""
+
+    def __init__(self, ops, words: int):
+        self.ops, self.words = ops, words
+        self._executor = None  # llguidance.LLExecutor, made on the first constrained step
+        self._rows = 0  # rows the device buffers hold
+        self._mask = self._params = self._ids = None
+        self.steps = 0  # steps whose tokens were drawn under masks
+        self.mask_seconds = 0.0  # host time filling masks
+
+    def host_masks(self, grammars: list) -> np.ndarray | None:
+        """int32 [n, words]: row i's allowed tokens (bit t % 32 of word t // 32) under grammars[i]; all ones for
+        an unconstrained row. None when no row is constrained."""
+        rows = [(g.matcher, i) for i, g in enumerate(grammars) if g.constrained]
+        if not rows:
+            return None
+        import llguidance
+        import llguidance.numpy
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        t0 = time.perf_counter()
+        out = np.full((len(grammars), self.words), -1, np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, out)
+        self.mask_seconds += time.perf_counter() - t0
+        return out
+
+    def redraw(self, grammars: list, logits, params: np.ndarray):
+        """Backend int64 ids [n]: each row's token drawn from `logits` [n, V] (fp32, modified in place) under
+        its grammar's mask, with its packed sampling parameters `params` (uint32 [8, n], pack_sampling_params);
+        None when no row is constrained (logits untouched). The ids live in a buffer the next redraw reuses."""
+        masks = self.host_masks(grammars)
+        if masks is None:
+            return None
+        n = len(grammars)
+        mask, packed, ids = self._buffers(n)
+        self.ops.write_index(mask, masks)
+        self.ops.apply_token_bitmask(logits, mask)
+        self.ops.write_index(packed, np.ascontiguousarray(params, np.uint32).view(np.int32))
+        self.steps += 1
+        return self.ops.sample_into(logits, packed, ids)
+
+    def _buffers(self, n: int):
+        if n > self._rows:
+            self._rows = max(n, 2 * self._rows)
+            self._mask = self.ops.upload_index(np.zeros(self._rows * self.words, np.int32))
+            self._params = self.ops.upload_index(np.zeros(8 * self._rows, np.int32))
+            self._ids = self.ops.zeros((self._rows,), np.int64)
+        return (self._mask[:n * self.words].reshape(n, self.words), self._params[:8 * n].reshape(8, n),
+                self._ids[:n])
