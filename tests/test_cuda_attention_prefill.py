@@ -5,8 +5,8 @@ wgmma kernel is tested on (tests/test_cuda_kernels.py: ragged batches with histo
 whose arithmetic it repeats in the same order. Its synchronisation is checked on the CPU first
 (tests/test_attention_sm90_model.py section 4).
 
-They were opt-in until device runs had passed them (sessions 8 and 9, on an H200); the kernel is the head-dim-256
-default since. A pipeline that never completed would cost a device run the child process's timeout, not a hang.
+They were opt-in until device runs had passed them (2026-12-01, at main@f548e61 and main@aa0f2dc); the kernel is the
+head-dim-256 default since. A pipeline that never completed would cost a device run the child process's timeout, not a hang.
 """
 from __future__ import annotations
 
