@@ -70,7 +70,7 @@ __device__ __forceinline__ void cp_async16_row(unsigned dst, const char* base, i
 // 8 (m % 4) + RPI v + sub of group m / 4 (a constant at D = 256, where sub = 0), and its place in the swizzled tile
 // is a per-thread base, a constant and (D < 256) the thread's swizzle bits xor a constant: a shuffle, a clamp, a
 // multiply-add and a compare per 16-byte copy at D = 256 (it was ~29
-// instructions, and the producer warps, busy issuing them, fed the tensor cores K/V tiles late: ncu, session 13).
+// instructions, and the producer warps, busy issuing them, fed the tensor cores K/V tiles late: ncu at main@f86f477).
 template <int D, int BN>
 __device__ __forceinline__ void gather_tile(unsigned dst, const bf16* __restrict__ cache, const int* __restrict__ table,
                                             int kt, int ctx, int block_size, int hkv, int h, int gt) {
