@@ -622,7 +622,7 @@ def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
     """Decode with shared-prefix groups (cascade: each group's shared K/V read once, then each sequence's own keys,
     then a merge) equals plain attention: groups of 5, 3 and 1 members, prefixes of several blocks, members whose
     own part is empty or long, and a wider table than any context (as under a decode graph)."""
-    from prefixrun.engine.state.pools import SharedPrefixes, shared_prefix_arrays
+    from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
 
     rng = np.random.default_rng(hq + d + bs)
     shared_a, shared_b = 5, 2  # blocks of the two shared prefixes
@@ -1196,7 +1196,7 @@ def bench():  # pragma: no cover - device timing, not a test
                              f"{kvbytes / ms / 1e9:.2f} TB/s K/V"))
             ops = bench_ops
             # the shared-system decode: 64 sequences over one 2048-key prefix (32 blocks of 64) + 300 keys each
-            from prefixrun.engine.state.pools import SharedPrefixes, shared_prefix_arrays
+            from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
 
             bs64, own = 64, 5
             tabs = np.zeros((bd, 64), np.int32)

@@ -16,7 +16,8 @@ from prefixrun.engine.state.checkpoints import CheckpointPool
 from prefixrun.engine.plan.planner import build_trie, distinct_tokens, iter_nodes, make_plan
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
-from prefixrun.engine.state.pools import ModelState, check_shared_prefix_arrays, shared_prefix_arrays
+from prefixrun.engine.state.pools import ModelState
+from prefixrun.engine.step.forward_batch import check_shared_prefix_arrays, shared_prefix_arrays
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.py"
 FAMILIES = ["qwen3_5", "qwen3", "qwen3_next", "qwen3_5_moe"]  # the MoE hybrids: the router changes no invariant

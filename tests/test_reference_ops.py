@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixrun.engine.state.pools import SharedPrefixes, shared_prefix_arrays
+from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
 from prefixrun.kernels.reference import NumpyOps
 
 

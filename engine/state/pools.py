@@ -29,12 +29,11 @@ import json
 
 import numpy as np
 
-# re-exported: the names other modules import from here
-from prefixrun.engine.state.allocators import BlockAllocator, OutOfStateMemory, SlotAllocator  # noqa: F401
-from prefixrun.engine.step.forward_batch import ForwardBatch, Padding, SharedPrefixes, build_batch  # noqa: F401
-from prefixrun.engine.step.forward_batch import check_shared_prefix_arrays, shared_prefix_arrays  # noqa: F401
+from prefixrun.engine.state.allocators import BlockAllocator, OutOfStateMemory, SlotAllocator
+# StateLayoutError re-exported: the pools' import raises it
 from prefixrun.engine.state.handles import RegionSpec, StateHandle, StateLayoutError  # noqa: F401
 from prefixrun.engine.state.handles import export_regions, export_regions_later, validate_regions, write_regions
+from prefixrun.engine.step.forward_batch import ForwardBatch, Padding, build_batch
 
 STATE_FORMAT_VERSION = 1
 
