@@ -51,6 +51,7 @@ plain prompt fields)::
 - `max_completion_tokens` and `max_tokens` mean the same; if both are given they must agree.
 - `body.tools`, `body.chat_template_kwargs`, `body.add_generation_prompt` and `body.continue_final_message` work
   as on a plain line (below).
+- `n` as on a plain line (below): `choices` then holds n entries, `index` 0 to n-1.
 
 Common fields
 -------------
@@ -58,16 +59,22 @@ Common fields
   `line-<N>`, N being its 1-based line number. Every custom_id must be unique in the file; a repeated one is an
   error on the later line.
 - Sampling, named as vLLM names them: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`,
-  `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`. In OpenAI lines they live in `body`.
-  A value on the line wins over the command-line / generation_config defaults, which win over the built-in ones
-  (max_tokens: the rest of the model's context for a chat, 16 for a completion, as in vLLM and OpenAI;
-  temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
+  `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`, `n`. In OpenAI lines they live in
+  `body`. A value on the line wins over the command-line / generation_config defaults, which win over the
+  built-in ones (max_tokens: the rest of the model's context for a chat, 16 for a completion, as in vLLM and
+  OpenAI; temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
 - Structured output (engine/grammar/spec.py has the details): `response_format` (`{"type": "json_object"}`,
   `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}` or `{"type": "text"}`),
   vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`,
   `guided_regex`, `guided_choice`, `guided_grammar`; at most one per line. Every token of the reply is drawn
   from those the grammar allows, so the text matches it whole unless max_tokens ends it first (`length`); a
   complete match ends the reply (`stop`). A schema or grammar the engine cannot compile is an error record.
+- `n` (1 to 1024, default 1): completions per request. The n samples fork the prompt's state after one prefill
+  (the prompt is computed once whatever n is). Sample i draws with seed + i (the line's `seed`, or without one
+  the seed derived from custom_id and `--seed`), as vLLM seeds its samples: sample 0 is what the line gives with
+  n = 1, and sample i is reproduced alone by the same line with n = 1 and seed + i. A greedy line (temperature 0
+  or top_k 1) decodes once and returns its completion n times.
+  Usage counts the prompt once and sums the completions.
 - Every other field is listed in cli/request_fields.py (the README's table of request fields is made from it):
   honoured, accepted because it changes nothing offline (`user`, `metadata`, `store`, `stream: false`, ...), or
   refused. A line that sets a refused field to anything but its "off" value, or has a key that is not in the
@@ -90,9 +97,16 @@ A plain line's result::
      "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                "prompt_tokens_details": {"cached_tokens": 4}}}
 
+A plain line with n > 1 has a `choices` list in place of text, token_ids and finish_reason; usage sums over
+every completion::
+
+    {"custom_id": "q4", "choices": [{"index": 0, "text": " Paris.", "token_ids": [12095, 13], "finish_reason": "stop"},
+                                    {"index": 1, "text": " Lyon", "token_ids": [56125], "finish_reason": "length"}],
+     "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, ...}}
+
 An OpenAI line's result, as the OpenAI Batch API writes it (`id` and `request_id` are derived from custom_id, so
 reruns give identical files; `body` is a `chat.completion` with `choices[0].message` or a `text_completion` with
-`choices[0].text`)::
+`choices[0].text`; with n > 1, `choices[0..n-1]`)::
 
     {"id": "batch_req_…", "custom_id": "r1",
      "response": {"status_code": 200, "request_id": "req_…",
@@ -173,7 +187,8 @@ def _is_success_record(record: Any) -> bool:
     if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str) or record.get("error") is not None:
         return False
     response = record.get("response")
-    return "text" in record or (isinstance(response, dict) and response.get("status_code") == 200)
+    return "text" in record or "choices" in record or (
+        isinstance(response, dict) and response.get("status_code") == 200)
 
 
 def _is_error_record(record: dict) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from prefixrun.cli.lines import LineError, ParsedRequest
-from prefixrun.engine.request import Result
+from prefixrun.engine.request import Completion, Result
 
 
 def format_result(req: ParsedRequest, result: Result, *, model: str = "", created: int = 0) -> dict:
@@ -18,13 +18,10 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
         raise ValueError(f"result {result.custom_id!r} does not belong to request {req.custom_id!r}")
     usage = _usage_record(result)
     if req.shape == "plain":
-        return {
-            "custom_id": req.custom_id,
-            "text": result.text,
-            "token_ids": list(result.token_ids),
-            "finish_reason": result.finish_reason,
-            "usage": usage,
-        }
+        if req.sampling.n == 1:
+            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0]), "usage": usage}
+        choices = [{"index": i, **_plain_choice(c)} for i, c in enumerate(result.choices)]
+        return {"custom_id": req.custom_id, "choices": choices, "usage": usage}
     if req.shape == "openai_chat":
         body = {
             "id": _derived_id("chatcmpl-", req.custom_id),
@@ -33,11 +30,12 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "model": model,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
                     "logprobs": None,
-                    "finish_reason": result.finish_reason,
+                    "finish_reason": c.finish_reason,
                 }
+                for i, c in enumerate(result.choices)
             ],
             "usage": usage,
         }
@@ -47,7 +45,8 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+            "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(result.choices)],
             "usage": usage,
         }
     return {
@@ -56,6 +55,10 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
         "response": {"status_code": 200, "request_id": _derived_id("req_", req.custom_id), "body": body},
         "error": None,
     }
+
+
+def _plain_choice(choice: Completion) -> dict:
+    return {"text": choice.text, "token_ids": list(choice.token_ids), "finish_reason": choice.finish_reason}
 
 
 def format_error(err: LineError) -> dict:

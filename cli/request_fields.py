@@ -126,7 +126,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("top_k", HONOURED, BOTH, "sample among the k most likely tokens (0 or -1: all)"),
     _F("min_p", HONOURED, BOTH, "drop tokens less likely than min_p times the most likely one"),
     _F("seed", HONOURED, BOTH, "the request's random seed (default: derived from custom_id)"),
-    _F("n", REFUSED, BOTH, "how many completions to return", inert=(1,)),
+    _F("n", HONOURED, BOTH, "how many completions to return (1 to 1024), all forked from one prefill; sample i draws "
+       "with seed + i"),
     _F("best_of", REFUSED, BOTH, "sample best_of completions, return the n most likely", inert=(1,)),
     _F("presence_penalty", REFUSED, BOTH, "penalise tokens that appeared in the output", inert=(0,)),
     _F("frequency_penalty", REFUSED, BOTH, "penalise tokens by how often they appeared in the output", inert=(0,)),

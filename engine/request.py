@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 # beside the state memory, which takes half of what the weights leave free.
 DEFAULT_PREFILL_TOKENS = 16384
 
+# The most samples (n) one request may ask for: a bound on what one line can make the engine hold (a
+# sequence, its state and its result per sample). OpenAI's chat completions allow 128.
+MAX_SAMPLES = 1024
+
 
 class InvalidRequest(ValueError):
     """A request that cannot be run as given; the message is meant for the person who wrote it."""
@@ -45,6 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # with skip_special_tokens false: as decoded, or none between two
+    n: int = 1  # completions returned, each a sample forked from the one prefilled prompt
     # what the reply must match (engine/grammar/spec.py; None: free text). Read from the request's own fields only
     # (response_format, structured_outputs, guided_*), never layered from defaults: not a SAMPLING_FIELDS name
     structured: StructuredOutput | None = None
@@ -77,10 +82,23 @@ class SamplingParams:
         for name in _TEXT_FLAGS:
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {describe_value(getattr(self, name))}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
+            bad(f"n must be an integer from 1 to {MAX_SAMPLES}, got {describe_value(self.n)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences decode for the request: n samples, each forked from the one prefilled prompt state;
+        one for a greedy request, whose samples would all be the same."""
+        return 1 if self.greedy else self.n
+
+    @property
+    def decode_tokens(self) -> int:
+        """The most tokens the request may decode, over all its sequences."""
+        return self.max_tokens * self.sequences
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,7 @@ class SamplingDefaults:
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    n: int | None = None
 
     def __post_init__(self):
         # the fields as a flat dict (values are scalars or tuples of scalars: no deep copy, unlike asdict, which
@@ -214,11 +233,35 @@ class Usage:
 
 
 @dataclass
-class Result:
-    custom_id: str
-    index: int
+class Completion:
+    """One generated sample of a request (vLLM's CompletionOutput)."""
+
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (eos, stop string or stop token), "length", or "error" (see `error`)
+    finish_reason: str  # "stop" (eos, stop string or stop token) or "length"
+
+
+@dataclass
+class Result:
+    """A request's outcome: its `sampling.n` completions in `choices` (none when `error` says why it could not
+    run, e.g. its state can never fit the state memory), with usage summed over every sample generated."""
+
+    custom_id: str
+    index: int
+    choices: list[Completion]
     usage: Usage
-    error: str | None = None  # why the request could not run (e.g. its state can never fit the state memory)
+    error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The first choice's tokens (a request's only one when n = 1)."""
+        return self.choices[0].token_ids if self.choices else []
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text if self.choices else ""
+
+    @property
+    def finish_reason(self) -> str:
+        """The first choice's finish reason; "error" for an error Result."""
+        return "error" if self.error is not None or not self.choices else self.choices[0].finish_reason

@@ -306,8 +306,8 @@ def test_engine_errors_become_error_records_in_both_shapes(capsys):
     openai = parse(openai_chat("o", messages=[USER]), line_no=2)
     openai = ParsedRequest(1, 2, openai.custom_id, openai.shape, openai.prompt, openai.sampling)
     usage = Usage(prompt_tokens=3, completion_tokens=0, cached_tokens=0)
-    results = [Result("p", 0, [], "", "length", usage, error="needs 9 blocks; the state memory holds 4"),
-               Result("o", 1, [], "", "length", usage, error="needs 9 blocks; the state memory holds 4")]
+    results = [Result("p", 0, [], usage, error="needs 9 blocks; the state memory holds 4"),
+               Result("o", 1, [], usage, error="needs 9 blocks; the state memory holds 4")]
 
     class Engine:
         stats = None

@@ -23,7 +23,7 @@ from prefixrun.cli.io import (
 from prefixrun.cli.lines import LineError, ParsedRequest, RawLine, iter_input_lines, make_error, parse_input, parse_line
 from prefixrun.cli.records import format_error, format_result
 from prefixrun.engine.load.prompts import ChatPrompt
-from prefixrun.engine.request import InvalidRequest, Result, SamplingDefaults, SamplingParams, Usage
+from prefixrun.engine.request import Completion, InvalidRequest, Result, SamplingDefaults, SamplingParams, Usage
 
 NO_DEFAULTS = SamplingDefaults()
 
@@ -53,9 +53,7 @@ def result_for(req: ParsedRequest, text="Paris.", token_ids=(12, 13), finish_rea
     return Result(
         custom_id=req.custom_id,
         index=req.index,
-        token_ids=list(token_ids),
-        text=text,
-        finish_reason=finish_reason,
+        choices=[Completion(list(token_ids), text, finish_reason)],
         usage=Usage(prompt_tokens=5, completion_tokens=len(token_ids), cached_tokens=3),
     )
 
@@ -273,7 +271,12 @@ ERROR_CASES = [
     ({"prompt": "a", "custom_id": 1.5}, "custom_id must be a non-empty string", False),
     ({"prompt": "a", "custom_id": True}, "custom_id must be a non-empty string", False),
     ({"prompt": "a", "custom_id": ["x"]}, "custom_id must be a non-empty string", False),
-    ({"prompt": "a", "n": 2}, "n is refused", False),
+    ({"prompt": "a", "n": 0}, "n must be an integer from 1 to 1024, got 0", False),
+    ({"prompt": "a", "n": 1025}, "n must be an integer from 1 to 1024, got 1025", False),
+    ({"prompt": "a", "n": True}, "n must be an integer from 1 to 1024, got true", False),
+    ({"prompt": "a", "n": 2.0}, "n must be an integer from 1 to 1024, got 2.0", False),
+    ({"prompt": "a", "n": "2"}, 'n must be an integer from 1 to 1024, got "2"', False),
+    ({"prompt": "a", "n": 10**40}, "n must be an integer from 1 to 1024, got 1000000000", False),
     ({"prompt": "a", "temperature": -1}, "temperature must be >= 0", False),
     ({"prompt": "a", "temperature": "0.5"}, "temperature must be a finite number", False),
     ({"prompt": "a", "temperature": float("inf")}, "temperature must be a finite number", False),
@@ -307,8 +310,9 @@ ERROR_CASES = [
     # Deep, and with a surrogate to search for: whichever check trips first, the line becomes an error record.
     (b'{"prompt": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}", "", False),
     (openai_line(messages=[{"role": "user", "content": 1}]), "body.messages[0].content must be a string", True),
-    (openai_line(messages=CHAT, n=3), "body.n is refused", True),
-    (openai_line(messages=CHAT, n=0), "body.n is refused", True),
+    (openai_line(messages=CHAT, n=0), "body.n must be an integer from 1 to 1024, got 0", True),
+    (openai_line(url="/v1/completions", prompt="a", n=[2]), "body.n must be an integer from 1 to 1024, got [2]",
+     True),
     (openai_line(messages=CHAT, temperature=-0.5), "body.temperature must be >= 0", True),
     (openai_line(messages=CHAT, max_completion_tokens=0), "body.max_completion_tokens must be a positive integer",
      True),

@@ -10,6 +10,11 @@ no base = an empty state), computes the tokens in between, then either saves a c
 (`saves`), or starts decoding its one request, or hands its state to its one child. Every request ending at a
 branch point is a task of its own with no tokens to compute (it forks the checkpoint and takes its logits).
 
+A request that decodes several sequences (n samples) has one decode task per sample, each with no tokens
+to compute: its prompt's end is a branch point like any other, so the samples share one prefill and its last
+logits. Where those samples are the end's only consumers, the task `fans_out`: they fork its state directly
+(no checkpoint in the pool: nothing else will ever want that state).
+
 So each distinct prefix token belongs to exactly one task, and an execution that runs each task's own tokens once
 computes exactly `distinct_tokens` prompt tokens. A task's subtree (`Plan.subtree`) is self-contained given its
 base's state: the unit a later multi-worker split hands out. The runner executes tasks in a dependency-respecting
@@ -129,6 +134,7 @@ class Task:
     path: tuple[int, ...]  # the whole token prefix up to this task's end
     base: "Task | None"  # whose end state this task starts from (None: an empty state)
     request: int | None = None  # the request that decodes from this task's end (None for inner tasks)
+    sample: int = 0  # which of its request's sequences it decodes
     consumers: list["Task"] = field(default_factory=list)
     carrier: int = -1  # the first request in work order under this task: computed tokens are charged to it
 
@@ -143,7 +149,15 @@ class Task:
 
     @property
     def saves(self) -> bool:
-        return len(self.consumers) > 1
+        """Whether its end state is checkpointed for several consumers (see `fans_out` for the exception)."""
+        return len(self.consumers) > 1 and not self.fans_out
+
+    @property
+    def fans_out(self) -> bool:
+        """Its consumers are the samples of one request, all at its end: each forks its state, no checkpoint."""
+        c = self.consumers
+        return len(c) > 1 and c[0].request is not None and all(
+            t.request == c[0].request and t.end == self.end for t in c)
 
     @property
     def depth(self) -> int:
@@ -157,8 +171,10 @@ class Task:
         what = f"prefill [{self.start}, {self.end}) from {base}" if self.end > self.start else f"fork {base}"
         if self.saves:
             what += f", save @{self.end} for {len(self.consumers)}"
+        if self.fans_out:
+            what += f", fork for {len(self.consumers)} samples"
         if self.request is not None:
-            what += f", decode r{self.request}"
+            what += f", decode r{self.request}" + (f" sample {self.sample}" if self.sample else "")
         return f"t{self.id} {what}"
 
 
@@ -187,14 +203,16 @@ class Plan:
         return "\n".join("  " * t.depth + t.describe() for t in self.tasks)
 
 
-def make_plan(prompts: list[list[int]], share: bool = True) -> Plan:
-    """The plan of a window: one task per trie node, plus one decode task per request ending at a branch point."""
+def make_plan(prompts: list[list[int]], share: bool = True, samples: list[int] | None = None) -> Plan:
+    """The plan of a window: one task per trie node, plus one decode task per request ending at a branch point.
+    `samples[i]`: the sequences request i decodes (default 1), each a decode task of its own."""
     root = build_trie(prompts, share)
+    samples = [1] * len(prompts) if samples is None else samples
     tasks: list[Task] = []
     roots: list[Task] = []
 
-    def new(path, base, request=None) -> Task:
-        t = Task(len(tasks), tuple(path), base, request)
+    def new(path, base, request=None, sample=0) -> Task:
+        t = Task(len(tasks), tuple(path), base, request, sample)
         tasks.append(t)
         if base is None:
             roots.append(t)
@@ -209,13 +227,15 @@ def make_plan(prompts: list[list[int]], share: bool = True) -> Plan:
     stack = [(child, None, child.tokens) for child in reversed(root.ordered_children())]
     while stack:
         node, base, path = stack.pop()
-        if isinstance(node, int):  # a request ending at a branch point: it forks its base's checkpoint
-            new(path, base, node)
+        if isinstance(node, int):  # a request ending at a branch point: each of its samples forks its base's state
+            for i in range(samples[node]):
+                new(path, base, node, i)
             continue
-        single_request = node.requests[0] if node.consumers == 1 and node.requests else None
+        ends = sum(samples[rid] for rid in node.requests)  # the decode tasks ending here
+        single_request = node.requests[0] if len(node.children) + ends == 1 and node.requests else None
         task = new(path, base, single_request)
-        if node.consumers > 1:  # a branch point
-            after = [(rid, rid, path) for rid in node.requests] + \
+        if len(node.children) + ends > 1:  # a branch point (the samples of one request ending here included)
+            after = [(rid, rid, task.path) for rid in node.requests] + \
                 [(first[id(child)], child, list(path) + child.tokens) for child in node.ordered_children()]
             for _, item, item_path in sorted(after, key=lambda a: a[0], reverse=True):
                 stack.append((item, task, item_path))

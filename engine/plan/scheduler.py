@@ -4,11 +4,12 @@ The scheduler keeps the pending tasks as a stack in plan order (top = next, the 
 pushes its consumers, so work goes depth-first, by the lowest input line each subtree holds) and each pending task's current base: a pool checkpoint it pins, a state handed over whole, or
 nothing (an empty state). A group is a run of stack tasks prefilled together in varlen steps: siblings that fork
 one checkpoint, and with them the next siblings of other checkpoints (doc-qa's 64 questions over four documents:
-one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over whole runs alone.
+one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over runs alone, or
+with the other samples of its request that fork it.
 
 One admission rule, `can_admit(group, decoding)` (pure), counts what the group adds to the pools until its
 requests finish:
-- seats: decoding sequences + the group's requests <= max_batch;
+- seats: decoding sequences + the group's decode tasks (one per sample of a request) <= max_batch;
 - state slots: one per task, plus one spare for a retained copy;
 - K/V blocks (`task_blocks`): each task's blocks up to its last possible length (its end; for a request, end plus
   its new tokens, within the context), less the blocks its base already holds and shares, plus one copy of a shared
@@ -31,11 +32,24 @@ from prefixrun.engine.state.pools import ModelState, StateHandle
 
 @dataclass(eq=False)
 class Handoff:
-    """A finished task's end state given whole to its single consumer (with the end logits, for a request)."""
+    """A finished task's end state given to its consumers (with the end logits, for a request): whole to a single
+    consumer; to the samples of a request (`Task.fans_out`), a fork to each but the last, which takes it whole."""
 
     handle: StateHandle
     logits: object | None
     origin: object = None  # the runner's record of how the state was made (for accounting)
+    shares: int = 1  # consumers that have not taken it yet
+
+    def take(self, state: ModelState) -> StateHandle:
+        """A consumer's own state: a fork while others still wait for it, the state itself for the last one."""
+        self.shares -= 1
+        return self.handle if self.shares == 0 else state.fork(self.handle)
+
+    def let_go(self, state: ModelState):
+        """A consumer that will not take it after all (served another way): the last one releases the state."""
+        self.shares -= 1
+        if self.shares == 0:
+            state.release(self.handle)
 
 
 def _stack_position(task: Task) -> int:
@@ -113,12 +127,13 @@ class Scheduler:
 
     def next_group(self, decoding: list[Sequence]) -> list[Task]:
         """The largest run of top-of-stack tasks the pools admit (possibly none), within the step token budget once
-        it holds a task; a task whose base is a hand-over runs alone. Not popped."""
+        it holds a task; a task whose base is a hand-over runs alone (or with its base's other takers). Not
+        popped."""
         group: list[Task] = []
         tokens = requests = blocks = 0
         growth = self.growth(decoding)
         for t in reversed(self.pending):
-            if group and (isinstance(self.base[t.id], Handoff) or isinstance(self.base[group[0].id], Handoff)):
+            if group and self._alone(t, group[0]):
                 break
             n = self.todo_tokens(t)
             if group and tokens + n > self.max_prefill_tokens:
@@ -129,6 +144,12 @@ class Scheduler:
             group.append(t)
             tokens, requests, blocks = tokens + n, r, b
         return group
+
+    def _alone(self, task: Task, first: Task) -> bool:
+        """Whether `task` may not join `first`'s group: a state handed over runs alone, or with its other takers
+        (the samples of a request, which fork it)."""
+        base, first_base = self.base[task.id], self.base[first.id]
+        return (isinstance(base, Handoff) or isinstance(first_base, Handoff)) and base is not first_base
 
     def admit(self, group: list[Task]):
         """Take an admitted group off the stack (it is the top of the stack, in order)."""

@@ -6,7 +6,8 @@ subtrees except at its two ends, so a shared prefix is prefilled on more than on
 inside its subtree, and then on exactly the workers whose runs meet there.
 
 Work of a worker = the distinct prompt tokens it must prefill (the size of the trie of its requests) +
-`decode_weight` x the tokens it may decode (max_tokens of its requests). Both are exact counts from the plan. The
+`decode_weight` x the tokens it may decode (max_tokens of its requests, times the samples each decodes: a request's
+samples fork its one prompt state, so they stay on its worker). Both are exact counts from the plan. The
 cuts minimise the slowest worker's work (bisection on that bound, filling workers greedily in depth-first order,
 which is optimal among contiguous cuts because a run's work only grows as it extends). So a long shared root is cut
 (and duplicated) only when the work below it is large enough that computing it twice beats leaving a worker idle.
@@ -51,7 +52,7 @@ def shard_window(root: TrieNode, max_tokens: list[int], workers: int, decode_wei
                  slack: float = 0.05) -> ShardPlan:
     """Assign the requests of the trie `root` (built from a window's prompts) to `workers` shards.
 
-    max_tokens[i]: the decode budget of request i; slack: how much longer than the shortest makespan a cut may be
+    max_tokens[i]: the decode budget of request i (over all its samples); slack: how much longer than the shortest makespan a cut may be
     to duplicate fewer prefix tokens. Deterministic: the same window gives the same shards."""
     if workers < 1:
         raise ValueError("workers must be >= 1")

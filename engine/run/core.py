@@ -137,7 +137,7 @@ class Engine:
         if not runnable:
             return
         prompts = [r.prompt_token_ids for r in runnable]
-        plan = make_plan(prompts, share=self.opts.reuse)
+        plan = make_plan(prompts, share=self.opts.reuse, samples=[r.sampling.sequences for r in runnable])
         self.stats.distinct_prefix_tokens += plan.distinct_tokens if self.opts.reuse \
             else make_plan(prompts).distinct_tokens
         self.last_plan, self.last_trace = plan, Trace()
@@ -176,7 +176,7 @@ class Engine:
     def error_result(self, r: Request, message: str) -> Result:
         self.stats.failed_requests += 1
         n = len(r.prompt_token_ids)
-        return Result(r.custom_id, r.index, [], "", "error", Usage(n, 0, 0, 0), error=message)
+        return Result(r.custom_id, r.index, [], Usage(n, 0, 0, 0), error=message)
 
 
 @contextlib.contextmanager

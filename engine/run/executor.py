@@ -28,7 +28,8 @@ from typing import Iterator
 from prefixrun.engine.state.checkpoints import CheckpointEntry
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task
-from prefixrun.engine.request import Request, Result, Usage
+from prefixrun.engine.request import Completion, Request, Result
+from prefixrun.engine.run.samples import SampleSet
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
 from prefixrun.engine.step.sequence import Sequence
 from prefixrun.engine.state.pools import StateHandle
@@ -64,6 +65,7 @@ class WindowExecutor:
         self.decoding: list[Sequence] = []
         self.starting: list[tuple[Sequence, object]] = []  # sequences a group started, before their first token
         self.finished: list[Result] = []
+        self.samples: dict[int, SampleSet] = {}  # id(request) -> its samples ended so far
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
         # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py); speculative steps need
@@ -151,17 +153,19 @@ class WindowExecutor:
             r = self.requests[t.request]
             need = self.sched.task_blocks(t, None)
             self.trace.add("error", t.id, note="does not fit the state memory")
-            self.finished.append(self.e.error_result(r, (
+            samples = self._samples_of(r)
+            samples.fail(t.sample, (
                 f"prompt of {len(r.prompt_token_ids)} tokens with up to {r.sampling.max_tokens} new tokens needs "
                 f"{need} K/V blocks of {s.block_size} tokens; the state memory holds "
                 f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer} or lower "
-                f"max_tokens")))
+                f"max_tokens"))
+            self._collect(samples)
 
     # ---- prefill ------------------------------------------------------------------------------------------
     def _let_go(self, task: Task, base):
         """The task will not use its base after all: give back what the base holds for it."""
         if isinstance(base, Handoff):
-            self.e.state.release(base.handle)
+            base.let_go(self.e.state)
         elif isinstance(base, CheckpointEntry):
             self.e.pool.release(base, task.id)
             if base.pins == 0:
@@ -176,7 +180,7 @@ class WindowExecutor:
         e, end = self.e, task.end
         base = self.sched.base[task.id]
         b = self.sched.base_length(task)
-        if e.opts.reuse:
+        if e.opts.reuse and b < end:  # (a state already at its end, e.g. a sample's, has nothing to look up)
             found, source = None, ""
             entry = e.pool.lookup(task.path, b, end)
             if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
@@ -198,7 +202,9 @@ class WindowExecutor:
         if base is None:
             return e.state.new_sequence(), None, _Run(task, None)
         if isinstance(base, Handoff):
-            return base.handle, base.logits if b == end else None, _Run(task, base.origin)
+            if base.shares > 1:
+                self.trace.add("fork", task.id, start=b)
+            return base.take(e.state), base.logits if b == end else None, _Run(task, base.origin)
         handle = e.pool.acquire(base, task.id)
         saver, saver_run = self.saver[id(base)]
         self.trace.add("fork", task.id, start=b)
@@ -322,9 +328,12 @@ class WindowExecutor:
             sched.push(task.consumers, Handoff(handle, logits, run))
             self._rebase(task.consumers[1:], self._fallback(task.base))
             return
-        if task.request is not None:
+        if task.request is not None or task.fans_out:
             if e.persist is not None and e.opts.reuse:
                 e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
+        if task.fans_out:  # the samples of its request: each forks the state, the last takes it
+            sched.push(task.consumers, Handoff(handle, logits, run, shares=len(task.consumers)))
+        elif task.request is not None:
             self._start_decoding(task, handle, logits, run)
         elif task.consumers:
             sched.push(task.consumers, Handoff(handle, logits, run))
@@ -341,7 +350,7 @@ class WindowExecutor:
 
             detok = StreamDetokenizer(e.tokenizer, req.sampling.skip_special_tokens,
                                       req.sampling.spaces_between_special_tokens)
-        seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run,
+        seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run, sample=task.sample,
                        grammar=e.grammars.start(req.sampling.structured))  # compiled (and checked) by Engine.run
         self.trace.add("decode", task.id)
         self.starting.append((seq, logits))
@@ -419,14 +428,30 @@ class WindowExecutor:
     def _finish(self, seq: Sequence):
         e = self.e
         e.state.release(seq.handle)
-        prompt_len = len(seq.request.prompt_token_ids)
-        computed, from_disk = _charged(seq.origin)
-        cached = prompt_len - computed
-        e.stats.reused_tokens += cached
-        e.stats.reused_from_disk_tokens += from_disk
         e.stats.completion_tokens += len(seq.tokens)
-        self.finished.append(Result(seq.request.custom_id, seq.request.index, list(seq.tokens), seq.text(),
-                                    seq.finish_reason, Usage(prompt_len, len(seq.tokens), cached, from_disk)))
+        samples = self._samples_of(seq.request)
+        samples.add(seq.sample, Completion(list(seq.tokens), seq.text(), seq.finish_reason), *_charged(seq.origin))
+        self._collect(samples)
+
+    def _samples_of(self, request: Request) -> SampleSet:
+        samples = self.samples.get(id(request))
+        if samples is None:
+            samples = self.samples[id(request)] = SampleSet(request)
+        return samples
+
+    def _collect(self, samples: SampleSet):
+        """A sample of the request ended (or was refused): the last one makes the request's Result."""
+        if not samples.complete:
+            return
+        request = samples.request
+        del self.samples[id(request)]
+        if samples.error is not None:
+            self.finished.append(self.e.error_result(request, samples.error))
+            return
+        result = samples.result()
+        self.e.stats.reused_tokens += result.usage.cached_tokens
+        self.e.stats.reused_from_disk_tokens += result.usage.cached_from_disk_tokens
+        self.finished.append(result)
 
 
 def _charged(run: _Run) -> tuple[int, int]:

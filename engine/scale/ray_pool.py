@@ -89,7 +89,7 @@ class RayWorkerPool:
             yield from (failed_result(r, "no Ray worker is left alive") for r in requests)
             return
         root = build_trie([r.prompt_token_ids for r in requests], share=self.reuse)
-        plan = shard_window(root, [r.sampling.max_tokens for r in requests], len(live), self.decode_weight)
+        plan = shard_window(root, [r.sampling.decode_tokens for r in requests], len(live), self.decode_weight)
         self.plans.append(plan)
         running = {}  # ObjectRef -> (actor index, its requests, attempt)
         for a, shard in zip(live, plan.shards):

@@ -150,7 +150,7 @@ class WorkerPool:
             yield from (failed_result(r, "no worker is left alive") for r in requests)
             return
         root = build_trie([r.prompt_token_ids for r in requests], share=self.reuse)
-        plan = shard_window(root, [r.sampling.max_tokens for r in requests], len(live), self.decode_weight)
+        plan = shard_window(root, [r.sampling.decode_tokens for r in requests], len(live), self.decode_weight)
         self.plans.append(plan)
         by_index = {r.index: r for r in requests}
         pending = set(by_index)
@@ -304,7 +304,7 @@ class WorkerPool:
 
 def failed_result(r: Request, why: str) -> Result:
     """The Result of a request that no worker could finish."""
-    return Result(r.custom_id, r.index, [], "", "error", Usage(len(r.prompt_token_ids), 0, 0, 0), error=why)
+    return Result(r.custom_id, r.index, [], Usage(len(r.prompt_token_ids), 0, 0, 0), error=why)
 
 
 def merge_run_stats(snapshots) -> "RunStats":

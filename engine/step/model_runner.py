@@ -143,9 +143,13 @@ class ModelRunner:
                 as_seed_array([self._seed_of(s) for s in seqs]), counters)
 
     def _seed_of(self, s: Sequence) -> int:
-        if s.request.sampling.seed is not None:
-            return s.request.sampling.seed
-        return zlib.crc32(s.request.custom_id.encode()) ^ (self.run_seed * 0x9E3779B1)
+        """The request's seed (without one: derived from its custom_id and the run's seed), plus the sample's index,
+        as vLLM seeds its n samples: sample 0 draws as a request with n = 1, sample i as the same request with
+        n = 1 and seed + i."""
+        seed = s.request.sampling.seed
+        if seed is None:
+            seed = zlib.crc32(s.request.custom_id.encode()) ^ (self.run_seed * 0x9E3779B1)
+        return seed + s.sample
 
     def close(self):
         self.decoder.close()

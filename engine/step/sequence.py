@@ -20,6 +20,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once done
     origin: object = None  # the runner's record of how the prompt state was made (for accounting)
     grammar: object = UNCONSTRAINED  # structured output: engine/grammar/compiler.py GrammarState (masks, stop)
+    sample: int = 0  # which of its request's sequences this is (n samples): it draws with seed + sample
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,67 @@
+"""A request's samples gathered into its one Result.
+
+A request decodes `sampling.sequences` sequences (engine/request.py): n samples, or one for a greedy request (its
+n choices are that one completion). Each finished sequence (or each sample refused for the state memory) is added
+to the request's `SampleSet`; the last one makes the Result. Usage is the response's: the prompt counted once,
+completion tokens summed over the choices (a greedy request's n identical choices each count).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from prefixrun.engine.request import Completion, Request, Result, Usage
+
+
+@dataclass(eq=False)
+class SampleSet:
+    """The samples of one request that have ended so far."""
+
+    request: Request
+    completions: dict[int, Completion] = field(default_factory=dict)  # sample index -> its completion
+    errors: dict[int, str] = field(default_factory=dict)  # sample index -> why it could not run
+    computed: int = -1  # prompt tokens computed for the request (the most any sample's chain was charged)
+    from_disk: int = 0  # of the others, those restored from the persistent store (that same chain's)
+
+    @property
+    def expected(self) -> int:
+        return self.request.sampling.sequences
+
+    @property
+    def complete(self) -> bool:
+        return len(self.completions) + len(self.errors) == self.expected
+
+    def add(self, sample: int, completion: Completion, computed: int, from_disk: int):
+        """A sample's sequence ended; `computed` and `from_disk`: the prompt tokens its state's chain charged."""
+        self._check_new(sample)
+        self.completions[sample] = completion
+        if computed > self.computed:  # a sample rebased under memory pressure may have recomputed part of it
+            self.computed, self.from_disk = computed, from_disk
+
+    def fail(self, sample: int, message: str):
+        self._check_new(sample)
+        self.errors[sample] = message
+
+    def _check_new(self, sample: int):
+        if not 0 <= sample < self.expected or sample in self.completions or sample in self.errors:
+            raise ValueError(f"sample {sample} of request {self.request.custom_id!r} ended twice or does not exist")
+
+    @property
+    def error(self) -> str | None:
+        """Why the request failed (its first failed sample's reason); None if every sample ran."""
+        return self.errors[min(self.errors)] if self.errors else None
+
+    def result(self) -> Result:
+        """The request's Result once `complete` and no sample failed."""
+        if not self.complete or self.errors:
+            raise RuntimeError(f"request {self.request.custom_id!r} has no result yet")
+        sp = self.request.sampling
+        generated = [self.completions[i] for i in range(self.expected)]
+        choices = generated
+        if len(generated) < sp.n:  # a greedy request's samples are all its one completion
+            choices = [dataclasses.replace(generated[0], token_ids=list(generated[0].token_ids))
+                       for _ in range(sp.n)]
+        prompt = len(self.request.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        usage = Usage(prompt, completion_tokens, prompt - max(self.computed, 0), self.from_disk)
+        return Result(self.request.custom_id, self.request.index, choices, usage)
