@@ -254,3 +254,42 @@ def test_batch_writes_n_choices_per_line_and_errors_for_bad_values(tmp_path):
     assert "body.n must be an integer from 1 to 1024, got 1025" in worse["error"]["message"]
     figures = json.loads(report.read_text())
     assert figures["computed_prompt_tokens"] <= figures["prompt_tokens"]
+
+
+def test_the_issue_target_64_requests_over_a_2048_token_prefix_compute_the_same_prefill_with_n_4(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    prefix = random_prompt(2, 2048)
+    prompts = [prefix + random_prompt(200 + i, 8) for i in range(64)]
+    four, stats = run(model, cpu_ops, prompts, n=4, max_tokens=2)
+    # what n = 1 computes with an ample budget (tests/test_engine.py): every distinct trie token once
+    assert stats.computed_prompt_tokens == make_plan(prompts).distinct_tokens < 2048 + 64 * 8 + 1
+    assert stats.completion_tokens == 4 * 64 * 2 and all(len(r.choices) == 4 for r in four.values())
+
+
+def test_worker_shards_keep_a_requests_samples_together(tmp_path):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    lines = [{"custom_id": f"q{i}", "prompt": f"Question {i} about the same long preamble: why?" * (1 + i % 3),
+              "n": 3, "max_tokens": 3, "seed": i} for i in range(6)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def batch(*extra):
+        report = tmp_path / "report.json"
+        res = CliRunner().invoke(app, ["batch", str(path), "--model", str(model), "--device", "cpu", "--no-cache",
+                                       "-q", "--json-report", str(report), *extra], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return [json.loads(line) for line in res.stdout.splitlines()], json.loads(report.read_text())
+
+    single, single_report = batch()
+    workers, report = batch("--devices", "0,1")
+    # the same choices (cached_tokens differ where a shard boundary duplicated a prefix)
+    assert [(r["custom_id"], r["choices"]) for r in workers] == [(r["custom_id"], r["choices"]) for r in single]
+    assert all(len(r["choices"]) == 3 for r in workers)
+    assert sum(w["requests"] for w in report["workers"]["per_worker"]) == len(lines)
+    assert report["computed_prompt_tokens"] == single_report["computed_prompt_tokens"] + \
+        report["workers"]["duplicated_prefix_tokens"]
