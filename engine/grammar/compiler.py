@@ -1,18 +1,17 @@
 """Structured output specs compiled against one model's tokenizer, and each constrained sequence's grammar state.
 
-The grammar engine is llguidance (Rust; the engine vLLM uses for its "guidance" backend): chosen over xgrammar,
-the other candidate, for its dependencies and its compile time. llguidance is one abi3 wheel per platform with no
-Python dependencies; xgrammar requires torch, triton and transformers, which prefixrun otherwise never needs.
-Measured on a 151,669-token vocabulary (the Qwen3 tokenizer), a nested schema, a 66-token reply, 2 shared CPU
-cores (docs/PERFORMANCE.md has the command): llguidance compiles the schema in 1.4-2.6 ms where xgrammar takes
-175 ms, a cost paid again for every distinct schema; per token, a mask takes llguidance a median 27-70 us once its
-lazily built lexer states are warm (xgrammar 9 us). At a batch of 64 both are far below a GPU decode step, and
-llguidance fills a batch's masks on its own threads, without the GIL.
+The grammar engine is llguidance (Rust; the engine behind vLLM's "guidance" backend), chosen over xgrammar for its
+dependencies and its compile time, though xgrammar's masks are faster per token (docs/PERFORMANCE.md, "Structured
+output", has the measurements and the command). llguidance is one abi3 wheel per platform with no Python
+dependencies, where xgrammar requires torch, triton and transformers at run time, which prefixrun otherwise never
+needs; llguidance compiles a schema 50-100x faster (each distinct schema of a batch is compiled once) and fills a
+batch's masks on its own threads, without the GIL. Its costly case is a string with maxLength over a large
+vocabulary (about a millisecond per row and token while inside one).
 
 Building llguidance's view of a tokenizer costs ~4 s for a 150k vocabulary: it is made on the first constrained
 request, never for runs without one. A compiled spec is kept as a template matcher (at most TEMPLATES_KEPT of
-them, least recently used out) and each sequence gets a copy: copies share the template's lexer states, so the
-first masks of a schema's later requests are cheap.
+them, least recently used out) and each sequence gets a copy of it, so a schema shared by many lines is compiled
+once.
 """
 from __future__ import annotations
 
