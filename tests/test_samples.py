@@ -3,6 +3,7 @@ the Result and the output lines. CPU fp32, the tiny Qwen3.5 (hybrid) model."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -293,3 +294,25 @@ def test_worker_shards_keep_a_requests_samples_together(tmp_path):
     assert sum(w["requests"] for w in report["workers"]["per_worker"]) == len(lines)
     assert report["computed_prompt_tokens"] == single_report["computed_prompt_tokens"] + \
         report["workers"]["duplicated_prefix_tokens"]
+
+
+def test_each_sample_of_a_structured_request_follows_its_own_grammar(tmp_path_factory):
+    from prefixrun.engine.grammar.spec import read_structured_output
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.load.model_maker import ensure_default_model
+
+    lm = loader.load(ensure_default_model(tmp_path_factory.mktemp("cache")), "cpu")
+    spec = read_structured_output({"structured_outputs": {"regex": "(yes|no|maybe)( [a-z]{1,6}){0,3}"}})
+
+    def answers(n, seed):
+        eng = Engine(lm.model, lm.ops, eos_token_ids=lm.eos_token_ids, tokenizer=lm.tokenizer)
+        sp = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, n=n, structured=spec)
+        (result,) = eng.run([Request("q", lm.tokenizer.encode("Is the sky blue? Answer:"), sp, 0)])
+        eng.close()
+        assert not eng.state.live
+        return [c.text for c in result.choices]
+
+    four = answers(4, 50)
+    assert len(four) == 4 and len(set(four)) > 1
+    assert all(re.fullmatch("(yes|no|maybe)( [a-z]{1,6}){0,3}", text) for text in four), four
+    assert answers(1, 52) == [four[2]]

@@ -1,0 +1,49 @@
+"""n samples per request on the GPU (CUDA backend, fp32, decode graphs and the pipelined decode on): one prefill
+whatever n is, and sample i equals the request run alone with n = 1 and seed + i. Skipped without CuPy or a GPU."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cupy")
+
+from conftest import random_prompt  # noqa: E402
+from prefixrun.engine.plan.planner import make_plan  # noqa: E402
+from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
+from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
+from prefixrun.kernels import cuda_available  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+PROMPTS = [random_prompt(1, 300) + random_prompt(10 + i, 5 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def gpu_model(model_dirs):
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("float32")
+    return load_model(model_dirs["qwen3_5"], ops)[0], ops
+
+
+def _run(model, ops, n, seed_shift=0, **options):
+    eng = Engine(model, ops, options=EngineOptions(block_size=ops.default_block_size, **options))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=40 + i + seed_shift,
+                                               n=n, ignore_eos=True), i) for i, p in enumerate(PROMPTS)]
+    got = {r.custom_id: [c.token_ids for c in r.choices] for r in eng.run(reqs)}
+    stats = eng.stats
+    eng.close()
+    eng.check_invariants()
+    assert not eng.state.live
+    return got, stats
+
+
+def test_samples_fork_one_prefill_and_each_equals_its_seed_alone_on_gpu(gpu_model):
+    model, ops = gpu_model
+    four, stats = _run(model, ops, 4, max_batch=8)
+    assert stats.computed_prompt_tokens == make_plan(PROMPTS).distinct_tokens
+    for i in range(4):
+        alone, _ = _run(model, ops, 1, seed_shift=i)
+        assert {k: v[i] for k, v in four.items()} == {k: v[0] for k, v in alone.items()}
+    turns, _ = _run(model, ops, 4, max_batch=3)  # the samples decode in turns
+    assert turns == four
