@@ -264,6 +264,13 @@ REFUSED = {
                        'quantization_config (quant_method "fp8") is not supported'),
     "bitsandbytes": ("llama", dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
                      'quantization_config (quant_method "bitsandbytes") is not supported'),
+    # transformers cannot load a Gemma 3 config whose rope settings are not per layer type; they were dropped
+    "gemma3 flat rope": ("gemma3_text", dict(rope_parameters={"rope_type": "linear", "factor": 8.0,
+                                                              "rope_theta": 10000.0}),
+                         "rope_parameters holds factor, rope_theta, rope_type at its top level; Gemma 3 takes one "
+                         "object per layer type"),
+    # Gemma 3 names the field hidden_activation (the message said hidden_act, a field Gemma 3 ignores)
+    "gemma3 activation": ("gemma3_text", dict(hidden_activation="relu"), "config.json: hidden_activation 'relu'"),
 }
 
 
@@ -365,3 +372,76 @@ def test_hand_written_configs_take_the_family_defaults():
             assert ours.rope.theta == hf.rope_parameters["full_attention"]["rope_theta"]
         else:
             assert ours.rope.theta == hf.rope_parameters["rope_theta"]
+
+
+# ---- rotary inverse frequencies, against transformers' own functions -------------------------------------------
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 1e6},
+    "linear": {"rope_type": "linear", "factor": 3.0, "rope_theta": 500.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512, "rope_theta": 500000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "yarn-untruncated": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "rope_theta": 1e6, "beta_fast": 16, "truncate": False},
+}
+
+
+def transformers_inverse_frequencies(params: dict, head_dim: int, extra: dict | None = None) -> np.ndarray:
+    """What transformers' ROPE_INIT_FUNCTIONS (the model's own default function for "default") return."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=head_dim * 4, num_attention_heads=4,
+                                            head_dim=head_dim, max_position_embeddings=4096,
+                                            rope_parameters=dict(params), **(extra or {}))
+    kind = params["rope_type"]
+    init = LlamaRotaryEmbedding.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
+    return init(cfg, "cpu")[0].numpy()
+
+
+def ours_inverse_frequencies(params: dict, head_dim: int, text: dict | None = None) -> np.ndarray:
+    raw = {**BASE["llama"], "hidden_size": head_dim * 4, "head_dim": head_dim, "max_position_embeddings": 4096,
+           "rope_parameters": dict(params), **(text or {}), "model_type": "llama",
+           "architectures": ["LlamaForCausalLM"]}
+    return parse_config(raw).rope.inverse_frequencies()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_inverse_frequencies_are_transformers_to_the_bit(case, head_dim, monkeypatch):
+    """Every step is torch's float32 step (they were computed in float64: 1-5 ulp apart, logits 2e-3 apart a
+    thousand tokens in): with torch's own float32 pow, equal to the bit. With ours (correctly rounded; torch's is
+    SLEEF's, within 1 ulp) an element differs by 2 ulp at most (that 1 ulp through a division), and only where
+    torch's pow is the one off."""
+    from prefixrun.engine.load import rope
+
+    params = ROPE_CASES[case]
+    want = transformers_inverse_frequencies(params, head_dim)
+    got = ours_inverse_frequencies(params, head_dim)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    ulps = np.abs(got.view(np.int32) - want.view(np.int32))
+    assert ulps.max() <= 2, (case, ulps.max())
+    exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+    torch_pow = (np.float32(params["rope_theta"]) ** torch.from_numpy(exponents)).numpy()
+    off = torch_pow != rope.fp32_pow(params["rope_theta"], exponents)
+    assert set(np.flatnonzero(ulps)) <= set(np.flatnonzero(off)), case
+    monkeypatch.setattr(rope, "fp32_pow", lambda base, e: (np.float32(base) ** torch.from_numpy(e)).numpy())
+    assert np.array_equal(ours_inverse_frequencies(params, head_dim), want), case
+
+
+@pytest.mark.parametrize("case", ["llama3", "yarn"])
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(case, monkeypatch):
+    """Beside llama3 / yarn settings, a top-level original_max_position_embeddings overrides the one inside
+    them, as transformers' standardisation has it (it was ignored: other frequencies, other tokens)."""
+    from prefixrun.engine.load import rope
+
+    monkeypatch.setattr(rope, "fp32_pow", lambda base, e: (np.float32(base) ** torch.from_numpy(e)).numpy())
+    params = {**ROPE_CASES[case], "rope_theta": 500.0}
+    top = {"original_max_position_embeddings": 2048}
+    want = transformers_inverse_frequencies(params, 64, top)
+    assert not np.array_equal(want, transformers_inverse_frequencies(params, 64))  # the value matters here
+    assert np.array_equal(ours_inverse_frequencies(params, 64, top), want)
+    raw = {**BASE["llama"], "rope_parameters": params, **top, "model_type": "llama",
+           "architectures": ["LlamaForCausalLM"]}
+    assert parse_config(raw).rope.original_max_position_embeddings == 2048

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.rope import RopeConfig
@@ -72,8 +73,11 @@ class DecoderConfig:
             raise ModelLoadError(f"config.json: rotary dimension {self.rope.rotary_dim} exceeds head_dim "
                                  f"{self.head_dim}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ModelLoadError(f"config.json: hidden_act {self.hidden_act!r} is not supported "
+            raise ModelLoadError(f"config.json: {self.activation_field} {self.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+
+    # the config.json field `hidden_act` is read from (Gemma 3 names it hidden_activation), for messages
+    activation_field: ClassVar[str] = "hidden_act"
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ class SlidingWindowConfig(DecoderConfig):
     """Gemma 3 text: sliding-window (local) layers and full (global) layers in a pattern, each with its own rotary
     settings; q/k RMSNorm, sandwich norms around attention and MLP, scaled embeddings, GeGLU MLP."""
 
+    activation_field: ClassVar[str] = "hidden_activation"
     sliding_window: int = 4096
     rope_local: RopeConfig | None = None
     query_pre_attn_scalar: float = 256.0

@@ -6,9 +6,9 @@ default here. longrope (and any other type) switches frequencies with the length
 no prefix cache can reproduce — and is refused.
 
 Where the fields live (transformers' standardisation): `rope_scaling` (legacy) wins over `rope_parameters`; a
-top-level `rope_theta` / `partial_rotary_factor` fills what the dict lacks; yarn/llama3 default
-original_max_position_embeddings to max_position_embeddings. Gemma 3 keeps one dict per layer type (legacy:
-`rope_scaling` + `rope_theta` for global layers, `rope_local_base_freq` for local ones).
+top-level `rope_theta` / `partial_rotary_factor` fills what the dict lacks; yarn/llama3 take a top-level
+original_max_position_embeddings over the dict's, and default it to max_position_embeddings. Gemma 3 keeps one dict per layer type (legacy:
+`rope_scaling` + `rope_theta` for global layers, `rope_local_base_freq` for local ones); a flat dict is refused.
 """
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from prefixrun.engine.errors import ModelLoadError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+F32 = np.float32
 
 
 @dataclass(frozen=True)
@@ -50,37 +53,38 @@ class RopeConfig:
         if self.rope_type in ("linear", "llama3", "yarn") and not self.factor > 0:
             raise ModelLoadError(f"config.json: rope factor must be positive, got {self.factor!r}")
 
-    def inverse_frequencies(self) -> list[float]:
-        """[rotary_dim/2] inverse frequencies, as transformers computes them (fp32 by the caller)."""
-        dim, half = self.rotary_dim, self.rotary_dim // 2
-        inv = [1.0 / (self.theta ** (2 * i / dim)) for i in range(half)]
+    def inverse_frequencies(self) -> np.ndarray:
+        """[rotary_dim/2] float32 inverse frequencies, computed as transformers computes them: in float32, op by
+        op in torch's order, each Python number rounded to float32 where torch rounds it (computed in float64
+        they differed by 1-5 ulp, which moved logits by 2e-3 a thousand tokens in)."""
+        dim = self.rotary_dim
+        exponents = np.arange(0, dim, 2).astype(F32) / F32(dim)  # [dim/2]
+        powers = fp32_pow(self.theta, exponents)  # base ** (arange(0, dim, 2).float() / dim)
+        if self.rope_type == "yarn":
+            return self._yarn(powers)
+        inv = F32(1.0) / powers
         if self.rope_type == "linear":
-            return [f / self.factor for f in inv]
+            return inv / F32(self.factor)
         if self.rope_type == "llama3":
             return self._llama3(inv)
-        if self.rope_type == "yarn":
-            return self._yarn(inv)
         return inv
 
-    def _llama3(self, inv: list[float]) -> list[float]:
-        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen > low_wavelen:
-                out.append(f / self.factor)
-            elif wavelen < high_wavelen:
-                out.append(f)
-            else:
-                smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                    self.high_freq_factor - self.low_freq_factor)
-                out.append((1 - smooth) * f / self.factor + smooth * f)
-        return out
+    def _llama3(self, inv: np.ndarray) -> np.ndarray:
+        """transformers' _compute_llama3_parameters. `x / tensor` is torch's reciprocal(tensor) * x."""
+        omp, low, high = self.original_max_position_embeddings, self.low_freq_factor, self.high_freq_factor
+        wavelen = (F32(1.0) / inv) * F32(2 * math.pi)
+        low_wavelen, high_wavelen = F32(omp / low), F32(omp / high)
+        factor = F32(self.factor)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = ((F32(1.0) / wavelen) * F32(omp) - F32(low)) / F32(high - low)
+        smoothed = (F32(1.0) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(F32)
 
-    def _yarn(self, inv: list[float]) -> list[float]:
-        """Interpolated (f / factor) for low frequencies, extrapolated (f) for high ones, a linear ramp between
-        the dims that rotate beta_slow and beta_fast times over the original context."""
+    def _yarn(self, powers: np.ndarray) -> np.ndarray:
+        """transformers' _compute_yarn_parameters: interpolated (1 / (factor * p)) for low frequencies,
+        extrapolated (1 / p) for high ones, a linear ramp between the dims that rotate beta_slow and beta_fast
+        times over the original context."""
         dim, base, omp = self.rotary_dim, self.theta, self.original_max_position_embeddings
 
         def correction_dim(rotations):
@@ -92,12 +96,18 @@ class RopeConfig:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # as transformers: avoids a division by zero
-        out = []
-        for i, f in enumerate(inv):
-            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-            extrapolation = 1.0 - ramp
-            out.append((f / self.factor) * (1 - extrapolation) + f * extrapolation)
-        return out
+        extrapolation = F32(1.0) / powers
+        interpolation = F32(1.0) / (F32(self.factor) * powers)
+        ramp = np.clip((np.arange(dim // 2, dtype=F32) - F32(low)) / F32(high - low), F32(0), F32(1))
+        extrapolation_factor = F32(1.0) - ramp
+        return (interpolation * (F32(1.0) - extrapolation_factor) + extrapolation * extrapolation_factor).astype(F32)
+
+
+def fp32_pow(base: float, exponents: np.ndarray) -> np.ndarray:
+    """float32(base) ** exponents (float32), correctly rounded to float32. torch's float32 pow (SLEEF's, within
+    1 ulp) is not always correctly rounded, so an element here may still differ from transformers' by an ulp or
+    two (one in a hundred on common head sizes); every other step is torch's to the bit."""
+    return np.power(np.float64(F32(base)), exponents.astype(np.float64)).astype(F32)
 
 
 def _yarn_attention_factor(params: dict, factor: float) -> float:
@@ -173,8 +183,14 @@ def parse_rope(text: dict, family: str, *, head_dim: int, max_position_embedding
         return params
 
     if family == "gemma3":
-        # one dict per layer type; flat keys in rope_parameters are ignored, as Gemma3TextConfig ignores them
+        # one dict per layer type; a flat dict (rope_type, rope_theta, ... at its top) is no Gemma 3 config:
+        # transformers cannot load it, and read here its settings would be dropped without a word
         per_type = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+        flat = sorted(k for k in per_type if k not in ("full_attention", "sliding_attention"))
+        if flat:
+            raise ModelLoadError(f"{source}: rope_parameters holds {', '.join(flat)} at its top level; Gemma 3 "
+                                 f"takes one object per layer type: {{\"full_attention\": {{...}}, "
+                                 f"\"sliding_attention\": {{...}}}}")
         full = per_type.get("full_attention") or {}
         local = per_type.get("sliding_attention") or {}
         if text.get("rope_scaling"):
@@ -182,5 +198,10 @@ def parse_rope(text: dict, family: str, *, head_dim: int, max_position_embedding
         full = standardised(full, theta)
         local = standardised(local, text.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
         return rope_from_params(full, **common), rope_from_params(local, **common)
-    params = text.get("rope_scaling") or text.get("rope_parameters")
-    return rope_from_params(standardised(params, theta), **common), None
+    params = standardised(text.get("rope_scaling") or text.get("rope_parameters"), theta)
+    if text.get("original_max_position_embeddings") is not None and \
+            params.get("rope_type", params.get("type")) in ("llama3", "yarn"):
+        # a top-level value is the pretraining length and wins over the one inside the rope settings, as
+        # transformers' standardisation has it (Phi-3 and others save it there)
+        params["original_max_position_embeddings"] = text["original_max_position_embeddings"]
+    return rope_from_params(params, **common), None
