@@ -1,6 +1,6 @@
 """What goes into the engine (Request, SamplingParams) and what comes out (Result, Usage).
 
-The CLI turns input lines into prompts (engine.prompts) plus SamplingParams, and Results into output lines; the
+The CLI turns input lines into prompts (engine.load.prompts) plus SamplingParams, and Results into output lines; the
 engine never sees JSON. Sampling values come from three layers, each a SamplingDefaults: the line, the command line
 and the model's generation_config; `line.over(command_line.over(model)).resolve()` is the SamplingParams to run.
 """

@@ -41,8 +41,9 @@ class AttentionOps:
 
         q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
         cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D].
-        `shared` (decode, engine.batch.SharedPrefixes): each group's shared prefix is read once for all its members
-        (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a merge)."""
+        `shared` (decode, engine.step.forward_batch.SharedPrefixes): each group's shared prefix is read once for all
+        its members (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a
+        merge)."""
         q, qst, qsh = head_view(q)
         t, hq, d = q.shape
         nb, bs, hkv, dc = k_cache.shape

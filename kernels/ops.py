@@ -187,8 +187,8 @@ class Ops(Protocol):
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
                         sliding_window=None, shared=None) -> Array:
         """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] via block_tables [B, W] and context_lens [B]
-        (after the step), causal, optionally windowed; `shared` (engine.batch.SharedPrefixes) lets a backend read
-        a decode step's shared prefix once per group -> [T, Hq, D]"""
+        (after the step), causal, optionally windowed; `shared` (engine.step.forward_batch.SharedPrefixes) lets a
+        backend read a decode step's shared prefix once per group -> [T, Hq, D]"""
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context) -> Array:
         """Sliding-window attention of q [T, Hq, D] over rings [num_slots, W, Hkv, D] (position p at row p % W)

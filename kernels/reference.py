@@ -309,8 +309,8 @@ class NumpyOps(MoeReferenceOps):
         context_lens [B] = tokens in the cache after this step; the sequence's n new queries sit at positions
         context_len - n .. context_len - 1. GQA: query head h reads kv head h // (Hq // Hkv).
         `sliding_window` W: a query at position p sees keys in (p - W, p]. Returns [T, Hq, D].
-        `shared` (decode steps, engine.batch.SharedPrefixes): sequence b's keys below shared.start[b] are read
-        through its group's table — the same physical blocks, so the same answer; backends use it to read a
+        `shared` (decode steps, engine.step.forward_batch.SharedPrefixes): sequence b's keys below shared.start[b] are
+        read through its group's table — the same physical blocks, so the same answer; backends use it to read a
         shared prefix once per group. Here it is followed literally, so CPU runs check the grouping.
         """
         bs = k_cache.shape[1]

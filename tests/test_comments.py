@@ -99,3 +99,53 @@ def test_only_comments_and_docstrings_count():
     source = 'LIMIT = "session 3"\n\n\ndef f():\n    """Why f exists."""\n    return "2026-12-01"  # why\n'
     assert violations(source) == []
     assert [line for line, _, _ in violations('def f():\n    """Since 2026-12-01."""\n')] == [2]
+
+
+# a module a comment names: a path (engine/load/config.py, kernels/*.cu) or a dotted name (engine.load.prompts)
+_NAMED_PATH = re.compile(r"(?<![\w./-])((?:cli|engine|kernels|bench|tests|docs)/[\w*./-]*[\w*])")
+_NAMED_MODULE = re.compile(r"(?<![\w.])((?:engine|kernels|cli)(?:\.[a-z_0-9]+)+)")
+
+
+def unknown_modules(source: str, root: Path = ROOT) -> list[str]:
+    """The paths and dotted module names a source's comments and docstrings name that the tree does not hold (a
+    dotted name may go on into a module's attributes: engine.step.forward_batch.build_batch)."""
+    unknown = []
+    for _, text in comment_lines(source):
+        unknown += [p for p in _named_paths(text) if not any(root.glob(p))]
+        unknown += [name for name in _NAMED_MODULE.findall(text) if not _resolves(name.split("."), root)]
+    return unknown
+
+
+def _resolves(parts: list[str], root: Path) -> bool:
+    """Whether packages, then a module (then anything: its attributes), or a name a package's __init__ defines."""
+    place = root / parts[0]
+    for part in parts[1:]:
+        if (place / part / "__init__.py").is_file():
+            place = place / part
+        elif (place / f"{part}.py").is_file():
+            return True
+        else:
+            init = place / "__init__.py"
+            text = init.read_text(encoding="utf-8") if init.is_file() else ""
+            defined = rf"^(?:def|class) {part}\b|^{part} *[:=]|^from .* import .*\b{part}\b"
+            return re.search(defined, text, re.M) is not None
+    return True
+
+
+def _named_paths(text: str) -> list[str]:
+    return [m.rstrip(".") for m in _NAMED_PATH.findall(text)]
+
+
+def test_comments_name_modules_that_exist():
+    unknown = {str(p.relative_to(ROOT)): found for p in _files()
+               if (found := unknown_modules(p.read_text(encoding="utf-8")))}
+    assert not unknown, f"comments name modules the tree does not hold: {unknown}"
+
+
+def test_the_module_check_can_fail(tmp_path):
+    (tmp_path / "engine" / "load").mkdir(parents=True)
+    (tmp_path / "engine" / "load" / "prompts.py").write_text("")
+    (tmp_path / "engine" / "load" / "__init__.py").write_text("")
+    source = ('"""Reads engine/load/prompts.py and engine/gone.py."""\n'
+              "# engine.load.prompts.PromptEncoder, engine.prompts, engine.load, engine.load.batch.x\n")
+    assert unknown_modules(source, tmp_path) == ["engine/gone.py", "engine.prompts", "engine.load.batch.x"]

@@ -1,5 +1,6 @@
 """Decode graphs on the GPU: replayed steps (padded to power-of-two batches, one packed input buffer built by
-engine.batch.build_batch) give the eager steps' tokens. fp32, so the comparison is exact on the tiny parity models.
+engine.step.forward_batch.build_batch) give the eager steps' tokens. fp32, so the comparison is exact on the tiny
+parity models.
 Skipped without CuPy and a GPU."""
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ class MoeHybridConfig(HybridConfig):
 
 
 def moe_tensor_shapes(cfg: MoeHybridConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Qwen3.5's tensor names -> shapes (`shapes`, as engine.model_maker lists them) rewritten into the MoE
+    """Qwen3.5's tensor names -> shapes (`shapes`, as engine.load.model_maker lists them) rewritten into the MoE
     hybrid's layout as transformers saves it: sparse layers get the router, per-expert and shared-expert weights
     instead of the dense MLP; Qwen3-Next's linear attention gets its fused in_proj_qkvz / in_proj_ba."""
     out = dict(shapes)

@@ -212,8 +212,8 @@ class ModelState:
 
     def step_arrays(self, handles: list[StateHandle], new_tokens: list[list[int]], table_width: int | None = None,
                     pad: Padding | None = None, snapshot_rows: list[int] | None = None) -> ForwardBatch:
-        """The step's host index arrays (engine.batch.build_batch: optionally padded to a graph's batch size, with
-        a decode step's shared-prefix groups); reserves blocks and advances lengths."""
+        """The step's host index arrays (engine.step.forward_batch.build_batch: optionally padded to a graph's batch
+        size, with a decode step's shared-prefix groups); reserves blocks and advances lengths."""
         for h, toks in zip(handles, new_tokens):
             self.reserve(h, h.length + len(toks))
         batch = build_batch([h.length for h in handles], [h.blocks for h in handles], [h.slot for h in handles],
