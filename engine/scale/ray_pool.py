@@ -179,6 +179,7 @@ class RayDataPredictor:
 
     def __call__(self, batch: dict) -> dict:
         from prefixrun.engine.load.prompts import TextPrompt, TokenPrompt
+        from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_output
         from prefixrun.engine.request import SAMPLING_FIELDS, InvalidRequest, SamplingDefaults
 
         rows = len(next(iter(batch.values()))) if batch else 0
@@ -189,8 +190,9 @@ class RayDataPredictor:
             try:
                 ids = column("prompt_token_ids", i)
                 prompt = TokenPrompt(tuple(ids)) if ids is not None else TextPrompt(str(column("prompt", i)))
-                fields = {name: column(name, i) for name in SAMPLING_FIELDS}
+                fields = {name: column(name, i) for name in SAMPLING_FIELDS + STRUCTURED_FIELDS}
                 sampling = SamplingDefaults.from_fields(fields).over(self.defaults).resolve()
+                sampling = with_structured_output(sampling, fields)  # response_format, guided_json, ... columns
                 requests.append(self.prompts.request(custom_id, i, prompt, sampling))
             except InvalidRequest as exc:
                 errors[i] = str(exc)
