@@ -43,7 +43,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from prefixrun.engine.request import Request
-from prefixrun.engine.state.pools import StateHandle
+from prefixrun.engine.state.pools import StateHandle, max_step_rows
 
 
 @dataclass
@@ -239,8 +239,6 @@ SPEC_MAX_SEQS = 16  # sequences that may draft in one step (sizes the snapshot p
 
 def draft_count(options, specs) -> int:
     """Drafts per sequence: the option, or the default; a ring of W rows rolls back at most W - 1 drafts."""
-    from prefixrun.engine.state.pools import max_step_rows
-
     return min(options.num_draft_tokens or DEFAULT_DRAFT_TOKENS, max_step_rows(specs) - 1)
 
 
