@@ -11,6 +11,7 @@ from pathlib import Path
 from prefixrun.cli import io
 from prefixrun.cli import lines
 from prefixrun.cli import records
+from prefixrun.engine.grammar.compiler import prepare_tokenizer
 from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 
@@ -93,6 +94,7 @@ class BatchRun:
         self.prompts = PromptEncoder(front.tokenizer, vocab_size=config.vocab_size,
                                      context_tokens=config.max_position_embeddings,
                                      chat_template_kwargs=chat_template_kwargs)
+        self._front = front
 
     def _tokens_ahead(self, raw: lines.RawLine) -> list[int] | None:
         """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it
@@ -105,6 +107,9 @@ class BatchRun:
         except InvalidRequest:
             return None
         self._parsed_ahead[(raw.index, raw.line_no, bytes(raw.data))] = (item, request)
+        if item.sampling.structured is not None:  # the grammar engine's view of the tokenizer, made meanwhile
+            prepare_tokenizer(self._front.tokenizer, self._front.config.vocab_size,
+                              self._front.defaults.eos_token_ids)
         return request.prompt_token_ids
 
     def _parse(self, raw: lines.RawLine, seen: set[str]):

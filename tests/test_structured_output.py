@@ -152,3 +152,15 @@ def test_without_a_tokenizer_a_constrained_request_is_an_error(default_model):
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "a+")), 0)
     got = list(engine.run([req]))
     assert got[0].finish_reason == "error" and "tokenizer" in got[0].error
+
+
+def test_a_tokenizer_prepared_ahead_is_the_one_the_engine_takes(default_model):
+    from prefixrun.engine.grammar import compiler
+
+    compiler.prepare_tokenizer(default_model.tokenizer, default_model.config.vocab_size,
+                               default_model.eos_token_ids)  # as the CLI does while the weights load
+    prepared = compiler._tokenizer_future(default_model.tokenizer, default_model.config.vocab_size,
+                                          default_model.eos_token_ids).result()
+    engine = make_engine(default_model)
+    assert engine.grammars._llguidance_tokenizer() is prepared
+    assert sorted(prepared.eos_tokens) == sorted(default_model.eos_token_ids)

@@ -8,19 +8,56 @@ needs; llguidance compiles a schema 50-100x faster (each distinct schema of a ba
 batch's masks on its own threads, without the GIL. Its costly case is a string with maxLength over a large
 vocabulary (about a millisecond per row and token while inside one).
 
-Building llguidance's view of a tokenizer costs ~4 s for a 150k vocabulary: it is made on the first constrained
-request, never for runs without one. A compiled spec is kept as a template matcher (at most TEMPLATES_KEPT of
+Building llguidance's view of a tokenizer takes seconds for a 150k vocabulary, mostly holding the GIL: it is made
+for the first constrained request, never for runs without one, and `prepare_tokenizer` starts it on a thread as
+soon as such a request is known (the CLI calls it while the weights load, from the lines it reads ahead). A compiled spec is kept as a template matcher (at most TEMPLATES_KEPT of
 them, least recently used out) and each sequence gets a copy of it, so a schema shared by many lines is compiled
 once.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from prefixrun.engine.grammar.spec import StructuredOutput
 from prefixrun.engine.request import InvalidRequest
 
 TEMPLATES_KEPT = 256
+
+# llguidance tokenizers made or being made, by (id of the tokenizer, vocabulary, eos ids): (tokenizer, its Future)
+_TOKENIZERS: dict[tuple, tuple[object, Future]] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def prepare_tokenizer(tokenizer, vocab_size: int, eos_token_ids=()) -> None:
+    """Start making llguidance's view of `tokenizer` on a thread, for the GrammarCompiler of the same tokenizer,
+    vocabulary and end-of-sequence ids to take when its first constrained request arrives. Returns at once; made
+    once per process and arguments."""
+    _tokenizer_future(tokenizer, vocab_size, eos_token_ids)
+
+
+def _tokenizer_future(tokenizer, vocab_size: int, eos_token_ids) -> Future:
+    vocab = max(vocab_size, tokenizer.vocab_size)
+    eos = sorted(eos_token_ids)
+    key = (id(tokenizer), vocab, tuple(eos))
+    with _TOKENIZERS_LOCK:
+        known = _TOKENIZERS.get(key)
+        if known is not None and known[0] is tokenizer:
+            return known[1]
+        future: Future = Future()
+        _TOKENIZERS[key] = (tokenizer, future)
+
+    def make():
+        try:
+            import llguidance
+
+            future.set_result(llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab, eos_token=eos or None))
+        except BaseException as exc:  # handed to whoever waits for it
+            future.set_exception(exc)
+
+    threading.Thread(target=make, name="llguidance-tokenizer", daemon=True).start()
+    return future
 
 
 class Unconstrained:
@@ -106,10 +143,7 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 raise InvalidRequest("structured output needs the model's tokenizer (tokenizer.json), which this "
                                      "model directory lacks")
-            import llguidance
-
-            self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self.vocab_size,
-                                                        eos_token=self._eos or None)
+            self._ll_tokenizer = _tokenizer_future(self._tokenizer, self.vocab_size, self._eos).result()
         return self._ll_tokenizer
 
 
