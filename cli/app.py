@@ -560,6 +560,8 @@ def bench(
         gc.collect()
         ops.release_cached_memory()
         figures.update(figures_of.compare_with_transformers(setup, transformers_batch, report["wall_seconds"]))
+        if "transformers_skipped" in figures:
+            reporter.warn(f"--compare-transformers: not compared: {figures['transformers_skipped']}")
     text = json.dumps(figures, indent=2)
     print(text)
     if json_out is not None:

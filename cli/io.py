@@ -104,13 +104,15 @@ every completion::
                                     {"index": 1, "text": " Lyon", "token_ids": [56125], "finish_reason": "length"}],
      "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, ...}}
 
-An OpenAI line's result, as the OpenAI Batch API writes it (`id` and `request_id` are derived from custom_id, so
-reruns give identical files; `body` is a `chat.completion` with `choices[0].message` or a `text_completion` with
-`choices[0].text`; with n > 1, `choices[0..n-1]`)::
+An OpenAI line's result, as the OpenAI Batch API writes it (`id`, `request_id` and the body's `id` are derived
+from custom_id, the same in every run; `created` is the Unix time the request's window started and `model` the
+model folder's name, so two runs' files differ in `created`, and in `cached_tokens` where the cache held more or
+less; `body` is a `chat.completion` with `choices[0].message` or a `text_completion` with `choices[0].text`; with
+n > 1, `choices[0..n-1]`)::
 
     {"id": "batch_req_…", "custom_id": "r1",
      "response": {"status_code": 200, "request_id": "req_…",
-                  "body": {"id": "chatcmpl-…", "object": "chat.completion", "created": 0, "model": "…",
+                  "body": {"id": "chatcmpl-…", "object": "chat.completion", "created": 1764720000, "model": "…",
                            "choices": [{"index": 0, "message": {"role": "assistant", "content": "…"},
                                         "logprobs": null, "finish_reason": "stop"}],
                            "usage": {...as above...}}},

@@ -709,12 +709,15 @@ def test_make_model_with_a_bad_config_or_seed_is_one_line_and_leaves_no_folder(t
 
 def test_bench_on_a_prompt_text_workload_runs_it_as_batch_does(model, tmp_path):
     """bench is batch: prompt text is tokenized as batch tokenizes it; only the transformers comparison, which
-    replays token ids, is left out (said in the JSON)."""
+    replays token ids, is left out: said in the JSON, and on stderr, where the person who asked for it looks (it
+    was said in the JSON only)."""
     work = write_jsonl(tmp_path / "w.jsonl", [{"prompt": "hello", "max_tokens": 2}])
-    p = run("bench", work, "--model", model, "--device", "cpu", "--no-cache", "--compare-transformers", "-q")
+    p = run("bench", work, "--model", model, "--device", "cpu", "--no-cache", "--compare-transformers")
     assert p.returncode == 0, p.stderr
     figures = json.loads(p.stdout)
     assert figures["completion_tokens"] <= 2 and "prompt_token_ids" in figures["transformers_skipped"]
+    assert "warning: --compare-transformers: not compared: the comparison needs prompt_token_ids on every " \
+           "line" in p.stderr, p.stderr
     res = cli("bench", tmp_path, "--model", model)
     assert res.exit_code == 2 and "is a directory" in one_error_line(res.stderr)
     tokens = write_jsonl(tmp_path / "t.jsonl", [{"prompt_token_ids": [1, 2, 3], "max_tokens": 1}])
@@ -722,6 +725,24 @@ def test_bench_on_a_prompt_text_workload_runs_it_as_batch_does(model, tmp_path):
     assert p.returncode == 2 and "config.json" in one_error_line(p.stderr)
     p = run("bench", tmp_path / "missing.jsonl", "--model", model, "--device", "cpu")
     assert p.returncode == 2 and "missing.jsonl" in one_error_line(p.stderr)
+
+
+def test_the_readme_bench_example_runs_on_what_the_repository_ships(model, tmp_path):
+    """README's bench example names bench/workloads.py, which the repository ships (it named a generator outside
+    it); the workload it writes runs through bench as README says."""
+    readme = (REPO / "README.md").read_text()
+    example = next(line for line in readme.splitlines() if line.startswith("python3 bench/workloads.py"))
+    assert (REPO / "bench" / "workloads.py").is_file()
+    args = example.split(">")[0].split()[2:]  # shape and options, smaller below
+    work = tmp_path / "w.jsonl"
+    small = [args[0], "--docs", "2", "--per-doc", "2", "--prefix", "16", "--suffix", "4", "--gen", "2",
+             "--vocab-limit", "500"]
+    with open(work, "w") as out:
+        subprocess.run([sys.executable, str(REPO / "bench" / "workloads.py"), *small], stdout=out, check=True,
+                       stderr=subprocess.DEVNULL)
+    p = run("bench", work, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["requests"] == 4
 
 
 def test_output_to_a_fifo_or_dev_null(model, tmp_path):

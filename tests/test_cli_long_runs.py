@@ -228,3 +228,27 @@ def test_dev_null_for_input_and_output_is_no_conflict(model, tmp_path):
     p = subprocess.run(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", "/dev/null"),
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The format reference
+
+
+def test_the_format_reference_matches_an_openai_result(model, tmp_path):
+    """cli/io.py's format reference shows the body the run writes: `created` is the Unix time of the run (the
+    reference showed 0 and said reruns give identical files), and every key of the body is in the reference."""
+    import prefixrun.cli.io as reference
+
+    line = {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    src = write_jsonl(tmp_path / "in.jsonl", [line])
+    before = int(time.time())
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    after = int(time.time())
+    assert res.exit_code == 0, res.stderr
+    body = records(res.stdout)[0]["response"]["body"]
+    assert before <= body["created"] <= after
+    example = reference.__doc__[reference.__doc__.index("An OpenAI line's result"):]
+    example = example[:example.index("finish_reason` is")]
+    assert '"created": 0' not in example and "identical files" not in example
+    assert all(f'"{key}":' in example for key in body), sorted(body)

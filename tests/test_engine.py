@@ -19,7 +19,7 @@ from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.state.pools import ModelState
 from prefixrun.engine.step.forward_batch import check_shared_prefix_arrays, shared_prefix_arrays
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.py"
+WORKLOADS = Path(__file__).resolve().parents[1] / "bench" / "workloads.py"
 FAMILIES = ["qwen3_5", "qwen3", "qwen3_next", "qwen3_5_moe"]  # the MoE hybrids: the router changes no invariant
 
 
@@ -248,8 +248,6 @@ def test_tiny_budget_still_identical_and_never_worse_than_no_reuse(family, loade
 
 
 def bench_workload(shape: str, *args) -> list[dict]:
-    if not WORKLOADS.is_file():
-        pytest.skip("shared/bench/workloads.py is not beside the checkout")
     out = subprocess.run([sys.executable, str(WORKLOADS), shape, "--vocab-limit", "500", "--gen", "3", *args],
                          check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines()]
