@@ -203,6 +203,8 @@ def batch(
         source, input_path = _open_input(input, reporter)
         check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite,
                       input_fd=_descriptor(source))
+        if input_path is not None:  # a file: looked at now, before the model loads
+            _refuse_not_jsonl(source, input)
         claim = claim_output(output)
     except (typer.BadParameter, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
@@ -211,6 +213,12 @@ def batch(
         ctx.call_on_close(claim.release)
     with stop_signals_raise():
         run = open_batch_run(reporter, settings, source)
+        if input_path is None:  # a pipe: its first bytes come when its writer sends them, the model loaded meanwhile
+            try:
+                _refuse_not_jsonl(source, "-")
+            except typer.BadParameter as exc:
+                reporter.error(str(exc))
+                raise typer.Exit(io.EXIT_USAGE)
         report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter,
                                claim=claim, json_report=json_report)
     reporter.final(report)
@@ -324,6 +332,16 @@ def open_batch_run(reporter: RunReporter, settings: dict, source=None):
         reporter.stop()
         reporter.error(f"stopped by {stop.name} while the model loaded; no request ran")
         raise typer.Exit(stop.exit_code)
+
+
+def _refuse_not_jsonl(source, name: str) -> None:
+    """A compressed or binary input is one usage error, not an error record per line (cli/input_sniff.py)."""
+    from prefixrun.cli.input_sniff import first_bytes, not_jsonl
+
+    what = not_jsonl(first_bytes(source))
+    if what is not None:
+        source.close()
+        raise typer.BadParameter(f"input {'(stdin)' if name == '-' else name}: not JSONL: looks like {what}")
 
 
 def _descriptor(stream) -> int | None:

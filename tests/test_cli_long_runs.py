@@ -252,3 +252,34 @@ def test_the_format_reference_matches_an_openai_result(model, tmp_path):
     example = example[:example.index("finish_reason` is")]
     assert '"created": 0' not in example and "identical files" not in example
     assert all(f'"{key}":' in example for key in body), sorted(body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input that is not JSONL at all
+
+
+def test_a_compressed_or_binary_input_is_one_line_and_exit_2(model, tmp_path):
+    """A gzip file (or any binary file) as input, from a path or a pipe: exit 2 with one line saying what it looks
+    like, no -o file made (a 1 MB gzip file made 7,872 error records); a UTF-8 BOM at the start is accepted."""
+    import gzip
+
+    plain = b"".join(json.dumps({"custom_id": f"r{i}", "prompt": f"line {i}", "max_tokens": 1}).encode() + b"\n"
+                     for i in range(200))
+    rng = random.Random(1)
+    cases = {"gz": (gzip.compress(plain), "gzip-compressed data"),
+             "bin": (bytes(rng.randrange(256) for _ in range(20000)), "binary data")}
+    for name, (data, what) in cases.items():
+        src = tmp_path / f"in.{name}"
+        src.write_bytes(data)
+        out = tmp_path / f"out-{name}.jsonl"
+        for args, stdin in (((src,), None), (("-",), data)):
+            p = subprocess.run(cmd("batch", *args, "--model", model, "--device", "cpu", "--no-cache", "-o", out),
+                               input=stdin, capture_output=True, timeout=120)
+            err = p.stderr.decode()
+            assert p.returncode == 2, err
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and "not JSONL: looks like " + what in lines[0], err
+            assert not out.exists()
+    bom = write_jsonl(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + json.dumps({"prompt": "x", "max_tokens": 1}).encode()])
+    res = cli("batch", bom, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    assert res.exit_code == 0 and len(records(res.stdout)) == 1, res.stderr
