@@ -8,6 +8,7 @@ import re
 import pytest
 
 from conftest import random_prompt
+from test_engine import check_trace_against_plan
 from prefixrun.engine.plan.planner import make_plan
 from prefixrun.engine.request import InvalidRequest, Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
@@ -28,6 +29,7 @@ def run(model, ops, prompts=PROMPTS, persist=None, **sampling_and_options):
         persist.watch_prefill(eng.stats)
     reqs = [Request(f"r{i}", p, SamplingParams(**{"seed": seeds[i], **sampling}), i) for i, p in enumerate(prompts)]
     results = {r.custom_id: r for r in eng.run(reqs)}
+    check_trace_against_plan(eng.last_plan, eng.last_trace)
     eng.check_invariants()
     eng.close()
     eng.check_invariants()
@@ -110,6 +112,10 @@ def test_samples_that_do_not_fit_at_once_decode_in_turns_with_the_same_tokens(lo
     tight, tstats = run(model, cpu_ops, n=6, max_tokens=4, state_memory_bytes=1)  # the pools' floor: 8 blocks
     assert choices(tight) == choices(wide) and all(r.error is None for r in tight.values())
     assert tstats.prompt_tokens == stats.prompt_tokens
+    long = [random_prompt(5, 90), random_prompt(6, 90)]  # 90 + 20 tokens: 7 blocks, all the floor holds
+    roomy, _ = run(model, cpu_ops, long, n=3, max_tokens=20)
+    squeezed, _ = run(model, cpu_ops, long, n=3, max_tokens=20, state_memory_bytes=1, max_batch=2)
+    assert choices(squeezed) == choices(roomy)
 
 
 def test_samples_fork_one_prefill_without_reuse_too(loaded, cpu_ops):
@@ -140,13 +146,14 @@ def test_greedy_samples_are_one_completion_decoded_once(loaded, cpu_ops):
     assert stats.completion_tokens == sum(len(r.token_ids) for r in one.values())  # the engine decoded one
 
 
-def test_a_request_whose_samples_never_fit_gets_one_error_result(loaded, cpu_ops):
+def test_a_request_whose_samples_never_fit_gets_one_error_result_before_any_prefill(loaded, cpu_ops):
     model = loaded["qwen3_5"]
-    long_prompt = random_prompt(3, 200)  # the pools' floor: 8 blocks of 16 tokens, one the decode graphs' scratch
-    got, stats = run(model, cpu_ops, [long_prompt, PROMPTS[0]], n=3, max_tokens=4, state_memory_bytes=1)
+    long_prompt = random_prompt(3, 90)  # the pools' floor: 8 blocks of 16 tokens, one the decode graphs' scratch
+    got, stats = run(model, cpu_ops, [long_prompt, PROMPTS[0]], n=3, max_tokens=40, state_memory_bytes=1)
     assert got["r0"].error and "K/V blocks" in got["r0"].error and got["r0"].choices == []
     assert got["r1"].error is None and len(got["r1"].choices) == 3
     assert stats.failed_requests == 1
+    assert stats.computed_prompt_tokens == len(PROMPTS[0])  # its prompt was never prefilled for nothing
 
 
 @pytest.fixture(scope="module")

@@ -90,9 +90,12 @@ class Scheduler:
 
     # ---- the one admission rule ---------------------------------------------------------------------------
     def _final_length(self, task: Task) -> int:
-        if task.request is None:
+        """The longest its state may grow: a request's end plus its new tokens (the state a request's samples fork
+        grows as its first sample's does), else its end."""
+        request = task.request if task.request is not None else task.consumers[0].request if task.fans_out else None
+        if request is None:
             return task.end
-        return min(task.end + self.requests[task.request].sampling.max_tokens - 1, self.max_context)
+        return min(task.end + self.requests[request].sampling.max_tokens - 1, self.max_context)
 
     def task_blocks(self, task: Task, base=...) -> int:
         """New K/V blocks `task` takes until it is done (see the module doc)."""
