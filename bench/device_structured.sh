@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Structured output's overhead on the GPU: the same workload with and without a JSON schema on every line, through
 # `prefixrun bench` (the user's `prefixrun batch` path, one process per row). Run on the device machine from the
-# repository root (needs ./.bench-shared, a copy of shared/bench):
+# repository root (the model configs of ./.bench-shared, a copy of shared/bench, where bench/models lacks them):
 #   bash bench/device_structured.sh            # MODELS, REQUESTS (64), GEN (128), REPEATS (2) may be set
 # Every line generates exactly GEN tokens in both runs (--ignore-eos; bench/structured_workload.py's schema never
 # completes sooner), so `wall(schema) / wall(free)` is what the masks cost. Writes $OUT/structured.md and the JSON
@@ -14,7 +14,7 @@ MODELS=${MODELS:-"qwen3_5-4b-like"}
 REQUESTS=${REQUESTS:-64}
 GEN=${GEN:-128}
 REPEATS=${REPEATS:-2}
-W=.bench-shared/workloads.py
+W=bench/workloads.py
 python3 $W shared-system --requests "$REQUESTS" --prefix 2048 --suffix 256 --gen "$GEN" > /tmp/st-free.jsonl 2>/dev/null
 python3 bench/structured_workload.py --strings free < /tmp/st-free.jsonl > /tmp/st-schema.jsonl
 python3 bench/structured_workload.py --strings bounded < /tmp/st-free.jsonl > /tmp/st-bounded.jsonl
@@ -24,7 +24,7 @@ echo "| model | lines | run | process wall s | engine wall s | decode s | decode
   | tee "$OUT/structured.md"
 echo "|---|---|---|---|---|---|---|---|" | tee -a "$OUT/structured.md"
 for m in $MODELS; do
-  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+  cfg=bench/models/$m.json; [ -f "$cfg" ] || cfg=.bench-shared/models/$m.json
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
   prefixrun bench /tmp/st-warmup.jsonl --model "$MODEL" --device cuda --no-cache -q > /dev/null 2>&1
