@@ -23,7 +23,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from prefixrun.cli import io
+from prefixrun.cli import chat_options, io
+from prefixrun.cli.chat_options import PANEL as CHAT
+from prefixrun.cli.replies import check_parser_names
 from prefixrun.cli.report import RunReporter
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
@@ -93,21 +95,6 @@ def _route_engine_logs(reporter: RunReporter):
     return lambda: logger.removeHandler(handler)
 
 
-def _parse_chat_template_kwargs(text: str | None) -> dict | None:
-    """--chat-template-kwargs: a JSON object, checked as a line's chat_template_kwargs is."""
-    from prefixrun.engine.load.messages import check_template_kwargs
-
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        raise typer.BadParameter(f'--chat-template-kwargs is not valid JSON ({detail}); give an object such as '
-                                 f'\'{{"enable_thinking": false}}\'') from None
-    return check_template_kwargs(value, "--chat-template-kwargs")
-
-
 def _cache_root(cache_dir: Optional[str]) -> Path:
     """--cache-dir as given (a string: an empty one, e.g. an unset shell variable in `--cache-dir "$DIR"`, would
     otherwise become the working directory and fill it with cache files), else the default folder."""
@@ -134,9 +121,8 @@ def batch(
                                             "results")] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="write results as they finish, not in input "
                                             "order")] = False,
-    max_tokens: Annotated[Optional[int], typer.Option(
-        help="default max_tokens (without it: chat lines generate up to the rest of the context, completion "
-             "lines 16, as vLLM and OpenAI do)")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="default max_tokens (else: chats the rest of the context, "
+                                                      "completions 16, as in vLLM and OpenAI)")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="default temperature (0 = greedy)")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="default top_p")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="default top_k (0 = off)")] = None,
@@ -146,10 +132,13 @@ def batch(
     chat_template_kwargs: Annotated[Optional[str], typer.Option(
         help='variables for the chat template of every messages line, as a JSON object, e.g. '
              '\'{"enable_thinking": false}\' (a line\'s own chat_template_kwargs win)',
-        rich_help_panel="Chat requests")] = None,
-    lenient: Annotated[bool, typer.Option(
-        "--lenient", help="ignore request fields prefixrun cannot honour and unknown keys (a warning counts the "
-                          "lines per key) instead of giving those lines error records")] = False,
+        rich_help_panel=CHAT)] = None,
+    tool_call_parser: Annotated[str, typer.Option(help=chat_options.TOOL_CALL_PARSER_HELP,
+                                                  rich_help_panel=CHAT)] = "auto",
+    reasoning_parser: Annotated[str, typer.Option(help=chat_options.REASONING_PARSER_HELP,
+                                                  rich_help_panel=CHAT)] = "auto",
+    lenient: Annotated[bool, typer.Option("--lenient", help="ignore (with a warning) request fields prefixrun "
+                                          "cannot honour and unknown keys, instead of error records")] = False,
     max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
                                                      "allows on a GPU, 32 on the CPU)")] = None,
     window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
@@ -239,7 +228,8 @@ MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one se
 RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
                "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
                "cache_dir", "no_cache", "cache_budget", "cache_policy", "device", "dtype", "chat_template_kwargs",
-               "devices", "ray", "speculative", "num_draft_tokens", "lenient")
+               "devices", "ray", "speculative", "num_draft_tokens", "lenient", "tool_call_parser",
+               "reasoning_parser")
 
 
 def batch_params(args: list[str]) -> dict:
@@ -250,13 +240,13 @@ def batch_params(args: list[str]) -> dict:
 def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
                  max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
                  cache_budget, cache_policy, device, dtype, chat_template_kwargs, devices, ray, speculative,
-                 num_draft_tokens, lenient) -> dict:
+                 num_draft_tokens, lenient, tool_call_parser, reasoning_parser) -> dict:
     """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
     typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
     defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         seed=seed, ignore_eos=ignore_eos)
     SamplingDefaults(**defaults_cli)  # validate options up front
-    template_kwargs = _parse_chat_template_kwargs(chat_template_kwargs)
+    template_kwargs = chat_options.parse_chat_template_kwargs(chat_template_kwargs)
     for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
         if v is not None and v < 1:
             raise typer.BadParameter(f"{name} must be at least 1")
@@ -270,6 +260,7 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
         raise typer.BadParameter(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {speculative!r}")
     if num_draft_tokens is not None and not 1 <= num_draft_tokens <= 64:
         raise typer.BadParameter("--num-draft-tokens must be in 1..64")
+    check_parser_names(tool_call_parser, reasoning_parser)
     return dict(model_dir=model, cache_root=_cache_root(cache_dir), cache_policy=cache_policy, device=device, dtype=dtype, max_batch=max_batch,
                 window=window, max_prefill_tokens=max_prefill_tokens,
                 checkpoint_budget=_parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True),
@@ -278,7 +269,8 @@ def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, i
                 sampling_overrides=defaults_cli,
                 max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
                 chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray,
-                speculative=speculative, num_draft_tokens=num_draft_tokens or 0, lenient=lenient)
+                speculative=speculative, num_draft_tokens=num_draft_tokens or 0, lenient=lenient,
+                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
 
 def _progress_interval(seconds: float) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 from prefixrun.cli import io
 from prefixrun.cli import lines
 from prefixrun.cli import records
+from prefixrun.cli.replies import Replies
 from prefixrun.engine.grammar.compiler import prepare_tokenizer
 from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
@@ -30,12 +31,14 @@ class BatchRun:
                  cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES,
                  chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
                  ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
-                 num_draft_tokens: int = 0, input_ahead=None, lenient: bool = False):
+                 num_draft_tokens: int = 0, input_ahead=None, lenient: bool = False,
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         from prefixrun.engine.load import loader
         from prefixrun.engine.load.model_maker import ensure_default_model
         from prefixrun.engine.run.session import EngineSession, EngineSettings
 
         self.reporter = reporter
+        self._parsers = (tool_call_parser, reasoning_parser)
         if model_dir is None:
             model_dir = ensure_default_model(cache_root)
         settings = EngineSettings(Path(model_dir), Path(cache_root), device, dtype, max_batch, max_prefill_tokens,
@@ -95,6 +98,13 @@ class BatchRun:
                                      context_tokens=config.max_position_embeddings,
                                      chat_template_kwargs=chat_template_kwargs)
         self._front = front
+        self.replies = Replies(front.tokenizer, tool_call_parser=self._parsers[0], reasoning_parser=self._parsers[1],
+                               template_kwargs=chat_template_kwargs)
+
+    def _request(self, item: lines.ParsedRequest) -> Request:
+        """The engine's Request of a parsed line; InvalidRequest if it cannot run on this model."""
+        self.replies.check(item)
+        return self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling)
 
     def _tokens_ahead(self, raw: lines.RawLine) -> list[int] | None:
         """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it
@@ -103,7 +113,7 @@ class BatchRun:
         if isinstance(item, lines.LineError):
             return None
         try:
-            request = self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling)
+            request = self._request(item)
         except InvalidRequest:
             return None
         self._parsed_ahead[(raw.index, raw.line_no, bytes(raw.data))] = (item, request)
@@ -153,7 +163,7 @@ class BatchRun:
                 continue
             try:
                 if request is None:
-                    request = self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling)
+                    request = self._request(item)
                 window.append((item, request))
             except InvalidRequest as exc:
                 self._error(writer, lines.make_error(item, str(exc)))
@@ -189,6 +199,7 @@ class BatchRun:
         """`last`: the input ended, so the run's total is known."""
         self._warn_ignored_fields()
         parsed = {req.index: p for p, req in window}
+        requests = {req.index: req for _, req in window}
         self.reporter.set_total(self.done + len(window), final=last)
         created = int(time.time())
         for result in self.backend.run([req for _, req in window]):
@@ -196,8 +207,10 @@ class BatchRun:
             if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
                 self._error(writer, lines.make_error(parsed[result.index], result.error))
             else:
-                writer.add(result.index, records.format_result(parsed[result.index], result, model=self.model_name,
-                                                          created=created))
+                item = parsed[result.index]
+                writer.add(result.index, records.format_result(
+                    item, result, model=self.model_name, created=created,
+                    reply=self.replies.shaper(item, requests[result.index])))
             self.done += 1
             self.reporter.advance(self.done, self.backend.stats)
         self.reporter.window_done()

@@ -32,8 +32,14 @@ A `messages` line may also carry what vLLM's chat completions take beside the me
 - `add_generation_prompt` (default true) and `continue_final_message` (default false): with
   `continue_final_message` the prompt ends inside the last message (no end-of-turn), so the model continues it;
   `add_generation_prompt` then defaults to false, and both true is an error.
+- `tool_choice`: `"auto"` (the default with tools: tool calls are read out of the reply, cli/tool_calls.py),
+  `"none"` (the reply's text is its content), `"required"` or `{"type": "function", "function": {"name": ...}}`
+  (the reply is forced into calls by the structured-output engine); `parallel_tool_calls: false` keeps the first
+  call only; `include_reasoning: false` leaves reasoning_content null.
 
-These keys on a `prompt` or `prompt_token_ids` line are an error.
+These keys on a `prompt` or `prompt_token_ids` line are an error. `echo: true` puts the prompt before a
+completion's text (a token prompt decoded, special tokens included) and a chat's last message before the reply's
+content when it has the reply's role (e.g. an assistant message continued with `continue_final_message`).
 
 OpenAI Batch API lines
 ----------------------
@@ -119,7 +125,16 @@ n > 1, `choices[0..n-1]`)::
      "error": null}
 
 `finish_reason` is `stop` (end-of-sequence token, stop string or stop token) or `length` (max_tokens or the end of
-the model's context).
+the model's context); for a chat, `tool_calls` when the reply called tools (tool_choice auto or required).
+
+A chat's reply (cli/replies.py) is read as vLLM's chat completions read it: the reasoning of a `<think>` template
+is split into `reasoning_content` (the key is there, null when there was none, for models whose template thinks),
+tool calls into `tool_calls` (`[{"id": "chatcmpl-tool-…", "type": "function", "function": {"name": ...,
+"arguments": "<JSON text>"}}]`, ids derived from custom_id), the rest is `content` (null when nothing is left). A
+plain chat line's record keeps the generated `text` as it is and adds that `message`::
+
+    {"custom_id": "q2", "text": "<think>…</think>Hello!", "message": {"role": "assistant", "content": "Hello!",
+     "reasoning_content": "…"}, "token_ids": [...], "finish_reason": "stop", "usage": {...}}
 
 A line that cannot be run gives an error record in its place, and the rest of the file is still processed::
 

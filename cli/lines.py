@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
 from prefixrun.cli import request_fields
+from prefixrun.cli.replies import ReplyOptions, read_reply_options, with_forced_tool_call
 from prefixrun.cli.request_fields import CHAT, COMPLETION, REFUSED, Kind
 from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_output
 from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
@@ -37,7 +38,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # What a request may carry is decided by cli/request_fields.py alone. The honoured fields this module reads itself
 # (the rest are SamplingParams' fields, read by SamplingDefaults.from_fields):
 READ_BY_PARSER = frozenset({*_PROMPT_FIELDS, "tools", "chat_template_kwargs", "add_generation_prompt",
-                            "continue_final_message", "max_completion_tokens",
+                            "continue_final_message", "max_completion_tokens", "echo", "tool_choice",
+                            "parallel_tool_calls", "include_reasoning",
                             *STRUCTURED_FIELDS})  # the last by engine/grammar/spec.py, from _sampling_for_line
 _OPENAI_ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 
@@ -69,6 +71,7 @@ class ParsedRequest:
     sampling: SamplingParams
     # --lenient: the refused or unknown keys of the line that were ignored ("body.x" inside an OpenAI body)
     ignored_fields: tuple[str, ...] = ()
+    reply: ReplyOptions = ReplyOptions()  # echo, tool_choice, ...: how its text becomes its reply
 
     @property
     def is_openai(self) -> bool:
@@ -209,7 +212,10 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
             shape, fields, prompt, ignored = _read_openai_line(obj, lenient)
         else:
             shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
-        sampling = _sampling_for_line(fields, defaults, "body." if openai_shape else "", _kind_of(prompt))
+        where = "body." if openai_shape else ""
+        sampling = _sampling_for_line(fields, defaults, where, _kind_of(prompt))
+        reply = read_reply_options(fields, prompt, where)
+        sampling = with_forced_tool_call(sampling, reply, prompt, where)
     except (_LineRejected, InvalidRequest) as rejection:
         return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
     except RecursionError:
@@ -223,6 +229,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
         prompt=prompt,
         sampling=sampling,
         ignored_fields=ignored,
+        reply=reply,
     )
 
 

@@ -5,22 +5,27 @@ from __future__ import annotations
 import hashlib
 
 from prefixrun.cli.lines import LineError, ParsedRequest
+from prefixrun.cli.replies import RAW_REPLY, ReplyShaper
+from prefixrun.engine.load.prompts import ChatPrompt
 from prefixrun.engine.request import Completion, Result
 
 
-def format_result(req: ParsedRequest, result: Result, *, model: str = "", created: int = 0) -> dict:
+def format_result(req: ParsedRequest, result: Result, *, model: str = "", created: int = 0,
+                  reply: ReplyShaper = RAW_REPLY) -> dict:
     """The output record for a finished request, in the format of the line's shape.
 
     `model` and `created` (Unix seconds) fill the OpenAI response body's fields of those names; the caller passes
     the model name and the run's start time. created defaults to 0 so that output stays reproducible in tests.
+    `reply` turns each generated text into its reply (echo; a chat's reasoning and tool calls: cli/replies.py).
     """
     if result.custom_id != req.custom_id:
         raise ValueError(f"result {result.custom_id!r} does not belong to request {req.custom_id!r}")
     usage = _usage_record(result)
+    chat = isinstance(req.prompt, ChatPrompt)
     if req.shape == "plain":
         if req.sampling.n == 1:
-            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0]), "usage": usage}
-        choices = [{"index": i, **_plain_choice(c)} for i, c in enumerate(result.choices)]
+            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat), "usage": usage}
+        choices = [{"index": i, **_plain_choice(c, reply, chat)} for i, c in enumerate(result.choices)]
         return {"custom_id": req.custom_id, "choices": choices, "usage": usage}
     if req.shape == "openai_chat":
         body = {
@@ -29,12 +34,7 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "created": created,
             "model": model,
             "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
+                {"index": i, **_chat_choice(c, reply), "logprobs": None}
                 for i, c in enumerate(result.choices)
             ],
             "usage": usage,
@@ -45,7 +45,7 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": None, "finish_reason": c.finish_reason}
                         for i, c in enumerate(result.choices)],
             "usage": usage,
         }
@@ -57,8 +57,19 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
     }
 
 
-def _plain_choice(choice: Completion) -> dict:
-    return {"text": choice.text, "token_ids": list(choice.token_ids), "finish_reason": choice.finish_reason}
+def _plain_choice(choice: Completion, reply: ReplyShaper, chat: bool) -> dict:
+    """A plain line's completion: a chat keeps its raw text beside its message."""
+    if not chat:
+        return {"text": reply.text(choice.text), "token_ids": list(choice.token_ids),
+                "finish_reason": choice.finish_reason}
+    message, finish_reason = reply.message(choice.text, choice.finish_reason)
+    return {"text": choice.text, "message": message, "token_ids": list(choice.token_ids),
+            "finish_reason": finish_reason}
+
+
+def _chat_choice(choice: Completion, reply: ReplyShaper) -> dict:
+    message, finish_reason = reply.message(choice.text, choice.finish_reason)
+    return {"message": message, "finish_reason": finish_reason}
 
 
 def format_error(err: LineError) -> dict:

@@ -95,11 +95,11 @@ FIELDS: tuple[RequestField, ...] = (
        why="a batch renders every chat with the model's own template"),
     _F("add_special_tokens", REFUSED, BOTH, "add the tokenizer's special tokens (BOS) to the prompt"),
     _F("reasoning_effort", REFUSED, CHAT, "how much a reasoning model thinks"),
-    _F("include_reasoning", REFUSED, CHAT, "return the reasoning (false drops it)", inert=(True,)),
+    _F("include_reasoning", HONOURED, CHAT, "false: no reasoning_content in the message"),
     _F("thinking_token_budget", REFUSED, CHAT, "the most tokens a reasoning model may think"),
-    _F("tool_choice", REFUSED, CHAT, "none / auto / required / a named function", inert=("none",)),
-    _F("parallel_tool_calls", HARMLESS, CHAT, "whether the model may call several tools at once",
-       why="tool calls are not parsed out of the text (yet), so it changes nothing"),
+    _F("tool_choice", HONOURED, CHAT, "none (the text is the content), auto (the default with tools: tool calls "
+       "parsed out of the text), required or a named function (the reply forced into calls)"),
+    _F("parallel_tool_calls", HONOURED, CHAT, "false: only the first tool call is kept"),
     _F("functions", REFUSED, CHAT, "deprecated form of tools", why="deprecated by OpenAI: use tools"),
     _F("function_call", REFUSED, CHAT, "deprecated form of tool_choice", why="deprecated by OpenAI: use tool_choice"),
     _F("mm_processor_kwargs", REFUSED, CHAT, "options of a multimodal processor",
@@ -161,8 +161,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("guided_decoding_backend", REFUSED, BOTH, "which grammar engine vLLM uses"),
     _F("guided_whitespace_pattern", REFUSED, BOTH, "whitespace allowed in guided JSON"),
     # ---- output text ----
-    _F("echo", REFUSED, BOTH, "completions: the prompt is prepended to the text; chat: the last message, if it "
-       "has the reply's role", inert=(False,)),
+    _F("echo", HONOURED, BOTH, "completions: the prompt is prepended to the text; chat: the last message's "
+       "content to the reply's, if it has the reply's role"),
     _F("skip_special_tokens", HONOURED, BOTH, "leave special tokens out of the text (default true)"),
     _F("spaces_between_special_tokens", HONOURED, BOTH, "false: no space between two special tokens in the "
        "text (with skip_special_tokens false; default true)"),

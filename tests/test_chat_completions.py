@@ -123,3 +123,238 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tiny_model, tmp_path):
     assert cut["text"] == text[:at] and cut["finish_reason"] == "stop"
     assert kept["text"] == text[:at + 3] and kept["finish_reason"] == "stop"
     assert openai["response"]["body"]["choices"][0]["text"] == text[:at + 3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Replies: reasoning and tool calls read out of the text, with real templates
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return Tokenizer.from_model_dir(FIXTURES / "llama3_1")
+
+
+def shaped(tokenizer, line: dict, **options):
+    """The reply shaper of a line as a run on this tokenizer's model makes it, and the line's prompt text."""
+    from prefixrun.cli.replies import Replies
+
+    parsed = parse(line)
+    encoder = PromptEncoder(tokenizer, vocab_size=200_000, context_tokens=100_000)
+    request = encoder.request(parsed.custom_id, 0, parsed.prompt, parsed.sampling)
+    replies = Replies(tokenizer, **options)
+    replies.check(parsed)
+    from prefixrun.engine.load.prompts import ChatPrompt
+
+    prompt = encoder.render(parsed.prompt) if isinstance(parsed.prompt, ChatPrompt) else None
+    return replies.shaper(parsed, request), prompt
+
+
+def test_qwen3_reasoning_and_hermes_tool_calls(qwen3):
+    shaper, prompt = shaped(qwen3, {"custom_id": "w", "messages": CHAT, "tools": [WEATHER]})
+    assert "<tool_call>" in prompt and prompt.endswith("<|im_start|>assistant\n")  # the template's own format
+    reply = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+             '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+             '"arguments": {"city": "Lyon"}}\n</tool_call>')
+    message, finish = shaper.message(reply, "stop")
+    assert finish == "tool_calls"
+    assert message["reasoning_content"] == "\nThe user wants the weather.\n" and message["content"] == "\n\n"
+    calls = message["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris", "days": 2},
+                                                                       {"city": "Lyon"}]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # the same request again: the same ids (derived from custom_id)
+    again, _ = shaped(qwen3, {"custom_id": "w", "messages": CHAT, "tools": [WEATHER]})
+    assert again.message(reply, "stop")[0]["tool_calls"] == calls
+    # an answer without a call; a call cut short by max_tokens that is not JSON yet: content, no calls
+    assert shaper.message("<think>x</think>It is sunny.", "stop") == (
+        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "x"}, "stop")
+    cut = '<think>x</think><tool_call>\n{"name": "get_wea'
+    assert shaper.message(cut, "length") == (
+        {"role": "assistant", "content": '<tool_call>\n{"name": "get_wea', "reasoning_content": "x"}, "length")
+    # thinking cut short by max_tokens: all reasoning
+    assert shaper.message("<think>\nstill thinking", "length")[0] == {
+        "role": "assistant", "content": None, "reasoning_content": "\nstill thinking"}
+
+
+def test_qwen3_thinking_off_and_a_prompt_that_opened_think(qwen3):
+    off, prompt = shaped(qwen3, {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    assert off.message("Sunny.", "stop")[0] == {"role": "assistant", "content": "Sunny.", "reasoning_content": None}
+    off_cli, _ = shaped(qwen3, {"messages": CHAT}, template_kwargs={"enable_thinking": False})
+    assert off_cli.message("Sunny.", "length")[0]["content"] == "Sunny."
+    # the prompt ends inside <think> (as Qwen3.5's template writes it): the reply starts inside the reasoning
+    opened, prompt = shaped(qwen3, {"messages": [*CHAT, {"role": "assistant", "content": "<think>\n"}],
+                                    "continue_final_message": True})
+    assert prompt.endswith("<think>\n")
+    assert opened.message("It asks for weather.\n</think>\n\nSunny.", "stop")[0] == {
+        "role": "assistant", "content": "\n\nSunny.", "reasoning_content": "It asks for weather.\n"}
+    assert opened.message("still thinking", "length")[0]["reasoning_content"] == "still thinking"
+    # a model that does not think (no tag in the prompt's turn or the reply): all content
+    plain, _ = shaped(qwen3, {"messages": CHAT})
+    assert plain.message("Sunny.", "stop")[0]["content"] == "Sunny."
+    # include_reasoning false drops it
+    hidden, _ = shaped(qwen3, {"messages": CHAT, "include_reasoning": False})
+    assert hidden.message("<think>x</think>Sunny.", "stop")[0] == {
+        "role": "assistant", "content": "Sunny.", "reasoning_content": None}
+    # --reasoning-parser none: the text as it is
+    raw, _ = shaped(qwen3, {"messages": CHAT}, reasoning_parser="none")
+    assert raw.message("<think>x</think>Sunny.", "stop")[0] == {"role": "assistant", "content": "<think>x</think>Sunny."}
+
+
+def test_llama3_json_tool_calls(llama):
+    shaper, prompt = shaped(llama, {"messages": CHAT, "tools": [WEATHER]})
+    assert '"parameters": dictionary of argument name' in prompt
+    message, finish = shaper.message('{"name": "get_weather", "parameters": {"city": "Paris"}}', "stop")
+    assert finish == "tool_calls" and message["content"] is None and "reasoning_content" not in message
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"})]
+    two = ('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}; '
+           '{"name": "get_weather", "parameters": {"city": "Lyon", "days": 1}}')
+    assert [json.loads(c["function"]["arguments"]) for c in shaper.message(two, "stop")[0]["tool_calls"]] == [
+        {"city": "Paris"}, {"city": "Lyon", "days": 1}]
+    # text with braces that are no call stays content, as vLLM's parser leaves it
+    for text in ("The set {1, 2} is small.", '{"answer": 42}', "Sunny in Paris."):
+        assert shaper.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
+    single, _ = shaped(llama, {"messages": CHAT, "tools": [WEATHER], "parallel_tool_calls": False})
+    assert len(single.message(two, "stop")[0]["tool_calls"]) == 1
+    none, _ = shaped(llama, {"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"})
+    assert none.message(two, "stop") == ({"role": "assistant", "content": two}, "stop")
+
+
+def test_qwen3_coder_tool_calls():
+    from prefixrun.cli.tool_calls import parse_qwen3_coder
+
+    text = ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    found = parse_qwen3_coder(text, [WEATHER])
+    assert found.content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in found.calls] == [("get_weather", {"city": "New York",
+                                                                                         "days": 3})]
+    # a value that is not of its type stays text; an unknown parameter is text
+    odd = "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=x>\n1\n" \
+          "</parameter>\n</function>\n</tool_call>"
+    assert json.loads(parse_qwen3_coder(odd, [WEATHER]).calls[0].arguments) == {"days": "three", "x": "1"}
+    assert parse_qwen3_coder("no call here", [WEATHER]).calls == ()
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"messages": CHAT, "tool_choice": "required"}, 'tool_choice "required" needs tools'),
+    ({"messages": CHAT, "tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"messages": CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "not among the tools ('get_weather')"),
+    ({"messages": CHAT, "echo": "yes"}, "echo must be true or false"),
+    ({"prompt": "hi", "tool_choice": "auto"}, "tool_choice applies only to a chat"),
+])
+def test_bad_tool_choices_and_reply_options_are_error_records(line, message):
+    from prefixrun.cli.lines import LineError
+
+    error = parse_line(RawLine(0, 1, json.dumps(line).encode()), SamplingDefaults(), set())
+    assert isinstance(error, LineError) and message in error.message, error
+
+
+def test_tools_on_a_model_whose_tool_calls_no_parser_reads(llama):
+    from prefixrun.cli.replies import Replies
+
+    parsed = parse({"messages": CHAT, "tools": [WEATHER]})
+    with pytest.raises(Exception, match="no tool-call parser"):
+        Replies(llama, tool_call_parser="none").check(parsed)
+    Replies(llama, tool_call_parser="none").check(parse({"messages": CHAT, "tools": [WEATHER],
+                                                         "tool_choice": "none"}))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# echo, forced tool calls, and the records
+
+
+def test_echo_of_completions_and_chats(qwen3):
+    text, _ = shaped(qwen3, {"prompt": "The capital of France is", "echo": True})
+    assert text.text(" Paris.") == "The capital of France is Paris."
+    ids = qwen3.encode("<|im_start|>Paris", add_special_tokens=False)
+    tokens, _ = shaped(qwen3, {"prompt_token_ids": ids, "echo": True})
+    assert tokens.text("!") == "<|im_start|>Paris!"  # the prompt decoded as it is, special tokens included
+    off, _ = shaped(qwen3, {"prompt": "The capital", "echo": False})
+    assert off.text(" x") == " x"
+    # a chat: the last message is prepended when it has the reply's role (continuing an assistant message)
+    go_on = {"messages": [*CHAT, {"role": "assistant", "content": "The weather"}], "continue_final_message": True,
+             "echo": True, "chat_template_kwargs": {"enable_thinking": False}}
+    chat, _ = shaped(qwen3, go_on)
+    assert chat.message(" is sunny.", "stop")[0]["content"] == "The weather is sunny."
+    new_turn, _ = shaped(qwen3, {"messages": CHAT, "echo": True})  # the reply's role differs: nothing to prepend
+    assert new_turn.message("Sunny.", "stop")[0]["content"] == "Sunny."
+
+
+def test_forced_tool_calls_need_the_structured_output_engine():
+    from prefixrun.cli import request_fields
+    from prefixrun.cli.tool_calls import ToolChoice, forced_reply_schema, read_forced_reply
+
+    line = {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required"}
+    parsed = parse_line(RawLine(0, 1, json.dumps(line).encode()), SamplingDefaults(), set())
+    if request_fields.lookup("response_format").status is request_fields.HONOURED:
+        assert parsed.sampling.structured is not None
+    else:
+        assert "needs the structured-output engine" in parsed.message
+    schema = forced_reply_schema(ToolChoice("required"), [WEATHER])
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert forced_reply_schema(ToolChoice("named", "get_weather"), [WEATHER]) == WEATHER["function"]["parameters"]
+    calls = read_forced_reply(ToolChoice("required"), '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert read_forced_reply(ToolChoice("named", "get_weather"), '{"city": "Oslo"}')[0].arguments == \
+        '{"city": "Oslo"}'
+    assert read_forced_reply(ToolChoice("required"), '[{"name": "get_weather", "param') == ()
+
+
+def test_records_carry_the_message(qwen3):
+    from prefixrun.cli.records import format_result
+    from prefixrun.engine.request import Completion, Result, Usage
+
+    reply = ('<think>hm</think><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+             '</tool_call>')
+    for line in ({"custom_id": "p", "messages": CHAT, "tools": [WEATHER]},
+                 {"custom_id": "o", "url": "/v1/chat/completions", "body": {"messages": CHAT, "tools": [WEATHER]}}):
+        shaper, _ = shaped(qwen3, line)
+        parsed = parse(line)
+        result = Result(parsed.custom_id, 0, [Completion([1, 2], reply, "stop")], Usage(5, 2, 0))
+        record = format_result(parsed, result, reply=shaper)
+        if parsed.shape == "plain":
+            assert record["text"] == reply and record["finish_reason"] == "tool_calls"
+            message = record["message"]
+        else:
+            choice = record["response"]["body"]["choices"][0]
+            assert choice["finish_reason"] == "tool_calls"
+            message = choice["message"]
+        assert message["content"] is None and message["reasoning_content"] == "hm"
+        assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    completion = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "Hi", "echo": True}})
+    shaper, _ = shaped(qwen3, {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "Hi", "echo": True}})
+    record = format_result(completion, Result("c", 0, [Completion([1], " there", "length")], Usage(1, 1, 0)),
+                           reply=shaper)
+    assert record["response"]["body"]["choices"][0]["text"] == "Hi there"
+
+
+def test_a_named_tool_choice_runs_forced_through_the_grammar(tiny_model, tmp_path):
+    """End to end on the random-weight model: the reply is forced into the named tool's arguments."""
+    tool = {"type": "function", "function": {"name": "pick_city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}}
+    body = {"messages": CHAT, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "pick_city"}},
+            "max_tokens": 64}
+    records = run_batch(tiny_model, tmp_path, [{"custom_id": "o", "url": "/v1/chat/completions", "body": body},
+                                              {"custom_id": "p", **body}], "--ignore-eos")
+    openai, plain = records
+    choice = openai["response"]["body"]["choices"][0]
+    without_ids = [{**call, "id": None} for call in plain["message"].get("tool_calls", [])]
+    assert without_ids == [{**call, "id": None} for call in choice["message"].get("tool_calls", [])]
+    if choice["finish_reason"] == "stop":  # the grammar ended the reply: one call with valid arguments
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "pick_city"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+        assert choice["message"]["content"] == ""

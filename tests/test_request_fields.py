@@ -60,7 +60,7 @@ ACTIVE = {
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "reasoning_effort": "low",
     "response_format": {"type": "json_object"}, "safety_identifier": "u", "seed": 3, "service_tier": "flex",
     "stop": ["\n"], "store": True, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.3,
-    "tool_choice": "required", "tools": [TOOL], "top_logprobs": 3, "top_p": 0.5, "user": "u", "verbosity": "low",
+    "tool_choice": "none", "tools": [TOOL], "top_logprobs": 3, "top_p": 0.5, "user": "u", "verbosity": "low",
     "web_search_options": {}, "best_of": 3, "echo": True, "suffix": "end", "repetition_penalty": 1.2, "top_k": 5,
     "min_p": 0.1, "stop_token_ids": [3], "ignore_eos": True, "min_tokens": 2, "prompt_logprobs": 1,
     "logprob_token_ids": [1], "flat_logprobs": True, "detokenize": False, "skip_special_tokens": False,
@@ -80,6 +80,8 @@ ACTIVE = {
     "guided_grammar": "root ::= \"a\"", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
 }
+# what a field needs beside it on the line to mean something (on the baseline line too)
+CONTEXT = {"tool_choice": {"tools": [TOOL]}, "parallel_tool_calls": {"tools": [TOOL]}}
 PROMPT_FIELDS = {"prompt", "messages", "prompt_token_ids"}  # they make the line's shape: tested with the shapes
 CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -91,8 +93,8 @@ def parse(line: dict, lenient: bool = False):
 def lines_for(kind, field: str, value):
     """The request lines that carry `field`, a plain line and an OpenAI Batch line, of the kind of request."""
     if kind == CHAT:
-        return [{"messages": CHAT_MESSAGES, field: value},
-                {"url": "/v1/chat/completions", "body": {"messages": CHAT_MESSAGES, field: value}}]
+        request = {"messages": CHAT_MESSAGES, **CONTEXT.get(field, {}), field: value}
+        return [request, {"url": "/v1/chat/completions", "body": request}]
     return [{"prompt": "hi", field: value}, {"url": "/v1/completions", "body": {"prompt": "hi", field: value}}]
 
 

@@ -157,6 +157,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
+    @property
+    def chat_template_text(self) -> str:
+        """The source of every chat template the model has (to tell which reply formats it asks for)."""
+        return "\n".join(self._chat_templates.values())
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, continue_final_message: bool = False, **extra: Any) -> str:
         """The prompt text of a conversation, as transformers' `apply_chat_template(..., tokenize=False)`.
