@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import re
 import tokenize
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ RULES = {
     "a module's length": re.compile(r"\bover \d+ lines\b|\b\d+ lines (?:long )?(?:because|on purpose)", re.I),
     "a GPU model (measurements go to docs/PERFORMANCE.md)": re.compile(r"\b(?:GH|[ABHL])[1-9]\d0\b"),
 }
-# path -> owner: files whose comments their owners are rewriting now; entries go as they are fixed
+# path -> owner: files whose comments their owners are rewriting now; an entry goes once fixed (a fixed one warns)
 LEFT = {
     "engine/cache/blob_format.py": "cachesys",
     "engine/cache/costs.py": "cachesys",
@@ -69,7 +70,8 @@ def test_comments_say_why_not_when(path):
     rel = str(path.relative_to(ROOT))
     found = violations(path.read_text(encoding="utf-8"))
     if rel in LEFT:
-        assert found, f"{rel} is clean now: remove it from LEFT"
+        if not found:  # not a failure: the fix should not turn the suite red; the list is pruned as fixes land
+            warnings.warn(f"{rel} is clean now: remove it from LEFT", stacklevel=1)
         return
     assert not found, "\n".join(f"{rel}:{line}: names {rule}: {text[:100]}" for line, rule, text in found)
 
