@@ -151,3 +151,12 @@ def test_the_module_check_can_fail(tmp_path):
     source = ('"""Reads engine/load/prompts.py and engine/gone.py."""\n'
               "# engine.load.prompts.PromptEncoder, engine.prompts, engine.load, engine.load.batch.x\n")
     assert unknown_modules(source, tmp_path) == ["engine/gone.py", "engine.prompts", "engine.load.batch.x"]
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_docs_name_no_work_session(doc):
+    # figures in the docs are dated and name the commit they measured; the work sessions behind them are not the
+    # project's to mention
+    found = [(n, line.strip()[:100]) for n, line in enumerate((ROOT / doc).read_text(encoding="utf-8").splitlines(), 1)
+             if RULES["a work session"].search(line)]
+    assert not found, f"{doc}: {found}"
