@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import math
 import os
 import shutil
@@ -26,7 +25,7 @@ import typer
 from prefixrun.cli import chat_options, io
 from prefixrun.cli.chat_options import PANEL as CHAT
 from prefixrun.cli.replies import check_parser_names
-from prefixrun.cli.report import RunReporter
+from prefixrun.cli.report import RunReporter, route_engine_logs
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
 
@@ -71,28 +70,6 @@ def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False, mini
     if size < minimum:
         raise typer.BadParameter(f"{what}: {text!r} is too small (at least {minimum:,} bytes)")
     return size
-
-
-class _LogToReporter(logging.Handler):
-    """Engine warnings (e.g. a cache entry that failed verification) go through the reporter: one 'warning:' line
-    each, and none with --quiet. Without a handler, logging's last resort would print them raw even then."""
-
-    def __init__(self, reporter: RunReporter):
-        super().__init__(logging.WARNING)
-        self.reporter = reporter
-
-    def emit(self, record: logging.LogRecord):
-        try:
-            (self.reporter.error if record.levelno >= logging.ERROR else self.reporter.warn)(record.getMessage())
-        except Exception:  # a log line must never break the run
-            self.handleError(record)
-
-
-def _route_engine_logs(reporter: RunReporter):
-    """Install the handler on the prefixrun logger; returns the function that removes it."""
-    handler, logger = _LogToReporter(reporter), logging.getLogger("prefixrun")
-    logger.addHandler(handler)
-    return lambda: logger.removeHandler(handler)
 
 
 def _cache_root(cache_dir: Optional[str]) -> Path:
@@ -180,7 +157,7 @@ def batch(
     from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter(quiet=quiet)
-    ctx.call_on_close(_route_engine_logs(reporter))
+    ctx.call_on_close(route_engine_logs(reporter))
     given = locals()
     try:
         reporter.progress_interval = _progress_interval(progress_interval)
@@ -549,7 +526,7 @@ def bench(
         raise typer.Exit(io.EXIT_USAGE)
     if claim is not None:
         ctx.call_on_close(claim.release)
-    ctx.call_on_close(_route_engine_logs(reporter))
+    ctx.call_on_close(route_engine_logs(reporter))
     started = time.perf_counter()
     run = open_batch_run(reporter, settings, source)
     open_seconds = time.perf_counter() - started

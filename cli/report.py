@@ -10,6 +10,7 @@ characters are shown as escapes (`\\x1b`, `\\n`): ESC would start a terminal com
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import threading
@@ -297,3 +298,25 @@ def report_table(report: dict) -> Table:
                 f"distinct / {w['computed_tokens']:,} computed tokens, {w['busy_seconds']:.2f} s{state}")
     row("wall time", f"{report['wall_seconds']:.2f} s")
     return t
+
+
+class LogToReporter(logging.Handler):
+    """Engine warnings (e.g. a cache entry that failed verification) go through the reporter: one 'warning:' line
+    each, and none with --quiet. Without a handler, logging's last resort would print them raw even then."""
+
+    def __init__(self, reporter: RunReporter):
+        super().__init__(logging.WARNING)
+        self.reporter = reporter
+
+    def emit(self, record: logging.LogRecord):
+        try:
+            (self.reporter.error if record.levelno >= logging.ERROR else self.reporter.warn)(record.getMessage())
+        except Exception:  # a log line must never break the run
+            self.handleError(record)
+
+
+def route_engine_logs(reporter: RunReporter):
+    """Install the handler on the prefixrun logger; returns the function that removes it."""
+    handler, logger = LogToReporter(reporter), logging.getLogger("prefixrun")
+    logger.addHandler(handler)
+    return lambda: logger.removeHandler(handler)

@@ -137,9 +137,9 @@ def test_engine_warnings_and_the_cuda_hint_are_literal(model, tmp_path):
     from prefixrun.cli.report import RunReporter
 
     reporter = RunReporter()
-    from prefixrun.cli.app import _route_engine_logs
+    from prefixrun.cli.report import route_engine_logs
 
-    remove = _route_engine_logs(reporter)
+    remove = route_engine_logs(reporter)
     try:
         with pytest.MonkeyPatch.context() as mp:
             import io
