@@ -11,6 +11,7 @@ from pathlib import Path
 from prefixrun.cli import io
 from prefixrun.cli import lines
 from prefixrun.cli import records
+from prefixrun.cli.input_ledger import InputLedger
 from prefixrun.cli.replies import Replies
 from prefixrun.engine.grammar.compiler import prepare_tokenizer
 from prefixrun.engine.load.prompts import PromptEncoder
@@ -89,6 +90,8 @@ class BatchRun:
         # every input line's output position by custom_id and by line number, when asked (`--resume` rewrites the
         # output in input order at the end: cli/output.py restore_input_order); None: not recorded
         self.positions: io.InputPositions | None = None
+        # which input line made each result in a regular -o (cli/input_ledger.py); the default records nothing
+        self.ledger = InputLedger()
 
     def _set_front(self, front, sampling_overrides: dict, chat_template_kwargs: dict | None):
         # A line's own values win over these: the command line's, then the model's generation_config.
@@ -158,6 +161,7 @@ class BatchRun:
                 continue
             self.ignored_fields.note(item)
             if item.custom_id in done_ids:
+                self.ledger.check(item.custom_id, item.line_no, raw.data)
                 writer.skip(item.index)
                 self.skipped += 1
                 continue
@@ -165,6 +169,7 @@ class BatchRun:
                 if request is None:
                     request = self._request(item)
                 window.append((item, request))
+                self.ledger.note(item.index, raw.data)
             except InvalidRequest as exc:
                 self._error(writer, lines.make_error(item, str(exc)))
                 continue
@@ -211,6 +216,7 @@ class BatchRun:
                 writer.add(result.index, records.format_result(
                     item, result, model=self.model_name, created=created,
                     reply=self.replies.shaper(item, requests[result.index])))
+            self.ledger.wrote(result.index, result.custom_id, ok=result.error is None)
             self.done += 1
             self.reporter.advance(self.done, self.backend.stats)
         self.reporter.window_done()

@@ -14,6 +14,8 @@ Promises (docs/RELIABILITY.md lists the faults the tests inject):
   (normally or aborted with its finished results written) removes the journal. A resumed run that ends rewrites
   the output as an uninterrupted run leaves it (`restore_input_order`: input order, an error record of a line
   that ran again dropped; never an earlier result).
+- `<output>.inputs` (cli/input_ledger.py) records which input line made each result; `--resume` with another
+  input is refused (exit 2) at its first line whose result another line made.
 - A regular `-o` file is claimed (an exclusive `flock`) right after those checks and held until the process exits
   (a resumed run's final rewrite replaces the file in its last step, after every result is written):
   a second run into the same file, also with `--resume` or `--overwrite`, is refused (exit 2) instead of
@@ -39,6 +41,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
+from prefixrun.cli.input_ledger import InputLedger, InputMismatch
 from prefixrun.cli.stop_signals import stop_reason
 from prefixrun.engine.errors import EnginesDidNotStart
 
@@ -388,6 +391,9 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             out_stream, journal = open_output(output, resume=resume)
             stack.callback(_close_quietly, out_stream)
             stack.callback(lambda: journal and journal.close())
+            if journal is not None:  # a regular file: the ledger of which line made each result goes beside it
+                run.ledger = InputLedger(output, resume=resume and bool(done_ids))
+                stack.callback(run.ledger.close)
         else:
             out_stream = sys.stdout
         writer = io.OrderedWriter(out_stream, ordered=not unordered, journal=journal)
@@ -398,6 +404,11 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
                 if run.positions is not None:
                     _restore_input_order(output, run.positions, fresh_from, not unordered, reporter)
             return report
+        except InputMismatch as exc:  # --resume over another input: what finished is kept, the run stops
+            _keep_finished(writer, journal)
+            reporter.stop()
+            reporter.error(str(exc))
+            raise typer.Exit(io.EXIT_USAGE)
         except EnginesDidNotStart as exc:  # worker processes load the model while the first window is read
             reporter.stop()
             reporter.error(str(exc))

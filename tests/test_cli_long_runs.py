@@ -283,3 +283,34 @@ def test_a_compressed_or_binary_input_is_one_line_and_exit_2(model, tmp_path):
     bom = write_jsonl(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + json.dumps({"prompt": "x", "max_tokens": 1}).encode()])
     res = cli("batch", bom, "--model", model, "--device", "cpu", "--no-cache", "-q")
     assert res.exit_code == 0 and len(records(res.stdout)) == 1, res.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --resume over another input
+
+
+def test_resume_refuses_another_input_and_accepts_appended_lines(model, tmp_path):
+    """--resume with an input other than the one the output was started from (same derived ids line-1, line-2,
+    other prompts) is exit 2 with one line, the output untouched; it mixed the two batches and said it rewrote
+    the file "as an uninterrupted run writes it". Lines appended to the same input resume as ever."""
+    first = [{"prompt": f"question {i}", "max_tokens": 2, "temperature": 0} for i in range(3)]
+    other = [{"prompt": f"another question {i}", "max_tokens": 2, "temperature": 0} for i in range(3)]
+    out = tmp_path / "out.jsonl"
+    base = ("--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out)
+    assert cli("batch", write_jsonl(tmp_path / "a.jsonl", first), *base).exit_code == 0
+    assert (tmp_path / "out.jsonl.inputs").is_file()
+    before = out.read_bytes()
+    res = cli("batch", write_jsonl(tmp_path / "b.jsonl", other), *base, "--resume")
+    assert res.exit_code == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"error: --resume: line 1 (line-1) is not the line its result in {out} was made from: this input is not "
+        f"the one that output was started from (give another -o, or --overwrite to replace it)"]
+    assert out.read_bytes() == before
+    grown = write_jsonl(tmp_path / "a.jsonl", first + [{"prompt": "one more", "max_tokens": 2, "temperature": 0}])
+    res = cli("batch", grown, *base, "--resume", "--json-report", tmp_path / "r.json")
+    assert res.exit_code == 0, res.stderr
+    assert [r["custom_id"] for r in records(out.read_text())] == ["line-1", "line-2", "line-3", "line-4"]
+    assert json.loads((tmp_path / "r.json").read_text())["requests"] == 1
+    res = cli("batch", write_jsonl(tmp_path / "b.jsonl", other), *base, "--overwrite")
+    assert res.exit_code == 0  # replaced, its ledger with it: b resumes over its own results
+    assert cli("batch", tmp_path / "b.jsonl", *base, "--resume").exit_code == 0
