@@ -164,3 +164,19 @@ def test_a_tokenizer_prepared_ahead_is_the_one_the_engine_takes(default_model):
     engine = make_engine(default_model)
     assert engine.grammars._llguidance_tokenizer() is prepared
     assert sorted(prepared.eos_tokens) == sorted(default_model.eos_token_ids)
+
+
+def test_parallel_and_serial_mask_fills_agree(default_model, monkeypatch):
+    from prefixrun.engine.grammar import masks
+    from prefixrun.engine.grammar.compiler import UNCONSTRAINED
+
+    engine = make_engine(default_model)
+    specs = [read_structured_output(f) for f in SCHEMA_FIELDS] + [read_structured_output({"guided_regex": "[0-9]+"})]
+    grammars = [engine.grammars.start(spec) for spec in specs] + [UNCONSTRAINED]
+    grammars[0].accept(default_model.tokenizer.encode("{", add_special_tokens=False)[0])
+    fills = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(masks, "_MASK_THREADS", threads)
+        fills[threads] = masks.TokenMasks(default_model.ops, engine.grammars.mask_words).host_masks(grammars)
+    assert (fills[1] == fills[4]).all()
+    assert (fills[1][-1] == -1).all() and not (fills[1][:-1] == -1).all(axis=1).any()

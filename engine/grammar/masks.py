@@ -8,14 +8,27 @@ the bitmask upload (int32 [n, ceil(V / 32)], through the pinned step copies), `o
 disallowed logits to -inf, in place), and `ops.sample_into` over the same logits with the same per-row
 parameters. A row without a grammar keeps an all-ones mask, so its redrawn token is the graph's own (a row's draw
 is a function of its logits and parameters only); the step's ids are those of the redraw. The host fills the masks
-while the device computes the step's forward (queued before), on llguidance's threads without the GIL; nothing
-here waits for the device.
+while the device computes the step's forward (queued before), on llguidance's threads without the GIL (one thread
+where the process has at most two cores: there the hand-offs cost more than they share); nothing here waits for
+the device.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# threads filling a step's masks: llguidance's default share of the cores this process may use (80%, at most 32)
+_MASK_THREADS = max(1, min(32, int(0.8 * _usable_cores())))
 
 
 class TokenMasks:
@@ -38,11 +51,15 @@ class TokenMasks:
         import llguidance
         import llguidance.numpy
 
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         t0 = time.perf_counter()
         out = np.full((len(grammars), self.words), -1, np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, out)
+        if _MASK_THREADS > 1 and len(rows) > 1:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=_MASK_THREADS)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, out)
+        else:  # one thread: the executor's hand-offs would only add to the serial fill
+            for matcher, i in rows:
+                llguidance.numpy.fill_next_token_bitmask(matcher, out, i)
         self.mask_seconds += time.perf_counter() - t0
         return out
 
