@@ -158,7 +158,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("guided_choice", HONOURED, BOTH, "the output is one of these strings (vLLM's older name)"),
     _F("guided_grammar", HONOURED, BOTH, "a grammar the output must follow (vLLM's older name)"),
     _F("structural_tag", REFUSED, BOTH, "tagged regions with their own schemas"),
-    _F("guided_decoding_backend", REFUSED, BOTH, "which grammar engine vLLM uses"),
+    _F("guided_decoding_backend", HARMLESS, BOTH, "which grammar engine vLLM uses",
+       why="prefixrun has one grammar engine (llguidance); every engine enforces the same constraint"),
     _F("guided_whitespace_pattern", REFUSED, BOTH, "whitespace allowed in guided JSON"),
     # ---- output text ----
     _F("echo", HONOURED, BOTH, "completions: the prompt is prepended to the text; chat: the last message's "
