@@ -147,6 +147,15 @@ def test_a_spec_the_model_cannot_compile_is_an_error_result(default_model):
     assert got["r1"].text in ("a", "b")
 
 
+def test_a_grammar_that_admits_nothing_is_an_error_result(default_model):
+    # valid syntax, but no string matches it: found at the first mask, not left to stop with an empty reply
+    reqs = [request(default_model, 0, "x", {"guided_grammar": "start: start"}, max_tokens=4),
+            request(default_model, 1, "x", {"guided_regex": "[0-9]"}, max_tokens=4)]
+    got = run(default_model, reqs)
+    assert got["r0"].finish_reason == "error" and "admits no reply" in got["r0"].error
+    assert got["r1"].text.isdigit() and got["r1"].finish_reason == "stop"
+
+
 def test_without_a_tokenizer_a_constrained_request_is_an_error(default_model):
     engine = Engine(default_model.model, default_model.ops, eos_token_ids=default_model.eos_token_ids)
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "a+")), 0)

@@ -133,6 +133,10 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
         if template.is_error():
             raise InvalidRequest(f"the structured output spec cannot be compiled: {_one_line(template.get_error())}")
+        template.compute_bitmask()  # a grammar that admits no text at all shows only once a mask is asked for
+        if template.is_error():
+            reason = template.get_error().split("\n", 1)[0]
+            raise InvalidRequest(f"the structured output spec admits no reply with this model's tokens ({reason})")
         self._templates[spec] = template
         if len(self._templates) > TEMPLATES_KEPT:
             self._templates.popitem(last=False)
