@@ -765,12 +765,12 @@ def test_an_evictor_never_deletes_a_block_file_another_process_has_just_written_
     process may write and index the very same file name. The evictor deletes the files it freed before its commit
     (holding the index's write lock): the other writer either sees the block still stored and stores nothing, or
     writes it after the delete; never a row naming a file the evictor deleted afterwards."""
-    from prefixrun.engine.cache import store as store_module
+    from prefixrun.engine.cache import files as cache_files
 
     root = tmp_path / "cache"
     evictor, writer = CheckpointStore(root), CheckpointStore(root)
     assert put(evictor, DOC)
-    real_unlink = store_module._unlink_quietly
+    real_unlink = cache_files.unlink_quietly
     other = []
 
     def unlink_while_another_process_writes(path):
@@ -780,7 +780,7 @@ def test_an_evictor_never_deletes_a_block_file_another_process_has_just_written_
             other[0].join(1.5)  # done, or waiting for the evictor's write lock
         return real_unlink(path)
 
-    monkeypatch.setattr(store_module, "_unlink_quietly", unlink_while_another_process_writes)
+    monkeypatch.setattr(cache_files, "unlink_quietly", unlink_while_another_process_writes)
     evictor.remove([e.entry_id for e in evictor.entries()])
     monkeypatch.undo()
     other[0].join(30)

@@ -563,19 +563,19 @@ def test_read_ahead_checks_entries_against_the_model_off_the_critical_path(loade
 
 
 def test_finite_check_in_pieces_finds_one_bad_value_anywhere(monkeypatch):
-    from prefixrun.engine.cache import persist as persist_module
+    from prefixrun.engine.cache import fitness as persist_module
     import ml_dtypes
 
     monkeypatch.setattr(persist_module, "_FINITE_TASK", 1000)
     monkeypatch.setattr(persist_module, "_FINITE_PIECE", 300)
     for dtype in (np.float32, ml_dtypes.bfloat16):
         array = np.ones((37, 101), dtype)
-        assert persist_module._all_finite(array)
+        assert persist_module.all_finite(array)
         for bad in (np.nan, np.inf, -np.inf):
             for where in ((0, 0), (20, 50), (36, 100)):
                 broken = array.copy()
                 broken[where] = bad
-                assert not persist_module._all_finite(broken), (dtype, bad, where)
+                assert not persist_module.all_finite(broken), (dtype, bad, where)
 
 
 def test_a_read_ahead_that_fails_unexpectedly_leaves_the_lookup_to_read_itself(loaded, tmp_path, monkeypatch):
@@ -598,7 +598,8 @@ def test_the_runs_end_waits_for_the_writer_only_within_its_bound(loaded, tmp_pat
     from prefixrun.engine.cache.store import CheckpointStore
     monkeypatch.setattr(persist_module, "END_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(persist_module, "END_WAIT_FRACTION", 0.0)
-    monkeypatch.setattr(persist_module, "END_WAIT_DROP_MIN_BYTES", 0)
+    from prefixrun.engine.cache import writer as writer_module
+    monkeypatch.setattr(writer_module, "END_WAIT_DROP_MIN_BYTES", 0)
     real_put = CheckpointStore.put
 
     def slow_put(self, *args, **kwargs):
@@ -630,7 +631,7 @@ def test_an_entry_read_ahead_is_used_even_where_the_disk_rate_would_decline_it(l
             with persist._ahead_lock:
                 slots = list(persist._ahead.values())
             for slot in slots:
-                slot[0].wait(30)
+                slot.done.wait(30)
             persist.watch_prefill(Counters(10 ** 12, 1.0))  # from now on nothing on disk is worth reading
         persist.prefetch = prefetch_then_turn_fast
 
@@ -665,7 +666,7 @@ def test_a_state_already_stored_is_not_captured_again(loaded, tmp_path, monkeypa
 def test_the_writer_copies_the_next_state_to_the_host_while_it_writes_this_one():
     """A state's host copy starts when it is queued (the copier thread), not when the writer reaches it; a job the
     run's end drops has its copy cancelled, not made."""
-    from prefixrun.engine.cache.persist import END_WAIT_DROP_MIN_BYTES, _BackgroundWriter, _HostCopy
+    from prefixrun.engine.cache.writer import END_WAIT_DROP_MIN_BYTES, BackgroundWriter as _BackgroundWriter, HostCopy as _HostCopy
 
     first_writing, release, copied, written, dropped = threading.Event(), threading.Event(), [], [], []
 

@@ -663,7 +663,7 @@ def test_other_state_layout_does_not_reuse_entries(models, sample_file, baseline
 
 
 def test_forced_key_collisions_stay_correct(models, sample_file, baseline, tmp_path, monkeypatch):
-    import prefixrun.engine.cache.store as store
+    import prefixrun.engine.cache.keys as store
 
     monkeypatch.setattr(store, "checkpoint_key", lambda key, tokens: "ab" * 32)
     cache = tmp_path / "cache"

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixrun.engine.cache import store as store_module
+from prefixrun.engine.cache import keys as keys_module
 from prefixrun.engine.cache.store import (
     CheckpointStore,
     StoreError,
@@ -243,7 +244,7 @@ def test_deleted_file_misses_and_drops_the_row(store):
 
 
 def test_forced_hash_collision_never_returns_wrong_tokens(store, monkeypatch):
-    monkeypatch.setattr(store_module, "checkpoint_key", lambda key, tokens: "0" * 64)
+    monkeypatch.setattr(keys_module, "checkpoint_key", lambda key, tokens: "0" * 64)
     first, second = BASE[:8], BASE[10:18]
     assert store.put(KEY, first, regions_for(first))
     assert not store.put(KEY, second, regions_for(second))  # its key is taken by another prefix

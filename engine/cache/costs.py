@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixrun.engine.run.background import BackgroundTask
+
 # A read (index, files, digests, import) competes with the engine for the host and is timed at lookups, so in a
 # near-tie recomputing on the device is the safer choice. Writes need the clearer margin: what is written is read
 # by later lookups only if it passes theirs (on the H200 a 16k-token document's 561 MiB reads in ~0.2 s, ~0.4 s to
@@ -392,17 +394,15 @@ class ReadCalibration:
 
     def __init__(self, folder: Path):
         self.rate: float | None = None
-        self._thread = threading.Thread(target=self._measure, args=(Path(folder),), name="prefixrun-cache-calibration",
-                                        daemon=True)
-        self._thread.start()
+        self._task = BackgroundTask("prefixrun-cache-calibration", self._measure, Path(folder))
 
-    def _measure(self, folder: Path):
+    def _measure(self, stop, folder: Path):
         while not folder.is_dir() and folder.parent != folder:
             folder = folder.parent
         self.rate = measure_read_rate(folder)
 
     def join(self):
-        self._thread.join()
+        self._task.join()
 
 
 def start_calibration(root: Path) -> ReadCalibration | None:

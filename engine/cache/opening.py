@@ -21,6 +21,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from prefixrun.engine.run.background import BackgroundTask
+
 from prefixrun.engine.cache.persist import PersistentCheckpoints, StoreOpening, layout_key, open_cache
 from prefixrun.engine.plan.planner import make_plan
 
@@ -38,11 +40,9 @@ class CacheOpening:
         self._persist: PersistentCheckpoints | None = None
         self._problem: str | None = None
         self._early_error: BaseException | None = None  # the key could not be made before the load: made after
-        self._thread = threading.Thread(target=self._open, args=(loading, upcoming), name="prefixrun-cache-early",
-                                        daemon=True)
-        self._thread.start()
+        self._task = BackgroundTask("prefixrun-cache-early", self._open, loading, upcoming)
 
-    def _open(self, loading, upcoming: Future | None):
+    def _open(self, stop, loading, upcoming: Future | None):
         root, budget_bytes, block_size, policy, calibration, store = self._args
         try:
             specs = loading.state_specs()  # the dry build first: if it fails, nothing below has happened
@@ -73,7 +73,7 @@ class CacheOpening:
     def join(self, loaded) -> tuple[PersistentCheckpoints | None, str | None]:
         """After the load: (the cache, None) or (None, why it cannot be used), as `open_cache(loaded)` gives."""
         root, budget_bytes, block_size, policy, calibration, store = self._args
-        self._thread.join()
+        self._task.join()
         persist = self._persist
         if self._early_error is not None:
             return open_cache(root, budget_bytes, loaded, block_size, policy, calibration, store)
@@ -95,7 +95,7 @@ class CacheOpening:
     def abandon(self):
         """The model did not load: the read-ahead stopped, the store closed."""
         self.close()
-        self._thread.join()
+        self._task.join()
         if self._persist is not None:
             self._persist.stop_read_ahead()
         self._args[5].abandon()

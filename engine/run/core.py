@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+from prefixrun.engine.cache.no_cache import NoCache
 from prefixrun.engine.grammar.compiler import GrammarCompiler
 from prefixrun.engine.grammar.masks import TokenMasks
 from prefixrun.engine.request import InvalidRequest
@@ -86,7 +87,8 @@ class Engine:
         self.model, self.ops, self.opts = model, ops, options
         self.eos = frozenset(eos_token_ids)
         self.tokenizer = tokenizer  # engine/load/tokenizer.py's Tokenizer: result texts and stop strings (None: no text)
-        self.persist = persist  # optional persistent checkpoint store adapter (engine/cache/persist.py)
+        # the persistent cache (engine/cache/persist.py), or one that does nothing (engine/cache/no_cache.py)
+        self.persist = persist if persist is not None else NoCache()
         self.max_context = model.cfg.max_position_embeddings
         specs = model.state_specs()
         slot_bytes, block_bytes = pool_unit_bytes(specs, ops, options.block_size)
@@ -141,7 +143,7 @@ class Engine:
         self.stats.distinct_prefix_tokens += plan.distinct_tokens if self.opts.reuse \
             else make_plan(prompts).distinct_tokens
         self.last_plan, self.last_trace = plan, Trace()
-        if self.persist is not None and self.opts.reuse:
+        if self.opts.reuse:
             self.persist.prefetch(plan.roots, self.state)  # stored states this window will look up, read meanwhile
         self._window = WindowExecutor(self, runnable, plan, self.last_trace)
         results = self._window.execute()
@@ -164,8 +166,7 @@ class Engine:
     def spill(self, evicted):
         """States leaving the pool: offered to the persistent store (it keeps those worth keeping), then freed."""
         for v in evicted:
-            if self.persist is not None:
-                self.persist.offer(v.tokens, self.state, v.handle, v.logits)
+            self.persist.offer(v.tokens, self.state, v.handle, v.logits)
             self.state.release(v.handle)
 
     def check_invariants(self):

@@ -185,7 +185,7 @@ class WindowExecutor:
             entry = e.pool.lookup(task.path, b, end)
             if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
                 found, source = (e.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
-            elif e.persist is not None and disk_ok and e.state.slots.free_count >= 2:
+            elif disk_ok and e.state.slots.free_count >= 2:
                 # sharing the base's whole K/V blocks: a restored state then shares them like a fork does
                 share = base.handle if base is not None else None
                 found, source = e.persist.lookup(list(task.path), b, end, e.state, share=share), "disk"
@@ -275,7 +275,7 @@ class WindowExecutor:
         rb = self.e.opts.retain_block
         # only where `_maybe_retain` may keep the state: without a store a split step is only a slower one (the
         # 4b-like shared prefix as 1792 + 256 tokens: 46 ms of host launches for ~30 ms of device work, vs 29 ms)
-        if rb and task.consumers and self.e.opts.reuse and self.e.persist is not None:
+        if rb and task.consumers and self.e.opts.reuse and self.e.persist.keeps_states:
             pos = handle.length  # tokens already in the state
             aligned = ((pos + (total - offset)) - rb) // rb * rb  # the seed's (end - block) // block * block
             if pos < aligned < pos + (stop - offset) and self._may_retain(task, aligned):
@@ -296,7 +296,7 @@ class WindowExecutor:
         that admitted work counts on."""
         e = self.e
         rb = e.opts.retain_block
-        if not rb or handle.length % rb or handle.length % e.state.block_size or e.persist is None \
+        if not rb or handle.length % rb or handle.length % e.state.block_size or not e.persist.keeps_states \
                 or e.state.slots.free_count < 2:
             return
         prefix = task.path[:handle.length]
@@ -311,11 +311,11 @@ class WindowExecutor:
         e, sched = self.e, self.sched
         if task.saves:
             entry, victims = e.pool.save(task.path, handle, logits, consumers=[c.id for c in task.consumers],
-                                         retain=e.persist is not None)
+                                         retain=e.persist.keeps_states)
             e.spill(victims)
             if entry is not None:
-                if e.persist is not None:  # a branch point: the state later runs share most, offered while fresh
-                    e.persist.offer(task.path, e.state, entry.handle, entry.logits)
+                # a branch point: the state later runs share most, offered while fresh
+                e.persist.offer(task.path, e.state, entry.handle, entry.logits)
                 self.saved[task.id] = entry
                 self.saver[id(entry)] = (task, run)
                 self.trace.add("save", task.id, end=task.end, count=len(task.consumers))
@@ -323,13 +323,13 @@ class WindowExecutor:
                 return
             # refused for lack of budget: the first consumer takes the state whole; the others recompute
             self.trace.add("refused", task.id, end=task.end)
-            if e.persist is not None and any(c.request is not None and c.end == task.end for c in task.consumers):
+            if any(c.request is not None and c.end == task.end for c in task.consumers):
                 e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
             sched.push(task.consumers, Handoff(handle, logits, run))
             self._rebase(task.consumers[1:], self._fallback(task.base))
             return
         if task.request is not None or task.fans_out:
-            if e.persist is not None and e.opts.reuse:
+            if e.opts.reuse:
                 e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
         if task.fans_out:  # the samples of its request: each forks the state, the last takes it
             sched.push(task.consumers, Handoff(handle, logits, run, shares=len(task.consumers)))

@@ -8,7 +8,6 @@ to show, since the engine never prints.
 """
 from __future__ import annotations
 
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,20 +103,21 @@ class EngineSession:
                              state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
                              reuse=s.reuse, block_size=ops.default_block_size, speculative=s.speculative,
                              num_draft_tokens=s.num_draft_tokens)
-        self.store = self.persist = None
+        from prefixrun.engine.cache.no_cache import NoCache
+
+        self.persist = NoCache()
         if self._cache_opening is not None:
             # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
-            self.persist, problem = self._cache_opening.join(self.loaded)
+            persist, problem = self._cache_opening.join(self.loaded)
             if problem:
                 self.warnings.append(problem)
-            self.store = self.persist.store if self.persist is not None else None
+            self.persist = persist if persist is not None else NoCache()
         self.engine = Engine(self.loaded.model, ops, eos_token_ids=self.loaded.eos_token_ids,
                              tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist)
-        if self.persist is not None:
-            self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
-            # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
-            self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
-            self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+        self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
+        # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
+        self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
+        self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
 
     def _end_hints(self):
         if self._cache_opening is not None:
@@ -142,12 +142,10 @@ class EngineSession:
             return
         self._end_hints()
         self.engine.close()
-        if self.persist is not None:
-            self.persist.finish()  # the background writer's last entries
+        self.persist.finish()  # the background writer's last entries
         self.engine.check_invariants()
         self._final_report = self.report()
-        if self.store is not None:
-            self.store.close()
+        self.persist.close()
 
     def report(self) -> dict:
         """The engine's half of the run report: its statistics, its pools, its device and its cache."""
@@ -171,23 +169,9 @@ class EngineSession:
         }
         if self.engine.speculator is not None:
             report["speculative"] = self.engine.speculator.stats.as_dict()
-        if self.store is not None:
-            st = self.store.stats
-            try:
-                entries, total = len(self.store.entries()), self.store.total_bytes()
-            except (sqlite3.Error, OSError):  # the store failed during the run (persist.store_error says how)
-                entries = total = None
-            report["cache"] = {"dir": str(self.store.root), "policy": self.settings.cache_policy, "entries": entries,
-                               "bytes": total, "budget_bytes": self.store.budget_bytes,
-                               "hits": st.hits, "misses": st.misses, "written": st.written,
-                               "written_bytes": st.written_bytes, "corrupt": st.corrupt, "evicted": st.evicted,
-                               "rejected_too_large": st.rejected_too_large, "write_errors": st.write_errors,
-                               "blocks_written": st.blocks_written, "block_bytes_written": st.block_bytes_written,
-                               "blocks_reused": st.blocks_reused}
-            if self.persist is not None:
-                report["cache"]["costs"] = self.persist.costs.as_dict()
-            if self.persist is not None and self.persist.store_error is not None:
-                report["cache"]["error"] = f"{type(self.persist.store_error).__name__}: {self.persist.store_error}"
+        cache = self.persist.report()
+        if cache is not None:
+            report["cache"] = cache
         return report
 
 

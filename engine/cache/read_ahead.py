@@ -1,0 +1,259 @@
+"""Read-ahead of the persistent cache: the stored entries a window's lookups are expected to use, read on a
+background thread while the device computes, checked against the model and moved to the device on a second one,
+and handed to the lookups that take them.
+
+Nothing here changes an answer: an entry read ahead is the same verified entry a lookup would read, and a lookup
+that finds none reads the entry itself.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
+from prefixrun.engine.cache.results import StoredCheckpoint
+from prefixrun.engine.run.background import BackgroundTask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReadAheadSlot:
+    """One prefix read ahead. `done` is set once it is read (or never will be): nobody waits on it after that."""
+
+    generation: int  # of the latest prefetch that wants it
+    done: threading.Event = field(default_factory=threading.Event)
+    checkpoint: StoredCheckpoint | None = None  # read, verified and checked against the model; None: not usable
+    on_device: dict | None = None  # {paged region: its rows on the device}, when uploaded ahead
+
+
+class ReadAhead:
+    """Mixed into PersistentCheckpoints (engine/cache/persist.py): the read-ahead threads and the slots they fill."""
+
+    def prefetch(self, roots, state=None):
+        """Read ahead, on a background thread while the device computes, the stored entries this window's lookups
+        are expected to use: for each task of the plan (roots first, then their consumers, breadth first), the
+        longest indexed prefix in (task.start, task.end] that the cost model would read. Chosen here from the index
+        (no file is opened on this thread, so a lookup right after finds them registered and waits instead of
+        reading twice); read in that order on the prefetch thread. Entries wait in memory (at most
+        `max_prefetch_bytes`) until a lookup takes them. A later call keeps the entries it chooses again (read, or
+        being read: e.g. the first window's, read ahead while the model loaded, `engine/cache/opening.py`) and
+        drops the unused ones. `state`: the engine's pools (`attach`); None before the engine exists."""
+        if self.store_error is not None:
+            return
+        if state is not None:
+            self.attach(state)
+        candidates, level, seen = [], list(roots), set()
+        try:
+            while level:
+                for task in level:
+                    tokens = tuple(task.path)
+                    resident = self._resident_rows(_Resident(task.start))  # the base state's whole blocks
+                    found = self.store.indexed_entry(self.key, tokens, len(tokens), task.start, resident)
+                    if found is None or tokens[:found[0]] in seen:
+                        continue
+                    n, nbytes = found
+                    prefix = tokens[:n]
+                    if self.cost_model.judge_read(n - task.start, nbytes, ahead=True) is not None:
+                        continue  # not worth even a read ahead (the lookup will not read it, and will say why)
+                    seen.add(prefix)
+                    candidates.append((prefix, nbytes, resident))
+                level = [c for t in level for c in t.consumers]
+        except _STORE_FAILURES as error:
+            self._give_up("prefetch", error)
+        chosen = []
+        with self._ahead_lock:
+            self._ahead_generation += 1
+            generation = self._ahead_generation
+            # entries read and not chosen again are dropped first (their bytes are room for this window's);
+            # an entry the read-ahead could not use (None) is chosen afresh
+            for prefix in [p for p, slot in self._ahead.items()
+                           if slot.done.is_set() and (p not in seen or slot.checkpoint is None)]:
+                checkpoint = self._ahead.pop(prefix).checkpoint
+                if checkpoint is not None:
+                    self._ahead_bytes -= checkpoint.nbytes
+            for prefix, nbytes, resident in candidates:
+                slot = self._ahead.get(prefix)
+                if slot is not None:  # read or being read for an earlier call: this window wants it too
+                    slot.generation = generation
+                    continue
+                if self._ahead_bytes + nbytes > self.max_prefetch_bytes:
+                    continue
+                self._ahead[prefix] = ReadAheadSlot(generation)
+                self._ahead_bytes += nbytes
+                chosen.append((prefix, nbytes, resident))
+        if not chosen:
+            return
+        if self._ahead_thread is None:
+            self._ahead_thread = BackgroundTask("prefixrun-cache-prefetch", self._read_ahead)
+        self._ahead_queue.put(chosen)
+
+
+    def _read_ahead(self, stop):
+        """On the prefetch thread: read the chosen entries in order; each read entry goes to the staging thread
+        (checked against the model, its K/V rows moved to the device) while this one reads the next (on the H200
+        the check and the upload took ~35 ms of every 16k-token document's ~175 ms)."""
+        stager = BackgroundTask("prefixrun-cache-stage", self._stage_read_ahead)
+        try:
+            while True:
+                job = self._ahead_queue.get()
+                if job is None:
+                    return
+                for prefix, nbytes, resident in job:
+                    with self._ahead_lock:
+                        slot = self._ahead.get(prefix)
+                    if slot is None or slot.done.is_set():
+                        continue
+                    checkpoint, seconds = None, 0.0
+                    # read only what the latest prefetch still wants (a new window's plan may not)
+                    if slot.generation == self._ahead_generation and self.store_error is None:
+                        started = time.perf_counter()
+                        try:
+                            checkpoint = self.store.read_entry(self.key, prefix, resident)
+                        except _STORE_FAILURES as error:
+                            self._give_up("prefetch", error)
+                        except Exception as error:  # read-ahead is optional: the lookup reads the entry itself
+                            log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)",
+                                        type(error).__name__, error)
+                        seconds = time.perf_counter() - started
+                    self._staging.put((slot, nbytes, checkpoint, seconds))
+        finally:
+            self._staging.put(None)
+            stager.join()
+
+
+    def _stage_read_ahead(self, stop):
+        """On the staging thread: check each read-ahead entry against the model, move its K/V rows to the device,
+        and hand it to the lookups (the slot's event) — or hand over None, and the lookup reads the entry itself
+        (and moves it aside, saying why, if it is bad)."""
+        while True:
+            job = self._staging.get()
+            if job is None:
+                return
+            slot, nbytes, checkpoint, seconds = job
+            try:
+                if checkpoint is not None and self._ahead_layout is not None:
+                    if self._problem(checkpoint, self._ahead_layout) is None:
+                        self._checked.add((checkpoint.entry_id, checkpoint.file_name))
+                    else:
+                        checkpoint = None
+                if checkpoint is not None:
+                    self.costs.prefetch_bytes += checkpoint.nbytes
+                    self.costs.prefetch_block_bytes += checkpoint.block_bytes
+                    self.costs.prefetch_seconds += seconds
+                    self.cost_model.observe_read(checkpoint.nbytes, seconds)
+                    self._device_ready.wait()  # the engine's pools first (`attach`)
+                    if not self._ahead_stopping:
+                        slot.on_device = self._upload_ahead(checkpoint)
+            except Exception as error:  # optional as the read-ahead is: the lookup reads the entry itself
+                checkpoint = None
+                log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)", type(error).__name__, error)
+            finally:
+                with self._ahead_lock:
+                    slot.checkpoint = checkpoint
+                    if checkpoint is None:
+                        self._ahead_bytes -= nbytes
+                    slot.done.set()  # read, or never to be read: nobody may wait on it any longer
+
+
+    def _upload_ahead(self, checkpoint: StoredCheckpoint) -> dict | None:
+        """On the prefetch thread: the entry's K/V rows (its paged regions, ~95% of a long document's bytes) copied
+        to the device now (`ops.upload_ahead`, beside the engine's work), so that restoring it is a copy within the
+        device: on the H200 a 16k-token document's import took 25-60 ms of the engine thread through the staging
+        buffers. None where the device has no room or nothing is paged (the lookup uploads from the host)."""
+        names = [r["name"] for r in self._ahead_layout or () if r["paged"] and r["name"] in checkpoint.regions]
+        if not names:
+            return None
+        nbytes = sum(checkpoint.regions[name].nbytes for name in names)
+        free = self.ops.free_memory()
+        if free is not None and nbytes > free // 4:
+            return None  # the engine's own allocations (activations, the writer's snapshots) come first
+        started = time.perf_counter()
+        try:
+            rows = self.ops.upload_ahead([checkpoint.regions[name] for name in names])
+        except Exception as error:  # optional like the read-ahead itself: the lookup uploads from the host
+            log.warning("persistent checkpoint cache: upload ahead failed (%s: %s)", type(error).__name__, error)
+            return None
+        if rows is None:
+            return None
+        self.costs.prefetch_device_bytes += nbytes
+        self.costs.prefetch_device_seconds += time.perf_counter() - started
+        return dict(zip(names, rows))
+
+
+    def _await_read_ahead(self, tokens, minimum: int, maximum: int):
+        """Wait for read-ahead in flight of a prefix this lookup may use (reading it again would take longer)."""
+        with self._ahead_lock:
+            waits = [slot.done for prefix, slot in self._ahead.items()
+                     if minimum < len(prefix) <= maximum and not slot.done.is_set()
+                     and tuple(tokens[:len(prefix)]) == prefix]
+        for event in waits:
+            event.wait()
+
+
+    def _take_read_ahead(self, entry_id: str, file_name: str, resident_rows: int = 0) -> StoredCheckpoint | None:
+        """The store's `preread`: a read-ahead entry of that blob, handed over once, if it read every K/V block the
+        lookup needs (those past the lookup's `resident_rows`)."""
+        with self._ahead_lock:
+            for prefix, slot in self._ahead.items():
+                checkpoint = slot.checkpoint
+                if checkpoint is not None and checkpoint.entry_id == entry_id and checkpoint.file_name == file_name \
+                        and checkpoint.resident_rows <= resident_rows:
+                    del self._ahead[prefix]
+                    self._ahead_bytes -= checkpoint.nbytes
+                    self.costs.prefetch_used_bytes += checkpoint.nbytes
+                    if slot.on_device is not None:
+                        self._taken_on_device[(entry_id, file_name)] = slot.on_device
+                    return checkpoint
+        return None
+
+
+    def _read_ahead_done(self, prefix: tuple[int, ...], resident_rows: int) -> bool:
+        """The read-ahead of exactly `prefix` has finished with what a lookup holding `resident_rows` needs in
+        memory (the lookup's `preread` takes it)."""
+        with self._ahead_lock:
+            slot = self._ahead.get(prefix)
+            return slot is not None and slot.done.is_set() and slot.checkpoint is not None \
+                and slot.checkpoint.resident_rows <= resident_rows
+
+
+    def _drop_unused_read_ahead(self):
+        """Under _ahead_lock: forget read-ahead entries already read and not taken."""
+        for prefix in [p for p, slot in self._ahead.items() if slot.done.is_set()]:
+            checkpoint = self._ahead.pop(prefix).checkpoint
+            if checkpoint is not None:
+                self._ahead_bytes -= checkpoint.nbytes
+
+
+    def _stop_read_ahead(self):
+        if self._ahead_thread is not None:
+            with self._ahead_lock:
+                self._ahead_generation += 1
+            self._ahead_stopping = True
+            attached = self._device_ready.is_set()
+            self._device_ready.set()  # a staging thread waiting for the engine's pools moves on (uploading nothing)
+            self._ahead_queue.put(None)
+            try:
+                self._ahead_thread.join()
+            except Exception as error:  # read-ahead is optional: what it read is dropped below
+                log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)", type(error).__name__, error)
+            self._ahead_thread = None
+            self._ahead_stopping = False
+            if not attached:
+                self._device_ready.clear()
+        with self._ahead_lock:
+            self._drop_unused_read_ahead()
+
+
+    def stop_read_ahead(self):
+        """Stop the read-ahead and forget what it read (e.g. the run stops before its engine exists)."""
+        self._stop_read_ahead()
+
+
+class _Resident:
+    """A stand-in for the state of a task's first `length` tokens (prefetch plans before the state exists)."""
+
+    def __init__(self, length: int):
+        self.length = length

@@ -1,0 +1,261 @@
+"""Verification of the checkpoint store's entries before their content is trusted, and quarantine of the bad ones.
+
+Trust rules: the index only says where to look. Before an entry is returned the store checks that the file
+exists, its size and content digest match the row, its safetensors layout parses (every offset, shape and dtype
+checked, engine/cache/blob_format.py), its format version, model and layout digests match, its stored token prefix
+hashes to the entry id, the block ids it lists are the ones its tokens give and the index lists, every block it
+needs is verified (kv_blocks.BlockFiles.read_into: size, content digest, metadata, shapes against the entry's
+tail), and the stored tokens equal the requested prefix exactly (a hash match alone is never trusted; that last
+check is the caller's, engine/cache/store.py). A bad block is moved to ``quarantine/`` and every entry that
+references it is dropped (none of them can be restored any more): a miss, never a wrong state. A file that fails
+any other check is moved to ``quarantine/`` with a ``.reason`` file beside it and its row deleted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from prefixrun.engine.cache import blob_format, files, keys, kv_blocks
+from prefixrun.engine.cache.index import Row
+from prefixrun.engine.cache.keys import FORMAT_VERSION, StoreKey
+from prefixrun.engine.cache.kv_blocks import BadBlock
+from prefixrun.engine.cache.results import ReadAccount, StoredCheckpoint
+
+log = logging.getLogger(__name__)
+
+TOKENS_TENSOR_NAME = "__tokens__"
+QUARANTINE_KEEP = 32
+# Region dtypes the store round-trips, by name. Value: the dtype safetensors actually stores.
+STORAGE_DTYPE_BY_NAME: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),  # bit pattern; viewed back as ml_dtypes.bfloat16 on load
+    "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class BadEntry(Exception):
+    """An entry failed verification; `reason` is recorded next to the quarantined file."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EntryVerification:
+    """The store's reading side: an entry read and checked against the index, or moved aside. Mixed into
+    CheckpointStore (engine/cache/store.py), whose index, lock, files and stats it uses."""
+
+    def _read_verified(self, row: Row, account: ReadAccount, *, resident_rows: int = 0) -> StoredCheckpoint:
+        """Read and fully check one entry and the K/V blocks it needs against the index; raise BadEntry (the entry
+        is bad) or BadBlock (a block is: every entry using it is) saying what is wrong. What was read is added to
+        `account`. `resident_rows`: the caller holds K/V rows [0, resident_rows) in memory already; whole blocks
+        within them are not read."""
+        path = self._path_of(row.file_name)
+        if path is None:
+            raise BadEntry(f"file name {row.file_name!r} is not a blob name of this store")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise BadEntry("file missing") from None
+        if size != row.nbytes:
+            raise BadEntry(f"size {size} != recorded {row.nbytes}")
+        try:
+            buffer, content_sha256 = blob_format.read_file(path, size)
+        except FileNotFoundError:
+            raise BadEntry("file missing") from None
+        except (OSError, blob_format.BlobFormatError) as error:
+            raise BadEntry(f"unreadable: {error}") from None
+        account.read_bytes += size
+        if content_sha256 != row.content_sha256:
+            raise BadEntry(f"content digest {content_sha256} != recorded {row.content_sha256}")
+        try:
+            metadata, stored = blob_format.parse(buffer)
+        except blob_format.BlobFormatError as error:
+            raise BadEntry(f"not a safetensors file: {error}") from None
+        if metadata.get("prefixrun.format") != FORMAT_VERSION:
+            raise BadEntry(f"format {metadata.get('prefixrun.format')!r} != {FORMAT_VERSION!r}")
+        if metadata.get("prefixrun.model_digest") != row.model_digest:
+            raise BadEntry("model digest in file differs from the index")
+        if metadata.get("prefixrun.layout_digest") != row.layout_digest:
+            raise BadEntry("layout digest in file differs from the index")
+        stored_tokens = stored.pop(TOKENS_TENSOR_NAME, None)
+        if stored_tokens is None or stored_tokens.dtype != np.int32 or stored_tokens.ndim != 1:
+            raise BadEntry("no int32 [n_tokens] token prefix in the file")
+        if len(stored_tokens) != row.n_tokens:
+            raise BadEntry(f"file holds {len(stored_tokens)} tokens, index says {row.n_tokens}")
+        stored_key = StoreKey(row.model_digest, row.layout_digest)
+        if keys.checkpoint_key(stored_key, stored_tokens) != row.entry_id:
+            raise BadEntry("stored tokens do not hash to the entry id")
+        try:
+            dtype_names = json.loads(metadata["prefixrun.dtypes"])
+            meta = json.loads(metadata["prefixrun.meta"])
+        except (KeyError, ValueError) as error:
+            raise BadEntry(f"metadata unreadable: {error!r}") from None
+        if not isinstance(dtype_names, dict) or set(dtype_names) != set(stored):
+            raise BadEntry("regions in the file differ from the recorded dtype table")
+        block_bytes, resident, from_blocks = self._read_blocks(row, metadata, stored_tokens, stored, resident_rows,
+                                                               account)
+        regions: dict[str, np.ndarray] = {}
+        for name, array in stored.items():
+            storage_dtype = STORAGE_DTYPE_BY_NAME.get(dtype_names[name])
+            if storage_dtype is None or array.dtype != storage_dtype:
+                raise BadEntry(f"region {name!r}: stored as {array.dtype}, recorded as {dtype_names[name]!r}")
+            regions[name] = array.view(BFLOAT16) if dtype_names[name] == "bfloat16" else array
+        return StoredCheckpoint(
+            tokens=tuple(stored_tokens.tolist()),
+            regions=regions,
+            meta=meta,
+            nbytes=size + block_bytes,
+            entry_id=row.entry_id,
+            file_name=row.file_name,
+            block_bytes=block_bytes,
+            resident_rows=resident,
+            block_rows=from_blocks,
+        )
+
+    def _read_blocks(self, row: Row, metadata: dict, tokens: np.ndarray, stored: dict[str, np.ndarray],
+                     resident_rows: int, account: ReadAccount) -> tuple[int, int, int]:
+        """Check an entry's block list (metadata = ids its tokens give = the index's references), read the blocks
+        it needs and join them into its paged regions in `stored` (in place). (block bytes read, resident rows,
+        rows covered by blocks)"""
+        try:
+            rows = int(metadata["prefixrun.block_rows"])
+            listed = json.loads(metadata["prefixrun.blocks"])
+            kv_names = json.loads(metadata["prefixrun.kv_regions"])
+        except (KeyError, ValueError) as error:
+            raise BadEntry(f"K/V block metadata unreadable: {error!r}") from None
+        # names checked to be distinct strings before any set() of them (a list in the list raised TypeError out of
+        # a lookup; a name twice joined its blocks twice)
+        if not isinstance(listed, list) or not isinstance(kv_names, list) \
+                or not all(isinstance(n, str) for n in kv_names) or len(set(kv_names)) != len(kv_names) \
+                or not set(kv_names) <= set(stored) \
+                or (kv_names and rows <= 0) or (not kv_names and (rows != 0 or listed)):
+            raise BadEntry("K/V block metadata malformed")
+        if not kv_names:
+            return 0, 0, 0
+        n_blocks = len(tokens) // rows
+        if listed != kv_blocks.block_ids(row.model_digest, row.layout_digest, tokens, rows):
+            raise BadEntry("its K/V block list is not the one its tokens give")
+        tails = {name: stored[name] for name in kv_names}
+        if any(t.ndim < 1 or t.shape[0] != len(tokens) - n_blocks * rows for t in tails.values()):
+            raise BadEntry("its K/V tail rows do not match its length")
+        with self._lock:
+            refs = self._db.execute(
+                "SELECT r.block_id, b.block_id, b.file_name, b.nbytes, b.content_sha256 FROM entry_blocks r "
+                "LEFT JOIN blocks b ON b.block_id = r.block_id WHERE r.entry_id = ? ORDER BY r.position",
+                (row.entry_id,)).fetchall()
+        if [r[0] for r in refs] != listed:
+            raise BadEntry("the index's K/V block references differ from the file's")
+        skip = min(max(int(resident_rows), 0) // rows, n_blocks)
+        needed = refs[skip:]
+        missing = [r[0] for r in needed if r[1] is None]
+        if missing:
+            raise BadEntry(f"K/V block {missing[0]} is not in the index")
+        for r in needed:
+            if not isinstance(r[3], int) or not isinstance(r[4], str):
+                raise BadBlock(r[0], "malformed index row")
+        wholes = kv_blocks.allocate(tails, n_blocks, rows)
+        self._kv.read_into([r[1:] for r in needed], list(range(skip, n_blocks)), row.model_digest, row.layout_digest,
+                           wholes, tails, rows)
+        stored.update(wholes)
+        read = sum(r[3] for r in needed)
+        account.blocks_read += len(needed)
+        account.block_bytes_read += read
+        account.read_bytes += read
+        account.blocks_resident += skip
+        return read, skip * rows, n_blocks * rows
+
+    def _quarantine_if_unchanged(self, row: Row, reason: str) -> bool:
+        """Move a bad entry aside, but only if its row is still the one we verified: if another process
+        evicted or replaced it meanwhile, the failure was that race, not corruption."""
+        with self._write_transaction() as db:
+            deleted = db.execute(
+                "DELETE FROM entries WHERE entry_id = ? AND file_name = ? AND content_sha256 = ?",
+                (row.entry_id, row.file_name, row.content_sha256),
+            ).rowcount
+            freed = self._drop_references(db, [row.entry_id])[0] if deleted else []
+        if not deleted:
+            return False
+        for path in freed:  # blocks only this entry used: intact as far as anyone knows, but unreferenced now
+            files.unlink_quietly(path)
+        self.stats.corrupt += 1
+        log.warning("checkpoint %s failed verification (%s); moved to %s", row.entry_id, reason, self._quarantine_dir)
+        source = self._path_of(row.file_name)
+        if source is not None:  # else the row named no file of ours: dropping the row is all there is to do
+            self._move_to_quarantine(source, f"entry_id: {row.entry_id}\nreason: {reason}\n")
+        return True
+
+    def _move_to_quarantine(self, source: Path, reason_text: str) -> None:
+        if not self._inside_root(self._quarantine_dir):
+            files.unlink_quietly(source)  # quarantine/ leads out of the cache folder: never move anything there
+            return
+        target = self._quarantine_dir / source.name
+        try:
+            os.replace(source, target)
+            self._overhead_bytes += files.size_or_none(target) or 0
+            target.with_name(target.name + ".reason").write_text(f"{reason_text}quarantined_at: {self._clock()}\n")
+            self._trim_quarantine()
+        except FileNotFoundError:
+            pass  # nothing left to keep
+        except OSError as error:  # keeping the evidence is best effort; the row is already gone
+            log.warning("could not move %s to quarantine: %s", source, error)
+            files.unlink_quietly(source)
+
+    def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> list[str]:
+        """A block failed verification: drop its row and every entry referencing it (none can be restored), move
+        its file to quarantine/ (only if its row still names that file: else the failure was a race). Returns the
+        entries dropped."""
+        with self._write_transaction() as db:
+            row = db.execute("SELECT file_name FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
+            if file_name is not None and (row is None or row[0] != file_name):
+                return []
+            users = [e for (e,) in db.execute("SELECT DISTINCT entry_id FROM entry_blocks WHERE block_id = ?",
+                                              (block_id,)).fetchall()]
+            blobs = [f for e in users for (f,) in db.execute(
+                "SELECT file_name FROM entries WHERE entry_id = ?", (e,)).fetchall()]
+            db.executemany("DELETE FROM entries WHERE entry_id = ?", [(e,) for e in users])
+            db.execute("DELETE FROM entry_blocks WHERE block_id = ?", (block_id,))
+            db.execute("DELETE FROM blocks WHERE block_id = ?", (block_id,))
+            freed, _ = self._drop_references(db, users)
+        if row is None and not users:
+            return []  # evicted meanwhile: a race, not corruption
+        self.stats.corrupt += 1
+        log.warning("K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
+                    len(users))
+        for path in [self._path_of(f) for f in blobs] + freed:
+            files.unlink_quietly(path)
+        # only a file named for this block is its own: a row naming another block's file leaves that file alone
+        source = self._kv.path_of(row[0]) if row is not None and str(row[0]).startswith(block_id) else None
+        if source is not None:
+            self._move_to_quarantine(source, f"block_id: {block_id}\nreason: {reason}\n")
+        return users
+
+    def _trim_quarantine(self, max_bytes: int | None = None) -> int:
+        """Keep the newest QUARANTINE_KEEP quarantined blobs, and only as many as fit in `max_bytes`; delete the
+        rest. Returns the bytes quarantine/ still holds."""
+        blobs = self._owned_files(self._quarantine_dir, lambda name: name.endswith(".safetensors"))
+        blobs.sort(key=files.mtime_or_zero, reverse=True)
+        kept = 0
+        for rank, blob in enumerate(blobs):
+            size = (files.size_or_none(blob) or 0) + (files.size_or_none(blob.with_name(blob.name + ".reason")) or 0)
+            if rank < QUARANTINE_KEEP and (max_bytes is None or kept + size <= max_bytes):
+                kept += size
+                continue
+            self._overhead_bytes -= size
+            files.unlink_quietly(blob)
+            files.unlink_quietly(blob.with_name(blob.name + ".reason"))
+        self._overhead_bytes = max(self._overhead_bytes, 0)
+        return kept

@@ -1,0 +1,115 @@
+"""Which offered states the persistent cache writes: the cost rule applied to the tokens a state adds to the
+longest prefix already on disk (or judged not worth writing), and the room this run's writes leave for a later
+run's read-ahead (engine/cache/costs.py prices both).
+
+A checkpoint on disk pays only when reading it back is cheaper than recomputing the tokens it adds: a prompt's end
+over a stored document adds its question, not the document. Every declined write is counted by reason, with an
+example in figures (the report's cache costs).
+"""
+from __future__ import annotations
+
+from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
+
+
+
+class WritePolicy:
+    """Mixed into PersistentCheckpoints (engine/cache/persist.py): what this run knows is on disk or declined, and
+    the write rule on top of it."""
+
+    def may_retain(self, tokens, nbytes: int) -> bool:
+        """Whether a state at `tokens` of about `nbytes` could be worth writing (so worth keeping a copy of, at the
+        price of a prefill step of its own): by the rule once the prefill rate is known, before that by the early
+        rule at a fraction of this run's rate so far. Before any prefill time is in (a fresh folder's first group)
+        there is nothing to judge by, and the answer is no: on the H200 the split alone cost the 4b-like
+        shared-system run a step's host launches, and a state no run will read is the rule's usual verdict there.
+        A question, not a decision: nothing is counted."""
+        if self.store_error is not None:
+            return False
+        model = self.cost_model
+        if model.always:
+            return True
+        key = tuple(tokens)
+        gained = len(key) - self._judged_base(key)
+        ahead = self._ahead_room_for(nbytes)
+        if model.can_judge():
+            return model.judge_write(gained, nbytes, ahead=ahead) is None
+        return model.early_prefill_rate() is not None and model.judge_write_early(gained, nbytes, ahead=ahead) is None
+
+
+    def _worth_writing(self, gained: int, nbytes: int) -> bool:
+        """The write rule, the prefill rate known (priced as read ahead while this run's writes so priced leave room
+        for it: `_take_ahead_room` once it is queued)."""
+        reason = self.cost_model.judge_write(gained, nbytes, ahead=self._ahead_room_for(nbytes))
+        self.costs.rates = self.cost_model.rates()
+        if reason is not None:
+            self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
+        return reason is None
+
+
+    def _declined_now(self, gained: int, nbytes: int) -> bool:
+        """Whether the write is declined at once: by the rule once the prefill rate is known; before that, if it
+        would not pay even at a fraction of the rate measured so far (else it is captured and decided later)."""
+        if self.cost_model.can_judge():
+            return not self._worth_writing(gained, nbytes)
+        reason = self.cost_model.judge_write_early(gained, nbytes, ahead=self._ahead_room_for(nbytes))
+        if reason is not None:
+            self.costs.decline("write skipped: recomputing is cheaper than a later read", reason, write=True)
+        return reason is not None
+
+
+    def _ahead_room_for(self, nbytes: int) -> bool:
+        with self._ahead_room_lock:
+            return nbytes <= self._ahead_write_room
+
+
+    def _take_ahead_room(self, nbytes: int):
+        """A write is queued (or decided): its bytes count against what a later window's read-ahead holds."""
+        with self._ahead_room_lock:
+            self._ahead_write_room -= nbytes
+
+
+    def _decide_deferred(self, gained: int, nbytes: int) -> bool:
+        """On the copier thread, for a state offered before the prefill rate was known: wait until it is (or the
+        run's end), then judge the write, before any byte of it is copied to the host."""
+        while not self.cost_model.can_judge() and not self.cost_model.settled.wait(0.01):
+            pass  # the run's prefill is being measured; the state waits as a device snapshot meanwhile
+        if not self._worth_writing(gained, nbytes):
+            return False  # (its prefix stays among the known ones: the states after it were judged past it)
+        self._take_ahead_room(nbytes)
+        return True
+
+
+    def _remember_on_disk(self, tokens: tuple[int, ...]):
+        self._on_disk.setdefault(len(tokens), set()).add(tokens)
+
+
+    def _known_on_disk(self, key: tuple[int, ...]) -> int:
+        """The length of the longest proper prefix of `key` this run wrote or restored (no index query)."""
+        return longest_proper_prefix(self._on_disk, key)
+
+
+    def _decline_prefix(self, key: tuple[int, ...]):
+        with self._judged_lock:
+            self._declined.setdefault(len(key), set()).add(key)
+
+
+    def _judged_base(self, key: tuple[int, ...]) -> int:
+        """The length of the longest proper prefix of `key` this run wrote, restored or declined to write."""
+        with self._judged_lock:
+            declined = longest_proper_prefix(self._declined, key)
+        return max(self._known_on_disk(key), declined)
+
+
+    def _stored_base(self, key: tuple[int, ...]) -> int:
+        """The length of the longest proper prefix of `key` known to be on disk or judged not worth it (this run's
+        writes, restores and declines, then the index, which is read without opening any file)."""
+        best = self._judged_base(key)
+        try:
+            return max(best, self.store.indexed_prefix_length(self.key, key, len(key) - 1, best))
+        except _STORE_FAILURES:
+            return best
+
+
+def longest_proper_prefix(by_length: dict[int, set[tuple[int, ...]]], key: tuple[int, ...]) -> int:
+    """The length of the longest proper prefix of `key` among `by_length` (length -> prefixes of that length)."""
+    return max((n for n, keys in by_length.items() if n < len(key) and key[:n] in keys), default=0)
