@@ -17,11 +17,8 @@ MAX_FUNCTION_LINES = 80
 # Today's offenders, each with the engineer splitting it; an entry goes once its code fits (a fixed entry warns).
 MODULES_LEFT = {
     "cli/app.py": "config",
-    "engine/cache/persist.py": "cachesys",
-    "engine/cache/store.py": "cachesys",
 }
 FUNCTIONS_LEFT = {
-    "engine/cache/store.py::CheckpointStore.put": "cachesys",
     "cli/report.py::report_table": "jobs",
     "cli/app.py::batch": "config",
 }

@@ -1,7 +1,7 @@
 """A checkpoint blob's bytes: written and read in one pass each, hashed on several cores, parsed without copies.
 
-A restored 16k-token document state of a 4B hybrid model is ~560 MiB; recomputing it on an H200 takes ~0.7 s, so
-reading it must run at several GB/s to pay. One-threaded SHA-256 (~1.5 GB/s) plus safetensors' copy of every
+A restored long document's state of a hybrid model is hundreds of MiB, and a fast GPU recomputes it in well under
+a second, so reading it must run at several GB/s to pay. One-threaded SHA-256 (~1.5 GB/s) plus safetensors' copy of every
 tensor would eat the gain, so:
 
 - the content digest is a tree: SHA-256 over a label, the size, and the SHA-256 of every CHUNK_BYTES chunk.

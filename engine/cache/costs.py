@@ -50,16 +50,14 @@ from prefixrun.engine.run.background import BackgroundTask
 
 # A read (index, files, digests, import) competes with the engine for the host and is timed at lookups, so in a
 # near-tie recomputing on the device is the safer choice. Writes need the clearer margin: what is written is read
-# by later lookups only if it passes theirs (on the H200 a 16k-token document's 561 MiB reads in ~0.2 s, ~0.4 s to
-# recompute: written and read; shared-system's 2k-token 114 MiB prefix ~40 ms either way: neither).
+# by later lookups only if it passes theirs (a long document's state, read in about half the time it takes to
+# recompute, is written and read; a short prefix that takes as long either way is neither).
 WRITE_MARGIN = 0.7  # write only if a later read is expected to take under 70% of the recompute time
 READ_MARGIN = 0.85  # read only if it is expected to take under 85% of computing from the state in memory
 # ... and save at least this much per later read: a write costs the run it is made in (its host copy and files
-# beside the engine, the end's wait for the writer: shared-system's 164 MiB prefix state cost 0.13 s, doc-qa's
-# four 4k-token documents, 913 MiB, 0.2 s on the H200), so a state that saves a few tens of ms per read would take
-# several reruns to repay it — and the rates it is judged by are least sure in a fresh folder (the calibration read
-# 4.7 GiB/s where that doc-qa run's lookups read 1.95 GB/s; doc-qa's documents save 35-60 ms by the estimate,
-# nothing in fact). A 16k-token document saves ~0.15-0.25 s per read.
+# beside the engine, the end's wait for the writer: a tenth of a second or more for a few hundred MiB), so a
+# state that saves a few tens of ms per read would take several reruns to repay it, and the rates it is judged by
+# are least sure in a fresh folder (a calibration can read twice as fast as the lookups beside the engine do).
 MIN_WRITE_SAVING_SECONDS = 0.06
 MIN_READ_BYTES = 64 << 20  # a read rate measured on less than this (and under MIN_READ_SECONDS) is noise
 MIN_READ_SECONDS = 0.05
@@ -77,7 +75,7 @@ CALIBRATION_BYTES = 64 << 20  # eight 8 MiB chunks: the parallel read path at fu
 # taken during a first prefill measured 1.3-1.5 GiB/s where the same folder's reads measured 5.8 GB/s later).
 CALIBRATION_READS = 6
 # ... and it runs before the engine does (while the weights load), on an idle host, so it is an optimistic figure:
-# reads beside the engine measured 2.2-4.0 GB/s on the H200 where calibrations gave 3.4-5.9 GiB/s. It is used as it
+# reads beside the engine run slower than the calibration's. It is used as it
 # is: it decides only a fresh folder's first writes, and the first write's read-back measures the real rate for
 # every later decision. (Counted at half, it kept a fresh folder from ever writing the long documents' states on a
 # host whose calibration measured 3.4 GiB/s: nothing written, so nothing read back, so never measured.)

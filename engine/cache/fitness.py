@@ -26,8 +26,8 @@ def state_problem(checkpoint: StoredCheckpoint, layout: list[dict], vocab_size: 
         array = regions[region["name"]]
         shape = ((n,) if region["paged"] else ()) + tuple(region["shape"])
         # rows from K/V block files are not scanned for non-finite values: each block is checked against its
-        # own digest, recorded when this engine computed it (the scan took 0.1-0.17 s per 16k-token document
-        # on the H200, on the critical path of a warm run); the blob's rows, its tail, still are
+        # own digest, recorded (and signed) when this engine computed it, and the scan of a long document's rows
+        # would sit on the critical path of a warm run; the blob's rows, its tail, still are
         finite_from = checkpoint.block_rows if region["paged"] else 0
         reason = tensor_problem(array, shape, region["dtype"], finite_from)
         if reason:

@@ -49,8 +49,8 @@ from prefixrun.engine.cache import blob_format
 BLOCKS_DIR_NAME = "kv_blocks"
 BLOCK_FORMAT = "prefixrun-kvblock-v1"
 # One blob-format chunk: a block is read and hashed by one thread, inline, blocks in parallel. Fewer, larger blocks
-# mean fewer Python steps (GIL hand-overs) per byte: 4 MiB blocks read at ~1 GB/s on the H200 host while the engine's
-# thread was busy, one 561 MiB blob in 8 MiB chunks at ~6 GB/s.
+# mean fewer Python steps (GIL hand-overs) per byte: small blocks read several times slower than one large blob in
+# 8 MiB chunks while the engine's thread was busy.
 BLOCK_TARGET_BYTES = 8 << 20
 MAX_BLOCK_ROWS = 256  # an entry re-stores at most this many - 1 rows of its parent as its own tail
 BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.safetensors")

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 class StoreOpening:
     """The store opened and maintained (leftovers of killed writers, quarantine, budget) on a thread started before
-    the model loads: that bounded work took ~75 ms of a warm run's critical path on the H200 host. `join` gives
+    the model loads: that bounded work was part of a warm run's critical path. `join` gives
     the open store, or raises what opening it raised, on the caller's thread."""
 
     def __init__(self, root: Path, budget_bytes: int | None):
@@ -163,8 +163,8 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self._ahead_queue: queue.Queue = queue.Queue()
         self._staging: queue.Queue = queue.Queue()  # (slot, bytes, checkpoint or None, read seconds): to check, upload
         self._ahead_thread: BackgroundTask | None = None
-        # as much as the writer may hold: a window's documents should all fit (on the H200, half of it held three
-        # of four 16k-token documents, 562 MiB each; the fourth was read on the engine's critical path, 0.14 s)
+        # as much as the writer may hold: a window's documents should all fit (one that does not is read on the
+        # engine's critical path)
         self.max_prefetch_bytes = max_pending_write_bytes()
         # this run's writes a later run is expected to read ahead (one window's read-ahead holds this many bytes):
         # priced at the read-ahead rate; the writes past them at the read rate (cache_costs.py)
@@ -336,8 +336,8 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self.offered.add(key)
         self._learn_layout(state)
         if not self.cost_model.always:
-            # the best case first, without touching the index (a prompt end's index queries took 5-17 ms of the
-            # engine's thread on the H200, 0.14-0.21 s per run): every K/V block already stored (only the slot
+            # the best case first, without touching the index (its queries at every prompt's end add up on the
+            # engine's thread): every K/V block already stored (only the slot
             # regions written) and every token past the longest prefix this run knows on disk gained. A state
             # that does not pay even so is declined here, for the reason the full rule would give (before the
             # prefill rate is known: at a fraction of the rate so far, `_declined_now`).

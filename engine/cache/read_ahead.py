@@ -93,8 +93,8 @@ class ReadAhead:
 
     def _read_ahead(self, stop):
         """On the prefetch thread: read the chosen entries in order; each read entry goes to the staging thread
-        (checked against the model, its K/V rows moved to the device) while this one reads the next (on the H200
-        the check and the upload took ~35 ms of every 16k-token document's ~175 ms)."""
+        (checked against the model, its K/V rows moved to the device) while this one reads the next (the check
+        and the upload are a fifth of a long document's time)."""
         stager = BackgroundTask("prefixrun-cache-stage", self._stage_read_ahead)
         try:
             while True:
@@ -161,8 +161,7 @@ class ReadAhead:
     def _upload_ahead(self, checkpoint: StoredCheckpoint) -> dict | None:
         """On the prefetch thread: the entry's K/V rows (its paged regions, ~95% of a long document's bytes) copied
         to the device now (`ops.upload_ahead`, beside the engine's work), so that restoring it is a copy within the
-        device: on the H200 a 16k-token document's import took 25-60 ms of the engine thread through the staging
-        buffers. None where the device has no room or nothing is paged (the lookup uploads from the host)."""
+        device: an import through the staging buffers costs the engine's thread tens of ms per long document. None where the device has no room or nothing is paged (the lookup uploads from the host)."""
         names = [r["name"] for r in self._ahead_layout or () if r["paged"] and r["name"] in checkpoint.regions]
         if not names:
             return None

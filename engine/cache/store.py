@@ -35,10 +35,11 @@ indexed total is within the budget. Evicted blobs are unlinked after that commit
 process killed between those deletes and its commit leaves block rows naming missing files: misses, dropped by the
 next maintenance). So a killed process leaves at worst an unindexed temp or blob file (``sweep_orphans`` removes
 it), never an index row pointing at a partial file.
-Files are not fsync'd (an fsync'd write ran at ~0.5 GB/s on the H200 host, and the run's end waited seconds
-for it): after a power loss a recently written file may be torn or empty under its final name, and since every
-read checks the content digest the index recorded, such a file is a miss (quarantined), never a wrong state. The indexed total never exceeds the budget at
-any commit, and the files on disk are within the budget whenever no ``put`` is in flight.
+Files are not fsync'd (an fsync'd write is several times slower, and the run's end waited seconds for it): after
+a power loss a recently written file may be torn or empty under its final name, and since every read checks the
+content digest the index recorded, such a file is a miss (quarantined), never a wrong state. The indexed total
+never exceeds the budget at any commit, and the files on disk are within the budget whenever no ``put`` is in
+flight.
 
 Trust rules (``lookup``): the index only says where to look; an entry, its file and every K/V block it needs are
 verified before anything of it is returned (engine/cache/verify.py), and the stored tokens must equal the

@@ -20,8 +20,8 @@ class WritePolicy:
         """Whether a state at `tokens` of about `nbytes` could be worth writing (so worth keeping a copy of, at the
         price of a prefill step of its own): by the rule once the prefill rate is known, before that by the early
         rule at a fraction of this run's rate so far. Before any prefill time is in (a fresh folder's first group)
-        there is nothing to judge by, and the answer is no: on the H200 the split alone cost the 4b-like
-        shared-system run a step's host launches, and a state no run will read is the rule's usual verdict there.
+        there is nothing to judge by, and the answer is no: on a fast GPU the split alone costs a step's host
+        launches, and a state no run will read is the rule's usual verdict there.
         A question, not a decision: nothing is counted."""
         if self.store_error is not None:
             return False

@@ -23,8 +23,8 @@ END_WAIT_DROP_MIN_BYTES = 32 << 20  # smaller late jobs are still written: they 
 
 class HostCopy:
     """A captured state's device -> host copy, run on the writer's copier thread from the moment it is queued: it
-    overlaps the writing of the states before it (a 16k-token document's copy and write took ~0.2 s each on the
-    H200, one after the other). Calling it gives the host arrays, waiting for them; a copy cancelled before its
+    overlaps the writing of the states before it (a long document's copy takes about as long as its write).
+    Calling it gives the host arrays, waiting for them; a copy cancelled before its
     turn (its write dropped at the run's end) is not made."""
 
     def __init__(self, copy, decide=None):
