@@ -323,3 +323,18 @@ def test_each_sample_of_a_structured_request_follows_its_own_grammar(tmp_path_fa
     assert len(four) == 4 and len(set(four)) > 1
     assert all(re.fullmatch("(yes|no|maybe)( [a-z]{1,6}){0,3}", text) for text in four), four
     assert answers(1, 52) == [four[2]]
+
+
+def test_ray_data_rows_get_every_choice(tmp_path):
+    """The Ray Data stage called as Ray calls it, on one batch (no cluster needed for the stage's own work)."""
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.scale.ray_pool import RayDataPredictor
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    stage = RayDataPredictor(str(model), device="cpu", use_cache=False)
+    out = stage({"custom_id": ["a", "b"], "prompt": ["The capital of", "The capital of"], "n": [3, None],
+                 "max_tokens": [4, 4], "seed": [5, 6], "ignore_eos": [True, True]})
+    a, b = out["choices"]
+    assert len(a) == 3 and len(b) == 1 and out["error"] == [None, None]
+    assert out["token_ids"][0] == a[0]["token_ids"] and a[1]["token_ids"] == b[0]["token_ids"]  # seed 5 + 1
+    assert out["text"] == [a[0]["text"], b[0]["text"]]

@@ -156,8 +156,9 @@ class RayDataPredictor:
 
     A batch has a "prompt" (text) or "prompt_token_ids" column, optionally "custom_id" and the sampling columns
     (max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos; missing or null: the
-    model's generation_config). It comes back with "text", "token_ids", "finish_reason", "prompt_tokens",
-    "cached_tokens" and "error" (None, or why that row could not run) added. Rows with shared prefixes should
+    model's generation_config; "n" and "best_of" ask for several samples). It comes back with "text", "token_ids",
+    "finish_reason" (the first choice's), "choices" (every choice: its text, token_ids and finish_reason),
+    "prompt_tokens", "cached_tokens" and "error" (None, or why that row could not run) added. Rows with shared prefixes should
     be in the same batch: sort the dataset by prompt, or group it, before this stage.
     """
 
@@ -202,6 +203,9 @@ class RayDataPredictor:
         out["text"] = [get(i, lambda r: r.text, "") for i in range(rows)]
         out["token_ids"] = [get(i, lambda r: list(r.token_ids), []) for i in range(rows)]
         out["finish_reason"] = [get(i, lambda r: r.finish_reason, "error") for i in range(rows)]
+        out["choices"] = [get(i, lambda r: [{"text": c.text, "token_ids": list(c.token_ids),
+                                             "finish_reason": c.finish_reason} for c in r.choices], [])
+                          for i in range(rows)]
         out["prompt_tokens"] = [get(i, lambda r: r.usage.prompt_tokens, 0) for i in range(rows)]
         out["cached_tokens"] = [get(i, lambda r: r.usage.cached_tokens, 0) for i in range(rows)]
         out["error"] = [errors.get(i) or (results[i].error if i in results else None) for i in range(rows)]
