@@ -36,10 +36,17 @@ A `messages` line may also carry what vLLM's chat completions take beside the me
   `"none"` (the reply's text is its content), `"required"` or `{"type": "function", "function": {"name": ...}}`
   (the reply is forced into calls by the structured-output engine); `parallel_tool_calls: false` keeps the first
   call only; `include_reasoning: false` leaves reasoning_content null.
+- `documents` (the template's documents, for RAG templates) and `reasoning_effort` (the template's variable;
+  `"none"` also sets enable_thinking false, any other value true, unless chat_template_kwargs set it).
 
-These keys on a `prompt` or `prompt_token_ids` line are an error. `echo: true` puts the prompt before a
-completion's text (a token prompt decoded, special tokens included) and a chat's last message before the reply's
-content when it has the reply's role (e.g. an assistant message continued with `continue_final_message`).
+These keys on a `prompt` or `prompt_token_ids` line are an error. Any request may carry `truncate_prompt_tokens`
+(keep the last N prompt tokens, -1: as many as the context holds; `truncation_side: "right"` keeps the first),
+`add_special_tokens` (default true for a text prompt, false for a chat, whose template writes them),
+`return_token_ids` / `return_prompt_text` (added to the record as `prompt_token_ids`, each OpenAI choice's
+`token_ids`, and `prompt_text`: the prompt's tokens decoded) and `detokenize: false` (an empty text).
+`echo: true` puts the prompt before a completion's text (a token prompt decoded, special tokens included) and a
+chat's last message before the reply's content when it has the reply's role (e.g. an assistant message continued
+with `continue_final_message`).
 
 OpenAI Batch API lines
 ----------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
 from prefixrun.cli import request_fields
+from prefixrun.cli.prompt_options import with_prompt_options
 from prefixrun.cli.replies import ReplyOptions, read_reply_options, with_forced_tool_call
 from prefixrun.cli.request_fields import CHAT, COMPLETION, REFUSED, Kind
 from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_output
@@ -39,7 +40,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # (the rest are SamplingParams' fields, read by SamplingDefaults.from_fields):
 READ_BY_PARSER = frozenset({*_PROMPT_FIELDS, "tools", "chat_template_kwargs", "add_generation_prompt",
                             "continue_final_message", "max_completion_tokens", "echo", "tool_choice",
-                            "parallel_tool_calls", "include_reasoning",
+                            "parallel_tool_calls", "include_reasoning", "documents", "add_special_tokens",
+                            "truncate_prompt_tokens", "truncation_side", "reasoning_effort", "detokenize",
+                            "return_token_ids", "return_prompt_text",
                             *STRUCTURED_FIELDS})  # the last by engine/grammar/spec.py, from _sampling_for_line
 _OPENAI_ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 
@@ -213,6 +216,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
         else:
             shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
         where = "body." if openai_shape else ""
+        prompt = with_prompt_options(prompt, fields, where)
         sampling = _sampling_for_line(fields, defaults, where, _kind_of(prompt))
         reply = read_reply_options(fields, prompt, where)
         sampling = with_forced_tool_call(sampling, reply, prompt, where)

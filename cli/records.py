@@ -24,9 +24,10 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
     chat = isinstance(req.prompt, ChatPrompt)
     if req.shape == "plain":
         if req.sampling.n == 1:
-            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat), "usage": usage}
+            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat), "usage": usage,
+                    **reply.extras()}
         choices = [{"index": i, **_plain_choice(c, reply, chat)} for i, c in enumerate(result.choices)]
-        return {"custom_id": req.custom_id, "choices": choices, "usage": usage}
+        return {"custom_id": req.custom_id, "choices": choices, "usage": usage, **reply.extras()}
     if req.shape == "openai_chat":
         body = {
             "id": _derived_id("chatcmpl-", req.custom_id),
@@ -34,10 +35,11 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "created": created,
             "model": model,
             "choices": [
-                {"index": i, **_chat_choice(c, reply), "logprobs": None}
+                {"index": i, **_chat_choice(c, reply), "logprobs": None, **_token_ids(c, reply)}
                 for i, c in enumerate(result.choices)
             ],
             "usage": usage,
+            **reply.extras(),
         }
     else:
         body = {
@@ -45,9 +47,10 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": None, "finish_reason": c.finish_reason}
-                        for i, c in enumerate(result.choices)],
+            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": None, "finish_reason": c.finish_reason,
+                         **_token_ids(c, reply)} for i, c in enumerate(result.choices)],
             "usage": usage,
+            **reply.extras(),
         }
     return {
         "id": _batch_request_id(req.custom_id),
@@ -65,6 +68,10 @@ def _plain_choice(choice: Completion, reply: ReplyShaper, chat: bool) -> dict:
     message, finish_reason = reply.message(choice.text, choice.finish_reason)
     return {"text": choice.text, "message": message, "token_ids": list(choice.token_ids),
             "finish_reason": finish_reason}
+
+
+def _token_ids(choice: Completion, reply: ReplyShaper) -> dict:
+    return {"token_ids": list(choice.token_ids)} if reply.options.return_token_ids else {}
 
 
 def _chat_choice(choice: Completion, reply: ReplyShaper) -> dict:

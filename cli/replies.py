@@ -34,6 +34,9 @@ class ReplyOptions:
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True  # false: only the first tool call is kept
     include_reasoning: bool = True
+    detokenize: bool = True  # false: no text, token ids only
+    return_token_ids: bool = False  # the prompt's and each completion's token ids in an OpenAI response too
+    return_prompt_text: bool = False  # a chat's prompt as the model read it (its tokens decoded)
 
 
 @dataclass(frozen=True)
@@ -49,14 +52,25 @@ class ReplyShaper:
     split_reasoning: bool = False
     opened_in_prompt: bool = False
     thinking_disabled: bool = False
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_text: str = ""
     calls_seen: list = field(default_factory=list, compare=False)  # call ids handed out (several choices)
 
     def text(self, text: str) -> str:
         """A completion's text."""
+        if not self.options.detokenize:
+            return ""
         return self.echo_text + text if self.options.echo else text
+
+    def extras(self) -> dict:
+        """What the request asked to add to its record (vLLM's return_token_ids / return_prompt_text)."""
+        extras = {"prompt_token_ids": list(self.prompt_token_ids)} if self.options.return_token_ids else {}
+        return {**extras, "prompt_text": self.prompt_text} if self.options.return_prompt_text else extras
 
     def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
         """A chat's message and finish reason."""
+        if not self.options.detokenize:
+            return {"role": self.role, "content": ""}, finish_reason
         split = (reasoning.split_think(text, opened_in_prompt=self.opened_in_prompt,
                                        thinking_disabled=self.thinking_disabled)
                  if self.split_reasoning else ReasoningSplit(None, text))
@@ -100,7 +114,10 @@ def read_reply_options(fields: dict, prompt, where: str) -> ReplyOptions:
         if isinstance(prompt, ChatPrompt) else ToolChoice()
     return ReplyOptions(echo=_flag(fields, "echo", False, where), tool_choice=choice,
                         parallel_tool_calls=_flag(fields, "parallel_tool_calls", True, where),
-                        include_reasoning=_flag(fields, "include_reasoning", True, where))
+                        include_reasoning=_flag(fields, "include_reasoning", True, where),
+                        detokenize=_flag(fields, "detokenize", True, where),
+                        return_token_ids=_flag(fields, "return_token_ids", False, where),
+                        return_prompt_text=_flag(fields, "return_prompt_text", False, where))
 
 
 def _flag(fields: dict, name: str, default: bool, where: str) -> bool:
@@ -166,6 +183,16 @@ class Replies:
                 "--tool-call-parser, or tool_choice \"none\" to get the raw text")
 
     def shaper(self, parsed: ParsedRequest, request: Request) -> ReplyShaper:
+        shaper = self._shaper(parsed, request)
+        options = parsed.reply
+        if options.return_token_ids:
+            shaper = dataclasses.replace(shaper, prompt_token_ids=tuple(request.prompt_token_ids))
+        if options.return_prompt_text and self.tokenizer is not None:
+            text = self.tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=False)
+            shaper = dataclasses.replace(shaper, prompt_text=text)
+        return shaper
+
+    def _shaper(self, parsed: ParsedRequest, request: Request) -> ReplyShaper:
         prompt = parsed.prompt
         options = parsed.reply
         if isinstance(prompt, ChatPrompt):

@@ -90,13 +90,16 @@ FIELDS: tuple[RequestField, ...] = (
     _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false}"),
     _F("add_generation_prompt", HONOURED, CHAT, "end the prompt with the assistant header (default true)"),
     _F("continue_final_message", HONOURED, CHAT, "leave the last message open for the model to continue"),
-    _F("documents", REFUSED, CHAT, "documents for templates that render them (RAG)"),
+    _F("documents", HONOURED, CHAT, "documents for templates that render them (RAG): the template's documents"),
     _F("chat_template", REFUSED, CHAT, "a Jinja chat template for this request",
        why="a batch renders every chat with the model's own template"),
-    _F("add_special_tokens", REFUSED, BOTH, "add the tokenizer's special tokens (BOS) to the prompt"),
-    _F("reasoning_effort", REFUSED, CHAT, "how much a reasoning model thinks"),
+    _F("add_special_tokens", HONOURED, BOTH, "add the tokenizer's special tokens (BOS) to the prompt text "
+       "(default: true for completions, false for chats, whose template writes them)"),
+    _F("reasoning_effort", HONOURED, CHAT, "the template's reasoning_effort variable; \"none\" also sets "
+       "enable_thinking false, any other value true (unless chat_template_kwargs set it), as vLLM does"),
     _F("include_reasoning", HONOURED, CHAT, "false: no reasoning_content in the message"),
-    _F("thinking_token_budget", REFUSED, CHAT, "the most tokens a reasoning model may think"),
+    _F("thinking_token_budget", REFUSED, CHAT, "the most tokens a reasoning model may think",
+       why="no sampler here ends a think block after N tokens: bound the reply with max_tokens"),
     _F("tool_choice", HONOURED, CHAT, "none (the text is the content), auto (the default with tools: tool calls "
        "parsed out of the text), required or a named function (the reply forced into calls)"),
     _F("parallel_tool_calls", HONOURED, CHAT, "false: only the first tool call is kept"),
@@ -118,8 +121,9 @@ FIELDS: tuple[RequestField, ...] = (
     _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output"),
     _F("ignore_eos", HONOURED, BOTH, "keep generating after the end-of-sequence token"),
     _F("include_stop_str_in_output", HONOURED, BOTH, "keep the matched stop string in the text"),
-    _F("truncate_prompt_tokens", REFUSED, BOTH, "keep only the last N prompt tokens"),
-    _F("truncation_side", REFUSED, BOTH, "which side truncate_prompt_tokens cuts"),
+    _F("truncate_prompt_tokens", HONOURED, BOTH, "keep only the last N prompt tokens (-1: as many as the context "
+       "holds)"),
+    _F("truncation_side", HONOURED, BOTH, "\"left\" (default: the last tokens kept) or \"right\" (the first)"),
     # ---- sampling ----
     _F("temperature", HONOURED, BOTH, "sampling temperature; 0 is greedy"),
     _F("top_p", HONOURED, BOTH, "nucleus sampling: the smallest set of tokens whose probability reaches top_p"),
@@ -141,7 +145,8 @@ FIELDS: tuple[RequestField, ...] = (
        inert=(1,)),
     _F("watermarking", REFUSED, BOTH, "watermark the sampled text", why="no watermarking scheme is implemented",
        inert=(False,)),
-    _F("repetition_detection", REFUSED, BOTH, "end the output when an n-gram repeats"),
+    _F("repetition_detection", REFUSED, BOTH, "end the output when an n-gram repeats",
+       why="outputs end only by stop rules and length here: use stop strings or max_tokens"),
     # ---- log probabilities ----
     _F("logprobs", REFUSED, BOTH, "log probabilities of the output tokens (chat: true/false; completions: k)",
        inert=(False,)),
@@ -167,10 +172,11 @@ FIELDS: tuple[RequestField, ...] = (
     _F("skip_special_tokens", HONOURED, BOTH, "leave special tokens out of the text (default true)"),
     _F("spaces_between_special_tokens", HONOURED, BOTH, "false: no space between two special tokens in the "
        "text (with skip_special_tokens false; default true)"),
-    _F("detokenize", REFUSED, BOTH, "false: return token ids only", inert=(True,)),
-    _F("return_token_ids", REFUSED, BOTH, "add the prompt's and the output's token ids to an OpenAI response",
-       inert=(False,)),
-    _F("return_prompt_text", REFUSED, CHAT, "add the rendered prompt to the response", inert=(False,)),
+    _F("detokenize", HONOURED, BOTH, "false: an empty text (token ids only)"),
+    _F("return_token_ids", HONOURED, BOTH, "the prompt's token ids in the record (prompt_token_ids) and, in an "
+       "OpenAI response, each choice's token_ids"),
+    _F("return_prompt_text", HONOURED, CHAT, "the prompt as the model read it (its tokens decoded) in the record "
+       "(prompt_text)"),
     _F("suffix", REFUSED, COMPLETION, "text that follows the completion (fill-in-the-middle)",
        why="fill-in-the-middle needs the model's own FIM prompt format: write it into the prompt"),
     _F("verbosity", REFUSED, CHAT, "how long the answer should be (OpenAI)",
@@ -183,7 +189,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("vllm_xargs", REFUSED, BOTH, "arguments for vLLM extensions", why="prefixrun has no extensions"),
     _F("extra_args", REFUSED, BOTH, "arguments for custom sampling code", why="prefixrun has no extensions"),
     _F("trace_decode_token_ids", REFUSED, BOTH, "force these output tokens (vLLM debugging)",
-       why="forced decoding is not implemented"),
+       why="a debugging aid of vLLM's engine: put known tokens in prompt_token_ids instead"),
     # ---- streaming and serving (nothing to do offline) ----
     _F("stream", REFUSED, BOTH, "stream the response",
        why="a batch writes each result as one line: leave stream out or false", inert=(False,)),

@@ -358,3 +358,76 @@ def test_a_named_tool_choice_runs_forced_through_the_grammar(tiny_model, tmp_pat
         assert call["function"]["name"] == "pick_city"
         assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
         assert choice["message"]["content"] == ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt options: documents, add_special_tokens, truncation, reasoning_effort
+
+
+def encoded(tokenizer, line: dict, context: int = 100_000) -> list[int]:
+    parsed = parse(line)
+    encoder = PromptEncoder(tokenizer, vocab_size=200_000, context_tokens=context)
+    return encoder.request(parsed.custom_id, 0, parsed.prompt, parsed.sampling).prompt_token_ids
+
+
+def test_documents_reach_the_template(qwen3):
+    template = "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[-1].content }}"
+    rag = Tokenizer(qwen3._backend, {}, {"default": template}, "rag")
+    docs = [{"title": "Paris", "text": "is in France"}]
+    assert rag.decode(encoded(rag, {"messages": CHAT, "documents": docs})) == \
+        "[Paris: is in France]" + CHAT[-1]["content"]
+    assert rag.decode(encoded(rag, {"messages": CHAT})) == CHAT[-1]["content"]
+    from prefixrun.cli.lines import LineError
+    bad = parse_line(RawLine(0, 1, json.dumps({"messages": CHAT, "documents": "Paris"}).encode()),
+                     SamplingDefaults(), set())
+    assert isinstance(bad, LineError) and "documents must be a list of objects" in bad.message
+
+
+def test_add_special_tokens(llama):
+    with_bos = encoded(llama, {"prompt": "Hello"})  # completions: the tokenizer's post-processor adds BOS
+    assert encoded(llama, {"prompt": "Hello", "add_special_tokens": False}) == with_bos[1:]
+    chat = encoded(llama, {"messages": CHAT})  # chats: the template wrote BOS; nothing is added
+    assert encoded(llama, {"messages": CHAT, "add_special_tokens": True}) == with_bos[:1] + chat
+
+
+def test_truncate_prompt_tokens(qwen3):
+    ids = list(range(10, 30))
+    assert encoded(qwen3, {"prompt_token_ids": ids, "truncate_prompt_tokens": 5}) == ids[-5:]
+    assert encoded(qwen3, {"prompt_token_ids": ids, "truncate_prompt_tokens": 5, "truncation_side": "right"}) == \
+        ids[:5]
+    assert encoded(qwen3, {"prompt_token_ids": ids, "truncate_prompt_tokens": -1}, context=8) == ids[-7:]
+    text = encoded(qwen3, {"prompt": "one two three four five six", "truncate_prompt_tokens": 2})
+    assert len(text) == 2 and qwen3.decode(text).endswith("six")
+    from prefixrun.cli.lines import LineError
+    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 2, "truncation_side": "middle"},
+                {"truncation_side": 3}):
+        error = parse_line(RawLine(0, 1, json.dumps({"prompt": "x", **bad}).encode()), SamplingDefaults(), set())
+        assert isinstance(error, LineError), bad
+
+
+def test_reasoning_effort_switches_thinking_as_vllm_does(qwen3):
+    encoder = PromptEncoder(qwen3, vocab_size=200_000, context_tokens=100_000)
+    off = encoder.render(parse({"messages": CHAT, "reasoning_effort": "none"}).prompt)
+    on = encoder.render(parse({"messages": CHAT, "reasoning_effort": "high"}).prompt)
+    assert off.endswith("<think>\n\n</think>\n\n") and not on.endswith("</think>\n\n")
+    # the line's own chat_template_kwargs win
+    kept = parse({"messages": CHAT, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+    assert not encoder.render(kept.prompt).endswith("</think>\n\n")
+    shaper, _ = shaped(qwen3, {"messages": CHAT, "reasoning_effort": "none"})
+    assert shaper.thinking_disabled
+
+
+def test_detokenize_and_returned_ids_and_prompt_text(qwen3):
+    from prefixrun.cli.records import format_result
+    from prefixrun.engine.request import Completion, Result, Usage
+
+    line = {"custom_id": "o", "url": "/v1/chat/completions",
+            "body": {"messages": CHAT, "return_token_ids": True, "return_prompt_text": True}}
+    shaper, prompt = shaped(qwen3, line)
+    parsed = parse(line)
+    record = format_result(parsed, Result("o", 0, [Completion([7, 8], "Hi", "stop")], Usage(3, 2, 0)), reply=shaper)
+    body = record["response"]["body"]
+    assert body["prompt_text"] == prompt and body["choices"][0]["token_ids"] == [7, 8]
+    assert qwen3.decode(body["prompt_token_ids"], skip_special_tokens=False) == prompt
+    quiet, _ = shaped(qwen3, {"prompt": "x", "detokenize": False})
+    assert quiet.text("words") == ""

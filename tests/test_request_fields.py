@@ -70,8 +70,8 @@ ACTIVE = {
     "repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "routed_experts_prompt_start": 2,
     "trace_decode_token_ids": [1], "logits_processors": ["module.Class"], "truncate_prompt_tokens": 2,
     "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "include_reasoning": False,
-    "truncation_side": "left", "add_generation_prompt": False, "continue_final_message": True,
-    "add_special_tokens": True, "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ messages }}",
+    "truncation_side": "right", "add_generation_prompt": False, "continue_final_message": True,
+    "add_special_tokens": False, "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": False}, "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"x": 1}, "priority": 3, "request_id": "r", "session_id": "s",
     "return_tokens_as_token_ids": True, "return_token_ids": True, "return_prompt_text": True, "cache_salt": "salt",
@@ -81,7 +81,9 @@ ACTIVE = {
     "guided_whitespace_pattern": " ",
 }
 # what a field needs beside it on the line to mean something (on the baseline line too)
-CONTEXT = {"tool_choice": {"tools": [TOOL]}, "parallel_tool_calls": {"tools": [TOOL]}}
+CONTEXT = {"tool_choice": {"tools": [TOOL]}, "parallel_tool_calls": {"tools": [TOOL]},
+           "truncation_side": {"truncate_prompt_tokens": 1}}
+ACTIVE_IN_CHATS = {"add_special_tokens": True}  # where the kinds' defaults differ: the other value
 PROMPT_FIELDS = {"prompt", "messages", "prompt_token_ids"}  # they make the line's shape: tested with the shapes
 CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -92,10 +94,13 @@ def parse(line: dict, lenient: bool = False):
 
 def lines_for(kind, field: str, value):
     """The request lines that carry `field`, a plain line and an OpenAI Batch line, of the kind of request."""
+    known = request_fields.lookup(field)
+    context = CONTEXT.get(field, {}) if known is not None and known.applies_to & kind else {}
     if kind == CHAT:
-        request = {"messages": CHAT_MESSAGES, **CONTEXT.get(field, {}), field: value}
+        request = {"messages": CHAT_MESSAGES, **context, field: value}
         return [request, {"url": "/v1/chat/completions", "body": request}]
-    return [{"prompt": "hi", field: value}, {"url": "/v1/completions", "body": {"prompt": "hi", field: value}}]
+    request = {"prompt": "hi", **context, field: value}
+    return [request, {"url": "/v1/completions", "body": request}]
 
 
 def comparable(parsed: ParsedRequest) -> ParsedRequest:
@@ -112,7 +117,8 @@ def test_every_field_of_the_references_is_in_the_registry():
 def test_a_set_field_changes_the_request_or_is_harmless_or_is_an_error_record(name):
     field = request_fields.lookup(name)
     for kind in (CHAT, COMPLETION):
-        for line in lines_for(kind, name, ACTIVE[name]):
+        value = ACTIVE_IN_CHATS.get(name, ACTIVE[name]) if kind == CHAT else ACTIVE[name]
+        for line in lines_for(kind, name, value):
             where = "body." if "body" in line else ""
             bare = json.loads(json.dumps(line))
             (bare["body"] if where else bare).pop(name)

@@ -49,6 +49,14 @@ def check_tools(value: Any, where: str = "tools") -> list[dict]:
     return value
 
 
+def check_documents(value: Any, where: str = "documents") -> list[dict]:
+    """`value` if it is a list of document objects for RAG templates (vLLM: {"title": str, "text": str} each)."""
+    if not isinstance(value, list) or not all(isinstance(document, dict) for document in value):
+        raise InvalidRequest(f'{where} must be a list of objects such as {{"title": "...", "text": "..."}}, got '
+                             f"{describe_value(value)}")
+    return value
+
+
 def check_template_kwargs(value: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
     """`value` if it is an object of extra chat-template variables (e.g. {"enable_thinking": false})."""
     if not isinstance(value, dict):

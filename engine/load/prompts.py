@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
+from prefixrun.engine.load.messages import check_documents, check_messages, check_template_kwargs, check_tools
 from prefixrun.engine.request import InvalidRequest, Request, SamplingParams
 
 if TYPE_CHECKING:
@@ -30,10 +30,33 @@ NORMALIZER_SHRINK_BOUND = 4
 
 
 @dataclass(frozen=True)
+class Truncation:
+    """vLLM's truncate_prompt_tokens: keep the last `tokens` of the prompt (`side` "right": the first), -1 for as
+    many as the context holds with room for one generated token."""
+
+    tokens: int
+    side: str = "left"
+
+    def __post_init__(self):
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not (self.tokens >= 1 or
+                                                                                     self.tokens == -1):
+            raise InvalidRequest(f"truncate_prompt_tokens must be a positive integer or -1, got {self.tokens!r}")
+        if self.side not in ("left", "right"):
+            raise InvalidRequest(f'truncation_side must be "left" or "right", got {self.side!r}')
+
+    def apply(self, ids: list[int], context_tokens: int) -> list[int]:
+        keep = context_tokens - 1 if self.tokens == -1 else self.tokens
+        return ids[-keep:] if self.side == "left" else ids[:keep]
+
+
+@dataclass(frozen=True)
 class TextPrompt:
-    """Text tokenized as is (with whatever BOS the tokenizer's post-processor adds)."""
+    """Text tokenized as is (with whatever BOS the tokenizer's post-processor adds, unless add_special_tokens is
+    false)."""
 
     text: str
+    add_special_tokens: bool = True
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +64,7 @@ class TokenPrompt:
     """Token ids given by the request; only checked against the vocabulary and the context."""
 
     token_ids: tuple[int, ...]
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +74,9 @@ class ChatPrompt:
     `add_generation_prompt` None means "not given": true, unless `continue_final_message` is set (then the last
     message is left open for the model to continue, which a generation prompt would close). Both true is an
     error, as in vLLM. `template_kwargs` become extra template variables (e.g. enable_thinking) and win over the
-    engine-wide ones (`PromptEncoder(chat_template_kwargs=...)`, the command line's).
+    engine-wide ones (`PromptEncoder(chat_template_kwargs=...)`, the command line's). `documents` are the
+    template's `documents` variable (RAG templates); `add_special_tokens` adds the tokenizer's BOS on top of what the
+    template wrote (vLLM's default for chats: false).
     """
 
     messages: list[dict]
@@ -58,12 +84,17 @@ class ChatPrompt:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    documents: list[dict] | None = None
+    add_special_tokens: bool = False
+    truncation: Truncation | None = None
 
     def __post_init__(self):
         check_messages(self.messages)
         if self.tools is not None:
             check_tools(self.tools)
         check_template_kwargs(self.template_kwargs)
+        if self.documents is not None:
+            check_documents(self.documents)
         for name in ("add_generation_prompt", "continue_final_message"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -107,15 +138,20 @@ class PromptEncoder:
         return Request(custom_id, ids, sampling, index)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids (truncated if it asks for it), checked against the vocabulary and the context."""
         if isinstance(prompt, TokenPrompt):
             ids = list(prompt.token_ids)
         elif isinstance(prompt, ChatPrompt):
-            ids = self.tokenizer.encode(self._checked_length(self.render(prompt), "the rendered chat"),
-                                        add_special_tokens=False)  # the template wrote the special tokens
+            # the template wrote the special tokens; add_special_tokens adds the tokenizer's on top
+            ids = self.tokenizer.encode(self._checked_length(self.render(prompt), "the rendered chat", prompt),
+                                        add_special_tokens=prompt.add_special_tokens)
         elif isinstance(prompt, TextPrompt):
-            ids = self.tokenizer.encode(self._checked_length(prompt.text, "the prompt"))
+            ids = self.tokenizer.encode(self._checked_length(prompt.text, "the prompt", prompt),
+                                        add_special_tokens=prompt.add_special_tokens)
         else:
             raise TypeError(f"not a prompt: {type(prompt).__name__}")
+        if prompt.truncation is not None:
+            ids = prompt.truncation.apply(ids, self.context_tokens)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenization")
         if max(ids) >= self.vocab_size:  # checked in C; the first offending id is looked for only then
@@ -131,11 +167,12 @@ class PromptEncoder:
         """The prompt text of a chat, as transformers' apply_chat_template(tokenize=False) renders it."""
         return self.tokenizer.render_chat(
             prompt.messages, add_generation_prompt=prompt.generation_prompt, tools=prompt.tools,
-            continue_final_message=prompt.continue_final_message,
+            continue_final_message=prompt.continue_final_message, documents=prompt.documents,
             **{**self.chat_template_kwargs, **prompt.template_kwargs})
 
-    def _checked_length(self, text: str, what: str) -> str:
-        if len(text) > self.max_prompt_chars:
+    def _checked_length(self, text: str, what: str, prompt: Prompt) -> str:
+        # a prompt to be truncated may be longer (it is bounded by the line's byte limit)
+        if len(text) > self.max_prompt_chars and prompt.truncation is None:
             raise InvalidRequest(
                 f"{what} has {len(text)} characters: more than the model's context of {self.context_tokens} "
                 f"tokens can hold (at most {self.max_prompt_chars} characters); it was not tokenized")
