@@ -153,28 +153,12 @@ def batch(
         help="drafted tokens per sequence and step (default 5)", rich_help_panel="Speculative decoding")] = None,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
-    from prefixrun.cli.output import OutputError, check_targets, claim_output, run_to_output, write_json_report
-    from prefixrun.engine.request import InvalidRequest
+    from prefixrun.cli.output import run_to_output
 
     reporter = RunReporter(quiet=quiet)
     ctx.call_on_close(route_engine_logs(reporter))
     given = locals()
-    try:
-        reporter.progress_interval = _progress_interval(progress_interval)
-        settings = run_settings(**{name: given[name] for name in RUN_OPTIONS})
-        if resume and output is None:
-            raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
-        if resume and overwrite:
-            raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
-        source, input_path = _open_input(input, reporter)
-        check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite,
-                      input_fd=_descriptor(source))
-        if input_path is not None:  # a file: looked at now, before the model loads
-            _refuse_not_jsonl(source, input)
-        claim = claim_output(output)
-    except (typer.BadParameter, InvalidRequest, OutputError) as exc:
-        reporter.error(str(exc))
-        raise typer.Exit(io.EXIT_USAGE)
+    settings, source, input_path, claim = _prepare_batch(given, reporter)
     if claim is not None:
         ctx.call_on_close(claim.release)
     with stop_signals_raise():
@@ -187,6 +171,38 @@ def batch(
                 raise typer.Exit(io.EXIT_USAGE)
         report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter,
                                claim=claim, json_report=json_report)
+    _finish_batch(report, output, json_report, reporter)
+
+
+def _prepare_batch(given: dict, reporter: RunReporter):
+    """batch's checks before any work (exit 2 with one line): (run settings, input stream, input path or None,
+    the claim on -o or None)."""
+    from prefixrun.cli.output import OutputError, check_targets, claim_output
+    from prefixrun.engine.request import InvalidRequest
+
+    output, json_report, resume, overwrite = (given[k] for k in ("output", "json_report", "resume", "overwrite"))
+    try:
+        reporter.progress_interval = _progress_interval(given["progress_interval"])
+        settings = run_settings(**{name: given[name] for name in RUN_OPTIONS})
+        if resume and output is None:
+            raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
+        if resume and overwrite:
+            raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
+        source, input_path = _open_input(given["input"], reporter)
+        check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite,
+                      input_fd=_descriptor(source))
+        if input_path is not None:  # a file: looked at now, before the model loads
+            _refuse_not_jsonl(source, given["input"])
+        return settings, source, input_path, claim_output(output)
+    except (typer.BadParameter, InvalidRequest, OutputError) as exc:
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
+
+
+def _finish_batch(report: dict, output: Path | None, json_report: Path | None, reporter: RunReporter):
+    """The report on stderr (and in --json-report), and the exit code of a run that ended."""
+    from prefixrun.cli.output import write_json_report
+
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
         reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "

@@ -248,6 +248,8 @@ class BatchRun:
         # while the first window is read, and the time waited for them after that is reported apart)
         if self.session is None:
             report["workers"] = _workers_report(self.backend)
+            # each worker's own label (cpu:0, cuda:1): every worker process sees its device as the first one
+            report["device"] = ", ".join(w["device"] for w in report["workers"]["per_worker"])
             wall -= self.backend.start_wait_seconds
         report["wall_seconds"] = round(wall, 4)
         return report

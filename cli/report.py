@@ -202,102 +202,145 @@ def duration(seconds: float) -> str:
 
 
 def report_table(report: dict) -> Table:
-    """The end-of-run table. Labels never wrap (an 80-column terminal folds the values instead)."""
+    """The end-of-run table. Labels never wrap (an 80-column terminal folds the values instead). Counts take
+    thousands separators and their noun's plural; one prefill rate (the run's); rows about memory pressure say
+    how much happened, why, and which option avoids it."""
     t = Table(title="prefixrun report", show_header=False, title_justify="left")
     t.add_column("what", style="bold", no_wrap=True)
     t.add_column("value", justify="right", overflow="fold")
+    for section in (_work_rows, _pressure_rows, _cache_rows, _speed_rows, _speculative_rows, _device_rows):
+        for label, value in section(report):
+            t.add_row(label, literal(value))
+    t.add_row("wall time", literal(f"{report['wall_seconds']:.2f} s"))
+    return t
 
-    def row(label: str, value: str):
-        t.add_row(label, literal(value))
 
+def count(n: int, noun: str, plural_noun: str | None = None) -> str:
+    """'1 request', '2,048 requests'."""
+    return f"{n:,} {noun if n == 1 else plural_noun or plural(n, noun)}"
+
+
+def _work_rows(report: dict):
     pt = report["prompt_tokens"] or 1
-    row("requests", f"{report['requests']:,} ok, {report['failed_lines']:,} failed")
+    yield "requests", f"{report['requests']:,} ok, {report['failed_lines']:,} failed"
     if report.get("resumed_skipped_lines"):
-        row("skipped (--resume)", f"{report['resumed_skipped_lines']:,} lines already had results")
-    row("prompt tokens", f"{report['prompt_tokens']:,}")
-    row("ideal prefill tokens", f"{report['distinct_prefix_tokens']:,} (distinct prefix tokens)")
-    row("computed prefill", f"{report['computed_prompt_tokens']:,} "
-        f"({report['computed_prompt_tokens'] / max(report['distinct_prefix_tokens'], 1):.2f}× ideal)")
-    row("reused tokens", f"{report['reused_tokens']:,} ({report['reused_tokens'] / pt:.1%}); "
-        f"from disk {report['reused_from_disk_tokens']:,}, "
-        f"from memory {report['reused_tokens'] - report['reused_from_disk_tokens']:,}")
-    row("checkpoints", f"{report['checkpoints_saved']:,} saved / {report['checkpoints_restored']:,} restored / "
-        f"{report['checkpoints_evicted']:,} evicted")
-    row("checkpoint bytes", f"{human_bytes(report['checkpoint_bytes_saved'])} saved / "
-        f"{human_bytes(report['checkpoint_bytes_evicted'])} evicted / {human_bytes(report['peak_checkpoint_bytes'])}"
-        f" peak")
+        yield "skipped (--resume)", f"{count(report['resumed_skipped_lines'], 'line')} already had results"
+    yield "prompt tokens", f"{report['prompt_tokens']:,}"
+    yield "ideal prefill tokens", f"{report['distinct_prefix_tokens']:,} (distinct prefix tokens)"
+    yield "computed prefill", (f"{report['computed_prompt_tokens']:,} "
+                               f"({report['computed_prompt_tokens'] / max(report['distinct_prefix_tokens'], 1):.2f}× "
+                               f"ideal)")
+    yield "reused tokens", (f"{report['reused_tokens']:,} ({report['reused_tokens'] / pt:.1%}); from disk "
+                            f"{report['reused_from_disk_tokens']:,}, from memory "
+                            f"{report['reused_tokens'] - report['reused_from_disk_tokens']:,}")
+    yield "checkpoints", (f"{report['checkpoints_saved']:,} saved / {report['checkpoints_restored']:,} restored / "
+                          f"{report['checkpoints_evicted']:,} evicted")
+    yield "checkpoint bytes", (f"{human_bytes(report['checkpoint_bytes_saved'])} saved / "
+                               f"{human_bytes(report['checkpoint_bytes_evicted'])} evicted / "
+                               f"{human_bytes(report['peak_checkpoint_bytes'])} peak")
+
+
+def _pressure_rows(report: dict):
+    """What memory pressure cost, why, and what would have avoided it (nothing when there was none)."""
+    skipped = report.get("checkpoints_skipped_over_budget") or 0
+    if skipped:
+        budget = human_bytes(report.get("checkpoint_budget_bytes") or 0)
+        yield "checkpoints skipped", (f"{count(skipped, 'branch point')} not checkpointed: the checkpoint budget "
+                                      f"({budget}) was full, so requests after them computed the shared prefix "
+                                      f"again; a larger --checkpoint-budget avoids it")
+    given_up = report.get("states_given_up") or 0
+    if given_up:
+        yield "states recomputed", (f"{count(given_up, 'held state')} given up for room in the state memory, their "
+                                    f"requests' prefixes computed again from an older state; a larger "
+                                    f"--state-memory or a lower --max-batch avoids it")
+
+
+def _cache_rows(report: dict):
     cache = report.get("cache")
-    if cache:
-        size = (f"{cache['entries']:,} entries, {human_bytes(cache['bytes'])}" if cache["entries"] is not None
-                else "size unknown")
-        budget = f" of {human_bytes(cache['budget_bytes'])}" if cache.get("budget_bytes") else ""
-        not_written = (f", {cache['write_errors']:,} not written (disk errors, e.g. a full disk: see the warnings)"
-                       if cache.get("write_errors") else "")
-        row("disk cache", f"{size}{budget}; {cache['hits']} hits, {cache['written']} written{not_written}, "
-            f"{cache['corrupt']} bad entries moved aside")
-        costs = cache.get("costs")
-        if costs:
-            ahead = (f", {human_bytes(costs['prefetch_used_bytes'])} of them read ahead in the background"
-                     if costs.get("prefetch_used_bytes") else "")
-            row("disk cache cost", f"read {human_bytes(costs['read_bytes'] + costs.get('prefetch_used_bytes', 0))} "
-                f"in {costs['read_seconds']:.2f} s on the critical path{ahead} "
-                f"({costs['restored_tokens']:,} tokens not computed); wrote {human_bytes(costs['written_bytes'])} "
-                f"in {costs['write_seconds']:.2f} s in the background (export {costs['export_seconds']:.2f} s, "
-                f"end wait {costs['finish_wait_seconds']:.2f} s); {costs['writes_skipped']} writes skipped, "
-                f"{costs['reads_declined']} reads declined")
-            if costs.get("blocks_written") or costs.get("blocks_reused") or costs.get("blocks_read"):
-                written_blocks = costs.get("written_block_bytes", 0)
-                row("disk cache K/V blocks",
-                    f"wrote state blobs {human_bytes(costs['written_bytes'] - written_blocks)} + "
-                    f"{costs.get('blocks_written', 0):,} new K/V blocks {human_bytes(written_blocks)}; "
-                    f"{costs.get('blocks_reused', 0):,} blocks already stored were referenced, not rewritten "
-                    f"({human_bytes(costs.get('block_bytes_reused', 0))}); read "
-                    f"{costs.get('blocks_read', 0):,} blocks "
-                    f"({human_bytes(costs.get('read_block_bytes', 0) + costs.get('prefetch_block_bytes', 0))}, "
-                    f"read ahead included), {costs.get('blocks_resident', 0):,} taken from memory instead")
-            rates = costs.get("rates") or {}
-            if rates:
-                prefill = rates.get("prefill_tokens_per_s")
-                row("disk cache rates", (f"prefill {prefill:,.0f} tok/s" if prefill else "prefill not measured")
-                    + f" ({rates.get('prefill_from')}); read {human_bytes(rates.get('read_bytes_per_s') or 0)}/s "
-                    f"({rates.get('read_from')})"
-                    + (f"; read ahead {human_bytes(rates['ahead_bytes_per_s'])}/s ({rates.get('ahead_from')})"
-                       if rates.get("ahead_bytes_per_s") else ""))
-            for reason, decline in (costs.get("declines") or {}).items():
-                row("disk cache decision", f"{decline['count']:,} × {reason}; e.g. {decline['example']}")
-        row("cache dir", str(cache["dir"]))
-        if cache.get("error"):
-            row("disk cache error", f"{cache['error']} (the run went on without the cache)")
-    row("prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s")
-    row("decode", f"{report['decode_tokens_per_second']:,.0f} tok/s ({report['completion_tokens']:,} tokens)")
+    if not cache:
+        return
+    size = (f"{count(cache['entries'], 'entry', 'entries')}, {human_bytes(cache['bytes'])}"
+            if cache["entries"] is not None else "size unknown")
+    budget = f" of {human_bytes(cache['budget_bytes'])}" if cache.get("budget_bytes") else ""
+    not_written = (f", {cache['write_errors']:,} not written (disk errors, e.g. a full disk: see the warnings)"
+                   if cache.get("write_errors") else "")
+    yield "disk cache", (f"{size}{budget}; {count(cache['hits'], 'hit')}, {cache['written']:,} written{not_written}, "
+                         f"{count(cache['corrupt'], 'bad entry', 'bad entries')} moved aside")
+    costs = cache.get("costs")
+    if costs:
+        yield from _cache_cost_rows(costs)
+    yield "cache dir", str(cache["dir"])
+    if cache.get("error"):
+        yield "disk cache error", f"{cache['error']} (the run went on without the cache)"
+
+
+def _cache_cost_rows(costs: dict):
+    ahead = (f", {human_bytes(costs['prefetch_used_bytes'])} of them read ahead in the background"
+             if costs.get("prefetch_used_bytes") else "")
+    yield "disk cache cost", (
+        f"read {human_bytes(costs['read_bytes'] + costs.get('prefetch_used_bytes', 0))} in "
+        f"{costs['read_seconds']:.2f} s on the critical path{ahead} ({costs['restored_tokens']:,} tokens not "
+        f"computed); wrote {human_bytes(costs['written_bytes'])} in {costs['write_seconds']:.2f} s in the background "
+        f"(export {costs['export_seconds']:.2f} s, end wait {costs['finish_wait_seconds']:.2f} s); "
+        f"{count(costs['writes_skipped'], 'write')} skipped, {count(costs['reads_declined'], 'read')} declined")
+    if costs.get("blocks_written") or costs.get("blocks_reused") or costs.get("blocks_read"):
+        written_blocks = costs.get("written_block_bytes", 0)
+        yield "disk cache K/V blocks", (
+            f"wrote state blobs {human_bytes(costs['written_bytes'] - written_blocks)} + "
+            f"{count(costs.get('blocks_written', 0), 'new K/V block')} {human_bytes(written_blocks)}; "
+            f"{count(costs.get('blocks_reused', 0), 'block')} already stored referenced, not rewritten "
+            f"({human_bytes(costs.get('block_bytes_reused', 0))}); read {count(costs.get('blocks_read', 0), 'block')} "
+            f"({human_bytes(costs.get('read_block_bytes', 0) + costs.get('prefetch_block_bytes', 0))}, read ahead "
+            f"included), {costs.get('blocks_resident', 0):,} taken from memory instead")
+    rates = costs.get("rates") or {}
+    if rates:  # the disk's rates; the prefill rate is the run's, in its own row
+        yield "disk cache rates", (
+            f"read {human_bytes(rates.get('read_bytes_per_s') or 0)}/s ({rates.get('read_from')})"
+            + (f"; read ahead {human_bytes(rates['ahead_bytes_per_s'])}/s ({rates.get('ahead_from')})"
+               if rates.get("ahead_bytes_per_s") else ""))
+    for reason, decline in (costs.get("declines") or {}).items():
+        yield "disk cache decision", f"{decline['count']:,} × {reason}; e.g. {decline['example']}"
+
+
+def _speed_rows(report: dict):
+    yield "prefill", f"{report['prefill_tokens_per_second']:,.0f} tok/s"
+    yield "decode", f"{report['decode_tokens_per_second']:,.0f} tok/s ({count(report['completion_tokens'], 'token')})"
+
+
+def _speculative_rows(report: dict):
+    """Only when something was drafted: a mode that never drafted has nothing to say."""
     spec = report.get("speculative")
-    if spec:
-        for method, m in spec["methods"].items():
-            rate = f"{m['acceptance_rate']:.1%}" if m["acceptance_rate"] is not None else "-"
-            per_step = f"{m['tokens_per_step']:.2f}" if m["tokens_per_step"] is not None else "-"
-            row(f"speculative {method}", f"{m['accepted']:,} of {m['drafted']:,} drafts accepted ({rate}); "
-                f"{per_step} tokens per sequence step; {m['verify_steps']:,} verify / {spec['plain_steps']:,} plain "
-                f"steps ({spec['mode']})")
-        row("speculative saved", f"{spec['time_saved_seconds']:.2f} s of decode (est.)"
-            + (f"; backed off {spec['backoffs']}×" if spec["backoffs"] else ""))
+    if not spec or not any(m["drafted"] for m in spec["methods"].values()):
+        return
+    for method, m in spec["methods"].items():
+        if not m["drafted"]:
+            continue
+        rate = f"{m['acceptance_rate']:.1%}" if m["acceptance_rate"] is not None else "-"
+        per_step = f"{m['tokens_per_step']:.2f}" if m["tokens_per_step"] is not None else "-"
+        yield f"speculative {method}", (
+            f"{m['accepted']:,} of {count(m['drafted'], 'draft')} accepted ({rate}); {per_step} tokens per sequence "
+            f"step; {m['verify_steps']:,} verify / {spec['plain_steps']:,} plain steps ({spec['mode']})")
+    yield "speculative saved", (f"{spec['time_saved_seconds']:.2f} s of decode (est.)"
+                                + (f"; backed off {count(spec['backoffs'], 'time')}" if spec["backoffs"] else ""))
+
+
+def _device_rows(report: dict):
     if "max_batch" in report:
-        row("decode batch", f"up to {report['max_batch']:,} sequences ({report['max_batch_from']})")
+        yield "decode batch", f"up to {count(report['max_batch'], 'sequence')} ({report['max_batch_from']})"
     workers = report.get("workers")
     if "load_seconds" in report:
-        waited = f"; the run waited {workers['start_wait_seconds']:.2f} s for the workers to start (process and " \
-            "model) after reading its input" \
-            if workers and "start_wait_seconds" in workers else ""
-        row("model load", f"{report['load_seconds']:.2f} s on {report['device']}{waited}")
+        waited = (f"; the run waited {workers['start_wait_seconds']:.2f} s for the workers to start (process and "
+                  f"model) after reading its input" if workers and "start_wait_seconds" in workers else "")
+        yield "model load", f"{report['load_seconds']:.2f} s on {report['device']}{waited}"
     if workers:
-        row("workers", f"{workers['count']}; {workers['duplicated_prefix_tokens']:,} prefix tokens computed on more "
-            f"than one; balance {workers['balance_planned'] or 0:.2f} planned, "
-            f"{workers['balance_measured'] or 0:.2f} measured (slowest / mean)")
+        yield "workers", (f"{workers['count']:,}; {workers['duplicated_prefix_tokens']:,} prefix tokens computed on "
+                          f"more than one; balance {workers['balance_planned'] or 0:.2f} planned, "
+                          f"{workers['balance_measured'] or 0:.2f} measured (slowest / mean)")
         for w in workers["per_worker"]:
             state = "" if w["alive"] else f" FAILED: {w['failure']}"
-            row(f"  worker {w['worker']}", f"{w['device']}: {w['requests']:,} requests, {w['distinct_tokens']:,} "
-                f"distinct / {w['computed_tokens']:,} computed tokens, {w['busy_seconds']:.2f} s{state}")
-    row("wall time", f"{report['wall_seconds']:.2f} s")
-    return t
+            yield f"  worker {w['worker']}", (
+                f"{w['device']}: {count(w['requests'], 'request')}, {w['distinct_tokens']:,} distinct / "
+                f"{w['computed_tokens']:,} computed tokens, {w['busy_seconds']:.2f} s{state}")
 
 
 class LogToReporter(logging.Handler):

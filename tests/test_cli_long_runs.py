@@ -4,6 +4,7 @@ input. docs/RELIABILITY.md lists these promises; signals and exit codes run as r
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -314,3 +315,67 @@ def test_resume_refuses_another_input_and_accepts_appended_lines(model, tmp_path
     res = cli("batch", write_jsonl(tmp_path / "b.jsonl", other), *base, "--overwrite")
     assert res.exit_code == 0  # replaced, its ledger with it: b resumes over its own results
     assert cli("batch", tmp_path / "b.jsonl", *base, "--resume").exit_code == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report explains pressure
+
+
+def rendered(report: dict) -> str:
+    from rich.console import Console
+
+    from prefixrun.cli.report import report_table
+
+    console = Console(width=400, record=True, file=open(os.devnull, "w"))
+    console.print(report_table(report))
+    return console.export_text()
+
+
+def test_the_report_explains_skipped_checkpoints_with_one_prefill_rate(model, tmp_path):
+    """--checkpoint-budget 0 over a shared prefix: the table says how many branch points were not checkpointed,
+    why and which option avoids it (it said nothing: only 'computed prefill 2.9× ideal'); one prefill rate (the
+    disk cache's rates row showed a second one); counts in the singular where there is one."""
+    shared = "A shared instruction that every request starts with, long enough to be worth keeping. " * 3
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": str(i), "prompt": shared + f"Question {i}?",
+                                               "max_tokens": 2, "temperature": 0} for i in range(3)])
+    report_path = tmp_path / "r.json"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", tmp_path / "cache", "-q",
+              "--checkpoint-budget", "0", "--json-report", report_path)
+    assert res.exit_code == 0, res.stderr
+    report = json.loads(report_path.read_text())
+    assert report["checkpoints_skipped_over_budget"] >= 1
+    text = rendered(report)
+    row = next(line for line in text.splitlines() if "checkpoints skipped" in line)
+    n = report["checkpoints_skipped_over_budget"]
+    assert f"{n:,} branch point{'s' if n != 1 else ''} not checkpointed" in row
+    assert "checkpoint budget (0 B) was full" in row and "--checkpoint-budget" in row
+    assert text.count("tok/s") == 2  # the prefill row and the decode row: no second prefill rate
+    assert "states recomputed" not in text and "speculative" not in text
+
+
+def test_the_report_names_given_up_states_drafts_only_when_drafted_and_cpu_worker_labels():
+    """Crafted figures: held states given up name --state-memory / --max-batch; speculative rows only where a
+    draft was made; CPU workers are cpu:0, cpu:1 in the model-load row as in their own rows; '1 hit'."""
+    report = {"requests": 2, "failed_lines": 0, "prompt_tokens": 10, "distinct_prefix_tokens": 8,
+              "computed_prompt_tokens": 12, "reused_tokens": 0, "reused_from_disk_tokens": 0,
+              "checkpoints_saved": 1, "checkpoints_restored": 1, "checkpoints_evicted": 0,
+              "checkpoint_bytes_saved": 1, "checkpoint_bytes_evicted": 0, "peak_checkpoint_bytes": 1,
+              "checkpoints_skipped_over_budget": 0, "states_given_up": 1, "prefill_tokens_per_second": 1000.0,
+              "decode_tokens_per_second": 10.0, "completion_tokens": 1, "wall_seconds": 1.0, "load_seconds": 0.5,
+              "device": "cpu:0, cpu:1", "max_batch": 1, "max_batch_from": "--max-batch",
+              "speculative": {"mode": "auto", "plain_steps": 3, "time_saved_seconds": 0.0, "backoffs": 0,
+                              "methods": {"ngram": {"drafted": 0, "accepted": 0, "acceptance_rate": None,
+                                                    "tokens_per_step": None, "verify_steps": 0}}},
+              "cache": {"dir": "/c", "entries": 1, "bytes": 10, "budget_bytes": 0, "hits": 1, "written": 0,
+                        "corrupt": 1},
+              "workers": {"count": 2, "duplicated_prefix_tokens": 0, "balance_planned": 1.0, "balance_measured": 1.0,
+                          "start_wait_seconds": 0.1, "per_worker": [
+                              {"worker": i, "device": f"cpu:{i}", "requests": 1, "distinct_tokens": 4,
+                               "computed_tokens": 6, "busy_seconds": 0.1, "alive": True, "failure": None}
+                              for i in range(2)]}}
+    text = rendered(report)
+    row = next(line for line in text.splitlines() if "states recomputed" in line)
+    assert "1 held state given up" in row and "--state-memory" in row and "--max-batch" in row
+    assert "speculative" not in text
+    assert "on cpu:0, cpu:1" in text and "1 request," in text and "up to 1 sequence " in text
+    assert "1 entry, " in text and "1 hit," in text and "1 bad entry moved aside" in text

@@ -74,6 +74,7 @@ class RunStats:
     timed_prefill_tokens: int = 0
     decode_seconds: float = 0.0
     peak_decode_batch: int = 0
+    states_given_up: int = 0  # held states (checkpoints, handed-over states) dropped for room: consumers recompute
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

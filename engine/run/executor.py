@@ -122,6 +122,7 @@ class WindowExecutor:
                 self.e.pool.drop(b)
                 self.trace.add("drop", owner.id, end=b.length)
             self._rebase(consumers, self._fallback(owner, exclude=b))
+            self.e.stats.states_given_up += 1
             return True
         return False
 

@@ -158,7 +158,7 @@ class EngineSession:
             "reused_tokens": s.reused_tokens, "reused_from_disk_tokens": s.reused_from_disk_tokens,
             "completion_tokens": s.completion_tokens,
             "checkpoints_saved": p.saved, "checkpoints_restored": p.restored, "checkpoints_evicted": p.evicted,
-            "checkpoints_skipped_over_budget": p.skipped_over_budget,
+            "checkpoints_skipped_over_budget": p.skipped_over_budget, "states_given_up": s.states_given_up,
             "checkpoint_bytes_saved": p.saved_bytes, "checkpoint_bytes_evicted": p.evicted_bytes,
             "peak_checkpoint_bytes": p.peak_bytes, "checkpoint_budget_bytes": self.engine.pool.budget_bytes,
             "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,
