@@ -94,7 +94,7 @@ class _FakeModel:
     def __init__(self, context=4096):
         from types import SimpleNamespace
 
-        self.cfg = SimpleNamespace(max_position_embeddings=context)
+        self.cfg = SimpleNamespace(max_position_embeddings=context, vocab_size=self.vocab)
 
     def state_specs(self):
         from prefixrun.engine.state.pools import RegionSpec
