@@ -431,3 +431,50 @@ def test_detokenize_and_returned_ids_and_prompt_text(qwen3):
     assert qwen3.decode(body["prompt_token_ids"], skip_special_tokens=False) == prompt
     quiet, _ = shaped(qwen3, {"prompt": "x", "detokenize": False})
     assert quiet.text("words") == ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trips: a tool call as each real template writes it (in the history) is what its parser reads back
+
+
+def template_of(qwen3, name: str) -> Tokenizer:
+    """The Qwen3 tokenizer with another Qwen family member's real chat template (fixtures/chat_templates/NAME)."""
+    source = (FIXTURES / name / "chat_template.jinja").read_text(encoding="utf-8")
+    return Tokenizer(qwen3._backend, qwen3._special_tokens, {"default": source}, name)
+
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+
+
+def written_call(tokenizer: Tokenizer, header: str, end: str) -> str:
+    """The text of an assistant turn that calls CALL, as the template renders it in a conversation's history."""
+    history = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]}]
+    rendered = tokenizer.render_chat(history, add_generation_prompt=False, tools=[WEATHER])
+    turn = rendered[rendered.rindex(header) + len(header):]
+    return turn[:turn.index(end)]
+
+
+@pytest.mark.parametrize("name, parser, thinks", [("qwen3", "hermes", False), ("qwen3_next", "hermes", True),
+                                                  ("qwen3_coder", "qwen3_coder", False)])
+def test_the_qwen_family_reads_back_the_calls_its_templates_write(qwen3, name, parser, thinks):
+    tokenizer = qwen3 if name == "qwen3" else template_of(qwen3, name)
+    shaper, prompt = shaped(tokenizer, {"custom_id": name, "messages": CHAT, "tools": [WEATHER]})
+    assert shaper.parse_tools.__name__ == f"parse_{parser}"
+    assert shaper.opened_in_prompt is (thinks and prompt.endswith("<think>\n"))
+    call = written_call(tokenizer, "<|im_start|>assistant\n", "<|im_end|>")
+    if thinks:  # the prompt opened <think>: the model reasons, closes it, then calls
+        call = "I should look it up.\n" + call[call.index("</think>"):]
+    message, finish = shaper.message(call, "stop")
+    assert finish == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        (CALL["name"], CALL["arguments"])]
+    if thinks:
+        assert message["reasoning_content"] == "I should look it up.\n"
+
+
+def test_llama3_1_reads_back_the_calls_its_template_writes(llama):
+    shaper, _ = shaped(llama, {"messages": CHAT, "tools": [WEATHER]})
+    call = written_call(llama, "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>")
+    message, finish = shaper.message(call, "stop")
+    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == \
+        CALL["arguments"]
