@@ -370,24 +370,14 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
     it can end badly ends here: one line on stderr and typer.Exit with the exit code (141 closed stdout, 1 aborted
     or unwritable, 2 bad --resume file, 128 + the signal's number when a signal stopped it: then the report of
     what finished goes to `json_report`, with `stopped_by`)."""
-    journal = None
+    journal, done_ids, fresh_from = None, set(), 0
     with ExitStack() as stack:
         stack.callback(source.close)
-        done_ids: set[str] = set()
         if claim is not None:
             claim.opened = True
         if output is not None:
             if resume:
-                run.positions = io.InputPositions()
-                try:
-                    done_ids, recovered = prepare_resume(output)
-                except ValueError as exc:
-                    reporter.error(f"--resume: {exc}")
-                    raise typer.Exit(io.EXIT_USAGE)
-                if recovered:
-                    reporter.note(f"--resume: recovered {recovered:,} finished results from the journal of the "
-                                  f"killed run")
-                fresh_from = output.stat().st_size if output.exists() else 0  # this run's records start here
+                done_ids, fresh_from = _resume_from(run, output, reporter)
             out_stream, journal = open_output(output, resume=resume)
             stack.callback(_close_quietly, out_stream)
             stack.callback(lambda: journal and journal.close())
@@ -446,6 +436,20 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             if os.environ.get("PREFIXRUN_DEBUG"):
                 raise
             raise typer.Exit(io.EXIT_FAILURE)
+
+
+def _resume_from(run, output: Path, reporter) -> tuple[set[str], int]:
+    """--resume: (custom_ids that have results, the byte where this run's records will start), the killed run's
+    journal moved in first; a file that is not a prefixrun output is exit 2."""
+    run.positions = io.InputPositions()
+    try:
+        done_ids, recovered = prepare_resume(output)
+    except ValueError as exc:
+        reporter.error(f"--resume: {exc}")
+        raise typer.Exit(io.EXIT_USAGE)
+    if recovered:
+        reporter.note(f"--resume: recovered {recovered:,} finished results from the journal of the killed run")
+    return done_ids, output.stat().st_size if output.exists() else 0
 
 
 def write_json_report(path: Path, report: dict, reporter) -> bool:
