@@ -74,12 +74,12 @@ def main():
         make_model_fast(args.model, args.make_model)
         print(f"model written in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    from prefixrun.cli.app import RUN_OPTIONS, batch_params, open_batch_run, run_settings
+    from prefixrun.cli.app import batch_params, open_batch_run, run_config
     from prefixrun.cli.report import RunReporter
 
     params = batch_params([str(args.workload), "--model", str(args.model), "--device", args.device, "--no-cache",
                            *args.batch_options])
-    run = open_batch_run(RunReporter(quiet=True), run_settings(**{name: params[name] for name in RUN_OPTIONS}))
+    run = open_batch_run(RunReporter(quiet=True), run_config(params))
     ops, engine = run.loaded.ops, run.engine
     base = engine.opts
     timed_run(run, args.workload, ops, args.out / "warmup.jsonl")  # compile kernels, capture the decode graphs

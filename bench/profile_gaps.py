@@ -81,12 +81,12 @@ def main():
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from prefixrun.cli import io
-    from prefixrun.cli.app import RUN_OPTIONS, batch_params, open_batch_run, run_settings
+    from prefixrun.cli.app import batch_params, open_batch_run, run_config
     from prefixrun.cli.report import RunReporter
 
     wrap_all()
     params = batch_params([str(args.workload), "--model", str(args.model), "--device", args.device, *argv[cut + 1:]])
-    run = open_batch_run(RunReporter(quiet=True), run_settings(**{name: params[name] for name in RUN_OPTIONS}))
+    run = open_batch_run(RunReporter(quiet=True), run_config(params))
     ops = run.loaded.ops
 
     def execute():

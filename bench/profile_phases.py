@@ -86,12 +86,12 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from prefixrun.cli.app import RUN_OPTIONS, batch_params, open_batch_run, run_settings
+    from prefixrun.cli.app import batch_params, open_batch_run, run_config
     from prefixrun.cli.report import RunReporter
 
     params = batch_params([str(args.workload), "--model", str(args.model), "--device", "cuda", "--no-cache",
                            *args.batch_options])
-    run = open_batch_run(RunReporter(quiet=True), run_settings(**{name: params[name] for name in RUN_OPTIONS}))
+    run = open_batch_run(RunReporter(quiet=True), run_config(params))
     ops, engine = run.loaded.ops, run.engine
     timed_run(run, args.workload, ops)  # warm-up: compile kernels and capture the decode graphs of this workload
 

@@ -22,75 +22,41 @@ from typing import Annotated, Optional
 
 import typer
 
-from prefixrun.cli import chat_options, io
-from prefixrun.cli.chat_options import PANEL as CHAT
-from prefixrun.cli.replies import check_parser_names
+from prefixrun.cli import io
 from prefixrun.cli.report import RunReporter, route_engine_logs
+from prefixrun.cli.run_options import cli_default, with_run_options
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
-from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
+from prefixrun.engine.errors import InvalidOption
+from prefixrun.engine.request import InvalidRequest
+from prefixrun.engine.run.config import RunConfig, declared_of, parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Offline batch inference that never prefills the same prefix twice.")
 
 
 def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False, minimum: int = 0) -> int | float | None:
-    """'512MiB', '2GB', '1e9' -> bytes; with allow_fraction, '0.25' -> the float 0.25, for the caller to scale.
-
-    Raises typer.BadParameter (exit 2, one line) for anything else: words, negative, infinite or NaN sizes, a
-    fraction where none is allowed, or less than `minimum` bytes.
-    """
-    if text is None:
-        return None
-    s = text.strip().lower().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
-             "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
-    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if s.endswith(suffix):
-            s, factor = s[:-len(suffix)], mult
-            break
-    else:
-        factor = 1
-    example = "e.g. 512MiB, 2GB" + (", or a fraction like 0.25" if allow_fraction else "")
+    """engine/sizes.py's parse_size, its error as typer.BadParameter (exit 2, one line)."""
     try:
-        value = float(s)
-    except ValueError:
-        raise typer.BadParameter(f"{what}: {text!r} is not a size ({example})")
-    if not math.isfinite(value) or value * factor >= 2 ** 63:
-        raise typer.BadParameter(f"{what}: {text!r} is not a usable size ({example})")
-    if value < 0:
-        raise typer.BadParameter(f"{what} must not be negative")
-    if factor == 1 and 0 < value < 1:
-        if not allow_fraction:
-            raise typer.BadParameter(f"{what}: {text!r} is a fraction; give a size ({example})")
-        return value  # the total it is a fraction of is only known later (state memory depends on the device)
-    if factor == 1 and value != int(value):
-        # '1.5' is neither a fraction (those are below 1) nor a number of bytes; it was taken as 1 byte
-        raise typer.BadParameter(f"{what}: {text!r} is not a whole number of bytes; give a unit ({example})")
-    size = int(value * factor)
-    if size < minimum:
-        raise typer.BadParameter(f"{what}: {text!r} is too small (at least {minimum:,} bytes)")
-    return size
+        return parse_size(text, what, allow_fraction=allow_fraction, minimum=minimum)
+    except InvalidOption as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _cache_root(cache_dir: Optional[str]) -> Path:
-    """--cache-dir as given (a string: an empty one, e.g. an unset shell variable in `--cache-dir "$DIR"`, would
-    otherwise become the working directory and fill it with cache files), else the default folder."""
-    from prefixrun.engine.cache.store import default_cache_dir
-
-    if cache_dir is None:
-        return default_cache_dir()
-    if not cache_dir.strip():
-        raise typer.BadParameter("--cache-dir is empty; give a folder (or leave the option out for the default)")
-    return Path(cache_dir)
+    """--cache-dir as a run takes it (engine/run/config.py: an empty one is refused), else the default folder."""
+    try:
+        return RunConfig(cache_dir=declared_of("cache_dir").parse(cache_dir, {})).cache_root
+    except InvalidOption as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
+# the options that shape the run are declared once, in engine/run/config.py (RunConfig): with_run_options adds them
 @app.command()
+@with_run_options
 def batch(
     ctx: typer.Context,
     input: Annotated[Optional[str], typer.Argument(help="JSONL file of requests, or - for stdin",
                                                    show_default=False)] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="HF model directory (default: the "
-                                                  "embedded random-weight demo model)")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="write results here instead of stdout")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="with -o: skip requests whose custom_id already has a "
                                          "result")] = False,
@@ -98,59 +64,12 @@ def batch(
                                             "results")] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="write results as they finish, not in input "
                                             "order")] = False,
-    max_tokens: Annotated[Optional[int], typer.Option(help="default max_tokens (else: chats the rest of the context, "
-                                                      "completions 16, as in vLLM and OpenAI)")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="default temperature (0 = greedy)")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="default top_p")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="default top_k (0 = off)")] = None,
-    min_p: Annotated[Optional[float], typer.Option(help="default min_p")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="default seed")] = None,
-    ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="default ignore_eos")] = None,
-    chat_template_kwargs: Annotated[Optional[str], typer.Option(
-        help='variables for the chat template of every messages line, as a JSON object, e.g. '
-             '\'{"enable_thinking": false}\' (a line\'s own chat_template_kwargs win)',
-        rich_help_panel=CHAT)] = None,
-    tool_call_parser: Annotated[str, typer.Option(help=chat_options.TOOL_CALL_PARSER_HELP,
-                                                  rich_help_panel=CHAT)] = "auto",
-    reasoning_parser: Annotated[str, typer.Option(help=chat_options.REASONING_PARSER_HELP,
-                                                  rich_help_panel=CHAT)] = "auto",
-    lenient: Annotated[bool, typer.Option("--lenient", help="ignore (with a warning) request fields prefixrun "
-                                          "cannot honour and unknown keys, instead of error records")] = False,
-    max_batch: Annotated[Optional[int], typer.Option(help="sequences decoded together (default: what state memory "
-                                                     "allows on a GPU, 32 on the CPU)")] = None,
-    window: Annotated[int, typer.Option(help="requests planned together (memory bound on huge inputs)")] = 4096,
-    max_prefill_tokens: Annotated[int, typer.Option(help="tokens per prefill step")] = DEFAULT_PREFILL_TOKENS,
-    max_line_bytes: Annotated[str, typer.Option(help="longer input lines get an error record, unread")] = "4MiB",
-    checkpoint_budget: Annotated[Optional[str], typer.Option(help="memory for live + retained checkpoints: bytes "
-                                                             "(512MiB, 2GB) or a fraction of state memory")] = None,
-    state_memory: Annotated[Optional[str], typer.Option(help="memory for all sequence and checkpoint state")] = None,
-    no_reuse: Annotated[bool, typer.Option("--no-reuse", help="prefill every request from scratch (baseline)")] = False,
-    cache_dir: Annotated[Optional[str], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir",
-                                                     metavar="<path>")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="do not read or write the persistent cache")] = False,
-    cache_budget: Annotated[Optional[str], typer.Option(help="disk budget of the persistent cache (LRU)")] = "10GiB",
-    cache_policy: Annotated[str, typer.Option(
-        envvar="PREFIXRUN_CACHE_POLICY", help="measured: store / read a state only where this run's measured rates say reading it back beats "
-             "recomputing it; always: store every checkpoint and read every match (e.g. to fill a cache that a "
-             "slower machine will read)")] = "measured",
     json_report: Annotated[Optional[Path], typer.Option(help="write the run report as JSON here")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only errors on stderr")] = False,
     progress_interval: Annotated[float, typer.Option(
         help="when stderr is not a terminal (a log): seconds between plain progress lines (0: none)")] = 30.0,
-    device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
-    dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (cuda); cpu is float32")] = None,
-    devices: Annotated[Optional[str], typer.Option(
-        help="GPUs to spread the batch over, one worker process each: 0,1,... or all (with --device cpu: CPU "
-             "workers, e.g. 0,1)", rich_help_panel="Several devices")] = None,
-    ray: Annotated[Optional[str], typer.Option(
-        "--ray", metavar="ADDRESS", help="run the engines on a Ray cluster (auto, ray://host:10001); needs "
-                                         "prefixrun[ray]", rich_help_panel="Several devices")] = None,
-    speculative: Annotated[str, typer.Option(
-        help="speculative decoding: auto (n-gram drafts for greedy requests on small decode batches, backing off "
-             "where measured slower), off, ngram (prompt lookup drafts for every request), mtp (the model's MTP "
-             "head); greedy outputs never change", rich_help_panel="Speculative decoding")] = "auto",
-    num_draft_tokens: Annotated[Optional[int], typer.Option(
-        help="drafted tokens per sequence and step (default 5)", rich_help_panel="Speculative decoding")] = None,
+    *,
+    run_options: dict,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
     from prefixrun.cli.output import run_to_output
@@ -158,11 +77,11 @@ def batch(
     reporter = RunReporter(quiet=quiet)
     ctx.call_on_close(route_engine_logs(reporter))
     given = locals()
-    settings, source, input_path, claim = _prepare_batch(given, reporter)
+    config, source, input_path, claim = _prepare_batch(given, reporter)
     if claim is not None:
         ctx.call_on_close(claim.release)
     with stop_signals_raise():
-        run = open_batch_run(reporter, settings, source)
+        run = open_batch_run(reporter, config, source)
         if input_path is None:  # a pipe: its first bytes come when its writer sends them, the model loaded meanwhile
             try:
                 _refuse_not_jsonl(source, "-")
@@ -175,15 +94,14 @@ def batch(
 
 
 def _prepare_batch(given: dict, reporter: RunReporter):
-    """batch's checks before any work (exit 2 with one line): (run settings, input stream, input path or None,
+    """batch's checks before any work (exit 2 with one line): (run configuration, input stream, input path or None,
     the claim on -o or None)."""
     from prefixrun.cli.output import OutputError, check_targets, claim_output
-    from prefixrun.engine.request import InvalidRequest
 
     output, json_report, resume, overwrite = (given[k] for k in ("output", "json_report", "resume", "overwrite"))
     try:
         reporter.progress_interval = _progress_interval(given["progress_interval"])
-        settings = run_settings(**{name: given[name] for name in RUN_OPTIONS})
+        config = run_config(given["run_options"])
         if resume and output is None:
             raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
         if resume and overwrite:
@@ -193,8 +111,8 @@ def _prepare_batch(given: dict, reporter: RunReporter):
                       input_fd=_descriptor(source))
         if input_path is not None:  # a file: looked at now, before the model loads
             _refuse_not_jsonl(source, given["input"])
-        return settings, source, input_path, claim_output(output)
-    except (typer.BadParameter, InvalidRequest, OutputError) as exc:
+        return config, source, input_path, claim_output(output)
+    except (typer.BadParameter, InvalidOption, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
 
@@ -214,56 +132,15 @@ def _finish_batch(report: dict, output: Path | None, json_report: Path | None, r
     raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
 
 
-MIN_STATE_MEMORY = 1 << 20  # below this not even the tiniest model holds one sequence's state
-
-# batch's options that shape the run (not its input and output): `run_settings` takes them; `bench` gets them by
-# parsing its command line as batch's (`batch_params`), so both commands run the same BatchRun with the same defaults
-RUN_OPTIONS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_batch",
-               "window", "max_prefill_tokens", "max_line_bytes", "checkpoint_budget", "state_memory", "no_reuse",
-               "cache_dir", "no_cache", "cache_budget", "cache_policy", "device", "dtype", "chat_template_kwargs",
-               "devices", "ray", "speculative", "num_draft_tokens", "lenient", "tool_call_parser",
-               "reasoning_parser")
-
-
 def batch_params(args: list[str]) -> dict:
     """`batch`'s parameters, its defaults filled in, for a list of batch arguments (click errors raise)."""
     return typer.main.get_command(app).commands["batch"].make_context("batch", list(args)).params
 
 
-def run_settings(*, model, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, max_batch, window,
-                 max_prefill_tokens, max_line_bytes, checkpoint_budget, state_memory, no_reuse, cache_dir, no_cache,
-                 cache_budget, cache_policy, device, dtype, chat_template_kwargs, devices, ray, speculative,
-                 num_draft_tokens, lenient, tool_call_parser, reasoning_parser) -> dict:
-    """batch's run options checked and converted into BatchRun's keyword arguments (the reporter aside). Raises
-    typer.BadParameter or InvalidRequest with the message for the user; loads nothing."""
-    defaults_cli = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                        seed=seed, ignore_eos=ignore_eos)
-    SamplingDefaults(**defaults_cli)  # validate options up front
-    template_kwargs = chat_options.parse_chat_template_kwargs(chat_template_kwargs)
-    for name, v in (("--max-batch", max_batch), ("--window", window), ("--max-prefill-tokens", max_prefill_tokens)):
-        if v is not None and v < 1:
-            raise typer.BadParameter(f"{name} must be at least 1")
-    from prefixrun.engine.cache.persist import CACHE_POLICIES
-
-    if cache_policy not in CACHE_POLICIES:
-        raise typer.BadParameter(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, not {cache_policy!r}")
-    from prefixrun.engine.spec.drafters import SPECULATIVE_MODES
-
-    if speculative not in SPECULATIVE_MODES:
-        raise typer.BadParameter(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {speculative!r}")
-    if num_draft_tokens is not None and not 1 <= num_draft_tokens <= 64:
-        raise typer.BadParameter("--num-draft-tokens must be in 1..64")
-    check_parser_names(tool_call_parser, reasoning_parser)
-    return dict(model_dir=model, cache_root=_cache_root(cache_dir), cache_policy=cache_policy, device=device, dtype=dtype, max_batch=max_batch,
-                window=window, max_prefill_tokens=max_prefill_tokens,
-                checkpoint_budget=_parse_bytes(checkpoint_budget, "--checkpoint-budget", allow_fraction=True),
-                state_memory=_parse_bytes(state_memory, "--state-memory", minimum=MIN_STATE_MEMORY),
-                reuse=not no_reuse, use_cache=not no_cache, cache_budget=_parse_bytes(cache_budget, "--cache-budget"),
-                sampling_overrides=defaults_cli,
-                max_line_bytes=_parse_bytes(max_line_bytes, "--max-line-bytes", minimum=64),
-                chat_template_kwargs=template_kwargs, devices=_parse_devices(devices, device), ray_address=ray,
-                speculative=speculative, num_draft_tokens=num_draft_tokens or 0, lenient=lenient,
-                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+def run_config(params: dict) -> RunConfig:
+    """The run configuration of batch's options (`params`: at least every run option, as Typer gives them).
+    Raises InvalidOption or InvalidRequest with the message for the user; loads nothing."""
+    return RunConfig.from_command_line(params)
 
 
 def _progress_interval(seconds: float) -> float:
@@ -273,38 +150,18 @@ def _progress_interval(seconds: float) -> float:
     return seconds
 
 
-def _parse_devices(value: str | None, device: str) -> list[str] | None:
-    """--devices: None (one in-process engine), or the device indices of the worker processes."""
-    if value is None:
-        return None
-    if value.strip() == "all":
-        if device == "cpu":
-            raise typer.BadParameter("--devices all counts GPUs; with --device cpu list the CPU workers: 0,1")
-        from prefixrun.kernels import cuda_device_count
-
-        count = cuda_device_count()
-        if count == 0:
-            raise typer.BadParameter("--devices all: no GPU is visible (pip install 'prefixrun[cuda12]' or "
-                                     "'[cuda13]', or list CPU workers with --device cpu --devices 0,1)")
-        return [str(i) for i in range(count)]
-    parts = [p.strip() for p in value.split(",")]
-    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
-        raise typer.BadParameter(f"--devices takes distinct device numbers such as 0,1 or 'all', not {value!r}")
-    return parts
-
-
-def open_batch_run(reporter: RunReporter, settings: dict, source=None):
-    """The BatchRun of `settings` with its model loaded. A model that cannot be loaded is reported (the input
+def open_batch_run(reporter: RunReporter, config: RunConfig, source=None):
+    """The BatchRun of `config` with its model loaded. A model that cannot be loaded is reported (the input
     stream, if given, closed) and exits with the usage code."""
     from prefixrun.engine.errors import ModelLoadError
 
-    if settings["model_dir"] is None:
+    if config.model_dir is None:
         reporter.note("no --model given: using the built-in demo model, which has RANDOM weights (its text is "
                       "meaningless); pass --model DIR for a real model")
     try:
         from prefixrun.cli.batch_run import BatchRun
 
-        return BatchRun(reporter=reporter, input_ahead=source, **settings)
+        return BatchRun(config, reporter=reporter, input_ahead=source)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
         if source is not None:
             source.close()
@@ -465,7 +322,7 @@ def inspect_cache(
     verify: Annotated[bool, typer.Option("--verify", help="check every entry; move bad ones aside")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask before removing")] = False,
     cache_budget: Annotated[Optional[str], typer.Option(help="the budget to show the totals against (as given to "
-                                                        "`batch --cache-budget`)")] = "10GiB",
+                                                        "`batch --cache-budget`)")] = cli_default("cache_budget"),
 ):
     """Show the persistent checkpoint cache; prune, verify or clear it."""
     from prefixrun.cli.cache_view import run_inspect
@@ -515,7 +372,6 @@ def bench(
     (optionally) the ratio to transformers."""
     from prefixrun.cli import bench as figures_of
     from prefixrun.cli.output import OutputError, check_target, check_targets, claim_output, run_to_output
-    from prefixrun.engine.request import InvalidRequest
 
     reporter = RunReporter()
     try:
@@ -527,24 +383,24 @@ def bench(
             raise typer.BadParameter("bench runs the whole workload: --resume does not apply")
         if transformers_batch < 1:
             raise typer.BadParameter("--transformers-batch must be at least 1")
-        if p["devices"] is not None or p["ray"] is not None:
+        if p["devices"] is not None or p["ray_address"] is not None:
             raise typer.BadParameter("bench reads its figures from one in-process engine; time several devices "
                                      "with prefixrun batch --devices ... --json-report FILE")
-        settings = run_settings(**{name: p[name] for name in RUN_OPTIONS})
+        config = run_config(p)
         source, workload = _open_input(p["input"], reporter)
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],
                       input_fd=_descriptor(source))
         if json_out is not None:
             check_target(json_out, "--json")
         claim = claim_output(p["output"])
-    except (typer.TyperException, InvalidRequest, OutputError) as exc:  # bad batch options included (click's)
+    except (typer.TyperException, InvalidOption, InvalidRequest, OutputError) as exc:  # click's errors too
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     if claim is not None:
         ctx.call_on_close(claim.release)
     ctx.call_on_close(route_engine_logs(reporter))
     started = time.perf_counter()
-    run = open_batch_run(reporter, settings, source)
+    run = open_batch_run(reporter, config, source)
     open_seconds = time.perf_counter() - started
     with ExitStack() as discard:
         if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures

@@ -5,6 +5,7 @@ become error records in their place and never stop the batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from prefixrun.cli.replies import Replies
 from prefixrun.engine.grammar.compiler import prepare_tokenizer
 from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
+from prefixrun.engine.run.config import RunConfig
 
 
 class BatchRun:
-    """devices / ray_address: run the engine work in worker processes, one per device (`--devices`), or on
+    """`config`: the run configuration (engine/run/config.py), passed whole to the engine session or the workers.
+    config.devices / config.ray_address: run the engine work in worker processes, one per device (`--devices`), or on
     Ray actors (`--ray`); this process then loads only the tokenizer and config, never the weights.
     input_ahead: the input stream `execute` will read; where it is a regular file, its first window's prompts are
     read on a thread while the model loads (cli/input_ahead.py), so the persistent cache reads their stored
@@ -27,40 +30,32 @@ class BatchRun:
     the bytes it reads are the very bytes read ahead (the 4b-like shared-system batch's 64 lines took ~30-40 ms of
     parsing before its first kernel). The stream itself is read by `execute` only."""
 
-    def __init__(self, *, model_dir, cache_root: Path, device: str, dtype, max_batch: int | None, window: int,
-                 max_prefill_tokens: int, checkpoint_budget, state_memory, reuse: bool, use_cache: bool,
-                 cache_budget, reporter, sampling_overrides: dict, max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES,
-                 chat_template_kwargs: dict | None = None, devices: list[str] | None = None,
-                 ray_address: str | None = None, cache_policy: str = "measured", speculative: str = "auto",
-                 num_draft_tokens: int = 0, input_ahead=None, lenient: bool = False,
-                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
+    def __init__(self, config: RunConfig, *, reporter, input_ahead=None):
         from prefixrun.engine.load import loader
         from prefixrun.engine.load.model_maker import ensure_default_model
-        from prefixrun.engine.run.session import EngineSession, EngineSettings
+        from prefixrun.engine.run.session import EngineSession
 
         self.reporter = reporter
-        self._parsers = (tool_call_parser, reasoning_parser)
-        if model_dir is None:
-            model_dir = ensure_default_model(cache_root)
-        settings = EngineSettings(Path(model_dir), Path(cache_root), device, dtype, max_batch, max_prefill_tokens,
-                                  checkpoint_budget, state_memory, reuse, use_cache, cache_budget, cache_policy,
-                                  speculative, num_draft_tokens)
+        if config.model_dir is None:
+            config = dataclasses.replace(config, model_dir=ensure_default_model(config.cache_root))
+        self.config = config
+        model_dir, window = Path(config.model_dir), config.window
         self.session = None  # the in-process engine session, when there is one
         self._ahead = None  # the first window read ahead (cli/input_ahead.py)
         # (index, line number, bytes) -> (ParsedRequest, Request) of the lines read ahead, as `execute` would make
         # them for a custom_id not seen before; filled on the reading thread, read after it stopped
         self._parsed_ahead: dict[tuple[int, int, bytes], tuple[lines.ParsedRequest, Request]] = {}
-        if devices is None and ray_address is None:
-            front = loader.load_front(Path(model_dir))
-            self._set_front(front, sampling_overrides, chat_template_kwargs)
+        if config.devices is None and config.ray_address is None:
+            front = loader.load_front(model_dir)
+            self._set_front(front, config)
             upcoming = None
             if input_ahead is not None:
                 from prefixrun.cli.input_ahead import FirstWindowAhead
 
-                self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, max_line_bytes)
-                upcoming = self._ahead.prompts if use_cache and reuse else None
+                self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, config.max_line_bytes)
+                upcoming = self._ahead.prompts if config.use_cache and config.reuse else None
             try:
-                self.session = EngineSession(settings, front=front, upcoming=upcoming)
+                self.session = EngineSession(config, front=front, upcoming=upcoming)
             except BaseException:
                 if self._ahead is not None:
                     self._ahead.stop()
@@ -69,40 +64,39 @@ class BatchRun:
         else:
             # worker processes start first and load their models while this process loads the tokenizer, reads,
             # tokenizes and plans the first window (the pool waits for them in its first run)
-            self.backend = _worker_pool(settings, devices, ray_address)
+            self.backend = _worker_pool(config)
             try:
-                front = loader.load_front(Path(model_dir))
+                front = loader.load_front(model_dir)
             except BaseException:
                 self.backend.abort()
                 raise
-            self._set_front(front, sampling_overrides, chat_template_kwargs)
+            self._set_front(front, config)
         self._warned = 0  # backend warnings shown so far (workers report theirs when they are ready)
         self._show_backend_warnings()
-        self.model_name = Path(model_dir).name
-        self.lenient = lenient  # refused and unknown request fields are ignored (with warnings), not errors
+        self.model_name = model_dir.name
+        self.lenient = config.lenient  # refused and unknown request fields are ignored (with warnings), not errors
         self.ignored_fields = IgnoredFields()
         self.window = window
         self.failed = 0
         self.done = 0
         self._started = time.perf_counter()  # from `execute` on: when the run started reading its input
         self.skipped = 0  # lines that already had a result (--resume)
-        self.max_line_bytes = max_line_bytes
+        self.max_line_bytes = config.max_line_bytes
         # every input line's output position by custom_id and by line number, when asked (`--resume` rewrites the
         # output in input order at the end: cli/output.py restore_input_order); None: not recorded
         self.positions: io.InputPositions | None = None
         # which input line made each result in a regular -o (cli/input_ledger.py); the default records nothing
         self.ledger = InputLedger()
 
-    def _set_front(self, front, sampling_overrides: dict, chat_template_kwargs: dict | None):
+    def _set_front(self, front, config: RunConfig):
         # A line's own values win over these: the command line's, then the model's generation_config.
-        self.defaults = SamplingDefaults(**sampling_overrides).over(front.defaults.sampling)
-        config = front.config
-        self.prompts = PromptEncoder(front.tokenizer, vocab_size=config.vocab_size,
-                                     context_tokens=config.max_position_embeddings,
-                                     chat_template_kwargs=chat_template_kwargs)
+        self.defaults = SamplingDefaults(**config.sampling_overrides).over(front.defaults.sampling)
+        self.prompts = PromptEncoder(front.tokenizer, vocab_size=front.config.vocab_size,
+                                     context_tokens=front.config.max_position_embeddings,
+                                     chat_template_kwargs=config.chat_template_kwargs)
         self._front = front
-        self.replies = Replies(front.tokenizer, tool_call_parser=self._parsers[0], reasoning_parser=self._parsers[1],
-                               template_kwargs=chat_template_kwargs)
+        self.replies = Replies(front.tokenizer, tool_call_parser=config.tool_call_parser,
+                               reasoning_parser=config.reasoning_parser, template_kwargs=config.chat_template_kwargs)
 
     def _request(self, item: lines.ParsedRequest) -> Request:
         """The engine's Request of a parsed line; InvalidRequest if it cannot run on this model."""
@@ -255,24 +249,24 @@ class BatchRun:
         return report
 
 
-def _worker_pool(settings, devices: list[str] | None, ray_address: str | None):
+def _worker_pool(config: RunConfig):
     """Engines in worker processes, one per device (CUDA: each sees only its GPU), or on Ray actors."""
     import functools
 
     from prefixrun.engine.run.session import EngineSession
 
-    build = functools.partial(EngineSession, settings)
-    if ray_address is not None:
+    build, devices = functools.partial(EngineSession, config), config.devices
+    if config.ray_address is not None:
         from prefixrun.engine.scale.ray_pool import RayWorkerPool
 
-        return RayWorkerPool(build, ray_address, workers=len(devices) if devices else None,
-                             gpus_per_worker=0.0 if settings.device == "cpu" else 1.0, reuse=settings.reuse)
+        return RayWorkerPool(build, config.ray_address, workers=len(devices) if devices else None,
+                             gpus_per_worker=0.0 if config.device == "cpu" else 1.0, reuse=config.reuse)
     from prefixrun.engine.scale.workers import WorkerPool
 
-    if settings.device == "cpu":  # CPU workers: the multi-GPU code path on the NumPy backend
-        return WorkerPool(build, [f"cpu:{d}" for d in devices], reuse=settings.reuse, wait=False)
+    if config.device == "cpu":  # CPU workers: the multi-GPU code path on the NumPy backend
+        return WorkerPool(build, [f"cpu:{d}" for d in devices], reuse=config.reuse, wait=False)
     return WorkerPool(build, [f"cuda:{d}" for d in devices], [{"CUDA_VISIBLE_DEVICES": d} for d in devices],
-                      reuse=settings.reuse, wait=False)
+                      reuse=config.reuse, wait=False)
 
 
 def _workers_report(pool) -> dict:

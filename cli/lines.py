@@ -22,6 +22,7 @@ from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_out
 from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
 from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from prefixrun.engine.request import InvalidRequest, SamplingDefaults, SamplingParams
+from prefixrun.engine.run.config import DEFAULT_MAX_LINE_BYTES  # declared with --max-line-bytes
 from prefixrun.engine.request import describe_value as _describe
 from prefixrun.engine.request import json_type_name as _json_type_name
 
@@ -112,8 +113,6 @@ class _LineRejected(Exception):
 # Input
 
 
-DEFAULT_MAX_LINE_BYTES = 4 << 20
-"""4 MiB: a whole 262k-token context as text or as prompt_token_ids fits; `--max-line-bytes` changes it."""
 _OVERSIZE_HEAD_BYTES = 4096  # kept of an oversize line, to name its custom_id in the error record
 _DRAIN_CHUNK = 1 << 20
 _LEADING_CUSTOM_ID = re.compile(rb'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,1000}"|-?\d{1,30})\s*,')

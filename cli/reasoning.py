@@ -17,7 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("auto", "qwen3", "none")
+from prefixrun.engine.run.config import REASONING_PARSERS  # declared with --reasoning-parser
+
 THINK_START, THINK_END = "<think>", "</think>"
 _FUNCTION_OPEN = re.compile(r"<function[\s=]")
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixrun.engine.request import InvalidRequest, describe_value
+from prefixrun.engine.run.config import TOOL_CALL_PARSERS  # declared with --tool-call-parser
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "none")
 TOOL_CHOICES = ("none", "auto", "required")
 
 

@@ -11,3 +11,7 @@ class ModelLoadError(ValueError):
 class EnginesDidNotStart(RuntimeError):
     """No worker process (or actor) could build its engine: the model does not load there. The message says why
     for each worker."""
+
+
+class InvalidOption(ValueError):
+    """A run option that cannot be used as given (engine/run/config.py); the message names the option."""

@@ -125,7 +125,8 @@ def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy=
         persist, problem = open_cache(cache_root, 1 << 30, loaded, block_size or loaded.ops.default_block_size,
                                       policy)
         assert problem is None
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(**options), persist=persist)
+    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(**{"speculative": "off", **options}),
+                    persist=persist)
     if persist is not None:
         persist.watch_prefill(engine.stats)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0)

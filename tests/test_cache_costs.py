@@ -260,7 +260,7 @@ def run(loaded, cache_root, prompts, *, fast_device=False, max_tokens=4, policy=
     assert problem is None
     if disk_measured:
         persist.cost_model.observe_read(1 << 30, 1.0)
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8), persist=persist)
+    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(speculative="off", max_batch=8), persist=persist)
     if fast_device:
         prefill_rate = 10 ** 12
     persist.watch_prefill(Counters(prefill_rate, 1.0) if prefill_rate else engine.stats)
@@ -327,7 +327,7 @@ def test_a_fresh_folder_is_calibrated_and_leaves_nothing_behind(tmp_path):
 
 
 def without_cache(loaded, prompts, max_tokens=4):
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8))
+    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(speculative="off", max_batch=8))
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0), i)
                 for i, p in enumerate(prompts)]
     results = {r.custom_id: r.token_ids for r in engine.run(requests)}
@@ -774,7 +774,7 @@ def test_a_shared_prefix_is_split_at_its_retention_point_only_where_the_store_ma
     is kept. Answers are the same either way."""
     results, _, stats, engine = run(loaded, tmp_path / "c", LONG_FIRST, policy=policy, prefill_rate=rate)
     assert results == without_cache(loaded, LONG_FIRST)
-    baseline = Engine(loaded.model, loaded.ops, options=EngineOptions(max_batch=8))
+    baseline = Engine(loaded.model, loaded.ops, options=EngineOptions(speculative="off", max_batch=8))
     list(baseline.run([Request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0), i)
                        for i, p in enumerate(LONG_FIRST)]))
     assert stats.prefill_steps == baseline.stats.prefill_steps + (1 if split else 0)

@@ -20,7 +20,6 @@ MODULES_LEFT = {
 }
 FUNCTIONS_LEFT = {
     "cli/report.py::report_table": "jobs",
-    "cli/app.py::batch": "config",
 }
 
 

@@ -83,7 +83,7 @@ def _answers(results):
 
 
 def _run(model, ops, reqs, overlap: bool, eos=()):
-    eng = Engine(model, ops, eos_token_ids=eos, options=EngineOptions(
+    eng = Engine(model, ops, eos_token_ids=eos, options=EngineOptions(speculative="off",
         max_batch=8, block_size=ops.default_block_size, overlap_decode=overlap))
     pipelines = []
     from prefixrun.engine.run import executor as executor_mod

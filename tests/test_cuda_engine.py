@@ -39,10 +39,12 @@ def _run(model, ops, prompts, opts, persist=None, sp=SamplingParams(max_tokens=5
 def test_tiny_state_memory_on_gpu_same_tokens_and_error_only_for_what_never_fits(gpu_model):
     model, ops = gpu_model
     prompts = edge_prompts()
-    want, _, _, _ = _run(model, ops, prompts, EngineOptions(reuse=False, state_memory_bytes=64 << 20))
+    want, _, _, _ = _run(model, ops, prompts, EngineOptions(speculative="off",
+                                                            reuse=False, state_memory_bytes=64 << 20))
     huge = prompts + [random_prompt(77, 200)]
-    for opts in (EngineOptions(state_memory_bytes=1, block_size=16),
-                 EngineOptions(state_memory_bytes=1, block_size=16, max_batch=3, checkpoint_budget_bytes=1)):
+    for opts in (EngineOptions(speculative="off", state_memory_bytes=1, block_size=16),
+                 EngineOptions(speculative="off",
+                               state_memory_bytes=1, block_size=16, max_batch=3, checkpoint_budget_bytes=1)):
         got, plan, trace, stats = _run(model, ops, huge, opts)
         assert {k: v.token_ids for k, v in got.items() if k != f"r{len(prompts)}"} == \
             {k: v.token_ids for k, v in want.items()}
@@ -54,7 +56,7 @@ def test_accounting_adds_up_cold_and_warm_on_gpu(gpu_model):
     model, ops = gpu_model
     prompts = edge_prompts()
     disk = _MemoryDisk()
-    opts = EngineOptions(state_memory_bytes=64 << 20, retain_block=16)
+    opts = EngineOptions(speculative="off", state_memory_bytes=64 << 20, retain_block=16)
     cold, _, _, s_cold = _run(model, ops, prompts, opts, disk)
     warm, _, trace, s_warm = _run(model, ops, prompts, opts, disk)
     for got, stats in ((cold, s_cold), (warm, s_warm)):

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="
 
 
 def _tokens(model, ops, prompts, graphs: bool):
-    eng = Engine(model, ops, options=EngineOptions(max_batch=6, block_size=ops.default_block_size,
+    eng = Engine(model, ops, options=EngineOptions(speculative="off", max_batch=6, block_size=ops.default_block_size,
                                                    decode_graphs=graphs))
     sp = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}

@@ -1000,10 +1000,10 @@ def test_engine_cache_invariance_on_gpu(model_dirs, gemma_dir, family):
         return out
 
     small = dict(state_memory_bytes=64 << 20, checkpoint_budget_bytes=16 << 20)
-    off = run(EngineOptions(reuse=False, **small))
-    assert run(EngineOptions(**small)) == off
-    assert run(EngineOptions(max_batch=2, max_prefill_tokens=7, **small)) == off
-    assert run(EngineOptions(**small), subset={4}) == {"r4": off["r4"]}
+    off = run(EngineOptions(speculative="off", reuse=False, **small))
+    assert run(EngineOptions(speculative="off", **small)) == off
+    assert run(EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=7, **small)) == off
+    assert run(EngineOptions(speculative="off", **small), subset={4}) == {"r4": off["r4"]}
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])

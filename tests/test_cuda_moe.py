@@ -216,7 +216,8 @@ def test_engine_tokens_same_with_graphs_and_reuse_on_or_off(model_dirs, family):
     prompts = [base + [1, 2, 3], base + [7], base[:40], [9, 8, 7], base + [1, 2, 3]]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     runs = []
-    for opts in (EngineOptions(reuse=False, decode_graphs=False), EngineOptions(decode_graphs=True)):
+    for opts in (EngineOptions(speculative="off", reuse=False, decode_graphs=False), EngineOptions(speculative="off",
+                                                                                                   decode_graphs=True)):
         eng = Engine(model, ops, options=opts)
         runs.append({r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i)
                                                                   for i, p in enumerate(prompts)])})

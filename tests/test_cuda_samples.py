@@ -27,7 +27,7 @@ def gpu_model(model_dirs):
 
 
 def _run(model, ops, n, seed_shift=0, **options):
-    eng = Engine(model, ops, options=EngineOptions(block_size=ops.default_block_size, **options))
+    eng = Engine(model, ops, options=EngineOptions(speculative="off", block_size=ops.default_block_size, **options))
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=40 + i + seed_shift,
                                                n=n, ignore_eos=True), i) for i, p in enumerate(PROMPTS)]
     got = {r.custom_id: [c.token_ids for c in r.choices] for r in eng.run(reqs)}

@@ -238,7 +238,8 @@ def test_engine_sampled_tokens_graphs_on_off_alone_and_batched(model_dirs, famil
                 SamplingParams(max_tokens=8, temperature=0.6, top_p=0.5, seed=-3, ignore_eos=True)]
 
     def run(graphs: bool, subset=None):
-        eng = Engine(model, ops, options=EngineOptions(max_batch=4, block_size=ops.default_block_size,
+        eng = Engine(model, ops, options=EngineOptions(speculative="off",
+                                                       max_batch=4, block_size=ops.default_block_size,
                                                        decode_graphs=graphs))
         reqs = [Request(f"r{i}", p, settings[i], i) for i, p in enumerate(prompts) if subset is None or i in subset]
         got = {r.custom_id: r.token_ids for r in eng.run(reqs)}

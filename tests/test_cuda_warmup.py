@@ -187,7 +187,8 @@ for run in range(2):  # the second load warms up after the first run's graphs an
         m.ops._preparing.join(timeout=600)
         acc = cuda_warmup.LAST
         assert not acc["errors"] and acc["gemm_calls"] > 0 and acc["gemms_left_out"] == 0, acc
-    eng = Engine(m.model, m.ops, options=EngineOptions(max_batch=8, block_size=m.ops.default_block_size))
+    eng = Engine(m.model, m.ops, options=EngineOptions(speculative="off",
+                                                       max_batch=8, block_size=m.ops.default_block_size))
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     rng = np.random.default_rng(3)
     reqs = [Request(f"r{i}", rng.integers(0, 500, 20 + 37 * i).tolist(), sp, i) for i in range(5)]

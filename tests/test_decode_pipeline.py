@@ -15,7 +15,7 @@ from test_engine import _ReplayOps, edge_prompts
 
 def _run(model, ops, reqs, *, overlap, max_batch=4, eos=(), max_context=None, tokenizer=None):
     eng = Engine(model, ops, eos_token_ids=eos, tokenizer=tokenizer,
-                 options=EngineOptions(max_batch=max_batch, overlap_decode=overlap))
+                 options=EngineOptions(speculative="off", max_batch=max_batch, overlap_decode=overlap))
     if max_context is not None:
         eng.max_context = max_context
     got = {r.custom_id: r for r in eng.run(list(reqs))}
@@ -89,7 +89,7 @@ def test_rows_ended_by_a_stop_compute_one_discarded_token_and_free_their_state(l
 
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(
         first_new_token(ref[f"r{i}"].token_ids, 1 + i % 4),)), i) for i, p in enumerate(prompts)]
-    eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=8))
+    eng = Engine(model, cpu_ops, options=EngineOptions(speculative="off", max_batch=8))
     executor_pipelines = []
     from prefixrun.engine.run import executor as executor_mod
 

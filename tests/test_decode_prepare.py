@@ -51,7 +51,7 @@ def _keyed_run(loaded, prompts, monkeypatch, **options):
     monkeypatch.setattr(DecodeGraphs, "_capture", stand_in_capture)
     monkeypatch.setattr(DecodeGraphs, "step_sampled", step_sampled)
     monkeypatch.setattr(DecodeGraphs, "prepare", prepare)
-    engine = Engine(loaded, loaded_ops(), options=EngineOptions(**options))
+    engine = Engine(loaded, loaded_ops(), options=EngineOptions(**{"speculative": "off", **options}))
     engine.runner.decoder.enabled = True  # as on a backend that captures
     sp = SamplingParams(max_tokens=4, temperature=0)
     results = list(engine.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]))
@@ -78,7 +78,7 @@ def test_no_graph_prepared_for_an_intermediate_batch(loaded, monkeypatch):
     prepared = [e for e in events if e[0] == "prepared"]
     steps = [e for e in events if e[0] == "step"]
     assert len(prepared) == 1 and steps[0][2] and steps[0][3] == 1, events
-    plain = Engine(loaded["qwen3_5"], loaded_ops(), options=EngineOptions(max_batch=16,
+    plain = Engine(loaded["qwen3_5"], loaded_ops(), options=EngineOptions(speculative="off", max_batch=16,
                                                                                         max_prefill_tokens=64))
     sp = SamplingParams(max_tokens=4, temperature=0)
     want = {r.custom_id: r.token_ids for r in plain.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}

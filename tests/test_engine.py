@@ -23,7 +23,7 @@ WORKLOADS = Path(__file__).resolve().parents[1] / "bench" / "workloads.py"
 FAMILIES = ["qwen3_5", "qwen3", "qwen3_next", "qwen3_5_moe"]  # the MoE hybrids: the router changes no invariant
 
 
-def run_engine(model, ops, prompts, opts=EngineOptions(), sampling=None, order=None, ids=None):
+def run_engine(model, ops, prompts, opts=EngineOptions(speculative="off"), sampling=None, order=None, ids=None):
     eng = Engine(model, ops, options=opts)
     reqs = [Request(ids[i] if ids else f"r{i}", p, (sampling or SamplingParams(max_tokens=5, temperature=0)), i)
             for i, p in enumerate(prompts)]
@@ -129,7 +129,7 @@ def check_trace_against_plan(plan, trace):
 @pytest.mark.parametrize("max_batch", [1, 3, 32])
 def test_executed_plan_computes_each_token_once_and_bounds_live_checkpoints(max_batch, cpu_ops):
     prompts = tree_prompts()
-    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=max_batch, block_size=4))
+    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", max_batch=max_batch, block_size=4))
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
     assert len(list(eng.run(reqs))) == len(prompts)
     plan, trace = eng.last_plan, eng.last_trace
@@ -177,7 +177,7 @@ def test_results_leave_the_engine_near_input_order(cpu_ops):
     n, shared = 400, [rng.randrange(500) for _ in range(40)]
     prompts = [[7 + i * 10 // n] * 20 + [rng.randrange(500) for _ in range(rng.randrange(5, 40))] for i in range(n)]
     prompts[0], prompts[-1] = shared + [1, 2], shared + [3, 4]
-    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=8))
+    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", max_batch=8))
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=rng.randrange(2, 30), temperature=0, ignore_eos=True), i)
             for i, p in enumerate(prompts)]
     first, lag = ordered_lag([r.index for r in eng.run(reqs)])
@@ -188,11 +188,11 @@ def test_results_leave_the_engine_near_input_order(cpu_ops):
 
 def test_refused_checkpoints_are_recorded_and_consumers_recompute(cpu_ops):
     prompts = tree_prompts()
-    full = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=4, block_size=4))
+    full = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", max_batch=4, block_size=4))
     sp = SamplingParams(max_tokens=3, temperature=0)
     want = {r.custom_id: r.token_ids for r in full.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
     for budget in (0, 900):
-        eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(max_batch=4, block_size=4,
+        eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", max_batch=4, block_size=4,
                                                                    checkpoint_budget_bytes=budget))
         got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
         assert got == want
@@ -212,7 +212,7 @@ def test_refused_checkpoints_are_recorded_and_consumers_recompute(cpu_ops):
 def test_edge_trees_identical_with_reuse_on_off_alone_batched_shuffled(family, loaded, cpu_ops):
     model = loaded[family]
     prompts = edge_prompts()
-    off, s_off, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False))
+    off, s_off, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
     on, s_on, p_on = run_engine(model, cpu_ops, prompts)
     assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
     for i, p in enumerate(prompts):  # each request alone
@@ -220,8 +220,9 @@ def test_edge_trees_identical_with_reuse_on_off_alone_batched_shuffled(family, l
         assert alone["r0"].token_ids == off[f"r{i}"].token_ids
     order = list(range(len(prompts)))
     random.Random(3).shuffle(order)
-    for opts in (EngineOptions(max_batch=1), EngineOptions(max_batch=3, max_prefill_tokens=16),
-                 EngineOptions(max_batch=2, block_size=4)):
+    for opts in (EngineOptions(speculative="off", max_batch=1), EngineOptions(speculative="off",
+                                                                              max_batch=3, max_prefill_tokens=16),
+                 EngineOptions(speculative="off", max_batch=2, block_size=4)):
         got, _, _ = run_engine(model, cpu_ops, prompts, opts, order=order)
         assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in off.items()}
     # with an ample budget every distinct prefix token is computed exactly once (duplicates cost nothing)
@@ -237,9 +238,10 @@ def test_edge_trees_identical_with_reuse_on_off_alone_batched_shuffled(family, l
 def test_tiny_budget_still_identical_and_never_worse_than_no_reuse(family, loaded, cpu_ops):
     model = loaded[family]
     prompts = edge_prompts()
-    off, s_off, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False))
+    off, s_off, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
     for budget in (0, 40_000, 120_000):
-        got, s, p = run_engine(model, cpu_ops, prompts, EngineOptions(checkpoint_budget_bytes=budget))
+        got, s, p = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off",
+                                                                      checkpoint_budget_bytes=budget))
         assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in off.items()}
         assert s.distinct_prefix_tokens <= s.computed_prompt_tokens <= s_off.computed_prompt_tokens
         if budget == 0:
@@ -269,8 +271,10 @@ def test_bench_workload_shapes(family, shape, loaded, cpu_ops):
     prompts = [l["prompt_token_ids"] for l in lines]
     ids = [l["custom_id"] for l in lines]
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    off, s_off, _ = run_engine(loaded[family], cpu_ops, prompts, EngineOptions(reuse=False), sp, ids=ids)
-    on, s_on, _ = run_engine(loaded[family], cpu_ops, prompts, EngineOptions(max_batch=4), sp, ids=ids)
+    off, s_off, _ = run_engine(loaded[family], cpu_ops, prompts, EngineOptions(speculative="off",
+                                                                               reuse=False), sp, ids=ids)
+    on, s_on, _ = run_engine(loaded[family], cpu_ops, prompts, EngineOptions(speculative="off",
+                                                                             max_batch=4), sp, ids=ids)
     assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
     assert s_on.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
     assert all(len(r.token_ids) == 3 for r in on.values())
@@ -283,13 +287,16 @@ def test_questions_over_several_documents_prefill_in_one_step(loaded, cpu_ops):
     prompts, ids = [l["prompt_token_ids"] for l in lines], [l["custom_id"] for l in lines]
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     model = loaded["qwen3_5"]
-    together, stats, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=16), sp, ids=ids)
+    together, stats, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off",
+                                                                           max_batch=16), sp, ids=ids)
     assert stats.prefill_steps == 2  # the three documents, then the twelve questions
-    per_doc, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=16, max_prefill_tokens=20), sp,
+    per_doc, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off",
+                                                                      max_batch=16, max_prefill_tokens=20), sp,
                                ids=ids)
     alone = {}
     for i in range(0, len(prompts), 4):
-        r, _, _ = run_engine(model, cpu_ops, prompts[i:i + 4], EngineOptions(max_batch=16), sp, ids=ids[i:i + 4])
+        r, _, _ = run_engine(model, cpu_ops, prompts[i:i + 4], EngineOptions(speculative="off",
+                                                                             max_batch=16), sp, ids=ids[i:i + 4])
         alone.update(r)
     tokens = {k: v.token_ids for k, v in together.items()}
     assert tokens == {k: v.token_ids for k, v in per_doc.items()} == {k: v.token_ids for k, v in alone.items()}
@@ -300,8 +307,8 @@ def test_seeded_sampling_same_alone_and_in_any_batch(loaded, cpu_ops):
     model = loaded["qwen3_5"]
     prompts = edge_prompts()
     sp = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=1234)
-    batch, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=4), sp)
-    shuffled, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=2, reuse=False), sp,
+    batch, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4), sp)
+    shuffled, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=2, reuse=False), sp,
                                 order=[8, 2, 5, 0, 7, 1, 6, 3, 4])
     for i, p in enumerate(prompts):
         alone, _, _ = run_engine(model, cpu_ops, [p], sampling=sp, ids=[f"r{i}"])
@@ -319,7 +326,7 @@ def test_the_cyclic_collector_is_held_off_while_the_engine_works_and_as_it_was_o
     model = loaded["qwen3_5"]
     prompts = edge_prompts()
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0), i) for i, p in enumerate(prompts)]
-    eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4))
+    eng = Engine(model, cpu_ops, options=EngineOptions(speculative="off", max_batch=4))
     assert gc.isenabled()
     inside = []
     real_prefill = eng.runner.prefill
@@ -348,7 +355,7 @@ def test_the_cyclic_collector_is_held_off_while_the_engine_works_and_as_it_was_o
     assert gc.isenabled()
     gc.disable()  # a caller that turned it off itself keeps it off
     try:
-        list(Engine(model, cpu_ops, options=EngineOptions(max_batch=4)).run(requests[:2]))
+        list(Engine(model, cpu_ops, options=EngineOptions(speculative="off", max_batch=4)).run(requests[:2]))
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -358,8 +365,10 @@ _FIRST_WINDOW_IMPORTS = """
 import sys
 from pathlib import Path
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.run.session import EngineSession, EngineSettings
-session = EngineSession(EngineSettings(Path(sys.argv[1]), Path(sys.argv[2]), device="cpu", cache_policy=sys.argv[3]))
+from prefixrun.engine.run.config import RunConfig
+from prefixrun.engine.run.session import EngineSession
+session = EngineSession(RunConfig(model_dir=Path(sys.argv[1]), cache_dir=Path(sys.argv[2]), device="cpu",
+                                  cache_policy=sys.argv[3], cache_budget=None))
 before = set(sys.modules)
 requests = [Request(f"r{i}", [5 + i % 3] * 40 + [i + 7] * 9,
                     SamplingParams(max_tokens=4, temperature=0.7 if i % 2 else 0, top_p=0.9, seed=i), i)
@@ -506,9 +515,9 @@ def test_decode_graphs_give_the_eager_tokens(family, loaded, cpu_ops):
     model = loaded[family]
     prompts = edge_prompts()
     sp = SamplingParams(max_tokens=7, temperature=0)
-    eager, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=5), sp)
+    eager, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=5), sp)
     ops = _ReplayOps(cpu_ops)
-    eng = Engine(model, ops, options=EngineOptions(max_batch=5))
+    eng = Engine(model, ops, options=EngineOptions(speculative="off", max_batch=5))
     assert eng.decoder.enabled
     reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
     got = {r.custom_id: r.token_ids for r in eng.run(reqs)}
@@ -527,7 +536,7 @@ def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
     prompt = tok.encode("The support team answered the customer about the refund")
 
     def run(sp):
-        eng = Engine(model, cpu_ops, tokenizer=tok, options=EngineOptions())
+        eng = Engine(model, cpu_ops, tokenizer=tok, options=EngineOptions(speculative="off"))
         (res,) = list(eng.run([Request("a", prompt, sp, 0)]))
         eng.close()
         return res
@@ -560,7 +569,7 @@ def test_later_windows_reuse_retained_checkpoints(loaded, cpu_ops):
     model = loaded["qwen3_5"]
     prompts = edge_prompts()
     ref, _, _ = run_engine(model, cpu_ops, prompts)
-    eng = Engine(model, cpu_ops, options=EngineOptions(retain_block=16), persist=_NoDisk())
+    eng = Engine(model, cpu_ops, options=EngineOptions(speculative="off", retain_block=16), persist=_NoDisk())
     sp = SamplingParams(max_tokens=5, temperature=0)
     reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
     got = {}
@@ -582,12 +591,13 @@ def test_state_memory_pressure_evicts_retained_checkpoints_first(loaded, cpu_ops
     model = loaded["qwen3_5"]
     # eight pairs of prompts, each pair sharing a 40-token prefix: eight branch points, each keeping 3 blocks
     prompts = [random_prompt(300 + i // 2, 40) + random_prompt(400 + i, 6) for i in range(16)]
-    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False))
-    probe = Engine(model, cpu_ops, options=EngineOptions(max_batch=2))
+    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
+    probe = Engine(model, cpu_ops, options=EngineOptions(speculative="off", max_batch=2))
     slot, block = probe.state.slot_bytes, probe.state.block_bytes
     probe.close()
     ckpt_slots = 30
-    opts = EngineOptions(max_batch=2, retain_block=16, block_size=16, checkpoint_budget_bytes=ckpt_slots * slot,
+    opts = EngineOptions(speculative="off",
+                         max_batch=2, retain_block=16, block_size=16, checkpoint_budget_bytes=ckpt_slots * slot,
                          state_memory_bytes=(2 * 2 + ckpt_slots + 4) * slot + 16 * block)
     eng = Engine(model, cpu_ops, options=opts, persist=_NoDisk())
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0), i) for i, p in enumerate(prompts)]
@@ -605,7 +615,8 @@ def test_more_duplicates_than_seats_wait_their_turn(loaded, cpu_ops):
     model = loaded["qwen3_5"]
     p = random_prompt(1, 30)
     prompts = [p] * 80 + [p + [3]] * 20
-    res, stats, pool = run_engine(model, cpu_ops, prompts, EngineOptions(max_batch=4, checkpoint_budget_bytes=10**6))
+    res, stats, pool = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off",
+                                                                         max_batch=4, checkpoint_budget_bytes=10**6))
     assert len(res) == 100 and stats.computed_prompt_tokens == 31
     alone, _, _ = run_engine(model, cpu_ops, [p, p + [3]])
     assert {tuple(r.token_ids) for r in res.values()} == {tuple(r.token_ids) for r in alone.values()}
@@ -626,8 +637,8 @@ def test_random_trees_any_options_same_answers(case, loaded, cpu_ops):
         tail = random_prompt(rng.randrange(10**6), rng.choice([0, 0, 1, 3, 9]))
         prompts.append(stem[:cut] + tail)
     sp = SamplingParams(max_tokens=rng.randint(1, 4), temperature=0)
-    ref, s_ref, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
-    opts = EngineOptions(max_batch=rng.randint(1, 6), block_size=rng.choice([2, 4, 16]),
+    ref, s_ref, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False), sp)
+    opts = EngineOptions(speculative="off", max_batch=rng.randint(1, 6), block_size=rng.choice([2, 4, 16]),
                          max_prefill_tokens=rng.choice([3, 17, 8192]),
                          checkpoint_budget_bytes=rng.choice([0, 30_000, 10**8]))
     order = list(range(len(prompts)))
@@ -638,7 +649,8 @@ def test_random_trees_any_options_same_answers(case, loaded, cpu_ops):
     if opts.checkpoint_budget_bytes == 10**8:
         assert s.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
     # the same requests in windows, with checkpoints retained between them (as the CLI does with its cache)
-    eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=opts.max_batch, block_size=opts.block_size,
+    eng = Engine(model, cpu_ops, options=EngineOptions(speculative="off",
+                                                       max_batch=opts.max_batch, block_size=opts.block_size,
                                                        retain_block=rng.choice([0, 4, 16]),
                                                        checkpoint_budget_bytes=opts.checkpoint_budget_bytes),
                  persist=_NoDisk())
@@ -709,11 +721,11 @@ def test_decode_reads_shared_prefixes_once_per_group(graphs, loaded, cpu_ops, mo
 
     monkeypatch.setattr(cpu_ops, "paged_attention", spy)  # the model calls the ops it was built with
     ops = _ReplayOps(cpu_ops) if graphs else cpu_ops
-    eng = Engine(model, ops, options=EngineOptions(max_batch=8, block_size=16, decode_graphs=graphs))
+    eng = Engine(model, ops, options=EngineOptions(speculative="off", max_batch=8, block_size=16, decode_graphs=graphs))
     got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
     eng.close()
     eng.check_invariants()
-    want, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    want, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False), sp)
     assert got == {k: v.token_ids for k, v in want.items()}
     assert seen and max(seen) >= 64  # the 70-token prefix: four whole 16-row blocks shared by the group
 
@@ -725,10 +737,10 @@ def test_tiny_state_memory_shrinks_groups_and_refuses_only_what_can_never_fit(lo
     model = loaded["qwen3_5"]
     prompts = edge_prompts()
     sp = SamplingParams(max_tokens=5, temperature=0)
-    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False), sp)
     huge = random_prompt(77, 200)
-    for opts in (EngineOptions(state_memory_bytes=1), EngineOptions(state_memory_bytes=1, max_batch=3,
-                                                                    checkpoint_budget_bytes=1)):
+    for opts in (EngineOptions(speculative="off", state_memory_bytes=1),
+                 EngineOptions(speculative="off", state_memory_bytes=1, max_batch=3, checkpoint_budget_bytes=1)):
         eng = Engine(model, cpu_ops, options=opts)
         reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)] + [Request("huge", huge, sp, 99)]
         got = {r.custom_id: r for r in eng.run(reqs)}
@@ -749,9 +761,10 @@ def test_pressure_gives_up_pinned_checkpoints_instead_of_failing(cpu_ops):
     sp = SamplingParams(max_tokens=4, temperature=0)
     reqs = lambda: [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]  # noqa: E731
     want = {r.custom_id: r.token_ids for r in Engine(_FakeModel(), cpu_ops).run(reqs())}
-    probe = Engine(_FakeModel(), cpu_ops, options=EngineOptions(block_size=2))
+    probe = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", block_size=2))
     slot, block = probe.state.slot_bytes, probe.state.block_bytes
-    opts = EngineOptions(block_size=2, max_batch=8, state_memory_bytes=(2 * 8 + 512 + 4) * slot + 12 * block)
+    opts = EngineOptions(speculative="off",
+                         block_size=2, max_batch=8, state_memory_bytes=(2 * 8 + 512 + 4) * slot + 12 * block)
     eng = Engine(_FakeModel(), cpu_ops, options=opts)
     assert eng.state.blocks.num_blocks == 12
     got = {r.custom_id: r.token_ids for r in eng.run(reqs())}
@@ -774,8 +787,8 @@ def test_model_without_paged_layers_runs(tmp_path, cpu_ops):
     model = load_model(make_model_dir(tmp_path / "g", cfg, seed=5, init_std=0.05), cpu_ops)[0]
     assert not any(s.paged for s in model.state_specs())
     prompts = edge_prompts()
-    off, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False, state_memory_bytes=1))
-    on, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(state_memory_bytes=1, max_batch=3))
+    off, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False, state_memory_bytes=1))
+    on, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", state_memory_bytes=1, max_batch=3))
     assert all(r.error is None and len(r.token_ids) == 5 for r in on.values())
     assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
 
@@ -844,10 +857,10 @@ def test_reused_is_from_disk_plus_from_memory_cold_warm_mixed(loaded, cpu_ops):
     model = loaded["qwen3_5"]
     prompts = edge_prompts()
     sp = SamplingParams(max_tokens=3, temperature=0)
-    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(reuse=False), sp)
+    ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False), sp)
     disk = _MemoryDisk()
 
-    def run(batch, opts=EngineOptions(retain_block=16)):
+    def run(batch, opts=EngineOptions(speculative="off", retain_block=16)):
         eng = Engine(model, cpu_ops, options=opts, persist=disk)
         got = {r.custom_id: r for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in batch])}
         eng.close()
@@ -864,11 +877,13 @@ def test_reused_is_from_disk_plus_from_memory_cold_warm_mixed(loaded, cpu_ops):
     # mixed: a first half warm from disk, the other half new prompts over the same stems; small batches so that a
     # disk hit can reach past a base already computed in memory (the case that once reported negative memory)
     mixed = [(i, p) for i, p in enumerate(prompts)] + [(100 + i, p + [7, 7]) for i, p in enumerate(prompts)]
-    extra, _, _ = run_engine(model, cpu_ops, [p for _, p in mixed[len(prompts):]], EngineOptions(reuse=False), sp,
+    extra, _, _ = run_engine(model, cpu_ops, [p for _, p in mixed[len(prompts):]], EngineOptions(speculative="off",
+                                                                                                 reuse=False), sp,
                              ids=[f"r{i}" for i, _ in mixed[len(prompts):]])
     ref.update(extra)
     disk.entries = {k: v for k, v in disk.entries.items() if len(k) > 30 or len(k) % 2}
-    eng = Engine(model, cpu_ops, options=EngineOptions(retain_block=16, max_batch=2, max_prefill_tokens=8),
+    eng = Engine(model, cpu_ops, options=EngineOptions(speculative="off",
+                                                       retain_block=16, max_batch=2, max_prefill_tokens=8),
                  persist=disk)
     got = {r.custom_id: r for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in mixed])}
     eng.close()

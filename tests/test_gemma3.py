@@ -96,12 +96,13 @@ def test_cache_invariance_with_branch_points_around_the_window(gemma, cpu_ops):
     for branch in (3, WINDOW - 1, WINDOW, WINDOW + 1, 45):  # before, at and far beyond the window length
         prompts += [base[:branch] + random_prompt(branch * 7 + j, 5 + j) for j in range(2)]
     prompts += [base[:45], base[:45], [7]]
-    off, _ = run(gemma, cpu_ops, prompts, EngineOptions(reuse=False))
-    for opts in (EngineOptions(), EngineOptions(max_batch=2, max_prefill_tokens=5),
-                 EngineOptions(checkpoint_budget_bytes=0), EngineOptions(block_size=4, max_batch=3)):
+    off, _ = run(gemma, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
+    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
+                 EngineOptions(speculative="off", checkpoint_budget_bytes=0), EngineOptions(speculative="off",
+                                                                                            block_size=4, max_batch=3)):
         on, stats = run(gemma, cpu_ops, prompts, opts)
         assert on == off
-    on, stats = run(gemma, cpu_ops, prompts, EngineOptions())
+    on, stats = run(gemma, cpu_ops, prompts, EngineOptions(speculative="off"))
     assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
 
 

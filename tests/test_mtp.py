@@ -298,7 +298,7 @@ def test_greedy_tokens_with_mtp_drafts_identical_to_off(family, mtp_models, cpu_
     from prefixrun.engine.run.core import EngineOptions
 
     model = mtp_models[family]
-    off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4))
+    off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(speculative="off", max_batch=4))
     for k in range(1, 5):
         on, stats = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4, speculative="mtp",
                                                                    num_draft_tokens=k))
@@ -314,7 +314,7 @@ def test_greedy_identical_with_prefix_reuse_and_from_disk(mtp_models, cpu_ops):
 
     model = mtp_models["qwen3_5"]
     ps = _prompts() + [_prompts()[0][:32] + [9, 9]]
-    off, _ = _run(model, cpu_ops, ps, EngineOptions(max_batch=4, reuse=False))
+    off, _ = _run(model, cpu_ops, ps, EngineOptions(speculative="off", max_batch=4, reuse=False))
     disk = _MemoryDisk()
     opts = EngineOptions(max_batch=2, speculative="mtp", num_draft_tokens=3, retain_block=16)
     cold, _ = _run(model, cpu_ops, ps, opts, persist=disk)
@@ -437,7 +437,7 @@ def test_echo_head_accepts_drafts_in_the_real_loop(tmp_path, cpu_ops):
         w[name] = 0.1 * w[name]
     write_safetensors(path / "model.safetensors", w, {"format": "pt"})
     model = load_model(path, cpu_ops, mtp=True)[0]
-    off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(max_batch=4), max_tokens=30)
+    off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(speculative="off", max_batch=4), max_tokens=30)
     disk = _MemoryDisk()
     opts = EngineOptions(max_batch=4, speculative="mtp", num_draft_tokens=4, retain_block=16)
     for _ in range(2):  # cold, then from the store

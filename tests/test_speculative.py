@@ -80,7 +80,7 @@ def run(model, ops, prompt_list, opts, *, drafter=None, sampling=None, persist=N
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_tokens_identical_for_every_draft_count(family, models, cpu_ops):
     model = models[family]
-    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4))
     rejected = 0
     for k in range(1, 9):
         spread = k % 2 == 0  # odd k: every sequence drafts k; even k: mixed counts per sequence and step
@@ -100,7 +100,7 @@ def test_every_accepted_count_occurs_and_outputs_match(family, models, cpu_ops):
     """Across one run each accepted count 0..k occurs (so every rollback depth is exercised end to end)."""
     model = models[family]
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    ref, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4), sampling=sp)
+    ref, _ = run(model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4), sampling=sp)
     seen: set[int] = set()
     drafter = OracleDrafter(ref, spread=False)
     eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=5))
@@ -164,7 +164,7 @@ def test_commit_and_prepare_refuse_misuse(models, cpu_ops):
 def test_snapshot_memory_comes_out_of_the_state_budget(models, cpu_ops):
     model = models["qwen3_5"]
     opts = dict(max_batch=4, state_memory_bytes=64 << 20)
-    off = Engine(model, cpu_ops, options=EngineOptions(**opts))
+    off = Engine(model, cpu_ops, options=EngineOptions(**opts, speculative="off"))
     on = Engine(model, cpu_ops, options=EngineOptions(**opts, speculative="ngram", num_draft_tokens=6))
     from prefixrun.engine.state.pools import snapshot_row_bytes
 
@@ -181,7 +181,7 @@ def test_greedy_identical_with_prefix_reuse_and_from_disk(models, cpu_ops):
 
     model = models["qwen3_5"]
     ps = prompts() + [prompts()[0][:30] + [9, 9]]
-    off, _ = run(model, cpu_ops, ps, EngineOptions(max_batch=4, reuse=False))
+    off, _ = run(model, cpu_ops, ps, EngineOptions(speculative="off", max_batch=4, reuse=False))
     disk = _MemoryDisk()
     opts = EngineOptions(max_batch=2, speculative="ngram", num_draft_tokens=3, retain_block=16)
     cold, _ = run(model, cpu_ops, ps, opts, drafter=OracleDrafter(off), persist=disk)
@@ -193,7 +193,7 @@ def test_greedy_identical_with_prefix_reuse_and_from_disk(models, cpu_ops):
 def test_auto_drafts_only_for_greedy_requests_and_sampled_seeds_reproduce(models, cpu_ops):
     model = models["qwen3"]
     sp = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
-    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4), sampling=sp)
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4), sampling=sp)
     auto, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="auto"), sampling=sp)
     assert auto == off and stats.methods["ngram"].drafted == 0
     a, sa = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp,
@@ -313,7 +313,7 @@ def mtp_model(tmp_path_factory, cpu_ops):
 
 
 def test_mtp_drafts_keep_greedy_tokens_and_roll_back_its_state(mtp_model, cpu_ops):
-    off, _ = run(mtp_model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    off, _ = run(mtp_model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4))
     for k in (1, 3, 6):
         on, stats = run(mtp_model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="mtp",
                                                                      num_draft_tokens=k))
@@ -336,7 +336,7 @@ def test_verify_steps_replayed_as_graphs_give_the_eager_tokens(family, models, c
     from test_engine import _ReplayOps
 
     model = models[family]
-    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4))
     ops = _ReplayOps(cpu_ops)
     eng = Engine(model, ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=5))
     eng.speculator.drafter, eng.speculator.adaptive = OracleDrafter(off, spread=True), False
@@ -437,7 +437,7 @@ class _HiddenOracle(OracleDrafter):
 
 def test_needs_hidden_drafters_get_the_kept_rows_hidden_states(models, cpu_ops):
     model = models["qwen3"]
-    off, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4))
+    off, _ = run(model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4))
     drafter = _HiddenOracle(off, model)
     on, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=4),
                     drafter=drafter)
@@ -453,7 +453,8 @@ def test_sampled_outputs_follow_the_non_speculative_distribution(models, cpu_ops
     model = models["qwen3"]
     prompt = [5, 6, 7, 8] * 6
     n = 256
-    greedy, _ = run(model, cpu_ops, [prompt], EngineOptions(), sampling=SamplingParams(max_tokens=8, temperature=0))
+    greedy, _ = run(model, cpu_ops, [prompt], EngineOptions(speculative="off"),
+                    sampling=SamplingParams(max_tokens=8, temperature=0))
     reference = {f"s{i}": greedy["r0"] for i in range(n)}
 
     def sample(opts):
@@ -467,7 +468,7 @@ def test_sampled_outputs_follow_the_non_speculative_distribution(models, cpu_ops
         eng.close()
         return out, stats
 
-    off, _ = sample(EngineOptions(max_batch=16))
+    off, _ = sample(EngineOptions(speculative="off", max_batch=16))
     on, stats = sample(EngineOptions(max_batch=16, speculative="ngram", num_draft_tokens=2))
     m = stats.methods["oracle"]
     assert m.drafted > 200 and 0 < m.accepted < m.drafted

@@ -174,7 +174,8 @@ def test_forced_ngram_on_a_model_whose_drafts_fail_is_mostly_plain_steps(cpu_ops
     prompts = [[rng.randrange(3, 500) for _ in range(40)] * 2 for _ in range(4)]
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     reqs = lambda: [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
-    off = {r.custom_id: r.token_ids for r in Engine(model, cpu_ops, options=EngineOptions(max_batch=4)).run(reqs())}
+    off = {r.custom_id: r.token_ids for r in Engine(model, cpu_ops, options=EngineOptions(speculative="off",
+                                                                                          max_batch=4)).run(reqs())}
     for batch in (1, 4):
         eng = Engine(model, _ReplayOps(cpu_ops), options=EngineOptions(max_batch=batch, speculative="ngram"))
         got = {r.custom_id: r.token_ids for r in eng.run(reqs())}
@@ -205,7 +206,8 @@ def test_verify_graphs_are_captured_only_for_shapes_that_recur(cpu_ops, tmp_path
     prompts = [[11, 12, 13, 14] * 10, [21, 22, 23] * 12]
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     reqs = lambda: [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
-    off = {r.custom_id: r.token_ids for r in Engine(model, cpu_ops, options=EngineOptions(max_batch=2)).run(reqs())}
+    off = {r.custom_id: r.token_ids for r in Engine(model, cpu_ops, options=EngineOptions(speculative="off",
+                                                                                          max_batch=2)).run(reqs())}
     ops = _ReplayOps(cpu_ops)
     eng = Engine(model, ops, options=EngineOptions(max_batch=2, speculative="ngram"))
     got = {r.custom_id: r.token_ids for r in eng.run(reqs())}
@@ -259,7 +261,8 @@ def test_copy_prone_model_keeps_every_tensor_and_makes_ngram_drafts_accepted(cpu
     def acceptance(model_dir):
         model = load_model(model_dir, cpu_ops)[0]
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-        off = list(Engine(model, cpu_ops, options=EngineOptions(max_batch=1)).run([Request("a", prompt, sp, 0)]))
+        off = list(Engine(model, cpu_ops, options=EngineOptions(speculative="off",
+                                                                max_batch=1)).run([Request("a", prompt, sp, 0)]))
         eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=1, speculative="ngram"))
         on = list(eng.run([Request("a", prompt, sp, 0)]))
         assert on[0].token_ids == off[0].token_ids

@@ -29,10 +29,11 @@ def build_engine(model_dir: str, die_after: int | None = None, die_in: str | Non
     import tempfile
     import time
 
-    from prefixrun.engine.run.session import EngineSession, EngineSettings
+    from prefixrun.engine.run.config import RunConfig
+    from prefixrun.engine.run.session import EngineSession
 
-    session = EngineSession(EngineSettings(Path(model_dir), Path(tempfile.gettempdir()), device="cpu", max_batch=4,
-                                           use_cache=False))
+    session = EngineSession(RunConfig(model_dir=Path(model_dir), cache_dir=Path(tempfile.gettempdir()), device="cpu",
+                                      max_batch=4, use_cache=False))
     if die_after is not None and os.environ.get("TEST_WORKER_LABEL") == die_in:
         run = session.run
 

@@ -20,7 +20,9 @@ from prefixrun.engine.state.checkpoints import CheckpointPool
 from prefixrun.engine.run.executor import WindowExecutor
 from prefixrun.engine.step.model_runner import ModelRunner
 from prefixrun.engine.plan.planner import Plan, make_plan
-from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, Request, Result, Usage
+from prefixrun.engine.request import Request, Result, Usage
+from prefixrun.engine.run.config import (CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig, declared_of,
+                                         default_of)
 from prefixrun.engine.spec.drafters import snapshot_capacity
 from prefixrun.engine.spec.speculator import make_speculator
 from prefixrun.engine.state.pools import ModelState, pool_unit_bytes, snapshot_pool_bytes
@@ -29,31 +31,39 @@ from prefixrun.engine.plan.trace import Trace
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch: int = 32  # decoding sequences per step (and requests per prefill group)
-    max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # tokens per prefill step; longer segments take several steps
+    """What one engine runs with: the run configuration's engine options (engine/run/config.py: their defaults and
+    ranges are declared there, once) with the sizes resolved for the device (`of`), plus the engine's own knobs.
+    Without a run configuration (tests, library use) the defaults are a run's on the CPU."""
+
+    max_batch: int = HOST_MAX_BATCH  # decoding sequences per step (and requests per prefill group)
+    max_prefill_tokens: int = default_of("max_prefill_tokens")  # tokens per prefill step; longer segments take more
     block_size: int = 16  # K/V rows per paged block
-    state_memory_bytes: int = 1 << 30  # slot + block pools, preallocated once (a small floor always exists)
-    checkpoint_budget_bytes: int = 256 << 20  # live + retained checkpoints
-    reuse: bool = True  # False: every request prefilled from scratch (the baseline)
+    state_memory_bytes: int = HOST_STATE_MEMORY  # slot + block pools, preallocated once (a small floor always exists)
+    checkpoint_budget_bytes: int = HOST_STATE_MEMORY // CHECKPOINT_SHARE  # live + retained checkpoints
+    reuse: bool = default_of("reuse")  # False: every request prefilled from scratch (the baseline)
     retain_block: int = 256  # also keep block-aligned checkpoints of shared prefixes every this many tokens (0 off)
     run_seed: int = 0  # randomness of requests without a seed
     decode_graphs: bool = True  # replay decode steps as CUDA graphs where the backend can capture them
     overlap_decode: bool = True  # queue decode step n+1 before reading step n's tokens (engine/step/decode_pipeline.py)
-    speculative: str = "off"  # engine/spec/drafters.py SPECULATIVE_MODES: auto, off, ngram, mtp
-    num_draft_tokens: int = 0  # drafts per sequence and step (0: the default, DEFAULT_DRAFT_TOKENS)
+    speculative: str = default_of("speculative")  # config.SPECULATIVE_MODES: auto, off, ngram, mtp
+    num_draft_tokens: int = default_of("num_draft_tokens")  # drafts per sequence and step, at most
 
     def __post_init__(self):
-        for name in ("max_batch", "max_prefill_tokens", "block_size", "state_memory_bytes"):
+        for name in ("max_batch", "block_size", "state_memory_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.checkpoint_budget_bytes < 0 or self.retain_block < 0:
             raise ValueError("checkpoint budget and retain block must be >= 0")
-        from prefixrun.engine.spec.drafters import SPECULATIVE_MODES
+        for name in ("max_prefill_tokens", "speculative", "num_draft_tokens"):  # as the run configuration checks
+            declared_of(name).check(name, getattr(self, name))
 
-        if self.speculative not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
-        if not 0 <= self.num_draft_tokens <= 64:
-            raise ValueError(f"num_draft_tokens must be in 0..64, got {self.num_draft_tokens}")
+    @classmethod
+    def of(cls, config: RunConfig, *, max_batch: int, state_memory_bytes: int, checkpoint_budget_bytes: int,
+           block_size: int) -> EngineOptions:
+        """The options of a run's configuration, with the sizes the session resolved for its device."""
+        return cls(max_batch=max_batch, max_prefill_tokens=config.max_prefill_tokens, block_size=block_size,
+                   state_memory_bytes=state_memory_bytes, checkpoint_budget_bytes=checkpoint_budget_bytes,
+                   reuse=config.reuse, speculative=config.speculative, num_draft_tokens=config.num_draft_tokens)
 
 
 @dataclass

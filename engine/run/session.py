@@ -1,7 +1,8 @@
 """One engine as a run holds it: the model loaded on one device, the persistent cache opened, the pools sized.
 
-`EngineSettings` is everything that decides how an engine is built, and it pickles, so a worker process (or a Ray
-actor) builds exactly the engine a single-device run builds: `EngineSession(settings)` is the one way to make one.
+The run configuration (engine/run/config.py RunConfig) is everything that decides how an engine is built, and it
+pickles, so a worker process (or a Ray actor) builds exactly the engine a single-device run builds:
+`EngineSession(config)` is the one way to make one.
 A session offers the engine's interface (run, close, stats) plus `report()`, the engine's half of the run report.
 Problems that cost a feature but not the run (an unusable cache folder) are collected in `warnings` for the caller
 to show, since the engine never prints.
@@ -9,29 +10,11 @@ to show, since the engine never prints.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, Request, Result
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    model_dir: Path
-    cache_root: Path  # the persistent cache's folder (checkpoints/, digests/)
-    device: str = "auto"
-    dtype: str | None = None
-    max_batch: int | None = None  # None: what state memory allows on a device, 32 on the CPU
-    max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS
-    checkpoint_budget: float | int | None = None  # bytes, a fraction (0, 1) of state memory, or None (a quarter)
-    state_memory: int | None = None  # None: half the free device memory (1 GiB on the CPU)
-    reuse: bool = True
-    use_cache: bool = True
-    cache_budget: int | None = None
-    cache_policy: str = "measured"  # persist.CACHE_POLICIES
-    speculative: str = "auto"  # engine/spec/drafters.py SPECULATIVE_MODES
-    num_draft_tokens: int = 0  # 0: the default
+from prefixrun.engine.request import Request, Result
+from prefixrun.engine.run.config import CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig
 
 
 class EngineSession:
@@ -40,11 +23,13 @@ class EngineSession:
     on another thread while the weights load: a hint to read their stored prefixes ahead meanwhile
     (engine/cache/opening.py); it never changes what runs."""
 
-    def __init__(self, settings: EngineSettings, front=None, upcoming=None):
+    def __init__(self, config: RunConfig, front=None, upcoming=None):
         from prefixrun.engine.load import loader
         from prefixrun.engine.run.core import Engine, EngineOptions
 
-        self.settings = s = settings
+        if config.model_dir is None:
+            raise ValueError("an engine session needs the model's folder (RunConfig.model_dir)")
+        self.config = s = config
         self.warnings: list[str] = []
         self._final_report: dict | None = None  # taken at close()
         started = time.perf_counter()
@@ -53,12 +38,12 @@ class EngineSession:
             from prefixrun.engine.cache.costs import start_calibration
 
             # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
-            calibration = start_calibration(Path(s.cache_root))
+            calibration = start_calibration(s.cache_root)
         opening = self._cache_opening = None
         if s.use_cache and s.reuse:
             from prefixrun.engine.cache.persist import StoreOpening
 
-            opening = StoreOpening(Path(s.cache_root), s.cache_budget)  # its maintenance runs while the weights load
+            opening = StoreOpening(s.cache_root, s.cache_budget)  # its maintenance runs while the weights load
         try:
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front)
@@ -66,7 +51,7 @@ class EngineSession:
                 from prefixrun.engine.cache.opening import CacheOpening
 
                 # the cache key and the first window's read-ahead, while the weights upload
-                self._cache_opening = CacheOpening(Path(s.cache_root), s.cache_budget, loading,
+                self._cache_opening = CacheOpening(s.cache_root, s.cache_budget, loading,
                                                    loading.ops.default_block_size, s.cache_policy, calibration,
                                                    opening, upcoming)
             self.loaded = loading.finish()
@@ -82,7 +67,7 @@ class EngineSession:
         state_bytes = s.state_memory or _default_state_memory(ops)
         checkpoint_budget = s.checkpoint_budget
         if checkpoint_budget is None:
-            checkpoint_budget = state_bytes // 4
+            checkpoint_budget = state_bytes // CHECKPOINT_SHARE
         elif 0 < checkpoint_budget < 1:
             checkpoint_budget = int(state_bytes * checkpoint_budget)
         max_batch, self.max_batch_source = s.max_batch, "--max-batch"
@@ -99,10 +84,8 @@ class EngineSession:
                 self.warnings.append(f"--max-batch {max_batch:,}: the state memory ({int(state_bytes):,} bytes) "
                                      f"holds at most {fits:,} sequences; decoding up to {fits:,} together")
                 max_batch, self.max_batch_source = fits, "--max-batch, capped by the state memory"
-        opts = EngineOptions(max_batch=max_batch, max_prefill_tokens=s.max_prefill_tokens,
-                             state_memory_bytes=int(state_bytes), checkpoint_budget_bytes=int(checkpoint_budget),
-                             reuse=s.reuse, block_size=ops.default_block_size, speculative=s.speculative,
-                             num_draft_tokens=s.num_draft_tokens)
+        opts = EngineOptions.of(s, max_batch=max_batch, state_memory_bytes=int(state_bytes),
+                                checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
         from prefixrun.engine.cache.no_cache import NoCache
 
         self.persist = NoCache()
@@ -222,7 +205,7 @@ def _default_max_batch(specs, ops, state_bytes: int, checkpoint_bytes: int) -> t
     from prefixrun.engine.state.pools import max_batch_for_memory
 
     if ops.free_memory() is None:
-        return 32, "default"
+        return HOST_MAX_BATCH, "default"
     return max_batch_for_memory(specs, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
                                 block_size=ops.default_block_size), "state memory"
 
@@ -232,5 +215,5 @@ def _default_state_memory(ops) -> int:
     memory (it reports no free device memory)."""
     free = ops.free_memory()
     if free is None:
-        return 1 << 30
+        return HOST_STATE_MEMORY
     return int(free * 0.5)

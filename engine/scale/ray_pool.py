@@ -167,12 +167,12 @@ class RayDataPredictor:
         from pathlib import Path
 
         from prefixrun.engine.load.prompts import PromptEncoder
-        from prefixrun.engine.run.session import EngineSession, EngineSettings
-        from prefixrun.engine.cache.store import default_cache_dir
+        from prefixrun.engine.run.config import RunConfig
+        from prefixrun.engine.run.session import EngineSession
 
-        root = Path(cache_dir) if cache_dir else default_cache_dir()
-        self.session = EngineSession(EngineSettings(Path(model_dir), root, device=device, use_cache=use_cache,
-                                                    **options))
+        options.setdefault("cache_budget", None)  # this stage's default: no disk budget
+        self.session = EngineSession(RunConfig(model_dir=Path(model_dir), cache_dir=Path(cache_dir) if cache_dir else None,
+                                               device=device, use_cache=use_cache, **options))
         front = self.session.loaded
         self.prompts = PromptEncoder(front.tokenizer, vocab_size=front.config.vocab_size,
                                      context_tokens=front.config.max_position_embeddings)

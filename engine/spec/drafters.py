@@ -231,15 +231,13 @@ class NgramDrafter:
 
 
 # ---- modes and sizes (the Speculator itself: engine/spec/speculator.py) ---------------------------------------------
-SPECULATIVE_MODES = ("auto", "off", "ngram", "mtp")
-DEFAULT_DRAFT_TOKENS = 5
 AUTO_MAX_BATCH = 16  # auto speculates only on decode steps this small: larger ones are closer to compute bound
 SPEC_MAX_SEQS = 16  # sequences that may draft in one step (sizes the snapshot pool: SPEC_MAX_SEQS x k rows)
 
 
 def draft_count(options, specs) -> int:
-    """Drafts per sequence: the option, or the default; a ring of W rows rolls back at most W - 1 drafts."""
-    return min(options.num_draft_tokens or DEFAULT_DRAFT_TOKENS, max_step_rows(specs) - 1)
+    """Drafts per sequence: the option; a ring of W rows rolls back at most W - 1 drafts."""
+    return min(options.num_draft_tokens, max_step_rows(specs) - 1)
 
 
 def snapshot_capacity(options, specs) -> int:
