@@ -28,7 +28,8 @@ from prefixrun.cli.run_options import cli_default, with_run_options
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
 from prefixrun.engine.errors import InvalidOption
 from prefixrun.engine.request import InvalidRequest
-from prefixrun.engine.run.config import RunConfig, declared_of, parse_size
+from prefixrun.engine.run.config import RunConfig, declared_of
+from prefixrun.engine.sizes import parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Offline batch inference that never prefills the same prefix twice.")

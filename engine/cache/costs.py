@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixrun.engine.run.background import BackgroundTask
+from prefixrun.engine.sizes import human_bytes
 
 # A read (index, files, digests, import) competes with the engine for the host and is timed at lookups, so in a
 # near-tie recomputing on the device is the safer choice. Writes need the clearer margin: what is written is read
@@ -454,9 +455,3 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:,.1f} GiB"

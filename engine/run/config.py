@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from prefixrun.engine.errors import InvalidOption
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
+from prefixrun.engine.sizes import parse_size
 
 SPECULATIVE_MODES = ("auto", "off", "ngram", "mtp")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "none")  # cli/tool_calls.py's parsers
@@ -101,47 +101,6 @@ def option(default, help: str, **declaration) -> Any:
 
 
 # ---- how the command line's text becomes a value ---------------------------------------------------------------
-_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
-          "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
-
-
-def parse_size(text: str | None, what: str, allow_fraction: bool = False, minimum: int = 0) -> int | float | None:
-    """'512MiB', '2GB', '1e9' -> bytes; with allow_fraction, '0.25' -> the float 0.25, for the caller to scale.
-
-    Raises InvalidOption (one line) for anything else: words, negative, infinite or NaN sizes, a fraction where
-    none is allowed, or less than `minimum` bytes.
-    """
-    if text is None:
-        return None
-    s = text.strip().lower().replace(" ", "")
-    for suffix, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
-        if s.endswith(suffix):
-            s, factor = s[:-len(suffix)], mult
-            break
-    else:
-        factor = 1
-    example = "e.g. 512MiB, 2GB" + (", or a fraction like 0.25" if allow_fraction else "")
-    try:
-        value = float(s)
-    except ValueError:
-        raise InvalidOption(f"{what}: {text!r} is not a size ({example})") from None
-    if not math.isfinite(value) or value * factor >= 2 ** 63:
-        raise InvalidOption(f"{what}: {text!r} is not a usable size ({example})")
-    if value < 0:
-        raise InvalidOption(f"{what} must not be negative")
-    if factor == 1 and 0 < value < 1:
-        if not allow_fraction:
-            raise InvalidOption(f"{what}: {text!r} is a fraction; give a size ({example})")
-        return value  # the total it is a fraction of is only known later (state memory depends on the device)
-    if factor == 1 and value != int(value):
-        # '1.5' is neither a fraction (those are below 1) nor a number of bytes; it was taken as 1 byte
-        raise InvalidOption(f"{what}: {text!r} is not a whole number of bytes; give a unit ({example})")
-    size = int(value * factor)
-    if size < minimum:
-        raise InvalidOption(f"{what}: {text!r} is too small (at least {minimum:,} bytes)")
-    return size
-
-
 def _size(flag: str, **how) -> Callable[[Any, dict], Any]:
     return lambda text, options: parse_size(text, flag, **how)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from prefixrun.engine.spec.drafters import AUTO_MAX_BATCH, SPEC_MAX_SEQS, DraftInput, Drafter, TokenHistory, \
     draft_count, make_drafter
+from prefixrun.engine.step.decode_graphs import bucket
 
 _PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
 _REPORT_PROBE_EVERY = 256  # the same for explicit methods, whose yardstick only serves the report's time saved
@@ -68,10 +69,6 @@ class SpecStats:
                 "paused_sequence_steps": self.paused_sequence_steps,
                 "verify_graph_captures": self.verify_graph_captures, "eager_verify_steps": self.eager_verify_steps,
                 "draft_seconds": round(self.draft_seconds, 4)}
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -221,7 +218,7 @@ class Speculator:
         self.stats.plain_steps += 1
         if self._warming() or seconds is None:
             return
-        b = _bucket(batch_size)
+        b = bucket(batch_size)
         self._plain_time[b] = min(seconds, self._plain_time.get(b, seconds))
 
     def _warming(self) -> bool:
@@ -258,7 +255,7 @@ class Speculator:
                 else:  # all accepted: ask for one more next time; else as many as were accepted, plus one
                     policy.pause = 0
                     policy.k = min(self.num_drafts, len(d) + 1) if accepted == len(d) else accepted + 1
-        b = _bucket(len(seqs))
+        b = bucket(len(seqs))
         produced = sum(len(t) for t in tokens)
         plain = self._plain_time.get(b)
         if self._warming():

@@ -29,11 +29,10 @@ from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.kernels.sampling import unpack_sampling_params
 
 
-def _bucket(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
+def bucket(n: int) -> int:
+    """The power of two at or above n (1 for n <= 1): the sizes decode graphs are captured at (batch, table width),
+    and the batch sizes the speculator times steps by (engine/spec/speculator.py)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 class _Graph:
@@ -89,8 +88,8 @@ class DecodeGraphs:
             self.rows_eager += 1
             logits = self.model.forward(st.prepare_rows_step(handles, pieces), st, all_logits=True)
             return logits, ops.sample(logits, *greedy_params(logits.shape[0]))
-        b = _bucket(n)
-        width = _bucket(max(st.blocks_for(h.length + r) for h in handles))
+        b = bucket(n)
+        width = bucket(max(st.blocks_for(h.length + r) for h in handles))
         host = st.rows_step_arrays(handles, pieces, table_width=width, pad=self._padding(b, r) if b > n else None)
         key = ("rows", b, r, width)
         graph = self.graphs.get(key)
@@ -137,8 +136,8 @@ class DecodeGraphs:
                 self.ops.feed_tokens(batch.token_ids, self.ops.upload_index(feed[0]), feed[1])
             return self._eager(batch, params)
         n = len(handles)
-        b = _bucket(n)
-        width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
+        b = bucket(n)
+        width = bucket(max(st.blocks_for(h.length + 1) for h in handles))
         host = st.step_arrays(handles, [[t] for t in tokens], table_width=width,
                               pad=self._padding(b) if b > n else None)
         key = (b, width, host.shared is not None)
@@ -180,8 +179,8 @@ class DecodeGraphs:
         if not (self.enabled and handles):
             return
         st = self.state
-        n, b = len(handles), _bucket(len(handles))
-        width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
+        n, b = len(handles), bucket(len(handles))
+        width = bucket(max(st.blocks_for(h.length + 1) for h in handles))
         pad = self._padding(b)
         blocks = [list(h.blocks) + [pad.block] * max(0, st.blocks_for(h.length + 1) - len(h.blocks))
                   for h in handles]
