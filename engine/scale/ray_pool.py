@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prefixrun.engine.plan.planner import build_trie
+from prefixrun.engine.plan.shard import ShardPlan
 from prefixrun.engine.request import Request, Result
-from prefixrun.engine.plan.shard import ShardPlan, shard_window
-from prefixrun.engine.scale.workers import WorkerReport, failed_result, merge_run_stats
+from prefixrun.engine.scale.sharded_window import ShardedWindow, failed_result
+from prefixrun.engine.scale.workers import WorkerReport, merge_run_stats
 
 
 class _EngineActor:
@@ -88,19 +88,16 @@ class RayWorkerPool:
         if not live:
             yield from (failed_result(r, "no Ray worker is left alive") for r in requests)
             return
-        root = build_trie([r.prompt_token_ids for r in requests], share=self.reuse)
-        plan = shard_window(root, [r.sampling.decode_tokens for r in requests], len(live), self.decode_weight)
-        self.plans.append(plan)
-        running = {}  # ObjectRef -> (actor index, its requests, attempt)
-        for a, shard in zip(live, plan.shards):
-            if shard.requests:
-                self._reports[a].distinct_tokens += shard.distinct_tokens
-                shard_requests = [requests[i] for i in shard.requests]
-                running[self.actors[a].run.remote(shard_requests)] = (a, shard_requests, 1)
+        window = ShardedWindow(requests, live, reuse=self.reuse, decode_weight=self.decode_weight)
+        self.plans.append(window.plan)
+        running = {}  # ObjectRef -> (actor index, its requests)
+        for shard in window.assignments:
+            self._reports[shard.worker].distinct_tokens += shard.distinct_tokens
+            running[self.actors[shard.worker].run.remote(shard.requests)] = (shard.worker, shard.requests)
         while running:
             ready, _ = ray.wait(list(running), num_returns=1)
             ref = ready[0]
-            a, shard_requests, attempt = running.pop(ref)
+            a, shard_requests = running.pop(ref)
             try:
                 results = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
@@ -108,15 +105,14 @@ class RayWorkerPool:
                 self._reports[a].alive = False
                 self._reports[a].failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 others = [i for i, ok in enumerate(self.alive) if ok]
-                if attempt < 2 and others:
-                    b = min(others, key=lambda i: sum(1 for v in running.values() if v[0] == i))
-                    running[self.actors[b].run.remote(shard_requests)] = (b, shard_requests, attempt + 1)
-                else:
-                    yield from (failed_result(r, f"Ray worker {a} failed: {self._reports[a].failure}")
-                                for r in shard_requests)
+                moved = window.reassign(shard_requests, others, lambda i: sum(v[0] == i for v in running.values()),
+                                        f"Ray worker {a} failed: {self._reports[a].failure}")
+                if moved.again:
+                    running[self.actors[moved.target].run.remote(moved.again)] = (moved.target, moved.again)
+                yield from moved.failed
                 continue
             self._reports[a].requests += len(results)
-            yield from results
+            yield from (r for r in results if window.deliver(r.index))
 
     def close(self):
         ray = self.ray
@@ -171,8 +167,9 @@ class RayDataPredictor:
         from prefixrun.engine.run.session import EngineSession
 
         options.setdefault("cache_budget", None)  # this stage's default: no disk budget
-        self.session = EngineSession(RunConfig(model_dir=Path(model_dir), cache_dir=Path(cache_dir) if cache_dir else None,
-                                               device=device, use_cache=use_cache, **options))
+        config = RunConfig(model_dir=Path(model_dir), cache_dir=Path(cache_dir) if cache_dir else None, device=device,
+                           use_cache=use_cache, **options)
+        self.session = EngineSession(config)
         front = self.session.loaded
         self.prompts = PromptEncoder(front.tokenizer, vocab_size=front.config.vocab_size,
                                      context_tokens=front.config.max_position_embeddings)

@@ -1,7 +1,7 @@
 """Several engines in worker processes (one per GPU, or CPU workers), behind the one-engine interface.
 
-`WorkerPool.run(window)` cuts the window's trie into subtree shards (engine/plan/shard.py), hands each worker its shard
-and yields Results as they arrive from any worker (the CLI's ordered writer puts them back in input order). Each
+`WorkerPool.run(window)` cuts the window's trie into subtree shards (engine/scale/sharded_window.py, the
+shard-and-retry both pools use), hands each worker its shard and yields Results as they arrive from any worker (the CLI's ordered writer puts them back in input order). Each
 worker is a whole single-GPU engine in its own process (spawned, so CUDA state is never inherited), built by the
 same function that builds the single-process engine, so the two paths run the same code.
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 from prefixrun.engine.errors import EnginesDidNotStart
-from prefixrun.engine.plan.planner import build_trie
-from prefixrun.engine.request import Request, Result, Usage
-from prefixrun.engine.plan.shard import ShardPlan, shard_window
+from prefixrun.engine.plan.shard import ShardPlan
+from prefixrun.engine.request import Request, Result
+from prefixrun.engine.scale.sharded_window import ShardedWindow, failed_result
 
 POLL_SECONDS = 0.2  # how often the parent looks for dead workers while waiting for results
 
@@ -149,17 +149,12 @@ class WorkerPool:
         if not live:
             yield from (failed_result(r, "no worker is left alive") for r in requests)
             return
-        root = build_trie([r.prompt_token_ids for r in requests], share=self.reuse)
-        plan = shard_window(root, [r.sampling.decode_tokens for r in requests], len(live), self.decode_weight)
-        self.plans.append(plan)
-        by_index = {r.index: r for r in requests}
-        pending = set(by_index)
-        tries = {i: 1 for i in pending}
-        for w, shard in zip(live, plan.shards):
-            if shard.requests:
-                w.report.distinct_tokens += shard.distinct_tokens
-                self._send(w, [requests[i] for i in shard.requests])
-        while pending:
+        window = ShardedWindow(requests, live, reuse=self.reuse, decode_weight=self.decode_weight)
+        self.plans.append(window.plan)
+        for shard in window.assignments:
+            shard.worker.report.distinct_tokens += shard.distinct_tokens
+            self._send(shard.worker, shard.requests)
+        while window.pending:
             try:
                 kind, wid, payload = self.results.get(timeout=POLL_SECONDS)
             except queue.Empty:
@@ -167,8 +162,7 @@ class WorkerPool:
             if kind == "result":
                 w = self.workers[wid]
                 w.outstanding.pop(payload.index, None)
-                if payload.index in pending:  # a late copy of a request already handed on is dropped
-                    pending.discard(payload.index)
+                if window.deliver(payload.index):  # a late copy of a request already handed on is dropped
                     w.report.requests += 1
                     yield payload
             elif kind == "done":
@@ -183,17 +177,11 @@ class WorkerPool:
                 if w.report.alive or not w.outstanding:
                     continue
                 lost, w.outstanding = list(w.outstanding.values()), {}
-                survivors = self._live()
-                again = [r for r in lost if r.index in pending and tries[r.index] < 2 and survivors]
-                for r in lost:
-                    if r.index in pending and r not in again:
-                        pending.discard(r.index)
-                        yield failed_result(r, f"worker {w.index} ({w.device}) failed: {w.report.failure}")
-                if again:
-                    target = min(survivors, key=lambda s: len(s.outstanding))
-                    for r in again:
-                        tries[r.index] += 1
-                    self._send(target, again)
+                moved = window.reassign(lost, self._live(), lambda s: len(s.outstanding),
+                                        f"worker {w.index} ({w.device}) failed: {w.report.failure}")
+                yield from moved.failed
+                if moved.again:
+                    self._send(moved.target, moved.again)
 
     def close(self):
         """Close every engine (their retained checkpoints go to the persistent store), collect final statistics.
@@ -300,11 +288,6 @@ class WorkerPool:
             failures = "; ".join(f"{w.device}: {w.report.failure}" for w in self.workers)
             raise EnginesDidNotStart(f"no worker could start ({failures})")
 
-
-
-def failed_result(r: Request, why: str) -> Result:
-    """The Result of a request that no worker could finish."""
-    return Result(r.custom_id, r.index, [], Usage(len(r.prompt_token_ids), 0, 0, 0), error=why)
 
 
 def merge_run_stats(snapshots) -> "RunStats":
