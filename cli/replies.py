@@ -182,6 +182,21 @@ class Replies:
                 "tool calls (its chat template matches none of hermes, llama3_json, qwen3_coder); give "
                 "--tool-call-parser, or tool_choice \"none\" to get the raw text")
 
+    def adjust(self, parsed: ParsedRequest, request: Request) -> Request:
+        """The request as the engine should run it for its reply to be read: where the model's tool-call tag is a
+        special token, the text keeps special tokens while tool calls may come (as vLLM's hermes parser asks)."""
+        if parsed.reply.tool_choice.mode == "auto" and self.tool_call_parser in ("hermes", "qwen3_coder") \
+                and self._special_tool_call_tag:
+            request.sampling = dataclasses.replace(request.sampling, skip_special_tokens=False)
+        return request
+
+    @property
+    def _special_tool_call_tag(self) -> bool:
+        if self.tokenizer is None:
+            return False
+        tag = self.tokenizer.token_to_id("<tool_call>")
+        return tag is not None and tag in self.tokenizer.special_token_ids
+
     def shaper(self, parsed: ParsedRequest, request: Request) -> ReplyShaper:
         shaper = self._shaper(parsed, request)
         options = parsed.reply
@@ -212,7 +227,8 @@ class Replies:
         last = prompt.messages[-1]
         role = "assistant" if prompt.generation_prompt else last["role"]
         echo = _message_text(last) if options.echo and last["role"] == role else ""
-        split = self.reasoning_parser == "qwen3"
+        # a reply the structured-output engine constrained from its first token has no reasoning to split off
+        split = self.reasoning_parser == "qwen3" and getattr(parsed.sampling, "structured", None) is None
         opened = False
         if split and self.tokenizer is not None:
             tail = self.tokenizer.decode(list(request.prompt_token_ids[-_PROMPT_TAIL_TOKENS:]),

@@ -478,3 +478,31 @@ def test_llama3_1_reads_back_the_calls_its_template_writes(llama):
     message, finish = shaper.message(call, "stop")
     assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == \
         CALL["arguments"]
+
+
+def test_a_special_tool_call_tag_keeps_special_tokens_in_the_text(qwen3):
+    """As vLLM's hermes parser asks: where <tool_call> is a special token, a request that may call tools keeps
+    special tokens in its text (else the tag would be cut out before the parser sees it)."""
+    from tokenizers import Tokenizer as Backend
+
+    from prefixrun.cli.replies import Replies
+
+    backend = Backend.from_str(qwen3._backend.to_str())
+    backend.add_special_tokens(["<tool_call>"])
+    special = Tokenizer(backend, qwen3._special_tokens, {"default": qwen3.chat_template_text}, "special")
+    for tokenizer, skips in ((qwen3, True), (special, False)):
+        parsed = parse({"messages": CHAT, "tools": [WEATHER]})
+        encoder = PromptEncoder(tokenizer, vocab_size=200_000, context_tokens=100_000)
+        request = Replies(tokenizer).adjust(parsed, encoder.request("a", 0, parsed.prompt, parsed.sampling))
+        assert request.sampling.skip_special_tokens is skips
+    assert Replies(special).adjust(parse({"messages": CHAT}), encoder.request("a", 0, parse(
+        {"messages": CHAT}).prompt, parse({"messages": CHAT}).sampling)).sampling.skip_special_tokens is True
+
+
+def test_a_constrained_reply_is_all_content(qwen3):
+    """The grammar forces the reply from its first token: even after a prompt that opened <think>, the JSON is
+    the content."""
+    line = {"messages": [*CHAT, {"role": "assistant", "content": "<think>\n"}], "continue_final_message": True,
+            "response_format": {"type": "json_object"}}
+    shaper, _ = shaped(qwen3, line)
+    assert shaper.message('{"a": 1}', "stop")[0]["content"] == '{"a": 1}'

@@ -116,6 +116,11 @@ class Tokenizer:
         return {token_id: token.content for token_id, token in self._backend.get_added_tokens_decoder().items()}
 
     @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The added tokens marked special (the ones skip_special_tokens leaves out of a text)."""
+        return frozenset(i for i, token in self._backend.get_added_tokens_decoder().items() if token.special)
+
+    @cached_property
     def max_token_chars(self) -> int:
         """The most characters of (normalized) text one token can cover: its longest vocabulary entry, added
         tokens included. Byte-level entries spell one byte per character, and a character is at least a byte."""
