@@ -15,12 +15,8 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 # Today's offenders, each with the engineer splitting it; an entry goes once its code fits (a fixed entry warns).
-MODULES_LEFT = {
-    "cli/app.py": "config",
-}
-FUNCTIONS_LEFT = {
-    "cli/report.py::report_table": "jobs",
-}
+MODULES_LEFT: dict[str, str] = {}
+FUNCTIONS_LEFT: dict[str, str] = {}
 
 
 def _files() -> list[Path]:
