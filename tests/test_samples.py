@@ -338,3 +338,54 @@ def test_ray_data_rows_get_every_choice(tmp_path):
     assert len(a) == 3 and len(b) == 1 and out["error"] == [None, None]
     assert out["token_ids"][0] == a[0]["token_ids"] and a[1]["token_ids"] == b[0]["token_ids"]  # seed 5 + 1
     assert out["text"] == [a[0]["text"], b[0]["text"]]
+
+
+# ---- the scheduler alone (hand-built pools, no model; as tests/test_scheduler.py) ----------------------------------
+def _sample_scheduler(prompt, n, *, max_batch=8, slots=16, blocks=64, max_tokens=4):
+    from prefixrun.engine.plan.scheduler import Scheduler
+    from prefixrun.engine.state.checkpoints import CheckpointPool
+    from prefixrun.engine.state.pools import ModelState, RegionSpec
+    from prefixrun.kernels.reference import NumpyOps
+
+    specs = [RegionSpec("s", False, (2,), "float32"), RegionSpec("kv", True, (2,), "act")]
+    state = ModelState(specs, NumpyOps(), num_slots=slots, num_blocks=blocks, block_size=4)
+    requests = [Request("r0", prompt, SamplingParams(max_tokens=max_tokens, n=n), 0)]
+    plan = make_plan([prompt], samples=[n])
+    sched = Scheduler(state, CheckpointPool(state, 1 << 30), requests, max_batch=max_batch, max_prefill_tokens=1000,
+                      max_context=4096)
+    sched.push(plan.roots, None)
+    return sched, plan, state
+
+
+def test_the_state_samples_fork_is_admitted_with_its_first_samples_growth():
+    # 10 prompt tokens + up to 4 new ones: 13 positions, 4 blocks of 4, + 1 for a shared partial block's copy
+    sched, plan, _ = _sample_scheduler(list(range(10)), 3)
+    (fan,) = plan.roots
+    assert fan.fans_out and sched.task_blocks(fan) == 4 + 1
+
+
+def test_the_samples_of_a_request_are_one_group_up_to_the_free_seats():
+    from prefixrun.engine.plan.scheduler import Handoff
+
+    sched, plan, state = _sample_scheduler(list(range(10)), 5, max_batch=3)
+    (fan,) = plan.roots
+    sched.admit(sched.next_group([]))
+    handle = state.new_sequence()
+    state.reserve(handle, 10)
+    handle.length = 10
+    shared = Handoff(handle, None, shares=len(fan.consumers))
+    sched.push(fan.consumers, shared)
+    # each sample: its own growth past the 3 blocks it shares (10 + 3 positions: 4 blocks), + 1 copy of the partial
+    assert all(sched.task_blocks(t) == 4 - 3 + 1 for t in fan.consumers)
+    group = sched.next_group([])
+    assert [t.sample for t in group] == [0, 1, 2]  # three seats: the others wait for theirs
+    sched.admit(group)
+    forks = [shared.take(state) for _ in group]
+    assert forks[-1] is not handle and shared.shares == 2  # forks while samples still wait for the state
+    assert [t.sample for t in sched.next_group([])] == [3, 4]
+    for _ in range(2):
+        last = shared.take(state)
+    assert last is handle and shared.shares == 0  # the last sample takes the state itself
+    for h in forks + [last]:
+        state.release(h)
+    state.check_invariants()
