@@ -57,7 +57,8 @@ def call_id(custom_id: str, position: int) -> str:
 
 
 def _arguments_text(arguments: Any) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
+    """Arguments as a strict JSON text (ValueError for a number JSON cannot write, e.g. 1e999 read as inf)."""
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,13 +96,13 @@ def parse_llama3_json(text: str, tools: list[dict]) -> Extracted:
         try:
             obj, length = _LLAMA_DECODER.raw_decode(text, match.start())
             name = obj["name"]
-            arguments = obj["arguments"] if "arguments" in obj else obj["parameters"]
+            arguments = _arguments_text(obj["arguments"] if "arguments" in obj else obj["parameters"])
         except (ValueError, KeyError, TypeError):
             return Extracted((), text)
         if not isinstance(name, str):
             return Extracted((), text)
         end = length
-        calls.append(ToolCall(name, _arguments_text(arguments)))
+        calls.append(ToolCall(name, arguments))
     return Extracted(tuple(calls), None) if calls else Extracted((), text)
 
 
@@ -171,7 +172,9 @@ def _coder_value(raw: str, kind: tuple[str, bool] | None) -> Any:
     if name in ("boolean", "bool", "binary"):
         return value.lower() == "true"
     try:
-        return json.loads(value)
+        parsed = json.loads(value)
+        _arguments_text(parsed)  # a number JSON cannot write back (1e999) stays text
+        return parsed
     except ValueError:
         return value
 
@@ -255,7 +258,7 @@ def read_forced_reply(choice: ToolChoice, text: str) -> tuple[ToolCall, ...]:
     """The calls of a reply constrained by `forced_reply_schema`; () if it is not such JSON (e.g. cut by
     max_tokens)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except ValueError:
         return ()
     if choice.mode == "named":
@@ -263,4 +266,11 @@ def read_forced_reply(choice: ToolChoice, text: str) -> tuple[ToolCall, ...]:
     if not isinstance(value, list) or not all(isinstance(item, dict) and isinstance(item.get("name"), str)
                                               for item in value):
         return ()
-    return tuple(ToolCall(item["name"], _arguments_text(item.get("parameters", {}))) for item in value)
+    try:
+        return tuple(ToolCall(item["name"], _arguments_text(item.get("parameters", {}))) for item in value)
+    except ValueError:
+        return ()
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")

@@ -506,3 +506,38 @@ def test_a_constrained_reply_is_all_content(qwen3):
             "response_format": {"type": "json_object"}}
     shaper, _ = shaped(qwen3, line)
     assert shaper.message('{"a": 1}', "stop")[0]["content"] == '{"a": 1}'
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whatever a model writes, reading its reply never fails
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+PIECES = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<function=", "</function>", "<parameter=",
+          "</parameter>", "<|python_tag|>", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', ":", ",",
+          '"get_weather"', "1e999", "-0", "null", "\n", " ", "\ud7ff", "\u2028", "é", ">", "; ", '"', "\\"]
+
+
+def _not_json(constant):
+    raise AssertionError(f"{constant} is not JSON")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=40).map("".join), st.sampled_from(["stop", "length"]))
+def test_any_reply_text_becomes_a_message(text, finish):
+    from prefixrun.cli.replies import ReplyOptions, ReplyShaper
+    from prefixrun.cli.tool_calls import PARSERS, ToolChoice
+
+    for parse_tools in PARSERS.values():
+        found = parse_tools(text, [WEATHER])
+        for call in found.calls:
+            json.loads(call.arguments, parse_constant=_not_json)  # always a strict JSON text
+        for choice in (ToolChoice("auto"), ToolChoice("required"), ToolChoice("named", "get_weather")):
+            for opened in (False, True):
+                shaper = ReplyShaper("x", ReplyOptions(tool_choice=choice), tools=(WEATHER,),
+                                     parse_tools=parse_tools, split_reasoning=True, opened_in_prompt=opened)
+                message, reason = shaper.message(text, finish)
+                json.dumps(message, allow_nan=False)  # writable as a record
+                assert reason in ("stop", "length", "tool_calls")
