@@ -12,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixrun.cli import reasoning, request_fields, tool_calls
+from prefixrun.cli import reasoning, tool_calls
 from prefixrun.cli.reasoning import ReasoningSplit
 from prefixrun.cli.tool_calls import ToolCall, ToolChoice
+from prefixrun.engine.grammar.spec import json_schema_output
 from prefixrun.engine.load.prompts import ChatPrompt, TextPrompt, TokenPrompt
 from prefixrun.engine.request import InvalidRequest, SamplingParams, describe_value
 
@@ -135,14 +136,9 @@ def with_forced_tool_call(sampling: SamplingParams, options: ReplyOptions, promp
     choice = options.tool_choice
     if not choice.constrained:
         return sampling
-    if request_fields.lookup("response_format").status is not request_fields.HONOURED:
-        raise InvalidRequest(f"{where}tool_choice {_choice_name(choice)} needs the structured-output engine to "
-                             "force the reply's shape, which this build does not have; use \"auto\" or \"none\"")
-    if getattr(sampling, "structured", None) is not None:
+    if sampling.structured is not None:
         raise InvalidRequest(f"{where}tool_choice {_choice_name(choice)} and a response format both constrain the "
                              "reply: give one of them")
-    from prefixrun.engine.grammar.spec import json_schema_output
-
     schema = tool_calls.forced_reply_schema(choice, list(prompt.tools))
     return dataclasses.replace(sampling, structured=json_schema_output(schema, where=f"{where}tool_choice"))
 
@@ -228,7 +224,7 @@ class Replies:
         role = "assistant" if prompt.generation_prompt else last["role"]
         echo = _message_text(last) if options.echo and last["role"] == role else ""
         # a reply the structured-output engine constrained from its first token has no reasoning to split off
-        split = self.reasoning_parser == "qwen3" and getattr(parsed.sampling, "structured", None) is None
+        split = self.reasoning_parser == "qwen3" and parsed.sampling.structured is None
         opened = False
         if split and self.tokenizer is not None:
             tail = self.tokenizer.decode(list(request.prompt_token_ids[-_PROMPT_TAIL_TOKENS:]),

@@ -291,16 +291,15 @@ def test_echo_of_completions_and_chats(qwen3):
     assert new_turn.message("Sunny.", "stop")[0]["content"] == "Sunny."
 
 
-def test_forced_tool_calls_need_the_structured_output_engine():
-    from prefixrun.cli import request_fields
+def test_forced_tool_calls_go_through_the_structured_output_engine():
+    from prefixrun.cli.lines import LineError
     from prefixrun.cli.tool_calls import ToolChoice, forced_reply_schema, read_forced_reply
 
     line = {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required"}
-    parsed = parse_line(RawLine(0, 1, json.dumps(line).encode()), SamplingDefaults(), set())
-    if request_fields.lookup("response_format").status is request_fields.HONOURED:
-        assert parsed.sampling.structured is not None
-    else:
-        assert "needs the structured-output engine" in parsed.message
+    assert parse(line).sampling.structured.kind == "json_schema"
+    both = parse_line(RawLine(0, 1, json.dumps({**line, "response_format": {"type": "json_object"}}).encode()),
+                      SamplingDefaults(), set())
+    assert isinstance(both, LineError) and "both constrain the reply" in both.message
     schema = forced_reply_schema(ToolChoice("required"), [WEATHER])
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
