@@ -82,6 +82,8 @@ def test_disable_any_whitespace():
     # a remote $ref is never fetched
     ({"guided_json": {"$ref": "https://example.com/schema.json"}}, "guided_json cannot be compiled"),
     ({"guided_json": {"type": "string", "pattern": "(("}}, "guided_json cannot be compiled"),
+    ({"guided_json": {"type": "string", "pattern": "^(?=a)b$"}}, "guided_json cannot be compiled"),  # look-around
+    ({"guided_json": {"enum": [f"v{i}" for i in range(100_000)]}}, "guided_json cannot be compiled"),  # too big
     ({"guided_json": "{not json"}, "guided_json is a string but not JSON"),
     ({"guided_json": 5}, "guided_json must be a JSON object"),
     ({"guided_regex": "(("}, "guided_regex cannot be compiled"),
