@@ -540,3 +540,25 @@ def test_any_reply_text_becomes_a_message(text, finish):
                 message, reason = shaper.message(text, finish)
                 json.dumps(message, allow_nan=False)  # writable as a record
                 assert reason in ("stop", "length", "tool_calls")
+
+
+def test_a_run_warns_once_about_chats_without_max_tokens(tmp_path):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    # a context of 96 tokens, so that the chats that may fill it stay quick
+    tiny_model = make_model_dir(tmp_path / "m", {**TINY_QWEN3_5, "max_position_embeddings": 96}, seed=3,
+                                init_std=0.05)
+
+    source = tmp_path / "in.jsonl"
+    lines = [{"messages": CHAT, "max_tokens": 2}, {"messages": CHAT}, {"messages": CHAT}, {"prompt": "x"}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(app, ["batch", str(source), "--model", str(tiny_model), "--no-cache", "--device",
+                                      "cpu", "--max-tokens", "3"])
+    assert result.exit_code == 0 and "without max_tokens" not in result.stderr  # --max-tokens bounds them all
+    result = CliRunner().invoke(app, ["batch", str(source), "--model", str(tiny_model), "--no-cache", "--device",
+                                      "cpu", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("without max_tokens") == 1 and "line 2: a chat" in result.stderr
