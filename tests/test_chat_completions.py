@@ -206,7 +206,8 @@ def test_qwen3_thinking_off_and_a_prompt_that_opened_think(qwen3):
         "role": "assistant", "content": "Sunny.", "reasoning_content": None}
     # --reasoning-parser none: the text as it is
     raw, _ = shaped(qwen3, {"messages": CHAT}, reasoning_parser="none")
-    assert raw.message("<think>x</think>Sunny.", "stop")[0] == {"role": "assistant", "content": "<think>x</think>Sunny."}
+    assert raw.message("<think>x</think>Sunny.", "stop")[0] == {"role": "assistant",
+                                                               "content": "<think>x</think>Sunny."}
 
 
 def test_llama3_json_tool_calls(llama):
