@@ -12,6 +12,7 @@ from conftest import PARITY_STD, TINY_QWEN3, random_prompt, rollbacks  # noqa: E
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir  # noqa: E402
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
 from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
+from prefixrun.engine.spec.speculator import Speculator  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
 from test_speculative import OracleDrafter, prompts  # noqa: E402
@@ -96,7 +97,8 @@ def _run(model, ops, opts, drafter=None, sp=SamplingParams(max_tokens=16, temper
     eng.check_invariants()
     eng.close()
     assert not eng.state.live
-    method = eng.speculator.stats.methods.get(eng.speculator.drafter.method) if eng.speculator is not None else None
+    method = eng.speculator.stats.methods.get(eng.speculator.drafter.method) \
+        if isinstance(eng.speculator, Speculator) else None
     if method is not None and method.verify_steps:
         # verify steps ran as captured graphs (the multi-row kernels and paged attention are capturable) once
         # their shape recurred; a shape's first step runs eagerly
@@ -105,7 +107,7 @@ def _run(model, ops, opts, drafter=None, sp=SamplingParams(max_tokens=16, temper
         assert dec.rows_eager >= len(dec._rows_seen) >= dec.rows_captures
         if method.verify_steps > dec.rows_eager:
             assert dec.rows_captures > 0
-    return out, eng.speculator.stats if eng.speculator is not None else None
+    return out, eng.speculator.stats if isinstance(eng.speculator, Speculator) else None
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])

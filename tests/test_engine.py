@@ -552,6 +552,8 @@ def test_stop_strings_cut_the_text(loaded, model_dirs, cpu_ops):
 class _NoDisk:
     """A persistent-store stand-in that stores nothing: it turns on retention of checkpoints for later windows."""
 
+    keeps_states = True  # offered states may be kept: worth retaining in memory (engine/cache/no_cache.py)
+
     def lookup(self, tokens, minimum, maximum, state, share=None):
         return None
 
@@ -822,6 +824,8 @@ def test_cli_tiny_state_memory_degrades_exit_0_or_3(tmp_path):
 # ---- accounting ------------------------------------------------------------------------------------------------------
 class _MemoryDisk:
     """A persistent-store stand-in that keeps exported states in a dict (as engine/cache/persist.py does on disk)."""
+
+    keeps_states = True
 
     def __init__(self):
         self.entries: dict[tuple, tuple] = {}

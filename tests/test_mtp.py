@@ -19,6 +19,7 @@ from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.models.mtp import MtpDrafter
 from prefixrun.engine.spec.drafters import DraftInput
+from prefixrun.engine.spec.speculator import Speculator
 from prefixrun.engine.state.pools import StateLayoutError, layout_digest
 
 torch = pytest.importorskip("torch")
@@ -290,7 +291,7 @@ def _run(model, ops, prompt_list, opts, persist=None, max_tokens=12):
     eng.close()
     eng.check_invariants()
     assert not eng.state.live and eng.state.blocks.free_count == eng.state.blocks.num_blocks
-    return out, (eng.speculator.stats if eng.speculator is not None else None)
+    return out, (eng.speculator.stats if isinstance(eng.speculator, Speculator) else None)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -14,6 +14,7 @@ from prefixrun.engine.models import load_model
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.spec.drafters import DraftInput, Drafter, NgramDrafter
+from prefixrun.engine.spec.speculator import Speculator
 from prefixrun.engine.spec.verify import accept_greedy, accept_sampled
 from test_gemma3 import TINY_GEMMA3
 
@@ -73,7 +74,7 @@ def run(model, ops, prompt_list, opts, *, drafter=None, sampling=None, persist=N
     eng.close()
     eng.check_invariants()
     assert not eng.state.live and eng.state.blocks.free_count == eng.state.blocks.num_blocks
-    stats = eng.speculator.stats if eng.speculator is not None else None
+    stats = eng.speculator.stats if isinstance(eng.speculator, Speculator) else None
     return out, stats
 
 
@@ -159,6 +160,24 @@ def test_commit_and_prepare_refuse_misuse(models, cpu_ops):
     assert h.length == 2
     st.release(h)
     st.check_invariants()
+
+
+def test_speculation_off_is_a_speculator_that_never_drafts(models, cpu_ops):
+    # off (or auto where the backend may not use multi-row steps): the engine holds a NoSpeculation, so plain decode
+    # steps keep their pipeline, nothing is timed, and the report has no speculative section
+    from prefixrun.engine.spec.speculator import NoSpeculation
+
+    class NoAuto(type(cpu_ops)):
+        auto_speculation = False
+
+    for ops, mode in ((cpu_ops, "off"), (NoAuto(), "auto")):
+        eng = Engine(models["qwen3_5"], ops, options=EngineOptions(max_batch=4, speculative=mode))
+        spec = eng.speculator
+        assert isinstance(spec, NoSpeculation) and spec.overlaps_decode and spec.report() is None
+        assert spec.drafts([object()]) is None and not spec.times_plain_steps(1)
+    on = Engine(models["qwen3_5"], cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram"))
+    assert isinstance(on.speculator, Speculator) and not on.speculator.overlaps_decode
+    assert on.speculator.report()["mode"] == "ngram"
 
 
 def test_snapshot_memory_comes_out_of_the_state_budget(models, cpu_ops):
@@ -459,12 +478,12 @@ def test_sampled_outputs_follow_the_non_speculative_distribution(models, cpu_ops
 
     def sample(opts):
         eng = Engine(model, cpu_ops, options=opts)
-        if eng.speculator is not None:
+        if isinstance(eng.speculator, Speculator):
             eng.speculator.drafter, eng.speculator.adaptive = OracleDrafter(reference, spread=False), False
         reqs = [Request(f"s{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i,
                                                         ignore_eos=True), i) for i in range(n)]
         out = [tuple(r.token_ids[1:3]) for r in eng.run(reqs)]
-        stats = eng.speculator.stats if eng.speculator is not None else None
+        stats = eng.speculator.stats if isinstance(eng.speculator, Speculator) else None
         eng.close()
         return out, stats
 

@@ -119,7 +119,7 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos)
         self.runner = ModelRunner(model, self.state, ops, options.max_batch, graphs=options.decode_graphs,
                                   run_seed=options.run_seed, masks=TokenMasks(ops, self.grammars.mask_words))
-        self.speculator = make_speculator(options, model, ops, self.state, self.runner)  # None: off
+        self.speculator = make_speculator(options, model, ops, self.state, self.runner)  # NoSpeculation: off
         self.stats = RunStats()
         self.last_plan: Plan | None = None
         self.last_trace: Trace | None = None  # what the last window really executed

@@ -68,10 +68,10 @@ class WindowExecutor:
         self.samples: dict[int, SampleSet] = {}  # id(request) -> its samples ended so far
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
-        # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py); speculative steps need
-        # every token on the host before drafting, so with a speculator every step is synchronous
+        # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) where the speculator
+        # allows it (speculative steps need every token on the host before drafting)
         self.pipeline = DecodePipeline(engine.runner, engine.ops, o.max_batch) \
-            if o.overlap_decode and engine.speculator is None else None
+            if o.overlap_decode and engine.speculator.overlaps_decode else None
 
     # ---- main loop ----------------------------------------------------------------------------------------
     def execute(self) -> Iterator[Result]:
@@ -388,8 +388,7 @@ class WindowExecutor:
     def _retire(self, ended: list[Sequence]):
         for s in ended:
             self.decoding.remove(s)
-            if self.e.speculator is not None:
-                self.e.speculator.forget(s)
+            self.e.speculator.forget(s)
             self._finish(s)
 
     def _decode_step(self):
@@ -408,14 +407,13 @@ class WindowExecutor:
         spec = e.speculator
         # drafts are never verified against a grammar: a step with a constrained row runs plain, under its masks
         constrained = any(s.grammar.constrained for s in batch)
-        drafts = spec.drafts(batch) if spec is not None and not constrained else None
+        drafts = spec.drafts(batch) if not constrained else None
         if drafts is None:
             new = [[i] for i in e.runner.decode(batch)]  # the forward and the sampling of the next tokens
-            if spec is not None:
-                timed = spec.times_plain_steps(len(batch))
-                if timed:
-                    e.ops.synchronize()
-                spec.plain_step_done(len(batch), time.perf_counter() - t0 if timed else None)
+            timed = spec.times_plain_steps(len(batch))
+            if timed:
+                e.ops.synchronize()
+            spec.plain_step_done(len(batch), time.perf_counter() - t0 if timed else None)
         else:
             new = spec.step(batch, drafts)  # drafts verified, each sequence's kept rows committed
         e.stats.decode_seconds += time.perf_counter() - t0

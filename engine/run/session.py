@@ -150,8 +150,9 @@ class EngineSession:
             "load_seconds": round(self.load_seconds, 4), "max_batch": opts.max_batch,
             "max_batch_from": self.max_batch_source, "block_size": opts.block_size,
         }
-        if self.engine.speculator is not None:
-            report["speculative"] = self.engine.speculator.stats.as_dict()
+        speculative = self.engine.speculator.report()
+        if speculative is not None:
+            report["speculative"] = speculative
         cache = self.persist.report()
         if cache is not None:
             report["cache"] = cache

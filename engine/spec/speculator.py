@@ -121,6 +121,13 @@ class Speculator:
         self._draft_seconds = 0.0  # the last `drafts` call's drafting time
         self._rows = 1 + num_drafts  # rows per sequence of the coming verify step
 
+    # speculative steps need every token on the host before drafting: no decode step is queued ahead
+    overlaps_decode = False
+
+    def report(self) -> dict:
+        """The report's speculative section."""
+        return self.stats.as_dict()
+
     # ---- the decision ---------------------------------------------------------------------------------------
     def drafts(self, seqs: list) -> list[list[int]] | None:
         """Drafts per sequence for the coming step, or None: take a plain decode step."""
@@ -277,13 +284,37 @@ class Speculator:
                 self._backoff = 1
 
 
-def make_speculator(options, model, ops, state, runner):
-    """The engine's speculator for its options (None when off). `auto` drafts with n-gram lookup."""
-    if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
+class NoSpeculation:
+    """The speculator where speculation is off (the option, a backend whose multi-row steps auto may not use, or a
+    model whose state rolls back no draft): every decode step is a plain one, so the executor never asks whether
+    there is a speculator."""
+
+    overlaps_decode = True  # plain steps may be queued one ahead of their tokens (engine/step/decode_pipeline.py)
+
+    def drafts(self, seqs: list) -> None:
         return None
+
+    def times_plain_steps(self, batch_size: int) -> bool:
+        return False  # nothing measures plain steps: they keep their host/device overlap
+
+    def plain_step_done(self, batch_size: int, seconds: float | None):
+        pass
+
+    def forget(self, seq):
+        pass
+
+    def report(self) -> dict | None:
+        """The report's speculative section: none."""
+        return None
+
+
+def make_speculator(options, model, ops, state, runner) -> Speculator | NoSpeculation:
+    """The engine's speculator for its options (NoSpeculation when off). `auto` drafts with n-gram lookup."""
+    if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
+        return NoSpeculation()
     k = draft_count(options, model.state_specs())
     if k < 1:
-        return None
+        return NoSpeculation()
     method = "ngram" if options.speculative == "auto" else options.speculative
     return Speculator(make_drafter(method, model, ops, state), options.speculative, k, state, runner,
                       min(options.max_batch, SPEC_MAX_SEQS))
