@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from concurrent.futures import Future
 from typing import BinaryIO, Callable
 
 from prefixrun.cli import lines
+from prefixrun.engine.run.background import BackgroundTask
 
 MAX_AHEAD_BYTES = 64 << 20  # input bytes parsed ahead at most: a hint needs no more
 _CHUNK = 1 << 20
@@ -66,22 +66,19 @@ class FirstWindowAhead:
     def __init__(self, source: BinaryIO, window: int, to_tokens: Callable[[lines.RawLine], list[int] | None],
                  max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES):
         self.prompts: Future = Future()
-        self._stop = threading.Event()
         where = regular_file_offset(source)
         if where is None:
             self.prompts.cancel()
-            self.thread = None
+            self.task = None
             return
-        self.thread = threading.Thread(target=self._read, args=(where, window, to_tokens, max_line_bytes),
-                                       name="prefixrun-input-ahead", daemon=True)
-        self.thread.start()
+        self.task = BackgroundTask("prefixrun-input-ahead", self._read, where, window, to_tokens, max_line_bytes)
 
-    def _read(self, where: tuple[int, int], window: int, to_tokens, max_line_bytes: int):
+    def _read(self, stop, where: tuple[int, int], window: int, to_tokens, max_line_bytes: int):
         found: list[list[int]] = []
         try:
             reader = _FileAt(*where)
             for raw in lines.iter_input_lines(reader, max_line_bytes):
-                if self._stop.is_set() or reader.consumed > MAX_AHEAD_BYTES:
+                if stop.is_set() or reader.consumed > MAX_AHEAD_BYTES:
                     break
                 tokens = to_tokens(raw)
                 if tokens:
@@ -95,6 +92,6 @@ class FirstWindowAhead:
 
     def stop(self):
         """Stop after the line under way (the prompt encoder is the run's from here); bounded: a file's reads end."""
-        self._stop.set()
-        if self.thread is not None:
-            self.thread.join()
+        if self.task is not None:
+            self.task.cancel()
+            self.task.join()  # its errors went to `prompts`: a hint's failure is the hint's consumer's to see

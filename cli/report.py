@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-import threading
 import time
 
 from rich.console import Console
@@ -21,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.sizes import human_bytes
 
 
@@ -61,8 +61,8 @@ class RunReporter:
         self._stats = None
         self._done = 0
         self._total, self._total_final = total, False
-        self._poller: threading.Thread | None = None
-        self._stop_polling = threading.Event()
+        self._poller: BackgroundTask | None = None  # the progress bar's or lines' poller
+        self._stopped = False
 
     def _start_bar(self):
         # Column templates are our own text; the only values in them are numbers we format.
@@ -78,7 +78,7 @@ class RunReporter:
     def watch(self, stats) -> None:
         """Follow an engine's RunStats (computed_prompt_tokens, distinct_prefix_tokens, ...) while it runs."""
         self._stats = stats
-        if self.quiet or self._poller is not None or self._stop_polling.is_set():
+        if self.quiet or self._poller is not None or self._stopped:
             return
         self.started = time.perf_counter()  # rates and the ETA count from the run's start, not the model's load
         if self.console.is_terminal:
@@ -88,22 +88,15 @@ class RunReporter:
             target = self._print_lines
         else:
             return
-        self._poller = threading.Thread(target=target, name="prefixrun-progress", daemon=True)
-        self._poller.start()
+        self._poller = BackgroundTask("prefixrun-progress", target)
 
-    def _poll(self):
-        while not self._stop_polling.wait(self.POLL_SECONDS):
-            try:
-                self._refresh()
-            except Exception:  # a progress bar must never break the run
-                return
+    def _poll(self, stop):
+        while not stop.wait(self.POLL_SECONDS):
+            self._refresh()
 
-    def _print_lines(self):
-        while not self._stop_polling.wait(self.progress_interval):
-            try:
-                self.console.print(Text(self.progress_line()), soft_wrap=True)
-            except Exception:  # a progress line must never break the run
-                return
+    def _print_lines(self, stop):
+        while not stop.wait(self.progress_interval):
+            self.console.print(Text(self.progress_line()), soft_wrap=True)
 
     def progress_line(self) -> str:
         """One plain line: requests done (of how many, once the whole input is read), tokens per second since
@@ -164,9 +157,13 @@ class RunReporter:
             self.console.print(Text.assemble(("note:", "cyan"), " ", literal(message)), soft_wrap=True)
 
     def stop(self):
-        self._stop_polling.set()
+        self._stopped = True
         if self._poller is not None:
-            self._poller.join(timeout=1)
+            self._poller.cancel()
+            try:
+                self._poller.join(timeout=1)
+            except Exception:  # a progress bar or line that failed ended there: it never breaks the run
+                pass
             self._poller = None
         if self._progress is not None:
             self._progress.stop()

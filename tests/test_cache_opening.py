@@ -109,7 +109,7 @@ def test_a_pipe_is_not_read_ahead(tmp_path):
         sink.write(b'{"prompt_token_ids": [1, 2, 3]}\n')
         sink.flush()
         ahead = FirstWindowAhead(source, 3, tokens_of)
-        assert ahead.prompts.cancelled() and ahead.thread is None
+        assert ahead.prompts.cancelled() and ahead.task is None
         ahead.stop()
         assert json.loads(source.readline())["prompt_token_ids"] == [1, 2, 3]
 
