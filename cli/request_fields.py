@@ -92,7 +92,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("continue_final_message", HONOURED, CHAT, "leave the last message open for the model to continue"),
     _F("documents", HONOURED, CHAT, "documents for templates that render them (RAG): the template's documents"),
     _F("chat_template", REFUSED, CHAT, "a Jinja chat template for this request",
-       why="a batch renders every chat with the model's own template"),
+       why="a template is code: as vLLM without --trust-request-chat-template, every chat is rendered with the "
+           "model's own template"),
     _F("add_special_tokens", HONOURED, BOTH, "add the tokenizer's special tokens (BOS) to the prompt text "
        "(default: true for completions, false for chats, whose template writes them)"),
     _F("reasoning_effort", HONOURED, CHAT, "the template's reasoning_effort variable; \"none\" also sets "
