@@ -17,10 +17,10 @@ from prefixrun.engine.grammar.compiler import GrammarCompiler
 from prefixrun.engine.grammar.masks import TokenMasks
 from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.state.checkpoints import CheckpointPool
-from prefixrun.engine.run.executor import WindowExecutor
+from prefixrun.engine.run.executor import DecodingStarts, WindowExecutor, WindowParts, error_result, spill
 from prefixrun.engine.step.model_runner import ModelRunner
 from prefixrun.engine.plan.planner import Plan, make_plan
-from prefixrun.engine.request import Request, Result, Usage
+from prefixrun.engine.request import Request, Result
 from prefixrun.engine.run.config import (CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig, declared_of,
                                          default_of)
 from prefixrun.engine.spec.drafters import snapshot_capacity
@@ -156,7 +156,7 @@ class Engine:
         self.last_plan, self.last_trace = plan, Trace()
         if self.opts.reuse:
             self.persist.prefetch(plan.roots, self.state)  # stored states this window will look up, read meanwhile
-        self._window = WindowExecutor(self, runnable, plan, self.last_trace)
+        self._window = WindowExecutor(runnable, plan, self.last_trace, self._parts())
         results = self._window.execute()
         try:
             while True:
@@ -174,11 +174,14 @@ class Engine:
         self.spill(self.pool.drain())
         self.runner.close()
 
+    def _parts(self) -> WindowParts:
+        """What a window's executor works with, passed to it whole (it never reaches through the engine)."""
+        return WindowParts(self.opts, self.state, self.pool, self.runner, self.ops, self.persist, self.speculator,
+                           self.stats, DecodingStarts(self.tokenizer, self.max_context, self.eos, self.grammars))
+
     def spill(self, evicted):
         """States leaving the pool: offered to the persistent store (it keeps those worth keeping), then freed."""
-        for v in evicted:
-            self.persist.offer(v.tokens, self.state, v.handle, v.logits)
-            self.state.release(v.handle)
+        spill(evicted, self.persist, self.state)
 
     def check_invariants(self):
         self.state.check_invariants()
@@ -186,9 +189,7 @@ class Engine:
         self.pool.check_invariants(consumers=pending)
 
     def error_result(self, r: Request, message: str) -> Result:
-        self.stats.failed_requests += 1
-        n = len(r.prompt_token_ids)
-        return Result(r.custom_id, r.index, [], Usage(n, 0, 0, 0), error=message)
+        return error_result(r, message, self.stats)
 
 
 @contextlib.contextmanager

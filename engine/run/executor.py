@@ -25,14 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from prefixrun.engine.state.checkpoints import CheckpointEntry
+from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task
-from prefixrun.engine.request import Completion, Request, Result
+from prefixrun.engine.request import Completion, Request, Result, Usage
 from prefixrun.engine.run.samples import SampleSet
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
 from prefixrun.engine.step.sequence import Sequence
-from prefixrun.engine.state.pools import StateHandle
+from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.plan.trace import Trace
 
 FIRST_TOKEN_ROWS = 64  # first tokens sampled per call: 64 rows of a 248k vocabulary's fp32 logits are 63 MiB
@@ -52,14 +52,55 @@ class _Run:
     start: int = 0  # a hit above a base: the base's length (tokens [0, start) are the base chain's, not the hit's)
 
 
+@dataclass(frozen=True)
+class DecodingStarts:
+    """How a request's decoding starts: a detokenizer where there is a tokenizer (texts stay empty without one), the
+    model's context, its end-of-sequence ids and the request's grammar (compiled and checked by Engine.run)."""
+
+    tokenizer: object | None
+    max_context: int
+    eos: frozenset
+    grammars: object  # engine/grammar/compiler.py GrammarCompiler
+
+    def sequence(self, request: Request, handle: StateHandle, origin: _Run, sample: int) -> Sequence:
+        detok = None
+        if self.tokenizer is not None:
+            from prefixrun.engine.load.tokenizer import StreamDetokenizer
+
+            detok = StreamDetokenizer(self.tokenizer, request.sampling.skip_special_tokens,
+                                      request.sampling.spaces_between_special_tokens)
+        return Sequence(request, handle, detok, self.max_context, self.eos, origin=origin, sample=sample,
+                        grammar=self.grammars.start(request.sampling.structured))
+
+
+@dataclass(frozen=True)
+class WindowParts:
+    """What a window's execution works with, each passed in (the engine keeps them across windows): the options,
+    the state pools and the checkpoint pool, the model runner and its backend, the persistent cache (NoCache when
+    off), the speculator (NoSpeculation when off), the run's statistics and how decoding starts."""
+
+    options: object  # engine/run/core.py EngineOptions
+    state: ModelState
+    pool: CheckpointPool
+    runner: object  # engine/step/model_runner.py ModelRunner
+    ops: object
+    cache: object
+    speculator: object
+    stats: object  # engine/run/core.py RunStats
+    decoding: DecodingStarts
+
+
 class WindowExecutor:
     """The execution of one window's plan: prefill groups interleaved with decode steps."""
 
-    def __init__(self, engine, requests: list[Request], plan: Plan, trace: Trace):
-        self.e, self.requests, self.plan, self.trace = engine, requests, plan, trace
-        o = engine.opts
-        self.sched = Scheduler(engine.state, engine.pool, requests, max_batch=o.max_batch,
-                               max_prefill_tokens=o.max_prefill_tokens, max_context=engine.max_context,
+    def __init__(self, requests: list[Request], plan: Plan, trace: Trace, parts: WindowParts):
+        self.requests, self.plan, self.trace = requests, plan, trace
+        self.opts, self.state, self.pool, self.runner = parts.options, parts.state, parts.pool, parts.runner
+        self.ops, self.cache, self.speculator, self.stats = parts.ops, parts.cache, parts.speculator, parts.stats
+        self.decoding_starts = parts.decoding
+        o = self.opts
+        self.sched = Scheduler(self.state, self.pool, requests, max_batch=o.max_batch,
+                               max_prefill_tokens=o.max_prefill_tokens, max_context=parts.decoding.max_context,
                                reserved_blocks=1)  # the decode graphs' scratch block
         self.sched.push(plan.roots, None)
         self.decoding: list[Sequence] = []
@@ -70,12 +111,12 @@ class WindowExecutor:
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
         # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) where the speculator
         # allows it (speculative steps need every token on the host before drafting)
-        self.pipeline = DecodePipeline(engine.runner, engine.ops, o.max_batch) \
-            if o.overlap_decode and engine.speculator.overlaps_decode else None
+        self.pipeline = DecodePipeline(self.runner, self.ops, o.max_batch) \
+            if o.overlap_decode and self.speculator.overlaps_decode else None
 
     # ---- main loop ----------------------------------------------------------------------------------------
     def execute(self) -> Iterator[Result]:
-        sched, max_batch = self.sched, self.e.opts.max_batch
+        sched, max_batch = self.sched, self.opts.max_batch
         while sched.pending or self.decoding:
             group = sched.next_group(self.decoding) if sched.pending and len(self.decoding) < max_batch else []
             if group:
@@ -99,10 +140,10 @@ class WindowExecutor:
         """Evict retained checkpoints until the top task is admitted; True if anything was evicted."""
         top, evicted = self.sched.pending[-1], False
         while not self.sched.can_admit([top], self.decoding):
-            victim = self.e.pool.evict_lru()
+            victim = self.pool.evict_lru()
             if victim is None:
                 break
-            self.e.spill([victim])
+            self._spill([victim])
             evicted = True
         return evicted
 
@@ -115,14 +156,14 @@ class WindowExecutor:
         for b in sorted(bases, key=lambda b: (b is mine, not isinstance(b, Handoff))):
             consumers = self.sched.consumers_of(b)
             if isinstance(b, Handoff):
-                self.e.state.release(b.handle)
+                self.state.release(b.handle)
                 owner = consumers[0].base
             else:
                 owner = self.saver[id(b)][0]
-                self.e.pool.drop(b)
+                self.pool.drop(b)
                 self.trace.add("drop", owner.id, end=b.length)
             self._rebase(consumers, self._fallback(owner, exclude=b))
-            self.e.stats.states_given_up += 1
+            self.stats.states_given_up += 1
             return True
         return False
 
@@ -130,7 +171,7 @@ class WindowExecutor:
         """The longest live branch checkpoint among `task` and its ancestors (None: start from scratch)."""
         while task is not None:
             e = self.saved.get(task.id)
-            if e is not None and e is not exclude and self.e.pool.holds(e):
+            if e is not None and e is not exclude and self.pool.holds(e):
                 return e
             task = task.base
         return None
@@ -140,14 +181,14 @@ class WindowExecutor:
             self.sched.set_base(t, base)
             self.trace.add("rebase", t.id, start=base.length if base is not None else 0)
         if base is not None:
-            self.e.pool.add_consumers(base, [t.id for t in tasks])
+            self.pool.add_consumers(base, [t.id for t in tasks])
 
     def _refuse(self, task: Task):
         """The task cannot fit even an empty pool: its requests (and those of every task after it) get errors."""
         self._let_go(task, self.sched.base[task.id])
-        s = self.e.state
+        s = self.state
         # the state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V
-        fewer = f", lower --max-batch ({self.e.opts.max_batch:,} now)" if self.e.opts.max_batch > 1 else ""
+        fewer = f", lower --max-batch ({self.opts.max_batch:,} now)" if self.opts.max_batch > 1 else ""
         for t in self.plan.subtree(task):
             if t.request is None:
                 continue
@@ -166,9 +207,9 @@ class WindowExecutor:
     def _let_go(self, task: Task, base):
         """The task will not use its base after all: give back what the base holds for it."""
         if isinstance(base, Handoff):
-            base.let_go(self.e.state)
+            base.let_go(self.state)
         elif isinstance(base, CheckpointEntry):
-            self.e.pool.release(base, task.id)
+            self.pool.release(base, task.id)
             if base.pins == 0:
                 self.trace.add("release", self.saver[id(base)][0].id, end=base.length)
 
@@ -178,18 +219,18 @@ class WindowExecutor:
         Prefers the longest saved state reaching past the base: a retained checkpoint of the pool, else the
         persistent store (only when `disk_ok`: an imported state shares only the base's whole blocks, not its
         partial last one, so it may need blocks the admission rule credited to the base)."""
-        e, end = self.e, task.end
+        end = task.end
         base = self.sched.base[task.id]
         b = self.sched.base_length(task)
-        if e.opts.reuse and b < end:  # (a state already at its end, e.g. a sample's, has nothing to look up)
+        if self.opts.reuse and b < end:  # (a state already at its end, e.g. a sample's, has nothing to look up)
             found, source = None, ""
-            entry = e.pool.lookup(task.path, b, end)
+            entry = self.pool.lookup(task.path, b, end)
             if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
-                found, source = (e.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
-            elif disk_ok and e.state.slots.free_count >= 2:
+                found, source = (self.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
+            elif disk_ok and self.state.slots.free_count >= 2:
                 # sharing the base's whole K/V blocks: a restored state then shares them like a fork does
                 share = base.handle if base is not None else None
-                found, source = e.persist.lookup(list(task.path), b, end, e.state, share=share), "disk"
+                found, source = self.cache.lookup(list(task.path), b, end, self.state, share=share), "disk"
             if found is not None:
                 # the base was made (and its tokens charged) all the same: the chain goes on through its run, so
                 # its carrier still pays for what it computed and only [b, hit) counts as the hit's
@@ -201,12 +242,12 @@ class WindowExecutor:
                 return handle, logits, _Run(task, base_run, hit=handle.length, from_disk=source == "disk",
                                             start=b if base_run is not None else 0)
         if base is None:
-            return e.state.new_sequence(), None, _Run(task, None)
+            return self.state.new_sequence(), None, _Run(task, None)
         if isinstance(base, Handoff):
             if base.shares > 1:
                 self.trace.add("fork", task.id, start=b)
-            return base.take(e.state), base.logits if b == end else None, _Run(task, base.origin)
-        handle = e.pool.acquire(base, task.id)
+            return base.take(self.state), base.logits if b == end else None, _Run(task, base.origin)
+        handle = self.pool.acquire(base, task.id)
         saver, saver_run = self.saver[id(base)]
         self.trace.add("fork", task.id, start=b)
         if base.pins == 0:
@@ -214,8 +255,7 @@ class WindowExecutor:
         return handle, base.logits if b == end else None, _Run(task, saver_run)
 
     def _prefill_group(self, group: list[Task]):
-        e = self.e
-        spare = e.state.blocks.free_count - sum(self.sched.task_blocks(t) for t in group) \
+        spare = self.state.blocks.free_count - sum(self.sched.task_blocks(t) for t in group) \
             - self.sched.growth(self.decoding)
         handles, todos, logits, runs = [], [], [], []
         for task in group:
@@ -227,7 +267,7 @@ class WindowExecutor:
             run.computed = len(todo)
             if todo:
                 self.trace.add("prefill", task.id, start=h.length, end=task.end)
-            e.stats.computed_prompt_tokens += len(todo)
+            self.stats.computed_prompt_tokens += len(todo)
             handles.append(h)
             todos.append(todo)
             logits.append(lg)
@@ -237,7 +277,7 @@ class WindowExecutor:
         offsets = [0] * len(group)
         t0 = time.perf_counter()
         while pending:
-            budget = e.opts.max_prefill_tokens
+            budget = self.opts.max_prefill_tokens
             batch_idx, pieces = [], []
             for i in pending:
                 if budget <= 0:
@@ -246,8 +286,8 @@ class WindowExecutor:
                 batch_idx.append(i)
                 pieces.append(todos[i][offsets[i]:stop])
                 budget -= stop - offsets[i]
-            out = e.runner.prefill([handles[i] for i in batch_idx], pieces)  # [B, V]
-            e.stats.prefill_steps += 1
+            out = self.runner.prefill([handles[i] for i in batch_idx], pieces)  # [B, V]
+            self.stats.prefill_steps += 1
             for row, i, piece in zip(range(len(batch_idx)), batch_idx, pieces):
                 offsets[i] += len(piece)
                 if offsets[i] == len(todos[i]):
@@ -259,11 +299,11 @@ class WindowExecutor:
         # queued above, when decoding comes next (no more prefill groups: none pending, none this group makes)
         new_states = [h for t, h in zip(group, handles) if t.request is not None]
         if new_states and not any(t.consumers for t in group) and (
-                not self.sched.pending or len(self.decoding) + len(new_states) >= e.opts.max_batch):
-            e.runner.prepare_decode([s.handle for s in self.decoding if not s.done] + new_states)
-        e.ops.synchronize()
-        e.stats.prefill_seconds += time.perf_counter() - t0
-        e.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate
+                not self.sched.pending or len(self.decoding) + len(new_states) >= self.opts.max_batch):
+            self.runner.prepare_decode([s.handle for s in self.decoding if not s.done] + new_states)
+        self.ops.synchronize()
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.timed_prefill_tokens += sum(len(t) for t in todos)  # with its seconds: the cost model's rate
         # the group's time is counted before its states are offered: the store judges them by the rate measured
         for task, h, lg, run in zip(group, handles, logits, runs):
             self._finish_task(task, h, lg, run)
@@ -273,10 +313,10 @@ class WindowExecutor:
         """Where this step's piece of a task stops: the token budget, or a block-aligned retention point of a
         shared prefix (so that its state can be kept for later runs, as the seed cache does)."""
         stop = min(total, offset + budget)
-        rb = self.e.opts.retain_block
+        rb = self.opts.retain_block
         # only where `_maybe_retain` may keep the state: without a store a split step is only a slower one (the
         # 4b-like shared prefix as 1792 + 256 tokens: 46 ms of host launches for ~30 ms of device work, vs 29 ms)
-        if rb and task.consumers and self.e.opts.reuse and self.e.persist.keeps_states:
+        if rb and task.consumers and self.opts.reuse and self.cache.keeps_states:
             pos = handle.length  # tokens already in the state
             aligned = ((pos + (total - offset)) - rb) // rb * rb  # the seed's (end - block) // block * block
             if pos < aligned < pos + (stop - offset) and self._may_retain(task, aligned):
@@ -287,36 +327,34 @@ class WindowExecutor:
         """Whether the store may keep the state of task.path[:length] (its cost model, once it can judge, says a
         later read of it would pay): else the prefill is not split there, nor the state retained. A warm rerun of
         shared-system knew from the start that its 1,792-token point would never be written."""
-        e = self.e
-        return e.persist.may_retain(task.path[:length], e.state.slot_bytes + e.state.blocks_for(length) *
-                                    e.state.block_bytes)
+        return self.cache.may_retain(task.path[:length], self.state.slot_bytes + self.state.blocks_for(length) *
+                                    self.state.block_bytes)
 
     def _maybe_retain(self, task: Task, handle: StateHandle, logits_row):
         """Keep a copy of an intermediate state at a block-aligned point (evictable, for later runs). Only where
         the copy shares whole blocks (no copy-on-write block) and a spare slot exists, so it never takes room
         that admitted work counts on."""
-        e = self.e
-        rb = e.opts.retain_block
-        if not rb or handle.length % rb or handle.length % e.state.block_size or not e.persist.keeps_states \
-                or e.state.slots.free_count < 2:
+        rb = self.opts.retain_block
+        if not rb or handle.length % rb or handle.length % self.state.block_size or not self.cache.keeps_states \
+                or self.state.slots.free_count < 2:
             return
         prefix = task.path[:handle.length]
         row = logits_row.copy()
-        if not e.pool.can_save(prefix, e.pool.entry_bytes(handle, row)):
+        if not self.pool.can_save(prefix, self.pool.entry_bytes(handle, row)):
             return
-        entry, victims = e.pool.save(prefix, e.state.fork(handle), row, retain=True)
-        e.spill(victims)
+        entry, victims = self.pool.save(prefix, self.state.fork(handle), row, retain=True)
+        self._spill(victims)
 
     def _finish_task(self, task: Task, handle: StateHandle, logits, run: _Run):
         """The task's end state is ready: checkpoint it for its consumers, start its request, or hand it over."""
-        e, sched = self.e, self.sched
+        sched = self.sched
         if task.saves:
-            entry, victims = e.pool.save(task.path, handle, logits, consumers=[c.id for c in task.consumers],
-                                         retain=e.persist.keeps_states)
-            e.spill(victims)
+            entry, victims = self.pool.save(task.path, handle, logits, consumers=[c.id for c in task.consumers],
+                                         retain=self.cache.keeps_states)
+            self._spill(victims)
             if entry is not None:
                 # a branch point: the state later runs share most, offered while fresh
-                e.persist.offer(task.path, e.state, entry.handle, entry.logits)
+                self.cache.offer(task.path, self.state, entry.handle, entry.logits)
                 self.saved[task.id] = entry
                 self.saver[id(entry)] = (task, run)
                 self.trace.add("save", task.id, end=task.end, count=len(task.consumers))
@@ -325,13 +363,13 @@ class WindowExecutor:
             # refused for lack of budget: the first consumer takes the state whole; the others recompute
             self.trace.add("refused", task.id, end=task.end)
             if any(c.request is not None and c.end == task.end for c in task.consumers):
-                e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
+                self.cache.offer(task.path, self.state, handle, logits)  # the end of a prompt, for later runs
             sched.push(task.consumers, Handoff(handle, logits, run))
             self._rebase(task.consumers[1:], self._fallback(task.base))
             return
         if task.request is not None or task.fans_out:
-            if e.opts.reuse:
-                e.persist.offer(task.path, e.state, handle, logits)  # the end of a prompt, for later runs
+            if self.opts.reuse:
+                self.cache.offer(task.path, self.state, handle, logits)  # the end of a prompt, for later runs
         if task.fans_out:  # the samples of its request: each forks the state, the last takes it
             sched.push(task.consumers, Handoff(handle, logits, run, shares=len(task.consumers)))
         elif task.request is not None:
@@ -339,20 +377,11 @@ class WindowExecutor:
         elif task.consumers:
             sched.push(task.consumers, Handoff(handle, logits, run))
         else:
-            e.state.release(handle)
+            self.state.release(handle)
 
     # ---- decode -------------------------------------------------------------------------------------------
     def _start_decoding(self, task: Task, handle: StateHandle, logits, run: _Run):
-        e = self.e
-        req = self.requests[task.request]
-        detok = None
-        if e.tokenizer is not None:
-            from prefixrun.engine.load.tokenizer import StreamDetokenizer
-
-            detok = StreamDetokenizer(e.tokenizer, req.sampling.skip_special_tokens,
-                                      req.sampling.spaces_between_special_tokens)
-        seq = Sequence(req, handle, detok, e.max_context, e.eos, origin=run, sample=task.sample,
-                       grammar=e.grammars.start(req.sampling.structured))  # compiled (and checked) by Engine.run
+        seq = self.decoding_starts.sequence(self.requests[task.request], handle, run, task.sample)
         self.trace.add("decode", task.id)
         self.starting.append((seq, logits))
 
@@ -366,11 +395,11 @@ class WindowExecutor:
             rows = [lg[None] if lg.ndim == 1 else lg for _, lg in part]  # each [1, V]
             logits = rows[0]
             if len(rows) > 1:
-                logits = self.e.ops.zeros((len(rows), rows[0].shape[-1]), rows[0].dtype)  # [n, V]
+                logits = self.ops.zeros((len(rows), rows[0].shape[-1]), rows[0].dtype)  # [n, V]
                 for i, row in enumerate(rows):
                     logits[i:i + 1] = row
             seqs = [seq for seq, _ in part]
-            for seq, token in zip(seqs, self.e.runner.sample(seqs, logits)):
+            for seq, token in zip(seqs, self.runner.sample(seqs, logits)):
                 seq.accept(token)
                 if seq.done:
                     self._finish(seq)
@@ -382,42 +411,41 @@ class WindowExecutor:
         if self.pipeline is not None and self.pipeline.busy:
             t0 = time.perf_counter()
             ended = self.pipeline.drain()
-            self.e.stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_seconds += time.perf_counter() - t0
             self._retire(ended)
 
     def _retire(self, ended: list[Sequence]):
         for s in ended:
             self.decoding.remove(s)
-            self.e.speculator.forget(s)
+            self.speculator.forget(s)
             self._finish(s)
 
     def _decode_step(self):
-        e = self.e
         if self.pipeline is not None:
             t0 = time.perf_counter()
             rows, ended = self.pipeline.advance(self.decoding)
-            e.stats.decode_seconds += time.perf_counter() - t0
-            e.stats.decode_steps += rows > 0
-            e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, rows)
+            self.stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_steps += rows > 0
+            self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, rows)
             self._retire(ended)
             return
-        batch = self.decoding[:e.opts.max_batch]
-        e.stats.peak_decode_batch = max(e.stats.peak_decode_batch, len(batch))
+        batch = self.decoding[:self.opts.max_batch]
+        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
-        spec = e.speculator
+        spec = self.speculator
         # drafts are never verified against a grammar: a step with a constrained row runs plain, under its masks
         constrained = any(s.grammar.constrained for s in batch)
         drafts = spec.drafts(batch) if not constrained else None
         if drafts is None:
-            new = [[i] for i in e.runner.decode(batch)]  # the forward and the sampling of the next tokens
+            new = [[i] for i in self.runner.decode(batch)]  # the forward and the sampling of the next tokens
             timed = spec.times_plain_steps(len(batch))
             if timed:
-                e.ops.synchronize()
+                self.ops.synchronize()
             spec.plain_step_done(len(batch), time.perf_counter() - t0 if timed else None)
         else:
             new = spec.step(batch, drafts)  # drafts verified, each sequence's kept rows committed
-        e.stats.decode_seconds += time.perf_counter() - t0
-        e.stats.decode_steps += 1
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
         for s, toks in zip(batch, new):
             for tok in toks:  # the same stop rules, token by token, as plain steps apply them
                 if not s.done:
@@ -425,12 +453,17 @@ class WindowExecutor:
         self._retire([s for s in batch if s.done])
 
     def _finish(self, seq: Sequence):
-        e = self.e
-        e.state.release(seq.handle)
-        e.stats.completion_tokens += len(seq.tokens)
+        self.state.release(seq.handle)
+        self.stats.completion_tokens += len(seq.tokens)
         samples = self._samples_of(seq.request)
         samples.add(seq.sample, Completion(list(seq.tokens), seq.text(), seq.finish_reason), *_charged(seq.origin))
         self._collect(samples)
+
+    def _spill(self, evicted):
+        spill(evicted, self.cache, self.state)
+
+    def _error_result(self, r: Request, message: str) -> Result:
+        return error_result(r, message, self.stats)
 
     def _samples_of(self, request: Request) -> SampleSet:
         samples = self.samples.get(id(request))
@@ -445,12 +478,26 @@ class WindowExecutor:
         request = samples.request
         del self.samples[id(request)]
         if samples.error is not None:
-            self.finished.append(self.e.error_result(request, samples.error))
+            self.finished.append(self._error_result(request, samples.error))
             return
         result = samples.result()
-        self.e.stats.reused_tokens += result.usage.cached_tokens
-        self.e.stats.reused_from_disk_tokens += result.usage.cached_from_disk_tokens
+        self.stats.reused_tokens += result.usage.cached_tokens
+        self.stats.reused_from_disk_tokens += result.usage.cached_from_disk_tokens
         self.finished.append(result)
+
+
+def spill(evicted, cache, state: ModelState):
+    """States leaving the checkpoint pool: offered to the persistent cache (it keeps those worth keeping), then
+    freed."""
+    for v in evicted:
+        cache.offer(v.tokens, state, v.handle, v.logits)
+        state.release(v.handle)
+
+
+def error_result(r: Request, message: str, stats) -> Result:
+    """The Result of a request the engine cannot run (counted in the run's statistics)."""
+    stats.failed_requests += 1
+    return Result(r.custom_id, r.index, [], Usage(len(r.prompt_token_ids), 0, 0, 0), error=message)
 
 
 def _charged(run: _Run) -> tuple[int, int]:
