@@ -563,3 +563,20 @@ def test_a_run_warns_once_about_chats_without_max_tokens(tmp_path):
                                       "cpu", "--temperature", "0"])
     assert result.exit_code == 0, result.output
     assert result.stderr.count("without max_tokens") == 1 and "line 2: a chat" in result.stderr
+
+
+def test_a_call_from_inside_the_thinking_ends_it(qwen3):
+    """Qwen3.5 may call a tool before closing </think>: as vLLM's qwen3 reasoning parser, a <tool_call> that opens
+    a <function=...> ends the reasoning; a mere mention of <tool_call> does not."""
+    coder = template_of(qwen3, "qwen3_coder")
+    line = {"messages": [*CHAT, {"role": "assistant", "content": "<think>\n"}], "continue_final_message": True,
+            "tools": [WEATHER], "tool_choice": "auto"}
+    shaper, _ = shaped(coder, line, reasoning_parser="qwen3")
+    assert shaper.opened_in_prompt
+    reply = "I need data.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n" \
+            "</tool_call>"
+    message, finish = shaper.message(reply, "stop")
+    assert message["reasoning_content"] == "I need data.\n" and finish == "tool_calls"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    mention = "The tag <tool_call> is how I would call it, but not now."
+    assert shaper.message(mention, "length")[0] == {"role": "assistant", "content": None, "reasoning_content": mention}
