@@ -8,8 +8,8 @@ Parsers (`--tool-call-parser`, default `auto`: chosen by what the model's chat t
   `<tool_call>` is the content. One call that is not JSON with `name` and `arguments` makes the whole text content
   and no call, as vLLM does.
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): every JSON object of the text (an optional `<|python_tag|>` before it)
-  with `name` and `arguments` or `parameters`; when there is one, the content is null. A `{` that starts no JSON
-  object, or an object without those keys, makes the whole text content.
+  with `name` and `arguments` or `parameters` is a call, and with one the content is null; braces of prose and
+  objects without those keys are passed over; with no call the whole text is content.
 - `qwen3_coder` (Qwen3.5, Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
   </tool_call>`; a value is converted by the type of its parameter in the request's tool schema (string as it is;
   integer, number, boolean, null, object and array parsed as JSON, else left a string).
@@ -98,11 +98,10 @@ def parse_llama3_json(text: str, tools: list[dict]) -> Extracted:
             name = obj["name"]
             arguments = _arguments_text(obj["arguments"] if "arguments" in obj else obj["parameters"])
         except (ValueError, KeyError, TypeError):
-            return Extracted((), text)
-        if not isinstance(name, str):
-            return Extracted((), text)
-        end = length
-        calls.append(ToolCall(name, arguments))
+            continue  # a brace of prose, or an object that is no call (the model quoting its arguments)
+        if isinstance(name, str):
+            end = length
+            calls.append(ToolCall(name, arguments))
     return Extracted(tuple(calls), None) if calls else Extracted((), text)
 
 

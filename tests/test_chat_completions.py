@@ -222,8 +222,14 @@ def test_llama3_json_tool_calls(llama):
     assert [json.loads(c["function"]["arguments"]) for c in shaper.message(two, "stop")[0]["tool_calls"]] == [
         {"city": "Paris"}, {"city": "Lyon", "days": 1}]
     # text with braces that are no call stays content, as vLLM's parser leaves it
-    for text in ("The set {1, 2} is small.", '{"answer": 42}', "Sunny in Paris."):
+    for text in ("The set {1, 2} is small.", '{"answer": 42}', "Sunny in Paris.", '{"name": "get_weather"}',
+                 '{"name": "get_weather", "parameters": {invalid json}'):
         assert shaper.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
+    # braces in prose or a quoted object beside a call do not discard it (vLLM's newer rule)
+    for text in ('{"name": "get_weather", "parameters": {"city": "Paris"}} I used {get_weather} for this.',
+                 'Calling {"name": "get_weather", "parameters": {"city": "Paris"}} with {"city": "Paris"}'):
+        message, finish = shaper.message(text, "stop")
+        assert finish == "tool_calls" and message["content"] is None and len(message["tool_calls"]) == 1
     single, _ = shaped(llama, {"messages": CHAT, "tools": [WEATHER], "parallel_tool_calls": False})
     assert len(single.message(two, "stop")[0]["tool_calls"]) == 1
     none, _ = shaped(llama, {"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"})
