@@ -57,7 +57,15 @@ def call_id(custom_id: str, position: int) -> str:
 
 
 def _arguments_text(arguments: Any) -> str:
-    """Arguments as a strict JSON text (ValueError for a number JSON cannot write, e.g. 1e999 read as inf)."""
+    """Arguments as a strict JSON text (ValueError for a number JSON cannot write, e.g. 1e999 read as inf). An
+    object the model already wrote as a JSON string is not encoded twice (as vLLM's hermes parser does); any other
+    string is a JSON string."""
+    if isinstance(arguments, str):
+        try:
+            unwrapped = json.loads(arguments)
+        except ValueError:
+            unwrapped = None
+        arguments = unwrapped if isinstance(unwrapped, dict) else arguments
     return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 

@@ -586,3 +586,14 @@ def test_a_call_from_inside_the_thinking_ends_it(qwen3):
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     mention = "The tag <tool_call> is how I would call it, but not now."
     assert shaper.message(mention, "length")[0] == {"role": "assistant", "content": None, "reasoning_content": mention}
+
+
+def test_arguments_written_as_a_json_string_are_not_encoded_twice():
+    from prefixrun.cli.tool_calls import parse_hermes, parse_llama3_json
+
+    serialized = '<tool_call>\n{"name": "get_db", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n</tool_call>'
+    assert json.loads(parse_hermes(serialized, []).calls[0].arguments) == {"param": "max_connections"}
+    bare = '<tool_call>\n{"name": "do_thing", "arguments": "hello"}\n</tool_call>'
+    assert json.loads(parse_hermes(bare, []).calls[0].arguments) == "hello"
+    assert json.loads(parse_llama3_json('{"name": "f", "parameters": "{\\"a\\": 1}"}', []).calls[0].arguments) == \
+        {"a": 1}
