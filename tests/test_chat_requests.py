@@ -299,6 +299,7 @@ def test_engine_errors_become_error_records_in_both_shapes(capsys):
     """A Result with `error` (e.g. a prompt that can never fit the state memory) is written as an error record in
     its place and counts as a failed line (exit 3)."""
     from prefixrun.cli.batch_run import BatchRun, IgnoredFields
+    from prefixrun.cli.input_ledger import InputLedger
     from prefixrun.cli.io import OrderedWriter
     from prefixrun.cli.report import RunReporter
 
@@ -318,7 +319,7 @@ def test_engine_errors_become_error_records_in_both_shapes(capsys):
 
     run = BatchRun.__new__(BatchRun)  # only what _run_window uses; loading a model is not the point here
     run.backend, run.reporter, run.model_name, run.failed, run.done = Engine(), RunReporter(quiet=True), "m", 0, 0
-    run.ignored_fields, run._warned = IgnoredFields(), 0
+    run.ignored_fields, run._warned, run.ledger = IgnoredFields(), 0, InputLedger()
     out = io.StringIO()
     writer = OrderedWriter(out)
     run._run_window([(p, Request(p.custom_id, [1, 2, 3], p.sampling, p.index)) for p in (plain, openai)], writer)
