@@ -364,6 +364,14 @@ def test_a_named_tool_choice_runs_forced_through_the_grammar(tiny_model, tmp_pat
         assert call["function"]["name"] == "pick_city"
         assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
         assert choice["message"]["content"] == ""
+    # required: a JSON list of calls of the given tools
+    required = {**body, "tool_choice": "required", "max_tokens": 96}
+    (record,) = run_batch(tiny_model, tmp_path, [{"custom_id": "r", "url": "/v1/chat/completions",
+                                                  "body": required}], "--ignore-eos")
+    choice = record["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] in ("tool_calls", "length")
+    if choice["finish_reason"] == "tool_calls":
+        assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} == {"pick_city"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
