@@ -4,7 +4,7 @@ captured and never replayed). The CPU backend cannot capture, so the capture is 
 the step itself then runs eagerly, so answers are the plain path's."""
 from __future__ import annotations
 
-from prefixrun.engine.step.decode_graphs import DecodeGraphs, _bucket
+from prefixrun.engine.step.decode_graphs import DecodeGraphs, bucket
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 
@@ -28,8 +28,8 @@ def _keyed_run(loaded, prompts, monkeypatch, **options):
     def step_sampled(self, handles, tokens, params, feed=None):
         if self.enabled:
             st = self.state
-            n, b = len(handles), _bucket(len(handles))
-            width = _bucket(max(st.blocks_for(h.length + 1) for h in handles))
+            n, b = len(handles), bucket(len(handles))
+            width = bucket(max(st.blocks_for(h.length + 1) for h in handles))
             saved = [(h.length, list(h.blocks)) for h in handles]
             host = st.step_arrays(handles, [[t] for t in tokens], table_width=width,
                                   pad=self._padding(b) if b > n else None)
