@@ -15,6 +15,7 @@ from prefixrun.cli import records
 from prefixrun.cli.input_ledger import InputLedger
 from prefixrun.cli.replies import Replies
 from prefixrun.engine.grammar.compiler import prepare_tokenizer
+from prefixrun.cli.logprob_records import TokenText
 from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
 from prefixrun.engine.run.config import RunConfig
@@ -92,6 +93,7 @@ class BatchRun:
     def _set_front(self, front, config: RunConfig):
         # A line's own values win over these: the command line's, then the model's generation_config.
         self.defaults = SamplingDefaults(**config.sampling_overrides).over(front.defaults.sampling)
+        self.token_text = TokenText(front.tokenizer)  # logprobs records' token texts
         self.prompts = PromptEncoder(front.tokenizer, vocab_size=front.config.vocab_size,
                                      context_tokens=front.config.max_position_embeddings,
                                      chat_template_kwargs=config.chat_template_kwargs)
@@ -220,7 +222,7 @@ class BatchRun:
                 item = parsed[result.index]
                 writer.add(result.index, records.format_result(
                     item, result, model=self.model_name, created=created,
-                    reply=self.replies.shaper(item, requests[result.index])))
+                    reply=self.replies.shaper(item, requests[result.index]), tokens=self.token_text))
             self.ledger.wrote(result.index, result.custom_id, ok=result.error is None)
             self.done += 1
             self.reporter.advance(self.done, self.backend.stats)

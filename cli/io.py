@@ -143,6 +143,24 @@ plain chat line's record keeps the generated `text` as it is and adds that `mess
     {"custom_id": "q2", "text": "<think>…</think>Hello!", "message": {"role": "assistant", "content": "Hello!",
      "reasoning_content": "…"}, "token_ids": [...], "finish_reason": "stop", "usage": {...}}
 
+Log-probabilities (asked for with `logprobs`: a chat's `true` plus `top_logprobs: k`, a completion's or plain
+line's `k`, 0-20) are those of the raw logits, log_softmax before penalties, biases, masks and temperature (vLLM's
+default `raw_logprobs`), per generated token, with the k most likely tokens at its position (ties: the lower id
+first; cli/logprob_records.py). A chat's `choices[0].logprobs` is OpenAI's
+`{"content": [{"token": " Paris", "logprob": -0.31, "bytes": [32, 80, 97, 114, 105, 115], "top_logprobs":
+[{"token": ..., "logprob": ..., "bytes": [...]}, ...]}, ...], "refusal": null}`; a completion's is
+`{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token text: logprob, ...}, ...], "text_offset":
+[...]}`; a plain line's result gains
+`"logprobs": [{"token_id": 12095, "token": " Paris", "logprob": -0.31, "top_logprobs": [{"token_id": ...,
+"token": ..., "logprob": ...}, ...]}, ...]` and `"cumulative_logprob"` (their sum). A token's `bytes` are the
+bytes it stands for, exact for a token holding part of a UTF-8 character; -inf is written -9999.0.
+`prompt_logprobs: k` (vLLM's, 0-20) adds each prompt token's logprob given the tokens before it: a plain line's
+`"prompt_logprobs": [null, {"token_id": ..., "token": ..., "logprob": ..., "top_logprobs": [...]}, ...]` (one per
+prompt token, the first null), and as vLLM's server writes it, `{"<token id>": {"logprob": ..., "decoded_token":
+...}, ...}` per token (the token and its k alternatives) in each choice of a completion and beside a chat's
+choices. Such a request never restores a state stored before its window (engine/run/prompt_logprobs.py says why);
+a prefix it shares with other requests in the window is still computed once.
+
 A line that cannot be run gives an error record in its place, and the rest of the file is still processed::
 
     {"custom_id": "q9", "error": {"line": 9, "message": "temperature must be >= 0, got -1"}}

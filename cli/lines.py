@@ -40,7 +40,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # What a request may carry is decided by cli/request_fields.py alone. The honoured fields this module reads itself
 # (the rest are SamplingParams' fields, read by SamplingDefaults.from_fields):
 READ_BY_PARSER = frozenset({*_PROMPT_FIELDS, "tools", "chat_template_kwargs", "add_generation_prompt",
-                            "continue_final_message", "max_completion_tokens", "echo", "tool_choice",
+                            "continue_final_message", "max_completion_tokens", "top_logprobs", "echo", "tool_choice",
                             "parallel_tool_calls", "include_reasoning", "documents", "add_special_tokens",
                             "truncate_prompt_tokens", "truncation_side", "reasoning_effort", "detokenize",
                             "return_token_ids", "return_prompt_text",
@@ -518,6 +518,7 @@ def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str, kin
     chat's max_tokens defaults to the rest of the context (None here; the prompt encoder resolves it), as in vLLM's
     and OpenAI's chat completions; completions keep 16."""
     try:
+        fields = _with_logprobs_count(fields, where, kind)
         layered = SamplingDefaults.from_fields(fields).over(defaults)
         sampling = layered.resolve()
     except InvalidRequest as err:
@@ -525,3 +526,20 @@ def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str, kin
     if kind == CHAT and layered.max_tokens is None:
         sampling = dataclasses.replace(sampling, max_tokens=None)
     return with_structured_output(sampling, fields, where)  # its InvalidRequest names the field itself
+
+
+def _with_logprobs_count(fields: dict, where: str, kind: Kind) -> dict:
+    """SamplingParams.logprobs (None, or how many alternatives per token) from the line's own shape: a chat's
+    `logprobs` is true or false with `top_logprobs` alternatives (OpenAI), a completion's `logprobs` is the count
+    (true: 1, false: none)."""
+    logprobs, top = fields.get("logprobs"), fields.get("top_logprobs")
+    if kind != CHAT:  # true is 1 and false is off, as vLLM's request model reads them
+        return {**fields, "logprobs": (1 if logprobs else None)} if isinstance(logprobs, bool) else fields
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _LineRejected(f"{where}logprobs of a chat is true or false (top_logprobs says how many alternatives), "
+                            f"got {_describe(logprobs)}")
+    if top is not None and not logprobs:
+        raise _LineRejected(f"{where}top_logprobs needs logprobs: true")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise _LineRejected(f"{where}top_logprobs must be an integer in [0, 20], got {_describe(top)}")
+    return {**fields, "logprobs": (top or 0) if logprobs else None}

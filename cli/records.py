@@ -5,29 +5,35 @@ from __future__ import annotations
 import hashlib
 
 from prefixrun.cli.lines import LineError, ParsedRequest
+from prefixrun.cli.logprob_records import TokenText, chat_logprobs, completion_logprobs, plain_logprobs, \
+    plain_prompt_logprobs, vllm_prompt_logprobs
 from prefixrun.cli.replies import RAW_REPLY, ReplyShaper
 from prefixrun.engine.load.prompts import ChatPrompt
 from prefixrun.engine.request import Completion, Result
 
 
 def format_result(req: ParsedRequest, result: Result, *, model: str = "", created: int = 0,
-                  reply: ReplyShaper = RAW_REPLY) -> dict:
+                  reply: ReplyShaper = RAW_REPLY, tokens: TokenText | None = None) -> dict:
     """The output record for a finished request, in the format of the line's shape.
 
     `model` and `created` (Unix seconds) fill the OpenAI response body's fields of those names; the caller passes
     the model name and the run's start time. created defaults to 0 so that output stays reproducible in tests.
     `reply` turns each generated text into its reply (echo; a chat's reasoning and tool calls: cli/replies.py).
+    `tokens`: the token texts of logprobs records (the model's tokenizer; without it, empty texts).
     """
+    tokens = tokens if tokens is not None else TokenText()
     if result.custom_id != req.custom_id:
         raise ValueError(f"result {result.custom_id!r} does not belong to request {req.custom_id!r}")
     usage = _usage_record(result)
     chat = isinstance(req.prompt, ChatPrompt)
     if req.shape == "plain":
+        prompt = plain_prompt_logprobs(result.prompt_logprobs, tokens)
         if req.sampling.n == 1:
-            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat), "usage": usage,
-                    **reply.extras()}
-        choices = [{"index": i, **_plain_choice(c, reply, chat)} for i, c in enumerate(result.choices)]
-        return {"custom_id": req.custom_id, "choices": choices, "usage": usage, **reply.extras()}
+            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat),
+                    **plain_logprobs(result.choices[0], tokens), **prompt, "usage": usage, **reply.extras()}
+        choices = [{"index": i, **_plain_choice(c, reply, chat), **plain_logprobs(c, tokens)}
+                   for i, c in enumerate(result.choices)]
+        return {"custom_id": req.custom_id, "choices": choices, **prompt, "usage": usage, **reply.extras()}
     if req.shape == "openai_chat":
         body = {
             "id": _derived_id("chatcmpl-", req.custom_id),
@@ -35,20 +41,23 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "created": created,
             "model": model,
             "choices": [
-                {"index": i, **_chat_choice(c, reply), "logprobs": None, **_token_ids(c, reply)}
+                {"index": i, **_chat_choice(c, reply), "logprobs": chat_logprobs(c, tokens), **_token_ids(c, reply)}
                 for i, c in enumerate(result.choices)
             ],
             "usage": usage,
             **reply.extras(),
         }
+        if result.prompt_logprobs is not None:  # vLLM's server puts a chat's beside its choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(result.prompt_logprobs, tokens)
     else:
         body = {
             "id": _derived_id("cmpl-", req.custom_id),
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": None, "finish_reason": c.finish_reason,
-                         **_token_ids(c, reply)} for i, c in enumerate(result.choices)],
+            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": _completion_logprobs(c, reply, tokens),
+                         "finish_reason": c.finish_reason, **_token_ids(c, reply), **_completion_prompt(result, tokens)}
+                        for i, c in enumerate(result.choices)],
             "usage": usage,
             **reply.extras(),
         }
@@ -68,6 +77,18 @@ def _plain_choice(choice: Completion, reply: ReplyShaper, chat: bool) -> dict:
     message, finish_reason = reply.message(choice.text, choice.finish_reason)
     return {"text": choice.text, "message": message, "token_ids": list(choice.token_ids),
             "finish_reason": finish_reason}
+
+
+def _completion_logprobs(choice: Completion, reply: ReplyShaper, tokens: TokenText) -> dict | None:
+    """A completion's logprobs, its text offsets counted after an echoed prompt."""
+    return completion_logprobs(choice, tokens, len(reply.text(choice.text)) - len(choice.text))
+
+
+def _completion_prompt(result: Result, tokens: TokenText) -> dict:
+    """vLLM's server puts a completion's prompt logprobs in each choice."""
+    if result.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(result.prompt_logprobs, tokens)}
 
 
 def _token_ids(choice: Completion, reply: ReplyShaper) -> dict:

@@ -116,8 +116,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("max_tokens", HONOURED, BOTH, "the most tokens to generate (chat: the rest of the context if not given; "
        "completions: 16)"),
     _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
-    _F("min_tokens", REFUSED, BOTH, "the fewest tokens before end-of-sequence or a stop token may end the output",
-       inert=(0,)),
+    _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence or a stop token may end the output"),
     _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),
     _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output"),
     _F("ignore_eos", HONOURED, BOTH, "keep generating after the end-of-sequence token"),
@@ -134,12 +133,12 @@ FIELDS: tuple[RequestField, ...] = (
     _F("n", HONOURED, BOTH, "how many completions to return (1 to 1024), all forked from one prefill; sample i draws "
        "with seed + i"),
     _F("best_of", REFUSED, BOTH, "sample best_of completions, return the n most likely", inert=(1,)),
-    _F("presence_penalty", REFUSED, BOTH, "penalise tokens that appeared in the output", inert=(0,)),
-    _F("frequency_penalty", REFUSED, BOTH, "penalise tokens by how often they appeared in the output", inert=(0,)),
-    _F("repetition_penalty", REFUSED, BOTH, "penalise tokens that appeared in the prompt or output", inert=(1,)),
-    _F("logit_bias", REFUSED, BOTH, "token id -> bias added to its logit", inert=({},)),
-    _F("bad_words", REFUSED, BOTH, "words that may not be generated", inert=([],)),
-    _F("allowed_token_ids", REFUSED, BOTH, "the only token ids that may be generated"),
+    _F("presence_penalty", HONOURED, BOTH, "penalise tokens that appeared in the output"),
+    _F("frequency_penalty", HONOURED, BOTH, "penalise tokens by how often they appeared in the output"),
+    _F("repetition_penalty", HONOURED, BOTH, "penalise tokens that appeared in the prompt or output"),
+    _F("logit_bias", HONOURED, BOTH, "token id -> bias added to its logit"),
+    _F("bad_words", HONOURED, BOTH, "words that may not be generated"),
+    _F("allowed_token_ids", HONOURED, BOTH, "the only token ids that may be generated"),
     _F("use_beam_search", REFUSED, BOTH, "beam search instead of sampling",
        why="prefixrun samples (use n with best_of for the most likely of several samples)", inert=(False,)),
     _F("length_penalty", REFUSED, BOTH, "beam search's length penalty", why="beam search is not used",
@@ -149,10 +148,11 @@ FIELDS: tuple[RequestField, ...] = (
     _F("repetition_detection", REFUSED, BOTH, "end the output when an n-gram repeats",
        why="outputs end only by stop rules and length here: use stop strings or max_tokens"),
     # ---- log probabilities ----
-    _F("logprobs", REFUSED, BOTH, "log probabilities of the output tokens (chat: true/false; completions: k)",
-       inert=(False,)),
-    _F("top_logprobs", REFUSED, CHAT, "how many most likely alternatives to list per token", inert=(0,)),
-    _F("prompt_logprobs", REFUSED, BOTH, "log probabilities of the prompt tokens (vLLM)"),
+    _F("logprobs", HONOURED, BOTH, "log probabilities of the output tokens under the raw logits (chat: true/false; "
+       "completions: how many alternatives, 0-20)"),
+    _F("top_logprobs", HONOURED, CHAT, "how many most likely alternatives to list per token (0-20)"),
+    _F("prompt_logprobs", HONOURED, BOTH, "log probabilities of the prompt tokens, k alternatives each (vLLM; "
+       "0-20); such a request does not restore states stored before its window"),
     _F("logprob_token_ids", REFUSED, BOTH, "token ids whose log probabilities to return at every step"),
     _F("return_tokens_as_token_ids", REFUSED, BOTH, "name logprob tokens as token_id:N", inert=(False,)),
     # ---- structured output ----

@@ -53,6 +53,18 @@ class SamplingParams:
     # what the reply must match (engine/grammar/spec.py; None: free text). Read from the request's own fields only
     # (response_format, structured_outputs, guided_*), never layered from defaults: not a SAMPLING_FIELDS name
     structured: StructuredOutput | None = None
+    # the logits-processing stage (engine/step/logits_processors.py), vLLM's semantics and ranges
+    presence_penalty: float = 0.0  # over generated tokens
+    frequency_penalty: float = 0.0  # over generated tokens
+    repetition_penalty: float = 1.0  # over prompt and generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids ascending
+    min_tokens: int = 0  # EOS and stop_token_ids are banned (and stop strings not looked for) until this many
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    # log-probabilities of the raw logits (log_softmax before any processing, vLLM's default "raw_logprobs"):
+    # None off; k: each generated token's logprob and the k most likely tokens' (0 <= k <= MAX_LOGPROBS)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (engine/run/prompt_logprobs.py)
 
     def __post_init__(self):
         def bad(msg):
@@ -84,6 +96,7 @@ class SamplingParams:
                 bad(f"{name} must be true or false, got {describe_value(getattr(self, name))}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
             bad(f"n must be an integer from 1 to {MAX_SAMPLES}, got {describe_value(self.n)}")
+        _check_processing(self, bad)
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +112,48 @@ class SamplingParams:
     def decode_tokens(self) -> int:
         """The most tokens the request may decode, over all its sequences."""
         return self.max_tokens * self.sequences
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether each generated token's logprob is computed (also what a sequence's cumulative logprob needs)."""
+        return self.logprobs is not None
+
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs and OpenAI's top_logprobs limit
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_processing(sp: SamplingParams, bad) -> None:
+    """The logits-processing and logprobs fields of `sp` (ranges as vLLM and OpenAI take them)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not _is_number(v) or not -2 <= v <= 2:
+            bad(f"{name} must be a number in [-2, 2], got {v!r}")
+    if not _is_number(sp.repetition_penalty) or not 0 < sp.repetition_penalty <= 1e6:
+        bad(f"repetition_penalty must be a number > 0, got {sp.repetition_penalty!r}")
+    if not isinstance(sp.logit_bias, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_number(p[1])
+            and -100 <= p[1] <= 100 for p in sp.logit_bias):
+        bad("logit_bias must map token ids to numbers in [-100, 100]")
+    if not _is_int(sp.min_tokens) or sp.min_tokens < 0 or (
+            sp.max_tokens is not None and sp.min_tokens > sp.max_tokens):
+        bad(f"min_tokens must be an integer in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens!r}")
+    if not all(isinstance(w, str) and w.strip() for w in sp.bad_words):
+        bad("bad_words must be a list of non-blank strings")
+    if sp.allowed_token_ids is not None and (not sp.allowed_token_ids or not all(
+            _is_int(t) and t >= 0 for t in sp.allowed_token_ids)):
+        bad("allowed_token_ids must be a non-empty list of non-negative integers")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(sp, name)
+        if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+            bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {describe_value(v)}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +175,15 @@ class SamplingDefaults:
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    min_tokens: int | None = None
+    bad_words: tuple[str, ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # the fields as a flat dict (values are scalars or tuples of scalars: no deep copy, unlike asdict, which
@@ -135,8 +199,13 @@ class SamplingDefaults:
         return cls(**{name: fields[name] for name in SAMPLING_FIELDS if fields.get(name) is not None})
 
     def over(self, base: SamplingDefaults) -> SamplingDefaults:
-        """These values where set, `base`'s elsewhere."""
-        return dataclasses.replace(base, **self.as_dict())
+        """These values where set, `base`'s elsewhere. A min_tokens from `base` (a model's min_new_tokens) never
+        exceeds a max_tokens set here: as in transformers, the shorter limit wins."""
+        values = {**base.as_dict(), **self.as_dict()}
+        if self.min_tokens is None and self.max_tokens is not None \
+                and values.get("min_tokens", 0) > self.max_tokens:
+            values["min_tokens"] = self.max_tokens
+        return SamplingDefaults(**values)
 
     def resolve(self) -> SamplingParams:
         """The SamplingParams to run: these values, SamplingParams' built-in defaults for the unset ones."""
@@ -182,7 +251,35 @@ def _normalize_sampling_values(values: dict[str, Any]) -> dict[str, Any]:
     ignore_eos = values.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise InvalidRequest(f"ignore_eos must be true or false, got {describe_value(ignore_eos)}")
+    for name in ("bad_words", "allowed_token_ids"):
+        value = values.get(name)
+        if value is not None:
+            if not isinstance(value, (list, tuple)):
+                raise InvalidRequest(f"{name} must be a list, got {describe_value(value)}")
+            normalized[name] = tuple(value)
+    if values.get("logit_bias") is not None:
+        normalized["logit_bias"] = _normalize_logit_bias(values["logit_bias"])
     return normalized
+
+
+def _normalize_logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (keys are strings in JSON) -> ((id, bias), ...) by id; pairs are kept."""
+    if isinstance(value, tuple):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"logit_bias must be an object of token ids to numbers, got {describe_value(value)}")
+    pairs = []
+    for key, bias in value.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isascii() and key.isdigit() \
+            and len(key) < 12 else None
+        if token is None:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {describe_value(key)}")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"logit_bias[{token}] must be a number in [-100, 100], got {describe_value(bias)}")
+        pairs.append((token, float(bias)))
+    if len({t for t, _ in pairs}) < len(pairs):
+        raise InvalidRequest("logit_bias names a token id twice")
+    return tuple(sorted(pairs))
 
 
 def _build_sampling_params(values: dict[str, Any]) -> SamplingParams:
@@ -222,6 +319,16 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     index: int = 0  # position in the input, used to write results in input order
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # sampling.bad_words tokenized (engine/load/prompts.py)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the raw logits of its position, and the k most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first (ties: lower id first)
 
 
 @dataclass
@@ -239,6 +346,8 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (eos, stop string or stop token) or "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token (sampling.logprobs set)
+    cumulative_logprob: float | None = None  # the sum of those logprobs (sampling.logprobs set)
 
 
 @dataclass
@@ -251,6 +360,7 @@ class Result:
     choices: list[Completion]
     usage: Usage
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None (requested)
 
     @property
     def token_ids(self) -> list[int]:

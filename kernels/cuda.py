@@ -42,6 +42,7 @@ from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import CudaTuning
 
 _SAMPLE_THREADS = 1024  # SAMPLE_THREADS in kernels/sampling.cu
+_LOGITS_THREADS = 256  # LOGITS_THREADS in kernels/logits.cu
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
 
@@ -342,6 +343,34 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
         kernel("sampling", "sample_kernel")((b,), (_SAMPLE_THREADS,), (logits, i32(b), i32(v),
                                                                          i64(logits.strides[0] // 4),
                                                                          cupy.ascontiguousarray(params), out))
+        return out
+
+    def process_logits(self, logits, edits):
+        """The logits-processing stage's edits in place (NumpyOps.process_logits' contract, kernels/logits.cu):
+        one launch, one block per row, no host sync."""
+        b, v = logits.shape
+        if logits.dtype != F32 or logits.strides[1] != 4 or edits.dtype != np.int32:
+            raise ValueError(f"process_logits: fp32 logits with contiguous rows and int32 edits expected, got "
+                             f"{logits.dtype} {logits.strides} and {edits.dtype}")
+        if b:
+            kernel("logits", "process_logits_kernel")(
+                (b,), (_LOGITS_THREADS,),
+                (logits, i32(b), i64(logits.strides[0] // 4), cupy.ascontiguousarray(edits)))
+        return logits
+
+    def token_logprobs(self, logits, rows, tokens, k):
+        """NumpyOps.token_logprobs' contract on the device (kernels/logits.cu): one launch, one block per row."""
+        logits = logits if logits.dtype == F32 else self._cast(logits, F32)
+        logits = last_contiguous(logits)
+        rows = cupy.ascontiguousarray(cupy.asarray(rows, np.int32))
+        tokens = cupy.ascontiguousarray(cupy.asarray(tokens, np.int64))
+        if not 0 <= k <= 64:
+            raise ValueError(f"token_logprobs: k must be in [0, 64], got {k}")
+        out = cupy.empty((rows.shape[0], 1 + 2 * k), np.float32)
+        if rows.shape[0]:
+            kernel("logits", "token_logprobs_kernel")(
+                (rows.shape[0],), (_LOGITS_THREADS,),
+                (logits, i32(logits.shape[1]), i64(logits.strides[0] // 4), rows, tokens, i32(k), out))
         return out
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------------

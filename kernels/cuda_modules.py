@@ -53,6 +53,7 @@ KERNEL_NAMES = {
                   for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
     "sampling": ["sample_kernel", "feed_tokens_kernel", "token_bitmask_kernel"],
+    "logits": ["process_logits_kernel", "token_logprobs_kernel"],
     "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
     + [f"gdn_rows_kernel<{t}>" for t in _T],
     "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",

@@ -237,6 +237,17 @@ class Ops(Protocol):
         or int32 with the same bits) into a preallocated int64 [B] `out`: allocates and syncs nothing, so a graph
         can capture it."""
 
+    def process_logits(self, logits, edits) -> Array:
+        """The logits-processing stage's edits (kernels/logits_edits.py: semantics, order and layout) applied in
+        place to fp32 logits [B, V] (row-strided views allowed); returns logits. edits: a backend int32 array of
+        `LogitsEdits.pack()` (upload_index). No host sync."""
+
+    def token_logprobs(self, logits, rows, tokens, k) -> Array:
+        """Log-probabilities (log_softmax of fp32 logits [N, V]) for the rows `rows` (backend int32 [R]): float32
+        [R, 1 + 2k] = the logprob of tokens[rows[i]] (backend int64 [N]), the k largest logprobs in descending
+        order (ties: the lower id first), their ids as floats (kernels/logits_edits.py `top_logprobs`). k <= 64.
+        No host sync."""
+
     # ---- graphs ------------------------------------------------------------------------------------------------
     def capture(self, fn: Callable, *args, warmup: int = 1) -> Graph:
         """Run fn(*args) `warmup` times, then record it; the returned graph's replay() reruns it on the same

@@ -11,6 +11,7 @@ import numpy as np
 
 from prefixrun.kernels.host_memory import keep_freed_memory
 from prefixrun.kernels.moe_reference import MoeReferenceOps
+from prefixrun.kernels import logits_edits
 from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, unpack_sampling_params
 
 
@@ -425,6 +426,16 @@ class NumpyOps(MoeReferenceOps):
         int32 holding the same bits."""
         out[:] = self.sample(logits, *unpack_sampling_params(self.to_host(params)))
         return out
+
+
+    def process_logits(self, logits, edits):
+        """kernels/logits_edits.py `apply_edits` on the packed edits, in place."""
+        return logits_edits.apply_edits(logits, logits_edits.unpack(np.asarray(edits), logits.shape[0]))
+
+    def token_logprobs(self, logits, rows, tokens, k):
+        """kernels/logits_edits.py `top_logprobs` of the selected rows."""
+        rows = np.asarray(rows, np.int64)
+        return logits_edits.top_logprobs(np.asarray(logits)[rows], np.asarray(tokens)[rows], int(k))
 
 
 class ReplayGraph:

@@ -132,11 +132,11 @@ def test_lenient_ignores_unknown_keys_but_lists_them_and_null_fields_count_as_no
 
 
 def test_ignored_keys_of_an_openai_line_name_the_body():
-    line = dict(openai_line(messages=CHAT, temprature=0.2, presence_penalty=1, max_completion_tokens=4),
+    line = dict(openai_line(messages=CHAT, temprature=0.2, use_beam_search=True, max_completion_tokens=4),
                 metadata="m")
     assert isinstance(parse(line), LineError)
     req = parse_ok(line, lenient=True)
-    assert req.ignored_fields == ("metadata", "body.temprature", "body.presence_penalty")
+    assert req.ignored_fields == ("metadata", "body.temprature", "body.use_beam_search")
     assert parse_ok(openai_line(messages=CHAT, tools=[], seed=1)).ignored_fields == ()
 
 

@@ -82,7 +82,8 @@ ACTIVE = {
 }
 # what a field needs beside it on the line to mean something (on the baseline line too)
 CONTEXT = {"tool_choice": {"tools": [TOOL]}, "parallel_tool_calls": {"tools": [TOOL]},
-           "truncation_side": {"truncate_prompt_tokens": 1}}
+           "truncation_side": {"truncate_prompt_tokens": 1},
+           "top_logprobs": {"logprobs": True}}  # OpenAI and vLLM refuse top_logprobs without logprobs: true
 ACTIVE_IN_CHATS = {"add_special_tokens": True}  # where the kinds' defaults differ: the other value
 PROMPT_FIELDS = {"prompt", "messages", "prompt_token_ids"}  # they make the line's shape: tested with the shapes
 CHAT_MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,5 +1,6 @@
 """A step's token masks: filled on the host from the rows' grammar states, applied to the step's logits on the
-device, and the rows' tokens drawn again from the masked logits.
+device by the logits-processing stage (engine/step/logits_processors.py `LogitsStage.redraw`), which draws the rows'
+tokens again from the masked (and otherwise edited) logits.
 
 A decode step samples inside its replayed graph before the host knows the tokens that decide the next masks
 (engine/step/decode_pipeline.py queues step n+1 before it reads step n's ids). So the graph's draw stays as it is,
@@ -63,22 +64,9 @@ class TokenMasks:
         self.mask_seconds += time.perf_counter() - t0
         return out
 
-    def redraw(self, grammars: list, logits, params: np.ndarray):
-        """Backend int64 ids [n]: each row's token drawn from `logits` [n, V] (fp32, modified in place) under
-        its grammar's mask, with its packed sampling parameters `params` (uint32 [8, n], pack_sampling_params);
-        None when no row is constrained (logits untouched). The ids live in a buffer the next redraw reuses."""
-        masks = self.host_masks(grammars)
-        if masks is None:
-            return None
-        n = len(grammars)
-        mask, packed, ids = self._buffers(n)
-        self.ops.write_index(mask, masks)
-        self.ops.apply_token_bitmask(logits, mask)
-        self.ops.write_index(packed, np.ascontiguousarray(params, np.uint32).view(np.int32))
-        self.steps += 1
-        return self.ops.sample_into(logits, packed, ids)
-
-    def _buffers(self, n: int):
+    def buffers(self, n: int):
+        """Device buffers for a step of n rows: (mask int32 [n, words], packed sampling parameters int32 [8, n],
+        ids int64 [n]); the next call reuses them."""
         if n > self._rows:
             self._rows = max(n, 2 * self._rows)
             self._mask = self.ops.upload_index(np.zeros(self._rows * self.words, np.int32))

@@ -53,7 +53,8 @@ def load_front(model_dir: Path) -> ModelFront:
     model_dir = Path(model_dir)
     config, _ = load_config(model_dir)
     tokenizer = Tokenizer.from_model_dir(model_dir)
-    defaults = GenerationDefaults.from_model_dir(model_dir, config_eos=list(config.eos_token_ids), tokenizer=tokenizer)
+    defaults = GenerationDefaults.from_model_dir(model_dir, config_eos=list(config.eos_token_ids), tokenizer=tokenizer,
+                                                 vocab_size=config.vocab_size)
     return ModelFront(model_dir, config, tokenizer, defaults)
 
 

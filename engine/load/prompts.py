@@ -135,7 +135,34 @@ class PromptEncoder:
         ids = self.encode(prompt)
         if sampling.max_tokens is None:
             sampling = dataclasses.replace(sampling, max_tokens=self.context_tokens - len(ids))
-        return Request(custom_id, ids, sampling, index)
+        self._check_token_fields(sampling)
+        return Request(custom_id, ids, sampling, index, bad_words_token_ids=self.bad_words_ids(sampling.bad_words))
+
+    def _check_token_fields(self, sampling: SamplingParams) -> None:
+        """The token ids of logit_bias and allowed_token_ids must be in the model's vocabulary (as vLLM checks)."""
+        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                          ("allowed_token_ids", sampling.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise InvalidRequest(f"{name} names token id {outside[0]}, outside the model's vocabulary of "
+                                     f"{self.vocab_size}")
+
+    def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad_words: each word (leading spaces stripped) alone, and with one leading
+        space where that makes another first token of the same length (a word inside text)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not alone:
+                raise InvalidRequest(f"bad word {word[:40]!r} is empty after tokenization")
+            out.append(alone)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        outside = [t for w in out for t in w if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequest(f"bad_words tokenize to token id {outside[0]}, outside the model's vocabulary")
+        return tuple(out)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (truncated if it asks for it), checked against the vocabulary and the context."""

@@ -110,6 +110,15 @@ class Tokenizer:
         """The vocabulary as tokenizer.json text (added tokens included), for libraries that read that format."""
         return self._backend.to_str()
 
+    def id_to_piece(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id as tokenizer.json spells it (byte-level: one character per byte)."""
+        return self._backend.id_to_token(token_id)
+
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether vocabulary entries spell bytes in GPT-2's byte-to-character alphabet (a ByteLevel decoder)."""
+        return type(self._backend.decoder).__name__ == "ByteLevel"
+
     @cached_property
     def added_tokens(self) -> dict[int, str]:
         """The added tokens (special tokens among them): id -> the token's text."""
@@ -296,10 +305,13 @@ class GenerationDefaults:
 
     eos_token_ids: tuple[int, ...] = ()
     sampling: SamplingDefaults = SamplingDefaults()
+    suppress_tokens: tuple[int, ...] = ()  # banned at every generated token (transformers' SuppressTokens...)
+    begin_suppress_tokens: tuple[int, ...] = ()  # banned at the first generated token (...AtBegin)
+    not_applied: tuple[str, ...] = ()  # fields set that transformers would apply and prefixrun does not
 
     @classmethod
     def from_model_dir(cls, path: Path, config_eos: int | list[int] | None = None,
-                       tokenizer: Tokenizer | None = None) -> GenerationDefaults:
+                       tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> GenerationDefaults:
         """Read generation_config.json (optional) and collect every token that ends generation.
 
         Stop tokens are the union of generation_config's `eos_token_id`, config.json's (`config_eos`) and the
@@ -331,8 +343,27 @@ class GenerationDefaults:
             top_k=reader.integer("top_k", minimum=-1),
             min_p=reader.number("min_p", minimum=0.0, maximum=1.0),
             max_tokens=reader.integer("max_new_tokens", minimum=1),
+            repetition_penalty=reader.number("repetition_penalty", minimum=1e-6, maximum=1e6),
+            min_tokens=reader.integer("min_new_tokens", minimum=0),
         )
-        return cls(eos_token_ids=tuple(eos_ids), sampling=sampling)
+        suppress = {name: tuple(_token_id_list(config.get(name), f"{config_file.name}: {name}"))
+                    for name in ("suppress_tokens", "begin_suppress_tokens")}
+        for name, ids in suppress.items():
+            outside = [t for t in ids if vocab_size is not None and t >= vocab_size]
+            if outside:
+                raise ModelLoadError(f"{config_file.name}: {name} names token id {outside[0]}, outside the model's "
+                                     f"vocabulary of {vocab_size}")
+        return cls(eos_token_ids=tuple(eos_ids), sampling=sampling, suppress_tokens=suppress["suppress_tokens"],
+                   begin_suppress_tokens=suppress["begin_suppress_tokens"],
+                   not_applied=tuple(k for k, off in _NOT_APPLIED.items() if config.get(k, off) not in (off, None)))
+
+
+# generation_config fields that change what transformers generates, with the value that changes nothing: a run
+# over a model that sets one says so (GenerationDefaults.not_applied) instead of ignoring it silently.
+_NOT_APPLIED = {"min_length": 0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None,
+                "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+                "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None, "guidance_scale": None}
 
 
 class _GenerationConfigReader:

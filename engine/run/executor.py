@@ -29,8 +29,10 @@ from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task
 from prefixrun.engine.request import Completion, Request, Result, Usage
+from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
+from prefixrun.engine.step.logits_processors import RowProcessing, needs_plain_steps
 from prefixrun.engine.step.sequence import Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.plan.trace import Trace
@@ -55,12 +57,15 @@ class _Run:
 @dataclass(frozen=True)
 class DecodingStarts:
     """How a request's decoding starts: a detokenizer where there is a tokenizer (texts stay empty without one), the
-    model's context, its end-of-sequence ids and the request's grammar (compiled and checked by Engine.run)."""
+    model's context, its end-of-sequence ids, the request's grammar (compiled and checked by Engine.run) and its
+    part of the logits-processing stage (with generation_config's suppressed tokens)."""
 
     tokenizer: object | None
     max_context: int
     eos: frozenset
     grammars: object  # engine/grammar/compiler.py GrammarCompiler
+    suppress_tokens: tuple[int, ...] = ()  # banned at every generated token
+    begin_suppress_tokens: tuple[int, ...] = ()  # banned at the first
 
     def sequence(self, request: Request, handle: StateHandle, origin: _Run, sample: int) -> Sequence:
         detok = None
@@ -69,8 +74,13 @@ class DecodingStarts:
 
             detok = StreamDetokenizer(self.tokenizer, request.sampling.skip_special_tokens,
                                       request.sampling.spaces_between_special_tokens)
+        sp = request.sampling
+        stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(sorted(self.eos)))
+        processing = RowProcessing(sp, request.prompt_token_ids, stop_ids=stop_ids,
+                                   bad_words=request.bad_words_token_ids, suppress=self.suppress_tokens,
+                                   begin_suppress=self.begin_suppress_tokens)
         return Sequence(request, handle, detok, self.max_context, self.eos, origin=origin, sample=sample,
-                        grammar=self.grammars.start(request.sampling.structured))
+                        grammar=self.grammars.start(sp.structured), processing=processing)
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,7 @@ class WindowExecutor:
         self.starting: list[tuple[Sequence, object]] = []  # sequences a group started, before their first token
         self.finished: list[Result] = []
         self.samples: dict[int, SampleSet] = {}  # id(request) -> its samples ended so far
+        self.prompt = PromptLogprobs(plan, requests, self.ops)
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
         # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) where the speculator
@@ -222,7 +233,9 @@ class WindowExecutor:
         end = task.end
         base = self.sched.base[task.id]
         b = self.sched.base_length(task)
-        if self.opts.reuse and b < end:  # (a state already at its end, e.g. a sample's, has nothing to look up)
+        # (a state already at its end, e.g. a sample's, has nothing to look up; prompt logprobs: nothing stored before
+        # this window, engine/run/prompt_logprobs.py)
+        if self.opts.reuse and b < end and not self.prompt.wants(task):
             found, source = None, ""
             entry = self.pool.lookup(task.path, b, end)
             if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
@@ -260,7 +273,9 @@ class WindowExecutor:
         handles, todos, logits, runs = [], [], [], []
         for task in group:
             credit = self.sched.task_blocks(task, None) - self.sched.task_blocks(task)  # base blocks it shares
+            base = self.sched.base[task.id]
             h, lg, run = self._start_state(task, spare >= credit)
+            self.prompt.begin(task, run, h.length, base.logits if base is not None else None)
             if run.from_disk:
                 spare -= credit
             todo = list(task.path[h.length:])
@@ -272,29 +287,8 @@ class WindowExecutor:
             todos.append(todo)
             logits.append(lg)
             runs.append(run)
-        # run the pieces: each step takes up to max_prefill_tokens over the tasks that still have tokens
-        pending = [i for i, t in enumerate(todos) if t]
-        offsets = [0] * len(group)
         t0 = time.perf_counter()
-        while pending:
-            budget = self.opts.max_prefill_tokens
-            batch_idx, pieces = [], []
-            for i in pending:
-                if budget <= 0:
-                    break
-                stop = self._piece_end(group[i], handles[i], offsets[i], len(todos[i]), budget)
-                batch_idx.append(i)
-                pieces.append(todos[i][offsets[i]:stop])
-                budget -= stop - offsets[i]
-            out = self.runner.prefill([handles[i] for i in batch_idx], pieces)  # [B, V]
-            self.stats.prefill_steps += 1
-            for row, i, piece in zip(range(len(batch_idx)), batch_idx, pieces):
-                offsets[i] += len(piece)
-                if offsets[i] == len(todos[i]):
-                    logits[i] = out[row].copy()
-                else:
-                    self._maybe_retain(group[i], handles[i], out[row])
-            pending = [i for i in pending if offsets[i] < len(todos[i])]
+        self._prefill_pieces(group, handles, todos, logits, runs)
         # the decode graph the group's new sequences will replay is captured while the device computes the steps
         # queued above, when decoding comes next (no more prefill groups: none pending, none this group makes)
         new_states = [h for t, h in zip(group, handles) if t.request is not None]
@@ -308,6 +302,39 @@ class WindowExecutor:
         for task, h, lg, run in zip(group, handles, logits, runs):
             self._finish_task(task, h, lg, run)
         self._sample_first_tokens()
+
+    def _prefill_pieces(self, group: list[Task], handles: list[StateHandle], todos: list[list[int]], logits: list,
+                        runs: list[_Run]):
+        """Prefill each task's tokens `todos[i]` in steps of up to max_prefill_tokens over the tasks that still
+        have some (fewer where a task scores its prompt logprobs); each task's last logits go to `logits[i]`."""
+        pending = [i for i, t in enumerate(todos) if t]
+        offsets = [0] * len(group)
+        while pending:
+            budget = self.opts.max_prefill_tokens
+            if any(self.prompt.wants(group[i]) for i in pending):
+                budget = min(budget, self.prompt.step_rows(self.runner))
+            batch_idx, pieces = [], []
+            for i in pending:
+                if budget <= 0:
+                    break
+                stop = self._piece_end(group[i], handles[i], offsets[i], len(todos[i]), budget)
+                batch_idx.append(i)
+                pieces.append(todos[i][offsets[i]:stop])
+                budget -= stop - offsets[i]
+            step_handles = [handles[i] for i in batch_idx]
+            if any(self.prompt.wants(group[i]) for i in batch_idx):
+                out = self.prompt.prefill(self.runner, step_handles, pieces, [group[i] for i in batch_idx],
+                                          [runs[i] for i in batch_idx])  # each piece's last row [V]
+            else:
+                out = self.runner.prefill(step_handles, pieces)  # [B, V]
+            self.stats.prefill_steps += 1
+            for row, i, piece in zip(range(len(batch_idx)), batch_idx, pieces):
+                offsets[i] += len(piece)
+                if offsets[i] == len(todos[i]):
+                    logits[i] = out[row].copy()
+                else:
+                    self._maybe_retain(group[i], handles[i], out[row])
+            pending = [i for i in pending if offsets[i] < len(todos[i])]
 
     def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int) -> int:
         """Where this step's piece of a task stops: the token budget, or a block-aligned retention point of a
@@ -381,7 +408,11 @@ class WindowExecutor:
 
     # ---- decode -------------------------------------------------------------------------------------------
     def _start_decoding(self, task: Task, handle: StateHandle, logits, run: _Run):
-        seq = self.decoding_starts.sequence(self.requests[task.request], handle, run, task.sample)
+        req = self.requests[task.request]
+        seq = self.decoding_starts.sequence(req, handle, run, task.sample)
+        if req.sampling.prompt_logprobs is not None and task.sample == 0:
+            self._samples_of(req).prompt_logprobs = self.prompt.of_request(run, len(req.prompt_token_ids),
+                                                                           req.sampling.prompt_logprobs)
         self.trace.add("decode", task.id)
         self.starting.append((seq, logits))
 
@@ -433,9 +464,9 @@ class WindowExecutor:
         self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
         t0 = time.perf_counter()
         spec = self.speculator
-        # drafts are never verified against a grammar: a step with a constrained row runs plain, under its masks
-        constrained = any(s.grammar.constrained for s in batch)
-        drafts = spec.drafts(batch) if not constrained else None
+        # drafts are never verified against a grammar or the logits-processing stage: a step with a constrained
+        # or processed row, or one that wants logprobs, runs plain, under its masks and edits
+        drafts = spec.drafts(batch) if not needs_plain_steps(batch) else None
         if drafts is None:
             new = [[i] for i in self.runner.decode(batch)]  # the forward and the sampling of the next tokens
             timed = spec.times_plain_steps(len(batch))
@@ -456,7 +487,11 @@ class WindowExecutor:
         self.state.release(seq.handle)
         self.stats.completion_tokens += len(seq.tokens)
         samples = self._samples_of(seq.request)
-        samples.add(seq.sample, Completion(list(seq.tokens), seq.text(), seq.finish_reason), *_charged(seq.origin))
+        wants = seq.request.sampling.wants_logprobs
+        completion = Completion(list(seq.tokens), seq.text(), seq.finish_reason,
+                                logprobs=list(seq.logprobs) if wants else None,
+                                cumulative_logprob=seq.cumulative_logprob if wants else None)
+        samples.add(seq.sample, completion, *_charged(seq.origin))
         self._collect(samples)
 
     def _spill(self, evicted):

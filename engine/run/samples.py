@@ -22,6 +22,7 @@ class SampleSet:
     errors: dict[int, str] = field(default_factory=dict)  # sample index -> why it could not run
     computed: int = -1  # prompt tokens computed for the request (the most any sample's chain was charged)
     from_disk: int = 0  # of the others, those restored from the persistent store (that same chain's)
+    prompt_logprobs: list | None = None  # engine/run/prompt_logprobs.py, when the request asks for them
 
     @property
     def expected(self) -> int:
@@ -64,4 +65,5 @@ class SampleSet:
         prompt = len(self.request.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         usage = Usage(prompt, completion_tokens, prompt - max(self.computed, 0), self.from_disk)
-        return Result(self.request.custom_id, self.request.index, choices, usage)
+        return Result(self.request.custom_id, self.request.index, choices, usage,
+                      prompt_logprobs=self.prompt_logprobs)

@@ -25,7 +25,7 @@ class EngineSession:
 
     def __init__(self, config: RunConfig, front=None, upcoming=None):
         from prefixrun.engine.load import loader
-        from prefixrun.engine.run.core import Engine, EngineOptions
+        from prefixrun.engine.run.core import EngineOptions
 
         if config.model_dir is None:
             raise ValueError("an engine session needs the model's folder (RunConfig.model_dir)")
@@ -95,12 +95,24 @@ class EngineSession:
             if problem:
                 self.warnings.append(problem)
             self.persist = persist if persist is not None else NoCache()
-        self.engine = Engine(self.loaded.model, ops, eos_token_ids=self.loaded.eos_token_ids,
-                             tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist)
+        self.engine = self._engine(opts)
         self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
         # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
         self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
         self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+
+    def _engine(self, opts):
+        """The engine over the loaded model, with its generation_config's bans; the generation_config fields it
+        does not apply are named in one warning."""
+        from prefixrun.engine.run.core import Engine
+
+        defaults = self.loaded.defaults
+        if defaults.not_applied:
+            self.warnings.append(f"generation_config.json sets {', '.join(defaults.not_applied)}, which prefixrun "
+                                 f"does not apply (transformers would)")
+        return Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
+                      tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist,
+                      suppress_tokens=defaults.suppress_tokens, begin_suppress_tokens=defaults.begin_suppress_tokens)
 
     def _end_hints(self):
         if self._cache_opening is not None:

@@ -40,6 +40,7 @@ class _Queued:
     lengths: list[int]  # each sequence's state length at this step (what `accept` judges the context by)
     ids: Any  # backend int64 [n]: the sampled tokens, where the next step is fed from
     fetch: Callable[[], np.ndarray]  # waits for their copy to the host
+    logprobs: Any = None  # the rows' logprobs (ModelRunner.record_logprobs), when any row wants them
 
 
 class DecodePipeline:
@@ -74,7 +75,7 @@ class DecodePipeline:
             # every grammar has now taken the tokens before this step's: its rows' masks are filled while the
             # device computes the step's forward, and their redraw is queued after it (engine/grammar/masks.py)
             ids = self.runner.finish_decode(launch)
-            self.queued = _Queued(batch, lengths, ids, self.ops.to_host_later(ids))
+            self.queued = _Queued(batch, lengths, ids, self.ops.to_host_later(ids), launch.logprobs)
         return len(batch), ended
 
     def drain(self) -> list[Sequence]:
@@ -84,7 +85,9 @@ class DecodePipeline:
 
     def _accept(self, step: _Queued) -> list[Sequence]:
         ended = []
-        for s, tok, length in zip(step.seqs, step.fetch().tolist(), step.lengths):
+        tokens = step.fetch().tolist()
+        self.runner.record_logprobs(step.seqs, tokens, step.logprobs)
+        for s, tok, length in zip(step.seqs, tokens, step.lengths):
             if s.done:  # ended by the step before (EOS or a stop): this row's token is discarded
                 self.wasted_rows += 1
                 continue

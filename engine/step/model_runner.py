@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from prefixrun.engine.grammar.compiler import UNCONSTRAINED
 from prefixrun.engine.grammar.masks import TokenMasks
+from prefixrun.engine.request import TokenLogprob
 from prefixrun.engine.step.decode_graphs import DecodeGraphs, greedy_params
+from prefixrun.engine.step.logits_processors import LogitsStage
 from prefixrun.engine.step.sequence import Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.spec.verify import accept_greedy, accept_sampled
@@ -29,6 +30,7 @@ class DecodeLaunch:
     logits: Any
     ids: Any
     params: np.ndarray  # uint32 [8, n], pack_sampling_params
+    logprobs: Any = None  # set by finish_decode: the rows' logprobs for record_logprobs (None: no row wants them)
 
 
 class ModelRunner:
@@ -37,6 +39,7 @@ class ModelRunner:
         """`masks`: structured output's masks, sized for the grammars' vocabulary (default: the model's)."""
         self.model, self.state, self.ops = model, state, ops
         self.masks = masks or TokenMasks(ops, (model.cfg.vocab_size + 31) // 32)
+        self.stage = LogitsStage(ops, self.masks)
         self.decoder = DecodeGraphs(model, state, ops, max_batch)
         self.decoder.enabled = self.decoder.enabled and graphs
         self.run_seed = run_seed
@@ -47,11 +50,21 @@ class ModelRunner:
         """Append each piece to its handle's state; returns [B, V] logits of each piece's last token."""
         return self.model.forward(self.state.prepare_step(handles, pieces), self.state)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    def prefill_rows(self, handles: list[StateHandle], pieces: list[list[int]]):
+        """`prefill` returning every row's logits [T, V] (the pieces' rows in order): prompt logprobs score them."""
+        return self.model.forward(self.state.prepare_step(handles, pieces), self.state, all_logits=True)
+
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence's last token and sample its next one; both run in the decode graph where the
         backend captures one (rows with a grammar are drawn again under its mask: `finish_decode`)."""
         launch = self.launch_decode(seqs, np.full(len(seqs), -1, np.int32), None)
-        return [int(i) for i in self.ops.to_host(self.finish_decode(launch))]
+        out = [int(i) for i in self.ops.to_host(self.finish_decode(launch))]
+        self.record_logprobs(seqs, out, launch.logprobs)
+        return out
 
     def prepare_decode(self, handles: list[StateHandle]):
         """Get the decode graph of a step over these states ready ahead of it (DecodeGraphs.prepare)."""
@@ -70,12 +83,16 @@ class ModelRunner:
 
     def finish_decode(self, launch: DecodeLaunch):
         """The launched step's backend int64 ids [n] (valid until the next step is queued: copy them first): the
-        graph's draw, or where a row has a grammar, every row drawn again from the logits under the rows' masks
-        (engine/grammar/masks.py). Call it once every row's grammar has taken the tokens before this step's; a
-        row whose sequence has ended meanwhile (its token is never accepted) is left unconstrained."""
-        grammars = [UNCONSTRAINED if s.done else s.grammar for s in launch.seqs]
-        ids = self.masks.redraw(grammars, launch.logits, launch.params)
-        return launch.ids if ids is None else ids
+        graph's draw, or where a row has a mask or edits, every row drawn again after the logits-processing stage
+        (engine/step/logits_processors.py). Call it once every row has taken the tokens before this step's; a row
+        whose sequence has ended meanwhile (its token is never accepted) is left alone. The rows that want
+        logprobs get them (of the raw logits) in `launch.logprobs` for `record_logprobs`."""
+        raw = launch.logits
+        edited = raw.copy() if self._wants_logprobs(launch.seqs) and self.stage.involves(launch.seqs) else raw
+        ids = self.stage.redraw(launch.seqs, edited, launch.params)
+        ids = launch.ids if ids is None else ids
+        launch.logprobs = self._logprobs_later(launch.seqs, raw, ids)
+        return ids
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], with_hidden: bool = False,
                pad_to: int | None = None) -> list[list[int]]:
@@ -118,13 +135,48 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         """One token per sequence from logits [B, V], drawn on the backend for the whole batch at once: the
         random number of a request's n-th token is a function of (its seed, n) only (kernels/sampling.py). Rows
-        with a grammar draw under its mask (from a copy: the logits may be a checkpoint's, shared)."""
+        with a mask or edits draw after the logits-processing stage (on a copy: the logits may be a checkpoint's,
+        shared); rows that want logprobs record them (of the raw logits)."""
         arrays = self._sampling_arrays(seqs)
-        if any(s.grammar.constrained for s in seqs):
-            ids = self.masks.redraw([s.grammar for s in seqs], logits.astype(np.float32), pack_sampling_params(*arrays))
-        else:
+        ids = None
+        if self.stage.involves(seqs):
+            ids = self.stage.redraw(seqs, logits.astype(np.float32), pack_sampling_params(*arrays))
+        if ids is None:
             ids = self.ops.sample(logits, *arrays)
-        return [int(i) for i in self.ops.to_host(ids)]
+        fetch = self._logprobs_later(seqs, logits, ids)
+        out = [int(i) for i in self.ops.to_host(ids)]
+        self.record_logprobs(seqs, out, fetch)
+        return out
+
+    @staticmethod
+    def _wants_logprobs(seqs: list[Sequence]) -> bool:
+        return any(s.request.sampling.wants_logprobs for s in seqs)
+
+    def _logprobs_later(self, seqs: list[Sequence], logits, ids):
+        """Queue the logprobs of the rows that want them (raw logits [B, V], sampled backend ids [B]); returns a
+        function giving them on the host (float32 [R, 1 + 2k], kernels/logits_edits.py top_logprobs), or None."""
+        rows = [i for i, s in enumerate(seqs) if s.request.sampling.wants_logprobs and not s.done]
+        if not rows:
+            return None
+        k = max(seqs[i].request.sampling.logprobs for i in rows)
+        later = self.ops.to_host_later(self.ops.token_logprobs(logits, self.ops.upload_index(np.array(rows)), ids, k))
+        return lambda: (rows, later())
+
+    @staticmethod
+    def record_logprobs(seqs: list[Sequence], tokens: list[int], fetch) -> None:
+        """Append to each wanting sequence its token's TokenLogprob, before `accept` may end it. `fetch`: what
+        `_logprobs_later` returned (None: no row wants them)."""
+        if fetch is None:
+            return
+        rows, table = fetch()  # [R, 1 + 2k]
+        k = (table.shape[1] - 1) // 2
+        for i, row in zip(rows, table):
+            s = seqs[i]
+            if s.done:
+                continue
+            top = tuple((int(row[1 + k + j]), float(row[1 + j])) for j in range(s.request.sampling.logprobs))
+            s.logprobs.append(TokenLogprob(int(tokens[i]), float(row[0]), top))
+            s.cumulative_logprob += float(row[0])
 
     def _sampling_arrays(self, seqs: list[Sequence], ahead: np.ndarray | None = None) -> tuple:
         """Per-row (temperature, top_k, top_p, min_p, seeds, counters), as ops.sample takes them. A row's counter is

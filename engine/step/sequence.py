@@ -4,8 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
-from prefixrun.engine.request import Request
+from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.state.pools import StateHandle
+from prefixrun.engine.step.logits_processors import RowProcessing
+
+
+def _no_processing() -> RowProcessing:
+    return RowProcessing(SamplingParams(), ())  # inactive: the stage leaves the row alone
 
 
 @dataclass(eq=False)
@@ -21,6 +26,9 @@ class Sequence:
     origin: object = None  # the runner's record of how the prompt state was made (for accounting)
     grammar: object = UNCONSTRAINED  # structured output: engine/grammar/compiler.py GrammarState (masks, stop)
     sample: int = 0  # which of its request's sequences this is (n samples): it draws with seed + sample
+    processing: RowProcessing = field(default_factory=_no_processing)  # its part of the logits-processing stage
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per generated token, when the request wants them
+    cumulative_logprob: float = 0.0  # the sum of those tokens' logprobs
 
     @property
     def done(self) -> bool:
@@ -40,13 +48,14 @@ class Sequence:
         sp = self.request.sampling
         length = self.handle.length if length is None else length
         self.tokens.append(tok)
+        self.processing.accepted(tok)
         if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
             self.finish_reason = "stop"
             return
         complete = self.grammar.accept(tok)
         if self.detok is not None:
             self.detok.feed(tok)
-            if sp.stop:
+            if sp.stop and len(self.tokens) >= sp.min_tokens:  # vLLM: no stop string before min_tokens
                 text = self.detok.text
                 hits = [(at, -len(s)) for s in sp.stop if (at := text.find(s)) >= 0]
                 if hits:
