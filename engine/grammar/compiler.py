@@ -22,6 +22,7 @@ from concurrent.futures import Future
 
 from prefixrun.engine.grammar.spec import StructuredOutput
 from prefixrun.engine.request import InvalidRequest
+from prefixrun.engine.run.background import BackgroundTask
 
 TEMPLATES_KEPT = 256
 
@@ -48,7 +49,7 @@ def _tokenizer_future(tokenizer, vocab_size: int, eos_token_ids) -> Future:
         future: Future = Future()
         _TOKENIZERS[key] = (tokenizer, future)
 
-    def make():
+    def make(stop):
         try:
             import llguidance
 
@@ -56,7 +57,7 @@ def _tokenizer_future(tokenizer, vocab_size: int, eos_token_ids) -> Future:
         except BaseException as exc:  # handed to whoever waits for it
             future.set_exception(exc)
 
-    threading.Thread(target=make, name="llguidance-tokenizer", daemon=True).start()
+    BackgroundTask("prefixrun-llguidance-tokenizer", make)  # its error goes to the future, for whoever waits
     return future
 
 
