@@ -762,7 +762,8 @@ def test_pressure_gives_up_pinned_checkpoints_instead_of_failing(cpu_ops):
     prompts = tree_prompts(1)
     sp = SamplingParams(max_tokens=4, temperature=0)
     reqs = lambda: [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]  # noqa: E731
-    want = {r.custom_id: r.token_ids for r in Engine(_FakeModel(), cpu_ops).run(reqs())}
+    want = {r.custom_id: r.token_ids for r in Engine(_FakeModel(), cpu_ops,
+                                                     options=EngineOptions(speculative="off")).run(reqs())}
     probe = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", block_size=2))
     slot, block = probe.state.slot_bytes, probe.state.block_bytes
     opts = EngineOptions(speculative="off",

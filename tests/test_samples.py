@@ -312,7 +312,8 @@ def test_each_sample_of_a_structured_request_follows_its_own_grammar(tmp_path_fa
     spec = read_structured_output({"structured_outputs": {"regex": "(yes|no|maybe)( [a-z]{1,6}){0,3}"}})
 
     def answers(n, seed):
-        eng = Engine(lm.model, lm.ops, eos_token_ids=lm.eos_token_ids, tokenizer=lm.tokenizer)
+        eng = Engine(lm.model, lm.ops, eos_token_ids=lm.eos_token_ids, tokenizer=lm.tokenizer,
+                     options=EngineOptions(speculative="off"))
         sp = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, n=n, structured=spec)
         (result,) = eng.run([Request("q", lm.tokenizer.encode("Is the sky blue? Answer:"), sp, 0)])
         eng.close()

@@ -51,7 +51,7 @@ def default_model(tmp_path_factory):
 
 def make_engine(loaded, **options) -> Engine:
     return Engine(loaded.model, loaded.ops, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer,
-                  options=EngineOptions(**options))
+                  options=EngineOptions(**{"speculative": "off", **options}))
 
 
 def request(loaded, i: int, prompt: str, fields: dict | None = None, **sampling) -> Request:
@@ -157,7 +157,8 @@ def test_a_grammar_that_admits_nothing_is_an_error_result(default_model):
 
 
 def test_without_a_tokenizer_a_constrained_request_is_an_error(default_model):
-    engine = Engine(default_model.model, default_model.ops, eos_token_ids=default_model.eos_token_ids)
+    engine = Engine(default_model.model, default_model.ops, eos_token_ids=default_model.eos_token_ids,
+                    options=EngineOptions(speculative="off"))
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "a+")), 0)
     got = list(engine.run([req]))
     assert got[0].finish_reason == "error" and "tokenizer" in got[0].error
