@@ -291,7 +291,8 @@ def _decode_json_object(text: str) -> dict:
 
 
 def _is_openai_line(obj: dict) -> bool:
-    # A plain line may carry extra keys such as "url" as metadata; its prompt field decides.
+    # A line with a plain prompt field is a plain line, whatever else it carries (a "url" there is then an unknown
+    # key, refused as any other).
     has_plain_prompt = any(obj.get(name) is not None for name in _PROMPT_FIELDS)
     return not has_plain_prompt and ("url" in obj or "body" in obj)
 
