@@ -63,7 +63,7 @@ def _arguments_text(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             unwrapped = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             unwrapped = None
         arguments = unwrapped if isinstance(unwrapped, dict) else arguments
     return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
@@ -82,7 +82,7 @@ def parse_hermes(text: str, tools: list[dict]) -> Extracted:
     try:
         found = [json.loads(closed or open_ended) for closed, open_ended in _HERMES_CALL.findall(text)]
         calls = tuple(ToolCall(call["name"], _arguments_text(call["arguments"])) for call in found)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return Extracted((), text)
     if not all(isinstance(call.name, str) for call in calls):
         return Extracted((), text)
@@ -105,7 +105,7 @@ def parse_llama3_json(text: str, tools: list[dict]) -> Extracted:
             obj, length = _LLAMA_DECODER.raw_decode(text, match.start())
             name = obj["name"]
             arguments = _arguments_text(obj["arguments"] if "arguments" in obj else obj["parameters"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue  # a brace of prose, or an object that is no call (the model quoting its arguments)
         if isinstance(name, str):
             end = length
@@ -182,7 +182,7 @@ def _coder_value(raw: str, kind: tuple[str, bool] | None) -> Any:
         parsed = json.loads(value)
         _arguments_text(parsed)  # a number JSON cannot write back (1e999) stays text
         return parsed
-    except ValueError:
+    except (ValueError, RecursionError):
         return value
 
 
@@ -266,7 +266,7 @@ def read_forced_reply(choice: ToolChoice, text: str) -> tuple[ToolCall, ...]:
     max_tokens)."""
     try:
         value = json.loads(text, parse_constant=_refuse_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ()
     if choice.mode == "named":
         return (ToolCall(choice.name, text),)  # the reply is the arguments (vLLM passes it on as it is)
@@ -275,7 +275,7 @@ def read_forced_reply(choice: ToolChoice, text: str) -> tuple[ToolCall, ...]:
         return ()
     try:
         return tuple(ToolCall(item["name"], _arguments_text(item.get("parameters", {}))) for item in value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ()
 
 

@@ -605,3 +605,19 @@ def test_arguments_written_as_a_json_string_are_not_encoded_twice():
     assert json.loads(parse_hermes(bare, []).calls[0].arguments) == "hello"
     assert json.loads(parse_llama3_json('{"name": "f", "parameters": "{\\"a\\": 1}"}', []).calls[0].arguments) == \
         {"a": 1}
+
+
+def test_a_reply_nested_beyond_the_json_reader_is_content():
+    """A degenerate reply ("[[[[..." thousands deep) must not break the run: no call, the text stays content."""
+    from prefixrun.cli.replies import ReplyOptions, ReplyShaper
+    from prefixrun.cli.tool_calls import PARSERS, ToolChoice
+
+    deep = "[" * 5000 + "]" * 5000
+    texts = [f"<tool_call>{deep}</tool_call>", '{"name": "f", "arguments": ' + deep + "}",
+             f"<tool_call>\n<function=get_weather>\n<parameter=days>\n{deep}\n</parameter>\n</function>", deep]
+    for text in texts:
+        for parse_tools in PARSERS.values():
+            for choice in (ToolChoice("auto"), ToolChoice("required")):
+                shaper = ReplyShaper("x", ReplyOptions(tool_choice=choice), tools=(WEATHER,), parse_tools=parse_tools)
+                message, _ = shaper.message(text, "length")
+                assert "tool_calls" not in message or message["tool_calls"]
