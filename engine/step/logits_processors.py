@@ -117,6 +117,7 @@ class LogitsStage:
         """`masks`: engine/grammar/masks.py TokenMasks (the grammars' bitmasks and the step's device buffers)."""
         self.ops, self.masks = ops, masks
         self.steps = 0  # steps drawn again under the stage
+        self._edits_buffer = None  # device int32, grown to the largest step's packed edits (written in place)
 
     @staticmethod
     def involves(seqs) -> bool:
@@ -143,10 +144,21 @@ class LogitsStage:
             ops.apply_token_bitmask(logits, mask_buffer)
             self.masks.steps += 1
         if edits is not None:
-            ops.process_logits(logits, ops.upload_index(edits.pack()))
+            ops.process_logits(logits, self._device_edits(edits.pack()))
         ops.write_index(packed, np.ascontiguousarray(params, np.uint32).view(np.int32))
         self.steps += 1
         return ops.sample_into(logits, packed, ids)
+
+    def _device_edits(self, packed: np.ndarray):
+        """The packed edits on the device: written into a buffer kept across steps (through the backend's pinned
+        step copies, in stream order: the host never waits for the queued forward), grown when a step needs more."""
+        n = packed.shape[0]
+        if self._edits_buffer is None or self._edits_buffer.shape[0] < n:
+            self._edits_buffer = self.ops.upload_index(np.zeros(max(n, 2 * (0 if self._edits_buffer is None else
+                                                                           self._edits_buffer.shape[0])), np.int32))
+        view = self._edits_buffer[:n]
+        self.ops.write_index(view, packed)
+        return view
 
     def _with_allowed(self, live, mask: np.ndarray | None) -> np.ndarray | None:
         """The grammars' mask (None: none) AND each row's allowed_token_ids."""
