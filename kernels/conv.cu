@@ -1,15 +1,16 @@
-// Depthwise causal conv1d + SiLU over varlen sequences, continuing from per-slot histories (Gated DeltaNet).
+// Depthwise causal conv1d + SiLU (Gated DeltaNet; LFM2's short convolution: act 0, none) over varlen sequences,
+// continuing from per-slot histories.
 // Two launches per call: conv_fwd reads the old histories, conv_state_update then overwrites them (a single
 // kernel would race: the chunk holding a sequence's start reads the history its last chunk rewrites).
 
 #define CONV_CHUNK 32
 
-// x [T, C] (row stride sx), weight fp32 [C, K], state [slots, C, K-1] (oldest first), out [T, C].
+// x [T, C] (row stride sx), weight fp32 [C, K], state [slots, C, K-1] (oldest first), out [T, C]; act: SiLU or none.
 // grid (ceil(C / blockDim.x), upper bound of chunks); block b of sequence-chunk pairs found by find_tile.
 template <typename T, typename TS, int K>
 __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
                                 const TS* __restrict__ state, const int* __restrict__ slots,
-                                const int* __restrict__ cu, int num_seqs, int channels, T* __restrict__ out) {
+                                const int* __restrict__ cu, int num_seqs, int channels, int act, T* __restrict__ out) {
     __shared__ int s_seq, s_tile;
     if (threadIdx.x < 32) {
         int seq = -1, tile = 0;
@@ -40,7 +41,7 @@ __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __
         float acc = 0.f;
 #pragma unroll
         for (int j = 0; j < K; ++j) acc += win[j] * w[j];
-        out[(i64)(start + i) * channels + c] = from_f<T>(silu_f(acc));
+        out[(i64)(start + i) * channels + c] = from_f<T>(act ? silu_f(acc) : acc);
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
     }

@@ -132,8 +132,15 @@ class DenseOps:
 
     def sigmoid_mul(self, x, gate):
         """x * sigmoid(gate) for x, gate [..., D] of one shape (strided rows allowed) in one launch."""
+        return self._gate_mul("sigmoid_mul", x, gate)
+
+    def mul(self, a, b):
+        """a * b for a, b [..., D] of one shape (strided rows allowed) in one launch."""
+        return self._gate_mul("mul", a, b)
+
+    def _gate_mul(self, name, x, gate):
         if x.shape != gate.shape:
-            raise ValueError(f"sigmoid_mul: x {x.shape} and gate {gate.shape} differ")
+            raise ValueError(f"{name}: x {x.shape} and gate {gate.shape} differ")
         x = x if x.dtype == self._act else self._cast(x, self._act)
         gate = gate if gate.dtype == self._act else self._cast(gate, self._act)
         x, rows, d, xn1, xs0, xs1 = row_view(x)
@@ -142,7 +149,7 @@ class DenseOps:
         if rows and d:
             vec = vectors_ok(d, x.itemsize, (x, x.itemsize, xs0, xs1), (gate, gate.itemsize, gs0, gs1))
             launch = elementwise_launch(d // elementwise_vector(x.itemsize) if vec else d, rows)
-            kernel("elementwise", f"sigmoid_mul_kernel<{type_name(self._act)}>")(
+            kernel("elementwise", f"{name}_kernel<{type_name(self._act)}>")(
                 launch.grid, (launch.threads,), (x, i64(xn1), i64(xs0), i64(xs1), gate, i64(gn1), i64(gs0),
                                                  i64(gs1), i64(rows), i32(d), out, i32(launch.tx), i32(vec)))
         return out

@@ -351,10 +351,16 @@ __global__ void gelu_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i
 
 // out = x * sigmoid(gate) over rows of d (x, gate: row views as row_norm_kernel's; out contiguous); the sigmoid is
 // rounded to T first, as sigmoid_kernel's output then a product would round it. Units as glu_rows' (vec: d, the
-// strides and bases aligned to NORM_V(T)); launched as the GLUs.
-template <typename T>
-__global__ void sigmoid_mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1, const T* __restrict__ gate,
-                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out, int tx, int vec) {
+// strides and bases aligned to NORM_V(T)); launched as the GLUs. SIGMOID false: out = x * gate (mul_kernel).
+template <typename T, bool SIGMOID>
+__device__ __forceinline__ float gate_factor(float g) {
+    return SIGMOID ? to_f(from_f<T>(1.0f / (1.0f + expf(-g)))) : g;
+}
+
+template <typename T, bool SIGMOID>
+__device__ __forceinline__ void gate_mul_rows(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1,
+                                              const T* __restrict__ gate, i64 gn1, i64 gs0, i64 gs1, i64 rows, int d,
+                                              T* __restrict__ out, int tx, int vec) {
     constexpr int V = NORM_V(T);
     const RowUnits t(tx);
     const int u = (int)t.u;
@@ -368,13 +374,25 @@ __global__ void sigmoid_mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i6
             load_chunk<T, V>(xr + u * V, a);
             load_chunk<T, V>(gr + u * V, g);
 #pragma unroll
-            for (int k = 0; k < V; ++k) a[k] *= to_f(from_f<T>(1.0f / (1.0f + expf(-g[k]))));
+            for (int k = 0; k < V; ++k) a[k] *= gate_factor<T, SIGMOID>(g[k]);
             store_chunk<T, V>(o + u * V, a);
         } else {
-            const float sig = to_f(from_f<T>(1.0f / (1.0f + expf(-to_f(gr[u])))));
-            o[u] = from_f<T>(to_f(xr[u]) * sig);
+            o[u] = from_f<T>(to_f(xr[u]) * gate_factor<T, SIGMOID>(to_f(gr[u])));
         }
     }
+}
+
+template <typename T>
+__global__ void sigmoid_mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1, const T* __restrict__ gate,
+                                   i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out, int tx, int vec) {
+    gate_mul_rows<T, true>(x, xn1, xs0, xs1, gate, gn1, gs0, gs1, rows, d, out, tx, vec);
+}
+
+// out = a * b over rows of d, row views and launch as sigmoid_mul_kernel's (LFM2's short-convolution gates)
+template <typename T>
+__global__ void mul_kernel(const T* __restrict__ x, i64 xn1, i64 xs0, i64 xs1, const T* __restrict__ gate,
+                           i64 gn1, i64 gs0, i64 gs1, i64 rows, int d, T* __restrict__ out, int tx, int vec) {
+    gate_mul_rows<T, false>(x, xn1, xs0, xs1, gate, gn1, gs0, gs1, rows, d, out, tx, vec);
 }
 
 // out[e] = a[e] + b[e % nb]   (b broadcast over the leading dims of a)

@@ -133,6 +133,9 @@ class Ops(Protocol):
         """x * sigmoid(gate), both [..., D] of one shape (strided views allowed) -> act; the sigmoid is rounded to
         act before the product, as `x * sigmoid(gate)` rounds it."""
 
+    def mul(self, a, b) -> Array:
+        """a * b, both [..., D] of one shape (strided views allowed) -> act (LFM2's short-convolution gates)"""
+
     def silu_mul(self, gate_up) -> Array:
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
 
@@ -164,14 +167,16 @@ class Ops(Protocol):
         """a, b [T, H] -> (g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b)), both fp32 [T, H]"""
 
     # ---- sequence mixing ---------------------------------------------------------------------------------------
-    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens) -> Array:
-        """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]"""
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu: bool = True) -> Array:
+        """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]
+        (silu False: the convolution alone)"""
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64) -> Array:
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
         -> o [T, H, Dv]"""
 
-    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows) -> Array:
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows,
+                           silu: bool = True) -> Array:
         """`causal_conv1d`, and the conv history after every token t with snapshot_rows[t] >= 0 written to
         snapshots[snapshot_rows[t]] (snapshots [R, C, K-1] in conv_state's dtype; snapshot_rows [T] int32, -1: none).
         Each token's output and the final state equal `causal_conv1d`'s (a speculative step's rows)."""

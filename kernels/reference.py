@@ -142,6 +142,12 @@ class NumpyOps(MoeReferenceOps):
             raise ValueError(f"sigmoid_mul: x {x.shape} and gate {gate.shape} differ")
         return (x * self.sigmoid(gate).astype(self.act_dtype)).astype(self.act_dtype)
 
+    def mul(self, a, b):
+        """a * b, both [..., D] of one shape -> act (the product of two stored values, rounded once)"""
+        if a.shape != b.shape:
+            raise ValueError(f"mul: a {a.shape} and b {b.shape} differ")
+        return (a.astype(np.float32) * b.astype(np.float32)).astype(self.act_dtype)
+
     def silu_mul(self, gate_up):
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
         i = gate_up.shape[-1] // 2
@@ -206,8 +212,9 @@ class NumpyOps(MoeReferenceOps):
         return g.astype(np.float32), beta.astype(np.float32)
 
     # ---- sequence mixing ----------------------------------------------------------------------------------
-    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens):
-        """Depthwise causal conv + SiLU over each sequence's new tokens, continuing from its conv history.
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu=True):
+        """Depthwise causal conv + SiLU (silu False: none) over each sequence's new tokens, continuing from its
+        conv history.
 
         x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (the K-1 previous inputs, oldest first; zeros for
         a new sequence), slots [B], cu_seqlens [B+1]. Returns y [T, C]; updates conv_state[slots] in place.
@@ -224,7 +231,7 @@ class NumpyOps(MoeReferenceOps):
             acc = np.zeros((n, x.shape[1]), np.float32)
             for j in range(k):
                 acc += xpad[j:j + n] * weight[:, j]
-            y[s:e] = acc / (1.0 + np.exp(-acc))
+            y[s:e] = acc / (1.0 + np.exp(-acc)) if silu else acc
             conv_state[slots[b]] = xpad[n:].T  # the last K-1 inputs
         return y
 
@@ -264,7 +271,7 @@ class NumpyOps(MoeReferenceOps):
             state[slots[b]] = S
         return out.astype(self.act_dtype)
 
-    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows):
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows, silu=True):
         """`causal_conv1d` (the same arithmetic per token), plus the conv history after every token t with
         snapshot_rows[t] >= 0 in snapshots[snapshot_rows[t]] ([R, C, K-1]; -1: no snapshot). A speculative
         verify step's rows: commit restores the history after the last kept row from its snapshot."""
@@ -273,7 +280,7 @@ class NumpyOps(MoeReferenceOps):
         for b in range(len(slots)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             history[b] = np.concatenate([conv_state[slots[b]].T.astype(np.float32), x[s:e].astype(np.float32)])
-        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens)
+        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens, silu)
         for b in range(len(slots)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             for j in range(e - s):

@@ -1,4 +1,4 @@
-"""The fused CUDA ops (residual add + RMSNorm, q/k norm + rotary, sigmoid gate) against
+"""The fused CUDA ops (residual add + RMSNorm, q/k norm + rotary, sigmoid gate, plain gate) against
 the NumPy reference and against the unfused CUDA ops they replace, on ragged and odd shapes, fp32 and bf16.
 
 Skipped cleanly without CuPy or a GPU. `python tests/test_cuda_fused.py --bench` times each fused op against the
@@ -107,6 +107,24 @@ def test_sigmoid_mul_strided_gate(ops, ref):
     assert rel(host(ops, got), ref.sigmoid_mul(x, qg[:, :, d:])) <= TOL[ops.dtype_name]
     with pytest.raises(ValueError):
         ops.sigmoid_mul(ops.upload(x), ops.upload(qg))
+
+
+@pytest.mark.parametrize("d", [2048, 37])  # LFM2-like rows (vector path); a ragged width (element path)
+def test_mul_of_projection_slices(ops, ref, d):
+    """LFM2's gates: B * x and C * y on column slices of one [T, 3D] projection."""
+    rng = np.random.default_rng(d)
+    t = 21
+    proj = act_round(ops, rnd(rng, t, 3 * d, scale=2.0))
+    dproj = ops.upload(proj)
+    got = ops.mul(dproj[:, :d], dproj[:, 2 * d:])
+    assert got.shape == (t, d) and got.dtype == np.dtype(ops.act_dtype)
+    want = ref.mul(proj[:, :d], proj[:, 2 * d:])
+    if ops.dtype_name == "bfloat16":
+        assert rel(host(ops, got), want) <= TOL[ops.dtype_name]
+    else:
+        np.testing.assert_array_equal(host(ops, got), want)  # one fp32 product: exact
+    with pytest.raises(ValueError):
+        ops.mul(dproj[:, :d], dproj[:, d:])
 
 
 @pytest.mark.parametrize("rows,inner", [(64, 9216), (3, 37), (9, 48), (2, 8)])

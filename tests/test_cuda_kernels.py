@@ -238,8 +238,9 @@ def _varlen(lens):
     return cu
 
 
-@pytest.mark.parametrize("k", [4, 2])
-def test_causal_conv1d(ops, ref, k):
+@pytest.mark.parametrize("silu", [True, False], ids=["silu", "none"])  # Gated DeltaNet; LFM2's short convolution
+@pytest.mark.parametrize("k", [4, 3, 2])
+def test_causal_conv1d(ops, ref, k, silu):
     rng = np.random.default_rng(7 + k)
     lens = [1, 3, 70, 0, 33, 2, 1]
     cu = _varlen(lens)
@@ -250,9 +251,9 @@ def test_causal_conv1d(ops, ref, k):
     state = act_round(ops, rnd(rng, nslots, c, k - 1))
     d_state = ops.upload(state)
     y = ops.causal_conv1d(ops.upload(proj)[:, :c], ops.upload(weight, np.float32), d_state, ops.upload_index(slots),
-                          ops.upload_index(cu))
+                          ops.upload_index(cu), silu=silu)
     want_state = state.copy()
-    want = ref.causal_conv1d(proj[:, :c], weight, want_state, slots, cu)
+    want = ref.causal_conv1d(proj[:, :c], weight, want_state, slots, cu, silu=silu)
     assert rel(host(ops, y), want) <= TOL_SEQ[ops.dtype_name]
     assert rel(host(ops, d_state), want_state) <= TOL_SEQ[ops.dtype_name]
     untouched = np.setdiff1d(np.arange(nslots), slots)

@@ -73,6 +73,14 @@ extern "C" int emu_sigmoid_mul(int bf, const void* x, i64 xn1, i64 xs0, i64 xs1,
     if (bf) EMU_SIGMUL(bf16) else EMU_SIGMUL(float)
     return 0;
 }
+extern "C" int emu_mul(int bf, const void* x, i64 xn1, i64 xs0, i64 xs1, const void* g, i64 gn1, i64 gs0, i64 gs1,
+                       i64 rows, int d, void* out, int gx, int gy, int threads, int tx, int vec) {
+    gridDim = {unsigned(gx), unsigned(gy), 1};
+#define EMU_MUL(T) emu_launch(gridDim, threads, 0, [&] { mul_kernel<T>((const T*)x, xn1, xs0, xs1, (const T*)g,    \
+        gn1, gs0, gs1, rows, d, (T*)out, tx, vec); });
+    if (bf) EMU_MUL(bf16) else EMU_MUL(float)
+    return 0;
+}
 extern "C" int emu_glu(int bf, int act, const void* gu, i64 rows, i64 inner, i64 s0, void* out, int gx, int gy,
                        int threads, int tx, int vec) {
     gridDim = {unsigned(gx), unsigned(gy), 1};
@@ -254,17 +262,25 @@ def _elementwise_geometry(units, rows, rows_cap=None):
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t,h,d,rows_cap", [(6, 3, 24, None), (5, 16, 256, 3), (4, 3, 20, None), (3, 2, 1032, None)])
-def test_sigmoid_mul_kernel_on_a_strided_gate(emu, dtype, t, h, d, rows_cap):
-    """Vector and element paths give the reference's bits element for element (d = 20: the element path only)."""
+@pytest.mark.parametrize("op", ["sigmoid_mul", "mul"])
+def test_gate_mul_kernels_on_a_strided_gate(emu, dtype, t, h, d, rows_cap, op):
+    """x * sigmoid(gate) and x * gate (LFM2's gates): vector and element paths give the reference's bits element for
+    element (d = 20: the element path only)."""
     rng = np.random.default_rng(3 + d)
     xs, x = _store(rng.standard_normal((t, h, d)), dtype)
     qgs, qg = _store(rng.standard_normal((t, h, 2 * d)) * 3.0, dtype)
     gate = qg[:, :, d:]  # the gate half of each head's [query, gate] rows
     ref = NumpyOps()
-    want = ref.sigmoid_mul(x, gate)
-    np.testing.assert_array_equal(want, x * ref.sigmoid(gate))
-    if dtype == BF16:  # the kernel rounds the sigmoid to the storage type, then the product
-        want = (x * ref.sigmoid(gate).astype(dtype).astype(np.float32)).astype(dtype).astype(np.float32)
+    if op == "mul":
+        want = ref.mul(x, gate)
+        np.testing.assert_array_equal(want, x * gate)
+        if dtype == BF16:  # one rounding, of the product
+            want = (x * gate).astype(dtype).astype(np.float32)
+    else:
+        want = ref.sigmoid_mul(x, gate)
+        np.testing.assert_array_equal(want, x * ref.sigmoid(gate))
+        if dtype == BF16:  # the kernel rounds the sigmoid to the storage type, then the product
+            want = (x * ref.sigmoid(gate).astype(dtype).astype(np.float32)).astype(dtype).astype(np.float32)
     v = 16 // dtype.itemsize
     bf = int(dtype == BF16)
 
@@ -273,7 +289,7 @@ def test_sigmoid_mul_kernel_on_a_strided_gate(emu, dtype, t, h, d, rows_cap):
         geometry = _elementwise_geometry(d // v if vec else d, t * h, rows_cap)
         gp = ctypes.c_void_p(qgs.ctypes.data + d * qgs.itemsize)
         # _rows' description of each: x contiguous (n1 1, s0 d); the gate rows (n1 h, s0 2hd, s1 2d)
-        rc = emu.emu_sigmoid_mul(bf, _ptr(xs), i64(1), i64(d), i64(0), gp, i64(h), i64(2 * h * d), i64(2 * d),
+        rc = getattr(emu, f"emu_{op}")(bf, _ptr(xs), i64(1), i64(d), i64(0), gp, i64(h), i64(2 * h * d), i64(2 * d),
                                  i64(t * h), d, _ptr(out), *geometry, int(vec))
         assert rc == 0 and ok(), "the kernel wrote past the output"
         return out.copy()
@@ -281,8 +297,8 @@ def test_sigmoid_mul_kernel_on_a_strided_gate(emu, dtype, t, h, d, rows_cap):
     paths = [False] + ([True] if d % v == 0 else [])
     for vec in paths:
         got = _values(_forked(lambda: emulate(vec)), dtype)
-        if dtype == BF16:  # the device's expf may differ from NumPy's in the last fp32 bit before rounding to bf16
-            np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+        if dtype == BF16 and op == "sigmoid_mul":  # the device's expf may differ from NumPy's in the last fp32 bit
+            np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)  # before rounding to bf16
         else:
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     if len(paths) == 2:

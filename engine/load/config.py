@@ -22,6 +22,7 @@ from prefixrun.engine.load.rope import RopeConfig
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
+SHORT_CONV = "conv"  # LFM2's gated short-convolution layers
 
 # hidden_act values (transformers' ACT2FN names) with an op in both backends; engine.models.layers maps them
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_pytorch_tanh", "gelu_python_tanh",
@@ -197,6 +198,46 @@ class SlidingWindowConfig(DecoderConfig):
             **common, hidden_act=f.get("hidden_activation"),
             sliding_window=f.number("sliding_window", int) if window is not None else 4096, rope_local=rope_local,
             query_pre_attn_scalar=f.number("query_pre_attn_scalar"), final_logit_softcapping=cap)
+
+
+@dataclass(frozen=True)
+class ShortConvConfig(DecoderConfig):
+    """LFM2: gated short-convolution layers (in_proj -> B, C, x; C * conv(B * x); out_proj) and GQA attention
+    layers with q/k RMSNorm in the configured pattern; SwiGLU feed-forward sized as Lfm2MLP sizes it (the
+    resolved size is intermediate_size); plain RMSNorms with norm_eps."""
+
+    conv_kernel: int = 3  # conv_L_cache: the convolution's width; its state is the last conv_kernel - 1 inputs
+    conv_bias: bool = False  # in_proj, the convolution and out_proj carry biases
+
+    def __post_init__(self):
+        super().__post_init__()
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SHORT_CONV}
+        if unknown:
+            raise ModelLoadError(f"config.json: unsupported layer types {sorted(unknown)} (LFM2 has "
+                                 f"{FULL_ATTENTION!r} and {SHORT_CONV!r})")
+        if self.conv_kernel < 2:
+            raise ModelLoadError(f"config.json: conv_L_cache must be >= 2, got {self.conv_kernel!r}")
+
+    @classmethod
+    def from_fields(cls, f: ConfigFields, common: dict, rope_local: RopeConfig | None) -> DecoderConfig:
+        # Lfm2Config takes the legacy names block_ff_dim / tie_embedding over the standard ones when present
+        size = f.number("block_ff_dim" if "block_ff_dim" in f.text else "intermediate_size", int)
+        if f.flag("block_auto_adjust_ff_dim"):  # exactly Lfm2MLP's sizing
+            size = int(2 * size / 3)
+            multiplier = f.number("block_ffn_dim_multiplier", allow_none=True)
+            if multiplier is not None:
+                multiple = f.number("block_multiple_of", int)
+                if multiple < 1:
+                    f.refuse_unless("block_multiple_of", False, "it must be a positive integer")
+                size = int(multiplier * size)
+                size = multiple * ((size + multiple - 1) // multiple)
+        tie = f.flag("tie_embedding" if "tie_embedding" in f.text else "tie_word_embeddings")
+        # LFM2 reads norm_eps (not rms_norm_eps), has no attention biases and a fixed SiLU feed-forward
+        eps = f.number("norm_eps")
+        if not eps > 0:
+            f.refuse_unless("norm_eps", False, "it must be a positive number")
+        common = dict(common, intermediate_size=size, rms_norm_eps=eps, tie_word_embeddings=tie, attention_bias=False)
+        return cls(**common, conv_kernel=f.number("conv_L_cache", int), conv_bias=f.flag("conv_bias"))
 
 
 class ConfigFields:

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ConfigFields, \
-    DecoderConfig, DenseConfig, HybridConfig, SlidingWindowConfig
+from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SHORT_CONV, SLIDING_ATTENTION, \
+    ConfigFields, DecoderConfig, DenseConfig, HybridConfig, ShortConvConfig, SlidingWindowConfig
 from prefixrun.engine.load.moe_config import MoeHybridConfig
 from prefixrun.engine.load.rope import parse_rope
 
@@ -39,6 +39,11 @@ _DEFAULTS = {
                    query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
                    attn_logit_softcapping=None, use_bidirectional_attention=False, rope_theta=1_000_000.0,
                    rope_local_base_freq=10_000.0),
+    "lfm2": dict(_COMMON_DEFAULTS, vocab_size=65536, hidden_size=2560, intermediate_size=12288,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=None,
+                 max_position_embeddings=128_000, norm_eps=1e-5, tie_word_embeddings=True, rope_theta=1_000_000.0,
+                 conv_bias=False, conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=True),
 }
 # the MoE hybrids (engine/load/moe_config.py): Qwen3NextConfig's and Qwen3_5MoeTextConfig's defaults; Qwen3.5-MoE has
 # no dense MLP, so its intermediate_size is never used
@@ -62,6 +67,12 @@ def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ..
         elif family in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
             interval = f.number("full_attention_interval", int) if "full_attention_interval" in f.text else 4
             layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+        elif family == "lfm2":
+            attention = f.get("full_attn_idxs")
+            attention = list(range(num_layers)) if attention is None else attention
+            if not isinstance(attention, list) or not all(isinstance(i, int) for i in attention):
+                raise ModelLoadError(f"{f.source}: full_attn_idxs must be a list of layer indices, got {attention!r}")
+            layer_types = [FULL_ATTENTION if i in attention else SHORT_CONV for i in range(num_layers)]
         elif family == "qwen3":
             window = f.get("sliding_window") if f.flag("use_sliding_window") else None
             first = f.number("max_window_layers", int)
@@ -99,11 +110,13 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", DenseConfig),
     "Gemma3ForCausalLM": ("gemma3", SlidingWindowConfig),
     "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
+    "Lfm2ForCausalLM": ("lfm2", ShortConvConfig),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+                "lfm2": "Lfm2ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.load.config import LINEAR_ATTENTION, HybridConfig
+from prefixrun.engine.load.config import LINEAR_ATTENTION, SHORT_CONV, HybridConfig, ShortConvConfig
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
 
@@ -46,6 +46,8 @@ _COMPOSITES = {
 def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for the text model the config describes (the names transformers loads)."""
     cfg = parse_config(raw_config)
+    if isinstance(cfg, ShortConvConfig):
+        return _lfm2_shapes(cfg)
     d, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.weight_prefix
     shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
@@ -89,6 +91,31 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _lfm2_shapes(cfg: ShortConvConfig) -> dict[str, tuple[int, ...]]:
+    """LFM2's tensors (engine/models/lfm2.py): its own names for norms, projections and the feed-forward."""
+    d, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.weight_prefix
+    shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "embedding_norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for n, kind in enumerate(cfg.layer_types):
+        lp = f"{p}layers.{n}."
+        shapes.update({lp + "operator_norm.weight": (d,), lp + "ffn_norm.weight": (d,),
+                       lp + "feed_forward.w1.weight": (i, d), lp + "feed_forward.w3.weight": (i, d),
+                       lp + "feed_forward.w2.weight": (d, i)})
+        if kind == SHORT_CONV:
+            c = lp + "conv."
+            shapes.update({c + "in_proj.weight": (3 * d, d), c + "conv.weight": (d, 1, cfg.conv_kernel),
+                           c + "out_proj.weight": (d, d)})
+            if cfg.conv_bias:
+                shapes.update({c + "in_proj.bias": (3 * d,), c + "conv.bias": (d,), c + "out_proj.bias": (d,)})
+        else:
+            a, hq, hkv, hd = lp + "self_attn.", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            shapes.update({a + "q_proj.weight": (hq * hd, d), a + "k_proj.weight": (hkv * hd, d),
+                           a + "v_proj.weight": (hkv * hd, d), a + "out_proj.weight": (d, hq * hd),
+                           a + "q_layernorm.weight": (hd,), a + "k_layernorm.weight": (hd,)})
+    return shapes
+
+
 def mtp_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     """The MTP head's tensors as Qwen3.5 / Qwen3-Next checkpoints ship them (top-level `mtp.*`, also in the
     vision-language composite): fc [D, 2D] over [normed embedding, normed hidden], its two pre-fc norms, one gated
@@ -126,7 +153,7 @@ def _init(name: str, shape, rng: np.random.Generator, std: float, zero_centered_
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     if name.endswith("dt_bias"):
         return rng.uniform(-1.0, 1.0, shape).astype(np.float32)
-    if name.endswith("conv1d.weight"):
+    if name.endswith(("conv1d.weight", ".conv.conv.weight")):  # depthwise convolutions: taps of order one
         return rng.normal(0.0, 0.5, shape).astype(np.float32)
     if "norm" in name and len(shape) == 1:
         neutral = 0.0 if (zero_centered_norms and "linear_attn.norm" not in name) else 1.0

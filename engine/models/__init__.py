@@ -11,7 +11,7 @@ from prefixrun.engine.models.layers import CausalLM, WeightLoader
 from prefixrun.engine.load.weights import CheckpointTensors
 
 _FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3",
-             "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_next"}
+             "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_next", "lfm2": "lfm2"}
 
 
 # Composite checkpoints as transformers 5.17 saves some of them (Gemma 3 through its llava-style conversion):

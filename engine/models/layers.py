@@ -92,17 +92,20 @@ assert set(ACTIVATIONS) == set(SUPPORTED_ACTIVATIONS)
 
 
 class GatedMLP:
-    """down(act(gate(x)) * up(x)) with optional biases (Llama mlp_bias); gate and up are one stacked GEMM."""
+    """down(act(gate(x)) * up(x)) with optional biases (Llama mlp_bias); gate and up are one stacked GEMM.
+    `names`: the gate, up and down projections' names (LFM2 calls them w1, w3, w2)."""
 
-    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str):
+    def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         d, i = cfg.hidden_size, cfg.intermediate_size
-        names = [prefix + "gate_proj.", prefix + "up_proj."]
+        down = prefix + names[2] + "."
+        names = [prefix + names[0] + ".", prefix + names[1] + "."]
         self.gate_up = load.stacked([n + "weight" for n in names], [(i, d), (i, d)])
-        self.down = load.matrix(prefix + "down_proj.weight", (d, i))
+        self.down = load.matrix(down + "weight", (d, i))
         self.gate_up_bias = self.down_bias = None
         if cfg.mlp_bias:
             self.gate_up_bias = load.bias([n + "bias" for n in names], [i, i])
-            self.down_bias = load.bias([prefix + "down_proj.bias"], [d])
+            self.down_bias = load.bias([down + "bias"], [d])
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, ops, x):
@@ -115,22 +118,25 @@ class GatedMLP:
 
 class Attention:
     """Full (or sliding-window) attention over paged K/V, with optional per-head q/k RMSNorm, partial rotary
-    and Qwen3.5's sigmoid output gate (q_proj then yields [query, gate] interleaved per head)."""
+    and Qwen3.5's sigmoid output gate (q_proj then yields [query, gate] interleaved per head). `names`: the
+    output projection's and the q/k norms' names (LFM2 calls them out_proj, q_layernorm, k_layernorm)."""
 
     def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str, layer: int, *, qk_norm: bool,
-                 output_gate: bool, zero_centered_norm: bool, rope=None, scale: float | None = None):
+                 output_gate: bool, zero_centered_norm: bool, rope=None, scale: float | None = None,
+                 names: tuple[str, str, str] = ("o_proj", "q_norm", "k_norm")):
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hq, self.hkv, self.hd = hq, hkv, hd
         self.output_gate = output_gate
+        o_name, q_norm, k_norm = (prefix + n + "." for n in names)
         q_rows = hq * hd * (2 if output_gate else 1)
         names = [prefix + n for n in ("q_proj.", "k_proj.", "v_proj.")]
         rows = [q_rows, hkv * hd, hkv * hd]
         self.qkv = load.stacked([n + "weight" for n in names], [(r, d) for r in rows])
-        self.o_proj = load.matrix(prefix + "o_proj.weight", (d, hq * hd))
+        self.o_proj = load.matrix(o_name + "weight", (d, hq * hd))
         self.qkv_bias = self.o_bias = None
         if cfg.attention_bias:
             self.qkv_bias = load.bias([n + "bias" for n in names], rows)
-            self.o_bias = load.bias([prefix + "o_proj.bias"], [d])
+            self.o_bias = load.bias([o_name + "bias"], [d])
         rope = rope or cfg.rope
         self.scale = scale if scale is not None else hd ** -0.5
         # yarn: transformers scales cos and sin, so the rotated dims of q and k, by the attention factor a
@@ -145,10 +151,8 @@ class Attention:
                                      f"({cfg.architecture} has none)")
         self.q_norm = self.k_norm = None
         if qk_norm:
-            self.q_norm = RMSNorm(load, prefix + "q_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm,
-                                  rotated_scale)
-            self.k_norm = RMSNorm(load, prefix + "k_norm.weight", hd, cfg.rms_norm_eps, zero_centered_norm,
-                                  rotated_scale)
+            self.q_norm = RMSNorm(load, q_norm + "weight", hd, cfg.rms_norm_eps, zero_centered_norm, rotated_scale)
+            self.k_norm = RMSNorm(load, k_norm + "weight", hd, cfg.rms_norm_eps, zero_centered_norm, rotated_scale)
         self.inv_freq = load.ops.upload(np.array(rope.inverse_frequencies(), np.float32), np.float32)
         self.k_region = f"layers.{layer}.k"
         self.v_region = f"layers.{layer}.v"

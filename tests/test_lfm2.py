@@ -1,0 +1,329 @@
+"""LFM2 (gated short convolutions + GQA attention): models written by transformers itself, one per swept config
+value, against transformers in float64 (logits within 1e-4, 32 greedy tokens identical); config parsing against
+Lfm2Config; refusals; and the engine's promises for its conv state: prefix reuse with branch points inside a
+prompt, from the disk cache, speculative rollback, `--speculative ngram` giving the tokens of `off`."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import PARITY_STD, new_state, random_prompt, rollbacks, run_tokens
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.hf_config import parse_config
+from prefixrun.engine.load.model_maker import make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.run.core import Engine, EngineOptions
+from test_config_fidelity import TOL, check_against_transformers, hf_reference, write_hf_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+# (overrides of test_config_fidelity's BASE["lfm2"], prompt length); every value here must be honoured exactly
+HONOURED = {
+    "base": ({}, 40),
+    "long-prompt": ({}, 150),
+    "full_attn_idxs": (dict(layer_types=None, full_attn_idxs=[0, 3], num_hidden_layers=4), 40),
+    "all-attention": (dict(layer_types=["full_attention"] * 3), 40),
+    "conv_L_cache-2": (dict(conv_L_cache=2), 40),
+    "conv_L_cache-6": (dict(conv_L_cache=6), 40),
+    "conv_bias": (dict(conv_bias=True), 40),
+    "untied": (dict(tie_word_embeddings=False), 40),
+    "no-ff-adjust": (dict(block_auto_adjust_ff_dim=False), 40),
+    "ff-multiplier": (dict(block_ffn_dim_multiplier=1.5, block_multiple_of=48), 40),
+    "norm_eps": (dict(norm_eps=0.05), 40),
+    "mha": (dict(num_key_value_heads=4), 40),
+    "gqa1": (dict(num_key_value_heads=1), 40),
+    "rope-theta": (dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0}), 40),
+    "rope-linear": (dict(rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4}), 40),
+    "rope-yarn": (dict(rope_parameters=YARN), 40),
+    "head_dim": (dict(head_dim=24), 40),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", sorted(HONOURED))
+def test_honoured_config_values_match_transformers(case, tmp_path, cpu_ops):
+    overrides, prompt_len = HONOURED[case]
+    path = write_hf_model(tmp_path / case, "lfm2", overrides)
+    check_against_transformers(path, cpu_ops, prompt_len)
+
+
+@pytest.mark.parity
+def test_convolution_layers_only(tmp_path, cpu_ops):
+    """No attention layer at all (transformers' cache cannot decode such a model: its reference here recomputes
+    the whole sequence at every step)."""
+    path = write_hf_model(tmp_path / "m", "lfm2", dict(layer_types=["conv"] * 3))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    tokens = np.random.default_rng(1).integers(0, 256, 40).tolist()
+    model, _ = load_model(path, cpu_ops)
+    st = new_state(model, cpu_ops)
+    h = st.new_sequence()
+    ours = model.forward(st.prepare_step([h], [tokens]), st, all_logits=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+    for _ in range(12):
+        tokens.append(int(np.argmax(ref[-1])))
+        step = model.forward(st.prepare_step([h], [tokens[-1:]]), st)[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+        np.testing.assert_allclose(step, ref[-1], atol=TOL, rtol=0)
+        assert int(np.argmax(step)) == int(np.argmax(ref[-1]))
+
+
+@pytest.mark.parity
+def test_the_convolution_and_its_history_change_the_answer(tmp_path):
+    """The sweep means something only if the short convolutions matter: without the taps that read earlier
+    tokens (the history a conv layer carries), transformers' own logits move far beyond the tolerance."""
+    from safetensors.numpy import load_file, save_file
+
+    path = write_hf_model(tmp_path / "m", "lfm2", {})
+    prompt = np.random.default_rng(1).integers(0, 256, 40).tolist()
+    ref = hf_reference(path, prompt, False)[0]
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("conv.conv.weight")]:
+        tensors[name] = tensors[name].copy()
+        tensors[name][..., :-1] = 0  # only the current token's tap is left
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert np.abs(hf_reference(path, prompt, False)[0] - ref).max() > 100 * TOL
+
+
+def _raw(**fields) -> dict:
+    return {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 256, "hidden_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 8, **fields}
+
+
+@pytest.mark.parametrize("fields", [
+    {}, dict(full_attn_idxs=[1, 2]), dict(full_attn_idxs=[]), dict(intermediate_size=100),
+    dict(block_ff_dim=300, intermediate_size=100), dict(tie_embedding=False), dict(tie_embedding=False,
+                                                                                   tie_word_embeddings=True),
+    dict(block_auto_adjust_ff_dim=False, intermediate_size=77),
+    dict(block_ffn_dim_multiplier=1.3, block_multiple_of=64, intermediate_size=500), dict(norm_eps=0.001),
+    dict(num_key_value_heads=1), dict(rms_norm_eps=0.5, norm_eps=0.002)])
+def test_hand_written_configs_read_as_lfm2config_reads_them(fields):
+    """Fields a config.json omits take Lfm2Config's defaults; full_attn_idxs, the legacy block_ff_dim /
+    tie_embedding and the ff sizing are derived as Lfm2Config and Lfm2MLP derive them."""
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    raw = _raw(**fields)
+    hf = transformers.AutoConfig.for_model("lfm2", **{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    ours = parse_config(raw)
+    assert list(ours.layer_types) == list(hf.layer_types)
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    assert ours.rms_norm_eps == hf.norm_eps and ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.rope.theta == hf.rope_parameters["rope_theta"] and ours.conv_kernel == hf.conv_L_cache
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    with torch.device("meta"):
+        assert ours.intermediate_size == Lfm2MLP(hf).w1.out_features
+
+
+def test_a_null_multiplier_skips_the_rounding():
+    """Lfm2MLP's branch for block_ffn_dim_multiplier None (which Lfm2Config's validation does not let through
+    today): two thirds of intermediate_size, not rounded to block_multiple_of."""
+    assert parse_config(_raw(intermediate_size=100, block_ffn_dim_multiplier=None)).intermediate_size == 66
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(conv_L_cache=1), "conv_L_cache must be >= 2, got 1"),
+    (dict(layer_types=["conv", "sliding_attention", "conv", "conv"]), "unsupported layer types ['sliding_attention']"),
+    (dict(full_attn_idxs="0,2"), "full_attn_idxs must be a list of layer indices, got '0,2'"),
+    (dict(block_multiple_of=0), "block_multiple_of = 0 is not supported"),
+    (dict(conv_L_cache=2.5), "conv_L_cache must be an integer, got 2.5"),
+    (dict(conv_bias="yes"), "conv_bias must be true or false, got 'yes'"),
+    (dict(norm_eps=-1.0), "norm_eps = -1.0 is not supported"),
+    (dict(block_ffn_dim_multiplier="2"), "block_ffn_dim_multiplier must be a number, got '2'"),
+])
+def test_refused_values_name_field_and_value(fields, message):
+    with pytest.raises(ModelLoadError) as err:
+        parse_config(_raw(**fields))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- the engine: conv state through the plan, the checkpoints, the disk cache and speculative rollback --------
+TINY_LFM2 = {
+    "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 192, "block_multiple_of": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "layer_types": ["conv", "conv", "full_attention", "conv"], "conv_L_cache": 3,
+    "norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def lfm2_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("lfm2"), TINY_LFM2, seed=7, init_std=PARITY_STD)
+
+
+@pytest.fixture(scope="module")
+def lfm2(lfm2_dir, cpu_ops):
+    return load_model(lfm2_dir, cpu_ops)[0]
+
+
+def test_conv_state_is_a_small_snapshotted_region(lfm2):
+    specs = lfm2.state_specs()
+    conv = [s for s in specs if s.name.endswith(".conv")]
+    assert [s.shape for s in conv] == [(64, 2)] * 3 and all(s.snapshot and not s.paged for s in conv)
+    assert sum(s.paged for s in specs) == 2  # K and V of the one attention layer
+
+
+@pytest.mark.parity
+def test_pieces_then_steps_match_transformers(lfm2, lfm2_dir, cpu_ops):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.float64).eval()
+    prompt = random_prompt(2, 70)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    st = new_state(lfm2, cpu_ops)
+    h = st.new_sequence()
+    cuts = [0, 1, 2, 5, 33, 67, 68, 69, 70]  # pieces shorter than the conv history, then single-token steps
+    got = [lfm2.forward(st.prepare_step([h], [prompt[a:b]]), st, all_logits=True) for a, b in zip(cuts, cuts[1:])]
+    np.testing.assert_allclose(np.concatenate(got), ref, atol=TOL, rtol=0)
+    # a batch of uneven prompts, one of a single token
+    prompts = [random_prompt(20 + n, n) for n in (1, 2, 17, 40)]
+    last = lfm2.forward(st.prepare_step([st.new_sequence() for _ in prompts], prompts), st)
+    for row, p in zip(last, prompts):
+        with torch.no_grad():
+            np.testing.assert_allclose(row, hf(torch.tensor([p])).logits[0, -1].numpy(), atol=TOL, rtol=0)
+
+
+def _prompts() -> list[list[int]]:
+    """Branch points inside a prompt (before, at and after the conv history's length), duplicates, one token."""
+    base = random_prompt(90, 50)
+    out = []
+    for branch in (1, 2, 3, 4, 30):
+        out += [base[:branch] + random_prompt(branch * 7 + j, 4 + j) for j in range(2)]
+    return out + [base[:30], base[:30], base, [7], [5, 6, 7] * 8]
+
+
+def _run(model, ops, prompts, opts, persist=None):
+    eng = Engine(model, ops, options=opts, persist=persist)
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    eng.check_invariants()
+    eng.close()
+    assert not eng.state.live
+    return out, eng.stats
+
+
+def test_prefix_reuse_never_changes_an_answer(lfm2, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
+    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
+                 EngineOptions(speculative="off", checkpoint_budget_bytes=0),
+                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
+        on, _ = _run(lfm2, cpu_ops, prompts, opts)
+        assert on == off
+    _, stats = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off"))
+    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+
+
+@pytest.mark.parity
+def test_greedy_tokens_match_generate(lfm2, lfm2_dir, cpu_ops):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.float64).eval()
+    prompts = _prompts()[::3]
+    ours, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off"))
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert ours[f"r{i}"] == out[0, len(p):].tolist()
+
+
+def test_from_the_disk_cache(lfm2_dir, tmp_path):
+    from prefixrun.engine.load.loader import load
+
+    loaded = load(lfm2_dir, "cpu")
+    prompts = _prompts()
+    off, _, _ = run_tokens(loaded, prompts, max_tokens=8)
+    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
+    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
+    assert cold == warm == off
+    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+
+
+def test_speculative_ngram_gives_the_tokens_of_off(lfm2, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
+    for k in (1, 3, 6):
+        eng_opts = EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k)
+        eng = Engine(lfm2, cpu_ops, options=eng_opts)
+        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
+        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+        eng.check_invariants()
+        eng.close()
+        assert on == off, k
+        assert eng.speculator.stats.methods["ngram"].drafted > 0
+
+
+def test_rollback_restores_the_conv_history_of_a_plain_run(lfm2, cpu_ops):
+    prompt = random_prompt(5, 13)
+    rows = random_prompt(6, 6)
+    for n, st, spec, plain in rollbacks(lfm2, cpu_ops, prompt, rows):
+        a, b = st.export(spec), st.export(plain)
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
+        la = lfm2.forward(st.prepare_step([spec], [[3]]), st)
+        lb = lfm2.forward(st.prepare_step([plain], [[3]]), st)
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+
+
+def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
+    """bench/models/lfm2-like.json parses, and make-model's writer gives a directory transformers and prefixrun
+    load identically (the config shrunk to test size, its layer pattern and conv width kept)."""
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).resolve().parent.parent / "bench" / "models" / "lfm2-like.json").read_text())
+    cfg = parse_config(raw)
+    assert cfg.family == "lfm2" and cfg.intermediate_size == 8192 and cfg.num_layers == 16
+    small = {**raw, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "block_multiple_of": 16,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    path = make_model_dir(tmp_path / "m", small, seed=3, init_std=PARITY_STD, dtype="float32")
+    model = load_model(path, cpu_ops)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    prompt = random_prompt(4, 30)
+    st = new_state(model, cpu_ops)
+    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+    with torch.no_grad():
+        np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=TOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_the_gpu(lfm2_dir, lfm2, cpu_ops, dtype):
+    """The CUDA backend: fp32 gives the CPU's greedy tokens with speculation off and on and with prefix reuse;
+    bf16 logits stay near the fp32 reference."""
+    from prefixrun.kernels import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs CuPy and a CUDA GPU")
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps(dtype)
+    model = load_model(lfm2_dir, ops)[0]
+    prompt = random_prompt(2, 70)
+    st, ref_st = new_state(model, ops), new_state(lfm2, cpu_ops)
+    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
+    want = lfm2.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= (1e-4 if dtype == "float32" else 3e-2), err
+    if dtype != "float32":
+        return
+    prompts = _prompts()
+    cpu, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
+    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
+                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
+        on, _ = _run(model, ops, prompts, opts)
+        assert on == cpu, opts
