@@ -299,7 +299,8 @@ def run_cached(bundle, requests, cache_root):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_equal_transformers_log_softmax(family, model_dirs, hf_models, tmp_path):
     """Each generated token's logprob and its top 5 equal log_softmax of transformers' logits within 1e-4 (CPU
-    fp32), computed, restored from a checkpoint in memory, and restored from the disk cache."""
+    fp32), computed, restored from a checkpoint in memory, and restored from the disk cache; penalised greedy
+    tokens equal transformers' processors over a prompt state restored from disk too."""
     from prefixrun.engine.load import loader
 
     model, hf = loader.load(model_dirs[family], "cpu"), hf_models[family]
@@ -308,10 +309,15 @@ def test_logprobs_equal_transformers_log_softmax(family, model_dirs, hf_models, 
     want, hf_logits = hf_greedy(hf, prompt, [], n)
     ref = torch.log_softmax(torch.tensor(hf_logits), dim=-1).numpy()  # [n, V] float64
     sp = SamplingParams(max_tokens=n, temperature=0, logprobs=5)
+    penalised = SamplingParams(max_tokens=n, temperature=0, repetition_penalty=1.8, presence_penalty=0.5)
+    want_penalised, _ = hf_greedy(hf, prompt, [hf_gen.RepetitionPenaltyLogitsProcessor(1.8),
+                                               _OpenAIPenalties(len(prompt), 0.0, 0.5)], n)
     requests = [Request(f"r{i}", list(prompt), sp, i) for i in range(2)]  # the second reuses the first's prompt
-    first, _ = run_cached(model, requests, tmp_path)
-    again, stats = run_cached(model, [Request("d", list(prompt), sp, 0)], tmp_path)
-    assert stats.reused_from_disk_tokens == len(prompt)
+    first, _ = run_cached(model, requests + [Request("pen", list(prompt), penalised, 2)], tmp_path)
+    again, stats = run_cached(model, [Request("d", list(prompt), sp, 0), Request("pen", list(prompt), penalised, 1)],
+                              tmp_path)
+    assert stats.reused_from_disk_tokens == 2 * len(prompt)
+    assert first.pop("pen").token_ids == again.pop("pen").token_ids == want_penalised != want
     for result in [*first.values(), again["d"]]:
         result = result.choices[0]
         assert result.token_ids == want
