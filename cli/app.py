@@ -24,7 +24,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli.report import RunReporter, route_engine_logs
-from prefixrun.cli.run_options import cli_default, with_run_options
+from prefixrun.cli.run_options import cli_default, run_option, with_run_options
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
 from prefixrun.engine.errors import InvalidOption
 from prefixrun.engine.request import InvalidRequest
@@ -308,8 +308,7 @@ def _remove_model_files(folder: Path):
 
 @app.command("inspect-cache")
 def inspect_cache(
-    cache_dir: Annotated[Optional[str], typer.Option(envvar="PREFIXRUN_CACHE_DIR", help="persistent cache dir",
-                                                     metavar="<path>")] = None,
+    cache_dir: Optional[str] = run_option("cache_dir"),  # batch's, as declared in engine/run/config.py
     model: Annotated[Optional[str], typer.Option(help="only entries of this model digest (prefix ok)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print entries as JSON on stdout")] = False,
     tree: Annotated[bool, typer.Option(help="show how entries nest (prefix tree)")] = False,

@@ -24,12 +24,18 @@ def cli_default(name: str):
     return default_of(name) if declared.cli_default is FIELD_DEFAULT else declared.cli_default
 
 
-def _parameter(name: str, hints: dict) -> inspect.Parameter:
+def run_option(name: str):
+    """RunConfig's field `name` as a Typer option (its default the command line's), for a command other than
+    `batch` that takes the same option (inspect-cache's --cache-dir)."""
     declared = declared_of(name)
     flags = [declared.flag or flag_of(name)] + ([declared.short] if declared.short else [])
-    info = typer.Option(cli_default(name), *flags, help=declared.help, envvar=declared.envvar,
+    return typer.Option(cli_default(name), *flags, help=declared.help, envvar=declared.envvar,
                         metavar=declared.metavar, rich_help_panel=declared.panel)
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info,
+
+
+def _parameter(name: str, hints: dict) -> inspect.Parameter:
+    declared = declared_of(name)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=run_option(name),
                              annotation=declared.cli_type or hints[name])
 
 

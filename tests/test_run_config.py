@@ -144,3 +144,13 @@ def test_the_configuration_is_frozen_and_pickles_whole():
     assert pickle.loads(pickle.dumps(config)) == config
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.max_batch = 3
+
+
+def test_inspect_cache_takes_the_same_cache_dir_option():
+    # one declaration: inspect-cache's --cache-dir has batch's help, env var and check
+    inspect = {p.name: p for p in typer.main.get_command(app).commands["inspect-cache"].params}
+    batch = {p.name: p for p in typer.main.get_command(app).commands["batch"].params}
+    for attr in ("help", "envvar", "metavar", "default", "opts"):
+        assert getattr(inspect["cache_dir"], attr) == getattr(batch["cache_dir"], attr), attr
+    res = CliRunner().invoke(app, ["inspect-cache", "--cache-dir", ""])
+    assert res.exit_code == 2 and "--cache-dir is empty" in res.stderr
