@@ -145,6 +145,9 @@ def test_a_null_multiplier_skips_the_rounding():
     (dict(conv_bias="yes"), "conv_bias must be true or false, got 'yes'"),
     (dict(norm_eps=-1.0), "norm_eps = -1.0 is not supported"),
     (dict(block_ffn_dim_multiplier="2"), "block_ffn_dim_multiplier must be a number, got '2'"),
+    (dict(block_ffn_dim_multiplier=0.0), "block_ffn_dim_multiplier is 0; it must be >= 1"),
+    (dict(intermediate_size=1), "block_ffn_dim_multiplier is 0; it must be >= 1"),
+    (dict(block_ff_dim=-300), "block_ffn_dim_multiplier is 0; it must be >= 1"),
 ])
 def test_refused_values_name_field_and_value(fields, message):
     with pytest.raises(ModelLoadError) as err:

@@ -231,6 +231,9 @@ class ShortConvConfig(DecoderConfig):
                     f.refuse_unless("block_multiple_of", False, "it must be a positive integer")
                 size = int(multiplier * size)
                 size = multiple * ((size + multiple - 1) // multiple)
+        if size < 1:  # a multiplier of 0 or a tiny intermediate_size: say which fields gave it
+            raise ModelLoadError(f"{f.source}: the feed-forward size from intermediate_size / block_ff_dim, "
+                                 f"block_auto_adjust_ff_dim and block_ffn_dim_multiplier is {size}; it must be >= 1")
         tie = f.flag("tie_embedding" if "tie_embedding" in f.text else "tie_word_embeddings")
         # LFM2 reads norm_eps (not rms_norm_eps), has no attention biases and a fixed SiLU feed-forward
         eps = f.number("norm_eps")
