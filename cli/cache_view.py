@@ -25,12 +25,12 @@ _SHOW_BAD = 20  # bad entries listed by --verify; the rest are counted
 
 
 class _Previews:
-    """Entry prefix -> text with the tokenizer of the entry's model (--model-dir, else the model folder the entry
-    was written from, if it still loads), token ids otherwise."""
+    """Entry prefix -> text with the tokenizer of --model-dir, token ids otherwise. Never a tokenizer from a folder
+    the index names: anyone who can write the cache folder writes the index, and loading a tokenizer from a path
+    they chose reads (and may run) what they put there."""
 
     def __init__(self, model_dir: Path | None):
         self._fixed = self._load(model_dir) if model_dir is not None else None
-        self._by_dir: dict[str, object] = {}
 
     @staticmethod
     def _load(model_dir):
@@ -41,19 +41,9 @@ class _Previews:
         except Exception:  # a moved, deleted or foreign model folder: previews fall back to token ids
             return None
 
-    def _tokenizer_for(self, entry):
-        if self._fixed is not None:
-            return self._fixed
-        where = entry.meta.get("model_dir")
-        if not isinstance(where, str):
-            return None
-        if where not in self._by_dir:
-            self._by_dir[where] = self._load(where)
-        return self._by_dir[where]
-
     def __call__(self, entry) -> str:
         ids = list(entry.token_preview)
-        tokenizer = self._tokenizer_for(entry)
+        tokenizer = self._fixed
         if tokenizer is not None:
             try:
                 text = tokenizer.decode(ids, skip_special_tokens=False).replace("\n", "⏎")
@@ -79,18 +69,31 @@ def _entry_json(e) -> dict:
 
 def _nesting(entries) -> dict:
     """parent entry id (or None) for each entry: the longest other entry of the same model and layout whose
-    token preview is a prefix of this one's (previews hold the first tokens, so deep nesting is approximate)."""
+    token preview is a prefix of this one's (previews hold the first tokens, so deep nesting is approximate).
+    Near-linear: each entry is filed in a trie of previews at the node of its own comparable prefix, and looks for
+    its parent only along its own path (at most PREVIEW_TOKENS nodes), by binary search on their lengths."""
+    import bisect
+
+    trie: dict = {}  # (model, layout, token, token, ...) prefix as nested dicts; node[None] = sorted [(n, id)]
+    for c in entries:
+        node = trie.setdefault((c.model_digest, c.layout_digest), {})
+        for token in c.token_preview[:min(len(c.token_preview), c.n_tokens)]:
+            node = node.setdefault(token, {})
+        bisect.insort(node.setdefault(None, []), (c.n_tokens, c.entry_id))
     parent = {}
-    ordered = sorted(entries, key=lambda e: e.n_tokens)
-    for e in ordered:
+    for e in entries:
         best = None
-        for c in ordered:
-            if c.n_tokens >= e.n_tokens or (c.model_digest, c.layout_digest) != (e.model_digest, e.layout_digest):
-                continue
-            n = min(len(c.token_preview), c.n_tokens)
-            if tuple(e.token_preview[:n]) == tuple(c.token_preview[:n]):
-                best = c if best is None or c.n_tokens > best.n_tokens else best
-        parent[e.entry_id] = best.entry_id if best else None
+        node = trie[(e.model_digest, e.layout_digest)]
+        for token in (None, *e.token_preview):
+            if token is not None:
+                node = node.get(token)
+                if node is None:
+                    break
+            here = node.get(None, [])
+            i = bisect.bisect_left(here, (e.n_tokens, ""))  # the longest shorter than e
+            if i and (best is None or here[i - 1][0] > best[0]):
+                best = here[i - 1]
+        parent[e.entry_id] = best[1] if best else None
     return parent
 
 
@@ -130,15 +133,20 @@ def _place_not_cache(ckpt_root: Path, problem: Exception) -> bool:
         return True
     if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM):
         return True
+    index = ckpt_root / "index.sqlite3"
+    if index.is_file() and not os.access(index, os.R_OK | os.W_OK):  # an unreadable index: not damaged
+        return True
     return ckpt_root.is_dir() and not os.access(ckpt_root, os.W_OK)  # EROFS shows here, even for root
 
 
 def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, yes: bool) -> int:
-    """The index cannot be opened: say so in one line; --clear removes the cache folder's contents anyway."""
+    """The index cannot be opened: say so in one line; --clear removes the cache folder's contents anyway, unless
+    the folder is where the problem is (read-only, unreadable, full): --clear could not help, and says so."""
     from prefixrun.engine.cache.store import CheckpointStore, StoreError, clear_folder, folder_bytes
 
-    if not clear and _place_not_cache(ckpt_root, problem):
-        err.print(literal(f"error: the checkpoint cache at {ckpt_root} cannot be opened ({problem}): check the "
+    if _place_not_cache(ckpt_root, problem):
+        doing = "cleared" if clear else "opened"
+        err.print(literal(f"error: the checkpoint cache at {ckpt_root} cannot be {doing} ({problem}): check the "
                           "folder's permissions and free space (the entries may well be whole)"),
                   soft_wrap=True)
         return EXIT_DAMAGED
@@ -195,7 +203,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
              prune_to_bytes, clear, verify, yes, budget_bytes) -> int:
     entries = store.entries()
     if model:
-        entries = [e for e in entries if e.model_digest.startswith(model)]
+        entries = [e for e in entries if _of_model(e, model)]
     # --model is a prefix: it may match several models, or none (then a prune must remove nothing, not lose its
     # scope and prune every model)
     model_digests = sorted({e.model_digest for e in entries}) if model else None
@@ -205,7 +213,8 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
             what = f"remove {scope} in {ckpt_root}: {len(entries)} entries, " \
                    f"{human_bytes(sum(e.nbytes for e in entries))}"
         else:
-            what = f"prune the cache at {ckpt_root}"
+            removes = _prune_preview(store, entries, prune_older_than_days, prune_to_bytes)
+            what = f"prune the cache at {ckpt_root}: {removes}"
         refused = _refuse_or_ask(err, what, yes)
         if refused is not None:
             return refused
@@ -246,17 +255,30 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
             nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(literal(label))
         out.print(root_tree)
         return io.EXIT_OK
-    table = Table(title=literal(f"checkpoint cache {ckpt_root}"))
-    for col in ("model", "tokens", "bytes", "K/V blocks", "hits", "last used", "prefix"):
-        table.add_column(col, justify="right" if col in ("tokens", "bytes", "K/V blocks", "hits") else "left")
-    for e in sorted(entries, key=lambda e: -e.last_used):
-        table.add_row(e.model_digest[:12], f"{e.n_tokens:,}", human_bytes(e.nbytes), _blocks_cell(e), str(e.hits),
-                      _when(e.last_used), literal(preview(e)))
-    out.print(table)
+    out.print(_table(entries, ckpt_root, preview, out.width))
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
     out.print(literal(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
     out.print(literal(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
+
+
+def _table(entries, ckpt_root: Path, preview, width: int) -> Table:
+    """One line per entry at any terminal width: every cell but the prefix keeps its width, the prefix gets what is
+    left and is cut with an ellipsis (the whole of it is in --json)."""
+    heads = ("model", "tokens", "bytes", "K/V blocks", "hits", "last used")
+    rows = [(e.model_digest[:8], f"{e.n_tokens:,}", human_bytes(e.nbytes), _blocks_cell(e), str(e.hits),
+             _when(e.last_used)) for e in sorted(entries, key=lambda e: -e.last_used)]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(heads)]
+    room = max(8, width - sum(widths) - 3 * (len(heads) + 1) - 1)  # each column: its cell, two spaces, a rule
+    table = Table(title=literal(f"checkpoint cache {ckpt_root}"), title_justify="left")
+    for head, w in zip(heads, widths):
+        table.add_column(head, justify="left" if head in ("model", "last used") else "right", no_wrap=True,
+                         min_width=w)
+    table.add_column("prefix", no_wrap=True, overflow="ellipsis", max_width=room)
+    for e, row in zip(sorted(entries, key=lambda e: -e.last_used), rows):
+        text = preview(e)
+        table.add_row(*row, literal(text if len(text) <= room else text[:room - 1] + "…"))
+    return table
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -273,10 +295,41 @@ def _when(timestamp: float) -> str:
 
 
 def _blocks_cell(e) -> str:
-    """An entry's K/V block references: how many, their bytes, how many other entries share."""
+    """An entry's K/V block references: how many (of them shared with other entries) and their bytes."""
     if not e.blocks:
         return "-"
-    return f"{e.blocks} ({human_bytes(e.block_bytes)}, {e.shared_blocks} shared)"
+    return f"{e.blocks}/{e.shared_blocks}s {human_bytes(e.block_bytes)}"
+
+
+def _of_model(entry, model: str) -> bool:
+    """--model: a model digest (or its first characters), or the model's folder as the entries recorded it."""
+    if entry.model_digest.startswith(model):
+        return True
+    where = entry.meta.get("model_dir")
+    try:
+        return isinstance(where, str) and Path(model).expanduser().is_dir() \
+            and Path(where) == Path(model).expanduser().resolve()
+    except OSError:
+        return False
+
+
+def _prune_preview(store, entries, older_than_days, to_bytes) -> str:
+    """What a prune is about to remove, in entries and bytes (K/V blocks counted with the entries that use them;
+    --prune-to evicts least recently used first, as the store does)."""
+    import time
+
+    doomed = {e.entry_id for e in entries
+              if older_than_days is not None and e.last_used < time.time() - older_than_days * 86400}
+    if to_bytes is not None:
+        left = store.total_bytes() - sum(e.nbytes + e.block_bytes for e in entries if e.entry_id in doomed)
+        for e in sorted(entries, key=lambda e: e.last_used):
+            if left <= to_bytes:
+                break
+            if e.entry_id not in doomed:
+                doomed.add(e.entry_id)
+                left -= e.nbytes + e.block_bytes
+    nbytes = sum(e.nbytes + e.block_bytes for e in entries if e.entry_id in doomed)
+    return f"about {len(doomed)} of {len(entries)} entries, {human_bytes(nbytes)}"
 
 
 def _blocks_line(summary: dict, total: int) -> str:
@@ -290,6 +343,7 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
     """Check every entry, sweep what killed writers left; print a summary (not the table) on stdout, or with
     --json the summary and the remaining entries."""
     bad = store.verify_all()
+    unreadable = store.unreadable_folders()
     # Files a killed run left behind (temp files of dead writers, unindexed blobs) are never read, but they take
     # disk space; batch runs sweep them too, in bounded steps.
     swept = store.sweep_orphans()
@@ -299,9 +353,10 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"cache_dir": str(ckpt_root), "verified": ok + len(bad), "ok": ok,
                           "bad": [{"entry_id": b.entry_id, "reason": b.reason} for b in bad],
+                          "unreadable_folders": [str(p) for p in unreadable],
                           "removed_leftover_files": n_files, "total_bytes": store.total_bytes(),
                           "entries": [_entry_json(e) for e in entries]}, indent=2))
-        return io.EXIT_OK
+        return EXIT_DAMAGED if bad or unreadable else io.EXIT_OK
     lines = [f"verified {ok + len(bad)} entries: {ok} ok, {len(bad)} bad (moved to quarantine/ or dropped)"]
     lines += [f"  bad {printable(b.entry_id[:16])}: {printable(b.reason)}" for b in bad[:_SHOW_BAD]]
     if len(bad) > _SHOW_BAD:
@@ -310,7 +365,8 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
         lines.append(f"removed {n_files} leftover files of interrupted writes, "
                      f"{len(swept.dropped_rows)} entries whose file was gone")
     total = store.total_bytes()
+    lines += [f"  cannot read {printable(str(p))} (permissions): its entries were not checked" for p in unreadable]
     lines.append(f"{ok} entries, {human_bytes(total)} in total")
     lines.append(_blocks_line(store.block_summary(), total))
     print("\n".join(lines))
-    return io.EXIT_OK
+    return EXIT_DAMAGED if bad or unreadable else io.EXIT_OK

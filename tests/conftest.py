@@ -65,6 +65,7 @@ def isolated_env(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PREFIXRUN_CACHE_DIR", str(root / "default-cache"))
         mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        mp.setenv("XDG_CONFIG_HOME", str(root / "config"))  # the cache's signing key (engine/cache/auth.py)
         mp.setenv("NO_COLOR", "1")
         mp.setenv("PREFIXRUN_CACHE_POLICY", "always")
         mp.delenv("PREFIXRUN_DEBUG", raising=False)

@@ -328,7 +328,9 @@ def test_hostile_file_names_touch_nothing_outside(models, prompts_file, populate
     for step in steps:
         _hostile_rows(cache, victims) if step[0] != "--verify" else None
         p = subprocess.run(cmd("inspect-cache", "--cache-dir", cache, *step), capture_output=True, timeout=120)
-        assert p.returncode == 0, (step, p.stderr.decode())
+        # --verify exits 1 when it found damage (the hostile rows are)
+        assert p.returncode in ((0, 1) if step[0] == "--verify" else (0,)), (step, p.stderr.decode())
+        assert b"Traceback" not in p.stderr
     for path in victims + [trap]:
         assert path.read_text() == "do not touch", path
     assert sorted(p.name for p in outside.iterdir()) == sorted(p.name for p in victims + [trap])
@@ -533,16 +535,12 @@ def test_inspect_cache_manners(models, prompts_file, populated, tmp_path):
     listing = json.loads(cli("inspect-cache", "--cache-dir", cache, "--json").stdout)
     n, total = len(listing["entries"]), listing["total_bytes"]
 
-    # previews: text with the tokenizer of the model the entries were written from, without --model-dir
+    # previews: token ids, or text with the tokenizer of --model-dir (never one from a folder the index names)
     ids_shown = " ".join(map(str, PROMPTS[0][:6]))
     res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 0 and ids_shown in res.stdout
+    res = cli("inspect-cache", "--cache-dir", cache, "--model-dir", models["a"])
     assert res.exit_code == 0 and ids_shown not in res.stdout and "'" in res.stdout
-    shutil.move(str(models["a"]), str(models["a"]) + ".moved")  # model folder gone: token ids instead
-    try:
-        res = cli("inspect-cache", "--cache-dir", cache)
-        assert res.exit_code == 0 and ids_shown in res.stdout
-    finally:
-        shutil.move(str(models["a"]) + ".moved", str(models["a"]))
 
     # --verify: a summary, not the table
     res = cli("inspect-cache", "--cache-dir", cache, "--verify")

@@ -633,7 +633,7 @@ def test_inspect_cache_verify_moves_bad_entries_aside(populated, tmp_path):
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(data)
     res = cli("inspect-cache", "--cache-dir", cache, "--verify", "--json")
-    assert res.exit_code == 0
+    assert res.exit_code == 1  # damage found
     listing = json.loads(res.stdout)
     assert [b["entry_id"] for b in listing["bad"]] == [victim.name.split(".")[0]]
     assert len(listing["entries"]) == listing["ok"] == populated[1]["cache"]["entries"] - 1
@@ -708,16 +708,21 @@ def maybe_die():
         os.kill(os.getpid(), signal.SIGKILL)
 
 real_replace = os.replace
+
+def full(name, folder_fd):  # the cache renames names relative to a folder's descriptor (engine/cache/files.py)
+    return os.path.join(os.readlink(f"/proc/self/fd/{folder_fd}"), name) if folder_fd is not None else str(name)
+
 if where == "before-rename":  # the blob is written under its temp name
-    def replace(src, dst, *args, **kwargs):
-        if str(src).endswith(".tmp") and "blobs" in str(src):  # checkpoint blobs only
+    def replace(src, dst, *args, src_dir_fd=None, dst_dir_fd=None):
+        if str(src).endswith(".tmp") and "blobs" in full(src, src_dir_fd):  # checkpoint blobs only
             maybe_die()
-        return real_replace(src, dst, *args, **kwargs)
+        return real_replace(src, dst, *args, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 else:  # renamed to its final name, not yet in the index (a checkpoint blob, or a K/V block file)
     kind = "kv_blocks" if where == "after-block-rename" else "blobs"
-    def replace(src, dst, *args, **kwargs):
-        real_replace(src, dst, *args, **kwargs)
-        if str(src).endswith(".tmp") and os.path.basename(os.path.dirname(os.path.dirname(str(dst)))) == kind:
+    def replace(src, dst, *args, src_dir_fd=None, dst_dir_fd=None):
+        real_replace(src, dst, *args, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        folder = os.path.basename(os.path.dirname(os.path.dirname(full(dst, dst_dir_fd))))
+        if str(src).endswith(".tmp") and folder == kind:
             maybe_die()
 os.replace = replace
 
@@ -782,7 +787,7 @@ def test_store_failure_mid_run_does_not_fail_the_batch(models, sample_file, base
     def broken(self, *args, **kwargs):
         raise sqlite3.OperationalError(message)
 
-    monkeypatch.setattr(CheckpointStore, fail, broken)
+    monkeypatch.setattr(CheckpointStore, "get" if fail == "lookup" else fail, broken)  # a lookup is get()'s
     res, recs, rep = run_full(models["a"], cache, sample_file, tmp_path, quiet=False)
     assert res.exit_code == 0, res.stderr
     assert token_ids(recs) == baseline["a"]

@@ -407,7 +407,7 @@ def test_concurrent_processes_share_one_root(tmp_path):
 
 
 def _write_then_die(root):
-    def die_before_rename(src, dst):
+    def die_before_rename(src, dst, **where):
         os._exit(3)
 
     os.replace = die_before_rename
@@ -416,7 +416,7 @@ def _write_then_die(root):
 
 
 def _write_then_hang(root, about_to_rename):
-    def hang_before_rename(src, dst):
+    def hang_before_rename(src, dst, **where):
         about_to_rename.set()
         time.sleep(600)
 
@@ -462,7 +462,7 @@ def test_sweep_keeps_the_temp_of_a_live_writer(tmp_path):
 
 
 def test_failed_rename_is_a_clean_false(store, monkeypatch):
-    def refuse(src, dst):
+    def refuse(src, dst, **where):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store_module.os, "replace", refuse)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from prefixrun.engine.cache import files, kv_blocks
-from prefixrun.engine.cache.files import BLOBS_DIR_NAME, QUARANTINE_DIR_NAME
+from prefixrun.engine.cache.files import BLOBS_DIR_NAME, QUARANTINE_DIR_NAME, CacheFolder
 from prefixrun.engine.cache.index import BLOB_NAME, INDEX_FILE_NAME, INDEX_FILE_SUFFIXES, indexed_bytes
 from prefixrun.engine.cache.results import EntryInfo
 
@@ -47,6 +48,18 @@ class StoreAdmin:
             )
             for r in rows
         ]
+
+    def unreadable_folders(self) -> list[Path]:
+        """The store's folders (blobs/, kv_blocks/, their shards) this process may not list: their entries can be
+        neither read nor checked here (`inspect-cache --verify` reports them; a lookup is a miss)."""
+        found = []
+        for folder in (self.root / BLOBS_DIR_NAME, self.root / kv_blocks.BLOCKS_DIR_NAME):
+            if self._files.unreadable(folder):
+                found.append(folder)
+                continue
+            found += [folder / n for n in self._files.names(folder)
+                      if files.SHARD_NAME.fullmatch(n) and self._files.unreadable(folder / n)]
+        return found
 
     def total_bytes(self) -> int:
         """Sum of the indexed entries' file sizes plus each indexed K/V block once."""
@@ -107,7 +120,7 @@ class StoreAdmin:
                 with self._write_transaction() as db:
                     evicted = self._evict_lru(db, to_bytes, scope=scope, scope_params=scope_params)
                 for path in evicted.files:
-                    files.unlink_quietly(path)
+                    self._files.unlink(path)
                 removed += evicted.entries
             return removed
 
@@ -119,7 +132,7 @@ class StoreAdmin:
             self._drop_rows_where(lambda values: True)  # malformed rows too: nothing may be left behind
             self.collect_garbage()
             for path in self._owned_files(self._quarantine_dir, lambda name: True):
-                files.unlink_quietly(path)
+                self._files.unlink(path)
             self.sweep_orphans(grace_s=0.0)
             return removed
 
@@ -129,51 +142,87 @@ class StoreAdmin:
             db.executemany("DELETE FROM entries WHERE entry_id = ?", [(entry_id,) for entry_id, _ in doomed])
             freed, _ = self._drop_references(db, [entry_id for entry_id, _ in doomed])
         for path in [self._path_of(file_name) for _, file_name in doomed] + freed:
-            files.unlink_quietly(path)
+            self._files.unlink(path)
         return len(doomed)
 
 
 def folder_files(root: Path) -> list[Path]:
-    """The files this store may have created under `root`, found without following symlinks: the index and its
-    journals, blobs and temp files in shard folders, what quarantine/ holds, and a blobs/ or kv_blocks/ that is a
-    symlink (the link itself) or a plain file."""
+    """The files this store may have created under `root`, found without following a link (engine/cache/files.py):
+    the index and its journals, blobs, K/V blocks and temp files in shard folders, what quarantine/ holds, and a
+    blobs/ or kv_blocks/ that is a link (the link itself) or a plain file; `root` itself when it is a link (--clear
+    removes the link, never what it leads to)."""
     root = Path(root)
-    found = [root / (INDEX_FILE_NAME + suffix) for suffix in INDEX_FILE_SUFFIXES]
+    if root.is_symlink():
+        return [root]
+    try:
+        folder = CacheFolder(root, create=False)
+    except OSError:
+        return []
+    try:
+        return _own_files(folder, root)
+    finally:
+        folder.close()
+
+
+def _own_files(folder: CacheFolder, root: Path) -> list[Path]:
+    def kind(path):
+        st = folder.lstat(path)
+        return None if st is None else stat.S_IFMT(st.st_mode)
+
     # anything but a folder under the index's names (a link itself, a FIFO, a socket): the store cannot open its
     # index while it is there, so --clear must take it (a folder is left to `clear_folder`)
-    found = [p for p in found if p.is_symlink() or (p.exists() and not p.is_dir())]
-    quarantine = root / QUARANTINE_DIR_NAME
+    found = [root / (INDEX_FILE_NAME + s) for s in INDEX_FILE_SUFFIXES
+             if kind(root / (INDEX_FILE_NAME + s)) not in (None, stat.S_IFDIR)]
     for blobs in (root / BLOBS_DIR_NAME, root / kv_blocks.BLOCKS_DIR_NAME):
-        if blobs.is_symlink() or blobs.is_file():
-            # the link itself (unlink removes only the link, never what it leads to), or a file in the folder's
-            # place: either makes the store unusable, so --clear must take it for the cache to work again
+        if kind(blobs) in (stat.S_IFLNK, stat.S_IFREG):
+            # the link itself, or a file in the folder's place: either makes the store unusable, so --clear must
+            # take it for the cache to work again
             found.append(blobs)
             continue
-        if not blobs.is_dir():
-            continue
-        for shard in blobs.iterdir():
-            if files.SHARD_NAME.fullmatch(shard.name) and shard.is_dir() and not shard.is_symlink():
-                found += [p for p in shard.iterdir()
-                          if (BLOB_NAME.fullmatch(p.name) or files.TEMP_NAME.fullmatch(p.name))
-                          and (p.is_symlink() or p.is_file())]
-    if quarantine.is_dir() and not quarantine.is_symlink():
-        found += [p for p in quarantine.iterdir() if p.is_symlink() or p.is_file()]
+        for shard in [blobs / n for n in folder.names(blobs) if files.SHARD_NAME.fullmatch(n)]:
+            if kind(shard) == stat.S_IFDIR:
+                found += [shard / n for n in folder.names(shard)
+                          if (BLOB_NAME.fullmatch(n) or files.TEMP_NAME.fullmatch(n))
+                          and kind(shard / n) in (stat.S_IFLNK, stat.S_IFREG)]
+    quarantine = root / QUARANTINE_DIR_NAME
+    found += [quarantine / n for n in folder.names(quarantine)
+              if kind(quarantine / n) in (stat.S_IFLNK, stat.S_IFREG)]
     return found
 
 
 def folder_bytes(root: Path) -> int:
-    """Bytes of the files `clear_folder` would remove."""
-    return sum((files.size_or_none(p) or 0) for p in folder_files(root) if not p.is_symlink())
+    """Bytes of the files `clear_folder` would remove (a link counts nothing)."""
+    root = Path(root)
+    if root.is_symlink():
+        return 0
+    try:
+        folder = CacheFolder(root, create=False)
+    except OSError:
+        return 0
+    try:
+        return sum(folder.size(p) or 0 for p in _own_files(folder, root))
+    finally:
+        folder.close()
 
 
 def clear_folder(root: Path) -> int:
     """Remove a store's files without opening its index (a damaged one cannot be opened): nothing else under
     `root`, nothing outside it. Returns how many files were removed."""
-    removed = sum(files.unlink_quietly(p) for p in folder_files(root))
-    for suffix in INDEX_FILE_SUFFIXES:  # an empty folder in the index's place (one that holds files is not ours)
+    root = Path(root)
+    if root.is_symlink():
         try:
-            os.rmdir(Path(root) / (INDEX_FILE_NAME + suffix))
-            removed += 1
+            os.unlink(root)  # the link, never what it leads to
+            return 1
         except OSError:
-            pass
-    return removed
+            return 0
+    try:
+        folder = CacheFolder(root, create=False)
+    except OSError:
+        return 0
+    try:
+        removed = sum(folder.unlink(p) for p in _own_files(folder, root))
+        # an empty folder in the index's place (one that holds files is not ours)
+        removed += sum(folder.remove_folder(root / (INDEX_FILE_NAME + s)) for s in INDEX_FILE_SUFFIXES)
+        return removed
+    finally:
+        folder.close()

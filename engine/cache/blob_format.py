@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -33,6 +34,7 @@ _INLINE_TAIL_BYTES = 64 << 10
 _MAX_IOVECS = 1024  # IOV_MAX on Linux: one preadv takes at most this many buffers  # past one chunk, a tail this small is hashed on the caller's thread too
 TREE_LABEL = b"prefixrun-tree-sha256-v1\0"
 MAX_HEADER_BYTES = 64 << 20
+MAX_DIMS = 32  # a tensor of more dimensions is no tensor this cache writes
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "BOOL": np.bool_}
 _pool: ThreadPoolExecutor | None = None
@@ -230,8 +232,8 @@ def _layout(header_bytes: bytes, data_size: int) -> tuple[dict[str, str], dict[s
     area of `data_size` bytes."""
     try:
         header = json.loads(header_bytes)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise BlobFormatError(f"header is not JSON: {error}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:  # RecursionError: nested too deeply
+        raise BlobFormatError(f"header is not JSON: {type(error).__name__}") from None
     if not isinstance(header, dict):
         raise BlobFormatError("header is not a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -243,15 +245,15 @@ def _layout(header_bytes: bytes, data_size: int) -> tuple[dict[str, str], dict[s
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise BlobFormatError(f"tensor {name!r}: malformed entry")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in _DTYPES:
-            raise BlobFormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise BlobFormatError(f"tensor {name!r}: bad shape {shape!r}")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:  # a list or an object is no dtype (unhashable)
+            raise BlobFormatError(f"tensor {name!r}: unknown dtype {str(dtype)[:40]!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and d >= 0 for d in shape):
+            raise BlobFormatError(f"tensor {name!r}: bad shape {str(shape)[:80]}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) \
                 or not 0 <= offsets[0] <= offsets[1] <= data_size:
             raise BlobFormatError(f"tensor {name!r}: data offsets {offsets!r} outside the data")
         itemsize = np.dtype(_DTYPES[dtype]).itemsize
-        if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * itemsize:
+        if offsets[1] - offsets[0] != math.prod(shape) * itemsize:  # exact: an int64 product may wrap to 0
             raise BlobFormatError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape}")
         spans.append((offsets[0], offsets[1], name))
         layout[name] = (np.dtype(_DTYPES[dtype]), tuple(shape), offsets[0], offsets[1])

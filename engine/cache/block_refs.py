@@ -9,7 +9,8 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from prefixrun.engine.cache import files, kv_blocks
+from prefixrun.engine.cache import auth, kv_blocks
+from prefixrun.engine.cache.index import set_signature, signature_of
 from prefixrun.engine.cache.keys import StoreKey, as_token_array, check_store_key
 
 
@@ -43,13 +44,17 @@ class BlockReferences:
                 "(SELECT 1 FROM entry_blocks WHERE block_id = ?)", (block_id, block_id)).fetchall()]
         db.executemany("DELETE FROM blocks WHERE block_id = ?", [(row[0],) for row in garbage])
         for row in garbage:
-            files.unlink_quietly(self._kv.path_of(row[1]))
+            self._files.unlink(self._kv.path_of(row[1]))
         return [], sum(row[2] for row in garbage if isinstance(row[2], int))
 
-    def _intact_block(self, block_id: str) -> bool:
-        """The index has this block and its file has the recorded size (a put then does not write it again)."""
-        row = self._db.execute("SELECT file_name, nbytes FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
-        return row is not None and files.size_or_none(self._kv.path_of(row[0])) == row[1]
+    def _intact_block(self, block_id: str, db=None) -> bool:
+        """The index has this block, signed, and its file has the recorded size (a put then does not write it
+        again: a row someone else planted is not relied on)."""
+        db = db or self._db
+        row = db.execute("SELECT file_name, nbytes, content_sha256 FROM blocks WHERE block_id = ?",
+                         (block_id,)).fetchone()
+        return row is not None and auth.signed(signature_of(db, "block", block_id), "block", block_id, *row) \
+            and self._files.size(self._kv.path_of(row[0])) == row[1]
 
     def _index_blocks(self, db: sqlite3.Connection, new_blocks: list, created: float,
                       files_to_delete: list) -> list:
@@ -59,14 +64,14 @@ class BlockReferences:
         indexed = []
         for block_id, file_name, nbytes, content_sha256, _ in new_blocks:
             current = db.execute("SELECT file_name, nbytes FROM blocks WHERE block_id = ?", (block_id,)).fetchone()
-            if current is not None and current[0] != file_name \
-                    and files.size_or_none(self._kv.path_of(current[0])) == current[1]:
+            if current is not None and current[0] != file_name and self._intact_block(block_id, db):
                 files_to_delete.append(self._kv.path_of(file_name))
                 continue
             if current is not None and current[0] != file_name:
                 files_to_delete.append(self._kv.path_of(current[0]))
             db.execute("INSERT OR REPLACE INTO blocks (block_id, file_name, nbytes, content_sha256, created) "
                        "VALUES (?, ?, ?, ?, ?)", (block_id, file_name, nbytes, content_sha256, created))
+            set_signature(db, "block", block_id, auth.sign("block", block_id, file_name, nbytes, content_sha256))
             indexed.append((block_id, file_name, nbytes))
         return indexed
 
@@ -81,7 +86,7 @@ class BlockReferences:
             return
         with self._lock, self._write_transaction() as db:  # no row may name them between the check and the unlink
             for path in self._unindexed_block_paths(db, new_blocks):
-                files.unlink_quietly(path)
+                self._files.unlink(path)
 
     def block_presence(self, key: StoreKey, tokens: Sequence[int], rows: int) -> list[bool]:
         """For each whole K/V block of `tokens` at `rows` rows per block: whether the index has it (no file is

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixrun.engine.cache.files import CacheFolder
 from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.sizes import human_bytes
 
@@ -437,18 +438,16 @@ def load_rates(root: Path) -> dict:
 
 def save_rates(root: Path, doc: dict) -> None:
     """Replace the rates file atomically (several processes may finish at once: the last one wins, whole)."""
-    path = Path(root) / RATES_FILE_NAME
-    temp = path.with_name(f".{RATES_FILE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        if path.is_symlink():
-            return  # never write through a link out of the folder
-        temp.write_text(json.dumps(doc, sort_keys=True))
-        os.replace(temp, path)
+        folder = CacheFolder(root, follow=True)  # a fresh file renamed over it, no link below followed (files.py)
     except OSError:
-        try:
-            temp.unlink()
-        except OSError:
-            pass
+        return
+    try:
+        folder.write_atomic(Path(root) / RATES_FILE_NAME, json.dumps(doc, sort_keys=True).encode())
+    except OSError:
+        pass  # only a measurement: the next run measures again
+    finally:
+        folder.close()
 
 
 def _positive(value) -> bool:

@@ -1,41 +1,216 @@
-"""The names of the checkpoint store's files, and the small file operations it does on them quietly (a file
-another process may have deleted or replaced meanwhile)."""
+"""The checkpoint store's file names, and the cache folder as a place others may write: every file operation
+below it is made relative to the folder's descriptor and follows no link.
+
+Threat model (docs/RELIABILITY.md): anyone who can write the cache folder may plant links, FIFOs, damaged or
+re-signed files and index rows in it. They must not make prefixrun create, write, rename or delete anything
+outside it, nor hang it. So each operation opens the path's folders one component at a time from the cache
+folder's descriptor with O_NOFOLLOW (a link anywhere below the cache folder, a shard folder or the quarantine
+itself, is refused: ELOOP / ENOTDIR), creates files with O_EXCL|O_NOFOLLOW, replaces a file by renaming a fresh
+one over it (so a planted hard link's other name is never written), and unlinks names, never what they lead to.
+The cache folder's own path is the user's choice and is followed.
+"""
 from __future__ import annotations
 
+import errno
+import os
 import re
+import secrets
+import stat
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 BLOBS_DIR_NAME = "blobs"
 QUARANTINE_DIR_NAME = "quarantine"
 SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{8}\.[0-9]+\.[0-9a-f]{8}\.tmp")  # .<id>.<host>.<pid>.<random>.tmp
 
-
-def size_or_none(path: Path | None) -> int | None:
-    """A file's size; None when there is none to measure: a name the store refused (None), a missing file, or one
-    that cannot be looked at (a symlink loop, a folder without permission) -- never an exception."""
-    if path is None:
-        return None
-    try:
-        return path.stat().st_size
-    except OSError:
-        return None
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def mtime_or_zero(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:  # gone, or a symlink loop / unreadable: as old as can be (the sweep's age rules decide)
-        return 0.0
+class CacheFolder:
+    """The folder `root` (created if missing, with its parents); file operations on paths below it. A path that
+    is not below it, or has a link or a non-folder where a folder should be, raises OSError (ELOOP, ENOTDIR,
+    EXDEV) and touches nothing. `follow`: `root` may itself be a link (the cache folder the user named: it may
+    live on another disk); else a link there is refused too (`checkpoints/` inside it)."""
 
+    def __init__(self, root: Path | str, *, create: bool = True, follow: bool = False):
+        self.root = Path(root).expanduser()
+        if create:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: followed
+        try:
+            if create:
+                try:
+                    os.mkdir(self.root.name, 0o755, dir_fd=parent)
+                except FileExistsError:
+                    pass
+            flags = _DIR_FLAGS & ~os.O_NOFOLLOW if follow else _DIR_FLAGS
+            self._fd = os.open(self.root.name, flags, dir_fd=parent)
+        finally:
+            os.close(parent)
+        self._lock = threading.Lock()
 
-def unlink_quietly(path: Path | None) -> bool:
-    """Delete a file another process may already have deleted (None: a name the store refused; a folder is left
-    alone). True if this call deleted it."""
-    if path is None:
-        return False
-    try:
-        path.unlink()
-        return True
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        return False
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---------------------------------------------------------------- paths
+
+    def _parts(self, path: Path | str) -> list[str]:
+        """`path`'s components below the root (a relative path is taken as below it)."""
+        path = Path(path)
+        try:
+            rel = path.relative_to(self.root) if path.is_absolute() else path
+        except ValueError:
+            rel = Path("..")
+        parts = list(rel.parts)
+        if not parts or any(p in ("", ".", "..") or "/" in p for p in parts):
+            raise OSError(errno.EXDEV, f"{path} is not a file below the cache folder {self.root}")
+        return parts
+
+    @contextmanager
+    def _folder(self, parts: list[str], create: bool = False) -> Iterator[int]:
+        """A descriptor of the folder root/parts..., each component opened without following a link."""
+        with self._lock:
+            if self._fd < 0:
+                raise OSError(errno.EBADF, "the cache folder is closed")
+            fd = os.dup(self._fd)
+        try:
+            for part in parts:
+                if create:
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    def make_folders(self, path: Path | str) -> None:
+        """root/path and the folders above it, none of them through a link."""
+        with self._folder(self._parts(path), create=True):
+            pass
+
+    # ---------------------------------------------------------------- writing
+
+    @contextmanager
+    def create(self, path: Path | str, *, folders: bool = True) -> Iterator[BinaryIO]:
+        """A new file opened for writing (it must not exist: O_EXCL, O_NOFOLLOW), its folders created if missing."""
+        *folder, name = self._parts(path)
+        with self._folder(folder, create=folders) as dir_fd:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dir_fd)
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+
+    def replace(self, source: Path | str, target: Path | str) -> None:
+        """Rename `source` to `target` (replacing a file there: the name, never what a link there leads to)."""
+        *source_folder, source_name = self._parts(source)
+        *target_folder, target_name = self._parts(target)
+        with self._folder(source_folder) as source_fd, self._folder(target_folder) as target_fd:
+            os.replace(source_name, target_name, src_dir_fd=source_fd, dst_dir_fd=target_fd)
+
+    def write_atomic(self, path: Path | str, data: bytes) -> None:
+        """`path` holds `data` whole, or is as it was: a fresh temp file beside it, renamed over it."""
+        path = Path(path)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            with self.create(temp) as handle:
+                handle.write(data)
+            self.replace(temp, path)
+        except BaseException:
+            self.unlink(temp)
+            raise
+
+    def unlink(self, path: Path | str | None) -> bool:
+        """Delete the file (or link: never what it leads to) at `path`; quietly: False when there was none to
+        delete, it is a folder, or it cannot be deleted (another process, a read-only folder). None: nothing."""
+        if path is None:
+            return False
+        try:
+            *folder, name = self._parts(path)
+            with self._folder(folder) as dir_fd:
+                os.unlink(name, dir_fd=dir_fd)
+            return True
+        except OSError:
+            return False
+
+    def remove_folder(self, path: Path | str) -> bool:
+        """Remove an empty folder (not a link) quietly."""
+        try:
+            *folder, name = self._parts(path)
+            with self._folder(folder) as dir_fd:
+                os.rmdir(name, dir_fd=dir_fd)
+            return True
+        except OSError:
+            return False
+
+    # ---------------------------------------------------------------- looking
+
+    def lstat(self, path: Path | str | None) -> os.stat_result | None:
+        """The entry at `path` itself (a link is not followed), or None when there is none or it cannot be seen."""
+        if path is None:
+            return None
+        try:
+            *folder, name = self._parts(path)
+            with self._folder(folder) as dir_fd:
+                return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return None
+
+    def size(self, path: Path | str | None) -> int | None:
+        """The size of the regular file at `path`; None for anything else (missing, a link, a FIFO, a folder)."""
+        st = self.lstat(path)
+        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+
+    def mtime(self, path: Path | str) -> float:
+        st = self.lstat(path)
+        return st.st_mtime if st is not None else 0.0
+
+    def names(self, path: Path | str | None = None) -> list[str]:
+        """The names in the folder root/path (not through a link); [] when it cannot be listed."""
+        try:
+            parts = self._parts(path) if path not in (None, "", ".") and Path(path) != self.root else []
+            with self._folder(parts) as dir_fd:
+                return sorted(os.listdir(dir_fd))
+        except OSError:
+            return []
+
+    def unreadable(self, path: Path | str) -> bool:
+        """Whether the folder root/path is there but this process may not list it (permissions)."""
+        try:
+            with self._folder(self._parts(path)) as dir_fd:
+                os.listdir(dir_fd)
+            return False
+        except PermissionError:
+            return True
+        except OSError:
+            return False
+
+    def is_folder(self, path: Path | str) -> bool:
+        st = self.lstat(path)
+        return st is not None and stat.S_ISDIR(st.st_mode)
+
+    def open_read(self, path: Path | str) -> int:
+        """A descriptor of the regular file at `path`, opened non-blocking without following a link (a FIFO would
+        otherwise wait for a writer). Raises OSError (FileNotFoundError when missing) for anything else."""
+        *folder, name = self._parts(path)
+        with self._folder(folder) as dir_fd:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        return fd

@@ -2,7 +2,7 @@
 
 The index only says where to look: every row is checked for the type and form this store writes before it is
 used (`checked_row`), and every file it names is verified before its content is (engine/cache/verify.py).
-Schema (``PRAGMA user_version = 3``; K/V block tables in engine/cache/kv_blocks.py)::
+Schema (``PRAGMA user_version = 4``; K/V block tables in engine/cache/kv_blocks.py)::
 
     entries(entry_id TEXT PRIMARY KEY,      -- checkpoint_key(StoreKey, tokens): SHA-256 hex
             model_digest, layout_digest,    -- copies of the StoreKey fields (lookup filters on them)
@@ -15,8 +15,13 @@ Schema (``PRAGMA user_version = 3``; K/V block tables in engine/cache/kv_blocks.
             meta_json TEXT,                 -- the caller's meta dict
             token_preview TEXT)             -- JSON list of the first PREVIEW_TOKENS token ids
 
-An index of version 1 or 2 is emptied on open (a clear miss: version 1's digests are flat SHA-256, version 2's
-entries are whole states without K/V blocks; their files become unindexed and are swept).
+    signatures(kind TEXT, record_id TEXT, signature TEXT, PRIMARY KEY (kind, record_id))
+                                            -- an entry's or a K/V block's row signed (engine/cache/auth.py);
+                                            -- dropped with the row it signs (triggers)
+
+An index of an earlier version is emptied on open (a clear miss: version 1's digests are flat SHA-256, version 2's
+entries are whole states without K/V blocks, version 3's rows are not signed; their files become unindexed and are
+swept).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from typing import Iterator, Sequence
 from prefixrun.engine.cache import kv_blocks
 from prefixrun.engine.cache.keys import HEX_DIGEST, SHA256_HEX
 
-INDEX_SCHEMA_VERSION = 3  # 3: K/V block tables (2: whole-state entries; 1: flat SHA-256 digests)
+INDEX_SCHEMA_VERSION = 4  # 4: signed rows (3: K/V block tables; 2: whole-state entries; 1: flat SHA-256 digests)
 INDEX_FILE_NAME = "index.sqlite3"
 INDEX_FILE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the index and the files SQLite keeps beside it
 BUSY_TIMEOUT_S = 60.0
@@ -65,6 +70,20 @@ CREATE TABLE entries (
 );
 CREATE INDEX entries_by_model_length ON entries (model_digest, layout_digest, n_tokens);
 CREATE INDEX entries_by_use_order ON entries (use_order);
+"""
+SIGNATURES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS signatures (
+    kind TEXT NOT NULL,
+    record_id TEXT NOT NULL,
+    signature TEXT NOT NULL,
+    PRIMARY KEY (kind, record_id)
+);
+CREATE TRIGGER IF NOT EXISTS entry_signature_dropped AFTER DELETE ON entries BEGIN
+    DELETE FROM signatures WHERE kind = 'entry' AND record_id = OLD.entry_id;
+END;
+CREATE TRIGGER IF NOT EXISTS block_signature_dropped AFTER DELETE ON blocks BEGIN
+    DELETE FROM signatures WHERE kind = 'block' AND record_id = OLD.block_id;
+END;
 """
 
 
@@ -135,19 +154,47 @@ def open_index(path: Path) -> sqlite3.Connection:
             if version == 0:
                 for statement in filter(str.strip, SCHEMA.split(";")):
                     db.execute(statement)
-            elif version in (1, 2):
-                # rows of the flat-SHA-256 era (1) or whole-state entries without K/V blocks (2): dropped (their
-                # files become unindexed and are swept), a clear miss rather than quarantined as corrupt
-                db.execute("DELETE FROM entries")
+            elif version in (1, 2, 3):
+                # rows of the flat-SHA-256 era (1), whole-state entries without K/V blocks (2) or unsigned rows (3):
+                # dropped (their files become unindexed and are swept), a clear miss rather than quarantined
+                for table in ("entries", "blocks", "entry_blocks"):
+                    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                  (table,)).fetchone():
+                        db.execute(f"DELETE FROM {table}")
             elif version != INDEX_SCHEMA_VERSION:
                 raise StoreError(f"checkpoint index {path} has schema version {version}, this prefixrun uses "
                                  f"{INDEX_SCHEMA_VERSION}")
             for statement in filter(str.strip, kv_blocks.SCHEMA.split(";")):
                 db.execute(statement)
+            for statement in _statements(SIGNATURES_SCHEMA):
+                db.execute(statement)
             db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
         return db
     except sqlite3.DatabaseError as error:
         raise StoreError(f"cannot open the checkpoint index {path}: {error}") from error
+
+
+def _statements(script: str) -> list[str]:
+    """The statements of `script` (a trigger's body holds semicolons of its own: split after END)."""
+    out, current = [], []
+    for line in script.strip().splitlines():
+        current.append(line)
+        text = "\n".join(current).strip()
+        if text.endswith(";") and (not text.upper().startswith("CREATE TRIGGER") or text.upper().endswith("END;")):
+            out.append(text)
+            current = []
+    return out
+
+
+def signature_of(db: sqlite3.Connection, kind: str, record_id: str):
+    found = db.execute("SELECT signature FROM signatures WHERE kind = ? AND record_id = ?",
+                       (kind, record_id)).fetchone()
+    return found[0] if found else None
+
+
+def set_signature(db: sqlite3.Connection, kind: str, record_id: str, signature: str) -> None:
+    db.execute("INSERT OR REPLACE INTO signatures (kind, record_id, signature) VALUES (?, ?, ?)",
+               (kind, record_id, signature))
 
 
 @contextmanager

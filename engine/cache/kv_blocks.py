@@ -21,7 +21,7 @@ model, layout, row count) against the index, and each region's trailing shape an
 
 Files: ``kv_blocks/<id[:2]>/<id>.<content_sha256[:16]>.safetensors`` (temp files while writing:
 ``kv_blocks/<xx>/.<id>.<host>.<pid>.<random>.tmp``), written with the store's protocol (temp file, rename; no
-fsync: every read checks the recorded digest) before the index row that names them. Index tables (in the store's SQLite index, schema 3):
+fsync: every read checks the recorded digest) before the index row that names them. Index tables (in the store's SQLite index, schema 4; each row signed, engine/cache/auth.py):
 
     blocks(block_id TEXT PRIMARY KEY, file_name, nbytes, content_sha256, created)
     entry_blocks(entry_id, position, block_id, end_row, PRIMARY KEY (entry_id, position))  -- references, in order
@@ -147,9 +147,10 @@ def allocate(tails: dict[str, np.ndarray], n_blocks: int, rows: int) -> dict[str
 class BlockFiles:
     """The kv_blocks/ folder: names, writes and verified reads of block files (the index is the store's)."""
 
-    def __init__(self, root: Path, host_tag: str):
+    def __init__(self, root: Path, host_tag: str, files):
         self.folder = root / BLOCKS_DIR_NAME
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._files = files  # the store's CacheFolder (engine/cache/files.py): every write goes through it
+        self._files.make_folders(BLOCKS_DIR_NAME)
         self._host_tag = host_tag
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
@@ -166,18 +167,14 @@ class BlockFiles:
         shard = self.folder / block_id[:2]
         temp = shard / f".{block_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            shard.mkdir(parents=True, exist_ok=True)
-            with open(temp, "xb") as handle:
+            with self._files.create(temp) as handle:
                 nbytes, content_sha256 = blob_format.write_file(
                     handle, tensors, {**metadata, "prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id})
             file_name = f"{block_id}.{content_sha256[:16]}.safetensors"
-            os.replace(temp, shard / file_name)
+            self._files.replace(temp, shard / file_name)
             return file_name, nbytes, content_sha256
         except BaseException:
-            try:
-                temp.unlink()
-            except OSError:
-                pass
+            self._files.unlink(temp)
             raise
 
     def _pool(self, reading: bool = True) -> ThreadPoolExecutor:
@@ -218,6 +215,8 @@ class BlockFiles:
                 metadata, digest = blob_format.read_into(path, size, places)
             except FileNotFoundError:
                 raise BadBlock(block_id, "file missing", file_name) from None
+            except PermissionError:
+                raise  # not ours to read: a miss, the block left alone (engine/cache/verify.py)
             except (OSError, blob_format.BlobFormatError) as error:
                 raise BadBlock(block_id, f"unreadable: {error}", file_name) from None
             if digest != content_sha256:
@@ -247,13 +246,6 @@ class BlockFiles:
                 return None, error
         done = [one(b) for b in blocks] if len(blocks) <= 1 else list(self._pool(reading=False).map(one, blocks))
         return [d for d, _ in done if d is not None], next((e for _, e in done if e is not None), None)
-
-    def shard_dirs(self) -> list[Path]:
-        try:
-            return sorted(p for p in self.folder.iterdir()
-                          if re.fullmatch(r"[0-9a-f]{2}", p.name) and p.is_dir() and not p.is_symlink())
-        except OSError:
-            return []
 
 
 def block_metadata(model_digest: str, layout_digest: str, rows: int, dtype_names: dict[str, str]) -> dict[str, str]:

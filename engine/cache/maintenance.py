@@ -9,6 +9,7 @@ grace period. Only files with this store's names, in shard folders inside the ca
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,7 +18,7 @@ from prefixrun.engine.cache import files, kv_blocks
 from prefixrun.engine.cache.index import BLOB_NAME, ROW_COLUMNS, checked_row, indexed_bytes
 from prefixrun.engine.cache.kv_blocks import BadBlock
 from prefixrun.engine.cache.results import CorruptEntry, ReadAccount, SweepResult
-from prefixrun.engine.cache.verify import BadEntry
+from prefixrun.engine.cache.verify import BadEntry, EntryUnreadable
 
 DEFAULT_ORPHAN_GRACE_S = 300.0
 
@@ -33,7 +34,7 @@ class StoreMaintenance:
                 db.execute(kv_blocks.DANGLING_SQL)
                 paths, _ = self._drop_unreferenced(db)
             for path in paths:
-                files.unlink_quietly(path)
+                self._files.unlink(path)
             return len(paths)
 
     def verify_all(self) -> list[CorruptEntry]:
@@ -54,6 +55,8 @@ class StoreMaintenance:
                 except BadBlock as problem:
                     for entry_id in self._drop_block(problem.block_id, problem.file_name, problem.reason):
                         bad.append(CorruptEntry(entry_id, f"K/V block {problem.block_id}: {problem.reason}"))
+                except EntryUnreadable:
+                    pass  # not this process's to read: reported by `unreadable_folders`, left alone
         return bad
 
     def count_malformed_rows(self) -> int:
@@ -101,33 +104,32 @@ class StoreMaintenance:
             indexed = {file_name for (file_name,) in self._db.execute("SELECT file_name FROM entries").fetchall()}
             looked_at = 0
             for shard in self._owned_dirs(self._blobs_dir):
-                ours = self._owned_files(shard, lambda n: bool(BLOB_NAME.fullmatch(n) or files.TEMP_NAME.fullmatch(n)))
-                for path in ours:
+                for path in self._owned_files(shard, lambda n: bool(BLOB_NAME.fullmatch(n) or files.TEMP_NAME.fullmatch(n))):
                     if max_files is not None and looked_at >= max_files:
                         break
                     looked_at += 1
-                    age = now - files.mtime_or_zero(path)
+                    age = now - self._files.mtime(path)
                     if path.name.endswith(".tmp"):
                         if self._temp_writer_is_dead(path.name) or age > grace_s:
-                            if files.unlink_quietly(path):
+                            if self._files.unlink(path):
                                 result.removed_temp_files.append(path)
                                 continue
-                        result.kept_bytes += files.size_or_none(path) or 0
+                        result.kept_bytes += self._files.size(path) or 0
                     elif path.name not in indexed:
-                        if age > grace_s and not self._is_indexed(path.name) and files.unlink_quietly(path):
+                        if age > grace_s and not self._is_indexed(path.name) and self._files.unlink(path):
                             result.removed_unindexed_files.append(path)
                         else:
-                            result.kept_bytes += files.size_or_none(path) or 0
+                            result.kept_bytes += self._files.size(path) or 0
             for row in self._rows():
                 path = self._path_of(row.file_name)
-                if path is not None and not path.exists():
+                if path is not None and self._files.lstat(path) is None:
                     with self._write_transaction() as db:
                         gone = db.execute(
                             "DELETE FROM entries WHERE entry_id = ? AND file_name = ?", (row.entry_id, row.file_name)
                         ).rowcount
                         freed = self._drop_references(db, [row.entry_id])[0] if gone else []
                     for freed_path in freed:
-                        files.unlink_quietly(freed_path)
+                        self._files.unlink(freed_path)
                     if gone:
                         result.dropped_rows.append(row.entry_id)
             self._sweep_blocks(result, now, grace_s, max_files, looked_at)
@@ -137,61 +139,47 @@ class StoreMaintenance:
         """sweep_orphans for kv_blocks/: temp files of dead writers, block files no row names (a put killed between
         its block files and its index transaction), and rows whose block file is gone (with the entries using them)."""
         indexed = {f for (f,) in self._db.execute("SELECT file_name FROM blocks").fetchall()}
-        for shard in self._kv.shard_dirs():
+        for shard in self._owned_dirs(self._kv.folder):
             for path in self._owned_files(shard, lambda n: bool(kv_blocks.BLOCK_NAME.fullmatch(n)
                                                                   or kv_blocks.TEMP_NAME.fullmatch(n))):
                 if max_files is not None and looked_at >= max_files:
                     break
                 looked_at += 1
-                age = now - files.mtime_or_zero(path)
+                age = now - self._files.mtime(path)
                 if path.name.endswith(".tmp"):
-                    if (self._temp_writer_is_dead(path.name) or age > grace_s) and files.unlink_quietly(path):
+                    if (self._temp_writer_is_dead(path.name) or age > grace_s) and self._files.unlink(path):
                         result.removed_temp_files.append(path)
                     else:
-                        result.kept_bytes += files.size_or_none(path) or 0
+                        result.kept_bytes += self._files.size(path) or 0
                 elif path.name not in indexed:
                     still_unindexed = self._db.execute("SELECT 1 FROM blocks WHERE file_name = ?",
                                                        (path.name,)).fetchone() is None
-                    if age > grace_s and still_unindexed and files.unlink_quietly(path):
+                    if age > grace_s and still_unindexed and self._files.unlink(path):
                         result.removed_unindexed_files.append(path)
                     else:
-                        result.kept_bytes += files.size_or_none(path) or 0
+                        result.kept_bytes += self._files.size(path) or 0
         for block_id, file_name in self._db.execute("SELECT block_id, file_name FROM blocks").fetchall():
             path = self._kv.path_of(file_name)
-            if path is not None and not path.exists():
+            if path is not None and self._files.lstat(path) is None:
                 users = self._db.execute("SELECT DISTINCT entry_id FROM entry_blocks WHERE block_id = ?",
                                          (block_id,)).fetchall()
                 self._drop_block(block_id, file_name, "file missing")
                 result.dropped_rows += [e for (e,) in users]
 
     def _owned_dirs(self, folder: Path) -> list[Path]:
-        """The shard folders (two hex digits) directly in `folder`, never through a symlink."""
-        if not self._inside_root(folder):
-            return []
-        try:
-            return sorted(p for p in folder.iterdir()
-                          if files.SHARD_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
-        except OSError:
-            return []
+        """The shard folders (two hex digits) directly in `folder`, never through a link (engine/cache/files.py)."""
+        return [folder / n for n in self._files.names(folder)
+                if files.SHARD_NAME.fullmatch(n) and self._files.is_folder(folder / n)]
 
     def _owned_files(self, folder: Path, name_ok: Callable[[str], bool]) -> list[Path]:
-        """Plain files (or symlinks, which unlink only removes) directly in `folder` whose names pass `name_ok`;
-        nothing when `folder` resolves outside the cache folder."""
-        try:
-            resolved, root = folder.resolve(), self.root.resolve()
-            shard_parents = [d.resolve() for d in (self._blobs_dir, self._kv.folder)]
-            if not (resolved.parent == root or any(resolved.parent == d and d.parent == root for d in shard_parents)):
-                return []
-            return sorted(p for p in folder.iterdir() if name_ok(p.name) and (p.is_symlink() or p.is_file()))
-        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
-            return []
-
-    def _inside_root(self, folder: Path) -> bool:
-        """`folder` is a direct child of the cache folder once symlinks are resolved."""
-        try:
-            return folder.resolve().parent == self.root.resolve()
-        except (OSError, RuntimeError):  # RuntimeError: a symlink loop, on Python < 3.13
-            return False
+        """Plain files (or links, which unlink only removes) directly in `folder` whose names pass `name_ok`;
+        nothing when `folder` is reached through a link."""
+        found = []
+        for name in self._files.names(folder):
+            info = self._files.lstat(folder / name) if name_ok(name) else None
+            if info is not None and (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+                found.append(folder / name)
+        return found
 
     def _is_indexed(self, file_name: str) -> bool:
         """Re-read the index right before deleting a file: a writer may have indexed it since the sweep began."""

@@ -55,6 +55,7 @@ transaction, not the wall clock, so it is exact even when processes' clocks or t
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -69,14 +70,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from prefixrun.engine.cache import blob_format, files, keys, kv_blocks
+from prefixrun.engine.cache import auth, blob_format, keys, kv_blocks
 from prefixrun.engine.cache.block_refs import BlockReferences
 from prefixrun.engine.cache.admin import StoreAdmin, clear_folder, folder_bytes, folder_files  # noqa: F401
-from prefixrun.engine.cache.files import BLOBS_DIR_NAME, QUARANTINE_DIR_NAME
+from prefixrun.engine.cache.files import BLOBS_DIR_NAME, QUARANTINE_DIR_NAME, CacheFolder
 from prefixrun.engine.cache.index import (  # noqa: F401
     BLOB_NAME, INDEX_FILE_NAME, INDEX_FILE_SUFFIXES, INDEX_SCHEMA_VERSION, PREVIEW_TOKENS, ROW_COLUMNS, Row,
-    StoreError, block_bytes_to_read, indexed_bytes, open_index, select_rows, stored_lengths, touch,
-    write_transaction)
+    StoreError, block_bytes_to_read, checked_row, indexed_bytes, open_index, select_rows, set_signature,
+    stored_lengths, touch, write_transaction)
 from prefixrun.engine.cache.keys import (  # noqa: F401
     FORMAT_VERSION, StoreKey, as_token_array, check_store_key, checkpoint_key, default_cache_dir,
     default_checkpoint_dir)
@@ -85,7 +86,8 @@ from prefixrun.engine.cache.maintenance import DEFAULT_ORPHAN_GRACE_S, StoreMain
 from prefixrun.engine.cache.results import (  # noqa: F401
     CorruptEntry, EntryInfo, Evict, Get, Put, ReadAccount, StoredCheckpoint, StoreStats, SweepResult)
 from prefixrun.engine.cache.verify import (  # noqa: F401
-    BFLOAT16, QUARANTINE_KEEP, STORAGE_DTYPE_BY_NAME, TOKENS_TENSOR_NAME, BadEntry, EntryVerification)
+    BFLOAT16, QUARANTINE_KEEP, STORAGE_DTYPE_BY_NAME, TOKENS_TENSOR_NAME, BadEntry, EntryUnreadable, EntryVerification,
+    entry_fields, entry_signed)
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +131,31 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         # Bytes on disk that no index row accounts for (quarantine/, unindexed blobs, temp files), as measured by
         # the last `maintain` and kept up to date by quarantining; eviction keeps indexed + this within budget.
         self._overhead_bytes = 0
-        for folder in (self.root, self._blobs_dir, self._quarantine_dir):
-            folder.mkdir(parents=True, exist_ok=True)
-        for folder in (self._blobs_dir, self.root / kv_blocks.BLOCKS_DIR_NAME):
-            if folder.is_symlink() and not self._inside_root(folder):
-                # writes and evictions would happen wherever it leads; `inspect-cache --clear` removes the link
-                raise StoreError(f"{folder} is a symbolic link leading out of the cache folder")
+        # every file operation below the root goes through its descriptor, following no link (files.py); a link
+        # or a file where the root, blobs/ or kv_blocks/ should be makes the store unusable: `inspect-cache
+        # --clear` removes the link (never what it leads to) or the file
+        try:
+            self._files = CacheFolder(self.root)
+        except OSError as error:
+            raise StoreError(f"{self.root} is not a folder of its own ({_why(error, self.root)})") from error
+        for name in (BLOBS_DIR_NAME, kv_blocks.BLOCKS_DIR_NAME):
+            try:
+                self._files.make_folders(name)
+            except OSError as error:
+                self._files.close()
+                raise StoreError(f"{self.root / name} is not a folder of its own ({_why(error, self.root / name)})"
+                                 ) from error
         for suffix in INDEX_FILE_SUFFIXES:
             if (self.root / (INDEX_FILE_NAME + suffix)).is_symlink():
                 # SQLite follows it: the index (or its journal) would be created and written wherever it leads, even
                 # outside the cache folder; `inspect-cache --clear` removes the link
                 raise StoreError(f"{self.root / (INDEX_FILE_NAME + suffix)} is a symbolic link")
-        self._kv = kv_blocks.BlockFiles(self.root, self._host_tag)
-        self._db = open_index(self.root / INDEX_FILE_NAME)
+        self._kv = kv_blocks.BlockFiles(self.root, self._host_tag, self._files)
+        try:
+            self._db = open_index(self.root / INDEX_FILE_NAME)
+        except BaseException:
+            self._files.close()
+            raise
 
     # ---------------------------------------------------------------- index plumbing
 
@@ -160,6 +174,10 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         (``<entry_id>.<sha16>.safetensors``) or its shard folder resolves outside ``blobs/`` (a symlink): then
         nothing is read, moved or deleted for that row. Every file operation on a row goes through here."""
         return blob_format.confined_path(self._blobs_dir, file_name, BLOB_NAME)
+
+    def _whole_entry(self, row: Row) -> bool:
+        """The row is signed with this user's key and its file has the recorded size (not read: see verify.py)."""
+        return entry_signed(self._db, row) and self._files.size(self._path_of(row.file_name)) == row.nbytes
 
     def _touch(self, db, entry_id: str, *, count_hit: bool) -> bool:
         return touch(db, entry_id, self._clock(), count_hit=count_hit)
@@ -216,14 +234,13 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         shard = self._blobs_dir / entry_id[:2]
         temp = shard / f".{entry_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            shard.mkdir(parents=True, exist_ok=True)
-            with open(temp, "xb") as handle:
+            with self._files.create(temp) as handle:
                 nbytes, content_sha256 = blob_format.write_file(handle, tensors, metadata)
             file_name = f"{entry_id}.{content_sha256[:16]}.safetensors"
-            os.replace(temp, shard / file_name)
+            self._files.replace(temp, shard / file_name)
             return file_name, nbytes, content_sha256
         except OSError as error:
-            files.unlink_quietly(temp)
+            self._files.unlink(temp)
             log.warning("could not write checkpoint %s to %s: %s", entry_id, shard, error)
             return None
 
@@ -303,6 +320,8 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
             with self._lock:
                 self._drop_block(bad.block_id, bad.file_name, bad.reason)
             return None
+        except EntryUnreadable:
+            return None
         if not np.array_equal(np.asarray(checkpoint.tokens, dtype=np.int64), token_array):
             return None  # a key collision: not this prefix's entry
         return checkpoint
@@ -334,6 +353,8 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         except BadBlock as bad:
             self._drop_block(bad.block_id, bad.file_name, bad.reason)
             return None
+        except EntryUnreadable:
+            return None  # whole, as far as anyone knows, and not this process's to read: a miss
         if not np.array_equal(np.asarray(checkpoint.tokens, dtype=np.int64), prefix.astype(np.int64)):
             # The file is intact and its tokens do hash to this id: a genuine collision. Leave it be.
             result.collisions += 1
@@ -373,8 +394,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         if existing is not None:
             if existing.n_tokens != len(job.tokens) or existing.token_preview != job.preview:
                 return Put("collision")
-            if files.size_or_none(self._path_of(existing.file_name)) == existing.nbytes and self._touch(
-                    self._db, job.entry_id, count_hit=False):
+            if self._whole_entry(existing) and self._touch(self._db, job.entry_id, count_hit=False):
                 return Put("present")
             # Row without a (whole) file: write a fresh blob and let the insert replace the row.
         if self.budget_bytes is not None and job.payload_bytes > self.budget_bytes:
@@ -403,7 +423,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
             return Put("write_error")
         file_name, nbytes, _ = written
         if self.budget_bytes is not None and nbytes > self.budget_bytes:
-            files.unlink_quietly(self._path_of(file_name))  # the header pushed it over
+            self._files.unlink(self._path_of(file_name))  # the header pushed it over
             self._discard_unindexed_blocks(new_blocks)
             return Put("too_large")
         with self._lock:
@@ -428,7 +448,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
                 result = self._insert_entry(db, job, (file_name, nbytes, content_sha256), new_blocks, created,
                                             doomed)
             for path in doomed:
-                files.unlink_quietly(path)
+                self._files.unlink(path)
         return result
 
     def _other_writers_entry(self, db, job: _PutJob, file_name: str, doomed: list):
@@ -436,7 +456,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         current = self._row(job.entry_id)
         if current is None or current.file_name == file_name:
             return current, None
-        if files.size_or_none(self._path_of(current.file_name)) == current.nbytes:
+        if self._whole_entry(current):
             doomed.append(self._path_of(file_name))  # keep theirs, drop ours
             if (current.n_tokens, current.token_preview) == (len(job.tokens), job.preview):
                 self._touch(db, job.entry_id, count_hit=False)
@@ -448,7 +468,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
     def _blocks_went_away(self, db, present: set, new_blocks: list) -> bool:
         return any(db.execute("SELECT 1 FROM blocks WHERE block_id = ?", (b,)).fetchone() is None
                    for b in present) \
-            or any(files.size_or_none(self._kv.path_of(b[1])) != b[2] for b in new_blocks)
+            or any(self._files.size(self._kv.path_of(b[1])) != b[2] for b in new_blocks)
 
     def _insert_entry(self, db, job: _PutJob, written: tuple, new_blocks: list, created: float, doomed: list
                       ) -> Put:
@@ -456,6 +476,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         row = (job.entry_id, job.key.model_digest, job.key.layout_digest, len(job.tokens), file_name, nbytes,
                content_sha256, 0, created, created, 0, job.meta_json, job.preview)
         db.execute(f"INSERT OR REPLACE INTO entries ({ROW_COLUMNS}) VALUES ({', '.join('?' * 13)})", row)
+        set_signature(db, "entry", job.entry_id, auth.sign("entry", *entry_fields(checked_row(row))))
         indexed_blocks = self._index_blocks(db, new_blocks, created, doomed)
         db.execute("DELETE FROM entry_blocks WHERE entry_id = ?", (job.entry_id,))
         db.executemany("INSERT INTO entry_blocks (entry_id, position, block_id, end_row) VALUES (?, ?, ?, ?)",
@@ -480,12 +501,21 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            self._files.close()
 
     def __enter__(self) -> CheckpointStore:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _why(error: OSError, path: Path) -> str:
+    if error.errno == errno.ELOOP or path.is_symlink():  # O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR
+        return "a symbolic link"
+    if error.errno == errno.ENOTDIR:
+        return "not a folder"
+    return error.strerror or str(error)
 
 
 # -------------------------------------------------------------------- a put's arguments
@@ -555,8 +585,7 @@ def _storage_arrays(regions: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarra
             raise TypeError(f"region {name!r} must be a numpy array, got {type(array).__name__}")
         dtype_name = "bfloat16" if array.dtype == BFLOAT16 else array.dtype.name
         if dtype_name not in STORAGE_DTYPE_BY_NAME:
-            raise ValueError(f"region {name!r} has dtype {array.dtype}; "
-                             f"the store takes {sorted(STORAGE_DTYPE_BY_NAME)}")
+            raise ValueError(f"region {name!r} has dtype {array.dtype}; the store takes {sorted(STORAGE_DTYPE_BY_NAME)}")
         # np.ascontiguousarray would turn a 0-d array into 1-d; np.require keeps the shape.
         stored = np.require(array, requirements="C")
         if dtype_name == "bfloat16":

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.cache import blob_format, files, keys, kv_blocks
-from prefixrun.engine.cache.index import Row
+from prefixrun.engine.cache import auth, blob_format, keys, kv_blocks
+from prefixrun.engine.cache.files import QUARANTINE_DIR_NAME
+from prefixrun.engine.cache.index import Row, signature_of
 from prefixrun.engine.cache.keys import FORMAT_VERSION, StoreKey
 from prefixrun.engine.cache.kv_blocks import BadBlock
 from prefixrun.engine.cache.results import ReadAccount, StoredCheckpoint
@@ -46,6 +46,23 @@ STORAGE_DTYPE_BY_NAME: dict[str, np.dtype] = {
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
+def entry_fields(row: Row) -> tuple:
+    """What an entry's signature covers: its id (its model, layout and tokens), its file and that file's digest."""
+    return (row.entry_id, row.model_digest, row.layout_digest, row.n_tokens, row.file_name, row.nbytes,
+            row.content_sha256)
+
+
+def entry_signed(db, row: Row) -> bool:
+    """Whether the row carries this user's signature (engine/cache/auth.py): anyone who can write the folder can
+    write a file and a row naming it, with a digest that matches; they cannot sign it."""
+    return auth.signed(signature_of(db, "entry", row.entry_id), "entry", *entry_fields(row))
+
+
+class EntryUnreadable(Exception):
+    """An entry (or a K/V block it needs) this process has no permission to read: a miss, never quarantined (the
+    files may be whole, and another user's to read)."""
+
+
 class BadEntry(Exception):
     """An entry failed verification; `reason` is recorded next to the quarantined file."""
 
@@ -60,22 +77,42 @@ class EntryVerification:
 
     def _read_verified(self, row: Row, account: ReadAccount, *, resident_rows: int = 0) -> StoredCheckpoint:
         """Read and fully check one entry and the K/V blocks it needs against the index; raise BadEntry (the entry
-        is bad) or BadBlock (a block is: every entry using it is) saying what is wrong. What was read is added to
-        `account`. `resident_rows`: the caller holds K/V rows [0, resident_rows) in memory already; whole blocks
-        within them are not read."""
+        is bad), BadBlock (a block is: every entry using it is) saying what is wrong, or EntryUnreadable (this
+        process may not read it: a miss, left alone). What was read is added to `account`. `resident_rows`: the
+        caller holds K/V rows [0, resident_rows) in memory already; whole blocks within them are not read. Whatever
+        else a damaged file makes a parse raise is a BadEntry: a damaged entry never aborts a run."""
+        try:
+            return self._read_checked(row, account, resident_rows)
+        except (BadEntry, BadBlock, EntryUnreadable):
+            raise
+        except PermissionError as error:
+            raise EntryUnreadable(str(error)) from None
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, MemoryError) as error:
+            raise BadEntry(f"malformed ({type(error).__name__}: {str(error)[:120]})") from None
+
+    def _read_checked(self, row: Row, account: ReadAccount, resident_rows: int) -> StoredCheckpoint:
         path = self._path_of(row.file_name)
         if path is None:
             raise BadEntry(f"file name {row.file_name!r} is not a blob name of this store")
+        with self._lock:
+            if not entry_signed(self._db, row):
+                raise BadEntry("its index row is not signed with this user's key")
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             raise BadEntry("file missing") from None
+        except PermissionError:
+            raise
+        except OSError as error:  # a link loop, a name too long: nothing of ours is there
+            raise BadEntry(f"unreadable: {error}") from None
         if size != row.nbytes:
             raise BadEntry(f"size {size} != recorded {row.nbytes}")
         try:
             buffer, content_sha256 = blob_format.read_file(path, size)
         except FileNotFoundError:
             raise BadEntry("file missing") from None
+        except PermissionError:
+            raise
         except (OSError, blob_format.BlobFormatError) as error:
             raise BadEntry(f"unreadable: {error}") from None
         account.read_bytes += size
@@ -102,9 +139,10 @@ class EntryVerification:
         try:
             dtype_names = json.loads(metadata["prefixrun.dtypes"])
             meta = json.loads(metadata["prefixrun.meta"])
-        except (KeyError, ValueError) as error:
-            raise BadEntry(f"metadata unreadable: {error!r}") from None
-        if not isinstance(dtype_names, dict) or set(dtype_names) != set(stored):
+        except (KeyError, ValueError, RecursionError) as error:  # RecursionError: nested too deeply
+            raise BadEntry(f"metadata unreadable: {type(error).__name__}") from None
+        if not isinstance(dtype_names, dict) or set(dtype_names) != set(stored) \
+                or not all(isinstance(v, str) for v in dtype_names.values()) or not isinstance(meta, dict):
             raise BadEntry("regions in the file differ from the recorded dtype table")
         block_bytes, resident, from_blocks = self._read_blocks(row, metadata, stored_tokens, stored, resident_rows,
                                                                account)
@@ -135,8 +173,8 @@ class EntryVerification:
             rows = int(metadata["prefixrun.block_rows"])
             listed = json.loads(metadata["prefixrun.blocks"])
             kv_names = json.loads(metadata["prefixrun.kv_regions"])
-        except (KeyError, ValueError) as error:
-            raise BadEntry(f"K/V block metadata unreadable: {error!r}") from None
+        except (KeyError, ValueError, RecursionError) as error:  # RecursionError: nested too deeply
+            raise BadEntry(f"K/V block metadata unreadable: {type(error).__name__}") from None
         # names checked to be distinct strings before any set() of them (a list in the list raised TypeError out of
         # a lookup; a name twice joined its blocks twice)
         if not isinstance(listed, list) or not isinstance(kv_names, list) \
@@ -154,8 +192,10 @@ class EntryVerification:
             raise BadEntry("its K/V tail rows do not match its length")
         with self._lock:
             refs = self._db.execute(
-                "SELECT r.block_id, b.block_id, b.file_name, b.nbytes, b.content_sha256 FROM entry_blocks r "
-                "LEFT JOIN blocks b ON b.block_id = r.block_id WHERE r.entry_id = ? ORDER BY r.position",
+                "SELECT r.block_id, b.block_id, b.file_name, b.nbytes, b.content_sha256, s.signature "
+                "FROM entry_blocks r LEFT JOIN blocks b ON b.block_id = r.block_id "
+                "LEFT JOIN signatures s ON s.kind = 'block' AND s.record_id = b.block_id "
+                "WHERE r.entry_id = ? ORDER BY r.position",
                 (row.entry_id,)).fetchall()
         if [r[0] for r in refs] != listed:
             raise BadEntry("the index's K/V block references differ from the file's")
@@ -167,8 +207,10 @@ class EntryVerification:
         for r in needed:
             if not isinstance(r[3], int) or not isinstance(r[4], str):
                 raise BadBlock(r[0], "malformed index row")
+            if not auth.signed(r[5], "block", *r[1:5]):
+                raise BadBlock(r[0], "its index row is not signed with this user's key", r[2])
         wholes = kv_blocks.allocate(tails, n_blocks, rows)
-        self._kv.read_into([r[1:] for r in needed], list(range(skip, n_blocks)), row.model_digest, row.layout_digest,
+        self._kv.read_into([r[1:5] for r in needed], list(range(skip, n_blocks)), row.model_digest, row.layout_digest,
                            wholes, tails, rows)
         stored.update(wholes)
         read = sum(r[3] for r in needed)
@@ -190,7 +232,7 @@ class EntryVerification:
         if not deleted:
             return False
         for path in freed:  # blocks only this entry used: intact as far as anyone knows, but unreferenced now
-            files.unlink_quietly(path)
+            self._files.unlink(path)
         self.stats.corrupt += 1
         log.warning("checkpoint %s failed verification (%s); moved to %s", row.entry_id, reason, self._quarantine_dir)
         source = self._path_of(row.file_name)
@@ -199,20 +241,21 @@ class EntryVerification:
         return True
 
     def _move_to_quarantine(self, source: Path, reason_text: str) -> None:
-        if not self._inside_root(self._quarantine_dir):
-            files.unlink_quietly(source)  # quarantine/ leads out of the cache folder: never move anything there
-            return
+        """Move a bad file to quarantine/ with a .reason file beside it; where that cannot be done (quarantine/ a
+        link, a read-only folder), delete it. Every step through the cache folder (engine/cache/files.py)."""
         target = self._quarantine_dir / source.name
         try:
-            os.replace(source, target)
-            self._overhead_bytes += files.size_or_none(target) or 0
-            target.with_name(target.name + ".reason").write_text(f"{reason_text}quarantined_at: {self._clock()}\n")
+            self._files.make_folders(QUARANTINE_DIR_NAME)
+            self._files.replace(source, target)
+            self._overhead_bytes += self._files.size(target) or 0
+            self._files.write_atomic(target.with_name(target.name + ".reason"),
+                                     f"{reason_text}quarantined_at: {self._clock()}\n".encode())
             self._trim_quarantine()
         except FileNotFoundError:
             pass  # nothing left to keep
         except OSError as error:  # keeping the evidence is best effort; the row is already gone
             log.warning("could not move %s to quarantine: %s", source, error)
-            files.unlink_quietly(source)
+            self._files.unlink(source)
 
     def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> list[str]:
         """A block failed verification: drop its row and every entry referencing it (none can be restored), move
@@ -236,7 +279,7 @@ class EntryVerification:
         log.warning("K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
                     len(users))
         for path in [self._path_of(f) for f in blobs] + freed:
-            files.unlink_quietly(path)
+            self._files.unlink(path)
         # only a file named for this block is its own: a row naming another block's file leaves that file alone
         source = self._kv.path_of(row[0]) if row is not None and str(row[0]).startswith(block_id) else None
         if source is not None:
@@ -247,15 +290,15 @@ class EntryVerification:
         """Keep the newest QUARANTINE_KEEP quarantined blobs, and only as many as fit in `max_bytes`; delete the
         rest. Returns the bytes quarantine/ still holds."""
         blobs = self._owned_files(self._quarantine_dir, lambda name: name.endswith(".safetensors"))
-        blobs.sort(key=files.mtime_or_zero, reverse=True)
+        blobs.sort(key=self._files.mtime, reverse=True)
         kept = 0
         for rank, blob in enumerate(blobs):
-            size = (files.size_or_none(blob) or 0) + (files.size_or_none(blob.with_name(blob.name + ".reason")) or 0)
+            size = (self._files.size(blob) or 0) + (self._files.size(blob.with_name(blob.name + ".reason")) or 0)
             if rank < QUARANTINE_KEEP and (max_bytes is None or kept + size <= max_bytes):
                 kept += size
                 continue
             self._overhead_bytes -= size
-            files.unlink_quietly(blob)
-            files.unlink_quietly(blob.with_name(blob.name + ".reason"))
+            self._files.unlink(blob)
+            self._files.unlink(blob.with_name(blob.name + ".reason"))
         self._overhead_bytes = max(self._overhead_bytes, 0)
         return kept

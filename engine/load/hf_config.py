@@ -10,6 +10,7 @@ config class with `from_fields`, an entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`)
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from prefixrun.engine.errors import ModelLoadError
@@ -175,15 +176,37 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     return cls.from_fields(f, common, rope_local)
 
 
+class _HugeInteger(str):
+    """An integer literal too long for int(), kept as its text to say where it is."""
+
+
+def _huge_integer_field(text: str) -> str:
+    """The JSON path (e.g. `text_config.vocab_size`) of the first integer in `text` that int() refuses."""
+    limit = sys.get_int_max_str_digits()
+    doc = json.loads(text, parse_int=lambda s: _HugeInteger(s) if limit and len(s.lstrip("-")) > limit else int(s))
+    stack = [("", doc)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, _HugeInteger):
+            return where or "(the whole file)"
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack += reversed([(f"{where}.{k}" if where else str(k), v) for k, v in items])
+    return "(unknown)"
+
+
 def load_config(model_dir: Path) -> tuple[DecoderConfig, dict]:
     """Read and parse `model_dir/config.json`; returns the config and the raw dict."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: too deep
         raise ModelLoadError(f"{path}: cannot be read as JSON: {exc}") from None
+    except ValueError:  # an integer too long for int(): json.loads names neither the file nor the field
+        raise ModelLoadError(f"{path}: field {_huge_integer_field(text)} holds an integer of more than "
+                             f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
     return parse_config(raw, str(path)), raw

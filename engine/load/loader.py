@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import functools
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixrun.engine.load.config import DecoderConfig
 from prefixrun.engine.load.hf_config import load_config
+from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
 from prefixrun.engine.models import build_model
 from prefixrun.engine.models.layers import CausalLM
@@ -49,8 +52,28 @@ class ModelFront:
     defaults: GenerationDefaults
 
 
+def refuse_special_files(model_dir: Path) -> None:
+    """A FIFO, a device or a socket among the model folder's files (config.json, *.safetensors, tokenizer.json ...)
+    is one clear error: opening a FIFO waits for a writer forever, and a device may read without end."""
+    try:
+        names = sorted(os.listdir(model_dir))
+    except OSError:
+        return  # load_config says what is wrong with the folder
+    for name in names:
+        path = Path(model_dir) / name
+        try:
+            mode = path.stat().st_mode  # through a link: what would be opened
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+                else "not a regular file"
+            raise ModelLoadError(f"{path}: {kind}, not a model file (a model folder holds regular files)")
+
+
 def load_front(model_dir: Path) -> ModelFront:
     model_dir = Path(model_dir)
+    refuse_special_files(model_dir)
     config, _ = load_config(model_dir)
     tokenizer = Tokenizer.from_model_dir(model_dir)
     defaults = GenerationDefaults.from_model_dir(model_dir, config_eos=list(config.eos_token_ids), tokenizer=tokenizer,

@@ -16,7 +16,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.cache.blob_format import read_small_file, tree_digest
+from prefixrun.engine.cache import auth
+from prefixrun.engine.cache.blob_format import tree_digest
+from prefixrun.engine.cache.files import CacheFolder
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.cache.store import default_cache_dir
 
@@ -145,17 +147,11 @@ class CheckpointTensors:
         ident = json.dumps([[_file_identity(f.path) for f in self.files],
                             sorted((name, served_by[id(f)]) for name, f in self._where.items())])
         memo_dir = Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests"
-        memo = memo_dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".digest")
-        try:
-            if memo_dir.is_symlink():
-                raise OSError("the memo folder is a link")  # not this cache's memo: see the write below
-            # a FIFO, a link to /dev/zero or a memo torn empty by a power loss (not fsync'd) is no memo: only one
-            # digest, as written below, in a small regular file is taken, else the weights are hashed again
-            remembered = read_small_file(memo, 128).decode("ascii", "replace").strip()
-            if _SHA256_HEX.fullmatch(remembered):
-                return remembered
-        except OSError:
-            pass
+        ident_digest = hashlib.sha256(ident.encode()).hexdigest()
+        memo = memo_dir / (ident_digest[:32] + ".digest")
+        remembered = _remembered_digest(memo, ident_digest)
+        if remembered is not None:
+            return remembered
         # Each tensor's bytes are hashed in 8 MiB chunks on the blob threads (hashlib releases the GIL), so the
         # first cached run of a model hashes its weights at several GB/s instead of one core's ~1.4 GB/s (seconds for
         # a 4B model: docs/PERFORMANCE.md, "Measurements behind code comments"). Same content -> same digest,
@@ -166,16 +162,45 @@ class CheckpointTensors:
             h.update(name.encode() + b"\0" + str(arr.dtype).encode() + str(arr.shape).encode() + b"\0")
             h.update(tree_digest(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).encode())
         value = h.hexdigest()
-        if memo_dir.is_symlink():
-            return value  # never write through a link out of the cache folder (as save_rates): hashed each run
-        try:
-            memo_dir.mkdir(parents=True, exist_ok=True)
-            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(value)
-            os.replace(tmp, memo)
-        except OSError:
-            pass  # a read-only cache only costs a re-hash next time
+        _remember_digest(memo, ident_digest, value)
         return value
+
+
+def _remembered_digest(memo: Path, ident_digest: str) -> str | None:
+    """The weights digest a memo holds, if it is one this user's prefixrun signed for these files (anyone who can
+    write the cache folder could plant a memo naming another model's digest, and the model would restore that
+    model's states: engine/cache/auth.py). A FIFO, a link, a memo torn empty by a power loss (not fsync'd) or one
+    nested through a link out of the cache folder is no memo: the weights are hashed again."""
+    try:
+        folder = CacheFolder(memo.parent.parent, create=False, follow=True)
+    except OSError:
+        return None
+    try:
+        fd = folder.open_read(memo)
+        with os.fdopen(fd, "rb") as handle:
+            fields = handle.read(257).decode("ascii", "replace").split()
+    except OSError:
+        return None
+    finally:
+        folder.close()
+    if len(fields) == 2 and _SHA256_HEX.fullmatch(fields[0]) and auth.signed(fields[1], "weights", ident_digest,
+                                                                              fields[0]):
+        return fields[0]
+    return None
+
+
+def _remember_digest(memo: Path, ident_digest: str, value: str) -> None:
+    """Write the signed memo: a fresh file renamed over it, no link followed (engine/cache/files.py)."""
+    try:
+        folder = CacheFolder(memo.parent.parent, follow=True)
+    except OSError:
+        return
+    try:
+        folder.write_atomic(memo, f"{value} {auth.sign('weights', ident_digest, value)}\n".encode())
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    finally:
+        folder.close()
 
 
 def _file_identity(path: Path) -> list:

@@ -1,0 +1,441 @@
+"""The cache folder as a hostile place (docs/RELIABILITY.md, the cache's threat model): whoever can write it may
+plant links, memos and re-signed rows. Nothing outside the folder is written or deleted, and no answer differs
+from a run without the cache."""
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from prefixrun.engine.cache import auth
+from prefixrun.engine.cache.admin import clear_folder
+from prefixrun.engine.cache.keys import StoreKey, checkpoint_key
+from prefixrun.engine.cache.kv_blocks import BLOCKS_DIR_NAME, block_ids
+from prefixrun.engine.cache.store import CheckpointStore, StoreError
+
+KEY = StoreKey(model_digest="aa" * 32, layout_digest="bb" * 32)
+TOKENS = list(range(100, 140))
+ROWS = 8  # K/V rows per block
+
+
+@pytest.fixture(autouse=True)
+def own_key(tmp_path, monkeypatch):
+    """A signing key of this test's own, outside the cache folder."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def regions(tokens):
+    rng = np.random.default_rng(len(tokens))
+    return {"recurrent": rng.standard_normal((2, 8), dtype=np.float32),
+            "kv": rng.standard_normal((len(tokens), 4)).astype(ml_dtypes.bfloat16)}
+
+
+def put(store, tokens=TOKENS):
+    return store.put(KEY, tokens, regions(tokens), kv_regions=["kv"], block_rows=ROWS)
+
+
+def victim(tmp_path) -> Path:
+    path = tmp_path / "outside" / "precious.txt"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("keep me")
+    return path
+
+
+def test_a_reason_file_planted_as_a_link_is_never_written_through(tmp_path):
+    root, precious = tmp_path / "cache", victim(tmp_path)
+    with CheckpointStore(root) as store:
+        assert put(store)
+        (entry,) = store.entries()
+        blob = entry.path
+        raw = bytearray(blob.read_bytes())
+        raw[-1] ^= 0xFF  # damaged: the lookup quarantines it and writes its .reason
+        blob.write_bytes(bytes(raw))
+        (root / "quarantine").mkdir(exist_ok=True)
+        (root / "quarantine" / (blob.name + ".reason")).symlink_to(precious)
+        assert store.lookup(KEY, TOKENS, len(TOKENS)) is None
+    assert precious.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("folder", ["blobs", BLOCKS_DIR_NAME])
+def test_a_shard_folder_planted_as_a_link_is_never_written_through(tmp_path, folder):
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    entry_id = checkpoint_key(KEY, TOKENS)
+    first_block = block_ids(KEY.model_digest, KEY.layout_digest, np.asarray(TOKENS), ROWS)[0]
+    shard = (entry_id if folder == "blobs" else first_block)[:2]
+    (root / folder).mkdir(parents=True)
+    (root / folder / shard).symlink_to(outside, target_is_directory=True)
+    with CheckpointStore(root) as store:
+        assert not put(store)  # a write error: nothing stored
+        assert store.lookup(KEY, TOKENS, len(TOKENS)) is None
+    assert list(outside.iterdir()) == []
+
+
+def test_a_checkpoints_folder_planted_as_a_link_is_refused_and_clear_removes_only_the_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "index.sqlite3").write_text("someone else's file of that name")
+    root = tmp_path / "cache" / "checkpoints"
+    root.parent.mkdir()
+    root.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StoreError, match="symbolic link"):
+        CheckpointStore(root)
+    assert sorted(p.name for p in outside.iterdir()) == ["index.sqlite3"]
+    assert clear_folder(root) == 1
+    assert not root.is_symlink() and (outside / "index.sqlite3").read_text() == "someone else's file of that name"
+    with CheckpointStore(root) as store:  # the cache works again
+        assert put(store)
+
+
+def test_a_digest_memo_temp_file_planted_as_a_link_is_never_written_through(tmp_path):
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.weights import CheckpointTensors
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=1)
+    precious, memo_dir = victim(tmp_path), tmp_path / "cache" / "digests"
+    expected = CheckpointTensors(model).digest(memo_dir)
+    (memo,) = memo_dir.glob("*.digest")
+    memo.unlink()
+    for name in (f"{memo.stem}.{os.getpid()}.tmp", f".{memo.name}.{os.getpid()}.tmp"):
+        (memo_dir / name).symlink_to(precious)  # where the memo's temp file was, or is, written
+    assert CheckpointTensors(model).digest(memo_dir) == expected
+    assert precious.read_text() == "keep me"
+
+
+def test_a_cache_folder_that_is_itself_a_link_keeps_its_digest_memos(tmp_path):
+    """The user's own cache folder may be a link (to another disk): only links below it are refused."""
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.weights import CheckpointTensors
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=1)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "cache").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    expected = CheckpointTensors(model).digest(tmp_path / "cache" / "digests")
+    assert len(list((tmp_path / "elsewhere" / "digests").glob("*.digest"))) == 1
+    assert CheckpointTensors(model).digest(tmp_path / "cache" / "digests") == expected
+
+
+def test_a_planted_digest_memo_is_not_believed(tmp_path):
+    """A memo naming another model's digest made this model restore that model's states."""
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.weights import CheckpointTensors
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=1)
+    memo_dir = tmp_path / "cache" / "digests"
+    expected = CheckpointTensors(model).digest(memo_dir)
+    (memo,) = memo_dir.glob("*.digest")
+    for planted in ("b" * 64, f"{'b' * 64} {'0' * 32}", f"{'b' * 64} {memo.read_text().split()[-1]}"):
+        memo.write_text(planted)
+        assert CheckpointTensors(model).digest(memo_dir) == expected
+
+
+def test_an_entry_re_signed_with_other_values_is_a_miss(tmp_path):
+    """Anyone who can write the folder can write a blob of their own and fix up its row (name, size, digest): the
+    signature over the row, made with a key outside the folder, is what they cannot fix up."""
+    from prefixrun.engine.cache import blob_format
+
+    root = tmp_path / "cache"
+    with CheckpointStore(root) as store:
+        assert put(store)
+        (entry,) = store.entries()
+        buffer, _ = blob_format.read_file(entry.path, entry.path.stat().st_size)
+        metadata, tensors = blob_format.parse(buffer)
+        tensors = {n: np.array(a) for n, a in tensors.items()}
+        tensors["recurrent"] = tensors["recurrent"] + 1.0  # finite, and wrong
+        with open(entry.path.with_name("forged"), "wb") as handle:
+            nbytes, digest = blob_format.write_file(handle, tensors, metadata)
+        name = f"{entry.entry_id}.{digest[:16]}.safetensors"
+        entry.path.with_name("forged").rename(entry.path.with_name(name))
+        db = sqlite3.connect(root / "index.sqlite3")
+        db.execute("UPDATE entries SET file_name = ?, nbytes = ?, content_sha256 = ?", (name, nbytes, digest))
+        db.commit()
+        db.close()
+        found = store.lookup(KEY, TOKENS, len(TOKENS))
+        assert found is None or np.array_equal(found.regions["recurrent"], regions(TOKENS)["recurrent"])
+
+
+def test_the_signing_key_is_created_once_outside_the_cache_with_mode_0600(tmp_path, monkeypatch):
+    monkeypatch.setattr(auth, "_keys", {})
+    path = auth.key_path()
+    assert path == tmp_path / "config" / "prefixrun" / "cache.key" and not path.exists()
+    first = auth.sign("entry", "x")
+    assert path.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setattr(auth, "_keys", {})
+    assert auth.sign("entry", "x") == first and auth.signed(first, "entry", "x")
+    assert not auth.signed(first, "entry", "y") and not auth.signed(None, "entry", "x")
+
+
+# ---------------------------------------------------------------- every parse bounded before it is trusted
+
+
+def forge_entry(root: Path, store: CheckpointStore, content: bytes, *, block: bool = False):
+    """Put `content` where the entry's blob (or its first K/V block) is, its row fixed up and signed as this user's
+    prefixrun would: what a damaged file that kept its digest would look like (the parsers' last line)."""
+    from prefixrun.engine.cache import blob_format
+    from prefixrun.engine.cache.index import set_signature, write_transaction
+
+    digest = blob_format.tree_digest(np.frombuffer(content, np.uint8))
+    db = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
+    if block:
+        block_id, old = db.execute("SELECT block_id, file_name FROM blocks ORDER BY block_id").fetchone()
+        folder = root / BLOCKS_DIR_NAME / block_id[:2]
+        name = f"{block_id}.{digest[:16]}.safetensors"
+        (folder / old).unlink()
+        (folder / name).write_bytes(content)
+        with write_transaction(db):
+            db.execute("UPDATE blocks SET file_name = ?, nbytes = ?, content_sha256 = ? WHERE block_id = ?",
+                       (name, len(content), digest, block_id))
+            set_signature(db, "block", block_id, auth.sign("block", block_id, name, len(content), digest))
+    else:
+        (entry,) = store.entries()
+        name = f"{entry.entry_id}.{digest[:16]}.safetensors"
+        entry.path.unlink()
+        (entry.path.parent / name).write_bytes(content)
+        fields = (entry.entry_id, entry.model_digest, entry.layout_digest, entry.n_tokens, name, len(content),
+                  digest)
+        with write_transaction(db):
+            db.execute("UPDATE entries SET file_name = ?, nbytes = ?, content_sha256 = ?", (name, len(content),
+                                                                                           digest))
+            set_signature(db, "entry", entry.entry_id, auth.sign("entry", *fields))
+    db.close()
+
+
+def safetensors_bytes(header: bytes, data: bytes = b"") -> bytes:
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data
+
+
+HOSTILE_HEADERS = {
+    "nested": b"[" * 100_000 + b"]" * 100_000,
+    "nested_metadata": b'{"__metadata__": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+    "shape_product_wraps": b'{"t": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}}',
+    "dtype_a_list": b'{"t": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}',
+    "negative_dim": b'{"t": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}',
+    "many_dims": b'{"t": {"dtype": "U8", "shape": [' + b"1," * 5000 + b'1], "data_offsets": [0, 1]}}',
+}
+
+
+@pytest.mark.parametrize("where", ["entry", "block"])
+@pytest.mark.parametrize("header", sorted(HOSTILE_HEADERS))
+def test_a_hostile_header_is_a_quarantined_miss_never_an_exception(tmp_path, header, where):
+    """One nested header aborted every later run until --clear (a RecursionError out of the lookup); a shape whose
+    int64 product wraps to 0 passed the size check and raised from reshape."""
+    root = tmp_path / "cache"
+    with CheckpointStore(root) as store:
+        assert put(store)
+        forge_entry(root, store, safetensors_bytes(HOSTILE_HEADERS[header], b"\0" * 16), block=where == "block")
+        assert store.lookup(KEY, TOKENS, len(TOKENS)) is None
+        assert store.stats.corrupt == 1 and store.entries() == []
+        assert put(store) and store.lookup(KEY, TOKENS, len(TOKENS)) is not None  # the next run stores it again
+
+
+def test_a_use_order_at_the_integer_limit_cannot_poison_the_index(tmp_path):
+    """MAX(use_order) + 1 past 2**63 - 1 is a REAL in SQLite: every entry touched after it became a malformed
+    row, invisible to lookups."""
+    root = tmp_path / "cache"
+    with CheckpointStore(root) as store:
+        assert put(store, TOKENS[:8]) and put(store, TOKENS[:16])
+        db = sqlite3.connect(root / "index.sqlite3")
+        db.execute("UPDATE entries SET use_order = ? WHERE n_tokens = 8", (2**63 - 1,))
+        db.commit()
+        db.close()
+        for _ in range(3):
+            found = store.lookup(KEY, TOKENS[:16], 16)
+            assert found is not None and len(found.tokens) == 16
+        assert [e.n_tokens for e in store.entries()] == [16]  # the edited row is malformed: not shown, dropped
+        store.maintain()
+        assert store.count_malformed_rows() == 0 and [e.n_tokens for e in store.entries()] == [16]
+
+
+# ---------------------------------------------------------------- permissions
+
+
+def test_an_unreadable_entry_is_a_miss_left_alone(tmp_path, monkeypatch):
+    """Root reads every file whatever its mode: the permission error is simulated where the blob is read."""
+    from prefixrun.engine.cache import blob_format
+
+    root = tmp_path / "cache"
+    with CheckpointStore(root) as store:
+        assert put(store)
+
+        def refused(path, size):
+            raise PermissionError(13, "Permission denied", str(path))
+
+        real = blob_format.read_file
+        monkeypatch.setattr(blob_format, "read_file", refused)
+        assert store.lookup(KEY, TOKENS, len(TOKENS)) is None
+        assert store.verify_all() == []
+        monkeypatch.setattr(blob_format, "read_file", real)
+        assert len(store.entries()) == 1 and store.stats.corrupt == 0
+        assert not list((root / "quarantine").glob("*"))
+        assert store.lookup(KEY, TOKENS, len(TOKENS)) is not None
+
+
+# ---------------------------------------------------------------- inspect-cache
+
+
+def cli(*args, env=None):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def cache_with_entries(tmp_path, model_dirs=("m",)) -> Path:
+    cache = tmp_path / "cache"
+    with CheckpointStore(cache / "checkpoints") as store:
+        for i, name in enumerate(model_dirs):
+            folder = tmp_path / name
+            folder.mkdir(exist_ok=True)
+            key = StoreKey(model_digest=f"{i + 1:x}" * 64, layout_digest="bb" * 32)
+            for n in (8, 16):
+                tokens = TOKENS[:n]
+                assert store.put(key, tokens, regions(tokens), {"model_dir": str(folder.resolve())},
+                                 kv_regions=["kv"], block_rows=ROWS)
+    return cache
+
+
+def test_inspect_cache_loads_a_tokenizer_only_from_model_dir(tmp_path, monkeypatch):
+    from prefixrun.engine.load.tokenizer import Tokenizer
+
+    cache = cache_with_entries(tmp_path)
+    loaded = []
+    monkeypatch.setattr(Tokenizer, "from_model_dir", classmethod(lambda cls, where: loaded.append(where)))
+    assert cli("inspect-cache", "--cache-dir", cache).exit_code == 0
+    assert cli("inspect-cache", "--cache-dir", cache, "--tree").exit_code == 0
+    assert loaded == []  # not the model folder the index names
+    assert cli("inspect-cache", "--cache-dir", cache, "--model-dir", tmp_path / "m").exit_code == 0
+    assert loaded == [tmp_path / "m"]
+
+
+def test_inspect_cache_model_takes_the_model_folder_too(tmp_path):
+    import json
+
+    cache = cache_with_entries(tmp_path, ("m", "other"))
+    listing = json.loads(cli("inspect-cache", "--cache-dir", cache, "--json", "--model", tmp_path / "m").stdout)
+    assert {e["model_digest"] for e in listing["entries"]} == {"1" * 64}
+    listing = json.loads(cli("inspect-cache", "--cache-dir", cache, "--json", "--model", "2").stdout)
+    assert {e["model_digest"] for e in listing["entries"]} == {"2" * 64}
+
+
+def test_inspect_cache_verify_exits_non_zero_on_damage_and_names_unreadable_folders(tmp_path, monkeypatch):
+    from prefixrun.engine.cache.files import CacheFolder
+
+    cache = cache_with_entries(tmp_path)
+    assert cli("inspect-cache", "--cache-dir", cache, "--verify").exit_code == 0
+    blob = next((cache / "checkpoints" / "blobs").rglob("*.safetensors"))
+    blob.write_bytes(blob.read_bytes()[:-1] + b"\x01")
+    res = cli("inspect-cache", "--cache-dir", cache, "--verify")
+    assert res.exit_code == 1 and "1 bad" in res.stdout
+    assert cli("inspect-cache", "--cache-dir", cache, "--verify").exit_code == 0  # quarantined: clean now
+    shard = next(p for p in (cache / "checkpoints" / "blobs").iterdir())
+    real = CacheFolder.unreadable
+    monkeypatch.setattr(CacheFolder, "unreadable", lambda self, path: Path(path) == shard or real(self, path))
+    res = cli("inspect-cache", "--cache-dir", cache, "--verify")
+    assert res.exit_code == 1 and f"cannot read {shard}" in res.stdout
+
+
+def test_inspect_cache_prune_says_how_much_it_will_remove(tmp_path):
+    cache = cache_with_entries(tmp_path)
+    res = cli("inspect-cache", "--cache-dir", cache, "--prune-to", "0")  # stdin is not a terminal: refused
+    assert res.exit_code == 2 and "about 2 of 2 entries" in res.stderr
+
+
+def test_inspect_cache_table_fits_80_columns_one_line_per_entry(tmp_path):
+    cache = cache_with_entries(tmp_path, ("m", "other"))
+    res = cli("inspect-cache", "--cache-dir", cache, env={"COLUMNS": "80"})
+    assert res.exit_code == 0
+    lines = res.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert sum(line.lstrip("│ ").startswith(("1111", "2222")) for line in lines) == 4
+
+
+def test_inspect_cache_tree_is_near_linear(tmp_path):
+    """20,000 entries sharing their first 64 tokens: the nesting took minutes (every pair compared)."""
+    import time
+
+    from prefixrun.cli.cache_view import _nesting
+    from prefixrun.engine.cache.results import EntryInfo
+
+    entries = [EntryInfo(entry_id=f"{i:064x}", model_digest="aa", layout_digest="bb", n_tokens=64 + i, nbytes=1,
+                         hits=0, created=0.0, last_used=0.0, meta={}, token_preview=tuple(range(64)), path=None)
+               for i in range(20_000)]
+    started = time.perf_counter()
+    parents = _nesting(entries)
+    assert time.perf_counter() - started < 10
+    assert parents[entries[0].entry_id] is None and parents[entries[5].entry_id] == entries[4].entry_id
+
+
+def test_inspect_cache_on_an_unreadable_index_is_not_called_damaged(tmp_path, monkeypatch):
+    import sqlite3 as sqlite
+
+    from prefixrun.engine.cache import index
+
+    cache = cache_with_entries(tmp_path)
+    real_access = os.access
+
+    def unreadable_index(path, mode, *args, **kwargs):
+        return False if Path(path).name == "index.sqlite3" else real_access(path, mode, *args, **kwargs)
+
+    def cannot_open(*args, **kwargs):
+        raise sqlite.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(os, "access", unreadable_index)
+    monkeypatch.setattr(index.sqlite3, "connect", cannot_open)
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 1 and "cannot be opened" in res.stderr and "--clear" not in res.stderr
+    assert "damaged" not in res.stderr
+
+
+def test_inspect_cache_clear_on_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
+    import sqlite3 as sqlite
+
+    cache = cache_with_entries(tmp_path)
+
+    def read_only(self):
+        raise sqlite.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(CheckpointStore, "clear", read_only)
+    res = cli("inspect-cache", "--cache-dir", cache, "--clear", "--yes")
+    assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1
+    assert "cannot be cleared" in res.stderr and "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------- model files
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors", "generation_config.json"])
+def test_a_fifo_as_a_model_file_is_one_line_and_exit_2(tmp_path, name):
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=1)
+    (model / name).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    res = cli("batch", "-", "--model", model, "--device", "cpu", "--no-cache", env={"PREFIXRUN_CACHE_DIR":
+                                                                                  str(tmp_path / "c")})
+    assert res.exit_code == 2 and "a FIFO" in res.stderr and name in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_5000_digit_integer_in_config_json_names_the_file_and_the_field(tmp_path):
+    import json
+
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=1)
+    text = (model / "config.json").read_text()
+    doc = json.loads(text)
+    field = "vocab_size" if "vocab_size" in doc else next(iter(doc["text_config"]))
+    raw = text.replace(f'"{field}": {json.dumps(doc[field])}', f'"{field}": {"9" * 5000}') \
+        if field in doc else text
+    assert raw != text
+    (model / "config.json").write_text(raw)
+    res = cli("batch", "-", "--model", model, "--device", "cpu", "--no-cache", env={"PREFIXRUN_CACHE_DIR":
+                                                                                  str(tmp_path / "c")})
+    assert res.exit_code == 2 and "config.json" in res.stderr and field in res.stderr
+    assert "Traceback" not in res.stderr
