@@ -150,6 +150,10 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
                 # SQLite follows it: the index (or its journal) would be created and written wherever it leads, even
                 # outside the cache folder; `inspect-cache --clear` removes the link
                 raise StoreError(f"{self.root / (INDEX_FILE_NAME + suffix)} is a symbolic link")
+        try:
+            self._files.make_folders(QUARANTINE_DIR_NAME)
+        except OSError:
+            pass  # a link or a file there: bad files are deleted instead of moved aside (verify.py)
         self._kv = kv_blocks.BlockFiles(self.root, self._host_tag, self._files)
         try:
             self._db = open_index(self.root / INDEX_FILE_NAME)
