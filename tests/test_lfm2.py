@@ -139,6 +139,7 @@ def test_a_null_multiplier_skips_the_rounding():
 @pytest.mark.parametrize("fields,message", [
     (dict(conv_L_cache=1), "conv_L_cache must be >= 2, got 1"),
     (dict(layer_types=["conv", "sliding_attention", "conv", "conv"]), "unsupported layer types ['sliding_attention']"),
+    (dict(layer_types=["conv", "attention", "conv", "conv"]), "unsupported layer types ['attention']"),
     (dict(full_attn_idxs="0,2"), "full_attn_idxs must be a list of layer indices, got '0,2'"),
     (dict(block_multiple_of=0), "block_multiple_of = 0 is not supported"),
     (dict(conv_L_cache=2.5), "conv_L_cache must be an integer, got 2.5"),
@@ -333,7 +334,8 @@ def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_the_gpu(lfm2_dir, lfm2, cpu_ops, dtype):
     """The CUDA backend: fp32 gives the CPU's greedy tokens with speculation off and on and with prefix reuse;
-    bf16 logits stay near the fp32 reference."""
+    bf16's whole-model error against the fp32 reference stays within 2x transformers' own bf16 error on the same
+    weights and tokens."""
     from prefixrun.kernels import cuda_available
 
     if not cuda_available():
@@ -346,10 +348,15 @@ def test_on_the_gpu(lfm2_dir, lfm2, cpu_ops, dtype):
     st, ref_st = new_state(model, ops), new_state(lfm2, cpu_ops)
     got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
     want = lfm2.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err <= (1e-4 if dtype == "float32" else 3e-2), err
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
     if dtype != "float32":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
+        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
+        assert err <= max(1e-2, 2 * their_err), (err, their_err)
         return
+    assert err <= 1e-4, err
     prompts = _prompts()
     cpu, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
     for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),

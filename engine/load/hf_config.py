@@ -83,6 +83,8 @@ def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ..
             layer_types = [FULL_ATTENTION] * num_layers
     if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
         raise ModelLoadError(f"{f.source}: layer_types must be a list of strings, got {layer_types!r}")
+    if family == "lfm2":  # its modeling code knows full_attention and treats every other name as conv: kept as
+        return tuple(layer_types)  # written, so a legacy "attention" is refused, not read as attention
     return tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types)
 
 
