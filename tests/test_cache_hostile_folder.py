@@ -439,3 +439,28 @@ def test_a_5000_digit_integer_in_config_json_names_the_file_and_the_field(tmp_pa
                                                                                   str(tmp_path / "c")})
     assert res.exit_code == 2 and "config.json" in res.stderr and field in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_killed_resource_tracker_puts_no_traceback_on_stderr(tmp_path):
+    """The worker pool's queues register named semaphores with multiprocessing's resource tracker; killed from
+    outside, its relaunched successor printed a KeyError traceback per semaphore the dead one knew."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "kill_tracker.py"
+    script.write_text(
+        "import multiprocessing as mp, os, signal, time\n"
+        "from multiprocessing import resource_tracker\n"
+        "from prefixrun.engine.scale.tracker import quiet_resource_tracker\n"
+        "quiet_resource_tracker()\n"
+        "ctx = mp.get_context('spawn')\n"
+        "queue = ctx.Queue()\n"
+        "os.kill(resource_tracker._resource_tracker._pid, signal.SIGKILL)\n"
+        "time.sleep(0.2)\n"
+        "queue.put(1); queue.get()\n"
+        "del queue\n"
+        "again = ctx.Queue(); again.put(2); again.get(); del again\n"
+        "print('done')\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == b"done"
+    assert b"Traceback" not in p.stderr and b"KeyError" not in p.stderr, p.stderr.decode()

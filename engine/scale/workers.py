@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
+from prefixrun.engine.scale.tracker import quiet_resource_tracker
 from prefixrun.engine.errors import EnginesDidNotStart
 from prefixrun.engine.plan.shard import ShardPlan
 from prefixrun.engine.request import Request, Result
@@ -105,6 +106,7 @@ class WorkerPool:
                  reuse: bool = True, decode_weight: float = 1.0, start_timeout: float = 600.0, wait: bool = True):
         if not devices:
             raise ValueError("a worker pool needs at least one device")
+        quiet_resource_tracker()  # a tracker killed from outside prints no traceback (tracker.py)
         ctx = mp.get_context("spawn")
         self.reuse, self.decode_weight = reuse, decode_weight
         self.results = ctx.Queue()
