@@ -323,6 +323,15 @@ class Request:
 
 
 @dataclass(frozen=True)
+class ModelProcessing:
+    """What a model's generation_config adds to every request's logits processing, as transformers applies it."""
+
+    suppress_tokens: tuple[int, ...] = ()  # banned at every generated token (SuppressTokensLogitsProcessor)
+    begin_suppress_tokens: tuple[int, ...] = ()  # banned at the first generated token (...AtBeginLogitsProcessor)
+    no_repeat_ngram_size: int = 0  # n > 0: no n-gram of prompt and output twice (NoRepeatNGramLogitsProcessor)
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     """A token's log-probability under the raw logits of its position, and the k most likely tokens there."""
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import random_prompt
-from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults, SamplingParams
+from prefixrun.engine.request import InvalidRequest, ModelProcessing, Request, SamplingDefaults, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
 from prefixrun.engine.step.logits_processors import LogitsStage, RowProcessing
@@ -184,9 +184,8 @@ def hf_greedy(hf, prompt, processors, max_new, eos=None):
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].numpy()
 
 
-def engine_run(model, requests, *, eos=(), reuse=True, suppress=(), begin_suppress=()):
-    engine = Engine(model, model.ops, eos_token_ids=eos, options=EngineOptions(reuse=reuse),
-                    suppress_tokens=suppress, begin_suppress_tokens=begin_suppress)
+def engine_run(model, requests, *, eos=(), reuse=True, processing=ModelProcessing()):
+    engine = Engine(model, model.ops, eos_token_ids=eos, options=EngineOptions(reuse=reuse), processing=processing)
     got = {r.custom_id: r for r in engine.run(requests)}
     engine.close()
     engine.check_invariants()
@@ -246,16 +245,23 @@ def test_min_tokens_bad_words_and_suppression_equal_transformers(family, loaded,
     want_bad, _ = hf_greedy(hf, prompt, [hf_gen.NoBadWordsLogitsProcessor([word], eos_token_id=None)], n)
     assert got.token_ids == want_bad != plain
     sup = engine_run(model, [Request("s", list(prompt), SamplingParams(
-        max_tokens=n, temperature=0), 0)], suppress=(plain[3],), begin_suppress=(plain[0],))["s"]
+        max_tokens=n, temperature=0), 0)], processing=ModelProcessing(suppress_tokens=(plain[3],),
+                                                                      begin_suppress_tokens=(plain[0],)))["s"]
     want_sup, _ = hf_greedy(hf, prompt, [hf_gen.SuppressTokensLogitsProcessor([plain[3]]),
                                          hf_gen.SuppressTokensAtBeginLogitsProcessor([plain[0]], len(prompt))], n)
     assert sup.token_ids == want_sup != plain
+    for size in (1, 2, 3):  # the random models repeat themselves: each size changes the answer
+        got = engine_run(model, [Request("ng", list(prompt), SamplingParams(max_tokens=n, temperature=0), 0)],
+                         processing=ModelProcessing(no_repeat_ngram_size=size))["ng"]
+        want, _ = hf_greedy(hf, prompt, [hf_gen.NoRepeatNGramLogitsProcessor(size)], n)
+        assert got.token_ids == want, size
 
 
 # ---- generation_config.json --------------------------------------------------------------------------------------
 def test_generation_config_processing_fields(tmp_path):
-    """repetition_penalty and min_new_tokens become the model's sampling defaults, suppress_tokens and
-    begin_suppress_tokens the engine's bans; fields transformers applies and prefixrun does not are named."""
+    """repetition_penalty and min_new_tokens become the model's sampling defaults, suppress_tokens,
+    begin_suppress_tokens and no_repeat_ngram_size the engine's bans; fields transformers applies and prefixrun does
+    not are named."""
     import json
 
     from prefixrun.engine.errors import ModelLoadError
@@ -267,8 +273,8 @@ def test_generation_config_processing_fields(tmp_path):
     d = GenerationDefaults.from_model_dir(tmp_path, vocab_size=100)
     sp = d.sampling.resolve()
     assert sp.repetition_penalty == 1.3 and sp.min_tokens == 4
-    assert d.suppress_tokens == (5, 6) and d.begin_suppress_tokens == (7,)
-    assert d.not_applied == ("no_repeat_ngram_size", "bad_words_ids")  # typical_p 1.0 changes nothing
+    assert d.processing == ModelProcessing(suppress_tokens=(5, 6), begin_suppress_tokens=(7,), no_repeat_ngram_size=3)
+    assert d.not_applied == ("bad_words_ids",)  # typical_p 1.0 changes nothing
     # a line's max_tokens below the model's min_new_tokens: the shorter limit wins (a line's own min_tokens must
     # still fit its max_tokens)
     assert SamplingDefaults(max_tokens=2).over(d.sampling).resolve().min_tokens == 2

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.messages import check_messages, check_tools
-from prefixrun.engine.request import InvalidRequest, SamplingDefaults
+from prefixrun.engine.request import InvalidRequest, ModelProcessing, SamplingDefaults
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -305,8 +305,7 @@ class GenerationDefaults:
 
     eos_token_ids: tuple[int, ...] = ()
     sampling: SamplingDefaults = SamplingDefaults()
-    suppress_tokens: tuple[int, ...] = ()  # banned at every generated token (transformers' SuppressTokens...)
-    begin_suppress_tokens: tuple[int, ...] = ()  # banned at the first generated token (...AtBegin)
+    processing: ModelProcessing = ModelProcessing()  # suppressed tokens, no_repeat_ngram_size
     not_applied: tuple[str, ...] = ()  # fields set that transformers would apply and prefixrun does not
 
     @classmethod
@@ -353,14 +352,15 @@ class GenerationDefaults:
             if outside:
                 raise ModelLoadError(f"{config_file.name}: {name} names token id {outside[0]}, outside the model's "
                                      f"vocabulary of {vocab_size}")
-        return cls(eos_token_ids=tuple(eos_ids), sampling=sampling, suppress_tokens=suppress["suppress_tokens"],
-                   begin_suppress_tokens=suppress["begin_suppress_tokens"],
+        processing = ModelProcessing(no_repeat_ngram_size=reader.integer("no_repeat_ngram_size", minimum=0) or 0,
+                                     **suppress)
+        return cls(eos_token_ids=tuple(eos_ids), sampling=sampling, processing=processing,
                    not_applied=tuple(k for k, off in _NOT_APPLIED.items() if config.get(k, off) not in (off, None)))
 
 
 # generation_config fields that change what transformers generates, with the value that changes nothing: a run
 # over a model that sets one says so (GenerationDefaults.not_applied) instead of ignoring it silently.
-_NOT_APPLIED = {"min_length": 0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None,
+_NOT_APPLIED = {"min_length": 0, "bad_words_ids": None, "force_words_ids": None,
                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
                 "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
                 "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None, "guidance_scale": None}

@@ -20,7 +20,7 @@ from prefixrun.engine.state.checkpoints import CheckpointPool
 from prefixrun.engine.run.executor import DecodingStarts, WindowExecutor, WindowParts, error_result, spill
 from prefixrun.engine.step.model_runner import ModelRunner
 from prefixrun.engine.plan.planner import Plan, make_plan
-from prefixrun.engine.request import Request, Result
+from prefixrun.engine.request import ModelProcessing, Request, Result
 from prefixrun.engine.run.config import (CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig, declared_of,
                                          default_of)
 from prefixrun.engine.spec.drafters import snapshot_capacity
@@ -94,11 +94,10 @@ class Engine:
     """Runs windows of requests on one model; keeps the state pools and retained checkpoints across windows."""
 
     def __init__(self, model, ops, *, eos_token_ids=(), tokenizer=None, options: EngineOptions = EngineOptions(),
-                 persist=None, suppress_tokens=(), begin_suppress_tokens=()):
+                 persist=None, processing: ModelProcessing = ModelProcessing()):
         self.model, self.ops, self.opts = model, ops, options
         self.eos = frozenset(eos_token_ids)
-        # generation_config's suppress_tokens (banned always) and begin_suppress_tokens (at the first token)
-        self.suppress_tokens, self.begin_suppress_tokens = tuple(suppress_tokens), tuple(begin_suppress_tokens)
+        self.processing = processing  # what the model's generation_config adds to every request's logits processing
         self.tokenizer = tokenizer  # engine/load/tokenizer.py's Tokenizer: result texts and stop strings (None: no text)
         # the persistent cache (engine/cache/persist.py), or one that does nothing (engine/cache/no_cache.py)
         self.persist = persist if persist is not None else NoCache()
@@ -180,7 +179,7 @@ class Engine:
         """What a window's executor works with, passed to it whole (it never reaches through the engine)."""
         return WindowParts(self.opts, self.state, self.pool, self.runner, self.ops, self.persist, self.speculator,
                            self.stats, DecodingStarts(self.tokenizer, self.max_context, self.eos, self.grammars,
-                                                      self.suppress_tokens, self.begin_suppress_tokens))
+                                                      self.processing))
 
     def spill(self, evicted):
         """States leaving the pool: offered to the persistent store (it keeps those worth keeping), then freed."""

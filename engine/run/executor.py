@@ -28,7 +28,7 @@ from typing import Iterator
 from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task
-from prefixrun.engine.request import Completion, Request, Result, Usage
+from prefixrun.engine.request import Completion, ModelProcessing, Request, Result, Usage
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
@@ -64,8 +64,7 @@ class DecodingStarts:
     max_context: int
     eos: frozenset
     grammars: object  # engine/grammar/compiler.py GrammarCompiler
-    suppress_tokens: tuple[int, ...] = ()  # banned at every generated token
-    begin_suppress_tokens: tuple[int, ...] = ()  # banned at the first
+    processing: ModelProcessing = ModelProcessing()  # what generation_config adds to every request's
 
     def sequence(self, request: Request, handle: StateHandle, origin: _Run, sample: int) -> Sequence:
         detok = None
@@ -77,8 +76,7 @@ class DecodingStarts:
         sp = request.sampling
         stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(sorted(self.eos)))
         processing = RowProcessing(sp, request.prompt_token_ids, stop_ids=stop_ids,
-                                   bad_words=request.bad_words_token_ids, suppress=self.suppress_tokens,
-                                   begin_suppress=self.begin_suppress_tokens)
+                                   bad_words=request.bad_words_token_ids, model=self.processing)
         return Sequence(request, handle, detok, self.max_context, self.eos, origin=origin, sample=sample,
                         grammar=self.grammars.start(sp.structured), processing=processing)
 

@@ -112,7 +112,7 @@ class EngineSession:
                                  f"does not apply (transformers would)")
         return Engine(self.loaded.model, self.loaded.ops, eos_token_ids=self.loaded.eos_token_ids,
                       tokenizer=self.loaded.tokenizer, options=opts, persist=self.persist,
-                      suppress_tokens=defaults.suppress_tokens, begin_suppress_tokens=defaults.begin_suppress_tokens)
+                      processing=defaults.processing)
 
     def _end_hints(self):
         if self._cache_opening is not None:

@@ -7,7 +7,8 @@ adds (engine/load/tokenizer.py GenerationDefaults), applied per row with per-row
      applied by `ops.apply_token_bitmask`;
   2. bans: bad_words (vLLM: a word's token sequences with and without a leading space, matched against the
      generated tokens), min_tokens (EOS and stop_token_ids while fewer tokens than that are generated), the
-     model's suppress_tokens (always) and begin_suppress_tokens (at the first generated token);
+     model's suppress_tokens (always), begin_suppress_tokens (at the first generated token) and
+     no_repeat_ngram_size (transformers: a token that would repeat an n-gram of the prompt and output);
   3. logit_bias (token id -> added to its logit);
   4. penalties: repetition (vLLM and transformers: over prompt AND generated tokens, a positive logit divided by
      it, a negative one multiplied), frequency and presence (OpenAI, vLLM: over generated tokens only).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
+from prefixrun.engine.request import ModelProcessing
 from prefixrun.kernels.logits_edits import SEEN, LogitsEdits
 
 
@@ -54,10 +56,32 @@ class _Entries:
         return i
 
 
+class _NGrams:
+    """no_repeat_ngram_size as transformers applies it: the tokens that, after the last n - 1 of prompt and output,
+    would complete an n-gram that already occurs in them."""
+
+    def __init__(self, n: int, prompt_token_ids):
+        self.n, self.history = n, []
+        self.next: dict[tuple, set[int]] = {}  # (n - 1)-gram -> the tokens that followed it
+        for token in prompt_token_ids:
+            self.add(int(token))
+
+    def add(self, token: int) -> None:
+        self.history.append(token)
+        if len(self.history) >= self.n:
+            self.next.setdefault(tuple(self.history[len(self.history) - self.n:-1]), set()).add(token)
+
+    def banned(self) -> list[int]:
+        if len(self.history) + 1 < self.n:
+            return []
+        return sorted(self.next.get(tuple(self.history[len(self.history) - self.n + 1:]), ()))
+
+
 class RowProcessing:
     """One sequence's part of the stage. `active` is False for a row with nothing to apply (it is then left out)."""
 
-    def __init__(self, sampling, prompt_token_ids, *, stop_ids=(), bad_words=(), suppress=(), begin_suppress=()):
+    def __init__(self, sampling, prompt_token_ids, *, stop_ids=(), bad_words=(),
+                 model: ModelProcessing = ModelProcessing()):
         sp = sampling
         self.penalties = (float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
         self.counted = sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
@@ -71,15 +95,18 @@ class RowProcessing:
                 self.entries.flags[i] |= SEEN
         self.min_tokens, self.stop_ids = sp.min_tokens, tuple(stop_ids)
         self.bad_words = [tuple(w) for w in bad_words if w]
-        self.suppress, self.begin_suppress = tuple(suppress), tuple(begin_suppress)
+        self.suppress, self.begin_suppress = model.suppress_tokens, model.begin_suppress_tokens
+        self.ngrams = _NGrams(model.no_repeat_ngram_size, prompt_token_ids) if model.no_repeat_ngram_size else None
         self.allowed = sp.allowed_token_ids
         self._allowed_words: np.ndarray | None = None
         self.edits = bool(self.entries.n or self.counted or self.min_tokens or self.bad_words or self.suppress
-                          or self.begin_suppress)
+                          or self.begin_suppress or self.ngrams)
         self.active = self.edits or self.allowed is not None
 
     def accepted(self, token: int) -> None:
         """A generated token the host now knows (Sequence.accept)."""
+        if self.ngrams is not None:
+            self.ngrams.add(int(token))
         if self.counted:
             i = self.entries.at(int(token))
             self.entries.counts[i] += 1
@@ -103,6 +130,8 @@ class RowProcessing:
         banned += self.suppress
         if made == 0:
             banned += self.begin_suppress
+        if self.ngrams is not None:
+            banned += self.ngrams.banned()
         for word in self.bad_words:
             before = len(word) - 1  # tokens that must precede its last one (vLLM: among the generated tokens)
             if before <= made and (before == 0 or tuple(generated[-before:]) == word[:before]):
