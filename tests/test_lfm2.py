@@ -112,7 +112,8 @@ def _raw(**fields) -> dict:
                                                                                    tie_word_embeddings=True),
     dict(block_auto_adjust_ff_dim=False, intermediate_size=77),
     dict(block_ffn_dim_multiplier=1.3, block_multiple_of=64, intermediate_size=500), dict(norm_eps=0.001),
-    dict(num_key_value_heads=1), dict(rms_norm_eps=0.5, norm_eps=0.002)])
+    dict(num_key_value_heads=1), dict(rms_norm_eps=0.5, norm_eps=0.002), dict(rms_norm_eps=None),
+    dict(attention_bias=True, hidden_act="gelu")])  # fields LFM2's modeling code never reads
 def test_hand_written_configs_read_as_lfm2config_reads_them(fields):
     """Fields a config.json omits take Lfm2Config's defaults; full_attn_idxs, the legacy block_ff_dim /
     tie_embedding and the ff sizing are derived as Lfm2Config and Lfm2MLP derive them."""
@@ -126,6 +127,7 @@ def test_hand_written_configs_read_as_lfm2config_reads_them(fields):
     assert ours.rms_norm_eps == hf.norm_eps and ours.num_kv_heads == hf.num_key_value_heads
     assert ours.rope.theta == hf.rope_parameters["rope_theta"] and ours.conv_kernel == hf.conv_L_cache
     assert ours.max_position_embeddings == hf.max_position_embeddings
+    assert not ours.attention_bias and not ours.mlp_bias and ours.hidden_act == "silu"  # fixed in Lfm2 modules
     with torch.device("meta"):
         assert ours.intermediate_size == Lfm2MLP(hf).w1.out_features
 

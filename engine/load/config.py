@@ -236,10 +236,10 @@ class ShortConvConfig(DecoderConfig):
                                  f"block_auto_adjust_ff_dim and block_ffn_dim_multiplier is {size}; it must be >= 1")
         tie = f.flag("tie_embedding" if "tie_embedding" in f.text else "tie_word_embeddings")
         # LFM2 reads norm_eps (not rms_norm_eps), has no attention biases and a fixed SiLU feed-forward
-        eps = f.number("norm_eps")
-        if not eps > 0:
+        # (norm_eps is common's rms_norm_eps, engine/load/hf_config.py); LFM2 has no attention biases
+        if not common["rms_norm_eps"] > 0:
             f.refuse_unless("norm_eps", False, "it must be a positive number")
-        common = dict(common, intermediate_size=size, rms_norm_eps=eps, tie_word_embeddings=tie, attention_bias=False)
+        common = dict(common, intermediate_size=size, tie_word_embeddings=tie, attention_bias=False)
         return cls(**common, conv_kernel=f.number("conv_L_cache", int), conv_bias=f.flag("conv_bias"))
 
 

@@ -55,6 +55,8 @@ _DEFAULTS["qwen3_next"] = dict(_DEFAULTS["qwen3_5"], vocab_size=151936, hidden_s
 _DEFAULTS["qwen3_5_moe"] = dict(_DEFAULTS["qwen3_5"], vocab_size=248320, hidden_size=2048, intermediate_size=512,
                                 num_hidden_layers=40, num_key_value_heads=2, moe_intermediate_size=512,
                                 shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256)
+# the families whose norms read their eps from another field than rms_norm_eps (which they then ignore)
+_EPS_FIELD = {"lfm2": "norm_eps"}
 # the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
 _COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "qwen3_5_moe": False, "gemma3": True}
 
@@ -168,7 +170,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     common = dict(
         architecture=arch, family=family, vocab_size=f.number("vocab_size", int), hidden_size=hidden,
         intermediate_size=f.number("intermediate_size", int), num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps"), rope=rope,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number(_EPS_FIELD.get(family, "rms_norm_eps")), rope=rope,
         max_position_embeddings=max_pos, tie_word_embeddings=f.flag("tie_word_embeddings"),
         layer_types=layer_types, weight_prefix="model.language_model." if composite else "model.",
         torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
