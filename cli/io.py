@@ -64,7 +64,7 @@ plain prompt fields)::
 - `max_completion_tokens` and `max_tokens` mean the same; if both are given they must agree.
 - `body.tools`, `body.chat_template_kwargs`, `body.add_generation_prompt` and `body.continue_final_message` work
   as on a plain line (below).
-- `n` as on a plain line (below): `choices` then holds n entries, `index` 0 to n-1.
+- `n` and `best_of` as on a plain line (below): `choices` then holds n entries, `index` 0 to n-1.
 
 Common fields
 -------------
@@ -72,9 +72,9 @@ Common fields
   `line-<N>`, N being its 1-based line number. Every custom_id must be unique in the file; a repeated one is an
   error on the later line.
 - Sampling, named as vLLM names them: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`,
-  `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`, `n`. In OpenAI lines they live in
-  `body`. A value on the line wins over the command-line / generation_config defaults, which win over the
-  built-in ones (max_tokens: the rest of the model's context for a chat, 16 for a completion, as in vLLM and
+  `stop` (a string or a list of strings), `stop_token_ids`, `ignore_eos`, `n`, `best_of`. In OpenAI lines they
+  live in `body`. A value on the line wins over the command-line / generation_config defaults, which win over
+  the built-in ones (max_tokens: the rest of the model's context for a chat, 16 for a completion, as in vLLM and
   OpenAI; temperature 1.0, top_p 1.0, top_k off, min_p 0). A field set to null counts as not given.
 - Structured output (engine/grammar/spec.py has the details): `response_format` (`{"type": "json_object"}`,
   `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}` or `{"type": "text"}`),
@@ -87,7 +87,12 @@ Common fields
   the seed derived from custom_id and `--seed`), as vLLM seeds its samples: sample 0 is what the line gives with
   n = 1, and sample i is reproduced alone by the same line with n = 1 and seed + i. A greedy line (temperature 0
   or top_k 1) decodes once and returns its completion n times.
-  Usage counts the prompt once and sums the completions.
+- `best_of` (n to 1024, default n): samples generated (seeded as above), of which the n with the highest
+  cumulative logprob are returned, best first, as vLLM's best_of does. A sample's cumulative logprob is the sum of
+  its tokens' logprobs under the model's raw distribution (log_softmax of the logits, before temperature and the
+  filters: the likelihood of the text); a tie keeps the lower sample first. Greedy lines ignore it.
+- Usage counts the prompt once and sums the completion tokens of every sample generated (best_of's unreturned
+  samples included, as OpenAI counts them).
 - Every other field is listed in cli/request_fields.py (the README's table of request fields is made from it):
   honoured, accepted because it changes nothing offline (`user`, `metadata`, `store`, `stream: false`, ...), or
   refused. A line that sets a refused field to anything but its "off" value, or has a key that is not in the

@@ -132,7 +132,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("seed", HONOURED, BOTH, "the request's random seed (default: derived from custom_id)"),
     _F("n", HONOURED, BOTH, "how many completions to return (1 to 1024), all forked from one prefill; sample i draws "
        "with seed + i"),
-    _F("best_of", REFUSED, BOTH, "sample best_of completions, return the n most likely", inert=(1,)),
+    _F("best_of", HONOURED, BOTH, "sample best_of completions (n to 1024), return the n of highest cumulative "
+       "logprob, best first; greedy lines ignore it"),
     _F("presence_penalty", HONOURED, BOTH, "penalise tokens that appeared in the output"),
     _F("frequency_penalty", HONOURED, BOTH, "penalise tokens by how often they appeared in the output"),
     _F("repetition_penalty", HONOURED, BOTH, "penalise tokens that appeared in the prompt or output"),

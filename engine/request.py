@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # beside the state memory, which takes half of what the weights leave free.
 DEFAULT_PREFILL_TOKENS = 16384
 
-# The most samples (n) one request may ask for: a bound on what one line can make the engine hold (a
+# The most samples (n, best_of) one request may ask for: a bound on what one line can make the engine hold (a
 # sequence, its state and its result per sample). OpenAI's chat completions allow 128.
 MAX_SAMPLES = 1024
 
@@ -50,6 +50,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # with skip_special_tokens false: as decoded, or none between two
     n: int = 1  # completions returned, each a sample forked from the one prefilled prompt
+    best_of: int | None = None  # samples generated, the n of highest cumulative logprob returned (None: n)
     # what the reply must match (engine/grammar/spec.py; None: free text). Read from the request's own fields only
     # (response_format, structured_outputs, guided_*), never layered from defaults: not a SAMPLING_FIELDS name
     structured: StructuredOutput | None = None
@@ -97,6 +98,9 @@ class SamplingParams:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
             bad(f"n must be an integer from 1 to {MAX_SAMPLES}, got {describe_value(self.n)}")
         _check_processing(self, bad)
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or not self.n <= self.best_of <= MAX_SAMPLES):
+            bad(f"best_of must be an integer from n ({self.n}) to {MAX_SAMPLES}, got {describe_value(self.best_of)}")
 
     @property
     def greedy(self) -> bool:
@@ -104,9 +108,14 @@ class SamplingParams:
 
     @property
     def sequences(self) -> int:
-        """How many sequences decode for the request: n samples, each forked from the one prefilled prompt state;
-        one for a greedy request, whose samples would all be the same."""
-        return 1 if self.greedy else self.n
+        """How many sequences decode for the request: best_of (else n) samples, each forked from the one prefilled
+        prompt state; one for a greedy request, whose samples would all be the same."""
+        return 1 if self.greedy else self.best_of or self.n
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether its samples are ranked by cumulative logprob (best_of > n), so each needs its tokens' logprobs."""
+        return self.sequences > self.n
 
     @property
     def decode_tokens(self) -> int:
@@ -115,8 +124,15 @@ class SamplingParams:
 
     @property
     def wants_logprobs(self) -> bool:
-        """Whether each generated token's logprob is computed (also what a sequence's cumulative logprob needs)."""
-        return self.logprobs is not None
+        """Whether each generated token's logprob is computed (also what a sequence's cumulative logprob needs):
+        asked for (`logprobs`), or needed to rank best_of's samples."""
+        return self.logprobs is not None or self.ranks_samples
+
+    @property
+    def logprob_alternatives(self) -> int:
+        """How many most likely tokens each generated token's logprob record lists (0: only its own logprob, all
+        that ranking best_of's samples needs)."""
+        return self.logprobs or 0
 
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs and OpenAI's top_logprobs limit
@@ -175,6 +191,7 @@ class SamplingDefaults:
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     n: int | None = None
+    best_of: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -356,7 +373,7 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (eos, stop string or stop token) or "length"
     logprobs: list[TokenLogprob] | None = None  # one per token (sampling.logprobs set)
-    cumulative_logprob: float | None = None  # the sum of those logprobs (sampling.logprobs set)
+    cumulative_logprob: float | None = None  # the sum of its tokens' logprobs (sampling.wants_logprobs)
 
 
 @dataclass

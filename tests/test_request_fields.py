@@ -197,9 +197,9 @@ def test_an_unknown_key_beside_the_body_of_an_openai_line():
 
 
 def test_inert_values_are_json_values_not_python_ones():
-    best_of = request_fields.lookup("best_of")
-    assert best_of.is_inert(1) and best_of.is_inert(1.0) and best_of.is_inert(None)
-    assert not best_of.is_inert(True)  # true == 1 in Python, not in JSON
+    length_penalty = request_fields.lookup("length_penalty")
+    assert length_penalty.is_inert(1) and length_penalty.is_inert(1.0) and length_penalty.is_inert(None)
+    assert not length_penalty.is_inert(True)  # true == 1 in Python, not in JSON
     stream = request_fields.lookup("stream")
     assert stream.is_inert(False) and not stream.is_inert(0) and not stream.is_inert("false")
 

@@ -1,4 +1,4 @@
-"""n samples per request, forked from one prefill: the plan, the seeds, the tokens, the memory rule,
+"""n samples per request (and best_of), forked from one prefill: the plan, the seeds, the tokens, the memory rule,
 the Result and the output lines. CPU fp32, the tiny Qwen3.5 (hybrid) model."""
 from __future__ import annotations
 
@@ -67,8 +67,12 @@ def test_sampling_params_sequences_and_their_validation():
     assert SamplingParams(n=4).sequences == 4
     assert SamplingParams(n=4, temperature=0).sequences == 1  # greedy samples are one completion, decoded once
     assert SamplingParams(n=3, top_k=1).sequences == 1
+    assert SamplingParams(n=2, best_of=5).sequences == 5 and SamplingParams(n=2, best_of=5).ranks_samples
+    assert SamplingParams(n=2, best_of=2).sequences == 2 and not SamplingParams(n=2, best_of=2).ranks_samples
+    assert SamplingParams(n=2, best_of=5, temperature=0).sequences == 1  # greedy: best_of changes nothing
     assert SamplingParams(n=3, max_tokens=7).decode_tokens == 21
-    for bad in (dict(n=0), dict(n=-1), dict(n=1025), dict(n=True), dict(n=1.5), dict(n="2"), dict(n=None)):
+    for bad in (dict(n=0), dict(n=-1), dict(n=1025), dict(n=True), dict(n=1.5), dict(n="2"), dict(n=None),
+                dict(best_of=0), dict(n=4, best_of=3), dict(best_of="2"), dict(best_of=1025), dict(best_of=2.0)):
         with pytest.raises(InvalidRequest):
             SamplingParams(**bad)
 
@@ -246,20 +250,23 @@ def test_batch_writes_n_choices_per_line_and_errors_for_bad_values(tmp_path):
              {"custom_id": "c", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3}},
              {"custom_id": "bad", "prompt": "x", "n": 0},
-             {"custom_id": "worse", "url": "/v1/completions", "body": {"prompt": "x", "n": 1025}}]
+             {"custom_id": "worse", "url": "/v1/completions", "body": {"prompt": "x", "n": 1025}},
+             {"custom_id": "best", "url": "/v1/completions",
+              "body": {"prompt": "The capital of", "n": 2, "best_of": 4, "max_tokens": 3, "seed": 1}}]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     report = tmp_path / "report.json"
     res = CliRunner().invoke(app, ["batch", str(path), "--model", str(model), "--device", "cpu", "--no-cache", "-q",
                                    "--json-report", str(report)], catch_exceptions=False)
     assert res.exit_code == 3, res.output
-    p, q, c, bad, worse = [json.loads(line) for line in res.stdout.splitlines()]
+    p, q, c, bad, worse, best = [json.loads(line) for line in res.stdout.splitlines()]
     assert [ch["index"] for ch in p["choices"]] == [0, 1, 2] and "text" not in p
     assert p["usage"]["completion_tokens"] == sum(len(ch["token_ids"]) for ch in p["choices"])
     assert p["choices"][1]["token_ids"] == q["token_ids"]  # seed 1 + sample 1 = the seed-2 line's draw
     assert [ch["index"] for ch in c["response"]["body"]["choices"]] == [0, 1]
     assert "n must be an integer from 1 to 1024, got 0" in bad["error"]["message"]
     assert "body.n must be an integer from 1 to 1024, got 1025" in worse["error"]["message"]
+    assert [ch["index"] for ch in best["response"]["body"]["choices"]] == [0, 1]
     figures = json.loads(report.read_text())
     assert figures["computed_prompt_tokens"] <= figures["prompt_tokens"]
 
@@ -324,6 +331,42 @@ def test_each_sample_of_a_structured_request_follows_its_own_grammar(tmp_path_fa
     assert len(four) == 4 and len(set(four)) > 1
     assert all(re.fullmatch("(yes|no|maybe)( [a-z]{1,6}){0,3}", text) for text in four), four
     assert answers(1, 52) == [four[2]]
+
+
+# ---- best_of ---------------------------------------------------------------------------------------------------
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(loaded, cpu_ops, model_dirs):
+    """best_of's candidates are the samples n = best_of draws (the same seeds); the n returned are those of the
+    highest sum of raw token logprobs, computed here independently by transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = loaded["qwen3_5"]
+    prompts = PROMPTS[:2]
+    candidates, _ = run(model, cpu_ops, prompts, n=5, max_tokens=4)
+    best, stats = run(model, cpu_ops, prompts, n=2, best_of=5, max_tokens=4)
+    assert stats.computed_prompt_tokens == make_plan(prompts).distinct_tokens and stats.completion_tokens == 2 * 5 * 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dirs["qwen3_5"]), dtype=torch.float32).eval()
+    for key, prompt in zip(("r0", "r1"), prompts):
+        sums = []
+        for c in candidates[key].choices:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + c.token_ids])).logits[0].double()
+            logp = torch.log_softmax(logits, dim=-1)
+            sums.append(float(sum(logp[len(prompt) - 1 + j, t] for j, t in enumerate(c.token_ids))))
+        order = sorted(range(5), key=lambda i: -sums[i])[:2]
+        assert [c.token_ids for c in best[key].choices] == [candidates[key].choices[i].token_ids for i in order]
+        for c, i in zip(best[key].choices, order):
+            assert c.cumulative_logprob == pytest.approx(sums[i], abs=1e-3)
+        assert best[key].usage.completion_tokens == 5 * 4  # every candidate generated, as OpenAI counts them
+
+
+def test_best_of_equal_to_n_and_greedy_best_of_change_nothing(loaded, cpu_ops):
+    model = loaded["qwen3_5"]
+    plain, _ = run(model, cpu_ops, n=3)
+    same, _ = run(model, cpu_ops, n=3, best_of=3)
+    assert choices(same) == choices(plain)
+    greedy, _ = run(model, cpu_ops, n=1, temperature=0)
+    greedy_best, stats = run(model, cpu_ops, n=2, best_of=4, temperature=0)
+    assert choices(greedy_best) == {k: [v[0], v[0]] for k, v in choices(greedy).items()}
 
 
 def test_ray_data_rows_get_every_choice(tmp_path):

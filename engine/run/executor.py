@@ -485,10 +485,10 @@ class WindowExecutor:
         self.state.release(seq.handle)
         self.stats.completion_tokens += len(seq.tokens)
         samples = self._samples_of(seq.request)
-        wants = seq.request.sampling.wants_logprobs
+        sp = seq.request.sampling
         completion = Completion(list(seq.tokens), seq.text(), seq.finish_reason,
-                                logprobs=list(seq.logprobs) if wants else None,
-                                cumulative_logprob=seq.cumulative_logprob if wants else None)
+                                logprobs=list(seq.logprobs) if sp.logprobs is not None else None,
+                                cumulative_logprob=seq.cumulative_logprob if sp.wants_logprobs else None)
         samples.add(seq.sample, completion, *_charged(seq.origin))
         self._collect(samples)
 

@@ -1,9 +1,12 @@
 """A request's samples gathered into its one Result.
 
-A request decodes `sampling.sequences` sequences (engine/request.py): n samples, or one for a greedy request (its
-n choices are that one completion). Each finished sequence (or each sample refused for the state memory) is added
-to the request's `SampleSet`; the last one makes the Result. Usage is the response's: the prompt counted once,
-completion tokens summed over the choices (a greedy request's n identical choices each count).
+A request decodes `sampling.sequences` sequences (engine/request.py): n samples, or best_of candidates of which the
+n of highest cumulative logprob are returned (vLLM's best_of: the sum of the sampled tokens' logprobs, best first),
+or one for a greedy request (its n choices are that one completion). Each finished sequence (or each sample refused
+for the state memory) is added to the request's `SampleSet`; the last one makes the Result. Usage is the
+response's: the prompt counted once, completion tokens summed over every sample generated (best_of's candidates
+that are not returned included, as OpenAI counts them) and over the choices (a greedy request's n identical
+choices each count).
 """
 from __future__ import annotations
 
@@ -62,8 +65,10 @@ class SampleSet:
         if len(generated) < sp.n:  # a greedy request's samples are all its one completion
             choices = [dataclasses.replace(generated[0], token_ids=list(generated[0].token_ids))
                        for _ in range(sp.n)]
+        elif len(generated) > sp.n:  # best_of: the n most likely, best first (a tie keeps the lower sample first)
+            choices = sorted(generated, key=lambda c: -c.cumulative_logprob)[:sp.n]
         prompt = len(self.request.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in choices)
+        completion_tokens = sum(len(c.token_ids) for c in (generated if len(generated) > sp.n else choices))
         usage = Usage(prompt, completion_tokens, prompt - max(self.computed, 0), self.from_disk)
         return Result(self.request.custom_id, self.request.index, choices, usage,
                       prompt_logprobs=self.prompt_logprobs)

@@ -158,7 +158,7 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.request.sampling.wants_logprobs and not s.done]
         if not rows:
             return None
-        k = max(seqs[i].request.sampling.logprobs for i in rows)
+        k = max(seqs[i].request.sampling.logprob_alternatives for i in rows)
         later = self.ops.to_host_later(self.ops.token_logprobs(logits, self.ops.upload_index(np.array(rows)), ids, k))
         return lambda: (rows, later())
 
@@ -174,7 +174,7 @@ class ModelRunner:
             s = seqs[i]
             if s.done:
                 continue
-            top = tuple((int(row[1 + k + j]), float(row[1 + j])) for j in range(s.request.sampling.logprobs))
+            top = tuple((int(row[1 + k + j]), float(row[1 + j])) for j in range(s.request.sampling.logprob_alternatives))
             s.logprobs.append(TokenLogprob(int(tokens[i]), float(row[0]), top))
             s.cumulative_logprob += float(row[0])
 
