@@ -22,8 +22,9 @@ KEY = StoreKey("aa" * 32, "bb" * 32)
 
 def test_an_entry_id_is_a_function_of_key_and_exact_tokens():
     assert checkpoint_key(KEY, [1, 2, 3]) == checkpoint_key(KEY, np.array([1, 2, 3], np.int32))
+    other_model, other_layout = StoreKey("ab" * 32, "bb" * 32), StoreKey("aa" * 32, "b")
     ids = {checkpoint_key(KEY, [1, 2, 3]), checkpoint_key(KEY, [1, 2]), checkpoint_key(KEY, [1, 2, 3, 0]),
-           checkpoint_key(StoreKey("ab" * 32, "bb" * 32), [1, 2, 3]), checkpoint_key(StoreKey("aa" * 32, "b"), [1, 2, 3])}
+           checkpoint_key(other_model, [1, 2, 3]), checkpoint_key(other_layout, [1, 2, 3])}
     assert len(ids) == 5
 
 
@@ -159,3 +160,55 @@ def test_the_cache_that_is_off_has_the_engines_interface_and_does_nothing():
     assert off.lookup([1, 2], 0, 2, None) is None and off.offer([1], None, None, None) is False
     assert off.may_retain([1], 10) is False and off.report() is None and off.keeps_states is False
     assert PersistentCheckpoints.keeps_states is True
+
+
+# ---------------------------------------------------------------- read-ahead slots
+
+class _Ahead:
+    """What ReadAhead's slot bookkeeping needs of PersistentCheckpoints, and nothing else."""
+
+    def __init__(self):
+        import threading
+
+        from prefixrun.engine.cache.costs import CacheCosts
+
+        self._ahead, self._ahead_bytes, self._ahead_lock = {}, 0, threading.Lock()
+        self._taken_on_device, self.costs = {}, CacheCosts()
+
+
+def _read_ahead_slot(prefix, nbytes, *, resident_rows=0, on_device=None, done=True):
+    from prefixrun.engine.cache.read_ahead import ReadAheadSlot
+    from prefixrun.engine.cache.results import StoredCheckpoint
+
+    slot = ReadAheadSlot(generation=1, on_device=on_device)
+    slot.checkpoint = StoredCheckpoint(tokens=prefix, regions={}, meta={}, nbytes=nbytes,
+                                       entry_id=f"e{len(prefix)}", file_name="f", resident_rows=resident_rows)
+    if done:
+        slot.done.set()
+    return slot
+
+
+def test_a_read_ahead_entry_is_handed_over_once_and_only_if_it_read_what_the_lookup_needs():
+    from prefixrun.engine.cache.read_ahead import ReadAhead
+
+    ahead = _Ahead()
+    ahead._ahead[(1, 2)] = _read_ahead_slot((1, 2), 100, resident_rows=16, on_device={"k": "rows"})
+    ahead._ahead_bytes = 100
+    # 16 rows were left unread (the prefetch counted on them in memory): a lookup holding fewer cannot take it
+    assert ReadAhead._take_read_ahead(ahead, "e2", "f", resident_rows=0) is None
+    assert ReadAhead._read_ahead_done(ahead, (1, 2), 16) and not ReadAhead._read_ahead_done(ahead, (1, 2), 0)
+    taken = ReadAhead._take_read_ahead(ahead, "e2", "f", resident_rows=16)
+    assert taken is not None and taken.nbytes == 100 and ahead._ahead == {} and ahead._ahead_bytes == 0
+    assert ahead._taken_on_device == {("e2", "f"): {"k": "rows"}} and ahead.costs.prefetch_used_bytes == 100
+    assert ReadAhead._take_read_ahead(ahead, "e2", "f", resident_rows=16) is None  # once
+
+
+def test_unused_read_ahead_entries_are_forgotten_those_in_flight_kept():
+    from prefixrun.engine.cache.read_ahead import ReadAhead
+
+    ahead = _Ahead()
+    ahead._ahead[(1,)] = _read_ahead_slot((1,), 10)
+    ahead._ahead[(2,)] = _read_ahead_slot((2,), 20, done=False)
+    ahead._ahead_bytes = 30
+    ReadAhead._drop_unused_read_ahead(ahead)
+    assert list(ahead._ahead) == [(2,)] and ahead._ahead_bytes == 20
