@@ -263,9 +263,10 @@ REFUSED = {
     "kv heads a string": ("qwen3", dict(num_key_value_heads="2"), "num_key_value_heads must be an integer, got '2'"),
     "hidden_size inf": ("llama", dict(hidden_size=float("inf")), "hidden_size must be an integer, got inf"),
     "vocab_size nan": ("llama", dict(vocab_size=float("nan")), "vocab_size must be an integer, got nan"),
-    # a quantized checkpoint (Qwen3.5's FP8 releases): transformers dequantizes or quantizes on load
-    "fp8 checkpoint": ("qwen3_5_text", dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
-                       'quantization_config (quant_method "fp8") is not supported'),
+    # quantized checkpoints read otherwise than engine/load/quantization.py reads FP8 ones
+    "fp8 static activations": ("qwen3_5_text", dict(quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "static"}),
+        'quantization_config.activation_scheme "static" is not supported'),
     "bitsandbytes": ("llama", dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
                      'quantization_config (quant_method "bitsandbytes") is not supported'),
     # transformers cannot load a Gemma 3 config whose rope settings are not per layer type; they were dropped

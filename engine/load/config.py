@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.quantization import NO_QUANTIZATION, WeightQuantization
 from prefixrun.engine.load.rope import RopeConfig
 
 FULL_ATTENTION = "full_attention"
@@ -55,6 +56,7 @@ class DecoderConfig:
     composite: bool = False  # loaded from a vision-language composite's text_config
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quantization: WeightQuantization = NO_QUANTIZATION  # how the linear weights are stored (FP8 checkpoints)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

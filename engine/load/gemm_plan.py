@@ -81,7 +81,7 @@ def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max
     `act_dtype`: linear layers for 1..max_step_tokens rows, the LM head for 1..max_logit_rows (default
     DEFAULT_LOGIT_ROWS, at most max_step_tokens); and the weights' device bytes. Raises what the build raises."""
     ops = _ShapeOps(act_dtype)
-    model = build_model(cfg, tensors, ops, mtp)
+    model = build_model(cfg, tensors.shapes_only(), ops, mtp)
     heads = [model.lm_head] + ([model.mtp.lm_head] if model.mtp is not None else [])
     tables = [model.embed_tokens] + ([model.mtp.embed_tokens] if model.mtp is not None else [])
     head_ids = {id(a) for a in heads}
@@ -101,4 +101,4 @@ def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max
 def dry_state_specs(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False):
     """The state regions (RegionSpecs) of `cfg`'s model, from the same dry build: known before the weights upload
     (the persistent cache's layout key, engine/cache/opening.py). Raises what the build raises."""
-    return build_model(cfg, tensors, _ShapeOps(act_dtype), mtp).state_specs()
+    return build_model(cfg, tensors.shapes_only(), _ShapeOps(act_dtype), mtp).state_specs()

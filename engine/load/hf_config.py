@@ -17,6 +17,7 @@ from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SHORT_CONV, SLIDING_ATTENTION, \
     ConfigFields, DecoderConfig, DenseConfig, HybridConfig, ShortConvConfig, SlidingWindowConfig
 from prefixrun.engine.load.moe_config import MoeHybridConfig
+from prefixrun.engine.load.quantization import parse_quantization
 from prefixrun.engine.load.rope import parse_rope
 
 _LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION, "linear": LINEAR_ATTENTION}
@@ -148,12 +149,12 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
                              f"supported: {', '.join(supported_architectures())}")
     family, cls = _ARCHITECTURES[arch]
     text, composite = _text_settings(raw, family)
-    for layer in (raw, text):
-        quantization = layer.get("quantization_config")
-        if quantization:  # transformers loads such weights through a quantizer: other tensors, other numbers
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-            raise ModelLoadError(f"{source}: quantization_config (quant_method {json.dumps(method)}) is not "
-                                 f"supported: give the checkpoint's unquantized (bf16 / fp16 / fp32) weights")
+    # transformers loads such weights through a quantizer: only the FP8 layouts engine/load/quantization.py reads
+    # are taken, anything else would be other tensors, other numbers
+    settings = [layer.get("quantization_config") for layer in (raw, text) if layer.get("quantization_config")]
+    if len(settings) == 2 and settings[0] != settings[1]:
+        raise ModelLoadError(f"{source}: quantization_config differs between the top level and text_config")
+    quantization = parse_quantization(settings[0] if settings else None, source)
     f = ConfigFields(text, _DEFAULTS[family], source)
     num_heads = f.number("num_attention_heads", int)
     hidden = f.number("hidden_size", int)
@@ -176,6 +177,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
         attention_bias=f.flag("attention_bias"), composite=composite,
         eos_token_ids=_token_ids(f, "eos_token_id"), bos_token_id=text.get("bos_token_id"),
+        quantization=quantization,
     )
     return cls.from_fields(f, common, rope_local)
 

@@ -15,6 +15,7 @@ from prefixrun.engine.models import build_model
 from prefixrun.engine.models.layers import CausalLM
 from prefixrun.engine.load.tokenizer import GenerationDefaults, Tokenizer
 from prefixrun.engine.load.gemm_plan import dry_state_specs, model_plan
+from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 from prefixrun.kernels import get_ops
 
@@ -124,7 +125,7 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
     files opened, the backend's kernels getting ready in the background."""
     front = front or load_front(model_dir)
     ops = get_ops(device, dtype)
-    tensors = CheckpointTensors(front.path)
+    tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
     # in the background, while the weights load; the plan (a dry build of the model) is made there too
     ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
                                           max_step_tokens=max_step_tokens, max_logit_rows=max_batch))

@@ -17,8 +17,15 @@ import numpy as np
 from prefixrun.engine.load.config import LINEAR_ATTENTION, SHORT_CONV, HybridConfig, ShortConvConfig
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
+from prefixrun.engine.load.weights import SAFETENSORS_DTYPES
 
-_ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
+_ST_DTYPE = {np.dtype(dtype): name for name, dtype in SAFETENSORS_DTYPES.items()}
+# FP8 layouts make_model_dir writes: Qwen's 128 x 128 blocks, compressed-tensors' per-channel / per-tensor scales
+FP8_LAYOUTS = ("block", "channel", "tensor")
+# the linear weights Qwen's FP8 checkpoints leave in bf16 (as transformers' fine-grained FP8 lets them): the
+# embeddings and LM head (no nn.Linear it swaps), the MoE router and the small per-head gates
+_FP8_SKIPPED = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight",
+                "linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.in_proj_ba.weight")
 
 TINY_QWEN3_5 = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64,
@@ -191,14 +198,18 @@ def _physical_memory_bytes() -> int:
 
 def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: float | None = None,
                    dtype: str = "bfloat16", composite: bool = False, shards: int = 1,
-                   corpus: list[str] | None = None, mtp: bool = False) -> Path:
+                   corpus: list[str] | None = None, mtp: bool = False, fp8: str | None = None) -> Path:
     """Write a complete random-weight model directory for `raw_config` (an HF config.json dict).
 
     init_std: the weight scale (default the config's initializer_range or 0.02); tests use larger scales so that
     top-2 logit gaps sit far above fp32 rounding. composite: write the Qwen3.5 vision-language layout (text
     settings under text_config, weights under model.language_model., plus stand-in mtp.* and model.visual.*).
     mtp: also write the MTP head's weights (`mtp.*`, engine/models/mtp.py) and its layer count in the config.
+    fp8: store the linear weights in FP8 (engine/load/quantization.py): "block" as Qwen's FP8 checkpoints (128 x 128
+    blocks, `quant_method: fp8`), "channel" / "tensor" as compressed-tensors writes them.
     """
+    if fp8 is not None and fp8 not in FP8_LAYOUTS:
+        raise ValueError(f"fp8 layout must be one of {', '.join(FP8_LAYOUTS)}, got {fp8!r}")
     from prefixrun.engine.load.tokenizer_maker import default_corpus, write_tokenizer_files
 
     out = Path(out_dir)
@@ -243,6 +254,9 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
             tensors["mtp.fc.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
         tensors["model.visual.patch_embed.proj.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
         tensors["model.vision_tower.stand_in.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
+    if fp8 is not None:
+        tensors, quantization = _quantize_fp8(tensors, fp8)
+        (text_cfg if composite else config)["quantization_config"] = quantization
     names = list(tensors)
     if shards <= 1:
         write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
@@ -262,6 +276,36 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def _quantize_fp8(tensors: dict[str, np.ndarray], layout: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The checkpoint's 2-D linear weights as float8_e4m3fn + scales (amax / 448 per block, channel or tensor, how
+    the released checkpoints are made), the rest as it was; and the quantization_config that describes them."""
+    from prefixrun.engine.load.quantization import quantize_blocks
+
+    out, skipped = {}, []
+    suffix = "weight_scale_inv" if layout == "block" else "weight_scale"
+    for name, w in tensors.items():
+        linear = w.ndim == 2 and name.endswith(".weight") and not name.startswith(("model.visual.", "model.vision"))
+        if not linear or name.endswith(_FP8_SKIPPED):
+            out[name] = w
+            if linear:
+                skipped.append(name[:-len(".weight")])
+            continue
+        rows, cols = w.shape
+        block = {"block": (128, 128), "channel": (1, cols), "tensor": (rows, cols)}[layout]
+        values, scale = quantize_blocks(w.astype(np.float32), block)
+        out[name] = values
+        out[name[:-len("weight")] + suffix] = scale.reshape(-1) if layout == "tensor" else scale
+    if layout == "block":
+        return out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                     "weight_block_size": [128, 128], "modules_to_not_convert": skipped}
+    weights = {"num_bits": 8, "type": "float", "strategy": layout, "symmetric": True, "dynamic": False,
+               "group_size": None}
+    inputs = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+    return out, {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}},
+                 "ignore": skipped, "kv_cache_scheme": None}
 
 
 # The embedded default: a small Qwen3.5-architecture model with random weights (its text is meaningless; it

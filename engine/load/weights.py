@@ -27,6 +27,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # FP8 weights: engine/load/quantization.py reads them with their scales
 }
 
 
@@ -120,6 +121,10 @@ class CheckpointTensors:
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def shapes_only(self) -> CheckpointTensors:
+        """The view a dry build reads (engine/load/gemm_plan.py): memory-mapped tensors are read lazily already."""
+        return self
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor `name`, checked against the expected `shape`; a clear error names file and tensor."""

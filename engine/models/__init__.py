@@ -8,6 +8,7 @@ from prefixrun.engine.load.config import DecoderConfig, HybridConfig
 from prefixrun.engine.load.hf_config import load_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models.layers import CausalLM, WeightLoader
+from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 
 _FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3",
@@ -48,5 +49,5 @@ def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops, mtp: bool =
 def load_model(model_dir: Path, ops, mtp: bool = False) -> tuple[CausalLM, CheckpointTensors]:
     """Config + weights of `model_dir` on the backend `ops` (`mtp`: with the MTP head)."""
     cfg, _ = load_config(model_dir)
-    tensors = CheckpointTensors(model_dir)
+    tensors = open_quantized(CheckpointTensors(model_dir), cfg.quantization)
     return build_model(cfg, tensors, ops, mtp), tensors

@@ -1,0 +1,261 @@
+"""FP8 weight checkpoints: the `quantization_config` a loader honours, and the weights it describes.
+
+Two layouts are read as they are stored:
+- Qwen's block FP8 (`quant_method: "fp8"`, transformers' fine-grained FP8): a linear weight [out, in] stored as
+  float8_e4m3fn with `<module>.weight_scale_inv` [ceil(out/128), ceil(in/128)] (fp32), one scale per 128 x 128 block;
+  the value is fp8 x scale (the name is transformers': it multiplies). Modules in `modules_to_not_convert` stay bf16.
+- compressed-tensors' FP8 (`quant_method: "compressed-tensors"`, format `float-quantized`): `<module>.weight_scale`
+  [out, 1] per output channel or [1] / [] per tensor; the `ignore` list stays bf16.
+
+Both are one case here: a scale per (block_rows x block_cols) block of the weight, broadcast over the block, the last
+block ragged when a dimension is not a multiple of it (a channel scale is a 1 x in block, a tensor scale out x in).
+`QuantizedTensors` serves every weight of such a checkpoint to the models; a quantized weight passes, as fp8 values
+and scales (`Fp8Weight`), through `materialize`, the one place that decides what the backend gets: today the
+exactly dequantised fp32 matrix (on the GPU stored as the backend's bf16, like every other weight).
+
+Everything else (other methods, static activation scales, other bit widths, block sizes, keys not implemented here)
+is refused with one line naming it: transformers would run other numbers than the ones computed here.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from prefixrun.engine.errors import ModelLoadError
+
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+BLOCK_FP8 = "fp8"
+COMPRESSED_TENSORS = "compressed-tensors"
+_BLOCK = (128, 128)  # the block Qwen's checkpoints use and an FP8 GEMM with block scales takes
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+# keys each layout may carry, with the values that mean what is implemented here (None: any value)
+_FP8_KEYS = {"quant_method": None, "fmt": ("e4m3",), "activation_scheme": ("dynamic",), "weight_block_size": None,
+             "modules_to_not_convert": None, "dequantize": (False, True), "modules_to_convert": (None,),
+             "scale_fmt": (None,)}
+_CT_KEYS = {"quant_method": None, "config_groups": None, "format": ("float-quantized",), "ignore": None,
+            "kv_cache_scheme": (None,), "quantization_status": ("compressed", "frozen"),
+            "global_compression_ratio": None, "version": None, "sparsity_config": (None, {}),
+            "transform_config": (None, {})}
+_CT_GROUP_KEYS = {"targets": (["Linear"],), "weights": None, "input_activations": None,
+                  "output_activations": (None,), "format": (None, "float-quantized")}
+_CT_WEIGHT_KEYS = {"num_bits": (8,), "type": ("float",), "strategy": ("channel", "tensor"), "symmetric": (True,),
+                   "dynamic": (False,), "group_size": (None,), "block_structure": (None,), "actorder": (None,),
+                   "observer": None, "observer_kwargs": None, "zp_dtype": (None,), "scale_dtype": (None,)}
+# dynamic per-token FP8 activations (W8A8): the activations are kept at full precision here, the dequantised
+# weights being exact, which is what transformers computes when it decompresses such a checkpoint
+_CT_INPUT_KEYS = {"num_bits": (8,), "type": ("float",), "strategy": ("token", "tensor"), "symmetric": (True,),
+                  "dynamic": (True,), "group_size": (None,), "block_structure": (None,), "actorder": (None,),
+                  "observer": None, "observer_kwargs": None, "zp_dtype": (None,), "scale_dtype": (None,)}
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """How the checkpoint stores its linear weights. `method` "none": as plain floating-point tensors.
+
+    `scale_suffix`: the scale tensor's name after the module's (`weight_scale_inv` / `weight_scale`); `block`: the
+    block of one scale (None: a channel or tensor scale, told by the scale's shape); `unquantized`: the module names
+    the config leaves in floating point."""
+
+    method: str = "none"
+    scale_suffix: str = ""
+    block: tuple[int, int] | None = None
+    strategies: tuple[str, ...] = ()
+    unquantized: tuple[str, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.method != "none"
+
+
+NO_QUANTIZATION = WeightQuantization()
+
+
+def _refuse_unknown(settings: dict, allowed: dict, where: str, source: str):
+    if not isinstance(settings, dict):
+        raise ModelLoadError(f"{source}: {where} must be an object, got {settings!r}")
+    for key, value in settings.items():
+        if key not in allowed:
+            raise ModelLoadError(f"{source}: {where}.{key} is not supported (FP8 checkpoints are read with "
+                                 f"{', '.join(sorted(allowed))})")
+        if allowed[key] is not None and value not in allowed[key]:
+            raise ModelLoadError(f"{source}: {where}.{key} {json.dumps(value)} is not supported (supported: "
+                                 f"{', '.join(json.dumps(v) for v in allowed[key])})")
+
+
+def _names(value, key: str, source: str) -> tuple[str, ...]:
+    value = [] if value is None else value
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ModelLoadError(f"{source}: quantization_config.{key} must be a list of module names, got {value!r}")
+    return tuple(value)
+
+
+def parse_quantization(quantization, source: str) -> WeightQuantization:
+    """config.json's `quantization_config` -> the layout; anything not implemented is one line naming it."""
+    if not quantization:
+        return NO_QUANTIZATION
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if method == BLOCK_FP8:
+        _refuse_unknown(quantization, _FP8_KEYS, "quantization_config", source)
+        block = quantization.get("weight_block_size")
+        if block != list(_BLOCK):
+            raise ModelLoadError(f"{source}: quantization_config.weight_block_size {json.dumps(block)} is not "
+                                 f"supported (supported: {list(_BLOCK)})")
+        return WeightQuantization(BLOCK_FP8, "weight_scale_inv", _BLOCK, ("block",),
+                                  _names(quantization.get("modules_to_not_convert"), "modules_to_not_convert", source))
+    if method == COMPRESSED_TENSORS:
+        _refuse_unknown(quantization, _CT_KEYS, "quantization_config", source)
+        groups = quantization.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ModelLoadError(f"{source}: quantization_config.config_groups must name at least one group")
+        strategies = set()
+        for name, group in groups.items():
+            where = f"quantization_config.config_groups.{name}"
+            _refuse_unknown(group, _CT_GROUP_KEYS, where, source)
+            if not isinstance(group.get("weights"), dict):
+                raise ModelLoadError(f"{source}: {where}.weights must describe the weights' quantization")
+            _refuse_unknown(group["weights"], _CT_WEIGHT_KEYS, where + ".weights", source)
+            if group.get("input_activations") is not None:
+                _refuse_unknown(group["input_activations"], _CT_INPUT_KEYS, where + ".input_activations", source)
+            strategies.add(group["weights"].get("strategy"))
+        if None in strategies:
+            raise ModelLoadError(f"{source}: quantization_config.config_groups: every group's weights need a "
+                                 f"strategy (channel or tensor)")
+        return WeightQuantization(COMPRESSED_TENSORS, "weight_scale", None, tuple(sorted(strategies)),
+                                  _names(quantization.get("ignore"), "ignore", source))
+    raise ModelLoadError(f"{source}: quantization_config (quant_method {json.dumps(method)}) is not supported "
+                         f"(supported: \"fp8\" with 128 x 128 blocks, \"compressed-tensors\" FP8 per channel or "
+                         f"per tensor); give the checkpoint's unquantized (bf16 / fp16 / fp32) weights")
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A weight as stored: `values` [out, in] float8_e4m3fn and `scale` [ceil(out/bo), ceil(in/bi)] fp32, one per
+    (bo x bi) `block`."""
+
+    name: str
+    values: np.ndarray
+    scale: np.ndarray
+    block: tuple[int, int]
+
+    def scale_per_element(self) -> np.ndarray:
+        """The scale broadcast over its blocks, cropped to the weight (ragged last blocks). [out, in] fp32."""
+        (rows, cols), (bo, bi) = self.values.shape, self.block
+        return np.repeat(np.repeat(self.scale, bo, axis=0)[:rows], bi, axis=1)[:, :cols]
+
+
+def dequantize(w: Fp8Weight) -> np.ndarray:
+    """fp32 = fp8 value x its block's scale, exactly as transformers' dequantisation computes it. [out, in]"""
+    return w.values.astype(np.float32) * w.scale_per_element()
+
+
+def materialize(w: Fp8Weight) -> np.ndarray:
+    """What the model gets for a quantized weight: the one place that decides between FP8 storage (with an FP8
+    GEMM) and dequantised values. The models take host matrices they may slice, stack or de-interleave, so the
+    dequantised fp32 matrix is it; the backend's upload stores it in its weight dtype like any other weight."""
+    return dequantize(w)
+
+
+def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A float matrix -> (float8_e4m3fn values, fp32 scales), one scale = block amax / 448 per block (how the
+    released block-FP8 checkpoints are made); an all-zero block gets scale 1. Ragged last blocks included."""
+    rows, cols = w.shape
+    bo, bi = block
+    nr, nc = -(-rows // bo), -(-cols // bi)
+    padded = np.zeros((nr * bo, nc * bi), np.float32)
+    padded[:rows, :cols] = np.abs(w.astype(np.float32))
+    amax = padded.reshape(nr, bo, nc, bi).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    full = Fp8Weight("", np.zeros((rows, cols), FP8_DTYPE), scale, block).scale_per_element()
+    values = np.clip(w.astype(np.float32) / full, -448.0, 448.0).astype(FP8_DTYPE)
+    return values, scale
+
+
+class QuantizedTensors:
+    """A checkpoint view that serves an FP8 checkpoint's weights to the models: a quantized weight through
+    `materialize` (validated: its scale's presence, dtype, shape and values), every other tensor as stored. The
+    scale tensors are no names of their own; the digest is the stored content's, fp8 values and scales included."""
+
+    def __init__(self, tensors, quantization: WeightQuantization, *, shapes_only: bool = False):
+        self._t = tensors
+        self.model_dir = tensors.model_dir
+        self.files = tensors.files
+        self.quantization = quantization
+        self._shapes_only = shapes_only
+        self._suffix = "." + quantization.scale_suffix if quantization.active else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t and not self._is_scale(name)
+
+    def names(self) -> list[str]:
+        return [n for n in self._t.names() if not self._is_scale(n)]
+
+    def _is_scale(self, name: str) -> bool:
+        return self._suffix is not None and name.endswith(self._suffix)
+
+    def digest(self, memo_dir=None) -> str:
+        return self._t.digest(memo_dir)
+
+    def shapes_only(self) -> QuantizedTensors:
+        """The view for a dry build (engine/load/gemm_plan.py), which reads no weight: a quantized weight comes
+        back validated but as a zero-stride fp32 placeholder of its shape, not dequantised."""
+        return QuantizedTensors(self._t, self.quantization, shapes_only=True)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        weight = self.fp8_weight(name, shape)
+        if weight is None:
+            return self._t.get(name, shape)
+        if self._shapes_only:
+            return np.broadcast_to(np.zeros(weight.values.shape[-1:], np.float32), weight.values.shape)
+        return materialize(weight)
+
+    def fp8_weight(self, name: str, shape: tuple[int, ...] | None = None) -> Fp8Weight | None:
+        """The stored fp8 values and scales of `name`, validated; None when it is stored in floating point."""
+        arr = self._t.get(name, shape)
+        scale_name = (name[:-len("weight")] + self.quantization.scale_suffix
+                      if self.quantization.active and name.endswith(".weight") else None)
+        has_scale = scale_name is not None and scale_name in self._t
+        where = f"{self.model_dir}: tensor {name!r}"
+        if arr.dtype == FP8_DTYPE and not self.quantization.active:
+            raise ModelLoadError(f"{where} is float8_e4m3fn but config.json has no quantization_config")
+        if arr.dtype != FP8_DTYPE:
+            if has_scale:
+                raise ModelLoadError(f"{where} has a {self.quantization.scale_suffix} but is stored as {arr.dtype}, "
+                                     f"not float8_e4m3fn")
+            return None
+        if not has_scale:
+            raise ModelLoadError(f"{where} is float8_e4m3fn but its scale {scale_name or '(none)'!r} is missing")
+        if arr.ndim != 2:
+            raise ModelLoadError(f"{where} is float8_e4m3fn with shape {arr.shape}; only 2-D weights are quantized")
+        scale = self._t.get(scale_name)
+        if scale.dtype not in _SCALE_DTYPES:
+            raise ModelLoadError(f"{self.model_dir}: scale {scale_name!r} is stored as {scale.dtype}, not a float")
+        scale, block = self._scale_and_block(scale, arr.shape, scale_name)
+        if not np.isfinite(scale).all() or (scale < 0).any():
+            raise ModelLoadError(f"{self.model_dir}: scale {scale_name!r} holds NaN, infinite or negative values")
+        return Fp8Weight(name, arr, scale, block)
+
+    def _scale_and_block(self, scale: np.ndarray, shape: tuple[int, int], scale_name: str):
+        rows, cols = shape
+        q = self.quantization
+        expected = {}
+        if q.block is not None:
+            expected[(math.ceil(rows / q.block[0]), math.ceil(cols / q.block[1]))] = q.block
+        if "channel" in q.strategies:
+            expected[(rows, 1)] = (1, cols)
+        if "tensor" in q.strategies:
+            expected[(1, 1)] = (rows, cols)
+        grid = tuple(scale.shape) if scale.ndim == 2 else (1, 1) if scale.size == 1 and scale.ndim <= 1 else None
+        if grid not in expected:
+            raise ModelLoadError(f"{self.model_dir}: scale {scale_name!r} has shape {tuple(scale.shape)}, expected "
+                                 f"{' or '.join(str(s) for s in expected)} for a weight of shape {tuple(shape)}")
+        return scale.astype(np.float32).reshape(grid), expected[grid]
+
+
+def open_quantized(tensors, quantization: WeightQuantization) -> QuantizedTensors:
+    """The checkpoint as the models read it (an fp8 tensor in a checkpoint without quantization_config is refused)."""
+    return QuantizedTensors(tensors, quantization)
