@@ -1,5 +1,6 @@
 """n samples per request on the GPU (CUDA backend, fp32, decode graphs and the pipelined decode on): one prefill
-whatever n is, and sample i equals the request run alone with n = 1 and seed + i. Skipped without CuPy or a GPU."""
+whatever n is, sample i equals the request run alone with n = 1 and seed + i, and best_of keeps the candidates of
+highest cumulative logprob. Skipped without CuPy or a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -47,3 +48,16 @@ def test_samples_fork_one_prefill_and_each_equals_its_seed_alone_on_gpu(gpu_mode
         assert {k: v[i] for k, v in four.items()} == {k: v[0] for k, v in alone.items()}
     turns, _ = _run(model, ops, 4, max_batch=3)  # the samples decode in turns
     assert turns == four
+
+
+def test_best_of_on_gpu_keeps_the_candidates_of_highest_cumulative_logprob(gpu_model):
+    model, ops = gpu_model
+    eng = Engine(model, ops, options=EngineOptions(block_size=ops.default_block_size, max_batch=8))
+    sp = dict(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
+    (candidates,) = eng.run([Request("c", PROMPTS[0], SamplingParams(n=4, logprobs=0, **sp), 0)])
+    (best,) = eng.run([Request("b", PROMPTS[0], SamplingParams(n=2, best_of=4, **sp), 0)])
+    eng.close()
+    ranked = sorted(candidates.choices, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best.choices] == [c.token_ids for c in ranked]
+    assert [c.cumulative_logprob for c in best.choices] == pytest.approx([c.cumulative_logprob for c in ranked])
+    assert best.usage.completion_tokens == 4 * 6 and all(c.logprobs is None for c in best.choices)
