@@ -302,7 +302,8 @@ def test_a_block_file_that_cannot_be_opened_is_a_miss(tmp_path, monkeypatch):
 def test_an_entry_re_signed_with_hostile_block_metadata_is_a_miss(tmp_path, field, value):
     """A blob rewritten with odd K/V block metadata and re-signed in the index (digest, size, name all consistent):
     only the metadata's own checks stand between it and a restore."""
-    from prefixrun.engine.cache import blob_format
+    from prefixrun.engine.cache import auth, blob_format, index
+    from prefixrun.engine.cache.verify import entry_fields
 
     root = tmp_path / "cache"
     store, _, _ = filled(root)
@@ -318,9 +319,14 @@ def test_an_entry_re_signed_with_hostile_block_metadata_is_a_miss(tmp_path, fiel
     (path.parent / new_name).write_bytes(data)
     db.execute("UPDATE entries SET file_name = ?, nbytes = ?, content_sha256 = ? WHERE entry_id = ?",
                (new_name, len(data), digest, entry_id))
+    # signed as this user's prefixrun would (engine/cache/auth.py): only the metadata's own checks remain
+    (row,) = index.select_rows(db, "WHERE entry_id = ?", (entry_id,))
+    index.set_signature(db, "entry", entry_id, auth.sign("entry", *entry_fields(row)))
     db.commit()
     db.close()
     assert get(store, DOC) is None and store.stats.corrupt == 1  # not a TypeError, not K/V joined twice
+    reasons = [p.read_text() for p in (root / "quarantine").glob("*.reason")]
+    assert len(reasons) == 1 and "not signed" not in reasons[0], reasons  # the metadata's checks caught it
     assert_state(get(store, CHILD), CHILD)
 
 
