@@ -346,6 +346,8 @@ class ModelProcessing:
     suppress_tokens: tuple[int, ...] = ()  # banned at every generated token (SuppressTokensLogitsProcessor)
     begin_suppress_tokens: tuple[int, ...] = ()  # banned at the first generated token (...AtBeginLogitsProcessor)
     no_repeat_ngram_size: int = 0  # n > 0: no n-gram of prompt and output twice (NoRepeatNGramLogitsProcessor)
+    min_length: int = 0  # EOS banned while prompt + output are shorter (MinLengthLogitsProcessor)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # matched against prompt and output (NoBadWordsLogitsProcessor)
 
 
 @dataclass(frozen=True)

@@ -250,6 +250,15 @@ def test_min_tokens_bad_words_and_suppression_equal_transformers(family, loaded,
     want_sup, _ = hf_greedy(hf, prompt, [hf_gen.SuppressTokensLogitsProcessor([plain[3]]),
                                          hf_gen.SuppressTokensAtBeginLogitsProcessor([plain[0]], len(prompt))], n)
     assert sup.token_ids == want_sup != plain
+    for words in ([[prompt[-1], plain[0]]], [[plain[1]], [plain[2], plain[3]]]):  # the first: across the prompt's end
+        got = engine_run(model, [Request("bw", list(prompt), SamplingParams(max_tokens=n, temperature=0), 0)],
+                         processing=ModelProcessing(bad_words_ids=tuple(map(tuple, words))))["bw"]
+        want, _ = hf_greedy(hf, prompt, [hf_gen.NoBadWordsLogitsProcessor(words, eos_token_id=None)], n)
+        assert got.token_ids == want != plain, words
+    got = engine_run(model, [Request("ml", list(prompt), SamplingParams(max_tokens=n, temperature=0), 0)],
+                     eos=(stop,), processing=ModelProcessing(min_length=len(prompt) + 5))["ml"]
+    want, _ = hf_greedy(hf, prompt, [hf_gen.MinLengthLogitsProcessor(len(prompt) + 5, [stop])], n, eos=[stop])
+    assert got.token_ids == want and len(want) >= 5
     for size in (1, 2, 3):  # the random models repeat themselves: each size changes the answer
         got = engine_run(model, [Request("ng", list(prompt), SamplingParams(max_tokens=n, temperature=0), 0)],
                          processing=ModelProcessing(no_repeat_ngram_size=size))["ng"]
@@ -269,12 +278,14 @@ def test_generation_config_processing_fields(tmp_path):
 
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "repetition_penalty": 1.3, "min_new_tokens": 4, "suppress_tokens": [5, 6], "begin_suppress_tokens": 7,
-        "no_repeat_ngram_size": 3, "typical_p": 1.0, "bad_words_ids": [[1, 2]]}))
+        "no_repeat_ngram_size": 3, "typical_p": 1.0, "bad_words_ids": [[1, 2], [9]], "min_length": 30,
+        "eos_token_id": 9, "forced_eos_token_id": 9}))
     d = GenerationDefaults.from_model_dir(tmp_path, vocab_size=100)
     sp = d.sampling.resolve()
     assert sp.repetition_penalty == 1.3 and sp.min_tokens == 4
-    assert d.processing == ModelProcessing(suppress_tokens=(5, 6), begin_suppress_tokens=(7,), no_repeat_ngram_size=3)
-    assert d.not_applied == ("bad_words_ids",)  # typical_p 1.0 changes nothing
+    assert d.processing == ModelProcessing(suppress_tokens=(5, 6), begin_suppress_tokens=(7,), no_repeat_ngram_size=3,
+                                           min_length=30, bad_words_ids=((1, 2),))  # [9] is an EOS: left out
+    assert d.not_applied == ("forced_eos_token_id",)  # typical_p 1.0 changes nothing
     # a line's max_tokens below the model's min_new_tokens: the shorter limit wins (a line's own min_tokens must
     # still fit its max_tokens)
     assert SamplingDefaults(max_tokens=2).over(d.sampling).resolve().min_tokens == 2

@@ -345,25 +345,38 @@ class GenerationDefaults:
             repetition_penalty=reader.number("repetition_penalty", minimum=1e-6, maximum=1e6),
             min_tokens=reader.integer("min_new_tokens", minimum=0),
         )
-        suppress = {name: tuple(_token_id_list(config.get(name), f"{config_file.name}: {name}"))
-                    for name in ("suppress_tokens", "begin_suppress_tokens")}
-        for name, ids in suppress.items():
-            outside = [t for t in ids if vocab_size is not None and t >= vocab_size]
-            if outside:
-                raise ModelLoadError(f"{config_file.name}: {name} names token id {outside[0]}, outside the model's "
-                                     f"vocabulary of {vocab_size}")
-        processing = ModelProcessing(no_repeat_ngram_size=reader.integer("no_repeat_ngram_size", minimum=0) or 0,
-                                     **suppress)
+        processing = _model_processing(config, reader, config_file.name, vocab_size, eos_ids)
         return cls(eos_token_ids=tuple(eos_ids), sampling=sampling, processing=processing,
                    not_applied=tuple(k for k, off in _NOT_APPLIED.items() if config.get(k, off) not in (off, None)))
 
 
 # generation_config fields that change what transformers generates, with the value that changes nothing: a run
 # over a model that sets one says so (GenerationDefaults.not_applied) instead of ignoring it silently.
-_NOT_APPLIED = {"min_length": 0, "bad_words_ids": None, "force_words_ids": None,
+_NOT_APPLIED = {"force_words_ids": None,
                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
                 "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
                 "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None, "guidance_scale": None}
+
+
+def _model_processing(config: dict, reader, file_name: str, vocab_size: int | None, eos_ids) -> ModelProcessing:
+    """generation_config's fields of transformers' logits processors that prefixrun applies to every request."""
+    token_lists = {name: tuple(_token_id_list(config.get(name), f"{file_name}: {name}"))
+                   for name in ("suppress_tokens", "begin_suppress_tokens")}
+    words = config.get("bad_words_ids")
+    if words is not None and (not isinstance(words, list) or not all(isinstance(w, list) and w for w in words)):
+        raise ModelLoadError(f"{file_name}: bad_words_ids must be a list of non-empty lists of token ids, got "
+                             f"{words!r}"[:200])
+    # transformers leaves out a one-token bad word that is an end-of-sequence id
+    words = tuple(tuple(_token_id_list(w, f"{file_name}: bad_words_ids")) for w in words or ()
+                  if not (len(w) == 1 and w[0] in eos_ids))
+    for name, ids in [*token_lists.items(), ("bad_words_ids", [t for w in words for t in w])]:
+        outside = [t for t in ids if vocab_size is not None and t >= vocab_size]
+        if outside:
+            raise ModelLoadError(f"{file_name}: {name} names token id {outside[0]}, outside the model's "
+                                 f"vocabulary of {vocab_size}")
+    return ModelProcessing(no_repeat_ngram_size=reader.integer("no_repeat_ngram_size", minimum=0) or 0,
+                           min_length=reader.integer("min_length", minimum=0) or 0, bad_words_ids=words,
+                           **token_lists)
 
 
 class _GenerationConfigReader:

@@ -75,7 +75,7 @@ class DecodingStarts:
                                       request.sampling.spaces_between_special_tokens)
         sp = request.sampling
         stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(sorted(self.eos)))
-        processing = RowProcessing(sp, request.prompt_token_ids, stop_ids=stop_ids,
+        processing = RowProcessing(sp, request.prompt_token_ids, stop_ids=stop_ids, eos=tuple(sorted(self.eos)),
                                    bad_words=request.bad_words_token_ids, model=self.processing)
         return Sequence(request, handle, detok, self.max_context, self.eos, origin=origin, sample=sample,
                         grammar=self.grammars.start(sp.structured), processing=processing)

@@ -7,8 +7,9 @@ adds (engine/load/tokenizer.py GenerationDefaults), applied per row with per-row
      applied by `ops.apply_token_bitmask`;
   2. bans: bad_words (vLLM: a word's token sequences with and without a leading space, matched against the
      generated tokens), min_tokens (EOS and stop_token_ids while fewer tokens than that are generated), the
-     model's suppress_tokens (always), begin_suppress_tokens (at the first generated token) and
-     no_repeat_ngram_size (transformers: a token that would repeat an n-gram of the prompt and output);
+     model's suppress_tokens (always), begin_suppress_tokens (at the first generated token), min_length (EOS
+     while prompt and output are shorter), bad_words_ids (as transformers matches them: against prompt and output)
+     and no_repeat_ngram_size (a token that would repeat an n-gram of the prompt and output);
   3. logit_bias (token id -> added to its logit);
   4. penalties: repetition (vLLM and transformers: over prompt AND generated tokens, a positive logit divided by
      it, a negative one multiplied), frequency and presence (OpenAI, vLLM: over generated tokens only).
@@ -80,8 +81,10 @@ class _NGrams:
 class RowProcessing:
     """One sequence's part of the stage. `active` is False for a row with nothing to apply (it is then left out)."""
 
-    def __init__(self, sampling, prompt_token_ids, *, stop_ids=(), bad_words=(),
+    def __init__(self, sampling, prompt_token_ids, *, stop_ids=(), eos=(), bad_words=(),
                  model: ModelProcessing = ModelProcessing()):
+        """`stop_ids`: what min_tokens holds off (stop_token_ids, and the EOS ids unless ignore_eos); `eos`: the
+        model's EOS ids (what its min_length holds off)."""
         sp = sampling
         self.penalties = (float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
         self.counted = sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
@@ -97,10 +100,14 @@ class RowProcessing:
         self.bad_words = [tuple(w) for w in bad_words if w]
         self.suppress, self.begin_suppress = model.suppress_tokens, model.begin_suppress_tokens
         self.ngrams = _NGrams(model.no_repeat_ngram_size, prompt_token_ids) if model.no_repeat_ngram_size else None
+        self.eos_until = (tuple(eos), model.min_length - len(prompt_token_ids)) if model.min_length else ((), 0)
+        self.model_words = [tuple(w) for w in model.bad_words_ids]
+        self.reach = max((len(w) - 1 for w in self.model_words), default=0)  # tokens a word's prefix spans
+        self.prompt_tail = tuple(int(t) for t in prompt_token_ids[max(0, len(prompt_token_ids) - self.reach):])
         self.allowed = sp.allowed_token_ids
         self._allowed_words: np.ndarray | None = None
         self.edits = bool(self.entries.n or self.counted or self.min_tokens or self.bad_words or self.suppress
-                          or self.begin_suppress or self.ngrams)
+                          or self.begin_suppress or self.ngrams or self.eos_until[1] > 0 or self.model_words)
         self.active = self.edits or self.allowed is not None
 
     def accepted(self, token: int) -> None:
@@ -132,6 +139,12 @@ class RowProcessing:
             banned += self.begin_suppress
         if self.ngrams is not None:
             banned += self.ngrams.banned()
+        if made < self.eos_until[1]:
+            banned += self.eos_until[0]
+        if self.model_words:  # transformers: the word's first tokens may end the prompt
+            recent = self.prompt_tail + tuple(generated[max(0, len(generated) - self.reach):])
+            banned += [w[-1] for w in self.model_words
+                       if len(w) == 1 or (len(recent) >= len(w) - 1 and recent[len(recent) - len(w) + 1:] == w[:-1])]
         for word in self.bad_words:
             before = len(word) - 1  # tokens that must precede its last one (vLLM: among the generated tokens)
             if before <= made and (before == 0 or tuple(generated[-before:]) == word[:before]):
