@@ -115,3 +115,26 @@ def test_prompt_logprobs_in_every_output_shape(model, tmp_path):
     body = chat["response"]["body"]
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
     assert all(len(entry) == 1 for entry in body["prompt_logprobs"][1:])
+
+
+def test_generation_config_penalty_applies_and_unapplied_fields_are_named(model, tmp_path):
+    """A model's generation_config repetition_penalty changes the answer (a line's own value wins over it), and
+    a field transformers would apply that prefixrun does not is named on stderr once."""
+    import shutil
+
+    other = tmp_path / "model"
+    shutil.copytree(model, other)
+    line = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+    _, before = run(model, tmp_path, [line])
+    config = json.loads((other / "generation_config.json").read_text()) \
+        if (other / "generation_config.json").exists() else {}
+    config.update(repetition_penalty=3.0, typical_p=0.5)
+    (other / "generation_config.json").write_text(json.dumps(config))
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "repetition_penalty": 1.0}) + "\n")
+    res = CliRunner().invoke(app, ["batch", str(path), "--model", str(other), "--device", "cpu", "--no-cache"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    after = [json.loads(x) for x in res.stdout.splitlines()]
+    assert after[0]["token_ids"] != before[0]["token_ids"] and after[1]["token_ids"] == before[0]["token_ids"]
+    assert res.stderr.count("typical_p") == 1 and "does not apply" in res.stderr
