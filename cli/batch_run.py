@@ -40,6 +40,8 @@ class BatchRun:
         if config.model_dir is None:
             config = dataclasses.replace(config, model_dir=ensure_default_model(config.cache_root))
         self.config = config
+        # read on the input-ahead thread too (`_tokens_ahead`), which starts before this constructor ends
+        self.lenient = config.lenient  # refused and unknown request fields are ignored (with warnings), not errors
         model_dir, window = Path(config.model_dir), config.window
         self.session = None  # the in-process engine session, when there is one
         self._ahead = None  # the first window read ahead (cli/input_ahead.py)
@@ -75,7 +77,6 @@ class BatchRun:
         self._warned = 0  # backend warnings shown so far (workers report theirs when they are ready)
         self._show_backend_warnings()
         self.model_name = model_dir.name
-        self.lenient = config.lenient  # refused and unknown request fields are ignored (with warnings), not errors
         self.ignored_fields = IgnoredFields()
         self._warned_unbounded = False
         self.window = window

@@ -118,7 +118,8 @@ def test_the_run_takes_the_lines_parsed_during_the_load_only_where_their_bytes_a
     """Without a cache too: the first window is parsed and tokenized while the weights load, and the run takes each
     line from there when the bytes it reads are those read ahead. A line rewritten in between is parsed afresh, a
     duplicate custom_id still gets its error record, and the output is the pipe's (never read ahead) line for line."""
-    from prefixrun.cli import batch_run, io
+    from prefixrun.cli import batch_run
+    from prefixrun.cli import lines as cli_lines
 
     model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
     prompts = FIRST + [FIRST[0]]
@@ -131,7 +132,7 @@ def test_the_run_takes_the_lines_parsed_during_the_load_only_where_their_bytes_a
     assert piped.exit_code == 3, piped.output  # some lines failed (the duplicate)
 
     ahead_done = threading.Event()
-    real_tokens_ahead, real_build, real_parse = batch_run.BatchRun._tokens_ahead, loader.build_model, io.parse_line
+    real_tokens_ahead, real_build, real_parse = batch_run.BatchRun._tokens_ahead, loader.build_model, cli_lines.parse_line
     seen_ahead: list[int] = []
     parsed_by_run: list[int] = []
 
@@ -150,14 +151,14 @@ def test_the_run_takes_the_lines_parsed_during_the_load_only_where_their_bytes_a
             handle.write(data.replace(b'"q2"', b'"q9"'))
         return real_build(*args, **kwargs)
 
-    def parse_line(raw, defaults, seen):
+    def parse_line(raw, defaults, seen, **kwargs):
         if threading.current_thread() is threading.main_thread():
             parsed_by_run.append(raw.line_no)
-        return real_parse(raw, defaults, seen)
+        return real_parse(raw, defaults, seen, **kwargs)
 
     monkeypatch.setattr(batch_run.BatchRun, "_tokens_ahead", tokens_ahead)
     monkeypatch.setattr(loader, "build_model", build_then_rewrite)
-    monkeypatch.setattr(io, "parse_line", parse_line)
+    monkeypatch.setattr(cli_lines, "parse_line", parse_line)
     res = CliRunner().invoke(app, ["batch", str(path), "--model", str(model), "--device", "cpu", "-q", "--no-cache"],
                              catch_exceptions=False)
     assert res.exit_code == 3, res.output
