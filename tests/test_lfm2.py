@@ -113,7 +113,11 @@ def _raw(**fields) -> dict:
     dict(block_auto_adjust_ff_dim=False, intermediate_size=77),
     dict(block_ffn_dim_multiplier=1.3, block_multiple_of=64, intermediate_size=500), dict(norm_eps=0.001),
     dict(num_key_value_heads=1), dict(rms_norm_eps=0.5, norm_eps=0.002), dict(rms_norm_eps=None),
-    dict(attention_bias=True, hidden_act="gelu")])  # fields LFM2's modeling code never reads
+    dict(attention_bias=True, hidden_act="gelu"),  # fields LFM2's modeling code never reads
+    # the first released LFM2 configs: legacy names beside the standard ones, fields transformers ignores
+    dict(block_dim=64, block_ff_dim=12288, block_norm_eps=1e-5, block_use_swiglu=True, conv_dim=64,
+         conv_dim_out=64, full_attn_idxs=[2], num_heads=8, rope_theta=1e6, theta=1e6, tie_embedding=True,
+         use_pos_enc=True, num_key_value_heads=2)])
 def test_hand_written_configs_read_as_lfm2config_reads_them(fields):
     """Fields a config.json omits take Lfm2Config's defaults; full_attn_idxs, the legacy block_ff_dim /
     tie_embedding and the ff sizing are derived as Lfm2Config and Lfm2MLP derive them."""
