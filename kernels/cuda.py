@@ -31,6 +31,8 @@ from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, TYPE_NAMES, blocks
     last_contiguous
 from prefixrun.kernels.cuda_attention import AttentionOps
 from prefixrun.kernels.cuda_dense import DenseOps
+from prefixrun.kernels.cuda_fp8 import dequantize_into
+from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.cuda_graph import CudaGraph
 from prefixrun.kernels.cuda_mixing import SequenceMixingOps
 from prefixrun.kernels.cuda_modules import PREPARED_FILES, kernel
@@ -126,7 +128,12 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
         """Host arrays [n_i, ...] -> one device array [sum n_i, ...], their concatenation along axis 0, each part
         copied straight into its rows (no host-side concatenation or conversion copy of fp32/bf16 parts)."""
         dt = np.dtype(dtype or self.act_dtype)
-        parts = [np.asarray(p) for p in host_parts]
+        parts = list(host_parts)
+        if parts and all(isinstance(p, Fp8Matrix) for p in parts):
+            return self._upload_fp8_rows(parts, dt)
+        if any(isinstance(p, Fp8Matrix) for p in parts):  # mixed with plain parts (rare): dequantised on the host
+            return self.upload_rows([p.dequantize() if isinstance(p, Fp8Matrix) else p for p in parts], dtype)
+        parts = [np.asarray(p) for p in parts]
         if not parts or any(p.ndim == 0 or p.shape[1:] != parts[0].shape[1:] for p in parts):
             if len(parts) == 1 and parts[0].ndim == 0:  # a scalar: nothing to stage
                 return cupy.asarray(np.asarray(parts[0], dt))
@@ -140,6 +147,18 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
             upload_bytes(out[row:row + p.shape[0]], np.ascontiguousarray(p, dtype=src))
             row += p.shape[0]
         return out if src == dt else cast(out, dt)
+
+    def _upload_fp8_rows(self, parts, dt):
+        """upload_rows of FP8 matrices: each dequantised on the device into its rows (kernels/cuda_fp8.py)."""
+        shapes = [p.shape for p in parts]
+        if any(s[1] != shapes[0][1] for s in shapes):
+            raise ValueError(f"upload_rows: parts {shapes} do not stack along axis 0")
+        out = cupy.empty((sum(s[0] for s in shapes), shapes[0][1]), dt)
+        row = 0
+        for p, (n, _) in zip(parts, shapes):
+            dequantize_into(out[row:row + n], p)
+            row += n
+        return out
 
     def upload_index(self, host_array):
         return device_index(host_array)

@@ -65,7 +65,9 @@ class Ops(Protocol):
 
     def upload_rows(self, host_parts, dtype=None) -> Array:
         """Host arrays [n_i, ...] -> one new backend array [sum n_i, ...] (their concatenation along axis 0) in
-        `dtype` (default: act), without a host-side concatenation where the backend can avoid it (weight loads)."""
+        `dtype` (default: act), without a host-side concatenation where the backend can avoid it (weight loads).
+        A part may be a kernels/fp8.py Fp8Matrix (2-D parts then): its rows are its exact dequantisation
+        (`Fp8Matrix.dequantize`, then rounded to `dtype`), made where the backend computes."""
 
     def upload_index(self, host_array) -> Array:
         """Host integers -> a backend int32 array (contiguous)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.host_memory import keep_freed_memory
 from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels import logits_edits
@@ -57,8 +58,10 @@ class NumpyOps(MoeReferenceOps):
         return np.array(host_array, dtype=dtype or self.act_dtype, copy=True)
 
     def upload_rows(self, host_parts, dtype=None):
-        """Host arrays [n_i, ...] -> their concatenation along axis 0, converted to `dtype` or the activation dtype."""
-        return np.concatenate([np.asarray(p) for p in host_parts], axis=0).astype(dtype or self.act_dtype, copy=False)
+        """Host arrays [n_i, ...] (or FP8 matrices: kernels/fp8.py, dequantised) -> their concatenation along axis 0,
+        converted to `dtype` or the activation dtype."""
+        parts = [p.dequantize() if isinstance(p, Fp8Matrix) else np.asarray(p) for p in host_parts]
+        return np.concatenate(parts, axis=0).astype(dtype or self.act_dtype, copy=False)
 
     def upload_index(self, host_array):
         return np.ascontiguousarray(host_array, dtype=np.int32)

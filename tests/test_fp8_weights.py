@@ -15,8 +15,8 @@ from conftest import PARITY_STD, TINY_QWEN3, TINY_QWEN3_5, random_prompt, run_to
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.loader import load
 from prefixrun.engine.load.model_maker import make_model_dir, write_safetensors
-from prefixrun.engine.load.quantization import Fp8Weight, QuantizedTensors, dequantize, parse_quantization, \
-    quantize_blocks
+from prefixrun.engine.load.quantization import QuantizedTensors, parse_quantization, quantize_blocks
+from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.engine.load.weights import CheckpointTensors
 
 torch = pytest.importorskip("torch")
@@ -108,11 +108,20 @@ def test_dequantisation_is_exact_per_block_with_ragged_edges():
     w = rng.standard_normal((130, 300)).astype(np.float32)
     values, scale = quantize_blocks(w, (128, 128))
     assert values.dtype == ml_dtypes.float8_e4m3fn and scale.shape == (2, 3)
-    got = dequantize(Fp8Weight("w", values, scale, (128, 128)))
+    got = Fp8Matrix(values, scale, (128, 128)).dequantize()
     v = values.astype(np.float32)
     assert got[129, 299] == v[129, 299] * scale[1, 2] and got[0, 0] == v[0, 0] * scale[0, 0]
     assert got[127, 128] == v[127, 128] * scale[0, 1] and got[128, 127] == v[128, 127] * scale[1, 0]
     assert np.abs(got - w).max() <= np.abs(w).max() / 8  # e4m3: 3 mantissa bits
+
+
+def test_the_reference_backend_dequantises_fp8_parts_as_it_uploads_them(cpu_ops):
+    rng = np.random.default_rng(1)
+    a = Fp8Matrix(*quantize_blocks(rng.standard_normal((70, 200)).astype(np.float32), (128, 128)), (128, 128))
+    b = Fp8Matrix(*quantize_blocks(rng.standard_normal((5, 200)).astype(np.float32), (1, 200)), (1, 200))
+    plain = rng.standard_normal((3, 200)).astype(np.float32)
+    got = cpu_ops.upload_rows([a, b, plain])
+    np.testing.assert_array_equal(got, np.concatenate([a.dequantize(), b.dequantize(), plain]))
 
 
 def _break(model_dir, edit_tensors=None, edit_config=None):
@@ -240,3 +249,21 @@ def test_make_model_cli_writes_a_loadable_fp8_model(tmp_path):
     assert json.loads((tmp_path / "m" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     loaded = load(tmp_path / "m", "cpu")
     assert loaded.config.quantization.method == "fp8"
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "llama"])
+def test_fp8_experts_fused_projections_and_untied_heads_give_the_logits_of_the_dequantised_twin(
+        family, tmp_path, cpu_ops):
+    from conftest import TINY_CONFIGS, new_state
+
+    fp8_dir = make_model_dir(tmp_path / "fp8", TINY_CONFIGS[family], seed=5, init_std=PARITY_STD, fp8="block")
+    twin = dequantised_twin(fp8_dir, tmp_path / "twin")
+    prompt = random_prompt(4, 30)
+    logits = []
+    for path in (fp8_dir, twin):
+        model = load(path, "cpu").model
+        state = new_state(model, cpu_ops)
+        logits.append(model.forward(state.prepare_step([state.new_sequence()], [prompt]), state, all_logits=True))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    stored = CheckpointTensors(fp8_dir)
+    assert sum(stored.get(n).dtype == ml_dtypes.float8_e4m3fn for n in stored.names()) > 10

@@ -9,9 +9,11 @@ Two layouts are read as they are stored:
 
 Both are one case here: a scale per (block_rows x block_cols) block of the weight, broadcast over the block, the last
 block ragged when a dimension is not a multiple of it (a channel scale is a 1 x in block, a tensor scale out x in).
-`QuantizedTensors` serves every weight of such a checkpoint to the models; a quantized weight passes, as fp8 values
-and scales (`Fp8Weight`), through `materialize`, the one place that decides what the backend gets: today the
-exactly dequantised fp32 matrix (on the GPU stored as the backend's bf16, like every other weight).
+`QuantizedTensors` serves every weight of such a checkpoint to the models; a quantized weight that is uploaded as it
+is (`stored`: the linear layers' matrices, experts) passes, as fp8 values and scales (kernels/fp8.py `Fp8Matrix`),
+through `materialize`, the one place that decides what the backend gets: today the backend dequantises it exactly as
+it uploads it (on the GPU in a kernel, into bf16); `get` gives the fp32 dequantisation to code that reshapes weights
+on the host.
 
 Everything else (other methods, static activation scales, other bit widths, block sizes, keys not implemented here)
 is refused with one line naming it: transformers would run other numbers than the ones computed here.
@@ -26,8 +28,8 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix
 
-FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 BLOCK_FP8 = "fp8"
 COMPRESSED_TENSORS = "compressed-tensors"
 _BLOCK = (128, 128)  # the block Qwen's checkpoints use and an FP8 GEMM with block scales takes
@@ -132,32 +134,11 @@ def parse_quantization(quantization, source: str) -> WeightQuantization:
                          f"per tensor); give the checkpoint's unquantized (bf16 / fp16 / fp32) weights")
 
 
-@dataclass(frozen=True)
-class Fp8Weight:
-    """A weight as stored: `values` [out, in] float8_e4m3fn and `scale` [ceil(out/bo), ceil(in/bi)] fp32, one per
-    (bo x bi) `block`."""
-
-    name: str
-    values: np.ndarray
-    scale: np.ndarray
-    block: tuple[int, int]
-
-    def scale_per_element(self) -> np.ndarray:
-        """The scale broadcast over its blocks, cropped to the weight (ragged last blocks). [out, in] fp32."""
-        (rows, cols), (bo, bi) = self.values.shape, self.block
-        return np.repeat(np.repeat(self.scale, bo, axis=0)[:rows], bi, axis=1)[:, :cols]
-
-
-def dequantize(w: Fp8Weight) -> np.ndarray:
-    """fp32 = fp8 value x its block's scale, exactly as transformers' dequantisation computes it. [out, in]"""
-    return w.values.astype(np.float32) * w.scale_per_element()
-
-
-def materialize(w: Fp8Weight) -> np.ndarray:
-    """What the model gets for a quantized weight: the one place that decides between FP8 storage (with an FP8
-    GEMM) and dequantised values. The models take host matrices they may slice, stack or de-interleave, so the
-    dequantised fp32 matrix is it; the backend's upload stores it in its weight dtype like any other weight."""
-    return dequantize(w)
+def materialize(m: Fp8Matrix):
+    """What a backend upload (`ops.upload_rows`) gets for a quantized weight: the one place that decides between
+    keeping FP8 (for an FP8 GEMM with block scales) and dequantised values. Today the backend dequantises the fp8
+    values and scales as it uploads them (exactly, kernels/fp8.py), into its storage dtype like any weight."""
+    return m
 
 
 def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +151,7 @@ def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, 
     padded[:rows, :cols] = np.abs(w.astype(np.float32))
     amax = padded.reshape(nr, bo, nc, bi).max(axis=(1, 3))
     scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
-    full = Fp8Weight("", np.zeros((rows, cols), FP8_DTYPE), scale, block).scale_per_element()
+    full = Fp8Matrix(np.zeros((rows, cols), FP8_DTYPE), scale, block).scale_per_element()
     values = np.clip(w.astype(np.float32) / full, -448.0, 448.0).astype(FP8_DTYPE)
     return values, scale
 
@@ -206,14 +187,25 @@ class QuantizedTensors:
         return QuantizedTensors(self._t, self.quantization, shapes_only=True)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor on the host; a quantized weight exactly dequantised to fp32 (code that slices, stacks or
+        de-interleaves weights on the host reads this)."""
         weight = self.fp8_weight(name, shape)
         if weight is None:
             return self._t.get(name, shape)
         if self._shapes_only:
-            return np.broadcast_to(np.zeros(weight.values.shape[-1:], np.float32), weight.values.shape)
+            return np.broadcast_to(np.zeros(weight.shape[-1:], np.float32), weight.shape)
+        return weight.dequantize()
+
+    def stored(self, name: str, shape: tuple[int, ...] | None = None):
+        """The tensor as a part for `ops.upload_rows`: a quantized weight as `materialize` decides."""
+        weight = self.fp8_weight(name, shape)
+        if weight is None:
+            return self._t.get(name, shape)
+        if self._shapes_only:
+            return np.broadcast_to(np.zeros(weight.shape[-1:], np.float32), weight.shape)
         return materialize(weight)
 
-    def fp8_weight(self, name: str, shape: tuple[int, ...] | None = None) -> Fp8Weight | None:
+    def fp8_weight(self, name: str, shape: tuple[int, ...] | None = None) -> Fp8Matrix | None:
         """The stored fp8 values and scales of `name`, validated; None when it is stored in floating point."""
         arr = self._t.get(name, shape)
         scale_name = (name[:-len("weight")] + self.quantization.scale_suffix
@@ -237,7 +229,7 @@ class QuantizedTensors:
         scale, block = self._scale_and_block(scale, arr.shape, scale_name)
         if not np.isfinite(scale).all() or (scale < 0).any():
             raise ModelLoadError(f"{self.model_dir}: scale {scale_name!r} holds NaN, infinite or negative values")
-        return Fp8Weight(name, arr, scale, block)
+        return Fp8Matrix(arr, scale, block)
 
     def _scale_and_block(self, scale: np.ndarray, shape: tuple[int, int], scale_name: str):
         rows, cols = shape

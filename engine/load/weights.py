@@ -122,6 +122,10 @@ class CheckpointTensors:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def stored(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor as a part for `ops.upload_rows` (engine/load/quantization.py: an FP8 weight's may be other)."""
+        return self.get(name, shape)
+
     def shapes_only(self) -> CheckpointTensors:
         """The view a dry build reads (engine/load/gemm_plan.py): memory-mapped tensors are read lazily already."""
         return self

@@ -37,9 +37,14 @@ class WeightLoader:
         """The stored tensor on the host, checked against `shape`."""
         return self.tensors.get(self.stored_name(name), shape)
 
+    def part(self, name: str, shape: tuple[int, ...] | None):
+        """A weight as `ops.upload_rows` takes it: a host array, or an FP8 checkpoint's values and scales
+        (engine/load/quantization.py), which the backend dequantises as it uploads them."""
+        return self.tensors.stored(self.stored_name(name), shape)
+
     def matrix(self, name: str, shape: tuple[int, ...]):
         """A weight in the backend's storage dtype."""
-        return self.ops.upload(self.host(name, shape))
+        return self.ops.upload_rows([self.part(name, shape)])
 
     def vector(self, name: str, shape: tuple[int, ...], offset: float = 0.0):
         """A small fp32 parameter (norm weights, gates); `offset` folds a zero-centred norm's +1 in."""
@@ -47,7 +52,7 @@ class WeightLoader:
 
     def stacked(self, names: list[str], shapes: list[tuple[int, ...]]):
         """Several [out_i, in] matrices concatenated along out, so one GEMM computes all of them."""
-        return self.ops.upload_rows([self.host(n, s) for n, s in zip(names, shapes)])
+        return self.ops.upload_rows([self.part(n, s) for n, s in zip(names, shapes)])
 
     def bias(self, names: list[str], sizes: list[int]):
         """The fp32 biases of one (stacked) projection, concatenated like its weights; added with ops.add."""

@@ -26,7 +26,7 @@ def _expert_weights(load: WeightLoader, prefix: str, e: int, d: int, i: int):
     if not load.has(prefix + "experts.0.gate_proj.weight"):
         raise ModelLoadError(f"{load.tensors.model_dir}: no expert weights under {prefix}experts. (expected "
                              f"{prefix}experts.0.gate_proj.weight or {fused})")
-    expert = lambda x, proj, shape: load.host(f"{prefix}experts.{x}.{proj}.weight", shape)
+    expert = lambda x, proj, shape: load.part(f"{prefix}experts.{x}.{proj}.weight", shape)
     gate_up = load.ops.upload_rows([expert(x, p, (i, d)) for x in range(e) for p in ("gate_proj", "up_proj")])
     down = load.ops.upload_rows([expert(x, "down_proj", (d, i)) for x in range(e)])
     return gate_up.reshape(e, 2 * i, d), down.reshape(e, d, i)

@@ -54,6 +54,11 @@ class DeinterleavedTensors:
                                  f"expected {tuple(shape)}")
         return arr
 
+    def stored(self, name: str, shape: tuple[int, ...] | None = None):
+        """As the checkpoint stores it (an upload part), the fused projections' pieces split on the host."""
+        prefix, _, leaf = name.rpartition(".linear_attn.")
+        return self.get(name, shape) if prefix and leaf in _SPLIT else self._t.stored(name, shape)
+
     def _split(self, p: str) -> dict[str, np.ndarray]:
         hk, dk, dv, r, d = self._hk, self._dk, self._dv, self._r, self._d
         qkvz = self._t.get(p + "in_proj_qkvz.weight", (hk * (2 * dk + 2 * r * dv), d)).reshape(hk, -1, d)
