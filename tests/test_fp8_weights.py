@@ -155,6 +155,8 @@ BROKEN = {
     "bf16 weight with a scale": (_set(_W, lambda w: w.astype(np.float32).astype(ml_dtypes.bfloat16)), None,
                                  "but is stored as bfloat16, not float8_e4m3fn"),
     "integer scale": (_set(_S, lambda s: s.astype(np.int32)), None, "is stored as int32, not a float"),
+    "fp8 weight listed as unquantized": (None, lambda q: q["modules_to_not_convert"].append("mlp.down_proj"),
+                                         "leaves 'mlp.down_proj' unquantized"),
     "block size 64": (None, lambda q: q.__setitem__("weight_block_size", [64, 64]),
                       "weight_block_size [64, 64] is not supported"),
     "static activations": (None, lambda q: q.__setitem__("activation_scheme", "static"),
@@ -217,6 +219,10 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(small_fp8, tmp_pa
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      'format "pack-quantized" is not supported'),
     ({"quant_method": "awq", "bits": 4}, 'quant_method "awq"'),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+      "modules_to_not_convert": ["re:(("]}, "is not a valid pattern"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+      "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list of module names"),
     ({"quant_method": "fp8", "weight_block_size": None, "activation_scheme": "dynamic"},
      "weight_block_size null is not supported"),
 ])
@@ -251,12 +257,12 @@ def test_make_model_cli_writes_a_loadable_fp8_model(tmp_path):
     assert loaded.config.quantization.method == "fp8"
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "llama"])
+@pytest.mark.parametrize("family, layout", [("qwen3_next", "block"), ("qwen3_5_moe", "channel"), ("llama", "tensor")])
 def test_fp8_experts_fused_projections_and_untied_heads_give_the_logits_of_the_dequantised_twin(
-        family, tmp_path, cpu_ops):
+        family, layout, tmp_path, cpu_ops):
     from conftest import TINY_CONFIGS, new_state
 
-    fp8_dir = make_model_dir(tmp_path / "fp8", TINY_CONFIGS[family], seed=5, init_std=PARITY_STD, fp8="block")
+    fp8_dir = make_model_dir(tmp_path / "fp8", TINY_CONFIGS[family], seed=5, init_std=PARITY_STD, fp8=layout)
     twin = dequantised_twin(fp8_dir, tmp_path / "twin")
     prompt = random_prompt(4, 30)
     logits = []

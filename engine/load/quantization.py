@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -93,7 +94,22 @@ def _names(value, key: str, source: str) -> tuple[str, ...]:
     value = [] if value is None else value
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise ModelLoadError(f"{source}: quantization_config.{key} must be a list of module names, got {value!r}")
+    for v in value:
+        if v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as exc:
+                raise ModelLoadError(f"{source}: quantization_config.{key} entry {v!r} is not a valid pattern: "
+                                     f"{exc}") from None
     return tuple(value)
+
+
+def _names_module(pattern: str, module: str) -> bool:
+    """Whether a modules_to_not_convert / ignore entry names `module` (stored name, without `.weight`): the module
+    itself, a module it is the end of, or a module under it; `re:` entries (compressed-tensors) as a full regex."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern) or module.startswith(pattern + ".")
 
 
 def parse_quantization(quantization, source: str) -> WeightQuantization:
@@ -221,6 +237,9 @@ class QuantizedTensors:
             return None
         if not has_scale:
             raise ModelLoadError(f"{where} is float8_e4m3fn but its scale {scale_name or '(none)'!r} is missing")
+        listed = next((m for m in self.quantization.unquantized if _names_module(m, name[:-len(".weight")])), None)
+        if listed is not None:
+            raise ModelLoadError(f"{where} is float8_e4m3fn but quantization_config leaves {listed!r} unquantized")
         if arr.ndim != 2:
             raise ModelLoadError(f"{where} is float8_e4m3fn with shape {arr.shape}; only 2-D weights are quantized")
         scale = self._t.get(scale_name)
