@@ -273,3 +273,13 @@ def test_fp8_experts_fused_projections_and_untied_heads_give_the_logits_of_the_d
     np.testing.assert_array_equal(logits[0], logits[1])
     stored = CheckpointTensors(fp8_dir)
     assert sum(stored.get(n).dtype == ml_dtypes.float8_e4m3fn for n in stored.names()) > 10
+
+
+def test_make_model_following_an_fp8_config_writes_what_it_says(tmp_path):
+    fp8_config = {**TINY_QWEN3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                        "activation_scheme": "dynamic"}}
+    plain = make_model_dir(tmp_path / "plain", fp8_config)
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+    assert load(plain, "cpu").config.quantization.method == "none"
+    fp8 = make_model_dir(tmp_path / "fp8", fp8_config, fp8="channel")
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"

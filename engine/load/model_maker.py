@@ -215,6 +215,10 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text_cfg = json.loads(json.dumps(raw_config))
+    # the weights written are bf16 / fp16 / fp32 unless `fp8` says otherwise, whatever config they follow
+    for settings in (text_cfg, text_cfg.get("text_config")):
+        if isinstance(settings, dict):
+            settings.pop("quantization_config", None)
     tok = write_tokenizer_files(out, min(text_cfg["vocab_size"], 32000), corpus or default_corpus())
     text_cfg["eos_token_id"] = tok["eos_token_id"]
     text_cfg["pad_token_id"] = tok["pad_token_id"]

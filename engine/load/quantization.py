@@ -205,21 +205,19 @@ class QuantizedTensors:
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor on the host; a quantized weight exactly dequantised to fp32 (code that slices, stacks or
         de-interleaves weights on the host reads this)."""
-        weight = self.fp8_weight(name, shape)
-        if weight is None:
-            return self._t.get(name, shape)
-        if self._shapes_only:
-            return np.broadcast_to(np.zeros(weight.shape[-1:], np.float32), weight.shape)
-        return weight.dequantize()
+        return self._serve(name, shape, Fp8Matrix.dequantize)
 
     def stored(self, name: str, shape: tuple[int, ...] | None = None):
         """The tensor as a part for `ops.upload_rows`: a quantized weight as `materialize` decides."""
+        return self._serve(name, shape, materialize)
+
+    def _serve(self, name: str, shape: tuple[int, ...] | None, quantized):
         weight = self.fp8_weight(name, shape)
         if weight is None:
             return self._t.get(name, shape)
         if self._shapes_only:
             return np.broadcast_to(np.zeros(weight.shape[-1:], np.float32), weight.shape)
-        return materialize(weight)
+        return quantized(weight)
 
     def fp8_weight(self, name: str, shape: tuple[int, ...] | None = None) -> Fp8Matrix | None:
         """The stored fp8 values and scales of `name`, validated; None when it is stored in floating point."""
