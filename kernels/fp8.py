@@ -14,6 +14,8 @@ import ml_dtypes
 import numpy as np
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+# every fp8 byte's exact fp32 value: a gather converts a matrix many times faster than the element-wise cast
+_FP8_VALUES = np.arange(256, dtype=np.uint8).view(FP8_DTYPE).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -45,4 +47,4 @@ class Fp8Matrix:
 
     def dequantize(self) -> np.ndarray:
         """fp32 = fp8 value x its block's scale. [rows, cols]"""
-        return self.values.astype(np.float32) * self.scale_per_element()
+        return _FP8_VALUES[np.ascontiguousarray(self.values).view(np.uint8)] * self.scale_per_element()
