@@ -190,3 +190,18 @@ def test_parallel_and_serial_mask_fills_agree(default_model, monkeypatch):
         fills[threads] = masks.TokenMasks(default_model.ops, engine.grammars.mask_words).host_masks(grammars)
     assert (fills[1] == fills[4]).all()
     assert (fills[1][-1] == -1).all() and not (fills[1][:-1] == -1).all(axis=1).any()
+
+
+def test_a_grammar_that_breaks_mid_reply_is_an_error_result(default_model):
+    # these compile and allow a first token, then exceed the grammar engine's limits (a lexer of too many
+    # expressions, an Earley row of too many items): the reply cannot follow the spec, so it is an error, never
+    # a short text marked "stop"
+    alternatives = 'root ::= ' + ' | '.join(f'"w{i}"' for i in range(5000))
+    reqs = [request(default_model, 0, "x", {"guided_regex": "(a|aa)*(b|bb){1000}c{1000}"}, max_tokens=8),
+            request(default_model, 1, "x", {"guided_grammar": alternatives}, max_tokens=8),
+            request(default_model, 2, "x", {"guided_regex": "[0-9]"}, max_tokens=4)]
+    got = run(default_model, reqs)
+    for broken in ("r0", "r1"):
+        assert got[broken].finish_reason == "error", (got[broken].text, got[broken].finish_reason)
+        assert "structured output" in got[broken].error and "\n" not in got[broken].error
+    assert got["r2"].text.isdigit() and got["r2"].finish_reason == "stop"

@@ -67,6 +67,8 @@ class Unconstrained:
     constrained = False
     matcher = None
 
+    failure = None
+
     def accept(self, token: int) -> bool:
         return False
 
@@ -90,8 +92,14 @@ class GrammarState:
         return self.matcher.is_stopped()
 
     @property
-    def error(self) -> str:
-        return self.matcher.get_error()
+    def failure(self) -> str | None:
+        """Why the grammar broke mid-reply (a token the mask did not allow, or a limit of the grammar engine that
+        the spec's compiled form only meets once decoding reaches it), as the line's one-line error; None while
+        it holds."""
+        if not self.matcher.is_error():
+            return None
+        reason = self.matcher.get_error().split("\n", 1)[0]
+        return f"the structured output spec broke mid-reply: {_one_line(reason)} (simplify the spec)"
 
 
 class GrammarCompiler:

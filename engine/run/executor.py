@@ -485,6 +485,10 @@ class WindowExecutor:
         self.state.release(seq.handle)
         self.stats.completion_tokens += len(seq.tokens)
         samples = self._samples_of(seq.request)
+        if seq.error is not None:
+            samples.fail(seq.sample, seq.error)
+            self._collect(samples)
+            return
         sp = seq.request.sampling
         completion = Completion(list(seq.tokens), seq.text(), seq.finish_reason,
                                 logprobs=list(seq.logprobs) if sp.logprobs is not None else None,

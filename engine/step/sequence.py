@@ -23,6 +23,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     stop_text: str | None = None  # the text cut before a stop string, once one appeared
     finish_reason: str | None = None  # "stop" or "length" once done
+    error: str | None = None  # set when it ended because it cannot go on (its grammar broke): no completion
     origin: object = None  # the runner's record of how the prompt state was made (for accounting)
     grammar: object = UNCONSTRAINED  # structured output: engine/grammar/compiler.py GrammarState (masks, stop)
     sample: int = 0  # which of its request's sequences this is (n samples): it draws with seed + sample
@@ -53,6 +54,9 @@ class Sequence:
             self.finish_reason = "stop"
             return
         complete = self.grammar.accept(tok)
+        if complete and self.grammar.failure is not None:
+            self.error, self.finish_reason = self.grammar.failure, "stop"
+            return
         if self.detok is not None:
             self.detok.feed(tok)
             if sp.stop and len(self.tokens) >= sp.min_tokens:  # vLLM: no stop string before min_tokens
