@@ -261,25 +261,30 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     if fp8 is not None:
         tensors, quantization = _quantize_fp8(tensors, fp8)
         (text_cfg if composite else config)["quantization_config"] = quantization
-    names = list(tensors)
-    if shards <= 1:
-        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
-    else:
-        per = -(-len(names) // shards)
-        weight_map = {}
-        for s in range(shards):
-            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-            part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
-            write_safetensors(out / fname, part, {"format": "pt"})
-            weight_map.update({n: fname for n in part})
-        total = sum(a.nbytes for a in tensors.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    _write_weights(out, tensors, shards)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"eos_token_id": [tok["eos_token_id"], tok["pad_token_id"]], "pad_token_id": tok["pad_token_id"],
            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def _write_weights(out: Path, tensors: dict[str, np.ndarray], shards: int):
+    """The tensors as model.safetensors, or split over `shards` files with the index transformers reads."""
+    names = list(tensors)
+    if shards <= 1:
+        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+        return
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        write_safetensors(out / fname, part, {"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(a.nbytes for a in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def _quantize_fp8(tensors: dict[str, np.ndarray], layout: str) -> tuple[dict[str, np.ndarray], dict]:
