@@ -18,8 +18,9 @@ parser's own READ_BY_PARSER (cli/lines.py), and that the README table matches th
 `applies_to` says which requests a field belongs to: CHAT (messages: a plain `messages` line or
 /v1/chat/completions), COMPLETION (a plain `prompt` / `prompt_token_ids` line or /v1/completions), or BOTH. A field
 given to the other kind of request is an error naming the kind it belongs to. `inert` lists values that mean
-"off" and are accepted even while the field is refused (`n: 1`, `stream: false`, `logprobs: false`); null always
-counts as not given.
+"off" and are accepted even while the field is refused (`stream: false`, `modalities: ["text"]`); null always
+counts as not given. A refused field says `why` (the error record and the README quote it): what prefixrun does
+instead, or why the field has no meaning here.
 """
 from __future__ import annotations
 
@@ -48,9 +49,6 @@ class Kind(enum.Flag):
 CHAT, COMPLETION = Kind.CHAT, Kind.COMPLETION
 BOTH = CHAT | COMPLETION
 
-# The reason given for a refused field without its own `why`: a feature that is being built.
-NOT_IMPLEMENTED = "not implemented in prefixrun yet"
-
 
 @dataclass(frozen=True)
 class RequestField:
@@ -58,7 +56,7 @@ class RequestField:
     status: Status
     applies_to: Kind
     does: str  # what the field means (the README's description)
-    why: str = ""  # REFUSED: why prefixrun refuses it; HARMLESS: why it changes nothing here
+    why: str = ""  # REFUSED: why prefixrun refuses it (required); HARMLESS: why it changes nothing here
     inert: tuple = ()  # values that change nothing and are accepted even while the field is refused
 
     def is_inert(self, value: Any) -> bool:
@@ -66,7 +64,7 @@ class RequestField:
 
     @property
     def refusal(self) -> str:
-        return self.why or NOT_IMPLEMENTED
+        return self.why
 
 
 def _same_json_value(value: Any, other: Any) -> bool:
@@ -154,8 +152,11 @@ FIELDS: tuple[RequestField, ...] = (
     _F("top_logprobs", HONOURED, CHAT, "how many most likely alternatives to list per token (0-20)"),
     _F("prompt_logprobs", HONOURED, BOTH, "log probabilities of the prompt tokens, k alternatives each (vLLM; "
        "0-20); such a request does not restore states stored before its window"),
-    _F("logprob_token_ids", REFUSED, BOTH, "token ids whose log probabilities to return at every step"),
-    _F("return_tokens_as_token_ids", REFUSED, BOTH, "name logprob tokens as token_id:N", inert=(False,)),
+    _F("logprob_token_ids", REFUSED, BOTH, "token ids whose log probabilities to return at every step",
+       why="logprobs list the sampled token and the most likely ones (top_logprobs / logprobs: k), not a fixed "
+           "set of ids"),
+    _F("return_tokens_as_token_ids", REFUSED, BOTH, "name logprob tokens as token_id:N", inert=(False,),
+       why="logprob tokens are written as their text with their bytes; token ids are in token_ids"),
     # ---- structured output ----
     _F("response_format", HONOURED, BOTH, "text, json_object, or json_schema (enforced, strict or not)"),
     _F("structured_outputs", HONOURED, BOTH, "vLLM's constraints: json, regex, choice, grammar (Lark or GBNF), "
@@ -164,10 +165,13 @@ FIELDS: tuple[RequestField, ...] = (
     _F("guided_regex", HONOURED, BOTH, "a regular expression the output must match (vLLM's older name)"),
     _F("guided_choice", HONOURED, BOTH, "the output is one of these strings (vLLM's older name)"),
     _F("guided_grammar", HONOURED, BOTH, "a grammar the output must follow (vLLM's older name)"),
-    _F("structural_tag", REFUSED, BOTH, "tagged regions with their own schemas"),
+    _F("structural_tag", REFUSED, BOTH, "tagged regions with their own schemas",
+       why="a constraint covers the whole reply here: use response_format or structured_outputs"),
     _F("guided_decoding_backend", HARMLESS, BOTH, "which grammar engine vLLM uses",
        why="prefixrun has one grammar engine (llguidance); every engine enforces the same constraint"),
-    _F("guided_whitespace_pattern", REFUSED, BOTH, "whitespace allowed in guided JSON"),
+    _F("guided_whitespace_pattern", REFUSED, BOTH, "whitespace allowed in guided JSON",
+       why="a pattern of the outlines backend: JSON whitespace is on or off here "
+           "(structured_outputs.disable_any_whitespace)"),
     # ---- output text ----
     _F("echo", HONOURED, BOTH, "completions: the prompt is prepended to the text; chat: the last message's "
        "content to the reply's, if it has the reply's role"),
