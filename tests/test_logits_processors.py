@@ -345,3 +345,22 @@ def test_logprobs_equal_transformers_log_softmax(family, model_dirs, hf_models, 
             assert [j for j, _ in t.top] == order.tolist()
             np.testing.assert_allclose([lp for _, lp in t.top], ref[i, order], atol=1e-4, rtol=0)
         assert abs(result.cumulative_logprob - sum(ref[i, want[i]] for i in range(n))) < 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_constraints_that_leave_no_token_are_an_error_result(loaded, temperature):
+    # allowed_token_ids leaves only a stop id that min_tokens holds off, or only bad words: no token may come
+    # next, so the sampler's every-logit-at--inf fallback (a uniform draw) would return tokens outside
+    # allowed_token_ids marked as a success; the line is an error instead, and its neighbours run
+    model = loaded[FAMILIES[0]]
+    prompt = random_prompt(42, 12)
+    sp = lambda **kw: SamplingParams(max_tokens=6, temperature=temperature, seed=3, **kw)
+    got = engine_run(model, [
+        Request("eos-only", list(prompt), sp(allowed_token_ids=(9,), min_tokens=3, stop_token_ids=(9,)), 0),
+        Request("banned", list(prompt), sp(allowed_token_ids=(9,), bad_words=("x",)), 1,
+                bad_words_token_ids=((9,),)),
+        Request("fine", list(prompt), sp(allowed_token_ids=(9, 11), min_tokens=3, stop_token_ids=(9,)), 2)],
+        eos=(0,))
+    for name in ("eos-only", "banned"):
+        assert got[name].finish_reason == "error" and "allowed_token_ids" in got[name].error, got[name]
+    assert set(got["fine"].token_ids[:3]) == {11} and got["fine"].finish_reason in ("stop", "length")

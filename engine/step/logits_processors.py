@@ -105,6 +105,7 @@ class RowProcessing:
         self.reach = max((len(w) - 1 for w in self.model_words), default=0)  # tokens a word's prefix spans
         self.prompt_tail = tuple(int(t) for t in prompt_token_ids[max(0, len(prompt_token_ids) - self.reach):])
         self.allowed = sp.allowed_token_ids
+        self._allowed_set = None if self.allowed is None else frozenset(self.allowed)
         self._allowed_words: np.ndarray | None = None
         self.edits = bool(self.entries.n or self.counted or self.min_tokens or self.bad_words or self.suppress
                           or self.begin_suppress or self.ngrams or self.eos_until[1] > 0 or self.model_words)
@@ -118,6 +119,11 @@ class RowProcessing:
             i = self.entries.at(int(token))
             self.entries.counts[i] += 1
             self.entries.flags[i] |= SEEN
+
+    def permits(self, token: int) -> bool:
+        """Whether `token`, as drawn, is one allowed_token_ids allows. A draw outside them means the bans took every
+        allowed token (the sampler then draws from all tokens alike): the row cannot go on."""
+        return self._allowed_set is None or token in self._allowed_set
 
     def allowed_words(self, words: int) -> np.ndarray | None:
         """allowed_token_ids as a token bitmask row (int32 [words]), or None: every token allowed."""

@@ -48,6 +48,12 @@ class Sequence:
         the handle past it already)."""
         sp = self.request.sampling
         length = self.handle.length if length is None else length
+        if not self.processing.permits(tok):
+            self.error = (f"no token may come at output position {len(self.tokens)}: allowed_token_ids allows none "
+                          "that min_tokens, bad_words, the structured output or the model's suppressed tokens let "
+                          "through")
+            self.finish_reason = "stop"
+            return
         self.tokens.append(tok)
         self.processing.accepted(tok)
         if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
