@@ -351,9 +351,9 @@ def inspect_cache(
                            prune_older_than_days=prune_older_than, prune_to_bytes=prune_to_bytes, clear=clear,
                            verify=verify, yes=yes, budget_bytes=budget_bytes)
     except BrokenPipeError:  # `inspect-cache | head`: the reader has what it wanted
-        from prefixrun.cli.output import EXIT_BROKEN_PIPE, _silence_stdout
+        from prefixrun.cli.output import EXIT_BROKEN_PIPE, silence_stdout
 
-        _silence_stdout()
+        silence_stdout()
         code = EXIT_BROKEN_PIPE
     raise typer.Exit(code)
 

@@ -406,7 +406,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
         except BrokenPipeError:
             # the reader of stdout went away (`| head`): stop quietly, as pipeline tools do on SIGPIPE
             reporter.stop()
-            _silence_stdout()
+            silence_stdout()
             raise typer.Exit(EXIT_BROKEN_PIPE)
         except lines.InputReadError as exc:  # before OSError's branch, which is about writing the results
             _keep_finished(writer, journal)
@@ -427,7 +427,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             where = f"to {output}" if output is not None else "to stdout"
             reporter.error(f"cannot write results {where}: {exc.strerror or exc}")
             if output is None:
-                _silence_stdout()  # else the interpreter's final flush fails again, with a traceback
+                silence_stdout()  # else the interpreter's final flush fails again, with a traceback
             raise typer.Exit(io.EXIT_FAILURE)
         except Exception as exc:  # the run cannot continue: keep what finished, say why
             _keep_finished(writer, journal)
@@ -483,7 +483,7 @@ def _close_quietly(stream):
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a pipeline stage whose reader closed
 
 
-def _silence_stdout():
+def silence_stdout():
     """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
