@@ -357,18 +357,11 @@ def default_model_dir(cache_root: Path) -> Path:
 
 
 def ensure_default_model(cache_root: Path) -> Path:
-    """The embedded default model directory under `cache_root`, created on first use (atomically: a concurrent
-    first use by another process either wins the rename or finds the finished directory)."""
-    target = default_model_dir(cache_root)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".{os.getpid()}.partial")
-    make_model_dir(tmp, DEFAULT_MODEL_CONFIG, seed=DEFAULT_MODEL_SEED, init_std=DEFAULT_MODEL_INIT_STD)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process finished first
-        import shutil
+    """The embedded default model directory under `cache_root`, created on first use and checked against its
+    signed manifest on every use (engine/cache/default_model.py: the cache folder is a place others may write)."""
+    from prefixrun.engine.cache import default_model
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    def build(folder: Path) -> None:
+        make_model_dir(folder, DEFAULT_MODEL_CONFIG, seed=DEFAULT_MODEL_SEED, init_std=DEFAULT_MODEL_INIT_STD)
+
+    return default_model.ensure_default_model(cache_root, default_model_dir(cache_root).name, build)
