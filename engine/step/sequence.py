@@ -30,6 +30,11 @@ class Sequence:
     processing: RowProcessing = field(default_factory=_no_processing)  # its part of the logits-processing stage
     logprobs: list = field(default_factory=list)  # TokenLogprobs per generated token, when the request wants them
     cumulative_logprob: float = 0.0  # the sum of those tokens' logprobs
+    stop_searched: int = 0  # characters of the text searched for stop strings so far
+    longest_stop: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.longest_stop = max(map(len, self.request.sampling.stop), default=0)
 
     @property
     def done(self) -> bool:
@@ -67,7 +72,11 @@ class Sequence:
             self.detok.feed(tok)
             if sp.stop and len(self.tokens) >= sp.min_tokens:  # vLLM: no stop string before min_tokens
                 text = self.detok.text
-                hits = [(at, -len(s)) for s in sp.stop if (at := text.find(s)) >= 0]
+                # a stop string not found in the text already searched can only end in the new text: searching
+                # its tail keeps a long reply with many stop strings linear in its length
+                start = max(0, self.stop_searched - self.longest_stop + 1)
+                self.stop_searched = len(text)
+                hits = [(at, -len(s)) for s in sp.stop if (at := text.find(s, start)) >= 0]
                 if hits:
                     # the earliest stop string (the longest of those starting there) ends the text: before it, or
                     # after it with include_stop_str_in_output
