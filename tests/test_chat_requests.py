@@ -157,6 +157,15 @@ def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
     (openai_chat(messages=[USER], add_generation_prompt=True, continue_final_message=True), "cannot both be true"),
     ({"messages": [USER], "tools": {"type": "function"}}, "tools must be a list"),
     (openai_chat(messages=[USER], tools=["get_weather"]), "body.tools[0] must be a tool object"),
+    # as vLLM's request model: a function tool, with a named function (a tool the parser and tool_choice cannot
+    # name would be rendered and then never called)
+    ({"messages": [USER], "tools": [{"type": "web_search"}]}, 'tools[0].type must be "function"'),
+    ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0].function must be an object"),
+    ({"messages": [USER], "tools": [WEATHER_TOOL, {"type": "function", "function": {}}]},
+     "tools[1].function.name must be a non-empty string"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": 5}}]}, "function.name must be"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters must be an object"),
     ({"messages": [USER], "chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs must be an object"),
     (openai_chat(messages=[USER], chat_template_kwargs={"add_generation_prompt": False}),
      "body.chat_template_kwargs may not set add_generation_prompt"),

@@ -46,7 +46,27 @@ def check_tools(value: Any, where: str = "tools") -> list[dict]:
         if not isinstance(tool, dict):
             raise InvalidRequest(f"{where}[{position}] must be a tool object (a JSON schema such as "
                                  f'{{"type": "function", "function": {{...}}}}), got {describe_value(tool)}')
+        _check_function_tool(tool, f"{where}[{position}]")
     return value
+
+
+def _check_function_tool(tool: dict, where: str) -> None:
+    """A tool as vLLM's request model takes one: type "function" (the default) and a function with a name; a
+    tool that tool calls and tool_choice cannot name would be rendered into the prompt and never called."""
+    if tool.get("type", "function") != "function":
+        raise InvalidRequest(f'{where}.type must be "function" (the only kind of tool), got '
+                             f"{describe_value(tool.get('type'))}")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise InvalidRequest(f'{where}.function must be an object such as {{"name": "...", "parameters": {{...}}}}, '
+                             f"got {describe_value(function)}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"{where}.function.name must be a non-empty string, got {describe_value(name)}")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequest(f"{where}.function.parameters must be an object (a JSON schema), got "
+                             f"{describe_value(parameters)}")
 
 
 def check_documents(value: Any, where: str = "documents") -> list[dict]:
