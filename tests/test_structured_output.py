@@ -199,9 +199,14 @@ def test_a_grammar_that_breaks_mid_reply_is_an_error_result(default_model):
     alternatives = 'root ::= ' + ' | '.join(f'"w{i}"' for i in range(5000))
     reqs = [request(default_model, 0, "x", {"guided_regex": "(a|aa)*(b|bb){1000}c{1000}"}, max_tokens=8),
             request(default_model, 1, "x", {"guided_grammar": alternatives}, max_tokens=8),
-            request(default_model, 2, "x", {"guided_regex": "[0-9]"}, max_tokens=4)]
+            request(default_model, 2, "x", {"guided_regex": "[0-9]"}, max_tokens=4),
+            # bans that take every token the grammar allows: the sampler's fallback draws outside the grammar
+            Request("r3", default_model.tokenizer.encode("x"), SamplingParams(
+                max_tokens=4, structured=read_structured_output({"guided_choice": ["yes", "no"]})), 3,
+                bad_words_token_ids=tuple((t,) for t in range(default_model.tokenizer.vocab_size)
+                                          if default_model.tokenizer.decode([t])[:1] in ("y", "n")))]
     got = run(default_model, reqs)
-    for broken in ("r0", "r1"):
+    for broken in ("r0", "r1", "r3"):
         assert got[broken].finish_reason == "error", (got[broken].text, got[broken].finish_reason)
         assert "structured output" in got[broken].error and "\n" not in got[broken].error
     assert got["r2"].text.isdigit() and got["r2"].finish_reason == "stop"

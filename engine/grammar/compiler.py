@@ -99,7 +99,8 @@ class GrammarState:
         if not self.matcher.is_error():
             return None
         reason = self.matcher.get_error().split("\n", 1)[0]
-        return f"the structured output spec broke mid-reply: {_one_line(reason)} (simplify the spec)"
+        return (f"the structured output spec broke mid-reply: {_one_line(reason)} (the spec is over the grammar "
+                "engine's limits, or min_tokens, bad_words or allowed_token_ids ban every token it allows)")
 
 
 class GrammarCompiler:
