@@ -31,6 +31,7 @@ from prefixrun.engine.plan.planner import Plan, Task
 from prefixrun.engine.request import Completion, ModelProcessing, Request, Result, Usage
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet
+from prefixrun.engine.run.saved_states import SavedStates
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
 from prefixrun.engine.step.logits_processors import RowProcessing, needs_plain_steps
 from prefixrun.engine.step.sequence import Sequence
@@ -106,6 +107,7 @@ class WindowExecutor:
         self.opts, self.state, self.pool, self.runner = parts.options, parts.state, parts.pool, parts.runner
         self.ops, self.cache, self.speculator, self.stats = parts.ops, parts.cache, parts.speculator, parts.stats
         self.decoding_starts = parts.decoding
+        self.saved_states = SavedStates(self.pool, self.cache, self.state)  # memory, then disk
         o = self.opts
         self.sched = Scheduler(self.state, self.pool, requests, max_batch=o.max_batch,
                                max_prefill_tokens=o.max_prefill_tokens, max_context=parts.decoding.max_context,
@@ -234,24 +236,20 @@ class WindowExecutor:
         # (a state already at its end, e.g. a sample's, has nothing to look up; prompt logprobs: nothing stored before
         # this window, engine/run/prompt_logprobs.py)
         if self.opts.reuse and b < end and not self.prompt.wants(task):
-            found, source = None, ""
-            entry = self.pool.lookup(task.path, b, end)
-            if entry is not None and entry is not base and (entry.length < end or entry.logits is not None):
-                found, source = (self.pool.restore(entry), entry.logits if entry.length == end else None), "memory"
-            elif disk_ok and self.state.slots.free_count >= 2:
-                # sharing the base's whole K/V blocks: a restored state then shares them like a fork does
-                share = base.handle if base is not None else None
-                found, source = self.cache.lookup(list(task.path), b, end, self.state, share=share), "disk"
+            # sharing the base's whole K/V blocks: a state read from disk then shares them like a fork does
+            found = self.saved_states.longest(task.path, b, end, base=base if isinstance(base, CheckpointEntry)
+                                              else None, share=base.handle if base is not None else None,
+                                              disk_ok=disk_ok)
             if found is not None:
                 # the base was made (and its tokens charged) all the same: the chain goes on through its run, so
                 # its carrier still pays for what it computed and only [b, hit) counts as the hit's
                 base_run = base.origin if isinstance(base, Handoff) else \
                     self.saver.get(id(base), (None, None))[1] if isinstance(base, CheckpointEntry) else None
                 self._let_go(task, base)
-                handle, logits = found
-                self.trace.add("hit", task.id, start=b, end=handle.length, note=source)
-                return handle, logits, _Run(task, base_run, hit=handle.length, from_disk=source == "disk",
-                                            start=b if base_run is not None else 0)
+                handle = found.handle
+                self.trace.add("hit", task.id, start=b, end=handle.length, note=found.source)
+                return handle, found.logits, _Run(task, base_run, hit=handle.length, from_disk=found.source == "disk",
+                                                  start=b if base_run is not None else 0)
         if base is None:
             return self.state.new_sequence(), None, _Run(task, None)
         if isinstance(base, Handoff):
