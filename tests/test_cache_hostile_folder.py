@@ -464,3 +464,26 @@ def test_a_killed_resource_tracker_puts_no_traceback_on_stderr(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == b"done"
     assert b"Traceback" not in p.stderr and b"KeyError" not in p.stderr, p.stderr.decode()
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm", "-journal"])
+@pytest.mark.parametrize("plant", ["fifo", "hard link"])
+def test_a_fifo_or_hard_link_at_an_index_name_is_refused_never_a_hang(tmp_path, suffix, plant):
+    """SQLite opens what it finds at the index's names: a FIFO as the journal hung every run; a hard link's other
+    name (outside the folder) is written in place. Refused with one StoreError; --clear takes the name."""
+    root, precious = tmp_path / "cache", victim(tmp_path)
+    with CheckpointStore(root) as store:
+        assert put(store)
+    index_file = root / ("index.sqlite3" + suffix)
+    index_file.unlink(missing_ok=True)
+    if plant == "fifo":
+        os.mkfifo(index_file)
+    else:
+        os.link(precious, index_file)
+    with pytest.raises(StoreError, match="not a file of its own"):
+        CheckpointStore(root)
+    assert precious.read_text() == "keep me"
+    clear_folder(root)
+    assert precious.read_text() == "keep me"
+    with CheckpointStore(root) as store:
+        assert put(store)

@@ -62,6 +62,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -146,10 +147,17 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
                 raise StoreError(f"{self.root / name} is not a folder of its own ({_why(error, self.root / name)})"
                                  ) from error
         for suffix in INDEX_FILE_SUFFIXES:
-            if (self.root / (INDEX_FILE_NAME + suffix)).is_symlink():
-                # SQLite follows it: the index (or its journal) would be created and written wherever it leads, even
-                # outside the cache folder; `inspect-cache --clear` removes the link
-                raise StoreError(f"{self.root / (INDEX_FILE_NAME + suffix)} is a symbolic link")
+            # SQLite follows a link: the index (or its journal) would be created and written wherever it leads, even
+            # outside the cache folder; it opens a FIFO and waits on it (a hot-journal check hung the run); it writes
+            # a hard link's other name in place. `inspect-cache --clear` removes the name.
+            index_file = self.root / (INDEX_FILE_NAME + suffix)
+            st = self._files.lstat(index_file)
+            if st is not None and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
+                self._files.close()
+                raise StoreError(f"{index_file} is not a file of its own ("
+                                 + ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                                    "a hard link" if stat.S_ISREG(st.st_mode) else
+                                    "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO or device") + ")")
         try:
             self._files.make_folders(QUARANTINE_DIR_NAME)
         except OSError:
