@@ -15,7 +15,9 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 # Today's offenders, each with the engineer splitting it; an entry goes once its code fits (a fixed entry warns).
-MODULES_LEFT: dict[str, str] = {}
+MODULES_LEFT = {
+    "engine/cache/store.py": "cachesys",
+}
 FUNCTIONS_LEFT: dict[str, str] = {}
 
 
