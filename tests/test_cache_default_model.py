@@ -100,3 +100,34 @@ def test_batch_answers_of_a_tampered_default_model_equal_a_clean_run(tmp_path):
     clean = run(tmp_path / "clean")
     _edit_config(default_model_dir(tmp_path / "clean"))
     assert run(tmp_path / "clean") == clean
+
+
+def test_a_signing_key_inside_the_cache_folder_is_not_trusted(tmp_path):
+    """XDG_CONFIG_HOME below the cache folder puts the key where whoever writes the folder reads it: the run goes
+    on without the cache (one warning) and rebuilds the default model rather than trust its manifest."""
+    cache, prompts = tmp_path / "cache", tmp_path / "in.jsonl"
+    prompts.write_text('{"custom_id": "a", "prompt": "hello there", "max_tokens": 4}\n')
+    env = {**os.environ, "XDG_CONFIG_HOME": str(cache / "config")}
+    done = subprocess.run([sys.executable, "-m", "prefixrun.cli.app", "batch", str(prompts), "--cache-dir",
+                           str(cache)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "signing key" in done.stderr and "running without it" in done.stderr
+    assert "Traceback" not in done.stderr
+    _edit_config(default_model_dir(cache))
+    manifest = default_model_dir(cache).with_name(default_model_dir(cache).name + ".manifest")
+    forged = json.loads(manifest.read_text())
+    forged["files"] = contents(default_model_dir(cache))
+    import prefixrun.engine.cache.auth as auth
+    key = bytes.fromhex((cache / "config" / "prefixrun" / "cache.key").read_text().strip())
+    import hashlib as h
+    message = "\0".join(["default-model", default_model_dir(cache).name,
+                         json.dumps(forged["files"], sort_keys=True)]).encode()
+    forged["signature"] = h.blake2b(message, key=key, digest_size=auth._TAG_BYTES).hexdigest()
+    manifest.write_text(json.dumps(forged))  # signed with the key anyone writing the folder could read
+    again = subprocess.run([sys.executable, "-m", "prefixrun.cli.app", "batch", str(prompts), "--no-cache", "-q",
+                            "--cache-dir", str(cache)], capture_output=True, text=True, env=env, timeout=300)
+    clean = subprocess.run([sys.executable, "-m", "prefixrun.cli.app", "batch", str(prompts), "--no-cache", "-q",
+                            "--cache-dir", str(tmp_path / "clean")], capture_output=True, text=True,
+                           env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}, timeout=300)
+    assert [json.loads(x)["token_ids"] for x in again.stdout.splitlines()] == \
+        [json.loads(x)["token_ids"] for x in clean.stdout.splitlines()]

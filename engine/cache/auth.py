@@ -38,6 +38,12 @@ def key_path() -> Path:
     return base / "prefixrun" / KEY_FILE_NAME
 
 
+def key_inside(folder: Path) -> bool:
+    """Whether the key file lies below `folder` (the cache folder: then whoever writes there can read it)."""
+    key, root = os.path.realpath(key_path()), os.path.realpath(folder)
+    return key.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def _read_key(path: Path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:

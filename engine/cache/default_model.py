@@ -83,7 +83,8 @@ def ensure_default_model(cache_root: Path, name: str, build) -> Path:
         except OSError as error:
             raise ModelLoadError(f"{files.root / MODELS_DIR_NAME} is not a folder of its own ({error.strerror}): "
                                  f"the default model is not built there; remove it, or pass --model") from error
-        if _verified(files, name):
+        trusted_key = not auth.key_inside(files.root)  # a key in the cache folder signs nothing others cannot
+        if trusted_key and _verified(files, name):
             return files.root / MODELS_DIR_NAME / name
         if files.lstat(f"{MODELS_DIR_NAME}/{name}") is not None:
             log.warning("the default model's folder in the cache does not match its signed manifest: built again")
@@ -96,13 +97,14 @@ def ensure_default_model(cache_root: Path, name: str, build) -> Path:
         # the manifest first: a process that finds the folder in place finds it sound, never removes it
         files.write_atomic(f"{MODELS_DIR_NAME}/{name}.manifest",
                            json.dumps({"files": digests, "signature": _signature(name, digests)}).encode())
-        if files.lstat(f"{MODELS_DIR_NAME}/{name}") is not None and not _verified(files, name):
+        if files.lstat(f"{MODELS_DIR_NAME}/{name}") is not None and not (trusted_key and _verified(files, name)):
             _remove(files, name)
         try:
             files.replace(f"{MODELS_DIR_NAME}/{fresh.name}/model", f"{MODELS_DIR_NAME}/{name}")
+            moved = True
         except OSError:  # another process put its own there first: theirs is used if it is sound
-            pass
-        if _verified(files, name):
+            moved = False
+        if moved or (trusted_key and _verified(files, name)):
             shutil.rmtree(fresh, ignore_errors=True)
             return files.root / MODELS_DIR_NAME / name
         return fresh / "model"  # the folder in place changed under us: this run uses the one it built

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixrun.engine.cache import auth
 from prefixrun.engine.cache.costs import CacheCosts, CostModel, ReadCalibration, human_bytes, load_rates, \
     save_rates
 from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
@@ -48,7 +49,7 @@ from prefixrun.engine.cache.keys import layout_key, model_key  # noqa: F401 (the
 from prefixrun.engine.cache.kv_blocks import block_rows
 from prefixrun.engine.cache.read_ahead import ReadAhead, ReadAheadSlot
 from prefixrun.engine.cache.results import StoredCheckpoint
-from prefixrun.engine.cache.store import CheckpointStore, StoreKey
+from prefixrun.engine.cache.store import CheckpointStore, StoreError, StoreKey
 from prefixrun.engine.cache.write_policy import WritePolicy
 from prefixrun.engine.cache.writer import BackgroundWriter, HostCopy, max_pending_write_bytes
 from prefixrun.engine.run.background import BackgroundTask
@@ -105,6 +106,9 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
     store = None
     try:
         store = (opening or StoreOpening(root, budget_bytes)).join()
+        if auth.key_inside(root):
+            raise StoreError(f"its signing key {auth.key_path()} is inside it, where whoever writes the folder can "
+                             "read it; set XDG_CONFIG_HOME to a folder outside the cache")
         key = StoreKey(model_key(loaded.config, loaded.weights_digest(Path(root) / "digests"), loaded.ops),
                        layout_key(loaded.state_specs(), loaded.ops, block_size))
     except _STORE_FAILURES as error:
