@@ -160,7 +160,7 @@ def test_h200_costs_long_documents_pay_short_prefixes_and_prompt_ends_do_not():
     assert model.worth_writing(document, state_bytes(document))  # 0.74 s to recompute, ~0.14 s to read
     assert model.worth_reading(document, state_bytes(document))
     assert not model.worth_writing(question, state_bytes(document + question))  # 5.7 ms vs 138 ms
-    model.prefill_counters = Counters(18_432, 0.31)  # shared-system: ~60k tokens/s (session 7's runs)
+    model.prefill_counters = Counters(18_432, 0.31)  # shared-system: ~60k tokens/s on the H200
     assert not model.worth_writing(2048, state_bytes(2048))  # 34 ms to recompute vs 28 ms to read
     assert not model.worth_writing(256, state_bytes(2048 + 256))
     # read at the prior (before this folder was ever measured) the document is still worth it: 0.59 s < 0.74 s
@@ -170,7 +170,7 @@ def test_h200_costs_long_documents_pay_short_prefixes_and_prompt_ends_do_not():
 
 
 def test_a_write_a_later_run_reads_ahead_is_priced_at_the_read_ahead_rate_within_one_windows_room():
-    """Session 8's run 6: the long documents' cold run measured its folder's reads at a contended 2.08 GB/s (the
+    """The long documents' cold run measured its folder's reads at a contended 2.08 GB/s (the
     writer reading back what it wrote), which made a 16k-token document's 561 MiB a near-tie (0.28 s to read vs
     0.38 s to recompute, margin 0.7): two of four were not written. The next run read the other two ahead while its
     weights loaded, and their lookups took 0.06 s of its engine's thread for 1.18 GB. A read-ahead entry costs the

@@ -14,10 +14,8 @@ FOLDERS = ("cli", "engine", "kernels")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
-# Today's offenders, each with the engineer splitting it; an entry goes once its code fits (a fixed entry warns).
-MODULES_LEFT = {
-    "engine/cache/store.py": "cachesys",
-}
+# Modules and functions allowed over the limits while they are split (none today); a fixed entry warns.
+MODULES_LEFT: dict[str, str] = {}
 FUNCTIONS_LEFT: dict[str, str] = {}
 
 

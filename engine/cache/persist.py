@@ -12,14 +12,14 @@ the block size. Every tensor read back (state regions and logits) is checked aga
 dtypes, finite values) before anything is copied; an entry that fails is quarantined and counts as a miss.
 
 Cost (engine/cache/costs.py). A checkpoint on disk pays only when reading it back is cheaper than recomputing the
-tokens it adds. An offered state is written only where a later read is expected to take under half the time of
-recomputing the tokens it adds to the longest prefix already on disk (a prompt's end over a stored document adds
-its question, not the document); a stored entry is read only when loading it beats computing the tokens it adds
-to the best state already in memory. Rates: this run's prefill tokens/s and the folder's read bytes/s (reads
-only: the writer reads back what it wrote until enough reads were timed), each counted once it rests on enough
-work, else the rates earlier runs remembered in the folder, else a prior. On a CPU (hundreds of tokens/s) nearly
-everything pays; on a GPU (tens of thousands of tokens/s, ~100 MiB states) only long prefixes do. Every skipped
-write and declined read is counted by reason, with an example in figures (the report's cache costs).
+tokens it adds. An offered state is written only where a later read is expected to take under WRITE_MARGIN (0.7) of
+the time of recomputing the tokens it adds to the longest prefix already on disk (a prompt's end over a stored
+document adds its question, not the document); a stored entry is read only when loading it beats computing the
+tokens it adds to the best state already in memory. Rates: this run's prefill tokens/s and the folder's read bytes/s
+(reads only: the writer reads back what it wrote until enough reads were timed), each counted once it rests on
+enough work, else the rates earlier runs remembered in the folder, else a prior. On a CPU (hundreds of tokens/s)
+nearly everything pays; on a GPU (tens of thousands of tokens/s, ~100 MiB states) only long prefixes do. Every
+skipped write and declined read is counted by reason, with an example in figures (the report's cache costs).
 
 Writes run off the critical path: `offer` captures the state (on a device: a device-side copy, ordered after the
 work that computed it; the handle changes right after) and a bounded background thread copies it to the host and

@@ -88,7 +88,7 @@ from prefixrun.engine.cache.results import (  # noqa: F401
     CorruptEntry, EntryInfo, Evict, Get, Put, ReadAccount, StoredCheckpoint, StoreStats, SweepResult)
 from prefixrun.engine.cache.verify import (  # noqa: F401
     BFLOAT16, QUARANTINE_KEEP, STORAGE_DTYPE_BY_NAME, TOKENS_TENSOR_NAME, BadEntry, EntryUnreadable, EntryVerification,
-    entry_fields, entry_signed)
+    as_storage_arrays, entry_fields, entry_signed)
 
 log = logging.getLogger(__name__)
 
@@ -539,7 +539,7 @@ def _put_job(key, tokens, regions, meta, kv_regions, block_rows) -> _PutJob:
     token_array = as_token_array(tokens)
     if len(token_array) == 0:
         raise ValueError("a checkpoint needs a non-empty token prefix")
-    storage_arrays, dtype_names = _storage_arrays(regions)
+    storage_arrays, dtype_names = as_storage_arrays(regions)
     kv_names = list(kv_regions)
     for name in kv_names:
         if name not in storage_arrays or storage_arrays[name].ndim < 1 \
@@ -582,26 +582,3 @@ def _blob_tensors(job: _PutJob) -> dict[str, np.ndarray]:
     tensors = dict(job.own)
     tensors[TOKENS_TENSOR_NAME] = np.ascontiguousarray(job.tokens, dtype="<i4")
     return tensors
-
-
-def _storage_arrays(regions: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Regions -> (arrays as safetensors stores them: contiguous little-endian, bf16 as uint16; dtype names)."""
-    if not isinstance(regions, dict) or not regions:
-        raise ValueError("regions must be a non-empty dict of name -> numpy array")
-    storage: dict[str, np.ndarray] = {}
-    dtype_names: dict[str, str] = {}
-    for name, array in regions.items():
-        if not isinstance(name, str) or not name or name == TOKENS_TENSOR_NAME:
-            raise ValueError(f"region names must be non-empty strings other than {TOKENS_TENSOR_NAME!r}, got {name!r}")
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"region {name!r} must be a numpy array, got {type(array).__name__}")
-        dtype_name = "bfloat16" if array.dtype == BFLOAT16 else array.dtype.name
-        if dtype_name not in STORAGE_DTYPE_BY_NAME:
-            raise ValueError(f"region {name!r} has dtype {array.dtype}; the store takes {sorted(STORAGE_DTYPE_BY_NAME)}")
-        # np.ascontiguousarray would turn a 0-d array into 1-d; np.require keeps the shape.
-        stored = np.require(array, requirements="C")
-        if dtype_name == "bfloat16":
-            stored = stored.view(np.uint16)
-        storage[name] = stored.astype(stored.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
-        dtype_names[name] = dtype_name
-    return storage, dtype_names

@@ -302,3 +302,26 @@ class EntryVerification:
             self._files.unlink(blob.with_name(blob.name + ".reason"))
         self._overhead_bytes = max(self._overhead_bytes, 0)
         return kept
+
+
+def as_storage_arrays(regions: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Regions -> (arrays as safetensors stores them: contiguous little-endian, bf16 as uint16; dtype names)."""
+    if not isinstance(regions, dict) or not regions:
+        raise ValueError("regions must be a non-empty dict of name -> numpy array")
+    storage: dict[str, np.ndarray] = {}
+    dtype_names: dict[str, str] = {}
+    for name, array in regions.items():
+        if not isinstance(name, str) or not name or name == TOKENS_TENSOR_NAME:
+            raise ValueError(f"region names must be non-empty strings other than {TOKENS_TENSOR_NAME!r}, got {name!r}")
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"region {name!r} must be a numpy array, got {type(array).__name__}")
+        dtype_name = "bfloat16" if array.dtype == BFLOAT16 else array.dtype.name
+        if dtype_name not in STORAGE_DTYPE_BY_NAME:
+            raise ValueError(f"region {name!r} has dtype {array.dtype}; the store takes {sorted(STORAGE_DTYPE_BY_NAME)}")
+        # np.ascontiguousarray would turn a 0-d array into 1-d; np.require keeps the shape.
+        stored = np.require(array, requirements="C")
+        if dtype_name == "bfloat16":
+            stored = stored.view(np.uint16)
+        storage[name] = stored.astype(stored.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
+        dtype_names[name] = dtype_name
+    return storage, dtype_names
