@@ -172,6 +172,11 @@ class Replies:
 
     def check(self, parsed: ParsedRequest) -> None:
         """InvalidRequest if the request's reply cannot be made as asked with this model."""
+        if parsed.reply.echo and parsed.messages is None and parsed.sampling.logprobs is not None:
+            # OpenAI and vLLM list the echoed prompt's tokens in a completion's logprobs too; these records hold the
+            # generated tokens' only, so the combination is refused rather than answered in half
+            raise InvalidRequest("echo with logprobs on a completion: the prompt's token logprobs are not listed "
+                                 "in the completion's logprobs; ask for prompt_logprobs beside logprobs instead")
         if parsed.reply.tool_choice.mode == "auto" and self.tool_call_parser == "none":
             raise InvalidRequest(
                 "tools with tool_choice \"auto\" (the default with tools): no tool-call parser reads this model's "

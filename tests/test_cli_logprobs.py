@@ -69,6 +69,7 @@ def test_logprobs_in_every_output_shape(model, tmp_path):
     ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "logprobs": True, "top_logprobs": 21}}, "logprobs"),
     ({"prompt": "a", "logit_bias": {"999999": 5}}, "outside the model's vocabulary"),
     ({"prompt": "a", "allowed_token_ids": [10 ** 9]}, "outside the model's vocabulary"),
+    ({"url": "/v1/completions", "body": {"prompt": "a", "echo": True, "logprobs": 2}}, "echo with logprobs"),
 ])
 def test_bad_logprobs_and_token_fields_are_error_records(model, tmp_path, line, message):
     code, recs = run(model, tmp_path, [line, {"prompt": "ok", "max_tokens": 2}])
