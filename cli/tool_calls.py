@@ -10,6 +10,11 @@ Parsers (`--tool-call-parser`, default `auto`: chosen by what the model's chat t
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): every JSON object of the text (an optional `<|python_tag|>` before it)
   with `name` and `arguments` or `parameters` is a call, and with one the content is null; braces of prose and
   objects without those keys are passed over; with no call the whole text is content.
+- `pythonic` (LFM2, Llama 4): a Python list of calls with keyword arguments, `[get_weather(city="Paris"),
+  get_time(zone="CET")]`, inside `<|tool_call_start|>` ... `<|tool_call_end|>` (LFM2; a block cut by max_tokens
+  counts) or as the whole reply. Argument values are Python literals (strings, numbers, True / False / None, lists,
+  dicts), read without evaluating anything. A block that is not such a list makes the whole text content and no
+  call, as vLLM's pythonic parser does.
 - `qwen3_coder` (Qwen3.5, Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
   </tool_call>`; a value is converted by the type of its parameter in the request's tool schema (string as it is;
   integer, number, boolean, null, object and array parsed as JSON, else left a string).
@@ -21,6 +26,7 @@ arguments). The last two need the structured-output engine (engine/grammar/spec.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -189,13 +195,65 @@ def _coder_value(raw: str, kind: tuple[str, bool] | None) -> Any:
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 
 
-PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "qwen3_coder": parse_qwen3_coder}
+_PYTHONIC_START, _PYTHONIC_END = "<|tool_call_start|>", "<|tool_call_end|>"
+_PYTHONIC_BLOCK = re.compile(re.escape(_PYTHONIC_START) + r"(.*?)(?:" + re.escape(_PYTHONIC_END) + r"|$)", re.DOTALL)
+
+
+def parse_pythonic(text: str, tools: list[dict]) -> Extracted:
+    if _PYTHONIC_START in text:
+        blocks = _PYTHONIC_BLOCK.findall(text)
+        content = text[:text.find(_PYTHONIC_START)]
+    elif text.strip().startswith("[") and text.strip().endswith("]"):
+        blocks, content = [text], ""  # the tags were special tokens the decoder dropped
+    else:
+        return Extracted((), text)
+    calls = []
+    for block in blocks:
+        found = _python_calls(block.strip())
+        if found is None:
+            return Extracted((), text)
+        calls.extend(found)
+    return Extracted(tuple(calls), content or None) if calls else Extracted((), text)
+
+
+def _python_calls(source: str) -> list[ToolCall] | None:
+    """`[f(a=1), g(b="x")]` (or one call without the list) as calls; None for anything else."""
+    try:
+        node = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    calls = []
+    for item in node.elts if isinstance(node, ast.List) else [node]:
+        name = _dotted_name(item.func) if isinstance(item, ast.Call) else None
+        if name is None or item.args or any(keyword.arg is None for keyword in item.keywords):
+            return None  # positional or ** arguments have no parameter names to report
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in item.keywords}
+            calls.append(ToolCall(name, _arguments_text(arguments)))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None  # not a literal (a name, an expression), or not JSON (a set, bytes, a complex number)
+    return calls
+
+
+def _dotted_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        owner = _dotted_name(node.value)
+        return None if owner is None else f"{owner}.{node.attr}"
+    return None
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "qwen3_coder": parse_qwen3_coder,
+           "pythonic": parse_pythonic}
 
 
 def parser_for_template(template: str) -> str:
     """The parser a chat template's tool-call format needs ("none" when it describes no format we read)."""
     if "<function=" in template:
         return "qwen3_coder"
+    if "<|tool_list_start|>" in template or _PYTHONIC_START in template:
+        return "pythonic"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:

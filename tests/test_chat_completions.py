@@ -621,3 +621,24 @@ def test_a_reply_nested_beyond_the_json_reader_is_content():
                 shaper = ReplyShaper("x", ReplyOptions(tool_choice=choice), tools=(WEATHER,), parse_tools=parse_tools)
                 message, _ = shaper.message(text, "length")
                 assert "tool_calls" not in message or message["tool_calls"]
+
+
+def test_pythonic_tool_calls_of_lfm2():
+    from prefixrun.cli.tool_calls import parse_pythonic, parser_for_template
+
+    assert parser_for_template("List of tools: <|tool_list_start|>{{ tools }}<|tool_list_end|>") == "pythonic"
+    text = 'Checking.<|tool_call_start|>[get_weather(city="Paris", days=3), clock.now(zone=None)]<|tool_call_end|>'
+    found = parse_pythonic(text, [WEATHER])
+    assert found.content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in found.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("clock.now", {"zone": None})]
+    # the tags decoded away (special tokens skipped), a block cut by max_tokens, nested literals
+    assert [c.name for c in parse_pythonic(' [get_weather(city="Lyon")] ', [WEATHER]).calls] == ["get_weather"]
+    cut = parse_pythonic('<|tool_call_start|>[get_weather(city="Lyon", opts={"a": [1, True]})]', [WEATHER])
+    assert json.loads(cut.calls[0].arguments) == {"city": "Lyon", "opts": {"a": [1, True]}} and cut.content is None
+    # anything that is not a list of literal keyword calls is content, and nothing is evaluated
+    for text in ("Sunny.", "[1, 2]", '[get_weather("Paris")]', "[get_weather(city=__import__('os').getcwd())]",
+                 "[get_weather(**kw)]", "[get_weather(c={1, 2})]", "[get_weather(b=b'x')]", "[" * 500 + "]" * 500,
+                 '<|tool_call_start|>[get_weather(city="Paris"]<|tool_call_end|>', "[f(x=1e999)]"):
+        assert parse_pythonic(text, [WEATHER]).calls == (), text
+        assert parse_pythonic(text, [WEATHER]).content == text

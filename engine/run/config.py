@@ -34,7 +34,7 @@ from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
 from prefixrun.engine.sizes import parse_size
 
 SPECULATIVE_MODES = ("auto", "off", "ngram", "mtp")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "none")  # cli/tool_calls.py's parsers
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "pythonic", "none")  # cli/tool_calls.py's parsers
 REASONING_PARSERS = ("auto", "qwen3", "none")  # cli/reasoning.py's parsers
 DEFAULT_DRAFT_TOKENS = 5
 MAX_DRAFT_TOKENS = 64
