@@ -35,7 +35,7 @@ from prefixrun.kernels.cuda_fp8 import dequantize_into
 from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.cuda_graph import CudaGraph
 from prefixrun.kernels.cuda_mixing import SequenceMixingOps
-from prefixrun.kernels.cuda_modules import PREPARED_FILES, kernel
+from prefixrun.kernels.cuda_modules import CONV_WIDTHS, PREPARED_FILES, kernel
 from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.step_io import StepCopies
 from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_many
@@ -72,6 +72,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
         # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
         self.tuning = tuning or CudaTuning()
         self.auto_speculation = self.tuning.speculative_auto  # the Ops query (kernels/ops.py)
+        self.max_conv_width = max(CONV_WIDTHS)  # kernels/conv.cu is compiled for these widths
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._device_id = cupy.cuda.Device().id  # for calls from other threads (upload_ahead)
         self._preparing: threading.Thread | None = None  # prepare_kernels' loader

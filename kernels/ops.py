@@ -38,6 +38,7 @@ class Ops(Protocol):
     can_capture_graphs: bool  # True: `capture` records launches and replays them without Python (worth using)
     default_block_size: int  # K/V rows per paged block that this backend runs best with
     auto_speculation: bool  # --speculative auto may draft here (the backend's multi-row steps have been checked)
+    max_conv_width: int | None  # the widest causal convolution (kernel width) `causal_conv1d` runs; None: any
 
     def free_memory(self) -> int | None:
         """Bytes of device memory still available for state pools; None when state lives in host memory that the

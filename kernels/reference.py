@@ -26,6 +26,7 @@ class NumpyOps(MoeReferenceOps):
     can_capture_graphs = False
     default_block_size = 16  # small blocks: more sharing granularity, and host copies are cheap
     auto_speculation = True  # the reference's multi-row steps are what the speculative tests check
+    max_conv_width = None  # any width: the reference loops over the kernel
 
     def __init__(self, dtype: str = "float32"):
         if dtype != "float32":

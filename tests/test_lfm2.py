@@ -369,3 +369,18 @@ def test_on_the_gpu(lfm2_dir, lfm2, cpu_ops, dtype):
                  EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
         on, _ = _run(model, ops, prompts, opts)
         assert on == cpu, opts
+
+
+def test_a_convolution_wider_than_the_backend_runs_is_refused_at_load(tmp_path, cpu_ops):
+    """A backend whose kernels stop at a width (CUDA: 8) refuses a wider conv_L_cache at load, naming the field,
+    instead of failing at the first step; the reference runs any width."""
+    import copy
+
+    narrow = copy.copy(cpu_ops)
+    narrow.max_conv_width = 4
+    wide = make_model_dir(tmp_path / "wide", {**TINY_LFM2, "conv_L_cache": 5}, seed=7, init_std=PARITY_STD)
+    with pytest.raises(ModelLoadError, match="conv_L_cache gives a convolution 5 wide.*up to 4"):
+        load_model(wide, narrow)
+    assert load_model(wide, cpu_ops)[0] is not None
+    fits = make_model_dir(tmp_path / "fits", {**TINY_LFM2, "conv_L_cache": 4}, seed=7, init_std=PARITY_STD)
+    assert load_model(fits, narrow)[0] is not None

@@ -42,6 +42,16 @@ class WeightLoader:
         (engine/load/quantization.py), which the backend dequantises as it uploads them."""
         return self.tensors.stored(self.stored_name(name), shape)
 
+    def conv_weight(self, name: str, channels: int, width: int, field: str):
+        """A depthwise causal convolution's weight [channels, 1, width] as fp32 [channels, width], refused at load
+        (naming the config field that sets `width`) when the backend's kernels do not run that width."""
+        limit = self.ops.max_conv_width
+        if limit is not None and width > limit:
+            raise ModelLoadError(f"config.json: {field} gives a convolution {width} wide; the {self.ops.display_name} "
+                                 f"kernels run widths up to {limit} (--device cpu runs any)")
+        conv = self.host(name, (channels, 1, width))
+        return self.ops.upload(conv.reshape(channels, width).astype(np.float32), np.float32)
+
     def matrix(self, name: str, shape: tuple[int, ...]):
         """A weight in the backend's storage dtype."""
         return self.ops.upload_rows([self.part(name, shape)])
@@ -231,8 +241,8 @@ class GatedDeltaNet:
         self.in_proj = load.stacked(
             [prefix + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")],
             [(self.conv_dim, d), (self.value_dim, d), (self.hv, d), (self.hv, d)])
-        conv = load.host(prefix + "conv1d.weight", (self.conv_dim, 1, self.kernel))
-        self.conv_weight = load.ops.upload(conv.reshape(self.conv_dim, self.kernel).astype(np.float32), np.float32)
+        self.conv_weight = load.conv_weight(prefix + "conv1d.weight", self.conv_dim, self.kernel,
+                                            "linear_conv_kernel_dim")
         self.a_log = load.vector(prefix + "A_log", (self.hv,))
         self.dt_bias = load.vector(prefix + "dt_bias", (self.hv,))
         self.norm_weight = load.vector(prefix + "norm.weight", (self.dv,))

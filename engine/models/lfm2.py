@@ -8,7 +8,6 @@ conv history, snapshotted per row of a speculative step).
 """
 from __future__ import annotations
 
-import numpy as np
 
 from prefixrun.engine.load.config import SHORT_CONV, ShortConvConfig
 from prefixrun.engine.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm, WeightLoader
@@ -22,8 +21,7 @@ class ShortConv:
         d, k = cfg.hidden_size, cfg.conv_kernel
         self.d, self.kernel = d, k
         self.in_proj = load.matrix(prefix + "in_proj.weight", (3 * d, d))
-        conv = load.host(prefix + "conv.weight", (d, 1, k))
-        self.conv_weight = load.ops.upload(conv.reshape(d, k).astype(np.float32), np.float32)
+        self.conv_weight = load.conv_weight(prefix + "conv.weight", d, k, "conv_L_cache")
         self.out_proj = load.matrix(prefix + "out_proj.weight", (d, d))
         self.in_bias = self.conv_bias = self.out_bias = None
         if cfg.conv_bias:
