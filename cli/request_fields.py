@@ -116,7 +116,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
     _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence or a stop token may end the output"),
     _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),
-    _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output"),
+    _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output (an id outside the vocabulary: an error, as "
+       "for every token id a request names)"),
     _F("ignore_eos", HONOURED, BOTH, "keep generating after the end-of-sequence token"),
     _F("include_stop_str_in_output", HONOURED, BOTH, "keep the matched stop string in the text"),
     _F("truncate_prompt_tokens", HONOURED, BOTH, "keep only the last N prompt tokens (-1: as many as the context "

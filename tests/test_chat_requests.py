@@ -18,7 +18,7 @@ from prefixrun.cli.app import app
 from prefixrun.cli.lines import LineError, ParsedRequest, RawLine, make_error, parse_line
 from prefixrun.cli.records import format_error
 from prefixrun.engine.load.prompts import ChatPrompt, PromptEncoder, TextPrompt, TokenPrompt
-from prefixrun.engine.request import InvalidRequest, Request, Result, SamplingDefaults, Usage
+from prefixrun.engine.request import InvalidRequest, Request, Result, SamplingDefaults, SamplingParams, Usage
 from prefixrun.engine.load.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,6 +217,28 @@ def test_vocabulary_and_context_checks(qwen3_tokenizer):
         encoder.encode(TokenPrompt(tuple(range(8))))
     with pytest.raises(InvalidRequest, match="empty after tokenization"):
         PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=BIG).encode(TextPrompt(""))
+
+
+@pytest.mark.parametrize("name, outside, inside", [
+    ("stop_token_ids", (3, 512), (3, 511)),
+    ("logit_bias", ((512, 1.0),), ((511, 1.0),)),
+    ("allowed_token_ids", (1, 512), (1, 511)),
+])
+def test_every_token_id_a_request_names_is_checked_against_the_vocabulary(qwen3_tokenizer, name, outside, inside):
+    """An id past the vocabulary would index past the logits (a min_tokens ban of a stop id) or never match: an
+    error naming the field, the id and the vocabulary's size, not a silent acceptance."""
+    encoder = PromptEncoder(qwen3_tokenizer, vocab_size=512, context_tokens=64)
+    with pytest.raises(InvalidRequest, match=f"^{name} names token id 512, outside the model's vocabulary of 512$"):
+        encoder.request("a", 0, TokenPrompt((1, 2)), SamplingParams(**{name: outside}))
+    assert getattr(encoder.request("a", 0, TokenPrompt((1, 2)), SamplingParams(**{name: inside})).sampling,
+                   name) == inside  # the last id is in
+
+
+def test_bad_words_past_the_vocabulary_name_its_size(qwen3_tokenizer):
+    encoder = PromptEncoder(qwen3_tokenizer, vocab_size=100, context_tokens=64)
+    with pytest.raises(InvalidRequest, match="bad_words tokenize to token id [0-9]+, outside the model's vocabulary "
+                                             "of 100$"):
+        encoder.request("a", 0, TokenPrompt((1, 2)), SamplingParams(bad_words=("zebra crossing",)))
 
 
 def test_text_far_beyond_the_context_is_refused_without_tokenizing(qwen3_tokenizer, monkeypatch):

@@ -69,6 +69,10 @@ def test_logprobs_in_every_output_shape(model, tmp_path):
     ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "logprobs": True, "top_logprobs": 21}}, "logprobs"),
     ({"prompt": "a", "logit_bias": {"999999": 5}}, "outside the model's vocabulary"),
     ({"prompt": "a", "allowed_token_ids": [10 ** 9]}, "outside the model's vocabulary"),
+    ({"prompt": "a", "stop_token_ids": [2, 512]}, "stop_token_ids names token id 512, outside the model's "
+                                                  "vocabulary of 512"),
+    ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "stop_token_ids": [10 ** 12]}},
+     f"stop_token_ids names token id {10 ** 12}, outside"),
     ({"url": "/v1/completions", "body": {"prompt": "a", "echo": True, "logprobs": 2}}, "echo with logprobs"),
 ])
 def test_bad_logprobs_and_token_fields_are_error_records(model, tmp_path, line, message):

@@ -139,9 +139,11 @@ class PromptEncoder:
         return Request(custom_id, ids, sampling, index, bad_words_token_ids=self.bad_words_ids(sampling.bad_words))
 
     def _check_token_fields(self, sampling: SamplingParams) -> None:
-        """The token ids of logit_bias and allowed_token_ids must be in the model's vocabulary (as vLLM checks)."""
+        """The token ids a request names (logit_bias keys, allowed_token_ids, stop_token_ids) must be in the model's
+        vocabulary, as vLLM checks the first two: an id past it would index past the logits, or never match."""
         for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
-                          ("allowed_token_ids", sampling.allowed_token_ids or ())):
+                          ("allowed_token_ids", sampling.allowed_token_ids or ()),
+                          ("stop_token_ids", sampling.stop_token_ids)):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
                 raise InvalidRequest(f"{name} names token id {outside[0]}, outside the model's vocabulary of "
@@ -161,7 +163,8 @@ class PromptEncoder:
                 out.append(spaced)
         outside = [t for w in out for t in w if t >= self.vocab_size]
         if outside:
-            raise InvalidRequest(f"bad_words tokenize to token id {outside[0]}, outside the model's vocabulary")
+            raise InvalidRequest(f"bad_words tokenize to token id {outside[0]}, outside the model's vocabulary of "
+                                 f"{self.vocab_size}")
         return tuple(out)
 
     def encode(self, prompt: Prompt) -> list[int]:
