@@ -42,7 +42,7 @@ r, c = f["batch_report"], f["batch_report"].get("cache") or {}
 hf = f"{f['transformers_wall_seconds']:.2f} s ({f['speedup_vs_transformers']}×)" if "transformers_wall_seconds" in f else ""
 mib = lambda b: f"{b / 2**20:,.1f}" if isinstance(b, (int, float)) else ""
 print(f"| {label} | {f['process_wall_seconds']:.2f} | {f['load_seconds']:.2f} | **{f['wall_seconds']:.2f}** "
-      f"| {f['prefill_seconds']:.2f} | {f['decode_seconds']:.2f} | {f['decode_step_ms']:.2f} "
+      f"| {f['prefill_seconds']:.2f} | {f['decode_seconds']:.2f} | {f['decode_step_ms']:.2f} ({f.get('decode_roofline_step_ms') or 0:.2f}) "
       f"| {f['computed_prompt_tokens']:,} | {f['reused_from_disk_tokens']:,} | {mib(c.get('written_bytes'))} "
       f"| {f['max_batch']} | {hf} |")
 PY
@@ -77,7 +77,7 @@ flush_costs() {  # the section's cache table, after its main table
 }
 header() {
   { echo; echo "### $1"; echo
-    echo "| mode | process wall s | load s | engine wall s | prefill s | decode s | decode step ms | computed tokens | from disk | MiB written | max batch | transformers |"
+    echo "| mode | process wall s | load s | engine wall s | prefill s | decode s | decode step ms (roofline, cli/roofline.py) | computed tokens | from disk | MiB written | max batch | transformers |"
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|"; } | tee -a "$OUT/table.md"
 }
 bench() {  # name, workload, flags...: one process

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixrun.engine.state.pools import pool_unit_bytes
+from prefixrun.cli.roofline import decode_roofline, model_bytes
 
 GEMM_CEILING_TFLOPS = 786.0
-HBM_BYTES_PER_S = 4.27e12
 _IMPORTED_AT = time.time()  # fallback start of the process where /proc is missing
 
 
@@ -57,10 +56,8 @@ def figures(run, report: dict, workload: Path, open_seconds: float) -> dict:
     prefill_s = report["prefill_seconds"] or 1e-9
     decode_s = report["decode_seconds"]
     decode_steps = max(report["decode_steps"], 1)
-    act_bytes = ops.storage_dtype("act").itemsize
-    weight_bytes = params * act_bytes + model.lm_head.size * act_bytes
     max_batch = engine.opts.max_batch
-    step_bytes = weight_bytes + 2 * max_batch * pool_unit_bytes(model.state_specs(), ops, 1)[0]  # state read + write
+    roofline = _roofline(model, ops, workload, report)
     defaults = run.defaults.as_dict()
     return {
         "workload": str(workload), "model": str(run.loaded.path), "device": ops.display_name, "dtype": ops.dtype_name,
@@ -79,13 +76,32 @@ def figures(run, report: dict, workload: Path, open_seconds: float) -> dict:
         "prefill_fraction_of_gemm_ceiling": round(flops / prefill_s / 1e12 / GEMM_CEILING_TFLOPS, 3),
         "decode_seconds": round(decode_s, 4), "decode_steps": report["decode_steps"],
         "decode_step_ms": round(1e3 * decode_s / decode_steps, 3),
-        "decode_roofline_step_ms": round(1e3 * step_bytes / HBM_BYTES_PER_S, 3),
+        # cli/roofline.py: the bytes the phase must move at the device's copy rate
+        "decode_roofline": roofline.as_dict() if roofline else None,
+        "decode_roofline_step_ms": round(roofline.step_ms, 3) if roofline else None,
         "decode_graphs": {"enabled": engine.decoder.enabled, "captures": engine.decoder.captures,
                           "replays": engine.decoder.replays},
-        "decode_fraction_of_roofline": round((step_bytes / HBM_BYTES_PER_S) / (decode_s / decode_steps), 3)
-        if decode_s else None,
+        "decode_fraction_of_roofline": round(roofline.seconds / decode_s, 3) if decode_s and roofline else None,
         "batch_report": report,
     }
+
+
+def _roofline(model, ops, workload: Path, report: dict):
+    """The decode phase's roofline (cli/roofline.py) when every line gives its prompt as token ids; each line's
+    completion is its max_tokens when the run generated exactly their sum (--ignore-eos), else the report's
+    completion tokens shared evenly."""
+    try:
+        lines = [json.loads(l) for l in workload.read_text().splitlines() if l.strip()]
+        prompts = [len(line["prompt_token_ids"]) for line in lines]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    total = report["completion_tokens"]
+    asked = [line.get("max_tokens") for line in lines]
+    if all(isinstance(a, int) for a in asked) and sum(asked) == total:
+        completions = asked
+    else:
+        completions = [total // len(lines) + (i < total % len(lines)) for i in range(len(lines))] if lines else []
+    return decode_roofline(model_bytes(model, ops), prompts, completions, report["decode_steps"])
 
 
 def transformers_setup(run, workload: Path) -> dict:

@@ -886,6 +886,10 @@ def test_bench_is_batch_with_figures(models, tmp_path):
     assert figures["prompt_tokens"] == rep["prompt_tokens"] == prompt_tokens and figures["completion_tokens"] == 12
     assert figures["computed_prompt_tokens"] == figures["distinct_prefix_tokens"] == prompt_tokens - 3 * 40
     assert figures["decode_steps"] == 2 and figures["decode_graphs"]["enabled"] is False  # no graphs on the CPU
+    # the roofline (cli/roofline.py): 4 requests x 2 decode steps at their own contexts
+    assert figures["decode_roofline"]["steps"] == 2 and figures["decode_roofline"]["mean_batch"] == 4.0
+    assert figures["decode_roofline"]["weight_bytes"] > 0 and figures["decode_roofline"]["sequence_bytes"] > 0
+    assert figures["decode_fraction_of_roofline"] is not None
     assert figures["wall_seconds"] == rep["wall_seconds"] > 0 and figures["prefill_tflops"] >= 0
     assert figures["process_wall_seconds"] >= figures["open_seconds"] + figures["wall_seconds"] > 0
     assert 0 < figures["load_seconds"] <= figures["open_seconds"] and figures["max_batch"] == rep["max_batch"]
