@@ -5,7 +5,7 @@ sequences, sequence i at context c_i (its tokens so far), must read and write at
 
     W_dense + W_experts(b) + W_head + sum_i [ 2 S + sum_rings (min(c_i, w) + 1) r_ring + (c_i + 1) r_kv ]
 
-bytes, and the roofline time is that over the device's copy rate (4.27 TB/s on the H200, measured):
+bytes, and the roofline time is that over the device's copy rate (HBM_BYTES_PER_S; docs/PERFORMANCE.md):
 
 - W_dense: every weight a token multiplies with, except routed experts (the embedding table is not counted: a step
   reads b of its rows);
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HBM_BYTES_PER_S = 4.27e12  # device copy rate of the benchmark GPU (one H200), measured
+HBM_BYTES_PER_S = 4.27e12  # the benchmark GPU's measured device-to-device copy rate (docs/PERFORMANCE.md)
 
 
 @dataclass(frozen=True)
