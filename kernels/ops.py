@@ -243,7 +243,8 @@ class Ops(Protocol):
     def sample_into(self, logits, params, out) -> Array:
         """`sample` with its parameters packed in a backend uint32 [8, B] array (sampling.pack_sampling_params;
         or int32 with the same bits) into a preallocated int64 [B] `out`: allocates and syncs nothing, so a graph
-        can capture it."""
+        can capture it. Rows marked SKIP_DRAW (sampling.with_skipped_rows) are not drawn: their `out` entries keep
+        what they held."""
 
     def process_logits(self, logits, edits) -> Array:
         """The logits-processing stage's edits (kernels/logits_edits.py: semantics, order and layout) applied in

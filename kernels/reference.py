@@ -13,7 +13,7 @@ from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.host_memory import keep_freed_memory
 from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels import logits_edits
-from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, unpack_sampling_params
+from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, skipped_rows, unpack_sampling_params
 
 
 class NumpyOps(MoeReferenceOps):
@@ -434,8 +434,12 @@ class NumpyOps(MoeReferenceOps):
 
     def sample_into(self, logits, params, out):
         """`sample` with the parameters packed as uint32 [8, B] (kernels/sampling.py pack_sampling_params) or
-        int32 holding the same bits."""
-        out[:] = self.sample(logits, *unpack_sampling_params(self.to_host(params)))
+        int32 holding the same bits; rows marked SKIP_DRAW are not drawn (their `out` entries are kept)."""
+        packed = self.to_host(params)
+        rows = np.flatnonzero(~skipped_rows(packed))
+        if rows.size:
+            drawn = [a[rows] for a in unpack_sampling_params(packed)]
+            out[rows] = self.sample(np.asarray(logits)[rows], *drawn)
         return out
 
 

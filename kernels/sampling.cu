@@ -26,17 +26,20 @@
 typedef unsigned long long u64;
 
 // Row b's parameters, packed by kernels/sampling.py `pack_sampling_params` as uint32 [8, B]: temperature bits,
-// top_k (<= 0: off), top_p bits, min_p bits, seed low/high words, counter low/high words.
+// top_k (<= 0: off; its top bit is SKIP_DRAW: the row is not drawn), top_p bits, min_p bits, seed low/high words,
+// counter low/high words.
 struct SampleParams {
     float temperature, top_p, min_p;
     int top_k;
+    bool skip;
     u64 seed, counter;
 };
 
 __device__ __forceinline__ SampleParams load_params(const unsigned* __restrict__ p, int rows, int r) {
     SampleParams s;
     s.temperature = __uint_as_float(p[r]);
-    s.top_k = (int)p[rows + r];
+    s.top_k = (int)(p[rows + r] & 0x7fffffffu);
+    s.skip = (p[rows + r] >> 31) != 0u;
     s.top_p = __uint_as_float(p[2 * rows + r]);
     s.min_p = __uint_as_float(p[3 * rows + r]);
     s.seed = (u64)p[4 * rows + r] | ((u64)p[5 * rows + r] << 32);
@@ -336,17 +339,19 @@ __device__ int sample_global(RowFilter f, float top_p, double u, SampleShared& s
     return lastp1 ? (int)lastp1 - 1 : 0;
 }
 
-// out[r] = the token sampled for row r of logits [rows, cols] (row stride in floats); params as load_params.
+// out[r] = the token sampled for row r of logits [rows, cols] (row stride in floats); params as load_params
+// (a SKIP_DRAW row: out[r] untouched).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stride,
               const unsigned* __restrict__ params, i64* __restrict__ out) {
     __shared__ SampleShared sh;
     const int r = blockIdx.x;
+    const SampleParams p = load_params(params, rows, r);
+    if (p.skip) return;  // drawn by another launch: out[r] keeps its token (the whole block leaves at once)
     RowFilter f;
     f.row = logits + (i64)r * row_stride;
     f.cols = cols;
     f.vec = (reinterpret_cast<unsigned long long>(f.row) & 15) == 0;
-    const SampleParams p = load_params(params, rows, r);
 
     // 1. argmax: larger key wins, then the lower id (key = order_key << 32 | ~id)
     u64 best = 0;

@@ -113,10 +113,17 @@ def filtered_probabilities(logits: np.ndarray, temperature: float, top_k: int, t
     return p / p.sum()
 
 
-def pack_sampling_params(temperature, top_k, top_p, min_p, seeds, counters) -> np.ndarray:
+# A flag in a row's top_k word (kernels/sampling.cu `load_params` reads it): the row is not drawn, its entry of the
+# output keeps what it held. A constrained decode step draws its structured-output rows once, after their masks
+# (engine/step/logits_processors.py), and its other rows once, inside the replayed graph.
+SKIP_DRAW = 1 << 31
+
+
+def pack_sampling_params(temperature, top_k, top_p, min_p, seeds, counters, skip=None) -> np.ndarray:
     """Per-row sampling parameters as one uint32 [8, B] array (one host-to-device copy; the layout
     kernels/sampling.cu `load_params` reads): temperature, top_k, top_p, min_p bits, then the seed's and the
-    counter's low and high words. top_k is clamped to int32 (anything >= the vocabulary means off)."""
+    counter's low and high words. top_k is clamped to int32 (anything >= the vocabulary means off); `skip` (bool
+    [B], None: none) sets SKIP_DRAW in the rows that are not to be drawn."""
     b = np.asarray(temperature).reshape(-1).shape[0]
     out = np.empty((8, b), np.uint32)
     out[0] = np.asarray(temperature, np.float32).reshape(-1).view(np.uint32)
@@ -127,14 +134,29 @@ def pack_sampling_params(temperature, top_k, top_p, min_p, seeds, counters) -> n
     counters = np.asarray(counters).reshape(-1).astype(np.uint64)
     out[4], out[5] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32), (seeds >> np.uint64(32)).astype(np.uint32)
     out[6], out[7] = (counters & np.uint64(0xFFFFFFFF)).astype(np.uint32), (counters >> np.uint64(32)).astype(np.uint32)
+    return out if skip is None else with_skipped_rows(out, skip)
+
+
+def with_skipped_rows(packed: np.ndarray, skip) -> np.ndarray:
+    """A copy of packed parameters (uint32 [8, B]) whose rows `skip` (bool [B]) are marked SKIP_DRAW and the others
+    not: the same draw for every row that is drawn."""
+    out = np.array(packed, np.uint32, copy=True)
+    out[1] = np.where(np.asarray(skip, bool), out[1] | np.uint32(SKIP_DRAW), out[1] & np.uint32(SKIP_DRAW - 1))
     return out
+
+
+def skipped_rows(packed: np.ndarray) -> np.ndarray:
+    """bool [B]: the rows of packed parameters (uint32 [8, B], or int32 with the same bits) marked SKIP_DRAW."""
+    p = np.asarray(packed)
+    p = p.view(np.uint32) if p.dtype == np.int32 else p.astype(np.uint32)
+    return (p[1] & np.uint32(SKIP_DRAW)) != 0
 
 
 def unpack_sampling_params(packed: np.ndarray) -> tuple:
     """The inverse of `pack_sampling_params` (also of its bits viewed as int32): (temperature, top_k, top_p,
-    min_p, seeds, counters) arrays [B]."""
+    min_p, seeds, counters) arrays [B] (SKIP_DRAW is not part of top_k: `skipped_rows` reads it)."""
     p = np.asarray(packed)
     p = p.view(np.uint32) if p.dtype == np.int32 else p.astype(np.uint32)
     wide = p.astype(np.uint64)
-    return (p[0].view(np.float32), p[1].astype(np.int64), p[2].view(np.float32), p[3].view(np.float32),
-            wide[4] | (wide[5] << np.uint64(32)), wide[6] | (wide[7] << np.uint64(32)))
+    return (p[0].view(np.float32), (p[1] & np.uint32(SKIP_DRAW - 1)).astype(np.int64), p[2].view(np.float32),
+            p[3].view(np.float32), wide[4] | (wide[5] << np.uint64(32)), wide[6] | (wide[7] << np.uint64(32)))

@@ -17,7 +17,8 @@ cupy = pytest.importorskip("cupy")
 
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
-from prefixrun.kernels.sampling import as_seed_array, filtered_probabilities, pack_sampling_params  # noqa: E402
+from prefixrun.kernels.sampling import as_seed_array, filtered_probabilities, pack_sampling_params, \
+    with_skipped_rows  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -195,6 +196,35 @@ def test_sampling_replays_in_a_graph(ops):
         graph.replay()
         eager = ops.to_host(ops.sample(logits, *args[:5], ctr))
         assert np.array_equal(ops.to_host(out), eager)
+
+
+def test_skipped_rows_keep_their_ids_eager_and_in_a_graph(ops):
+    """SKIP_DRAW rows are not drawn (their ids keep what they held) and the others draw as without the flag: a
+    constrained decode step's graph leaves its structured-output rows to the logits stage, which draws only those
+    into the same ids."""
+    rng = np.random.default_rng(35)
+    b, v = 12, 151_669
+    logits = cupy.asarray((rng.standard_normal((b, v)) * 3).astype(np.float32))
+    args = mixed_args(b, rng)
+    plain = pack_sampling_params(*args)
+    want = ops.to_host(ops.sample(logits, *args))
+    skip = np.arange(b) % 3 == 1
+    out = cupy.full(b, -5, np.int64)
+    ops.sample_into(logits, cupy.asarray(with_skipped_rows(plain, skip)), out)
+    got = ops.to_host(out)
+    assert np.all(got[skip] == -5) and np.array_equal(got[~skip], want[~skip])
+    ops.sample_into(logits, cupy.asarray(with_skipped_rows(plain, ~skip)), out)
+    assert np.array_equal(ops.to_host(out), want)
+    params = cupy.asarray(with_skipped_rows(plain, skip))
+    out[:] = -5
+    graph = ops.capture(lambda: ops.sample_into(logits, params, out), warmup=0)
+    graph.replay()
+    got = ops.to_host(out)
+    assert np.all(got[skip] == -5) and np.array_equal(got[~skip], want[~skip])
+    params.set(with_skipped_rows(plain, np.ones(b, bool)))
+    out[:] = -6
+    graph.replay()
+    assert np.all(ops.to_host(out) == -6)
 
 
 # ---- (d) greedy ----------------------------------------------------------------------------------------------------

@@ -81,3 +81,18 @@ def test_pipelined_and_synchronous_decode_agree_on_the_gpu(gpu_default_model):
     for r in piped.values():
         if r.custom_id not in ("r90", "r91"):
             jsonschema.validate(json.loads(r.text), TICKET_SCHEMA)
+
+
+def test_constrained_steps_draw_once_with_graphs_as_without(gpu_default_model):
+    """Rows with a grammar or edits are left undrawn by the decode graph and drawn once after their masks; the
+    graph's rows and those give the eager steps' tokens, sampled and greedy, pipelined and synchronous, and a
+    constrained choice stays inside its choices (tests/test_constrained_draw.py counts the draws on the CPU)."""
+    from test_constrained_draw import mixed_requests
+
+    requests = mixed_requests(gpu_default_model)
+    graphs = run(gpu_default_model, requests, max_batch=8)
+    eager = run(gpu_default_model, requests, max_batch=8, decode_graphs=False)
+    sync = run(gpu_default_model, requests, max_batch=8, overlap_decode=False)
+    tokens = lambda got: {k: r.token_ids for k, r in got.items()}  # noqa: E731
+    assert tokens(graphs) == tokens(eager) == tokens(sync)
+    assert graphs["r2"].text in ("yes", "no", "maybe")

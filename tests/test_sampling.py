@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.sampling import (as_seed_array, filtered_probabilities, filtered_sample_index,
-                                        pack_sampling_params, request_uniform, request_uniforms,
-                                        unpack_sampling_params)
+from prefixrun.kernels.sampling import (SKIP_DRAW, as_seed_array, filtered_probabilities, filtered_sample_index,
+                                        pack_sampling_params, request_uniform, request_uniforms, skipped_rows,
+                                        unpack_sampling_params, with_skipped_rows)
 
 M64 = (1 << 64) - 1
 
@@ -74,6 +74,32 @@ def test_pack_sampling_params_layout():
     assert s.tolist() == back.tolist() and c.tolist() == ctr.tolist() and m[1] == np.float32(0.05)
     as_int32 = unpack_sampling_params(packed.view(np.int32))  # the bits in an int32 index buffer read the same
     assert all(np.array_equal(a, b) for a, b in zip(as_int32, (t, k, p, m, s, c)))
+
+
+def test_skip_draw_rows_keep_their_entry_and_the_others_draw_as_without_the_flag():
+    """A decode step's graph leaves the structured-output rows undrawn and the logits stage draws only those into the
+    same ids: SKIP_DRAW lives in the top_k word's top bit, which no top_k reaches (clamped to int32)."""
+    rng = np.random.default_rng(4)
+    b, v = 6, 300
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    args = (np.array([0.0, 0.9, 1.3, 0.0, 0.7, 1.0], np.float32), np.array([0, 5, 0, 0, 1 << 40, 20]),
+            np.full(b, 0.9, np.float32), np.zeros(b, np.float32), as_seed_array(range(b)), np.arange(b))
+    plain = pack_sampling_params(*args)
+    skip = np.array([False, True, False, True, True, False])
+    flagged = pack_sampling_params(*args, skip=skip)
+    assert skipped_rows(flagged).tolist() == skip.tolist() and not skipped_rows(plain).any()
+    assert skipped_rows(flagged.view(np.int32)).tolist() == skip.tolist()
+    assert flagged[1, 4] == SKIP_DRAW | ((1 << 31) - 1)  # a huge top_k (off) keeps its value beside the flag
+    assert all(np.array_equal(a, c) for a, c in zip(unpack_sampling_params(flagged), unpack_sampling_params(plain)))
+    assert np.array_equal(with_skipped_rows(flagged, np.zeros(b, bool)), plain)  # the flag is cleared too
+    ops = NumpyOps()
+    want = ops.sample_into(logits, plain, np.zeros(b, np.int64))
+    out = np.full(b, -7, np.int64)
+    ops.sample_into(logits, flagged.view(np.int32), out)
+    assert out[skip].tolist() == [-7, -7, -7] and np.array_equal(out[~skip], want[~skip])
+    ops.sample_into(logits, with_skipped_rows(plain, ~skip), out)  # the other rows, into the same ids
+    assert np.array_equal(out, want)
+    assert ops.sample_into(logits, with_skipped_rows(plain, np.ones(b, bool)), out) is out
 
 
 # ---- each filter ---------------------------------------------------------------------------------------------------

@@ -1,17 +1,18 @@
 """A step's token masks: filled on the host from the rows' grammar states, applied to the step's logits on the
-device by the logits-processing stage (engine/step/logits_processors.py `LogitsStage.redraw`), which draws the rows'
-tokens again from the masked (and otherwise edited) logits.
+device by the logits-processing stage (engine/step/logits_processors.py `LogitsStage.redraw`), which draws those rows'
+tokens from the masked (and otherwise edited) logits.
 
 A decode step samples inside its replayed graph before the host knows the tokens that decide the next masks
-(engine/step/decode_pipeline.py queues step n+1 before it reads step n's ids). So the graph's draw stays as it is,
-and a step with constrained rows gets one more launch sequence, queued once the host has the previous tokens:
-the bitmask upload (int32 [n, ceil(V / 32)], through the pinned step copies), `ops.apply_token_bitmask` (the
-disallowed logits to -inf, in place), and `ops.sample_into` over the same logits with the same per-row
-parameters. A row without a grammar keeps an all-ones mask, so its redrawn token is the graph's own (a row's draw
-is a function of its logits and parameters only); the step's ids are those of the redraw. The host fills the masks
-while the device computes the step's forward (queued before), on llguidance's threads without the GIL (one thread
-where the process has at most two cores: there the hand-offs cost more than they share); nothing here waits for
-the device.
+(engine/step/decode_pipeline.py queues step n+1 before it reads step n's ids). So the graph leaves the constrained
+rows undrawn (their parameters marked SKIP_DRAW, kernels/sampling.py) and draws the others, and a step with
+constrained rows gets one more launch sequence, queued once the host has the previous tokens: the bitmask upload
+(int32 [n, ceil(V / 32)], through the pinned step copies), `ops.apply_token_bitmask` (the disallowed logits to
+-inf, in place), and `ops.sample_into` over the same logits with the same per-row parameters, drawing only the
+constrained (and otherwise edited) rows into the graph's ids. Every row is drawn once; a row's draw is a function
+of its logits and parameters only, so an unconstrained row's token is the one it would get in a step without
+grammars. The host fills the masks while the device computes the step's forward (queued before), on llguidance's
+threads without the GIL (one thread where the process has at most two cores: there the hand-offs cost more than
+they share); nothing here waits for the device.
 """
 from __future__ import annotations
 

@@ -6,8 +6,10 @@ static input buffer (one host-to-device copy) and replays. Rows past the real ba
 scratch state slot and a scratch K/V block, so whatever they compute lands where nobody reads.
 
 The graph samples too (`step_sampled`): the rows' packed sampling parameters go into a second static buffer
-(padding rows: zeros, i.e. greedy) and `ops.sample_into` draws every row's next token inside the replay, so a decode
-step is one index copy, one parameter copy, one replay and one copy of the token ids back. With `feed`
+and `ops.sample_into` draws every row's next token inside the replay, so a decode step is one index copy, one
+parameter copy, one replay and one copy of the token ids back. Rows marked SKIP_DRAW (kernels/sampling.py) are not
+drawn: padding rows, and rows with a grammar or logits edits, which the logits-processing stage draws after the
+replay (engine/step/logits_processors.py). With `feed`
 (engine/step/decode_pipeline.py) rows take their token from an earlier step's ids still on the device (`ops.feed_tokens`
 into the graph's token_ids, between the index copy and the replay): the step is queued before those ids reach
 the host, and nothing here waits for the device (the copies go through pinned buffers, in stream order).
@@ -26,7 +28,7 @@ import numpy as np
 
 from prefixrun.engine.step.forward_batch import ForwardBatch, Padding, build_batch
 from prefixrun.engine.state.pools import ModelState, StateHandle
-from prefixrun.kernels.sampling import unpack_sampling_params
+from prefixrun.kernels.sampling import SKIP_DRAW
 
 
 def bucket(n: int) -> int:
@@ -151,7 +153,7 @@ class DecodeGraphs:
                     self.ops.feed_tokens(batch.token_ids, self.ops.upload_index(_padded_source(feed[0], b)),
                                          feed[1])
                 logits = self.model.forward(batch, st)[:n]
-                return logits, None if params is None else self.ops.sample(logits, *unpack_sampling_params(params))
+                return logits, None if params is None else self._draw(logits, params)
             self.graphs[key] = graph
         self.ops.write_index(graph.inputs, host.pack())
         if feed is not None:  # after the index copy, before the replay: the token ids of the fed rows
@@ -160,7 +162,8 @@ class DecodeGraphs:
             self.ops.write_index(graph.source, _padded_source(feed[0], b))
             self.ops.feed_tokens(graph.batch.token_ids, graph.source, feed[1])
         if params is not None:
-            padded = np.zeros((8, b), np.uint32)  # padding rows: temperature 0, greedy
+            padded = np.zeros((8, b), np.uint32)
+            padded[1, n:] = SKIP_DRAW  # padding rows: nobody reads their token
             padded[:, :n] = params
             self.ops.write_index(graph.params, padded.view(np.int32))
         self.replays += 1
@@ -194,7 +197,13 @@ class DecodeGraphs:
 
     def _eager(self, batch: ForwardBatch, params):
         logits = self.model.forward(batch, self.state)
-        return logits, None if params is None else self.ops.sample(logits, *unpack_sampling_params(params))
+        return logits, None if params is None else self._draw(logits, params)
+
+    def _draw(self, logits, params: np.ndarray):
+        """An eager step's draw: backend int64 ids [n] of the rows not marked SKIP_DRAW in `params` (uint32 [8, n]);
+        the skipped rows' entries are 0 until the logits-processing stage draws them."""
+        ids = self.ops.zeros((params.shape[1],), np.int64)
+        return self.ops.sample_into(logits, self.ops.upload_index(params.view(np.int32)), ids)
 
     def _capture(self, like: ForwardBatch, rows: int | None = None) -> _Graph | None:
         """A graph of the model's step over batches laid out as the host batch `like` (same rows, table width and

@@ -19,9 +19,11 @@ without the stage: its graph's own draw stands (`LogitsStage.redraw` returns Non
 
 When: after a decode step's forward and once the host has accepted every token before the step's (the decode
 pipeline queues step n+1's forward, accepts step n's tokens, then finishes step n+1: engine/step/decode_pipeline.py),
-so grammars, penalties and bad words see every earlier token; the edited rows are then drawn again with the step's
-own sampling parameters (the same uniforms), after the graph's draw, in the same stream. The host builds the
-edits and masks while the device computes the forward.
+so grammars, penalties and bad words see every earlier token; the edited rows are then drawn with the step's own
+sampling parameters (the same uniforms), after the graph's replay, in the same stream, into the graph's ids. The
+graph's own draw leaves these rows out (their parameters marked SKIP_DRAW, kernels/sampling.py), so every row of a
+step is drawn once: a constrained step costs its forward, the masks' upload and apply, and one draw. The host
+builds the edits and masks while the device computes the forward.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
 from prefixrun.engine.request import ModelProcessing
 from prefixrun.kernels.logits_edits import SEEN, LogitsEdits
+from prefixrun.kernels.sampling import with_skipped_rows
 
 
 class _Entries:
@@ -172,11 +175,19 @@ class LogitsStage:
         """Whether any of these sequences has a mask or an edit for the stage."""
         return any(s.processing.active or s.grammar.constrained for s in seqs)
 
-    def redraw(self, seqs, logits, params: np.ndarray):
+    @staticmethod
+    def staged(seqs) -> np.ndarray:
+        """bool [n]: the rows the stage draws (a mask or an edit), fixed for a sequence's whole life: a decode step
+        leaves them out of its graph's draw (kernels/sampling.py SKIP_DRAW) and `redraw` draws them."""
+        return np.fromiter((s.processing.active or s.grammar.constrained for s in seqs), bool, len(seqs))
+
+    def redraw(self, seqs, logits, params: np.ndarray, drawn=None):
         """Backend int64 ids [n]: each row's token drawn from `logits` [n, V] (fp32, edited in place) after the
         stage, with its packed sampling parameters `params` (uint32 [8, n], pack_sampling_params); None when no
         row has anything for the stage (logits untouched). A row whose sequence has ended (its token is never
-        accepted) is left alone. The ids live in a buffer the next redraw reuses."""
+        accepted) is left alone. `drawn`: the step's ids where its graph drew every row but the `staged` ones;
+        those are drawn into it in place, so each row is drawn once. Without it every row is drawn, into a
+        buffer the next redraw reuses."""
         if not self.involves(seqs):  # the common step: nothing to build
             return None
         live = [s if not s.done else None for s in seqs]
@@ -193,6 +204,9 @@ class LogitsStage:
             self.masks.steps += 1
         if edits is not None:
             ops.process_logits(logits, self._device_edits(edits.pack()))
+        if drawn is not None:  # the graph drew the rest: only the live staged rows here
+            params = with_skipped_rows(params, ~self.staged(seqs) | np.array([s is None for s in live]))
+            ids = drawn
         ops.write_index(packed, np.ascontiguousarray(params, np.uint32).view(np.int32))
         self.steps += 1
         return ops.sample_into(logits, packed, ids)

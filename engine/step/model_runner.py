@@ -15,7 +15,7 @@ from prefixrun.engine.step.logits_processors import LogitsStage
 from prefixrun.engine.step.sequence import Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.spec.verify import accept_greedy, accept_sampled
-from prefixrun.kernels.sampling import as_seed_array, pack_sampling_params
+from prefixrun.kernels.sampling import as_seed_array, pack_sampling_params, with_skipped_rows
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = (1 << 31) - 1
@@ -30,6 +30,7 @@ class DecodeLaunch:
     logits: Any
     ids: Any
     params: np.ndarray  # uint32 [8, n], pack_sampling_params
+    staged: np.ndarray  # bool [n]: the rows the graph left undrawn, for the logits-processing stage to draw
     logprobs: Any = None  # set by finish_decode: the rows' logprobs for record_logprobs (None: no row wants them)
 
 
@@ -60,7 +61,7 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence's last token and sample its next one; both run in the decode graph where the
-        backend captures one (rows with a grammar are drawn again under its mask: `finish_decode`)."""
+        backend captures one (rows with a grammar or edits are drawn after it, under their mask: `finish_decode`)."""
         launch = self.launch_decode(seqs, np.full(len(seqs), -1, np.int32), None)
         out = [int(i) for i in self.ops.to_host(self.finish_decode(launch))]
         self.record_logprobs(seqs, out, launch.logprobs)
@@ -76,21 +77,25 @@ class ModelRunner:
         The step's ids are `finish_decode`'s."""
         ahead = (source >= 0).astype(np.int64)  # tokens each sequence has beyond s.tokens when this one is drawn
         params = pack_sampling_params(*self._sampling_arrays(seqs, ahead))
+        staged = self.stage.staged(seqs)  # drawn once, by `finish_decode`, after their masks and edits
         logits, ids = self.decoder.step_sampled(
-            [s.handle for s in seqs], [0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)], params,
+            [s.handle for s in seqs], [0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)],
+            with_skipped_rows(params, staged) if staged.any() else params,
             feed=(source, previous) if ahead.any() else None)
-        return DecodeLaunch(seqs, logits, ids, params)
+        return DecodeLaunch(seqs, logits, ids, params, staged)
 
     def finish_decode(self, launch: DecodeLaunch):
         """The launched step's backend int64 ids [n] (valid until the next step is queued: copy them first): the
-        graph's draw, or where a row has a mask or edits, every row drawn again after the logits-processing stage
-        (engine/step/logits_processors.py). Call it once every row has taken the tokens before this step's; a row
-        whose sequence has ended meanwhile (its token is never accepted) is left alone. The rows that want
-        logprobs get them (of the raw logits) in `launch.logprobs` for `record_logprobs`."""
+        graph's draw, and the rows with a mask or edits (which the graph left undrawn) drawn into them after the
+        logits-processing stage (engine/step/logits_processors.py). Call it once every row has taken the tokens
+        before this step's; a row whose sequence has ended meanwhile (its token is never accepted) is left
+        alone. The rows that want logprobs get them (of the raw logits) in `launch.logprobs` for
+        `record_logprobs`."""
         raw = launch.logits
         edited = raw.copy() if self._wants_logprobs(launch.seqs) and self.stage.involves(launch.seqs) else raw
-        ids = self.stage.redraw(launch.seqs, edited, launch.params)
-        ids = launch.ids if ids is None else ids
+        if launch.staged.any():
+            self.stage.redraw(launch.seqs, edited, launch.params, drawn=launch.ids)
+        ids = launch.ids
         launch.logprobs = self._logprobs_later(launch.seqs, raw, ids)
         return ids
 
