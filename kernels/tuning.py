@@ -130,10 +130,10 @@ class CudaTuning:
     # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
     # kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "auto"
-    # --speculative auto drafts on this backend. Off: auto would follow measured times, and in bf16 a verify step
-    # rounds differently from a plain step, so near-tie greedy tokens would depend on timing from run to run; on
-    # only once bench/device_spec.sh shows it pays on real text (ngram/mtp still run when asked for).
-    speculative_auto: bool = False
+    # --speculative auto drafts on this backend. Its choices follow acceptance counts only (never timing), so bf16
+    # greedy tokens, where a verify step rounds differently from a plain step, are the same from run to run; its
+    # plain steps keep the decode pipeline (bench/device_spec.sh measures them against off).
+    speculative_auto: bool = True
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:

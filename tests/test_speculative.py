@@ -92,8 +92,12 @@ def test_greedy_tokens_identical_for_every_draft_count(family, models, cpu_ops):
         assert m.drafted > 0 and 0 < m.accepted <= m.drafted
         rejected += m.drafted - m.accepted
     assert rejected > 0
-    on, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=4))
-    assert on == off and stats.methods["ngram"].drafted > 0
+    for overlap in (True, False):  # n-gram drafts decided beside the step in flight, or after it
+        opts = EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=4, overlap_decode=overlap)
+        on, stats = run(model, cpu_ops, prompts(), opts)
+        # (beside the step in flight a draft needs its first token to come true: these models' chance matches
+        # rarely do)
+        assert on == off and (overlap or stats.methods["ngram"].drafted > 0)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
@@ -174,9 +178,10 @@ def test_speculation_off_is_a_speculator_that_never_drafts(models, cpu_ops):
         eng = Engine(models["qwen3_5"], ops, options=EngineOptions(max_batch=4, speculative=mode))
         spec = eng.speculator
         assert isinstance(spec, NoSpeculation) and spec.overlaps_decode and spec.report() is None
-        assert spec.drafts([object()]) is None and not spec.times_plain_steps(1)
+        assert spec.drafts([object()]) is None and spec.redraft([object()]) is None
     on = Engine(models["qwen3_5"], cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram"))
-    assert isinstance(on.speculator, Speculator) and not on.speculator.overlaps_decode
+    # n-gram drafts need no hidden states: its plain steps keep the decode pipeline too
+    assert isinstance(on.speculator, Speculator) and on.speculator.overlaps_decode
     assert on.speculator.report()["mode"] == "ngram"
 
 
@@ -215,11 +220,13 @@ def test_auto_drafts_only_for_greedy_requests_and_sampled_seeds_reproduce(models
     off, _ = run(model, cpu_ops, prompts(), EngineOptions(speculative="off", max_batch=4), sampling=sp)
     auto, stats = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="auto"), sampling=sp)
     assert auto == off and stats.methods["ngram"].drafted == 0
-    a, sa = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp,
-                verify_row_cost=0)
-    b, _ = run(model, cpu_ops, prompts(), EngineOptions(max_batch=4, speculative="ngram"), sampling=sp,
-               verify_row_cost=0)
-    assert a == b and sa.methods["ngram"].drafted > 0 and sa.methods["ngram"].verify_steps > 0
+    for overlap in (True, False):  # the drafts decided beside the step in flight, or after it
+        opts = EngineOptions(max_batch=4, speculative="ngram", overlap_decode=overlap)
+        a, sa = run(model, cpu_ops, prompts(), opts, sampling=sp, verify_row_cost=0)
+        b, _ = run(model, cpu_ops, prompts(), opts, sampling=sp, verify_row_cost=0)
+        assert a == b
+        # (drafting on histories one token short finds none in these sampled replies, beside the step in flight)
+        assert overlap or sa.methods["ngram"].drafted > 0 and sa.methods["ngram"].verify_steps > 0
 
 
 # ---- verification rules --------------------------------------------------------------------------------------------
@@ -410,29 +417,66 @@ def _drive(runner, seqs, steps=200, plain_seconds=0.001, adaptive=False):
     from prefixrun.engine.spec.speculator import Speculator
 
     spec = Speculator(NgramDrafter(), "auto", 5, _FakeState(), runner, 16)
-    spec.adaptive = adaptive  # off: auto's timing alone decides (the counters' policy: the next test)
+    spec.adaptive = adaptive  # off: auto's yield alone decides (the counters' policy: test_speculative_policy.py)
     verify = 0
     for _ in range(steps):
         drafts = spec.drafts(seqs)
-        if drafts is None:  # the executor times (syncs) a plain step only where the speculator asks it to
-            spec.plain_step_done(len(seqs), plain_seconds if spec.times_plain_steps(len(seqs)) else None)
+        if drafts is None:
+            spec.plain_step_done(len(seqs), plain_seconds)
         else:
             spec.step(seqs, drafts)
             verify += 1
     return spec.stats, verify
 
 
-def test_auto_backs_off_when_verify_steps_are_slower_and_stays_on_when_they_pay():
-    slow, verify = _drive(_FakeRunner(0.003, accept=False), [_FakeSeq(), _FakeSeq()])
+def test_auto_backs_off_when_drafts_are_rejected_and_stays_on_when_they_pay():
+    # whatever the clock says: a slow verify step whose drafts are all accepted keeps auto on, a fast one whose
+    # drafts all fail turns it off (auto's choices, and so a GPU run's tokens, never depend on timing)
+    slow, verify = _drive(_FakeRunner(0.0, accept=False), [_FakeSeq(), _FakeSeq()])
     assert slow.backoffs >= 2 and verify < 60, (slow, verify)  # exponential back-off: mostly plain steps
-    fast, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq(), _FakeSeq()], plain_seconds=0.01)
-    assert fast.backoffs == 0 and verify > 150 and fast.saved_seconds > 0
+    fast, verify = _drive(_FakeRunner(0.003, accept=True), [_FakeSeq(), _FakeSeq()], plain_seconds=0.01)
+    assert fast.backoffs == 0 and verify > 190 and fast.saved_seconds > 0
     assert fast.methods["ngram"].accepted == fast.methods["ngram"].drafted > 0
     big, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq() for _ in range(17)])
-    assert verify == 0  # more than AUTO_MAX_BATCH sequences: plain steps only, counted but never timed (no sync)
+    assert verify == 0  # more than AUTO_MAX_BATCH sequences: plain steps only
     assert big.plain_steps == 200 and big.saved_seconds == 0
     sampled, verify = _drive(_FakeRunner(0.0, accept=True), [_FakeSeq(greedy=False)])
     assert verify == 0  # auto never drafts for sampled requests
+
+
+def test_auto_resumes_after_its_back_off_and_its_pauses_double_while_drafts_keep_failing():
+    from prefixrun.engine.spec.drafters import NgramDrafter
+    from prefixrun.engine.spec.speculator import Speculator
+
+    runner = _FakeRunner(0.0, accept=False)
+    spec = Speculator(NgramDrafter(), "auto", 5, _FakeState(), runner, 16)
+    spec.adaptive = False
+    seqs = [_FakeSeq()]
+    pattern = []
+    for _ in range(120):
+        drafts = spec.drafts(seqs)
+        pattern.append(drafts is not None)
+        if drafts is None:
+            spec.plain_step_done(1, None)
+        else:
+            spec.step(seqs, drafts)
+    runs, gap, verifies = [], 0, 0  # the plain steps between groups of verify steps: 1, 2, 4, 8 ...
+    for verified in pattern:
+        if verified and gap:
+            runs.append((gap, verifies))
+            gap = verifies = 0
+        verifies += verified
+        gap += not verified
+    # step 2 is a timing probe; then 4 failing verify steps (judged afresh after each pause) and a pause, doubling
+    assert runs[:6] == [(1, 1), (1, 3), (2, 4), (4, 4), (8, 4), (16, 4)], (runs, pattern)
+    # drafts accepted again: auto stays on (the yield is judged afresh after each pause)
+    runner.accept = True
+    before = spec.stats.backoffs
+    for _ in range(40):
+        drafts = spec.drafts(seqs)
+        if drafts is not None:
+            spec.step(seqs, drafts)
+    assert spec.stats.backoffs == before
 
 
 class _HiddenOracle(OracleDrafter):

@@ -177,7 +177,15 @@ def test_forced_ngram_on_a_model_whose_drafts_fail_is_mostly_plain_steps(cpu_ops
     off = {r.custom_id: r.token_ids for r in Engine(model, cpu_ops, options=EngineOptions(speculative="off",
                                                                                           max_batch=4)).run(reqs())}
     for batch in (1, 4):
-        eng = Engine(model, _ReplayOps(cpu_ops), options=EngineOptions(max_batch=batch, speculative="ngram"))
+        # beside the step in flight (the pipeline) a draft must also predict that step's token, so fewer verify
+        # steps are tried than after it (no pipeline), where the pauses and declines are what keep them rare
+        piped = Engine(model, _ReplayOps(cpu_ops), options=EngineOptions(max_batch=batch, speculative="ngram"))
+        assert {r.custom_id: r.token_ids for r in piped.run(reqs())} == off
+        s = piped.speculator.stats
+        assert s.methods["ngram"].verify_steps <= 8 and s.plain_steps > 160 // batch, s
+        piped.close()
+        eng = Engine(model, _ReplayOps(cpu_ops), options=EngineOptions(max_batch=batch, speculative="ngram",
+                                                                        overlap_decode=False))
         got = {r.custom_id: r.token_ids for r in eng.run(reqs())}
         assert got == off
         s = eng.speculator.stats
@@ -278,3 +286,41 @@ def test_copy_prone_model_keeps_every_tensor_and_makes_ngram_drafts_accepted(cpu
     with pytest.raises(FileExistsError):
         mod.make_copy_prone(src, dst)
     assert not (tmp_path / "copy.partial").exists()
+
+
+class _Waits:
+    """The replaying stand-in (graphs on) counting every wait for the device: syncs and synchronous copies."""
+
+    def __init__(self, base):
+        from test_engine import _ReplayOps
+
+        self._base, self.waits = _ReplayOps(base), 0
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    def synchronize(self):
+        self.waits += 1
+
+    def to_host(self, array):
+        self.waits += 1
+        return self._base.to_host(array)
+
+
+def test_steps_without_drafts_wait_for_the_device_as_often_as_off(cpu_ops, tmp_path):
+    """Speculation on, no draft found: its plain steps keep the decode pipeline (queued one ahead, drafting beside
+    the step in flight, timed where their tokens arrive), so the run waits for the device exactly as often as `off`
+    does; a sync to time each plain step took host/device overlap away."""
+    model = load_model(make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.3), cpu_ops)[0]
+    prompts = [list(range(3 + 120 * i, 43 + 120 * i)) for i in range(3)]  # no token repeats
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = {}
+    for m in ("off", "auto"):
+        ops = _Waits(cpu_ops)
+        eng = Engine(model, ops, options=EngineOptions(max_batch=4, speculative=m))
+        out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+        runs[m] = out, ops.waits, eng.speculator.report()
+        eng.close()
+    (off, off_waits, _), (on, waits, report) = runs["off"], runs["auto"]
+    assert on == off and report["methods"]["ngram"]["drafted"] == 0, report
+    assert report["plain_steps"] >= 23 and waits == off_waits, (waits, off_waits, report)

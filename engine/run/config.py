@@ -219,7 +219,7 @@ class RunConfig:
                                               "prefixrun[ray]", flag="--ray", metavar="ADDRESS", panel=_DEVICES)
     speculative: str = option(
         "auto", "speculative decoding: auto (n-gram drafts for greedy requests on small decode batches, backing "
-                "off where measured slower), off, ngram (prompt lookup drafts for every request), mtp (the model's "
+                "off where too few are accepted), off, ngram (prompt lookup drafts for every request), mtp (the model's "
                 "MTP head); greedy outputs never change", choices=SPECULATIVE_MODES, panel=_SPECULATIVE)
     num_draft_tokens: int = option(DEFAULT_DRAFT_TOKENS, "drafted tokens per sequence and step", at_least=1,
                                    at_most=MAX_DRAFT_TOKENS, panel=_SPECULATIVE)

@@ -121,7 +121,7 @@ class WindowExecutor:
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
         # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) where the speculator
-        # allows it (speculative steps need every token on the host before drafting)
+        # allows it (a drafter that needs every step's hidden states makes every step a synchronous one)
         self.pipeline = DecodePipeline(self.runner, self.ops, o.max_batch) \
             if o.overlap_decode and self.speculator.overlaps_decode else None
 
@@ -439,6 +439,7 @@ class WindowExecutor:
             t0 = time.perf_counter()
             ended = self.pipeline.drain()
             self.stats.decode_seconds += time.perf_counter() - t0
+            self.speculator.plain_step_done(*self.pipeline.timing)
             self._retire(ended)
 
     def _retire(self, ended: list[Sequence]):
@@ -447,32 +448,66 @@ class WindowExecutor:
             self.speculator.forget(s)
             self._finish(s)
 
+    def _drafts(self, batch: list[Sequence], again: bool = False):
+        """The speculator's drafts for a step of `batch` (None: a plain step). Drafts are never verified against
+        a grammar or the logits-processing stage: a step with a constrained or processed row, or one that wants
+        logprobs, runs plain, under its masks and edits. `again`: the step's drafts from complete histories."""
+        if not batch or needs_plain_steps(batch):
+            return None
+        return self.speculator.redraft(batch) if again else self.speculator.drafts(batch)
+
     def _decode_step(self):
-        if self.pipeline is not None:
-            t0 = time.perf_counter()
-            rows, ended = self.pipeline.advance(self.decoding)
-            self.stats.decode_seconds += time.perf_counter() - t0
-            self.stats.decode_steps += rows > 0
-            self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, rows)
-            self._retire(ended)
+        if self.pipeline is None:
+            self._synchronous_step()
             return
-        batch = self.decoding[:self.opts.max_batch]
-        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
+        # the speculator decides on the histories the host holds, one token short while a step computes: its
+        # drafting overlaps that step, and only a step it drafts for waits for that token (then drafts again)
         t0 = time.perf_counter()
-        spec = self.speculator
-        # drafts are never verified against a grammar or the logits-processing stage: a step with a constrained
-        # or processed row, or one that wants logprobs, runs plain, under its masks and edits
-        drafts = spec.drafts(batch) if not needs_plain_steps(batch) else None
-        if drafts is None:
-            new = [[i] for i in self.runner.decode(batch)]  # the forward and the sampling of the next tokens
-            timed = spec.times_plain_steps(len(batch))
-            if timed:
-                self.ops.synchronize()
-            spec.plain_step_done(len(batch), time.perf_counter() - t0 if timed else None)
-        else:
-            new = spec.step(batch, drafts)  # drafts verified, each sequence's kept rows committed
+        batch = self.pipeline.next_batch(self.decoding)
+        drafts = self._drafts(batch)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        if drafts is not None and self.pipeline.busy:
+            self._drain()
+            batch = self.pipeline.next_batch(self.decoding)  # nothing in flight now: every sequence decoding
+            drafts = self._drafts(batch, again=True)
+        if drafts is not None:
+            self._verify_step(batch, drafts)
+            return
+        t0, accepts = time.perf_counter(), self.pipeline.busy
+        rows, ended = self.pipeline.advance(self.decoding)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += rows > 0
+        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, rows)
+        if accepts:  # the step before, whose tokens this one's advance accepted, was a plain one
+            self.speculator.plain_step_done(*self.pipeline.timing)
+        self._retire(ended)
+
+    def _synchronous_step(self):
+        """A decode step whose tokens are on the host when it returns (no pipeline: the option, or a drafter that
+        needs every step's hidden states)."""
+        batch = self.decoding[:self.opts.max_batch]
+        t0 = time.perf_counter()
+        drafts = self._drafts(batch)
+        if drafts is not None:
+            self._verify_step(batch, drafts)
+            return
+        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
+        new = self.runner.decode(batch)  # the forward and the sampling of the next tokens (on the host: waited for)
+        self.speculator.plain_step_done(len(batch), time.perf_counter() - t0)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
+        self._accept_new(batch, [[t] for t in new])
+
+    def _verify_step(self, batch: list[Sequence], drafts: list[list[int]]):
+        """A step that feeds drafts: verified, each sequence's kept rows committed, its tokens accepted."""
+        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
+        t0 = time.perf_counter()
+        new = self.speculator.step(batch, drafts)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self._accept_new(batch, new)
+
+    def _accept_new(self, batch: list[Sequence], new: list[list[int]]):
         for s, toks in zip(batch, new):
             for tok in toks:  # the same stop rules, token by token, as plain steps apply them
                 if not s.done:

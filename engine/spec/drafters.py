@@ -232,6 +232,9 @@ class NgramDrafter:
 
 # ---- modes and sizes (the Speculator itself: engine/spec/speculator.py) ---------------------------------------------
 AUTO_MAX_BATCH = 16  # auto speculates only on decode steps this small: larger ones are closer to compute bound
+# auto's n-gram drafts need a match of at least this many tokens: a single repeated token (common in any text) is
+# weak evidence, and each failed verify step costs more than a plain one (its first shapes run eagerly)
+AUTO_MIN_MATCH = 3
 SPEC_MAX_SEQS = 16  # sequences that may draft in one step (sizes the snapshot pool: SPEC_MAX_SEQS x k rows)
 
 
@@ -247,10 +250,11 @@ def snapshot_capacity(options, specs) -> int:
     return min(options.max_batch, SPEC_MAX_SEQS) * max(draft_count(options, specs), 0)
 
 
-def make_drafter(method: str, model, ops, state) -> Drafter:
-    """The drafter of a method: n-gram prompt lookup, or the model's own MTP head (engine/models/mtp.py)."""
+def make_drafter(method: str, model, ops, state, min_match: int = 1) -> Drafter:
+    """The drafter of a method: n-gram prompt lookup (matches of `min_match` tokens or more), or the model's own
+    MTP head (engine/models/mtp.py)."""
     if method == "ngram":
-        return NgramDrafter()
+        return NgramDrafter(min_n=min_match, max_n=max(4, min_match))
     from prefixrun.engine.models.mtp import MtpDrafter  # the model must carry its head (loaded with mtp=True)
 
     return MtpDrafter(model, state)

@@ -6,13 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixrun.engine.spec.drafters import AUTO_MAX_BATCH, SPEC_MAX_SEQS, DraftInput, Drafter, TokenHistory, \
-    draft_count, make_drafter
+from prefixrun.engine.spec.drafters import AUTO_MAX_BATCH, AUTO_MIN_MATCH, SPEC_MAX_SEQS, DraftInput, Drafter, \
+    TokenHistory, draft_count, make_drafter
 from prefixrun.engine.step.decode_graphs import bucket
 
-_PROBE_EVERY = 32  # one plain step in this many keeps the plain step time (the yardstick) measured
-_REPORT_PROBE_EVERY = 256  # the same for explicit methods, whose yardstick only serves the report's time saved
-_EMA = 0.2
+_PROBE_EVERY = 256  # one plain step in this many keeps the plain step time (the report's yardstick) measured
 # A verify step of B sequences x R rows costs about 1 + VERIFY_ROW_COST x (R - 1) x max(1, B / VERIFY_BATCH_KNEE)
 # plain steps of B sequences (fitted to measured verify steps, docs/PERFORMANCE.md "Measurements behind code
 # comments": past a few sequences the extra rows' work grows with the batch), so it pays only when its drafts are
@@ -22,6 +20,9 @@ VERIFY_BATCH_KNEE = 7
 _PRIOR_RATE = 0.7  # a sequence's expected share of accepted drafts before it has any history (and after a pause)
 _RATE_EMA = 0.5
 _PAUSE_MAX = 128  # decode steps a sequence stops drafting for after repeated rejections, at most
+_GAIN_EMA = 0.3  # auto: weight of a verify step's yield in the running yield of its verify steps
+_AUTO_MIN_VERIFIES = 4  # auto judges its yield after this many verify steps (since it last resumed)
+_AUTO_BACKOFF_MAX = 512  # decode steps auto sits out after repeated verify steps that did not pay, at most
 
 
 @dataclass
@@ -52,14 +53,14 @@ class SpecStats:
     num_draft_tokens: int = 0
     methods: dict[str, MethodStats] = field(default_factory=dict)
     plain_steps: int = 0  # decode steps without drafts (nothing matched, probes, backed off, batch too large)
-    backoffs: int = 0  # times auto turned itself off because speculation was measured slower than plain steps
+    backoffs: int = 0  # times auto turned itself off because its verify steps' yield did not pay for them
     saved_seconds: float = 0.0  # sum over verify steps of (plain step time x steps replaced - the step's time)
     unmeasured_steps: int = 0  # verify steps without a yardstick (warm-ups, or no plain step of their size yet)
     declined_steps: int = 0  # steps with drafts taken as plain ones: the drafts were not expected to pay the step
     paused_sequence_steps: int = 0  # (sequence, step) pairs without drafting: paused after rejected drafts
     verify_graph_captures: int = 0  # CUDA graphs captured for verify steps (each costs about two forwards)
     eager_verify_steps: int = 0  # verify steps run without a graph (a shape's first time, or no capture possible)
-    draft_seconds: float = 0.0  # host time spent drafting (on the step's critical path)
+    draft_seconds: float = 0.0  # host time spent drafting (beside the step in flight where a pipeline runs)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "num_draft_tokens": self.num_draft_tokens,
@@ -97,12 +98,18 @@ class Speculator:
     which a few sequences found a match takes a plain step. Every sequence of a verify step gets the same number of
     rows (so the step replays as one CUDA graph per batch size and width), as many as the snapshot pool and every
     sequence's room allow.
-    `auto` in addition: only on decode steps of at most AUTO_MAX_BATCH sequences and only for greedy requests (a
+    `auto` in addition: only on decode steps of at most AUTO_MAX_BATCH sequences, only for greedy requests (a
     sampled request's tokens depend on the steps it drafted in), and it backs off (for 1, 2, 4 .. 512 steps)
-    whenever its measured tokens/s fall below plain steps' at the same batch size. Every _PROBE_EVERY-th step
-    (_REPORT_PROBE_EVERY-th for explicit methods; the second included) is a plain one, whose time (the fastest
-    seen per batch size) is the yardstick of the time saved and of auto's decisions; steps that compiled or
-    captured something measure nothing."""
+    whenever its verify steps' running yield — tokens made per token a plain step would have made in the time the
+    cost model gives them — falls below 1. Acceptance decides, never a clock, so a run's tokens are the same run
+    after run (on a GPU a verify step rounds differently from a plain one).
+    Plain steps are timed where they complete anyway (engine/step/decode_pipeline.py: no sync of their own), and
+    every _PROBE_EVERY-th step (the second included) is a plain one; their time (the fastest per batch size) is
+    the yardstick of the report's time saved only. Steps that compiled or captured something measure nothing.
+
+    With a decode pipeline (`overlaps_decode`) the executor asks `drafts` while the step before is still computing:
+    the histories are one token short then, so drafting overlaps the device, and only a step that drafts waits for
+    that token and asks `redraft` for drafts from the complete histories."""
 
     def __init__(self, drafter: Drafter, mode: str, num_drafts: int, state, runner, max_seqs: int):
         self.drafter, self.mode, self.num_drafts = drafter, mode, num_drafts
@@ -115,14 +122,20 @@ class Speculator:
         self.adaptive = True  # False: every sequence drafts num_drafts whenever it can (tests of the machinery)
         self._hidden: dict[int, Any] = {}  # id(sequence) -> hidden rows last kept (needs_hidden drafters)
         self._plain_time: dict[int, float] = {}  # batch bucket -> fastest plain step seen (robust to stalls)
-        self._spec_rate: dict[int, float] = {}  # batch bucket -> EMA tokens/s of verify steps
         self._backoff, self._off_for, self._steps = 1, 0, 0
+        self._gain: float | None = None  # auto: running yield of its verify steps (1 = what plain steps make)
+        self._judged = 0  # auto: verify steps since it last resumed
         self._captures = 0  # the decoder's graph captures so far: a step that captured one is no measurement
-        self._draft_seconds = 0.0  # the last `drafts` call's drafting time
+        self._draft_seconds = 0.0  # the last drafting's time
         self._rows = 1 + num_drafts  # rows per sequence of the coming verify step
+        self._excess = 0.0  # the coming verify step's extra cost, in plain steps of its batch
+        self._chosen: dict[int, _SequencePolicy] = {}  # id(sequence) -> policy: may draft in the step decided on
 
-    # speculative steps need every token on the host before drafting: no decode step is queued ahead
-    overlaps_decode = False
+    @property
+    def overlaps_decode(self) -> bool:
+        """Whether plain steps may be queued one ahead of their tokens (engine/step/decode_pipeline.py): yes,
+        unless the drafter needs every step's hidden states (then every step is a multi-row one)."""
+        return not self.drafter.needs_hidden
 
     def report(self) -> dict:
         """The report's speculative section."""
@@ -130,29 +143,30 @@ class Speculator:
 
     # ---- the decision ---------------------------------------------------------------------------------------
     def drafts(self, seqs: list) -> list[list[int]] | None:
-        """Drafts per sequence for the coming step, or None: take a plain decode step."""
+        """Drafts per sequence for the coming step, or None: take a plain decode step. Called once per decode
+        step (it advances the per-sequence pauses and the probes)."""
+        self._chosen = self._decide(seqs)
+        return self._propose(seqs) if self._chosen else self._none(seqs)
+
+    def redraft(self, seqs: list) -> list[list[int]] | None:
+        """The drafts of the step `drafts` decided on, made again from the sequences' complete histories (`drafts`
+        saw them one token short, while the step before was computing); `seqs`: that step's sequences still
+        decoding. Nothing is counted again."""
+        return self._propose(seqs) if self._chosen else self._none(seqs)
+
+    def _none(self, seqs: list):
+        """A plain step's answer: None, or for a drafter that needs hidden states a verify step without drafts."""
+        return None if not self.drafter.needs_hidden else [[] for _ in seqs]
+
+    def _decide(self, seqs: list) -> dict[int, _SequencePolicy]:
+        """The sequences that may draft in the coming step (none: a plain step), advancing their pauses."""
         self._steps += 1
         auto = self.mode == "auto"
-        if self._steps % (_PROBE_EVERY if auto else _REPORT_PROBE_EVERY) == 2 or (
-                auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
+        if self._steps % _PROBE_EVERY == 2 or (auto and (len(seqs) > AUTO_MAX_BATCH or self._off_for > 0)):
             self._off_for = max(0, self._off_for - 1)
-            return None if not self.drafter.needs_hidden else [[] for _ in seqs]
-        none = None if not self.drafter.needs_hidden else [[] for _ in seqs]
-        b = len(seqs)
-        # drafts never carry a sequence past its token or context limit within the step (each of the k + 1 tokens
-        # is then accepted under the same rules a plain step applies)
-        room_of = lambda s: min(s.remaining, s.max_context - s.handle.length - 2)  # rows it may take
-        rows = min(1 + self.num_drafts, self.state.max_step_rows)
-        if self.runner.decoder.replays_rows:
-            # a replayed step gives every sequence the same rows: the snapshot pool must hold b x (rows - 1), and
-            # every sequence needs room for them. A sequence within that many tokens of its end makes the step a
-            # plain one: fewer rows would be a graph shape of its own, run eagerly (several plain steps' time)
-            rows = min(rows, 1 + self.state.snapshot_capacity // b)
-            if rows < 2 or any(room_of(s) < rows for s in seqs):
-                return none
-        room = self.state.snapshot_capacity
-        inputs, where, policies = [], [], []
-        for i, s in enumerate(seqs[:self.max_seqs]):
+            return {}
+        chosen = {}
+        for s in seqs[:self.max_seqs]:
             policy = self._policy.get(id(s))
             if policy is None:
                 policy = self._policy[id(s)] = _SequencePolicy(self.num_drafts)
@@ -164,10 +178,35 @@ class Speculator:
                 if not policy.paused_for:
                     policy.rate = max(policy.rate, _PRIOR_RATE)  # a probe comes next
                 continue
+            # auto leaves sampled requests alone: their tokens then never depend on its choices
+            if not (auto and not s.request.sampling.greedy):
+                chosen[id(s)] = policy
+        return chosen
+
+    def _propose(self, seqs: list) -> list[list[int]] | None:
+        """The chosen sequences' drafts, or None (a plain step) when none are found or they cannot pay the step."""
+        none = self._none(seqs)
+        b = len(seqs)
+        # drafts never carry a sequence past its token or context limit within the step (each of the k + 1 tokens
+        # is then accepted under the same rules a plain step applies)
+        room_of = lambda s: min(s.remaining, s.max_context - s.handle.length - 2)  # rows it may take
+        rows = min(1 + self.num_drafts, self.state.max_step_rows)
+        if self.runner.decoder.replays_rows:
+            # a replayed step gives every sequence the same rows: the snapshot pool must hold b x (rows - 1), and
+            # every sequence needs room for them. A sequence within that many tokens of its end makes the step a
+            # plain one: fewer rows would be a graph shape of its own, run eagerly (several plain steps' time)
+            rows = min(rows, 1 + self.state.snapshot_capacity // max(b, 1))
+            if rows < 2 or any(room_of(s) < rows for s in seqs):
+                return none
+        room = self.state.snapshot_capacity
+        inputs, where, policies = [], [], []
+        for i, s in enumerate(seqs[:self.max_seqs]):
+            policy = self._chosen.get(id(s))
+            if policy is None:
+                continue
             k = min(policy.k, rows - 1, room_of(s) - 1, room)
             hidden = self._hidden.get(id(s))
-            # auto leaves sampled requests alone: their tokens then never depend on its timing-driven choices
-            if k < 1 or (self.drafter.needs_hidden and hidden is None) or (auto and not s.request.sampling.greedy):
+            if k < 1 or (self.drafter.needs_hidden and hidden is None):
                 continue
             inputs.append(DraftInput(TokenHistory(s.request.prompt_token_ids, s.tokens), k, s.handle, s.request,
                                      hidden))
@@ -193,7 +232,7 @@ class Speculator:
         if expected <= threshold:
             self.stats.declined_steps += 1
             return none
-        self._rows = rows
+        self._rows, self._excess = rows, excess
         return out
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -214,14 +253,9 @@ class Speculator:
         self._account(seqs, drafts, tokens, seconds)
         return tokens
 
-    def times_plain_steps(self, batch_size: int) -> bool:
-        """Whether a plain step of `batch_size` sequences is worth timing (timing it costs a device sync): not when
-        auto never speculates at that size, so large batches keep their host/device overlap."""
-        return not (self.mode == "auto" and batch_size > AUTO_MAX_BATCH)
-
     def plain_step_done(self, batch_size: int, seconds: float | None):
-        """A plain decode step of `batch_size` sequences took `seconds` (the yardstick of auto and of the time
-        saved; None: not timed, see times_plain_steps)."""
+        """A plain decode step of `batch_size` sequences took `seconds` of wall time (the report's yardstick of the
+        time saved; None: not known)."""
         self.stats.plain_steps += 1
         if self._warming() or seconds is None:
             return
@@ -262,26 +296,29 @@ class Speculator:
                 else:  # all accepted: ask for one more next time; else as many as were accepted, plus one
                     policy.pause = 0
                     policy.k = min(self.num_drafts, len(d) + 1) if accepted == len(d) else accepted + 1
-        b = bucket(len(seqs))
         produced = sum(len(t) for t in tokens)
-        plain = self._plain_time.get(b)
-        if self._warming():
-            self.stats.unmeasured_steps += 1
-            return
-        if plain is None:
+        if self.mode == "auto":
+            self._judge(produced / (len(seqs) * (1.0 + self._excess)))
+        plain = self._plain_time.get(bucket(len(seqs)))
+        if self._warming() or plain is None:
             self.stats.unmeasured_steps += 1
         else:
             self.stats.saved_seconds += plain * produced / len(seqs) - seconds
-        rate = produced / max(seconds, 1e-9)
-        old = self._spec_rate.get(b)
-        self._spec_rate[b] = rate if old is None else old + _EMA * (rate - old)
-        if self.mode == "auto" and plain is not None and m.verify_steps >= 4:
-            if self._spec_rate[b] < len(seqs) / plain:
-                self._off_for, self._backoff = self._backoff, min(2 * self._backoff, 512)
-                self.stats.backoffs += 1
-                self._spec_rate.pop(b)  # measured afresh after the pause
-            else:
-                self._backoff = 1
+
+    def _judge(self, gain: float):
+        """Auto's switch: `gain` is a verify step's tokens per token plain steps would have made in its time by
+        the cost model. When the running yield of the verify steps since auto last resumed stays below 1, auto
+        sits out 1, 2, 4 .. _AUTO_BACKOFF_MAX decode steps (doubling while it keeps failing)."""
+        self._gain = gain if self._gain is None else self._gain + _GAIN_EMA * (gain - self._gain)
+        self._judged += 1
+        if self._judged < _AUTO_MIN_VERIFIES:
+            return
+        if self._gain < 1.0:
+            self._off_for, self._backoff = self._backoff, min(2 * self._backoff, _AUTO_BACKOFF_MAX)
+            self.stats.backoffs += 1
+            self._gain, self._judged = None, 0  # judged afresh after the pause
+        else:
+            self._backoff = 1
 
 
 class NoSpeculation:
@@ -294,8 +331,8 @@ class NoSpeculation:
     def drafts(self, seqs: list) -> None:
         return None
 
-    def times_plain_steps(self, batch_size: int) -> bool:
-        return False  # nothing measures plain steps: they keep their host/device overlap
+    def redraft(self, seqs: list) -> None:
+        return None
 
     def plain_step_done(self, batch_size: int, seconds: float | None):
         pass
@@ -309,12 +346,16 @@ class NoSpeculation:
 
 
 def make_speculator(options, model, ops, state, runner) -> Speculator | NoSpeculation:
-    """The engine's speculator for its options (NoSpeculation when off). `auto` drafts with n-gram lookup."""
+    """The engine's speculator for its options (NoSpeculation when off). `auto` drafts with n-gram lookup of
+    matches of AUTO_MIN_MATCH tokens or more (MTP only when asked for: its drafts cost a model step each, and it
+    needs every step's hidden states, so no step of a run with it keeps the decode pipeline)."""
     if options.speculative == "off" or (options.speculative == "auto" and not ops.auto_speculation):
         return NoSpeculation()
     k = draft_count(options, model.state_specs())
     if k < 1:
         return NoSpeculation()
     method = "ngram" if options.speculative == "auto" else options.speculative
-    return Speculator(make_drafter(method, model, ops, state), options.speculative, k, state, runner,
+    min_match = AUTO_MIN_MATCH if options.speculative == "auto" else 1
+    drafter = make_drafter(method, model, ops, state, min_match=min_match)
+    return Speculator(drafter, options.speculative, k, state, runner,
                       min(options.max_batch, SPEC_MAX_SEQS))

@@ -20,10 +20,14 @@ constrained rows' masks on the host while the device computes that forward, and 
 (engine/grammar/masks.py). Unconstrained rows in the same step keep their place in the pipeline.
 Every answer is the synchronous path's (tests/test_decode_pipeline.py; the NumPy backend runs this same
 bookkeeping). Batch membership may change between steps (new sequences are fed from the host); the executor
-drains the pipeline before anything but a decode step, and speculative steps stay synchronous.
+drains the pipeline before anything but a decode step, and speculative verify steps stay synchronous.
+Each accepted step's wall time is kept in `timing` without a wait of its own: from the moment the step before
+it had its tokens on the host (a step queued while that one computed) or from its own launch, to the moment its
+tokens are — what the run spent per step, the speculator's yardstick (engine/spec/speculator.py).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,6 +45,8 @@ class _Queued:
     ids: Any  # backend int64 [n]: the sampled tokens, where the next step is fed from
     fetch: Callable[[], np.ndarray]  # waits for their copy to the host
     logprobs: Any = None  # the rows' logprobs (ModelRunner.record_logprobs), when any row wants them
+    started: float = 0.0  # perf_counter when it was launched
+    chained: bool = False  # queued while the step before it computed (its time counts from that one's end)
 
 
 class DecodePipeline:
@@ -51,20 +57,30 @@ class DecodePipeline:
         self.queued: _Queued | None = None
         self.steps = 0  # steps queued (each one device step)
         self.wasted_rows = 0  # rows computed for sequences that the step before had ended (never accepted)
+        self.timing: tuple[int, float] | None = None  # the last accepted step's (rows, wall seconds)
+        self._done_at: float | None = None  # perf_counter when the last accepted step's tokens reached the host
 
     @property
     def busy(self) -> bool:
         return self.queued is not None
 
+    def next_batch(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The sequences `advance` would queue a step for: up to max_batch of `decoding` that may still need a
+        token after the step in flight."""
+        prev = self.queued
+        pending = {id(s) for s in prev.seqs} if prev is not None else ()
+        batch = [s for s in decoding if not s.done and not (id(s) in pending and s.ends_after_pending())]
+        return batch[:self.max_batch]
+
     def advance(self, decoding: list[Sequence]) -> tuple[int, list[Sequence]]:
-        """Queue a step for up to max_batch sequences of `decoding` that may still need a token after the step in
-        flight, then accept the in-flight step's tokens. Returns (rows queued, sequences that ended)."""
+        """Queue a step for `next_batch(decoding)`, then accept the in-flight step's tokens. Returns (rows
+        queued, sequences that ended)."""
         prev = self.queued
         row_of = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
-        batch = [s for s in decoding if not s.done and not (id(s) in row_of and s.ends_after_pending())]
-        batch = batch[:self.max_batch]
+        batch = self.next_batch(decoding)
         self.queued = None
         launch = None
+        started = time.perf_counter()
         if batch:
             source = np.array([row_of.get(id(s), -1) for s in batch], np.int32)  # [n] row of prev, or -1: host
             launch = self.runner.launch_decode(batch, source, prev.ids if prev is not None else None)
@@ -75,7 +91,8 @@ class DecodePipeline:
             # every grammar has now taken the tokens before this step's: its rows' masks are filled while the
             # device computes the step's forward, and their redraw is queued after it (engine/grammar/masks.py)
             ids = self.runner.finish_decode(launch)
-            self.queued = _Queued(batch, lengths, ids, self.ops.to_host_later(ids), launch.logprobs)
+            self.queued = _Queued(batch, lengths, ids, self.ops.to_host_later(ids), launch.logprobs, started,
+                                  chained=prev is not None)
         return len(batch), ended
 
     def drain(self) -> list[Sequence]:
@@ -86,6 +103,9 @@ class DecodePipeline:
     def _accept(self, step: _Queued) -> list[Sequence]:
         ended = []
         tokens = step.fetch().tolist()
+        now = time.perf_counter()
+        since = self._done_at if step.chained and self._done_at is not None else step.started
+        self.timing, self._done_at = (len(step.seqs), now - since), now
         self.runner.record_logprobs(step.seqs, tokens, step.logprobs)
         for s, tok, length in zip(step.seqs, tokens, step.lengths):
             if s.done:  # ended by the step before (EOS or a stop): this row's token is discarded
