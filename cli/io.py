@@ -164,7 +164,13 @@ bytes it stands for, exact for a token holding part of a UTF-8 character; -inf i
 prompt token, the first null), and as vLLM's server writes it, `{"<token id>": {"logprob": ..., "decoded_token":
 ...}, ...}` per token (the token and its k alternatives) in each choice of a completion and beside a chat's
 choices. Such a request never restores a state stored before its window (engine/run/prompt_logprobs.py says why);
-a prefix it shares with other requests in the window is still computed once.
+a prefix it shares with other requests in the window is still computed once. A completion with `echo` and
+`logprobs` lists its prompt's tokens first, as OpenAI's legacy completions and vLLM list them: their `tokens`,
+`token_logprobs` and `top_logprobs` (the first token's null), then the generated ones', `text_offset` counting the
+listed tokens' texts from 0 (a plain line's `logprobs` likewise starts with `prompt_logprobs`' entries, the first
+null; its `cumulative_logprob` is the generated tokens'). The prompt's logprobs come from prefill as
+`prompt_logprobs` do (with as many alternatives as `logprobs` asks for); the record carries a `prompt_logprobs`
+field only when the line asked for one.
 
 A line that cannot be run gives an error record in its place, and the rest of the file is still processed::
 

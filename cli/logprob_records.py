@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 
 from prefixrun.engine.request import Completion, TokenLogprob
@@ -68,6 +69,28 @@ class TokenText:
         return self.text(token_id).encode("utf-8")
 
 
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """An echoed prompt's part of a completion's logprobs listing: its token ids and their logprobs (the first
+    None), each with the alternatives the listing asked for."""
+
+    token_ids: tuple[int, ...]
+    logprobs: list
+
+    @classmethod
+    def of(cls, token_ids, prompt_logprobs: list | None, k: int) -> EchoedPrompt | None:
+        """None without prompt logprobs (a request that did not echo them)."""
+        if prompt_logprobs is None:
+            return None
+        return cls(tuple(token_ids), with_alternatives(prompt_logprobs, k))
+
+
+def with_alternatives(prompt_logprobs: list, k: int) -> list:
+    """Prompt logprobs (the first None) with at most k alternatives each: the engine computed as many as the
+    request's largest listing asked for."""
+    return [None if t is None else TokenLogprob(t.token_id, t.logprob, t.top[:k]) for t in prompt_logprobs]
+
+
 def _value(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
@@ -84,26 +107,34 @@ def chat_logprobs(choice: Completion, tokens: TokenText) -> dict | None:
                         for t in choice.logprobs], "refusal": None}
 
 
-def completion_logprobs(choice: Completion, tokens: TokenText, text_offset: int = 0) -> dict | None:
-    """OpenAI completions' `choices[].logprobs` (text offsets count characters from `text_offset`, as vLLM counts
-    them: each token's text after the previous ones'), or None when the request did not ask for them."""
+def completion_logprobs(choice: Completion, tokens: TokenText, echoed: EchoedPrompt | None = None) -> dict | None:
+    """OpenAI completions' `choices[].logprobs`, or None when the request did not ask for them. `echoed`: the
+    prompt's tokens, listed before the generated ones as OpenAI's legacy completions and vLLM list them (the first
+    with a null logprob and null top_logprobs). Text offsets count characters from 0, each token's after the texts
+    of the listed tokens before it (vLLM's count)."""
     if choice.logprobs is None:
         return None
-    texts = [tokens.text(t.token_id) for t in choice.logprobs]
-    offsets, at = [], text_offset
+    prompt = echoed.logprobs if echoed is not None else []
+    listed = prompt + list(choice.logprobs)
+    ids = (list(echoed.token_ids) if echoed is not None else []) + [t.token_id for t in choice.logprobs]
+    texts = [tokens.text(i) for i in ids]
+    offsets, at = [], 0
     for text in texts:
         offsets.append(at)
         at += len(text)
-    return {"tokens": texts, "token_logprobs": [_value(t.logprob) for t in choice.logprobs],
-            "top_logprobs": [{tokens.text(i): _value(lp) for i, lp in t.top} for t in choice.logprobs],
+    return {"tokens": texts, "token_logprobs": [None if t is None else _value(t.logprob) for t in listed],
+            "top_logprobs": [None if t is None else {tokens.text(i): _value(lp) for i, lp in t.top} for t in listed],
             "text_offset": offsets}
 
 
-def plain_logprobs(choice: Completion, tokens: TokenText) -> dict:
-    """A plain line's `logprobs` and `cumulative_logprob` fields (none when it did not ask for them)."""
+def plain_logprobs(choice: Completion, tokens: TokenText, echoed: EchoedPrompt | None = None) -> dict:
+    """A plain line's `logprobs` and `cumulative_logprob` fields (none when it did not ask for them). `echoed`: the
+    prompt's tokens, listed first as `prompt_logprobs` lists them (the first null); cumulative_logprob is the
+    generated tokens' alone."""
     if choice.logprobs is None:
         return {}
-    return {"logprobs": [_plain_entry(t, tokens) for t in choice.logprobs],
+    prompt = [None if t is None else _plain_entry(t, tokens) for t in (echoed.logprobs if echoed else [])]
+    return {"logprobs": prompt + [_plain_entry(t, tokens) for t in choice.logprobs],
             "cumulative_logprob": _value(choice.cumulative_logprob)}
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 
 from prefixrun.cli.lines import LineError, ParsedRequest
-from prefixrun.cli.logprob_records import TokenText, chat_logprobs, completion_logprobs, plain_logprobs, \
-    plain_prompt_logprobs, vllm_prompt_logprobs
+from prefixrun.cli.logprob_records import EchoedPrompt, TokenText, chat_logprobs, completion_logprobs, \
+    plain_logprobs, plain_prompt_logprobs, vllm_prompt_logprobs, with_alternatives
 from prefixrun.cli.replies import RAW_REPLY, ReplyShaper
 from prefixrun.engine.load.prompts import ChatPrompt
 from prefixrun.engine.request import Completion, Result
@@ -26,12 +26,16 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
         raise ValueError(f"result {result.custom_id!r} does not belong to request {req.custom_id!r}")
     usage = _usage_record(result)
     chat = isinstance(req.prompt, ChatPrompt)
+    asked = _asked_prompt_logprobs(req, result)
+    echoed = EchoedPrompt.of(reply.echo_token_ids, result.prompt_logprobs, req.sampling.logprob_alternatives) \
+        if reply.echo_token_ids else None
     if req.shape == "plain":
-        prompt = plain_prompt_logprobs(result.prompt_logprobs, tokens)
+        prompt = plain_prompt_logprobs(asked, tokens)
         if req.sampling.n == 1:
             return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat),
-                    **plain_logprobs(result.choices[0], tokens), **prompt, "usage": usage, **reply.extras()}
-        choices = [{"index": i, **_plain_choice(c, reply, chat), **plain_logprobs(c, tokens)}
+                    **plain_logprobs(result.choices[0], tokens, echoed), **prompt, "usage": usage,
+                    **reply.extras()}
+        choices = [{"index": i, **_plain_choice(c, reply, chat), **plain_logprobs(c, tokens, echoed)}
                    for i, c in enumerate(result.choices)]
         return {"custom_id": req.custom_id, "choices": choices, **prompt, "usage": usage, **reply.extras()}
     if req.shape == "openai_chat":
@@ -47,16 +51,16 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "usage": usage,
             **reply.extras(),
         }
-        if result.prompt_logprobs is not None:  # vLLM's server puts a chat's beside its choices
-            body["prompt_logprobs"] = vllm_prompt_logprobs(result.prompt_logprobs, tokens)
+        if asked is not None:  # vLLM's server puts a chat's beside its choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(asked, tokens)
     else:
         body = {
             "id": _derived_id("cmpl-", req.custom_id),
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": _completion_logprobs(c, reply, tokens),
-                         "finish_reason": c.finish_reason, **_token_ids(c, reply), **_completion_prompt(result, tokens)}
+            "choices": [{"index": i, "text": reply.text(c.text), "logprobs": completion_logprobs(c, tokens, echoed),
+                         "finish_reason": c.finish_reason, **_token_ids(c, reply), **_completion_prompt(asked, tokens)}
                         for i, c in enumerate(result.choices)],
             "usage": usage,
             **reply.extras(),
@@ -79,16 +83,20 @@ def _plain_choice(choice: Completion, reply: ReplyShaper, chat: bool) -> dict:
             "finish_reason": finish_reason}
 
 
-def _completion_logprobs(choice: Completion, reply: ReplyShaper, tokens: TokenText) -> dict | None:
-    """A completion's logprobs, its text offsets counted after an echoed prompt."""
-    return completion_logprobs(choice, tokens, len(reply.text(choice.text)) - len(choice.text))
+def _asked_prompt_logprobs(req: ParsedRequest, result: Result) -> list | None:
+    """The prompt logprobs the line asked for (`prompt_logprobs: k`, k alternatives each), or None: an echo of a
+    completion's logprobs has them computed without asking for the field (cli/replies.py `echoes_logprobs`)."""
+    k = req.sampling.prompt_logprobs
+    if k is None or result.prompt_logprobs is None:
+        return None
+    return with_alternatives(result.prompt_logprobs, k)
 
 
-def _completion_prompt(result: Result, tokens: TokenText) -> dict:
+def _completion_prompt(asked: list | None, tokens: TokenText) -> dict:
     """vLLM's server puts a completion's prompt logprobs in each choice."""
-    if result.prompt_logprobs is None:
+    if asked is None:
         return {}
-    return {"prompt_logprobs": vllm_prompt_logprobs(result.prompt_logprobs, tokens)}
+    return {"prompt_logprobs": vllm_prompt_logprobs(asked, tokens)}
 
 
 def _token_ids(choice: Completion, reply: ReplyShaper) -> dict:

@@ -55,6 +55,7 @@ class ReplyShaper:
     thinking_disabled: bool = False
     prompt_token_ids: tuple[int, ...] = ()
     prompt_text: str = ""
+    echo_token_ids: tuple[int, ...] = ()  # a completion echoing its logprobs: the prompt's tokens listed first
     calls_seen: list = field(default_factory=list, compare=False)  # call ids handed out (several choices)
 
     def text(self, text: str) -> str:
@@ -172,11 +173,6 @@ class Replies:
 
     def check(self, parsed: ParsedRequest) -> None:
         """InvalidRequest if the request's reply cannot be made as asked with this model."""
-        if parsed.reply.echo and parsed.messages is None and parsed.sampling.logprobs is not None:
-            # OpenAI and vLLM list the echoed prompt's tokens in a completion's logprobs too; these records hold the
-            # generated tokens' only, so the combination is refused rather than answered in half
-            raise InvalidRequest("echo with logprobs on a completion: the prompt's token logprobs are not listed "
-                                 "in the completion's logprobs; ask for prompt_logprobs beside logprobs instead")
         if parsed.reply.tool_choice.mode == "auto" and self.tool_call_parser == "none":
             raise InvalidRequest(
                 "tools with tool_choice \"auto\" (the default with tools): no tool-call parser reads this model's "
@@ -184,8 +180,15 @@ class Replies:
                 "--tool-call-parser, or tool_choice \"none\" to get the raw text")
 
     def adjust(self, parsed: ParsedRequest, request: Request) -> Request:
-        """The request as the engine should run it for its reply to be read: where the model's tool-call tag is a
-        special token, the text keeps special tokens while tool calls may come (as vLLM's hermes parser asks)."""
+        """The request as the engine should run it for its reply to be read: a completion with echo and logprobs
+        lists its prompt's tokens' logprobs before the generated ones' (OpenAI's legacy completions, vLLM), so the
+        engine computes its prompt logprobs with as many alternatives (the record keeps what each listing asked
+        for: cli/records.py); where the model's tool-call tag is a special token, the text keeps special tokens
+        while tool calls may come (as vLLM's hermes parser asks)."""
+        sampling = request.sampling
+        if echoes_logprobs(parsed):
+            k = max(sampling.logprobs, sampling.prompt_logprobs or 0)
+            request.sampling = dataclasses.replace(sampling, prompt_logprobs=k)
         if parsed.reply.tool_choice.mode == "auto" and self.tool_call_parser in ("hermes", "qwen3_coder") \
                 and self._special_tool_call_tag:
             request.sampling = dataclasses.replace(request.sampling, skip_special_tokens=False)
@@ -206,6 +209,8 @@ class Replies:
         if options.return_prompt_text and self.tokenizer is not None:
             text = self.tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=False)
             shaper = dataclasses.replace(shaper, prompt_text=text)
+        if echoes_logprobs(parsed):
+            shaper = dataclasses.replace(shaper, echo_token_ids=tuple(request.prompt_token_ids))
         return shaper
 
     def _shaper(self, parsed: ParsedRequest, request: Request) -> ReplyShaper:
@@ -239,6 +244,12 @@ class Replies:
         return ReplyShaper(parsed.custom_id, options, role=role, echo_text=echo, tools=tuple(prompt.tools or ()),
                            parse_tools=tool_calls.PARSERS.get(self.tool_call_parser), split_reasoning=split,
                            opened_in_prompt=opened, thinking_disabled=kwargs.get("enable_thinking") is False)
+
+
+def echoes_logprobs(parsed: ParsedRequest) -> bool:
+    """Whether the request is a completion with echo and logprobs: its logprobs listing starts with the prompt's
+    tokens (the first without a logprob), as OpenAI's legacy completions and vLLM list them."""
+    return parsed.reply.echo and parsed.messages is None and parsed.sampling.logprobs is not None
 
 
 def _message_text(message: dict) -> str:

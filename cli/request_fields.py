@@ -174,9 +174,9 @@ FIELDS: tuple[RequestField, ...] = (
        why="a pattern of the outlines backend: JSON whitespace is on or off here "
            "(structured_outputs.disable_any_whitespace)"),
     # ---- output text ----
-    _F("echo", HONOURED, BOTH, "completions: the prompt is prepended to the text (with logprobs: an error, the "
-       "prompt's token logprobs are not listed; use prompt_logprobs); chat: the last message's content to the "
-       "reply's, if it has the reply's role"),
+    _F("echo", HONOURED, BOTH, "completions: the prompt is prepended to the text (with logprobs, its tokens are "
+       "listed first, the first with a null logprob, as OpenAI and vLLM list them); chat: the last message's "
+       "content to the reply's, if it has the reply's role"),
     _F("skip_special_tokens", HONOURED, BOTH, "leave special tokens out of the text (default true)"),
     _F("spaces_between_special_tokens", HONOURED, BOTH, "false: no space between two special tokens in the "
        "text (with skip_special_tokens false; default true)"),

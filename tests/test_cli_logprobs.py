@@ -73,7 +73,6 @@ def test_logprobs_in_every_output_shape(model, tmp_path):
                                                   "vocabulary of 512"),
     ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "stop_token_ids": [10 ** 12]}},
      f"stop_token_ids names token id {10 ** 12}, outside"),
-    ({"url": "/v1/completions", "body": {"prompt": "a", "echo": True, "logprobs": 2}}, "echo with logprobs"),
 ])
 def test_bad_logprobs_and_token_fields_are_error_records(model, tmp_path, line, message):
     code, recs = run(model, tmp_path, [line, {"prompt": "ok", "max_tokens": 2}])
