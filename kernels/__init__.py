@@ -28,8 +28,9 @@ def cuda_device_count() -> int:
         return 0
 
 
-def get_ops(device: str = "auto", dtype: str | None = None) -> Ops:
-    """The ops object for `device` ("auto", "cpu" or "cuda") computing in `dtype` (None: the device's default)."""
+def get_ops(device: str = "auto", dtype: str | None = None, deterministic: bool = False) -> Ops:
+    """The ops object for `device` ("auto", "cpu" or "cuda") computing in `dtype` (None: the device's default);
+    `deterministic`: with batch-invariant kernels (`Ops.deterministic`)."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"unknown device {device!r} (use auto, cpu or cuda)")
     if device == "auto":
@@ -39,10 +40,10 @@ def get_ops(device: str = "auto", dtype: str | None = None) -> Ops:
 
         if dtype not in (None, "float32"):
             raise ValueError("the CPU backend computes in float32 only; --dtype applies to cuda")
-        return NumpyOps("float32")
+        return NumpyOps("float32", deterministic=deterministic)
     if not cuda_available():
         raise RuntimeError("--device cuda: CuPy is not installed or no GPU is visible "
                            "(pip install 'prefixrun[cuda12]' or '[cuda13]')")
     from prefixrun.kernels.cuda import CudaOps
 
-    return CudaOps(dtype or "bfloat16")
+    return CudaOps(dtype or "bfloat16", deterministic=deterministic)

@@ -57,7 +57,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
     # 64-row blocks: fewer table entries per sequence and whole MMA key tiles (measured faster than 16)
     default_block_size = 64
 
-    def __init__(self, dtype: str = "bfloat16", tuning: CudaTuning | None = None):
+    def __init__(self, dtype: str = "bfloat16", tuning: CudaTuning | None = None, deterministic: bool = False):
         if dtype == "bfloat16":
             self.act_dtype = ml_dtypes.bfloat16
         elif dtype == "float32":
@@ -71,8 +71,11 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
         self._smem_set: set = set()
         # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
         self.tuning = tuning or CudaTuning()
+        if deterministic:
+            self.tuning = dataclasses.replace(self.tuning, deterministic=True)
         self.auto_speculation = self.tuning.speculative_auto  # the Ops query (kernels/ops.py)
         self.max_conv_width = max(CONV_WIDTHS)  # kernels/conv.cu is compiled for these widths
+        self.deterministic = self.tuning.deterministic  # the Ops query (kernels/ops.py)
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._device_id = cupy.cuda.Device().id  # for calls from other threads (upload_ahead)
         self._preparing: threading.Thread | None = None  # prepare_kernels' loader
@@ -85,6 +88,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
         other = copy.copy(self)
         other.tuning = dataclasses.replace(self.tuning, **changes)
         other.auto_speculation = other.tuning.speculative_auto
+        other.deterministic = other.tuning.deterministic
         return other
 
     # ---- queries ------------------------------------------------------------------------------------------------

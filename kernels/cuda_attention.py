@@ -151,7 +151,12 @@ class AttentionOps:
         slots_h, ctx_h, cu_h = (cupy.asnumpy(a).astype(np.int64) for a in (slots, context_lens, cu_seqlens))
         start_h = ctx_h - (cu_h[1:] - cu_h[:-1])
         first_h = np.maximum(0, start_h - w + 1)  # earliest position a new query can see
-        local_len = ctx_h - first_h
+        # local row 0 = position `base`: deterministic attention tiles keys from multiples of the tile width on,
+        # as a decode step over the ring does, so the gathered rows start on such a multiple (the rows below the
+        # window stay zero and are masked)
+        tile = self.tuning.keys_per_tile(q.shape[2]) if self.tuning.deterministic else 1
+        base = first_h // tile * tile
+        local_len = ctx_h - base
         width = int(local_len.max())
         hkv, d = k.shape[1], k.shape[2]
         tmp_k = cupy.zeros((nseq, width, hkv, d), k_ring.dtype)
@@ -160,10 +165,10 @@ class AttentionOps:
         ring_dst, ring_src, new_dst, new_src = [], [], [], []
         for b in range(nseq):
             prev = np.arange(first_h[b], start_h[b])
-            ring_dst.append(b * width + (prev - first_h[b]))
+            ring_dst.append(b * width + (prev - base[b]))
             ring_src.append(slots_h[b] * w + prev % w)
             new = np.arange(start_h[b], ctx_h[b])
-            new_dst.append(b * width + (new - first_h[b]))
+            new_dst.append(b * width + (new - base[b]))
             new_src.append(cu_h[b] + new - start_h[b])
         flat = lambda a: a.reshape((-1,) + a.shape[-2:])
         ring_dst, ring_src = np.concatenate(ring_dst), np.concatenate(ring_src)

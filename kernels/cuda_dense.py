@@ -6,13 +6,18 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from prefixrun.kernels.cublaslt import ALIGNMENT_BYTES, get_pinned_gemm
 from prefixrun.kernels.cuda_arrays import F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
     matrix_view, norm_blocks, row_view, type_name, vectors_ok
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.tuning import elementwise_launch, elementwise_vector, norm_launch
 
 class DenseOps:
-    """CudaOps' dense ops (its `_act` storage dtype, `_blas` handle and `_cast`)."""
+    """CudaOps' dense ops (its `_act` storage dtype, `_blas` handle, `tuning` and `_cast`)."""
+
+    @staticmethod
+    def _pinned_gemm():
+        return get_pinned_gemm()
 
     def embed(self, table, ids):
         """table [V, D], ids [T] -> [T, D]"""
@@ -38,7 +43,14 @@ class DenseOps:
             x2 = cupy.ascontiguousarray(x2)
         weight = cupy.ascontiguousarray(weight)
         out = cupy.empty((x2.shape[0], weight.shape[0]), out_dtype)
-        self._blas.gemm_nt(x2, weight, out, pedantic=weight.dtype == F32)
+        if self.tuning.deterministic:  # one algorithm per weight shape, whatever M is (kernels/cublaslt.py)
+            if (x2.shape[0] > 1 and x2.strides[0] != k * item) or x2.data.ptr % ALIGNMENT_BYTES:
+                x2 = x2.copy()  # C-contiguous, in a fresh (aligned) allocation
+            if weight.data.ptr % ALIGNMENT_BYTES:
+                weight = weight.copy()
+            self._pinned_gemm().gemm_nt(x2, weight, out, pedantic=weight.dtype == F32)
+        else:
+            self._blas.gemm_nt(x2, weight, out, pedantic=weight.dtype == F32)
         return out.reshape(lead + (weight.shape[0],))
 
     def linear(self, x, weight):

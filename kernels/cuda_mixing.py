@@ -49,7 +49,7 @@ class SequenceMixingOps:
             (cblocks, nseq), (128,), (x, i64(sx), conv_state, slots, cu, i32(c)))
         return out
 
-    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False):
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
@@ -57,7 +57,9 @@ class SequenceMixingOps:
         steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
         prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
         a prefill of a few long sequences the fp32 chunked form (64-token chunks, two launches each; see
-        kernels/tuning.py). `chunk_size` is the reference's, accepted for signature compatibility.
+        kernels/tuning.py). `chunk_size` is the reference's, accepted for signature compatibility. `prefill`: the
+        step is a prefill step; a deterministic tuning then takes the chunked form for every sequence, and
+        otherwise gdn_rows_kernel, so a row's arithmetic never depends on the batch (kernels/tuning.py).
         Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
         q = q if q.dtype == dt else self._cast(q, dt)
@@ -85,7 +87,11 @@ class SequenceMixingOps:
         aligned = dt == BF16 and all(x.data.ptr % 16 == 0 and s % 8 == 0 for x, s in
                                      ((q, qst), (q, qsh), (k, kst), (k, ksh), (v, vst), (v, vsh)))
         launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv,
-                                   tensor_cores=aligned)
+                                   tensor_cores=aligned, prefill=prefill)
+        if launch.kernel == "rows":  # token by token as a verify step's rows, no snapshots (rows all -1)
+            self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, state, slots, cu,
+                           cupy.full(t, -1, cupy.int32), krep, out)
+            return out
         if launch.tensor_cores:
             self._gdn_tc(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
@@ -193,9 +199,16 @@ class SequenceMixingOps:
         slots_i, cu, rows = device_index(slots), device_index(cu_seqlens), device_index(snapshot_rows)
         nseq = slots_i.shape[0]
         if t and nseq:
-            kernel("spec_rows", f"gdn_rows_kernel<{type_name(dt)}>")(
-                (-(-dv // 32), h, nseq), (128,),
-                (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state,
-                 snapshots, slots_i, cu, rows, i32(h), i32(h // hk), i32(dk), i32(dv),
-                 np.float32(1.0 / math.sqrt(dk)), out))
+            self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots_i, cu, rows,
+                           h // hk, out)
         return out
+
+    @staticmethod
+    def _gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots, cu, rows, krep, out):
+        """gdn_rows_kernel (kernels/spec_rows.cu): a block per (sequence, head, 32 value columns), tokens in
+        turn; the state after token t also to snapshots[rows[t]] where rows[t] >= 0."""
+        dk, (h, dv), nseq = q.shape[2], v.shape[1:], slots.shape[0]
+        kernel("spec_rows", f"gdn_rows_kernel<{type_name(v.dtype)}>")(
+            (-(-dv // 32), h, nseq), (128,),
+            (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state, snapshots, slots,
+             cu, rows, i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)), out))

@@ -53,7 +53,7 @@ class MoeReferenceOps:
             a, b = int(offsets[e]), int(offsets[e + 1])
             if b > a:
                 rows = x[token_of_row[a:b]] if token_of_row is not None else x[a:b]  # [n_e, in]
-                out[a:b] = rows @ weight[e].T
+                out[a:b] = self._product(rows, weight[e])
         return out
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None):

@@ -15,5 +15,8 @@ NUMERICS_VERSION = 6
 
 
 def numerics_id(ops) -> str:
-    """The version, the backend and its storage dtype: a CPU fp32 checkpoint never serves a CUDA bf16 run."""
-    return f"numerics-v{NUMERICS_VERSION}:{ops.display_name}:{ops.dtype_name}"
+    """The version, the backend and its storage dtype: a CPU fp32 checkpoint never serves a CUDA bf16 run; and
+    whether the kernels were batch-invariant (--deterministic): a deterministic run never resumes from a state the
+    other kernels computed, nor the other way round."""
+    mode = ":deterministic" if ops.deterministic else ""
+    return f"numerics-v{NUMERICS_VERSION}:{ops.display_name}:{ops.dtype_name}{mode}"

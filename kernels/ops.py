@@ -39,6 +39,9 @@ class Ops(Protocol):
     default_block_size: int  # K/V rows per paged block that this backend runs best with
     auto_speculation: bool  # --speculative auto may draft here (the backend's multi-row steps have been checked)
     max_conv_width: int | None  # the widest causal convolution (kernel width) `causal_conv1d` runs; None: any
+    # batch-invariant kernels (--deterministic): a row's results depend on its own inputs and, for the sequence
+    # mixers, on whether the step is a prefill step, never on the other rows, their number or how a step was cut
+    deterministic: bool
 
     def free_memory(self) -> int | None:
         """Bytes of device memory still available for state pools; None when state lives in host memory that the
@@ -174,9 +177,11 @@ class Ops(Protocol):
         """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]
         (silu False: the convolution alone)"""
 
-    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64) -> Array:
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False) -> Array:
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
-        -> o [T, H, Dv]"""
+        -> o [T, H, Dv]. `prefill`: a prefill step; a deterministic backend computes each of its sequences in
+        chunks of `chunk_size` tokens from the sequence's first new token (the engine starts them on multiples of
+        it), and every other step token by token, as `gated_delta_rule_rows` does."""
 
     def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows,
                            silu: bool = True) -> Array:

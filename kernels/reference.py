@@ -28,12 +28,22 @@ class NumpyOps(MoeReferenceOps):
     auto_speculation = True  # the reference's multi-row steps are what the speculative tests check
     max_conv_width = None  # any width: the reference loops over the kernel
 
-    def __init__(self, dtype: str = "float32"):
+    def __init__(self, dtype: str = "float32", deterministic: bool = False):
         if dtype != "float32":
             raise ValueError("the CPU backend computes in float32 only")
         keep_freed_memory()  # every step's large temporaries reuse the heap instead of faulting in fresh pages
         self.act_dtype = np.float32
         self.dtype_name = dtype
+        # batch-invariant (the Ops query): BLAS sums a row of x @ w.T in an order that depends on the row count
+        # (even 256 vs 300 rows), and attention's softmax sums depend on the keys of the step; so products go one
+        # row at a time and attention one query at a time over its visible keys (a few times slower)
+        self.deterministic = deterministic
+
+    def _product(self, x, weight):
+        """x [M, in] @ weight[out, in].T, row by row where deterministic (the same BLAS call for every row)."""
+        if not self.deterministic or x.ndim != 2:
+            return x @ weight.T
+        return np.matmul(x[:, None, :], weight.T)[:, 0, :]
 
     # ---- queries ------------------------------------------------------------------------------------------
     def free_memory(self) -> int | None:
@@ -106,7 +116,7 @@ class NumpyOps(MoeReferenceOps):
 
     def linear(self, x, weight):
         """x [T, in] @ weight[out, in].T -> [T, out] (weights are stored as HF stores them)"""
-        return x @ weight.T
+        return self._product(x, weight)
 
     def rms_norm(self, x, weight, eps):
         """x [..., D] * rsqrt(mean(x^2) + eps) * weight [D]  (weight already includes any +1 offset)"""
@@ -185,7 +195,7 @@ class NumpyOps(MoeReferenceOps):
 
     def logits(self, x, lm_head):
         """x [N, D] @ lm_head[V, D].T -> fp32 [N, V]"""
-        return (x @ lm_head.T).astype(np.float32)
+        return self._product(x, lm_head).astype(np.float32)
 
     def rotary(self, x, positions, inv_freq):
         """Rotate the first 2*len(inv_freq) dims of each head, rotate-half layout (as HF). x [T, H, Dh] in place."""
@@ -239,12 +249,14 @@ class NumpyOps(MoeReferenceOps):
             conv_state[slots[b]] = xpad[n:].T  # the last K-1 inputs
         return y
 
-    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64):
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False):
         """Gated delta rule over each sequence's new tokens from its recurrent state (in place).
 
         q, k [T, Hk, Dk] (already L2-normalised, q not yet scaled; H % Hk == 0: value head h reads key head
         h // (H / Hk), as repeat_interleave), v [T, H, Dv], g (log decay), beta [T, H], state [num_slots, H, Dk, Dv] fp32. Per token: S = exp(g) S; u = beta (v - S^T k); S += k u^T;
         o = S^T (q / sqrt(Dk)). Sequences of one token take the recurrent step; longer ones the chunked form.
+        Deterministic: a prefill step (`prefill`) takes the chunked form for every sequence, any other step the
+        recurrent one token by token, so a token's numbers depend on its chunk alone, never on its batch.
         Returns o [T, H, Dv].
         """
         if k.shape != q.shape or v.shape[1] % q.shape[1]:
@@ -264,9 +276,10 @@ class NumpyOps(MoeReferenceOps):
             vs = v[s:e].astype(np.float32).transpose(1, 0, 2)  # [H, L, Dv]
             gs = g[s:e].T.astype(np.float32)  # [H, L]
             bs = beta[s:e].T.astype(np.float32)
-            if e - s == 1:
-                o, S = _delta_step(qs[:, 0], ks[:, 0], vs[:, 0], gs[:, 0], bs[:, 0], S)
-                out[s] = o
+            stepped = not prefill if self.deterministic else e - s == 1
+            if stepped:
+                for j in range(e - s):
+                    out[s + j], S = _delta_step(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], S)
             else:
                 for c in range(0, e - s, chunk_size):
                     sl = slice(c, min(c + chunk_size, e - s))
@@ -345,8 +358,20 @@ class NumpyOps(MoeReferenceOps):
                 blocks = np.concatenate([shared.tables[group_table[b], :nshared], blocks[nshared:]])
             kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]  # [ctx, Hkv, D]
             vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]
-            out[s:e] = _attend(q[s:e], kk, vv, np.arange(ctx - (e - s), ctx), np.arange(ctx), scale, sliding_window)
+            out[s:e] = self._attend(q[s:e], kk, vv, np.arange(ctx - (e - s), ctx), np.arange(ctx), scale,
+                                    sliding_window)
         return out.astype(self.act_dtype)
+
+    def _attend(self, q, k, v, qpos, kpos, scale, window=None):
+        """`_attend`; deterministic: each query alone over exactly the keys it sees (its sums then have one
+        length and one order whatever step it is in)."""
+        if not self.deterministic:
+            return _attend(q, k, v, qpos, kpos, scale, window)
+        out = np.empty(q.shape, np.float32)
+        for i, p in enumerate(qpos):
+            seen = (kpos <= p) & ((kpos > p - window) if window is not None else True)
+            out[i:i + 1] = _attend(q[i:i + 1], k[seen], v[seen], qpos[i:i + 1], kpos[seen], scale, window)
+        return out
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
         """Sliding-window causal attention whose past K/V live in per-sequence rings, then the ring update.
@@ -369,7 +394,7 @@ class NumpyOps(MoeReferenceOps):
             kk = np.concatenate([k_ring[slot][prev % w], k[s:e]])  # [P + n, Hkv, D]
             vv = np.concatenate([v_ring[slot][prev % w], v[s:e]])
             kpos = np.concatenate([prev, np.arange(start, ctx)])
-            out[s:e] = _attend(q[s:e], kk, vv, np.arange(start, ctx), kpos, scale, w)
+            out[s:e] = self._attend(q[s:e], kk, vv, np.arange(start, ctx), kpos, scale, w)
             keep = np.arange(max(start, ctx - w), ctx)  # the new positions the ring keeps
             k_ring[slot][keep % w] = k[s + keep - start]
             v_ring[slot][keep % w] = v[s + keep - start]

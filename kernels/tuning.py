@@ -134,6 +134,11 @@ class CudaTuning:
     # greedy tokens, where a verify step rounds differently from a plain step, are the same from run to run; its
     # plain steps keep the decode pipeline (bench/device_spec.sh measures them against off).
     speculative_auto: bool = True
+    # --deterministic: every kernel choice a function of what one row computes, never of the batch: GEMMs with one
+    # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention in attn_mma_kernel alone (no split over
+    # key ranges, no cascade, no wgmma: their sums run in other orders), the delta rule chunked on every prefill
+    # row and token by token in one kernel (gdn_rows_kernel) on every decode and verify row
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
@@ -176,9 +181,13 @@ class DeltaRuleLaunch:
 
 
 def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, heads: int, dk: int,
-                      dv: int, tensor_cores: bool = False) -> DeltaRuleLaunch:
+                      dv: int, tensor_cores: bool = False, prefill: bool = False) -> DeltaRuleLaunch:
     """The delta-rule kernel for a step of `tokens` new tokens over `seqs` sequences, `heads` value heads.
-    `tensor_cores`: bf16 q/k/v with 16-byte aligned rows (dims and strides multiples of 8; the caller checks)."""
+    `tensor_cores`: bf16 q/k/v with 16-byte aligned rows (dims and strides multiples of 8; the caller checks).
+    `prefill`: the step is a prefill step (only a deterministic tuning asks)."""
+    if tuning.deterministic:
+        return _deterministic_delta_rule(tuning, tokens=tokens, seqs=seqs, heads=heads, dk=dk, dv=dv,
+                                         tensor_cores=tensor_cores, prefill=prefill)
     if tensor_cores and _use_tensor_cores(tuning, tokens, seqs, dk, dv):
         dim = next(d for d in GDN_TC_DIMS if d >= max(dk, dv))
         warps = tuning.gdn_tc_warps or 4
@@ -196,6 +205,24 @@ def delta_rule_launch(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: i
     cols = 128 // (dkp // rows_per_thread) * GDN_COLS  # value columns per 128-thread block
     return DeltaRuleLaunch(chunked=False, kernel=f"gdn_cols_kernel<{{t}}, {dkp}, {GDN_COLS}>",
                            grid=(-(-dv // cols), heads, seqs))
+
+
+def _deterministic_delta_rule(tuning: CudaTuning, *, tokens: int, seqs: int, heads: int, dk: int, dv: int,
+                              tensor_cores: bool, prefill: bool) -> DeltaRuleLaunch:
+    """The deterministic choice: a prefill step in the chunked form for every sequence, however few tokens it has
+    (the tensor-core form where the inputs allow it, else the fp32 one), so a token's output depends only on its
+    chunk, which the engine anchors at multiples of 64 positions; every other step (decode, verify) token by token
+    in gdn_rows_kernel, whose per-token arithmetic is the same at any row count (`kernel` "rows": the caller
+    launches it without snapshots)."""
+    if prefill and tokens and max(dk, dv) <= GDN_TC_DIMS[-1] and tensor_cores and tuning.gdn_tensor_cores \
+            and dk % 8 == 0 and dv % 8 == 0:
+        dim = next(d for d in GDN_TC_DIMS if d >= max(dk, dv))
+        warps = tuning.gdn_tc_warps or 4
+        return DeltaRuleLaunch(chunked=True, kernel=f"gdn_tc_scan_kernel<{dim}, {warps}>",
+                               grid=(-(-dv // (16 * warps)), heads, seqs), tensor_cores=True, dim=dim, warps=warps)
+    if prefill and dk <= GDN_CHUNK_DMAX and dv <= GDN_CHUNK_DMAX:
+        return DeltaRuleLaunch(chunked=True)
+    return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
 
 
 def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:
@@ -285,6 +312,10 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     if not tensor_cores:
         return AttentionPlan("scalar")
     d = head_dim
+    if tuning.deterministic:  # one kernel, one key tiling from position 0, for every row (CudaTuning.deterministic)
+        wide = 8 if d > 128 else 4
+        warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
+        return AttentionPlan("plain", warps=warps, keys=tuning.keys_per_tile(d))
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
     if choice == "auto":

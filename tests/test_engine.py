@@ -554,7 +554,7 @@ class _NoDisk:
 
     keeps_states = True  # offered states may be kept: worth retaining in memory (engine/cache/no_cache.py)
 
-    def lookup(self, tokens, minimum, maximum, state, share=None):
+    def lookup(self, tokens, minimum, maximum, state, share=None, usable=None):
         return None
 
     def offer(self, tokens, state, handle, logits):
@@ -831,7 +831,7 @@ class _MemoryDisk:
     def __init__(self):
         self.entries: dict[tuple, tuple] = {}
 
-    def lookup(self, tokens, minimum, maximum, state, share=None):
+    def lookup(self, tokens, minimum, maximum, state, share=None, usable=None):
         for n in range(maximum, minimum, -1):
             hit = self.entries.get(tuple(tokens[:n]))
             if hit is not None and (n < maximum or hit[1] is not None):

@@ -66,7 +66,7 @@ class StoredPrefixes(NoCache):
     def __init__(self):
         self.entries: dict[tuple, tuple] = {}
 
-    def lookup(self, tokens, minimum, maximum, state, share=None):
+    def lookup(self, tokens, minimum, maximum, state, share=None, usable=None):
         for n in range(maximum, minimum, -1):
             hit = self.entries.get(tuple(tokens[:n]))
             if hit is not None and (n < maximum or hit[1] is not None):

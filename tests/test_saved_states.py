@@ -11,7 +11,7 @@ class FakePool:
     def __init__(self, entry=None):
         self.entry, self.restored = entry, []
 
-    def lookup(self, tokens, minimum, maximum):
+    def lookup(self, tokens, minimum, maximum, usable=None):
         e = self.entry
         return e if e is not None and minimum < e.length <= maximum else None
 
@@ -24,7 +24,7 @@ class FakeCache:
     def __init__(self, length=None):
         self.length, self.calls = length, []
 
-    def lookup(self, tokens, minimum, maximum, state, share=None):
+    def lookup(self, tokens, minimum, maximum, state, share=None, usable=None):
         self.calls.append((len(tokens), minimum, maximum, share))
         if self.length is None or not minimum < self.length <= maximum:
             return None

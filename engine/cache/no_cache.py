@@ -10,7 +10,7 @@ class NoCache:
     store = None
     store_error = None
 
-    def lookup(self, tokens, minimum: int, maximum: int, state, share=None):
+    def lookup(self, tokens, minimum: int, maximum: int, state, share=None, usable=None):
         return None
 
     def may_retain(self, tokens, nbytes: int) -> bool:

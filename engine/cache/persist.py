@@ -242,15 +242,16 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
     # ---- read ---------------------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], minimum: int, maximum: int, state: ModelState,
-               share: StateHandle | None = None) -> tuple[StateHandle, object | None] | None:
+               share: StateHandle | None = None, usable=None) -> tuple[StateHandle, object | None] | None:
         """A new handle restored from the longest usable stored prefix, with its logits if it ends at maximum.
         `share`: the state of tokens[:minimum] already in memory; the restored handle shares its whole K/V blocks
-        instead of holding a second copy of them (so restored sequences share blocks like computed ones)."""
+        instead of holding a second copy of them (so restored sequences share blocks like computed ones).
+        `usable(length)`: which prefix lengths the caller may resume from (None: any)."""
         if self.store_error is not None:
             return None
         started = time.perf_counter()
         taken_before = self.costs.prefetch_used_bytes
-        found, read = self._lookup(tokens, minimum, maximum, state, share)
+        found, read = self._lookup(tokens, minimum, maximum, state, share, usable)
         seconds = time.perf_counter() - started
         self.costs.read_seconds += seconds
         if read:
@@ -268,7 +269,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             self._layout_memo = (state.specs, state_layout(state.specs, state.ops))
         return self._layout_memo[1]
 
-    def _lookup(self, tokens, minimum, maximum, state, share):
+    def _lookup(self, tokens, minimum, maximum, state, share, usable=None):
         layout = self._layout(state)
         def problem(checkpoint):  # already checked against this model on the prefetch thread, or now
             if (checkpoint.entry_id, checkpoint.file_name) in self._checked:
@@ -283,11 +284,11 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             return self._take_read_ahead(entry_id, file_name, resident)
         try:
             got = self.store.get(self.key, tokens, maximum, minimum, problem=problem, afford=afford,
-                                 preread=preread, resident_rows=resident)
+                                 preread=preread, resident_rows=resident, usable=usable)
             reads = got.reads
             if got.hit and len(got.checkpoint.tokens) == maximum and LOGITS_REGION not in got.checkpoint.regions:
                 got = self.store.get(self.key, tokens, maximum - 1, minimum, problem=problem, afford=afford,
-                                     preread=preread, resident_rows=resident)
+                                     preread=preread, resident_rows=resident, usable=usable)
                 reads.add(got.reads)
         except _STORE_FAILURES as error:
             self._give_up("lookup", error)

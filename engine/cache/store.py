@@ -201,7 +201,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         problem: Callable[[StoredCheckpoint], str | None] | None = None,
         afford: Callable[[int, int], bool] | None = None,
         preread: Callable[[str, str], StoredCheckpoint | None] | None = None,
-        resident_rows: int = 0,
+        resident_rows: int = 0, usable: Callable[[int], bool] | None = None,
     ) -> Get:
         """The longest stored prefix P of `tokens` with min_len < len(P) <= max_len for this model and layout,
         verified (see the trust rules above), in a Get that also says what the search read and skipped.
@@ -213,7 +213,8 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         (read_entry, e.g. prefetched on another thread): a blob is immutable under its name, so it is used instead
         of reading the file again; the remaining checks (tokens, `problem`) still run. `resident_rows`: K/V rows
         the caller holds in memory already (the state it would otherwise compute from); whole K/V blocks within
-        them are neither read nor counted by `afford` (their rows are zero in the result)."""
+        them are neither read nor counted by `afford` (their rows are zero in the result). `usable(length)`, if
+        given, rules stored lengths in or out before anything is read (a deterministic run resumes only from some)."""
         check_store_key(key)
         for name, value in (("max_len", max_len), ("min_len", min_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -224,6 +225,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
             # Only lengths that exist for this model/layout are probed, each by primary key: no scan of entries.
             lengths = stored_lengths(self._db, key.model_digest, key.layout_digest, min_len, upper) \
                 if upper > min_len else []
+            lengths = [n for n in lengths if usable is None or usable(n)]
             # only the prefix a stored length can use is converted and checked: most lookups of a run (its
             # prompts' ends, with nothing stored past their shared prefix) find no length and convert nothing
             token_array = as_token_array(tokens[:lengths[0]]) if lengths else None

@@ -120,11 +120,12 @@ class Loading:
 
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
                max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
-               front: ModelFront | None = None) -> Loading:
-    """The load's first part (see `load`): the front (`front`: loaded already), the backend, the checkpoint's
-    files opened, the backend's kernels getting ready in the background."""
+               front: ModelFront | None = None, deterministic: bool = False) -> Loading:
+    """The load's first part (see `load`): the front (`front`: loaded already), the backend (with batch-invariant
+    kernels where `deterministic`), the checkpoint's files opened, the backend's kernels getting ready in the
+    background."""
     front = front or load_front(model_dir)
-    ops = get_ops(device, dtype)
+    ops = get_ops(device, dtype, deterministic)
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
     # in the background, while the weights load; the plan (a dry build of the model) is made there too
     ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,

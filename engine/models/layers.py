@@ -277,7 +277,7 @@ class GatedDeltaNet:
         # value heads share key heads in groups (repeat_interleave, as HF): the op reads key head h // (Hv / Hk)
         if rows is None:
             o = ops.gated_delta_rule(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
-                                     batch.cu_seqlens)  # [T, Hv, Dv]
+                                     batch.cu_seqlens, prefill=batch.prefill)  # [T, Hv, Dv]
         else:
             o = ops.gated_delta_rule_rows(q, k, v, g, beta, state.arrays[self.recurrent_region], batch.slots,
                                           batch.cu_seqlens, state.snapshots[self.recurrent_region], rows)

@@ -24,6 +24,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# --deterministic: the chunk of the chunked delta rule (64 tokens in every kernel), as a grid of absolute positions.
+# A prefill piece then always starts on it, so each chunk is [64 i, min(64 (i + 1), end)) on every path a prompt
+# can take: branch checkpoints move down to the grid (`snap_to_grid`) and continuations recompute the tail.
+CHUNK_GRID = 64
+
+
+def chunk_grid(ops) -> int:
+    """Where `ops`' prefill pieces must start and states be resumed from: multiples of this (0: anywhere). A
+    backend with batch-invariant kernels chunks each prefill piece from its first token."""
+    return CHUNK_GRID if ops.deterministic else 0
+
+
+def resumable(grid: int, end: int):
+    """The saved lengths a task ending at `end` may start from (None: any). On a grid a state continues with more
+    prefill only from a grid line; at its own end (a prompt's, with its logits) it needs none."""
+    return (lambda n: n % grid == 0 or n == end) if grid else None
+
+
+def grid_stop(grid: int, pos: int, stop: int, first: bool) -> int:
+    """Where a prefill piece from `pos` (on the grid) that the budget would end at `stop` (short of its task's end)
+    ends on the grid: the line at or below `stop`, else for the step's `first` piece the next line, else `pos`
+    (no piece this step)."""
+    line = stop // grid * grid
+    return line if line > pos else pos + grid if first else pos
+
 
 @dataclass(eq=False)
 class TrieNode:
@@ -82,6 +107,43 @@ def build_trie(prompts: list[list[int]], share: bool = True) -> TrieNode:
             node, pos = child, pos + n
         node.requests.append(idx)
     return root
+
+
+def snap_to_grid(root: TrieNode, grid: int) -> TrieNode:
+    """Move every branch point of `root`'s trie down to a multiple of `grid` (in place; returns root).
+
+    A node that continues with more prefill (it has child segments) and ends off the grid ends at the grid line
+    below instead, and each continuation (each child, and one leaf for the requests ending there) starts there,
+    recomputing the tokens in between; a node with no grid line inside it gives its continuations to its parent.
+    Prompt ends stay where they are: from a state there only decoding follows. Siblings may then share first
+    tokens, so children are keyed by their order, not by token."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        kept = [snapped for child in node.ordered_children() for snapped in _snapped(child, grid)]
+        node.children = dict(enumerate(kept))
+        for child in kept:
+            child.parent = node
+        stack.extend(kept)
+    return root
+
+
+def _snapped(node: TrieNode, grid: int) -> list[TrieNode]:
+    """The nodes that take `node`'s place among its parent's children (node.start is on the grid)."""
+    if not node.children or node.end % grid == 0:
+        return [node]
+    line = node.end // grid * grid
+    tail = node.tokens[line - node.start:]  # [line, end): recomputed by every continuation
+    moved = node.ordered_children()
+    for child in moved:
+        child.tokens, child.start = tail + child.tokens, line
+    if node.requests:
+        moved.append(TrieNode(line, list(tail), requests=node.requests))
+    if line > node.start:
+        node.tokens, node.requests = node.tokens[:line - node.start], []
+        node.children = dict(enumerate(moved))
+        return [node]
+    return [snapped for child in moved for snapped in _snapped(child, grid)]  # no grid line inside: dissolved
 
 
 def _common_prefix(seg: list[int], prompt: list[int], pos: int) -> int:
@@ -203,10 +265,14 @@ class Plan:
         return "\n".join("  " * t.depth + t.describe() for t in self.tasks)
 
 
-def make_plan(prompts: list[list[int]], share: bool = True, samples: list[int] | None = None) -> Plan:
+def make_plan(prompts: list[list[int]], share: bool = True, samples: list[int] | None = None,
+              grid: int = 0) -> Plan:
     """The plan of a window: one task per trie node, plus one decode task per request ending at a branch point.
-    `samples[i]`: the sequences request i decodes (default 1), each a decode task of its own."""
+    `samples[i]`: the sequences request i decodes (default 1), each a decode task of its own. `grid` > 0: branch
+    points on multiples of it (`snap_to_grid`; the plan's distinct tokens then count the recomputed tails)."""
     root = build_trie(prompts, share)
+    if grid:
+        snap_to_grid(root, grid)
     samples = [1] * len(prompts) if samples is None else samples
     tasks: list[Task] = []
     roots: list[Task] = []

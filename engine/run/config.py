@@ -223,6 +223,10 @@ class RunConfig:
                 "MTP head); greedy outputs never change", choices=SPECULATIVE_MODES, panel=_SPECULATIVE)
     num_draft_tokens: int = option(DEFAULT_DRAFT_TOKENS, "drafted tokens per sequence and step", at_least=1,
                                    at_most=MAX_DRAFT_TOKENS, panel=_SPECULATIVE)
+    deterministic: bool = option(
+        False, "batch-invariant numerics: a request's tokens are bit-identical whatever else is in its batch and "
+               "whatever the batch, window, prefill, memory, cache and speculation settings (README: what is "
+               "promised); on a GPU somewhat slower", flag="--deterministic", envvar="PREFIXRUN_DETERMINISTIC")
 
     def __post_init__(self):
         SamplingDefaults(**self.sampling_overrides)  # InvalidRequest naming the bad value

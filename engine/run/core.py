@@ -19,7 +19,7 @@ from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.state.checkpoints import CheckpointPool
 from prefixrun.engine.run.executor import DecodingStarts, WindowExecutor, WindowParts, error_result, spill
 from prefixrun.engine.step.model_runner import ModelRunner
-from prefixrun.engine.plan.planner import Plan, make_plan
+from prefixrun.engine.plan.planner import Plan, chunk_grid, make_plan
 from prefixrun.engine.request import ModelProcessing, Request, Result
 from prefixrun.engine.run.config import (CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig, declared_of,
                                          default_of)
@@ -151,7 +151,8 @@ class Engine:
         if not runnable:
             return
         prompts = [r.prompt_token_ids for r in runnable]
-        plan = make_plan(prompts, share=self.opts.reuse, samples=[r.sampling.sequences for r in runnable])
+        plan = make_plan(prompts, share=self.opts.reuse, samples=[r.sampling.sequences for r in runnable],
+                         grid=chunk_grid(self.ops))
         self.stats.distinct_prefix_tokens += plan.distinct_tokens if self.opts.reuse \
             else make_plan(prompts).distinct_tokens
         self.last_plan, self.last_trace = plan, Trace()

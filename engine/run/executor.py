@@ -27,7 +27,7 @@ from typing import Iterator
 
 from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
-from prefixrun.engine.plan.planner import Plan, Task
+from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
 from prefixrun.engine.request import Completion, ModelProcessing, Request, Result, Usage
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet
@@ -107,6 +107,7 @@ class WindowExecutor:
         self.opts, self.state, self.pool, self.runner = parts.options, parts.state, parts.pool, parts.runner
         self.ops, self.cache, self.speculator, self.stats = parts.ops, parts.cache, parts.speculator, parts.stats
         self.decoding_starts = parts.decoding
+        self.grid = chunk_grid(self.ops)  # prefill pieces and resumed states on it
         self.saved_states = SavedStates(self.pool, self.cache, self.state)  # memory, then disk
         o = self.opts
         self.sched = Scheduler(self.state, self.pool, requests, max_batch=o.max_batch,
@@ -239,7 +240,7 @@ class WindowExecutor:
             # sharing the base's whole K/V blocks: a state read from disk then shares them like a fork does
             found = self.saved_states.longest(task.path, b, end, base=base if isinstance(base, CheckpointEntry)
                                               else None, share=base.handle if base is not None else None,
-                                              disk_ok=disk_ok)
+                                              disk_ok=disk_ok, usable=resumable(self.grid, task.end))
             if found is not None:
                 # the base was made (and its tokens charged) all the same: the chain goes on through its run, so
                 # its carrier still pays for what it computed and only [b, hit) counts as the hit's
@@ -313,7 +314,9 @@ class WindowExecutor:
             for i in pending:
                 if budget <= 0:
                     break
-                stop = self._piece_end(group[i], handles[i], offsets[i], len(todos[i]), budget)
+                stop = self._piece_end(group[i], handles[i], offsets[i], len(todos[i]), budget, not batch_idx)
+                if stop == offsets[i]:
+                    continue  # the budget left does not reach this task's next grid line
                 batch_idx.append(i)
                 pieces.append(todos[i][offsets[i]:stop])
                 budget -= stop - offsets[i]
@@ -332,10 +335,16 @@ class WindowExecutor:
                     self._maybe_retain(group[i], handles[i], out[row])
             pending = [i for i in pending if offsets[i] < len(todos[i])]
 
-    def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int) -> int:
+    def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int,
+                   first: bool = True) -> int:
         """Where this step's piece of a task stops: the token budget, or a block-aligned retention point of a
-        shared prefix (so that its state can be kept for later runs, as the seed cache does)."""
+        shared prefix (so that its state can be kept for later runs, as the seed cache does). On the chunk grid
+        a piece that stops short of the task's end stops on a grid line: the one below the budget's end, else
+        (the step's `first` piece) the next one, else nowhere (offset: no piece this step)."""
         stop = min(total, offset + budget)
+        if self.grid and stop < total:  # handle.length: on the grid, where the previous piece stopped
+            line = grid_stop(self.grid, handle.length, handle.length + stop - offset, first)
+            stop = min(total, offset + line - handle.length)
         rb = self.opts.retain_block
         # only where `_maybe_retain` may keep the state: without a store a split step is only a slower one (the
         # 4b-like shared prefix as 1792 + 256 tokens: 46 ms of host launches for ~30 ms of device work, vs 29 ms)

@@ -26,20 +26,21 @@ class SavedStates:
         self.pool, self.cache, self.state = pool, cache, state
 
     def longest(self, tokens, minimum: int, maximum: int, *, base: CheckpointEntry | None = None,
-                share: StateHandle | None = None, disk_ok: bool = True) -> SavedState | None:
+                share: StateHandle | None = None, disk_ok: bool = True, usable=None) -> SavedState | None:
         """The longest saved state of `tokens` whose length is in (minimum, maximum], restored into the pools.
 
         `base`: the entry the caller already starts from (not a hit); `share`: the state of tokens[:minimum] in
         memory, whose whole K/V blocks a state read from disk shares instead of holding a second copy; `disk_ok`:
         whether the disk may be read (a state read from disk shares only the base's whole blocks, not its partial
-        last one, so it may need blocks the admission rule credited to the base; and it needs two free slots)."""
-        entry = self.pool.lookup(tokens, minimum, maximum)
+        last one, so it may need blocks the admission rule credited to the base; and it needs two free slots).
+        `usable(length)`: the lengths the caller may resume from (None: any)."""
+        entry = self.pool.lookup(tokens, minimum, maximum, usable)
         if entry is not None and entry is not base and (entry.length < maximum or entry.logits is not None):
             logits = entry.logits if entry.length == maximum else None
             return SavedState(self.pool.restore(entry), logits, "memory")
         if not disk_ok or self.state.slots.free_count < 2:
             return None
-        found = self.cache.lookup(list(tokens), minimum, maximum, self.state, share=share)
+        found = self.cache.lookup(list(tokens), minimum, maximum, self.state, share=share, usable=usable)
         if found is None:
             return None
         handle, logits = found

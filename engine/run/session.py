@@ -46,7 +46,8 @@ class EngineSession:
             opening = StoreOpening(s.cache_root, s.cache_budget)  # its maintenance runs while the weights load
         try:
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
-                                        max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front)
+                                        max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
+                                        deterministic=s.deterministic)
             if opening is not None:
                 from prefixrun.engine.cache.opening import CacheOpening
 
@@ -161,6 +162,7 @@ class EngineSession:
             "model": str(self.loaded.path), "device": self.loaded.ops.display_name,
             "load_seconds": round(self.load_seconds, 4), "max_batch": opts.max_batch,
             "max_batch_from": self.max_batch_source, "block_size": opts.block_size,
+            "deterministic": self.loaded.ops.deterministic,
         }
         speculative = self.engine.speculator.report()
         if speculative is not None:
@@ -181,7 +183,8 @@ def _weight_file_bytes(tensors) -> int:
 
 
 _NOT_SUMMED = {"checkpoint_budget_bytes", "load_seconds", "max_batch", "block_size", "entries", "bytes",
-               "budget_bytes", "num_draft_tokens", "prefill_tokens_per_s", "read_bytes_per_s", "write_bytes_per_s"}
+               "budget_bytes", "num_draft_tokens", "prefill_tokens_per_s", "read_bytes_per_s", "write_bytes_per_s",
+               "deterministic"}
 
 
 def merge_reports(reports: list[dict]) -> dict:

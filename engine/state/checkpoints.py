@@ -89,9 +89,11 @@ class CheckpointPool:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt, minimum: int, maximum: int) -> CheckpointEntry | None:
-        """Longest entry whose tokens are a prefix of `prompt`, with minimum < length <= maximum."""
-        lengths = sorted({e.length for e in self._entries.values() if minimum < e.length <= maximum}, reverse=True)
+    def lookup(self, prompt, minimum: int, maximum: int, usable=None) -> CheckpointEntry | None:
+        """Longest entry whose tokens are a prefix of `prompt`, with minimum < length <= maximum (and
+        `usable(length)` where given)."""
+        lengths = sorted({e.length for e in self._entries.values() if minimum < e.length <= maximum
+                          and (usable is None or usable(e.length))}, reverse=True)
         for n in lengths:
             e = self._entries.get(tuple(prompt[:n]))
             if e is not None:

@@ -205,10 +205,13 @@ class ModelState:
             self.blocks.decref(extra)
             del h.blocks[self.blocks_for(h.length):]
 
-    def prepare_step(self, handles: list[StateHandle], new_tokens: list[list[int]]) -> ForwardBatch:
+    def prepare_step(self, handles: list[StateHandle], new_tokens: list[list[int]],
+                     prefill: bool = False) -> ForwardBatch:
         """Reserve room for each handle's new tokens and build the step's index arrays on the backend. Lengths
-        advance."""
-        return self.step_arrays(handles, new_tokens).to_backend(self.ops.upload_index)
+        advance. `prefill`: the batch is marked a prefill step (ForwardBatch.prefill)."""
+        batch = self.step_arrays(handles, new_tokens)
+        batch.prefill = prefill
+        return batch.to_backend(self.ops.upload_index)
 
     def step_arrays(self, handles: list[StateHandle], new_tokens: list[list[int]], table_width: int | None = None,
                     pad: Padding | None = None, snapshot_rows: list[int] | None = None) -> ForwardBatch:

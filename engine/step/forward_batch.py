@@ -49,11 +49,13 @@ class ForwardBatch:
     # multi-row (speculative verify) steps: per token, the snapshot row that receives the state of `snapshot`
     # regions after that token (-1: none needed, e.g. a sequence's last row, whose state stays in its slot)
     snapshot_rows: Any = None  # [T]
+    # a prefill step (not an array): deterministic backends compute its recurrent layers in the chunked form
+    prefill: bool = False
     host: ForwardBatch | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def array_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "host")
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("host", "prefill"))
 
     def arrays(self) -> dict[str, Any]:
         """The fields present in this step (the shared_* ones only on grouped decode steps), in packing order."""
@@ -76,7 +78,7 @@ class ForwardBatch:
         for name, a in self.arrays().items():
             views[name] = buffer[off:off + a.size].reshape(a.shape)
             off += a.size
-        return ForwardBatch(**views, host=self)
+        return ForwardBatch(**views, prefill=self.prefill, host=self)
 
     def to_backend(self, upload_index) -> ForwardBatch:
         return self.views(upload_index(self.pack()))

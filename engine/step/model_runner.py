@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from prefixrun.engine.grammar.masks import TokenMasks
+from prefixrun.engine.plan.planner import CHUNK_GRID
 from prefixrun.engine.request import TokenLogprob
 from prefixrun.engine.step.decode_graphs import DecodeGraphs, greedy_params
 from prefixrun.engine.step.logits_processors import LogitsStage
@@ -49,7 +50,17 @@ class ModelRunner:
 
     def prefill(self, handles: list[StateHandle], pieces: list[list[int]]):
         """Append each piece to its handle's state; returns [B, V] logits of each piece's last token."""
-        return self.model.forward(self.state.prepare_step(handles, pieces), self.state)
+        return self.model.forward(self._prefill_batch(handles, pieces), self.state)
+
+    def _prefill_batch(self, handles: list[StateHandle], pieces: list[list[int]]):
+        """A prefill step's batch. Deterministic backends chunk each piece from its first token, so every piece
+        must start on the chunk grid (the planner and the executor place them there): else one token would take
+        different numbers on different paths, which is what the mode rules out."""
+        if self.ops.deterministic:
+            off = [h.length for h in handles if h.length % CHUNK_GRID]
+            if off:
+                raise RuntimeError(f"deterministic prefill from position {off[0]}, off the {CHUNK_GRID}-token grid")
+        return self.state.prepare_step(handles, pieces, prefill=True)
 
     @property
     def vocab_size(self) -> int:
@@ -57,7 +68,7 @@ class ModelRunner:
 
     def prefill_rows(self, handles: list[StateHandle], pieces: list[list[int]]):
         """`prefill` returning every row's logits [T, V] (the pieces' rows in order): prompt logprobs score them."""
-        return self.model.forward(self.state.prepare_step(handles, pieces), self.state, all_logits=True)
+        return self.model.forward(self._prefill_batch(handles, pieces), self.state, all_logits=True)
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence's last token and sample its next one; both run in the decode graph where the

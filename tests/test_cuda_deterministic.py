@@ -1,0 +1,78 @@
+"""--deterministic on the GPU (bf16): the pinned GEMM's rows do not depend on M, and the engine gives the same
+bits on every path (the comparisons of tests/test_deterministic.py, here through the CUDA kernels). The bench-scale
+check (64 bench prompts on a 4b-like model, the cost) is bench/device_deterministic.sh. Skipped without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+def _bits(ops, y):
+    h = np.ascontiguousarray(ops.to_host(y))
+    return h.view(np.uint16 if h.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("n, k", [(256, 64), (1024, 512), (4096, 2560), (2560, 9216)])
+def test_pinned_gemm_rows_do_not_depend_on_the_row_count(n, k):
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16", deterministic=True)
+    rng = np.random.default_rng(n + k)
+    w = ops.upload(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+    x = ops.upload(rng.standard_normal((300, k), dtype=np.float32))
+    for product in (ops.linear, ops.logits):
+        full = _bits(ops, product(x, w))
+        for lo, hi in ((0, 1), (0, 7), (0, 64), (0, 256), (100, 101), (3, 10), (37, 300)):
+            assert np.array_equal(_bits(ops, product(x[lo:hi], w)), full[lo:hi]), (product.__name__, lo, hi)
+
+
+def test_verify_rows_equal_decode_steps(model_dirs):
+    """A speculative step's rows and the same tokens fed one decode step at a time: the same logits, bit for bit
+    (deterministic kernels; by default the verify step's GEMM and attention shapes round differently)."""
+    from conftest import random_prompt
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.state.pools import ModelState
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16", deterministic=True)
+    model, _ = load_model(model_dirs["qwen3_5"], ops)
+    rows = random_prompt(9, 5)
+    state = ModelState(model.state_specs(), ops, num_slots=8, num_blocks=64, block_size=64,
+                       snapshot_capacity=len(rows))
+    plain = state.new_sequence()
+    model.forward(state.prepare_step([plain], [random_prompt(8, 150)], prefill=True), state)
+    spec = state.fork(plain)
+    steps = [_bits(ops, model.forward(state.prepare_step([plain], [[t]]), state)[0]) for t in rows]
+    verify = model.forward(state.prepare_rows_step([spec], [rows]), state, all_logits=True)  # [R, V]
+    state.commit([len(rows)])
+    for j, step in enumerate(steps):
+        assert np.array_equal(_bits(ops, verify[j]), step), j
+    state.release(spec)
+    state.release(plain)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_engine_gives_the_same_bits_on_every_path(family, model_dirs):
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.cuda import CudaOps
+    from test_deterministic import _bench_prompts, _options, _run
+
+    ops = CudaOps("bfloat16", deterministic=True)
+    model, _ = load_model(model_dirs[family], ops)
+    prompts = _bench_prompts()
+    base = _run(model, ops, prompts, _options())
+    for name, opts in {"max_batch 1": _options(max_batch=1), "max_batch 7": _options(max_batch=7),
+                       "max_prefill_tokens 40": _options(max_prefill_tokens=40), "no reuse": _options(reuse=False),
+                       "tiny checkpoint budget": _options(checkpoint_budget_bytes=1 << 16)}.items():
+        assert _run(model, ops, prompts, opts) == base, name
+    assert _run(model, ops, prompts, _options(), windows=2) == base, "two windows"
+    for i in (0, 7, 14):
+        assert _run(model, ops, [prompts[i]], _options())["r0"] == base[f"r{i}"], f"r{i} alone"
+    plain = _run(model, ops, prompts, _options(), logprobs=False)
+    assert _run(model, ops, prompts, _options(speculative="ngram"), logprobs=False) == plain, "ngram"
