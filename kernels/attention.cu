@@ -7,6 +7,8 @@
 // (mma.sync m16n8k16 bf16, fp32 accumulate); K/V tiles are gathered through the block table with cp.async (the
 // load of V overlaps QK^T, the load of the next K overlaps PV; row addresses are computed once per tile).
 // attn_scalar_kernel: one warp per (token, query head), fp32 math; the float32 backend and odd head dims use it.
+// Attention sinks (gpt-oss; `sinks` fp32 [Hq] or nullptr): a learned logit per query head that joins the softmax's
+// denominator only; both kernels add it when they normalise, attn_combine_kernel when it merges partials.
 //
 // Decode over a shared prefix (cascade): sequences whose block tables start with the same physical blocks read
 // those K/V once. Mode 1 runs the group's queries (all members x query heads as the rows of one "sequence") over
@@ -74,7 +76,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
                 const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
                 int block_size, float scale_log2, int window, bf16* __restrict__ out, int splits,
                 float* __restrict__ part_o, float* __restrict__ part_ml, int mode, int slot_base, i64 part_tokens,
-                const int* __restrict__ row_tok, const int* __restrict__ kv_from) {
+                const int* __restrict__ row_tok, const int* __restrict__ kv_from, const float* __restrict__ sinks) {
     constexpr int BM = 16 * NW;
     constexpr int NTH = 32 * NW;
     constexpr int LDS = D + 8;
@@ -284,7 +286,12 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     for (int hf = 0; hf < 2; ++hf) {
         if (!row_ok[hf]) continue;
         const int r = r0 + warp * 16 + g + hf * 8;
-        const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+        float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+        if (sinks != nullptr) {  // the head's sink joins the denominator: l e^m + e^sink, taken relative to m
+            const float sink = sinks[h * rep + r % rep] * 1.4426950408889634f, top = fmaxf(m_i[hf], sink);
+            const float kept = m_i[hf] == -INFINITY ? 0.f : exp2f(m_i[hf] - top);
+            inv = kept / (l_i[hf] * kept + exp2f(sink - top));
+        }
         bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
 #pragma unroll
         for (int i = 0; i < DT; ++i)
@@ -293,14 +300,17 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
 }
 
 // Merge the split-K partials of attn_mma_kernel: rows [T * Hq], partials [splits, T * Hq, D] and (max, sum) pairs.
+// sinks (or nullptr) fp32 [hq]: row's head (row % hq) adds a partial of sum 1 at max sink, output 0.
 // grid rows, block 128 threads over D.
 extern "C" __global__ void __launch_bounds__(128)
 attn_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits, i64 rows, int d,
-                    bf16* __restrict__ out) {
+                    bf16* __restrict__ out, const float* __restrict__ sinks, int hq) {
     const i64 row = blockIdx.x;
     float m = -INFINITY;
     for (int s = 0; s < splits; ++s) m = fmaxf(m, part_ml[((i64)s * rows + row) * 2]);
-    float l = 0.f;
+    const float sink = sinks != nullptr ? sinks[row % hq] * 1.4426950408889634f : -INFINITY;
+    m = fmaxf(m, sink);
+    float l = sinks != nullptr ? exp2f(sink - m) : 0.f;
     for (int s = 0; s < splits; ++s) {
         const float ms = part_ml[((i64)s * rows + row) * 2];
         if (ms != -INFINITY) l += exp2f(ms - m) * part_ml[((i64)s * rows + row) * 2 + 1];
@@ -322,7 +332,8 @@ __global__ void __launch_bounds__(128)
 attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restrict__ k_cache,
                    const TC* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                    const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
-                   int d, int block_size, float scale, int window, T* __restrict__ out) {
+                   int d, int block_size, float scale, int window, T* __restrict__ out,
+                   const float* __restrict__ sinks) {
     constexpr int MAXJ = 8;  // head_dim <= 256
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
@@ -363,7 +374,11 @@ attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restri
         }
         m = mn;
     }
-    const float inv = 1.f / l;
+    float inv = 1.f / l;
+    if (sinks != nullptr) {  // the head's sink joins the denominator (relative to the running max m)
+        const float top = fmaxf(m, sinks[head]), kept = expf(m - top);
+        inv = kept / (l * kept + expf(sinks[head] - top));
+    }
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) {
         const int dd = lane + 32 * j;

@@ -14,6 +14,17 @@ from prefixrun.kernels.cuda_modules import MMA_HEAD_DIMS, kernel
 from prefixrun.kernels.tuning import attention_plan
 
 _LOG2E = 1.4426950408889634
+_NULL = np.uint64(0)  # a kernel's absent pointer argument (no sinks)
+
+
+def _sink_logits(sinks, hq: int):
+    """Attention sinks as the kernels read them: contiguous fp32 [Hq] on the device, or None."""
+    if sinks is None:
+        return None
+    sinks = cupy.ascontiguousarray(cupy.asarray(sinks, dtype=F32))
+    if sinks.shape != (hq,):
+        raise ValueError(f"sinks {sinks.shape} must be one logit per query head ({hq})")
+    return sinks
 
 class AttentionOps:
     """CudaOps' attention ops (its `tuning`, `_sm_count`, `_wgmma`, `_cast`, `_dynamic_smem` and `upload_index`)."""
@@ -36,14 +47,15 @@ class AttentionOps:
                                                i32(d), device_index(slot_mapping), k_cache, v_cache))
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None):
+                        sliding_window=None, shared=None, sinks=None):
         """Causal attention of each sequence's new queries over its paged K/V (new rows already written).
 
         q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
         cu_seqlens [B+1]. A query at position p sees keys in (p - W, p] with W = sliding_window. -> [T, Hq, D].
         `shared` (decode, engine.step.forward_batch.SharedPrefixes): each group's shared prefix is read once for all
         its members (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a
-        merge)."""
+        merge). `sinks` fp32 [Hq] (gpt-oss): added where each path normalises; the sm_90a prefill kernels have no
+        sinks, so such models take the mma.sync kernels."""
         q, qst, qsh = head_view(q)
         t, hq, d = q.shape
         nb, bs, hkv, dc = k_cache.shape
@@ -59,6 +71,7 @@ class AttentionOps:
             if window < 1:
                 raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         out = cupy.empty((t, hq, d), q.dtype)
+        sinks = _sink_logits(sinks, hq)
         tables, ctx, cu = device_index(block_tables), device_index(context_lens), device_index(cu_seqlens)
         nseq = ctx.shape[0]
         if t == 0 or nseq == 0:
@@ -67,7 +80,7 @@ class AttentionOps:
                    and qst % 8 == 0 and qsh % 8 == 0)
         plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
                               table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
-                              shared=shared is not None, wgmma=self._wgmma)
+                              shared=shared is not None, wgmma=self._wgmma and sinks is None)
         if plan.path == "wgmma":
             attention_sm90.prefill(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx,
                                    cu=cu, nseq=nseq, tokens=t, hq=hq, hkv=hkv, d=d, bs=bs,
@@ -78,10 +91,11 @@ class AttentionOps:
             kern = kernel("attention", f"attn_scalar_kernel<{type_name(q.dtype)}, {type_name(k_cache.dtype)}>")
             kern((t, -(-hq // 4)), (128,), (q, i64(qst), i64(qsh), k_cache, v_cache, tables,
                                             i32(tables.shape[1]), ctx, cu, i32(nseq), i32(hq), i32(hkv),
-                                            i32(d), i32(bs), np.float32(scale), i32(window), out))
+                                            i32(d), i32(bs), np.float32(scale), i32(window), out,
+                                            sinks if sinks is not None else _NULL))
             return out
         mma = dict(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, bs=bs, hq=hq, hkv=hkv, d=d,
-                   scale=scale, window=window, out=out)
+                   scale=scale, window=window, out=out, sinks=sinks)
         splits = plan.splits
         if plan.path == "cascade":  # partial results: one slot per shared-key range, one for each row's own keys
             part_o = cupy.empty((splits + 1, t * hq, d), F32)
@@ -93,19 +107,19 @@ class AttentionOps:
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.own_warps, bn=plan.keys,
                             mode=2, slot_base=splits, part=(part_o, part_ml), row_tok=cu,
                             kv_from=device_index(shared.start))
-            self._attn_merge(part_o, part_ml, splits + 1, t * hq, d, out)
+            self._attn_merge(part_o, part_ml, splits + 1, t * hq, d, out, sinks, hq)
             return out
         if plan.path == "split":
             part = (cupy.empty((splits, t * hq, d), F32), cupy.empty((splits, t * hq, 2), F32))
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys,
                             splits=splits, part=part)
-            self._attn_merge(*part, splits, t * hq, d, out)
+            self._attn_merge(*part, splits, t * hq, d, out, sinks, hq)
             return out
         self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys)
         return out
 
     def _attn_pass(self, *, q, qst, qsh, k_cache, v_cache, bs, hq, hkv, d, scale, window, out, tables, ctx, cu, nseq,
-                   tokens, nw, bn, splits=1, mode=0, slot_base=0, part=None, row_tok=None, kv_from=None):
+                   tokens, nw, bn, splits=1, mode=0, slot_base=0, part=None, row_tok=None, kv_from=None, sinks=None):
         """One launch of attn_mma_kernel (see kernels/attention.cu for the modes). Without `part` it writes `out`;
         with it, partials into slots slot_base + split of part = ([slots, T * Hq, D], [slots, T * Hq, 2])."""
         if part is not None and splits == 1 and mode == 0:
@@ -119,15 +133,18 @@ class AttentionOps:
         kern(grid, (32 * nw,), (q, i64(qst), i64(qsh), k_cache, v_cache, tables, i32(tables.shape[1]), ctx, cu,
                                 i32(nseq), i32(hq), i32(hkv), i32(bs), np.float32(scale * _LOG2E), i32(window),
                                 out, i32(splits), part_o, part_ml, i32(mode), i32(slot_base), i64(tokens),
-                                row_tok if row_tok is not None else cu, kv_from if kv_from is not None else cu),
+                                row_tok if row_tok is not None else cu, kv_from if kv_from is not None else cu,
+                                sinks if sinks is not None and part is None else _NULL),  # partials: the merge adds it
              shared_mem=smem)
 
     @staticmethod
-    def _attn_merge(part_o, part_ml, slots, rows, d, out):
+    def _attn_merge(part_o, part_ml, slots, rows, d, out, sinks, hq):
         kernel("attention", "attn_combine_kernel")((rows,), (128,), (part_o, part_ml, i32(slots), i64(rows), i32(d),
-                                                                      out))
+                                                                      out, sinks if sinks is not None else _NULL,
+                                                                      i32(hq)))
 
-    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context,
+                       sinks=None):
         """Sliding-window attention over per-sequence K/V rings (see NumpyOps.ring_attention for the contract).
 
         A ring pool [num_slots, W, Hkv, D] is laid out exactly like a paged pool with block size W, and a
@@ -147,7 +164,7 @@ class AttentionOps:
             nblk = -(-int(max_context) // w)
             tables = cupy.ascontiguousarray(cupy.broadcast_to(slots_d[:, None], (nseq, nblk)))
             return self.paged_attention(q, k_ring, v_ring, tables, context_lens, cu_seqlens, scale,
-                                        sliding_window=w)
+                                        sliding_window=w, sinks=sinks)
         slots_h, ctx_h, cu_h = (cupy.asnumpy(a).astype(np.int64) for a in (slots, context_lens, cu_seqlens))
         start_h = ctx_h - (cu_h[1:] - cu_h[:-1])
         first_h = np.maximum(0, start_h - w + 1)  # earliest position a new query can see
@@ -181,7 +198,7 @@ class AttentionOps:
         flat(tmp_v)[new_dst] = v[new_src].astype(v_ring.dtype)
         tables = self.upload_index(np.arange(nseq)[:, None])
         out = self.paged_attention(q, tmp_k, tmp_v, tables, self.upload_index(local_len), cu_seqlens, scale,
-                                   sliding_window=w)
+                                   sliding_window=w, sinks=sinks)
         keep_src, keep_at = [], []
         for b in range(nseq):
             kept = np.arange(max(start_h[b], ctx_h[b] - w), ctx_h[b])

@@ -178,6 +178,11 @@ class DenseOps:
         """gate_up [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I]"""
         return self._glu("gelu_tanh_mul_kernel", gate_up)
 
+    def clamped_swiglu(self, gate_up, alpha, limit):
+        """gate_up [T, 2I] (gate then up) -> (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) [T, I],
+        g = min(gate, limit)"""
+        return self._glu("clamped_swiglu_kernel", gate_up, np.float32(alpha), np.float32(limit))
+
     def gelu_mul(self, gate_up):
         """gate_up [T, 2I] (gate then up) -> gelu(gate) * up [T, I], exact (erf) GELU"""
         return self._glu("gelu_mul_kernel", gate_up)
@@ -190,7 +195,7 @@ class DenseOps:
         """cap * tanh(x / cap) on fp32 logits"""
         return (cupy.tanh(x / np.float32(cap)) * np.float32(cap)).astype(x.dtype)
 
-    def _glu(self, kernel_name, gate_up):
+    def _glu(self, kernel_name, gate_up, *extra):
         x, rows, d, n1, s0, _ = row_view(gate_up)
         if n1 != 1:
             x = cupy.ascontiguousarray(x)
@@ -202,7 +207,7 @@ class DenseOps:
             launch = elementwise_launch(inner // elementwise_vector(x.itemsize) if vec else inner, rows)
             kernel("elementwise", f"{kernel_name}<{type_name(x.dtype)}>")(
                 launch.grid, (launch.threads,), (x, i64(rows), i64(inner), i64(s0), out, i32(launch.tx),
-                                                 i32(vec)))
+                                                 i32(vec)) + extra)
         return out
 
     def add(self, a, b):

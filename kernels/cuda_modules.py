@@ -28,6 +28,7 @@ def _elementwise_names() -> list[str]:
             names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
                       f"cast_kernel<{ti}, {to}>"]
         names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
+                  f"clamped_swiglu_kernel<{ti}>",
                   f"sigmoid_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>",
                   f"sigmoid_mul_kernel<{ti}>", f"mul_kernel<{ti}>"]
         names += [f"add_rms_norm_kernel<{ti}, {c}>" for c in NORM_CHUNKS]
@@ -59,7 +60,8 @@ KERNEL_NAMES = {
     "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T],
     "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
-    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")],
+    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")]
+    + [f"moe_bias_kernel<{t}>" for t in _T],
 }
 
 _MODULES: dict[tuple[int, str], cupy.RawModule] = {}

@@ -294,7 +294,7 @@ struct RowUnits {
     }
 };
 
-// The GLUs: gate_up [rows, 2I] (row stride s0) -> act(gate) * up [rows, I].
+// The GLUs: gate_up [rows, 2I] (row stride s0) -> act(gate, up) [rows, I] (act(gate) * up but for the clamped one).
 template <typename T, typename Act>
 __device__ __forceinline__ void glu_rows(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
                                          int tx, int vec, Act act) {
@@ -310,25 +310,35 @@ __device__ __forceinline__ void glu_rows(const T* __restrict__ gu, i64 rows, i64
             load_chunk<T, V>(g + u * V, a);
             load_chunk<T, V>(g + inner + u * V, b);
 #pragma unroll
-            for (int k = 0; k < V; ++k) a[k] = act(a[k]) * b[k];
+            for (int k = 0; k < V; ++k) a[k] = act(a[k], b[k]);
             store_chunk<T, V>(o + u * V, a);
         } else {
             if (u >= inner) return;
-            o[u] = from_f<T>(act(to_f(g[u])) * to_f(g[inner + u]));
+            o[u] = from_f<T>(act(to_f(g[u]), to_f(g[inner + u])));
         }
     }
 }
 
 struct SiluAct {
-    __device__ __forceinline__ float operator()(float g) const { return silu_f(g); }
+    __device__ __forceinline__ float operator()(float g, float u) const { return silu_f(g) * u; }
 };
 struct GeluTanhAct {  // GeGLU, tanh approximation
-    __device__ __forceinline__ float operator()(float g) const {
-        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    __device__ __forceinline__ float operator()(float g, float u) const {
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
     }
 };
 struct GeluAct {  // exact GELU, x * Phi(x), as torch's "gelu"; erfc of -x/sqrt(2): no cancellation for large negative x
-    __device__ __forceinline__ float operator()(float g) const { return 0.5f * g * erfcf(-0.7071067811865476f * g); }
+    __device__ __forceinline__ float operator()(float g, float u) const {
+        return 0.5f * g * erfcf(-0.7071067811865476f * g) * u;
+    }
+};
+struct ClampedSwigluAct {  // gpt-oss's experts: gate clamped above, up clamped both ways, +1 on up
+    float alpha, limit;
+    __device__ __forceinline__ float operator()(float g, float u) const {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+        return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+    }
 };
 
 template <typename T>
@@ -341,6 +351,12 @@ template <typename T>
 __global__ void gelu_tanh_mul_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
                                      int tx, int vec) {
     glu_rows(gu, rows, inner, s0, out, tx, vec, GeluTanhAct());
+}
+
+template <typename T>
+__global__ void clamped_swiglu_kernel(const T* __restrict__ gu, i64 rows, i64 inner, i64 s0, T* __restrict__ out,
+                                      int tx, int vec, float alpha, float limit) {
+    glu_rows(gu, rows, inner, s0, out, tx, vec, ClampedSwigluAct{alpha, limit});
 }
 
 template <typename T>

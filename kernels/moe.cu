@@ -278,3 +278,21 @@ __global__ void moe_combine_kernel(const T* __restrict__ y, const int* __restric
         out[i] = from_f<T>(acc);
     }
 }
+
+// ---- expert biases ------------------------------------------------------------------------------------------------
+// out[r, c] += bias[e, c] for the rows r of expert e (offsets [E+1], expert-sorted rows as the grouped GEMM's);
+// the expert of a row found by binary search over offsets (the segment sizes stay on the device).
+template <typename T>
+__global__ void moe_bias_kernel(T* __restrict__ out, i64 rows, int dim, const int* __restrict__ offsets,
+                                int num_experts, const float* __restrict__ bias) {
+    const i64 total = rows * dim;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const int r = (int)(i / dim), c = (int)(i % dim);
+        int lo = 0, hi = num_experts - 1;  // the last e with offsets[e] <= r
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
+        }
+        out[i] = from_f<T>(to_f(out[i]) + bias[(i64)lo * dim + c]);
+    }
+}

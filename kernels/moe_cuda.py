@@ -60,9 +60,10 @@ def permute(experts, num_experts: int):
     return token_of_row, position, offsets
 
 
-def grouped_linear(x, weight, offsets, token_of_row=None):
-    """out[r] = x_r @ weight[e].T over expert segments (see MoeReferenceOps.moe_grouped_linear). x [*, in],
-    weight [E, out, in]; N = len(token_of_row) when given, else x's rows. Returns [N, out] in weight's dtype."""
+def grouped_linear(x, weight, offsets, token_of_row=None, bias=None):
+    """out[r] = x_r @ weight[e].T (+ bias[e]) over expert segments (see MoeReferenceOps.moe_grouped_linear). x [*, in],
+    weight [E, out, in]; N = len(token_of_row) when given, else x's rows; bias fp32 [E, out], added by a second
+    launch to the product as stored (bf16: rounded twice). Returns [N, out] in weight's dtype."""
     e, out_dim, in_dim = weight.shape
     if x.ndim != 2 or x.shape[1] != in_dim:
         raise ValueError(f"moe_grouped_linear: x {x.shape} does not fit weight {weight.shape}")
@@ -89,6 +90,12 @@ def grouped_linear(x, weight, offsets, token_of_row=None):
         grid = (-(-n // _SIMT_TILE) + e, -(-out_dim // _SIMT_TILE))
         kernel("moe", f"moe_gemm_simt_kernel<{type_name(weight.dtype)}>")(grid, (256,), (
             x, i64(xs), tor if tor is not None else null, weight, offsets, i32(e), i32(out_dim), i32(in_dim), out))
+    if bias is not None:
+        bias = cupy.ascontiguousarray(cast(bias, F32))
+        if bias.shape != (e, out_dim):
+            raise ValueError(f"moe_grouped_linear: bias {bias.shape} does not fit weight {weight.shape}")
+        kernel("moe", f"moe_bias_kernel<{type_name(out.dtype)}>")((blocks_for(n * out_dim),), (256,), (
+            out, i64(n), i32(out_dim), offsets, i32(e), bias))
     return out
 
 

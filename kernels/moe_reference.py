@@ -43,17 +43,19 @@ class MoeReferenceOps:
         np.cumsum(np.bincount(flat, minlength=num_experts), out=offsets[1:])
         return (order // k).astype(np.int32), position.astype(np.int32), offsets.astype(np.int32)
 
-    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None):
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None):
         """One projection for every expert over expert-sorted rows: out[r] = x_r @ weight[e].T for offsets[e] <= r <
         offsets[e+1]; x_r = x[token_of_row[r]] when token_of_row is given (the first projection gathers the
-        token rows), else x[r]. weight [E, out, in] as transformers fuses experts. Returns [N, out]."""
+        token rows), else x[r]. weight [E, out, in] as transformers fuses experts; `bias` fp32 [E, out] (gpt-oss):
+        added to the fp32 product before its rounding. Returns [N, out]."""
         n = int(offsets[-1])
         out = np.zeros((n, weight.shape[1]), self.act_dtype)
         for e in range(weight.shape[0]):
             a, b = int(offsets[e]), int(offsets[e + 1])
             if b > a:
                 rows = x[token_of_row[a:b]] if token_of_row is not None else x[a:b]  # [n_e, in]
-                out[a:b] = self._product(rows, weight[e])
+                out[a:b] = self._product(rows, weight[e]) + (0.0 if bias is None else
+                                                             np.asarray(bias[e], np.float32))
         return out
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None):

@@ -145,6 +145,10 @@ class Ops(Protocol):
     def silu_mul(self, gate_up) -> Array:
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]"""
 
+    def clamped_swiglu(self, gate_up, alpha, limit) -> Array:
+        """gate_up [T, 2I] (gate then up) -> (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) [T, I],
+        g = min(gate, limit) (gpt-oss's experts)"""
+
     def gelu_tanh_mul(self, gate_up) -> Array:
         """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I]"""
 
@@ -198,14 +202,17 @@ class Ops(Protocol):
         """k, v [T, Hkv, D] stored at flat rows slot_mapping [T] (block * block_size + offset) of the caches"""
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None) -> Array:
+                        sliding_window=None, shared=None, sinks=None) -> Array:
         """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] via block_tables [B, W] and context_lens [B]
         (after the step), causal, optionally windowed; `shared` (engine.step.forward_batch.SharedPrefixes) lets a
-        backend read a decode step's shared prefix once per group -> [T, Hq, D]"""
+        backend read a decode step's shared prefix once per group; `sinks` fp32 [Hq]: a learned logit per head in
+        the softmax's denominator (gpt-oss) -> [T, Hq, D]"""
 
-    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context) -> Array:
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context,
+                       sinks=None) -> Array:
         """Sliding-window attention of q [T, Hq, D] over rings [num_slots, W, Hkv, D] (position p at row p % W)
-        plus the new rows k, v [T, Hkv, D], which are then written into the rings -> [T, Hq, D]"""
+        plus the new rows k, v [T, Hkv, D], which are then written into the rings; `sinks` as paged_attention's
+        -> [T, Hq, D]"""
 
     # ---- sparse MoE (kernels/moe_reference.py: full semantics) --------------------------------------------------
     # N = T * k (token, choice) slots, grouped by expert into rows; sizes depend only on T, k and E, never on the
@@ -218,9 +225,10 @@ class Ops(Protocol):
         """experts [T, k] int32 -> (token_of_row [N], position [N] = row of slot t*k+j, offsets [E+1]) int32:
         expert e's rows are offsets[e]..offsets[e+1]; within an expert any order."""
 
-    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None) -> Array:
-        """Every expert's projection in one call: out[r] = x_r @ weight[e].T for the rows r of expert e; weight
-        [E, out, in]; x_r = x[token_of_row[r]] if given, else x[r]. -> act [N, out] (fp32 accumulation)."""
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None) -> Array:
+        """Every expert's projection in one call: out[r] = x_r @ weight[e].T (+ bias[e], fp32 [E, out]) for the rows
+        r of expert e; weight [E, out, in]; x_r = x[token_of_row[r]] if given, else x[r]. -> act [N, out] (fp32
+        accumulation)."""
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None) -> Array:
         """out[t] = sum_j weights[t, j] * y[position[t*k + j]] (+ sigmoid(shared_gate[t]) * shared[t]) -> act

@@ -175,6 +175,15 @@ class NumpyOps(MoeReferenceOps):
         gelu = 0.5 * g * (1.0 + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)))
         return (gelu * u).astype(self.act_dtype)
 
+    def clamped_swiglu(self, gate_up, alpha, limit):
+        """gate_up [T, 2I] (gate then up) -> (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) [T, I] with
+        g = min(gate, limit): gpt-oss's expert activation."""
+        i = gate_up.shape[-1] // 2
+        g = np.minimum(gate_up[..., :i].astype(np.float32), np.float32(limit))
+        u = np.clip(gate_up[..., i:].astype(np.float32), -np.float32(limit), np.float32(limit))
+        glu = g / (np.float32(1.0) + np.exp(-np.float32(alpha) * g))
+        return ((u + np.float32(1.0)) * glu).astype(self.act_dtype)
+
     def gelu_mul(self, gate_up):
         """gate_up [T, 2I] -> gelu(gate) * up [T, I], exact GELU x * Phi(x) (torch's "gelu", not the tanh form)"""
         i = gate_up.shape[-1] // 2
@@ -327,13 +336,14 @@ class NumpyOps(MoeReferenceOps):
         v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping] = v
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None):
+                        sliding_window=None, shared=None, sinks=None):
         """Causal attention of each sequence's new queries over its cached K/V (new rows already written).
 
         q [T, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
         context_lens [B] = tokens in the cache after this step; the sequence's n new queries sit at positions
         context_len - n .. context_len - 1. GQA: query head h reads kv head h // (Hq // Hkv).
-        `sliding_window` W: a query at position p sees keys in (p - W, p]. Returns [T, Hq, D].
+        `sliding_window` W: a query at position p sees keys in (p - W, p]. `sinks` fp32 [Hq] (gpt-oss): each head's
+        learned logit, one more term of the softmax's denominator (a key whose value is zero). Returns [T, Hq, D].
         `shared` (decode steps, engine.step.forward_batch.SharedPrefixes): sequence b's keys below shared.start[b] are
         read through its group's table — the same physical blocks, so the same answer; backends use it to read a
         shared prefix once per group. Here it is followed literally, so CPU runs check the grouping.
@@ -359,27 +369,29 @@ class NumpyOps(MoeReferenceOps):
             kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]  # [ctx, Hkv, D]
             vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]
             out[s:e] = self._attend(q[s:e], kk, vv, np.arange(ctx - (e - s), ctx), np.arange(ctx), scale,
-                                    sliding_window)
+                                    sliding_window, sinks)
         return out.astype(self.act_dtype)
 
-    def _attend(self, q, k, v, qpos, kpos, scale, window=None):
+    def _attend(self, q, k, v, qpos, kpos, scale, window=None, sinks=None):
         """`_attend`; deterministic: each query alone over exactly the keys it sees (its sums then have one
         length and one order whatever step it is in)."""
         if not self.deterministic:
-            return _attend(q, k, v, qpos, kpos, scale, window)
+            return _attend(q, k, v, qpos, kpos, scale, window, sinks)
         out = np.empty(q.shape, np.float32)
         for i, p in enumerate(qpos):
             seen = (kpos <= p) & ((kpos > p - window) if window is not None else True)
-            out[i:i + 1] = _attend(q[i:i + 1], k[seen], v[seen], qpos[i:i + 1], kpos[seen], scale, window)
+            out[i:i + 1] = _attend(q[i:i + 1], k[seen], v[seen], qpos[i:i + 1], kpos[seen], scale, window, sinks)
         return out
 
-    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context):
+    def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context,
+                       sinks=None):
         """Sliding-window causal attention whose past K/V live in per-sequence rings, then the ring update.
         (`max_context` bounds positions; backends that index rings like paged blocks size their tables by it.)
 
         q [T, Hq, D]; k, v [T, Hkv, D] (the new rows); k_ring/v_ring [num_slots, W, Hkv, D] hold position p at
         row p % W for the W positions before the step. A query at position p sees keys in (p - W, p]. After the
-        attention the new rows are written into the rings (the last W of them). Returns [T, Hq, D].
+        attention the new rows are written into the rings (the last W of them). `sinks` as `paged_attention`'s.
+        Returns [T, Hq, D].
         """
         w = k_ring.shape[1]
         out = np.empty(q.shape, np.float32)
@@ -394,7 +406,7 @@ class NumpyOps(MoeReferenceOps):
             kk = np.concatenate([k_ring[slot][prev % w], k[s:e]])  # [P + n, Hkv, D]
             vv = np.concatenate([v_ring[slot][prev % w], v[s:e]])
             kpos = np.concatenate([prev, np.arange(start, ctx)])
-            out[s:e] = self._attend(q[s:e], kk, vv, np.arange(start, ctx), kpos, scale, w)
+            out[s:e] = self._attend(q[s:e], kk, vv, np.arange(start, ctx), kpos, scale, w, sinks)
             keep = np.arange(max(start, ctx - w), ctx)  # the new positions the ring keeps
             k_ring[slot][keep % w] = k[s + keep - start]
             v_ring[slot][keep % w] = v[s + keep - start]
@@ -510,10 +522,11 @@ def _erfc(x):
     return np.where(x >= 0, r, 2.0 - r)
 
 
-def _attend(q, k, v, qpos, kpos, scale, window=None):
+def _attend(q, k, v, qpos, kpos, scale, window=None, sinks=None):
     """Softmax attention of queries q [n, Hq, D] at positions qpos [n] over keys/values k, v [m, Hkv, D] at
     positions kpos [m]: causal (key position <= query position) and, with `window` W, within (p - W, p]. GQA:
-    query head h reads kv head h // (Hq // Hkv). Returns fp32 [n, Hq, D]."""
+    query head h reads kv head h // (Hq // Hkv). `sinks` [Hq]: a logit per head that joins the softmax's
+    denominator only. Returns fp32 [n, Hq, D]."""
     rep = q.shape[1] // k.shape[1]
     kk = np.repeat(k.astype(np.float32), rep, axis=1).transpose(1, 2, 0)  # [Hq, D, m]
     vv = np.repeat(v.astype(np.float32), rep, axis=1).transpose(1, 0, 2)  # [Hq, m, D]
@@ -522,10 +535,14 @@ def _attend(q, k, v, qpos, kpos, scale, window=None):
     if window is not None:
         visible &= kpos[None, :] > qpos[:, None] - window
     scores = np.where(visible[None], scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    return (p @ vv).transpose(1, 0, 2)
+    top = scores.max(axis=-1, keepdims=True)  # [Hq, n, 1]
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float32).reshape(-1, 1, 1)  # [Hq, 1, 1]
+        top = np.maximum(top, sink)
+    p = np.exp(scores - top)
+    denominator = p.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - top))
+    return ((p / denominator) @ vv).transpose(1, 0, 2)
 
 
 def _delta_step(q, k, v, g, beta, S):

@@ -8,6 +8,7 @@ ModelLoadError (a ValueError) naming the field and the value.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,6 +42,10 @@ BASE = {
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # LFM2 (tests/test_lfm2.py sweeps its fields): conv layers around an attention layer, ff sizing to 64s
     "lfm2": dict(_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], block_multiple_of=64),
+    # gpt-oss (tests/test_gpt_oss.py sweeps its fields): a window of 8 around a full layer, 4 experts, top 2
+    "gpt_oss": dict(_SMALL, head_dim=16, num_hidden_layers=3, sliding_window=8, num_local_experts=4,
+                    num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 _VISION = {"gemma3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           image_size=28, patch_size=14),
@@ -151,11 +156,18 @@ def _model_from_config(model_type: str, text: dict, composite_of: str | None):
     return model
 
 
+def reference_kwargs(path) -> dict:
+    """from_pretrained's options for an fp64 reference: gpt-oss's default grouped-GEMM experts take no float64,
+    its eager per-expert loop computes the same math."""
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    return {"experts_implementation": "eager"} if model_type == "gpt_oss" else {}
+
+
 def hf_reference(path, prompt, composite: bool):
     """transformers fp64: prompt logits [L, V], then GREEDY greedy tokens and each step's logits [GREEDY, V]
     (decoded with transformers' own cache, token by token)."""
     cls = transformers.AutoModelForImageTextToText if composite else transformers.AutoModelForCausalLM
-    hf = cls.from_pretrained(path, dtype=torch.float64).eval()
+    hf = cls.from_pretrained(path, dtype=torch.float64, **reference_kwargs(path)).eval()
     tokens, steps = [], []
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), use_cache=True)

@@ -277,10 +277,11 @@ def test_prep_v2_writes_what_v1_writes(emu):
 ATTN_ENTRY = r"""
 extern "C" int emu_attn(const uint16_t* q, i64 qst, i64 qsh, const uint16_t* kc, const uint16_t* vc, const int* tables,
                         int max_blocks, const int* ctx, const int* cu, int nseq, int hq, int hkv, int bs, float sl2,
-                        uint16_t* out, unsigned gx, size_t smem) {
+                        uint16_t* out, unsigned gx, size_t smem, const float* sinks) {
     emu_launch({gx, unsigned(hkv), 1}, 128, smem, [&] {
         attn_mma_kernel<64, 64, 4>((const bf16*)q, qst, qsh, (const bf16*)kc, (const bf16*)vc, tables, max_blocks,
-                                   ctx, cu, nseq, hq, hkv, bs, sl2, 0, (bf16*)out, 1, nullptr, nullptr, 0, 0, 0, cu, cu);
+                                   ctx, cu, nseq, hq, hkv, bs, sl2, 0, (bf16*)out, 1, nullptr, nullptr, 0, 0, 0, cu, cu,
+                                   sinks);
     });
     return 0;
 }
@@ -300,11 +301,13 @@ inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return
 """
 
 
-def test_emulator_reproduces_device_verified_attention(tmp_path):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_emulator_reproduces_device_verified_attention(tmp_path, with_sinks):
     """kernels/attention.cu's attn_mma_kernel (mma.sync + ldmatrix, .trans for V, a cp.async pipeline with
     wait_group 1), verified on an H200 in earlier sessions, run through tests/cuda_emu.h, matches the reference at
     bf16 accuracy: the emulator's fragment and cp.async models are the hardware's, not just self-consistent (swapping
-    the two rows of ldmatrix .trans in the model gives an error of 1.1 here)."""
+    the two rows of ldmatrix .trans in the model gives an error of 1.1 here). With gpt-oss's attention sinks (a
+    logit per query head in the denominator) the kernel's normalisation matches the reference's too."""
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("needs a C++20 compiler (g++ or clang++)")
@@ -334,13 +337,15 @@ def test_emulator_reproduces_device_verified_attention(tmp_path):
     scale = d ** -0.5
     so.emu_attn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong] + [ctypes.c_void_p] * 3 + [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p,
-                                                                                  ctypes.c_uint, ctypes.c_size_t]
+                                                                                  ctypes.c_uint, ctypes.c_size_t,
+                                                                                  ctypes.c_void_p]
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32) if with_sinks else None
     gx = -(-107 * (hq // hkv) // 64) + 2  # as kernels/cuda_attention.py _attn_pass: 16 * 4 rows per block, + sequences
     so.emu_attn(_ptr(q.view(np.uint16)), hq * d, d, _ptr(kc.view(np.uint16)), _ptr(vc.view(np.uint16)), _ptr(tables),
                 nblk, _ptr(ctx), _ptr(cu), 2, hq, hkv, bs, scale * 1.4426950408889634, _ptr(out), gx,
-                (64 + 2 * 64) * (d + 8) * 2)
+                (64 + 2 * 64) * (d + 8) * 2, _ptr(sinks) if with_sinks else None)
     want = NumpyOps().paged_attention(q.astype(np.float32), kc.astype(np.float32), vc.astype(np.float32), tables,
-                                      ctx, cu, scale)
+                                      ctx, cu, scale, sinks=sinks)
     assert rel(out.view(BF16).astype(np.float32), want) <= 5e-3
 
 

@@ -87,7 +87,8 @@ extern "C" int emu_glu(int bf, int act, const void* gu, i64 rows, i64 inner, i64
 #define EMU_GLU(T) emu_launch(gridDim, threads, 0, [&] {                                                           \
         if (act == 0) silu_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec);                           \
         else if (act == 1) gelu_tanh_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec);                 \
-        else gelu_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec); });
+        else if (act == 2) gelu_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec);                      \
+        else clamped_swiglu_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec, 1.702f, 7.0f); });
     if (bf) EMU_GLU(bf16) else EMU_GLU(float)
     return 0;
 }
@@ -306,17 +307,19 @@ def test_gate_mul_kernels_on_a_strided_gate(emu, dtype, t, h, d, rows_cap, op):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("act", [0, 1, 2])
+@pytest.mark.parametrize("act", [0, 1, 2, 3])
 @pytest.mark.parametrize("rows,inner,stride_pad,rows_cap", [(7, 48, 0, None), (3, 1152, 16, 2), (5, 37, 0, None),
                                                            (2, 9216, 0, None)])
 def test_glu_kernels(emu, dtype, act, rows, inner, stride_pad, rows_cap):
-    """silu / gelu_tanh / gelu times up, on rows of a wider projection (row stride 2I + pad): vector and element
-    paths agree bit for bit and match the reference (inner 37: element path only)."""
+    """silu / gelu_tanh / gelu times up, and gpt-oss's clamped SwiGLU (inputs past its limit 7 both ways), on rows
+    of a wider projection (row stride 2I + pad): vector and element paths agree bit for bit and match the reference
+    (inner 37: element path only)."""
     rng = np.random.default_rng(act * 13 + inner)
-    wide_s, wide = _store(rng.standard_normal((rows, 2 * inner + stride_pad)) * 3.0, dtype)
+    wide_s, wide = _store(rng.standard_normal((rows, 2 * inner + stride_pad)) * (6.0 if act == 3 else 3.0), dtype)
     gu = wide[:, :2 * inner]
     ref = NumpyOps()
-    want = (ref.silu_mul, ref.gelu_tanh_mul, ref.gelu_mul)[act](gu)
+    clamped = lambda h: ref.clamped_swiglu(h, 1.702, 7.0)
+    want = (ref.silu_mul, ref.gelu_tanh_mul, ref.gelu_mul, clamped)[act](gu)
     v = 16 // dtype.itemsize
     bf = int(dtype == BF16)
 

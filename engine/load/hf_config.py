@@ -16,7 +16,9 @@ from pathlib import Path
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SHORT_CONV, SLIDING_ATTENTION, \
     ConfigFields, DecoderConfig, DenseConfig, HybridConfig, ShortConvConfig, SlidingWindowConfig
+from prefixrun.engine.load.gpt_oss_config import GptOssConfig
 from prefixrun.engine.load.moe_config import MoeHybridConfig
+from prefixrun.engine.load.mxfp4 import MXFP4
 from prefixrun.engine.load.quantization import parse_quantization
 from prefixrun.engine.load.rope import parse_rope
 
@@ -46,6 +48,11 @@ _DEFAULTS = {
                  max_position_embeddings=128_000, norm_eps=1e-5, tie_word_embeddings=True, rope_theta=1_000_000.0,
                  conv_bias=False, conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
                  block_auto_adjust_ff_dim=True),
+    "gpt_oss": dict(_COMMON_DEFAULTS, vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                    num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    attention_bias=True, rope_theta=150000.0, sliding_window=128, num_local_experts=128,
+                    num_experts_per_tok=4),
 }
 # the MoE hybrids (engine/load/moe_config.py): Qwen3NextConfig's and Qwen3_5MoeTextConfig's defaults; Qwen3.5-MoE has
 # no dense MLP, so its intermediate_size is never used
@@ -77,6 +84,8 @@ def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ..
             if not isinstance(attention, list) or not all(isinstance(i, int) for i in attention):
                 raise ModelLoadError(f"{f.source}: full_attn_idxs must be a list of layer indices, got {attention!r}")
             layer_types = [FULL_ATTENTION if i in attention else SHORT_CONV for i in range(num_layers)]
+        elif family == "gpt_oss":
+            layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
         elif family == "qwen3":
             window = f.get("sliding_window") if f.flag("use_sliding_window") else None
             first = f.number("max_window_layers", int)
@@ -117,12 +126,13 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma3", SlidingWindowConfig),
     "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
     "Lfm2ForCausalLM": ("lfm2", ShortConvConfig),
+    "GptOssForCausalLM": ("gpt_oss", GptOssConfig),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
-                "lfm2": "Lfm2ForCausalLM"}
+                "lfm2": "Lfm2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -155,6 +165,9 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if len(settings) == 2 and settings[0] != settings[1]:
         raise ModelLoadError(f"{source}: quantization_config differs between the top level and text_config")
     quantization = parse_quantization(settings[0] if settings else None, source)
+    if quantization.method == MXFP4 and family != "gpt_oss":
+        raise ModelLoadError(f"{source}: quantization_config (quant_method \"mxfp4\") is supported for gpt-oss's "
+                             f"experts only, not for {arch}")
     f = ConfigFields(text, _DEFAULTS[family], source)
     num_heads = f.number("num_attention_heads", int)
     hidden = f.number("hidden_size", int)

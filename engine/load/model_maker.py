@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.load.config import LINEAR_ATTENTION, SHORT_CONV, HybridConfig, ShortConvConfig
+from prefixrun.engine.load.gpt_oss_config import GptOssConfig, gpt_oss_tensor_shapes
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
 from prefixrun.engine.load.weights import SAFETENSORS_DTYPES
@@ -55,6 +56,8 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     cfg = parse_config(raw_config)
     if isinstance(cfg, ShortConvConfig):
         return _lfm2_shapes(cfg)
+    if isinstance(cfg, GptOssConfig):
+        return gpt_oss_tensor_shapes(cfg)
     d, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.weight_prefix
     shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,)}
     if not cfg.tie_word_embeddings:

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.mxfp4 import MXFP4
 from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix
 
 BLOCK_FP8 = "fp8"
@@ -44,6 +45,9 @@ _CT_KEYS = {"quant_method": None, "config_groups": None, "format": ("float-quant
             "kv_cache_scheme": (None,), "quantization_status": ("compressed", "frozen"),
             "global_compression_ratio": None, "version": None, "sparsity_config": (None, {}),
             "transform_config": (None, {})}
+# gpt-oss's MXFP4 experts (engine/load/mxfp4.py); `dequantize` is transformers' own load option, which changes
+# nothing here (the experts are dequantised exactly either way)
+_MXFP4_KEYS = {"quant_method": None, "modules_to_not_convert": None, "dequantize": (False, True)}
 _CT_GROUP_KEYS = {"targets": (["Linear"],), "weights": None, "input_activations": None,
                   "output_activations": (None,), "format": (None, "float-quantized")}
 _CT_WEIGHT_KEYS = {"num_bits": (8,), "type": ("float",), "strategy": ("channel", "tensor"), "symmetric": (True,),
@@ -83,7 +87,7 @@ def _refuse_unknown(settings: dict, allowed: dict, where: str, source: str):
         raise ModelLoadError(f"{source}: {where} must be an object, got {settings!r}")
     for key, value in settings.items():
         if key not in allowed:
-            raise ModelLoadError(f"{source}: {where}.{key} is not supported (FP8 checkpoints are read with "
+            raise ModelLoadError(f"{source}: {where}.{key} is not supported (such checkpoints are read with "
                                  f"{', '.join(sorted(allowed))})")
         if allowed[key] is not None and value not in allowed[key]:
             raise ModelLoadError(f"{source}: {where}.{key} {json.dumps(value)} is not supported (supported: "
@@ -145,9 +149,14 @@ def parse_quantization(quantization, source: str) -> WeightQuantization:
                                  f"strategy (channel or tensor)")
         return WeightQuantization(COMPRESSED_TENSORS, "weight_scale", None, tuple(sorted(strategies)),
                                   _names(quantization.get("ignore"), "ignore", source))
+    if method == MXFP4:  # gpt-oss's experts as `*_blocks` + `*_scales`, read by its model (engine/models/gpt_oss.py)
+        _refuse_unknown(quantization, _MXFP4_KEYS, "quantization_config", source)
+        return WeightQuantization(MXFP4, unquantized=_names(quantization.get("modules_to_not_convert"),
+                                                            "modules_to_not_convert", source))
     raise ModelLoadError(f"{source}: quantization_config (quant_method {json.dumps(method)}) is not supported "
                          f"(supported: \"fp8\" with 128 x 128 blocks, \"compressed-tensors\" FP8 per channel or "
-                         f"per tensor); give the checkpoint's unquantized (bf16 / fp16 / fp32) weights")
+                         f"per tensor, \"mxfp4\" gpt-oss experts); give the checkpoint's unquantized (bf16 / fp16 / "
+                         f"fp32) weights")
 
 
 def materialize(m: Fp8Matrix):
@@ -183,7 +192,7 @@ class QuantizedTensors:
         self.files = tensors.files
         self.quantization = quantization
         self._shapes_only = shapes_only
-        self._suffix = "." + quantization.scale_suffix if quantization.active else None
+        self._suffix = "." + quantization.scale_suffix if quantization.scale_suffix else None
 
     def __contains__(self, name: str) -> bool:
         return name in self._t and not self._is_scale(name)
@@ -223,7 +232,7 @@ class QuantizedTensors:
         """The stored fp8 values and scales of `name`, validated; None when it is stored in floating point."""
         arr = self._t.get(name, shape)
         scale_name = (name[:-len("weight")] + self.quantization.scale_suffix
-                      if self.quantization.active and name.endswith(".weight") else None)
+                      if self.quantization.scale_suffix and name.endswith(".weight") else None)
         has_scale = scale_name is not None and scale_name in self._t
         where = f"{self.model_dir}: tensor {name!r}"
         if arr.dtype == FP8_DTYPE and not self.quantization.active:

@@ -165,6 +165,11 @@ def rope_from_params(params: dict, *, head_dim: int, max_position_embeddings: in
     return RopeConfig(**kw)
 
 
+# the rope settings a family's transformers config takes when config.json gives none (GptOssConfig: yarn)
+_FAMILY_ROPE = {"gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096}}
+
+
 def parse_rope(text: dict, family: str, *, head_dim: int, max_position_embeddings: int, defaults: dict,
                source: str) -> tuple[RopeConfig, RopeConfig | None]:
     """(rope of the full-attention layers, rope of Gemma 3's sliding layers or None) from the text settings."""
@@ -198,7 +203,7 @@ def parse_rope(text: dict, family: str, *, head_dim: int, max_position_embedding
         full = standardised(full, theta)
         local = standardised(local, text.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
         return rope_from_params(full, **common), rope_from_params(local, **common)
-    params = standardised(text.get("rope_scaling") or text.get("rope_parameters"), theta)
+    params = standardised(text.get("rope_scaling") or text.get("rope_parameters") or _FAMILY_ROPE.get(family), theta)
     if text.get("original_max_position_embeddings") is not None and \
             params.get("rope_type", params.get("type")) in ("llama3", "yarn"):
         # a top-level value is the pretraining length and wins over the one inside the rope settings, as

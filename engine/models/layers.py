@@ -134,11 +134,12 @@ class GatedMLP:
 class Attention:
     """Full (or sliding-window) attention over paged K/V, with optional per-head q/k RMSNorm, partial rotary
     and Qwen3.5's sigmoid output gate (q_proj then yields [query, gate] interleaved per head). `names`: the
-    output projection's and the q/k norms' names (LFM2 calls them out_proj, q_layernorm, k_layernorm)."""
+    output projection's and the q/k norms' names (LFM2 calls them out_proj, q_layernorm, k_layernorm). `sinks`:
+    gpt-oss's learned per-head logit (`sinks` [Hq]) in every softmax's denominator."""
 
     def __init__(self, cfg: DecoderConfig, load: WeightLoader, prefix: str, layer: int, *, qk_norm: bool,
                  output_gate: bool, zero_centered_norm: bool, rope=None, scale: float | None = None,
-                 names: tuple[str, str, str] = ("o_proj", "q_norm", "k_norm")):
+                 names: tuple[str, str, str] = ("o_proj", "q_norm", "k_norm"), sinks: bool = False):
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hq, self.hkv, self.hd = hq, hkv, hd
         self.output_gate = output_gate
@@ -169,6 +170,7 @@ class Attention:
             self.q_norm = RMSNorm(load, q_norm + "weight", hd, cfg.rms_norm_eps, zero_centered_norm, rotated_scale)
             self.k_norm = RMSNorm(load, k_norm + "weight", hd, cfg.rms_norm_eps, zero_centered_norm, rotated_scale)
         self.inv_freq = load.ops.upload(np.array(rope.inverse_frequencies(), np.float32), np.float32)
+        self.sinks = load.vector(prefix + "sinks", (hq,)) if sinks else None  # fp32 [Hq]
         self.k_region = f"layers.{layer}.k"
         self.v_region = f"layers.{layer}.v"
 
@@ -205,7 +207,7 @@ class Attention:
         k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
         ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
         return ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
-                                   self.scale, shared=batch.shared)
+                                   self.scale, shared=batch.shared, sinks=self.sinks)
 
 
 class SlidingWindowAttention(Attention):
@@ -224,7 +226,8 @@ class SlidingWindowAttention(Attention):
 
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
         return ops.ring_attention(q, k, v, state.arrays[self.k_region], state.arrays[self.v_region], batch.slots,
-                                  batch.cu_seqlens, batch.context_lens, self.scale, self.max_context)
+                                  batch.cu_seqlens, batch.context_lens, self.scale, self.max_context,
+                                  sinks=self.sinks)
 
 
 class GatedDeltaNet:

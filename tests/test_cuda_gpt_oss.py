@@ -1,0 +1,137 @@
+"""gpt-oss on the CUDA backend against the NumPy reference: attention with sinks on every path (scalar fp32, mma.sync
+plain / split-K / cascade, the ring window in prefill and decode), the clamped SwiGLU, expert biases in the grouped
+GEMM; then the tiny model end to end (fp32: the CPU's greedy tokens with reuse and speculation; bf16: the
+whole-model error within 2x transformers' own bf16 error on the same weights)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import PARITY_STD, new_state, random_prompt
+from prefixrun.engine.load.model_maker import make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.run.core import EngineOptions
+from prefixrun.kernels import cuda_available
+from prefixrun.kernels.reference import NumpyOps
+from test_cuda_moe import as_stored, rel, skewed_experts
+from test_gpt_oss import TINY_GPT_OSS, _prompts, _run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyOps()
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ops(request):
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
+
+
+def _paged(ops, rng, lens, ctx, hq=8, hkv=2, d=64, bs=16):
+    """q for `lens` new tokens per sequence over caches holding ctx tokens each (random K/V), as stored."""
+    nblk = -(-max(ctx) // bs)
+    q, q32 = as_stored(ops, rng.standard_normal((sum(lens), hq, d)).astype(np.float32))
+    kc, k32 = as_stored(ops, rng.standard_normal((len(ctx) * nblk + 1, bs, hkv, d)).astype(np.float32))
+    vc, v32 = as_stored(ops, rng.standard_normal((len(ctx) * nblk + 1, bs, hkv, d)).astype(np.float32))
+    tables = (rng.permutation(len(ctx) * nblk + 1)[:len(ctx) * nblk].reshape(len(ctx), nblk)).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return (q, kc, vc), (q32, k32, v32), tables, np.array(ctx, np.int32), cu
+
+
+@pytest.mark.parametrize("lens,ctx,window", [([37, 70], [57, 70], None), ([1] * 6, [300, 17, 900, 1, 64, 129], None),
+                                             ([1] * 4, [2000, 31, 700, 5], 128), ([64, 3], [64, 200], 8)])
+def test_paged_attention_with_sinks(ops, ref, lens, ctx, window):
+    """Prefill and decode (split-K for long contexts) with a sink per head, windowed or not."""
+    rng = np.random.default_rng(sum(ctx))
+    dev, host, tables, ctx_h, cu = _paged(ops, rng, lens, ctx)
+    sinks = (rng.standard_normal(8) * 3).astype(np.float32)
+    got = ops.paged_attention(*dev, ops.upload_index(tables), ops.upload_index(ctx_h), ops.upload_index(cu), 0.125,
+                              sliding_window=window, sinks=ops.upload(sinks, np.float32))
+    want = ref.paged_attention(*host, tables, ctx_h, cu, 0.125, sliding_window=window, sinks=sinks)
+    plain = ref.paged_attention(*host, tables, ctx_h, cu, 0.125, sliding_window=window)
+    assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
+    assert rel(plain, want) > 10 * TOL[ops.dtype_name]  # the sinks matter here
+
+
+def test_ring_attention_with_sinks(ops, ref):
+    """The 128-row ring: a prefill across the window, then decode steps, as the reference's rings."""
+    rng = np.random.default_rng(5)
+    w, hq, hkv, d = 128, 8, 2, 64
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+    rings = [np.zeros((3, w, hkv, d), np.float32) for _ in range(2)]
+    dev_rings = [ops.upload(r) for r in rings]
+    slots, pos = np.array([2, 0], np.int32), np.array([0, 0])
+    for step in ([200, 50], [1, 1], [1, 1], [130, 1]):
+        n = np.array(step)
+        cu = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+        ctx = (pos + n).astype(np.int32)
+        q, q32 = as_stored(ops, rng.standard_normal((cu[-1], hq, d)).astype(np.float32))
+        k, k32 = as_stored(ops, rng.standard_normal((cu[-1], hkv, d)).astype(np.float32))
+        v, v32 = as_stored(ops, rng.standard_normal((cu[-1], hkv, d)).astype(np.float32))
+        got = ops.ring_attention(q, k, v, *dev_rings, ops.upload_index(slots), ops.upload_index(cu),
+                                 ops.upload_index(ctx), 0.125, 4096, sinks=ops.upload(sinks, np.float32))
+        want = ref.ring_attention(q32, k32, v32, *rings, slots, cu, ctx, 0.125, 4096, sinks=sinks)
+        assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name], step
+        pos = ctx
+
+
+def test_clamped_swiglu(ops, ref):
+    rng = np.random.default_rng(1)
+    h, h32 = as_stored(ops, (rng.standard_normal((37, 2 * 96)) * 6).astype(np.float32))
+    got = ops.to_host(ops.clamped_swiglu(h, 1.702, 7.0))
+    assert rel(got, ref.clamped_swiglu(h32, 1.702, 7.0)) <= TOL[ops.dtype_name]
+
+
+@pytest.mark.parametrize("t,k,e", [(300, 4, 32), (1, 4, 8), (50, 2, 6)])
+def test_grouped_linear_with_expert_biases(ops, ref, t, k, e):
+    rng = np.random.default_rng(t + e)
+    experts = skewed_experts(rng, t, k, e, unused=min(2, e - k))
+    tok, _, off = ops.moe_permute(ops.upload_index(experts), e)
+    x, x32 = as_stored(ops, rng.standard_normal((t, 64)).astype(np.float32))
+    w, w32 = as_stored(ops, (rng.standard_normal((e, 96, 64)) / 8).astype(np.float32))
+    bias = rng.standard_normal((e, 96)).astype(np.float32)
+    got = ops.moe_grouped_linear(x, w, off, tok, bias=ops.upload(bias, np.float32))
+    want = ref.moe_grouped_linear(x32, w32, ops.to_host(off), ops.to_host(tok), bias=bias)
+    assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("gpt_oss"), TINY_GPT_OSS, seed=7, init_std=PARITY_STD)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_on_the_gpu(gpt_oss_dir, dtype):
+    """fp32: the CPU's logits and greedy tokens with speculation off and on and with prefix reuse (branch points
+    inside and outside the window); bf16: the whole-model error within 2x transformers' own bf16 error."""
+    import torch
+    import transformers
+
+    from prefixrun.kernels.cuda import CudaOps
+
+    cpu_ops, ops = NumpyOps(), CudaOps(dtype)
+    cpu_model, model = load_model(gpt_oss_dir, cpu_ops)[0], load_model(gpt_oss_dir, ops)[0]
+    prompt = random_prompt(2, 170)
+    st, ref_st = new_state(model, ops), new_state(cpu_model, cpu_ops)
+    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
+    want = cpu_model.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if dtype != "float32":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_dir, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
+        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
+        assert err <= max(1e-2, 2 * their_err), (err, their_err)
+        return
+    assert err <= 1e-4, err
+    prompts = _prompts()
+    cpu, _ = _run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
+    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
+                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
+        on, _ = _run(model, ops, prompts, opts)
+        assert on == cpu, opts
