@@ -6,6 +6,9 @@
 # Every figure is `prefixrun bench`, i.e. `prefixrun batch` as a user runs it, one process per row (model load
 # included in the process wall). Per model and workload, back to back:
 #   greedy-nocache    --temperature 0 --no-cache            (+ the transformers comparison with BENCH_FLAGS)
+# The transformers figure (BENCH_FLAGS=--compare-transformers) is the faster of two harnesses run on the same
+# token ids in the same command: the bench's own (cli/bench.py) and an independent one (bench/hf_generate.py:
+# equal-length groups of 32, its settings chosen by measurement); the table names the faster and gives both.
 #   sampled-nocache   the model's generation_config sampling, --no-cache
 #   sampled-cold      cache on, empty cache folder
 #   sampled-warm      the same command again (same folder)
@@ -30,16 +33,32 @@ python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tm
 python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/doc-qa.jsonl 2>/dev/null
 head -2 /tmp/shared-system.jsonl > /tmp/warmup.jsonl
 
-row() {  # label, json file: one table row from a bench JSON
-  python3 - "$1" "$2" <<'PY' | tee -a "$OUT/table.md"
+row() {  # label, json file[, the independent transformers harness's json]: one table row from a bench JSON
+  python3 - "$1" "$2" "${3:-}" <<'PY' | tee -a "$OUT/table.md"
 import json, sys
-label, path = sys.argv[1], sys.argv[2]
+label, path, independent = sys.argv[1], sys.argv[2], sys.argv[3]
 try:
     f = json.load(open(path))
 except Exception as exc:
     print(f"| {label} | failed ({type(exc).__name__}) |" + " |" * 10); sys.exit()
 r, c = f["batch_report"], f["batch_report"].get("cache") or {}
-hf = f"{f['transformers_wall_seconds']:.2f} s ({f['speedup_vs_transformers']}×)" if "transformers_wall_seconds" in f else ""
+times = {}  # harness -> transformers wall seconds
+if "transformers_wall_seconds" in f:
+    times["bench's own"] = f["transformers_wall_seconds"]
+try:
+    ind = json.load(open(independent)) if independent else None
+except Exception:
+    ind = None
+if ind:
+    times["independent"] = ind["wall_seconds"]
+hf = ""
+if times:
+    won = min(times, key=times.get)
+    other = "; ".join(f"{k} {v:.2f} s" for k, v in times.items() if k != won)
+    hf = (f"{times[won]:.2f} s ({times[won] / f['wall_seconds']:.1f}×; {won} harness faster"
+          + (f", {other}" if other else "") + ")")
+    if ind:
+        hf += f" [independent: {ind['cache']} cache, fla {'on' if ind['fla_importable'] else 'off'}]"
 mib = lambda b: f"{b / 2**20:,.1f}" if isinstance(b, (int, float)) else ""
 print(f"| {label} | {f['process_wall_seconds']:.2f} | {f['load_seconds']:.2f} | **{f['wall_seconds']:.2f}** "
       f"| {f['prefill_seconds']:.2f} | {f['decode_seconds']:.2f} | {f['decode_step_ms']:.2f} ({f.get('decode_roofline_step_ms') or 0:.2f}) "
@@ -97,7 +116,13 @@ for m in $MODELS; do
     CACHE=/tmp/prefixrun-bench-cache/$m-$w; rm -rf "$CACHE"
     header "$m · $w"
     bench "$m-$w-greedy-nocache" /tmp/$w.jsonl --temperature 0 --no-cache ${BENCH_FLAGS:-}
-    row "greedy, no cache" "$OUT/$m-$w-greedy-nocache.json"
+    HF_JSON=
+    if [[ "${BENCH_FLAGS:-}" == *--compare-transformers* ]]; then  # the independent harness, same token ids
+      HF_JSON=$OUT/$m-$w-greedy-hf.json
+      python3 bench/hf_generate.py "$MODEL" /tmp/$w.jsonl --temperature 0 --json "$HF_JSON" > /dev/null \
+        2> "$OUT/$m-$w-greedy-hf.err" || { echo "(independent transformers harness failed:)"; tail -3 "$OUT/$m-$w-greedy-hf.err"; }
+    fi
+    row "greedy, no cache" "$OUT/$m-$w-greedy-nocache.json" "$HF_JSON"
     bench "$m-$w-sampled-nocache" /tmp/$w.jsonl --no-cache
     row "generation_config sampling, no cache" "$OUT/$m-$w-sampled-nocache.json"
     bench "$m-$w-sampled-cold" /tmp/$w.jsonl --cache-dir "$CACHE"

@@ -1,0 +1,169 @@
+"""An independent transformers baseline: the workload's requests through batched `generate`, written apart from
+`prefixrun bench --compare-transformers` (cli/bench.py) so that a table's transformers figure never rests on one
+harness alone (bench/device_bench.sh reports the faster of the two and names it).
+
+    python3 bench/hf_generate.py MODEL_DIR WORKLOAD.jsonl [--group 32] [--temperature 0] [--json OUT]
+
+How it runs, aiming at the fastest settings a careful user would pick:
+- requests grouped by prompt length (sorted, then `--group` at a time), so a group is equal-length wherever the
+  workload allows and left-padded (attention mask) where it does not; each group generates exactly its
+  longest max_tokens (min_new_tokens = max_new_tokens, as `prefixrun bench --ignore-eos` does);
+- bf16 on CUDA (fp32 on the CPU); flash-linear-attention's kernels where `fla` is importable (transformers takes
+  them for the Gated DeltaNet layers by itself; reported), flash-attention 2 where `flash_attn` is importable;
+- settings chosen by measurement: each candidate (a static cache, whose decoding transformers compiles with
+  torch.compile by itself, or the default dynamic cache) is warmed up and timed on the first group, and the
+  fastest runs the workload (a candidate that raises, e.g. where a family's cache or compilation does not take
+  it, is skipped and named);
+- every distinct group shape warmed up once before the timed pass (compilation, autotuning, allocator).
+Prints JSON: wall_seconds of the timed pass, the settings used and tried, tokens generated. Greedy when the
+temperature is 0, else sampled with it (the bench's greedy rows are what the tables compare).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def read_lines(workload: Path) -> list[dict]:
+    lines = [json.loads(l) for l in workload.read_text().splitlines() if l.strip()]
+    bad = [i for i, l in enumerate(lines) if not isinstance(l, dict) or "prompt_token_ids" not in l]
+    if bad:
+        raise SystemExit(f"{workload}: line {bad[0] + 1} has no prompt_token_ids (this harness takes token ids)")
+    return lines
+
+
+def groups_of(lines: list[dict], size: int, default_max_tokens: int) -> list[list[dict]]:
+    """Requests sorted by (prompt length, max_tokens), `size` at a time: equal-length groups where possible."""
+    order = sorted(lines, key=lambda l: (len(l["prompt_token_ids"]), l.get("max_tokens") or default_max_tokens))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def batch_tensors(group: list[dict], device: str):
+    """(input ids, attention mask), left-padded to the group's longest prompt."""
+    import torch
+
+    width = max(len(l["prompt_token_ids"]) for l in group)
+    ids = torch.zeros((len(group), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, l in enumerate(group):
+        p = l["prompt_token_ids"]
+        ids[j, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[j, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+class Harness:
+    def __init__(self, model_dir: Path, temperature: float, default_max_tokens: int):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.attn = "flash_attention_2" if self.device == "cuda" and importlib.util.find_spec("flash_attn") \
+            else "sdpa"
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                      attn_implementation=self.attn)
+        except (ImportError, ValueError):  # flash-attention 2 not usable for this family or build
+            self.attn = "sdpa"
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                      attn_implementation=self.attn)
+        self.model = model.to(self.device).eval()
+        self.default_max_tokens = default_max_tokens
+        self.sampling = {"do_sample": False} if temperature <= 0 else {"do_sample": True, "temperature": temperature,
+                                                                      "top_p": 1.0, "top_k": 0}
+        self.cache: str | None = None  # generate's cache_implementation (None: the model's default)
+
+    def generate(self, group: list[dict]):
+        ids, mask = batch_tensors(group, self.device)
+        gen = max(l.get("max_tokens") or self.default_max_tokens for l in group)
+        extra = {"cache_implementation": self.cache} if self.cache else {}
+        with self.torch.no_grad():
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen,
+                                      pad_token_id=0, **self.sampling, **extra)
+        self.sync()
+        return out[:, ids.shape[1]:]
+
+    def sync(self):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def timed(self, groups: list[list[dict]]) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        tokens = sum(int(self.generate(g).numel()) for g in groups)
+        return time.perf_counter() - t0, tokens
+
+
+def candidates(device: str) -> list[str | None]:
+    """Cache implementations to try: a static cache (transformers then compiles the decoding step with
+    torch.compile: its own recipe for speed) on CUDA, and the default dynamic cache, which always works."""
+    return ["static", None] if device == "cuda" else [None]
+
+
+def choose(h: Harness, probe: list[dict]) -> list[dict]:
+    """Try each candidate on the probe group (a warm-up, then a timed run) and keep the fastest that works;
+    returns what was tried and how it went."""
+    tried, best = [], None
+    for cache in candidates(h.device):
+        h.cache = cache
+        name = f"{cache or 'dynamic'} cache"
+        try:
+            h.generate(probe)
+            seconds, _ = h.timed([probe])
+        except Exception as exc:  # this family or build does not take it
+            tried.append({"settings": name, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+            h.torch._dynamo.reset()
+            continue
+        tried.append({"settings": name, "probe_seconds": round(seconds, 4)})
+        if best is None or seconds < best[0]:
+            best = (seconds, cache)
+    if best is None:
+        raise SystemExit("transformers could not generate with any settings: " + json.dumps(tried))
+    h.cache = best[1]
+    return tried
+
+
+def run(model_dir: Path, workload: Path, group: int = 32, temperature: float = 0.0,
+        default_max_tokens: int = 16) -> dict:
+    lines = read_lines(workload)
+    groups = groups_of(lines, group, default_max_tokens)
+    h = Harness(model_dir, temperature, default_max_tokens)
+    tried = choose(h, groups[0])
+    shapes = {}
+    for g in groups:  # every distinct shape once: compilation, autotuning and the allocator out of the timing
+        shapes.setdefault((len(g), max(len(l["prompt_token_ids"]) for l in g),
+                           max(l.get("max_tokens") or default_max_tokens for l in g)), g)
+    for g in shapes.values():
+        h.generate(g)
+    wall, tokens = h.timed(groups)
+    return {"harness": "bench/hf_generate.py", "wall_seconds": round(wall, 4), "requests": len(lines),
+            "groups": len(groups), "group_size": group, "generated_tokens": tokens, "device": h.device,
+            "attn_implementation": h.attn, "fla_importable": importlib.util.find_spec("fla") is not None,
+            "cache": h.cache or "dynamic", "tried": tried}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("workload", type=Path)
+    ap.add_argument("--group", type=int, default=32, help="requests per generate() call")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--max-tokens", type=int, default=16, help="for lines without max_tokens")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    a = ap.parse_args(argv)
+    if a.group < 1:
+        ap.error("--group must be at least 1")
+    figures = run(a.model_dir, a.workload, a.group, a.temperature, a.max_tokens)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if a.json is not None:
+        a.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

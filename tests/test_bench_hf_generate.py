@@ -1,0 +1,64 @@
+"""bench/hf_generate.py, the independent transformers baseline (bench/device_bench.sh reports the faster of it and
+`prefixrun bench --compare-transformers`): groups of equal-length prompts, left padding where lengths differ, the
+settings tried and chosen by measurement, and greedy tokens that are the engine's own on the CPU (fp32), so the
+figure it gives is the time of the right work."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import PARITY_STD
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.run.core import Engine, EngineOptions
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("hf_generate", REPO / "bench" / "hf_generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_groups_are_equal_length_where_the_workload_allows_and_left_padded_otherwise():
+    hf = _harness()
+    lines = [{"prompt_token_ids": [1] * n, "max_tokens": 4} for n in (5, 9, 5, 9, 5, 7)]
+    groups = hf.groups_of(lines, 3, 16)
+    assert [[len(l["prompt_token_ids"]) for l in g] for g in groups] == [[5, 5, 5], [7, 9, 9]]
+    ids, mask = hf.batch_tensors([{"prompt_token_ids": [4, 5]}, {"prompt_token_ids": [6, 7, 8]}], "cpu")
+    assert ids.tolist() == [[0, 4, 5], [6, 7, 8]] and mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_a_line_without_token_ids_is_refused_by_its_number(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt_token_ids": [1]}) + "\n" + json.dumps({"prompt": "text"}) + "\n")
+    with pytest.raises(SystemExit, match="line 2 has no prompt_token_ids"):
+        _harness().read_lines(workload)
+
+
+def test_greedy_tokens_are_the_engines_and_the_figures_say_how_they_were_made(cpu_ops, tmp_path):
+    pytest.importorskip("transformers")
+    hf = _harness()
+    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(12)] for i in range(4)]
+    lines = [{"custom_id": f"r{i}", "prompt_token_ids": p, "max_tokens": 6, "temperature": 0}
+             for i, p in enumerate(prompts)]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    h = hf.Harness(model_dir, 0.0, 16)
+    got = h.generate(lines).tolist()  # one equal-length group of 4
+    model = load_model(model_dir, cpu_ops)[0]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eng = Engine(model, cpu_ops, options=EngineOptions(speculative="off", max_batch=4))
+    want = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    assert got == [want[f"r{i}"] for i in range(4)]
+    figures = hf.run(model_dir, workload, group=3)
+    assert figures["requests"] == 4 and figures["groups"] == 2 and figures["generated_tokens"] == 4 * 6
+    assert figures["wall_seconds"] > 0 and figures["cache"] == "dynamic" and figures["device"] == "cpu"
+    assert figures["tried"] == [{"settings": "dynamic cache", "probe_seconds": figures["tried"][0]["probe_seconds"]}]
