@@ -94,6 +94,7 @@ def _lib() -> ctypes.CDLL:
         vp, i, sz, u64, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int64
         sigs = {
             "cublasLtCreate": [ctypes.POINTER(vp)],
+            "cublasLtDestroy": [vp],
             "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i, i],
             "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz],
             "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i, u64, u64, i64],
@@ -144,8 +145,8 @@ class PinnedGemm:
         _check(self.lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
         self.handle = handle
         self.workspace = cupy.empty(workspace_bytes, dtype=np.uint8)
+        self.device = cupy.cuda.Device().id
         self._descs: dict[int, ctypes.c_void_p] = {}
-        self._algos: dict[tuple, tuple[_Algo, PinnedAlgo]] = {}
         self._layouts: dict[tuple, ctypes.c_void_p] = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._lock = threading.Lock()
@@ -180,9 +181,11 @@ class PinnedGemm:
 
     def algo(self, n: int, k: int, a_type: int, c_type: int, compute: int) -> tuple[_Algo, PinnedAlgo]:
         """The pinned algorithm of (N, K, types): cuBLASLt's first heuristic answer at `reference_rows` rows with
-        only the allowed reduction schemes and 16-byte alignment; cached for the handle's life."""
-        key = (n, k, a_type, c_type, compute)
-        found = self._algos.get(key)
+        only the allowed reduction schemes and 16-byte alignment; chosen once per process and device, for every
+        handle (a warm-up's handle chooses for the engine's)."""
+        key = (self.device, self.reference_rows, self.reduction_mask, self.workspace.nbytes, n, k, a_type, c_type,
+               compute)
+        found = _CHOSEN.get(key)
         if found is not None:
             return found
         m = self.reference_rows
@@ -207,8 +210,17 @@ class PinnedGemm:
         info = PinnedAlgo(*(self._config(algo, a) for a in (_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_STAGES_ID,
                                                             _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME)),
                           workspace_bytes=int(result.workspace_size))
-        self._algos[key] = (algo, info)
+        _CHOSEN[key] = (algo, info)
         return algo, info
+
+    def close(self):
+        """Destroy the handle and its layouts (a throwaway handle's; the process's own lives as long as it)."""
+        if self.handle is not None:
+            for layout in self._layouts.values():
+                self.lib.cublasLtMatrixLayoutDestroy(layout)
+            self._layouts.clear()
+            self.lib.cublasLtDestroy(self.handle)
+            self.handle = None
 
     def _config(self, algo: _Algo, attr: int) -> int:
         value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
@@ -252,6 +264,7 @@ class PinnedGemm:
 
 
 _PINNED: dict[int, PinnedGemm] = {}
+_CHOSEN: dict[tuple, tuple[_Algo, PinnedAlgo]] = {}  # PinnedGemm.algo's choices (dict writes are atomic)
 
 
 def get_pinned_gemm() -> PinnedGemm:

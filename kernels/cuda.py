@@ -113,7 +113,8 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
         loading wait for it, never load it twice; a stream capture waits for the thread (`_PREPARERS`)."""
         if self._preparing is None:
             self._preparing = threading.Thread(target=cuda_warmup.prepare, daemon=True, name="prefixrun-kernels",
-                                               args=(cupy.cuda.Device().id, self._act, plan, PREPARED_FILES))
+                                               args=(cupy.cuda.Device().id, self._act, plan, PREPARED_FILES,
+                                                     self.tuning.deterministic))
             self._preparing.start()
             _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 

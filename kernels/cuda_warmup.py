@@ -31,6 +31,7 @@ import numpy as np
 
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cublas import Cublas, get_cublas
+from prefixrun.kernels.cublaslt import PinnedGemm, get_pinned_gemm
 from prefixrun.kernels.cuda_arrays import F32
 from prefixrun.kernels.cuda_modules import KERNEL_NAMES, kernel
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
@@ -42,9 +43,10 @@ _SCRATCH_CAP = 8 << 30  # bytes: the largest scratch a warm-up takes (a 152k-voc
 LAST: dict = {}  # the latest warm-up's account: seconds per part, products run and left out, errors
 
 
-def prepare(device: int, act_dtype, plan_fn, files):
+def prepare(device: int, act_dtype, plan_fn, files, deterministic: bool = False):
     """The loader thread's body: `files`' modules, the sm_90a attention module, then the plan's GEMMs (plan_fn(): a
-    KernelPlan; plan_fn None: a generic one)."""
+    KernelPlan; plan_fn None: a generic one); `deterministic`: through the pinned algorithms the engine will use
+    (kernels/cublaslt.py: their choice is made here, once per shape, and their kernels loaded)."""
     global LAST
     account = LAST = {"modules_s": 0.0, "gemms_s": 0.0, "gemm_calls": 0, "gemms_left_out": 0,
                       "gemms_stopped": False, "errors": [], "started": time.perf_counter(), "ended": None}
@@ -59,7 +61,7 @@ def prepare(device: int, act_dtype, plan_fn, files):
         t1 = time.perf_counter()
         plan = _guarded(account, "plan", plan_fn) if plan_fn is not None else _GENERIC
         if plan is not None:
-            _guarded(account, "gemms", warm_gemms, plan, np.dtype(act_dtype), account)
+            _guarded(account, "gemms", warm_gemms, plan, np.dtype(act_dtype), account, deterministic)
         account["gemms_s"] = time.perf_counter() - t1
     account["ended"] = time.perf_counter()
 
@@ -93,7 +95,7 @@ def warm_array_kernels(act: np.dtype):
         stream.synchronize()
 
 
-def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
+def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict, deterministic: bool = False):
     """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, with
     a cuBLAS handle of its own (kernels load per context, not per handle: bench/firstuse_probe.py).
 
@@ -108,11 +110,13 @@ def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict):
         return
     buffers = (cupy.empty(scratch.weight_elems, act),  # stand-ins: only the shapes matter to the choice of kernel
                cupy.empty(scratch.input_elems, act), cupy.empty(scratch.output_bytes, np.uint8))
-    blas = Cublas()
+    # deterministic: a handle (and workspace) of its own too, whose choices of algorithm are the engine's
+    blas = PinnedGemm() if deterministic else Cublas()
     stream = cupy.cuda.Stream(non_blocking=True)
     try:
         with stream:
-            _run_products(blas, get_cublas(), stream, buffers, scratch, act, account)
+            _run_products(blas, get_pinned_gemm() if deterministic else get_cublas(), stream, buffers, scratch, act,
+                          account)
     finally:
         stream.synchronize()  # nothing may still write the buffers when they go back to the pool
         blas.close()

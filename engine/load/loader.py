@@ -134,9 +134,11 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
 
 
 def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
-         max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None, front: ModelFront | None = None) -> LoadedModel:
+         max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None, front: ModelFront | None = None,
+         deterministic: bool = False) -> LoadedModel:
     """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none).
     `max_step_tokens` (tokens per prefill step) and `max_batch` (None: not known yet) bound the GEMM row counts the
-    backend may get ready while the weights load (engine/load/gemm_plan.py)."""
+    backend may get ready while the weights load (engine/load/gemm_plan.py). `deterministic`: batch-invariant
+    kernels (--deterministic)."""
     return start_load(model_dir, device, dtype, mtp, max_step_tokens=max_step_tokens, max_batch=max_batch,
-                      front=front).finish()
+                      front=front, deterministic=deterministic).finish()
