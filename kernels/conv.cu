@@ -5,11 +5,12 @@
 
 #define CONV_CHUNK 32
 
-// x [T, C] (row stride sx), weight fp32 [C, K], state [slots, C, K-1] (oldest first), out [T, C]; act: SiLU or none.
+// x [T, C] (row stride sx), weight fp32 [C, K], bias fp32 [C] or null (Mamba2's conv bias, added before the
+// activation), state [slots, C, K-1] (oldest first), out [T, C]; act: SiLU or none.
 // grid (ceil(C / blockDim.x), upper bound of chunks); block b of sequence-chunk pairs found by find_tile.
 template <typename T, typename TS, int K>
 __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
-                                const TS* __restrict__ state, const int* __restrict__ slots,
+                                const float* __restrict__ bias, const TS* __restrict__ state, const int* __restrict__ slots,
                                 const int* __restrict__ cu, int num_seqs, int channels, int act, T* __restrict__ out) {
     __shared__ int s_seq, s_tile;
     if (threadIdx.x < 32) {
@@ -41,6 +42,7 @@ __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __
         float acc = 0.f;
 #pragma unroll
         for (int j = 0; j < K; ++j) acc += win[j] * w[j];
+        if (bias) acc += bias[c];
         out[(i64)(start + i) * channels + c] = from_f<T>(act ? silu_f(acc) : acc);
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];

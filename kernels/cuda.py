@@ -35,6 +35,7 @@ from prefixrun.kernels.cuda_fp8 import dequantize_into
 from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.cuda_graph import CudaGraph
 from prefixrun.kernels.cuda_mixing import SequenceMixingOps
+from prefixrun.kernels.cuda_mamba import MambaOps
 from prefixrun.kernels.cuda_modules import CONV_WIDTHS, PREPARED_FILES, kernel
 from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.step_io import StepCopies
@@ -48,7 +49,7 @@ _LOGITS_THREADS = 256  # LOGITS_THREADS in kernels/logits.cu
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
 
-class CudaOps(DenseOps, SequenceMixingOps, AttentionOps):
+class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
     """The CUDA backend. Activations in `act_dtype` (bf16 or fp32), recurrent states and gates in fp32."""
 
     display_name = "cuda"

@@ -24,9 +24,9 @@ class SequenceMixingOps:
     """CudaOps' recurrent-layer ops (its `tuning`, `_sm_count`, `_cast` and `_dynamic_smem`)."""
 
     # ---- sequence mixing: kernels/conv.cu, kernels/delta_rule.cu, kernels/delta_tc.cu --------------------------------
-    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu=True):
-        """Depthwise causal conv + SiLU (silu False: none) per sequence from its conv history; updates
-        conv_state[slots] in place.
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu=True, bias=None):
+        """Depthwise causal conv (+ bias fp32 [C] when given) + SiLU (silu False: none) per sequence from its conv
+        history; updates conv_state[slots] in place.
         x [T, C], weight [C, K], conv_state [num_slots, C, K-1], slots [B], cu_seqlens [B+1] -> y [T, C]."""
         x, sx = matrix_view(x)
         t, c = x.shape
@@ -41,10 +41,12 @@ class SequenceMixingOps:
         if t == 0 or nseq == 0 or c == 0:
             return out
         w = as_f32(weight)
+        b = as_f32(bias) if bias is not None else np.uint64(0)  # a null pointer: no bias
         types = f"{type_name(x.dtype)}, {type_name(conv_state.dtype)}, {k}"
         cblocks = -(-c // 128)
         kernel("conv", f"conv_fwd_kernel<{types}>")(
-            (cblocks, -(-t // 32) + nseq), (128,), (x, i64(sx), w, conv_state, slots, cu, i32(nseq), i32(c), i32(silu), out))
+            (cblocks, -(-t // 32) + nseq), (128,),
+            (x, i64(sx), w, b, conv_state, slots, cu, i32(nseq), i32(c), i32(silu), out))
         kernel("conv", f"conv_state_kernel<{types}>")(
             (cblocks, nseq), (128,), (x, i64(sx), conv_state, slots, cu, i32(c)))
         return out
@@ -155,7 +157,8 @@ class SequenceMixingOps:
         return w, u, aqk, gc
 
     # ---- speculative (multi-row) steps: kernels/spec_rows.cu ----------------------------------------------------
-    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows, silu=True):
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows, silu=True,
+                           bias=None):
         """`causal_conv1d`, and the conv history after every token t with snapshot_rows[t] >= 0 in
         snapshots[snapshot_rows[t]] ([R, C, K-1], conv_state's dtype). The snapshots are taken first, from the
         old histories the conv then rewrites."""
@@ -172,7 +175,7 @@ class SequenceMixingOps:
             kernel("spec_rows", f"conv_snapshot_kernel<{type_name(xr.dtype)}, {type_name(conv_state.dtype)}>")(
                 (-(-c // 128), t), (128,), (xr, i64(sx), conv_state, snapshots, slots_i, cu, rows, i32(nseq),
                                             i32(c), i32(km1)))
-        return self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens, silu)
+        return self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens, silu, bias)
 
     def gated_delta_rule_rows(self, q, k, v, g, beta, state, slots, cu_seqlens, snapshots, snapshot_rows):
         """`gated_delta_rule` token by token, and the fp32 state after every token t with snapshot_rows[t] >= 0

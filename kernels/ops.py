@@ -177,9 +177,9 @@ class Ops(Protocol):
         """a, b [T, H] -> (g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b)), both fp32 [T, H]"""
 
     # ---- sequence mixing ---------------------------------------------------------------------------------------
-    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu: bool = True) -> Array:
-        """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv) [T, C]
-        (silu False: the convolution alone)"""
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu: bool = True, bias=None) -> Array:
+        """x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (updated in place) -> silu(conv + bias) [T, C]
+        (silu False: the convolution alone; bias: None, or fp32 [C] added before the activation)"""
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False) -> Array:
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
@@ -188,7 +188,7 @@ class Ops(Protocol):
         it), and every other step token by token, as `gated_delta_rule_rows` does."""
 
     def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows,
-                           silu: bool = True) -> Array:
+                           silu: bool = True, bias=None) -> Array:
         """`causal_conv1d`, and the conv history after every token t with snapshot_rows[t] >= 0 written to
         snapshots[snapshot_rows[t]] (snapshots [R, C, K-1] in conv_state's dtype; snapshot_rows [T] int32, -1: none).
         Each token's output and the final state equal `causal_conv1d`'s (a speculative step's rows)."""
@@ -197,6 +197,25 @@ class Ops(Protocol):
         """`gated_delta_rule` stepped token by token (every row computed as a one-token decode step computes it),
         and the state after every token t with snapshot_rows[t] >= 0 written to snapshots[snapshot_rows[t]]
         (fp32 [R, H, Dk, Dv]; snapshot_rows [T] int32, -1: none) -> o [T, H, Dv]"""
+
+    def ssd_scan(self, x, dt, b, c, a_log, dt_bias, d, dt_limit, state, slots, cu_seqlens) -> Array:
+        """The Mamba2 selective state-space scan (kernels/mamba_reference.py: full semantics). x [T, H, P], dt [T, H]
+        (raw: softplus(dt + dt_bias) clamped to dt_limit = (low, high) is the step), b, c [T, G, N] (head h reads
+        group h // (H / G)), a_log, dt_bias, d fp32 [H], state fp32 [num_slots, H, P, N] (in place); views with
+        strided rows allowed -> y [T, H, P] act: per token S = exp(dt A) S + dt x b^T, y = S c + d x."""
+
+    def ssd_scan_rows(self, x, dt, b, c, a_log, dt_bias, d, dt_limit, state, slots, cu_seqlens, snapshots,
+                      snapshot_rows) -> Array:
+        """`ssd_scan` stepped token by token (every row as a one-token decode step computes it), and the state after
+        every token t with snapshot_rows[t] >= 0 written to snapshots[snapshot_rows[t]] (fp32 [R, H, P, N];
+        snapshot_rows [T] int32, -1: none) -> y [T, H, P]"""
+
+    def gated_group_rms_norm(self, x, gate, weight, eps, group_size) -> Array:
+        """Mamba2's output norm: s = x * silu(gate) (x, gate [T, D], strided rows allowed), each group of
+        `group_size` channels of s RMS-normalised, times weight fp32 [D] -> act [T, D]"""
+
+    def relu2(self, x) -> Array:
+        """relu(x)^2 of x [T, I] -> act [T, I] (Nemotron-H's MLP activation)"""
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         """k, v [T, Hkv, D] stored at flat rows slot_mapping [T] (block * block_size + offset) of the caches"""

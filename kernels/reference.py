@@ -11,12 +11,13 @@ import numpy as np
 
 from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.host_memory import keep_freed_memory
+from prefixrun.kernels.mamba_reference import MambaReferenceOps
 from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels import logits_edits
 from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, skipped_rows, unpack_sampling_params
 
 
-class NumpyOps(MoeReferenceOps):
+class NumpyOps(MoeReferenceOps, MambaReferenceOps):
     """The CPU backend. Activations and weights are float32 here. (The MoE ops live in kernels/moe_reference.py.)"""
 
     display_name = "cpu"
@@ -235,9 +236,9 @@ class NumpyOps(MoeReferenceOps):
         return g.astype(np.float32), beta.astype(np.float32)
 
     # ---- sequence mixing ----------------------------------------------------------------------------------
-    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu=True):
-        """Depthwise causal conv + SiLU (silu False: none) over each sequence's new tokens, continuing from its
-        conv history.
+    def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu=True, bias=None):
+        """Depthwise causal conv (+ bias fp32 [C] when given) + SiLU (silu False: none) over each sequence's new
+        tokens, continuing from its conv history.
 
         x [T, C], weight [C, K], conv_state [num_slots, C, K-1] (the K-1 previous inputs, oldest first; zeros for
         a new sequence), slots [B], cu_seqlens [B+1]. Returns y [T, C]; updates conv_state[slots] in place.
@@ -254,6 +255,8 @@ class NumpyOps(MoeReferenceOps):
             acc = np.zeros((n, x.shape[1]), np.float32)
             for j in range(k):
                 acc += xpad[j:j + n] * weight[:, j]
+            if bias is not None:
+                acc += bias
             y[s:e] = acc / (1.0 + np.exp(-acc)) if silu else acc
             conv_state[slots[b]] = xpad[n:].T  # the last K-1 inputs
         return y
@@ -297,7 +300,8 @@ class NumpyOps(MoeReferenceOps):
             state[slots[b]] = S
         return out.astype(self.act_dtype)
 
-    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows, silu=True):
+    def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows, silu=True,
+                           bias=None):
         """`causal_conv1d` (the same arithmetic per token), plus the conv history after every token t with
         snapshot_rows[t] >= 0 in snapshots[snapshot_rows[t]] ([R, C, K-1]; -1: no snapshot). A speculative
         verify step's rows: commit restores the history after the last kept row from its snapshot."""
@@ -306,7 +310,7 @@ class NumpyOps(MoeReferenceOps):
         for b in range(len(slots)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             history[b] = np.concatenate([conv_state[slots[b]].T.astype(np.float32), x[s:e].astype(np.float32)])
-        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens, silu)
+        y = self.causal_conv1d(x, weight, conv_state, slots, cu_seqlens, silu, bias)
         for b in range(len(slots)):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             for j in range(e - s):

@@ -17,22 +17,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 ENTRY = r"""
 template <int K>
-static void conv(const float* x, i64 sx, const float* w, float* state, const int* slots, const int* cu, int nseq,
-                 int t, int c, int act, float* out) {
+static void conv(const float* x, i64 sx, const float* w, const float* bias, float* state, const int* slots,
+                 const int* cu, int nseq, int t, int c, int act, float* out) {
     // as kernels/cuda_mixing.py causal_conv1d launches them: the outputs from the old histories, then the update
     const unsigned cblocks = unsigned((c + 127) / 128);
     emu_launch({cblocks, unsigned((t + 31) / 32 + nseq), 1}, 128, 0, [&] {
-        conv_fwd_kernel<float, float, K>(x, sx, w, state, slots, cu, nseq, c, act, out);
+        conv_fwd_kernel<float, float, K>(x, sx, w, bias, state, slots, cu, nseq, c, act, out);
     });
     emu_launch({cblocks, unsigned(nseq), 1}, 128, 0, [&] {
         conv_state_kernel<float, float, K>(x, sx, state, slots, cu, c);
     });
 }
-extern "C" int emu_conv(int k, const float* x, i64 sx, const float* w, float* state, const int* slots, const int* cu,
-                        int nseq, int t, int c, int act, float* out) {
-    if (k == 2) conv<2>(x, sx, w, state, slots, cu, nseq, t, c, act, out);
-    else if (k == 3) conv<3>(x, sx, w, state, slots, cu, nseq, t, c, act, out);
-    else if (k == 4) conv<4>(x, sx, w, state, slots, cu, nseq, t, c, act, out);
+extern "C" int emu_conv(int k, const float* x, i64 sx, const float* w, const float* bias, float* state,
+                        const int* slots, const int* cu, int nseq, int t, int c, int act, float* out) {
+    if (k == 2) conv<2>(x, sx, w, bias, state, slots, cu, nseq, t, c, act, out);
+    else if (k == 3) conv<3>(x, sx, w, bias, state, slots, cu, nseq, t, c, act, out);
+    else if (k == 4) conv<4>(x, sx, w, bias, state, slots, cu, nseq, t, c, act, out);
     else return 1;
     return 0;
 }
@@ -45,13 +45,14 @@ def emu(tmp_path_factory):
     return compile_emulated(tmp_path_factory, "conv_emu", src + ENTRY)
 
 
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])  # Mamba2's conv bias
 @pytest.mark.parametrize("silu", [True, False], ids=["silu", "none"])
 @pytest.mark.parametrize("lens,channels,kernel", [
     ([1, 70, 2, 0, 33], 200, 3),  # chunks of 32 whose windows reach back into the history; an empty sequence
     ([5, 1], 7, 2),  # a width-2 convolution (LFM2-like histories of one input)
     ([40], 130, 4),  # Gated DeltaNet's width; a partial channel block
 ])
-def test_conv_kernels_match_the_reference(emu, silu, lens, channels, kernel):
+def test_conv_kernels_match_the_reference(emu, silu, with_bias, lens, channels, kernel):
     rng = np.random.default_rng(channels + kernel)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t, nslots, km1 = int(cu[-1]), 6, kernel - 1
@@ -61,15 +62,17 @@ def test_conv_kernels_match_the_reference(emu, silu, lens, channels, kernel):
     hist0 = rng.standard_normal((nslots, channels, km1)).astype(np.float32)
     slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
     ref_hist = hist0.copy()
-    want = NumpyOps().causal_conv1d(x, w, ref_hist, slots, cu, silu=silu)
+    bias = rng.standard_normal(channels).astype(np.float32) if with_bias else None
+    want = NumpyOps().causal_conv1d(x, w, ref_hist, slots, cu, silu=silu, bias=bias)
 
     def emulate():
         hist, h_ok = _guarded(hist0.shape, np.float32)
         hist[...] = hist0
         out, o_ok = _guarded((t, channels), np.float32)
         xp = ctypes.c_void_p(wide.ctypes.data + 3 * 4)
-        rc = emu.emu_conv(kernel, xp, ctypes.c_longlong(channels + 9), _ptr(w), _ptr(hist), _ptr(slots), _ptr(cu),
-                          len(lens), t, channels, int(silu), _ptr(out))
+        rc = emu.emu_conv(kernel, xp, ctypes.c_longlong(channels + 9), _ptr(w),
+                          _ptr(bias) if bias is not None else None, _ptr(hist), _ptr(slots), _ptr(cu), len(lens), t,
+                          channels, int(silu), _ptr(out))
         assert rc == 0 and h_ok() and o_ok(), "the kernels wrote past an output"
         return out.copy(), hist.copy()
 

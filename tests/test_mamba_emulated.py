@@ -1,0 +1,142 @@
+"""kernels/mamba.cu itself (the Mamba2 scan with and without per-row snapshots, the gated group RMSNorm, ReLU^2),
+compiled for the CPU with tests/cuda_emu.h and launched with the geometry kernels/cuda_mamba.py uses, against the
+NumPy reference (kernels/mamba_reference.py): strided views, grouped B/C, ragged batches, empty sequences, state
+sizes that do not fill a warp, -1 snapshot rows and the state write-back are checked without a GPU. Arrays the
+kernels write carry canaries."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixrun.kernels.reference import NumpyOps
+from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ENTRY = r"""
+extern "C" int emu_ssd(const float* x, i64 xst, i64 xsh, const float* dt, i64 dts, const float* b, i64 bst, i64 bsg,
+                       const float* c, i64 cst, i64 csg, const float* a_log, const float* dt_bias, const float* d,
+                       float lo, float hi, float* state, float* snaps, const int* slots, const int* cu,
+                       const int* rows, int nseq, int heads, int hrep, int p, int n, float* out) {
+    // as kernels/cuda_mamba.py launches it: grid (ceil(P / SSD_ROWS), H, nseq), 32 * SSD_ROWS threads
+    emu_launch({unsigned((p + SSD_ROWS - 1) / SSD_ROWS), unsigned(heads), unsigned(nseq)}, 32 * SSD_ROWS, 0, [&] {
+        ssd_scan_kernel<float>(x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, d, lo, hi, state,
+                               snaps, slots, cu, rows, heads, hrep, p, n, out);
+    });
+    return 0;
+}
+extern "C" int emu_group_norm(const float* x, i64 xs, const float* gate, i64 gs, const float* w, float eps, int t,
+                              int dim, int gsize, float* out) {
+    emu_launch({unsigned(dim / gsize), unsigned(t), 1}, 256, 0, [&] {
+        gated_group_norm_kernel<float, float>(x, xs, gate, gs, w, eps, dim, gsize, out);
+    });
+    return 0;
+}
+extern "C" int emu_relu2(const float* x, i64 n, float* out) {
+    emu_launch({unsigned((n + 63) / 64), 1, 1}, 64, 0, [&] { relu2_kernel<float>(x, n, out); });
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    src = "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + (ROOT / "kernels" / "mamba.cu").read_text()
+    return compile_emulated(tmp_path_factory, "mamba_emu", src + ENTRY)
+
+
+def _inputs(rng, lens, h, g, p, n, nslots):
+    """x, b, c as strided views of one [T, conv_dim] row (as the conv output hands them over), dt a strided column
+    block of a wider projection; parameters with a clamp that binds for some steps."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    xbc = rng.standard_normal((t, h * p + 2 * g * n + 3)).astype(np.float32)
+    x = xbc[:, :h * p].reshape(t, h, p)
+    b = xbc[:, h * p:h * p + g * n].reshape(t, g, n)
+    c = xbc[:, h * p + g * n:h * p + 2 * g * n].reshape(t, g, n)
+    proj = rng.standard_normal((t, h + 5)).astype(np.float32) * 2
+    dt = proj[:, 5:]
+    a_log = rng.uniform(-1, 1.5, h).astype(np.float32)
+    dt_bias = rng.uniform(-3, 0, h).astype(np.float32)
+    d = rng.standard_normal(h).astype(np.float32)
+    state0 = (rng.standard_normal((nslots, h, p, n)) * 0.3).astype(np.float32)
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
+    return cu, x, dt, b, c, a_log, dt_bias, d, state0, slots
+
+
+def _base(a):
+    """(pointer, element strides) of a view into a float32 buffer."""
+    return ctypes.c_void_p(a.ctypes.data), [s // 4 for s in a.strides]
+
+
+@pytest.mark.parametrize("snapshots", [False, True], ids=["scan", "rows"])
+@pytest.mark.parametrize("lens,h,g,p,n", [
+    ([1, 9, 0, 3], 4, 2, 6, 16),  # a decode step, an empty sequence, a partial row block, N below a warp
+    ([70], 2, 1, 8, 40),  # a prefill longer than the reference's chunk; N spills into a second column register
+    ([2, 1], 3, 3, 4, 256),  # the largest state size; one group per head
+])
+def test_ssd_scan_kernel_matches_the_reference(emu, snapshots, lens, h, g, p, n):
+    rng = np.random.default_rng(sum(lens) + n)
+    cu, x, dt, b, c, a_log, dt_bias, d, state0, slots = _inputs(rng, lens, h, g, p, n, 6)
+    t, limit = int(cu[-1]), (0.2, 3.0)
+    rows = np.where(rng.random(t) < 0.6, np.arange(t), -1).astype(np.int32)
+    ops, ref_state, ref_snaps = NumpyOps(), state0.copy(), np.zeros((max(t, 1), h, p, n), np.float32)
+    if snapshots:
+        want = ops.ssd_scan_rows(x, dt, b, c, a_log, dt_bias, d, limit, ref_state, slots, cu, ref_snaps, rows)
+    else:
+        want = ops.ssd_scan(x, dt, b, c, a_log, dt_bias, d, limit, ref_state, slots, cu)
+
+    def emulate():
+        st, st_ok = _guarded(state0.shape, np.float32)
+        st[...] = state0
+        snaps, sn_ok = _guarded(ref_snaps.shape, np.float32)
+        out, o_ok = _guarded((t, h, p), np.float32)
+        (xp, (xst, xsh, _)), (dp, (dts, _)) = _base(x), _base(dt)
+        (bp, (bst, bsg, _)), (cp, (cst, csg, _)) = _base(b), _base(c)
+        ll = ctypes.c_longlong
+        rc = emu.emu_ssd(xp, ll(xst), ll(xsh), dp, ll(dts), bp, ll(bst), ll(bsg), cp, ll(cst), ll(csg), _ptr(a_log),
+                         _ptr(dt_bias), _ptr(d), ctypes.c_float(limit[0]), ctypes.c_float(limit[1]), _ptr(st),
+                         _ptr(snaps) if snapshots else None, _ptr(slots), _ptr(cu), _ptr(rows) if snapshots else None,
+                         len(lens), h, h // g, p, n, _ptr(out))
+        assert rc == 0 and st_ok() and sn_ok() and o_ok(), "the kernel wrote past an output"
+        return out.copy(), st.copy(), snaps.copy()
+
+    out, state, snaps = _forked(emulate)
+    live = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in range(len(lens))])
+    np.testing.assert_allclose(out[live], want[live], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(state, ref_state, rtol=2e-4, atol=2e-4)
+    if snapshots:
+        np.testing.assert_allclose(snaps[rows[rows >= 0]], ref_snaps[rows[rows >= 0]], rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("t,dim,gsize", [(3, 64, 16), (2, 600, 600), (1, 40, 8)])
+def test_gated_group_norm_kernel_matches_the_reference(emu, t, dim, gsize):
+    rng = np.random.default_rng(dim)
+    wide = rng.standard_normal((t, 2 * dim + 7)).astype(np.float32)
+    x, gate = wide[:, 7:7 + dim], wide[:, 7 + dim:]  # strided rows, as the model hands them over
+    w = rng.standard_normal(dim).astype(np.float32)
+    want = NumpyOps().gated_group_rms_norm(x, gate, w, 1e-5, gsize)
+
+    def emulate():
+        out, ok = _guarded((t, dim), np.float32)
+        ll = ctypes.c_longlong
+        rc = emu.emu_group_norm(_base(x)[0], ll(2 * dim + 7), _base(gate)[0], ll(2 * dim + 7), _ptr(w),
+                                ctypes.c_float(1e-5), t, dim, gsize, _ptr(out))
+        assert rc == 0 and ok()
+        return out.copy()
+
+    np.testing.assert_allclose(_forked(emulate), want, rtol=1e-5, atol=1e-5)
+
+
+def test_relu2_kernel_matches_the_reference(emu):
+    x = np.random.default_rng(0).standard_normal(301).astype(np.float32)
+
+    def emulate():
+        out, ok = _guarded((301,), np.float32)
+        assert emu.emu_relu2(_ptr(x), ctypes.c_longlong(301), _ptr(out)) == 0 and ok()
+        return out.copy()
+
+    np.testing.assert_allclose(_forked(emulate), NumpyOps().relu2(x), rtol=1e-6, atol=0)
