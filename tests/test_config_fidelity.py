@@ -46,6 +46,15 @@ BASE = {
     "gpt_oss": dict(_SMALL, head_dim=16, num_hidden_layers=3, sliding_window=8, num_local_experts=4,
                     num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # the Mamba2 hybrids (tests/test_nemotron_h.py, tests/test_granitemoehybrid.py sweep their fields)
+    "nemotron_h": dict(_SMALL, head_dim=16, layers_block_type=["linear_attention", "mlp", "full_attention",
+                                                               "linear_attention"], tie_word_embeddings=False,
+                       mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16),
+    "granitemoehybrid": dict(_SMALL, num_hidden_layers=3, tie_word_embeddings=False,
+                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
+                             num_experts_per_tok=2, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+                             mamba_chunk_size=16, position_embedding_type="rope"),
 }
 _VISION = {"gemma3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           image_size=28, patch_size=14),
@@ -121,7 +130,8 @@ def _scale_weights(model, seed: int, gate_scale: float):
             if any(s in name for s in ("vision", "visual", "multi_modal")) or name.endswith(("A_log", "dt_bias")):
                 continue
             noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-            if name.endswith("conv.conv.weight"):  # LFM2's depthwise taps: of order one, so the convolution
+            if name.endswith(("conv.conv.weight", "mixer.conv1d.weight", "mamba.conv1d.weight")):
+                # LFM2's and Mamba2's depthwise taps: of order one, so the convolution
                 p.copy_(noise * 0.5)  # (and the history it reads) moves the logits far beyond the tolerance
             elif p.ndim == 1 and "norm" in name:
                 p.add_(noise * 0.1)  # around transformers' init: 1 for x * w norms, 0 for x * (1 + w) ones

@@ -17,6 +17,8 @@ from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SHORT_CONV, SLIDING_ATTENTION, \
     ConfigFields, DecoderConfig, DenseConfig, HybridConfig, ShortConvConfig, SlidingWindowConfig
 from prefixrun.engine.load.gpt_oss_config import GptOssConfig
+from prefixrun.engine.load.mamba_config import GraniteHybridConfig, NemotronHConfig, granite_layer_types, \
+    nemotron_layer_types
 from prefixrun.engine.load.moe_config import MoeHybridConfig
 from prefixrun.engine.load.mxfp4 import MXFP4
 from prefixrun.engine.load.quantization import parse_quantization
@@ -63,13 +65,31 @@ _DEFAULTS["qwen3_next"] = dict(_DEFAULTS["qwen3_5"], vocab_size=151936, hidden_s
 _DEFAULTS["qwen3_5_moe"] = dict(_DEFAULTS["qwen3_5"], vocab_size=248320, hidden_size=2048, intermediate_size=512,
                                 num_hidden_layers=40, num_key_value_heads=2, moe_intermediate_size=512,
                                 shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256)
+# the Mamba2 hybrids (engine/load/mamba_config.py): NemotronHConfig's and GraniteMoeHybridConfig's defaults
+_DEFAULTS["nemotron_h"] = dict(
+    _COMMON_DEFAULTS, vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=None,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+    tie_word_embeddings=False, layer_norm_epsilon=1e-5, mlp_hidden_act="relu2", mlp_bias=False, ssm_state_size=128,
+    mamba_num_heads=128, mamba_head_dim=64, mamba_hidden_act="silu", n_groups=8, conv_kernel=4,
+    time_step_min=0.001, use_conv_bias=True, use_bias=False)
+_DEFAULTS["granitemoehybrid"] = dict(
+    _COMMON_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
+    tie_word_embeddings=False, embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0,
+    attention_multiplier=1.0, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024,
+    position_embedding_type=None, mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_head="auto",
+    mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=[0.0, float("inf")])
 # the families whose norms read their eps from another field than rms_norm_eps (which they then ignore)
-_EPS_FIELD = {"lfm2": "norm_eps"}
+_EPS_FIELD = {"lfm2": "norm_eps", "nemotron_h": "layer_norm_epsilon"}
 # the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
 _COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "qwen3_5_moe": False, "gemma3": True}
 
 
 def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ...]:
+    if family == "nemotron_h":
+        return nemotron_layer_types(f)
+    if family == "granitemoehybrid":
+        return granite_layer_types(f, num_layers)
     layer_types = f.get("layer_types")
     if layer_types is None:  # derived exactly as the family's transformers config derives it
         if family == "gemma3":
@@ -127,12 +147,15 @@ _ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
     "Lfm2ForCausalLM": ("lfm2", ShortConvConfig),
     "GptOssForCausalLM": ("gpt_oss", GptOssConfig),
+    "NemotronHForCausalLM": ("nemotron_h", NemotronHConfig),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", GraniteHybridConfig),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
-                "lfm2": "Lfm2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                "lfm2": "Lfm2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -176,8 +199,10 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
                              f"and {num_heads}")
     head_dim = f.number("head_dim", int, allow_none=True) or hidden // num_heads
     kv_heads = f.number("num_key_value_heads", int, allow_none=True) or num_heads
-    num_layers = f.number("num_hidden_layers", int)
+    # Nemotron-H's depth is its block pattern's length (NemotronHConfig ignores num_hidden_layers)
+    num_layers = 0 if family == "nemotron_h" else f.number("num_hidden_layers", int)
     layer_types = _layer_types(f, family, num_layers)
+    num_layers = len(layer_types) if family == "nemotron_h" else num_layers
     max_pos = f.number("max_position_embeddings", int)
     rope, rope_local = parse_rope(text, family, head_dim=head_dim, max_position_embeddings=max_pos,
                                   defaults=f.defaults, source=source)

@@ -18,6 +18,7 @@ from prefixrun.engine.load.config import LINEAR_ATTENTION, SHORT_CONV, HybridCon
 from prefixrun.engine.load.gpt_oss_config import GptOssConfig, gpt_oss_tensor_shapes
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
+from prefixrun.engine.load.mamba_config import Mamba2HybridConfig, mamba_tensor_shapes
 from prefixrun.engine.load.weights import SAFETENSORS_DTYPES
 
 _ST_DTYPE = {np.dtype(dtype): name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -58,6 +59,8 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
         return _lfm2_shapes(cfg)
     if isinstance(cfg, GptOssConfig):
         return gpt_oss_tensor_shapes(cfg)
+    if isinstance(cfg, Mamba2HybridConfig):
+        return mamba_tensor_shapes(cfg)
     d, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.weight_prefix
     shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,)}
     if not cfg.tie_word_embeddings:

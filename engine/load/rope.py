@@ -25,6 +25,18 @@ F32 = np.float32
 
 
 @dataclass(frozen=True)
+class NoRotary:
+    """Attention without a position embedding (Nemotron-H; Granite 4.0-H without rope): every angle is 0, a rotation
+    by cos 1 and sin 0, which leaves q and k exactly as they are, so these layers run the same ops as the others."""
+
+    rotary_dim: int  # the head dim: every dim "rotates" by angle 0
+    attention_factor: float = 1.0
+
+    def inverse_frequencies(self) -> np.ndarray:
+        return np.zeros(self.rotary_dim // 2, F32)
+
+
+@dataclass(frozen=True)
 class RopeConfig:
     theta: float
     rotary_dim: int  # leading dims of each head that rotate (partial rotary); the rest pass through

@@ -12,7 +12,8 @@ from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 
 _FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3",
-             "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_next", "lfm2": "lfm2", "gpt_oss": "gpt_oss"}
+             "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_next", "lfm2": "lfm2", "gpt_oss": "gpt_oss",
+             "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid"}
 
 
 # Composite checkpoints as transformers 5.17 saves some of them (Gemma 3 through its llava-style conversion):

@@ -1,0 +1,135 @@
+"""The CUDA Mamba2 ops (kernels/mamba.cu, the conv bias of kernels/conv.cu) against the NumPy reference, op by op,
+and the two Mamba2 hybrids end to end on the GPU: fp32 gives the CPU's greedy tokens (speculation off and ngram,
+prefix reuse); bf16's whole-model error against the fp32 reference stays within 2x transformers' own bf16 error on
+the same weights (or 1e-2). Bounds as tests/test_cuda_kernels.py: fp32 1e-5 op by op (the scan: 1e-4, a chunked
+reference against a stepped kernel), bf16 2e-2 for sequence ops with the same bf16-rounded inputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from conftest import PARITY_STD, new_state, random_prompt  # noqa: E402
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+from test_cuda_kernels import act_round, host, rel  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+TOL_SEQ = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ops(request):
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
+
+
+def _scan_inputs(ops, rng, lens, h, g, p, n):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    xbc = act_round(ops, rng.standard_normal((t, h * p + 2 * g * n)))
+    proj = act_round(ops, rng.standard_normal((t, h + 3)) * 2)
+    params = [rng.uniform(-1, 1.5, h).astype(np.float32), rng.uniform(-3, 0, h).astype(np.float32),
+              rng.standard_normal(h).astype(np.float32)]
+    state0 = (rng.standard_normal((6, h, p, n)) * 0.3).astype(np.float32)
+    slots = rng.permutation(6)[:len(lens)].astype(np.int32)
+    return cu, xbc, proj, params, state0, slots
+
+
+def _views(xbc, proj, t, h, g, p, n):
+    x = xbc[:, :h * p].reshape(t, h, p)
+    b = xbc[:, h * p:h * p + g * n].reshape(t, g, n)
+    c = xbc[:, h * p + g * n:].reshape(t, g, n)
+    return x, proj[:, 3:], b, c
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["scan", "rows"])
+@pytest.mark.parametrize("lens,h,g,p,n", [([1, 1, 1], 8, 2, 64, 128), ([300, 7, 0], 4, 1, 64, 128),
+                                          ([5, 33], 6, 3, 16, 40), ([2], 2, 2, 8, 256)])
+def test_ssd_scan_matches_the_reference(ops, rows, lens, h, g, p, n):
+    rng = np.random.default_rng(sum(lens) + n)
+    cu, xbc, proj, (a_log, dt_bias, d), state0, slots = _scan_inputs(ops, rng, lens, h, g, p, n)
+    t, limit, ref = int(cu[-1]), (0.01, 4.0), NumpyOps()
+    snap_rows = np.where(rng.random(t) < 0.5, np.arange(t), -1).astype(np.int32)
+    ref_state, ref_snaps = state0.copy(), np.zeros((max(t, 1), h, p, n), np.float32)
+    args = (a_log, dt_bias, d, limit)
+    if rows:
+        want = ref.ssd_scan_rows(*_views(xbc, proj, t, h, g, p, n), *args, ref_state, slots, cu, ref_snaps, snap_rows)
+    else:
+        want = ref.ssd_scan(*_views(xbc, proj, t, h, g, p, n), *args, ref_state, slots, cu)
+    dev = _views(ops.upload(xbc), ops.upload(proj), t, h, g, p, n)
+    state, snaps = ops.upload(state0, np.float32), ops.zeros(ref_snaps.shape, np.float32)
+    dargs = (ops.upload(a_log, np.float32), ops.upload(dt_bias, np.float32), ops.upload(d, np.float32), limit)
+    if rows:
+        got = ops.ssd_scan_rows(*dev, *dargs, state, slots, cu, snaps, snap_rows)
+    else:
+        got = ops.ssd_scan(*dev, *dargs, state, slots, cu)
+    assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name]
+    assert rel(host(ops, state), ref_state) < TOL_SEQ["float32"]
+    if rows:
+        keep = snap_rows[snap_rows >= 0]
+        assert rel(host(ops, snaps)[keep], ref_snaps[keep]) < TOL_SEQ["float32"]
+
+
+@pytest.mark.parametrize("t,dim,gsize", [(5, 8192, 1024), (3, 6144, 6144), (1, 40, 8)])
+def test_gated_group_rms_norm_matches_the_reference(ops, t, dim, gsize):
+    rng = np.random.default_rng(dim)
+    wide = act_round(ops, rng.standard_normal((t, 2 * dim + 5)))
+    w = rng.standard_normal(dim).astype(np.float32)
+    want = NumpyOps().gated_group_rms_norm(wide[:, 5:5 + dim], wide[:, 5 + dim:], w, 1e-5, gsize)
+    dw = ops.upload(wide)
+    got = ops.gated_group_rms_norm(dw[:, 5:5 + dim], dw[:, 5 + dim:], ops.upload(w, np.float32), 1e-5, gsize)
+    assert rel(host(ops, got), want) < (1e-5 if ops.dtype_name == "float32" else 1e-2)
+
+
+def test_relu2_and_conv_bias_match_the_reference(ops):
+    rng = np.random.default_rng(0)
+    x = act_round(ops, rng.standard_normal((7, 300)))
+    assert rel(host(ops, ops.relu2(ops.upload(x))), NumpyOps().relu2(x)) < 1e-2
+    lens, c, k = [1, 40, 3], 200, 4
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    xs = act_round(ops, rng.standard_normal((int(cu[-1]), c)))
+    w, bias = rng.standard_normal((c, k)).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    hist = act_round(ops, rng.standard_normal((4, c, k - 1)))
+    slots = np.array([2, 0, 3], np.int32)
+    ref_hist = hist.copy()
+    want = NumpyOps().causal_conv1d(xs, w, ref_hist, slots, cu, bias=bias)
+    dh = ops.upload(hist)
+    got = ops.causal_conv1d(ops.upload(xs), ops.upload(w, np.float32), dh, slots, cu,
+                            bias=ops.upload(bias, np.float32))
+    assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name] and rel(host(ops, dh), ref_hist) < 1e-2
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid"])
+def test_models_on_the_gpu(ops, family, tmp_path, cpu_ops):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from prefixrun.engine.load.model_maker import make_model_dir
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.run.core import EngineOptions
+    from test_mamba2_engine import TINY, _prompts, _run
+
+    path = make_model_dir(tmp_path / family, TINY[family], seed=7, init_std=PARITY_STD)
+    cpu_model, model = load_model(path, cpu_ops)[0], load_model(path, ops)[0]
+    prompt = random_prompt(2, 150)
+    st, ref_st = new_state(model, ops), new_state(cpu_model, cpu_ops)
+    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
+    want = cpu_model.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if ops.dtype_name != "float32":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                               experts_implementation="eager").eval()
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
+        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
+        assert err <= max(1e-2, 2 * their_err), (err, their_err)
+        return
+    assert err <= 1e-4, err
+    prompts = _prompts()
+    cpu, _ = _run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
+    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
+                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
+        assert _run(model, ops, prompts, opts)[0] == cpu, opts

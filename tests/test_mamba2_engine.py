@@ -1,0 +1,196 @@
+"""The engine's promises for the Mamba2 hybrids (Nemotron-H, Granite 4.0-H) and their state (a conv history and an
+fp32 SSM state per Mamba2 layer, both slot regions snapshotted per speculative row): prefix reuse with branch points
+inside and after the conv history and across the reference scan's chunks never changes an answer (alone, batched,
+with tiny prefill budgets, without checkpoints), from the disk cache, speculative rollback restoring a plain run's
+state, `--speculative ngram` giving the tokens of `off`, and `prefixrun batch` end to end; the bench configs parse
+and a shrunk copy loads as transformers loads it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PARITY_STD, new_state, random_prompt, rollbacks, run_tokens
+from prefixrun.engine.load.hf_config import parse_config
+from prefixrun.engine.load.model_maker import make_model_dir
+from prefixrun.engine.models import load_model
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.run.core import Engine, EngineOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+_COMMON = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+TINY = {
+    "nemotron_h": {**_COMMON, "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "head_dim": 16,
+                   "intermediate_size": 128, "layers_block_type": ["linear_attention", "mlp", "full_attention",
+                                                                   "linear_attention"],
+                   "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+                   "conv_kernel": 4, "layer_norm_epsilon": 1e-5, "time_step_min": 0.001},
+    "granitemoehybrid": {**_COMMON, "architectures": ["GraniteMoeHybridForCausalLM"],
+                         "model_type": "granitemoehybrid", "num_hidden_layers": 3, "intermediate_size": 32,
+                         "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                         "shared_intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+                         "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
+                         "mamba_d_conv": 4,
+                         "position_embedding_type": "rope", "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                         "attention_multiplier": 0.25, "logits_scaling": 2.0},
+}
+FAMILIES = sorted(TINY)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(family, tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp(family), TINY[family], seed=7, init_std=PARITY_STD)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir, cpu_ops):
+    return load_model(model_dir, cpu_ops)[0]
+
+
+def test_mamba_state_is_two_snapshotted_slot_regions(model, family):
+    specs = {s.name: s for s in model.state_specs()}
+    mamba = [i for i, kind in enumerate(model.cfg.layer_types) if kind == "linear_attention"]
+    for i in mamba:
+        conv, ssm = specs[f"layers.{i}.conv"], specs[f"layers.{i}.ssm"]
+        assert conv.shape == (8 * 16 + 2 * 2 * 16, 3) and conv.dtype == "act"
+        assert ssm.shape == (8, 16, 16) and ssm.dtype == "float32"
+        assert conv.snapshot and ssm.snapshot and not conv.paged and not ssm.paged
+    assert sum(s.paged for s in specs.values()) == 2  # K and V of the one attention layer
+
+
+def _prompts() -> list[list[int]]:
+    """Branch points inside the conv history (1..4), mid-prompt and past a 64-token scan chunk; duplicates; one
+    token; a long prompt."""
+    base = random_prompt(90, 140)
+    out = []
+    for branch in (1, 3, 4, 30, 70):
+        out += [base[:branch] + random_prompt(branch * 7 + j, 4 + j) for j in range(2)]
+    return out + [base[:30], base[:30], base, [7], [5, 6, 7] * 8]
+
+
+def _run(model, ops, prompts, opts, max_tokens=10):
+    eng = Engine(model, ops, options=opts)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    eng.check_invariants()
+    eng.close()
+    assert not eng.state.live
+    return out, eng.stats
+
+
+def test_prefix_reuse_never_changes_an_answer(model, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
+    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
+                 EngineOptions(speculative="off", checkpoint_budget_bytes=0),
+                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
+        on, _ = _run(model, cpu_ops, prompts, opts)
+        assert on == off
+    alone = {}
+    for i, p in enumerate(prompts[::4]):
+        alone.update({f"r{4 * i}": _run(model, cpu_ops, [p], EngineOptions(speculative="off"))[0]["r0"]})
+    assert all(off[k] == v for k, v in alone.items())
+    _, stats = _run(model, cpu_ops, prompts, EngineOptions(speculative="off"))
+    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+
+
+def test_from_the_disk_cache(model_dir, tmp_path):
+    from prefixrun.engine.load.loader import load
+
+    loaded = load(model_dir, "cpu")
+    prompts = _prompts()
+    off, _, _ = run_tokens(loaded, prompts, max_tokens=8)
+    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
+    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
+    assert cold == warm == off
+    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+
+
+def test_speculative_ngram_gives_the_tokens_of_off(model, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
+    for k in (1, 4):
+        eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k))
+        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
+        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+        eng.check_invariants()
+        eng.close()
+        assert on == off, k
+        assert eng.speculator.stats.methods["ngram"].drafted > 0
+
+
+def test_rollback_restores_the_state_of_a_plain_run(model, cpu_ops):
+    for n, st, spec, plain in rollbacks(model, cpu_ops, random_prompt(5, 13), random_prompt(6, 6)):
+        a, b = st.export(spec), st.export(plain)
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
+        la = model.forward(st.prepare_step([spec], [[3]]), st)
+        lb = model.forward(st.prepare_step([plain], [[3]]), st)
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+
+
+def test_pieces_equal_one_prefill(model, cpu_ops):
+    """A prompt fed in pieces (shorter than the conv history, across a scan chunk) gives the logits of one pass."""
+    prompt = random_prompt(2, 140)
+    st = new_state(model, cpu_ops)
+    whole = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+    h = st.new_sequence()
+    cuts = [0, 1, 2, 5, 66, 130, 138, 139, 140]
+    got = [model.forward(st.prepare_step([h], [prompt[a:b]]), st, all_logits=True) for a, b in zip(cuts, cuts[1:])]
+    np.testing.assert_allclose(np.concatenate(got), whole, atol=2e-5, rtol=0)
+
+
+def test_prefixrun_batch_off_ngram_and_from_disk(model_dir, tmp_path, isolated_env):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    work = tmp_path / "in.jsonl"
+    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 12,
+                                        "temperature": 0, "ignore_eos": True}) + "\n"
+                            for i, p in enumerate(_prompts())))
+    runner, outs = CliRunner(), {}
+    runs = [("off", ["--no-cache", "--speculative", "off"]), ("ngram", ["--no-cache", "--speculative", "ngram"]),
+            ("cold", ["--cache-dir", str(tmp_path / "cache")]), ("warm", ["--cache-dir", str(tmp_path / "cache")])]
+    for name, flags in runs:
+        rep = tmp_path / f"{name}.json"
+        res = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", *flags,
+                                  "-o", str(tmp_path / f"{name}.out"), "--json-report", str(rep)])
+        assert res.exit_code == 0, res.output
+        outs[name] = [json.loads(line)["token_ids"] for line in (tmp_path / f"{name}.out").read_text().splitlines()]
+        report = json.loads(rep.read_text())
+        if name == "warm":
+            assert (report.get("reused_from_disk_tokens") or report["engine"]["reused_from_disk_tokens"]) > 0
+    assert outs["off"] == outs["ngram"] == outs["cold"] == outs["warm"] and len(outs["off"]) == len(_prompts())
+
+
+@pytest.mark.parity
+def test_bench_config_shrunk_loads_as_transformers_loads_it(family, tmp_path, cpu_ops):
+    """bench/models/<family>-like.json parses; make-model's writer gives a directory transformers and prefixrun
+    load identically (the config shrunk to test size, its pattern and Mamba2 layout kept)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    name = {"nemotron_h": "nemotron-h-like", "granitemoehybrid": "granite-4.0-h-like"}[family]
+    raw = json.loads((ROOT / "bench" / "models" / f"{name}.json").read_text())
+    assert parse_config(raw).family == family
+    small = {**raw, **{k: v for k, v in TINY[family].items()
+                       if k not in ("layers_block_type", "layer_types", "num_hidden_layers")}}
+    path = make_model_dir(tmp_path / "m", small, seed=3, init_std=PARITY_STD, dtype="float32")
+    model = load_model(path, cpu_ops)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
+    prompt = random_prompt(4, 30)
+    st = new_state(model, cpu_ops)
+    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+    with torch.no_grad():
+        np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=1e-4, rtol=0)

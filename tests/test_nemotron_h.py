@@ -1,0 +1,189 @@
+"""Nemotron-H (Mamba2 + attention + ReLU^2 MLP blocks): models written by transformers itself, one per swept config
+value, against transformers in float64 (prompt logits within 1e-4, 32 greedy tokens identical, each step within
+1e-4); config parsing against NemotronHConfig; refusals naming the field.
+
+The reference recomputes the whole sequence at every step (transformers' chunked scan): transformers' one-token
+decode step skips the dt clamp its chunked scan applies (engine/load/mamba_config.py), so its cached decoding is
+compared only where the clamp cannot bind (`test_greedy_tokens_match_cached_generate`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import new_state
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.hf_config import parse_config
+from prefixrun.engine.models import load_model
+from test_config_fidelity import GREEDY, TOL, VOCAB, write_hf_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+M, A, MLP = "linear_attention", "full_attention", "mlp"
+# (overrides of test_config_fidelity's BASE["nemotron_h"], prompt length); every value here must be honoured exactly
+HONOURED = {
+    "base": ({}, 40),
+    "long-prompt": ({}, 150),  # several of the reference scan's 64-token chunks
+    "pattern": (dict(layers_block_type=None, hybrid_override_pattern="M-*M"), 40),
+    "mamba-only": (dict(layers_block_type=[M, M]), 40),
+    "legacy-names": (dict(layers_block_type=["mamba", "mlp", "attention"]), 40),
+    "n_groups-1": (dict(n_groups=1), 40),
+    "n_groups-8": (dict(n_groups=8), 40),
+    "ssm_state_size-40": (dict(ssm_state_size=40), 40),
+    "heads": (dict(mamba_num_heads=4, mamba_head_dim=24), 40),
+    "conv_kernel-2": (dict(conv_kernel=2), 40),
+    "conv_kernel-6": (dict(conv_kernel=6), 40),
+    "no-conv-bias": (dict(use_conv_bias=False), 40),
+    "use_bias": (dict(use_bias=True), 40),
+    "mlp_bias": (dict(mlp_bias=True), 40),
+    "layer_norm_epsilon": (dict(layer_norm_epsilon=0.05), 40),
+    "time_step_min": (dict(time_step_min=0.2), 40),  # a clamp that binds
+    "tied": (dict(tie_word_embeddings=True), 40),
+    "gqa1": (dict(num_key_value_heads=1), 40),
+    "mha-head_dim": (dict(num_key_value_heads=4, head_dim=24), 40),
+    # the old names NemotronHConfig takes over the new ones
+    "legacy-mamba-names": (dict(mamba_n_groups=1, mamba_d_conv=3, mamba_conv_bias=False, mamba_dt_min=0.1), 40),
+    # fields its modeling code never reads: the answers must stay transformers'
+    "unread-fields": (dict(attention_bias=True, expand=4, mamba_proj_bias=True, residual_in_fp32=True,
+                           time_step_limit=[0.3, 0.4], mamba_ssm_cache_dtype="bfloat16", sliding_window=4,
+                           num_hidden_layers=7), 40),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                             experts_implementation="eager").eval()
+
+
+def check_recomputed(path, cpu_ops, prompt_len: int, seed: int = 1) -> None:
+    """Prompt logits, then GREEDY greedy steps (ours one token at a time from the state; transformers recomputing
+    the whole sequence each time): logits within TOL, tokens identical, top-2 gaps far above the error."""
+    hf = hf_model(path)
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, prompt_len).tolist()
+    model, _ = load_model(path, cpu_ops)
+    st = new_state(model, cpu_ops)
+    h = st.new_sequence()
+    ours = model.forward(st.prepare_step([h], [tokens]), st, all_logits=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+    errs, gaps = [np.abs(ours - ref).max()], []
+    for _ in range(GREEDY):
+        gaps.append(np.diff(np.sort(ref[-1])[-2:])[0])
+        tokens.append(int(np.argmax(ref[-1])))
+        step = model.forward(st.prepare_step([h], [tokens[-1:]]), st)[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+        errs.append(np.abs(step - ref[-1]).max())
+        assert int(np.argmax(step)) == int(np.argmax(ref[-1]))
+    assert max(errs) <= TOL, max(errs)
+    assert min(gaps) > 10 * max(errs), "a near-tie makes the greedy comparison meaningless"
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", sorted(HONOURED))
+def test_honoured_config_values_match_transformers(case, tmp_path, cpu_ops):
+    overrides, prompt_len = HONOURED[case]
+    check_recomputed(write_hf_model(tmp_path / case, "nemotron_h", overrides), cpu_ops, prompt_len)
+
+
+@pytest.mark.parity
+def test_greedy_tokens_match_cached_generate(tmp_path, cpu_ops):
+    """Where the dt clamp cannot bind (dt_bias 0.5: every step far above time_step_min), transformers' own cached
+    generate gives our tokens."""
+    from safetensors.numpy import load_file, save_file
+
+    path = write_hf_model(tmp_path / "m", "nemotron_h", {})
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("dt_bias")]:
+        tensors[name] = np.full_like(tensors[name], 0.5)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    hf = hf_model(path)
+    model, _ = load_model(path, cpu_ops)
+    prompt = np.random.default_rng(3).integers(0, VOCAB, 30).tolist()
+    st = new_state(model, cpu_ops)
+    h = st.new_sequence()
+    logits, ours = model.forward(st.prepare_step([h], [prompt]), st)[0], []
+    for _ in range(16):
+        ours.append(int(np.argmax(logits)))
+        logits = model.forward(st.prepare_step([h], [ours[-1:]]), st)[0]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("what", ["conv", "ssm"])
+def test_the_mamba_state_changes_the_answer(what, tmp_path):
+    """The sweep means something only if the Mamba2 state matters: without the conv taps that read earlier tokens,
+    or with the state forgotten at every step (A very negative), transformers' own logits move far beyond TOL."""
+    from safetensors.numpy import load_file, save_file
+
+    path = write_hf_model(tmp_path / "m", "nemotron_h", {})
+    prompt = np.random.default_rng(1).integers(0, VOCAB, 40).tolist()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0].numpy()
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("conv1d.weight" if what == "conv" else "A_log")]:
+        tensors[name] = tensors[name].copy()
+        if what == "conv":
+            tensors[name][..., :-1] = 0  # only the current token's tap is left
+        else:
+            tensors[name][...] = 30.0  # exp(dt A) = 0: each token sees only itself
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        assert np.abs(hf_model(path)(torch.tensor([prompt])).logits[0].numpy() - ref).max() > 100 * TOL
+
+
+def _raw(**fields) -> dict:
+    return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256,
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "layers_block_type": [M, A, MLP],
+            **fields}
+
+
+@pytest.mark.parametrize("fields", [
+    {}, dict(layers_block_type=None, hybrid_override_pattern="M*-"), dict(layers_block_type=["mamba", "attention"]),
+    dict(num_key_value_heads=4), dict(head_dim=24, num_key_value_heads=2), dict(mamba_n_groups=2, n_groups=4),
+    dict(mamba_d_conv=2), dict(mamba_dt_min=0.01, time_step_min=0.5), dict(num_hidden_layers=9),
+    dict(tie_word_embeddings=True, layer_norm_epsilon=0.01, rms_norm_eps=0.5)])
+def test_hand_written_configs_read_as_nemotronhconfig_reads_them(fields):
+    raw = _raw(**fields)
+    hf = transformers.AutoConfig.for_model("nemotron_h", **{k: v for k, v in raw.items()
+                                                            if k not in ("architectures", "model_type")})
+    ours = parse_config(raw)
+    assert list(ours.layer_types) == list(hf.layers_block_type) and ours.num_layers == hf.num_hidden_layers
+    assert ours.num_kv_heads == hf.num_key_value_heads and ours.head_dim == hf.head_dim
+    assert ours.rms_norm_eps == hf.layer_norm_epsilon and ours.tie_word_embeddings == hf.tie_word_embeddings
+    m = ours.mamba
+    assert (m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, m.conv_bias) == (
+        hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size, hf.n_groups, hf.conv_kernel, hf.use_conv_bias)
+    assert m.dt_limit == (hf.time_step_min, float("inf")) and m.norm_groups == hf.n_groups
+    assert ours.weight_prefix == "backbone." and not ours.attention_bias
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(layers_block_type=[M, "moe"]), "'moe' blocks, which are not supported"),
+    (dict(layers_block_type=[M, "sliding_attention"]), "unknown block types ['sliding_attention']"),
+    (dict(layers_block_type=None, hybrid_override_pattern="M*X"), "hybrid_override_pattern must be a string"),
+    (dict(layers_block_type=[]), "layers_block_type must be a non-empty list"),
+    (dict(mlp_hidden_act="silu"), "mlp_hidden_act = \"silu\" is not supported"),
+    (dict(mamba_hidden_act="gelu"), "mamba_hidden_act = \"gelu\" is not supported"),
+    (dict(mamba_num_heads=6, n_groups=4), "Mamba2 heads (6) are not a multiple of its groups (4)"),
+    (dict(conv_kernel=1), "the Mamba2 conv kernel must be >= 2, got 1"),
+    (dict(time_step_min=-0.1), "dt limits must satisfy 0 <= low <= high"),
+    (dict(ssm_state_size=0), "Mamba2 state_size must be a positive integer, got 0"),
+    (dict(use_conv_bias="yes"), "use_conv_bias must be true or false, got 'yes'"),
+])
+def test_refused_values_name_field_and_value(fields, message):
+    with pytest.raises(ModelLoadError) as err:
+        parse_config(_raw(**fields))
+    assert message in str(err.value) and "\n" not in str(err.value)
