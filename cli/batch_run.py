@@ -17,7 +17,7 @@ from prefixrun.cli.replies import Replies
 from prefixrun.engine.grammar.compiler import prepare_tokenizer
 from prefixrun.cli.logprob_records import TokenText
 from prefixrun.engine.load.prompts import PromptEncoder
-from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults
+from prefixrun.engine.request import InvalidRequest, Request, SamplingDefaults, describe_value
 from prefixrun.engine.run.config import RunConfig
 
 
@@ -205,7 +205,7 @@ class BatchRun:
         have been meant to change; the run's end gives every key's count of lines."""
         fresh = self.ignored_fields.take_fresh()
         if fresh:
-            listed = ", ".join(f"{key} (line {line_no})" for key, line_no in fresh)
+            listed = ", ".join(f"{describe_value(key)} (line {line_no})" for key, line_no in fresh)
             self.reporter.warn(f"--lenient: ignoring fields prefixrun cannot honour or does not know: {listed}")
 
     def _run_window(self, window, writer, last: bool = False):
@@ -319,4 +319,6 @@ class IgnoredFields:
         return fresh
 
     def totals(self) -> str:
-        return ", ".join(f"{key} on {count:,} line{'s' if count != 1 else ''}" for key, count in self.counts.items())
+        """Each ignored key (as a JSON string: it is the user's) with its count of lines."""
+        return ", ".join(f"{describe_value(key)} on {count:,} line{'s' if count != 1 else ''}"
+                         for key, count in self.counts.items())

@@ -178,6 +178,8 @@ A line that cannot be run gives an error record in its place, and the rest of th
     {"id": "batch_req_…", "custom_id": "r9", "response": null,
      "error": {"code": "invalid_request", "message": "…", "line": 9}}
 
+A message quotes the values and keys a line sent as JSON writes them (`true`, `"x"`, `{"a": null}`, control
+characters as `\\u0001` escapes), never as Python would; a long value is cut to its first 50 characters.
 `custom_id` is null in an error record when the line was too broken to read one. (A duplicate custom_id's record
 carries it; being an error record, it is never taken for the earlier line's result.) A request the engine could
 not run (e.g. a prompt that can never fit the state memory) also gets an error record in its place.

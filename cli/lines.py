@@ -206,7 +206,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
             # taken for the earlier line's result, by --resume or anyone else.
             given = "" if obj.get("custom_id") is not None else \
                 " (the id this line gets for having none: give it a custom_id)"
-            raise _LineRejected(f"duplicate custom_id {custom_id!r}{given}: an earlier line already uses it")
+            raise _LineRejected(f"duplicate custom_id {_describe(custom_id)}{given}: an earlier line already uses it")
         seen_ids.add(custom_id)
         if _SURROGATE_ESCAPE.search(raw.data):
             _reject_unpaired_surrogates(obj, "")
@@ -409,8 +409,8 @@ def _check_envelope(obj: dict, lenient: bool) -> tuple[str, ...]:
         near = {key: difflib.get_close_matches(key, _OPENAI_ENVELOPE_KEYS, n=1, cutoff=0.75) for key in unknown}
         key = unknown[0]
         hint = f' (did you mean "{near[key][0]}"?)' if near[key] else ""
-        raise _LineRejected(f'unknown key "{key}"{hint}: an OpenAI Batch line holds custom_id, method, url and '
-                            "body (request fields go in body); --lenient ignores unknown keys")
+        raise _LineRejected(f"unknown key {_describe(key)}{hint}: an OpenAI Batch line holds custom_id, method, url "
+                            "and body (request fields go in body); --lenient ignores unknown keys")
     return unknown
 
 
@@ -418,8 +418,8 @@ def _refusal(shown: str, key: str, field) -> str:
     if field is None:
         near = request_fields.closest_name(key)
         hint = f' (did you mean "{near}"?)' if near else ""
-        return (f'unknown field "{shown}"{hint}: prefixrun refuses keys it does not know rather than ignore them; '
-                'put your own data under "metadata", or run with --lenient to ignore unknown fields')
+        return (f"unknown field {_describe(shown)}{hint}: prefixrun refuses keys it does not know rather than ignore "
+                'them; put your own data under "metadata", or run with --lenient to ignore unknown fields')
     return (f"{shown} is refused: {field.refusal}; prefixrun refuses a field it cannot honour rather than "
             "ignore it (--lenient ignores it)")
 

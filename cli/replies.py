@@ -145,7 +145,7 @@ def with_forced_tool_call(sampling: SamplingParams, options: ReplyOptions, promp
 
 
 def _choice_name(choice: ToolChoice) -> Any:
-    return f'"{choice.mode}"' if choice.name is None else f"naming {choice.name!r}"
+    return f'"{choice.mode}"' if choice.name is None else f"naming {describe_value(choice.name)}"
 
 
 def check_parser_names(tool_call_parser: str, reasoning_parser: str) -> None:
@@ -153,7 +153,7 @@ def check_parser_names(tool_call_parser: str, reasoning_parser: str) -> None:
     for option, value, choices in (("--tool-call-parser", tool_call_parser, tool_calls.TOOL_CALL_PARSERS),
                                    ("--reasoning-parser", reasoning_parser, reasoning.REASONING_PARSERS)):
         if value not in choices:
-            raise InvalidRequest(f"{option} must be one of {', '.join(choices)}, not {value!r}")
+            raise InvalidRequest(f"{option} must be one of {', '.join(choices)}, not {describe_value(value)}")
 
 
 class Replies:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -73,21 +74,21 @@ class SamplingParams:
 
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            bad(f"max_tokens must be a positive integer, got {describe_value(self.max_tokens)}")
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(f"{name} must be a finite number, got {v!r}")
+                bad(f"{name} must be a finite number, got {describe_value(v)}")
         if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+            bad(f"temperature must be >= 0, got {describe_value(self.temperature)}")
         if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+            bad(f"top_p must be in (0, 1], got {describe_value(self.top_p)}")
         if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
+            bad(f"min_p must be in [0, 1], got {describe_value(self.min_p)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+            bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {describe_value(self.top_k)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+            bad(f"seed must be an integer, got {describe_value(self.seed)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
@@ -151,16 +152,17 @@ def _check_processing(sp: SamplingParams, bad) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(sp, name)
         if not _is_number(v) or not -2 <= v <= 2:
-            bad(f"{name} must be a number in [-2, 2], got {v!r}")
+            bad(f"{name} must be a number in [-2, 2], got {describe_value(v)}")
     if not _is_number(sp.repetition_penalty) or not 0 < sp.repetition_penalty <= 1e6:
-        bad(f"repetition_penalty must be a number > 0, got {sp.repetition_penalty!r}")
+        bad(f"repetition_penalty must be a number > 0, got {describe_value(sp.repetition_penalty)}")
     if not isinstance(sp.logit_bias, tuple) or not all(
             isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_number(p[1])
             and -100 <= p[1] <= 100 for p in sp.logit_bias):
         bad("logit_bias must map token ids to numbers in [-100, 100]")
     if not _is_int(sp.min_tokens) or sp.min_tokens < 0 or (
             sp.max_tokens is not None and sp.min_tokens > sp.max_tokens):
-        bad(f"min_tokens must be an integer in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens!r}")
+        bad(f"min_tokens must be an integer in [0, max_tokens={sp.max_tokens}], got "
+            f"{describe_value(sp.min_tokens)}")
     if not all(isinstance(w, str) and w.strip() for w in sp.bad_words):
         bad("bad_words must be a list of non-blank strings")
     if sp.allowed_token_ids is not None and (not sp.allowed_token_ids or not all(
@@ -315,6 +317,15 @@ def describe_value(value: Any) -> str:
     # An unpaired surrogate in the message would make the error record itself unwritable.
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= 60 else f"{json_type_name(value)} {text[:50]}…"
+
+
+def escape_controls(text: str) -> str:
+    """`text` with its control characters (C0, DEL, C1) written as JSON escapes them (\\u0001), so a message that
+    quotes a request's text (a grammar engine's error) stays one printable line."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def json_type_name(value: Any) -> str:

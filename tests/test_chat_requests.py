@@ -301,7 +301,8 @@ def test_a_lenient_run_counts_the_lines_of_each_ignored_key_and_renders_tools(tm
         {"custom_id": "tools", "messages": chat, "tools": [WEATHER_TOOL], "temprature": 1, "temperature": 0,
          "max_tokens": 2},
         openai_chat("openai", messages=chat, tools=[WEATHER_TOOL], max_token=1, temperature=0, max_tokens=2),
-        {"custom_id": "again", "messages": chat, "max_token": 3, "temperature": 0, "max_tokens": 2},
+        {"custom_id": "again", "messages": chat, "max_token": 3, "temperature": 0, "max_tokens": 2,
+         "[red]x\u0001'": 1},
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -315,12 +316,14 @@ def test_a_lenient_run_counts_the_lines_of_each_ignored_key_and_renders_tools(tm
     assert result.exit_code == 0, result.output
     first = [line for line in result.stderr.splitlines() if "ignoring fields" in line]
     assert len(first) == 1, result.stderr
-    for key in ("max_token (line 1)", "temprature (line 2)", "body.max_token (line 3)"):
+    for key in ('"max_token" (line 1)', '"temprature" (line 2)', '"body.max_token" (line 3)'):
         assert key in first[0]
+    odd = [line for line in result.stderr.splitlines() if "(line 4)" in line]  # the user's key, as JSON writes it
+    assert len(odd) == 1 and '"[red]x\\u0001\'" (line 4)' in odd[0], result.stderr
     totals = [line for line in result.stderr.splitlines() if "ignored on input lines" in line]
-    assert len(totals) == 1 and "max_token on 2 lines" in totals[0] and "body.max_token on 1 line" in totals[0]
+    assert len(totals) == 1 and '"max_token" on 2 lines' in totals[0] and '"body.max_token" on 1 line' in totals[0]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["ignored_fields"] == {"max_token": 2, "temprature": 1, "body.max_token": 1}
+    assert report["ignored_fields"] == {"max_token": 2, "temprature": 1, "body.max_token": 1, "[red]x\u0001'": 1}
     records = {r["custom_id"]: r for r in map(json.loads, result.stdout.splitlines())}
     usage = {cid: (r.get("usage") or r["response"]["body"]["usage"])["prompt_tokens"] for cid, r in records.items()}
     assert usage["tools"] == usage["openai"] > usage["plain"] + 20 and usage["again"] == usage["plain"]

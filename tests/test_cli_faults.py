@@ -89,8 +89,8 @@ def test_markup_in_ids_values_and_paths_is_printed_literally(model, tmp_path):
     out, cache = folder / "out[red].jsonl", tmp_path / "cache[/b]x"
     res = cli("batch", src, "--model", model, "--device", "cpu", "--cache-dir", cache, "-o", out)
     assert res.exit_code == 3, res.stderr
-    assert "line 2 ([red]): temperature must be a finite number, got '[link=x]'" in res.stderr
-    assert "duplicate custom_id '[/b]'" in res.stderr
+    assert 'line 2 ([red]): temperature must be a finite number, got "[link=x]"' in res.stderr
+    assert 'duplicate custom_id "[/b]"' in res.stderr
     assert str(cache / "checkpoints") in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir, unfolded
     # The duplicate's error record carries its (readable) id too.
     assert [r["custom_id"] for r in records(out.read_text())] == ["[/b]", "[red]", "[/b]", "ok[bold]"]
@@ -121,7 +121,7 @@ def test_control_characters_in_user_text_reach_the_terminal_as_escapes(model, tm
     assert res.exit_code == 3, res.stderr
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", res.stderr), ascii(res.stderr)
     assert "error: line 1 (a\\x1b[2Jb\\nc\\x9bd): temperature must be >= 0, got -1" in res.stderr
-    assert 'error: line 2 (ok): unknown field "te\\x1b]0;title\\x07mp\\x00"' in res.stderr
+    assert 'error: line 2 (ok): unknown field "te\\u001b]0;title\\u0007mp\\u0000"' in res.stderr  # the key as JSON
     assert "cache\\x1b[31m\\u2028x/checkpoints" in re.sub(r"\s|│", "", res.stderr)  # the report's cache dir
     # the records themselves keep the id as given
     assert records(res.stdout)[0]["custom_id"] == "a\x1b[2Jb\nc\x9bd"

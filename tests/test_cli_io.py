@@ -369,11 +369,11 @@ def test_duplicate_custom_id_is_an_error_on_the_later_line():
     )
     first, duplicate, other, explicit, derived = parse_input(io.BytesIO(data), NO_DEFAULTS)
     assert isinstance(first, ParsedRequest) and first.custom_id == "a"
-    assert isinstance(duplicate, LineError) and "duplicate custom_id 'a'" in duplicate.message
+    assert isinstance(duplicate, LineError) and "duplicate custom_id \"a\"" in duplicate.message
     assert duplicate.custom_id == "a"  # readable, so carried; an error record is never taken for line 1's result
     assert format_error(duplicate) == {"custom_id": "a", "error": {"line": 2, "message": duplicate.message}}
     assert isinstance(other, ParsedRequest) and isinstance(explicit, ParsedRequest)
-    assert isinstance(derived, LineError) and "duplicate custom_id 'line-5'" in derived.message
+    assert isinstance(derived, LineError) and "duplicate custom_id \"line-5\"" in derived.message
     # the line gave no id: the message says the id is the one it got, and how to avoid the clash
     assert "for having none: give it a custom_id" in derived.message
     assert "for having none" not in duplicate.message

@@ -95,7 +95,7 @@ def test_disable_any_whitespace():
     ({"structured_outputs": {}}, "needs exactly one of json, regex, choice, grammar, json_object"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "it has regex, choice"),
     ({"structured_outputs": {"json_object": "yes"}}, "json_object must be true"),
-    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "'whitespace_pattern'"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, '"whitespace_pattern"'),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": 1}}, "must be true or false"),
     ({"structured_outputs": [1]}, "structured_outputs must be an object"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "give only one of them"),

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from prefixrun.engine.grammar.spec import StructuredOutput
+from prefixrun.engine.grammar.spec import StructuredOutput, one_line
 from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.run.background import BackgroundTask
 
@@ -99,7 +99,7 @@ class GrammarState:
         if not self.matcher.is_error():
             return None
         reason = self.matcher.get_error().split("\n", 1)[0]
-        return (f"the structured output spec broke mid-reply: {_one_line(reason)} (the spec is over the grammar "
+        return (f"the structured output spec broke mid-reply: {one_line(reason)} (the spec is over the grammar "
                 "engine's limits, or min_tokens, bad_words or allowed_token_ids ban every token it allows)")
 
 
@@ -139,10 +139,10 @@ class GrammarCompiler:
         try:
             grammar = spec.grammar
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"the structured output spec cannot be compiled: {_one_line(exc)}") from None
+            raise InvalidRequest(f"the structured output spec cannot be compiled: {one_line(exc)}") from None
         template = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
         if template.is_error():
-            raise InvalidRequest(f"the structured output spec cannot be compiled: {_one_line(template.get_error())}")
+            raise InvalidRequest(f"the structured output spec cannot be compiled: {one_line(template.get_error())}")
         template.compute_bitmask()  # a grammar that admits no text at all shows only once a mask is asked for
         if template.is_error():
             reason = template.get_error().split("\n", 1)[0]
@@ -161,6 +161,3 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
 
-def _one_line(message) -> str:
-    text = " ".join(str(message).split()) or "unknown error"
-    return text if len(text) <= 300 else text[:300] + "…"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
-from prefixrun.engine.request import InvalidRequest, SamplingParams, describe_value
+from prefixrun.engine.request import InvalidRequest, SamplingParams, describe_value, escape_controls
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -65,10 +65,10 @@ class StructuredOutput:
         try:
             grammar = self.grammar
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"{where} cannot be compiled: {_one_line(exc)}") from None
+            raise InvalidRequest(f"{where} cannot be compiled: {one_line(exc)}") from None
         message = llguidance.LLMatcher.validate_grammar(grammar)
         if message:
-            raise InvalidRequest(f"{where} cannot be compiled: {_one_line(message)}")
+            raise InvalidRequest(f"{where} cannot be compiled: {one_line(message)}")
         return self
 
 
@@ -203,11 +203,12 @@ def _json_text(schema: dict, where: str) -> str:
 def _reject_extra_keys(value: dict, allowed: tuple[str, ...], where: str) -> None:
     extra = [key for key in value if key not in allowed]
     if extra:
-        raise InvalidRequest(f"{where} has {', '.join(map(repr, extra))}, which prefixrun does not support "
+        raise InvalidRequest(f"{where} has {', '.join(map(describe_value, extra))}, which prefixrun does not support "
                              f"(it takes {', '.join(allowed)})")
 
 
-def _one_line(message: Any) -> str:
-    """The grammar engine's message on one line (its regex errors span several), at most 300 characters."""
-    text = " ".join(str(message).split()) or "unknown error"
+def one_line(message: Any) -> str:
+    """The grammar engine's message on one line (its regex errors span several), at most 300 characters, the
+    control characters it quotes from a request escaped as JSON escapes them."""
+    text = escape_controls(" ".join(str(message).split())) or "unknown error"
     return text if len(text) <= 300 else text[:300] + "…"

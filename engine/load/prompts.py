@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixrun.engine.load.messages import check_documents, check_messages, check_template_kwargs, check_tools
-from prefixrun.engine.request import InvalidRequest, Request, SamplingParams
+from prefixrun.engine.request import InvalidRequest, Request, SamplingParams, describe_value
 
 if TYPE_CHECKING:
     from prefixrun.engine.load.tokenizer import Tokenizer
@@ -40,9 +40,10 @@ class Truncation:
     def __post_init__(self):
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not (self.tokens >= 1 or
                                                                                      self.tokens == -1):
-            raise InvalidRequest(f"truncate_prompt_tokens must be a positive integer or -1, got {self.tokens!r}")
+            raise InvalidRequest(f"truncate_prompt_tokens must be a positive integer or -1, got "
+                                 f"{describe_value(self.tokens)}")
         if self.side not in ("left", "right"):
-            raise InvalidRequest(f'truncation_side must be "left" or "right", got {self.side!r}')
+            raise InvalidRequest(f'truncation_side must be "left" or "right", got {describe_value(self.side)}')
 
     def apply(self, ids: list[int], context_tokens: int) -> list[int]:
         keep = context_tokens - 1 if self.tokens == -1 else self.tokens
@@ -98,7 +99,7 @@ class ChatPrompt:
         for name in ("add_generation_prompt", "continue_final_message"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+                raise InvalidRequest(f"{name} must be true or false, got {describe_value(value)}")
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true: one "
                                  "starts a new assistant message, the other continues the last one")
@@ -156,7 +157,7 @@ class PromptEncoder:
         for word in words:
             alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             if not alone:
-                raise InvalidRequest(f"bad word {word[:40]!r} is empty after tokenization")
+                raise InvalidRequest(f"bad word {describe_value(word)} is empty after tokenization")
             out.append(alone)
             spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
