@@ -172,6 +172,23 @@ def test_export_of_blocks_that_are_not_consecutive_keeps_their_order(loaded):
         state.release(h)
 
 
+def test_a_regions_runs_back_to_back_in_one_buffer_are_joined_without_a_copy():
+    from prefixrun.engine.state.handles import joined
+
+    host = np.arange(4 * 6 * 8, dtype=np.uint8).view(ml_dtypes.bfloat16)  # one snapshot's host copy
+    runs = [host[0:48].reshape(3, 16), host[48:80].reshape(2, 16), host[80:96].reshape(1, 16)]
+    got = joined(runs)
+    assert got.shape == (6, 16) and np.shares_memory(got, host)  # a view of the span, not a copy
+    np.testing.assert_array_equal(got.view(np.uint16), np.concatenate(runs).view(np.uint16))
+    # parts apart, out of order, or of another dtype are concatenated as before
+    for parts in ([host[0:16].reshape(1, 16), host[32:48].reshape(1, 16)],
+                  [host[16:32].reshape(1, 16), host[0:16].reshape(1, 16)],
+                  [host[0:16].reshape(1, 16), np.zeros((1, 16), np.float32)]):
+        got = joined(parts)
+        assert not np.shares_memory(got, host)
+        np.testing.assert_array_equal(got.astype(np.float32), np.concatenate(parts).astype(np.float32))
+
+
 def test_eviction_drops_references_and_deletes_blocks_nobody_uses(tmp_path):
     store = CheckpointStore(tmp_path)
     child = DOC + list(range(100, 130))
