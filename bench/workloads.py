@@ -13,6 +13,9 @@ Shapes (all token ids drawn from a seeded RNG, below --vocab-limit):
   multiturn      C conversations x T turns; turn t's prompt extends turn t-1's prompt
                  by the previous reply and a new user message
   unique         no sharing at all (the control: reuse must cost nothing here)
+  long-docs      D documents of --min-doc..--prefix tokens x Q questions; --part first writes
+                 questions 0..Q-1 of each document, --part second Q new ones (Q..2Q-1) over the
+                 very same documents: a later batch over documents a persistent cache holds
 
 Request order is shuffled (seeded) so that an engine has to find the sharing itself.
 The last line printed to stderr is a summary: requests, prompt tokens, and the number
@@ -45,7 +48,7 @@ def trie_size(prompts):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("shape", choices=["shared-system", "doc-qa", "fewshot-tree", "multiturn", "unique"])
+    ap.add_argument("shape", choices=["shared-system", "doc-qa", "fewshot-tree", "multiturn", "unique", "long-docs"])
     ap.add_argument("--requests", type=int, default=256, help="shared-system / unique: number of requests")
     ap.add_argument("--prefix", type=int, default=4096, help="shared prefix / document / instruction length")
     ap.add_argument("--suffix", type=int, default=256, help="unique suffix / question / query length")
@@ -55,6 +58,9 @@ def main():
     ap.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
     ap.add_argument("--reply", type=int, default=128, help="multiturn: tokens of each earlier reply")
     ap.add_argument("--gen", type=int, default=128, help="max_tokens for every request")
+    ap.add_argument("--min-doc", type=int, default=8192, help="long-docs: the shortest document (the longest: --prefix)")
+    ap.add_argument("--part", choices=["first", "second"], default="first",
+                    help="long-docs: the first batch of questions, or the second (new questions, same documents)")
     ap.add_argument("--vocab-limit", type=int, default=32000, help="token ids are drawn from [16, vocab_limit)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -78,6 +84,16 @@ def main():
         for s in range(a.docs):
             shots = toks(a.shots)
             prompts += [(f"set{s}-x{q}", inst + shots + toks(a.suffix)) for q in range(a.per_doc)]
+    elif a.shape == "long-docs":
+        # each document and question from its own seeded generator: both parts hold the very same documents
+        for d in range(a.docs):
+            own = random.Random(f"{a.seed}-doc-{d}")
+            length = own.randint(min(a.min_doc, a.prefix), a.prefix)
+            doc = [own.randrange(16, a.vocab_limit) for _ in range(length)]
+            first = 0 if a.part == "first" else a.per_doc
+            for q in range(first, first + a.per_doc):
+                asked = random.Random(f"{a.seed}-doc-{d}-q-{q}")
+                prompts.append((f"doc{d}-q{q}", doc + [asked.randrange(16, a.vocab_limit) for _ in range(a.suffix)]))
     elif a.shape == "multiturn":
         for c in range(a.requests):
             conv = toks(a.prefix) + toks(a.suffix)

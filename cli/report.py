@@ -274,6 +274,13 @@ def _cache_cost_rows(costs: dict):
         f"computed); wrote {human_bytes(costs['written_bytes'])} in {costs['write_seconds']:.2f} s in the background "
         f"(export {costs['export_seconds']:.2f} s, end wait {costs['finish_wait_seconds']:.2f} s); "
         f"{count(costs['writes_skipped'], 'write')} skipped, {count(costs['reads_declined'], 'read')} declined")
+    waited = costs.get("finish_wait_seconds", 0) + costs.get("key_wait_seconds", 0)
+    if waited >= 0.005:
+        digest = (f", {costs['key_wait_seconds']:.2f} s for the weights' digest"
+                  if costs.get("key_wait_seconds", 0) >= 0.005 else "")
+        yield "disk cache at exit", (
+            f"the run's end waited {waited:.2f} s for the cache: {costs['finish_wait_seconds']:.2f} s for the writer "
+            f"({human_bytes(costs.get('finish_written_bytes', 0))} written meanwhile){digest}")
     if costs.get("blocks_written") or costs.get("blocks_reused") or costs.get("blocks_read"):
         written_blocks = costs.get("written_block_bytes", 0)
         yield "disk cache K/V blocks", (

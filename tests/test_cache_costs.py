@@ -19,6 +19,7 @@ from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.cache.costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
     save_rates
 from prefixrun.engine.cache.persist import CostModel, PersistentCheckpoints, open_cache
+from prefixrun.engine.cache.store import CheckpointStore
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.cache.costs import CALIBRATION_WEIGHT, READ_MARGIN, WRITE_MARGIN
@@ -764,17 +765,51 @@ LONG_FIRST = [LONG_DOCUMENT + [300 + i, 400 + i, 450 + i] for i in range(3)]
 
 @pytest.mark.parametrize("policy, rate, split", [("always", None, True), ("measured", 10 ** 12, False),
                                                  ("measured", 1.0, True), ("measured", None, False)])
-def test_a_shared_prefix_is_split_at_its_retention_point_only_where_the_store_may_keep_that_state(
+def test_a_long_prompt_handed_to_its_samples_is_split_at_its_retention_point_only_where_the_store_may_keep_it(
         loaded, tmp_path, policy, rate, split):
-    """The block-aligned point inside a shared prefix costs a prefill step of its own and a copy of the state. It
-    is split there where the state may be written: always under `always`, and where the cost model, knowing the
-    prefill rate (a warm rerun does from the start), says a later read would pay (a slow device: 1 token/s).
-    Where it says no (10^12 tokens/s), or before any prefill time is in (a fresh folder's first group: rate None,
-    this machine's own, measured only once the group has run), the prefix is prefilled in one step and no copy
-    is kept. Answers are the same either way."""
-    results, _, stats, engine = run(loaded, tmp_path / "c", LONG_FIRST, policy=policy, prefill_rate=rate)
+    """The block-aligned point inside a prefix handed whole to its continuation (here: one long prompt's two
+    samples) costs a prefill step of its own and a copy of the state. It is split there where the state may be
+    written: always under `always`, and where the cost model, knowing the prefill rate (a warm rerun does from the
+    start), says a later read would pay (a slow device: 1 token/s). Where it says no (10^12 tokens/s), or before
+    any prefill time is in (a fresh folder's first group: rate None, this machine's own, measured only once the
+    group has run), the prefix is prefilled in one step and no copy is kept. Answers are the same either way."""
+    prompt = LONG_DOCUMENT + [300, 400, 450]
+
+    def steps(persist):
+        engine = Engine(loaded.model, loaded.ops, options=EngineOptions(speculative="off", max_batch=8),
+                        persist=persist)
+        if persist is not None:
+            persist.watch_prefill(Counters(rate, 1.0) if rate else engine.stats)
+        got = [r.token_ids for r in engine.run([Request("r", prompt, SamplingParams(max_tokens=4, n=2), 0)])]
+        engine.close()
+        if persist is not None:
+            persist.finish()
+            persist.close()
+        return got, engine.stats.prefill_steps
+
+    persist, problem = open_cache(tmp_path / "c", 1 << 30, loaded, 16, policy)
+    assert problem is None
+    (got, cached), (expected, baseline) = steps(persist), steps(None)
+    assert got == expected and cached == baseline + (1 if split else 0)
+
+
+@pytest.mark.parametrize("policy, rate", [("always", None), ("measured", 1.0)])
+def test_the_documents_state_is_written_and_no_second_state_before_it(loaded, tmp_path, policy, rate):
+    """Write policy (engine/cache/write_policy.py): a shared document ending at a branch point is prefilled in one
+    piece and its state at the branch point is what is written, with each of its K/V blocks once; no state at a
+    block-aligned point before it (256, 512) is split off, kept or written. Prompt ends are written only where the
+    tokens they add pay (`always`: every offered state). Answers are the same."""
+    results, costs, stats, _ = run(loaded, tmp_path / "c", LONG_FIRST, policy=policy, prefill_rate=rate)
     assert results == without_cache(loaded, LONG_FIRST)
     baseline = Engine(loaded.model, loaded.ops, options=EngineOptions(speculative="off", max_batch=8))
     list(baseline.run([Request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0), i)
                        for i, p in enumerate(LONG_FIRST)]))
-    assert stats.prefill_steps == baseline.stats.prefill_steps + (1 if split else 0)
+    assert stats.prefill_steps == baseline.stats.prefill_steps
+    with CheckpointStore(tmp_path / "c" / "checkpoints") as store:
+        lengths = sorted(e.n_tokens for e in store.entries())
+        blocks = store.block_summary()
+    assert len(LONG_DOCUMENT) in lengths and not {256, 512} & set(lengths)
+    assert set(lengths) <= {len(LONG_DOCUMENT)} | {len(p) for p in LONG_FIRST}
+    if policy == "always":
+        assert lengths == sorted([len(LONG_DOCUMENT)] + [len(p) for p in LONG_FIRST])
+    assert costs.blocks_written == blocks["blocks"]  # every stored block written once, shared by every entry

@@ -61,6 +61,11 @@ class StoreAdmin:
                       if files.SHARD_NAME.fullmatch(n) and self._files.unreadable(folder / n)]
         return found
 
+    def holds_no_entries(self) -> bool:
+        """Whether the index has no entry at all (a fresh or emptied folder): no lookup can find anything."""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM entries LIMIT 1").fetchone() is None
+
     def total_bytes(self) -> int:
         """Sum of the indexed entries' file sizes plus each indexed K/V block once."""
         with self._lock:

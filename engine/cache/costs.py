@@ -108,6 +108,8 @@ class CacheCosts:
     export_seconds: float = 0.0  # on the critical path: capturing offered states (a device-side copy on a GPU)
     host_copy_seconds: float = 0.0  # on the writer thread: waiting for their device -> host copies (made ahead)
     finish_wait_seconds: float = 0.0  # the run's end waiting for the writer
+    finish_written_bytes: int = 0  # of written_bytes, written while the run's end waited
+    key_wait_seconds: float = 0.0  # the run's end waiting for the weights' digest (a fresh folder, a short run)
     probe_read_bytes: int = 0  # the writer reading back what it wrote, to measure the folder's read rate
     probe_read_seconds: float = 0.0
     prefetch_bytes: int = 0  # entries read ahead on the prefetch thread, while the device computed
@@ -120,6 +122,9 @@ class CacheCosts:
     reads_declined: int = 0  # stored entries not read (see `declines`)
     rates: dict = field(default_factory=dict)  # the rates the last decision used, and where each came from
     declines: dict = field(default_factory=dict)  # reason -> {"count": n, "example": one decision in figures}
+    # when things happened, seconds since the cache was opened (while the model loaded): an event's first time, or
+    # its last for the "_last" ones (the read-ahead's reads and uploads, the writes, the restores)
+    timeline: dict = field(default_factory=dict)
 
     def decline(self, reason: str, example: str, *, write: bool):
         """Count one skipped write or declined read (from the engine's thread or the writer's)."""
@@ -168,6 +173,11 @@ class CostModel:
         self._written = _Measured()
         self._ahead = _Measured()  # lookups that took a read-ahead entry: its bytes, the engine thread's seconds
         self._lock = threading.Lock()
+
+    def know_model(self, model: str, earlier: dict | None):
+        """The model key, made after the cost model (engine/cache/pending_key.py): its earlier prefill rate."""
+        self.earlier_prefill = (earlier or {}).get("prefill_tokens_per_s", {}).get(model)
+        self.model = model
 
     # ---- measurements --------------------------------------------------------------------------------------
     def observe_read(self, nbytes: int, seconds: float):

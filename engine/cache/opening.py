@@ -77,7 +77,7 @@ class CacheOpening:
         persist = self._persist
         if self._early_error is not None:
             return open_cache(root, budget_bytes, loaded, block_size, policy, calibration, store)
-        if persist is not None and persist.key.layout_digest != layout_key(loaded.state_specs(), loaded.ops,
+        if persist is not None and persist.layout_digest != layout_key(loaded.state_specs(), loaded.ops,
                                                                           block_size):
             # the dry build's layout is not the model's (never expected): nothing read ahead under that key is used
             self.close()

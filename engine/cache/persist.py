@@ -47,6 +47,7 @@ from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
 from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
 from prefixrun.engine.cache.keys import layout_key, model_key  # noqa: F401 (the engine's keys, named here too)
 from prefixrun.engine.cache.kv_blocks import block_rows
+from prefixrun.engine.cache.pending_key import PendingKey
 from prefixrun.engine.cache.read_ahead import ReadAhead, ReadAheadSlot
 from prefixrun.engine.cache.results import StoredCheckpoint
 from prefixrun.engine.cache.store import CheckpointStore, StoreError, StoreKey
@@ -63,6 +64,9 @@ CACHE_POLICIES = ("measured", "always")
 # not started by then are dropped and counted (a write is worth a later read, not a slower run now).
 END_WAIT_MIN_S = 0.5
 END_WAIT_FRACTION = 0.25  # of the time since the cache was opened (~ the run's wall so far)
+# The writer's read-back of a written entry (its folder's read rate, until measured) reads at most this many of its
+# K/V blocks (8 MiB each): enough bytes to time (MIN_READ_BYTES), few enough not to hold up the writes behind it.
+PROBE_BLOCKS = 12
 log = logging.getLogger(__name__)
 
 
@@ -109,8 +113,14 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
         if auth.key_inside(root):
             raise StoreError(f"its signing key {auth.key_path()} is inside it, where whoever writes the folder can "
                              "read it; set XDG_CONFIG_HOME to a folder outside the cache")
-        key = StoreKey(model_key(loaded.config, loaded.weights_digest(Path(root) / "digests"), loaded.ops),
-                       layout_key(loaded.state_specs(), loaded.ops, block_size))
+        memo = Path(root) / "digests"
+        layout = layout_key(loaded.state_specs(), loaded.ops, block_size)
+        digest = loaded.weights_digest(memo, remembered_only=True)
+        if digest is None and store.holds_no_entries():
+            # nothing to look up: the weights are hashed while the run computes (engine/cache/pending_key.py)
+            key = PendingKey(lambda: model_key(loaded.config, loaded.weights_digest(memo), loaded.ops), layout)
+        else:
+            key = StoreKey(model_key(loaded.config, digest or loaded.weights_digest(memo), loaded.ops), layout)
     except _STORE_FAILURES as error:
         if store is not None:
             store.close()
@@ -125,11 +135,13 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
     keeps_states = True  # an offered state may be written: worth retaining in memory for it
 
-    def __init__(self, store: CheckpointStore, key: StoreKey, ops, vocab_size: int, model_dir: Path | None = None,
-                 policy: str = "measured", rates_root: Path | None = None,
+    def __init__(self, store: CheckpointStore, key: StoreKey | PendingKey, ops, vocab_size: int,
+                 model_dir: Path | None = None, policy: str = "measured", rates_root: Path | None = None,
                  calibration: ReadCalibration | None = None):
         self.store = store
-        self.key = key
+        self.layout_digest = key.layout_digest
+        self._pending_key = key if isinstance(key, PendingKey) else None
+        self._key = None if self._pending_key is not None else key
         self.ops = ops
         self.vocab_size = vocab_size
         # Recorded with each entry so that `inspect-cache` can show its prefix as text.
@@ -154,7 +166,8 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self._end_wait_bound = END_WAIT_MIN_S
         self._run_seconds = 0.0
         self._earlier_rates = load_rates(rates_root) if rates_root is not None else {}
-        self.cost_model = CostModel(always=policy == "always", earlier=self._earlier_rates, model=key.model_digest)
+        self.cost_model = CostModel(always=policy == "always", earlier=self._earlier_rates,
+                                    model=self._key.model_digest if self._key is not None else "")
         self.max_pending_write_bytes = max_pending_write_bytes()
         self._writer: BackgroundWriter | None = None
         self._warned = threading.Lock()
@@ -194,6 +207,32 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             self._calibration = calibration or ReadCalibration(self.store.root)
             self.cost_model.calibration = self._calibration
 
+    @property
+    def key(self) -> StoreKey | None:
+        """The store key; None while a fresh folder's key is still being made (engine/cache/pending_key.py): a
+        lookup then misses and the read-ahead reads nothing (never waits for it)."""
+        if self._key is None and self._pending_key is not None:
+            key = self._pending_key.known()
+            if key is not None:
+                self._know_key(key)
+        return self._key
+
+    def _await_key(self) -> StoreKey | None:
+        """The key, waiting where it is being made (the writer's thread, the run's end); None if making it failed
+        (the cache is given up, one warning)."""
+        if self._key is None and self._pending_key is not None:
+            try:
+                key = self._pending_key.wait()
+            except Exception as error:  # the weights could not be hashed: this run goes on without the cache
+                self._give_up("the weights' digest", error)
+                return None
+            self._know_key(key)
+        return self._key
+
+    def _know_key(self, key: StoreKey):
+        self.cost_model.know_model(key.model_digest, self._earlier_rates)
+        self._key = key
+
     def note_load(self, weight_bytes: int, seconds: float):
         """The model's load (its weights' bytes, the seconds to the device): what an import of a read-ahead entry
         is expected to cost until one is measured (cache_costs.py)."""
@@ -202,6 +241,13 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
     def watch_prefill(self, counters):
         """The engine's counters (computed_prompt_tokens, prefill_seconds) that measure this device's prefill."""
         self.cost_model.prefill_counters = counters
+
+    def _mark(self, event: str, last: bool = False):
+        """The report's timeline: `event` happened now (its first time, or its latest with `last`)."""
+        at = round(time.perf_counter() - self._opened, 4)
+        with self._warned:
+            if last or event not in self.costs.timeline:
+                self.costs.timeline[event] = at
 
     def _give_up(self, what: str, error: Exception):
         with self._warned:
@@ -232,6 +278,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         """The engine's pools exist (`state`): read-ahead entries may now go to the device (`ops.upload_ahead`)."""
         self._ahead_layout = state_layout(state.specs, state.ops)
         self._learn_layout(state)
+        self._mark("pools_ready")
         self._device_ready.set()
 
     def _resident_rows(self, share: StateHandle | None) -> int:
@@ -247,13 +294,16 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         `share`: the state of tokens[:minimum] already in memory; the restored handle shares its whole K/V blocks
         instead of holding a second copy of them (so restored sequences share blocks like computed ones).
         `usable(length)`: which prefix lengths the caller may resume from (None: any)."""
-        if self.store_error is not None:
+        if self.store_error is not None or self.key is None:
             return None
+        self._mark("first_lookup")
         started = time.perf_counter()
         taken_before = self.costs.prefetch_used_bytes
         found, read = self._lookup(tokens, minimum, maximum, state, share, usable)
         seconds = time.perf_counter() - started
         self.costs.read_seconds += seconds
+        if found is not None:
+            self._mark("restore_last", last=True)
         if read:
             self.costs.read_bytes += read
             self.cost_model.observe_read(read, seconds)  # index, file, verification and import: what a read costs
@@ -350,7 +400,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
                 self._decline_prefix(key)
                 return False
         try:
-            if self.store.indexed_entry(self.key, key, len(key), len(key) - 1) is not None:
+            if self.key is not None and self.store.indexed_entry(self.key, key, len(key), len(key) - 1) is not None:
                 return False  # stored already (e.g. recomputed after a declined read): not even captured
         except _STORE_FAILURES:
             pass
@@ -393,7 +443,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
     def _block_presence(self, key: tuple[int, ...]) -> list[bool]:
         """Whether the index has each whole K/V block of `key` (no file opened)."""
-        if not self._block_rows or len(key) < self._block_rows:
+        if not self._block_rows or len(key) < self._block_rows or self.key is None:
             return []
         try:
             return self.store.block_presence(self.key, key, self._block_rows)
@@ -419,13 +469,17 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             if logits_later is not None:
                 regions[LOGITS_REGION] = np.asarray(logits_later()[0], np.float32)
             self.costs.host_copy_seconds += time.perf_counter() - started
+            store_key = self._await_key()
+            if store_key is None:
+                return
             started = time.perf_counter()
-            put = self.store.put(self.key, tokens, regions, {"tokens": len(tokens), **self.meta},
+            put = self.store.put(store_key, tokens, regions, {"tokens": len(tokens), **self.meta},
                                  kv_regions=self._kv_names, block_rows=self._block_rows, stored_blocks=stored_lead)
         except Exception as error:  # on this thread nothing else would see it; the cache is optional
             self._give_up("write", error)
             return
         seconds = time.perf_counter() - started
+        self._mark("write_last", last=True)
         written = put.written_bytes
         self.costs.written_bytes += written
         self.costs.written_block_bytes += put.block_bytes_written
@@ -435,7 +489,9 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self.costs.write_seconds += seconds
         if written:
             self.cost_model.observe_write(written, seconds)
-            if not self.cost_model.always and not self.cost_model.reads_measured():
+            writer = self._writer
+            if not self.cost_model.always and not self.cost_model.reads_measured() \
+                    and (writer is None or writer.idle()):
                 self._probe_read(tokens)
 
     def _drop_late(self, job: tuple, nbytes: int, late_s: float):
@@ -447,10 +503,14 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
     def _probe_read(self, tokens: list[int]):
         """Read back what was just written, as a lookup would (file, hash, parse), to measure this folder's read
-        rate apart from its write rate. Only until enough reads were timed."""
+        rate apart from its write rate. Only until enough reads were timed, only while no other write waits, and
+        only the entry's blob and its last PROBE_BLOCKS K/V blocks: a long document's whole entry read back
+        (~560 MiB) held up the writes queued behind it, and with them the run's end."""
         started = time.perf_counter()
+        rows = self._block_rows
+        skipped = max(len(tokens) // rows - PROBE_BLOCKS, 0) * rows if rows else 0
         try:
-            nbytes = self.store.read_back(self.key, tokens)
+            nbytes = self.store.read_back(self.key, tokens, resident_rows=skipped)
         except _STORE_FAILURES as error:
             self._give_up("read back", error)
             return
@@ -467,13 +527,19 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         """Wait for the background writer (the run's end) and remember the measured rates in the folder; the
         store stays open for the report."""
         self.cost_model.settled.set()
+        self._mark("run_end")
         if self._writer is not None:
-            started = time.perf_counter()
+            started, written = time.perf_counter(), self.costs.written_bytes
             self._run_seconds = started - self._opened
             self._end_wait_bound = max(END_WAIT_MIN_S, END_WAIT_FRACTION * self._run_seconds)
             self._writer.finish(None if self.cost_model.always else started + self._end_wait_bound)
             self._writer = None
             self.costs.finish_wait_seconds += time.perf_counter() - started
+            self.costs.finish_written_bytes += self.costs.written_bytes - written
+        if self.store_error is None:
+            started = time.perf_counter()
+            self._await_key()  # remembered for the next run, and its prefill rate under it
+            self.costs.key_wait_seconds += time.perf_counter() - started
         self._stop_read_ahead()
         if self._calibration is not None:
             self._calibration.join()
@@ -500,7 +566,9 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
                   "evicted": st.evicted, "rejected_too_large": st.rejected_too_large,
                   "write_errors": st.write_errors, "blocks_written": st.blocks_written,
                   "block_bytes_written": st.block_bytes_written, "blocks_reused": st.blocks_reused,
-                  "costs": self.costs.as_dict()}
+                  "costs": self.costs.as_dict(),
+                  # what the writes (and a fresh folder's key) cost the process: its end waiting for them
+                  "exit_wait_seconds": round(self.costs.finish_wait_seconds + self.costs.key_wait_seconds, 4)}
         if self.store_error is not None:
             report["error"] = f"{type(self.store_error).__name__}: {self.store_error}"
         return report

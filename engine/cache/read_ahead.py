@@ -40,11 +40,14 @@ class ReadAhead:
         reading twice); read in that order on the prefetch thread. Entries wait in memory (at most
         `max_prefetch_bytes`) until a lookup takes them. A later call keeps the entries it chooses again (read, or
         being read: e.g. the first window's, read ahead while the model loaded, `engine/cache/opening.py`) and
-        drops the unused ones. `state`: the engine's pools (`attach`); None before the engine exists."""
+        drops the unused ones. `state`: the engine's pools (`attach`); None before the engine exists. Nothing is
+        read before the store key is known (a fresh folder's: engine/cache/pending_key.py)."""
         if self.store_error is not None:
             return
         if state is not None:
             self.attach(state)
+        if self.key is None:
+            return
         candidates, level, seen = [], list(roots), set()
         try:
             while level:
@@ -86,6 +89,7 @@ class ReadAhead:
                 chosen.append((prefix, nbytes, resident))
         if not chosen:
             return
+        self._mark("read_ahead_start")
         if self._ahead_thread is None:
             self._ahead_thread = BackgroundTask("prefixrun-cache-prefetch", self._read_ahead)
         self._ahead_queue.put(chosen)
@@ -118,6 +122,7 @@ class ReadAhead:
                             log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)",
                                         type(error).__name__, error)
                         seconds = time.perf_counter() - started
+                        self._mark("read_ahead_read_last", last=True)
                     self._staging.put((slot, nbytes, checkpoint, seconds))
         finally:
             self._staging.put(None)
@@ -147,6 +152,7 @@ class ReadAhead:
                     self._device_ready.wait()  # the engine's pools first (`attach`)
                     if not self._ahead_stopping:
                         slot.on_device = self._upload_ahead(checkpoint)
+                        self._mark("read_ahead_on_device_last", last=True)
             except Exception as error:  # optional as the read-ahead is: the lookup reads the entry itself
                 checkpoint = None
                 log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)", type(error).__name__, error)

@@ -340,9 +340,10 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
             return None  # a key collision: not this prefix's entry
         return checkpoint
 
-    def read_back(self, key: StoreKey, tokens: Sequence[int]) -> int | None:
-        """read_entry's file bytes (what reading the entry back took), or None."""
-        checkpoint = self.read_entry(key, tokens)
+    def read_back(self, key: StoreKey, tokens: Sequence[int], resident_rows: int = 0) -> int | None:
+        """read_entry's file bytes (what reading the entry back took: its K/V blocks past `resident_rows`), or
+        None."""
+        checkpoint = self.read_entry(key, tokens, resident_rows)
         return checkpoint.nbytes if checkpoint is not None else None
 
     def _probe(self, key: StoreKey, prefix: np.ndarray, result: Get, problem=None, afford=None, preread=None,

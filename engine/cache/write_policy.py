@@ -1,10 +1,24 @@
-"""Which offered states the persistent cache writes: the cost rule applied to the tokens a state adds to the
-longest prefix already on disk (or judged not worth writing), and the room this run's writes leave for a later
-run's read-ahead (engine/cache/costs.py prices both).
+"""Which states the persistent cache writes: only those a later run can use, judged by the cost rule.
 
-A checkpoint on disk pays only when reading it back is cheaper than recomputing the tokens it adds: a prompt's end
-over a stored document adds its question, not the document. Every declined write is counted by reason, with an
-example in figures (the report's cache costs).
+What is offered, and so what may be written (the engine offers; `offer` and the rule below decide):
+- a branch point's state: the end of a prefix several requests branch from (a document, a system prompt), offered
+  the moment it is computed, so that its write overlaps the rest of the batch. This is the state a later batch of
+  new questions over the same documents restores.
+- a block-aligned point inside a shared prefix that is handed whole to one continuation (`keeps_prefix_point`):
+  kept as a copy in memory and offered when evicted or at the run's end. Not inside a prefix that ends at a
+  branch point: that end is the document's state, and a second one 256-511 tokens before it cost a prefill step
+  of its own and a write of the whole slot state at the run's end, for a later batch that would leave the shared
+  prefix within those last tokens (it computes the prefix again).
+- a prompt's end: an identical prompt later needs no prefill at all; written only where the tokens it adds to
+  the prefix stored before it (its question) pay for its state, which on a GPU they rarely do.
+What is never written: a state stored already, a K/V block stored already (blocks are content-addressed and
+written once per content: a prompt's end over a stored document writes its own slot state and tail rows only), a
+state the cost rule declines, and a state offered while the writer's queue is full.
+
+The cost rule: a checkpoint on disk pays only when reading it back is cheaper than recomputing the tokens it adds
+to the longest prefix already on disk (or judged not worth writing); the room this run's writes leave for a later
+run's read-ahead prices them at the read-ahead rate (engine/cache/costs.py prices both). Every declined write is
+counted by reason, with an example in figures (the report's cache costs).
 """
 from __future__ import annotations
 
@@ -104,10 +118,18 @@ class WritePolicy:
         """The length of the longest proper prefix of `key` known to be on disk or judged not worth it (this run's
         writes, restores and declines, then the index, which is read without opening any file)."""
         best = self._judged_base(key)
+        if self.key is None:
+            return best  # a fresh folder whose key is being made: nothing of this model is indexed
         try:
             return max(best, self.store.indexed_prefix_length(self.key, key, len(key) - 1, best))
         except _STORE_FAILURES:
             return best
+
+
+def keeps_prefix_point(task) -> bool:
+    """Whether a block-aligned point inside `task` (a plan task: engine/plan/planner.py) is worth a state of its
+    own for later runs: inside a shared prefix whose end is no branch point (this module's docstring)."""
+    return bool(task.consumers) and not task.saves
 
 
 def longest_proper_prefix(by_length: dict[int, set[tuple[int, ...]]], key: tuple[int, ...]) -> int:

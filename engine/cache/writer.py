@@ -83,6 +83,10 @@ class BackgroundWriter:
         with self._room:
             return self._pending
 
+    def idle(self) -> bool:
+        """No job waits behind the one being written (called from the writer's thread)."""
+        return self._queue.empty()
+
     def has_room(self, nbytes: int) -> bool:
         """One job may exceed the bound alone; otherwise the host copies waiting must stay within it."""
         with self._room:

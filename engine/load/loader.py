@@ -34,9 +34,10 @@ class LoadedModel:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.defaults.eos_token_ids
 
-    def weights_digest(self, memo_dir: Path | None = None) -> str:
-        """Content digest of the weights, remembered under `memo_dir` (the cache) so it is computed once."""
-        return self.tensors.digest(memo_dir)
+    def weights_digest(self, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
+        """Content digest of the weights, remembered under `memo_dir` (the cache) so it is computed once
+        (`remembered_only`: the remembered one or None, nothing hashed)."""
+        return self.tensors.digest(memo_dir, remembered_only=remembered_only)
 
     def state_specs(self):
         return self.model.state_specs()
@@ -102,8 +103,8 @@ class Loading:
     def config(self) -> DecoderConfig:
         return self.front.config
 
-    def weights_digest(self, memo_dir: Path | None = None) -> str:
-        return self.tensors.digest(memo_dir)
+    def weights_digest(self, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
+        return self.tensors.digest(memo_dir, remembered_only=remembered_only)
 
     def state_specs(self):
         """The state regions the model will have, from a dry build (no weight is uploaded; engine/load/gemm_plan.py)."""

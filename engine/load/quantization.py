@@ -203,8 +203,8 @@ class QuantizedTensors:
     def _is_scale(self, name: str) -> bool:
         return self._suffix is not None and name.endswith(self._suffix)
 
-    def digest(self, memo_dir=None) -> str:
-        return self._t.digest(memo_dir)
+    def digest(self, memo_dir=None, *, remembered_only: bool = False) -> str | None:
+        return self._t.digest(memo_dir, remembered_only=remembered_only)
 
     def shapes_only(self) -> QuantizedTensors:
         """The view for a dry build (engine/load/gemm_plan.py), which reads no weight: a quantized weight comes

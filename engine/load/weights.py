@@ -140,8 +140,9 @@ class CheckpointTensors:
             raise ModelLoadError(f"{f.path}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
         return arr
 
-    def digest(self, memo_dir: Path | None = None) -> str:
+    def digest(self, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
         """SHA-256 over the tensor contents (not the file names), so a renamed copy of a model is the same model.
+        `remembered_only`: the memo's digest, or None where there is none (nothing is hashed).
 
         Hashing gigabytes takes seconds, so the result is remembered under the files' identity in the user
         cache. The identity is (path, device, inode, size, mtime_ns, ctime_ns) of every file, and which file each
@@ -159,7 +160,7 @@ class CheckpointTensors:
         ident_digest = hashlib.sha256(ident.encode()).hexdigest()
         memo = memo_dir / (ident_digest[:32] + ".digest")
         remembered = _remembered_digest(memo, ident_digest)
-        if remembered is not None:
+        if remembered is not None or remembered_only:
             return remembered
         # Each tensor's bytes are hashed in 8 MiB chunks on the blob threads (hashlib releases the GIL), so the
         # first cached run of a model hashes its weights at several GB/s instead of one core's ~1.4 GB/s (seconds for

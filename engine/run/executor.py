@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from prefixrun.engine.cache.write_policy import keeps_prefix_point
 from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
@@ -338,9 +339,10 @@ class WindowExecutor:
     def _piece_end(self, task: Task, handle: StateHandle, offset: int, total: int, budget: int,
                    first: bool = True) -> int:
         """Where this step's piece of a task stops: the token budget, or a block-aligned retention point of a
-        shared prefix (so that its state can be kept for later runs, as the seed cache does). On the chunk grid
-        a piece that stops short of the task's end stops on a grid line: the one below the budget's end, else
-        (the step's `first` piece) the next one, else nowhere (offset: no piece this step)."""
+        shared prefix handed whole to its continuation (so that its state can be kept for later runs, as the seed
+        cache does; engine/cache/write_policy.py says where). On the chunk grid a piece that stops short of the
+        task's end stops on a grid line: the one below the budget's end, else (the step's `first` piece) the next
+        one, else nowhere (offset: no piece this step)."""
         stop = min(total, offset + budget)
         if self.grid and stop < total:  # handle.length: on the grid, where the previous piece stopped
             line = grid_stop(self.grid, handle.length, handle.length + stop - offset, first)
@@ -348,7 +350,7 @@ class WindowExecutor:
         rb = self.opts.retain_block
         # only where `_maybe_retain` may keep the state: without a store a split step is only a slower one (the
         # 4b-like shared prefix as 1792 + 256 tokens: 46 ms of host launches for ~30 ms of device work, vs 29 ms)
-        if rb and task.consumers and self.opts.reuse and self.cache.keeps_states:
+        if rb and keeps_prefix_point(task) and self.opts.reuse and self.cache.keeps_states:
             pos = handle.length  # tokens already in the state
             aligned = ((pos + (total - offset)) - rb) // rb * rb  # the seed's (end - block) // block * block
             if pos < aligned < pos + (stop - offset) and self._may_retain(task, aligned):
@@ -368,7 +370,7 @@ class WindowExecutor:
         that admitted work counts on."""
         rb = self.opts.retain_block
         if not rb or handle.length % rb or handle.length % self.state.block_size or not self.cache.keeps_states \
-                or self.state.slots.free_count < 2:
+                or not keeps_prefix_point(task) or self.state.slots.free_count < 2:
             return
         prefix = task.path[:handle.length]
         row = logits_row.copy()
