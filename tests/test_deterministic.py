@@ -73,8 +73,8 @@ class _Loaded:
         self.config = model.cfg
         self.tensors = CheckpointTensors(path)
 
-    def weights_digest(self, memo_dir=None):
-        return self.tensors.digest(memo_dir)
+    def weights_digest(self, memo_dir=None, *, remembered_only=False):
+        return self.tensors.digest(memo_dir, remembered_only=remembered_only)
 
     def state_specs(self):
         return self.model.state_specs()
