@@ -324,7 +324,8 @@ def _speculative_rows(report: dict):
 
 def _device_rows(report: dict):
     if report.get("deterministic"):
-        yield "numerics", "deterministic: batch-invariant kernels, prefill chunks and resumed states on a 64-token grid"
+        yield "numerics", ("deterministic: batch-invariant kernels, prefill chunks and resumed states on a 64-token "
+                           f"grid ({report.get('grid_recomputed_tokens', 0):,} prompt tokens recomputed for it)")
     if "max_batch" in report:
         yield "decode batch", f"up to {count(report['max_batch'], 'sequence')} ({report['max_batch_from']})"
     workers = report.get("workers")

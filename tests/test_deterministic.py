@@ -180,3 +180,49 @@ def test_deterministic_kernel_choices_never_follow_the_batch():
     # the default tuning does follow the batch (why the mode exists)
     assert delta_rule_launch(CudaTuning(), 132, tokens=64, seqs=64, heads=32, dk=128, dv=128, tensor_cores=True,
                              prefill=True).kernel.startswith("gdn_decode_kernel")
+
+
+def test_grid_tails_are_counted_apart_from_distinct_tokens(det_model):
+    model, ops = det_model
+    prompts = _bench_prompts()
+    eng = Engine(model, ops, options=_options())
+    list(eng.run([Request(f"r{i}", p, SamplingParams(max_tokens=2, temperature=0), i)
+                  for i, p in enumerate(prompts)]))
+    eng.close()
+    s = eng.stats
+    assert s.distinct_prefix_tokens == make_plan(prompts).distinct_tokens  # the trie's, as without the grid
+    assert s.grid_recomputed_tokens > 0
+    assert s.computed_prompt_tokens == s.distinct_prefix_tokens + s.grid_recomputed_tokens
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("isolated_env")
+def test_cli_flag_and_environment_variable_turn_the_mode_on_and_keep_their_cache_apart(model_dirs, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt_token_ids": p, "max_tokens": 4,
+                                       "temperature": 0}) + "\n" for i, p in enumerate(_bench_prompts()[:6])))
+
+    def run(*extra, env=None):
+        report = tmp_path / "report.json"
+        res = CliRunner().invoke(app, ["batch", str(src), "--model", str(model_dirs["qwen3_5"]), "--device", "cpu",
+                                       "--cache-dir", str(tmp_path / "cache"), "--json-report", str(report),
+                                       *extra], env=env, catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        rep = json.loads(report.read_text())
+        return [json.loads(line)["token_ids"] for line in res.stdout.splitlines()], rep, res.stderr
+
+    tokens, rep, err = run("--deterministic")
+    assert rep["deterministic"] is True and rep["grid_recomputed_tokens"] > 0
+    assert "numerics" in err and "deterministic" in err
+    again, rep_env, _ = run(env={"PREFIXRUN_DETERMINISTIC": "1"})
+    assert rep_env["deterministic"] is True and again == tokens
+    assert rep_env["reused_from_disk_tokens"] > 0  # the first run's entries: same mode, same keys
+    plain, rep_plain, _ = run()
+    assert rep_plain["deterministic"] is False and "grid_recomputed_tokens" not in rep_plain
+    assert rep_plain["reused_from_disk_tokens"] == 0  # a deterministic run's entries are not this mode's

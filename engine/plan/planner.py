@@ -248,8 +248,9 @@ class Plan:
 
     tasks: list[Task]
     roots: list[Task]  # tasks that start from an empty state
-    distinct_tokens: int
+    distinct_tokens: int  # the prompt tokens the plan computes once each (grid tails included)
     depth: int  # nodes on the longest root-to-leaf trie path: the bound on live branch checkpoints per level
+    grid_tokens: int = 0  # of them, the tails a grid plan recomputes beyond the trie's distinct tokens
 
     def subtree(self, task: Task) -> list[Task]:
         """`task` and every task that depends on it, in plan order: self-contained given task.base's state."""
@@ -271,6 +272,7 @@ def make_plan(prompts: list[list[int]], share: bool = True, samples: list[int] |
     `samples[i]`: the sequences request i decodes (default 1), each a decode task of its own. `grid` > 0: branch
     points on multiples of it (`snap_to_grid`; the plan's distinct tokens then count the recomputed tails)."""
     root = build_trie(prompts, share)
+    ideal = distinct_tokens(root)
     if grid:
         snap_to_grid(root, grid)
     samples = [1] * len(prompts) if samples is None else samples
@@ -312,4 +314,5 @@ def make_plan(prompts: list[list[int]], share: bool = True, samples: list[int] |
     for t in reversed(tasks):
         t.carrier = t.request if t.request is not None else (t.consumers[0].carrier if t.consumers else -1)
     depth = max((t.depth + 1 for t in tasks if t.end > t.start), default=0)
-    return Plan(tasks, roots, distinct_tokens(root), depth)
+    computed = distinct_tokens(root)
+    return Plan(tasks, roots, computed, depth, computed - ideal)

@@ -85,6 +85,7 @@ class RunStats:
     decode_seconds: float = 0.0
     peak_decode_batch: int = 0
     states_given_up: int = 0  # held states (checkpoints, handed-over states) dropped for room: consumers recompute
+    grid_recomputed_tokens: int = 0  # --deterministic: prompt tokens recomputed after branch points moved to the grid
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -153,8 +154,9 @@ class Engine:
         prompts = [r.prompt_token_ids for r in runnable]
         plan = make_plan(prompts, share=self.opts.reuse, samples=[r.sampling.sequences for r in runnable],
                          grid=chunk_grid(self.ops))
-        self.stats.distinct_prefix_tokens += plan.distinct_tokens if self.opts.reuse \
+        self.stats.distinct_prefix_tokens += plan.distinct_tokens - plan.grid_tokens if self.opts.reuse \
             else make_plan(prompts).distinct_tokens
+        self.stats.grid_recomputed_tokens += plan.grid_tokens
         self.last_plan, self.last_trace = plan, Trace()
         if self.opts.reuse:
             self.persist.prefetch(plan.roots, self.state)  # stored states this window will look up, read meanwhile

@@ -164,6 +164,8 @@ class EngineSession:
             "max_batch_from": self.max_batch_source, "block_size": opts.block_size,
             "deterministic": self.loaded.ops.deterministic,
         }
+        if self.loaded.ops.deterministic:
+            report["grid_recomputed_tokens"] = s.grid_recomputed_tokens
         speculative = self.engine.speculator.report()
         if speculative is not None:
             report["speculative"] = speculative
