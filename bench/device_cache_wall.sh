@@ -41,6 +41,8 @@ run() {  # name, input, flags...: one process, its wall timed from outside
     > "$OUT/$name.wall"
 }
 
+# SUMMARY_ONLY=1: only the table of the runs $OUT holds (e.g. after a time limit stopped the runs)
+[ -n "${SUMMARY_ONLY:-}" ] || {
 # a fresh process's kernels compile into CuPy's on-disk cache once per machine: not in the rows below
 run warmup "$OUT/warmup.jsonl" --no-cache
 for r in $(seq 1 "$REPEATS"); do
@@ -52,6 +54,7 @@ for r in $(seq 1 "$REPEATS"); do
   du -sh "$OUT/cache-$r" 2>/dev/null | awk '{print "cache folder after cold + warm: " $1}'
   rm -rf "$OUT/cache-$r" "$OUT/cache-again-$r"
 done
+}
 
 python3 - "$OUT" "$REPEATS" "$DOCS" "$PER_DOC" "$MIN_DOC" "$MAX_DOC" <<'PY'
 import json, sys
