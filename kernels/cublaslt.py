@@ -101,6 +101,7 @@ def _lib() -> ctypes.CDLL:
             "cublasLtMatrixLayoutDestroy": [vp],
             "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
             "cublasLtMatmulPreferenceSetAttribute": [vp, i, vp, sz],
+            "cublasLtMatmulPreferenceDestroy": [vp],
             "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i, ctypes.POINTER(_HeuristicResult),
                                                ctypes.POINTER(i)],
             "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, vp, sz, ctypes.POINTER(sz)],
@@ -169,10 +170,6 @@ class PinnedGemm:
         key = (dtype, rows, cols, ld)
         layout = self._layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= _MAX_LAYOUTS:
-                for old in self._layouts.values():
-                    self.lib.cublasLtMatrixLayoutDestroy(old)
-                self._layouts.clear()
             layout = ctypes.c_void_p()
             _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
                    "cublasLtMatrixLayoutCreate")
@@ -199,10 +196,13 @@ class PinnedGemm:
                    "cublasLtMatmulPreferenceSetAttribute")
         result = _HeuristicResult()
         count = ctypes.c_int(0)
-        _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
-            self.handle, self._desc(compute), self._layout(a_type, k, n, k), self._layout(a_type, k, m, k),
-            self._layout(c_type, n, m, n), self._layout(c_type, n, m, n), pref, 1, ctypes.byref(result),
-            ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+        try:
+            _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, self._desc(compute), self._layout(a_type, k, n, k), self._layout(a_type, k, m, k),
+                self._layout(c_type, n, m, n), self._layout(c_type, n, m, n), pref, 1, ctypes.byref(result),
+                ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
         if count.value < 1:
             raise cublas.CublasError(f"cuBLASLt has no algorithm for a [{n}, {k}] GEMM without split-K")
         algo = _Algo()
@@ -213,12 +213,15 @@ class PinnedGemm:
         _CHOSEN[key] = (algo, info)
         return algo, info
 
+    def _drop_layouts(self):
+        for layout in self._layouts.values():
+            self.lib.cublasLtMatrixLayoutDestroy(layout)
+        self._layouts.clear()
+
     def close(self):
         """Destroy the handle and its layouts (a throwaway handle's; the process's own lives as long as it)."""
         if self.handle is not None:
-            for layout in self._layouts.values():
-                self.lib.cublasLtMatrixLayoutDestroy(layout)
-            self._layouts.clear()
+            self._drop_layouts()
             self.lib.cublasLtDestroy(self.handle)
             self.handle = None
 
@@ -251,6 +254,8 @@ class PinnedGemm:
             raise ValueError("pinned gemm needs contiguous rows of x and 16-byte aligned arrays")
         compute = cublas.CUBLAS_COMPUTE_32F_PEDANTIC if pedantic else cublas.CUBLAS_COMPUTE_32F
         with self._lock:
+            if len(self._layouts) >= _MAX_LAYOUTS:  # before this call takes any (the call reads them)
+                self._drop_layouts()
             algo, _ = self.algo(n, k, a_type, c_type, compute)
             c_layout = self._layout(c_type, n, m_rows, n)
             _check(self.lib.cublasLtMatmul(
