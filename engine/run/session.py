@@ -72,9 +72,10 @@ class EngineSession:
         elif 0 < checkpoint_budget < 1:
             checkpoint_budget = int(state_bytes * checkpoint_budget)
         max_batch, self.max_batch_source = s.max_batch, "--max-batch"
+        self.max_batch_steps: dict[int, float] = {}  # width -> measured decode step seconds (auto on a device)
         if max_batch is None:
-            max_batch, self.max_batch_source = _default_max_batch(self.loaded.model.state_specs(), ops,
-                                                                  int(state_bytes), int(checkpoint_budget))
+            max_batch, self.max_batch_source = _default_max_batch(self, ops, int(state_bytes),
+                                                                  int(checkpoint_budget))
         else:
             from prefixrun.engine.state.pools import seats_in_memory
 
@@ -217,15 +218,18 @@ def merge_reports(reports: list[dict]) -> dict:
     return merged
 
 
-def _default_max_batch(specs, ops, state_bytes: int, checkpoint_bytes: int) -> tuple[int, str]:
-    """(--max-batch when not given, where it came from): on a device, what its state memory allows; 32 where the
-    backend computes in host memory (CPU decode is bound by compute long before memory)."""
-    from prefixrun.engine.state.pools import max_batch_for_memory
+def _default_max_batch(session: EngineSession, ops, state_bytes: int, checkpoint_bytes: int) -> tuple[int, str]:
+    """(--max-batch when not given, where it came from): on a device, the width of the most measured throughput
+    within its state memory (engine/run/batch_choice.py); 32 where the backend computes in host memory (CPU decode
+    is bound by compute long before memory)."""
+    from prefixrun.engine.run.batch_choice import choose_max_batch
 
     if ops.free_memory() is None:
         return HOST_MAX_BATCH, "default"
-    return max_batch_for_memory(specs, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
-                                block_size=ops.default_block_size), "state memory"
+    choice = choose_max_batch(session.loaded.model, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
+                              block_size=ops.default_block_size)
+    session.max_batch_steps = choice.step_seconds
+    return choice.max_batch, choice.source
 
 
 def _default_state_memory(ops) -> int:
