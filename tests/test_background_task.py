@@ -1,5 +1,7 @@
 """engine/run/background.py: start, cancel, and errors surfaced at join."""
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,32 @@ def test_join_with_a_timeout_leaves_a_running_task_running():
     assert task.join(0.01) is None and not task.done()
     release.set()
     assert task.join(5) is True
+
+
+def own_priority() -> int:
+    import os
+
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_caches_threads_yield_the_cpu_to_the_engines_and_the_caller_keeps_its_priority():
+    """The persistent cache's writers, hashers and readers run below the thread that feeds the device: on a host
+    whose cores are all busy (a cold run's copies, writes and digests) the engine's thread runs first."""
+    from prefixrun.engine.cache import blob_format
+    from prefixrun.engine.cache.kv_blocks import BlockFiles
+    from prefixrun.engine.run.background import BACKGROUND_NICENESS
+
+    mine = own_priority()
+    assert BackgroundTask("t", lambda stop: own_priority(), yields_cpu=True).join(5) >= BACKGROUND_NICENESS
+    assert BackgroundTask("t", lambda stop: own_priority()).join(5) == mine  # plain tasks as before
+    assert blob_format.threads().submit(own_priority).result(5) >= BACKGROUND_NICENESS
+
+    class Files:
+        def make_folders(self, name):
+            pass
+
+    blocks = BlockFiles(Path("/nonexistent"), "tag", Files())
+    for reading in (True, False):
+        assert blocks._pool(reading).submit(own_priority).result(5) >= BACKGROUND_NICENESS
+    assert own_priority() == mine

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
+from prefixrun.engine.run.background import yield_cpu
+
 CHUNK_BYTES = 8 << 20
 _INLINE_TAIL_BYTES = 64 << 10
 _MAX_IOVECS = 1024  # IOV_MAX on Linux: one preadv takes at most this many buffers  # past one chunk, a tail this small is hashed on the caller's thread too
@@ -53,10 +55,11 @@ os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def threads() -> ThreadPoolExecutor:
-    """The shared pool of blob threads (reading, hashing, checking)."""
+    """The shared pool of blob threads (reading, hashing, checking), at a lower priority than the engine's thread
+    (engine/run/background.py `yield_cpu`)."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+        _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), initializer=yield_cpu,
                                    thread_name_prefix="prefixrun-blob")
     return _pool
 

@@ -45,6 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from prefixrun.engine.cache import blob_format
+from prefixrun.engine.run.background import yield_cpu
 
 BLOCKS_DIR_NAME = "kv_blocks"
 BLOCK_FORMAT = "prefixrun-kvblock-v1"
@@ -180,14 +181,16 @@ class BlockFiles:
     def _pool(self, reading: bool = True) -> ThreadPoolExecutor:
         """The reading threads: one entry's 64 blocks read at once on most of the host's cores (read + digest
         ~0.5 GB/s per thread; a 16k-token document's state is 561 MiB, on a warm run's critical path), two cores
-        left for the engine's thread. The writing threads: fewer, as writes run beside the engine (a cold run)."""
+        left for the engine's thread. The writing threads: fewer, as writes run beside the engine (a cold run). Both
+        at a lower priority than the engine's thread (engine/run/background.py `yield_cpu`)."""
         if reading:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(max_workers=max(2, min(14, (os.cpu_count() or 2) - 2)),
+                                                   initializer=yield_cpu,
                                                    thread_name_prefix="prefixrun-kv-block")
             return self._readers
         if self._writers is None:
-            self._writers = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+            self._writers = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), initializer=yield_cpu,
                                                thread_name_prefix="prefixrun-kv-write")
         return self._writers
 

@@ -23,7 +23,7 @@ class PendingKey:
     def __init__(self, make_model_digest: Callable[[], str], layout_digest: str):
         self.layout_digest = layout_digest
         self._key: StoreKey | None = None
-        self._task = BackgroundTask("prefixrun-cache-key", self._make, make_model_digest)
+        self._task = BackgroundTask("prefixrun-cache-key", self._make, make_model_digest, yields_cpu=True)
 
     def _make(self, stop, make_model_digest) -> StoreKey:
         key = StoreKey(make_model_digest(), self.layout_digest)

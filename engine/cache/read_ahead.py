@@ -91,7 +91,7 @@ class ReadAhead:
             return
         self._mark("read_ahead_start")
         if self._ahead_thread is None:
-            self._ahead_thread = BackgroundTask("prefixrun-cache-prefetch", self._read_ahead)
+            self._ahead_thread = BackgroundTask("prefixrun-cache-prefetch", self._read_ahead, yields_cpu=True)
         self._ahead_queue.put(chosen)
 
 
@@ -99,7 +99,7 @@ class ReadAhead:
         """On the prefetch thread: read the chosen entries in order; each read entry goes to the staging thread
         (checked against the model, its K/V rows moved to the device) while this one reads the next (the check
         and the upload are a fifth of a long document's time)."""
-        stager = BackgroundTask("prefixrun-cache-stage", self._stage_read_ahead)
+        stager = BackgroundTask("prefixrun-cache-stage", self._stage_read_ahead, yields_cpu=True)
         try:
             while True:
                 job = self._ahead_queue.get()

@@ -75,8 +75,8 @@ class BackgroundWriter:
         self._copies: queue.Queue = queue.Queue()  # HostCopy, in the order of their jobs
         self._pending = 0
         self._room = threading.Condition()
-        self._thread = BackgroundTask("prefixrun-cache-writer", self._drain)
-        self._copier = BackgroundTask("prefixrun-cache-copy", self._copy_ahead)
+        self._thread = BackgroundTask("prefixrun-cache-writer", self._drain, yields_cpu=True)
+        self._copier = BackgroundTask("prefixrun-cache-copy", self._copy_ahead, yields_cpu=True)
 
     @property
     def pending_bytes(self) -> int:
