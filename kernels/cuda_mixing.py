@@ -14,6 +14,8 @@ from prefixrun.kernels.cuda_arrays import BF16, F32, as_f32, device_index, head_
 from prefixrun.kernels.cuda_modules import CONV_WIDTHS, kernel
 from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes
 
+_NULL = np.uint64(0)  # a kernel's absent pointer argument
+
 # chunked delta rule: sizes fixed in kernels/delta_rule.cu (GDN_C, GDN_DMAX, GDN_CB and the shared-memory layouts)
 _GDN_CHUNK, _GDN_SCAN_COLS = 64, 32
 _GDN_PREP_SMEM = (2 * 128 * (64 + 4) + 64 * (64 + 1)) * 4
@@ -100,10 +102,20 @@ class SequenceMixingOps:
         if launch.chunked:
             self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
-        args = (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state, slots, cu,
-                i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)))
-        kernel("delta_rule", launch.kernel.format(t=type_name(dt)))(launch.grid, (launch.threads,), args + (out,))
+        self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
         return out
+
+    @staticmethod
+    def _gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out,
+                     snapshots=None, rows=None):
+        """A token-stepped launch (gdn_decode_kernel or gdn_cols_kernel); the decode kernel also writes the state
+        after token t to snapshots[rows[t]] where rows is given and rows[t] >= 0."""
+        dk, (h, dv) = q.shape[2], v.shape[1:]
+        args = (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state, slots, cu,
+                i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)), out)
+        if launch.kernel.startswith("gdn_decode_kernel"):
+            args += (snapshots, rows) if rows is not None else (_NULL, _NULL)
+        kernel("delta_rule", launch.kernel.format(t=type_name(v.dtype)))(launch.grid, (launch.threads,), args)
 
     def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
         """The chunked form (kernels/delta_rule.cu): a parallel pass over all 64-token chunks writes W, U0, Aqk and
@@ -201,9 +213,16 @@ class SequenceMixingOps:
         out = cupy.empty((t, h, dv), dt)
         slots_i, cu, rows = device_index(slots), device_index(cu_seqlens), device_index(snapshot_rows)
         nseq = slots_i.shape[0]
-        if t and nseq:
-            self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots_i, cu, rows,
-                           h // hk, out)
+        if not (t and nseq):
+            return out
+        if self.tuning.deterministic:  # the kernel of a decode step, so verify rows compute as decode rows do
+            launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv)
+            if launch.kernel != "rows":
+                self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots_i, cu,
+                                  h // hk, out, snapshots, rows)
+                return out
+        self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots_i, cu, rows, h // hk,
+                       out)
         return out
 
     @staticmethod

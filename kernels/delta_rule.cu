@@ -200,12 +200,15 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
 // the reference's step (S = a S; u = beta (v - S^T k); S += k u^T; o = S^T q) with S^T q expanded, so the state is
 // read once per token. Any token count per sequence is exact (tokens step one after another), but each costs three
 // block barriers: kernels/tuning.py takes this kernel for decode-like steps. Needs Dv % 4 == 0 (16-byte rows).
+// `rows` (nullptr: none) makes it a verify step's kernel too: the state after token t goes to snaps[rows[t]] where
+// rows[t] >= 0 ([R, H, Dk, Dv], as gdn_rows_kernel), so --deterministic runs decode and verify rows alike.
 template <typename T, int DKP, int WARPS, int LCOLS>
 __global__ void __launch_bounds__(WARPS * 32, 65536 / (WARPS * 32 * (DKP / (WARPS * 32 / LCOLS) >= 16 ? 128 : 64)))
 gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                   const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
                   const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ slots,
-                  const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out) {
+                  const int* __restrict__ cu, int heads, int krep, int dk, int dv, float scale, T* __restrict__ out,
+                  float* __restrict__ snaps, const int* __restrict__ rows) {
     constexpr int THREADS = WARPS * 32;
     constexpr int GROUPS = THREADS / LCOLS;  // row groups
     constexpr int BC = 4 * LCOLS;            // value columns per block
@@ -287,6 +290,15 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
             const float kr = sk[grp + r * GROUPS];
             S[r].x = a * S[r].x + kr * u[0]; S[r].y = a * S[r].y + kr * u[1];
             S[r].z = a * S[r].z + kr * u[2]; S[r].w = a * S[r].w + kr * u[3];
+        }
+        const int snap = rows != nullptr ? rows[t] : -1;
+        if (snap >= 0 && colok) {
+            float* sn = snaps + ((i64)snap * heads + h) * (i64)dk * dv + col;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = grp + r * GROUPS;
+                if (i < dk) *reinterpret_cast<float4*>(sn + (i64)i * dv) = S[r];
+            }
         }
     }
 

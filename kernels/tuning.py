@@ -137,7 +137,7 @@ class CudaTuning:
     # --deterministic: every kernel choice a function of what one row computes, never of the batch: GEMMs with one
     # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention in attn_mma_kernel alone (no split over
     # key ranges, no cascade, no wgmma: their sums run in other orders), the delta rule chunked on every prefill
-    # row and token by token in one kernel (gdn_rows_kernel) on every decode and verify row
+    # row and token by token in one kernel (gdn_decode_kernel, snapshots and all) on every decode and verify row
     deterministic: bool = False
 
     def __post_init__(self):
@@ -211,9 +211,9 @@ def _deterministic_delta_rule(tuning: CudaTuning, *, tokens: int, seqs: int, hea
                               tensor_cores: bool, prefill: bool) -> DeltaRuleLaunch:
     """The deterministic choice: a prefill step in the chunked form for every sequence, however few tokens it has
     (the tensor-core form where the inputs allow it, else the fp32 one), so a token's output depends only on its
-    chunk, which the engine anchors at multiples of 64 positions; every other step (decode, verify) token by token
-    in gdn_rows_kernel, whose per-token arithmetic is the same at any row count (`kernel` "rows": the caller
-    launches it without snapshots)."""
+    chunk, which the engine anchors at multiples of 64 positions; every other step (decode, verify: with the
+    snapshots the verify step needs) token by token in gdn_decode_kernel of one block shape, whose per-token
+    arithmetic is the same at any row count, or where Dv % 4 != 0 in gdn_rows_kernel (`kernel` "rows")."""
     if prefill and tokens and max(dk, dv) <= GDN_TC_DIMS[-1] and tensor_cores and tuning.gdn_tensor_cores \
             and dk % 8 == 0 and dv % 8 == 0:
         dim = next(d for d in GDN_TC_DIMS if d >= max(dk, dv))
@@ -222,6 +222,11 @@ def _deterministic_delta_rule(tuning: CudaTuning, *, tokens: int, seqs: int, hea
                                grid=(-(-dv // (16 * warps)), heads, seqs), tensor_cores=True, dim=dim, warps=warps)
     if prefill and dk <= GDN_CHUNK_DMAX and dv <= GDN_CHUNK_DMAX:
         return DeltaRuleLaunch(chunked=True)
+    if dv % 4 == 0:  # the decode kernel's float4 rows; its block fixed, whatever the batch
+        dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
+        warps, cols = tuning.gdn_decode_block or GDN_DECODE_BLOCKS[0]
+        return DeltaRuleLaunch(chunked=False, kernel=f"gdn_decode_kernel<{{t}}, {dkp}, {warps}, {cols // 4}>",
+                               grid=(-(-dv // cols), heads, seqs), threads=32 * warps)
     return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
 
 

@@ -22,12 +22,12 @@ ENTRY = r"""
 extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, i64 kst, i64 ksh, const float* v,
                               i64 vst, i64 vsh, const float* g, const float* beta, float* state, const int* slots,
                               const int* cu, int heads, int krep, int dk, int dv, float scale, float* out,
-                              const unsigned* geom) {
+                              float* snaps, const int* rows, const unsigned* geom) {
     // geom: {grid x, y, z, threads, DKP, LCOLS}, as kernels/tuning.py gives them to kernels/cuda_mixing.py
     const emu_dim3 grid{geom[0], geom[1], geom[2]};
 #define EMU_DECODE(D, W, L) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L) { \
         emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, \
-                                              beta, state, slots, cu, heads, krep, dk, dv, scale, out); }); return 0; }
+                                              beta, state, slots, cu, heads, krep, dk, dv, scale, out, snaps, rows); }); return 0; }
 #define EMU_DECODE_DIMS(W, L) EMU_DECODE(16, W, L) EMU_DECODE(64, W, L) EMU_DECODE(128, W, L)
     EMU_DECODE_DIMS(8, 16) EMU_DECODE_DIMS(8, 32)
     return 1;  // no such instantiation
@@ -57,22 +57,27 @@ def _inputs(rng, lens, hk, h, dk, dv, nslots):
     return cu, qk, v, g, beta, state0, slots
 
 
+@pytest.mark.parametrize("snapshots", [False, True])
 @pytest.mark.parametrize("block", GDN_DECODE_BLOCKS)
 @pytest.mark.parametrize("lens,hk,h,dk,dv", [
     ([1, 1, 0, 1], 1, 2, 128, 128),  # decode, 2 value heads per key head, an empty sequence
     ([3, 1, 2], 2, 2, 64, 40),  # several tokens per sequence; columns past Dv idle
     ([1, 2], 1, 1, 12, 132),  # key dim padded to 16; a second, partial 128-column tile
 ])
-def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv):
+def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv, snapshots):
+    """`snapshots`: a verify step's (every row but each sequence's last to a snapshot row, as gdn_rows_kernel)."""
     rng = np.random.default_rng(sum(lens) * 31 + dk + dv + block[0] + block[1])
     nslots = len(lens) + 2
     cu, qk, v, g, beta, state0, slots = _inputs(rng, lens, hk, h, dk, dv, nslots)
     t = int(cu[-1])
     g[0, 0] = -200.0  # a decay that underflows to 0: the first token of head 0 starts from a cleared state
     q, k = qk[:, :hk], qk[:, hk:]  # strided views, as the model hands them over
-    ref_state = state0.copy()
-    ref_o = NumpyOps().gated_delta_rule_rows(q, k, v, g, beta, ref_state, slots, cu,
-                                             np.zeros((1, h, dk, dv), np.float32), -np.ones(t, np.int32))
+    last = np.zeros(t, bool)
+    last[cu[1:][np.diff(cu) > 0] - 1] = True
+    rows = np.where(last, -1, np.cumsum(~last) - 1).astype(np.int32) if snapshots else -np.ones(t, np.int32)
+    nsnap = max(int(rows.max()) + 1, 1)
+    ref_state, ref_snaps = state0.copy(), np.zeros((nsnap, h, dk, dv), np.float32)
+    ref_o = NumpyOps().gated_delta_rule_rows(q, k, v, g, beta, ref_state, slots, cu, ref_snaps, rows)
     tuning = CudaTuning(gdn_chunked=False, gdn_decode=True, gdn_decode_block=block)
     launch = delta_rule_launch(tuning, 132, tokens=t, seqs=len(lens),
                                heads=h, dk=dk, dv=dv)
@@ -80,23 +85,28 @@ def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv
     dkp, lcols = (int(x) for x in launch.kernel.rstrip(">").split(",")[1::2])
     geom = np.array(list(launch.grid) + [launch.threads, dkp, lcols], np.uint32)
 
+    rel = lambda a, b: np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
     def emulate():
         st, st_ok = _guarded(state0.shape, np.float32)
         st[...] = state0
         out, out_ok = _guarded((t, h, dv), np.float32)
         out[...] = np.nan  # every output element must be written
+        snaps, snaps_ok = _guarded((nsnap, h, dk, dv), np.float32)
+        snaps[...] = 0
         i64 = ctypes.c_longlong
         gc, bc = np.ascontiguousarray(g), np.ascontiguousarray(beta)
         rc = emu.emu_gdn_decode(_ptr(qk), i64(2 * hk * dk), i64(dk), _ptr(qk[:, hk:]), i64(2 * hk * dk), i64(dk),
                                 _ptr(v), i64(h * dv), i64(dv), _ptr(gc), _ptr(bc), _ptr(st), _ptr(slots), _ptr(cu), h,
-                                h // hk, dk, dv, ctypes.c_float(1.0 / np.sqrt(dk)), _ptr(out), _ptr(geom))
+                                h // hk, dk, dv, ctypes.c_float(1.0 / np.sqrt(dk)), _ptr(out),
+                                _ptr(snaps) if snapshots else None, _ptr(rows) if snapshots else None, _ptr(geom))
         assert rc == 0, "no gdn_decode_kernel instantiation for this launch"
-        assert st_ok() and out_ok(), "the kernel wrote past the ends of the state or the output"
-        return out.copy(), st.copy()
+        assert st_ok() and out_ok() and snaps_ok(), "the kernel wrote past the ends of the state or the output"
+        return out.copy(), st.copy(), snaps.copy()
 
-    o, state = _forked(emulate)
+    o, state, snaps = _forked(emulate)
+    assert rel(snaps, ref_snaps) <= 1e-5 if snapshots else not snaps.any()
     assert np.isfinite(o).all()
-    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
     assert rel(o, ref_o) <= 1e-5
     assert rel(state, ref_state) <= 1e-5
     untouched = np.setdiff1d(np.arange(nslots), slots[np.diff(cu) > 0])

@@ -174,7 +174,10 @@ def test_deterministic_kernel_choices_never_follow_the_batch():
         prefill = delta_rule_launch(det, 132, tokens=tokens, seqs=seqs, heads=32, dk=128, dv=128,
                                     tensor_cores=True, prefill=True)
         step = delta_rule_launch(det, 132, tokens=tokens, seqs=seqs, heads=32, dk=128, dv=128, tensor_cores=True)
-        assert prefill.chunked and prefill.tensor_cores and not step.chunked and step.kernel == "rows"
+        assert prefill.chunked and prefill.tensor_cores and not step.chunked
+        assert step.kernel == "gdn_decode_kernel<{t}, 128, 8, 16>" and step.grid == (2, 32, seqs)
+    odd = delta_rule_launch(det, 132, tokens=5, seqs=2, heads=4, dk=16, dv=18)
+    assert odd.kernel == "rows"
     fp32 = delta_rule_launch(det, 132, tokens=3, seqs=3, heads=4, dk=16, dv=16, prefill=True)
     assert fp32.chunked and not fp32.tensor_cores
     # the default tuning does follow the batch (why the mode exists)
