@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from prefixrun.cli.harmony import is_harmony_template
 from prefixrun.engine.run.config import REASONING_PARSERS  # declared with --reasoning-parser
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -30,6 +31,8 @@ class ReasoningSplit:
 
 
 def parser_for_template(template: str) -> str:
+    if is_harmony_template(template):
+        return "openai_gptoss"  # cli/harmony.py
     return "qwen3" if THINK_START in template else "none"
 
 

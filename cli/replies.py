@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixrun.cli import reasoning, tool_calls
+from prefixrun.cli import harmony, reasoning, tool_calls
 from prefixrun.cli.reasoning import ReasoningSplit
 from prefixrun.cli.tool_calls import ToolCall, ToolChoice
 from prefixrun.engine.grammar.spec import json_schema_output
@@ -51,6 +51,7 @@ class ReplyShaper:
     tools: tuple = ()
     parse_tools: object = None  # a tool_calls.PARSERS function, or None (no parsing)
     split_reasoning: bool = False
+    harmony: bool = False  # the reply is gpt-oss's harmony messages (cli/harmony.py), read with special tokens
     opened_in_prompt: bool = False
     thinking_disabled: bool = False
     prompt_token_ids: tuple[int, ...] = ()
@@ -73,10 +74,15 @@ class ReplyShaper:
         """A chat's message and finish reason."""
         if not self.options.detokenize:
             return {"role": self.role, "content": ""}, finish_reason
-        split = (reasoning.split_think(text, opened_in_prompt=self.opened_in_prompt,
-                                       thinking_disabled=self.thinking_disabled)
-                 if self.split_reasoning else ReasoningSplit(None, text))
-        content, calls = self._tool_calls(split.content)
+        if self.harmony:
+            reply = harmony.read_reply(text)
+            split = ReasoningSplit(reply.reasoning, reply.content)
+            content, calls = self._harmony_calls(reply)
+        else:
+            split = (reasoning.split_think(text, opened_in_prompt=self.opened_in_prompt,
+                                           thinking_disabled=self.thinking_disabled)
+                     if self.split_reasoning else ReasoningSplit(None, text))
+            content, calls = self._tool_calls(split.content)
         if not self.options.parallel_tool_calls:
             calls = calls[:1]
         if self.options.echo:
@@ -93,6 +99,14 @@ class ReplyShaper:
         if calls and (mode == "auto" or (mode == "required" and finish_reason == "stop")):
             finish_reason = "tool_calls"
         return message, finish_reason
+
+    def _harmony_calls(self, reply: harmony.HarmonyReply) -> tuple[str | None, tuple[ToolCall, ...]]:
+        """A harmony reply's calls where tool_choice is auto (a forced reply has no markup: read as any other)."""
+        if self.options.tool_choice.constrained:
+            return self._tool_calls(reply.content)
+        if self.options.tool_choice.mode == "auto" and self.parse_tools is not None and reply.calls:
+            return reply.content, reply.calls
+        return reply.content, ()
 
     def _tool_calls(self, content: str | None) -> tuple[str | None, tuple[ToolCall, ...]]:
         choice = self.options.tool_choice
@@ -192,7 +206,13 @@ class Replies:
         if parsed.reply.tool_choice.mode == "auto" and self.tool_call_parser in ("hermes", "qwen3_coder") \
                 and self._special_tool_call_tag:
             request.sampling = dataclasses.replace(request.sampling, skip_special_tokens=False)
+        if self._harmony and isinstance(parsed.prompt, ChatPrompt):  # its markup is special tokens
+            request.sampling = dataclasses.replace(request.sampling, skip_special_tokens=False)
         return request
+
+    @property
+    def _harmony(self) -> bool:
+        return self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
 
     @property
     def _special_tool_call_tag(self) -> bool:
@@ -234,15 +254,17 @@ class Replies:
         role = "assistant" if prompt.generation_prompt else last["role"]
         echo = _message_text(last) if options.echo and last["role"] == role else ""
         # a reply the structured-output engine constrained from its first token has no reasoning to split off
-        split = self.reasoning_parser == "qwen3" and parsed.sampling.structured is None
+        split = self.reasoning_parser in ("qwen3", "openai_gptoss") and parsed.sampling.structured is None
         opened = False
-        if split and self.tokenizer is not None:
+        if split and self.reasoning_parser == "qwen3" and self.tokenizer is not None:
             tail = self.tokenizer.decode(list(request.prompt_token_ids[-_PROMPT_TAIL_TOKENS:]),
                                          skip_special_tokens=False)
             opened = reasoning.prompt_opens_think(tail)
         kwargs = {**self.template_kwargs, **prompt.template_kwargs}
+        parse_tools = harmony.parse_openai if self.tool_call_parser == "openai" else \
+            tool_calls.PARSERS.get(self.tool_call_parser)
         return ReplyShaper(parsed.custom_id, options, role=role, echo_text=echo, tools=tuple(prompt.tools or ()),
-                           parse_tools=tool_calls.PARSERS.get(self.tool_call_parser), split_reasoning=split,
+                           parse_tools=parse_tools, split_reasoning=split, harmony=self._harmony,
                            opened_in_prompt=opened, thinking_disabled=kwargs.get("enable_thinking") is False)
 
 

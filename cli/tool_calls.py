@@ -15,6 +15,7 @@ Parsers (`--tool-call-parser`, default `auto`: chosen by what the model's chat t
   counts) or as the whole reply. Argument values are Python literals (strings, numbers, True / False / None, lists,
   dicts), read without evaluating anything. A block that is not such a list makes the whole text content and no
   call, as vLLM's pythonic parser does.
+- `openai` (gpt-oss): harmony messages addressed `to=functions.NAME`, read with the reasoning (cli/harmony.py).
 - `qwen3_coder` (Qwen3.5, Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
   </tool_call>`; a value is converted by the type of its parameter in the request's tool schema (string as it is;
   integer, number, boolean, null, object and array parsed as JSON, else left a string).
@@ -250,6 +251,8 @@ PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "qwen3_code
 
 def parser_for_template(template: str) -> str:
     """The parser a chat template's tool-call format needs ("none" when it describes no format we read)."""
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "openai"  # gpt-oss's harmony messages (cli/harmony.py, which reads them with the reasoning)
     if "<function=" in template:
         return "qwen3_coder"
     if "<|tool_list_start|>" in template or _PYTHONIC_START in template:

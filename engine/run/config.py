@@ -34,8 +34,9 @@ from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
 from prefixrun.engine.sizes import parse_size
 
 SPECULATIVE_MODES = ("auto", "off", "ngram", "mtp")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "pythonic", "none")  # cli/tool_calls.py's parsers
-REASONING_PARSERS = ("auto", "qwen3", "none")  # cli/reasoning.py's parsers
+# cli/tool_calls.py's parsers and gpt-oss's harmony one (cli/harmony.py)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "pythonic", "openai", "none")
+REASONING_PARSERS = ("auto", "qwen3", "openai_gptoss", "none")  # cli/reasoning.py's, cli/harmony.py's
 DEFAULT_DRAFT_TOKENS = 5
 MAX_DRAFT_TOKENS = 64
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # a whole 262k-token context as text or as prompt_token_ids fits
@@ -182,7 +183,7 @@ class RunConfig:
         cli_type=Optional[str], parse=_template_kwargs, panel=_CHAT)
     tool_call_parser: str = option("auto", f"reads tool calls out of chat replies: {', '.join(TOOL_CALL_PARSERS)} "
                                            "(auto: as the chat template asks)", choices=TOOL_CALL_PARSERS, panel=_CHAT)
-    reasoning_parser: str = option("auto", f"splits <think> reasoning out of chat replies: "
+    reasoning_parser: str = option("auto", f"splits <think> (or harmony analysis) reasoning out of chat replies: "
                                            f"{', '.join(REASONING_PARSERS)} (auto: as the chat template writes)",
                                    choices=REASONING_PARSERS, panel=_CHAT)
     lenient: bool = option(False, "ignore (with a warning) request fields prefixrun cannot honour and unknown keys, "
