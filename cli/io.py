@@ -170,7 +170,9 @@ a prefix it shares with other requests in the window is still computed once. A c
 listed tokens' texts from 0 (a plain line's `logprobs` likewise starts with `prompt_logprobs`' entries, the first
 null; its `cumulative_logprob` is the generated tokens'). The prompt's logprobs come from prefill as
 `prompt_logprobs` do (with as many alternatives as `logprobs` asks for); the record carries a `prompt_logprobs`
-field only when the line asked for one.
+field only when the line asked for one. `max_tokens: 0` with `echo` scores a prompt alone (what evaluation
+harnesses send for log-likelihoods): as vLLM does, one token is generated (counted in usage) and left out of the
+text, the token ids and the logprobs, whose listing is the prompt's.
 
 A line that cannot be run gives an error record in its place, and the rest of the file is still processed::
 

@@ -216,8 +216,11 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
             shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
         where = "body." if openai_shape else ""
         prompt = with_prompt_options(prompt, fields, where)
+        echo_only = fields["max_tokens"] == 0  # as vLLM: one token is drawn, and left out of the record
+        fields = {**fields, "max_tokens": 1} if echo_only else fields
         sampling = _sampling_for_line(fields, defaults, where, _kind_of(prompt))
         reply = read_reply_options(fields, prompt, where)
+        reply = dataclasses.replace(reply, echo_only=True) if echo_only else reply
         sampling = with_forced_tool_call(sampling, reply, prompt, where)
     except (_LineRejected, InvalidRequest) as rejection:
         return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
@@ -324,7 +327,7 @@ def _read_plain_line(obj: dict, lenient: bool) -> tuple[Shape, dict, Prompt, tup
     request = {key: value for key, value in obj.items() if key != "custom_id"}
     ignored = _check_fields(request, _kind_of(prompt), "", lenient)
     fields = dict(obj)
-    fields["max_tokens"] = _read_max_tokens(obj, "")
+    fields["max_tokens"] = _read_max_tokens(obj, "", prompt)
     return "plain", fields, prompt, ignored
 
 
@@ -356,7 +359,7 @@ def _read_openai_line(obj: dict, lenient: bool) -> tuple[Shape, dict, Prompt, tu
     ignored = _check_envelope(obj, lenient)
     ignored += _check_fields(body, _kind_of(prompt), "body.", lenient)
     fields = dict(body)
-    fields["max_tokens"] = _read_max_tokens(body, "body.")
+    fields["max_tokens"] = _read_max_tokens(body, "body.", prompt)
     return shape, fields, prompt, ignored
 
 
@@ -450,7 +453,9 @@ def _read_completion_prompt(prompt: Any) -> TextPrompt | TokenPrompt:
     return TokenPrompt(tuple(_read_token_ids(prompt[0], "body.prompt[0]")))
 
 
-def _read_max_tokens(body: dict, where: str) -> Any:
+def _read_max_tokens(body: dict, where: str, prompt: Prompt) -> Any:
+    """The line's max_tokens (or max_completion_tokens): a positive integer, or 0 on a completion with echo (the
+    prompt alone, as vLLM's echo without generation: parse_line turns it into ReplyOptions.echo_only)."""
     completion_limit, legacy_limit = body.get("max_completion_tokens"), body.get("max_tokens")
     if completion_limit is not None and legacy_limit is not None and completion_limit != legacy_limit:
         raise _LineRejected(
@@ -462,8 +467,10 @@ def _read_max_tokens(body: dict, where: str) -> Any:
     else:
         key, limit = "max_tokens", legacy_limit
     # Checked here, not only by SamplingParams, so the message names the key the line actually used.
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise _LineRejected(f"{where}{key} must be a positive integer, got {_describe(limit)}")
+    echoed = body.get("echo") is True and _kind_of(prompt) == COMPLETION
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < (0 if echoed else 1)):
+        zero = " (0 only with echo on a completion: its prompt alone)" if limit == 0 and not echoed else ""
+        raise _LineRejected(f"{where}{key} must be a positive integer{zero}, got {_describe(limit)}")
     return limit
 
 

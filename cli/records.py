@@ -29,14 +29,14 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
     asked = _asked_prompt_logprobs(req, result)
     echoed = EchoedPrompt.of(reply.echo_token_ids, result.prompt_logprobs, req.sampling.logprob_alternatives) \
         if reply.echo_token_ids else None
+    shown = [_shown(c, reply) for c in result.choices]
     if req.shape == "plain":
         prompt = plain_prompt_logprobs(asked, tokens)
         if req.sampling.n == 1:
-            return {"custom_id": req.custom_id, **_plain_choice(result.choices[0], reply, chat),
-                    **plain_logprobs(result.choices[0], tokens, echoed), **prompt, "usage": usage,
-                    **reply.extras()}
+            return {"custom_id": req.custom_id, **_plain_choice(shown[0], reply, chat),
+                    **plain_logprobs(shown[0], tokens, echoed), **prompt, "usage": usage, **reply.extras()}
         choices = [{"index": i, **_plain_choice(c, reply, chat), **plain_logprobs(c, tokens, echoed)}
-                   for i, c in enumerate(result.choices)]
+                   for i, c in enumerate(shown)]
         return {"custom_id": req.custom_id, "choices": choices, **prompt, "usage": usage, **reply.extras()}
     if req.shape == "openai_chat":
         body = {
@@ -46,7 +46,7 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "model": model,
             "choices": [
                 {"index": i, **_chat_choice(c, reply), "logprobs": chat_logprobs(c, tokens), **_token_ids(c, reply)}
-                for i, c in enumerate(result.choices)
+                for i, c in enumerate(shown)
             ],
             "usage": usage,
             **reply.extras(),
@@ -61,7 +61,7 @@ def format_result(req: ParsedRequest, result: Result, *, model: str = "", create
             "model": model,
             "choices": [{"index": i, "text": reply.text(c.text), "logprobs": completion_logprobs(c, tokens, echoed),
                          "finish_reason": c.finish_reason, **_token_ids(c, reply), **_completion_prompt(asked, tokens)}
-                        for i, c in enumerate(result.choices)],
+                        for i, c in enumerate(shown)],
             "usage": usage,
             **reply.extras(),
         }
@@ -81,6 +81,15 @@ def _plain_choice(choice: Completion, reply: ReplyShaper, chat: bool) -> dict:
     message, finish_reason = reply.message(choice.text, choice.finish_reason)
     return {"text": choice.text, "message": message, "token_ids": list(choice.token_ids),
             "finish_reason": finish_reason}
+
+
+def _shown(choice: Completion, reply: ReplyShaper) -> Completion:
+    """The choice as its record shows it: for an echo with max_tokens 0 (vLLM's echo without generation, which
+    draws one token and leaves it out), no generated token, so the record holds the prompt alone."""
+    if not reply.options.echo_only:
+        return choice
+    listed = None if choice.logprobs is None else []
+    return Completion([], "", choice.finish_reason, listed, None if listed is None else 0.0)
 
 
 def _asked_prompt_logprobs(req: ParsedRequest, result: Result) -> list | None:

@@ -32,6 +32,7 @@ class ReplyOptions:
     """What a request asked about the shape of its reply (read by cli/lines.py)."""
 
     echo: bool = False  # completions: the prompt before the text; chats: the last message, if it has the role
+    echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt alone (cli/records.py)
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True  # false: only the first tool call is kept
     include_reasoning: bool = True

@@ -112,7 +112,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("audio", REFUSED, CHAT, "audio output", why="prefixrun generates text only"),
     # ---- length and stopping ----
     _F("max_tokens", HONOURED, BOTH, "the most tokens to generate (chat: the rest of the context if not given; "
-       "completions: 16)"),
+       "completions: 16; 0 with echo on a completion: its prompt alone, e.g. scored with logprobs, as vLLM)"),
     _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
     _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence or a stop token may end the output"),
     _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),

@@ -120,3 +120,32 @@ def test_echoed_logprobs_after_a_checkpoint_retained_from_an_earlier_window(mode
     check_listing(records[2]["response"]["body"]["choices"][0], other, hf_models["qwen3_5"])
     assert records[1]["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert records[3]["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shared)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(model_dirs, hf_models, tmp_path):
+    """vLLM's echo without generation (what evaluation harnesses send to score a text): the record is the prompt,
+    its listing the prompt's tokens; max_tokens 0 anywhere else is still an error."""
+    prompt = random_prompt(90, 12)
+    lines = [completion("scored", prompt, max_tokens=0),
+             {"custom_id": "plain", "prompt_token_ids": prompt, "echo": True, "logprobs": 1, "max_tokens": 0},
+             {"custom_id": "text", "url": "/v1/completions", "body": {"prompt": "Paris is", "echo": True,
+                                                                      "max_completion_tokens": 0}},
+             {"custom_id": "no-echo", "prompt_token_ids": prompt, "max_tokens": 0},
+             {"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}], "echo": True, "max_tokens": 0}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    res = CliRunner().invoke(app, ["batch", str(path), "--model", str(model_dirs["qwen3"]), "--device", "cpu", "-q",
+                                   "--no-cache"], catch_exceptions=False)
+    assert res.exit_code == 3, res.output
+    scored, plain, text, no_echo, chat = [json.loads(line) for line in res.stdout.splitlines()]
+    (choice,) = scored["response"]["body"]["choices"]
+    assert choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(prompt)
+    check_listing(choice, prompt, hf_models["qwen3"])
+    assert plain["token_ids"] == [] and plain["logprobs"][0] is None and len(plain["logprobs"]) == len(prompt)
+    assert [e["token_id"] for e in plain["logprobs"][1:]] == prompt[1:] and plain["cumulative_logprob"] == 0
+    body = text["response"]["body"]
+    assert body["choices"][0]["text"] == "Paris is" and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 1  # drawn and dropped, as vLLM counts it
+    assert "0 only with echo on a completion" in no_echo["error"]["message"]
+    assert "max_tokens must be a positive integer" in chat["error"]["message"]
