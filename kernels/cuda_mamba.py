@@ -1,5 +1,7 @@
-"""The CUDA backend's Mamba2 ops (kernels/mamba.cu): the selective scan (decode steps, prefill and speculative rows
-with per-row snapshots in one kernel), the gated group RMSNorm and ReLU^2. Semantics: kernels/mamba_reference.py.
+"""The CUDA backend's Mamba2 ops (kernels/mamba.cu): the selective scan (token by token per sequence for decode
+steps, speculative rows with per-row snapshots and short prefills; long prefills in 128-token chunks computed all at
+once, their entering states carried per sequence), the gated group RMSNorm and ReLU^2. Semantics:
+kernels/mamba_reference.py.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from prefixrun.kernels.cuda_arrays import F32, THREADS, as_f32, blocks_for, devi
     matrix_view, type_name
 from prefixrun.kernels.cuda_modules import kernel
 
-_SSD_ROWS, _SSD_NMAX = 4, 8  # kernels/mamba.cu SSD_ROWS (state rows per block) and SSD_NMAX (N <= 32 * SSD_NMAX)
+# kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX), SSD_CHUNK (a long prefill's chunks)
+_SSD_ROWS, _SSD_NMAX, _SSD_CHUNK = 4, 8, 128
 _NULL = np.uint64(0)
 
 
@@ -55,11 +58,29 @@ class MambaOps:
         if t == 0 or nseq == 0:
             return out
         lo, hi = (np.float32(v) for v in dt_limit)
-        kernel("mamba", f"ssd_scan_kernel<{type_name(dtype)}>")(
-            (-(-p // _SSD_ROWS), h, nseq), (32 * _SSD_ROWS,),
-            (x, i64(xst), i64(xsh), dt, i64(dts), b, i64(bst), i64(bsg), c, i64(cst), i64(csg), as_f32(a_log),
-             as_f32(dt_bias), as_f32(d), lo, hi, state, snapshots if snapshots is not None else _NULL, slots, cu,
-             rows if rows is not None else _NULL, i32(h), i32(h // g), i32(p), i32(n), out))
+        tn = type_name(dtype)
+        inputs = (x, i64(xst), i64(xsh), dt, i64(dts), b, i64(bst), i64(bsg), c, i64(cst), i64(csg), as_f32(a_log),
+                  as_f32(dt_bias), as_f32(d), lo, hi, i32(h), i32(h // g), i32(p), i32(n))
+        blocks = -(-p // _SSD_ROWS)
+        # long prefills in chunks, all chunks at once; everything else token by token per sequence (one kernel: a
+        # deterministic backend's rows then depend on their own sequence alone, whatever the batch)
+        if rows is None and not self.tuning.deterministic and t >= 2 * _SSD_CHUNK * nseq:
+            tiles = t // _SSD_CHUNK + nseq  # an upper bound of sum(ceil(len / chunk))
+            chunk_states = cupy.empty((tiles, h, p, n), F32)
+            chunk_decay = cupy.empty((tiles, h), F32)
+            grid = (blocks, h, tiles)
+            kernel("mamba", f"ssd_chunk_state_kernel<{tn}>")(grid, (32 * _SSD_ROWS,),
+                                                            inputs + (cu, i32(nseq), chunk_states, chunk_decay))
+            kernel("mamba", "ssd_chunk_carry_kernel")((blocks, h, nseq), (32 * _SSD_ROWS,),
+                                                      (state, slots, cu, chunk_states, chunk_decay, i32(h), i32(p),
+                                                       i32(n)))
+            kernel("mamba", f"ssd_chunk_out_kernel<{tn}>")(grid, (32 * _SSD_ROWS,),
+                                                          inputs + (cu, i32(nseq), chunk_states, out))
+            return out
+        kernel("mamba", f"ssd_scan_kernel<{tn}>")(
+            (blocks, h, nseq), (32 * _SSD_ROWS,),
+            inputs + (state, snapshots if snapshots is not None else _NULL, slots, cu,
+                      rows if rows is not None else _NULL, out))
         return out
 
     def gated_group_rms_norm(self, x, gate, weight, eps, group_size):

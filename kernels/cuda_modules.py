@@ -58,7 +58,8 @@ KERNEL_NAMES = {
     "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
     + [f"gdn_rows_kernel<{t}>" for t in _T],
     "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T],
-    "mamba": [f"ssd_scan_kernel<{t}>" for t in _T] + [f"relu2_kernel<{t}>" for t in _T]
+    "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "chunk_state", "chunk_out") for t in _T]
+    + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
     "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]

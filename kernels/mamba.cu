@@ -3,71 +3,180 @@
 
 #define SSD_ROWS 4  // state rows (of P) per block: one warp each
 #define SSD_NMAX 8  // state columns per lane: N <= 256
+#define SSD_CHUNK 128  // tokens per chunk of a long prefill (ssd_chunk_*_kernel)
 
 __device__ __forceinline__ float softplus_f(float z) { return z > 20.f ? z : log1pf(expf(z)); }
 
-// Token by token, per head h and state row p: dt = clamp(softplus(dt_raw + dt_bias), lo, hi),
-// S[p, :] = exp(dt A) S[p, :] + dt x[p] B, y[p] = S[p, :] . C + D x[p]. A warp owns one row (lane l holds columns
-// l + 32 m), so no block barrier is needed; B and C come from global memory (shared by the block's warps through L1).
-// snaps: when rows is non-null, the state after token t goes to snaps[rows[t]] (rows[t] >= 0).
-// x [T, H, P] (strides xst, xsh), dt [T, H] (row stride dts), b, c [T, G, N] (strides bst, bsg / cst, csg);
-// head h reads group h / hrep. grid (ceil(P / SSD_ROWS), H, nseq), block 32 * SSD_ROWS.
+// The scan's inputs: x [T, H, P] (strides xst, xsh), dt [T, H] raw (row stride dts), b, c [T, G, N] (strides
+// bst, bsg / cst, csg; head h reads group h / hrep), per head a_log, dt_bias, D; the dt limits lo, hi.
 template <typename T>
-__global__ void __launch_bounds__(32 * SSD_ROWS)
-ssd_scan_kernel(const T* __restrict__ x, i64 xst, i64 xsh, const T* __restrict__ dt, i64 dts,
-                const T* __restrict__ b, i64 bst, i64 bsg, const T* __restrict__ c, i64 cst, i64 csg,
-                const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ dskip,
-                float lo, float hi, float* __restrict__ state, float* __restrict__ snaps,
-                const int* __restrict__ slots, const int* __restrict__ cu, const int* __restrict__ rows, int heads,
-                int hrep, int pdim, int ndim, T* __restrict__ out) {
-    const int seq = blockIdx.z, h = blockIdx.y;
-    const int start = cu[seq], n = cu[seq + 1] - start;
-    const int lane = threadIdx.x & 31;
-    const int p = blockIdx.x * SSD_ROWS + (threadIdx.x >> 5);
-    if (n == 0 || p >= pdim) return;
-    const int g = h / hrep;
-    const float A = -expf(a_log[h]), bias = dt_bias[h], D = dskip[h];
-    float* st = state + (((i64)slots[seq] * heads + h) * pdim + p) * ndim;
-    float S[SSD_NMAX];
-#pragma unroll
-    for (int m = 0; m < SSD_NMAX; ++m) {
-        const int i = lane + 32 * m;
-        S[m] = i < ndim ? st[i] : 0.f;
-    }
-    for (int j = 0; j < n; ++j) {
-        const i64 t = start + j;
-        const float d = fminf(fmaxf(softplus_f(to_f(dt[t * dts + h]) + bias), lo), hi);
-        const float decay = expf(d * A);
-        const float xv = to_f(x[t * xst + h * xsh + p]);
-        const float dx = xv * d;
-        const T* bt = b + t * bst + g * bsg;
-        const T* ct = c + t * cst + g * csg;
-        float acc = 0.f;
+struct SsdIn {
+    const T* x; i64 xst, xsh; const T* dt; i64 dts; const T* b; i64 bst, bsg; const T* c; i64 cst, csg;
+    const float* a_log; const float* dt_bias; const float* dskip; float lo, hi; int heads, hrep, pdim, ndim;
+};
+
+#define SSD_IN_PARAMS(T)                                                                                         \
+    const T* __restrict__ x, i64 xst, i64 xsh, const T* __restrict__ dt, i64 dts, const T* __restrict__ b,      \
+        i64 bst, i64 bsg, const T* __restrict__ c, i64 cst, i64 csg, const float* __restrict__ a_log,            \
+        const float* __restrict__ dt_bias, const float* __restrict__ dskip, float lo, float hi, int heads, int hrep, \
+        int pdim, int ndim
+#define SSD_IN {x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, dskip, lo, hi, heads, hrep, pdim, ndim}
+
+// n tokens from t0 of head h, state row p (a warp: lane l holds columns l + 32 m of S): per token
+// dt = clamp(softplus(dt_raw + dt_bias), lo, hi), S = exp(dt A) S + dt x[p] B, y[p] = S . C + D x[p] (stored when
+// out is non-null; the state after token t to snaps[rows[t]] when rows is non-null and rows[t] >= 0).
+// Returns the sum of dt A over the tokens (the chunk's log decay). The next token's inputs are loaded before this
+// token's arithmetic, so the loop does not wait on memory every token; columns past N load as 0 and keep S at 0.
+template <typename T>
+__device__ float ssd_tokens(const SsdIn<T>& in, float (&S)[SSD_NMAX], i64 t0, int n, int h, int p, int lane,
+                            const int* __restrict__ rows, float* __restrict__ snaps, T* __restrict__ out) {
+    const int g = h / in.hrep;
+    const float A = -expf(in.a_log[h]), bias = in.dt_bias[h], D = in.dskip[h];
+    float nb[SSD_NMAX], nc[SSD_NMAX], ndt = 0.f, nx = 0.f, log_decay = 0.f;
+    auto fetch = [&](i64 t) {
+        const T* bt = in.b + t * in.bst + g * in.bsg;
+        const T* ct = in.c + t * in.cst + g * in.csg;
 #pragma unroll
         for (int m = 0; m < SSD_NMAX; ++m) {
             const int i = lane + 32 * m;
-            if (i < ndim) {
-                S[m] = S[m] * decay + dx * to_f(bt[i]);
-                acc += S[m] * to_f(ct[i]);
-            }
+            nb[m] = i < in.ndim ? to_f(bt[i]) : 0.f;
+            nc[m] = i < in.ndim ? to_f(ct[i]) : 0.f;
+        }
+        ndt = to_f(in.dt[t * in.dts + h]);
+        nx = to_f(in.x[t * in.xst + h * in.xsh + p]);
+    };
+    if (n > 0) fetch(t0);
+    for (int j = 0; j < n; ++j) {
+        const i64 t = t0 + j;
+        float vb[SSD_NMAX], vc[SSD_NMAX];
+#pragma unroll
+        for (int m = 0; m < SSD_NMAX; ++m) {
+            vb[m] = nb[m];
+            vc[m] = nc[m];
+        }
+        const float raw = ndt, xv = nx;
+        if (j + 1 < n) fetch(t + 1);
+        const float d = fminf(fmaxf(softplus_f(raw + bias), in.lo), in.hi);
+        const float decay = expf(d * A);
+        log_decay += d * A;
+        const float dx = xv * d;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < SSD_NMAX; ++m) {
+            S[m] = S[m] * decay + dx * vb[m];
+            acc += S[m] * vc[m];
         }
         acc = warp_sum(acc);
-        if (lane == 0) out[(t * heads + h) * pdim + p] = from_f<T>(acc + D * xv);
+        if (out && lane == 0) out[(t * in.heads + h) * in.pdim + p] = from_f<T>(acc + D * xv);
         const int r = rows ? rows[t] : -1;
         if (r >= 0) {
-            float* sn = snaps + (((i64)r * heads + h) * pdim + p) * ndim;
+            float* sn = snaps + (((i64)r * in.heads + h) * in.pdim + p) * in.ndim;
 #pragma unroll
             for (int m = 0; m < SSD_NMAX; ++m) {
                 const int i = lane + 32 * m;
-                if (i < ndim) sn[i] = S[m];
+                if (i < in.ndim) sn[i] = S[m];
             }
         }
     }
+    return log_decay;
+}
+
+__device__ __forceinline__ void ssd_load(float (&S)[SSD_NMAX], const float* __restrict__ src, int lane, int ndim) {
 #pragma unroll
     for (int m = 0; m < SSD_NMAX; ++m) {
         const int i = lane + 32 * m;
-        if (i < ndim) st[i] = S[m];
+        S[m] = i < ndim ? src[i] : 0.f;
     }
+}
+
+__device__ __forceinline__ void ssd_store(const float (&S)[SSD_NMAX], float* __restrict__ dst, int lane, int ndim) {
+#pragma unroll
+    for (int m = 0; m < SSD_NMAX; ++m) {
+        const int i = lane + 32 * m;
+        if (i < ndim) dst[i] = S[m];
+    }
+}
+
+// Every sequence token by token from its slot's state (decode steps, speculative rows with snapshots, short
+// prefills). A warp per state row, so no block barrier. grid (ceil(P / SSD_ROWS), H, nseq), block 32 * SSD_ROWS.
+template <typename T>
+__global__ void __launch_bounds__(32 * SSD_ROWS)
+ssd_scan_kernel(SSD_IN_PARAMS(T), float* __restrict__ state, float* __restrict__ snaps, const int* __restrict__ slots,
+                const int* __restrict__ cu, const int* __restrict__ rows, T* __restrict__ out) {
+    const SsdIn<T> in = SSD_IN;
+    const int seq = blockIdx.z, h = blockIdx.y, lane = threadIdx.x & 31;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int p = blockIdx.x * SSD_ROWS + (threadIdx.x >> 5);
+    if (n == 0 || p >= pdim) return;
+    float* st = state + (((i64)slots[seq] * heads + h) * pdim + p) * ndim;
+    float S[SSD_NMAX];
+    ssd_load(S, st, lane, ndim);
+    ssd_tokens(in, S, start, n, h, p, lane, rows, snaps, out);
+    ssd_store(S, st, lane, ndim);
+}
+
+// Long prefills in three launches over SSD_CHUNK-token chunks (tiles numbered sequence by sequence, find_tile):
+// (1) each chunk's own final state from zero and its log decay, all chunks at once; (2) per sequence, the states
+// entering its chunks in order (S_in[k+1] = exp(decay_k) S_in[k] + local_k; the last is the slot's new state), in
+// place of the local states; (3) each chunk's outputs from its entering state, all chunks at once.
+// chunk_states fp32 [tiles, H, P, N], chunk_decay fp32 [tiles, H]. grid (ceil(P / SSD_ROWS), H, tiles) for (1) and
+// (3), (ceil(P / SSD_ROWS), H, nseq) for (2); block 32 * SSD_ROWS.
+template <typename T>
+__global__ void __launch_bounds__(32 * SSD_ROWS)
+ssd_chunk_state_kernel(SSD_IN_PARAMS(T), const int* __restrict__ cu, int nseq, float* __restrict__ chunk_states,
+                       float* __restrict__ chunk_decay) {
+    const SsdIn<T> in = SSD_IN;
+    const int h = blockIdx.y, lane = threadIdx.x & 31, tile_id = blockIdx.z;
+    const int p = blockIdx.x * SSD_ROWS + (threadIdx.x >> 5);
+    int seq, tile;
+    if (!find_tile(cu, nseq, 1, SSD_CHUNK, tile_id, seq, tile) || p >= pdim) return;
+    const int t0 = cu[seq] + tile * SSD_CHUNK, n = min(SSD_CHUNK, cu[seq + 1] - t0);
+    float S[SSD_NMAX];
+#pragma unroll
+    for (int m = 0; m < SSD_NMAX; ++m) S[m] = 0.f;
+    const float log_decay = ssd_tokens(in, S, t0, n, h, p, lane, (const int*)nullptr, (float*)nullptr, (T*)nullptr);
+    ssd_store(S, chunk_states + (((i64)tile_id * heads + h) * pdim + p) * ndim, lane, ndim);
+    if (threadIdx.x == 0) chunk_decay[(i64)tile_id * heads + h] = log_decay;
+}
+
+__global__ void __launch_bounds__(32 * SSD_ROWS)
+ssd_chunk_carry_kernel(float* __restrict__ state, const int* __restrict__ slots, const int* __restrict__ cu,
+                       float* __restrict__ chunk_states, const float* __restrict__ chunk_decay, int heads, int pdim,
+                       int ndim) {
+    const int seq = blockIdx.z, h = blockIdx.y, lane = threadIdx.x & 31;
+    const int p = blockIdx.x * SSD_ROWS + (threadIdx.x >> 5);
+    if (p >= pdim) return;
+    int base = 0;  // this sequence's first tile: the tiles of the sequences before it
+    for (int j = 0; j < seq; ++j) base += (cu[j + 1] - cu[j] + SSD_CHUNK - 1) / SSD_CHUNK;
+    const int tiles = (cu[seq + 1] - cu[seq] + SSD_CHUNK - 1) / SSD_CHUNK;
+    if (tiles == 0) return;
+    float* st = state + (((i64)slots[seq] * heads + h) * pdim + p) * ndim;
+    float S[SSD_NMAX], L[SSD_NMAX];
+    ssd_load(S, st, lane, ndim);
+    for (int k = 0; k < tiles; ++k) {
+        float* cs = chunk_states + (((i64)(base + k) * heads + h) * pdim + p) * ndim;
+        ssd_load(L, cs, lane, ndim);
+        ssd_store(S, cs, lane, ndim);
+        const float decay = expf(chunk_decay[(i64)(base + k) * heads + h]);
+#pragma unroll
+        for (int m = 0; m < SSD_NMAX; ++m) S[m] = decay * S[m] + L[m];
+    }
+    ssd_store(S, st, lane, ndim);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * SSD_ROWS)
+ssd_chunk_out_kernel(SSD_IN_PARAMS(T), const int* __restrict__ cu, int nseq, const float* __restrict__ chunk_states,
+                     T* __restrict__ out) {
+    const SsdIn<T> in = SSD_IN;
+    const int h = blockIdx.y, lane = threadIdx.x & 31, tile_id = blockIdx.z;
+    const int p = blockIdx.x * SSD_ROWS + (threadIdx.x >> 5);
+    int seq, tile;
+    if (!find_tile(cu, nseq, 1, SSD_CHUNK, tile_id, seq, tile) || p >= pdim) return;
+    const int t0 = cu[seq] + tile * SSD_CHUNK, n = min(SSD_CHUNK, cu[seq + 1] - t0);
+    float S[SSD_NMAX];
+    ssd_load(S, chunk_states + (((i64)tile_id * heads + h) * pdim + p) * ndim, lane, ndim);
+    ssd_tokens(in, S, t0, n, h, p, lane, (const int*)nullptr, (float*)nullptr, out);
 }
 
 // out = weight * s * rsqrt(mean over the group of s^2 + eps), s = x * silu(gate), in fp32. x, gate [T, D] with row

@@ -47,7 +47,8 @@ def _views(xbc, proj, t, h, g, p, n):
 
 @pytest.mark.parametrize("rows", [False, True], ids=["scan", "rows"])
 @pytest.mark.parametrize("lens,h,g,p,n", [([1, 1, 1], 8, 2, 64, 128), ([300, 7, 0], 4, 1, 64, 128),
-                                          ([5, 33], 6, 3, 16, 40), ([2], 2, 2, 8, 256)])
+                                          ([5, 33], 6, 3, 16, 40), ([2], 2, 2, 8, 256),
+                                          ([600, 130], 4, 2, 64, 128)])  # scan: the chunked prefill
 def test_ssd_scan_matches_the_reference(ops, rows, lens, h, g, p, n):
     rng = np.random.default_rng(sum(lens) + n)
     cu, xbc, proj, (a_log, dt_bias, d), state0, slots = _scan_inputs(ops, rng, lens, h, g, p, n)

@@ -194,3 +194,24 @@ def test_bench_config_shrunk_loads_as_transformers_loads_it(family, tmp_path, cp
     ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
     with torch.no_grad():
         np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=1e-4, rtol=0)
+
+
+def test_deterministic_runs_give_the_same_bits_on_every_path(model_dir):
+    """--deterministic (tests/test_deterministic.py's comparisons): tokens and logprob bits equal across batch
+    sizes, prefill budgets, reuse, checkpoint budgets, order, a prompt alone and ngram speculation (the Mamba2 scan
+    runs in 64-token chunks from each prefill piece's start, which the engine keeps on its 64-token grid)."""
+    from prefixrun.kernels import get_ops
+    from test_deterministic import _bench_prompts, _options
+    from test_deterministic import _run as det_run
+
+    ops = get_ops("cpu", deterministic=True)
+    model = load_model(model_dir, ops)[0]
+    prompts = _bench_prompts()
+    base = det_run(model, ops, prompts, _options())
+    for opts in (_options(max_batch=1), _options(max_prefill_tokens=100, max_batch=3), _options(reuse=False),
+                 _options(checkpoint_budget_bytes=1 << 16)):
+        assert det_run(model, ops, prompts, opts) == base, opts
+    for i in (0, 7, 11):
+        assert det_run(model, ops, [prompts[i]], _options())["r0"] == base[f"r{i}"], f"r{i} alone"
+    plain = det_run(model, ops, prompts, _options(), logprobs=False)
+    assert det_run(model, ops, prompts, _options(speculative="ngram", num_draft_tokens=3), logprobs=False) == plain

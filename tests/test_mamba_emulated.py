@@ -1,4 +1,5 @@
-"""kernels/mamba.cu itself (the Mamba2 scan with and without per-row snapshots, the gated group RMSNorm, ReLU^2),
+"""kernels/mamba.cu itself (the Mamba2 scan token by token, with per-row snapshots and in chunks for long prefills;
+the gated group RMSNorm, ReLU^2),
 compiled for the CPU with tests/cuda_emu.h and launched with the geometry kernels/cuda_mamba.py uses, against the
 NumPy reference (kernels/mamba_reference.py): strided views, grouped B/C, ragged batches, empty sequences, state
 sizes that do not fill a warp, -1 snapshot rows and the state write-back are checked without a GPU. Arrays the
@@ -20,11 +21,29 @@ ENTRY = r"""
 extern "C" int emu_ssd(const float* x, i64 xst, i64 xsh, const float* dt, i64 dts, const float* b, i64 bst, i64 bsg,
                        const float* c, i64 cst, i64 csg, const float* a_log, const float* dt_bias, const float* d,
                        float lo, float hi, float* state, float* snaps, const int* slots, const int* cu,
-                       const int* rows, int nseq, int heads, int hrep, int p, int n, float* out) {
-    // as kernels/cuda_mamba.py launches it: grid (ceil(P / SSD_ROWS), H, nseq), 32 * SSD_ROWS threads
-    emu_launch({unsigned((p + SSD_ROWS - 1) / SSD_ROWS), unsigned(heads), unsigned(nseq)}, 32 * SSD_ROWS, 0, [&] {
-        ssd_scan_kernel<float>(x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, d, lo, hi, state,
-                               snaps, slots, cu, rows, heads, hrep, p, n, out);
+                       const int* rows, int nseq, int heads, int hrep, int p, int n, int chunked, float* scratch,
+                       float* decay, float* out) {
+    // as kernels/cuda_mamba.py launches them: token by token, grid (ceil(P / SSD_ROWS), H, nseq); or (chunked) the
+    // chunk states over every tile, the carry per sequence, the outputs over every tile
+    const unsigned rb = unsigned((p + SSD_ROWS - 1) / SSD_ROWS);
+    if (!chunked) {
+        emu_launch({rb, unsigned(heads), unsigned(nseq)}, 32 * SSD_ROWS, 0, [&] {
+            ssd_scan_kernel<float>(x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, d, lo, hi, heads,
+                                   hrep, p, n, state, snaps, slots, cu, rows, out);
+        });
+        return 0;
+    }
+    const unsigned tiles = unsigned(cu[nseq] / SSD_CHUNK + nseq);
+    emu_launch({rb, unsigned(heads), tiles}, 32 * SSD_ROWS, 0, [&] {
+        ssd_chunk_state_kernel<float>(x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, d, lo, hi,
+                                      heads, hrep, p, n, cu, nseq, scratch, decay);
+    });
+    emu_launch({rb, unsigned(heads), unsigned(nseq)}, 32 * SSD_ROWS, 0, [&] {
+        ssd_chunk_carry_kernel(state, slots, cu, scratch, decay, heads, p, n);
+    });
+    emu_launch({rb, unsigned(heads), tiles}, 32 * SSD_ROWS, 0, [&] {
+        ssd_chunk_out_kernel<float>(x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, d, lo, hi,
+                                    heads, hrep, p, n, cu, nseq, scratch, out);
     });
     return 0;
 }
@@ -72,16 +91,18 @@ def _base(a):
     return ctypes.c_void_p(a.ctypes.data), [s // 4 for s in a.strides]
 
 
-@pytest.mark.parametrize("snapshots", [False, True], ids=["scan", "rows"])
+@pytest.mark.parametrize("mode", ["scan", "rows", "chunked"])
 @pytest.mark.parametrize("lens,h,g,p,n", [
     ([1, 9, 0, 3], 4, 2, 6, 16),  # a decode step, an empty sequence, a partial row block, N below a warp
-    ([70], 2, 1, 8, 40),  # a prefill longer than the reference's chunk; N spills into a second column register
+    ([300], 2, 1, 8, 40),  # longer than a chunk (a partial last one); N spills into a second column register
     ([2, 1], 3, 3, 4, 256),  # the largest state size; one group per head
+    ([129, 0, 5, 256], 2, 2, 4, 32),  # chunks of ragged sequences: one token past a chunk, empty, short, exact
 ])
-def test_ssd_scan_kernel_matches_the_reference(emu, snapshots, lens, h, g, p, n):
+def test_ssd_scan_kernels_match_the_reference(emu, mode, lens, h, g, p, n):
     rng = np.random.default_rng(sum(lens) + n)
     cu, x, dt, b, c, a_log, dt_bias, d, state0, slots = _inputs(rng, lens, h, g, p, n, 6)
     t, limit = int(cu[-1]), (0.2, 3.0)
+    snapshots = mode == "rows"
     rows = np.where(rng.random(t) < 0.6, np.arange(t), -1).astype(np.int32)
     ops, ref_state, ref_snaps = NumpyOps(), state0.copy(), np.zeros((max(t, 1), h, p, n), np.float32)
     if snapshots:
@@ -94,14 +115,17 @@ def test_ssd_scan_kernel_matches_the_reference(emu, snapshots, lens, h, g, p, n)
         st[...] = state0
         snaps, sn_ok = _guarded(ref_snaps.shape, np.float32)
         out, o_ok = _guarded((t, h, p), np.float32)
+        tiles = t // 128 + len(lens)
+        scratch, sc_ok = _guarded((tiles, h, p, n), np.float32)
+        decay, de_ok = _guarded((tiles, h), np.float32)
         (xp, (xst, xsh, _)), (dp, (dts, _)) = _base(x), _base(dt)
         (bp, (bst, bsg, _)), (cp, (cst, csg, _)) = _base(b), _base(c)
         ll = ctypes.c_longlong
         rc = emu.emu_ssd(xp, ll(xst), ll(xsh), dp, ll(dts), bp, ll(bst), ll(bsg), cp, ll(cst), ll(csg), _ptr(a_log),
                          _ptr(dt_bias), _ptr(d), ctypes.c_float(limit[0]), ctypes.c_float(limit[1]), _ptr(st),
                          _ptr(snaps) if snapshots else None, _ptr(slots), _ptr(cu), _ptr(rows) if snapshots else None,
-                         len(lens), h, h // g, p, n, _ptr(out))
-        assert rc == 0 and st_ok() and sn_ok() and o_ok(), "the kernel wrote past an output"
+                         len(lens), h, h // g, p, n, int(mode == "chunked"), _ptr(scratch), _ptr(decay), _ptr(out))
+        assert rc == 0 and st_ok() and sn_ok() and o_ok() and sc_ok() and de_ok(), "a kernel wrote past an output"
         return out.copy(), st.copy(), snaps.copy()
 
     out, state, snaps = _forked(emulate)
