@@ -15,6 +15,7 @@ Exit status 1 if any comparison differs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -56,7 +57,7 @@ def run(loaded, prompts, *, gen, logprobs=True, windows=1, cache=None, **options
     from prefixrun.engine.run.core import Engine, EngineOptions
 
     opts = EngineOptions(**{"speculative": "off", "max_batch": 64, "block_size": loaded.ops.default_block_size,
-                            "state_memory_bytes": 24 << 30, "checkpoint_budget_bytes": 6 << 30, **options})
+                            "state_memory_bytes": 16 << 30, "checkpoint_budget_bytes": 4 << 30, **options})
     persist = None
     if cache is not None:
         persist, problem = open_cache(cache, 20 << 30, loaded, opts.block_size, "always")
@@ -77,6 +78,8 @@ def run(loaded, prompts, *, gen, logprobs=True, windows=1, cache=None, **options
     if persist is not None:
         persist.finish()
         persist.store.close()
+    del engine
+    gc.collect()  # the engine's pools back to the device pool before the next engine takes its own
     return {k: bits(r) for k, r in got.items()}, wall
 
 
