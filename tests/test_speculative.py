@@ -178,10 +178,13 @@ def test_speculation_off_is_a_speculator_that_never_drafts(models, cpu_ops):
         eng = Engine(models["qwen3_5"], ops, options=EngineOptions(max_batch=4, speculative=mode))
         spec = eng.speculator
         assert isinstance(spec, NoSpeculation) and spec.overlaps_decode and spec.report() is None
-        assert spec.drafts([object()]) is None and spec.redraft([object()]) is None
+        assert spec.drafts([object()]) is None and spec.redraft([object()]) is None and not spec.may_draft(1)
     on = Engine(models["qwen3_5"], cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram"))
     # n-gram drafts need no hidden states: its plain steps keep the decode pipeline too
     assert isinstance(on.speculator, Speculator) and on.speculator.overlaps_decode
+    assert on.speculator.may_draft(64)  # an explicit method drafts at any batch size; auto up to AUTO_MAX_BATCH
+    auto = Engine(models["qwen3_5"], cpu_ops, options=EngineOptions(max_batch=32, speculative="auto")).speculator
+    assert auto.may_draft(16) and not auto.may_draft(17)
     assert on.speculator.report()["mode"] == "ngram"
 
 

@@ -463,7 +463,7 @@ class WindowExecutor:
         """The speculator's drafts for a step of `batch` (None: a plain step). Drafts are never verified against
         a grammar or the logits-processing stage: a step with a constrained or processed row, or one that wants
         logprobs, runs plain, under its masks and edits. `again`: the step's drafts from complete histories."""
-        if not batch or needs_plain_steps(batch):
+        if not batch or not self.speculator.may_draft(len(batch)) or needs_plain_steps(batch):
             return None
         return self.speculator.redraft(batch) if again else self.speculator.drafts(batch)
 
@@ -474,8 +474,10 @@ class WindowExecutor:
         # the speculator decides on the histories the host holds, one token short while a step computes: its
         # drafting overlaps that step, and only a step it drafts for waits for that token (then drafts again)
         t0 = time.perf_counter()
-        batch = self.pipeline.next_batch(self.decoding)
-        drafts = self._drafts(batch)
+        drafts = None
+        if self.speculator.may_draft(min(len(self.decoding), self.opts.max_batch)):
+            batch = self.pipeline.next_batch(self.decoding)
+            drafts = self._drafts(batch)
         self.stats.decode_seconds += time.perf_counter() - t0
         if drafts is not None and self.pipeline.busy:
             self._drain()

@@ -142,6 +142,11 @@ class Speculator:
         return self.stats.as_dict()
 
     # ---- the decision ---------------------------------------------------------------------------------------
+    def may_draft(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` sequences may draft at all (no: the executor asks nothing more, so a
+        large batch under auto costs no host work per step)."""
+        return not (self.mode == "auto" and batch_size > AUTO_MAX_BATCH)
+
     def drafts(self, seqs: list) -> list[list[int]] | None:
         """Drafts per sequence for the coming step, or None: take a plain decode step. Called once per decode
         step (it advances the per-sequence pauses and the probes)."""
@@ -327,6 +332,9 @@ class NoSpeculation:
     there is a speculator."""
 
     overlaps_decode = True  # plain steps may be queued one ahead of their tokens (engine/step/decode_pipeline.py)
+
+    def may_draft(self, batch_size: int) -> bool:
+        return False
 
     def drafts(self, seqs: list) -> None:
         return None
