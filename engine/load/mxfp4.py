@@ -18,6 +18,9 @@ GROUP = 32  # values per e8m0 scale (16 bytes of a block)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 _NAN_SCALE = 255
+# every byte's (low nibble, high nibble) values; every e8m0 scale's power of two 2 ** (s - 127) (255: refused)
+_BYTE_VALUES = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
+_POWERS = np.append(np.ldexp(np.float32(1.0), np.arange(255) - 127).astype(np.float32), np.float32(np.nan))
 
 
 def check_mxfp4(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
@@ -33,13 +36,13 @@ def check_mxfp4(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """blocks [..., G, 16] uint8, scales [..., G] uint8 -> fp32 [..., G * 32], value 2i from the low nibble of
-    byte i and 2i + 1 from its high nibble (transformers' convert_moe_packed_tensors, without its transpose)."""
+    byte i and 2i + 1 from its high nibble (transformers' convert_moe_packed_tensors, without its transpose).
+    Table lookups: each byte's two values, each scale's power of two (the product is exact)."""
     blocks = np.asarray(blocks, np.uint8)
-    values = np.empty(blocks.shape[:-1] + (GROUP,), np.float32)  # [..., G, 32]
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    exponents = np.asarray(scales, np.int32)[..., None] - 127  # [..., G, 1]
-    return np.ldexp(values, exponents).reshape(blocks.shape[:-2] + (-1,))
+    values = _BYTE_VALUES[blocks]  # [..., G, 16, 2]
+    with np.errstate(over="ignore"):  # 6 x 2 ** 127 is inf, as in transformers' own dequantisation
+        values *= _POWERS[np.asarray(scales, np.uint8)][..., None, None]
+    return values.reshape(blocks.shape[:-2] + (-1,))
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
