@@ -37,6 +37,10 @@ class BatchRun:
         from prefixrun.engine.run.session import EngineSession
 
         self.reporter = reporter
+        if config.devices is None and config.ray_address is None:
+            from prefixrun.kernels import device_start
+
+            device_start.start(config.device)  # the GPU comes up while the tokenizer and files are read
         if config.model_dir is None:
             config = dataclasses.replace(config, model_dir=ensure_default_model(config.cache_root))
         self.config = config

@@ -33,6 +33,10 @@ def get_ops(device: str = "auto", dtype: str | None = None, deterministic: bool 
     `deterministic`: with batch-invariant kernels (`Ops.deterministic`)."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"unknown device {device!r} (use auto, cpu or cuda)")
+    if device != "cpu":
+        from prefixrun.kernels import device_start
+
+        device_start.wait()  # a bring-up started early (kernels/device_start.py): its context and handles
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     if device == "cpu":

@@ -140,6 +140,8 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
             return self._upload_fp8_rows(parts, dt)
         if any(isinstance(p, Fp8Matrix) for p in parts):  # mixed with plain parts (rare): dequantised on the host
             return self.upload_rows([p.dequantize() if isinstance(p, Fp8Matrix) else p for p in parts], dtype)
+        if any(isinstance(p, cupy.ndarray) for p in parts):
+            return self._device_rows(parts, dt)
         parts = [np.asarray(p) for p in parts]
         if not parts or any(p.ndim == 0 or p.shape[1:] != parts[0].shape[1:] for p in parts):
             if len(parts) == 1 and parts[0].ndim == 0:  # a scalar: nothing to stage
@@ -154,6 +156,32 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
             upload_bytes(out[row:row + p.shape[0]], np.ascontiguousarray(p, dtype=src))
             row += p.shape[0]
         return out if src == dt else cast(out, dt)
+
+    def _device_rows(self, parts, dt):
+        """upload_rows of parts that are on the device already (weights read ahead, kernels/weight_reads.py), host
+        parts among them uploaded first: a lone part in `dt` is the result itself, else each part is copied (and
+        converted) into its rows on the device."""
+        parts = [p if isinstance(p, cupy.ndarray) else self.upload_rows([p], dt) for p in parts]
+        if any(p.ndim == 0 or p.shape[1:] != parts[0].shape[1:] for p in parts):
+            raise ValueError(f"upload_rows: parts {[p.shape for p in parts]} do not stack along axis 0")
+        if len(parts) == 1 and parts[0].dtype == dt and parts[0].flags.c_contiguous:
+            return parts[0]
+        out = cupy.empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], dt)
+        stream, at = cupy.cuda.get_current_stream(), out.data.ptr
+        for p in parts:
+            p = cupy.ascontiguousarray(self._cast(p, dt))
+            if p.nbytes:
+                cupy.cuda.runtime.memcpyAsync(at, p.data.ptr, p.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                              stream.ptr)
+            at += p.nbytes
+        return out
+
+    def read_weights(self, spans):
+        """Read ahead through a ring of pinned buffers and asynchronous DMAs (kernels/cuda_weight_reads.py): the
+        tensors whose stored dtype the kernels take (fp32, bf16); the others go the upload's way."""
+        from prefixrun.kernels.cuda_weight_reads import start_reads
+
+        return start_reads([s for s in spans if s.dtype in TYPE_NAMES], self._device_id, self.free_memory())
 
     def _upload_fp8_rows(self, parts, dt):
         """upload_rows of FP8 matrices: each dequantised on the device into its rows (kernels/cuda_fp8.py)."""

@@ -71,7 +71,15 @@ class Ops(Protocol):
         """Host arrays [n_i, ...] -> one new backend array [sum n_i, ...] (their concatenation along axis 0) in
         `dtype` (default: act), without a host-side concatenation where the backend can avoid it (weight loads).
         A part may be a kernels/fp8.py Fp8Matrix (2-D parts then): its rows are its exact dequantisation
-        (`Fp8Matrix.dequantize`, then rounded to `dtype`), made where the backend computes."""
+        (`Fp8Matrix.dequantize`, then rounded to `dtype`), made where the backend computes. A part may also be a
+        backend array `read_weights` handed out, which the caller gives up: a lone part already in `dtype` may
+        come back as it is."""
+
+    def read_weights(self, spans) -> "WeightReads":
+        """Start reading the checkpoint tensors `spans` (kernels/weight_reads.py TensorSpans, in the order the build
+        will ask for them) into backend memory on threads of the backend's choosing; returns at once. The result's
+        take(name) gives each one once as a backend array in its stored dtype (a part `upload_rows` takes), or
+        None for one it does not read (the caller reads that one itself); close() ends it."""
 
     def upload_index(self, host_array) -> Array:
         """Host integers -> a backend int32 array (contiguous)."""

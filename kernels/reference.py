@@ -15,6 +15,10 @@ from prefixrun.kernels.mamba_reference import MambaReferenceOps
 from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels import logits_edits
 from prefixrun.kernels.sampling import filtered_sample_index, request_uniforms, skipped_rows, unpack_sampling_params
+from prefixrun.kernels.weight_reads import HostLanding, WeightReads
+
+_READ_THREADS = 2  # the CPU backend's models are small; its cores compute
+_READ_WINDOW = 1 << 30  # bytes read ahead of the build at most
 
 
 class NumpyOps(MoeReferenceOps, MambaReferenceOps):
@@ -74,6 +78,11 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
         converted to `dtype` or the activation dtype."""
         parts = [p.dequantize() if isinstance(p, Fp8Matrix) else np.asarray(p) for p in host_parts]
         return np.concatenate(parts, axis=0).astype(dtype or self.act_dtype, copy=False)
+
+    def read_weights(self, spans):
+        """The weights read by a few threads into host arrays (kernels/weight_reads.py), the build converting each
+        as it takes it; the memory-mapped path is the caller's fallback."""
+        return WeightReads(list(spans), HostLanding(), threads=_READ_THREADS, window_bytes=_READ_WINDOW)
 
     def upload_index(self, host_array):
         return np.ascontiguousarray(host_array, dtype=np.int32)

@@ -167,3 +167,50 @@ print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_weights_read_ahead_equal_the_cpu_load(model_dirs):
+    """The loader's path (pinned ring, DMAs on their own stream, kernels/cuda_weight_reads.py): every weight equals
+    the CPU load rounded to the storage dtype, and the read-ahead served the build."""
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.reference import NumpyOps
+
+    for family, path in model_dirs.items():
+        loading = loader.start_load(path, "cuda")
+        loaded = loading.finish()
+        assert loading.weight_reads["error"] is None and loading.weight_reads["taken_bytes"] > 0, family
+        gpu, cpu = _arrays(loaded.model), _arrays(load_model(path, NumpyOps())[0])
+        common = gpu.keys() & cpu.keys()
+        assert len(common) > 10, family
+        for name in sorted(common):
+            got = loaded.ops.to_host(gpu[name])
+            want = np.asarray(cpu[name]).astype(got.dtype)
+            assert got.shape == want.shape and np.array_equal(_bits(got), _bits(want)), (family, name)
+
+
+def test_read_ahead_with_a_small_ring_and_window(ops, tmp_path, monkeypatch):
+    """Chunks that wrap the ring many times and a window smaller than a tensor: every byte lands, in any order."""
+    from prefixrun.kernels import cuda_weight_reads
+    from prefixrun.kernels.file_reads import FileSpan
+    from prefixrun.kernels.weight_reads import TensorSpan
+
+    monkeypatch.setattr(cuda_weight_reads, "BUFFER_BYTES", 1 << 20)
+    monkeypatch.setattr(cuda_weight_reads, "WINDOW_BYTES", 1 << 20)
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((n, 512), dtype=np.float32).astype(BF16) for n in (3000, 1, 777, 4096, 0, 5)]
+    path, spans, at = tmp_path / "w.bin", [], 0
+    with open(path, "wb") as f:
+        for i, a in enumerate(arrays):
+            f.write(a.tobytes())
+            spans.append(TensorSpan(f"t{i}", FileSpan(str(path), at, a.nbytes), a.dtype, a.shape))
+            at += a.nbytes
+    reads = ops.read_weights(spans)
+    for i in (3, 0, 5, 1, 2, 4):
+        got = reads.take(f"t{i}")
+        assert got.dtype == BF16 and np.array_equal(_bits(ops.to_host(got)), _bits(arrays[i])), i
+    assert reads.close().error is None
+    parts = [cupy.asarray(arrays[0].view(np.uint16)).view(BF16), arrays[2], cupy.asarray(arrays[3].astype(np.float32))]
+    stacked = ops.upload_rows(parts)  # device parts, a host part and an fp32 part converted on the device
+    want = np.concatenate([arrays[0], arrays[2], arrays[3]])
+    assert np.array_equal(_bits(ops.to_host(stacked)), _bits(want))

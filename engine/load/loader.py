@@ -14,7 +14,7 @@ from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS
 from prefixrun.engine.models import build_model
 from prefixrun.engine.models.layers import CausalLM
 from prefixrun.engine.load.tokenizer import GenerationDefaults, Tokenizer
-from prefixrun.engine.load.gemm_plan import dry_state_specs, model_plan
+from prefixrun.engine.load.gemm_plan import dry_build, dry_state_specs, model_plan
 from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 from prefixrun.kernels import get_ops
@@ -94,6 +94,7 @@ class Loading:
     tensors: CheckpointTensors
     mtp: bool
     _specs: list | None = field(default=None, init=False, repr=False)
+    weight_reads: dict | None = field(default=None, init=False)  # what the read-ahead did (ReadFigures.as_dict)
 
     @property
     def path(self) -> Path:
@@ -112,11 +113,25 @@ class Loading:
             self._specs = dry_state_specs(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
         return self._specs
 
+    def start_reads(self) -> None:
+        """Start reading the weights into the backend's memory in the order the build will upload them (one dry
+        build: engine/load/gemm_plan.py, whose state regions `state_specs` then gives). A dry build that fails
+        starts nothing: the real build reports the problem."""
+        try:
+            specs, order = dry_build(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
+        except Exception:  # noqa: BLE001 - the build below raises it again, as the user's error
+            return
+        self._specs = specs
+        self.tensors.read_ahead(order, self.ops)
+
     def finish(self) -> LoadedModel:
         """Upload the weights: the loaded model."""
         f = self.front
-        return LoadedModel(f.path, f.config, self.ops, build_model(f.config, self.tensors, self.ops, self.mtp),
-                           f.tokenizer, f.defaults, self.tensors)
+        try:
+            model = build_model(f.config, self.tensors, self.ops, self.mtp)
+        finally:
+            self.weight_reads = self.tensors.end_read_ahead()
+        return LoadedModel(f.path, f.config, self.ops, model, f.tokenizer, f.defaults, self.tensors)
 
 
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
@@ -131,7 +146,9 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
     # in the background, while the weights load; the plan (a dry build of the model) is made there too
     ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
                                           max_step_tokens=max_step_tokens, max_logit_rows=max_batch))
-    return Loading(front, ops, tensors, mtp)
+    loading = Loading(front, ops, tensors, mtp)
+    loading.start_reads()
+    return loading
 
 
 def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,

@@ -206,10 +206,17 @@ class QuantizedTensors:
     def digest(self, memo_dir=None, *, remembered_only: bool = False) -> str | None:
         return self._t.digest(memo_dir, remembered_only=remembered_only)
 
-    def shapes_only(self) -> QuantizedTensors:
+    def shapes_only(self, record: list[str] | None = None) -> QuantizedTensors:
         """The view for a dry build (engine/load/gemm_plan.py), which reads no weight: a quantized weight comes
-        back validated but as a zero-stride fp32 placeholder of its shape, not dequantised."""
-        return QuantizedTensors(self._t, self.quantization, shapes_only=True)
+        back validated but as a zero-stride fp32 placeholder of its shape, not dequantised. `record`: gets the
+        names of the tensors the build uploads as stored, in order (weights.CheckpointTensors.shapes_only)."""
+        return QuantizedTensors(self._t.shapes_only(record), self.quantization, shapes_only=True)
+
+    def read_ahead(self, names: list[str], ops) -> None:
+        self._t.read_ahead(names, ops)
+
+    def end_read_ahead(self) -> dict | None:
+        return self._t.end_read_ahead()
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor on the host; a quantized weight exactly dequantised to fp32 (code that slices, stacks or
@@ -223,7 +230,7 @@ class QuantizedTensors:
     def _serve(self, name: str, shape: tuple[int, ...] | None, quantized):
         weight = self.fp8_weight(name, shape)
         if weight is None:
-            return self._t.get(name, shape)
+            return self._t.stored(name, shape) if quantized is materialize else self._t.get(name, shape)
         if self._shapes_only:
             return np.broadcast_to(np.zeros(weight.shape[-1:], np.float32), weight.shape)
         return quantized(weight)

@@ -21,6 +21,8 @@ from prefixrun.engine.cache.blob_format import tree_digest
 from prefixrun.engine.cache.files import CacheFolder
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.cache.store import default_cache_dir
+from prefixrun.kernels.file_reads import FileSpan
+from prefixrun.kernels.weight_reads import NO_READ_AHEAD, TensorSpan
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
 
@@ -62,6 +64,12 @@ class SafetensorsFile:
         return list(self.header)
 
     def get(self, name: str) -> np.ndarray:
+        span = self.span(name)
+        buf = self._mmap[span.span.offset:span.span.offset + span.span.nbytes]
+        return buf.view(span.dtype).reshape(span.shape)
+
+    def span(self, name: str) -> TensorSpan:
+        """Where tensor `name`'s bytes are in the file, checked: a known dtype, inside the file, of its shape's size."""
         info = self.header[name]
         dtype = SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
@@ -75,8 +83,8 @@ class SafetensorsFile:
         count = int(np.prod(shape)) if shape else 1
         if (end - start) != count * np.dtype(dtype).itemsize:
             raise ModelLoadError(f"{self.path}: tensor {name!r} byte size does not match shape {shape}")
-        buf = self._mmap[self._data_start + start:self._data_start + end]
-        return buf.view(dtype).reshape(shape)
+        return TensorSpan(name, FileSpan(str(self.path), self._data_start + start, end - start), np.dtype(dtype),
+                          shape)
 
 
 class CheckpointTensors:
@@ -87,6 +95,7 @@ class CheckpointTensors:
         index = self.model_dir / "model.safetensors.index.json"
         single = self.model_dir / "model.safetensors"
         self._where: dict[str, SafetensorsFile] = {}
+        self._ahead = NO_READ_AHEAD  # the tensors being read into the backend's memory (`read_ahead`)
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -122,13 +131,37 @@ class CheckpointTensors:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def stored(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor as a part for `ops.upload_rows` (engine/load/quantization.py: an FP8 weight's may be other)."""
-        return self.get(name, shape)
+    def stored(self, name: str, shape: tuple[int, ...] | None = None):
+        """The tensor as a part for `ops.upload_rows`: the backend's array where it was read ahead (`read_ahead`),
+        else the host array (engine/load/quantization.py: an FP8 weight's may be other)."""
+        host = self.get(name, shape)  # checked; a memory-mapped view: nothing is read here
+        ahead = self._ahead.take(name)
+        return host if ahead is None else ahead
 
-    def shapes_only(self) -> CheckpointTensors:
-        """The view a dry build reads (engine/load/gemm_plan.py): memory-mapped tensors are read lazily already."""
-        return self
+    def shapes_only(self, record: list[str] | None = None) -> ShapesView:
+        """The view a dry build reads (engine/load/gemm_plan.py): memory-mapped tensors are read lazily already.
+        `record`: a list that gets the name of every `stored` call, in order (what the real build will upload)."""
+        return ShapesView(self, record)
+
+    def read_ahead(self, names: list[str], ops) -> None:
+        """Start reading the tensors `names` (in the order the build will ask for them) into the backend's memory
+        (`ops.read_weights`); `stored` hands each one out once. Names not in the checkpoint are left out."""
+        self._ahead.close()
+        seen = set()
+        spans = [self.tensor_span(n) for n in names if n in self._where and not (n in seen or seen.add(n))]
+        self._ahead = ops.read_weights(spans)
+
+    def end_read_ahead(self) -> dict | None:
+        """Stop the read-ahead (whatever was not taken is dropped); what it did, or None when none ran."""
+        ahead, self._ahead = self._ahead, NO_READ_AHEAD
+        figures = ahead.close()
+        return None if figures is None else figures.as_dict()
+
+    def tensor_span(self, name: str) -> TensorSpan:
+        f = self._where.get(name)
+        if f is None:
+            raise ModelLoadError(f"{self.model_dir}: tensor {name!r} not found in the checkpoint")
+        return f.span(name)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor `name`, checked against the expected `shape`; a clear error names file and tensor."""
@@ -174,6 +207,34 @@ class CheckpointTensors:
         value = h.hexdigest()
         _remember_digest(memo, ident_digest, value)
         return value
+
+
+class ShapesView:
+    """A checkpoint as a dry build reads it: the tensors' memory-mapped views, never the read-ahead, and the names
+    it asks to upload recorded in order."""
+
+    def __init__(self, tensors: CheckpointTensors, record: list[str] | None):
+        self._t = tensors
+        self.model_dir = tensors.model_dir
+        self.files = tensors.files
+        self.record = record if record is not None else []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t
+
+    def names(self) -> list[str]:
+        return self._t.names()
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        return self._t.get(name, shape)
+
+    def stored(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        arr = self._t.get(name, shape)
+        self.record.append(name)
+        return arr
+
+    def shapes_only(self, record: list[str] | None = None) -> ShapesView:
+        return ShapesView(self._t, record)
 
 
 def _remembered_digest(memo: Path, ident_digest: str) -> str | None:

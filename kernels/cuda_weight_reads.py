@@ -1,0 +1,101 @@
+"""The CUDA side of reading weights ahead (kernels/weight_reads.py): a ring of pinned host buffers the reading
+threads fill, each full buffer moved to the tensors' device arrays by asynchronous DMAs on a stream of its own
+while the next ones are read, and each tensor handed to the build ordered after its copy by an event (the
+build's stream waits on the device, the host does not).
+
+The ring is a few large page-locked buffers: pinning memory costs far more per byte than copying it, so the same
+buffers carry every chunk, and `prepare_ring` can make them on the thread that starts the device
+(kernels/device_start.py) while the process does other things. Device arrays come from the build's stream's
+pool, so what the build frees after converting or stacking a tensor serves its own later allocations.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import cupy
+import numpy as np
+
+from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads
+
+RING_BUFFERS = 4
+BUFFER_BYTES = 64 << 20
+WINDOW_BYTES = 4 << 30  # read ahead of the build at most (less where the device has less free)
+_ring_lock = threading.Lock()
+_rings: dict[int, list] = {}  # device id -> the PinnedMemoryPointers of a ring made ahead
+
+
+def read_threads() -> int:
+    """Reading threads: the host's cores, leaving two for the build and the device's own thread."""
+    return max(2, min(16, (os.cpu_count() or 4) - 2))
+
+
+def prepare_ring(device: int) -> None:
+    """Make the pinned ring for `device` now, for the next reads on it to take."""
+    ring = _new_ring(device)
+    with _ring_lock:
+        _rings[device] = ring
+
+
+def _new_ring(device: int) -> tuple:
+    with cupy.cuda.Device(device):
+        return (RING_BUFFERS, BUFFER_BYTES), [cupy.cuda.alloc_pinned_memory(BUFFER_BYTES) for _ in range(RING_BUFFERS)]
+
+
+def _take_ring(device: int) -> list:
+    """The ring made ahead for `device` (of today's sizes), else a new one."""
+    with _ring_lock:
+        ring = _rings.pop(device, None)
+    if ring is None or ring[0] != (RING_BUFFERS, BUFFER_BYTES):
+        ring = _new_ring(device)
+    return ring[1]
+
+
+class _Copied:
+    """A chunk's copies, done once `event` has happened."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        self.event.synchronize()
+
+
+class PinnedLanding(Landing):
+    def __init__(self, device: int, build_stream):
+        self._device = device
+        self._build_stream = build_stream
+        self._stream = None
+        self._pinned: list = []
+
+    def buffers(self) -> list[np.ndarray]:
+        cupy.cuda.Device(self._device).use()  # the reading thread's device
+        self._pinned = _take_ring(self._device)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        return [np.frombuffer(mem, np.uint8, BUFFER_BYTES) for mem in self._pinned]
+
+    def allocate(self, nbytes: int):
+        with self._build_stream:
+            return cupy.empty(nbytes, cupy.uint8)
+
+    def land(self, buffer: np.ndarray, pieces):
+        source = buffer.ctypes.data
+        for target, at, offset, n in pieces:
+            cupy.cuda.runtime.memcpyAsync(target.data.ptr + at, source + offset, n,
+                                          cupy.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
+        return _Copied(self._stream.record())
+
+    def ready(self, target, done, dtype: np.dtype, shape: tuple[int, ...]):
+        if done is not None:
+            cupy.cuda.get_current_stream().wait_event(done.event)
+        return target.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._pinned = []  # back to CuPy's pinned pool
+
+
+def start_reads(spans: list[TensorSpan], device: int, free_bytes: int) -> WeightReads:
+    window = max(BUFFER_BYTES, min(WINDOW_BYTES, free_bytes // 4))
+    return WeightReads(spans, PinnedLanding(device, cupy.cuda.get_current_stream()), read_threads(), window)

@@ -1,0 +1,62 @@
+"""The GPU brought up on a thread while the process reads its model's files: CuPy imported, the CUDA context
+made, the CUDA backend's modules imported, cuBLAS loaded with its handle, the pinned ring of the weight reads
+(kernels/cuda_weight_reads.py) allocated.
+
+Each of these is a fixed cost of a fresh process (the context and cuBLAS's libraries alone take a good part of a
+second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the
+tokenizer's load and the model's dry build. `get_ops` waits for it (`wait`) before it makes the backend, so the
+two never make the same handle twice. Nothing here raises: a failure leaves the work to its usual place, which
+reports the problem itself.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_figures: dict = {}  # seconds of the bring-up, its error if any
+
+
+def start(device: str = "auto") -> None:
+    """Begin bringing up the GPU in the background ("auto" or "cuda"; nothing for "cpu"); returns at once."""
+    global _thread
+    if device not in ("auto", "cuda"):
+        return
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_bring_up, daemon=True, name="prefixrun-device")
+            _thread.start()
+
+
+def wait() -> dict:
+    """Wait for a bring-up under way (none: at once); what it did: {"seconds", "waited_seconds", "error"}."""
+    with _lock:
+        thread = _thread
+    if thread is None:
+        return {}
+    t0 = time.perf_counter()
+    thread.join()
+    _figures.setdefault("waited_seconds", round(time.perf_counter() - t0, 4))
+    return dict(_figures)
+
+
+def _bring_up():
+    t0 = time.perf_counter()
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            device = cupy.cuda.Device(0)
+            device.use()
+            cupy.cuda.runtime.free(0)  # the context
+            from prefixrun.kernels import cuda  # noqa: F401 - the backend's modules, imported here
+            from prefixrun.kernels.cublas import get_cublas
+            from prefixrun.kernels.cuda_weight_reads import prepare_ring
+
+            get_cublas()
+            prepare_ring(device.id)
+    except Exception as error:  # noqa: BLE001 - the backend's own start reports it
+        _figures["error"] = f"{type(error).__name__}: {error}"[:300]
+    finally:
+        _figures["seconds"] = round(time.perf_counter() - t0, 4)
