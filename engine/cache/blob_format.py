@@ -64,11 +64,13 @@ def threads() -> ThreadPoolExecutor:
     return _pool
 
 
-def _tree(chunk_digests: list[bytes], size: int) -> str:
+def tree_of(chunk_digests: list[bytes], size: int) -> str:
+    """The tree digest of `size` bytes whose `chunk_spans(size)` chunks have these SHA-256 digests."""
     return hashlib.sha256(TREE_LABEL + size.to_bytes(8, "little") + b"".join(chunk_digests)).hexdigest()
 
 
-def _chunks(size: int) -> list[tuple[int, int]]:
+def chunk_spans(size: int) -> list[tuple[int, int]]:
+    """The (start, stop) of every chunk of a `size`-byte buffer (one empty chunk for an empty one)."""
     return [(start, min(start + CHUNK_BYTES, size)) for start in range(0, size, CHUNK_BYTES)] or [(0, 0)]
 
 
@@ -76,7 +78,7 @@ def _chunk_digests(hash_span, size: int) -> list[bytes]:
     """hash_span((start, stop)) of every chunk of a `size`-byte file, in order: on the blob threads, except for a
     file of one chunk plus a small tail (a K/V block: 8 MiB of rows and its header), hashed inline without a hand-over
     to the pool and back (each costs the GIL twice, and the caller is a reading thread of the K/V block pool)."""
-    chunks = _chunks(size)
+    chunks = chunk_spans(size)
     if size <= CHUNK_BYTES + _INLINE_TAIL_BYTES:
         return [hash_span(span) for span in chunks]
     return list(threads().map(hash_span, chunks))
@@ -85,7 +87,7 @@ def _chunk_digests(hash_span, size: int) -> list[bytes]:
 def tree_digest(buffer) -> str:
     """The content digest of `buffer` (bytes-like)."""
     view = memoryview(buffer).cast("B")
-    return _tree(_chunk_digests(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), len(view)), len(view))
+    return tree_of(_chunk_digests(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), len(view)), len(view))
 
 
 def confined_path(folder: Path, file_name, pattern: re.Pattern) -> Path | None:
@@ -134,7 +136,7 @@ def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -
     size = sum(len(p) for p in pieces)
     for piece in pieces:
         file.write(piece)  # large writes go straight to the file, the GIL released meanwhile
-    return size, _tree(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
+    return size, tree_of(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
 
 
 def _hash_span(pieces: list[memoryview], start: int, stop: int) -> bytes:
@@ -197,7 +199,7 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
     digests = _chunk_digests(read_and_hash, size)
     if os.pread(descriptor, 1, size):
         raise BlobFormatError(f"file longer than its recorded {size} bytes")
-    return buffer, _tree(digests, size)
+    return buffer, tree_of(digests, size)
 
 
 def _read_pieces(descriptor: int, pieces: list[memoryview], offset: int, size: int):
@@ -308,4 +310,4 @@ def read_into(path, size: int, places) -> tuple[dict[str, str], str]:
             raise BlobFormatError(f"file longer than its recorded {size} bytes")
     finally:
         os.close(descriptor)
-    return metadata, _tree(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
+    return metadata, tree_of(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)

@@ -1,30 +1,22 @@
-"""safetensors (single file or sharded index) -> named host arrays, and the weights' content digest.
+"""safetensors (single file or sharded index) -> named host arrays, read ahead into the backend's memory.
 
 The reader parses the safetensors header itself and memory-maps the data, so bf16 tensors come back as
 ml_dtypes.bfloat16 without a framework and nothing is read twice. Conversion to the backend's storage dtype and
-upload happen in the model constructors, one tensor at a time.
+upload happen in the model constructors, one tensor at a time; the tensors they upload as stored are read ahead
+in their order (`read_ahead`, kernels/weight_reads.py). The content digest: engine/load/weights_digest.py.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
 import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.cache import auth
-from prefixrun.engine.cache.blob_format import tree_digest
-from prefixrun.engine.cache.files import CacheFolder
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.cache.store import default_cache_dir
 from prefixrun.kernels.file_reads import FileSpan
 from prefixrun.kernels.weight_reads import NO_READ_AHEAD, TensorSpan
-
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -174,39 +166,17 @@ class CheckpointTensors:
         return arr
 
     def digest(self, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
-        """SHA-256 over the tensor contents (not the file names), so a renamed copy of a model is the same model.
-        `remembered_only`: the memo's digest, or None where there is none (nothing is hashed).
+        """SHA-256 over the tensor contents (not the file names), remembered per file identity
+        (engine/load/weights_digest.py). `remembered_only`: the memo's digest, or None where there is none
+        (nothing is hashed)."""
+        from prefixrun.engine.load.weights_digest import weights_digest
 
-        Hashing gigabytes takes seconds, so the result is remembered under the files' identity in the user
-        cache. The identity is (path, device, inode, size, mtime_ns, ctime_ns) of every file, and which file each
-        tensor is read from: a file replaced by another of the same size with its mtime put back (archive
-        re-extraction, `rsync -t`, os.utime) still has a new ctime, which no user call can set back, and a
-        renamed-over file a new inode; either is hashed again.
-        """
-        # The files' identities alone are not enough for a sharded model: its index picks the shard each tensor is
-        # read from, so an edited weight_map can load other values (a tensor that two shards hold) from untouched
-        # files. Which file serves each name is part of the identity.
-        served_by = {id(f): i for i, f in enumerate(self.files)}
-        ident = json.dumps([[_file_identity(f.path) for f in self.files],
-                            sorted((name, served_by[id(f)]) for name, f in self._where.items())])
-        memo_dir = Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests"
-        ident_digest = hashlib.sha256(ident.encode()).hexdigest()
-        memo = memo_dir / (ident_digest[:32] + ".digest")
-        remembered = _remembered_digest(memo, ident_digest)
-        if remembered is not None or remembered_only:
-            return remembered
-        # Each tensor's bytes are hashed in 8 MiB chunks on the blob threads (hashlib releases the GIL), so the
-        # first cached run of a model hashes its weights at several GB/s instead of one core's ~1.4 GB/s (seconds for
-        # a 4B model: docs/PERFORMANCE.md, "Measurements behind code comments"). Same content -> same digest,
-        # whatever the threads.
-        h = hashlib.sha256(b"prefixrun-weights-v2\0")
-        for name in sorted(self._where):
-            arr = self._where[name].get(name)
-            h.update(name.encode() + b"\0" + str(arr.dtype).encode() + str(arr.shape).encode() + b"\0")
-            h.update(tree_digest(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).encode())
-        value = h.hexdigest()
-        _remember_digest(memo, ident_digest, value)
-        return value
+        return weights_digest(self, memo_dir, remembered_only=remembered_only)
+
+    def served_by(self) -> list[tuple[str, int]]:
+        """(tensor name, index in `files` of the file it is read from), sorted by name."""
+        index = {id(f): i for i, f in enumerate(self.files)}
+        return sorted((name, index[id(f)]) for name, f in self._where.items())
 
 
 class ShapesView:
@@ -235,46 +205,3 @@ class ShapesView:
 
     def shapes_only(self, record: list[str] | None = None) -> ShapesView:
         return ShapesView(self._t, record)
-
-
-def _remembered_digest(memo: Path, ident_digest: str) -> str | None:
-    """The weights digest a memo holds, if it is one this user's prefixrun signed for these files (anyone who can
-    write the cache folder could plant a memo naming another model's digest, and the model would restore that
-    model's states: engine/cache/auth.py). A FIFO, a link, a memo torn empty by a power loss (not fsync'd) or one
-    nested through a link out of the cache folder is no memo: the weights are hashed again."""
-    try:
-        folder = CacheFolder(memo.parent.parent, create=False, follow=True)
-    except OSError:
-        return None
-    try:
-        fd = folder.open_read(memo)
-        with os.fdopen(fd, "rb") as handle:
-            fields = handle.read(257).decode("ascii", "replace").split()
-    except OSError:
-        return None
-    finally:
-        folder.close()
-    if len(fields) == 2 and _SHA256_HEX.fullmatch(fields[0]) and auth.signed(fields[1], "weights", ident_digest,
-                                                                              fields[0]):
-        return fields[0]
-    return None
-
-
-def _remember_digest(memo: Path, ident_digest: str, value: str) -> None:
-    """Write the signed memo: a fresh file renamed over it, no link followed (engine/cache/files.py)."""
-    try:
-        folder = CacheFolder(memo.parent.parent, follow=True)
-    except OSError:
-        return
-    try:
-        folder.write_atomic(memo, f"{value} {auth.sign('weights', ident_digest, value)}\n".encode())
-    except OSError:
-        pass  # a read-only cache only costs a re-hash next time
-    finally:
-        folder.close()
-
-
-def _file_identity(path: Path) -> list:
-    """What changes whenever the file's content may have: see CheckpointTensors.digest."""
-    st = path.stat()
-    return [str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]

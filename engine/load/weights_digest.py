@@ -1,0 +1,145 @@
+"""The weights' content digest (part of every persistent cache key), computed on all cores and remembered per
+file identity, so that neither a model's first cached run nor a second cache folder pays seconds for it.
+
+The digest is SHA-256 over each tensor's name, dtype, shape and tree digest (engine/cache/blob_format.py: the
+SHA-256 of every 8 MiB chunk, hashed together), in name order, so a renamed copy of a model is the same model.
+Every chunk of every tensor is one job: the jobs run at once on a thread per core, each reading its chunk with
+`os.preadv` into a buffer of its own and hashing it (hashlib releases the GIL for both), then the chunk digests are
+put together in order. Same bytes -> same digest, whatever the threads.
+
+The result is remembered under the files' identity: (path, device, inode, size, mtime_ns, ctime_ns) of every file,
+and which file each tensor is read from. A file replaced by another of the same size with its mtime put back
+(archive re-extraction, `rsync -t`, os.utime) still has a new ctime, which no user call can set back, and a
+renamed-over file a new inode; either is hashed again. The memo is kept in the cache folder of the run and in the
+user's own cache folder (engine/cache/keys.py default_cache_dir), so a new cache folder finds the digest a run
+with another folder computed; each memo is signed with the user's key (engine/cache/auth.py), so one planted in a
+folder someone else can write is not believed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prefixrun.engine.cache import auth
+from prefixrun.engine.cache.blob_format import CHUNK_BYTES, chunk_spans, tree_of
+from prefixrun.engine.cache.files import CacheFolder
+from prefixrun.engine.cache.keys import default_cache_dir
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
+LABEL = b"prefixrun-weights-v2\0"
+
+
+def weights_digest(tensors, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
+    """The content digest of a CheckpointTensors' tensors, from a memo where one holds it (`memo_dir`: the run's
+    cache folder's `digests`, by default the user's cache folder's; the user's is read too), else computed and
+    remembered in `memo_dir` (`remembered_only`: None instead, nothing hashed)."""
+    # The files' identities alone are not enough for a sharded model: its index picks the shard each tensor is
+    # read from, so an edited weight_map can load other values (a tensor that two shards hold) from untouched
+    # files. Which file serves each name is part of the identity.
+    ident = json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()])
+    ident_digest = hashlib.sha256(ident.encode()).hexdigest()
+    user_dir = default_cache_dir() / "digests"
+    memos = [Path(memo_dir) / (ident_digest[:32] + ".digest")] if memo_dir is not None else []
+    if user_dir != (Path(memo_dir) if memo_dir is not None else None):
+        memos.append(user_dir / (ident_digest[:32] + ".digest"))
+    for i, memo in enumerate(memos):
+        value = _remembered_digest(memo, ident_digest)
+        if value is not None:
+            for other in memos[:i]:  # the run's own folder keeps it too
+                _remember_digest(other, ident_digest, value)
+            return value
+    if remembered_only:
+        return None
+    value = content_digest(tensors)
+    if json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()]) == ident:
+        for memo in memos:  # (a file changed while it was hashed is not remembered under either identity)
+            _remember_digest(memo, ident_digest, value)
+    return value
+
+
+def content_digest(tensors, threads: int | None = None) -> str:
+    """The digest of the tensors' bytes as the files hold them, every chunk hashed at once on `threads` threads
+    (default: one per core)."""
+    names = [name for name, _ in tensors.served_by()]
+    spans = [tensors.tensor_span(name) for name in names]
+    jobs = [(s.span.path, s.span.offset + start, stop - start) for s in spans for start, stop in chunk_spans(s.span.nbytes)]
+    fds: dict[str, int] = {}
+    local = threading.local()
+
+    def hash_chunk(job) -> bytes:
+        path, offset, n = job
+        if not hasattr(local, "buffer"):
+            local.buffer = memoryview(bytearray(CHUNK_BYTES))
+        view = local.buffer[:n]
+        got = 0
+        while got < n:
+            read = os.preadv(fds[path], [view[got:]], offset + got)
+            if read == 0:
+                raise OSError(f"{path}: the file ended before tensor bytes at {offset + got}")
+            got += read
+        return hashlib.sha256(view).digest()
+
+    try:
+        for s in spans:
+            if s.span.path not in fds:
+                fds[s.span.path] = os.open(s.span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        with ThreadPoolExecutor(threads or max(2, os.cpu_count() or 2), thread_name_prefix="prefixrun-digest") as pool:
+            digests = list(pool.map(hash_chunk, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    h, at = hashlib.sha256(LABEL), 0
+    for name, s in zip(names, spans):
+        n = len(chunk_spans(s.span.nbytes))
+        h.update(name.encode() + b"\0" + str(s.dtype).encode() + str(s.shape).encode() + b"\0")
+        h.update(tree_of(digests[at:at + n], s.span.nbytes).encode())
+        at += n
+    return h.hexdigest()
+
+
+def _remembered_digest(memo: Path, ident_digest: str) -> str | None:
+    """The weights digest a memo holds, if it is one this user's prefixrun signed for these files (anyone who can
+    write the cache folder could plant a memo naming another model's digest, and the model would restore that
+    model's states: engine/cache/auth.py). A FIFO, a link, a memo torn empty by a power loss (not fsync'd) or one
+    nested through a link out of the cache folder is no memo: the weights are hashed again."""
+    try:
+        folder = CacheFolder(memo.parent.parent, create=False, follow=True)
+    except OSError:
+        return None
+    try:
+        fd = folder.open_read(memo)
+        with os.fdopen(fd, "rb") as handle:
+            fields = handle.read(257).decode("ascii", "replace").split()
+    except OSError:
+        return None
+    finally:
+        folder.close()
+    if len(fields) == 2 and _SHA256_HEX.fullmatch(fields[0]) and auth.signed(fields[1], "weights", ident_digest,
+                                                                              fields[0]):
+        return fields[0]
+    return None
+
+
+def _remember_digest(memo: Path, ident_digest: str, value: str) -> None:
+    """Write the signed memo: a fresh file renamed over it, no link followed (engine/cache/files.py)."""
+    try:
+        folder = CacheFolder(memo.parent.parent, follow=True)
+    except OSError:
+        return
+    try:
+        folder.write_atomic(memo, f"{value} {auth.sign('weights', ident_digest, value)}\n".encode())
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    finally:
+        folder.close()
+
+
+def _file_identity(path: Path) -> list:
+    """What changes whenever the file's content may have: see CheckpointTensors.digest."""
+    st = path.stat()
+    return [str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]

@@ -1,0 +1,97 @@
+"""The weights' content digest (engine/load/weights_digest.py): the same value however many threads hash it and
+as each tensor's own tree digest defines it, remembered across cache folders, never reused for changed files."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from prefixrun.engine.cache.blob_format import tree_digest
+from prefixrun.engine.load import weights_digest
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.load.weights import CheckpointTensors
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("digest") / "m", TINY_QWEN3_5, seed=4, shards=2)
+
+
+def reference_digest(tensors: CheckpointTensors) -> str:
+    """The definition, one tensor at a time: SHA-256 over name, dtype, shape and the tree digest of its bytes."""
+    h = hashlib.sha256(b"prefixrun-weights-v2\0")
+    for name in sorted(tensors.names()):
+        arr = tensors.get(name)
+        h.update(name.encode() + b"\0" + str(arr.dtype).encode() + str(arr.shape).encode() + b"\0")
+        h.update(tree_digest(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).encode())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_the_digest_is_the_definition_whatever_the_threads(model, threads):
+    tensors = CheckpointTensors(model)
+    assert weights_digest.content_digest(tensors, threads) == reference_digest(tensors)
+
+
+def test_chunks_of_large_tensors_hash_as_the_tree_does(tmp_path, monkeypatch):
+    """Tensors of several chunks (the chunk size made small), an empty tensor, a scalar."""
+    import safetensors.numpy
+
+    from prefixrun.engine.cache import blob_format
+
+    monkeypatch.setattr(blob_format, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(weights_digest, "CHUNK_BYTES", 1000)
+    rng = np.random.default_rng(0)
+    safetensors.numpy.save_file({"big": rng.standard_normal((77, 31)).astype(np.float32), "empty": np.zeros((0, 3)),
+                                 "scalar": np.array(2.5, np.float32), "odd": np.arange(1001, dtype=np.uint8)},
+                                str(tmp_path / "model.safetensors"))
+    tensors = CheckpointTensors(tmp_path)
+    assert weights_digest.content_digest(tensors, 4) == reference_digest(tensors)
+
+
+def _counting(monkeypatch) -> list:
+    calls = []
+    real = weights_digest.content_digest
+    monkeypatch.setattr(weights_digest, "content_digest", lambda t, threads=None: calls.append(1) or real(t, threads))
+    return calls
+
+
+def test_a_second_cache_folder_finds_the_digest_the_first_computed(model, tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    first = CheckpointTensors(model).digest(tmp_path / "a" / "digests")
+    assert calls == [1]
+    second = CheckpointTensors(model).digest(tmp_path / "b" / "digests")
+    assert second == first and calls == [1]  # from the user's cache folder's memo
+    assert list((tmp_path / "b" / "digests").glob("*.digest"))  # and now the new folder holds it too
+    assert CheckpointTensors(model).digest() == first and calls == [1]  # no folder given: the user's memo
+
+
+def test_a_changed_file_is_hashed_again_in_every_folder(tmp_path, monkeypatch):
+    path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=4)
+    calls = _counting(monkeypatch)
+    before = CheckpointTensors(path).digest(tmp_path / "a" / "digests")
+    weights = path / "model.safetensors"
+    st = os.stat(weights)
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF  # one byte of the last tensor, same size, the mtime put back
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for folder in ("a", "b"):
+        assert CheckpointTensors(path).digest(tmp_path / folder / "digests") != before
+    assert len(calls) == 2  # the first folder hashed it again, the second found that memo
+
+
+def test_a_file_changed_while_it_is_hashed_is_not_remembered(tmp_path, monkeypatch):
+    path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=4)
+    real = weights_digest.content_digest
+
+    def hashed_then_changed(tensors, threads=None):
+        value = real(tensors, threads)
+        os.utime(path / "model.safetensors", ns=(1, 1))  # a writer came by meanwhile
+        return value
+
+    monkeypatch.setattr(weights_digest, "content_digest", hashed_then_changed)
+    CheckpointTensors(path).digest(tmp_path / "a" / "digests")
+    assert not list((tmp_path / "a" / "digests").glob("*.digest"))
