@@ -73,6 +73,10 @@ def batch(
     run_options: dict,
 ):
     """Run a JSONL batch: results on stdout (or -o), one line per input line, in input order."""
+    from prefixrun.engine.startup import PhaseClock
+
+    clock = PhaseClock()  # the process's start-up so far is its imports
+    clock.mark("options")
     from prefixrun.cli.output import run_to_output
 
     reporter = RunReporter(quiet=quiet)
@@ -82,7 +86,7 @@ def batch(
     if claim is not None:
         ctx.call_on_close(claim.release)
     with stop_signals_raise():
-        run = open_batch_run(reporter, config, source)
+        run = open_batch_run(reporter, config, source, clock=clock)
         if input_path is None:  # a pipe: its first bytes come when its writer sends them, the model loaded meanwhile
             try:
                 _refuse_not_jsonl(source, "-")
@@ -151,9 +155,10 @@ def _progress_interval(seconds: float) -> float:
     return seconds
 
 
-def open_batch_run(reporter: RunReporter, config: RunConfig, source=None):
+def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=None):
     """The BatchRun of `config` with its model loaded. A model that cannot be loaded is reported (the input
-    stream, if given, closed) and exits with the usage code."""
+    stream, if given, closed) and exits with the usage code. `clock`: the process's start-up phases
+    (engine/startup.py), None for none."""
     from prefixrun.engine.errors import ModelLoadError
 
     if config.model_dir is None:
@@ -162,7 +167,7 @@ def open_batch_run(reporter: RunReporter, config: RunConfig, source=None):
     try:
         from prefixrun.cli.batch_run import BatchRun
 
-        return BatchRun(config, reporter=reporter, input_ahead=source)
+        return BatchRun(config, reporter=reporter, input_ahead=source, clock=clock)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # OSError: e.g. --cache-dir is a file
         if source is not None:
             source.close()
@@ -372,6 +377,10 @@ def bench(
     cache on unless --no-cache; results discarded unless -o). Prints JSON on stdout: process wall and model load,
     the batch report, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM roofline, and
     (optionally) the ratio to transformers."""
+    from prefixrun.engine.startup import PhaseClock
+
+    clock = PhaseClock()  # the process's start-up so far is its imports
+    clock.mark("options")
     from prefixrun.cli import bench as figures_of
     from prefixrun.cli.output import OutputError, check_target, check_targets, claim_output, run_to_output
 
@@ -402,7 +411,7 @@ def bench(
         ctx.call_on_close(claim.release)
     ctx.call_on_close(route_engine_logs(reporter))
     started = time.perf_counter()
-    run = open_batch_run(reporter, config, source)
+    run = open_batch_run(reporter, config, source, clock=clock)
     open_seconds = time.perf_counter() - started
     with ExitStack() as discard:
         if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures

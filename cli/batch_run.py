@@ -31,16 +31,19 @@ class BatchRun:
     the bytes it reads are the very bytes read ahead (the 4b-like shared-system batch's 64 lines took ~30-40 ms of
     parsing before its first kernel). The stream itself is read by `execute` only."""
 
-    def __init__(self, config: RunConfig, *, reporter, input_ahead=None):
+    def __init__(self, config: RunConfig, *, reporter, input_ahead=None, clock=None):
         from prefixrun.engine.load import loader
         from prefixrun.engine.load.model_maker import ensure_default_model
         from prefixrun.engine.run.session import EngineSession
+        from prefixrun.engine.startup import NO_CLOCK
 
         self.reporter = reporter
+        self.clock = clock = clock or NO_CLOCK  # the start-up's phases, in the report
         if config.devices is None and config.ray_address is None:
             from prefixrun.kernels import device_start
 
             device_start.start(config.device)  # the GPU comes up while the tokenizer and files are read
+        clock.mark("tokenizer")
         if config.model_dir is None:
             config = dataclasses.replace(config, model_dir=ensure_default_model(config.cache_root))
         self.config = config
@@ -62,7 +65,7 @@ class BatchRun:
                 self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, config.max_line_bytes)
                 upcoming = self._ahead.prompts if config.use_cache and config.reuse else None
             try:
-                self.session = EngineSession(config, front=front, upcoming=upcoming)
+                self.session = EngineSession(config, front=front, upcoming=upcoming, clock=clock)
             except BaseException:
                 if self._ahead is not None:
                     self._ahead.stop()
@@ -150,6 +153,7 @@ class BatchRun:
     def execute(self, source, writer: io.OrderedWriter, done_ids: set[str]) -> dict:
         if self._ahead is not None:
             self._ahead.stop()  # the run reads its input itself from here (the hint read no byte of this stream)
+        self.clock.mark("batch")
         started = self._started = time.perf_counter()
         seen: set[str] = set()
         window: list[tuple[lines.ParsedRequest, Request]] = []
@@ -264,6 +268,9 @@ class BatchRun:
             report["device"] = ", ".join(w["device"] for w in report["workers"]["per_worker"])
             wall -= self.backend.start_wait_seconds
         report["wall_seconds"] = round(wall, 4)
+        startup = self.clock.report()
+        if startup is not None:
+            report["startup"] = startup
         return report
 
 

@@ -7,7 +7,6 @@ Ceilings (the benchmark GPU's, measured; see shared/bench/README.md): bf16 GEMM 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -22,14 +21,10 @@ _IMPORTED_AT = time.time()  # fallback start of the process where /proc is missi
 def process_wall_seconds() -> float:
     """Seconds since this process started (interpreter start-up and imports included), from /proc on Linux;
     elsewhere since this module was imported."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after "pid (comm)"
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time() - _IMPORTED_AT
+    from prefixrun.engine.startup import process_age
+
+    age = process_age()
+    return age if age is not None else time.time() - _IMPORTED_AT
 
 
 def matmul_params_per_token(model) -> int:

@@ -119,6 +119,15 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
             self._preparing.start()
             _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 
+    def kernel_account(self):
+        """The latest warm-up's account (kernels/cuda_warmup.py LAST), times relative to its start."""
+        account = dict(cuda_warmup.LAST)
+        if not account:
+            return None
+        started, ended = account.pop("started", None), account.pop("ended", None)
+        account["seconds"] = round(ended - started, 4) if started is not None and ended is not None else None
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in account.items()}
+
     # ---- memory -------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
         return cupy.zeros(shape, dtype=dtype or self.act_dtype)

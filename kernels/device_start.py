@@ -41,6 +41,11 @@ def wait() -> dict:
     return dict(_figures)
 
 
+def figures() -> dict:
+    """What the bring-up did so far ({} when none was started)."""
+    return dict(_figures)
+
+
 def _bring_up():
     t0 = time.perf_counter()
     try:

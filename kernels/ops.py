@@ -60,6 +60,10 @@ class Ops(Protocol):
         KernelPlan: the GEMM shapes the forward will compute. Never changes a result and never fails: nothing to do
         where there are no kernels; a kernel that fails here fails again, with its error, when used."""
 
+    def kernel_account(self) -> dict | None:
+        """What `prepare_kernels`' background work did so far (seconds per part, errors), for the run's start-up
+        report; None where there is nothing to prepare."""
+
     # ---- memory ------------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None) -> Array:
         """A zeroed array of `shape` in `dtype` (default: act)."""

@@ -65,6 +65,9 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
     def prepare_kernels(self, plan=None):
         """Nothing to compile or pick: NumPy's routines are ready (the plan is not even computed)."""
 
+    def kernel_account(self):
+        return None
+
     # ---- memory -------------------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
         return np.zeros(shape, dtype=dtype or self.act_dtype)

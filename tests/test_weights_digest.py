@@ -58,29 +58,40 @@ def _counting(monkeypatch) -> list:
     return calls
 
 
-def test_a_second_cache_folder_finds_the_digest_the_first_computed(model, tmp_path, monkeypatch):
+def test_a_new_cache_folder_finds_the_digest_the_default_folder_computed(model, tmp_path, monkeypatch):
     calls = _counting(monkeypatch)
-    first = CheckpointTensors(model).digest(tmp_path / "a" / "digests")
+    monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default"))
+    first = CheckpointTensors(model).digest(tmp_path / "default" / "digests")  # a run with the default folder
     assert calls == [1]
     second = CheckpointTensors(model).digest(tmp_path / "b" / "digests")
     assert second == first and calls == [1]  # from the user's cache folder's memo
     assert list((tmp_path / "b" / "digests").glob("*.digest"))  # and now the new folder holds it too
-    assert CheckpointTensors(model).digest() == first and calls == [1]  # no folder given: the user's memo
+    assert CheckpointTensors(model).digest(tmp_path / "c" / "digests") == first and calls == [1]
+
+
+def test_a_run_with_its_own_folder_writes_no_memo_outside_it(model, tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default"))
+    CheckpointTensors(model).digest(tmp_path / "a" / "digests")
+    assert calls == [1] and not (tmp_path / "default").exists()
+    CheckpointTensors(model).digest(tmp_path / "a" / "digests")
+    assert calls == [1]
 
 
 def test_a_changed_file_is_hashed_again_in_every_folder(tmp_path, monkeypatch):
     path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=4)
+    monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default"))
     calls = _counting(monkeypatch)
-    before = CheckpointTensors(path).digest(tmp_path / "a" / "digests")
+    before = CheckpointTensors(path).digest(tmp_path / "default" / "digests")
     weights = path / "model.safetensors"
     st = os.stat(weights)
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF  # one byte of the last tensor, same size, the mtime put back
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    for folder in ("a", "b"):
+    for folder in ("default", "b"):
         assert CheckpointTensors(path).digest(tmp_path / folder / "digests") != before
-    assert len(calls) == 2  # the first folder hashed it again, the second found that memo
+    assert len(calls) == 2  # the default folder hashed it again, the other found that memo
 
 
 def test_a_file_changed_while_it_is_hashed_is_not_remembered(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from prefixrun.engine.load.tokenizer import GenerationDefaults, Tokenizer
 from prefixrun.engine.load.gemm_plan import dry_build, dry_state_specs, model_plan
 from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
+from prefixrun.engine.startup import NO_CLOCK
 from prefixrun.kernels import get_ops
 
 
@@ -95,6 +97,7 @@ class Loading:
     mtp: bool
     _specs: list | None = field(default=None, init=False, repr=False)
     weight_reads: dict | None = field(default=None, init=False)  # what the read-ahead did (ReadFigures.as_dict)
+    digest_seconds: float | None = field(default=None, init=False)  # the weights' digest (memo or hashing)
 
     @property
     def path(self) -> Path:
@@ -105,7 +108,11 @@ class Loading:
         return self.front.config
 
     def weights_digest(self, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
-        return self.tensors.digest(memo_dir, remembered_only=remembered_only)
+        started = time.perf_counter()
+        try:
+            return self.tensors.digest(memo_dir, remembered_only=remembered_only)
+        finally:
+            self.digest_seconds = round(time.perf_counter() - started, 4)  # the latest call's
 
     def state_specs(self):
         """The state regions the model will have, from a dry build (no weight is uploaded; engine/load/gemm_plan.py)."""
@@ -136,12 +143,13 @@ class Loading:
 
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
                max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
-               front: ModelFront | None = None, deterministic: bool = False) -> Loading:
+               front: ModelFront | None = None, deterministic: bool = False, clock=NO_CLOCK) -> Loading:
     """The load's first part (see `load`): the front (`front`: loaded already), the backend (with batch-invariant
-    kernels where `deterministic`), the checkpoint's files opened, the backend's kernels getting ready in the
-    background."""
+    kernels where `deterministic`), the checkpoint's files opened, the backend's kernels getting ready and the
+    weights read in the background. `clock`: marks the phases (engine/startup.py)."""
     front = front or load_front(model_dir)
     ops = get_ops(device, dtype, deterministic)
+    clock.mark("weights_plan")
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
     # in the background, while the weights load; the plan (a dry build of the model) is made there too
     ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,

@@ -10,10 +10,11 @@ put together in order. Same bytes -> same digest, whatever the threads.
 The result is remembered under the files' identity: (path, device, inode, size, mtime_ns, ctime_ns) of every file,
 and which file each tensor is read from. A file replaced by another of the same size with its mtime put back
 (archive re-extraction, `rsync -t`, os.utime) still has a new ctime, which no user call can set back, and a
-renamed-over file a new inode; either is hashed again. The memo is kept in the cache folder of the run and in the
-user's own cache folder (engine/cache/keys.py default_cache_dir), so a new cache folder finds the digest a run
-with another folder computed; each memo is signed with the user's key (engine/cache/auth.py), so one planted in a
-folder someone else can write is not believed.
+renamed-over file a new inode; either is hashed again. The memo is kept in the run's cache folder; a run with
+another folder (--cache-dir) also reads the one in the user's own cache folder (engine/cache/keys.py
+default_cache_dir), so a new folder finds the digest a run with the default folder computed, but it writes only
+inside its own (--cache-dir keeps every file it writes inside it). Each memo is signed with the user's key
+(engine/cache/auth.py), so one planted in a folder someone else can write is not believed.
 """
 from __future__ import annotations
 
@@ -43,22 +44,20 @@ def weights_digest(tensors, memo_dir: Path | None = None, *, remembered_only: bo
     # files. Which file serves each name is part of the identity.
     ident = json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()])
     ident_digest = hashlib.sha256(ident.encode()).hexdigest()
-    user_dir = default_cache_dir() / "digests"
-    memos = [Path(memo_dir) / (ident_digest[:32] + ".digest")] if memo_dir is not None else []
-    if user_dir != (Path(memo_dir) if memo_dir is not None else None):
-        memos.append(user_dir / (ident_digest[:32] + ".digest"))
-    for i, memo in enumerate(memos):
+    name = ident_digest[:32] + ".digest"
+    own = (Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests") / name
+    user = default_cache_dir() / "digests" / name
+    for memo in dict.fromkeys([own, user]):  # the run's folder first, then the user's (read only: see above)
         value = _remembered_digest(memo, ident_digest)
         if value is not None:
-            for other in memos[:i]:  # the run's own folder keeps it too
-                _remember_digest(other, ident_digest, value)
+            if memo != own:
+                _remember_digest(own, ident_digest, value)  # the run's own folder keeps it too
             return value
     if remembered_only:
         return None
     value = content_digest(tensors)
     if json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()]) == ident:
-        for memo in memos:  # (a file changed while it was hashed is not remembered under either identity)
-            _remember_digest(memo, ident_digest, value)
+        _remember_digest(own, ident_digest, value)  # (a file changed while it was hashed is not remembered)
     return value
 
 

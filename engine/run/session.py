@@ -23,13 +23,15 @@ class EngineSession:
     on another thread while the weights load: a hint to read their stored prefixes ahead meanwhile
     (engine/cache/opening.py); it never changes what runs."""
 
-    def __init__(self, config: RunConfig, front=None, upcoming=None):
+    def __init__(self, config: RunConfig, front=None, upcoming=None, clock=None):
         from prefixrun.engine.load import loader
         from prefixrun.engine.run.core import EngineOptions
+        from prefixrun.engine.startup import NO_CLOCK
 
         if config.model_dir is None:
             raise ValueError("an engine session needs the model's folder (RunConfig.model_dir)")
         self.config = s = config
+        clock = clock or NO_CLOCK  # the process's start-up phases (engine/startup.py)
         self.warnings: list[str] = []
         self._final_report: dict | None = None  # taken at close()
         started = time.perf_counter()
@@ -45,9 +47,10 @@ class EngineSession:
 
             opening = StoreOpening(s.cache_root, s.cache_budget)  # its maintenance runs while the weights load
         try:
+            clock.mark("device")
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
-                                        deterministic=s.deterministic)
+                                        deterministic=s.deterministic, clock=clock)
             if opening is not None:
                 from prefixrun.engine.cache.opening import CacheOpening
 
@@ -55,6 +58,7 @@ class EngineSession:
                 self._cache_opening = CacheOpening(s.cache_root, s.cache_budget, loading,
                                                    loading.ops.default_block_size, s.cache_policy, calibration,
                                                    opening, upcoming)
+            clock.mark("weights")
             self.loaded = loading.finish()
         except BaseException:
             if self._cache_opening is not None:
@@ -65,6 +69,37 @@ class EngineSession:
         ops = self.loaded.ops
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started
+        clock.mark("engine_setup")
+        clock.note("weight_reads", loading.weight_reads)
+        max_batch, state_bytes, checkpoint_budget = self._memory_sizes(ops)
+        opts = EngineOptions.of(s, max_batch=max_batch, state_memory_bytes=int(state_bytes),
+                                checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
+        from prefixrun.engine.cache.no_cache import NoCache
+
+        self.persist = NoCache()
+        if self._cache_opening is not None:
+            # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
+            clock.mark("cache_open")
+            persist, problem = self._cache_opening.join(self.loaded)
+            clock.mark("engine_setup")
+            clock.note("weights_digest_seconds", loading.digest_seconds)
+            if problem:
+                self.warnings.append(problem)
+            self.persist = persist if persist is not None else NoCache()
+        self.engine = self._engine(opts)
+        self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
+        # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
+        self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
+        self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+        from prefixrun.kernels import device_start
+
+        clock.note("device_start", device_start.figures() or None)
+        clock.note("kernels", ops.kernel_account())  # so far: the loader thread may still be warming GEMMs
+
+    def _memory_sizes(self, ops) -> tuple[int, int, int]:
+        """(decode batch, state memory bytes, checkpoint budget bytes) from the options and the device's free
+        memory; `max_batch_source` says where the batch came from, a --max-batch the memory cannot hold warns."""
+        s = self.config
         state_bytes = s.state_memory or _default_state_memory(ops)
         checkpoint_budget = s.checkpoint_budget
         if checkpoint_budget is None:
@@ -86,22 +121,7 @@ class EngineSession:
                 self.warnings.append(f"--max-batch {max_batch:,}: the state memory ({int(state_bytes):,} bytes) "
                                      f"holds at most {fits:,} sequences; decoding up to {fits:,} together")
                 max_batch, self.max_batch_source = fits, "--max-batch, capped by the state memory"
-        opts = EngineOptions.of(s, max_batch=max_batch, state_memory_bytes=int(state_bytes),
-                                checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
-        from prefixrun.engine.cache.no_cache import NoCache
-
-        self.persist = NoCache()
-        if self._cache_opening is not None:
-            # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
-            persist, problem = self._cache_opening.join(self.loaded)
-            if problem:
-                self.warnings.append(problem)
-            self.persist = persist if persist is not None else NoCache()
-        self.engine = self._engine(opts)
-        self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
-        # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
-        self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
-        self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+        return max_batch, state_bytes, checkpoint_budget
 
     def _engine(self, opts):
         """The engine over the loaded model, with its generation_config's bans; the generation_config fields it

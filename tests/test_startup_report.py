@@ -1,0 +1,74 @@
+"""The process's start-up in the run report (engine/startup.py): every phase of the main thread named, none
+negative, their sum no more than the process's seconds, which are no more than the wall its parent measured; the
+work beside them (the weights read ahead, the digest) under `background`; one line of it on stderr."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.startup import NO_CLOCK, PHASES, PhaseClock, process_age
+
+pytestmark = pytest.mark.usefixtures("isolated_env")
+
+
+def test_phases_partition_the_main_thread():
+    clock = PhaseClock()
+    clock.mark("options")
+    time.sleep(0.02)
+    clock.mark("weights")
+    time.sleep(0.01)
+    clock.mark("options")  # entered again: it adds up
+    time.sleep(0.01)
+    clock.note("weight_reads", {"read_bytes": 5})
+    clock.note("nothing", None)
+    report = clock.report()
+    phases = report["phases"]
+    assert list(phases) == ["imports", "options", "weights"]  # in PHASES' order
+    assert phases["options"] >= 0.03 and phases["weights"] >= 0.01
+    assert sum(phases.values()) <= report["process_seconds"]
+    assert report["background"] == {"weight_reads": {"read_bytes": 5}}
+    assert NO_CLOCK.report() is None and NO_CLOCK.mark("x") is None
+
+
+def test_the_process_age_is_since_the_interpreter_started():
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); "
+                          "from prefixrun.engine.startup import process_age; print(process_age())"],
+                         capture_output=True, text=True, check=True).stdout
+    outside = time.monotonic() - started
+    age = float(out)
+    assert 0.3 <= age <= outside + 0.02  # the kernel counts in 10 ms ticks
+    assert process_age() is not None
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"hello {i}", "max_tokens": 3, "temperature": 0}) + "\n"
+                           for i in range(4)))
+    report_path = tmp_path / "report.json"
+    args = [sys.executable, "-m", "prefixrun.cli.app", "batch", str(src), "--model", str(model), "--device", "cpu",
+            "--json-report", str(report_path)] + (["--cache-dir", str(tmp_path / "cache")] if cache else ["--no-cache"])
+    started = time.monotonic()
+    env = {**os.environ, "COLUMNS": "400"}  # the report's table unfolded
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    outside = time.monotonic() - started
+    assert p.returncode == 0, p.stderr
+    startup = json.loads(report_path.read_text())["startup"]
+    phases = startup["phases"]
+    expected = [ph for ph in PHASES if cache or ph != "cache_open"]
+    assert list(phases) == expected
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) <= startup["process_seconds"] <= outside + 0.02
+    reads = startup["background"]["weight_reads"]
+    assert reads["error"] is None and reads["taken_bytes"] == reads["planned_bytes"] > 0
+    assert ("weights_digest_seconds" in startup["background"]) == cache
+    line = next(row for row in p.stderr.splitlines() if "│ process" in row)
+    assert all(ph.replace("_", " ") in line for ph in expected) and "weights read" in line
