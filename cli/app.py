@@ -76,9 +76,9 @@ def batch(
     from prefixrun.engine.startup import PhaseClock
 
     clock = PhaseClock()  # the process's start-up so far is its imports
-    clock.mark("options")
     from prefixrun.cli.output import run_to_output
 
+    clock.mark("options")
     reporter = RunReporter(quiet=quiet)
     ctx.call_on_close(route_engine_logs(reporter))
     given = locals()
@@ -165,6 +165,12 @@ def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=
         reporter.note("no --model given: using the built-in demo model, which has RANDOM weights (its text is "
                       "meaningless); pass --model DIR for a real model")
     try:
+        if config.devices is None and config.ray_address is None:
+            from prefixrun.kernels import device_start
+
+            device_start.start(config.device)  # the GPU comes up while the run's modules import, files are read
+        if clock is not None:
+            clock.mark("imports")  # the run's modules, imported on its first use of them
         from prefixrun.cli.batch_run import BatchRun
 
         return BatchRun(config, reporter=reporter, input_ahead=source, clock=clock)
@@ -380,9 +386,10 @@ def bench(
     from prefixrun.engine.startup import PhaseClock
 
     clock = PhaseClock()  # the process's start-up so far is its imports
-    clock.mark("options")
     from prefixrun.cli import bench as figures_of
     from prefixrun.cli.output import OutputError, check_target, check_targets, claim_output, run_to_output
+
+    clock.mark("options")
 
     reporter = RunReporter()
     try:

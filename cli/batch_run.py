@@ -65,6 +65,7 @@ class BatchRun:
                 self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, config.max_line_bytes)
                 upcoming = self._ahead.prompts if config.use_cache and config.reuse else None
             try:
+                clock.mark("imports")  # the engine's modules (the session then marks its own phases)
                 self.session = EngineSession(config, front=front, upcoming=upcoming, clock=clock)
             except BaseException:
                 if self._ahead is not None:
