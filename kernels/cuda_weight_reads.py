@@ -75,8 +75,12 @@ class PinnedLanding(Landing):
         return [np.frombuffer(mem, np.uint8, BUFFER_BYTES) for mem in self._pinned]
 
     def allocate(self, nbytes: int):
+        """From the build stream's pool. A block the build freed may still be read by its queued work (a part
+        stacked by a copy not yet run): this stream waits for the build stream's work so far before writing it."""
         with self._build_stream:
-            return cupy.empty(nbytes, cupy.uint8)
+            target = cupy.empty(nbytes, cupy.uint8)
+            self._stream.wait_event(self._build_stream.record())
+        return target
 
     def land(self, buffer: np.ndarray, pieces):
         source = buffer.ctypes.data

@@ -72,3 +72,17 @@ def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
     assert ("weights_digest_seconds" in startup["background"]) == cache
     line = next(row for row in p.stderr.splitlines() if "│ process" in row)
     assert all(ph.replace("_", " ") in line for ph in expected) and "weights read" in line
+
+
+def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path):
+    """The run imports what it uses: no jinja2 without a chat to render, never torch or transformers."""
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 2}) + "\n")
+    probe = ("import sys\nfrom prefixrun.cli.app import app\n"
+             f"try:\n    app(['batch', {str(src)!r}, '--model', {str(model)!r}, '--device', 'cpu', '--no-cache', '-q'],"
+             " standalone_mode=False)\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('jinja2', 'torch', 'transformers') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]"

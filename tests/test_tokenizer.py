@@ -433,10 +433,10 @@ def test_invalid_template_syntax_fails_each_chat_request_not_the_load(model_dir,
     with pytest.raises(InvalidRequest, match="chat_template.jinja: chat template 'default' is not valid jinja"):
         tok.render_chat([{"role": "user", "content": "x"}])
     # compiled once: later chat lines get the same error without another compile
-    import prefixrun.engine.load.tokenizer as tokenizer_module
+    import prefixrun.engine.load.chat_template as chat_template
     compiles = []
-    real = tokenizer_module._template_environment
-    monkeypatch.setattr(tokenizer_module, "_template_environment", lambda: compiles.append(1) or real())
+    real = chat_template._template_environment
+    monkeypatch.setattr(chat_template, "_template_environment", lambda: compiles.append(1) or real())
     for _ in range(3):
         with pytest.raises(InvalidRequest, match="is not valid jinja"):
             tok.render_chat([{"role": "user", "content": "y"}])

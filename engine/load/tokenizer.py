@@ -6,9 +6,9 @@ module follows transformers 5.x behaviour wherever it is observable:
 - `tokenizer.json` (the `tokenizers` serialization) is the only vocabulary format read. Its post-processor alone
   decides whether `encode` adds a BOS: transformers 5 drops `add_bos_token` from tokenizer_config.json whenever a
   tokenizer.json exists, so honouring that flag here would add a BOS transformers never adds.
-- Chat templates are rendered in the same sandboxed jinja2 environment (trim_blocks, lstrip_blocks,
-  loopcontrols, a `{% generation %}` tag, `raise_exception`, `strftime_now`, a non-escaping `tojson`) with the same
-  variables (messages, tools, documents, add_generation_prompt, every named special token, extra kwargs).
+- Chat templates are rendered in the same sandboxed jinja2 environment (engine/load/chat_template.py, imported at
+  the first chat a run renders) with the same variables (messages, tools, documents, add_generation_prompt, every
+  named special token, extra kwargs).
 - A rendered chat is encoded without adding special tokens: the template already wrote them (no double BOS).
 """
 from __future__ import annotations
@@ -16,15 +16,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -55,7 +50,7 @@ class Tokenizer:
         self._special_tokens = dict(special_tokens)
         self._chat_templates = dict(chat_templates)
         self._template_source = template_source
-        self._compiled_templates: dict[str, jinja2.Template] = {}
+        self._compiled_templates: dict = {}  # name -> compiled jinja2 Template (engine/load/chat_template.py)
         # name -> why it does not compile: a broken template is compiled once, not once per chat line
         self._template_errors: dict[str, str] = {}
 
@@ -190,6 +185,8 @@ class Tokenizer:
             check_tools(tools)
         if continue_final_message and add_generation_prompt:
             raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true")
+        from prefixrun.engine.load import chat_template
+
         template = self._template_for(tools)
         if continue_final_message:
             messages = _tag_final_message(messages)
@@ -200,7 +197,7 @@ class Tokenizer:
                                        add_generation_prompt=add_generation_prompt, **variables)
         except InvalidRequest:
             raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+        except chat_template.RENDER_ERRORS as exc:
             raise InvalidRequest(f"the chat template of {self._template_source} cannot render these "
                                  f"messages: {type(exc).__name__}: {exc}") from exc
         return _cut_after_final_message(rendered) if continue_final_message else rendered
@@ -210,7 +207,7 @@ class Tokenizer:
         and transformers' apply_chat_template(tokenize=True) does not add them either (no double BOS)."""
         return self.encode(self.render_chat(messages, **kw), add_special_tokens=False)
 
-    def _template_for(self, tools: list[dict] | None) -> jinja2.Template:
+    def _template_for(self, tools: list[dict] | None):
         """The compiled template to use; with several named templates, "tool_use" when tools are given and it
         exists, else "default" (transformers' choice)."""
         if not self._chat_templates:
@@ -226,9 +223,11 @@ class Tokenizer:
         if name in self._template_errors:
             raise InvalidRequest(self._template_errors[name])
         if name not in self._compiled_templates:
+            from prefixrun.engine.load import chat_template
+
             try:
-                self._compiled_templates[name] = _template_environment().from_string(self._chat_templates[name])
-            except jinja2.TemplateSyntaxError as exc:
+                self._compiled_templates[name] = chat_template.compile_template(self._chat_templates[name])
+            except chat_template.TemplateSyntaxError as exc:
                 # A request error, not a load error: as in transformers, the folder still serves plain prompts,
                 # and each chat line gets an error record instead of the run aborting at the first one.
                 self._template_errors[name] = f"{self._template_source}: chat template {name!r} is not valid " \
@@ -500,47 +499,6 @@ def _token_id_list(value, source: str) -> list[int]:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             raise ModelLoadError(f"{source} must be a non-negative integer or a list of them, got {value!r}")
     return list(values)
-
-
-# ---- chat template environment -------------------------------------------------------------------------------
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for transformers' assistant-token masks;
-    templates that use it must still compile here, and the body renders unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller):
-        return caller()
-
-
-def _raise_exception(message):
-    """Templates call this to refuse a conversation (unknown role, misplaced system message)."""
-    raise InvalidRequest(f"the chat template rejected the messages: {message}")
-
-
-def _strftime_now(format):
-    return datetime.now().strftime(format)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """transformers replaces jinja's tojson, which HTML-escapes <, >, & and ', with plain json.dumps."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _template_environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    return environment
 
 
 # ---- continue_final_message ---------------------------------------------------------------------------------
