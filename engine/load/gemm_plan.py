@@ -32,6 +32,8 @@ class _ShapeOps:
     in the storage dtype (no dtype given: matrices, tables, experts), as opposed to fp32 parameters (norms, gates,
     conv taps, which the layers upload with an explicit dtype even where fp32 is the storage dtype)."""
 
+    max_conv_width = None  # any width here: the real build checks the backend's (a dry build must not fail first)
+
     def __init__(self, act_dtype):
         self.act_dtype = act_dtype
         self.stored: dict[int, np.ndarray] = {}  # id -> placeholder of a storage-dtype upload (kept: ids stay unique)

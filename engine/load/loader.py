@@ -126,7 +126,8 @@ class Loading:
         starts nothing: the real build reports the problem."""
         try:
             specs, order = dry_build(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
-        except Exception:  # noqa: BLE001 - the build below raises it again, as the user's error
+        except Exception as error:  # noqa: BLE001 - the build below raises it again, as the user's error
+            self.weight_reads = {"error": f"no read-ahead: the dry build failed: {type(error).__name__}: {error}"}
             return
         self._specs = specs
         self.tensors.read_ahead(order, self.ops)
@@ -137,7 +138,7 @@ class Loading:
         try:
             model = build_model(f.config, self.tensors, self.ops, self.mtp)
         finally:
-            self.weight_reads = self.tensors.end_read_ahead()
+            self.weight_reads = self.tensors.end_read_ahead() or self.weight_reads
         return LoadedModel(f.path, f.config, self.ops, model, f.tokenizer, f.defaults, self.tensors)
 
 
