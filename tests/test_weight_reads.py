@@ -148,7 +148,8 @@ def test_the_window_bounds_what_is_held_and_any_order_finishes(tmp_path):
     for i in range(20):
         assert np.array_equal(reads.take(f"t{i}"), arrays[f"t{i}"])
     reads.close()
-    assert landing.peak <= 10_000 + 4_000  # the window, plus the one tensor a chunk may start beyond it
+    # the window, plus a tensor a chunk starts beyond it, plus one handed over but not yet counted out here
+    assert landing.peak <= 10_000 + 2 * 4_000
     # taken backwards with a window of one tensor: the reader goes on while the build waits, so it ends
     reads = WeightReads(spans, HostLanding(buffer_bytes=1500, count=3), threads=2, window_bytes=1)
     done = []
