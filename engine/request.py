@@ -91,8 +91,9 @@ class SamplingParams:
             bad(f"seed must be an integer, got {describe_value(self.seed)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be a list of non-negative integers")
+        wrong = [t for t in self.stop_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)]
+        if wrong:
+            bad(f"stop_token_ids must be a list of non-negative integers, got {describe_value(wrong[0])}")
         for name in _TEXT_FLAGS:
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {describe_value(getattr(self, name))}")
@@ -165,9 +166,11 @@ def _check_processing(sp: SamplingParams, bad) -> None:
             f"{describe_value(sp.min_tokens)}")
     if not all(isinstance(w, str) and w.strip() for w in sp.bad_words):
         bad("bad_words must be a list of non-blank strings")
-    if sp.allowed_token_ids is not None and (not sp.allowed_token_ids or not all(
-            _is_int(t) and t >= 0 for t in sp.allowed_token_ids)):
-        bad("allowed_token_ids must be a non-empty list of non-negative integers")
+    if sp.allowed_token_ids is not None:
+        wrong = [t for t in sp.allowed_token_ids if not (_is_int(t) and t >= 0)]
+        if not sp.allowed_token_ids or wrong:
+            got = f", got {describe_value(wrong[0])}" if wrong else ", got []"
+            bad(f"allowed_token_ids must be a non-empty list of non-negative integers{got}")
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(sp, name)
         if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):

@@ -147,8 +147,8 @@ class PromptEncoder:
                           ("stop_token_ids", sampling.stop_token_ids)):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
-                raise InvalidRequest(f"{name} names token id {outside[0]}, outside the model's vocabulary of "
-                                     f"{self.vocab_size}")
+                raise InvalidRequest(f"{name} names token id {describe_value(outside[0])}, outside the model's "
+                                     f"vocabulary of {self.vocab_size}")
 
     def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokenization of bad_words: each word (leading spaces stripped) alone, and with one leading
@@ -187,7 +187,8 @@ class PromptEncoder:
             raise InvalidRequest("the prompt is empty after tokenization")
         if max(ids) >= self.vocab_size:  # checked in C; the first offending id is looked for only then
             out_of_vocab = next(t for t in ids if t >= self.vocab_size)
-            raise InvalidRequest(f"the prompt contains token id {out_of_vocab}, outside the model's vocabulary of "
+            raise InvalidRequest(f"the prompt contains token id {describe_value(out_of_vocab)}, outside the model's "
+                                 "vocabulary of "
                                  f"{self.vocab_size}")
         if len(ids) >= self.context_tokens:
             raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the model's context of "
