@@ -35,6 +35,7 @@ HONOURED = {
     "all-sliding": (dict(layer_types=["sliding_attention"] * 3), 40),
     "window-2": (dict(sliding_window=2), 40),  # (at 1 transformers' own cache keeps no past: wrong from step 2)
     "window-3": (dict(sliding_window=3), 40),
+    "window-128": (dict(sliding_window=128), 200),  # the released window, the prompt past it
     "no-attention-bias": (dict(attention_bias=False), 40),
     "tied": (dict(tie_word_embeddings=True), 40),
     "mha": (dict(num_key_value_heads=4), 40),
@@ -304,6 +305,13 @@ def gpt_oss(gpt_oss_dir, cpu_ops):
     return load_model(gpt_oss_dir, cpu_ops)[0]
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_128_dir(tmp_path_factory):
+    """The released window of 128 (two layers: a sliding one, then a full one)."""
+    cfg = {**TINY_GPT_OSS, "sliding_window": 128, "num_hidden_layers": 2}
+    return make_model_dir(tmp_path_factory.mktemp("gpt_oss_128"), cfg, seed=5, init_std=PARITY_STD)
+
+
 def test_state_is_rings_and_paged_kv(gpt_oss):
     specs = gpt_oss.state_specs()
     rings = [s for s in specs if s.ring]
@@ -311,13 +319,13 @@ def test_state_is_rings_and_paged_kv(gpt_oss):
     assert sum(s.paged for s in specs) == 4  # K and V of the two full layers
 
 
-def _prompts() -> list[list[int]]:
-    """Branch points inside the window (3, 7), at it (8) and outside it (20, 40), duplicates, one token."""
-    base = random_prompt(90, 60)
+def _prompts(window: int = 8) -> list[list[int]]:
+    """Branch points inside the window, at it, one past it and far outside it, duplicates, one token."""
+    base = random_prompt(90, 3 * window + 36)
     out = []
-    for branch in (3, 7, 8, 20, 40):
+    for branch in (3, window - 1, window, window + 1, 2 * window + 4, 3 * window):
         out += [base[:branch] + random_prompt(branch * 7 + j, 4 + 5 * j) for j in range(2)]
-    return out + [base[:40], base[:40], base, [7], [5, 6, 7] * 8]
+    return out + [base[:3 * window], base[:3 * window], base, [7], [5, 6, 7] * 8]
 
 
 def _run(model, ops, prompts, opts):
@@ -331,7 +339,24 @@ def _run(model, ops, prompts, opts):
 
 
 def test_prefix_reuse_never_changes_an_answer(gpt_oss, cpu_ops):
-    prompts = _prompts()
+    _check_prefix_reuse(gpt_oss, cpu_ops, _prompts())
+
+
+def test_prefix_reuse_around_the_released_window(gpt_oss_128_dir, cpu_ops, tmp_path):
+    """Branch points at 3, 127, 128, 129, 260 and 384 of a 128-token window, from memory and from the disk."""
+    from prefixrun.engine.load.loader import load
+
+    model = load_model(gpt_oss_128_dir, cpu_ops)[0]
+    prompts = _prompts(128)
+    _check_prefix_reuse(model, cpu_ops, prompts)
+    loaded = load(gpt_oss_128_dir, "cpu")
+    off, _, _ = run_tokens(loaded, prompts, max_tokens=4)
+    cold, _, _ = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=4)
+    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=4)
+    assert cold == warm == off and s_warm.reused_from_disk_tokens > 0
+
+
+def _check_prefix_reuse(gpt_oss, cpu_ops, prompts):
     off, _ = _run(gpt_oss, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
     for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
                  EngineOptions(speculative="off", checkpoint_budget_bytes=0),
