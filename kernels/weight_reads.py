@@ -116,6 +116,11 @@ class WeightReads:
         try:
             buffers = self._landing.buffers()
             self.figures.setup_seconds = time.perf_counter() - started
+            with self._cond:  # empty tensors take no chunk: they are there at once
+                for t in self._order:
+                    if t.spec.span.nbytes == 0:
+                        t.target, t.landed = self._landing.allocate(0), True
+                self._cond.notify_all()
             reader = RingReader(buffers, self._threads)
             self.figures.read_bytes = reader.run([t.spec.span for t in self._order],
                                                  lambda b, placements: self._deliver(buffers[b], placements),
@@ -145,9 +150,6 @@ class WeightReads:
         with self._cond:
             for t in ends:
                 t.done, t.landed = done, True
-            for t in self._order:  # empty tensors take no chunk: landed once the reader has passed them
-                if t.spec.span.nbytes == 0 and not t.landed and t.target is None:
-                    t.target, t.landed = self._landing.allocate(0), True
             self._cond.notify_all()
         return done
 
