@@ -68,6 +68,13 @@ for f in PREPARED_FILES:
 print(f"  all prepared modules: {total:.2f} s")
 PY
 
+echo "== imports, each in a fresh process (CPU seconds, the interpreter's own start included)"
+for m in "sys" numpy ml_dtypes cupy tokenizers prefixrun.cli.app \
+         "prefixrun.cli.app, prefixrun.cli.batch_run, prefixrun.engine.run.session, prefixrun.engine.load.loader"; do
+  python3 -c "import resource, time; t = time.perf_counter(); import $m; r = resource.getrusage(resource.RUSAGE_SELF)
+print(f'  {r.ru_utime + r.ru_stime:.3f} s cpu, {time.perf_counter() - t:.3f} s wall: import $m')"
+done
+
 echo "== prefixrun batch, shared-system 64 x (2,048 + 256), 64 new"
 python3 - "$WORK/shared.jsonl" <<'PY'
 import json, random, sys
