@@ -61,6 +61,7 @@ class SpecStats:
     verify_graph_captures: int = 0  # CUDA graphs captured for verify steps (each costs about two forwards)
     eager_verify_steps: int = 0  # verify steps run without a graph (a shape's first time, or no capture possible)
     draft_seconds: float = 0.0  # host time spent drafting (beside the step in flight where a pipeline runs)
+    drained_steps: int = 0  # steps that waited for the step in flight to draft from complete histories
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "num_draft_tokens": self.num_draft_tokens,
@@ -69,7 +70,7 @@ class SpecStats:
                 "unmeasured_steps": self.unmeasured_steps, "declined_steps": self.declined_steps,
                 "paused_sequence_steps": self.paused_sequence_steps,
                 "verify_graph_captures": self.verify_graph_captures, "eager_verify_steps": self.eager_verify_steps,
-                "draft_seconds": round(self.draft_seconds, 4)}
+                "draft_seconds": round(self.draft_seconds, 4), "drained_steps": self.drained_steps}
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Speculator:
         self._rows = 1 + num_drafts  # rows per sequence of the coming verify step
         self._excess = 0.0  # the coming verify step's extra cost, in plain steps of its batch
         self._chosen: dict[int, _SequencePolicy] = {}  # id(sequence) -> policy: may draft in the step decided on
+        self._made: dict[int, tuple[int, int]] = {}  # id(sequence) -> (its tokens then, first draft) of `drafts`
 
     @property
     def overlaps_decode(self) -> bool:
@@ -151,12 +153,26 @@ class Speculator:
         """Drafts per sequence for the coming step, or None: take a plain decode step. Called once per decode
         step (it advances the per-sequence pauses and the probes)."""
         self._chosen = self._decide(seqs)
-        return self._propose(seqs) if self._chosen else self._none(seqs)
+        out = self._propose(seqs) if self._chosen else self._none(seqs)
+        self._made = {id(s): (len(s.tokens), d[0]) for s, d in zip(seqs, out or ()) if d}
+        return out
 
     def redraft(self, seqs: list) -> list[list[int]] | None:
         """The drafts of the step `drafts` decided on, made again from the sequences' complete histories (`drafts`
-        saw them one token short, while the step before was computing); `seqs`: that step's sequences still
-        decoding. Nothing is counted again."""
+        saw them one token short, while the step before was computing, so its first draft guessed that step's
+        token); `seqs`: that step's sequences still decoding. A sequence whose guess was wrong had a draft
+        rejected, at the cost of the wait: it pauses as after a rejected verify step and drafts nothing now."""
+        self.stats.drained_steps += 1
+        for s in seqs:
+            made = self._made.get(id(s))
+            policy = self._chosen.get(id(s))
+            if made is None or policy is None or len(s.tokens) != made[0] + 1 or s.tokens[-1] == made[1]:
+                continue
+            del self._chosen[id(s)]
+            if self.adaptive:
+                policy.rate -= _RATE_EMA * policy.rate
+                policy.pause = min(max(1, 2 * policy.pause), _PAUSE_MAX)
+                policy.paused_for = policy.pause
         return self._propose(seqs) if self._chosen else self._none(seqs)
 
     def _none(self, seqs: list):
