@@ -11,6 +11,9 @@ the MoE ops' layout: gate_up [E, 2I, D] with the gate rows first, down [E, D, I]
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
@@ -28,16 +31,30 @@ def _gate_first(a: np.ndarray, axis: int) -> np.ndarray:
     return np.concatenate([even, odd], axis=axis)
 
 
-class _ExpertMatrix:
-    """One expert's [out, in] fp32 matrix, made on the host when an upload converts it (np.asarray), not before:
-    a layer's experts are dequantised one layer at a time, and a dry build (engine/load/gemm_plan.py) reads only
-    their shape."""
+class _LayerExperts:
+    """A layer's expert matrices as upload parts ([out, in] fp32 each), made on the host when the upload converts
+    the first of them (np.asarray), not before: one layer's experts are in host memory at a time, made by a few
+    threads (NumPy's gathers and products run outside the GIL), and a dry build (engine/load/gemm_plan.py) reads
+    only their shapes."""
 
-    def __init__(self, shape: tuple[int, int], make):
-        self.shape, self.dtype, self.ndim, self._make = shape, np.dtype(np.float32), 2, make
+    def __init__(self, shape: tuple[int, int], makers: list):
+        self._makers, self._futures = makers, None
+        self.parts = [_ExpertMatrix(shape, self, x) for x in range(len(makers))]
+
+    def result(self, x: int) -> np.ndarray:
+        if self._futures is None:
+            pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="experts")
+            self._futures = [pool.submit(make) for make in self._makers]
+            pool.shutdown(wait=False)
+        return self._futures[x].result()
+
+
+class _ExpertMatrix:
+    def __init__(self, shape: tuple[int, int], layer: _LayerExperts, x: int):
+        self.shape, self.dtype, self.ndim, self._layer, self._x = shape, np.dtype(np.float32), 2, layer, x
 
     def __array__(self, dtype=None, copy=None):
-        a = self._make()
+        a = self._layer.result(self._x)
         return a if dtype is None else a.astype(dtype)
 
 
@@ -94,10 +111,10 @@ class ClampedSwigluMoe:
         self.router = load.matrix(prefix + "router.weight", (e, d))
         self.router_bias = load.vector(prefix + "router.bias", (e,))
         source = _ExpertSource(cfg, load, prefix)
-        self.gate_up = load.ops.upload_rows(
-            [_ExpertMatrix((2 * i, d), lambda x=x: source.gate_up(x)) for x in range(e)]).reshape(e, 2 * i, d)
-        self.down = load.ops.upload_rows(
-            [_ExpertMatrix((d, i), lambda x=x: source.down(x)) for x in range(e)]).reshape(e, d, i)
+        gate_up = _LayerExperts((2 * i, d), [lambda x=x: source.gate_up(x) for x in range(e)])
+        self.gate_up = load.ops.upload_rows(gate_up.parts).reshape(e, 2 * i, d)
+        down = _LayerExperts((d, i), [lambda x=x: source.down(x) for x in range(e)])
+        self.down = load.ops.upload_rows(down.parts).reshape(e, d, i)
         bias = load.host(prefix + "experts.gate_up_proj_bias", (e, 2 * i)).astype(np.float32)
         self.gate_up_bias = load.ops.upload(_gate_first(bias, 1), np.float32)  # [E, 2I]
         self.down_bias = load.ops.upload(load.host(prefix + "experts.down_proj_bias", (e, d)), np.float32)
