@@ -97,3 +97,13 @@ def test_a_session_on_a_device_decodes_at_the_measured_width_and_reports_the_ste
     width, why = session._default_max_batch(fake, Device(), roomy, 0)
     assert width == 4 and fake.max_batch_steps == {2: 0.010, 4: 0.012} and "measured decode steps" in why
     assert session._default_max_batch(fake, cpu_ops, roomy, 0) == (session.HOST_MAX_BATCH, "default")
+
+
+def test_a_measurement_that_fails_leaves_the_safe_width(model, cpu_ops, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("the device is full")
+
+    monkeypatch.setattr(batch_choice, "measure_steps", out_of_memory)
+    roomy = _memory_for(model, cpu_ops, 4, SEAT_CONTEXT_TOKENS // 2)
+    choice = choose_max_batch(model, cpu_ops, state_bytes=roomy, checkpoint_bytes=0, block_size=16)
+    assert choice.max_batch == 2 and choice.source == "state memory (the wider width not measured: MemoryError)"

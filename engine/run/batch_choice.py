@@ -23,7 +23,7 @@ from prefixrun.engine.state.pools import SEAT_CONTEXT_TOKENS, ModelState, max_ba
 SHORT_CONTEXT = SEAT_CONTEXT_TOKENS // 2  # the context a seat of the wider width is sized for
 WIDER_GAIN = 1.05  # the wider width must make this many times the sequences per second of the safe one
 MAX_MEASURED_BATCH = 512  # the widest width measured
-_REPLAYS = 4  # timed replays per width (after the capture's warm-up)
+_REPLAYS = 3  # timed replays per width (after the capture's warm-up)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,10 @@ def choose_max_batch(model, ops, *, state_bytes: int, checkpoint_bytes: int, blo
     if len(widths) == 1:
         return BatchChoice(widths[0], "state memory")
     t0 = time.perf_counter()
-    steps = measure_steps(model, ops, widths, block_size)
+    try:
+        steps = measure_steps(model, ops, widths, block_size)
+    except Exception as exc:  # e.g. the device's memory taken by another process meanwhile: the safe width
+        return BatchChoice(widths[0], f"state memory (the wider width not measured: {type(exc).__name__})")
     chosen = pick(steps)
     rates = ", ".join(f"{w} at {1e3 * s:.2f} ms a step" for w, s in sorted(steps.items()))
     return BatchChoice(chosen, f"state memory and measured decode steps ({rates})", steps,
