@@ -86,7 +86,6 @@ class BatchRun:
         self._show_backend_warnings()
         self.model_name = model_dir.name
         self.ignored_fields = IgnoredFields()
-        self._warned_unbounded = False
         self.window = window
         self.failed = 0
         self.done = 0
@@ -167,7 +166,6 @@ class BatchRun:
                 self._error(writer, item)
                 continue
             self.ignored_fields.note(item)
-            self._note_unbounded_chat(item)
             if item.custom_id in done_ids:
                 self.ledger.check(item.custom_id, item.line_no, raw.data)
                 writer.skip(item.index)
@@ -199,15 +197,6 @@ class BatchRun:
         self.reporter.error(f"line {err.line_no}" + (f" ({err.custom_id})" if err.custom_id else "") +
                             f": {err.message}")
         writer.add(err.index, records.format_error(err))
-
-    def _note_unbounded_chat(self, item: lines.ParsedRequest):
-        """One warning at the first chat line without max_tokens: it is admitted with state memory for the rest of
-        the context, which bounds how many such lines decode together."""
-        if item.sampling.max_tokens is None and not self._warned_unbounded:
-            self._warned_unbounded = True
-            self.reporter.warn(f"line {item.line_no}: a chat without max_tokens may generate up to the rest of the "
-                               "context and is admitted with state memory for all of it; give max_tokens (or "
-                               "--max-tokens) to decode more such lines at once")
 
     def _warn_ignored_fields(self):
         """--lenient: a warning naming the fields a window ignores for the first time, before the work they may

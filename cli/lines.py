@@ -6,7 +6,6 @@ cli/records.py turns into the error record written in the line's place.
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import re
@@ -527,12 +526,9 @@ def _sampling_for_line(fields: dict, defaults: SamplingDefaults, where: str, kin
     and OpenAI's chat completions; completions keep 16."""
     try:
         fields = _with_logprobs_count(fields, where, kind)
-        layered = SamplingDefaults.from_fields(fields).over(defaults)
-        sampling = layered.resolve()
+        sampling = SamplingDefaults.from_fields(fields).over(defaults).resolve(unbounded=kind == CHAT)
     except InvalidRequest as err:
         raise _LineRejected(f"{where}{err}") from None
-    if kind == CHAT and layered.max_tokens is None:
-        sampling = dataclasses.replace(sampling, max_tokens=None)
     return with_structured_output(sampling, fields, where)  # its InvalidRequest names the field itself
 
 

@@ -244,6 +244,12 @@ def _pressure_rows(report: dict):
         yield "states recomputed", (f"{count(given_up, 'held state')} given up for room in the state memory, their "
                                     f"requests' prefixes computed again from an older state; a larger "
                                     f"--state-memory or a lower --max-batch avoids it")
+    preempted = report.get("preemptions") or 0
+    if preempted:
+        yield "preemptions", (f"{count(preempted, 'decoding sequence')} preempted for room in the state memory "
+                              f"(latest admitted first), {count(report.get('recomputed_tokens') or 0, 'token')} "
+                              f"computed again to resume them; answers are unchanged; a larger --state-memory or "
+                              f"a lower --max-batch avoids it")
 
 
 def _cache_rows(report: dict):
@@ -327,7 +333,8 @@ def _device_rows(report: dict):
         yield "numerics", ("deterministic: batch-invariant kernels, prefill chunks and resumed states on a 64-token "
                            f"grid ({report.get('grid_recomputed_tokens', 0):,} prompt tokens recomputed for it)")
     if "max_batch" in report:
-        yield "decode batch", f"up to {count(report['max_batch'], 'sequence')} ({report['max_batch_from']})"
+        peak = f"; {report['peak_decode_batch']:,} at most at once" if "peak_decode_batch" in report else ""
+        yield "decode batch", f"up to {count(report['max_batch'], 'sequence')} ({report['max_batch_from']}){peak}"
     workers = report.get("workers")
     if "load_seconds" in report:
         waited = (f"; the run waited {workers['start_wait_seconds']:.2f} s for the workers to start (process and "

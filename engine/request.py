@@ -213,7 +213,8 @@ class SamplingDefaults:
         normalized = _normalize_sampling_values({name: getattr(self, name) for name in _DEFAULTS_FIELDS})
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
-        _build_sampling_params(normalized)  # raises InvalidRequest naming the bad value
+        # raises InvalidRequest naming the bad value; a max_tokens another source may set bounds nothing yet
+        _build_sampling_params(normalized, unbounded=True)
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> SamplingDefaults:
@@ -229,9 +230,10 @@ class SamplingDefaults:
             values["min_tokens"] = self.max_tokens
         return SamplingDefaults(**values)
 
-    def resolve(self) -> SamplingParams:
-        """The SamplingParams to run: these values, SamplingParams' built-in defaults for the unset ones."""
-        return _build_sampling_params(self.as_dict())
+    def resolve(self, unbounded: bool = False) -> SamplingParams:
+        """The SamplingParams to run: these values, SamplingParams' built-in defaults for the unset ones
+        (`unbounded`: an unset max_tokens is None, the rest of the context: a chat's default)."""
+        return _build_sampling_params(self.as_dict(), unbounded)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields that are set."""
@@ -304,8 +306,11 @@ def _normalize_logit_bias(value) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _build_sampling_params(values: dict[str, Any]) -> SamplingParams:
+def _build_sampling_params(values: dict[str, Any], unbounded: bool = False) -> SamplingParams:
+    """`unbounded`: an unset max_tokens is None (the rest of the context), not SamplingParams' default."""
     set_values = {name: value for name, value in values.items() if value is not None}
+    if unbounded:
+        set_values.setdefault("max_tokens", None)
     try:
         return SamplingParams(**set_values)
     except OverflowError:

@@ -379,3 +379,36 @@ def test_the_report_names_given_up_states_drafts_only_when_drafted_and_cpu_worke
     assert "speculative" not in text
     assert "on cpu:0, cpu:1" in text and "1 request," in text and "up to 1 sequence " in text
     assert "1 entry, " in text and "1 hit," in text and "1 bad entry moved aside" in text
+
+
+def test_preempted_chat_lines_are_counted_in_the_report_and_keep_their_answers(model, tmp_path):
+    """Chat lines without max_tokens (the rest of the context: 4,096 tokens, 256 K/V blocks each) were admitted
+    with state memory for all of it, so 2 MiB decoded none of them: now they are admitted for what they need now
+    and decode eight wide, as lines with max_tokens 44 do; in 1 MiB they outgrow the pools, are preempted and
+    recomputed, and every answer is the same. The report (stderr and --json-report) counts both."""
+    def lines(**extra):
+        return [{"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"question {i} about things"}],
+                 "stop_token_ids": [5], "logit_bias": {"5": 100}, "min_tokens": 40, "temperature": 0, **extra}
+                for i in range(8)]  # each answer: 40 tokens, then the stop token
+
+    def run(src, memory, name):
+        report = tmp_path / f"{name}.json"
+        res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "--max-batch", 8,
+                  "--state-memory", memory, "--json-report", report)
+        assert res.exit_code == 0, res.stderr
+        return records(res.stdout), json.loads(report.read_text()), res.stderr
+
+    unbounded = write_jsonl(tmp_path / "unbounded.jsonl", lines())
+    bounded = write_jsonl(tmp_path / "bounded.jsonl", lines(max_tokens=44))
+    wide, wide_report, _ = run(unbounded, "2MiB", "wide")
+    small, small_report, _ = run(bounded, "2MiB", "small")
+    assert wide_report["peak_decode_batch"] == small_report["peak_decode_batch"] == 8
+    assert wide_report["preemptions"] == 0 and wide_report["recomputed_tokens"] == 0
+    assert [r["token_ids"] for r in wide] == [r["token_ids"] for r in small]
+    assert all(len(r["token_ids"]) == 41 and r["finish_reason"] == "stop" for r in wide)
+    tight, tight_report, stderr = run(unbounded, "1MiB", "tight")
+    assert tight == wide
+    assert tight_report["preemptions"] > 0 and tight_report["recomputed_tokens"] > 0
+    row = re.sub(r"\s+", " ", stderr[stderr.index("preemptions"):])
+    assert f"{tight_report['preemptions']:,} decoding sequence" in row and "answers are unchanged" in row
+    assert "--state-memory" in row

@@ -64,3 +64,20 @@ def test_accounting_adds_up_cold_and_warm_on_gpu(gpu_model):
     assert s_cold.reused_from_disk_tokens == 0 < s_warm.reused_from_disk_tokens
     assert {k: v.token_ids for k, v in warm.items()} == {k: v.token_ids for k, v in cold.items()}
     assert trace.of("hit")
+
+
+def test_preemption_on_gpu_keeps_greedy_and_seeded_tokens(gpu_model):
+    # pools at their floor (8 blocks of 16 tokens) while eight sequences grow to ~70 positions each: they are
+    # preempted and recomputed many times, with decode graphs and the pipelined decode on; fp32, so every token is
+    # the ample run's, greedy and seeded (n = 2 samples forked from one prefill)
+    model, ops = gpu_model
+    prompts = [random_prompt(40 + i, 8 + i) for i in range(8)]
+    for sp in (SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+               SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=5, n=2, ignore_eos=True)):
+        want, _, _, roomy = _run(model, ops, prompts, EngineOptions(speculative="off", block_size=16), sp=sp)
+        got, plan, trace, stats = _run(model, ops, prompts, EngineOptions(speculative="off", block_size=16,
+                                                                          state_memory_bytes=1), sp=sp)
+        assert roomy.preemptions == 0 and stats.preemptions >= 2 and stats.recomputed_tokens > 0
+        assert {k: [c.token_ids for c in r.choices] for k, r in got.items()} == \
+            {k: [c.token_ids for c in r.choices] for k, r in want.items()}
+        check_trace_against_plan(plan, trace)

@@ -139,6 +139,15 @@ def test_json_shapes_become_params():
     assert sp.allowed_token_ids == (4, 5) and sp.min_tokens == 2 and sp.logprobs == 3
 
 
+def test_a_min_tokens_above_16_is_bounded_only_by_the_max_tokens_that_applies():
+    # a chat line's max_tokens defaults to the rest of the context, so its min_tokens may pass 16 (a chat line with
+    # min_tokens 20 was refused: "min_tokens must be an integer in [0, max_tokens=16]"); a completion keeps 16
+    fields = SamplingDefaults.from_fields({"min_tokens": 20})
+    assert fields.resolve(unbounded=True).max_tokens is None and fields.resolve(unbounded=True).min_tokens == 20
+    with pytest.raises(InvalidRequest, match="max_tokens=16"):
+        fields.resolve()
+
+
 # ---- against transformers' logits processors, through the engine -------------------------------------------------
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

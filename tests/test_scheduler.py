@@ -45,19 +45,25 @@ def test_pushed_consumers_run_first_one_first():
     assert all(sched.base[t.id] is None and sched.base_length(t) == 0 for t in plan.roots)
 
 
-def test_a_request_task_counts_its_blocks_up_to_its_last_token():
-    # 10 prompt tokens + up to 4 new ones (the last one is never written: 13 positions) -> 4 blocks of 4, plus one
-    # for the copy of a shared partial block
+def test_a_request_task_counts_its_blocks_up_to_its_growth_margin():
+    # 10 prompt tokens + its first new ones, at most one block's worth (4) and at most max_tokens - 1 (the last
+    # token is never written): 13 positions -> 4 blocks of 4, plus one for the copy of a shared partial block
     sched, plan, _, _ = scheduler([list(range(10))], max_tokens=4)
     (task,) = plan.roots
     assert sched.task_blocks(task) == -(-(10 + 4 - 1) // BS) + 1
     assert sched.todo_tokens(task) == 10
+    # with up to 1,000 new tokens it is still admitted for what it needs now: 10 + 4 positions, not 1,009
+    sched, plan, _, _ = scheduler([list(range(10))], max_tokens=1000)
+    assert sched.task_blocks(plan.roots[0]) == -(-(10 + BS) // BS) + 1 == 5
+    # one new token: only the prompt's positions
+    sched, plan, _, _ = scheduler([list(range(10))], max_tokens=1)
+    assert sched.task_blocks(plan.roots[0]) == -(-10 // BS) + 1
 
 
-def test_the_context_caps_a_requests_last_length():
-    # max_tokens past the model's context: the blocks stop at the context (16 tokens: 4 blocks, + 1)
-    sched, plan, _, _ = scheduler([list(range(10))], max_tokens=1000, max_context=16)
-    assert sched.task_blocks(plan.roots[0]) == 16 // BS + 1
+def test_the_context_caps_a_requests_admitted_length():
+    # 10 tokens + a margin of 4 past a context of 12: the blocks stop at the context (3 blocks, + 1)
+    sched, plan, _, _ = scheduler([list(range(10))], max_tokens=1000, max_context=12)
+    assert sched.task_blocks(plan.roots[0]) == 12 // BS + 1
 
 
 def test_a_base_checkpoints_blocks_are_not_counted_again():
@@ -94,19 +100,25 @@ def test_a_group_needs_one_slot_per_task_plus_a_spare():
     assert not sched.can_admit(plan.roots, [])
 
 
-def test_blocks_count_what_decoding_sequences_still_need():
-    # 8 free blocks; a decoding sequence at length 4 that may grow by 12 needs 3 more: a task of 3 blocks fits
-    # beside it (3 + 3 <= 8) but not one of 6
-    sched, plan, state, _ = scheduler([[1] * 5, list(range(20))], blocks=8, max_tokens=4)
+def test_blocks_count_the_growth_margin_of_decoding_sequences_not_their_last_length():
+    # 8 blocks, 7 free beside a decoding sequence at length 4 with 12 tokens to go: it counts the block of its
+    # next 4 tokens, not the 3 of its last length; a task of 5 tokens with 100 new ones to come is admitted for
+    # its first 4 (9 positions: 3 blocks, + 1), not for all 100 (26 blocks); one of 20 tokens (6 + 1) is not
+    sched, plan, state, _ = scheduler([[1] * 5, list(range(20))], blocks=8, max_tokens=100)
     h = state.new_sequence()
     state.reserve(h, 4)
     h.length = 4
     seq = Sequence(Request("d", [0] * 4, SamplingParams(max_tokens=13), 9), h, None, 4096)
     seq.tokens.append(5)  # one token generated: 12 to go
-    assert sched.growth([seq]) == state.blocks_needed(h, 4 + 12) == 3
+    assert sched.growth([seq]) == state.blocks_needed(h, 4 + BS) == 1
     small, large = plan.roots
-    assert sched.task_blocks(small) == 3 and sched.task_blocks(large) == 7
+    assert sched.task_blocks(small) == 4 and sched.task_blocks(large) == 7
     assert sched.can_admit([small], [seq]) and not sched.can_admit([large], [seq])
+    # with two tokens to go it counts the block of those two only, and none once done
+    seq.tokens.extend([6] * 10)
+    assert seq.remaining == 2 and sched.growth([seq]) == state.blocks_needed(h, 6) == 1
+    seq.tokens.extend([6] * 2)
+    assert sched.growth([seq]) == 0
 
 
 def test_a_group_stops_at_the_step_token_budget():

@@ -7,16 +7,20 @@ one checkpoint, and with them the next siblings of other checkpoints (doc-qa's 6
 one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over runs alone, or
 with the other samples of its request that fork it.
 
-One admission rule, `can_admit(group, decoding)` (pure), counts what the group adds to the pools until its
-requests finish:
+One admission rule, `can_admit(group, decoding)` (pure), counts what the group needs now, plus a small growth
+margin, never its worst case (vLLM's optimistic admission; a chat line without max_tokens may generate up to the
+rest of the context, and reserving all of it would decode such lines one at a time):
 - seats: decoding sequences + the group's decode tasks (one per sample of a request) <= max_batch;
 - state slots: one per task, plus one spare for a retained copy;
-- K/V blocks (`task_blocks`): each task's blocks up to its last possible length (its end; for a request, end plus
-  its new tokens, within the context), less the blocks its base already holds and shares, plus one copy of a shared
-  partial block; plus what every decoding sequence still needs to reach its own last length (`growth`).
-So a sequence once admitted never runs out of blocks. `admit` pops the group. When nothing fits, the runner
-degrades in order: evict retained checkpoints, wait for decoders, give up pinned checkpoints (their consumers
-recompute from an older state), and only a task that cannot fit an empty pool is refused (`fits_alone`).
+- K/V blocks (`task_blocks`): each task's blocks up to its end plus the growth margin (a request's first
+  `margin_tokens` new tokens, within its max_tokens and the context), less the blocks its base already holds and
+  shares, plus one copy of a shared partial block; plus the margin of every decoding sequence (`growth`: the blocks
+  it needs for its next `margin_tokens` tokens).
+A sequence may so outgrow the pools while it decodes: the executor then preempts the latest admitted sequences
+(their state freed, recomputed later: engine/run/preemption.py, which also readmits them, before any new task).
+`admit` pops the group. When nothing fits, the runner degrades in order: evict retained checkpoints, wait for
+decoders, give up pinned checkpoints (their consumers recompute from an older state), and only a task that cannot
+fit an empty pool is refused (`fits_alone`).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from prefixrun.engine.plan.planner import Task
 from prefixrun.engine.request import Request
 from prefixrun.engine.step.sequence import Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
+
+GROWTH_MARGIN_BLOCKS = 1  # the margin of admission, in K/V blocks of new tokens per sequence (module doc)
 
 
 @dataclass(eq=False)
@@ -63,6 +69,7 @@ class Scheduler:
         self.state, self.pool, self.requests = state, pool, requests
         self.max_batch, self.max_prefill_tokens, self.max_context = max_batch, max_prefill_tokens, max_context
         self.reserved_blocks = reserved_blocks  # held outside the scheduler's view (the decode-graph scratch)
+        self.margin_tokens = GROWTH_MARGIN_BLOCKS * state.block_size
         self.pending: list[Task] = []
         self.base: dict[int, object] = {}  # task id -> CheckpointEntry | Handoff | None
 
@@ -89,27 +96,29 @@ class Scheduler:
         return {t.id for t in self.pending}
 
     # ---- the one admission rule ---------------------------------------------------------------------------
-    def _final_length(self, task: Task) -> int:
-        """The longest its state may grow: a request's end plus its new tokens (the state a request's samples fork
-        grows as its first sample's does), else its end."""
+    def _admitted_length(self, task: Task) -> int:
+        """The length a task's state is admitted for: a request's end plus its growth margin (the state a request's
+        samples fork grows as its first sample's does), else its end."""
         request = task.request if task.request is not None else task.consumers[0].request if task.fans_out else None
         if request is None:
             return task.end
-        return min(task.end + self.requests[request].sampling.max_tokens - 1, self.max_context)
+        new_tokens = min(self.requests[request].sampling.max_tokens - 1, self.margin_tokens)
+        return min(task.end + new_tokens, self.max_context)
 
     def task_blocks(self, task: Task, base=...) -> int:
-        """New K/V blocks `task` takes until it is done (see the module doc)."""
+        """New K/V blocks `task` takes when admitted (see the module doc)."""
         base = self.base[task.id] if base is ... else base
         held = 0
         if isinstance(base, CheckpointEntry):
             held = self.pool.num_blocks(base)
         elif isinstance(base, Handoff):
             held = len(base.handle.blocks)
-        return max(0, self.state.blocks_for(self._final_length(task)) - held) + 1
+        return max(0, self.state.blocks_for(self._admitted_length(task)) - held) + 1
 
     def growth(self, decoding: list[Sequence]) -> int:
-        """Blocks the decoding sequences still need to reach their last length."""
-        return sum(self.state.blocks_needed(s.handle, s.handle.length + s.remaining) for s in decoding)
+        """Blocks the decoding sequences need for their growth margin (their next `margin_tokens` tokens)."""
+        return sum(self.state.blocks_needed(s.handle, s.handle.length + min(s.remaining, self.margin_tokens))
+                   for s in decoding)
 
     def can_admit(self, group: list[Task], decoding: list[Sequence]) -> bool:
         return self._fits(len(group), sum(t.request is not None for t in group),

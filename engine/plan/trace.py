@@ -14,6 +14,10 @@ an event here, so tests check the steps the runner executed, not a separate mode
   drop      task's branch checkpoint was given up under memory pressure (its consumers were rebased)
   decode    the task's request started decoding
   error     the task's request could not run (note says why)
+  preempt   a sequence decoding from the task gave its state (of length `end`) up for room
+  recompute that sequence got its state back: tokens [start, end) prefilled again, from a saved state of length
+            `start` (note: "memory" or "disk") or from scratch
+  outgrown  that sequence could not go on even alone in the state memory (its request gets an error)
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ class Event:
     note: str = ""
 
     def __str__(self) -> str:
-        if self.kind in ("prefill", "hit"):
+        if self.kind in ("prefill", "hit", "recompute"):
             span = f" [{self.start}, {self.end})"
         elif self.kind in ("fork", "rebase"):
             span = f" @{self.start}"

@@ -86,6 +86,8 @@ class RunStats:
     peak_decode_batch: int = 0
     states_given_up: int = 0  # held states (checkpoints, handed-over states) dropped for room: consumers recompute
     grid_recomputed_tokens: int = 0  # --deterministic: prompt tokens recomputed after branch points moved to the grid
+    preemptions: int = 0  # decoding sequences whose state was freed for room (engine/run/preemption.py)
+    recomputed_tokens: int = 0  # tokens prefilled again to give preempted sequences their states back
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -11,10 +11,11 @@ Memory pressure degrades, never aborts: a group shrinks to what the pools admit;
 retained checkpoints are evicted, decoders finish, then pinned checkpoints and handed-over states are given up
 (their consumers recompute from an older checkpoint or from scratch); a request whose state cannot fit an empty
 pool gets an error Result. A refused checkpoint (budget) makes its consumers recompute the same way: it costs
-compute, never answers.
+compute, never answers. Admission counts what a sequence needs now, so decoding sequences may outgrow the pools:
+before each decode step `_make_room` frees the blocks its rows take, preempting the latest admitted sequences,
+which wait (engine/run/preemption.py) and are readmitted before any new task.
 
-Accounting: each executed task leaves a `_Run` record (how its state was made); a request's usage follows the chain
-of runs that made its state, so reused = from disk + from memory, each >= 0, per request and per run.
+Accounting: each executed task leaves a `TaskRun` record (engine/run/accounting.py: how its state was made).
 
 The task lifecycle (start, prefill, finish, decode) and its pressure relief share the window's bookkeeping (saved
 checkpoints, their savers, the decoding set), so they live together.
@@ -30,6 +31,8 @@ from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
 from prefixrun.engine.request import Completion, ModelProcessing, Request, Result, Usage
+from prefixrun.engine.run.accounting import TaskRun, charged
+from prefixrun.engine.run.preemption import Preemptions
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet
 from prefixrun.engine.run.saved_states import SavedStates
@@ -40,20 +43,6 @@ from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.plan.trace import Trace
 
 FIRST_TOKEN_ROWS = 64  # first tokens sampled per call: 64 rows of a 248k vocabulary's fp32 logits are 63 MiB
-
-
-@dataclass(eq=False)
-class _Run:
-    """How one executed task's end state was made, for accounting. The chain of `base` links from a request's
-    task partitions its prompt: a hit (a saved state of length `hit`) or an empty state at the bottom, then each
-    run's `computed` tokens."""
-
-    task: Task
-    base: "_Run | None"
-    computed: int = 0
-    hit: int = 0
-    from_disk: bool = False
-    start: int = 0  # a hit above a base: the base's length (tokens [0, start) are the base chain's, not the hit's)
 
 
 @dataclass(frozen=True)
@@ -68,7 +57,7 @@ class DecodingStarts:
     grammars: object  # engine/grammar/compiler.py GrammarCompiler
     processing: ModelProcessing = ModelProcessing()  # what generation_config adds to every request's
 
-    def sequence(self, request: Request, handle: StateHandle, origin: _Run, sample: int) -> Sequence:
+    def sequence(self, request: Request, handle: StateHandle, origin: TaskRun, sample: int) -> Sequence:
         detok = None
         if self.tokenizer is not None:
             from prefixrun.engine.load.tokenizer import StreamDetokenizer
@@ -120,8 +109,10 @@ class WindowExecutor:
         self.finished: list[Result] = []
         self.samples: dict[int, SampleSet] = {}  # id(request) -> its samples ended so far
         self.prompt = PromptLogprobs(plan, requests, self.ops)
+        self.preempted = Preemptions(self.state, self.runner, self.saved_states, self.sched, o, self.stats, trace,
+                                     self.grid)
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
-        self.saver: dict[int, tuple[Task, _Run]] = {}  # id(entry) -> the task that saved it, and its run
+        self.saver: dict[int, tuple[Task, TaskRun]] = {}  # id(entry) -> the task that saved it, and its run
         # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) where the speculator
         # allows it (a drafter that needs every step's hidden states makes every step a synchronous one)
         self.pipeline = DecodePipeline(self.runner, self.ops, o.max_batch) \
@@ -129,30 +120,58 @@ class WindowExecutor:
 
     # ---- main loop ----------------------------------------------------------------------------------------
     def execute(self) -> Iterator[Result]:
-        sched, max_batch = self.sched, self.opts.max_batch
-        while sched.pending or self.decoding:
-            group = sched.next_group(self.decoding) if sched.pending and len(self.decoding) < max_batch else []
-            if group:
-                self._drain()  # the decoding set changes: its tokens up to date first (and the decode time true)
-                sched.admit(group)
-                self._prefill_group(group)
-            elif sched.pending and len(self.decoding) < max_batch and self._evict_retained():
-                pass
-            elif self.decoding:
-                self._decode_step()
-            elif not self._give_up_one():
-                self._refuse(sched.pop())
+        while self.sched.pending or self.decoding or self.preempted.waiting:
+            if self.preempted.waiting:
+                self._resume_or_wait()
+            else:
+                self._admit_or_wait()
             while self.finished:
                 yield self.finished.pop(0)
         self._drain()  # a step of rows whose sequences had all ended may still be in flight
         while self.finished:
             yield self.finished.pop(0)
 
+    def _admit_or_wait(self):
+        """One move for the plan's tasks: prefill the next group the pools admit, or relieve the pressure."""
+        sched, seats = self.sched, len(self.decoding) < self.opts.max_batch
+        group = sched.next_group(self.decoding) if sched.pending and seats else []
+        if group:
+            self._drain()  # the decoding set changes: its tokens up to date first (and the decode time true)
+            sched.admit(group)
+            self._prefill_group(group)
+        elif sched.pending and seats and self._evict_retained(lambda: sched.can_admit([sched.pending[-1]],
+                                                                                      self.decoding)):
+            pass
+        elif self.decoding:
+            self._decode_step()
+        elif not self._give_up_one(self.sched.base[sched.pending[-1].id]):
+            self._refuse(sched.pop())
+
+    def _resume_or_wait(self):
+        """One move while preempted sequences wait (they come before any new task): readmit the first ones the
+        pools hold, or relieve the pressure the same way; one that cannot fit even alone ends with an error."""
+        waiting, seats = self.preempted.waiting, len(self.decoding) < self.opts.max_batch
+        ready = self.preempted.ready(self.decoding) if seats else []
+        if not ready and seats and self._evict_retained(lambda: bool(self.preempted.ready(self.decoding))):
+            return
+        if not ready and self.decoding:
+            self._decode_step()
+            return
+        if not ready and not self._give_up_one(None):
+            ready = self.preempted.ready(self.decoding, least=True)
+            if not ready:
+                self._outgrown(waiting[0])
+                return
+        if ready:
+            self._drain()
+            self.preempted.resume(ready)
+            self.decoding.extend(ready)
+
     # ---- memory pressure ----------------------------------------------------------------------------------
-    def _evict_retained(self) -> bool:
-        """Evict retained checkpoints until the top task is admitted; True if anything was evicted."""
-        top, evicted = self.sched.pending[-1], False
-        while not self.sched.can_admit([top], self.decoding):
+    def _evict_retained(self, admitted) -> bool:
+        """Evict retained checkpoints until `admitted()` holds; True if anything was evicted."""
+        evicted = False
+        while not admitted():
             victim = self.pool.evict_lru()
             if victim is None:
                 break
@@ -160,12 +179,41 @@ class WindowExecutor:
             evicted = True
         return evicted
 
-    def _give_up_one(self) -> bool:
-        """Nothing decodes and the top task does not fit: give up one held state (a handed-over state or a pinned
-        checkpoint, the top task's own base last); its consumers recompute from an older state. False if none."""
-        top = self.sched.pending[-1]
+    def _make_room(self):
+        """Before a decode step: the K/V blocks its rows take, made free by the step in flight ending, retained
+        checkpoints evicted, held states given up while one sequence is left (it would need them all the same),
+        and the latest admitted sequences preempted (engine/run/preemption.py)."""
+        rows = self.speculator.step_rows
+        need = lambda: self.preempted.step_blocks(self.decoding[:self.opts.max_batch], rows)
+        while self.decoding and need() > self.state.blocks.free_count:
+            if self.pipeline is not None and self.pipeline.busy:
+                self._drain()
+            elif self._evict_retained(lambda: need() <= self.state.blocks.free_count):
+                pass
+            elif len(self.decoding) > 1 or not self._give_up_one(None):
+                victim = self.decoding.pop()
+                self.speculator.state_lost(victim)
+                self.preempted.preempt(victim)
+
+    def _outgrown(self, seq: Sequence):
+        """A preempted sequence that cannot fit the state memory even alone: its request gets an error."""
+        self.preempted.waiting.remove(seq)
+        self.speculator.forget(seq)
+        self.trace.add("outgrown", seq.origin.task.id, end=len(seq.request.prompt_token_ids) + len(seq.tokens))
+        self.stats.completion_tokens += len(seq.tokens)
+        samples = self._samples_of(seq.request)
+        samples.fail(seq.sample, self.preempted.outgrown(seq, self._fewer()))
+        self._collect(samples)
+
+    def _fewer(self) -> str:
+        # the state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V
+        return f", lower --max-batch ({self.opts.max_batch:,} now)" if self.opts.max_batch > 1 else ""
+
+    def _give_up_one(self, mine) -> bool:
+        """Nothing decodes and what waits (a task whose base is `mine`, or a preempted sequence: None) does not fit:
+        give up one held state (a handed-over state or a pinned checkpoint, `mine` last); its consumers recompute
+        from an older state. False if none."""
         bases = [self.sched.base[t.id] for t in self.sched.pending if self.sched.base[t.id] is not None]
-        mine = self.sched.base[top.id]
         for b in sorted(bases, key=lambda b: (b is mine, not isinstance(b, Handoff))):
             consumers = self.sched.consumers_of(b)
             if isinstance(b, Handoff):
@@ -199,9 +247,7 @@ class WindowExecutor:
     def _refuse(self, task: Task):
         """The task cannot fit even an empty pool: its requests (and those of every task after it) get errors."""
         self._let_go(task, self.sched.base[task.id])
-        s = self.state
-        # the state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V
-        fewer = f", lower --max-batch ({self.opts.max_batch:,} now)" if self.opts.max_batch > 1 else ""
+        s, fewer = self.state, self._fewer()
         for t in self.plan.subtree(task):
             if t.request is None:
                 continue
@@ -210,10 +256,9 @@ class WindowExecutor:
             self.trace.add("error", t.id, note="does not fit the state memory")
             samples = self._samples_of(r)
             samples.fail(t.sample, (
-                f"prompt of {len(r.prompt_token_ids)} tokens with up to {r.sampling.max_tokens} new tokens needs "
-                f"{need} K/V blocks of {s.block_size} tokens; the state memory holds "
-                f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer} or lower "
-                f"max_tokens"))
+                f"prompt of {len(r.prompt_token_ids)} tokens with room for its first new tokens needs {need} K/V "
+                f"blocks of {s.block_size} tokens; the state memory holds "
+                f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer}"))
             self._collect(samples)
 
     # ---- prefill ------------------------------------------------------------------------------------------
@@ -226,7 +271,7 @@ class WindowExecutor:
             if base.pins == 0:
                 self.trace.add("release", self.saver[id(base)][0].id, end=base.length)
 
-    def _start_state(self, task: Task, disk_ok: bool) -> tuple[StateHandle, object | None, _Run]:
+    def _start_state(self, task: Task, disk_ok: bool) -> tuple[StateHandle, object | None, TaskRun]:
         """The state to prefill from, the end logits if nothing is left to compute, and the run record.
 
         Prefers the longest saved state reaching past the base: a retained checkpoint of the pool, else the
@@ -250,20 +295,21 @@ class WindowExecutor:
                 self._let_go(task, base)
                 handle = found.handle
                 self.trace.add("hit", task.id, start=b, end=handle.length, note=found.source)
-                return handle, found.logits, _Run(task, base_run, hit=handle.length, from_disk=found.source == "disk",
-                                                  start=b if base_run is not None else 0)
+                return handle, found.logits, TaskRun(task, base_run, hit=handle.length,
+                                                     from_disk=found.source == "disk",
+                                                     start=b if base_run is not None else 0)
         if base is None:
-            return self.state.new_sequence(), None, _Run(task, None)
+            return self.state.new_sequence(), None, TaskRun(task, None)
         if isinstance(base, Handoff):
             if base.shares > 1:
                 self.trace.add("fork", task.id, start=b)
-            return base.take(self.state), base.logits if b == end else None, _Run(task, base.origin)
+            return base.take(self.state), base.logits if b == end else None, TaskRun(task, base.origin)
         handle = self.pool.acquire(base, task.id)
         saver, saver_run = self.saver[id(base)]
         self.trace.add("fork", task.id, start=b)
         if base.pins == 0:
             self.trace.add("release", saver.id, end=b)
-        return handle, base.logits if b == end else None, _Run(task, saver_run)
+        return handle, base.logits if b == end else None, TaskRun(task, saver_run)
 
     def _prefill_group(self, group: list[Task]):
         spare = self.state.blocks.free_count - sum(self.sched.task_blocks(t) for t in group) \
@@ -302,7 +348,7 @@ class WindowExecutor:
         self._sample_first_tokens()
 
     def _prefill_pieces(self, group: list[Task], handles: list[StateHandle], todos: list[list[int]], logits: list,
-                        runs: list[_Run]):
+                        runs: list[TaskRun]):
         """Prefill each task's tokens `todos[i]` in steps of up to max_prefill_tokens over the tasks that still
         have some (fewer where a task scores its prompt logprobs); each task's last logits go to `logits[i]`."""
         pending = [i for i, t in enumerate(todos) if t]
@@ -379,7 +425,7 @@ class WindowExecutor:
         entry, victims = self.pool.save(prefix, self.state.fork(handle), row, retain=True)
         self._spill(victims)
 
-    def _finish_task(self, task: Task, handle: StateHandle, logits, run: _Run):
+    def _finish_task(self, task: Task, handle: StateHandle, logits, run: TaskRun):
         """The task's end state is ready: checkpoint it for its consumers, start its request, or hand it over."""
         sched = self.sched
         if task.saves:
@@ -414,7 +460,7 @@ class WindowExecutor:
             self.state.release(handle)
 
     # ---- decode -------------------------------------------------------------------------------------------
-    def _start_decoding(self, task: Task, handle: StateHandle, logits, run: _Run):
+    def _start_decoding(self, task: Task, handle: StateHandle, logits, run: TaskRun):
         req = self.requests[task.request]
         seq = self.decoding_starts.sequence(req, handle, run, task.sample)
         if req.sampling.prompt_logprobs is not None and task.sample == 0:
@@ -468,6 +514,9 @@ class WindowExecutor:
         return self.speculator.redraft(batch) if again else self.speculator.drafts(batch)
 
     def _decode_step(self):
+        self._make_room()
+        if not self.decoding:
+            return
         if self.pipeline is None:
             self._synchronous_step()
             return
@@ -539,7 +588,7 @@ class WindowExecutor:
         completion = Completion(list(seq.tokens), seq.text(), seq.finish_reason,
                                 logprobs=list(seq.logprobs) if sp.logprobs is not None else None,
                                 cumulative_logprob=seq.cumulative_logprob if sp.wants_logprobs else None)
-        samples.add(seq.sample, completion, *_charged(seq.origin))
+        samples.add(seq.sample, completion, *charged(seq.origin))
         self._collect(samples)
 
     def _spill(self, evicted):
@@ -581,20 +630,3 @@ def error_result(r: Request, message: str, stats) -> Result:
     """The Result of a request the engine cannot run (counted in the run's statistics)."""
     stats.failed_requests += 1
     return Result(r.custom_id, r.index, [], Usage(len(r.prompt_token_ids), 0, 0, 0), error=message)
-
-
-def _charged(run: _Run) -> tuple[int, int]:
-    """(prompt tokens computed for the request of `run`'s task, prompt tokens it got from disk), from the chain of
-    runs that made its
-    state: computed tokens count where the request carried the run (the first request under a task pays for it;
-    the others reused them), disk tokens where the chain starts at a stored state. Each is at most the prompt
-    length and they never overlap, so reused = prompt - computed >= from disk >= 0."""
-    rid = run.task.request
-    computed = from_disk = 0
-    while run is not None:
-        if run.task.carrier == rid:
-            computed += run.computed
-        if run.from_disk:
-            from_disk += run.hit - run.start
-        run = run.base
-    return computed, from_disk

@@ -176,6 +176,8 @@ class EngineSession:
             "completion_tokens": s.completion_tokens,
             "checkpoints_saved": p.saved, "checkpoints_restored": p.restored, "checkpoints_evicted": p.evicted,
             "checkpoints_skipped_over_budget": p.skipped_over_budget, "states_given_up": s.states_given_up,
+            "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
+            "peak_decode_batch": s.peak_decode_batch,
             "checkpoint_bytes_saved": p.saved_bytes, "checkpoint_bytes_evicted": p.evicted_bytes,
             "peak_checkpoint_bytes": p.peak_bytes, "checkpoint_budget_bytes": self.engine.pool.budget_bytes,
             "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,

@@ -290,6 +290,16 @@ class Speculator:
         warm, self._captures = self._steps <= 1 or captures != self._captures, captures
         return warm
 
+    @property
+    def step_rows(self) -> int:
+        """The most rows one sequence may take in a decode step (its last token and its drafts)."""
+        return min(1 + self.num_drafts, self.state.max_step_rows)
+
+    def state_lost(self, seq):
+        """The sequence was preempted (its state is recomputed later): the hidden rows it kept are void; its
+        drafting policy stays, so its drafts go on as if it had not been."""
+        self._hidden.pop(id(seq), None)
+
     def forget(self, seq):
         self._policy.pop(id(seq), None)
         self._hidden.pop(id(seq), None)
@@ -359,6 +369,11 @@ class NoSpeculation:
         return None
 
     def plain_step_done(self, batch_size: int, seconds: float | None):
+        pass
+
+    step_rows = 1  # rows per sequence and decode step
+
+    def state_lost(self, seq):
         pass
 
     def forget(self, seq):

@@ -11,8 +11,8 @@ Here `advance` queues step n+1 first and only then reads step n's ids:
 - a sequence whose step-n token ends it by length (max_tokens, context) is left out of step n+1 (known before the
   token is); one that step n's token ends otherwise (EOS, a stop id or string) has had one more token computed by
   step n+1, which is never accepted. That row wrote only into its own state: its slot, and K/V rows past its
-  accepted tokens in blocks `reserve` gave it alone (a shared partial block is copied first), inside the
-  max_tokens growth the scheduler admitted it with. Its handle is released when its end is seen; whatever later
+  accepted tokens in blocks `reserve` gave it alone (a shared partial block is copied first), among those the
+  executor made free for the step before queuing it (engine/run/executor.py `_make_room`). Its handle is released when its end is seen; whatever later
   reuses the slot or blocks is queued after step n+1 on the same stream.
 Structured output needs step n's tokens for step n+1's masks, so `advance` queues step n+1's forward first,
 accepts step n's tokens (each grammar takes its token), and only then finishes step n+1: the runner fills the

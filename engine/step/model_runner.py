@@ -62,6 +62,11 @@ class ModelRunner:
                 raise RuntimeError(f"deterministic prefill from position {off[0]}, off the {CHUNK_GRID}-token grid")
         return self.state.prepare_step(handles, pieces, prefill=True)
 
+    def feed(self, handles: list[StateHandle], pieces: list[list[int]]):
+        """Append each piece to its handle's state as decode steps append tokens (not a prefill step: batch-invariant
+        kernels compute its rows as they compute decode rows); returns [B, V] logits of each piece's last token."""
+        return self.model.forward(self.state.prepare_step(handles, pieces), self.state)
+
     @property
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
