@@ -76,3 +76,17 @@ def test_engine_gives_the_same_bits_on_every_path(family, model_dirs):
         assert _run(model, ops, [prompts[i]], _options())["r0"] == base[f"r{i}"], f"r{i} alone"
     plain = _run(model, ops, prompts, _options(), logprobs=False)
     assert _run(model, ops, prompts, _options(speculative="ngram"), logprobs=False) == plain, "ngram"
+
+
+def test_preemption_keeps_every_bit(model_dirs):
+    """Sequences preempted for room get their state back with the prompt prefilled on the grid and their tokens fed
+    as decode steps (eager forwards, where the first run's came from decode graphs): every token and logprob bit
+    of a run with ample pools."""
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.cuda import CudaOps
+    from test_deterministic import _bench_prompts, _preempted_run
+
+    ops = CudaOps("bfloat16", deterministic=True)
+    model, _ = load_model(model_dirs["qwen3_5"], ops)
+    got, preemptions, base = _preempted_run(model, ops, _bench_prompts(), 16, 40)
+    assert preemptions > 0 and got == base

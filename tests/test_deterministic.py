@@ -133,6 +133,38 @@ def test_deterministic_runs_give_the_same_bits_on_every_path(det_model):
         assert _run(model, ops, [prompts[i]], _options())["r0"] == base[f"r{i}"], f"r{i} alone"
 
 
+def _preempted_run(model, ops, prompts, block_size: int, blocks: int):
+    """(bits by custom_id, preemptions) of greedy requests with logprobs in pools of `blocks` K/V blocks, and the
+    bits of the same requests in ample pools."""
+    from prefixrun.engine.state.pools import pool_unit_bytes
+
+    slot, block = pool_unit_bytes(model.state_specs(), ops, block_size)
+    opts = _options(block_size=block_size, max_batch=8, checkpoint_budget_bytes=1 << 20,
+                    state_memory_bytes=(2 * 8 + min(512, (1 << 20) // slot) + 4) * slot + blocks * block)
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    reqs = [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)]
+    eng = Engine(model, ops, options=opts)
+    assert eng.state.blocks.num_blocks == blocks
+    got = {r.custom_id: _bits(r) for r in eng.run(reqs)}
+    assert any(e.start < e.end for e in eng.last_trace.of("recompute")) == (eng.stats.preemptions > 0)
+    eng.close()
+    eng.check_invariants()
+    ample = Engine(model, ops, options=_options(block_size=block_size))
+    base = {r.custom_id: _bits(r) for r in ample.run(reqs)}
+    ample.close()
+    return got, eng.stats.preemptions, base
+
+
+@pytest.mark.parametrize("block_size, blocks", [(4, 100), (16, 40)])
+def test_deterministic_preemption_keeps_every_bit(det_model, block_size, blocks):
+    # pools too small for the window's sequences to decode together: the latest admitted are preempted and get
+    # their state back from the prompt prefilled on the grid and their tokens fed as decode steps, so their tokens
+    # and logprobs keep every bit of a run with ample pools
+    model, ops = det_model
+    got, preemptions, base = _preempted_run(model, ops, _bench_prompts(), block_size, blocks)
+    assert preemptions > 0 and got == base
+
+
 def test_deterministic_speculation_keeps_every_token(det_model):
     model, ops = det_model
     prompts = _bench_prompts()

@@ -12,9 +12,10 @@ from prefixrun.engine.plan.planner import make_plan
 from prefixrun.engine.plan.trace import Trace
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import EngineOptions, RunStats
-from prefixrun.engine.run.executor import DecodingStarts, WindowExecutor, WindowParts
+from prefixrun.engine.run.executor import WindowExecutor, WindowParts
 from prefixrun.engine.spec.speculator import NoSpeculation
 from prefixrun.engine.state.checkpoints import CheckpointPool
+from prefixrun.engine.step.sequence import DecodingStarts
 from prefixrun.engine.state.pools import ModelState, RegionSpec
 from prefixrun.kernels.reference import NumpyOps
 

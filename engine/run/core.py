@@ -17,7 +17,10 @@ from prefixrun.engine.grammar.compiler import GrammarCompiler
 from prefixrun.engine.grammar.masks import TokenMasks
 from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.state.checkpoints import CheckpointPool
-from prefixrun.engine.run.executor import DecodingStarts, WindowExecutor, WindowParts, error_result, spill
+from prefixrun.engine.run.executor import WindowExecutor, WindowParts
+from prefixrun.engine.run.samples import error_result
+from prefixrun.engine.run.saved_states import spill
+from prefixrun.engine.step.sequence import DecodingStarts
 from prefixrun.engine.step.model_runner import ModelRunner
 from prefixrun.engine.plan.planner import Plan, chunk_grid, make_plan
 from prefixrun.engine.request import ModelProcessing, Request, Result

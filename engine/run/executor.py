@@ -30,46 +30,19 @@ from prefixrun.engine.cache.write_policy import keeps_prefix_point
 from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
-from prefixrun.engine.request import Completion, ModelProcessing, Request, Result, Usage
+from prefixrun.engine.request import Completion, Request, Result
 from prefixrun.engine.run.accounting import TaskRun, charged
 from prefixrun.engine.run.preemption import Preemptions
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
-from prefixrun.engine.run.samples import SampleSet
-from prefixrun.engine.run.saved_states import SavedStates
+from prefixrun.engine.run.samples import SampleSet, error_result
+from prefixrun.engine.run.saved_states import SavedStates, spill
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
-from prefixrun.engine.step.logits_processors import RowProcessing, needs_plain_steps
-from prefixrun.engine.step.sequence import Sequence
+from prefixrun.engine.step.logits_processors import needs_plain_steps
+from prefixrun.engine.step.sequence import DecodingStarts, Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.plan.trace import Trace
 
 FIRST_TOKEN_ROWS = 64  # first tokens sampled per call: 64 rows of a 248k vocabulary's fp32 logits are 63 MiB
-
-
-@dataclass(frozen=True)
-class DecodingStarts:
-    """How a request's decoding starts: a detokenizer where there is a tokenizer (texts stay empty without one), the
-    model's context, its end-of-sequence ids, the request's grammar (compiled and checked by Engine.run) and its
-    part of the logits-processing stage (with generation_config's suppressed tokens)."""
-
-    tokenizer: object | None
-    max_context: int
-    eos: frozenset
-    grammars: object  # engine/grammar/compiler.py GrammarCompiler
-    processing: ModelProcessing = ModelProcessing()  # what generation_config adds to every request's
-
-    def sequence(self, request: Request, handle: StateHandle, origin: TaskRun, sample: int) -> Sequence:
-        detok = None
-        if self.tokenizer is not None:
-            from prefixrun.engine.load.tokenizer import StreamDetokenizer
-
-            detok = StreamDetokenizer(self.tokenizer, request.sampling.skip_special_tokens,
-                                      request.sampling.spaces_between_special_tokens)
-        sp = request.sampling
-        stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(sorted(self.eos)))
-        processing = RowProcessing(sp, request.prompt_token_ids, stop_ids=stop_ids, eos=tuple(sorted(self.eos)),
-                                   bad_words=request.bad_words_token_ids, model=self.processing)
-        return Sequence(request, handle, detok, self.max_context, self.eos, origin=origin, sample=sample,
-                        grammar=self.grammars.start(sp.structured), processing=processing)
 
 
 @dataclass(frozen=True)
@@ -617,16 +590,3 @@ class WindowExecutor:
         self.stats.reused_from_disk_tokens += result.usage.cached_from_disk_tokens
         self.finished.append(result)
 
-
-def spill(evicted, cache, state: ModelState):
-    """States leaving the checkpoint pool: offered to the persistent cache (it keeps those worth keeping), then
-    freed."""
-    for v in evicted:
-        cache.offer(v.tokens, state, v.handle, v.logits)
-        state.release(v.handle)
-
-
-def error_result(r: Request, message: str, stats) -> Result:
-    """The Result of a request the engine cannot run (counted in the run's statistics)."""
-    stats.failed_requests += 1
-    return Result(r.custom_id, r.index, [], Usage(len(r.prompt_token_ids), 0, 0, 0), error=message)

@@ -72,3 +72,9 @@ class SampleSet:
         usage = Usage(prompt, completion_tokens, prompt - max(self.computed, 0), self.from_disk)
         return Result(self.request.custom_id, self.request.index, choices, usage,
                       prompt_logprobs=self.prompt_logprobs)
+
+
+def error_result(r: Request, message: str, stats) -> Result:
+    """The Result of a request the engine cannot run (counted in the run's statistics)."""
+    stats.failed_requests += 1
+    return Result(r.custom_id, r.index, [], Usage(len(r.prompt_token_ids), 0, 0, 0), error=message)

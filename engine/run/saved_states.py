@@ -45,3 +45,11 @@ class SavedStates:
             return None
         handle, logits = found
         return SavedState(handle, logits, "disk")
+
+
+def spill(evicted, cache, state: ModelState):
+    """States leaving the checkpoint pool: offered to the persistent cache (it keeps those worth keeping), then
+    freed."""
+    for v in evicted:
+        cache.offer(v.tokens, state, v.handle, v.logits)
+        state.release(v.handle)

@@ -1,10 +1,11 @@
-"""One request while it decodes: its state handle, generated tokens, detokenizer, stop rules and finish reason."""
+"""One request while it decodes: its state handle, generated tokens, detokenizer, stop rules and finish reason; and
+how its decoding starts (`DecodingStarts`: what every sequence of an engine is built with)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
-from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.request import ModelProcessing, Request, SamplingParams
 from prefixrun.engine.state.pools import StateHandle
 from prefixrun.engine.step.logits_processors import RowProcessing
 
@@ -103,3 +104,30 @@ class Sequence:
             return self.stop_text
         self.detok.flush()  # bytes held back for an incomplete character
         return self.detok.text
+
+
+@dataclass(frozen=True)
+class DecodingStarts:
+    """How a request's decoding starts: a detokenizer where there is a tokenizer (texts stay empty without one), the
+    model's context, its end-of-sequence ids, the request's grammar (compiled and checked by Engine.run) and its
+    part of the logits-processing stage (with generation_config's suppressed tokens)."""
+
+    tokenizer: object | None
+    max_context: int
+    eos: frozenset
+    grammars: object  # engine/grammar/compiler.py GrammarCompiler
+    processing: ModelProcessing = ModelProcessing()  # what generation_config adds to every request's
+
+    def sequence(self, request: Request, handle: StateHandle, origin: object, sample: int) -> Sequence:
+        detok = None
+        if self.tokenizer is not None:
+            from prefixrun.engine.load.tokenizer import StreamDetokenizer
+
+            detok = StreamDetokenizer(self.tokenizer, request.sampling.skip_special_tokens,
+                                      request.sampling.spaces_between_special_tokens)
+        sp = request.sampling
+        stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(sorted(self.eos)))
+        processing = RowProcessing(sp, request.prompt_token_ids, stop_ids=stop_ids, eos=tuple(sorted(self.eos)),
+                                   bad_words=request.bad_words_token_ids, model=self.processing)
+        return Sequence(request, handle, detok, self.max_context, self.eos, origin=origin, sample=sample,
+                        grammar=self.grammars.start(sp.structured), processing=processing)
