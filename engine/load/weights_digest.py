@@ -3,9 +3,9 @@ file identity, so that neither a model's first cached run nor a second cache fol
 
 The digest is SHA-256 over each tensor's name, dtype, shape and tree digest (engine/cache/blob_format.py: the
 SHA-256 of every 8 MiB chunk, hashed together), in name order, so a renamed copy of a model is the same model.
-Every chunk of every tensor is one job: the jobs run at once on a thread per core, each reading its chunk with
-`os.preadv` into a buffer of its own and hashing it (hashlib releases the GIL for both), then the chunk digests are
-put together in order. Same bytes -> same digest, whatever the threads.
+Every chunk of every tensor is one job: the jobs run at once on a thread per core (but two), each reading its
+chunk with `os.preadv` into a buffer of its own and hashing it (hashlib releases the GIL for both), then the chunk
+digests are put together in order. Same bytes -> same digest, whatever the threads.
 
 The result is remembered under the files' identity: (path, device, inode, size, mtime_ns, ctime_ns) of every file,
 and which file each tensor is read from. A file replaced by another of the same size with its mtime put back
@@ -63,7 +63,7 @@ def weights_digest(tensors, memo_dir: Path | None = None, *, remembered_only: bo
 
 def content_digest(tensors, threads: int | None = None) -> str:
     """The digest of the tensors' bytes as the files hold them, every chunk hashed at once on `threads` threads
-    (default: one per core)."""
+    (default: one per core but two, which the engine's thread and the device's keep)."""
     names = [name for name, _ in tensors.served_by()]
     spans = [tensors.tensor_span(name) for name in names]
     jobs = [(s.span.path, s.span.offset + start, stop - start) for s in spans for start, stop in chunk_spans(s.span.nbytes)]
@@ -87,7 +87,7 @@ def content_digest(tensors, threads: int | None = None) -> str:
         for s in spans:
             if s.span.path not in fds:
                 fds[s.span.path] = os.open(s.span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        with ThreadPoolExecutor(threads or max(2, os.cpu_count() or 2), thread_name_prefix="prefixrun-digest") as pool:
+        with ThreadPoolExecutor(threads or max(2, (os.cpu_count() or 4) - 2), thread_name_prefix="prefixrun-digest") as pool:
             digests = list(pool.map(hash_chunk, jobs))
     finally:
         for fd in fds.values():
