@@ -106,7 +106,7 @@ class RingReader:
                 b = number % len(self.buffers)
                 released[b].wait()
                 released[b] = DONE
-                futures = [pool.submit(_read_exactly, fds[spans[p.span].path], view, offset)
+                futures = [pool.submit(read_exactly, fds[spans[p.span].path], view, offset)
                            for p in placements for view, offset in self._pieces(b, p, spans)]
                 pending.append((b, placements, futures))
                 if len(pending) >= len(self.buffers) - 1:
@@ -140,8 +140,9 @@ class RingReader:
         return sum(p.nbytes for p in placements)
 
 
-def _read_exactly(fd: int, view: np.ndarray, offset: int) -> None:
-    """view.size bytes of the file from `offset` into `view` (short reads continued; the file's end is an error)."""
+def read_exactly(fd: int, view, offset: int) -> None:
+    """len(view) bytes of the file from `offset` into `view`, a writable byte buffer (short reads continued; the
+    file's end is an error)."""
     memory = memoryview(view).cast("B")
     got = 0
     while got < len(memory):

@@ -30,6 +30,7 @@ from prefixrun.engine.cache import auth
 from prefixrun.engine.cache.blob_format import CHUNK_BYTES, chunk_spans, tree_of
 from prefixrun.engine.cache.files import CacheFolder
 from prefixrun.engine.cache.keys import default_cache_dir
+from prefixrun.kernels.file_reads import read_exactly
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
 LABEL = b"prefixrun-weights-v2\0"
@@ -75,12 +76,7 @@ def content_digest(tensors, threads: int | None = None) -> str:
         if not hasattr(local, "buffer"):
             local.buffer = memoryview(bytearray(CHUNK_BYTES))
         view = local.buffer[:n]
-        got = 0
-        while got < n:
-            read = os.preadv(fds[path], [view[got:]], offset + got)
-            if read == 0:
-                raise OSError(f"{path}: the file ended before tensor bytes at {offset + got}")
-            got += read
+        read_exactly(fds[path], view, offset)
         return hashlib.sha256(view).digest()
 
     try:
