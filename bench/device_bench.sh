@@ -8,7 +8,8 @@
 #   greedy-nocache    --temperature 0 --no-cache            (+ the transformers comparison with BENCH_FLAGS)
 # The transformers figure (BENCH_FLAGS=--compare-transformers) is the faster of two harnesses run on the same
 # token ids in the same command: the bench's own (cli/bench.py) and an independent one (bench/hf_generate.py:
-# equal-length groups of 32, its settings chosen by measurement); the table names the faster and gives both.
+# equal-length groups of 32, its settings chosen by measurement; HF_CACHES=dynamic skips probing the static cache,
+# whose first compilation takes a while); the table names the faster and gives both.
 #   sampled-nocache   the model's generation_config sampling, --no-cache
 #   sampled-cold      cache on, empty cache folder
 #   sampled-warm      the same command again (same folder)
@@ -119,7 +120,8 @@ for m in $MODELS; do
     HF_JSON=
     if [[ "${BENCH_FLAGS:-}" == *--compare-transformers* ]]; then  # the independent harness, same token ids
       HF_JSON=$OUT/$m-$w-greedy-hf.json
-      python3 bench/hf_generate.py "$MODEL" /tmp/$w.jsonl --temperature 0 --json "$HF_JSON" > /dev/null \
+      python3 bench/hf_generate.py "$MODEL" /tmp/$w.jsonl --temperature 0 --caches "${HF_CACHES:-static,dynamic}" \
+        --json "$HF_JSON" > /dev/null \
         2> "$OUT/$m-$w-greedy-hf.err" || { echo "(independent transformers harness failed:)"; tail -3 "$OUT/$m-$w-greedy-hf.err"; }
     fi
     row "greedy, no cache" "$OUT/$m-$w-greedy-nocache.json" "$HF_JSON"

@@ -99,17 +99,17 @@ class Harness:
         return time.perf_counter() - t0, tokens
 
 
-def candidates(device: str) -> list[str | None]:
-    """Cache implementations to try: a static cache (transformers then compiles the decoding step with
-    torch.compile: its own recipe for speed) on CUDA, and the default dynamic cache, which always works."""
-    return ["static", None] if device == "cuda" else [None]
+def candidates(device: str, caches: tuple[str, ...] = ("static", "dynamic")) -> list[str | None]:
+    """Cache implementations to try, of `caches`: a static cache (transformers then compiles the decoding step
+    with torch.compile: its own recipe for speed) on CUDA, and the default dynamic cache, which always works."""
+    return [None if c == "dynamic" else c for c in caches if device == "cuda" or c == "dynamic"] or [None]
 
 
-def choose(h: Harness, probe: list[dict]) -> list[dict]:
+def choose(h: Harness, probe: list[dict], caches: tuple[str, ...] = ("static", "dynamic")) -> list[dict]:
     """Try each candidate on the probe group (a warm-up, then a timed run) and keep the fastest that works;
     returns what was tried and how it went."""
     tried, best = [], None
-    for cache in candidates(h.device):
+    for cache in candidates(h.device, caches):
         h.cache = cache
         name = f"{cache or 'dynamic'} cache"
         try:
@@ -129,11 +129,11 @@ def choose(h: Harness, probe: list[dict]) -> list[dict]:
 
 
 def run(model_dir: Path, workload: Path, group: int = 32, temperature: float = 0.0,
-        default_max_tokens: int = 16) -> dict:
+        default_max_tokens: int = 16, caches: tuple[str, ...] = ("static", "dynamic")) -> dict:
     lines = read_lines(workload)
     groups = groups_of(lines, group, default_max_tokens)
     h = Harness(model_dir, temperature, default_max_tokens)
-    tried = choose(h, groups[0])
+    tried = choose(h, groups[0], caches)
     shapes = {}
     for g in groups:  # every distinct shape once: compilation, autotuning and the allocator out of the timing
         shapes.setdefault((len(g), max(len(l["prompt_token_ids"]) for l in g),
@@ -154,11 +154,16 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=32, help="requests per generate() call")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--max-tokens", type=int, default=16, help="for lines without max_tokens")
+    ap.add_argument("--caches", default="static,dynamic",
+                    help="cache implementations to try, comma-separated (static: compiled by transformers)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
     if a.group < 1:
         ap.error("--group must be at least 1")
-    figures = run(a.model_dir, a.workload, a.group, a.temperature, a.max_tokens)
+    caches = tuple(c.strip() for c in a.caches.split(",") if c.strip())
+    if not caches or any(c not in ("static", "dynamic") for c in caches):
+        ap.error("--caches takes static and/or dynamic")
+    figures = run(a.model_dir, a.workload, a.group, a.temperature, a.max_tokens, caches)
     text = json.dumps(figures, indent=2)
     print(text)
     if a.json is not None:

@@ -62,3 +62,11 @@ def test_greedy_tokens_are_the_engines_and_the_figures_say_how_they_were_made(cp
     assert figures["requests"] == 4 and figures["groups"] == 2 and figures["generated_tokens"] == 4 * 6
     assert figures["wall_seconds"] > 0 and figures["cache"] == "dynamic" and figures["device"] == "cpu"
     assert figures["tried"] == [{"settings": "dynamic cache", "probe_seconds": figures["tried"][0]["probe_seconds"]}]
+
+
+def test_the_caches_tried_follow_the_option_and_the_device():
+    hf = _harness()
+    assert hf.candidates("cuda") == ["static", None] and hf.candidates("cuda", ("dynamic",)) == [None]
+    assert hf.candidates("cpu") == [None] and hf.candidates("cpu", ("static",)) == [None]
+    with pytest.raises(SystemExit):
+        hf.main(["m", "w.jsonl", "--caches", "paged"])
