@@ -64,6 +64,7 @@ def measure_steps(model, ops, widths: list[int], block_size: int, context: int =
     from prefixrun.engine.step.decode_graphs import DecodeGraphs
 
     top = max(widths)
+    context = max(1, min(context, model.cfg.max_position_embeddings - _REPLAYS - 2))  # positions the model has
     state = ModelState(model.state_specs(), ops, top + 1, top * -(-(context + _REPLAYS + 2) // block_size) + 2,
                        block_size)
     handles = []
