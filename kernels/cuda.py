@@ -269,6 +269,9 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
     def moe_route(self, router_logits, top_k, normalize):
         return moe_cuda.route(router_logits, top_k, normalize)
 
+    def moe_route_sigmoid(self, router_logits, bias, top_k, normalize, scale):
+        return moe_cuda.route_sigmoid(router_logits, bias, top_k, normalize, scale)
+
     def moe_permute(self, experts, num_experts):
         return moe_cuda.permute(experts, num_experts)
 

@@ -61,7 +61,7 @@ KERNEL_NAMES = {
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
-    "moe": ["moe_route_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
+    "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
     + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")]
     + [f"moe_bias_kernel<{t}>" for t in _T],

@@ -56,6 +56,48 @@ extern "C" __global__ void moe_route_kernel(const float* __restrict__ logits, i6
     }
 }
 
+// The sigmoid router (Nemotron-H's MoE blocks, DeepSeek-V3's scoring without expert groups): scores = sigmoid(logits),
+// the k largest of scores + bias[e] (ties: the lower expert), each chosen expert's weight its score, divided by
+// their sum + 1e-20 when `normalize`, times `scale`. One warp per token, as moe_route_kernel.
+extern "C" __global__ void moe_route_sigmoid_kernel(const float* __restrict__ logits, i64 ls, int num_tokens,
+                                                    int num_experts, int k, const float* __restrict__ bias,
+                                                    int normalize, float scale, float* __restrict__ weights,
+                                                    int* __restrict__ experts) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (warp >= num_tokens) return;
+    const float* row = logits + (i64)warp * ls;
+    float score[MOE_PER_LANE], choice[MOE_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < MOE_PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        score[i] = e < num_experts ? 1.f / (1.f + expf(-row[e])) : 0.f;
+        choice[i] = e < num_experts ? score[i] + bias[e] : -INFINITY;
+    }
+    float mine = 0.f, chosen_sum = 0.f;
+    int my_expert = 0;
+    for (int j = 0; j < k; ++j) {
+        float best = -INFINITY, best_score = 0.f;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i)
+            if (choice[i] > best) { best = choice[i]; best_e = i * 32 + lane; best_score = score[i]; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+            const int oe = __shfl_xor_sync(FULL_MASK, best_e, o);
+            const float os = __shfl_xor_sync(FULL_MASK, best_score, o);
+            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; best_score = os; }
+        }
+        if ((best_e & 31) == lane) choice[best_e >> 5] = -INFINITY;  // taken
+        if (lane == j) { mine = best_score; my_expert = best_e; }
+        chosen_sum += best_score;
+    }
+    if (lane < k) {
+        weights[(i64)warp * k + lane] = (normalize ? mine / (chosen_sum + 1e-20f) : mine) * scale;
+        experts[(i64)warp * k + lane] = my_expert;
+    }
+}
+
 // ---- permutation: histogram, scan, scatter ------------------------------------------------------------------------
 // counts [E] must be zero on entry.
 extern "C" __global__ void moe_count_kernel(const int* __restrict__ experts, i64 n, int* __restrict__ counts) {

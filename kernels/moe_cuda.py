@@ -39,6 +39,27 @@ def route(router_logits, top_k: int, normalize: bool):
     return weights, experts
 
 
+def route_sigmoid(router_logits, bias, top_k: int, normalize: bool, scale: float):
+    """`moe_route_sigmoid`: router_logits [T, E] fp32, bias fp32 [E] -> (weights [T, k] fp32, experts [T, k])."""
+    t, e = router_logits.shape
+    if router_logits.dtype != F32:
+        raise TypeError(f"moe_route_sigmoid takes fp32 router logits, got {router_logits.dtype}")
+    if e > MAX_EXPERTS or not 1 <= top_k <= min(e, MAX_TOP_K):
+        raise ValueError(f"moe_route_sigmoid supports up to {MAX_EXPERTS} experts and top_k 1..{MAX_TOP_K} (<= "
+                         f"experts); got {e} experts, top_k {top_k}")
+    if e > 1 and router_logits.strides[1] != 4:
+        router_logits = cupy.ascontiguousarray(router_logits)
+    row_stride = router_logits.strides[0] // 4 if t > 1 else e
+    bias = cupy.ascontiguousarray(cast(bias, F32))
+    weights = cupy.empty((t, top_k), F32)
+    experts = cupy.empty((t, top_k), np.int32)
+    if t:
+        kernel("moe", "moe_route_sigmoid_kernel")((-(-t // 8),), (256,), (
+            router_logits, i64(row_stride), i32(t), i32(e), i32(top_k), bias, i32(int(normalize)), np.float32(scale),
+            weights, experts))
+    return weights, experts
+
+
 def permute(experts, num_experts: int):
     """experts [T, k] int32 -> (token_of_row [N], position [N], offsets [E+1]) int32, on the device."""
     if num_experts > 1024:

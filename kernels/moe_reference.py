@@ -25,6 +25,23 @@ class MoeReferenceOps:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), experts
 
+    def moe_route_sigmoid(self, router_logits, bias, top_k: int, normalize: bool, scale: float):
+        """Nemotron-H's router (DeepSeek-V3's scoring, one expert group): scores = sigmoid(router_logits [T, E]) in
+        fp32; the k largest of scores + bias [E] in descending order (ties: the lower expert index first); each
+        chosen expert's weight is its score, divided by the k scores' sum + 1e-20 when `normalize`, times `scale`.
+        -> (weights [T, k] fp32, experts [T, k] int32)"""
+        logits = np.asarray(router_logits, np.float32)
+        t, e = logits.shape
+        if not 1 <= top_k <= e:
+            raise ValueError(f"top_k {top_k} must be in 1..{e}")
+        scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        choice = scores + np.asarray(bias, np.float32)
+        experts = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+        weights = np.take_along_axis(scores, experts, axis=-1)
+        if normalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+        return (weights * np.float32(scale)).astype(np.float32), experts
+
     def moe_permute(self, experts, num_experts: int):
         """experts [T, k] int32 -> (token_of_row [N], position [N], offsets [E+1]), all int32.
 

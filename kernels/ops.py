@@ -252,6 +252,11 @@ class Ops(Protocol):
         """router_logits [T, E] fp32 (rows may be strided) -> (weights [T, k] fp32, experts [T, k] int32): softmax,
         the k largest in descending order, renormalised to sum 1 when `normalize`."""
 
+    def moe_route_sigmoid(self, router_logits, bias, top_k, normalize, scale) -> tuple[Array, Array]:
+        """router_logits [T, E] fp32, bias fp32 [E] -> (weights [T, k] fp32, experts [T, k] int32): sigmoid scores,
+        the k largest of score + bias in descending order, weights = their scores (over their sum + 1e-20 when
+        `normalize`) times `scale` (Nemotron-H's MoE router)."""
+
     def moe_permute(self, experts, num_experts) -> tuple[Array, Array, Array]:
         """experts [T, k] int32 -> (token_of_row [N], position [N] = row of slot t*k+j, offsets [E+1]) int32:
         expert e's rows are offsets[e]..offsets[e+1]; within an expert any order."""

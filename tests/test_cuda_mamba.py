@@ -1,4 +1,5 @@
-"""The CUDA Mamba2 ops (kernels/mamba.cu, the conv bias of kernels/conv.cu) against the NumPy reference, op by op,
+"""The CUDA Mamba2 ops (kernels/mamba.cu, the conv bias of kernels/conv.cu, Nemotron-H's sigmoid MoE router in
+kernels/moe.cu) against the NumPy reference, op by op,
 and the two Mamba2 hybrids end to end on the GPU: fp32 gives the CPU's greedy tokens (speculation off and ngram,
 prefix reuse); bf16's whole-model error against the fp32 reference stays within 2x transformers' own bf16 error on
 the same weights (or 1e-2). Bounds as tests/test_cuda_kernels.py: fp32 1e-5 op by op (the scan: 1e-4, a chunked
@@ -101,6 +102,17 @@ def test_relu2_and_conv_bias_match_the_reference(ops):
     got = ops.causal_conv1d(ops.upload(xs), ops.upload(w, np.float32), dh, slots, cu,
                             bias=ops.upload(bias, np.float32))
     assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name] and rel(host(ops, dh), ref_hist) < 1e-2
+
+
+@pytest.mark.parametrize("t,e,k", [(7, 128, 6), (1, 8, 2), (300, 64, 8)])
+def test_moe_route_sigmoid_matches_the_reference(ops, t, e, k):
+    rng = np.random.default_rng(e)
+    logits = (rng.standard_normal((t, e)) * 3).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
+    want_w, want_e = NumpyOps().moe_route_sigmoid(logits, bias, k, True, 2.5)
+    got_w, got_e = ops.moe_route_sigmoid(ops.upload(logits, np.float32), ops.upload(bias, np.float32), k, True, 2.5)
+    np.testing.assert_array_equal(ops.to_host(got_e), want_e)
+    np.testing.assert_allclose(ops.to_host(got_w), want_w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parity

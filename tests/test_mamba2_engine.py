@@ -26,7 +26,9 @@ _COMMON = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_
 TINY = {
     "nemotron_h": {**_COMMON, "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "head_dim": 16,
                    "intermediate_size": 128, "layers_block_type": ["linear_attention", "mlp", "full_attention",
-                                                                   "linear_attention"],
+                                                                   "linear_attention", "moe"],
+                   "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.0,
                    "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
                    "conv_kernel": 4, "layer_norm_epsilon": 1e-5, "time_step_min": 0.001},
     "granitemoehybrid": {**_COMMON, "architectures": ["GraniteMoeHybridForCausalLM"],

@@ -164,3 +164,47 @@ def test_relu2_kernel_matches_the_reference(emu):
         return out.copy()
 
     np.testing.assert_allclose(_forked(emulate), NumpyOps().relu2(x), rtol=1e-6, atol=0)
+
+
+ROUTE_ENTRY = r"""
+extern "C" int emu_route_sigmoid(const float* logits, i64 ls, int t, int e, int k, const float* bias, int normalize,
+                                 float scale, float* weights, int* experts) {
+    // as kernels/moe_cuda.py route_sigmoid launches it: a warp per token, 256 threads a block
+    emu_launch({unsigned((t + 7) / 8), 1, 1}, 256, 0, [&] {
+        moe_route_sigmoid_kernel(logits, ls, t, e, k, bias, normalize, scale, weights, experts);
+    });
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def moe_emu(tmp_path_factory):
+    moe = (ROOT / "kernels" / "moe.cu").read_text()
+    routers = moe[moe.index("#define MOE_PER_LANE"):moe.index("// ---- permutation")]  # the file's router kernels
+    src = "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + routers
+    return compile_emulated(tmp_path_factory, "moe_route_emu", src + ROUTE_ENTRY)
+
+
+@pytest.mark.parametrize("t,e,k,normalize", [(5, 8, 2, True), (3, 128, 6, True), (2, 40, 32, False), (1, 1, 1, True)])
+def test_moe_route_sigmoid_kernel_matches_the_reference(moe_emu, t, e, k, normalize):
+    """Nemotron-H's router in kernels/moe.cu: the chosen experts (ties included: duplicated logits) and weights."""
+    rng = np.random.default_rng(e + k)
+    wide = rng.standard_normal((t, e + 3)).astype(np.float32) * 3
+    wide[:, 3 + e // 2] = wide[:, 3]  # a tie between two experts' scores
+    logits = wide[:, 3:]
+    bias = (rng.standard_normal(e) * 0.5).astype(np.float32)
+    bias[e // 2] = bias[0]
+    want_w, want_e = NumpyOps().moe_route_sigmoid(logits, bias, k, normalize, 2.5)
+
+    def emulate():
+        w, w_ok = _guarded((t, k), np.float32)
+        ex, e_ok = _guarded((t, k), np.int32)
+        rc = moe_emu.emu_route_sigmoid(_base(logits)[0], ctypes.c_longlong(e + 3), t, e, k, _ptr(bias),
+                                       int(normalize), ctypes.c_float(2.5), _ptr(w), _ptr(ex))
+        assert rc == 0 and w_ok() and e_ok()
+        return w.copy(), ex.copy()
+
+    w, ex = _forked(emulate)
+    np.testing.assert_array_equal(ex, want_e)
+    np.testing.assert_allclose(w, want_w, rtol=1e-6, atol=1e-7)

@@ -1,5 +1,5 @@
-"""Nemotron-H (Mamba2 + attention + ReLU^2 MLP blocks): models written by transformers itself, one per swept config
-value, against transformers in float64 (prompt logits within 1e-4, 32 greedy tokens identical, each step within
+"""Nemotron-H (Mamba2 + attention + ReLU^2 MLP and MoE blocks): models written by transformers itself, one per swept
+config value, against transformers in float64 (prompt logits within 1e-4, 32 greedy tokens identical, each step within
 1e-4); config parsing against NemotronHConfig; refusals naming the field.
 
 The reference recomputes the whole sequence at every step (transformers' chunked scan): transformers' one-token
@@ -19,7 +19,9 @@ from test_config_fidelity import GREEDY, TOL, VOCAB, write_hf_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-M, A, MLP = "linear_attention", "full_attention", "mlp"
+M, A, MLP, E = "linear_attention", "full_attention", "mlp", "moe"
+MOE = dict(layers_block_type=[M, E, A, E], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           moe_shared_expert_intermediate_size=48)
 # (overrides of test_config_fidelity's BASE["nemotron_h"], prompt length); every value here must be honoured exactly
 HONOURED = {
     "base": ({}, 40),
@@ -41,6 +43,12 @@ HONOURED = {
     "tied": (dict(tie_word_embeddings=True), 40),
     "gqa1": (dict(num_key_value_heads=1), 40),
     "mha-head_dim": (dict(num_key_value_heads=4, head_dim=24), 40),
+    # Nemotron 3's moe blocks (a random score-correction bias written into each, _with_score_bias)
+    "moe": (MOE, 40),
+    "moe-scaled-unnormalised": (dict(MOE, routed_scaling_factor=2.5, norm_topk_prob=False, num_experts_per_tok=3), 40),
+    "moe-latent-bias": (dict(MOE, moe_latent_size=24, mlp_bias=True), 40),
+    "moe-all-groups": (dict(MOE, n_group=2, topk_group=2, num_local_experts=8), 40),
+    "moe-pattern": (dict(MOE, layers_block_type=None, hybrid_override_pattern="ME*E-"), 40),
     # the old names NemotronHConfig takes over the new ones
     "legacy-mamba-names": (dict(mamba_n_groups=1, mamba_d_conv=3, mamba_conv_bias=False, mamba_dt_min=0.1), 40),
     # fields its modeling code never reads: the answers must stay transformers'
@@ -91,7 +99,22 @@ def check_recomputed(path, cpu_ops, prompt_len: int, seed: int = 1) -> None:
 @pytest.mark.parametrize("case", sorted(HONOURED))
 def test_honoured_config_values_match_transformers(case, tmp_path, cpu_ops):
     overrides, prompt_len = HONOURED[case]
-    check_recomputed(write_hf_model(tmp_path / case, "nemotron_h", overrides), cpu_ops, prompt_len)
+    check_recomputed(_with_score_bias(write_hf_model(tmp_path / case, "nemotron_h", overrides)), cpu_ops, prompt_len)
+
+
+def _with_score_bias(path):
+    """The MoE routers' e_score_correction_bias (a buffer transformers initialises to 0) set to random values, so
+    that the routing's bias term is tested."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    names = [n for n in tensors if n.endswith("e_score_correction_bias")]
+    rng = np.random.default_rng(5)
+    for name in names:
+        tensors[name] = (rng.standard_normal(tensors[name].shape) * 0.2).astype(tensors[name].dtype)
+    if names:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 @pytest.mark.parity
@@ -154,7 +177,9 @@ def _raw(**fields) -> dict:
     {}, dict(layers_block_type=None, hybrid_override_pattern="M*-"), dict(layers_block_type=["mamba", "attention"]),
     dict(num_key_value_heads=4), dict(head_dim=24, num_key_value_heads=2), dict(mamba_n_groups=2, n_groups=4),
     dict(mamba_d_conv=2), dict(mamba_dt_min=0.01, time_step_min=0.5), dict(num_hidden_layers=9),
-    dict(tie_word_embeddings=True, layer_norm_epsilon=0.01, rms_norm_eps=0.5)])
+    dict(tie_word_embeddings=True, layer_norm_epsilon=0.01, rms_norm_eps=0.5),
+    dict(layers_block_type=[M, E, A], n_routed_experts=16, num_experts_per_tok=4, moe_latent_size=32,
+         routed_scaling_factor=2.5, norm_topk_prob=False), dict(layers_block_type=[E], num_local_experts=12)])
 def test_hand_written_configs_read_as_nemotronhconfig_reads_them(fields):
     raw = _raw(**fields)
     hf = transformers.AutoConfig.for_model("nemotron_h", **{k: v for k, v in raw.items()
@@ -168,10 +193,21 @@ def test_hand_written_configs_read_as_nemotronhconfig_reads_them(fields):
         hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size, hf.n_groups, hf.conv_kernel, hf.use_conv_bias)
     assert m.dt_limit == (hf.time_step_min, float("inf")) and m.norm_groups == hf.n_groups
     assert ours.weight_prefix == "backbone." and not ours.attention_bias
+    moe = ours.nemotron_moe
+    if moe is not None:
+        assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.shared_intermediate_size) == (
+            hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+            hf.moe_shared_expert_intermediate_size)
+        assert (moe.latent_size, moe.scale, moe.normalize) == (hf.moe_latent_size, hf.routed_scaling_factor,
+                                                               hf.norm_topk_prob)
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(layers_block_type=[M, "moe"]), "'moe' blocks, which are not supported"),
+    (dict(layers_block_type=[M, E], n_group=2, topk_group=1), "group-limited routing (topk_group < n_group = 2)"),
+    (dict(layers_block_type=[M, E], n_group=3), "n_group = 3 is not supported (it must divide n_routed_experts (8))"),
+    (dict(layers_block_type=[M, E], num_experts_per_tok=9), "num_experts_per_tok (9) exceeds n_routed_experts (8)"),
+    (dict(layers_block_type=[M, E], moe_latent_size=0), "moe_latent_size must be positive or null, got 0"),
+    (dict(layers_block_type=[E], mlp_hidden_act="silu"), "mlp_hidden_act = \"silu\" is not supported"),
     (dict(layers_block_type=[M, "sliding_attention"]), "unknown block types ['sliding_attention']"),
     (dict(layers_block_type=None, hybrid_override_pattern="M*X"), "hybrid_override_pattern must be a string"),
     (dict(layers_block_type=[]), "layers_block_type must be a non-empty list"),

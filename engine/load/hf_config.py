@@ -71,7 +71,9 @@ _DEFAULTS["nemotron_h"] = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
     tie_word_embeddings=False, layer_norm_epsilon=1e-5, mlp_hidden_act="relu2", mlp_bias=False, ssm_state_size=128,
     mamba_num_heads=128, mamba_head_dim=64, mamba_hidden_act="silu", n_groups=8, conv_kernel=4,
-    time_step_min=0.001, use_conv_bias=True, use_bias=False)
+    time_step_min=0.001, use_conv_bias=True, use_bias=False, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=7688, moe_shared_expert_intermediate_size=7688, moe_latent_size=None,
+    routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True)
 _DEFAULTS["granitemoehybrid"] = dict(
     _COMMON_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,

@@ -1,13 +1,14 @@
 """Config of the Mamba2 hybrids: NVIDIA Nemotron-H (`nemotron_h`) and IBM Granite 4.0-H (`granitemoehybrid`).
 
 Both stack Mamba2 mixers (layer type `linear_attention`, transformers' name) with attention layers. Nemotron-H's
-blocks hold one mixer each (Mamba2, attention without a position embedding, or a ReLU^2 MLP, in the pattern
-`layers_block_type` / `hybrid_override_pattern`); Granite 4.0-H's layers hold a Mamba2 or attention mixer and a MoE
-MLP with an ungated shared MLP, with its four multipliers. Fields transformers reads only for initialisation or
-training (time_step_max/floor, initializer_range, rescale_prenorm_residual, dropouts, router_aux_loss_coef,
-output_router_logits) and fields its modeling code never reads (Nemotron-H's attention_bias, expand,
-mamba_proj_bias, time_step_limit, residual_in_fp32, mamba_ssm_cache_dtype, num_nextn_predict_layers: its MTP
-weights are not loaded) change no inference result and are accepted as they are.
+blocks hold one mixer each (Mamba2, attention without a position embedding, a ReLU^2 MLP or a MoE of ReLU^2
+experts, in the pattern `layers_block_type` / `hybrid_override_pattern`); Granite 4.0-H's layers hold a Mamba2 or
+attention mixer and a MoE MLP with an ungated shared MLP, with its four multipliers. Fields transformers reads only
+for initialisation or training (time_step_max/floor, initializer_range, rescale_prenorm_residual, dropouts,
+router_aux_loss_coef, output_router_logits) and fields its modeling code never reads (Nemotron-H's attention_bias,
+expand, mamba_proj_bias, time_step_limit, residual_in_fp32, mamba_ssm_cache_dtype, n_shared_experts,
+moe_shared_expert_overlap, num_nextn_predict_layers: its MTP weights are not loaded) change no inference result and
+are accepted as they are.
 
 The step dt is clamped to (low, high) in every step, as transformers' chunked scan clamps it (Nemotron-H: low =
 time_step_min; Granite: time_step_limit); transformers' one-token decode step skips the clamp, which would make an
@@ -71,6 +72,31 @@ class Mamba2Settings:
 
 
 @dataclass(frozen=True)
+class NemotronMoeSettings:
+    """Nemotron-H's `moe` blocks: sigmoid-scored routing with a score-correction bias (one expert group), ReLU^2
+    experts (up, down) in an optional latent space, a ReLU^2 shared expert."""
+
+    num_experts: int  # n_routed_experts
+    top_k: int  # num_experts_per_tok
+    expert_intermediate_size: int  # moe_intermediate_size
+    shared_intermediate_size: int  # moe_shared_expert_intermediate_size
+    latent_size: int | None  # moe_latent_size: None, the experts work in hidden_size
+    scale: float  # routed_scaling_factor
+    normalize: bool  # norm_topk_prob
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "expert_intermediate_size", "shared_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ModelLoadError(f"config.json: Nemotron-H MoE {name} must be a positive integer, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ModelLoadError(f"config.json: num_experts_per_tok ({self.top_k}) exceeds n_routed_experts "
+                                 f"({self.num_experts})")
+        if self.latent_size is not None and self.latent_size <= 0:
+            raise ModelLoadError(f"config.json: moe_latent_size must be positive or null, got {self.latent_size}")
+
+
+@dataclass(frozen=True)
 class Mamba2HybridConfig(DecoderConfig):
     """Either family: Mamba2 settings, and what the builders of engine/models/nemotron_h.py and
     engine/models/granitemoehybrid.py read (defaults: no multiplier, Nemotron-H's ReLU^2 MLP)."""
@@ -83,6 +109,7 @@ class Mamba2HybridConfig(DecoderConfig):
     logits_scaling: float = 1.0  # logits are divided by it
     moe: MoeSettings | None = None  # Granite's routed experts (None: num_local_experts 0)
     shared_intermediate_size: int = 0  # Granite's shared MLP
+    nemotron_moe: NemotronMoeSettings | None = None  # Nemotron-H's moe blocks (None: the pattern has none)
 
     def __post_init__(self):
         super().__post_init__()
@@ -119,15 +146,13 @@ class NemotronHConfig(Mamba2HybridConfig):
     @classmethod
     def from_fields(cls, f: ConfigFields, common: dict, rope_local) -> DecoderConfig:
         types = common["layer_types"]
-        if MOE_LAYER in types:
-            raise ModelLoadError(f"{f.source}: layers_block_type has 'moe' blocks, which are not supported (routed "
-                                 f"experts with a latent projection are not implemented)")
-        unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION, MLP_LAYER})
+        unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION, MLP_LAYER, MOE_LAYER})
         if unknown:
             raise ModelLoadError(f"{f.source}: layers_block_type has unknown block types {unknown}")
         _activation(f, "mamba_hidden_act", LINEAR_ATTENTION in types)
-        if MLP_LAYER in types:
+        if MLP_LAYER in types or MOE_LAYER in types:
             f.refuse_unless("mlp_hidden_act", f.get("mlp_hidden_act") == "relu2", "MLP blocks support relu2 only")
+        moe = _nemotron_moe(f) if MOE_LAYER in types else None
         legacy = lambda new, old: old if old in f.text else new  # NemotronHConfig takes the old names over the new
         mamba = Mamba2Settings(
             num_heads=f.number("mamba_num_heads", int), head_dim=f.number("mamba_head_dim", int),
@@ -139,7 +164,22 @@ class NemotronHConfig(Mamba2HybridConfig):
             norm_groups=f.number(legacy("n_groups", "mamba_n_groups"), int))
         # attention without a position embedding and without biases (NemotronHAttention ignores attention_bias)
         common = dict(common, rope=NoRotary(common["head_dim"]), attention_bias=False, weight_prefix="backbone.")
-        return cls(**common, mlp_bias=f.flag("mlp_bias"), mamba=mamba)
+        return cls(**common, mlp_bias=f.flag("mlp_bias"), mamba=mamba, nemotron_moe=moe)
+
+
+def _nemotron_moe(f: ConfigFields) -> NemotronMoeSettings:
+    experts_field = "num_local_experts" if "num_local_experts" in f.text else "n_routed_experts"  # attribute_map
+    experts, groups, top_groups = f.number(experts_field, int), f.number("n_group", int), f.number("topk_group", int)
+    f.refuse_unless("n_group", groups >= 1 and experts % groups == 0, f"it must divide {experts_field} ({experts})")
+    # every group kept: the group-limited choice is the plain top-k
+    f.refuse_unless("topk_group", top_groups >= groups, f"group-limited routing (topk_group < n_group = {groups}) "
+                    f"is not implemented")
+    latent = f.number("moe_latent_size", int, allow_none=True)
+    return NemotronMoeSettings(
+        num_experts=experts, top_k=f.number("num_experts_per_tok", int),
+        expert_intermediate_size=f.number("moe_intermediate_size", int),
+        shared_intermediate_size=f.number("moe_shared_expert_intermediate_size", int), latent_size=latent,
+        scale=f.number("routed_scaling_factor"), normalize=f.flag("norm_topk_prob"))
 
 
 @dataclass(frozen=True)
@@ -236,6 +276,8 @@ def mamba_tensor_shapes(cfg: Mamba2HybridConfig) -> dict[str, tuple[int, ...]]:
             shapes[mixer + "o_proj.weight"] = (d, hq * hd)
             if cfg.attention_bias:
                 shapes.update({mixer + f"{k}.bias": (r,) for k, r in {**rows, "o_proj": d}.items()})
+        elif kind == MOE_LAYER:
+            shapes.update(_nemotron_moe_shapes(cfg, mixer))
         else:  # Nemotron-H's MLP block
             shapes.update({mixer + "up_proj.weight": (cfg.intermediate_size, d),
                            mixer + "down_proj.weight": (d, cfg.intermediate_size)})
@@ -253,4 +295,23 @@ def mamba_tensor_shapes(cfg: Mamba2HybridConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({lp + "block_sparse_moe.router.layer.weight": (e, d),
                            lp + "block_sparse_moe.input_linear.weight": (e, 2 * i, d),
                            lp + "block_sparse_moe.output_linear.weight": (e, d, i)})
+    return shapes
+
+
+def _nemotron_moe_shapes(cfg: Mamba2HybridConfig, mixer: str) -> dict[str, tuple[int, ...]]:
+    """A Nemotron-H moe block's tensors as transformers saves them (per-expert up / down)."""
+    moe, d = cfg.nemotron_moe, cfg.hidden_size
+    e, i, s, latent = moe.num_experts, moe.expert_intermediate_size, moe.shared_intermediate_size, moe.latent_size
+    width = latent or d
+    shapes = {mixer + "gate.weight": (e, d), mixer + "gate.e_score_correction_bias": (e,),
+              mixer + "shared_experts.up_proj.weight": (s, d), mixer + "shared_experts.down_proj.weight": (d, s)}
+    for x in range(e):
+        shapes.update({f"{mixer}experts.{x}.up_proj.weight": (i, width),
+                       f"{mixer}experts.{x}.down_proj.weight": (width, i)})
+    if latent:
+        shapes.update({mixer + "fc1_latent_proj.weight": (latent, d), mixer + "fc2_latent_proj.weight": (d, latent)})
+    if cfg.mlp_bias:
+        shapes.update({mixer + "shared_experts.up_proj.bias": (s,), mixer + "shared_experts.down_proj.bias": (d,)})
+        if latent:
+            shapes.update({mixer + "fc1_latent_proj.bias": (latent,), mixer + "fc2_latent_proj.bias": (d,)})
     return shapes
