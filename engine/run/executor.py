@@ -156,12 +156,11 @@ class WindowExecutor:
         """Before a decode step: the K/V blocks its rows take, made free by the step in flight ending, retained
         checkpoints evicted, held states given up while one sequence is left (it would need them all the same),
         and the latest admitted sequences preempted (engine/run/preemption.py)."""
-        rows = self.speculator.step_rows
-        need = lambda: self.preempted.step_blocks(self.decoding[:self.opts.max_batch], rows)
-        while self.decoding and need() > self.state.blocks.free_count:
+        fits = lambda: self.preempted.step_fits(self.decoding[:self.opts.max_batch], self.speculator.step_rows)
+        while self.decoding and not fits():
             if self.pipeline is not None and self.pipeline.busy:
                 self._drain()
-            elif self._evict_retained(lambda: need() <= self.state.blocks.free_count):
+            elif self._evict_retained(fits):
                 pass
             elif len(self.decoding) > 1 or not self._give_up_one(None):
                 victim = self.decoding.pop()

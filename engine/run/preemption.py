@@ -2,7 +2,7 @@
 
 Admission is optimistic (engine/plan/scheduler.py: what a sequence needs now plus a small growth margin), so the
 decoding sequences may together outgrow the pools. Before each decode step the executor makes sure every row of
-the step has its K/V blocks (`step_blocks`); when they are short it evicts retained checkpoints, then preempts the
+the step has its K/V blocks (`step_fits`); when they are short it evicts retained checkpoints, then preempts the
 latest admitted decoding sequence, as vLLM does (`preempt`): its state is freed and it waits here.
 
 Everything else about a preempted sequence is kept as it was: its tokens, detokenizer and stop-string search, its
@@ -47,10 +47,15 @@ class Preemptions:
         self.grid = grid  # engine/plan/planner.py chunk_grid: where prefill pieces start (0: anywhere)
         self.waiting: list[Sequence] = []
 
-    def step_blocks(self, seqs: list[Sequence], rows: int) -> int:
-        """K/V blocks the next decode step of `seqs` takes, at most `rows` rows each (1 + its drafts)."""
-        return sum(self.state.blocks_needed(s.handle, s.handle.length + max(1, min(rows, s.remaining)))
-                   for s in seqs)
+    def step_fits(self, seqs: list[Sequence], rows: int) -> bool:
+        """Whether the free K/V blocks hold the next decode step of `seqs`, at most `rows` rows each (1 + its
+        drafts). Without pressure decided from a bound alone, so that a step does not count each sequence's
+        blocks: rows take at most blocks_for(rows) new blocks per sequence, plus a copy of a shared partial block."""
+        free = self.state.blocks.free_count
+        if free >= len(seqs) * (self.state.blocks_for(rows) + 1):
+            return True
+        return free >= sum(self.state.blocks_needed(s.handle, s.handle.length + max(1, min(rows, s.remaining)))
+                           for s in seqs)
 
     def preempt(self, seq: Sequence):
         """Free a decoding sequence's state; it waits (ahead of those admitted after it) to be recomputed."""
