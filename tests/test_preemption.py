@@ -33,9 +33,11 @@ def parts(*, blocks, max_batch=8, eos=(), cache=None, reuse=True, max_prefill_to
                        DecodingStarts(None, 4096, frozenset(eos), GrammarCompiler(None, VOCAB)))
 
 
-def run(prompts, p, max_tokens, reuse=True):
-    requests = [Request(f"r{i}", list(x), SamplingParams(max_tokens=m, temperature=0), i)
-                for i, (x, m) in enumerate(zip(prompts, max_tokens))]
+def run(prompts, p, max_tokens, reuse=True, samples=None):
+    """`samples[i]`: request i's n (sampled, so that its samples fork; the fake model's draw is its argmax)."""
+    samples = samples or [1] * len(prompts)
+    requests = [Request(f"r{i}", list(x), SamplingParams(max_tokens=m, temperature=0 if n == 1 else 0.5, n=n), i)
+                for i, (x, m, n) in enumerate(zip(prompts, max_tokens, samples))]
     plan, trace = make_plan([r.prompt_token_ids for r in requests], share=reuse), Trace()
     ex = WindowExecutor(requests, plan, trace, p)
     results = {}
@@ -136,3 +138,38 @@ def test_preemption_under_every_prefill_step_budget_and_batch_keeps_the_tokens()
         got, _ = run(prompts, p, [20] * 8)
         assert tokens_of(got) == tokens_of(want), (blocks, max_batch, step)
         assert all(r.error is None for r in got.values())
+
+
+def test_random_pressure_never_hangs_and_never_changes_a_token():
+    # random windows (shared prefixes, duplicates, n samples, EOS ids, long and short answers) in random pools, a
+    # fifth of them too small for some requests: every request either gets the ample pools' tokens or, when its
+    # prompt or answer cannot fit even alone, an error naming --state-memory; the pools end whole
+    import numpy as np
+
+    pressure = []
+    for case in range(40):
+        rng = np.random.default_rng(case)
+        base = rng.integers(1, VOCAB, int(rng.integers(1, 20))).tolist()
+        prompts = [base[:int(rng.integers(1, len(base) + 1))] + rng.integers(1, VOCAB, int(rng.integers(0, 6))).tolist()
+                   for _ in range(int(rng.integers(1, 10)))]
+        max_tokens = [int(rng.integers(1, 40)) for _ in prompts]
+        eos = set(rng.integers(1, VOCAB, int(rng.integers(0, 3))).tolist())
+        blocks, batch = int(rng.integers(6, 40)), int(rng.integers(1, 9))
+        step = int(rng.integers(2, 40))
+        samples = [int(rng.integers(1, 4)) for _ in prompts]
+        want, _ = run(prompts, parts(blocks=400, eos=eos), max_tokens, samples=samples)
+        p = parts(blocks=blocks, max_batch=batch, eos=eos, max_prefill_tokens=step)
+        got, trace = run(prompts, p, max_tokens, samples=samples)
+        for k, r in got.items():
+            i = int(k[1:])
+            # alone, at its longest (the last token is never written), plus a copy on write, beside the scratch block
+            fits_alone = -(-(len(prompts[i]) + max_tokens[i] - 1) // BS) + 1 <= blocks - 1
+            if r.error is None:
+                assert [c.token_ids for c in r.choices] == [c.token_ids for c in want[k].choices], (case, k)
+                assert len(r.choices) == samples[i]
+            else:
+                assert "--state-memory" in r.error and not fits_alone, (case, k, r.error)
+            assert r.error is None or not fits_alone
+        assert len(trace.of("preempt")) == p.stats.preemptions, case
+        pressure.append(p.stats.preemptions)
+    assert sum(n > 0 for n in pressure) >= 10  # the cases do put the pools under pressure
