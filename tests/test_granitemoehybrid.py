@@ -93,7 +93,8 @@ def _raw(**fields) -> dict:
 
 
 @pytest.mark.parametrize("fields", [
-    {}, dict(layer_types=None), dict(num_key_value_heads=None), dict(mamba_d_head=16), dict(mamba_expand=1),
+    {}, dict(layer_types=None), dict(num_key_value_heads=None),
+    dict(layer_types=None, layers_block_type=[A, A, M]),  # the attribute_map name dict(mamba_d_head=16), dict(mamba_expand=1),
     dict(time_step_limit=[0.01, 2.0]), dict(time_step_limit=[0.0, {"__float__": "Infinity"}]),
     dict(position_embedding_type="rope", rope_parameters={"rope_type": "default", "rope_theta": 77.0}),
     dict(num_local_experts=0, embedding_multiplier=12, logits_scaling=6, residual_multiplier=0.2,

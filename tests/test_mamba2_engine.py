@@ -217,3 +217,19 @@ def test_deterministic_runs_give_the_same_bits_on_every_path(model_dir):
         assert det_run(model, ops, [prompts[i]], _options())["r0"] == base[f"r{i}"], f"r{i} alone"
     plain = det_run(model, ops, prompts, _options(), logprobs=False)
     assert det_run(model, ops, prompts, _options(speculative="ngram", num_draft_tokens=3), logprobs=False) == plain
+
+
+@pytest.mark.parametrize("family,field", [("nemotron_h", "conv_kernel"), ("granitemoehybrid", "mamba_d_conv")])
+def test_a_convolution_wider_than_the_backend_runs_is_refused_at_load(family, field, tmp_path, cpu_ops):
+    """A backend whose kernels stop at a width (CUDA: 8) refuses a wider Mamba2 convolution at load, naming the
+    field; the reference runs any width."""
+    import copy
+
+    from prefixrun.engine.errors import ModelLoadError
+
+    narrow = copy.copy(cpu_ops)
+    narrow.max_conv_width = 4
+    wide = make_model_dir(tmp_path / "wide", {**TINY[family], field: 5}, seed=7, init_std=PARITY_STD)
+    with pytest.raises(ModelLoadError, match=f"{field} gives a convolution 5 wide.*up to 4"):
+        load_model(wide, narrow)
+    assert load_model(wide, cpu_ops)[0] is not None

@@ -226,7 +226,8 @@ class GraniteHybridConfig(Mamba2HybridConfig):
 def nemotron_layer_types(f: ConfigFields) -> tuple[str, ...]:
     """The blocks as NemotronHConfig derives them: hybrid_override_pattern when layers_block_type is absent, legacy
     names remapped; num_hidden_layers is ignored (the pattern's length is the depth)."""
-    types = f.text.get("layers_block_type", f.text.get("layer_types"))
+    types = f.text.get("layers_block_type")
+    types = f.text.get("layer_types") if types is None else types
     if types is None and "hybrid_override_pattern" in f.text:
         pattern = f.text["hybrid_override_pattern"]
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(NEMOTRON_PATTERN):
@@ -241,7 +242,10 @@ def nemotron_layer_types(f: ConfigFields) -> tuple[str, ...]:
 
 
 def granite_layer_types(f: ConfigFields, num_layers: int) -> tuple[str, ...]:
-    types = f.get("layer_types")
+    """The layers as GraniteMoeHybridConfig reads them: layer_types, or layers_block_type (its attribute_map's name,
+    which the released configs use), legacy names remapped; all Mamba2 when neither is given."""
+    types = f.text.get("layer_types")
+    types = f.text.get("layers_block_type") if types is None else types
     if types is None:
         return (LINEAR_ATTENTION,) * num_layers
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
