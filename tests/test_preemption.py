@@ -171,5 +171,6 @@ def test_random_pressure_never_hangs_and_never_changes_a_token():
                 assert "--state-memory" in r.error and not fits_alone, (case, k, r.error)
             assert r.error is None or not fits_alone
         assert len(trace.of("preempt")) == p.stats.preemptions, case
+        assert p.stats.preemptions == len(trace.of("recompute")) + len(trace.of("outgrown")), case
         pressure.append(p.stats.preemptions)
     assert sum(n > 0 for n in pressure) >= 10  # the cases do put the pools under pressure
