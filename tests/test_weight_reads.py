@@ -218,3 +218,20 @@ def test_a_load_through_the_read_ahead_equals_the_mapped_load(tmp_path, kind):
     assert len(mapped) == len(ahead) > 10
     for a, b in zip(ahead, mapped):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs):
+    """Each model family's dry build names the tensors its build uploads as stored, in its order: all of them are
+    read ahead and taken, and the weights equal the memory-mapped load's."""
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.reference import NumpyOps
+
+    for family, path in model_dirs.items():
+        loading = loader.start_load(path, "cpu")
+        loaded = loading.finish()
+        figures = loading.weight_reads
+        assert figures["error"] is None and 0 < figures["taken_bytes"] == figures["planned_bytes"], family
+        mapped, ahead = _model_arrays(load_model(path, NumpyOps())[0]), _model_arrays(loaded.model)
+        assert len(mapped) == len(ahead) > 10, family
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ahead, mapped)), family
