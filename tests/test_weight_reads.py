@@ -220,14 +220,21 @@ def test_a_load_through_the_read_ahead_equals_the_mapped_load(tmp_path, kind):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
-def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs):
+def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs, tmp_path):
     """Each model family's dry build names the tensors its build uploads as stored, in its order: all of them are
     read ahead and taken, and the weights equal the memory-mapped load's."""
+    from test_gemma3 import TINY_GEMMA3
+    from test_gpt_oss import TINY_GPT_OSS
+    from test_lfm2 import TINY_LFM2
+
     from prefixrun.engine.load import loader
+    from prefixrun.engine.load.model_maker import make_model_dir
     from prefixrun.engine.models import load_model
     from prefixrun.kernels.reference import NumpyOps
 
-    for family, path in model_dirs.items():
+    more = {name: make_model_dir(tmp_path / name, cfg, seed=7)
+            for name, cfg in (("gemma3", TINY_GEMMA3), ("gpt_oss", TINY_GPT_OSS), ("lfm2", TINY_LFM2))}
+    for family, path in {**model_dirs, **more}.items():
         loading = loader.start_load(path, "cpu")
         loaded = loading.finish()
         figures = loading.weight_reads
