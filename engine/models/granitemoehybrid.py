@@ -63,10 +63,10 @@ class ScaledLayer(DecoderLayer):
 
     def step(self, ops, x, pending, batch, state):
         s = np.asarray(self.scale, dtype=ops.act_dtype)
+        scaled = (lambda h: h) if self.scale == 1.0 else (lambda h: ops.scale(h, s))
         x, normed = self.input_norm.add_norm(ops, x, pending)
-        h = ops.scale(self.mixer(ops, normed, batch, state), s)
-        x, normed = self.post_norm.add_norm(ops, x, h)
-        return x, ops.scale(self.mlp(ops, normed), s)
+        x, normed = self.post_norm.add_norm(ops, x, scaled(self.mixer(ops, normed, batch, state)))
+        return x, scaled(self.mlp(ops, normed))
 
 
 def build(cfg: Mamba2HybridConfig, load: WeightLoader) -> CausalLM:
@@ -84,4 +84,5 @@ def build(cfg: Mamba2HybridConfig, load: WeightLoader) -> CausalLM:
                                   cfg.residual_multiplier))
     final = RMSNorm(load, cfg.weight_prefix + "norm.weight", cfg.hidden_size, cfg.rms_norm_eps, zero_centered=False,
                     leading_scale=(cfg.hidden_size, 1.0 / cfg.logits_scaling))
-    return CausalLM(cfg, load, layers, final, embed_scale=cfg.embedding_multiplier)
+    return CausalLM(cfg, load, layers, final,
+                    embed_scale=cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else None)
