@@ -35,7 +35,7 @@ from prefixrun.kernels.cuda_fp8 import dequantize_into
 from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.cuda_graph import CudaGraph
 from prefixrun.kernels.cuda_mixing import SequenceMixingOps
-from prefixrun.kernels.cuda_mamba import MambaOps
+from prefixrun.kernels.cuda_mamba import MAX_SSM_STATE, MambaOps
 from prefixrun.kernels.cuda_modules import CONV_WIDTHS, PREPARED_FILES, kernel
 from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.step_io import StepCopies
@@ -76,6 +76,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
             self.tuning = dataclasses.replace(self.tuning, deterministic=True)
         self.auto_speculation = self.tuning.speculative_auto  # the Ops query (kernels/ops.py)
         self.max_conv_width = max(CONV_WIDTHS)  # kernels/conv.cu is compiled for these widths
+        self.max_ssm_state = MAX_SSM_STATE  # kernels/mamba.cu keeps a state row in one warp's registers
         self.deterministic = self.tuning.deterministic  # the Ops query (kernels/ops.py)
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._device_id = cupy.cuda.Device().id  # for calls from other threads (upload_ahead)

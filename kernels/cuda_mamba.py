@@ -14,6 +14,7 @@ from prefixrun.kernels.cuda_modules import kernel
 
 # kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX), SSD_CHUNK (a long prefill's chunks)
 _SSD_ROWS, _SSD_NMAX, _SSD_CHUNK = 4, 8, 128
+MAX_SSM_STATE = 32 * _SSD_NMAX
 _NULL = np.uint64(0)
 
 

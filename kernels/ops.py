@@ -39,6 +39,7 @@ class Ops(Protocol):
     default_block_size: int  # K/V rows per paged block that this backend runs best with
     auto_speculation: bool  # --speculative auto may draft here (the backend's multi-row steps have been checked)
     max_conv_width: int | None  # the widest causal convolution (kernel width) `causal_conv1d` runs; None: any
+    max_ssm_state: int | None  # the largest Mamba2 state size (d_state) `ssd_scan` runs; None: any
     # batch-invariant kernels (--deterministic): a row's results depend on its own inputs and, for the sequence
     # mixers, on whether the step is a prefill step, never on the other rows, their number or how a step was cut
     deterministic: bool

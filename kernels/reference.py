@@ -32,6 +32,7 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
     default_block_size = 16  # small blocks: more sharing granularity, and host copies are cheap
     auto_speculation = True  # the reference's multi-row steps are what the speculative tests check
     max_conv_width = None  # any width: the reference loops over the kernel
+    max_ssm_state = None  # any Mamba2 state size
 
     def __init__(self, dtype: str = "float32", deterministic: bool = False):
         if dtype != "float32":

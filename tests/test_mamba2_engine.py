@@ -233,3 +233,17 @@ def test_a_convolution_wider_than_the_backend_runs_is_refused_at_load(family, fi
     with pytest.raises(ModelLoadError, match=f"{field} gives a convolution 5 wide.*up to 4"):
         load_model(wide, narrow)
     assert load_model(wide, cpu_ops)[0] is not None
+
+
+@pytest.mark.parametrize("family,field", [("nemotron_h", "ssm_state_size"), ("granitemoehybrid", "mamba_d_state")])
+def test_a_state_larger_than_the_backend_runs_is_refused_at_load(family, field, tmp_path, cpu_ops):
+    import copy
+
+    from prefixrun.engine.errors import ModelLoadError
+
+    narrow = copy.copy(cpu_ops)
+    narrow.max_ssm_state = 16
+    big = make_model_dir(tmp_path / "big", {**TINY[family], field: 24}, seed=7, init_std=PARITY_STD)
+    with pytest.raises(ModelLoadError, match=f"{field} = 24; the cpu Mamba2 kernels run state sizes up to 16"):
+        load_model(big, narrow)
+    assert load_model(big, cpu_ops)[0] is not None

@@ -33,6 +33,7 @@ class _ShapeOps:
     conv taps, which the layers upload with an explicit dtype even where fp32 is the storage dtype)."""
 
     max_conv_width = None  # any width here: the real build checks the backend's (a dry build must not fail first)
+    max_ssm_state = None  # likewise
 
     def __init__(self, act_dtype):
         self.act_dtype = act_dtype

@@ -43,6 +43,7 @@ class Mamba2Settings:
     dt_limit: tuple[float, float]
     norm_groups: int  # the gated output norm's groups (Nemotron-H: n_groups; Granite: 1)
     conv_field: str = "conv_kernel"  # the config.json field conv_kernel was read from (for messages)
+    state_field: str = "ssm_state_size"  # and state_size's
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "norm_groups"):
@@ -202,7 +203,7 @@ class GraniteHybridConfig(Mamba2HybridConfig):
         mamba = Mamba2Settings(
             num_heads=heads, head_dim=head_dim, state_size=f.number("mamba_d_state", int),
             n_groups=f.number("mamba_n_groups", int), conv_kernel=f.number("mamba_d_conv", int),
-            conv_field="mamba_d_conv",
+            conv_field="mamba_d_conv", state_field="mamba_d_state",
             conv_bias=f.flag("mamba_conv_bias"), proj_bias=f.flag("mamba_proj_bias"), dt_limit=_time_limit(f),
             norm_groups=1)
         # GraniteMoeHybridModel rotates only for "rope"; any other name (the released configs say "nope") means none

@@ -14,6 +14,7 @@ out_proj.weight [D, I] (.bias when proj_bias).
 """
 from __future__ import annotations
 
+from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.mamba_config import Mamba2Settings
 from prefixrun.engine.models.layers import WeightLoader
 from prefixrun.engine.state.pools import ForwardBatch, ModelState, RegionSpec
@@ -23,6 +24,10 @@ class Mamba2Mixer:
     def __init__(self, m: Mamba2Settings, hidden_size: int, eps: float, load: WeightLoader, prefix: str, layer: int):
         d, i, c, h = hidden_size, m.intermediate, m.conv_dim, m.num_heads
         self.m, self.eps = m, eps
+        limit = load.ops.max_ssm_state
+        if limit is not None and m.state_size > limit:
+            raise ModelLoadError(f"config.json: {m.state_field} = {m.state_size}; the {load.ops.display_name} Mamba2 "
+                                 f"kernels run state sizes up to {limit} (--device cpu runs any)")
         self.in_proj = load.matrix(prefix + "in_proj.weight", (i + c + h, d))
         self.conv_weight = load.conv_weight(prefix + "conv1d.weight", c, m.conv_kernel, m.conv_field)
         self.conv_bias = load.vector(prefix + "conv1d.bias", (c,)) if m.conv_bias else None
