@@ -223,3 +223,25 @@ def test_refused_values_name_field_and_value(fields, message):
     with pytest.raises(ModelLoadError) as err:
         parse_config(_raw(**fields))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parity
+def test_weights_under_the_in_memory_prefix_load_the_same(tmp_path, cpu_ops):
+    """A checkpoint naming the backbone `model.` (transformers' in-memory name, which it also loads) gives the
+    logits of the `backbone.` layout transformers saves."""
+    from safetensors.numpy import load_file, save_file
+
+    path = write_hf_model(tmp_path / "m", "nemotron_h", {})
+    prompt = np.random.default_rng(2).integers(0, VOCAB, 20).tolist()
+
+    def logits(p):
+        model, _ = load_model(p, cpu_ops)
+        st = new_state(model, cpu_ops)
+        return model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+
+    want = logits(path)
+    tensors = load_file(path / "model.safetensors")
+    renamed = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in tensors.items()}
+    assert any(k.startswith("backbone.") for k in tensors)
+    save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    np.testing.assert_array_equal(logits(path), want)

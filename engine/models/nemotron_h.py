@@ -2,7 +2,7 @@
 (engine/models/mamba2.py), attention without a position embedding, an MLP down(relu(up(x))^2), or a MoE of such
 experts (Nemotron 3's `moe` blocks) - each as x + mixer(norm(x)).
 
-Weights as transformers saves them: `backbone.embeddings.weight`, `backbone.layers.{i}.norm.weight`,
+Weights as transformers saves them (or under `model.`, its in-memory prefix): `backbone.embeddings.weight`, `backbone.layers.{i}.norm.weight`,
 `backbone.layers.{i}.mixer.*` (the Mamba2 names; q/k/v/o_proj; up_proj/down_proj with biases when mlp_bias; the
 MoE's gate.weight, gate.e_score_correction_bias, experts.{e}.up_proj/down_proj, shared_experts.*, fc1/fc2_latent_proj),
 `backbone.norm_f.weight`, `lm_head.weight` (tied when tie_word_embeddings and not stored).
@@ -104,7 +104,11 @@ class MixerBlock:
 
 def build(cfg: Mamba2HybridConfig, load: WeightLoader) -> CausalLM:
     p0 = cfg.weight_prefix
-    load = WeightLoader(load.tensors, load.ops, {p0 + "embed_tokens.": p0 + "embeddings.", **load.renames})
+    # transformers saves the backbone as `backbone.` (and loads `model.` too, its in-memory name)
+    stored = "model." if p0 + "embeddings.weight" not in load.tensors and "model.embeddings.weight" in load.tensors \
+        else p0
+    load = WeightLoader(load.tensors, load.ops, {p0 + "embed_tokens.": stored + "embeddings.", p0: stored,
+                                                 **load.renames})
     blocks = []
     for i, kind in enumerate(cfg.layer_types):
         p = f"{p0}layers.{i}."
