@@ -177,15 +177,16 @@ def test_prefixrun_batch_off_ngram_and_from_disk(model_dir, tmp_path, isolated_e
 
 
 @pytest.mark.parity
-def test_bench_config_shrunk_loads_as_transformers_loads_it(family, tmp_path, cpu_ops):
-    """bench/models/<family>-like.json parses; make-model's writer gives a directory transformers and prefixrun
-    load identically (the config shrunk to test size, its pattern and Mamba2 layout kept)."""
+@pytest.mark.parametrize("fam,name", [("nemotron_h", "nemotron-h-like"), ("nemotron_h", "nemotron-3-nano-like"),
+                                      ("granitemoehybrid", "granite-4.0-h-like")])
+def test_bench_config_shrunk_loads_as_transformers_loads_it(fam, name, tmp_path, cpu_ops):
+    """bench/models/<name>.json parses; make-model's writer gives a directory transformers and prefixrun load
+    identically (the config shrunk to test size, its block pattern kept)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    name = {"nemotron_h": "nemotron-h-like", "granitemoehybrid": "granite-4.0-h-like"}[family]
     raw = json.loads((ROOT / "bench" / "models" / f"{name}.json").read_text())
-    assert parse_config(raw).family == family
-    small = {**raw, **{k: v for k, v in TINY[family].items()
+    assert parse_config(raw).family == fam
+    small = {**raw, **{k: v for k, v in TINY[fam].items()
                        if k not in ("layers_block_type", "layer_types", "num_hidden_layers")}}
     path = make_model_dir(tmp_path / "m", small, seed=3, init_std=PARITY_STD, dtype="float32")
     model = load_model(path, cpu_ops)[0]
