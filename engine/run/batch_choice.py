@@ -5,13 +5,13 @@ What fits: `max_batch_for_memory` sizes a seat for SEAT_CONTEXT_TOKENS of its ow
 down to a power of two (decode graphs are captured per power of two). That is the safe width. A decode step moves
 the weights once and every sequence's state, so a wider step makes more tokens per second until the state's bytes
 dominate — by how much depends on the model and the device, which no formula here knows well (docs/PERFORMANCE.md
-has a long run where the doubled width made 13% more tokens per second). So where twice the
-safe width fits at half that context per seat (a wider step only pays for sequences that fit at all), both widths'
-decode steps are timed on the device: a graph of the model's step over that many sequences of SHORT_CONTEXT tokens
-on a temporary state, replayed a few times, about a tenth of a second. The wider width is chosen when it makes at
-least WIDER_GAIN times the sequences per second (the margin pays for seats that hold half the K/V: a run of long
-prompts then admits fewer sequences, and the scheduler degrades rather than fails). The measurement and the reason
-go into the report (`max_batch_from`).
+has a long run where the doubled width made 13% more tokens per second). So where twice the safe width fits at
+half that context per seat (a wider step only pays for sequences that fit at all), both widths' decode steps are
+timed on the device: the model's step over that many sequences of SHORT_CONTEXT tokens on a temporary state, three
+times each (under a tenth of a second for a 4b-like model). The wider width is chosen when it makes at least
+WIDER_GAIN times the sequences per second (the margin pays for seats that hold half the K/V: a run of long prompts
+then admits fewer sequences, and the scheduler degrades rather than fails). The measurement and the reason go into
+the report (`max_batch_from`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from prefixrun.engine.state.pools import SEAT_CONTEXT_TOKENS, ModelState, max_ba
 SHORT_CONTEXT = SEAT_CONTEXT_TOKENS // 2  # the context a seat of the wider width is sized for
 WIDER_GAIN = 1.05  # the wider width must make this many times the sequences per second of the safe one
 MAX_MEASURED_BATCH = 512  # the widest width measured
-_REPLAYS = 3  # timed replays per width (after the capture's warm-up)
+_REPLAYS = 2  # timed steps per width (after a warm-up)
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,11 @@ def pick(step_seconds: dict[int, float]) -> int:
 
 
 def measure_steps(model, ops, widths: list[int], block_size: int, context: int = SHORT_CONTEXT) -> dict[int, float]:
-    """Seconds per decode step at each width: the model's step (as a graph where the backend captures one) over
-    that many distinct sequences of `context` tokens on a temporary state (zeros: a step's time does not depend on
-    the values), the fastest of _REPLAYS replays after a warm-up. The state is released before this returns."""
+    """Seconds per decode step at each width: the model's step over that many distinct sequences of `context`
+    tokens on a temporary state (zeros: a step's time does not depend on the values), the fastest of _REPLAYS
+    after a warm-up. Eager steps, not graphs: a capture costs several steps' time, and at the widths compared
+    (where twice the safe width fits at all) a step is bound by the device, so its launches hide behind it. The
+    state is released before this returns."""
     from prefixrun.engine.step.decode_graphs import DecodeGraphs
 
     top = max(widths)
@@ -74,10 +76,11 @@ def measure_steps(model, ops, widths: list[int], block_size: int, context: int =
         h.length = context
         handles.append(h)
     graphs = DecodeGraphs(model, state, ops, top)
+    graphs.enabled = False
     out = {}
     try:
         for w in widths:
-            graphs.step(handles[:w], [0] * w)  # capture (or the eager step's kernels compiled)
+            graphs.step(handles[:w], [0] * w)  # warm-up: kernels loaded, GEMM algorithms chosen
             ops.synchronize()
             best = float("inf")
             for _ in range(_REPLAYS):
