@@ -70,3 +70,19 @@ def test_the_caches_tried_follow_the_option_and_the_device():
     assert hf.candidates("cpu") == [None] and hf.candidates("cpu", ("static",)) == [None]
     with pytest.raises(SystemExit):
         hf.main(["m", "w.jsonl", "--caches", "paged"])
+
+
+@pytest.mark.gpu
+def test_the_harness_on_the_gpu_picks_settings_that_work_and_times_the_workload(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hf = _harness()
+    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    lines = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(40)], "max_tokens": 8} for i in range(6)]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    figures = hf.run(model_dir, workload, group=4)
+    assert figures["device"] == "cuda" and figures["generated_tokens"] == 6 * 8 and figures["groups"] == 2
+    assert figures["cache"] in ("static", "dynamic") and len(figures["tried"]) == 2
+    assert any("probe_seconds" in t for t in figures["tried"]), figures["tried"]
