@@ -116,7 +116,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         if self._preparing is None:
             self._preparing = threading.Thread(target=cuda_warmup.prepare, daemon=True, name="prefixrun-kernels",
                                                args=(cupy.cuda.Device().id, self._act, plan, PREPARED_FILES,
-                                                     self.tuning.deterministic))
+                                                     self.tuning.deterministic, self.tuning.gemm_pairing))
             self._preparing.start()
             _PREPARERS[:] = [t for t in _PREPARERS if t.is_alive()] + [self._preparing]
 

@@ -15,9 +15,8 @@ from prefixrun.kernels.tuning import elementwise_launch, elementwise_vector, nor
 class DenseOps:
     """CudaOps' dense ops (its `_act` storage dtype, `_blas` handle, `tuning` and `_cast`)."""
 
-    @staticmethod
-    def _pinned_gemm():
-        return get_pinned_gemm()
+    def _pinned_gemm(self):
+        return get_pinned_gemm(self.tuning.gemm_pairing)
 
     def embed(self, table, ids):
         """table [V, D], ids [T] -> [T, D]"""

@@ -43,7 +43,7 @@ _SCRATCH_CAP = 8 << 30  # bytes: the largest scratch a warm-up takes (a 152k-voc
 LAST: dict = {}  # the latest warm-up's account: seconds per part, products run and left out, errors
 
 
-def prepare(device: int, act_dtype, plan_fn, files, deterministic: bool = False):
+def prepare(device: int, act_dtype, plan_fn, files, deterministic: bool = False, paired: bool = True):
     """The loader thread's body: `files`' modules, the sm_90a attention module, then the plan's GEMMs (plan_fn(): a
     KernelPlan; plan_fn None: a generic one); `deterministic`: through the pinned algorithms the engine will use
     (kernels/cublaslt.py: their choice is made here, once per shape, and their kernels loaded)."""
@@ -61,7 +61,7 @@ def prepare(device: int, act_dtype, plan_fn, files, deterministic: bool = False)
         t1 = time.perf_counter()
         plan = _guarded(account, "plan", plan_fn) if plan_fn is not None else _GENERIC
         if plan is not None:
-            _guarded(account, "gemms", warm_gemms, plan, np.dtype(act_dtype), account, deterministic)
+            _guarded(account, "gemms", warm_gemms, plan, np.dtype(act_dtype), account, deterministic, paired)
         account["gemms_s"] = time.perf_counter() - t1
     account["ended"] = time.perf_counter()
 
@@ -95,7 +95,7 @@ def warm_array_kernels(act: np.dtype):
         stream.synchronize()
 
 
-def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict, deterministic: bool = False):
+def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict, deterministic: bool = False, paired: bool = True):
     """Every product of the plan once per row count, smallest first, on scratch that fits beside the weights, with
     a cuBLAS handle of its own (kernels load per context, not per handle: bench/firstuse_probe.py).
 
@@ -111,12 +111,12 @@ def warm_gemms(plan: KernelPlan, act: np.dtype, account: dict, deterministic: bo
     buffers = (cupy.empty(scratch.weight_elems, act),  # stand-ins: only the shapes matter to the choice of kernel
                cupy.empty(scratch.input_elems, act), cupy.empty(scratch.output_bytes, np.uint8))
     # deterministic: a handle (and workspace) of its own too, whose choices of algorithm are the engine's
-    blas = PinnedGemm() if deterministic else Cublas()
+    blas = PinnedGemm(paired=paired) if deterministic else Cublas()
     stream = cupy.cuda.Stream(non_blocking=True)
     try:
         with stream:
-            _run_products(blas, get_pinned_gemm() if deterministic else get_cublas(), stream, buffers, scratch, act,
-                          account)
+            _run_products(blas, get_pinned_gemm(paired) if deterministic else get_cublas(), stream, buffers, scratch,
+                          act, account)
     finally:
         stream.synchronize()  # nothing may still write the buffers when they go back to the pool
         blas.close()

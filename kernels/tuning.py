@@ -139,6 +139,9 @@ class CudaTuning:
     # key ranges, no cascade, no wgmma: their sums run in other orders), the delta rule chunked on every prefill
     # row and token by token in one kernel (gdn_decode_kernel, snapshots and all) on every decode and verify row
     deterministic: bool = False
+    # deterministic GEMMs: buckets of row counts may take another cuBLASLt algorithm than the reference one where
+    # it gives the same bits (kernels/cublaslt.py PinnedGemm); False: the reference algorithm for every M
+    gemm_pairing: bool = True
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
