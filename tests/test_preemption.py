@@ -5,6 +5,7 @@ requests without a small max_tokens as wide as with one; a sequence that outgrow
 while the others finish. The same on real models, CPU fp32: tests/test_preemption_model.py."""
 from __future__ import annotations
 
+from test_engine import check_trace_against_plan
 from test_executor import FakeRunner, StoredPrefixes, expected_tokens, next_token
 from prefixrun.engine.cache.no_cache import NoCache
 from prefixrun.engine.grammar.compiler import GrammarCompiler
@@ -38,12 +39,15 @@ def run(prompts, p, max_tokens, reuse=True, samples=None):
     samples = samples or [1] * len(prompts)
     requests = [Request(f"r{i}", list(x), SamplingParams(max_tokens=m, temperature=0 if n == 1 else 0.5, n=n), i)
                 for i, (x, m, n) in enumerate(zip(prompts, max_tokens, samples))]
-    plan, trace = make_plan([r.prompt_token_ids for r in requests], share=reuse), Trace()
+    plan, trace = make_plan([r.prompt_token_ids for r in requests], share=reuse,
+                            samples=[r.sampling.sequences for r in requests]), Trace()
     ex = WindowExecutor(requests, plan, trace, p)
     results = {}
     for r in ex.execute():
         results[r.custom_id] = r
         p.state.check_invariants()
+    assert sorted(results) == sorted(r.custom_id for r in requests)  # every request gets its Result
+    check_trace_against_plan(plan, trace)
     p.state.check_invariants()
     p.pool.check_invariants(consumers=set())
     p.pool.drain()
@@ -111,6 +115,20 @@ def test_a_sequence_that_outgrows_the_pools_alone_gets_an_error_and_the_others_f
     assert tokens_of(got)["r2"] == expected_tokens(prompts[2], 4)
     err = got["r1"].error
     assert err is not None and "--state-memory" in err and "generated tokens" in err, err
+    assert len(trace.of("outgrown")) == 1 and p.stats.failed_requests == 1
+
+
+def test_samples_of_a_request_that_outgrew_the_pools_stop_with_it():
+    # three samples of a request that grows past 10 blocks, one seat: the first outgrows the pools alone, so the
+    # request's Result is an error whatever its other samples give; they stop without decoding (an error event
+    # each), and the next request runs
+    prompts = [[1] * 5, [2] * 5]
+    p = parts(blocks=10, max_batch=1)
+    got, trace = run(prompts, p, [60, 4], samples=[3, 1])
+    assert got["r0"].error is not None and "--state-memory" in got["r0"].error
+    assert got["r1"].error is None and got["r1"].token_ids == expected_tokens(prompts[1], 4)
+    tasks = {e.task for e in trace.of("decode")} | {e.task for e in trace.of("error")}
+    assert len(trace.of("decode")) == 2 and len(trace.of("error")) == 2 and len(tasks) == 4
     assert len(trace.of("outgrown")) == 1 and p.stats.failed_requests == 1
 
 

@@ -169,6 +169,13 @@ class Scheduler:
             if self.pending.pop() is not t:
                 raise RuntimeError("admitted group is not the top of the pending stack")
 
+    def drop_request(self, request: int) -> list[Task]:
+        """Take the pending tasks of a request off the stack (it ended another way); the caller lets their bases
+        go."""
+        dropped = [t for t in self.pending if t.request == request]
+        self.pending = [t for t in self.pending if t.request != request]
+        return dropped
+
     def pop(self) -> Task:
         return self.pending.pop()
 

@@ -32,7 +32,7 @@ from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
 from prefixrun.engine.request import Completion, Request, Result
 from prefixrun.engine.run.accounting import TaskRun, charged
-from prefixrun.engine.run.preemption import Preemptions
+from prefixrun.engine.run.preemption import Preemptions, fewer_hint
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet, error_result
 from prefixrun.engine.run.saved_states import SavedStates, spill
@@ -168,18 +168,19 @@ class WindowExecutor:
                 self.preempted.preempt(victim)
 
     def _outgrown(self, seq: Sequence):
-        """A preempted sequence that cannot fit the state memory even alone: its request gets an error."""
-        self.preempted.waiting.remove(seq)
-        self.speculator.forget(seq)
-        self.trace.add("outgrown", seq.origin.task.id, end=len(seq.request.prompt_token_ids) + len(seq.tokens))
-        self.stats.completion_tokens += len(seq.tokens)
-        samples = self._samples_of(seq.request)
-        samples.fail(seq.sample, self.preempted.outgrown(seq, self._fewer()))
+        """A preempted sequence that cannot fit the state memory even alone: its request gets that error, and its
+        other samples that have not ended stop (waiting, or not started: nothing they give changes the Result)."""
+        message, samples = self.preempted.outgrown(seq, fewer_hint(self.opts.max_batch)), self._samples_of(seq.request)
+        for s in self.preempted.take_request(seq.request):
+            self.speculator.forget(s)
+            self.trace.add("outgrown", s.origin.task.id, end=len(s.request.prompt_token_ids) + len(s.tokens))
+            self.stats.completion_tokens += len(s.tokens)
+            samples.fail(s.sample, message)
+        for t in self.sched.drop_request(seq.origin.task.request):
+            self._let_go(t, self.sched.base[t.id])
+            self.trace.add("error", t.id, note="another sample outgrew the state memory")
+            samples.fail(t.sample, message)
         self._collect(samples)
-
-    def _fewer(self) -> str:
-        # the state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V
-        return f", lower --max-batch ({self.opts.max_batch:,} now)" if self.opts.max_batch > 1 else ""
 
     def _give_up_one(self, mine) -> bool:
         """Nothing decodes and what waits (a task whose base is `mine`, or a preempted sequence: None) does not fit:
@@ -219,7 +220,7 @@ class WindowExecutor:
     def _refuse(self, task: Task):
         """The task cannot fit even an empty pool: its requests (and those of every task after it) get errors."""
         self._let_go(task, self.sched.base[task.id])
-        s, fewer = self.state, self._fewer()
+        s, fewer = self.state, fewer_hint(self.opts.max_batch)
         for t in self.plan.subtree(task):
             if t.request is None:
                 continue

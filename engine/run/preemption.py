@@ -38,6 +38,11 @@ def _remaining(seq: Sequence, length: int) -> int:
     return max(0, min(seq.request.sampling.max_tokens - len(seq.tokens), seq.max_context - 1 - length))
 
 
+def fewer_hint(max_batch: int) -> str:
+    """The state memory holds the slots of --max-batch sequences first: fewer sequences leave more for K/V."""
+    return f", lower --max-batch ({max_batch:,} now)" if max_batch > 1 else ""
+
+
 class Preemptions:
     """The preempted sequences of a window, earliest admitted first, and how they get their states back."""
 
@@ -67,6 +72,12 @@ class Preemptions:
         self.waiting.insert(0, seq)
         self.stats.preemptions += 1
         self.trace.add("preempt", seq.origin.task.id, end=length)
+
+    def take_request(self, request) -> list[Sequence]:
+        """Take every waiting sequence of `request` off the waiting list (its request ended another way)."""
+        taken = [s for s in self.waiting if s.request is request]
+        self.waiting = [s for s in self.waiting if s.request is not request]
+        return taken
 
     def blocks_to_resume(self, seq: Sequence, least: bool = False) -> int:
         """K/V blocks a waiting sequence takes when readmitted: its state and its growth margin (`least`: one more
