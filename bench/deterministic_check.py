@@ -57,7 +57,7 @@ def run(loaded, prompts, *, gen, logprobs=True, windows=1, cache=None, **options
     from prefixrun.engine.run.core import Engine, EngineOptions
 
     opts = EngineOptions(**{"speculative": "off", "max_batch": 64, "block_size": loaded.ops.default_block_size,
-                            "state_memory_bytes": 16 << 30, "checkpoint_budget_bytes": 4 << 30, **options})
+                            "state_memory_bytes": 48 << 30, "checkpoint_budget_bytes": 4 << 30, **options})
     persist = None
     if cache is not None:
         persist, problem = open_cache(cache, 20 << 30, loaded, opts.block_size, "always")
