@@ -136,8 +136,7 @@ class PinnedAlgo:
 # Row counts the heuristics are asked about when pairing: a GEMM of M rows takes the algorithm chosen for the first
 # bucket >= M (the last for more), if that algorithm gives the reference algorithm's bits.
 BUCKETS = (1, 16, 64, 256, 1024, 4096)
-_VERIFY_ROWS = 256  # rows of test data a candidate is compared on (every row of a tile position there)
-_VERIFY_MAX_N = 32768  # columns of test data at most (an LM head's first ones: a kernel's order is per element)
+_VERIFY_MAX_N = 16384  # columns of test data at most (an LM head's first ones: a kernel's order is per element)
 
 
 def bucket_of(m: int) -> int:
@@ -254,10 +253,11 @@ class PinnedGemm:
         return self.choices(n, k, a_type, c_type, compute)[bucket_of(rows) if rows is not None else None]
 
     def _agreeing(self, n, k, a_type, c_type, compute, base, others: dict) -> list[int]:
-        """The buckets whose algorithm gives `base`'s bits on fixed test data: every row of a [256, K] input, and
-        the rows of the bucket's own row count, against the reference algorithm's [256, N'] product."""
+        """The buckets whose algorithm gives `base`'s bits on fixed test data at the smallest and the largest row
+        count of the bucket (a kernel that split its work by the tile count would differ across it), against the
+        reference algorithm's product of all the test rows."""
         cupy = self._cupy
-        nt, rows = min(n, _VERIFY_MAX_N), _VERIFY_ROWS
+        nt, rows = min(n, _VERIFY_MAX_N), BUCKETS[-1]
         in_dt, out_dt = _NP_TYPES[a_type], _NP_TYPES[c_type]
         stream = cupy.cuda.Stream(non_blocking=True)  # never a capturing stream; synchronised alone
         with stream:
@@ -268,7 +268,8 @@ class PinnedGemm:
             self._matmul(base[0], x, w, ref, compute, a_type, c_type, workspace)
             agree = []
             for b, (algo, _) in others.items():
-                for m in sorted({rows, min(b, rows)}):
+                below = max((p for p in BUCKETS if p < b), default=0)
+                for m in sorted({below + 1, b}):
                     y = cupy.empty((m, nt), out_dt)
                     self._matmul(algo, x[:m], w, y, compute, a_type, c_type, workspace)
                     if not bool(cupy.array_equal(y.view(_BITS[out_dt.itemsize]),
