@@ -345,7 +345,7 @@ class PinnedGemm:
 def _test_values(rng, shape, dtype):
     """Random test data in `dtype`: fp32 normals, or bf16 / fp16 bit patterns of moderate magnitude (no casts)."""
     if dtype.itemsize == 4:
-        return rng.standard_normal(shape, dtype=np.float32)
+        return rng.standard_normal(shape).astype(np.float32)
     bits = rng.randint(0, 1 << 16, size=shape, dtype=np.int32)
     if dtype == np.dtype(np.float16):  # sign, exponent 12..17 (2^-3 .. 2^2), mantissa
         bits = (bits & 0x83FF) | ((12 + (bits >> 10) % 6) << 10)

@@ -261,3 +261,24 @@ def test_cli_flag_and_environment_variable_turn_the_mode_on_and_keep_their_cache
     plain, rep_plain, _ = run()
     assert rep_plain["deterministic"] is False and "grid_recomputed_tokens" not in rep_plain
     assert rep_plain["reused_from_disk_tokens"] == 0  # a deterministic run's entries are not this mode's
+
+
+def test_gemm_buckets_cover_every_row_count():
+    from prefixrun.kernels.cublaslt import BUCKETS, bucket_of
+
+    assert [bucket_of(m) for m in (1, 2, 16, 17, 64, 65, 256, 257, 1024, 1025, 4096, 100000)] == \
+        [1, 16, 16, 64, 64, 256, 256, 1024, 1024, 4096, 4096, 4096]
+    assert list(BUCKETS) == sorted(BUCKETS) and 256 in BUCKETS  # the reference row count is a bucket of its own
+
+
+def test_gemm_test_values_are_moderate_and_fixed_by_the_seed():
+    import ml_dtypes
+
+    from prefixrun.kernels.cublaslt import _test_values
+
+    for dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)):
+        a = _test_values(np.random.RandomState(3), (64, 32), dtype)
+        b = _test_values(np.random.RandomState(3), (64, 32), dtype)
+        assert a.dtype == dtype and a.shape == (64, 32) and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        f = a.astype(np.float32)
+        assert np.isfinite(f).all() and np.abs(f).max() < 64 and (f < 0).any() and (f > 0).any()
