@@ -226,6 +226,7 @@ def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs, tmp_pat
     from test_gemma3 import TINY_GEMMA3
     from test_gpt_oss import TINY_GPT_OSS
     from test_lfm2 import TINY_LFM2
+    from test_mamba2_engine import TINY as TINY_MAMBA2
 
     from prefixrun.engine.load import loader
     from prefixrun.engine.load.model_maker import make_model_dir
@@ -233,7 +234,8 @@ def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs, tmp_pat
     from prefixrun.kernels.reference import NumpyOps
 
     more = {name: make_model_dir(tmp_path / name, cfg, seed=7)
-            for name, cfg in (("gemma3", TINY_GEMMA3), ("gpt_oss", TINY_GPT_OSS), ("lfm2", TINY_LFM2))}
+            for name, cfg in (("gemma3", TINY_GEMMA3), ("gpt_oss", TINY_GPT_OSS), ("lfm2", TINY_LFM2),
+                              *TINY_MAMBA2.items())}
     for family, path in {**model_dirs, **more}.items():
         loading = loader.start_load(path, "cpu")
         loaded = loading.finish()
