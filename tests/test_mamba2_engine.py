@@ -248,3 +248,23 @@ def test_a_state_larger_than_the_backend_runs_is_refused_at_load(family, field, 
     with pytest.raises(ModelLoadError, match=f"{field} = 24; the cpu Mamba2 kernels run state sizes up to 16"):
         load_model(big, narrow)
     assert load_model(big, cpu_ops)[0] is not None
+
+
+@pytest.mark.parametrize("family,field,value,shown", [
+    ("nemotron_h", "mlp_hidden_act", "gelu", 'mlp_hidden_act = "gelu"'),
+    ("nemotron_h", "topk_group", 0, "topk_group = 0"),
+    ("granitemoehybrid", "time_step_limit", [0.5], "time_step_limit = [0.5]")])
+def test_prefixrun_batch_shows_a_refusal_as_one_line_exit_2(family, field, value, shown, tmp_path, isolated_env):
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TINY[family], field: value}))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    result = CliRunner().invoke(app, ["batch", str(prompts), "--model", str(model), "--no-cache", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and shown in lines[0] and "is not supported" in lines[0], result.output
