@@ -100,6 +100,12 @@ for r in range(1, repeats + 1):
             tokens[name] = None
     same = all(t is not None and t == tokens["nocache"] for t in tokens.values())
     print(f"\nround {r}: second batch tokens identical in warm / cold again / no cache: {'yes' if same else 'NO'}")
+    for name in ("cold", "warm", "again", "nocache"):
+        try:
+            phases = json.loads((out / f"{name}-{r}.json").read_text())["startup"]["phases"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        print(f"  {name} phases: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     for name in ("cold", "warm", "again"):
         try:
             rep = json.loads((out / f"{name}-{r}.json").read_text())

@@ -73,6 +73,42 @@ def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(tmp_p
     assert report["reused_tokens"] == report["reused_from_disk_tokens"]  # nothing shared in memory besides
 
 
+def test_entries_read_ahead_go_to_the_device_while_the_engine_is_built(tmp_path, monkeypatch):
+    """Once the pools are sized the read-ahead's K/V rows move to the device while the engine is built (they waited
+    for its pools before, and the first restores behind them). A stand-in engine build waits until one upload has
+    begun (at most 20 s): before, none began until the engine existed."""
+    from prefixrun.engine.run import core
+    from prefixrun.kernels.reference import NumpyOps
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    cache = tmp_path / "cache"
+    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
+          "--cache-policy", "always")
+    second = write_input(tmp_path / "second.jsonl", SECOND)
+    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
+    uploading = threading.Event()
+    order: list[str] = []
+    real_upload, real_init = NumpyOps.upload_ahead, core.Engine.__init__
+
+    def upload_ahead(self, arrays):
+        order.append("upload ahead")
+        uploading.set()
+        return real_upload(self, arrays)
+
+    def slow_init(self, *args, **kwargs):
+        uploading.wait(20)
+        order.append("engine built")
+        return real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(NumpyOps, "upload_ahead", upload_ahead)
+    monkeypatch.setattr(core.Engine, "__init__", slow_init)
+    warm, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    assert order[:2] == ["upload ahead", "engine built"]
+    assert warm == expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
+    timeline = report["cache"]["costs"]["timeline"]
+    assert timeline["pools_sized"] <= timeline["read_ahead_on_device_last"] <= timeline["first_lookup"]
+
+
 def test_a_damaged_entry_read_ahead_during_the_load_is_still_a_miss(tmp_path):
     model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
     cache = tmp_path / "cache"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -63,8 +64,10 @@ def test_a_fresh_folders_key_is_made_while_the_run_computes_and_its_writes_wait_
     held = HeldDigest(monkeypatch, loaded)
     persist, problem = open_cache(tmp_path / "cache", 1 << 30, loaded, 16, "always")
     assert problem is None and persist.key is None  # opened without waiting for the hashing
-    assert held.started.wait(20)
+    time.sleep(0.2)
+    assert not held.started.is_set()  # nor hashing beside the weights' upload: it begins once the pools exist
     tokens, stats = run(loaded, persist, FIRST)  # the whole run computes while the key is being made
+    assert held.started.wait(20)
     assert tokens == expected_first and stats.reused_from_disk_tokens == 0
     assert persist.key is None and persist.costs.written_bytes == 0  # the writer waits for the key
     held.release()

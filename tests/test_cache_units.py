@@ -154,8 +154,8 @@ def test_the_cache_folder_refuses_a_link_as_its_root_unless_told(tmp_path):
 
 def test_the_cache_that_is_off_has_the_engines_interface_and_does_nothing():
     off = NoCache()
-    used = ["lookup", "may_retain", "offer", "prefetch", "stop_read_ahead", "watch_prefill", "note_load", "attach",
-            "finish", "report", "close", "keeps_states"]
+    used = ["lookup", "may_retain", "offer", "prefetch", "stop_read_ahead", "watch_prefill", "note_load",
+            "pools_sized", "attach", "finish", "report", "close", "keeps_states"]
     assert all(hasattr(PersistentCheckpoints, name) for name in used)
     assert off.lookup([1, 2], 0, 2, None) is None and off.offer([1], None, None, None) is False
     assert off.may_retain([1], 10) is False and off.report() is None and off.keeps_states is False

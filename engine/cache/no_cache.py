@@ -31,6 +31,9 @@ class NoCache:
     def note_load(self, weight_bytes: int, seconds: float) -> None:
         pass
 
+    def pools_sized(self) -> None:
+        pass
+
     def attach(self, state) -> None:
         pass
 

@@ -8,8 +8,9 @@ window's plan (its prompts' token ids). `CacheOpening` does that on a thread sta
 the cache for the load under way (`loader.Loading`) and, once the caller says which prompts come first
 (`upcoming`: a Future of token-id lists, e.g. the first window of an input file read on another thread), starts
 `PersistentCheckpoints.prefetch` of their plan's roots. Before the engine exists that is host work only (read,
-verified, checked against the layout); the K/V rows go to the device once the pools do (`attach`), so the
-pools are sized as without it. The engine's own prefetch of that window keeps those entries.
+verified, checked against the layout); the K/V rows go to the device once the pools are sized (`pools_sized`,
+while the engine is built), so the pools are sized as without it. The engine's own prefetch of that window keeps
+those entries.
 
 Nothing here changes an answer: read-ahead is a hint, and every entry is verified and checked as before. Hints
 are taken until the engine runs its first window (`close`); after that the engine's prefetch alone decides.

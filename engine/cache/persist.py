@@ -189,9 +189,10 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self._ahead_room_lock = threading.Lock()
         self._layout_memo: tuple[object, list[dict]] | None = None  # (specs, state_layout): one layout per run
         self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
-        # set once the engine's pools exist (`attach`): before, read-ahead entries are read and checked on the host
-        # but none is moved to the device (a read-ahead started while the weights load must not take the device
-        # memory the pools are sized from); `_ahead_stopping`: the read-ahead is being stopped, nothing more uploads
+        # set once the engine's pools are sized (`pools_sized`, else `attach`): before, read-ahead entries are read
+        # and checked on the host but none is moved to the device (a read-ahead started while the weights load must
+        # not take the device memory the pools are sized from); `_ahead_stopping`: the read-ahead is being stopped,
+        # nothing more uploads
         self._device_ready = threading.Event()
         self._ahead_stopping = False
         # (entry id, blob) -> {paged region: its rows on the device}, of a read-ahead entry a lookup has just taken
@@ -274,11 +275,21 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             self._block_rows = block_rows(block_size, block_bytes // block_size)
         self._engine_block_size = block_size
 
+    def pools_sized(self):
+        """The engine's pools are sized (from the device memory free after the weights' upload): read-ahead entries
+        may go to the device from now on (`ops.upload_ahead`), while the engine is built, instead of after it (a
+        warm run's restores waited ~0.2 s for those uploads behind the engine's set-up)."""
+        self._mark("pools_sized")
+        self._device_ready.set()
+
     def attach(self, state: ModelState):
-        """The engine's pools exist (`state`): read-ahead entries may now go to the device (`ops.upload_ahead`)."""
+        """The engine's pools exist (`state`): read-ahead entries may now go to the device (`ops.upload_ahead`), and a
+        fresh folder's key is made (engine/cache/pending_key.py: the weights' upload is over)."""
         self._ahead_layout = state_layout(state.specs, state.ops)
         self._learn_layout(state)
         self._mark("pools_ready")
+        if self._pending_key is not None:
+            self._pending_key.start()  # the weights are on the device: hashed while the run computes
         self._device_ready.set()
 
     def _resident_rows(self, share: StateHandle | None) -> int:

@@ -149,7 +149,7 @@ class ReadAhead:
                     self.costs.prefetch_block_bytes += checkpoint.block_bytes
                     self.costs.prefetch_seconds += seconds
                     self.cost_model.observe_read(checkpoint.nbytes, seconds)
-                    self._device_ready.wait()  # the engine's pools first (`attach`)
+                    self._device_ready.wait()  # the engine's pools sized first (`pools_sized`)
                     if not self._ahead_stopping:
                         slot.on_device = self._upload_ahead(checkpoint)
                         self._mark("read_ahead_on_device_last", last=True)

@@ -86,6 +86,7 @@ class EngineSession:
             if problem:
                 self.warnings.append(problem)
             self.persist = persist if persist is not None else NoCache()
+        self.persist.pools_sized()  # sized above: entries read ahead go to the device while the engine is built
         self.engine = self._engine(opts)
         self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
         # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
