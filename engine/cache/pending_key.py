@@ -3,8 +3,8 @@
 The model key covers the weights' content digest (engine/cache/keys.py), remembered per cache folder once computed
 (engine/load/weights.py). A fresh folder's first run hashed the weights (8.4 GB for the 4b-like model) before its
 engine could run, for lookups that could find nothing: the folder's index held no entry. There `open_cache` makes
-the key here instead, once the weights are on the device (`start`: the hashing beside the upload slowed the load
-from 0.38 s to 1.27 s), while the run computes: until it is known a lookup is a miss and the read-ahead reads
+the key here instead, once the weights are on the device (`start`, when the engine's pools are sized: the hashing
+beside the upload slowed the load from 0.38 s to 1.27 s), while the engine is built and runs: until it is known a lookup is a miss and the read-ahead reads
 nothing (an empty index has nothing to give them), and the background writer's first write waits for it, off the
 engine's path; the run's end waits for it only if the run was shorter than the hashing.
 

@@ -278,8 +278,11 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
     def pools_sized(self):
         """The engine's pools are sized (from the device memory free after the weights' upload): read-ahead entries
         may go to the device from now on (`ops.upload_ahead`), while the engine is built, instead of after it (a
-        warm run's restores waited ~0.2 s for those uploads behind the engine's set-up)."""
+        warm run's restores waited ~0.2 s for those uploads behind the engine's set-up); a fresh folder's key is
+        made from now on (engine/cache/pending_key.py)."""
         self._mark("pools_sized")
+        if self._pending_key is not None:
+            self._pending_key.start()  # the weights are on the device: hashed while the engine is built and runs
         self._device_ready.set()
 
     def attach(self, state: ModelState):
