@@ -265,13 +265,13 @@ def _cache_rows(report: dict):
                          f"{count(cache['corrupt'], 'bad entry', 'bad entries')} moved aside")
     costs = cache.get("costs")
     if costs:
-        yield from _cache_cost_rows(costs)
+        yield from _cache_cost_rows(costs, report.get("wall_seconds"))
     yield "cache dir", str(cache["dir"])
     if cache.get("error"):
         yield "disk cache error", f"{cache['error']} (the run went on without the cache)"
 
 
-def _cache_cost_rows(costs: dict):
+def _cache_cost_rows(costs: dict, wall: float | None = None):
     ahead = (f", {human_bytes(costs['prefetch_used_bytes'])} of them read ahead in the background"
              if costs.get("prefetch_used_bytes") else "")
     yield "disk cache cost", (
@@ -284,9 +284,10 @@ def _cache_cost_rows(costs: dict):
     if waited >= 0.005:
         digest = (f", {costs['key_wait_seconds']:.2f} s for the weights' digest"
                   if costs.get("key_wait_seconds", 0) >= 0.005 else "")
+        share = f" ({waited / wall:.0%} of the run's wall)" if wall else ""
         yield "disk cache at exit", (
-            f"the run's end waited {waited:.2f} s for the cache: {costs['finish_wait_seconds']:.2f} s for the writer "
-            f"({human_bytes(costs.get('finish_written_bytes', 0))} written meanwhile){digest}")
+            f"the run's end waited {waited:.2f} s for the cache{share}: {costs['finish_wait_seconds']:.2f} s for the "
+            f"writer ({human_bytes(costs.get('finish_written_bytes', 0))} written meanwhile){digest}")
     if costs.get("blocks_written") or costs.get("blocks_reused") or costs.get("blocks_read"):
         written_blocks = costs.get("written_block_bytes", 0)
         yield "disk cache K/V blocks", (

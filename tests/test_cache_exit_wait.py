@@ -86,4 +86,4 @@ def test_the_report_says_how_long_the_end_waited_for_the_cache(model_dir, tmp_pa
     cache = json.loads((tmp_path / "r.json").read_text())["cache"]
     assert cache["exit_wait_seconds"] >= HELD_S * 0.9 and cache["costs"]["finish_written_bytes"] > 0
     text = " ".join(res.output.replace("│", " ").split())  # the report's table, its wrapped cells joined
-    assert "disk cache at exit" in text and "s for the writer" in text, text[-3000:]
+    assert "disk cache at exit" in text and "s for the writer" in text and "of the run's wall" in text, text[-3000:]
