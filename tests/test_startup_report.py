@@ -86,3 +86,14 @@ def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path)
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_checking_the_options_loads_no_cache_and_no_model_code():
+    """batch's options are checked before any work; checking them (the cache policy among them) imports neither the
+    persistent cache nor the weights' dtypes, which the run imports when it uses them."""
+    probe = ("import sys\nfrom prefixrun.cli.app import batch_params, run_config\n"
+             "run_config(batch_params(['x.jsonl', '--cache-policy', 'always']))\n"
+             "print(sorted(m for m in ('prefixrun.engine.cache.persist', 'ml_dtypes') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

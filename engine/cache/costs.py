@@ -50,6 +50,10 @@ from prefixrun.engine.cache.files import CacheFolder
 from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.sizes import human_bytes
 
+# measured: write / read a state only where the rates measured in this run say reading it back beats recomputing;
+# always: every offered state is written and every match read (e.g. to fill a folder that another machine will read)
+CACHE_POLICIES = ("measured", "always")
+
 # A read (index, files, digests, import) competes with the engine for the host and is timed at lookups, so in a
 # near-tie recomputing on the device is the safer choice. Writes need the clearer margin: what is written is read
 # by later lookups only if it passes theirs (a long document's state, read in about half the time it takes to

@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from prefixrun.engine.cache import auth
-from prefixrun.engine.cache.costs import CacheCosts, CostModel, ReadCalibration, human_bytes, load_rates, \
-    save_rates
+from prefixrun.engine.cache.costs import CACHE_POLICIES, CacheCosts, CostModel, ReadCalibration, human_bytes, \
+    load_rates, save_rates
 from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
 from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
 from prefixrun.engine.cache.keys import layout_key, model_key  # noqa: F401 (the engine's keys, named here too)
@@ -57,9 +57,6 @@ from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.state.pools import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, \
     pool_unit_bytes, state_layout
 
-# measured: write / read a state only where the rates measured in this run say reading it back beats recomputing;
-# always: every offered state is written and every match read (e.g. to fill a folder that another machine will read)
-CACHE_POLICIES = ("measured", "always")
 # The run's end waits for the writer at most this long beyond the writes already under way (measured policy): jobs
 # not started by then are dropped and counted (a write is worth a later read, not a slower run now).
 END_WAIT_MIN_S = 0.5

@@ -153,7 +153,7 @@ def _negated(flag: bool, options: dict) -> bool:
 
 
 def _cache_policies() -> tuple:
-    from prefixrun.engine.cache.persist import CACHE_POLICIES
+    from prefixrun.engine.cache.costs import CACHE_POLICIES  # not persist: checking an option loads no cache
 
     return tuple(CACHE_POLICIES)
 
