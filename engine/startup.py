@@ -14,8 +14,8 @@ import os
 import time
 
 # The phases in the order a batch run enters them (the report lists them so).
-PHASES = ("imports", "options", "tokenizer", "device", "weights_plan", "weights", "engine_setup", "cache_open",
-          "batch")
+PHASES = ("imports", "options", "tokenizer", "device", "weights_plan", "weights", "max_batch", "engine_setup",
+          "cache_open", "batch")
 
 
 def process_age() -> float | None:

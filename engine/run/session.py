@@ -69,9 +69,10 @@ class EngineSession:
         ops = self.loaded.ops
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started
-        clock.mark("engine_setup")
+        clock.mark("max_batch")  # --max-batch when not given: on a device, measured (engine/run/batch_choice.py)
         clock.note("weight_reads", loading.weight_reads)
         max_batch, state_bytes, checkpoint_budget = self._memory_sizes(ops)
+        clock.mark("engine_setup")
         opts = EngineOptions.of(s, max_batch=max_batch, state_memory_bytes=int(state_bytes),
                                 checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
         from prefixrun.engine.cache.no_cache import NoCache
