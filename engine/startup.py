@@ -51,7 +51,8 @@ class PhaseClock:
         self._phase, self._since = phase, now
 
     def note(self, name: str, value) -> None:
-        """A figure of work done beside the main thread (None: nothing to note)."""
+        """A figure of work done beside the main thread (None: nothing to note); a function: called for the figure
+        when the report is made (work that may still be running now)."""
         if value is not None:
             self.background[name] = value
 
@@ -64,7 +65,8 @@ class PhaseClock:
         # phases rounded down and the whole up, so that the phases never add up to more than the process
         return {"process_seconds": math.ceil((now - self._start) * 1e4) / 1e4,
                 "phases": {p: math.floor(seconds[p] * 1e4) / 1e4 for p in order},
-                "background": dict(self.background)}
+                "background": {k: v for k, v in ((k, v() if callable(v) else v) for k, v in self.background.items())
+                               if v is not None}}
 
 
 class NoClock:

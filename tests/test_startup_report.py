@@ -69,7 +69,7 @@ def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
     assert sum(phases.values()) <= startup["process_seconds"] <= outside + 0.02
     reads = startup["background"]["weight_reads"]
     assert reads["error"] is None and reads["taken_bytes"] == reads["planned_bytes"] > 0
-    assert ("weights_digest_seconds" in startup["background"]) == cache
+    assert ("weights_digest_seconds" in startup["background"]) == cache  # a new folder: hashed beside the run
     line = next(row for row in p.stderr.splitlines() if "│ process" in row)
     assert all(ph.replace("_", " ") in line for ph in expected) and "weights read" in line
 

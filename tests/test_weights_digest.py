@@ -106,3 +106,24 @@ def test_a_file_changed_while_it_is_hashed_is_not_remembered(tmp_path, monkeypat
     monkeypatch.setattr(weights_digest, "content_digest", hashed_then_changed)
     CheckpointTensors(path).digest(tmp_path / "a" / "digests")
     assert not list((tmp_path / "a" / "digests").glob("*.digest"))
+
+
+def test_a_load_hashes_its_weights_after_reading_them(model, tmp_path):
+    """Hashing and the weights' reads both read every byte: a load's digest waits for its reads (unless a memo
+    holds it: then at once)."""
+    import threading
+
+    from prefixrun.engine.load import loader
+
+    loading = loader.start_load(model, "cpu")
+    got = []
+    hashing = threading.Thread(target=lambda: got.append(loading.weights_digest(tmp_path / "a" / "digests")))
+    hashing.start()
+    hashing.join(0.5)
+    assert hashing.is_alive() and not got  # the weights are not read yet
+    loading.finish()
+    hashing.join(60)
+    assert got == [reference_digest(CheckpointTensors(model))]
+    again = loader.start_load(model, "cpu")  # the memo now holds it: no wait for a load that never finishes
+    assert again.weights_digest(tmp_path / "a" / "digests") == got[0]
+    again.finish()

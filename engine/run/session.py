@@ -83,7 +83,7 @@ class EngineSession:
             clock.mark("cache_open")
             persist, problem = self._cache_opening.join(self.loaded)
             clock.mark("engine_setup")
-            clock.note("weights_digest_seconds", loading.digest_seconds)
+            clock.note("weights_digest_seconds", lambda: loading.digest_seconds)  # it may still be hashing
             if problem:
                 self.warnings.append(problem)
             self.persist = persist if persist is not None else NoCache()
