@@ -39,7 +39,7 @@ def mmap_pass(tensors, names) -> float:
 def device_pass(tensors, names, ops) -> dict:
     """The read-ahead to the device, every tensor taken in order as the build takes it, to the device drained."""
     t0 = time.perf_counter()
-    tensors.read_ahead(names, ops)
+    tensors.read_ahead(names, ops.read_weights)
     held, taken = [], 0
     for name in names:
         a = tensors.stored(name)

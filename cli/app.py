@@ -76,6 +76,12 @@ def batch(
     from prefixrun.engine.startup import PhaseClock
 
     clock = PhaseClock()  # the process's start-up so far is its imports
+    if run_options.get("devices") is None and run_options.get("ray_address") is None:
+        from prefixrun.kernels import device_start
+
+        # the GPU comes up (kernels/device_start.py) while the options are checked and the run's modules import;
+        # a run that then stops on a usage error has only started a thread
+        device_start.start(str(run_options.get("device") or "auto"))
     from prefixrun.cli.output import run_to_output
 
     clock.mark("options")

@@ -51,3 +51,20 @@ def get_ops(device: str = "auto", dtype: str | None = None, deterministic: bool 
     from prefixrun.kernels.cuda import CudaOps
 
     return CudaOps(dtype or "bfloat16", deterministic=deterministic)
+
+
+def start_weight_reads(device: str, spans):
+    """The weights' read-ahead (kernels/weight_reads.py) started before the backend exists, where the GPU is being
+    brought up early (kernels/device_start.py): its context and pinned ring are all the reads need, so they run
+    while the rest of the backend (its modules, cuBLAS) loads. None where no GPU is coming up that way: the caller
+    starts the reads through its ops (`Ops.read_weights`) once it has them."""
+    if device == "cpu":
+        return None
+    from prefixrun.kernels import device_start
+
+    gpu = device_start.wait_context()
+    if gpu is None:
+        return None
+    from prefixrun.kernels.cuda_weight_reads import start_reads
+
+    return start_reads(list(spans), gpu)

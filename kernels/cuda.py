@@ -191,7 +191,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         tensors whose stored dtype the kernels take (fp32, bf16); the others go the upload's way."""
         from prefixrun.kernels.cuda_weight_reads import start_reads
 
-        return start_reads([s for s in spans if s.dtype in TYPE_NAMES], self._device_id, self.free_memory())
+        return start_reads(list(spans), self._device_id)
 
     def _upload_fp8_rows(self, parts, dt):
         """upload_rows of FP8 matrices: each dequantised on the device into its rows (kernels/cuda_fp8.py)."""

@@ -14,10 +14,12 @@ import os
 import threading
 
 import cupy
+import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads
 
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # what the kernels take as stored
 RING_BUFFERS = 4
 BUFFER_BYTES = 64 << 20
 WINDOW_BYTES = 4 << 30  # read ahead of the build at most (less where the device has less free)
@@ -100,6 +102,12 @@ class PinnedLanding(Landing):
         self._pinned = []  # back to CuPy's pinned pool
 
 
-def start_reads(spans: list[TensorSpan], device: int, free_bytes: int) -> WeightReads:
-    window = max(BUFFER_BYTES, min(WINDOW_BYTES, free_bytes // 4))
-    return WeightReads(spans, PinnedLanding(device, cupy.cuda.get_current_stream()), read_threads(), window)
+def start_reads(spans: list[TensorSpan], device: int) -> WeightReads:
+    """The reads of the tensors whose stored dtype the kernels take (fp32, bf16: the others go the upload's way)
+    into `device`'s memory, landed for the calling thread's current stream."""
+    with cupy.cuda.Device(device):
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        window = max(BUFFER_BYTES, min(WINDOW_BYTES, (free + cupy.get_default_memory_pool().free_bytes()) // 4))
+        stream = cupy.cuda.get_current_stream()
+    kept = [s for s in spans if np.dtype(s.dtype) in _KERNEL_DTYPES]
+    return WeightReads(kept, PinnedLanding(device, stream), read_threads(), window)

@@ -3,10 +3,11 @@ made, the CUDA backend's modules imported, cuBLAS loaded with its handle, the pi
 (kernels/cuda_weight_reads.py) allocated.
 
 Each of these is a fixed cost of a fresh process (the context and cuBLAS's libraries alone take a good part of a
-second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the
-tokenizer's load and the model's dry build. `get_ops` waits for it (`wait`) before it makes the backend, so the
-two never make the same handle twice. Nothing here raises: a failure leaves the work to its usual place, which
-reports the problem itself.
+second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the run's
+imports, the tokenizer's load and the model's dry build. The weights' reads need only the context and the ring
+(`wait_context`: kernels/__init__.py start_weight_reads), so they run while the backend's modules and cuBLAS load;
+`get_ops` waits for the whole of it (`wait`) before it makes the backend, so the two never make the same handle
+twice. Nothing here raises: a failure leaves the work to its usual place, which reports the problem itself.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import time
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _figures: dict = {}  # seconds of the bring-up, its error if any
+_context = threading.Event()  # set once the context and the pinned ring are up, or the bring-up gave up
+_gpu: list[int] = []  # the device whose context is up
 
 
 def start(device: str = "auto") -> None:
@@ -41,6 +44,17 @@ def wait() -> dict:
     return dict(_figures)
 
 
+def wait_context() -> int | None:
+    """Wait for a bring-up under way to have the context and the pinned ring; the device's id, or None where no
+    bring-up was started or it found no GPU or failed."""
+    with _lock:
+        started = _thread is not None
+    if not started:
+        return None
+    _context.wait()
+    return _gpu[0] if _gpu else None
+
+
 def figures() -> dict:
     """What the bring-up did so far ({} when none was started)."""
     return dict(_figures)
@@ -48,20 +62,36 @@ def figures() -> dict:
 
 def _bring_up():
     t0 = time.perf_counter()
+    parts = _figures["parts"] = {}  # seconds of each step, in order
+
+    def step(name: str, since: float) -> float:
+        now = time.perf_counter()
+        parts[name] = round(now - since, 4)
+        return now
+
     try:
         import cupy
 
+        t = step("import_cupy", t0)
         if cupy.cuda.runtime.getDeviceCount() > 0:
             device = cupy.cuda.Device(0)
             device.use()
             cupy.cuda.runtime.free(0)  # the context
-            from prefixrun.kernels import cuda  # noqa: F401 - the backend's modules, imported here
-            from prefixrun.kernels.cublas import get_cublas
+            t = step("context", t)
             from prefixrun.kernels.cuda_weight_reads import prepare_ring
 
-            get_cublas()
             prepare_ring(device.id)
+            t = step("pinned_ring", t)
+            _gpu.append(device.id)
+            _context.set()
+            from prefixrun.kernels import cuda  # noqa: F401 - the backend's modules, imported here
+            from prefixrun.kernels.cublas import get_cublas
+
+            t = step("import_backend", t)
+            get_cublas()
+            step("cublas", t)
     except Exception as error:  # noqa: BLE001 - the backend's own start reports it
         _figures["error"] = f"{type(error).__name__}: {error}"[:300]
     finally:
+        _context.set()
         _figures["seconds"] = round(time.perf_counter() - t0, 4)

@@ -9,6 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+
 from prefixrun.engine.load.config import DecoderConfig
 from prefixrun.engine.load.hf_config import load_config
 from prefixrun.engine.errors import ModelLoadError
@@ -20,7 +23,7 @@ from prefixrun.engine.load.gemm_plan import dry_build, dry_state_specs, model_pl
 from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 from prefixrun.engine.startup import NO_CLOCK
-from prefixrun.kernels import get_ops
+from prefixrun.kernels import get_ops, start_weight_reads
 
 
 @dataclass
@@ -132,17 +135,18 @@ class Loading:
             self._specs = dry_state_specs(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
         return self._specs
 
-    def start_reads(self) -> None:
-        """Start reading the weights into the backend's memory in the order the build will upload them (one dry
-        build: engine/load/gemm_plan.py, whose state regions `state_specs` then gives). A dry build that fails
-        starts nothing: the real build reports the problem."""
-        try:
-            specs, order = dry_build(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
-        except Exception as error:  # noqa: BLE001 - the build below raises it again, as the user's error
-            self.weight_reads = {"error": f"no read-ahead: the dry build failed: {type(error).__name__}: {error}"}
+    def start_reads(self, plan: tuple | None, early=None) -> None:
+        """Read the weights into the backend's memory in the order the build will upload them. `plan`: (act dtype,
+        state regions, upload order) of a dry build made before the backend existed (`dry_plan`; its regions are
+        `state_specs`' where its act dtype is the backend's), None where it failed (the build reports why);
+        `early`: the reads started already (kernels/__init__.py start_weight_reads), None: started here."""
+        if plan is None:
+            self.weight_reads = {"error": "no read-ahead: the dry build failed (the build says why)"}
             return
-        self._specs = specs
-        self.tensors.read_ahead(order, self.ops)
+        act, specs, order = plan
+        if np.dtype(act) == np.dtype(self.ops.act_dtype):
+            self._specs = specs
+        self.tensors.read_ahead(order, (lambda spans: early) if early is not None else self.ops.read_weights)
 
     def finish(self) -> LoadedModel:
         """Upload the weights: the loaded model."""
@@ -155,21 +159,42 @@ class Loading:
         return LoadedModel(f.path, f.config, self.ops, model, f.tokenizer, f.defaults, self.tensors)
 
 
+def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool) -> tuple | None:
+    """(act_dtype, state regions, the names the build uploads as stored in its order) of a dry build
+    (engine/load/gemm_plan.py); None where it fails (the real build raises it again, as the user's error)."""
+    try:
+        specs, order = dry_build(config, tensors, act_dtype, mtp=mtp)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+    return act_dtype, specs, order
+
+
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
                max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
                front: ModelFront | None = None, deterministic: bool = False, clock=NO_CLOCK) -> Loading:
-    """The load's first part (see `load`): the front (`front`: loaded already), the backend (with batch-invariant
-    kernels where `deterministic`), the checkpoint's files opened, the backend's kernels getting ready and the
-    weights read in the background. `clock`: marks the phases (engine/startup.py)."""
+    """The load's first part (see `load`): the front (`front`: loaded already), the checkpoint's files opened, the
+    weights' reads started (on a GPU coming up early, as soon as its context is: kernels/device_start.py), the
+    backend (with batch-invariant kernels where `deterministic`), its kernels getting ready in the background.
+    `clock`: marks the phases (engine/startup.py)."""
     front = front or load_front(model_dir)
-    ops = get_ops(device, dtype, deterministic)
     clock.mark("weights_plan")
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
+    act = np.float32 if device == "cpu" or dtype == "float32" else ml_dtypes.bfloat16  # the backend's, presumably
+    plan = dry_plan(front.config, tensors, act, mtp)
+    early = start_weight_reads(device, tensors.tensor_spans(plan[2])) if plan is not None else None
+    clock.mark("device")
+    try:
+        ops = get_ops(device, dtype, deterministic)
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
+    clock.mark("weights_plan")
     # in the background, while the weights load; the plan (a dry build of the model) is made there too
     ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
                                           max_step_tokens=max_step_tokens, max_logit_rows=max_batch))
     loading = Loading(front, ops, tensors, mtp)
-    loading.start_reads()
+    loading.start_reads(plan, early)
     return loading
 
 

@@ -212,8 +212,11 @@ class QuantizedTensors:
         names of the tensors the build uploads as stored, in order (weights.CheckpointTensors.shapes_only)."""
         return QuantizedTensors(self._t.shapes_only(record), self.quantization, shapes_only=True)
 
-    def read_ahead(self, names: list[str], ops) -> None:
-        self._t.read_ahead(names, ops)
+    def tensor_spans(self, names: list[str]):
+        return self._t.tensor_spans(names)
+
+    def read_ahead(self, names: list[str], start_reads) -> None:
+        self._t.read_ahead(names, start_reads)
 
     def end_read_ahead(self) -> dict | None:
         return self._t.end_read_ahead()

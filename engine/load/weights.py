@@ -135,13 +135,16 @@ class CheckpointTensors:
         `record`: a list that gets the name of every `stored` call, in order (what the real build will upload)."""
         return ShapesView(self, record)
 
-    def read_ahead(self, names: list[str], ops) -> None:
-        """Start reading the tensors `names` (in the order the build will ask for them) into the backend's memory
-        (`ops.read_weights`); `stored` hands each one out once. Names not in the checkpoint are left out."""
+    def tensor_spans(self, names: list[str]) -> list[TensorSpan]:
+        """Where the tensors `names` are stored, in order, each once; names not in the checkpoint left out."""
+        seen: set[str] = set()
+        return [self.tensor_span(n) for n in names if n in self._where and not (n in seen or seen.add(n))]
+
+    def read_ahead(self, names: list[str], start_reads) -> None:
+        """Read the tensors `names` (in the order the build will ask for them) into the backend's memory:
+        `start_reads(spans)` starts it (`ops.read_weights`); `stored` hands each one out once."""
         self._ahead.close()
-        seen = set()
-        spans = [self.tensor_span(n) for n in names if n in self._where and not (n in seen or seen.add(n))]
-        self._ahead = ops.read_weights(spans)
+        self._ahead = start_reads(self.tensor_spans(names))
 
     def end_read_ahead(self) -> dict | None:
         """Stop the read-ahead (whatever was not taken is dropped); what it did, or None when none ran."""
