@@ -16,7 +16,7 @@ MODEL=${1:-/tmp/qwen3_5-4b-like}
 [ -f "$MODEL/config.json" ] || [ -n "${1:-}" ] || MODEL=/tmp/qwen3_5-4b-like-${STARTUP_LAYERS:-8}-layers
 WORK=${STARTUP_WORK:-/tmp/prefixrun-startup}; rm -rf "$WORK"; mkdir -p "$WORK"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import cupy, os; print('cupy', cupy.__version__, 'cores', os.cpu_count())"
+python3 -c "import cupy, numpy, ml_dtypes, os; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__, 'cores', os.cpu_count())"
 if [ ! -f "$MODEL/config.json" ]; then
   python3 - "$WORK/config.json" "${STARTUP_LAYERS:-8}" <<'PY'
 import json, sys
@@ -111,5 +111,6 @@ PY
 }
 export PREFIXRUN_CACHE_DIR=$WORK/default-cache
 run nocache --no-cache
+run nocache-again --no-cache
 run cold-default-folder
 run cold-second-folder --cache-dir "$WORK/second-cache"
