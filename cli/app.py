@@ -259,6 +259,8 @@ def make_model(
                                            "Qwen3-Next families)")] = False,
     fp8: Annotated[bool, typer.Option("--fp8", help="store the linear weights in FP8 as Qwen's FP8 checkpoints do "
                                       "(float8_e4m3fn, a scale per 128 x 128 block)")] = False,
+    mxfp4: Annotated[bool, typer.Option("--mxfp4", help="store gpt-oss's experts in MXFP4 as the released "
+                                        "gpt-oss checkpoints do (*_blocks + *_scales)")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the model files of a folder that is "
                                             "not empty")] = False,
 ):
@@ -288,7 +290,7 @@ def make_model(
         raw = _read_model_config(config) if config else TINY_QWEN3_5
         parse_config(raw, source=str(config or "config.json"))  # the loader's checks, before anything is written
         path = make_model_dir(out_dir, raw, seed=seed, init_std=init_std, dtype=dtype, shards=shards,
-                              composite=composite, mtp=mtp, fp8="block" if fp8 else None)
+                              composite=composite, mtp=mtp, fp8="block" if fp8 else None, mxfp4=mxfp4)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)

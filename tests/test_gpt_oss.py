@@ -425,3 +425,28 @@ def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
     ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
     with torch.no_grad():
         np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=TOL, rtol=0)
+
+
+def test_make_model_writes_the_released_mxfp4_layout(tmp_path, cpu_ops):
+    """`prefixrun make-model --mxfp4` on a gpt-oss config: the experts as `*_blocks` + `*_scales` with the
+    quantization_config the released checkpoints carry; it loads, and refuses other families."""
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY_GPT_OSS))
+    result = CliRunner().invoke(app, ["make-model", str(tmp_path / "m"), "--config", str(cfg), "--mxfp4"])
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert written["quantization_config"]["quant_method"] == "mxfp4"
+    model = load_model(tmp_path / "m", cpu_ops)[0]
+    assert model.layers[0].mlp.gate_up.shape == (4, 128, 64)
+    st = new_state(model, cpu_ops)
+    assert np.isfinite(model.forward(st.prepare_step([st.new_sequence()], [[1, 2, 3]]), st)).all()
+    other = tmp_path / "llama.json"
+    other.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+                                 "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2}))
+    result = CliRunner().invoke(app, ["make-model", str(tmp_path / "l"), "--config", str(other), "--mxfp4"])
+    assert result.exit_code == 2 and "needs a gpt-oss config" in result.output

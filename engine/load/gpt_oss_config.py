@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigFields, DecoderConfig
 from prefixrun.engine.load.moe_config import MoeSettings
+from prefixrun.engine.load.mxfp4 import MXFP4, quantize_mxfp4
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -51,6 +54,20 @@ class GptOssConfig(DecoderConfig):
                           expert_intermediate_size=common["intermediate_size"], shared_expert_intermediate_size=0,
                           norm_topk_prob=True, sparse_layers=(True,) * common["num_layers"])
         return cls(**common, sliding_window=window, moe=moe)
+
+
+def mxfp4_experts(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
+    """The experts of a gpt-oss checkpoint as the released ones store them (`*_blocks` + `*_scales` of the
+    [E, out, in] matrices, engine/load/mxfp4.py), everything else as it was; and the quantization_config."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(
+                np.ascontiguousarray(t.astype(np.float32).transpose(0, 2, 1)))
+        else:
+            out[name] = t
+    return out, {"quant_method": MXFP4, "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
 
 def gpt_oss_tensor_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.load.config import LINEAR_ATTENTION, SHORT_CONV, HybridConfig, ShortConvConfig
-from prefixrun.engine.load.gpt_oss_config import GptOssConfig, gpt_oss_tensor_shapes
+from prefixrun.engine.load.gpt_oss_config import GptOssConfig, gpt_oss_tensor_shapes, mxfp4_experts
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
 from prefixrun.engine.load.mamba_config import Mamba2HybridConfig, mamba_tensor_shapes
@@ -204,7 +204,8 @@ def _physical_memory_bytes() -> int:
 
 def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: float | None = None,
                    dtype: str = "bfloat16", composite: bool = False, shards: int = 1,
-                   corpus: list[str] | None = None, mtp: bool = False, fp8: str | None = None) -> Path:
+                   corpus: list[str] | None = None, mtp: bool = False, fp8: str | None = None,
+                   mxfp4: bool = False) -> Path:
     """Write a complete random-weight model directory for `raw_config` (an HF config.json dict).
 
     init_std: the weight scale (default the config's initializer_range or 0.02); tests use larger scales so that
@@ -212,10 +213,13 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     settings under text_config, weights under model.language_model., plus stand-in mtp.* and model.visual.*).
     mtp: also write the MTP head's weights (`mtp.*`, engine/models/mtp.py) and its layer count in the config.
     fp8: store the linear weights in FP8 (engine/load/quantization.py): "block" as Qwen's FP8 checkpoints (128 x 128
-    blocks, `quant_method: fp8`), "channel" / "tensor" as compressed-tensors writes them.
+    blocks, `quant_method: fp8`), "channel" / "tensor" as compressed-tensors writes them. mxfp4: gpt-oss's experts
+    in MXFP4, as the released gpt-oss checkpoints store them.
     """
     if fp8 is not None and fp8 not in FP8_LAYOUTS:
         raise ValueError(f"fp8 layout must be one of {', '.join(FP8_LAYOUTS)}, got {fp8!r}")
+    if mxfp4 and (fp8 is not None or parse_config(raw_config).family != "gpt_oss"):
+        raise ValueError("mxfp4 stores gpt-oss's experts: it needs a gpt-oss config and no fp8")
     from prefixrun.engine.load.tokenizer_maker import default_corpus, write_tokenizer_files
 
     out = Path(out_dir)
@@ -267,6 +271,8 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     if fp8 is not None:
         tensors, quantization = _quantize_fp8(tensors, fp8)
         (text_cfg if composite else config)["quantization_config"] = quantization
+    elif mxfp4:
+        tensors, config["quantization_config"] = mxfp4_experts(tensors)
     _write_weights(out, tensors, shards)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"eos_token_id": [tok["eos_token_id"], tok["pad_token_id"]], "pad_token_id": tok["pad_token_id"],

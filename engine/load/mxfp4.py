@@ -18,6 +18,7 @@ GROUP = 32  # values per e8m0 scale (16 bytes of a block)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 _NAN_SCALE = 255
+_MIDPOINTS = (FP4_VALUES[1:8] + FP4_VALUES[:7]) / np.float32(2)  # between neighbouring magnitudes
 # every byte's (low nibble, high nibble) values; every e8m0 scale's power of two 2 ** (s - 127) (255: refused)
 _BYTE_VALUES = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
 _POWERS = np.append(np.ldexp(np.float32(1.0), np.arange(255) - 127).astype(np.float32), np.float32(np.nan))
@@ -57,7 +58,7 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     exponent = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, np.float32(1e-38)) / np.float32(6.0))), 0)
     exponent = np.clip(exponent, -127, 127).astype(np.int32)
     scaled = np.ldexp(groups, -exponent[..., None])  # [..., G, 32], within [-6, 6]
-    codes = np.abs(np.abs(scaled)[..., None] - FP4_VALUES[:8]).argmin(axis=-1).astype(np.uint8)  # nearest magnitude
+    codes = np.searchsorted(_MIDPOINTS, np.abs(scaled)).astype(np.uint8)  # the nearest magnitude's code
     codes |= np.where(np.signbit(scaled), np.uint8(8), np.uint8(0)).astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)  # [..., G, 16]
     return blocks, (exponent + 127).astype(np.uint8)
