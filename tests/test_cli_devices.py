@@ -176,3 +176,20 @@ def test_killing_a_worker_mid_run_still_gives_every_result_once(model, tmp_path)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in got) == sorted(r["custom_id"] for r in recs)  # each exactly once
     assert tokens(got) == tokens([json.loads(line) for line in want.stdout.decode().splitlines()])
+
+
+def test_deterministic_workers_give_the_single_process_bits(model, batch_file, tmp_path):
+    """--deterministic with two workers: the same token ids and logprob bits as in one process (each worker plans
+    its shard on the chunk grid, with batch-invariant kernels), and the merged report says the mode is on."""
+    src = tmp_path / "logprobs.jsonl"
+    recs = [json.loads(line) for line in batch_file.read_text().splitlines()]
+    src.write_text("".join(json.dumps(dict(r, logprobs=True if "messages" in r else 1)) + "\n" for r in recs))
+
+    def bits(recs):
+        logprobs = lambda r: r["logprobs"] if isinstance(r["logprobs"], list) else r["logprobs"]["content"]
+        return {r["custom_id"]: (r["token_ids"], [e["logprob"] for e in logprobs(r)]) for r in recs}
+    code, one, _ = run(model, src, tmp_path, "--no-cache", "--deterministic", name="one.json")
+    assert code == 0
+    code, two, report = run(model, src, tmp_path, "--no-cache", "--deterministic", "--devices", "0,1")
+    assert code == 0 and report["deterministic"] is True and report["workers"]["count"] == 2
+    assert bits(two) == bits(one)
