@@ -18,7 +18,8 @@ the recomputed state holds the very bits the preempted one did.
 Waiting sequences are readmitted before any new task, earliest admitted first (`ready`): each when the pools hold
 its state plus its growth margin beside the decoding sequences' margins, or, when nothing decodes and no held
 state is left to give up, its state plus one token. One that cannot fit even then has outgrown the state memory
-alone: its request gets an error (`outgrown`), and the rest of the window goes on.
+alone: its request gets an error (`outgrown`; its other samples stop with it, `take_request`), and the rest of
+the window goes on.
 """
 from __future__ import annotations
 
