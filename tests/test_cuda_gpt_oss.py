@@ -1,5 +1,5 @@
 """gpt-oss on the CUDA backend against the NumPy reference: attention with sinks on every path (scalar fp32, mma.sync
-plain / split-K / cascade, the ring window in prefill and decode), the clamped SwiGLU, expert biases in the grouped
+plain / split-K / cascade over a shared prefix, the ring window in prefill and decode), the clamped SwiGLU, expert biases in the grouped
 GEMM; then the tiny model end to end (fp32: the CPU's greedy tokens with reuse and speculation; bf16: the
 whole-model error within 2x transformers' own bf16 error on the same weights)."""
 from __future__ import annotations
@@ -56,6 +56,33 @@ def test_paged_attention_with_sinks(ops, ref, lens, ctx, window):
     plain = ref.paged_attention(*host, tables, ctx_h, cu, 0.125, sliding_window=window)
     assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
     assert rel(plain, want) > 10 * TOL[ops.dtype_name]  # the sinks matter here
+
+
+def test_shared_prefix_decode_with_sinks(ops, ref):
+    """Decode over a prefix four sequences share (bf16: the cascade, whose merge adds the sinks)."""
+    from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
+
+    rng = np.random.default_rng(11)
+    bs, hq, hkv, d, prefix, own = 16, 8, 2, 64, 6, [1, 2, 3, 1]
+    nblocks = prefix + sum(own) + 2
+    perm = rng.permutation(nblocks)
+    tables, ctx, at = np.zeros((len(own), 24), np.int32), np.zeros(len(own), np.int32), prefix
+    for i, o in enumerate(own):
+        tables[i, :prefix], tables[i, prefix:prefix + o] = perm[:prefix], perm[at:at + o]
+        at += o
+        ctx[i] = (prefix + o - 1) * bs + 1 + rng.integers(0, bs)
+    arrays = shared_prefix_arrays(tables, ctx, bs)
+    shared = SharedPrefixes(*(ops.upload_index(arrays[f"shared_{f}"]) for f in ("order", "cu", "lens", "tables",
+                                                                                  "start")))
+    kc, k32 = as_stored(ops, rng.standard_normal((nblocks, bs, hkv, d)).astype(np.float32))
+    vc, v32 = as_stored(ops, rng.standard_normal((nblocks, bs, hkv, d)).astype(np.float32))
+    q, q32 = as_stored(ops, rng.standard_normal((len(own), hq, d)).astype(np.float32))
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32)
+    cu = np.arange(len(own) + 1, dtype=np.int32)
+    got = ops.paged_attention(q, kc, vc, ops.upload_index(tables), ops.upload_index(ctx), ops.upload_index(cu),
+                              0.125, shared=shared, sinks=ops.upload(sinks, np.float32))
+    want = ref.paged_attention(q32, k32, v32, tables, ctx, cu, 0.125, sinks=sinks)
+    assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
 
 
 def test_ring_attention_with_sinks(ops, ref):
