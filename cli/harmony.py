@@ -86,7 +86,8 @@ def read_reply(text: str) -> HarmonyReply:
     reasoning, content, calls = [], [lead] if lead.strip() else [], []
     for m in messages:
         if m.recipient is not None and m.recipient.startswith(_FUNCTIONS):
-            calls.append(ToolCall(m.recipient[len(_FUNCTIONS):], m.body.strip()))
+            if m.recipient[len(_FUNCTIONS):]:  # a nameless call is no call
+                calls.append(ToolCall(m.recipient[len(_FUNCTIONS):], m.body.strip()))
         elif m.channel == "analysis":
             reasoning.append(m.body)
         elif m.recipient is None:  # final, commentary preambles, unnamed channels

@@ -179,3 +179,19 @@ def test_prefixrun_batch_chat_on_a_gpt_oss_model(tmp_path):
     message = record["choices"][0]["message"] if "choices" in record else record["message"]
     assert "reasoning_content" in message and record["prompt_text"].endswith("<|start|>assistant")
     assert "Reasoning: low" in record["prompt_text"]
+
+
+def test_any_mix_of_markup_and_text_reads_without_error():
+    """Replies a model may write (markup out of order, repeated, cut anywhere, odd bytes): always a reply whose
+    parts are strings or null, calls named (a nameless `to=functions.` is no call), never an exception."""
+    import random
+
+    pieces = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>",
+              "assistant", "analysis", "final", "commentary", " to=functions.f", " to=functions.", "to=", " json",
+              "{\"a\": 1}", "text ", "\n", "é\u2028\x00", "<|", "|>", " "]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 14)))
+        reply = read_reply(text)
+        assert all(part is None or isinstance(part, str) for part in (reply.reasoning, reply.content)), text
+        assert all(c.name and isinstance(c.arguments, str) for c in reply.calls), text
