@@ -100,10 +100,9 @@ class NemotronMoeSettings:
 @dataclass(frozen=True)
 class Mamba2HybridConfig(DecoderConfig):
     """Either family: Mamba2 settings, and what the builders of engine/models/nemotron_h.py and
-    engine/models/granitemoehybrid.py read (defaults: no multiplier, Nemotron-H's ReLU^2 MLP)."""
+    engine/models/granitemoehybrid.py read (defaults: no multiplier, no experts)."""
 
     mamba: Mamba2Settings | None = None
-    mlp_activation: str = "relu2"  # Nemotron-H's MLP blocks
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
