@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+STATE_MEMORY = [48 << 30]  # --state-memory-gib: 256 seats of a 4b-like model beside the K/V of 64 prompts
 
 
 def workload(shape: str, *args: str) -> list[tuple[str, list[int]]]:
@@ -57,7 +58,7 @@ def run(loaded, prompts, *, gen, logprobs=True, windows=1, cache=None, **options
     from prefixrun.engine.run.core import Engine, EngineOptions
 
     opts = EngineOptions(**{"speculative": "off", "max_batch": 64, "block_size": loaded.ops.default_block_size,
-                            "state_memory_bytes": 48 << 30, "checkpoint_budget_bytes": 4 << 30, **options})
+                            "state_memory_bytes": STATE_MEMORY[0], "checkpoint_budget_bytes": STATE_MEMORY[0] // 12, **options})
     persist = None
     if cache is not None:
         persist, problem = open_cache(cache, 20 << 30, loaded, opts.block_size, "always")
@@ -150,8 +151,10 @@ def invariance(args, loaded) -> bool:
 
 
 def cost(args, loaded_det):
-    shapes = {"shared-system": ("--requests", "64", "--prefix", "2048", "--suffix", "256"),
-              "doc-qa": ("--docs", "4", "--per-doc", "16", "--prefix", "4096", "--suffix", "128")}
+    n = lambda tokens: str(max(1, tokens // args.scale))
+    v = ("--vocab-limit", str(args.vocab_limit))
+    shapes = {"shared-system": ("--requests", "64", "--prefix", n(2048), "--suffix", n(256), *v),
+              "doc-qa": ("--docs", "4", "--per-doc", "16", "--prefix", n(4096), "--suffix", n(128), *v)}
     loaded_default = load(args, False)
     for shape, wargs in shapes.items():
         prompts = workload(shape, *wargs)
@@ -172,9 +175,11 @@ def main():
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--skip-invariance", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu for a smoke run with a tiny model")
-    ap.add_argument("--scale", type=int, default=1, help="divide the check prompts' lengths by this")
+    ap.add_argument("--scale", type=int, default=1, help="divide the prompts' lengths by this")
     ap.add_argument("--vocab-limit", type=int, default=32000, help="token ids of the check prompts below this")
+    ap.add_argument("--state-memory-gib", type=int, default=48, help="each engine's state memory")
     args = ap.parse_args()
+    STATE_MEMORY[0] = args.state_memory_gib << 30
     os.environ.setdefault("PREFIXRUN_CACHE_POLICY", "always")
     loaded = load(args, True)
     ok = True if args.skip_invariance else invariance(args, loaded)
