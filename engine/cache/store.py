@@ -83,7 +83,6 @@ from prefixrun.engine.cache.keys import (  # noqa: F401
     FORMAT_VERSION, StoreKey, as_token_array, check_store_key, checkpoint_key, default_cache_dir,
     default_checkpoint_dir)
 from prefixrun.engine.cache.kv_blocks import BadBlock
-from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.cache.maintenance import DEFAULT_ORPHAN_GRACE_S, StoreMaintenance  # noqa: F401
 from prefixrun.engine.cache.results import (  # noqa: F401
     CorruptEntry, EntryInfo, Evict, Get, Put, ReadAccount, StoredCheckpoint, StoreStats, SweepResult)
@@ -421,24 +420,19 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         return present
 
     def _write_and_index(self, job: _PutJob, present: set) -> Put:
-        """The blocks and the blob at once, all outside the lock (a background writer never holds up a lookup);
-        nothing is indexed before every file it names is written."""
+        """Blocks first, then the blob, all outside the lock (a background writer never holds up a lookup); nothing
+        is indexed before every file it names is written."""
         created = self._clock()
         block_meta = kv_blocks.block_metadata(job.key.model_digest, job.key.layout_digest, job.rows,
                                               {n: job.dtype_names[n] for n in job.kv_names})
         missing = [(block_id, job.blocks[position], (position + 1) * job.rows)
                    for position, block_id in enumerate(job.block_ids) if block_id not in present]
-        # the blob (the slot state, tens of MiB) on a thread of its own while the pool writes the blocks
-        blob = BackgroundTask("prefixrun-cache-blob", lambda stop: self._write_blob(
-            job.entry_id, _blob_tensors(job), _blob_metadata(job, created)), yields_cpu=True)
         new_blocks, error = self._kv.write_many(missing, block_meta)
-        written = blob.join()
         if error is not None:
-            if written is not None:
-                self._files.unlink(self._path_of(written[0]))
             self._discard_unindexed_blocks(new_blocks)
             log.warning("could not write a K/V block of checkpoint %s: %s", job.entry_id, error)
             return Put("write_error")
+        written = self._write_blob(job.entry_id, _blob_tensors(job), _blob_metadata(job, created))
         if written is None:
             self._discard_unindexed_blocks(new_blocks)
             return Put("write_error")
