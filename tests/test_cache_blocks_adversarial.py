@@ -540,7 +540,7 @@ class FillsUp:
         return getattr(self.handle, name)
 
 real_create = files.CacheFolder.create
-failing = {"kv_blocks": [0, errno.ENOSPC, 2], "blobs": [0, errno.EDQUOT, 3]}  # every other block, every third blob
+failing = {"kv_blocks": [0, errno.ENOSPC, 3], "blobs": [0, errno.EDQUOT, 3]}  # every third block, every third blob
 
 @contextmanager
 def create(self, path, **kwargs):  # every file the store creates (its temp files) is created here
