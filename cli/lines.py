@@ -6,6 +6,7 @@ cli/records.py turns into the error record written in the line's place.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
