@@ -58,7 +58,8 @@ __device__ __forceinline__ void tile_offsets(i64* off, const int* __restrict__ t
 
 // Gather one tile of BN cached rows into shared memory (rows past ctx are zero-filled).
 template <int D, int BN, int NT>
-__device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* __restrict__ cache, const i64* off) {
+__device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* __restrict__ cache, const float* /*scales*/,
+                                             const i64* off) {
     constexpr int LDS = D + 8;
     constexpr int CH = D / 8;  // 16-byte chunks per row
     for (int idx = threadIdx.x; idx < BN * CH; idx += NT) {
@@ -68,15 +69,43 @@ __device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* __restrict__
     }
 }
 
-// NW warps, 16 query rows each (BM = 16 * NW rows per block); BN keys per K/V tile.
-template <int D, int BN, int NW>
+// The same tile from 8-bit rows: 8 values (8 bytes) and their group's scale per chunk, dequantised to bf16 as they
+// are stored to shared memory (plain stores: the barriers that follow every load make them visible; the empty
+// cp.async groups the caller commits and waits for cost nothing).
+template <int D, int BN, int NT, typename KV>
+__device__ __forceinline__ void load_kv_tile(bf16* dst, const KV* __restrict__ cache, const float* __restrict__ scales,
+                                             const i64* off) {
+    constexpr int LDS = D + 8;
+    constexpr int CH = D / 8;
+    for (int idx = threadIdx.x; idx < BN * CH; idx += NT) {
+        const int row = idx / CH, c8 = idx % CH;
+        const i64 o = off[row];
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (o >= 0) {
+            const i64 at = o + c8 * 8;
+            const uint2 raw = *reinterpret_cast<const uint2*>(cache + at);
+            const KV* v = reinterpret_cast<const KV*>(&raw);
+            const float s = scales[at / 32];
+            val.x = pack_bf16(kv_dequant(v[0]) * s, kv_dequant(v[1]) * s);
+            val.y = pack_bf16(kv_dequant(v[2]) * s, kv_dequant(v[3]) * s);
+            val.z = pack_bf16(kv_dequant(v[4]) * s, kv_dequant(v[5]) * s);
+            val.w = pack_bf16(kv_dequant(v[6]) * s, kv_dequant(v[7]) * s);
+        }
+        *reinterpret_cast<uint4*>(dst + row * LDS + c8 * 8) = val;
+    }
+}
+
+// NW warps, 16 query rows each (BM = 16 * NW rows per block); BN keys per K/V tile. KV: the caches' storage, bf16
+// or 8 bits (signed char, e4m3) with fp32 scales k_scale / v_scale (one per 32 values; unread for bf16).
+template <int D, int BN, int NW, typename KV = bf16>
 __global__ void __launch_bounds__(NW * 32)
-attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
-                const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restrict__ k_cache,
+                const KV* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                 const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
                 int block_size, float scale_log2, int window, bf16* __restrict__ out, int splits,
                 float* __restrict__ part_o, float* __restrict__ part_ml, int mode, int slot_base, i64 part_tokens,
-                const int* __restrict__ row_tok, const int* __restrict__ kv_from, const float* __restrict__ sinks) {
+                const int* __restrict__ row_tok, const int* __restrict__ kv_from, const float* __restrict__ sinks,
+                const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
     constexpr int BM = 16 * NW;
     constexpr int NTH = 32 * NW;
     constexpr int LDS = D + 8;
@@ -152,13 +181,13 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
     if (num_tiles > 0) {
         tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
         __syncthreads();
-        load_kv_tile<D, BN, NTH>(sK, k_cache, s_off[0]);
+        load_kv_tile<D, BN, NTH>(sK, k_cache, k_scale, s_off[0]);
         cp_async_commit();
     }
     for (int j = 0; j < num_tiles; ++j) {
         const int kt = t_begin + j * BN;
         const i64* off = s_off[j & 1];
-        load_kv_tile<D, BN, NTH>(sV, v_cache, off);
+        load_kv_tile<D, BN, NTH>(sV, v_cache, v_scale, off);
         cp_async_commit();
         if (j + 1 < num_tiles) tile_offsets<D, BN>(s_off[(j + 1) & 1], table, kt + BN, ctx, block_size, hkv, h);
         cp_async_wait<1>();
@@ -239,7 +268,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __rest
         }
         __syncthreads();  // every warp is done with sK
         if (j + 1 < num_tiles) {
-            load_kv_tile<D, BN, NTH>(sK, k_cache, s_off[(j + 1) & 1]);
+            load_kv_tile<D, BN, NTH>(sK, k_cache, k_scale, s_off[(j + 1) & 1]);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -326,14 +355,16 @@ attn_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ 
     }
 }
 
-// One warp per (token, query head); lane holds dims lane + 32 j. grid (T, ceil(hq / 4)), block 128.
+// One warp per (token, query head); lane holds dims lane + 32 j. grid (T, ceil(hq / 4)), block 128. TC: the caches'
+// storage (float, bf16, or 8 bits with fp32 scales k_scale / v_scale, unread otherwise).
 template <typename T, typename TC>
 __global__ void __launch_bounds__(128)
 attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restrict__ k_cache,
                    const TC* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                    const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
                    int d, int block_size, float scale, int window, T* __restrict__ out,
-                   const float* __restrict__ sinks) {
+                   const float* __restrict__ sinks, const float* __restrict__ k_scale,
+                   const float* __restrict__ v_scale) {
     constexpr int MAXJ = 8;  // head_dim <= 256
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
@@ -360,7 +391,7 @@ attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restri
 #pragma unroll
         for (int j = 0; j < MAXJ; ++j) {
             const int dd = lane + 32 * j;
-            if (dd < d) part += qr[j] * to_f(k_cache[base + dd]);
+            if (dd < d) part += qr[j] * kv_at(k_cache, k_scale, base + dd);
         }
         const float s = warp_sum(part) * scale;
         const float mn = fmaxf(m, s);
@@ -370,7 +401,7 @@ attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restri
 #pragma unroll
         for (int j = 0; j < MAXJ; ++j) {
             const int dd = lane + 32 * j;
-            acc[j] = acc[j] * alpha + (dd < d ? p * to_f(v_cache[base + dd]) : 0.f);
+            acc[j] = acc[j] * alpha + (dd < d ? p * kv_at(v_cache, v_scale, base + dd) : 0.f);
         }
         m = mn;
     }
@@ -383,5 +414,39 @@ attn_scalar_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const TC* __restri
     for (int j = 0; j < MAXJ; ++j) {
         const int dd = lane + 32 * j;
         if (dd < d) out[((i64)t * hq + head) * d + dd] = from_f<T>(acc[j] * inv);
+    }
+}
+
+// K/V rows k, v [T, H, D] (strides kst, ksh / vst, vsh) quantised into 8-bit caches [rows, H, D] at rows
+// slot_mapping[T] (negative: skip), with their fp32 scales [rows, H, D / 32]: one thread per group of 32 values of
+// K or of V (kernels/kv_storage.py: scale = max|x| / QMAX, q = x / scale rounded; a group of zeros scale 0, q 0).
+template <typename TI, typename KV>
+__global__ void write_kv_q8_kernel(const TI* __restrict__ k, i64 kst, i64 ksh, const TI* __restrict__ v, i64 vst,
+                                   i64 vsh, i64 tokens, int heads, int d, const int* __restrict__ slot_mapping,
+                                   KV* __restrict__ k_cache, KV* __restrict__ v_cache, float* __restrict__ k_scale,
+                                   float* __restrict__ v_scale) {
+    const int groups = d / 32;
+    const i64 n = tokens * heads * (i64)groups;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < 2 * n; e += (i64)gridDim.x * blockDim.x) {
+        const bool is_v = e >= n;
+        const i64 i = is_v ? e - n : e;
+        const int g = (int)(i % groups);
+        const int h = (int)((i / groups) % heads);
+        const i64 t = i / groups / heads;
+        const int slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const TI* src = is_v ? v + t * vst + h * vsh + g * 32 : k + t * kst + h * ksh + g * 32;
+        float x[32], amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            x[j] = to_f(src[j]);
+            amax = fmaxf(amax, fabsf(x[j]));
+        }
+        const i64 dst = ((i64)slot * heads + h) * d + g * 32;
+        KV* out = (is_v ? v_cache : k_cache) + dst;
+        const float s = amax / kv_qmax(KV());
+#pragma unroll
+        for (int j = 0; j < 32; ++j) kv_quant(out[j], s > 0.f ? x[j] / s : 0.f);
+        (is_v ? v_scale : k_scale)[dst / 32] = s;
     }
 }

@@ -17,6 +17,45 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
 
+// float8_e4m3fn -> float, exactly: bias 7, no infinities, 0x7f / 0xff NaN, subnormals m * 2^-9
+__device__ __forceinline__ float e4m3_to_f(unsigned char b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    float v;
+    if (e == 0xF && m == 7) v = __int_as_float(0x7fc00000);
+    else if (e == 0) v = ldexpf((float)m, -9);
+    else v = ldexpf((float)(8 + m), e - 10);
+    return (b & 0x80) ? -v : v;
+}
+
+// float (|x| <= 448) -> float8_e4m3fn, rounded to nearest even (as ml_dtypes casts)
+__device__ __forceinline__ unsigned char f_to_e4m3(float x) {
+    const unsigned sign = x < 0.f ? 0x80u : 0u;
+    const float a = fabsf(x);
+    if (a < 0.015625f) return (unsigned char)(sign | (unsigned)__float2int_rn(a * 512.f));  // subnormal: m * 2^-9
+    const unsigned u = __float_as_uint(a);
+    const unsigned r = (u + 0x7FFFFu + ((u >> 20) & 1u)) >> 20;  // fp32 exponent and 3 mantissa bits, rounded
+    return (unsigned char)(sign | (r - ((127u - 7u) << 3)));
+}
+
+// 8-bit K/V storage (--kv-cache-dtype; kernels/kv_storage.py: the format): int8 is `signed char`, fp8 `e4m3`
+struct e4m3 { unsigned char bits; };
+__device__ __forceinline__ float kv_dequant(signed char q) { return (float)q; }
+__device__ __forceinline__ float kv_dequant(e4m3 q) { return e4m3_to_f(q.bits); }
+__device__ __forceinline__ float kv_qmax(signed char) { return 127.f; }
+__device__ __forceinline__ float kv_qmax(e4m3) { return 448.f; }
+// r = value / scale, |r| <= QMAX up to rounding
+__device__ __forceinline__ void kv_quant(signed char& q, float r) {
+    q = (signed char)fminf(127.f, fmaxf(-127.f, rintf(r)));
+}
+__device__ __forceinline__ void kv_quant(e4m3& q, float r) { q.bits = f_to_e4m3(fminf(448.f, fmaxf(-448.f, r))); }
+// element i of a cache row as attention reads it: plain storage ignores the scales, 8-bit storage is q * scale
+__device__ __forceinline__ float kv_at(const float* c, const float*, i64 i) { return c[i]; }
+__device__ __forceinline__ float kv_at(const bf16* c, const float*, i64 i) { return __bfloat162float(c[i]); }
+__device__ __forceinline__ float kv_at(const signed char* c, const float* s, i64 i) { return (float)c[i] * s[i / 32]; }
+__device__ __forceinline__ float kv_at(const e4m3* c, const float* s, i64 i) {
+    return e4m3_to_f(c[i].bits) * s[i / 32];
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float warp_sum(float v) {

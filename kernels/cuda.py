@@ -40,7 +40,7 @@ from prefixrun.kernels.cuda_modules import CONV_WIDTHS, PREPARED_FILES, kernel
 from prefixrun.kernels.host_memory import start_device_to_host
 from prefixrun.kernels.step_io import StepCopies
 from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_many
-from prefixrun.kernels.reference import region_dtype
+from prefixrun.kernels.kv_storage import region_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
 from prefixrun.kernels.tuning import CudaTuning
 

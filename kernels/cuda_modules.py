@@ -39,6 +39,8 @@ def _elementwise_names() -> list[str]:
 
 CONV_WIDTHS = range(2, 9)  # the causal convolution's kernel widths K (kernels/conv.cu)
 MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)  # head dims of attn_mma_kernel (kernels/attention.cu)
+KV8_TYPES = ("signed char", "e4m3")  # the 8-bit K/V storage types of kernels/common.cu
+_SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
 
 
 KERNEL_NAMES = {
@@ -53,6 +55,12 @@ KERNEL_NAMES = {
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in MMA_HEAD_DIMS for bn in attn_tile_keys(d)
                   for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
+    # 8-bit K/V (--kv-cache-dtype fp8 / int8): kernels/attention.cu's instantiations for 8-bit caches, a module of
+    # their own so that runs without them never compile them
+    "attention_q8": [f"attn_mma_kernel<{d}, {bn}, {nw}, {kv}>" for d in MMA_HEAD_DIMS if d % 32 == 0
+                     for bn in attn_tile_keys(d) for nw in ATTN_WARPS for kv in KV8_TYPES]
+    + [f"attn_scalar_kernel<{t}, {kv}>" for t in _T for kv in KV8_TYPES]
+    + [f"write_kv_q8_kernel<{t}, {kv}>" for t in _T for kv in KV8_TYPES] + ["attn_combine_kernel"],
     "sampling": ["sample_kernel", "feed_tokens_kernel", "token_bitmask_kernel"],
     "logits": ["process_logits_kernel", "token_logprobs_kernel"],
     "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
@@ -101,8 +109,9 @@ def include_options() -> tuple[str, ...]:
 
 
 def kernel_source(file: str) -> str:
-    """The text NVRTC compiles for kernels/<file>.cu: common.cu, then the file."""
-    return (_KERNEL_DIR / "common.cu").read_text() + "\n" + (_KERNEL_DIR / f"{file}.cu").read_text()
+    """The text NVRTC compiles for the module `file`: common.cu, then kernels/<file>.cu (or the file it shares)."""
+    source = _SOURCE_OF.get(file, file)
+    return (_KERNEL_DIR / "common.cu").read_text() + "\n" + (_KERNEL_DIR / f"{source}.cu").read_text()
 
 
 def kernel(file: str, name: str):

@@ -1,14 +1,6 @@
 // FP8 weights dequantised as they upload (kernels/fp8.py says what they are).
 
-// float8_e4m3fn -> float, exactly: bias 7, no infinities, 0x7f / 0xff NaN, subnormals m * 2^-9
-__device__ __forceinline__ float e4m3_to_f(unsigned char b) {
-    const int e = (b >> 3) & 0xF, m = b & 7;
-    float v;
-    if (e == 0xF && m == 7) v = __int_as_float(0x7fc00000);
-    else if (e == 0) v = ldexpf((float)m, -9);
-    else v = ldexpf((float)(8 + m), e - 10);
-    return (b & 0x80) ? -v : v;
-}
+// (e4m3_to_f: kernels/common.cu)
 
 // q [rows, cols] fp8 bytes, scale [ceil(rows/bo), scale_cols] fp32 -> out [rows, cols] = q * its block's scale
 // (one fp32 rounding, then TO's: the host's fp32 product cast as every weight is)

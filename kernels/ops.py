@@ -230,21 +230,25 @@ class Ops(Protocol):
     def relu2(self, x) -> Array:
         """relu(x)^2 of x [T, I] -> act [T, I] (Nemotron-H's MLP activation)"""
 
-    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        """k, v [T, Hkv, D] stored at flat rows slot_mapping [T] (block * block_size + offset) of the caches"""
+    # K/V caches hold rows in their own storage (--kv-cache-dtype; kernels/kv_storage.py: the exact format): act,
+    # bf16, or 8 bits (int8, or fp8 e4m3 bytes as uint8) with fp32 scales [..., Hkv, D / 32] in k_scale / v_scale
+    # (None for unquantised caches). Writes round or quantise; reads see exactly the stored values, in fp32.
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
+        """k, v [T, Hkv, D] stored at flat rows slot_mapping [T] (block * block_size + offset) of the caches (and
+        their scales)"""
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None, sinks=None) -> Array:
+                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None) -> Array:
         """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] via block_tables [B, W] and context_lens [B]
         (after the step), causal, optionally windowed; `shared` (engine.step.forward_batch.SharedPrefixes) lets a
         backend read a decode step's shared prefix once per group; `sinks` fp32 [Hq]: a learned logit per head in
         the softmax's denominator (gpt-oss) -> [T, Hq, D]"""
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context,
-                       sinks=None) -> Array:
+                       sinks=None, k_scale=None, v_scale=None) -> Array:
         """Sliding-window attention of q [T, Hq, D] over rings [num_slots, W, Hkv, D] (position p at row p % W)
-        plus the new rows k, v [T, Hkv, D], which are then written into the rings; `sinks` as paged_attention's
-        -> [T, Hq, D]"""
+        plus the new rows k, v [T, Hkv, D] (read as the rings store them), which are then written into the rings;
+        `sinks` as paged_attention's -> [T, Hq, D]"""
 
     # ---- sparse MoE (kernels/moe_reference.py: full semantics) --------------------------------------------------
     # N = T * k (token, choice) slots, grouped by expert into rows; sizes depend only on T, k and E, never on the

@@ -11,6 +11,7 @@ import numpy as np
 
 from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.host_memory import keep_freed_memory
+from prefixrun.kernels.kv_storage import as_stored, flat_rows, region_dtype, ring_rows, store_rows, stored_values
 from prefixrun.kernels.mamba_reference import MambaReferenceOps
 from prefixrun.kernels.moe_reference import MoeReferenceOps
 from prefixrun.kernels import logits_edits
@@ -346,15 +347,17 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
                     snapshots[snapshot_rows[t]] = state[slots[b]]
         return out
 
-    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
-        """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset)."""
-        nb, bs = k_cache.shape[:2]
-        k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping] = k
-        v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping] = v
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
+        """Store new K/V rows [T, Hkv, D] at flat positions slot_mapping [T] (block * block_size + offset), in the
+        caches' storage: rounded to their dtype, or quantised (kernels/kv_storage.py) into 8-bit caches and their
+        scales k_scale / v_scale [num_blocks, block_size, Hkv, D / 32] (None: unquantised caches)."""
+        store_rows(flat_rows(k_cache), flat_rows(k_scale), slot_mapping, k)
+        store_rows(flat_rows(v_cache), flat_rows(v_scale), slot_mapping, v)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None, sinks=None):
-        """Causal attention of each sequence's new queries over its cached K/V (new rows already written).
+                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None):
+        """Causal attention of each sequence's new queries over its cached K/V (new rows already written), read as
+        stored: 8-bit caches dequantised with their scales `k_scale` / `v_scale` (as `write_kv` takes them).
 
         q [T, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
         context_lens [B] = tokens in the cache after this step; the sequence's n new queries sit at positions
@@ -383,8 +386,9 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
             if group_table is not None and shared.start[b] > 0:
                 nshared = int(shared.start[b]) // bs  # whole blocks, read through the group's table
                 blocks = np.concatenate([shared.tables[group_table[b], :nshared], blocks[nshared:]])
-            kk = k_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]  # [ctx, Hkv, D]
-            vv = v_cache[blocks].reshape(nblk * bs, hkv, -1)[:ctx]
+            rows = lambda a, sc: stored_values(a[blocks], None if sc is None else sc[blocks]).reshape(
+                nblk * bs, hkv, -1)[:ctx]
+            kk, vv = rows(k_cache, k_scale), rows(v_cache, v_scale)  # [ctx, Hkv, D] fp32
             out[s:e] = self._attend(q[s:e], kk, vv, np.arange(ctx - (e - s), ctx), np.arange(ctx), scale,
                                     sliding_window, sinks)
         return out.astype(self.act_dtype)
@@ -401,13 +405,15 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
         return out
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context,
-                       sinks=None):
+                       sinks=None, k_scale=None, v_scale=None):
         """Sliding-window causal attention whose past K/V live in per-sequence rings, then the ring update.
         (`max_context` bounds positions; backends that index rings like paged blocks size their tables by it.)
 
         q [T, Hq, D]; k, v [T, Hkv, D] (the new rows); k_ring/v_ring [num_slots, W, Hkv, D] hold position p at
         row p % W for the W positions before the step. A query at position p sees keys in (p - W, p]. After the
         attention the new rows are written into the rings (the last W of them). `sinks` as `paged_attention`'s.
+        Rings store rows as `write_kv` does (k_scale / v_scale [num_slots, W, Hkv, D / 32] for 8-bit rings); the
+        new rows are attended as the ring will hold them, so a query reads a key alike in every step.
         Returns [T, Hq, D].
         """
         w = k_ring.shape[1]
@@ -420,13 +426,14 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
             start = ctx - (e - s)
             prev = np.arange(max(0, start - w + 1), start)  # the ring rows a new query can still see
             slot = slots[b]
-            kk = np.concatenate([k_ring[slot][prev % w], k[s:e]])  # [P + n, Hkv, D]
-            vv = np.concatenate([v_ring[slot][prev % w], v[s:e]])
-            kpos = np.concatenate([prev, np.arange(start, ctx)])
+            kk = np.concatenate([ring_rows(k_ring, k_scale, slot, prev % w), as_stored(k[s:e], k_ring, k_scale)])
+            vv = np.concatenate([ring_rows(v_ring, v_scale, slot, prev % w), as_stored(v[s:e], v_ring, v_scale)])
+            kpos = np.concatenate([prev, np.arange(start, ctx)])  # kk, vv [P + n, Hkv, D] fp32
             out[s:e] = self._attend(q[s:e], kk, vv, np.arange(start, ctx), kpos, scale, w, sinks)
             keep = np.arange(max(start, ctx - w), ctx)  # the new positions the ring keeps
-            k_ring[slot][keep % w] = k[s + keep - start]
-            v_ring[slot][keep % w] = v[s + keep - start]
+            at = slot * w + keep % w
+            store_rows(flat_rows(k_ring), flat_rows(k_scale), at, k[s + keep - start])
+            store_rows(flat_rows(v_ring), flat_rows(v_scale), at, v[s + keep - start])
         return out.astype(self.act_dtype)
 
     # ---- state copies -------------------------------------------------------------------------------------
@@ -517,15 +524,6 @@ class ReplayGraph:
         return self._fn(*self._args)
 
     __call__ = replay
-
-
-def region_dtype(kind: str, act_dtype) -> np.dtype:
-    """The array dtype of a state region declared `kind` in a backend storing activations as `act_dtype`."""
-    if kind == "float32":
-        return np.dtype(np.float32)
-    if kind == "act":
-        return np.dtype(act_dtype)
-    raise ValueError(f"unknown state region dtype {kind!r} (float32 or act)")
 
 
 def _erfc(x):

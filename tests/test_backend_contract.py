@@ -80,7 +80,7 @@ def test_reference_backend_queries():
     assert ops.free_memory() is None and ops.default_block_size >= 1 and ops.display_name == "cpu"
     assert ops.storage_dtype("float32") == np.float32 and ops.storage_dtype("act") == np.float32
     with pytest.raises(ValueError, match="unknown state region dtype"):
-        ops.storage_dtype("int8")
+        ops.storage_dtype("int4")
     ops.release_cached_memory()
     # capture's stand-in: replay reruns the function on the buffers it was given, updated in place between replays
     buf = ops.upload_index([1, 2, 3])

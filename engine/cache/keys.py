@@ -61,7 +61,8 @@ def model_key(config, weights_digest: str, ops) -> str:
 
 
 def layout_key(specs, ops, block_size: int) -> str:
-    """Digest of how a state is laid out: regions, shapes, dtypes, and the K/V block size."""
+    """Digest of how a state is laid out: regions, shapes, dtypes (so the K/V storage of --kv-cache-dtype: a state
+    stored in one is never restored into another), and the K/V block size."""
     from prefixrun.engine.state.pools import layout_digest
 
     doc = {"version": CACHE_KEY_VERSION, "layout": layout_digest(specs, ops), "block_size": int(block_size)}

@@ -101,16 +101,17 @@ def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max
     return KernelPlan(gemms, ops.nbytes)
 
 
-def dry_state_specs(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False):
+def dry_state_specs(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, kv_cache_dtype: str = "auto"):
     """The state regions (RegionSpecs) of `cfg`'s model, from the same dry build: known before the weights upload
     (the persistent cache's layout key, engine/cache/opening.py). Raises what the build raises."""
-    return dry_build(cfg, tensors, act_dtype, mtp=mtp)[0]
+    return dry_build(cfg, tensors, act_dtype, mtp=mtp, kv_cache_dtype=kv_cache_dtype)[0]
 
 
-def dry_build(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False) -> tuple[list, list[str]]:
+def dry_build(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False,
+              kv_cache_dtype: str = "auto") -> tuple[list, list[str]]:
     """(the state regions, the names of the tensors the build uploads as stored, in the order it asks for them:
     the order the weights are read ahead in, engine/load/weights.py) from one dry build. Raises what the build
     raises."""
     order: list[str] = []
-    specs = build_model(cfg, tensors.shapes_only(order), _ShapeOps(act_dtype), mtp).state_specs()
+    specs = build_model(cfg, tensors.shapes_only(order), _ShapeOps(act_dtype), mtp, kv_cache_dtype).state_specs()
     return specs, order

@@ -102,6 +102,7 @@ class Loading:
     ops: object
     tensors: CheckpointTensors
     mtp: bool
+    kv_cache_dtype: str = "auto"  # how attention K/V rows are stored (--kv-cache-dtype)
     _specs: list | None = field(default=None, init=False, repr=False)
     weight_reads: dict | None = field(default=None, init=False)  # what the read-ahead did (ReadFigures.as_dict)
     digest_seconds: float | None = field(default=None, init=False)  # the weights' hashing, where no memo held it
@@ -132,7 +133,8 @@ class Loading:
     def state_specs(self):
         """The state regions the model will have, from a dry build (no weight is uploaded; engine/load/gemm_plan.py)."""
         if self._specs is None:
-            self._specs = dry_state_specs(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp)
+            self._specs = dry_state_specs(self.config, self.tensors, self.ops.act_dtype, mtp=self.mtp,
+                                          kv_cache_dtype=self.kv_cache_dtype)
         return self._specs
 
     def start_reads(self, plan: tuple | None, early=None) -> None:
@@ -152,18 +154,18 @@ class Loading:
         """Upload the weights: the loaded model."""
         f = self.front
         try:
-            model = build_model(f.config, self.tensors, self.ops, self.mtp)
+            model = build_model(f.config, self.tensors, self.ops, self.mtp, self.kv_cache_dtype)
         finally:
             self.weight_reads = self.tensors.end_read_ahead() or self.weight_reads
             self._reads_done.set()
         return LoadedModel(f.path, f.config, self.ops, model, f.tokenizer, f.defaults, self.tensors)
 
 
-def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool) -> tuple | None:
+def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool, kv_cache_dtype: str = "auto") -> tuple | None:
     """(act_dtype, state regions, the names the build uploads as stored in its order) of a dry build
     (engine/load/gemm_plan.py); None where it fails (the real build raises it again, as the user's error)."""
     try:
-        specs, order = dry_build(config, tensors, act_dtype, mtp=mtp)
+        specs, order = dry_build(config, tensors, act_dtype, mtp=mtp, kv_cache_dtype=kv_cache_dtype)
     except Exception:  # noqa: BLE001 - see above
         return None
     return act_dtype, specs, order
@@ -171,16 +173,18 @@ def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool) -> tuple | No
 
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
                max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
-               front: ModelFront | None = None, deterministic: bool = False, clock=NO_CLOCK) -> Loading:
+               front: ModelFront | None = None, deterministic: bool = False, kv_cache_dtype: str = "auto",
+               clock=NO_CLOCK) -> Loading:
     """The load's first part (see `load`): the front (`front`: loaded already), the checkpoint's files opened, the
     weights' reads started (on a GPU coming up early, as soon as its context is: kernels/device_start.py), the
     backend (with batch-invariant kernels where `deterministic`), its kernels getting ready in the background.
-    `clock`: marks the phases (engine/startup.py)."""
+    `kv_cache_dtype`: how attention K/V rows are stored (engine/state/kv_dtype.py). `clock`: marks the phases
+    (engine/startup.py)."""
     front = front or load_front(model_dir)
     clock.mark("weights_plan")
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
     act = np.float32 if device == "cpu" or dtype == "float32" else ml_dtypes.bfloat16  # the backend's, presumably
-    plan = dry_plan(front.config, tensors, act, mtp)
+    plan = dry_plan(front.config, tensors, act, mtp, kv_cache_dtype)
     early = start_weight_reads(device, tensors.tensor_spans(plan[2])) if plan is not None else None
     clock.mark("device")
     try:
@@ -193,17 +197,17 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
     # in the background, while the weights load; the plan (a dry build of the model) is made there too
     ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
                                           max_step_tokens=max_step_tokens, max_logit_rows=max_batch))
-    loading = Loading(front, ops, tensors, mtp)
+    loading = Loading(front, ops, tensors, mtp, kv_cache_dtype)
     loading.start_reads(plan, early)
     return loading
 
 
 def load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
          max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None, front: ModelFront | None = None,
-         deterministic: bool = False) -> LoadedModel:
+         deterministic: bool = False, kv_cache_dtype: str = "auto") -> LoadedModel:
     """`mtp`: load the checkpoint's MTP head too (--speculative mtp; an error when it ships none).
     `max_step_tokens` (tokens per prefill step) and `max_batch` (None: not known yet) bound the GEMM row counts the
     backend may get ready while the weights load (engine/load/gemm_plan.py). `deterministic`: batch-invariant
     kernels (--deterministic)."""
     return start_load(model_dir, device, dtype, mtp, max_step_tokens=max_step_tokens, max_batch=max_batch,
-                      front=front, deterministic=deterministic).finish()
+                      front=front, deterministic=deterministic, kv_cache_dtype=kv_cache_dtype).finish()

@@ -32,8 +32,10 @@ def weight_renames(cfg: DecoderConfig, tensors: CheckpointTensors) -> dict[str, 
     return {}  # the missing-tensor error then names the canonical name
 
 
-def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops, mtp: bool = False) -> CausalLM:
-    """The model on `ops`; `mtp`: with its MTP head (engine/models/mtp.py), whose state then joins the model's."""
+def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops, mtp: bool = False,
+                kv_cache_dtype: str = "auto") -> CausalLM:
+    """The model on `ops`; `mtp`: with its MTP head (engine/models/mtp.py), whose state then joins the model's;
+    `kv_cache_dtype`: how its attention K/V rows are stored (engine/state/kv_dtype.py)."""
     module = importlib.import_module(f"prefixrun.engine.models.{_FAMILIES[cfg.family]}")
     load = WeightLoader(tensors, ops, weight_renames(cfg, tensors))
     model = module.build(cfg, load)
@@ -44,11 +46,18 @@ def build_model(cfg: DecoderConfig, tensors: CheckpointTensors, ops, mtp: bool =
         from prefixrun.engine.models.mtp import attach_mtp
 
         attach_mtp(model, cfg, load)
+    model.kv_cache_dtype = kv_cache_dtype
+    try:
+        model.state_specs()
+    except ValueError as error:  # a dtype or head_dim the K/V storage cannot take
+        raise ModelLoadError(f"{tensors.model_dir}: {error}") from None
     return model
 
 
-def load_model(model_dir: Path, ops, mtp: bool = False) -> tuple[CausalLM, CheckpointTensors]:
-    """Config + weights of `model_dir` on the backend `ops` (`mtp`: with the MTP head)."""
+def load_model(model_dir: Path, ops, mtp: bool = False, kv_cache_dtype: str = "auto"
+               ) -> tuple[CausalLM, CheckpointTensors]:
+    """Config + weights of `model_dir` on the backend `ops` (`mtp`: with the MTP head; `kv_cache_dtype`: as
+    `build_model` takes it)."""
     cfg, _ = load_config(model_dir)
     tensors = open_quantized(CheckpointTensors(model_dir), cfg.quantization)
-    return build_model(cfg, tensors, ops, mtp), tensors
+    return build_model(cfg, tensors, ops, mtp, kv_cache_dtype), tensors

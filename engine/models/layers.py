@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixrun.engine.load.config import SUPPORTED_ACTIVATIONS, DecoderConfig, HybridConfig
+from prefixrun.engine.state.kv_dtype import scale_region, with_kv_dtype
 from prefixrun.engine.state.pools import ForwardBatch, ModelState, RegionSpec
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.weights import CheckpointTensors
@@ -175,8 +176,8 @@ class Attention:
         self.v_region = f"layers.{layer}.v"
 
     def state_specs(self) -> list[RegionSpec]:
-        return [RegionSpec(self.k_region, True, (self.hkv, self.hd), "act"),
-                RegionSpec(self.v_region, True, (self.hkv, self.hd), "act")]
+        return [RegionSpec(self.k_region, True, (self.hkv, self.hd), "act", kv=True),
+                RegionSpec(self.v_region, True, (self.hkv, self.hd), "act", kv=True)]
 
     def __call__(self, ops, x, batch: ForwardBatch, state: ModelState):
         t = x.shape[0]
@@ -205,9 +206,16 @@ class Attention:
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
         """Store the new K/V rows in the shared paged cache, then attend over the whole prefix. [T, Hq, hd]"""
         k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
-        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
+        scales = self.kv_scales(state)
+        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index, **scales)
         return ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
-                                   self.scale, shared=batch.shared, sinks=self.sinks)
+                                   self.scale, shared=batch.shared, sinks=self.sinks, **scales)
+
+    def kv_scales(self, state: ModelState) -> dict:
+        """The scales of 8-bit K/V regions (engine/state/kv_dtype.py), as the attention ops take them; None
+        where the K/V rows are stored unquantised."""
+        return {"k_scale": state.arrays.get(scale_region(self.k_region)),
+                "v_scale": state.arrays.get(scale_region(self.v_region))}
 
 
 class SlidingWindowAttention(Attention):
@@ -221,13 +229,13 @@ class SlidingWindowAttention(Attention):
 
     def state_specs(self) -> list[RegionSpec]:
         shape = (self.window, self.hkv, self.hd)
-        return [RegionSpec(self.k_region, False, shape, "act", ring=True),
-                RegionSpec(self.v_region, False, shape, "act", ring=True)]
+        return [RegionSpec(self.k_region, False, shape, "act", ring=True, kv=True),
+                RegionSpec(self.v_region, False, shape, "act", ring=True, kv=True)]
 
     def attend(self, ops, q, k, v, batch: ForwardBatch, state: ModelState):
         return ops.ring_attention(q, k, v, state.arrays[self.k_region], state.arrays[self.v_region], batch.slots,
                                   batch.cu_seqlens, batch.context_lens, self.scale, self.max_context,
-                                  sinks=self.sinks)
+                                  sinks=self.sinks, **self.kv_scales(state))
 
 
 class GatedDeltaNet:
@@ -344,10 +352,12 @@ class CausalLM:
         self.layers = layers
         self.final_norm = final_norm
         self.mtp = None  # the MTP head (engine/models/mtp.py), when loaded for --speculative mtp
+        self.kv_cache_dtype = "auto"  # how attention K/V rows are stored (engine/state/kv_dtype.py; build_model)
 
     def state_specs(self) -> list[RegionSpec]:
         specs = [s for layer in self.layers for s in layer.state_specs()]
-        return specs + (self.mtp.state_specs() if self.mtp is not None else [])
+        specs += self.mtp.state_specs() if self.mtp is not None else []
+        return with_kv_dtype(specs, self.kv_cache_dtype)
 
     def embed(self, token_ids):
         x = self.ops.embed(self.embed_tokens, token_ids)  # [T, D]

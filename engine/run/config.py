@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from prefixrun.engine.errors import InvalidOption
 from prefixrun.engine.request import DEFAULT_PREFILL_TOKENS, SamplingDefaults
 from prefixrun.engine.sizes import parse_size
+from prefixrun.engine.state.kv_dtype import KV_CACHE_DTYPES
 
 SPECULATIVE_MODES = ("auto", "off", "ngram", "mtp")
 # cli/tool_calls.py's parsers and gpt-oss's harmony one (cli/harmony.py)
@@ -214,6 +215,11 @@ class RunConfig:
                     "that a slower machine will read)", choices=_cache_policies, envvar="PREFIXRUN_CACHE_POLICY")
     device: str = option("auto", "auto, cuda or cpu")
     dtype: Optional[str] = option(None, "bfloat16 or float32 (cuda); cpu is float32")
+    kv_cache_dtype: str = option(
+        "auto", "storage of attention K/V rows: auto (the backend's: bf16 on cuda, fp32 on the cpu), bf16, or 8 "
+                "bits with a scale per 32 values, fp8 (e4m3) or int8: about half the K/V memory of bf16, so longer "
+                "contexts or more sequences per decode step, at a small logits error (README)",
+        choices=KV_CACHE_DTYPES)
     devices: Optional[tuple] = option(
         None, "GPUs to spread the batch over, one worker process each: 0,1,... or all (with --device cpu: CPU "
               "workers, e.g. 0,1)", cli_type=Optional[str], parse=_devices, panel=_DEVICES)

@@ -50,7 +50,8 @@ class EngineSession:
             clock.mark("device")
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
-                                        deterministic=s.deterministic, clock=clock)
+                                        deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
+                                        clock=clock)
             if opening is not None:
                 from prefixrun.engine.cache.opening import CacheOpening
 

@@ -27,13 +27,16 @@ class RegionSpec:
     name: str  # unique, e.g. "layers.3.recurrent"
     paged: bool  # True: one row per token in refcounted blocks; False: one fixed array per sequence
     shape: tuple[int, ...]  # per token (paged) or per sequence (slot)
-    dtype: str  # "float32", or "act" for the backend's storage dtype (bf16 on CUDA, fp32 on CPU)
+    dtype: str  # "float32", "act" (the backend's storage dtype: bf16 on CUDA, fp32 on CPU); kernels/kv_storage.py
+    # names the rest ("bfloat16", the 8-bit K/V kinds "int8" and "fp8")
     ring: bool = False  # a slot region whose rows are a ring over positions (row = position % shape[0])
     # a slot region that a multi-row (speculative) step snapshots after every row: the op that updates it writes
     # its value after row j to the step's snapshot row (ForwardBatch.snapshot_rows), and ModelState.commit(n)
     # restores the one after row n - 1. (Paged regions roll back by length alone; rings by the rows a step
     # overwrote, which the state layer saves before the step.)
     snapshot: bool = False
+    # attention K or V rows, stored in the run's K/V dtype (--kv-cache-dtype: engine/state/kv_dtype.py)
+    kv: bool = False
 
     def to_position_order(self, rows: np.ndarray, length: int) -> np.ndarray:
         """A ring's rows rotated so row i holds position length - W + i (rows before position 0 stay zero)."""

@@ -32,6 +32,7 @@ import numpy as np
 from prefixrun.engine.state.allocators import BlockAllocator, OutOfStateMemory, SlotAllocator
 # StateLayoutError re-exported: the pools' import raises it
 from prefixrun.engine.state.handles import RegionSpec, StateHandle, StateLayoutError  # noqa: F401
+from prefixrun.kernels.kv_storage import QUANTISED_KINDS
 from prefixrun.engine.state.handles import export_regions, export_regions_later, validate_regions, write_regions
 from prefixrun.engine.step.forward_batch import ForwardBatch, Padding, build_batch
 
@@ -95,9 +96,10 @@ def seats_in_memory(specs: list[RegionSpec], ops, *, state_bytes: int, checkpoin
 
 
 def state_layout(specs: list[RegionSpec], ops) -> list[dict]:
-    """The regions with concrete dtypes: what a stored checkpoint must match to be restored."""
-    return [{"name": s.name, "paged": s.paged, "shape": list(s.shape),
-             "dtype": ops.storage_dtype(s.dtype).name} for s in specs]
+    """The regions with concrete dtypes: what a stored checkpoint must match to be restored. An 8-bit K/V region
+    also names its format (--kv-cache-dtype: fp8 and int8 rows are both bytes, read differently)."""
+    return [{"name": s.name, "paged": s.paged, "shape": list(s.shape), "dtype": ops.storage_dtype(s.dtype).name}
+            | ({"format": s.dtype} if s.dtype in QUANTISED_KINDS else {}) for s in specs]
 
 
 def layout_digest(specs: list[RegionSpec], ops) -> str:
