@@ -29,7 +29,7 @@ __device__ __forceinline__ float e4m3_to_f(unsigned char b) {
 
 // float (|x| <= 448) -> float8_e4m3fn, rounded to nearest even (as ml_dtypes casts)
 __device__ __forceinline__ unsigned char f_to_e4m3(float x) {
-    const unsigned sign = x < 0.f ? 0x80u : 0u;
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;  // -0 too, as ml_dtypes keeps it
     const float a = fabsf(x);
     if (a < 0.015625f) return (unsigned char)(sign | (unsigned)__float2int_rn(a * 512.f));  // subnormal: m * 2^-9
     const unsigned u = __float_as_uint(a);

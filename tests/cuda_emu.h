@@ -62,6 +62,10 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return {uint16_t(u >> 16)};
 }
 inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) { return {__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)}; }
+// bit casts and the round-to-nearest-even conversion (the host's default rounding mode) common.cu uses
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float2int_rn(float f) { return int(std::nearbyint(f)); }
 
 struct EmuWarp {
     std::barrier<> bar{32};
