@@ -10,7 +10,7 @@ alone (no second rounding of the scale that the two backends would have to agree
   fp8:  q = float8_e4m3fn(value / scale) (round to nearest even, clamped to +-448), QMAX 448; stored as its bytes
 
 A group of zeros has scale 0 and q 0. Reading: value = float(q) * scale in fp32. These NumPy functions are the
-reference: the CUDA kernels (kernels/kv_quant.cu, kernels/attention.cu) store and read the same bits.
+reference: the CUDA kernels (kernels/attention.cu, kernels/common.cu) store and read the same bits.
 """
 from __future__ import annotations
 
