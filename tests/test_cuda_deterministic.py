@@ -19,16 +19,17 @@ def _bits(ops, y):
 
 
 @pytest.mark.parametrize("n, k", [(256, 64), (1024, 512), (4096, 2560), (2560, 9216)])
-def test_pinned_gemm_rows_do_not_depend_on_the_row_count(n, k):
+def test_gemm_rows_do_not_depend_on_the_row_count(n, k):
+    """Every row-count bucket of the deterministic GEMM (paired algorithms included) gives the same row bits."""
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("bfloat16", deterministic=True)
     rng = np.random.default_rng(n + k)
     w = ops.upload(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
-    x = ops.upload(rng.standard_normal((300, k), dtype=np.float32))
+    x = ops.upload(rng.standard_normal((1100, k), dtype=np.float32))
     for product in (ops.linear, ops.logits):
-        full = _bits(ops, product(x, w))
-        for lo, hi in ((0, 1), (0, 7), (0, 64), (0, 256), (100, 101), (3, 10), (37, 300)):
+        full = _bits(ops, product(x, w))  # 1,100 rows: the last bucket's algorithm (kernels/cublaslt.py BUCKETS)
+        for lo, hi in ((0, 1), (0, 7), (0, 17), (0, 64), (0, 256), (0, 300), (100, 101), (3, 10), (37, 1100)):
             assert np.array_equal(_bits(ops, product(x[lo:hi], w)), full[lo:hi]), (product.__name__, lo, hi)
 
 
