@@ -187,14 +187,19 @@ class Cublas:
 
 
 _HANDLES: dict[int, Cublas] = {}
+_HANDLES_LOCK = threading.Lock()  # one handle per device, whichever thread asks first (kernels/device_start.py)
 
 
 def get_cublas() -> Cublas:
-    """The process's cuBLAS handle for the current device (created on first use)."""
+    """The process's cuBLAS handle for the current device (created on first use; a thread asking while another
+    creates it waits for that one)."""
     import cupy
 
     dev = cupy.cuda.Device().id
     h = _HANDLES.get(dev)
     if h is None:
-        h = _HANDLES[dev] = Cublas()
+        with _HANDLES_LOCK:
+            h = _HANDLES.get(dev)
+            if h is None:
+                h = _HANDLES[dev] = Cublas()
     return h

@@ -67,7 +67,6 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
             raise ValueError(f"the CUDA backend computes in bfloat16 or float32, not {dtype!r}")
         self.dtype_name = dtype
         self._act = np.dtype(self.act_dtype)
-        self._blas = get_cublas()
         self._copy_tables: dict[tuple, tuple] = {}
         self._smem_set: set = set()
         # which kernel runs for which shapes: kernels/tuning.py (fixed for this object's life; see `retuned`)
@@ -83,6 +82,15 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         self._preparing: threading.Thread | None = None  # prepare_kernels' loader
         self._wgmma = attention_sm90.available()  # sm_90a kernels (attention prefill) run here
         self._copies = None  # a decode step's small copies through pinned buffers (kernels/step_io.py)
+
+    @property
+    def _blas(self):
+        """The process's cuBLAS handle, created at the first GEMM if no thread made it before (an early bring-up,
+        kernels/device_start.py, makes it while the weights load); kept on this object once fetched."""
+        blas = self.__dict__.get("_blas_handle")
+        if blas is None:
+            blas = self.__dict__["_blas_handle"] = get_cublas()
+        return blas
 
     def retuned(self, **changes) -> "CudaOps":
         """This backend with other kernel variants (tests and benches comparing them): a new ops object sharing

@@ -6,8 +6,9 @@ Each of these is a fixed cost of a fresh process (the context and cuBLAS's libra
 second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the run's
 imports, the tokenizer's load and the model's dry build. The weights' reads need only the context and the ring
 (`wait_context`: kernels/__init__.py start_weight_reads), so they run while the backend's modules and cuBLAS load;
-`get_ops` waits for the whole of it (`wait`) before it makes the backend, so the two never make the same handle
-twice. Nothing here raises: a failure leaves the work to its usual place, which reports the problem itself.
+`get_ops` waits for the backend's modules (`wait`) before it makes the backend, and cuBLAS's handle is made once,
+by whichever thread asks first (kernels/cublas.py get_cublas). Nothing here raises: a failure leaves the work to its
+usual place, which reports the problem itself.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _figures: dict = {}  # seconds of the bring-up, its error if any
 _context = threading.Event()  # set once the context and the pinned ring are up, or the bring-up gave up
+_backend = threading.Event()  # set once the backend's modules are imported too (cuBLAS loads after it)
 _gpu: list[int] = []  # the device whose context is up
 
 
@@ -33,13 +35,15 @@ def start(device: str = "auto") -> None:
 
 
 def wait() -> dict:
-    """Wait for a bring-up under way (none: at once); what it did: {"seconds", "waited_seconds", "error"}."""
+    """Wait for a bring-up under way (none: at once) to have imported the backend's modules: a backend made now
+    finds its context and modules; cuBLAS may still be loading (`get_cublas` waits for it where it is used). What
+    the bring-up did so far: {"parts", "seconds", "waited_seconds", "error"}."""
     with _lock:
         thread = _thread
     if thread is None:
         return {}
     t0 = time.perf_counter()
-    thread.join()
+    _backend.wait()
     _figures.setdefault("waited_seconds", round(time.perf_counter() - t0, 4))
     return dict(_figures)
 
@@ -88,10 +92,12 @@ def _bring_up():
             from prefixrun.kernels.cublas import get_cublas
 
             t = step("import_backend", t)
+            _backend.set()
             get_cublas()
             step("cublas", t)
     except Exception as error:  # noqa: BLE001 - the backend's own start reports it
         _figures["error"] = f"{type(error).__name__}: {error}"[:300]
     finally:
         _context.set()
+        _backend.set()
         _figures["seconds"] = round(time.perf_counter() - t0, 4)

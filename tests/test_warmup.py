@@ -180,7 +180,7 @@ def test_loader_hands_the_plan_to_the_backend(family_dirs, monkeypatch):
         def prepare_kernels(self, plan=None):
             seen.append(plan)
 
-    monkeypatch.setattr(loader, "get_ops", lambda device, dtype: Preparing())
+    monkeypatch.setattr(loader, "get_ops", lambda device, dtype, deterministic=False: Preparing())
     loaded = loader.load(family_dirs["qwen3_5"], "cpu", max_step_tokens=256, max_batch=24)
     (plan_fn,) = seen
     plan = plan_fn()

@@ -67,7 +67,8 @@ def content_digest(tensors, threads: int | None = None) -> str:
     (default: one per core but two, which the engine's thread and the device's keep)."""
     names = [name for name, _ in tensors.served_by()]
     spans = [tensors.tensor_span(name) for name in names]
-    jobs = [(s.span.path, s.span.offset + start, stop - start) for s in spans for start, stop in chunk_spans(s.span.nbytes)]
+    jobs = [(s.span.path, s.span.offset + start, stop - start)
+            for s in spans for start, stop in chunk_spans(s.span.nbytes)]
     fds: dict[str, int] = {}
     local = threading.local()
 
