@@ -101,11 +101,12 @@ class WeightReads:
         self._threads = threads
         self._window = max(1, int(window_bytes))
         self._held = 0  # bytes allocated and not yet taken
-        self._waiting = 0  # takers waiting for a tensor not landed yet
+        self._wanted: list[_Tensor] = []  # the tensors takers wait for
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._failed = False
         self._finished = False
+        self._closed = False  # nothing is handed out after `close`
         self.figures = ReadFigures(planned_bytes=sum(s.span.nbytes for s in spans))
         self._thread = threading.Thread(target=self._run, name="prefixrun-weights", daemon=True)
         self._thread.start()
@@ -158,25 +159,25 @@ class WeightReads:
         may be this one, or one of this chunk: waiting would never end)."""
         with self._cond:
             while (self._held + nbytes > self._window and self._held > 0 and not self._stop.is_set()
-                   and not self._waiting):
+                   and all(t.landed for t in self._wanted)):
                 self._cond.wait()
             self._held += nbytes
 
     # ---- the build's thread ----------------------------------------------------------------------------------
     def take(self, name: str):
         """The tensor `name` as the backend's array (the checkpoint's dtype and shape), once; None when it is not
-        read ahead (not planned, taken already, or the reads failed)."""
+        read ahead (not planned, taken already, the reads failed or were closed)."""
         t = self._by_name.get(name)
         if t is None:
             return None
         with self._cond:
-            if t.taken:
+            if t.taken or self._closed:
                 return None
-            self._waiting += 1
+            self._wanted.append(t)
             self._cond.notify_all()
             while not t.landed and not self._failed and not self._finished:
                 self._cond.wait()
-            self._waiting -= 1
+            self._wanted.remove(t)
             if not t.landed:
                 return None
             t.taken = True
@@ -196,6 +197,7 @@ class WeightReads:
         self._thread.join()
         self._landing.close()
         with self._cond:
+            self._closed = True
             for t in self._order:
                 t.target = None
             self._held = 0

@@ -178,7 +178,7 @@ def test_close_stops_a_read_that_nobody_takes(tmp_path):
                         window_bytes=20_000)
     figures = reads.close()  # the reader waits on the window: close must not wait for a take
     assert figures.read_bytes < figures.planned_bytes
-    assert reads.take("t0") is None or np.array_equal(reads.take("t0"), arrays["t0"])
+    assert reads.take("t0") is None  # closed: nothing more is handed out, landed or not
 
 
 def _model_arrays(model) -> list[np.ndarray]:
