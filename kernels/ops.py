@@ -40,6 +40,7 @@ class Ops(Protocol):
     auto_speculation: bool  # --speculative auto may draft here (the backend's multi-row steps have been checked)
     max_conv_width: int | None  # the widest causal convolution (kernel width) `causal_conv1d` runs; None: any
     max_ssm_state: int | None  # the largest Mamba2 state size (d_state) `ssd_scan` runs; None: any
+    per_channel_decay: bool  # `gated_delta_rule(_rows)` take g [T, H, Dk] (a decay per key channel, Kimi's KDA)
     # batch-invariant kernels (--deterministic): a row's results depend on its own inputs and, for the sequence
     # mixers, on whether the step is a prefill step, never on the other rows, their number or how a step was cut
     deterministic: bool
@@ -195,8 +196,8 @@ class Ops(Protocol):
         (silu False: the convolution alone; bias: None, or fp32 [C] added before the activation)"""
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False) -> Array:
-        """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H], state fp32 [num_slots, H, Dk, Dv] (in place)
-        -> o [T, H, Dv]. `prefill`: a prefill step; a deterministic backend computes each of its sequences in
+        """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H] (g [T, H, Dk] where `per_channel_decay`: each key
+        channel decays by its own exp(g)), state fp32 [num_slots, H, Dk, Dv] (in place) -> o [T, H, Dv]. `prefill`: a prefill step; a deterministic backend computes each of its sequences in
         chunks of `chunk_size` tokens from the sequence's first new token (the engine starts them on multiples of
         it), and every other step token by token, as `gated_delta_rule_rows` does."""
 

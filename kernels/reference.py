@@ -34,6 +34,7 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
     auto_speculation = True  # the reference's multi-row steps are what the speculative tests check
     max_conv_width = None  # any width: the reference loops over the kernel
     max_ssm_state = None  # any Mamba2 state size
+    per_channel_decay = True  # gated_delta_rule takes g [T, H, Dk] too (always stepped token by token)
 
     def __init__(self, dtype: str = "float32", deterministic: bool = False):
         if dtype != "float32":
@@ -300,9 +301,10 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
             qs = q[s:e].astype(np.float32).transpose(1, 0, 2) * scale  # [H, L, Dk]
             ks = k[s:e].astype(np.float32).transpose(1, 0, 2)
             vs = v[s:e].astype(np.float32).transpose(1, 0, 2)  # [H, L, Dv]
-            gs = g[s:e].T.astype(np.float32)  # [H, L]
+            gs = np.moveaxis(g[s:e], 0, 1).astype(np.float32)  # [H, L] or, a decay per key channel, [H, L, Dk]
             bs = beta[s:e].T.astype(np.float32)
             stepped = not prefill if self.deterministic else e - s == 1
+            stepped = stepped or g.ndim == 3  # the per-channel decay has no chunked form here
             if stepped:
                 for j in range(e - s):
                     out[s + j], S = _delta_step(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], S)
@@ -561,8 +563,9 @@ def _attend(q, k, v, qpos, kpos, scale, window=None, sinks=None):
 
 
 def _delta_step(q, k, v, g, beta, S):
-    """One recurrent step for all heads. q, k [H, Dk], v [H, Dv], g, beta [H], S [H, Dk, Dv]."""
-    S = S * np.exp(g)[:, None, None]
+    """One recurrent step for all heads. q, k [H, Dk], v [H, Dv], g [H] (or [H, Dk]: per key channel), beta [H],
+    S [H, Dk, Dv]."""
+    S = S * (np.exp(g)[:, :, None] if g.ndim == 2 else np.exp(g)[:, None, None])
     kv_mem = np.einsum("hkv,hk->hv", S, k)
     u = (v - kv_mem) * beta[:, None]
     S = S + k[:, :, None] * u[:, None, :]

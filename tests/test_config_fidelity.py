@@ -167,10 +167,10 @@ def _model_from_config(model_type: str, text: dict, composite_of: str | None):
 
 
 def reference_kwargs(path) -> dict:
-    """from_pretrained's options for an fp64 reference: gpt-oss's default grouped-GEMM experts take no float64,
+    """from_pretrained's options for an fp64 reference: gpt-oss's and Kimi Linear's default grouped-GEMM experts take no float64,
     its eager per-expert loop computes the same math."""
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    return {"experts_implementation": "eager"} if model_type == "gpt_oss" else {}
+    return {"experts_implementation": "eager"} if model_type in ("gpt_oss", "kimi_linear") else {}
 
 
 def hf_reference(path, prompt, composite: bool):

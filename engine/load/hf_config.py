@@ -17,6 +17,7 @@ from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SHORT_CONV, SLIDING_ATTENTION, \
     ConfigFields, DecoderConfig, DenseConfig, HybridConfig, ShortConvConfig, SlidingWindowConfig
 from prefixrun.engine.load.gpt_oss_config import GptOssConfig
+from prefixrun.engine.load import kimi_config
 from prefixrun.engine.load.mamba_config import GraniteHybridConfig, NemotronHConfig, granite_layer_types, \
     nemotron_layer_types
 from prefixrun.engine.load.moe_config import MoeHybridConfig
@@ -81,6 +82,7 @@ _DEFAULTS["granitemoehybrid"] = dict(
     attention_multiplier=1.0, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024,
     position_embedding_type=None, mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_head="auto",
     mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=[0.0, float("inf")])
+_DEFAULTS["kimi_linear"] = kimi_config.DEFAULTS
 # the families whose norms read their eps from another field than rms_norm_eps (which they then ignore)
 _EPS_FIELD = {"lfm2": "norm_eps", "nemotron_h": "layer_norm_epsilon"}
 # the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
@@ -92,6 +94,8 @@ def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ..
         return nemotron_layer_types(f)
     if family == "granitemoehybrid":
         return granite_layer_types(f, num_layers)
+    if family == "kimi_linear":
+        return kimi_config.kimi_layer_types(f, num_layers)
     layer_types = f.get("layer_types")
     if layer_types is None:  # derived exactly as the family's transformers config derives it
         if family == "gemma3":
@@ -151,13 +155,14 @@ _ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt_oss", GptOssConfig),
     "NemotronHForCausalLM": ("nemotron_h", NemotronHConfig),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", GraniteHybridConfig),
+    "KimiLinearForCausalLM": ("kimi_linear", kimi_config.KimiLinearConfig),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
                 "lfm2": "Lfm2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+                "granitemoehybrid": "GraniteMoeHybridForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

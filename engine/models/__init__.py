@@ -13,7 +13,8 @@ from prefixrun.engine.load.weights import CheckpointTensors
 
 _FAMILIES = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3",
              "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_next", "lfm2": "lfm2", "gpt_oss": "gpt_oss",
-             "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid"}
+             "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid",
+             "kimi_linear": "kimi_linear"}
 
 
 # Composite checkpoints as transformers 5.17 saves some of them (Gemma 3 through its llava-style conversion):

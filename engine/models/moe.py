@@ -16,7 +16,7 @@ from prefixrun.engine.models.layers import WeightLoader
 from prefixrun.engine.load.moe_config import MoeSettings
 
 
-def _expert_weights(load: WeightLoader, prefix: str, e: int, d: int, i: int):
+def expert_weights(load: WeightLoader, prefix: str, e: int, d: int, i: int):
     """Backend arrays gate_up [E, 2I, D] (gate rows then up rows per expert) and down [E, D, I]. Per-expert
     tensors go to the backend as rows of one array (no host-side stacking of gigabytes), then take their 3-d view."""
     fused = prefix + "experts.gate_up_proj"
@@ -40,7 +40,7 @@ class SparseMoeBlock:
         if s:
             rows.append(load.host(prefix + "shared_expert_gate.weight", (1, d)))
         self.router = load.ops.upload_rows(rows)
-        self.gate_up, self.down = _expert_weights(load, prefix, e, d, i)  # [E, 2I, D], [E, D, I]
+        self.gate_up, self.down = expert_weights(load, prefix, e, d, i)  # [E, 2I, D], [E, D, I]
         self.shared_gate_up = self.shared_down = None
         if s:
             sp = prefix + "shared_expert."

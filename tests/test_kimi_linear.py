@@ -1,0 +1,271 @@
+"""Kimi Linear (KDA + MLA + DeepSeek-V3-style MoE): models written by transformers itself, one per swept config
+value, against transformers in float64 (logits within 1e-4, 32 greedy tokens identical); the checkpoint's
+linear_attn_config / attribute_map spellings; refusals; and the engine's promises for its state (a recurrent state
+with a decay per key channel, q/k/v conv histories, MLA's expanded paged K/V): prefix reuse at several branch
+points, from the disk cache, speculative rollback, `--speculative ngram` giving the tokens of `off`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import new_state, rollbacks, run_tokens
+from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.hf_config import parse_config
+from prefixrun.engine.models import load_model
+from prefixrun.engine.plan.planner import build_trie, distinct_tokens
+from prefixrun.engine.request import Request, SamplingParams
+from prefixrun.engine.run.core import Engine, EngineOptions
+from test_config_fidelity import _model_from_config, _scale_weights, check_against_transformers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, linear_head_dim=8,
+            linear_num_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=1.7, max_position_embeddings=512,
+            pad_token_id=None, bos_token_id=None, eos_token_id=None)
+# (overrides of BASE, prompt length); every value here must be honoured exactly
+HONOURED = {
+    "base": ({}, 40),
+    "long-prompt": ({}, 150),
+    "q_lora_rank": (dict(q_lora_rank=24), 40),
+    "attention_bias": (dict(attention_bias=True, q_lora_rank=24), 40),
+    "v-wider-than-qk": (dict(v_head_dim=40), 40),
+    "no-rope-part": (dict(qk_rope_head_dim=0), 40),
+    "no-nope-part": (dict(qk_nope_head_dim=0), 40),
+    "n_shared_experts-2": (dict(n_shared_experts=2), 40),
+    "norm_topk_prob-off": (dict(norm_topk_prob=False), 40),
+    "top-1": (dict(num_experts_per_tok=1, routed_scaling_factor=1.0), 40),
+    "n_group-2-all-kept": (dict(n_group=2, topk_group=2), 40),
+    "first_k_dense_replace": (dict(mlp_layer_types=None, first_k_dense_replace=2), 40),
+    "all-dense": (dict(mlp_layer_types=["dense"] * 3), 40),
+    "all-mla": (dict(layer_types=["full_attention"] * 3), 40),
+    "conv-2": (dict(linear_conv_kernel_dim=2), 40),
+    "heads": (dict(linear_num_heads=2, linear_head_dim=16, num_attention_heads=2, num_key_value_heads=2), 40),
+    "rms_norm_eps": (dict(rms_norm_eps=0.05), 40),
+    "tied": (dict(tie_word_embeddings=True), 40),
+    "default-layer-pattern": (dict(layer_types=None, num_hidden_layers=6, mlp_layer_types=None), 40),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
+    yield
+    torch.set_num_threads(before)
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, BASE["vocab_size"], length).tolist()
+
+
+def write_kimi(path, overrides: dict, seed: int = 0):
+    """A Kimi Linear directory written by transformers, its weights scaled for clear greedy gaps; the router's
+    score-correction bias (a buffer transformers leaves at 0) drawn too, so that it is checked."""
+    text = {**BASE, **overrides}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _model_from_config("kimi_linear", text, None)
+    _scale_weights(model, seed, gate_scale=1.0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", ".conv1d.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)  # taps of order one: the history matters
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", sorted(HONOURED))
+def test_honoured_config_values_match_transformers(case, tmp_path, cpu_ops):
+    overrides, prompt_len = HONOURED[case]
+    check_against_transformers(write_kimi(tmp_path / case, overrides), cpu_ops, prompt_len)
+
+
+@pytest.mark.parity
+def test_delta_attention_layers_only(tmp_path, cpu_ops):
+    """No MLA layer at all (transformers' cache cannot decode such a model: its reference here recomputes the whole
+    sequence at every step)."""
+    from test_config_fidelity import TOL
+
+    path = write_kimi(tmp_path / "m", dict(layer_types=["linear_attention"] * 3))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
+    tokens = random_prompt(1, 40)
+    model, _ = load_model(path, cpu_ops)
+    st = new_state(model, cpu_ops)
+    h = st.new_sequence()
+    ours = model.forward(st.prepare_step([h], [tokens]), st, all_logits=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+    for _ in range(8):
+        tokens.append(int(np.argmax(ref[-1])))
+        step = model.forward(st.prepare_step([h], [tokens[-1:]]), st)[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+        np.testing.assert_allclose(step, ref[-1], atol=TOL, rtol=0)
+        assert int(np.argmax(step)) == int(np.argmax(ref[-1]))
+
+
+def _raw(**fields) -> dict:
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **BASE, **fields}
+
+
+def test_the_checkpoint_spellings_read_as_kimilinearconfig_reads_them():
+    """The released config: linear_attn_config (1-indexed layer lists), the attribute_map's stored names."""
+    raw = _raw(layer_types=None, mlp_layer_types=None, num_hidden_layers=4, first_k_dense_replace=1,
+               linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 3,
+                                   "full_attn_layers": [2, 4], "kda_layers": [1, 3]},
+               moe_renormalize=False, num_expert_group=2, topk_group=2, num_experts=6, num_experts_per_token=3,
+               num_shared_experts=2, model_max_length=1000)
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        raw.pop(key)
+    hf = transformers.AutoConfig.for_model("kimi_linear", **{k: v for k, v in raw.items()
+                                                             if k not in ("architectures", "model_type")})
+    ours = parse_config(raw)
+    assert list(ours.layer_types) == list(hf.layer_types)
+    assert (ours.linear_head_dim, ours.linear_num_heads, ours.linear_conv_kernel) == \
+        (hf.linear_head_dim, hf.linear_num_heads, hf.linear_conv_kernel_dim) == (16, 2, 3)
+    assert ours.moe.sparse_layers == tuple(t == "sparse" for t in hf.mlp_layer_types) == (False, True, True, True)
+    assert (ours.moe.num_experts, ours.moe.top_k, ours.moe.norm_topk_prob) == \
+        (hf.num_local_experts, hf.num_experts_per_tok, hf.norm_topk_prob) == (6, 3, False)
+    assert ours.moe.shared_expert_intermediate_size == 2 * hf.moe_intermediate_size
+    assert ours.max_position_embeddings == hf.max_position_embeddings == 1000
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(num_key_value_heads=2), "num_key_value_heads = 2 is not supported"),
+    (dict(n_group=2, topk_group=1), "topk_group = 1 is not supported (group-limited routing"),
+    (dict(n_group=3), "n_group = 3 is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
+     "unsupported layer types ['sliding_attention']"),
+    (dict(mlp_layer_types=["dense", "moe", "sparse"]), "mlp_layer_types must give"),
+    (dict(linear_conv_kernel_dim=1), "linear_conv_kernel_dim must be >= 2"),
+    (dict(q_lora_rank=0), "q_lora_rank must be null or positive"),
+    (dict(layer_types=None, linear_attn_config={"full_attn_layers": [0], "kda_layers": [1, 2, 3]}),
+     "linear_attn_config.full_attn_layers must list layer numbers 1..3"),
+    (dict(layer_types=None, linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]}),
+     "layer_types (or linear_attn_config's full_attn_layers / kda_layers) must name every layer's type"),
+    (dict(linear_attn_config="x"), "linear_attn_config must be an object"),
+])
+def test_refused_values_name_field_and_value(fields, message):
+    with pytest.raises(ModelLoadError) as err:
+        parse_config(_raw(**fields))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    from prefixrun.engine.load.tokenizer_maker import default_corpus, write_tokenizer_files
+
+    path = write_kimi(tmp_path_factory.mktemp("kimi"), {}, seed=5)
+    write_tokenizer_files(path, BASE["vocab_size"], default_corpus())  # for the loader's path (the disk cache)
+    return path
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi_dir, cpu_ops):
+    return load_model(kimi_dir, cpu_ops)[0]
+
+
+def test_state_regions(kimi):
+    specs = {s.name: s for s in kimi.state_specs()}
+    assert specs["layers.0.conv"].shape == (96, 3) and specs["layers.0.conv"].snapshot
+    assert specs["layers.0.recurrent"].shape == (4, 8, 8) and specs["layers.0.recurrent"].dtype == "float32"
+    assert specs["layers.1.k"].paged and specs["layers.1.k"].shape == (4, 24)  # max(16 + 8, 12) per head
+
+
+def test_the_gpu_kernels_refuse_the_per_channel_decay(kimi_dir, cpu_ops):
+    """A backend whose delta-rule kernels take one decay per head refuses the model at load, naming the reason."""
+    class ScalarDecayOps:
+        per_channel_decay, display_name = False, "cuda"
+
+        def __getattr__(self, name):
+            return getattr(cpu_ops, name)
+
+    with pytest.raises(ModelLoadError, match="per-channel decay is not in the cuda kernels"):
+        load_model(kimi_dir, ScalarDecayOps())
+
+
+def _prompts() -> list[list[int]]:
+    """Branch points at several offsets (inside the conv history, around a block, far in), duplicates, one token."""
+    base = random_prompt(90, 60)
+    out = []
+    for branch in (1, 3, 4, 17, 45):
+        out += [base[:branch] + random_prompt(branch * 7 + j, 4 + j) for j in range(2)]
+    return out + [base[:30], base[:30], base, [7], [5, 6, 7] * 8]
+
+
+def _run(model, ops, prompts, opts):
+    eng = Engine(model, ops, options=opts)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    eng.check_invariants()
+    eng.close()
+    return out, eng.stats
+
+
+@pytest.mark.parity
+def test_greedy_tokens_match_generate_and_prefix_reuse_changes_nothing(kimi, kimi_dir, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(kimi, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(kimi_dir, dtype=torch.float64,
+                                                      experts_implementation="eager").eval()
+    for i in (0, 5, 9, 12, 14):
+        with torch.no_grad():
+            ids = torch.tensor([prompts[i]])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert off[f"r{i}"] == ref[0, len(prompts[i]):].tolist()
+    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=1),
+                 EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
+                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
+        on, _ = _run(kimi, cpu_ops, prompts, opts)
+        assert on == off
+    _, stats = _run(kimi, cpu_ops, prompts, EngineOptions(speculative="off"))
+    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+
+
+def test_from_the_disk_cache(kimi_dir, tmp_path):
+    from prefixrun.engine.load.loader import load
+
+    loaded = load(kimi_dir, "cpu")
+    prompts = _prompts()
+    off, _, _ = run_tokens(loaded, prompts, max_tokens=6)
+    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=6)
+    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=6)
+    assert cold == warm == off
+    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+
+
+def test_speculative_ngram_gives_the_tokens_of_off(kimi, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(kimi, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
+    for k in (1, 4):
+        eng = Engine(kimi, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k))
+        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+        eng.check_invariants()
+        eng.close()
+        assert on == off, k
+        assert eng.speculator.stats.methods["ngram"].drafted > 0
+
+
+def test_rollback_restores_the_state_of_a_plain_run(kimi, cpu_ops):
+    for n, st, spec, plain in rollbacks(kimi, cpu_ops, random_prompt(5, 13), random_prompt(6, 6)):
+        a, b = st.export(spec), st.export(plain)
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
+        la = kimi.forward(st.prepare_step([spec], [[3]]), st)
+        lb = kimi.forward(st.prepare_step([plain], [[3]]), st)
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
