@@ -18,6 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
+# at import, not in model_key: a fresh folder makes its key on a thread while the first window runs
+from prefixrun.kernels.numerics import numerics_id
+
 FORMAT_VERSION = "prefixrun-ckpt-v2"  # v2: paged regions hold only their tail; whole K/V blocks in kv_blocks/
 CACHE_KEY_VERSION = 2  # bump when what goes into model_key / layout_key changes
 HEX_DIGEST = re.compile(r"[0-9a-f]+")
@@ -53,8 +56,6 @@ def checkpoint_key(key: StoreKey, tokens: Sequence[int]) -> str:
 
 def model_key(config, weights_digest: str, ops) -> str:
     """Digest of what decides a state's values: the parsed config, the weights' content, the kernels' numerics."""
-    from prefixrun.kernels.numerics import numerics_id
-
     doc = {"version": CACHE_KEY_VERSION, "config_class": type(config).__name__,
            "config": dataclasses.asdict(config), "weights": weights_digest, "numerics": numerics_id(ops)}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=repr).encode()).hexdigest()
