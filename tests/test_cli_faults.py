@@ -820,3 +820,30 @@ def test_a_request_that_fits_only_a_smaller_batch_is_told_so(model, tmp_path):
     assert p.returncode == 3 and "--max-batch" in records(p.stdout)[0]["error"]["message"], p.stdout
     p = run(*base, "--max-batch", 1)
     assert p.returncode == 0 and len(records(p.stdout)[0]["token_ids"]) == 4, p.stderr
+
+
+def test_a_chat_line_whose_answer_outgrows_the_state_memory_is_an_error_record(model, tmp_path):
+    """A chat line without max_tokens is admitted for what it needs now; one whose answer then grows past what the
+    state memory holds even alone (1 MiB: a few hundred tokens of this model) gets an error record naming the
+    option, in its line's OpenAI shape, while the lines around it finish as they would alone (exit 3, no hang)."""
+    chat = [{"role": "user", "content": "tell me everything"}]
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "short", "prompt": "x 1", "max_tokens": 3, "temperature": 0},
+        {"custom_id": "long", "url": "/v1/chat/completions", "body": {"messages": chat, "ignore_eos": True,
+                                                                      "temperature": 0}},
+        {"custom_id": "after", "prompt": "x 2", "max_tokens": 3, "temperature": 0},
+    ])
+    p = run("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--state-memory", "1MiB",
+            "--max-batch", 2)
+    assert p.returncode == 3, p.stderr
+    assert_clean(p.stderr)
+    by_id = {r["custom_id"]: r for r in records(p.stdout)}
+    message = by_id["long"]["error"]["message"]
+    assert "generated tokens" in message and "--state-memory" in message and "--max-batch" in message, message
+    assert by_id["long"]["response"] is None
+    alone = run("batch", write_jsonl(tmp_path / "alone.jsonl", [
+        {"custom_id": "short", "prompt": "x 1", "max_tokens": 3, "temperature": 0},
+        {"custom_id": "after", "prompt": "x 2", "max_tokens": 3, "temperature": 0}]),
+        "--model", model, "--device", "cpu", "--no-cache", "-q")
+    want = {r["custom_id"]: r["token_ids"] for r in records(alone.stdout)}
+    assert {k: by_id[k]["token_ids"] for k in ("short", "after")} == want
