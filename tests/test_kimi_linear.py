@@ -269,3 +269,62 @@ def test_rollback_restores_the_state_of_a_plain_run(kimi, cpu_ops):
         la = kimi.forward(st.prepare_step([spec], [[3]]), st)
         lb = kimi.forward(st.prepare_step([plain], [[3]]), st)
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+
+
+def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
+    """bench/models/kimi-linear-like.json (Kimi-Linear-48B-A3B's layer shapes, 8 layers) parses, and make-model's
+    writer gives a directory transformers and prefixrun load identically (the config shrunk to test size, its
+    linear_attn_config form and stored aliases kept)."""
+    import json
+    from pathlib import Path
+
+    from prefixrun.engine.load.model_maker import make_model_dir
+    from test_config_fidelity import TOL
+
+    raw = json.loads((Path(__file__).resolve().parent.parent / "bench" / "models" / "kimi-linear-like.json")
+                     .read_text())
+    cfg = parse_config(raw)
+    assert cfg.family == "kimi_linear" and cfg.num_layers == 8 and cfg.layer_types[3] == "full_attention"
+    assert cfg.moe.num_experts == 256 and cfg.moe.top_k == 8 and cfg.moe.sparse_layers[0] is False
+    small = {**raw, "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+             "num_experts": 8, "num_experts_per_token": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+             "linear_attn_config": {**raw["linear_attn_config"], "head_dim": 8, "num_heads": 4}}
+    path = make_model_dir(tmp_path / "m", small, seed=3, init_std=0.05, dtype="float32")
+    model = load_model(path, cpu_ops)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
+    prompt = random_prompt(4, 30)
+    st = new_state(model, cpu_ops)
+    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+
+
+def test_prefixrun_batch_off_ngram_and_from_disk(kimi_dir, tmp_path, isolated_env):
+    """The user's path: `prefixrun batch` on a Kimi Linear directory gives the same tokens with speculation off and
+    ngram, and from its persistent cache (cold, then restored from disk)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    work = tmp_path / "in.jsonl"
+    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 8,
+                                        "temperature": 0, "ignore_eos": True}) + "\n"
+                            for i, p in enumerate(_prompts())))
+    runner, outs = CliRunner(), {}
+    runs = [("off", ["--no-cache", "--speculative", "off"]), ("ngram", ["--no-cache", "--speculative", "ngram"]),
+            ("cold", ["--cache-dir", str(tmp_path / "cache")]), ("warm", ["--cache-dir", str(tmp_path / "cache")])]
+    for name, flags in runs:
+        rep = tmp_path / f"{name}.json"
+        res = runner.invoke(app, ["batch", str(work), "--model", str(kimi_dir), "--device", "cpu", *flags,
+                                  "-o", str(tmp_path / f"{name}.out"), "--json-report", str(rep)])
+        assert res.exit_code == 0, res.output
+        outs[name] = [json.loads(line)["token_ids"] for line in (tmp_path / f"{name}.out").read_text().splitlines()]
+        report = json.loads(rep.read_text())
+        if name == "warm":
+            assert (report.get("reused_from_disk_tokens") or report["engine"]["reused_from_disk_tokens"]) > 0
+    assert outs["off"] == outs["ngram"] == outs["cold"] == outs["warm"] and len(outs["off"]) == len(_prompts())

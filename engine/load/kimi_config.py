@@ -171,3 +171,54 @@ def _moe(f: ConfigFields, num_layers: int) -> tuple[MoeSettings | None, float]:
                       shared_expert_intermediate_size=size * shared, norm_topk_prob=f.flag("norm_topk_prob"),
                       sparse_layers=sparse)
     return moe, f.number("routed_scaling_factor")
+
+
+def kimi_tensor_shapes(cfg: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape as transformers' save_pretrained writes a Kimi Linear model (MLPs under
+    `block_sparse_moe.`, experts w1/w3/w2, KDA's convolutions split per q, k, v)."""
+    d, p, h, dk = cfg.hidden_size, cfg.weight_prefix, cfg.linear_num_heads, cfg.linear_head_dim
+    shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,),
+              "lm_head.weight": (cfg.vocab_size, d)}
+    for n, kind in enumerate(cfg.layer_types):
+        lp = f"{p}layers.{n}."
+        a, m = lp + "self_attn.", lp + "block_sparse_moe."
+        shapes.update({lp + "input_layernorm.weight": (d,), lp + "post_attention_layernorm.weight": (d,)})
+        if kind == LINEAR_ATTENTION:
+            hd = h * dk
+            shapes.update({a + f"{x}_proj.weight": (hd, d) for x in "qkv"})
+            shapes.update({a + f"{x}_conv1d.weight": (hd, 1, cfg.linear_conv_kernel) for x in "qkv"})
+            shapes.update({a + "f_a_proj.weight": (dk, d), a + "f_b_proj.weight": (hd, dk), a + "g_a_proj.weight":
+                           (dk, d), a + "g_b_proj.weight": (hd, dk), a + "b_proj.weight": (h, d), a + "A_log":
+                           (1, 1, h, 1), a + "dt_bias": (hd,), a + "o_norm.weight": (dk,), a + "o_proj.weight": (d, hd)})
+        else:
+            shapes.update(_mla_shapes(cfg, a))
+        if cfg.moe is not None and cfg.moe.sparse_layers[n]:
+            e, i, s = cfg.moe.num_experts, cfg.moe.expert_intermediate_size, cfg.moe.shared_expert_intermediate_size
+            shapes.update({m + "gate.weight": (e, d), m + "gate.e_score_correction_bias": (e,)})
+            for x in range(e):
+                shapes.update({f"{m}experts.{x}.w1.weight": (i, d), f"{m}experts.{x}.w3.weight": (i, d),
+                               f"{m}experts.{x}.w2.weight": (d, i)})
+            if s:
+                shapes.update({m + "shared_experts.gate_proj.weight": (s, d), m + "shared_experts.up_proj.weight":
+                               (s, d), m + "shared_experts.down_proj.weight": (d, s)})
+        else:
+            i = cfg.intermediate_size
+            shapes.update({m + "gate_proj.weight": (i, d), m + "up_proj.weight": (i, d), m + "down_proj.weight": (d, i)})
+    return shapes
+
+
+def _mla_shapes(cfg: KimiLinearConfig, a: str) -> dict[str, tuple[int, ...]]:
+    d, h, r, rot = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    out = {a + "kv_a_proj_with_mqa.weight": (r + rot, d), a + "kv_a_layernorm.weight": (r,),
+           a + "kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
+           a + "o_proj.weight": (d, h * cfg.v_head_dim)}
+    if cfg.q_lora_rank is None:
+        out[a + "q_proj.weight"] = (h * cfg.qk_head_dim, d)
+    else:
+        out.update({a + "q_a_proj.weight": (cfg.q_lora_rank, d), a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                    a + "q_b_proj.weight": (h * cfg.qk_head_dim, cfg.q_lora_rank)})
+    if cfg.attention_bias:
+        out.update({a + "kv_a_proj_with_mqa.bias": (r + rot,), a + "o_proj.bias": (d,)})
+        if cfg.q_lora_rank is not None:
+            out[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+    return out

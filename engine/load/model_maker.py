@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.load.config import LINEAR_ATTENTION, SHORT_CONV, HybridConfig, ShortConvConfig
+from prefixrun.engine.load.kimi_config import KimiLinearConfig, kimi_tensor_shapes
 from prefixrun.engine.load.gpt_oss_config import GptOssConfig, gpt_oss_tensor_shapes, mxfp4_experts
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
@@ -61,6 +62,8 @@ def tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
         return gpt_oss_tensor_shapes(cfg)
     if isinstance(cfg, Mamba2HybridConfig):
         return mamba_tensor_shapes(cfg)
+    if isinstance(cfg, KimiLinearConfig):
+        return kimi_tensor_shapes(cfg)
     d, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.weight_prefix
     shapes = {p + "embed_tokens.weight": (cfg.vocab_size, d), p + "norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
