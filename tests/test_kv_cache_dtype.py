@@ -3,6 +3,8 @@ the engine's invariances with quantised K/V (cache on/off, alone/batched, cold/w
 logits error they cost, their memory, the cache key and the refusals. CPU fp32 (the storage emulated exactly)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,10 +14,12 @@ from prefixrun.engine.cache.keys import layout_key
 from prefixrun.engine.errors import InvalidOption, ModelLoadError
 from prefixrun.engine.load import loader
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+from prefixrun.engine.models import load_model
 from prefixrun.engine.run.config import RunConfig
 from prefixrun.engine.state.handles import export_regions
 from prefixrun.engine.state.kv_dtype import with_kv_dtype
 from prefixrun.engine.state.pools import ModelState, max_batch_for_memory, pool_unit_bytes
+from prefixrun.kernels import get_ops
 from prefixrun.kernels.kv_storage import dequantise, quantise
 from test_gemma3 import TINY_GEMMA3
 
@@ -184,3 +188,24 @@ def _logits(lm, prompt: list[int]) -> np.ndarray:
         out.append(np.asarray(lm.model.forward(state.prepare_step([h], [[token]]), state), np.float32)[-1])
     state.release(h)
     return np.stack(out)
+
+
+def test_kimi_linear_latent_attention_stores_8bit_kv(tmp_path):
+    """Kimi Linear's MLA keeps its expanded keys/values in paged K/V regions: they take --kv-cache-dtype too (heads
+    padded to a width of 32 here), with the same tokens on every path."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(
+        "kimi_linear", vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=24,
+        v_head_dim=32, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, linear_head_dim=8,
+        linear_num_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], max_position_embeddings=512, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "kimi")
+    ops = get_ops("cpu")
+    lm = SimpleNamespace(model=load_model(tmp_path / "kimi", ops, kv_cache_dtype="int8")[0], ops=ops)
+    assert "layers.1.k_scale" in {s.name for s in lm.model.state_specs()}
+    prompts = [[int(t) % 320 for t in p] for p in _prompts()]
+    reused, _, _ = run_tokens(lm, prompts)
+    baseline, _, _ = run_tokens(lm, prompts, reuse=False, max_batch=1)
+    assert reused == baseline

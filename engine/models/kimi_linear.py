@@ -22,6 +22,7 @@ from prefixrun.engine.load.config import LINEAR_ATTENTION
 from prefixrun.engine.load.kimi_config import KimiLinearConfig
 from prefixrun.engine.models.layers import CausalLM, DecoderLayer, GatedMLP, RMSNorm, WeightLoader
 from prefixrun.engine.models.moe import expert_weights
+from prefixrun.engine.state.kv_dtype import scale_region
 from prefixrun.engine.state.pools import ForwardBatch, ModelState, RegionSpec
 
 LATENT_NORM_EPS = 1e-6  # KimiLinearRMSNorm's default: q_a_layernorm and kv_a_layernorm are built without an eps
@@ -134,8 +135,8 @@ class LatentAttention:
         self.k_region, self.v_region = f"layers.{layer}.k", f"layers.{layer}.v"
 
     def state_specs(self) -> list[RegionSpec]:
-        return [RegionSpec(self.k_region, True, (self.h, self.width), "act"),
-                RegionSpec(self.v_region, True, (self.h, self.width), "act")]
+        return [RegionSpec(self.k_region, True, (self.h, self.width), "act", kv=True),
+                RegionSpec(self.v_region, True, (self.h, self.width), "act", kv=True)]
 
     def __call__(self, ops, x, batch: ForwardBatch, state: ModelState):
         t, h, w, r = x.shape[0], self.h, self.width, self.r
@@ -150,9 +151,11 @@ class LatentAttention:
             k = ops.add(k, ops.linear(proj[:, q_end + r:], self.k_rot))
         k, v = k.reshape(t, h, w), kv[:, h * w:].reshape(t, h, w)
         k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
-        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index)
+        scales = {"k_scale": state.arrays.get(scale_region(self.k_region)),  # 8-bit K/V (engine/state/kv_dtype.py)
+                  "v_scale": state.arrays.get(scale_region(self.v_region))}
+        ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index, **scales)
         o = ops.paged_attention(q.reshape(t, h, w), k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                batch.cu_seqlens, self.scale, shared=batch.shared)
+                                batch.cu_seqlens, self.scale, shared=batch.shared, **scales)
         out = ops.linear(o.reshape(t, h * w), self.o_proj)
         return out if self.o_bias is None else ops.add(out, self.o_bias)
 
