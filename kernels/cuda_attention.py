@@ -10,7 +10,7 @@ import numpy as np
 from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, blocks_for, device_index, head_view, i32, i64, \
     type_name
-from prefixrun.kernels.cuda_modules import MMA_HEAD_DIMS, kernel
+from prefixrun.kernels.cuda_modules import KV8_MMA_HEAD_DIMS, MMA_HEAD_DIMS, kernel
 from prefixrun.kernels.tuning import attention_plan
 
 _LOG2E = 1.4426950408889634
@@ -110,8 +110,8 @@ class AttentionOps:
             return out
         module, ks, vs = _scales(k_scale, v_scale, k_cache)
         kv8 = module == "attention_q8"
-        use_mma = (q.dtype == BF16 and (k_cache.dtype == BF16 or kv8) and d in MMA_HEAD_DIMS and q.data.ptr % 16 == 0
-                   and qst % 8 == 0 and qsh % 8 == 0)
+        use_mma = (q.dtype == BF16 and d in (KV8_MMA_HEAD_DIMS if kv8 else MMA_HEAD_DIMS)
+                   and (k_cache.dtype == BF16 or kv8) and q.data.ptr % 16 == 0 and qst % 8 == 0 and qsh % 8 == 0)
         plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
                               table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
                               shared=shared is not None, wgmma=self._wgmma and sinks is None and not kv8)

@@ -40,6 +40,9 @@ def _elementwise_names() -> list[str]:
 CONV_WIDTHS = range(2, 9)  # the causal convolution's kernel widths K (kernels/conv.cu)
 MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)  # head dims of attn_mma_kernel (kernels/attention.cu)
 KV8_TYPES = ("signed char", "e4m3")  # the 8-bit K/V storage types of kernels/common.cu
+# head dims of attn_mma_kernel over 8-bit caches (the common ones: the module compiles in about half the time of all
+# eight); other head dims read 8-bit caches through the scalar kernel
+KV8_MMA_HEAD_DIMS = (64, 128, 256)
 _SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
 
 
@@ -57,7 +60,7 @@ KERNEL_NAMES = {
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
     # 8-bit K/V (--kv-cache-dtype fp8 / int8): kernels/attention.cu's instantiations for 8-bit caches, a module of
     # their own so that runs without them never compile them
-    "attention_q8": [f"attn_mma_kernel<{d}, {bn}, {nw}, {kv}>" for d in MMA_HEAD_DIMS if d % 32 == 0
+    "attention_q8": [f"attn_mma_kernel<{d}, {bn}, {nw}, {kv}>" for d in KV8_MMA_HEAD_DIMS
                      for bn in attn_tile_keys(d) for nw in ATTN_WARPS for kv in KV8_TYPES]
     + [f"attn_scalar_kernel<{t}, {kv}>" for t in _T for kv in KV8_TYPES]
     + [f"write_kv_q8_kernel<{t}, {kv}>" for t in _T for kv in KV8_TYPES] + ["attn_combine_kernel"],
