@@ -93,3 +93,30 @@ def test_errors_name_the_file_and_tensor(plain_dir, tmp_path, cpu_ops):
     (trunc / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(ModelLoadError, match="truncated"):
         load_model(trunc, cpu_ops)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "lfm2", "qwen3_5"])
+@pytest.mark.parametrize("key,value,message", [
+    ("architectures", 5, "architectures must be a list of class names, got 5"),
+    ("architectures", [None], "architectures must be a list of class names, got [null]"),
+    ("num_hidden_layers", 10**30, "num_hidden_layers must be a positive integer up to 65,536"),
+    ("num_hidden_layers", -10**30, "num_hidden_layers must be a positive integer up to 65,536"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer up to 65,536"),
+])
+def test_malformed_config_values_are_one_line_errors(family, key, value, message):
+    """Each is refused by name before any list of layers is built (10**30 layers hung building one, a wrong type
+    or a huge negative count raised a Python error with a traceback)."""
+    from test_gpt_oss import TINY_GPT_OSS
+    from test_lfm2 import TINY_LFM2
+    from prefixrun.engine.load.hf_config import parse_config
+    raw = {"gpt_oss": TINY_GPT_OSS, "lfm2": TINY_LFM2, "qwen3_5": TINY_QWEN3_5}[family]
+    with pytest.raises(ModelLoadError) as err:
+        parse_config({**raw, key: value})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_huge_head_dim_with_yarn_is_refused_by_its_weights_not_a_key_error():
+    from test_gpt_oss import TINY_GPT_OSS
+    from prefixrun.engine.load.hf_config import parse_config
+    config = parse_config({**TINY_GPT_OSS, "head_dim": 10**30})  # the weights' shapes refuse it at load
+    assert config.head_dim == 10**30 and config.rope.rotary_dim == 10**30

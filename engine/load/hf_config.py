@@ -25,6 +25,7 @@ from prefixrun.engine.load.mxfp4 import MXFP4
 from prefixrun.engine.load.quantization import parse_quantization
 from prefixrun.engine.load.rope import parse_rope
 
+MAX_LAYERS = 65536  # far above any released model's depth, far below a list that would not fit in memory
 _LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION, "linear": LINEAR_ATTENTION}
 
 # transformers' config-class defaults for the fields read here, per family (used when config.json omits a field)
@@ -181,6 +182,8 @@ def _token_ids(f: ConfigFields, key: str) -> tuple[int, ...]:
 def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     """Build the family config from a parsed config.json dict (the composite layout included)."""
     archs = raw.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError(f"{source}: architectures must be a list of class names, got {json.dumps(archs)}")
     arch = next((a for a in archs if a in _ARCHITECTURES), None)
     if arch is None:
         arch = _MODEL_TYPES.get(raw.get("model_type", ""))
@@ -208,6 +211,9 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     kv_heads = f.number("num_key_value_heads", int, allow_none=True) or num_heads
     # Nemotron-H's depth is its block pattern's length (NemotronHConfig ignores num_hidden_layers)
     num_layers = 0 if family == "nemotron_h" else f.number("num_hidden_layers", int)
+    if family != "nemotron_h" and not 0 < num_layers <= MAX_LAYERS:  # the layer lists are built before weights
+        raise ModelLoadError(f"{source}: num_hidden_layers must be a positive integer up to {MAX_LAYERS:,}, "
+                             f"got {num_layers}")
     layer_types = _layer_types(f, family, num_layers)
     num_layers = len(layer_types) if family == "nemotron_h" else num_layers
     max_pos = f.number("max_position_embeddings", int)

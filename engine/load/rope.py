@@ -151,14 +151,15 @@ def rope_from_params(params: dict, *, head_dim: int, max_position_embeddings: in
     if not isinstance(rope_type, str):
         raise ModelLoadError(f"{source}: rope_type must be a string, got {json.dumps(rope_type)}")
     partial = _number(params, "partial_rotary_factor", source, 1.0)
-    rotary_dim = int(head_dim * partial)
+    rotary_dim = head_dim if partial == 1.0 else int(head_dim * partial)  # exact for any head_dim
     if not partial_rotary:
         # transformers' default rope of these families ignores partial_rotary_factor; the scaled types honour it
         # but then apply a table narrower than the head, which fails in transformers itself
         if rope_type in ("default", "dynamic") or rotary_dim == head_dim:
             rotary_dim = head_dim
         else:
-            raise ModelLoadError(f"{source}: partial_rotary_factor = {json.dumps(params['partial_rotary_factor'])} "
+            given = json.dumps(params.get("partial_rotary_factor"))
+            raise ModelLoadError(f"{source}: partial_rotary_factor = {given} "
                                  f"is not supported with rope_type {rope_type!r} for this architecture "
                                  "(it rotates whole heads)")
     kw: dict = dict(theta=_number(params, "rope_theta", source), rotary_dim=rotary_dim, rope_type=rope_type)
