@@ -3,7 +3,7 @@
 #   bash bench/device_startup.sh [MODEL_DIR]
 # - the weights off the page cache: the ring reader's host GB/s per thread count, the read-ahead to the device
 #   against the upload path before it (bench/weight_reads_bench.py);
-# - the kernel modules in a fresh process: per file, load seconds and whether NVRTC compiled anything;
+# - with STARTUP_PROBES=1, the kernel modules in a fresh process (per file, load seconds, NVRTC calls) and imports;
 # - three `prefixrun batch` processes on a shared-system batch (64 x (2,048 + 256), 64 new): no cache, a new
 #   default cache folder (the digest hashed), a second new folder (the digest from the first's memo); for each the
 #   process wall and every start-up phase of its --json-report.
@@ -39,8 +39,9 @@ fi
 du -sh "$MODEL"/*.safetensors | tail -1
 
 echo "== weights off the page cache"
-timeout 40 python3 bench/weight_reads_bench.py "$MODEL" --threads 4,8,12 --device cuda 2>&1 | tail -12
+timeout 40 python3 bench/weight_reads_bench.py "$MODEL" --threads ${STARTUP_THREADS:-12} --device cuda 2>&1 | tail -12
 
+if [ -n "${STARTUP_PROBES:-}" ]; then  # kernel modules and imports, each in a fresh process
 echo "== kernel modules in a fresh process (CuPy's cache as the runs below find it)"
 timeout 25 python3 - <<'PY' 2>&1 | tail -12
 import time, cupy
@@ -74,6 +75,8 @@ for m in "sys" numpy ml_dtypes cupy tokenizers prefixrun.cli.app \
   python3 -c "import resource, time; t = time.perf_counter(); import $m; r = resource.getrusage(resource.RUSAGE_SELF)
 print(f'  {r.ru_utime + r.ru_stime:.3f} s cpu, {time.perf_counter() - t:.3f} s wall: import $m')"
 done
+
+fi
 
 echo "== prefixrun batch, shared-system 64 x (2,048 + 256), 64 new"
 python3 - "$WORK/shared.jsonl" <<'PY'
