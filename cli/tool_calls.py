@@ -31,6 +31,7 @@ import ast
 import hashlib
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,7 +221,9 @@ def parse_pythonic(text: str, tools: list[dict]) -> Extracted:
 def _python_calls(source: str) -> list[ToolCall] | None:
     """`[f(a=1), g(b="x")]` (or one call without the list) as calls; None for anything else."""
     try:
-        node = ast.parse(source, mode="eval").body
+        with warnings.catch_warnings():  # the model's odd literals (`1if`, "\d") are its text, not our warnings
+            warnings.simplefilter("ignore")
+            node = ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     calls = []

@@ -642,3 +642,18 @@ def test_pythonic_tool_calls_of_lfm2():
                  '<|tool_call_start|>[get_weather(city="Paris"]<|tool_call_end|>', "[f(x=1e999)]"):
         assert parse_pythonic(text, [WEATHER]).calls == (), text
         assert parse_pythonic(text, [WEATHER]).content == text
+
+
+def test_pythonic_replies_print_no_python_warnings():
+    """A reply's odd literals are read quietly: Python's parser warned on stderr (amid the progress display) of the
+    model's `1if` and "\\d"."""
+    import warnings
+
+    from prefixrun.cli.tool_calls import parse_pythonic
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert parse_pythonic("[get_weather(days=1if 1 else 2)]", [WEATHER]).calls == ()
+        found = parse_pythonic('[get_weather(city="C:\\dir")]', [WEATHER])
+    assert json.loads(found.calls[0].arguments) == {"city": "C:\\dir"}
+    assert [str(w.message) for w in caught] == []
