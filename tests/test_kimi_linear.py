@@ -42,7 +42,7 @@ HONOURED = {
     "first_k_dense_replace": (dict(mlp_layer_types=None, first_k_dense_replace=2), 40),
     "all-dense": (dict(mlp_layer_types=["dense"] * 3), 40),
     "all-mla": (dict(layer_types=["full_attention"] * 3), 40),
-    "conv-2": (dict(linear_conv_kernel_dim=2), 40),
+    "conv-2": (dict(linear_conv_kernel_dim=2), 47),
     "heads": (dict(linear_num_heads=2, linear_head_dim=16, num_attention_heads=2, num_key_value_heads=2), 40),
     "rms_norm_eps": (dict(rms_norm_eps=0.05), 40),
     "tied": (dict(tie_word_embeddings=True), 40),
@@ -156,6 +156,14 @@ def test_the_checkpoint_spellings_read_as_kimilinearconfig_reads_them():
     (dict(layer_types=None, linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]}),
      "layer_types (or linear_attn_config's full_attn_layers / kda_layers) must name every layer's type"),
     (dict(linear_attn_config="x"), "linear_attn_config must be an object"),
+    (dict(linear_attn_config={"head_dim": "128"}), "linear_attn_config: head_dim must be an integer, got '128'"),
+    (dict(linear_attn_config={"num_heads": 0}), "linear_num_heads must be a positive integer, got 0"),
+    (dict(kv_lora_rank=1e400), "kv_lora_rank must be an integer, got inf"),
+    (dict(routed_scaling_factor=None), "routed_scaling_factor must be a number, got None"),
+    (dict(n_shared_experts=-1), "n_shared_experts = -1 is not supported"),
+    (dict(mlp_layer_types=["dense", "sparse"]), "mlp_layer_types must give"),
+    (dict(qk_nope_head_dim=0, qk_rope_head_dim=0), "qk_nope_head_dim + qk_rope_head_dim must be positive"),
+    (dict(num_experts_per_tok=5), "num_experts_per_tok (5) exceeds num_experts (4)"),
 ])
 def test_refused_values_name_field_and_value(fields, message):
     with pytest.raises(ModelLoadError) as err:
