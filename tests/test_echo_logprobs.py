@@ -131,13 +131,14 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(model_dirs, hf_models, t
              {"custom_id": "text", "url": "/v1/completions", "body": {"prompt": "Paris is", "echo": True,
                                                                       "max_completion_tokens": 0}},
              {"custom_id": "no-echo", "prompt_token_ids": prompt, "max_tokens": 0},
-             {"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}], "echo": True, "max_tokens": 0}]
+             {"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}], "echo": True, "max_tokens": 0},
+             {"custom_id": "min", "prompt_token_ids": prompt, "echo": True, "max_tokens": 0, "min_tokens": 3}]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     res = CliRunner().invoke(app, ["batch", str(path), "--model", str(model_dirs["qwen3"]), "--device", "cpu", "-q",
                                    "--no-cache"], catch_exceptions=False)
     assert res.exit_code == 3, res.output
-    scored, plain, text, no_echo, chat = [json.loads(line) for line in res.stdout.splitlines()]
+    scored, plain, text, no_echo, chat, min_tokens = [json.loads(line) for line in res.stdout.splitlines()]
     (choice,) = scored["response"]["body"]["choices"]
     assert choice["token_ids"] == [] and choice["finish_reason"] == "length"
     assert len(choice["logprobs"]["tokens"]) == len(prompt)
@@ -149,3 +150,5 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(model_dirs, hf_models, t
     assert body["usage"]["completion_tokens"] == 1  # drawn and dropped, as vLLM counts it
     assert "0 only with echo on a completion" in no_echo["error"]["message"]
     assert "max_tokens must be a positive integer" in chat["error"]["message"]
+    assert "min_tokens must be 0 with max_tokens 0 (echo scores the prompt alone), got 3" in \
+        min_tokens["error"]["message"]
