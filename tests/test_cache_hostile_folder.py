@@ -487,3 +487,18 @@ def test_a_fifo_or_hard_link_at_an_index_name_is_refused_never_a_hang(tmp_path, 
     assert precious.read_text() == "keep me"
     with CheckpointStore(root) as store:
         assert put(store)
+
+
+def test_a_relative_cache_folder_keeps_its_files_where_it_names_them(tmp_path, monkeypatch):
+    """Paths below a folder named relative to the working directory (`--cache-dir ct`) are that folder's files:
+    `ct/digests/m` was written to ct/ct/digests/m (the path taken once more below the folder), so the digest memo,
+    rates.json and some blobs were never found again."""
+    from prefixrun.engine.cache.files import CacheFolder
+
+    monkeypatch.chdir(tmp_path)
+    folder = CacheFolder("ct")
+    folder.write_atomic(Path("ct/digests/m"), b"1")
+    folder.write_atomic(Path("rates.json"), b"2")  # a path below the folder stays one
+    folder.close()
+    assert (tmp_path / "ct/digests/m").read_bytes() == b"1" and (tmp_path / "ct/rates.json").read_bytes() == b"2"
+    assert not (tmp_path / "ct/ct").exists()

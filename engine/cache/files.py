@@ -36,7 +36,7 @@ class CacheFolder:
     live on another disk); else a link there is refused too (`checkpoints/` inside it)."""
 
     def __init__(self, root: Path | str, *, create: bool = True, follow: bool = False):
-        self.root = Path(root).expanduser()
+        self.root = Path(os.path.abspath(Path(root).expanduser()))  # (a relative root: see _parts)
         if create:
             self.root.parent.mkdir(parents=True, exist_ok=True)
         parent = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: followed
@@ -69,6 +69,8 @@ class CacheFolder:
     def _parts(self, path: Path | str) -> list[str]:
         """`path`'s components below the root (a relative path is taken as below it)."""
         path = Path(path)
+        if not path.is_absolute() and Path(os.path.abspath(path)).is_relative_to(self.root):
+            path = Path(os.path.abspath(path))  # a path below a relative --cache-dir, from the working directory
         try:
             rel = path.relative_to(self.root) if path.is_absolute() else path
         except ValueError:
