@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-STATE_MEMORY = [48 << 30]  # --state-memory-gib: 256 seats of a 4b-like model beside the K/V of 64 prompts
+STATE_MEMORY = [24 << 30]  # --state-memory-gib (48 ran two engines' pools out of an H200's memory)
 
 
 def workload(shape: str, *args: str) -> list[tuple[str, list[int]]]:
@@ -177,7 +177,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu for a smoke run with a tiny model")
     ap.add_argument("--scale", type=int, default=1, help="divide the prompts' lengths by this")
     ap.add_argument("--vocab-limit", type=int, default=32000, help="token ids of the check prompts below this")
-    ap.add_argument("--state-memory-gib", type=int, default=48, help="each engine's state memory")
+    ap.add_argument("--state-memory-gib", type=int, default=24, help="each engine's state memory")
     args = ap.parse_args()
     STATE_MEMORY[0] = args.state_memory_gib << 30
     os.environ.setdefault("PREFIXRUN_CACHE_POLICY", "always")
