@@ -712,14 +712,14 @@ def test_decode_reads_shared_prefixes_once_per_group(graphs, loaded, cpu_ops, mo
     seen = []
     plain = cpu_ops.paged_attention
 
-    def spy(q, k_cache, v_cache, tables, ctx, cu, scale, sliding_window=None, shared=None):
+    def spy(q, k_cache, v_cache, tables, ctx, cu, scale, sliding_window=None, shared=None, **rest):
         if shared is not None:
             arrays = {"block_tables": tables, "context_lens": ctx, "shared_order": shared.order,
                       "shared_cu": shared.cu, "shared_lens": shared.lens, "shared_tables": shared.tables,
                       "shared_start": shared.start}
             check_shared_prefix_arrays({k: np.asarray(v) for k, v in arrays.items()}, 16)
             seen.append(int(np.asarray(shared.lens).max()))
-        return plain(q, k_cache, v_cache, tables, ctx, cu, scale, sliding_window, shared=shared)
+        return plain(q, k_cache, v_cache, tables, ctx, cu, scale, sliding_window, shared=shared, **rest)
 
     monkeypatch.setattr(cpu_ops, "paged_attention", spy)  # the model calls the ops it was built with
     ops = _ReplayOps(cpu_ops) if graphs else cpu_ops
