@@ -162,8 +162,8 @@ def _check_processing(sp: SamplingParams, bad) -> None:
         bad("logit_bias must map token ids to numbers in [-100, 100]")
     if not _is_int(sp.min_tokens) or sp.min_tokens < 0 or (
             sp.max_tokens is not None and sp.min_tokens > sp.max_tokens):
-        bad(f"min_tokens must be an integer in [0, max_tokens={sp.max_tokens}], got "
-            f"{describe_value(sp.min_tokens)}")
+        upper = "the rest of the context" if sp.max_tokens is None else f"max_tokens={sp.max_tokens}"
+        bad(f"min_tokens must be an integer in [0, {upper}], got {describe_value(sp.min_tokens)}")
     if not all(isinstance(w, str) and w.strip() for w in sp.bad_words):
         bad("bad_words must be a list of non-blank strings")
     if sp.allowed_token_ids is not None:

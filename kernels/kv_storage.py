@@ -14,12 +14,22 @@ reference: the CUDA kernels (kernels/attention.cu, kernels/common.cu) store and 
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 KV_GROUP = 32  # values per scale along head_dim
 QUANTISED_KINDS = {"int8": 127.0, "fp8": 448.0}  # 8-bit K/V kind -> QMAX
-_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _ml_dtypes():
+    """ml_dtypes, imported where a dtype of it is used: checking --kv-cache-dtype among the options must not pay
+    for its import (most of a second of CPU at start-up)."""
+    import ml_dtypes
+
+    return ml_dtypes
+
+
+def _fp8() -> np.dtype:
+    return np.dtype(_ml_dtypes().float8_e4m3fn)
 
 
 def region_dtype(kind: str, act_dtype) -> np.dtype:
@@ -29,7 +39,7 @@ def region_dtype(kind: str, act_dtype) -> np.dtype:
     if kind == "act":
         return np.dtype(act_dtype)
     if kind == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(_ml_dtypes().bfloat16)
     if kind == "int8":
         return np.dtype(np.int8)
     if kind == "fp8":
@@ -53,13 +63,13 @@ def quantise(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     if kind == "int8":
         q = np.clip(np.rint(r), -127, 127).astype(np.int8)
     else:
-        q = np.clip(r, -448, 448).astype(_FP8).view(np.uint8)
+        q = np.clip(r, -448, 448).astype(_fp8()).view(np.uint8)
     return q.reshape(x.shape), scale
 
 
 def dequantise(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """q [..., D] (int8, or uint8 fp8 bytes), scales fp32 [..., D / KV_GROUP] -> fp32 [..., D]."""
-    values = q.astype(np.float32) if q.dtype == np.int8 else q.view(_FP8).astype(np.float32)
+    values = q.astype(np.float32) if q.dtype == np.int8 else q.view(_fp8()).astype(np.float32)
     groups = values.reshape(*q.shape[:-1], q.shape[-1] // KV_GROUP, KV_GROUP) * scale[..., None]
     return groups.reshape(q.shape).astype(np.float32)
 
