@@ -146,3 +146,58 @@ def run_tokens(loaded, prompts, cache_root=None, **kwargs):
     """run_with_cache with the results as token ids by custom_id."""
     got, costs, stats = run_with_cache(loaded, prompts, cache_root, **kwargs)
     return {k: r.token_ids for k, r in got.items()}, costs, stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine's promises, checked the same way for every model family
+
+
+def check_disk_cache_keeps_tokens(model_dir, prompts, cache_root, max_tokens: int = 8):
+    """Greedy tokens with no cache, a cold cache folder and the same folder warm are equal, and the warm run
+    restored states from disk instead of computing them."""
+    from prefixrun.engine.load.loader import load
+
+    loaded = load(model_dir, "cpu")
+    off, _, _ = run_tokens(loaded, prompts, max_tokens=max_tokens)
+    cold, _, s_cold = run_tokens(loaded, prompts, cache_root, max_tokens=max_tokens)
+    warm, _, s_warm = run_tokens(loaded, prompts, cache_root, max_tokens=max_tokens)
+    assert cold == warm == off
+    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+
+
+def check_ngram_gives_the_tokens_of_off(model, ops, prompts, draft_lengths=(1, 4), max_tokens: int = 10):
+    """Speculative ngram, verifying every draft, gives the greedy tokens of `off` for each draft length, and
+    drafted at all."""
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.run.core import Engine, EngineOptions
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    def tokens(options, verify_every_draft=False):
+        eng = Engine(model, ops, options=options)
+        if verify_every_draft:
+            eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False
+        got = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+        eng.check_invariants()
+        eng.close()
+        return got, eng.speculator
+
+    off, _ = tokens(EngineOptions(max_batch=4, speculative="off"))
+    for k in draft_lengths:
+        on, speculator = tokens(EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k), True)
+        assert on == off, k
+        assert speculator.stats.methods["ngram"].drafted > 0
+
+
+def check_rollback_matches_a_plain_run(model, ops, prompt=None, rows=None):
+    """After a multi-row step kept n rows, every state region and the next logits equal those of a sequence fed
+    the same n rows one decode step at a time."""
+    prompt = random_prompt(5, 13) if prompt is None else prompt
+    rows = random_prompt(6, 6) if rows is None else rows
+    for n, st, spec, plain in rollbacks(model, ops, prompt, rows):
+        a, b = st.export(spec), st.export(plain)
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
+        la = model.forward(st.prepare_step([spec], [[3]]), st)
+        lb = model.forward(st.prepare_step([plain], [[3]]), st)
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PARITY_STD, new_state, random_prompt, run_tokens
+from conftest import (
+    PARITY_STD,
+    check_disk_cache_keeps_tokens,
+    check_ngram_gives_the_tokens_of_off,
+    new_state,
+    random_prompt,
+    run_tokens,
+)
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import make_model_dir
@@ -382,29 +389,11 @@ def test_greedy_tokens_match_generate(gpt_oss, gpt_oss_dir, cpu_ops):
 
 
 def test_from_the_disk_cache(gpt_oss_dir, tmp_path):
-    from prefixrun.engine.load.loader import load
-
-    loaded = load(gpt_oss_dir, "cpu")
-    prompts = _prompts()
-    off, _, _ = run_tokens(loaded, prompts, max_tokens=8)
-    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
-    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
-    assert cold == warm == off
-    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+    check_disk_cache_keeps_tokens(gpt_oss_dir, _prompts(), tmp_path / "cache", max_tokens=8)
 
 
 def test_speculative_ngram_gives_the_tokens_of_off(gpt_oss, cpu_ops):
-    prompts = _prompts()
-    off, _ = _run(gpt_oss, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for k in (1, 4):
-        eng = Engine(gpt_oss, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k))
-        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
-        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
-        eng.check_invariants()
-        eng.close()
-        assert on == off, k
-        assert eng.speculator.stats.methods["ngram"].drafted > 0
+    check_ngram_gives_the_tokens_of_off(gpt_oss, cpu_ops, _prompts(), draft_lengths=(1, 4), max_tokens=10)
 
 
 def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):

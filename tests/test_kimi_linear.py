@@ -8,7 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import new_state, rollbacks, run_tokens
+from conftest import (
+    check_disk_cache_keeps_tokens,
+    check_ngram_gives_the_tokens_of_off,
+    check_rollback_matches_a_plain_run,
+    new_state,
+)
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.models import load_model
@@ -244,39 +249,15 @@ def test_greedy_tokens_match_generate_and_prefix_reuse_changes_nothing(kimi, kim
 
 
 def test_from_the_disk_cache(kimi_dir, tmp_path):
-    from prefixrun.engine.load.loader import load
-
-    loaded = load(kimi_dir, "cpu")
-    prompts = _prompts()
-    off, _, _ = run_tokens(loaded, prompts, max_tokens=6)
-    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=6)
-    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=6)
-    assert cold == warm == off
-    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+    check_disk_cache_keeps_tokens(kimi_dir, _prompts(), tmp_path / "cache", max_tokens=6)
 
 
 def test_speculative_ngram_gives_the_tokens_of_off(kimi, cpu_ops):
-    prompts = _prompts()
-    off, _ = _run(kimi, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for k in (1, 4):
-        eng = Engine(kimi, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k))
-        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
-        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
-        eng.check_invariants()
-        eng.close()
-        assert on == off, k
-        assert eng.speculator.stats.methods["ngram"].drafted > 0
+    check_ngram_gives_the_tokens_of_off(kimi, cpu_ops, _prompts(), draft_lengths=(1, 4), max_tokens=8)
 
 
 def test_rollback_restores_the_state_of_a_plain_run(kimi, cpu_ops):
-    for n, st, spec, plain in rollbacks(kimi, cpu_ops, random_prompt(5, 13), random_prompt(6, 6)):
-        a, b = st.export(spec), st.export(plain)
-        for name in a:
-            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
-        la = kimi.forward(st.prepare_step([spec], [[3]]), st)
-        lb = kimi.forward(st.prepare_step([plain], [[3]]), st)
-        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    check_rollback_matches_a_plain_run(kimi, cpu_ops, random_prompt(5, 13), random_prompt(6, 6))
 
 
 def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):

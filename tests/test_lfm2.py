@@ -9,7 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PARITY_STD, new_state, random_prompt, rollbacks, run_tokens
+from conftest import (
+    PARITY_STD,
+    check_disk_cache_keeps_tokens,
+    check_ngram_gives_the_tokens_of_off,
+    check_rollback_matches_a_plain_run,
+    new_state,
+    random_prompt,
+)
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import make_model_dir
@@ -252,42 +259,15 @@ def test_greedy_tokens_match_generate(lfm2, lfm2_dir, cpu_ops):
 
 
 def test_from_the_disk_cache(lfm2_dir, tmp_path):
-    from prefixrun.engine.load.loader import load
-
-    loaded = load(lfm2_dir, "cpu")
-    prompts = _prompts()
-    off, _, _ = run_tokens(loaded, prompts, max_tokens=8)
-    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
-    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
-    assert cold == warm == off
-    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+    check_disk_cache_keeps_tokens(lfm2_dir, _prompts(), tmp_path / "cache", max_tokens=8)
 
 
 def test_speculative_ngram_gives_the_tokens_of_off(lfm2, cpu_ops):
-    prompts = _prompts()
-    off, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for k in (1, 3, 6):
-        eng_opts = EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k)
-        eng = Engine(lfm2, cpu_ops, options=eng_opts)
-        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
-        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
-        eng.check_invariants()
-        eng.close()
-        assert on == off, k
-        assert eng.speculator.stats.methods["ngram"].drafted > 0
+    check_ngram_gives_the_tokens_of_off(lfm2, cpu_ops, _prompts(), draft_lengths=(1, 3, 6), max_tokens=10)
 
 
 def test_rollback_restores_the_conv_history_of_a_plain_run(lfm2, cpu_ops):
-    prompt = random_prompt(5, 13)
-    rows = random_prompt(6, 6)
-    for n, st, spec, plain in rollbacks(lfm2, cpu_ops, prompt, rows):
-        a, b = st.export(spec), st.export(plain)
-        for name in a:
-            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
-        la = lfm2.forward(st.prepare_step([spec], [[3]]), st)
-        lb = lfm2.forward(st.prepare_step([plain], [[3]]), st)
-        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    check_rollback_matches_a_plain_run(lfm2, cpu_ops)
 
 
 def test_prefixrun_batch_off_ngram_and_from_disk(lfm2_dir, tmp_path, isolated_env):

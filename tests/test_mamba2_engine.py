@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PARITY_STD, new_state, random_prompt, rollbacks, run_tokens
+from conftest import (
+    PARITY_STD,
+    check_disk_cache_keeps_tokens,
+    check_ngram_gives_the_tokens_of_off,
+    check_rollback_matches_a_plain_run,
+    new_state,
+    random_prompt,
+)
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
@@ -106,39 +113,15 @@ def test_prefix_reuse_never_changes_an_answer(model, cpu_ops):
 
 
 def test_from_the_disk_cache(model_dir, tmp_path):
-    from prefixrun.engine.load.loader import load
-
-    loaded = load(model_dir, "cpu")
-    prompts = _prompts()
-    off, _, _ = run_tokens(loaded, prompts, max_tokens=8)
-    cold, _, s_cold = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
-    warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=8)
-    assert cold == warm == off
-    assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
+    check_disk_cache_keeps_tokens(model_dir, _prompts(), tmp_path / "cache", max_tokens=8)
 
 
 def test_speculative_ngram_gives_the_tokens_of_off(model, cpu_ops):
-    prompts = _prompts()
-    off, _ = _run(model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for k in (1, 4):
-        eng = Engine(model, cpu_ops, options=EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k))
-        eng.speculator.verify_row_cost, eng.speculator.adaptive = 0, False  # verify every draft
-        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        on = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
-        eng.check_invariants()
-        eng.close()
-        assert on == off, k
-        assert eng.speculator.stats.methods["ngram"].drafted > 0
+    check_ngram_gives_the_tokens_of_off(model, cpu_ops, _prompts(), draft_lengths=(1, 4), max_tokens=10)
 
 
 def test_rollback_restores_the_state_of_a_plain_run(model, cpu_ops):
-    for n, st, spec, plain in rollbacks(model, cpu_ops, random_prompt(5, 13), random_prompt(6, 6)):
-        a, b = st.export(spec), st.export(plain)
-        for name in a:
-            np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-5, err_msg=f"n={n} {name}")
-        la = model.forward(st.prepare_step([spec], [[3]]), st)
-        lb = model.forward(st.prepare_step([plain], [[3]]), st)
-        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    check_rollback_matches_a_plain_run(model, cpu_ops)
 
 
 def test_pieces_equal_one_prefill(model, cpu_ops):
