@@ -253,16 +253,19 @@ class DenseOps:
         return target
 
     def delta_gates(self, a, b, a_log, dt_bias):
-        """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); fp32 [T, Hv] each."""
+        """g = -exp(A_log) * softplus(a + dt_bias) fp32 [T, Ha], beta = sigmoid(b) fp32 [T, Hb] (Hb <= Ha: Kimi's
+        KDA gives a decay per head and key channel, a beta per head)."""
         a, sa = matrix_view(a)
         b, sb = matrix_view(b)
         if b.dtype != a.dtype:
             b, sb = matrix_view(self._cast(b, a.dtype))
-        t, h = a.shape
+        (t, h), hb = a.shape, b.shape[1]
+        if b.shape[0] != t or hb > h:
+            raise ValueError(f"delta_gates: b {b.shape} does not fit a {a.shape} (as many rows, no more columns)")
         g = cupy.empty((t, h), F32)
-        beta = cupy.empty((t, h), F32)
+        beta = cupy.empty((t, hb), F32)
         if t and h:
             kernel("elementwise", f"delta_gates_kernel<{type_name(a.dtype)}>")(
-                (blocks_for(t * h),), (THREADS,), (a, i64(sa), b, i64(sb), i64(t), i32(h), as_f32(a_log),
+                (blocks_for(t * h),), (THREADS,), (a, i64(sa), b, i64(sb), i64(t), i32(h), i32(hb), as_f32(a_log),
                                                as_f32(dt_bias), g, beta))
         return g, beta

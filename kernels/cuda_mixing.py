@@ -57,7 +57,8 @@ class SequenceMixingOps:
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
-        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]. Steps token by token in one launch (decode-like
+        v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]; g [T, H, Dk] (a decay per key channel, Kimi's KDA)
+        steps every token in gdn_rows_kernel. Steps token by token in one launch (decode-like
         steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
         prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
         a prefill of a few long sequences the fp32 chunked form (64-token chunks, two launches each; see
@@ -81,12 +82,15 @@ class SequenceMixingOps:
         if state.dtype != F32 or not state.flags.c_contiguous or state.shape[1:] != (h, dk, dv):
             raise ValueError(f"state must be a contiguous fp32 [slots, {h}, {dk}, {dv}] pool, got "
                              f"{state.dtype} {state.shape}")
-        g = cupy.ascontiguousarray(as_f32(g)).reshape(t, h)
-        beta = cupy.ascontiguousarray(as_f32(beta)).reshape(t, h)
+        g, beta, per_channel = _gates(g, beta, t, h, dk)
         out = cupy.empty((t, h, dv), dt)
         slots, cu = device_index(slots), device_index(cu_seqlens)
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
+            return out
+        if per_channel:  # a decay per key channel: token by token (gdn_rows_kernel), no snapshots (rows all -1)
+            self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, state, slots, cu,
+                           cupy.full(t, -1, cupy.int32), krep, out)
             return out
         aligned = dt == BF16 and all(x.data.ptr % 16 == 0 and s % 8 == 0 for x, s in
                                      ((q, qst), (q, qsh), (k, kst), (k, ksh), (v, vst), (v, vsh)))
@@ -208,14 +212,13 @@ class SequenceMixingOps:
             if a.dtype != F32 or not a.flags.c_contiguous or a.shape[1:] != (h, dk, dv):
                 raise ValueError(f"{name} must be a contiguous fp32 [rows, {h}, {dk}, {dv}] pool, got "
                                  f"{a.dtype} {a.shape}")
-        g = cupy.ascontiguousarray(as_f32(g)).reshape(t, h)
-        beta = cupy.ascontiguousarray(as_f32(beta)).reshape(t, h)
+        g, beta, per_channel = _gates(g, beta, t, h, dk)
         out = cupy.empty((t, h, dv), dt)
         slots_i, cu, rows = device_index(slots), device_index(cu_seqlens), device_index(snapshot_rows)
         nseq = slots_i.shape[0]
         if not (t and nseq):
             return out
-        if self.tuning.deterministic:  # the kernel of a decode step, so verify rows compute as decode rows do
+        if self.tuning.deterministic and not per_channel:  # the kernel of a decode step, so verify rows compute as decode rows do
             launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv)
             if launch.kernel != "rows":
                 self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots_i, cu,
@@ -228,9 +231,22 @@ class SequenceMixingOps:
     @staticmethod
     def _gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots, cu, rows, krep, out):
         """gdn_rows_kernel (kernels/spec_rows.cu): a block per (sequence, head, 32 value columns), tokens in
-        turn; the state after token t also to snapshots[rows[t]] where rows[t] >= 0."""
+        turn; the state after token t also to snapshots[rows[t]] where rows[t] >= 0. g [T, H], or [T, H, Dk]: a
+        decay per key channel."""
         dk, (h, dv), nseq = q.shape[2], v.shape[1:], slots.shape[0]
-        kernel("spec_rows", f"gdn_rows_kernel<{type_name(v.dtype)}>")(
+        per_channel = "true" if g.ndim == 3 else "false"
+        kernel("spec_rows", f"gdn_rows_kernel<{type_name(v.dtype)}, {per_channel}>")(
             (-(-dv // 32), h, nseq), (128,),
             (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state, snapshots, slots,
              cu, rows, i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)), out))
+
+
+def _gates(g, beta, t: int, h: int, dk: int):
+    """g, beta as the kernels read them: contiguous fp32 [T, H] each, or g [T, H, Dk] (a decay per key channel,
+    Kimi's KDA); and whether g is per channel."""
+    per_channel = g.ndim == 3
+    shape = (t, h, dk) if per_channel else (t, h)
+    if g.size != math.prod(shape) or (per_channel and tuple(g.shape) != shape):
+        raise ValueError(f"g {g.shape} does not fit {shape} (a decay per head, or per head and key channel)")
+    g = cupy.ascontiguousarray(as_f32(g)).reshape(shape)
+    return g, cupy.ascontiguousarray(as_f32(beta)).reshape(t, h), per_channel

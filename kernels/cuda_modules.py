@@ -67,7 +67,7 @@ KERNEL_NAMES = {
     "sampling": ["sample_kernel", "feed_tokens_kernel", "token_bitmask_kernel"],
     "logits": ["process_logits_kernel", "token_logprobs_kernel"],
     "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
-    + [f"gdn_rows_kernel<{t}>" for t in _T],
+    + [f"gdn_rows_kernel<{t}, {pc}>" for t in _T for pc in ("false", "true")],
     "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T],
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]

@@ -464,9 +464,12 @@ __global__ void rotary_kernel(T* __restrict__ x, i64 tokens, int heads, i64 st, 
 
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b [T, H] with row strides sa, sb; out fp32 [T, H]
 template <typename T>
+// g [T, heads] from a, beta [T, beta_heads] from b (beta_heads <= heads: Kimi's KDA has a decay per head and key
+// channel, heads = H Dk, and one beta per head)
 __global__ void delta_gates_kernel(const T* __restrict__ a, i64 sa, const T* __restrict__ b, i64 sb, i64 tokens,
-                                   int heads, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-                                   float* __restrict__ g, float* __restrict__ beta) {
+                                   int heads, int beta_heads, const float* __restrict__ a_log,
+                                   const float* __restrict__ dt_bias, float* __restrict__ g,
+                                   float* __restrict__ beta) {
     const i64 n = tokens * heads;
     for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
         const i64 t = e / heads;
@@ -474,7 +477,7 @@ __global__ void delta_gates_kernel(const T* __restrict__ a, i64 sa, const T* __r
         const float z = to_f(a[t * sa + h]) + dt_bias[h];
         const float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));
         g[e] = -expf(a_log[h]) * sp;
-        beta[e] = 1.0f / (1.0f + expf(-to_f(b[t * sb + h])));
+        if (h < beta_heads) beta[t * beta_heads + h] = 1.0f / (1.0f + expf(-to_f(b[t * sb + h])));
     }
 }
 

@@ -188,7 +188,8 @@ class Ops(Protocol):
         """1 / (1 + exp(-x)), x's dtype"""
 
     def delta_gates(self, a, b, a_log, dt_bias) -> tuple[Array, Array]:
-        """a, b [T, H] -> (g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b)), both fp32 [T, H]"""
+        """a [T, Ha], b [T, Hb] (Hb <= Ha; Kimi's KDA: Ha = H Dk, a decay per key channel) -> (g = -exp(a_log)
+        * softplus(a + dt_bias) fp32 [T, Ha], beta = sigmoid(b) fp32 [T, Hb])"""
 
     # ---- sequence mixing ---------------------------------------------------------------------------------------
     def causal_conv1d(self, x, weight, conv_state, slots, cu_seqlens, silu: bool = True, bias=None) -> Array:

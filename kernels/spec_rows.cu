@@ -26,15 +26,16 @@ __global__ void conv_snapshot_kernel(const T* __restrict__ x, i64 sx, const TS* 
 // Gated delta rule token by token, writing the state after every row with rows[t] >= 0 to snaps[rows[t]].
 // A block owns (sequence, head, 32 value columns); its 128 threads are 4 row groups x 32 columns, each thread
 // keeping rows i = g + 4 m (m < 32, so Dk <= 128) of its column in registers. Per token: S = exp(g) S;
-// u = beta (v - S^T k); S += k u^T; o = S^T (q * scale). grid (ceil(Dv / 32), H, nseq), block 128.
-template <typename T>
+// u = beta (v - S^T k); S += k u^T; o = S^T (q * scale). g is [T, H], or with PER_CHANNEL [T, H, Dk] (Kimi's
+// KDA: row i of S decays by exp(g[t, h, i])). grid (ceil(Dv / 32), H, nseq), block 128.
+template <typename T, bool PER_CHANNEL>
 __global__ void __launch_bounds__(128)
 gdn_rows_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                 const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
                 const float* __restrict__ beta, float* __restrict__ state, float* __restrict__ snaps,
                 const int* __restrict__ slots, const int* __restrict__ cu, const int* __restrict__ rows, int heads,
                 int krep, int dk, int dv, float scale, T* __restrict__ out) {
-    __shared__ float sk[128], sq[128];
+    __shared__ float sk[128], sq[128], sdecay[128];
     __shared__ float red[4][32];
     const int seq = blockIdx.z, h = blockIdx.y;
     const int start = cu[seq], n = cu[seq + 1] - start;
@@ -55,14 +56,15 @@ gdn_rows_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
         for (int i = threadIdx.x; i < 128; i += 128) {
             sk[i] = i < dk ? to_f(k[t * kst + (h / krep) * ksh + i]) : 0.f;
             sq[i] = i < dk ? to_f(q[t * qst + (h / krep) * qsh + i]) : 0.f;
+            if (PER_CHANNEL) sdecay[i] = i < dk ? expf(g[(t * heads + h) * dk + i]) : 0.f;
         }
         __syncthreads();
-        const float decay = expf(g[t * heads + h]);
+        const float decay = PER_CHANNEL ? 0.f : expf(g[t * heads + h]);
         const float b = beta[t * heads + h];
         float part = 0.f;
 #pragma unroll
         for (int m = 0; m < 32; ++m) {
-            S[m] *= decay;
+            S[m] *= PER_CHANNEL ? sdecay[grp + 4 * m] : decay;
             part += S[m] * sk[grp + 4 * m];
         }
         red[grp][lane] = part;

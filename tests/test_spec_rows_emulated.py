@@ -19,11 +19,15 @@ ENTRY = r"""
 extern "C" int emu_gdn_rows(const float* q, i64 qst, i64 qsh, const float* k, i64 kst, i64 ksh, const float* v,
                             i64 vst, i64 vsh, const float* g, const float* beta, float* state, float* snaps,
                             const int* slots, const int* cu, const int* rows, int nseq, int heads, int krep, int dk,
-                            int dv, float scale, float* out) {
+                            int dv, float scale, int per_channel, float* out) {
     // as kernels/cuda_mixing.py gated_delta_rule_rows launches it: grid (ceil(Dv / 32), H, nseq), 128 threads
     emu_launch({unsigned((dv + 31) / 32), unsigned(heads), unsigned(nseq)}, 128, 0, [&] {
-        gdn_rows_kernel<float>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snaps, slots, cu, rows,
-                               heads, krep, dk, dv, scale, out);
+        if (per_channel)
+            gdn_rows_kernel<float, true>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snaps, slots, cu,
+                                         rows, heads, krep, dk, dv, scale, out);
+        else
+            gdn_rows_kernel<float, false>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snaps, slots, cu,
+                                          rows, heads, krep, dk, dv, scale, out);
     });
     return 0;
 }
@@ -55,11 +59,13 @@ def _layout(lens):
     return cu, np.array(rows, np.int32), max(r, 1)
 
 
-@pytest.mark.parametrize("lens,hk,h,dk,dv", [
-    ([1, 5, 3], 1, 2, 128, 40),  # a one-row sequence; 2 value heads per key head; a partial column block
-    ([6, 2], 2, 2, 16, 32),  # small key dim (rows past Dk idle)
+@pytest.mark.parametrize("lens,hk,h,dk,dv,per_channel", [
+    ([1, 5, 3], 1, 2, 128, 40, False),  # a one-row sequence; 2 value heads per key head; a partial column block
+    ([6, 2], 2, 2, 16, 32, False),  # small key dim (rows past Dk idle)
+    ([1, 5, 3], 2, 2, 128, 40, True),  # Kimi's KDA: a decay per key channel
+    ([4, 0, 3], 1, 2, 24, 24, True),  # an empty sequence; a key dim that does not fill the row groups
 ])
-def test_gdn_rows_kernel_matches_the_reference(emu, lens, hk, h, dk, dv):
+def test_gdn_rows_kernel_matches_the_reference(emu, lens, hk, h, dk, dv, per_channel):
     rng = np.random.default_rng(sum(lens) + dk)
     cu, rows, nsnap = _layout(lens)
     t, nslots = int(cu[-1]), 4
@@ -67,7 +73,7 @@ def test_gdn_rows_kernel_matches_the_reference(emu, lens, hk, h, dk, dv):
     qk /= np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
     q, k = qk[:, :hk], qk[:, hk:]  # strided views, as the model hands them over
     v = rng.standard_normal((t, h, dv)).astype(np.float32)
-    g = (-np.abs(rng.standard_normal((t, h))) * 0.3).astype(np.float32)
+    g = (-np.abs(rng.standard_normal((t, h, dk) if per_channel else (t, h))) * 0.3).astype(np.float32)
     beta = (1 / (1 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32)
     state0 = (rng.standard_normal((nslots, h, dk, dv)) * 0.3).astype(np.float32)
     slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
@@ -86,7 +92,7 @@ def test_gdn_rows_kernel_matches_the_reference(emu, lens, hk, h, dk, dv):
         rc = emu.emu_gdn_rows(_ptr(qkc), i64(2 * hk * dk), i64(dk), _ptr(qkc[:, hk:]), i64(2 * hk * dk), i64(dk),
                               _ptr(vc), i64(h * dv), i64(dv), _ptr(gc), _ptr(bc), _ptr(st), _ptr(snaps),
                               _ptr(slots), _ptr(cu), _ptr(rows), len(lens), h, h // hk, dk, dv,
-                              ctypes.c_float(1.0 / np.sqrt(dk)), _ptr(out))
+                              ctypes.c_float(1.0 / np.sqrt(dk)), int(per_channel), _ptr(out))
         assert rc == 0
         for name, ok in (("state", st_ok), ("snapshots", sn_ok), ("out", out_ok)):
             assert ok(), f"the kernel wrote past the ends of {name}"

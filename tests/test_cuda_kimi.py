@@ -1,0 +1,136 @@
+"""Kimi Linear on the GPU: Kimi Delta Attention's ops (the delta rule with a decay per key channel in prefill,
+decode and speculative rows; its gates, a decay per key channel and a beta per head) against the NumPy reference,
+and a transformers-written model end to end: fp32 gives transformers' greedy tokens (speculation off and ngram,
+prefix reuse), bf16's whole-model error against the fp32 reference stays within 2x transformers' own bf16 error
+on the same weights (or 1e-2). Bounds as tests/test_cuda_kernels.py: fp32 1e-5, bf16 2e-2 for sequence ops fed
+the same bf16-rounded inputs; the fp32 states 1e-4, as tests/test_cuda_mamba.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from conftest import new_state  # noqa: E402
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+from test_cuda_kernels import act_round, host, rel  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+TOL_SEQ = {"float32": 1e-5, "bfloat16": 2e-2}
+TOL_STATE = 1e-4  # the fp32 state in either dtype (both sides read the same rounded inputs), over up to 200 steps
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ops(request):
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
+
+
+def _kda_inputs(ops, rng, lens, h, dk, nslots=6):
+    """q, k as strided views of one L2-normalised [T, 2H, Dk] buffer (as the layer hands them over), v, a per
+    channel log decay g [T, H, Dk] (some channels near zero, some cleared within a token), beta [T, H]."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    qk = rng.standard_normal((t, 2 * h, dk)).astype(np.float32)
+    qk = act_round(ops, qk / np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6))
+    v = act_round(ops, rng.standard_normal((t, h, dk)))
+    g = (-np.abs(rng.standard_normal((t, h, dk))) * 0.3).astype(np.float32)
+    g[::7, :, ::5] = -40.0  # channels that forget everything at that token
+    beta = (1 / (1 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32)
+    state0 = (rng.standard_normal((nslots, h, dk, dk)) * 0.3).astype(np.float32)
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
+    return cu, qk, v, g, beta, state0, slots
+
+
+@pytest.mark.parametrize("mode", ["prefill", "step", "rows", "deterministic"])
+@pytest.mark.parametrize("lens,h,dk", [([1, 1, 1], 4, 128), ([200, 7, 0, 65], 2, 128), ([5, 33], 3, 24),
+                                       ([40], 2, 64)])
+def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
+    rng = np.random.default_rng(sum(lens) + dk)
+    cu, qk, v, g, beta, state0, slots = _kda_inputs(ops, rng, lens, h, dk)
+    t, ref = int(cu[-1]), NumpyOps()
+    snap_rows = np.where(rng.random(t) < 0.5, np.arange(t), -1).astype(np.int32)
+    ref_state, ref_snaps = state0.copy(), np.zeros((max(t, 1), h, dk, dk), np.float32)
+    dqk = ops.upload(qk)
+    dev = (dqk[:, :h], dqk[:, h:], ops.upload(v), ops.upload(g, np.float32), ops.upload(beta, np.float32))
+    state, snaps = ops.upload(state0, np.float32), ops.zeros(ref_snaps.shape, np.float32)
+    if mode == "rows":
+        want = ref.gated_delta_rule_rows(qk[:, :h], qk[:, h:], v, g, beta, ref_state, slots, cu, ref_snaps,
+                                         snap_rows)
+        got = ops.gated_delta_rule_rows(*dev, state, slots, cu, snaps, snap_rows)
+        keep = snap_rows[snap_rows >= 0]
+        assert rel(host(ops, snaps)[keep], ref_snaps[keep]) < TOL_STATE
+    else:
+        tuned = ops.retuned(deterministic=True) if mode == "deterministic" else ops
+        want = ref.gated_delta_rule(qk[:, :h], qk[:, h:], v, g, beta, ref_state, slots, cu)
+        got = tuned.gated_delta_rule(*dev, state, slots, cu, prefill=mode != "step")
+    assert got.shape == want.shape and got.dtype == np.dtype(ops.act_dtype)
+    assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name]
+    assert rel(host(ops, state), ref_state) < TOL_STATE
+    untouched = np.setdiff1d(np.arange(state0.shape[0]), slots)
+    np.testing.assert_array_equal(host(ops, state)[untouched], state0[untouched])
+
+
+def test_per_channel_gates_match_the_reference(ops):
+    """KDA's gates: g per head and key channel from f [T, H Dk], beta per head from b [T, H], both strided column
+    blocks of one projection as the layer passes them."""
+    rng = np.random.default_rng(3)
+    t, h, dk = 9, 4, 32
+    proj = act_round(ops, rng.standard_normal((t, h * dk + h + 3)) * 3)
+    a_log = np.repeat(rng.uniform(0, 2.5, h), dk).astype(np.float32)
+    dt_bias = rng.standard_normal(h * dk).astype(np.float32)
+    want_g, want_beta = NumpyOps().delta_gates(proj[:, :h * dk], proj[:, h * dk + 3:], a_log, dt_bias)
+    dp = ops.upload(proj)
+    got_g, got_beta = ops.delta_gates(dp[:, :h * dk], dp[:, h * dk + 3:], ops.upload(a_log, np.float32),
+                                      ops.upload(dt_bias, np.float32))
+    assert got_g.shape == (t, h * dk) and got_beta.shape == (t, h)
+    np.testing.assert_allclose(host(ops, got_g), want_g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(ops, got_beta), want_beta, rtol=1e-5, atol=1e-6)
+
+
+# the CPU tests' small model, and one whose MLA head width (64) takes the tensor-core attention kernel in bf16
+MODELS = {"base": {}, "wide-heads": dict(qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=40, linear_head_dim=64,
+                                         linear_num_heads=2, kv_lora_rank=32)}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_kimi_linear_on_the_gpu(ops, case, tmp_path, cpu_ops):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from prefixrun.engine.models import load_model
+    from prefixrun.engine.run.core import EngineOptions
+    from test_kimi_linear import _prompts, _run, random_prompt, write_kimi
+
+    path = write_kimi(tmp_path / case, MODELS[case], seed=5)
+    cpu_model, model = load_model(path, cpu_ops)[0], load_model(path, ops)[0]
+    prompt = random_prompt(2, 150)
+    st, ref_st = new_state(model, ops), new_state(cpu_model, cpu_ops)
+    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
+    want = cpu_model.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if ops.dtype_name != "float32":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                               experts_implementation="eager").eval()
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
+        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
+        assert err <= max(1e-2, 2 * their_err), (err, their_err)
+        return
+    assert err <= 1e-4, err
+    prompts = _prompts()
+    gpu, _ = _run(model, ops, prompts, EngineOptions(speculative="off", max_batch=4, reuse=False))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
+    for i in (0, 5, 9, 12, 14):
+        with torch.no_grad():
+            ids = torch.tensor([prompts[i]])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert gpu[f"r{i}"] == ref[0, len(prompts[i]):].tolist(), i
+    assert _run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))[0] == gpu
+    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="ngram", num_draft_tokens=4,
+                                                                 max_batch=4)):
+        assert _run(model, ops, prompts, opts)[0] == gpu, opts
