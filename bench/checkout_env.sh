@@ -6,4 +6,4 @@ if ! python3 -c "import prefixrun.cli.app" 2>/dev/null; then
   for d in cli engine kernels; do ln -sfn "$PWD/$d" /tmp/prefixrun-src/prefixrun/$d; done
   export PYTHONPATH=/tmp/prefixrun-src${PYTHONPATH:+:$PYTHONPATH}
 fi
-prefixrun() { python3 -m prefixrun.cli.app "$@"; }
+prefixrun() { python3 -m prefixrun.cli.launch "$@"; }

@@ -91,7 +91,7 @@ PY
 run() {  # name, extra flags...
   local name=$1; shift
   local t0; t0=$(date +%s.%N)
-  timeout 60 python3 -m prefixrun.cli.app batch "$WORK/shared.jsonl" --model "$MODEL" --device cuda --ignore-eos -q \
+  timeout 60 python3 -m prefixrun.cli.launch batch "$WORK/shared.jsonl" --model "$MODEL" --device cuda --ignore-eos -q \
     --json-report "$WORK/$name.json" "$@" > /dev/null 2> "$WORK/$name.err" || { echo "$name: failed"; tail -3 "$WORK/$name.err"; }
   python3 - "$WORK/$name.json" "$name" "$t0" <<'PY'
 import json, sys, time
@@ -109,6 +109,7 @@ b = s.get("background", {})
 w = b.get("weight_reads") or {}
 print(f"  reads: {w.get('read_bytes', 0) / 1e9:.2f} GB in {w.get('seconds', 0):.3f} s = {w.get('bytes_per_second', 0) / 1e9:.1f} GB/s (ring {w.get('setup_seconds')} s, error {w.get('error')})")
 k = b.get("kernels") or {}
+print(f"  driver context {b.get('driver_context')}")
 print(f"  device start {b.get('device_start')}; kernels modules {k.get('modules_s')} s gemms {k.get('gemms_s')} s errors {len(k.get('errors') or [])}; digest {b.get('weights_digest_seconds')}")
 PY
 }

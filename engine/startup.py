@@ -56,6 +56,11 @@ class PhaseClock:
         if value is not None:
             self.background[name] = value
 
+    def stamped(self, figures: dict) -> dict:
+        """`figures` with each `*_at` value (a time.perf_counter() reading) as seconds since the process started."""
+        return {k: round(v - self._start, 4) if k.endswith("_at") and isinstance(v, float) else v
+                for k, v in figures.items()}
+
     def report(self) -> dict:
         """The phases so far (the current one up to now), the process's seconds and the background figures."""
         now = time.perf_counter()
@@ -79,6 +84,9 @@ class NoClock:
 
     def note(self, name: str, value) -> None:
         pass
+
+    def stamped(self, figures: dict) -> dict:
+        return figures
 
     def report(self) -> None:
         return None

@@ -5,7 +5,10 @@ may call and ask is the `Ops` protocol in kernels/ops.py.
 """
 from __future__ import annotations
 
-from prefixrun.kernels.ops import Ops
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the package itself imports no numpy: kernels/driver_context.py runs before numpy is imported
+    from prefixrun.kernels.ops import Ops
 
 
 def cuda_available() -> bool:

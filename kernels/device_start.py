@@ -65,7 +65,7 @@ def figures() -> dict:
 
 
 def _bring_up():
-    t0 = time.perf_counter()
+    t0 = _figures["started_at"] = time.perf_counter()  # `*_at`: perf_counter readings (the report: since the start)
     parts = _figures["parts"] = {}  # seconds of each step, in order
 
     def step(name: str, since: float) -> float:
@@ -87,11 +87,13 @@ def _bring_up():
             prepare_ring(device.id)
             t = step("pinned_ring", t)
             _gpu.append(device.id)
+            _figures["context_at"] = t
             _context.set()
             from prefixrun.kernels import cuda  # noqa: F401 - the backend's modules, imported here
             from prefixrun.kernels.cublas import get_cublas
 
             t = step("import_backend", t)
+            _figures["backend_at"] = t
             _backend.set()
             get_cublas()
             step("cublas", t)

@@ -94,9 +94,10 @@ class EngineSession:
         # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
         self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
         self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
-        from prefixrun.kernels import device_start
+        from prefixrun.kernels import device_start, driver_context
 
-        clock.note("device_start", device_start.figures() or None)
+        clock.note("driver_context", clock.stamped(driver_context.figures()) or None)
+        clock.note("device_start", clock.stamped(device_start.figures()) or None)
         clock.note("kernels", ops.kernel_account())  # so far: the loader thread may still be warming GEMMs
 
     def _memory_sizes(self, ops) -> tuple[int, int, int]:

@@ -1,0 +1,100 @@
+"""The CUDA driver's primary context made on a thread at the process's first moment, through the driver's C API
+(ctypes), before numpy, CuPy or the command line's modules are imported.
+
+A fresh process pays for the driver (cuInit) and for the context on the device (together a good part of a second on
+a large GPU host) and about as long again for its imports; neither needs the other. The driver's calls run without
+Python's lock (ctypes releases it around a foreign call), so this work overlaps the imports wholly. CuPy, cuBLAS
+and torch all use the device's primary context through the runtime API, so they later find it made: their own
+cuInit and retain return at once. The context is retained for the process's life (the runtime would hold it that
+long anyway), never released here.
+
+Only the process's entry (cli/launch.py) starts this, and only for a command that uses a GPU in this process: a
+context in a process that hands its GPUs to worker processes would take device memory for nothing. Nothing here
+raises: no driver, no GPU or a driver error leaves the context to its usual place (kernels/device_start.py, then
+the backend), which reports any problem itself; `figures` says what happened. At exit, a bring-up still inside the
+driver is waited for (at most EXIT_WAIT_S): the driver's own exit handlers must not run beside a thread in cuInit.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import sys
+import threading
+import time
+
+EXIT_WAIT_S = 10.0
+_LIBRARY = "libcuda.so.1"  # the driver's own library (Linux; elsewhere nothing is started)
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_done = threading.Event()
+_figures: dict = {}  # seconds of each step, the error if any, `ready_at` (perf_counter) once the context is up
+
+
+def start(ordinal: int = 0) -> bool:
+    """Begin making device `ordinal`'s primary context on a thread (once per process); returns at once. False where
+    nothing was started (not Linux, or started already)."""
+    global _thread
+    if not sys.platform.startswith("linux"):
+        return False
+    with _lock:
+        if _thread is not None:
+            return False
+        _thread = threading.Thread(target=_make, args=(ordinal, ctypes.CDLL), daemon=True, name="prefixrun-driver")
+        _thread.start()
+    atexit.register(wait, EXIT_WAIT_S)
+    return True
+
+
+def wait(timeout: float | None = None) -> dict:
+    """Wait for a bring-up under way (none started: at once), at most `timeout` seconds; its figures."""
+    with _lock:
+        started = _thread is not None
+    if started:
+        _done.wait(timeout)
+    return figures()
+
+
+def figures() -> dict:
+    """What the bring-up did so far ({} when none was started): `init_seconds`, `context_seconds`, `seconds`,
+    `ready_at` (time.perf_counter() when the context was up), `error`."""
+    return dict(_figures)
+
+
+class DriverError(Exception):
+    """A driver call returned an error code."""
+
+
+def _make(ordinal: int, load_library) -> None:
+    t0 = time.perf_counter()
+    try:
+        try:
+            lib = load_library(_LIBRARY)
+        except OSError:
+            _figures["error"] = f"no CUDA driver ({_LIBRARY} not found)"
+            return
+        _call(lib.cuInit, "cuInit", ctypes.c_uint(0))
+        t1 = time.perf_counter()
+        _figures["init_seconds"] = round(t1 - t0, 4)
+        count = ctypes.c_int(0)
+        _call(lib.cuDeviceGetCount, "cuDeviceGetCount", ctypes.byref(count))
+        if count.value <= ordinal:
+            _figures["error"] = f"no GPU {ordinal} ({count.value} visible)"
+            return
+        device = ctypes.c_int(0)
+        _call(lib.cuDeviceGet, "cuDeviceGet", ctypes.byref(device), ctypes.c_int(ordinal))
+        context = ctypes.c_void_p(0)
+        _call(lib.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+        _figures["ready_at"] = now = time.perf_counter()
+        _figures["context_seconds"] = round(now - t1, 4)
+    except Exception as error:  # noqa: BLE001 - the runtime's own start reports it
+        _figures["error"] = f"{type(error).__name__}: {error}"[:300]
+    finally:
+        _figures["seconds"] = round(time.perf_counter() - t0, 4)
+        _done.set()
+
+
+def _call(function, name: str, *args) -> None:
+    code = function(*args)
+    if code != 0:  # CUDA_SUCCESS
+        raise DriverError(f"{name} returned {code}")

@@ -1,0 +1,140 @@
+"""The GPU's bring-up from the process's first moment (cli/launch.py, kernels/driver_context.py): started only for a
+command that uses a GPU in this process, before numpy is imported, through the driver's calls in order, never
+raising; on a GPU, CuPy then works in the context it made."""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from prefixrun.cli.launch import brings_up_gpu
+from prefixrun.kernels import cuda_available, driver_context
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["batch", "in.jsonl", "--model", "m"], True),
+    (["bench", "w.jsonl", "--no-cache"], True),
+    (["batch", "in.jsonl", "--device", "cuda"], True),
+    (["batch", "in.jsonl", "--device=auto"], True),
+    (["batch", "in.jsonl", "--device", "cpu"], False),
+    (["batch", "in.jsonl", "--device=cpu"], False),
+    (["batch", "in.jsonl", "--devices", "0,1"], False),
+    (["batch", "in.jsonl", "--devices=all"], False),
+    (["batch", "in.jsonl", "--ray", "auto"], False),
+    (["batch", "--help"], False),
+    (["batch", "in.jsonl", "--", "--device", "cpu"], True),  # after --: an argument, not an option
+    (["batch", "in.jsonl", "--device"], True),  # no value: click reports it; a thread costs nothing then
+    (["cache", "ls"], False),
+    (["make-model", "out"], False),
+    (["--version"], False),
+    ([], False),
+])
+def test_only_a_command_that_uses_a_gpu_here_brings_it_up(args, expected):
+    assert brings_up_gpu(args) is expected
+
+
+def test_the_entry_imports_no_numpy_before_the_bring_up_starts():
+    """Everything imported before the threads start (the launcher, the kernels package, both bring-up modules) is
+    free of numpy: the driver's work must not wait behind the imports it is meant to overlap."""
+    probe = ("import sys\nimport prefixrun.cli.launch\nfrom prefixrun.kernels import device_start, driver_context\n"
+             "print(sorted(m for m in ('numpy', 'cupy', 'typer', 'prefixrun.cli.app') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+def test_the_entry_runs_the_command_line():
+    p = subprocess.run([sys.executable, "-m", "prefixrun.cli.launch", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "batch" in p.stdout
+
+
+class _FakeDriver:
+    """libcuda as ctypes shows it: each entry point records its call and returns `codes[name]` (0: success)."""
+
+    def __init__(self, devices: int = 1, codes: dict | None = None):
+        self.calls: list[str] = []
+        self.devices, self.codes = devices, codes or {}
+        self.on_thread: set[str] = set()
+
+    def __getattr__(self, name):
+        def entry(*args):
+            self.calls.append(name)
+            self.on_thread.add(threading.current_thread().name)
+            if name == "cuDeviceGetCount":
+                args[0]._obj.value = self.devices
+            if name == "cuDevicePrimaryCtxRetain":
+                args[0]._obj.value = 0x1234
+            return self.codes.get(name, 0)
+        return entry
+
+
+@pytest.fixture
+def fresh_figures(monkeypatch):
+    monkeypatch.setattr(driver_context, "_figures", {})
+    monkeypatch.setattr(driver_context, "_done", threading.Event())
+    return driver_context
+
+
+def test_the_context_is_the_primary_one_made_in_order(fresh_figures):
+    lib = _FakeDriver()
+    fresh_figures._make(0, lambda name: lib)
+    assert lib.calls == ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain"]
+    figures = fresh_figures.figures()
+    assert "error" not in figures and figures["ready_at"] > 0
+    assert figures["seconds"] >= figures["init_seconds"] >= 0 and figures["context_seconds"] >= 0
+    assert "cuDevicePrimaryCtxRelease" not in lib.calls  # held for the process's life
+
+
+@pytest.mark.parametrize("lib, error", [
+    (None, "no CUDA driver"),
+    (_FakeDriver(devices=0), "no GPU 0 (0 visible)"),
+    (_FakeDriver(codes={"cuInit": 100}), "cuInit returned 100"),  # CUDA_ERROR_NO_DEVICE
+    (_FakeDriver(codes={"cuDevicePrimaryCtxRetain": 2}), "cuDevicePrimaryCtxRetain returned 2"),
+])
+def test_a_missing_driver_or_gpu_is_a_figure_never_an_exception(fresh_figures, lib, error):
+    def load(name):
+        if lib is None:
+            raise OSError(f"{name}: cannot open shared object file")
+        return lib
+
+    fresh_figures._make(0, load)
+    figures = fresh_figures.figures()
+    assert error in figures["error"] and "ready_at" not in figures
+    assert fresh_figures._done.is_set()  # a waiter at exit is never left waiting
+
+
+def test_start_runs_once_on_its_own_thread(monkeypatch, fresh_figures):
+    lib = _FakeDriver()
+    monkeypatch.setattr(driver_context, "_thread", None)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: lib)
+    monkeypatch.setattr(driver_context.atexit, "register", lambda *a: None)
+    monkeypatch.setattr(driver_context.sys, "platform", "linux")
+    assert driver_context.start() is True
+    assert driver_context.start() is False  # once per process
+    figures = driver_context.wait(10)
+    assert "error" not in figures, figures
+    assert lib.on_thread == {"prefixrun-driver"} and lib.calls.count("cuInit") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")
+def test_cupy_works_in_the_context_made_early():
+    """In a fresh process: the driver's primary context made first, then CuPy's first work runs in that very
+    context (the runtime found it made)."""
+    probe = (
+        "import ctypes\nfrom prefixrun.kernels import driver_context\n"
+        "assert driver_context.start()\nf = driver_context.wait(60)\nassert 'error' not in f, f\n"
+        "import cupy\nx = cupy.arange(10).sum()\nassert int(x) == 45\n"
+        "lib = ctypes.CDLL('libcuda.so.1')\nmade, current, dev = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()\n"
+        "assert lib.cuCtxGetCurrent(ctypes.byref(current)) == 0\n"
+        "assert lib.cuDeviceGet(ctypes.byref(dev), 0) == 0\n"
+        "assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(made), dev) == 0\n"
+        "assert current.value == made.value, (current.value, made.value)\nprint('ok', f)\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("ok")
