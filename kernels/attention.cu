@@ -6,6 +6,10 @@
 // kernel and K/V are read once per GQA group. Each of the NW warps owns 16 rows; QK^T and PV run on tensor cores
 // (mma.sync m16n8k16 bf16, fp32 accumulate); K/V tiles are gathered through the block table with cp.async (the
 // load of V overlaps QK^T, the load of the next K overlaps PV; row addresses are computed once per tile).
+// 8-bit caches (--kv-cache-dtype int8 / fp8): the stored bytes and their scales are gathered with cp.async into a
+// staging buffer each for K and V, a whole tile ahead, and dequantised to bf16 into one tile buffer just before
+// the MMA that reads them (K(j) for S, then V(j) for O): the MMAs see the bf16 tiles a synchronous dequantising load
+// would have stored, so the output's bits are those of the bf16 kernel over the dequantised (bf16-rounded) caches.
 // attn_scalar_kernel: one warp per (token, query head), fp32 math; the float32 backend and odd head dims use it.
 // Attention sinks (gpt-oss; `sinks` fp32 [Hq] or nullptr): a learned logit per query head that joins the softmax's
 // denominator only; both kernels add it when they normalise, attn_combine_kernel when it merges partials.
@@ -19,6 +23,10 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+// 8 bytes (.ca: the only sizes below 16 bytes are cached), `src_bytes` of them read, the rest zero-filled
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -69,34 +77,194 @@ __device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* __restrict__
     }
 }
 
-// The same tile from 8-bit rows: 8 values (8 bytes) and their group's scale per chunk, dequantised to bf16 as they
-// are stored to shared memory (plain stores: the barriers that follow every load make them visible; the empty
-// cp.async groups the caller commits and waits for cost nothing).
+// One tile of BN 8-bit rows as stored, into shared memory: raw [BN][D] bytes and their scales sc [BN][D / 32] fp32
+// (cp.async; rows past ctx zero-filled, which dequantise to 0 as the bf16 loader's zero fill).
 template <int D, int BN, int NT, typename KV>
-__device__ __forceinline__ void load_kv_tile(bf16* dst, const KV* __restrict__ cache, const float* __restrict__ scales,
-                                             const i64* off) {
+__device__ __forceinline__ void load_q8_tile(unsigned char* raw, float* sc, const KV* __restrict__ cache,
+                                             const float* __restrict__ scales, const i64* off) {
+    constexpr int CH = D / 16;                  // 16-byte chunks per row
+    constexpr int SB = D / 8;                   // scale bytes per row: 8 (D = 64), 16 or 32
+    constexpr int SC = SB < 16 ? SB : 16;       // bytes per scale copy
+    constexpr int SCH = SB / SC;
+    static_assert(D % 64 == 0 && (SC == 8 || SC == 16), "8-bit rows are whole groups of 32 and 16-byte chunks");
+    for (int idx = threadIdx.x; idx < BN * CH; idx += NT) {
+        const int row = idx / CH, c16 = idx % CH;
+        const i64 o = off[row];
+        cp_async16(raw + row * D + c16 * 16, o >= 0 ? cache + o + c16 * 16 : cache, o >= 0 ? 16 : 0);
+    }
+    for (int idx = threadIdx.x; idx < BN * SCH; idx += NT) {
+        const int row = idx / SCH, cs = idx % SCH;
+        const i64 o = off[row];
+        unsigned char* dst = reinterpret_cast<unsigned char*>(sc) + row * SB + cs * SC;
+        const float* src = o >= 0 ? scales + o / 32 + cs * (SC / 4) : scales;
+        if constexpr (SC == 16) cp_async16(dst, src, o >= 0 ? 16 : 0);
+        else cp_async8(dst, src, o >= 0 ? 8 : 0);
+    }
+}
+
+// 8 stored values (8 bytes) in fp32, exactly: q (int8), or the e4m3 value (fp8).
+__device__ __forceinline__ void kv8_values(uint2 bits, signed char, float (&f)[8]) {
+    // q + 128 (q xor 0x80) as the low byte of the fp32 2^23 + (q + 128), minus 2^23 + 128: one byte permute and one
+    // add per value (an int8 -> fp32 conversion is a slower instruction)
+    const unsigned w[2] = {bits.x ^ 0x80808080u, bits.y ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        f[i] = __uint_as_float(__byte_perm(w[i >> 2], 0x4B000000u, 0x7540u | (i & 3))) - 8388736.f;
+}
+__device__ __forceinline__ void kv8_values(uint2 bits, e4m3, float (&f)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // the conversion instruction, two values at a time (e4m3 -> f16 is exact: every e4m3 value is an f16 one),
+    // then f16 -> fp32 (exact)
+    const unsigned w[2] = {bits.x, bits.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short pair = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
+        unsigned h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
+        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}\n"
+            : "=f"(f[2 * i]), "=f"(f[2 * i + 1])
+            : "r"(h2));
+    }
+#else
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&bits);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = e4m3_to_f(b[i]);
+#endif
+}
+
+// The staged 8-bit tile (load_q8_tile) dequantised into the bf16 tile dst [BN][D + 8]: value = q * scale in fp32,
+// rounded to bf16, as kv_dequant(q) * s is everywhere.
+template <int D, int BN, int NT, typename KV>
+__device__ __forceinline__ void dequant_tile(bf16* dst, const unsigned char* raw, const float* sc) {
     constexpr int LDS = D + 8;
     constexpr int CH = D / 8;
     for (int idx = threadIdx.x; idx < BN * CH; idx += NT) {
         const int row = idx / CH, c8 = idx % CH;
-        const i64 o = off[row];
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (o >= 0) {
-            const i64 at = o + c8 * 8;
-            const uint2 raw = *reinterpret_cast<const uint2*>(cache + at);
-            const KV* v = reinterpret_cast<const KV*>(&raw);
-            const float s = scales[at / 32];
-            val.x = pack_bf16(kv_dequant(v[0]) * s, kv_dequant(v[1]) * s);
-            val.y = pack_bf16(kv_dequant(v[2]) * s, kv_dequant(v[3]) * s);
-            val.z = pack_bf16(kv_dequant(v[4]) * s, kv_dequant(v[5]) * s);
-            val.w = pack_bf16(kv_dequant(v[6]) * s, kv_dequant(v[7]) * s);
-        }
+        float f[8];
+        kv8_values(*reinterpret_cast<const uint2*>(raw + row * D + c8 * 8), KV(), f);
+        const float s = sc[row * (D / 32) + c8 / 4];
+        uint4 val;
+        val.x = pack_bf16(f[0] * s, f[1] * s);
+        val.y = pack_bf16(f[2] * s, f[3] * s);
+        val.z = pack_bf16(f[4] * s, f[5] * s);
+        val.w = pack_bf16(f[6] * s, f[7] * s);
         *reinterpret_cast<uint4*>(dst + row * LDS + c8 * 8) = val;
     }
 }
 
+// What the thread's two rows (g and g + 8 of its warp's 16) may see, and the block's key range.
+struct WarpRows {
+    int qp[2];     // query positions
+    bool ok[2];    // row inside the block's valid rows
+    int kv_begin, qp_lo, qp_hi, window;
+    float scale_log2;
+};
+
+// One K tile (keys kt .., bf16 at sK) for the warp's 16 rows: S = Q K^T, masked, scaled to log2 units and folded
+// into the online softmax (running max m_i and sum l_i, O rescaled); P as bf16 A fragments in pa.
+template <int D, int BN>
+__device__ __forceinline__ void attend_tile(unsigned (&pa)[BN / 16][4], float (&o)[D / 8][4], float (&m_i)[2],
+                                            float (&l_i)[2], const bf16* sQ, const bf16* sK, int kt,
+                                            const WarpRows& w) {
+    constexpr int LDS = D + 8;
+    constexpr int NT = BN / 8;  // key n-tiles in S
+    constexpr int DT = D / 8;   // dim n-tiles in O
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = lane & 3;
+    float s[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[4];
+        ldsm_x4(a[0], a[1], a[2], a[3], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int n2 = 0; n2 < BN / 16; ++n2) {
+            unsigned b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3,
+                    sK + (n2 * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma16816(s[2 * n2], a, b0, b1);
+            mma16816(s[2 * n2 + 1], a, b2, b3);
+        }
+    }
+    // mask, scale to log2 units, online softmax
+    const bool full = kt + BN - 1 <= w.qp_lo && kt >= w.kv_begin && (w.window <= 0 || kt > w.qp_hi - w.window);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int hf = e >> 1;
+            float val = s[i][e] * w.scale_log2;
+            if (!full) {
+                const int key = kt + i * 8 + 2 * c + (e & 1);
+                const bool vis = w.ok[hf] && key <= w.qp[hf] && key >= w.kv_begin &&
+                                 (w.window <= 0 || key > w.qp[hf] - w.window);
+                if (!vis) val = -INFINITY;
+            }
+            s[i][e] = val;
+            mx[hf] = fmaxf(mx[hf], val);
+        }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
+    }
+    float alpha[2], mnew[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        mnew[hf] = fmaxf(m_i[hf], mx[hf]);
+        alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
+        m_i[hf] = mnew[hf];
+        l_i[hf] *= alpha[hf];
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int hf = e >> 1;
+            const float pv = mnew[hf] == -INFINITY ? 0.f : exp2f(s[i][e] - mnew[hf]);
+            s[i][e] = pv;
+            l_i[hf] += pv;
+        }
+#pragma unroll
+    for (int i = 0; i < DT; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1];
+        o[i][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int k2 = 0; k2 < BN / 16; ++k2) {
+        pa[k2][0] = pack_bf16(s[2 * k2][0], s[2 * k2][1]);
+        pa[k2][1] = pack_bf16(s[2 * k2][2], s[2 * k2][3]);
+        pa[k2][2] = pack_bf16(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+        pa[k2][3] = pack_bf16(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+    }
+}
+
+// O += P V for the warp's 16 rows over one V tile (bf16 at sV).
+template <int D, int BN>
+__device__ __forceinline__ void accumulate_tile(float (&o)[D / 8][4], const unsigned (&pa)[BN / 16][4],
+                                                const bf16* sV) {
+    constexpr int LDS = D + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k2 = 0; k2 < BN / 16; ++k2)
+#pragma unroll
+        for (int d2 = 0; d2 < D / 16; ++d2) {
+            unsigned b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3,
+                      sV + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + d2 * 16 + (lane >> 4) * 8);
+            mma16816(o[2 * d2], pa[k2], b0, b1);
+            mma16816(o[2 * d2 + 1], pa[k2], b2, b3);
+        }
+}
+
 // NW warps, 16 query rows each (BM = 16 * NW rows per block); BN keys per K/V tile. KV: the caches' storage, bf16
-// or 8 bits (signed char, e4m3) with fp32 scales k_scale / v_scale (one per 32 values; unread for bf16).
+// or 8 bits (signed char, e4m3) with fp32 scales k_scale / v_scale (one per 32 values; unread for bf16). Dynamic
+// shared memory (kernels/tuning.py attn_mma_smem_bytes): the Q tile and a K tile of bf16 rows (D + 8 wide), then a
+// V tile of them (bf16) or the staged 8-bit K and V tiles and their scales (BN x D x 9 / 4 bytes).
 template <int D, int BN, int NW, typename KV = bf16>
 __global__ void __launch_bounds__(NW * 32)
 attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restrict__ k_cache,
@@ -109,7 +277,6 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     constexpr int BM = 16 * NW;
     constexpr int NTH = 32 * NW;
     constexpr int LDS = D + 8;
-    constexpr int NT = BN / 8;   // key n-tiles in S
     constexpr int DT = D / 8;    // dim n-tiles in O
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
@@ -164,13 +331,17 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const bool warp_active = r0 + warp * 16 < r1;
-    int qp[2];
-    bool row_ok[2];
+    WarpRows rows;
+    rows.kv_begin = kv_begin;
+    rows.qp_lo = qp_lo;
+    rows.qp_hi = qp_hi;
+    rows.window = window;
+    rows.scale_log2 = scale_log2;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int r = r0 + warp * 16 + g + hf * 8;
-        row_ok[hf] = r < r1;
-        qp[hf] = mode == 1 ? ctx - 1 : qpos0 + (row_ok[hf] ? r / rep : 0);
+        rows.ok[hf] = r < r1;
+        rows.qp[hf] = mode == 1 ? ctx - 1 : qpos0 + (rows.ok[hf] ? r / rep : 0);
     }
 
     float o[DT][4];
@@ -178,116 +349,71 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
 
-    if (num_tiles > 0) {
-        tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
-        __syncthreads();
-        load_kv_tile<D, BN, NTH>(sK, k_cache, k_scale, s_off[0]);
-        cp_async_commit();
-    }
-    for (int j = 0; j < num_tiles; ++j) {
-        const int kt = t_begin + j * BN;
-        const i64* off = s_off[j & 1];
-        load_kv_tile<D, BN, NTH>(sV, v_cache, v_scale, off);
-        cp_async_commit();
-        if (j + 1 < num_tiles) tile_offsets<D, BN>(s_off[(j + 1) & 1], table, kt + BN, ctx, block_size, hkv, h);
-        cp_async_wait<1>();
-        __syncthreads();  // K tile j, the next tile's offsets (and on j == 0 the Q tile) visible
-
-        unsigned pa[BN / 16][4];
-        if (warp_active) {
-            float s[NT][4];
-#pragma unroll
-            for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned a[4];
-                ldsm_x4(a[0], a[1], a[2], a[3], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-                for (int n2 = 0; n2 < BN / 16; ++n2) {
-                    unsigned b0, b1, b2, b3;
-                    ldsm_x4(b0, b1, b2, b3,
-                            sK + (n2 * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
-                    mma16816(s[2 * n2], a, b0, b1);
-                    mma16816(s[2 * n2 + 1], a, b2, b3);
-                }
-            }
-            // mask, scale to log2 units, online softmax
-            const bool full = kt + BN - 1 <= qp_lo && kt >= kv_begin && (window <= 0 || kt > qp_hi - window);
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int i = 0; i < NT; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int hf = e >> 1;
-                    float val = s[i][e] * scale_log2;
-                    if (!full) {
-                        const int key = kt + i * 8 + 2 * c + (e & 1);
-                        const bool vis = row_ok[hf] && key <= qp[hf] && key >= kv_begin &&
-                                         (window <= 0 || key > qp[hf] - window);
-                        if (!vis) val = -INFINITY;
-                    }
-                    s[i][e] = val;
-                    mx[hf] = fmaxf(mx[hf], val);
-                }
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 1));
-                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(FULL_MASK, mx[hf], 2));
-            }
-            float alpha[2], mnew[2];
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                mnew[hf] = fmaxf(m_i[hf], mx[hf]);
-                alpha[hf] = mnew[hf] == -INFINITY ? 1.f : exp2f(m_i[hf] - mnew[hf]);
-                m_i[hf] = mnew[hf];
-                l_i[hf] *= alpha[hf];
-            }
-#pragma unroll
-            for (int i = 0; i < NT; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int hf = e >> 1;
-                    const float pv = mnew[hf] == -INFINITY ? 0.f : exp2f(s[i][e] - mnew[hf]);
-                    s[i][e] = pv;
-                    l_i[hf] += pv;
-                }
-#pragma unroll
-            for (int i = 0; i < DT; ++i) {
-                o[i][0] *= alpha[0];
-                o[i][1] *= alpha[0];
-                o[i][2] *= alpha[1];
-                o[i][3] *= alpha[1];
-            }
-#pragma unroll
-            for (int k2 = 0; k2 < BN / 16; ++k2) {
-                pa[k2][0] = pack_bf16(s[2 * k2][0], s[2 * k2][1]);
-                pa[k2][1] = pack_bf16(s[2 * k2][2], s[2 * k2][3]);
-                pa[k2][2] = pack_bf16(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
-                pa[k2][3] = pack_bf16(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
-            }
-        }
-        __syncthreads();  // every warp is done with sK
-        if (j + 1 < num_tiles) {
-            load_kv_tile<D, BN, NTH>(sK, k_cache, k_scale, s_off[(j + 1) & 1]);
+    if constexpr (sizeof(KV) == 2) {  // bf16 caches: K and V tiles straight into sK / sV
+        if (num_tiles > 0) {
+            tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
+            __syncthreads();
+            load_kv_tile<D, BN, NTH>(sK, k_cache, k_scale, s_off[0]);
             cp_async_commit();
+        }
+        for (int j = 0; j < num_tiles; ++j) {
+            const int kt = t_begin + j * BN;
+            const i64* off = s_off[j & 1];
+            load_kv_tile<D, BN, NTH>(sV, v_cache, v_scale, off);
+            cp_async_commit();
+            if (j + 1 < num_tiles) tile_offsets<D, BN>(s_off[(j + 1) & 1], table, kt + BN, ctx, block_size, hkv, h);
             cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+            __syncthreads();  // K tile j, the next tile's offsets (and on j == 0 the Q tile) visible
+            unsigned pa[BN / 16][4];
+            if (warp_active) attend_tile<D, BN>(pa, o, m_i, l_i, sQ, sK, kt, rows);
+            __syncthreads();  // every warp is done with sK
+            if (j + 1 < num_tiles) {
+                load_kv_tile<D, BN, NTH>(sK, k_cache, k_scale, s_off[(j + 1) & 1]);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();  // V tile j visible
+            if (warp_active) accumulate_tile<D, BN>(o, pa, sV);
+            __syncthreads();  // every warp is done with sV
         }
-        __syncthreads();  // V tile j visible
-        if (warp_active) {
-#pragma unroll
-            for (int k2 = 0; k2 < BN / 16; ++k2)
-#pragma unroll
-                for (int d2 = 0; d2 < D / 16; ++d2) {
-                    unsigned b0, b1, b2, b3;
-                    ldsm_x4_t(b0, b1, b2, b3,
-                              sV + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + d2 * 16 + (lane >> 4) * 8);
-                    mma16816(o[2 * d2], pa[k2], b0, b1);
-                    mma16816(o[2 * d2 + 1], pa[k2], b2, b3);
-                }
+    } else {  // 8-bit caches: K(j) and V(j) staged as stored (rawK / rawV where sV would be), each dequantised into
+              // sK just before its MMA; the copies of tile j + 1 run while tile j is computed
+        unsigned char* rawK = reinterpret_cast<unsigned char*>(sV);
+        unsigned char* rawV = rawK + BN * D;
+        float* scK = reinterpret_cast<float*>(rawV + BN * D);
+        float* scV = scK + BN * (D / 32);
+        // commit groups in flight at the top of iteration j: K(j), V(j) (the last tile's successors are empty)
+        if (num_tiles > 0) {
+            tile_offsets<D, BN>(s_off[0], table, t_begin, ctx, block_size, hkv, h);
+            __syncthreads();
+            load_q8_tile<D, BN, NTH>(rawK, scK, k_cache, k_scale, s_off[0]);
+            cp_async_commit();
+            load_q8_tile<D, BN, NTH>(rawV, scV, v_cache, v_scale, s_off[0]);
+            cp_async_commit();
         }
-        __syncthreads();  // every warp is done with sV
+        for (int j = 0; j < num_tiles; ++j) {
+            const int kt = t_begin + j * BN;
+            const bool more = j + 1 < num_tiles;
+            if (more) tile_offsets<D, BN>(s_off[(j + 1) & 1], table, kt + BN, ctx, block_size, hkv, h);
+            cp_async_wait<1>();
+            __syncthreads();  // K(j) landed, the next tile's offsets (on j == 0 the Q tile) visible; every warp is
+                              // done with sK (P V of tile j - 1)
+            dequant_tile<D, BN, NTH, KV>(sK, rawK, scK);
+            __syncthreads();  // K(j) in bf16 visible; rawK free
+            if (more) load_q8_tile<D, BN, NTH>(rawK, scK, k_cache, k_scale, s_off[(j + 1) & 1]);
+            cp_async_commit();
+            unsigned pa[BN / 16][4];
+            if (warp_active) attend_tile<D, BN>(pa, o, m_i, l_i, sQ, sK, kt, rows);
+            cp_async_wait<1>();
+            __syncthreads();  // V(j) landed; every warp is done with sK (S of tile j)
+            dequant_tile<D, BN, NTH, KV>(sK, rawV, scV);
+            __syncthreads();  // V(j) in bf16 visible; rawV free
+            if (more) load_q8_tile<D, BN, NTH>(rawV, scV, v_cache, v_scale, s_off[(j + 1) & 1]);
+            cp_async_commit();
+            if (warp_active) accumulate_tile<D, BN>(o, pa, sK);
+        }
     }
 
     if (!warp_active) return;
@@ -300,7 +426,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
                                     // attn_combine_kernel from slot slot_base + split of [slots, part_tokens, Hq]
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            if (!row_ok[hf]) continue;
+            if (!rows.ok[hf]) continue;
             const int r = r0 + warp * 16 + g + hf * 8;
             const i64 row = ((i64)(slot_base + split) * part_tokens + tok_of(start + r / rep)) * hq + h * rep + r % rep;
             float* po = part_o + row * D;
@@ -313,7 +439,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        if (!row_ok[hf]) continue;
+        if (!rows.ok[hf]) continue;
         const int r = r0 + warp * 16 + g + hf * 8;
         float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
         if (sinks != nullptr) {  // the head's sink joins the denominator: l e^m + e^sink, taken relative to m

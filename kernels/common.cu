@@ -17,14 +17,15 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
 
-// float8_e4m3fn -> float, exactly: bias 7, no infinities, 0x7f / 0xff NaN, subnormals m * 2^-9
+// float8_e4m3fn -> float, exactly: bias 7, no infinities, 0x7f / 0xff NaN, subnormals m * 2^-9. A normal value's
+// exponent and mantissa bits sit where fp32 keeps them once shifted, its exponent rebased by 127 - 7 (an add); a
+// subnormal's m is converted as an integer (no fp32 subnormal anywhere: the kernels compile with -ftz).
 __device__ __forceinline__ float e4m3_to_f(unsigned char b) {
-    const int e = (b >> 3) & 0xF, m = b & 7;
-    float v;
-    if (e == 0xF && m == 7) v = __int_as_float(0x7fc00000);
-    else if (e == 0) v = ldexpf((float)m, -9);
-    else v = ldexpf((float)(8 + m), e - 10);
-    return (b & 0x80) ? -v : v;
+    const unsigned mag = b & 0x7Fu;
+    float v = __uint_as_float((mag << 20) + (120u << 23));
+    if (mag < 8u) v = (float)mag * 0.001953125f;
+    if (mag == 0x7Fu) v = __int_as_float(0x7fc00000);
+    return __uint_as_float(__float_as_uint(v) | ((unsigned)(b & 0x80u) << 24));
 }
 
 // float (|x| <= 448) -> float8_e4m3fn, rounded to nearest even (as ml_dtypes casts)

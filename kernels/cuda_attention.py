@@ -11,7 +11,7 @@ from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, blocks_for, device_index, head_view, i32, i64, \
     type_name
 from prefixrun.kernels.cuda_modules import KV8_MMA_HEAD_DIMS, MMA_HEAD_DIMS, kernel
-from prefixrun.kernels.tuning import attention_plan
+from prefixrun.kernels.tuning import attention_plan, attn_mma_smem_bytes
 
 _LOG2E = 1.4426950408889634
 _NULL = np.uint64(0)  # a kernel's absent pointer argument (no sinks)
@@ -86,8 +86,9 @@ class AttentionOps:
         its members (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a
         merge). `sinks` fp32 [Hq] (gpt-oss): added where each path normalises; the sm_90a prefill kernels have no
         sinks, so such models take the mma.sync kernels. 8-bit caches (`k_scale`, `v_scale` fp32 [..., Hkv, D / 32])
-        are dequantised as their tiles are loaded (the mma.sync kernels into shared memory as bf16, the fp32 scalar
-        kernel in registers); they take the mma.sync kernels for prefill too."""
+        are read as stored: the mma.sync kernels copy each tile's bytes and scales into shared memory asynchronously
+        and dequantise them to bf16 there just before the MMA that reads them, the fp32 scalar kernel dequantises in
+        registers; they take the mma.sync kernels for prefill too."""
         q, qst, qsh = head_view(q)
         t, hq, d = q.shape
         nb, bs, hkv, dc = k_cache.shape
@@ -111,7 +112,8 @@ class AttentionOps:
         module, ks, vs = _scales(k_scale, v_scale, k_cache)
         kv8 = module == "attention_q8"
         use_mma = (q.dtype == BF16 and d in (KV8_MMA_HEAD_DIMS if kv8 else MMA_HEAD_DIMS)
-                   and (k_cache.dtype == BF16 or kv8) and q.data.ptr % 16 == 0 and qst % 8 == 0 and qsh % 8 == 0)
+                   and (k_cache.dtype == BF16 or kv8) and q.data.ptr % 16 == 0 and qst % 8 == 0 and qsh % 8 == 0
+                   and (not kv8 or all(a.data.ptr % 16 == 0 for a in (k_cache, v_cache, ks, vs))))
         plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
                               table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
                               shared=shared is not None, wgmma=self._wgmma and sinks is None and not kv8)
@@ -162,9 +164,10 @@ class AttentionOps:
         if part is not None and splits == 1 and mode == 0:
             raise ValueError("a plain pass with one split writes `out`, not partials")
         module, ks, vs = kv or ("attention", _NULL, _NULL)
-        name = f"attn_mma_kernel<{d}, {bn}, {nw}" + (f", {_kv8_type(k_cache)}>" if module == "attention_q8" else ">")
+        kv8 = module == "attention_q8"
+        name = f"attn_mma_kernel<{d}, {bn}, {nw}" + (f", {_kv8_type(k_cache)}>" if kv8 else ">")
         kern = kernel(module, name)
-        smem = (16 * nw + 2 * bn) * (d + 8) * 2
+        smem = attn_mma_smem_bytes(d, bn, nw, kv8)
         self._dynamic_smem(kern, smem)
         rep = hq // hkv
         part_o, part_ml = part if part is not None else (out, out)

@@ -67,6 +67,16 @@ ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
     """Keys per K/V tile that attn_mma_kernel is instantiated with for `head_dim` (shared memory bounds 256)."""
     return (32, 64) if head_dim > 128 else (64,)
+
+
+def attn_mma_smem_bytes(head_dim: int, keys: int, warps: int, kv8: bool) -> int:
+    """Dynamic shared memory of one attn_mma_kernel block: the Q tile (16 rows a warp) and a K tile of bf16 rows
+    head_dim + 8 wide, then a V tile of them, or (8-bit caches) the staged 8-bit K and V tiles with their fp32
+    scales (one per 32 values)."""
+    row = (head_dim + 8) * 2
+    if kv8:
+        return (16 * warps + keys) * row + 2 * keys * (head_dim + head_dim // 8)
+    return (16 * warps + 2 * keys) * row
 ATTN_MAX_SPLITS = 32
 ATTN_PREFILL_KERNELS = ("auto", "mma", "wgmma", "wgmma-overlap", "wgmma-ws", "wgmma-pingpong")
 # attn_prefill_kernel -> the schedule of kernels/attention_sm90.cu (+ attention_sm90_ws.cu) that runs it: "serial"

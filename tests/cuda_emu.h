@@ -66,6 +66,14 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) { return {__floa
 // bit casts and the round-to-nearest-even conversion (the host's default rounding mode) common.cu uses
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+// byte n of the result: byte (s >> 4n) & 7 of the eight bytes of y:x (x the low four)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = uint64_t(y) << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= unsigned((v >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
+    return r;
+}
 inline int __float2int_rn(float f) { return int(std::nearbyint(f)); }
 
 struct EmuWarp {
@@ -73,7 +81,7 @@ struct EmuWarp {
     uint32_t reg[32][8];
     const void* ptr[32];
 };
-struct EmuCopy { void* dst; const void* src; int bytes; };
+struct EmuCopy { void* dst; const void* src; int bytes; int size; };
 inline thread_local EmuWarp* emu_warp;
 inline thread_local int emu_lane;
 inline thread_local std::vector<EmuCopy> emu_open;                  // cp.async issued since the last commit
@@ -127,17 +135,18 @@ inline void emu_check_read(const void* p, int bytes) {
     emu_fail("cp.async source outside the kernel's arrays");
 }
 
-// cp.async.cg 16 bytes, `bytes` of them read from src (the rest zero-filled)
-inline void emu_cp_async(void* dst, const void* src, int bytes) {
-    if (reinterpret_cast<uintptr_t>(dst) % 16 || (bytes && reinterpret_cast<uintptr_t>(src) % 16))
-        emu_fail("cp.async address not 16-byte aligned");
+// cp.async of `size` bytes (16: .cg; 4 or 8: .ca), `bytes` of them read from src (the rest zero-filled)
+inline void emu_cp_async_n(void* dst, const void* src, int size, int bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) % size || (bytes && reinterpret_cast<uintptr_t>(src) % size))
+        emu_fail("cp.async address not aligned to its size");
     if (bytes && !emu_readable.empty()) emu_check_read(src, bytes);
 #ifdef EMU_CP_EAGER  // the race-check build: the copy may land any time from issue to wait, so write at both ends
-    std::memset(dst, 0, 16);
+    std::memset(dst, 0, size);
     std::memcpy(dst, src, bytes);
 #endif
-    emu_open.push_back({dst, src, bytes});
+    emu_open.push_back({dst, src, bytes, size});
 }
+inline void emu_cp_async(void* dst, const void* src, int bytes) { emu_cp_async_n(dst, src, 16, bytes); }
 inline void emu_cp_commit() {
     emu_groups.push_back(std::move(emu_open));
     emu_open.clear();
@@ -145,7 +154,7 @@ inline void emu_cp_commit() {
 inline void emu_cp_wait(int newest_pending) {  // cp.async.wait_group N: all but the newest N groups complete
     while ((int)emu_groups.size() > newest_pending) {
         for (const EmuCopy& c : emu_groups.front()) {
-            std::memset(c.dst, 0, 16);
+            std::memset(c.dst, 0, c.size);
             std::memcpy(c.dst, c.src, c.bytes);
         }
         emu_groups.erase(emu_groups.begin());

@@ -1,7 +1,8 @@
 """8-bit K/V on the GPU (--kv-cache-dtype int8 / fp8): the CUDA write kernel stores exactly the reference's bytes
 and scales (kernels/kv_storage.py), and paged and ring attention over 8-bit caches (mma.sync decode, split and
-prefill paths, the fp32 scalar kernel) match the NumPy reference over the same stored rows; an engine run with 8-bit
-K/V gives the same greedy tokens with reuse, alone and from disk."""
+prefill paths, the fp32 scalar kernel) match the NumPy reference over the same stored rows, and give the bits of the
+bf16 kernels over the dequantised caches; an engine run with 8-bit K/V gives the same greedy tokens with reuse,
+alone and from disk."""
 from __future__ import annotations
 
 import sys
@@ -96,6 +97,81 @@ def test_paged_attention_over_8bit_caches_matches_the_reference(gpu, kind, case)
     tol = 2e-2 if gpu.act_dtype != np.float32 else 1e-5  # bf16: the dequantised tiles and P are bf16
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < tol, (kind, CASES[case], err)
+
+
+# (hq, hkv, d, block size, (context after the step, new tokens) per sequence): decode rows at contexts below, at and
+# past a key tile (64 keys; 32 for the split decode of head dim 256) and long ones; prefill with history and without
+BITS_CASES = {
+    "decode-4b": (16, 4, 256, 64, [(1, 1), (31, 1), (63, 1), (64, 1), (65, 1), (130, 1), (1000, 1), (2047, 1)]),
+    "decode-128": (8, 2, 128, 16, [(1, 1), (63, 1), (64, 1), (65, 1), (300, 1), (1025, 1)]),
+    "decode-64": (8, 1, 64, 16, [(17, 1), (128, 1), (257, 1)]),
+    "prefill-4b": (16, 4, 256, 64, [(40, 40), (90, 25), (200, 130)]),
+    "prefill-128": (8, 2, 128, 16, [(1, 1), (77, 77), (300, 65)]),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", BITS_CASES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_8bit_attention_gives_the_bits_of_the_bf16_kernel_over_the_dequantised_caches(kind, case, deterministic):
+    """The 8-bit tiles (copied as stored with cp.async, dequantised to bf16 in shared memory) feed the MMAs exactly
+    the tiles the bf16 kernel reads from caches holding the dequantised values rounded to bf16: the same output,
+    bit for bit, on every path the plan takes (split and plain decode, mma.sync prefill, --deterministic)."""
+    from ml_dtypes import bfloat16
+
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.kv_storage import dequantise
+
+    hq, hkv, d, bs, seqs = BITS_CASES[case]
+    ops = CudaOps("bfloat16").retuned(attn_prefill_kernel="mma", deterministic=deterministic)
+    rng = np.random.default_rng(len(seqs) + d)
+    q, kq, vq, ks, vs, tables, ctx, cu = _paged_inputs(rng, seqs, hq, hkv, d, bs, kind)
+    idx = [ops.upload_index(a) for a in (tables, ctx, cu)]
+    up = lambda a: ops.upload(a, a.dtype)
+    got = ops.paged_attention(ops.upload(q), up(kq), up(vq), *idx, d ** -0.5, k_scale=up(ks), v_scale=up(vs))
+    kb, vb = (dequantise(x, s).astype(bfloat16) for x, s in ((kq, ks), (vq, vs)))
+    want = ops.paged_attention(ops.upload(q), ops.upload(kb), ops.upload(vb), *idx, d ** -0.5)
+    np.testing.assert_array_equal(ops.to_host(got).view(np.uint16), ops.to_host(want).view(np.uint16))
+    ref = NumpyOps().paged_attention(np.asarray(ops.to_host(ops.upload(q))).astype(np.float32), kq, vq, tables, ctx,
+                                     cu, d ** -0.5, k_scale=ks, v_scale=vs)
+    out = np.asarray(ops.to_host(got)).astype(np.float32)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_8bit_cascade_decode_gives_the_bits_of_the_bf16_kernel(kind):
+    """Decode over shared prefixes (the cascade's group pass, own-keys pass and merge) over 8-bit caches: the bits
+    of the bf16 kernels over the dequantised caches."""
+    from ml_dtypes import bfloat16
+
+    from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.kv_storage import dequantise
+
+    ops = CudaOps("bfloat16")
+    rng = np.random.default_rng(9)
+    hq, hkv, d, bs, prefix, own = 16, 4, 256, 64, 33, [1, 2, 5, 1, 3]  # 2,112 shared keys, as shared-system
+    nblocks = prefix + sum(own) + 2
+    perm = rng.permutation(nblocks)
+    tables, ctx, at = np.zeros((len(own), 48), np.int32), np.zeros(len(own), np.int32), prefix
+    for i, o in enumerate(own):
+        tables[i, :prefix], tables[i, prefix:prefix + o] = perm[:prefix], perm[at:at + o]
+        at += o
+        ctx[i] = (prefix + o - 1) * bs + 1 + rng.integers(0, bs)
+    arrays = shared_prefix_arrays(tables, ctx, bs)
+    shared = SharedPrefixes(*(ops.upload_index(arrays[f"shared_{f}"]) for f in ("order", "cu", "lens", "tables",
+                                                                                  "start")))
+    kq, ks = quantise(_rows(rng, nblocks, bs, hkv, d), kind)
+    vq, vs = quantise(_rows(rng, nblocks, bs, hkv, d), kind)
+    q = _rows(rng, len(own), hq, d)
+    cu = np.arange(len(own) + 1, dtype=np.int32)
+    idx = [ops.upload_index(a) for a in (tables, ctx, cu)]
+    up = lambda a: ops.upload(a, a.dtype)
+    got = ops.paged_attention(ops.upload(q), up(kq), up(vq), *idx, d ** -0.5, shared=shared, k_scale=up(ks),
+                              v_scale=up(vs))
+    kb, vb = (dequantise(x, s).astype(bfloat16) for x, s in ((kq, ks), (vq, vs)))
+    want = ops.paged_attention(ops.upload(q), ops.upload(kb), ops.upload(vb), *idx, d ** -0.5, shared=shared)
+    np.testing.assert_array_equal(ops.to_host(got).view(np.uint16), ops.to_host(want).view(np.uint16))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -290,6 +290,7 @@ ATTN_HELPERS = r"""
 struct float2 { float x, y; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline void cp_async16(void* dst, const void* src, int n) { emu_cp_async(dst, src, n); }
+inline void cp_async8(void* dst, const void* src, int n) { emu_cp_async_n(dst, src, 8, n); }
 inline void cp_async_commit() { emu_cp_commit(); }
 template <int N> inline void cp_async_wait() { emu_cp_wait(N); }
 inline void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {

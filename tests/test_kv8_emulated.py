@@ -11,8 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from prefixrun.kernels.kv_storage import quantise
+from prefixrun.kernels.kv_storage import dequantise, quantise
 from prefixrun.kernels.reference import NumpyOps
+from prefixrun.kernels.tuning import attn_mma_smem_bytes
 from test_delta_tc_emulated import _forked, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,22 +135,39 @@ def test_the_scalar_kernel_reads_8bit_caches_as_the_reference(emu, kind, window)
 
 
 MMA_ENTRY = r"""
-extern "C" int emu_attn_q8(int fp8, const uint16_t* q, const void* kc, const void* vc, const int* tables,
-                           int max_blocks, const int* ctx, const int* cu, int nseq, int hq, int hkv, int bs, float sl2,
-                           uint16_t* out, unsigned gx, size_t smem, const float* ks, const float* vs) {
-    const i64 qst = hq * 64, qsh = 64;
-    emu_launch({gx, unsigned(hkv), 1}, 128, smem, [&] {
-        if (fp8) attn_mma_kernel<64, 64, 4, e4m3>((const bf16*)q, qst, qsh, (const e4m3*)kc, (const e4m3*)vc, tables,
-                                                  max_blocks, ctx, cu, nseq, hq, hkv, bs, sl2, 0, (bf16*)out, 1,
-                                                  nullptr, nullptr, 0, 0, 0, cu, cu, nullptr, ks, vs);
-        else attn_mma_kernel<64, 64, 4, signed char>((const bf16*)q, qst, qsh, (const signed char*)kc,
-                                                     (const signed char*)vc, tables, max_blocks, ctx, cu, nseq, hq,
-                                                     hkv, bs, sl2, 0, (bf16*)out, 1, nullptr, nullptr, 0, 0, 0, cu,
-                                                     cu, nullptr, ks, vs);
+// kind: 0 bf16 caches, 1 int8, 2 fp8; variant: 0 <64, 64, 4>, 1 <64, 64, 1>, 2 <128, 64, 4> (D, BN, NW)
+template <int D, int NW>
+void emu_attn_mma(int kind, const uint16_t* q, const void* kc, const void* vc, const int* tables, int max_blocks,
+                  const int* ctx, const int* cu, int nseq, int hq, int hkv, int bs, float sl2, int window, uint16_t* out,
+                  int splits, float* part_o, float* part_ml, i64 tokens, unsigned gx, size_t smem, const float* sinks,
+                  const float* ks, const float* vs) {
+    const i64 qst = hq * D, qsh = D;
+    emu_launch({gx, unsigned(hkv), 1}, 32 * NW, smem, [&] {
+#define EMU_ARGS(T) (const bf16*)q, qst, qsh, (const T*)kc, (const T*)vc, tables, max_blocks, ctx, cu, nseq, hq, hkv, \
+    bs, sl2, window, (bf16*)out, splits, part_o, part_ml, 0, 0, tokens, cu, cu, sinks, ks, vs
+        if (kind == 0) attn_mma_kernel<D, 64, NW, bf16>(EMU_ARGS(bf16));
+        else if (kind == 1) attn_mma_kernel<D, 64, NW, signed char>(EMU_ARGS(signed char));
+        else attn_mma_kernel<D, 64, NW, e4m3>(EMU_ARGS(e4m3));
+#undef EMU_ARGS
     });
+}
+extern "C" int emu_attn_q8(int variant, int kind, const uint16_t* q, const void* kc, const void* vc, const int* tables,
+                           int max_blocks, const int* ctx, const int* cu, int nseq, int hq, int hkv, int bs, float sl2,
+                           int window, uint16_t* out, int splits, float* part_o, float* part_ml, i64 tokens,
+                           unsigned gx, size_t smem, const float* sinks, const float* ks, const float* vs) {
+    auto run = [&](auto fn) { fn(kind, q, kc, vc, tables, max_blocks, ctx, cu, nseq, hq, hkv, bs, sl2, window, out,
+                                 splits, part_o, part_ml, tokens, gx, smem, sinks, ks, vs); };
+    if (variant == 0) run(emu_attn_mma<64, 4>);
+    else if (variant == 1) run(emu_attn_mma<64, 1>);
+    else if (variant == 2) run(emu_attn_mma<128, 4>);
+    else return 1;
     return 0;
 }
+extern "C" void emu_e4m3_to_f(float* out) {
+    for (int b = 0; b < 256; ++b) out[b] = e4m3_to_f((unsigned char)b);
+}
 """
+VARIANTS = {(64, 4): 0, (64, 1): 1, (128, 4): 2}  # (head_dim, warps) -> MMA_ENTRY's instantiation (64 keys a tile)
 
 
 @pytest.fixture(scope="module")
@@ -162,34 +180,108 @@ def mma_emu(tmp_path_factory):
     src = src[:src.index(start)] + ATTN_HELPERS + src[src.index(end):src.index("// Merge the split-K partials")]
     src = src.replace("extern __shared__ __align__(16) unsigned char smem_raw[];",
                       "unsigned char* smem_raw = emu_dynamic_smem;")
-    return compile_emulated(tmp_path_factory, "kv8_mma_emu", "#include \"cuda_emu.h\"\n" + emulator_common() + src
-                            + MMA_ENTRY)
+    so = compile_emulated(tmp_path_factory, "kv8_mma_emu", "#include \"cuda_emu.h\"\n" + emulator_common() + src
+                          + MMA_ENTRY)
+    so.emu_attn_q8.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_longlong, ctypes.c_uint, ctypes.c_size_t] + [ctypes.c_void_p] * 3
+    return so
+
+
+def run_mma(so, kind: str | None, q, kc, vc, tables, ctx, cu, *, hkv, bs, warps, window=0, splits=1, sinks=None,
+            ks=None, vs=None):
+    """attn_mma_kernel (64 keys a tile) in the emulator, launched as kernels/cuda_attention.py _attn_pass does (mode
+    0): kind None reads bf16 caches, "int8" / "fp8" 8-bit caches with their scales. -> (out bf16 [T, Hq, D] as
+    uint16, or with splits > 1 the partials (o, ml))."""
+    t, hq, d = q.shape
+    rep, nseq = hq // hkv, ctx.shape[0]
+    gx = (-(-t * rep // (16 * warps)) + nseq) * splits
+    smem = attn_mma_smem_bytes(d, 64, warps, kind is not None)
+    kind_code = {None: 0, "int8": 1, "fp8": 2}[kind]
+
+    def emulate():
+        out = np.zeros((t, hq, d), np.uint16)
+        part_o = np.zeros((splits, t * hq, d), np.float32)
+        part_ml = np.zeros((splits, t * hq, 2), np.float32)
+        pp = (_ptr(part_o), _ptr(part_ml)) if splits > 1 else (_ptr(out), _ptr(out))
+        rc = so.emu_attn_q8(VARIANTS[d, warps], kind_code, _ptr(q.view(np.uint16)), _ptr(kc), _ptr(vc), _ptr(tables),
+                            tables.shape[1], _ptr(ctx), _ptr(cu), nseq, hq, hkv, bs,
+                            ctypes.c_float(d ** -0.5 * 1.4426950408889634), window, _ptr(out), splits, *pp,
+                            ctypes.c_longlong(t), ctypes.c_uint(gx), ctypes.c_size_t(smem),
+                            None if sinks is None else _ptr(sinks), None if ks is None else _ptr(ks),
+                            None if vs is None else _ptr(vs))
+        assert rc == 0
+        return (part_o, part_ml) if splits > 1 else out
+
+    return _forked(emulate)
+
+
+def test_the_e4m3_decoder_is_exact(mma_emu):
+    out = np.zeros(256, np.float32)
+    mma_emu.emu_e4m3_to_f(_ptr(out))
+    want = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32)[np.isfinite(want)], want.view(np.uint32)[np.isfinite(want)])
+    assert np.isnan(out[0x7F]) and np.isnan(out[0xFF]) and out[0xFF].view(np.uint32) >> 31 == 1
+
+
+def _q8_case(rng, kind, lens_ctx, hq, hkv, d, bs, nblocks):
+    """Random bf16 queries and quantised caches: (q, (kq, ks), (vq, vs), the caches as bf16 tiles hold them, tables,
+    ctx, cu). lens_ctx: (new tokens, context after them) per sequence."""
+    width = max(-(-c // bs) for _, c in lens_ctx)
+    tables = np.stack([rng.permutation(nblocks)[:width] for _ in lens_ctx]).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in lens_ctx])]).astype(np.int32)
+    ctx = np.array([c for _, c in lens_ctx], np.int32)
+    q = (rng.standard_normal((int(cu[-1]), hq, d)) * 2).astype(ml_dtypes.bfloat16)
+    k = quantise((rng.standard_normal((nblocks, bs, hkv, d)) * 3).astype(np.float32), kind)
+    v = quantise(rng.standard_normal((nblocks, bs, hkv, d)).astype(np.float32), kind)
+    as_bf16 = [dequantise(*x).astype(ml_dtypes.bfloat16) for x in (k, v)]
+    return q, k, v, as_bf16, tables, ctx, cu
+
+
+# (head_dim, warps, (new tokens, context) per sequence): prefill with history and from scratch, decode rows at
+# contexts below, at and past a 64-key tile (1, 63, 64, 65, 130), ragged lengths everywhere
+CASES = [(64, 4, [(37, 57), (70, 70)]), (64, 1, [(1, 1), (1, 63), (1, 64), (1, 65), (1, 130)]),
+         (128, 4, [(5, 69), (1, 200), (40, 40)])]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_mma_kernel_dequantises_8bit_tiles_as_the_reference_reads_them(mma_emu, kind):
-    """The tensor-core kernel's 8-bit tile loader (prefill with history, then a fresh sequence): within bf16
-    accuracy of the reference over the same stored rows (the tiles are dequantised to bf16 in shared memory)."""
-    _, fp8 = KINDS[kind]
-    rng = np.random.default_rng(3)
-    hq, hkv, d, bs, nblk = 4, 2, 64, 16, 8
-    cu = np.array([0, 37, 107], np.int32)
-    ctx = np.array([57, 70], np.int32)
-    q = rng.standard_normal((107, hq, d)).astype(ml_dtypes.bfloat16)
-    kq, ks = quantise(rng.standard_normal((2 * nblk + 2, bs, hkv, d)).astype(np.float32), kind)
-    vq, vs = quantise(rng.standard_normal((2 * nblk + 2, bs, hkv, d)).astype(np.float32), kind)
-    tables = rng.permutation(2 * nblk + 2)[:2 * nblk].reshape(2, nblk).astype(np.int32)
-    scale = d ** -0.5
-    gx = -(-107 * (hq // hkv) // 64) + 2
+@pytest.mark.parametrize("d,warps,lens_ctx", CASES)
+def test_the_mma_kernel_over_8bit_caches_gives_the_bits_of_the_bf16_kernel_over_their_values(mma_emu, kind, d, warps,
+                                                                                             lens_ctx):
+    """The staged 8-bit pipeline (cp.async of the stored bytes and scales, dequantised in shared memory) feeds the
+    MMAs the bf16 tiles the bf16 kernel loads from caches holding the dequantised values: the same output bits,
+    and within bf16 accuracy of the reference over the stored rows."""
+    rng = np.random.default_rng(d + warps)
+    hq, hkv, bs = 4, 2, 16
+    q, (kq, ks), (vq, vs), (kb, vb), tables, ctx, cu = _q8_case(rng, kind, lens_ctx, hq, hkv, d, bs, 24)
+    got = run_mma(mma_emu, kind, q, kq, vq, tables, ctx, cu, hkv=hkv, bs=bs, warps=warps, ks=ks, vs=vs)
+    want = run_mma(mma_emu, None, q, kb, vb, tables, ctx, cu, hkv=hkv, bs=bs, warps=warps)
+    np.testing.assert_array_equal(got, want)
+    ref = NumpyOps().paged_attention(q.astype(np.float32), kq, vq, tables, ctx, cu, d ** -0.5, k_scale=ks, v_scale=vs)
+    out = got.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) <= 1e-2
 
-    def emulate():
-        out = np.zeros((107, hq, d), np.uint16)
-        mma_emu.emu_attn_q8(fp8, _ptr(q.view(np.uint16)), _ptr(kq), _ptr(vq), _ptr(tables), nblk, _ptr(ctx), _ptr(cu),
-                            2, hq, hkv, bs, ctypes.c_float(scale * 1.4426950408889634), _ptr(out),
-                            ctypes.c_uint(gx), ctypes.c_size_t((64 + 2 * 64) * (d + 8) * 2), _ptr(ks), _ptr(vs))
-        return out
 
-    got = _forked(emulate).view(ml_dtypes.bfloat16).astype(np.float32)
-    want = NumpyOps().paged_attention(q.astype(np.float32), kq, vq, tables, ctx, cu, scale, k_scale=ks, v_scale=vs)
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert err <= 1e-2, err
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_8bit_pipeline_keeps_the_bits_with_a_window_sinks_and_split_keys(mma_emu, kind):
+    """A sliding window (keys starting mid-tile), gpt-oss's sinks, and split-K partials over 8-bit caches: the bits
+    of the bf16 kernel over the dequantised values (sinks: the normalised output; splits: the partials)."""
+    rng = np.random.default_rng(5)
+    hq, hkv, bs, d = 4, 2, 16, 64
+    q, (kq, ks), (vq, vs), (kb, vb), tables, ctx, cu = _q8_case(rng, kind, [(9, 150), (1, 77), (20, 20)], hq, hkv, d,
+                                                                bs, 24)
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+    common = dict(hkv=hkv, bs=bs, warps=4, window=50, sinks=sinks)
+    got = run_mma(mma_emu, kind, q, kq, vq, tables, ctx, cu, ks=ks, vs=vs, **common)
+    np.testing.assert_array_equal(got, run_mma(mma_emu, None, q, kb, vb, tables, ctx, cu, **common))
+    ref = NumpyOps().paged_attention(q.astype(np.float32), kq, vq, tables, ctx, cu, d ** -0.5, sliding_window=50,
+                                     sinks=sinks, k_scale=ks, v_scale=vs)
+    out = got.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) <= 1e-2
+    dec = [(1, 150), (1, 77), (1, 20)]
+    q, (kq, ks), (vq, vs), (kb, vb), tables, ctx, cu = _q8_case(rng, kind, dec, hq, hkv, d, bs, 24)
+    split = dict(hkv=hkv, bs=bs, warps=1, splits=3)
+    got_o, got_ml = run_mma(mma_emu, kind, q, kq, vq, tables, ctx, cu, ks=ks, vs=vs, **split)
+    want_o, want_ml = run_mma(mma_emu, None, q, kb, vb, tables, ctx, cu, **split)
+    np.testing.assert_array_equal(got_o, want_o)
+    np.testing.assert_array_equal(got_ml, want_ml)
