@@ -12,7 +12,7 @@ import numpy as np
 from prefixrun.kernels.cuda_arrays import BF16, F32, as_f32, device_index, head_view, i32, i64, matrix_view, \
     type_name
 from prefixrun.kernels.cuda_modules import CONV_WIDTHS, kernel
-from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes
+from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes, kda_chunked
 
 _NULL = np.uint64(0)  # a kernel's absent pointer argument
 
@@ -20,6 +20,7 @@ _NULL = np.uint64(0)  # a kernel's absent pointer argument
 _GDN_CHUNK, _GDN_SCAN_COLS = 64, 32
 _GDN_PREP_SMEM = (2 * 128 * (64 + 4) + 64 * (64 + 1)) * 4
 _GDN_SCAN_SMEM = (128 * 32 + 64 * (128 + 4) + 64 * 32 + 64 * (64 + 1)) * 4
+_GDN_PREP_GATES_SMEM = 128 * (64 + 4) * 4  # a decay per key channel: the prep pass's cumulative gates, transposed
 
 
 class SequenceMixingOps:
@@ -58,7 +59,8 @@ class SequenceMixingOps:
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
         v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]; g [T, H, Dk] (a decay per key channel, Kimi's KDA)
-        steps every token in gdn_rows_kernel. Steps token by token in one launch (decode-like
+        takes the fp32 chunked form where kernels/tuning.py's kda_chunked says, else gdn_rows_kernel token by token.
+        Steps token by token in one launch (decode-like
         steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
         prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
         a prefill of a few long sequences the fp32 chunked form (64-token chunks, two launches each; see
@@ -87,6 +89,9 @@ class SequenceMixingOps:
         slots, cu = device_index(slots), device_index(cu_seqlens)
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
+            return out
+        if per_channel and kda_chunked(self.tuning, tokens=t, seqs=nseq, dk=dk, dv=dv, prefill=prefill):
+            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
         if per_channel:  # a decay per key channel: token by token (gdn_rows_kernel), no snapshots (rows all -1)
             self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, state, slots, cu,
@@ -123,21 +128,23 @@ class SequenceMixingOps:
 
     def _gdn_chunked(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
         """The chunked form (kernels/delta_rule.cu): a parallel pass over all 64-token chunks writes W, U0, Aqk and
-        the cumulative gates to fp32 scratch, then a scan over each sequence's chunks applies the state."""
+        the cumulative gates to fp32 scratch, then a scan over each sequence's chunks applies the state. g [T, H],
+        or [T, H, Dk] (a decay per key channel: its cumulative gates per channel too)."""
         t, _, dk = q.shape
         h, dv, nseq = v.shape[1], v.shape[2], slots.shape[0]
         c = _GDN_CHUNK
         w = cupy.empty((t, h, dk), F32)
         u = cupy.empty((t, h, dv), F32)
         aqk = cupy.empty((t, h, c), F32)
-        gc = cupy.empty((t, h), F32)
+        gc = cupy.empty(g.shape, F32)
         scale = np.float32(1.0 / math.sqrt(dk))
-        tn = type_name(out.dtype)
-        prep = self._dynamic_smem(kernel("delta_rule", f"gdn_chunk_prep_kernel<{tn}>"), _GDN_PREP_SMEM)
+        names = f"{type_name(out.dtype)}, {'true' if g.ndim == 3 else 'false'}"
+        smem = _GDN_PREP_SMEM + (_GDN_PREP_GATES_SMEM if g.ndim == 3 else 0)
+        prep = self._dynamic_smem(kernel("delta_rule", f"gdn_chunk_prep_kernel<{names}>"), smem)
         prep((-(-t // c) + nseq, h), (256,),
              (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, cu, i32(nseq),
-              i32(h), i32(krep), i32(dk), i32(dv), scale, w, u, aqk, gc), shared_mem=_GDN_PREP_SMEM)
-        scan = self._dynamic_smem(kernel("delta_rule", f"gdn_chunk_scan_kernel<{tn}>"), _GDN_SCAN_SMEM)
+              i32(h), i32(krep), i32(dk), i32(dv), scale, w, u, aqk, gc), shared_mem=smem)
+        scan = self._dynamic_smem(kernel("delta_rule", f"gdn_chunk_scan_kernel<{names}>"), _GDN_SCAN_SMEM)
         scan((-(-dv // _GDN_SCAN_COLS), h, nseq), (256,),
              (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), w, u, aqk, gc, state, slots, cu, i32(h), i32(krep),
               i32(dk), i32(dv), scale, out), shared_mem=_GDN_SCAN_SMEM)
@@ -218,7 +225,9 @@ class SequenceMixingOps:
         nseq = slots_i.shape[0]
         if not (t and nseq):
             return out
-        if self.tuning.deterministic and not per_channel:  # the kernel of a decode step, so verify rows compute as decode rows do
+        # deterministic: the kernel of a decode step, so verify rows compute as decode rows do (a decay per key
+        # channel decodes in gdn_rows_kernel already)
+        if self.tuning.deterministic and not per_channel:
             launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv)
             if launch.kernel != "rows":
                 self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots_i, cu,

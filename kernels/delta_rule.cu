@@ -321,6 +321,12 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
 //   gdn_chunk_prep_kernel: one block per (chunk, head), all chunks in parallel: W, U0, Aqk and gc to scratch.
 //   gdn_chunk_scan_kernel: one block per (value-column tile, head, sequence), chunks in order: the S-dependent
 //   part, with the [Dk, 32] state tile in shared memory. fp32 arithmetic throughout (SIMT FMAs).
+// With PER_CHANNEL (Kimi's KDA) g is [T, H, Dk]: key channel d decays by its own exp(g[t][d]), so gc, G and
+// every decay above become per channel, Gamma_t[d] = exp(gc_t[d]), and
+//   L[t][j] = beta_t sum_d k_t[d] k_j[d] exp(gc_t[d] - gc_j[d]),  Aqk[t][j] = sum_d q_t[d] k_j[d] exp(...) / sqrt(Dk),
+//   W = T (beta (Gamma . K)),  O = (Gamma . Q) S / sqrt(Dk) + Aqk U,  S' = Gamma_last . S + (K . exp(gc_last - gc))^T U
+// (. elementwise over key channels, Gamma_last scaling S's rows). The pair sums take one exp per (t, j <= t, d):
+// exact, and every exponent is still <= 0. gc goes to scratch per channel, [T, H, Dk].
 // Limits: Dk, Dv <= 128 (the wrapper falls back to the token-stepped kernel otherwise).
 // Every kernel here reads q and k of value head h from key head h / krep (grouped value heads share key heads,
 // repeat_interleave order), so the key heads are never materialised per value head.
@@ -330,7 +336,7 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
 #define GDN_KT_LD (GDN_C + 4)    // sKT / sQT [d][t]: rows of C floats, 16-byte aligned, fewer bank conflicts
 #define GDN_L_LD (GDN_C + 1)     // [t][j] matrices read by column
 
-template <typename T>
+template <typename T, bool PER_CHANNEL>
 __global__ void __launch_bounds__(256, 2)
 gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                       const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
@@ -343,6 +349,7 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     float* sL = sQT + GDN_DMAX * GDN_KT_LD;      // [C][GDN_L_LD]
     float* sTs = sQT;                            // [C][GDN_L_LD]   T row-major (the solve writes it)
     float* sTt = sQT + GDN_C * GDN_L_LD;         // [C][GDN_KT_LD]  T transposed: sTt[j][t] = T[t][j]
+    float* sGT = sL + GDN_C * GDN_L_LD;          // PER_CHANNEL: [GDN_DMAX][GDN_KT_LD] gc transposed
     __shared__ float sgc[GDN_C], sbeta[GDN_C], sG[GDN_C];
     __shared__ int s_seq, s_tile;
 
@@ -370,27 +377,58 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
         }
         sKT[d * GDN_KT_LD + t] = kv;
         sQT[d * GDN_KT_LD + t] = qv;
+        if (PER_CHANNEL) sGT[d * GDN_KT_LD + t] = (t < n && d < dk) ? g[((i64)(start + t) * heads + h) * dk + d] : 0.f;
     }
     if (tid < GDN_C) {
-        sgc[tid] = tid < n ? g[(i64)(start + tid) * heads + h] : 0.f;
+        if (!PER_CHANNEL) sgc[tid] = tid < n ? g[(i64)(start + tid) * heads + h] : 0.f;
         sbeta[tid] = tid < n ? beta[(i64)(start + tid) * heads + h] : 0.f;
     }
     __syncthreads();
-    if (tid == 0) {  // inclusive cumsum of the log decays (64 adds)
+    if (PER_CHANNEL) {  // inclusive cumsum of each channel's log decays (64 adds per channel)
+        if (tid < dk) {
+            float acc = 0.f;
+            for (int t = 0; t < n; ++t) {
+                acc += sGT[tid * GDN_KT_LD + t];
+                sGT[tid * GDN_KT_LD + t] = acc;
+                gc_out[((i64)(start + t) * heads + h) * dk + tid] = acc;
+            }
+        }
+    } else if (tid == 0) {  // inclusive cumsum of the log decays (64 adds)
         float acc = 0.f;
         for (int t = 0; t < GDN_C; ++t) { acc += sgc[t]; sgc[t] = acc; }
     }
     __syncthreads();
-    if (tid < GDN_C) {
+    if (!PER_CHANNEL && tid < GDN_C) {
         sG[tid] = expf(sgc[tid]);
         if (tid < n) gc_out[(i64)(start + tid) * heads + h] = sgc[tid];
     }
 
-    // K K^T and Q K^T, a 4 x 4 tile of (t, j) per thread
+    // K K^T and Q K^T, a 4 x 4 tile of (t, j) per thread (PER_CHANNEL: each product decayed per channel, tiles
+    // wholly above the diagonal skipped)
     {
         const int t0 = (tid >> 4) * 4, j0 = (tid & 15) * 4;
         float kk[4][4] = {}, qk[4][4] = {};
-        for (int d = 0; d < dk; ++d) {
+        if (PER_CHANNEL && j0 <= t0 + 3) {
+            for (int d = 0; d < dk; ++d) {
+                const float4 a = *reinterpret_cast<const float4*>(sKT + d * GDN_KT_LD + t0);
+                const float4 aq = *reinterpret_cast<const float4*>(sQT + d * GDN_KT_LD + t0);
+                const float4 b = *reinterpret_cast<const float4*>(sKT + d * GDN_KT_LD + j0);
+                const float4 ga = *reinterpret_cast<const float4*>(sGT + d * GDN_KT_LD + t0);
+                const float4 gb = *reinterpret_cast<const float4*>(sGT + d * GDN_KT_LD + j0);
+                const float av[4] = {a.x, a.y, a.z, a.w}, qv[4] = {aq.x, aq.y, aq.z, aq.w};
+                const float bv[4] = {b.x, b.y, b.z, b.w}, gav[4] = {ga.x, ga.y, ga.z, ga.w};
+                const float gbv[4] = {gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+                for (int x = 0; x < 4; ++x)
+#pragma unroll
+                    for (int y = 0; y < 4; ++y) {
+                        const float kd = bv[y] * expf(fminf(gav[x] - gbv[y], 0.f));  // j > t: discarded below
+                        kk[x][y] += av[x] * kd;
+                        qk[x][y] += qv[x] * kd;
+                    }
+            }
+        }
+        for (int d = 0; d < (PER_CHANNEL ? 0 : dk); ++d) {
             const float4 a = *reinterpret_cast<const float4*>(sKT + d * GDN_KT_LD + t0);
             const float4 aq = *reinterpret_cast<const float4*>(sQT + d * GDN_KT_LD + t0);
             const float4 b = *reinterpret_cast<const float4*>(sKT + d * GDN_KT_LD + j0);
@@ -409,13 +447,13 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
 #pragma unroll
             for (int y = 0; y < 4; ++y) {
                 const int j = j0 + y;
-                const float decay = j <= t ? expf(sgc[t] - sgc[j]) : 0.f;
+                const float decay = j > t ? 0.f : PER_CHANNEL ? 1.f : expf(sgc[t] - sgc[j]);
                 sL[t * GDN_L_LD + j] = j < t ? sbeta[t] * decay * kk[x][y] : 0.f;
                 if (t < n) aqk_out[((i64)(start + t) * heads + h) * GDN_C + j] = decay * qk[x][y] * scale;
             }
         }
     }
-    __syncthreads();  // sL complete; sQT no longer needed (sTs / sTt reuse it)
+    __syncthreads();  // sL complete; sQT no longer needed (sTs / sTt reuse it; sGT stays)
 
     // T = (I + L)^-1 by forward substitution: thread c owns column c (no synchronisation between rows)
     if (tid < GDN_C) {
@@ -444,7 +482,8 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
 #pragma unroll
     for (int r = 0; r < 32; ++r) acc[r] = 0.f;
     for (int j = 0; j < n; ++j) {
-        const float kb = sbeta[j] * sG[j] * sKT[x * GDN_KT_LD + j];
+        const float gx = PER_CHANNEL ? expf(sGT[x * GDN_KT_LD + j]) : sG[j];
+        const float kb = sbeta[j] * gx * sKT[x * GDN_KT_LD + j];
 #pragma unroll
         for (int r4 = 0; r4 < 8; ++r4) {
             const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
@@ -483,7 +522,7 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
 #define GDN_CB 32                 // value columns per scan block
 #define GDN_BUF_LD (GDN_DMAX + 4) // [t][d] rows of W / Q / K
 
-template <typename T>
+template <typename T, bool PER_CHANNEL>
 __global__ void __launch_bounds__(256)
 gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                       const float* __restrict__ w_in, const float* __restrict__ u_in, const float* __restrict__ aqk_in,
@@ -495,6 +534,7 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     float* sU = sBuf + GDN_C * GDN_BUF_LD;   // [C][GDN_CB]         U (then scaled by the tail decay)
     float* sA = sU + GDN_C * GDN_CB;         // [C][GDN_L_LD]       Aqk
     __shared__ float sgc[GDN_C];
+    __shared__ float sglast[GDN_DMAX];  // PER_CHANNEL: each channel's gc at the chunk's last token
 
     const int seq = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
     const int seq_start = cu[seq], len = cu[seq + 1] - seq_start;
@@ -529,7 +569,9 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
             const int r = idx / GDN_C, j = idx % GDN_C;
             sA[r * GDN_L_LD + j] = r < n ? aqk_in[((i64)(start + r) * heads + h) * GDN_C + j] : 0.f;
         }
-        if (tid < GDN_C) sgc[tid] = tid < n ? gc_in[(i64)(start + tid) * heads + h] : 0.f;
+        if (!PER_CHANNEL && tid < GDN_C) sgc[tid] = tid < n ? gc_in[(i64)(start + tid) * heads + h] : 0.f;
+        if (PER_CHANNEL && tid < GDN_DMAX)
+            sglast[tid] = tid < dk ? gc_in[((i64)(start + n - 1) * heads + h) * dk + tid] : 0.f;
         __syncthreads();
 
         // phase 1: U = U0 - W S
@@ -557,7 +599,9 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
         for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
             const int idx = tid + i * 256;
             const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
-            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(q[(i64)(start + r) * qst + (i64)(h / krep) * qsh + d]) : 0.f;
+            float qv = (r < n && d < dk) ? to_f(q[(i64)(start + r) * qst + (i64)(h / krep) * qsh + d]) : 0.f;
+            if (PER_CHANNEL && r < n && d < dk) qv *= expf(gc_in[((i64)(start + r) * heads + h) * dk + d]);
+            sBuf[r * GDN_BUF_LD + d] = qv;
         }
         __syncthreads();
 
@@ -575,7 +619,7 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
                 acc[4] += qv[e] * s1.x; acc[5] += qv[e] * s1.y; acc[6] += qv[e] * s1.z; acc[7] += qv[e] * s1.w;
             }
         }
-        const float gq = expf(sgc[t]) * scale;
+        const float gq = PER_CHANNEL ? scale : expf(sgc[t]) * scale;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= gq;
         for (int j = 0; j <= t && j < n; ++j) {
@@ -592,14 +636,17 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
                 if (col0 + cg + e < dv) orow[col0 + cg + e] = from_f<T>(acc[e]);
         }
         __syncthreads();  // Q and U (unscaled) consumed
-        const float gl = sgc[n - 1];
+        const float gl = PER_CHANNEL ? 0.f : sgc[n - 1];
 #pragma unroll 8
         for (int i = 0; i < GDN_C * GDN_DMAX / 256; ++i) {
             const int idx = tid + i * 256;
             const int r = idx / GDN_DMAX, d = idx % GDN_DMAX;
-            sBuf[r * GDN_BUF_LD + d] = (r < n && d < dk) ? to_f(k[(i64)(start + r) * kst + (i64)(h / krep) * ksh + d]) : 0.f;
+            float kv = (r < n && d < dk) ? to_f(k[(i64)(start + r) * kst + (i64)(h / krep) * ksh + d]) : 0.f;
+            if (PER_CHANNEL && r < n && d < dk)  // the tail decay per channel, exp(gc_last - gc_r)
+                kv *= expf(sglast[d] - gc_in[((i64)(start + r) * heads + h) * dk + d]);
+            sBuf[r * GDN_BUF_LD + d] = kv;
         }
-        for (int idx = tid; idx < GDN_C * GDN_CB; idx += 256) {
+        for (int idx = tid; idx < (PER_CHANNEL ? 0 : GDN_C * GDN_CB); idx += 256) {
             const int r = idx / GDN_CB;
             if (r < n) sU[idx] *= expf(gl - sgc[r]);
         }
@@ -608,7 +655,7 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
         // phase 3: S = G_last S + K^T (tail U)
         {
             float sa[16];
-            const float glast = expf(gl);
+            const float glast = expf(PER_CHANNEL ? sglast[sd] : gl);
 #pragma unroll
             for (int e = 0; e < 16; e += 4) {
                 const float4 s4 = *reinterpret_cast<const float4*>(sS + sd * GDN_CB + sc + e);

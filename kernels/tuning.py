@@ -243,6 +243,18 @@ def _deterministic_delta_rule(tuning: CudaTuning, *, tokens: int, seqs: int, hea
     return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
 
 
+def kda_chunked(tuning: CudaTuning, *, tokens: int, seqs: int, dk: int, dv: int, prefill: bool) -> bool:
+    """Whether the delta rule with a decay per key channel (Kimi's KDA) takes the fp32 chunked form
+    (kernels/delta_rule.cu, PER_CHANNEL) rather than gdn_rows_kernel token by token: any step with more tokens than
+    sequences (its per-token chain is ~64x shorter), or, deterministic, exactly the prefill steps (as
+    _deterministic_delta_rule chooses for one decay per head)."""
+    if not tokens or dk > GDN_CHUNK_DMAX or dv > GDN_CHUNK_DMAX:
+        return False
+    if tuning.deterministic:
+        return prefill
+    return tokens > seqs and bool(tuning.gdn_chunked)
+
+
 def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:
     """Dynamic shared memory of gdn_tc_prep_kernel<dim> (warps == 0) or gdn_tc_scan_kernel<dim, warps>, bytes
     (the layouts at the top of each kernel in kernels/delta_tc.cu; C = 64 tokens, rows padded by 8 bf16)."""

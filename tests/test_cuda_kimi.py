@@ -1,9 +1,10 @@
-"""Kimi Linear on the GPU: Kimi Delta Attention's ops (the delta rule with a decay per key channel in prefill,
-decode and speculative rows; its gates, a decay per key channel and a beta per head) against the NumPy reference,
-and a transformers-written model end to end: fp32 gives transformers' greedy tokens (speculation off and ngram,
-prefix reuse), bf16's whole-model error against the fp32 reference stays within 2x transformers' own bf16 error
-on the same weights (or 1e-2). Bounds as tests/test_cuda_kernels.py: fp32 1e-5, bf16 2e-2 for sequence ops fed
-the same bf16-rounded inputs; the fp32 states 1e-4, as tests/test_cuda_mamba.py."""
+"""Kimi Linear on the GPU: Kimi Delta Attention's ops (the delta rule with a decay per key channel in its chunked
+prefill form, token by token, in speculative rows and as --deterministic chooses; its gates, a decay per key
+channel and a beta per head) against the NumPy reference, and a transformers-written model end to end: fp32 gives
+transformers' greedy tokens (speculation off and ngram, prefix reuse), bf16's whole-model error against the fp32
+reference stays within 2x transformers' own bf16 error on the same weights (or 1e-2). Bounds as
+tests/test_cuda_kernels.py: fp32 1e-5, bf16 2e-2 for sequence ops fed the same bf16-rounded inputs; the fp32
+states 1e-4, as tests/test_cuda_mamba.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,7 +45,7 @@ def _kda_inputs(ops, rng, lens, h, dk, nslots=6):
     return cu, qk, v, g, beta, state0, slots
 
 
-@pytest.mark.parametrize("mode", ["prefill", "step", "rows", "deterministic"])
+@pytest.mark.parametrize("mode", ["chunked", "stepped", "rows", "deterministic-prefill", "deterministic-decode"])
 @pytest.mark.parametrize("lens,h,dk", [([1, 1, 1], 4, 128), ([200, 7, 0, 65], 2, 128), ([5, 33], 3, 24),
                                        ([40], 2, 64)])
 def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
@@ -62,10 +63,11 @@ def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
         got = ops.gated_delta_rule_rows(*dev, state, slots, cu, snaps, snap_rows)
         keep = snap_rows[snap_rows >= 0]
         assert rel(host(ops, snaps)[keep], ref_snaps[keep]) < TOL_STATE
-    else:
-        tuned = ops.retuned(deterministic=True) if mode == "deterministic" else ops
+    else:  # the fp32 chunked form (kernels/delta_rule.cu, PER_CHANNEL) or gdn_rows_kernel token by token
+        tuned = {"chunked": ops.retuned(gdn_chunked=True), "stepped": ops.retuned(gdn_chunked=False)}.get(
+            mode, ops.retuned(deterministic=True))
         want = ref.gated_delta_rule(qk[:, :h], qk[:, h:], v, g, beta, ref_state, slots, cu)
-        got = tuned.gated_delta_rule(*dev, state, slots, cu, prefill=mode != "step")
+        got = tuned.gated_delta_rule(*dev, state, slots, cu, prefill=mode != "deterministic-decode")
     assert got.shape == want.shape and got.dtype == np.dtype(ops.act_dtype)
     assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name]
     assert rel(host(ops, state), ref_state) < TOL_STATE

@@ -11,11 +11,27 @@ import pytest
 
 from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, NORM_WIDE_LANES, WGMMA_HEAD_DIMS, \
     AttentionPlan, CudaTuning, DeltaRuleLaunch, GdnPrepLaunch, NormLaunch, attention_plan, delta_rule_launch, \
-    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch, wgmma_keys_per_tile, \
+    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, kda_chunked, norm_launch, wgmma_keys_per_tile, \
     ws_keys_per_tile, ws_persistent_blocks
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
+
+
+def test_kda_chunked_choices():
+    """A decay per key channel (Kimi's KDA): the chunked form for any step with more tokens than sequences, token
+    by token for decode; deterministic, exactly the prefill steps; never past the chunked kernels' 128 dims."""
+    shapes = dict(dk=128, dv=128)
+    assert kda_chunked(DEFAULT, tokens=4 * 4096, seqs=4, prefill=True, **shapes)
+    assert kda_chunked(DEFAULT, tokens=65, seqs=64, prefill=False, **shapes)  # a verify-like step too
+    assert not kda_chunked(DEFAULT, tokens=64, seqs=64, prefill=True, **shapes)
+    assert not kda_chunked(dataclasses.replace(DEFAULT, gdn_chunked=False), tokens=4096, seqs=1, prefill=True,
+                           **shapes)
+    assert not kda_chunked(DEFAULT, tokens=4096, seqs=1, prefill=True, dk=256, dv=128)
+    assert not kda_chunked(DEFAULT, tokens=0, seqs=0, prefill=True, **shapes)
+    det = dataclasses.replace(DEFAULT, deterministic=True)
+    assert kda_chunked(det, tokens=3, seqs=3, prefill=True, **shapes)
+    assert not kda_chunked(det, tokens=300, seqs=3, prefill=False, **shapes)
 
 
 @pytest.mark.parametrize("tokens,seqs,heads,dk,dv,want", [
