@@ -109,6 +109,15 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         pool = cupy.get_default_memory_pool()
         return int(free + pool.free_bytes())
 
+    def device_identity(self) -> str:
+        """The GPU's model, memory, compute capability and clock, the driver's and CUDA runtime's versions, CuPy's."""
+        runtime = cupy.cuda.runtime
+        props = runtime.getDeviceProperties(runtime.getDevice())
+        name = props["name"].decode("utf-8", "replace") if isinstance(props["name"], bytes) else str(props["name"])
+        return (f"{name}, {props['totalGlobalMem']} bytes, sm_{props['major']}{props['minor']}, "
+                f"{props.get('multiProcessorCount')} SMs at {props.get('clockRate')} kHz, driver "
+                f"{runtime.driverGetVersion()}, runtime {runtime.runtimeGetVersion()}, cupy {cupy.__version__}")
+
     def storage_dtype(self, kind: str) -> np.dtype:
         """The array dtype of a state region declared `kind` ("float32", or "act" for the storage dtype)."""
         return region_dtype(kind, self.act_dtype)

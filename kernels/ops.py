@@ -49,6 +49,11 @@ class Ops(Protocol):
         """Bytes of device memory still available for state pools; None when state lives in host memory that the
         backend does not manage (the caller then picks a fixed size)."""
 
+    def device_identity(self) -> str:
+        """What a measurement of this device's speed depends on besides the work (the device's model and memory,
+        its driver and runtime versions, the array library's version): a measurement remembered under it is
+        believed only where it is the same (engine/run/batch_memo.py)."""
+
     def storage_dtype(self, kind: str) -> np.dtype:
         """The dtype of a state region declared `kind`: "float32" -> float32, "act" -> the storage dtype."""
 

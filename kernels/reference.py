@@ -58,6 +58,10 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
         """None: state lives in host memory, which this backend does not manage (callers pick a fixed size)."""
         return None
 
+    def device_identity(self) -> str:
+        """The host backend's: NumPy's version (no choice times the host's speed)."""
+        return f"cpu, numpy {np.__version__}"
+
     def storage_dtype(self, kind: str) -> np.dtype:
         """The array dtype of a state region declared `kind` ("float32", or "act" for the storage dtype)."""
         return region_dtype(kind, self.act_dtype)

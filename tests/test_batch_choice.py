@@ -78,11 +78,12 @@ def test_measuring_runs_the_models_steps_over_distinct_sequences_and_releases_th
         assert set(steps) == {1, 2} and all(0 < s < 5 for s in steps.values())
         slots, lengths, state = seen[-1]
         assert len(set(slots)) == 2 and min(lengths) >= 40  # distinct sequences of the context asked for
-        assert len(seen) == 2 * (1 + batch_choice._REPLAYS)  # a warm-up and the timed replays per width
+        assert len(seen) == 2 * (1 + batch_choice.REPLAYS)  # a warm-up and the timed replays per width
         assert not state.live and state.blocks.free_count == state.blocks.num_blocks  # every handle released
 
 
-def test_a_session_on_a_device_decodes_at_the_measured_width_and_reports_the_steps(model, cpu_ops, monkeypatch):
+def test_a_session_on_a_device_decodes_at_the_measured_width_and_reports_the_steps(model, cpu_ops, monkeypatch,
+                                                                                  tmp_path):
     from types import SimpleNamespace
 
     from prefixrun.engine.run import session
@@ -92,7 +93,8 @@ def test_a_session_on_a_device_decodes_at_the_measured_width_and_reports_the_ste
             return 1 << 40
 
     monkeypatch.setattr(batch_choice, "measure_steps", lambda *a, **k: {2: 0.010, 4: 0.012})
-    fake = SimpleNamespace(loaded=SimpleNamespace(model=model))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the memo's signing key
+    fake = SimpleNamespace(loaded=SimpleNamespace(model=model), config=SimpleNamespace(cache_root=tmp_path / "c"))
     roomy = _memory_for(model, cpu_ops, 4, SEAT_CONTEXT_TOKENS // 2)
     width, why = session._default_max_batch(fake, Device(), roomy, 0)
     assert width == 4 and fake.max_batch_steps == {2: 0.010, 4: 0.012} and "measured decode steps" in why

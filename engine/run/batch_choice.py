@@ -18,12 +18,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from prefixrun.engine.run.batch_memo import NO_STEP_MEMO
 from prefixrun.engine.state.pools import SEAT_CONTEXT_TOKENS, ModelState, max_batch_for_memory
 
 SHORT_CONTEXT = SEAT_CONTEXT_TOKENS // 2  # the context a seat of the wider width is sized for
 WIDER_GAIN = 1.05  # the wider width must make this many times the sequences per second of the safe one
 MAX_MEASURED_BATCH = 512  # the widest width measured
-_REPLAYS = 2  # timed steps per width (after a warm-up)
+REPLAYS = 2  # timed steps per width (after a warm-up)
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,15 @@ def pick(step_seconds: dict[int, float]) -> int:
 
 def measure_steps(model, ops, widths: list[int], block_size: int, context: int = SHORT_CONTEXT) -> dict[int, float]:
     """Seconds per decode step at each width: the model's step over that many distinct sequences of `context`
-    tokens on a temporary state (zeros: a step's time does not depend on the values), the fastest of _REPLAYS
+    tokens on a temporary state (zeros: a step's time does not depend on the values), the fastest of REPLAYS
     after a warm-up. Eager steps, not graphs: a capture costs several steps' time, and at the widths compared
     (where twice the safe width fits at all) a step is bound by the device, so its launches hide behind it. The
     state is released before this returns."""
     from prefixrun.engine.step.decode_graphs import DecodeGraphs
 
     top = max(widths)
-    context = max(1, min(context, model.cfg.max_position_embeddings - _REPLAYS - 2))  # positions the model has
-    state = ModelState(model.state_specs(), ops, top + 1, top * -(-(context + _REPLAYS + 2) // block_size) + 2,
+    context = max(1, min(context, model.cfg.max_position_embeddings - REPLAYS - 2))  # positions the model has
+    state = ModelState(model.state_specs(), ops, top + 1, top * -(-(context + REPLAYS + 2) // block_size) + 2,
                        block_size)
     handles = []
     for _ in range(top):
@@ -83,7 +84,7 @@ def measure_steps(model, ops, widths: list[int], block_size: int, context: int =
             graphs.step(handles[:w], [0] * w)  # warm-up: kernels loaded, GEMM algorithms chosen
             ops.synchronize()
             best = float("inf")
-            for _ in range(_REPLAYS):
+            for _ in range(REPLAYS):
                 t0 = time.perf_counter()
                 graphs.step(handles[:w], [0] * w)
                 ops.synchronize()
@@ -98,19 +99,24 @@ def measure_steps(model, ops, widths: list[int], block_size: int, context: int =
     return out
 
 
-def choose_max_batch(model, ops, *, state_bytes: int, checkpoint_bytes: int, block_size: int) -> BatchChoice:
-    """--max-batch for a run on a device that did not give one (module doc)."""
+def choose_max_batch(model, ops, *, state_bytes: int, checkpoint_bytes: int, block_size: int,
+                     memo=NO_STEP_MEMO) -> BatchChoice:
+    """--max-batch for a run on a device that did not give one (module doc). `memo`: where steps timed by an
+    earlier run are remembered (engine/run/batch_memo.py), taken instead of timing again."""
     specs = model.state_specs()
     widths = candidate_widths(specs, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
                               block_size=block_size)
     if len(widths) == 1:
         return BatchChoice(widths[0], "state memory")
     t0 = time.perf_counter()
-    try:
-        steps = measure_steps(model, ops, widths, block_size)
-    except Exception as exc:  # e.g. the device's memory taken by another process meanwhile: the safe width
-        return BatchChoice(widths[0], f"state memory (the wider width not measured: {type(exc).__name__})")
+    steps = memo.recall(widths)
+    measured = "decode steps measured by an earlier run" if steps is not None else "measured decode steps"
+    if steps is None:
+        try:
+            steps = measure_steps(model, ops, widths, block_size)
+        except Exception as exc:  # e.g. the device's memory taken by another process meanwhile: the safe width
+            return BatchChoice(widths[0], f"state memory (the wider width not measured: {type(exc).__name__})")
+        memo.remember(steps)
     chosen = pick(steps)
     rates = ", ".join(f"{w} at {1e3 * s:.2f} ms a step" for w, s in sorted(steps.items()))
-    return BatchChoice(chosen, f"state memory and measured decode steps ({rates})", steps,
-                       time.perf_counter() - t0)
+    return BatchChoice(chosen, f"state memory and {measured} ({rates})", steps, time.perf_counter() - t0)

@@ -248,12 +248,16 @@ def _default_max_batch(session: EngineSession, ops, state_bytes: int, checkpoint
     """(--max-batch when not given, where it came from): on a device, the width of the most measured throughput
     within its state memory (engine/run/batch_choice.py); 32 where the backend computes in host memory (CPU decode
     is bound by compute long before memory)."""
-    from prefixrun.engine.run.batch_choice import choose_max_batch
+    from prefixrun.engine.run.batch_choice import REPLAYS, SHORT_CONTEXT, choose_max_batch
+    from prefixrun.engine.run.batch_memo import StepMemo
 
     if ops.free_memory() is None:
         return HOST_MAX_BATCH, "default"
-    choice = choose_max_batch(session.loaded.model, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
-                              block_size=ops.default_block_size)
+    model, block_size = session.loaded.model, ops.default_block_size
+    memo = StepMemo.of_run(session.config.cache_root, model, ops, block_size=block_size, context=SHORT_CONTEXT,
+                           replays=REPLAYS)  # the steps an earlier run timed (engine/run/batch_memo.py)
+    choice = choose_max_batch(model, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
+                              block_size=block_size, memo=memo)
     session.max_batch_steps = choice.step_seconds
     return choice.max_batch, choice.source
 
