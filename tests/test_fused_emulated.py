@@ -1,4 +1,5 @@
-"""The fused kernels of kernels/elementwise.cu (residual add + RMSNorm, q/k norm + rotary, sigmoid gate), compiled
+"""The fused kernels of kernels/elementwise.cu (residual add + RMSNorm, q/k norm + rotary, sigmoid gate, the delta
+rule's gates), compiled
 for the CPU with tests/cuda_emu.h and run against the NumPy reference with the launch geometry kernels/cuda.py uses:
 indexing, strided views, grid-stride loops, warp and block reductions are checked without a GPU (fp32 storage:
 tight bounds). Arrays the kernels write carry canaries."""
@@ -90,6 +91,14 @@ extern "C" int emu_glu(int bf, int act, const void* gu, i64 rows, i64 inner, i64
         else if (act == 2) gelu_mul_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec);                      \
         else clamped_swiglu_kernel<T>((const T*)gu, rows, inner, s0, (T*)out, tx, vec, 1.702f, 7.0f); });
     if (bf) EMU_GLU(bf16) else EMU_GLU(float)
+    return 0;
+}
+extern "C" int emu_delta_gates(const float* a, i64 sa, const float* b, i64 sb, i64 tokens, int heads, int beta_heads,
+                               const float* a_log, const float* dt_bias, float* g, float* beta, int blocks) {
+    gridDim = {unsigned(blocks), 1, 1};
+    emu_launch(gridDim, 256, 0, [&] {
+        delta_gates_kernel<float>(a, sa, b, sb, tokens, heads, beta_heads, a_log, dt_bias, g, beta);
+    });
     return 0;
 }
 """
@@ -338,3 +347,28 @@ def test_glu_kernels(emu, dtype, act, rows, inner, stride_pad, rows_cap):
     got = _values(results[0], dtype).astype(np.float64)  # norm-relative, as tests/test_cuda_activations.py: the
     err = np.linalg.norm(got - want) / np.linalg.norm(want)  # tanh form cancels in fp32 for large negative gates
     assert err <= (1e-2 if dtype == BF16 else 1e-5), err
+
+
+@pytest.mark.parametrize("t,heads,beta_heads,blocks", [(9, 6, 6, 1), (7, 4 * 24, 4, 2), (3, 40, 5, 1)])
+def test_delta_gates_kernel(emu, t, heads, beta_heads, blocks):
+    """Gated DeltaNet's gates (as many betas as decays) and Kimi's KDA (a decay per head and key channel, a beta
+    per head), both read as strided column blocks of one projection; few blocks: the grid-stride loop."""
+    rng = np.random.default_rng(heads)
+    proj = (rng.standard_normal((t, heads + beta_heads + 3)) * 4).astype(np.float32)
+    proj[0, 1] = 40.0  # softplus's linear branch
+    a, b = proj[:, :heads], proj[:, heads + 3:]
+    a_log, dt_bias = rng.uniform(-1, 2.5, heads).astype(np.float32), rng.standard_normal(heads).astype(np.float32)
+    want_g, want_beta = NumpyOps().delta_gates(a, b, a_log, dt_bias)
+
+    def emulate():
+        g, g_ok = _guarded((t, heads), np.float32)
+        beta, beta_ok = _guarded((t, beta_heads), np.float32)
+        stride = i64(proj.shape[1])
+        rc = emu.emu_delta_gates(_ptr(proj), stride, _ptr(proj[:, heads + 3:]), stride, i64(t), heads, beta_heads,
+                                 _ptr(a_log), _ptr(dt_bias), _ptr(g), _ptr(beta), blocks)
+        assert rc == 0 and g_ok() and beta_ok(), "the kernel wrote past an output"
+        return g.copy(), beta.copy()
+
+    g, beta = _forked(emulate)
+    np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(beta, want_beta, rtol=1e-5, atol=1e-6)
