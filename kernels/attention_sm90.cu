@@ -4,7 +4,8 @@
 // sequence and a tile of BM = 128 query rows, row r = new token r / rep, query head kv * rep + r % rep, so the rep
 // query heads of a KV head share every K/V tile load (GQA). Queries of a sequence are its last n positions
 // (ctx - n .. ctx - 1: chunked prefill or a restored checkpoint before them), keys come through the block table,
-// a query at position p sees keys in (p - window, p] (window 0: all of 0..p).
+// a query at position p sees keys in (p - window, p] (window 0: all of 0..p). Attention sinks (gpt-oss; `sinks` fp32
+// [Hq] or nullptr): a learned logit per query head that joins each row's softmax denominator at normalisation.
 //
 // Two warpgroups of 4 warps, 64 rows each. S = Q K^T and O += P V run as wgmma.m64nNk16 (fp32 accumulate; N = 64,
 // and 80 for S in attention_sm90_ws.cu's 80-key tiles): Q and K
@@ -265,6 +266,16 @@ __device__ __forceinline__ void rescale(float (&o)[OP][32], const float (&alpha)
         }
 }
 
+// 1 / the softmax denominator of a row whose running max is m (log2 units) and sum l: with the query head's attention
+// sink (`sinks` fp32 [Hq], natural-log logits, or nullptr; gpt-oss) joining it as l 2^m + e^sink, taken relative to
+// the larger of the two (attn_mma_kernel's formula); without sinks 1 / l (0 for a row that saw nothing).
+__device__ __forceinline__ float softmax_inv(float m, float l, const float* __restrict__ sinks, int head) {
+    if (sinks == nullptr) return l > 0.f ? 1.f / l : 0.f;
+    const float sink = sinks[head] * 1.4426950408889634f, top = fmaxf(m, sink);
+    const float kept = m == -INFINITY ? 0.f : exp2f(m - top);
+    return kept / (l * kept + exp2f(sink - top));
+}
+
 // grid (ceil(T * rep / 128) + num_seqs, hkv), block 256, dynamic shared memory (128 + 4 BN) D * 2 + 1024 bytes.
 // OVERLAP: each warpgroup issues S of tile j + 1 and P V of tile j back to back and runs the softmax of tile j + 1
 // while P V of tile j is still on the tensor cores (K is gathered two tiles ahead, V one); otherwise each tile is
@@ -274,7 +285,8 @@ __global__ void __launch_bounds__(256, 1)
 attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
                   const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                   const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
-                  int block_size, float scale_log2, int window, bf16* __restrict__ out) {
+                  int block_size, float scale_log2, int window, bf16* __restrict__ out,
+                  const float* __restrict__ sinks) {
     static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle atoms");
     constexpr int BM = 128;
     constexpr int CH = D / 8;        // 16-byte chunks per row
@@ -463,7 +475,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     for (int hf = 0; hf < 2; ++hf) {
         if (!rv.ok[hf]) continue;
         const int r = r0 + warp * 16 + g + hf * 8;
-        const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+        const float inv = softmax_inv(m_i[hf], l_i[hf], sinks, h * rep + r % rep);
         bf16* orow = out + ((i64)(start + r / rep) * hq + h * rep + r % rep) * D;
 #pragma unroll
         for (int p = 0; p < OP; ++p)

@@ -135,9 +135,11 @@ def compile_module():
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
-            out, sm_count, schedule="serial", blocks=None):
+            out, sm_count, schedule="serial", blocks=None, sinks=None):
     """One launch of the sm_90a prefill kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element
     strides qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous).
+    `sinks` (contiguous fp32 [Hq] on the device, or None): attention sinks, a logit per query head in each row's
+    softmax denominator.
     `schedule` (SCHEDULES): "serial" S, softmax, P V per tile; "overlap" a tile's softmax while the previous tile's
     P V runs; "ws" / "pingpong" the warp-specialised kernel (kernels/attention_sm90_ws.cu), persistent: `blocks`
     per KV head (None: kernels/tuning.py ws_persistent_blocks for `sm_count` SMs; the tile count: one tile per
@@ -152,5 +154,6 @@ def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq,
             blocks = ws_persistent_blocks(query_tiles, hkv, sm_count)
         grid = (max(1, min(int(blocks), query_tiles)), hkv)
     args = (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables, np.int32(tables.shape[1]), ctx, cu,
-            np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out)
+            np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out,
+            sinks if sinks is not None else np.uint64(0))
     _function(d, schedule)(grid, (threads(schedule),), args, shared_mem=shared_bytes(d, schedule))

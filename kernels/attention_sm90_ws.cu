@@ -147,7 +147,8 @@ __global__ void __launch_bounds__(384, 1)
 attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
                const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
-               int block_size, float scale_log2, int window, bf16* __restrict__ out) {
+               int block_size, float scale_log2, int window, bf16* __restrict__ out,
+               const float* __restrict__ sinks) {
     static_assert(D % 64 == 0 && BN % 16 == 0, "rows of whole 128-byte swizzle atoms; P V takes keys 16 at a time");
     constexpr int BM = 128;
     constexpr int CH = D / 8;
@@ -319,7 +320,7 @@ attn_ws_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restr
         for (int hf = 0; hf < 2; ++hf) {
             if (!rv.ok[hf]) continue;
             const int r = done.r0 + 64 * c + warp * 16 + g + hf * 8;
-            const float inv = l_i[hf] > 0.f ? 1.f / l_i[hf] : 0.f;
+            const float inv = softmax_inv(m_i[hf], l_i[hf], sinks, h * rep + r % rep);
             bf16* orow = out + ((i64)(done.start + r / rep) * hq + h * rep + r % rep) * D;
 #pragma unroll
             for (int p = 0; p < OP; ++p)

@@ -40,10 +40,22 @@ def bf16(x):
 
 
 # ---- 1. the algorithm ------------------------------------------------------------------------------------------------
-def kernel_model(q, k_cache, v_cache, tables, ctx, cu, scale, window, bn=None):
+def softmax_inv(m, l, sinks, heads):
+    """attention_sm90.cu softmax_inv, row by row: 1 / l, or with sinks (natural-log logits of the rows' heads) the
+    sink joining the denominator l 2^m + e^sink relative to the larger of m and the sink (log2 units)."""
+    if sinks is None:
+        return np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), 0).astype(np.float32)
+    sink = sinks[heads].astype(np.float32) * np.float32(LOG2E)
+    top = np.maximum(m, sink)
+    with np.errstate(invalid="ignore"):
+        kept = np.where(m == -np.inf, 0, np.exp2(m - top)).astype(np.float32)
+    return (kept / (l * kept + np.exp2(sink - top))).astype(np.float32)
+
+
+def kernel_model(q, k_cache, v_cache, tables, ctx, cu, scale, window, bn=None, sinks=None):
     """attn_wgmma_kernel (attn_ws_kernel with bn = ws_keys_per_tile) block by block: a block = (sequence, KV head,
     tile of BM rows), rows r = token r / rep, query head kv * rep + r % rep; each block walks its key tiles exactly
-    as the kernel does."""
+    as the kernel does, and normalises as softmax_inv (with `sinks` fp32 [Hq]: gpt-oss's)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     rep, bn, win = hq // hkv, bn or wgmma_keys_per_tile(d), window or 0
@@ -98,7 +110,7 @@ def kernel_model(q, k_cache, v_cache, tables, ctx, cu, scale, window, bn=None):
                 pos = np.arange(c)
                 want_seen = (pos[None] <= qp[:, None]) & ((win <= 0) | (pos[None] > qp[:, None] - win))
                 assert (seen[ok] == want_seen[ok]).all()
-                res = bf16(o / np.where(l > 0, l, 1)[:, None])
+                res = bf16(o * softmax_inv(m, l, sinks, head)[:, None])
                 out[start + tok[ok], head[ok]] = res[ok]
     assert not np.isnan(out).any()  # every (token, head) written exactly by some block
     return out
@@ -141,6 +153,30 @@ def test_kernel_model_matches_reference(hq, hkv, d, bs, window, bn):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= TOL
     per_row = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
     assert per_row.max() <= ROW_TOL
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window,bn", [
+    (16, 2, 64, 16, 128, None),    # gpt-oss's sliding layers: GQA 8, head dim 64, the 128-token window
+    (16, 2, 64, 16, None, None),   # its full layers
+    (8, 2, 128, 32, 37, None),
+    (4, 1, 256, 16, 130, 80),      # attn_ws_kernel's 80-key tiles
+])
+def test_kernel_model_with_sinks_matches_reference(hq, hkv, d, bs, window, bn):
+    """gpt-oss's attention sinks at the kernels' normalisation (softmax_inv, log2 units) give the reference's
+    softmax with the sink in the denominator, sinks from well below to well above the rows' scores; a model that
+    forgot them would miss by far more than the bound."""
+    rng = np.random.default_rng(d + hq)
+    q, k_cache, v_cache, tables, ctx, cu = _case(rng, SEQS + [(300, 280)], hq, hkv, d, bs)
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32)
+    sinks[0], sinks[-1] = -30.0, 12.0  # no weight, and most of the weight
+    got = kernel_model(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, window, bn, sinks)
+    ref = NumpyOps()
+    want = ref.paged_attention(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, window, sinks=sinks)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= TOL
+    per_row = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert per_row.max() <= ROW_TOL
+    plain = ref.paged_attention(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, window)
+    assert np.linalg.norm(plain - want) / np.linalg.norm(want) > 10 * TOL
 
 
 def test_kernel_model_sharp_softmax_and_the_bound_is_tight_enough():

@@ -3,7 +3,8 @@ both of its schedules ("wgmma-ws", "wgmma-pingpong") against the NumPy reference
 wgmma kernel is tested on (tests/test_cuda_kernels.py: ragged batches with history, GQA 1/2/4/8, head dims
 64/128/256, windows, block sizes off every power of two, strided q, near one-hot rows), and against that kernel,
 whose arithmetic it repeats in the same order. Its synchronisation is checked on the CPU first
-(tests/test_attention_sm90_model.py section 4).
+(tests/test_attention_sm90_model.py section 4). Last, gpt-oss's attention sinks through every schedule of both
+sm_90a kernels.
 
 They were opt-in until device runs had passed them (2026-12-01, at main@f548e61 and main@aa0f2dc); the kernel is the
 head-dim-256 default since. A pipeline that never completed would cost a device run the child process's timeout, not a hang.
@@ -21,8 +22,9 @@ cupy = pytest.importorskip("cupy")
 from prefixrun.kernels import cuda_available  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_cuda_kernels import (WGMMA_CASES, WGMMA_SEQS, _paged_case, check_wgmma_prefill,  # noqa: E402
-                               check_wgmma_sharp_softmax, host, rel, sm90_checked_ops)
+from test_cuda_kernels import (WGMMA_CASES, WGMMA_KERNELS, WGMMA_ROW_TOL, WGMMA_SEQS, WGMMA_TOL,  # noqa: E402
+                               _check_rows, _paged_case, check_wgmma_prefill, check_wgmma_sharp_softmax, host, rel,
+                               sm90_checked_ops)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -123,3 +125,38 @@ def test_ws_rows_past_the_context_are_zero_filled(ws_ops, ref, d, bs):
                                               ws_ops.upload_index(c["cu"]), d ** -0.5, None))
     assert np.isfinite(got).all()
     assert rel(got, want) <= 1e-2  # tests/test_cuda_kernels.py WGMMA_TOL
+
+
+SM90_KERNELS = WGMMA_KERNELS + WS_KERNELS  # every schedule of both sm_90a kernels
+
+
+@pytest.fixture(scope="module")
+def sm90_checked():
+    return sm90_checked_ops(SM90_KERNELS, "the sm_90a prefill kernels", 300)
+
+
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+@pytest.mark.parametrize("window", [128, None])
+def test_sm90_prefill_adds_attention_sinks(sm90_checked, ref, monkeypatch, kernel, window):
+    """gpt-oss's layers (GQA 8, head dim 64; the 128-token window and full attention) with attention sinks take the
+    sm_90a prefill kernel, which adds each query head's sink to its rows' softmax denominator: the reference's
+    output (sinks from none of the weight to most of it), far from attention without sinks."""
+    from prefixrun.kernels import attention_sm90
+
+    ops = sm90_checked.retuned(attn_prefill_kernel=kernel)
+    real, with_sinks = attention_sm90.prefill, []
+    monkeypatch.setattr(attention_sm90, "prefill",
+                        lambda **kw: with_sinks.append(kw["sinks"] is not None) or real(**kw))
+    rng = np.random.default_rng(3 + (window or 0))
+    hq, hkv, d = 16, 2, 64
+    c = _paged_case(rng, ops, WGMMA_SEQS, hq, hkv, d, 16)
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32)
+    sinks[0], sinks[-1] = -30.0, 12.0
+    args = (ops.upload_index(c["tables"]), ops.upload_index(c["ctx"]), ops.upload_index(c["cu"]), d ** -0.5, window)
+    got = host(ops, ops.paged_attention(c["q_dev"], ops.upload(c["k_cache"]), ops.upload(c["v_cache"]), *args,
+                                        sinks=ops.upload(sinks, np.float32)))
+    assert with_sinks == [True]  # the sm_90a kernel ran, given the sinks
+    host_args = (c["q_host"], c["k_cache"], c["v_cache"], c["tables"], c["ctx"], c["cu"], d ** -0.5, window)
+    want = ref.paged_attention(*host_args, sinks=sinks)
+    _check_rows(got, want, WGMMA_TOL, WGMMA_ROW_TOL)
+    assert rel(ref.paged_attention(*host_args), want) > 10 * WGMMA_TOL
