@@ -5,8 +5,9 @@ y = x @ w^T can change with the number of rows beside it (docs/PERFORMANCE.md, "
 Here a reference algorithm is chosen once per weight shape, from cuBLASLt's heuristics at a fixed row count, with no
 split-K (reduction scheme NONE): each output element is one K loop of one kernel, whatever else the GEMM holds, so
 its bits do not depend on M (measured bit for bit on the 4b-like shapes). One algorithm for every M is slow for
-decode-sized M (1.3-2x cuBLAS's choice there), so a few row-count buckets may take another algorithm, but only
-one that gives the reference's bits on test data (`PinnedGemm`). That is the `--deterministic` mode's GEMM
+decode-sized M (1.3-2x cuBLAS's choice there), so each row-count bucket takes the fastest of the algorithms that
+give the reference's bits on test data (`PinnedGemm`, kernels/cublaslt_search.py: measured once per machine and
+kept in the cache folder, kernels/gemm_choices.py). That is the `--deterministic` mode's GEMM
 (kernels/cuda_dense.py); the default mode keeps cuBLAS's per-M choice.
 
 Layout as kernels/cublas.py: y[M, N] = x[M, K] @ w[N, K]^T is, column-major, y^T (N x M, ld N) = op(A) B with
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixrun.kernels import cublas
+from prefixrun.kernels.cublaslt_search import pair_buckets
 
 # cublasLtMatmulDescAttributes_t
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
@@ -35,6 +37,9 @@ _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D
 # cublasLtMatmulAlgoConfigAttributes_t
 _CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME = 0, 1, 2, 3
 _CONFIG_STAGES_ID = 6
+# cublasLtMatmulAlgoCapAttributes_t
+_CAP_TILE_IDS, _CAP_STAGES_IDS = 6, 13
+_MAX_ALGO_IDS = 1024
 REDUCTION_NONE = 0  # cublasLtReductionScheme_t: no split-K
 ALIGNMENT_BYTES = 16
 REFERENCE_ROWS = 256  # the row count of the reference algorithm (the fastest single choice, docs/PERFORMANCE.md)
@@ -107,11 +112,18 @@ def _lib() -> ctypes.CDLL:
             "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i, ctypes.POINTER(_HeuristicResult),
                                                ctypes.POINTER(i)],
             "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, vp, sz, ctypes.POINTER(sz)],
+            "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, vp, sz],
+            "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, vp, sz, ctypes.POINTER(sz)],
+            "cublasLtMatmulAlgoGetIds": [vp, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)],
+            "cublasLtMatmulAlgoInit": [vp, i, i, i, i, i, i, i, ctypes.POINTER(_Algo)],
+            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo),
+                                        ctypes.POINTER(_HeuristicResult)],
             "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
         }
         for name, args in sigs.items():
             f = getattr(lib, name)
             f.argtypes, f.restype = args, i
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], sz
         _LIB = lib
         return lib
 
@@ -133,10 +145,9 @@ class PinnedAlgo:
     workspace_bytes: int
 
 
-# Row counts the heuristics are asked about when pairing: a GEMM of M rows takes the algorithm chosen for the first
-# bucket >= M (the last for more), if that algorithm gives the reference algorithm's bits.
+# Row-count buckets: a GEMM of M rows takes the algorithm chosen for the first bucket >= M (the last for more), the
+# fastest of those measured that give the reference algorithm's bits at the bucket's smallest and largest M.
 BUCKETS = (1, 16, 64, 256, 1024, 4096)
-_VERIFY_MAX_N = 16384  # columns of test data at most (an LM head's first ones: a kernel's order is per element)
 
 
 def bucket_of(m: int) -> int:
@@ -147,12 +158,13 @@ class PinnedGemm:
     """cuBLASLt GEMMs on the current device whose row bits never depend on M.
 
     Per (N, K, input, output, compute): the reference algorithm, cuBLASLt's first heuristic answer at
-    `reference_rows` rows with no split-K and 16-byte alignment. `paired`: each of BUCKETS also gets the heuristics'
-    answer at that row count, kept only where, run on fixed test data, it gives the reference algorithm's bits for
-    every row (the same summation order, other tile shapes: faster for few or many rows); else the reference serves
-    that bucket too. The choice is a function of the shape, the device and the library alone (never of timing or
-    of a run's data), so every process makes the same one; it is made once per process, on the first use of a shape
-    (the warm-up's, normally), the comparison on a stream of its own."""
+    `reference_rows` rows with no split-K and 16-byte alignment: a function of the shape, the device and the library
+    alone (never of timing or of a run's data), so every process computes the same bits. `paired`: each of BUCKETS
+    also gets the fastest algorithm, by measured time, among the candidates that give the reference algorithm's bits
+    for every row on fixed test data (the same summation order in other tiles: faster for few or many rows);
+    kernels/cublaslt_search.py. Which one is fastest changes no bit, so a timing may decide it. It is made once per
+    process, on the first use of a shape (the warm-up's, normally), on a stream of its own, and read back from the
+    cache folder where an earlier process on this machine measured it (and checked again before it is used)."""
 
     def __init__(self, reference_rows: int = REFERENCE_ROWS, reduction_mask: int = REDUCTION_NONE,
                  workspace_bytes: int = WORKSPACE_BYTES, paired: bool = True):
@@ -197,11 +209,17 @@ class PinnedGemm:
             self._layouts[key] = layout
         return layout
 
-    def _heuristic(self, n: int, k: int, a_type: int, c_type: int, compute: int, m: int):
-        """cuBLASLt's first answer for m rows with the allowed reduction schemes and 16-byte alignment, or None."""
+    def layouts(self, n: int, k: int, a_type: int, c_type: int, m: int) -> tuple:
+        """The A, B, C and D layouts of an [m, n, k] product (A = w, B = x^T, C = D = y^T; see the module doc)."""
+        c = self._layout(c_type, n, m, n)
+        return self._layout(a_type, k, n, k), self._layout(a_type, k, m, k), c, c
+
+    def heuristics(self, n: int, k: int, a_type: int, c_type: int, compute: int, m: int, count: int = 1) -> list:
+        """cuBLASLt's first `count` answers, best first, for m rows with the allowed reduction schemes and 16-byte
+        alignment: [(algorithm, PinnedAlgo)]."""
         pref = ctypes.c_void_p()
         _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        result, count = _HeuristicResult(), ctypes.c_int(0)
+        results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
         try:
             settings = [(_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(self.workspace.nbytes), 8),
                         (_PREF_REDUCTION_SCHEME_MASK, ctypes.c_uint32(self.reduction_mask), 4)]
@@ -210,19 +228,43 @@ class PinnedGemm:
                 _check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value), size),
                        "cublasLtMatmulPreferenceSetAttribute")
             _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
-                self.handle, self._desc(compute), self._layout(a_type, k, n, k), self._layout(a_type, k, m, k),
-                self._layout(c_type, n, m, n), self._layout(c_type, n, m, n), pref, 1, ctypes.byref(result),
-                ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+                self.handle, self._desc(compute), *self.layouts(n, k, a_type, c_type, m), pref, count, results,
+                ctypes.byref(found)), "cublasLtMatmulAlgoGetHeuristic")
         finally:
             self.lib.cublasLtMatmulPreferenceDestroy(pref)
-        if count.value < 1:
+        out = []
+        for result in results[:found.value]:
+            if result.state == 0:
+                algo = _Algo()
+                ctypes.memmove(ctypes.byref(algo), ctypes.byref(result.algo), ctypes.sizeof(_Algo))
+                out.append((algo, self.describe(algo, int(result.workspace_size))))
+        return out
+
+    def check(self, algo: _Algo, n: int, k: int, a_type: int, c_type: int, compute: int, m: int) -> int | None:
+        """The workspace bytes `algo` needs for m rows, or None where cuBLASLt does not take it for the shape or
+        it needs more workspace than this handle has."""
+        result = _HeuristicResult()
+        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, self._desc(compute),
+                                                  *self.layouts(n, k, a_type, c_type, m), ctypes.byref(algo),
+                                                  ctypes.byref(result))
+        if status != 0 or result.workspace_size > self.workspace.nbytes:
             return None
-        algo = _Algo()
-        ctypes.memmove(ctypes.byref(algo), ctypes.byref(result.algo), ctypes.sizeof(_Algo))
-        info = PinnedAlgo(*(self._config(algo, a) for a in (_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_STAGES_ID,
+        return int(result.workspace_size)
+
+    def describe(self, algo: _Algo, workspace_bytes: int) -> PinnedAlgo:
+        return PinnedAlgo(*(self._config(algo, a) for a in (_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_STAGES_ID,
                                                             _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME)),
-                          workspace_bytes=int(result.workspace_size))
-        return algo, info
+                          workspace_bytes=workspace_bytes)
+
+    def machine(self) -> dict:
+        """What makes this process's measured choices valid elsewhere: the GPU, its driver and the libraries."""
+        runtime = self._cupy.cuda.runtime
+        props = runtime.getDeviceProperties(self.device)
+        name = props["name"]
+        return {"gpu": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+                "capability": f"{props['major']}.{props['minor']}", "sms": int(props["multiProcessorCount"]),
+                "driver": int(runtime.driverGetVersion()), "runtime": int(runtime.runtimeGetVersion()),
+                "cublaslt": int(self.lib.cublasLtGetVersion())}
 
     def choices(self, n: int, k: int, a_type: int, c_type: int, compute: int) -> dict:
         """bucket -> (algorithm, PinnedAlgo) for (N, K, types), and None -> the reference one; chosen once per
@@ -236,15 +278,13 @@ class PinnedGemm:
             found = _CHOSEN.get(key)
             if found is not None:
                 return found
-            base = self._heuristic(n, k, a_type, c_type, compute, self.reference_rows)
-            if base is None:
+            answers = self.heuristics(n, k, a_type, c_type, compute, self.reference_rows)
+            if not answers:
                 raise cublas.CublasError(f"cuBLASLt has no algorithm for a [{n}, {k}] GEMM without split-K")
+            base = answers[0]
             chosen = {None: base, **dict.fromkeys(BUCKETS, base)}  # None: the reference algorithm
             if self.paired:
-                others = {b: self._heuristic(n, k, a_type, c_type, compute, b) for b in BUCKETS}
-                others = {b: c for b, c in others.items() if c is not None and bytes(c[0].data) != bytes(base[0].data)}
-                if others:
-                    chosen.update({b: others[b] for b in self._agreeing(n, k, a_type, c_type, compute, base, others)})
+                chosen.update(pair_buckets(self, n, k, a_type, c_type, compute, base, BUCKETS))
             _CHOSEN[key] = chosen
             return chosen
 
@@ -252,33 +292,46 @@ class PinnedGemm:
         """The algorithm of M = `rows` (None: the reference one) for (N, K, types)."""
         return self.choices(n, k, a_type, c_type, compute)[bucket_of(rows) if rows is not None else None]
 
-    def _agreeing(self, n, k, a_type, c_type, compute, base, others: dict) -> list[int]:
-        """The buckets whose algorithm gives `base`'s bits on fixed test data at the smallest and the largest row
-        count of the bucket (a kernel that split its work by the tile count would differ across it), against the
-        reference algorithm's product of all the test rows."""
-        cupy = self._cupy
-        nt, rows = min(n, _VERIFY_MAX_N), BUCKETS[-1]
-        in_dt, out_dt = _NP_TYPES[a_type], _NP_TYPES[c_type]
-        stream = cupy.cuda.Stream(non_blocking=True)  # never a capturing stream; synchronised alone
-        with stream:
-            workspace = cupy.empty(self.workspace.nbytes, np.uint8)  # the handle's may be in use on another stream
-            rng = cupy.random.RandomState(20261203)
-            w, x = (_test_values(rng, shape, in_dt) for shape in ((nt, k), (rows, k)))
-            ref = cupy.empty((rows, nt), out_dt)
-            self._matmul(base[0], x, w, ref, compute, a_type, c_type, workspace)
-            agree = []
-            for b, (algo, _) in others.items():
-                below = max((p for p in BUCKETS if p < b), default=0)
-                for m in sorted({below + 1, b}):
-                    y = cupy.empty((m, nt), out_dt)
-                    self._matmul(algo, x[:m], w, y, compute, a_type, c_type, workspace)
-                    if not bool(cupy.array_equal(y.view(_BITS[out_dt.itemsize]),
-                                                 ref[:m].view(_BITS[out_dt.itemsize]))):
-                        break
-                else:
-                    agree.append(b)
-            stream.synchronize()
-        return agree
+    def algo_ids(self, a_type: int, c_type: int, compute: int) -> list[int]:
+        """Every algorithm id cuBLASLt has for these types (cublasLtMatmulAlgoGetIds)."""
+        ids, found = (ctypes.c_int * _MAX_ALGO_IDS)(), ctypes.c_int(0)
+        _check(self.lib.cublasLtMatmulAlgoGetIds(self.handle, compute, cublas._CUDA_R_32F, a_type, a_type, c_type,
+                                                 c_type, _MAX_ALGO_IDS, ids, ctypes.byref(found)),
+               "cublasLtMatmulAlgoGetIds")
+        return list(ids[:found.value])
+
+    def configurations(self, algo_id: int, a_type: int, c_type: int, compute: int) -> list[_Algo]:
+        """Algorithm `algo_id` in each of its tile and stage configurations, without split-K (reduction NONE):
+        [] where the id does not take these types."""
+        base = _Algo()
+        if self.lib.cublasLtMatmulAlgoInit(self.handle, compute, cublas._CUDA_R_32F, a_type, a_type, c_type, c_type,
+                                           algo_id, ctypes.byref(base)) != 0:
+            return []
+        out = []
+        for tile in self._capability_ids(base, _CAP_TILE_IDS) or [0]:
+            for stages in self._capability_ids(base, _CAP_STAGES_IDS) or [0]:
+                algo = _Algo.from_buffer_copy(base)
+                settings = ((_CONFIG_TILE_ID, tile), (_CONFIG_STAGES_ID, stages), (_CONFIG_SPLITK_NUM, 1),
+                            (_CONFIG_REDUCTION_SCHEME, REDUCTION_NONE))
+                if all(self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr,
+                                                                     ctypes.byref(ctypes.c_uint32(value)), 4) == 0
+                       for attr, value in settings):
+                    out.append(algo)
+        return out
+
+    def _capability_ids(self, algo: _Algo, attr: int) -> list[int]:
+        """An array capability of `algo` (its tile or stage ids); [] where it has none."""
+        needed = ctypes.c_size_t(0)
+        if self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(needed)) != 0:
+            return []
+        count = needed.value // 4
+        if count == 0:
+            return []
+        values, written = (ctypes.c_uint32 * count)(), ctypes.c_size_t(0)
+        if self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, count * 4,
+                                                      ctypes.byref(written)) != 0:
+            return []
+        return [int(v) for v in values[:written.value // 4]]
 
     def close(self):
         """Destroy the handle and its layouts (a throwaway handle's; the process's own lives as long as it)."""
@@ -298,7 +351,7 @@ class PinnedGemm:
                                                                ctypes.byref(written))
         return int(value.value) if status == 0 else -1
 
-    def _matmul(self, algo: _Algo, x, w, out, compute: int, a_type: int, c_type: int, workspace=None):
+    def matmul(self, algo: _Algo, x, w, out, compute: int, a_type: int, c_type: int, workspace=None):
         """out = x @ w^T with `algo` on the current stream (shapes, dtypes and alignment checked by the caller)."""
         workspace = self.workspace if workspace is None else workspace
         m_rows, k = x.shape
@@ -337,25 +390,11 @@ class PinnedGemm:
         with self._lock:
             if len(self._layouts) >= _MAX_LAYOUTS:  # before this call takes any (the call reads them)
                 self._drop_layouts()
-            self._matmul(algo, x, w, out, compute, a_type, c_type)
+            self.matmul(algo, x, w, out, compute, a_type, c_type)
             self.calls += 1
         return out
 
 
-def _test_values(rng, shape, dtype):
-    """Random test data in `dtype`: fp32 normals, or bf16 / fp16 bit patterns of moderate magnitude (no casts)."""
-    if dtype.itemsize == 4:
-        return rng.standard_normal(shape).astype(np.float32)
-    bits = rng.randint(0, 1 << 16, size=shape, dtype=np.int32)
-    if dtype == np.dtype(np.float16):  # sign, exponent 12..17 (2^-3 .. 2^2), mantissa
-        bits = (bits & 0x83FF) | ((12 + (bits >> 10) % 6) << 10)
-    else:  # bf16: sign, exponent 124..129 (2^-3 .. 2^2), mantissa
-        bits = (bits & 0x807F) | ((124 + (bits >> 7) % 6) << 7)
-    return bits.astype(np.uint16).view(dtype)
-
-
-_NP_TYPES = {code: dtype for dtype, code in cublas._DATA_TYPES.items()}
-_BITS = {2: np.uint16, 4: np.uint32}
 _PINNED: dict[tuple[int, bool], PinnedGemm] = {}
 _CHOSEN: dict[tuple, dict] = {}  # PinnedGemm.choices' decisions (written under _DECIDING)
 _DECIDING = threading.Lock()

@@ -33,6 +33,66 @@ def test_gemm_rows_do_not_depend_on_the_row_count(n, k):
             assert np.array_equal(_bits(ops, product(x[lo:hi], w)), full[lo:hi]), (product.__name__, lo, hi)
 
 
+def _fresh_choices(gemm, n, k):
+    """PinnedGemm.choices for a bf16 [n, k] product as a new process makes them (the process's memo emptied)."""
+    from prefixrun.kernels import cublas, cublaslt
+
+    args = (n, k, cublas._CUDA_R_16BF, cublas._CUDA_R_16BF, cublas.CUBLAS_COMPUTE_32F)
+    for key in [key for key in cublaslt._CHOSEN if key[5:7] == (n, k)]:
+        del cublaslt._CHOSEN[key]
+    return gemm.choices(*args)
+
+
+def test_measured_choice_is_stored_and_checked_again(tmp_path, monkeypatch):
+    """The buckets' measured algorithms go to the cache folder; a later choice takes them from there (the same
+    algorithms); a planted algorithm that does not give the reference's bits is measured away, not used."""
+    import json
+
+    from prefixrun.kernels import cublas
+    from prefixrun.kernels.cublaslt import BUCKETS, PinnedGemm
+    from prefixrun.kernels.cublaslt_search import algo_hex
+    from prefixrun.kernels.gemm_choices import ChoiceStore
+
+    monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path))
+    n, k = 2560, 9216
+    gemm = PinnedGemm()
+    first = _fresh_choices(gemm, n, k)
+    store = ChoiceStore(gemm.machine(), BUCKETS)
+    doc = json.loads(store.path.read_text())
+    (shape, entry), = doc["entries"].items()
+    assert entry["reference"] == algo_hex(first[None][0])
+    assert {int(b): a for b, a in entry["buckets"].items()} == {b: algo_hex(first[b][0]) for b in BUCKETS}
+    again = _fresh_choices(gemm, n, k)
+    assert {b: algo_hex(again[b][0]) for b in BUCKETS} == {b: algo_hex(first[b][0]) for b in BUCKETS}
+    split = PinnedGemm(reduction_mask=0xFF).heuristics(n, k, cublas._CUDA_R_16BF, cublas._CUDA_R_16BF,
+                                                       cublas.CUBLAS_COMPUTE_32F, 1, 8)
+    planted = next(algo for algo, info in split if info.splitk > 1)  # another summation order
+    entry["buckets"]["1"] = algo_hex(planted)
+    store.path.write_text(json.dumps(doc))
+    third = _fresh_choices(gemm, n, k)
+    assert algo_hex(third[1][0]) != algo_hex(planted)
+    assert json.loads(store.path.read_text())["entries"][shape]["buckets"]["1"] == algo_hex(third[1][0])
+
+
+@pytest.mark.parametrize("n, k", [(2560, 9216), (18432, 2560)])
+def test_each_bucket_is_about_as_fast_as_the_reference_or_faster(n, k):
+    """Chosen by measured time: no bucket's algorithm is much slower than the reference algorithm at its rows
+    (bits alone once chose a kernel 2x slower than the reference for one row at K = 9,216)."""
+    from prefixrun.kernels import cublas
+    from prefixrun.kernels.cublaslt import BUCKETS, PinnedGemm
+    from prefixrun.kernels.cublaslt_search import CandidateBench
+
+    gemm = PinnedGemm()
+    chosen = _fresh_choices(gemm, n, k)
+    bench = CandidateBench(gemm, n, k, cublas._CUDA_R_16BF, cublas._CUDA_R_16BF, cublas.CUBLAS_COMPUTE_32F,
+                           chosen[None][0], BUCKETS)
+    for b in BUCKETS:
+        assert bench.agrees(chosen[b][0], b), b
+        ref = min(bench.seconds(chosen[None][0], b) for _ in range(3))
+        own = min(bench.seconds(chosen[b][0], b) for _ in range(3))
+        assert own <= 1.3 * ref, (b, own, ref)
+
+
 def test_verify_rows_equal_decode_steps(model_dirs):
     """A speculative step's rows and the same tokens fed one decode step at a time: the same logits, bit for bit
     (deterministic kernels; by default the verify step's GEMM and attention shapes round differently)."""

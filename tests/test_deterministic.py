@@ -274,7 +274,7 @@ def test_gemm_buckets_cover_every_row_count():
 def test_gemm_test_values_are_moderate_and_fixed_by_the_seed():
     import ml_dtypes
 
-    from prefixrun.kernels.cublaslt import _test_values
+    from prefixrun.kernels.cublaslt_search import test_values as _test_values
 
     for dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)):
         a = _test_values(np.random.RandomState(3), (64, 32), dtype)

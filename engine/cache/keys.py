@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from prefixrun.kernels.cache_home import cache_home
 # at import, not in model_key: a fresh folder makes its key on a thread while the first window runs
 from prefixrun.kernels.numerics import numerics_id
 
@@ -72,13 +72,7 @@ def layout_key(specs, ops, block_size: int) -> str:
 
 def default_cache_dir() -> Path:
     """prefixrun's cache folder: $PREFIXRUN_CACHE_DIR, else $XDG_CACHE_HOME/prefixrun, else ~/.cache/prefixrun."""
-    explicit = os.environ.get("PREFIXRUN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "prefixrun"
-    return Path.home() / ".cache" / "prefixrun"
+    return cache_home()
 
 
 def default_checkpoint_dir() -> Path:
