@@ -2,16 +2,17 @@
 
 kernels/cublaslt.py's `PinnedGemm` gives each row-count bucket of a weight shape the fastest cuBLASLt algorithm
 among those that give the reference algorithm's bits. Finding it takes timing a few dozen candidates per bucket,
-too slow to repeat in every process, so the choice is written to `<cache home>/gemm/<machine digest>.json` and
+too slow to repeat in every process, so the choice is written to `<cache home>/measured/gemm-<machine>.json` and
 read back by later processes. The machine (GPU name, compute capability, SM count, driver, CUDA runtime and
-cuBLASLt versions) names the file and is written into it: another GPU or library never reads these choices.
+cuBLASLt versions) names the file (a digest) and is written into it: another GPU or library never reads these.
 
 The file is a hint, never trusted: an entry is used only if it is well formed, names this machine, and its
 reference algorithm is the one this process computed; and its algorithms are then checked again on the device
 (cuBLASLt accepts them for the shape, and each gives the reference's bits on the test data) before any is used. A
 planted or corrupt file can therefore cost a re-measurement, or at worst a slower algorithm, never another bit.
-Writes go through a temporary file and a rename (a reader never sees half a file); a folder that cannot be written
-is no error (the next process measures again).
+It is read only where it is a regular file reached without a link, MAX_FILE_BYTES at most. Writes go through a
+temporary file and a rename (a reader never sees half a file); a folder that cannot be written is no error (the
+next process measures again). `--no-cache` keeps it, as it keeps the other measurements of the device.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -34,7 +36,7 @@ _WRITING = threading.Lock()
 def choices_path(machine: dict) -> Path:
     """Where the choices of `machine` live: a digest of its description names the file."""
     digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_home() / "gemm" / f"{digest}.json"
+    return cache_home() / "measured" / f"gemm-{digest}.json"
 
 
 class ChoiceStore:
@@ -79,10 +81,8 @@ class ChoiceStore:
 
     def _entries(self) -> dict[str, dict]:
         """The file's valid entries (an invalid entry is dropped alone; a file not ours gives none)."""
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
-        except OSError:
+        raw = _read_regular_file(self.path, MAX_FILE_BYTES + 1)
+        if raw is None:
             return {}
         if len(raw) > MAX_FILE_BYTES:
             return {}
@@ -99,6 +99,24 @@ class ChoiceStore:
             if isinstance(shape, str) and valid is not None:
                 out[shape] = valid
         return out
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes | None:
+    """Up to `limit` bytes of `path` if it is a regular file reached without a link (never blocking on a FIFO or a
+    device someone left there); None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _valid_entry(record, buckets: tuple[int, ...]) -> dict | None:

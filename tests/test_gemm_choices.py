@@ -23,7 +23,7 @@ def store(tmp_path, monkeypatch):
 
 
 def test_a_saved_choice_reads_back_in_another_store(store, tmp_path):
-    assert store.path == tmp_path / "home" / "gemm" / store.path.name and store.path.suffix == ".json"
+    assert store.path.parent == tmp_path / "home" / "measured" and store.path.name.startswith("gemm-")
     chosen = {b: (A if b < 256 else REF) for b in BUCKETS}
     assert store.save("2560x9216:14:14:68", REF, chosen)
     assert store.save("18432x2560:14:14:68", REF, {1: B})  # a second shape keeps the first
@@ -76,6 +76,24 @@ def test_a_malformed_entry_is_dropped_alone(store, record):
     assert store.entry("good", REF) == {16: B}
     assert not store.save("bad", REF, {1: "nope"})  # an invalid choice is never written
     assert store.entry("good", REF) == {16: B}
+
+
+def test_a_link_a_fifo_or_a_folder_in_its_place_is_not_read(store, tmp_path):
+    """Nothing is followed or waited on: a planted link (to a valid file), a FIFO (would block a plain open) and a
+    folder are each ignored, and the next save replaces the name with a file of its own."""
+    valid = tmp_path / "elsewhere.json"
+    ChoiceStore(MACHINE, BUCKETS, path=valid).save("s", REF, {1: A})
+    store.path.parent.mkdir(parents=True)
+    for plant in (lambda p: p.symlink_to(valid), lambda p: os.mkfifo(p), lambda p: p.mkdir()):
+        plant(store.path)
+        assert store.entry("s", REF) is None
+        if store.path.is_dir() and not store.path.is_symlink():
+            store.path.rmdir()
+        else:
+            assert store.save("s", REF, {16: B}) and store.entry("s", REF) == {16: B}
+            assert store.path.is_file() and not store.path.is_symlink()
+            assert ChoiceStore(MACHINE, BUCKETS, path=valid).entry("s", REF) == {1: A}  # the link's target kept
+            store.path.unlink()
 
 
 def test_an_oversized_file_is_not_read(store):
