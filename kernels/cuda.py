@@ -76,7 +76,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         self.auto_speculation = self.tuning.speculative_auto  # the Ops query (kernels/ops.py)
         self.max_conv_width = max(CONV_WIDTHS)  # kernels/conv.cu is compiled for these widths
         self.max_ssm_state = MAX_SSM_STATE  # kernels/mamba.cu keeps a state row in one warp's registers
-        self.per_channel_decay = True  # kernels/delta_rule.cu (chunked) and spec_rows.cu take a decay per key channel
+        self.per_channel_decay = True  # kernels/delta_rule.cu and spec_rows.cu take a decay per key channel too
         self.deterministic = self.tuning.deterministic  # the Ops query (kernels/ops.py)
         self._sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._device_id = cupy.cuda.Device().id  # for calls from other threads (upload_ahead)

@@ -12,7 +12,8 @@ import numpy as np
 from prefixrun.kernels.cuda_arrays import BF16, F32, as_f32, device_index, head_view, i32, i64, matrix_view, \
     type_name
 from prefixrun.kernels.cuda_modules import CONV_WIDTHS, kernel
-from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes, kda_chunked
+from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes, kda_chunked, \
+    kda_step_launch
 
 _NULL = np.uint64(0)  # a kernel's absent pointer argument
 
@@ -59,7 +60,7 @@ class SequenceMixingOps:
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
         v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]; g [T, H, Dk] (a decay per key channel, Kimi's KDA)
-        takes the fp32 chunked form where kernels/tuning.py's kda_chunked says, else gdn_rows_kernel token by token.
+        takes the fp32 chunked form where kernels/tuning.py's kda_chunked says, else steps (_kda_stepped).
         Steps token by token in one launch (decode-like
         steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
         prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
@@ -93,9 +94,8 @@ class SequenceMixingOps:
         if per_channel and kda_chunked(self.tuning, tokens=t, seqs=nseq, dk=dk, dv=dv, prefill=prefill):
             self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
-        if per_channel:  # a decay per key channel: token by token (gdn_rows_kernel), no snapshots (rows all -1)
-            self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, state, slots, cu,
-                           cupy.full(t, -1, cupy.int32), krep, out)
+        if per_channel:  # a decay per key channel, token by token
+            self._kda_stepped(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
         aligned = dt == BF16 and all(x.data.ptr % 16 == 0 and s % 8 == 0 for x, s in
                                      ((q, qst), (q, qsh), (k, kst), (k, ksh), (v, vst), (v, vsh)))
@@ -225,9 +225,11 @@ class SequenceMixingOps:
         nseq = slots_i.shape[0]
         if not (t and nseq):
             return out
-        # deterministic: the kernel of a decode step, so verify rows compute as decode rows do (a decay per key
-        # channel decodes in gdn_rows_kernel already)
-        if self.tuning.deterministic and not per_channel:
+        if per_channel:
+            self._kda_stepped(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots_i, cu, h // hk, out,
+                              snapshots, rows)
+            return out
+        if self.tuning.deterministic:  # the kernel of a decode step, so verify rows compute as decode rows do
             launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv)
             if launch.kernel != "rows":
                 self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots_i, cu,
@@ -236,6 +238,20 @@ class SequenceMixingOps:
         self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots_i, cu, rows, h // hk,
                        out)
         return out
+
+    def _kda_stepped(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out,
+                     snapshots=None, rows=None):
+        """A decay per key channel token by token, the state after token t also to snapshots[rows[t]] where rows
+        is given and rows[t] >= 0: kernels/tuning.py kda_step_launch's kernel, the same for decode and verify rows
+        whatever the batch (gdn_decode_kernel's PER_CHANNEL form, or gdn_rows_kernel where Dv % 4 != 0)."""
+        launch = kda_step_launch(heads=v.shape[1], seqs=slots.shape[0], dk=q.shape[2], dv=v.shape[2])
+        if launch.kernel != "rows":
+            self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out,
+                              snapshots, rows)
+            return
+        if rows is None:  # no snapshots: every row -1
+            snapshots, rows = state, cupy.full(q.shape[0], -1, cupy.int32)
+        self._gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots, cu, rows, krep, out)
 
     @staticmethod
     def _gdn_rows(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, snapshots, slots, cu, rows, krep, out):

@@ -52,6 +52,8 @@ KERNEL_NAMES = {
              for kk in CONV_WIDTHS],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
+    + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}, true>" for t in _T for d in GDN_KEY_DIMS
+       for w, c in GDN_DECODE_BLOCKS[:1]]
     + [f"gdn_chunk_{p}_kernel<{t}, {pc}>" for p in ("prep", "scan") for t in _T for pc in ("false", "true")],
     "delta_tc": [k.format(d=d) for k in GDN_TC_PREP_KERNELS.values() for d in GDN_TC_DIMS]
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],

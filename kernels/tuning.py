@@ -255,6 +255,18 @@ def kda_chunked(tuning: CudaTuning, *, tokens: int, seqs: int, dk: int, dv: int,
     return tokens > seqs and bool(tuning.gdn_chunked)
 
 
+def kda_step_launch(*, heads: int, seqs: int, dk: int, dv: int) -> DeltaRuleLaunch:
+    """The token-stepped kernel of a delta rule with a decay per key channel, for decode and verify rows alike:
+    gdn_decode_kernel's PER_CHANNEL form in the default block whatever the batch (one instantiation per padded key
+    dim, and a row's arithmetic independent of the batch), or gdn_rows_kernel ("rows") where Dv % 4 != 0."""
+    if dv % 4:
+        return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
+    dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
+    warps, cols = GDN_DECODE_BLOCKS[0]
+    return DeltaRuleLaunch(chunked=False, kernel=f"gdn_decode_kernel<{{t}}, {dkp}, {warps}, {cols // 4}, true>",
+                           grid=(-(-dv // cols), heads, seqs), threads=32 * warps)
+
+
 def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:
     """Dynamic shared memory of gdn_tc_prep_kernel<dim> (warps == 0) or gdn_tc_scan_kernel<dim, warps>, bytes
     (the layouts at the top of each kernel in kernels/delta_tc.cu; C = 64 tokens, rows padded by 8 bf16)."""

@@ -47,7 +47,7 @@ def _kda_inputs(ops, rng, lens, h, dk, nslots=6):
 
 @pytest.mark.parametrize("mode", ["chunked", "stepped", "rows", "deterministic-prefill", "deterministic-decode"])
 @pytest.mark.parametrize("lens,h,dk", [([1, 1, 1], 4, 128), ([200, 7, 0, 65], 2, 128), ([5, 33], 3, 24),
-                                       ([40], 2, 64)])
+                                       ([40], 2, 64), ([3, 9], 2, 10)])  # 10: steps in gdn_rows_kernel
 def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
     rng = np.random.default_rng(sum(lens) + dk)
     cu, qk, v, g, beta, state0, slots = _kda_inputs(ops, rng, lens, h, dk)
@@ -63,7 +63,7 @@ def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
         got = ops.gated_delta_rule_rows(*dev, state, slots, cu, snaps, snap_rows)
         keep = snap_rows[snap_rows >= 0]
         assert rel(host(ops, snaps)[keep], ref_snaps[keep]) < TOL_STATE
-    else:  # the fp32 chunked form (kernels/delta_rule.cu, PER_CHANNEL) or gdn_rows_kernel token by token
+    else:  # the fp32 chunked form (kernels/delta_rule.cu, PER_CHANNEL) or token steps (kda_step_launch)
         tuned = {"chunked": ops.retuned(gdn_chunked=True), "stepped": ops.retuned(gdn_chunked=False)}.get(
             mode, ops.retuned(deterministic=True))
         want = ref.gated_delta_rule(qk[:, :h], qk[:, h:], v, g, beta, ref_state, slots, cu)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, CudaTuning, delta_rule_launch
+from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, CudaTuning, delta_rule_launch, kda_step_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,13 +23,15 @@ extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, 
                               i64 vst, i64 vsh, const float* g, const float* beta, float* state, const int* slots,
                               const int* cu, int heads, int krep, int dk, int dv, float scale, float* out,
                               float* snaps, const int* rows, const unsigned* geom) {
-    // geom: {grid x, y, z, threads, DKP, LCOLS}, as kernels/tuning.py gives them to kernels/cuda_mixing.py
+    // geom: {grid x, y, z, threads, DKP, LCOLS, per channel}, as kernels/tuning.py gives them to
+    // kernels/cuda_mixing.py
     const emu_dim3 grid{geom[0], geom[1], geom[2]};
-#define EMU_DECODE(D, W, L) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L) { \
-        emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L>(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, \
-                                              beta, state, slots, cu, heads, krep, dk, dv, scale, out, snaps, rows); }); return 0; }
-#define EMU_DECODE_DIMS(W, L) EMU_DECODE(16, W, L) EMU_DECODE(64, W, L) EMU_DECODE(128, W, L)
-    EMU_DECODE_DIMS(8, 16) EMU_DECODE_DIMS(8, 32)
+#define EMU_DECODE(D, W, L, PC) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L && geom[6] == PC) { \
+        emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L, PC>(q, qst, qsh, k, kst, ksh, v, vst, vsh, \
+                                              g, beta, state, slots, cu, heads, krep, dk, dv, scale, out, snaps, rows); }); \
+        return 0; }
+#define EMU_DECODE_DIMS(W, L, PC) EMU_DECODE(16, W, L, PC) EMU_DECODE(64, W, L, PC) EMU_DECODE(128, W, L, PC)
+    EMU_DECODE_DIMS(8, 16, false) EMU_DECODE_DIMS(8, 32, false) EMU_DECODE_DIMS(8, 16, true)
     return 1;  // no such instantiation
 }
 """
@@ -58,18 +60,22 @@ def _inputs(rng, lens, hk, h, dk, dv, nslots):
 
 
 @pytest.mark.parametrize("snapshots", [False, True])
-@pytest.mark.parametrize("block", GDN_DECODE_BLOCKS)
+@pytest.mark.parametrize("block", GDN_DECODE_BLOCKS + ("per-channel",))
 @pytest.mark.parametrize("lens,hk,h,dk,dv", [
     ([1, 1, 0, 1], 1, 2, 128, 128),  # decode, 2 value heads per key head, an empty sequence
     ([3, 1, 2], 2, 2, 64, 40),  # several tokens per sequence; columns past Dv idle
     ([1, 2], 1, 1, 12, 132),  # key dim padded to 16; a second, partial 128-column tile
 ])
 def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv, snapshots):
-    """`snapshots`: a verify step's (every row but each sequence's last to a snapshot row, as gdn_rows_kernel)."""
-    rng = np.random.default_rng(sum(lens) * 31 + dk + dv + block[0] + block[1])
+    """`snapshots`: a verify step's (every row but each sequence's last to a snapshot row, as gdn_rows_kernel).
+    "per-channel": Kimi's KDA (g [T, H, Dk]) in the launch kernels/tuning.py kda_step_launch gives."""
+    per_channel = block == "per-channel"
+    rng = np.random.default_rng(sum(lens) * 31 + dk + dv + (0 if per_channel else block[0] + block[1]))
     nslots = len(lens) + 2
     cu, qk, v, g, beta, state0, slots = _inputs(rng, lens, hk, h, dk, dv, nslots)
     t = int(cu[-1])
+    if per_channel:
+        g = (-np.abs(rng.standard_normal((t, h, dk))) * 0.3).astype(np.float32)
     g[0, 0] = -200.0  # a decay that underflows to 0: the first token of head 0 starts from a cleared state
     q, k = qk[:, :hk], qk[:, hk:]  # strided views, as the model hands them over
     last = np.zeros(t, bool)
@@ -78,12 +84,15 @@ def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv
     nsnap = max(int(rows.max()) + 1, 1)
     ref_state, ref_snaps = state0.copy(), np.zeros((nsnap, h, dk, dv), np.float32)
     ref_o = NumpyOps().gated_delta_rule_rows(q, k, v, g, beta, ref_state, slots, cu, ref_snaps, rows)
-    tuning = CudaTuning(gdn_chunked=False, gdn_decode=True, gdn_decode_block=block)
-    launch = delta_rule_launch(tuning, 132, tokens=t, seqs=len(lens),
-                               heads=h, dk=dk, dv=dv)
+    if per_channel:
+        launch = kda_step_launch(heads=h, seqs=len(lens), dk=dk, dv=dv)
+    else:
+        tuning = CudaTuning(gdn_chunked=False, gdn_decode=True, gdn_decode_block=block)
+        launch = delta_rule_launch(tuning, 132, tokens=t, seqs=len(lens), heads=h, dk=dk, dv=dv)
     assert launch.kernel.startswith("gdn_decode_kernel<")
-    dkp, lcols = (int(x) for x in launch.kernel.rstrip(">").split(",")[1::2])
-    geom = np.array(list(launch.grid) + [launch.threads, dkp, lcols], np.uint32)
+    dkp, lcols = (int(x) for x in launch.kernel.rstrip(">").split(",")[1:4:2])
+    assert launch.kernel.endswith(", true>") == per_channel
+    geom = np.array(list(launch.grid) + [launch.threads, dkp, lcols, int(per_channel)], np.uint32)
 
     rel = lambda a, b: np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
