@@ -10,30 +10,23 @@ give the reference's bits on test data (`PinnedGemm`, kernels/cublaslt_search.py
 kept in the cache folder, kernels/gemm_choices.py). That is the `--deterministic` mode's GEMM
 (kernels/cuda_dense.py); the default mode keeps cuBLAS's per-M choice.
 
-Layout as kernels/cublas.py: y[M, N] = x[M, K] @ w[N, K]^T is, column-major, y^T (N x M, ld N) = op(A) B with
-A = w (K x N, ld K, transposed) and B = x^T (K x M, ld = x's row stride). Rows of x must be contiguous and every
-pointer 16-byte aligned (the heuristics are asked for algorithms that need no more), which the caller ensures.
-The stream is CuPy's current one on every call, so captured decode steps record these GEMMs like any kernel.
+The layout and the library are kernels/cublaslt_lib.py's. Rows of x must be contiguous and every pointer 16-byte
+aligned (the heuristics are asked for algorithms that need no more), which the caller ensures.
 """
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from prefixrun.kernels import cublas
+from prefixrun.kernels.cublaslt_lib import ALIGNMENT_BYTES, HeuristicResult, LtAlgo, check, heuristic_answers, lt_lib
 from prefixrun.kernels.cublaslt_search import pair_buckets
 
 # cublasLtMatmulDescAttributes_t
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
-# cublasLtMatmulPreferenceAttributes_t
-_PREF_MAX_WORKSPACE_BYTES = 1
-_PREF_REDUCTION_SCHEME_MASK = 3
-_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D
 # cublasLtMatmulAlgoConfigAttributes_t
 _CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME = 0, 1, 2, 3
 _CONFIG_STAGES_ID = 6
@@ -41,96 +34,9 @@ _CONFIG_STAGES_ID = 6
 _CAP_TILE_IDS, _CAP_STAGES_IDS = 6, 13
 _MAX_ALGO_IDS = 1024
 REDUCTION_NONE = 0  # cublasLtReductionScheme_t: no split-K
-ALIGNMENT_BYTES = 16
 REFERENCE_ROWS = 256  # the row count of the reference algorithm (the fastest single choice, docs/PERFORMANCE.md)
 WORKSPACE_BYTES = 32 << 20
 _MAX_LAYOUTS = 4096  # cached matrix layouts before the cache is emptied (prefill token counts are arbitrary)
-
-
-class _Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class _HeuristicResult(ctypes.Structure):
-    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-def _lt_paths() -> list[str]:
-    """libcublasLt: the one libcublas (kernels/cublas.py) mapped into this process first, then the usual places."""
-    cublas._lib()
-    out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                if os.path.basename(path).startswith("libcublasLt.so") and os.path.isfile(path):
-                    out.append(path)
-    except OSError:
-        pass
-    try:
-        import nvidia
-
-        for root in list(getattr(nvidia, "__path__", [])):
-            for sub in ("cu13/lib", "cu12/lib", "cublas/lib"):
-                out.extend(sorted(glob.glob(os.path.join(root, sub, "libcublasLt.so*")), reverse=True))
-    except ImportError:
-        pass
-    return out + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]
-
-
-_LIB: ctypes.CDLL | None = None
-_LIB_LOCK = threading.Lock()
-
-
-def _lib() -> ctypes.CDLL:
-    global _LIB
-    with _LIB_LOCK:
-        if _LIB is not None:
-            return _LIB
-        errors = []
-        for path in _lt_paths():
-            try:
-                lib = ctypes.CDLL(path)
-                lib.cublasLtMatmul  # noqa: B018  (raises AttributeError if this is not cuBLASLt)
-                break
-            except (OSError, AttributeError) as e:
-                errors.append(f"{path}: {e}")
-        else:
-            raise cublas.CublasError("libcublasLt not found: " + "; ".join(errors[-3:]))
-        vp, i, sz, u64, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int64
-        sigs = {
-            "cublasLtCreate": [ctypes.POINTER(vp)],
-            "cublasLtDestroy": [vp],
-            "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i, i],
-            "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz],
-            "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i, u64, u64, i64],
-            "cublasLtMatrixLayoutDestroy": [vp],
-            "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
-            "cublasLtMatmulPreferenceSetAttribute": [vp, i, vp, sz],
-            "cublasLtMatmulPreferenceDestroy": [vp],
-            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i, ctypes.POINTER(_HeuristicResult),
-                                               ctypes.POINTER(i)],
-            "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, vp, sz, ctypes.POINTER(sz)],
-            "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, vp, sz],
-            "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, vp, sz, ctypes.POINTER(sz)],
-            "cublasLtMatmulAlgoGetIds": [vp, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)],
-            "cublasLtMatmulAlgoInit": [vp, i, i, i, i, i, i, i, ctypes.POINTER(_Algo)],
-            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo),
-                                        ctypes.POINTER(_HeuristicResult)],
-            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
-        }
-        for name, args in sigs.items():
-            f = getattr(lib, name)
-            f.argtypes, f.restype = args, i
-        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], sz
-        _LIB = lib
-        return lib
-
-
-def _check(status: int, what: str):
-    if status != 0:
-        raise cublas.CublasError(f"{what} failed with cublasStatus_t {status}")
 
 
 @dataclass(frozen=True)
@@ -171,12 +77,12 @@ class PinnedGemm:
         import cupy
 
         self._cupy = cupy
-        self.lib = _lib()
+        self.lib = lt_lib()
         self.reference_rows = reference_rows
         self.reduction_mask = reduction_mask
         self.paired = paired
         handle = ctypes.c_void_p()
-        _check(self.lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+        check(self.lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
         self.handle = handle
         self.workspace = cupy.empty(workspace_bytes, dtype=np.uint8)
         self.device = cupy.cuda.Device().id
@@ -190,11 +96,11 @@ class PinnedGemm:
         desc = self._descs.get(compute)
         if desc is None:
             desc = ctypes.c_void_p()
-            _check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, cublas._CUDA_R_32F),
+            check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, cublas._CUDA_R_32F),
                    "cublasLtMatmulDescCreate")
             for attr, op in ((_DESC_TRANSA, cublas._CUBLAS_OP_T), (_DESC_TRANSB, cublas._CUBLAS_OP_N)):
                 value = ctypes.c_int(op)
-                _check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), 4),
+                check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), 4),
                        "cublasLtMatmulDescSetAttribute")
             self._descs[compute] = desc
         return desc
@@ -204,7 +110,7 @@ class PinnedGemm:
         layout = self._layouts.get(key)
         if layout is None:
             layout = ctypes.c_void_p()
-            _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
+            check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
                    "cublasLtMatrixLayoutCreate")
             self._layouts[key] = layout
         return layout
@@ -217,33 +123,14 @@ class PinnedGemm:
     def heuristics(self, n: int, k: int, a_type: int, c_type: int, compute: int, m: int, count: int = 1) -> list:
         """cuBLASLt's first `count` answers, best first, for m rows with the allowed reduction schemes and 16-byte
         alignment: [(algorithm, PinnedAlgo)]."""
-        pref = ctypes.c_void_p()
-        _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
-        try:
-            settings = [(_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(self.workspace.nbytes), 8),
-                        (_PREF_REDUCTION_SCHEME_MASK, ctypes.c_uint32(self.reduction_mask), 4)]
-            settings += [(attr, ctypes.c_uint32(ALIGNMENT_BYTES), 4) for attr in _PREF_MIN_ALIGNMENT]
-            for attr, value, size in settings:
-                _check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value), size),
-                       "cublasLtMatmulPreferenceSetAttribute")
-            _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
-                self.handle, self._desc(compute), *self.layouts(n, k, a_type, c_type, m), pref, count, results,
-                ctypes.byref(found)), "cublasLtMatmulAlgoGetHeuristic")
-        finally:
-            self.lib.cublasLtMatmulPreferenceDestroy(pref)
-        out = []
-        for result in results[:found.value]:
-            if result.state == 0:
-                algo = _Algo()
-                ctypes.memmove(ctypes.byref(algo), ctypes.byref(result.algo), ctypes.sizeof(_Algo))
-                out.append((algo, self.describe(algo, int(result.workspace_size))))
-        return out
+        answers = heuristic_answers(self.lib, self.handle, self._desc(compute), self.layouts(n, k, a_type, c_type, m),
+                                    self.workspace.nbytes, count, self.reduction_mask)
+        return [(algo, self.describe(algo, workspace)) for algo, workspace in answers]
 
-    def check(self, algo: _Algo, n: int, k: int, a_type: int, c_type: int, compute: int, m: int) -> int | None:
+    def check(self, algo: LtAlgo, n: int, k: int, a_type: int, c_type: int, compute: int, m: int) -> int | None:
         """The workspace bytes `algo` needs for m rows, or None where cuBLASLt does not take it for the shape or
         it needs more workspace than this handle has."""
-        result = _HeuristicResult()
+        result = HeuristicResult()
         status = self.lib.cublasLtMatmulAlgoCheck(self.handle, self._desc(compute),
                                                   *self.layouts(n, k, a_type, c_type, m), ctypes.byref(algo),
                                                   ctypes.byref(result))
@@ -251,7 +138,7 @@ class PinnedGemm:
             return None
         return int(result.workspace_size)
 
-    def describe(self, algo: _Algo, workspace_bytes: int) -> PinnedAlgo:
+    def describe(self, algo: LtAlgo, workspace_bytes: int) -> PinnedAlgo:
         return PinnedAlgo(*(self._config(algo, a) for a in (_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_STAGES_ID,
                                                             _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME)),
                           workspace_bytes=workspace_bytes)
@@ -295,22 +182,22 @@ class PinnedGemm:
     def algo_ids(self, a_type: int, c_type: int, compute: int) -> list[int]:
         """Every algorithm id cuBLASLt has for these types (cublasLtMatmulAlgoGetIds)."""
         ids, found = (ctypes.c_int * _MAX_ALGO_IDS)(), ctypes.c_int(0)
-        _check(self.lib.cublasLtMatmulAlgoGetIds(self.handle, compute, cublas._CUDA_R_32F, a_type, a_type, c_type,
+        check(self.lib.cublasLtMatmulAlgoGetIds(self.handle, compute, cublas._CUDA_R_32F, a_type, a_type, c_type,
                                                  c_type, _MAX_ALGO_IDS, ids, ctypes.byref(found)),
                "cublasLtMatmulAlgoGetIds")
         return list(ids[:found.value])
 
-    def configurations(self, algo_id: int, a_type: int, c_type: int, compute: int) -> list[_Algo]:
+    def configurations(self, algo_id: int, a_type: int, c_type: int, compute: int) -> list[LtAlgo]:
         """Algorithm `algo_id` in each of its tile and stage configurations, without split-K (reduction NONE):
         [] where the id does not take these types."""
-        base = _Algo()
+        base = LtAlgo()
         if self.lib.cublasLtMatmulAlgoInit(self.handle, compute, cublas._CUDA_R_32F, a_type, a_type, c_type, c_type,
                                            algo_id, ctypes.byref(base)) != 0:
             return []
         out = []
         for tile in self._capability_ids(base, _CAP_TILE_IDS) or [0]:
             for stages in self._capability_ids(base, _CAP_STAGES_IDS) or [0]:
-                algo = _Algo.from_buffer_copy(base)
+                algo = LtAlgo.from_buffer_copy(base)
                 settings = ((_CONFIG_TILE_ID, tile), (_CONFIG_STAGES_ID, stages), (_CONFIG_SPLITK_NUM, 1),
                             (_CONFIG_REDUCTION_SCHEME, REDUCTION_NONE))
                 if all(self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr,
@@ -319,7 +206,7 @@ class PinnedGemm:
                     out.append(algo)
         return out
 
-    def _capability_ids(self, algo: _Algo, attr: int) -> list[int]:
+    def _capability_ids(self, algo: LtAlgo, attr: int) -> list[int]:
         """An array capability of `algo` (its tile or stage ids); [] where it has none."""
         needed = ctypes.c_size_t(0)
         if self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(needed)) != 0:
@@ -345,19 +232,19 @@ class PinnedGemm:
             self.lib.cublasLtMatrixLayoutDestroy(layout)
         self._layouts.clear()
 
-    def _config(self, algo: _Algo, attr: int) -> int:
+    def _config(self, algo: LtAlgo, attr: int) -> int:
         value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
         status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
                                                                ctypes.byref(written))
         return int(value.value) if status == 0 else -1
 
-    def matmul(self, algo: _Algo, x, w, out, compute: int, a_type: int, c_type: int, workspace=None):
+    def matmul(self, algo: LtAlgo, x, w, out, compute: int, a_type: int, c_type: int, workspace=None):
         """out = x @ w^T with `algo` on the current stream (shapes, dtypes and alignment checked by the caller)."""
         workspace = self.workspace if workspace is None else workspace
         m_rows, k = x.shape
         n = w.shape[0]
         c_layout = self._layout(c_type, n, m_rows, n)
-        _check(self.lib.cublasLtMatmul(
+        check(self.lib.cublasLtMatmul(
             self.handle, self._desc(compute), ctypes.byref(self._one), ctypes.c_void_p(w.data.ptr),
             self._layout(a_type, k, n, k), ctypes.c_void_p(x.data.ptr), self._layout(a_type, k, m_rows, k),
             ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), c_layout, ctypes.c_void_p(out.data.ptr),

@@ -31,7 +31,7 @@ from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, TYPE_NAMES, blocks
     last_contiguous
 from prefixrun.kernels.cuda_attention import AttentionOps
 from prefixrun.kernels.cuda_dense import DenseOps
-from prefixrun.kernels.cuda_fp8 import dequantize_into
+from prefixrun.kernels.cuda_fp8 import dequantize_into, upload_projection
 from prefixrun.kernels.fp8 import Fp8Matrix
 from prefixrun.kernels.cuda_graph import CudaGraph
 from prefixrun.kernels.cuda_mixing import SequenceMixingOps
@@ -166,8 +166,9 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         parts = list(host_parts)
         if parts and all(isinstance(p, Fp8Matrix) for p in parts):
             return self._upload_fp8_rows(parts, dt)
-        if any(isinstance(p, Fp8Matrix) for p in parts):  # mixed with plain parts (rare): dequantised on the host
-            return self.upload_rows([p.dequantize() if isinstance(p, Fp8Matrix) else p for p in parts], dtype)
+        if any(isinstance(p, Fp8Matrix) for p in parts):  # mixed with plain parts: each dequantised on the device
+            return self._device_rows([self._upload_fp8_rows([p], dt) if isinstance(p, Fp8Matrix) else p
+                                      for p in parts], dt)
         if any(isinstance(p, cupy.ndarray) for p in parts):
             return self._device_rows(parts, dt)
         parts = [np.asarray(p) for p in parts]
@@ -203,6 +204,11 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
                                               stream.ptr)
             at += p.nbytes
         return out
+
+    def upload_linear(self, host_parts):
+        """A projection's weight: FP8 parts on the 128 x 128 grid kept as fp8 bytes + block scales for cuBLASLt's
+        block-scaled FP8 GEMM, the rest dequantised (kernels/cuda_fp8.py upload_projection)."""
+        return upload_projection(self, list(host_parts))
 
     def read_weights(self, spans):
         """Read ahead through a ring of pinned buffers and asynchronous DMAs (kernels/cuda_weight_reads.py): the

@@ -9,6 +9,7 @@ import numpy as np
 from prefixrun.kernels.cublaslt import ALIGNMENT_BYTES, get_pinned_gemm
 from prefixrun.kernels.cuda_arrays import F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
     matrix_view, norm_blocks, row_view, type_name, vectors_ok
+from prefixrun.kernels.cuda_fp8 import ProjectionWeight, projection_linear
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.tuning import elementwise_launch, elementwise_vector, norm_launch
 
@@ -53,7 +54,10 @@ class DenseOps:
         return out.reshape(lead + (weight.shape[0],))
 
     def linear(self, x, weight):
-        """x [T, in] @ weight[out, in].T -> [T, out] (cuBLAS, fp32 accumulate)"""
+        """x [T, in] @ weight[out, in].T -> [T, out] (cuBLAS, fp32 accumulate; an `upload_linear` weight with FP8
+        segments: cuBLASLt's block-scaled FP8 GEMM, kernels/cuda_fp8.py)"""
+        if isinstance(weight, ProjectionWeight):
+            return projection_linear(self, x, weight)
         return self._gemm(x, weight, self._act)
 
     def logits(self, x, lm_head):

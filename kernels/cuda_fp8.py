@@ -1,14 +1,32 @@
-"""FP8 weights (kernels/fp8.py) onto the GPU: the fp8 bytes and the fp32 block scales move as stored (a quarter of
-the fp32 matrix's bytes, half of bf16's) and kernels/fp8.cu dequantises them into the destination rows."""
+"""FP8 weights (kernels/fp8.py) on the GPU.
+
+Dequantised: the fp8 bytes and the fp32 block scales move as stored (a quarter of the fp32 matrix's bytes, half of
+bf16's) and kernels/fp8.cu dequantises them into the destination rows (`dequantize_into`).
+
+Kept as FP8 (`upload_linear`): a projection's weight whose parts lie on the 128 x 128 grid of an FP8 GEMM stays
+fp8 bytes + block scales on the device (`Fp8Block`), and `linear` quantises the activations per row per 128
+columns (kernels/fp8.cu, kernels/fp8.py quantize_groups) and runs cuBLASLt's block-scaled FP8 GEMM
+(kernels/cublaslt_fp8.py): half the weight bytes of bf16 and the FP8 tensor cores. Parts off that grid (channel
+scales, unquantised modules) are plain segments of the same weight, dequantised at upload and multiplied in bf16
+into their own columns of the output (`ProjectionWeight`).
+"""
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import cupy
+import ml_dtypes
 import numpy as np
 
+from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm, scale_columns
 from prefixrun.kernels.cuda_arrays import THREADS, blocks_for, i32, i64, type_name
 from prefixrun.kernels.cuda_modules import kernel
-from prefixrun.kernels.fp8 import Fp8Matrix
+from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments
 from prefixrun.kernels.upload import upload_bytes
+
+log = logging.getLogger(__name__)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def dequantize_into(out: cupy.ndarray, m: Fp8Matrix) -> None:
@@ -19,9 +37,124 @@ def dequantize_into(out: cupy.ndarray, m: Fp8Matrix) -> None:
                          f"(C-contiguous: {out.flags.c_contiguous})")
     q = cupy.empty((rows, cols), cupy.uint8)
     upload_bytes(q, np.ascontiguousarray(m.values).view(np.uint8))
-    scale = cupy.asarray(np.ascontiguousarray(m.scale, np.float32))
+    _dequantize(q, cupy.asarray(np.ascontiguousarray(m.scale, np.float32)), m.block, out)
+
+
+def _dequantize(q: cupy.ndarray, scale: cupy.ndarray, block: tuple[int, int], out: cupy.ndarray) -> None:
+    rows, cols = q.shape
     n = rows * cols
     if n:
-        bo, bi = m.block
+        bo, bi = block
         kernel("fp8", f"fp8_dequant_kernel<{type_name(out.dtype)}>")(
             (blocks_for(n),), (THREADS,), (q, scale, i64(rows), i32(cols), i32(bo), i32(bi), i32(scale.shape[1]), out))
+
+
+@dataclass(frozen=True)
+class Fp8Block:
+    """A weight on the FP8 GEMM's grid, on the device: `values` uint8 [N, K] (e4m3 bytes), `scale` fp32
+    [ceil(N/128), scale_columns(K)] (one per 128 x 128 block, the row stride padded to 4)."""
+
+    values: cupy.ndarray
+    scale: cupy.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def dequantized(self) -> cupy.ndarray:
+        """bf16 [N, K]: the exact dequantisation rounded to bf16 (where cuBLASLt has no FP8 algorithm for a call)."""
+        out = cupy.empty(self.values.shape, BF16)
+        _dequantize(self.values, self.scale, (GEMM_BLOCK, GEMM_BLOCK), out)
+        return out
+
+
+@dataclass(frozen=True)
+class ProjectionWeight:
+    """A projection's weight [N, K] as row segments (row, Fp8Block or a plain device matrix), in row order; `linear`
+    writes each segment's columns of the output."""
+
+    segments: tuple[tuple[int, object], ...]
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.values.nbytes + s.scale.nbytes if isinstance(s, Fp8Block) else s.nbytes
+                   for _, s in self.segments)
+
+
+def upload_block(parts: list[Fp8Matrix]) -> Fp8Block:
+    """Fp8Matrix parts on the 128 x 128 grid (every one but the last a multiple of 128 rows) stacked on the device:
+    the fp8 bytes copied as stored into one array, the small scale grid stacked on the host."""
+    k = parts[0].shape[1]
+    n = sum(p.shape[0] for p in parts)
+    values = cupy.empty((n, k), cupy.uint8)
+    scale = np.zeros((-(-n // GEMM_BLOCK), scale_columns(k)), np.float32)
+    row = 0
+    for p in parts:
+        rows = p.shape[0]
+        upload_bytes(values[row:row + rows], np.ascontiguousarray(p.values).view(np.uint8))
+        scale[row // GEMM_BLOCK:row // GEMM_BLOCK + p.scale.shape[0], :p.scale.shape[1]] = p.scale
+        row += rows
+    return Fp8Block(values, cupy.asarray(scale))
+
+
+def upload_projection(ops, parts: list):
+    """`ops.upload_linear` on CUDA: FP8 segments kept as Fp8Block where the storage dtype is bf16, the mode is not
+    deterministic (the FP8 GEMM's algorithm follows M) and cuBLASLt runs block-scaled FP8; else (or where no part is
+    on the grid) the dequantised matrix that `upload_rows` makes."""
+    if np.dtype(ops.act_dtype) != BF16 or ops.tuning.deterministic or not any(isinstance(p, Fp8Matrix) for p in parts):
+        return ops.upload_rows(parts)
+    n = sum(p.shape[0] for p in parts)
+    segments = linear_segments(parts) if n % 8 == 0 else []
+    if not any(s.fp8 for s in segments) or not block_fp8_support().supported:
+        return ops.upload_rows(parts)
+    k = parts[0].shape[1]
+    return ProjectionWeight(tuple((s.row, upload_block(list(s.parts)) if s.fp8 else ops.upload_rows(list(s.parts)))
+                                  for s in segments), (n, k))
+
+
+def quantize_activations(x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """x [M, K] (fp32 or bf16, unit column stride) -> (uint8 [M, K] e4m3 bytes, fp32 [ceil(K/128), M] scales): per
+    row and 128 columns, as kernels/fp8.py quantize_groups."""
+    if x.ndim != 2 or (x.shape[0] > 1 and x.shape[1] > 1 and x.strides[1] != x.itemsize):
+        raise ValueError(f"quantize_activations: a matrix with unit column stride, got {x.shape} {x.strides}")
+    m, k = x.shape
+    q = cupy.empty((m, k), cupy.uint8)
+    scale = cupy.empty((-(-k // GEMM_BLOCK), m), cupy.float32)
+    warps = m * scale.shape[0]
+    if warps:
+        ld = x.strides[0] // x.itemsize if m > 1 else k
+        blocks = max(1, min(-(-warps // (THREADS // 32)), 1 << 16))
+        kernel("fp8", f"fp8_quant_groups_kernel<{type_name(x.dtype)}>")(
+            (blocks,), (THREADS,), (x, i64(m), i32(k), i64(ld), q, scale))
+    return q, scale
+
+
+_FELL_BACK: set[tuple[int, int, int]] = set()
+
+
+def projection_linear(ops, x, weight: ProjectionWeight):
+    """x [..., K] @ weight^T -> bf16 [..., N]: the FP8 segments by cuBLASLt's block-scaled GEMM on x quantised once,
+    the plain ones by the backend's GEMM, each into its columns."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > 1 and k > 1 and x2.strides[1] != x2.itemsize:
+        x2 = cupy.ascontiguousarray(x2)
+    m = x2.shape[0]
+    if len(weight.segments) == 1 and not isinstance(weight.segments[0][1], Fp8Block):
+        return ops._gemm(x, weight.segments[0][1], ops.act_dtype)
+    out = cupy.empty((m, n), BF16)
+    quantized = None
+    for row, seg in weight.segments:
+        if isinstance(seg, Fp8Block):
+            quantized = quantized or quantize_activations(x2)
+            if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, out, row):
+                continue
+            if (seg.shape + (m,)) not in _FELL_BACK:
+                _FELL_BACK.add(seg.shape + (m,))
+                log.warning("cuBLASLt has no block-scaled FP8 algorithm for a [%d, %d] weight at %d rows: "
+                            "dequantised for this call", *seg.shape, m)
+            seg = seg.dequantized()
+        out[:, row:row + seg.shape[0]] = ops._gemm(x2, seg, BF16)
+    return out.reshape(lead + (n,))

@@ -86,6 +86,13 @@ class Ops(Protocol):
         backend array `read_weights` handed out, which the caller gives up: a lone part already in `dtype` may
         come back as it is."""
 
+    def upload_linear(self, host_parts) -> Any:
+        """A projection's weight from `host_parts` as `upload_rows` takes them (stacked along axis 0, storage
+        dtype), only ever passed to `linear` as its `weight` (never sliced, reshaped or read otherwise). A backend
+        may keep FP8 parts as stored and multiply them on FP8 tensor cores (activations quantised per row per 128
+        columns: `linear` then equals its product with the dequantised weight within FP8 rounding, and
+        docs/PERFORMANCE.md states the error); the reference stores the exact dequantisation, as `upload_rows`."""
+
     def read_weights(self, spans) -> "WeightReads":
         """Start reading the checkpoint tensors `spans` (kernels/weight_reads.py TensorSpans, in the order the build
         will ask for them) into backend memory on threads of the backend's choosing; returns at once. The result's
@@ -135,7 +142,8 @@ class Ops(Protocol):
         of an act [T, D] with it)"""
 
     def linear(self, x, weight) -> Array:
-        """x [T, in] @ weight[out, in].T -> act [T, out] (fp32 accumulation)"""
+        """x [T, in] @ weight[out, in].T -> act [T, out] (fp32 accumulation); weight: a storage-dtype matrix or an
+        `upload_linear` weight"""
 
     def logits(self, x, lm_head) -> Array:
         """x [N, D] @ lm_head[V, D].T -> fp32 [N, V]"""

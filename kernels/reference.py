@@ -89,6 +89,10 @@ class NumpyOps(MoeReferenceOps, MambaReferenceOps):
         parts = [p.dequantize() if isinstance(p, Fp8Matrix) else np.asarray(p) for p in host_parts]
         return np.concatenate(parts, axis=0).astype(dtype or self.act_dtype, copy=False)
 
+    def upload_linear(self, host_parts):
+        """A projection's weight: `upload_rows` (FP8 parts exactly dequantised, the reference's fp32)."""
+        return self.upload_rows(host_parts)
+
     def read_weights(self, spans):
         """The weights read by a few threads into host arrays (kernels/weight_reads.py), the build converting each
         as it takes it; the memory-mapped path is the caller's fallback."""

@@ -1,5 +1,6 @@
 """FP8 checkpoints on the GPU (kernels/fp8.cu, kernels/cuda_fp8.py): the fp8 values and block scales upload as
-stored and are dequantised on the device, bit for bit the host's exact dequantisation rounded to the storage dtype.
+stored and are dequantised on the device, bit for bit the host's exact dequantisation rounded to the storage dtype
+(the FP8 GEMMs that keep a projection's weights as FP8: tests/test_cuda_fp8_gemm.py).
 
 Skipped without CuPy and a GPU.
 """
@@ -11,12 +12,8 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from conftest import PARITY_STD, new_state, random_prompt  # noqa: E402
-from prefixrun.engine.load.loader import load  # noqa: E402
-from prefixrun.engine.load.model_maker import make_model_dir  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.fp8 import Fp8Matrix  # noqa: E402
-from test_fp8_weights import FP8_QWEN3_5, dequantised_twin  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -26,13 +23,6 @@ def ops():
     from prefixrun.kernels.cuda import CudaOps
 
     return CudaOps("bfloat16")
-
-
-@pytest.fixture(scope="module")
-def fp8_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    block = make_model_dir(root / "block", FP8_QWEN3_5, seed=7, init_std=PARITY_STD, fp8="block")
-    return {"block": (block, dequantised_twin(block, root / "block-dq"))}
 
 
 def test_the_cuda_backend_dequantises_fp8_exactly_as_the_host_then_rounds_to_bf16(ops):
@@ -52,16 +42,3 @@ def test_the_cuda_backend_dequantises_fp8_exactly_as_the_host_then_rounds_to_bf1
                                       want.view(np.uint16 if dtype == "bfloat16" else np.uint32))
     mixed = ops.to_host(ops.upload_rows([mats[1], rng.standard_normal((2, 260)).astype(np.float32)], "float32"))
     np.testing.assert_array_equal(mixed[:7], mats[1].dequantize())
-
-
-def test_an_fp8_model_on_the_gpu_gives_the_logits_of_its_dequantised_twin(fp8_models):
-    fp8_dir, twin = fp8_models["block"]
-    prompt = random_prompt(3, 70)
-    logits = []
-    for path in (fp8_dir, twin):
-        loaded = load(path, "cuda", "bfloat16")
-        state = new_state(loaded.model, loaded.ops)
-        out = loaded.model.forward(state.prepare_step([state.new_sequence()], [prompt]), state, all_logits=True)
-        logits.append(loaded.ops.to_host(out).astype(np.float32))
-    # the twin's fp32 weights round to the same bf16 values the device dequantisation writes
-    np.testing.assert_array_equal(logits[0], logits[1])

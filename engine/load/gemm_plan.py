@@ -58,6 +58,9 @@ class _ShapeOps:
         shapes = [tuple(np.shape(p)) for p in host_parts]
         return self._placeholder((sum(s[0] for s in shapes),) + shapes[0][1:], dtype)
 
+    def upload_linear(self, host_parts):
+        return self.upload_rows(host_parts)
+
 
 def _held_arrays(root) -> dict[int, np.ndarray]:
     """Every numpy array reachable from the model object through engine.models objects, lists, tuples and dicts."""

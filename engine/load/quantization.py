@@ -11,9 +11,9 @@ Both are one case here: a scale per (block_rows x block_cols) block of the weigh
 block ragged when a dimension is not a multiple of it (a channel scale is a 1 x in block, a tensor scale out x in).
 `QuantizedTensors` serves every weight of such a checkpoint to the models; a quantized weight that is uploaded as it
 is (`stored`: the linear layers' matrices, experts) passes, as fp8 values and scales (kernels/fp8.py `Fp8Matrix`),
-through `materialize`, the one place that decides what the backend gets: today the backend dequantises it exactly as
-it uploads it (on the GPU in a kernel, into bf16); `get` gives the fp32 dequantisation to code that reshapes weights
-on the host.
+through `materialize`, the one place that decides what the backend gets: `ops.upload_rows` dequantises it exactly as
+it uploads it (on the GPU in a kernel, into bf16), `ops.upload_linear` (a projection's weight) may keep it FP8 for an
+FP8 GEMM (kernels/cuda_fp8.py); `get` gives the fp32 dequantisation to code that reshapes weights on the host.
 
 Everything else (other methods, static activation scales, other bit widths, block sizes, keys not implemented here)
 is refused with one line naming it: transformers would run other numbers than the ones computed here.
@@ -161,8 +161,9 @@ def parse_quantization(quantization, source: str) -> WeightQuantization:
 
 def materialize(m: Fp8Matrix):
     """What a backend upload (`ops.upload_rows`) gets for a quantized weight: the one place that decides between
-    keeping FP8 (for an FP8 GEMM with block scales) and dequantised values. Today the backend dequantises the fp8
-    values and scales as it uploads them (exactly, kernels/fp8.py), into its storage dtype like any weight."""
+    keeping FP8 (for an FP8 GEMM with block scales) and dequantised values: the backend gets the fp8 values and
+    scales, and its upload decides (`upload_rows`: exactly dequantised into its storage dtype; `upload_linear`: kept
+    FP8 where the backend has an FP8 GEMM for them)."""
     return m
 
 

@@ -62,8 +62,13 @@ class WeightLoader:
         return self.ops.upload(self.host(name, shape).astype(np.float32) + np.float32(offset), np.float32)
 
     def stacked(self, names: list[str], shapes: list[tuple[int, ...]]):
-        """Several [out_i, in] matrices concatenated along out, so one GEMM computes all of them."""
-        return self.ops.upload_rows([self.part(n, s) for n, s in zip(names, shapes)])
+        """Several [out_i, in] matrices concatenated along out, so one GEMM computes all of them: a projection's
+        weight, only ever multiplied by `ops.linear` (ops.upload_linear: FP8 parts may stay FP8)."""
+        return self.ops.upload_linear([self.part(n, s) for n, s in zip(names, shapes)])
+
+    def projection(self, name: str, shape: tuple[int, ...]):
+        """One [out, in] matrix that only `ops.linear` multiplies (ops.upload_linear, as `stacked`)."""
+        return self.ops.upload_linear([self.part(name, shape)])
 
     def bias(self, names: list[str], sizes: list[int]):
         """The fp32 biases of one (stacked) projection, concatenated like its weights; added with ops.add."""
@@ -117,7 +122,7 @@ class GatedMLP:
         down = prefix + names[2] + "."
         names = [prefix + names[0] + ".", prefix + names[1] + "."]
         self.gate_up = load.stacked([n + "weight" for n in names], [(i, d), (i, d)])
-        self.down = load.matrix(down + "weight", (d, i))
+        self.down = load.projection(down + "weight", (d, i))
         self.gate_up_bias = self.down_bias = None
         if cfg.mlp_bias:
             self.gate_up_bias = load.bias([n + "bias" for n in names], [i, i])
@@ -149,7 +154,7 @@ class Attention:
         names = [prefix + n for n in ("q_proj.", "k_proj.", "v_proj.")]
         rows = [q_rows, hkv * hd, hkv * hd]
         self.qkv = load.stacked([n + "weight" for n in names], [(r, d) for r in rows])
-        self.o_proj = load.matrix(o_name + "weight", (d, hq * hd))
+        self.o_proj = load.projection(o_name + "weight", (d, hq * hd))
         self.qkv_bias = self.o_bias = None
         if cfg.attention_bias:
             self.qkv_bias = load.bias([n + "bias" for n in names], rows)
@@ -258,7 +263,7 @@ class GatedDeltaNet:
         self.dt_bias = load.vector(prefix + "dt_bias", (self.hv,))
         self.norm_weight = load.vector(prefix + "norm.weight", (self.dv,))
         self.eps = cfg.rms_norm_eps
-        self.out_proj = load.matrix(prefix + "out_proj.weight", (d, self.value_dim))
+        self.out_proj = load.projection(prefix + "out_proj.weight", (d, self.value_dim))
         self.conv_region = f"layers.{layer}.conv"
         self.recurrent_region = f"layers.{layer}.recurrent"
 

@@ -45,7 +45,7 @@ class SparseMoeBlock:
         if s:
             sp = prefix + "shared_expert."
             self.shared_gate_up = load.stacked([sp + "gate_proj.weight", sp + "up_proj.weight"], [(s, d), (s, d)])
-            self.shared_down = load.matrix(sp + "down_proj.weight", (d, s))
+            self.shared_down = load.projection(sp + "down_proj.weight", (d, s))
 
     def __call__(self, ops, x):
         e, k = self.num_experts, self.top_k
