@@ -93,7 +93,7 @@ class BlockFp8Gemm:
             raise ValueError("block fp8 gemm needs 16-byte aligned operands")
         if m == 0 or n == 0:
             return True
-        with self.lt._lock:
+        with self.lt.lock:
             algo = self.algo(n, k, m, ld, w_scale.data.ptr, x_scale.data.ptr)
             if algo is None:
                 return False
@@ -157,7 +157,7 @@ def _probe() -> Fp8Support:
         n = k = 256
         w_scale = cupy.ones((n // FP8_BLOCK, scale_columns(k)), cupy.float32)
         x_scale = cupy.ones((k // FP8_BLOCK, 64), cupy.float32)
-        with g.lt._lock:
+        with g.lt.lock:
             algo = g.algo(n, k, 64, n, w_scale.data.ptr, x_scale.data.ptr)
     except Exception as e:  # an old library (no such attribute) or no cuBLASLt at all: the dequantised path
         return Fp8Support(False, f"cuBLASLt refused block-scaled FP8 ({type(e).__name__}: {e})")

@@ -168,7 +168,7 @@ class LtContext:
         self.device = cupy.cuda.Device().id
         self._layouts: dict[tuple, ctypes.c_void_p] = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def new_desc(self, compute: int, attributes: list[tuple[int, ctypes._SimpleCData]]) -> ctypes.c_void_p:
         """A matmul descriptor (fp32 scale type) with A transposed, B not, and `attributes` (id, ctypes value)."""

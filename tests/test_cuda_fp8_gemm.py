@@ -54,7 +54,7 @@ def _require(support):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_activation_kernel_quantises_as_the_host_bit_for_bit(dtype):
+def test_the_activation_kernel_quantises_as_the_host_bit_for_bit(dtype, ops):
     from prefixrun.kernels.cuda_fp8 import quantize_activations
 
     rng = np.random.default_rng(0)
@@ -63,8 +63,8 @@ def test_the_activation_kernel_quantises_as_the_host_bit_for_bit(dtype):
     x[6, 130:200] = 0.0
     host = x.astype(BF16) if dtype == "bfloat16" else x
     q_want, s_want = quantize_groups(host.astype(np.float32))
-    wide = cupy.asarray(np.concatenate([host, host], axis=1))  # rows strided: a view of every row's first half
-    for dev in (cupy.asarray(host), wide[:, :300]):
+    wide = ops.upload(np.concatenate([host, host], axis=1), dtype)  # rows strided: every row's first half
+    for dev in (ops.upload(host, dtype), wide[:, :300]):
         q, s = quantize_activations(dev)
         np.testing.assert_array_equal(cupy.asnumpy(q), q_want.view(np.uint8))
         np.testing.assert_array_equal(cupy.asnumpy(s), s_want.T)  # [groups, rows]: rows contiguous
@@ -86,14 +86,14 @@ def test_the_block_fp8_gemm_is_the_product_of_its_quantised_operands(n, k, m, op
     weight, x = _operands(rng, n, k, m)
     w_dq = cupy.asarray(weight.dequantize())
     proj = ops.upload_linear([weight])
-    got = cupy.asnumpy(ops.linear(cupy.asarray(x), proj)).astype(np.float32)
+    got = ops.to_host(ops.linear(ops.upload(x), proj)).astype(np.float32)
     q, s = quantize_groups(x.astype(np.float32))
     x_dq = cupy.asarray(Fp8Matrix(q, s, (1, 128)).dequantize())
     exact = cupy.asnumpy(x_dq @ w_dq.T)  # what the FP8 GEMM computes, in fp32 (cuBLAS sgemm)
     top = np.abs(exact).max()
     norm_err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert norm_err < EXACT_NORM and np.abs(got - exact).max() < EXACT_MAX * top, (norm_err, np.abs(got - exact).max() / top)
-    bf16 = cupy.asnumpy(ops.linear(cupy.asarray(x), ops.upload_rows([weight]))).astype(np.float32)
+    bf16 = ops.to_host(ops.linear(ops.upload(x), ops.upload_rows([weight]))).astype(np.float32)
     w8a8 = np.linalg.norm(got - bf16) / np.linalg.norm(bf16)
     print(f"[{n}, {k}] M={m}: vs quantised fp32 {norm_err:.2e}, vs bf16 dequantised GEMM {w8a8:.3f}")
     assert w8a8 < W8A8_NORM
@@ -115,7 +115,7 @@ def test_a_projection_of_fp8_and_plain_parts_writes_each_segment_s_columns(ops, 
     assert [(row, isinstance(seg, Fp8Block)) for row, seg in proj.segments] == [(0, True), (584, False), (608, True),
                                                                                 (736, False)]
     x = rng.standard_normal((50, 256)).astype(np.float32).astype(BF16)
-    got = cupy.asnumpy(ops.linear(cupy.asarray(x), proj)).astype(np.float32)
+    got = ops.to_host(ops.linear(ops.upload(x), proj)).astype(np.float32)
     q, s = quantize_groups(x.astype(np.float32))
     x_dq = Fp8Matrix(q, s, (1, 128)).dequantize()
     row = 0

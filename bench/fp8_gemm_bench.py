@@ -1,0 +1,84 @@
+"""FP8 GEMMs with block scales against bf16 on the GPU: whether cuBLASLt runs them here, and per weight shape and row
+count the time of the backend's `linear` on a bf16 weight, on the same weight kept FP8 (activation quantisation
+included), of the FP8 GEMM alone and of the activations' quantisation alone (median of CUDA-event timings).
+
+    python3 bench/fp8_gemm_bench.py [--shapes 18432x2560,2560x9216] [--rows 1,64,2048,8192] [--reps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm, scale_columns
+from prefixrun.kernels.cublaslt_lib import lt_version
+from prefixrun.kernels.cuda import CudaOps
+from prefixrun.kernels.cuda_arrays import cast
+from prefixrun.kernels.cuda_fp8 import Fp8Block, ProjectionWeight, quantize_activations
+
+SHAPES_4B = "18432x2560,2560x9216,12288x2560,2560x4096"  # [N, K] of the 4b-like projections
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def timed(fn, reps: int) -> float:
+    """Median microseconds of fn() over `reps` runs, each between two events (after three warm-up runs)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+    return float(np.median(times))
+
+
+def fp8_weight(n: int, k: int) -> Fp8Block:
+    """Random e4m3 bytes (bit 3 clear: no NaN pattern) and block scales, made on the device."""
+    rng = cupy.random.RandomState(n * 7 + k)
+    values = rng.randint(0, 256, size=(n, k), dtype=cupy.int32).astype(cupy.uint8) & cupy.uint8(0xF7)
+    scale = rng.uniform(1e-3, 2e-3, size=(-(-n // 128), scale_columns(k))).astype(cupy.float32)
+    return Fp8Block(values, scale)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=SHAPES_4B)
+    p.add_argument("--rows", default="1,64,2048,8192")
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args()
+    ops = CudaOps("bfloat16")
+    t = time.perf_counter()
+    support = block_fp8_support()
+    print(f"cuBLASLt {lt_version()}, {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: block-scaled FP8 "
+          f"{'supported' if support.supported else 'NOT supported'} ({support.detail}; {time.perf_counter() - t:.2f} s)")
+    gemm = get_block_fp8_gemm()
+    for shape in a.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        w8 = fp8_weight(n, k)
+        w16 = w8.dequantized()
+        proj = ProjectionWeight(((0, w8),), (n, k))
+        for m in (int(v) for v in a.rows.split(",")):
+            x = cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32), BF16)
+            bf16 = timed(lambda: ops.linear(x, w16), a.reps)
+            line = f"[{n}, {k}] M={m}: bf16 {bf16:8.1f} us"
+            if support.supported:
+                xq, xs = quantize_activations(x)
+                out = cupy.empty((m, n), BF16)
+                fp8 = timed(lambda: ops.linear(x, proj), a.reps)
+                alone = timed(lambda: gemm.gemm(xq, xs, w8.values, w8.scale, out), a.reps)
+                quant = timed(lambda: quantize_activations(x), a.reps)
+                line += (f" | fp8 linear {fp8:8.1f} us ({fp8 / bf16:.2f}x): gemm {alone:8.1f} ({alone / bf16:.2f}x) "
+                         f"+ quantise {quant:6.1f}")
+            print(line, flush=True)
+        w8 = w16 = proj = None  # freed before the next shape's weights
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
