@@ -1,6 +1,6 @@
-"""cuBLASLt through ctypes: the library, its status check, and `LtContext` (a handle, a workspace, cached matrix
-layouts and the heuristics query) that the GEMMs built on it share (kernels/cublaslt.py: batch-invariant GEMMs,
-kernels/cublaslt_fp8.py: FP8 GEMMs with block scales).
+"""cuBLASLt through ctypes: the library, its status check and the heuristics query that the GEMMs on it share
+(kernels/cublaslt.py: batch-invariant GEMMs; kernels/cublaslt_fp8.py: FP8 GEMMs with block scales), and
+`LtContext`, a handle with its workspace and cached matrix layouts (the FP8 GEMM's).
 
 Layout as kernels/cublas.py: y[M, N] = x[M, K] @ w[N, K]^T is, column-major, y^T (N x M, ld N) = op(A) B with
 A = w (K x N, ld K, transposed) and B = x^T (K x M, ld = x's row stride). The stream is CuPy's current one on every
