@@ -14,7 +14,9 @@ How it runs, aiming at the fastest settings a careful user would pick:
   torch.compile by itself, or the default dynamic cache) is warmed up and timed on the first group, and the
   fastest runs the workload (a candidate that raises, e.g. where a family's cache or compilation does not take
   it, is skipped and named);
-- every distinct group shape warmed up once before the timed pass (compilation, autotuning, allocator).
+- every distinct group shape warmed up once before the timed pass (compilation, autotuning, allocator);
+- the group halved while transformers runs out of device memory (its reference Mamba2 scan, used where
+  `mamba_ssm` is not installed, materialises blocks quadratic in the prompt's length); the size used is reported.
 Prints JSON: wall_seconds of the timed pass, the settings used and tried, tokens generated. Greedy when the
 temperature is 0, else sampled with it (the bench's greedy rows are what the tables compare).
 """
@@ -115,6 +117,8 @@ def choose(h: Harness, probe: list[dict], caches: tuple[str, ...] = ("static", "
         try:
             h.generate(probe)
             seconds, _ = h.timed([probe])
+        except h.torch.OutOfMemoryError:
+            raise  # the group's size, not the settings: fit() halves it
         except Exception as exc:  # this family or build does not take it
             tried.append({"settings": name, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
             h.torch._dynamo.reset()
@@ -128,18 +132,34 @@ def choose(h: Harness, probe: list[dict], caches: tuple[str, ...] = ("static", "
     return tried
 
 
+def fit(h: Harness, lines: list[dict], group: int, default_max_tokens: int,
+        caches: tuple[str, ...]) -> tuple[list[list[dict]], int, list[dict]]:
+    """(groups, group size, what was tried): the settings chosen on the first group and every distinct group shape
+    run once (compilation, autotuning and the allocator out of the timing), the group halved while transformers
+    runs out of device memory (the reference Mamba2 scan materialises blocks quadratic in the prompt length)."""
+    while True:
+        groups = groups_of(lines, group, default_max_tokens)
+        try:
+            tried = choose(h, groups[0], caches)
+            shapes = {}
+            for g in groups:
+                shapes.setdefault((len(g), max(len(l["prompt_token_ids"]) for l in g),
+                                   max(l.get("max_tokens") or default_max_tokens for l in g)), g)
+            for g in shapes.values():
+                h.generate(g)
+            return groups, group, tried
+        except h.torch.OutOfMemoryError:
+            if group == 1:
+                raise SystemExit("transformers runs out of device memory even one request at a time")
+            group = max(1, group // 2)
+            h.torch.cuda.empty_cache()
+
+
 def run(model_dir: Path, workload: Path, group: int = 32, temperature: float = 0.0,
         default_max_tokens: int = 16, caches: tuple[str, ...] = ("static", "dynamic")) -> dict:
     lines = read_lines(workload)
-    groups = groups_of(lines, group, default_max_tokens)
     h = Harness(model_dir, temperature, default_max_tokens)
-    tried = choose(h, groups[0], caches)
-    shapes = {}
-    for g in groups:  # every distinct shape once: compilation, autotuning and the allocator out of the timing
-        shapes.setdefault((len(g), max(len(l["prompt_token_ids"]) for l in g),
-                           max(l.get("max_tokens") or default_max_tokens for l in g)), g)
-    for g in shapes.values():
-        h.generate(g)
+    groups, group, tried = fit(h, lines, group, default_max_tokens, caches)
     wall, tokens = h.timed(groups)
     return {"harness": "bench/hf_generate.py", "wall_seconds": round(wall, 4), "requests": len(lines),
             "groups": len(groups), "group_size": group, "generated_tokens": tokens, "device": h.device,

@@ -28,14 +28,37 @@ def process_wall_seconds() -> float:
 
 
 def matmul_params_per_token(model) -> int:
-    """Weights every token multiplies with (the LM head counted once per sequence is left out)."""
+    """Weights every token multiplies with (the LM head counted once per sequence is left out): the matrices of
+    every layer's parts (routers included, depthwise convolution kernels not), and of a mixture of experts the k
+    experts a token is routed to."""
+    seen: set[int] = set()
+    return sum(_weights_of(part, seen, depth=0) for layer in model.layers for part in vars(layer).values())
+
+
+def _weights_of(obj, seen: set[int], depth: int) -> int:
+    """Matrices under `obj`, walked through the model's own objects and lists of them; an expert stack [E, out, in]
+    counts top_k of its E experts, where its block says how many."""
+    if id(obj) in seen or depth > 4:
+        return 0
+    seen.add(id(obj))
+    shape = getattr(obj, "shape", None)
+    if shape is not None:
+        return int(np.prod(shape)) if len(shape) == 2 else 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_weights_of(x, seen, depth + 1) for x in obj)
+    if not type(obj).__module__.startswith("prefixrun.engine.models") or not hasattr(obj, "__dict__"):
+        return 0
+    top_k = getattr(obj, "top_k", None) or getattr(getattr(obj, "moe", None), "top_k", None)
     total = 0
-    for layer in model.layers:
-        for obj in (layer.mixer, layer.mlp):
-            for v in vars(obj).values():
-                shape = getattr(v, "shape", None)
-                if shape is not None and len(shape) == 2 and min(shape) > 64:
-                    total += int(np.prod(shape))
+    for name, value in vars(obj).items():
+        if "conv" in name:  # a depthwise kernel of a few taps per channel: no matrix product
+            continue
+        stack = getattr(value, "shape", None)
+        if top_k and stack is not None and len(stack) == 3 and id(value) not in seen:
+            seen.add(id(value))
+            total += int(top_k) * int(stack[1]) * int(stack[2])
+        else:
+            total += _weights_of(value, seen, depth + 1)
     return total
 
 
@@ -109,22 +132,29 @@ def transformers_setup(run, workload: Path) -> dict:
 
 
 def compare_with_transformers(setup: dict, batch: int, wall: float) -> dict:
-    """transformers' wall time on the same token ids and the ratio to `wall`, or why it was left out."""
+    """transformers' wall time on the same token ids and the ratio to `wall`, or why it was left out (the run's
+    own figures stand whatever transformers does)."""
     lines = setup["lines"]
     if not all(isinstance(l, dict) and "prompt_token_ids" in l for l in lines):
         return {"transformers_skipped": "the comparison needs prompt_token_ids on every line"}
-    hf = transformers_baseline(setup["model_dir"], lines, setup["device"], batch, setup["sampling"],
-                               setup["default_max_tokens"])
+    try:
+        hf = transformers_baseline(setup["model_dir"], lines, setup["device"], batch, setup["sampling"],
+                                   setup["default_max_tokens"])
+    except Exception as exc:  # noqa: BLE001 - a family transformers cannot run here, out of memory at batch 1, ...
+        return {"transformers_skipped": f"transformers failed: {type(exc).__name__}: {str(exc)[:200]}"}
     if hf is None:
         return {"transformers_skipped": "torch or transformers is not importable"}
-    return {"transformers_wall_seconds": round(hf, 4), "speedup_vs_transformers": round(hf / wall, 2)}
+    seconds, used_batch = hf
+    return {"transformers_wall_seconds": round(seconds, 4), "speedup_vs_transformers": round(seconds / wall, 2),
+            "transformers_batch": used_batch}
 
 
 def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch: int, sampling: dict,
-                          default_max_tokens: int) -> float | None:
-    """The same requests through transformers (exactly max_tokens new tokens each, batches of `batch`, no prefix
-    reuse; sampled with the run's default temperature/top-p/top-k/min-p, greedy when the temperature is 0), after
-    a warm-up on the same shapes; None when torch/transformers are missing."""
+                          default_max_tokens: int) -> tuple[float, int] | None:
+    """(seconds, batch used) of the same requests through transformers (exactly max_tokens new tokens each, batches
+    of `batch`, halved while transformers runs out of device memory, no prefix reuse; sampled with the run's default
+    temperature/top-p/top-k/min-p, greedy when the temperature is 0), after a warm-up on the same shapes; None when
+    torch/transformers are missing."""
     try:
         import torch
         import transformers
@@ -140,7 +170,7 @@ def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch
         how = {"do_sample": True, "temperature": temperature, "top_p": sampling.get("top_p") or 1.0,
                "top_k": sampling.get("top_k") or 0, "min_p": sampling.get("min_p") or None}
 
-    def go(subset):
+    def go(subset, batch):
         for i in range(0, len(subset), batch):
             chunk = subset[i:i + batch]
             width = max(len(l["prompt_token_ids"]) for l in chunk)
@@ -157,7 +187,14 @@ def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch
         if dev == "cuda":
             torch.cuda.synchronize()
 
-    go(lines[:min(batch, len(lines))])
-    t0 = time.perf_counter()
-    go(lines)
-    return time.perf_counter() - t0
+    while True:
+        try:
+            go(lines[:min(batch, len(lines))], batch)
+            t0 = time.perf_counter()
+            go(lines, batch)
+            return time.perf_counter() - t0, batch
+        except torch.OutOfMemoryError:  # e.g. a family whose reference kernels materialise [T, T] blocks
+            if batch == 1:
+                raise
+            batch = max(1, batch // 2)
+            torch.cuda.empty_cache()

@@ -86,3 +86,52 @@ def test_the_harness_on_the_gpu_picks_settings_that_work_and_times_the_workload(
     assert figures["device"] == "cuda" and figures["generated_tokens"] == 6 * 8 and figures["groups"] == 2
     assert figures["cache"] in ("static", "dynamic") and len(figures["tried"]) == 2
     assert any("probe_seconds" in t for t in figures["tried"]), figures["tried"]
+
+
+def _refusing_groups_over(torch, limit: int):
+    """A generate that runs out of device memory for more than `limit` prompts at once, as transformers' reference
+    Mamba2 scan does at long prompts."""
+    def generate(ids, **kwargs):
+        if ids.shape[0] > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 432.00 GiB")
+        return torch.zeros((ids.shape[0], ids.shape[1] + kwargs["max_new_tokens"]), dtype=torch.long)
+    return generate
+
+
+def test_both_harnesses_halve_the_group_while_transformers_runs_out_of_memory(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from prefixrun.cli import bench
+
+    hf = _harness()
+    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    lines = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(12)], "max_tokens": 3} for i in range(8)]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    real = hf.Harness.__init__
+
+    def small_memory(self, *a, **k):
+        real(self, *a, **k)
+        self.model.generate = _refusing_groups_over(torch, 2)
+    monkeypatch.setattr(hf.Harness, "__init__", small_memory)
+    figures = hf.run(model_dir, workload, group=8)
+    assert figures["group_size"] == 2 and figures["groups"] == 4 and figures["generated_tokens"] == 8 * 3
+
+    import transformers
+
+    class Tiny:
+        generate = staticmethod(_refusing_groups_over(torch, 3))
+
+        def to(self, dev):
+            return self
+
+        def eval(self):
+            return self
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Tiny())
+    seconds, used = bench.transformers_baseline(model_dir, lines, "cpu", 8, {"temperature": 0}, 4)
+    assert used == 2 and seconds >= 0
+    monkeypatch.setattr(Tiny, "generate", staticmethod(_refusing_groups_over(torch, 0)))
+    setup = {"model_dir": model_dir, "device": "cpu", "lines": lines, "sampling": {"temperature": 0},
+             "default_max_tokens": 4}
+    skipped = bench.compare_with_transformers(setup, 8, 1.0)
+    assert skipped["transformers_skipped"].startswith("transformers failed: OutOfMemoryError"), skipped

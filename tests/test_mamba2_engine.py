@@ -251,3 +251,37 @@ def test_prefixrun_batch_shows_a_refusal_as_one_line_exit_2(family, field, value
     assert result.exit_code == 2, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and shown in lines[0] and "is not supported" in lines[0], result.output
+
+
+def test_bench_runs_on_every_family_and_counts_what_a_token_multiplies(model_dir, family, tmp_path):
+    """`prefixrun bench` on the hybrids (a Nemotron-H block has one mixer and no MLP; the MoE layers' experts are
+    stacks): it runs, and the weights a token multiplies are every matrix once plus top_k of each expert stack."""
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+    from prefixrun.cli.bench import matmul_params_per_token
+    from prefixrun.kernels import get_ops
+
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(json.dumps({"prompt_token_ids": random_prompt(i, 12), "max_tokens": 2}) + "\n"
+                            for i in range(3)))
+    res = CliRunner().invoke(app, ["bench", str(work), "--model", str(model_dir), "--device", "cpu", "--no-cache",
+                                   "--temperature", "0", "-q"])
+    assert res.exit_code == 0, res.output
+    figures = json.loads(res.stdout)
+    assert figures["computed_prompt_tokens"] == 36 and figures["prefill_tflops"] >= 0
+
+    model = load_model(model_dir, get_ops("cpu"))[0]
+    cfg, d = TINY[family], TINY[family]["hidden_size"]
+    if family == "nemotron_h":
+        mamba = 2 * (d * (2 * 8 * 16 + 2 * 2 * 16 + 8) + 8 * 16 * d)  # in_proj and out_proj of two Mamba2 layers
+        attention = d * (4 * 16 + 2 * 2 * 16) + 4 * 16 * d
+        mlp = 2 * 128 * d
+        moe = 8 * d + 2 * (2 * 32 * d) + 2 * 48 * d  # the router, top_k of the experts' up + down, the shared one
+        expected = mamba + attention + mlp + moe
+    else:
+        expected = None
+    counted = matmul_params_per_token(model)
+    assert counted > 0
+    if expected is not None:
+        assert counted == expected, (counted, expected)
