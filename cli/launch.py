@@ -8,10 +8,23 @@ arguments name a command that builds an engine in this process on a GPU that may
 from the arguments alone (no option is parsed or checked yet: a usage error later has only started threads). A run
 on the CPU, or one whose engines live in worker processes (--devices, --ray), starts nothing: the processes that
 use the GPUs bring them up themselves.
+
+When the command has ended (its results written, its files closed, its output claim released: everything the
+command does, it does before it exits), the process ends without the interpreter's teardown: that collects and
+frees every object of the run (the model, the tokenizer, every module) and, on a GPU, frees the device memory and
+destroys the context one call at a time, a good part of a second that nobody waits for the results of. What the
+teardown does that matters is done first, in the interpreter's order: other threads joined (`threading._shutdown`:
+pools of workers woken and joined, non-daemon threads finished), the `atexit` functions run (log handlers flushed,
+temporary folders removed), stdout and stderr flushed (a failure there is exit status 120, as the interpreter's);
+the operating system then reclaims memory, files and the device as for any process that exits. Without the
+interpreter's private `threading._shutdown`, the process exits the usual way.
 """
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
 
 ENGINE_COMMANDS = ("batch", "bench")  # the commands that build an engine in this process
 _ELSEWHERE = ("--devices", "--ray", "--help")  # options after which this process brings up no GPU
@@ -43,7 +56,30 @@ def main() -> None:
         device_start.start("auto")
     from prefixrun.cli.app import main as run_command
 
-    run_command()
+    try:
+        run_command()
+    except SystemExit as end:
+        if end.code is not None and not isinstance(end.code, int):
+            raise  # a message to print: the usual way
+        exit_now(end.code or 0)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` after what the interpreter's teardown does that matters (module doc)."""
+    join_threads = getattr(threading, "_shutdown", None)
+    if join_threads is None:
+        sys.exit(code)
+    join_threads()
+    atexit._run_exitfuncs()
+    status = code & 0xFF
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            status = 120 if status == 0 else status
+    os._exit(status)
 
 
 if __name__ == "__main__":
