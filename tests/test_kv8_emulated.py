@@ -1,7 +1,9 @@
 """The 8-bit K/V kernels of kernels/attention.cu and their helpers in kernels/common.cu (--kv-cache-dtype int8 / fp8),
 compiled for the CPU with tests/cuda_emu.h: the fp8 encoder against ml_dtypes, write_kv_q8_kernel's bytes and scales
-against the NumPy reference (kernels/kv_storage.py) bit for bit, and the fp32 scalar attention kernel over 8-bit
-caches against NumpyOps.paged_attention (fp32 storage: tight bounds)."""
+against the NumPy reference (kernels/kv_storage.py) bit for bit, the fp32 scalar attention kernel over 8-bit
+caches against NumpyOps.paged_attention (fp32 storage: tight bounds), and the mma.sync kernel's 8-bit pipeline (the
+stored tiles copied with cp.async, dequantised in shared memory) against the bf16 kernel over the dequantised caches,
+bit for bit (and, opt-in, under ThreadSanitizer)."""
 from __future__ import annotations
 
 import ctypes
@@ -285,3 +287,68 @@ def test_the_8bit_pipeline_keeps_the_bits_with_a_window_sinks_and_split_keys(mma
     want_o, want_ml = run_mma(mma_emu, None, q, kb, vb, tables, ctx, cu, **split)
     np.testing.assert_array_equal(got_o, want_o)
     np.testing.assert_array_equal(got_ml, want_ml)
+
+
+TSAN_MAIN = r"""
+#include <random>
+int main(int argc, char** argv) {  // argv: kind (0 bf16, 1 int8, 2 fp8), variant (MMA_ENTRY), shared bytes
+    const int kind = std::atoi(argv[1]), variant = std::atoi(argv[2]);
+    const int d = variant == 2 ? 128 : 64, nw = variant == 1 ? 1 : 4;
+    const int hq = 4, hkv = 2, bs = 16, nblocks = 24, width = 9, nseq = 2;
+    const int ctx[] = {variant == 1 ? 130 : 90, 65}, lens[] = {variant == 1 ? 1 : 30, variant == 1 ? 1 : 65};
+    const int cu[] = {0, lens[0], lens[0] + lens[1]};
+    const int t = cu[2];
+    std::vector<int> tables(nseq * width);
+    for (int i = 0; i < nseq * width; ++i) tables[i] = (i * 5) % nblocks;
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    const size_t n = size_t(nblocks) * bs * hkv * d;
+    std::vector<uint16_t> q(size_t(t) * hq * d), out(size_t(t) * hq * d), kb(n), vb(n);
+    for (auto* a : {&q, &kb, &vb})
+        for (auto& x : *a) x = __float2bfloat16_rn(nd(rng)).x;
+    std::vector<unsigned char> kc(n), vc(n);
+    for (auto* a : {&kc, &vc})
+        for (auto& x : *a) x = rng() % 0x7e;  // int8 or fp8 bytes, no NaN
+    std::vector<float> ks(n / 32, 0.01f), vs(n / 32, 0.02f);
+    const unsigned gx = (t * (hq / hkv) + 16 * nw - 1) / (16 * nw) + nseq;
+    const void* k = kind ? (const void*)kc.data() : (const void*)kb.data();
+    const void* v = kind ? (const void*)vc.data() : (const void*)vb.data();
+    return emu_attn_q8(variant, kind, q.data(), k, v, tables.data(), width, ctx, cu, nseq, hq, hkv, bs, 0.18f, 0,
+                       out.data(), 1, nullptr, nullptr, t, gx, std::atol(argv[3]), nullptr, ks.data(), vs.data());
+}
+"""
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("PREFIXRUN_TSAN"),
+                    reason="a few minutes: set PREFIXRUN_TSAN=1 to race-check the kernel under ThreadSanitizer")
+def test_the_8bit_pipeline_has_no_shared_memory_races(tmp_path):
+    """attn_mma_kernel over 8-bit caches (and bf16 ones) under ThreadSanitizer, every cp.async written at issue and
+    again at its wait: each staging buffer and the one bf16 tile are written and read on opposite sides of a
+    __syncthreads (removing the barrier after K's dequantisation is reported)."""
+    import shutil
+    import subprocess
+
+    from test_delta_tc_emulated import ATTN_HELPERS
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++ with ThreadSanitizer")
+    src = (ROOT / "kernels" / "attention.cu").read_text()
+    start, end = "__device__ __forceinline__ unsigned smem_addr", "__device__ __forceinline__ unsigned pack_bf16"
+    src = src[:src.index(start)] + ATTN_HELPERS + src[src.index(end):src.index("// Merge the split-K partials")]
+    src = src.replace("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                      "unsigned char* smem_raw = emu_dynamic_smem;")
+    (tmp_path / "tsan.cpp").write_text("#include \"cuda_emu.h\"\n" + emulator_common() + src + MMA_ENTRY + TSAN_MAIN)
+    exe = tmp_path / "tsan"
+    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-DEMU_CP_EAGER", "-pthread", "-w",
+                           f"-I{ROOT / 'tests'}", str(tmp_path / "tsan.cpp"), "-o", str(exe)], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        pytest.skip(f"no ThreadSanitizer build here: {proc.stderr[-300:]}")
+    for kind in (1, 2, 0):
+        for (d, warps), variant in VARIANTS.items():
+            smem = attn_mma_smem_bytes(d, 64, warps, kind > 0)
+            run = subprocess.run([str(exe), str(kind), str(variant), str(smem)], capture_output=True, text=True,
+                                 timeout=600)
+            assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
+            assert run.returncode == 0, run.stderr[-2000:]
