@@ -83,7 +83,15 @@ class RecordingOps(NumpyOps):
         return super().logits(x, lm_head)
 
 
-FAMILIES = {**TINY_CONFIGS, "gemma3": TINY_GEMMA3}
+# Kimi Linear: KDA (its build asks the backend for `per_channel_decay`), MLA and a sparse MoE layer
+TINY_KIMI = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 512,
+             "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+             "v_head_dim": 12, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_token": 2,
+             "linear_attn_config": {"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4,
+                                    "full_attn_layers": [2], "kda_layers": [1, 3]},
+             "first_k_dense_replace": 1, "max_position_embeddings": 512}
+FAMILIES = {**TINY_CONFIGS, "gemma3": TINY_GEMMA3, "kimi_linear": TINY_KIMI}
 
 
 @pytest.fixture(scope="module")

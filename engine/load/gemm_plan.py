@@ -34,6 +34,7 @@ class _ShapeOps:
 
     max_conv_width = None  # any width here: the real build checks the backend's (a dry build must not fail first)
     max_ssm_state = None  # likewise
+    per_channel_decay = True  # likewise (Kimi's KDA asks whether the backend takes a decay per key channel)
 
     def __init__(self, act_dtype):
         self.act_dtype = act_dtype
