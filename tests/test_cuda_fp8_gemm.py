@@ -13,7 +13,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from conftest import PARITY_STD, new_state, random_prompt  # noqa: E402
+from conftest import new_state, random_prompt  # noqa: E402
 from prefixrun.engine.load.loader import load  # noqa: E402
 from prefixrun.engine.load.model_maker import make_model_dir  # noqa: E402
 from prefixrun.engine.load.quantization import quantize_blocks  # noqa: E402
@@ -30,6 +30,9 @@ EXACT_NORM, EXACT_MAX = 4e-3, 1.6e-2
 # the FP8 GEMM against the bf16 GEMM of the dequantised weight: e4m3 activations (3 mantissa bits, about 3.6%
 # RMS relative per element) on random data
 W8A8_NORM = 0.06
+# the tiny FP8 models' weight scale: at PARITY_STD a random model turns the GEMMs' 2.5% error into 40% of its
+# logits (emulated on the CPU: quantize_groups before each projection); at 0.02, 13% with 98.6% argmax agreement
+FP8_INIT_STD = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +74,11 @@ def test_the_activation_kernel_quantises_as_the_host_bit_for_bit(dtype, ops):
 
 
 def _operands(rng, n, k, m):
-    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-    values, scale = quantize_blocks(w, (128, 128))
-    weight = Fp8Matrix(values, scale, (128, 128))
+    """A random FP8 weight [n, k] (e4m3 bytes with bit 3 clear: no NaN pattern; block scales) and bf16 x [m, k]."""
+    values = (rng.integers(0, 256, (n, k), dtype=np.uint8) & 0xF7).view(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-4, 3e-4, (-(-n // 128), -(-k // 128))).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
-    return weight, x
+    return Fp8Matrix(values, scale, (128, 128)), x
 
 
 @pytest.mark.parametrize("n,k", SHAPES_4B)
@@ -84,7 +87,7 @@ def test_the_block_fp8_gemm_is_the_product_of_its_quantised_operands(n, k, m, op
     _require(support)
     rng = np.random.default_rng(n + k + m)
     weight, x = _operands(rng, n, k, m)
-    w_dq = cupy.asarray(weight.dequantize())
+    w_dq = ops.upload_rows([weight], "float32")  # the exact dequantisation (tests/test_cuda_fp8.py)
     proj = ops.upload_linear([weight])
     got = ops.to_host(ops.linear(ops.upload(x), proj)).astype(np.float32)
     q, s = quantize_groups(x.astype(np.float32))
@@ -130,7 +133,7 @@ def test_a_projection_of_fp8_and_plain_parts_writes_each_segment_s_columns(ops, 
 def test_an_fp8_model_on_the_gpu_stays_close_to_its_dequantised_twin(ops, support, tmp_path):
     """With FP8 GEMMs the logits differ from the dequantised twin's by the activations' FP8 rounding: the error
     and the greedy agreement are printed for the record and bounded; float32 storage keeps the exact path."""
-    fp8_dir = make_model_dir(tmp_path / "block", FP8_QWEN3_5, seed=7, init_std=PARITY_STD, fp8="block")
+    fp8_dir = make_model_dir(tmp_path / "block", FP8_QWEN3_5, seed=7, init_std=FP8_INIT_STD, fp8="block")
     twin = dequantised_twin(fp8_dir, tmp_path / "block-dq")
     prompt = random_prompt(3, 70)
     for dtype in ("bfloat16", "float32"):
@@ -150,14 +153,14 @@ def test_an_fp8_model_on_the_gpu_stays_close_to_its_dequantised_twin(ops, suppor
         if not support.supported:
             np.testing.assert_array_equal(logits[0], logits[1])
         else:
-            assert err < 0.1 and agree >= 0.8
+            assert err < 0.25 and agree >= 0.85
 
 
 def test_the_engine_on_an_fp8_model_gives_the_greedy_tokens_of_its_twin_mostly(support, tmp_path):
     from conftest import run_tokens
 
     _require(support)
-    fp8_dir = make_model_dir(tmp_path / "block", FP8_QWEN3_5, seed=9, init_std=PARITY_STD, fp8="block")
+    fp8_dir = make_model_dir(tmp_path / "block", FP8_QWEN3_5, seed=9, init_std=FP8_INIT_STD, fp8="block")
     twin = dequantised_twin(fp8_dir, tmp_path / "block-dq")
     prompts = [random_prompt(40 + i, 30 + 7 * i) for i in range(8)]
     got = [run_tokens(load(path, "cuda", "bfloat16"), prompts, max_tokens=16)[0] for path in (fp8_dir, twin)]
