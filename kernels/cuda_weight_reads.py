@@ -14,12 +14,10 @@ import os
 import threading
 
 import cupy
-import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads
 
-_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # what the kernels take as stored
 RING_BUFFERS = 4
 BUFFER_BYTES = 64 << 20
 WINDOW_BYTES = 4 << 30  # read ahead of the build at most (less where the device has less free)
@@ -109,5 +107,8 @@ def start_reads(spans: list[TensorSpan], device: int) -> WeightReads:
         free, _ = cupy.cuda.runtime.memGetInfo()
         window = max(BUFFER_BYTES, min(WINDOW_BYTES, (free + cupy.get_default_memory_pool().free_bytes()) // 4))
         stream = cupy.cuda.get_current_stream()
-    kept = [s for s in spans if np.dtype(s.dtype) in _KERNEL_DTYPES]
+    import ml_dtypes  # here, not on the device's thread before its ring (kernels/device_start.py): the run has it
+
+    taken_as_stored = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # what the kernels take as stored
+    kept = [s for s in spans if np.dtype(s.dtype) in taken_as_stored]
     return WeightReads(kept, PinnedLanding(device, stream), read_threads(), window)
