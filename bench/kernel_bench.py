@@ -1,5 +1,5 @@
 """Kernel checks and timings on the bench models' shapes (device only):
-`python3 bench/kernel_bench.py [attn|delta|decode|elem]`.
+`python3 bench/kernel_bench.py [attn|delta|decode|elem|kda]`.
 
 Each part (PARTS below; no argument runs them all) returns rows: a check (a kernel's error against the NumPy
 reference on the bench shapes, its bound) or a timing (ms and a rate, next to the old kernel and the vendor
@@ -234,7 +234,18 @@ def elem_part() -> list[Row]:
     return kbench_elem.elem_part()
 
 
-PARTS = {"attn": attn_part, "delta": delta_part, "decode": decode_part, "elem": elem_part}
+def kda_part() -> list[Row]:
+    """Kimi's KDA (a decay per key channel): the chunked prefill and per-channel decode vs token steps, next to Gated
+    DeltaNet's per-head kernels (bench/kbench_kda.py)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kbench_kda
+
+    return kbench_kda.kda_part()
+
+
+PARTS = {"attn": attn_part, "delta": delta_part, "decode": decode_part, "elem": elem_part, "kda": kda_part}
 
 
 def print_table(part: str, rows: list[Row]) -> None:
