@@ -272,11 +272,11 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
         tensors["model.visual.patch_embed.proj.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
         tensors["model.vision_tower.stand_in.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)
     if fp8 is not None:
-        tensors, quantization = _quantize_fp8(tensors, fp8)
+        tensors, quantization = quantize_fp8(tensors, fp8)
         (text_cfg if composite else config)["quantization_config"] = quantization
     elif mxfp4:
         tensors, config["quantization_config"] = mxfp4_experts(tensors)
-    _write_weights(out, tensors, shards)
+    write_weights(out, tensors, shards)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"eos_token_id": [tok["eos_token_id"], tok["pad_token_id"]], "pad_token_id": tok["pad_token_id"],
            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
@@ -284,7 +284,7 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     return out
 
 
-def _write_weights(out: Path, tensors: dict[str, np.ndarray], shards: int):
+def write_weights(out: Path, tensors: dict[str, np.ndarray], shards: int):
     """The tensors as model.safetensors, or split over `shards` files with the index transformers reads."""
     names = list(tensors)
     if shards <= 1:
@@ -302,11 +302,14 @@ def _write_weights(out: Path, tensors: dict[str, np.ndarray], shards: int):
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def _quantize_fp8(tensors: dict[str, np.ndarray], layout: str) -> tuple[dict[str, np.ndarray], dict]:
+def quantize_fp8(tensors: dict[str, np.ndarray], layout: str, quantize=None) -> tuple[dict[str, np.ndarray], dict]:
     """The checkpoint's 2-D linear weights as float8_e4m3fn + scales (amax / 448 per block, channel or tensor, how
-    the released checkpoints are made), the rest as it was; and the quantization_config that describes them."""
+    the released checkpoints are made), the rest as it was; and the quantization_config that describes them.
+    `quantize(w, block) -> (values, scales)`: quantization.quantize_blocks unless given (bench/fp8_checkpoint.py
+    passes one that runs on the GPU)."""
     from prefixrun.engine.load.quantization import quantize_blocks
 
+    quantize = quantize or (lambda w, block: quantize_blocks(w.astype(np.float32), block))
     out, skipped = {}, []
     suffix = "weight_scale_inv" if layout == "block" else "weight_scale"
     for name, w in tensors.items():
@@ -318,7 +321,7 @@ def _quantize_fp8(tensors: dict[str, np.ndarray], layout: str) -> tuple[dict[str
             continue
         rows, cols = w.shape
         block = {"block": (128, 128), "channel": (1, cols), "tensor": (rows, cols)}[layout]
-        values, scale = quantize_blocks(w.astype(np.float32), block)
+        values, scale = quantize(w, block)
         out[name] = values
         out[name[:-len("weight")] + suffix] = scale.reshape(-1) if layout == "tensor" else scale
     if layout == "block":
