@@ -1,8 +1,8 @@
 """kernel_bench part `kda`: Kimi Delta Attention's delta rule (a decay per key channel) on Kimi-Linear-48B's heads
-(32 heads, 128 x 128 fp32 states, bf16 activations): the default choice (kernels/tuning.py kda_chunked: the fp32
-chunked form of kernels/delta_rule.cu for prefills, gdn_decode_kernel's per-channel form for decode) against token
-steps only, next to Gated DeltaNet's per-head kernels on the same shapes (one decay per head: what a decay per
-channel costs).
+(32 heads, 128 x 128 fp32 states, bf16 activations): the default choice (kernels/tuning.py kda_chunked "auto")
+against the fp32 chunked form of kernels/delta_rule.cu forced on and token steps only (gdn_decode_kernel's
+per-channel form), next to Gated DeltaNet's per-head kernels on the same shapes (one decay per head: what a decay
+per channel costs). The figures for kda_chunked's rule.
 
 Every KDA variant is checked against the NumPy reference first (the step's first and last sequences, outputs and
 states, from non-zero states; the reference steps token by token) and timed only if it passed."""
@@ -75,7 +75,8 @@ def kda_part() -> list:
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("bfloat16")
-    variants = {"KDA default": ops, "KDA token steps": ops.retuned(gdn_chunked=False)}
+    variants = {"KDA default": ops, "KDA chunked (forced)": ops.retuned(gdn_chunked=True),
+                "KDA token steps": ops.retuned(gdn_chunked=False)}
     rows = []
     for label, lens in CASES:
         kda, gdn = _Case(ops, lens, True), _Case(ops, lens, False)

@@ -91,7 +91,8 @@ class SequenceMixingOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
             return out
-        if per_channel and kda_chunked(self.tuning, tokens=t, seqs=nseq, dk=dk, dv=dv, prefill=prefill):
+        if per_channel and kda_chunked(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv,
+                                       prefill=prefill):
             self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
             return out
         if per_channel:  # a decay per key channel, token by token

@@ -243,16 +243,23 @@ def _deterministic_delta_rule(tuning: CudaTuning, *, tokens: int, seqs: int, hea
     return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
 
 
-def kda_chunked(tuning: CudaTuning, *, tokens: int, seqs: int, dk: int, dv: int, prefill: bool) -> bool:
+def kda_chunked(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, heads: int, dk: int, dv: int,
+                prefill: bool) -> bool:
     """Whether the delta rule with a decay per key channel (Kimi's KDA) takes the fp32 chunked form
-    (kernels/delta_rule.cu, PER_CHANNEL) rather than gdn_rows_kernel token by token: any step with more tokens than
-    sequences (its per-token chain is ~64x shorter), or, deterministic, exactly the prefill steps (as
+    (kernels/delta_rule.cu, PER_CHANNEL) rather than token steps (kda_step_launch). "auto" (gdn_chunked) chooses as
+    for one decay per head (_use_chunked, measured there): chunks only where the token-stepped blocks (64 value
+    columns each) would fill under half the SMs, since the fp32 chunked kernels lose to token steps from a few
+    sequences on; True: any step with more tokens than sequences; deterministic: exactly the prefill steps (as
     _deterministic_delta_rule chooses for one decay per head)."""
     if not tokens or dk > GDN_CHUNK_DMAX or dv > GDN_CHUNK_DMAX:
         return False
     if tuning.deterministic:
         return prefill
-    return tokens > seqs and bool(tuning.gdn_chunked)
+    if tokens <= seqs or not tuning.gdn_chunked:
+        return False
+    if tuning.gdn_chunked == "auto":
+        return seqs * heads * -(-dv // GDN_DECODE_BLOCKS[0][1]) <= sm_count // 2
+    return True
 
 
 def kda_step_launch(*, heads: int, seqs: int, dk: int, dv: int) -> DeltaRuleLaunch:

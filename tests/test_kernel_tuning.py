@@ -19,19 +19,25 @@ DEFAULT = CudaTuning()
 
 
 def test_kda_chunked_choices():
-    """A decay per key channel (Kimi's KDA): the chunked form for any step with more tokens than sequences, token
-    by token for decode; deterministic, exactly the prefill steps; never past the chunked kernels' 128 dims."""
-    shapes = dict(dk=128, dv=128)
-    assert kda_chunked(DEFAULT, tokens=4 * 4096, seqs=4, prefill=True, **shapes)
-    assert kda_chunked(DEFAULT, tokens=65, seqs=64, prefill=False, **shapes)  # a verify-like step too
-    assert not kda_chunked(DEFAULT, tokens=64, seqs=64, prefill=True, **shapes)
-    assert not kda_chunked(dataclasses.replace(DEFAULT, gdn_chunked=False), tokens=4096, seqs=1, prefill=True,
-                           **shapes)
-    assert not kda_chunked(DEFAULT, tokens=4096, seqs=1, prefill=True, dk=256, dv=128)
-    assert not kda_chunked(DEFAULT, tokens=0, seqs=0, prefill=True, **shapes)
+    """A decay per key channel (Kimi's KDA), 32 heads of 128 x 128 on 132 SMs: "auto" chunks a prefill only where
+    the token-stepped blocks fill under half the SMs (one sequence: 64 blocks); forced on, any step with more tokens
+    than sequences; never decode; deterministic, exactly the prefill steps; never past the chunked kernels' 128
+    dims."""
+    kimi = dict(heads=32, dk=128, dv=128)
+    assert kda_chunked(DEFAULT, H200_SMS, tokens=2048, seqs=1, prefill=True, **kimi)
+    assert not kda_chunked(DEFAULT, H200_SMS, tokens=4 * 4096, seqs=4, prefill=True, **kimi)
+    assert kda_chunked(DEFAULT, H200_SMS, tokens=4 * 4096, seqs=4, prefill=True, heads=8, dk=128, dv=128)
+    forced = dataclasses.replace(DEFAULT, gdn_chunked=True)
+    assert kda_chunked(forced, H200_SMS, tokens=4 * 4096, seqs=4, prefill=True, **kimi)
+    assert kda_chunked(forced, H200_SMS, tokens=65, seqs=64, prefill=False, **kimi)
+    assert not kda_chunked(forced, H200_SMS, tokens=64, seqs=64, prefill=True, **kimi)
+    assert not kda_chunked(dataclasses.replace(DEFAULT, gdn_chunked=False), H200_SMS, tokens=4096, seqs=1,
+                           prefill=True, **kimi)
+    assert not kda_chunked(forced, H200_SMS, tokens=4096, seqs=1, prefill=True, heads=32, dk=256, dv=128)
+    assert not kda_chunked(DEFAULT, H200_SMS, tokens=0, seqs=0, prefill=True, **kimi)
     det = dataclasses.replace(DEFAULT, deterministic=True)
-    assert kda_chunked(det, tokens=3, seqs=3, prefill=True, **shapes)
-    assert not kda_chunked(det, tokens=300, seqs=3, prefill=False, **shapes)
+    assert kda_chunked(det, H200_SMS, tokens=3, seqs=3, prefill=True, **kimi)
+    assert not kda_chunked(det, H200_SMS, tokens=300, seqs=3, prefill=False, **kimi)
 
 
 def test_kda_step_launch():
