@@ -25,7 +25,6 @@ class EngineSession:
 
     def __init__(self, config: RunConfig, front=None, upcoming=None, clock=None):
         from prefixrun.engine.load import loader
-        from prefixrun.engine.run.core import EngineOptions
         from prefixrun.engine.startup import NO_CLOCK
 
         if config.model_dir is None:
@@ -52,6 +51,10 @@ class EngineSession:
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
                                         deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
                                         clock=clock)
+            # the engine's modules are imported here, while the weights are read (their reads need little of the
+            # interpreter), not before the reads start
+            from prefixrun.engine.run.core import EngineOptions
+
             if opening is not None:
                 from prefixrun.engine.cache.opening import CacheOpening
 
