@@ -20,7 +20,8 @@ from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads
 
 RING_BUFFERS = 4
 BUFFER_BYTES = 64 << 20
-WINDOW_BYTES = 4 << 30  # read ahead of the build at most (less where the device has less free)
+WINDOW_BYTES = 16 << 30  # read ahead of the build at most (less where the device has less free): a model of
+# several GB is read whole while the build starts behind the reads (the engine's imports overlap them)
 _ring_lock = threading.Lock()
 _rings: dict[int, list] = {}  # device id -> the PinnedMemoryPointers of a ring made ahead
 
