@@ -124,8 +124,9 @@ def quantize_activations(x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     warps = m * scale.shape[0]
     if warps:
         ld = x.strides[0] // x.itemsize if m > 1 else k
+        vec = ld % 4 == 0 and k % 4 == 0 and x.data.ptr % (4 * x.itemsize) == 0  # whole 4-column loads and stores
         blocks = max(1, min(-(-warps // (THREADS // 32)), 1 << 16))
-        kernel("fp8", f"fp8_quant_groups_kernel<{type_name(x.dtype)}>")(
+        kernel("fp8", f"fp8_quant_groups_kernel<{type_name(x.dtype)}, {'true' if vec else 'false'}>")(
             (blocks,), (THREADS,), (x, i64(m), i32(k), i64(ld), q, scale))
     return q, scale
 

@@ -70,7 +70,8 @@ KERNEL_NAMES = {
     "logits": ["process_logits_kernel", "token_logprobs_kernel"],
     "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
     + [f"gdn_rows_kernel<{t}, {pc}>" for t in _T for pc in ("false", "true")],
-    "fp8": [f"fp8_{k}_kernel<{t}>" for k in ("dequant", "quant_groups") for t in _T],
+    "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T]
+    + [f"fp8_quant_groups_kernel<{t}, {v}>" for t in _T for v in ("false", "true")],
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],

@@ -15,11 +15,25 @@ __global__ void fp8_dequant_kernel(const unsigned char* __restrict__ q, const fl
     }
 }
 
+// Four consecutive values as floats: one 8-byte (bf16) or 16-byte (float) load
+__device__ __forceinline__ void fp8_load4(const bf16* p, float* v) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+    v[0] = __low2float(lo); v[1] = __high2float(lo); v[2] = __low2float(hi); v[3] = __high2float(hi);
+}
+__device__ __forceinline__ void fp8_load4(const float* p, float* v) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+}
+
 // An FP8 GEMM's activations (kernels/fp8.py quantize_groups: the same numbers): x [rows, cols] (row stride ldx)
 // -> q [rows, cols] e4m3 bytes and scale [ceil(cols / 128), rows] fp32 (rows contiguous: cuBLASLt's VEC128_32F
 // layout of the B operand's scales); per row and 128 columns scale = amax / 448 (1 for all zeros) and
-// q = e4m3(x / scale). One warp per group, lane l reading columns l, l + 32, l + 64, l + 96 of it (coalesced).
-template <typename T>
+// q = e4m3(x / scale). One warp per group, lane l holding its columns 4l .. 4l + 3; VEC: one vector load and one
+// 4-byte store per lane where the 4 columns are inside the matrix (the caller checks x's alignment, ldx % 4 == 0
+// and cols % 4 == 0).
+template <typename T, bool VEC>
 __global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, int cols, i64 ldx,
                                         unsigned char* __restrict__ q, float* __restrict__ scale) {
     const int groups = (cols + 127) / 128;
@@ -29,21 +43,30 @@ __global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, int c
     for (i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; w < warps; w += step) {
         const i64 r = w / groups;
         const int g = (int)(w - r * groups);
+        const int c0 = g * 128 + lane * 4;
+        const T* src = x + r * ldx + c0;
+        const bool whole = VEC && c0 + 4 <= cols;
         float v[4];
-        float amax = 0.f;
+        if (whole) {
+            fp8_load4(src, v);
+        } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int c = g * 128 + j * 32 + lane;
-            v[j] = c < cols ? to_f(x[r * ldx + c]) : 0.f;
-            amax = fmaxf(amax, fabsf(v[j]));
+            for (int j = 0; j < 4; ++j) v[j] = c0 + j < cols ? to_f(src[j]) : 0.f;
         }
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
         for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         const float s = amax > 0.f ? amax / 448.f : 1.f;
+        unsigned char b[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int c = g * 128 + j * 32 + lane;
-            if (c < cols) q[r * cols + c] = f_to_e4m3(fminf(448.f, fmaxf(-448.f, v[j] / s)));
+        for (int j = 0; j < 4; ++j) b[j] = f_to_e4m3(fminf(448.f, fmaxf(-448.f, v[j] / s)));
+        unsigned char* dst = q + r * cols + c0;
+        if (whole) {
+            *reinterpret_cast<unsigned*>(dst) = b[0] | (b[1] << 8) | (b[2] << 16) | ((unsigned)b[3] << 24);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (c0 + j < cols) dst[j] = b[j];
         }
         if (lane == 0) scale[(i64)g * rows + r] = s;
     }

@@ -55,6 +55,8 @@ inline float __bfloat162float(__nv_bfloat16 h) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+inline float __low2float(__nv_bfloat162 h) { return __bfloat162float(h.x); }
+inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);

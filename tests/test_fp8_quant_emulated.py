@@ -1,0 +1,68 @@
+"""kernels/fp8.cu's activation quantiser (an FP8 GEMM's x: e4m3 per row per 128 columns), compiled for the CPU with
+tests/cuda_emu.h: its bytes and scales equal kernels/fp8.py quantize_groups bit for bit, through the vector path
+(whole 4-column loads and stores) and the scalar one, for bf16 and fp32 rows, ragged groups, strided rows, zero
+groups, and nothing is written past the outputs."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from prefixrun.kernels.fp8 import quantize_groups
+from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PRELUDE = r"""
+inline emu_dim3 gridDim;
+"""
+
+ENTRY = r"""
+extern "C" void emu_quant(int bf16_in, int vec, const void* x, i64 rows, int cols, i64 ldx, unsigned char* q,
+                          float* scale, int blocks) {
+    gridDim = {unsigned(blocks), 1, 1};
+#define EMU_Q(T, V) emu_launch(gridDim, 64, 0, [&] { fp8_quant_groups_kernel<T, V>((const T*)x, rows, cols, ldx, q, \
+                                                                                   scale); })
+    if (bf16_in) { if (vec) EMU_Q(bf16, true); else EMU_Q(bf16, false); }
+    else { if (vec) EMU_Q(float, true); else EMU_Q(float, false); }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    kernels = (ROOT / "kernels" / "fp8.cu").read_text()
+    src = "#include \"cuda_emu.h\"\n" + PRELUDE + emulator_common() + "\n" + kernels + ENTRY
+    return compile_emulated(tmp_path_factory, "fp8_quant_emu", src)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("cols,ld,vec", [(300, 300, True), (300, 304, True), (256, 256, True), (130, 131, False),
+                                         (300, 300, False)])
+def test_the_quantiser_kernel_gives_the_hosts_bytes_and_scales(emu, dtype, cols, ld, vec):
+    rng = np.random.default_rng(cols + ld)
+    rows = 5
+    x = (rng.standard_normal((rows, ld)) * rng.uniform(1e-3, 40, (rows, 1))).astype(np.float32)
+    x[1] = 0.0  # a zero row
+    x[2, 128:256] = 0.0  # a zero group
+    x[3, 5] = 3e4  # an outlier owns its group's scale
+    host = x.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else x
+    want_q, want_s = quantize_groups(host[:, :cols].astype(np.float32))
+    groups = -(-cols // 128)
+
+    def run():
+        qbuf = np.full(rows * cols + 64, 0xA5, np.uint8)  # a canary after the bytes
+        q = qbuf[:rows * cols].reshape(rows, cols)
+        s, s_ok = _guarded((groups, rows), np.float32)
+        src = np.ascontiguousarray(host)
+        emu.emu_quant(int(dtype == "bfloat16"), int(vec), _ptr(src), ctypes.c_int64(rows), cols, ctypes.c_int64(ld),
+                      _ptr(q), _ptr(s), 2)
+        return q.copy(), s.copy(), s_ok() and bool((qbuf[rows * cols:] == 0xA5).all())
+
+    q, s, intact = _forked(run)
+    assert intact
+    np.testing.assert_array_equal(q, want_q.view(np.uint8))
+    np.testing.assert_array_equal(s, want_s.T)
