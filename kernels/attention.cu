@@ -18,6 +18,9 @@
 // those K/V once. Mode 1 runs the group's queries (all members x query heads as the rows of one "sequence") over
 // the shared keys, mode 2 each sequence over its own remaining keys; both leave partials (unnormalised output,
 // max, sum) that attn_combine_kernel merges. Mode 0 is plain attention; splits > 1 is split-K over key ranges.
+// --deterministic (seg_tiles > 0): the key ranges are fixed from position 0 (W keys each) and each range's partial
+// has a slot of its own, so every row's result is the same merge, in range order, of the same partials, whichever
+// pass computed each one (attn_combine_kernel skips empty slots: a range a row does not see, or another pass's).
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -273,7 +276,7 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
                 int block_size, float scale_log2, int window, bf16* __restrict__ out, int splits,
                 float* __restrict__ part_o, float* __restrict__ part_ml, int mode, int slot_base, i64 part_tokens,
                 const int* __restrict__ row_tok, const int* __restrict__ kv_from, const float* __restrict__ sinks,
-                const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
+                const float* __restrict__ k_scale, const float* __restrict__ v_scale, int seg_tiles) {
     constexpr int BM = 16 * NW;
     constexpr int NTH = 32 * NW;
     constexpr int LDS = D + 8;
@@ -321,12 +324,20 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     const int kv_end = qp_hi + 1;
     int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
     if (mode == 2) kv_begin = max(kv_begin, kv_from[seq]);
-    // split-K (decode): split s of `splits` takes its share of the key tiles and leaves a partial result
+    // split-K (decode): split s of `splits` takes its share of the key tiles and leaves a partial result. With
+    // seg_tiles > 0 (--deterministic) split s takes the tiles of keys [s W, (s + 1) W), W = seg_tiles * BN, fixed
+    // from position 0 whatever the context, the batch or the pass: a row's partial of a range is then the same
+    // numbers whether a shared-prefix pass (mode 1), its own pass (mode 2) or a plain pass computed it
     const int all_tiles = (kv_end - (kv_begin / BN) * BN + BN - 1) / BN;
     const int per_split = (all_tiles + splits - 1) / splits;
     const int split = blockIdx.x % splits;
-    const int t_begin = (kv_begin / BN) * BN + split * per_split * BN;
-    const int num_tiles = max(0, min(all_tiles - split * per_split, per_split));
+    int t_begin = (kv_begin / BN) * BN + split * per_split * BN;
+    int num_tiles = max(0, min(all_tiles - split * per_split, per_split));
+    if (seg_tiles > 0) {
+        const int seg_lo = split * seg_tiles * BN, seg_hi = min(kv_end, seg_lo + seg_tiles * BN);
+        t_begin = max(seg_lo, (kv_begin / BN) * BN);
+        num_tiles = seg_hi > t_begin ? (seg_hi - t_begin + BN - 1) / BN : 0;
+    }
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
@@ -422,8 +433,9 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
         l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 1);
         l_i[hf] += __shfl_xor_sync(FULL_MASK, l_i[hf], 2);
     }
-    if (splits > 1 || mode != 0) {  // unnormalised partial output, running max (log2 units) and sum: merged by
-                                    // attn_combine_kernel from slot slot_base + split of [slots, part_tokens, Hq]
+    if (splits > 1 || mode != 0 || seg_tiles > 0) {  // unnormalised partial output, running max (log2 units) and
+                                                     // sum: merged by attn_combine_kernel from slot slot_base +
+                                                     // split of [slots, part_tokens, Hq]
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             if (!rows.ok[hf]) continue;

@@ -77,7 +77,7 @@ class AttentionOps:
                                                i32(d), device_index(slot_mapping), k_cache, v_cache))
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None):
+                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None, prefill=False):
         """Causal attention of each sequence's new queries over its paged K/V (new rows already written).
 
         q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; context_lens [B];
@@ -88,7 +88,8 @@ class AttentionOps:
         mma.sync ones at their output, the cascade and split-K merges when they combine partials). 8-bit caches (`k_scale`, `v_scale` fp32 [..., Hkv, D / 32])
         are read as stored: the mma.sync kernels copy each tile's bytes and scales into shared memory asynchronously
         and dequantise them to bf16 there just before the MMA that reads them, the fp32 scalar kernel dequantises in
-        registers; they take the mma.sync kernels for prefill too."""
+        registers; they take the mma.sync kernels for prefill too. `prefill`: a prefill step (deterministic tunings
+        compute its rows in one pass, decode and verify rows over fixed key ranges: `_segments`)."""
         q, qst, qsh = head_view(q)
         t, hq, d = q.shape
         nb, bs, hkv, dc = k_cache.shape
@@ -116,7 +117,8 @@ class AttentionOps:
                    and (not kv8 or all(a.data.ptr % 16 == 0 for a in (k_cache, v_cache, ks, vs))))
         plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
                               table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
-                              shared=shared is not None, wgmma=self._wgmma and not kv8)
+                              shared=shared is not None, wgmma=self._wgmma and not kv8,
+                              prefill=prefill)
         if plan.path == "wgmma":
             attention_sm90.prefill(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx,
                                    cu=cu, nseq=nseq, tokens=t, hq=hq, hkv=hkv, d=d, bs=bs,
@@ -134,18 +136,11 @@ class AttentionOps:
         mma = dict(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, bs=bs, hq=hq, hkv=hkv, d=d,
                    scale=scale, window=window, out=out, sinks=sinks, kv=(module, ks, vs))
         splits = plan.splits
-        if plan.path == "cascade":  # partial results: one slot per shared-key range, one for each row's own keys
-            part_o = cupy.empty((splits + 1, t * hq, d), F32)
-            part_ml = cupy.empty((splits + 1, t * hq, 2), F32)
-            self._attn_pass(**mma, tables=device_index(shared.tables), ctx=device_index(shared.lens),
-                            cu=device_index(shared.cu), nseq=shared.lens.shape[0], tokens=t, nw=plan.warps,
-                            bn=plan.keys, splits=splits, mode=1, slot_base=0, part=(part_o, part_ml),
-                            row_tok=device_index(shared.order), kv_from=ctx)
-            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.own_warps, bn=plan.keys,
-                            mode=2, slot_base=splits, part=(part_o, part_ml), row_tok=cu,
-                            kv_from=device_index(shared.start))
-            self._attn_merge(part_o, part_ml, splits + 1, t * hq, d, out, sinks, hq, module)
-            return out
+        if plan.path in ("segments", "segments-cascade"):
+            return self._segments(plan, mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, hq=hq, d=d,
+                                  shared=shared if plan.path == "segments-cascade" else None)
+        if plan.path == "cascade":
+            return self._cascade(plan, mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, shared=shared)
         if plan.path == "split":
             part = (cupy.empty((splits, t * hq, d), F32), cupy.empty((splits, t * hq, 2), F32))
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys,
@@ -155,13 +150,54 @@ class AttentionOps:
         self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=t, nw=plan.warps, bn=plan.keys)
         return out
 
+    def _cascade(self, plan, mma: dict, *, tables, ctx, cu, nseq, tokens, shared):
+        """A decode step's shared prefixes (plan "cascade"): partials of each group's shared keys split over
+        `plan.splits` ranges, then one per row over its own keys, merged."""
+        splits, hq, d = plan.splits, mma["hq"], mma["d"]
+        part = (cupy.empty((splits + 1, tokens * hq, d), F32), cupy.empty((splits + 1, tokens * hq, 2), F32))
+        self._attn_pass(**mma, tables=device_index(shared.tables), ctx=device_index(shared.lens),
+                        cu=device_index(shared.cu), nseq=shared.lens.shape[0], tokens=tokens, nw=plan.warps,
+                        bn=plan.keys, splits=splits, mode=1, slot_base=0, part=part,
+                        row_tok=device_index(shared.order), kv_from=ctx)
+        self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=tokens, nw=plan.own_warps,
+                        bn=plan.keys, mode=2, slot_base=splits, part=part, row_tok=cu,
+                        kv_from=device_index(shared.start))
+        self._attn_merge(*part, splits + 1, tokens * hq, d, mma["out"], mma["sinks"], hq, mma["kv"][0])
+        return mma["out"]
+
+    def _segments(self, plan, mma: dict, *, tables, ctx, cu, nseq, tokens, hq, d, shared):
+        """--deterministic's decode and verify rows (kernels/attention.cu, seg_tiles): each row's partial over each
+        fixed key range [s W, (s + 1) W) in a slot of its own, merged in range order. With `shared` (a decode
+        step's groups) the ranges wholly inside a group's shared prefix are computed once for the group into slots
+        [0, S), every row's other ranges into [S, 2 S): the partials and their order are a plain pass's, so the
+        bits are too, whatever the groups."""
+        s, width = plan.splits, plan.segment_tiles * plan.keys
+        slots = 2 * s if shared is not None else s
+        part = (cupy.empty((slots, tokens * hq, d), F32), cupy.empty((slots, tokens * hq, 2), F32))
+        if shared is not None:
+            lens = device_index(device_index(shared.lens) // width * width)  # the ranges a group's prefix holds whole
+            self._attn_pass(**mma, tables=device_index(shared.tables), ctx=lens, cu=device_index(shared.cu),
+                            nseq=shared.lens.shape[0], tokens=tokens, nw=plan.warps, bn=plan.keys, splits=s, mode=1,
+                            slot_base=0, part=part, row_tok=device_index(shared.order), kv_from=ctx,
+                            seg_tiles=plan.segment_tiles)
+            own_from = device_index(device_index(shared.start) // width * width)
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=tokens, nw=plan.own_warps,
+                            bn=plan.keys, splits=s, mode=2, slot_base=s, part=part, row_tok=cu, kv_from=own_from,
+                            seg_tiles=plan.segment_tiles)
+        else:
+            self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=tokens, nw=plan.warps,
+                            bn=plan.keys, splits=s, part=part, seg_tiles=plan.segment_tiles)
+        self._attn_merge(*part, slots, tokens * hq, d, mma["out"], mma["sinks"], hq, mma["kv"][0])
+        return mma["out"]
+
     def _attn_pass(self, *, q, qst, qsh, k_cache, v_cache, bs, hq, hkv, d, scale, window, out, tables, ctx, cu, nseq,
                    tokens, nw, bn, splits=1, mode=0, slot_base=0, part=None, row_tok=None, kv_from=None, sinks=None,
-                   kv=None):
+                   kv=None, seg_tiles=0):
         """One launch of attn_mma_kernel (see kernels/attention.cu for the modes). Without `part` it writes `out`;
         with it, partials into slots slot_base + split of part = ([slots, T * Hq, D], [slots, T * Hq, 2]).
-        `kv`: (the module, K scales, V scales) of the caches' storage (`_scales`)."""
-        if part is not None and splits == 1 and mode == 0:
+        `kv`: (the module, K scales, V scales) of the caches' storage (`_scales`); `seg_tiles` > 0: split s takes
+        the key tiles [s seg_tiles, (s + 1) seg_tiles) from position 0."""
+        if part is not None and splits == 1 and mode == 0 and seg_tiles == 0:
             raise ValueError("a plain pass with one split writes `out`, not partials")
         module, ks, vs = kv or ("attention", _NULL, _NULL)
         kv8 = module == "attention_q8"
@@ -177,7 +213,7 @@ class AttentionOps:
                                 out, i32(splits), part_o, part_ml, i32(mode), i32(slot_base), i64(tokens),
                                 row_tok if row_tok is not None else cu, kv_from if kv_from is not None else cu,
                                 sinks if sinks is not None and part is None else _NULL,  # partials: the merge adds it
-                                ks, vs),
+                                ks, vs, i32(seg_tiles)),
              shared_mem=smem)
 
     @staticmethod

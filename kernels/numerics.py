@@ -12,11 +12,14 @@ from __future__ import annotations
 # head dim 256 in the warp-specialised kernel (attn_prefill_kernel "auto"); 6: the delta rule's tensor-core prep pass
 # gdn_tc_prep_v2_kernel (6 blocks per SM, "v2-6") by default (the same fp32 solve in another summation order)
 NUMERICS_VERSION = 6
+# the batch-invariant kernels' own version (--deterministic): 2: decode and verify rows attend over fixed 512-key
+# ranges merged in order (kernels/tuning.py DETERMINISTIC_SEGMENT_KEYS)
+DETERMINISTIC_VERSION = 2
 
 
 def numerics_id(ops) -> str:
     """The version, the backend and its storage dtype: a CPU fp32 checkpoint never serves a CUDA bf16 run; and
     whether the kernels were batch-invariant (--deterministic): a deterministic run never resumes from a state the
     other kernels computed, nor the other way round."""
-    mode = ":deterministic" if ops.deterministic else ""
+    mode = f":deterministic-v{DETERMINISTIC_VERSION}" if ops.deterministic else ""
     return f"numerics-v{NUMERICS_VERSION}:{ops.display_name}:{ops.dtype_name}{mode}"

@@ -253,11 +253,13 @@ class Ops(Protocol):
         their scales)"""
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None) -> Array:
+                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None,
+                        prefill=False) -> Array:
         """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] via block_tables [B, W] and context_lens [B]
         (after the step), causal, optionally windowed; `shared` (engine.step.forward_batch.SharedPrefixes) lets a
         backend read a decode step's shared prefix once per group; `sinks` fp32 [Hq]: a learned logit per head in
-        the softmax's denominator (gpt-oss) -> [T, Hq, D]"""
+        the softmax's denominator (gpt-oss); `prefill`: the step is a prefill step (a deterministic backend may
+        compute prefill rows and decode / verify rows in different, each batch-invariant, ways) -> [T, Hq, D]"""
 
     def ring_attention(self, q, k, v, k_ring, v_ring, slots, cu_seqlens, context_lens, scale, max_context,
                        sinks=None, k_scale=None, v_scale=None) -> Array:

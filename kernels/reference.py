@@ -305,7 +305,7 @@ class NumpyOps(HostMemoryOps, MoeReferenceOps, MambaReferenceOps):
         store_rows(flat_rows(v_cache), flat_rows(v_scale), slot_mapping, v)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, scale,
-                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None):
+                        sliding_window=None, shared=None, sinks=None, k_scale=None, v_scale=None, prefill=False):
         """Causal attention of each sequence's new queries over its cached K/V (new rows already written), read as
         stored: 8-bit caches dequantised with their scales `k_scale` / `v_scale` (as `write_kv` takes them).
 
@@ -316,8 +316,8 @@ class NumpyOps(HostMemoryOps, MoeReferenceOps, MambaReferenceOps):
         learned logit, one more term of the softmax's denominator (a key whose value is zero). Returns [T, Hq, D].
         `shared` (decode steps, engine.step.forward_batch.SharedPrefixes): sequence b's keys below shared.start[b] are
         read through its group's table — the same physical blocks, so the same answer; backends use it to read a
-        shared prefix once per group. Here it is followed literally, so CPU runs check the grouping.
-        """
+        shared prefix once per group. Here it is followed literally, so CPU runs check the grouping. `prefill`
+        changes nothing here (a deterministic run computes each query alone anyway)."""
         bs = k_cache.shape[1]
         hkv = k_cache.shape[2]
         out = np.empty(q.shape, np.float32)

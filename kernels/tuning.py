@@ -78,6 +78,10 @@ def attn_mma_smem_bytes(head_dim: int, keys: int, warps: int, kv8: bool) -> int:
         return (16 * warps + keys) * row + 2 * keys * (head_dim + head_dim // 8)
     return (16 * warps + 2 * keys) * row
 ATTN_MAX_SPLITS = 32
+# --deterministic's decode and verify attention: keys in fixed ranges of this many from position 0, a partial
+# result each (a multiple of every attention tile width; a new value changes those rows' bits: bump the
+# deterministic tag of kernels/numerics.py with it)
+DETERMINISTIC_SEGMENT_KEYS = 512
 ATTN_PREFILL_KERNELS = ("auto", "mma", "wgmma", "wgmma-overlap", "wgmma-ws", "wgmma-pingpong")
 # attn_prefill_kernel -> the schedule of kernels/attention_sm90.cu (+ attention_sm90_ws.cu) that runs it: "serial"
 # and "overlap" (attn_wgmma_kernel, 8 warps in step), "ws" and "pingpong" (attn_ws_kernel: a producer warpgroup of
@@ -145,9 +149,10 @@ class CudaTuning:
     # plain steps keep the decode pipeline (bench/device_spec.sh measures them against off).
     speculative_auto: bool = True
     # --deterministic: every kernel choice a function of what one row computes, never of the batch: GEMMs with one
-    # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention in attn_mma_kernel alone (no split over
-    # key ranges, no cascade, no wgmma: their sums run in other orders), the delta rule chunked on every prefill
-    # row and token by token in one kernel (gdn_decode_kernel, snapshots and all) on every decode and verify row
+    # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention in attn_mma_kernel alone (no wgmma; on
+    # prefill rows one pass, on decode and verify rows fixed key ranges from position 0 merged in order, a shared
+    # prefix's ranges read once per group), the delta rule chunked on every prefill row and token by token in one
+    # kernel (gdn_decode_kernel, snapshots and all) on every decode and verify row
     deterministic: bool = False
     # deterministic GEMMs: buckets of row counts may take another cuBLASLt algorithm than the reference one where
     # it gives the same bits (kernels/cublaslt.py PinnedGemm); False: the reference algorithm for every M
@@ -341,7 +346,10 @@ class AttentionPlan:
     "plain" (one mma.sync tensor-core pass), "split" (decode split over key
     ranges, one warp per split, then a merge) or "cascade" (a pass per shared-prefix group over its shared keys with
     `warps`, a pass per sequence over its own keys with `own_warps`, then a merge). `splits` key ranges, `keys` per
-    K/V tile; `schedule`: the wgmma kernel's schedule (WGMMA_SCHEDULES)."""
+    K/V tile; `schedule`: the wgmma kernel's schedule (WGMMA_SCHEDULES). --deterministic's decode and verify rows:
+    "segments" (`splits` fixed key ranges of `segment_tiles` tiles from position 0, a partial each, merged in their
+    order) or "segments-cascade" (the same partials, those of ranges wholly inside a decode step's shared prefix
+    computed once per group with `warps`, the rest per sequence with `own_warps`)."""
 
     path: str
     warps: int = 0
@@ -349,22 +357,22 @@ class AttentionPlan:
     splits: int = 1
     own_warps: int = 0
     schedule: str = ""
+    segment_tiles: int = 0
 
 
 def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, q_heads: int, kv_heads: int,
                    head_dim: int, table_width: int, block_size: int, window: int, tensor_cores: bool,
-                   shared: bool, wgmma: bool = False) -> AttentionPlan:
+                   shared: bool, wgmma: bool = False, prefill: bool = False) -> AttentionPlan:
     """The attention path for `tokens` queries of `seqs` sequences over tables `table_width` blocks wide.
     Split counts derive from the table width, not the contexts, so a captured decode graph stays valid.
     `tensor_cores`: bf16 inputs with a supported head dim and 16-byte aligned rows (the caller checks);
-    `wgmma`: the device runs sm_90a code."""
+    `wgmma`: the device runs sm_90a code; `prefill`: a prefill step (only a deterministic tuning asks)."""
     if not tensor_cores:
         return AttentionPlan("scalar")
     d = head_dim
-    if tuning.deterministic:  # one kernel, one key tiling from position 0, for every row (CudaTuning.deterministic)
-        wide = 8 if d > 128 else 4
-        warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
-        return AttentionPlan("plain", warps=warps, keys=tuning.keys_per_tile(d))
+    if tuning.deterministic:  # a function of the step's kind and of each row alone (CudaTuning.deterministic)
+        return _deterministic_attention(tuning, tokens=tokens, seqs=seqs, d=d, table_keys=table_width * block_size,
+                                        window=window, shared=shared, prefill=prefill)
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
     if choice == "auto":
@@ -392,6 +400,25 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
         return AttentionPlan("split", warps=1, keys=bn, splits=splits)
     warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
     return AttentionPlan("plain", warps=warps, keys=tuning.keys_per_tile(d))
+
+
+def _deterministic_attention(tuning: CudaTuning, *, tokens: int, seqs: int, d: int, table_keys: int, window: int,
+                             shared: bool, prefill: bool) -> AttentionPlan:
+    """Prefill rows (and windowed layers): one pass, keys tiled from position 0. Decode and verify rows without a
+    window: partials over DETERMINISTIC_SEGMENT_KEYS-key ranges fixed from position 0, merged in range order (so a
+    long context spreads over the GPU), and on a decode step with shared prefixes the ranges wholly inside a group's
+    prefix read once for the group: the same arithmetic per row, so the same bits whatever the group."""
+    wide = 8 if d > 128 else 4
+    keys = tuning.keys_per_tile(d)
+    warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
+    if prefill or window > 0:
+        return AttentionPlan("plain", warps=warps, keys=keys)
+    ranges = max(1, -(-table_keys // DETERMINISTIC_SEGMENT_KEYS))
+    tiles = DETERMINISTIC_SEGMENT_KEYS // keys
+    if shared and tokens == seqs:
+        return AttentionPlan("segments-cascade", warps=tuning.attn_prefill_warps or wide, keys=keys, splits=ranges,
+                             own_warps=tuning.attn_decode_warps or 4, segment_tiles=tiles)
+    return AttentionPlan("segments", warps=warps, keys=keys, splits=ranges, segment_tiles=tiles)
 
 
 # ---- row norms and elementwise ops (kernels/elementwise.cu) ------------------------------------------------------

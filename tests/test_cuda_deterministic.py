@@ -93,6 +93,75 @@ def test_each_bucket_is_about_as_fast_as_the_reference_or_faster(n, k):
         assert own <= 1.3 * ref, (b, own, ref)
 
 
+def _decode_case(rng, ops, hq=16, hkv=4, d=256, bs=64):
+    """Twelve decode rows: eight sharing a 2,048-key prefix (32 blocks), two sharing 600 keys (not whole 512-key
+    ranges), two alone; contexts ragged past the prefix. -> (q, caches, tables, ctx) as device arrays + hosts."""
+    ctx = np.array([2048 + 37 * i for i in range(8)] + [700, 650, 90, 1300], np.int32)
+    width = -(-int(ctx.max()) // bs)
+    tables = np.zeros((12, width), np.int32)
+    nxt = 41  # blocks 0-31: the long prefix, 32-40: the short one
+    for i in range(12):
+        tables[i] = np.arange(nxt, nxt + width)
+        nxt += width
+    tables[:8, :32] = np.arange(32)
+    tables[8:10, :9] = np.arange(32, 41)[:9]  # 576 keys: whole blocks, the last range partly shared
+    kc = rng.standard_normal((nxt, bs, hkv, d), dtype=np.float32)
+    vc = rng.standard_normal((nxt, bs, hkv, d), dtype=np.float32)
+    q = rng.standard_normal((12, hq, d), dtype=np.float32)
+    return q, kc, vc, tables, ctx
+
+
+def _groups(tables, ctx, bs=64):
+    from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
+    from prefixrun.kernels.cuda_arrays import device_index
+
+    a = shared_prefix_arrays(tables, ctx, bs)
+    return SharedPrefixes(order=device_index(a["shared_order"]), cu=device_index(a["shared_cu"]),
+                          lens=device_index(a["shared_lens"]), tables=device_index(a["shared_tables"]),
+                          start=device_index(a["shared_start"]))
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_bits_do_not_depend_on_the_group(with_sinks):
+    """Deterministic decode rows attend over fixed 512-key ranges: a row's bits are the same with the shared-prefix
+    cascade, without it, in another grouping, alone, and as a verify step's row (several rows per sequence)."""
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.reference import NumpyOps
+
+    ops = CudaOps("bfloat16", deterministic=True)
+    rng = np.random.default_rng(4)
+    q, kc, vc, tables, ctx = _decode_case(rng)
+    sinks = (rng.standard_normal(16) * 2).astype(np.float32) if with_sinks else None
+    kd, vd, qd = ops.upload(kc), ops.upload(vc), ops.upload(q)
+    sk = None if sinks is None else ops.upload(sinks, np.float32)
+
+    def attend(rows, shared, prefill=False):
+        t = len(rows)
+        return _bits(ops, ops.paged_attention(qd[rows], kd, vd, ops.upload_index(tables[rows]),
+                                              ops.upload_index(ctx[rows]), ops.upload_index(np.arange(t + 1)),
+                                              256 ** -0.5, shared=_groups(tables[rows], ctx[rows]) if shared else None,
+                                              sinks=sk, prefill=prefill))
+
+    every = list(range(12))
+    plain = attend(every, False)
+    np.testing.assert_array_equal(attend(every, True), plain)
+    for rows in ([3, 0, 9, 8], [5, 6], [10], [11, 1]):
+        np.testing.assert_array_equal(attend(rows, True), plain[rows])
+    want = NumpyOps().paged_attention(*(np.asarray(ops.to_host(a), np.float32) for a in (qd, kd, vd)), tables, ctx,
+                                      np.arange(13, dtype=np.int32), 256 ** -0.5, sinks=sinks)
+    got = plain.view(np.uint16).astype(np.uint32) << 16
+    assert np.linalg.norm(got.view(np.float32) - want) / np.linalg.norm(want) <= 1e-2
+    # a verify step: three rows of sequence 1 at its last three positions, each as a decode row would see them
+    qv = ops.upload(np.stack([q[1], q[2], q[3]]))
+    verify = _bits(ops, ops.paged_attention(qv, kd, vd, ops.upload_index(tables[1:2]), ops.upload_index(ctx[1:2]),
+                                            ops.upload_index(np.array([0, 3])), 256 ** -0.5, sinks=sk))
+    for j in range(3):
+        one = _bits(ops, ops.paged_attention(qv[j:j + 1], kd, vd, ops.upload_index(tables[1:2]),
+                                             ops.upload_index(ctx[1:2] - 2 + j), ops.upload_index(np.array([0, 1])),
+                                             256 ** -0.5, sinks=sk))
+        np.testing.assert_array_equal(verify[j], one[0], err_msg=str(j))
+
+
 def test_verify_rows_equal_decode_steps(model_dirs):
     """A speculative step's rows and the same tokens fed one decode step at a time: the same logits, bit for bit
     (deterministic kernels; by default the verify step's GEMM and attention shapes round differently)."""

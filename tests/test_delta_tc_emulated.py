@@ -281,7 +281,7 @@ extern "C" int emu_attn(const uint16_t* q, i64 qst, i64 qsh, const uint16_t* kc,
     emu_launch({gx, unsigned(hkv), 1}, 128, smem, [&] {
         attn_mma_kernel<64, 64, 4>((const bf16*)q, qst, qsh, (const bf16*)kc, (const bf16*)vc, tables, max_blocks,
                                    ctx, cu, nseq, hq, hkv, bs, sl2, 0, (bf16*)out, 1, nullptr, nullptr, 0, 0, 0, cu, cu,
-                                   sinks, nullptr, nullptr);
+                                   sinks, nullptr, nullptr, 0);
     });
     return 0;
 }

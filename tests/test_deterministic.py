@@ -197,11 +197,25 @@ def test_deterministic_kernel_choices_never_follow_the_batch():
     from prefixrun.kernels.tuning import CudaTuning, attention_plan, delta_rule_launch
 
     det = CudaTuning(deterministic=True)
-    plans = {attention_plan(det, 132, tokens=t, seqs=s, q_heads=16, kv_heads=4, head_dim=256, table_width=w,
-                            block_size=64, window=0, tensor_cores=True, shared=shared, wgmma=True)
-             for t, s in ((1, 1), (64, 64), (4096, 2), (320, 64), (5, 1)) for w in (1, 40) for shared in (0, 1)}
-    # one kernel, one key tile; only the warps per block (rows of a block, never a row's sums) vary
-    assert {(p.path, p.keys, p.splits) for p in plans} == {("plain", 64, 1)}
+
+    def plans(prefill, window=0):
+        return {attention_plan(det, 132, tokens=t, seqs=s, q_heads=16, kv_heads=4, head_dim=256, table_width=w,
+                               block_size=64, window=window, tensor_cores=True, shared=shared, wgmma=True,
+                               prefill=prefill)
+                for t, s in ((1, 1), (64, 64), (4096, 2), (320, 64), (5, 1)) for w in (1, 40) for shared in (0, 1)}
+
+    # prefill rows (and windowed layers): one kernel, one key tile; only the warps per block (rows of a block,
+    # never a row's sums) vary
+    assert {(p.path, p.keys, p.splits) for p in plans(True) | plans(False, window=128)} == {("plain", 64, 1)}
+    # decode and verify rows: 512-key ranges from position 0 (as many as the table holds: empty ones merge as
+    # nothing), read once per group on a decode step with shared prefixes; the ranges' partials are the same
+    assert {(p.path, p.keys, p.segment_tiles, p.splits) for p in plans(False)} == {
+        (path, 64, 8, ranges) for path in ("segments", "segments-cascade") for ranges in (1, 5)}
+    assert all(p.path == "segments" for p in plans(False) if p.path != "segments-cascade")
+    cascades = {attention_plan(det, 132, tokens=t, seqs=s, q_heads=16, kv_heads=4, head_dim=256, table_width=40,
+                               block_size=64, window=0, tensor_cores=True, shared=True).path
+                for t, s in ((1, 1), (64, 64), (320, 64))}
+    assert cascades == {"segments-cascade", "segments"}  # the cascade on decode steps only, verify rows alone
     for tokens, seqs in ((1, 1), (64, 64), (5, 5), (4096, 3), (70, 64)):
         prefill = delta_rule_launch(det, 132, tokens=tokens, seqs=seqs, heads=32, dk=128, dv=128,
                                     tensor_cores=True, prefill=True)

@@ -146,7 +146,7 @@ void emu_attn_mma(int kind, const uint16_t* q, const void* kc, const void* vc, c
     const i64 qst = hq * D, qsh = D;
     emu_launch({gx, unsigned(hkv), 1}, 32 * NW, smem, [&] {
 #define EMU_ARGS(T) (const bf16*)q, qst, qsh, (const T*)kc, (const T*)vc, tables, max_blocks, ctx, cu, nseq, hq, hkv, \
-    bs, sl2, window, (bf16*)out, splits, part_o, part_ml, 0, 0, tokens, cu, cu, sinks, ks, vs
+    bs, sl2, window, (bf16*)out, splits, part_o, part_ml, 0, 0, tokens, cu, cu, sinks, ks, vs, 0
         if (kind == 0) attn_mma_kernel<D, 64, NW, bf16>(EMU_ARGS(bf16));
         else if (kind == 1) attn_mma_kernel<D, 64, NW, signed char>(EMU_ARGS(signed char));
         else attn_mma_kernel<D, 64, NW, e4m3>(EMU_ARGS(e4m3));

@@ -155,7 +155,7 @@ class LatentAttention:
                   "v_scale": state.arrays.get(scale_region(self.v_region))}
         ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index, **scales)
         o = ops.paged_attention(q.reshape(t, h, w), k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                batch.cu_seqlens, self.scale, shared=batch.shared, **scales)
+                                batch.cu_seqlens, self.scale, shared=batch.shared, prefill=batch.prefill, **scales)
         out = ops.linear(o.reshape(t, h * w), self.o_proj)
         return out if self.o_bias is None else ops.add(out, self.o_bias)
 

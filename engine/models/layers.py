@@ -214,7 +214,7 @@ class Attention:
         scales = self.kv_scales(state)
         ops.write_kv(k_cache, v_cache, k, v, batch.kv_write_index, **scales)
         return ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
-                                   self.scale, shared=batch.shared, sinks=self.sinks, **scales)
+                                   self.scale, shared=batch.shared, sinks=self.sinks, prefill=batch.prefill, **scales)
 
     def kv_scales(self, state: ModelState) -> dict:
         """The scales of 8-bit K/V regions (engine/state/kv_dtype.py), as the attention ops take them; None

@@ -77,8 +77,9 @@ class MtpAttention(Attention):
         q2[:, hq:] = q
         k_cache, v_cache = state.arrays[self.k_region], state.arrays[self.v_region]
         ops.write_kv(k_cache, v_cache, ops.upload(k2), ops.upload(v2), batch.kv_write_index)
-        o = ops.upload(ops.paged_attention(q2, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                           batch.cu_seqlens, self.scale, shared=batch.shared), f32)  # [T, 2 Hq, hd]
+        o = ops.paged_attention(q2, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.cu_seqlens,
+                                self.scale, shared=batch.shared, prefill=batch.prefill)
+        o = ops.upload(o, f32)  # [T, 2 Hq, hd]
         # the row-0 token's query sees row 0 alone (0 / 0): its output is unused, make it 0 instead of NaN
         return ops.upload(o[:, :hq] / (o[:, hq:] + (1 - real)))  # [T, Hq, hd]
 
