@@ -30,7 +30,8 @@ extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, 
         emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L, PC>(q, qst, qsh, k, kst, ksh, v, vst, vsh, \
                                               g, beta, state, slots, cu, heads, krep, dk, dv, scale, out, snaps, rows); }); \
         return 0; }
-#define EMU_DECODE_DIMS(W, L, PC) EMU_DECODE(16, W, L, PC) EMU_DECODE(64, W, L, PC) EMU_DECODE(128, W, L, PC)
+#define EMU_DECODE_DIMS(W, L, PC) EMU_DECODE(16, W, L, PC) EMU_DECODE(32, W, L, PC) EMU_DECODE(64, W, L, PC) \
+    EMU_DECODE(128, W, L, PC)
     EMU_DECODE_DIMS(8, 16, false) EMU_DECODE_DIMS(8, 32, false) EMU_DECODE_DIMS(8, 16, true)
     return 1;  // no such instantiation
 }
@@ -65,6 +66,7 @@ def _inputs(rng, lens, hk, h, dk, dv, nslots):
     ([1, 1, 0, 1], 1, 2, 128, 128),  # decode, 2 value heads per key head, an empty sequence
     ([3, 1, 2], 2, 2, 64, 40),  # several tokens per sequence; columns past Dv idle
     ([1, 2], 1, 1, 12, 132),  # key dim padded to 16; a second, partial 128-column tile
+    ([2, 1], 2, 2, 24, 24),  # key dim padded to 32 (two state rows per thread), one partial column tile
 ])
 def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv, snapshots):
     """`snapshots`: a verify step's (every row but each sequence's last to a snapshot row, as gdn_rows_kernel).
