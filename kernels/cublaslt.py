@@ -187,14 +187,13 @@ class PinnedGemm:
                "cublasLtMatmulAlgoGetIds")
         return list(ids[:found.value])
 
-    def configurations(self, algo_id: int, a_type: int, c_type: int, compute: int) -> list[LtAlgo]:
-        """Algorithm `algo_id` in each of its tile and stage configurations, without split-K (reduction NONE):
-        [] where the id does not take these types."""
+    def configurations(self, algo_id: int, a_type: int, c_type: int, compute: int):
+        """Algorithm `algo_id` in each of its tile and stage configurations, without split-K (reduction NONE), one
+        at a time (the caller may stop early); none where the id does not take these types."""
         base = LtAlgo()
         if self.lib.cublasLtMatmulAlgoInit(self.handle, compute, cublas._CUDA_R_32F, a_type, a_type, c_type, c_type,
                                            algo_id, ctypes.byref(base)) != 0:
-            return []
-        out = []
+            return
         for tile in self._capability_ids(base, _CAP_TILE_IDS) or [0]:
             for stages in self._capability_ids(base, _CAP_STAGES_IDS) or [0]:
                 algo = LtAlgo.from_buffer_copy(base)
@@ -203,8 +202,7 @@ class PinnedGemm:
                 if all(self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr,
                                                                      ctypes.byref(ctypes.c_uint32(value)), 4) == 0
                        for attr, value in settings):
-                    out.append(algo)
-        return out
+                    yield algo
 
     def _capability_ids(self, algo: LtAlgo, attr: int) -> list[int]:
         """An array capability of `algo` (its tile or stage ids); [] where it has none."""
