@@ -66,7 +66,9 @@ def test_measured_choice_is_stored_and_checked_again(tmp_path, monkeypatch):
     assert {b: algo_hex(again[b][0]) for b in BUCKETS} == {b: algo_hex(first[b][0]) for b in BUCKETS}
     split = PinnedGemm(reduction_mask=0xFF).heuristics(n, k, cublas._CUDA_R_16BF, cublas._CUDA_R_16BF,
                                                        cublas.CUBLAS_COMPUTE_32F, 1, 8)
-    planted = next(algo for algo, info in split if info.splitk > 1)  # another summation order
+    planted = next((algo for algo, info in split if info.splitk > 1), None)  # another summation order
+    if planted is None:
+        pytest.skip("cuBLASLt offers no split-K algorithm for one row here: nothing to plant")
     entry["buckets"]["1"] = algo_hex(planted)
     store.path.write_text(json.dumps(doc))
     third = _fresh_choices(gemm, n, k)
