@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm, scale_columns
-from prefixrun.kernels.cublaslt_lib import lt_version
+from prefixrun.kernels.cublaslt_lib import LtContext, lt_version
 from prefixrun.kernels.cuda import CudaOps
 from prefixrun.kernels.cuda_arrays import cast
 from prefixrun.kernels.cuda_fp8 import Fp8Block, ProjectionWeight, quantize_activations
@@ -46,18 +46,49 @@ def fp8_weight(n: int, k: int) -> Fp8Block:
     return Fp8Block(values, scale)
 
 
+def probe_modes(n: int = 2560, k: int = 2560, m: int = 64):
+    """cuBLASLt's heuristics for an FP8 [n, k] GEMM at m rows under several scale-mode pairs (A = weights, B =
+    activations): which the library takes here, for the record when the block-scaled pair is refused."""
+    import ctypes
+
+    from prefixrun.kernels import cublas
+    from prefixrun.kernels.cublaslt_fp8 import (CUDA_R_8F_E4M3, DESC_A_SCALE_MODE, DESC_A_SCALE_POINTER,
+                                                DESC_B_SCALE_MODE, DESC_B_SCALE_POINTER)
+
+    lt = LtContext()
+    a_scale = cupy.ones(4 * (n // 128 + 1) * (k // 128 + 4), cupy.float32)
+    b_scale = cupy.ones(4 * m * (k // 128 + 4), cupy.float32)
+    layouts = (lt.layout(CUDA_R_8F_E4M3, k, n, k), lt.layout(CUDA_R_8F_E4M3, k, m, k),
+               lt.layout(cublas._CUDA_R_16BF, n, m, n), lt.layout(cublas._CUDA_R_16BF, n, m, n))
+    names = {0: "SCALAR", 3: "OUTER_VEC", 4: "VEC128", 5: "BLK128x128"}
+    for a_mode, b_mode in ((5, 4), (4, 5), (4, 4), (0, 0), (3, 3)):
+        try:
+            desc = lt.new_desc(cublas.CUBLAS_COMPUTE_32F, [
+                (DESC_A_SCALE_MODE, ctypes.c_int32(a_mode)), (DESC_B_SCALE_MODE, ctypes.c_int32(b_mode)),
+                (DESC_A_SCALE_POINTER, ctypes.c_void_p(a_scale.data.ptr)),
+                (DESC_B_SCALE_POINTER, ctypes.c_void_p(b_scale.data.ptr))])
+            found = lt.first_algo(desc, *layouts)
+            result = "no algorithm" if found is None else f"algorithm (workspace {found[1]} bytes)"
+        except Exception as e:  # the library's status, for the record
+            result = f"{type(e).__name__}: {e}"
+        print(f"  probe A={names[a_mode]} B={names[b_mode]} [{n}, {k}] M={m}: {result}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES_4B)
     p.add_argument("--rows", default="1,64,2048,8192")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--probe", action="store_true", help="also print which scale-mode pairs cuBLASLt takes")
     a = p.parse_args()
     ops = CudaOps("bfloat16")
     t = time.perf_counter()
     support = block_fp8_support()
     print(f"cuBLASLt {lt_version()}, {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: block-scaled FP8 "
           f"{'supported' if support.supported else 'NOT supported'} ({support.detail}; {time.perf_counter() - t:.2f} s)")
-    gemm = get_block_fp8_gemm()
+    if not support.supported or a.probe:
+        probe_modes()
+    gemm = get_block_fp8_gemm() if support.supported else None
     for shape in a.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         w8 = fp8_weight(n, k)
