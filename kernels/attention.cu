@@ -105,53 +105,15 @@ __device__ __forceinline__ void load_q8_tile(unsigned char* raw, float* sc, cons
     }
 }
 
-// 8 stored values (8 bytes) in fp32, exactly: q (int8), or the e4m3 value (fp8).
-__device__ __forceinline__ void kv8_values(uint2 bits, signed char, float (&f)[8]) {
-    // q + 128 (q xor 0x80) as the low byte of the fp32 2^23 + (q + 128), minus 2^23 + 128: one byte permute and one
-    // add per value (an int8 -> fp32 conversion is a slower instruction)
-    const unsigned w[2] = {bits.x ^ 0x80808080u, bits.y ^ 0x80808080u};
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        f[i] = __uint_as_float(__byte_perm(w[i >> 2], 0x4B000000u, 0x7540u | (i & 3))) - 8388736.f;
-}
-__device__ __forceinline__ void kv8_values(uint2 bits, e4m3, float (&f)[8]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    // the conversion instruction, two values at a time (e4m3 -> f16 is exact: every e4m3 value is an f16 one),
-    // then f16 -> fp32 (exact)
-    const unsigned w[2] = {bits.x, bits.y};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned short pair = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
-        unsigned h2;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
-        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}\n"
-            : "=f"(f[2 * i]), "=f"(f[2 * i + 1])
-            : "r"(h2));
-    }
-#else
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(&bits);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = e4m3_to_f(b[i]);
-#endif
-}
-
-// The staged 8-bit tile (load_q8_tile) dequantised into the bf16 tile dst [BN][D + 8]: value = q * scale in fp32,
-// rounded to bf16, as kv_dequant(q) * s is everywhere.
+// The staged 8-bit tile (load_q8_tile) dequantised into the bf16 tile dst [BN][D + 8] (kv8_to_bf16).
 template <int D, int BN, int NT, typename KV>
 __device__ __forceinline__ void dequant_tile(bf16* dst, const unsigned char* raw, const float* sc) {
     constexpr int LDS = D + 8;
     constexpr int CH = D / 8;
     for (int idx = threadIdx.x; idx < BN * CH; idx += NT) {
         const int row = idx / CH, c8 = idx % CH;
-        float f[8];
-        kv8_values(*reinterpret_cast<const uint2*>(raw + row * D + c8 * 8), KV(), f);
-        const float s = sc[row * (D / 32) + c8 / 4];
-        uint4 val;
-        val.x = pack_bf16(f[0] * s, f[1] * s);
-        val.y = pack_bf16(f[2] * s, f[3] * s);
-        val.z = pack_bf16(f[4] * s, f[5] * s);
-        val.w = pack_bf16(f[6] * s, f[7] * s);
-        *reinterpret_cast<uint4*>(dst + row * LDS + c8 * 8) = val;
+        *reinterpret_cast<uint4*>(dst + row * LDS + c8 * 8) =
+            kv8_to_bf16<KV>(*reinterpret_cast<const uint2*>(raw + row * D + c8 * 8), sc[row * (D / 32) + c8 / 4]);
     }
 }
 

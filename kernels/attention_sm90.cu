@@ -121,6 +121,48 @@ __device__ __forceinline__ void load_rows(unsigned dst, const bf16* __restrict__
         if (dst2) cp_async16_zfill(dst2 + so, cache2 + o, kp < ctx ? 16 : 0);
     }
 }
+// 8-bit caches (--kv-cache-dtype int8 / fp8; the serial schedule): rows kt .. kt+BN-1 of (table, KV head h) as
+// stored, into staging at `raw` ([BN][D] bytes) and their scales at `sc` ([BN][D / 32] fp32), zero-filled past ctx
+// (which dequantises to 0, as the bf16 gather's zero fill). 256 threads.
+__device__ __forceinline__ void cp_async8_zfill(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+template <int D, int BN, typename KV>
+__device__ __forceinline__ void load_q8_rows(unsigned raw, unsigned sc, const KV* __restrict__ cache,
+                                             const float* __restrict__ scales, const int* __restrict__ table, int kt,
+                                             int ctx, int block_size, int hkv, int h) {
+    constexpr int CH = D / 16;  // 16-byte chunks of a stored row
+    constexpr int SB = D / 8;   // scale bytes of a row: 8, 16 or 32
+    constexpr int SC = SB < 16 ? SB : 16;
+    auto row_of = [&](int kp) {  // the key's head row in the cache's [rows x hkv] view, 0 past ctx (not read)
+        return kp < ctx ? ((i64)table[kp / block_size] * block_size + kp % block_size) * hkv + h : (i64)0;
+    };
+    for (int idx = threadIdx.x; idx < BN * CH; idx += 256) {
+        const int row = idx / CH, ch = idx % CH, kp = kt + row;
+        cp_async16_zfill(raw + row * D + ch * 16, cache + row_of(kp) * D + ch * 16, kp < ctx ? 16 : 0);
+    }
+    for (int idx = threadIdx.x; idx < BN * (SB / SC); idx += 256) {
+        const int row = idx / (SB / SC), cs = idx % (SB / SC), kp = kt + row;
+        const float* src = scales + row_of(kp) * (D / 32) + cs * (SC / 4);
+        if constexpr (SC == 16) cp_async16_zfill(sc + row * SB + cs * 16, src, kp < ctx ? 16 : 0);
+        else cp_async8_zfill(sc + row * SB, src, kp < ctx ? 8 : 0);
+    }
+}
+
+// The staged 8-bit tile dequantised (kv8_to_bf16) into the swizzled bf16 tile at `dst` (sw_off<BN>): plain shared
+// stores, which the caller fences to the async proxy before a wgmma reads them. `base` / `base_u32`: the dynamic
+// shared memory as a pointer and as a shared address.
+template <int D, int BN, typename KV>
+__device__ __forceinline__ void dequant_rows(unsigned char* base, unsigned base_u32, unsigned dst, unsigned raw,
+                                             unsigned sc) {
+    constexpr int CH = D / 8;
+    for (int idx = threadIdx.x; idx < BN * CH; idx += 256) {
+        const int row = idx / CH, ch = idx % CH;
+        const uint2 bits = *reinterpret_cast<const uint2*>(base + (raw - base_u32) + row * D + ch * 8);
+        const float scale = *reinterpret_cast<const float*>(base + (sc - base_u32) + row * (D / 8) + (ch / 4) * 4);
+        *reinterpret_cast<uint4*>(base + (dst - base_u32) + sw_off<BN>(row, ch)) = kv8_to_bf16<KV>(bits, scale);
+    }
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -276,18 +318,26 @@ __device__ __forceinline__ float softmax_inv(float m, float l, const float* __re
     return kept / (l * kept + exp2f(sink - top));
 }
 
-// grid (ceil(T * rep / 128) + num_seqs, hkv), block 256, dynamic shared memory (128 + 4 BN) D * 2 + 1024 bytes.
+// grid (ceil(T * rep / 128) + num_seqs, hkv), block 256, dynamic shared memory (128 + 4 BN) D * 2 + 1024 bytes (8-bit
+// caches: (128 + 2 BN) D * 2 + BN D 9 / 4 + 1024).
 // OVERLAP: each warpgroup issues S of tile j + 1 and P V of tile j back to back and runs the softmax of tile j + 1
 // while P V of tile j is still on the tensor cores (K is gathered two tiles ahead, V one); otherwise each tile is
 // S, softmax, P V in turn.
-template <int D, int BN, bool OVERLAP>
+// KV: the caches' storage, bf16 or 8 bits (signed char, e4m3; the serial schedule only) with fp32 scales k_scale /
+// v_scale (one per 32 values; unread for bf16): their tiles are staged as stored a tile ahead (cp.async) and
+// dequantised into one K and one V bf16 tile before the tile's S, so the MMAs read what the bf16 kernel reads from
+// caches holding the dequantised values (the same bits).
+template <int D, int BN, bool OVERLAP, typename KV = bf16>
 __global__ void __launch_bounds__(256, 1)
-attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k_cache,
-                  const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restrict__ k_cache,
+                  const KV* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                   const int* __restrict__ context_lens, const int* __restrict__ cu, int num_seqs, int hq, int hkv,
                   int block_size, float scale_log2, int window, bf16* __restrict__ out,
-                  const float* __restrict__ sinks) {
+                  const float* __restrict__ sinks, const float* __restrict__ k_scale,
+                  const float* __restrict__ v_scale) {
     static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle atoms");
+    constexpr bool Q8 = sizeof(KV) == 1;
+    static_assert(!(Q8 && OVERLAP), "8-bit caches take the serial schedule");
     constexpr int BM = 128;
     constexpr int CH = D / 8;        // 16-byte chunks per row
     constexpr int NP = SPieces<BN>::COUNT;  // pieces of S (64 keys each)
@@ -296,11 +346,14 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     extern __shared__ unsigned char smem_raw[];
     __shared__ int s_seq, s_tile;
 
-    // 1024-byte aligned tiles (the swizzle pattern repeats every 1024 bytes of address): Q, then K[2], V[2]
+    // 1024-byte aligned tiles (the swizzle pattern repeats every 1024 bytes of address): Q, then K[2], V[2]; with
+    // 8-bit caches Q, K, V, then the staged K and V bytes and their scales
     const unsigned raw = smem_u32(smem_raw);
     const unsigned sq = (raw + 1023u) & ~1023u;
     const unsigned sk0 = sq + BM * D * 2;
-    const unsigned sv0 = sk0 + 2 * KV_BYTES;
+    const unsigned sv0 = sk0 + (Q8 ? 1 : 2) * KV_BYTES;
+    const unsigned rk = sv0 + KV_BYTES, rv8 = rk + BN * D;  // (8-bit) staged bytes of K and V
+    const unsigned sck = rv8 + BN * D, scv = sck + BN * (D / 8);  // (8-bit) their scales
 
     const int h = blockIdx.y;
     const int rep = hq / hkv;
@@ -337,11 +390,18 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
         if (r < r1) src = q + (i64)(start + r / rep) * qst + (i64)(h * rep + r % rep) * qsh + ch * 8;
         cp_async16_zfill(sq + sw_off<BM>(row, ch), src, r < r1 ? 16 : 0);
     }
-    load_rows<D, BN>(sk0, k_cache, sv0, v_cache, table, t_begin, ctx, block_size, hkv, h);
+    if constexpr (Q8) {
+        load_q8_rows<D, BN>(rk, sck, k_cache, k_scale, table, t_begin, ctx, block_size, hkv, h);
+        load_q8_rows<D, BN>(rv8, scv, v_cache, v_scale, table, t_begin, ctx, block_size, hkv, h);
+    } else {
+        load_rows<D, BN>(sk0, k_cache, sv0, v_cache, table, t_begin, ctx, block_size, hkv, h);
+    }
     cp_commit();
-    if (OVERLAP && num_tiles > 1) {
-        load_rows<D, BN>(sk0 + KV_BYTES, k_cache, 0, k_cache, table, t_begin + BN, ctx, block_size, hkv, h);
-        cp_commit();
+    if constexpr (OVERLAP) {
+        if (num_tiles > 1) {
+            load_rows<D, BN>(sk0 + KV_BYTES, k_cache, 0, k_cache, table, t_begin + BN, ctx, block_size, hkv, h);
+            cp_commit();
+        }
     }
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -365,20 +425,32 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
     STile<BN> s;
     unsigned pa[BN / 16][4];
 
-    if (!OVERLAP) {
+    if constexpr (!OVERLAP) {
         for (int j = 0; j < num_tiles; ++j) {
             const int kt = t_begin + j * BN;
             cp_wait<0>();
             fence_async_smem();  // this thread's cp.async writes -> visible to the tensor cores' (async proxy) reads
             __syncthreads();     // everyone's tile j landed; everyone finished tile j-1 (its buffers are free again)
+            if constexpr (Q8) {  // tile j's staged bytes -> the bf16 K and V tiles
+                dequant_rows<D, BN, KV>(smem_raw, raw, sk0, rk, sck);
+                dequant_rows<D, BN, KV>(smem_raw, raw, sv0, rv8, scv);
+                fence_async_smem();  // this thread's tile stores -> visible to the tensor cores' reads
+                __syncthreads();     // both tiles whole; the staging free for tile j + 1
+            }
+            const unsigned buf = Q8 ? 0u : (j & 1) * KV_BYTES;
 #pragma unroll
             for (int p = 0; p < NP; ++p) reg_fence(s[p]);
             wg_fence();
-            issue_qk<D, BN>(s, sq_wg, sk0 + (j & 1) * KV_BYTES);
+            issue_qk<D, BN>(s, sq_wg, sk0 + buf);
             wg_commit();
             if (j + 1 < num_tiles) {  // the next tile's gathers while the tensor cores compute S
-                const unsigned nb = ((j + 1) & 1) * KV_BYTES;
-                load_rows<D, BN>(sk0 + nb, k_cache, sv0 + nb, v_cache, table, kt + BN, ctx, block_size, hkv, h);
+                if constexpr (Q8) {
+                    load_q8_rows<D, BN>(rk, sck, k_cache, k_scale, table, kt + BN, ctx, block_size, hkv, h);
+                    load_q8_rows<D, BN>(rv8, scv, v_cache, v_scale, table, kt + BN, ctx, block_size, hkv, h);
+                } else {
+                    const unsigned nb = ((j + 1) & 1) * KV_BYTES;
+                    load_rows<D, BN>(sk0 + nb, k_cache, sv0 + nb, v_cache, table, kt + BN, ctx, block_size, hkv, h);
+                }
                 cp_commit();
             }
             wg_wait<0>();
@@ -389,7 +461,7 @@ attn_wgmma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __re
 #pragma unroll
             for (int p = 0; p < OP; ++p) reg_fence(o[p]);
             wg_fence();
-            issue_pv<D, BN>(o, pa, sv0 + (j & 1) * KV_BYTES);
+            issue_pv<D, BN>(o, pa, sv0 + buf);
             wg_commit();
             wg_wait<0>();
 #pragma unroll

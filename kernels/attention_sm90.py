@@ -34,26 +34,39 @@ def threads(schedule: str) -> int:
     return 384 if schedule in ("ws", "pingpong") else 256
 
 
-def shared_bytes(head_dim: int, schedule: str) -> int:
+KV8_TYPES = ("signed char", "e4m3")  # 8-bit K/V storage types (kernels/common.cu), the serial schedule's
+
+
+def shared_bytes(head_dim: int, schedule: str, kv: str | None = None) -> int:
     """Dynamic shared memory of one block (both kernels): the Q tile, two K and two V tiles, 1024 bytes of alignment
-    slack."""
-    return (ROWS_PER_BLOCK + 4 * keys_per_tile(head_dim, schedule)) * head_dim * 2 + 1024
+    slack; over 8-bit caches (`kv` one of KV8_TYPES) the Q tile, one K and one V tile, and the staged 8-bit K and V
+    tiles with their fp32 scales (one per 32 values)."""
+    bn = keys_per_tile(head_dim, schedule)
+    if kv is not None:
+        return (ROWS_PER_BLOCK + 2 * bn) * head_dim * 2 + 2 * bn * (head_dim + head_dim // 8) + 1024
+    return (ROWS_PER_BLOCK + 4 * bn) * head_dim * 2 + 1024
 
 
-def kernel_name(head_dim: int, schedule: str) -> str:
+def kernel_name(head_dim: int, schedule: str, kv: str | None = None) -> str:
+    """The kernel of `schedule` at `head_dim` over bf16 caches, or (serial only) over 8-bit ones of type `kv`."""
     if schedule not in SCHEDULES:
         raise ValueError(f"wgmma schedule must be one of {SCHEDULES}, not {schedule!r}")
+    if kv is not None and (schedule != "serial" or kv not in KV8_TYPES):
+        raise ValueError(f"8-bit caches ({kv}) take the serial schedule's kernel, not {schedule!r}")
     bn = keys_per_tile(head_dim, schedule)
     if schedule in ("ws", "pingpong"):
         return f"attn_ws_kernel<{head_dim}, {bn}, {str(schedule == 'pingpong').lower()}>"
-    return f"attn_wgmma_kernel<{head_dim}, {bn}, {str(schedule == 'overlap').lower()}>"
+    kv_arg = f", {kv}" if kv is not None else ""
+    return f"attn_wgmma_kernel<{head_dim}, {bn}, {str(schedule == 'overlap').lower()}{kv_arg}>"
 
 
-def _module_of(schedule: str) -> str:
-    return "ws" if schedule in ("ws", "pingpong") else "base"
+def _module_of(schedule: str, kv: str | None = None) -> str:
+    """"base" (attn_wgmma_kernel over bf16), "q8" (over 8-bit caches: only runs with them build it) or "ws"."""
+    return "ws" if schedule in ("ws", "pingpong") else "q8" if kv is not None else "base"
 
 
 _NAMES = {m: [kernel_name(d, s) for d in HEAD_DIMS for s in SCHEDULES if _module_of(s) == m] for m in ("base", "ws")}
+_NAMES["q8"] = [kernel_name(d, "serial", kv) for d in HEAD_DIMS for kv in KV8_TYPES]
 _LOCK = threading.Lock()
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 _SMEM_SET: set[tuple[int, int]] = set()
@@ -72,8 +85,8 @@ def _cache_dir() -> Path:
 
 
 def _build(module: str) -> tuple[Path, dict[str, str]]:
-    """The cubin of `module` ("base": attention_sm90.cu; "ws": with attention_sm90_ws.cu appended) for sm_90a and
-    the lowered (mangled) name of each of its kernels (_NAMES[module])."""
+    """The cubin of `module` ("base" and "q8": attention_sm90.cu; "ws": with attention_sm90_ws.cu appended) for
+    sm_90a and the lowered (mangled) name of each of its kernels (_NAMES[module])."""
     from cupy_backends.cuda.libs import nvrtc
 
     source = kernel_source("attention_sm90")
@@ -107,21 +120,21 @@ def _build(module: str) -> tuple[Path, dict[str, str]]:
     return cubin, lowered
 
 
-def _function(head_dim: int, schedule: str):
+def _function(head_dim: int, schedule: str, kv: str | None = None):
     dev = cupy.cuda.Device().id
-    name = kernel_name(head_dim, schedule)
+    name = kernel_name(head_dim, schedule, kv)
     fn = _FUNCTIONS.get((dev, name))
     if fn is None:
         with _LOCK:
             fn = _FUNCTIONS.get((dev, name))
             if fn is None:
-                module_name = _module_of(schedule)
+                module_name = _module_of(schedule, kv)
                 cubin, lowered = _build(module_name)
                 module = cupy.RawModule(path=str(cubin))
                 for n in _NAMES[module_name]:
                     _FUNCTIONS[(dev, n)] = module.get_function(lowered[n])
                 fn = _FUNCTIONS[(dev, name)]
-    smem = shared_bytes(head_dim, schedule)
+    smem = shared_bytes(head_dim, schedule, kv)
     if (id(fn), smem) not in _SMEM_SET:
         fn.max_dynamic_shared_size_bytes = smem
         _SMEM_SET.add((id(fn), smem))
@@ -135,11 +148,12 @@ def compile_module():
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,
-            out, sm_count, schedule="serial", blocks=None, sinks=None):
+            out, sm_count, schedule="serial", blocks=None, sinks=None, kv=None, k_scale=None, v_scale=None):
     """One launch of the sm_90a prefill kernel: causal attention of `tokens` new queries (q [T, Hq, D] with element
     strides qst, qsh; 16-byte aligned rows) over paged bf16 caches, written to out [T, Hq, D] (bf16, contiguous).
     `sinks` (contiguous fp32 [Hq] on the device, or None): attention sinks, a logit per query head in each row's
-    softmax denominator.
+    softmax denominator. 8-bit caches: `kv` their type (KV8_TYPES) and k_scale / v_scale their fp32 scales (one per
+    32 values, contiguous, 16-byte aligned), on the serial schedule.
     `schedule` (SCHEDULES): "serial" S, softmax, P V per tile; "overlap" a tile's softmax while the previous tile's
     P V runs; "ws" / "pingpong" the warp-specialised kernel (kernels/attention_sm90_ws.cu), persistent: `blocks`
     per KV head (None: kernels/tuning.py ws_persistent_blocks for `sm_count` SMs; the tile count: one tile per
@@ -153,7 +167,10 @@ def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq,
         if blocks is None:
             blocks = ws_persistent_blocks(query_tiles, hkv, sm_count)
         grid = (max(1, min(int(blocks), query_tiles)), hkv)
+    null = np.uint64(0)
     args = (q, np.int64(qst), np.int64(qsh), k_cache, v_cache, tables, np.int32(tables.shape[1]), ctx, cu,
             np.int32(nseq), np.int32(hq), np.int32(hkv), np.int32(bs), np.float32(scale_log2), np.int32(window), out,
-            sinks if sinks is not None else np.uint64(0))
-    _function(d, schedule)(grid, (threads(schedule),), args, shared_mem=shared_bytes(d, schedule))
+            sinks if sinks is not None else null)
+    if _module_of(schedule, kv) != "ws":  # attn_wgmma_kernel's scale pointers (unread over bf16 caches)
+        args += (k_scale if kv is not None else null, v_scale if kv is not None else null)
+    _function(d, schedule, kv)(grid, (threads(schedule),), args, shared_mem=shared_bytes(d, schedule, kv))

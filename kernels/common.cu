@@ -49,6 +49,55 @@ __device__ __forceinline__ void kv_quant(signed char& q, float r) {
     q = (signed char)fminf(127.f, fmaxf(-127.f, rintf(r)));
 }
 __device__ __forceinline__ void kv_quant(e4m3& q, float r) { q.bits = f_to_e4m3(fminf(448.f, fmaxf(-448.f, r))); }
+// 8 stored values (8 bytes) of an 8-bit K/V row in fp32, exactly: q (int8), or the e4m3 value (fp8).
+__device__ __forceinline__ void kv8_values(uint2 bits, signed char, float (&f)[8]) {
+    // q + 128 (q xor 0x80) as the low byte of the fp32 2^23 + (q + 128), minus 2^23 + 128: one byte permute and one
+    // add per value (an int8 -> fp32 conversion is a slower instruction)
+    const unsigned w[2] = {bits.x ^ 0x80808080u, bits.y ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        f[i] = __uint_as_float(__byte_perm(w[i >> 2], 0x4B000000u, 0x7540u | (i & 3))) - 8388736.f;
+}
+__device__ __forceinline__ void kv8_values(uint2 bits, e4m3, float (&f)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // the conversion instruction, two values at a time (e4m3 -> f16 is exact: every e4m3 value is an f16 one),
+    // then f16 -> fp32 (exact)
+    const unsigned w[2] = {bits.x, bits.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short pair = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
+        unsigned h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
+        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}\n"
+            : "=f"(f[2 * i]), "=f"(f[2 * i + 1])
+            : "r"(h2));
+    }
+#else
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&bits);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = e4m3_to_f(b[i]);
+#endif
+}
+
+// 8 stored values times their group's scale, rounded to bf16 (16 bytes of a bf16 tile row): value = q * scale in
+// fp32, as kv_dequant(q) * s everywhere, so tiles dequantised here hold the bits attention reads on every path.
+template <typename KV>
+__device__ __forceinline__ uint4 kv8_to_bf16(uint2 bits, float s) {
+    float f[8];
+    kv8_values(bits, KV(), f);
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(f[2 * i] * s, f[2 * i + 1] * s);
+        w[i] = *reinterpret_cast<unsigned*>(&v);
+    }
+    uint4 r;
+    r.x = w[0];
+    r.y = w[1];
+    r.z = w[2];
+    r.w = w[3];
+    return r;
+}
 // element i of a cache row as attention reads it: plain storage ignores the scales, 8-bit storage is q * scale
 __device__ __forceinline__ float kv_at(const float* c, const float*, i64 i) { return c[i]; }
 __device__ __forceinline__ float kv_at(const bf16* c, const float*, i64 i) { return __bfloat162float(c[i]); }

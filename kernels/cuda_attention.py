@@ -85,11 +85,12 @@ class AttentionOps:
         `shared` (decode, engine.step.forward_batch.SharedPrefixes): each group's shared prefix is read once for all
         its members (cascade: a pass per group over the shared keys, a pass per sequence over the rest, then a
         merge). `sinks` fp32 [Hq] (gpt-oss): added where each path normalises (the sm_90a prefill kernels and the
-        mma.sync ones at their output, the cascade and split-K merges when they combine partials). 8-bit caches (`k_scale`, `v_scale` fp32 [..., Hkv, D / 32])
-        are read as stored: the mma.sync kernels copy each tile's bytes and scales into shared memory asynchronously
-        and dequantise them to bf16 there just before the MMA that reads them, the fp32 scalar kernel dequantises in
-        registers; they take the mma.sync kernels for prefill too. `prefill`: a prefill step (deterministic tunings
-        compute its rows in one pass, decode and verify rows over fixed key ranges: `_segments`)."""
+        mma.sync ones at their output, the cascade and split-K merges when they combine partials). 8-bit caches
+        (`k_scale`, `v_scale` fp32 [..., Hkv, D / 32]) are read as stored: the tensor-core kernels (mma.sync, and the
+        sm_90a prefill on its serial schedule) copy each tile's bytes and scales into shared memory asynchronously,
+        a tile ahead, and dequantise them to bf16 there just before the MMAs that read them; the fp32 scalar kernel
+        dequantises in registers. `prefill`: a prefill step (deterministic tunings compute its rows in one pass,
+        decode and verify rows over fixed key ranges: `_segments`)."""
         q, qst, qsh = head_view(q)
         t, hq, d = q.shape
         nb, bs, hkv, dc = k_cache.shape
@@ -117,13 +118,13 @@ class AttentionOps:
                    and (not kv8 or all(a.data.ptr % 16 == 0 for a in (k_cache, v_cache, ks, vs))))
         plan = attention_plan(self.tuning, self._sm_count, tokens=t, seqs=nseq, q_heads=hq, kv_heads=hkv, head_dim=d,
                               table_width=tables.shape[1], block_size=bs, window=window, tensor_cores=use_mma,
-                              shared=shared is not None, wgmma=self._wgmma and not kv8,
-                              prefill=prefill)
+                              shared=shared is not None, wgmma=self._wgmma, prefill=prefill, kv8=kv8)
         if plan.path == "wgmma":
             attention_sm90.prefill(q=q, qst=qst, qsh=qsh, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx,
                                    cu=cu, nseq=nseq, tokens=t, hq=hq, hkv=hkv, d=d, bs=bs,
                                    scale_log2=scale * _LOG2E, window=window, out=out, schedule=plan.schedule,
-                                   sm_count=self._sm_count, sinks=sinks)
+                                   sm_count=self._sm_count, sinks=sinks, kv=_kv8_type(k_cache) if kv8 else None,
+                                   k_scale=ks, v_scale=vs)
             return out
         if plan.path == "scalar":  # fp32 (exactness) path: plain attention; a shared prefix gives the same answer
             cache_type = _kv8_type(k_cache) if kv8 else type_name(k_cache.dtype)

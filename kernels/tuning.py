@@ -362,11 +362,12 @@ class AttentionPlan:
 
 def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, q_heads: int, kv_heads: int,
                    head_dim: int, table_width: int, block_size: int, window: int, tensor_cores: bool,
-                   shared: bool, wgmma: bool = False, prefill: bool = False) -> AttentionPlan:
+                   shared: bool, wgmma: bool = False, prefill: bool = False, kv8: bool = False) -> AttentionPlan:
     """The attention path for `tokens` queries of `seqs` sequences over tables `table_width` blocks wide.
     Split counts derive from the table width, not the contexts, so a captured decode graph stays valid.
     `tensor_cores`: bf16 inputs with a supported head dim and 16-byte aligned rows (the caller checks);
-    `wgmma`: the device runs sm_90a code; `prefill`: a prefill step (only a deterministic tuning asks)."""
+    `wgmma`: the device runs sm_90a code; `prefill`: a prefill step (only a deterministic tuning asks); `kv8`: the
+    caches are 8-bit (the sm_90a prefill takes them on its serial schedule alone)."""
     if not tensor_cores:
         return AttentionPlan("scalar")
     d = head_dim
@@ -379,7 +380,7 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
         choice = "wgmma-pingpong"  # measured at every head dim it takes: the module docstring
     if (choice != "mma" and wgmma and not decode and d in WGMMA_HEAD_DIMS
             and tokens * (q_heads // kv_heads) >= WGMMA_MIN_ROWS_PER_SEQ * seqs):
-        schedule = WGMMA_SCHEDULES[choice]
+        schedule = "serial" if kv8 else WGMMA_SCHEDULES[choice]
         return AttentionPlan("wgmma", warps=12 if schedule in ("ws", "pingpong") else 8,
                              keys=wgmma_tile_keys(d, schedule), schedule=schedule)
     wide = 8 if d > 128 else 4

@@ -112,18 +112,23 @@ BITS_CASES = {
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", BITS_CASES)
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_8bit_attention_gives_the_bits_of_the_bf16_kernel_over_the_dequantised_caches(kind, case, deterministic):
+@pytest.mark.parametrize("prefill_kernel,deterministic", [("mma", False), ("wgmma", False), ("mma", True)])
+def test_8bit_attention_gives_the_bits_of_the_bf16_kernel_over_the_dequantised_caches(kind, case, prefill_kernel,
+                                                                                     deterministic):
     """The 8-bit tiles (copied as stored with cp.async, dequantised to bf16 in shared memory) feed the MMAs exactly
     the tiles the bf16 kernel reads from caches holding the dequantised values rounded to bf16: the same output,
-    bit for bit, on every path the plan takes (split and plain decode, mma.sync prefill, --deterministic)."""
+    bit for bit, on every path the plan takes (split and plain decode, mma.sync prefill, the sm_90a prefill's
+    serial schedule, --deterministic)."""
     from ml_dtypes import bfloat16
 
+    from prefixrun.kernels import attention_sm90
     from prefixrun.kernels.cuda import CudaOps
     from prefixrun.kernels.kv_storage import dequantise
 
     hq, hkv, d, bs, seqs = BITS_CASES[case]
-    ops = CudaOps("bfloat16").retuned(attn_prefill_kernel="mma", deterministic=deterministic)
+    if prefill_kernel == "wgmma" and (case.startswith("decode") or not attention_sm90.available()):
+        pytest.skip("the sm_90a prefill: prefill steps on a compute capability 9.0 GPU")
+    ops = CudaOps("bfloat16").retuned(attn_prefill_kernel=prefill_kernel, deterministic=deterministic)
     rng = np.random.default_rng(len(seqs) + d)
     q, kq, vq, ks, vs, tables, ctx, cu = _paged_inputs(rng, seqs, hq, hkv, d, bs, kind)
     idx = [ops.upload_index(a) for a in (tables, ctx, cu)]

@@ -237,6 +237,26 @@ def test_attention_wgmma_choice():
         assert attention_plan(tuned, H200_SMS, **{**prefill, "tensor_cores": False}, wgmma=True).path == "scalar"
 
 
+def test_attention_over_8bit_caches_takes_the_serial_sm90_prefill():
+    """8-bit K/V caches: prefill on an sm_90 GPU takes the block-synchronous wgmma kernel (the one whose tiles are
+    dequantised from staged bytes) whatever attn_prefill_kernel names, with its tiles; "mma", decode, verification
+    rows and other GPUs keep the mma.sync kernel."""
+    prefill = dict(**ATTN_4B, tokens=32 * 2304, seqs=32, table_width=72, block_size=32, shared=False)
+    for choice in ("auto", "wgmma", "wgmma-overlap", "wgmma-ws", "wgmma-pingpong"):
+        tuned = dataclasses.replace(DEFAULT, attn_prefill_kernel=choice)
+        assert attention_plan(tuned, H200_SMS, **prefill, wgmma=True, kv8=True) == \
+            AttentionPlan("wgmma", 8, 64, schedule="serial")
+        assert attention_plan(tuned, H200_SMS, **{**prefill, "head_dim": 128}, wgmma=True, kv8=True) == \
+            AttentionPlan("wgmma", 8, 128, schedule="serial")
+    mma = dataclasses.replace(DEFAULT, attn_prefill_kernel="mma")
+    assert attention_plan(mma, H200_SMS, **prefill, wgmma=True, kv8=True).path == "plain"
+    assert attention_plan(DEFAULT, H200_SMS, **prefill, wgmma=False, kv8=True).path == "plain"
+    verify = {**prefill, "tokens": 64 * 4, "seqs": 64}
+    assert attention_plan(DEFAULT, H200_SMS, **verify, wgmma=True, kv8=True).path == "plain"
+    decode = {**prefill, "tokens": 64, "seqs": 64, "shared": True}
+    assert attention_plan(DEFAULT, H200_SMS, **decode, wgmma=True, kv8=True).path == "cascade"
+
+
 @pytest.mark.parametrize("bad", [dict(gdn_chunked="yes"), dict(gdn_tensor_cores="auto-ish"), dict(gdn_tc_warps=3),
                                  dict(gdn_tc_prep="v3"), dict(attn_decode_warps=2), dict(attn_prefill_kernel="fa3"),
                                  dict(attn_keys_per_tile=((128, 32),)), dict(attn_split_decode=None)])

@@ -352,3 +352,81 @@ def test_the_8bit_pipeline_has_no_shared_memory_races(tmp_path):
                                  timeout=600)
             assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
             assert run.returncode == 0, run.stderr[-2000:]
+
+
+SM90_PRELUDE = r"""
+inline unsigned smem_u32(const void* p) { return unsigned(static_cast<const unsigned char*>(p) - emu_dynamic_smem); }
+inline void cp_async16_zfill(unsigned dst, const void* src, int n) { emu_cp_async(emu_dynamic_smem + dst, src, n); }
+inline void cp_async8_zfill(unsigned dst, const void* src, int n) { emu_cp_async_n(emu_dynamic_smem + dst, src, 8, n); }
+inline void cp_commit() { emu_cp_commit(); }
+template <int N> inline void cp_wait() { emu_cp_wait(N); }
+"""
+SM90_ENTRY = r"""
+// One K tile as attn_wgmma_kernel holds it before its S: gathered from bf16 caches (load_rows), or staged from 8-bit
+// ones and dequantised (load_q8_rows, dequant_rows); `tiles` gets the swizzled bf16 tile's bytes.
+template <int D, int BN>
+void emu_tile(int kind, const void* cache, const float* scales, const int* table, int kt, int ctx, int bs, int hkv,
+              int h, unsigned char* tile) {
+    const size_t tile_bytes = BN * D * 2, staged = BN * D + BN * (D / 8);
+    emu_launch({1, 1, 1}, 256, tile_bytes + staged, [&] {
+        const unsigned raw = tile_bytes, sc = raw + BN * D;
+        if (kind == 0) load_rows<D, BN>(0, (const bf16*)cache, 0, (const bf16*)cache, table, kt, ctx, bs, hkv, h);
+        else if (kind == 1) load_q8_rows<D, BN>(raw, sc, (const signed char*)cache, scales, table, kt, ctx, bs, hkv, h);
+        else load_q8_rows<D, BN>(raw, sc, (const e4m3*)cache, scales, table, kt, ctx, bs, hkv, h);
+        cp_commit();
+        cp_wait<0>();
+        __syncthreads();
+        if (kind == 1) dequant_rows<D, BN, signed char>(emu_dynamic_smem, 0, 0, raw, sc);
+        if (kind == 2) dequant_rows<D, BN, e4m3>(emu_dynamic_smem, 0, 0, raw, sc);
+        __syncthreads();
+        if (threadIdx.x == 0) std::memcpy(tile, emu_dynamic_smem, tile_bytes);
+    });
+}
+extern "C" void emu_sm90_tile(int d, int kind, const void* cache, const float* scales, const int* table, int kt,
+                              int ctx, int bs, int hkv, int h, unsigned char* tile) {
+    if (d == 64) emu_tile<64, 128>(kind, cache, scales, table, kt, ctx, bs, hkv, h, tile);
+    else if (d == 128) emu_tile<128, 128>(kind, cache, scales, table, kt, ctx, bs, hkv, h, tile);
+    else emu_tile<256, 64>(kind, cache, scales, table, kt, ctx, bs, hkv, h, tile);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90_emu(tmp_path_factory):
+    """attention_sm90.cu's K/V tile loaders (sw_off, load_rows, load_q8_rows, dequant_rows) through the emulator:
+    the wgmma code around them needs the device."""
+    src = (ROOT / "kernels" / "attention_sm90.cu").read_text()
+    start, end = "// Byte offset of 16-byte chunk ch", "template <int N>\n__device__ __forceinline__ void wg_wait"
+    part = src[src.index(start):src.index(end)]
+    for asm_helper in ("__device__ __forceinline__ void cp_async8_zfill", "__device__ __forceinline__ void cp_commit",
+                       "template <int N>\n__device__ __forceinline__ void cp_wait"):
+        at = part.index(asm_helper)
+        part = part[:at] + part[part.index("}\n", at) + 2:]
+    return compile_emulated(tmp_path_factory, "sm90_tiles_emu", "#include \"cuda_emu.h\"\n" + emulator_common()
+                            + SM90_PRELUDE + part + SM90_ENTRY)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (256, 64)])
+def test_the_sm90_8bit_tile_is_the_bf16_gather_of_the_dequantised_caches(sm90_emu, kind, d, bn):
+    """The sm_90a serial kernel's 8-bit path (the stored bytes and scales staged with cp.async, dequantised into the
+    swizzled tile) leaves the bytes its bf16 gather leaves from caches holding the dequantised values: the wgmmas
+    then do the bf16 kernel's arithmetic on the same tiles. A tile across blocks, its last rows past the context."""
+    _, fp8 = KINDS[kind]
+    rng = np.random.default_rng(d)
+    bs, hkv, h, nblocks = 16, 2, 1, 40
+    kq, ks = quantise(rng.standard_normal((nblocks, bs, hkv, d)).astype(np.float32) * 3, kind)
+    kb = dequantise(kq, ks).astype(ml_dtypes.bfloat16)
+    table = rng.permutation(nblocks).astype(np.int32)
+    kt, ctx = 2 * bn, 2 * bn + bn // 2 + 3  # rows past ctx: zero-filled
+
+    def tile(k, cache, scales):
+        out = np.zeros(bn * d * 2, np.uint8)
+        sm90_emu.emu_sm90_tile(d, k, _ptr(cache), None if scales is None else _ptr(scales), _ptr(table), kt, ctx, bs,
+                               hkv, h, _ptr(out))
+        return out
+
+    got = _forked(lambda: tile(1 + fp8, kq, ks))
+    want = _forked(lambda: tile(0, kb.view(np.uint16), None))
+    assert want.any()
+    np.testing.assert_array_equal(got, want)
