@@ -78,7 +78,8 @@ class BlockFp8Gemm:
 
         xq uint8 [M, K] (e4m3 bytes, C-contiguous), x_scale fp32 [ceil(K/128), M]; wq uint8 [N, K], w_scale fp32
         [ceil(N/128), scale_columns(K)]; out bf16 [M, ld] C-contiguous, ld >= col + N. Every pointer 16-byte
-        aligned (col a multiple of 8). False (nothing computed) where cuBLASLt has no algorithm for the problem."""
+        aligned (col a multiple of 8). False (nothing computed) where cuBLASLt has no algorithm for the problem or
+        refuses the one it gave."""
         m, k = xq.shape
         n = wq.shape[0]
         ld = out.shape[1]
@@ -100,7 +101,12 @@ class BlockFp8Gemm:
             self.lt.trim_layouts()
             self._set_scales(w_scale.data.ptr, x_scale.data.ptr)
             a, b, d = self._layouts(n, k, m, ld)
-            self.lt.matmul(self.desc, algo, wq.data.ptr, a, xq.data.ptr, b, d_ptr, d)
+            try:
+                self.lt.matmul(self.desc, algo, wq.data.ptr, a, xq.data.ptr, b, d_ptr, d)
+            except cublas.CublasError as e:  # the heuristics' algorithm refused at run time: not again
+                log.warning("cuBLASLt refused a block-scaled FP8 GEMM [%d, %d] at %d rows (%s)", n, k, m, e)
+                self._algos[(n, k, m, ld)] = None
+                return False
             self.calls += 1
         return True
 
