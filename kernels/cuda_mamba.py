@@ -1,19 +1,21 @@
-"""The CUDA backend's Mamba2 ops (kernels/mamba.cu): the selective scan (token by token per sequence for decode
-steps, speculative rows with per-row snapshots and short prefills; long prefills in 128-token chunks computed all at
-once, their entering states carried per sequence), the gated group RMSNorm and ReLU^2. Semantics:
-kernels/mamba_reference.py.
+"""The CUDA backend's Mamba2 ops (kernels/mamba.cu, kernels/ssd_tc.cu): the selective scan (bf16 prefills in
+64-token chunks on tensor cores, each sequence's chunks in order with the state in registers; token by token per
+sequence for decode steps, speculative rows with per-row snapshots and short prefills; other long prefills in 128-token
+fp32 chunks computed all at once, their entering states carried per sequence; kernels/tuning.py ssd_form chooses),
+the gated group RMSNorm and ReLU^2. Semantics: kernels/mamba_reference.py.
 """
 from __future__ import annotations
 
 import cupy
 import numpy as np
 
-from prefixrun.kernels.cuda_arrays import F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
+from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
     matrix_view, type_name
 from prefixrun.kernels.cuda_modules import kernel
+from prefixrun.kernels.tuning import SSD_CHUNK, ssd_form, ssd_tc_smem_bytes, ssd_tc_state_columns
 
-# kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX), SSD_CHUNK (a long prefill's chunks)
-_SSD_ROWS, _SSD_NMAX, _SSD_CHUNK = 4, 8, 128
+# kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX); kernels/ssd_tc.cu SSD_TC_P
+_SSD_ROWS, _SSD_NMAX, _SSD_TC_ROWS = 4, 8, 64
 MAX_SSM_STATE = 32 * _SSD_NMAX
 _NULL = np.uint64(0)
 
@@ -63,10 +65,21 @@ class MambaOps:
         inputs = (x, i64(xst), i64(xsh), dt, i64(dts), b, i64(bst), i64(bsg), c, i64(cst), i64(csg), as_f32(a_log),
                   as_f32(dt_bias), as_f32(d), lo, hi, i32(h), i32(h // g), i32(p), i32(n))
         blocks = -(-p // _SSD_ROWS)
-        # long prefills in chunks, all chunks at once; everything else token by token per sequence (one kernel: a
-        # deterministic backend's rows then depend on their own sequence alone, whatever the batch)
-        if rows is None and not self.tuning.deterministic and t >= 2 * _SSD_CHUNK * nseq:
-            tiles = t // _SSD_CHUNK + nseq  # an upper bound of sum(ceil(len / chunk))
+        # prefills on tensor cores where the inputs allow (bf16, 16-byte aligned rows), else long prefills in fp32
+        # chunks, all chunks at once; everything else token by token per sequence (one kernel: a deterministic
+        # backend's rows then depend on their own sequence alone, whatever the batch)
+        aligned = dtype == BF16 and all(v % 8 == 0 for v in (xst, xsh, bst, bsg, cst, csg)) \
+            and all(a.data.ptr % 16 == 0 for a in (x, b, c))
+        form = "stepped" if rows is not None else ssd_form(self.tuning, tokens=t, seqs=nseq, head_dim=p,
+                                                           state_size=n, tensor_cores=aligned)
+        if form == "tensor_cores":
+            cols = ssd_tc_state_columns(n)
+            nbytes = ssd_tc_smem_bytes(cols)
+            scan = self._dynamic_smem(kernel("ssd_tc", f"ssd_tc_kernel<{cols}>"), nbytes)
+            scan((-(-p // _SSD_TC_ROWS), h, nseq), (128,), inputs + (state, slots, cu, out), shared_mem=nbytes)
+            return out
+        if form == "chunked":
+            tiles = t // SSD_CHUNK + nseq  # an upper bound of sum(ceil(len / chunk))
             chunk_states = cupy.empty((tiles, h, p, n), F32)
             chunk_decay = cupy.empty((tiles, h), F32)
             grid = (blocks, h, tiles)

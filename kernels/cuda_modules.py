@@ -11,7 +11,7 @@ from pathlib import Path
 import cupy
 
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
-    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, NORM_CHUNKS, attn_tile_keys
+    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, NORM_CHUNKS, SSD_TC_STATES, attn_tile_keys
 
 # ---- kernel sources and the template instantiations each file exports --------------------------------------------
 _KERNEL_DIR = Path(__file__).parent
@@ -44,6 +44,7 @@ KV8_TYPES = ("signed char", "e4m3")  # the 8-bit K/V storage types of kernels/co
 # eight); other head dims read 8-bit caches through the scalar kernel
 KV8_MMA_HEAD_DIMS = (64, 128, 256)
 _SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
+_TENSOR_CORE_FILES = ("delta_tc", "ssd_tc")  # files compiled after kernels/tc_mma.cu (their mma.sync helpers)
 
 
 KERNEL_NAMES = {
@@ -75,6 +76,7 @@ KERNEL_NAMES = {
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
+    "ssd_tc": [f"ssd_tc_kernel<{n}>" for n in SSD_TC_STATES],
     "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_gemm_mma_kernel<bf16>"] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
     + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")]
@@ -115,9 +117,11 @@ def include_options() -> tuple[str, ...]:
 
 
 def kernel_source(file: str) -> str:
-    """The text NVRTC compiles for the module `file`: common.cu, then kernels/<file>.cu (or the file it shares)."""
+    """The text NVRTC compiles for the module `file`: common.cu, tc_mma.cu for the tensor-core files, then
+    kernels/<file>.cu (or the file it shares)."""
     source = _SOURCE_OF.get(file, file)
-    return (_KERNEL_DIR / "common.cu").read_text() + "\n" + (_KERNEL_DIR / f"{source}.cu").read_text()
+    parts = ["common"] + (["tc_mma"] if source in _TENSOR_CORE_FILES else []) + [source]
+    return "\n".join((_KERNEL_DIR / f"{part}.cu").read_text() for part in parts)
 
 
 def kernel(file: str, name: str):

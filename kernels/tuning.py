@@ -35,6 +35,10 @@ their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices"
   for bit, except where O holds subnormals (the rescale it skips for a row whose max held does not flush them).
   "wgmma-ws" (no turn-taking) is as fast within noise; "wgmma-overlap" loses everywhere and stays selectable only
   for measuring it.
+- Mamba2 scan (ssd_form): bf16 steps averaging SSD_TC_MIN_MEAN tokens per sequence in the chunked form on tensor
+  cores (kernels/ssd_tc.cu: 64-token chunks, a block per 64 state rows, head and sequence walking its chunks with
+  the state in registers), in place of the fp32 chunks (two token-by-token passes per chunk, the chunk states through
+  global memory); decode steps stay token by token (kernels/mamba.cu reads and writes each state row once).
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -62,6 +66,9 @@ GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the t
 GDN_DECODE_BLOCKS = ((8, 64), (8, 128))
 GDN_DECODE_MAX_MEAN = 8  # tokens per sequence (mean) up to which "auto" takes gdn_decode_kernel (measured to 8)
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
+SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP> instantiations (kernels/ssd_tc.cu): state sizes N padded to one
+SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
+SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
 
 
 def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
@@ -136,6 +143,8 @@ class CudaTuning:
     # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
     gdn_decode: bool | str = "auto"
     gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block
+    # Mamba2's bf16 scan in the chunked form on tensor cores (kernels/ssd_tc.cu): True, False or "auto" (see ssd_form)
+    ssd_tensor_cores: bool | str = "auto"
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -167,7 +176,7 @@ class CudaTuning:
             raise ValueError(f"gdn_tc_prep must be one of {GDN_TC_PREPS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
             raise ValueError(f"gdn_decode_block must be None or one of {GDN_DECODE_BLOCKS}")
-        for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode"):
+        for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode", "ssd_tensor_cores"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be True, False or 'auto'")
         for name in ("attn_prefill_warps", "attn_decode_warps"):
@@ -336,6 +345,34 @@ def _use_chunked(tuning: CudaTuning, sm_count: int, tokens: int, seqs: int, head
     if tuning.gdn_chunked == "auto":  # token-stepped blocks (64 value columns each) fill under half the SMs
         return seqs * heads * -(-dv // 64) <= sm_count // 2
     return True
+
+
+def ssd_form(tuning: CudaTuning, *, tokens: int, seqs: int, head_dim: int, state_size: int,
+             tensor_cores: bool) -> str:
+    """How ssd_scan runs a step of `tokens` new tokens over `seqs` sequences. "tensor_cores": kernels/ssd_tc.cu
+    (`tensor_cores`: bf16 inputs with 16-byte aligned rows, the caller checks; head dims a multiple of 16, states up
+    to 128 columns in whole 16-byte pieces) once sequences average SSD_TC_MIN_MEAN tokens (an estimate: a chunk's
+    block does the work of its 64 tokens in a few matrix products, where kernels/mamba.cu steps token by token).
+    "chunked": kernels/mamba.cu's fp32 chunks, for long prefills the tensor cores cannot take. "stepped": token by
+    token (decode steps), and every step of a deterministic tuning (one kernel whatever the batch)."""
+    if tuning.deterministic or seqs == 0:
+        return "stepped"
+    fits = tensor_cores and head_dim % 16 == 0 and state_size % 8 == 0 and state_size <= max(SSD_TC_STATES)
+    if fits and (tuning.ssd_tensor_cores is True
+                 or (tuning.ssd_tensor_cores == "auto" and tokens >= SSD_TC_MIN_MEAN * seqs)):
+        return "tensor_cores"
+    return "chunked" if tokens >= 2 * SSD_CHUNK * seqs else "stepped"
+
+
+def ssd_tc_state_columns(state_size: int) -> int:
+    """NP of the ssd_tc_kernel instantiation that runs state size `state_size` (columns past it stay zero)."""
+    return min(n for n in SSD_TC_STATES if n >= state_size)
+
+
+def ssd_tc_smem_bytes(state_columns: int) -> int:
+    """Dynamic shared memory of ssd_tc_kernel<state_columns>, bytes (the layout at its top in kernels/ssd_tc.cu):
+    x, M, staged outputs [64][72] and B, C [64][NP + 8], bf16."""
+    return (3 * 64 * 72 + 2 * 64 * (state_columns + 8)) * 2
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from test_cuda_kernels import act_round, host, rel  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 TOL_SEQ = {"float32": 1e-4, "bfloat16": 2e-2}
+TOL_SEQ_TC = 1e-2  # the tensor-core scan's state (bf16 products, fp32 accumulation), as tests/test_cuda_kernels.py
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -34,8 +35,9 @@ def _scan_inputs(ops, rng, lens, h, g, p, n):
     proj = act_round(ops, rng.standard_normal((t, h + 3)) * 2)
     params = [rng.uniform(-1, 1.5, h).astype(np.float32), rng.uniform(-3, 0, h).astype(np.float32),
               rng.standard_normal(h).astype(np.float32)]
-    state0 = (rng.standard_normal((6, h, p, n)) * 0.3).astype(np.float32)
-    slots = rng.permutation(6)[:len(lens)].astype(np.int32)
+    nslots = max(6, len(lens) + 1)
+    state0 = (rng.standard_normal((nslots, h, p, n)) * 0.3).astype(np.float32)
+    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
     return cu, xbc, proj, params, state0, slots
 
 
@@ -69,10 +71,41 @@ def test_ssd_scan_matches_the_reference(ops, rows, lens, h, g, p, n):
     else:
         got = ops.ssd_scan(*dev, *dargs, state, slots, cu)
     assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name]
-    assert rel(host(ops, state), ref_state) < TOL_SEQ["float32"]
+    # bf16 prefills scan on tensor cores (kernels/ssd_tc.cu), whose products read the state in bf16
+    tc = ops.dtype_name != "float32" and not rows
+    assert rel(host(ops, state), ref_state) < (TOL_SEQ_TC if tc else TOL_SEQ["float32"])
     if rows:
         keep = snap_rows[snap_rows >= 0]
         assert rel(host(ops, snaps)[keep], ref_snaps[keep]) < TOL_SEQ["float32"]
+
+
+@pytest.mark.parametrize("lens,h,g,p,n", [
+    ([2048], 48, 1, 64, 128),  # granite-4.0-h-like: a shared prefix alone
+    ([256] * 8 + [1, 0, 70], 48, 1, 64, 128),  # suffixes from their states, a decode row, an empty and a ragged one
+    ([300, 64], 16, 8, 64, 128),  # nemotron-h-like groups (2 heads per group)
+    ([129, 5], 3, 3, 80, 64),  # a second block of 16 live state rows; NP 64
+    ([40, 3], 2, 1, 32, 40),  # idle warps (P 32), N below the instantiation
+])
+def test_ssd_tensor_cores_match_the_reference(ops, lens, h, g, p, n):
+    """kernels/ssd_tc.cu forced on (ssd_tensor_cores=True) against the reference and against the token-stepped
+    kernel: outputs and the states written back."""
+    if ops.dtype_name == "float32":
+        pytest.skip("the tensor-core scan takes bf16 inputs")
+    rng = np.random.default_rng(sum(lens) + n)
+    cu, xbc, proj, (a_log, dt_bias, d), state0, slots = _scan_inputs(ops, rng, lens, h, g, p, n)
+    t, limit = int(cu[-1]), (0.0, float("inf"))
+    ref_state = state0.copy()
+    want = NumpyOps().ssd_scan(*_views(xbc, proj, t, h, g, p, n), a_log, dt_bias, d, limit, ref_state, slots, cu)
+    dev = _views(ops.upload(xbc), ops.upload(proj), t, h, g, p, n)
+    dargs = (ops.upload(a_log, np.float32), ops.upload(dt_bias, np.float32), ops.upload(d, np.float32), limit)
+    results = {}
+    for name, tc in (("tensor cores", True), ("stepped", False)):
+        state = ops.upload(state0, np.float32)
+        o = ops.retuned(ssd_tensor_cores=tc, deterministic=not tc)
+        results[name] = host(ops, o.ssd_scan(*dev, *dargs, state, slots, cu)), host(ops, state)
+    got, got_state = results["tensor cores"]
+    assert rel(got, want) < 1e-2 and rel(got_state, ref_state) < TOL_SEQ_TC
+    assert rel(got, results["stepped"][0]) < 1e-2 and rel(got_state, results["stepped"][1]) < TOL_SEQ_TC
 
 
 @pytest.mark.parametrize("t,dim,gsize", [(5, 8192, 1024), (3, 6144, 6144), (1, 40, 8)])

@@ -1,10 +1,10 @@
 """kernels/delta_tc.cu itself, compiled for the CPU and run against the NumPy reference (no GPU needed).
 
-g++ compiles common.cu + delta_tc.cu with TC_HOST_EMULATION and tests/cuda_emu.h: CUDA threads become std::threads,
-warp-collective instructions (shuffles, ldmatrix, mma.sync m16n8k16) a rendezvous of 32 threads exchanging
-registers by the PTX ISA's fragment layouts, cp.async a per-thread queue performed at wait_group. So the kernels'
-own indexing (fragment addresses, tile loads, causal skips, strides, grouped heads, ragged chunks, the launch
-geometry and shared-memory sizes kernels/tuning.py gives the wrapper) is checked on every CI run; only the
+g++ compiles common.cu + tc_mma.cu + delta_tc.cu with TC_HOST_EMULATION and tests/cuda_emu.h: CUDA threads
+become std::threads, warp-collective instructions (shuffles, ldmatrix, mma.sync m16n8k16) a rendezvous of 32
+threads exchanging registers by the PTX ISA's fragment layouts, cp.async a per-thread queue performed at wait_group.
+So the kernels' own indexing (fragment addresses, tile loads, causal skips, strides, grouped heads, ragged chunks,
+the launch geometry and shared-memory sizes kernels/tuning.py gives the wrapper) is checked on every CI run; only the
 hardware's behaviour beyond the ISA's definitions is left to the device tests (tests/test_cuda_kernels.py).
 Slow by nature (one OS thread per CUDA thread): the shapes are small. Over ~300 lines because the harnesses (the
 kernels' entry points, the attention cross-check, the ThreadSanitizer build) share its compile and launch helpers.
@@ -103,7 +103,14 @@ def _source() -> str:
     dyn = "extern __shared__ __align__(16) unsigned char tc_smem_raw[];"
     assert kernel.count(dyn) == 3, "the emulation expects the kernels' dynamic shared memory declared this way"
     kernel = kernel.replace(dyn, "unsigned char* tc_smem_raw = emu_dynamic_smem;")
-    return ("#define TC_HOST_EMULATION\n#include \"cuda_emu.h\"\n" + common + "\n" + kernel + "\n" + ENTRY)
+    return ("#define TC_HOST_EMULATION\n#include \"cuda_emu.h\"\n" + common + "\n" + tc_helpers() + "\n" + kernel + "\n"
+            + ENTRY)
+
+
+def tc_helpers() -> str:
+    """kernels/tc_mma.cu, which the tensor-core kernel files are compiled after (its PTX left out under
+    TC_HOST_EMULATION: tests/cuda_emu.h models those helpers)."""
+    return (ROOT / "kernels" / "tc_mma.cu").read_text()
 
 
 def emulator_common() -> str:
