@@ -75,7 +75,8 @@ class MambaOps:
         if form == "tensor_cores":
             cols = ssd_tc_state_columns(n)
             nbytes = ssd_tc_smem_bytes(cols)
-            scan = self._dynamic_smem(kernel("ssd_tc", f"ssd_tc_kernel<{cols}>"), nbytes)
+            scan = self._dynamic_smem(kernel("ssd_tc", f"ssd_tc_kernel<{cols}, {self.tuning.ssd_tc_blocks}>"),
+                                      nbytes)
             scan((-(-p // _SSD_TC_ROWS), h, nseq), (128,), inputs + (state, slots, cu, out), shared_mem=nbytes)
             return out
         if form == "chunked":

@@ -37,9 +37,10 @@ __device__ __forceinline__ void ssd_load_tile(bf16* dst, int ld, const bf16* __r
 }
 
 // Dynamic shared memory: x, M, the staged outputs [C][SSD_TC_LD] and B, C [C][NP + 8], bf16 (kernels/tuning.py
-// ssd_tc_smem_bytes). grid (ceil(P / 64), H, nseq), block 128.
-template <int NP>
-__global__ void __launch_bounds__(128)
+// ssd_tc_smem_bytes). grid (ceil(P / 64), H, nseq), block 128. MINB: the blocks per SM ptxas is asked to fit (2: 214
+// registers at NP 128, no spills; 3: 168, a few bytes spilled; kernels/tuning.py CudaTuning.ssd_tc_blocks picks).
+template <int NP, int MINB>
+__global__ void __launch_bounds__(128, MINB)
 ssd_tc_kernel(const bf16* __restrict__ x, i64 xst, i64 xsh, const bf16* __restrict__ dt, i64 dts,
               const bf16* __restrict__ b, i64 bst, i64 bsg, const bf16* __restrict__ c, i64 cst, i64 csg,
               const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ dskip,

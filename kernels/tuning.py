@@ -66,7 +66,8 @@ GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the t
 GDN_DECODE_BLOCKS = ((8, 64), (8, 128))
 GDN_DECODE_MAX_MEAN = 8  # tokens per sequence (mean) up to which "auto" takes gdn_decode_kernel (measured to 8)
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
-SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP> instantiations (kernels/ssd_tc.cu): state sizes N padded to one
+SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP, MINB> instantiations (kernels/ssd_tc.cu): N padded to one NP
+SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held to
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
 
@@ -145,6 +146,7 @@ class CudaTuning:
     gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block
     # Mamba2's bf16 scan in the chunked form on tensor cores (kernels/ssd_tc.cu): True, False or "auto" (see ssd_form)
     ssd_tensor_cores: bool | str = "auto"
+    ssd_tc_blocks: int = 2  # SSD_TC_BLOCKS: blocks per SM of ssd_tc_kernel (2 never spills; 3 spills a few bytes)
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -174,6 +176,8 @@ class CudaTuning:
             raise ValueError(f"gdn_tc_warps must be None or one of {GDN_TC_WARPS}")
         if self.gdn_tc_prep not in GDN_TC_PREPS:
             raise ValueError(f"gdn_tc_prep must be one of {GDN_TC_PREPS}")
+        if self.ssd_tc_blocks not in SSD_TC_BLOCKS:
+            raise ValueError(f"ssd_tc_blocks must be one of {SSD_TC_BLOCKS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
             raise ValueError(f"gdn_decode_block must be None or one of {GDN_DECODE_BLOCKS}")
         for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode", "ssd_tensor_cores"):

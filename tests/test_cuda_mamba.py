@@ -14,6 +14,7 @@ cupy = pytest.importorskip("cupy")
 from conftest import PARITY_STD, new_state, random_prompt  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+from prefixrun.kernels.tuning import SSD_TC_BLOCKS  # noqa: E402
 from test_cuda_kernels import act_round, host, rel  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
@@ -99,13 +100,15 @@ def test_ssd_tensor_cores_match_the_reference(ops, lens, h, g, p, n):
     dev = _views(ops.upload(xbc), ops.upload(proj), t, h, g, p, n)
     dargs = (ops.upload(a_log, np.float32), ops.upload(dt_bias, np.float32), ops.upload(d, np.float32), limit)
     results = {}
-    for name, tc in (("tensor cores", True), ("stepped", False)):
+    for blocks in (None,) + SSD_TC_BLOCKS:  # None: the token-stepped kernel
         state = ops.upload(state0, np.float32)
-        o = ops.retuned(ssd_tensor_cores=tc, deterministic=not tc)
-        results[name] = host(ops, o.ssd_scan(*dev, *dargs, state, slots, cu)), host(ops, state)
-    got, got_state = results["tensor cores"]
-    assert rel(got, want) < 1e-2 and rel(got_state, ref_state) < TOL_SEQ_TC
-    assert rel(got, results["stepped"][0]) < 1e-2 and rel(got_state, results["stepped"][1]) < TOL_SEQ_TC
+        o = ops.retuned(ssd_tensor_cores=False, deterministic=True) if blocks is None else \
+            ops.retuned(ssd_tensor_cores=True, ssd_tc_blocks=blocks)
+        results[blocks] = host(ops, o.ssd_scan(*dev, *dargs, state, slots, cu)), host(ops, state)
+    for blocks in SSD_TC_BLOCKS:
+        got, got_state = results[blocks]
+        assert rel(got, want) < 1e-2 and rel(got_state, ref_state) < TOL_SEQ_TC, blocks
+        assert rel(got, results[None][0]) < 1e-2 and rel(got_state, results[None][1]) < TOL_SEQ_TC, blocks
 
 
 @pytest.mark.parametrize("t,dim,gsize", [(5, 8192, 1024), (3, 6144, 6144), (1, 40, 8)])

@@ -34,7 +34,7 @@ extern "C" int emu_ssd_tc(int cols, const uint16_t* x, i64 xst, i64 xsh, const u
     // as kernels/cuda_mamba.py launches it: grid (ceil(P / 64), H, nseq), 128 threads
     const emu_dim3 grid{unsigned((p + 63) / 64), unsigned(heads), unsigned(nseq)};
 #define EMU_SSD_TC(NP) emu_launch(grid, 128, smem, [&] {                                                          \
-        ssd_tc_kernel<NP>((const bf16*)x, xst, xsh, (const bf16*)dt, dts, (const bf16*)b, bst, bsg, (const bf16*)c, \
+        ssd_tc_kernel<NP, 2>((const bf16*)x, xst, xsh, (const bf16*)dt, dts, (const bf16*)b, bst, bsg, (const bf16*)c, \
                           cst, csg, a_log, dt_bias, d, lo, hi, heads, hrep, p, n, state, slots, cu, (bf16*)out); });
     if (cols == 64) EMU_SSD_TC(64) else if (cols == 128) EMU_SSD_TC(128) else return 2;
     return 0;
