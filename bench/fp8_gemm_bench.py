@@ -1,6 +1,7 @@
 """FP8 GEMMs with block scales against bf16 on the GPU: whether cuBLASLt runs them here, and per weight shape and row
 count the time of the backend's `linear` on a bf16 weight, on the same weight kept FP8 (activation quantisation
-included), of the FP8 GEMM alone and of the activations' quantisation alone (median of CUDA-event timings).
+included), of the FP8 GEMM alone, of the activations' quantisation alone and, for few rows, of the weight-only
+kernel (fp8w_gemm_kernel) (median of CUDA-event timings).
 
     python3 bench/fp8_gemm_bench.py [--shapes 18432x2560,2560x9216] [--rows 1,64,2048,8192] [--reps 20]
 """
@@ -17,7 +18,7 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cublaslt_lib import LtContext, lt_version
 from prefixrun.kernels.cuda import CudaOps
 from prefixrun.kernels.cuda_arrays import cast
-from prefixrun.kernels.cuda_fp8 import Fp8Block, ProjectionWeight, quantize_activations
+from prefixrun.kernels.cuda_fp8 import Fp8Block, ProjectionWeight, quantize_activations, weight_only_gemm
 
 SHAPES_4B = "18432x2560,2560x9216,12288x2560,2560x4096"  # [N, K] of the 4b-like projections
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -80,12 +81,14 @@ def main():
     p.add_argument("--rows", default="1,64,2048,8192")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--probe", action="store_true", help="also print which scale-mode pairs cuBLASLt takes")
+    p.add_argument("--weight-only-rows", type=int, default=64, help="also time fp8w_gemm_kernel up to this M")
     a = p.parse_args()
     ops = CudaOps("bfloat16")
     t = time.perf_counter()
     support = block_fp8_support()
-    print(f"cuBLASLt {lt_version()}, {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: block-scaled FP8 "
-          f"{'supported' if support.supported else 'NOT supported'} ({support.detail}; {time.perf_counter() - t:.2f} s)")
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"cuBLASLt {lt_version()}, {name}: block-scaled FP8 {'supported' if support.supported else 'NOT supported'} "
+          f"({support.detail}; {time.perf_counter() - t:.2f} s)")
     if not support.supported or a.probe:
         probe_modes()
     gemm = get_block_fp8_gemm() if support.supported else None
@@ -106,6 +109,10 @@ def main():
                 quant = timed(lambda: quantize_activations(x), a.reps)
                 line += (f" | fp8 linear {fp8:8.1f} us ({fp8 / bf16:.2f}x): gemm {alone:8.1f} ({alone / bf16:.2f}x) "
                          f"+ quantise {quant:6.1f}")
+            if m <= a.weight_only_rows:
+                wo_out = cupy.empty((m, n), BF16)
+                wo = timed(lambda: weight_only_gemm(x, w8, wo_out, 0, ops._sm_count), a.reps)
+                line += f" | weight-only {wo:8.1f} us ({wo / bf16:.2f}x)"
             print(line, flush=True)
         w8 = w16 = proj = None  # freed before the next shape's weights
         cupy.get_default_memory_pool().free_all_blocks()

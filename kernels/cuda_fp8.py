@@ -6,7 +6,9 @@ bf16's) and kernels/fp8.cu dequantises them into the destination rows (`dequanti
 Kept as FP8 (`upload_linear`): a projection's weight whose parts lie on the 128 x 128 grid of an FP8 GEMM stays
 fp8 bytes + block scales on the device (`Fp8Block`), and `linear` quantises the activations per row per 128
 columns (kernels/fp8.cu, kernels/fp8.py quantize_groups) and runs cuBLASLt's block-scaled FP8 GEMM
-(kernels/cublaslt_fp8.py): half the weight bytes of bf16 and the FP8 tensor cores. Parts off that grid (channel
+(kernels/cublaslt_fp8.py): half the weight bytes of bf16 and the FP8 tensor cores; or, for a few rows (decode,
+`tuning.fp8_weight_only_rows`), fp8w_gemm_kernel multiplies the bf16 rows by the weights dequantised in shared
+memory (half the weight bytes, bf16 tensor cores, no activation rounding). Parts off that grid (channel
 scales, unquantised modules) are plain segments of the same weight, dequantised at upload and multiplied in bf16
 into their own columns of the output (`ProjectionWeight`).
 """
@@ -23,6 +25,7 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cuda_arrays import THREADS, blocks_for, i32, i64, type_name
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments
+from prefixrun.kernels.tuning import FP8W_TILE, fp8w_k_split
 from prefixrun.kernels.upload import upload_bytes
 
 log = logging.getLogger(__name__)
@@ -131,12 +134,37 @@ def quantize_activations(x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     return q, scale
 
 
+def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int, sm_count: int) -> None:
+    """out[:, col:col + N] = x [M, K] (bf16) @ the weight's dequantisation rounded to bf16 ^T, by fp8w_gemm_kernel
+    (kernels/fp8.cu; K split where its tiles are too few for the SMs, kernels/tuning.py fp8w_k_split)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
+        raise ValueError(f"weight_only_gemm: bf16 rows with K % 16 == 0, got {x.dtype} {x.shape}")
+    ldx = x.strides[0] // x.itemsize if m > 1 else k
+    if ldx % 8 or x.data.ptr % 16:
+        x, ldx = cupy.ascontiguousarray(x), k
+    k_split = fp8w_k_split(m, n, k, sm_count)
+    splits = -(-k // k_split)
+    y, ldy = out[:, col:col + n], out.shape[1]
+    partial = cupy.zeros((m, n), cupy.float32) if splits > 1 else cupy.empty(1, cupy.float32)
+    if m and n:
+        kernel("fp8", "fp8w_gemm_kernel")(
+            (-(-n // FP8W_TILE), -(-m // FP8W_TILE), splits), (128,),
+            (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k),
+             i32(k_split), y, i64(ldy), partial))
+        if splits > 1:
+            kernel("fp8", "fp8w_finish_kernel")((blocks_for(m * n),), (THREADS,),
+                                                (partial, i64(m), i32(n), y, i64(ldy)))
+
+
 _FELL_BACK: set[tuple[int, int, int]] = set()
 
 
 def projection_linear(ops, x, weight: ProjectionWeight):
-    """x [..., K] @ weight^T -> bf16 [..., N]: the FP8 segments by cuBLASLt's block-scaled GEMM on x quantised once,
-    the plain ones by the backend's GEMM, each into its columns."""
+    """x [..., K] @ weight^T -> bf16 [..., N]: the FP8 segments by cuBLASLt's block-scaled GEMM on x quantised once
+    (or, for at most `tuning.fp8_weight_only_rows` bf16 rows, by the weight-only kernel on x as it is), the plain
+    ones by the backend's GEMM, each into its columns."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -147,7 +175,11 @@ def projection_linear(ops, x, weight: ProjectionWeight):
         return ops._gemm(x, weight.segments[0][1], ops.act_dtype)
     out = cupy.empty((m, n), BF16)
     quantized = None
+    weight_only = m <= ops.tuning.fp8_weight_only_rows and x2.dtype == BF16
     for row, seg in weight.segments:
+        if isinstance(seg, Fp8Block) and weight_only:
+            weight_only_gemm(x2, seg, out, row, ops._sm_count)
+            continue
         if isinstance(seg, Fp8Block):
             quantized = quantized or quantize_activations(x2)
             if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, out, row):

@@ -71,3 +71,145 @@ __global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, int c
         if (lane == 0) scale[(i64)g * rows + r] = s;
     }
 }
+
+// ---- weight-only FP8 GEMM for few rows (decode): bf16 x, fp8 weights dequantised in shared memory ----------------
+__device__ __forceinline__ unsigned f8w_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void f8w_cp16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(f8w_smem(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void f8w_ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(f8w_smem(p)));
+}
+__device__ __forceinline__ void f8w_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void f8w_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void f8w_wait_all_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void f8w_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#define F8W_BM 64
+#define F8W_BN 64
+#define F8W_BK 64
+#define F8W_LD (F8W_BK + 8)  // padded bf16 smem row (144 bytes): ldmatrix rows fall in different banks
+
+// y[m, n] = sum_k x[m, k] * bf16(q[n, k] * scale[n / 128, k / 128]) (the dequantised weight of
+// kernels/fp8.py, rounded as fp8_dequant_kernel rounds it), fp32 sums, for m < rows, n < n_rows: half the weight
+// bytes of the bf16 GEMM, on the bf16 tensor cores (mma.sync m16n8k16). Blocks: x = 64 weight rows, y = 64 rows of
+// x, z = K splits of k_split elements (a multiple of 64); one split writes y (row stride ldy) in bf16, more add
+// fp32 partial sums into `partial` [rows, n_rows] (zeroed by the caller; fp8w_finish_kernel rounds them).
+// 128 threads, warp w: rows 32 (w / 2) .. +32 of x, weight rows 32 (w % 2) .. +32; K through a double-buffered
+// cp.async pipeline of x (bf16) and the weight bytes, which each step dequantises into one bf16 tile.
+// Needs K % 16 == 0 and x's rows (stride ldx, a multiple of 8) 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(128)
+fp8w_gemm_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
+                 const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, int k_split,
+                 bf16* __restrict__ y, i64 ldy, float* __restrict__ partial) {
+    __align__(16) __shared__ bf16 sa[2][F8W_BM * F8W_LD];
+    __align__(16) __shared__ unsigned char sq[2][F8W_BN * F8W_BK];
+    __align__(16) __shared__ bf16 sb[F8W_BN * F8W_LD];
+    const int n0 = blockIdx.x * F8W_BN, m0 = blockIdx.y * F8W_BM;
+    const int k_begin = blockIdx.z * k_split, k_end = min(k_dim, k_begin + k_split);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // per step: x 64 rows x 64 bf16 (512 chunks of 16 bytes, 4 a thread: row c / 8, part c % 8), weights 64 rows x
+    // 64 bytes (256 chunks, 2 a thread: row c / 4, part c % 4); chunks past the matrix are zero-filled
+    auto load = [&](int buf, int k0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = tid + 128 * i, r = c >> 3, part = c & 7, k = k0 + part * 8;
+            const bool ok = m0 + r < rows && k < k_end;
+            f8w_cp16(&sa[buf][r * F8W_LD + part * 8], x + (ok ? (m0 + r) * ldx + k : 0), ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int c = tid + 128 * i, r = c >> 2, part = c & 3, k = k0 + part * 16;
+            const bool ok = n0 + r < n_rows && k < k_end;
+            f8w_cp16(&sq[buf][r * F8W_BK + part * 16], q + (ok ? (i64)(n0 + r) * k_dim + k : 0), ok ? 16 : 0);
+        }
+        f8w_commit();
+    };
+    // the step's weight bytes times their block's scale, rounded to bf16: 8 bytes a chunk, 4 chunks a thread
+    auto dequantize = [&](int buf, int k0) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = tid + 128 * j, r = c >> 3, part = c & 7, n = n0 + r, k = k0 + part * 8;
+            const float s = n < n_rows && k < k_end ? scale[(i64)(n / 128) * scale_cols + k / 128] : 0.f;
+            const uint2 bits = *reinterpret_cast<const uint2*>(&sq[buf][r * F8W_BK + part * 8]);
+            *reinterpret_cast<uint4*>(&sb[r * F8W_LD + part * 8]) = kv8_to_bf16<e4m3>(bits, s);
+        }
+    };
+    float acc[2][4][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int h = 0; h < 4; ++h) acc[m][n][h] = 0.f;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int steps = (k_end - k_begin + F8W_BK - 1) / F8W_BK;
+    if (steps > 0) load(0, k_begin);
+    for (int s = 0; s < steps; ++s) {
+        const int buf = s & 1;
+        if (s + 1 < steps) {
+            load(buf ^ 1, k_begin + (s + 1) * F8W_BK);
+            f8w_wait_all_but_newest();
+        } else {
+            f8w_wait_all();
+        }
+        __syncthreads();
+        dequantize(buf, k_begin + s * F8W_BK);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < F8W_BK; kk += 16) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const int r = wm + m * 16 + (lane & 15), c = kk + (lane >> 4) * 8;
+                f8w_ldsm_x4(a[m][0], a[m][1], a[m][2], a[m][3], &sa[buf][r * F8W_LD + c]);
+            }
+#pragma unroll
+            for (int n2 = 0; n2 < 2; ++n2) {
+                const int r = wn + n2 * 16 + (lane & 7) + ((lane >> 4) << 3), c = kk + ((lane >> 3) & 1) * 8;
+                unsigned b0, b1, b2, b3;
+                f8w_ldsm_x4(b0, b1, b2, b3, &sb[r * F8W_LD + c]);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    f8w_mma(acc[m][2 * n2], a[m], b0, b1);
+                    f8w_mma(acc[m][2 * n2 + 1], a[m], b2, b3);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // accumulator layout (m16n8): c0, c1 at (row lane / 4, cols 2 (lane % 4) + 0, 1); c2, c3 at row + 8
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + wm + m * 16 + (lane >> 2) + h * 8;
+                const int col = n0 + wn + n * 8 + (lane & 3) * 2;
+                if (r >= rows) continue;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (col + e >= n_rows) continue;
+                    if (gridDim.z == 1) y[r * ldy + col + e] = __float2bfloat16_rn(acc[m][n][2 * h + e]);
+                    else atomicAdd(&partial[(i64)r * n_rows + col + e], acc[m][n][2 * h + e]);
+                }
+            }
+}
+
+// y[m, n] (row stride ldy) = bf16(partial[m, n]): the K splits' sums of fp8w_gemm_kernel
+extern "C" __global__ void fp8w_finish_kernel(const float* __restrict__ partial, i64 rows, int n_rows,
+                                              bf16* __restrict__ y, i64 ldy) {
+    const i64 n = rows * n_rows;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const i64 r = e / n_rows;
+        y[r * ldy + (e - r * n_rows)] = __float2bfloat16_rn(partial[e]);
+    }
+}

@@ -17,6 +17,7 @@
 // Only what the kernel needs is modelled; nothing here is fast.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -55,6 +56,7 @@ inline float __bfloat162float(__nv_bfloat16 h) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline float __low2float(__nv_bfloat162 h) { return __bfloat162float(h.x); }
 inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {

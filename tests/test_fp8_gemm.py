@@ -11,6 +11,7 @@ import pytest
 from prefixrun.engine.load.quantization import quantize_blocks
 from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix, linear_segments, on_gemm_grid, quantize_groups
 from prefixrun.kernels.reference import NumpyOps
+from prefixrun.kernels.tuning import CudaTuning, fp8w_k_split
 
 
 def _fp8(rng, rows, cols, block=(128, 128)):
@@ -88,3 +89,16 @@ def test_the_reference_backend_stores_a_projection_as_its_exact_dequantisation()
 def test_quantising_no_or_one_row(rows):
     q, scale = quantize_groups(np.ones((rows, 130), np.float32))
     assert q.shape == (rows, 130) and scale.shape == (rows, 2)
+
+
+def test_the_weight_only_kernel_splits_k_only_where_its_tiles_leave_sms_idle():
+    # the 4b-like projections at 64 rows on 132 SMs: wide weights fill the device, narrow ones split K
+    assert fp8w_k_split(64, 18432, 2560, 132) == 2560 and fp8w_k_split(64, 12288, 2560, 132) == 2560
+    for n, k in [(2560, 9216), (2560, 4096)]:
+        split = fp8w_k_split(64, n, k, 132)
+        splits = -(-k // split)
+        assert split % 64 == 0 and splits > 1 and 40 * splits >= 264 - 40 and split >= 256
+    assert fp8w_k_split(1, 64, 128, 132) == 128  # too little K to split: one split
+    assert fp8w_k_split(200, 2560, 300, 132) == 320  # the last step ragged
+    with pytest.raises(ValueError):
+        CudaTuning(fp8_weight_only_rows=-1)
