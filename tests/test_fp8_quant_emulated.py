@@ -35,6 +35,7 @@ extern "C" void emu_quant(int bf16_in, int vec, const void* x, i64 rows, int col
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     kernels = (ROOT / "kernels" / "fp8.cu").read_text()
+    kernels = kernels[:kernels.index("// ---- weight-only FP8 GEMM")]  # its asm: tests/test_fp8w_emulated.py
     src = "#include \"cuda_emu.h\"\n" + PRELUDE + emulator_common() + "\n" + kernels + ENTRY
     return compile_emulated(tmp_path_factory, "fp8_quant_emu", src)
 
