@@ -123,7 +123,7 @@ def _valid(memo: StepMemo) -> dict:
 @pytest.mark.parametrize("damage", [
     "not json", "empty", "utf8", "list", "no key", "other key", "bool seconds", "nan", "negative", "huge seconds",
     "string seconds", "unicode width", "zero width", "long width", "many widths", "edited seconds", "forged",
-    "oversize",
+    "oversize", "nested",
 ])
 def test_a_memo_this_run_did_not_write_is_ignored_and_replaced(tmp_path, model, cpu_ops, timings, damage):
     memo = _memo(tmp_path, model, cpu_ops)
@@ -135,6 +135,8 @@ def test_a_memo_this_run_did_not_write_is_ignored_and_replaced(tmp_path, model, 
         data = b""
     elif damage == "utf8":
         data = b"\xff\xfe{}"
+    elif damage == "nested":  # json.loads raises RecursionError, not ValueError
+        data = b"[" * 30000 + b"]" * 30000
     else:
         if damage == "list":
             bad = [bad]
@@ -230,3 +232,13 @@ def test_a_cache_folder_that_is_a_file_costs_only_the_timing(tmp_path, model, cp
     assert _choose(root, model, cpu_ops).max_batch == 4
     assert _choose(root, model, cpu_ops).max_batch == 4
     assert timings == [[2, 4], [2, 4]] and root.read_text() == "not a folder"
+
+
+def test_a_key_that_cannot_be_made_leaves_no_memo(tmp_path, model, cpu_ops, monkeypatch, timings):
+    def broken(self):
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(type(cpu_ops), "device_identity", broken)
+    memo = _memo(tmp_path, model, cpu_ops)
+    assert memo is batch_memo.NO_STEP_MEMO
+    assert _choose(tmp_path, model, cpu_ops, memo).max_batch == 4 and timings == [[2, 4]]

@@ -56,15 +56,20 @@ class StepMemo:
         self.path = self.cache_root / FOLDER / f"max-batch-{self.key_digest[:32]}.json"
 
     @classmethod
-    def of_run(cls, cache_root: Path, model, ops, *, block_size: int, context: int, replays: int) -> StepMemo:
+    def of_run(cls, cache_root: Path, model, ops, *, block_size: int, context: int,
+               replays: int) -> StepMemo | NoStepMemo:
         """The memo of the steps this model would time on this backend and device with this code (`context`
-        tokens a sequence, the fastest of `replays`: engine/run/batch_choice.py)."""
+        tokens a sequence, the fastest of `replays`: engine/run/batch_choice.py); none where the key cannot be
+        made (the run then times its widths, as without a memo)."""
         import numpy as np
 
-        key = {"format": _FORMAT, "model": repr(model.cfg), "state": repr(model.state_specs()),
-               "act": np.dtype(ops.act_dtype).name, "deterministic": bool(ops.deterministic),
-               "block_size": int(block_size), "context": int(context), "replays": int(replays),
-               "device": ops.device_identity(), "code": code_identity()}
+        try:
+            key = {"format": _FORMAT, "model": repr(model.cfg), "state": repr(model.state_specs()),
+                   "act": np.dtype(ops.act_dtype).name, "deterministic": bool(ops.deterministic),
+                   "block_size": int(block_size), "context": int(context), "replays": int(replays),
+                   "device": ops.device_identity(), "code": code_identity()}
+        except Exception:  # noqa: BLE001 - a memo only saves time
+            return NO_STEP_MEMO
         return cls(cache_root, key)
 
     def recall(self, widths: list[int]) -> dict[int, float] | None:
@@ -88,7 +93,7 @@ class StepMemo:
             return None
         try:
             memo = json.loads(raw.decode("utf-8"))
-        except ValueError:  # UnicodeDecodeError and JSONDecodeError among them
+        except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError; nesting too deep
             return None
         steps = _steps_of(memo, self.key)
         if steps is None or sorted(steps) != sorted(widths):
