@@ -14,8 +14,9 @@ from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, as_f32, blocks_for
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.tuning import SSD_CHUNK, ssd_form, ssd_tc_smem_bytes, ssd_tc_state_columns
 
-# kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX); kernels/ssd_tc.cu SSD_TC_P
-_SSD_ROWS, _SSD_NMAX, _SSD_TC_ROWS = 4, 8, 64
+# kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX), SSD_DEC_ROWS (rows per warp of
+# ssd_decode_kernel); kernels/ssd_tc.cu SSD_TC_P
+_SSD_ROWS, _SSD_NMAX, _SSD_DEC_ROWS, _SSD_TC_ROWS = 4, 8, 4, 64
 MAX_SSM_STATE = 32 * _SSD_NMAX
 _NULL = np.uint64(0)
 
@@ -91,6 +92,10 @@ class MambaOps:
                                                        i32(n)))
             kernel("mamba", f"ssd_chunk_out_kernel<{tn}>")(grid, (32 * _SSD_ROWS,),
                                                           inputs + (cu, i32(nseq), chunk_states, out))
+            return out
+        if form == "decode":
+            kernel("mamba", f"ssd_decode_kernel<{tn}>")((-(-p // (4 * _SSD_DEC_ROWS)), h, nseq), (128,),
+                                                       inputs + (state, slots, cu, out))
             return out
         kernel("mamba", f"ssd_scan_kernel<{tn}>")(
             (blocks, h, nseq), (32 * _SSD_ROWS,),

@@ -75,7 +75,7 @@ KERNEL_NAMES = {
     "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T]
     + [f"fp8_quant_groups_kernel<{t}, {v}>" for t in _T for v in ("false", "true")]
     + ["fp8w_gemm_kernel", "fp8w_finish_kernel"],
-    "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "chunk_state", "chunk_out") for t in _T]
+    "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "decode", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
     "ssd_tc": [f"ssd_tc_kernel<{n}, {b}>" for n in SSD_TC_STATES for b in SSD_TC_BLOCKS],

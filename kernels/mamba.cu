@@ -115,6 +115,67 @@ ssd_scan_kernel(SSD_IN_PARAMS(T), float* __restrict__ state, float* __restrict__
     ssd_store(S, st, lane, ndim);
 }
 
+// Decode steps (a few tokens per sequence, no snapshots): a warp per SSD_DEC_ROWS state rows of one (sequence, head),
+// lane l holding columns 4l .. 4l + 3 of each row (N <= 128, N % 4 == 0), so the state moves in 16-byte pieces, read
+// and written once, and each token's B, C and step are read once per warp for all its rows. The arithmetic is
+// ssd_tokens' per row; the dot product's partial sums are grouped by lane differently (4 columns a lane, not 8).
+// grid (ceil(P / (4 SSD_DEC_ROWS)), H, nseq), block 128.
+#define SSD_DEC_ROWS 4
+template <typename T>
+__global__ void __launch_bounds__(128)
+ssd_decode_kernel(SSD_IN_PARAMS(T), float* __restrict__ state, const int* __restrict__ slots,
+                  const int* __restrict__ cu, T* __restrict__ out) {
+    const int seq = blockIdx.z, h = blockIdx.y, lane = threadIdx.x & 31;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    const int p0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * SSD_DEC_ROWS, c0 = 4 * lane;
+    if (n <= 0 || p0 >= pdim) return;
+    const int g = h / hrep;
+    const bool cols = c0 < ndim;
+    const float A = -expf(a_log[h]), bias = dt_bias[h], D = dskip[h];
+    float* st = state + (((i64)slots[seq] * heads + h) * pdim + p0) * ndim + c0;
+    float4 S[SSD_DEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < SSD_DEC_ROWS; ++r)
+        S[r] = cols && p0 + r < pdim ? *reinterpret_cast<const float4*>(st + (i64)r * ndim)
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < n; ++j) {
+        const i64 t = start + j;
+        float bv[4], cv[4], xv[SSD_DEC_ROWS], acc[SSD_DEC_ROWS];
+        const T* bt = b + t * bst + g * bsg + c0;
+        const T* ct = c + t * cst + g * csg + c0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            bv[i] = cols ? to_f(bt[i]) : 0.f;
+            cv[i] = cols ? to_f(ct[i]) : 0.f;
+        }
+        const float d = fminf(fmaxf(softplus_f(to_f(dt[t * dts + h]) + bias), lo), hi);
+        const float decay = expf(d * A);
+#pragma unroll
+        for (int r = 0; r < SSD_DEC_ROWS; ++r) {
+            xv[r] = p0 + r < pdim ? to_f(x[t * xst + h * xsh + p0 + r]) : 0.f;
+            const float dx = xv[r] * d;
+            S[r].x = S[r].x * decay + dx * bv[0];
+            S[r].y = S[r].y * decay + dx * bv[1];
+            S[r].z = S[r].z * decay + dx * bv[2];
+            S[r].w = S[r].w * decay + dx * bv[3];
+            acc[r] = S[r].x * cv[0] + S[r].y * cv[1] + S[r].z * cv[2] + S[r].w * cv[3];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int r = 0; r < SSD_DEC_ROWS; ++r) acc[r] += __shfl_xor_sync(FULL_MASK, acc[r], o);
+        float mine = acc[0], mx = xv[0];  // lane r stores row r
+#pragma unroll
+        for (int r = 1; r < SSD_DEC_ROWS; ++r)
+            if (lane == r) { mine = acc[r]; mx = xv[r]; }
+        if (lane < SSD_DEC_ROWS && p0 + lane < pdim)
+            out[(t * heads + h) * pdim + p0 + lane] = from_f<T>(mine + D * mx);
+    }
+#pragma unroll
+    for (int r = 0; r < SSD_DEC_ROWS; ++r)
+        if (cols && p0 + r < pdim) *reinterpret_cast<float4*>(st + (i64)r * ndim) = S[r];
+}
+
 // Long prefills in three launches over SSD_CHUNK-token chunks (tiles numbered sequence by sequence, find_tile):
 // (1) each chunk's own final state from zero and its log decay, all chunks at once; (2) per sequence, the states
 // entering its chunks in order (S_in[k+1] = exp(decay_k) S_in[k] + local_k; the last is the slot's new state), in

@@ -70,6 +70,7 @@ SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP, MINB> instantiations (kernels/ssd
 SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held to
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
+SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 
 
 def attn_tile_keys(head_dim: int) -> tuple[int, ...]:
@@ -162,6 +163,9 @@ class CudaTuning:
     # Mamba2's bf16 scan in the chunked form on tensor cores (kernels/ssd_tc.cu): True, False or "auto" (see ssd_form)
     ssd_tensor_cores: bool | str = "auto"
     ssd_tc_blocks: int = 2  # SSD_TC_BLOCKS: blocks per SM of ssd_tc_kernel (2 never spills; 3 spills a few bytes)
+    # decode steps in ssd_decode_kernel (16-byte state rows, B and C read once per 4 rows): True, False or "auto"
+    # (steps of at most SSD_DECODE_MAX_MEAN tokens per sequence); off until the device has timed it
+    ssd_decode: bool | str = False
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -199,7 +203,8 @@ class CudaTuning:
             raise ValueError(f"ssd_tc_blocks must be one of {SSD_TC_BLOCKS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
             raise ValueError(f"gdn_decode_block must be None or one of {GDN_DECODE_BLOCKS}")
-        for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode", "ssd_tensor_cores"):
+        for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode", "ssd_tensor_cores",
+                     "ssd_decode"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be True, False or 'auto'")
         if not isinstance(self.fp8_weight_only_rows, int) or self.fp8_weight_only_rows < 0:
@@ -378,15 +383,19 @@ def ssd_form(tuning: CudaTuning, *, tokens: int, seqs: int, head_dim: int, state
     (`tensor_cores`: bf16 inputs with 16-byte aligned rows, the caller checks; head dims a multiple of 16, states up
     to 128 columns in whole 16-byte pieces) once sequences average SSD_TC_MIN_MEAN tokens (an estimate: a chunk's
     block does the work of its 64 tokens in a few matrix products, where kernels/mamba.cu steps token by token).
-    "chunked": kernels/mamba.cu's fp32 chunks, for long prefills the tensor cores cannot take. "stepped": token by
-    token (decode steps), and every step of a deterministic tuning (one kernel whatever the batch)."""
+    "chunked": kernels/mamba.cu's fp32 chunks, for long prefills the tensor cores cannot take. "decode":
+    ssd_decode_kernel (tuning.ssd_decode; states up to 128 columns, a multiple of 4). "stepped": token by token
+    (ssd_scan_kernel: decode steps, and every step of a deterministic tuning: one kernel whatever the batch)."""
     if tuning.deterministic or seqs == 0:
         return "stepped"
     fits = tensor_cores and head_dim % 16 == 0 and state_size % 8 == 0 and state_size <= max(SSD_TC_STATES)
     if fits and (tuning.ssd_tensor_cores is True
                  or (tuning.ssd_tensor_cores == "auto" and tokens >= SSD_TC_MIN_MEAN * seqs)):
         return "tensor_cores"
-    return "chunked" if tokens >= 2 * SSD_CHUNK * seqs else "stepped"
+    if tokens >= 2 * SSD_CHUNK * seqs:
+        return "chunked"
+    decode = tuning.ssd_decode is True or (tuning.ssd_decode == "auto" and tokens <= SSD_DECODE_MAX_MEAN * seqs)
+    return "decode" if decode and state_size <= 128 and state_size % 4 == 0 else "stepped"
 
 
 def ssd_tc_state_columns(state_size: int) -> int:

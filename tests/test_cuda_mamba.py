@@ -111,6 +111,27 @@ def test_ssd_tensor_cores_match_the_reference(ops, lens, h, g, p, n):
         assert rel(got, results[None][0]) < 1e-2 and rel(got_state, results[None][1]) < TOL_SEQ_TC, blocks
 
 
+@pytest.mark.parametrize("lens,h,g,p,n", [([1] * 64, 48, 1, 64, 128), ([1, 0, 3, 2], 16, 8, 64, 128),
+                                          ([1, 2], 3, 3, 20, 40)])
+def test_ssd_decode_kernel_matches_the_reference(ops, lens, h, g, p, n):
+    """ssd_decode_kernel forced on (ssd_decode=True) against the reference and the token-stepped kernel."""
+    rng = np.random.default_rng(sum(lens) + n + p)
+    cu, xbc, proj, (a_log, dt_bias, d), state0, slots = _scan_inputs(ops, rng, lens, h, g, p, n)
+    t, limit = int(cu[-1]), (0.01, 4.0)
+    ref_state = state0.copy()
+    want = NumpyOps().ssd_scan(*_views(xbc, proj, t, h, g, p, n), a_log, dt_bias, d, limit, ref_state, slots, cu)
+    dev = _views(ops.upload(xbc), ops.upload(proj), t, h, g, p, n)
+    dargs = (ops.upload(a_log, np.float32), ops.upload(dt_bias, np.float32), ops.upload(d, np.float32), limit)
+    got = {}
+    for decode in (True, False):
+        state = ops.upload(state0, np.float32)
+        out = ops.retuned(ssd_decode=decode, ssd_tensor_cores=False).ssd_scan(*dev, *dargs, state, slots, cu)
+        got[decode] = host(ops, out), host(ops, state)
+    assert rel(got[True][0], want) < TOL_SEQ[ops.dtype_name] and rel(got[True][1], ref_state) < TOL_SEQ["float32"]
+    assert rel(got[True][0], got[False][0]) < TOL_SEQ[ops.dtype_name]
+    assert rel(got[True][1], got[False][1]) < 1e-5
+
+
 @pytest.mark.parametrize("t,dim,gsize", [(5, 8192, 1024), (3, 6144, 6144), (1, 40, 8)])
 def test_gated_group_rms_norm_matches_the_reference(ops, t, dim, gsize):
     rng = np.random.default_rng(dim)

@@ -47,6 +47,18 @@ extern "C" int emu_ssd(const float* x, i64 xst, i64 xsh, const float* dt, i64 dt
     });
     return 0;
 }
+extern "C" int emu_ssd_decode(const float* x, i64 xst, i64 xsh, const float* dt, i64 dts, const float* b, i64 bst,
+                              i64 bsg, const float* c, i64 cst, i64 csg, const float* a_log, const float* dt_bias,
+                              const float* d, float lo, float hi, float* state, const int* slots, const int* cu,
+                              int nseq, int heads, int hrep, int p, int n, float* out) {
+    // as kernels/cuda_mamba.py launches it: grid (ceil(P / (4 SSD_DEC_ROWS)), H, nseq), 128 threads
+    const unsigned blocks = unsigned((p + 4 * SSD_DEC_ROWS - 1) / (4 * SSD_DEC_ROWS));
+    emu_launch({blocks, unsigned(heads), unsigned(nseq)}, 128, 0, [&] {
+        ssd_decode_kernel<float>(x, xst, xsh, dt, dts, b, bst, bsg, c, cst, csg, a_log, dt_bias, d, lo, hi, heads,
+                                 hrep, p, n, state, slots, cu, out);
+    });
+    return 0;
+}
 extern "C" int emu_group_norm(const float* x, i64 xs, const float* gate, i64 gs, const float* w, float eps, int t,
                               int dim, int gsize, float* out) {
     emu_launch({unsigned(dim / gsize), unsigned(t), 1}, 256, 0, [&] {
@@ -134,6 +146,39 @@ def test_ssd_scan_kernels_match_the_reference(emu, mode, lens, h, g, p, n):
     np.testing.assert_allclose(state, ref_state, rtol=2e-4, atol=2e-4)
     if snapshots:
         np.testing.assert_allclose(snaps[rows[rows >= 0]], ref_snaps[rows[rows >= 0]], rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("lens,h,g,p,n", [
+    ([1, 1, 0, 1], 4, 2, 64, 128),  # a decode step (an empty sequence in it): four full row blocks per head
+    ([2, 1, 3], 3, 3, 20, 40),  # a few tokens each; P 20: a partial warp of rows; N 40: lanes past N idle
+    ([1, 5], 2, 1, 6, 4),  # N 4: one lane of columns
+])
+def test_ssd_decode_kernel_matches_the_reference(emu, lens, h, g, p, n):
+    """ssd_decode_kernel (kernels/tuning.py ssd_form "decode"): 16-byte state rows, four rows a warp."""
+    rng = np.random.default_rng(sum(lens) + n + p)
+    cu, x, dt, b, c, a_log, dt_bias, d, state0, slots = _inputs(rng, lens, h, g, p, n, 6)
+    t, limit = int(cu[-1]), (0.2, 3.0)
+    ref_state = state0.copy()
+    want = NumpyOps().ssd_scan(x, dt, b, c, a_log, dt_bias, d, limit, ref_state, slots, cu)
+
+    def emulate():
+        st, st_ok = _guarded(state0.shape, np.float32)
+        st[...] = state0
+        out, o_ok = _guarded((t, h, p), np.float32)
+        (xp, (xst, xsh, _)), (dp, (dts, _)) = _base(x), _base(dt)
+        (bp, (bst, bsg, _)), (cp, (cst, csg, _)) = _base(b), _base(c)
+        ll = ctypes.c_longlong
+        rc = emu.emu_ssd_decode(xp, ll(xst), ll(xsh), dp, ll(dts), bp, ll(bst), ll(bsg), cp, ll(cst), ll(csg),
+                                _ptr(a_log), _ptr(dt_bias), _ptr(d), ctypes.c_float(limit[0]),
+                                ctypes.c_float(limit[1]), _ptr(st), _ptr(slots), _ptr(cu), len(lens), h, h // g, p, n,
+                                _ptr(out))
+        assert rc == 0 and st_ok() and o_ok(), "the kernel wrote past an output"
+        return out.copy(), st.copy()
+
+    out, state = _forked(emulate)
+    live = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in range(len(lens))])
+    np.testing.assert_allclose(out[live], want[live], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(state, ref_state, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("t,dim,gsize", [(3, 64, 16), (2, 600, 600), (1, 40, 8)])

@@ -114,7 +114,7 @@ def test_ssd_tc_kernel_matches_the_reference(emu, lens, h, g, p, n):
     np.testing.assert_array_equal(state[untouched], state0[untouched])
 
 
-def test_ssd_form_takes_the_tensor_cores_for_prefills_only():
+def test_ssd_form_takes_the_tensor_cores_for_prefills_and_the_decode_kernel_for_decode_steps():
     auto = CudaTuning()
     form = lambda tuning=auto, **kw: ssd_form(tuning, **{**dict(tokens=64 * 256, seqs=64, head_dim=64,
                                                                   state_size=128, tensor_cores=True), **kw})
@@ -128,3 +128,7 @@ def test_ssd_form_takes_the_tensor_cores_for_prefills_only():
     assert form(CudaTuning(ssd_tensor_cores=True), tokens=64, seqs=64) == "tensor_cores"
     assert form(CudaTuning(deterministic=True)) == "stepped"
     assert ssd_tc_state_columns(40) == 64 and ssd_tc_state_columns(128) == 128
+    decode = CudaTuning(ssd_decode="auto")
+    assert form(decode, tokens=64, seqs=64) == "decode" and form(decode, tokens=5 * 64, seqs=64) == "stepped"
+    assert form(CudaTuning(ssd_decode=True), tokens=64, seqs=64, state_size=256) == "stepped"  # past 4 x 32 lanes
+    assert form(CudaTuning(ssd_decode=True, deterministic=True), tokens=64, seqs=64) == "stepped"
