@@ -159,6 +159,9 @@ def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
 
 
 _FELL_BACK: set[tuple[int, int, int]] = set()
+# where cuBLASLt refuses a shape at a row count, up to this many rows take the weight-only kernel (reading the fp8
+# weights once); more rows dequantise the weight for the call (the bf16 GEMM is faster there than our kernel)
+_FALLBACK_WEIGHT_ONLY_ROWS = 256
 
 
 def projection_linear(ops, x, weight: ProjectionWeight):
@@ -184,10 +187,14 @@ def projection_linear(ops, x, weight: ProjectionWeight):
             quantized = quantized or quantize_activations(x2)
             if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, out, row):
                 continue
+            few = m <= _FALLBACK_WEIGHT_ONLY_ROWS and x2.dtype == BF16
             if (seg.shape + (m,)) not in _FELL_BACK:
                 _FELL_BACK.add(seg.shape + (m,))
-                log.warning("cuBLASLt has no block-scaled FP8 algorithm for a [%d, %d] weight at %d rows: "
-                            "dequantised for this call", *seg.shape, m)
+                log.warning("cuBLASLt has no block-scaled FP8 algorithm for a [%d, %d] weight at %d rows: %s",
+                            *seg.shape, m, "the weight-only kernel instead" if few else "dequantised for these calls")
+            if few:
+                weight_only_gemm(x2, seg, out, row, ops._sm_count)
+                continue
             seg = seg.dequantized()
         out[:, row:row + seg.shape[0]] = ops._gemm(x2, seg, BF16)
     return out.reshape(lead + (n,))
