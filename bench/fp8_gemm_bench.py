@@ -105,10 +105,13 @@ def main():
                 xq, xs = quantize_activations(x)
                 out = cupy.empty((m, n), BF16)
                 fp8 = timed(lambda: ops.linear(x, proj), a.reps)
-                alone = timed(lambda: gemm.gemm(xq, xs, w8.values, w8.scale, out), a.reps)
                 quant = timed(lambda: quantize_activations(x), a.reps)
-                line += (f" | fp8 linear {fp8:8.1f} us ({fp8 / bf16:.2f}x): gemm {alone:8.1f} ({alone / bf16:.2f}x) "
-                         f"+ quantise {quant:6.1f}")
+                if gemm.gemm(xq, xs, w8.values, w8.scale, out):
+                    alone = timed(lambda: gemm.gemm(xq, xs, w8.values, w8.scale, out), a.reps)
+                    line += (f" | fp8 linear {fp8:8.1f} us ({fp8 / bf16:.2f}x): gemm {alone:8.1f} "
+                             f"({alone / bf16:.2f}x) + quantise {quant:6.1f}")
+                else:
+                    line += f" | cuBLASLt refused; fp8 linear (fallback) {fp8:8.1f} us ({fp8 / bf16:.2f}x)"
             if m <= a.weight_only_rows:
                 wo_out = cupy.empty((m, n), BF16)
                 wo = timed(lambda: weight_only_gemm(x, w8, wo_out, 0, ops._sm_count), a.reps)
