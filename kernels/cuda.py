@@ -301,7 +301,7 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         return moe_cuda.permute(experts, num_experts)
 
     def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None):
-        return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias)
+        return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, self.tuning.moe_gemm_stages)
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None):
         return moe_cuda.combine(y, position, weights, shared, shared_gate, out_dtype=self._act)

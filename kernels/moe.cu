@@ -159,20 +159,22 @@ __device__ __forceinline__ void moe_mma(float (&c)[4], const unsigned (&a)[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// bf16 tensor-core path: 128 threads, tile 64 rows x 64 columns, K in steps of 32 through a double-buffered
-// cp.async pipeline; warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) .. +32 (2 x 4 mma tiles).
-// Needs K % 8 == 0 (16-byte row chunks) and 16-byte aligned rows.
+// bf16 tensor-core path: 128 threads, tile 64 rows x 64 columns, K in steps of 32 through a cp.async pipeline of
+// STAGES buffers (STAGES steps in flight while one is awaited: a step of few rows per expert, as decode's, is bound
+// by how many weight bytes are on their way); warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) .. +32 (2 x 4 mma tiles).
+// The K steps are summed in the same order at every STAGES: the same bits. Needs K % 8 == 0 (16-byte row chunks)
+// and 16-byte aligned rows.
 #define MG_BM 64
 #define MG_BN 64
 #define MG_BK 32
 #define MG_LD (MG_BK + 8)  // padded smem row (80 bytes): ldmatrix rows fall in different banks
-template <typename TO>
+template <typename TO, int STAGES>
 __global__ void __launch_bounds__(128)
 moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ token_of_row,
                     const bf16* __restrict__ w, const int* __restrict__ offsets, int num_experts, int out_dim,
                     int in_dim, TO* __restrict__ out) {
-    __shared__ __align__(16) bf16 sa[2][MG_BM * MG_LD];
-    __shared__ __align__(16) bf16 sb[2][MG_BN * MG_LD];
+    __shared__ __align__(16) bf16 sa[STAGES][MG_BM * MG_LD];
+    __shared__ __align__(16) bf16 sb[STAGES][MG_BN * MG_LD];
     __shared__ int s_tile[2];
     if (threadIdx.x < 32) {
         int e, tile;
@@ -220,15 +222,18 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.f;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
     const int steps = (in_dim + MG_BK - 1) / MG_BK;
-    load(0, 0);
+    // one commit group per step, empty past the last: with step s + STAGES - 1 issued, waiting for all but the
+    // newest STAGES - 1 groups means step s has arrived (STAGES 2: the double buffer, load ahead then wait)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < steps) load(i, i * MG_BK);
+        else asm volatile("cp.async.commit_group;\n" ::);
+    }
     for (int s = 0; s < steps; ++s) {
-        const int buf = s & 1;
-        if (s + 1 < steps) {
-            load(buf ^ 1, (s + 1) * MG_BK);
-            asm volatile("cp.async.wait_group 1;\n" ::);
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
-        }
+        const int buf = s % STAGES, next = s + STAGES - 1;
+        if (next < steps) load(next % STAGES, next * MG_BK);  // the buffer step s - 1 read
+        else asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < MG_BK; kk += 16) {
@@ -252,7 +257,7 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
                 }
             }
         }
-        __syncthreads();
+        __syncthreads();  // every warp is done with this buffer before the next step's load refills it
     }
     // accumulator layout (m16n8): c0, c1 at (row lane / 4, cols 2 (lane % 4) + 0, 1); c2, c3 at row + 8
 #pragma unroll

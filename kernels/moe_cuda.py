@@ -81,10 +81,11 @@ def permute(experts, num_experts: int):
     return token_of_row, position, offsets
 
 
-def grouped_linear(x, weight, offsets, token_of_row=None, bias=None):
+def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int = 2):
     """out[r] = x_r @ weight[e].T (+ bias[e]) over expert segments (see MoeReferenceOps.moe_grouped_linear). x [*, in],
     weight [E, out, in]; N = len(token_of_row) when given, else x's rows; bias fp32 [E, out], added by a second
-    launch to the product as stored (bf16: rounded twice). Returns [N, out] in weight's dtype."""
+    launch to the product as stored (bf16: rounded twice). Returns [N, out] in weight's dtype. `stages`: the
+    tensor-core kernel's cp.async buffers (MOE_GEMM_STAGES; the same bits at each)."""
     e, out_dim, in_dim = weight.shape
     if x.ndim != 2 or x.shape[1] != in_dim:
         raise ValueError(f"moe_grouped_linear: x {x.shape} does not fit weight {weight.shape}")
@@ -105,7 +106,7 @@ def grouped_linear(x, weight, offsets, token_of_row=None, bias=None):
     null = np.uint64(0)
     if aligned:
         grid = (-(-n // _MMA_TILE_ROWS) + e, -(-out_dim // _MMA_TILE_COLS))
-        kernel("moe", "moe_gemm_mma_kernel<bf16>")(grid, (128,), (
+        kernel("moe", f"moe_gemm_mma_kernel<bf16, {stages}>")(grid, (128,), (
             x, i64(xs), tor if tor is not None else null, weight, offsets, i32(e), i32(out_dim), i32(in_dim), out))
     else:
         grid = (-(-n // _SIMT_TILE) + e, -(-out_dim // _SIMT_TILE))

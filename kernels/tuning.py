@@ -70,6 +70,7 @@ SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP, MINB> instantiations (kernels/ssd
 SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held to
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
+MOE_GEMM_STAGES = (2, 4)  # moe_gemm_mma_kernel<bf16, STAGES> instantiations (kernels/moe.cu): cp.async buffers
 SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 
 
@@ -166,6 +167,8 @@ class CudaTuning:
     # decode steps in ssd_decode_kernel (16-byte state rows, B and C read once per 4 rows): True, False or "auto"
     # (steps of at most SSD_DECODE_MAX_MEAN tokens per sequence); off until the device has timed it
     ssd_decode: bool | str = False
+    # cp.async buffers of the MoE grouped GEMM (MOE_GEMM_STAGES); the same bits at each; 2 until timed on the device
+    moe_gemm_stages: int = 2
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -199,6 +202,8 @@ class CudaTuning:
             raise ValueError(f"gdn_tc_warps must be None or one of {GDN_TC_WARPS}")
         if self.gdn_tc_prep not in GDN_TC_PREPS:
             raise ValueError(f"gdn_tc_prep must be one of {GDN_TC_PREPS}")
+        if self.moe_gemm_stages not in MOE_GEMM_STAGES:
+            raise ValueError(f"moe_gemm_stages must be one of {MOE_GEMM_STAGES}")
         if self.ssd_tc_blocks not in SSD_TC_BLOCKS:
             raise ValueError(f"ssd_tc_blocks must be one of {SSD_TC_BLOCKS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:

@@ -23,6 +23,7 @@ cupy = pytest.importorskip("cupy")
 
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
+from prefixrun.kernels.tuning import MOE_GEMM_STAGES  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -103,6 +104,10 @@ def test_grouped_linear_matches_reference(ops, ref, t, k, e, d_in, d_out, gather
     want = ref.moe_grouped_linear(x32, w32, ops.to_host(off), ops.to_host(tok) if gather else None)
     assert got.shape == (n, d_out)
     assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
+    for stages in MOE_GEMM_STAGES:  # the tensor-core kernel's pipelines: the same bits
+        other = ops.retuned(moe_gemm_stages=stages).moe_grouped_linear(x, w, off, tok if gather else None)
+        np.testing.assert_array_equal(ops.to_host(other).view(np.uint16 if other.dtype.itemsize == 2 else np.uint32),
+                                      ops.to_host(got).view(np.uint16 if got.dtype.itemsize == 2 else np.uint32))
 
 
 @pytest.mark.parametrize("shared", [True, False])
