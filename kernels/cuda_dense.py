@@ -7,7 +7,7 @@ import cupy
 import numpy as np
 
 from prefixrun.kernels.cublaslt import ALIGNMENT_BYTES, get_pinned_gemm
-from prefixrun.kernels.cuda_arrays import F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
+from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
     matrix_view, norm_blocks, row_view, type_name, vectors_ok
 from prefixrun.kernels.cuda_fp8 import ProjectionWeight, projection_linear
 from prefixrun.kernels.cuda_modules import kernel
@@ -191,8 +191,15 @@ class DenseOps:
         return self._glu("gelu_mul_kernel", gate_up)
 
     def scale(self, x, factor):
-        """x * factor in the storage dtype (factor already rounded to it by the caller)"""
-        return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
+        """x * factor in fp32, stored in x's dtype (factor already rounded to it by the caller); one launch"""
+        if x.dtype not in (F32, BF16):
+            return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty(x.shape, x.dtype)
+        if x.size:
+            kernel("elementwise", f"scale_kernel<{type_name(x.dtype)}>")(
+                (blocks_for(x.size),), (THREADS,), (x, i64(x.size), np.float32(factor), out))
+        return out
 
     def softcap(self, x, cap):
         """cap * tanh(x / cap) on fp32 logits"""

@@ -424,6 +424,13 @@ __global__ void cast_kernel(const TI* __restrict__ x, i64 n, TO* __restrict__ ou
         out[e] = from_f<TO>(to_f(x[e]));
 }
 
+// out = x * factor in fp32, stored in x's dtype (one launch where x.astype(f32) * f, .astype(T) took three)
+template <typename T>
+__global__ void scale_kernel(const T* __restrict__ x, i64 n, float factor, T* __restrict__ out) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x)
+        out[e] = from_f<T>(to_f(x[e]) * factor);
+}
+
 template <typename T>
 __global__ void sigmoid_kernel(const T* __restrict__ x, i64 n, T* __restrict__ out) {
     for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x)

@@ -169,6 +169,8 @@ def test_gemma_elementwise(ops, ref):
     x = act_round(ops, rnd(rng, 9, 24))
     factor = np.asarray(24 ** 0.5, dtype=ops.act_dtype)
     assert rel(host(ops, ops.scale(ops.upload(x), factor)), ref.scale(x, np.float32(factor))) <= TOL[ops.dtype_name]
+    np.testing.assert_array_equal(host(ops, ops.scale(ops.upload(x), factor)),  # fp32 product, rounded once
+                                  act_round(ops, ref.scale(x, np.float32(factor))))
     lg = rnd(rng, 3, 50, scale=40.0)
     got = ops.softcap(ops.upload(lg, np.float32), 30.0)
     assert rel(cupy.asnumpy(got), ref.softcap(lg, 30.0)) <= 1e-5
