@@ -10,7 +10,7 @@ splitk: whether an algorithm with a fixed split-K (the heuristics' answers at 64
 same bits at every M, and its speed: could a pinned split-K serve decode rows?
 attention: a decode step's paged attention at batch 64 over 2,048 shared + ~256 own keys, head dim 256, 16 query /
 4 K/V heads (a 4b-like full-attention layer): the default kernels (the shared-prefix cascade) against the
-deterministic ones (fixed 512-key ranges, the shared prefix's read once per group) and those without the groups.
+deterministic ones (fixed 512-key ranges), with and without the groups' pass (attn_det_cascade).
 """
 from __future__ import annotations
 
@@ -140,14 +140,14 @@ def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq:
                             start=up(arrays["shared_start"]))
     rng = np.random.default_rng(0)
     times = {}
-    for mode, det, cascade in (("default", False, True), ("deterministic", True, True),
-                               ("deterministic without the cascade", True, False)):
-        ops = CudaOps("bfloat16", deterministic=det)
+    for mode, det, cascade in (("default", False, False), ("deterministic", True, False),
+                               ("deterministic with the groups' pass", True, True)):
+        ops = CudaOps("bfloat16", deterministic=det).retuned(attn_det_cascade=cascade)
         blocks = shared // bs + b * own_blocks
         kc, vc = (ops.upload(rng.standard_normal((blocks, bs, hkv, d), dtype=np.float32)) for _ in range(2))
         q = ops.upload(rng.standard_normal((b, hq, d), dtype=np.float32))
         args = (q, kc, vc, up(tables), up(ctx), up(np.arange(b + 1)), d ** -0.5)
-        times[mode] = time_ms(lambda: ops.paged_attention(*args, shared=groups if cascade else None))
+        times[mode] = time_ms(lambda: ops.paged_attention(*args, shared=groups))
     print(f"decode attention, batch {b}, {shared} shared + ~{own} own keys, {hq}/{hkv} heads of {d}, per layer: "
           + ", ".join(f"{mode} {t * 1e3:.0f} us ({t / times['default']:.2f}x)" for mode, t in times.items()),
           flush=True)

@@ -6,9 +6,9 @@ row counts, then the tile and stage configurations without split-K of the refere
 answers' ids that cublasLtMatmulAlgoCheck accepts for the shape; MAX_CANDIDATES at most. Each runs on fixed test
 data at the bucket's smallest and largest row counts and is kept only where every row equals the reference
 algorithm's bit for bit (a kernel whose summation order, or whose split of the work, changes with the tile count
-differs there). The kept ones and the reference are timed at those two row counts (the least of TIMING_REPS runs,
-on a stream of their own; one clearly slower than the best so far is dropped after its first run), and the least
-total wins: picking among equal bits by speed moves no bit. The heuristics' first answer alone, kept by bits
+differs there). The kept ones and the reference are timed at those two row counts (the least of TIMING_REPS
+timings, on a stream of their own; one clearly slower than the best so far is dropped after its first), and the
+least total wins: picking among equal bits by speed moves no bit. The heuristics' first answer alone, kept by bits
 alone, was up to 4x slower than the reference itself for few rows at large K (docs/PERFORMANCE.md).
 
 Measuring takes a few hundred products per shape, so the choice goes to the cache folder (kernels/gemm_choices.py)
@@ -28,6 +28,13 @@ MAX_CHECKS = 512  # configurations offered to cublasLtMatmulAlgoCheck per bucket
 TIMING_REPS = 3
 DROP_SLOWER = 1.5  # a candidate whose first run takes this many times the best so far is not run again
 VERIFY_MAX_N = 16384  # columns of test data at most (an LM head's first ones: a kernel's order is per element)
+# decode-sized buckets (rows up to TIMED_WIDE_ROWS) are timed on as many of the shape's own columns as fit in
+# TIMED_WEIGHT_BYTES (how fast a kernel is at few rows depends on how many column tiles it spreads over: an LM
+# head's first 16,384 columns ranked its kernels wrongly) and BATCHED launches back to back per timing (one launch
+# of a few microseconds would time the host's call as much as the kernel); larger buckets on the test data's
+TIMED_WIDE_ROWS = 256
+TIMED_WEIGHT_BYTES = 256 << 20
+BATCHED = 4
 TEST_SEED = 20261203
 NP_TYPES = {code: dtype for dtype, code in cublas._DATA_TYPES.items()}
 BITS = {2: np.uint16, 4: np.uint32}
@@ -82,24 +89,28 @@ class CandidateBench:
         self.ref, self.y = cupy.empty((rows, nt), out_dt), cupy.empty((rows, nt), out_dt)
         self.bits = BITS[out_dt.itemsize]
         self._run(reference, rows, self.ref)
+        wide = min(n, max(nt, TIMED_WEIGHT_BYTES // (k * in_dt.itemsize)))  # contents never matter to a timing
+        self.timed = (cupy.empty((wide, k), in_dt), cupy.empty((TIMED_WIDE_ROWS, wide), out_dt)) if wide > nt \
+            else (self.w, self.y)
 
     def rows_of(self, bucket: int) -> tuple[int, ...]:
         """The smallest and the largest row count of `bucket` (one where they are the same)."""
         below = max((b for b in self.buckets if b < bucket), default=0)
         return tuple(sorted({below + 1, bucket}))
 
-    def _run(self, algo, m: int, out) -> bool:
+    def _run(self, algo, m: int, out, w=None) -> bool:
         try:
-            self.gemm.matmul(algo, self.x[:m], self.w, out[:m], self.compute, *self.types, self.workspace)
+            self.gemm.matmul(algo, self.x[:m], self.w if w is None else w, out[:m], self.compute, *self.types,
+                             self.workspace)
         except cublas.CublasError:
             return False
         return True
 
     def accepted(self, algo, bucket: int) -> bool:
-        """cuBLASLt takes `algo` for the real shape and the test data's at both ends of `bucket`."""
+        """cuBLASLt takes `algo` for the real shape, the test data's and the timed one at both ends of `bucket`."""
         a_type, c_type = self.types
         return all(self.gemm.check(algo, n, self.k, a_type, c_type, self.compute, m) is not None
-                   for n in {self.n, self.w.shape[0]} for m in self.rows_of(bucket))
+                   for n in {self.n, self.w.shape[0], self.timed[0].shape[0]} for m in self.rows_of(bucket))
 
     def agrees(self, algo, bucket: int) -> bool:
         """Every row of `algo`'s product equals the reference's, bit for bit, at both ends of `bucket`."""
@@ -116,14 +127,17 @@ class CandidateBench:
         cupy = self.cupy
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         least = {m: float("inf") for m in self.rows_of(bucket)}
+        w, y = self.timed if bucket <= TIMED_WIDE_ROWS else (self.w, self.y)
+        runs = BATCHED if bucket <= TIMED_WIDE_ROWS else 1
         for rep in range(TIMING_REPS):
             for m in least:
                 start.record()
-                if not self._run(algo, m, self.y):
-                    return float("inf")
+                for _ in range(runs):
+                    if not self._run(algo, m, y, w):
+                        return float("inf")
                 end.record()
                 end.synchronize()
-                least[m] = min(least[m], cupy.cuda.get_elapsed_time(start, end) / 1e3)
+                least[m] = min(least[m], cupy.cuda.get_elapsed_time(start, end) / 1e3 / runs)
             if rep == 0 and sum(least.values()) > DROP_SLOWER * best:
                 return float("inf")
         return sum(least.values())

@@ -174,6 +174,10 @@ class CudaTuning:
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
     attn_split_decode: bool | str = "auto"
     attn_cascade: bool = True
+    # --deterministic's decode steps: read the fixed key ranges wholly inside a shared prefix once per group (the
+    # same bits either way). Off: at batch 64 over 2,048 shared keys it measured slower than every row reading its
+    # ranges itself (docs/PERFORMANCE.md): its group pass has too few blocks to fill the GPU
+    attn_det_cascade: bool = False
     # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
     # kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "auto"
@@ -183,9 +187,9 @@ class CudaTuning:
     speculative_auto: bool = True
     # --deterministic: every kernel choice a function of what one row computes, never of the batch: GEMMs with one
     # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention in attn_mma_kernel alone (no wgmma; on
-    # prefill rows one pass, on decode and verify rows fixed key ranges from position 0 merged in order, a shared
-    # prefix's ranges read once per group), the delta rule chunked on every prefill row and token by token in one
-    # kernel (gdn_decode_kernel, snapshots and all) on every decode and verify row
+    # prefill rows one pass, on decode and verify rows fixed key ranges from position 0 merged in order), the delta
+    # rule chunked on every prefill row and token by token in one kernel (gdn_decode_kernel, snapshots and all) on
+    # every decode and verify row
     deterministic: bool = False
     # deterministic GEMMs: buckets of row counts may take another cuBLASLt algorithm than the reference one where
     # it gives the same bits (kernels/cublaslt.py PinnedGemm); False: the reference algorithm for every M
@@ -483,8 +487,9 @@ def _deterministic_attention(tuning: CudaTuning, *, tokens: int, seqs: int, d: i
                              shared: bool, prefill: bool) -> AttentionPlan:
     """Prefill rows (and windowed layers): one pass, keys tiled from position 0. Decode and verify rows without a
     window: partials over DETERMINISTIC_SEGMENT_KEYS-key ranges fixed from position 0, merged in range order (so a
-    long context spreads over the GPU), and on a decode step with shared prefixes the ranges wholly inside a group's
-    prefix read once for the group: the same arithmetic per row, so the same bits whatever the group."""
+    long context spreads over the GPU); with attn_det_cascade, on a decode step with shared prefixes, the ranges
+    wholly inside a group's prefix read once for the group: the same arithmetic per row, so the same bits whatever
+    the group."""
     wide = 8 if d > 128 else 4
     keys = tuning.keys_per_tile(d)
     warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
@@ -492,7 +497,7 @@ def _deterministic_attention(tuning: CudaTuning, *, tokens: int, seqs: int, d: i
         return AttentionPlan("plain", warps=warps, keys=keys)
     ranges = max(1, -(-table_keys // DETERMINISTIC_SEGMENT_KEYS))
     tiles = DETERMINISTIC_SEGMENT_KEYS // keys
-    if shared and tokens == seqs:
+    if shared and tokens == seqs and tuning.attn_det_cascade:
         return AttentionPlan("segments-cascade", warps=tuning.attn_prefill_warps or wide, keys=keys, splits=ranges,
                              own_warps=tuning.attn_decode_warps or 4, segment_tiles=tiles)
     return AttentionPlan("segments", warps=warps, keys=keys, splits=ranges, segment_tiles=tiles)

@@ -130,7 +130,7 @@ def test_decode_attention_bits_do_not_depend_on_the_group(with_sinks):
     from prefixrun.kernels.cuda import CudaOps
     from prefixrun.kernels.reference import NumpyOps
 
-    ops = CudaOps("bfloat16", deterministic=True)
+    ops = CudaOps("bfloat16", deterministic=True).retuned(attn_det_cascade=True)  # the groups' pass, tested
     rng = np.random.default_rng(4)
     q, kc, vc, tables, ctx = _decode_case(rng)
     sinks = (rng.standard_normal(16) * 2).astype(np.float32) if with_sinks else None

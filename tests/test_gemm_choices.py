@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from prefixrun.kernels.gemm_choices import MAX_FILE_BYTES, ChoiceStore, choices_path, fastest
+from prefixrun.kernels.gemm_choices import FORMAT, MAX_FILE_BYTES, ChoiceStore, choices_path, fastest
 
 MACHINE = {"gpu": "Some GPU", "capability": "9.0", "sms": 132, "driver": 13000, "runtime": 13000, "cublaslt": 130100}
 BUCKETS = (1, 16, 64, 256, 1024, 4096)
@@ -45,8 +45,9 @@ def test_another_reference_or_machine_does_not_read_the_choice(store):
 
 @pytest.mark.parametrize("content", [
     b"", b"not json", b"\xff\xfe\x00", b"[]", b"null", b'{"format": 1}', b"[" * 100000,
-    json.dumps({"format": 2, "machine": MACHINE, "entries": {"s": {"reference": REF, "buckets": {"1": A}}}}).encode(),
-    json.dumps({"format": 1, "machine": MACHINE, "entries": []}).encode(),
+    json.dumps({"format": FORMAT - 1, "machine": MACHINE, "entries": {"s": {"reference": REF, "buckets": {"1": A}}}}
+               ).encode(),
+    json.dumps({"format": FORMAT, "machine": MACHINE, "entries": []}).encode(),
 ])
 def test_a_corrupt_file_is_ignored_and_replaced(store, content):
     store.path.parent.mkdir(parents=True)
@@ -68,7 +69,7 @@ def test_a_corrupt_file_is_ignored_and_replaced(store, content):
     "text",
 ])
 def test_a_malformed_entry_is_dropped_alone(store, record):
-    doc = {"format": 1, "machine": MACHINE, "entries": {"bad": record, "good": {"reference": REF,
+    doc = {"format": FORMAT, "machine": MACHINE, "entries": {"bad": record, "good": {"reference": REF,
                                                                                "buckets": {"16": B}}}}
     store.path.parent.mkdir(parents=True)
     store.path.write_text(json.dumps(doc))
@@ -97,7 +98,7 @@ def test_a_link_a_fifo_or_a_folder_in_its_place_is_not_read(store, tmp_path):
 
 
 def test_an_oversized_file_is_not_read(store):
-    doc = {"format": 1, "machine": MACHINE, "entries": {"s": {"reference": REF, "buckets": {"1": A}}},
+    doc = {"format": FORMAT, "machine": MACHINE, "entries": {"s": {"reference": REF, "buckets": {"1": A}}},
            "padding": "x" * MAX_FILE_BYTES}
     store.path.parent.mkdir(parents=True)
     store.path.write_text(json.dumps(doc))
