@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where --deterministic's decode step spends its time, kernel by kernel, against the default kernels (device only).
 
-    python3 bench/deterministic_profile.py MODEL_DIR [--gen 17] [--requests 64] [--top 12]
+    python3 bench/deterministic_profile.py MODEL_DIR [--gen 17] [--requests 64] [--top 12] [--walls-only]
 
 One process, both engines (bench/deterministic_check.py's `load` and `run`): shared-system with --requests x (2,048
 shared + 256 own) tokens, greedy, no cache. Per mode: a warm-up run (kernels, graphs, the GEMM choices), the
@@ -42,20 +42,29 @@ def main():
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--walls-only", action="store_true", help="the engine walls alone, no profile")
     args = ap.parse_args()
     prompts = workload("shared-system", "--requests", str(args.requests), "--prefix", "2048", "--suffix", "256",
                        "--vocab-limit", "32000")
     steps = args.gen - 1
-    per_step = {}
+    per_step, walls = {}, {}
     for mode in ("default", "deterministic"):
         loaded = load(args, mode == "deterministic")
         run(loaded, prompts, gen=args.gen, logprobs=False)  # warm-up
         wall = min(run(loaded, prompts, gen=args.gen, logprobs=False)[1] for _ in range(2))
+        walls[mode] = wall
+        if args.walls_only:
+            print(f"{mode}: engine wall {wall:.3f} s for {args.gen} tokens", flush=True)
+            del loaded
+            continue
         first, whole = kernel_ms(loaded, prompts, 1), kernel_ms(loaded, prompts, args.gen)
         per_step[mode] = {name: (whole[name] - first.get(name, 0.0)) / steps for name in whole}
         print(f"{mode}: engine wall {wall:.3f} s for {args.gen} tokens; decode device time per step "
               f"{sum(per_step[mode].values()):.2f} ms", flush=True)
         del loaded
+    print(f"deterministic / default engine wall: {walls['deterministic'] / walls['default']:.3f}x", flush=True)
+    if args.walls_only:
+        return
     default, det = per_step["default"], per_step["deterministic"]
     names = sorted(set(default) | set(det), key=lambda n: -abs(det.get(n, 0.0) - default.get(n, 0.0)))
     print(f"per decode step, ms: deterministic - default (deterministic, default), top {args.top}:")
