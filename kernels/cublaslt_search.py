@@ -35,6 +35,9 @@ VERIFY_MAX_N = 16384  # columns of test data at most (an LM head's first ones: a
 TIMED_WIDE_ROWS = 256
 TIMED_WEIGHT_BYTES = 256 << 20
 BATCHED = 4
+# and the launches of a timing take turns over copies of the weight filling this many bytes (a few), so a weight
+# that fits in the L2 cache is read from memory, as a decode step reads it, not from the cache
+TIMED_ROTATION_BYTES = 128 << 20
 TEST_SEED = 20261203
 NP_TYPES = {code: dtype for dtype, code in cublas._DATA_TYPES.items()}
 BITS = {2: np.uint16, 4: np.uint32}
@@ -90,8 +93,9 @@ class CandidateBench:
         self.bits = BITS[out_dt.itemsize]
         self._run(reference, rows, self.ref)
         wide = min(n, max(nt, TIMED_WEIGHT_BYTES // (k * in_dt.itemsize)))  # contents never matter to a timing
-        self.timed = (cupy.empty((wide, k), in_dt), cupy.empty((TIMED_WIDE_ROWS, wide), out_dt)) if wide > nt \
-            else (self.w, self.y)
+        copies = max(1, min(BATCHED, -(-TIMED_ROTATION_BYTES // (wide * k * in_dt.itemsize))))
+        self.timed = ([cupy.empty((wide, k), in_dt) for _ in range(copies)],
+                      cupy.empty((min(rows, TIMED_WIDE_ROWS), wide), out_dt))
 
     def rows_of(self, bucket: int) -> tuple[int, ...]:
         """The smallest and the largest row count of `bucket` (one where they are the same)."""
@@ -110,7 +114,7 @@ class CandidateBench:
         """cuBLASLt takes `algo` for the real shape, the test data's and the timed one at both ends of `bucket`."""
         a_type, c_type = self.types
         return all(self.gemm.check(algo, n, self.k, a_type, c_type, self.compute, m) is not None
-                   for n in {self.n, self.w.shape[0], self.timed[0].shape[0]} for m in self.rows_of(bucket))
+                   for n in {self.n, self.w.shape[0], self.timed[0][0].shape[0]} for m in self.rows_of(bucket))
 
     def agrees(self, algo, bucket: int) -> bool:
         """Every row of `algo`'s product equals the reference's, bit for bit, at both ends of `bucket`."""
@@ -127,13 +131,13 @@ class CandidateBench:
         cupy = self.cupy
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         least = {m: float("inf") for m in self.rows_of(bucket)}
-        w, y = self.timed if bucket <= TIMED_WIDE_ROWS else (self.w, self.y)
+        weights, y = self.timed if bucket <= TIMED_WIDE_ROWS else ([self.w], self.y)
         runs = BATCHED if bucket <= TIMED_WIDE_ROWS else 1
         for rep in range(TIMING_REPS):
             for m in least:
                 start.record()
-                for _ in range(runs):
-                    if not self._run(algo, m, y, w):
+                for i in range(runs):
+                    if not self._run(algo, m, y, weights[i % len(weights)]):
                         return float("inf")
                 end.record()
                 end.synchronize()
