@@ -92,10 +92,20 @@ class CandidateBench:
         self.ref, self.y = cupy.empty((rows, nt), out_dt), cupy.empty((rows, nt), out_dt)
         self.bits = BITS[out_dt.itemsize]
         self._run(reference, rows, self.ref)
-        wide = min(n, max(nt, TIMED_WEIGHT_BYTES // (k * in_dt.itemsize)))  # contents never matter to a timing
-        copies = max(1, min(BATCHED, -(-TIMED_ROTATION_BYTES // (wide * k * in_dt.itemsize))))
-        self.timed = ([cupy.empty((wide, k), in_dt) for _ in range(copies)],
-                      cupy.empty((min(rows, TIMED_WIDE_ROWS), wide), out_dt))
+        self.wide = min(n, max(nt, TIMED_WEIGHT_BYTES // (k * in_dt.itemsize)))  # the timed weights' rows
+        self._timed = None
+
+    @property
+    def timed(self) -> tuple[list, object]:
+        """(copies of a weight `wide` rows long, an output of TIMED_WIDE_ROWS rows) for the decode-sized buckets'
+        timings, made on first use (a stored choice is checked without them; contents never matter to a time)."""
+        if self._timed is None:
+            in_dt, out_dt = self.w.dtype, self.y.dtype
+            wide, k = self.wide, self.k
+            copies = max(1, min(BATCHED, -(-TIMED_ROTATION_BYTES // (wide * k * in_dt.itemsize))))
+            self._timed = ([self.cupy.empty((wide, k), in_dt) for _ in range(copies)],
+                           self.cupy.empty((min(self.x.shape[0], TIMED_WIDE_ROWS), wide), out_dt))
+        return self._timed
 
     def rows_of(self, bucket: int) -> tuple[int, ...]:
         """The smallest and the largest row count of `bucket` (one where they are the same)."""
@@ -114,7 +124,7 @@ class CandidateBench:
         """cuBLASLt takes `algo` for the real shape, the test data's and the timed one at both ends of `bucket`."""
         a_type, c_type = self.types
         return all(self.gemm.check(algo, n, self.k, a_type, c_type, self.compute, m) is not None
-                   for n in {self.n, self.w.shape[0], self.timed[0][0].shape[0]} for m in self.rows_of(bucket))
+                   for n in {self.n, self.w.shape[0], self.wide} for m in self.rows_of(bucket))
 
     def agrees(self, algo, bucket: int) -> bool:
         """Every row of `algo`'s product equals the reference's, bit for bit, at both ends of `bucket`."""
