@@ -171,7 +171,10 @@ class PinnedGemm:
             base = answers[0]
             chosen = {None: base, **dict.fromkeys(BUCKETS, base)}  # None: the reference algorithm
             if self.paired:
-                chosen.update(pair_buckets(self, n, k, a_type, c_type, compute, base, BUCKETS))
+                try:
+                    chosen.update(pair_buckets(self, n, k, a_type, c_type, compute, base, BUCKETS))
+                except (cublas.CublasError, MemoryError):  # (CuPy's out of memory is one) pairing is speed alone:
+                    pass  # the reference serves every bucket, with the same bits
             _CHOSEN[key] = chosen
             return chosen
 
