@@ -1,7 +1,7 @@
 """FP8 GEMMs with block scales against bf16 on the GPU: whether cuBLASLt runs them here, and per weight shape and row
 count the time of the backend's `linear` on a bf16 weight, on the same weight kept FP8 (activation quantisation
 included), of the FP8 GEMM alone, of the activations' quantisation alone and, for few rows, of the weight-only
-kernel (fp8w_gemm_kernel) (median of CUDA-event timings).
+kernel (fp8w_gemm_kernel) (device time: the calls captured in a CUDA graph, as decode steps run).
 
     python3 bench/fp8_gemm_bench.py [--shapes 18432x2560,2560x9216] [--rows 1,64,2048,8192] [--reps 20]
 """
@@ -24,18 +24,19 @@ SHAPES_4B = "18432x2560,2560x9216,12288x2560,2560x4096"  # [N, K] of the 4b-like
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def timed(fn, reps: int) -> float:
-    """Median microseconds of fn() over `reps` runs, each between two events (after three warm-up runs)."""
-    for _ in range(3):
-        fn()
+def timed(ops, fn, reps: int) -> float:
+    """Device microseconds of one fn() call: `reps` calls captured in one CUDA graph (as decode steps run them: no
+    Python between kernels), the median of 5 replays over `reps`."""
+    graph = ops.capture(lambda: [fn() for _ in range(reps)], warmup=1)
+    graph.replay()
     times = []
-    for _ in range(reps):
+    for _ in range(5):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / reps)
     return float(np.median(times))
 
 
@@ -99,22 +100,22 @@ def main():
         proj = ProjectionWeight(((0, w8),), (n, k))
         for m in (int(v) for v in a.rows.split(",")):
             x = cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32), BF16)
-            bf16 = timed(lambda: ops.linear(x, w16), a.reps)
+            bf16 = timed(ops, lambda: ops.linear(x, w16), a.reps)
             line = f"[{n}, {k}] M={m}: bf16 {bf16:8.1f} us"
             if support.supported:
                 xq, xs = quantize_activations(x)
                 out = cupy.empty((m, n), BF16)
-                fp8 = timed(lambda: ops.linear(x, proj), a.reps)
-                quant = timed(lambda: quantize_activations(x), a.reps)
+                fp8 = timed(ops, lambda: ops.linear(x, proj), a.reps)
+                quant = timed(ops, lambda: quantize_activations(x), a.reps)
                 if gemm.gemm(xq, xs, w8.values, w8.scale, out):
-                    alone = timed(lambda: gemm.gemm(xq, xs, w8.values, w8.scale, out), a.reps)
+                    alone = timed(ops, lambda: gemm.gemm(xq, xs, w8.values, w8.scale, out), a.reps)
                     line += (f" | fp8 linear {fp8:8.1f} us ({fp8 / bf16:.2f}x): gemm {alone:8.1f} "
                              f"({alone / bf16:.2f}x) + quantise {quant:6.1f}")
                 else:
                     line += f" | cuBLASLt refused; fp8 linear (fallback) {fp8:8.1f} us ({fp8 / bf16:.2f}x)"
             if m <= a.weight_only_rows:
                 wo_out = cupy.empty((m, n), BF16)
-                wo = timed(lambda: weight_only_gemm(x, w8, wo_out, 0, ops._sm_count), a.reps)
+                wo = timed(ops, lambda: weight_only_gemm(x, w8, wo_out, 0, ops._sm_count), a.reps)
                 line += f" | weight-only {wo:8.1f} us ({wo / bf16:.2f}x)"
             print(line, flush=True)
         w8 = w16 = proj = None  # freed before the next shape's weights

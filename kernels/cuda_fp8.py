@@ -24,7 +24,7 @@ import numpy as np
 from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm, scale_columns
 from prefixrun.kernels.cuda_arrays import THREADS, blocks_for, i32, i64, type_name
 from prefixrun.kernels.cuda_modules import kernel
-from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments
+from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments, quant_vector_ok
 from prefixrun.kernels.tuning import FP8W_TILE, fp8w_k_split
 from prefixrun.kernels.upload import upload_bytes
 
@@ -124,10 +124,11 @@ def quantize_activations(x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     m, k = x.shape
     q = cupy.empty((m, k), cupy.uint8)
     scale = cupy.empty((-(-k // GEMM_BLOCK), m), cupy.float32)
-    warps = m * scale.shape[0]
-    if warps:
+    groups = m * scale.shape[0]
+    if groups:
         ld = x.strides[0] // x.itemsize if m > 1 else k
-        vec = ld % 4 == 0 and k % 4 == 0 and x.data.ptr % (4 * x.itemsize) == 0  # whole 4-column loads and stores
+        vec = quant_vector_ok(ld, k, x.itemsize, x.data.ptr)
+        warps = -(-groups // 4)  # four groups a warp
         blocks = max(1, min(-(-warps // (THREADS // 32)), 1 << 16))
         kernel("fp8", f"fp8_quant_groups_kernel<{type_name(x.dtype)}, {'true' if vec else 'false'}>")(
             (blocks,), (THREADS,), (x, i64(m), i32(k), i64(ld), q, scale))

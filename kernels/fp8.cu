@@ -15,60 +15,78 @@ __global__ void fp8_dequant_kernel(const unsigned char* __restrict__ q, const fl
     }
 }
 
-// Four consecutive values as floats: one 8-byte (bf16) or 16-byte (float) load
-__device__ __forceinline__ void fp8_load4(const bf16* p, float* v) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
-    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-    v[0] = __low2float(lo); v[1] = __high2float(lo); v[2] = __low2float(hi); v[3] = __high2float(hi);
+// Eight consecutive values as floats: one 16-byte load (bf16) or two (float)
+__device__ __forceinline__ void fp8_load8(const bf16* p, float* v) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+        v[2 * i] = __low2float(h);
+        v[2 * i + 1] = __high2float(h);
+    }
 }
-__device__ __forceinline__ void fp8_load4(const float* p, float* v) {
-    const float4 f = *reinterpret_cast<const float4*>(p);
-    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+__device__ __forceinline__ void fp8_load8(const float* p, float* v) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
 // An FP8 GEMM's activations (kernels/fp8.py quantize_groups: the same numbers): x [rows, cols] (row stride ldx)
 // -> q [rows, cols] e4m3 bytes and scale [ceil(cols / 128), rows] fp32 (rows contiguous: cuBLASLt's VEC128_32F
 // layout of the B operand's scales); per row and 128 columns scale = amax / 448 (1 for all zeros) and
-// q = e4m3(x / scale). One warp per group, lane l holding its columns 4l .. 4l + 3; VEC: one vector load and one
-// 4-byte store per lane where the 4 columns are inside the matrix (the caller checks x's alignment, ldx % 4 == 0
-// and cols % 4 == 0).
+// q = e4m3(x / scale). Half a warp per group, lane l of the half holding its columns 8l .. 8l + 7; a warp takes
+// four groups a pass, their loads issued before any is reduced (bytes in flight: the kernel is bound by them).
+// VEC: one 16-byte load (two for float) and one 8-byte store per lane where its 8 columns are inside the matrix
+// (the caller checks kernels/fp8.py quant_vector_ok: aligned rows, cols % 8 == 0).
 template <typename T, bool VEC>
 __global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, int cols, i64 ldx,
                                         unsigned char* __restrict__ q, float* __restrict__ scale) {
     const int groups = (cols + 127) / 128;
-    const i64 warps = rows * groups;
-    const int lane = threadIdx.x & 31;
-    const i64 step = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; w < warps; w += step) {
-        const i64 r = w / groups;
-        const int g = (int)(w - r * groups);
-        const int c0 = g * 128 + lane * 4;
-        const T* src = x + r * ldx + c0;
-        const bool whole = VEC && c0 + 4 <= cols;
-        float v[4];
-        if (whole) {
-            fp8_load4(src, v);
-        } else {
+    const i64 total = rows * groups;
+    const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15;
+    const i64 step = (((i64)gridDim.x * blockDim.x) >> 5) * 4;
+    for (i64 base = ((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5) * 4; base < total; base += step) {
+        float v[2][8];
+        i64 r[2];
+        int c0[2];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) v[j] = c0 + j < cols ? to_f(src[j]) : 0.f;
+        for (int u = 0; u < 2; ++u) {
+            const i64 gi = base + 2 * u + half;
+            r[u] = gi < total ? gi / groups : rows;  // rows: no group here
+            c0[u] = gi < total ? (int)(gi - r[u] * groups) * 128 + hl * 8 : cols;
+            const T* src = x + (r[u] < rows ? r[u] * ldx + c0[u] : 0);
+            if (VEC && r[u] < rows && c0[u] + 8 <= cols) {
+                fp8_load8(src, v[u]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[u][j] = r[u] < rows && c0[u] + j < cols ? to_f(src[j]) : 0.f;
+            }
         }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
-        for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float s = amax > 0.f ? amax / 448.f : 1.f;
-        unsigned char b[4];
+        for (int u = 0; u < 2; ++u) {
+            float amax = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[j] = f_to_e4m3(fminf(448.f, fmaxf(-448.f, v[j] / s)));
-        unsigned char* dst = q + r * cols + c0;
-        if (whole) {
-            *reinterpret_cast<unsigned*>(dst) = b[0] | (b[1] << 8) | (b[2] << 16) | ((unsigned)b[3] << 24);
-        } else {
+            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                if (c0 + j < cols) dst[j] = b[j];
+            for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // within the half
+            const float s = amax > 0.f ? amax / 448.f : 1.f;
+            if (r[u] >= rows) continue;
+            unsigned char b[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) b[j] = f_to_e4m3(fminf(448.f, fmaxf(-448.f, v[u][j] / s)));
+            unsigned char* dst = q + r[u] * cols + c0[u];
+            if (VEC && c0[u] + 8 <= cols) {
+                uint2 w;
+                w.x = b[0] | (b[1] << 8) | (b[2] << 16) | ((unsigned)b[3] << 24);
+                w.y = b[4] | (b[5] << 8) | (b[6] << 16) | ((unsigned)b[7] << 24);
+                *reinterpret_cast<uint2*>(dst) = w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (c0[u] + j < cols) dst[j] = b[j];
+            }
+            if (hl == 0) scale[(c0[u] / 128) * rows + r[u]] = s;
         }
-        if (lane == 0) scale[(i64)g * rows + r] = s;
     }
 }
 

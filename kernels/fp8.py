@@ -68,6 +68,13 @@ def quantize_groups(x: np.ndarray, group: int = GEMM_BLOCK) -> tuple[np.ndarray,
     return values[:, :cols], scale
 
 
+def quant_vector_ok(ld: int, cols: int, itemsize: int, address: int) -> bool:
+    """Whether kernels/fp8.cu's activation quantiser may take x [rows, cols] (row stride `ld` elements of
+    `itemsize` bytes, the first at `address`) 8 columns at a time: every row's 8-column chunks 16-byte aligned and
+    the fp8 output's rows 8-byte aligned (cols % 8 == 0)."""
+    return cols % 8 == 0 and address % 16 == 0 and (ld * itemsize) % 16 == 0
+
+
 def on_gemm_grid(m: Fp8Matrix) -> Fp8Matrix | None:
     """`m` with one scale per 128 x 128 block (an FP8 GEMM's weight grid), the same values; None where a 128 x 128
     block would straddle two of m's scales (channel scales, blocks that are no multiple of 128)."""

@@ -59,17 +59,18 @@ def _require(support):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_activation_kernel_quantises_as_the_host_bit_for_bit(dtype, ops):
+@pytest.mark.parametrize("cols", [300, 304, 2560])  # 300: the scalar path; 304, 2560: 16-byte vectors
+def test_the_activation_kernel_quantises_as_the_host_bit_for_bit(dtype, cols, ops):
     from prefixrun.kernels.cuda_fp8 import quantize_activations
 
-    rng = np.random.default_rng(0)
-    x = (rng.standard_normal((37, 300)) * rng.uniform(1e-3, 50, (37, 1))).astype(np.float32)
+    rng = np.random.default_rng(cols)
+    x = (rng.standard_normal((37, cols)) * rng.uniform(1e-3, 50, (37, 1))).astype(np.float32)
     x[5] = 0.0
     x[6, 130:200] = 0.0
     host = x.astype(BF16) if dtype == "bfloat16" else x
     q_want, s_want = quantize_groups(host.astype(np.float32))
     wide = ops.upload(np.concatenate([host, host], axis=1), dtype)  # rows strided: every row's first half
-    for dev in (ops.upload(host, dtype), wide[:, :300]):
+    for dev in (ops.upload(host, dtype), wide[:, :cols]):
         q, s = quantize_activations(dev)
         np.testing.assert_array_equal(cupy.asnumpy(q), q_want.view(np.uint8))
         np.testing.assert_array_equal(cupy.asnumpy(s), s_want.T)  # [groups, rows]: rows contiguous

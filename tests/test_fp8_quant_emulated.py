@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from prefixrun.kernels.fp8 import quantize_groups
+from prefixrun.kernels.fp8 import quant_vector_ok, quantize_groups
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,11 +41,11 @@ def emu(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("cols,ld,vec", [(300, 300, True), (300, 304, True), (256, 256, True), (130, 131, False),
-                                         (300, 300, False)])
-def test_the_quantiser_kernel_gives_the_hosts_bytes_and_scales(emu, dtype, cols, ld, vec):
+@pytest.mark.parametrize("cols,ld,scalar", [(304, 304, False), (304, 312, False), (256, 256, False),
+                                            (300, 304, False), (130, 131, False), (304, 304, True), (8, 8, False)])
+def test_the_quantiser_kernel_gives_the_hosts_bytes_and_scales(emu, dtype, cols, ld, scalar):
     rng = np.random.default_rng(cols + ld)
-    rows = 5
+    rows = 9  # 27 groups of 3 over 2 x 2 warps (16 a pass): the loop takes two passes
     x = (rng.standard_normal((rows, ld)) * rng.uniform(1e-3, 40, (rows, 1))).astype(np.float32)
     x[1] = 0.0  # a zero row
     x[2, 128:256] = 0.0  # a zero group
@@ -59,6 +59,8 @@ def test_the_quantiser_kernel_gives_the_hosts_bytes_and_scales(emu, dtype, cols,
         q = qbuf[:rows * cols].reshape(rows, cols)
         s, s_ok = _guarded((groups, rows), np.float32)
         src = np.ascontiguousarray(host)
+        vec = not scalar and quant_vector_ok(ld, cols, src.itemsize, src.ctypes.data)
+        assert vec == (not scalar and cols % 8 == 0 and ld * src.itemsize % 16 == 0)  # numpy's buffers: aligned
         emu.emu_quant(int(dtype == "bfloat16"), int(vec), _ptr(src), ctypes.c_int64(rows), cols, ctypes.c_int64(ld),
                       _ptr(q), _ptr(s), 2)
         return q.copy(), s.copy(), s_ok() and bool((qbuf[rows * cols:] == 0xA5).all())
