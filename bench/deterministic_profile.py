@@ -2,6 +2,7 @@
 """Where --deterministic's decode step spends its time, kernel by kernel, against the default kernels (device only).
 
     python3 bench/deterministic_profile.py MODEL_DIR [--gen 17] [--requests 64] [--top 12] [--walls-only]
+                                           [--shape shared-system|doc-qa]
 
 One process, both engines (bench/deterministic_check.py's `load` and `run`): shared-system with --requests x (2,048
 shared + 256 own) tokens, greedy, no cache. Per mode: a warm-up run (kernels, graphs, the GEMM choices), the
@@ -43,9 +44,15 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--walls-only", action="store_true", help="the engine walls alone, no profile")
+    ap.add_argument("--shape", choices=("shared-system", "doc-qa"), default="shared-system",
+                    help="doc-qa: 4 documents x 16 questions x (4,096 + 128) tokens")
     args = ap.parse_args()
-    prompts = workload("shared-system", "--requests", str(args.requests), "--prefix", "2048", "--suffix", "256",
-                       "--vocab-limit", "32000")
+    if args.shape == "doc-qa":
+        prompts = workload("doc-qa", "--docs", "4", "--per-doc", "16", "--prefix", "4096", "--suffix", "128",
+                           "--vocab-limit", "32000")
+    else:
+        prompts = workload("shared-system", "--requests", str(args.requests), "--prefix", "2048", "--suffix", "256",
+                           "--vocab-limit", "32000")
     steps = args.gen - 1
     per_step, walls = {}, {}
     for mode in ("default", "deterministic"):
