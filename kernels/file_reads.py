@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PIECE_BYTES = 8 << 20  # what one thread reads in one call
+# what one thread reads in one call: each call costs its thread a turn at the interpreter's lock, which other
+# threads running Python make slow to get (kernels/weight_reads.py); a 64 MiB buffer still takes four at once
+PIECE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ byte as the file holds it, buffers never overwritten before their copy is done, 
 deadlocks, and a load through it equal to the memory-mapped load."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -159,6 +160,50 @@ def test_the_window_bounds_what_is_held_and_any_order_finishes(tmp_path):
     assert not worker.is_alive(), "the read-ahead deadlocked"
     assert all(np.array_equal(a, arrays[f"t{19 - k}"]) for k, a in enumerate(done))
     reads.close()
+
+
+class SwitchWatchingLanding(HostLanding):
+    """HostLanding that records the interpreter's switch interval each time it lands a chunk."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: list[float] = []
+
+    def land(self, buffer, pieces):
+        self.seen.append(sys.getswitchinterval())
+        return super().land(buffer, pieces)
+
+
+def test_the_switch_interval_is_short_while_reads_run_and_restored_after(tmp_path):
+    """Reading threads need the interpreter's lock after every read; behind a thread running Python they got it
+    only every switch interval (5 ms), so while any reads run the interval is SWITCH_INTERVAL_S; the caller's
+    own interval comes back once the last reads end, failed or stopped ones included."""
+    from prefixrun.kernels import weight_reads
+
+    arrays = {f"t{i}": np.full((1000,), i, np.float32) for i in range(8)}
+    spans = _tensor_file(tmp_path, arrays)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        first, second = SwitchWatchingLanding(buffer_bytes=1500, count=3), SwitchWatchingLanding(buffer_bytes=1500,
+                                                                                                  count=3)
+        a = WeightReads(spans, first, threads=2, window_bytes=4000)  # two reads at once: the window holds a back
+        b = WeightReads(spans, second, threads=2, window_bytes=1 << 20)
+        for i in range(8):
+            assert np.array_equal(b.take(f"t{i}"), arrays[f"t{i}"])
+        b.close()
+        assert first.seen and second.seen
+        for i in range(8):
+            assert np.array_equal(a.take(f"t{i}"), arrays[f"t{i}"])
+        a.close()
+        assert max(first.seen + second.seen) <= weight_reads.SWITCH_INTERVAL_S
+        assert sys.getswitchinterval() == pytest.approx(0.004)  # both ended: the caller's interval again
+        broken = [TensorSpan("x", FileSpan(spans[0].span.path, 10 ** 9, 400), np.dtype(np.float32), (100,))]
+        failed = WeightReads(broken, HostLanding(buffer_bytes=1500, count=2), threads=2, window_bytes=1 << 20)
+        assert failed.take("x") is None and failed.close().error is not None
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_failed_reads_hand_out_nothing(tmp_path):
