@@ -189,10 +189,11 @@ def projection_linear(ops, x, weight: ProjectionWeight):
             if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, out, row):
                 continue
             few = m <= _FALLBACK_WEIGHT_ONLY_ROWS and x2.dtype == BF16
-            if (seg.shape + (m,)) not in _FELL_BACK:
+            if (seg.shape + (m,)) not in _FELL_BACK:  # once per shape and row count (decode: cuBLASLt has no M = 1)
                 _FELL_BACK.add(seg.shape + (m,))
-                log.warning("cuBLASLt has no block-scaled FP8 algorithm for a [%d, %d] weight at %d rows: %s",
-                            *seg.shape, m, "the weight-only kernel instead" if few else "dequantised for these calls")
+                (log.debug if few else log.warning)(
+                    "cuBLASLt has no block-scaled FP8 algorithm for a [%d, %d] weight at %d rows: %s", *seg.shape, m,
+                    "the weight-only kernel instead" if few else "dequantised for these calls")
             if few:
                 weight_only_gemm(x2, seg, out, row, ops._sm_count)
                 continue
