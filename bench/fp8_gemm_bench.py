@@ -76,6 +76,44 @@ def probe_modes(n: int = 2560, k: int = 2560, m: int = 64):
         print(f"  probe A={names[a_mode]} B={names[b_mode]} [{n}, {k}] M={m}: {result}")
 
 
+def check_layouts(ops, n: int = 512, k: int = 1024, m: int = 64) -> None:
+    """The block-scaled GEMM's output against the product of its operands under the scale layouts we give cuBLASLt
+    (weights [N/128, K/128] K-blocks contiguous, activations [K/128, M] rows contiguous) and the transposed readings
+    of each, and the weight-only kernel's against the bf16 product: the layout cuBLASLt reads is the one whose error
+    is at bf16 rounding (an asymmetric scale grid tells them apart)."""
+    rng = np.random.default_rng(1)
+    f8 = ml_dtypes.float8_e4m3fn
+    wq = rng.integers(0, 256, (n, k), dtype=np.uint8) & 0xF7
+    ws = rng.uniform(0.5, 2.0, (n // 128, scale_columns(k))).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xd = ops.upload(x)
+    xq, xs = quantize_activations(xd)
+    out = cupy.empty((m, n), BF16)
+    block = Fp8Block(cupy.asarray(wq), cupy.asarray(ws))
+    ran = get_block_fp8_gemm().gemm(xq, xs, block.values, block.scale, out)
+    got = ops.to_host(out).astype(np.float32)
+    qx = cupy.asnumpy(xq).view(f8).astype(np.float32)
+    qw = wq.view(f8).astype(np.float32)
+    sx = cupy.asnumpy(xs)  # [kb, m]
+    kb = k // 128
+    readings = {"as given": (sx.T, ws[:, :kb]), "x scales transposed": (sx.reshape(-1)[:m * kb].reshape(m, kb),
+                                                                      ws[:, :kb]),
+                "w scales transposed": (sx.T, ws.reshape(-1)[:n // 128 * kb].reshape(kb, n // 128).T)}
+    errors = []
+    for name, (x_scale, w_scale) in readings.items():
+        xdq = qx * np.repeat(x_scale, 128, axis=1)
+        wdq = qw * np.repeat(np.repeat(w_scale, 128, axis=0), 128, axis=1)
+        want = xdq @ wdq.T
+        errors.append(f"{name} {np.linalg.norm(got - want) / np.linalg.norm(want):.2e}")
+    wo = cupy.empty((m, n), BF16)
+    weight_only_gemm(xd, block, wo, 0, ops._sm_count)
+    w_bf16 = (qw * np.repeat(np.repeat(ws[:, :kb], 128, axis=0), 128, axis=1)).astype(BF16).astype(np.float32)
+    want = x.astype(BF16).astype(np.float32) @ w_bf16.T
+    wo_err = np.linalg.norm(ops.to_host(wo).astype(np.float32) - want) / np.linalg.norm(want)
+    print(f"check [{n}, {k}] M={m}: block-scaled GEMM {'ran' if ran else 'REFUSED'}; error against the product with "
+          f"scales read {', '.join(errors)}; weight-only kernel vs bf16 product {wo_err:.2e}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES_4B)
@@ -93,6 +131,8 @@ def main():
     if not support.supported or a.probe:
         probe_modes()
     gemm = get_block_fp8_gemm() if support.supported else None
+    if support.supported:
+        check_layouts(ops)
     for shape in a.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         w8 = fp8_weight(n, k)
