@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,6 +136,7 @@ class RingReader:
     @staticmethod
     def _deliver(entry, released: list, deliver) -> int:
         b, placements, futures = entry
+        wait(futures)  # woken once for the chunk, not once a piece: every wake is a turn at the interpreter's lock
         for f in futures:
             f.result()  # a read's OSError surfaces here
         released[b] = deliver(b, placements) or DONE
