@@ -1,6 +1,6 @@
 """The CUDA backend's sequence mixing: the causal convolution (kernels/conv.cu) and the gated delta rule
-(kernels/delta_rule.cu, kernels/delta_tc.cu), and their multi-row forms for speculative steps
-(kernels/spec_rows.cu), which also snapshot the state after chosen tokens.
+(kernels/delta_rule.cu, kernels/delta_tc.cu; with a decay per key channel also kernels/kda.cu), and their multi-row
+forms for speculative steps (kernels/spec_rows.cu), which also snapshot the state after chosen tokens.
 """
 from __future__ import annotations
 
@@ -244,11 +244,14 @@ class SequenceMixingOps:
                      snapshots=None, rows=None):
         """A decay per key channel token by token, the state after token t also to snapshots[rows[t]] where rows
         is given and rows[t] >= 0: kernels/tuning.py kda_step_launch's kernel, the same for decode and verify rows
-        whatever the batch (gdn_decode_kernel's PER_CHANNEL form, or gdn_rows_kernel where Dv % 4 != 0)."""
-        launch = kda_step_launch(heads=v.shape[1], seqs=slots.shape[0], dk=q.shape[2], dv=v.shape[2])
+        whatever the batch (kernels/kda.cu, or gdn_rows_kernel where Dv % 4 != 0)."""
+        dk, (h, dv) = q.shape[2], v.shape[1:]
+        launch = kda_step_launch(heads=h, seqs=slots.shape[0], dk=dk, dv=dv)
         if launch.kernel != "rows":
-            self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out,
-                              snapshots, rows)
+            kernel("kda", launch.kernel.format(t=type_name(v.dtype)))(launch.grid, (launch.threads,), (
+                q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, state, slots, cu,
+                i32(h), i32(krep), i32(dk), i32(dv), np.float32(1.0 / math.sqrt(dk)), out,
+                *((snapshots, rows) if rows is not None else (_NULL, _NULL))))
             return
         if rows is None:  # no snapshots: every row -1
             snapshots, rows = state, cupy.full(q.shape[0], -1, cupy.int32)

@@ -11,7 +11,7 @@ from pathlib import Path
 import cupy
 
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
-    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
+    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
     SSD_TC_STATES, attn_tile_keys
 
 # ---- kernel sources and the template instantiations each file exports --------------------------------------------
@@ -54,9 +54,10 @@ KERNEL_NAMES = {
              for kk in CONV_WIDTHS],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
-    + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}, true>" for t in _T for d in GDN_KEY_DIMS
-       for w, c in GDN_DECODE_BLOCKS[:1]]
+
     + [f"gdn_chunk_{p}_kernel<{t}, {pc}>" for p in ("prep", "scan") for t in _T for pc in ("false", "true")],
+    "kda": [f"kda_steps_kernel<{t}, {d}, {w}, {c // 4}, {KDA_STAGED_TOKENS}>" for t in _T for d in GDN_KEY_DIMS
+            for w, c in GDN_DECODE_BLOCKS[:1]],
     "delta_tc": [k.format(d=d) for k in GDN_TC_PREP_KERNELS.values() for d in GDN_TC_DIMS]
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in MMA_HEAD_DIMS for bn in attn_tile_keys(d)

@@ -202,10 +202,7 @@ gdn_cols_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__
 // block barriers: kernels/tuning.py takes this kernel for decode-like steps. Needs Dv % 4 == 0 (16-byte rows).
 // `rows` (nullptr: none) makes it a verify step's kernel too: the state after token t goes to snaps[rows[t]] where
 // rows[t] >= 0 ([R, H, Dk, Dv], as gdn_rows_kernel), so --deterministic runs decode and verify rows alike.
-// PER_CHANNEL (Kimi's KDA, g [T, H, Dk]): row i decays by its own a_i = exp(g[t][i]), so the reductions take
-// SK = S^T (a . k) and SQ = S^T (a . q) (k.q stays undecayed) and u = beta (v - SK), o = (SQ + (k.q) u) / sqrt(Dk),
-// S_i = a_i S_i + k_i u^T: the same one pass over the state.
-template <typename T, int DKP, int WARPS, int LCOLS, bool PER_CHANNEL = false>
+template <typename T, int DKP, int WARPS, int LCOLS>
 __global__ void __launch_bounds__(WARPS * 32, 65536 / (WARPS * 32 * (DKP / (WARPS * 32 / LCOLS) >= 16 ? 128 : 64)))
 gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
                   const T* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
@@ -217,7 +214,7 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
     constexpr int BC = 4 * LCOLS;            // value columns per block
     constexpr int R = DKP / GROUPS;          // state rows per thread
     static_assert(R >= 1 && DKP % GROUPS == 0 && 32 % LCOLS == 0, "bad row split");
-    __shared__ float sk[DKP], sq[DKP], sdecay[DKP];
+    __shared__ float sk[DKP], sq[DKP];
     __align__(16) __shared__ float red[GROUPS][2][BC];  // per row group: partial S^T k, S^T q over its rows
     __align__(16) __shared__ float fin[2][BC];          // S^T k, S^T q
     __shared__ float rkq[GROUPS];                       // per row group: partial k.q
@@ -244,9 +241,8 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
         for (int d = tid; d < DKP; d += THREADS) {
             sk[d] = d < dk ? to_f(k[t * kst + kh * ksh + d]) : 0.f;
             sq[d] = d < dk ? to_f(q[t * qst + kh * qsh + d]) : 0.f;
-            if (PER_CHANNEL) sdecay[d] = d < dk ? expf(g[(t * heads + h) * dk + d]) : 0.f;
         }
-        const float a = PER_CHANNEL ? 1.f : expf(g[t * heads + h]), bt = beta[t * heads + h];
+        const float a = expf(g[t * heads + h]), bt = beta[t * heads + h];
         float vv[4] = {0.f, 0.f, 0.f, 0.f};
         if (colok) {
             const T* vrow = v + t * vst + (i64)h * vsh + col;
@@ -260,10 +256,8 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float kr = sk[grp + r * GROUPS], qr = sq[grp + r * GROUPS];
-            const float ak = PER_CHANNEL ? sdecay[grp + r * GROUPS] * kr : kr;
-            const float aq = PER_CHANNEL ? sdecay[grp + r * GROUPS] * qr : qr;
-            pk.x += S[r].x * ak; pk.y += S[r].y * ak; pk.z += S[r].z * ak; pk.w += S[r].w * ak;
-            pq.x += S[r].x * aq; pq.y += S[r].y * aq; pq.z += S[r].z * aq; pq.w += S[r].w * aq;
+            pk.x += S[r].x * kr; pk.y += S[r].y * kr; pk.z += S[r].z * kr; pk.w += S[r].w * kr;
+            pq.x += S[r].x * qr; pq.y += S[r].y * qr; pq.z += S[r].z * qr; pq.w += S[r].w * qr;
             kq += kr * qr;
         }
         *reinterpret_cast<float4*>(&red[grp][0][lc * 4]) = pk;
@@ -293,9 +287,9 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const float kr = sk[grp + r * GROUPS], ar = PER_CHANNEL ? sdecay[grp + r * GROUPS] : a;
-            S[r].x = ar * S[r].x + kr * u[0]; S[r].y = ar * S[r].y + kr * u[1];
-            S[r].z = ar * S[r].z + kr * u[2]; S[r].w = ar * S[r].w + kr * u[3];
+            const float kr = sk[grp + r * GROUPS];
+            S[r].x = a * S[r].x + kr * u[0]; S[r].y = a * S[r].y + kr * u[1];
+            S[r].z = a * S[r].z + kr * u[2]; S[r].w = a * S[r].w + kr * u[3];
         }
         const int snap = rows != nullptr ? rows[t] : -1;
         if (snap >= 0 && colok) {

@@ -64,6 +64,9 @@ GDN_TC_PREP_KERNELS = {"v1": "gdn_tc_prep_kernel<{d}>", "v2": "gdn_tc_prep_v2_ke
 GDN_TC_MIN_MEAN = 32  # tokens per sequence (mean) from which "auto" takes the tensor-core form
 # gdn_decode_kernel instantiations, (warps, value columns) per block; the first is the default (the module docstring)
 GDN_DECODE_BLOCKS = ((8, 64), (8, 128))
+# tokens whose inputs kernels/kda.cu stages at a time: it steps prefills too, where the token chain would otherwise
+# wait on global memory every token (8: no register spills at key dim 128 within two blocks per SM; 16 spilled)
+KDA_STAGED_TOKENS = 8
 GDN_DECODE_MAX_MEAN = 8  # tokens per sequence (mean) up to which "auto" takes gdn_decode_kernel (measured to 8)
 ATTN_WARPS = (1, 4, 8)  # attn_mma_kernel instantiations: warps per block
 SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP, MINB> instantiations (kernels/ssd_tc.cu): N padded to one NP
@@ -316,15 +319,17 @@ def kda_chunked(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, he
 
 
 def kda_step_launch(*, heads: int, seqs: int, dk: int, dv: int) -> DeltaRuleLaunch:
-    """The token-stepped kernel of a delta rule with a decay per key channel, for decode and verify rows alike:
-    gdn_decode_kernel's PER_CHANNEL form in the default block whatever the batch (one instantiation per padded key
-    dim, and a row's arithmetic independent of the batch), or gdn_rows_kernel ("rows") where Dv % 4 != 0."""
+    """The token-stepped kernel of a delta rule with a decay per key channel, for decode, verify rows and the
+    prefills kda_chunked leaves to token steps alike: kernels/kda.cu kda_steps_kernel (gdn_decode_kernel's layout,
+    inputs staged KDA_STAGED_TOKENS tokens at a time) in the decode kernel's default block whatever the batch (one
+    instantiation per padded key dim, and a row's arithmetic independent of the batch), or gdn_rows_kernel ("rows")
+    where Dv % 4 != 0."""
     if dv % 4:
         return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
     dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
     warps, cols = GDN_DECODE_BLOCKS[0]
-    return DeltaRuleLaunch(chunked=False, kernel=f"gdn_decode_kernel<{{t}}, {dkp}, {warps}, {cols // 4}, true>",
-                           grid=(-(-dv // cols), heads, seqs), threads=32 * warps)
+    return DeltaRuleLaunch(chunked=False, grid=(-(-dv // cols), heads, seqs), threads=32 * warps,
+                           kernel=f"kda_steps_kernel<{{t}}, {dkp}, {warps}, {cols // 4}, {KDA_STAGED_TOKENS}>")
 
 
 def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, CudaTuning, delta_rule_launch, kda_step_launch
+from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, KDA_STAGED_TOKENS, CudaTuning, delta_rule_launch, \
+    kda_step_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,15 +25,16 @@ extern "C" int emu_gdn_decode(const float* q, i64 qst, i64 qsh, const float* k, 
                               const int* cu, int heads, int krep, int dk, int dv, float scale, float* out,
                               float* snaps, const int* rows, const unsigned* geom) {
     // geom: {grid x, y, z, threads, DKP, LCOLS, per channel}, as kernels/tuning.py gives them to
-    // kernels/cuda_mixing.py
+    // kernels/cuda_mixing.py; per channel: kernels/kda.cu, staging KDA_STAGED tokens (tuning.py KDA_STAGED_TOKENS)
     const emu_dim3 grid{geom[0], geom[1], geom[2]};
-#define EMU_DECODE(D, W, L, PC) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L && geom[6] == PC) { \
-        emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L, PC>(q, qst, qsh, k, kst, ksh, v, vst, vsh, \
-                                              g, beta, state, slots, cu, heads, krep, dk, dv, scale, out, snaps, rows); }); \
+#define EMU_ARGS q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, heads, krep, dk, dv, scale, out, \
+    snaps, rows
+#define EMU_DECODE(D, W, L) if (geom[4] == D && geom[3] == 32 * W && geom[5] == L) { \
+        if (geom[6]) emu_launch(grid, 32 * W, 0, [&] { kda_steps_kernel<float, D, W, L, KDA_STAGED>(EMU_ARGS); }); \
+        else emu_launch(grid, 32 * W, 0, [&] { gdn_decode_kernel<float, D, W, L>(EMU_ARGS); }); \
         return 0; }
-#define EMU_DECODE_DIMS(W, L, PC) EMU_DECODE(16, W, L, PC) EMU_DECODE(32, W, L, PC) EMU_DECODE(64, W, L, PC) \
-    EMU_DECODE(128, W, L, PC)
-    EMU_DECODE_DIMS(8, 16, false) EMU_DECODE_DIMS(8, 32, false) EMU_DECODE_DIMS(8, 16, true)
+#define EMU_DECODE_DIMS(W, L) EMU_DECODE(16, W, L) EMU_DECODE(32, W, L) EMU_DECODE(64, W, L) EMU_DECODE(128, W, L)
+    EMU_DECODE_DIMS(8, 16) EMU_DECODE_DIMS(8, 32)
     return 1;  // no such instantiation
 }
 """
@@ -44,7 +46,9 @@ def emu(tmp_path_factory):
     text = (ROOT / "kernels" / "delta_rule.cu").read_text()
     kernels = text[text.index("// ---- decode:"):text.index("// ---- chunked (WY) form")]
     return compile_emulated(tmp_path_factory, "delta_decode_emu",
-                            "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + kernels + ENTRY)
+                            "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + kernels
+                            + (ROOT / "kernels" / "kda.cu").read_text() + f"#define KDA_STAGED {KDA_STAGED_TOKENS}\n"
+                            + ENTRY)
 
 
 def _inputs(rng, lens, hk, h, dk, dv, nslots):
@@ -67,10 +71,12 @@ def _inputs(rng, lens, hk, h, dk, dv, nslots):
     ([3, 1, 2], 2, 2, 64, 40),  # several tokens per sequence; columns past Dv idle
     ([1, 2], 1, 1, 12, 132),  # key dim padded to 16; a second, partial 128-column tile
     ([2, 1], 2, 2, 24, 24),  # key dim padded to 32 (two state rows per thread), one partial column tile
+    ([40, 1, 17], 1, 2, 64, 64),  # past kernels/kda.cu's 8 staged tokens: five stages, a one-token tail
 ])
 def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv, snapshots):
     """`snapshots`: a verify step's (every row but each sequence's last to a snapshot row, as gdn_rows_kernel).
-    "per-channel": Kimi's KDA (g [T, H, Dk]) in the launch kernels/tuning.py kda_step_launch gives."""
+    "per-channel": Kimi's KDA (g [T, H, Dk]) in kernels/kda.cu, launched as kernels/tuning.py kda_step_launch
+    says."""
     per_channel = block == "per-channel"
     rng = np.random.default_rng(sum(lens) * 31 + dk + dv + (0 if per_channel else block[0] + block[1]))
     nslots = len(lens) + 2
@@ -91,9 +97,9 @@ def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv
     else:
         tuning = CudaTuning(gdn_chunked=False, gdn_decode=True, gdn_decode_block=block)
         launch = delta_rule_launch(tuning, 132, tokens=t, seqs=len(lens), heads=h, dk=dk, dv=dv)
-    assert launch.kernel.startswith("gdn_decode_kernel<")
+    assert launch.kernel.startswith("kda_steps_kernel<" if per_channel else "gdn_decode_kernel<")
     dkp, lcols = (int(x) for x in launch.kernel.rstrip(">").split(",")[1:4:2])
-    assert launch.kernel.endswith(", true>") == per_channel
+    assert not per_channel or launch.kernel.endswith(f", {KDA_STAGED_TOKENS}>")
     geom = np.array(list(launch.grid) + [launch.threads, dkp, lcols, int(per_channel)], np.uint32)
 
     rel = lambda a, b: np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)

@@ -11,8 +11,8 @@ import pytest
 
 from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, NORM_WIDE_LANES, WGMMA_HEAD_DIMS, \
     AttentionPlan, CudaTuning, DeltaRuleLaunch, GdnPrepLaunch, NormLaunch, attention_plan, delta_rule_launch, \
-    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, kda_chunked, kda_step_launch, norm_launch, wgmma_keys_per_tile, \
-    ws_keys_per_tile, ws_persistent_blocks
+    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, kda_chunked, kda_step_launch, norm_launch, \
+    wgmma_keys_per_tile, ws_keys_per_tile, ws_persistent_blocks
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
@@ -41,12 +41,12 @@ def test_kda_chunked_choices():
 
 
 def test_kda_step_launch():
-    """KDA's token steps (decode, verify rows): the decode kernel's per-channel form in its default block at any
-    batch, gdn_rows_kernel where the value dim has no float4 rows."""
+    """KDA's token steps (decode, verify rows, prefills left to steps): kernels/kda.cu in the decode kernel's default
+    block at any batch, gdn_rows_kernel where the value dim has no float4 rows."""
     assert kda_step_launch(heads=32, seqs=64, dk=128, dv=128) == \
-        DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 128, 8, 16, true>", (2, 32, 64), threads=256)
+        DeltaRuleLaunch(False, "kda_steps_kernel<{t}, 128, 8, 16, 8>", (2, 32, 64), threads=256)
     assert kda_step_launch(heads=4, seqs=3, dk=24, dv=24) == \
-        DeltaRuleLaunch(False, "gdn_decode_kernel<{t}, 32, 8, 16, true>", (1, 4, 3), threads=256)
+        DeltaRuleLaunch(False, "kda_steps_kernel<{t}, 32, 8, 16, 8>", (1, 4, 3), threads=256)
     assert kda_step_launch(heads=2, seqs=5, dk=8, dv=10) == DeltaRuleLaunch(False, "rows", (1, 2, 5))
 
 
@@ -286,10 +286,10 @@ def test_every_choice_names_a_compiled_kernel():
     assert ops.tuning == DEFAULT  # retuned leaves the original alone
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     for dk in (8, 16, 32, 64, 100, 128):
-        for launch in (delta_rule_launch(DEFAULT, sms, tokens=4, seqs=4, heads=2, dk=dk, dv=64),
-                       kda_step_launch(heads=2, seqs=4, dk=dk, dv=64)):
+        for module, launch in (("delta_rule", delta_rule_launch(DEFAULT, sms, tokens=4, seqs=4, heads=2, dk=dk, dv=64)),
+                               ("kda", kda_step_launch(heads=2, seqs=4, dk=dk, dv=64))):
             for t in ("float", "bf16"):
-                assert launch.kernel.format(t=t) in cuda_modules.KERNEL_NAMES["delta_rule"]
+                assert launch.kernel.format(t=t) in cuda_modules.KERNEL_NAMES[module]
     for warps in (None,) + GDN_TC_WARPS:
         for dk, dv in ((128, 128), (16, 64), (64, 40)):
             launch = delta_rule_launch(dataclasses.replace(DEFAULT, gdn_tc_warps=warps), sms, tokens=4096, seqs=2,
