@@ -22,6 +22,7 @@ from prefixrun.engine.state.pools import SEAT_CONTEXT_TOKENS, pool_unit_bytes
 @pytest.fixture(autouse=True)
 def own_key(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the signing key (engine/cache/auth.py)
+    monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default-cache"))  # the user's default folder
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +243,14 @@ def test_a_key_that_cannot_be_made_leaves_no_memo(tmp_path, model, cpu_ops, monk
     memo = _memo(tmp_path, model, cpu_ops)
     assert memo is batch_memo.NO_STEP_MEMO
     assert _choose(tmp_path, model, cpu_ops, memo).max_batch == 4 and timings == [[2, 4]]
+
+
+def test_a_new_folder_takes_the_default_folders_memo_and_writes_none_there(tmp_path, model, cpu_ops, timings):
+    default = tmp_path / "default-cache"
+    _choose(default, model, cpu_ops)  # a run with the default folder times and remembers
+    assert timings == [[2, 4]]
+    before = sorted(p.name for p in (default / FOLDER).iterdir())
+    other = tmp_path / "elsewhere"
+    choice = _choose(other, model, cpu_ops)  # --cache-dir elsewhere: the default folder's memo, read only
+    assert timings == [[2, 4]] and "earlier run" in choice.source and choice.max_batch == 4
+    assert sorted(p.name for p in (default / FOLDER).iterdir()) == before

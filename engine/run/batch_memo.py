@@ -8,6 +8,7 @@ this code (every source file of engine/ and kernels/ by name, size and modificat
 times again). A file named by the key's digest holds the key itself, the widths timed and their seconds, and the
 user's signature over them (engine/cache/auth.py). The remembered steps are used only where the widths this run
 would time are exactly the widths remembered (they follow from the free memory, which another process may take).
+A run with another folder (--cache-dir) also reads the user's default folder's memo, and writes only its own.
 
 The cache folder is a place others may write (docs/RELIABILITY.md). The file is opened without following a link
 (engine/cache/files.py), read up to MAX_BYTES, and believed only where it parses, its key is this run's, every time
@@ -53,7 +54,8 @@ class StepMemo:
         self.cache_root = Path(cache_root)
         self.key = key
         self.key_digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-        self.path = self.cache_root / FOLDER / f"max-batch-{self.key_digest[:32]}.json"
+        self.name = f"max-batch-{self.key_digest[:32]}.json"
+        self.path = self.cache_root / FOLDER / self.name
 
     @classmethod
     def of_run(cls, cache_root: Path, model, ops, *, block_size: int, context: int,
@@ -73,16 +75,27 @@ class StepMemo:
         return cls(cache_root, key)
 
     def recall(self, widths: list[int]) -> dict[int, float] | None:
-        """The remembered seconds per step of exactly `widths`, or None (no memo, or not one to believe)."""
+        """The remembered seconds per step of exactly `widths`, or None (no memo, or not one to believe): this
+        cache folder's memo, else the user's default folder's (read only: a run with --cache-dir writes only
+        inside its own folder), so that a new folder does not time again what the default one knows."""
+        from prefixrun.engine.cache.keys import default_cache_dir
+
+        for root in dict.fromkeys([self.cache_root, default_cache_dir()]):
+            steps = self._recall_in(root, widths)
+            if steps is not None:
+                return steps
+        return None
+
+    def _recall_in(self, root: Path, widths: list[int]) -> dict[int, float] | None:
         from prefixrun.engine.cache import auth
         from prefixrun.engine.cache.files import CacheFolder
 
         try:
-            folder = CacheFolder(self.cache_root, create=False, follow=True)
+            folder = CacheFolder(root, create=False, follow=True)
         except OSError:
             return None
         try:
-            fd = folder.open_read(self.path)
+            fd = folder.open_read(Path(root) / FOLDER / self.name)
             with os.fdopen(fd, "rb") as handle:
                 raw = handle.read(MAX_BYTES + 1)
         except OSError:
