@@ -42,7 +42,7 @@ from prefixrun.kernels.step_io import StepCopies
 from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_many
 from prefixrun.kernels.kv_storage import region_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
-from prefixrun.kernels.tuning import CudaTuning
+from prefixrun.kernels.tuning import CudaTuning, moe_gemm_stages
 
 _SAMPLE_THREADS = 1024  # SAMPLE_THREADS in kernels/sampling.cu
 _LOGITS_THREADS = 256  # LOGITS_THREADS in kernels/logits.cu
@@ -301,7 +301,9 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         return moe_cuda.permute(experts, num_experts)
 
     def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None):
-        return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, self.tuning.moe_gemm_stages)
+        rows = token_of_row.shape[0] if token_of_row is not None else x.shape[0]
+        stages = moe_gemm_stages(self.tuning, rows=rows, experts=weight.shape[0])
+        return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages)
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None):
         return moe_cuda.combine(y, position, weights, shared, shared_gate, out_dtype=self._act)

@@ -73,6 +73,8 @@ class MambaOps:
             and all(a.data.ptr % 16 == 0 for a in (x, b, c))
         form = "stepped" if rows is not None else ssd_form(self.tuning, tokens=t, seqs=nseq, head_dim=p,
                                                            state_size=n, tensor_cores=aligned)
+        if form == "decode" and state.data.ptr % 16:  # its 16-byte state loads need aligned rows
+            form = "stepped"
         if form == "tensor_cores":
             cols = ssd_tc_state_columns(n)
             nbytes = ssd_tc_smem_bytes(cols)

@@ -38,7 +38,12 @@ their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices"
 - Mamba2 scan (ssd_form): bf16 steps averaging SSD_TC_MIN_MEAN tokens per sequence in the chunked form on tensor
   cores (kernels/ssd_tc.cu: 64-token chunks, a block per 64 state rows, head and sequence walking its chunks with
   the state in registers), in place of the fp32 chunks (two token-by-token passes per chunk, the chunk states through
-  global memory); decode steps stay token by token (kernels/mamba.cu reads and writes each state row once).
+  global memory): 7-47x the token-stepped kernel's speed at granite and nemotron prefill shapes (docs/PERFORMANCE.md;
+  the fp32 chunks were not timed beside it). Decode steps in
+  ssd_decode_kernel (a warp per 4 state rows, 16-byte loads): ssd_scan_kernel's warp per row moved a batch-64
+  decode step's state at ~1.3 TB/s, its many short blocks waiting on memory.
+- MoE grouped GEMM (moe_gemm_stages): decode steps (few rows per expert) keep 4 K steps of weights in flight: the
+  double buffer streamed granite's experts at ~1.8 TB/s in a decode step (the 6-layer profile's GEMM time).
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -168,10 +173,11 @@ class CudaTuning:
     ssd_tensor_cores: bool | str = "auto"
     ssd_tc_blocks: int = 2  # SSD_TC_BLOCKS: blocks per SM of ssd_tc_kernel (2 never spills; 3 spills a few bytes)
     # decode steps in ssd_decode_kernel (16-byte state rows, B and C read once per 4 rows): True, False or "auto"
-    # (steps of at most SSD_DECODE_MAX_MEAN tokens per sequence); off until the device has timed it
-    ssd_decode: bool | str = False
-    # cp.async buffers of the MoE grouped GEMM (MOE_GEMM_STAGES); the same bits at each; 2 until timed on the device
-    moe_gemm_stages: int = 2
+    # (steps of at most SSD_DECODE_MAX_MEAN tokens per sequence)
+    ssd_decode: bool | str = "auto"
+    # cp.async buffers of the MoE grouped GEMM (MOE_GEMM_STAGES; the same bits at each), or "auto": the deepest for
+    # steps whose experts average at most one 64-row tile (decode: bound by the weight bytes in flight), else 2
+    moe_gemm_stages: int | str = "auto"
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -209,8 +215,8 @@ class CudaTuning:
             raise ValueError(f"gdn_tc_warps must be None or one of {GDN_TC_WARPS}")
         if self.gdn_tc_prep not in GDN_TC_PREPS:
             raise ValueError(f"gdn_tc_prep must be one of {GDN_TC_PREPS}")
-        if self.moe_gemm_stages not in MOE_GEMM_STAGES:
-            raise ValueError(f"moe_gemm_stages must be one of {MOE_GEMM_STAGES}")
+        if self.moe_gemm_stages not in MOE_GEMM_STAGES + ("auto",):
+            raise ValueError(f"moe_gemm_stages must be one of {MOE_GEMM_STAGES} or 'auto'")
         if self.ssd_tc_blocks not in SSD_TC_BLOCKS:
             raise ValueError(f"ssd_tc_blocks must be one of {SSD_TC_BLOCKS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
@@ -410,6 +416,13 @@ def ssd_form(tuning: CudaTuning, *, tokens: int, seqs: int, head_dim: int, state
         return "chunked"
     decode = tuning.ssd_decode is True or (tuning.ssd_decode == "auto" and tokens <= SSD_DECODE_MAX_MEAN * seqs)
     return "decode" if decode and state_size <= 128 and state_size % 4 == 0 else "stepped"
+
+
+def moe_gemm_stages(tuning: CudaTuning, *, rows: int, experts: int) -> int:
+    """The cp.async depth of moe_gemm_mma_kernel for `rows` expert-sorted rows over `experts` experts."""
+    if tuning.moe_gemm_stages != "auto":
+        return tuning.moe_gemm_stages
+    return max(MOE_GEMM_STAGES) if rows <= 64 * experts else min(MOE_GEMM_STAGES)
 
 
 def ssd_tc_state_columns(state_size: int) -> int:

@@ -119,7 +119,8 @@ def test_ssd_form_takes_the_tensor_cores_for_prefills_and_the_decode_kernel_for_
     form = lambda tuning=auto, **kw: ssd_form(tuning, **{**dict(tokens=64 * 256, seqs=64, head_dim=64,
                                                                   state_size=128, tensor_cores=True), **kw})
     assert form() == "tensor_cores"
-    assert form(tokens=64, seqs=64) == "stepped"  # a decode step
+    assert form(tokens=64, seqs=64) == "decode"  # a decode step
+    assert form(CudaTuning(ssd_decode=False), tokens=64, seqs=64) == "stepped"
     assert form(tokens=2048, seqs=1, tensor_cores=False) == "chunked"  # fp32 or misaligned rows
     assert form(tokens=2048, seqs=1, state_size=256) == "chunked"  # past the largest instantiation
     assert form(tokens=2048, seqs=1, state_size=20) == "chunked"  # rows of B and C not whole 16-byte pieces
