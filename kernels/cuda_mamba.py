@@ -12,7 +12,7 @@ import numpy as np
 from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, as_f32, blocks_for, device_index, head_view, i32, i64, \
     matrix_view, type_name
 from prefixrun.kernels.cuda_modules import kernel
-from prefixrun.kernels.tuning import SSD_CHUNK, ssd_form, ssd_tc_smem_bytes, ssd_tc_state_columns
+from prefixrun.kernels.tuning import SSD_CHUNK, ssd_form, ssd_tc_launch
 
 # kernels/mamba.cu SSD_ROWS (state rows per block), SSD_NMAX (N <= 32 * SSD_NMAX), SSD_DEC_ROWS (rows per warp of
 # ssd_decode_kernel); kernels/ssd_tc.cu SSD_TC_P
@@ -76,8 +76,7 @@ class MambaOps:
         if form == "decode" and state.data.ptr % 16:  # its 16-byte state loads need aligned rows
             form = "stepped"
         if form == "tensor_cores":
-            cols = ssd_tc_state_columns(n)
-            nbytes = ssd_tc_smem_bytes(cols)
+            cols, nbytes = ssd_tc_launch(n)
             scan = self._dynamic_smem(kernel("ssd_tc", f"ssd_tc_kernel<{cols}, {self.tuning.ssd_tc_blocks}>"),
                                       nbytes)
             scan((-(-p // _SSD_TC_ROWS), h, nseq), (128,), inputs + (state, slots, cu, out), shared_mem=nbytes)

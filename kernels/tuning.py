@@ -425,15 +425,11 @@ def moe_gemm_stages(tuning: CudaTuning, *, rows: int, experts: int) -> int:
     return max(MOE_GEMM_STAGES) if rows <= 64 * experts else min(MOE_GEMM_STAGES)
 
 
-def ssd_tc_state_columns(state_size: int) -> int:
-    """NP of the ssd_tc_kernel instantiation that runs state size `state_size` (columns past it stay zero)."""
-    return min(n for n in SSD_TC_STATES if n >= state_size)
-
-
-def ssd_tc_smem_bytes(state_columns: int) -> int:
-    """Dynamic shared memory of ssd_tc_kernel<state_columns>, bytes (the layout at its top in kernels/ssd_tc.cu):
-    x, M, staged outputs [64][72] and B, C [64][NP + 8], bf16."""
-    return (3 * 64 * 72 + 2 * 64 * (state_columns + 8)) * 2
+def ssd_tc_launch(state_size: int) -> tuple[int, int]:
+    """(NP, dynamic shared bytes) of the ssd_tc_kernel that runs state size N (columns past N stay zero; the
+    layout at the top of kernels/ssd_tc.cu: x, M, staged outputs [64][72] and B, C [64][NP + 8], bf16)."""
+    cols = min(n for n in SSD_TC_STATES if n >= state_size)
+    return cols, (3 * 64 * 72 + 2 * 64 * (cols + 8)) * 2
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import CudaTuning, ssd_form, ssd_tc_smem_bytes, ssd_tc_state_columns
+from prefixrun.kernels.tuning import CudaTuning, ssd_form, ssd_tc_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common, rel, tc_helpers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def test_ssd_tc_kernel_matches_the_reference(emu, lens, h, g, p, n):
     dt = proj.astype(np.float32)[:, 5:]
     ref_state = state0.copy()
     want = NumpyOps().ssd_scan(x, dt, b, c, a_log, dt_bias, d, limit, ref_state, slots, cu)
-    cols = ssd_tc_state_columns(n)
+    cols, smem = ssd_tc_launch(n)
 
     def emulate():
         xu, pu = np.ascontiguousarray(xbc).view(np.uint16), np.ascontiguousarray(proj).view(np.uint16)
@@ -101,7 +101,7 @@ def test_ssd_tc_kernel_matches_the_reference(emu, lens, h, g, p, n):
         rc = emu.emu_ssd_tc(cols, _ptr(xu), ll(w), ll(p), _ptr(pu[:, 5:]), ll(h + 5), _ptr(xu[:, h * p:]), ll(w),
                             ll(n), _ptr(xu[:, h * p + g * n:]), ll(w), ll(n), _ptr(a_log), _ptr(dt_bias), _ptr(d),
                             ctypes.c_float(limit[0]), ctypes.c_float(limit[1]), h, h // g, p, n, _ptr(st),
-                            _ptr(slots), _ptr(cu), len(lens), ctypes.c_uint(ssd_tc_smem_bytes(cols)), _ptr(out))
+                            _ptr(slots), _ptr(cu), len(lens), ctypes.c_uint(smem), _ptr(out))
         assert rc == 0 and st_ok() and o_ok(), "the kernel wrote past an output"
         return out.view(BF16).astype(np.float32), st.copy()
 
@@ -128,7 +128,7 @@ def test_ssd_form_takes_the_tensor_cores_for_prefills_and_the_decode_kernel_for_
     assert form(CudaTuning(ssd_tensor_cores=False)) == "chunked"
     assert form(CudaTuning(ssd_tensor_cores=True), tokens=64, seqs=64) == "tensor_cores"
     assert form(CudaTuning(deterministic=True)) == "stepped"
-    assert ssd_tc_state_columns(40) == 64 and ssd_tc_state_columns(128) == 128
+    assert ssd_tc_launch(40)[0] == 64 and ssd_tc_launch(128)[0] == 128
     decode = CudaTuning(ssd_decode="auto")
     assert form(decode, tokens=64, seqs=64) == "decode" and form(decode, tokens=5 * 64, seqs=64) == "stepped"
     assert form(CudaTuning(ssd_decode=True), tokens=64, seqs=64, state_size=256) == "stepped"  # past 4 x 32 lanes
