@@ -196,3 +196,24 @@ def test_loader_hands_the_plan_to_the_backend(family_dirs, monkeypatch):
     head = [g for g in plan.gemms if g.output == "float32"]
     assert [(g.out_features, g.rows) for g in head] == [(loaded.model.lm_head.shape[0], row_ladder(24))]
     assert all(g.rows == row_ladder(256) for g in plan.gemms if g.output == "act")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5+mtp", "gemma3"])
+def test_the_loaders_plan_comes_from_its_own_dry_build(family, family_dirs, monkeypatch):
+    """The plan the loader hands the backend is model_plan's, made from the dry build that ordered the weights'
+    reads: calling it builds nothing more (a build on the warm-up thread would run Python beside the reads)."""
+    from prefixrun.engine.load import gemm_plan
+
+    seen = []
+
+    class Preparing(NumpyOps):
+        def prepare_kernels(self, plan=None):
+            seen.append(plan)
+
+    mtp = family.endswith("+mtp")
+    expected = _plan_of(family_dirs[family], mtp, max_step_tokens=256, max_logit_rows=24)
+    monkeypatch.setattr(loader, "get_ops", lambda device, dtype, deterministic=False: Preparing())
+    loader.load(family_dirs[family], "cpu", mtp=mtp, max_step_tokens=256, max_batch=24)
+    (plan_fn,) = seen
+    monkeypatch.setattr(gemm_plan, "build_model", lambda *a, **k: pytest.fail("the plan built the model again"))
+    assert plan_fn() == expected

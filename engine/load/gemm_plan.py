@@ -14,6 +14,9 @@ Expert weights are 3-D (grouped GEMMs of our own kernels, loaded with their modu
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import numpy as np
 
 from prefixrun.engine.load.config import DecoderConfig
@@ -88,7 +91,12 @@ def model_plan(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False, max
     `act_dtype`: linear layers for 1..max_step_tokens rows, the LM head for 1..max_logit_rows (default
     DEFAULT_LOGIT_ROWS, at most max_step_tokens); and the weights' device bytes. Raises what the build raises."""
     ops = _ShapeOps(act_dtype)
-    model = build_model(cfg, tensors.shapes_only(), ops, mtp)
+    return _plan_of(build_model(cfg, tensors.shapes_only(), ops, mtp), ops, max_step_tokens, max_logit_rows)
+
+
+def _plan_of(model, ops: _ShapeOps, max_step_tokens: int = DEFAULT_PREFILL_TOKENS,
+             max_logit_rows: int | None = None) -> KernelPlan:
+    """model_plan of a model that a dry build on `ops` made."""
     heads = [model.lm_head] + ([model.mtp.lm_head] if model.mtp is not None else [])
     tables = [model.embed_tokens] + ([model.mtp.embed_tokens] if model.mtp is not None else [])
     head_ids = {id(a) for a in heads}
@@ -112,10 +120,12 @@ def dry_state_specs(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False
 
 
 def dry_build(cfg: DecoderConfig, tensors, act_dtype, *, mtp: bool = False,
-              kv_cache_dtype: str = "auto") -> tuple[list, list[str]]:
+              kv_cache_dtype: str = "auto") -> tuple[list, list[str], Callable[..., KernelPlan]]:
     """(the state regions, the names of the tensors the build uploads as stored, in the order it asks for them:
-    the order the weights are read ahead in, engine/load/weights.py) from one dry build. Raises what the build
-    raises."""
+    the order the weights are read ahead in, engine/load/weights.py; `gemms(max_step_tokens, max_logit_rows)`,
+    model_plan's KernelPlan from this same dry build, so the warm-up needs no build of its own) from one dry
+    build. Raises what the build raises."""
     order: list[str] = []
-    specs = build_model(cfg, tensors.shapes_only(order), _ShapeOps(act_dtype), mtp, kv_cache_dtype).state_specs()
-    return specs, order
+    ops = _ShapeOps(act_dtype)
+    model = build_model(cfg, tensors.shapes_only(order), ops, mtp, kv_cache_dtype)
+    return model.state_specs(), order, functools.partial(_plan_of, model, ops)

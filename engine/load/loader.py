@@ -139,13 +139,13 @@ class Loading:
 
     def start_reads(self, plan: tuple | None, early=None) -> None:
         """Read the weights into the backend's memory in the order the build will upload them. `plan`: (act dtype,
-        state regions, upload order) of a dry build made before the backend existed (`dry_plan`; its regions are
+        state regions, upload order, GEMM plan function) of a dry build made before the backend existed (`dry_plan`; its regions are
         `state_specs`' where its act dtype is the backend's), None where it failed (the build reports why);
         `early`: the reads started already (kernels/__init__.py start_weight_reads), None: started here."""
         if plan is None:
             self.weight_reads = {"error": "no read-ahead: the dry build failed (the build says why)"}
             return
-        act, specs, order = plan
+        act, specs, order, _ = plan
         if np.dtype(act) == np.dtype(self.ops.act_dtype):
             self._specs = specs
         self.tensors.read_ahead(order, (lambda spans: early) if early is not None else self.ops.read_weights)
@@ -162,13 +162,14 @@ class Loading:
 
 
 def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool, kv_cache_dtype: str = "auto") -> tuple | None:
-    """(act_dtype, state regions, the names the build uploads as stored in its order) of a dry build
-    (engine/load/gemm_plan.py); None where it fails (the real build raises it again, as the user's error)."""
+    """(act_dtype, state regions, the names the build uploads as stored in its order, its GEMMs' plan function)
+    of a dry build (engine/load/gemm_plan.py); None where it fails (the real build raises it again, as the user's
+    error)."""
     try:
-        specs, order = dry_build(config, tensors, act_dtype, mtp=mtp, kv_cache_dtype=kv_cache_dtype)
+        specs, order, gemms = dry_build(config, tensors, act_dtype, mtp=mtp, kv_cache_dtype=kv_cache_dtype)
     except Exception:  # noqa: BLE001 - see above
         return None
-    return act_dtype, specs, order
+    return act_dtype, specs, order, gemms
 
 
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
@@ -194,9 +195,14 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
             early.close()
         raise
     clock.mark("weights_plan")
-    # in the background, while the weights load; the plan (a dry build of the model) is made there too
-    ops.prepare_kernels(functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
-                                          max_step_tokens=max_step_tokens, max_logit_rows=max_batch))
+    # in the background, while the weights load; its GEMMs' plan from the dry build above where that one built for
+    # the backend's dtype (a build of its own there would run Python beside the weights' reads, which starves them)
+    if plan is not None and np.dtype(plan[0]) == np.dtype(ops.act_dtype):
+        kernel_plan = functools.partial(plan[3], max_step_tokens, max_batch)
+    else:
+        kernel_plan = functools.partial(model_plan, front.config, tensors, ops.act_dtype, mtp=mtp,
+                                        max_step_tokens=max_step_tokens, max_logit_rows=max_batch)
+    ops.prepare_kernels(kernel_plan)
     loading = Loading(front, ops, tensors, mtp, kv_cache_dtype)
     loading.start_reads(plan, early)
     return loading
