@@ -181,7 +181,7 @@ def test_ssd_decode_kernel_matches_the_reference(emu, lens, h, g, p, n):
     np.testing.assert_allclose(state, ref_state, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("t,dim,gsize", [(3, 64, 16), (2, 600, 600), (1, 40, 8)])
+@pytest.mark.parametrize("t,dim,gsize", [(3, 64, 16), (2, 600, 600), (1, 40, 8), (1, 4200, 4200)])  # past 4096: re-read
 def test_gated_group_norm_kernel_matches_the_reference(emu, t, dim, gsize):
     rng = np.random.default_rng(dim)
     wide = rng.standard_normal((t, 2 * dim + 7)).astype(np.float32)
