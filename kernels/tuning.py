@@ -78,7 +78,8 @@ SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP, MINB> instantiations (kernels/ssd
 SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held to
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
-MOE_GEMM_STAGES = (2, 4)  # moe_gemm_mma_kernel<bf16, STAGES> instantiations (kernels/moe.cu): cp.async buffers
+MOE_GEMM_STAGES = (2, 3, 4)  # moe_gemm_mma_kernel<bf16, STAGES> instantiations (kernels/moe.cu): cp.async buffers
+MOE_DECODE_STAGES = 4  # ... the one moe_gemm_stages "auto" gives decode-like steps
 SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 
 
@@ -175,8 +176,8 @@ class CudaTuning:
     # decode steps in ssd_decode_kernel (16-byte state rows, B and C read once per 4 rows): True, False or "auto"
     # (steps of at most SSD_DECODE_MAX_MEAN tokens per sequence)
     ssd_decode: bool | str = "auto"
-    # cp.async buffers of the MoE grouped GEMM (MOE_GEMM_STAGES; the same bits at each), or "auto": the deepest for
-    # steps whose experts average at most one 64-row tile (decode: bound by the weight bytes in flight), else 2
+    # cp.async buffers of the MoE grouped GEMM (MOE_GEMM_STAGES; the same bits at each), or "auto": MOE_DECODE_STAGES
+    # for steps whose experts average at most one 64-row tile (decode: bound by the weight bytes in flight), else 2
     moe_gemm_stages: int | str = "auto"
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
@@ -422,7 +423,7 @@ def moe_gemm_stages(tuning: CudaTuning, *, rows: int, experts: int) -> int:
     """The cp.async depth of moe_gemm_mma_kernel for `rows` expert-sorted rows over `experts` experts."""
     if tuning.moe_gemm_stages != "auto":
         return tuning.moe_gemm_stages
-    return max(MOE_GEMM_STAGES) if rows <= 64 * experts else min(MOE_GEMM_STAGES)
+    return MOE_DECODE_STAGES if rows <= 64 * experts else 2
 
 
 def ssd_tc_launch(state_size: int) -> tuple[int, int]:

@@ -364,11 +364,11 @@ def test_wgmma_tiles_fit_shared_memory(head_dim):
 
 
 def test_moe_gemm_stages_deepen_the_pipeline_for_decode_steps_only():
-    from prefixrun.kernels.tuning import MOE_GEMM_STAGES, moe_gemm_stages
+    from prefixrun.kernels.tuning import MOE_DECODE_STAGES, moe_gemm_stages
 
     auto = CudaTuning()
-    assert moe_gemm_stages(auto, rows=64 * 6, experts=64) == max(MOE_GEMM_STAGES)  # a batch-64 decode step, top 6
-    assert moe_gemm_stages(auto, rows=16384 * 6, experts=64) == min(MOE_GEMM_STAGES)  # a prefill step
+    assert moe_gemm_stages(auto, rows=64 * 6, experts=64) == MOE_DECODE_STAGES  # a batch-64 decode step, top 6
+    assert moe_gemm_stages(auto, rows=16384 * 6, experts=64) == 2  # a prefill step
     assert moe_gemm_stages(CudaTuning(moe_gemm_stages=2), rows=6, experts=64) == 2
     with pytest.raises(ValueError):
-        CudaTuning(moe_gemm_stages=3)
+        CudaTuning(moe_gemm_stages=5)
