@@ -42,7 +42,7 @@ their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices"
   the fp32 chunks were not timed beside it). Decode steps in
   ssd_decode_kernel (a warp per 4 state rows, 16-byte loads): ssd_scan_kernel's warp per row moved a batch-64
   decode step's state at ~1.3 TB/s, its many short blocks waiting on memory.
-- MoE grouped GEMM (moe_gemm_stages): decode steps (few rows per expert) keep 4 K steps of weights in flight: the
+- MoE grouped GEMM (moe_gemm_stages): decode steps (few rows per expert) keep 3 K steps of weights in flight: the
   double buffer streamed granite's experts at ~1.8 TB/s in a decode step (the 6-layer profile's GEMM time).
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
@@ -79,7 +79,7 @@ SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
 MOE_GEMM_STAGES = (2, 3, 4)  # moe_gemm_mma_kernel<bf16, STAGES> instantiations (kernels/moe.cu): cp.async buffers
-MOE_DECODE_STAGES = 4  # ... the one moe_gemm_stages "auto" gives decode-like steps
+MOE_DECODE_STAGES = 3  # ... the one moe_gemm_stages "auto" gives decode-like steps (4: 91 registers, fewer blocks)
 SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 
 
