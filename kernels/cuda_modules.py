@@ -80,7 +80,8 @@ KERNEL_NAMES = {
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
     "ssd_tc": [f"ssd_tc_kernel<{n}, {b}>" for n in SSD_TC_STATES for b in SSD_TC_BLOCKS],
-    "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel"]
+    "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
+            "moe_permute_small_kernel"]
     + [f"moe_gemm_mma_kernel<bf16, {n}>" for n in MOE_GEMM_STAGES] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
     + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")]
     + [f"moe_bias_kernel<{t}>" for t in _T],

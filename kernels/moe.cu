@@ -137,6 +137,36 @@ extern "C" __global__ void moe_scatter_kernel(const int* __restrict__ experts, i
     }
 }
 
+// The three passes above in one block of 1024 threads, for the few slots of a decode-like step (n <= MOE_SMALL_N,
+// E <= 1024): counts and cursors in shared memory, one launch instead of four (the counts' zeroing included).
+#define MOE_SMALL_N 4096
+extern "C" __global__ void __launch_bounds__(1024)
+moe_permute_small_kernel(const int* __restrict__ experts, int n, int k, int num_experts, int* __restrict__ offsets,
+                         int* __restrict__ token_of_row, int* __restrict__ position) {
+    __shared__ int buf[1024], cursor[1024];
+    const int e = threadIdx.x;
+    buf[e] = 0;
+    __syncthreads();
+    for (int s = e; s < n; s += 1024) atomicAdd(&buf[experts[s]], 1);
+    __syncthreads();
+    const int c = buf[e];
+    for (int o = 1; o < 1024; o <<= 1) {  // Hillis-Steele inclusive scan, as moe_offsets_kernel
+        const int add = e >= o ? buf[e - o] : 0;
+        __syncthreads();
+        buf[e] += add;
+        __syncthreads();
+    }
+    if (e < num_experts) offsets[e + 1] = buf[e];
+    if (e == 0) offsets[0] = 0;
+    cursor[e] = buf[e] - c;
+    __syncthreads();
+    for (int s = e; s < n; s += 1024) {
+        const int row = atomicAdd(&cursor[experts[s]], 1);
+        token_of_row[row] = s / k;
+        position[s] = row;
+    }
+}
+
 // ---- grouped GEMM over expert segments ----------------------------------------------------------------------------
 // out[r, n] = sum_i x_r[i] * w[e, n, i] for the rows r in [offsets[e], offsets[e+1]); x_r = x[token_of_row[r]] (or
 // x[r] when token_of_row is null), x rows with stride xs elements. Blocks: x = row tiles (ceil(N / BM) + E bounds
@@ -161,7 +191,8 @@ __device__ __forceinline__ void moe_mma(float (&c)[4], const unsigned (&a)[4], u
 
 // bf16 tensor-core path: 128 threads, tile 64 rows x 64 columns, K in steps of 32 through a cp.async pipeline of
 // STAGES buffers (STAGES steps in flight while one is awaited: a step of few rows per expert, as decode's, is bound
-// by how many weight bytes are on their way); warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) .. +32 (2 x 4 mma tiles).
+// by how many weight bytes are on their way); warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) .. +32
+// (2 x 4 mma tiles).
 // The K steps are summed in the same order at every STAGES: the same bits. Needs K % 8 == 0 (16-byte row chunks)
 // and 16-byte aligned rows.
 #define MG_BM 64

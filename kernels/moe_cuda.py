@@ -18,6 +18,7 @@ from prefixrun.kernels.cuda_modules import kernel
 MAX_EXPERTS = 512  # moe_route_kernel keeps 16 logits per lane (MOE_PER_LANE in kernels/moe.cu)
 MAX_TOP_K = 32  # one chosen expert per lane
 _MMA_TILE_ROWS, _MMA_TILE_COLS, _SIMT_TILE = 64, 64, 16  # MG_BM, MG_BN and the SIMT tile in kernels/moe.cu
+_SMALL_N = 4096  # MOE_SMALL_N in kernels/moe.cu: slots permuted by moe_permute_small_kernel
 
 
 def route(router_logits, top_k: int, normalize: bool):
@@ -67,11 +68,15 @@ def permute(experts, num_experts: int):
     experts = device_index(experts)
     t, k = experts.shape
     n = t * k
-    counts = cupy.zeros(num_experts, np.int32)
     offsets = cupy.empty(num_experts + 1, np.int32)
-    cursor = cupy.empty(num_experts, np.int32)
     token_of_row = cupy.empty(n, np.int32)
     position = cupy.empty(n, np.int32)
+    if n <= _SMALL_N:  # a decode-like step: one block, one launch
+        kernel("moe", "moe_permute_small_kernel")((1,), (1024,), (experts, i32(n), i32(k), i32(num_experts), offsets,
+                                                                  token_of_row, position))
+        return token_of_row, position, offsets
+    counts = cupy.zeros(num_experts, np.int32)
+    cursor = cupy.empty(num_experts, np.int32)
     if n:
         kernel("moe", "moe_count_kernel")((blocks_for(n),), (256,), (experts, i64(n), counts))
     kernel("moe", "moe_offsets_kernel")((1,), (1024,), (counts, i32(num_experts), offsets, cursor))

@@ -57,6 +57,7 @@ inline float __bfloat162float(__nv_bfloat16 h) {
     return f;
 }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline float __low2float(__nv_bfloat162 h) { return __bfloat162float(h.x); }
 inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {

@@ -75,7 +75,8 @@ def test_route_matches_reference(ops, ref, e, k, normalize):
     assert rel(ops.to_host(w), rw) <= 1e-6
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 8, 64), (5, 8, 64), (300, 8, 64), (300, 2, 6), (200, 10, 512), (0, 2, 8)])
+@pytest.mark.parametrize("t,k,e", [(1, 8, 64), (5, 8, 64), (300, 8, 64), (300, 2, 6), (200, 10, 512), (0, 2, 8),
+                                   (1000, 8, 64)])  # past moe_permute_small_kernel (4096 slots)
 def test_permute_groups_slots_by_expert(ops, ref, t, k, e):
     rng = np.random.default_rng(t + e)
     experts = skewed_experts(rng, t, k, e) if t else np.zeros((0, k), np.int32)

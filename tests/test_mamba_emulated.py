@@ -253,3 +253,43 @@ def test_moe_route_sigmoid_kernel_matches_the_reference(moe_emu, t, e, k, normal
     w, ex = _forked(emulate)
     np.testing.assert_array_equal(ex, want_e)
     np.testing.assert_allclose(w, want_w, rtol=1e-6, atol=1e-7)
+
+
+PERMUTE_ENTRY = r"""
+extern "C" int emu_permute_small(const int* experts, int n, int k, int e, int* offsets, int* token_of_row,
+                                 int* position) {
+    // as kernels/moe_cuda.py permute launches it for n <= MOE_SMALL_N: one block of 1024 threads
+    emu_launch({1, 1, 1}, 1024, 0, [&] {
+        moe_permute_small_kernel(experts, n, k, e, offsets, token_of_row, position);
+    });
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("t,k,e", [(64, 6, 64), (5, 8, 512), (1, 1, 4), (512, 8, 128)])
+def test_moe_permute_small_kernel_matches_the_reference(tmp_path_factory, t, k, e):
+    """The one-block permutation of decode-like steps (kernels/moe.cu): the reference's expert segments, and a
+    permutation of the slots that keeps each slot in its expert's segment."""
+    moe = (ROOT / "kernels" / "moe.cu").read_text()
+    part = moe[moe.index("// The three passes above in one block"):moe.index("// ---- grouped GEMM")]
+    so = compile_emulated(tmp_path_factory, "moe_permute_emu",
+                          "#include \"cuda_emu.h\"\n" + emulator_common() + "\n" + part + PERMUTE_ENTRY)
+    experts = np.random.default_rng(t + e).integers(0, e, (t, k)).astype(np.int32)
+    n = t * k
+
+    def emulate():
+        off, off_ok = _guarded((e + 1,), np.int32)
+        tok, tok_ok = _guarded((n,), np.int32)
+        pos, pos_ok = _guarded((n,), np.int32)
+        assert so.emu_permute_small(_ptr(experts), n, k, e, _ptr(off), _ptr(tok), _ptr(pos)) == 0
+        assert off_ok() and tok_ok() and pos_ok(), "the kernel wrote past an output"
+        return off.copy(), tok.copy(), pos.copy()
+
+    off, tok, pos = _forked(emulate)
+    _, _, want_off = NumpyOps().moe_permute(experts, e)
+    np.testing.assert_array_equal(off, want_off)
+    assert sorted(pos.tolist()) == list(range(n))
+    flat = experts.reshape(-1)
+    for s in range(n):
+        assert tok[pos[s]] == s // k and off[flat[s]] <= pos[s] < off[flat[s] + 1]
