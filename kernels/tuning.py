@@ -312,12 +312,12 @@ def kda_chunked(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, he
     (kernels/delta_rule.cu, PER_CHANNEL) rather than token steps (kda_step_launch). "auto" (gdn_chunked) chooses as
     for one decay per head (_use_chunked, measured there): chunks only where the token-stepped blocks (64 value
     columns each) would fill under half the SMs, since the fp32 chunked kernels lose to token steps from a few
-    sequences on; True: any step with more tokens than sequences; deterministic: exactly the prefill steps (as
-    _deterministic_delta_rule chooses for one decay per head)."""
-    if not tokens or dk > GDN_CHUNK_DMAX or dv > GDN_CHUNK_DMAX:
+    sequences on; True: any step with more tokens than sequences. Deterministic: never, so that prefill, decode and
+    verify rows all take kda_step_launch's kernel, whose arithmetic per token depends on neither the batch nor where
+    a step starts (`prefill` is accepted for the contract's sake: one decay per head chunks deterministic
+    prefills, as the contract allows, because its token steps would cost more)."""
+    if not tokens or dk > GDN_CHUNK_DMAX or dv > GDN_CHUNK_DMAX or tuning.deterministic:
         return False
-    if tuning.deterministic:
-        return prefill
     if tokens <= seqs or not tuning.gdn_chunked:
         return False
     if tuning.gdn_chunked == "auto":

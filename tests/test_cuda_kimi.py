@@ -75,6 +75,41 @@ def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
     np.testing.assert_array_equal(host(ops, state)[untouched], state0[untouched])
 
 
+def test_deterministic_steps_do_not_depend_on_the_batch_or_the_split(ops):
+    """--deterministic: a sequence's outputs and state come out bit for bit the same prefilled in one step, in two
+    steps, beside another sequence, or token by token as speculative rows (all in kernels/kda.cu)."""
+    rng = np.random.default_rng(9)
+    h, dk = 4, 128
+    cu, qk, v, g, beta, state0, slots = _kda_inputs(ops, rng, [37, 21], h, dk)
+    tuned, t = ops.retuned(deterministic=True), 37
+    dqk, dv_, dg, db = ops.upload(qk), ops.upload(v), ops.upload(g, np.float32), ops.upload(beta, np.float32)
+
+    def run(parts, other=False):
+        state, outs = ops.upload(state0, np.float32), []
+        for s, e in parts:
+            if other:  # beside the second sequence, in one step
+                idx = np.r_[s:e, 37:58]
+                sl, cu_ = np.array([slots[0], slots[1]], np.int32), np.array([0, e - s, e - s + 21], np.int32)
+            else:
+                idx, sl, cu_ = np.r_[s:e], slots[:1], np.array([0, e - s], np.int32)
+            di = cupy.asarray(idx)
+            o = tuned.gated_delta_rule(dqk[di, :h], dqk[di, h:], dv_[di], dg[di], db[di], state, sl, cu_,
+                                       prefill=True)
+            outs.append(host(ops, o)[:e - s])
+        return np.concatenate(outs), host(ops, state)[slots[0]]
+
+    one, st_one = run([(0, t)])
+    for parts, other in (([(0, 20), (20, t)], False), ([(0, t)], True)):
+        got, st = run(parts, other)
+        np.testing.assert_array_equal(got, one)
+        np.testing.assert_array_equal(st, st_one)
+    state, snaps = ops.upload(state0, np.float32), ops.zeros((t, h, dk, dk), np.float32)
+    rows_o = tuned.gated_delta_rule_rows(dqk[:t, :h], dqk[:t, h:], dv_[:t], dg[:t], db[:t], state, slots[:1],
+                                         np.array([0, t], np.int32), snaps, np.arange(t, dtype=np.int32))
+    np.testing.assert_array_equal(host(ops, rows_o), one)
+    np.testing.assert_array_equal(host(ops, state)[slots[0]], st_one)
+
+
 def test_per_channel_gates_match_the_reference(ops):
     """KDA's gates: g per head and key channel from f [T, H Dk], beta per head from b [T, H], both strided column
     blocks of one projection as the layer passes them."""

@@ -21,7 +21,7 @@ DEFAULT = CudaTuning()
 def test_kda_chunked_choices():
     """A decay per key channel (Kimi's KDA), 32 heads of 128 x 128 on 132 SMs: "auto" chunks a prefill only where
     the token-stepped blocks fill under half the SMs (one sequence: 64 blocks); forced on, any step with more tokens
-    than sequences; never decode; deterministic, exactly the prefill steps; never past the chunked kernels' 128
+    than sequences; never decode; deterministic, never (token steps throughout); never past the chunked kernels' 128
     dims."""
     kimi = dict(heads=32, dk=128, dv=128)
     assert kda_chunked(DEFAULT, H200_SMS, tokens=2048, seqs=1, prefill=True, **kimi)
@@ -35,8 +35,8 @@ def test_kda_chunked_choices():
                            prefill=True, **kimi)
     assert not kda_chunked(forced, H200_SMS, tokens=4096, seqs=1, prefill=True, heads=32, dk=256, dv=128)
     assert not kda_chunked(DEFAULT, H200_SMS, tokens=0, seqs=0, prefill=True, **kimi)
-    det = dataclasses.replace(DEFAULT, deterministic=True)
-    assert kda_chunked(det, H200_SMS, tokens=3, seqs=3, prefill=True, **kimi)
+    det = dataclasses.replace(DEFAULT, deterministic=True, gdn_chunked=True)  # token steps all the same
+    assert not kda_chunked(det, H200_SMS, tokens=2048, seqs=1, prefill=True, **kimi)
     assert not kda_chunked(det, H200_SMS, tokens=300, seqs=3, prefill=False, **kimi)
 
 
