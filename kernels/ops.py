@@ -211,9 +211,10 @@ class Ops(Protocol):
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False) -> Array:
         """q, k [T, Hk, Dk], v [T, H, Dv], g, beta fp32 [T, H] (g [T, H, Dk] where `per_channel_decay`: each key
-        channel decays by its own exp(g)), state fp32 [num_slots, H, Dk, Dv] (in place) -> o [T, H, Dv]. `prefill`: a prefill step; a deterministic backend computes each of its sequences in
-        chunks of `chunk_size` tokens from the sequence's first new token (the engine starts them on multiples of
-        it), and every other step token by token, as `gated_delta_rule_rows` does."""
+        channel decays by its own exp(g)), state fp32 [num_slots, H, Dk, Dv] (in place) -> o [T, H, Dv].
+        `prefill`: a prefill step; a deterministic backend computes each of its sequences in chunks of `chunk_size`
+        tokens from the sequence's first new token (the engine starts them on multiples of it), and every other step
+        token by token, as `gated_delta_rule_rows` does (or, a decay per key channel, every step token by token)."""
 
     def causal_conv1d_rows(self, x, weight, conv_state, slots, cu_seqlens, snapshots, snapshot_rows,
                            silu: bool = True, bias=None) -> Array:
