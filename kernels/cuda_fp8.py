@@ -160,6 +160,8 @@ def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
 
 
 _FELL_BACK: set[tuple[int, int, int]] = set()
+# the row counts the block-scaled GEMM is asked for: a multiple of this (the activations padded with zero rows)
+_ROW_MULTIPLE = 16
 # where cuBLASLt refuses a shape at a row count, up to this many rows take the weight-only kernel (reading the fp8
 # weights once); more rows dequantise the weight for the call (the bf16 GEMM is faster there than our kernel)
 _FALLBACK_WEIGHT_ONLY_ROWS = 256
@@ -177,7 +179,9 @@ def projection_linear(ops, x, weight: ProjectionWeight):
     m = x2.shape[0]
     if len(weight.segments) == 1 and not isinstance(weight.segments[0][1], Fp8Block):
         return ops._gemm(x, weight.segments[0][1], ops.act_dtype)
-    out = cupy.empty((m, n), BF16)
+    padded = -(-m // _ROW_MULTIPLE) * _ROW_MULTIPLE  # cuBLASLt's block-scaled GEMM had none at 1 or 50 rows
+    full = cupy.empty((padded, n), BF16)
+    out = full[:m]  # the result: the first m rows (C-contiguous)
     quantized = None
     weight_only = m <= ops.tuning.fp8_weight_only_rows and x2.dtype == BF16
     for row, seg in weight.segments:
@@ -185,8 +189,12 @@ def projection_linear(ops, x, weight: ProjectionWeight):
             weight_only_gemm(x2, seg, out, row, ops._sm_count)
             continue
         if isinstance(seg, Fp8Block):
-            quantized = quantized or quantize_activations(x2)
-            if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, out, row):
+            if quantized is None:  # zero rows up to the multiple: scale 1, values 0, outputs never read
+                xp = x2 if padded == m else cupy.zeros((padded, k), x2.dtype)
+                if padded != m:
+                    xp[:m] = x2
+                quantized = quantize_activations(xp)
+            if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, full, row):
                 continue
             few = m <= _FALLBACK_WEIGHT_ONLY_ROWS and x2.dtype == BF16
             if (seg.shape + (m,)) not in _FELL_BACK:  # once per shape and row count (decode: cuBLASLt has no M = 1)
