@@ -96,8 +96,8 @@ def test_each_bucket_is_about_as_fast_as_the_reference_or_faster(n, k):
 
 
 def _decode_case(rng, hq=16, hkv=4, d=256, bs=64):
-    """Twelve decode rows: eight sharing a 2,048-key prefix (32 blocks), two sharing 600 keys (not whole 512-key
-    ranges), two alone; contexts ragged past the prefix. -> (q, caches, tables, ctx) as device arrays + hosts."""
+    """Twelve decode rows: eight sharing a 2,048-key prefix (32 blocks), two sharing 576 keys (not whole 512-key
+    ranges), two alone; contexts ragged past the prefix. -> host arrays (q, k cache, v cache, tables, ctx)."""
     ctx = np.array([2048 + 37 * i for i in range(8)] + [700, 650, 90, 1300], np.int32)
     width = -(-int(ctx.max()) // bs)
     tables = np.zeros((12, width), np.int32)
