@@ -10,7 +10,8 @@ The file is a hint, never trusted: an entry is used only if it is well formed, n
 reference algorithm is the one this process computed; and its algorithms are then checked again on the device
 (cuBLASLt accepts them for the shape, and each gives the reference's bits on the test data) before any is used. A
 planted or corrupt file can therefore cost a re-measurement, or at worst a slower algorithm, never another bit.
-It is read only where it is a regular file reached without a link, MAX_FILE_BYTES at most. Writes go through a
+It is read only where it is a regular file reached without a link (neither its name nor its folder, measured/, is
+followed), MAX_FILE_BYTES at most; it is written only inside a measured/ that is no link. Writes go through a
 temporary file and a rename (a reader never sees half a file); a folder that cannot be written is no error (the
 next process measures again). `--no-cache` keeps it, as it keeps the other measurements of the device.
 """
@@ -20,8 +21,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
-import tempfile
 import threading
 from pathlib import Path
 
@@ -31,6 +32,7 @@ FORMAT = 2  # 2: decode-sized buckets timed on the shape's own width, launches b
 MAX_FILE_BYTES = 1 << 20  # a model's shapes take a few KiB; anything larger is not ours
 ALGO_HEX = re.compile(r"[0-9a-f]{128}")  # a cublasLtMatmulAlgo_t: 8 x uint64, serialisable per the library's docs
 _WRITING = threading.Lock()
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def choices_path(machine: dict) -> Path:
@@ -65,18 +67,23 @@ class ChoiceStore:
             entries = self._entries()
             entries[shape] = record
             doc = {"format": FORMAT, "machine": self.machine, "entries": entries}
+            folder = _open_folder(self.path.parent, create=True)
+            if folder is None:
+                return False
+            tmp = f".choices-{os.getpid()}-{secrets.token_hex(8)}"
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=self.path.parent)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=folder)
                 try:
                     with os.fdopen(fd, "w") as f:
                         json.dump(doc, f, sort_keys=True)
-                    os.replace(tmp, self.path)
+                    os.replace(tmp, self.path.name, src_dir_fd=folder, dst_dir_fd=folder)
                 except BaseException:
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=folder)
                     raise
             except OSError:
                 return False
+            finally:
+                os.close(folder)
         return True
 
     def _entries(self) -> dict[str, dict]:
@@ -101,13 +108,41 @@ class ChoiceStore:
         return out
 
 
-def _read_regular_file(path: Path, limit: int) -> bytes | None:
-    """Up to `limit` bytes of `path` if it is a regular file reached without a link (never blocking on a FIFO or a
-    device someone left there); None otherwise."""
+def _open_folder(folder: Path, create: bool) -> int | None:
+    """A descriptor of `folder` (made where `create`), its own name opened without following a link: a link
+    planted as measured/ is neither read through nor written into (the cache home itself may be a link, the
+    user's choice). None where it is missing, not a folder or cannot be made."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        if create:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
+    try:
+        if create:
+            try:
+                os.mkdir(folder.name, dir_fd=parent)
+            except FileExistsError:
+                pass
+        return os.open(folder.name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=parent)
+    except OSError:
+        return None
+    finally:
+        os.close(parent)
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes | None:
+    """Up to `limit` bytes of `path` if it is a regular file reached without a link (its name's or its folder's:
+    `_open_folder`), never blocking on a FIFO or a device someone left there; None otherwise."""
+    folder = _open_folder(path.parent, create=False)
+    if folder is None:
+        return None
+    try:
+        fd = os.open(path.name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=folder)
+    except OSError:
+        return None
+    finally:
+        os.close(folder)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None

@@ -97,6 +97,20 @@ def test_a_link_a_fifo_or_a_folder_in_its_place_is_not_read(store, tmp_path):
             store.path.unlink()
 
 
+def test_a_link_planted_as_the_measured_folder_is_neither_read_through_nor_written_into(store, tmp_path):
+    """A cache folder others may write can hold measured/ as a link to a folder elsewhere: its file is not read
+    and nothing is written there (the save fails quietly; the next process measures again)."""
+    elsewhere = tmp_path / "elsewhere"
+    ChoiceStore(MACHINE, BUCKETS, path=elsewhere / store.path.name).save("s", REF, {1: A})
+    before = sorted(p.name for p in elsewhere.iterdir())
+    store.path.parent.parent.mkdir(parents=True)
+    store.path.parent.symlink_to(elsewhere, target_is_directory=True)
+    assert store.entry("s", REF) is None
+    assert store.save("s", REF, {16: B}) is False
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+    assert ChoiceStore(MACHINE, BUCKETS, path=elsewhere / store.path.name).entry("s", REF) == {1: A}
+
+
 def test_an_oversized_file_is_not_read(store):
     doc = {"format": FORMAT, "machine": MACHINE, "entries": {"s": {"reference": REF, "buckets": {"1": A}}},
            "padding": "x" * MAX_FILE_BYTES}
