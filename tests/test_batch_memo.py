@@ -124,7 +124,7 @@ def _valid(memo: StepMemo) -> dict:
 @pytest.mark.parametrize("damage", [
     "not json", "empty", "utf8", "list", "no key", "other key", "bool seconds", "nan", "negative", "huge seconds",
     "string seconds", "unicode width", "zero width", "long width", "many widths", "edited seconds", "forged",
-    "oversize", "nested",
+    "oversize", "nested", "huge integer seconds",
 ])
 def test_a_memo_this_run_did_not_write_is_ignored_and_replaced(tmp_path, model, cpu_ops, timings, damage):
     memo = _memo(tmp_path, model, cpu_ops)
@@ -153,6 +153,8 @@ def test_a_memo_this_run_did_not_write_is_ignored_and_replaced(tmp_path, model, 
             bad["step_seconds"]["2"] = -0.01
         elif damage == "huge seconds":
             bad["step_seconds"]["2"] = 1e300
+        elif damage == "huge integer seconds":  # no float holds it: math.isfinite raised OverflowError
+            bad["step_seconds"]["2"] = 10 ** 400
         elif damage == "string seconds":
             bad["step_seconds"]["2"] = "0.01"
         elif damage == "unicode width":

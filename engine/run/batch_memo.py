@@ -151,7 +151,7 @@ def _steps_of(memo, key: dict) -> dict[int, float] | None:
             return None
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
             return None
-        if not (math.isfinite(seconds) and 0 < seconds < 60):
+        if not (0 < seconds < 60 and math.isfinite(seconds)):  # compared first: an int too large for a float
             return None
         steps[int(width)] = float(seconds)
     return steps
