@@ -225,6 +225,13 @@ class WeightReads:
             self._cond.notify_all()
         return self._landing.ready(target, done, t.spec.dtype, t.spec.shape)
 
+    def wait_read(self, timeout: float | None = None) -> bool:
+        """Wait until the reading thread has read its last chunk (or failed, or was stopped): other reads of the
+        host's files may start then without taking the interpreter and memory bandwidth from these. True once
+        it has, False when `timeout` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._finished, timeout)
+
     def close(self) -> ReadFigures:
         """Stop reading, wait for the copies in flight, drop what was not taken; the figures."""
         self._stop.set()
@@ -266,6 +273,9 @@ class _NoReadAhead:
 
     def take(self, name: str):
         return None
+
+    def wait_read(self, timeout: float | None = None) -> bool:
+        return True
 
     def close(self) -> None:
         return None

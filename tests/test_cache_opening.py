@@ -73,6 +73,42 @@ def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(tmp_p
     assert report["reused_tokens"] == report["reused_from_disk_tokens"]  # nothing shared in memory besides
 
 
+def test_the_read_ahead_reads_no_entry_before_the_weights_are_read(tmp_path, monkeypatch):
+    """Both read files at memory speed on the host's cores: beside each other they share its memory bandwidth and
+    the interpreter's lock, and the load waits for the weights. A stand-in slow weight read waits (at most 3 s) for
+    the read-ahead's first entry read: before, that read ran beside the weights' reads, so it came first."""
+    from prefixrun.kernels.file_reads import RingReader
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    cache = tmp_path / "cache"
+    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
+          "--cache-policy", "always")
+    second = write_input(tmp_path / "second.jsonl", SECOND)
+    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
+    entry_read = threading.Event()
+    order: list[str] = []
+    real_read_entry, real_run = CheckpointStore.read_entry, RingReader.run
+
+    def read_entry(self, *args, **kwargs):
+        order.append("read ahead")
+        entry_read.set()
+        return real_read_entry(self, *args, **kwargs)
+
+    def slow_reads(self, *args, **kwargs):
+        entry_read.wait(3)
+        done = real_run(self, *args, **kwargs)
+        order.append("weights read")
+        return done
+
+    monkeypatch.setattr(CheckpointStore, "read_entry", read_entry)
+    monkeypatch.setattr(RingReader, "run", slow_reads)
+    warm, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    assert order[:2] == ["weights read", "read ahead"]
+    assert warm == expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
+    costs = report["cache"]["costs"]
+    assert costs["prefetch_used_bytes"] > 0 and costs["read_bytes"] == 0  # still read ahead, and used
+
+
 def test_entries_read_ahead_go_to_the_device_while_the_engine_is_built(tmp_path, monkeypatch):
     """Once the pools are sized the read-ahead's K/V rows move to the device while the engine is built (they waited
     for its pools before, and the first restores behind them). A stand-in engine build waits until one upload has

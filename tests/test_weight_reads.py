@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.file_reads import FileSpan, RingReader, chunks
-from prefixrun.kernels.weight_reads import HostLanding, TensorSpan, WeightReads
+from prefixrun.kernels.weight_reads import NO_READ_AHEAD, HostLanding, TensorSpan, WeightReads
 
 
 @pytest.fixture
@@ -215,6 +215,23 @@ def test_failed_reads_hand_out_nothing(tmp_path):
     assert reads.take("b") is None  # the caller's own read then says what is wrong
     figures = reads.close()
     assert figures.error is not None and "OSError" in figures.error
+
+
+def test_wait_read_returns_once_the_last_byte_is_read_or_the_reads_end(tmp_path):
+    """What other bulk reads (the persistent cache's read-ahead) wait for before they start."""
+    arrays = {f"t{i}": np.full(5000, i, np.float32) for i in range(30)}  # 600,000 bytes
+    spans = _tensor_file(tmp_path, arrays)
+    reads = WeightReads(spans, HostLanding(buffer_bytes=4096, count=2), threads=2, window_bytes=20_000)
+    assert reads.wait_read(0.2) is False  # the reader waits on the window: nobody has taken anything
+    taker = threading.Thread(target=lambda: [reads.take(f"t{i}") for i in range(30)])
+    taker.start()
+    assert reads.wait_read(30) is True
+    taker.join()
+    assert reads.close().read_bytes == reads.figures.planned_bytes
+    stopped = WeightReads(spans, HostLanding(buffer_bytes=4096, count=2), threads=2, window_bytes=20_000)
+    stopped.close()
+    assert stopped.wait_read(0) is True  # closed: nothing more will be read
+    assert NO_READ_AHEAD.wait_read(0) is True
 
 
 def test_close_stops_a_read_that_nobody_takes(tmp_path):

@@ -8,8 +8,10 @@ window's plan (its prompts' token ids). `CacheOpening` does that on a thread sta
 the cache for the load under way (`loader.Loading`) and, once the caller says which prompts come first
 (`upcoming`: a Future of token-id lists, e.g. the first window of an input file read on another thread), starts
 `PersistentCheckpoints.prefetch` of their plan's roots. Before the engine exists that is host work only (read,
-verified, checked against the layout); the K/V rows go to the device once the pools are sized (`pools_sized`,
-while the engine is built), so the pools are sized as without it. The engine's own prefetch of that window keeps
+verified, checked against the layout), and it reads no file before the weights' reads are over
+(`Loading.wait_weight_reads`: beside them it took their memory bandwidth and the interpreter's lock, and the load
+waits for the weights); the K/V rows go to the device once the pools are sized (`pools_sized`, while the engine
+is built), so the pools are sized as without it. The engine's own prefetch of that window keeps
 those entries.
 
 Nothing here changes an answer: read-ahead is a hint, and every entry is verified and checked as before. Hints
@@ -54,6 +56,7 @@ class CacheOpening:
             return
         if self._persist is not None:
             self._persist.expect_layout(specs, block_size)
+            self._persist.read_ahead_after(loading.wait_weight_reads)  # the weights' reads first: the load's wait
             if upcoming is not None:
                 upcoming.add_done_callback(self._hinted)
 

@@ -48,7 +48,7 @@ from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
 from prefixrun.engine.cache.keys import layout_key, model_key  # noqa: F401 (the engine's keys, named here too)
 from prefixrun.engine.cache.kv_blocks import block_rows
 from prefixrun.engine.cache.pending_key import PendingKey
-from prefixrun.engine.cache.read_ahead import ReadAhead, ReadAheadSlot
+from prefixrun.engine.cache.read_ahead import ReadAhead, ReadAheadSlot, no_wait
 from prefixrun.engine.cache.results import StoredCheckpoint
 from prefixrun.engine.cache.store import CheckpointStore, StoreError, StoreKey
 from prefixrun.engine.cache.write_policy import WritePolicy
@@ -177,6 +177,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self._ahead_queue: queue.Queue = queue.Queue()
         self._staging: queue.Queue = queue.Queue()  # (slot, bytes, checkpoint or None, read seconds): to check, upload
         self._ahead_thread: BackgroundTask | None = None
+        self._ahead_gate = no_wait  # called before the read-ahead's first read (`read_ahead_after`)
         # as much as the writer may hold: a window's documents should all fit (one that does not is read on the
         # engine's critical path)
         self.max_prefetch_bytes = max_pending_write_bytes()

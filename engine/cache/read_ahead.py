@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
 from prefixrun.engine.cache.results import StoredCheckpoint
@@ -95,6 +96,13 @@ class ReadAhead:
         self._ahead_queue.put(chosen)
 
 
+    def read_ahead_after(self, wait: Callable[[], object]):
+        """The read-ahead reads no file before `wait()` has returned (called on its thread before its first read),
+        e.g. until the weights' reads are over (`loader.Loading.wait_weight_reads`): both read gigabytes of files
+        at memory speed, and beside each other they share the memory bandwidth and the interpreter's lock, while
+        it is the weights the load waits for and the entries are needed only after it."""
+        self._ahead_gate = wait
+
     def _read_ahead(self, stop):
         """On the prefetch thread: read the chosen entries in order; each read entry goes to the staging thread
         (checked against the model, its K/V rows moved to the device) while this one reads the next (the check
@@ -105,6 +113,9 @@ class ReadAhead:
                 job = self._ahead_queue.get()
                 if job is None:
                     return
+                self._ahead_gate()
+                self._ahead_gate = no_wait
+                self._mark("read_ahead_gate_open")
                 for prefix, nbytes, resident in job:
                     with self._ahead_lock:
                         slot = self._ahead.get(prefix)
@@ -255,6 +266,10 @@ class ReadAhead:
     def stop_read_ahead(self):
         """Stop the read-ahead and forget what it read (e.g. the run stops before its engine exists)."""
         self._stop_read_ahead()
+
+
+def no_wait():
+    """The read-ahead's gate when nothing is to be waited for (`read_ahead_after`)."""
 
 
 class _Resident:

@@ -130,6 +130,13 @@ class Loading:
         finally:
             self.digest_seconds = round(time.perf_counter() - started, 4)
 
+    def wait_weight_reads(self, timeout: float = _READS_WAIT_S) -> bool:
+        """Wait until the weights' read-ahead has read its last byte (at once where none runs; at most `timeout`
+        seconds). Other bulk reads of the host's files (the persistent cache's read-ahead) start then: beside the
+        weights' reads they share the memory bandwidth and the interpreter's lock with them, and it is the weights
+        the load waits for. False when `timeout` passed first."""
+        return self.tensors.wait_read_ahead(timeout)
+
     def state_specs(self):
         """The state regions the model will have, from a dry build (no weight is uploaded; engine/load/gemm_plan.py)."""
         if self._specs is None:

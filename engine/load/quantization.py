@@ -219,6 +219,9 @@ class QuantizedTensors:
     def read_ahead(self, names: list[str], start_reads) -> None:
         self._t.read_ahead(names, start_reads)
 
+    def wait_read_ahead(self, timeout: float | None = None) -> bool:
+        return self._t.wait_read_ahead(timeout)
+
     def end_read_ahead(self) -> dict | None:
         return self._t.end_read_ahead()
 

@@ -146,6 +146,11 @@ class CheckpointTensors:
         self._ahead.close()
         self._ahead = start_reads(self.tensor_spans(names))
 
+    def wait_read_ahead(self, timeout: float | None = None) -> bool:
+        """Wait until the read-ahead has read its last byte (at once where none runs); False when `timeout` passed
+        first."""
+        return self._ahead.wait_read(timeout)
+
     def end_read_ahead(self) -> dict | None:
         """Stop the read-ahead (whatever was not taken is dropped); what it did, or None when none ran."""
         ahead, self._ahead = self._ahead, NO_READ_AHEAD
