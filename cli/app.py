@@ -377,6 +377,26 @@ def inspect_cache(
     raise typer.Exit(code)
 
 
+@app.command("compile-kernels")
+def compile_kernels(
+    workers: Annotated[Optional[int], typer.Option(min=1, help="threads compiling side by side (default: the "
+                                                   "cores this process may use)", show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+):
+    """Compile every CUDA kernel module ahead into the kernel cache folder ($CUPY_CACHE_DIR, else
+    ~/.cupy/kernel_cache), for this machine's GPU, so that no run compiles (an image build, a Slurm prolog)."""
+    from prefixrun.cli.compile_kernels import NoGpu, compile_everything, report_text
+
+    reporter = RunReporter()
+    try:
+        report = compile_everything(workers)
+    except NoGpu as exc:
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
+    print(report_text(report, json_out))
+    raise typer.Exit(io.EXIT_FAILURE if report.failed else io.EXIT_OK)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
     ctx: typer.Context,

@@ -11,11 +11,21 @@ if TYPE_CHECKING:  # the package itself imports no numpy: kernels/driver_context
     from prefixrun.kernels.ops import Ops
 
 
+def import_cupy():
+    """CuPy, imported once its kernel cache folder is checked (kernels/kernel_cache.py: a folder that cannot be
+    written costs a warning, not the import)."""
+    from prefixrun.kernels.kernel_cache import prepare_cupy_cache
+
+    prepare_cupy_cache()
+    import cupy
+
+    return cupy
+
+
 def cuda_available() -> bool:
     """True when CuPy imports and sees at least one GPU (never raises)."""
     try:
-        import cupy  # noqa: F401
-
+        cupy = import_cupy()
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # ImportError, CUDARuntimeError, missing driver libraries ...
         return False
@@ -24,8 +34,7 @@ def cuda_available() -> bool:
 def cuda_device_count() -> int:
     """How many GPUs CuPy sees (0 without CuPy or a driver; never raises)."""
     try:
-        import cupy
-
+        cupy = import_cupy()
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return 0

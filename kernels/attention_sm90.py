@@ -14,12 +14,14 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
+import atexit
+import functools
 from pathlib import Path
 
 import cupy
 import numpy as np
 
+from prefixrun.kernels import compile_pool, kernel_cache
 from prefixrun.kernels.cuda_modules import include_options, kernel_source
 from prefixrun.kernels.tuning import WGMMA_HEAD_DIMS as HEAD_DIMS
 from prefixrun.kernels.tuning import WGMMA_ROWS_PER_BLOCK as ROWS_PER_BLOCK
@@ -67,7 +69,8 @@ def _module_of(schedule: str, kv: str | None = None) -> str:
 
 _NAMES = {m: [kernel_name(d, s) for d in HEAD_DIMS for s in SCHEDULES if _module_of(s) == m] for m in ("base", "ws")}
 _NAMES["q8"] = [kernel_name(d, "serial", kv) for d in HEAD_DIMS for kv in KV8_TYPES]
-_LOCK = threading.Lock()
+_MODULES = compile_pool.OnceEach()  # (device, module) -> its kernels by name
+MODULES = ("base", "q8", "ws")
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 _SMEM_SET: set[tuple[int, int]] = set()
 
@@ -81,7 +84,7 @@ def available() -> bool:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+    return kernel_cache.cupy_cache_dir()
 
 
 def _build(module: str) -> tuple[Path, dict[str, str]]:
@@ -112,12 +115,26 @@ def _build(module: str) -> tuple[Path, dict[str, str]]:
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
     finally:
         nvrtc.destroyProgram(prog)
-    folder.mkdir(parents=True, exist_ok=True)
-    for path, data in ((cubin, binary), (lowered_file, json.dumps(lowered).encode())):
-        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as tmp:  # atomic: concurrent processes
-            tmp.write(data)
-        os.replace(tmp.name, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, data in ((cubin, binary), (lowered_file, json.dumps(lowered).encode())):
+            with tempfile.NamedTemporaryFile(dir=folder, delete=False) as tmp:  # atomic: concurrent processes
+                tmp.write(data)
+            os.replace(tmp.name, path)
+    except OSError as exc:  # a folder that cannot be written: this process's copy only (one warning)
+        kernel_cache.warn_unwritable(folder, exc.strerror or type(exc).__name__)
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as tmp:
+            tmp.write(binary)
+        atexit.register(_unlink, tmp.name)
+        return Path(tmp.name), lowered
     return cubin, lowered
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _function(head_dim: int, schedule: str, kv: str | None = None):
@@ -125,20 +142,31 @@ def _function(head_dim: int, schedule: str, kv: str | None = None):
     name = kernel_name(head_dim, schedule, kv)
     fn = _FUNCTIONS.get((dev, name))
     if fn is None:
-        with _LOCK:
-            fn = _FUNCTIONS.get((dev, name))
-            if fn is None:
-                module_name = _module_of(schedule, kv)
-                cubin, lowered = _build(module_name)
-                module = cupy.RawModule(path=str(cubin))
-                for n in _NAMES[module_name]:
-                    _FUNCTIONS[(dev, n)] = module.get_function(lowered[n])
-                fn = _FUNCTIONS[(dev, name)]
+        fn = _FUNCTIONS[(dev, name)] = load(_module_of(schedule, kv), dev)[name]
     smem = shared_bytes(head_dim, schedule, kv)
     if (id(fn), smem) not in _SMEM_SET:
         fn.max_dynamic_shared_size_bytes = smem
         _SMEM_SET.add((id(fn), smem))
     return fn
+
+
+def load(module_name: str, device: int) -> dict:
+    """The kernels of `module_name` ("base", "q8", "ws") on `device` by name: built (or read from the cache
+    folder) and loaded once per process, under that module's own lock."""
+    return _MODULES.get((device, module_name), lambda: _load(module_name, device))
+
+
+def _load(module_name: str, device: int) -> dict:
+    with cupy.cuda.Device(device):
+        cubin, lowered = _build(module_name)
+        module = cupy.RawModule(path=str(cubin))
+        return {n: module.get_function(lowered[n]) for n in _NAMES[module_name]}
+
+
+def jobs(device: int, modules=("ws",)) -> list[compile_pool.Job]:
+    """Pool jobs (kernels/compile_pool.py) building `modules` on `device`; the default: what `compile_module`
+    builds."""
+    return [compile_pool.Job(f"attention_sm90.{m}", functools.partial(load, m, device), 60.0) for m in modules]
 
 
 def compile_module():

@@ -1,97 +1,30 @@
-"""The CUDA kernels' NVRTC modules: kernels/<file>.cu and the template instantiations each exports, compiled once
-per process and device (CuPy RawModule, the device's own architecture, C++17) and looked up by name.
+"""The CUDA kernels' NVRTC modules: each compile unit of kernels/<file>.cu (kernels/kernel_units.py) compiled once
+per process and device (CuPy RawModule, the device's own architecture, C++17), and its kernels looked up by name.
 
-CuPy keeps compiled modules in its disk cache, so a process after the first loads them rather than compiling.
+CuPy keeps compiled modules in its disk cache (kernels/kernel_cache.py: where, and a folder it cannot write), so a
+process after the first loads them rather than compiling. Each unit has a lock of its own (a step waits only for
+the unit it needs), and `start_loading` compiles many at once on a pool of threads (kernels/compile_pool.py).
 """
 from __future__ import annotations
 
-import threading
+import functools
 from pathlib import Path
 
 import cupy
 
-from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
-    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
-    SSD_TC_STATES, attn_tile_keys
+from prefixrun.kernels import compile_pool, kernel_cache
+from prefixrun.kernels.kernel_units import CONV_WIDTHS, KERNEL_NAMES, KV8_MMA_HEAD_DIMS, KV8_TYPES, \
+    MMA_HEAD_DIMS, PREPARED_FILES, UNITS, ModuleUnit, kernel_source, unit_of, units_of
 
-# ---- kernel sources and the template instantiations each file exports --------------------------------------------
-_KERNEL_DIR = Path(__file__).parent
-_T = ("float", "bf16")
+__all__ = ["CONV_WIDTHS", "KERNEL_NAMES", "KV8_MMA_HEAD_DIMS", "KV8_TYPES", "MMA_HEAD_DIMS", "PREPARED_FILES",
+           "UNITS", "compile_all", "include_options", "kernel", "kernel_source", "load_unit", "start_loading"]
 
-
-def _elementwise_names() -> list[str]:
-    names = []
-    for ti in _T:
-        for to in _T:
-            for c in NORM_CHUNKS:
-                names += [f"row_norm_kernel<{ti}, {ti}, {to}, 0, {c}>", f"row_norm_kernel<{ti}, {ti}, {to}, 1, {c}>"]
-                names += [f"row_norm_kernel<{ti}, {tg}, {to}, 2, {c}>" for tg in _T]
-            names += [f"embed_kernel<{ti}, {to}>", f"write_kv_kernel<{ti}, {to}>", f"add_kernel<{ti}, {to}>",
-                      f"cast_kernel<{ti}, {to}>"]
-        names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
-                  f"clamped_swiglu_kernel<{ti}>",
-                  f"sigmoid_kernel<{ti}>", f"scale_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>",
-                  f"sigmoid_mul_kernel<{ti}>", f"mul_kernel<{ti}>"]
-        names += [f"add_rms_norm_kernel<{ti}, {c}>" for c in NORM_CHUNKS]
-        names += [f"qk_norm_rotary_kernel<{ti}, {nm}>" for nm in ("true", "false")]
-    names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]
-    return names
-
-
-CONV_WIDTHS = range(2, 9)  # the causal convolution's kernel widths K (kernels/conv.cu)
-MMA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 192, 256)  # head dims of attn_mma_kernel (kernels/attention.cu)
-KV8_TYPES = ("signed char", "e4m3")  # the 8-bit K/V storage types of kernels/common.cu
-# head dims of attn_mma_kernel over 8-bit caches (the common ones: the module compiles in about half the time of all
-# eight); other head dims read 8-bit caches through the scalar kernel
-KV8_MMA_HEAD_DIMS = (64, 128, 256)
-_SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
-_TENSOR_CORE_FILES = ("delta_tc", "ssd_tc")  # files compiled after kernels/tc_mma.cu (their mma.sync helpers)
-
-
-KERNEL_NAMES = {
-    "elementwise": _elementwise_names(),
-    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T
-             for kk in CONV_WIDTHS],
-    "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
-    + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
-
-    + [f"gdn_chunk_{p}_kernel<{t}, {pc}>" for p in ("prep", "scan") for t in _T for pc in ("false", "true")],
-    "kda": [f"kda_steps_kernel<{t}, {d}, {w}, {c // 4}, {KDA_STAGED_TOKENS}>" for t in _T for d in GDN_KEY_DIMS
-            for w, c in GDN_DECODE_BLOCKS[:1]],
-    "delta_tc": [k.format(d=d) for k in GDN_TC_PREP_KERNELS.values() for d in GDN_TC_DIMS]
-    + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
-    "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in MMA_HEAD_DIMS for bn in attn_tile_keys(d)
-                  for nw in ATTN_WARPS]
-    + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
-    # 8-bit K/V (--kv-cache-dtype fp8 / int8): kernels/attention.cu's instantiations for 8-bit caches, a module of
-    # their own so that runs without them never compile them
-    "attention_q8": [f"attn_mma_kernel<{d}, {bn}, {nw}, {kv}>" for d in KV8_MMA_HEAD_DIMS
-                     for bn in attn_tile_keys(d) for nw in ATTN_WARPS for kv in KV8_TYPES]
-    + [f"attn_scalar_kernel<{t}, {kv}>" for t in _T for kv in KV8_TYPES]
-    + [f"write_kv_q8_kernel<{t}, {kv}>" for t in _T for kv in KV8_TYPES] + ["attn_combine_kernel"],
-    "sampling": ["sample_kernel", "feed_tokens_kernel", "token_bitmask_kernel"],
-    "logits": ["process_logits_kernel", "token_logprobs_kernel"],
-    "spec_rows": [f"conv_snapshot_kernel<{t}, {ts}>" for t in _T for ts in _T]
-    + [f"gdn_rows_kernel<{t}, {pc}>" for t in _T for pc in ("false", "true")],
-    "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T]
-    + [f"fp8_quant_groups_kernel<{t}, {v}>" for t in _T for v in ("false", "true")]
-    + ["fp8w_gemm_kernel", "fp8w_finish_kernel"],
-    "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "decode", "chunk_state", "chunk_out") for t in _T]
-    + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
-    + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
-    "ssd_tc": [f"ssd_tc_kernel<{n}, {b}>" for n in SSD_TC_STATES for b in SSD_TC_BLOCKS],
-    "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
-            "moe_permute_small_kernel"]
-    + [f"moe_gemm_mma_kernel<bf16, {n}>" for n in MOE_GEMM_STAGES] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
-    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")]
-    + [f"moe_bias_kernel<{t}>" for t in _T],
-}
-
-_MODULES: dict[tuple[int, str], cupy.RawModule] = {}
+kernel_cache.tolerate_unwritable()
+_MODULES = compile_pool.OnceEach()  # (device, unit key) -> its loaded cupy.RawModule
 _FUNCTIONS: dict[tuple[int, str, str], object] = {}
-_COMPILE_LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
 def include_options() -> tuple[str, ...]:
     """-I for a CUDA include directory holding cuda_bf16.h (CuPy's CUDA path, the nvidia wheels, the toolkit)."""
     import os
@@ -120,41 +53,52 @@ def include_options() -> tuple[str, ...]:
     return ()
 
 
-def kernel_source(file: str) -> str:
-    """The text NVRTC compiles for the module `file`: common.cu, tc_mma.cu for the tensor-core files, then
-    kernels/<file>.cu (or the file it shares)."""
-    source = _SOURCE_OF.get(file, file)
-    parts = ["common"] + (["tc_mma"] if source in _TENSOR_CORE_FILES else []) + [source]
-    return "\n".join((_KERNEL_DIR / f"{part}.cu").read_text() for part in parts)
-
-
 def kernel(file: str, name: str):
-    """The compiled kernel `name` of kernels/<file>.cu on the current device (compiled once per process)."""
+    """The compiled kernel `name` of kernels/<file>.cu on the current device (its unit compiled once per process)."""
     dev = cupy.cuda.Device().id
     key = (dev, file, name)
     fn = _FUNCTIONS.get(key)
-    if fn is not None:
-        return fn
-    with _COMPILE_LOCK:
-        mod = _MODULES.get((dev, file))
-        if mod is None:
-            mod = cupy.RawModule(code=kernel_source(file), options=("-std=c++17",) + include_options(),
-                                 name_expressions=KERNEL_NAMES[file])
-            _MODULES[(dev, file)] = mod
-        fn = _FUNCTIONS[key] = mod.get_function(name)
+    if fn is None:
+        fn = _FUNCTIONS[key] = load_unit(unit_of(file, name), dev).get_function(name)
     return fn
 
 
-def compile_all():
-    """Compile every kernel file now (otherwise each compiles on first use)."""
-    for file, names in KERNEL_NAMES.items():
-        kernel(file, names[0])
+def load_unit(unit: ModuleUnit, device: int | None = None) -> cupy.RawModule:
+    """`unit`'s module on `device` (None: the current one): compiled, or loaded from CuPy's cache, on first use."""
+    dev = cupy.cuda.Device().id if device is None else device
+    return _MODULES.get((dev, unit.key), lambda: _compile(unit, dev))
 
 
-# What `CudaOps.prepare_kernels` loads ahead (kernels/cuda_warmup.py), in the order a first prefill step needs them.
-# Not the multi-row (speculative) or MoE files: a decode step's capture waits for the loader thread, and where
-# CuPy compiles them (the very first run; every process with CuPy < 14.2, whose cache skipped modules with
-# name_expressions) that would hold up every run's decode for a file most runs never use.
-# A module's first use in a fresh process costs its load from CuPy's disk cache and a lazy load of each function:
-# host time in the first steps, while the GPU idles.
-PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", "sampling")
+def _compile(unit: ModuleUnit, device: int) -> cupy.RawModule:
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=kernel_source(unit.file), options=("-std=c++17",) + include_options(),
+                                name_expressions=list(unit.names))
+        module.compile()  # RawModule compiles lazily: here, under this unit's lock
+    return module
+
+
+def unit_jobs(units: list[ModuleUnit], device: int) -> list[compile_pool.Job]:
+    """A pool job per unit (its cost: how many instantiations it holds, times the file's weight)."""
+    return [compile_pool.Job(unit.key, functools.partial(load_unit, unit, device), unit_cost(unit)) for unit in units]
+
+
+def unit_cost(unit: ModuleUnit) -> float:
+    return len(unit.names) * FILE_WEIGHT.get(unit.file, 1.0)
+
+
+# a rough compile time per instantiation relative to an element-wise kernel's: orders the pool's queue only
+FILE_WEIGHT = {"attention": 6.0, "attention_q8": 6.0, "delta_tc": 20.0, "ssd_tc": 15.0, "moe": 3.0,
+               "delta_rule": 3.0, "kda": 3.0, "fp8": 3.0, "mamba": 2.0}
+
+
+def start_loading(files=tuple(KERNEL_NAMES), device: int | None = None,
+                  workers: int | None = None) -> compile_pool.CompileRun:
+    """Begin compiling (or loading from the cache) every unit of `files` on `device` side by side; returns at
+    once. A unit made already costs nothing; one in the making is waited for, never made twice."""
+    dev = cupy.cuda.Device().id if device is None else device
+    return compile_pool.start(unit_jobs(units_of(files), dev), workers)
+
+
+def compile_all(workers: int | None = None) -> list[compile_pool.JobResult]:
+    """Compile every unit of every kernel file now, side by side (otherwise each compiles on first use)."""
+    return start_loading(workers=workers).wait()

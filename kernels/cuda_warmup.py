@@ -6,8 +6,9 @@ warm and bench/firstuse_probe.py; figures in docs/PERFORMANCE.md, "Measurements 
 CUDA's lazy loading (the default since 12.2) code reaches the device when first needed, and loading a module waits
 for the device queue to drain (fetching a function of a loaded module, its first launch, a new pinned or device
 block are cheap); so a first use behind a queued prefill step costs the host the rest of the step:
-- our NVRTC modules (kernels/*.cu, PREPARED_FILES): loaded from CuPy's cache (compiled on the very first run), and
-  every function fetched (cheap; the module is then wholly ready).
+- our NVRTC modules (kernels/*.cu, PREPARED_FILES): loaded from CuPy's cache (compiled on the very first run, every
+  unit side by side: kernels/compile_pool.py; a bring-up at the process's start, `start_early`, began them beside
+  the weights' reads), and every function fetched (cheap; the module is then wholly ready).
 - cuBLAS: each new GEMM shape runs the heuristics and loads the kernel they pick, which differs by M range (the
   first logits GEMM of a step costs hundreds of times its warm time). Each product of the model's `KernelPlan`
   (the loader derives it from the model, engine/load/gemm_plan.py) runs once per row count of its ladder
@@ -29,11 +30,11 @@ import time
 import cupy
 import numpy as np
 
-from prefixrun.kernels import attention_sm90
+from prefixrun.kernels import attention_sm90, compile_pool
 from prefixrun.kernels.cublas import Cublas, get_cublas
 from prefixrun.kernels.cublaslt import PinnedGemm, get_pinned_gemm
 from prefixrun.kernels.cuda_arrays import F32
-from prefixrun.kernels.cuda_modules import KERNEL_NAMES, kernel
+from prefixrun.kernels.cuda_modules import KERNEL_NAMES, PREPARED_FILES, kernel, unit_jobs, unit_of, units_of
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
 
 # with no plan (a caller that knows no model): one tiny product per output kind, for cuBLAS's one-time set-up
@@ -53,9 +54,7 @@ def prepare(device: int, act_dtype, plan_fn, files, deterministic: bool = False,
     # (times: perf_counter; gemms_stopped: the engine's own GEMMs began before the last planned product)
     with cupy.cuda.Device(device):
         t0 = time.perf_counter()
-        load_modules(files, account)
-        if attention_sm90.available():
-            _guarded(account, "attention_sm90", attention_sm90.compile_module)
+        load_modules(files, account, device, sm90=attention_sm90.available())
         _guarded(account, "cupy kernels", warm_array_kernels, np.dtype(act_dtype))
         account["modules_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -74,12 +73,31 @@ def _guarded(account: dict, what: str, fn, *args):
         return None
 
 
-def load_modules(files, account: dict):
-    """Compile or load each file's module and fetch every function it exports (loads each function's code)."""
+def load_modules(files, account: dict, device: int | None = None, sm90: bool = False):
+    """Compile or load every unit of `files` (and, `sm90`, the Hopper attention module) side by side on a pool of
+    threads (kernels/compile_pool.py; units a bring-up started already are waited for, never made twice), then
+    fetch every function each file exports (loads each function's code). Per-unit seconds go to the account."""
+    dev = cupy.cuda.Device().id if device is None else device
+    jobs = unit_jobs(units_of(files), dev) + (attention_sm90.jobs(dev) if sm90 else [])
+    results = compile_pool.run_all(jobs)
+    account["units"] = {r.name: r.seconds for r in results}
+    account["errors"] += [f"{r.name}: {r.error}"[:300] for r in results if r.error]
+    failed = {r.name for r in results if r.error}
     for file in files:
         for name in KERNEL_NAMES[file]:
-            if _guarded(account, f"{file} {name}", kernel, file, name) is None:
-                break  # the module itself failed: its other functions would fail the same way
+            if unit_of(file, name).key not in failed:
+                _guarded(account, f"{file} {name}", kernel, file, name)
+
+
+def start_early(device: int) -> compile_pool.CompileRun:
+    """Begin the modules `CudaOps.prepare_kernels` will load (PREPARED_FILES; the Hopper attention module where it
+    runs) at the process's start, beside the weights' reads: on a machine whose kernel cache is empty their
+    compile is most of a first run's start-up. Returns at once; the loader later waits for what is left."""
+    jobs = unit_jobs(units_of(PREPARED_FILES), device)
+    with cupy.cuda.Device(device):
+        if attention_sm90.available():
+            jobs += attention_sm90.jobs(device)
+    return compile_pool.start(jobs)
 
 
 def warm_array_kernels(act: np.dtype):

@@ -1,6 +1,7 @@
 """The GPU brought up on a thread while the process reads its model's files: CuPy imported, the CUDA context
-made, the CUDA backend's modules imported, cuBLAS loaded with its handle, the pinned ring of the weight reads
-(kernels/cuda_weight_reads.py) allocated.
+made, the CUDA backend's modules imported, the kernel modules a run's first steps need begun on a pool of threads
+(kernels/cuda_warmup.py start_early: compiled there on a machine whose kernel cache is empty), cuBLAS loaded with
+its handle, the pinned ring of the weight reads (kernels/cuda_weight_reads.py) allocated.
 
 Each of these is a fixed cost of a fresh process (the context and cuBLAS's libraries alone take a good part of a
 second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the run's
@@ -74,8 +75,9 @@ def _bring_up():
         return now
 
     try:
-        import cupy
+        from prefixrun.kernels import import_cupy
 
+        cupy = import_cupy()
         t = step("import_cupy", t0)
         if cupy.cuda.runtime.getDeviceCount() > 0:
             device = cupy.cuda.Device(0)
@@ -95,6 +97,10 @@ def _bring_up():
             t = step("import_backend", t)
             _figures["backend_at"] = t
             _backend.set()
+            from prefixrun.kernels.cuda_warmup import start_early
+
+            start_early(device.id)
+            t = step("kernel_units_started", t)
             get_cublas()
             step("cublas", t)
     except Exception as error:  # noqa: BLE001 - the backend's own start reports it

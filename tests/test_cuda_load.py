@@ -145,7 +145,7 @@ def test_kernels_load_in_the_background_while_ops_run():
 import numpy as np, time
 from prefixrun.kernels import cuda, cuda_modules
 from prefixrun.kernels.reference import NumpyOps
-assert not cuda_modules._MODULES
+assert not cuda_modules._MODULES.keys()
 ops = cuda.CudaOps("float32")
 t0 = time.perf_counter()
 ops.prepare_kernels()
@@ -161,7 +161,8 @@ np.testing.assert_allclose(ops.to_host(ops.linear(ops.upload(a), ops.upload(b)))
 ops._preparing.join(timeout=600)
 assert not ops._preparing.is_alive()
 dev = cuda.cupy.cuda.Device().id
-missing = [f for f in cuda_modules.PREPARED_FILES if (dev, f) not in cuda_modules._MODULES]
+missing = [u.key for f in cuda_modules.PREPARED_FILES for u in cuda_modules.UNITS[f]
+           if not cuda_modules._MODULES.made((dev, u.key))]
 assert not missing, missing
 print("ok")
 """

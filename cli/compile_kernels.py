@@ -1,0 +1,110 @@
+"""`prefixrun compile-kernels`: every CUDA kernel module compiled ahead into the kernel cache folder, side by side
+on the machine's cores, so that no run pays for it (a container image's build on a GPU builder, a Slurm prolog,
+a node's first boot). What it compiled, how long each took and where the binaries went are reported.
+
+The binaries are for this machine's GPU architecture and CUDA compiler (kernels/kernel_cache.py says what keys
+them), so the command needs the GPU the runs will use, or one of the same architecture.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SLOWEST_SHOWN = 10
+
+
+class NoGpu(Exception):
+    """The command cannot run here: no CuPy or no GPU."""
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """One compile-kernels run: each unit's seconds (or error), the wall, the pool's threads, the cache folder and
+    the bytes of binaries new in it."""
+    units: list[dict]
+    seconds: float
+    workers: int
+    cache_dir: str
+    new_files: int
+    new_bytes: int
+    device: str
+
+    @property
+    def failed(self) -> list[dict]:
+        return [u for u in self.units if u["error"]]
+
+    def as_json(self) -> dict:
+        return {"seconds": self.seconds, "workers": self.workers, "serial_seconds": self.serial_seconds(),
+                "modules": len(self.units), "failed": len(self.failed), "cache_dir": self.cache_dir,
+                "new_files": self.new_files, "new_bytes": self.new_bytes, "device": self.device,
+                "units": self.units}
+
+    def serial_seconds(self) -> float:
+        return round(sum(u["seconds"] for u in self.units), 3)
+
+    def lines(self) -> list[str]:
+        """The report as a user reads it: a summary, the slowest units, every failure."""
+        mib = self.new_bytes / (1 << 20)
+        out = [f"compiled {len(self.units) - len(self.failed)} of {len(self.units)} kernel modules in "
+               f"{self.seconds:.1f} s on {self.workers} threads ({self.serial_seconds():.1f} s of compiling, "
+               f"one after another); {self.new_files} new files ({mib:.1f} MiB) in {self.cache_dir}",
+               f"device: {self.device}"]
+        slowest = sorted(self.units, key=lambda u: -u["seconds"])[:SLOWEST_SHOWN]
+        out.append("slowest: " + ", ".join(f"{u['name']} {u['seconds']:.1f} s" for u in slowest))
+        out += [f"failed: {u['name']}: {u['error']}" for u in self.failed]
+        return out
+
+
+def compile_everything(workers: int | None) -> CompileReport:
+    """Compile (or find in the cache) every unit of every kernel file and, on Hopper, each sm_90a attention
+    module, on `workers` threads (None: the cores). Raises NoGpu without CuPy or a GPU."""
+    from prefixrun.kernels import cuda_available
+
+    if not cuda_available():
+        raise NoGpu("compile-kernels compiles for this machine's GPU, and CuPy sees none (is CuPy installed, "
+                    "pip install 'prefixrun[cuda12]' or '[cuda13]', and a GPU visible?)")
+    import cupy
+
+    from prefixrun.kernels import attention_sm90, compile_pool, cuda_modules
+    from prefixrun.kernels.kernel_cache import cupy_cache_dir
+
+    folder = cupy_cache_dir()
+    before = _files(folder)
+    device = cupy.cuda.Device().id
+    jobs = cuda_modules.unit_jobs(cuda_modules.units_of(cuda_modules.KERNEL_NAMES), device)
+    if attention_sm90.available():
+        jobs += attention_sm90.jobs(device, attention_sm90.MODULES)
+    t0 = time.perf_counter()
+    run = compile_pool.start(jobs, workers)
+    results = run.wait()
+    seconds = time.perf_counter() - t0
+    after = _files(folder)
+    new = set(after) - set(before)
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    name = props["name"].decode("utf-8", "replace") if isinstance(props["name"], bytes) else str(props["name"])
+    return CompileReport(
+        units=sorted(({"name": r.name, "seconds": r.seconds, "error": r.error} for r in results),
+                     key=lambda u: u["name"]),
+        seconds=round(seconds, 3), workers=run.workers, cache_dir=str(folder), new_files=len(new),
+        new_bytes=sum(after[f] for f in new), device=f"{name}, sm_{props['major']}{props['minor']}")
+
+
+def _files(folder: Path) -> dict[str, int]:
+    """Name -> size of the files in the cache folder ({} where it cannot be listed)."""
+    sizes = {}
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return sizes
+    for path in entries:
+        try:
+            sizes[path.name] = path.stat().st_size
+        except OSError:  # removed meanwhile
+            pass
+    return sizes
+
+
+def report_text(report: CompileReport, as_json: bool) -> str:
+    return json.dumps(report.as_json(), indent=2) if as_json else "\n".join(report.lines())

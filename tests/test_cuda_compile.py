@@ -1,0 +1,119 @@
+"""Kernel modules compiled on a GPU machine whose kernel cache is empty: `prefixrun compile-kernels` compiles every
+unit side by side (faster than their sum) and a second run finds them all in the cache; a unit split from a file
+holds each kernel's machine code bit for bit as the whole file's program does; a cache folder that cannot be
+created or written costs one warning, not the run. Skipped without CuPy and a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+def _run(args: list[str], cache_dir, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUPY_CACHE_DIR=str(cache_dir))
+    env.pop("CUPY_CACHE_IN_MEMORY", None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_compile_kernels_fills_an_empty_cache_side_by_side_and_a_second_run_compiles_nothing(tmp_path):
+    cache = tmp_path / "kernel_cache"
+    first = _run(["-m", "prefixrun.cli.launch", "compile-kernels", "--json"], cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads(first.stdout)
+    from prefixrun.kernels.kernel_units import UNITS
+
+    names = {u["name"] for u in report["units"]}
+    assert {unit.key for units in UNITS.values() for unit in units} <= names
+    assert report["failed"] == 0 and report["new_files"] >= len(names)
+    if report["workers"] >= 4:
+        assert report["seconds"] < 0.6 * report["serial_seconds"], report  # side by side, not one after another
+    again = json.loads(_run(["-m", "prefixrun.cli.launch", "compile-kernels", "--json"], cache).stdout)
+    assert again["failed"] == 0 and again["new_files"] == 0
+    assert again["seconds"] < max(5.0, report["seconds"] / 4), again
+
+
+def _text_sections(cubin: bytes) -> dict[str, bytes]:
+    """An ELF64 cubin's `.text.<kernel>` sections (each kernel's machine code) by name."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+
+    def name(offset: int) -> str:
+        end = cubin.index(b"\0", names_at + offset)
+        return cubin[names_at + offset:end].decode()
+
+    return {name(h[0]): cubin[h[4]:h[4] + h[5]] for h in headers if name(h[0]).startswith(".text.")}
+
+
+def test_a_split_unit_holds_each_kernel_s_code_as_the_whole_file_does():
+    from cupy.cuda import compiler
+
+    from prefixrun.kernels import compile_pool
+    from prefixrun.kernels.cuda_modules import include_options
+    from prefixrun.kernels.kernel_units import KERNEL_NAMES, UNITS, kernel_source
+
+    options = ("-std=c++17", "-ftz=true") + include_options()
+    arch = cupy.cuda.Device().compute_capability
+    programs = {}
+
+    def build(key, file, names):
+        cubin, mapping = compiler.compile_using_nvrtc(kernel_source(file), options, arch, name_expressions=names,
+                                                      cache_in_memory=True)
+        programs[key] = (_text_sections(cubin), mapping)
+
+    jobs = []
+    for file in ("delta_tc", "attention"):
+        jobs.append(compile_pool.Job(file, lambda f=file: build(("whole", f), f, KERNEL_NAMES[f]), 9.0))
+        for unit in UNITS[file][:3]:
+            jobs.append(compile_pool.Job(unit.key, lambda u=unit: build(("unit", u.key), u.file, list(u.names))))
+    results = compile_pool.run_all(jobs)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    compared = 0
+    for file in ("delta_tc", "attention"):
+        whole, whole_names = programs[("whole", file)]
+        for unit in UNITS[file][:3]:
+            sections, names = programs[("unit", unit.key)]
+            for name in unit.names:
+                section = ".text." + names[name]
+                assert names[name] == whole_names[name]
+                assert sections[section] == whole[section], (unit.key, name)
+                compared += 1
+    assert compared >= 6
+
+
+def test_a_cache_folder_that_cannot_be_created_compiles_in_memory_with_one_warning(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = ("from prefixrun.kernels import cuda_available; assert cuda_available()\n"
+            "from prefixrun.kernels.cuda_modules import kernel\n"
+            "kernel('sampling', 'sample_kernel'); kernel('logits', 'token_logprobs_kernel'); print('ok')")
+    res = _run(["-c", code], blocker / "kernel_cache")
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    warnings = [line for line in res.stderr.splitlines() if "kernel cache folder" in line]
+    assert len(warnings) == 1 and "compiled in memory" in warnings[0], res.stderr
+
+
+def test_a_cache_write_that_fails_is_skipped_with_one_warning(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = ("from prefixrun.kernels import cuda_available; assert cuda_available()\n"
+            "from prefixrun.kernels import cuda_modules\n"
+            "from cupy.cuda import compiler\n"
+            f"compiler._kernel_cache_backend._cache_dir = {str(blocker)!r}  # every write now fails\n"
+            "cuda_modules.kernel('sampling', 'sample_kernel'); cuda_modules.kernel('logits', 'token_logprobs_kernel')\n"
+            "print('ok')")
+    res = _run(["-c", code], tmp_path / "kernel_cache")
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    warnings = [line for line in res.stderr.splitlines() if "kernel cache folder" in line]
+    assert len(warnings) == 1, res.stderr
