@@ -16,7 +16,6 @@ the read-ahead never decides an answer or an error.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prefixrun.kernels.file_reads import FileSpan, Placement, RingReader
+from prefixrun.kernels.switch_interval import short_switches
 
 
 @dataclass(frozen=True)
@@ -53,37 +53,6 @@ class ReadFigures:
         return {"planned_bytes": self.planned_bytes, "read_bytes": self.read_bytes, "taken_bytes": self.taken_bytes,
                 "tensors": self.tensors, "seconds": round(self.seconds, 4),
                 "setup_seconds": round(self.setup_seconds, 4), "bytes_per_second": round(rate), "error": self.error}
-
-
-SWITCH_INTERVAL_S = 0.0002  # the interpreter's switch interval while reading (see _ShortSwitches)
-
-
-class _ShortSwitches:
-    """While any reads run, the interpreter hands its lock between threads every SWITCH_INTERVAL_S instead of its
-    default 5 ms. Each reading thread needs the lock for a moment after each of its reads; behind a thread running
-    Python (the build, imports, the kernels' warm-up) it waited up to a whole interval each time, and the reads
-    fell more than tenfold beside one busy thread (docs/PERFORMANCE.md, start-up)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._running = 0
-        self._before = None
-
-    def __enter__(self):
-        with self._lock:
-            if self._running == 0:
-                self._before = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._before, SWITCH_INTERVAL_S))
-            self._running += 1
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self._running -= 1
-            if self._running == 0:
-                sys.setswitchinterval(self._before)
-
-
-_SHORT_SWITCHES = _ShortSwitches()
 
 
 class Landing:
@@ -145,7 +114,7 @@ class WeightReads:
 
     # ---- the reading thread ----------------------------------------------------------------------------------
     def _run(self):
-        with _SHORT_SWITCHES:
+        with short_switches():  # kernels/switch_interval.py: beside a busy thread the reads fell tenfold
             self._read()
 
     def _read(self):

@@ -7,6 +7,7 @@ import json
 import os
 import threading
 
+import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
@@ -107,6 +108,45 @@ def test_the_read_ahead_reads_no_entry_before_the_weights_are_read(tmp_path, mon
     assert warm == expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
     costs = report["cache"]["costs"]
     assert costs["prefetch_used_bytes"] > 0 and costs["read_bytes"] == 0  # still read ahead, and used
+
+
+def test_the_caches_reads_and_writes_run_with_short_switches_and_the_interval_comes_back(tmp_path, monkeypatch):
+    """Each block read or written takes the interpreter's lock back after its system calls and hashes: behind the
+    build's or the engine's Python that waited up to a switch interval (5 ms) each time (bench/cache_gil_probe.py).
+    The writer's writes and the read-ahead's reads run at kernels/switch_interval.py's interval; the caller's
+    interval is back once they end."""
+    import sys
+
+    from prefixrun.kernels import switch_interval
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
+    cache = tmp_path / "cache"
+    seen = {"put": [], "read ahead": []}
+    real_put, real_read_entry = CheckpointStore.put, CheckpointStore.read_entry
+
+    def put(self, *args, **kwargs):
+        seen["put"].append(sys.getswitchinterval())
+        return real_put(self, *args, **kwargs)
+
+    def read_entry(self, *args, **kwargs):
+        seen["read ahead"].append(sys.getswitchinterval())
+        return real_read_entry(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "put", put)
+    monkeypatch.setattr(CheckpointStore, "read_entry", read_entry)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.003)
+        batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
+              "--cache-policy", "always")
+        _, report = batch(model, write_input(tmp_path / "second.jsonl", SECOND), tmp_path / "r2.json",
+                          "--cache-dir", cache, "--cache-policy", "always")
+        assert report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
+        assert seen["put"] and seen["read ahead"]
+        assert max(seen["put"] + seen["read ahead"]) <= switch_interval.SWITCH_INTERVAL_S
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_entries_read_ahead_go_to_the_device_while_the_engine_is_built(tmp_path, monkeypatch):

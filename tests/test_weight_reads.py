@@ -178,7 +178,7 @@ def test_the_switch_interval_is_short_while_reads_run_and_restored_after(tmp_pat
     """Reading threads need the interpreter's lock after every read; behind a thread running Python they got it
     only every switch interval (5 ms), so while any reads run the interval is SWITCH_INTERVAL_S; the caller's
     own interval comes back once the last reads end, failed or stopped ones included."""
-    from prefixrun.kernels import weight_reads
+    from prefixrun.kernels import switch_interval
 
     arrays = {f"t{i}": np.full((1000,), i, np.float32) for i in range(8)}
     spans = _tensor_file(tmp_path, arrays)
@@ -196,7 +196,7 @@ def test_the_switch_interval_is_short_while_reads_run_and_restored_after(tmp_pat
         for i in range(8):
             assert np.array_equal(a.take(f"t{i}"), arrays[f"t{i}"])
         a.close()
-        assert max(first.seen + second.seen) <= weight_reads.SWITCH_INTERVAL_S
+        assert max(first.seen + second.seen) <= switch_interval.SWITCH_INTERVAL_S
         assert sys.getswitchinterval() == pytest.approx(0.004)  # both ended: the caller's interval again
         broken = [TensorSpan("x", FileSpan(spans[0].span.path, 10 ** 9, 400), np.dtype(np.float32), (100,))]
         failed = WeightReads(broken, HostLanding(buffer_bytes=1500, count=2), threads=2, window_bytes=1 << 20)

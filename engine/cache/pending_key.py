@@ -17,6 +17,7 @@ from typing import Callable
 
 from prefixrun.engine.cache.keys import StoreKey
 from prefixrun.engine.run.background import BackgroundTask
+from prefixrun.kernels.switch_interval import short_switches
 
 
 class PendingKey:
@@ -36,7 +37,8 @@ class PendingKey:
                 self._task.start()
 
     def _make(self, stop, make_model_digest) -> StoreKey:
-        key = StoreKey(make_model_digest(), self.layout_digest)
+        with short_switches():  # kernels/switch_interval.py: the hashing threads, beside the engine's
+            key = StoreKey(make_model_digest(), self.layout_digest)
         self._key = key
         return key
 

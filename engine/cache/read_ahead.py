@@ -16,6 +16,7 @@ from typing import Callable
 from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
 from prefixrun.engine.cache.results import StoredCheckpoint
 from prefixrun.engine.run.background import BackgroundTask
+from prefixrun.kernels.switch_interval import short_switches
 
 log = logging.getLogger(__name__)
 
@@ -116,28 +117,33 @@ class ReadAhead:
                 self._ahead_gate()
                 self._ahead_gate = no_wait
                 self._mark("read_ahead_gate_open")
-                for prefix, nbytes, resident in job:
-                    with self._ahead_lock:
-                        slot = self._ahead.get(prefix)
-                    if slot is None or slot.done.is_set():
-                        continue
-                    checkpoint, seconds = None, 0.0
-                    # read only what the latest prefetch still wants (a new window's plan may not)
-                    if slot.generation == self._ahead_generation and self.store_error is None:
-                        started = time.perf_counter()
-                        try:
-                            checkpoint = self.store.read_entry(self.key, prefix, resident)
-                        except _STORE_FAILURES as error:
-                            self._give_up("prefetch", error)
-                        except Exception as error:  # read-ahead is optional: the lookup reads the entry itself
-                            log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)",
-                                        type(error).__name__, error)
-                        seconds = time.perf_counter() - started
-                        self._mark("read_ahead_read_last", last=True)
-                    self._staging.put((slot, nbytes, checkpoint, seconds))
+                with short_switches():  # each block's reads and hashes, beside the build's Python
+                    self._read_job(job)
         finally:
             self._staging.put(None)
             stager.join()
+
+    def _read_job(self, job):
+        """Read one prefetch's chosen entries, in order, each handed to the staging thread."""
+        for prefix, nbytes, resident in job:
+            with self._ahead_lock:
+                slot = self._ahead.get(prefix)
+            if slot is None or slot.done.is_set():
+                continue
+            checkpoint, seconds = None, 0.0
+            # read only what the latest prefetch still wants (a new window's plan may not)
+            if slot.generation == self._ahead_generation and self.store_error is None:
+                started = time.perf_counter()
+                try:
+                    checkpoint = self.store.read_entry(self.key, prefix, resident)
+                except _STORE_FAILURES as error:
+                    self._give_up("prefetch", error)
+                except Exception as error:  # read-ahead is optional: the lookup reads the entry itself
+                    log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)",
+                                type(error).__name__, error)
+                seconds = time.perf_counter() - started
+                self._mark("read_ahead_read_last", last=True)
+            self._staging.put((slot, nbytes, checkpoint, seconds))
 
 
     def _stage_read_ahead(self, stop):
@@ -162,7 +168,8 @@ class ReadAhead:
                     self.cost_model.observe_read(checkpoint.nbytes, seconds)
                     self._device_ready.wait()  # the engine's pools sized first (`pools_sized`)
                     if not self._ahead_stopping:
-                        slot.on_device = self._upload_ahead(checkpoint)
+                        with short_switches():  # the copying threads, beside the engine's build
+                            slot.on_device = self._upload_ahead(checkpoint)
                         self._mark("read_ahead_on_device_last", last=True)
             except Exception as error:  # optional as the read-ahead is: the lookup reads the entry itself
                 checkpoint = None

@@ -15,6 +15,7 @@ import threading
 import time
 
 from prefixrun.engine.run.background import BackgroundTask
+from prefixrun.kernels.switch_interval import short_switches
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class BackgroundWriter:
             host_copy = self._copies.get()
             if host_copy is None:
                 return
-            host_copy.run()
+            with short_switches():  # kernels/switch_interval.py: its copying threads, beside the engine's
+                host_copy.run()
 
     def _drain(self, stop):
         while True:
@@ -123,7 +125,8 @@ class BackgroundWriter:
                         host_copy.cancelled = True
                     self._drop(job, nbytes, late)
                 else:
-                    self._write(*job)
+                    with short_switches():  # each block's writes and hashes, beside the engine's thread
+                        self._write(*job)
             except Exception as error:  # the thread must live on: jobs wait behind this one, finish() joins it
                 log.warning("persistent checkpoint cache: a background write failed (%s: %s)",
                             type(error).__name__, error)
