@@ -2,13 +2,16 @@
 """Where --deterministic's decode step spends its time, kernel by kernel, against the default kernels (device only).
 
     python3 bench/deterministic_profile.py MODEL_DIR [--gen 17] [--requests 64] [--top 12] [--walls-only]
-                                           [--shape shared-system|doc-qa]
+                                           [--phases] [--shape shared-system|doc-qa]
 
 One process, both engines (bench/deterministic_check.py's `load` and `run`): shared-system with --requests x (2,048
 shared + 256 own) tokens, greedy, no cache. Per mode: a warm-up run (kernels, graphs, the GEMM choices), the
 engine's wall over --gen new tokens, then two runs under torch.profiler (CUDA activity: CUPTI sees CuPy's kernels
 and graph replays), one token and --gen tokens: the difference, per kernel name, is the decode steps' device time.
 Prints each mode's decode device time per step and the kernels whose time per step differs most between modes.
+--phases: per phase instead, prefill (the one-token run: the prompts' steps and their first token) and a decode
+step, each mode's wall and device time by class of kernel (GEMM, attention, delta rule, ...), then the kernels whose
+time differs most in each phase.
 """
 from __future__ import annotations
 
@@ -36,6 +39,54 @@ def kernel_ms(loaded, prompts, gen: int) -> dict[str, float]:
     return out
 
 
+# kernel name -> class, the first pattern found in the lowered name wins
+CLASSES = (("attention", ("attn_",)), ("delta rule", ("gdn_", "delta", "kda")), ("conv", ("conv",)),
+           ("norm", ("norm",)), ("moe", ("moe_",)),
+           ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitk", "sm90_", "sm80_", "cublas")),
+           ("copy", ("copy", "memcpy", "memset", "cast", "gather", "scatter", "concat")),
+           ("sampling", ("argmax", "sample", "logprob", "top_", "bitmask", "softmax", "feed_tokens")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, patterns in CLASSES if any(p in low for p in patterns)), "other")
+
+
+def by_class(ms: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for name, t in ms.items():
+        out[kernel_class(name)] += t
+    return out
+
+
+def phases(args, prompts) -> None:
+    """Per mode: the prefill run's (one token) and a decode step's wall and device time, by class of kernel."""
+    steps = args.gen - 1
+    got = {}
+    for mode in ("default", "deterministic"):
+        loaded = load(args, mode == "deterministic")
+        run(loaded, prompts, gen=args.gen, logprobs=False)  # warm-up
+        wall_first = min(run(loaded, prompts, gen=1, logprobs=False)[1] for _ in range(2))
+        wall = min(run(loaded, prompts, gen=args.gen, logprobs=False)[1] for _ in range(2))
+        first, whole = kernel_ms(loaded, prompts, 1), kernel_ms(loaded, prompts, args.gen)
+        step = {name: (whole[name] - first.get(name, 0.0)) / steps for name in whole}
+        got[mode] = (wall_first, (wall - wall_first) / steps, first, step)
+        del loaded
+    (pw0, dw0, p0, d0), (pw1, dw1, p1, d1) = got["default"], got["deterministic"]
+    print(f"walls default -> deterministic: prefill {pw0 * 1e3:.0f} -> {pw1 * 1e3:.0f} ms, decode step "
+          f"{dw0 * 1e3:.2f} -> {dw1 * 1e3:.2f} ms ({steps} steps)", flush=True)
+    for phase, a, b, unit in (("prefill", p0, p1, "ms"), ("decode step", d0, d1, "ms")):
+        ca, cb = by_class(a), by_class(b)
+        rows = sorted(set(ca) | set(cb), key=lambda c: -abs(cb.get(c, 0.0) - ca.get(c, 0.0)))
+        print(f"{phase} device {unit}, default -> deterministic: total {sum(a.values()):.2f} -> "
+              f"{sum(b.values()):.2f}; " + "; ".join(f"{c} {ca.get(c, 0.0):.2f} -> {cb.get(c, 0.0):.2f}"
+                                                   for c in rows), flush=True)
+        names = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, 0.0) - a.get(n, 0.0)))
+        for name in names[:args.top]:
+            print(f"  {phase}: {b.get(name, 0.0) - a.get(name, 0.0):+7.3f} ({b.get(name, 0.0):6.3f}, "
+                  f"{a.get(name, 0.0):6.3f})  {name[:80]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -44,6 +95,7 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--walls-only", action="store_true", help="the engine walls alone, no profile")
+    ap.add_argument("--phases", action="store_true", help="prefill and a decode step, by class of kernel")
     ap.add_argument("--shape", choices=("shared-system", "doc-qa"), default="shared-system",
                     help="doc-qa: 4 documents x 16 questions x (4,096 + 128) tokens")
     args = ap.parse_args()
@@ -53,6 +105,8 @@ def main():
     else:
         prompts = workload("shared-system", "--requests", str(args.requests), "--prefix", "2048", "--suffix", "256",
                            "--vocab-limit", "32000")
+    if args.phases:
+        return phases(args, prompts)
     steps = args.gen - 1
     per_step, walls = {}, {}
     for mode in ("default", "deterministic"):

@@ -10,7 +10,8 @@ splitk: whether an algorithm with a fixed split-K (the heuristics' answers at 64
 same bits at every M, and its speed: could a pinned split-K serve decode rows?
 attention: a decode step's paged attention at batch 64 over 2,048 shared + ~256 own keys, head dim 256, 16 query /
 4 K/V heads (a 4b-like full-attention layer): the default kernels (the shared-prefix cascade) against the
-deterministic ones (fixed 512-key ranges), with and without the groups' pass (attn_det_cascade).
+deterministic ones (fixed key ranges) in ATTENTION_VARIANTS: warps per block, keys per tile, the ranges' width, with
+and without the groups' pass (attn_det_cascade).
 """
 from __future__ import annotations
 
@@ -26,6 +27,23 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 SHAPES = [(2560, 9216, "bf16"), (18432, 2560, "bf16"), (12288, 2560, "bf16"), (2560, 4096, "bf16"),
           (10240, 2560, "bf16"), (248320, 2560, "f32")]
 ROWS = (1, 16, 64, 256, 2048)
+SEGMENT_KEYS = 512  # kernels/tuning.py DETERMINISTIC_SEGMENT_KEYS
+# (label, deterministic, CudaTuning changes, deterministic key range width): warps and the groups' pass move no bit;
+# the tile's keys and the ranges' width do (a variant of the numerics, timed here to choose one)
+ATTENTION_VARIANTS = (
+    ("default", False, {}, SEGMENT_KEYS),
+    ("det 512-key ranges, 4 warps", True, {}, SEGMENT_KEYS),
+    ("det 512, 1 warp", True, {"attn_decode_warps": 1}, SEGMENT_KEYS),
+    ("det 512, 1 warp, 32-key tiles", True, {"attn_decode_warps": 1, "attn_keys_per_tile": ((256, 32),)}, 512),
+    ("det 256-key ranges, 4 warps", True, {}, 256),
+    ("det 256, 1 warp", True, {"attn_decode_warps": 1}, 256),
+    ("det 1024, 4 warps", True, {}, 1024),
+    ("det 512 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, SEGMENT_KEYS),
+    ("det 512 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, SEGMENT_KEYS),
+    ("det 256 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, 256),
+    ("det 256 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, 256),
+    ("det 128 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, 128),
+)
 
 
 def time_ms(fn, iters: int = 10) -> float:
@@ -124,6 +142,7 @@ def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq:
     import cupy
 
     from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
+    from prefixrun.kernels import tuning
     from prefixrun.kernels.cuda import CudaOps
 
     own_blocks = -(-(own + 16) // bs)
@@ -140,18 +159,22 @@ def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq:
                             start=up(arrays["shared_start"]))
     rng = np.random.default_rng(0)
     times = {}
-    for mode, det, cascade in (("default", False, False), ("deterministic", True, False),
-                               ("deterministic with the groups' pass", True, True)):
-        ops = CudaOps("bfloat16", deterministic=det).retuned(attn_det_cascade=cascade)
+    for mode, det, changes, seg in ATTENTION_VARIANTS:
+        tuning.DETERMINISTIC_SEGMENT_KEYS = seg  # a bench's variant: the ranges' width is the plan's, read per call
+        ops = CudaOps("bfloat16", deterministic=det).retuned(**changes)
         blocks = shared // bs + b * own_blocks
         kc, vc = (ops.upload(rng.standard_normal((blocks, bs, hkv, d), dtype=np.float32)) for _ in range(2))
         q = ops.upload(rng.standard_normal((b, hq, d), dtype=np.float32))
         args = (q, kc, vc, up(tables), up(ctx), up(np.arange(b + 1)), d ** -0.5)
-        times[mode] = time_ms(lambda: ops.paged_attention(*args, shared=groups))
-    print(f"decode attention, batch {b}, {shared} shared + ~{own} own keys, {hq}/{hkv} heads of {d}, per layer: "
-          + ", ".join(f"{mode} {t * 1e3:.0f} us ({t / times['default']:.2f}x)" for mode, t in times.items()),
-          flush=True)
-
+        try:
+            times[mode] = time_ms(lambda: ops.paged_attention(*args, shared=groups))
+        except Exception as exc:  # noqa: BLE001 - a variant's failure is a finding, the others still run
+            print(f"  {mode}: {type(exc).__name__}: {exc}"[:200], flush=True)
+    tuning.DETERMINISTIC_SEGMENT_KEYS = SEGMENT_KEYS
+    print(f"decode attention, batch {b}, {shared} shared + ~{own} own keys, {hq}/{hkv} heads of {d}, per layer, us "
+          f"(/ default):", flush=True)
+    for mode, t in times.items():
+        print(f"  {t * 1e3:6.0f} ({t / times['default']:.2f}x)  {mode}", flush=True)
 
 if __name__ == "__main__":
     parts = {"gemm": gemm, "splitk": splitk, "attention": attention}
