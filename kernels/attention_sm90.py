@@ -67,10 +67,20 @@ def _module_of(schedule: str, kv: str | None = None) -> str:
     return "ws" if schedule in ("ws", "pingpong") else "q8" if kv is not None else "base"
 
 
-_NAMES = {m: [kernel_name(d, s) for d in HEAD_DIMS for s in SCHEDULES if _module_of(s) == m] for m in ("base", "ws")}
-_NAMES["q8"] = [kernel_name(d, "serial", kv) for d in HEAD_DIMS for kv in KV8_TYPES]
-_MODULES = compile_pool.OnceEach()  # (device, module) -> its kernels by name
 MODULES = ("base", "q8", "ws")
+
+
+def _unit_of(head_dim: int, schedule: str, kv: str | None = None) -> str:
+    """The NVRTC program that builds the kernel: its module's kernels at one head dim (e.g. "ws_128"), so the
+    costly warp-specialised builds compile side by side (kernels/compile_pool.py) and a kernel's code is the same
+    whichever others share its program."""
+    return f"{_module_of(schedule, kv)}_{head_dim}"
+
+
+_NAMES = {f"{m}_{d}": [kernel_name(d, s) for s in SCHEDULES if _module_of(s) == m] for m in ("base", "ws")
+          for d in HEAD_DIMS}
+_NAMES.update({f"q8_{d}": [kernel_name(d, "serial", kv) for kv in KV8_TYPES] for d in HEAD_DIMS})
+_MODULES = compile_pool.OnceEach()  # (device, unit) -> its kernels by name
 _FUNCTIONS: dict[tuple[int, str], object] = {}
 _SMEM_SET: set[tuple[int, int]] = set()
 
@@ -87,34 +97,49 @@ def _cache_dir() -> Path:
     return kernel_cache.cupy_cache_dir()
 
 
-def _build(module: str) -> tuple[Path, dict[str, str]]:
-    """The cubin of `module` ("base" and "q8": attention_sm90.cu; "ws": with attention_sm90_ws.cu appended) for
-    sm_90a and the lowered (mangled) name of each of its kernels (_NAMES[module])."""
+def unit_source(unit: str) -> str:
+    """What NVRTC compiles for `unit` ("base_<d>" and "q8_<d>": attention_sm90.cu; "ws_<d>": with
+    attention_sm90_ws.cu appended)."""
+    source = kernel_source("attention_sm90")
+    if unit.startswith("ws"):
+        source += "\n" + (Path(__file__).parent / "attention_sm90_ws.cu").read_text()
+    return source
+
+
+OPTIONS = ("-std=c++17", "-arch=sm_90a", "-ftz=true")  # -ftz as CuPy compiles the rest
+
+
+def compile_sm90a(source: str, names: list[str]) -> tuple[bytes, dict[str, str]]:
+    """NVRTC's cubin of `source` for sm_90a with the instantiations `names`, and each one's lowered name."""
     from cupy_backends.cuda.libs import nvrtc
 
-    source = kernel_source("attention_sm90")
-    if module == "ws":
-        source += "\n" + (Path(__file__).parent / "attention_sm90_ws.cu").read_text()
-    names = _NAMES[module]
-    options = ("-std=c++17", "-arch=sm_90a", "-ftz=true") + include_options()  # -ftz as CuPy compiles the rest
-    key = hashlib.sha256(json.dumps([source, options, names, nvrtc.getVersion()]).encode()).hexdigest()[:32]
-    folder = _cache_dir()
-    cubin, lowered_file = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"
-    if cubin.is_file() and lowered_file.is_file():
-        return cubin, json.loads(lowered_file.read_text())
     prog = nvrtc.createProgram(source, "attention_sm90.cu", (), ())
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, options)
+            nvrtc.compileProgram(prog, OPTIONS + include_options())
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC could not compile kernels/attention_sm90.cu for sm_90a: {e}\n"
                                f"{nvrtc.getProgramLog(prog)}") from None
-        binary = nvrtc.getCUBIN(prog)
-        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        return nvrtc.getCUBIN(prog), {name: nvrtc.getLoweredName(prog, name) for name in names}
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _build(module: str) -> tuple[Path, dict[str, str]]:
+    """The cubin file of the unit `module` (unit_source) and the lowered (mangled) name of each of its kernels
+    (_NAMES[module]): from the cache folder, else compiled and kept there."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source, names = unit_source(module), _NAMES[module]
+    options = OPTIONS + include_options()
+    key = hashlib.sha256(json.dumps([source, options, names, nvrtc.getVersion()]).encode()).hexdigest()[:32]
+    folder = _cache_dir()
+    cubin, lowered_file = folder / f"prefixrun_sm90a_{key}.cubin", folder / f"prefixrun_sm90a_{key}.json"
+    if cubin.is_file() and lowered_file.is_file():
+        return cubin, json.loads(lowered_file.read_text())
+    binary, lowered = compile_sm90a(source, names)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for path, data in ((cubin, binary), (lowered_file, json.dumps(lowered).encode())):
@@ -142,7 +167,7 @@ def _function(head_dim: int, schedule: str, kv: str | None = None):
     name = kernel_name(head_dim, schedule, kv)
     fn = _FUNCTIONS.get((dev, name))
     if fn is None:
-        fn = _FUNCTIONS[(dev, name)] = load(_module_of(schedule, kv), dev)[name]
+        fn = _FUNCTIONS[(dev, name)] = load(_unit_of(head_dim, schedule, kv), dev)[name]
     smem = shared_bytes(head_dim, schedule, kv)
     if (id(fn), smem) not in _SMEM_SET:
         fn.max_dynamic_shared_size_bytes = smem
@@ -150,29 +175,31 @@ def _function(head_dim: int, schedule: str, kv: str | None = None):
     return fn
 
 
-def load(module_name: str, device: int) -> dict:
-    """The kernels of `module_name` ("base", "q8", "ws") on `device` by name: built (or read from the cache
-    folder) and loaded once per process, under that module's own lock."""
-    return _MODULES.get((device, module_name), lambda: _load(module_name, device))
+def load(unit: str, device: int) -> dict:
+    """The kernels of `unit` (a module of MODULES at one head dim, e.g. "ws128") on `device` by name: built (or read
+    from the cache folder) and loaded once per process, under that unit's own lock."""
+    return _MODULES.get((device, unit), lambda: _load(unit, device))
 
 
-def _load(module_name: str, device: int) -> dict:
+def _load(unit: str, device: int) -> dict:
     with cupy.cuda.Device(device):
-        cubin, lowered = _build(module_name)
+        cubin, lowered = _build(unit)
         module = cupy.RawModule(path=str(cubin))
-        return {n: module.get_function(lowered[n]) for n in _NAMES[module_name]}
+        return {n: module.get_function(lowered[n]) for n in _NAMES[unit]}
 
 
 def jobs(device: int, modules=("ws",)) -> list[compile_pool.Job]:
-    """Pool jobs (kernels/compile_pool.py) building `modules` on `device`; the default: what `compile_module`
-    builds."""
-    return [compile_pool.Job(f"attention_sm90.{m}", functools.partial(load, m, device), 60.0) for m in modules]
+    """Pool jobs (kernels/compile_pool.py) building `modules` (of MODULES) at every head dim on `device`; the
+    default: what `compile_module` builds."""
+    return [compile_pool.Job(f"attention_sm90.{m}_{d}", functools.partial(load, f"{m}_{d}", device), 60.0)
+            for m in modules for d in HEAD_DIMS]
 
 
 def compile_module():
-    """Build (or load from the cache folder) the module the default takes now: "auto" runs the warp-specialised
-    kernel at every head dim (kernels/tuning.py); the block-synchronous module builds on first use when chosen."""
-    _function(HEAD_DIMS[0], "ws")
+    """Build (or load from the cache folder) the kernels the default takes now: "auto" runs the warp-specialised
+    kernel at every head dim (kernels/tuning.py); the block-synchronous ones build on first use when chosen."""
+    for d in HEAD_DIMS:
+        _function(d, "ws")
 
 
 def prefill(*, q, qst, qsh, k_cache, v_cache, tables, ctx, cu, nseq, tokens, hq, hkv, d, bs, scale_log2, window,

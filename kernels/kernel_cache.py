@@ -75,8 +75,10 @@ def prepare_cupy_cache() -> CacheFolder:
     with _lock:
         if _state:
             return _state[0]
-        empty = os.environ.get("CUPY_CACHE_DIR") == ""
-        folder = CacheFolder(Path(), "unusable", "CUPY_CACHE_DIR is empty") if empty else inspect_folder(cupy_cache_dir())
+        if os.environ.get("CUPY_CACHE_DIR") == "":
+            folder = CacheFolder(Path(), "unusable", "CUPY_CACHE_DIR is empty")
+        else:
+            folder = inspect_folder(cupy_cache_dir())
         if folder.usable == "unusable":
             _compile_in_memory(folder)
         _state.append(folder)

@@ -92,6 +92,30 @@ def test_a_split_unit_holds_each_kernel_s_code_as_the_whole_file_does():
     assert compared >= 6
 
 
+def test_the_hopper_attention_split_by_head_dim_holds_each_kernel_s_code_as_one_program_does():
+    from prefixrun.kernels import attention_sm90, compile_pool
+
+    if not attention_sm90.available():
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    units = [u for u in attention_sm90._NAMES if u.startswith("ws_")]
+    every = [name for u in units for name in attention_sm90._NAMES[u]]
+    programs = {}
+
+    def build(key, names):
+        cubin, lowered = attention_sm90.compile_sm90a(attention_sm90.unit_source("ws_0"), names)
+        programs[key] = (_text_sections(cubin), lowered)
+
+    jobs = [compile_pool.Job("whole", lambda: build("whole", every), 9.0)]
+    jobs += [compile_pool.Job(u, lambda u=u: build(u, attention_sm90._NAMES[u])) for u in units]
+    results = compile_pool.run_all(jobs)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    whole, whole_names = programs["whole"]
+    for u in units:
+        sections, names = programs[u]
+        for name in attention_sm90._NAMES[u]:
+            assert sections[".text." + names[name]] == whole[".text." + whole_names[name]], (u, name)
+
+
 def test_a_cache_folder_that_cannot_be_created_compiles_in_memory_with_one_warning(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
