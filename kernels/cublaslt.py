@@ -19,24 +19,17 @@ import ctypes
 import threading
 from dataclasses import dataclass
 
-import numpy as np
-
 from prefixrun.kernels import cublas
-from prefixrun.kernels.cublaslt_lib import ALIGNMENT_BYTES, HeuristicResult, LtAlgo, check, heuristic_answers, lt_lib
+from prefixrun.kernels.cublaslt_lib import (ALIGNMENT_BYTES, CONFIG_ID, CONFIG_REDUCTION_SCHEME, CONFIG_SPLITK_NUM,
+                                            CONFIG_STAGES_ID, CONFIG_TILE_ID, WORKSPACE_BYTES, HeuristicResult,
+                                            LtAlgo, LtContext, check, heuristic_answers)
 from prefixrun.kernels.cublaslt_search import pair_buckets
 
-# cublasLtMatmulDescAttributes_t
-_DESC_TRANSA, _DESC_TRANSB = 3, 4
-# cublasLtMatmulAlgoConfigAttributes_t
-_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME = 0, 1, 2, 3
-_CONFIG_STAGES_ID = 6
 # cublasLtMatmulAlgoCapAttributes_t
 _CAP_TILE_IDS, _CAP_STAGES_IDS = 6, 13
 _MAX_ALGO_IDS = 1024
 REDUCTION_NONE = 0  # cublasLtReductionScheme_t: no split-K
 REFERENCE_ROWS = 256  # the row count of the reference algorithm (the fastest single choice, docs/PERFORMANCE.md)
-WORKSPACE_BYTES = 32 << 20
-_MAX_LAYOUTS = 4096  # cached matrix layouts before the cache is emptied (prefill token counts are arbitrary)
 
 
 @dataclass(frozen=True)
@@ -77,48 +70,39 @@ class PinnedGemm:
         import cupy
 
         self._cupy = cupy
-        self.lib = lt_lib()
+        self.lt = LtContext(workspace_bytes)  # the handle, its workspace and the cached layouts
         self.reference_rows = reference_rows
         self.reduction_mask = reduction_mask
         self.paired = paired
-        handle = ctypes.c_void_p()
-        check(self.lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-        self.handle = handle
-        self.workspace = cupy.empty(workspace_bytes, dtype=np.uint8)
-        self.device = cupy.cuda.Device().id
         self._descs: dict[int, ctypes.c_void_p] = {}
-        self._layouts: dict[tuple, ctypes.c_void_p] = {}
-        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self._lock = threading.Lock()
         self.calls = 0
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        return self.lt.lib
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        return self.lt.handle
+
+    @property
+    def workspace(self):
+        return self.lt.workspace
+
+    @property
+    def device(self) -> int:
+        return self.lt.device
 
     def _desc(self, compute: int) -> ctypes.c_void_p:
         desc = self._descs.get(compute)
         if desc is None:
-            desc = ctypes.c_void_p()
-            check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, cublas._CUDA_R_32F),
-                   "cublasLtMatmulDescCreate")
-            for attr, op in ((_DESC_TRANSA, cublas._CUBLAS_OP_T), (_DESC_TRANSB, cublas._CUBLAS_OP_N)):
-                value = ctypes.c_int(op)
-                check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), 4),
-                       "cublasLtMatmulDescSetAttribute")
-            self._descs[compute] = desc
+            desc = self._descs[compute] = self.lt.new_desc(compute, [])
         return desc
-
-    def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
-        key = (dtype, rows, cols, ld)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = ctypes.c_void_p()
-            check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
-                   "cublasLtMatrixLayoutCreate")
-            self._layouts[key] = layout
-        return layout
 
     def layouts(self, n: int, k: int, a_type: int, c_type: int, m: int) -> tuple:
         """The A, B, C and D layouts of an [m, n, k] product (A = w, B = x^T, C = D = y^T; see the module doc)."""
-        c = self._layout(c_type, n, m, n)
-        return self._layout(a_type, k, n, k), self._layout(a_type, k, m, k), c, c
+        c = self.lt.layout(c_type, n, m, n)
+        return self.lt.layout(a_type, k, n, k), self.lt.layout(a_type, k, m, k), c, c
 
     def heuristics(self, n: int, k: int, a_type: int, c_type: int, compute: int, m: int, count: int = 1) -> list:
         """cuBLASLt's first `count` answers, best first, for m rows with the allowed reduction schemes and 16-byte
@@ -139,8 +123,8 @@ class PinnedGemm:
         return int(result.workspace_size)
 
     def describe(self, algo: LtAlgo, workspace_bytes: int) -> PinnedAlgo:
-        return PinnedAlgo(*(self._config(algo, a) for a in (_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_STAGES_ID,
-                                                            _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME)),
+        return PinnedAlgo(*(self.lt.algo_config(algo, a) for a in (CONFIG_ID, CONFIG_TILE_ID, CONFIG_STAGES_ID,
+                                                                   CONFIG_SPLITK_NUM, CONFIG_REDUCTION_SCHEME)),
                           workspace_bytes=workspace_bytes)
 
     def machine(self) -> dict:
@@ -200,8 +184,8 @@ class PinnedGemm:
         for tile in self._capability_ids(base, _CAP_TILE_IDS) or [0]:
             for stages in self._capability_ids(base, _CAP_STAGES_IDS) or [0]:
                 algo = LtAlgo.from_buffer_copy(base)
-                settings = ((_CONFIG_TILE_ID, tile), (_CONFIG_STAGES_ID, stages), (_CONFIG_SPLITK_NUM, 1),
-                            (_CONFIG_REDUCTION_SCHEME, REDUCTION_NONE))
+                settings = ((CONFIG_TILE_ID, tile), (CONFIG_STAGES_ID, stages), (CONFIG_SPLITK_NUM, 1),
+                            (CONFIG_REDUCTION_SCHEME, REDUCTION_NONE))
                 if all(self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr,
                                                                      ctypes.byref(ctypes.c_uint32(value)), 4) == 0
                        for attr, value in settings):
@@ -223,34 +207,14 @@ class PinnedGemm:
 
     def close(self):
         """Destroy the handle and its layouts (a throwaway handle's; the process's own lives as long as it)."""
-        if self.handle is not None:
-            self._drop_layouts()
-            self.lib.cublasLtDestroy(self.handle)
-            self.handle = None
-
-    def _drop_layouts(self):
-        for layout in self._layouts.values():
-            self.lib.cublasLtMatrixLayoutDestroy(layout)
-        self._layouts.clear()
-
-    def _config(self, algo: LtAlgo, attr: int) -> int:
-        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-        status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
-                                                               ctypes.byref(written))
-        return int(value.value) if status == 0 else -1
+        self.lt.close()
 
     def matmul(self, algo: LtAlgo, x, w, out, compute: int, a_type: int, c_type: int, workspace=None):
         """out = x @ w^T with `algo` on the current stream (shapes, dtypes and alignment checked by the caller)."""
-        workspace = self.workspace if workspace is None else workspace
         m_rows, k = x.shape
         n = w.shape[0]
-        c_layout = self._layout(c_type, n, m_rows, n)
-        check(self.lib.cublasLtMatmul(
-            self.handle, self._desc(compute), ctypes.byref(self._one), ctypes.c_void_p(w.data.ptr),
-            self._layout(a_type, k, n, k), ctypes.c_void_p(x.data.ptr), self._layout(a_type, k, m_rows, k),
-            ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), c_layout, ctypes.c_void_p(out.data.ptr),
-            c_layout, ctypes.byref(algo), ctypes.c_void_p(workspace.data.ptr), workspace.nbytes,
-            ctypes.c_void_p(self._cupy.cuda.get_current_stream().ptr)), "cublasLtMatmul")
+        a, b, _, d = self.layouts(n, k, a_type, c_type, m_rows)
+        self.lt.matmul(self._desc(compute), algo, w.data.ptr, a, x.data.ptr, b, out.data.ptr, d, workspace)
 
     def gemm_nt(self, x, w, out, pedantic: bool = False):
         """out[M, N] = x[M, K] @ w[N, K]^T with the (N, K)'s algorithm for M's bucket. x, w, out: C-contiguous rows,
@@ -275,9 +239,8 @@ class PinnedGemm:
             raise ValueError("pinned gemm needs contiguous rows of x and 16-byte aligned arrays")
         compute = cublas.CUBLAS_COMPUTE_32F_PEDANTIC if pedantic else cublas.CUBLAS_COMPUTE_32F
         algo, _ = self.algo(n, k, a_type, c_type, compute, m_rows)  # (may decide: before this call's layouts)
-        with self._lock:
-            if len(self._layouts) >= _MAX_LAYOUTS:  # before this call takes any (the call reads them)
-                self._drop_layouts()
+        with self.lt.lock:
+            self.lt.trim_layouts()  # before this call takes any (the call reads them)
             self.matmul(algo, x, w, out, compute, a_type, c_type)
             self.calls += 1
         return out

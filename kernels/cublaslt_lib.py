@@ -1,6 +1,7 @@
 """cuBLASLt through ctypes: the library, its status check and the heuristics query that the GEMMs on it share
 (kernels/cublaslt.py: batch-invariant GEMMs; kernels/cublaslt_fp8.py: FP8 GEMMs with block scales), and
-`LtContext`, a handle with its workspace and cached matrix layouts (the FP8 GEMM's).
+`LtContext`, a handle with its workspace, matmul descriptors and cached matrix layouts (each of those GEMMs holds
+one).
 
 Layout as kernels/cublas.py: y[M, N] = x[M, K] @ w[N, K]^T is, column-major, y^T (N x M, ld N) = op(A) B with
 A = w (K x N, ld K, transposed) and B = x^T (K x M, ld = x's row stride). The stream is CuPy's current one on every
