@@ -6,9 +6,11 @@ bf16's) and kernels/fp8.cu dequantises them into the destination rows (`dequanti
 Kept as FP8 (`upload_linear`): a projection's weight whose parts lie on the 128 x 128 grid of an FP8 GEMM stays
 fp8 bytes + block scales on the device (`Fp8Block`), and `linear` quantises the activations per row per 128
 columns (kernels/fp8.cu, kernels/fp8.py quantize_groups) and runs cuBLASLt's block-scaled FP8 GEMM
-(kernels/cublaslt_fp8.py): half the weight bytes of bf16 and the FP8 tensor cores; or, for a few rows (decode,
-`tuning.fp8_weight_only_rows`), fp8w_gemm_kernel multiplies the bf16 rows by the weights dequantised in shared
-memory (half the weight bytes, bf16 tensor cores, no activation rounding). Parts off that grid (channel
+(kernels/cublaslt_fp8.py): half the weight bytes of bf16 and the FP8 tensor cores; or, for decode-sized steps
+(`tuning.fp8_weight_only_rows`), a weight-only kernel multiplies the bf16 rows as they are by the fp8 weights (half
+the weight bytes, bf16 tensor cores, no activation rounding): fp8w_gemv_kernel up to `tuning.fp8_gemv_rows` rows
+(the weight bytes straight into the MMA's operand registers), fp8w_gemm_kernel above (tiles dequantised in shared
+memory). Parts off that grid (channel
 scales, unquantised modules) are plain segments of the same weight, dequantised at upload and multiplied in bf16
 into their own columns of the output (`ProjectionWeight`).
 """
@@ -25,7 +27,7 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cuda_arrays import THREADS, blocks_for, i32, i64, type_name
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments, quant_vector_ok
-from prefixrun.kernels.tuning import FP8W_TILE, fp8w_k_split
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_WARPS, FP8W_TILE, fp8w_gemv_split, fp8w_gemv_tiles, fp8w_k_split
 from prefixrun.kernels.upload import upload_bytes
 
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ def quantize_activations(x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
 
 def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int, sm_count: int) -> None:
     """out[:, col:col + N] = x [M, K] (bf16) @ the weight's dequantisation rounded to bf16 ^T, by fp8w_gemm_kernel
-    (kernels/fp8.cu; K split where its tiles are too few for the SMs, kernels/tuning.py fp8w_k_split)."""
+    (kernels/fp8.cu; K split where its tiles are too few for the SMs, kernels/fp8_launch.py fp8w_k_split)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
@@ -157,6 +159,40 @@ def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
         if splits > 1:
             kernel("fp8", "fp8w_finish_kernel")((blocks_for(m * n),), (THREADS,),
                                                 (partial, i64(m), i32(n), y, i64(ldy)))
+
+
+def gemv_weight_only(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int, sm_count: int) -> None:
+    """out[:, col:col + N] = x [M, K] (bf16, M <= 64) @ the weight's dequantisation ^T, by fp8w_gemv_kernel
+    (kernels/fp8.cu: each weight byte read once into the tensor cores' operand, scaled per block in fp32; K split
+    where the weight's 16-row tiles are too few for the SMs, kernels/fp8_launch.py fp8w_gemv_split)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
+        raise ValueError(f"gemv_weight_only: bf16 rows with K % 16 == 0, got {x.dtype} {x.shape}")
+    if not m or not n:
+        return
+    ldx = x.strides[0] // x.itemsize if m > 1 else k
+    if ldx % 8 or x.data.ptr % 16:
+        x, ldx = cupy.ascontiguousarray(x), k
+    split_chunks = fp8w_gemv_split(n, k, sm_count)
+    splits = -(-(-(-k // GEMM_BLOCK)) // split_chunks)
+    y, ldy = out[:, col:col + n], out.shape[1]
+    partial = cupy.zeros((m, n), cupy.float32) if splits > 1 else cupy.empty(1, cupy.float32)
+    kernel("fp8", f"fp8w_gemv_kernel<{fp8w_gemv_tiles(m)}>")(
+        (-(-n // 16), splits), (32 * FP8W_GEMV_WARPS,),
+        (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k),
+         i32(split_chunks), y, i64(ldy), partial))
+    if splits > 1:
+        kernel("fp8", "fp8w_finish_kernel")((blocks_for(m * n),), (THREADS,), (partial, i64(m), i32(n), y, i64(ldy)))
+
+
+def weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:
+    """The weight-only product the tuning picks for x's rows: fp8w_gemv_kernel up to `tuning.fp8_gemv_rows`, else
+    fp8w_gemm_kernel."""
+    if x.shape[0] <= ops.tuning.fp8_gemv_rows:
+        gemv_weight_only(x, weight, out, col, ops._sm_count)
+    else:
+        weight_only_gemm(x, weight, out, col, ops._sm_count)
 
 
 _FELL_BACK: set[tuple[int, int, int]] = set()
@@ -183,10 +219,10 @@ def projection_linear(ops, x, weight: ProjectionWeight):
     full = cupy.empty((padded, n), BF16)
     out = full[:m]  # the result: the first m rows (C-contiguous)
     quantized = None
-    weight_only = m <= ops.tuning.fp8_weight_only_rows and x2.dtype == BF16
+    decode_rows = m <= ops.tuning.fp8_weight_only_rows and x2.dtype == BF16
     for row, seg in weight.segments:
-        if isinstance(seg, Fp8Block) and weight_only:
-            weight_only_gemm(x2, seg, out, row, ops._sm_count)
+        if isinstance(seg, Fp8Block) and decode_rows:
+            weight_only(ops, x2, seg, out, row)
             continue
         if isinstance(seg, Fp8Block):
             if quantized is None:  # zero rows up to the multiple: scale 1, values 0, outputs never read
@@ -203,7 +239,7 @@ def projection_linear(ops, x, weight: ProjectionWeight):
                     "cuBLASLt has no block-scaled FP8 algorithm for a [%d, %d] weight at %d rows: %s", *seg.shape, m,
                     "the weight-only kernel instead" if few else "dequantised for these calls")
             if few:
-                weight_only_gemm(x2, seg, out, row, ops._sm_count)
+                weight_only(ops, x2, seg, out, row)
                 continue
             seg = seg.dequantized()
         out[:, row:row + seg.shape[0]] = ops._gemm(x2, seg, BF16)

@@ -231,3 +231,143 @@ extern "C" __global__ void fp8w_finish_kernel(const float* __restrict__ partial,
         y[r * ldy + (e - r * n_rows)] = __float2bfloat16_rn(partial[e]);
     }
 }
+
+// ---- weight-only FP8 GEMM for decode rows: the weight bytes straight from memory into mma.sync's A operand -------
+// 16 bytes of a stream read once (the weights): not kept in L1
+__device__ __forceinline__ uint4 f8g_ld16(const unsigned char* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+// v (two bf16) * 2^120, exactly (bf16 0x7B80 is 2^120)
+__device__ __forceinline__ unsigned f8g_unbias(unsigned v) {
+    const unsigned two120 = 0x7B807B80u;
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&two120));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+// four e4m3 bytes (b0 the lowest) -> their values as two bf16 pairs, lo = (b0, b2) and hi = (b1, b3): each byte's
+// sign kept and its 7 exponent and mantissa bits moved down into bf16's, which reads as value * 2^-120 exactly
+// (subnormals too: both formats' subnormals scale by the same 2^-120), then the exact product by 2^120. (The NaN
+// byte 0x7F reads as 480: a checkpoint's weights are finite.)
+__device__ __forceinline__ void f8g_e4m3x4_to_bf16(unsigned w, unsigned& lo, unsigned& hi) {
+    hi = f8g_unbias((w & 0x80008000u) | ((w & 0x7F007F00u) >> 4));
+    lo = f8g_unbias(((w << 8) & 0x80008000u) | ((w & 0x007F007Fu) << 4));
+}
+__device__ __forceinline__ unsigned f8g_word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+#define F8G_WARPS 4
+
+// y[m, n] = sum_k x[m, k] * q[n, k] * scale[n / 128, k / 128] for m < rows <= 8 NT, n < n_rows: each weight byte
+// read once, into registers, as mma.sync's A operand (m16n8k16 with the operands swapped: A = 16 weight rows, B = 8
+// rows of x per tile, NT tiles), x (bf16, row stride ldx) from L1/L2, fp32 sums. Per 128-column chunk (one scale
+// block) the products of the fp8 values as they are (exact in bf16) are summed, then scaled into the total: the
+// dequantised weight is never rounded. Blocks: x = 16 weight rows, y = K splits of split_chunks chunks; warp w of a
+// block takes its split's chunks w, w + 4, ... (the next one's bytes loaded while one is multiplied) and the
+// warps' sums are added in shared memory, in warp order; one split writes y (row stride ldy) in bf16, more add
+// fp32 sums into `partial` [rows, n_rows] (zeroed by the caller; fp8w_finish_kernel rounds them).
+// The columns of a chunk are taken in an order of their own, the same for both operands: lane (g = lane / 4,
+// t = lane % 4) reads bytes 32 t .. 32 t + 31 of weight rows g and g + 8 (two 16-byte loads each) and the same
+// columns of x row g of each tile; k-step s takes its 4 bytes 32 t + 4 s .. + 3 as the fragment's columns 2t, 2t + 8,
+// 2t + 1, 2t + 9 (bytes 0, 1, 2, 3: f8g_e4m3x4_to_bf16's pairs) and x's elements in the same order.
+// Needs K % 16 == 0, q's rows 16-byte aligned (K % 16 == 0 and an aligned base), x's rows 16-byte aligned.
+template <int NT>
+__global__ void __launch_bounds__(32 * F8G_WARPS)
+fp8w_gemv_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
+                 const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, int split_chunks,
+                 bf16* __restrict__ y, i64 ldy, float* __restrict__ partial) {
+    __shared__ float sums[F8G_WARPS - 1][NT][4][32];  // warps 1 .. 3's sums, for warp 0 to add
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const int chunks = (k_dim + 127) / 128;
+    const int c_end = min(chunks, (int)(blockIdx.y + 1) * split_chunks);
+    const bool w0_ok = n0 + g < n_rows, w1_ok = n0 + g + 8 < n_rows;
+    const unsigned char* q0 = q + (i64)(w0_ok ? n0 + g : 0) * k_dim + 32 * t;
+    const unsigned char* q1 = q + (i64)(w1_ok ? n0 + g + 8 : 0) * k_dim + 32 * t;
+    const float* scale_row = scale + (i64)(n0 / 128) * scale_cols;
+    uint4 zero;
+    zero.x = zero.y = zero.z = zero.w = 0u;
+    // the chunk's 16-byte pieces of this lane: [0], [1] of weight row g, [2], [3] of row g + 8; zeros past K / N
+    auto load_weights = [&](uint4 (&w)[4], int c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const bool in = c * 128 + 32 * t + 16 * h < k_dim;
+            w[h] = w0_ok && in ? f8g_ld16(q0 + c * 128 + 16 * h) : zero;
+            w[2 + h] = w1_ok && in ? f8g_ld16(q1 + c * 128 + 16 * h) : zero;
+        }
+    };
+    float acc[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    uint4 w[4], next[4];
+    int c = blockIdx.y * split_chunks + warp;
+    if (c < c_end) load_weights(w, c);
+    for (; c < c_end; c += F8G_WARPS) {
+        const bool more = c + F8G_WARPS < c_end;
+        if (more) load_weights(next, c + F8G_WARPS);
+        const float s = scale_row[c];
+        float part[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[i][e] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            // x: the chunk's columns 32 t + 8 j .. + 7 of row 8 i + g of each tile, zeros past K or the rows
+            uint4 xv[NT];
+            const int k = c * 128 + 32 * t + 8 * j;
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+                xv[i] = 8 * i + g < rows && k < k_dim ? *reinterpret_cast<const uint4*>(x + (i64)(8 * i + g) * ldx + k)
+                                                       : zero;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int st = 2 * j + h;  // the k-step: bytes 32 t + 4 st .. + 3
+                unsigned a[4];  // a0, a2: row g's columns (2t, 2t + 1), (2t + 8, 2t + 9); a1, a3: row g + 8's
+                f8g_e4m3x4_to_bf16(f8g_word(w[st >> 2], st & 3), a[0], a[2]);
+                f8g_e4m3x4_to_bf16(f8g_word(w[2 + (st >> 2)], st & 3), a[1], a[3]);
+#pragma unroll
+                for (int i = 0; i < NT; ++i) {
+                    // x elements 32 t + 4 st .. + 3: u0 = (e0, e1), u1 = (e2, e3); b0 = (e0, e2), b1 = (e1, e3)
+                    const unsigned u0 = f8g_word(xv[i], 2 * h), u1 = f8g_word(xv[i], 2 * h + 1);
+                    f8w_mma(part[i], a, __byte_perm(u0, u1, 0x5410), __byte_perm(u0, u1, 0x7632));
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(s, part[i][e], acc[i][e]);
+        if (more) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) w[h] = next[h];
+        }
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sums[warp - 1][i][e][lane] = acc[i][e];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    // accumulator layout (m16n8, operands swapped): c0, c1 at weight row g, x rows 2t, 2t + 1 of the tile; c2, c3 at
+    // weight row g + 8
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float v = acc[i][e];
+#pragma unroll
+            for (int o = 0; o < F8G_WARPS - 1; ++o) v += sums[o][i][e][lane];
+            const int m = 8 * i + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
+            if (m >= rows || n >= n_rows) continue;
+            if (gridDim.y == 1) y[(i64)m * ldy + n] = __float2bfloat16_rn(v);
+            else atomicAdd(&partial[(i64)m * n_rows + n], v);
+        }
+}

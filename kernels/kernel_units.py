@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
     GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
     SSD_TC_STATES, attn_tile_keys
@@ -76,7 +77,7 @@ KERNEL_NAMES = {
     + [f"gdn_rows_kernel<{t}, {pc}>" for t in _T for pc in ("false", "true")],
     "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T]
     + [f"fp8_quant_groups_kernel<{t}, {v}>" for t in _T for v in ("false", "true")]
-    + ["fp8w_gemm_kernel", "fp8w_finish_kernel"],
+    + ["fp8w_gemm_kernel", "fp8w_finish_kernel"] + [f"fp8w_gemv_kernel<{nt}>" for nt in FP8W_GEMV_TILES],
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "decode", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES
+
 GDN_KEY_DIMS = (16, 32, 64, 128)  # token-stepped kernels are instantiated for these padded key dims
 GDN_COLS = 4  # value columns per thread of gdn_cols_kernel (the only instantiation: see kernels/delta_rule.cu)
 GDN_CHUNK_DMAX = 128  # the chunked kernels' largest key/value head dim (GDN_DMAX in kernels/delta_rule.cu)
@@ -130,21 +132,6 @@ def wgmma_tile_keys(head_dim: int, schedule: str) -> int:
     return ws_keys_per_tile(head_dim) if schedule in ("ws", "pingpong") else wgmma_keys_per_tile(head_dim)
 
 
-FP8W_TILE = 64  # fp8w_gemm_kernel's block: 64 rows of x by 64 weight rows, K in steps of 64
-FP8W_MIN_SPLIT = 256  # the fewest K columns a split of fp8w_gemm_kernel takes (4 steps)
-
-
-def fp8w_k_split(rows: int, n: int, k: int, sm_count: int) -> int:
-    """K columns per split of fp8w_gemm_kernel (a multiple of 64): the whole K where its row and column tiles give
-    every SM a block, else K cut so that they give each two (a few rows times a narrow weight: [2560, 9216] makes
-    40 tiles), each split at least FP8W_MIN_SPLIT columns."""
-    tiles = -(-rows // FP8W_TILE) * -(-n // FP8W_TILE)
-    if tiles >= sm_count:
-        return -(-k // FP8W_TILE) * FP8W_TILE
-    splits = max(1, min(-(-2 * sm_count // max(tiles, 1)), k // FP8W_MIN_SPLIT))
-    return -(-k // splits // FP8W_TILE) * FP8W_TILE
-
-
 def ws_persistent_blocks(query_tiles: int, kv_heads: int, sm_count: int) -> int:
     """Blocks per KV head of the warp-specialised kernel: at most one wave over the device (a block per SM: its
     shared memory), each block taking query tiles x, x + blocks, ... of its head; never more blocks than tiles.
@@ -204,10 +191,13 @@ class CudaTuning:
     # deterministic GEMMs: buckets of row counts may take another cuBLASLt algorithm than the reference one where
     # it gives the same bits (kernels/cublaslt.py PinnedGemm); False: the reference algorithm for every M
     gemm_pairing: bool = True
-    # FP8 projections (kernels/cuda_fp8.py) of at most this many rows run the weight-only kernel (fp8w_gemm_kernel:
-    # bf16 rows, the fp8 weights dequantised in shared memory) instead of cuBLASLt's block-scaled FP8 GEMM on
-    # quantised rows; 0: cuBLASLt for every row count
+    # FP8 projections (kernels/cuda_fp8.py) of at most this many rows run a weight-only kernel (bf16 rows times the
+    # fp8 weights, fp32 sums) instead of cuBLASLt's block-scaled FP8 GEMM on quantised rows; 0: cuBLASLt for every
+    # row count
     fp8_weight_only_rows: int = 0
+    # ... of which at most this many rows (<= 64) take fp8w_gemv_kernel (the weight bytes read straight into the
+    # tensor cores' operand), more fp8w_gemm_kernel (64 x 64 tiles dequantised in shared memory)
+    fp8_gemv_rows: int = 64
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
@@ -228,6 +218,8 @@ class CudaTuning:
                 raise ValueError(f"{name} must be True, False or 'auto'")
         if not isinstance(self.fp8_weight_only_rows, int) or self.fp8_weight_only_rows < 0:
             raise ValueError("fp8_weight_only_rows must be a non-negative int")
+        if not isinstance(self.fp8_gemv_rows, int) or not 0 <= self.fp8_gemv_rows <= 8 * FP8W_GEMV_TILES[-1]:
+            raise ValueError(f"fp8_gemv_rows must be an int from 0 to {8 * FP8W_GEMV_TILES[-1]}")
         for name in ("attn_prefill_warps", "attn_decode_warps"):
             if getattr(self, name) not in (None,) + ATTN_WARPS:
                 raise ValueError(f"{name} must be None or one of {ATTN_WARPS}")

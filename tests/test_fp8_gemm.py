@@ -11,7 +11,8 @@ import pytest
 from prefixrun.engine.load.quantization import quantize_blocks
 from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix, linear_segments, on_gemm_grid, quantize_groups
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import CudaTuning, fp8w_k_split
+from prefixrun.kernels.fp8_launch import fp8w_gemv_split, fp8w_gemv_tiles, fp8w_k_split
+from prefixrun.kernels.tuning import CudaTuning
 
 
 def _fp8(rng, rows, cols, block=(128, 128)):
@@ -102,3 +103,22 @@ def test_the_weight_only_kernel_splits_k_only_where_its_tiles_leave_sms_idle():
     assert fp8w_k_split(200, 2560, 300, 132) == 320  # the last step ragged
     with pytest.raises(ValueError):
         CudaTuning(fp8_weight_only_rows=-1)
+
+
+def test_the_gemv_kernel_takes_the_fewest_row_tiles_and_splits_k_only_for_narrow_weights():
+    assert [fp8w_gemv_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    for rows in (0, 65):
+        with pytest.raises(ValueError):
+            fp8w_gemv_tiles(rows)
+    # wide weights' 16-row tiles give 132 SMs four blocks each: the whole K (20 chunks of 128) in one split
+    assert fp8w_gemv_split(18432, 2560, 132) == 20 and fp8w_gemv_split(9216, 2560, 132) == 20
+    # [2560, 9216]: 160 tiles, so K (72 chunks) cut in four splits of 18 chunks: 640 blocks
+    assert fp8w_gemv_split(2560, 9216, 132) == 18
+    # each split keeps a chunk for each of a block's four warps; one chunk of K is never split
+    assert fp8w_gemv_split(16, 1024, 132) == 4 and fp8w_gemv_split(64, 128, 132) == 1
+    for n, k in [(2560, 4096), (200, 336), (40, 1552), (151936, 2560)]:
+        chunks, split = -(-k // 128), fp8w_gemv_split(n, k, 132)
+        assert 1 <= split <= chunks and (split == chunks or split >= 4)
+    for bad in (-1, 65, 1.5):
+        with pytest.raises(ValueError):
+            CudaTuning(fp8_gemv_rows=bad)

@@ -31,6 +31,14 @@ inline void f8w_ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, 
     r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
 }
 inline void f8w_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { tc_mma(c, a, b0, b1); }
+inline uint4 f8g_ld16(const unsigned char* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
+inline unsigned f8g_unbias(unsigned v) {  // bf16 x bf16 2^120, rounded (exact: a power of two)
+    const float two120 = std::ldexp(1.0f, 120);
+    const __nv_bfloat162 r = __floats2bfloat162_rn(emu_half(v, 0) * two120, emu_half(v, 1) * two120);
+    unsigned u;
+    std::memcpy(&u, &r, 4);
+    return u;
+}
 """
 
 ENTRY = r"""
@@ -47,6 +55,26 @@ extern "C" void emu_fp8w(const void* x, i64 ldx, int rows, const unsigned char* 
         emu_launch(gridDim, 64, 0, [&] { fp8w_finish_kernel(partial, rows, n_rows, (bf16*)y, ldy); });
     }
 }
+
+extern "C" void emu_fp8g(const void* x, i64 ldx, int rows, const unsigned char* q, const float* scale,
+                         int scale_cols, int n_rows, int k_dim, int split_chunks, void* y, i64 ldy, float* partial,
+                         int splits, int tiles) {
+    gridDim = {unsigned((n_rows + 15) / 16), unsigned(splits), 1};
+    emu_launch(gridDim, 32 * F8G_WARPS, 0, [&] {
+        auto run = [&](auto kernel) {
+            kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, split_chunks, (bf16*)y, ldy,
+                   partial);
+        };
+        if (tiles == 1) run(fp8w_gemv_kernel<1>);
+        if (tiles == 2) run(fp8w_gemv_kernel<2>);
+        if (tiles == 4) run(fp8w_gemv_kernel<4>);
+        if (tiles == 8) run(fp8w_gemv_kernel<8>);
+    });
+    if (splits > 1) {
+        gridDim = {2, 1, 1};
+        emu_launch(gridDim, 64, 0, [&] { fp8w_finish_kernel(partial, rows, n_rows, (bf16*)y, ldy); });
+    }
+}
 """
 
 
@@ -56,7 +84,8 @@ def _kernel_source() -> str:
     for helper in ("__device__ __forceinline__ unsigned f8w_smem", "__device__ __forceinline__ void f8w_cp16",
                    "__device__ __forceinline__ void f8w_ldsm_x4", "__device__ __forceinline__ void f8w_commit",
                    "__device__ __forceinline__ void f8w_wait_all()", "__device__ __forceinline__ void f8w_wait_all_",
-                   "__device__ __forceinline__ void f8w_mma"):
+                   "__device__ __forceinline__ void f8w_mma", "__device__ __forceinline__ uint4 f8g_ld16",
+                   "__device__ __forceinline__ unsigned f8g_unbias"):
         at = src.index(helper)
         end = src.index(";\n}\n", at) + 3 if "{\n" in src[at:src.index("\n", at) + 1] else src.index("\n", at) + 1
         src = src[:at] + src[end:]
@@ -98,3 +127,49 @@ def test_the_weight_only_kernel_is_the_product_with_the_dequantised_bf16_weight(
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     # fp32 sums of the same bf16 products: within the output's bf16 rounding of the fp64 product
     assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max() + 1e-6
+
+
+def _gemv_case(rng, m, n, k, subnormal):
+    """e4m3 bytes (every finite pattern, or only subnormals and zeros) with block scales, the padded scale grid the
+    device holds (a row stride of a multiple of 4) and bf16 rows."""
+    mask = 0x87 if subnormal else 0xF7
+    values = (rng.integers(0, 256, (n, k), dtype=np.uint8) & mask).view(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-3, 4e-3, (-(-n // 128), -(-k // 128))).astype(np.float32) * (300.0 if subnormal else 1.0)
+    padded = np.zeros((scale.shape[0], -(-scale.shape[1] // 4) * 4), np.float32)
+    padded[:, :scale.shape[1]] = scale
+    return Fp8Matrix(values, scale, (128, 128)), padded, rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+
+
+@pytest.mark.parametrize("m,n,k,split_chunks,tiles,subnormal", [
+    (1, 64, 128, 1, 1, False),  # one chunk: three of the four warps idle
+    (5, 200, 336, 3, 1, False),  # ragged weight rows across a 128-row scale block, K ragged by 80 columns
+    (16, 136, 1024, 3, 2, False),  # three K splits: fp32 sums, then fp8w_finish_kernel
+    (20, 40, 1552, 5, 4, False),  # K ragged by 16 columns, three splits of 5, 5 and 3 chunks
+    (33, 48, 256, 2, 8, False),  # 33 rows in eight tiles of 8
+    (3, 32, 512, 4, 1, True),  # only subnormal e4m3 values (and zeros): exact, not flushed
+])
+def test_the_gemv_kernel_is_the_exact_product_with_the_dequantised_weight(emu, m, n, k, split_chunks, tiles,
+                                                                           subnormal):
+    """fp8w_gemv_kernel (the weight bytes straight into mma.sync's A operand, its columns in an order of its own,
+    the block scale applied to each chunk's fp32 sum) against the fp64 product of the rows and the exact
+    dequantisation: equal up to fp32 sums and the output's bf16 rounding, within a column range of a wider
+    output, nothing written outside it."""
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w, padded, x = _gemv_case(rng, m, n, k, subnormal)
+    want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    splits = -(-(-(-k // 128)) // split_chunks)
+    col, width = 8, n + 24
+
+    def run():
+        y = np.full((m, width), 7.0, np.float32).astype(BF16)
+        partial = np.zeros((m, n), np.float32)
+        emu.emu_fp8g(_ptr(x), ctypes.c_int64(k), m, _ptr(np.ascontiguousarray(w.values).view(np.uint8)),
+                     _ptr(padded), padded.shape[1], n, k, split_chunks, ctypes.c_void_p(y.ctypes.data + 2 * col),
+                     ctypes.c_int64(width), _ptr(partial), splits, tiles)
+        return y.astype(np.float32)
+
+    y = _forked(run)
+    assert (y[:, :col] == 7.0).all() and (y[:, col + n:] == 7.0).all()
+    got = y[:, col:col + n].astype(np.float64)
+    assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max() + 1e-30
+    assert (np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-4 * np.abs(want).max()).all()

@@ -1,0 +1,39 @@
+"""The launch arithmetic of the weight-only FP8 products (kernels/fp8.cu fp8w_gemm_kernel and fp8w_gemv_kernel,
+run by kernels/cuda_fp8.py): pure functions of the shapes and the SM count, tested on the CPU."""
+from __future__ import annotations
+
+FP8W_TILE = 64  # fp8w_gemm_kernel's block: 64 rows of x by 64 weight rows, K in steps of 64
+FP8W_MIN_SPLIT = 256  # the fewest K columns a split of fp8w_gemm_kernel takes (4 steps)
+
+
+def fp8w_k_split(rows: int, n: int, k: int, sm_count: int) -> int:
+    """K columns per split of fp8w_gemm_kernel (a multiple of 64): the whole K where its row and column tiles give
+    every SM a block, else K cut so that they give each two (a few rows times a narrow weight: [2560, 9216] makes
+    40 tiles), each split at least FP8W_MIN_SPLIT columns."""
+    tiles = -(-rows // FP8W_TILE) * -(-n // FP8W_TILE)
+    if tiles >= sm_count:
+        return -(-k // FP8W_TILE) * FP8W_TILE
+    splits = max(1, min(-(-2 * sm_count // max(tiles, 1)), k // FP8W_MIN_SPLIT))
+    return -(-k // splits // FP8W_TILE) * FP8W_TILE
+
+
+FP8W_GEMV_TILES = (1, 2, 4, 8)  # fp8w_gemv_kernel's instantiations: tiles of 8 rows of x (so at most 64 rows)
+FP8W_GEMV_WARPS = 4  # F8G_WARPS: a block's warps, each taking every fourth 128-column chunk of its split
+FP8W_GEMV_BLOCKS_PER_SM = 4  # the blocks of 16 weight rows (and a K split) its grid aims at per SM
+
+
+def fp8w_gemv_tiles(rows: int) -> int:
+    """fp8w_gemv_kernel's instantiation for `rows` rows of x (1 <= rows <= 64): the fewest 8-row tiles of
+    FP8W_GEMV_TILES that hold them."""
+    if not 0 < rows <= 8 * FP8W_GEMV_TILES[-1]:
+        raise ValueError(f"fp8w_gemv_kernel takes 1 to {8 * FP8W_GEMV_TILES[-1]} rows, got {rows}")
+    return next(nt for nt in FP8W_GEMV_TILES if 8 * nt >= rows)
+
+
+def fp8w_gemv_split(n: int, k: int, sm_count: int) -> int:
+    """128-column chunks per K split of fp8w_gemv_kernel: the whole K where the weight's 16-row tiles give every SM
+    FP8W_GEMV_BLOCKS_PER_SM blocks, else K cut until they do ([2560, 9216]: 160 tiles, 4 splits), each split at
+    least one chunk per warp of its block."""
+    tiles, chunks = -(-n // 16), -(-k // 128)
+    splits = max(1, min(-(-FP8W_GEMV_BLOCKS_PER_SM * sm_count // max(tiles, 1)), chunks // FP8W_GEMV_WARPS))
+    return -(-chunks // splits)

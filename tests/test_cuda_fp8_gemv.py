@@ -1,0 +1,100 @@
+"""The weight-only FP8 products of decode-sized steps on the GPU (kernels/cuda_fp8.py gemv_weight_only: the
+weight bytes read once, straight into the tensor cores' operand; weight_only_gemm: tiles dequantised in shared
+memory): against the fp32 product of the bf16 rows and the exact dequantisation, norm-wise and per element relative
+to the largest output (the output's bf16 rounding and the order of fp32 sums), on the 4b-like shapes and ragged ones;
+subnormal e4m3 values kept; `linear` taking the kernel the tuning names for its rows.
+
+Skipped without CuPy and a GPU (kernels/fp8.cu's kernels themselves: tests/test_fp8w_emulated.py, on the CPU).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+from prefixrun.kernels.fp8 import Fp8Matrix  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SHAPES = [(18432, 2560), (2560, 9216), (2560, 4096), (200, 336), (40, 1552)]  # [N, K]: 4b-like, then ragged
+# against the fp32 product with the exact weight: the output's bf16 rounding (2^-9 relative) and fp32 sum order
+NORM, WORST = 4e-3, 1.6e-2
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps("bfloat16")
+
+
+def _weight(rng, n: int, k: int, subnormal: bool = False) -> Fp8Matrix:
+    """Random e4m3 bytes (every finite pattern, or only subnormals and zeros) with block scales."""
+    values = (rng.integers(0, 256, (n, k), dtype=np.uint8) & (0x87 if subnormal else 0xF7))
+    scale = rng.uniform(1e-4, 3e-4, (-(-n // 128), -(-k // 128))).astype(np.float32) * (1e3 if subnormal else 1)
+    return Fp8Matrix(values.view(ml_dtypes.float8_e4m3fn), scale, (128, 128))
+
+
+def _check(ops, got, x, weight):
+    """got [m, n] against the fp32 product of x (bf16) and the weight's exact dequantisation."""
+    w32 = ops.upload_rows([weight], "float32")
+    want = cupy.asnumpy(cupy.asarray(x.astype(np.float32)) @ w32.T)
+    top = np.abs(want).max()
+    norm_err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    worst = np.abs(got - want).max() / top
+    assert norm_err < NORM and worst < WORST, (norm_err, worst)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+def test_the_gemv_kernel_is_the_product_with_the_exact_dequantised_weight(n, k, m, ops):
+    from prefixrun.kernels.cuda_fp8 import gemv_weight_only, upload_block
+
+    rng = np.random.default_rng(n + k + m)
+    weight = _weight(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    out = ops.upload(np.full((m, n + 16), 3.0, np.float32))  # the result goes to columns 8 .. 8 + n
+    gemv_weight_only(ops.upload(x), upload_block([weight]), out, 8, ops._sm_count)
+    got = ops.to_host(out).astype(np.float32)
+    assert (got[:, :8] == 3.0).all() and (got[:, 8 + n:] == 3.0).all()
+    _check(ops, got[:, 8:8 + n], x, weight)
+
+
+def test_the_gemv_kernel_keeps_subnormal_fp8_values(ops):
+    """Weights of only subnormal e4m3 values (and zeros): their products are exact, not flushed to zero."""
+    from prefixrun.kernels.cuda_fp8 import gemv_weight_only, upload_block
+
+    rng = np.random.default_rng(3)
+    weight = _weight(rng, 256, 512, subnormal=True)
+    x = rng.standard_normal((5, 512)).astype(np.float32).astype(BF16)
+    out = ops.upload(np.zeros((5, 256), np.float32))
+    gemv_weight_only(ops.upload(x), upload_block([weight]), out, 0, ops._sm_count)
+    _check(ops, ops.to_host(out).astype(np.float32), x, weight)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 100])
+def test_linear_takes_the_weight_only_kernel_its_tuning_names(m, ops):
+    """`linear` on a projection kept FP8: up to fp8_gemv_rows rows the gemv kernel's bits, above them (within
+    fp8_weight_only_rows) the tiled kernel's; both the product with the exact weight within the bounds."""
+    from prefixrun.kernels.cublaslt_fp8 import block_fp8_support
+    from prefixrun.kernels.cuda_fp8 import ProjectionWeight, gemv_weight_only, upload_block, weight_only_gemm
+
+    if not block_fp8_support().supported:
+        pytest.skip("projections stay FP8 only where cuBLASLt runs block-scaled FP8")
+    rng = np.random.default_rng(m)
+    n, k = 2560, 4096
+    weight = _weight(rng, n, k)
+    x_host = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    x = ops.upload(x_host)
+    for gemv_rows, direct in ((64, gemv_weight_only if m <= 64 else weight_only_gemm), (0, weight_only_gemm)):
+        tuned = ops.retuned(fp8_weight_only_rows=128, fp8_gemv_rows=gemv_rows)
+        proj = tuned.upload_linear([weight])
+        assert isinstance(proj, ProjectionWeight)
+        got = tuned.to_host(tuned.linear(x, proj)).astype(np.float32)
+        ref = cupy.empty((m, n), BF16)
+        direct(x, upload_block([weight]), ref, 0, ops._sm_count)
+        np.testing.assert_array_equal(got, ops.to_host(ref).astype(np.float32))
+        _check(ops, got, x_host, weight)
