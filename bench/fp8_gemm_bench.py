@@ -1,13 +1,17 @@
 """FP8 GEMMs with block scales against bf16 on the GPU: whether cuBLASLt runs them here, and per weight shape and row
-count the time of the backend's `linear` on a bf16 weight, on the same weight kept FP8 (activation quantisation
-included), of the FP8 GEMM alone, of the activations' quantisation alone and, for few rows, of the weight-only
-kernel (fp8w_gemm_kernel) (device time: the calls captured in a CUDA graph, as decode steps run).
+count the time of the backend's `linear` on a bf16 weight, on the same weight kept FP8 through cuBLASLt's
+block-scaled GEMM (activation quantisation included), of the FP8 GEMM alone, of the activations' quantisation
+alone, of the weight-only kernels (fp8w_gemv_kernel up to 64 rows, fp8w_gemm_kernel up to --weight-only-rows) and
+of `linear` under the default tuning (device time: the calls captured in a CUDA graph, as decode steps run, each
+call on the next of several copies of the weight, so that no copy stays in L2 from one call to the next). Last, per
+shape, the crossover: the fewest rows measured from which cuBLASLt's path beats the weight-only kernels.
 
-    python3 bench/fp8_gemm_bench.py [--shapes 18432x2560,2560x9216] [--rows 1,64,2048,8192] [--reps 20]
+    python3 bench/fp8_gemm_bench.py [--shapes 18432x2560,2560x9216] [--rows 1,16,64,128,256,2048] [--reps 20]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import cupy
@@ -18,7 +22,8 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cublaslt_lib import LtContext, lt_version
 from prefixrun.kernels.cuda import CudaOps
 from prefixrun.kernels.cuda_arrays import cast
-from prefixrun.kernels.cuda_fp8 import Fp8Block, ProjectionWeight, quantize_activations, weight_only_gemm
+from prefixrun.kernels.cuda_fp8 import (Fp8Block, ProjectionWeight, gemv_weight_only, quantize_activations,
+                                        weight_only_gemm)
 
 SHAPES_4B = "18432x2560,2560x9216,12288x2560,2560x4096"  # [N, K] of the 4b-like projections
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -40,9 +45,15 @@ def timed(ops, fn, reps: int) -> float:
     return float(np.median(times))
 
 
-def fp8_weight(n: int, k: int) -> Fp8Block:
+def rotating(calls: list):
+    """One call a time, each on the next of `calls` (the weight copies), round and round."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def fp8_weight(n: int, k: int, seed: int = 0) -> Fp8Block:
     """Random e4m3 bytes (bit 3 clear: no NaN pattern) and block scales, made on the device."""
-    rng = cupy.random.RandomState(n * 7 + k)
+    rng = cupy.random.RandomState(n * 7 + k + seed)
     values = rng.randint(0, 256, size=(n, k), dtype=cupy.int32).astype(cupy.uint8) & cupy.uint8(0xF7)
     scale = rng.uniform(1e-3, 2e-3, size=(-(-n // 128), scale_columns(k))).astype(cupy.float32)
     return Fp8Block(values, scale)
@@ -105,60 +116,88 @@ def check_layouts(ops, n: int = 512, k: int = 1024, m: int = 64) -> None:
         wdq = qw * np.repeat(np.repeat(w_scale, 128, axis=0), 128, axis=1)
         want = xdq @ wdq.T
         errors.append(f"{name} {np.linalg.norm(got - want) / np.linalg.norm(want):.2e}")
-    wo = cupy.empty((m, n), BF16)
-    weight_only_gemm(xd, block, wo, 0, ops._sm_count)
-    w_bf16 = (qw * np.repeat(np.repeat(ws[:, :kb], 128, axis=0), 128, axis=1)).astype(BF16).astype(np.float32)
-    want = x.astype(BF16).astype(np.float32) @ w_bf16.T
-    wo_err = np.linalg.norm(ops.to_host(wo).astype(np.float32) - want) / np.linalg.norm(want)
+    w_exact = qw * np.repeat(np.repeat(ws[:, :kb], 128, axis=0), 128, axis=1)
+    x16 = x.astype(BF16).astype(np.float32)
+    wo_errs = []
+    for kernel_fn, w in ((weight_only_gemm, w_exact.astype(BF16).astype(np.float32)), (gemv_weight_only, w_exact)):
+        wo = cupy.empty((m, n), BF16)
+        kernel_fn(xd, block, wo, 0, ops._sm_count)
+        want = x16 @ w.T
+        wo_errs.append(np.linalg.norm(ops.to_host(wo).astype(np.float32) - want) / np.linalg.norm(want))
     print(f"check [{n}, {k}] M={m}: block-scaled GEMM {'ran' if ran else 'REFUSED'}; error against the product with "
-          f"scales read {', '.join(errors)}; weight-only kernel vs bf16 product {wo_err:.2e}", flush=True)
+          f"scales read {', '.join(errors)}; weight-only kernels vs the bf16 product: tiled {wo_errs[0]:.2e}, "
+          f"gemv {wo_errs[1]:.2e} (vs the exact weight)", flush=True)
+
+
+def time_shape(ops, a, n: int, k: int, rows: list[int], gemm) -> None:
+    """One line per row count: each path's device time per call (us) and its ratio to bf16, then the crossover."""
+    copies = max(1, -(-a.rotate_mib * (1 << 20) // (n * k)))  # fp8 copies (bf16 ones are twice the bytes)
+    reps = max(a.reps, copies)
+    w8s = [fp8_weight(n, k, seed) for seed in range(copies)]
+    w16s = [w8.dequantized() for w8 in w8s]
+    projs = [ProjectionWeight(((0, w8),), (n, k)) for w8 in w8s]
+    cublaslt = ops.retuned(fp8_weight_only_rows=0)
+    crossover = None
+    for m in rows:
+        x = cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32), BF16)
+        out = cupy.empty((m, n), BF16)
+        bf16 = timed(ops, rotating([lambda w=w: ops.linear(x, w) for w in w16s]), reps)
+        line = f"[{n}, {k}] M={m}: bf16 {bf16:6.1f} us"
+        best_weight_only = float("inf")
+        if m <= 64:
+            t = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, ops._sm_count) for w in w8s]), reps)
+            best_weight_only = min(best_weight_only, t)
+            line += f" | gemv {t:6.1f} ({t / bf16:.2f}x)"
+        if m <= a.weight_only_rows:
+            t = timed(ops, rotating([lambda w=w: weight_only_gemm(x, w, out, 0, ops._sm_count) for w in w8s]), reps)
+            best_weight_only = min(best_weight_only, t)
+            line += f" | tiled {t:6.1f} ({t / bf16:.2f}x)"
+        if gemm is not None:
+            fp8 = timed(cublaslt, rotating([lambda p=p: cublaslt.linear(x, p) for p in projs]), reps)
+            line += f" | cuBLASLt linear {fp8:6.1f} ({fp8 / bf16:.2f}x)"
+            xq, xs = quantize_activations(x)
+            padded = -(-m // 16) * 16
+            if padded == m and gemm.gemm(xq, xs, w8s[0].values, w8s[0].scale, out):
+                alone = timed(ops, rotating([lambda w=w: gemm.gemm(xq, xs, w.values, w.scale, out) for w in w8s]),
+                              reps)
+                quant = timed(ops, lambda: quantize_activations(x), a.reps)
+                line += f" = gemm {alone:6.1f} + quantise {quant:5.1f}"
+            if crossover is None and fp8 < best_weight_only:
+                crossover = m
+        default = timed(ops, rotating([lambda p=p: ops.linear(x, p) for p in projs]), reps)
+        line += f" | default linear {default:6.1f} ({default / bf16:.2f}x)"
+        print(line, flush=True)
+    print(f"[{n}, {k}] crossover: cuBLASLt beats the weight-only kernels from "
+          f"{crossover if crossover is not None else 'none of'} rows (of {rows}); default tuning "
+          f"fp8_weight_only_rows={ops.tuning.fp8_weight_only_rows} fp8_gemv_rows={ops.tuning.fp8_gemv_rows}",
+          flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES_4B)
-    p.add_argument("--rows", default="1,64,2048,8192")
+    p.add_argument("--rows", default="1,16,64,128,256,2048")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--probe", action="store_true", help="also print which scale-mode pairs cuBLASLt takes")
-    p.add_argument("--weight-only-rows", type=int, default=64, help="also time fp8w_gemm_kernel up to this M")
+    p.add_argument("--weight-only-rows", type=int, default=256, help="time fp8w_gemm_kernel up to this M")
+    p.add_argument("--rotate-mib", type=int, default=256, help="fp8 weight copies of at least this many MiB")
     a = p.parse_args()
     ops = CudaOps("bfloat16")
     t = time.perf_counter()
     support = block_fp8_support()
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"cuBLASLt {lt_version()}, {name}: block-scaled FP8 {'supported' if support.supported else 'NOT supported'} "
-          f"({support.detail}; {time.perf_counter() - t:.2f} s)")
+    print(f"cuBLASLt {lt_version()}, {name} ({ops._sm_count} SMs): block-scaled FP8 "
+          f"{'supported' if support.supported else 'NOT supported'} ({support.detail}; "
+          f"{time.perf_counter() - t:.2f} s)")
     if not support.supported or a.probe:
         probe_modes()
     gemm = get_block_fp8_gemm() if support.supported else None
     if support.supported:
         check_layouts(ops)
+    rows = [int(v) for v in a.rows.split(",")]
     for shape in a.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
-        w8 = fp8_weight(n, k)
-        w16 = w8.dequantized()
-        proj = ProjectionWeight(((0, w8),), (n, k))
-        for m in (int(v) for v in a.rows.split(",")):
-            x = cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32), BF16)
-            bf16 = timed(ops, lambda: ops.linear(x, w16), a.reps)
-            line = f"[{n}, {k}] M={m}: bf16 {bf16:8.1f} us"
-            if support.supported:
-                xq, xs = quantize_activations(x)
-                out = cupy.empty((m, n), BF16)
-                fp8 = timed(ops, lambda: ops.linear(x, proj), a.reps)
-                quant = timed(ops, lambda: quantize_activations(x), a.reps)
-                if gemm.gemm(xq, xs, w8.values, w8.scale, out):
-                    alone = timed(ops, lambda: gemm.gemm(xq, xs, w8.values, w8.scale, out), a.reps)
-                    line += (f" | fp8 linear {fp8:8.1f} us ({fp8 / bf16:.2f}x): gemm {alone:8.1f} "
-                             f"({alone / bf16:.2f}x) + quantise {quant:6.1f}")
-                else:
-                    line += f" | cuBLASLt refused; fp8 linear (fallback) {fp8:8.1f} us ({fp8 / bf16:.2f}x)"
-            if m <= a.weight_only_rows:
-                wo_out = cupy.empty((m, n), BF16)
-                wo = timed(ops, lambda: weight_only_gemm(x, w8, wo_out, 0, ops._sm_count), a.reps)
-                line += f" | weight-only {wo:8.1f} us ({wo / bf16:.2f}x)"
-            print(line, flush=True)
-        w8 = w16 = proj = None  # freed before the next shape's weights
+        time_shape(ops, a, n, k, rows, gemm)
         cupy.get_default_memory_pool().free_all_blocks()
 
 
