@@ -47,9 +47,9 @@ class CompileReport:
     def lines(self) -> list[str]:
         """The report as a user reads it: a summary, the slowest units, every failure."""
         mib = self.new_bytes / (1 << 20)
-        out = [f"compiled {len(self.units) - len(self.failed)} of {len(self.units)} kernel modules in "
-               f"{self.seconds:.1f} s on {self.workers} threads ({self.serial_seconds():.1f} s of compiling, "
-               f"one after another); {self.new_files} new files ({mib:.1f} MiB) in {self.cache_dir}",
+        out = [f"{len(self.units) - len(self.failed)} of {len(self.units)} kernel modules compiled or found in the "
+               f"cache in {self.seconds:.1f} s on {self.workers} threads ({self.serial_seconds():.1f} s summed over "
+               f"the modules); {self.new_files} new files ({mib:.1f} MiB) in {self.cache_dir}",
                f"device: {self.device}"]
         slowest = sorted(self.units, key=lambda u: -u["seconds"])[:SLOWEST_SHOWN]
         out.append("slowest: " + ", ".join(f"{u['name']} {u['seconds']:.1f} s" for u in slowest))
