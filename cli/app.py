@@ -379,8 +379,8 @@ def inspect_cache(
 
 @app.command("compile-kernels")
 def compile_kernels(
-    workers: Annotated[Optional[int], typer.Option(min=1, help="threads compiling side by side (default: the "
-                                                   "cores this process may use)", show_default=False)] = None,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="threads compiling side by side (default and at "
+                                                   "most: the cores this process may use)", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ):
     """Compile every CUDA kernel module ahead into the kernel cache folder ($CUPY_CACHE_DIR, else

@@ -133,10 +133,35 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class _Slots:
+    """At most `available_cores()` compiles at once in the process, whichever pool or thread runs them (an early
+    start's pool, the loader's, a step compiling what it needs): each holds a compiler's memory and a core."""
+
+    def __init__(self):
+        self._semaphore: threading.BoundedSemaphore | None = None
+        self._guard = threading.Lock()
+
+    def __enter__(self):
+        with self._guard:
+            if self._semaphore is None:
+                self._semaphore = threading.BoundedSemaphore(available_cores())
+        self._semaphore.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._semaphore.release()
+
+
+compile_slot = _Slots()
+"""`with compile_slot:` around a compile. Taken inside the module's own lock (OnceEach.get's make), never while
+waiting for one: a thread that holds a slot waits for nothing but its compile, so no wait can close a circle."""
+
+
 def start(jobs: list[Job], workers: int | None = None) -> CompileRun:
-    """Begin making `jobs` on min(workers or the cores, len(jobs)) daemon threads; returns at once."""
+    """Begin making `jobs` on min(workers, the cores, len(jobs)) daemon threads (workers None: the cores);
+    returns at once."""
     ordered = sorted(jobs, key=lambda j: -j.cost)
-    count = max(1, min(workers or available_cores(), len(ordered) or 1))
+    count = max(1, min(workers or available_cores(), available_cores(), len(ordered) or 1))
     run = CompileRun(list(ordered), count)
     run._pending[:] = ordered
     if not ordered:

@@ -70,7 +70,7 @@ def load_unit(unit: ModuleUnit, device: int | None = None) -> cupy.RawModule:
 
 
 def _compile(unit: ModuleUnit, device: int) -> cupy.RawModule:
-    with cupy.cuda.Device(device):
+    with cupy.cuda.Device(device), compile_pool.compile_slot:
         module = cupy.RawModule(code=kernel_source(unit.file), options=("-std=c++17",) + include_options(),
                                 name_expressions=list(unit.names))
         module.compile()  # RawModule compiles lazily: here, under this unit's lock

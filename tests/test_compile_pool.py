@@ -14,6 +14,17 @@ from prefixrun.kernels.compile_pool import Job, OnceEach
 WAIT = 10.0  # seconds a test waits for an event that a correct pool sets at once
 
 
+@pytest.fixture
+def cores(monkeypatch):
+    """The process allowed `n` cores (this machine may have fewer), with a fresh process-wide compile limit."""
+
+    def allow(n: int):
+        monkeypatch.setattr(compile_pool.os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+        monkeypatch.setattr(compile_pool, "compile_slot", compile_pool._Slots())
+
+    return allow
+
+
 def test_a_key_is_made_once_however_many_callers_ask_at_once():
     made = []
     go = threading.Event()
@@ -69,8 +80,9 @@ def test_a_failed_make_stores_nothing_and_the_next_caller_tries_again():
     assert once.get("moe", lambda: "module") == "module"
 
 
-def test_the_pool_runs_its_jobs_side_by_side():
+def test_the_pool_runs_its_jobs_side_by_side(cores):
     """Eight jobs that each wait for all eight to be running at once: they can only all pass on eight threads."""
+    cores(8)
     barrier = threading.Barrier(8, timeout=WAIT)
     jobs = [Job(f"unit{i}", barrier.wait) for i in range(8)]
     results = compile_pool.run_all(jobs, workers=8)
@@ -78,8 +90,9 @@ def test_the_pool_runs_its_jobs_side_by_side():
     assert all(r.error is None for r in results), [r.error for r in results]
 
 
-def test_jobs_that_release_the_interpreter_lock_take_about_the_longest_one_not_the_sum():
+def test_jobs_that_release_the_interpreter_lock_take_about_the_longest_one_not_the_sum(cores):
     """time.sleep releases Python's lock as NVRTC's compile does (CuPy's binding: `with nogil`)."""
+    cores(6)
     jobs = [Job(f"unit{i}", lambda: time.sleep(0.3)) for i in range(6)]
     t0 = time.perf_counter()
     compile_pool.run_all(jobs, workers=6)
@@ -106,8 +119,9 @@ def test_a_failing_job_is_reported_and_the_others_still_run():
     assert all(r.seconds >= 0 for r in results.values())
 
 
-def test_a_unit_the_pool_is_making_is_waited_for_by_a_step_that_needs_it_never_made_twice():
+def test_a_unit_the_pool_is_making_is_waited_for_by_a_step_that_needs_it_never_made_twice(cores):
     """The early start's pool and an op's first use meet on the unit's own lock."""
+    cores(4)
     once = OnceEach()
     made, started, release = [], threading.Event(), threading.Event()
 
@@ -149,9 +163,36 @@ def test_no_jobs_is_a_finished_run():
     assert run.finished and run.wait(0) == []
 
 
-def test_the_pool_is_sized_to_the_cores_this_process_may_use(monkeypatch):
-    monkeypatch.setattr(compile_pool.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+def test_the_pool_is_sized_to_the_cores_this_process_may_use(cores):
+    cores(3)
     assert compile_pool.available_cores() == 3
-    run = compile_pool.start([Job(f"u{i}", lambda: None) for i in range(10)])
-    run.wait(WAIT)
-    assert run.workers == 3
+    for workers, expected in ((None, 3), (2, 2), (64, 3)):
+        run = compile_pool.start([Job(f"u{i}", lambda: None) for i in range(10)], workers)
+        run.wait(WAIT)
+        assert run.workers == expected
+
+
+def test_two_pools_and_a_step_never_compile_more_at_once_than_the_cores(cores):
+    """An early start's pool, the loader's pool and a step's own compile share one limit; a thread waiting for a
+    module another thread compiles holds no slot."""
+    cores(2)
+    once, lock = OnceEach(), threading.Lock()
+    now, most = [0], [0]
+
+    def compile_unit(key):
+        with compile_pool.compile_slot:
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            time.sleep(0.05)
+            with lock:
+                now[0] -= 1
+        return key
+
+    def jobs():
+        return [Job(f"u{i}", lambda i=i: once.get(f"u{i}", lambda: compile_unit(f"u{i}"))) for i in range(8)]
+
+    early, loader = compile_pool.start(jobs(), 2), compile_pool.start(jobs(), 2)
+    assert once.get("u7", lambda: compile_unit("u7")) == "u7"
+    assert all(r.error is None for r in early.wait(WAIT) + loader.wait(WAIT))
+    assert most[0] == 2 and sorted(once.keys()) == [f"u{i}" for i in range(8)]
