@@ -1,7 +1,9 @@
 // Depthwise causal conv1d + SiLU (Gated DeltaNet; LFM2's short convolution: act 0, none) over varlen sequences,
 // continuing from per-slot histories.
 // Two launches per call: conv_fwd reads the old histories, conv_state_update then overwrites them (a single
-// kernel would race: the chunk holding a sequence's start reads the history its last chunk rewrites).
+// kernel would race: the chunk holding a sequence's start reads the history its last chunk rewrites). Steps of a
+// few tokens per sequence (decode, short verify rows) take conv_seq_kernel instead: a thread walks all of one
+// sequence's tokens in one channel, so it alone reads and rewrites that history, in one launch.
 
 #define CONV_CHUNK 32
 
@@ -67,4 +69,38 @@ __global__ void conv_state_kernel(const T* __restrict__ x, i64 sx, TS* __restric
     }
 #pragma unroll
     for (int m = 0; m < K - 1; ++m) hist[m] = from_f<TS>(nw[m]);
+}
+
+// conv_fwd_kernel and conv_state_kernel in one pass for steps of a few tokens per sequence: a thread per (channel,
+// sequence) walks the sequence's tokens in order (the same products and sums as conv_fwd_kernel: the same bits),
+// then writes the last K-1 inputs of [old history, x] as the new history. grid (ceil(C / blockDim.x), num_seqs).
+template <typename T, typename TS, int K>
+__global__ void conv_seq_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
+                                const float* __restrict__ bias, TS* __restrict__ state, const int* __restrict__ slots,
+                                const int* __restrict__ cu, int channels, int act, T* __restrict__ out) {
+    const int seq = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const int start = cu[seq], n = cu[seq + 1] - start;
+    if (n <= 0) return;
+    float w[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = weight[(i64)c * K + j];
+    TS* hist = state + ((i64)slots[seq] * channels + c) * (K - 1);
+    float win[K];
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) win[j] = to_f(hist[j]);
+    for (int i = 0; i < n; ++i) {
+        win[K - 1] = to_f(x[(i64)(start + i) * sx + c]);
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) acc += win[j] * w[j];
+        if (bias) acc += bias[c];
+        out[(i64)(start + i) * channels + c] = from_f<T>(act ? silu_f(acc) : acc);
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
+    }
+    // win[0..K-2]: the inputs at n-K+1 .. n-1 of [history, x], history entries where n < K-1, as stored
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) hist[j] = from_f<TS>(win[j]);
 }

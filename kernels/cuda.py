@@ -305,8 +305,8 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         stages = moe_gemm_stages(self.tuning, rows=rows, experts=weight.shape[0])
         return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages)
 
-    def moe_combine(self, y, position, weights, shared=None, shared_gate=None):
-        return moe_cuda.combine(y, position, weights, shared, shared_gate, out_dtype=self._act)
+    def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0):
+        return moe_cuda.combine(y, position, weights, shared, shared_gate, out_dtype=self._act, scale=scale)
 
     # ---- state copies -------------------------------------------------------------------------------------------
     def copy_rows(self, arrays, src, dst):

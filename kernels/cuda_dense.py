@@ -95,9 +95,10 @@ class DenseOps:
         """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D])"""
         return self._row_norm(2, x, weight, eps, gate=gate)
 
-    def add_rms_norm(self, x, h, weight, eps):
-        """(s = x + h, RMSNorm(s) * weight) for x, h [..., D] in one launch (kernels/elementwise.cu); the same
-        numbers as `add` then `rms_norm`. Both outputs in the storage dtype."""
+    def add_rms_norm(self, x, h, weight, eps, h_scale=1.0):
+        """(s = x + h * h_scale, RMSNorm(s) * weight) for x, h [..., D] in one launch (kernels/elementwise.cu); at
+        h_scale 1 the same numbers as `add` then `rms_norm`; else the fp32 sum rounded once. Both outputs in the
+        storage dtype."""
         if x.shape != h.shape:
             raise ValueError(f"add_rms_norm: x {x.shape} and h {h.shape} differ")
         x = cupy.ascontiguousarray(x if x.dtype == self._act else self._cast(x, self._act))
@@ -111,8 +112,8 @@ class DenseOps:
         w = as_f32(weight)
         vec = vectors_ok(d, x.itemsize, (x, x.itemsize, d), (h, h.itemsize, d), (w, 4))
         kernel("elementwise", f"add_rms_norm_kernel<{type_name(self._act)}, {launch.chunks}>")(
-            (norm_blocks(launch, rows),), (launch.threads,), (x, h, i64(rows), i32(d), w, np.float32(eps), s, out,
-                                                              i32(launch.lanes), i32(vec)))
+            (norm_blocks(launch, rows),), (launch.threads,),
+            (x, h, np.float32(h_scale), i64(rows), i32(d), w, np.float32(eps), s, out, i32(launch.lanes), i32(vec)))
         return s, out
 
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, positions, inv_freq):

@@ -16,6 +16,9 @@ from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_
     kda_step_launch
 
 _NULL = np.uint64(0)  # a kernel's absent pointer argument
+# tokens per sequence (mean) up to which causal_conv1d takes conv_seq_kernel (the outputs and histories of the
+# two-kernel form, bit for bit, in one launch)
+_CONV_SEQ_MEAN = 4
 
 # chunked delta rule: sizes fixed in kernels/delta_rule.cu (GDN_C, GDN_DMAX, GDN_CB and the shared-memory layouts)
 _GDN_CHUNK, _GDN_SCAN_COLS = 64, 32
@@ -48,6 +51,10 @@ class SequenceMixingOps:
         b = as_f32(bias) if bias is not None else np.uint64(0)  # a null pointer: no bias
         types = f"{type_name(x.dtype)}, {type_name(conv_state.dtype)}, {k}"
         cblocks = -(-c // 128)
+        if t <= _CONV_SEQ_MEAN * nseq:  # a few tokens a sequence: each thread walks its sequence, one launch
+            kernel("conv", f"conv_seq_kernel<{types}>")(
+                (cblocks, nseq), (128,), (x, i64(sx), w, b, conv_state, slots, cu, i32(c), i32(silu), out))
+            return out
         kernel("conv", f"conv_fwd_kernel<{types}>")(
             (cblocks, -(-t // 32) + nseq), (128,),
             (x, i64(sx), w, b, conv_state, slots, cu, i32(nseq), i32(c), i32(silu), out))

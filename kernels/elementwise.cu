@@ -171,11 +171,13 @@ __global__ void row_norm_kernel(const TI* __restrict__ x, i64 rows, int d, i64 n
 }
 
 // ---- fused norms ----------------------------------------------------------------------------------------------
-// The residual add and the next RMSNorm in one pass: sum = x + h (rounded to T), out = RMSNorm(sum) * w computed
-// from sum as stored, so both equal add_kernel's and then row_norm_kernel<MODE 0>'s (the same chunks, lanes and
-// order of the sums: bit-identical). x, h, sum, out [rows, d] contiguous; lanes, C, vec as row_norm_kernel.
+// The residual add and the next RMSNorm in one pass: sum = x + h * hs (rounded to T once), out = RMSNorm(sum) * w
+// computed from sum as stored, so at hs = 1 both equal add_kernel's and then row_norm_kernel<MODE 0>'s (the same
+// chunks, lanes and order of the sums: bit-identical; h * 1 is exact). hs scales a branch before its residual add
+// (Granite's residual_multiplier) without a launch and a rounding of its own. x, h, sum, out [rows, d] contiguous;
+// lanes, C, vec as row_norm_kernel.
 template <typename T, int C>
-__global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ h, i64 rows, int d,
+__global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ h, float hs, i64 rows, int d,
                                     const float* __restrict__ w, float eps, T* __restrict__ sum,
                                     T* __restrict__ out, int lanes, int vec) {
     constexpr int V = NORM_V(T);
@@ -199,7 +201,7 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict
                 read_chunk<T, V>(x + off, i0, d, vec, a);
                 read_chunk<T, V>(h + off, i0, d, vec, b);
 #pragma unroll
-                for (int k = 0; k < V; ++k) v[k] = to_f(from_f<T>(a[k] + b[k]));  // the sum as stored
+                for (int k = 0; k < V; ++k) v[k] = to_f(from_f<T>(a[k] + b[k] * hs));  // the sum as stored
                 write_chunk<T, V>(sum + off, i0, d, vec, v);
             } else {
 #pragma unroll

@@ -52,7 +52,7 @@ _TENSOR_CORE_FILES = ("delta_tc", "ssd_tc")  # files compiled after kernels/tc_m
 
 KERNEL_NAMES = {
     "elementwise": _elementwise_names(),
-    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state") for t in _T for ts in _T
+    "conv": [f"conv_{k}_kernel<{t}, {ts}, {kk}>" for k in ("fwd", "state", "seq") for t in _T for ts in _T
              for kk in CONV_WIDTHS],
     "delta_rule": [f"gdn_cols_kernel<{t}, {d}, {GDN_COLS}>" for t in _T for d in GDN_KEY_DIMS]
     + [f"gdn_decode_kernel<{t}, {d}, {w}, {c // 4}>" for t in _T for d in GDN_KEY_DIMS for w, c in GDN_DECODE_BLOCKS]
@@ -85,7 +85,7 @@ KERNEL_NAMES = {
     "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_permute_small_kernel"]
     + [f"moe_gemm_mma_kernel<bf16, {n}>" for n in MOE_GEMM_STAGES] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
-    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in ("true", "false")]
+    + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in (0, 1, 2)]
     + [f"moe_bias_kernel<{t}>" for t in _T],
 }
 

@@ -341,19 +341,22 @@ moe_gemm_simt_kernel(const T* __restrict__ x, i64 xs, const int* __restrict__ to
 }
 
 // ---- combine ------------------------------------------------------------------------------------------------------
-// out[t, d] = sum_j weights[t, j] * y[position[t k + j], d] (+ sigmoid(gate[t * gs]) * shared[t, d]).
-template <typename T, bool SHARED>
+// out[t, d] = (sum_j weights[t, j] * y[position[t k + j], d] + shared term) * scale, rounded once; the shared term:
+// SHARED 0 none, 1 sigmoid(gate[t * gs]) * shared[t, d] (a gated shared expert), 2 shared[t, d] (an ungated one).
+// scale: a branch's factor before its residual add (Granite's residual_multiplier; 1 is exact).
+template <typename T, int SHARED>
 __global__ void moe_combine_kernel(const T* __restrict__ y, const int* __restrict__ position,
                                    const float* __restrict__ weights, int num_tokens, int k, int dim,
-                                   const T* __restrict__ shared, const float* __restrict__ gate, i64 gs,
+                                   const T* __restrict__ shared, const float* __restrict__ gate, i64 gs, float scale,
                                    T* __restrict__ out) {
     const i64 total = (i64)num_tokens * dim;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const int t = (int)(i / dim), d = (int)(i % dim);
         float acc = 0.f;
         for (int j = 0; j < k; ++j) acc += weights[(i64)t * k + j] * to_f(y[(i64)position[(i64)t * k + j] * dim + d]);
-        if (SHARED) acc += to_f(shared[i]) / (1.f + expf(-gate[t * gs]));
-        out[i] = from_f<T>(acc);
+        if (SHARED == 1) acc += to_f(shared[i]) / (1.f + expf(-gate[t * gs]));
+        if (SHARED == 2) acc += to_f(shared[i]);
+        out[i] = from_f<T>(acc * scale);
     }
 }
 

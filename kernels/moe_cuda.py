@@ -126,8 +126,9 @@ def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int
     return out
 
 
-def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None):
-    """out[t] = sum_j weights[t, j] * y[position[t k + j]] (+ sigmoid(shared_gate[t]) * shared[t]) -> [T, D]."""
+def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None, scale=1.0):
+    """out[t] = (sum_j weights[t, j] * y[position[t k + j]] + the shared term) * scale -> [T, D]; the shared term
+    sigmoid(shared_gate[t]) * shared[t], or shared[t] without a gate."""
     t, k = weights.shape
     y = cupy.ascontiguousarray(y)
     dim = y.shape[1]
@@ -138,14 +139,20 @@ def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None)
         return out
     weights = cupy.ascontiguousarray(cast(weights, F32))
     position = device_index(position)
-    ty = type_name(y.dtype)
+    ty, factor = type_name(y.dtype), np.float32(scale)
     if shared is None:
-        kernel("moe", f"moe_combine_kernel<{ty}, false>")((blocks_for(t * dim),), (256,), (
-            y, position, weights, i32(t), i32(k), i32(dim), y, weights, i64(0), out))
+        kernel("moe", f"moe_combine_kernel<{ty}, 0>")((blocks_for(t * dim),), (256,), (
+            y, position, weights, i32(t), i32(k), i32(dim), y, weights, i64(0), factor, out))
         return out
     shared = cupy.ascontiguousarray(cast(shared, y.dtype))
+    if shared.shape != (t, dim):
+        raise ValueError(f"moe_combine: shared {shared.shape} does not fit the output {(t, dim)}")
+    if shared_gate is None:
+        kernel("moe", f"moe_combine_kernel<{ty}, 2>")((blocks_for(t * dim),), (256,), (
+            y, position, weights, i32(t), i32(k), i32(dim), shared, weights, i64(0), factor, out))
+        return out
     gate = cast(shared_gate, F32)
     gate_stride = gate.strides[0] // 4 if t > 1 else 1  # [T, 1] column of the router's logits, or contiguous
-    kernel("moe", f"moe_combine_kernel<{ty}, true>")((blocks_for(t * dim),), (256,), (
-        y, position, weights, i32(t), i32(k), i32(dim), shared, gate, i64(gate_stride), out))
+    kernel("moe", f"moe_combine_kernel<{ty}, 1>")((blocks_for(t * dim),), (256,), (
+        y, position, weights, i32(t), i32(k), i32(dim), shared, gate, i64(gate_stride), factor, out))
     return out

@@ -75,14 +75,19 @@ class MoeReferenceOps:
                                                              np.asarray(bias[e], np.float32))
         return out
 
-    def moe_combine(self, y, position, weights, shared=None, shared_gate=None):
+    def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0):
         """Each token's k expert rows, weighted: out[t] = sum_j weights[t, j] * y[position[t * k + j]] (j ascending),
-        plus sigmoid(shared_gate[t]) * shared[t] when a shared expert is given. y [N, D], position [N],
-        weights [T, k] fp32, shared [T, D], shared_gate [T, 1]. Returns [T, D]."""
+        plus sigmoid(shared_gate[t]) * shared[t] when a shared expert is given (shared[t] itself without a gate),
+        all times `scale` (a branch's factor before its residual add) before the one rounding. y [N, D],
+        position [N], weights [T, k] fp32, shared [T, D], shared_gate [T, 1]. Returns [T, D]."""
         t, k = weights.shape
         rows = y[np.asarray(position).reshape(t, k)].astype(np.float32)  # [T, k, D]
         out = np.einsum("tk,tkd->td", weights.astype(np.float32), rows)
-        if shared is not None:
+        if shared is not None and shared_gate is not None:
             g = np.asarray(shared_gate, np.float32).reshape(t, 1)
             out = out + shared.astype(np.float32) / (1.0 + np.exp(-g))
+        elif shared is not None:
+            out = out + shared.astype(np.float32)
+        if scale != 1.0:
+            out = out * np.asarray(scale, np.float32)
         return out.astype(self.act_dtype)

@@ -12,8 +12,10 @@ from __future__ import annotations
 # head dim 256 in the warp-specialised kernel (attn_prefill_kernel "auto"); 6: the delta rule's tensor-core prep pass
 # gdn_tc_prep_v2_kernel (6 blocks per SM, "v2-6") by default (the same fp32 solve in another summation order); 7:
 # Mamba2 bf16 prefills in the tensor-core chunked form (kernels/ssd_tc.cu), Mamba2 decode steps in ssd_decode_kernel
-# (the state's dot with C summed over 4 columns a lane), ops.scale in one kernel (one rounding of the fp32 product)
-NUMERICS_VERSION = 7
+# (the state's dot with C summed over 4 columns a lane), ops.scale in one kernel (one rounding of the fp32 product);
+# 8: a scaled branch added in the fused add + RMSNorm and a shared expert added (and the branch scaled) in
+# moe_combine, each rounded once where they were rounded per op (Granite 4.0-H, Nemotron-H's MoE blocks)
+NUMERICS_VERSION = 8
 # the batch-invariant kernels' own version (--deterministic): 2: decode and verify rows attend over fixed 512-key
 # ranges merged in order (kernels/tuning.py DETERMINISTIC_SEGMENT_KEYS)
 DETERMINISTIC_VERSION = 2

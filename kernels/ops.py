@@ -154,9 +154,11 @@ class Ops(Protocol):
     def gated_rms_norm(self, x, gate, weight, eps) -> Array:
         """RMSNorm(x [..., D]) * weight [D] * silu(gate [..., D]) -> act [..., D]"""
 
-    def add_rms_norm(self, x, h, weight, eps) -> tuple[Array, Array]:
-        """x, h [T, D] -> (s = x + h, rms_norm(s)), both act [T, D]: the residual add and the next norm in one
-        pass; the same numbers as `add` then `rms_norm` (the norm reads s as stored)."""
+    def add_rms_norm(self, x, h, weight, eps, h_scale=1.0) -> tuple[Array, Array]:
+        """x, h [T, D] -> (s = x + h * h_scale, rms_norm(s)), both act [T, D]: the residual add and the next norm
+        in one pass; at h_scale 1 the same numbers as `add` then `rms_norm` (the norm reads s as stored). h_scale
+        (a float the caller rounded to the storage dtype, as `scale` takes it) scales a branch before its add; the
+        reference rounds the product as `scale` does, a backend may round the scaled sum once."""
 
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, positions, inv_freq) -> tuple[Array, Array]:
         """q [T, Hq, Dh], k [T, Hk, Dh] -> new act arrays: per-head `rms_norm` (weights [Dh]; both None: no norm)
@@ -289,9 +291,10 @@ class Ops(Protocol):
         r of expert e; weight [E, out, in]; x_r = x[token_of_row[r]] if given, else x[r]. -> act [N, out] (fp32
         accumulation)."""
 
-    def moe_combine(self, y, position, weights, shared=None, shared_gate=None) -> Array:
-        """out[t] = sum_j weights[t, j] * y[position[t*k + j]] (+ sigmoid(shared_gate[t]) * shared[t]) -> act
-        [T, D]; y [N, D], shared [T, D], shared_gate [T, 1] (may be a strided column)."""
+    def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0) -> Array:
+        """out[t] = (sum_j weights[t, j] * y[position[t*k + j]] + sigmoid(shared_gate[t]) * shared[t]) * scale ->
+        act [T, D]; y [N, D], shared [T, D] (none: no shared term; no gate: shared[t] itself), shared_gate [T, 1]
+        (may be a strided column); scale as `scale` takes it (the reference rounds nothing before it)."""
 
     # ---- state copies ------------------------------------------------------------------------------------------
     def copy_rows(self, arrays, src, dst) -> None:

@@ -95,9 +95,12 @@ class NumpyOps(HostMemoryOps, MoeReferenceOps, MambaReferenceOps):
         g = gate.astype(np.float32)
         return (x32 / np.sqrt(var + eps) * weight * (g / (1.0 + np.exp(-g)))).astype(self.act_dtype)
 
-    def add_rms_norm(self, x, h, weight, eps):
+    def add_rms_norm(self, x, h, weight, eps, h_scale=1.0):
         """The residual add and the next RMSNorm in one op: s = x + h (rounded to the storage dtype), then
-        (s, rms_norm(s)). x, h [T, D] -> (act [T, D], act [T, D]); the same numbers as `add` then `rms_norm`."""
+        (s, rms_norm(s)). x, h [T, D] -> (act [T, D], act [T, D]); the same numbers as `add` then `rms_norm`.
+        h_scale != 1: h is first `scale`d by it (the same numbers as `scale` before the add)."""
+        if h_scale != 1.0:
+            h = self.scale(h, h_scale)
         s = (x + h).astype(self.act_dtype)
         return s, self.rms_norm(s, weight, eps)
 

@@ -42,6 +42,25 @@ def test_add_rms_norm(ops, ref, rows, d):
         ops.add_rms_norm(dx, dh[:, :-1], dw, 1e-6)
 
 
+@pytest.mark.parametrize("rows,d", [(64, 1536), (7, 3000), (300, 128)])
+def test_add_rms_norm_scales_the_branch(ops, ref, rows, d):
+    """h_scale (Granite's residual_multiplier, rounded to the storage dtype): x + h * h_scale and its norm in one
+    launch, against the reference (which scales h, then adds) and the unfused device ops (scale, then the add and
+    norm: the same up to the one rounding the fusion saves)."""
+    rng = np.random.default_rng(d + rows + 1)
+    x, h = act_round(ops, rnd(rng, rows, d, scale=2.0)), act_round(ops, rnd(rng, rows, d) * 4.0)
+    w = rnd(rng, d) + 1.0
+    factor = np.asarray(0.22, ops.act_dtype)
+    dx, dh, dw = ops.upload(x), ops.upload(h), ops.upload(w, np.float32)
+    s, n = ops.add_rms_norm(dx, dh, dw, 1e-6, factor)
+    want_s, want_n = ref.add_rms_norm(x, h, w, 1e-6, np.float32(factor))
+    assert rel(host(ops, s), want_s) <= TOL[ops.dtype_name]
+    assert rel(host(ops, n), want_n) <= TOL[ops.dtype_name]
+    s2, n2 = ops.add_rms_norm(dx, ops.scale(dh, factor), dw, 1e-6)
+    assert rel(host(ops, s), host(ops, s2)) <= TOL[ops.dtype_name]
+    assert rel(host(ops, s), host(ops, ops.add_rms_norm(dx, dh, dw, 1e-6)[0])) > 10 * TOL[ops.dtype_name]
+
+
 @pytest.mark.parametrize("d", [128, 2560, 2568])
 def test_norms_alike_on_every_path(ops, d):
     """A row's norm has the same bits whether its chunks move as 16-byte vectors (an aligned row) or element by

@@ -161,6 +161,31 @@ def test_relu2_and_conv_bias_match_the_reference(ops):
     assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name] and rel(host(ops, dh), ref_hist) < 1e-2
 
 
+@pytest.mark.parametrize("lens", [[1] * 64, [2, 1, 0, 4, 1]], ids=["decode", "verify-like"])
+def test_the_one_launch_conv_of_short_steps_matches_the_reference_and_the_chunked_form(ops, lens):
+    """Steps of a few tokens per sequence take conv_seq_kernel (one launch): against the reference, and bit for bit
+    against the two-kernel chunked form, which the same sequences take beside one long sequence (outputs and the
+    histories of their slots), at Mamba2's conv width (granite's conv_dim), with its bias."""
+    rng = np.random.default_rng(len(lens))
+    c, k, nseq = 3328, 4, len(lens)
+    long_lens = lens + [40 * nseq]  # mean tokens per sequence past the one-launch form's
+    cu, cu_long = (np.concatenate([[0], np.cumsum(v)]).astype(np.int32) for v in (lens, long_lens))
+    t = int(cu[-1])
+    xs = act_round(ops, rng.standard_normal((int(cu_long[-1]), c)))
+    w, bias = rng.standard_normal((c, k)).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    hist = act_round(ops, rng.standard_normal((nseq + 2, c, k - 1)))
+    slots = rng.permutation(nseq + 2)[:nseq + 1].astype(np.int32)
+    ref_hist = hist.copy()
+    want = NumpyOps().causal_conv1d(xs[:t], w, ref_hist, slots[:nseq], cu, bias=bias)
+    dw, db = ops.upload(w, np.float32), ops.upload(bias, np.float32)
+    dh, dh_long = ops.upload(hist), ops.upload(hist)
+    got = ops.causal_conv1d(ops.upload(xs[:t]), dw, dh, slots[:nseq], cu, bias=db)
+    chunked = ops.causal_conv1d(ops.upload(xs), dw, dh_long, slots, cu_long, bias=db)
+    assert rel(host(ops, got), want) < TOL_SEQ[ops.dtype_name] and rel(host(ops, dh), ref_hist) < 1e-2
+    np.testing.assert_array_equal(ops.to_host(got), ops.to_host(chunked)[:t])
+    np.testing.assert_array_equal(ops.to_host(dh)[slots[:nseq]], ops.to_host(dh_long)[slots[:nseq]])
+
+
 @pytest.mark.parametrize("t,e,k", [(7, 128, 6), (1, 8, 2), (300, 64, 8)])
 def test_moe_route_sigmoid_matches_the_reference(ops, t, e, k):
     rng = np.random.default_rng(e)

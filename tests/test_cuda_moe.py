@@ -127,6 +127,28 @@ def test_combine_matches_reference(ops, ref, shared):
     assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_combine_with_a_shared_expert_and_a_scale_matches_reference(ops, ref, gated):
+    """The shared expert's output added gated or as it is, and the sum times a branch scale (Granite's
+    residual_multiplier), rounded once."""
+    rng = np.random.default_rng(6)
+    t, k, e, d = 64, 6, 16, 1536
+    experts = skewed_experts(rng, t, k, e)
+    _, pos, _ = ops.moe_permute(ops.upload_index(experts), e)
+    y, y32 = as_stored(ops, rng.standard_normal((t * k, d)).astype(np.float32))
+    weights = rng.random((t, k)).astype(np.float32)
+    logits = rng.standard_normal((t, e + 1)).astype(np.float32)
+    s, s32 = as_stored(ops, rng.standard_normal((t, d)).astype(np.float32))
+    gate, gate32 = (ops.upload(logits, np.float32)[:, e:], logits[:, e:]) if gated else (None, None)
+    factor = np.asarray(0.22, ops.act_dtype)
+    dw = ops.upload(weights, np.float32)
+    got = ops.moe_combine(y, pos, dw, s, gate, scale=factor)
+    want = ref.moe_combine(y32, ops.to_host(pos), weights, s32, gate32, scale=np.float32(factor))
+    assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
+    one = ops.to_host(ops.moe_combine(y, pos, dw, s, gate))
+    assert rel(one, ref.moe_combine(y32, ops.to_host(pos), weights, s32, gate32)) <= TOL[ops.dtype_name]
+
+
 def test_moe_block_replays_from_a_graph(model_dirs):
     """A whole sparse MoE block captured into a CUDA graph (so none of its ops syncs with the host) and replayed on
     new inputs gives the eager result."""

@@ -31,11 +31,12 @@ ENTRY = r"""
 // the norms for storage T (0: float, 1: bf16) with C chunks in registers, on `blocks` blocks of `threads`
 #define EMU_NORM_DISPATCH(T, C, CALL)                                                                               \
     if (C == 1) CALL(T, 1) else if (C == 2) CALL(T, 2) else if (C == 4) CALL(T, 4) else return 2;
-extern "C" int emu_add_rms_norm(int bf, const void* x, const void* h, i64 rows, int d, const float* w, float eps,
-                                void* sum, void* out, int blocks, int threads, int lanes, int chunks, int vec) {
+extern "C" int emu_add_rms_norm(int bf, const void* x, const void* h, float hs, i64 rows, int d, const float* w,
+                                float eps, void* sum, void* out, int blocks, int threads, int lanes, int chunks,
+                                int vec) {
     gridDim = {unsigned(blocks), 1, 1};
 #define EMU_ADD_NORM(T, C) emu_launch(gridDim, threads, 0, [&] { add_rms_norm_kernel<T, C>(                     \
-        (const T*)x, (const T*)h, rows, d, w, eps, (T*)sum, (T*)out, lanes, vec); });
+        (const T*)x, (const T*)h, hs, rows, d, w, eps, (T*)sum, (T*)out, lanes, vec); });
     if (bf) { EMU_NORM_DISPATCH(bf16, chunks, EMU_ADD_NORM) } else { EMU_NORM_DISPATCH(float, chunks, EMU_ADD_NORM) }
     return 0;
 }
@@ -130,7 +131,7 @@ def _store(a, dtype):
     return (a.view(np.uint16) if dtype == BF16 else a), a.astype(np.float32)
 
 
-def _emu_add_rms_norm(emu, x, h, w, dtype, geometry, vec):
+def _emu_add_rms_norm(emu, x, h, w, dtype, geometry, vec, h_scale=1.0):
     rows, d = x.shape
     bf = int(dtype == BF16)
 
@@ -138,7 +139,8 @@ def _emu_add_rms_norm(emu, x, h, w, dtype, geometry, vec):
         st = np.uint16 if bf else np.float32
         s, s_ok = _guarded((rows, d), st)
         o, o_ok = _guarded((rows, d), st)
-        rc = emu.emu_add_rms_norm(bf, _ptr(x), _ptr(h), i64(rows), d, _ptr(w), f32(1e-6), _ptr(s), _ptr(o),
+        rc = emu.emu_add_rms_norm(bf, _ptr(x), _ptr(h), f32(h_scale), i64(rows), d, _ptr(w), f32(1e-6), _ptr(s),
+                                  _ptr(o),
                                   *geometry, int(vec))
         assert rc == 0 and s_ok() and o_ok(), "the kernel wrote past an output"
         return s.copy(), o.copy()
@@ -202,6 +204,37 @@ def test_add_rms_norm_kernel(emu, dtype, rows, d, blocks):
         want_s, want = ref.add_rms_norm(x, h, w, 1e-6)
         np.testing.assert_array_equal(want_s, ref.add(x, h))  # the contract: add, then rms_norm
         np.testing.assert_array_equal(want, ref.rms_norm(ref.add(x, h), w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,d,blocks", [(5, 40, None), (9, 1000, 2), (4, 1536, None)])
+def test_add_rms_norm_kernel_scales_the_branch(emu, dtype, rows, d, blocks):
+    """h_scale (Granite's residual_multiplier): the stored sum is x + h * h_scale rounded once (fp32 product and sum;
+    the vector and element paths alike), its norm as the unscaled kernel's of that sum; against the reference,
+    which rounds the scaled branch first (fp32: within an ulp of the sum)."""
+    rng = np.random.default_rng(d + 1)
+    (xs, x), (hs, h) = _store(rng.standard_normal((rows, d)), dtype), _store(rng.standard_normal((rows, d)), dtype)
+    w = rng.standard_normal(d).astype(np.float32)
+    factor = np.float32(0.2197265625)  # 0.22 in bf16, as the model rounds it
+    geometry = _norm_geometry(rows, d, dtype.itemsize, blocks)
+    s, o = _emu_add_rms_norm(emu, xs, hs, w, dtype, geometry, vec=d % (16 // dtype.itemsize) == 0, h_scale=factor)
+    s2, o2 = _emu_add_rms_norm(emu, xs, hs, w, dtype, geometry, vec=False, h_scale=factor)
+    np.testing.assert_array_equal(s, s2)
+    np.testing.assert_array_equal(o, o2)
+    want_s = (x.astype(np.float64) + h.astype(np.float64) * np.float64(factor)).astype(np.float32).astype(dtype)
+    got_s = _values(s, dtype)
+    if dtype == BF16:  # one rounding of the fp32 scaled sum to bf16: at most an ulp from the exact sum's rounding
+        np.testing.assert_allclose(got_s, want_s.astype(np.float32), rtol=2 ** -7, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got_s, want_s, rtol=2e-7, atol=1e-7)
+    unfused = _emu_row_norm(emu, 0, s, (0, rows, d, 1, d, 0), w, dtype, geometry, vec=False)
+    np.testing.assert_array_equal(o, unfused)
+    if dtype != BF16:
+        ref = NumpyOps()
+        want_s, want = ref.add_rms_norm(x, h, w, 1e-6, factor)
+        np.testing.assert_array_equal(want_s, ref.add(x, ref.scale(h, factor)))  # the contract: scale, add
+        np.testing.assert_allclose(s, want_s, rtol=2e-7, atol=1e-7)
+        np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])

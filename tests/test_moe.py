@@ -77,6 +77,25 @@ def test_route_ties_take_the_lower_expert_and_shared_gate_adds():
     assert np.allclose(out, 1.0 + 0.5 * 2.0)
 
 
+def test_combine_adds_an_ungated_shared_expert_and_scales_the_sum():
+    """moe_combine with a shared output and no gate adds it as it is, and `scale` multiplies the whole sum: the
+    same fp32 numbers as combine, add and scale one after another (Granite's MoE block, one op)."""
+    ops = NumpyOps()
+    rng = np.random.default_rng(3)
+    t, k, d = 5, 3, 7
+    y = rng.standard_normal((t * k, d)).astype(np.float32)
+    pos = rng.permutation(t * k).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    shared = rng.standard_normal((t, d)).astype(np.float32)
+    factor = np.asarray(0.22, np.float32)
+    got = ops.moe_combine(y, pos, w, shared=shared, scale=factor)
+    np.testing.assert_array_equal(got, ops.scale(ops.add(ops.moe_combine(y, pos, w), shared), factor))
+    np.testing.assert_array_equal(ops.moe_combine(y, pos, w, shared=shared), ops.moe_combine(y, pos, w) + shared)
+    np.testing.assert_array_equal(ops.moe_combine(y, pos, w, scale=factor),
+                                  ops.scale(ops.moe_combine(y, pos, w), factor))
+    assert not np.array_equal(got, ops.moe_combine(y, pos, w, shared=shared))
+
+
 # ---- models written by transformers -------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

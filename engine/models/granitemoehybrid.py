@@ -29,8 +29,10 @@ class SharedMLP:
         self.down = load.matrix(prefix + "output_linear.weight", (d, s))
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def __call__(self, ops, x):
-        return ops.linear(self.act(ops, ops.linear(x, self.gate_up)), self.down)
+    def __call__(self, ops, x, scale=1.0):
+        """The MLP's output times `scale` (the storage dtype's residual_multiplier; 1: none)."""
+        out = ops.linear(self.act(ops, ops.linear(x, self.gate_up)), self.down)
+        return out if scale == 1.0 else ops.scale(out, scale)
 
 
 class GraniteMoe:
@@ -45,17 +47,20 @@ class GraniteMoe:
         self.down = load.ops.upload(load.host(p + "output_linear.weight", (e, d, i)))  # [E, D, I]
         self.shared = SharedMLP(cfg, load, prefix + "shared_mlp.")
 
-    def __call__(self, ops, x):
+    def __call__(self, ops, x, scale=1.0):
+        """The block's output times `scale` (as SharedMLP's): the weighted experts, the shared MLP and the factor
+        in one moe_combine."""
         # softmax over the top k logits = the top k of the softmax renormalised (moe_route's normalize)
         weights, experts = ops.moe_route(ops.logits(x, self.router), self.top_k, True)  # [T, k] each
         token_of_row, position, offsets = ops.moe_permute(experts, self.num_experts)
         h = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row)  # [T*k, 2I] expert-sorted rows
         y = ops.moe_grouped_linear(ops.silu_mul(h), self.down, offsets)  # [T*k, D]
-        return ops.add(ops.moe_combine(y, position, weights), self.shared(ops, x))
+        return ops.moe_combine(y, position, weights, shared=self.shared(ops, x), scale=scale)
 
 
 class ScaledLayer(DecoderLayer):
-    """DecoderLayer with each branch's output times residual_multiplier before its residual add."""
+    """DecoderLayer with each branch's output times residual_multiplier before its residual add: the mixer's in
+    the add + norm after it, the MLP's in its last op."""
 
     def __init__(self, mixer, mlp, input_norm: RMSNorm, post_norm: RMSNorm, scale: float):
         super().__init__(mixer, mlp, input_norm, post_norm)
@@ -63,10 +68,9 @@ class ScaledLayer(DecoderLayer):
 
     def step(self, ops, x, pending, batch, state):
         s = np.asarray(self.scale, dtype=ops.act_dtype)
-        scaled = (lambda h: h) if self.scale == 1.0 else (lambda h: ops.scale(h, s))
         x, normed = self.input_norm.add_norm(ops, x, pending)
-        x, normed = self.post_norm.add_norm(ops, x, scaled(self.mixer(ops, normed, batch, state)))
-        return x, scaled(self.mlp(ops, normed))
+        x, normed = self.post_norm.add_norm(ops, x, self.mixer(ops, normed, batch, state), s)
+        return x, self.mlp(ops, normed, s)
 
 
 def build(cfg: Mamba2HybridConfig, load: WeightLoader) -> CausalLM:

@@ -91,11 +91,11 @@ class RMSNorm:
     def __call__(self, ops, x):
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_norm(self, ops, x, h):
-        """(x + h, norm(x + h)) in one op; h None: nothing to add, (x, norm(x))."""
+    def add_norm(self, ops, x, h, h_scale=1.0):
+        """(x + h * h_scale, its norm) in one op; h None: nothing to add, (x, norm(x))."""
         if h is None:
             return x, ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, h, self.weight, self.eps)
+        return ops.add_rms_norm(x, h, self.weight, self.eps, h_scale)
 
 
 # hidden_act (transformers' ACT2FN names) -> the GLU op: act(gate) * up on a stacked [T, 2I] gate_up

@@ -71,10 +71,10 @@ class Relu2Moe:
         token_of_row, position, offsets = ops.moe_permute(experts, m.num_experts)
         y = ops.moe_grouped_linear(h, self.up, offsets, token_of_row)  # [T*k, I] expert-sorted rows
         y = ops.moe_grouped_linear(ops.relu2(y), self.down, offsets)
-        y = ops.moe_combine(y, position, weights)  # [T, latent or D]
-        if self.fc2 is not None:
-            y = self.fc2(ops, y)
-        return ops.add(y, self.shared(ops, x, batch, state))
+        shared = self.shared(ops, x, batch, state)  # [T, D]
+        if self.fc2 is None:  # the shared expert's output added as the experts' are combined
+            return ops.moe_combine(y, position, weights, shared=shared)
+        return ops.add(self.fc2(ops, ops.moe_combine(y, position, weights)), shared)  # [T, latent] -> [T, D]
 
 
 class _Linear:
