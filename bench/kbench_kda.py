@@ -1,5 +1,5 @@
 """kernel_bench part `kda`: Kimi Delta Attention's delta rule (a decay per key channel) on Kimi-Linear-48B's heads
-(32 heads, 128 x 128 fp32 states, bf16 activations): the default choice (kernels/tuning.py kda_chunked "auto")
+(32 heads, 128 x 128 fp32 states, bf16 activations): the default choice (kernels/kda_tuning.py kda_chunked "auto")
 against the fp32 chunked form of kernels/delta_rule.cu forced on and token steps only (gdn_decode_kernel's
 per-channel form), next to Gated DeltaNet's per-head kernels on the same shapes (one decay per head: what a decay
 per channel costs). The figures for kda_chunked's rule.

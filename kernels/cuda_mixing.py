@@ -1,5 +1,6 @@
 """The CUDA backend's sequence mixing: the causal convolution (kernels/conv.cu) and the gated delta rule
-(kernels/delta_rule.cu, kernels/delta_tc.cu; with a decay per key channel also kernels/kda.cu), and their multi-row
+(kernels/delta_rule.cu, kernels/delta_tc.cu; with a decay per key channel also kernels/kda.cu, kernels/kda_tc.cu), and
+their multi-row
 forms for speculative steps (kernels/spec_rows.cu), which also snapshot the state after chosen tokens.
 """
 from __future__ import annotations
@@ -12,8 +13,9 @@ import numpy as np
 from prefixrun.kernels.cuda_arrays import BF16, F32, as_f32, device_index, head_view, i32, i64, matrix_view, \
     type_name
 from prefixrun.kernels.cuda_modules import CONV_WIDTHS, kernel
-from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes, kda_chunked, \
-    kda_step_launch
+from prefixrun.kernels.kda_tuning import kda_chunked, kda_step_launch, kda_tc_chunk_slots, kda_tc_launch, \
+    kda_tc_prep_launch
+from prefixrun.kernels.tuning import delta_rule_launch, gdn_tc_prep_launch, gdn_tc_smem_bytes
 
 _NULL = np.uint64(0)  # a kernel's absent pointer argument
 # tokens per sequence (mean) up to which causal_conv1d takes conv_seq_kernel (the outputs and histories of the
@@ -67,7 +69,8 @@ class SequenceMixingOps:
 
         q, k [T, Hk, Dk] (L2-normalised, q unscaled; H % Hk == 0: value head h reads key head h // (H / Hk)),
         v [T, H, Dv], g, beta [T, H], state [slots, H, Dk, Dv]; g [T, H, Dk] (a decay per key channel, Kimi's KDA)
-        takes the fp32 chunked form where kernels/tuning.py's kda_chunked says, else steps (_kda_stepped).
+        takes the tensor-core chunked form where kernels/kda_tuning.py's kda_tc_launch says (_kda_tc), else the fp32
+        chunked form where its kda_chunked says, else steps (_kda_stepped).
         Steps token by token in one launch (decode-like
         steps in gdn_decode_kernel, which moves the state once per call at near copy speed), except a
         prefill: bf16 with 16-byte aligned rows takes the tensor-core chunked form (kernels/delta_tc.cu), otherwise
@@ -98,15 +101,11 @@ class SequenceMixingOps:
         nseq = slots.shape[0]
         if t == 0 or nseq == 0:
             return out
-        if per_channel and kda_chunked(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv,
-                                       prefill=prefill):
-            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
-            return out
-        if per_channel:  # a decay per key channel, token by token
-            self._kda_stepped(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
-            return out
         aligned = dt == BF16 and all(x.data.ptr % 16 == 0 and s % 8 == 0 for x, s in
                                      ((q, qst), (q, qsh), (k, kst), (k, ksh), (v, vst), (v, vsh)))
+        if per_channel:
+            self._kda(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out, aligned, prefill)
+            return out
         launch = delta_rule_launch(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv,
                                    tensor_cores=aligned, prefill=prefill)
         if launch.kernel == "rows":  # token by token as a verify step's rows, no snapshots (rows all -1)
@@ -121,6 +120,39 @@ class SequenceMixingOps:
             return out
         self._gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
         return out
+
+    def _kda(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out, aligned, prefill):
+        """A decay per key channel: the tensor-core chunked form, the fp32 chunked form or token steps (the module
+        kernels/kda_tuning.py chooses)."""
+        t, dk, (h, dv), nseq = q.shape[0], q.shape[2], v.shape[1:], slots.shape[0]
+        launch = kda_tc_launch(self.tuning, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv, aligned=aligned)
+        if launch is not None:
+            self._kda_tc(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
+        elif kda_chunked(self.tuning, self._sm_count, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv, prefill=prefill):
+            self._gdn_chunked(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
+        else:
+            self._kda_stepped(q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
+
+    def _kda_tc(self, launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out):
+        """The tensor-core chunked form with a decay per key channel (kernels/kda_tc.cu): the per-chunk pass writes W,
+        U0, Aqk, Qg, Kg (bf16) and each chunk's exp(gc_last) per channel (fp32), then gdn_tc_scan_kernel's
+        PER_CHANNEL form scans each sequence's chunks. Scratch: T x H x (3 Dk + Dv + 64) bf16 + (T / 64 + B) x H x Dk
+        fp32."""
+        t, dk, (h, dv), nseq = q.shape[0], q.shape[2], v.shape[1:], slots.shape[0]
+        w, qg, kg = (cupy.empty((t, h, dk), BF16) for _ in range(3))
+        u, aqk = cupy.empty((t, h, dv), BF16), cupy.empty((t, h, 64), BF16)
+        gl = cupy.empty((kda_tc_chunk_slots(t, nseq), h, dk), F32)
+        scale = np.float32(1.0 / math.sqrt(dk))
+        prep_launch = kda_tc_prep_launch(launch.dim, tokens=t, seqs=nseq, heads=h)
+        prep = self._dynamic_smem(kernel("kda_tc", prep_launch.kernel), prep_launch.smem)
+        prep(prep_launch.grid, (prep_launch.threads,),
+             (q, i64(qst), i64(qsh), k, i64(kst), i64(ksh), v, i64(vst), i64(vsh), g, beta, cu, i32(nseq), i32(h),
+              i32(krep), i32(dk), i32(dv), scale, w, u, aqk, qg, kg, gl), shared_mem=prep_launch.smem)
+        nbytes = gdn_tc_smem_bytes(launch.dim, launch.warps)
+        scan = self._dynamic_smem(kernel("kda_tc", launch.kernel), nbytes)
+        scan(launch.grid, (32 * launch.warps,),  # Qg and Kg are per value head: rows of H x Dk, key head h itself
+             (qg, i64(h * dk), i64(dk), kg, i64(h * dk), i64(dk), w, u, aqk, gl, state, slots, cu, i32(h), i32(1),
+              i32(dk), i32(dv), scale, out), shared_mem=nbytes)
 
     @staticmethod
     def _gdn_stepped(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out,
@@ -250,7 +282,7 @@ class SequenceMixingOps:
     def _kda_stepped(self, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out,
                      snapshots=None, rows=None):
         """A decay per key channel token by token, the state after token t also to snapshots[rows[t]] where rows
-        is given and rows[t] >= 0: kernels/tuning.py kda_step_launch's kernel, the same for decode and verify rows
+        is given and rows[t] >= 0: kernels/kda_tuning.py kda_step_launch's kernel, the same for decode and verify rows
         whatever the batch (kernels/kda.cu, or gdn_rows_kernel where Dv % 4 != 0)."""
         dk, (h, dv) = q.shape[2], v.shape[1:]
         launch = kda_step_launch(heads=h, seqs=slots.shape[0], dk=dk, dv=dv)

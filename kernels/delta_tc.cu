@@ -51,6 +51,14 @@ __device__ __forceinline__ void tc_load_tile(bf16* dst, int ld, const bf16* __re
     }
 }
 
+// Where the per-channel form (kernels/kda_tc.cu) keeps a chunk's exp(gc_last): the chunk `offset` tokens into the
+// sequence that starts at token `seq_start` takes slot floor(seq_start / C) + offset / C + seq of ceil(T / C) + nseq
+// (the prep grid's chunk slots). A sequence's chunks take consecutive slots, and the next sequence's first lies past
+// its last, since floor((a + b) / C) >= floor(a / C) + floor(b / C): distinct chunks, distinct slots.
+__device__ __forceinline__ int kda_chunk_slot(int seq_start, int offset, int seq) {
+    return seq_start / TC_C + offset / TC_C + seq;
+}
+
 // ---- per-chunk preparation ------------------------------------------------------------------------------------
 template <int D>
 __global__ void __launch_bounds__(128)
@@ -249,6 +257,163 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 // the diagonal blocks). The price: v arrives after the solve (overlapped with the W pass only), not during it.
 #define TC_SLD (TC_C + 4)  // fp32 rows of the v2 solve: float4-aligned; lanes reading 8 rows apart hit distinct banks
 
+// T = (I + L)^-1 in place of L (sLT: L strictly below the diagonal in, T TRANSPOSED strictly above it out;
+// T's unit diagonal and zero upper triangle implied): the v2 prep kernels' blocked fp32 solve, called by all
+// 128 threads of the block (4 warps), ending with a block barrier.
+__device__ __forceinline__ void tc_solve_unit_lower(float* sLT, int warp, int lane) {
+    // T_ww = (I + L_ww)^-1, warp w, lane c < 16 owning column c: once x[r] is final it is subtracted from every later
+    // row (right-looking), so each x[r] waits on one multiply-add after x[r - 1]; x[j] = 0 for j < c, so running every
+    // lane over every r is exact. Stored transposed: T[b0 + r][b0 + c] at sLT[(b0 + c)][b0 + r], r > c.
+    if (lane < 16) {
+        const int b0 = warp * 16, c = lane;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) x[r] = r == c ? 1.f : 0.f;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+#pragma unroll
+            for (int r2 = r + 1; r2 < 16; ++r2) x[r2] -= sLT[(b0 + r2) * TC_SLD + b0 + r] * x[r];
+            if (r > c) sLT[(b0 + c) * TC_SLD + b0 + r] = x[r];
+        }
+    }
+    __syncthreads();  // the diagonal blocks are every warp's
+
+    // Column block j = warp of T, down the block rows i = j + 1 .. 3 (warp 3 has none):
+    //   P = sum_{m=16j}^{16i-1} L[16i + r][m] T[m][16j + c],  T_ij = -T_ii P  (16 x 16 each).
+    // Lane tile: rows 4 rg .. 4 rg + 3 (rg = lane / 8, the same for a quarter-warp: L loads broadcast), columns cg
+    // and cg + 8 (cg = lane % 8: a quarter-warp reads 8 T^T rows 68 floats apart, distinct banks). P goes where T_ij
+    // will be (T^T block (j, i)) so every lane can read all its rows for the T_ii product; a warp barrier orders it.
+    {
+        const int j = warp, rg = lane >> 3, cg = lane & 7;
+#pragma unroll 1
+        for (int i = j + 1; i < 4; ++i) {
+            float p[4][2];
+#pragma unroll
+            for (int rr = 0; rr < 4; ++rr) p[rr][0] = p[rr][1] = 0.f;
+#pragma unroll 1
+            for (int m4 = 16 * j; m4 < 16 * i; m4 += 4) {
+                float4 l4[4], t4[2];
+#pragma unroll
+                for (int rr = 0; rr < 4; ++rr)
+                    l4[rr] = *reinterpret_cast<const float4*>(sLT + (16 * i + 4 * rg + rr) * TC_SLD + m4);
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) {
+                    const int col = 16 * j + cg + 8 * cc;  // T[m][col], stored at sLT[col][m] for m > col
+                    float4 t = *reinterpret_cast<const float4*>(sLT + col * TC_SLD + m4);
+                    if (m4 < 16 * j + 16) {  // the diagonal block T_jj: 1 at m == col, 0 above, L's bytes below
+                        t.x = m4 > col ? t.x : (m4 == col ? 1.f : 0.f);
+                        t.y = m4 + 1 > col ? t.y : (m4 + 1 == col ? 1.f : 0.f);
+                        t.z = m4 + 2 > col ? t.z : (m4 + 2 == col ? 1.f : 0.f);
+                        t.w = m4 + 3 > col ? t.w : (m4 + 3 == col ? 1.f : 0.f);
+                    }
+                    t4[cc] = t;
+                }
+#pragma unroll
+                for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+                    for (int cc = 0; cc < 2; ++cc)
+                        p[rr][cc] += l4[rr].x * t4[cc].x + l4[rr].y * t4[cc].y + l4[rr].z * t4[cc].z +
+                                     l4[rr].w * t4[cc].w;
+            }
+            // P^T rows col, columns 16 i + 4 rg .. + 3: one float4 per column
+            float* pt[2];
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                pt[cc] = sLT + (16 * j + cg + 8 * cc) * TC_SLD + 16 * i;
+                *reinterpret_cast<float4*>(pt[cc] + 4 * rg) = make_float4(p[0][cc], p[1][cc], p[2][cc], p[3][cc]);
+            }
+            __syncwarp();
+            // T_ij[r][c] = -(P[r][c] + sum_{m < r} T_ii[r][m] P[m][c]); T_ii[r][m] at sLT[16 i + m][16 i + r]
+            float o[4][2];
+#pragma unroll
+            for (int rr = 0; rr < 4; ++rr) o[rr][0] = p[rr][0], o[rr][1] = p[rr][1];
+#pragma unroll
+            for (int m4 = 0; m4 < 16; m4 += 4) {
+                float4 pm[2];
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) pm[cc] = *reinterpret_cast<const float4*>(pt[cc] + m4);
+#pragma unroll
+                for (int mm = 0; mm < 4; ++mm) {
+                    const int m = m4 + mm;
+                    const float4 d4 = *reinterpret_cast<const float4*>(sLT + (16 * i + m) * TC_SLD + 16 * i + 4 * rg);
+                    const float dr[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+                    for (int rr = 0; rr < 4; ++rr) {
+                        const float dv_ = m < 4 * rg + rr ? dr[rr] : 0.f;  // T_ii is lower: L's bytes elsewhere
+#pragma unroll
+                        for (int cc = 0; cc < 2; ++cc) {
+                            const float pmv = mm == 0 ? pm[cc].x : mm == 1 ? pm[cc].y : mm == 2 ? pm[cc].z : pm[cc].w;
+                            o[rr][cc] += dv_ * pmv;
+                        }
+                    }
+                }
+            }
+            __syncwarp();  // every lane has read P
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc)
+                *reinterpret_cast<float4*>(pt[cc] + 4 * rg) = make_float4(-o[0][cc], -o[1][cc], -o[2][cc], -o[3][cc]);
+            __syncwarp();  // T_ij is read by the next block row's P
+        }
+    }
+    __syncthreads();  // T complete
+}
+
+// W = Aw K (from sK) and U0 = Au V (from sV, whose cp.async copies are the newest group still in flight: waited
+// for between the passes) of one chunk, rows t < n to w_out / u_out [T, H, width] at token `start`.
+template <int D>
+__device__ __forceinline__ void tc_prep_wu(const unsigned (&aw)[4][4], const unsigned (&au)[4][4],
+                                           const bf16* sK, const bf16* sV, bf16* __restrict__ w_out,
+                                           bf16* __restrict__ u_out, int start, int n, int heads, int h, int dk,
+                                           int dv, int warp, int lane) {
+    constexpr int LD = D + 8;
+    const int gid = lane >> 2, tig = lane & 3;
+    // W = Aw K, then U0 = Au V: warp w rows 16w .. 16w + 15, 32 columns at a time (16 accumulators live next to the
+    // 32 registers of fragments: what lets MIN_BLOCKS = 6 fit 80 registers; the same mma and ldmatrix count)
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass) {
+            tc_cp_wait_all();
+            __syncthreads();
+        }
+        const bf16* sB = pass ? sV : sK;
+        bf16* dst = pass ? u_out : w_out;
+        const int width = pass ? dv : dk;
+#pragma unroll 1
+        for (int c0 = 0; c0 < D; c0 += 32) {
+            if (c0 >= width) break;
+            float acc[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                if (ks > warp) continue;
+                unsigned a[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) a[r] = pass ? au[ks][r] : aw[ks][r];
+#pragma unroll
+                for (int d2 = 0; d2 < 2; ++d2) {
+                    unsigned b[4];
+                    tc_ldsm_t(b, tc_bt_addr(sB, LD, ks * 16, c0 + d2 * 16, lane));
+                    tc_mma(acc[2 * d2], a, b[0], b[1]);
+                    tc_mma(acc[2 * d2 + 1], a, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int col = c0 + nt * 8 + 2 * tig;
+                if (col >= width) continue;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int t = warp * 16 + gid + hf * 8;
+                    if (t < n)
+                        *reinterpret_cast<unsigned*>(dst + ((i64)(start + t) * heads + h) * width + col) =
+                            tc_pack(acc[nt][hf * 2], acc[nt][hf * 2 + 1]);
+                }
+            }
+        }
+    }
+}
+
 template <int D, int MIN_BLOCKS>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
 gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
@@ -368,101 +533,7 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
     }
     __syncthreads();
 
-    // T_ww = (I + L_ww)^-1, warp w, lane c < 16 owning column c: once x[r] is final it is subtracted from every later
-    // row (right-looking), so each x[r] waits on one multiply-add after x[r - 1]; x[j] = 0 for j < c, so running every
-    // lane over every r is exact. Stored transposed: T[b0 + r][b0 + c] at sLT[(b0 + c)][b0 + r], r > c.
-    if (lane < 16) {
-        const int b0 = warp * 16, c = lane;
-        float x[16];
-#pragma unroll
-        for (int r = 0; r < 16; ++r) x[r] = r == c ? 1.f : 0.f;
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-#pragma unroll
-            for (int r2 = r + 1; r2 < 16; ++r2) x[r2] -= sLT[(b0 + r2) * TC_SLD + b0 + r] * x[r];
-            if (r > c) sLT[(b0 + c) * TC_SLD + b0 + r] = x[r];
-        }
-    }
-    __syncthreads();  // the diagonal blocks are every warp's
-
-    // Column block j = warp of T, down the block rows i = j + 1 .. 3 (warp 3 has none):
-    //   P = sum_{m=16j}^{16i-1} L[16i + r][m] T[m][16j + c],  T_ij = -T_ii P  (16 x 16 each).
-    // Lane tile: rows 4 rg .. 4 rg + 3 (rg = lane / 8, the same for a quarter-warp: L loads broadcast), columns cg
-    // and cg + 8 (cg = lane % 8: a quarter-warp reads 8 T^T rows 68 floats apart, distinct banks). P goes where T_ij
-    // will be (T^T block (j, i)) so every lane can read all its rows for the T_ii product; a warp barrier orders it.
-    {
-        const int j = warp, rg = lane >> 3, cg = lane & 7;
-#pragma unroll 1
-        for (int i = j + 1; i < 4; ++i) {
-            float p[4][2];
-#pragma unroll
-            for (int rr = 0; rr < 4; ++rr) p[rr][0] = p[rr][1] = 0.f;
-#pragma unroll 1
-            for (int m4 = 16 * j; m4 < 16 * i; m4 += 4) {
-                float4 l4[4], t4[2];
-#pragma unroll
-                for (int rr = 0; rr < 4; ++rr)
-                    l4[rr] = *reinterpret_cast<const float4*>(sLT + (16 * i + 4 * rg + rr) * TC_SLD + m4);
-#pragma unroll
-                for (int cc = 0; cc < 2; ++cc) {
-                    const int col = 16 * j + cg + 8 * cc;  // T[m][col], stored at sLT[col][m] for m > col
-                    float4 t = *reinterpret_cast<const float4*>(sLT + col * TC_SLD + m4);
-                    if (m4 < 16 * j + 16) {  // the diagonal block T_jj: 1 at m == col, 0 above, L's bytes below
-                        t.x = m4 > col ? t.x : (m4 == col ? 1.f : 0.f);
-                        t.y = m4 + 1 > col ? t.y : (m4 + 1 == col ? 1.f : 0.f);
-                        t.z = m4 + 2 > col ? t.z : (m4 + 2 == col ? 1.f : 0.f);
-                        t.w = m4 + 3 > col ? t.w : (m4 + 3 == col ? 1.f : 0.f);
-                    }
-                    t4[cc] = t;
-                }
-#pragma unroll
-                for (int rr = 0; rr < 4; ++rr)
-#pragma unroll
-                    for (int cc = 0; cc < 2; ++cc)
-                        p[rr][cc] += l4[rr].x * t4[cc].x + l4[rr].y * t4[cc].y + l4[rr].z * t4[cc].z +
-                                     l4[rr].w * t4[cc].w;
-            }
-            // P^T rows col, columns 16 i + 4 rg .. + 3: one float4 per column
-            float* pt[2];
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-                pt[cc] = sLT + (16 * j + cg + 8 * cc) * TC_SLD + 16 * i;
-                *reinterpret_cast<float4*>(pt[cc] + 4 * rg) = make_float4(p[0][cc], p[1][cc], p[2][cc], p[3][cc]);
-            }
-            __syncwarp();
-            // T_ij[r][c] = -(P[r][c] + sum_{m < r} T_ii[r][m] P[m][c]); T_ii[r][m] at sLT[16 i + m][16 i + r]
-            float o[4][2];
-#pragma unroll
-            for (int rr = 0; rr < 4; ++rr) o[rr][0] = p[rr][0], o[rr][1] = p[rr][1];
-#pragma unroll
-            for (int m4 = 0; m4 < 16; m4 += 4) {
-                float4 pm[2];
-#pragma unroll
-                for (int cc = 0; cc < 2; ++cc) pm[cc] = *reinterpret_cast<const float4*>(pt[cc] + m4);
-#pragma unroll
-                for (int mm = 0; mm < 4; ++mm) {
-                    const int m = m4 + mm;
-                    const float4 d4 = *reinterpret_cast<const float4*>(sLT + (16 * i + m) * TC_SLD + 16 * i + 4 * rg);
-                    const float dr[4] = {d4.x, d4.y, d4.z, d4.w};
-#pragma unroll
-                    for (int rr = 0; rr < 4; ++rr) {
-                        const float dv_ = m < 4 * rg + rr ? dr[rr] : 0.f;  // T_ii is lower: L's bytes elsewhere
-#pragma unroll
-                        for (int cc = 0; cc < 2; ++cc) {
-                            const float pmv = mm == 0 ? pm[cc].x : mm == 1 ? pm[cc].y : mm == 2 ? pm[cc].z : pm[cc].w;
-                            o[rr][cc] += dv_ * pmv;
-                        }
-                    }
-                }
-            }
-            __syncwarp();  // every lane has read P
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc)
-                *reinterpret_cast<float4*>(pt[cc] + 4 * rg) = make_float4(-o[0][cc], -o[1][cc], -o[2][cc], -o[3][cc]);
-            __syncwarp();  // T_ij is read by the next block row's P
-        }
-    }
-    __syncthreads();  // T complete
+    tc_solve_unit_lower(sLT, warp, lane);
 
     // The A fragments of T diag(beta exp(gc)) and T diag(beta), warp w's rows 16w .. 16w + 15, k-steps ks <= w
     // (T is zero past the diagonal): T[row][col] = sLT[col][row] below the diagonal, 1 on it, 0 above.
@@ -485,55 +556,15 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
     tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
     tc_cp_commit();
 
-    // W = Aw K, then U0 = Au V: warp w rows 16w .. 16w + 15, 32 columns at a time (16 accumulators live next to the
-    // 32 registers of fragments: what lets MIN_BLOCKS = 6 fit 80 registers; the same mma and ldmatrix count)
-#pragma unroll 1
-    for (int pass = 0; pass < 2; ++pass) {
-        if (pass) {
-            tc_cp_wait_all();
-            __syncthreads();
-        }
-        const bf16* sB = pass ? sQV : sK;
-        bf16* dst = pass ? u_out : w_out;
-        const int width = pass ? dv : dk;
-#pragma unroll 1
-        for (int c0 = 0; c0 < D; c0 += 32) {
-            if (c0 >= width) break;
-            float acc[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                if (ks > warp) continue;
-                unsigned a[4];
-#pragma unroll
-                for (int r = 0; r < 4; ++r) a[r] = pass ? au[ks][r] : aw[ks][r];
-#pragma unroll
-                for (int d2 = 0; d2 < 2; ++d2) {
-                    unsigned b[4];
-                    tc_ldsm_t(b, tc_bt_addr(sB, LD, ks * 16, c0 + d2 * 16, lane));
-                    tc_mma(acc[2 * d2], a, b[0], b[1]);
-                    tc_mma(acc[2 * d2 + 1], a, b[2], b[3]);
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int col = c0 + nt * 8 + 2 * tig;
-                if (col >= width) continue;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int t = warp * 16 + gid + hf * 8;
-                    if (t < n)
-                        *reinterpret_cast<unsigned*>(dst + ((i64)(start + t) * heads + h) * width + col) =
-                            tc_pack(acc[nt][hf * 2], acc[nt][hf * 2 + 1]);
-                }
-            }
-        }
-    }
+    tc_prep_wu<D>(aw, au, sK, sQV, w_out, u_out, start, n, heads, h, dk, dv, warp, lane);
 }
 
 // ---- the scan over each sequence's chunks ---------------------------------------------------------------------
-template <int D, int NW>
+// PER_CHANNEL (Kimi's KDA, kernels/kda_tc.cu): a decay per key channel, which kda_tc_prep_kernel has already
+// applied to the operands: q and k are its qg = q exp(gc) and kg = k exp(gc_last - gc) rows ([T, H, Dk], krep 1),
+// and gc_in holds exp(gc_last) per key channel of each chunk ([chunk slot, H, Dk], kda_tc.cu says which slot), so
+//   O^T = S^T Qg^T / sqrt(Dk) + Vn^T Aqk^T,   S^T = S^T diag(exp(gc_last)) + Vn^T Kg.
+template <int D, int NW, bool PER_CHANNEL = false>
 __global__ void __launch_bounds__(NW * 32)
 gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
                    const bf16* __restrict__ w_in, const bf16* __restrict__ u_in, const bf16* __restrict__ a_in,
@@ -548,7 +579,7 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     bf16* sA = sQ + TC_C * LD;                         // [C][TC_ALD]  Aqk
     bf16* sU = sA + TC_C * TC_ALD;                     // [C][ULD]  U0, this block's value columns
     bf16* sO = sU + TC_C * ULD;                        // [C][ULD]  outputs, staged for 16-byte stores
-    __shared__ float sgc[TC_C];
+    __shared__ float sgc[PER_CHANNEL ? D : TC_C];  // gc per token, or exp(gc_last) per key channel
 
     const int seq = blockIdx.z, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -581,7 +612,12 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
         tc_load_tile<D, NTH>(sQ, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
         tc_load_tile<TC_C, NTH>(sA, TC_ALD, a_in + ((i64)start * heads + h) * TC_C, (i64)heads * TC_C, n, TC_C);
         tc_cp_commit();
-        for (int i = tid; i < TC_C; i += NTH) sgc[i] = i < n ? gc_in[(i64)(start + i) * heads + h] : 0.f;
+        if constexpr (PER_CHANNEL) {
+            const float* gl = gc_in + ((i64)kda_chunk_slot(cu[seq], start - seq_start, seq) * heads + h) * dk;
+            for (int i = tid; i < D; i += NTH) sgc[i] = i < dk ? gl[i] : 0.f;
+        } else {
+            for (int i = tid; i < TC_C; i += NTH) sgc[i] = i < n ? gc_in[(i64)(start + i) * heads + h] : 0.f;
+        }
     };
     load_wu(seq_start, min(TC_C, len));
     load_qak(seq_start, min(TC_C, len));
@@ -639,7 +675,8 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[nt][e] *= expf(sgc[nt * 8 + 2 * tig + (e & 1)]) * scale;
+            for (int e = 0; e < 4; ++e)
+                o[nt][e] *= PER_CHANNEL ? scale : expf(sgc[nt * 8 + 2 * tig + (e & 1)]) * scale;
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
             unsigned a[4];
@@ -661,15 +698,22 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
             }
 
         // S^T = exp(gc_last) S^T + (exp(gc_last - gc) Vn)^T K
-        const float gl = sgc[n - 1], eg = expf(gl);
+        if constexpr (PER_CHANNEL) {
 #pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt)
+            for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) S[nt][e] *= eg;
+                for (int e = 0; e < 4; ++e) S[nt][e] *= sgc[nt * 8 + 2 * tig + (e & 1)];
+        } else {
+            const float gl = sgc[n - 1], eg = expf(gl);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+            for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) vn[nt][e] *= expf(gl - sgc[nt * 8 + 2 * tig + (e & 1)]);
+                for (int e = 0; e < 4; ++e) S[nt][e] *= eg;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) vn[nt][e] *= expf(gl - sgc[nt * 8 + 2 * tig + (e & 1)]);
+        }
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
             unsigned a[4];

@@ -1,5 +1,5 @@
 // Kimi Delta Attention's token steps (a gated delta rule with a decay per key channel, g [T, H, Dk]): decode,
-// speculative verify rows and the prefills that kernels/tuning.py kda_chunked leaves to token steps, in place on the
+// speculative verify rows and the prefills that kernels/kda_tuning.py kda_chunked leaves to token steps, in place on the
 // fp32 recurrent state pool. The layout and arithmetic of kernels/delta_rule.cu's gdn_decode_kernel (its
 // PER_CHANNEL form): a block owns (sequence, head, BC = 4 LCOLS value columns), the state slice in registers, row
 // group grp owning rows grp, grp + GROUPS, ...; per token, with a_i = exp(g[t][i]),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES
+from prefixrun.kernels.kda_tuning import KDA_TC_WARPS
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
     GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
     SSD_TC_STATES, attn_tile_keys
@@ -47,7 +48,8 @@ KV8_TYPES = ("signed char", "e4m3")  # the 8-bit K/V storage types of kernels/co
 # eight); other head dims read 8-bit caches through the scalar kernel
 KV8_MMA_HEAD_DIMS = (64, 128, 256)
 _SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
-_TENSOR_CORE_FILES = ("delta_tc", "ssd_tc")  # files compiled after kernels/tc_mma.cu (their mma.sync helpers)
+_TENSOR_CORE_FILES = ("delta_tc", "ssd_tc", "kda_tc")  # files compiled after kernels/tc_mma.cu (mma.sync helpers)
+_BUILT_ON = {"kda_tc": ("delta_tc",)}  # files compiled after others whose device functions and kernels they use
 
 
 KERNEL_NAMES = {
@@ -62,6 +64,9 @@ KERNEL_NAMES = {
             for w, c in GDN_DECODE_BLOCKS[:1]],
     "delta_tc": [k.format(d=d) for k in GDN_TC_PREP_KERNELS.values() for d in GDN_TC_DIMS]
     + [f"gdn_tc_scan_kernel<{d}, {w}>" for d in GDN_TC_DIMS for w in GDN_TC_WARPS],
+    # Kimi's KDA on tensor cores: its prep pass and delta_tc's scan in its per-channel form (kernels/kda_tuning.py)
+    "kda_tc": [f"kda_tc_prep_kernel<{d}>" for d in GDN_TC_DIMS]
+    + [f"gdn_tc_scan_kernel<{d}, {KDA_TC_WARPS}, true>" for d in GDN_TC_DIMS],
     "attention": [f"attn_mma_kernel<{d}, {bn}, {nw}>" for d in MMA_HEAD_DIMS for bn in attn_tile_keys(d)
                   for nw in ATTN_WARPS]
     + [f"attn_scalar_kernel<{t}, {tc}>" for t in _T for tc in _T] + ["attn_combine_kernel"],
@@ -91,10 +96,10 @@ KERNEL_NAMES = {
 
 
 def kernel_source(file: str) -> str:
-    """The text NVRTC compiles for the module `file`: common.cu, tc_mma.cu for the tensor-core files, then
-    kernels/<file>.cu (or the file it shares)."""
+    """The text NVRTC compiles for the module `file`: common.cu, tc_mma.cu for the tensor-core files, the files it
+    is built on, then kernels/<file>.cu (or the file it shares)."""
     source = _SOURCE_OF.get(file, file)
-    parts = ["common"] + (["tc_mma"] if source in _TENSOR_CORE_FILES else []) + [source]
+    parts = ["common"] + (["tc_mma"] if source in _TENSOR_CORE_FILES else []) + [*_BUILT_ON.get(source, ()), source]
     return "\n".join((_KERNEL_DIR / f"{part}.cu").read_text() for part in parts)
 
 
@@ -109,7 +114,7 @@ PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", 
 
 # How many units each file compiles as (absent: one). The tensor-core and attention files hold the costliest
 # instantiations (an mma kernel's unrolled tiles); the element-wise ones are many but small.
-UNITS_PER_FILE = {"elementwise": 4, "conv": 2, "delta_rule": 4, "kda": 2, "delta_tc": 5, "attention": 8,
+UNITS_PER_FILE = {"elementwise": 4, "conv": 2, "delta_rule": 4, "kda": 2, "delta_tc": 5, "kda_tc": 2, "attention": 8,
                   "attention_q8": 6, "fp8": 2, "mamba": 2, "ssd_tc": 4, "moe": 3}
 
 

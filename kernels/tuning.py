@@ -154,6 +154,9 @@ class CudaTuning:
     # choices"). v2 and v2-6 equal v1 to 6e-6 (W, U0) and bit for bit (Aqk, gc): the same outputs up to fp32
     # summation order in the solve.
     gdn_tc_prep: str = "v2-6"
+    # Kimi's KDA (a decay per key channel) prefill in the tensor-core chunked form (kernels/kda_tc.cu): True, False or
+    # "auto" (kernels/kda_tuning.py kda_tc_launch)
+    kda_tensor_cores: bool | str = False
     # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
     gdn_decode: bool | str = "auto"
     gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block
@@ -213,7 +216,7 @@ class CudaTuning:
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
             raise ValueError(f"gdn_decode_block must be None or one of {GDN_DECODE_BLOCKS}")
         for name in ("gdn_chunked", "gdn_tensor_cores", "gdn_decode", "attn_split_decode", "ssd_tensor_cores",
-                     "ssd_decode"):
+                     "ssd_decode", "kda_tensor_cores"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be True, False or 'auto'")
         if not isinstance(self.fp8_weight_only_rows, int) or self.fp8_weight_only_rows < 0:
@@ -296,39 +299,6 @@ def _deterministic_delta_rule(tuning: CudaTuning, *, tokens: int, seqs: int, hea
         return DeltaRuleLaunch(chunked=False, kernel=f"gdn_decode_kernel<{{t}}, {dkp}, {warps}, {cols // 4}>",
                                grid=(-(-dv // cols), heads, seqs), threads=32 * warps)
     return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
-
-
-def kda_chunked(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int, heads: int, dk: int, dv: int,
-                prefill: bool) -> bool:
-    """Whether the delta rule with a decay per key channel (Kimi's KDA) takes the fp32 chunked form
-    (kernels/delta_rule.cu, PER_CHANNEL) rather than token steps (kda_step_launch). "auto" (gdn_chunked) chooses as
-    for one decay per head (_use_chunked, measured there): chunks only where the token-stepped blocks (64 value
-    columns each) would fill under half the SMs, since the fp32 chunked kernels lose to token steps from a few
-    sequences on; True: any step with more tokens than sequences. Deterministic: never, so that prefill, decode and
-    verify rows all take kda_step_launch's kernel, whose arithmetic per token depends on neither the batch nor where
-    a step starts (`prefill` is accepted for the contract's sake: one decay per head chunks deterministic
-    prefills, as the contract allows, because its token steps would cost more)."""
-    if not tokens or dk > GDN_CHUNK_DMAX or dv > GDN_CHUNK_DMAX or tuning.deterministic:
-        return False
-    if tokens <= seqs or not tuning.gdn_chunked:
-        return False
-    if tuning.gdn_chunked == "auto":
-        return seqs * heads * -(-dv // GDN_DECODE_BLOCKS[0][1]) <= sm_count // 2
-    return True
-
-
-def kda_step_launch(*, heads: int, seqs: int, dk: int, dv: int) -> DeltaRuleLaunch:
-    """The token-stepped kernel of a delta rule with a decay per key channel, for decode, verify rows and the
-    prefills kda_chunked leaves to token steps alike: kernels/kda.cu kda_steps_kernel (gdn_decode_kernel's layout,
-    inputs staged KDA_STAGED_TOKENS tokens at a time) in the decode kernel's default block whatever the batch (one
-    instantiation per padded key dim, and a row's arithmetic independent of the batch), or gdn_rows_kernel ("rows")
-    where Dv % 4 != 0."""
-    if dv % 4:
-        return DeltaRuleLaunch(chunked=False, kernel="rows", grid=(-(-dv // 32), heads, seqs))
-    dkp = next(p for p in GDN_KEY_DIMS if p >= dk)
-    warps, cols = GDN_DECODE_BLOCKS[0]
-    return DeltaRuleLaunch(chunked=False, grid=(-(-dv // cols), heads, seqs), threads=32 * warps,
-                           kernel=f"kda_steps_kernel<{{t}}, {dkp}, {warps}, {cols // 4}, {KDA_STAGED_TOKENS}>")
 
 
 def gdn_tc_smem_bytes(dim: int, warps: int = 0) -> int:

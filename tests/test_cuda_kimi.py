@@ -75,6 +75,96 @@ def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
     np.testing.assert_array_equal(host(ops, state)[untouched], state0[untouched])
 
 
+def _kda_tc_smoke():
+    """The tensor-core form once on a ragged batch, synchronised (the child process of `kda_tc_checked`)."""
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16").retuned(kda_tensor_cores=True)
+    cu, qk, v, g, beta, state0, slots = _kda_inputs(ops, np.random.default_rng(0), [1, 64, 65, 0, 130], 2, 128)
+    dqk, state = ops.upload(qk), ops.upload(state0, np.float32)
+    o = ops.gated_delta_rule(dqk[:, :2], dqk[:, 2:], ops.upload(v), ops.upload(g, np.float32),
+                             ops.upload(beta, np.float32), state, slots, cu, prefill=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert np.isfinite(host(ops, o)).all() and np.isfinite(host(ops, state)).all()
+
+
+@pytest.fixture(scope="module")
+def kda_tc_checked():
+    """kernels/kda_tc.cu run once in a child process first: a kernel fault is sticky for the process's CUDA context,
+    so a broken kernel fails the tests that use it instead of every GPU test after them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        child = subprocess.run([sys.executable, "-c", "import test_cuda_kimi as t; t._kda_tc_smoke()"],
+                               cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("kda_tc kernels did not finish in a child process within 300 s")
+    if child.returncode != 0:
+        pytest.fail(f"kda_tc kernels failed in a child process:\n{child.stderr[-4000:]}")
+
+
+TOL_TC = 1e-2  # the tensor-core form's bf16 operands (tests/test_cuda_kernels.py TOL_TC says why), states included
+
+
+@pytest.mark.parametrize("lens,hk,h,dk,dv", [
+    ([1, 64, 65, 0, 150, 300], 2, 4, 128, 128),  # ragged: a token, a chunk, one past, empty, chunks + a tail
+    ([37, 5, 129, 64, 200, 3, 77, 90] * 5, 1, 2, 128, 40),  # 40 sequences; value dim 40: a partial column block
+    ([70, 3, 250], 2, 2, 64, 64),  # key dim 64, padded to the kernel's 128
+    ([513, 1000], 4, 4, 128, 128),  # long sequences: the fp32 state carried over many chunks
+])
+def test_per_channel_tensor_cores_match_the_reference(kda_tc_checked, ops, lens, hk, h, dk, dv):
+    """KDA's bf16 prefill in the tensor-core chunked form (kernels/kda_tc.cu) from non-zero states: outputs and final
+    states per sequence within the bf16 operands' bound; the untouched slots bit for bit; resumed from its state at a
+    position off the chunk grid (as a restored checkpoint), and decoding on from it, it still matches."""
+    if ops.dtype_name == "float32":
+        pytest.skip("float32 never takes the tensor-core form")
+    rng = np.random.default_rng(sum(lens) + dk + dv)
+    cu, qk, v, g, beta, state0, slots = _kda_inputs(ops, rng, lens, h, dk, nslots=len(lens) + 2)
+    v = act_round(ops, rng.standard_normal((int(cu[-1]), h, dv)))
+    qk = np.ascontiguousarray(np.concatenate([qk[:, :hk], qk[:, h:h + hk]], axis=1))  # [T, 2 Hk, Dk]
+    state0 = (rng.standard_normal((len(lens) + 2, h, dk, dv)) * 0.3).astype(np.float32)
+    tuned, calls = ops.retuned(kda_tensor_cores=True), []
+    orig = tuned._kda_tc
+    tuned._kda_tc = lambda *a: (calls.append(a[0]), orig(*a))[1]
+    ref, want_state = NumpyOps(), state0.copy()
+    want = ref.gated_delta_rule(qk[:, :hk], qk[:, hk:], v, g, beta, want_state, slots, cu)
+    dqk, state = ops.upload(qk), ops.upload(state0, np.float32)
+    dev = (dqk[:, :hk], dqk[:, hk:], ops.upload(v), ops.upload(g, np.float32), ops.upload(beta, np.float32))
+    got = tuned.gated_delta_rule(*dev, state, slots, cu, prefill=True)
+    assert len(calls) == 1
+    o, st = host(ops, got), host(ops, state)
+    assert rel(o, want) <= TOL_TC and rel(st, want_state) <= TOL_TC
+    for b in range(len(lens)):  # per sequence too: a short one must not hide behind the long ones' norm
+        s, e = cu[b], cu[b + 1]
+        if e > s:
+            assert rel(o[s:e], want[s:e]) <= 2 * TOL_TC, (b, lens[b])
+        assert rel(st[slots[b]], want_state[slots[b]]) <= 2 * TOL_TC, (b, lens[b])
+    untouched = np.setdiff1d(np.arange(state0.shape[0]), slots)
+    np.testing.assert_array_equal(st[untouched], state0[untouched])
+    # the longest sequence again from its state after `cut` tokens (a checkpoint off the 64-token grid)
+    b = int(np.argmax(lens))
+    s, e = int(cu[b]), int(cu[b + 1])
+    cut = min(e - s - 1, 100)
+    part = ops.upload(state0, np.float32)
+    first = tuned.gated_delta_rule(*(x[s:s + cut] for x in dev), part, slots[b:b + 1], np.array([0, cut], np.int32),
+                                   prefill=True)
+    rest = tuned.gated_delta_rule(*(x[s + cut:e] for x in dev), part, slots[b:b + 1],
+                                  np.array([0, e - s - cut], np.int32), prefill=True)
+    assert rel(np.concatenate([host(ops, first), host(ops, rest)]), want[s:e]) <= 2 * TOL_TC
+    assert rel(host(ops, part)[slots[b]], want_state[slots[b]]) <= 2 * TOL_TC
+    # decode continues from the exit states (token steps)
+    cu1, qk1, _, g1, beta1, _, _ = _kda_inputs(ops, rng, [1] * len(lens), h, dk)
+    qk1 = np.ascontiguousarray(np.concatenate([qk1[:, :hk], qk1[:, h:h + hk]], axis=1))
+    v1 = act_round(ops, rng.standard_normal((len(lens), h, dv)))
+    d1 = ops.upload(qk1)
+    o1 = tuned.gated_delta_rule(d1[:, :hk], d1[:, hk:], ops.upload(v1), ops.upload(g1, np.float32),
+                                ops.upload(beta1, np.float32), state, slots, cu1)
+    want1 = ref.gated_delta_rule(qk1[:, :hk], qk1[:, hk:], v1, g1, beta1, want_state, slots, cu1)
+    assert rel(host(ops, o1), want1) <= TOL_TC
+
+
 def test_deterministic_steps_do_not_depend_on_the_batch_or_the_split(ops):
     """--deterministic: a sequence's outputs and state come out bit for bit the same prefilled in one step, in two
     steps, beside another sequence, or token by token as speculative rows (all in kernels/kda.cu)."""

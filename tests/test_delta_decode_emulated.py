@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, KDA_STAGED_TOKENS, CudaTuning, delta_rule_launch, \
-    kda_step_launch
+from prefixrun.kernels.kda_tuning import kda_step_launch
+from prefixrun.kernels.tuning import GDN_DECODE_BLOCKS, KDA_STAGED_TOKENS, CudaTuning, delta_rule_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def _inputs(rng, lens, hk, h, dk, dv, nslots):
 ])
 def test_gdn_decode_kernel_matches_the_reference(emu, block, lens, hk, h, dk, dv, snapshots):
     """`snapshots`: a verify step's (every row but each sequence's last to a snapshot row, as gdn_rows_kernel).
-    "per-channel": Kimi's KDA (g [T, H, Dk]) in kernels/kda.cu, launched as kernels/tuning.py kda_step_launch
+    "per-channel": Kimi's KDA (g [T, H, Dk]) in kernels/kda.cu, launched as kernels/kda_tuning.py kda_step_launch
     says."""
     per_channel = block == "per-channel"
     rng = np.random.default_rng(sum(lens) * 31 + dk + dv + (0 if per_channel else block[0] + block[1]))

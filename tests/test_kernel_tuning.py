@@ -9,9 +9,11 @@ import dataclasses
 
 import pytest
 
+from prefixrun.kernels.kda_tuning import kda_chunked, kda_step_launch, kda_tc_launch, kda_tc_prep_launch, \
+    kda_tc_prep_smem_bytes
 from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, NORM_WIDE_LANES, WGMMA_HEAD_DIMS, \
     AttentionPlan, CudaTuning, DeltaRuleLaunch, GdnPrepLaunch, NormLaunch, attention_plan, delta_rule_launch, \
-    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, kda_chunked, kda_step_launch, norm_launch, \
+    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch, \
     wgmma_keys_per_tile, ws_keys_per_tile, ws_persistent_blocks
 
 H200_SMS = 132
@@ -38,6 +40,31 @@ def test_kda_chunked_choices():
     det = dataclasses.replace(DEFAULT, deterministic=True, gdn_chunked=True)  # token steps all the same
     assert not kda_chunked(det, H200_SMS, tokens=2048, seqs=1, prefill=True, **kimi)
     assert not kda_chunked(det, H200_SMS, tokens=300, seqs=3, prefill=False, **kimi)
+
+
+def test_kda_tensor_core_choices():
+    """KDA's tensor-core form (kernels/kda_tc.cu): off unless asked for; "auto" for bf16 aligned prefills averaging
+    32 tokens per sequence (doc-qa 4 x 4096 and suffixes 64 x 256 on Kimi-Linear-48B's 32 heads of 128 x 128), never
+    decode, --deterministic, unaligned rows or dims past 128 / not multiples of 8; True for any step with more tokens
+    than sequences. Its prep pass: a block per (chunk slot, head), 68.6 KB of shared memory (3 blocks per SM)."""
+    kimi = dict(heads=32, dk=128, dv=128, aligned=True)
+    auto = dataclasses.replace(DEFAULT, kda_tensor_cores="auto")
+    forced = dataclasses.replace(DEFAULT, kda_tensor_cores=True)
+    assert kda_tc_launch(DEFAULT, tokens=4 * 4096, seqs=4, **kimi) is None
+    for tokens, seqs in ((4 * 4096, 4), (64 * 256, 64), (2048, 1)):
+        assert kda_tc_launch(auto, tokens=tokens, seqs=seqs, **kimi) == DeltaRuleLaunch(
+            True, "gdn_tc_scan_kernel<128, 4, true>", (2, 32, seqs), tensor_cores=True, dim=128, warps=4)
+    assert kda_tc_launch(auto, tokens=64 * 20, seqs=64, **kimi) is None
+    assert kda_tc_launch(forced, tokens=65, seqs=64, **kimi) is not None
+    assert kda_tc_launch(forced, tokens=64, seqs=64, **kimi) is None  # decode
+    assert kda_tc_launch(dataclasses.replace(forced, deterministic=True), tokens=4096, seqs=1, **kimi) is None
+    assert kda_tc_launch(forced, tokens=4096, seqs=1, heads=32, dk=128, dv=128, aligned=False) is None
+    for dk, dv in ((256, 128), (100, 128), (128, 20)):
+        assert kda_tc_launch(forced, tokens=4096, seqs=1, heads=32, dk=dk, dv=dv, aligned=True) is None
+    assert kda_tc_launch(forced, tokens=300, seqs=3, heads=2, dk=64, dv=40, aligned=True).grid == (1, 2, 3)
+    assert kda_tc_prep_launch(128, tokens=4 * 4096 + 1, seqs=4, heads=32) == \
+        GdnPrepLaunch("kda_tc_prep_kernel<128>", (257 + 4, 32, 1), 128, 68608)
+    assert 3 * (kda_tc_prep_smem_bytes(128) + 1024) <= 228 * 1024
 
 
 def test_kda_step_launch():
@@ -290,6 +317,10 @@ def test_every_choice_names_a_compiled_kernel():
                                ("kda", kda_step_launch(heads=2, seqs=4, dk=dk, dv=64))):
             for t in ("float", "bf16"):
                 assert launch.kernel.format(t=t) in cuda_modules.KERNEL_NAMES[module]
+    kda_tc = kda_tc_launch(dataclasses.replace(DEFAULT, kda_tensor_cores=True), tokens=4096, seqs=2, heads=4, dk=128,
+                           dv=128, aligned=True)
+    assert kda_tc.kernel in cuda_modules.KERNEL_NAMES["kda_tc"]
+    assert kda_tc_prep_launch(kda_tc.dim, tokens=4096, seqs=2, heads=4).kernel in cuda_modules.KERNEL_NAMES["kda_tc"]
     for warps in (None,) + GDN_TC_WARPS:
         for dk, dv in ((128, 128), (16, 64), (64, 40)):
             launch = delta_rule_launch(dataclasses.replace(DEFAULT, gdn_tc_warps=warps), sms, tokens=4096, seqs=2,

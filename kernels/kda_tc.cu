@@ -1,0 +1,260 @@
+// Kimi Delta Attention's chunked prefill on tensor cores: the gated delta rule with a decay per key channel,
+// g [T, H, Dk], in kernels/delta_tc.cu's WY / UT form (compiled after it: its tile loads, solve, W / U0 pass and scan).
+// Per chunk of C = 64 tokens, with Gc = cumsum(g) over the chunk's tokens per key channel (every difference
+// Gc_t - Gc_j, t >= j, is <= 0 since g <= 0), beta, L2-normed q and k:
+//   L[t][j] = beta_t sum_d k_t[d] k_j[d] exp(Gc_t[d] - Gc_j[d]) (j < t),  T = (I + L)^-1
+//   Aqk[t][j] = sum_d q_t[d] k_j[d] exp(Gc_t[d] - Gc_j[d]) / sqrt(Dk) (j <= t)
+//   W = T diag(beta) (K . exp(Gc)),  U0 = T diag(beta) V,  Qg = Q . exp(Gc),  Kg = K . exp(Gc_last - Gc)
+// and from the state S [Dk, Dv] at the chunk's start (gdn_tc_scan_kernel<D, NW, true>):
+//   Vn = U0 - W S,   O = Qg S / sqrt(Dk) + Aqk Vn,   S' = diag(exp(Gc_last)) S + Kg^T Vn
+// (the reference's steps S = diag(exp(g_t)) S; u = beta (v - S^T k); S += k u^T; o = S^T q / sqrt(Dk), unrolled).
+//
+// The decay inside the dot products is what a decay per head did not have: L and Aqk are no longer K K^T and Q K^T
+// scaled afterwards. Between 16-token blocks i > j they still are products, through a reference point r = Gc at the
+// first token of block i (Gc_t <= r <= Gc_j for t in block i, j in block j, so neither factor can overflow):
+//   sum_d (k_t[d] exp(Gc_t[d] - r[d])) (k_j[d] exp(r[d] - Gc_j[d])),
+// on tensor cores with the factors applied while the fragments are built. Within a diagonal block there is no such
+// point (a channel that forgets within a few tokens would overflow any factor >= 1), so those 4 x 136 pairs take
+// fp32 dot products with the decay per element, on the CUDA cores.
+//
+// kda_tc_prep_kernel: one block (4 warps) per (chunk slot, value head), every chunk of every sequence in parallel.
+// Writes W, U0, Aqk (as gdn_tc_prep_*), Qg, Kg (bf16 [T, H, Dk]) and exp(Gc_last) (fp32 [slot, H, Dk], slot
+// kda_chunk_slot). Gates are kept in log2 units (cumsum(g) log2(e)) so each decay is one exp2f. Limits: those of
+// kernels/delta_tc.cu, and g <= 0 (Kimi's gates, -exp(A) softplus(.), always are; a positive g could overflow a
+// factor). The wrapper is kernels/cuda_mixing.py `_kda_tc`, the choice kernels/kda_tuning.py kda_tc_launch.
+
+#define KDA_GLD 4  // fp32 padding of the gate rows: 16-byte aligned rows for cp.async, rows 4 banks apart
+#define KDA_LOG2E 1.4426950408889634f
+
+template <int D>
+__global__ void __launch_bounds__(128, 3)
+kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __restrict__ k, i64 kst, i64 ksh,
+                   const bf16* __restrict__ v, i64 vst, i64 vsh, const float* __restrict__ g,
+                   const float* __restrict__ beta, const int* __restrict__ cu, int num_seqs, int heads, int krep,
+                   int dk, int dv, float scale, bf16* __restrict__ w_out, bf16* __restrict__ u_out,
+                   bf16* __restrict__ a_out, bf16* __restrict__ qg_out, bf16* __restrict__ kg_out,
+                   float* __restrict__ gl_out) {
+    constexpr int LD = D + 8, GLD = D + KDA_GLD;
+    // k, then q / L and T^T / v, then the gates: kernels/kda_tuning.py kda_tc_prep_smem_bytes mirrors the layout
+    constexpr int QV_BYTES = TC_C * LD * 2 > TC_C * TC_SLD * 4 ? TC_C * LD * 2 : TC_C * TC_SLD * 4;
+    extern __shared__ __align__(16) unsigned char tc_smem_raw[];
+    bf16* sK = reinterpret_cast<bf16*>(tc_smem_raw);  // [C][LD]  k, then K . exp(Gc)
+    bf16* sQV = sK + TC_C * LD;  // [C][LD] q, then L / T^T [C][TC_SLD] fp32 (sLT), then v (as gdn_tc_prep_v2_kernel)
+    float* sLT = reinterpret_cast<float*>(sQV);
+    float* sG = reinterpret_cast<float*>(tc_smem_raw + TC_C * LD * 2 + QV_BYTES);  // [C][GLD] Gc, log2 units
+    __shared__ float sbeta[TC_C];
+    __shared__ int s_seq, s_tile;
+
+    const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    if (warp == 0) {
+        int seq = -1, tile = 0;
+        if (!find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) seq = -1;
+        if (lane == 0) { s_seq = seq; s_tile = tile; }
+    }
+    __syncthreads();
+    if (s_seq < 0) return;
+    const int start = cu[s_seq] + s_tile * TC_C;
+    const int n = min(TC_C, cu[s_seq + 1] - start);
+    const int slot = kda_chunk_slot(cu[s_seq], s_tile * TC_C, s_seq);
+    const int hk = h / krep;
+    tc_load_tile<D, 128>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
+    tc_load_tile<D, 128>(sQV, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
+    {  // g rows [C][dk] fp32, zero past n and dk
+        const float* src = g + ((i64)start * heads + h) * dk;
+        constexpr int VPR = D / 4;
+        for (int idx = tid; idx < TC_C * VPR; idx += 128) {
+            const int r = idx / VPR, c = (idx % VPR) * 4;
+            const bool ok = r < n && c < dk;
+            tc_cp16(sG + r * GLD + c, ok ? src + (i64)r * heads * dk + c : src, ok);
+        }
+    }
+    tc_cp_commit();
+    if (tid < TC_C) sbeta[tid] = tid < n ? beta[(i64)(start + tid) * heads + h] : 0.f;
+    tc_cp_wait_all();
+    __syncthreads();
+    for (int d = tid; d < D; d += 128) {  // Gc = cumsum(g) log2(e) per channel (constant past n: g is zero there)
+        float acc = 0.f;
+        for (int t = 0; t < TC_C; ++t) {
+            acc += sG[t * GLD + d] * KDA_LOG2E;
+            sG[t * GLD + d] = acc;
+        }
+    }
+    __syncthreads();
+
+    // Qg = q exp(Gc), Kg = k exp(Gc_last - Gc) (16-byte rows), and exp(Gc_last) per channel
+    {
+        constexpr int VPR = D / 8;
+        const float* glast = sG + (n - 1) * GLD;
+        for (int idx = tid; idx < TC_C * VPR; idx += 128) {
+            const int r = idx / VPR, c = (idx % VPR) * 8;
+            if (r >= n || c >= dk) continue;
+            unsigned qw[4], kw[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const float g0 = sG[r * GLD + c + e], g1 = sG[r * GLD + c + e + 1];
+                qw[e / 2] = tc_pack(__bfloat162float(sQV[r * LD + c + e]) * exp2f(g0),
+                                    __bfloat162float(sQV[r * LD + c + e + 1]) * exp2f(g1));
+                kw[e / 2] = tc_pack(__bfloat162float(sK[r * LD + c + e]) * exp2f(glast[c + e] - g0),
+                                    __bfloat162float(sK[r * LD + c + e + 1]) * exp2f(glast[c + e + 1] - g1));
+            }
+            const i64 at = ((i64)(start + r) * heads + h) * dk + c;
+            *reinterpret_cast<uint4*>(qg_out + at) = uint4{qw[0], qw[1], qw[2], qw[3]};
+            *reinterpret_cast<uint4*>(kg_out + at) = uint4{kw[0], kw[1], kw[2], kw[3]};
+        }
+        for (int d = tid; d < dk; d += 128) gl_out[((i64)slot * heads + h) * dk + d] = exp2f(glast[d]);
+    }
+
+    // The diagonal blocks, fp32: warp w owns block w; lane (r = lane / 2, jh = lane % 2) row t = 16 w + r against
+    // the block's tokens jj = 2 m + jh (m < 8: neighbouring lanes read neighbouring rows, distinct banks; a
+    // half-warp's lanes read one row, a broadcast). Entries past the diagonal are computed and dropped.
+    const int r16 = lane >> 1, jh = lane & 1, trow = warp * 16 + r16;
+    float dkk[8];
+    {
+        float dqk[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) dkk[m] = dqk[m] = 0.f;
+#pragma unroll 2
+        for (int d = 0; d < D; d += 2) {
+            const float kt0 = __bfloat162float(sK[trow * LD + d]), kt1 = __bfloat162float(sK[trow * LD + d + 1]);
+            const float qt0 = __bfloat162float(sQV[trow * LD + d]), qt1 = __bfloat162float(sQV[trow * LD + d + 1]);
+            const float gt0 = sG[trow * GLD + d], gt1 = sG[trow * GLD + d + 1];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int j = warp * 16 + 2 * m + jh;
+                const float e0 = exp2f(fminf(gt0 - sG[j * GLD + d], 0.f));
+                const float e1 = exp2f(fminf(gt1 - sG[j * GLD + d + 1], 0.f));
+                const float kj0 = __bfloat162float(sK[j * LD + d]) * e0;
+                const float kj1 = __bfloat162float(sK[j * LD + d + 1]) * e1;
+                dkk[m] += kt0 * kj0 + kt1 * kj1;
+                dqk[m] += qt0 * kj0 + qt1 * kj1;
+            }
+        }
+        // Aqk's diagonal block: lane jh = 0 writes columns jj 0..7 of its row, jh = 1 columns 8..15 (the partner's
+        // values by a shuffle), zero past the diagonal
+        unsigned packed[4];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float other = __shfl_xor_sync(FULL_MASK, dqk[m], 1);
+            const int jj0 = 2 * m;  // (own, other) for jh = 0; (other, own) for jh = 1
+            const float lo = (jh ? other : dqk[m]) * scale, hi = (jh ? dqk[m] : other) * scale;
+            const unsigned pr = tc_pack(jj0 <= r16 ? lo : 0.f, jj0 + 1 <= r16 ? hi : 0.f);
+            if ((m >> 2) == jh) packed[m & 3] = pr;
+        }
+        if (trow < n)
+            *reinterpret_cast<uint4*>(a_out + ((i64)(start + trow) * heads + h) * TC_C + warp * 16 + 8 * jh) =
+                uint4{packed[0], packed[1], packed[2], packed[3]};
+    }
+
+    // The blocks below the diagonal on tensor cores: warp w, rows 16 w .. + 15 against column blocks n2 < w, with
+    // r = Gc[16 w]: A = k (q) . exp(Gc_t - r), B = k_j . exp(r - Gc_j), both built in registers
+    float okk[6][4];
+    {
+        float oqk[6][4];
+#pragma unroll
+        for (int i = 0; i < 6; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) okk[i][e] = oqk[i][e] = 0.f;
+        const float* gref = sG + warp * 16 * GLD;
+        if (warp > 0) {
+#pragma unroll 1
+            for (int ks = 0; ks < D / 16; ++ks) {
+                unsigned ak[4], aq[4];
+#pragma unroll
+                for (int reg = 0; reg < 4; ++reg) {
+                    const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
+                    const float e0 = exp2f(sG[row * GLD + col] - gref[col]);
+                    const float e1 = exp2f(sG[row * GLD + col + 1] - gref[col + 1]);
+                    ak[reg] = tc_pack(__bfloat162float(sK[row * LD + col]) * e0,
+                                      __bfloat162float(sK[row * LD + col + 1]) * e1);
+                    aq[reg] = tc_pack(__bfloat162float(sQV[row * LD + col]) * e0,
+                                      __bfloat162float(sQV[row * LD + col + 1]) * e1);
+                }
+#pragma unroll
+                for (int n2 = 0; n2 < 3; ++n2) {
+                    if (n2 >= warp) continue;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int j = n2 * 16 + half * 8 + gid;
+                        unsigned b[2];
+#pragma unroll
+                        for (int br = 0; br < 2; ++br) {
+                            const int col = ks * 16 + 2 * tig + br * 8;
+                            b[br] = tc_pack(__bfloat162float(sK[j * LD + col]) * exp2f(gref[col] - sG[j * GLD + col]),
+                                            __bfloat162float(sK[j * LD + col + 1]) *
+                                                exp2f(gref[col + 1] - sG[j * GLD + col + 1]));
+                        }
+                        tc_mma(okk[2 * n2 + half], ak, b[0], b[1]);
+                        tc_mma(oqk[2 * n2 + half], aq, b[0], b[1]);
+                    }
+                }
+            }
+        }
+        // Aqk below the diagonal block (scaled), and zeros past it: every column block but the diagonal's
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            if (nt == 2 * warp || nt == 2 * warp + 1) continue;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int t = warp * 16 + gid + hf * 8;
+                const bool below = nt < 2 * warp;
+                const float a0 = below ? oqk[nt < 6 ? nt : 0][hf * 2] * scale : 0.f;
+                const float a1 = below ? oqk[nt < 6 ? nt : 0][hf * 2 + 1] * scale : 0.f;
+                if (t < n)
+                    *reinterpret_cast<unsigned*>(a_out + ((i64)(start + t) * heads + h) * TC_C + nt * 8 + 2 * tig) =
+                        tc_pack(a0, a1);
+            }
+        }
+    }
+    __syncthreads();  // every warp is done with q and k: L takes q's bytes, k becomes K . exp(Gc)
+
+    // L = beta_t (k_t . k_j decayed), strictly below the diagonal (sLT[t][j], j < t), from both parts
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int jj = 2 * m + jh;
+        if (jj < r16) sLT[trow * TC_SLD + warp * 16 + jj] = sbeta[trow] * dkk[m];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 6; ++nt) {
+        if (nt >= 2 * warp) continue;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int t = warp * 16 + gid + hf * 8;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) sLT[t * TC_SLD + nt * 8 + 2 * tig + e] = sbeta[t] * okk[nt][hf * 2 + e];
+        }
+    }
+    {
+        constexpr int VPR = D / 2;
+        for (int idx = tid; idx < TC_C * VPR; idx += 128) {
+            const int r = idx / VPR, c = (idx % VPR) * 2;
+            __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(sK + r * LD + c);
+            const __nv_bfloat162 kv = *p;
+            *reinterpret_cast<unsigned*>(p) = tc_pack(__low2float(kv) * exp2f(sG[r * GLD + c]),
+                                                       __high2float(kv) * exp2f(sG[r * GLD + c + 1]));
+        }
+    }
+    __syncthreads();
+
+    tc_solve_unit_lower(sLT, warp, lane);
+
+    // The A fragments of T diag(beta), warp w's rows, k-steps ks <= w (as gdn_tc_prep_v2_kernel's au)
+    unsigned au[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        if (ks > warp) continue;
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+            const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
+            float tv[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                tv[e] = col + e < row ? sLT[(col + e) * TC_SLD + row] : (col + e == row ? 1.f : 0.f);
+            au[ks][reg] = tc_pack(tv[0] * sbeta[col], tv[1] * sbeta[col + 1]);
+        }
+    }
+    __syncthreads();  // every warp has its fragments: v takes the solve's bytes
+    tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
+    tc_cp_commit();
+    tc_prep_wu<D>(au, au, sK, sQV, w_out, u_out, start, n, heads, h, dk, dv, warp, lane);
+}
