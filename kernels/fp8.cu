@@ -233,10 +233,11 @@ extern "C" __global__ void fp8w_finish_kernel(const float* __restrict__ partial,
 }
 
 // ---- weight-only FP8 GEMM for decode rows: the weight bytes straight from memory into mma.sync's A operand -------
-// 16 bytes of a stream read once (the weights): not kept in L1
+// 16 bytes of a stream read once (the weights): not kept in L1. Volatile, as the mma.sync helpers are: issued where
+// written (a chunk ahead of its MMAs), never moved down to its use
 __device__ __forceinline__ uint4 f8g_ld16(const unsigned char* p) {
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
