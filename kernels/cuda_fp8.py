@@ -118,22 +118,26 @@ def upload_projection(ops, parts: list):
                                   for s in segments), (n, k))
 
 
-def quantize_activations(x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
-    """x [M, K] (fp32 or bf16, unit column stride) -> (uint8 [M, K] e4m3 bytes, fp32 [ceil(K/128), M] scales): per
-    row and 128 columns, as kernels/fp8.py quantize_groups."""
+def quantize_activations(x: cupy.ndarray, rows: int | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """x [M, K] (fp32 or bf16, unit column stride) -> (uint8 [R, K] e4m3 bytes, fp32 [ceil(K/128), R] scales): per
+    row and 128 columns, as kernels/fp8.py quantize_groups; R = `rows` (at least M; default M), the rows past M
+    those of zeros (bytes 0, scale 1: a GEMM's padding, written by the same kernel)."""
     if x.ndim != 2 or (x.shape[0] > 1 and x.shape[1] > 1 and x.strides[1] != x.itemsize):
         raise ValueError(f"quantize_activations: a matrix with unit column stride, got {x.shape} {x.strides}")
     m, k = x.shape
-    q = cupy.empty((m, k), cupy.uint8)
-    scale = cupy.empty((-(-k // GEMM_BLOCK), m), cupy.float32)
-    groups = m * scale.shape[0]
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"quantize_activations: {rows} rows cannot hold x's {m}")
+    q = cupy.empty((rows, k), cupy.uint8)
+    scale = cupy.empty((-(-k // GEMM_BLOCK), rows), cupy.float32)
+    groups = rows * scale.shape[0]
     if groups:
         ld = x.strides[0] // x.itemsize if m > 1 else k
         vec = quant_vector_ok(ld, k, x.itemsize, x.data.ptr)
         warps = -(-groups // 4)  # four groups a warp
         blocks = max(1, min(-(-warps // (THREADS // 32)), 1 << 16))
         kernel("fp8", f"fp8_quant_groups_kernel<{type_name(x.dtype)}, {'true' if vec else 'false'}>")(
-            (blocks,), (THREADS,), (x, i64(m), i32(k), i64(ld), q, scale))
+            (blocks,), (THREADS,), (x, i64(rows), i64(m), i32(k), i64(ld), q, scale))
     return q, scale
 
 
@@ -226,10 +230,7 @@ def projection_linear(ops, x, weight: ProjectionWeight):
             continue
         if isinstance(seg, Fp8Block):
             if quantized is None:  # zero rows up to the multiple: scale 1, values 0, outputs never read
-                xp = x2 if padded == m else cupy.zeros((padded, k), x2.dtype)
-                if padded != m:
-                    xp[:m] = x2
-                quantized = quantize_activations(xp)
+                quantized = quantize_activations(x2, padded)
             if get_block_fp8_gemm().gemm(quantized[0], quantized[1], seg.values, seg.scale, full, row):
                 continue
             few = m <= _FALLBACK_WEIGHT_ONLY_ROWS and x2.dtype == BF16

@@ -31,15 +31,16 @@ __device__ __forceinline__ void fp8_load8(const float* p, float* v) {
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// An FP8 GEMM's activations (kernels/fp8.py quantize_groups: the same numbers): x [rows, cols] (row stride ldx)
-// -> q [rows, cols] e4m3 bytes and scale [ceil(cols / 128), rows] fp32 (rows contiguous: cuBLASLt's VEC128_32F
+// An FP8 GEMM's activations (kernels/fp8.py quantize_groups: the same numbers): x [x_rows, cols] (row stride ldx)
+// -> q [rows, cols] e4m3 bytes and scale [ceil(cols / 128), rows] fp32, rows past x_rows quantised as zeros (the
+// rows a GEMM is padded with: bytes 0, scale 1) (rows contiguous: cuBLASLt's VEC128_32F
 // layout of the B operand's scales); per row and 128 columns scale = amax / 448 (1 for all zeros) and
 // q = e4m3(x / scale). Half a warp per group, lane l of the half holding its columns 8l .. 8l + 7; a warp takes
 // four groups a pass, their loads issued before any is reduced (bytes in flight: the kernel is bound by them).
 // VEC: one 16-byte load (two for float) and one 8-byte store per lane where its 8 columns are inside the matrix
 // (the caller checks kernels/fp8.py quant_vector_ok: aligned rows, cols % 8 == 0).
 template <typename T, bool VEC>
-__global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, int cols, i64 ldx,
+__global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, i64 x_rows, int cols, i64 ldx,
                                         unsigned char* __restrict__ q, float* __restrict__ scale) {
     const int groups = (cols + 127) / 128;
     const i64 total = rows * groups;
@@ -54,12 +55,12 @@ __global__ void fp8_quant_groups_kernel(const T* __restrict__ x, i64 rows, int c
             const i64 gi = base + 2 * u + half;
             r[u] = gi < total ? gi / groups : rows;  // rows: no group here
             c0[u] = gi < total ? (int)(gi - r[u] * groups) * 128 + hl * 8 : cols;
-            const T* src = x + (r[u] < rows ? r[u] * ldx + c0[u] : 0);
-            if (VEC && r[u] < rows && c0[u] + 8 <= cols) {
+            const T* src = x + (r[u] < x_rows ? r[u] * ldx + c0[u] : 0);
+            if (VEC && r[u] < x_rows && c0[u] + 8 <= cols) {
                 fp8_load8(src, v[u]);
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[u][j] = r[u] < rows && c0[u] + j < cols ? to_f(src[j]) : 0.f;
+                for (int j = 0; j < 8; ++j) v[u][j] = r[u] < x_rows && c0[u] + j < cols ? to_f(src[j]) : 0.f;
             }
         }
 #pragma unroll

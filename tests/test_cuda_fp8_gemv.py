@@ -98,3 +98,21 @@ def test_linear_takes_the_weight_only_kernel_its_tuning_names(m, ops):
         direct(x, upload_block([weight]), ref, 0, ops._sm_count)
         np.testing.assert_array_equal(got, ops.to_host(ref).astype(np.float32))
         _check(ops, got, x_host, weight)
+
+
+def test_the_quantiser_pads_a_gemm_s_rows_with_zero_rows(ops):
+    """The cuBLASLt path's activations padded to its row multiple by the quantiser itself: x's rows as the host
+    quantises them, then rows of zero bytes with scale 1."""
+    from prefixrun.kernels.cuda_fp8 import quantize_activations
+    from prefixrun.kernels.fp8 import quantize_groups
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((5, 304)).astype(np.float32).astype(BF16)
+    q_want, s_want = quantize_groups(x.astype(np.float32))
+    q, s = (cupy.asnumpy(a) for a in quantize_activations(ops.upload(x), 16))
+    assert q.shape == (16, 304) and s.shape == (3, 16)
+    np.testing.assert_array_equal(q[:5], q_want.view(np.uint8))
+    np.testing.assert_array_equal(s[:, :5], s_want.T)
+    assert (q[5:] == 0).all() and (s[:, 5:] == 1).all()
+    with pytest.raises(ValueError):
+        quantize_activations(ops.upload(x), 4)

@@ -21,11 +21,11 @@ inline emu_dim3 gridDim;
 """
 
 ENTRY = r"""
-extern "C" void emu_quant(int bf16_in, int vec, const void* x, i64 rows, int cols, i64 ldx, unsigned char* q,
-                          float* scale, int blocks) {
+extern "C" void emu_quant(int bf16_in, int vec, const void* x, i64 rows, i64 x_rows, int cols, i64 ldx,
+                          unsigned char* q, float* scale, int blocks) {
     gridDim = {unsigned(blocks), 1, 1};
-#define EMU_Q(T, V) emu_launch(gridDim, 64, 0, [&] { fp8_quant_groups_kernel<T, V>((const T*)x, rows, cols, ldx, q, \
-                                                                                   scale); })
+#define EMU_Q(T, V) emu_launch(gridDim, 64, 0, [&] { \
+        fp8_quant_groups_kernel<T, V>((const T*)x, rows, x_rows, cols, ldx, q, scale); })
     if (bf16_in) { if (vec) EMU_Q(bf16, true); else EMU_Q(bf16, false); }
     else { if (vec) EMU_Q(float, true); else EMU_Q(float, false); }
 }
@@ -41,28 +41,33 @@ def emu(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("cols,ld,scalar", [(304, 304, False), (304, 312, False), (256, 256, False),
-                                            (300, 304, False), (130, 131, False), (304, 304, True), (8, 8, False)])
-def test_the_quantiser_kernel_gives_the_hosts_bytes_and_scales(emu, dtype, cols, ld, scalar):
+@pytest.mark.parametrize("cols,ld,scalar,pad", [(304, 304, False, 0), (304, 312, False, 0), (256, 256, False, 0),
+                                                (300, 304, False, 0), (130, 131, False, 0), (304, 304, True, 0),
+                                                (8, 8, False, 0), (304, 312, False, 7), (300, 304, False, 3)])
+def test_the_quantiser_kernel_gives_the_hosts_bytes_and_scales(emu, dtype, cols, ld, scalar, pad):
+    """... and `pad` rows of zeros after x's (a GEMM's padding: bytes 0, scale 1), never read from x."""
     rng = np.random.default_rng(cols + ld)
-    rows = 9  # 27 groups of 3 over 2 x 2 warps (16 a pass): the loop takes two passes
-    x = (rng.standard_normal((rows, ld)) * rng.uniform(1e-3, 40, (rows, 1))).astype(np.float32)
+    x_rows = 9  # 27 groups of 3 over 2 x 2 warps (16 a pass): the loop takes two passes
+    rows = x_rows + pad
+    x = (rng.standard_normal((x_rows, ld)) * rng.uniform(1e-3, 40, (x_rows, 1))).astype(np.float32)
     x[1] = 0.0  # a zero row
     x[2, 128:256] = 0.0  # a zero group
     x[3, 5] = 3e4  # an outlier owns its group's scale
     host = x.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else x
-    want_q, want_s = quantize_groups(host[:, :cols].astype(np.float32))
+    padded = np.concatenate([host[:, :cols].astype(np.float32), np.zeros((pad, cols), np.float32)])
+    want_q, want_s = quantize_groups(padded)
+    assert (want_s[x_rows:] == 1).all() and (want_q[x_rows:].view(np.uint8) == 0).all()
     groups = -(-cols // 128)
 
     def run():
         qbuf = np.full(rows * cols + 64, 0xA5, np.uint8)  # a canary after the bytes
         q = qbuf[:rows * cols].reshape(rows, cols)
         s, s_ok = _guarded((groups, rows), np.float32)
-        src = np.ascontiguousarray(host)
+        src = np.ascontiguousarray(host)  # x's rows alone: the padding is never read
         vec = not scalar and quant_vector_ok(ld, cols, src.itemsize, src.ctypes.data)
         assert vec == (not scalar and cols % 8 == 0 and ld * src.itemsize % 16 == 0)  # numpy's buffers: aligned
-        emu.emu_quant(int(dtype == "bfloat16"), int(vec), _ptr(src), ctypes.c_int64(rows), cols, ctypes.c_int64(ld),
-                      _ptr(q), _ptr(s), 2)
+        emu.emu_quant(int(dtype == "bfloat16"), int(vec), _ptr(src), ctypes.c_int64(rows), ctypes.c_int64(x_rows),
+                      cols, ctypes.c_int64(ld), _ptr(q), _ptr(s), 2)
         return q.copy(), s.copy(), s_ok() and bool((qbuf[rows * cols:] == 0xA5).all())
 
     q, s, intact = _forked(run)
