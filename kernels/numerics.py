@@ -17,8 +17,9 @@ from __future__ import annotations
 # moe_combine, each rounded once where they were rounded per op (Granite 4.0-H, Nemotron-H's MoE blocks)
 NUMERICS_VERSION = 8
 # the batch-invariant kernels' own version (--deterministic): 2: decode and verify rows attend over fixed 512-key
-# ranges merged in order (kernels/tuning.py DETERMINISTIC_SEGMENT_KEYS)
-DETERMINISTIC_VERSION = 2
+# ranges merged in order (kernels/tuning.py DETERMINISTIC_SEGMENT_KEYS); 3: prefill rows on sm_90a (head dims 64,
+# 128, 256, no window) attend in the sm_90a prefill kernel
+DETERMINISTIC_VERSION = 3
 
 
 def numerics_id(ops) -> str:

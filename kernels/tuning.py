@@ -186,8 +186,9 @@ class CudaTuning:
     # plain steps keep the decode pipeline (bench/device_spec.sh measures them against off).
     speculative_auto: bool = True
     # --deterministic: every kernel choice a function of what one row computes, never of the batch: GEMMs with one
-    # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention in attn_mma_kernel alone (no wgmma; on
-    # prefill rows one pass, on decode and verify rows fixed key ranges from position 0 merged in order), the delta
+    # cuBLASLt algorithm per weight shape (kernels/cublaslt.py), attention with keys tiled from position 0 (prefill
+    # rows in one pass, of the sm_90a kernel where it runs at all; decode and verify rows in attn_mma_kernel over
+    # fixed key ranges from position 0 merged in order), the delta
     # rule chunked on every prefill row and token by token in one kernel (gdn_decode_kernel, snapshots and all) on
     # every decode and verify row
     deterministic: bool = False
@@ -430,7 +431,7 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
     d = head_dim
     if tuning.deterministic:  # a function of the step's kind and of each row alone (CudaTuning.deterministic)
         return _deterministic_attention(tuning, tokens=tokens, seqs=seqs, d=d, table_keys=table_width * block_size,
-                                        window=window, shared=shared, prefill=prefill)
+                                        window=window, shared=shared, prefill=prefill, wgmma=wgmma, kv8=kv8)
     decode = tokens == seqs
     choice = tuning.attn_prefill_kernel
     if choice == "auto":
@@ -461,15 +462,21 @@ def attention_plan(tuning: CudaTuning, sm_count: int, *, tokens: int, seqs: int,
 
 
 def _deterministic_attention(tuning: CudaTuning, *, tokens: int, seqs: int, d: int, table_keys: int, window: int,
-                             shared: bool, prefill: bool) -> AttentionPlan:
-    """Prefill rows (and windowed layers): one pass, keys tiled from position 0. Decode and verify rows without a
-    window: partials over DETERMINISTIC_SEGMENT_KEYS-key ranges fixed from position 0, merged in range order (so a
-    long context spreads over the GPU); with attn_det_cascade, on a decode step with shared prefixes, the ranges
-    wholly inside a group's prefix read once for the group: the same arithmetic per row, so the same bits whatever
-    the group."""
+                             shared: bool, prefill: bool, wgmma: bool, kv8: bool) -> AttentionPlan:
+    """Prefill rows without a window: on sm_90a (WGMMA_HEAD_DIMS) the sm_90a kernel at any rows per sequence (keys
+    tiled from position 0, each row's arithmetic its own; by default the rows per sequence choose it), elsewhere
+    (and windowed layers: rings align rows to its tile) one attn_mma_kernel pass. Decode and verify rows without a
+    window: partials over DETERMINISTIC_SEGMENT_KEYS-key ranges fixed from position 0, merged in range order;
+    with attn_det_cascade, on a decode step with shared prefixes, the ranges wholly inside a group's prefix read
+    once for the group: the same arithmetic per row, so the same bits whatever the group."""
     wide = 8 if d > 128 else 4
     keys = tuning.keys_per_tile(d)
     warps = (tuning.attn_prefill_warps if tokens > seqs else tuning.attn_decode_warps) or wide
+    choice = "wgmma-pingpong" if tuning.attn_prefill_kernel == "auto" else tuning.attn_prefill_kernel
+    if prefill and window == 0 and wgmma and d in WGMMA_HEAD_DIMS and choice != "mma":
+        schedule = "serial" if kv8 else WGMMA_SCHEDULES[choice]
+        return AttentionPlan("wgmma", warps=12 if schedule in ("ws", "pingpong") else 8,
+                             keys=wgmma_tile_keys(d, schedule), schedule=schedule)
     if prefill or window > 0:
         return AttentionPlan("plain", warps=warps, keys=keys)
     ranges = max(1, -(-table_keys // DETERMINISTIC_SEGMENT_KEYS))

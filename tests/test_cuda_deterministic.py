@@ -164,6 +164,53 @@ def test_decode_attention_bits_do_not_depend_on_the_group(with_sinks):
         np.testing.assert_array_equal(verify[j], one[0], err_msg=str(j))
 
 
+@pytest.mark.parametrize("d, hq, hkv, with_sinks", [(256, 16, 4, False), (128, 16, 2, False), (64, 8, 8, True)])
+def test_prefill_attention_bits_do_not_depend_on_the_step(d, hq, hkv, with_sinks):
+    """Deterministic prefill rows (on sm_90a the sm_90a kernel, at any rows per sequence): a row's bits are the same
+    whether its sequence is prefilled in one step or in pieces starting on the 64-token grid, alone or beside
+    other sequences, in any order; and near the reference."""
+    from prefixrun.kernels.cuda import CudaOps
+    from prefixrun.kernels.reference import NumpyOps
+
+    ops = CudaOps("bfloat16", deterministic=True)
+    rng = np.random.default_rng(7)
+    bs, lens = 64, (700, 300, 130)
+    tables = np.zeros((3, -(-max(lens) // bs)), np.int32)
+    nxt = 0
+    for i, n in enumerate(lens):
+        tables[i, :-(-n // bs)] = np.arange(nxt, nxt + -(-n // bs))
+        nxt += -(-n // bs)
+    kc, vc = (rng.standard_normal((nxt, bs, hkv, d), dtype=np.float32) for _ in range(2))
+    qs = [rng.standard_normal((n, hq, d), dtype=np.float32) for n in lens]
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32) if with_sinks else None
+    kd, vd = ops.upload(kc), ops.upload(vc)
+    sk = None if sinks is None else ops.upload(sinks, np.float32)
+
+    def attend(pieces):
+        """pieces: (sequence, first row, end) -> each piece's output bits [end - first, hq, d]."""
+        q = np.concatenate([qs[i][a:b] for i, a, b in pieces])
+        cu = np.cumsum([0] + [b - a for _, a, b in pieces]).astype(np.int32)
+        rows = [i for i, _, _ in pieces]
+        out = _bits(ops, ops.paged_attention(ops.upload(q), kd, vd, ops.upload_index(tables[rows]),
+                                             ops.upload_index(np.array([b for _, _, b in pieces], np.int32)),
+                                             ops.upload_index(cu), d ** -0.5, sinks=sk, prefill=True))
+        return [out[cu[j]:cu[j + 1]] for j in range(len(pieces))]
+
+    whole = attend([(0, 0, 700), (1, 0, 300), (2, 0, 130)])
+    for pieces in ([(0, 0, 700)], [(2, 0, 130), (0, 0, 700), (1, 0, 300)], [(0, 0, 128)], [(0, 128, 700)],
+                   [(0, 640, 700), (1, 256, 300)], [(0, 128, 192), (1, 64, 300), (0, 192, 640), (2, 0, 64)],
+                   [(1, 0, 64)], [(1, 64, 128)], [(1, 128, 192)]):
+        for (i, a, b), got in zip(pieces, attend(pieces)):
+            np.testing.assert_array_equal(got, whole[i][a:b], err_msg=f"{pieces} sequence {i} rows {a}:{b}")
+    host = lambda a: np.asarray(ops.to_host(ops.upload(a)), np.float32)  # the bf16 values the kernels read
+    kh, vh = host(kc), host(vc)
+    for i, n in enumerate(lens):
+        want = NumpyOps().paged_attention(host(qs[i]), kh, vh, tables[i:i + 1], np.array([n], np.int32),
+                                          np.array([0, n], np.int32), d ** -0.5, sinks=sinks)
+        got = (whole[i].astype(np.uint32) << 16).view(np.float32)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-2, i
+
+
 def test_verify_rows_equal_decode_steps(model_dirs):
     """A speculative step's rows and the same tokens fed one decode step at a time: the same logits, bit for bit
     (deterministic kernels; by default the verify step's GEMM and attention shapes round differently)."""

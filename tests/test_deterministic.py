@@ -194,19 +194,26 @@ def test_deterministic_numerics_have_their_own_cache_keys(det_model, model_dirs)
 
 # ---- the CUDA backend's choices (pure functions of shapes, kernels/tuning.py) ---------------------------------
 def test_deterministic_kernel_choices_never_follow_the_batch():
-    from prefixrun.kernels.tuning import CudaTuning, attention_plan, delta_rule_launch
+    from prefixrun.kernels.tuning import AttentionPlan, CudaTuning, attention_plan, delta_rule_launch
 
     det = CudaTuning(deterministic=True)
 
-    def plans(prefill, window=0):
-        return {attention_plan(det, 132, tokens=t, seqs=s, q_heads=16, kv_heads=4, head_dim=256, table_width=w,
-                               block_size=64, window=window, tensor_cores=True, shared=shared, wgmma=True,
-                               prefill=prefill)
+    def plans(prefill, window=0, wgmma=True, kv8=False, head_dim=256, tuning=det):
+        return {attention_plan(tuning, 132, tokens=t, seqs=s, q_heads=16, kv_heads=4, head_dim=head_dim,
+                               table_width=w, block_size=64, window=window, tensor_cores=True, shared=shared,
+                               wgmma=wgmma, prefill=prefill, kv8=kv8)
                 for t, s in ((1, 1), (64, 64), (4096, 2), (320, 64), (5, 1)) for w in (1, 40) for shared in (0, 1)}
 
-    # prefill rows (and windowed layers): one kernel, one key tile; only the warps per block (rows of a block,
-    # never a row's sums) vary
-    assert {(p.path, p.keys, p.splits) for p in plans(True) | plans(False, window=128)} == {("plain", 64, 1)}
+    # prefill rows on sm_90a: the sm_90a kernel at any rows per sequence (the default's choice follows them), its
+    # schedule and tile fixed by the tuning, the head dim and the caches' storage alone
+    assert plans(True) == {AttentionPlan("wgmma", 12, 80, schedule="pingpong")}
+    assert plans(True, head_dim=128) == {AttentionPlan("wgmma", 12, 128, schedule="pingpong")}
+    assert plans(True, kv8=True) == {AttentionPlan("wgmma", 8, 64, schedule="serial")}
+    # elsewhere (and windowed layers, and a tuning that asks for mma.sync): one kernel, one key tile; only the warps
+    # per block (rows of a block, never a row's sums) vary
+    mma = CudaTuning(deterministic=True, attn_prefill_kernel="mma")
+    assert {(p.path, p.keys, p.splits) for p in plans(True, wgmma=False) | plans(True, tuning=mma)
+            | plans(True, head_dim=96) | plans(True, window=128) | plans(False, window=128)} == {("plain", 64, 1)}
     # decode and verify rows: 512-key ranges from position 0 (as many as the table holds: empty ones merge as
     # nothing)
     assert {(p.path, p.keys, p.segment_tiles, p.splits) for p in plans(False)} == {
