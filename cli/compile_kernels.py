@@ -80,6 +80,10 @@ def compile_everything(workers: int | None) -> CompileReport:
     run = compile_pool.start(jobs, workers)
     results = run.wait()
     seconds = time.perf_counter() - t0
+    if not any(r.error for r in results):
+        from prefixrun.kernels.cuda_warmup import mark_prepared
+
+        mark_prepared(device)  # a run's loader then loads them one by one (kernels/cuda_warmup.py)
     after = _files(folder)
     new = set(after) - set(before)
     props = cupy.cuda.runtime.getDeviceProperties(device)

@@ -188,11 +188,19 @@ def _load(unit: str, device: int) -> dict:
         return {n: module.get_function(lowered[n]) for n in _NAMES[unit]}
 
 
+def units(modules=("ws",)) -> list[str]:
+    """The units of `modules` (of MODULES) at every head dim; the default: what `compile_module` builds."""
+    return [f"{m}_{d}" for m in modules for d in HEAD_DIMS]
+
+
+def unit_names(unit: str) -> list[str]:
+    return list(_NAMES[unit])
+
+
 def jobs(device: int, modules=("ws",)) -> list[compile_pool.Job]:
     """Pool jobs (kernels/compile_pool.py) building `modules` (of MODULES) at every head dim on `device`; the
     default: what `compile_module` builds."""
-    return [compile_pool.Job(f"attention_sm90.{m}_{d}", functools.partial(load, f"{m}_{d}", device), 60.0)
-            for m in modules for d in HEAD_DIMS]
+    return [compile_pool.Job(f"attention_sm90.{u}", functools.partial(load, u, device), 60.0) for u in units(modules)]
 
 
 def compile_module():

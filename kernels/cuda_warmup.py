@@ -34,7 +34,9 @@ from prefixrun.kernels import attention_sm90, compile_pool
 from prefixrun.kernels.cublas import Cublas, get_cublas
 from prefixrun.kernels.cublaslt import PinnedGemm, get_pinned_gemm
 from prefixrun.kernels.cuda_arrays import F32
-from prefixrun.kernels.cuda_modules import KERNEL_NAMES, PREPARED_FILES, kernel, unit_jobs, unit_of, units_of
+from prefixrun.kernels.cuda_modules import KERNEL_NAMES, PREPARED_FILES, include_options, kernel, kernel_source, \
+    unit_jobs, unit_of, units_of
+from prefixrun.kernels.kernel_cache import mark_ready, ready_marker
 from prefixrun.kernels.warmup import GemmShape, KernelPlan, plan_scratch
 
 # with no plan (a caller that knows no model): one tiny product per output kind, for cuBLAS's one-time set-up
@@ -74,30 +76,69 @@ def _guarded(account: dict, what: str, fn, *args):
 
 
 def load_modules(files, account: dict, device: int | None = None, sm90: bool = False):
-    """Compile or load every unit of `files` (and, `sm90`, the Hopper attention module) side by side on a pool of
-    threads (kernels/compile_pool.py; units a bring-up started already are waited for, never made twice), then
-    fetch every function each file exports (loads each function's code). Per-unit seconds go to the account."""
+    """Compile or load every unit of `files` (and, `sm90`, the Hopper attention modules), then fetch every function
+    each file exports (loads each function's code). Where an earlier process left them all in the cache (its
+    marker), they load one by one on this thread (a load is mostly Python: a pool of loaders would take the
+    interpreter's lock from the weights' reads for nothing) until one turns out to compile; else side by side on a
+    pool of threads (kernels/compile_pool.py; units a bring-up started already are waited for, never made twice).
+    Per-unit seconds go to the account."""
     dev = cupy.cuda.Device().id if device is None else device
-    jobs = unit_jobs(units_of(files), dev) + (attention_sm90.jobs(dev) if sm90 else [])
-    results = compile_pool.run_all(jobs)
+    marker = _guarded(account, "ready marker", _ready_marker, files, dev, sm90)
+    ready = marker is not None and marker.exists()
+    jobs = _jobs(files, dev, sm90)
+    results = compile_pool.run_expecting_hits(jobs) if ready else compile_pool.run_all(jobs)
     account["units"] = {r.name: r.seconds for r in results}
+    account["units_cached"] = ready
     account["errors"] += [f"{r.name}: {r.error}"[:300] for r in results if r.error]
     failed = {r.name for r in results if r.error}
     for file in files:
         for name in KERNEL_NAMES[file]:
             if unit_of(file, name).key not in failed:
                 _guarded(account, f"{file} {name}", kernel, file, name)
+    if not failed and not ready and marker is not None:
+        mark_ready(marker)
 
 
-def start_early(device: int) -> compile_pool.CompileRun:
-    """Begin the modules `CudaOps.prepare_kernels` will load (PREPARED_FILES; the Hopper attention module where it
-    runs) at the process's start, beside the weights' reads: on a machine whose kernel cache is empty their
-    compile is most of a first run's start-up. Returns at once; the loader later waits for what is left."""
-    jobs = unit_jobs(units_of(PREPARED_FILES), device)
+def start_early(device: int) -> compile_pool.CompileRun | None:
+    """Begin the modules `CudaOps.prepare_kernels` will load (PREPARED_FILES; the Hopper attention modules where
+    they run) at the process's start, beside the weights' reads, where no earlier process left them all in the
+    cache: on such a machine their compile is most of a first run's start-up. Returns at once (None: nothing to
+    start, or it could not be: the loader does it all then); the loader later waits for what is left."""
+    try:
+        with cupy.cuda.Device(device):
+            sm90 = attention_sm90.available()
+        if _ready_marker(PREPARED_FILES, device, sm90).exists():
+            return None
+        return compile_pool.start(_jobs(PREPARED_FILES, device, sm90))
+    except Exception:  # noqa: BLE001 - an early start only: the loader's own loads report any problem
+        return None
+
+
+def mark_prepared(device: int) -> None:
+    """Leave the marker `load_modules` looks for (PREPARED_FILES and, on Hopper, the attention modules), once
+    every unit is in the cache (`prefixrun compile-kernels`)."""
     with cupy.cuda.Device(device):
-        if attention_sm90.available():
-            jobs += attention_sm90.jobs(device)
-    return compile_pool.start(jobs)
+        sm90 = attention_sm90.available()
+    mark_ready(_ready_marker(PREPARED_FILES, device, sm90))
+
+
+def _jobs(files, device: int, sm90: bool) -> list[compile_pool.Job]:
+    return unit_jobs(units_of(files), device) + (attention_sm90.jobs(device) if sm90 else [])
+
+
+def _ready_marker(files, device: int, sm90: bool):
+    """kernels/kernel_cache.py's marker for these units: named by their sources and instantiations, the options,
+    NVRTC's and CuPy's versions and the device's architecture (what names their binaries in the cache)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    inputs = [kernel_source(u.file) + "\0" + "\0".join(u.names) for u in units_of(files)]
+    if sm90:
+        inputs += [attention_sm90.unit_source(u) + "\0" + "\0".join(attention_sm90.unit_names(u))
+                   for u in attention_sm90.units()]
+    with cupy.cuda.Device(device):
+        arch = cupy.cuda.Device().compute_capability
+    inputs.append(repr((include_options(), nvrtc.getVersion(), cupy.__version__, arch)))
+    return ready_marker(inputs)
 
 
 def warm_array_kernels(act: np.dtype):

@@ -18,6 +18,7 @@ Either costs one warning, never a failure. No CuPy here until `tolerate_unwritab
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import os
 import shutil
@@ -132,3 +133,19 @@ def tolerate_unwritable() -> None:
     tolerant = TolerantDiskCache.__new__(TolerantDiskCache)
     tolerant.__dict__.update(current.__dict__)  # the same folder and settings, without making the folder again
     compiler._set_kernel_cache_backend(tolerant)
+
+
+def ready_marker(inputs: list[str]) -> Path:
+    """A file in the cache folder whose presence says that a process found or compiled there every binary made from
+    `inputs` (the sources, instantiations, options and compiler, CuPy and architecture versions behind them): so
+    the next process may load them one by one instead of starting a pool of compilers beside its weights' reads."""
+    digest = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:32]
+    return cupy_cache_dir() / f"prefixrun-ready-{digest}"
+
+
+def mark_ready(marker: Path) -> None:
+    """Leave `ready_marker`'s file (a folder that cannot be written: no marker, every process starts its pool)."""
+    try:
+        marker.touch()
+    except OSError:
+        pass

@@ -9,6 +9,7 @@ split changes no kernel's bits. No CuPy here: the split is checked on the CPU (t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,7 @@ KERNEL_NAMES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_source(file: str) -> str:
     """The text NVRTC compiles for the module `file`: common.cu, tc_mma.cu for the tensor-core files, the files it
     is built on, then kernels/<file>.cu (or the file it shares)."""

@@ -196,3 +196,22 @@ def test_two_pools_and_a_step_never_compile_more_at_once_than_the_cores(cores):
     assert once.get("u7", lambda: compile_unit("u7")) == "u7"
     assert all(r.error is None for r in early.wait(WAIT) + loader.wait(WAIT))
     assert most[0] == 2 and sorted(once.keys()) == [f"u{i}" for i in range(8)]
+
+
+def test_expected_cache_hits_load_one_by_one_on_the_calling_thread():
+    threads = []
+    jobs = [Job(f"u{i}", lambda: threads.append(threading.current_thread())) for i in range(5)]
+    results = compile_pool.run_expecting_hits(jobs)
+    assert [r.name for r in results] == [f"u{i}" for i in range(5)]
+    assert set(threads) == {threading.current_thread()}
+
+
+def test_once_an_expected_hit_compiles_the_rest_go_side_by_side(cores):
+    """A cache that lost some binaries: the first job that takes a compile's time hands the rest to a pool."""
+    cores(4)
+    barrier = threading.Barrier(4, timeout=WAIT)
+    jobs = [Job("missing", lambda: time.sleep(0.2), 9.0), Job("hit", lambda: None, 8.0)]
+    jobs += [Job(f"also-missing{i}", barrier.wait) for i in range(4)]
+    results = compile_pool.run_expecting_hits(jobs, compile_seconds=0.1)
+    assert results[0].name == "missing" and len(results) == 6
+    assert all(r.error is None for r in results), [r.error for r in results]

@@ -141,3 +141,24 @@ def test_a_cache_write_that_fails_is_skipped_with_one_warning(tmp_path):
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
     warnings = [line for line in res.stderr.splitlines() if "kernel cache folder" in line]
     assert len(warnings) == 1, res.stderr
+
+
+def test_a_second_process_loads_the_prepared_units_one_by_one_and_starts_no_early_pool(tmp_path):
+    """The first process in an empty cache compiles the prepared units side by side and leaves its marker; the next
+    one finds it: no early pool beside its weights' reads, the units loaded on the loader thread."""
+    code = ("from prefixrun.kernels import cuda_available; assert cuda_available()\n"
+            "import cupy\n"
+            "from prefixrun.kernels import cuda, cuda_warmup\n"
+            "early = cuda_warmup.start_early(cupy.cuda.Device().id)\n"
+            "ops = cuda.CudaOps('bfloat16'); ops.prepare_kernels(); ops._preparing.join(600)\n"
+            "a = cuda_warmup.LAST\n"
+            "print(early is None, a['units_cached'], len(a['units']), a['errors'])")
+    cache = tmp_path / "kernel_cache"
+    first, second = _run(["-c", code], cache), None
+    assert first.returncode == 0, first.stderr[-3000:]
+    started, cached, units, errors = first.stdout.split(maxsplit=3)
+    assert (started, cached, errors.strip()) == ("False", "False", "[]") and int(units) > 10
+    assert list(cache.glob("prefixrun-ready-*"))
+    second = _run(["-c", code], cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.split(maxsplit=3)[:2] == ["True", "True"]

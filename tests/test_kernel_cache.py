@@ -143,3 +143,16 @@ def test_a_cache_backend_chosen_on_purpose_is_left_alone(fake_cupy):
     fake_cupy._kernel_cache_backend = chosen
     kernel_cache.tolerate_unwritable()
     assert fake_cupy._kernel_cache_backend is chosen
+
+
+def test_the_ready_marker_is_named_by_every_input_and_lives_beside_the_binaries(fresh, tmp_path):
+    fresh.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    inputs = ["source of attention\0attn_mma_kernel<64, 64, 4>", "('-I/cuda', (12, 8), '14.2.0', '90')"]
+    marker = kernel_cache.ready_marker(inputs)
+    assert marker.parent == tmp_path and marker.name.startswith("prefixrun-ready-")
+    for changed in (inputs[:1] + ["('-I/cuda', (12, 9), '14.2.0', '90')"], [inputs[0] + " ", inputs[1]], inputs[:1]):
+        assert kernel_cache.ready_marker(changed) != marker
+    assert not marker.exists()
+    kernel_cache.mark_ready(marker)
+    assert marker.exists()
+    kernel_cache.mark_ready(tmp_path / "a-file-not-a-folder" / "marker")  # cannot be written: no marker, no error
