@@ -22,6 +22,7 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cublaslt_lib import LtContext, lt_version
 from prefixrun.kernels.cuda import CudaOps
 from prefixrun.kernels.cuda_arrays import cast
+from prefixrun.kernels.fp8_launch import fp8w_gemv_split
 from prefixrun.kernels.cuda_fp8 import (Fp8Block, ProjectionWeight, gemv_weight_only, quantize_activations,
                                         weight_only_gemm)
 
@@ -148,6 +149,9 @@ def time_shape(ops, a, n: int, k: int, rows: list[int], gemm) -> None:
             t = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, ops._sm_count) for w in w8s]), reps)
             best_weight_only = min(best_weight_only, t)
             line += f" | gemv {t:6.1f} ({t / bf16:.2f}x)"
+            if fp8w_gemv_split(n, k, ops._sm_count) < -(-k // 128):  # K split: also timed whole (one SM's split)
+                t = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, 1) for w in w8s]), reps)
+                line += f" (unsplit {t:6.1f})"
         if m <= a.weight_only_rows:
             t = timed(ops, rotating([lambda w=w: weight_only_gemm(x, w, out, 0, ops._sm_count) for w in w8s]), reps)
             best_weight_only = min(best_weight_only, t)
