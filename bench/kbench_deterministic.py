@@ -9,8 +9,9 @@ on a fresh cache folder, then the seconds to take it back from that folder (a ne
 splitk: whether an algorithm with a fixed split-K (the heuristics' answers at 64 rows that split K) gives a row the
 same bits at every M, and its speed: could a pinned split-K serve decode rows?
 attention: a decode step's paged attention at batch 64 over 2,048 shared + ~256 own keys, head dim 256, 16 query /
-4 K/V heads (a 4b-like full-attention layer): the default kernels (the shared-prefix cascade) against the
-deterministic ones (fixed key ranges) in ATTENTION_VARIANTS: warps per block, keys per tile, the ranges' width, with
+4 K/V heads (a 4b-like full-attention layer), replayed as a captured graph (the device's time, as decode steps run):
+the default kernels (the shared-prefix cascade) against the deterministic ones (fixed key ranges) in
+ATTENTION_VARIANTS: warps per block, keys per tile, the ranges' width, with
 and without the groups' pass (attn_det_cascade).
 """
 from __future__ import annotations
@@ -42,6 +43,8 @@ ATTENTION_VARIANTS = (
     ("det 512 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, SEGMENT_KEYS),
     ("det 256 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, 256),
     ("det 256 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, 256),
+    ("det 512 + groups' pass (1 warp)", True, {"attn_det_cascade": True, "attn_prefill_warps": 1}, SEGMENT_KEYS),
+    ("det 256 + groups' pass (1 warp)", True, {"attn_det_cascade": True, "attn_prefill_warps": 1}, 256),
     ("det 128 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, 128),
 )
 
@@ -166,8 +169,9 @@ def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq:
         kc, vc = (ops.upload(rng.standard_normal((blocks, bs, hkv, d), dtype=np.float32)) for _ in range(2))
         q = ops.upload(rng.standard_normal((b, hq, d), dtype=np.float32))
         args = (q, kc, vc, up(tables), up(ctx), up(np.arange(b + 1)), d ** -0.5)
-        try:
-            times[mode] = time_ms(lambda: ops.paged_attention(*args, shared=groups))
+        try:  # replays of a captured step, as decode runs it: the device's time, not the host's calls
+            graph = ops.capture(lambda: ops.paged_attention(*args, shared=groups))
+            times[mode] = time_ms(graph.replay, iters=50)
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a finding, the others still run
             print(f"  {mode}: {type(exc).__name__}: {exc}"[:200], flush=True)
     tuning.DETERMINISTIC_SEGMENT_KEYS = SEGMENT_KEYS
