@@ -276,11 +276,13 @@ __device__ __forceinline__ unsigned f8g_word(const uint4& v, int i) {
 // columns of x row g of each tile; k-step s takes its 4 bytes 32 t + 4 s .. + 3 as the fragment's columns 2t, 2t + 8,
 // 2t + 1, 2t + 9 (bytes 0, 1, 2, 3: f8g_e4m3x4_to_bf16's pairs) and x's elements in the same order.
 // Needs K % 16 == 0, q's rows 16-byte aligned (K % 16 == 0 and an aligned base), x's rows 16-byte aligned.
+// (Eight tiles: held to 168 registers, three blocks an SM, where they would take 174 and fit two.)
 template <int NT>
-__global__ void __launch_bounds__(32 * F8G_WARPS)
+__global__ void __launch_bounds__(32 * F8G_WARPS, NT >= 8 ? 3 : 0)
 fp8w_gemv_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
                  const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, int split_chunks,
                  bf16* __restrict__ y, i64 ldy, float* __restrict__ partial) {
+    constexpr int F8G_GROUP = NT < 4 ? NT : 4;
     __shared__ float sums[F8G_WARPS - 1][NT][4][32];  // warps 1 .. 3's sums, for warp 0 to add
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
@@ -313,38 +315,44 @@ fp8w_gemv_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned c
         const bool more = c + F8G_WARPS < c_end;
         if (more) load_weights(next, c + F8G_WARPS);
         const float s = scale_row[c];
-        float part[NT][4];
+        // the tiles in groups of at most 4 (each group's sums in registers through the chunk; a second group
+        // converts the weight bytes again, cheaper than the registers of 8 tiles' sums)
 #pragma unroll
-        for (int i = 0; i < NT; ++i)
+        for (int g0 = 0; g0 < NT; g0 += F8G_GROUP) {
+            float part[F8G_GROUP][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) part[i][e] = 0.f;
+            for (int i = 0; i < F8G_GROUP; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            // x: the chunk's columns 32 t + 8 j .. + 7 of row 8 i + g of each tile, zeros past K or the rows
-            uint4 xv[NT];
-            const int k = c * 128 + 32 * t + 8 * j;
+                for (int e = 0; e < 4; ++e) part[i][e] = 0.f;
 #pragma unroll
-            for (int i = 0; i < NT; ++i)
-                xv[i] = 8 * i + g < rows && k < k_dim ? *reinterpret_cast<const uint4*>(x + (i64)(8 * i + g) * ldx + k)
-                                                       : zero;
+            for (int j = 0; j < 4; ++j) {
+                // x: the chunk's columns 32 t + 8 j .. + 7 of row 8 i + g of each tile, zeros past K or the rows
+                uint4 xv[F8G_GROUP];
+                const int k = c * 128 + 32 * t + 8 * j;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int st = 2 * j + h;  // the k-step: bytes 32 t + 4 st .. + 3
-                unsigned a[4];  // a0, a2: row g's columns (2t, 2t + 1), (2t + 8, 2t + 9); a1, a3: row g + 8's
-                f8g_e4m3x4_to_bf16(f8g_word(w[st >> 2], st & 3), a[0], a[2]);
-                f8g_e4m3x4_to_bf16(f8g_word(w[2 + (st >> 2)], st & 3), a[1], a[3]);
+                for (int i = 0; i < F8G_GROUP; ++i) {
+                    const int r = 8 * (g0 + i) + g;
+                    xv[i] = r < rows && k < k_dim ? *reinterpret_cast<const uint4*>(x + (i64)r * ldx + k) : zero;
+                }
 #pragma unroll
-                for (int i = 0; i < NT; ++i) {
-                    // x elements 32 t + 4 st .. + 3: u0 = (e0, e1), u1 = (e2, e3); b0 = (e0, e2), b1 = (e1, e3)
-                    const unsigned u0 = f8g_word(xv[i], 2 * h), u1 = f8g_word(xv[i], 2 * h + 1);
-                    f8w_mma(part[i], a, __byte_perm(u0, u1, 0x5410), __byte_perm(u0, u1, 0x7632));
+                for (int h = 0; h < 2; ++h) {
+                    const int st = 2 * j + h;  // the k-step: bytes 32 t + 4 st .. + 3
+                    unsigned a[4];  // a0, a2: row g's columns (2t, 2t + 1), (2t + 8, 2t + 9); a1, a3: row g + 8's
+                    f8g_e4m3x4_to_bf16(f8g_word(w[st >> 2], st & 3), a[0], a[2]);
+                    f8g_e4m3x4_to_bf16(f8g_word(w[2 + (st >> 2)], st & 3), a[1], a[3]);
+#pragma unroll
+                    for (int i = 0; i < F8G_GROUP; ++i) {
+                        // x elements 32 t + 4 st .. + 3: u0 = (e0, e1), u1 = (e2, e3); b0 = (e0, e2), b1 = (e1, e3)
+                        const unsigned u0 = f8g_word(xv[i], 2 * h), u1 = f8g_word(xv[i], 2 * h + 1);
+                        f8w_mma(part[i], a, __byte_perm(u0, u1, 0x5410), __byte_perm(u0, u1, 0x7632));
+                    }
                 }
             }
+#pragma unroll
+            for (int i = 0; i < F8G_GROUP; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[g0 + i][e] = fmaf(s, part[i][e], acc[g0 + i][e]);
         }
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(s, part[i][e], acc[i][e]);
         if (more) {
 #pragma unroll
             for (int h = 0; h < 4; ++h) w[h] = next[h];
