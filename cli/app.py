@@ -381,6 +381,8 @@ def inspect_cache(
 def compile_kernels(
     workers: Annotated[Optional[int], typer.Option(min=1, help="threads compiling side by side (default and at "
                                                    "most: the cores this process may use)", show_default=False)] = None,
+    model: Annotated[Optional[Path], typer.Option(help="also run this model once on a one-line batch, so the kernels "
+                                                 "CuPy makes for its run are compiled too", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ):
     """Compile every CUDA kernel module ahead into the kernel cache folder ($CUPY_CACHE_DIR, else
@@ -388,13 +390,16 @@ def compile_kernels(
     from prefixrun.cli.compile_kernels import NoGpu, compile_everything, report_text
 
     reporter = RunReporter()
+    if model is not None and not (model / "config.json").is_file():
+        reporter.error(f"--model {model}: not a model folder (no config.json in it)")
+        raise typer.Exit(io.EXIT_USAGE)
     try:
-        report = compile_everything(workers)
+        report = compile_everything(workers, model)
     except NoGpu as exc:
         reporter.error(str(exc))
         raise typer.Exit(io.EXIT_USAGE)
     print(report_text(report, json_out))
-    raise typer.Exit(io.EXIT_FAILURE if report.failed else io.EXIT_OK)
+    raise typer.Exit(io.EXIT_OK if report.ok else io.EXIT_FAILURE)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

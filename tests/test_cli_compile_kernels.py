@@ -66,3 +66,27 @@ def test_the_json_report_carries_every_unit():
     assert data["modules"] == 13 and data["failed"] == 1 and len(data["units"]) == 13
     assert data["serial_seconds"] == pytest.approx(sum(3.0 + i for i in range(12)) + 0.5)
     assert data["workers"] == 16 and data["cache_dir"] == "/cache"
+
+
+def test_a_model_that_is_not_a_model_folder_is_a_usage_error(tmp_path):
+    result = _invoke("--model", str(tmp_path))
+    assert result.exit_code == 2 and "not a model folder" in result.output
+
+
+def test_the_model_run_is_a_user_s_run_of_one_line(tmp_path):
+    """--model's run, here on the CPU: the model runs once from a process's start and its report says so; a model
+    that cannot load is its error line, and the command fails."""
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=0)
+    ran = compile_kernels.run_model(model, device="cpu")
+    assert ran.error is None and ran.seconds > 0
+    (model / "config.json").write_text("{not json")
+    broken = compile_kernels.run_model(model, device="cpu")
+    assert broken.error and "config.json" in broken.error
+    report = _report(units=[{"name": "conv", "seconds": 1.0, "error": None}], model_run=broken)
+    assert not report.ok and report.lines()[-1].startswith(f"failed: running {model}: ")
+    fine = _report(units=[{"name": "conv", "seconds": 1.0, "error": None}],
+                   model_run=compile_kernels.ModelRun(str(model), 2.5, 7))
+    assert fine.ok and fine.lines()[-1] == f"ran {model} once in 2.5 s: 7 new files"
+    assert json.loads(report_text(fine, as_json=True))["model_run"]["new_files"] == 7

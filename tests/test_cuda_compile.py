@@ -162,3 +162,21 @@ def test_a_second_process_loads_the_prepared_units_one_by_one_and_starts_no_earl
     second = _run(["-c", code], cache)
     assert second.returncode == 0, second.stderr[-3000:]
     assert second.stdout.split(maxsplit=3)[:2] == ["True", "True"]
+
+
+def test_compile_kernels_with_a_model_leaves_a_run_of_it_nothing_to_compile(tmp_path):
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=0)
+    cache = tmp_path / "kernel_cache"
+    done = _run(["-m", "prefixrun.cli.launch", "compile-kernels", "--json", "--model", str(model)], cache)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads(done.stdout)["model_run"]
+    assert run["error"] is None and run["new_files"] > 0  # CuPy's own kernels of the model's run
+    before = sorted(p.name for p in cache.iterdir())
+    env = dict(os.environ, CUPY_CACHE_DIR=str(cache))
+    user = subprocess.run([sys.executable, "-m", "prefixrun.cli.launch", "batch", "-", "--model", str(model),
+                           "--no-cache"], input='{"prompt": "Good morning", "max_tokens": 4}\n',
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert user.returncode == 0, user.stderr[-3000:]
+    assert sorted(p.name for p in cache.iterdir()) == before
