@@ -71,10 +71,11 @@ def phases(args, prompts) -> None:
         first, whole = kernel_ms(loaded, prompts, 1), kernel_ms(loaded, prompts, args.gen)
         step = {name: (whole[name] - first.get(name, 0.0)) / steps for name in whole}
         got[mode] = (wall_first, (wall - wall_first) / steps, first, step)
+        print(f"{mode}: wall {wall * 1e3:.0f} ms for {args.gen} tokens, prefill {wall_first * 1e3:.0f} ms, decode step "
+              f"{(wall - wall_first) / steps * 1e3:.2f} ms; device: prefill {sum(first.values()):.1f} ms, decode step "
+              f"{sum(step.values()):.2f} ms", flush=True)
         del loaded
-    (pw0, dw0, p0, d0), (pw1, dw1, p1, d1) = got["default"], got["deterministic"]
-    print(f"walls default -> deterministic: prefill {pw0 * 1e3:.0f} -> {pw1 * 1e3:.0f} ms, decode step "
-          f"{dw0 * 1e3:.2f} -> {dw1 * 1e3:.2f} ms ({steps} steps)", flush=True)
+    (_, _, p0, d0), (_, _, p1, d1) = got["default"], got["deterministic"]
     for phase, a, b, unit in (("prefill", p0, p1, "ms"), ("decode step", d0, d1, "ms")):
         ca, cb = by_class(a), by_class(b)
         rows = sorted(set(ca) | set(cb), key=lambda c: -abs(cb.get(c, 0.0) - ca.get(c, 0.0)))

@@ -1,6 +1,6 @@
 """--deterministic's kernels against the default ones on the 4b-like shapes (device only):
 
-    python3 bench/kbench_deterministic.py [gemm] [splitk] [attention]
+    python3 bench/kbench_deterministic.py [gemm] [splitk] [attention] [attention-docqa]
 
 gemm: per weight shape, the device time at M rows (graph replays over copies of the weight beyond the L2, as a
 decode step reads it) of the pinned reference algorithm alone, of the former pairing (the
@@ -13,7 +13,8 @@ attention: a decode step's paged attention at batch 64 over 2,048 shared + ~256 
 4 K/V heads (a 4b-like full-attention layer), replayed as a captured graph (the device's time, as decode steps run):
 the default kernels (the shared-prefix cascade) against the deterministic ones (fixed key ranges) in
 ATTENTION_VARIANTS: warps per block, keys per tile, the ranges' width, with
-and without the groups' pass (attn_det_cascade).
+and without the groups' pass (attn_det_cascade). attention-docqa: the same over doc-qa's decode step, 4 groups of 16
+rows over 4,096 shared + ~128 own keys.
 """
 from __future__ import annotations
 
@@ -36,17 +37,14 @@ ATTENTION_VARIANTS = (
     ("default", False, {}, SEGMENT_KEYS),
     ("det 512-key ranges, 4 warps", True, {}, SEGMENT_KEYS),
     ("det 512, 1 warp", True, {"attn_decode_warps": 1}, SEGMENT_KEYS),
-    ("det 512, 1 warp, 32-key tiles", True, {"attn_decode_warps": 1, "attn_keys_per_tile": ((256, 32),)}, 512),
     ("det 256-key ranges, 4 warps", True, {}, 256),
     ("det 256, 1 warp", True, {"attn_decode_warps": 1}, 256),
-    ("det 1024, 4 warps", True, {}, 1024),
     ("det 512 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, SEGMENT_KEYS),
     ("det 512 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, SEGMENT_KEYS),
     ("det 256 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, 256),
     ("det 256 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, 256),
     ("det 512 + groups' pass (1 warp)", True, {"attn_det_cascade": True, "attn_prefill_warps": 1}, SEGMENT_KEYS),
     ("det 256 + groups' pass (1 warp)", True, {"attn_det_cascade": True, "attn_prefill_warps": 1}, 256),
-    ("det 128 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_prefill_warps": 4}, 128),
 )
 
 
@@ -152,7 +150,7 @@ def splitk(n: int = 2560, k: int = 9216):
 
 
 def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq: int = 16, hkv: int = 4,
-              d: int = 256):
+              d: int = 256, groups: int = 1):
     import cupy
 
     from prefixrun.engine.step.forward_batch import SharedPrefixes, shared_prefix_arrays
@@ -162,37 +160,39 @@ def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq:
     own_blocks = -(-(own + 16) // bs)
     width = shared // bs + own_blocks
     tables = np.zeros((b, width), np.int32)
-    tables[:, :shared // bs] = np.arange(shared // bs)
-    for i in range(b):
-        tables[i, shared // bs:] = shared // bs + i * own_blocks + np.arange(own_blocks)
+    for i in range(b):  # row i in group i % groups, whose prefix is blocks [g S, (g + 1) S)
+        tables[i, :shared // bs] = (i % groups) * (shared // bs) + np.arange(shared // bs)
+        tables[i, shared // bs:] = groups * shared // bs + i * own_blocks + np.arange(own_blocks)
     ctx = (shared + own - 8 + np.arange(b) % 16).astype(np.int32)
     arrays = shared_prefix_arrays(tables, ctx, bs)
     up = lambda a: cupy.asarray(np.ascontiguousarray(a, np.int32))
-    groups = SharedPrefixes(order=up(arrays["shared_order"]), cu=up(arrays["shared_cu"]),
-                            lens=up(arrays["shared_lens"]), tables=up(arrays["shared_tables"]),
-                            start=up(arrays["shared_start"]))
+    prefixes = SharedPrefixes(order=up(arrays["shared_order"]), cu=up(arrays["shared_cu"]),
+                              lens=up(arrays["shared_lens"]), tables=up(arrays["shared_tables"]),
+                              start=up(arrays["shared_start"]))
     rng = np.random.default_rng(0)
     times = {}
     for mode, det, changes, seg in ATTENTION_VARIANTS:
         tuning.DETERMINISTIC_SEGMENT_KEYS = seg  # a bench's variant: the ranges' width is the plan's, read per call
         ops = CudaOps("bfloat16", deterministic=det).retuned(**changes)
-        blocks = shared // bs + b * own_blocks
+        blocks = groups * shared // bs + b * own_blocks
         kc, vc = (ops.upload(rng.standard_normal((blocks, bs, hkv, d), dtype=np.float32)) for _ in range(2))
         q = ops.upload(rng.standard_normal((b, hq, d), dtype=np.float32))
         args = (q, kc, vc, up(tables), up(ctx), up(np.arange(b + 1)), d ** -0.5)
         try:  # replays of a captured step, as decode runs it: the device's time, not the host's calls
-            graph = ops.capture(lambda: ops.paged_attention(*args, shared=groups))
+            graph = ops.capture(lambda: ops.paged_attention(*args, shared=prefixes))
             times[mode] = time_ms(graph.replay, iters=50)
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a finding, the others still run
             print(f"  {mode}: {type(exc).__name__}: {exc}"[:200], flush=True)
     tuning.DETERMINISTIC_SEGMENT_KEYS = SEGMENT_KEYS
-    print(f"decode attention, batch {b}, {shared} shared + ~{own} own keys, {hq}/{hkv} heads of {d}, per layer, us "
-          f"(/ default):", flush=True)
+    print(f"decode attention, batch {b} in {groups} group(s), {shared} shared + ~{own} own keys, {hq}/{hkv} heads of "
+          f"{d}, per layer, us (/ default):", flush=True)
     for mode, t in times.items():
         print(f"  {t * 1e3:6.0f} ({t / times['default']:.2f}x)  {mode}", flush=True)
 
+
 if __name__ == "__main__":
-    parts = {"gemm": gemm, "splitk": splitk, "attention": attention}
+    parts = {"gemm": gemm, "splitk": splitk, "attention": attention,
+             "attention-docqa": lambda: attention(shared=4096, own=128, groups=4)}
     for name in sys.argv[1:] or list(parts):
         try:
             parts[name]()
