@@ -13,9 +13,10 @@
 // scaled afterwards. Between 16-token blocks i > j they still are products, through a reference point r = Gc at the
 // first token of block i (Gc_t <= r <= Gc_j for t in block i, j in block j, so neither factor can overflow):
 //   sum_d (k_t[d] exp(Gc_t[d] - r[d])) (k_j[d] exp(r[d] - Gc_j[d])),
-// on tensor cores with the factors applied while the fragments are built. Within a diagonal block there is no such
-// point (a channel that forgets within a few tokens would overflow any factor >= 1), so those 4 x 136 pairs take
-// fp32 dot products with the decay per element, on the CUDA cores.
+// on tensor cores with the factors applied while the fragments are built. Within a diagonal block the same point
+// gives factors exp(r - Gc_j) >= 1, finite while the channel's decay over the block is moderate; a channel that
+// forgets within a few tokens would overflow them, so such channels (a warp-uniform test per channel) leave the
+// diagonal blocks' products and are added in fp32 with the decay per element, on the CUDA cores.
 //
 // kda_tc_prep_kernel: one block (4 warps) per (chunk slot, value head), every chunk of every sequence in parallel.
 // Writes W, U0, Aqk (as gdn_tc_prep_*), Qg, Kg (bf16 [T, H, Dk]) and exp(Gc_last) (fp32 [slot, H, Dk], slot
@@ -25,6 +26,9 @@
 
 #define KDA_GLD 4  // fp32 padding of the gate rows: 16-byte aligned rows for cp.async, rows 4 banks apart
 #define KDA_LOG2E 1.4426950408889634f
+// a channel's decay over a 16-token block (log2 units) up to which the diagonal block's product takes it: its B
+// factors stay below 2^64, far from fp32 and bf16 overflow (2^128); beyond, fp32 with the decay per element
+#define KDA_SAFE_SPAN 64.f
 
 template <int D>
 __global__ void __launch_bounds__(128, 3)
@@ -105,123 +109,105 @@ kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
         for (int d = tid; d < dk; d += 128) gl_out[((i64)slot * heads + h) * dk + d] = exp2f(glast[d]);
     }
 
-    // The diagonal blocks, fp32: warp w owns block w; lane (r = lane / 2, jh = lane % 2) row t = 16 w + r against
-    // the block's tokens jj = 2 m + jh (m < 8: neighbouring lanes read neighbouring rows, distinct banks; a
-    // half-warp's lanes read one row, a broadcast). Entries past the diagonal are computed and dropped.
-    const int r16 = lane >> 1, jh = lane & 1, trow = warp * 16 + r16;
-    float dkk[8];
-    {
-        float dqk[8];
+    // L and Aqk: warp w, rows t = 16 w .. + 15 against column blocks n2 <= w, on tensor cores through r = Gc[16 w]:
+    // A = k_t (q_t) exp(Gc_t - r) <= 1; B = k_j exp(r - Gc_j), <= 1 below the diagonal block, and within it up to
+    // 2^span, span = r - Gc[16 w + 15] the channel's decay over the block (log2). A channel whose span exceeds
+    // KDA_SAFE_SPAN leaves the diagonal block's product (its B zero) and is added in fp32 with the decay per element
+    // (a warp-uniform skip for every other channel). Entries past the diagonal are computed and dropped.
+    float kk[8][4], qk[8][4];
 #pragma unroll
-        for (int m = 0; m < 8; ++m) dkk[m] = dqk[m] = 0.f;
-#pragma unroll 2
-        for (int d = 0; d < D; d += 2) {
-            const float kt0 = __bfloat162float(sK[trow * LD + d]), kt1 = __bfloat162float(sK[trow * LD + d + 1]);
-            const float qt0 = __bfloat162float(sQV[trow * LD + d]), qt1 = __bfloat162float(sQV[trow * LD + d + 1]);
-            const float gt0 = sG[trow * GLD + d], gt1 = sG[trow * GLD + d + 1];
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                const int j = warp * 16 + 2 * m + jh;
-                const float e0 = exp2f(fminf(gt0 - sG[j * GLD + d], 0.f));
-                const float e1 = exp2f(fminf(gt1 - sG[j * GLD + d + 1], 0.f));
-                const float kj0 = __bfloat162float(sK[j * LD + d]) * e0;
-                const float kj1 = __bfloat162float(sK[j * LD + d + 1]) * e1;
-                dkk[m] += kt0 * kj0 + kt1 * kj1;
-                dqk[m] += qt0 * kj0 + qt1 * kj1;
-            }
-        }
-        // Aqk's diagonal block: lane jh = 0 writes columns jj 0..7 of its row, jh = 1 columns 8..15 (the partner's
-        // values by a shuffle), zero past the diagonal
-        unsigned packed[4];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const float other = __shfl_xor_sync(FULL_MASK, dqk[m], 1);
-            const int jj0 = 2 * m;  // (own, other) for jh = 0; (other, own) for jh = 1
-            const float lo = (jh ? other : dqk[m]) * scale, hi = (jh ? dqk[m] : other) * scale;
-            const unsigned pr = tc_pack(jj0 <= r16 ? lo : 0.f, jj0 + 1 <= r16 ? hi : 0.f);
-            if ((m >> 2) == jh) packed[m & 3] = pr;
-        }
-        if (trow < n)
-            *reinterpret_cast<uint4*>(a_out + ((i64)(start + trow) * heads + h) * TC_C + warp * 16 + 8 * jh) =
-                uint4{packed[0], packed[1], packed[2], packed[3]};
-    }
-
-    // The blocks below the diagonal on tensor cores: warp w, rows 16 w .. + 15 against column blocks n2 < w, with
-    // r = Gc[16 w]: A = k (q) . exp(Gc_t - r), B = k_j . exp(r - Gc_j), both built in registers
-    float okk[6][4];
-    {
-        float oqk[6][4];
-#pragma unroll
-        for (int i = 0; i < 6; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) okk[i][e] = oqk[i][e] = 0.f;
-        const float* gref = sG + warp * 16 * GLD;
-        if (warp > 0) {
+        for (int e = 0; e < 4; ++e) kk[i][e] = qk[i][e] = 0.f;
+    const float* gref = sG + warp * 16 * GLD;
+    const float* gend = gref + 15 * GLD;
 #pragma unroll 1
-            for (int ks = 0; ks < D / 16; ++ks) {
-                unsigned ak[4], aq[4];
+    for (int ks = 0; ks < D / 16; ++ks) {
+        unsigned ak[4], aq[4];
 #pragma unroll
-                for (int reg = 0; reg < 4; ++reg) {
-                    const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
-                    const float e0 = exp2f(sG[row * GLD + col] - gref[col]);
-                    const float e1 = exp2f(sG[row * GLD + col + 1] - gref[col + 1]);
-                    ak[reg] = tc_pack(__bfloat162float(sK[row * LD + col]) * e0,
-                                      __bfloat162float(sK[row * LD + col + 1]) * e1);
-                    aq[reg] = tc_pack(__bfloat162float(sQV[row * LD + col]) * e0,
-                                      __bfloat162float(sQV[row * LD + col + 1]) * e1);
-                }
+        for (int reg = 0; reg < 4; ++reg) {
+            const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
+            const float e0 = exp2f(sG[row * GLD + col] - gref[col]);
+            const float e1 = exp2f(sG[row * GLD + col + 1] - gref[col + 1]);
+            ak[reg] = tc_pack(__bfloat162float(sK[row * LD + col]) * e0, __bfloat162float(sK[row * LD + col + 1]) * e1);
+            aq[reg] = tc_pack(__bfloat162float(sQV[row * LD + col]) * e0,
+                              __bfloat162float(sQV[row * LD + col + 1]) * e1);
+        }
 #pragma unroll
-                for (int n2 = 0; n2 < 3; ++n2) {
-                    if (n2 >= warp) continue;
+        for (int n2 = 0; n2 < 4; ++n2) {
+            if (n2 > warp) continue;
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int j = n2 * 16 + half * 8 + gid;
-                        unsigned b[2];
+            for (int half = 0; half < 2; ++half) {
+                const int j = n2 * 16 + half * 8 + gid;
+                unsigned b[2];
 #pragma unroll
-                        for (int br = 0; br < 2; ++br) {
-                            const int col = ks * 16 + 2 * tig + br * 8;
-                            b[br] = tc_pack(__bfloat162float(sK[j * LD + col]) * exp2f(gref[col] - sG[j * GLD + col]),
-                                            __bfloat162float(sK[j * LD + col + 1]) *
-                                                exp2f(gref[col + 1] - sG[j * GLD + col + 1]));
-                        }
-                        tc_mma(okk[2 * n2 + half], ak, b[0], b[1]);
-                        tc_mma(oqk[2 * n2 + half], aq, b[0], b[1]);
+                for (int br = 0; br < 2; ++br) {
+                    const int col = ks * 16 + 2 * tig + br * 8;
+                    float f0 = exp2f(gref[col] - sG[j * GLD + col]), f1 = exp2f(gref[col + 1] - sG[j * GLD + col + 1]);
+                    if (n2 == warp) {
+                        f0 = gref[col] - gend[col] <= KDA_SAFE_SPAN ? f0 : 0.f;
+                        f1 = gref[col + 1] - gend[col + 1] <= KDA_SAFE_SPAN ? f1 : 0.f;
                     }
+                    b[br] = tc_pack(__bfloat162float(sK[j * LD + col]) * f0,
+                                    __bfloat162float(sK[j * LD + col + 1]) * f1);
                 }
+                tc_mma(kk[2 * n2 + half], ak, b[0], b[1]);
+                tc_mma(qk[2 * n2 + half], aq, b[0], b[1]);
             }
         }
-        // Aqk below the diagonal block (scaled), and zeros past it: every column block but the diagonal's
+    }
+    // the diagonal block's fast-decaying channels: this lane's entries of its two tiles (rows gid, gid + 8; columns
+    // 2 tig, + 1, + 8, + 9 of the block), as the accumulators hold them
+#pragma unroll 1
+    for (int d = 0; d < D; ++d) {
+        if (gref[d] - gend[d] <= KDA_SAFE_SPAN) continue;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            if (nt == 2 * warp || nt == 2 * warp + 1) continue;
+        for (int n2 = 0; n2 < 4; ++n2) {
+            if (n2 != warp) continue;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int t = warp * 16 + gid + hf * 8;
-                const bool below = nt < 2 * warp;
-                const float a0 = below ? oqk[nt < 6 ? nt : 0][hf * 2] * scale : 0.f;
-                const float a1 = below ? oqk[nt < 6 ? nt : 0][hf * 2 + 1] * scale : 0.f;
-                if (t < n)
-                    *reinterpret_cast<unsigned*>(a_out + ((i64)(start + t) * heads + h) * TC_C + nt * 8 + 2 * tig) =
-                        tc_pack(a0, a1);
+                const float kt = __bfloat162float(sK[t * LD + d]), qt = __bfloat162float(sQV[t * LD + d]);
+                const float gt = sG[t * GLD + d];
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = warp * 16 + half * 8 + 2 * tig + e;
+                        const float kj = __bfloat162float(sK[j * LD + d]) * exp2f(fminf(gt - sG[j * GLD + d], 0.f));
+                        kk[2 * n2 + half][hf * 2 + e] += kt * kj;
+                        qk[2 * n2 + half][hf * 2 + e] += qt * kj;
+                    }
             }
         }
     }
+    // Aqk (scaled), zero past the diagonal: all 64 columns of the rows
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int t = warp * 16 + gid + hf * 8;
+            float av[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) av[e] = nt * 8 + 2 * tig + e <= t ? qk[nt][hf * 2 + e] * scale : 0.f;
+            if (t < n)
+                *reinterpret_cast<unsigned*>(a_out + ((i64)(start + t) * heads + h) * TC_C + nt * 8 + 2 * tig) =
+                    tc_pack(av[0], av[1]);
+        }
     __syncthreads();  // every warp is done with q and k: L takes q's bytes, k becomes K . exp(Gc)
 
-    // L = beta_t (k_t . k_j decayed), strictly below the diagonal (sLT[t][j], j < t), from both parts
+    // L = beta_t (k_t . k_j decayed), strictly below the diagonal (sLT[t][j], j < t)
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {
-        const int jj = 2 * m + jh;
-        if (jj < r16) sLT[trow * TC_SLD + warp * 16 + jj] = sbeta[trow] * dkk[m];
-    }
-#pragma unroll
-    for (int nt = 0; nt < 6; ++nt) {
-        if (nt >= 2 * warp) continue;
+    for (int nt = 0; nt < 8; ++nt) {
+        if (nt > 2 * warp + 1) continue;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int t = warp * 16 + gid + hf * 8;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) sLT[t * TC_SLD + nt * 8 + 2 * tig + e] = sbeta[t] * okk[nt][hf * 2 + e];
+            for (int e = 0; e < 2; ++e) {
+                const int j = nt * 8 + 2 * tig + e;
+                if (j < t) sLT[t * TC_SLD + j] = sbeta[t] * kk[nt][hf * 2 + e];
+            }
         }
     }
     {
