@@ -67,12 +67,21 @@ class JobResult:
     error: str | None = None
 
 
+def _timed(job: Job) -> JobResult:
+    t0 = time.perf_counter()
+    error = None
+    try:
+        job.run()
+    except Exception as exc:  # noqa: BLE001 - reported in the result; the job's user meets it again
+        error = f"{type(exc).__name__}: {exc}"[:500]
+    return JobResult(job.name, round(time.perf_counter() - t0, 4), error)
+
+
 @dataclass
 class CompileRun:
     """Jobs being made by a pool of daemon threads; `wait` for their results (in the order they finished)."""
     jobs: list[Job]
     workers: int
-    started: float = field(default_factory=time.perf_counter)
     results: list[JobResult] = field(default_factory=list)
     _pending: list[Job] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -88,9 +97,6 @@ class CompileRun:
     @property
     def finished(self) -> bool:
         return self._done.is_set()
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
 
     def cancel_pending(self) -> None:
         """Drop the jobs no thread has started (at exit)."""
@@ -108,14 +114,9 @@ class CompileRun:
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            t0 = time.perf_counter()
-            error = None
-            try:
-                job.run()
-            except Exception as exc:  # noqa: BLE001 - reported in the result; the job's user meets it again
-                error = f"{type(exc).__name__}: {exc}"[:500]
+            result = _timed(job)
             with self._lock:
-                self.results.append(JobResult(job.name, round(time.perf_counter() - t0, 4), error))
+                self.results.append(result)
                 self._running -= 1
                 if not self._pending and self._running == 0:
                     self._done.set()
@@ -188,15 +189,8 @@ def run_expecting_hits(jobs: list[Job], compile_seconds: float = 0.5) -> list[Jo
     results = []
     ordered = sorted(jobs, key=lambda j: -j.cost)
     for i, job in enumerate(ordered):
-        t0 = time.perf_counter()
-        error = None
-        try:
-            job.run()
-        except Exception as exc:  # noqa: BLE001 - as a pool reports it
-            error = f"{type(exc).__name__}: {exc}"[:500]
-        seconds = time.perf_counter() - t0
-        results.append(JobResult(job.name, round(seconds, 4), error))
-        if seconds >= compile_seconds:
+        results.append(_timed(job))
+        if results[-1].seconds >= compile_seconds:
             return results + run_all(ordered[i + 1:])
     return results
 
