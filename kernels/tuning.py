@@ -178,6 +178,7 @@ class CudaTuning:
     # same bits either way). Off: at batch 64 over 2,048 shared keys it measured slower than every row reading its
     # ranges itself (docs/PERFORMANCE.md): its group pass has too few blocks to fill the GPU
     attn_det_cascade: bool = False
+    attn_det_group_warps: int | None = None  # ... its warps per block (no bit moves); None: as prefill's
     # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
     # kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "auto"
@@ -224,7 +225,7 @@ class CudaTuning:
             raise ValueError("fp8_weight_only_rows must be a non-negative int")
         if not isinstance(self.fp8_gemv_rows, int) or not 0 <= self.fp8_gemv_rows <= 8 * FP8W_GEMV_TILES[-1]:
             raise ValueError(f"fp8_gemv_rows must be an int from 0 to {8 * FP8W_GEMV_TILES[-1]}")
-        for name in ("attn_prefill_warps", "attn_decode_warps"):
+        for name in ("attn_prefill_warps", "attn_decode_warps", "attn_det_group_warps"):
             if getattr(self, name) not in (None,) + ATTN_WARPS:
                 raise ValueError(f"{name} must be None or one of {ATTN_WARPS}")
         for d, bn in self.attn_keys_per_tile:
@@ -482,7 +483,8 @@ def _deterministic_attention(tuning: CudaTuning, *, tokens: int, seqs: int, d: i
     ranges = max(1, -(-table_keys // DETERMINISTIC_SEGMENT_KEYS))
     tiles = DETERMINISTIC_SEGMENT_KEYS // keys
     if shared and tokens == seqs and tuning.attn_det_cascade:
-        return AttentionPlan("segments-cascade", warps=tuning.attn_prefill_warps or wide, keys=keys, splits=ranges,
+        group_warps = tuning.attn_det_group_warps or tuning.attn_prefill_warps or wide
+        return AttentionPlan("segments-cascade", warps=group_warps, keys=keys, splits=ranges,
                              own_warps=tuning.attn_decode_warps or 4, segment_tiles=tiles)
     return AttentionPlan("segments", warps=warps, keys=keys, splits=ranges, segment_tiles=tiles)
 

@@ -226,6 +226,14 @@ def test_deterministic_kernel_choices_never_follow_the_batch():
     assert cascades(det) == {"segments"}  # the groups' pass is off by default (measured slower)
     on = CudaTuning(deterministic=True, attn_det_cascade=True)
     assert cascades(on) == {"segments-cascade", "segments"}  # on decode steps only, verify rows alone
+    # the groups' pass's warps (rows of a block, never a row's sums) are its own choice
+    plan = lambda tuning: attention_plan(tuning, 132, tokens=64, seqs=64, q_heads=16, kv_heads=4, head_dim=256,
+                                         table_width=40, block_size=64, window=0, tensor_cores=True, shared=True)
+    assert (plan(on).warps, plan(on).own_warps) == (8, 4)
+    four = CudaTuning(deterministic=True, attn_det_cascade=True, attn_det_group_warps=4)
+    assert plan(four) == AttentionPlan("segments-cascade", 4, 64, 5, 4, segment_tiles=8)
+    with pytest.raises(ValueError, match="attn_det_group_warps"):
+        CudaTuning(attn_det_group_warps=3)
     for tokens, seqs in ((1, 1), (64, 64), (5, 5), (4096, 3), (70, 64)):
         prefill = delta_rule_launch(det, 132, tokens=tokens, seqs=seqs, heads=32, dk=128, dv=128,
                                     tensor_cores=True, prefill=True)
