@@ -199,7 +199,7 @@ def test_prefill_attention_bits_do_not_depend_on_the_step(d, hq, hkv, with_sinks
     whole = attend([(0, 0, 700), (1, 0, 300), (2, 0, 130)])
     for pieces in ([(0, 0, 700)], [(2, 0, 130), (0, 0, 700), (1, 0, 300)], [(0, 0, 128)], [(0, 128, 700)],
                    [(0, 640, 700), (1, 256, 300)], [(0, 128, 192), (1, 64, 300), (0, 192, 640), (2, 0, 64)],
-                   [(1, 0, 64)], [(1, 64, 128)], [(1, 128, 192)]):
+                   [(1, 0, 64)], [(1, 64, 128)], [(1, 128, 192)], [(2, 64, 65)], [(0, 640, 641), (2, 128, 130)]):
         for (i, a, b), got in zip(pieces, attend(pieces)):
             np.testing.assert_array_equal(got, whole[i][a:b], err_msg=f"{pieces} sequence {i} rows {a}:{b}")
     host = lambda a: np.asarray(ops.to_host(ops.upload(a)), np.float32)  # the bf16 values the kernels read
