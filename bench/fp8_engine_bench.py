@@ -1,6 +1,7 @@
 """A bf16 model against its block-FP8 rewrite (bench/fp8_checkpoint.py) in the engine, on one GPU: the decode step
 at a full batch and the prefill rate, each model loaded once, the FP8 one run with cuBLASLt's block-scaled GEMM at
-every row count and again with the weight-only kernel for decode-sized steps (CudaTuning.fp8_weight_only_rows).
+every row count and again under the default tuning (the weight-only kernels up to CudaTuning.fp8_weight_only_rows
+rows, or --weight-only-rows).
 
     python3 bench/fp8_engine_bench.py BF16_DIR FP8_DIR [--batch 64] [--prefix 2048] [--suffix 256] [--gen 32]
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from prefixrun.engine.load.loader import load
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
+from prefixrun.kernels.tuning import CudaTuning
 
 
 def run(model, ops, prompts: list[list[int]], gen: int, batch: int, state_bytes: int):
@@ -57,7 +59,7 @@ def main():
     p.add_argument("--suffix", type=int, default=256)
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--unique", type=int, default=16, help="unique prompts of prefix + suffix tokens (prefill rate)")
-    p.add_argument("--weight-only-rows", type=int, default=64)
+    p.add_argument("--weight-only-rows", type=int, default=None, help="default: the tuning's fp8_weight_only_rows")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of the script, one run per model)")
     a = p.parse_args()
     rng = random.Random(0)
@@ -66,10 +68,10 @@ def main():
     head = tok(a.prefix)
     shared = [head + tok(a.suffix) for _ in range(a.batch)]
     unique = [tok(a.prefix + a.suffix) for _ in range(a.unique)]
+    rows = CudaTuning().fp8_weight_only_rows if a.weight_only_rows is None else a.weight_only_rows
     for path, tunings in ((a.source, {"bf16": {}}),
                           (a.fp8, {"fp8 cuBLASLt": {"fp8_weight_only_rows": 0},
-                                   f"fp8 weight-only <= {a.weight_only_rows} rows":
-                                       {"fp8_weight_only_rows": a.weight_only_rows}})):
+                                   f"fp8 weight-only <= {rows} rows": {"fp8_weight_only_rows": rows}})):
         t = time.perf_counter()
         loaded = load(path, a.device)
         print(f"{path.name}: loaded in {time.perf_counter() - t:.1f} s", flush=True)

@@ -197,9 +197,9 @@ class CudaTuning:
     # it gives the same bits (kernels/cublaslt.py PinnedGemm); False: the reference algorithm for every M
     gemm_pairing: bool = True
     # FP8 projections (kernels/cuda_fp8.py) of at most this many rows run a weight-only kernel (bf16 rows times the
-    # fp8 weights, fp32 sums) instead of cuBLASLt's block-scaled FP8 GEMM on quantised rows; 0: cuBLASLt for every
-    # row count
-    fp8_weight_only_rows: int = 0
+    # fp8 weights, fp32 sums: half the weight bytes of bf16, no activation quantisation) instead of cuBLASLt's
+    # block-scaled FP8 GEMM on quantised rows; 0: cuBLASLt for every row count
+    fp8_weight_only_rows: int = 128
     # ... of which at most this many rows (<= 64) take fp8w_gemv_kernel (the weight bytes read straight into the
     # tensor cores' operand), more fp8w_gemm_kernel (64 x 64 tiles dequantised in shared memory)
     fp8_gemv_rows: int = 64
