@@ -1,8 +1,8 @@
 """kernel_bench part `kda`: Kimi Delta Attention's delta rule (a decay per key channel) on Kimi-Linear-48B's heads
-(32 heads, 128 x 128 fp32 states, bf16 activations): the default choice (kernels/kda_tuning.py kda_chunked "auto")
-against the fp32 chunked form of kernels/delta_rule.cu forced on and token steps only (gdn_decode_kernel's
-per-channel form), next to Gated DeltaNet's per-head kernels on the same shapes (one decay per head: what a decay
-per channel costs). The figures for kda_chunked's rule.
+(32 heads, 128 x 128 fp32 states, bf16 activations): the default choice (kernels/kda_tuning.py) against the
+tensor-core chunked form (kernels/kda_tc.cu), the fp32 chunked form of kernels/delta_rule.cu and token steps
+(kernels/kda.cu), each forced on, next to Gated DeltaNet's per-head kernels on the same shapes (one decay per head:
+what a decay per channel costs). The figures for kernels/kda_tuning.py's rules.
 
 Every KDA variant is checked against the NumPy reference first (the step's first and last sequences, outputs and
 states, from non-zero states; the reference steps token by token) and timed only if it passed."""
@@ -75,8 +75,9 @@ def kda_part() -> list:
     from prefixrun.kernels.cuda import CudaOps
 
     ops = CudaOps("bfloat16")
-    variants = {"KDA default": ops, "KDA chunked (forced)": ops.retuned(gdn_chunked=True),
-                "KDA token steps": ops.retuned(gdn_chunked=False)}
+    variants = {"KDA default": ops, "KDA tensor cores (forced)": ops.retuned(kda_tensor_cores=True),
+                "KDA chunked fp32 (forced)": ops.retuned(gdn_chunked=True, kda_tensor_cores=False),
+                "KDA token steps": ops.retuned(gdn_chunked=False, kda_tensor_cores=False)}
     rows = []
     for label, lens in CASES:
         kda, gdn = _Case(ops, lens, True), _Case(ops, lens, False)
