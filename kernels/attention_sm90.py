@@ -182,7 +182,8 @@ def load(unit: str, device: int) -> dict:
 
 
 def _load(unit: str, device: int) -> dict:
-    with cupy.cuda.Device(device), compile_pool.compile_slot:
+    with cupy.cuda.Device(device), compile_pool.compile_slot, \
+            kernel_cache.compile_lock([unit_source(unit), *_NAMES[unit], *OPTIONS]):
         cubin, lowered = _build(unit)
         module = cupy.RawModule(path=str(cubin))
         return {n: module.get_function(lowered[n]) for n in _NAMES[unit]}

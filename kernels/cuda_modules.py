@@ -70,10 +70,13 @@ def load_unit(unit: ModuleUnit, device: int | None = None) -> cupy.RawModule:
 
 
 def _compile(unit: ModuleUnit, device: int) -> cupy.RawModule:
-    with cupy.cuda.Device(device), compile_pool.compile_slot:
-        module = cupy.RawModule(code=kernel_source(unit.file), options=("-std=c++17",) + include_options(),
-                                name_expressions=list(unit.names))
-        module.compile()  # RawModule compiles lazily: here, under this unit's lock
+    options = ("-std=c++17",) + include_options()
+    source = kernel_source(unit.file)
+    # a slot first, then the lock other processes share: a holder of that lock never waits for a slot
+    with cupy.cuda.Device(device), compile_pool.compile_slot, \
+            kernel_cache.compile_lock([source, *unit.names, *options, cupy.__version__]):
+        module = cupy.RawModule(code=source, options=options, name_expressions=list(unit.names))
+        module.compile()  # RawModule compiles lazily: here, under this unit's locks
     return module
 
 

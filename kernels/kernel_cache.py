@@ -18,6 +18,7 @@ Either costs one warning, never a failure. No CuPy here until `tolerate_unwritab
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
@@ -149,3 +150,30 @@ def mark_ready(marker: Path) -> None:
         marker.touch()
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def compile_lock(inputs: list[str]):
+    """Held while this process compiles (or loads) the binary made from `inputs`, across processes: where several
+    processes start on one machine at once (one per GPU, `--devices`; Slurm ranks), the first compiles and the
+    others wait, then load its binary, instead of each compiling everything. A lock file in the cache folder
+    (`locks/`); where it cannot be made or locked (a read-only folder, a file system without locks), no lock."""
+    try:
+        import fcntl
+
+        folder = cupy_cache_dir() / "locks"
+        folder.mkdir(exist_ok=True)
+        name = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:32]
+        fd = os.open(folder / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)  # releases the lock

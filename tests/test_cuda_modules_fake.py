@@ -29,7 +29,7 @@ class _FakeDevice:
 
 
 @pytest.fixture
-def modules(monkeypatch):
+def modules(monkeypatch, tmp_path):
     """A fresh kernels/cuda_modules.py imported over the fake CuPy; its compiles recorded as (unit names, thread)."""
     compiled, gates = [], {}
 
@@ -48,9 +48,12 @@ def modules(monkeypatch):
             return (self.names, name)
 
     cupy = types.ModuleType("cupy")
+    cupy.__version__ = "0.fake"
     cupy.RawModule = RawModule
     cupy.cuda = types.SimpleNamespace(Device=_FakeDevice, get_cuda_path=lambda: None)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "kernel_cache"))  # its compile locks
+    (tmp_path / "kernel_cache").mkdir()
     monkeypatch.delitem(sys.modules, "prefixrun.kernels.cuda_modules", raising=False)
     monkeypatch.setattr(compile_pool.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(compile_pool, "compile_slot", compile_pool._Slots())

@@ -156,3 +156,43 @@ def test_the_ready_marker_is_named_by_every_input_and_lives_beside_the_binaries(
     kernel_cache.mark_ready(marker)
     assert marker.exists()
     kernel_cache.mark_ready(tmp_path / "a-file-not-a-folder" / "marker")  # cannot be written: no marker, no error
+
+
+def test_a_compile_lock_is_held_across_openers_of_the_same_inputs_only(fresh, tmp_path):
+    """Two processes compiling one unit: the second waits for the first (flock is per open file, so two threads
+    opening the lock file apart exclude each other just as two processes do); other units do not wait."""
+    import threading
+    import time
+
+    fresh.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def first():
+        with kernel_cache.compile_lock(["attention", "attn_mma_kernel<64, 64, 4>"]) as locked:
+            order.append(("first", locked))
+            inside.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    assert inside.wait(10)
+    with kernel_cache.compile_lock(["sampling", "sample_kernel"]) as locked:  # another unit: at once
+        order.append(("other", locked))
+    second = threading.Thread(target=lambda: order.append(("second", kernel_cache.compile_lock(
+        ["attention", "attn_mma_kernel<64, 64, 4>"]).__enter__())))
+    second.start()
+    time.sleep(0.2)
+    assert ("second", True) not in order  # still waiting for the first
+    release.set()
+    holder.join(10)
+    second.join(10)
+    assert order == [("first", True), ("other", True), ("second", True)]
+    assert (tmp_path / "locks").is_dir()
+
+
+def test_no_lock_where_the_cache_folder_cannot_hold_one(fresh, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    fresh.setenv("CUPY_CACHE_DIR", str(blocker))
+    with kernel_cache.compile_lock(["moe"]) as locked:
+        assert locked is False
