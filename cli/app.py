@@ -89,6 +89,7 @@ def batch(
     ctx.call_on_close(route_engine_logs(reporter))
     given = locals()
     config, source, input_path, claim = _prepare_batch(given, reporter)
+    output = given["output"]  # `-o -` read as standard output
     if claim is not None:
         ctx.call_on_close(claim.release)
     with stop_signals_raise():
@@ -107,10 +108,11 @@ def batch(
 def _prepare_batch(given: dict, reporter: RunReporter):
     """batch's checks before any work (exit 2 with one line): (run configuration, input stream, input path or None,
     the claim on -o or None)."""
-    from prefixrun.cli.output import OutputError, check_targets, claim_output
+    from prefixrun.cli.output import OutputError, check_targets, claim_output, stdout_targets
 
     output, json_report, resume, overwrite = (given[k] for k in ("output", "json_report", "resume", "overwrite"))
     try:
+        output = given["output"] = stdout_targets(output, json_report)
         reporter.progress_interval = _progress_interval(given["progress_interval"])
         config = run_config(given["run_options"])
         if resume and output is None:
@@ -420,7 +422,7 @@ def bench(
 
     clock = PhaseClock()  # the process's start-up so far is its imports
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import OutputError, check_target, check_targets, claim_output, run_to_output
+    from prefixrun.cli.output import STDOUT, OutputError, check_target, check_targets, claim_output, run_to_output
 
     clock.mark("options")
 
@@ -437,6 +439,9 @@ def bench(
         if p["devices"] is not None or p["ray_address"] is not None:
             raise typer.BadParameter("bench reads its figures from one in-process engine; time several devices "
                                      "with prefixrun batch --devices ... --json-report FILE")
+        if STDOUT in (p["output"], p["json_report"]):
+            raise typer.BadParameter("bench prints its figures on standard output: give -o and --json-report a "
+                                     "file, not -")
         config = run_config(p)
         source, workload = _open_input(p["input"], reporter)
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],

@@ -190,15 +190,15 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
     try:
         text, utf8_error = _decode_utf8(raw.data)
         try:
-            obj = _decode_json_object(text)
+            obj, repeated_key = _decode_json_object(text)
             openai_shape = _is_openai_line(obj)
-            custom_id = _read_custom_id(obj, raw.line_no)
+            custom_id = None if repeated_key == "custom_id" else _read_custom_id(obj, raw.line_no)
         except _LineRejected:
             if utf8_error:
                 raise _LineRejected(utf8_error) from None
             raise
         if utf8_error:
-            if REPLACEMENT_CHARACTER in custom_id:
+            if custom_id is not None and REPLACEMENT_CHARACTER in custom_id:
                 custom_id = None  # a bad byte inside the id: it is not the id the line's writer meant
             raise _LineRejected(utf8_error)
         if custom_id in seen_ids:
@@ -207,7 +207,11 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
             given = "" if obj.get("custom_id") is not None else \
                 " (the id this line gets for having none: give it a custom_id)"
             raise _LineRejected(f"duplicate custom_id {_describe(custom_id)}{given}: an earlier line already uses it")
-        seen_ids.add(custom_id)
+        if custom_id is not None:
+            seen_ids.add(custom_id)
+        if repeated_key is not None:
+            raise _LineRejected(f"the key {_describe(repeated_key)} appears twice in one object of this line; JSON "
+                                "readers disagree on which value counts, so give it once")
         if _SURROGATE_ESCAPE.search(raw.data):
             _reject_unpaired_surrogates(obj, "")
         if openai_shape:
@@ -280,9 +284,20 @@ def _decode_utf8(data: bytes) -> tuple[str, str | None]:
         return data.decode("utf-8", "replace"), message
 
 
-def _decode_json_object(text: str) -> dict:
+def _decode_json_object(text: str) -> tuple[dict, str | None]:
+    """The line's object and the first key that an object of it repeats (None if none does): json.loads would keep
+    the last value without a word, and the first would be a field silently ignored."""
+    repeated: list[str] = []
+
+    def pairs_to_dict(pairs: list[tuple[str, Any]]) -> dict:
+        obj = dict(pairs)
+        if len(obj) != len(pairs) and not repeated:
+            seen: set[str] = set()
+            repeated.append(next(key for key, _ in pairs if key in seen or seen.add(key)))
+        return obj
+
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=pairs_to_dict)
     except json.JSONDecodeError as err:
         raise _LineRejected(
             f"malformed JSON at column {err.colno}: {err.msg} "
@@ -293,7 +308,7 @@ def _decode_json_object(text: str) -> dict:
         raise _LineRejected("unreadable JSON: a number on this line has too many digits") from None
     if not isinstance(obj, dict):
         raise _LineRejected(f"each line must be a JSON object, got {_json_type_name(obj)}")
-    return obj
+    return obj, repeated[0] if repeated else None
 
 
 def _is_openai_line(obj: dict) -> bool:

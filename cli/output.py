@@ -115,11 +115,25 @@ def reads_from(path: Path, descriptors) -> bool:
     return False
 
 
+STDOUT = Path("-")  # `-o -` and `--json-report -`: standard output, never a file named "-"
+
+
+def stdout_targets(output: Path | None, json_report: Path | None) -> Path | None:
+    """-o as the run takes it: `-o -` is standard output, as if -o were not given. `--json-report -` writes the
+    report on standard output, so the results must go to a file (OutputError otherwise: the two would mix)."""
+    output = None if output == STDOUT else output
+    if json_report == STDOUT and output is None:
+        raise OutputError("--json-report - would mix the report into the results on standard output: give -o "
+                          "FILE for the results, or --json-report FILE")
+    return output
+
+
 def check_targets(input_path: Path | None, output: Path | None, json_report: Path | None, *, resume: bool,
                   overwrite: bool, input_fd: int | None = None) -> None:
     """Every check on -o / --json-report that can be made before the model is loaded. `input_fd`: the opened
     input, which no target may lead to, nor to what is open on standard input (`-o /dev/stdin` with a file on
     stdin truncated the file before a line of it was read)."""
+    json_report = None if json_report == STDOUT else json_report
     named = [(p, opt) for p, opt in ((output, "-o"), (json_report, "--json-report")) if p is not None]
     inputs = [fd for fd in (input_fd, 0) if fd is not None]
     for path, option in named:
@@ -453,8 +467,13 @@ def _resume_from(run, output: Path, reporter) -> tuple[set[str], int]:
 
 
 def write_json_report(path: Path, report: dict, reporter) -> bool:
-    """The report as JSON at `path`; where it cannot be written, one line on stderr and False."""
+    """The report as JSON at `path` (STDOUT: on standard output); where it cannot be written, one line on stderr
+    and False."""
     try:
+        if path == STDOUT:
+            sys.stdout.write(json.dumps(report, indent=2) + "\n")
+            sys.stdout.flush()
+            return True
         path.write_text(json.dumps(report, indent=2) + "\n")
         return True
     except OSError as exc:

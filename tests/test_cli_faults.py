@@ -217,6 +217,26 @@ def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
     assert res.exit_code == 2 and "already holds results" in res.stderr
 
 
+def test_a_dash_for_output_or_report_is_standard_output_never_a_file_named_dash(model, tmp_path):
+    """`-o -` wrote the results into a file named "-" (stdout stayed empty); `--json-report -` wrote the report
+    there too, over the results."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "one", "max_tokens": 2},
+                                              {"custom_id": "b", "prompt": "two", "max_tokens": 2}])
+    base = ("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    p = run(*base, "-o", "-", cwd=tmp_path)
+    assert p.returncode == 0 and [r["custom_id"] for r in records(p.stdout)] == ["a", "b"], p.stderr
+    out = tmp_path / "out.jsonl"
+    p = run(*base, "-o", out, "--json-report", "-", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["requests"] == 2 and len(records(out.read_text())) == 2
+    for extra in (("--json-report", "-"), ("-o", "-", "--json-report", "-")):
+        p = run(*base, *extra, cwd=tmp_path)
+        assert p.returncode == 2 and p.stdout == "" and "would mix the report" in one_error_line(p.stderr)
+    p = run(*base, "-o", "-", "--resume", cwd=tmp_path)
+    assert p.returncode == 2 and "--resume needs -o FILE" in one_error_line(p.stderr)
+    assert not (tmp_path / "-").exists()
+
+
 def test_a_second_run_into_the_same_output_is_refused_while_the_first_writes(model, tmp_path):
     """Two runs into one -o would truncate each other and interleave their lines (a broken record, exit 0 for
     both); the file is claimed before the model loads, so the second run is refused (exit 2, one line) and the

@@ -107,6 +107,10 @@ def test_plain_messages_are_passed_through_for_the_chat_template():
     req = parse_ok({"messages": messages})
     assert req.messages == messages
     assert req.prompt_text is None and req.prompt_token_ids is None
+    # OpenAI leaves content out of an assistant turn that only calls tools (it was "content is missing")
+    calls_only = [messages[1], {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]
+    assert parse_ok({"messages": calls_only}).messages == calls_only
+    assert "messages[1].content is missing" in parse({"messages": [messages[1], {"role": "assistant"}]}).message
 
 
 def test_plain_token_ids():
@@ -377,6 +381,25 @@ def test_duplicate_custom_id_is_an_error_on_the_later_line():
     # the line gave no id: the message says the id is the one it got, and how to avoid the clash
     assert "for having none: give it a custom_id" in derived.message
     assert "for having none" not in duplicate.message
+
+
+@pytest.mark.parametrize("data, key, custom_id", [
+    (b'{"custom_id": "a", "prompt": "x", "max_tokens": 3, "max_tokens": 50}', "max_tokens", "a"),
+    (b'{"custom_id": "b", "prompt": "x", "prompt": "y"}', "prompt", "b"),
+    (b'{"custom_id": "c", "custom_id": "d", "prompt": "x"}', "custom_id", None),
+    (b'{"custom_id": "e", "prompt": "x", "metadata": {"k": 1, "k": 2}}', "k", "e"),
+    (b'{"custom_id": "f", "method": "POST", "url": "/v1/chat/completions", '
+     b'"body": {"messages": [{"role": "user", "content": "a", "content": "b"}]}}', "content", "f"),
+])
+def test_a_key_given_twice_in_one_object_is_an_error_not_a_value_silently_dropped(data, key, custom_id):
+    error = parse(data)  # json.loads keeps the last value: the first would be ignored without a word
+    assert isinstance(error, LineError), error
+    assert f'the key "{key}" appears twice' in error.message
+    assert error.custom_id == custom_id
+    assert isinstance(parse(b'{"prompt": "x", "metadata": {"k": {"k": 1}}}'), ParsedRequest)  # nesting is fine
+    seen = set()
+    assert isinstance(parse(b'{"custom_id": "g", "prompt": "x", "n": 1, "n": 1}', seen_ids=seen), LineError)
+    assert "duplicate custom_id" in parse(b'{"custom_id": "g", "prompt": "y"}', seen_ids=seen).message
 
 
 def test_a_custom_id_is_taken_even_when_its_line_has_another_error():

@@ -19,8 +19,8 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 def check_messages(value: Any, where: str = "messages") -> list[dict]:
     """`value` if it is a non-empty list of {role, content} messages; InvalidRequest naming `where` otherwise.
 
-    content is a string, a list of text parts ({"type": "text", "text": str}), or null on an assistant message
-    that carries tool_calls (OpenAI's format). Other keys of a message (name, tool_calls, tool_call_id,
+    content is a string, a list of text parts ({"type": "text", "text": str}), or null or left out on an assistant
+    message that carries tool_calls (OpenAI's format). Other keys of a message (name, tool_calls, tool_call_id,
     reasoning_content, ...) are the template's business and pass untouched.
     """
     if not isinstance(value, list):
@@ -90,13 +90,13 @@ def check_template_kwargs(value: Any, where: str = "chat_template_kwargs") -> di
 
 
 def _check_content(message: dict, where: str) -> None:
-    if "content" not in message:
-        raise InvalidRequest(f"{where} is missing")
-    content = message["content"]
+    content = message.get("content")
     if content is None:
-        # OpenAI writes assistant turns that only call tools with null content.
+        # OpenAI writes assistant turns that only call tools with null content, or with none at all.
         if message.get("tool_calls"):
             return
+        if "content" not in message:
+            raise InvalidRequest(f"{where} is missing")
         raise InvalidRequest(f"{where} is null (only an assistant message with tool_calls may have no content)")
     if isinstance(content, str):
         return
