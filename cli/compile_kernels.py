@@ -12,6 +12,7 @@ them), so the command needs the GPU the runs will use, or one of the same archit
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 import time
@@ -152,9 +153,11 @@ def _files(folder: Path) -> dict[str, int]:
         return sizes
     for path in entries:
         try:
-            sizes[path.name] = path.stat().st_size
+            info = path.stat()
         except OSError:  # removed meanwhile
-            pass
+            continue
+        if stat.S_ISREG(info.st_mode):  # not locks/
+            sizes[path.name] = info.st_size
     return sizes
 
 

@@ -90,3 +90,10 @@ def test_the_model_run_is_a_user_s_run_of_one_line(tmp_path):
                    model_run=compile_kernels.ModelRun(str(model), 2.5, 7))
     assert fine.ok and fine.lines()[-1] == f"ran {model} once in 2.5 s: 7 new files"
     assert json.loads(report_text(fine, as_json=True))["model_run"]["new_files"] == 7
+
+
+def test_the_new_files_counted_are_the_cache_s_files_not_its_lock_folder(tmp_path):
+    (tmp_path / "locks").mkdir()
+    (tmp_path / "abc.cubin").write_bytes(b"1234")
+    assert compile_kernels._files(tmp_path) == {"abc.cubin": 4}
+    assert compile_kernels._files(tmp_path / "missing") == {}
