@@ -5,21 +5,23 @@ build's stream waits on the device, the host does not).
 
 The ring is a few large page-locked buffers: pinning memory costs far more per byte than copying it, so the same
 buffers carry every chunk, and `prepare_ring` can make them on the thread that starts the device
-(kernels/device_start.py) while the process does other things. Device arrays come from the build's stream's
+(kernels/device_start.py) while the process does other things; where the driver's own bring-up pinned them already
+(kernels/driver_context.py, before CuPy was imported), it takes those. Device arrays come from the build's stream's
 pool, so what the build frees after converting or stacking a tensor serves its own later allocations.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
 import cupy
 import numpy as np
 
+from prefixrun.kernels import driver_context
 from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads
 
-RING_BUFFERS = 4
-BUFFER_BYTES = 64 << 20
+RING_BUFFERS, BUFFER_BYTES = driver_context.PINNED_RING
 WINDOW_BYTES = 16 << 30  # read ahead of the build at most (less where the device has less free): a model of
 # several GB is read whole while the build starts behind the reads (the engine's imports overlap them)
 _ring_lock = threading.Lock()
@@ -32,10 +34,22 @@ def read_threads() -> int:
 
 
 def prepare_ring(device: int) -> None:
-    """Make the pinned ring for `device` now, for the next reads on it to take."""
-    ring = _new_ring(device)
+    """Make the pinned ring for `device` now (or take the one the driver's bring-up pinned), for the next reads on
+    it to take."""
+    ring = _driver_ring(device) or _new_ring(device)
     with _ring_lock:
         _rings[device] = ring
+
+
+def _driver_ring(device: int) -> tuple | None:
+    """The ring kernels/driver_context.py pinned for `device`, its buffers as byte arrays over their host memory
+    (what np.frombuffer reads and a copy's host address comes from, as of CuPy's pinned memory); None where it made
+    none."""
+    made = driver_context.take_ring(device)
+    if made is None:
+        return None
+    (count, size), addresses = made
+    return (count, size), [(ctypes.c_uint8 * size).from_address(address) for address in addresses]
 
 
 def _new_ring(device: int) -> tuple:

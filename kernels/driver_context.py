@@ -13,6 +13,11 @@ context in a process that hands its GPUs to worker processes would take device m
 raises: no driver, no GPU or a driver error leaves the context to its usual place (kernels/device_start.py, then
 the backend), which reports any problem itself; `figures` says what happened. At exit, a bring-up still inside the
 driver is waited for (at most EXIT_WAIT_S): the driver's own exit handlers must not run beside a thread in cuInit.
+
+Once the context is up, the same thread pins the weights' read-ahead ring (kernels/cuda_weight_reads.py: a few large
+page-locked host buffers, `take_ring`): pinning a quarter of a GB takes the driver a tenth of a second or more, and
+the reads cannot start before their ring exists; made here, it costs the start nothing (no Python runs meanwhile),
+where made through CuPy it waited for CuPy's import first.
 """
 from __future__ import annotations
 
@@ -24,11 +29,15 @@ import time
 
 EXIT_WAIT_S = 10.0
 _LIBRARY = "libcuda.so.1"  # the driver's own library (Linux; elsewhere nothing is started)
+PINNED_RING = (4, 64 << 20)  # the read-ahead ring: buffers, bytes each (kernels/cuda_weight_reads.py takes it)
+_RING_WAIT_S = 5.0  # `take_ring` waits at most this long for a bring-up still pinning the ring
+_CU_MEMHOSTALLOC_PORTABLE = 0x01  # pinned for every context, as CuPy's pinned memory is
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _done = threading.Event()
 _figures: dict = {}  # seconds of each step, the error if any, `ready_at` (perf_counter) once the context is up
+_ring: dict = {}  # "ordinal", "shape" (PINNED_RING), "addresses": the pinned ring's host buffers, until taken
 
 
 def start(ordinal: int = 0) -> bool:
@@ -57,8 +66,24 @@ def wait(timeout: float | None = None) -> dict:
 
 def figures() -> dict:
     """What the bring-up did so far ({} when none was started): `init_seconds`, `context_seconds`, `seconds`,
-    `ready_at` (time.perf_counter() when the context was up), `error`."""
+    `ready_at` (time.perf_counter() when the context was up), `error`; `ring_seconds`, `ring_error` (the ring)."""
     return dict(_figures)
+
+
+def take_ring(ordinal: int) -> tuple[tuple[int, int], list[int]] | None:
+    """The pinned ring made for device `ordinal` (its (buffers, bytes each) and the buffers' host addresses), handed
+    out once; None where none was made (no bring-up here, another device, or the driver refused: then the caller
+    pins its own). Waits for a bring-up still under way, at most a few seconds. The buffers are never freed: like
+    CuPy's pinned pool, they are the process's for its life."""
+    with _lock:
+        started = _thread is not None
+    if started:
+        _done.wait(_RING_WAIT_S)
+    with _lock:
+        if not _done.is_set() or _ring.get("ordinal") != ordinal or not _ring.get("addresses"):
+            return None
+        ring = (_ring["shape"], _ring.pop("addresses"))
+    return ring
 
 
 class DriverError(Exception):
@@ -87,11 +112,35 @@ def _make(ordinal: int, load_library) -> None:
         _call(lib.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
         _figures["ready_at"] = now = time.perf_counter()
         _figures["context_seconds"] = round(now - t1, 4)
+        _pin_ring(lib, context, ordinal)
     except Exception as error:  # noqa: BLE001 - the runtime's own start reports it
         _figures["error"] = f"{type(error).__name__}: {error}"[:300]
     finally:
         _figures["seconds"] = round(time.perf_counter() - t0, 4)
         _done.set()
+
+
+def _pin_ring(lib, context, ordinal: int) -> None:
+    """The read-ahead's ring, pinned in `context` (made current on this thread only); a refusal is a figure, and
+    buffers pinned before it are kept by the driver (the process's anyway) but not handed out."""
+    t0 = time.perf_counter()
+    count, size = PINNED_RING
+    try:
+        _call(lib.cuCtxSetCurrent, "cuCtxSetCurrent", context)
+        addresses = []
+        for _ in range(count):
+            pointer = ctypes.c_void_p(0)
+            _call(lib.cuMemHostAlloc, "cuMemHostAlloc", ctypes.byref(pointer), ctypes.c_size_t(size),
+                  ctypes.c_uint(_CU_MEMHOSTALLOC_PORTABLE))
+            if not pointer.value:
+                raise DriverError("cuMemHostAlloc returned no buffer")
+            addresses.append(pointer.value)
+        with _lock:
+            _ring.update(ordinal=ordinal, shape=PINNED_RING, addresses=addresses)
+    except Exception as error:  # noqa: BLE001 - e.g. a driver without the entry point: the caller pins its own
+        _figures["ring_error"] = f"{type(error).__name__}: {error}"[:300]
+    finally:
+        _figures["ring_seconds"] = round(time.perf_counter() - t0, 4)
 
 
 def _call(function, name: str, *args) -> None:

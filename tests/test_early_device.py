@@ -60,6 +60,8 @@ class _FakeDriver:
         self.calls: list[str] = []
         self.devices, self.codes = devices, codes or {}
         self.on_thread: set[str] = set()
+        self.current = None  # the context made current on the calling thread
+        self.pinned: list[tuple[int, int, int]] = []  # (bytes, flags, current context) of each cuMemHostAlloc
 
     def __getattr__(self, name):
         def entry(*args):
@@ -69,6 +71,11 @@ class _FakeDriver:
                 args[0]._obj.value = self.devices
             if name == "cuDevicePrimaryCtxRetain":
                 args[0]._obj.value = 0x1234
+            if name == "cuCtxSetCurrent":
+                self.current = args[0].value
+            if name == "cuMemHostAlloc" and not self.codes.get(name):
+                self.pinned.append((args[1].value, args[2].value, self.current))
+                args[0]._obj.value = 0x10000 * len(self.pinned)
             return self.codes.get(name, 0)
         return entry
 
@@ -77,17 +84,47 @@ class _FakeDriver:
 def fresh_figures(monkeypatch):
     monkeypatch.setattr(driver_context, "_figures", {})
     monkeypatch.setattr(driver_context, "_done", threading.Event())
+    monkeypatch.setattr(driver_context, "_ring", {})
     return driver_context
 
 
 def test_the_context_is_the_primary_one_made_in_order(fresh_figures):
     lib = _FakeDriver()
     fresh_figures._make(0, lambda name: lib)
-    assert lib.calls == ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain"]
+    count, size = driver_context.PINNED_RING
+    assert lib.calls == ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                         "cuCtxSetCurrent"] + ["cuMemHostAlloc"] * count
+    figures = fresh_figures.figures()
+    assert "error" not in figures and "ring_error" not in figures and figures["ready_at"] > 0
+    assert figures["seconds"] >= figures["init_seconds"] >= 0 and figures["context_seconds"] >= 0
+    assert figures["ring_seconds"] >= 0
+    assert "cuDevicePrimaryCtxRelease" not in lib.calls  # held for the process's life
+    # the ring is pinned in the context just made, portable like CuPy's pinned memory
+    assert lib.pinned == [(size, 0x01, 0x1234)] * count
+
+
+def test_the_pinned_ring_is_handed_out_once_for_its_device(fresh_figures):
+    lib = _FakeDriver()
+    fresh_figures._make(0, lambda name: lib)
+    assert fresh_figures.take_ring(1) is None  # another device's reads pin their own
+    shape, addresses = fresh_figures.take_ring(0)
+    assert shape == driver_context.PINNED_RING and addresses == [0x10000 * (i + 1) for i in range(shape[0])]
+    assert fresh_figures.take_ring(0) is None  # one load's reads own it
+
+
+def test_no_ring_without_a_bring_up(fresh_figures, monkeypatch):
+    monkeypatch.setattr(driver_context, "_thread", None)
+    assert fresh_figures.take_ring(0) is None
+
+
+@pytest.mark.parametrize("codes", [{"cuMemHostAlloc": 2}, {"cuCtxSetCurrent": 201}])
+def test_a_refused_ring_leaves_the_context_up_and_hands_out_nothing(fresh_figures, codes):
+    """The driver refusing the pinned memory is a figure: the context stands, and the reads pin their own ring."""
+    lib = _FakeDriver(codes=codes)
+    fresh_figures._make(0, lambda name: lib)
     figures = fresh_figures.figures()
     assert "error" not in figures and figures["ready_at"] > 0
-    assert figures["seconds"] >= figures["init_seconds"] >= 0 and figures["context_seconds"] >= 0
-    assert "cuDevicePrimaryCtxRelease" not in lib.calls  # held for the process's life
+    assert "returned" in figures["ring_error"] and fresh_figures.take_ring(0) is None
 
 
 @pytest.mark.parametrize("lib, error", [

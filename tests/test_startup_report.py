@@ -74,15 +74,22 @@ def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
     assert all(ph.replace("_", " ") in line for ph in expected) and "weights read" in line
 
 
+# what a batch of token prompts without the cache never uses: a template engine (no chat to render), torch and
+# transformers (never), the persistent cache's store and index (--no-cache; their imports were a good part of the
+# start-up's Python, which runs beside the GPU's bring-up under one interpreter lock)
+UNUSED_BY_A_PLAIN_RUN = ("jinja2", "torch", "transformers", "prefixrun.engine.cache.store",
+                         "prefixrun.engine.cache.index", "sqlite3")
+
+
 def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path):
-    """The run imports what it uses: no jinja2 without a chat to render, never torch or transformers."""
+    """The run imports what it uses (UNUSED_BY_A_PLAIN_RUN)."""
     model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3)
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 2}) + "\n")
     probe = ("import sys\nfrom prefixrun.cli.app import app\n"
              f"try:\n    app(['batch', {str(src)!r}, '--model', {str(model)!r}, '--device', 'cpu', '--no-cache', '-q'],"
              " standalone_mode=False)\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('jinja2', 'torch', 'transformers') if m in sys.modules))")
+             f"print(sorted(m for m in {UNUSED_BY_A_PLAIN_RUN!r} if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]"
@@ -90,10 +97,13 @@ def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path)
 
 def test_checking_the_options_loads_no_cache_and_no_model_code():
     """batch's options are checked before any work; checking them (the cache policy among them) imports neither the
-    persistent cache nor the weights' dtypes, which the run imports when it uses them."""
+    persistent cache nor the weights' dtypes, which the run imports when it uses them. Nor does the cache folder's
+    name (a run without the cache keeps its memos there)."""
     probe = ("import sys\nfrom prefixrun.cli.app import batch_params, run_config\n"
-             "run_config(batch_params(['x.jsonl', '--cache-policy', 'always']))\n"
-             "print(sorted(m for m in ('prefixrun.engine.cache.persist', 'ml_dtypes') if m in sys.modules))")
-    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+             "print(run_config(batch_params(['x.jsonl', '--cache-policy', 'always'])).cache_root)\n"
+             "print(sorted(m for m in ('prefixrun.engine.cache.persist', 'prefixrun.engine.cache.store', 'ml_dtypes')"
+             " if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "PREFIXRUN_CACHE_DIR"}  # the default folder (XDG's here)
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "[]"
+    assert p.stdout.strip().splitlines()[-1] == "[]"

@@ -22,9 +22,6 @@ counted by reason, with an example in figures (the report's cache costs).
 """
 from __future__ import annotations
 
-from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
-
-
 
 class WritePolicy:
     """Mixed into PersistentCheckpoints (engine/cache/persist.py): what this run knows is on disk or declined, and
@@ -117,12 +114,15 @@ class WritePolicy:
     def _stored_base(self, key: tuple[int, ...]) -> int:
         """The length of the longest proper prefix of `key` known to be on disk or judged not worth it (this run's
         writes, restores and declines, then the index, which is read without opening any file)."""
+        # here, not at the module's import: the executor imports `keeps_prefix_point` on runs without a cache
+        from prefixrun.engine.cache.index import STORE_FAILURES
+
         best = self._judged_base(key)
         if self.key is None:
             return best  # a fresh folder whose key is being made: nothing of this model is indexed
         try:
             return max(best, self.store.indexed_prefix_length(self.key, key, len(key) - 1, best))
-        except _STORE_FAILURES:
+        except STORE_FAILURES:
             return best
 
 

@@ -257,9 +257,10 @@ class RunConfig:
         """The persistent cache's folder (checkpoints/, digests/): --cache-dir, else the default one."""
         if self.cache_dir is not None:
             return Path(self.cache_dir)
-        from prefixrun.engine.cache.store import default_cache_dir
+        # the folder's name alone: a run without the cache (which still keeps its memos there) loads no store
+        from prefixrun.kernels.cache_home import cache_home
 
-        return default_cache_dir()
+        return cache_home()
 
     @classmethod
     def from_command_line(cls, given: dict) -> RunConfig:
