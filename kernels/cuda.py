@@ -46,6 +46,8 @@ from prefixrun.kernels.tuning import CudaTuning, moe_gemm_stages
 
 _SAMPLE_THREADS = 1024  # SAMPLE_THREADS in kernels/sampling.cu
 _LOGITS_THREADS = 256  # LOGITS_THREADS in kernels/logits.cu
+# moe_grouped_linear's activations as moe_gemm_mma_kernel's epilogues (EPI in kernels/moe.cu)
+_MOE_EPILOGUES = {None: 0, "silu_mul": 1, "relu2": 2}
 _PREPARERS: list[threading.Thread] = []  # every prepare_kernels thread started (a capture waits for them)
 
 
@@ -300,10 +302,16 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
     def moe_permute(self, experts, num_experts):
         return moe_cuda.permute(experts, num_experts)
 
-    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None):
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None, activation=None):
         rows = token_of_row.shape[0] if token_of_row is not None else x.shape[0]
         stages = moe_gemm_stages(self.tuning, rows=rows, experts=weight.shape[0])
-        return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages)
+        if activation not in _MOE_EPILOGUES:
+            raise ValueError(f"moe_grouped_linear: no activation {activation!r} (silu_mul, relu2)")
+        epilogue = _MOE_EPILOGUES[activation]
+        if epilogue and moe_cuda.fuses(x, weight, bias, epilogue):  # the activation in the GEMM's epilogue
+            return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages, epilogue)
+        out = moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages)
+        return out if activation is None else getattr(self, activation)(out)
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0):
         return moe_cuda.combine(y, position, weights, shared, shared_gate, out_dtype=self._act, scale=scale)

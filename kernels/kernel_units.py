@@ -90,7 +90,9 @@ KERNEL_NAMES = {
     "ssd_tc": [f"ssd_tc_kernel<{n}, {b}>" for n in SSD_TC_STATES for b in SSD_TC_BLOCKS],
     "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_permute_small_kernel"]
-    + [f"moe_gemm_mma_kernel<bf16, {n}>" for n in MOE_GEMM_STAGES] + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
+    # EPI: none, SwiGLU, ReLU^2 (moe_grouped_linear's activations)
+    + [f"moe_gemm_mma_kernel<bf16, {n}, {epi}>" for n in MOE_GEMM_STAGES for epi in (0, 1, 2)]
+    + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
     + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in (0, 1, 2)]
     + [f"moe_bias_kernel<{t}>" for t in _T],
 }
@@ -117,7 +119,7 @@ PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", 
 # How many units each file compiles as (absent: one). The tensor-core and attention files hold the costliest
 # instantiations (an mma kernel's unrolled tiles); the element-wise ones are many but small.
 UNITS_PER_FILE = {"elementwise": 4, "conv": 2, "delta_rule": 4, "kda": 2, "delta_tc": 5, "kda_tc": 2, "attention": 8,
-                  "attention_q8": 6, "fp8": 2, "mamba": 2, "ssd_tc": 4, "moe": 3}
+                  "attention_q8": 6, "fp8": 2, "mamba": 2, "ssd_tc": 4, "moe": 4}
 
 
 @dataclass(frozen=True)

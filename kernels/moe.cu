@@ -173,10 +173,16 @@ moe_permute_small_kernel(const int* __restrict__ experts, int n, int k, int num_
 // how many tiles the experts' segments need; surplus blocks exit), y = column tiles. find_tile (common.cu) maps a
 // block to (expert, tile) from the device offsets.
 
+// The PTX helpers; the emulated-kernel tests compile this file for the CPU with TC_HOST_EMULATION defined and these
+// replaced by tests/cuda_emu.h's model of the warp.
+#ifndef TC_HOST_EMULATION
 __device__ __forceinline__ unsigned moe_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void moe_cp16(void* dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(moe_smem(dst)), "l"(src), "r"(bytes));
 }
+__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void moe_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 __device__ __forceinline__ void moe_ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(moe_smem(p)));
@@ -188,6 +194,18 @@ __device__ __forceinline__ void moe_mma(float (&c)[4], const unsigned (&a)[4], u
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#else
+inline void moe_cp16(void* dst, const void* src, int bytes) { emu_cp_async(dst, src, bytes); }
+inline void moe_cp_commit() { emu_cp_commit(); }
+template <int N>
+inline void moe_cp_wait() { emu_cp_wait(N); }
+inline void moe_ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    unsigned r[4];
+    emu_ldsm(r, p, false);
+    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+}
+inline void moe_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { tc_mma(c, a, b0, b1); }
+#endif
 
 // bf16 tensor-core path: 128 threads, tile 64 rows x 64 columns, K in steps of 32 through a cp.async pipeline of
 // STAGES buffers (STAGES steps in flight while one is awaited: a step of few rows per expert, as decode's, is bound
@@ -195,17 +213,32 @@ __device__ __forceinline__ void moe_mma(float (&c)[4], const unsigned (&a)[4], u
 // (2 x 4 mma tiles).
 // The K steps are summed in the same order at every STAGES: the same bits. Needs K % 8 == 0 (16-byte row chunks)
 // and 16-byte aligned rows.
+// EPI, the activation the next op would apply, to the products as stored (the same bits as that op after this one):
+// 0 none: out [N, out_dim]; 1 SwiGLU (silu_mul_kernel's numbers): weight rows [0, out_dim / 2) are the gates and
+// the rest their ups, a block's 64 columns 32 gates and their 32 ups (blockIdx.y: 32 output columns),
+// out [N, out_dim / 2] = silu(gate) * up; 2 ReLU^2 (relu2_kernel's): out [N, out_dim] = relu(p)^2.
+template <typename TO, int EPI>
+__device__ __forceinline__ TO moe_epilogue(float v) {  // EPI 0 and 2 of moe_gemm_mma_kernel, one product
+    if (EPI == 2) {
+        const float r = fmaxf(to_f(from_f<TO>(v)), 0.f);
+        return from_f<TO>(r * r);
+    }
+    return from_f<TO>(v);
+}
+
 #define MG_BM 64
 #define MG_BN 64
 #define MG_BK 32
 #define MG_LD (MG_BK + 8)  // padded smem row (80 bytes): ldmatrix rows fall in different banks
-template <typename TO, int STAGES>
+#define MG_GLU_LD (MG_BN + 8)  // EPI 1: the products as stored, [MG_BM][MG_GLU_LD] over the pipeline's A buffers
+template <typename TO, int STAGES, int EPI>
 __global__ void __launch_bounds__(128)
 moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ token_of_row,
                     const bf16* __restrict__ w, const int* __restrict__ offsets, int num_experts, int out_dim,
                     int in_dim, TO* __restrict__ out) {
-    __shared__ __align__(16) bf16 sa[STAGES][MG_BM * MG_LD];
-    __shared__ __align__(16) bf16 sb[STAGES][MG_BN * MG_LD];
+    static_assert(STAGES * MG_BM * MG_LD >= MG_BM * MG_GLU_LD, "EPI 1 stages its tile in the A buffers");
+    __align__(16) __shared__ bf16 sa[STAGES][MG_BM * MG_LD];
+    __align__(16) __shared__ bf16 sb[STAGES][MG_BN * MG_LD];
     __shared__ int s_tile[2];
     if (threadIdx.x < 32) {
         int e, tile;
@@ -217,7 +250,9 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
     if (e < 0) return;
     const int row0 = offsets[e] + s_tile[1] * MG_BM;
     const int rows = min(MG_BM, offsets[e + 1] - row0);
-    const int n0 = blockIdx.y * MG_BN;
+    constexpr int HALF = MG_BN / 2;
+    const int inner = EPI == 1 ? out_dim / 2 : out_dim;  // the output's columns
+    const int n0 = blockIdx.y * (EPI == 1 ? HALF : MG_BN);
     const bf16* we = w + (i64)e * out_dim * in_dim;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
@@ -231,8 +266,10 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
         a_ok[i] = r < rows;
         const i64 xr = a_ok[i] ? (token_of_row ? token_of_row[row0 + r] : row0 + r) : 0;
         a_src[i] = x + xr * xs + part * 8;
-        b_ok[i] = n0 + r < out_dim;
-        b_src[i] = we + (i64)(b_ok[i] ? n0 + r : 0) * in_dim + part * 8;
+        // EPI 1: tile rows 0-31 are gates n0 .., rows 32-63 their ups, inner + n0 ..
+        const int wr = EPI == 1 ? (r < HALF ? n0 + r : inner + n0 + r - HALF) : n0 + r;
+        b_ok[i] = EPI == 1 ? n0 + (r & (HALF - 1)) < inner : n0 + r < out_dim;
+        b_src[i] = we + (i64)(b_ok[i] ? wr : 0) * in_dim + part * 8;
     }
     auto load = [&](int buf, int k0) {
 #pragma unroll
@@ -242,7 +279,7 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
             moe_cp16(&sa[buf][r * MG_LD + part * 8], a_src[i] + (kin ? k0 : 0), a_ok[i] && kin ? 16 : 0);
             moe_cp16(&sb[buf][r * MG_LD + part * 8], b_src[i] + (kin ? k0 : 0), b_ok[i] && kin ? 16 : 0);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        moe_cp_commit();
     };
     float acc[2][4][4];
 #pragma unroll
@@ -258,13 +295,13 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         if (i < steps) load(i, i * MG_BK);
-        else asm volatile("cp.async.commit_group;\n" ::);
+        else moe_cp_commit();
     }
     for (int s = 0; s < steps; ++s) {
         const int buf = s % STAGES, next = s + STAGES - 1;
         if (next < steps) load(next % STAGES, next * MG_BK);  // the buffer step s - 1 read
-        else asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+        else moe_cp_commit();
+        moe_cp_wait<STAGES - 1>();
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < MG_BK; kk += 16) {
@@ -291,6 +328,29 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
         __syncthreads();  // every warp is done with this buffer before the next step's load refills it
     }
     // accumulator layout (m16n8): c0, c1 at (row lane / 4, cols 2 (lane % 4) + 0, 1); c2, c3 at row + 8
+    if (EPI == 1) {
+        // gates and ups sit in different warps: the products as stored go through shared memory (the A buffers,
+        // free since the last step's barrier), then each output is silu(gate) * up of its pair
+        bf16* tile = &sa[0][0];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = wm + m * 16 + (lane >> 2) + h * 8, c = wn + n * 8 + (lane & 3) * 2;
+                    tile[r * MG_GLU_LD + c] = from_f<bf16>(acc[m][n][2 * h]);
+                    tile[r * MG_GLU_LD + c + 1] = from_f<bf16>(acc[m][n][2 * h + 1]);
+                }
+        __syncthreads();
+        for (int i = tid; i < MG_BM * HALF; i += 128) {
+            const int r = i / HALF, j = i % HALF;
+            if (r < rows && n0 + j < inner)
+                out[(i64)(row0 + r) * inner + n0 + j] =
+                    from_f<TO>(silu_f(to_f(tile[r * MG_GLU_LD + j])) * to_f(tile[r * MG_GLU_LD + HALF + j]));
+        }
+        return;
+    }
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -301,8 +361,8 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
                 const int col = n0 + wn + n * 8 + (lane & 3) * 2;
                 if (r < rows) {
                     TO* o = out + (i64)(row0 + r) * out_dim;
-                    if (col < out_dim) o[col] = from_f<TO>(acc[m][n][2 * h]);
-                    if (col + 1 < out_dim) o[col + 1] = from_f<TO>(acc[m][n][2 * h + 1]);
+                    if (col < out_dim) o[col] = moe_epilogue<TO, EPI>(acc[m][n][2 * h]);
+                    if (col + 1 < out_dim) o[col + 1] = moe_epilogue<TO, EPI>(acc[m][n][2 * h + 1]);
                 }
             }
 }

@@ -86,11 +86,12 @@ def permute(experts, num_experts: int):
     return token_of_row, position, offsets
 
 
-def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int = 2):
+def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int = 2, epilogue: int = 0):
     """out[r] = x_r @ weight[e].T (+ bias[e]) over expert segments (see MoeReferenceOps.moe_grouped_linear). x [*, in],
     weight [E, out, in]; N = len(token_of_row) when given, else x's rows; bias fp32 [E, out], added by a second
     launch to the product as stored (bf16: rounded twice). Returns [N, out] in weight's dtype. `stages`: the
-    tensor-core kernel's cp.async buffers (MOE_GEMM_STAGES; the same bits at each)."""
+    tensor-core kernel's cp.async buffers (MOE_GEMM_STAGES; the same bits at each). `epilogue` (moe_gemm_mma_kernel's
+    EPI; callers check `fuses`): 1 silu(gate) * up of the products as stored, [N, out / 2]; 2 relu(p)^2, [N, out]."""
     e, out_dim, in_dim = weight.shape
     if x.ndim != 2 or x.shape[1] != in_dim:
         raise ValueError(f"moe_grouped_linear: x {x.shape} does not fit weight {weight.shape}")
@@ -102,16 +103,17 @@ def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int
     xs = x.strides[0] // x.itemsize if x.shape[0] > 1 else in_dim
     n = token_of_row.shape[0] if token_of_row is not None else x.shape[0]
     tor = device_index(token_of_row) if token_of_row is not None else None
-    out = cupy.empty((n, out_dim), weight.dtype)
+    if epilogue and not fuses(x, weight, bias, epilogue):
+        raise ValueError("moe_grouped_linear: this activation needs the tensor-core kernel and no bias")
+    cols = out_dim // 2 if epilogue == 1 else out_dim
+    out = cupy.empty((n, cols), weight.dtype)
     if n == 0 or out_dim == 0:
         return out
     offsets = device_index(offsets)
-    aligned = (weight.dtype == BF16 and in_dim % 8 == 0 and xs % 8 == 0 and x.data.ptr % 16 == 0
-               and weight.data.ptr % 16 == 0)
     null = np.uint64(0)
-    if aligned:
-        grid = (-(-n // _MMA_TILE_ROWS) + e, -(-out_dim // _MMA_TILE_COLS))
-        kernel("moe", f"moe_gemm_mma_kernel<bf16, {stages}>")(grid, (128,), (
+    if _mma_aligned(x, weight):
+        grid = (-(-n // _MMA_TILE_ROWS) + e, -(-cols // (_MMA_TILE_COLS // 2 if epilogue == 1 else _MMA_TILE_COLS)))
+        kernel("moe", f"moe_gemm_mma_kernel<bf16, {stages}, {epilogue}>")(grid, (128,), (
             x, i64(xs), tor if tor is not None else null, weight, offsets, i32(e), i32(out_dim), i32(in_dim), out))
     else:
         grid = (-(-n // _SIMT_TILE) + e, -(-out_dim // _SIMT_TILE))
@@ -124,6 +126,20 @@ def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int
         kernel("moe", f"moe_bias_kernel<{type_name(out.dtype)}>")((blocks_for(n * out_dim),), (256,), (
             out, i64(n), i32(out_dim), offsets, i32(e), bias))
     return out
+
+
+def _mma_aligned(x, weight) -> bool:
+    """Whether the tensor-core kernel takes these operands: bf16, K % 8 == 0, 16-byte aligned rows."""
+    in_dim = weight.shape[2]
+    xs = x.strides[0] // x.itemsize if x.shape[0] > 1 else in_dim
+    return (weight.dtype == BF16 and x.dtype == BF16 and in_dim % 8 == 0 and xs % 8 == 0 and x.data.ptr % 16 == 0
+            and weight.data.ptr % 16 == 0 and (x.shape[0] <= 1 or x.strides[1] == x.itemsize))
+
+
+def fuses(x, weight, bias, epilogue: int) -> bool:
+    """Whether grouped_linear applies `epilogue` itself: the tensor-core kernel, no bias (it would come after the
+    activation), an even width for SwiGLU's gate and up halves."""
+    return bias is None and _mma_aligned(x, weight) and (epilogue != 1 or weight.shape[1] % 2 == 0)
 
 
 def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None, scale=1.0):

@@ -60,11 +60,12 @@ class MoeReferenceOps:
         np.cumsum(np.bincount(flat, minlength=num_experts), out=offsets[1:])
         return (order // k).astype(np.int32), position.astype(np.int32), offsets.astype(np.int32)
 
-    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None):
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None, activation=None):
         """One projection for every expert over expert-sorted rows: out[r] = x_r @ weight[e].T for offsets[e] <= r <
         offsets[e+1]; x_r = x[token_of_row[r]] when token_of_row is given (the first projection gathers the
         token rows), else x[r]. weight [E, out, in] as transformers fuses experts; `bias` fp32 [E, out] (gpt-oss):
-        added to the fp32 product before its rounding. Returns [N, out]."""
+        added to the fp32 product before its rounding. Returns [N, out]; `activation` ("silu_mul" or "relu2"): that
+        op applied to it."""
         n = int(offsets[-1])
         out = np.zeros((n, weight.shape[1]), self.act_dtype)
         for e in range(weight.shape[0]):
@@ -73,7 +74,9 @@ class MoeReferenceOps:
                 rows = x[token_of_row[a:b]] if token_of_row is not None else x[a:b]  # [n_e, in]
                 out[a:b] = self._product(rows, weight[e]) + (0.0 if bias is None else
                                                              np.asarray(bias[e], np.float32))
-        return out
+        if activation not in (None, "silu_mul", "relu2"):
+            raise ValueError(f"moe_grouped_linear: no activation {activation!r} (silu_mul, relu2)")
+        return out if activation is None else getattr(self, activation)(out)
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0):
         """Each token's k expert rows, weighted: out[t] = sum_j weights[t, j] * y[position[t * k + j]] (j ascending),

@@ -286,10 +286,11 @@ class Ops(Protocol):
         """experts [T, k] int32 -> (token_of_row [N], position [N] = row of slot t*k+j, offsets [E+1]) int32:
         expert e's rows are offsets[e]..offsets[e+1]; within an expert any order."""
 
-    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None) -> Array:
+    def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None, activation=None) -> Array:
         """Every expert's projection in one call: out[r] = x_r @ weight[e].T (+ bias[e], fp32 [E, out]) for the rows
         r of expert e; weight [E, out, in]; x_r = x[token_of_row[r]] if given, else x[r]. -> act [N, out] (fp32
-        accumulation)."""
+        accumulation). activation "silu_mul" or "relu2": the same numbers as that op on the result ([N, out / 2]
+        for silu_mul: the gate rows of weight first, then the up rows), which a backend may apply in the same pass."""
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0) -> Array:
         """out[t] = (sum_j weights[t, j] * y[position[t*k + j]] + sigmoid(shared_gate[t]) * shared[t]) * scale ->

@@ -80,7 +80,7 @@ SSD_TC_STATES = (64, 128)  # ssd_tc_kernel<NP, MINB> instantiations (kernels/ssd
 SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held to
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
-MOE_GEMM_STAGES = (2, 3, 4)  # moe_gemm_mma_kernel<bf16, STAGES> instantiations (kernels/moe.cu): cp.async buffers
+MOE_GEMM_STAGES = (2, 3, 4)  # moe_gemm_mma_kernel<bf16, STAGES, EPI> instantiations (kernels/moe.cu): cp.async buffers
 MOE_DECODE_STAGES = 3  # ... the one moe_gemm_stages "auto" gives decode-like steps (4: 91 registers, fewer blocks)
 SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 

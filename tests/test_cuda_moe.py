@@ -111,6 +111,29 @@ def test_grouped_linear_matches_reference(ops, ref, t, k, e, d_in, d_out, gather
                                       ops.to_host(got).view(np.uint16 if got.dtype.itemsize == 2 else np.uint32))
 
 
+@pytest.mark.parametrize("t,k,e,d_in,d_out", [(64, 6, 64, 1536, 1024), (300, 8, 64, 512, 384), (50, 3, 8, 40, 72)])
+@pytest.mark.parametrize("activation", ["silu_mul", "relu2"])
+def test_grouped_linear_activations_are_the_op_on_its_result(ops, ref, t, k, e, d_in, d_out, activation):
+    """moe_grouped_linear's activation (in the tensor-core kernel's epilogue for bf16, after the product otherwise)
+    gives the very bits of silu_mul / relu2 applied to the plain product, at every pipeline depth; and the
+    reference's numbers (granite's decode shape, a prefill-like step, a width of partial column tiles)."""
+    rng = np.random.default_rng(d_in + t + len(activation))
+    experts = skewed_experts(rng, t, k, e, unused=min(2, e - k))
+    tok, _, off = ops.moe_permute(ops.upload_index(experts), e)
+    x, x32 = as_stored(ops, rng.standard_normal((t, d_in)).astype(np.float32))
+    w, w32 = as_stored(ops, (rng.standard_normal((e, d_out, d_in)) / np.sqrt(d_in)).astype(np.float32))
+    plain = ops.moe_grouped_linear(x, w, off, tok)
+    want_bits = ops.to_host(getattr(ops, activation)(plain))
+    view = np.uint16 if want_bits.dtype.itemsize == 2 else np.uint32
+    for stages in MOE_GEMM_STAGES:
+        got = ops.retuned(moe_gemm_stages=stages).moe_grouped_linear(x, w, off, tok, activation=activation)
+        np.testing.assert_array_equal(ops.to_host(got).view(view), want_bits.view(view))
+    want = ref.moe_grouped_linear(x32, w32, ops.to_host(off), ops.to_host(tok), activation=activation)
+    assert rel(want_bits.astype(np.float32), want) <= TOL[ops.dtype_name]
+    with pytest.raises(ValueError, match="activation"):
+        ops.moe_grouped_linear(x, w, off, tok, activation="gelu")
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_combine_matches_reference(ops, ref, shared):
     rng = np.random.default_rng(5)

@@ -96,6 +96,21 @@ def test_combine_adds_an_ungated_shared_expert_and_scales_the_sum():
     assert not np.array_equal(got, ops.moe_combine(y, pos, w, shared=shared))
 
 
+def test_grouped_linear_activation_is_the_op_on_its_result():
+    """moe_grouped_linear's activation: the same numbers as silu_mul (gate rows, then up rows) or relu2 applied to
+    the plain product; an activation the contract does not name is refused."""
+    ops = NumpyOps()
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    w = rng.standard_normal((3, 10, 8)).astype(np.float32)
+    tok, _, off = ops.moe_permute(rng.integers(0, 3, (6, 2)).astype(np.int32), 3)
+    plain = ops.moe_grouped_linear(x, w, off, tok)
+    np.testing.assert_array_equal(ops.moe_grouped_linear(x, w, off, tok, activation="silu_mul"), ops.silu_mul(plain))
+    np.testing.assert_array_equal(ops.moe_grouped_linear(x, w, off, tok, activation="relu2"), ops.relu2(plain))
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        ops.moe_grouped_linear(x, w, off, tok, activation="gelu")
+
+
 # ---- models written by transformers -------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -81,3 +81,86 @@ def test_combine_kernel_matches_the_reference(emu, dtype, mode, t, k, d, blocks,
         np.testing.assert_allclose(got, want.astype(BF16).astype(np.float32), rtol=2 ** -7, atol=1e-5)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+GEMM_ENTRY = r"""
+template <int STAGES, int EPI>
+static void gemm(const bf16* x, i64 xs, const int* tor, const bf16* w, const int* offsets, int e, int out_dim,
+                 int in_dim, int n, bf16* out) {
+    // as kernels/moe_cuda.py grouped_linear launches it: row tiles of 64 plus one per expert, column tiles of 64
+    // (SwiGLU: 32 output columns, each block its gates and their ups)
+    const int cols = EPI == 1 ? out_dim / 2 : out_dim, per = EPI == 1 ? 32 : 64;
+    emu_launch({unsigned((n + 63) / 64 + e), unsigned((cols + per - 1) / per), 1}, 128, 0, [&] {
+        moe_gemm_mma_kernel<bf16, STAGES, EPI>(x, xs, tor, w, offsets, e, out_dim, in_dim, out);
+    });
+}
+extern "C" int emu_gemm(int stages, int epi, const void* x, i64 xs, const int* tor, const void* w,
+                        const int* offsets, int e, int out_dim, int in_dim, int n, void* out) {
+#define EMU_GEMM(S) if (epi == 0) gemm<S, 0>((const bf16*)x, xs, tor, (const bf16*)w, offsets, e, out_dim, in_dim, n, \
+        (bf16*)out); else if (epi == 1) gemm<S, 1>((const bf16*)x, xs, tor, (const bf16*)w, offsets, e, out_dim,       \
+        in_dim, n, (bf16*)out); else gemm<S, 2>((const bf16*)x, xs, tor, (const bf16*)w, offsets, e, out_dim, in_dim,   \
+        n, (bf16*)out);
+    if (stages == 2) { EMU_GEMM(2) } else if (stages == 3) { EMU_GEMM(3) } else { EMU_GEMM(4) }
+    return 0;
+}
+// silu_mul_kernel's and relu2_kernel's numbers (kernels/elementwise.cu SiluAct, kernels/mamba.cu relu2_kernel) on
+// stored products h [n, cols]
+extern "C" void emu_activation(int epi, const void* hv, int n, int cols, void* outv) {
+    const bf16* h = (const bf16*)hv;
+    bf16* out = (bf16*)outv;
+    for (int r = 0; r < n; ++r) {
+        if (epi == 1) {
+            for (int j = 0; j < cols / 2; ++j)
+                out[r * (cols / 2) + j] = from_f<bf16>(silu_f(to_f(h[r * cols + j])) * to_f(h[r * cols + cols / 2 + j]));
+        } else {
+            for (int j = 0; j < cols; ++j) {
+                const float v = fmaxf(to_f(h[r * cols + j]), 0.f);
+                out[r * cols + j] = from_f<bf16>(v * v);
+            }
+        }
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def gemm_emu(tmp_path_factory):
+    moe = (ROOT / "kernels" / "moe.cu").read_text()
+    part = moe[moe.index("// The PTX helpers"):moe.index("// Any dtype, any K")]
+    return compile_emulated(tmp_path_factory, "moe_gemm_emu", "#define TC_HOST_EMULATION\n#include \"cuda_emu.h\"\n"
+                            + emulator_common() + "\n" + part + GEMM_ENTRY)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("sizes,out_dim,in_dim", [([5, 0, 70], 80, 48), ([1, 2, 3, 1], 64, 32)])
+def test_gemm_activations_are_the_next_op_on_the_stored_products(gemm_emu, stages, sizes, out_dim, in_dim):
+    """moe_gemm_mma_kernel's epilogues: SwiGLU (gates then ups, a partial last column block) and ReLU^2 give the
+    same bits as silu_mul / relu2 on the plain kernel's stored products, at every pipeline depth; the plain products
+    against the fp32 product of the bf16 operands (an expert past one 64-row tile, an expert without rows, a
+    partial last K step, gathered rows of a wider x)."""
+    rng = np.random.default_rng(sum(sizes) + out_dim + stages)
+    e, t, n = len(sizes), 30, sum(sizes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    tor = rng.integers(0, t, n).astype(np.int32)
+    xs, x = _stored(rng.standard_normal((t, in_dim + 8)), BF16)  # rows of a wider array: stride in_dim + 8
+    ws, w = _stored(rng.standard_normal((e, out_dim, in_dim)) / np.sqrt(in_dim), BF16)
+
+    def run(epi):
+        cols = out_dim // 2 if epi == 1 else out_dim
+
+        def emulate():
+            out, ok = _guarded((n, cols), np.uint16)
+            rc = gemm_emu.emu_gemm(stages, epi, _ptr(xs), ctypes.c_longlong(in_dim + 8), _ptr(tor), _ptr(ws),
+                                   _ptr(offsets), e, out_dim, in_dim, n, _ptr(out))
+            assert rc == 0 and ok(), "the kernel wrote past its output"
+            return out.copy()
+
+        return _forked(emulate)
+
+    plain = run(0)
+    want = np.concatenate([x[tor[offsets[j]:offsets[j + 1]], :in_dim] @ w[j].T for j in range(e)])
+    np.testing.assert_allclose(plain.view(BF16).astype(np.float32), want, rtol=2 ** -7, atol=1e-5)
+    for epi, cols in ((1, out_dim // 2), (2, out_dim)):
+        expected = np.zeros((n, cols), np.uint16)
+        gemm_emu.emu_activation(epi, _ptr(plain), n, out_dim, _ptr(expected))
+        np.testing.assert_array_equal(run(epi), expected)

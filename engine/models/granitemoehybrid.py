@@ -53,8 +53,8 @@ class GraniteMoe:
         # softmax over the top k logits = the top k of the softmax renormalised (moe_route's normalize)
         weights, experts = ops.moe_route(ops.logits(x, self.router), self.top_k, True)  # [T, k] each
         token_of_row, position, offsets = ops.moe_permute(experts, self.num_experts)
-        h = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row)  # [T*k, 2I] expert-sorted rows
-        y = ops.moe_grouped_linear(ops.silu_mul(h), self.down, offsets)  # [T*k, D]
+        h = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row, activation="silu_mul")  # [T*k, I] sorted
+        y = ops.moe_grouped_linear(h, self.down, offsets)  # [T*k, D]
         return ops.moe_combine(y, position, weights, shared=self.shared(ops, x), scale=scale)
 
 

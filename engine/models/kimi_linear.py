@@ -189,8 +189,8 @@ class KimiMoe:
         weights, experts = ops.moe_route_sigmoid(ops.logits(x, self.router), self.score_bias, self.top_k,
                                                  self.normalize, self.scale)  # [T, k] each
         token_of_row, position, offsets = ops.moe_permute(experts, self.num_experts)
-        y = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row)  # [T*k, 2I] expert-sorted rows
-        y = ops.moe_combine(ops.moe_grouped_linear(ops.silu_mul(y), self.down, offsets), position, weights)
+        y = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row, activation="silu_mul")  # [T*k, I] sorted
+        y = ops.moe_combine(ops.moe_grouped_linear(y, self.down, offsets), position, weights)
         return y if self.shared is None else ops.add(y, self.shared(ops, x))
 
 

@@ -52,8 +52,8 @@ class SparseMoeBlock:
         logits = ops.logits(x, self.router)  # fp32 [T, E (+1)]
         weights, experts = ops.moe_route(logits[:, :e], k, self.normalize)  # [T, k] fp32, [T, k] int32
         token_of_row, position, offsets = ops.moe_permute(experts, e)  # [T*k], [T*k], [E+1]
-        h = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row)  # [T*k, 2I] expert-sorted rows
-        y = ops.moe_grouped_linear(ops.silu_mul(h), self.down, offsets)  # [T*k, D]
+        h = ops.moe_grouped_linear(x, self.gate_up, offsets, token_of_row, activation="silu_mul")  # [T*k, I] sorted
+        y = ops.moe_grouped_linear(h, self.down, offsets)  # [T*k, D]
         shared = shared_gate = None
         if self.shared_gate_up is not None:
             shared = ops.linear(ops.silu_mul(ops.linear(x, self.shared_gate_up)), self.shared_down)  # [T, D]

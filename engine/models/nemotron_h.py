@@ -69,8 +69,8 @@ class Relu2Moe:
                                                  m.scale)  # [T, k] each
         h = self.fc1(ops, x) if self.fc1 is not None else x
         token_of_row, position, offsets = ops.moe_permute(experts, m.num_experts)
-        y = ops.moe_grouped_linear(h, self.up, offsets, token_of_row)  # [T*k, I] expert-sorted rows
-        y = ops.moe_grouped_linear(ops.relu2(y), self.down, offsets)
+        y = ops.moe_grouped_linear(h, self.up, offsets, token_of_row, activation="relu2")  # [T*k, I] sorted rows
+        y = ops.moe_grouped_linear(y, self.down, offsets)
         shared = self.shared(ops, x, batch, state)  # [T, D]
         if self.fc2 is None:  # the shared expert's output added as the experts' are combined
             return ops.moe_combine(y, position, weights, shared=shared)
