@@ -111,6 +111,34 @@ def test_streamed_write_is_safetensors_with_the_digest_of_its_bytes(tmp_path):
             blob_format.write_file(handle, {"t": np.zeros((4, 4), np.float32)[:, ::2]}, {})
 
 
+@pytest.mark.parametrize("most", [1, 7, 48, 1 << 30])
+def test_a_file_is_written_in_one_writev_and_whole_through_short_writes(tmp_path, monkeypatch, most):
+    """The header and every tensor go to the file in one writev (a writing thread takes the interpreter's lock back
+    once a file, not once a tensor); a write of fewer bytes continues where it stopped, inside a piece or at its
+    edge, and the file is the same."""
+    from prefixrun.engine.cache import blob_format
+    rng = np.random.default_rng(2)
+    case = {"a": rng.standard_normal((5, 9), dtype=np.float32), "b": np.arange(11, dtype=np.uint16),
+            "c": np.zeros((0, 3), np.float32), "d": rng.integers(0, 255, 37, dtype=np.uint8)}
+    with open(tmp_path / "plain.safetensors", "wb") as handle:
+        blob_format.write_file(handle, case, {"k": "v"})
+    real, calls = blob_format.os.writev, []
+
+    def short_writev(descriptor, buffers):
+        calls.append(len(buffers))
+        joined = b"".join(bytes(b) for b in buffers)[:most]
+        return real(descriptor, [joined])
+
+    monkeypatch.setattr(blob_format.os, "writev", short_writev)
+    path = tmp_path / "short.safetensors"
+    with open(path, "wb") as handle:
+        size, digest = blob_format.write_file(handle, case, {"k": "v"})
+    assert path.read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    assert size == path.stat().st_size and digest == tree_digest(path.read_bytes())
+    assert calls[0] == 4  # the header, a, b, d: the empty tensor is no piece
+    assert len(calls) == (1 if most >= size else -(-size // most))
+
+
 def test_read_into_places_fills_them_with_the_files_tensors_and_checks_the_fit(tmp_path):
     from prefixrun.engine.cache import blob_format
     case = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.uint16)}

@@ -523,7 +523,7 @@ def test_inspect_cache_survives_last_used_times_no_calendar_holds(populated, tmp
 
 
 FULL_DISK_WRAPPER = r"""
-import errno, sys
+import errno, os, sys
 from contextlib import contextmanager
 from pathlib import Path
 from prefixrun.engine.cache import files
@@ -539,8 +539,17 @@ class FillsUp:
     def __getattr__(self, name):
         return getattr(self.handle, name)
 
-real_create = files.CacheFolder.create
+real_create, real_writev = files.CacheFolder.create, os.writev
 failing = {"kv_blocks": [0, errno.ENOSPC, 3], "blobs": [0, errno.EDQUOT, 3]}  # every third block, every third blob
+filling = {}  # descriptor -> the error its disk fills up with (the files' writes go through os.writev too)
+
+def writev(descriptor, buffers):
+    code = filling.get(descriptor)
+    if code is None:
+        return real_writev(descriptor, buffers)
+    data = b"".join(bytes(b) for b in buffers)
+    os.write(descriptor, data[:len(data) // 2])
+    raise OSError(code, errno.errorcode[code])
 
 @contextmanager
 def create(self, path, **kwargs):  # every file the store creates (its temp files) is created here
@@ -548,9 +557,17 @@ def create(self, path, **kwargs):  # every file the store creates (its temp file
         kind = failing.get(Path(path).parts[-3])
         if kind is not None:
             kind[0] += 1
-        yield FillsUp(handle, kind[1]) if kind is not None and kind[0] % kind[2] == 0 else handle
+        if kind is None or kind[0] % kind[2] != 0:
+            yield handle
+            return
+        filling[handle.fileno()] = kind[1]
+        try:
+            yield FillsUp(handle, kind[1])
+        finally:
+            filling.pop(handle.fileno(), None)
 
 files.CacheFolder.create = create
+os.writev = writev
 from prefixrun.cli.app import main
 sys.argv = ["prefixrun"] + sys.argv[1:]
 main()

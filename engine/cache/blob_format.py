@@ -32,8 +32,8 @@ import safetensors.numpy
 from prefixrun.engine.run.background import yield_cpu
 
 CHUNK_BYTES = 8 << 20
-_INLINE_TAIL_BYTES = 64 << 10
-_MAX_IOVECS = 1024  # IOV_MAX on Linux: one preadv takes at most this many buffers  # past one chunk, a tail this small is hashed on the caller's thread too
+_INLINE_TAIL_BYTES = 64 << 10  # past one chunk, a tail this small is hashed on the caller's thread too
+_MAX_IOVECS = 1024  # IOV_MAX on Linux: one preadv or writev takes at most this many buffers
 TREE_LABEL = b"prefixrun-tree-sha256-v1\0"
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 32  # a tensor of more dimensions is no tensor this cache writes
@@ -136,8 +136,8 @@ def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
     pieces.insert(0, memoryview(len(text).to_bytes(8, "little") + text))
     size = sum(len(p) for p in pieces)
-    for piece in pieces:
-        file.write(piece)  # large writes go straight to the file, the GIL released meanwhile
+    file.flush()
+    _write_pieces(file.fileno(), pieces)
     return size, tree_of(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
 
 
@@ -202,6 +202,22 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
     if os.pread(descriptor, 1, size):
         raise BlobFormatError(f"file longer than its recorded {size} bytes")
     return buffer, tree_of(digests, size)
+
+
+def _write_pieces(descriptor: int, pieces: list[memoryview]):
+    """Write `pieces` in order at the file's position: one writev over all of them (a K/V block's header and 16
+    tensors in one system call, so a writing thread gives up and takes back the interpreter's lock once, not once
+    per tensor: beside the engine's thread each take-back waits), continued after a short write."""
+    pending = [piece for piece in pieces if len(piece)]
+    while pending:
+        n = os.writev(descriptor, pending[:_MAX_IOVECS])
+        if n <= 0:
+            raise OSError("a write wrote nothing")
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
 
 
 def _read_pieces(descriptor: int, pieces: list[memoryview], offset: int, size: int):
