@@ -50,7 +50,7 @@ class Tokenizer:
         self._special_tokens = dict(special_tokens)
         self._chat_templates = dict(chat_templates)
         self._template_source = template_source
-        self._compiled_templates: dict = {}  # name -> compiled jinja2 Template (engine/load/chat_template.py)
+        self._compiled_templates: dict = {}  # name -> engine/load/chat_template.py ChatTemplate
         # name -> why it does not compile: a broken template is compiled once, not once per chat line
         self._template_errors: dict[str, str] = {}
 
@@ -193,8 +193,8 @@ class Tokenizer:
         variables = {**self._special_tokens, **extra}
         variables.setdefault("documents", None)
         try:
-            rendered = template.render(messages=messages, tools=tools,
-                                       add_generation_prompt=add_generation_prompt, **variables)
+            rendered = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                       **variables)
         except InvalidRequest:
             raise
         except chat_template.RENDER_ERRORS as exc:
