@@ -42,7 +42,7 @@ from prefixrun.kernels.step_io import StepCopies
 from prefixrun.kernels.upload import upload_ahead, upload_bytes, upload_bytes_many
 from prefixrun.kernels.kv_storage import region_dtype
 from prefixrun.kernels.sampling import pack_sampling_params
-from prefixrun.kernels.tuning import CudaTuning, moe_gemm_stages
+from prefixrun.kernels.tuning import CudaTuning, moe_gemm_rows, moe_gemm_stages
 
 _SAMPLE_THREADS = 1024  # SAMPLE_THREADS in kernels/sampling.cu
 _LOGITS_THREADS = 256  # LOGITS_THREADS in kernels/logits.cu
@@ -305,12 +305,13 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
     def moe_grouped_linear(self, x, weight, offsets, token_of_row=None, bias=None, activation=None):
         rows = token_of_row.shape[0] if token_of_row is not None else x.shape[0]
         stages = moe_gemm_stages(self.tuning, rows=rows, experts=weight.shape[0])
+        tile_rows = moe_gemm_rows(self.tuning, rows=rows, experts=weight.shape[0])
         if activation not in _MOE_EPILOGUES:
             raise ValueError(f"moe_grouped_linear: no activation {activation!r} (silu_mul, relu2)")
         epilogue = _MOE_EPILOGUES[activation]
         if epilogue and moe_cuda.fuses(x, weight, bias, epilogue):  # the activation in the GEMM's epilogue
-            return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages, epilogue)
-        out = moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages)
+            return moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages, epilogue, tile_rows)
+        out = moe_cuda.grouped_linear(x, weight, offsets, token_of_row, bias, stages, tile_rows=tile_rows)
         return out if activation is None else getattr(self, activation)(out)
 
     def moe_combine(self, y, position, weights, shared=None, shared_gate=None, scale=1.0):

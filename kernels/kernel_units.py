@@ -16,7 +16,7 @@ from pathlib import Path
 from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES
 from prefixrun.kernels.kda_tuning import KDA_TC_WARPS
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
-    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
+    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_ROWS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
     SSD_TC_STATES, attn_tile_keys
 
 _KERNEL_DIR = Path(__file__).parent
@@ -91,7 +91,8 @@ KERNEL_NAMES = {
     "moe": ["moe_route_kernel", "moe_route_sigmoid_kernel", "moe_count_kernel", "moe_offsets_kernel", "moe_scatter_kernel",
             "moe_permute_small_kernel"]
     # EPI: none, SwiGLU, ReLU^2 (moe_grouped_linear's activations)
-    + [f"moe_gemm_mma_kernel<bf16, {n}, {epi}>" for n in MOE_GEMM_STAGES for epi in (0, 1, 2)]
+    + [f"moe_gemm_mma_kernel<bf16, {n}, {epi}, {bm}>" for n in MOE_GEMM_STAGES for epi in (0, 1, 2)
+       for bm in MOE_GEMM_ROWS]
     + [f"moe_gemm_simt_kernel<{t}>" for t in _T]
     + [f"moe_combine_kernel<{t}, {s}>" for t in _T for s in (0, 1, 2)]
     + [f"moe_bias_kernel<{t}>" for t in _T],

@@ -207,11 +207,12 @@ inline void moe_ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, 
 inline void moe_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { tc_mma(c, a, b0, b1); }
 #endif
 
-// bf16 tensor-core path: 128 threads, tile 64 rows x 64 columns, K in steps of 32 through a cp.async pipeline of
+// bf16 tensor-core path: 128 threads, tile BM rows x 64 columns, K in steps of 32 through a cp.async pipeline of
 // STAGES buffers (STAGES steps in flight while one is awaited: a step of few rows per expert, as decode's, is bound
-// by how many weight bytes are on their way); warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) .. +32
-// (2 x 4 mma tiles).
-// The K steps are summed in the same order at every STAGES: the same bits. Needs K % 8 == 0 (16-byte row chunks)
+// by how many weight bytes are on their way). BM 64: warp w computes rows 32 (w / 2) .. +32, columns 32 (w % 2) ..
+// +32 (2 x 4 mma tiles); BM 16 (decode: a few rows per expert, a quarter of the A tile and its shared memory, so
+// more blocks and weight bytes in flight per SM): warp w all 16 rows, columns 16 w .. +16 (1 x 2 mma tiles).
+// Each output is the same sum over the same K order at every STAGES and BM: the same bits. Needs K % 8 == 0 (16-byte row chunks)
 // and 16-byte aligned rows.
 // EPI, the activation the next op would apply, to the products as stored (the same bits as that op after this one):
 // 0 none: out [N, out_dim]; 1 SwiGLU (silu_mul_kernel's numbers): weight rows [0, out_dim / 2) are the gates and
@@ -226,37 +227,39 @@ __device__ __forceinline__ TO moe_epilogue(float v) {  // EPI 0 and 2 of moe_gem
     return from_f<TO>(v);
 }
 
-#define MG_BM 64
 #define MG_BN 64
 #define MG_BK 32
 #define MG_LD (MG_BK + 8)  // padded smem row (80 bytes): ldmatrix rows fall in different banks
-#define MG_GLU_LD (MG_BN + 8)  // EPI 1: the products as stored, [MG_BM][MG_GLU_LD] over the pipeline's A buffers
-template <typename TO, int STAGES, int EPI>
+#define MG_GLU_LD (MG_BN + 8)  // EPI 1: the products as stored, [BM][MG_GLU_LD] over the pipeline's A buffers
+template <typename TO, int STAGES, int EPI, int BM>
 __global__ void __launch_bounds__(128)
 moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ token_of_row,
                     const bf16* __restrict__ w, const int* __restrict__ offsets, int num_experts, int out_dim,
                     int in_dim, TO* __restrict__ out) {
-    static_assert(STAGES * MG_BM * MG_LD >= MG_BM * MG_GLU_LD, "EPI 1 stages its tile in the A buffers");
-    __align__(16) __shared__ bf16 sa[STAGES][MG_BM * MG_LD];
+    static_assert(BM == 64 || BM == 16, "the warp layouts are those of 64 and 16 rows");
+    static_assert(STAGES * BM * MG_LD >= BM * MG_GLU_LD, "EPI 1 stages its tile in the A buffers");
+    constexpr int MT = BM / 32 > 0 ? BM / 32 : 1, NT = BM == 64 ? 4 : 2;  // a warp's m16 and n8 mma tiles
+    __align__(16) __shared__ bf16 sa[STAGES][BM * MG_LD];
     __align__(16) __shared__ bf16 sb[STAGES][MG_BN * MG_LD];
     __shared__ int s_tile[2];
     if (threadIdx.x < 32) {
         int e, tile;
-        const bool ok = find_tile(offsets, num_experts, 1, MG_BM, blockIdx.x, e, tile);
+        const bool ok = find_tile(offsets, num_experts, 1, BM, blockIdx.x, e, tile);
         if (threadIdx.x == 0) { s_tile[0] = ok ? e : -1; s_tile[1] = tile; }
     }
     __syncthreads();
     const int e = s_tile[0];
     if (e < 0) return;
-    const int row0 = offsets[e] + s_tile[1] * MG_BM;
-    const int rows = min(MG_BM, offsets[e + 1] - row0);
+    const int row0 = offsets[e] + s_tile[1] * BM;
+    const int rows = min(BM, offsets[e + 1] - row0);
     constexpr int HALF = MG_BN / 2;
     const int inner = EPI == 1 ? out_dim / 2 : out_dim;  // the output's columns
     const int n0 = blockIdx.y * (EPI == 1 ? HALF : MG_BN);
     const bf16* we = w + (i64)e * out_dim * in_dim;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-    // each thread copies 2 chunks of 16 bytes of A and of B per K step: chunk c = tid + 128 i, row c / 4, part c % 4
+    // each thread copies 2 chunks of 16 bytes of B and (BM 64) of A per K step: chunk c = tid + 128 i, row c / 4,
+    // part c % 4; BM 16: A's 64 chunks are threads 0-63's first
     const bf16* a_src[2];
     const bf16* b_src[2];
     bool a_ok[2], b_ok[2];
@@ -276,19 +279,19 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
         for (int i = 0; i < 2; ++i) {
             const int c = tid + 128 * i, r = c >> 2, part = c & 3;
             const bool kin = k0 + part * 8 < in_dim;
-            moe_cp16(&sa[buf][r * MG_LD + part * 8], a_src[i] + (kin ? k0 : 0), a_ok[i] && kin ? 16 : 0);
+            if (r < BM) moe_cp16(&sa[buf][r * MG_LD + part * 8], a_src[i] + (kin ? k0 : 0), a_ok[i] && kin ? 16 : 0);
             moe_cp16(&sb[buf][r * MG_LD + part * 8], b_src[i] + (kin ? k0 : 0), b_ok[i] && kin ? 16 : 0);
         }
         moe_cp_commit();
     };
-    float acc[2][4][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[m][n][q] = 0.f;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int wm = BM == 64 ? (warp >> 1) * 32 : 0, wn = BM == 64 ? (warp & 1) * 32 : warp * 16;
     const int steps = (in_dim + MG_BK - 1) / MG_BK;
     // one commit group per step, empty past the last: with step s + STAGES - 1 issued, waiting for all but the
     // newest STAGES - 1 groups means step s has arrived (STAGES 2: the double buffer, load ahead then wait)
@@ -305,21 +308,21 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < MG_BK; kk += 16) {
-            unsigned a[2][4];
+            unsigned a[MT][4];
 #pragma unroll
-            for (int m = 0; m < 2; ++m) {
+            for (int m = 0; m < MT; ++m) {
                 // x4: lanes 0-15 address rows 0-15 at column kk, lanes 16-31 the same rows at kk + 8
                 const int r = wm + m * 16 + (lane & 15), c = kk + (lane >> 4) * 8;
                 moe_ldsm_x4(a[m][0], a[m][1], a[m][2], a[m][3], &sa[buf][r * MG_LD + c]);
             }
 #pragma unroll
-            for (int n2 = 0; n2 < 2; ++n2) {
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
                 // x4 over 16 columns (n) x 16 k: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
                 const int r = wn + n2 * 16 + (lane & 7) + ((lane >> 4) << 3), c = kk + ((lane >> 3) & 1) * 8;
                 unsigned b0, b1, b2, b3;
                 moe_ldsm_x4(b0, b1, b2, b3, &sb[buf][r * MG_LD + c]);
 #pragma unroll
-                for (int m = 0; m < 2; ++m) {
+                for (int m = 0; m < MT; ++m) {
                     moe_mma(acc[m][2 * n2], a[m], b0, b1);
                     moe_mma(acc[m][2 * n2 + 1], a[m], b2, b3);
                 }
@@ -333,9 +336,9 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
         // free since the last step's barrier), then each output is silu(gate) * up of its pair
         bf16* tile = &sa[0][0];
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = wm + m * 16 + (lane >> 2) + h * 8, c = wn + n * 8 + (lane & 3) * 2;
@@ -343,7 +346,7 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
                     tile[r * MG_GLU_LD + c + 1] = from_f<bf16>(acc[m][n][2 * h + 1]);
                 }
         __syncthreads();
-        for (int i = tid; i < MG_BM * HALF; i += 128) {
+        for (int i = tid; i < BM * HALF; i += 128) {
             const int r = i / HALF, j = i % HALF;
             if (r < rows && n0 + j < inner)
                 out[(i64)(row0 + r) * inner + n0 + j] =
@@ -352,9 +355,9 @@ moe_gemm_mma_kernel(const bf16* __restrict__ x, i64 xs, const int* __restrict__ 
         return;
     }
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = wm + m * 16 + (lane >> 2) + h * 8;

@@ -17,7 +17,7 @@ from prefixrun.kernels.cuda_modules import kernel
 
 MAX_EXPERTS = 512  # moe_route_kernel keeps 16 logits per lane (MOE_PER_LANE in kernels/moe.cu)
 MAX_TOP_K = 32  # one chosen expert per lane
-_MMA_TILE_ROWS, _MMA_TILE_COLS, _SIMT_TILE = 64, 64, 16  # MG_BM, MG_BN and the SIMT tile in kernels/moe.cu
+_MMA_TILE_COLS, _SIMT_TILE = 64, 16  # MG_BN and the SIMT tile in kernels/moe.cu
 _SMALL_N = 4096  # MOE_SMALL_N in kernels/moe.cu: slots permuted by moe_permute_small_kernel
 
 
@@ -86,12 +86,14 @@ def permute(experts, num_experts: int):
     return token_of_row, position, offsets
 
 
-def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int = 2, epilogue: int = 0):
+def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int = 2, epilogue: int = 0,
+                   tile_rows: int = 64):
     """out[r] = x_r @ weight[e].T (+ bias[e]) over expert segments (see MoeReferenceOps.moe_grouped_linear). x [*, in],
     weight [E, out, in]; N = len(token_of_row) when given, else x's rows; bias fp32 [E, out], added by a second
     launch to the product as stored (bf16: rounded twice). Returns [N, out] in weight's dtype. `stages`: the
     tensor-core kernel's cp.async buffers (MOE_GEMM_STAGES; the same bits at each). `epilogue` (moe_gemm_mma_kernel's
-    EPI; callers check `fuses`): 1 silu(gate) * up of the products as stored, [N, out / 2]; 2 relu(p)^2, [N, out]."""
+    EPI; callers check `fuses`): 1 silu(gate) * up of the products as stored, [N, out / 2]; 2 relu(p)^2, [N, out].
+    `tile_rows`: its rows per tile (MOE_GEMM_ROWS; the same bits at each)."""
     e, out_dim, in_dim = weight.shape
     if x.ndim != 2 or x.shape[1] != in_dim:
         raise ValueError(f"moe_grouped_linear: x {x.shape} does not fit weight {weight.shape}")
@@ -112,8 +114,8 @@ def grouped_linear(x, weight, offsets, token_of_row=None, bias=None, stages: int
     offsets = device_index(offsets)
     null = np.uint64(0)
     if _mma_aligned(x, weight):
-        grid = (-(-n // _MMA_TILE_ROWS) + e, -(-cols // (_MMA_TILE_COLS // 2 if epilogue == 1 else _MMA_TILE_COLS)))
-        kernel("moe", f"moe_gemm_mma_kernel<bf16, {stages}, {epilogue}>")(grid, (128,), (
+        grid = (-(-n // tile_rows) + e, -(-cols // (_MMA_TILE_COLS // 2 if epilogue == 1 else _MMA_TILE_COLS)))
+        kernel("moe", f"moe_gemm_mma_kernel<bf16, {stages}, {epilogue}, {tile_rows}>")(grid, (128,), (
             x, i64(xs), tor if tor is not None else null, weight, offsets, i32(e), i32(out_dim), i32(in_dim), out))
     else:
         grid = (-(-n // _SIMT_TILE) + e, -(-out_dim // _SIMT_TILE))

@@ -82,6 +82,7 @@ SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
 MOE_GEMM_STAGES = (2, 3, 4)  # moe_gemm_mma_kernel<bf16, STAGES, EPI> instantiations (kernels/moe.cu): cp.async buffers
 MOE_DECODE_STAGES = 3  # ... the one moe_gemm_stages "auto" gives decode-like steps (4: 91 registers, fewer blocks)
+MOE_GEMM_ROWS = (64, 16)  # moe_gemm_mma_kernel's BM instantiations: rows per tile (16: decode's few rows an expert)
 SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 
 
@@ -169,6 +170,9 @@ class CudaTuning:
     # cp.async buffers of the MoE grouped GEMM (MOE_GEMM_STAGES; the same bits at each), or "auto": MOE_DECODE_STAGES
     # for steps whose experts average at most one 64-row tile (decode: bound by the weight bytes in flight), else 2
     moe_gemm_stages: int | str = "auto"
+    # rows per tile of the MoE grouped GEMM (MOE_GEMM_ROWS; the same bits at each), or "auto": 16 for steps whose
+    # experts average at most 16 rows, else 64; 64 until timed on the device
+    moe_gemm_rows: int | str = 64
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64
@@ -213,6 +217,8 @@ class CudaTuning:
             raise ValueError(f"gdn_tc_prep must be one of {GDN_TC_PREPS}")
         if self.moe_gemm_stages not in MOE_GEMM_STAGES + ("auto",):
             raise ValueError(f"moe_gemm_stages must be one of {MOE_GEMM_STAGES} or 'auto'")
+        if self.moe_gemm_rows not in MOE_GEMM_ROWS + ("auto",):
+            raise ValueError(f"moe_gemm_rows must be one of {MOE_GEMM_ROWS} or 'auto'")
         if self.ssd_tc_blocks not in SSD_TC_BLOCKS:
             raise ValueError(f"ssd_tc_blocks must be one of {SSD_TC_BLOCKS}")
         if self.gdn_decode_block not in (None,) + GDN_DECODE_BLOCKS:
@@ -388,6 +394,13 @@ def moe_gemm_stages(tuning: CudaTuning, *, rows: int, experts: int) -> int:
     if tuning.moe_gemm_stages != "auto":
         return tuning.moe_gemm_stages
     return MOE_DECODE_STAGES if rows <= 64 * experts else 2
+
+
+def moe_gemm_rows(tuning: CudaTuning, *, rows: int, experts: int) -> int:
+    """moe_gemm_mma_kernel's rows per tile (BM) for `rows` expert-sorted rows over `experts` experts."""
+    if tuning.moe_gemm_rows != "auto":
+        return tuning.moe_gemm_rows
+    return 16 if rows <= 16 * experts else 64
 
 
 def ssd_tc_launch(state_size: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ transformers' own bf16 error on the same weights (see test_tiny_moe_model_bf16_e
 """
 from __future__ import annotations
 
+import itertools
 import sys
 
 import ml_dtypes
@@ -23,7 +24,7 @@ cupy = pytest.importorskip("cupy")
 
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
-from prefixrun.kernels.tuning import MOE_GEMM_STAGES  # noqa: E402
+from prefixrun.kernels.tuning import MOE_GEMM_ROWS, MOE_GEMM_STAGES  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -105,8 +106,9 @@ def test_grouped_linear_matches_reference(ops, ref, t, k, e, d_in, d_out, gather
     want = ref.moe_grouped_linear(x32, w32, ops.to_host(off), ops.to_host(tok) if gather else None)
     assert got.shape == (n, d_out)
     assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
-    for stages in MOE_GEMM_STAGES:  # the tensor-core kernel's pipelines: the same bits
-        other = ops.retuned(moe_gemm_stages=stages).moe_grouped_linear(x, w, off, tok if gather else None)
+    for stages, tile_rows in itertools.product(MOE_GEMM_STAGES, MOE_GEMM_ROWS):  # pipelines, tiles: the same bits
+        other = ops.retuned(moe_gemm_stages=stages, moe_gemm_rows=tile_rows).moe_grouped_linear(
+            x, w, off, tok if gather else None)
         np.testing.assert_array_equal(ops.to_host(other).view(np.uint16 if other.dtype.itemsize == 2 else np.uint32),
                                       ops.to_host(got).view(np.uint16 if got.dtype.itemsize == 2 else np.uint32))
 
@@ -125,8 +127,9 @@ def test_grouped_linear_activations_are_the_op_on_its_result(ops, ref, t, k, e, 
     plain = ops.moe_grouped_linear(x, w, off, tok)
     want_bits = ops.to_host(getattr(ops, activation)(plain))
     view = np.uint16 if want_bits.dtype.itemsize == 2 else np.uint32
-    for stages in MOE_GEMM_STAGES:
-        got = ops.retuned(moe_gemm_stages=stages).moe_grouped_linear(x, w, off, tok, activation=activation)
+    for stages, tile_rows in itertools.product(MOE_GEMM_STAGES, MOE_GEMM_ROWS):
+        tuned = ops.retuned(moe_gemm_stages=stages, moe_gemm_rows=tile_rows)
+        got = tuned.moe_grouped_linear(x, w, off, tok, activation=activation)
         np.testing.assert_array_equal(ops.to_host(got).view(view), want_bits.view(view))
     want = ref.moe_grouped_linear(x32, w32, ops.to_host(off), ops.to_host(tok), activation=activation)
     assert rel(want_bits.astype(np.float32), want) <= TOL[ops.dtype_name]

@@ -84,22 +84,28 @@ def test_combine_kernel_matches_the_reference(emu, dtype, mode, t, k, d, blocks,
 
 
 GEMM_ENTRY = r"""
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int BM>
 static void gemm(const bf16* x, i64 xs, const int* tor, const bf16* w, const int* offsets, int e, int out_dim,
                  int in_dim, int n, bf16* out) {
-    // as kernels/moe_cuda.py grouped_linear launches it: row tiles of 64 plus one per expert, column tiles of 64
+    // as kernels/moe_cuda.py grouped_linear launches it: row tiles of BM plus one per expert, column tiles of 64
     // (SwiGLU: 32 output columns, each block its gates and their ups)
     const int cols = EPI == 1 ? out_dim / 2 : out_dim, per = EPI == 1 ? 32 : 64;
-    emu_launch({unsigned((n + 63) / 64 + e), unsigned((cols + per - 1) / per), 1}, 128, 0, [&] {
-        moe_gemm_mma_kernel<bf16, STAGES, EPI>(x, xs, tor, w, offsets, e, out_dim, in_dim, out);
+    emu_launch({unsigned((n + BM - 1) / BM + e), unsigned((cols + per - 1) / per), 1}, 128, 0, [&] {
+        moe_gemm_mma_kernel<bf16, STAGES, EPI, BM>(x, xs, tor, w, offsets, e, out_dim, in_dim, out);
     });
 }
-extern "C" int emu_gemm(int stages, int epi, const void* x, i64 xs, const int* tor, const void* w,
+template <int S, int BM>
+static void gemm_epi(int epi, const void* x, i64 xs, const int* tor, const void* w, const int* offsets, int e,
+                     int out_dim, int in_dim, int n, void* out) {
+    const bf16 *xb = (const bf16*)x, *wb = (const bf16*)w;
+    if (epi == 0) gemm<S, 0, BM>(xb, xs, tor, wb, offsets, e, out_dim, in_dim, n, (bf16*)out);
+    else if (epi == 1) gemm<S, 1, BM>(xb, xs, tor, wb, offsets, e, out_dim, in_dim, n, (bf16*)out);
+    else gemm<S, 2, BM>(xb, xs, tor, wb, offsets, e, out_dim, in_dim, n, (bf16*)out);
+}
+extern "C" int emu_gemm(int stages, int bm, int epi, const void* x, i64 xs, const int* tor, const void* w,
                         const int* offsets, int e, int out_dim, int in_dim, int n, void* out) {
-#define EMU_GEMM(S) if (epi == 0) gemm<S, 0>((const bf16*)x, xs, tor, (const bf16*)w, offsets, e, out_dim, in_dim, n, \
-        (bf16*)out); else if (epi == 1) gemm<S, 1>((const bf16*)x, xs, tor, (const bf16*)w, offsets, e, out_dim,       \
-        in_dim, n, (bf16*)out); else gemm<S, 2>((const bf16*)x, xs, tor, (const bf16*)w, offsets, e, out_dim, in_dim,   \
-        n, (bf16*)out);
+#define EMU_GEMM(S) if (bm == 16) gemm_epi<S, 16>(epi, x, xs, tor, w, offsets, e, out_dim, in_dim, n, out);             \
+    else gemm_epi<S, 64>(epi, x, xs, tor, w, offsets, e, out_dim, in_dim, n, out);
     if (stages == 2) { EMU_GEMM(2) } else if (stages == 3) { EMU_GEMM(3) } else { EMU_GEMM(4) }
     return 0;
 }
@@ -135,9 +141,10 @@ def gemm_emu(tmp_path_factory):
 @pytest.mark.parametrize("sizes,out_dim,in_dim", [([5, 0, 70], 80, 48), ([1, 2, 3, 1], 64, 32)])
 def test_gemm_activations_are_the_next_op_on_the_stored_products(gemm_emu, stages, sizes, out_dim, in_dim):
     """moe_gemm_mma_kernel's epilogues: SwiGLU (gates then ups, a partial last column block) and ReLU^2 give the
-    same bits as silu_mul / relu2 on the plain kernel's stored products, at every pipeline depth; the plain products
-    against the fp32 product of the bf16 operands (an expert past one 64-row tile, an expert without rows, a
-    partial last K step, gathered rows of a wider x)."""
+    same bits as silu_mul / relu2 on the plain kernel's stored products, at every pipeline depth and both tile
+    heights (16-row tiles: the bits of 64-row ones); the plain products against the fp32 product of the bf16
+    operands (an expert past one 64-row tile, an expert without rows, a partial last K step, gathered rows of a
+    wider x)."""
     rng = np.random.default_rng(sum(sizes) + out_dim + stages)
     e, t, n = len(sizes), 30, sum(sizes)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
@@ -145,12 +152,12 @@ def test_gemm_activations_are_the_next_op_on_the_stored_products(gemm_emu, stage
     xs, x = _stored(rng.standard_normal((t, in_dim + 8)), BF16)  # rows of a wider array: stride in_dim + 8
     ws, w = _stored(rng.standard_normal((e, out_dim, in_dim)) / np.sqrt(in_dim), BF16)
 
-    def run(epi):
+    def run(epi, bm=64):
         cols = out_dim // 2 if epi == 1 else out_dim
 
         def emulate():
             out, ok = _guarded((n, cols), np.uint16)
-            rc = gemm_emu.emu_gemm(stages, epi, _ptr(xs), ctypes.c_longlong(in_dim + 8), _ptr(tor), _ptr(ws),
+            rc = gemm_emu.emu_gemm(stages, bm, epi, _ptr(xs), ctypes.c_longlong(in_dim + 8), _ptr(tor), _ptr(ws),
                                    _ptr(offsets), e, out_dim, in_dim, n, _ptr(out))
             assert rc == 0 and ok(), "the kernel wrote past its output"
             return out.copy()
@@ -160,7 +167,9 @@ def test_gemm_activations_are_the_next_op_on_the_stored_products(gemm_emu, stage
     plain = run(0)
     want = np.concatenate([x[tor[offsets[j]:offsets[j + 1]], :in_dim] @ w[j].T for j in range(e)])
     np.testing.assert_allclose(plain.view(BF16).astype(np.float32), want, rtol=2 ** -7, atol=1e-5)
+    np.testing.assert_array_equal(run(0, bm=16), plain)
     for epi, cols in ((1, out_dim // 2), (2, out_dim)):
         expected = np.zeros((n, cols), np.uint16)
         gemm_emu.emu_activation(epi, _ptr(plain), n, out_dim, _ptr(expected))
         np.testing.assert_array_equal(run(epi), expected)
+        np.testing.assert_array_equal(run(epi, bm=16), expected)
