@@ -42,6 +42,18 @@ def test_a_models_folder_planted_as_a_link_builds_nothing_outside(tmp_path):
     assert list(outside.iterdir()) == []
 
 
+def test_a_cache_folder_that_is_a_file_is_one_line_naming_it(tmp_path):
+    """`--cache-dir FILE` without --model printed "[Errno 20] Not a directory: 'FILE'", naming no option."""
+    planted = tmp_path / "a file"
+    planted.write_text("x")
+    with pytest.raises(ModelLoadError, match=r"cache folder .*a file cannot hold the default model .*--cache-dir"):
+        ensure_default_model(planted)
+    p = subprocess.run([sys.executable, "-m", "prefixrun.cli.app", "batch", "-", "--cache-dir", str(planted)],
+                       input='{"prompt": "x"}\n', capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stdout == "" and planted.read_text() == "x"
+    assert "\nerror: the cache folder " in p.stderr and "Errno" not in p.stderr, p.stderr
+
+
 def _edit_config(folder):
     config = json.loads((folder / "config.json").read_text())
     config["rms_norm_eps"] = 0.5

@@ -76,7 +76,11 @@ def _remove(files: CacheFolder, folder: str) -> None:
 def ensure_default_model(cache_root: Path, name: str, build) -> Path:
     """models/<name> below `cache_root`, holding what `build(folder)` writes, checked against its signed manifest;
     built (again) when missing or not matching. ModelLoadError when `models/` is a link or a file."""
-    files = CacheFolder(cache_root, follow=True)
+    try:
+        files = CacheFolder(cache_root, follow=True)
+    except OSError as error:
+        raise ModelLoadError(f"the cache folder {cache_root} cannot hold the default model "
+                             f"({error.strerror or error}): give --cache-dir a folder, or pass --model") from error
     try:
         try:
             files.make_folders(MODELS_DIR_NAME)  # refuses a link there: nothing is built outside the cache folder
