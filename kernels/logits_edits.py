@@ -65,7 +65,13 @@ def unpack(packed: np.ndarray, rows: int) -> LogitsEdits:
 
 
 def apply_edits(logits: np.ndarray, edits: LogitsEdits) -> np.ndarray:
-    """The reference: logits [B, V] float32 edited in place (and returned)."""
+    """The reference: logits [B, V] float32 edited in place (and returned). A repetition_penalty so small that a
+    logit divided by it leaves float32 (1e-300 is 0 there) gives +inf, as on the device: no warning on stderr."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return _apply_edits(logits, edits)
+
+
+def _apply_edits(logits: np.ndarray, edits: LogitsEdits) -> np.ndarray:
     for r in range(edits.rows):
         rep, freq, pres = (np.float32(x) for x in edits.penalties[:, r])
         lo, hi = edits.entry_offsets[r], edits.entry_offsets[r + 1]

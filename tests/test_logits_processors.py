@@ -4,6 +4,8 @@ not seen (pipelined decode) edited as if it had; and greedy tokens through the e
 processors on the same model (CPU, fp32), with and without prefix reuse."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,20 @@ def test_stage_equals_vllm_semantics(case):
     for r, (p, g, w) in enumerate(rows):
         want = vllm_reference(logits[r], sp, p, g, stop_ids=(3, 4), bad_words=w)
         np.testing.assert_array_equal(got[r], want)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40])
+def test_a_repetition_penalty_below_float32_gives_inf_without_a_warning(penalty):
+    """1e-300 is 0 in float32 and 1e-40 a subnormal: a seen positive logit divided by it is +inf (as on the device),
+    and numpy's RuntimeWarning (divide by zero, overflow) no longer reaches stderr, even with --quiet."""
+    seq = _Seq(SamplingParams(repetition_penalty=penalty), [1, 2], [3])
+    logits = np.full((1, V), -1.0, np.float32)
+    logits[0, 1:4] = [5.0, -5.0, 0.5]
+    edits = LogitsStage.edits([seq])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_edits(logits, unpack(edits.pack(), 1))
+    assert logits[0, 1] == np.inf and logits[0, 3] == np.inf and -1e-30 < logits[0, 2] <= 0 and logits[0, 4] == -1
 
 
 def test_rows_without_processing_are_left_out():
