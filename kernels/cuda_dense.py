@@ -19,15 +19,15 @@ class DenseOps:
     def _pinned_gemm(self):
         return get_pinned_gemm(self.tuning.gemm_pairing)
 
-    def embed(self, table, ids):
-        """table [V, D], ids [T] -> [T, D]"""
+    def embed(self, table, ids, scale=1.0):
+        """table [V, D], ids [T] -> [T, D], times `scale` (scale_kernel's one rounding of the fp32 product)"""
         table = cupy.ascontiguousarray(table)
         ids = device_index(ids)
         t, d = ids.shape[0], table.shape[1]
         out = cupy.empty((t, d), self._act)
         if t:
             kernel("elementwise", f"embed_kernel<{type_name(table.dtype)}, {type_name(self._act)}>")(
-                (blocks_for(t * d),), (THREADS,), (table, ids, i64(t), i32(d), out))
+                (blocks_for(t * d),), (THREADS,), (table, ids, i64(t), i32(d), np.float32(scale), out))
         return out
 
     def _gemm(self, x, weight, out_dtype):

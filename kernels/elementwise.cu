@@ -442,12 +442,12 @@ __global__ void sigmoid_kernel(const T* __restrict__ x, i64 n, T* __restrict__ o
 // table [V, D] gathered at ids [T] -> out [T, D]
 template <typename TI, typename TO>
 __global__ void embed_kernel(const TI* __restrict__ table, const int* __restrict__ ids, i64 tokens, int d,
-                             TO* __restrict__ out) {
+                             float factor, TO* __restrict__ out) {
     const i64 n = tokens * d;
     for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
         const i64 t = e / d;
         const int i = (int)(e - t * d);
-        out[e] = from_f<TO>(to_f(table[(i64)ids[t] * d + i]));
+        out[e] = from_f<TO>(to_f(table[(i64)ids[t] * d + i]) * factor);  // factor 1: a copy
     }
 }
 

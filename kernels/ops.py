@@ -137,9 +137,10 @@ class Ops(Protocol):
         """Wait until all queued work is done (timings)."""
 
     # ---- dense math --------------------------------------------------------------------------------------------
-    def embed(self, table, ids) -> Array:
+    def embed(self, table, ids, scale=1.0) -> Array:
         """table [V, D], ids [T] int -> act [T, D]: rows gathered (the model also picks each sequence's last row
-        of an act [T, D] with it)"""
+        of an act [T, D] with it); scale != 1 (rounded to the storage dtype by the caller): the same numbers as
+        `scale` on the gathered rows"""
 
     def linear(self, x, weight) -> Array:
         """x [T, in] @ weight[out, in].T -> act [T, out] (fp32 accumulation); weight: a storage-dtype matrix or an

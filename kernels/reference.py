@@ -74,9 +74,10 @@ class NumpyOps(HostMemoryOps, MoeReferenceOps, MambaReferenceOps):
         return None
 
     # ---- dense math ---------------------------------------------------------------------------------------
-    def embed(self, table, ids):
-        """table [V, D], ids [T] -> [T, D]"""
-        return table[ids].astype(self.act_dtype)
+    def embed(self, table, ids, scale=1.0):
+        """table [V, D], ids [T] -> [T, D]; scale != 1: then `scale`d (the same numbers)"""
+        x = table[ids].astype(self.act_dtype)
+        return x if scale == 1.0 else self.scale(x, scale)
 
     def linear(self, x, weight):
         """x [T, in] @ weight[out, in].T -> [T, out] (weights are stored as HF stores them)"""

@@ -94,6 +94,11 @@ def test_embed(ops, ref):
     got = ops.embed(ops.upload(table), ops.upload_index(ids))
     assert got.dtype == np.dtype(ops.act_dtype)
     assert rel(host(ops, got), ref.embed(table, ids)) == 0.0
+    # a scale (Granite's embedding_multiplier, Gemma's sqrt(hidden), in the storage dtype): scale's very bits
+    factor = np.asarray(12.0 if ops.dtype_name == "bfloat16" else 0.37, ops.act_dtype)
+    scaled = ops.to_host(ops.embed(ops.upload(table), ops.upload_index(ids), factor))
+    assert np.array_equal(scaled, ops.to_host(ops.scale(got, factor)))
+    assert rel(scaled.astype(np.float32), ref.embed(table, ids, np.float32(factor))) <= TOL[ops.dtype_name]
 
 
 # ---- GEMMs ----------------------------------------------------------------------------------------------------------

@@ -365,10 +365,9 @@ class CausalLM:
         return with_kv_dtype(specs, self.kv_cache_dtype)
 
     def embed(self, token_ids):
-        x = self.ops.embed(self.embed_tokens, token_ids)  # [T, D]
-        if self.embed_scale is not None:
-            x = self.ops.scale(x, np.asarray(self.embed_scale, dtype=self.ops.act_dtype))
-        return x
+        if self.embed_scale is None:
+            return self.ops.embed(self.embed_tokens, token_ids)  # [T, D]
+        return self.ops.embed(self.embed_tokens, token_ids, np.asarray(self.embed_scale, dtype=self.ops.act_dtype))
 
     def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False, with_hidden: bool = False):
         """Run the step; returns fp32 logits [B, V] of each sequence's last new token ([T, V] if all_logits).
