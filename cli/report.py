@@ -7,21 +7,27 @@ interval (`--progress-interval`), then the final report.
 Every message is built as a rich `Text`, never parsed as markup: custom_ids, field values, file and cache paths
 come from users and may contain `[...]` (`[/b]` would otherwise crash the run, `[red]` vanish), and control
 characters are shown as escapes (`\\x1b`, `\\n`): ESC would start a terminal command, a newline split a message.
+
+Rich is imported when the first thing is printed: a quiet run that meets no error imports none of it, and the
+others import it after the start-up (a live bar, the final table), not beside the GPU's bring-up, whose Python
+shares the interpreter's lock with the start-up's.
 """
 from __future__ import annotations
 
 import logging
 import re
 import sys
+import threading
 import time
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.sizes import human_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
 
 # C0 and C1 control characters but the tab, and the Unicode line and paragraph separators: ESC (or C1's CSI)
@@ -37,6 +43,8 @@ def printable(text: str) -> str:
 
 def literal(text: str, style: str = "") -> Text:
     """User-derived text for Rich, printed as given (no markup, no emoji codes; control characters escaped)."""
+    from rich.text import Text
+
     return Text(printable(str(text)), style=style)
 
 
@@ -53,7 +61,8 @@ class RunReporter:
     POLL_SECONDS = 0.25
 
     def __init__(self, quiet: bool = False, total: int | None = None, progress_interval: float = 30.0):
-        self.console = Console(file=sys.stderr, stderr=True, highlight=False, emoji=False)
+        self._console: Console | None = None  # made on first use (the module's doc)
+        self._console_lock = threading.Lock()  # the first use may be the progress thread's or a logger's
         self.quiet = quiet
         self.started = time.perf_counter()
         self.progress_interval = progress_interval
@@ -64,7 +73,20 @@ class RunReporter:
         self._poller: BackgroundTask | None = None  # the progress bar's or lines' poller
         self._stopped = False
 
+    @property
+    def console(self) -> Console:
+        """The one console, bound to stderr (sys.stderr as it is when first used)."""
+        with self._console_lock:
+            if self._console is None:
+                from rich.console import Console
+
+                self._console = Console(file=sys.stderr, stderr=True, highlight=False, emoji=False)
+            return self._console
+
     def _start_bar(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+            TimeRemainingColumn
+
         # Column templates are our own text; the only values in them are numbers we format.
         self._progress = Progress(
             TextColumn("[bold]{task.description:>8}"), BarColumn(), MofNCompleteColumn(),
@@ -96,7 +118,7 @@ class RunReporter:
 
     def _print_lines(self, stop):
         while not stop.wait(self.progress_interval):
-            self.console.print(Text(self.progress_line()), soft_wrap=True)
+            self.console.print(literal(self.progress_line()), soft_wrap=True)
 
     def progress_line(self) -> str:
         """One plain line: requests done (of how many, once the whole input is read), tokens per second since
@@ -145,16 +167,16 @@ class RunReporter:
     # ---- messages ---------------------------------------------------------------------------------------------
     def error(self, message: str):
         # soft_wrap: one line per message, never broken at the console width (logs are grepped)
-        self.console.print(Text.assemble(("error:", "red"), " ", literal(message)), soft_wrap=True)
+        self.console.print(_tagged("error:", "red", message), soft_wrap=True)
 
     def warn(self, message: str):
         if not self.quiet:
-            self.console.print(Text.assemble(("warning:", "yellow"), " ", literal(message)), soft_wrap=True)
+            self.console.print(_tagged("warning:", "yellow", message), soft_wrap=True)
 
     def note(self, message: str):
         """Information the person should see once (not a problem); hidden by --quiet."""
         if not self.quiet:
-            self.console.print(Text.assemble(("note:", "cyan"), " ", literal(message)), soft_wrap=True)
+            self.console.print(_tagged("note:", "cyan", message), soft_wrap=True)
 
     def stop(self):
         self._stopped = True
@@ -177,6 +199,13 @@ class RunReporter:
         self.console.print(report_table(report))
 
 
+def _tagged(tag: str, style: str, message: str) -> Text:
+    """`tag` in `style`, then the user-derived `message` as given."""
+    from rich.text import Text
+
+    return Text.assemble((tag, style), " ", literal(message))
+
+
 def plural(count: int, word: str) -> str:
     """`word` as `count` of it needs: 1 request, 2 requests, 0 requests."""
     return word if count == 1 else word + "s"
@@ -196,6 +225,8 @@ def report_table(report: dict) -> Table:
     """The end-of-run table. Labels never wrap (an 80-column terminal folds the values instead). Counts take
     thousands separators and their noun's plural; one prefill rate (the run's); rows about memory pressure say
     how much happened, why, and which option avoids it."""
+    from rich.table import Table
+
     t = Table(title="prefixrun report", show_header=False, title_justify="left")
     t.add_column("what", style="bold", no_wrap=True)
     t.add_column("value", justify="right", overflow="fold")

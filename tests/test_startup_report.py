@@ -74,11 +74,11 @@ def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
     assert all(ph.replace("_", " ") in line for ph in expected) and "weights read" in line
 
 
-# what a batch of token prompts without the cache never uses: a template engine (no chat to render), torch and
-# transformers (never), the persistent cache's store and index (--no-cache; their imports were a good part of the
-# start-up's Python, which runs beside the GPU's bring-up under one interpreter lock)
+# what a quiet batch of token prompts without the cache never uses: a template engine (no chat to render), torch
+# and transformers (never), the persistent cache's store and index (--no-cache), Rich (nothing to print; their
+# imports were a good part of the start-up's Python, which runs beside the GPU's bring-up under one interpreter lock)
 UNUSED_BY_A_PLAIN_RUN = ("jinja2", "torch", "transformers", "prefixrun.engine.cache.store",
-                         "prefixrun.engine.cache.index", "sqlite3")
+                         "prefixrun.engine.cache.index", "sqlite3", "rich")
 
 
 def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path):
