@@ -261,7 +261,10 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     const int seq = s_seq;
     if (seq < 0) return;
     const int start = cu[seq], n = cu[seq + 1] - start;
-    const int ctx = context_lens[seq];
+    // --deterministic's groups' pass (mode 1, seg_tiles > 0) takes the ranges wholly inside the group's prefix:
+    // its keys end at the last range boundary within the prefix
+    const int seg_keys = seg_tiles * BN;
+    const int ctx = mode == 1 && seg_tiles > 0 ? context_lens[seq] / seg_keys * seg_keys : context_lens[seq];
     const int r0 = s_tile * BM;
     const int r1 = min(r0 + BM, n * rep);
     const int qpos0 = ctx - n;
@@ -285,7 +288,8 @@ attn_mma_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const KV* __restri
     const int qp_lo = mode == 1 ? ctx - 1 : qpos0 + r0 / rep, qp_hi = mode == 1 ? ctx - 1 : qpos0 + (r1 - 1) / rep;
     const int kv_end = qp_hi + 1;
     int kv_begin = window > 0 ? max(0, qp_lo - window + 1) : 0;
-    if (mode == 2) kv_begin = max(kv_begin, kv_from[seq]);
+    // mode 2 after a deterministic groups' pass: from the range boundary where the groups' ranges ended
+    if (mode == 2) kv_begin = max(kv_begin, seg_tiles > 0 ? kv_from[seq] / seg_keys * seg_keys : kv_from[seq]);
     // split-K (decode): split s of `splits` takes its share of the key tiles and leaves a partial result. With
     // seg_tiles > 0 (--deterministic) split s takes the tiles of keys [s W, (s + 1) W), W = seg_tiles * BN, fixed
     // from position 0 whatever the context, the batch or the pass: a row's partial of a range is then the same

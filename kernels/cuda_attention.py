@@ -172,19 +172,18 @@ class AttentionOps:
         step's groups) the ranges wholly inside a group's shared prefix are computed once for the group into slots
         [0, S), every row's other ranges into [S, 2 S): the partials and their order are a plain pass's, so the
         bits are too, whatever the groups."""
-        s, width = plan.splits, plan.segment_tiles * plan.keys
+        s = plan.splits
         slots = 2 * s if shared is not None else s
         part = (cupy.empty((slots, tokens * hq, d), F32), cupy.empty((slots, tokens * hq, 2), F32))
-        if shared is not None:
-            lens = device_index(device_index(shared.lens) // width * width)  # the ranges a group's prefix holds whole
-            self._attn_pass(**mma, tables=device_index(shared.tables), ctx=lens, cu=device_index(shared.cu),
-                            nseq=shared.lens.shape[0], tokens=tokens, nw=plan.warps, bn=plan.keys, splits=s, mode=1,
-                            slot_base=0, part=part, row_tok=device_index(shared.order), kv_from=ctx,
-                            seg_tiles=plan.segment_tiles)
-            own_from = device_index(device_index(shared.start) // width * width)
+        if shared is not None:  # the kernel cuts each group's prefix, and where each row's own keys begin, down to
+            # the last range boundary (the ranges a group's prefix holds whole)
+            self._attn_pass(**mma, tables=device_index(shared.tables), ctx=device_index(shared.lens),
+                            cu=device_index(shared.cu), nseq=shared.lens.shape[0], tokens=tokens, nw=plan.warps,
+                            bn=plan.keys, splits=s, mode=1, slot_base=0, part=part,
+                            row_tok=device_index(shared.order), kv_from=ctx, seg_tiles=plan.segment_tiles)
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=tokens, nw=plan.own_warps,
-                            bn=plan.keys, splits=s, mode=2, slot_base=s, part=part, row_tok=cu, kv_from=own_from,
-                            seg_tiles=plan.segment_tiles)
+                            bn=plan.keys, splits=s, mode=2, slot_base=s, part=part, row_tok=cu,
+                            kv_from=device_index(shared.start), seg_tiles=plan.segment_tiles)
         else:
             self._attn_pass(**mma, tables=tables, ctx=ctx, cu=cu, nseq=nseq, tokens=tokens, nw=plan.warps,
                             bn=plan.keys, splits=s, part=part, seg_tiles=plan.segment_tiles)

@@ -77,7 +77,6 @@ def segmented(so, q, kc, vc, tables, ctx, seg_tiles, shared=None, sinks=None):
     t = q.shape[0]
     cu = _i32(np.arange(t + 1))
     s = -(-tables.shape[1] * BS // (seg_tiles * BN))
-    width = seg_tiles * BN
     slots = 2 * s if shared is not None else s
     sl2 = np.float32(D ** -0.5 * 1.4426950408889634)
     qb = np.ascontiguousarray(q.astype(ml_dtypes.bfloat16)).view(np.uint16)
@@ -94,10 +93,9 @@ def segmented(so, q, kc, vc, tables, ctx, seg_tiles, shared=None, sinks=None):
         if shared is None:
             launch(part, 1, tables, ctx, cu, t, 0, 0, cu, cu)
         else:
-            lens = _i32(shared["shared_lens"] // width * width)
-            launch(part, 4, _i32(shared["shared_tables"]), lens, _i32(shared["shared_cu"]), t, 1, 0,
-                   _i32(shared["shared_order"]), ctx)
-            launch(part, 1, tables, ctx, cu, t, 2, s, cu, _i32(shared["shared_start"] // width * width))
+            launch(part, 4, _i32(shared["shared_tables"]), _i32(shared["shared_lens"]), _i32(shared["shared_cu"]), t,
+                   1, 0, _i32(shared["shared_order"]), ctx)
+            launch(part, 1, tables, ctx, cu, t, 2, s, cu, _i32(shared["shared_start"]))
         out = np.zeros((t, HQ, D), np.uint16)
         so.emu_combine(_ptr(part[0]), _ptr(part[1]), slots, t * HQ, D, _ptr(out),
                        None if sinks is None else _ptr(sinks), HQ)
