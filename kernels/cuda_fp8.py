@@ -157,7 +157,7 @@ def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
     partial = cupy.zeros((m, n), cupy.float32) if splits > 1 else cupy.empty(1, cupy.float32)
     if m and n:
         kernel("fp8", "fp8w_gemm_kernel")(
-            (-(-n // FP8W_TILE), -(-m // FP8W_TILE), splits), (128,),
+            (-(-m // FP8W_TILE), -(-n // FP8W_TILE), splits), (128,),
             (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k),
              i32(k_split), y, i64(ldy), partial))
         if splits > 1:

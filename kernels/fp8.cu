@@ -118,8 +118,9 @@ __device__ __forceinline__ void f8w_mma(float (&c)[4], const unsigned (&a)[4], u
 
 // y[m, n] = sum_k x[m, k] * bf16(q[n, k] * scale[n / 128, k / 128]) (the dequantised weight of
 // kernels/fp8.py, rounded as fp8_dequant_kernel rounds it), fp32 sums, for m < rows, n < n_rows: half the weight
-// bytes of the bf16 GEMM, on the bf16 tensor cores (mma.sync m16n8k16). Blocks: x = 64 weight rows, y = 64 rows of
-// x, z = K splits of k_split elements (a multiple of 64); one split writes y (row stride ldy) in bf16, more add
+// bytes of the bf16 GEMM, on the bf16 tensor cores (mma.sync m16n8k16). Blocks: x = 64 rows of x, y = 64 weight
+// rows (the row tiles of one weight tile launched side by side: its bytes come from memory once, then from L2),
+// z = K splits of k_split elements (a multiple of 64); one split writes y (row stride ldy) in bf16, more add
 // fp32 partial sums into `partial` [rows, n_rows] (zeroed by the caller; fp8w_finish_kernel rounds them).
 // 128 threads, warp w: rows 32 (w / 2) .. +32 of x, weight rows 32 (w % 2) .. +32; K through a double-buffered
 // cp.async pipeline of x (bf16) and the weight bytes, which each step dequantises into one bf16 tile.
@@ -131,7 +132,7 @@ fp8w_gemm_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned c
     __align__(16) __shared__ bf16 sa[2][F8W_BM * F8W_LD];
     __align__(16) __shared__ unsigned char sq[2][F8W_BN * F8W_BK];
     __align__(16) __shared__ bf16 sb[F8W_BN * F8W_LD];
-    const int n0 = blockIdx.x * F8W_BN, m0 = blockIdx.y * F8W_BM;
+    const int m0 = blockIdx.x * F8W_BM, n0 = blockIdx.y * F8W_BN;
     const int k_begin = blockIdx.z * k_split, k_end = min(k_dim, k_begin + k_split);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     // per step: x 64 rows x 64 bf16 (512 chunks of 16 bytes, 4 a thread: row c / 8, part c % 8), weights 64 rows x

@@ -45,7 +45,7 @@ ENTRY = r"""
 extern "C" void emu_fp8w(const void* x, i64 ldx, int rows, const unsigned char* q, const float* scale,
                          int scale_cols, int n_rows, int k_dim, int k_split, void* y, i64 ldy, float* partial,
                          int splits) {
-    gridDim = {unsigned((n_rows + 63) / 64), unsigned((rows + 63) / 64), unsigned(splits)};
+    gridDim = {unsigned((rows + 63) / 64), unsigned((n_rows + 63) / 64), unsigned(splits)};
     emu_launch(gridDim, 128, 0, [&] {
         fp8w_gemm_kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, k_split, (bf16*)y, ldy,
                          partial);
