@@ -406,20 +406,60 @@ moe_gemm_simt_kernel(const T* __restrict__ x, i64 xs, const int* __restrict__ to
 // ---- combine ------------------------------------------------------------------------------------------------------
 // out[t, d] = (sum_j weights[t, j] * y[position[t k + j], d] + shared term) * scale, rounded once; the shared term:
 // SHARED 0 none, 1 sigmoid(gate[t * gs]) * shared[t, d] (a gated shared expert), 2 shared[t, d] (an ungated one).
-// scale: a branch's factor before its residual add (Granite's residual_multiplier; 1 is exact).
+// scale: a branch's factor before its residual add (Granite's residual_multiplier; 1 is exact). A thread computes
+// 16 bytes of a row's outputs (vec: y, shared and out rows move as 16-byte vectors; else element by element, the
+// same sums in the same order).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) MoeVec { T v[N]; };
+
+template <typename T, int V>
+__device__ __forceinline__ void moe_read(const T* __restrict__ p, int d0, int dim, bool vec, float (&o)[V]) {
+    if (vec) {
+        const MoeVec<T, V> q = *reinterpret_cast<const MoeVec<T, V>*>(p);
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[i] = to_f(q.v[i]);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) o[i] = d0 + i < dim ? to_f(p[i]) : 0.f;
+}
+
 template <typename T, int SHARED>
 __global__ void moe_combine_kernel(const T* __restrict__ y, const int* __restrict__ position,
                                    const float* __restrict__ weights, int num_tokens, int k, int dim,
                                    const T* __restrict__ shared, const float* __restrict__ gate, i64 gs, float scale,
-                                   T* __restrict__ out) {
-    const i64 total = (i64)num_tokens * dim;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-        const int t = (int)(i / dim), d = (int)(i % dim);
-        float acc = 0.f;
-        for (int j = 0; j < k; ++j) acc += weights[(i64)t * k + j] * to_f(y[(i64)position[(i64)t * k + j] * dim + d]);
-        if (SHARED == 1) acc += to_f(shared[i]) / (1.f + expf(-gate[t * gs]));
-        if (SHARED == 2) acc += to_f(shared[i]);
-        out[i] = from_f<T>(acc * scale);
+                                   int vec, T* __restrict__ out) {
+    constexpr int V = 16 / (int)sizeof(T);
+    const int per_row = (dim + V - 1) / V;
+    const i64 total = (i64)num_tokens * per_row;
+    for (i64 u = blockIdx.x * (i64)blockDim.x + threadIdx.x; u < total; u += (i64)gridDim.x * blockDim.x) {
+        const int t = (int)(u / per_row), d0 = (int)(u % per_row) * V;
+        float acc[V], v[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = 0.f;
+        for (int j = 0; j < k; ++j) {
+            const float wj = weights[(i64)t * k + j];
+            moe_read<T, V>(y + (i64)position[(i64)t * k + j] * dim + d0, d0, dim, vec, v);
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] += wj * v[i];
+        }
+        if (SHARED) {
+            moe_read<T, V>(shared + (i64)t * dim + d0, d0, dim, vec, v);
+            const float g = SHARED == 1 ? 1.f + expf(-gate[t * gs]) : 1.f;
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] += SHARED == 1 ? v[i] / g : v[i];
+        }
+        T* o = out + (i64)t * dim + d0;
+        if (vec) {
+            MoeVec<T, V> q;
+#pragma unroll
+            for (int i = 0; i < V; ++i) q.v[i] = from_f<T>(acc[i] * scale);
+            *reinterpret_cast<MoeVec<T, V>*>(o) = q;
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i)
+                if (d0 + i < dim) o[i] = from_f<T>(acc[i] * scale);
+        }
     }
 }
 

@@ -157,20 +157,19 @@ def combine(y, position, weights, shared=None, shared_gate=None, out_dtype=None,
         return out
     weights = cupy.ascontiguousarray(cast(weights, F32))
     position = device_index(position)
-    ty, factor = type_name(y.dtype), np.float32(scale)
-    if shared is None:
-        kernel("moe", f"moe_combine_kernel<{ty}, 0>")((blocks_for(t * dim),), (256,), (
-            y, position, weights, i32(t), i32(k), i32(dim), y, weights, i64(0), factor, out))
-        return out
-    shared = cupy.ascontiguousarray(cast(shared, y.dtype))
-    if shared.shape != (t, dim):
-        raise ValueError(f"moe_combine: shared {shared.shape} does not fit the output {(t, dim)}")
-    if shared_gate is None:
-        kernel("moe", f"moe_combine_kernel<{ty}, 2>")((blocks_for(t * dim),), (256,), (
-            y, position, weights, i32(t), i32(k), i32(dim), shared, weights, i64(0), factor, out))
-        return out
-    gate = cast(shared_gate, F32)
-    gate_stride = gate.strides[0] // 4 if t > 1 else 1  # [T, 1] column of the router's logits, or contiguous
-    kernel("moe", f"moe_combine_kernel<{ty}, 1>")((blocks_for(t * dim),), (256,), (
-        y, position, weights, i32(t), i32(k), i32(dim), shared, gate, i64(gate_stride), factor, out))
+    mode, gate, gate_stride = 0, weights, 0
+    if shared is not None:
+        shared = cupy.ascontiguousarray(cast(shared, y.dtype))
+        if shared.shape != (t, dim):
+            raise ValueError(f"moe_combine: shared {shared.shape} does not fit the output {(t, dim)}")
+        mode = 2
+        if shared_gate is not None:
+            gate = cast(shared_gate, F32)
+            mode, gate_stride = 1, gate.strides[0] // 4 if t > 1 else 1  # a [T, 1] column of the router's logits
+    per = 16 // y.itemsize  # a thread's outputs: 16 bytes of a row (moe_combine_kernel's V)
+    arrays = (y, out) if shared is None else (y, out, shared)
+    vec = dim % per == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+    kernel("moe", f"moe_combine_kernel<{type_name(y.dtype)}, {mode}>")((blocks_for(t * -(-dim // per)),), (256,), (
+        y, position, weights, i32(t), i32(k), i32(dim), shared if shared is not None else y, gate, i64(gate_stride),
+        np.float32(scale), i32(vec), out))
     return out

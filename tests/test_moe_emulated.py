@@ -20,17 +20,18 @@ PRELUDE = "inline emu_dim3 gridDim;  // the grid size, set by the entry before i
 ENTRY = r"""
 template <typename T, int S>
 static void combine(const void* y, const int* pos, const float* w, int t, int k, int d, const void* shared,
-                    const float* gate, i64 gs, float scale, void* out, int blocks) {
+                    const float* gate, i64 gs, float scale, int vec, void* out, int blocks) {
     gridDim = {unsigned(blocks), 1, 1};
     emu_launch(gridDim, 256, 0, [&] {
-        moe_combine_kernel<T, S>((const T*)y, pos, w, t, k, d, (const T*)shared, gate, gs, scale, (T*)out);
+        moe_combine_kernel<T, S>((const T*)y, pos, w, t, k, d, (const T*)shared, gate, gs, scale, vec, (T*)out);
     });
 }
 extern "C" int emu_combine(int bf, int mode, const void* y, const int* pos, const float* w, int t, int k, int d,
-                           const void* shared, const float* gate, i64 gs, float scale, void* out, int blocks) {
-#define EMU_COMBINE(T) if (mode == 0) combine<T, 0>(y, pos, w, t, k, d, shared, gate, gs, scale, out, blocks);      \
-    else if (mode == 1) combine<T, 1>(y, pos, w, t, k, d, shared, gate, gs, scale, out, blocks);                     \
-    else combine<T, 2>(y, pos, w, t, k, d, shared, gate, gs, scale, out, blocks);
+                           const void* shared, const float* gate, i64 gs, float scale, int vec, void* out,
+                           int blocks) {
+#define EMU_COMBINE(T) if (mode == 0) combine<T, 0>(y, pos, w, t, k, d, shared, gate, gs, scale, vec, out, blocks); \
+    else if (mode == 1) combine<T, 1>(y, pos, w, t, k, d, shared, gate, gs, scale, vec, out, blocks);                \
+    else combine<T, 2>(y, pos, w, t, k, d, shared, gate, gs, scale, vec, out, blocks);
     if (bf) { EMU_COMBINE(bf16) } else { EMU_COMBINE(float) }
     return 0;
 }
@@ -52,10 +53,12 @@ def _stored(a, dtype):
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", [0, 1, 2], ids=["experts", "gated-shared", "shared"])
-@pytest.mark.parametrize("t,k,d,blocks,scale", [(5, 3, 40, 1, 0.2197265625), (64, 6, 96, 7, 1.0), (1, 1, 8, 3, 2.5)])
+@pytest.mark.parametrize("t,k,d,blocks,scale", [(5, 3, 40, 1, 0.2197265625), (64, 6, 96, 7, 1.0), (1, 1, 8, 3, 2.5),
+                                               (3, 2, 13, 2, 0.5)])
 def test_combine_kernel_matches_the_reference(emu, dtype, mode, t, k, d, blocks, scale):
     """The three shared-expert forms at a branch scale (Granite's residual_multiplier as bf16 holds it) and at 1,
-    over fewer blocks than elements (the grid-stride loop) and more; the gate a strided column of wider logits."""
+    over fewer blocks than a row's 16-byte pieces (the grid-stride loop) and more, a row of no whole pieces (13);
+    the gate a strided column of wider logits; 16-byte vectors and element by element give the same bits."""
     rng = np.random.default_rng(t * 7 + k + mode)
     ys, y = _stored(rng.standard_normal((t * k, d)), dtype)
     pos = rng.permutation(t * k).astype(np.int32)
@@ -67,15 +70,17 @@ def test_combine_kernel_matches_the_reference(emu, dtype, mode, t, k, d, blocks,
                                   scale=np.float32(scale))
     bf = int(dtype == BF16)
 
-    def emulate():
+    def emulate(vec):
         out, ok = _guarded((t, d), np.uint16 if bf else np.float32)
         gp = ctypes.c_void_p(logits.ctypes.data + 2 * 4)
         rc = emu.emu_combine(bf, mode, _ptr(ys), _ptr(pos), _ptr(w), t, k, d, _ptr(ss), gp, ctypes.c_longlong(3),
-                             ctypes.c_float(scale), _ptr(out), blocks)
+                             ctypes.c_float(scale), int(vec), _ptr(out), blocks)
         assert rc == 0 and ok(), "the kernel wrote past its output"
         return out.copy()
 
-    out = _forked(emulate)
+    out = _forked(lambda: emulate(False))
+    if d % (16 // dtype.itemsize) == 0:  # rows of whole 16-byte pieces (numpy's buffers are 16-byte aligned)
+        np.testing.assert_array_equal(_forked(lambda: emulate(True)), out)
     got = out.view(BF16).astype(np.float32) if bf else out
     if bf:  # the fp32 sum rounded once to bf16
         np.testing.assert_allclose(got, want.astype(BF16).astype(np.float32), rtol=2 ** -7, atol=1e-5)
