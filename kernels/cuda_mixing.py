@@ -125,6 +125,7 @@ class SequenceMixingOps:
         """A decay per key channel: the tensor-core chunked form, the fp32 chunked form or token steps (the module
         kernels/kda_tuning.py chooses)."""
         t, dk, (h, dv), nseq = q.shape[0], q.shape[2], v.shape[1:], slots.shape[0]
+        aligned = aligned and g.data.ptr % 16 == 0  # the prep pass copies g's rows with cp.async too
         launch = kda_tc_launch(self.tuning, tokens=t, seqs=nseq, heads=h, dk=dk, dv=dv, aligned=aligned)
         if launch is not None:
             self._kda_tc(launch, q, qst, qsh, k, kst, ksh, v, vst, vsh, g, beta, state, slots, cu, krep, out)
