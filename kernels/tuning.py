@@ -44,6 +44,7 @@ their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices"
   decode step's state at ~1.3 TB/s, its many short blocks waiting on memory.
 - MoE grouped GEMM (moe_gemm_stages): decode steps (few rows per expert) keep 3 K steps of weights in flight: the
   double buffer streamed granite's experts at ~1.8 TB/s in a decode step (the 6-layer profile's GEMM time).
+  moe_gemm_rows 16 (16-row tiles: a quarter of the A tile, more blocks and weight bytes in flight per SM) is untimed.
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
