@@ -81,18 +81,23 @@ UNUSED_BY_A_PLAIN_RUN = ("jinja2", "torch", "transformers", "prefixrun.engine.ca
                          "prefixrun.engine.cache.index", "sqlite3", "rich")
 
 
-def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path):
-    """The run imports what it uses (UNUSED_BY_A_PLAIN_RUN)."""
-    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3)
-    src = tmp_path / "in.jsonl"
+@pytest.mark.parametrize("built_in", [False, True], ids=["--model", "built-in model"])
+def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path, built_in):
+    """The run, through the command's entry, imports what it uses (UNUSED_BY_A_PLAIN_RUN), on a model folder and on
+    the built-in model alike."""
+    model_args = [] if built_in else ["--model", str(make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3))]
+    src, seen = tmp_path / "in.jsonl", tmp_path / "modules.json"
     src.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 2}) + "\n")
-    probe = ("import sys\nfrom prefixrun.cli.app import app\n"
-             f"try:\n    app(['batch', {str(src)!r}, '--model', {str(model)!r}, '--device', 'cpu', '--no-cache', '-q'],"
-             " standalone_mode=False)\nexcept SystemExit:\n    pass\n"
-             f"print(sorted(m for m in {UNUSED_BY_A_PLAIN_RUN!r} if m in sys.modules))")
+    args = ["prefixrun", "batch", str(src), *model_args, "--device", "cpu", "--no-cache", "-q"]
+    probe = ("import atexit, json, sys\n"  # the entry ends the process after the atexit functions ran
+             f"atexit.register(lambda: open({str(seen)!r}, 'w').write(json.dumps(sorted(sys.modules))))\n"
+             f"sys.argv = {args!r}\nfrom prefixrun.cli.launch import main\nmain()\n")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip().splitlines()[-1] == "[]"
+    assert len(p.stdout.splitlines()) == 1 and "token_ids" in p.stdout  # it ran
+    modules = set(json.loads(seen.read_text()))
+    assert "prefixrun.engine.models.qwen3_5" in modules
+    assert sorted(m for m in UNUSED_BY_A_PLAIN_RUN if m in modules) == []
 
 
 def test_checking_the_options_loads_no_cache_and_no_model_code():
