@@ -1,7 +1,8 @@
 """The GPU brought up on a thread while the process reads its model's files: CuPy imported, the CUDA context
 made, the CUDA backend's modules imported, the kernel modules a run's first steps need begun on a pool of threads
 (kernels/cuda_warmup.py start_early: compiled there on a machine whose kernel cache is empty), cuBLAS loaded with
-its handle, the pinned ring of the weight reads (kernels/cuda_weight_reads.py) allocated.
+its handle, the pinned ring of the weight reads (kernels/cuda_weight_reads.py) taken from the driver's bring-up
+(kernels/driver_context.py pins it right after the context, before CuPy is even imported) or allocated here.
 
 Each of these is a fixed cost of a fresh process (the context and cuBLAS's libraries alone take a good part of a
 second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the run's
