@@ -91,6 +91,19 @@ def test_a_checkpoints_folder_planted_as_a_link_is_refused_and_clear_removes_onl
         assert put(store)
 
 
+@pytest.mark.parametrize("plant", ["file", "fifo"])
+def test_a_file_in_place_of_the_checkpoints_folder_is_removed_by_clear(tmp_path, plant):
+    """`inspect-cache` advised `--clear`, which then said "removed 0 files, but ... still damaged" (exit 1)."""
+    root = tmp_path / "cache" / "checkpoints"
+    root.parent.mkdir()
+    root.write_text("planted") if plant == "file" else os.mkfifo(root)
+    with pytest.raises(StoreError, match="not a folder"):
+        CheckpointStore(root)
+    assert clear_folder(root) == 1 and not os.path.lexists(root)
+    with CheckpointStore(root) as store:  # the cache works again
+        assert put(store)
+
+
 def test_a_digest_memo_temp_file_planted_as_a_link_is_never_written_through(tmp_path):
     from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
     from prefixrun.engine.load.weights import CheckpointTensors

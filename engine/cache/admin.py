@@ -214,9 +214,13 @@ def clear_folder(root: Path) -> int:
     """Remove a store's files without opening its index (a damaged one cannot be opened): nothing else under
     `root`, nothing outside it. Returns how many files were removed."""
     root = Path(root)
-    if root.is_symlink():
+    try:
+        planted = not stat.S_ISDIR(os.lstat(root).st_mode)
+    except OSError:
+        planted = False
+    if planted:  # a link (never what it leads to), a file or a FIFO where the store's folder belongs
         try:
-            os.unlink(root)  # the link, never what it leads to
+            os.unlink(root)
             return 1
         except OSError:
             return 0
