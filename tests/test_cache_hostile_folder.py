@@ -104,6 +104,28 @@ def test_a_file_in_place_of_the_checkpoints_folder_is_removed_by_clear(tmp_path,
         assert put(store)
 
 
+def test_the_cache_leaves_its_disk_a_reserve_for_the_results(tmp_path, monkeypatch, caplog):
+    """On a 600 KiB file system the cache wrote entries and its index's log until the disk was full, and the run's
+    --json-report (beside the results) then failed to be written: exit 1. Writes stop at the reserve."""
+    import os as os_module
+
+    real, free = os_module.fstatvfs, {"blocks": 10_000}  # 4 KiB blocks: a 40 MB file system
+
+    def statvfs(fd):
+        fs = real(fd)
+        return os_module.statvfs_result((4096, 4096, 10_000, free["blocks"], free["blocks"], *fs[5:]))
+
+    monkeypatch.setattr(os_module, "fstatvfs", statvfs)
+    with CheckpointStore(tmp_path / "cache" / "checkpoints") as store:
+        free["blocks"] = 4096  # 16 MiB free: under the 16 MiB floor once anything is written
+        with caplog.at_level("WARNING"):
+            assert put(store).outcome == "write_error" and put(store, TOKENS[:-1]).outcome == "write_error"
+        assert sum("reserve" in r.getMessage() for r in caplog.records) == 1  # said once
+        assert store.stats.write_errors == 2 and not list((tmp_path / "cache").rglob("*.safetensors"))
+        free["blocks"] = 8000  # room again
+        assert put(store).outcome == "written"
+
+
 def test_a_digest_memo_temp_file_planted_as_a_link_is_never_written_through(tmp_path):
     from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
     from prefixrun.engine.load.weights import CheckpointTensors

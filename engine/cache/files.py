@@ -27,6 +27,12 @@ SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{8}\.[0-9]+\.[0-9a-f]{8}\.tmp")  # .<id>.<host>.<pid>.<random>.tmp
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Free space the cache leaves its file system: 10% of it, at least 16 MiB (the index's write-ahead log grows
+# beside the files), at most 1 GiB. A cache that filled the disk would fail what the run itself writes there (its
+# results, its report) and every other program on that disk.
+DISK_RESERVE_FRACTION = 0.10
+DISK_RESERVE_MIN_BYTES = 16 << 20
+DISK_RESERVE_MAX_BYTES = 1 << 30
 
 
 class CacheFolder:
@@ -51,6 +57,17 @@ class CacheFolder:
         finally:
             os.close(parent)
         self._lock = threading.Lock()
+
+    def leaves_room(self, nbytes: int) -> bool:
+        """Whether writing `nbytes` more below the folder leaves its file system the reserve free (DISK_RESERVE_*);
+        True where the file system cannot say."""
+        try:
+            fs = os.fstatvfs(self._fd)
+        except (OSError, AttributeError):
+            return True
+        share = int(fs.f_blocks * fs.f_frsize * DISK_RESERVE_FRACTION)
+        reserve = min(DISK_RESERVE_MAX_BYTES, max(DISK_RESERVE_MIN_BYTES, share))
+        return fs.f_bavail * fs.f_frsize - nbytes >= reserve
 
     def close(self) -> None:
         with self._lock:

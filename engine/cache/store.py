@@ -132,6 +132,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         # Bytes on disk that no index row accounts for (quarantine/, unindexed blobs, temp files), as measured by
         # the last `maintain` and kept up to date by quarantining; eviction keeps indexed + this within budget.
         self._overhead_bytes = 0
+        self._disk_low_said = False  # the warning that the disk's reserve stops writes is given once
         # every file operation below the root goes through its descriptor, following no link (files.py); a link
         # or a file where the root, blobs/ or kv_blocks/ should be makes the store unusable: `inspect-cache
         # --clear` removes the link (never what it leads to) or the file
@@ -422,6 +423,12 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
     def _write_and_index(self, job: _PutJob, present: set) -> Put:
         """Blocks first, then the blob, all outside the lock (a background writer never holds up a lookup); nothing
         is indexed before every file it names is written."""
+        if not self._files.leaves_room(job.payload_bytes):
+            if not self._disk_low_said:  # once: every later write meets the same full disk
+                self._disk_low_said = True
+                log.warning("checkpoints are not written: the cache's disk would be left less than its reserve "
+                            "free (10%, at least 16 MiB, at most 1 GiB) for the run's results and other programs")
+            return Put("write_error")
         created = self._clock()
         block_meta = kv_blocks.block_metadata(job.key.model_digest, job.key.layout_digest, job.rows,
                                               {n: job.dtype_names[n] for n in job.kv_names})
