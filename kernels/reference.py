@@ -491,6 +491,12 @@ def _erfc(x):
     return np.where(x >= 0, r, 2.0 - r)
 
 
+# Scores a reference attention call holds at once (float32 elements, 128 MiB): a 32k-token prompt's [Hq, n, m]
+# scores in one piece, with their temporaries, took over 20 GiB and the process was killed. Above this, queries go
+# in pieces of rows (a row's products may then round differently in BLAS, as they do when a prefill is split).
+_SCORES_AT_ONCE = 1 << 25
+
+
 def _attend(q, k, v, qpos, kpos, scale, window=None, sinks=None):
     """Softmax attention of queries q [n, Hq, D] at positions qpos [n] over keys/values k, v [m, Hkv, D] at
     positions kpos [m]: causal (key position <= query position) and, with `window` W, within (p - W, p]. GQA:
@@ -499,6 +505,15 @@ def _attend(q, k, v, qpos, kpos, scale, window=None, sinks=None):
     rep = q.shape[1] // k.shape[1]
     kk = np.repeat(k.astype(np.float32), rep, axis=1).transpose(1, 2, 0)  # [Hq, D, m]
     vv = np.repeat(v.astype(np.float32), rep, axis=1).transpose(1, 0, 2)  # [Hq, m, D]
+    rows = max(1, _SCORES_AT_ONCE // max(1, q.shape[1] * k.shape[0]))
+    if q.shape[0] <= rows:
+        return _attend_rows(q, kk, vv, qpos, kpos, scale, window, sinks)
+    return np.concatenate([_attend_rows(q[i:i + rows], kk, vv, qpos[i:i + rows], kpos, scale, window, sinks)
+                           for i in range(0, q.shape[0], rows)])
+
+
+def _attend_rows(q, kk, vv, qpos, kpos, scale, window, sinks):
+    """`_attend` of queries q [n, Hq, D] over keys kk [Hq, D, m] and values vv [Hq, m, D]."""
     scores = (q.astype(np.float32).transpose(1, 0, 2) @ kk) * scale  # [Hq, n, m]
     visible = kpos[None, :] <= qpos[:, None]
     if window is not None:

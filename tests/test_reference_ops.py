@@ -78,3 +78,25 @@ def test_paged_attention_follows_the_shared_prefix_groups(ops):
     wrong = SharedPrefixes(shared.order, shared.cu, shared.lens, np.where(shared.tables == 1, 8, shared.tables),
                            shared.start)
     assert not np.allclose(ops.paged_attention(q, k_cache, v_cache, tables, ctx, cu, d ** -0.5, shared=wrong), plain)
+
+
+def test_attention_over_a_long_prompt_holds_its_scores_in_pieces(monkeypatch):
+    """A 32k-token prompt's prefill held [Hq, n, m] float32 scores and their temporaries at once (tens of GiB: the
+    process was killed). Queries go in pieces under _SCORES_AT_ONCE, each row's attention that of one piece."""
+    import tracemalloc
+
+    from prefixrun.kernels import reference
+
+    rng = np.random.default_rng(0)
+    n, hq, hkv, d = 3000, 4, 2, 16
+    q, k, v = (rng.standard_normal((n, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+    pos = np.arange(n)
+    monkeypatch.setattr(reference, "_SCORES_AT_ONCE", 1 << 20, raising=False)  # 4 MiB a piece
+    tracemalloc.start()
+    pieces = reference._attend(q, k, v, pos, pos, 0.25, window=700)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 40 << 20  # a piece's scores and their temporaries; in one piece each was 144 MB (n x n x Hq)
+    monkeypatch.setattr(reference, "_SCORES_AT_ONCE", 1 << 40)  # one piece: the plain form
+    np.testing.assert_allclose(pieces, reference._attend(q, k, v, pos, pos, 0.25, window=700), rtol=1e-5,
+                               atol=1e-6)
