@@ -105,7 +105,11 @@ def test_rates_are_remembered_in_the_folder_and_a_bad_file_is_ignored(tmp_path):
     assert CostModel(earlier=earlier, model="m1").remembered(earlier)["read_bytes_per_s"] == pytest.approx(2 << 30)
     for damaged in (b"{not json", b'{"version": 1, "read_bytes_per_s": -5, "prefill_tokens_per_s": [1]}',
                     b'{"version": 99, "read_bytes_per_s": 5}', b"x" * (2 << 20), b'[1, 2]',
-                    b'{"version": 1, "read_bytes_per_s": NaN}'):
+                    b'{"version": 1, "read_bytes_per_s": NaN}',
+                    # a number no float holds, and JSON nested too deeply: each aborted every later run (exit 2)
+                    b'{"version": 1, "read_bytes_per_s": 1' + b"0" * 400 + b', "prefill_tokens_per_s": {"m1": 1'
+                    + b"0" * 400 + b"}}",
+                    b"[" * 100_000 + b"]" * 100_000):
         (tmp_path / RATES_FILE_NAME).write_bytes(damaged)
         rates = load_rates(tmp_path)
         assert "read_bytes_per_s" not in rates and not rates.get("prefill_tokens_per_s"), damaged

@@ -435,7 +435,7 @@ def load_rates(root: Path) -> dict:
     try:
         # a FIFO named rates.json blocked a plain open for a writer forever: only a small regular file is read
         doc = json.loads(read_small_file(path, _MAX_RATES_FILE_BYTES))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json.loads
         return {}
     if not isinstance(doc, dict) or doc.get("version") != RATES_VERSION:
         return {}
@@ -465,6 +465,12 @@ def save_rates(root: Path, doc: dict) -> None:
 
 
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    """A finite positive number a float holds (an integer of 400 digits made math.isfinite raise OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
 
 
