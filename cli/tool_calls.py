@@ -300,7 +300,7 @@ def read_tool_choice(value: Any, tools: list[dict] | None, where: str) -> ToolCh
         raise InvalidRequest(f"{where}tool_choice {describe_value(value)} needs tools")
     if choice.mode == "named" and choice.name not in _tool_names(tools):
         raise InvalidRequest(f"{where}tool_choice names {describe_value(choice.name)}, which is not among the "
-                             f"tools ({', '.join(map(repr, _tool_names(tools))) or 'none has a name'})")
+                             f"tools ({', '.join(map(describe_value, _tool_names(tools))) or 'none has a name'})")
     return choice
 
 

@@ -256,7 +256,7 @@ def test_qwen3_coder_tool_calls():
     ({"messages": CHAT, "tool_choice": "required"}, 'tool_choice "required" needs tools'),
     ({"messages": CHAT, "tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be"),
     ({"messages": CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "not among the tools ('get_weather')"),
+     "not among the tools (\"get_weather\")"),
     ({"messages": CHAT, "echo": "yes"}, "echo must be true or false"),
     ({"prompt": "hi", "tool_choice": "auto"}, "tool_choice applies only to a chat"),
 ])

@@ -111,6 +111,14 @@ def test_keys_in_messages_are_json_strings(layer, line, quoted):
     assert quoted in message and not any(ord(c) < 0x20 for c in message), message
 
 
+def test_tool_names_in_a_tool_choice_error_are_json_strings(layer):
+    """The tools a named tool_choice may name were listed as Python writes them: ('f', 'it\'s', '\x1b[2J')."""
+    tools = [{"type": "function", "function": {"name": n}} for n in ("f", "it's", "\x1b[2J")]
+    message = message_of(layer, {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                 "tool_choice": {"type": "function", "function": {"name": "g"}}})
+    assert 'among the tools ("f", "it\'s", "\\u001b[2J")' in message, message
+
+
 def test_a_duplicate_custom_id_is_quoted_as_json():
     seen = set()
     for expected in (None, json.dumps("a\x03'b")):
