@@ -31,8 +31,29 @@ from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.run.config import RunConfig, declared_of
 from prefixrun.engine.sizes import parse_size
 
+class _Group(typer.core.TyperGroup):
+    """The command line's own options (--help, --version) parsed as _RunCommand's (cli/plain_values.py)."""
+
+    def parse_args(self, ctx, args):
+        from prefixrun.cli.plain_values import install
+
+        install(self.get_params(ctx))
+        return super().parse_args(ctx, args)
+
+
+class _RunCommand(typer.core.TyperCommand):
+    """batch's and bench's command: the plain values of their many options taken as they are, without building
+    Typer's Pydantic adapters for them (cli/plain_values.py)."""
+
+    def parse_args(self, ctx, args):
+        from prefixrun.cli.plain_values import install
+
+        install(self.get_params(ctx))
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Offline batch inference that never prefills the same prefix twice.")
+                  cls=_Group, help="Offline batch inference that never prefills the same prefix twice.")
 
 
 def _parse_bytes(text: str | None, what: str, allow_fraction: bool = False, minimum: int = 0) -> int | float | None:
@@ -52,7 +73,7 @@ def _cache_root(cache_dir: Optional[str]) -> Path:
 
 
 # the options that shape the run are declared once, in engine/run/config.py (RunConfig): with_run_options adds them
-@app.command()
+@app.command(cls=_RunCommand)
 @with_run_options
 def batch(
     ctx: typer.Context,
@@ -404,7 +425,7 @@ def compile_kernels(
     raise typer.Exit(io.EXIT_OK if report.ok else io.EXIT_FAILURE)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(cls=_RunCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
     ctx: typer.Context,
     compare_transformers: Annotated[bool, typer.Option("--compare-transformers", help="also time transformers on "

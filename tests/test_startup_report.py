@@ -75,10 +75,11 @@ def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
 
 
 # what a quiet batch of token prompts without the cache never uses: a template engine (no chat to render), torch
-# and transformers (never), the persistent cache's store and index (--no-cache), Rich (nothing to print; their
+# and transformers (never), the persistent cache's store and index (--no-cache), Rich (nothing to print), Pydantic
+# (Typer's coercion of plain option values, cli/plain_values.py; their
 # imports were a good part of the start-up's Python, which runs beside the GPU's bring-up under one interpreter lock)
 UNUSED_BY_A_PLAIN_RUN = ("jinja2", "torch", "transformers", "prefixrun.engine.cache.store",
-                         "prefixrun.engine.cache.index", "sqlite3", "rich")
+                         "prefixrun.engine.cache.index", "sqlite3", "rich", "pydantic")
 
 
 @pytest.mark.parametrize("built_in", [False, True], ids=["--model", "built-in model"])
