@@ -477,7 +477,11 @@ def write_json_report(path: Path, report: dict, reporter) -> bool:
         path.write_text(json.dumps(report, indent=2) + "\n")
         return True
     except OSError as exc:
-        reporter.error(f"cannot write --json-report {path}: {exc.strerror or exc}")
+        if path == STDOUT and isinstance(exc, BrokenPipeError):
+            silence_stdout()  # its reader went away (`| true`): quiet, as a closed stdout is for the results
+            raise typer.Exit(EXIT_BROKEN_PIPE) from None
+        shown = "- (standard output)" if path == STDOUT else path
+        reporter.error(f"cannot write --json-report {shown}: {exc.strerror or exc}")
         return False
 
 

@@ -235,6 +235,16 @@ def test_a_dash_for_output_or_report_is_standard_output_never_a_file_named_dash(
     p = run(*base, "-o", "-", "--resume", cwd=tmp_path)
     assert p.returncode == 2 and "--resume needs -o FILE" in one_error_line(p.stderr)
     assert not (tmp_path / "-").exists()
+    # the report's reader gone before it is written (`| true`): quiet, 141, as for results on a closed stdout
+    reader_gone = subprocess.Popen(cmd(*base, "-o", out, "--overwrite", "--json-report", "-"), cwd=tmp_path,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader_gone.stdout.close()
+    assert reader_gone.wait(timeout=300) == 141 and reader_gone.stderr.read() == ""
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(cmd(*base, "-o", out, "--overwrite", "--json-report", "-"), cwd=tmp_path,
+                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert p.returncode == 1 and "--json-report - (standard output): No space" in one_error_line(p.stderr)
 
 
 def test_a_second_run_into_the_same_output_is_refused_while_the_first_writes(model, tmp_path):
