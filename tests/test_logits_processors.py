@@ -304,13 +304,15 @@ def test_generation_config_processing_fields(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "repetition_penalty": 1.3, "min_new_tokens": 4, "suppress_tokens": [5, 6], "begin_suppress_tokens": 7,
         "no_repeat_ngram_size": 3, "typical_p": 1.0, "bad_words_ids": [[1, 2], [9]], "min_length": 30,
-        "eos_token_id": 9, "forced_eos_token_id": 9}))
+        "eos_token_id": 9, "forced_eos_token_id": 9, "stop_strings": ["\n\n"], "max_time": None}))
     d = GenerationDefaults.from_model_dir(tmp_path, vocab_size=100)
     sp = d.sampling.resolve()
     assert sp.repetition_penalty == 1.3 and sp.min_tokens == 4
     assert d.processing == ModelProcessing(suppress_tokens=(5, 6), begin_suppress_tokens=(7,), no_repeat_ngram_size=3,
                                            min_length=30, bad_words_ids=((1, 2),))  # [9] is an EOS: left out
-    assert d.not_applied == ("forced_eos_token_id",)  # typical_p 1.0 changes nothing
+    # typical_p 1.0 and max_time null change nothing; stop_strings, which transformers' generate stops at, was
+    # ignored without a word
+    assert d.not_applied == ("forced_eos_token_id", "stop_strings")
     # a line's max_tokens below the model's min_new_tokens: the shorter limit wins (a line's own min_tokens must
     # still fit its max_tokens)
     assert SamplingDefaults(max_tokens=2).over(d.sampling).resolve().min_tokens == 2

@@ -354,7 +354,8 @@ class GenerationDefaults:
 _NOT_APPLIED = {"force_words_ids": None,
                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
                 "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
-                "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None, "guidance_scale": None}
+                "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None, "guidance_scale": None,
+                "stop_strings": None, "max_time": None, "watermarking_config": None}
 
 
 def _model_processing(config: dict, reader, file_name: str, vocab_size: int | None, eos_ids) -> ModelProcessing:
