@@ -192,7 +192,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
         try:
             obj, repeated_key = _decode_json_object(text)
             openai_shape = _is_openai_line(obj)
-            custom_id = None if repeated_key == "custom_id" else _read_custom_id(obj, raw.line_no)
+            custom_id = None if repeated_key == _TWO_IDS else _read_custom_id(obj, raw.line_no)
         except _LineRejected:
             if utf8_error:
                 raise _LineRejected(utf8_error) from None
@@ -210,6 +210,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
         if custom_id is not None:
             seen_ids.add(custom_id)
         if repeated_key is not None:
+            repeated_key = "custom_id" if repeated_key == _TWO_IDS else repeated_key
             raise _LineRejected(f"the key {_describe(repeated_key)} appears twice in one object of this line; JSON "
                                 "readers disagree on which value counts, so give it once")
         if _SURROGATE_ESCAPE.search(raw.data):
@@ -284,16 +285,22 @@ def _decode_utf8(data: bytes) -> tuple[str, str | None]:
         return data.decode("utf-8", "replace"), message
 
 
-def _decode_json_object(text: str) -> tuple[dict, str | None]:
-    """The line's object and the first key that an object of it repeats (None if none does): json.loads would keep
-    the last value without a word, and the first would be a field silently ignored."""
-    repeated: list[str] = []
+_TWO_IDS = object()  # _decode_json_object: the line's own custom_id is given twice (an id inside it may be)
+
+
+def _decode_json_object(text: str) -> tuple[dict, str | object | None]:
+    """The line's object and the first key that an object of it repeats (None if none does; _TWO_IDS when the line
+    itself gives custom_id twice, so no id can be trusted): json.loads would keep the last value without a word,
+    and the first would be a field silently ignored."""
+    repeated: list[tuple[int, str]] = []  # (the object's place in the order json.loads closes them, the key)
+    closed = [0]
 
     def pairs_to_dict(pairs: list[tuple[str, Any]]) -> dict:
+        closed[0] += 1
         obj = dict(pairs)
-        if len(obj) != len(pairs) and not repeated:
+        if len(obj) != len(pairs):
             seen: set[str] = set()
-            repeated.append(next(key for key, _ in pairs if key in seen or seen.add(key)))
+            repeated.append((closed[0], next(key for key, _ in pairs if key in seen or seen.add(key))))
         return obj
 
     try:
@@ -308,7 +315,9 @@ def _decode_json_object(text: str) -> tuple[dict, str | None]:
         raise _LineRejected("unreadable JSON: a number on this line has too many digits") from None
     if not isinstance(obj, dict):
         raise _LineRejected(f"each line must be a JSON object, got {_json_type_name(obj)}")
-    return obj, repeated[0] if repeated else None
+    if (closed[0], "custom_id") in repeated:  # the line's own object is the last one closed
+        return obj, _TWO_IDS
+    return obj, repeated[0][1] if repeated else None
 
 
 def _is_openai_line(obj: dict) -> bool:

@@ -388,6 +388,7 @@ def test_duplicate_custom_id_is_an_error_on_the_later_line():
     (b'{"custom_id": "b", "prompt": "x", "prompt": "y"}', "prompt", "b"),
     (b'{"custom_id": "c", "custom_id": "d", "prompt": "x"}', "custom_id", None),
     (b'{"custom_id": "e", "prompt": "x", "metadata": {"k": 1, "k": 2}}', "k", "e"),
+    (b'{"custom_id": "e2", "prompt": "x", "metadata": {"custom_id": 1, "custom_id": 2}}', "custom_id", "e2"),
     (b'{"custom_id": "f", "method": "POST", "url": "/v1/chat/completions", '
      b'"body": {"messages": [{"role": "user", "content": "a", "content": "b"}]}}', "content", "f"),
 ])
