@@ -442,6 +442,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             reporter.error(f"cannot write results {where}: {exc.strerror or exc}")
             if output is None:
                 silence_stdout()  # else the interpreter's final flush fails again, with a traceback
+            _aborted_report(run, json_report, f"cannot write results {where}: {exc.strerror or exc}", reporter)
             raise typer.Exit(io.EXIT_FAILURE)
         except Exception as exc:  # the run cannot continue: keep what finished, say why
             _keep_finished(writer, journal)
@@ -449,7 +450,21 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             reporter.error(f"run aborted: {type(exc).__name__}: {exc}")
             if os.environ.get("PREFIXRUN_DEBUG"):
                 raise
+            _aborted_report(run, json_report, f"{type(exc).__name__}: {exc}", reporter)
             raise typer.Exit(io.EXIT_FAILURE)
+
+
+def _aborted_report(run, json_report: Optional[Path], error: str, reporter) -> None:
+    """--json-report of a run that aborted: what finished until then (as for a signal), `stopped_by` "error" and
+    the `error`; a report that cannot be made from what the failure left is left out, never a second failure."""
+    if json_report is None:
+        return
+    try:
+        report = run.partial_report("error")
+    except Exception:
+        return
+    report["error"] = error
+    write_json_report(json_report, report, reporter)
 
 
 def _resume_from(run, output: Path, reporter) -> tuple[set[str], int]:

@@ -339,6 +339,14 @@ def test_disk_full_gives_one_line(model, tmp_path):
                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
         assert p.returncode == 1
         assert "cannot write results to stdout: No space left on device" in one_error_line(p.stderr)
+        # the report on another disk says what finished and why the run ended (it was not written at all)
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q",
+                                   "--json-report", tmp_path / "r.json"),
+                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        report = json.loads((tmp_path / "r.json").read_text())
+        assert p.returncode == 1 and report["stopped_by"] == "error" and "No space left" in report["error"]
+        assert 0 <= report["finished_requests"] <= 20
 
     # a file on a full disk: a stream that fails like one, in-process
     from prefixrun.cli import output as out_files
