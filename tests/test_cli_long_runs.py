@@ -268,7 +268,11 @@ def test_a_compressed_or_binary_input_is_one_line_and_exit_2(model, tmp_path):
                      for i in range(200))
     rng = random.Random(1)
     cases = {"gz": (gzip.compress(plain), "gzip-compressed data"),
-             "bin": (bytes(rng.randrange(256) for _ in range(20000)), "binary data")}
+             "bin": (bytes(rng.randrange(256) for _ in range(20000)), "binary data"),
+             # what Windows PowerShell's `>` writes: it was called "binary data (it holds NUL bytes)"
+             "utf16": ("\ufeff".encode("utf-16-le") + plain.decode().replace("\n", "\r\n").encode("utf-16-le"),
+                       "UTF-16 text (convert it to UTF-8 first"),
+             "utf16be": (plain.decode().encode("utf-16-be"), "UTF-16 text")}
     for name, (data, what) in cases.items():
         src = tmp_path / f"in.{name}"
         src.write_bytes(data)
