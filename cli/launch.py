@@ -50,9 +50,8 @@ def brings_up_gpu(args: list[str]) -> bool:
 
 def main() -> None:
     if brings_up_gpu(sys.argv[1:]):
-        from prefixrun.kernels import device_start, driver_context, host_blas
+        from prefixrun.kernels import device_start, driver_context
 
-        host_blas.few_for_a_gpu_run()  # before numpy's import (kernels/host_blas.py)
         driver_context.start()
         device_start.start("auto")
     from prefixrun.cli.app import main as run_command

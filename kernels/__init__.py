@@ -51,9 +51,6 @@ def get_ops(device: str = "auto", dtype: str | None = None, deterministic: bool 
         device_start.wait()  # a bring-up started early (kernels/device_start.py): its context and handles
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
-    from prefixrun.kernels import host_blas
-
-    host_blas.settle(cpu_backend=device == "cpu")  # the host's BLAS threads as the backend needs them
     if device == "cpu":
         from prefixrun.kernels.reference import NumpyOps
 
