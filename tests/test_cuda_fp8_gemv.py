@@ -96,7 +96,10 @@ def test_linear_takes_the_weight_only_kernel_its_tuning_names(m, ops):
         got = tuned.to_host(tuned.linear(x, proj)).astype(np.float32)
         ref = cupy.empty((m, n), BF16)
         direct(x, upload_block([weight]), ref, 0, ops._sm_count)
-        np.testing.assert_array_equal(got, ops.to_host(ref).astype(np.float32))
+        ref = ops.to_host(ref).astype(np.float32)
+        # the same kernel: equal up to the order of its K splits' fp32 atomics (the other kernel, whose weight is
+        # rounded to bf16, differs by ~1e-3)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-4, (gemv_rows, direct.__name__)
         _check(ops, got, x_host, weight)
 
 
