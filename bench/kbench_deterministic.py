@@ -35,16 +35,11 @@ SEGMENT_KEYS = 512  # kernels/tuning.py DETERMINISTIC_SEGMENT_KEYS
 # the tile's keys and the ranges' width do (a variant of the numerics, timed here to choose one)
 ATTENTION_VARIANTS = (
     ("default", False, {}, SEGMENT_KEYS),
-    ("det 512-key ranges, 4 warps", True, {}, SEGMENT_KEYS),
-    ("det 512, 1 warp", True, {"attn_decode_warps": 1}, SEGMENT_KEYS),
-    ("det 256-key ranges, 4 warps", True, {}, 256),
-    ("det 256, 1 warp", True, {"attn_decode_warps": 1}, 256),
-    ("det 512 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, SEGMENT_KEYS),
+    ("det 512-key ranges, 4 warps", True, {"attn_det_cascade": False}, SEGMENT_KEYS),
+    ("det 256-key ranges, 4 warps", True, {"attn_det_cascade": False}, 256),
+    ("det 512 + groups' pass (8 warps)", True, {"attn_det_cascade": True, "attn_det_group_warps": 8}, SEGMENT_KEYS),
     ("det 512 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_det_group_warps": 4}, SEGMENT_KEYS),
-    ("det 256 + groups' pass (8 warps)", True, {"attn_det_cascade": True}, 256),
     ("det 256 + groups' pass (4 warps)", True, {"attn_det_cascade": True, "attn_det_group_warps": 4}, 256),
-    ("det 512 + groups' pass (1 warp)", True, {"attn_det_cascade": True, "attn_det_group_warps": 1}, SEGMENT_KEYS),
-    ("det 256 + groups' pass (1 warp)", True, {"attn_det_cascade": True, "attn_det_group_warps": 1}, 256),
 )
 
 

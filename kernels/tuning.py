@@ -180,10 +180,11 @@ class CudaTuning:
     attn_split_decode: bool | str = "auto"
     attn_cascade: bool = True
     # --deterministic's decode steps: read the fixed key ranges wholly inside a shared prefix once per group (the
-    # same bits either way). Off: at batch 64 over 2,048 shared keys it measured slower than every row reading its
-    # ranges itself (docs/PERFORMANCE.md): its group pass has too few blocks to fill the GPU
-    attn_det_cascade: bool = False
-    attn_det_group_warps: int | None = None  # ... its warps per block (no bit moves); None: as prefill's
+    # same bits either way), in blocks of attn_det_group_warps warps (16 rows each; no bit moves): at batch 64 over
+    # 2,048 shared keys 128 us a layer where every row reading its own ranges took 203 us (docs/PERFORMANCE.md);
+    # 4 warps fill more blocks than 8 where groups are small
+    attn_det_cascade: bool = True
+    attn_det_group_warps: int | None = 4
     # the prefill kernel on sm_90 (see the module docstring); a new default changes prefill numerics: bump
     # kernels/numerics.py NUMERICS_VERSION with it
     attn_prefill_kernel: str = "auto"

@@ -217,21 +217,20 @@ def test_deterministic_kernel_choices_never_follow_the_batch():
     # decode and verify rows: 512-key ranges from position 0 (as many as the table holds: empty ones merge as
     # nothing)
     assert {(p.path, p.keys, p.segment_tiles, p.splits) for p in plans(False)} == {
-        ("segments", 64, 8, ranges) for ranges in (1, 5)}
+        (path, 64, 8, ranges) for ranges in (1, 5) for path in ("segments", "segments-cascade")}
     def cascades(tuning):
         return {attention_plan(tuning, 132, tokens=t, seqs=s, q_heads=16, kv_heads=4, head_dim=256, table_width=40,
                                block_size=64, window=0, tensor_cores=True, shared=True).path
                 for t, s in ((1, 1), (64, 64), (320, 64))}
 
-    assert cascades(det) == {"segments"}  # the groups' pass is off by default (measured slower)
-    on = CudaTuning(deterministic=True, attn_det_cascade=True)
-    assert cascades(on) == {"segments-cascade", "segments"}  # on decode steps only, verify rows alone
+    assert cascades(det) == {"segments-cascade", "segments"}  # on decode steps only, verify rows alone
+    assert cascades(CudaTuning(deterministic=True, attn_det_cascade=False)) == {"segments"}
     # the groups' pass's warps (rows of a block, never a row's sums) are its own choice
     plan = lambda tuning: attention_plan(tuning, 132, tokens=64, seqs=64, q_heads=16, kv_heads=4, head_dim=256,
                                          table_width=40, block_size=64, window=0, tensor_cores=True, shared=True)
-    assert (plan(on).warps, plan(on).own_warps) == (8, 4)
-    four = CudaTuning(deterministic=True, attn_det_cascade=True, attn_det_group_warps=4)
-    assert plan(four) == AttentionPlan("segments-cascade", 4, 64, 5, 4, segment_tiles=8)
+    assert plan(det) == AttentionPlan("segments-cascade", 4, 64, 5, 4, segment_tiles=8)
+    eight = CudaTuning(deterministic=True, attn_det_group_warps=None)
+    assert (plan(eight).warps, plan(eight).own_warps) == (8, 4)
     with pytest.raises(ValueError, match="attn_det_group_warps"):
         CudaTuning(attn_det_group_warps=3)
     for tokens, seqs in ((1, 1), (64, 64), (5, 5), (4096, 3), (70, 64)):
