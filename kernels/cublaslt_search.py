@@ -7,7 +7,8 @@ answers' ids that cublasLtMatmulAlgoCheck accepts for the shape; MAX_CANDIDATES 
 data at the bucket's smallest and largest row counts and is kept only where every row equals the reference
 algorithm's bit for bit (a kernel whose summation order, or whose split of the work, changes with the tile count
 differs there). The kept ones and the reference are timed at those two row counts (the least of TIMING_REPS
-timings, on a stream of their own; one clearly slower than the best so far is dropped after its first), and the
+timings, on a stream of their own, each behind a spinning kernel so the launches run back to back whatever a call
+costs the host; one clearly slower than the best so far is dropped after its first), and the
 least total wins: picking among equal bits by speed moves no bit. The heuristics' first answer alone, kept by bits
 alone, was up to 4x slower than the reference itself for few rows at large K (docs/PERFORMANCE.md).
 
@@ -38,6 +39,15 @@ BATCHED = 4
 # and the launches of a timing take turns over copies of the weight filling this many bytes (a few), so a weight
 # that fits in the L2 cache is read from memory, as a decode step reads it, not from the cache
 TIMED_ROTATION_BYTES = 128 << 20
+# each timing starts behind a kernel that spins this many clock cycles (~0.2 ms), so the host has queued the timed
+# launches before the first one runs: back to back on the device, whatever one launch costs the host (a decode-sized
+# GEMM takes 10-30 us, about what its call through ctypes takes, so an unspaced timing measured the host)
+SPACER_CYCLES = 400_000
+_SPACER_SOURCE = r"""extern "C" __global__ void gemm_timing_spacer(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}"""
+_SPACER = []
 TEST_SEED = 20261203
 NP_TYPES = {code: dtype for dtype, code in cublas._DATA_TYPES.items()}
 BITS = {2: np.uint16, 4: np.uint32}
@@ -145,6 +155,7 @@ class CandidateBench:
         runs = BATCHED if bucket <= TIMED_WIDE_ROWS else 1
         for rep in range(TIMING_REPS):
             for m in least:
+                spacer()
                 start.record()
                 for i in range(runs):
                     if not self._run(algo, m, y, weights[i % len(weights)]):
@@ -208,6 +219,15 @@ class CandidateBench:
                 return None
             out[bucket] = algo
         return out
+
+
+def spacer():
+    """Queue SPACER_CYCLES of spinning on the current stream (one thread; the kernel compiled on first use)."""
+    import cupy
+
+    if not _SPACER:
+        _SPACER.append(cupy.RawKernel(_SPACER_SOURCE, "gemm_timing_spacer"))
+    _SPACER[0]((1,), (1,), (np.int64(SPACER_CYCLES),))
 
 
 def test_values(rng, shape, dtype):

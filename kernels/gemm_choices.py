@@ -28,7 +28,9 @@ from pathlib import Path
 
 from prefixrun.kernels.cache_home import cache_home
 
-FORMAT = 2  # 2: decode-sized buckets timed on the shape's own width, launches back to back (kernels/cublaslt_search.py)
+# 2: decode-sized buckets timed on the shape's own width, launches back to back (kernels/cublaslt_search.py); 3: each
+# timing behind a spinning kernel (the device's time, not the host's calls)
+FORMAT = 3
 MAX_FILE_BYTES = 1 << 20  # a model's shapes take a few KiB; anything larger is not ours
 ALGO_HEX = re.compile(r"[0-9a-f]{128}")  # a cublasLtMatmulAlgo_t: 8 x uint64, serialisable per the library's docs
 _WRITING = threading.Lock()
