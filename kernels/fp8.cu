@@ -295,13 +295,17 @@ fp8w_gemv_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned c
     const float* scale_row = scale + (i64)(n0 / 128) * scale_cols;
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
-    // the chunk's 16-byte pieces of this lane: [0], [1] of weight row g, [2], [3] of row g + 8; zeros past K / N
+    // the chunk's 16-byte pieces of this lane: [0], [1] of weight row g, [2], [3] of row g + 8; zeros past K / N.
+    // Every load is issued (from a valid address where the piece is outside: a row's start), then the zeros chosen:
+    // no branch between the loads, so they leave back to back
     auto load_weights = [&](uint4 (&w)[4], int c) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const bool in = c * 128 + 32 * t + 16 * h < k_dim;
-            w[h] = w0_ok && in ? f8g_ld16(q0 + c * 128 + 16 * h) : zero;
-            w[2 + h] = w1_ok && in ? f8g_ld16(q1 + c * 128 + 16 * h) : zero;
+            const int off = in ? c * 128 + 16 * h : -32 * t;
+            const uint4 v0 = f8g_ld16(q0 + off), v1 = f8g_ld16(q1 + off);
+            w[h] = w0_ok && in ? v0 : zero;
+            w[2 + h] = w1_ok && in ? v1 : zero;
         }
     };
     float acc[NT][4];
@@ -320,6 +324,7 @@ fp8w_gemv_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned c
         // converts the weight bytes again, cheaper than the registers of 8 tiles' sums)
 #pragma unroll
         for (int g0 = 0; g0 < NT; g0 += F8G_GROUP) {
+            uint4 xs[F8G_GROUP >= 4 ? 1 : 4][F8G_GROUP];
             float part[F8G_GROUP][4];
 #pragma unroll
             for (int i = 0; i < F8G_GROUP; ++i)
@@ -327,14 +332,22 @@ fp8w_gemv_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned c
                 for (int e = 0; e < 4; ++e) part[i][e] = 0.f;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                // x: the chunk's columns 32 t + 8 j .. + 7 of row 8 i + g of each tile, zeros past K or the rows
-                uint4 xv[F8G_GROUP];
-                const int k = c * 128 + 32 * t + 8 * j;
+                // x: the chunk's columns 32 t + 8 j .. + 7 of row 8 i + g of each tile of the group, zeros past K or
+                // the rows, loaded (from x's first row where outside) XJ column blocks at once, with no branch
+                // between the loads (a group of four tiles: one block at a time, for its registers)
+                constexpr int XJ = F8G_GROUP >= 4 ? 1 : 4;
+                if (j % XJ == 0) {
 #pragma unroll
-                for (int i = 0; i < F8G_GROUP; ++i) {
-                    const int r = 8 * (g0 + i) + g;
-                    xv[i] = r < rows && k < k_dim ? *reinterpret_cast<const uint4*>(x + (i64)r * ldx + k) : zero;
+                    for (int jj = 0; jj < XJ; ++jj)
+#pragma unroll
+                        for (int i = 0; i < F8G_GROUP; ++i) {
+                            const int r = 8 * (g0 + i) + g, k = c * 128 + 32 * t + 8 * (j + jj);
+                            const bool ok = r < rows && k < k_dim;
+                            const uint4 v = *reinterpret_cast<const uint4*>(x + (ok ? (i64)r * ldx + k : 0));
+                            xs[jj][i] = ok ? v : zero;
+                        }
                 }
+                const uint4 (&xv)[F8G_GROUP] = xs[j % XJ];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int st = 2 * j + h;  // the k-step: bytes 32 t + 4 st .. + 3
