@@ -13,6 +13,7 @@ left alone.
 """
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -24,11 +25,13 @@ _NOT_PLAIN = object()
 def install(params) -> int:
     """Give each Typer parameter among `params` whose values can be plain the coercion above; how many got it."""
     try:
-        from typer._coercion import build_runtime_param
+        from typer._coercion import RuntimeParam, build_runtime_param
         from typer._param_types import coerce_cli_path, routes_to_path
         from typer.core import _TyperParameter
     except ImportError:  # a Typer without Pydantic coercion: nothing to spare
         return 0
+    if list(inspect.signature(RuntimeParam.coerce).parameters) != ["self", "value", "param", "ctx"]:
+        return 0  # a Typer whose coercion is called otherwise: its own
     count = 0
     for param in params:
         descriptor = getattr(param, "type_descriptor", None)

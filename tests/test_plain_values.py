@@ -57,3 +57,9 @@ def test_a_run_s_options_are_parsed_without_pydantic():
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == repr((Path("m"), 64, 2.5, Path("out.jsonl"), False, None, False))
+
+
+def test_a_typer_whose_coercion_is_called_otherwise_is_left_alone(monkeypatch):
+    command = typer.main.get_command(app).commands["batch"]
+    monkeypatch.setattr(typer_coercion.RuntimeParam, "coerce", lambda self, value, ctx: value)
+    assert install(command.params) == 0 and all(p._runtime_param is None for p in command.params)
