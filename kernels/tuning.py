@@ -44,7 +44,9 @@ their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices"
   decode step's state at ~1.3 TB/s, its many short blocks waiting on memory.
 - MoE grouped GEMM (moe_gemm_stages): decode steps (few rows per expert) keep 3 K steps of weights in flight: the
   double buffer streamed granite's experts at ~1.8 TB/s in a decode step (the 6-layer profile's GEMM time).
-  moe_gemm_rows 16 (16-row tiles: a quarter of the A tile, more blocks and weight bytes in flight per SM) is untimed.
+  With 16-row tiles (moe_gemm_rows; a quarter of the A tile, more blocks and weight bytes in flight per SM) and 4
+  steps in flight, granite's decode-step experts take 84 + 44 us (gate_up + SwiGLU, down; ~2.3 TB/s) against 109 + 50
+  us in 64-row tiles and 3 steps (docs/PERFORMANCE.md).
 - row norms (norm_launch) and row-wise elementwise ops (elementwise_launch): 16-byte vectors, a block of 320 threads
   per 2560-wide bf16 row, lane groups of 16 for 128-wide heads, GLU rows over 128-thread row slices. Written without
   a device (checked on the CPU by tests/test_fused_emulated.py); `bench/kernel_bench.py elem` times them.
@@ -82,7 +84,7 @@ SSD_TC_BLOCKS = (2, 3)  # ... and MINB, the blocks per SM its registers are held
 SSD_TC_MIN_MEAN = 16  # tokens per sequence (mean) from which "auto" scans Mamba2 on tensor cores
 SSD_CHUNK = 128  # kernels/mamba.cu SSD_CHUNK: the fp32 chunked scan's chunk
 MOE_GEMM_STAGES = (2, 3, 4)  # moe_gemm_mma_kernel<bf16, STAGES, EPI> instantiations (kernels/moe.cu): cp.async buffers
-MOE_DECODE_STAGES = 3  # ... the one moe_gemm_stages "auto" gives decode-like steps (4: 91 registers, fewer blocks)
+MOE_DECODE_STAGES = 4  # ... the one moe_gemm_stages "auto" gives decode-like steps (with 16-row tiles)
 MOE_GEMM_ROWS = (64, 16)  # moe_gemm_mma_kernel's BM instantiations: rows per tile (16: decode's few rows an expert)
 SSD_DECODE_MAX_MEAN = 4  # tokens per sequence (mean) up to which ssd_decode "auto" takes ssd_decode_kernel
 
@@ -172,8 +174,8 @@ class CudaTuning:
     # for steps whose experts average at most one 64-row tile (decode: bound by the weight bytes in flight), else 2
     moe_gemm_stages: int | str = "auto"
     # rows per tile of the MoE grouped GEMM (MOE_GEMM_ROWS; the same bits at each), or "auto": 16 for steps whose
-    # experts average at most 16 rows, else 64; 64 until timed on the device
-    moe_gemm_rows: int | str = 64
+    # experts average at most 16 rows, else 64
+    moe_gemm_rows: int | str = "auto"
     attn_prefill_warps: int | None = None  # None: 8 above 128 head dims, else 4
     attn_decode_warps: int | None = 4
     attn_keys_per_tile: tuple[tuple[int, int], ...] = ()  # (head_dim, keys per K/V tile) overrides; default 64

@@ -405,11 +405,11 @@ def test_moe_gemm_stages_deepen_the_pipeline_for_decode_steps_only():
         CudaTuning(moe_gemm_stages=5)
 
 
-def test_moe_gemm_rows_take_16_row_tiles_for_decode_steps_when_asked():
+def test_moe_gemm_rows_take_16_row_tiles_for_decode_steps():
     from prefixrun.kernels.tuning import moe_gemm_rows
 
-    assert moe_gemm_rows(CudaTuning(), rows=64 * 6, experts=64) == 64  # the default until timed on the device
-    auto = CudaTuning(moe_gemm_rows="auto")
+    assert moe_gemm_rows(CudaTuning(moe_gemm_rows=64), rows=64 * 6, experts=64) == 64
+    auto = CudaTuning()
     assert moe_gemm_rows(auto, rows=64 * 6, experts=64) == 16  # a batch-64 decode step, top 6: 6 rows an expert
     assert moe_gemm_rows(auto, rows=16384 * 6, experts=64) == 64  # a prefill step
     assert moe_gemm_rows(CudaTuning(moe_gemm_rows=16), rows=16384 * 6, experts=64) == 16
