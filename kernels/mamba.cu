@@ -242,7 +242,9 @@ ssd_chunk_out_kernel(SSD_IN_PARAMS(T), const int* __restrict__ cu, int nseq, con
 
 // out = weight * s * rsqrt(mean over the group of s^2 + eps), s = x * silu(gate), in fp32. x, gate [T, D] with row
 // strides xs, gs; out [T, D] contiguous. grid (groups, T), block 256 (the kernel counts on it); group g covers
-// channels g * gsize ...; x and gate are read once for groups of up to 4096 channels.
+// channels g * gsize ...; x, gate and weight are read once for groups of up to 4096 channels, every load issued
+// before the first is used (indices past the group clamped to its last channel and their values dropped: a
+// conditional load would wait for each in turn, a decode step's few blocks paying 16 memory latencies).
 template <typename T, typename TG>
 __global__ void __launch_bounds__(256)
 gated_group_norm_kernel(const T* __restrict__ x, i64 xs, const TG* __restrict__ gate, i64 gs,
@@ -252,11 +254,20 @@ gated_group_norm_kernel(const T* __restrict__ x, i64 xs, const TG* __restrict__ 
     const i64 t = blockIdx.y;
     const int c0 = blockIdx.x * gsize;
     auto gated = [&](int i) { return to_f(x[t * xs + c0 + i]) * silu_f(to_f(gate[t * gs + c0 + i])); };
-    float kept[KEEP], sum = 0.f;  // the sum in the order of a plain loop over i = tid, tid + 256, ...
+    float kept[KEEP], wk[KEEP], sum = 0.f;  // the sum in the order of a plain loop over i = tid, tid + 256, ...
+    T xk[KEEP];
+    TG gk[KEEP];
+#pragma unroll
+    for (int m = 0; m < KEEP; ++m) {
+        const int i = min((int)threadIdx.x + m * 256, gsize - 1);
+        xk[m] = x[t * xs + c0 + i];
+        gk[m] = gate[t * gs + c0 + i];
+        wk[m] = weight[c0 + i];
+    }
 #pragma unroll
     for (int m = 0; m < KEEP; ++m) {
         const int i = threadIdx.x + m * 256;
-        kept[m] = i < gsize ? gated(i) : 0.f;
+        kept[m] = i < gsize ? to_f(xk[m]) * silu_f(to_f(gk[m])) : 0.f;
         if (i < gsize) sum += kept[m] * kept[m];
     }
     for (int i = threadIdx.x + KEEP * 256; i < gsize; i += 256) {
@@ -273,7 +284,7 @@ gated_group_norm_kernel(const T* __restrict__ x, i64 xs, const TG* __restrict__ 
 #pragma unroll
     for (int m = 0; m < KEEP; ++m) {
         const int i = threadIdx.x + m * 256;
-        if (i < gsize) out[t * dim + c0 + i] = from_f<T>(kept[m] * inv * weight[c0 + i]);
+        if (i < gsize) out[t * dim + c0 + i] = from_f<T>(kept[m] * inv * wk[m]);
     }
     for (int i = threadIdx.x + KEEP * 256; i < gsize; i += 256)
         out[t * dim + c0 + i] = from_f<T>(gated(i) * inv * weight[c0 + i]);
