@@ -159,8 +159,9 @@ class CudaTuning:
     # summation order in the solve.
     gdn_tc_prep: str = "v2-6"
     # Kimi's KDA (a decay per key channel) prefill in the tensor-core chunked form (kernels/kda_tc.cu): True, False or
-    # "auto" (kernels/kda_tuning.py kda_tc_launch)
-    kda_tensor_cores: bool | str = False
+    # "auto" (kernels/kda_tuning.py kda_tc_launch; checked against the reference on the device by
+    # tests/test_cuda_kimi.py, docs/PERFORMANCE.md has its figures)
+    kda_tensor_cores: bool | str = "auto"
     # token-stepped steps of a few tokens per sequence (decode) in gdn_decode_kernel: True, False or "auto"
     gdn_decode: bool | str = "auto"
     gdn_decode_block: tuple[int, int] | None = None  # (warps, value columns) per gdn_decode_kernel block

@@ -64,7 +64,8 @@ def test_per_channel_delta_rule_matches_the_reference(ops, mode, lens, h, dk):
         keep = snap_rows[snap_rows >= 0]
         assert rel(host(ops, snaps)[keep], ref_snaps[keep]) < TOL_STATE
     else:  # the fp32 chunked form (kernels/delta_rule.cu, PER_CHANNEL) or token steps (kda_step_launch)
-        tuned = {"chunked": ops.retuned(gdn_chunked=True), "stepped": ops.retuned(gdn_chunked=False)}.get(
+        tuned = {"chunked": ops.retuned(gdn_chunked=True, kda_tensor_cores=False),
+                 "stepped": ops.retuned(gdn_chunked=False, kda_tensor_cores=False)}.get(
             mode, ops.retuned(deterministic=True))
         want = ref.gated_delta_rule(qk[:, :h], qk[:, h:], v, g, beta, ref_state, slots, cu)
         got = tuned.gated_delta_rule(*dev, state, slots, cu, prefill=mode != "deterministic-decode")

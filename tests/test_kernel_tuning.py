@@ -43,14 +43,15 @@ def test_kda_chunked_choices():
 
 
 def test_kda_tensor_core_choices():
-    """KDA's tensor-core form (kernels/kda_tc.cu): off unless asked for; "auto" for bf16 aligned prefills averaging
-    32 tokens per sequence (doc-qa 4 x 4096 and suffixes 64 x 256 on Kimi-Linear-48B's 32 heads of 128 x 128), never
-    decode, --deterministic, unaligned rows or dims past 128 / not multiples of 8; True for any step with more tokens
-    than sequences. Its prep pass: a block per (chunk slot, head), 68.6 KB of shared memory (3 blocks per SM)."""
+    """KDA's tensor-core form (kernels/kda_tc.cu): "auto" (the default) for bf16 aligned prefills averaging 32 tokens
+    per sequence (doc-qa 4 x 4096 and suffixes 64 x 256 on Kimi-Linear-48B's 32 heads of 128 x 128), never decode,
+    --deterministic, unaligned rows or dims past 128 / not multiples of 8; True for any step with more tokens than
+    sequences; False never. Its prep pass: a block per (chunk slot, head), 68.6 KB of shared memory (3 a SM)."""
     kimi = dict(heads=32, dk=128, dv=128, aligned=True)
-    auto = dataclasses.replace(DEFAULT, kda_tensor_cores="auto")
+    auto = DEFAULT
     forced = dataclasses.replace(DEFAULT, kda_tensor_cores=True)
-    assert kda_tc_launch(DEFAULT, tokens=4 * 4096, seqs=4, **kimi) is None
+    assert DEFAULT.kda_tensor_cores == "auto"
+    assert kda_tc_launch(dataclasses.replace(DEFAULT, kda_tensor_cores=False), tokens=4 * 4096, seqs=4, **kimi) is None
     for tokens, seqs in ((4 * 4096, 4), (64 * 256, 64), (2048, 1)):
         assert kda_tc_launch(auto, tokens=tokens, seqs=seqs, **kimi) == DeltaRuleLaunch(
             True, "gdn_tc_scan_kernel<128, 4, true>", (2, 32, seqs), tensor_cores=True, dim=128, warps=4)
