@@ -437,11 +437,25 @@ __global__ void moe_combine_kernel(const T* __restrict__ y, const int* __restric
         float acc[V], v[V];
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[i] = 0.f;
-        for (int j = 0; j < k; ++j) {
-            const float wj = weights[(i64)t * k + j];
-            moe_read<T, V>(y + (i64)position[(i64)t * k + j] * dim + d0, d0, dim, vec, v);
+        // the experts in groups of 4: a group's weights, positions, then rows loaded before any is summed (choices
+        // past k clamped to the last and dropped), the sum still in order of j
+        for (int j0 = 0; j0 < k; j0 += 4) {
+            float wq[4], rq[4][V];
+            int pq[4];
 #pragma unroll
-            for (int i = 0; i < V; ++i) acc[i] += wj * v[i];
+            for (int q = 0; q < 4; ++q) {
+                const i64 j = (i64)t * k + min(j0 + q, k - 1);
+                wq[q] = weights[j];
+                pq[q] = position[j];
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) moe_read<T, V>(y + (i64)pq[q] * dim + d0, d0, dim, vec, rq[q]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (j0 + q < k) {
+#pragma unroll
+                    for (int i = 0; i < V; ++i) acc[i] += wq[q] * rq[q][i];
+                }
         }
         if (SHARED) {
             moe_read<T, V>(shared + (i64)t * dim + d0, d0, dim, vec, v);
