@@ -443,7 +443,8 @@ def bench(
 
     clock = PhaseClock()  # the process's start-up so far is its imports
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import STDOUT, OutputError, check_target, check_targets, claim_output, run_to_output
+    from prefixrun.cli.output import (STDOUT, OutputError, check_target, check_targets, claim_output, run_to_output,
+                                      write_json_report)
 
     clock.mark("options")
 
@@ -486,8 +487,8 @@ def bench(
         report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter,
                                claim=claim, json_report=p["json_report"])
     reporter.final(report)
-    if p["json_report"] is not None:
-        p["json_report"].write_text(json.dumps(report, indent=2) + "\n")
+    if p["json_report"] is not None and not write_json_report(p["json_report"], report, reporter):
+        raise typer.Exit(1)
     figures = figures_of.figures(run, report, workload, open_seconds)
     if compare_transformers:
         setup = figures_of.transformers_setup(run, workload)

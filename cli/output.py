@@ -489,7 +489,7 @@ def write_json_report(path: Path, report: dict, reporter) -> bool:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
             sys.stdout.flush()
             return True
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        _write_atomically(path, json.dumps(report, indent=2) + "\n")
         return True
     except OSError as exc:
         if path == STDOUT and isinstance(exc, BrokenPipeError):
@@ -498,6 +498,36 @@ def write_json_report(path: Path, report: dict, reporter) -> bool:
         shown = "- (standard output)" if path == STDOUT else path
         reporter.error(f"cannot write --json-report {shown}: {exc.strerror or exc}")
         return False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` at `path` whole or not at all: a temporary file in the same folder, flushed to disk, then renamed over
+    `path` (a link planted there is replaced, never followed). A FIFO or device named by the user is written as it
+    is: renaming over it would replace what the user opened."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        return
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # what open() would have given the report, not mkstemp's 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
 
 
 def _restore_input_order(output: Path, positions, fresh_from: int, ordered: bool, reporter) -> None:

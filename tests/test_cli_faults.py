@@ -885,3 +885,72 @@ def test_a_chat_line_whose_answer_outgrows_the_state_memory_is_an_error_record(m
         "--model", model, "--device", "cpu", "--no-cache", "-q")
     want = {r["custom_id"]: r["token_ids"] for r in records(alone.stdout)}
     assert {k: by_id[k]["token_ids"] for k in ("short", "after")} == want
+
+
+class _ErrorLines:
+    def __init__(self):
+        self.lines = []
+
+    def error(self, line):
+        self.lines.append(line)
+
+
+def test_json_report_is_replaced_whole_never_truncated(tmp_path, monkeypatch):
+    """--json-report goes to a temporary file in the same folder, renamed over the target once on disk: a write
+    that fails (disk full at the flush) leaves the previous report as it was and no temporary file behind."""
+    from prefixrun.cli.output import write_json_report
+
+    target = tmp_path / "r.json"
+    target.write_text('{"previous": true}\n')
+    real_fsync = os.fsync
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    errors = _ErrorLines()
+    assert write_json_report(target, {"requests": 3}, errors) is False
+    assert target.read_text() == '{"previous": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    assert errors.lines == [f"cannot write --json-report {target}: No space left on device"]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert write_json_report(target, {"requests": 3}, errors) is True
+    assert json.loads(target.read_text()) == {"requests": 3}
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as open() creates it, not 0600
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_json_report_replaces_a_planted_link_never_writes_through_it(tmp_path):
+    """A link planted at the report's path is replaced by the report; the file it points at is left alone."""
+    from prefixrun.cli.output import write_json_report
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    target = tmp_path / "r.json"
+    target.symlink_to(victim)
+    assert write_json_report(target, {"requests": 1}, _ErrorLines()) is True
+    assert victim.read_text() == "keep me\n"
+    assert not target.is_symlink() and json.loads(target.read_text()) == {"requests": 1}
+
+
+def test_json_report_to_a_fifo_is_written_into_it(tmp_path):
+    """A FIFO the user names (a reader waiting on it) gets the report; renaming over it would lose the reader."""
+    from prefixrun.cli.output import write_json_report
+
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    assert write_json_report(fifo, {"requests": 2}, _ErrorLines()) is True
+    assert json.loads(reader.communicate(timeout=30)[0]) == {"requests": 2}
+    assert stat_is_fifo(fifo)
+
+
+def stat_is_fifo(path) -> bool:
+    import stat
+
+    return stat.S_ISFIFO(os.lstat(path).st_mode)

@@ -84,6 +84,7 @@ HONOURED = {
     "llama-head_dim": ("llama", dict(head_dim=24), 40),
     "llama-tied-mha": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4), 40),
     "llama-rms_norm_eps": ("llama", dict(rms_norm_eps=0.05), 40),
+    "llama-sliding_window-whole-context": ("llama", dict(sliding_window=512), 40),  # a window as long as the context
     "qwen3-base": ("qwen3", {}, 40),
     "qwen3-attention_bias": ("qwen3", dict(attention_bias=True), 40),
     "qwen3-gelu": ("qwen3", dict(hidden_act="gelu"), 40),
@@ -274,6 +275,9 @@ REFUSED = {
     "attention softcap": ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping = 50.0"),
     "bidirectional": ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention = true"),
     "no window": ("gemma3_text", dict(sliding_window=None), "sliding_window = null"),
+    # LlamaConfig has no layer_types: transformers' cache keeps only the window's tokens after a full prefill
+    "llama sliding window": ("llama", dict(sliding_window=4), "sliding_window = 4"),
+    "llama chunked attention": ("llama", dict(attention_chunk_size=16), "attention_chunk_size = 16"),
     "sliding types without a window": ("qwen3", dict(layer_types=["full_attention", "sliding_attention"],
                                                      use_sliding_window=False), "use_sliding_window = false"),
     # values of the wrong type: one line naming the field, never a TypeError / ValueError / OverflowError

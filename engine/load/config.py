@@ -107,6 +107,15 @@ class DenseConfig(DecoderConfig):
         extra = dict(hidden_act=f.get("hidden_act"))
         if family == "llama":
             extra["mlp_bias"] = f.flag("mlp_bias")
+            # LlamaConfig has no layer_types: transformers' cache then keeps only the last sliding_window (or
+            # attention_chunk_size) tokens of every layer while its prefill attends to the whole prompt, a
+            # behaviour no attention layout reproduces
+            for key in ("sliding_window", "attention_chunk_size"):
+                window = f.get(key)
+                f.refuse_unless(key, window is None or (isinstance(window, int) and not isinstance(window, bool)
+                                                        and window >= common["max_position_embeddings"]),
+                                "Llama attends to the whole context; transformers' cache would drop all but the "
+                                "last tokens")
         if family == "qwen3" and SLIDING_ATTENTION in common["layer_types"]:
             # Qwen3Config keeps sliding_window only when use_sliding_window is set; sliding layers without a window
             # crash transformers' own cache, so there is no behaviour to match
