@@ -58,12 +58,16 @@ class BatchRun:
         if config.devices is None and config.ray_address is None:
             front = loader.load_front(model_dir)
             self._set_front(front, config)
-            upcoming = None
-            if input_ahead is not None:
+
+            def read_ahead():
+                # called by the session once the weights' reads run: parsed before, the lines' Python delayed the
+                # reads' start, which waits for the GPU's bring-up, whose Python shares the interpreter's lock
                 from prefixrun.cli.input_ahead import FirstWindowAhead
 
                 self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, config.max_line_bytes)
-                upcoming = self._ahead.prompts if config.use_cache and config.reuse else None
+                return self._ahead.prompts if config.use_cache and config.reuse else None
+
+            upcoming = read_ahead if input_ahead is not None else None
             try:
                 clock.mark("imports")  # the engine's modules (the session then marks its own phases)
                 self.session = EngineSession(config, front=front, upcoming=upcoming, clock=clock)

@@ -113,3 +113,39 @@ def test_checking_the_options_loads_no_cache_and_no_model_code():
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["--no-cache", "cache"])
+def test_the_input_is_read_ahead_once_the_weights_reads_run(tmp_path, monkeypatch, cache):
+    """The first window's lines are parsed on their thread only once the weights' reads are started (engine/load/
+    loader.py start_load returned): parsed earlier, their Python delayed the reads' start. The cache still gets
+    them as its hint, and every line's result is what it was."""
+    from typer.testing import CliRunner
+
+    from prefixrun.cli import input_ahead
+    from prefixrun.cli.app import app
+    from prefixrun.engine.load import loader
+
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt_token_ids": [5, 6, 7 + i], "max_tokens": 2,
+                                       "temperature": 0}) + "\n" for i in range(4)))
+    order: list[str] = []
+    real_start_load, real_ahead = loader.start_load, input_ahead.FirstWindowAhead.__init__
+
+    def start_load(*args, **kwargs):
+        loading = real_start_load(*args, **kwargs)
+        order.append("weights' reads started")
+        return loading
+
+    def ahead(self, *args, **kwargs):
+        order.append("input read ahead")
+        real_ahead(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "start_load", start_load)
+    monkeypatch.setattr(input_ahead.FirstWindowAhead, "__init__", ahead)
+    args = ["batch", str(src), "--model", str(model), "--device", "cpu", "-q"]
+    res = CliRunner().invoke(app, args + ([] if cache else ["--no-cache"]), catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert order == ["weights' reads started", "input read ahead"]
+    assert [json.loads(line)["custom_id"] for line in res.stdout.splitlines()] == [f"r{i}" for i in range(4)]

@@ -21,7 +21,8 @@ class EngineSession:
     """`front`: the model's front, loaded already by the caller (its tokenizer reads the input meanwhile).
     `upcoming`: a Future of the token ids of the prompts the first run will be given, e.g. read from the input
     on another thread while the weights load: a hint to read their stored prefixes ahead meanwhile
-    (engine/cache/opening.py); it never changes what runs."""
+    (engine/cache/opening.py); it never changes what runs. Or a function that starts that reading and returns the
+    Future (or None), called once the weights' reads run: work started before them delays their start."""
 
     def __init__(self, config: RunConfig, front=None, upcoming=None, clock=None):
         from prefixrun.engine.load import loader
@@ -51,6 +52,8 @@ class EngineSession:
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
                                         deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
                                         clock=clock)
+            if callable(upcoming):
+                upcoming = upcoming()
             # the engine's modules are imported here, while the weights are read (their reads need little of the
             # interpreter), not before the reads start
             from prefixrun.engine.run.core import EngineOptions
