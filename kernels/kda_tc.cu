@@ -47,6 +47,7 @@ kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     float* sLT = reinterpret_cast<float*>(sQV);
     float* sG = reinterpret_cast<float*>(tc_smem_raw + TC_C * LD * 2 + QV_BYTES);  // [C][GLD] Gc, log2 units
     __shared__ float sbeta[TC_C];
+    __shared__ unsigned s_unsafe[4][4];  // per 16-token block, the channels its diagonal product leaves out (bits)
     __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -77,11 +78,24 @@ kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     if (tid < TC_C) sbeta[tid] = tid < n ? beta[(i64)(start + tid) * heads + h] : 0.f;
     tc_cp_wait_all();
     __syncthreads();
-    for (int d = tid; d < D; d += 128) {  // Gc = cumsum(g) log2(e) per channel (constant past n: g is zero there)
+    {  // Gc = cumsum(g) log2(e) per channel (constant past n: g is zero there), thread d; and which channels decay by
+       // more than KDA_SAFE_SPAN over each 16-token block (s_unsafe[block][d / 32], bit d % 32)
+        static_assert(D <= 128, "a thread per key channel");
         float acc = 0.f;
-        for (int t = 0; t < TC_C; ++t) {
-            acc += sG[t * GLD + d] * KDA_LOG2E;
-            sG[t * GLD + d] = acc;
+        bool unsafe[4] = {false, false, false, false};
+        if (tid < D) {
+            float first = 0.f;
+            for (int t = 0; t < TC_C; ++t) {
+                acc += sG[t * GLD + tid] * KDA_LOG2E;
+                sG[t * GLD + tid] = acc;
+                if (t % 16 == 0) first = acc;
+                if (t % 16 == 15) unsafe[t / 16] = first - acc > KDA_SAFE_SPAN;
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const unsigned m = __ballot_sync(FULL_MASK, unsafe[b]);
+            if (lane == 0) s_unsafe[b][warp] = m;
         }
     }
     __syncthreads();
@@ -159,8 +173,10 @@ kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     // the diagonal block's fast-decaying channels: this lane's entries of its two tiles (rows gid, gid + 8; columns
     // 2 tig, + 1, + 8, + 9 of the block), as the accumulators hold them
 #pragma unroll 1
-    for (int d = 0; d < D; ++d) {
-        if (gref[d] - gend[d] <= KDA_SAFE_SPAN) continue;
+    for (int word = 0; word < 4; ++word)
+#pragma unroll 1
+    for (unsigned bits = s_unsafe[warp][word]; bits; bits &= bits - 1) {  // warp-uniform: the block's unsafe channels
+        const int d = word * 32 + __ffs(bits) - 1;
 #pragma unroll
         for (int n2 = 0; n2 < 4; ++n2) {
             if (n2 != warp) continue;
