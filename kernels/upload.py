@@ -236,6 +236,10 @@ def _chunks(pieces: list[tuple[int, np.ndarray]], size: int):
 
 
 _UPLOADER = StagedUploader()
+# the persistent cache's read-ahead uploads on a thread of its own, through staging of its own: through the shared
+# uploader each entry's upload (~0.1 s for a long document) held its lock, and the engine's restores of the entry
+# before it (their recurrent states through the staging buffers, their rows placed from the device) waited for it
+_AHEAD_UPLOADER = StagedUploader()
 
 
 def upload_bytes(dst: cupy.ndarray, src: np.ndarray):
@@ -256,5 +260,6 @@ def upload_bytes_many(pairs: list[tuple[cupy.ndarray, np.ndarray]]):
 
 
 def upload_ahead(arrays: list[np.ndarray]) -> list[cupy.ndarray] | None:
-    """StagedUploader.upload_ahead through the shared uploader: device copies made on its stream, complete on return."""
-    return _UPLOADER.upload_ahead(arrays)
+    """StagedUploader.upload_ahead through an uploader of its own (not the engine's): device copies made on its
+    stream, complete on return."""
+    return _AHEAD_UPLOADER.upload_ahead(arrays)

@@ -161,3 +161,36 @@ def test_no_room_on_the_device_means_no_upload_ahead(upload, monkeypatch):
         raise MemoryError
     monkeypatch.setattr(upload.cupy, "empty", full)
     assert upload.StagedUploader().upload_ahead([np.ones(5000, np.uint8)]) is None
+
+
+def test_an_upload_ahead_under_way_does_not_hold_up_the_engines_copies(upload, monkeypatch):
+    """The persistent cache's read-ahead uploads an entry (~0.1 s for a long document) on its staging thread while
+    the engine restores the entry before it; through one shared uploader the restore's staged copy waited for that
+    upload's lock. A stand-in upload ahead stays in its staging until released: the engine's copy lands meanwhile."""
+    import threading
+
+    release, staging = threading.Event(), threading.Event()
+    real_stage = upload.StagedUploader._stage
+
+    def stage(self, pieces, into=None):
+        if threading.current_thread().name == "ahead":
+            staging.set()
+            release.wait(10)
+        return real_stage(self, pieces, into)
+
+    monkeypatch.setattr(upload.StagedUploader, "_stage", stage)
+    ahead = np.arange(3000, dtype=np.uint16)
+    got: dict = {}
+    worker = threading.Thread(target=lambda: got.update(rows=upload.upload_ahead([ahead])), name="ahead")
+    worker.start()
+    assert staging.wait(10)
+    dst, src = np.zeros(5000, np.uint8), np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8)
+    done = threading.Event()
+    copier = threading.Thread(target=lambda: (upload.upload_bytes_many([(_DeviceArray(dst), src)]), done.set()))
+    copier.start()
+    landed = done.wait(5)
+    release.set()
+    worker.join(10)
+    copier.join(10)
+    assert landed, "the engine's copy waited for the upload ahead"
+    assert np.array_equal(dst, src) and np.array_equal(got["rows"][0].host.view(np.uint16), ahead)
