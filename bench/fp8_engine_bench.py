@@ -77,6 +77,7 @@ def main():
         print(f"{path.name}: loaded in {time.perf_counter() - t:.1f} s", flush=True)
         for label, changes in list(tunings.items())[:1 if a.device == "cpu" else None]:
             ops = loaded.ops.retuned(**changes) if changes and a.device != "cpu" else loaded.ops
+            loaded.model.ops = ops  # the model's forward runs its own ops object: the tuning must be that one's
             measure(label, loaded.model, ops, shared, unique, a)
         del loaded, ops
         gc.collect()
