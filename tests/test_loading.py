@@ -102,6 +102,12 @@ def test_errors_name_the_file_and_tensor(plain_dir, tmp_path, cpu_ops):
     ("num_hidden_layers", 10**30, "num_hidden_layers must be a positive integer up to 65,536"),
     ("num_hidden_layers", -10**30, "num_hidden_layers must be a positive integer up to 65,536"),
     ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer up to 65,536"),
+    # a context beyond int32 positions (it loaded, and promised a context no kernel can index)
+    ("max_position_embeddings", 10**15, "max_position_embeddings must be a positive integer up to 2,147,483,647, "
+                                        "got 1,000,000,000,000,000"),
+    ("max_position_embeddings", 1e30, "max_position_embeddings must be a positive integer up to 2,147,483,647"),
+    ("max_position_embeddings", -4096, "max_position_embeddings must be a positive integer up to 2,147,483,647, "
+                                       "got -4,096"),
 ])
 def test_malformed_config_values_are_one_line_errors(family, key, value, message):
     """Each is refused by name before any list of layers is built (10**30 layers hung building one, a wrong type

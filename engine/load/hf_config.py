@@ -26,6 +26,7 @@ from prefixrun.engine.load.quantization import parse_quantization
 from prefixrun.engine.load.rope import parse_rope
 
 MAX_LAYERS = 65536  # far above any released model's depth, far below a list that would not fit in memory
+MAX_POSITIONS = 2**31 - 1  # positions are int32 in every kernel; far above any released model's context
 _LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION, "linear": LINEAR_ATTENTION}
 
 # transformers' config-class defaults for the fields read here, per family (used when config.json omits a field)
@@ -217,6 +218,9 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     layer_types = _layer_types(f, family, num_layers)
     num_layers = len(layer_types) if family == "nemotron_h" else num_layers
     max_pos = f.number("max_position_embeddings", int)
+    if not 0 < max_pos <= MAX_POSITIONS:
+        raise ModelLoadError(f"{source}: max_position_embeddings must be a positive integer up to "
+                             f"{MAX_POSITIONS:,}, got {max_pos:,}")
     rope, rope_local = parse_rope(text, family, head_dim=head_dim, max_position_embeddings=max_pos,
                                   defaults=f.defaults, source=source)
     common = dict(
