@@ -205,6 +205,8 @@ _ROW_MULTIPLE = 16
 # where cuBLASLt refuses a shape at a row count, up to this many rows take the weight-only kernel (reading the fp8
 # weights once); more rows dequantise the weight for the call (the bf16 GEMM is faster there than our kernel)
 _FALLBACK_WEIGHT_ONLY_ROWS = 256
+# FP8 segments of at most this many weight rows take the weight-only kernel for up to _SMALL_SEGMENT_MAX_M rows
+_SMALL_SEGMENT_ROWS, _SMALL_SEGMENT_MAX_M = 128, 64
 
 
 def projection_linear(ops, x, weight: ProjectionWeight):
@@ -224,8 +226,10 @@ def projection_linear(ops, x, weight: ProjectionWeight):
     out = full[:m]  # the result: the first m rows (C-contiguous)
     quantized = None
     decode_rows = m <= ops.tuning.fp8_weight_only_rows and x2.dtype == BF16
+    # a segment of a few weight rows (a Gated DeltaNet's b and a) costs cuBLASLt its fixed ~14 us at any row count
+    few_rows = x2.dtype == BF16 and ops.tuning.fp8_weight_only_rows > 0 and m <= _SMALL_SEGMENT_MAX_M
     for row, seg in weight.segments:
-        if isinstance(seg, Fp8Block) and decode_rows:
+        if isinstance(seg, Fp8Block) and (decode_rows or few_rows and seg.shape[0] <= _SMALL_SEGMENT_ROWS):
             weight_only(ops, x2, seg, out, row)
             continue
         if isinstance(seg, Fp8Block):
