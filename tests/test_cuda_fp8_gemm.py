@@ -169,7 +169,11 @@ def test_a_projection_of_fp8_and_plain_parts_writes_each_segment_s_columns(ops, 
         row = 0
         for p in parts:
             w = p.dequantize() if isinstance(p, Fp8Matrix) else p
-            fp8 = isinstance(p, Fp8Matrix) and p.block == (128, 128) and tuned.tuning.fp8_weight_only_rows < 50
+            seg_rows = next(seg.shape[0] for r, seg in reversed(proj.segments) if r <= row)
+            # weight-only: 50 rows within the tuning's, or a segment of at most 128 weight rows (cuda_fp8.py)
+            weight_only = tuned.tuning.fp8_weight_only_rows >= 50 or (tuned.tuning.fp8_weight_only_rows > 0
+                                                                        and seg_rows <= 128)
+            fp8 = isinstance(p, Fp8Matrix) and p.block == (128, 128) and not weight_only
             fp8 = fp8 and not any(key[2] == 50 for key in cuda_fp8._FELL_BACK)  # refused: the weight-only kernel ran
             want = (x_dq if fp8 else x.astype(np.float32)) @ w.astype(BF16).astype(np.float32).T
             part = got[:, row:row + w.shape[0]]
