@@ -20,7 +20,7 @@ for name in ("numpy", "cupy", "cupy_backends", "cuda", "typer", "click", "rich",
     spec = importlib.util.find_spec(name)
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if os.access(folder, os.W_OK):
-            compileall.compile_dir(folder, quiet=1, workers=0)
+            compileall.compile_dir(folder, quiet=1)
 PY
 if ! python3 -c "import numpy, os, sys; d = os.path.join(os.path.dirname(numpy.__file__), '__pycache__'); sys.exit(not any(sys.implementation.cache_tag in f for f in os.listdir(d)) if os.path.isdir(d) else 1)" 2>/dev/null; then
   export PYTHONPYCACHEPREFIX=/tmp/prefixrun-pycache
