@@ -52,8 +52,7 @@ class EngineSession:
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
                                         deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
                                         clock=clock)
-            if callable(upcoming):
-                upcoming = upcoming()
+            upcoming = upcoming() if callable(upcoming) else upcoming  # a reading started now, beside the reads
             # the engine's modules are imported here, while the weights are read (their reads need little of the
             # interpreter), not before the reads start
             from prefixrun.engine.run.core import EngineOptions
