@@ -226,7 +226,7 @@ def projection_linear(ops, x, weight: ProjectionWeight):
     out = full[:m]  # the result: the first m rows (C-contiguous)
     quantized = None
     decode_rows = m <= ops.tuning.fp8_weight_only_rows and x2.dtype == BF16
-    # a segment of a few weight rows (a Gated DeltaNet's b and a) costs cuBLASLt its fixed ~14 us at any row count
+    # a segment of a few weight rows (a Gated DeltaNet's b and a) costs cuBLASLt its fixed cost at any row count
     few_rows = x2.dtype == BF16 and ops.tuning.fp8_weight_only_rows > 0 and m <= _SMALL_SEGMENT_MAX_M
     for row, seg in weight.segments:
         if isinstance(seg, Fp8Block) and (decode_rows or few_rows and seg.shape[0] <= _SMALL_SEGMENT_ROWS):

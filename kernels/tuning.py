@@ -207,9 +207,8 @@ class CudaTuning:
     gemm_pairing: bool = True
     # FP8 projections (kernels/cuda_fp8.py) of at most this many rows run a weight-only kernel (bf16 rows times the
     # fp8 weights, fp32 sums: half the weight bytes of bf16, no activation quantisation) instead of cuBLASLt's
-    # block-scaled FP8 GEMM on quantised rows; 0: cuBLASLt for every row count. 8: at one row fp8w_gemv_kernel took
-    # 0.71-0.86x of bf16's time on the 4b-like shapes, cuBLASLt 0.98-1.93x; from 16 rows cuBLASLt was the faster
-    # (docs/PERFORMANCE.md, "FP8 decode")
+    # block-scaled FP8 GEMM on quantised rows; 0: cuBLASLt for every row count. 8: on the 4b-like shapes the gemv
+    # kernel is the faster up to 8 rows, cuBLASLt from 16 (docs/PERFORMANCE.md, "FP8 decode")
     fp8_weight_only_rows: int = 8
     # ... of which at most this many rows (<= 64) take fp8w_gemv_kernel (the weight bytes read straight into the
     # tensor cores' operand), more fp8w_gemm_kernel (64 x 64 tiles dequantised in shared memory)
