@@ -198,7 +198,7 @@ def check_against_transformers(path, cpu_ops, prompt_len: int, composite: bool =
     model, _ = load_model(path, cpu_ops)
     st = new_state(model, cpu_ops)
     h = st.new_sequence()
-    ours = model.forward(st.prepare_step([h], [prompt]), st, all_logits=True)
+    ours = model.forward(st.prepare_step([h], [prompt], prefill=True), st, all_logits=True)  # as the engine's
     np.testing.assert_allclose(ours, ref_prompt, atol=TOL, rtol=0)
     logits, tokens, errs = ours[-1], [], [np.abs(ours - ref_prompt).max()]
     for i in range(GREEDY):

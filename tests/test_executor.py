@@ -32,6 +32,8 @@ class FakeRunner:
     """The model runner's interface over the real pools: states advance (blocks reserved, lengths), logits are one-hot
     at next_token(last token); each prefill step's pieces and each decode step's batch size are recorded."""
 
+    generated_tokens_as_steps = False  # a prefill and a decode step compute a token alike
+
     def __init__(self, state: ModelState):
         self.state = state
         self.prefills: list[list[list[int]]] = []

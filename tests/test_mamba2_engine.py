@@ -86,10 +86,10 @@ def _prompts() -> list[list[int]]:
     return out + [base[:30], base[:30], base, [7], [5, 6, 7] * 8]
 
 
-def _run(model, ops, prompts, opts, max_tokens=10):
+def _run(model, ops, prompts, opts, max_tokens=10, answer=lambda r: r.token_ids):
     eng = Engine(model, ops, options=opts)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    out = {r.custom_id: r.token_ids for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    out = {r.custom_id: answer(r) for r in eng.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
     eng.check_invariants()
     eng.close()
     assert not eng.state.live
@@ -285,3 +285,25 @@ def test_bench_runs_on_every_family_and_counts_what_a_token_multiplies(model_dir
     assert counted > 0
     if expected is not None:
         assert counted == expected, (counted, expected)
+
+
+def test_preempted_sequences_get_their_generated_tokens_back_as_decode_steps(tmp_path, cpu_ops):
+    """Where the prompt's dt clamp binds (time_step_min 0.2), a decode step computes a token otherwise than a prefill
+    (engine/load/mamba_config.py), so a preempted sequence's generated tokens are fed back as decode steps: its
+    tokens are those of a run with ample pools."""
+    from prefixrun.engine.state.pools import pool_unit_bytes
+
+    path = make_model_dir(tmp_path, {**TINY["nemotron_h"], "time_step_min": 0.2}, seed=7, init_std=PARITY_STD)
+    model = load_model(path, cpu_ops)[0]
+    assert model.cfg.generated_tokens_as_steps
+    slot, block = pool_unit_bytes(model.state_specs(), cpu_ops, 4)
+    small = EngineOptions(speculative="off", block_size=4, max_batch=8, checkpoint_budget_bytes=1 << 20,
+                          state_memory_bytes=(2 * 8 + min(512, (1 << 20) // slot) + 4) * slot + 60 * block)
+    answer = lambda r: (r.token_ids, [lp.logprob for lp in r.choices[0].logprobs])
+    got, stats = _run(model, cpu_ops, _prompts(), small, max_tokens=24, answer=answer)
+    ample, _ = _run(model, cpu_ops, _prompts(), EngineOptions(speculative="off", block_size=4), max_tokens=24,
+                    answer=answer)
+    assert stats.preemptions > 0
+    for key, (tokens, logprobs) in ample.items():
+        assert got[key][0] == tokens, key
+        np.testing.assert_allclose(got[key][1], logprobs, atol=1e-5, rtol=0, err_msg=key)

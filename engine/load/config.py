@@ -82,6 +82,12 @@ class DecoderConfig:
     # the config.json field `hidden_act` is read from (Gemma 3 names it hidden_activation), for messages
     activation_field: ClassVar[str] = "hidden_act"
 
+    @property
+    def generated_tokens_as_steps(self) -> bool:
+        """Whether a generated token must be fed as a decode step and never prefilled, because the two compute it
+        differently (engine/load/mamba_config.py); elsewhere a step and a prefill agree."""
+        return False
+
 
 @dataclass(frozen=True)
 class DenseConfig(DecoderConfig):

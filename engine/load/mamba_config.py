@@ -10,9 +10,11 @@ expand, mamba_proj_bias, time_step_limit, residual_in_fp32, mamba_ssm_cache_dtyp
 moe_shared_expert_overlap, num_nextn_predict_layers: its MTP weights are not loaded) change no inference result and
 are accepted as they are.
 
-The step dt is clamped to (low, high) in every step, as transformers' chunked scan clamps it (Nemotron-H: low =
-time_step_min; Granite: time_step_limit); transformers' one-token decode step skips the clamp, which would make an
-answer depend on how its tokens were stepped.
+The step dt is clamped to (low, high) where transformers clamps it: in its chunked scan, the pass over a prompt
+(Nemotron-H: low = time_step_min; Granite: time_step_limit). Its one-token decode step, the one generated tokens go
+through, skips the clamp, and so do ours (`Mamba2Settings.step_dt_limit`): prefill steps clamp, decode and verify
+steps do not. Where the two differ, a generated token must never be prefilled: a preempted sequence gets its
+generated tokens back as decode steps (`Mamba2HybridConfig.generated_tokens_as_steps`, engine/run/preemption.py).
 """
 from __future__ import annotations
 
@@ -64,6 +66,11 @@ class Mamba2Settings:
                                  f"{list(self.dt_limit)}")
 
     @property
+    def step_dt_limit(self) -> tuple[float, float]:
+        """The dt limits of a decode or verify step: none, as transformers' one-token recurrent step."""
+        return (0.0, math.inf)
+
+    @property
     def intermediate(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -110,6 +117,12 @@ class Mamba2HybridConfig(DecoderConfig):
     moe: MoeSettings | None = None  # Granite's routed experts (None: num_local_experts 0)
     shared_intermediate_size: int = 0  # Granite's shared MLP
     nemotron_moe: NemotronMoeSettings | None = None  # Nemotron-H's moe blocks (None: the pattern has none)
+
+    @property
+    def generated_tokens_as_steps(self) -> bool:
+        """Whether a generated token must be fed as a decode step, never prefilled (module doc): where the prompt's
+        dt clamp can bind."""
+        return self.mamba is not None and self.mamba.dt_limit != self.mamba.step_dt_limit
 
     def __post_init__(self):
         super().__post_init__()

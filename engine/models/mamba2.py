@@ -69,7 +69,8 @@ class Mamba2Mixer:
         b = xbc[:, i:i + gn].reshape(t, m.n_groups, m.state_size)
         cc = xbc[:, i + gn:].reshape(t, m.n_groups, m.state_size)
         dt = proj[:, i + c:]  # [T, H]
-        args = (xs, dt, b, cc, self.a_log, self.dt_bias, self.d_skip, m.dt_limit, state.arrays[self.ssm_region],
+        limit = m.dt_limit if batch.prefill else m.step_dt_limit  # engine/load/mamba_config.py
+        args = (xs, dt, b, cc, self.a_log, self.dt_bias, self.d_skip, limit, state.arrays[self.ssm_region],
                 batch.slots, batch.cu_seqlens)
         if rows is None:
             y = ops.ssd_scan(*args)  # [T, H, P]

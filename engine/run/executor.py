@@ -83,7 +83,7 @@ class WindowExecutor:
         self.samples: dict[int, SampleSet] = {}  # id(request) -> its samples ended so far
         self.prompt = PromptLogprobs(plan, requests, self.ops)
         self.preempted = Preemptions(self.state, self.runner, self.saved_states, self.sched, o, self.stats, trace,
-                                     self.grid)
+                                     self.grid, self.runner.generated_tokens_as_steps)
         self.saved: dict[int, CheckpointEntry] = {}  # task id -> its branch checkpoint
         self.saver: dict[int, tuple[Task, TaskRun]] = {}  # id(entry) -> the task that saved it, and its run
         # plain decode steps queued one ahead of their tokens (engine/step/decode_pipeline.py) where the speculator

@@ -13,7 +13,8 @@ from the longest saved state of those tokens (a checkpoint in memory or in the p
 restores one) or from scratch (`resume`). Its answer is the one it would have given without the preemption. With
 batch-invariant kernels (--deterministic) the prompt is prefilled on the chunk grid from a state the grid allows,
 as any prompt is, and the generated tokens are fed as decode steps feed them (one row per sequence and step), so
-the recomputed state holds the very bits the preempted one did.
+the recomputed state holds the very bits the preempted one did; so are they for a model whose decode step computes
+a token otherwise than prefill does (DecoderConfig.generated_tokens_as_steps: Mamba2's dt clamp).
 
 Waiting sequences are readmitted before any new task, earliest admitted first (`ready`): each when the pools hold
 its state plus its growth margin beside the decoding sequences' margins, or, when nothing decodes and no held
@@ -47,10 +48,14 @@ def fewer_hint(max_batch: int) -> str:
 class Preemptions:
     """The preempted sequences of a window, earliest admitted first, and how they get their states back."""
 
-    def __init__(self, state, runner, saved_states, sched, options, stats, trace, grid: int = 0):
+    def __init__(self, state, runner, saved_states, sched, options, stats, trace, grid: int = 0,
+                 generated_as_steps: bool = False):
         self.state, self.runner, self.saved_states, self.sched = state, runner, saved_states, sched
         self.opts, self.stats, self.trace = options, stats, trace
         self.grid = grid  # engine/plan/planner.py chunk_grid: where prefill pieces start (0: anywhere)
+        # generated tokens fed back as decode steps, not prefilled: on the grid, and where the model computes the two
+        # differently (DecoderConfig.generated_tokens_as_steps)
+        self.steps_generated = bool(grid) or generated_as_steps
         self.waiting: list[Sequence] = []
 
     def step_fits(self, seqs: list[Sequence], rows: int) -> bool:
@@ -111,7 +116,7 @@ class Preemptions:
             self.waiting.remove(seq)
             tokens = recompute_tokens(seq)
             prompt = len(seq.request.prompt_token_ids)
-            upto = prompt if self.grid else len(tokens)  # what prefill may compute
+            upto = prompt if self.steps_generated else len(tokens)  # what prefill may compute
             found = self.saved_states.longest(tokens, 0, upto, usable=resumable(self.grid, prompt)) \
                 if self.opts.reuse else None
             seq.handle = found.handle if found is not None else self.state.new_sequence()
@@ -124,7 +129,7 @@ class Preemptions:
         t0 = time.perf_counter()
         handles = [s.handle for s in seqs]
         self._prefill(handles, prefills)
-        for row in range(max(map(len, steps))):  # empty unless on the grid
+        for row in range(max(map(len, steps))):  # empty unless steps_generated
             fed = [i for i, t in enumerate(steps) if row < len(t)]
             self.runner.feed([handles[i] for i in fed], [[steps[i][row]] for i in fed])
         self.state.ops.synchronize()

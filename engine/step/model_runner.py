@@ -71,6 +71,11 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
 
+    @property
+    def generated_tokens_as_steps(self) -> bool:
+        """Whether generated tokens must be fed back as decode steps, never prefilled (engine/load/config.py)."""
+        return self.model.cfg.generated_tokens_as_steps
+
     def prefill_rows(self, handles: list[StateHandle], pieces: list[list[int]]):
         """`prefill` returning every row's logits [T, V] (the pieces' rows in order): prompt logprobs score them."""
         return self.model.forward(self._prefill_batch(handles, pieces), self.state, all_logits=True)
