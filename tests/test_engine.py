@@ -94,7 +94,8 @@ class _FakeModel:
     def __init__(self, context=4096):
         from types import SimpleNamespace
 
-        self.cfg = SimpleNamespace(max_position_embeddings=context, vocab_size=self.vocab)
+        self.cfg = SimpleNamespace(max_position_embeddings=context, vocab_size=self.vocab,
+                                   generated_tokens_as_steps=False)
 
     def state_specs(self):
         from prefixrun.engine.state.pools import RegionSpec
