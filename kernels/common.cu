@@ -153,6 +153,22 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ cu, int num_se
     return false;
 }
 
+// find_tile for a whole (one-dimensional) block: warp 0 finds `target`'s tile and shares it through shared memory.
+// Every thread of the block calls it (it holds a __syncthreads); false, for all of them, past the last tile.
+__device__ __forceinline__ bool block_find_tile(const int* __restrict__ cu, int num_seqs, int rep, int per_tile,
+                                                int target, int& seq, int& tile) {
+    __shared__ int s_seq, s_tile;
+    if (threadIdx.x < 32) {
+        int found_seq = -1, found_tile = 0;
+        if (!find_tile(cu, num_seqs, rep, per_tile, target, found_seq, found_tile)) found_seq = -1;
+        if (threadIdx.x == 0) { s_seq = found_seq; s_tile = found_tile; }
+    }
+    __syncthreads();
+    seq = s_seq;
+    tile = s_tile;
+    return seq >= 0;
+}
+
 // Sequence owning token t (cu_seqlens ascending, t < cu[num_seqs]); the last b with cu[b] <= t.
 __device__ __forceinline__ int seq_of_token(const int* __restrict__ cu, int num_seqs, int t) {
     int lo = 0, hi = num_seqs - 1;

@@ -14,19 +14,12 @@ template <typename T, typename TS, int K>
 __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
                                 const float* __restrict__ bias, const TS* __restrict__ state, const int* __restrict__ slots,
                                 const int* __restrict__ cu, int num_seqs, int channels, int act, T* __restrict__ out) {
-    __shared__ int s_seq, s_tile;
-    if (threadIdx.x < 32) {
-        int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, 1, CONV_CHUNK, blockIdx.y, seq, tile)) seq = -1;
-        if (threadIdx.x == 0) { s_seq = seq; s_tile = tile; }
-    }
-    __syncthreads();
-    const int seq = s_seq;
-    if (seq < 0) return;
+    int seq, tile;
+    if (!block_find_tile(cu, num_seqs, 1, CONV_CHUNK, blockIdx.y, seq, tile)) return;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     const int start = cu[seq], n = cu[seq + 1] - start;
-    const int i0 = s_tile * CONV_CHUNK;
+    const int i0 = tile * CONV_CHUNK;
     const int i1 = min(n, i0 + CONV_CHUNK);
     float w[K];
 #pragma unroll

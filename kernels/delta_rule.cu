@@ -351,18 +351,12 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     float* sTt = sQT + GDN_C * GDN_L_LD;         // [C][GDN_KT_LD]  T transposed: sTt[j][t] = T[t][j]
     float* sGT = sL + GDN_C * GDN_L_LD;          // PER_CHANNEL: [GDN_DMAX][GDN_KT_LD] gc transposed
     __shared__ float sgc[GDN_C], sbeta[GDN_C], sG[GDN_C];
-    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x;
-    if (tid < 32) {
-        int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, 1, GDN_C, blockIdx.x, seq, tile)) seq = -1;
-        if (tid == 0) { s_seq = seq; s_tile = tile; }
-    }
-    __syncthreads();
-    if (s_seq < 0) return;
-    const int start = cu[s_seq] + s_tile * GDN_C;
-    const int n = min(GDN_C, cu[s_seq + 1] - start);
+    int seq, tile;
+    if (!block_find_tile(cu, num_seqs, 1, GDN_C, blockIdx.x, seq, tile)) return;
+    const int start = cu[seq] + tile * GDN_C;
+    const int n = min(GDN_C, cu[seq + 1] - start);
 
     // k, q (transposed) and the gates -> shared; rows past n and dims past dk are zero. Loads are unrolled so
     // they are in flight together (a rolled loop waits out one global-load latency per element).

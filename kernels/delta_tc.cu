@@ -76,19 +76,13 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     bf16* sAw = reinterpret_cast<bf16*>(sT + TC_C * TC_FLD);  // [C][TC_ALD]  T diag(beta exp(gc))
     bf16* sAu = sAw + TC_C * TC_ALD;                   // [C][TC_ALD]  T diag(beta)
     __shared__ float sgc[TC_C], sbeta[TC_C], sX[3 * 256];
-    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    if (warp == 0) {
-        int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) seq = -1;
-        if (lane == 0) { s_seq = seq; s_tile = tile; }
-    }
-    __syncthreads();
-    if (s_seq < 0) return;
-    const int start = cu[s_seq] + s_tile * TC_C;
-    const int n = min(TC_C, cu[s_seq + 1] - start);
+    int seq, tile;
+    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) return;
+    const int start = cu[seq] + tile * TC_C;
+    const int n = min(TC_C, cu[seq + 1] - start);
     const int hk = h / krep;
     tc_load_tile<D, 128>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
     tc_load_tile<D, 128>(sQV, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
@@ -429,19 +423,13 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
     bf16* sQV = sK + TC_C * LD;
     float* sLT = reinterpret_cast<float*>(sQV);
     __shared__ float sgc[TC_C], sbeta[TC_C], sbw[TC_C];  // gc, beta, beta exp(gc) per token
-    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    if (warp == 0) {
-        int seq = -1, tile = 0;
-        if (!find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) seq = -1;
-        if (lane == 0) { s_seq = seq; s_tile = tile; }
-    }
-    __syncthreads();
-    if (s_seq < 0) return;
-    const int start = cu[s_seq] + s_tile * TC_C;
-    const int n = min(TC_C, cu[s_seq + 1] - start);
+    int seq, tile;
+    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) return;
+    const int start = cu[seq] + tile * TC_C;
+    const int n = min(TC_C, cu[seq + 1] - start);
     const int hk = h / krep;
     tc_load_tile<D, 128>(sK, LD, k + (i64)start * kst + (i64)hk * ksh, kst, n, dk);
     tc_load_tile<D, 128>(sQV, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
