@@ -7,6 +7,28 @@
 
 #define CONV_CHUNK 32
 
+// Channel c's outputs at tokens i0 .. i1-1 of the sequence starting at token `start` (the kernels below share this
+// loop, so their products and sums are the same bits): win[0 .. K-2] holds the K-1 inputs before token i0 on entry
+// and the K-1 inputs before token i1 on return.
+template <typename T, int K>
+__device__ __forceinline__ void conv_tokens(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
+                                            const float* __restrict__ bias, int c, int channels, int act, int start,
+                                            int i0, int i1, float (&win)[K], T* __restrict__ out) {
+    float w[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = weight[(i64)c * K + j];
+    for (int i = i0; i < i1; ++i) {
+        win[K - 1] = to_f(x[(i64)(start + i) * sx + c]);
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) acc += win[j] * w[j];
+        if (bias) acc += bias[c];
+        out[(i64)(start + i) * channels + c] = from_f<T>(act ? silu_f(acc) : acc);
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
+    }
+}
+
 // x [T, C] (row stride sx), weight fp32 [C, K], bias fp32 [C] or null (Mamba2's conv bias, added before the
 // activation), state [slots, C, K-1] (oldest first), out [T, C]; act: SiLU or none.
 // grid (ceil(C / blockDim.x), upper bound of chunks); block b of sequence-chunk pairs found by find_tile.
@@ -21,9 +43,6 @@ __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __
     const int start = cu[seq], n = cu[seq + 1] - start;
     const int i0 = tile * CONV_CHUNK;
     const int i1 = min(n, i0 + CONV_CHUNK);
-    float w[K];
-#pragma unroll
-    for (int j = 0; j < K; ++j) w[j] = weight[(i64)c * K + j];
     // win[j] = input at local position i - (K-1) + j for the token i being computed; the last slot is filled per step
     float win[K];
     const TS* hist = state + ((i64)slots[seq] * channels + c) * (K - 1);
@@ -32,16 +51,7 @@ __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __
         const int p = i0 - (K - 1) + j;
         win[j] = p >= 0 ? to_f(x[(i64)(start + p) * sx + c]) : to_f(hist[K - 1 + p]);
     }
-    for (int i = i0; i < i1; ++i) {
-        win[K - 1] = to_f(x[(i64)(start + i) * sx + c]);
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) acc += win[j] * w[j];
-        if (bias) acc += bias[c];
-        out[(i64)(start + i) * channels + c] = from_f<T>(act ? silu_f(acc) : acc);
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
-    }
+    conv_tokens<T, K>(x, sx, weight, bias, c, channels, act, start, i0, i1, win, out);
 }
 
 // New history = the last K-1 inputs of [old history, x]. grid (ceil(C / blockDim.x), num_seqs).
@@ -76,23 +86,11 @@ __global__ void conv_seq_kernel(const T* __restrict__ x, i64 sx, const float* __
     if (c >= channels) return;
     const int start = cu[seq], n = cu[seq + 1] - start;
     if (n <= 0) return;
-    float w[K];
-#pragma unroll
-    for (int j = 0; j < K; ++j) w[j] = weight[(i64)c * K + j];
     TS* hist = state + ((i64)slots[seq] * channels + c) * (K - 1);
     float win[K];
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) win[j] = to_f(hist[j]);
-    for (int i = 0; i < n; ++i) {
-        win[K - 1] = to_f(x[(i64)(start + i) * sx + c]);
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) acc += win[j] * w[j];
-        if (bias) acc += bias[c];
-        out[(i64)(start + i) * channels + c] = from_f<T>(act ? silu_f(acc) : acc);
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
-    }
+    conv_tokens<T, K>(x, sx, weight, bias, c, channels, act, start, 0, n, win, out);
     // win[0..K-2]: the inputs at n-K+1 .. n-1 of [history, x], history entries where n < K-1, as stored
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) hist[j] = from_f<TS>(win[j]);
