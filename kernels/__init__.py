@@ -67,13 +67,21 @@ def get_ops(device: str = "auto", dtype: str | None = None, deterministic: bool 
 
 def start_weight_reads(device: str, spans):
     """The weights' read-ahead (kernels/weight_reads.py) started before the backend exists, where the GPU is being
-    brought up early (kernels/device_start.py): its context and pinned ring are all the reads need, so they run
-    while the rest of the backend (its modules, cuBLAS) loads. None where no GPU is coming up that way: the caller
-    starts the reads through its ops (`Ops.read_weights`) once it has them."""
+    brought up early: through the driver as soon as its bring-up has the context and the pinned ring
+    (kernels/driver_weight_reads.py, without waiting for CuPy), else through CuPy once the GPU's bring-up
+    (kernels/device_start.py) has imported it and made the context, while the rest of the backend (its modules,
+    cuBLAS) loads. None where no GPU is coming up that way: the caller starts the reads through its ops
+    (`Ops.read_weights`) once it has them."""
     if device == "cpu":
         return None
     from prefixrun.kernels import device_start
 
+    if device_start.started():
+        from prefixrun.kernels import driver_weight_reads
+
+        reads = driver_weight_reads.start_reads(list(spans), device_start.GPU)
+        if reads is not None:
+            return reads
     gpu = device_start.wait_context()
     if gpu is None:
         return None

@@ -12,25 +12,19 @@ pool, so what the build frees after converting or stacking a tensor serves its o
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import cupy
 import numpy as np
 
 from prefixrun.kernels import driver_context
-from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads
+from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads, read_threads
 
 RING_BUFFERS, BUFFER_BYTES = driver_context.PINNED_RING
 WINDOW_BYTES = 16 << 30  # read ahead of the build at most (less where the device has less free): a model of
 # several GB is read whole while the build starts behind the reads (the engine's imports overlap them)
 _ring_lock = threading.Lock()
 _rings: dict[int, list] = {}  # device id -> the PinnedMemoryPointers of a ring made ahead
-
-
-def read_threads() -> int:
-    """Reading threads: the host's cores, leaving two for the build and the device's own thread."""
-    return max(2, min(16, (os.cpu_count() or 4) - 2))
 
 
 def prepare_ring(device: int) -> None:
@@ -58,10 +52,12 @@ def _new_ring(device: int) -> tuple:
 
 
 def _take_ring(device: int) -> list:
-    """The ring made ahead for `device` (of today's sizes), else a new one."""
+    """The ring made ahead for `device` (of today's sizes), else the driver's bring-up's, else a new one."""
     with _ring_lock:
         ring = _rings.pop(device, None)
     if ring is None or ring[0] != (RING_BUFFERS, BUFFER_BYTES):
+        ring = _driver_ring(device) or _new_ring(device)  # the driver's, where no ring was made ahead
+    if ring[0] != (RING_BUFFERS, BUFFER_BYTES):
         ring = _new_ring(device)
     return ring[1]
 
@@ -77,6 +73,8 @@ class _Copied:
 
 
 class PinnedLanding(Landing):
+    name = "cupy"
+
     def __init__(self, device: int, build_stream):
         self._device = device
         self._build_stream = build_stream

@@ -2,7 +2,8 @@
 made, the CUDA backend's modules imported, the kernel modules a run's first steps need begun on a pool of threads
 (kernels/cuda_warmup.py start_early: compiled there on a machine whose kernel cache is empty), cuBLAS loaded with
 its handle, the pinned ring of the weight reads (kernels/cuda_weight_reads.py) taken from the driver's bring-up
-(kernels/driver_context.py pins it right after the context, before CuPy is even imported) or allocated here.
+(kernels/driver_context.py pins it right after the context, before CuPy is even imported) or allocated here;
+none where the reads go the driver's way (kernels/driver_weight_reads.py: they take the driver's ring themselves).
 
 Each of these is a fixed cost of a fresh process (the context and cuBLAS's libraries alone take a good part of a
 second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the run's
@@ -23,6 +24,7 @@ _figures: dict = {}  # seconds of the bring-up, its error if any
 _context = threading.Event()  # set once the context and the pinned ring are up, or the bring-up gave up
 _backend = threading.Event()  # set once the backend's modules are imported too (cuBLAS loads after it)
 _gpu: list[int] = []  # the device whose context is up
+GPU = 0  # the device brought up (the first visible, as kernels/driver_context.py's)
 
 
 def start(device: str = "auto") -> None:
@@ -34,6 +36,12 @@ def start(device: str = "auto") -> None:
         if _thread is None:
             _thread = threading.Thread(target=_bring_up, daemon=True, name="prefixrun-device")
             _thread.start()
+
+
+def started() -> bool:
+    """Whether a bring-up was started in this process."""
+    with _lock:
+        return _thread is not None
 
 
 def wait() -> dict:
@@ -81,13 +89,16 @@ def _bring_up():
         cupy = import_cupy()
         t = step("import_cupy", t0)
         if cupy.cuda.runtime.getDeviceCount() > 0:
-            device = cupy.cuda.Device(0)
+            device = cupy.cuda.Device(GPU)
             device.use()
             cupy.cuda.runtime.free(0)  # the context
             t = step("context", t)
-            from prefixrun.kernels.cuda_weight_reads import prepare_ring
+            from prefixrun.kernels import driver_weight_reads
 
-            prepare_ring(device.id)
+            if not driver_weight_reads.takes_ring(device.id):  # else the reads started without CuPy use its ring
+                from prefixrun.kernels.cuda_weight_reads import prepare_ring
+
+                prepare_ring(device.id)
             t = step("pinned_ring", t)
             _gpu.append(device.id)
             _figures["context_at"] = t

@@ -38,6 +38,7 @@ _thread: threading.Thread | None = None
 _done = threading.Event()
 _figures: dict = {}  # seconds of each step, the error if any, `ready_at` (perf_counter) once the context is up
 _ring: dict = {}  # "ordinal", "shape" (PINNED_RING), "addresses": the pinned ring's host buffers, until taken
+_made: dict = {}  # "ordinal", "library", "context": the context once it is up and its ring pinned
 
 
 def start(ordinal: int = 0) -> bool:
@@ -84,6 +85,20 @@ def take_ring(ordinal: int) -> tuple[tuple[int, int], list[int]] | None:
             return None
         ring = (_ring["shape"], _ring.pop("addresses"))
     return ring
+
+
+def made_context(ordinal: int) -> tuple[object, int] | None:
+    """(the driver's library, the primary context's handle) of device `ordinal` where the bring-up made its context
+    and pinned its ring (whether the ring was taken since or not), waiting for a bring-up still under way at most a
+    few seconds; None where it made none (no bring-up here, another device, a driver error)."""
+    with _lock:
+        started = _thread is not None
+    if started:
+        _done.wait(_RING_WAIT_S)
+    with _lock:
+        if not _done.is_set() or _made.get("ordinal") != ordinal:
+            return None
+        return _made["library"], _made["context"]
 
 
 class DriverError(Exception):
@@ -137,6 +152,7 @@ def _pin_ring(lib, context, ordinal: int) -> None:
             addresses.append(pointer.value)
         with _lock:
             _ring.update(ordinal=ordinal, shape=PINNED_RING, addresses=addresses)
+            _made.update(ordinal=ordinal, library=lib, context=context.value)
     except Exception as error:  # noqa: BLE001 - e.g. a driver without the entry point: the caller pins its own
         _figures["ring_error"] = f"{type(error).__name__}: {error}"[:300]
     finally:

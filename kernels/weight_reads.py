@@ -16,6 +16,7 @@ the read-ahead never decides an answer or an error.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,18 +47,28 @@ class ReadFigures:
     tensors: int = 0
     seconds: float = 0.0  # the reading thread's life: first byte asked to last chunk handed over
     setup_seconds: float = 0.0  # of which: the ring's buffers made ready
+    started_at: float | None = None  # time.perf_counter() when the reading thread started
+    landing: str = ""  # the backend's way of landing the bytes (`Landing.name`)
     error: str | None = None
 
     def as_dict(self) -> dict:
         rate = self.read_bytes / self.seconds if self.seconds > 0 else 0.0
         return {"planned_bytes": self.planned_bytes, "read_bytes": self.read_bytes, "taken_bytes": self.taken_bytes,
                 "tensors": self.tensors, "seconds": round(self.seconds, 4),
-                "setup_seconds": round(self.setup_seconds, 4), "bytes_per_second": round(rate), "error": self.error}
+                "setup_seconds": round(self.setup_seconds, 4), "bytes_per_second": round(rate),
+                "started_at": self.started_at, "landing": self.landing, "error": self.error}
+
+
+def read_threads() -> int:
+    """Reading threads: the host's cores, leaving two for the build and the device's own thread."""
+    return max(2, min(16, (os.cpu_count() or 4) - 2))
 
 
 class Landing:
     """The backend's part: where the ring is and where the bytes land. Methods run on the reading thread except
     `ready`, which runs on the thread that takes the tensor."""
+
+    name = "host"  # in the figures: which way the bytes landed
 
     def buffers(self) -> list[np.ndarray]:
         """The ring: uint8 arrays of one size (host memory the backend can copy from)."""
@@ -108,7 +119,7 @@ class WeightReads:
         self._failed = False
         self._finished = False
         self._closed = False  # nothing is handed out after `close`
-        self.figures = ReadFigures(planned_bytes=sum(s.span.nbytes for s in spans))
+        self.figures = ReadFigures(planned_bytes=sum(s.span.nbytes for s in spans), landing=landing.name)
         self._thread = threading.Thread(target=self._run, name="prefixrun-weights", daemon=True)
         self._thread.start()
 
@@ -118,7 +129,7 @@ class WeightReads:
             self._read()
 
     def _read(self):
-        started = time.perf_counter()
+        started = self.figures.started_at = time.perf_counter()
         try:
             buffers = self._landing.buffers()
             self.figures.setup_seconds = time.perf_counter() - started

@@ -85,6 +85,7 @@ def fresh_figures(monkeypatch):
     monkeypatch.setattr(driver_context, "_figures", {})
     monkeypatch.setattr(driver_context, "_done", threading.Event())
     monkeypatch.setattr(driver_context, "_ring", {})
+    monkeypatch.setattr(driver_context, "_made", {})
     return driver_context
 
 
@@ -101,6 +102,7 @@ def test_the_context_is_the_primary_one_made_in_order(fresh_figures):
     assert "cuDevicePrimaryCtxRelease" not in lib.calls  # held for the process's life
     # the ring is pinned in the context just made, portable like CuPy's pinned memory
     assert lib.pinned == [(size, 0x01, 0x1234)] * count
+    assert fresh_figures.made_context(0) == (lib, 0x1234) and fresh_figures.made_context(1) is None
 
 
 def test_the_pinned_ring_is_handed_out_once_for_its_device(fresh_figures):
@@ -125,6 +127,7 @@ def test_a_refused_ring_leaves_the_context_up_and_hands_out_nothing(fresh_figure
     figures = fresh_figures.figures()
     assert "error" not in figures and figures["ready_at"] > 0
     assert "returned" in figures["ring_error"] and fresh_figures.take_ring(0) is None
+    assert fresh_figures.made_context(0) is None  # so the reads go CuPy's way, which pins its own ring
 
 
 @pytest.mark.parametrize("lib, error", [

@@ -76,7 +76,7 @@ class EngineSession:
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started
         clock.mark("max_batch")  # --max-batch when not given: on a device, measured (engine/run/batch_choice.py)
-        clock.note("weight_reads", loading.weight_reads)
+        clock.note("weight_reads", clock.stamped(loading.weight_reads) if loading.weight_reads else None)
         max_batch, state_bytes, checkpoint_budget = self._memory_sizes(ops)
         clock.mark("engine_setup")
         opts = EngineOptions.of(s, max_batch=max_batch, state_memory_bytes=int(state_bytes),
