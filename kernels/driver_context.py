@@ -17,7 +17,8 @@ driver is waited for (at most EXIT_WAIT_S): the driver's own exit handlers must 
 Once the context is up, the same thread pins the weights' read-ahead ring (kernels/cuda_weight_reads.py: a few large
 page-locked host buffers, `take_ring`): pinning a quarter of a GB takes the driver a tenth of a second or more, and
 the reads cannot start before their ring exists; made here, it costs the start nothing (no Python runs meanwhile),
-where made through CuPy it waited for CuPy's import first.
+where made through CuPy it waited for CuPy's import first. The weights' reads then start through the driver with
+that context and ring (`made_context`, kernels/driver_weight_reads.py), without waiting for CuPy's import either.
 """
 from __future__ import annotations
 
