@@ -219,6 +219,11 @@ class Speculator:
             rows = min(rows, 1 + self.state.snapshot_capacity // max(b, 1))
             if rows < 2 or any(room_of(s) < rows for s in seqs):
                 return none
+        excess = self.verify_row_cost * (rows - 1) * max(1.0, b / VERIFY_BATCH_KNEE)  # in plain steps
+        threshold = excess * b if self.adaptive else -1.0  # tokens the drafts must be expected to add
+        if sum(p.expected(min(p.k, rows - 1)) for p in self._chosen.values()) <= threshold:
+            self.stats.declined_steps += 1  # cannot pay even with every chosen sequence's drafts found: nothing
+            return none  # per sequence done (a wide batch under forced ngram declines every step here)
         room = self.state.snapshot_capacity
         inputs, where, policies = [], [], []
         for i, s in enumerate(seqs[:self.max_seqs]):
@@ -235,8 +240,6 @@ class Speculator:
             policies.append(policy)
             room -= k
         out: list[list[int]] = [[] for _ in seqs]
-        excess = self.verify_row_cost * (rows - 1) * max(1.0, b / VERIFY_BATCH_KNEE)  # in plain steps
-        threshold = excess * b if self.adaptive else -1.0  # tokens the drafts must be expected to add
         if inputs and sum(p.expected(x.num_drafts) for p, x in zip(policies, inputs)) <= threshold:
             self.stats.declined_steps += 1  # cannot pay even with every draft found: not drafted at all (an MTP
             return none  # head's drafts cost model steps)
