@@ -114,7 +114,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("max_tokens", HONOURED, BOTH, "the most tokens to generate (chat: the rest of the context if not given; "
        "completions: 16; 0 with echo on a completion: its prompt alone, e.g. scored with logprobs, as vLLM)"),
     _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
-    _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence or a stop token may end the output"),
+    _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence, a stop token or a stop string may "
+       "end the output (as in vLLM, stop strings are not looked for in those tokens' text)"),
     _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),
     _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output (an id outside the vocabulary: an error, as "
        "for every token id a request names)"),

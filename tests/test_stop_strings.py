@@ -1,5 +1,5 @@
 """Stop strings as Sequence.accept applies them: the earliest stop string ends the text (one spanning tokens too),
-none before min_tokens, and a long reply with many stop strings costs time linear in its length."""
+none in the first min_tokens tokens' text (vLLM's rule), and a long reply with many stop strings costs time linear in its length."""
 from __future__ import annotations
 
 import time
@@ -47,10 +47,19 @@ def test_the_earliest_stop_string_ends_the_text_even_across_tokens():
     assert seq.text() == "ababcdex"
 
 
-def test_no_stop_string_before_min_tokens_then_the_whole_text_counts():
-    seq = _feed(_sequence(PIECES, stop=("ab",), min_tokens=3), [1, 2, 4, 4])
-    assert seq.finish_reason == "stop" and seq.text() == ""  # searched at the third token, from the start
-    assert len(seq.tokens) == 3
+def test_the_text_of_the_first_min_tokens_tokens_is_never_searched_for_stop_strings():
+    # vLLM's rule (its detokenizer's min_tokens offset): a stop string inside the first min_tokens tokens' text
+    # never ends the output, so the text keeps them; one ending in a later token does, also one that begins in
+    # that text and ends after it. It was searched from the start at the min_tokens-th token: "ab" in the first
+    # token cut the text to "" with three tokens generated.
+    seq = _feed(_sequence(PIECES, stop=("ab",), min_tokens=3), [1, 2, 4, 4, 1, 3])
+    assert seq.finish_reason == "stop" and seq.text() == "abcdxx" and len(seq.tokens) == 5
+    seq = _feed(_sequence(PIECES, stop=("ab",), min_tokens=3), [1, 2, 1, 4, 3])
+    assert not seq.done and seq.text() == "abcdabxe"  # the third token is still protected
+    seq = _feed(_sequence(PIECES, stop=("dx",), min_tokens=2), [1, 2, 4, 3])
+    assert seq.text() == "abc" and len(seq.tokens) == 3  # across the boundary, as vLLM's overlap finds it
+    seq = _feed(_sequence(PIECES, stop=("e",), min_tokens=0), [3, 1])
+    assert seq.text() == "" and len(seq.tokens) == 1
 
 
 def test_many_stop_strings_over_a_long_reply_take_linear_time():

@@ -71,7 +71,10 @@ class Sequence:
             return
         if self.detok is not None:
             self.detok.feed(tok)
-            if sp.stop and len(self.tokens) >= sp.min_tokens:  # vLLM: no stop string before min_tokens
+            if sp.stop and len(self.tokens) <= sp.min_tokens:
+                # vLLM: the text of the first min_tokens tokens is never searched, so the output keeps them
+                self.stop_searched = len(self.detok.text)
+            elif sp.stop:
                 text = self.detok.text
                 # a stop string not found in the text already searched can only end in the new text: searching
                 # its tail keeps a long reply with many stop strings linear in its length
