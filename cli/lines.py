@@ -146,7 +146,7 @@ def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BY
         if not data:
             return
         line_no += 1
-        if line_no == 1 and data.startswith(_UTF8_BOM):
+        if data.startswith(_UTF8_BOM):  # a file's start; files joined with cat have one on later lines too
             data = data[len(_UTF8_BOM):]
         oversize = 0
         if len(data) > max_line_bytes and not data.endswith(b"\n"):
@@ -191,6 +191,12 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
         text, utf8_error = _decode_utf8(raw.data)
         try:
             obj, repeated_key = _decode_json_object(text)
+        except (_LineRejected, RecursionError):
+            custom_id = _leading_custom_id(raw.data, seen_ids)  # the record still names the line's request
+            if utf8_error:
+                raise _LineRejected(utf8_error) from None
+            raise
+        try:
             openai_shape = _is_openai_line(obj)
             custom_id = None if repeated_key == _TWO_IDS else _read_custom_id(obj, raw.line_no)
         except _LineRejected:
@@ -249,21 +255,27 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
 
 def _oversize_line_error(raw: RawLine, seen_ids: set[str]) -> LineError:
     """The error record of a line over the byte limit, with its custom_id when the line starts with one."""
-    custom_id = None
-    match = _LEADING_CUSTOM_ID.match(raw.data)
-    if match:
-        try:
-            value = json.loads(match.group(1))
-        except ValueError:
-            value = None
-        candidate = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) and value != "" \
-            else None
-        if candidate is not None and candidate not in seen_ids:
-            custom_id = candidate
-            seen_ids.add(candidate)
-    return LineError(raw.index, raw.line_no, custom_id,
+    return LineError(raw.index, raw.line_no, _leading_custom_id(raw.data, seen_ids),
                      f"line is {raw.oversize_bytes:,} bytes, over the limit of {raw.byte_limit:,} bytes "
                      f"(--max-line-bytes)")
+
+
+def _leading_custom_id(data: bytes, seen_ids: set[str]) -> str | None:
+    """The custom_id a line that cannot be read as JSON (too long, malformed, nested too deeply) starts with, for its
+    error record; None when it starts with none, or with one an earlier line has (the record must not be taken for
+    that line's). A new id is added to `seen_ids`, so a later line that repeats it is a duplicate."""
+    match = _LEADING_CUSTOM_ID.match(data)
+    if not match:
+        return None
+    try:  # invalid UTF-8 or a lone surrogate escape in it: not the id its writer meant
+        value = json.loads(match.group(1))
+        str(value).encode("utf-8")
+    except ValueError:
+        return None
+    if not isinstance(value, (str, int)) or isinstance(value, bool) or value == "" or str(value) in seen_ids:
+        return None
+    seen_ids.add(str(value))
+    return str(value)
 
 
 def make_error(parsed_or_raw: ParsedRequest | RawLine, message: str) -> LineError:

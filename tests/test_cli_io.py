@@ -73,6 +73,10 @@ def test_iter_input_lines_skips_blank_lines_but_counts_them():
 def test_iter_input_lines_ignores_a_utf8_byte_order_mark():
     (line,) = iter_input_lines(io.BytesIO(b'\xef\xbb\xbf{"prompt": "a"}\n'))
     assert parse_ok(line.data).prompt_text == "a"
+    # files joined with cat (each written by a tool that starts a file with a BOM): every line runs (the later
+    # ones were "Unexpected UTF-8 BOM" errors)
+    joined = b'\xef\xbb\xbf{"prompt": "a"}\n\xef\xbb\xbf{"prompt": "b"}\r\n\xef\xbb\xbf\n'
+    assert [parse_ok(line.data).prompt_text for line in iter_input_lines(io.BytesIO(joined))] == ["a", "b"]
 
 
 def test_empty_input_yields_nothing():
@@ -350,11 +354,28 @@ def test_error_keeps_the_custom_id_when_one_could_be_read():
     assert parse({"prompt": "a", "custom_id": 1.5}).custom_id is None
 
 
+def test_a_line_that_is_not_json_carries_the_custom_id_it_starts_with():
+    # a line cut by a killed writer, one with text after its object, a number of 5,000 digits, arrays nested
+    # 100,000 deep: the record names the request (it had a null custom_id, as only an oversize line got its id)
+    seen: set[str] = set()
+    for data, custom_id in [(b'{"custom_id": "cut", "prompt": "Summari', "cut"),
+                            (b'{"custom_id":"tail","prompt":"x"} xx', "tail"),
+                            (b'{"custom_id": 42, "prompt": "x", "seed": ' + b"9" * 5000 + b"}", "42"),
+                            (b'{"custom_id": "deep", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
+                            (b'{"custom_id": "cut", "prompt": "again', None),  # an earlier line's id: not carried
+                            (b'{"custom_id": "lone\\ud800", "prompt": "x', None),  # not the id that was meant
+                            (b'{"prompt": "x", "custom_id": "late"', None)]:  # not at the start: not looked for
+        error = parse_line(RawLine(index=0, line_no=1, data=data), NO_DEFAULTS, seen)
+        assert isinstance(error, LineError) and error.custom_id == custom_id, data[:40]
+    later = parse_line(RawLine(index=1, line_no=2, data=b'{"custom_id": "cut", "prompt": "x"}'), NO_DEFAULTS, seen)
+    assert isinstance(later, LineError) and "duplicate custom_id" in later.message
+
+
 @pytest.mark.parametrize("data, custom_id", [
     (b'{"custom_id": "q7", "prompt": "caf\xe9"}', "q7"),
     (b'{"prompt": "caf\xe9 \xff", "custom_id": 12}', "12"),
     (b'{"custom_id": "q\xe9", "prompt": "x"}', None),  # the id itself is broken: not the id that was meant
-    (b'{"custom_id": "q7", "prompt": "caf\xe9"', None),  # and not JSON either
+    (b'{"custom_id": "q7", "prompt": "caf\xe9"', "q7"),  # and not JSON either: the id it starts with
     (b'{"prompt": "caf\xe9"}', "line-1"),
 ])
 def test_invalid_utf8_error_carries_the_custom_id_when_it_is_readable(data, custom_id):
