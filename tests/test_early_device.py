@@ -209,3 +209,53 @@ def test_weights_read_through_the_ring_the_driver_pinned(tmp_path):
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.startswith("ok")
+
+
+@pytest.fixture
+def fresh_bring_up(monkeypatch):
+    from prefixrun.kernels import device_start
+
+    for name in ("_go", "_context", "_backend"):
+        monkeypatch.setattr(device_start, name, threading.Event())
+    monkeypatch.setattr(device_start, "_figures", {})
+    monkeypatch.setattr(device_start, "_gpu", [])
+    monkeypatch.setattr(driver_context, "made_context", lambda ordinal: ("lib", 0x1234))
+    return device_start
+
+
+@pytest.mark.parametrize("switch", ["1", None])
+def test_cupys_import_waits_for_the_reads_start_only_where_held(fresh_bring_up, monkeypatch, switch):
+    """With the switch and a context from the driver's bring-up, the bring-up imports CuPy only once told to (the
+    reads started, or the backend is asked for); without the switch at once."""
+    device_start = fresh_bring_up
+    if switch is None:
+        monkeypatch.delenv(device_start.HOLD_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(device_start.HOLD_SWITCH, switch)
+    imported = threading.Event()
+
+    def import_cupy():
+        imported.set()
+        raise ImportError("no CuPy here")
+
+    monkeypatch.setattr("prefixrun.kernels.import_cupy", import_cupy)
+    thread = threading.Thread(target=device_start._bring_up, daemon=True)
+    thread.start()
+    assert imported.wait(0.3) is (switch is None)
+    device_start.go()
+    thread.join(10)
+    assert imported.is_set() and "ImportError" in device_start.figures()["error"]
+    assert ("held" in device_start.figures()["parts"]) is (switch == "1")
+
+
+@pytest.mark.parametrize("asked", ["wait", "wait_context"])
+def test_asking_for_the_backend_lets_a_held_import_go(fresh_bring_up, monkeypatch, asked):
+    device_start = fresh_bring_up
+    monkeypatch.setenv(device_start.HOLD_SWITCH, "1")
+    monkeypatch.setattr("prefixrun.kernels.import_cupy", lambda: (_ for _ in ()).throw(ImportError("no CuPy")))
+    thread = threading.Thread(target=device_start._bring_up, daemon=True)
+    monkeypatch.setattr(device_start, "_thread", thread)
+    thread.start()
+    getattr(device_start, asked)()  # returns: it let the import go, which failed here
+    thread.join(10)
+    assert device_start.figures()["parts"]["held"] < device_start.HOLD_MAX_S
