@@ -241,3 +241,30 @@ def test_weights_read_through_the_driver_become_cupy_arrays(tmp_path):
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.startswith("ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")
+def test_a_gpu_run_reads_through_the_driver_and_answers_as_through_cupy(model_dirs, tmp_path):
+    """`prefixrun batch` on a GPU (fresh processes, as a user runs it): the report says the weights landed through
+    the driver, started before the backend was ready, and the tokens equal a run whose reads went CuPy's way."""
+    import json
+    import os
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt_token_ids": [5 + i, 9, 11, 40 + i],
+                                       "max_tokens": 6}) + "\n" for i in range(4)))
+    outputs, reports = {}, {}
+    for way, switch in (("driver", "1"), ("cupy", "0")):
+        report = tmp_path / f"{way}.json"
+        env = {**os.environ, driver_weight_reads.SWITCH: switch, "PREFIXRUN_CACHE_DIR": str(tmp_path / "cache")}
+        p = subprocess.run([sys.executable, "-m", "prefixrun.cli.launch", "batch", str(src), "--model",
+                            str(model_dirs["qwen3_5"]), "--device", "cuda", "--no-cache", "-q", "--ignore-eos",
+                            "--json-report", str(report)], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outputs[way] = sorted(json.loads(line)["token_ids"] for line in p.stdout.splitlines())
+        reports[way] = json.loads(report.read_text())["startup"]["background"]["weight_reads"]
+    assert outputs["driver"] == outputs["cupy"] and len(outputs["driver"]) == 4
+    assert reports["driver"]["landing"] == "driver" and reports["driver"]["error"] is None
+    assert reports["driver"]["taken_bytes"] == reports["driver"]["planned_bytes"] > 0
+    assert reports["cupy"]["landing"] == "cupy"
