@@ -107,7 +107,7 @@ print(f"{name}: wall {wall:.2f} s (process {s.get('process_seconds', 0):.2f}), e
 print(f"  phases: {phases}")
 b = s.get("background", {})
 w = b.get("weight_reads") or {}
-print(f"  reads: {w.get('read_bytes', 0) / 1e9:.2f} GB in {w.get('seconds', 0):.3f} s = {w.get('bytes_per_second', 0) / 1e9:.1f} GB/s (ring {w.get('setup_seconds')} s, error {w.get('error')})")
+print(f"  reads: {w.get('read_bytes', 0) / 1e9:.2f} GB in {w.get('seconds', 0):.3f} s = {w.get('bytes_per_second', 0) / 1e9:.1f} GB/s (ring {w.get('setup_seconds')} s, through {w.get('landing')}, started at {w.get('started_at')} s, error {w.get('error')})")
 k = b.get("kernels") or {}
 print(f"  driver context {b.get('driver_context')}")
 print(f"  device start {b.get('device_start')}; kernels modules {k.get('modules_s')} s gemms {k.get('gemms_s')} s errors {len(k.get('errors') or [])}; digest {b.get('weights_digest_seconds')}")
