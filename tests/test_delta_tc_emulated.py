@@ -211,7 +211,10 @@ def run_emulated(so, qk, hk, v, g, beta, state, slots, cu, warps=None, prep="v2"
     return _forked(emulate)
 
 
-def _inputs(rng, lens, hk, h, dk, dv, nslots):
+def gdn_inputs(rng, lens, hk, h, dk, dv, nslots, per_channel=False):
+    """Inputs of the tensor-core kernels: qk [T, 2 Hk, Dk] (L2-normed rows, bf16), v [T, H, Dv] bf16, decays
+    g <= 0 per head [T, H] or per key channel [T, H, Dk] (Kimi's, tests/test_kda_tc_emulated.py), beta in (0, 1),
+    a state pool [nslots, H, Dk, Dv] fp32, distinct slots and the cumulative sequence lengths."""
     cu = np.zeros(len(lens) + 1, np.int32)
     np.cumsum(lens, out=cu[1:])
     t = int(cu[-1])
@@ -219,7 +222,7 @@ def _inputs(rng, lens, hk, h, dk, dv, nslots):
     qk /= np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
     qk = qk.astype(BF16)
     v = rng.standard_normal((t, h, dv)).astype(np.float32).astype(BF16)
-    g = (-np.abs(rng.standard_normal((t, h))) * 0.3).astype(np.float32)
+    g = (-np.abs(rng.standard_normal((t, h, dk) if per_channel else (t, h))) * 0.3).astype(np.float32)
     beta = (1 / (1 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32)
     state = (rng.standard_normal((nslots, h, dk, dv)) * 0.3).astype(np.float32)
     slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
@@ -241,17 +244,23 @@ def rel(a, b):
 ])
 def test_emulated_kernels_match_reference(emu, lens, hk, h, dk, dv, warps, prep):
     rng = np.random.default_rng(sum(lens) + dk)
-    qk, v, g, beta, state, slots, cu = _inputs(rng, lens, hk, h, dk, dv, nslots=len(lens) + 2)
+    qk, v, g, beta, state, slots, cu = gdn_inputs(rng, lens, hk, h, dk, dv, nslots=len(lens) + 2)
     g[cu[int(np.argmax(lens))] + 30, 0] = -30.0  # exp(-30): the cumulative decay underflows inside a chunk
     o, got_state = run_emulated(emu, qk, hk, v, g, beta, state, slots, cu, warps, prep)
+    assert_matches_reference(o, got_state, qk, hk, v, g, beta, state, slots, cu)
+
+
+def assert_matches_reference(o, got_state, qk, hk, v, g, beta, state, slots, cu):
+    """The kernels' outputs o and state pool after the call against the reference's on the same inputs (`state` the
+    pool before): each sequence's outputs and final state within TOL, the slots no sequence uses untouched."""
     qkf, vf = qk.astype(np.float32), v.astype(np.float32)
     want_state = state.copy()
     want = NumpyOps().gated_delta_rule(qkf[:, :hk], qkf[:, hk:], vf, g, beta, want_state, slots, cu)
-    for b in range(len(lens)):
+    for b in range(len(slots)):
         s, e = cu[b], cu[b + 1]
         if e > s:
-            assert rel(o[s:e], want[s:e]) <= TOL, (b, lens[b], rel(o[s:e], want[s:e]))
-        assert rel(got_state[slots[b]], want_state[slots[b]]) <= TOL, (b, lens[b])
+            assert rel(o[s:e], want[s:e]) <= TOL, (b, e - s, rel(o[s:e], want[s:e]))
+        assert rel(got_state[slots[b]], want_state[slots[b]]) <= TOL, (b, e - s)
     untouched = np.setdiff1d(np.arange(len(state)), slots)
     np.testing.assert_array_equal(got_state[untouched], state[untouched])
 
@@ -262,7 +271,7 @@ def test_prep_v2_writes_what_v1_writes(emu):
     Keys drawn close to each other (k.k near 1, beta up to 1) give L entries near 1: every off-diagonal block of T matters."""
     rng = np.random.default_rng(7)
     lens, hk, h, dk, dv = [150, 64, 5, 100], 1, 2, 128, 128
-    qk, v, g, beta, state, slots, cu = _inputs(rng, lens, hk, h, dk, dv, nslots=len(lens))
+    qk, v, g, beta, state, slots, cu = gdn_inputs(rng, lens, hk, h, dk, dv, nslots=len(lens))
     base = rng.standard_normal(dk).astype(np.float32)
     k = base + 0.4 * rng.standard_normal((qk.shape[0], dk)).astype(np.float32)
     qk[:, hk] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(BF16)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.kda_tuning import kda_tc_chunk_slots, kda_tc_launch, kda_tc_prep_launch
-from prefixrun.kernels.reference import NumpyOps
 from prefixrun.kernels.tuning import CudaTuning, gdn_tc_smem_bytes
-from test_delta_tc_emulated import ROOT, _forked, _guarded, _ptr, compile_emulated, emulator_common, rel, tc_helpers
+from test_delta_tc_emulated import ROOT, _forked, _guarded, _ptr, assert_matches_reference, compile_emulated, \
+    emulator_common, gdn_inputs, rel, tc_helpers
 
 BF16 = ml_dtypes.bfloat16
 TOL = 1e-2  # as Gated DeltaNet's tensor-core form (tests/test_delta_tc_emulated.py TOL)
@@ -104,17 +104,8 @@ def run_emulated(so, qk, hk, v, g, beta, state, slots, cu):
 
 
 def _inputs(rng, lens, hk, h, dk, dv, nslots):
-    cu = np.zeros(len(lens) + 1, np.int32)
-    np.cumsum(lens, out=cu[1:])
-    t = int(cu[-1])
-    qk = rng.standard_normal((t, 2 * hk, dk)).astype(np.float32)
-    qk = (qk / np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)).astype(BF16)
-    v = rng.standard_normal((t, h, dv)).astype(np.float32).astype(BF16)
-    g = (-np.abs(rng.standard_normal((t, h, dk))) * 0.3).astype(np.float32)
+    qk, v, g, beta, state, slots, cu = gdn_inputs(rng, lens, hk, h, dk, dv, nslots, per_channel=True)
     g[::7, :, ::5] = -40.0  # channels that forget everything at that token: no factor >= 1 may be formed
-    beta = (1 / (1 + np.exp(-rng.standard_normal((t, h))))).astype(np.float32)
-    state = (rng.standard_normal((nslots, h, dk, dv)) * 0.3).astype(np.float32)
-    slots = rng.permutation(nslots)[:len(lens)].astype(np.int32)
     return qk, v, g, beta, state, slots, cu
 
 
@@ -129,16 +120,7 @@ def test_emulated_kda_matches_the_reference(emu, lens, hk, h, dk, dv):
     rng = np.random.default_rng(sum(lens) + dk)
     qk, v, g, beta, state, slots, cu = _inputs(rng, lens, hk, h, dk, dv, nslots=len(lens) + 2)
     o, got_state = run_emulated(emu, qk, hk, v, g, beta, state, slots, cu)
-    qkf, vf = qk.astype(np.float32), v.astype(np.float32)
-    want_state = state.copy()
-    want = NumpyOps().gated_delta_rule(qkf[:, :hk], qkf[:, hk:], vf, g, beta, want_state, slots, cu)
-    for b in range(len(lens)):
-        s, e = cu[b], cu[b + 1]
-        if e > s:
-            assert rel(o[s:e], want[s:e]) <= TOL, (b, lens[b], rel(o[s:e], want[s:e]))
-        assert rel(got_state[slots[b]], want_state[slots[b]]) <= TOL, (b, lens[b])
-    untouched = np.setdiff1d(np.arange(len(state)), slots)
-    np.testing.assert_array_equal(got_state[untouched], state[untouched])
+    assert_matches_reference(o, got_state, qk, hk, v, g, beta, state, slots, cu)
 
 
 def test_emulated_kda_resumes_from_a_checkpoint(emu):
