@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -35,15 +37,35 @@ def batch(model, input_path, report, *extra):
     return tokens, json.loads(report.read_text())
 
 
-def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(tmp_path, monkeypatch):
-    """A stand-in slow load: the weights' build waits until the read-ahead has begun (at most 20 s). Before, the
-    read-ahead began only once the engine planned its first window, after the load: the build waited in vain."""
+@dataclass(frozen=True)
+class StoredDocument:
+    """A model, a cache holding DOCUMENT (stored by a cold run of FIRST), SECOND's input file and its answers
+    without a cache."""
+    model: Path
+    cache: Path
+    second: Path
+    expected: dict
+    report: Path
+
+    def warm_run(self):
+        """SECOND with the cache: (tokens by custom_id, the JSON report)."""
+        return batch(self.model, self.second, self.report, "--cache-dir", self.cache, "--cache-policy", "always")
+
+
+@pytest.fixture
+def stored(tmp_path) -> StoredDocument:
     model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
     cache = tmp_path / "cache"
     batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
           "--cache-policy", "always")
     second = write_input(tmp_path / "second.jsonl", SECOND)
     expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
+    return StoredDocument(model, cache, second, expected, tmp_path / "r2.json")
+
+
+def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(stored, monkeypatch):
+    """A stand-in slow load: the weights' build waits until the read-ahead has begun (at most 20 s). Before, the
+    read-ahead began only once the engine planned its first window, after the load: the build waited in vain."""
 
     reading = threading.Event()
     order: list[str] = []
@@ -64,9 +86,9 @@ def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(tmp_p
 
     monkeypatch.setattr(CheckpointStore, "read_entry", read_entry)
     monkeypatch.setattr(loader, "build_model", slow_build)
-    warm, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    warm, report = stored.warm_run()
     assert order[:2] == ["read ahead", "weights loaded"]
-    assert warm == expected  # the cache never changes an answer
+    assert warm == stored.expected  # the cache never changes an answer
     costs = report["cache"]["costs"]
     # the lookups took what was read ahead during the load; the engine's own prefetch kept it (read once)
     assert costs["prefetch_used_bytes"] > 0 and costs["read_bytes"] == 0 and reads == [len(DOCUMENT)]
@@ -74,18 +96,12 @@ def test_the_first_windows_stored_prefixes_are_read_while_the_weights_load(tmp_p
     assert report["reused_tokens"] == report["reused_from_disk_tokens"]  # nothing shared in memory besides
 
 
-def test_the_read_ahead_reads_no_entry_before_the_weights_are_read(tmp_path, monkeypatch):
+def test_the_read_ahead_reads_no_entry_before_the_weights_are_read(stored, monkeypatch):
     """Both read files at memory speed on the host's cores: beside each other they share its memory bandwidth and
     the interpreter's lock, and the load waits for the weights. A stand-in slow weight read waits (at most 3 s) for
     the read-ahead's first entry read: before, that read ran beside the weights' reads, so it came first."""
     from prefixrun.kernels.file_reads import RingReader
 
-    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
-    cache = tmp_path / "cache"
-    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
-          "--cache-policy", "always")
-    second = write_input(tmp_path / "second.jsonl", SECOND)
-    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
     entry_read = threading.Event()
     order: list[str] = []
     real_read_entry, real_run = CheckpointStore.read_entry, RingReader.run
@@ -103,9 +119,9 @@ def test_the_read_ahead_reads_no_entry_before_the_weights_are_read(tmp_path, mon
 
     monkeypatch.setattr(CheckpointStore, "read_entry", read_entry)
     monkeypatch.setattr(RingReader, "run", slow_reads)
-    warm, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    warm, report = stored.warm_run()
     assert order[:2] == ["weights read", "read ahead"]
-    assert warm == expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
+    assert warm == stored.expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
     costs = report["cache"]["costs"]
     assert costs["prefetch_used_bytes"] > 0 and costs["read_bytes"] == 0  # still read ahead, and used
 
@@ -149,19 +165,13 @@ def test_the_caches_reads_and_writes_run_with_short_switches_and_the_interval_co
         sys.setswitchinterval(before)
 
 
-def test_entries_read_ahead_go_to_the_device_while_the_engine_is_built(tmp_path, monkeypatch):
+def test_entries_read_ahead_go_to_the_device_while_the_engine_is_built(stored, monkeypatch):
     """Once the pools are sized the read-ahead's K/V rows move to the device while the engine is built (they waited
     for its pools before, and the first restores behind them). A stand-in engine build waits until one upload has
     begun (at most 20 s): before, none began until the engine existed."""
     from prefixrun.engine.run import core
     from prefixrun.kernels.reference import NumpyOps
 
-    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
-    cache = tmp_path / "cache"
-    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
-          "--cache-policy", "always")
-    second = write_input(tmp_path / "second.jsonl", SECOND)
-    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
     uploading = threading.Event()
     order: list[str] = []
     real_upload, real_init = NumpyOps.upload_ahead, core.Engine.__init__
@@ -178,26 +188,20 @@ def test_entries_read_ahead_go_to_the_device_while_the_engine_is_built(tmp_path,
 
     monkeypatch.setattr(NumpyOps, "upload_ahead", upload_ahead)
     monkeypatch.setattr(core.Engine, "__init__", slow_init)
-    warm, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
+    warm, report = stored.warm_run()
     assert order[:2] == ["upload ahead", "engine built"]
-    assert warm == expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
+    assert warm == stored.expected and report["reused_from_disk_tokens"] == 4 * len(DOCUMENT)
     timeline = report["cache"]["costs"]["timeline"]
     assert timeline["pools_sized"] <= timeline["read_ahead_on_device_last"] <= timeline["first_lookup"]
 
 
-def test_a_damaged_entry_read_ahead_during_the_load_is_still_a_miss(tmp_path):
-    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.05)
-    cache = tmp_path / "cache"
-    batch(model, write_input(tmp_path / "first.jsonl", FIRST), tmp_path / "r1.json", "--cache-dir", cache,
-          "--cache-policy", "always")
-    for blob in (cache / "checkpoints").rglob("*.safetensors"):
+def test_a_damaged_entry_read_ahead_during_the_load_is_still_a_miss(stored):
+    for blob in (stored.cache / "checkpoints").rglob("*.safetensors"):
         with open(blob, "r+b") as handle:
             handle.seek(-7, 2)
             handle.write(b"\xff" * 7)
-    second = write_input(tmp_path / "second.jsonl", SECOND)
-    expected, _ = batch(model, second, tmp_path / "r0.json", "--no-cache")
-    damaged, report = batch(model, second, tmp_path / "r2.json", "--cache-dir", cache, "--cache-policy", "always")
-    assert damaged == expected and report["reused_from_disk_tokens"] == 0
+    damaged, report = stored.warm_run()
+    assert damaged == stored.expected and report["reused_from_disk_tokens"] == 0
     assert report["cache"]["corrupt"] >= 1
 
 
