@@ -8,6 +8,7 @@ from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.state.pools import ModelState
 from prefixrun.kernels import get_ops
+from prefixrun.kernels.reference import NumpyOps
 
 # Weight scale for parity models: large enough that greedy top-2 gaps sit well above fp32 error, small enough
 # that fp32 error stays far below the 1e-4 tolerance (measured: ~3e-5 max-abs at 0.05 on 150-token prompts).
@@ -75,6 +76,21 @@ def isolated_env(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cpu_ops():
     return get_ops("cpu")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The NumPy reference backend the CUDA kernel tests compare against."""
+    return NumpyOps()
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ops(request):
+    """The CUDA backend in each activation dtype, for the tests/test_cuda_*.py modules (one of one dtype, or of
+    another backend, defines its own `ops`)."""
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps(request.param)
 
 
 def new_state(model, ops, slots=16, blocks=256, block_size=16):

@@ -14,23 +14,10 @@ cupy = pytest.importorskip("cupy")
 
 from prefixrun.engine.models.layers import ACTIVATIONS  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
-from prefixrun.kernels.reference import NumpyOps  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyOps()
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
 
 
 def _rel(a, b) -> float:

@@ -42,13 +42,6 @@ def ws_ops(ws_checked, request):
     return ws_checked.retuned(attn_prefill_kernel=request.param)
 
 
-@pytest.fixture(scope="module")
-def ref():
-    from prefixrun.kernels.reference import NumpyOps
-
-    return NumpyOps()
-
-
 @pytest.mark.parametrize("hq,hkv,d,bs,window,strided", WGMMA_CASES)
 def test_ws_prefill_against_reference(ws_ops, ref, hq, hkv, d, bs, window, strided):
     check_wgmma_prefill(ws_ops, ref, hq, hkv, d, bs, window, strided)

@@ -20,13 +20,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
 class _Step:
     """One step's inputs: q and k strided views of [T, 2 Hk, Dk] (as the layer passes them), rounded to the
     storage type so the reference sees what the GPU sees."""

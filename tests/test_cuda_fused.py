@@ -16,7 +16,7 @@ cupy = pytest.importorskip("cupy")
 
 from prefixrun.kernels import cuda_available  # noqa: E402
 # the GPU tests' shared fixtures (ops: fp32 and bf16 backends; ref: NumpyOps), bounds and helpers
-from test_cuda_kernels import TOL, act_round, host, ops, ref, rel, rnd  # noqa: E402,F401
+from test_cuda_kernels import TOL, act_round, host, rel, rnd  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 

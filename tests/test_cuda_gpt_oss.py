@@ -20,18 +20,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyOps()
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
 def _paged(ops, rng, lens, ctx, hq=8, hkv=2, d=64, bs=16):
     """q for `lens` new tokens per sequence over caches holding ctx tokens each (random K/V), as stored."""
     nblk = -(-max(ctx) // bs)

@@ -34,18 +34,6 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 TOL_SEQ = {"float32": 1e-5, "bfloat16": 2e-2}  # attention, conv, delta rule
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyOps()
-
-
-@pytest.fixture(scope="module", params=DTYPES)
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
 def rel(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)

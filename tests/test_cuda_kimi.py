@@ -22,13 +22,6 @@ TOL_SEQ = {"float32": 1e-5, "bfloat16": 2e-2}
 TOL_STATE = 1e-4  # the fp32 state in either dtype (both sides read the same rounded inputs), over up to 200 steps
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
 def _kda_inputs(ops, rng, lens, h, dk, nslots=6):
     """q, k as strided views of one L2-normalised [T, 2H, Dk] buffer (as the layer hands them over), v, a per
     channel log decay g [T, H, Dk] (some channels near zero, some cleared within a token), beta [T, H]."""

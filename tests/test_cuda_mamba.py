@@ -22,13 +22,6 @@ TOL_SEQ = {"float32": 1e-4, "bfloat16": 2e-2}
 TOL_SEQ_TC = 1e-2  # the tensor-core scan's state (bf16 products, fp32 accumulation), as tests/test_cuda_kernels.py
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
 def _scan_inputs(ops, rng, lens, h, g, p, n):
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t = int(cu[-1])
