@@ -25,30 +25,12 @@ cupy = pytest.importorskip("cupy")
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
 from prefixrun.kernels.tuning import MOE_GEMM_ROWS, MOE_GEMM_STAGES  # noqa: E402
+from test_cuda_kernels import rel  # noqa: E402 - ||a - b|| / ||b||, shapes checked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
 BF16 = ml_dtypes.bfloat16
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyOps()
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ops(request):
-    from prefixrun.kernels.cuda import CudaOps
-
-    return CudaOps(request.param)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    denom = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
 
 
 def skewed_experts(rng, t, k, e, unused=2):
@@ -137,16 +119,24 @@ def test_grouped_linear_activations_are_the_op_on_its_result(ops, ref, t, k, e, 
         ops.moe_grouped_linear(x, w, off, tok, activation="gelu")
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_combine_matches_reference(ops, ref, shared):
-    rng = np.random.default_rng(5)
-    t, k, e, d = 70, 4, 16, 96
+def _combine_inputs(ops, rng, t, k, e, d):
+    """moe_combine's inputs for t tokens, k of e (skewed) experts each, width d: the permutation's positions, the
+    expert rows y [t k, d] (stored, and as the reference sees them), routing weights, gate logits [t, e + 1] (the
+    last column a shared expert's gate), the shared expert's rows [t, d] (stored, and as the reference sees them)."""
     experts = skewed_experts(rng, t, k, e)
     _, pos, _ = ops.moe_permute(ops.upload_index(experts), e)
     y, y32 = as_stored(ops, rng.standard_normal((t * k, d)).astype(np.float32))
     weights = rng.random((t, k)).astype(np.float32)
     logits = rng.standard_normal((t, e + 1)).astype(np.float32)
     s, s32 = as_stored(ops, rng.standard_normal((t, d)).astype(np.float32))
+    return pos, y, y32, weights, logits, s, s32
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_combine_matches_reference(ops, ref, shared):
+    rng = np.random.default_rng(5)
+    t, k, e, d = 70, 4, 16, 96
+    pos, y, y32, weights, logits, s, s32 = _combine_inputs(ops, rng, t, k, e, d)
     gate = ops.upload(logits, np.float32)[:, e:]  # a strided column, as the model passes it
     got = ops.moe_combine(y, pos, ops.upload(weights, np.float32), s if shared else None, gate if shared else None)
     want = ref.moe_combine(y32, ops.to_host(pos), weights, s32 if shared else None, logits[:, e:] if shared else None)
@@ -159,12 +149,7 @@ def test_combine_with_a_shared_expert_and_a_scale_matches_reference(ops, ref, ga
     residual_multiplier), rounded once."""
     rng = np.random.default_rng(6)
     t, k, e, d = 64, 6, 16, 1536
-    experts = skewed_experts(rng, t, k, e)
-    _, pos, _ = ops.moe_permute(ops.upload_index(experts), e)
-    y, y32 = as_stored(ops, rng.standard_normal((t * k, d)).astype(np.float32))
-    weights = rng.random((t, k)).astype(np.float32)
-    logits = rng.standard_normal((t, e + 1)).astype(np.float32)
-    s, s32 = as_stored(ops, rng.standard_normal((t, d)).astype(np.float32))
+    pos, y, y32, weights, logits, s, s32 = _combine_inputs(ops, rng, t, k, e, d)
     gate, gate32 = (ops.upload(logits, np.float32)[:, e:], logits[:, e:]) if gated else (None, None)
     factor = np.asarray(0.22, ops.act_dtype)
     dw = ops.upload(weights, np.float32)
