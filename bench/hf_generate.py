@@ -2,7 +2,7 @@
 `prefixrun bench --compare-transformers` (cli/bench.py) so that a table's transformers figure never rests on one
 harness alone (bench/device_bench.sh reports the faster of the two and names it).
 
-    python3 bench/hf_generate.py MODEL_DIR WORKLOAD.jsonl [--group 32] [--temperature 0] [--json OUT]
+    python3 bench/hf_generate.py MODEL_DIR WORKLOAD.jsonl [--group 32] [--temperature 0] [--time-limit S] [--json OUT]
 
 How it runs, aiming at the fastest settings a careful user would pick:
 - requests grouped by prompt length (sorted, then `--group` at a time), so a group is equal-length wherever the
@@ -10,13 +10,16 @@ How it runs, aiming at the fastest settings a careful user would pick:
   longest max_tokens (min_new_tokens = max_new_tokens, as `prefixrun bench --ignore-eos` does);
 - bf16 on CUDA (fp32 on the CPU); flash-linear-attention's kernels where `fla` is importable (transformers takes
   them for the Gated DeltaNet layers by itself; reported), flash-attention 2 where `flash_attn` is importable;
-- settings chosen by measurement: each candidate (a static cache, whose decoding transformers compiles with
+- settings chosen by measurement (when more than one is asked for): each candidate (a static cache, whose decoding transformers compiles with
   torch.compile by itself, or the default dynamic cache) is warmed up and timed on the first group, and the
   fastest runs the workload (a candidate that raises, e.g. where a family's cache or compilation does not take
   it, is skipped and named);
 - every distinct group shape warmed up once before the timed pass (compilation, autotuning, allocator);
 - the group halved while transformers runs out of device memory (its reference Mamba2 scan, used where
   `mamba_ssm` is not installed, materialises blocks quadratic in the prompt's length); the size used is reported.
+- `--time-limit S`: the timed pass stops after the first group that ends past S seconds (a family whose
+  transformers path is slow need not hold a time-budgeted command): wall_seconds is then the time of the groups
+  run, a lower bound of the whole pass, `complete` is false and `estimated_wall_seconds` scales it to every group.
 Prints JSON: wall_seconds of the timed pass, the settings used and tried, tokens generated. Greedy when the
 temperature is 0, else sampled with it (the bench's greedy rows are what the tables compare).
 """
@@ -66,15 +69,16 @@ class Harness:
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.attn = "flash_attention_2" if self.device == "cuda" and importlib.util.find_spec("flash_attn") \
-            else "sdpa"
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                      attn_implementation=self.attn)
-        except (ImportError, ValueError):  # flash-attention 2 not usable for this family or build
-            self.attn = "sdpa"
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                      attn_implementation=self.attn)
+        model = None
+        if self.device == "cuda" and importlib.util.find_spec("flash_attn"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                          attn_implementation="flash_attention_2")
+            except (ImportError, ValueError):  # flash-attention 2 not usable for this family or build
+                pass
+        if model is None:  # transformers' own choice: sdpa, or eager where a family has no sdpa (gpt-oss's sinks)
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.attn = model.config._attn_implementation
         self.model = model.to(self.device).eval()
         self.default_max_tokens = default_max_tokens
         self.sampling = {"do_sample": False} if temperature <= 0 else {"do_sample": True, "temperature": temperature,
@@ -95,10 +99,16 @@ class Harness:
         if self.device == "cuda":
             self.torch.cuda.synchronize()
 
-    def timed(self, groups: list[list[dict]]) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        tokens = sum(int(self.generate(g).numel()) for g in groups)
-        return time.perf_counter() - t0, tokens
+    def timed(self, groups: list[list[dict]], limit: float = float("inf")) -> tuple[float, int, int]:
+        """(seconds, tokens generated, groups run): the groups in order, stopping after the first that ends past
+        `limit` seconds."""
+        t0, tokens, done = time.perf_counter(), 0, 0
+        for g in groups:
+            tokens += int(self.generate(g).numel())
+            done += 1
+            if time.perf_counter() - t0 > limit:
+                break
+        return time.perf_counter() - t0, tokens, done
 
 
 def candidates(device: str, caches: tuple[str, ...] = ("static", "dynamic")) -> list[str | None]:
@@ -109,14 +119,18 @@ def candidates(device: str, caches: tuple[str, ...] = ("static", "dynamic")) -> 
 
 def choose(h: Harness, probe: list[dict], caches: tuple[str, ...] = ("static", "dynamic")) -> list[dict]:
     """Try each candidate on the probe group (a warm-up, then a timed run) and keep the fastest that works;
-    returns what was tried and how it went."""
+    returns what was tried and how it went. A single candidate is not probed: the shapes' warm-up (fit) finds
+    whether it works."""
     tried, best = [], None
+    if len(candidates(h.device, caches)) == 1:
+        h.cache = candidates(h.device, caches)[0]
+        return [{"settings": f"{h.cache or 'dynamic'} cache", "probe_seconds": None}]
     for cache in candidates(h.device, caches):
         h.cache = cache
         name = f"{cache or 'dynamic'} cache"
         try:
             h.generate(probe)
-            seconds, _ = h.timed([probe])
+            seconds, _, _ = h.timed([probe])
         except h.torch.OutOfMemoryError:
             raise  # the group's size, not the settings: fit() halves it
         except Exception as exc:  # this family or build does not take it
@@ -156,12 +170,15 @@ def fit(h: Harness, lines: list[dict], group: int, default_max_tokens: int,
 
 
 def run(model_dir: Path, workload: Path, group: int = 32, temperature: float = 0.0,
-        default_max_tokens: int = 16, caches: tuple[str, ...] = ("static", "dynamic")) -> dict:
+        default_max_tokens: int = 16, caches: tuple[str, ...] = ("static", "dynamic"),
+        time_limit: float = float("inf")) -> dict:
     lines = read_lines(workload)
     h = Harness(model_dir, temperature, default_max_tokens)
     groups, group, tried = fit(h, lines, group, default_max_tokens, caches)
-    wall, tokens = h.timed(groups)
+    wall, tokens, done = h.timed(groups, time_limit)
     return {"harness": "bench/hf_generate.py", "wall_seconds": round(wall, 4), "requests": len(lines),
+            "complete": done == len(groups), "groups_timed": done,
+            "estimated_wall_seconds": round(wall * len(groups) / done, 4),
             "groups": len(groups), "group_size": group, "generated_tokens": tokens, "device": h.device,
             "attn_implementation": h.attn, "fla_importable": importlib.util.find_spec("fla") is not None,
             "cache": h.cache or "dynamic", "tried": tried}
@@ -176,6 +193,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=16, help="for lines without max_tokens")
     ap.add_argument("--caches", default="static,dynamic",
                     help="cache implementations to try, comma-separated (static: compiled by transformers)")
+    ap.add_argument("--time-limit", type=float, default=float("inf"),
+                    help="stop the timed pass after the first group that ends past this many seconds")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
     if a.group < 1:
@@ -183,7 +202,7 @@ def main(argv=None):
     caches = tuple(c.strip() for c in a.caches.split(",") if c.strip())
     if not caches or any(c not in ("static", "dynamic") for c in caches):
         ap.error("--caches takes static and/or dynamic")
-    figures = run(a.model_dir, a.workload, a.group, a.temperature, a.max_tokens, caches)
+    figures = run(a.model_dir, a.workload, a.group, a.temperature, a.max_tokens, caches, a.time_limit)
     text = json.dumps(figures, indent=2)
     print(text)
     if a.json is not None:

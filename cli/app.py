@@ -286,6 +286,8 @@ def make_model(
                                         "gpt-oss checkpoints do (*_blocks + *_scales)")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the model files of a folder that is "
                                             "not empty")] = False,
+    threads: Annotated[Optional[int], typer.Option(help="threads drawing the large matrices (default: every "
+                                                   "core); the weights do not depend on it")] = None,
 ):
     """Write a complete HF model directory with seeded random weights (for tests, benchmarks and demos)."""
     from prefixrun.cli.report import literal
@@ -302,6 +304,8 @@ def make_model(
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
         if shards < 1:
             raise ValueError(f"--shards must be at least 1, got {shards}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
         if init_std is not None and not (math.isfinite(init_std) and init_std > 0):
             raise ValueError(f"--init-std must be a positive number, got {init_std}")
         if out_dir.exists() and not out_dir.is_dir():
@@ -313,7 +317,8 @@ def make_model(
         raw = _read_model_config(config) if config else TINY_QWEN3_5
         parse_config(raw, source=str(config or "config.json"))  # the loader's checks, before anything is written
         path = make_model_dir(out_dir, raw, seed=seed, init_std=init_std, dtype=dtype, shards=shards,
-                              composite=composite, mtp=mtp, fp8="block" if fp8 else None, mxfp4=mxfp4)
+                              composite=composite, mtp=mtp, fp8="block" if fp8 else None, mxfp4=mxfp4,
+                              threads=threads)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)

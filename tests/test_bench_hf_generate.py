@@ -61,7 +61,10 @@ def test_greedy_tokens_are_the_engines_and_the_figures_say_how_they_were_made(cp
     figures = hf.run(model_dir, workload, group=3)
     assert figures["requests"] == 4 and figures["groups"] == 2 and figures["generated_tokens"] == 4 * 6
     assert figures["wall_seconds"] > 0 and figures["cache"] == "dynamic" and figures["device"] == "cpu"
-    assert figures["tried"] == [{"settings": "dynamic cache", "probe_seconds": figures["tried"][0]["probe_seconds"]}]
+    assert figures["tried"] == [{"settings": "dynamic cache", "probe_seconds": None}] and figures["complete"]
+    stopped = hf.run(model_dir, workload, group=1, time_limit=0.0)  # stops after its first group
+    assert not stopped["complete"] and stopped["groups_timed"] == 1 and stopped["generated_tokens"] == 6
+    assert stopped["estimated_wall_seconds"] == pytest.approx(stopped["wall_seconds"] * 4, rel=1e-3)
 
 
 def test_the_caches_tried_follow_the_option_and_the_device():

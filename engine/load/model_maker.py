@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -178,6 +180,48 @@ def _init(name: str, shape, rng: np.random.Generator, std: float, zero_centered_
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
 
+# Matrices of at least this many elements are drawn in blocks on threads (a 20B-parameter benchmark model took
+# minutes on one core); each block has a generator of its own, seeded by (seed, tensor name, block), so the values
+# do not depend on the thread count. Smaller tensors come from the one sequential generator as before, so tiny test
+# models keep their values.
+PARALLEL_DRAW_ELEMENTS = 1 << 24
+_DRAW_BLOCK = 1 << 22
+
+
+def _draw_all(shapes: dict, rng: np.random.Generator, seed: int, std: float, zero_centered: bool, np_dtype,
+              threads: int | None) -> dict[str, np.ndarray]:
+    large = [n for n, s in shapes.items() if math.prod(s) >= PARALLEL_DRAW_ELEMENTS and _plain_matrix(n)]
+    out = {n: np.empty(shapes[n], np_dtype) for n in large}
+    jobs = [(n, b) for n in large for b in range(-(-out[n].size // _DRAW_BLOCK))]
+    with ThreadPoolExecutor(max(1, threads or os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(_draw_block, out[n].reshape(-1), seed, n, b, std) for n, b in jobs]
+        small = {n: _init(n, s, rng, std, zero_centered).astype(np_dtype) for n, s in shapes.items() if n not in out}
+        for f in futures:
+            f.result()
+    return {n: out[n] if n in out else small[n] for n in shapes}
+
+
+def _plain_matrix(name: str) -> bool:
+    """Whether `_init` draws the tensor as plain scaled normals (the special cases are all small)."""
+    return not name.endswith(("A_log", "dt_bias", "conv1d.weight", ".conv.conv.weight")) and "norm" not in name
+
+
+def _draw_block(flat: np.ndarray, seed: int, name: str, block: int, std: float):
+    """Block `block` of `flat`: std * N(0, 1) from its own generator, rounded to `flat`'s dtype (bf16 by integer
+    rounding to nearest even, the bits ml_dtypes' cast gives, without holding the interpreter lock)."""
+    lo = block * _DRAW_BLOCK
+    part = flat[lo:lo + _DRAW_BLOCK]
+    g = np.random.default_rng([seed, zlib.crc32(name.encode()), block])
+    x = g.standard_normal(part.size, dtype=np.float32)
+    x *= np.float32(std)
+    if part.dtype != ml_dtypes.bfloat16:
+        part[:] = x
+        return
+    bits = x.view(np.uint32)
+    bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    part.view(np.uint16)[:] = bits >> np.uint32(16)
+
+
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None):
     """A minimal safetensors writer (bf16 included), written to a temp file and renamed into place."""
     header, offset = {}, 0
@@ -194,7 +238,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)  # no copy of the bytes
     os.replace(tmp, path)
 
 
@@ -208,7 +252,7 @@ def _physical_memory_bytes() -> int:
 def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: float | None = None,
                    dtype: str = "bfloat16", composite: bool = False, shards: int = 1,
                    corpus: list[str] | None = None, mtp: bool = False, fp8: str | None = None,
-                   mxfp4: bool = False) -> Path:
+                   mxfp4: bool = False, threads: int | None = None) -> Path:
     """Write a complete random-weight model directory for `raw_config` (an HF config.json dict).
 
     init_std: the weight scale (default the config's initializer_range or 0.02); tests use larger scales so that
@@ -217,7 +261,8 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     mtp: also write the MTP head's weights (`mtp.*`, engine/models/mtp.py) and its layer count in the config.
     fp8: store the linear weights in FP8 (engine/load/quantization.py): "block" as Qwen's FP8 checkpoints (128 x 128
     blocks, `quant_method: fp8`), "channel" / "tensor" as compressed-tensors writes them. mxfp4: gpt-oss's experts
-    in MXFP4, as the released gpt-oss checkpoints store them.
+    in MXFP4, as the released gpt-oss checkpoints store them. threads: how many draw the large matrices (default
+    every core).
     """
     if fp8 is not None and fp8 not in FP8_LAYOUTS:
         raise ValueError(f"fp8 layout must be one of {', '.join(FP8_LAYOUTS)}, got {fp8!r}")
@@ -265,7 +310,7 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
     zero_centered = parse_config(config).family in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3")
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
-    tensors = {name: _init(name, shape, rng, std, zero_centered).astype(np_dtype) for name, shape in shapes.items()}
+    tensors = _draw_all(shapes, rng, seed, std, zero_centered, np_dtype, threads)
     if composite:  # stand-ins the text model must ignore
         if not mtp:
             tensors["mtp.fc.weight"] = rng.normal(0, std, (8, 8)).astype(np_dtype)

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The model families of bench/models/ against transformers in one time-budgeted device command, run from the
+# repository root (models are built here, nothing needs carrying):
+#   BUDGET=540 FAMILIES="granite-4.0-h-like nemotron-h-like ..." bash bench/device_families.sh
+#   bash bench/device_families.sh --smoke      # the same steps on the CPU with test-size configs (a check of the
+#                                              # script, bench/families.py smoke-config; figures mean nothing)
+# Per family, in order, each step skipped (and the table says so) when it would not fit in what is left of BUDGET
+# seconds (default 540; every step also runs under `timeout` with the time left):
+#   build     `prefixrun make-model /tmp/fam/NAME --config bench/models/NAME.json --seed 0` (bf16 safetensors; the
+#             next family's build runs in the background, niced, on MAKE_THREADS of the cores, while this one is
+#             measured, when the disk holds both; gpt-oss's experts in bf16, not MXFP4: transformers' MXFP4 path
+#             wants hub kernels the device cannot fetch, and bf16 on both sides is the same weights)
+#   speed     shared-system (64 x (2,048 + 256), 64 new) through `prefixrun bench` = `prefixrun batch` with the
+#             user's defaults but greedy, `--no-cache --ignore-eos`; then transformers on the same token ids
+#             through the independent harness (bench/hf_generate.py: equal-length groups of 32, bf16, dynamic
+#             cache; the bench's own harness, `--compare-transformers`, is not run: it would double transformers'
+#             time and takes no time limit). Its timed pass stops after HF_FACTOR x our engine wall (default 12x):
+#             a stopped pass gives a lower bound of the speed-up (enough for ">= 8x") and an estimate of the whole.
+#             doc-qa (4 documents x 16 questions x (4,096 + 128)) the same way when the rest of the budget allows.
+#   accuracy  bench/families.py accuracy: our bf16 logits and transformers' bf16 logits against transformers'
+#             fp32 on the same weights, ACC_PROMPTS prompts of ACC_TOKENS tokens (the whole model: each model is
+#             freed before the next loads, so even gpt-oss's 84 GB of fp32 fits)
+# Prints the optional kernels transformers could use (fla, mamba_ssm, causal_conv1d, flash_attn) and one markdown
+# table (also $OUT/table.md; every JSON and log in $OUT). Each model folder is deleted after its family.
+set -uo pipefail
+SMOKE=; [ "${1:-}" = --smoke ] && SMOKE=1
+BUDGET=${BUDGET:-540}
+OUT=${OUT:-fam-out}; mkdir -p "$OUT"
+FAMILIES=${FAMILIES:-"granite-4.0-h-like nemotron-h-like kimi-linear-like gpt-oss-20b-like lfm2-like"}
+HF_FACTOR=${HF_FACTOR:-12}
+ACC_PROMPTS=${ACC_PROMPTS:-4}; ACC_TOKENS=${ACC_TOKENS:-256}
+MAKE_THREADS=${MAKE_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+MODELS_DIR=${MODELS_DIR:-/tmp/fam}; mkdir -p "$MODELS_DIR"
+export PYTHONUNBUFFERED=1
+if [ -z "$SMOKE" ]; then
+  . bench/checkout_env.sh
+  DEVICE=cuda; GEN=64
+else  # the installed `prefixrun` and python3 of the environment it runs in
+  DEVICE=cpu; GEN=4
+fi
+left() { local s=$(( BUDGET - SECONDS - ${1:-0} )); echo $(( s > 1 ? s : 1 )); }  # [minus N]; never 0 (timeout's "no limit")
+say() { echo "[$(printf '%4d' $SECONDS) s] $*"; }
+why() { echo "$3" > "$OUT/$1.$2.why"; say "$1: $2: $3"; }  # family, step, reason (shown in the table)
+
+if [ -z "$SMOKE" ]; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python3 bench/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen $GEN \
+    > /tmp/fam-shared-system.jsonl 2>/dev/null
+  python3 bench/workloads.py doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen $GEN \
+    > /tmp/fam-doc-qa.jsonl 2>/dev/null
+else
+  python3 bench/workloads.py shared-system --requests 4 --prefix 24 --suffix 6 --gen $GEN --vocab-limit 500 \
+    > /tmp/fam-shared-system.jsonl 2>/dev/null
+  python3 bench/workloads.py doc-qa --docs 2 --per-doc 2 --prefix 24 --suffix 6 --gen $GEN --vocab-limit 500 \
+    > /tmp/fam-doc-qa.jsonl 2>/dev/null
+fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+python3 -c "import sys; sys.path.insert(0, 'bench'); import families; print('optional kernels importable:', families.kernels_importable())"
+df -h "$MODELS_DIR" | tail -1 | awk '{print "disk free for models: " $4}'; free -g | awk '/Mem/ {print "host memory GiB: " $2 ", available " $7}'
+declare -A BYTES
+while read -r name bytes params; do BYTES[$name]=$bytes
+  say "plan: $name $(( params / 1000000 )) M parameters, $(( bytes / 1000000000 )) GB bf16"
+done < <(python3 bench/families.py plan $FAMILIES)
+
+config_of() {  # name -> the config make-model follows
+  if [ -n "$SMOKE" ]; then python3 bench/families.py smoke-config "$1" "$OUT/$1.smoke.json"; echo "$OUT/$1.smoke.json"
+  else echo "bench/models/$1.json"; fi
+}
+build() {  # name, threads, nice, how: make-model into $MODELS_DIR/NAME; its seconds into $OUT/NAME.build.why
+  local t0=$SECONDS cfg; cfg=$(config_of "$1")
+  rm -rf "${MODELS_DIR:?}/$1"
+  nice -n "$3" timeout "$(left)" prefixrun make-model "$MODELS_DIR/$1" --config "$cfg" --seed 0 --threads "$2" \
+    > "$OUT/$1.build.log" 2>&1 || { why "$1" build "make-model failed: $(tail -1 "$OUT/$1.build.log")"; return 1; }
+  echo "$(( SECONDS - t0 )) s $4" > "$OUT/$1.build.why"
+}
+fits_on_disk() {  # name: whether its bf16 weights (+ 4 GB) fit in the free space now
+  local free; free=$(df --output=avail -B1 "$MODELS_DIR" | tail -1)
+  [ "$free" -gt $(( ${BYTES[$1]} + 4000000000 )) ]
+}
+
+speed() {  # name, workload: ours, then transformers with a time limit from our engine wall
+  local m=$MODELS_DIR/$1 j=$OUT/$1-$2
+  timeout "$(left)" prefixrun bench /tmp/fam-$2.jsonl --model "$m" --device $DEVICE --temperature 0 --no-cache \
+    --ignore-eos -q --json "$j.json" > /dev/null 2> "$j.err" \
+    || { why "$1" "$2" "prefixrun exit $?: $(tail -1 "$j.err")"; return 1; }
+  local wall; wall=$(python3 -c "import json; print(json.load(open('$j.json'))['wall_seconds'])")
+  local limit; limit=$(python3 -c "print(max(1.0, $HF_FACTOR * $wall))")
+  say "$1 $2: ours engine ${wall} s; transformers' timed pass stops after ${limit} s"
+  timeout "$(left 5)" python3 bench/hf_generate.py "$m" /tmp/fam-$2.jsonl --temperature 0 \
+    --caches dynamic --time-limit "$limit" --json "$j-hf.json" > /dev/null 2> "$j-hf.err"
+  local rc=$?
+  [ $rc = 0 ] || why "$1" "$2" "exit $rc$( [ $rc = 124 ] && echo ', out of budget'): $(grep -v '^\s*$' "$j-hf.err" | tail -1 | cut -c1-160)"
+}
+
+ESTIMATE_GBPS=${ESTIMATE_GBPS:-3}  # budget guesses: GB of weights a step loads per second, plus fixed seconds
+need() {  # name, step -> seconds it is guessed to need
+  local gb=$(( ${BYTES[$1]} / 1000000000 ))
+  case $2 in
+    speed) echo $(( 40 + 2 * gb / ESTIMATE_GBPS )) ;;
+    doc-qa) echo $(( 35 + 2 * gb / ESTIMATE_GBPS )) ;;
+    accuracy) echo $(( 20 + 4 * gb / ESTIMATE_GBPS )) ;;
+  esac
+}
+
+: > "$OUT/rows.md"
+COMPILE=
+if [ -z "$SMOKE" ]; then  # every kernel into CuPy's disk cache, beside the first build
+  prefixrun compile-kernels > "$OUT/compile.log" 2>&1 & COMPILE=$!
+fi
+set -- $FAMILIES
+NEXT_BUILT=
+for name in "$@"; do
+  shift
+  if [ "$NEXT_BUILT" = "$name" ] && [ -n "${BUILDER:-}" ]; then
+    wait "$BUILDER"; [ -f "$MODELS_DIR/$name/config.json" ] || { say "$name: background build failed"; }
+  elif [ "$(left)" -gt "$(need "$name" speed)" ]; then
+    say "$name: building (all cores)"; build "$name" "$(nproc)" 0 ""
+  else
+    why "$name" build "skipped: $(left) s left"
+  fi
+  BUILDER=; NEXT_BUILT=
+  if [ -n "${1:-}" ] && fits_on_disk "$1"; then  # the next family's build beside this one's measurements
+    ( build "$1" "$MAKE_THREADS" 19 "(in the background)" ) & BUILDER=$!; NEXT_BUILT=$1
+    say "${1}: building in the background on $MAKE_THREADS threads"
+  fi
+  if [ -f "$MODELS_DIR/$name/config.json" ]; then
+    [ -n "$COMPILE" ] && wait "$COMPILE"; COMPILE=
+    if [ "$(left)" -gt "$(need "$name" speed)" ]; then speed "$name" shared-system
+    else why "$name" shared-system "skipped: $(left) s left, ~$(need "$name" speed) s needed"; fi
+    reserve=0; for later in "$@"; do reserve=$(( reserve + $(need "$later" speed) )); done
+    if [ "$(left)" -gt $(( $(need "$name" doc-qa) + $(need "$name" accuracy) + reserve )) ]; then
+      speed "$name" doc-qa
+    else why "$name" doc-qa "skipped: $(left) s left, ~$(need "$name" doc-qa) s needed + $reserve for the rest"; fi
+    if [ "$(left)" -gt $(( $(need "$name" accuracy) + reserve / 2 )) ]; then
+      timeout "$(left 3)" python3 bench/families.py accuracy "$MODELS_DIR/$name" --device $DEVICE \
+        --prompts "$ACC_PROMPTS" --tokens "$ACC_TOKENS" --json "$OUT/$name-accuracy.json" \
+        > "$OUT/$name-accuracy.log" 2>&1 \
+        || why "$name" accuracy "exit $?: $(grep -v '^\s*$' "$OUT/$name-accuracy.log" | tail -1 | cut -c1-160)"
+    else why "$name" accuracy "skipped: $(left) s left, ~$(need "$name" accuracy) s needed"; fi
+  fi
+  python3 bench/families.py row "$name" "$OUT" | tee -a "$OUT/rows.md"
+  rm -rf "${MODELS_DIR:?}/$name"
+done
+[ -n "${BUILDER:-}" ] && kill "$BUILDER" 2>/dev/null
+{ echo; echo "### model families against transformers ($DEVICE, $(date -u +%F), ${SECONDS} s of ${BUDGET})"; echo
+  python3 bench/families.py header; cat "$OUT/rows.md"; } | tee "$OUT/table.md"
