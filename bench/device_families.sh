@@ -14,7 +14,7 @@
 #             user's defaults but greedy, `--no-cache --ignore-eos`; then transformers on the same token ids
 #             through the independent harness (bench/hf_generate.py: equal-length groups of 32, bf16, dynamic
 #             cache; the bench's own harness, `--compare-transformers`, is not run: it would double transformers'
-#             time and takes no time limit). Its timed pass stops after HF_FACTOR x our engine wall (default 12x):
+#             time and takes no time limit). Its timed pass stops after HF_FACTOR x our engine wall (default 10x):
 #             a stopped pass gives a lower bound of the speed-up (enough for ">= 8x") and an estimate of the whole.
 #             doc-qa (4 documents x 16 questions x (4,096 + 128)) the same way when the rest of the budget allows.
 #   accuracy  bench/families.py accuracy: our bf16 logits and transformers' bf16 logits against transformers'
@@ -27,7 +27,7 @@ SMOKE=; [ "${1:-}" = --smoke ] && SMOKE=1
 BUDGET=${BUDGET:-540}
 OUT=${OUT:-fam-out}; mkdir -p "$OUT"
 FAMILIES=${FAMILIES:-"granite-4.0-h-like nemotron-h-like kimi-linear-like gpt-oss-20b-like lfm2-like"}
-HF_FACTOR=${HF_FACTOR:-12}
+HF_FACTOR=${HF_FACTOR:-10}
 ACC_PROMPTS=${ACC_PROMPTS:-4}; ACC_TOKENS=${ACC_TOKENS:-256}
 MAKE_THREADS=${MAKE_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 MODELS_DIR=${MODELS_DIR:-/tmp/fam}; mkdir -p "$MODELS_DIR"
@@ -35,9 +35,10 @@ export PYTHONUNBUFFERED=1
 if [ -z "$SMOKE" ]; then
   . bench/checkout_env.sh
   DEVICE=cuda; GEN=64
-else  # the installed `prefixrun` and python3 of the environment it runs in
+else  # python3 of the environment it runs in, with prefixrun importable
   DEVICE=cpu; GEN=4
 fi
+PREFIXRUN="python3 -m prefixrun.cli.launch"  # a command, not checkout_env's function: nice and timeout run it
 left() { local s=$(( BUDGET - SECONDS - ${1:-0} )); echo $(( s > 1 ? s : 1 )); }  # [minus N]; never 0 (timeout's "no limit")
 say() { echo "[$(printf '%4d' $SECONDS) s] $*"; }
 why() { echo "$3" > "$OUT/$1.$2.why"; say "$1: $2: $3"; }  # family, step, reason (shown in the table)
@@ -69,8 +70,10 @@ config_of() {  # name -> the config make-model follows
 build() {  # name, threads, nice, how: make-model into $MODELS_DIR/NAME; its seconds into $OUT/NAME.build.why
   local t0=$SECONDS cfg; cfg=$(config_of "$1")
   rm -rf "${MODELS_DIR:?}/$1"
-  nice -n "$3" timeout "$(left)" prefixrun make-model "$MODELS_DIR/$1" --config "$cfg" --seed 0 --threads "$2" \
-    > "$OUT/$1.build.log" 2>&1 || { why "$1" build "make-model failed: $(tail -1 "$OUT/$1.build.log")"; return 1; }
+  nice -n "$3" timeout "$(left)" $PREFIXRUN make-model "$MODELS_DIR/$1" --config "$cfg" --seed 0 --threads "$2" \
+    > "$OUT/$1.build.log" 2>&1 &
+  echo $! > "$OUT/building.pid"  # timeout's: ended (with make-model) if the budget runs out first
+  wait $! || { why "$1" build "make-model failed: $(tail -1 "$OUT/$1.build.log")"; return 1; }
   echo "$(( SECONDS - t0 )) s $4" > "$OUT/$1.build.why"
 }
 fits_on_disk() {  # name: whether its bf16 weights (+ 4 GB) fit in the free space now
@@ -80,7 +83,7 @@ fits_on_disk() {  # name: whether its bf16 weights (+ 4 GB) fit in the free spac
 
 speed() {  # name, workload: ours, then transformers with a time limit from our engine wall
   local m=$MODELS_DIR/$1 j=$OUT/$1-$2
-  timeout "$(left)" prefixrun bench /tmp/fam-$2.jsonl --model "$m" --device $DEVICE --temperature 0 --no-cache \
+  timeout "$(left)" $PREFIXRUN bench /tmp/fam-$2.jsonl --model "$m" --device $DEVICE --temperature 0 --no-cache \
     --ignore-eos -q --json "$j.json" > /dev/null 2> "$j.err" \
     || { why "$1" "$2" "prefixrun exit $?: $(tail -1 "$j.err")"; return 1; }
   local wall; wall=$(python3 -c "import json; print(json.load(open('$j.json'))['wall_seconds'])")
@@ -105,7 +108,7 @@ need() {  # name, step -> seconds it is guessed to need
 : > "$OUT/rows.md"
 COMPILE=
 if [ -z "$SMOKE" ]; then  # every kernel into CuPy's disk cache, beside the first build
-  prefixrun compile-kernels > "$OUT/compile.log" 2>&1 & COMPILE=$!
+  $PREFIXRUN compile-kernels > "$OUT/compile.log" 2>&1 & COMPILE=$!
 fi
 set -- $FAMILIES
 NEXT_BUILT=
@@ -119,7 +122,8 @@ for name in "$@"; do
     why "$name" build "skipped: $(left) s left"
   fi
   BUILDER=; NEXT_BUILT=
-  if [ -n "${1:-}" ] && fits_on_disk "$1"; then  # the next family's build beside this one's measurements
+  # the next family's build beside this one's measurements, where the disk holds both and the budget may reach it
+  if [ -n "${1:-}" ] && fits_on_disk "$1" && [ "$(left)" -gt $(( $(need "$name" speed) + $(need "$1" speed) )) ]; then
     ( build "$1" "$MAKE_THREADS" 19 "(in the background)" ) & BUILDER=$!; NEXT_BUILT=$1
     say "${1}: building in the background on $MAKE_THREADS threads"
   fi
@@ -141,6 +145,6 @@ for name in "$@"; do
   python3 bench/families.py row "$name" "$OUT" | tee -a "$OUT/rows.md"
   rm -rf "${MODELS_DIR:?}/$name"
 done
-[ -n "${BUILDER:-}" ] && kill "$BUILDER" 2>/dev/null
+if [ -n "${BUILDER:-}" ]; then kill "$(cat "$OUT/building.pid")" 2>/dev/null; wait "$BUILDER"; rm -rf "${MODELS_DIR:?}/$NEXT_BUILT"; fi
 { echo; echo "### model families against transformers ($DEVICE, $(date -u +%F), ${SECONDS} s of ${BUDGET})"; echo
   python3 bench/families.py header; cat "$OUT/rows.md"; } | tee "$OUT/table.md"
