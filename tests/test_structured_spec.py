@@ -131,3 +131,37 @@ def test_json_schema_output_is_the_interface_for_forced_tool_calls():
     assert sp.structured.kind == "json_schema"
     with pytest.raises(InvalidRequest, match="^tools\\[0\\] cannot be compiled"):
         json_schema_output({"type": "frob"}, where="tools[0]")
+
+
+@pytest.mark.parametrize("schema, message", [
+    # keys the grammar engine ignored without a word, so the reply broke what the schema asked for
+    ({"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}}},
+     r'schema\.properties\.a\.maxlength: "maxlength" is not a JSON Schema keyword \(did you mean "maxLength"\?\)'),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "requried": ["a"]}, 'did you mean "required"'),
+    ({"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/s"}], "$defs": {"s": {"type": "string", "Pattern": "a"}}},
+     r'schema\.\$defs\.s\.Pattern: .*did you mean "pattern"'),
+    ({"type": "array", "items": [{"type": "integer", "minimun": 1}]}, r"schema\.items\[0\]\.minimun: "),
+    ({"type": "string", "nullable": True}, r"schema\.nullable: OpenAPI's \"nullable\" is not JSON Schema"),
+    ({"type": "string", "contentEncoding": "base64"}, "encoding is not enforced"),
+])
+def test_a_schema_key_that_is_not_a_keyword_is_refused_never_ignored(schema, message):
+    with pytest.raises(InvalidRequest, match=message):
+        read({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    with pytest.raises(InvalidRequest, match=r"^body\.guided_json\."):
+        read({"guided_json": schema}, "body.")
+
+
+@pytest.mark.parametrize("schema", [
+    # annotations, extensions, property names that look like keywords, values that are not schemas, a
+    # container of definitions that a $ref points into, and what generated schemas hold (pydantic, OpenAPI)
+    {"type": "string", "title": "t", "description": "d", "examples": ["a"], "default": "a", "$comment": "c",
+     "deprecated": False, "readOnly": True, "x-order": 1, "$schema": "https://json-schema.org/draft/2020-12/schema"},
+    {"type": "object", "properties": {"maxlength": {"type": "string"}, "nullable": {"type": "integer"}},
+     "required": ["maxlength"], "default": {"foo": 1}},
+    {"$ref": "#/components/schemas/A", "components": {"schemas": {"A": {"type": "integer"}}}},
+    {"anyOf": [{"$ref": "#/definitions/Cat"}], "discriminator": {"propertyName": "kind"},
+     "definitions": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "example": {}}}},
+    {"type": "string", "nullable": False},
+])
+def test_keywords_annotations_and_extensions_pass(schema):
+    assert read({"guided_json": schema}).kind == "json_schema"

@@ -11,7 +11,8 @@ The fields, as OpenAI and vLLM name them (`read_structured_output` reads them of
 - vLLM's older names: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 At most one of them may constrain a line. A JSON schema allows whitespace between tokens unless told otherwise, as
-vLLM's default does. Every spec is checked here by the grammar engine (llguidance, without a tokenizer): a schema
+vLLM's default does. A schema's keys are checked first (engine/grammar/schema_keywords.py: a key that is not a
+keyword, such as a misspelled one, is refused, never ignored). Every spec is checked here by the grammar engine (llguidance, without a tokenizer): a schema
 or grammar it cannot compile is an InvalidRequest naming the field, so the line gets an error record before any
 work; the engine compiles it again against the model's tokenizer (engine/grammar/compiler.py).
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
+from prefixrun.engine.grammar.schema_keywords import check_schema_keywords
 from prefixrun.engine.request import InvalidRequest, SamplingParams, describe_value, escape_controls
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -83,6 +85,7 @@ def json_schema_output(schema: dict, *, whitespace_flexible: bool = True, where:
     is complete, and a max_tokens reached before that ends it with "length" (the text is then cut mid-value)."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{where} must be a JSON object (a JSON Schema), got {describe_value(schema)}")
+    check_schema_keywords(schema, where)
     return StructuredOutput("json_schema", _json_text(schema, where), whitespace_flexible).check(where)
 
 
