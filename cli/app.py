@@ -469,6 +469,8 @@ def bench(
         if STDOUT in (p["output"], p["json_report"]):
             raise typer.BadParameter("bench prints its figures on standard output: give -o and --json-report a "
                                      "file, not -")
+        if sys.stdout is None:  # started with it closed (`>&-`): the figures would be lost without a word
+            raise typer.BadParameter("standard output is closed: bench prints its figures there")
         config = run_config(p)
         source, workload = _open_input(p["input"], reporter)
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],
@@ -504,10 +506,10 @@ def bench(
         figures.update(figures_of.compare_with_transformers(setup, transformers_batch, report["wall_seconds"]))
         if "transformers_skipped" in figures:
             reporter.warn(f"--compare-transformers: not compared: {figures['transformers_skipped']}")
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if json_out is not None:
-        json_out.write_text(text + "\n")
+    # its reader gone: quiet, exit 141; --json unwritable (a full disk): one line, exit 1, as batch's reports
+    if not write_json_report(STDOUT, figures, reporter, "the figures") or \
+            json_out is not None and not write_json_report(json_out, figures, reporter, "--json"):
+        raise typer.Exit(1)
     raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
 
 

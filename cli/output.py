@@ -122,6 +122,9 @@ def stdout_targets(output: Path | None, json_report: Path | None) -> Path | None
     """-o as the run takes it: `-o -` is standard output, as if -o were not given. `--json-report -` writes the
     report on standard output, so the results must go to a file (OutputError otherwise: the two would mix)."""
     output = None if output == STDOUT else output
+    if sys.stdout is None and (output is None or json_report == STDOUT):  # started with it closed (`>&-`)
+        raise OutputError("standard output is closed: give " + ("-o FILE for the results" if output is None else
+                                                                 "--json-report FILE for the report"))
     if json_report == STDOUT and output is None:
         raise OutputError("--json-report - would mix the report into the results on standard output: give -o "
                           "FILE for the results, or --json-report FILE")
@@ -481,9 +484,9 @@ def _resume_from(run, output: Path, reporter) -> tuple[set[str], int]:
     return done_ids, output.stat().st_size if output.exists() else 0
 
 
-def write_json_report(path: Path, report: dict, reporter) -> bool:
+def write_json_report(path: Path, report: dict, reporter, option: str = "--json-report") -> bool:
     """The report as JSON at `path` (STDOUT: on standard output); where it cannot be written, one line on stderr
-    and False."""
+    naming `option` and False."""
     try:
         if path == STDOUT:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
@@ -496,7 +499,7 @@ def write_json_report(path: Path, report: dict, reporter) -> bool:
             silence_stdout()  # its reader went away (`| true`): quiet, as a closed stdout is for the results
             raise typer.Exit(EXIT_BROKEN_PIPE) from None
         shown = "- (standard output)" if path == STDOUT else path
-        reporter.error(f"cannot write --json-report {shown}: {exc.strerror or exc}")
+        reporter.error(f"cannot write {option} {shown}: {exc.strerror or exc}")
         return False
 
 

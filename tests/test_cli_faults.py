@@ -544,6 +544,34 @@ def test_a_closed_stdin_or_an_empty_input_name_is_one_line(model, tmp_path):
     assert res.exit_code == 2 and "input file name is empty" in one_error_line(res.stderr)
 
 
+def test_a_closed_stdout_is_one_line_and_bench_figures_are_never_lost(model, tmp_path):
+    """`prefixrun batch >&-` (results for a stdout that does not exist: sys.stdout is None) was an AttributeError
+    traceback after the whole run; bench with stdout closed printed its figures nowhere and exited 0 (3), with its
+    reader gone it exited 1 without a word, and `--json` onto a full disk was an OSError traceback. Now: a closed
+    stdout is exit 2 and one line before the model loads; bench's figures are written as batch's reports are
+    (a reader gone: quiet, 141; --json unwritable: one line, exit 1)."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2], "max_tokens": 1}])
+    closed = {"stdin": subprocess.DEVNULL, "capture_output": False, "stderr": subprocess.PIPE, "text": True,
+              "timeout": 120, "preexec_fn": lambda: os.close(1)}
+    for args, fix in ((["batch", src], "give -o FILE for the results"),
+                      (["batch", src, "-o", tmp_path / "o.jsonl", "--json-report", "-"], "give --json-report FILE"),
+                      (["bench", src], "bench prints its figures there")):
+        p = subprocess.run(cmd(*args, "--model", model, "--device", "cpu", "--no-cache"), **closed)
+        assert p.returncode == 2 and "standard output is closed" in one_error_line(p.stderr), p.stderr
+        assert fix in p.stderr
+    p = run("bench", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--json", "/dev/full")
+    assert p.returncode == 1 and one_error_line(p.stderr) == \
+        "error: cannot write --json /dev/full: No space left on device", p.stderr
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        p = subprocess.run(cmd("bench", src, "--model", model, "--device", "cpu", "--no-cache", "-q"),
+                           stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
 def test_an_input_that_fails_to_read_is_named_as_the_input(model, tmp_path, monkeypatch):
     """An input read error (EIO from a failing disk or a network mount) was reported as "cannot write results
     to stdout": the user looks at the wrong end. It names the input; the results that finished are kept and the
