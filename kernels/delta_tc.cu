@@ -211,13 +211,7 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
             if (ks > warp) continue;
             unsigned a[4];
             tc_ldsm(a, tc_a_addr(sA, TC_ALD, warp * 16, ks * 16, lane));
-#pragma unroll
-            for (int d2 = 0; d2 < D / 16; ++d2) {
-                unsigned b[4];
-                tc_ldsm_t(b, tc_bt_addr(sB, LD, ks * 16, d2 * 16, lane));
-                tc_mma(acc[2 * d2], a, b[0], b[1]);
-                tc_mma(acc[2 * d2 + 1], a, b[2], b[3]);
-            }
+            tc_mma_rows_t(acc, a, sB, LD, ks * 16, lane);
         }
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
@@ -619,20 +613,7 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 
         // Vn^T = U0^T - S^T W^T  [16 value rows, C tokens]
         float vn[8][4];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) vn[i][0] = vn[i][1] = vn[i][2] = vn[i][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            unsigned a[4];
-            tc_acc_to_a(a, S[2 * ks], S[2 * ks + 1]);
-#pragma unroll
-            for (int n2 = 0; n2 < 4; ++n2) {
-                unsigned b[4];
-                tc_ldsm(b, tc_b_addr(sW, LD, n2 * 16, ks * 16, lane));
-                tc_mma(vn[2 * n2], a, b[0], b[1]);
-                tc_mma(vn[2 * n2 + 1], a, b[2], b[3]);
-            }
-        }
+        tc_acc_times_rows<D / 16>(vn, S, sW, LD, lane);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -646,20 +627,7 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 
         // O^T = exp(gc) S^T Q^T / sqrt(Dk) + Vn^T Aqk^T
         float o[8][4];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            unsigned a[4];
-            tc_acc_to_a(a, S[2 * ks], S[2 * ks + 1]);
-#pragma unroll
-            for (int n2 = 0; n2 < 4; ++n2) {
-                unsigned b[4];
-                tc_ldsm(b, tc_b_addr(sQ, LD, n2 * 16, ks * 16, lane));
-                tc_mma(o[2 * n2], a, b[0], b[1]);
-                tc_mma(o[2 * n2 + 1], a, b[2], b[3]);
-            }
-        }
+        tc_acc_times_rows<D / 16>(o, S, sQ, LD, lane);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -706,13 +674,7 @@ gdn_tc_scan_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
         for (int ks = 0; ks < 4; ++ks) {
             unsigned a[4];
             tc_acc_to_a(a, vn[2 * ks], vn[2 * ks + 1]);
-#pragma unroll
-            for (int d2 = 0; d2 < D / 16; ++d2) {
-                unsigned b[4];
-                tc_ldsm_t(b, tc_bt_addr(sK, LD, ks * 16, d2 * 16, lane));
-                tc_mma(S[2 * d2], a, b[0], b[1]);
-                tc_mma(S[2 * d2 + 1], a, b[2], b[3]);
-            }
+            tc_mma_rows_t(S, a, sK, LD, ks * 16, lane);
         }
         __syncthreads();  // sO complete; q, Aqk, k and the gates consumed
         if (more) load_qak(start + TC_C, next_n);

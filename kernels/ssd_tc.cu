@@ -151,20 +151,7 @@ ssd_tc_kernel(const bf16* __restrict__ x, i64 xst, i64 xsh, const bf16* __restri
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) tc_ldsm_t(xa[ks], tc_at_addr(sX, SSD_TC_LD, ks * 16, warp * 16, lane));
             float y[8][4];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) y[i][0] = y[i][1] = y[i][2] = y[i][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < NP / 16; ++ks) {
-                unsigned a[4];
-                tc_acc_to_a(a, S[2 * ks], S[2 * ks + 1]);
-#pragma unroll
-                for (int n2 = 0; n2 < 4; ++n2) {
-                    unsigned bb[4];
-                    tc_ldsm(bb, tc_b_addr(sC, NLD, n2 * 16, ks * 16, lane));
-                    tc_mma(y[2 * n2], a, bb[0], bb[1]);
-                    tc_mma(y[2 * n2 + 1], a, bb[2], bb[3]);
-                }
-            }
+            tc_acc_times_rows<NP / 16>(y, S, sC, NLD, lane);
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -197,14 +184,7 @@ ssd_tc_kernel(const bf16* __restrict__ x, i64 xst, i64 xsh, const bf16* __restri
 #pragma unroll
                 for (int e = 0; e < 4; ++e) S[nt][e] *= decay;
 #pragma unroll
-            for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-                for (int d2 = 0; d2 < NP / 16; ++d2) {
-                    unsigned bb[4];
-                    tc_ldsm_t(bb, tc_bt_addr(sB, NLD, ks * 16, d2 * 16, lane));
-                    tc_mma(S[2 * d2], xa[ks], bb[0], bb[1]);
-                    tc_mma(S[2 * d2 + 1], xa[ks], bb[2], bb[3]);
-                }
+            for (int ks = 0; ks < 4; ++ks) tc_mma_rows_t(S, xa[ks], sB, NLD, ks * 16, lane);
         }
         constexpr int VPR = SSD_TC_P / 8;
         for (int idx = tid; idx < SSD_TC_C * VPR; idx += 128) {

@@ -55,4 +55,36 @@ __device__ __forceinline__ const bf16* tc_bt_addr(const bf16* base, int ld, int 
 __device__ __forceinline__ const bf16* tc_at_addr(const bf16* base, int ld, int row0, int col0, int lane) {
     return base + (row0 + (lane >> 4) * 8 + (lane & 7)) * ld + col0 + ((lane >> 3) & 1) * 8;
 }
-
+// acc = S X^T for one warp: S its 16 rows of a [16 x 16 KS] operand held in m16n8 accumulator tiles (packed to bf16
+// A fragments here), X a [64][16 KS] bf16 tile in shared memory (rows ld apart) whose rows are acc's 64 columns.
+template <int KS>
+__device__ __forceinline__ void tc_acc_times_rows(float (&acc)[8][4], const float (&S)[2 * KS][4], const bf16* x,
+                                                  int ld, int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        unsigned a[4];
+        tc_acc_to_a(a, S[2 * ks], S[2 * ks + 1]);
+#pragma unroll
+        for (int n2 = 0; n2 < 4; ++n2) {
+            unsigned b[4];
+            tc_ldsm(b, tc_b_addr(x, ld, n2 * 16, ks * 16, lane));
+            tc_mma(acc[2 * n2], a, b[0], b[1]);
+            tc_mma(acc[2 * n2 + 1], a, b[2], b[3]);
+        }
+    }
+}
+// acc += a X[k0 .. k0 + 15][0 .. 8 N): a a 16 x 16 A fragment, X bf16 rows [k][n] in shared memory (rows ld apart)
+// read as B operands by ldmatrix.trans.
+template <int N>
+__device__ __forceinline__ void tc_mma_rows_t(float (&acc)[N][4], const unsigned (&a)[4], const bf16* x, int ld, int k0,
+                                              int lane) {
+#pragma unroll
+    for (int d2 = 0; d2 < N / 2; ++d2) {
+        unsigned b[4];
+        tc_ldsm_t(b, tc_bt_addr(x, ld, k0, d2 * 16, lane));
+        tc_mma(acc[2 * d2], a, b[0], b[1]);
+        tc_mma(acc[2 * d2 + 1], a, b[2], b[3]);
+    }
+}
