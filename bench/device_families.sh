@@ -8,7 +8,7 @@
 # seconds (default 540; every step also runs under `timeout` with the time left):
 #   build     `prefixrun make-model /tmp/fam/NAME --config bench/models/NAME.json --seed 0` (bf16 safetensors; the
 #             next family's build runs in the background, niced, on MAKE_THREADS of the cores, while this one is
-#             measured, when the disk holds both; gpt-oss's experts in bf16, not MXFP4: transformers' MXFP4 path
+#             measured, when the disk and host memory hold both; gpt-oss's experts in bf16, not MXFP4: transformers' MXFP4 path
 #             wants hub kernels the device cannot fetch, and bf16 on both sides is the same weights)
 #   speed     shared-system (64 x (2,048 + 256), 64 new) through `prefixrun bench` = `prefixrun batch` with the
 #             user's defaults but greedy, `--no-cache --ignore-eos`; then transformers on the same token ids
@@ -76,9 +76,11 @@ build() {  # name, threads, nice, how: make-model into $MODELS_DIR/NAME; its sec
   wait $! || { why "$1" build "make-model failed: $(tail -1 "$OUT/$1.build.log")"; return 1; }
   echo "$(( SECONDS - t0 )) s $4" > "$OUT/$1.build.why"
 }
-fits_on_disk() {  # name: whether its bf16 weights (+ 4 GB) fit in the free space now
-  local free; free=$(df --output=avail -B1 "$MODELS_DIR" | tail -1)
-  [ "$free" -gt $(( ${BYTES[$1]} + 4000000000 )) ]
+room_beside() {  # next, current: whether the next family's weights fit on the disk (+ 4 GB) now, and in host
+  # memory (make-model holds them all) beside the current one's transformers fp32 copy (twice its bf16) + 8 GB
+  local disk mem; disk=$(df --output=avail -B1 "$MODELS_DIR" | tail -1)
+  mem=$(awk '/MemAvailable/ {printf "%d", $2 * 1024}' /proc/meminfo)
+  [ "$disk" -gt $(( ${BYTES[$1]} + 4000000000 )) ] && [ "$mem" -gt $(( ${BYTES[$1]} + 2 * ${BYTES[$2]} + 8000000000 )) ]
 }
 
 speed() {  # name, workload: ours, then transformers with a time limit from our engine wall
@@ -123,7 +125,7 @@ for name in "$@"; do
   fi
   BUILDER=; NEXT_BUILT=
   # the next family's build beside this one's measurements, where the disk holds both and the budget may reach it
-  if [ -n "${1:-}" ] && fits_on_disk "$1" && [ "$(left)" -gt $(( $(need "$name" speed) + $(need "$1" speed) )) ]; then
+  if [ -n "${1:-}" ] && room_beside "$1" "$name" && [ "$(left)" -gt $(( $(need "$name" speed) + $(need "$1" speed) )) ]; then
     ( build "$1" "$MAKE_THREADS" 19 "(in the background)" ) & BUILDER=$!; NEXT_BUILT=$1
     say "${1}: building in the background on $MAKE_THREADS threads"
   fi
