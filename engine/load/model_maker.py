@@ -22,7 +22,7 @@ from prefixrun.engine.load.gpt_oss_config import GptOssConfig, gpt_oss_tensor_sh
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.moe_config import MoeHybridConfig, moe_tensor_shapes
 from prefixrun.engine.load.mamba_config import Mamba2HybridConfig, mamba_tensor_shapes
-from prefixrun.engine.load.weights import SAFETENSORS_DTYPES
+from prefixrun.engine.load.safetensors_header import SAFETENSORS_DTYPES
 
 _ST_DTYPE = {np.dtype(dtype): name for name, dtype in SAFETENSORS_DTYPES.items()}
 # FP8 layouts make_model_dir writes: Qwen's 128 x 128 blocks, compressed-tensors' per-channel / per-tensor scales

@@ -8,39 +8,15 @@ in their order (`read_ahead`, kernels/weight_reads.py). The content digest: engi
 from __future__ import annotations
 
 import json
-import struct
+import os
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.engine.load.safetensors_header import SAFETENSORS_DTYPES, read_safetensors_header
 from prefixrun.kernels.file_reads import FileSpan
 from prefixrun.kernels.weight_reads import NO_READ_AHEAD, TensorSpan
-
-SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # FP8 weights: engine/load/quantization.py reads them with their scales
-}
-
-
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """Returns (header dict, byte offset of the data section)."""
-    try:
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) != 8:
-                raise ModelLoadError(f"{path}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > 100_000_000:
-                raise ModelLoadError(f"{path}: safetensors header of {n} bytes is not plausible")
-            header = json.loads(f.read(n))
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot be read: {exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
-        raise ModelLoadError(f"{path}: corrupt safetensors header: {exc}") from None
-    return header, 8 + n
 
 
 class SafetensorsFile:
@@ -48,8 +24,7 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.header, self._data_start = read_safetensors_header(self.path)
-        self.metadata = self.header.pop("__metadata__", None) or {}
+        self.header, self.metadata, self._data_start = read_safetensors_header(self.path)  # every entry checked
         self._mmap = None
 
     def names(self) -> list[str]:
@@ -61,7 +36,8 @@ class SafetensorsFile:
         return buf.view(span.dtype).reshape(span.shape)
 
     def span(self, name: str) -> TensorSpan:
-        """Where tensor `name`'s bytes are in the file, checked: a known dtype, inside the file, of its shape's size."""
+        """Where tensor `name`'s bytes are in the file (its header entry was checked: inside the file, of its
+        shape's size where the dtype is known); a dtype this reader does not know is refused here."""
         info = self.header[name]
         dtype = SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
@@ -70,11 +46,8 @@ class SafetensorsFile:
         shape = tuple(info["shape"])
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-        if self._data_start + end > self._mmap.size:
+        if self._data_start + end > self._mmap.size:  # the file shrank since its header was read
             raise ModelLoadError(f"{self.path}: tensor {name!r} extends past the end of the file (truncated?)")
-        count = int(np.prod(shape)) if shape else 1
-        if (end - start) != count * np.dtype(dtype).itemsize:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} byte size does not match shape {shape}")
         return TensorSpan(name, FileSpan(str(self.path), self._data_start + start, end - start), np.dtype(dtype),
                           shape)
 
@@ -89,23 +62,8 @@ class CheckpointTensors:
         self._where: dict[str, SafetensorsFile] = {}
         self._ahead = NO_READ_AHEAD  # the tensors being read into the backend's memory (`read_ahead`)
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, KeyError, TypeError, json.JSONDecodeError, RecursionError) as exc:
-                # TypeError: not an object; RecursionError: nested too deeply for json.loads
-                raise ModelLoadError(f"{index}: not a valid safetensors index: {exc}") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
-                                                           for k, v in weight_map.items()):
-                raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names")
-            files: dict[str, SafetensorsFile] = {}
-            for name, fname in weight_map.items():
-                if fname not in files:
-                    shard = self.model_dir / fname
-                    if not shard.is_file():
-                        raise ModelLoadError(f"{shard}: shard listed in {index.name} (for {name!r}) is missing")
-                    files[fname] = SafetensorsFile(shard)
-                self._where[name] = files[fname]
-            self.files = list(files.values())
+            self._where = _index_shards(self.model_dir, index)
+            self.files = list({id(f): f for f in self._where.values()}.values())
         elif single.is_file():
             self.files = [SafetensorsFile(single)]
             self._where = {n: self.files[0] for n in self.files[0].names()}
@@ -185,6 +143,37 @@ class CheckpointTensors:
         """(tensor name, index in `files` of the file it is read from), sorted by name."""
         index = {id(f): i for i, f in enumerate(self.files)}
         return sorted((name, index[id(f)]) for name, f in self._where.items())
+
+
+def _index_shards(model_dir: Path, index: Path) -> dict[str, SafetensorsFile]:
+    """Each tensor's shard, as a sharded checkpoint's index names it: shard names inside the model folder (a link
+    there is followed, as the Hugging Face cache's snapshot folders link every file), each tensor in its shard."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, KeyError, TypeError, ValueError, RecursionError) as exc:
+        # TypeError: not an object; ValueError: not JSON or UTF-8; RecursionError: nested too deeply for json.loads
+        raise ModelLoadError(f"{index}: not a valid safetensors index: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names")
+    files: dict[str, SafetensorsFile] = {}
+    where: dict[str, SafetensorsFile] = {}
+    for name, fname in weight_map.items():
+        if fname not in files:
+            parts = Path(fname).parts
+            if Path(fname).is_absolute() or not parts or any(p in (".", "..") for p in parts):
+                raise ModelLoadError(f"{index}: shard {json.dumps(fname)} (for {name!r}) is not a file name inside "
+                                     f"{model_dir}")
+            shard = model_dir / fname
+            if not shard.is_file():
+                why = "is missing" if not os.path.lexists(shard) else "is not a regular file"
+                raise ModelLoadError(f"{shard}: shard listed in {index.name} (for {name!r}) {why}")
+            files[fname] = SafetensorsFile(shard)
+        if name not in files[fname].header:
+            raise ModelLoadError(f"{files[fname].path}: tensor {name!r}, which {index.name} places in this shard, "
+                                 f"is not in it")
+        where[name] = files[fname]
+    return where
 
 
 class ShapesView:

@@ -14,6 +14,9 @@ from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.weights import CheckpointTensors
 
 
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
 class WeightLoader:
     """Pulls named tensors from a checkpoint with expected shapes and uploads them to the backend.
 
@@ -36,12 +39,21 @@ class WeightLoader:
 
     def host(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
         """The stored tensor on the host, checked against `shape`."""
-        return self.tensors.get(self.stored_name(name), shape)
+        return self._numbers(name, self.tensors.get(self.stored_name(name), shape))
 
     def part(self, name: str, shape: tuple[int, ...] | None):
         """A weight as `ops.upload_rows` takes it: a host array, or an FP8 checkpoint's values and scales
         (engine/load/quantization.py), which the backend dequantises as it uploads them."""
-        return self.tensors.stored(self.stored_name(name), shape)
+        return self._numbers(name, self.tensors.stored(self.stored_name(name), shape))
+
+    def _numbers(self, name: str, stored):
+        """`stored`, refused when it holds integers or booleans: transformers would cast them into its floating
+        parameters, a model of other numbers. MXFP4's packed blocks and exponents (`*_blocks`, `*_scales`) are
+        bytes by design (engine/load/mxfp4.py checks them)."""
+        if isinstance(stored, np.ndarray) and stored.dtype.kind in "biu" and not name.endswith(MXFP4_PARTS):
+            raise ModelLoadError(f"{self.tensors.model_dir}: tensor {self.stored_name(name)!r} is stored as "
+                                 f"{stored.dtype}; a weight must be floating point")
+        return stored
 
     def conv_weight(self, name: str, channels: int, width: int, field: str):
         """A depthwise causal convolution's weight [channels, 1, width] as fp32 [channels, width], refused at load
