@@ -129,7 +129,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("top_p", HONOURED, BOTH, "nucleus sampling: the smallest set of tokens whose probability reaches top_p"),
     _F("top_k", HONOURED, BOTH, "sample among the k most likely tokens (0 or -1: all)"),
     _F("min_p", HONOURED, BOTH, "drop tokens less likely than min_p times the most likely one"),
-    _F("seed", HONOURED, BOTH, "the request's random seed (default: derived from custom_id)"),
+    _F("seed", HONOURED, BOTH, "the request's random seed, -2**63 to 2**63 - 1 (default: derived from custom_id)"),
     _F("n", HONOURED, BOTH, "how many completions to return (1 to 1024), all forked from one prefill; sample i draws "
        "with seed + i"),
     _F("best_of", HONOURED, BOTH, "sample best_of completions (n to 1024), return the n of highest cumulative "

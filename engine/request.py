@@ -87,8 +87,10 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {describe_value(self.min_p)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {describe_value(self.top_k)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad(f"seed must be an integer, got {describe_value(self.seed)}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**63):
+            # seeds are drawn with modulo 2**64: a wider one would alias another seed's samples; vLLM's range
+            bad(f"seed must be an integer in [-2**63, 2**63 - 1], got {describe_value(self.seed)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings")
         wrong = [t for t in self.stop_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)]
@@ -155,7 +157,7 @@ def _check_processing(sp: SamplingParams, bad) -> None:
         if not _is_number(v) or not -2 <= v <= 2:
             bad(f"{name} must be a number in [-2, 2], got {describe_value(v)}")
     if not _is_number(sp.repetition_penalty) or not 0 < sp.repetition_penalty <= 1e6:
-        bad(f"repetition_penalty must be a number > 0, got {describe_value(sp.repetition_penalty)}")
+        bad(f"repetition_penalty must be a number > 0 and at most 1e6, got {describe_value(sp.repetition_penalty)}")
     if not isinstance(sp.logit_bias, tuple) or not all(
             isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_number(p[1])
             and -100 <= p[1] <= 100 for p in sp.logit_bias):

@@ -300,6 +300,10 @@ ERROR_CASES = [
     ({"prompt": "a", "max_tokens": "10"}, "max_tokens must be a positive integer", False),
     ({"prompt": "a", "max_tokens": 10.0}, "max_tokens must be a positive integer", False),
     ({"prompt": "a", "seed": 1.5}, "seed must be an integer", False),
+    # seeds draw modulo 2**64: 2**64 drew seed 0's tokens, -2**64 too (vLLM's range refuses both)
+    ({"prompt": "a", "seed": 2**64}, "seed must be an integer in [-2**63, 2**63 - 1], got 18446744073709551616", False),
+    ({"prompt": "a", "seed": -2**63 - 1}, "seed must be an integer in", False),
+    ({"prompt": "a", "repetition_penalty": 1e300}, "repetition_penalty must be a number > 0 and at most 1e6", False),
     ({"prompt": "a", "stop": 5}, "stop must be a string or a list of strings", False),
     ({"prompt": "a", "stop": [""]}, "stop must be a string or a list of non-empty strings", False),
     ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids must be a list of non-negative integers", False),
