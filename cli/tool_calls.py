@@ -287,21 +287,35 @@ def read_tool_choice(value: Any, tools: list[dict] | None, where: str) -> ToolCh
     """A request's tool_choice, checked against its tools (vLLM's rules); the default is auto with tools, else
     none."""
     if value is None:
-        return ToolChoice("auto" if tools else "none")
-    if isinstance(value, str) and value in TOOL_CHOICES:
+        choice = ToolChoice("auto" if tools else "none")
+    elif isinstance(value, str) and value in TOOL_CHOICES:
         choice = ToolChoice(value)
-    elif isinstance(value, dict) and value.get("type", "function") == "function" \
-            and isinstance(value.get("function"), dict) and isinstance(value["function"].get("name"), str):
+    elif isinstance(value, dict) and value.get("type", "function") == "function" and set(value) <= {"type",
+            "function"} and isinstance(value.get("function"), dict) and set(value["function"]) == {"name"} \
+            and isinstance(value["function"].get("name"), str):
         choice = ToolChoice("named", value["function"]["name"])
     else:
         raise InvalidRequest(f'{where}tool_choice must be "none", "auto", "required" or {{"type": "function", '
                              f'"function": {{"name": ...}}}}, got {describe_value(value)}')
     if choice.mode != "none" and not tools:
         raise InvalidRequest(f"{where}tool_choice {describe_value(value)} needs tools")
+    if choice.mode == "auto":
+        _refuse_strict_tools(tools, where)
     if choice.mode == "named" and choice.name not in _tool_names(tools):
         raise InvalidRequest(f"{where}tool_choice names {describe_value(choice.name)}, which is not among the "
                              f"tools ({', '.join(map(describe_value, _tool_names(tools))) or 'none has a name'})")
     return choice
+
+
+def _refuse_strict_tools(tools: list[dict], where: str) -> None:
+    """A function with `strict: true` promises calls whose arguments follow its parameters (OpenAI's structured
+    function calling). Under tool_choice auto the model's calls are parsed out of free text, never constrained:
+    such a tool is refused rather than its promise ignored; required and named choices enforce the schema."""
+    for position, tool in enumerate(tools):
+        if isinstance(tool.get("function"), dict) and tool["function"].get("strict") is True:
+            raise InvalidRequest(f'{where}tools[{position}].function.strict is true, but under tool_choice "auto" '
+                                 "the model's calls are not constrained to the parameters: give tool_choice "
+                                 '"required" or name the function (both enforce the schema), or leave strict out')
 
 
 def _tool_names(tools: list[dict] | None) -> list[str]:

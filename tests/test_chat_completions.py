@@ -133,6 +133,7 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                    "required": ["city"]}}}
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
 
 
 @pytest.fixture(scope="module")
@@ -259,12 +260,31 @@ def test_qwen3_coder_tool_calls():
      "not among the tools (\"get_weather\")"),
     ({"messages": CHAT, "echo": "yes"}, "echo must be true or false"),
     ({"prompt": "hi", "tool_choice": "auto"}, "tool_choice applies only to a chat"),
+    # keys a named choice does not have were ignored
+    ({"messages": CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"},
+                                                             "strict": True}}, "tool_choice must be"),
+    ({"messages": CHAT, "tools": [WEATHER], "tool_choice": {"function": {"name": "get_weather", "arguments": "{}"}}},
+     "tool_choice must be"),
+    # strict: true promises calls that follow the parameters, which auto (the default with tools) never constrains:
+    # it was ignored
+    ({"messages": CHAT, "tools": [WEATHER, STRICT_WEATHER]},
+     'tools[1].function.strict is true, but under tool_choice "auto" the model\'s calls are not constrained'),
+    ({"messages": CHAT, "tools": [STRICT_WEATHER], "tool_choice": "auto"}, 'give tool_choice "required"'),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     'tools[0].function.strict must be true or false, got "yes"'),
 ])
 def test_bad_tool_choices_and_reply_options_are_error_records(line, message):
     from prefixrun.cli.lines import LineError
 
     error = parse_line(RawLine(0, 1, json.dumps(line).encode()), SamplingDefaults(), set())
     assert isinstance(error, LineError) and message in error.message, error
+
+
+def test_strict_tools_run_where_their_calls_are_constrained_or_never_made():
+    for choice in ("required", "none", {"type": "function", "function": {"name": "get_weather"}}):
+        parsed = parse_line(RawLine(0, 1, json.dumps({"messages": CHAT, "tools": [STRICT_WEATHER],
+                                                      "tool_choice": choice}).encode()), SamplingDefaults(), set())
+        assert parsed.reply.tool_choice.mode in ("required", "none", "named"), parsed
 
 
 def test_tools_on_a_model_whose_tool_calls_no_parser_reads(llama):

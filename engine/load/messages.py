@@ -63,6 +63,8 @@ def _check_function_tool(tool: dict, where: str) -> None:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest(f"{where}.function.name must be a non-empty string, got {describe_value(name)}")
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise InvalidRequest(f"{where}.function.strict must be true or false, got {describe_value(function['strict'])}")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidRequest(f"{where}.function.parameters must be an object (a JSON schema), got "
