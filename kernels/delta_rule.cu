@@ -516,6 +516,24 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
 #define GDN_CB 32                 // value columns per scan block
 #define GDN_BUF_LD (GDN_DMAX + 4) // [t][d] rows of W / Q / K
 
+// acc[e] = sum over d < dkp of x[d] S[d][cg + e], e < 8: a row of W or Q times this thread's 8 columns of the state
+// tile sS [GDN_DMAX][GDN_CB] (dkp a multiple of 4)
+__device__ __forceinline__ void gdn_row_times_state(float (&acc)[8], const float* x, const float* sS, int dkp, int cg) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int d = 0; d < dkp; d += 4) {
+        const float4 x4 = *reinterpret_cast<const float4*>(x + d);
+        const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg);
+            const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg + 4);
+            acc[0] += xv[e] * s0.x; acc[1] += xv[e] * s0.y; acc[2] += xv[e] * s0.z; acc[3] += xv[e] * s0.w;
+            acc[4] += xv[e] * s1.x; acc[5] += xv[e] * s1.y; acc[6] += xv[e] * s1.z; acc[7] += xv[e] * s1.w;
+        }
+    }
+}
+
 template <typename T, bool PER_CHANNEL>
 __global__ void __launch_bounds__(256)
 gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
@@ -570,19 +588,7 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
 
         // phase 1: U = U0 - W S
         float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-        for (int d = 0; d < dkp; d += 4) {
-            const float4 w4 = *reinterpret_cast<const float4*>(sBuf + t * GDN_BUF_LD + d);
-            const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg);
-                const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg + 4);
-                acc[0] += wv[e] * s0.x; acc[1] += wv[e] * s0.y; acc[2] += wv[e] * s0.z; acc[3] += wv[e] * s0.w;
-                acc[4] += wv[e] * s1.x; acc[5] += wv[e] * s1.y; acc[6] += wv[e] * s1.z; acc[7] += wv[e] * s1.w;
-            }
-        }
+        gdn_row_times_state(acc, sBuf + t * GDN_BUF_LD, sS, dkp, cg);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const int col = col0 + cg + e;
@@ -600,19 +606,7 @@ gdn_chunk_scan_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
         __syncthreads();
 
         // phase 2: O = G (Q S) / sqrt(Dk) + Aqk U
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-        for (int d = 0; d < dkp; d += 4) {
-            const float4 q4 = *reinterpret_cast<const float4*>(sBuf + t * GDN_BUF_LD + d);
-            const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg);
-                const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + e) * GDN_CB + cg + 4);
-                acc[0] += qv[e] * s0.x; acc[1] += qv[e] * s0.y; acc[2] += qv[e] * s0.z; acc[3] += qv[e] * s0.w;
-                acc[4] += qv[e] * s1.x; acc[5] += qv[e] * s1.y; acc[6] += qv[e] * s1.z; acc[7] += qv[e] * s1.w;
-            }
-        }
+        gdn_row_times_state(acc, sBuf + t * GDN_BUF_LD, sS, dkp, cg);
         const float gq = PER_CHANNEL ? scale : expf(sgc[t]) * scale;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= gq;
