@@ -181,6 +181,34 @@ def check_disk_cache_keeps_tokens(model_dir, prompts, cache_root, max_tokens: in
     assert s_warm.reused_from_disk_tokens > 0 and s_warm.computed_prompt_tokens < s_cold.computed_prompt_tokens
 
 
+def check_batch_off_ngram_and_from_disk(model_dir, prompts, tmp_path, max_tokens: int = 12):
+    """The user's path: `prefixrun batch` on `model_dir` gives the same greedy tokens with speculation off and
+    ngram, and from its persistent cache (cold, then restored from disk). Run under the isolated_env fixture."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    work = tmp_path / "in.jsonl"
+    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": max_tokens,
+                                        "temperature": 0, "ignore_eos": True}) + "\n"
+                            for i, p in enumerate(prompts)))
+    runner, outs = CliRunner(), {}
+    runs = [("off", ["--no-cache", "--speculative", "off"]), ("ngram", ["--no-cache", "--speculative", "ngram"]),
+            ("cold", ["--cache-dir", str(tmp_path / "cache")]), ("warm", ["--cache-dir", str(tmp_path / "cache")])]
+    for name, flags in runs:
+        rep = tmp_path / f"{name}.json"
+        res = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", *flags,
+                                  "-o", str(tmp_path / f"{name}.out"), "--json-report", str(rep)])
+        assert res.exit_code == 0, res.output
+        outs[name] = [json.loads(line)["token_ids"] for line in (tmp_path / f"{name}.out").read_text().splitlines()]
+        report = json.loads(rep.read_text())
+        if name == "warm":
+            assert (report.get("reused_from_disk_tokens") or report["engine"]["reused_from_disk_tokens"]) > 0
+    assert outs["off"] == outs["ngram"] == outs["cold"] == outs["warm"] and len(outs["off"]) == len(prompts)
+
+
 def check_ngram_gives_the_tokens_of_off(model, ops, prompts, draft_lengths=(1, 4), max_tokens: int = 10):
     """Speculative ngram, verifying every draft, gives the greedy tokens of `off` for each draft length, and
     drafted at all."""

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import (
     PARITY_STD,
+    check_batch_off_ngram_and_from_disk,
     check_disk_cache_keeps_tokens,
     check_ngram_gives_the_tokens_of_off,
     check_rollback_matches_a_plain_run,
@@ -273,27 +274,7 @@ def test_rollback_restores_the_conv_history_of_a_plain_run(lfm2, cpu_ops):
 def test_prefixrun_batch_off_ngram_and_from_disk(lfm2_dir, tmp_path, isolated_env):
     """The user's path: `prefixrun batch` on an LFM2 directory gives the same tokens with speculation off and
     ngram, and from its persistent cache (cold, then restored from disk)."""
-    from typer.testing import CliRunner
-
-    from prefixrun.cli.app import app
-
-    work = tmp_path / "in.jsonl"
-    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 12,
-                                        "temperature": 0, "ignore_eos": True}) + "\n"
-                            for i, p in enumerate(_prompts())))
-    runner, outs = CliRunner(), {}
-    runs = [("off", ["--no-cache", "--speculative", "off"]), ("ngram", ["--no-cache", "--speculative", "ngram"]),
-            ("cold", ["--cache-dir", str(tmp_path / "cache")]), ("warm", ["--cache-dir", str(tmp_path / "cache")])]
-    for name, flags in runs:
-        rep = tmp_path / f"{name}.json"
-        res = runner.invoke(app, ["batch", str(work), "--model", str(lfm2_dir), "--device", "cpu", *flags,
-                                  "-o", str(tmp_path / f"{name}.out"), "--json-report", str(rep)])
-        assert res.exit_code == 0, res.output
-        outs[name] = [json.loads(line)["token_ids"] for line in (tmp_path / f"{name}.out").read_text().splitlines()]
-        report = json.loads(rep.read_text())
-        if name == "warm":
-            assert (report.get("reused_from_disk_tokens") or report["engine"]["reused_from_disk_tokens"]) > 0
-    assert outs["off"] == outs["ngram"] == outs["cold"] == outs["warm"] and len(outs["off"]) == len(_prompts())
+    check_batch_off_ngram_and_from_disk(lfm2_dir, _prompts(), tmp_path)
 
 
 def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (
     PARITY_STD,
+    check_batch_off_ngram_and_from_disk,
     check_disk_cache_keeps_tokens,
     check_ngram_gives_the_tokens_of_off,
     check_rollback_matches_a_plain_run,
@@ -136,27 +137,7 @@ def test_pieces_equal_one_prefill(model, cpu_ops):
 
 
 def test_prefixrun_batch_off_ngram_and_from_disk(model_dir, tmp_path, isolated_env):
-    from typer.testing import CliRunner
-
-    from prefixrun.cli.app import app
-
-    work = tmp_path / "in.jsonl"
-    work.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt_token_ids": p, "max_tokens": 12,
-                                        "temperature": 0, "ignore_eos": True}) + "\n"
-                            for i, p in enumerate(_prompts())))
-    runner, outs = CliRunner(), {}
-    runs = [("off", ["--no-cache", "--speculative", "off"]), ("ngram", ["--no-cache", "--speculative", "ngram"]),
-            ("cold", ["--cache-dir", str(tmp_path / "cache")]), ("warm", ["--cache-dir", str(tmp_path / "cache")])]
-    for name, flags in runs:
-        rep = tmp_path / f"{name}.json"
-        res = runner.invoke(app, ["batch", str(work), "--model", str(model_dir), "--device", "cpu", *flags,
-                                  "-o", str(tmp_path / f"{name}.out"), "--json-report", str(rep)])
-        assert res.exit_code == 0, res.output
-        outs[name] = [json.loads(line)["token_ids"] for line in (tmp_path / f"{name}.out").read_text().splitlines()]
-        report = json.loads(rep.read_text())
-        if name == "warm":
-            assert (report.get("reused_from_disk_tokens") or report["engine"]["reused_from_disk_tokens"]) > 0
-    assert outs["off"] == outs["ngram"] == outs["cold"] == outs["warm"] and len(outs["off"]) == len(_prompts())
+    check_batch_off_ngram_and_from_disk(model_dir, _prompts(), tmp_path)
 
 
 @pytest.mark.parity
