@@ -209,6 +209,38 @@ def check_batch_off_ngram_and_from_disk(model_dir, prompts, tmp_path, max_tokens
     assert outs["off"] == outs["ngram"] == outs["cold"] == outs["warm"] and len(outs["off"]) == len(prompts)
 
 
+def check_gpu_prefill_logits(path, model, ops, cpu_model, cpu_ops, prompt, **hf_kwargs):
+    """`model` on a GPU backend `ops` against `cpu_model` on the reference, one prefill of `prompt` (the model
+    directory `path`): fp32 logits within 1e-4; bf16's whole-model error within 2x transformers' own bf16 error on
+    the same weights and tokens (at least 1e-2). hf_kwargs: for transformers' from_pretrained."""
+    st, ref_st = new_state(model, ops), new_state(cpu_model, cpu_ops)
+    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
+    want = cpu_model.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if ops.dtype_name == "float32":
+        assert err <= 1e-4, err
+        return
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **hf_kwargs).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
+    their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
+    assert err <= max(1e-2, 2 * their_err), (err, their_err)
+
+
+def check_gpu_gives_the_cpu_tokens(model, ops, cpu_model, cpu_ops, prompts, run):
+    """Greedy tokens on the GPU backend `ops` (fp32) without prefix reuse, with it, and with speculative ngram are
+    the CPU's; `run(model, ops, prompts, options)` is the family test module's, tokens first."""
+    from prefixrun.engine.run.core import EngineOptions
+
+    cpu = run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))[0]
+    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
+                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
+        assert run(model, ops, prompts, opts)[0] == cpu, opts
+
+
 def check_ngram_gives_the_tokens_of_off(model, ops, prompts, draft_lengths=(1, 4), max_tokens: int = 10):
     """Speculative ngram, verifying every draft, gives the greedy tokens of `off` for each draft length, and
     drafted at all."""

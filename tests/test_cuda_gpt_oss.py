@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import PARITY_STD, new_state, random_prompt
+from conftest import PARITY_STD, check_gpu_gives_the_cpu_tokens, check_gpu_prefill_logits, random_prompt
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
-from prefixrun.engine.run.core import EngineOptions
 from prefixrun.kernels import cuda_available
 from prefixrun.kernels.reference import NumpyOps
 from test_cuda_moe import as_stored, rel, skewed_experts
@@ -124,29 +123,10 @@ def gpt_oss_dir(tmp_path_factory):
 def test_model_on_the_gpu(gpt_oss_dir, dtype):
     """fp32: the CPU's logits and greedy tokens with speculation off and on and with prefix reuse (branch points
     inside and outside the window); bf16: the whole-model error within 2x transformers' own bf16 error."""
-    import torch
-    import transformers
-
     from prefixrun.kernels.cuda import CudaOps
 
     cpu_ops, ops = NumpyOps(), CudaOps(dtype)
     cpu_model, model = load_model(gpt_oss_dir, cpu_ops)[0], load_model(gpt_oss_dir, ops)[0]
-    prompt = random_prompt(2, 170)
-    st, ref_st = new_state(model, ops), new_state(cpu_model, cpu_ops)
-    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
-    want = cpu_model.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    if dtype != "float32":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_dir, dtype=torch.bfloat16).eval()
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
-        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
-        assert err <= max(1e-2, 2 * their_err), (err, their_err)
-        return
-    assert err <= 1e-4, err
-    prompts = _prompts()
-    cpu, _ = _run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
-                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
-        on, _ = _run(model, ops, prompts, opts)
-        assert on == cpu, opts
+    check_gpu_prefill_logits(gpt_oss_dir, model, ops, cpu_model, cpu_ops, random_prompt(2, 170))
+    if dtype == "float32":
+        check_gpu_gives_the_cpu_tokens(model, ops, cpu_model, cpu_ops, _prompts(), _run)

@@ -11,7 +11,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from conftest import PARITY_STD, new_state, random_prompt  # noqa: E402
+from conftest import PARITY_STD, check_gpu_gives_the_cpu_tokens, check_gpu_prefill_logits, random_prompt  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 from prefixrun.kernels.reference import NumpyOps  # noqa: E402
 from prefixrun.kernels.tuning import SSD_TC_BLOCKS  # noqa: E402
@@ -193,31 +193,15 @@ def test_moe_route_sigmoid_matches_the_reference(ops, t, e, k):
 @pytest.mark.parity
 @pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid"])
 def test_models_on_the_gpu(ops, family, tmp_path, cpu_ops):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from prefixrun.engine.load.model_maker import make_model_dir
     from prefixrun.engine.models import load_model
-    from prefixrun.engine.run.core import EngineOptions
     from test_mamba2_engine import TINY, _prompts, _run
 
     path = make_model_dir(tmp_path / family, TINY[family], seed=7, init_std=PARITY_STD)
     cpu_model, model = load_model(path, cpu_ops)[0], load_model(path, ops)[0]
-    prompt = random_prompt(2, 150)
-    st, ref_st = new_state(model, ops), new_state(cpu_model, cpu_ops)
-    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
-    want = cpu_model.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    if ops.dtype_name != "float32":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                               experts_implementation="eager").eval()
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
-        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
-        assert err <= max(1e-2, 2 * their_err), (err, their_err)
-        return
-    assert err <= 1e-4, err
-    prompts = _prompts()
-    cpu, _ = _run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
-                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
-        assert _run(model, ops, prompts, opts)[0] == cpu, opts
+    check_gpu_prefill_logits(path, model, ops, cpu_model, cpu_ops, random_prompt(2, 150),
+                             experts_implementation="eager")
+    if ops.dtype_name == "float32":
+        check_gpu_gives_the_cpu_tokens(model, ops, cpu_model, cpu_ops, _prompts(), _run)

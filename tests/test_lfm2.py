@@ -13,6 +13,8 @@ from conftest import (
     PARITY_STD,
     check_batch_off_ngram_and_from_disk,
     check_disk_cache_keeps_tokens,
+    check_gpu_gives_the_cpu_tokens,
+    check_gpu_prefill_logits,
     check_ngram_gives_the_tokens_of_off,
     check_rollback_matches_a_plain_run,
     new_state,
@@ -311,25 +313,9 @@ def test_on_the_gpu(lfm2_dir, lfm2, cpu_ops, dtype):
 
     ops = CudaOps(dtype)
     model = load_model(lfm2_dir, ops)[0]
-    prompt = random_prompt(2, 70)
-    st, ref_st = new_state(model, ops), new_state(lfm2, cpu_ops)
-    got = ops.to_host(model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True))
-    want = lfm2.forward(ref_st.prepare_step([ref_st.new_sequence()], [prompt]), ref_st, all_logits=True)
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    if dtype != "float32":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.bfloat16).eval()
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0].float().numpy()
-        their_err = np.linalg.norm(theirs - want) / np.linalg.norm(want)
-        assert err <= max(1e-2, 2 * their_err), (err, their_err)
-        return
-    assert err <= 1e-4, err
-    prompts = _prompts()
-    cpu, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))
-    for opts in (EngineOptions(speculative="off", max_batch=4, reuse=False), EngineOptions(speculative="off"),
-                 EngineOptions(speculative="ngram", num_draft_tokens=4, max_batch=4)):
-        on, _ = _run(model, ops, prompts, opts)
-        assert on == cpu, opts
+    check_gpu_prefill_logits(lfm2_dir, model, ops, lfm2, cpu_ops, random_prompt(2, 70))
+    if dtype == "float32":
+        check_gpu_gives_the_cpu_tokens(model, ops, lfm2, cpu_ops, _prompts(), _run)
 
 
 def test_a_convolution_wider_than_the_backend_runs_is_refused_at_load(tmp_path, cpu_ops):
