@@ -300,6 +300,10 @@ REFUSED = {
                                                               "rope_theta": 10000.0}),
                          "rope_parameters holds factor, rope_theta, rope_type at its top level; Gemma 3 takes one "
                          "object per layer type"),
+    # the rotary width names the fields it comes from (it said "rotary dimension 5", no field)
+    "odd rotary width": ("qwen3_5_text", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                               "partial_rotary_factor": 0.3125}),
+                         "head_dim = 16 with partial_rotary_factor = 0.3125 gives a rotary dimension of 5"),
     # Gemma 3 names the field hidden_activation (the message said hidden_act, a field Gemma 3 ignores)
     "gemma3 activation": ("gemma3_text", dict(hidden_activation="relu"), "config.json: hidden_activation 'relu'"),
 }

@@ -40,6 +40,7 @@ HONOURED = {
     "attention_bias": (dict(attention_bias=True, q_lora_rank=24), 40),
     "v-wider-than-qk": (dict(v_head_dim=40), 40),
     "no-rope-part": (dict(qk_rope_head_dim=0), 40),
+    "odd-rope-part": (dict(qk_rope_head_dim=9), 40),  # never rotated: an odd width runs (refused as a rope's)
     "no-nope-part": (dict(qk_nope_head_dim=0), 40),
     "n_shared_experts-2": (dict(n_shared_experts=2), 40),
     "norm_topk_prob-off": (dict(norm_topk_prob=False), 40),

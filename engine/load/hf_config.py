@@ -23,7 +23,7 @@ from prefixrun.engine.load.mamba_config import GraniteHybridConfig, NemotronHCon
 from prefixrun.engine.load.moe_config import MoeHybridConfig
 from prefixrun.engine.load.mxfp4 import MXFP4
 from prefixrun.engine.load.quantization import parse_quantization
-from prefixrun.engine.load.rope import parse_rope
+from prefixrun.engine.load.rope import NoRotary, parse_rope
 
 MAX_LAYERS = 65536  # far above any released model's depth, far below a list that would not fit in memory
 MAX_POSITIONS = 2**31 - 1  # positions are int32 in every kernel; far above any released model's context
@@ -167,6 +167,14 @@ _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCond
                 "granitemoehybrid": "GraniteMoeHybridForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
 
 
+def _rotates(family: str, text: dict) -> bool:
+    """Whether the family's attention applies a rotary position embedding: Nemotron-H's and Kimi Linear's never
+    do, Granite 4.0-H's only with position_embedding_type "rope" (engine/load/mamba_config.py)."""
+    if family == "granitemoehybrid":
+        return text.get("position_embedding_type") == "rope"
+    return family not in ("nemotron_h", "kimi_linear")
+
+
 def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
@@ -221,8 +229,11 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if not 0 < max_pos <= MAX_POSITIONS:
         raise ModelLoadError(f"{source}: max_position_embeddings must be a positive integer up to "
                              f"{MAX_POSITIONS:,}, got {max_pos:,}")
-    rope, rope_local = parse_rope(text, family, head_dim=head_dim, max_position_embeddings=max_pos,
-                                  defaults=f.defaults, source=source)
+    if _rotates(family, text):
+        rope, rope_local = parse_rope(text, family, head_dim=head_dim, max_position_embeddings=max_pos,
+                                      defaults=f.defaults, source=source)
+    else:  # rope settings such a model's attention never reads are not checked (an odd head_dim runs there)
+        rope, rope_local = NoRotary(head_dim), None
     common = dict(
         architecture=arch, family=family, vocab_size=f.number("vocab_size", int), hidden_size=hidden,
         intermediate_size=f.number("intermediate_size", int), num_layers=num_layers, num_heads=num_heads,

@@ -162,6 +162,9 @@ def rope_from_params(params: dict, *, head_dim: int, max_position_embeddings: in
             raise ModelLoadError(f"{source}: partial_rotary_factor = {given} "
                                  f"is not supported with rope_type {rope_type!r} for this architecture "
                                  "(it rotates whole heads)")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ModelLoadError(f"{source}: head_dim = {head_dim} with partial_rotary_factor = {json.dumps(partial)} "
+                             f"gives a rotary dimension of {rotary_dim}; it must be even and positive")
     kw: dict = dict(theta=_number(params, "rope_theta", source), rotary_dim=rotary_dim, rope_type=rope_type)
     if rope_type in ("linear", "dynamic", "llama3", "yarn"):
         kw["factor"] = _number(params, "factor", source)
