@@ -21,7 +21,7 @@ from prefixrun.cli.request_fields import CHAT, COMPLETION, REFUSED, Kind
 from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_output
 from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
 from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
-from prefixrun.engine.request import InvalidRequest, SamplingDefaults, SamplingParams
+from prefixrun.engine.request import MAX_LOGPROBS, InvalidRequest, SamplingDefaults, SamplingParams
 from prefixrun.engine.run.config import DEFAULT_MAX_LINE_BYTES  # declared with --max-line-bytes
 from prefixrun.engine.request import describe_value as _describe
 from prefixrun.engine.request import json_type_name as _json_type_name
@@ -584,6 +584,6 @@ def _with_logprobs_count(fields: dict, where: str, kind: Kind) -> dict:
                             f"got {_describe(logprobs)}")
     if top is not None and not logprobs:
         raise _LineRejected(f"{where}top_logprobs needs logprobs: true")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
-        raise _LineRejected(f"{where}top_logprobs must be an integer in [0, 20], got {_describe(top)}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise _LineRejected(f"{where}top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_describe(top)}")
     return {**fields, "logprobs": (top or 0) if logprobs else None}

@@ -66,7 +66,8 @@ def test_logprobs_in_every_output_shape(model, tmp_path):
 @pytest.mark.parametrize("line, message", [
     ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "logprobs": 3}}, "true or false"),
     ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "top_logprobs": 3}}, "needs logprobs: true"),
-    ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "logprobs": True, "top_logprobs": 21}}, "logprobs"),
+    ({"url": "/v1/chat/completions", "body": {"messages": CHAT, "logprobs": True, "top_logprobs": 21}},
+     "body.top_logprobs must be an integer in [0, 20], got 21"),  # it named logprobs
     ({"prompt": "a", "logit_bias": {"999999": 5}}, "outside the model's vocabulary"),
     ({"prompt": "a", "allowed_token_ids": [10 ** 9]}, "outside the model's vocabulary"),
     ({"prompt": "a", "stop_token_ids": [2, 512]}, "stop_token_ids names token id 512, outside the model's "
