@@ -56,7 +56,7 @@ def not_jsonl(head: bytes) -> str | None:
     if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[:2] in (b"{\x00", b"\x00{"):
         # what Windows PowerShell's `>` and Notepad's "Unicode" write: a BOM, or a NUL beside every ASCII byte
         return "UTF-16 text (convert it to UTF-8 first: iconv -f UTF-16 -t UTF-8 FILE | prefixrun batch -)"
-    if b"\x00" in head:
+    if head.count(b"\x00") * 100 > len(head):  # a stray NUL in text is one bad line, left to its error record
         return "binary data (it holds NUL bytes)"
     controls = sum(head.count(c) for c in _CONTROL)
     if head and controls > len(head) // 20:

@@ -79,6 +79,22 @@ def test_iter_input_lines_ignores_a_utf8_byte_order_mark():
     assert [parse_ok(line.data).prompt_text for line in iter_input_lines(io.BytesIO(joined))] == ["a", "b"]
 
 
+def test_a_stray_nul_in_text_is_one_bad_line_not_a_binary_file():
+    # a NUL anywhere in the first 4 KiB refused the whole file as binary (exit 2, no line run); past them it was
+    # an error record for its line: now it is that line's error record wherever it is, the other lines run
+    from prefixrun.cli.input_sniff import not_jsonl
+
+    lines = [json.dumps({"custom_id": f"q{i}", "prompt": f"line {i}"}).encode() for i in range(60)]
+    lines[2] = b'{"custom_id": "nul", "prompt": "a\x00b"}'
+    data = b"\n".join(lines) + b"\n"
+    assert not_jsonl(data[:4096]) is None
+    parsed = list(parse_input(io.BytesIO(data), NO_DEFAULTS))
+    assert isinstance(parsed[2], LineError) and parsed[2].custom_id == "nul" and "malformed JSON" in parsed[2].message
+    assert all(isinstance(p, ParsedRequest) for i, p in enumerate(parsed) if i != 2)
+    assert not_jsonl(b"\x00\x01" * 40 + b"{}") == "binary data (it holds NUL bytes)"
+    assert not_jsonl(b"SQLite format 3\x00" + b"\x00" * 100) == "binary data (it holds NUL bytes)"
+
+
 def test_empty_input_yields_nothing():
     assert list(iter_input_lines(io.BytesIO(b""))) == []
     assert list(iter_input_lines(io.BytesIO(b"\n\n  \n"))) == []
