@@ -27,7 +27,8 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cuda_arrays import THREADS, blocks_for, i32, i64, type_name
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments, quant_vector_ok
-from prefixrun.kernels.fp8_launch import FP8W_GEMV_WARPS, FP8W_TILE, fp8w_gemv_split, fp8w_gemv_tiles, fp8w_k_split
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_WARPS, FP8W_STREAM_THREADS, FP8W_TILE, fp8w_gemv_split, \
+    fp8w_gemv_tiles, fp8w_k_split, fp8w_stream_stage_bytes, fp8w_stream_stages, fp8w_stream_tiles
 from prefixrun.kernels.upload import upload_bytes
 
 log = logging.getLogger(__name__)
@@ -190,10 +191,42 @@ def gemv_weight_only(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
         kernel("fp8", "fp8w_finish_kernel")((blocks_for(m * n),), (THREADS,), (partial, i64(m), i32(n), y, i64(ldy)))
 
 
+def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:
+    """out[:, col:col + N] = x [M, K] (bf16, M <= 128) @ the weight's dequantisation ^T, by fp8w_stream_kernel
+    (kernels/fp8_stream.cu: one block per SM, the weight's 128 x 128 units split evenly over them and streamed
+    through shared memory, each unit's fp32 sum scaled by its block scale), then fp8s_finish_kernel for the row
+    blocks several blocks shared (their partial sums added in block order: the grid follows N, K and the SM count,
+    never M or timing)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
+        raise ValueError(f"stream_weight_only: bf16 rows with K % 16 == 0, got {x.dtype} {x.shape}")
+    if not m or not n:
+        return
+    ldx = x.strides[0] // x.itemsize if m > 1 else k
+    if ldx % 8 or x.data.ptr % 16:
+        x, ldx = cupy.ascontiguousarray(x), k
+    tiles = fp8w_stream_tiles(m)
+    stages = fp8w_stream_stages(tiles)
+    blocks = ops._sm_count
+    y, ldy = out[:, col:col + n], out.shape[1]
+    partial = cupy.empty((2 * blocks, m, GEMM_BLOCK), cupy.float32)
+    kern = ops._dynamic_smem(kernel("fp8_stream", f"fp8w_stream_kernel<{tiles}, {stages}>"),
+                             stages * fp8w_stream_stage_bytes(tiles))
+    kern((blocks,), (FP8W_STREAM_THREADS,),
+         (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k), y, i64(ldy),
+          partial), shared_mem=stages * fp8w_stream_stage_bytes(tiles))
+    kernel("fp8_stream", "fp8s_finish_kernel")((blocks_for(m * n),), (THREADS,),
+                                              (partial, i32(m), i32(n), i32(-(-k // GEMM_BLOCK)), i32(blocks), y,
+                                               i64(ldy)))
+
+
 def weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:
-    """The weight-only product the tuning picks for x's rows: fp8w_gemv_kernel up to `tuning.fp8_gemv_rows`, else
-    fp8w_gemm_kernel."""
-    if x.shape[0] <= ops.tuning.fp8_gemv_rows:
+    """The weight-only product the tuning picks for x's rows: fp8w_stream_kernel up to `tuning.fp8_stream_rows`,
+    fp8w_gemv_kernel up to `tuning.fp8_gemv_rows`, else fp8w_gemm_kernel."""
+    if x.shape[0] <= ops.tuning.fp8_stream_rows:
+        stream_weight_only(ops, x, weight, out, col)
+    elif x.shape[0] <= ops.tuning.fp8_gemv_rows:
         gemv_weight_only(x, weight, out, col, ops._sm_count)
     else:
         weight_only_gemm(x, weight, out, col, ops._sm_count)

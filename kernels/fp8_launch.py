@@ -37,3 +37,33 @@ def fp8w_gemv_split(n: int, k: int, sm_count: int) -> int:
     tiles, chunks = -(-n // 16), -(-k // 128)
     splits = max(1, min(-(-FP8W_GEMV_BLOCKS_PER_SM * sm_count // max(tiles, 1)), chunks // FP8W_GEMV_WARPS))
     return -(-chunks // splits)
+
+
+FP8W_STREAM_TILES = (1, 2, 4, 8, 16)  # fp8w_stream_kernel's instantiations: tiles of 8 rows of x (at most 128 rows)
+FP8W_STREAM_THREADS = 256  # F8S_THREADS
+_STREAM_WEIGHT_BYTES = 128 * 144  # a stage's weight rows (F8S_WLD = 144 bytes each)
+_STREAM_X_ROW_BYTES = 320  # F8S_XLD
+FP8W_STREAM_SMEM = 200 * 1024  # the shared memory the stages of a block may take (one block an SM)
+FP8W_STREAM_MAX_STAGES = 8
+
+
+def fp8w_stream_tiles(rows: int) -> int:
+    """fp8w_stream_kernel's instantiation for `rows` rows of x: the fewest 8-row tiles of FP8W_STREAM_TILES."""
+    if not 0 < rows <= 8 * FP8W_STREAM_TILES[-1]:
+        raise ValueError(f"fp8w_stream_kernel takes 1 to {8 * FP8W_STREAM_TILES[-1]} rows, got {rows}")
+    return next(nt for nt in FP8W_STREAM_TILES if 8 * nt >= rows)
+
+
+def fp8w_stream_stage_bytes(tiles: int) -> int:
+    """F8sShape<tiles>::STAGE_BYTES: one unit's weight bytes (128 padded rows) and x's 8 * tiles padded rows."""
+    return _STREAM_WEIGHT_BYTES + 8 * tiles * _STREAM_X_ROW_BYTES
+
+
+def fp8w_stream_stages(tiles: int) -> int:
+    """The ring's depth: as many stages as FP8W_STREAM_SMEM holds (more units' bytes in flight per SM), at most
+    FP8W_STREAM_MAX_STAGES (1 tile: 8 stages, 7 units of 16 KiB loading
+    ahead of the one multiplied; 16 tiles: 3)."""
+    return max(2, min(FP8W_STREAM_MAX_STAGES, FP8W_STREAM_SMEM // fp8w_stream_stage_bytes(tiles)))
+
+
+FP8W_STREAM_KERNELS = tuple(f"fp8w_stream_kernel<{nt}, {fp8w_stream_stages(nt)}>" for nt in FP8W_STREAM_TILES)

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES, FP8W_STREAM_KERNELS
 from prefixrun.kernels.kda_tuning import KDA_TC_WARPS
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
     GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_ROWS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
@@ -50,7 +50,8 @@ KV8_TYPES = ("signed char", "e4m3")  # the 8-bit K/V storage types of kernels/co
 KV8_MMA_HEAD_DIMS = (64, 128, 256)
 _SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
 _TENSOR_CORE_FILES = ("delta_tc", "ssd_tc", "kda_tc")  # files compiled after kernels/tc_mma.cu (mma.sync helpers)
-_BUILT_ON = {"kda_tc": ("delta_tc",)}  # files compiled after others whose device functions and kernels they use
+# files compiled after others whose device functions and kernels they use
+_BUILT_ON = {"kda_tc": ("delta_tc",), "fp8_stream": ("fp8",)}
 
 
 KERNEL_NAMES = {
@@ -84,6 +85,8 @@ KERNEL_NAMES = {
     "fp8": [f"fp8_dequant_kernel<{t}>" for t in _T]
     + [f"fp8_quant_groups_kernel<{t}, {v}>" for t in _T for v in ("false", "true")]
     + ["fp8w_gemm_kernel", "fp8w_finish_kernel"] + [f"fp8w_gemv_kernel<{nt}>" for nt in FP8W_GEMV_TILES],
+    # the streamed weight-only GEMM (decode rows): kernels/fp8.cu's helpers in front of it
+    "fp8_stream": list(FP8W_STREAM_KERNELS) + ["fp8s_finish_kernel"],
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "decode", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],

@@ -11,7 +11,8 @@ import pytest
 from prefixrun.engine.load.quantization import quantize_blocks
 from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix, linear_segments, on_gemm_grid, quantize_groups
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.fp8_launch import fp8w_gemv_split, fp8w_gemv_tiles, fp8w_k_split
+from prefixrun.kernels.fp8_launch import FP8W_STREAM_KERNELS, fp8w_gemv_split, fp8w_gemv_tiles, fp8w_k_split, \
+    fp8w_stream_stage_bytes, fp8w_stream_stages, fp8w_stream_tiles
 from prefixrun.kernels.tuning import CudaTuning
 
 
@@ -122,3 +123,20 @@ def test_the_gemv_kernel_takes_the_fewest_row_tiles_and_splits_k_only_for_narrow
     for bad in (-1, 65, 1.5):
         with pytest.raises(ValueError):
             CudaTuning(fp8_gemv_rows=bad)
+
+
+def test_the_stream_kernel_takes_the_fewest_row_tiles_and_a_ring_that_fits_an_sm():
+    assert [fp8w_stream_tiles(m) for m in (1, 8, 9, 16, 17, 64, 65, 128)] == [1, 1, 2, 2, 4, 8, 16, 16]
+    for rows in (0, 129):
+        with pytest.raises(ValueError):
+            fp8w_stream_tiles(rows)
+    for tiles in (1, 2, 4, 8, 16):
+        stages = fp8w_stream_stages(tiles)
+        # at least a unit multiplied while the next loads; within an H100/H200 SM's 227 KiB of shared memory
+        assert 2 <= stages <= 8 and stages * fp8w_stream_stage_bytes(tiles) <= 227 * 1024
+        assert f"fp8w_stream_kernel<{tiles}, {stages}>" in FP8W_STREAM_KERNELS
+    assert fp8w_stream_stages(1) == 8 and fp8w_stream_stages(16) == 3
+    assert CudaTuning().fp8_stream_rows == 0 and CudaTuning(fp8_stream_rows=128).fp8_stream_rows == 128
+    for bad in (-1, 129, 1.5, "64"):
+        with pytest.raises(ValueError):
+            CudaTuning(fp8_stream_rows=bad)

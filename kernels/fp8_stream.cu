@@ -1,0 +1,220 @@
+// Weight-only FP8 GEMM for decode-sized steps (1 .. 128 rows of x), streamed through shared memory.
+// Compiled after kernels/fp8.cu (its cp.async and mma.sync helpers and its e4m3 -> bf16 operand conversion).
+//
+// y[m, n] = sum_k x[m, k] * q[n, k] * scale[n / 128, k / 128]: x bf16 as it is, q the fp8 weight read once from
+// memory, fp32 sums, bf16 out. The work is the weight's units of 128 rows x 128 columns (one scale block each), row
+// block after row block, K within each; the grid's blocks take equal contiguous ranges of units (a block per SM
+// and every SM busy to the end, whatever the shape), each through a STAGES-deep cp.async ring of its units' weight
+// bytes and x's matching 128 columns. A row block whose units one block holds whole is written as bf16 by it; one
+// shared by several blocks is written by each as fp32 partial sums, which fp8s_finish_kernel adds in block order
+// (the grid and the ranges follow the weight's shape and the SM count only, so a row's sums never depend on the
+// other rows or on timing: no atomics).
+#define F8S_THREADS 256
+#define F8S_WLD 144  // a weight row of a stage: 128 bytes + 16 (lanes g and g + 1 read other banks)
+#define F8S_XLD 320  // an x row of a stage: 256 bytes + 64, its 16-byte pieces permuted (fp8s_load_stage)
+
+#ifndef TC_HOST_EMULATION
+template <int N>
+__device__ __forceinline__ void f8s_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif
+
+template <int MT>
+struct F8sShape {
+    static constexpr int RW = MT >= 8 ? 2 : 1;  // 16-row A fragments a warp holds: 16 RW weight rows
+    static constexpr int AW = 8 / RW;  // warps across the weight rows
+    static constexpr int BW = RW;  // warps across x's tiles (2 x 4 = 8 warps at RW = 2)
+    static constexpr int TW = MT / BW;  // x tiles (8 rows each) a warp multiplies
+    static constexpr int GS = TW < 4 ? TW : 4;  // tiles whose sums a warp holds at once
+    static constexpr int W_BYTES = 128 * F8S_WLD;
+    static constexpr int STAGE_BYTES = W_BYTES + 8 * MT * F8S_XLD;
+};
+
+// Unit u's weight bytes (128 rows x 128 bytes, 16 a piece, 4 pieces a thread) and x's 8 MT rows x 128 columns (16
+// pieces a row) into a stage; zeros past the matrices. x's piece p (columns 8p .. 8p + 7) is stored at place
+// 4 (p % 4) + p / 4, so that the 4 lanes of a row reading their pieces p = 4t + j side by side read 64 bytes in a
+// row (and XLD puts rows g and g + 1 on the other 16 banks): no bank conflicts.
+template <int MT>
+__device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16* __restrict__ x, i64 ldx, int rows,
+                                                const unsigned char* __restrict__ q, int n_rows, int k_dim, int r,
+                                                int c) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int idx = tid + F8S_THREADS * i, row = idx >> 3, p = idx & 7, n = r * 128 + row, k = c * 128 + 16 * p;
+        const bool ok = n < n_rows && k < k_dim;
+        f8w_cp16(stage + row * F8S_WLD + 16 * p, q + (ok ? (i64)n * k_dim + k : 0), ok ? 16 : 0);
+    }
+    unsigned char* sx = stage + F8sShape<MT>::W_BYTES;
+#pragma unroll
+    for (int i = 0; i < (128 * MT + F8S_THREADS - 1) / F8S_THREADS; ++i) {
+        const int idx = tid + F8S_THREADS * i, row = idx >> 4, p = idx & 15, k = c * 128 + 8 * p;
+        if (idx >= 128 * MT) break;
+        const bool ok = row < rows && k < k_dim;
+        f8w_cp16(sx + row * F8S_XLD + 16 * (4 * (p & 3) + (p >> 2)), x + (ok ? row * ldx + k : 0), ok ? 16 : 0);
+    }
+}
+
+// acc += s * (a unit's products) for this warp's weight rows (16 RW from 16 RW wg) and x tiles (TW from TW xg):
+// lane (g, t) reads bytes 32 t .. 32 t + 31 of weight rows g and g + 8 of each fragment and x's columns 32 t ..
+// 32 t + 31 of row g of each tile, taken in the column order of fp8w_gemv_kernel (kernels/fp8.cu); a unit's
+// products are summed in fp32 as they are (the fp8 values exact in bf16), then scaled into acc.
+template <int MT>
+__device__ __forceinline__ void fp8s_unit(const unsigned char* stage, float s, int wg, int xg,
+                                          float (&acc)[F8sShape<MT>::RW][F8sShape<MT>::TW][4]) {
+    using S = F8sShape<MT>;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    uint4 w[S::RW][4];
+#pragma unroll
+    for (int f = 0; f < S::RW; ++f) {
+        const unsigned char* p = stage + (16 * (S::RW * wg + f) + g) * F8S_WLD + 32 * t;
+        w[f][0] = *reinterpret_cast<const uint4*>(p);
+        w[f][1] = *reinterpret_cast<const uint4*>(p + 16);
+        w[f][2] = *reinterpret_cast<const uint4*>(p + 8 * F8S_WLD);
+        w[f][3] = *reinterpret_cast<const uint4*>(p + 8 * F8S_WLD + 16);
+    }
+    const unsigned char* sx = stage + S::W_BYTES + (8 * S::TW * xg + g) * F8S_XLD + 16 * t;
+#pragma unroll
+    for (int g0 = 0; g0 < S::TW; g0 += S::GS) {
+        float part[S::RW][S::GS][4];
+#pragma unroll
+        for (int f = 0; f < S::RW; ++f)
+#pragma unroll
+            for (int i = 0; i < S::GS; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[f][i][e] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint4 xs[S::GS];  // columns 32 t + 8 j .. + 7 of row g of each tile of the group
+#pragma unroll
+            for (int i = 0; i < S::GS; ++i)
+                xs[i] = *reinterpret_cast<const uint4*>(sx + 8 * (g0 + i) * F8S_XLD + 64 * j);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int st = 2 * j + h;  // the k-step: bytes 32 t + 4 st .. + 3
+                unsigned a[S::RW][4];
+#pragma unroll
+                for (int f = 0; f < S::RW; ++f) {
+                    f8g_e4m3x4_to_bf16(f8g_word(w[f][st >> 2], st & 3), a[f][0], a[f][2]);
+                    f8g_e4m3x4_to_bf16(f8g_word(w[f][2 + (st >> 2)], st & 3), a[f][1], a[f][3]);
+                }
+#pragma unroll
+                for (int i = 0; i < S::GS; ++i) {
+                    const unsigned u0 = f8g_word(xs[i], 2 * h), u1 = f8g_word(xs[i], 2 * h + 1);
+                    const unsigned b0 = __byte_perm(u0, u1, 0x5410), b1 = __byte_perm(u0, u1, 0x7632);
+#pragma unroll
+                    for (int f = 0; f < S::RW; ++f) f8w_mma(part[f][i], a[f], b0, b1);
+                }
+            }
+        }
+#pragma unroll
+        for (int f = 0; f < S::RW; ++f)
+#pragma unroll
+            for (int i = 0; i < S::GS; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[f][g0 + i][e] = fmaf(s, part[f][i][e], acc[f][g0 + i][e]);
+    }
+}
+
+// The warp's sums of row block r, then zeros in their place: bf16 into y where this block held all of the row
+// block's units, else fp32 into its partial slot (rows x 128, weight rows relative to the row block).
+// Accumulator layout (m16n8, operands swapped): c0, c1 at weight row g, x rows 2t, 2t + 1 of the tile; c2, c3 at g + 8.
+template <int MT>
+__device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT>::RW][F8sShape<MT>::TW][4], int wg, int xg, int r,
+                                           bool whole, int rows, int n_rows, bf16* __restrict__ y, i64 ldy,
+                                           float* __restrict__ slot) {
+    using S = F8sShape<MT>;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int f = 0; f < S::RW; ++f)
+#pragma unroll
+        for (int i = 0; i < S::TW; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = 8 * (S::TW * xg + i) + 2 * t + (e & 1);
+                const int local = 16 * (S::RW * wg + f) + g + 8 * (e >> 1), n = 128 * r + local;
+                if (m < rows && n < n_rows) {
+                    if (whole) y[(i64)m * ldy + n] = __float2bfloat16_rn(acc[f][i][e]);
+                    else slot[m * 128 + local] = acc[f][i][e];
+                }
+                acc[f][i][e] = 0.f;
+            }
+}
+
+__device__ __forceinline__ i64 fp8s_start(i64 b, i64 units, i64 blocks) { return b * units / blocks; }
+
+// y (row stride ldy) = x [rows <= 8 MT, K] (row stride ldx, a multiple of 8; rows 16-byte aligned) times the fp8
+// weight q [n_rows, K] (K % 16 == 0, 16-byte aligned rows) with its block scales (row stride scale_cols); partial:
+// [2 gridDim.x, rows, 128] fp32, slot 2b of block b for its first row block, 2b + 1 for its last. Dynamic shared
+// memory: STAGES x F8sShape<MT>::STAGE_BYTES.
+template <int MT, int STAGES>
+__global__ void __launch_bounds__(F8S_THREADS, 1)
+fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
+                   const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y,
+                   i64 ldy, float* __restrict__ partial) {
+    using S = F8sShape<MT>;
+    extern __shared__ __align__(16) unsigned char f8s_smem[];
+    const int chunks = (k_dim + 127) / 128;
+    const i64 units = (i64)((n_rows + 127) / 128) * chunks;
+    const i64 u0 = fp8s_start(blockIdx.x, units, gridDim.x), u1 = fp8s_start(blockIdx.x + 1, units, gridDim.x);
+    const int warp = threadIdx.x >> 5, wg = warp % S::AW, xg = warp / S::AW;
+    const int first_r = (int)(u0 / chunks);
+    float acc[S::RW][S::TW][4];
+#pragma unroll
+    for (int f = 0; f < S::RW; ++f)
+#pragma unroll
+        for (int i = 0; i < S::TW; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[f][i][e] = 0.f;
+    // a commit group per stage, empty past the range, so that waiting for all but the newest STAGES - 2 groups
+    // always means the unit about to be multiplied has landed
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        const i64 u = u0 + i;
+        if (u < u1) fp8s_load_stage<MT>(f8s_smem + i * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim, (int)(u / chunks),
+                                        (int)(u % chunks));
+        f8w_commit();
+    }
+    for (i64 u = u0; u < u1; ++u) {
+        const int i = (int)(u - u0);
+        const int r = (int)(u / chunks), c = (int)(u - (i64)r * chunks);
+        const float s = scale[(i64)r * scale_cols + c];
+        f8s_wait<STAGES - 2>();
+        __syncthreads();  // the unit has landed for every thread, and every warp is done with the stage reloaded next
+        const i64 ahead = u + STAGES - 1;
+        if (ahead < u1)
+            fp8s_load_stage<MT>(f8s_smem + ((i + STAGES - 1) % STAGES) * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim,
+                                (int)(ahead / chunks), (int)(ahead % chunks));
+        f8w_commit();
+        fp8s_unit<MT>(f8s_smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
+        if (c == chunks - 1 || u == u1 - 1) {
+            const bool whole = (i64)r * chunks >= u0 && (i64)(r + 1) * chunks <= u1;
+            float* slot = partial + (2 * (i64)blockIdx.x + (r != first_r)) * rows * 128;
+            fp8s_flush<MT>(acc, wg, xg, r, whole, rows, n_rows, y, ldy, slot);
+        }
+    }
+    f8s_wait<0>();  // no copy outlives the block (the groups past the range are empty)
+}
+
+// y's elements of the row blocks that several blocks of fp8w_stream_kernel (`blocks` of them, over `units` units of
+// `chunks` per row block) shared: the sum of their partial slots in block order, rounded to bf16.
+extern "C" __global__ void fp8s_finish_kernel(const float* __restrict__ partial, int rows, int n_rows, int chunks,
+                                              int blocks, bf16* __restrict__ y, i64 ldy) {
+    const i64 units = (i64)((n_rows + 127) / 128) * chunks;
+    const i64 n = (i64)rows * n_rows;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const int m = (int)(e / n_rows), col = (int)(e - (i64)m * n_rows), r = col / 128, local = col % 128;
+        // the block holding unit u: the last b with start(b) <= u
+        const i64 first = ((i64)r * chunks + 1) * blocks;
+        const i64 b_first = (first + units - 1) / units - 1;
+        const i64 b_last = (((i64)(r + 1) * chunks) * blocks + units - 1) / units - 1;
+        if (b_first == b_last) continue;  // written whole by that block
+        float v = 0.f;
+        for (i64 b = b_first; b <= b_last; ++b) {
+            const i64 start = fp8s_start(b, units, blocks);
+            if (start == fp8s_start(b + 1, units, blocks)) continue;  // a block without units (more blocks than units)
+            const int slot = start / chunks != r;
+            v += partial[((2 * b + slot) * rows + m) * 128 + local];
+        }
+        y[(i64)m * ldy + col] = __float2bfloat16_rn(v);
+    }
+}

@@ -1,0 +1,97 @@
+"""The streamed weight-only FP8 GEMM on the GPU (kernels/cuda_fp8.py stream_weight_only, kernels/fp8_stream.cu):
+against the dequantised bf16 GEMM (cuBLAS on the weight dequantised and rounded to bf16, as the bf16 path runs it)
+and against the fp32 product with the exact dequantisation, on the 4b-like shapes at decode row counts and on ragged
+ones; the same bits for a row alone and in a batch, and from run to run; subnormal e4m3 values kept; `linear`
+taking it where the tuning says so.
+
+Skipped without CuPy and a GPU (the kernels themselves: tests/test_fp8_stream_emulated.py, on the CPU).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from prefixrun.kernels import cuda_available  # noqa: E402
+from test_cuda_fp8_gemv import BF16, _check, _weight  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
+SHAPES = [(18432, 2560), (2560, 9216), (12288, 2560), (2560, 4096), (200, 336), (40, 1552)]  # [N, K]
+# against the bf16 GEMM on the bf16-rounded weight: that weight's rounding (2^-9 relative per element) and the
+# outputs' bf16 rounding
+BF16_NORM = 6e-3
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from prefixrun.kernels.cuda import CudaOps
+
+    return CudaOps("bfloat16")
+
+
+def _stream(ops, x, block, n: int, col: int = 0, width: int | None = None):
+    from prefixrun.kernels.cuda_fp8 import stream_weight_only
+
+    out = ops.upload(np.full((x.shape[0], width or n), 3.0, np.float32))
+    stream_weight_only(ops, ops.upload(x), block, out, col)
+    return ops.to_host(out).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 128])
+def test_the_stream_kernel_is_the_dequantised_bf16_gemm(n, k, m, ops):
+    from prefixrun.kernels.cuda_fp8 import upload_block
+
+    rng = np.random.default_rng(n + k + m)
+    weight = _weight(rng, n, k)
+    block = upload_block([weight])
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    got = _stream(ops, x, block, n, 8, n + 16)  # into columns 8 .. 8 + n of a wider output
+    assert (got[:, :8] == 3.0).all() and (got[:, 8 + n:] == 3.0).all()
+    got = got[:, 8:8 + n]
+    bf16 = ops.to_host(ops.linear(ops.upload(x), block.dequantized())).astype(np.float32)
+    assert np.linalg.norm(got - bf16) / np.linalg.norm(bf16) < BF16_NORM
+    _check(ops, got, x, weight)
+
+
+def test_a_row_gives_the_same_bits_alone_in_a_batch_and_again(ops):
+    """The grid and the units' split follow the weight and the SM count, never the rows: no atomics."""
+    from prefixrun.kernels.cuda_fp8 import upload_block
+
+    rng = np.random.default_rng(5)
+    n, k = 2560, 9216
+    block = upload_block([_weight(rng, n, k)])
+    x = rng.standard_normal((128, k)).astype(np.float32).astype(BF16)
+    alone = _stream(ops, x[:1].copy(), block, n)
+    for m in (8, 64, 128):
+        batch = _stream(ops, x[:m].copy(), block, n)
+        np.testing.assert_array_equal(batch[:1], alone)
+        np.testing.assert_array_equal(_stream(ops, x[:m].copy(), block, n), batch)
+
+
+def test_the_stream_kernel_keeps_subnormal_fp8_values(ops):
+    from prefixrun.kernels.cuda_fp8 import upload_block
+
+    rng = np.random.default_rng(3)
+    weight = _weight(rng, 256, 512, subnormal=True)
+    x = rng.standard_normal((5, 512)).astype(np.float32).astype(BF16)
+    _check(ops, _stream(ops, x, upload_block([weight]), 256), x, weight)
+
+
+@pytest.mark.parametrize("m", [1, 64, 128])
+def test_linear_takes_the_stream_kernel_where_the_tuning_names_it(m, ops):
+    from prefixrun.kernels.cublaslt_fp8 import block_fp8_support
+    from prefixrun.kernels.cuda_fp8 import ProjectionWeight, upload_block
+
+    if not block_fp8_support().supported:
+        pytest.skip("projections stay FP8 only where cuBLASLt runs block-scaled FP8")
+    rng = np.random.default_rng(m)
+    n, k = 2560, 4096
+    weight = _weight(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    tuned = ops.retuned(fp8_weight_only_rows=128, fp8_stream_rows=128)
+    proj = tuned.upload_linear([weight])
+    assert isinstance(proj, ProjectionWeight)
+    got = tuned.to_host(tuned.linear(tuned.upload(x), proj)).astype(np.float32)
+    np.testing.assert_array_equal(got, _stream(ops, x, upload_block([weight]), n))

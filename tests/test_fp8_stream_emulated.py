@@ -1,0 +1,127 @@
+"""kernels/fp8_stream.cu's weight-only FP8 GEMM (fp8w_stream_kernel: the weight's 128 x 128 units split evenly over
+the grid's blocks, each block streaming its units through a cp.async ring, then fp8s_finish_kernel adding the
+partial sums of the row blocks several blocks shared) compiled for the CPU with tests/cuda_emu.h: its output is the
+product of the bf16 rows with the exact dequantised weight up to fp32 sums and the output's bf16 rounding, at every
+instantiation's row count, for grids that split row blocks at any chunk (or leave blocks without a unit), ragged
+weight rows and K, and nothing is written outside the output's columns; a row's result does not depend on the
+other rows it is computed with (the same bits alone and in a batch)."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixrun.kernels.fp8_launch import FP8W_STREAM_THREADS, fp8w_stream_stage_bytes, fp8w_stream_stages
+from test_delta_tc_emulated import _forked, _ptr, compile_emulated, emulator_common
+from test_fp8w_emulated import BF16, HELPERS, _gemv_case, _kernel_source
+
+ROOT = Path(__file__).resolve().parent.parent
+DYN = "extern __shared__ __align__(16) unsigned char f8s_smem[];"
+
+STREAM_HELPERS = r"""
+template <int N> inline void f8s_wait() { emu_cp_wait(N); }
+extern "C" void emu_readable_add(const void* p, size_t bytes) {
+    emu_readable.push_back({static_cast<const unsigned char*>(p), static_cast<const unsigned char*>(p) + bytes});
+}
+extern "C" void emu_readable_clear() { emu_readable.clear(); }
+"""
+
+ENTRY = r"""
+extern "C" void emu_fp8s(const void* x, i64 ldx, int rows, const unsigned char* q, const float* scale,
+                         int scale_cols, int n_rows, int k_dim, void* y, i64 ldy, float* partial, int blocks,
+                         int tiles, int stages, int smem, int threads) {
+    gridDim = {unsigned(blocks), 1, 1};
+    emu_launch(gridDim, threads, smem, [&] {
+        auto run = [&](auto kernel) {
+            kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, (bf16*)y, ldy, partial);
+        };
+        if (tiles == 1) run(fp8w_stream_kernel<1, 8>);
+        if (tiles == 2) run(fp8w_stream_kernel<2, 8>);
+        if (tiles == 4) run(fp8w_stream_kernel<4, 7>);
+        if (tiles == 8) run(fp8w_stream_kernel<8, 5>);
+        if (tiles == 16 && stages == 3) run(fp8w_stream_kernel<16, 3>);
+        if (tiles == 16 && stages == 2) run(fp8w_stream_kernel<16, 2>);
+    });
+    gridDim = {3, 1, 1};
+    emu_launch(gridDim, 64, 0, [&] {
+        fp8s_finish_kernel(partial, rows, n_rows, (k_dim + 127) / 128, blocks, (bf16*)y, ldy);
+    });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    stream = (ROOT / "kernels" / "fp8_stream.cu").read_text()
+    at = stream.index("#ifndef TC_HOST_EMULATION")
+    stream = stream[:at] + stream[stream.index("#endif", at) + len("#endif"):]
+    assert stream.count(DYN) == 1, "the emulation expects the kernel's dynamic shared memory declared this way"
+    stream = stream.replace(DYN, "unsigned char* f8s_smem = emu_dynamic_smem;")
+    src = ("#define TC_HOST_EMULATION\n#include \"cuda_emu.h\"\n" + HELPERS + STREAM_HELPERS + emulator_common()
+           + "\n" + _kernel_source() + "\n" + stream + ENTRY)
+    return compile_emulated(tmp_path_factory, "fp8s_emu", src)
+
+
+def _run(emu, w, padded, x, blocks, tiles, stages=None, col=8, extra=24):
+    """The emulated kernels' output [m, n] (float32 of the bf16 values) and whether the columns around it kept 7."""
+    m, k = x.shape
+    n = w.shape[0]
+    stages = fp8w_stream_stages(tiles) if stages is None else stages
+    values = np.ascontiguousarray(w.values).view(np.uint8)
+    width = n + col + extra
+
+    def run():
+        y = np.full((m, width), 7.0, np.float32).astype(BF16)
+        partial = np.full((2 * blocks, m, 128), np.nan, np.float32)  # a slot read before written shows as NaN
+        for a in (x, values, padded):
+            emu.emu_readable_add(_ptr(a), ctypes.c_size_t(a.nbytes))
+        emu.emu_fp8s(_ptr(x), ctypes.c_int64(k), m, _ptr(values), _ptr(padded), padded.shape[1], n, k,
+                     ctypes.c_void_p(y.ctypes.data + 2 * col), ctypes.c_int64(width), _ptr(partial), blocks, tiles,
+                     stages, stages * fp8w_stream_stage_bytes(tiles), FP8W_STREAM_THREADS)
+        return y.astype(np.float32)
+
+    y = _forked(run)
+    intact = bool((y[:, :col] == 7.0).all() and (y[:, col + n:] == 7.0).all())
+    return y[:, col:col + n], intact
+
+
+def _check(got, w, x):
+    want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max() + 1e-30
+    assert (np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-4 * np.abs(want).max()).all()
+
+
+@pytest.mark.parametrize("m,n,k,blocks,tiles,stages,subnormal", [
+    (1, 128, 128, 1, 1, None, False),  # one unit, one block
+    (5, 200, 336, 3, 1, None, False),  # ragged rows across two row blocks, K ragged by 80: 6 units over 3 blocks
+    (16, 136, 1024, 5, 2, None, False),  # 16 units over 5 blocks: row blocks split mid-K, one block spans both
+    (30, 256, 640, 4, 4, None, False),  # 10 units over 4 blocks, more units than the 7 stages ahead
+    (57, 130, 1552, 7, 8, None, False),  # K ragged by 16, 2 x 13 units over 7 blocks, two warps across x's tiles
+    (128, 144, 512, 3, 16, 3, False),  # the largest instantiation: 8 tiles a warp in two groups
+    (100, 256, 384, 9, 16, 2, False),  # more blocks than units (3 idle), a two-stage ring
+    (3, 128, 512, 2, 1, None, True),  # only subnormal e4m3 values (and zeros): exact, not flushed
+])
+def test_the_stream_kernel_is_the_exact_product_with_the_dequantised_weight(emu, m, n, k, blocks, tiles, stages,
+                                                                            subnormal):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w, padded, x = _gemv_case(rng, m, n, k, subnormal)
+    got, intact = _run(emu, w, padded, x, blocks, tiles, stages)
+    assert intact, "written outside the output's columns"
+    _check(got.astype(np.float64), w, x)
+
+
+def test_a_rows_result_is_the_same_alone_and_in_any_batch(emu):
+    """The grid and the units' split follow the weight and the SM count only: row 0 gives the same bits at 1, 9 and
+    70 rows (other instantiations, other tiles), and with the row blocks split differently the sums may round
+    otherwise but stay exact within the bounds."""
+    rng = np.random.default_rng(7)
+    w, padded, x = _gemv_case(rng, 70, 200, 896, False)
+    alone, _ = _run(emu, w, padded, x[:1].copy(), 5, 1)
+    for m, tiles in ((9, 2), (70, 16)):
+        batch, _ = _run(emu, w, padded, x[:m].copy(), 5, tiles)
+        np.testing.assert_array_equal(batch[:1], alone)
+    other, _ = _run(emu, w, padded, x[:1].copy(), 3, 1)
+    _check(other.astype(np.float64), w, x[:1])
