@@ -4,15 +4,12 @@ checks: prompt logits within 1e-4, 32 greedy tokens and each step's logits); con
 GraniteMoeHybridConfig; refusals naming the field."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from conftest import new_state
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.hf_config import parse_config
-from prefixrun.engine.models import load_model
-from test_config_fidelity import VOCAB, write_hf_model
-from test_nemotron_h import check_generate, hf_model
+from test_config_fidelity import write_hf_model
+from test_nemotron_h import check_generate, check_tokens_match_cached_generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -70,20 +67,7 @@ def test_greedy_tokens_match_cached_generate(tmp_path, cpu_ops):
     """With the default dt limits, transformers' own cached generate gives our tokens (multipliers set)."""
     path = write_hf_model(tmp_path / "m", "granitemoehybrid", dict(embedding_multiplier=4.0, logits_scaling=2.0,
                                                                    residual_multiplier=0.5))
-    hf = hf_model(path)
-    model, _ = load_model(path, cpu_ops)
-    prompt = np.random.default_rng(3).integers(0, VOCAB, 30).tolist()
-    st = new_state(model, cpu_ops)
-    h = st.new_sequence()
-    logits, ours = model.forward(st.prepare_step([h], [prompt]), st)[0], []
-    for _ in range(16):
-        ours.append(int(np.argmax(logits)))
-        logits = model.forward(st.prepare_step([h], [ours[-1:]]), st)[0]
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    assert ours == out[0, len(prompt):].tolist()
+    check_tokens_match_cached_generate(path, cpu_ops)
 
 
 def _raw(**fields) -> dict:

@@ -72,6 +72,25 @@ def hf_model(path):
                                                              experts_implementation="eager").eval()
 
 
+def check_tokens_match_cached_generate(path, cpu_ops) -> None:
+    """16 greedy tokens after a 30-token prompt, ours from the state step by step, are transformers' own cached
+    generate's."""
+    hf = hf_model(path)
+    model, _ = load_model(path, cpu_ops)
+    prompt = np.random.default_rng(3).integers(0, VOCAB, 30).tolist()
+    st = new_state(model, cpu_ops)
+    h = st.new_sequence()
+    logits, ours = model.forward(st.prepare_step([h], [prompt]), st)[0], []
+    for _ in range(16):
+        ours.append(int(np.argmax(logits)))
+        logits = model.forward(st.prepare_step([h], [ours[-1:]]), st)[0]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(prompt):].tolist()
+
+
 def check_generate(path, cpu_ops, prompt_len: int, seed: int = 1) -> None:
     """Prompt logits against transformers' pass over the prompt, then its greedy decoding with its own cache, token
     by token, against ours from the state: every step's logits within TOL, tokens identical, top-2 gaps far above
@@ -135,20 +154,7 @@ def test_greedy_tokens_match_cached_generate(tmp_path, cpu_ops):
     for name in [n for n in tensors if n.endswith("dt_bias")]:
         tensors[name] = np.full_like(tensors[name], 0.5)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    hf = hf_model(path)
-    model, _ = load_model(path, cpu_ops)
-    prompt = np.random.default_rng(3).integers(0, VOCAB, 30).tolist()
-    st = new_state(model, cpu_ops)
-    h = st.new_sequence()
-    logits, ours = model.forward(st.prepare_step([h], [prompt]), st)[0], []
-    for _ in range(16):
-        ours.append(int(np.argmax(logits)))
-        logits = model.forward(st.prepare_step([h], [ours[-1:]]), st)[0]
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    assert ours == out[0, len(prompt):].tolist()
+    check_tokens_match_cached_generate(path, cpu_ops)
 
 
 @pytest.mark.parity
