@@ -168,6 +168,31 @@ def run_tokens(loaded, prompts, cache_root=None, **kwargs):
 # The engine's promises, checked the same way for every model family
 
 
+def check_greedy_matches_generate(hf, model, ops, prompt, steps: int = 32):
+    """`steps` greedy tokens after `prompt`, ours from the state one decode step at a time, are transformers'
+    generate's (`hf`), and no step's argmax was a near-tie at the logits' error (else the comparison means nothing)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        # an explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    hf_tokens = out.sequences[0, len(prompt):].tolist()
+    ref_logits = torch.stack(out.logits)[:, 0].numpy()
+    state = new_state(model, ops)
+    h = state.new_sequence()
+    logits = model.forward(state.prepare_step([h], [prompt]), state)[0]
+    ours, errs = [], []
+    for i in range(steps):
+        errs.append(np.abs(logits - ref_logits[i]).max())
+        ours.append(int(np.argmax(logits)))
+        logits = model.forward(state.prepare_step([h], [[ours[-1]]]), state)[0]
+    assert ours == hf_tokens
+    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0]).min() > 10 * max(errs)
+
+
 def check_disk_cache_keeps_tokens(model_dir, prompts, cache_root, max_tokens: int = 8):
     """Greedy tokens with no cache, a cold cache folder and the same folder warm are equal, and the warm run
     restored states from disk instead of computing them."""

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import new_state, random_prompt
+from conftest import check_greedy_matches_generate, new_state, random_prompt
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.models import load_model
@@ -186,25 +186,8 @@ def test_transformers_written_model_logits_and_greedy(name, hf_written):
     np.testing.assert_allclose(_our_logits(path, prompt), ref, atol=TOL, rtol=0)
     # greedy 32 tokens, decode steps one at a time
     prompt = random_prompt(8, 80, 384)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    hf_tokens = out.sequences[0, len(prompt):].tolist()
-    ref_logits = torch.stack(out.logits)[:, 0].numpy()
     ops = NumpyOps()
-    model = load_model(path, ops)[0]
-    state = new_state(model, ops)
-    h = state.new_sequence()
-    logits = model.forward(state.prepare_step([h], [prompt]), state)[0]
-    ours, errs = [], []
-    for i in range(32):
-        errs.append(np.abs(logits - ref_logits[i]).max())
-        ours.append(int(np.argmax(logits)))
-        logits = model.forward(state.prepare_step([h], [[ours[-1]]]), state)[0]
-    assert ours == hf_tokens
-    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
-    assert (top2[:, 1] - top2[:, 0]).min() > 10 * max(errs)
+    check_greedy_matches_generate(hf, load_model(path, ops)[0], ops, prompt)
 
 
 def test_fused_expert_layout_loads_the_same(hf_written, tmp_path):

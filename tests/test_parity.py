@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import TINY_CONFIGS, new_state, random_prompt
+from conftest import TINY_CONFIGS, check_greedy_matches_generate, new_state, random_prompt
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -73,25 +73,4 @@ def test_batch_of_uneven_prompts(family, loaded, hf_models, cpu_ops):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_generate(family, loaded, hf_models, cpu_ops):
-    model = loaded[family]
-    prompt = random_prompt(3, 90)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        # an explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding
-        out = hf_models[family].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                         output_logits=True, return_dict_in_generate=True,
-                                         eos_token_id=None, pad_token_id=0)
-    hf_tokens = out.sequences[0, len(prompt):].tolist()
-    ref_logits = torch.stack(out.logits)[:, 0].numpy()
-    state = new_state(model, cpu_ops)
-    h = state.new_sequence()
-    logits = model.forward(state.prepare_step([h], [prompt]), state)[0]
-    ours, errs = [], []
-    for i in range(32):
-        errs.append(np.abs(logits - ref_logits[i]).max())
-        ours.append(int(np.argmax(logits)))
-        logits = model.forward(state.prepare_step([h], [[ours[-1]]]), state)[0]
-    assert ours == hf_tokens
-    # the comparison means something only if no argmax was a near-tie at fp32 precision
-    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
-    assert (top2[:, 1] - top2[:, 0]).min() > 10 * max(errs)
+    check_greedy_matches_generate(hf_models[family], loaded[family], cpu_ops, random_prompt(3, 90))
