@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random-weight model directories written by the model maker (once per session)."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -116,6 +118,20 @@ def rollbacks(model, ops, prompt: list[int], rows: list[int], slots: int = 16, b
         state.release(spec)
         state.release(plain)
         state.check_invariants()
+
+
+def cli(*args, input=None, env=None):
+    """The CLI run in-process (typer's runner); exceptions other than the CLI's own exits propagate."""
+    from typer.testing import CliRunner
+
+    from prefixrun.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False, env=env)
+
+
+def cmd(*args) -> list[str]:
+    """The command line that runs the CLI in a fresh interpreter."""
+    return [sys.executable, "-m", "prefixrun.cli.app", *map(str, args)]
 
 
 def random_prompt(seed: int, length: int, vocab: int = 512) -> list[int]:

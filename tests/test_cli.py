@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from prefixrun.cli.app import app
+from conftest import cli, cmd
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,11 +62,6 @@ def sample_file(tmp_path_factory) -> Path:
             f.write(json.dumps(rec) + "\n")
     assert len(lines) == N_SAMPLE_LINES
     return out
-
-
-def cli(*args, input=None):
-    """Run the CLI in-process; exceptions other than the CLI's own exits propagate."""
-    return CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
 
 
 def batch(model, cache, input_path, *extra, input=None):
@@ -117,10 +111,6 @@ def verify_store(cache: Path) -> list:
 
     with CheckpointStore(cache / "checkpoints") as store:
         return store.verify_all()
-
-
-def cmd(*args) -> list[str]:
-    return [sys.executable, "-m", "prefixrun.cli.app", *map(str, args)]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import cli
 from prefixrun.cli.app import app
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
@@ -38,10 +39,6 @@ def batch_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("inputs") / "batch.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
-
-
-def cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
 def run(model, inp, tmp_path, *extra, name="report.json"):

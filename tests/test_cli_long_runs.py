@@ -9,15 +9,13 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
+from conftest import cli, cmd
 from prefixrun.cli import io
-from prefixrun.cli.app import app
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these runs in a temporary folder
@@ -26,14 +24,6 @@ pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these run
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("models") / "a", TINY_QWEN3_5, seed=3, init_std=0.05)
-
-
-def cli(*args, input=None, env=None):
-    return CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False, env=env)
-
-
-def cmd(*args) -> list[str]:
-    return [sys.executable, "-m", "prefixrun.cli.app", *map(str, args)]
 
 
 def write_jsonl(path: Path, lines) -> Path:
