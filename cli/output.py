@@ -41,7 +41,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
-from prefixrun.cli.input_ledger import InputLedger, InputMismatch
+from prefixrun.cli.input_ledger import InputLedger, InputMismatch, ledger_path
 from prefixrun.cli.stop_signals import stop_reason
 from prefixrun.engine.errors import EnginesDidNotStart
 
@@ -147,9 +147,23 @@ def check_targets(input_path: Path | None, output: Path | None, json_report: Pat
                               "; writing there would destroy the input")
     if output is not None and json_report is not None and same_file(output, json_report):
         raise OutputError(f"-o and --json-report name the same file ({output})")
+    for companion, what in _companions(output):
+        # the report written over the ledger broke the next --resume's check; over the journal it was left behind
+        # as a killed run's; an input there is rewritten while it is read
+        for path, role, fix in ((json_report, "--json-report", "--json-report"), (input_path, "the input", "-o")):
+            if path is not None and same_file(path, companion):
+                raise OutputError(f"{role} {path} is -o's {what}, which the run writes; give another {fix}")
     if output is not None and not resume and not overwrite and _holds_results(output):
         raise OutputError(f"-o {output} already holds results; pass --resume to continue it or --overwrite to "
                           f"replace it")
+
+
+def _companions(output: Path | None) -> list[tuple[Path, str]]:
+    """The files a run keeps beside a regular -o file, with what they are."""
+    if output is None:
+        return []
+    return [(journal_path(output), "journal (results waiting for an earlier line)"),
+            (ledger_path(output), "input ledger (the line that made each result, for --resume)")]
 
 
 class OutputClaim:

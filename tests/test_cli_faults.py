@@ -174,6 +174,12 @@ def test_output_targets_are_checked_before_the_model_is_loaded(tmp_path):
         (["--json-report", tmp_path / "adir"], "is a directory"),
         (["--json-report", src], "is the input file"),
         (["-o", tmp_path / "same.jsonl", "--json-report", tmp_path / "same.jsonl"], "the same file"),
+        # the report over -o's ledger broke the next --resume's check of the input; over its journal it was left
+        # behind as a killed run's journal
+        (["-o", tmp_path / "o.jsonl", "--json-report", tmp_path / "o.jsonl.inputs"],
+         "--json-report " + str(tmp_path / "o.jsonl.inputs") + " is -o's input ledger"),
+        (["-o", tmp_path / "o.jsonl", "--json-report", tmp_path / "adir" / ".." / "o.jsonl.journal"],
+         "is -o's journal"),
     ]
     if Path("/proc/version").exists():  # unwritable even for root
         cases.append((["-o", "/proc/version"], "cannot be written"))
@@ -183,6 +189,11 @@ def test_output_targets_are_checked_before_the_model_is_loaded(tmp_path):
         assert message in one_error_line(p.stderr), (extra, p.stderr)
     assert src.read_text().strip() == '{"prompt": "x"}'  # the input survived every attempt
     assert not (tmp_path / "same.jsonl").exists()
+    # an input that is -o's journal (a user rerunning what a killed run left) would be rewritten while read
+    journal = shutil.copy(src, tmp_path / "o.jsonl.journal")
+    p = run("batch", journal, "--model", tmp_path / "no-model", "--device", "cpu", "-o", tmp_path / "o.jsonl")
+    assert p.returncode == 2 and "the input " in one_error_line(p.stderr) and "is -o's journal" in p.stderr
+    assert "give another -o" in p.stderr
 
 
 def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
