@@ -153,6 +153,9 @@ def check_targets(input_path: Path | None, output: Path | None, json_report: Pat
         for path, role, fix in ((json_report, "--json-report", "--json-report"), (input_path, "the input", "-o")):
             if path is not None and same_file(path, companion):
                 raise OutputError(f"{role} {path} is -o's {what}, which the run writes; give another {fix}")
+        if (companion.exists() or companion.is_symlink()) and not _is_regular(companion):
+            # a folder there was a traceback mid-run (read as the ledger) or "cannot write results"; a FIFO hung
+            raise OutputError(f"{companion}, -o's {what}, is not a file; remove it or give another -o")
     if output is not None and not resume and not overwrite and _holds_results(output):
         raise OutputError(f"-o {output} already holds results; pass --resume to continue it or --overwrite to "
                           f"replace it")

@@ -194,6 +194,16 @@ def test_output_targets_are_checked_before_the_model_is_loaded(tmp_path):
     p = run("batch", journal, "--model", tmp_path / "no-model", "--device", "cpu", "-o", tmp_path / "o.jsonl")
     assert p.returncode == 2 and "the input " in one_error_line(p.stderr) and "is -o's journal" in p.stderr
     assert "give another -o" in p.stderr
+    # a folder or a FIFO where -o's ledger or journal goes: a traceback (IsADirectoryError) or a hang on --resume,
+    # "cannot write results to o.jsonl" after the run
+    journal.unlink()
+    for name, make in (("o.jsonl.inputs", os.mkdir), ("o.jsonl.inputs", os.mkfifo), ("o.jsonl.journal", os.mkdir)):
+        make(tmp_path / name)
+        p = run("batch", src, "--model", tmp_path / "no-model", "--device", "cpu", "-o", tmp_path / "o.jsonl",
+                "--resume", timeout=60)
+        assert p.returncode == 2 and f"{tmp_path / name}, -o's " in one_error_line(p.stderr), p.stderr
+        assert "is not a file; remove it or give another -o" in p.stderr
+        os.rmdir(tmp_path / name) if (tmp_path / name).is_dir() else os.unlink(tmp_path / name)
 
 
 def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
