@@ -1,24 +1,44 @@
 """The chat templates' jinja2 environment, as transformers renders them: sandboxed, trim_blocks, lstrip_blocks,
 loopcontrols, a `{% generation %}` tag, `raise_exception`, `strftime_now`, a non-escaping `tojson`.
 
+A template is code from the model folder, run once per chat line: whatever it raises, and a template that runs
+away (recursion, nested loops of 10**10 steps, a text doubled past memory), is that line's error, never the run's
+end nor a hang. The sandbox bounds each `range`; here the steps of all ranges of one render, the size of what
+`*`, `+`, `**`, `%` and `tojson`'s indent build, and the rendered text are bounded too (far above any real
+template's needs).
+
 A module of its own so that jinja2 is imported only by a run that renders a chat (engine/load/tokenizer.py imports
 it on the first one): a batch of plain or token-id prompts never pays for it.
 """
 from __future__ import annotations
 
 import json
+import math
+import re
 from datetime import datetime
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from prefixrun.engine.request import InvalidRequest
 
-TemplateSyntaxError = jinja2.TemplateSyntaxError
+MAX_RENDERED_CHARS = 1 << 26  # characters a render (or one string or list it builds) may reach
+MAX_LOOP_STEPS = 1 << 22  # steps of all `range` loops of one render
+MAX_INTEGER_BITS = 1 << 20  # bits of an integer `**` may build
+
+
+class RunawayTemplate(ValueError):
+    """A render that would take more steps or memory than any real template does."""
+
+
+# what compiling a template may raise (a constant too large to write, nesting too deep for the parser): every chat
+# line gets the error, plain prompts still run
+COMPILE_ERRORS = (jinja2.TemplateSyntaxError, ValueError, RecursionError, MemoryError, ArithmeticError)
 # what rendering a template may raise for a conversation it cannot render (a request's error, not the run's)
-RENDER_ERRORS = (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ValueError)
+RENDER_ERRORS = (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ValueError, RecursionError,
+                 MemoryError, ArithmeticError)
 
 
 class ChatTemplate:
@@ -36,11 +56,58 @@ class ChatTemplate:
     def render(self, messages: list[dict], **variables) -> str:
         if not self.loops_over_content:
             messages = [_with_string_content(message) for message in messages]
-        return self.template.render(messages=messages, **variables)
+        steps = _LoopSteps()
+        parts, size = [], 0
+        for part in self.template.generate(messages=messages, **variables, range=steps.range):
+            size += len(part)
+            if size > MAX_RENDERED_CHARS:
+                raise RunawayTemplate(f"its text grows past {MAX_RENDERED_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
+
+
+class _LoopSteps:
+    """The sandbox's `range` for one render, its steps counted together (MAX_LOOP_STEPS)."""
+
+    def __init__(self):
+        self.left = MAX_LOOP_STEPS
+
+    def range(self, *args) -> _CountedRange:
+        return _CountedRange(safe_range(*args), self)
+
+    def step(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise RunawayTemplate(f"its loops take more than {MAX_LOOP_STEPS:,} steps")
+
+
+class _CountedRange:
+    """A range whose iteration counts steps; length, indexing and membership as a range's."""
+
+    def __init__(self, values: range, steps: _LoopSteps):
+        self._values, self._steps = values, steps
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, index):
+        item = self._values[index]
+        return _CountedRange(item, self._steps) if isinstance(item, range) else item
+
+    def __contains__(self, value) -> bool:
+        return value in self._values
+
+    def __iter__(self):
+        for value in self._values:
+            self._steps.step()
+            yield value
+
+    def __reversed__(self):
+        return iter(self[::-1])
 
 
 def compile_template(source: str) -> ChatTemplate:
-    """`source` compiled in transformers' environment; TemplateSyntaxError if it is not valid."""
+    """`source` compiled in transformers' environment; one of COMPILE_ERRORS if it cannot be."""
     return ChatTemplate(source)
 
 
@@ -128,12 +195,48 @@ def _strftime_now(format):
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     """transformers replaces jinja's tojson, which HTML-escapes <, >, & and ', with plain json.dumps."""
+    if (len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0) > 1024:
+        raise RunawayTemplate(f"tojson's indent of {len(indent) if isinstance(indent, str) else indent:,} is "
+                              "past 1,024")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+_FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d+))?")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with the operators that can build a huge value in one step checked first."""
+
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def call_binop(self, context, operator: str, left, right):
+        repeated, times = (left, right) if _count(right) else (right, left)
+        if operator == "*" and _count(times) and _sized(repeated) * times > MAX_RENDERED_CHARS:
+            raise RunawayTemplate(f"'*' would build {_sized(repeated) * times:,} items, past "
+                                  f"{MAX_RENDERED_CHARS:,}")
+        elif operator == "+" and _sized(left) + _sized(right) > MAX_RENDERED_CHARS:
+            raise RunawayTemplate(f"'+' would build more than {MAX_RENDERED_CHARS:,} items")
+        elif operator == "**" and _count(left) and _count(right) and abs(left) > 1 \
+                and right * math.log2(abs(left)) > MAX_INTEGER_BITS:
+            raise RunawayTemplate(f"'**' would build an integer of more than {MAX_INTEGER_BITS:,} bits")
+        elif operator == "%" and isinstance(left, str) and any(
+                int(n) > MAX_RENDERED_CHARS for m in _FORMAT_WIDTH.finditer(left) for n in m.groups() if n):
+            raise RunawayTemplate(f"'%' formats a field wider than {MAX_RENDERED_CHARS:,} characters")
+        return super().call_binop(context, operator, left, right)
+
+
+def _sized(value) -> int:
+    """The length of a string, list or tuple (what `*` repeats and `+` joins), else 0."""
+    return len(value) if isinstance(value, (str, list, tuple)) else 0
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _template_environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    environment = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now

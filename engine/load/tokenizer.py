@@ -227,7 +227,7 @@ class Tokenizer:
 
             try:
                 self._compiled_templates[name] = chat_template.compile_template(self._chat_templates[name])
-            except chat_template.TemplateSyntaxError as exc:
+            except chat_template.COMPILE_ERRORS as exc:
                 # A request error, not a load error: as in transformers, the folder still serves plain prompts,
                 # and each chat line gets an error record instead of the run aborting at the first one.
                 self._template_errors[name] = f"{self._template_source}: chat template {name!r} is not valid " \
