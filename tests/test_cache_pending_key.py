@@ -28,6 +28,20 @@ def loaded(tmp_path_factory):
     return loader.load(path, "cpu")
 
 
+@pytest.fixture(autouse=True)
+def user_memos(tmp_path, monkeypatch):
+    """The user's own folder (signing key, digest memos beside it) of this test alone."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config" / "prefixrun" / "digests"
+
+
+def forget_digests(*folders):
+    """Every memo of the weights' digest in `folders` removed: the next run hashes them again."""
+    for folder in folders:
+        for memo in folder.glob("*.digest"):
+            memo.unlink()
+
+
 class HeldDigest:
     """The weights' hashing held until `release` (a 4B model's takes most of a second); counts the hashings."""
 
@@ -58,9 +72,10 @@ def run(loaded, persist, prompts):
 
 
 def test_a_fresh_folders_key_is_made_while_the_run_computes_and_its_writes_wait_for_it(loaded, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, user_memos):
     expected_first, _ = run(loaded, open_cache(tmp_path / "other", 1 << 30, loaded, 16, "always")[0], FIRST)
     expected_second, _ = run(loaded, open_cache(tmp_path / "other2", 1 << 30, loaded, 16, "always")[0], SECOND)
+    forget_digests(user_memos)  # a model no run has hashed yet
     held = HeldDigest(monkeypatch, loaded)
     persist, problem = open_cache(tmp_path / "cache", 1 << 30, loaded, 16, "always")
     assert problem is None and persist.key is None  # opened without waiting for the hashing
@@ -83,13 +98,13 @@ def test_a_fresh_folders_key_is_made_while_the_run_computes_and_its_writes_wait_
     assert tokens == expected_second and stats.reused_from_disk_tokens >= len(DOCUMENT) * len(SECOND)
 
 
-def test_a_folder_with_entries_makes_the_key_before_the_run(loaded, tmp_path, monkeypatch):
+def test_a_folder_with_entries_makes_the_key_before_the_run(loaded, tmp_path, monkeypatch, user_memos):
     persist, _ = open_cache(tmp_path / "cache", 1 << 30, loaded, 16, "always")
     run(loaded, persist, FIRST)
     persist.finish()
     persist.close()
-    for memo in (tmp_path / "cache" / "digests").iterdir():
-        memo.unlink()  # forgotten (e.g. the model's files were touched): the index still has entries to find
+    # forgotten (e.g. the model's files were touched): the index still has entries to find
+    forget_digests(tmp_path / "cache" / "digests", user_memos)
     held = HeldDigest(monkeypatch, loaded)
     held.release()
     persist, problem = open_cache(tmp_path / "cache", 1 << 30, loaded, 16, "always")

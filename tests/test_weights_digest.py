@@ -51,6 +51,27 @@ def test_chunks_of_large_tensors_hash_as_the_tree_does(tmp_path, monkeypatch):
     assert weights_digest.content_digest(tensors, 4) == reference_digest(tensors)
 
 
+def test_the_helper_process_hashes_as_this_process_does(model, monkeypatch):
+    tensors = CheckpointTensors(model)
+    expected = reference_digest(tensors)
+    assert weights_digest.content_digest(tensors, 3, helper=False) == expected
+
+    def no_threads(jobs, threads):
+        raise AssertionError("hashed in process")
+
+    monkeypatch.setattr(weights_digest, "_hash_in_process", no_threads)
+    assert weights_digest.content_digest(tensors, 3) == expected  # the helper's digests, not this process's
+
+
+@pytest.mark.parametrize("executable", ["", "/bin/false", "/nonexistent/python"])
+def test_a_helper_that_cannot_run_leaves_the_hashing_to_this_process(model, monkeypatch, executable):
+    import sys
+
+    tensors = CheckpointTensors(model)
+    monkeypatch.setattr(sys, "executable", executable)
+    assert weights_digest.content_digest(tensors, 2) == reference_digest(tensors)
+
+
 def _counting(monkeypatch) -> list:
     calls = []
     real = weights_digest.content_digest
@@ -58,27 +79,47 @@ def _counting(monkeypatch) -> list:
     return calls
 
 
-def test_a_new_cache_folder_finds_the_digest_the_default_folder_computed(model, tmp_path, monkeypatch):
+@pytest.fixture
+def user_config(tmp_path, monkeypatch):
+    """The user's own prefixrun folder (the signing key's, and the digest memos beside it) in a temporary place."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config" / "prefixrun"
+
+
+def test_a_new_cache_folder_finds_the_digest_any_earlier_run_computed(model, tmp_path, monkeypatch, user_config):
     calls = _counting(monkeypatch)
     monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default"))
-    first = CheckpointTensors(model).digest(tmp_path / "default" / "digests")  # a run with the default folder
+    first = CheckpointTensors(model).digest(tmp_path / "a" / "digests")  # a run with a folder of its own
     assert calls == [1]
     second = CheckpointTensors(model).digest(tmp_path / "b" / "digests")
-    assert second == first and calls == [1]  # from the user's cache folder's memo
+    assert second == first and calls == [1]  # from the user's own memo
     assert list((tmp_path / "b" / "digests").glob("*.digest"))  # and now the new folder holds it too
     assert CheckpointTensors(model).digest(tmp_path / "c" / "digests") == first and calls == [1]
 
 
-def test_a_run_with_its_own_folder_writes_no_memo_outside_it(model, tmp_path, monkeypatch):
+def test_the_memos_lie_in_the_run_folder_and_beside_the_key_and_nowhere_else(model, tmp_path, monkeypatch,
+                                                                             user_config):
     calls = _counting(monkeypatch)
     monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default"))
     CheckpointTensors(model).digest(tmp_path / "a" / "digests")
-    assert calls == [1] and not (tmp_path / "default").exists()
+    assert calls == [1] and not (tmp_path / "default").exists()  # no other cache folder is written
+    assert len(list((user_config / "digests").glob("*.digest"))) == 1
+    assert len(list((tmp_path / "a" / "digests").glob("*.digest"))) == 1
     CheckpointTensors(model).digest(tmp_path / "a" / "digests")
     assert calls == [1]
 
 
-def test_a_changed_file_is_hashed_again_in_every_folder(tmp_path, monkeypatch):
+def test_a_memo_planted_in_the_user_folder_or_a_cache_folder_is_not_believed(model, tmp_path, monkeypatch,
+                                                                            user_config):
+    """A memo naming another digest, signed with another key (or not at all), is hashed again in every place."""
+    calls = _counting(monkeypatch)
+    true = CheckpointTensors(model).digest(tmp_path / "a" / "digests")
+    for memo in [*(user_config / "digests").glob("*.digest"), *(tmp_path / "a" / "digests").glob("*.digest")]:
+        memo.write_text("f" * 64 + " " + "0" * 32 + "\n")
+    assert CheckpointTensors(model).digest(tmp_path / "a" / "digests") == true and calls == [1, 1]
+
+
+def test_a_changed_file_is_hashed_again_in_every_folder(tmp_path, monkeypatch, user_config):
     path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=4)
     monkeypatch.setenv("PREFIXRUN_CACHE_DIR", str(tmp_path / "default"))
     calls = _counting(monkeypatch)
@@ -91,7 +132,9 @@ def test_a_changed_file_is_hashed_again_in_every_folder(tmp_path, monkeypatch):
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     for folder in ("default", "b"):
         assert CheckpointTensors(path).digest(tmp_path / folder / "digests") != before
-    assert len(calls) == 2  # the default folder hashed it again, the other found that memo
+    assert len(calls) == 2  # the first folder hashed it again, the other found the user's new memo
+    assert not (tmp_path / "b" / "digests").exists() or all(
+        m.read_text().split()[0] != before for m in (tmp_path / "b" / "digests").glob("*.digest"))
 
 
 def test_a_file_changed_while_it_is_hashed_is_not_remembered(tmp_path, monkeypatch):

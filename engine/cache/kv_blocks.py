@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixrun.engine.cache import blob_format
+from prefixrun.engine.cache import blob_format, host_slabs
 from prefixrun.engine.run.background import yield_cpu
 
 BLOCKS_DIR_NAME = "kv_blocks"
@@ -134,13 +134,24 @@ def split(storage: dict[str, np.ndarray], kv_regions: Sequence[str], n_blocks: i
     return own, blocks
 
 
-def allocate(tails: dict[str, np.ndarray], n_blocks: int, rows: int) -> dict[str, np.ndarray]:
-    """Each paged region whole, [n_blocks * rows + tail rows, ...]: the tail copied in, block rows zero until
-    `BlockFiles.read_into` fills them (rows of blocks not read, resident in memory, stay zero and untouched)."""
+def allocate(tails: dict[str, np.ndarray], n_blocks: int, rows: int, unread_rows: int = 0) -> dict[str, np.ndarray]:
+    """Each paged region whole, [n_blocks * rows + tail rows, ...], in one host slab (engine/cache/host_slabs.py:
+    reused from entry to entry): the tail copied in, rows [0, unread_rows) zero (blocks resident in memory, not
+    read), the other block rows for `BlockFiles.read_into` to fill (a reused slab holds an earlier entry's bytes
+    there until it does)."""
+    shapes = {name: (n_blocks * rows + tail.shape[0], *tail.shape[1:]) for name, tail in tails.items()}
+    offsets, total = {}, 0
+    for name, tail in tails.items():
+        offsets[name] = total
+        total += -(-int(np.prod(shapes[name])) * tail.dtype.itemsize // 4096) * 4096  # each region page-aligned
+    slab, zeroed = host_slabs.SLABS.take(total)
     wholes = {}
     for name, tail in tails.items():  # tail [tail rows, ...]
-        whole = np.zeros((n_blocks * rows + tail.shape[0], *tail.shape[1:]), dtype=tail.dtype)
+        n = int(np.prod(shapes[name])) * tail.dtype.itemsize
+        whole = slab[offsets[name]:offsets[name] + n].view(tail.dtype).reshape(shapes[name])
         whole[n_blocks * rows:] = tail
+        if not zeroed:
+            whole[:unread_rows] = 0
         wholes[name] = whole
     return wholes
 

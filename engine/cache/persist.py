@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixrun.engine.cache import auth
+from prefixrun.engine.cache import auth, host_slabs
 from prefixrun.engine.cache.costs import CACHE_POLICIES, CacheCosts, CostModel, ReadCalibration, human_bytes, \
     load_rates, save_rates
 from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
@@ -562,8 +562,9 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
 
     def close(self):
-        """After the report: the store is closed."""
+        """After the report: the store is closed, the free host slabs given back (engine/cache/host_slabs.py)."""
         self.store.close()
+        host_slabs.SLABS.forget()
 
     def report(self) -> dict:
         """The run report's cache section: the folder, what this run's store did, and what it cost."""

@@ -209,7 +209,7 @@ class EntryVerification:
                 raise BadBlock(r[0], "malformed index row")
             if not auth.signed(r[5], "block", *r[1:5]):
                 raise BadBlock(r[0], "its index row is not signed with this user's key", r[2])
-        wholes = kv_blocks.allocate(tails, n_blocks, rows)
+        wholes = kv_blocks.allocate(tails, n_blocks, rows, skip * rows)
         self._kv.read_into([r[1:5] for r in needed], list(range(skip, n_blocks)), row.model_digest, row.layout_digest,
                            wholes, tails, rows)
         stored.update(wholes)

@@ -7,14 +7,18 @@ Every chunk of every tensor is one job: the jobs run at once on a thread per cor
 chunk with `os.preadv` into a buffer of its own and hashing it (hashlib releases the GIL for both), then the chunk
 digests are put together in order. Same bytes -> same digest, whatever the threads.
 
+Every chunk is hashed in a helper process (engine/load/digest_process.py: its threads never take the engine's
+interpreter lock), or on this process's threads where no helper can run.
+
 The result is remembered under the files' identity: (path, device, inode, size, mtime_ns, ctime_ns) of every file,
 and which file each tensor is read from. A file replaced by another of the same size with its mtime put back
 (archive re-extraction, `rsync -t`, os.utime) still has a new ctime, which no user call can set back, and a
-renamed-over file a new inode; either is hashed again. The memo is kept in the run's cache folder; a run with
-another folder (--cache-dir) also reads the one in the user's own cache folder (engine/cache/keys.py
-default_cache_dir), so a new folder finds the digest a run with the default folder computed, but it writes only
-inside its own (--cache-dir keeps every file it writes inside it). Each memo is signed with the user's key
-(engine/cache/auth.py), so one planted in a folder someone else can write is not believed.
+renamed-over file a new inode; either is hashed again. The memo is kept in two places: the run's cache folder and
+the user's own prefixrun folder beside the signing key (engine/cache/auth.py `key_path`:
+``$XDG_CONFIG_HOME/prefixrun/digests``), outside every cache folder, so that a new cache folder (--cache-dir) finds
+the digest any earlier run of these files computed, and only a model's first cached run hashes it. Each memo is
+signed with the user's key (engine/cache/auth.py), so one planted in a folder someone else can write is not
+believed, wherever it lies.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from pathlib import Path
 from prefixrun.engine.cache import auth
 from prefixrun.engine.cache.blob_format import CHUNK_BYTES, chunk_spans, tree_of
 from prefixrun.engine.cache.files import CacheFolder
-from prefixrun.engine.cache.keys import default_cache_dir
+from prefixrun.engine.load.digest_process import chunk_digests
 from prefixrun.kernels.file_reads import read_exactly
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
@@ -38,37 +42,58 @@ LABEL = b"prefixrun-weights-v2\0"
 
 def weights_digest(tensors, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
     """The content digest of a CheckpointTensors' tensors, from a memo where one holds it (`memo_dir`: the run's
-    cache folder's `digests`, by default the user's cache folder's; the user's is read too), else computed and
-    remembered in `memo_dir` (`remembered_only`: None instead, nothing hashed)."""
+    cache folder's `digests`; the user's own memo folder, `user_memo_dir`, is read too), else computed and
+    remembered in both (`remembered_only`: None instead, nothing hashed)."""
     # The files' identities alone are not enough for a sharded model: its index picks the shard each tensor is
     # read from, so an edited weight_map can load other values (a tensor that two shards hold) from untouched
     # files. Which file serves each name is part of the identity.
     ident = json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()])
     ident_digest = hashlib.sha256(ident.encode()).hexdigest()
     name = ident_digest[:32] + ".digest"
-    own = (Path(memo_dir) if memo_dir is not None else default_cache_dir() / "digests") / name
-    user = default_cache_dir() / "digests" / name
-    for memo in dict.fromkeys([own, user]):  # the run's folder first, then the user's (read only: see above)
-        value = _remembered_digest(memo, ident_digest)
-        if value is not None:
-            if memo != own:
-                _remember_digest(own, ident_digest, value)  # the run's own folder keeps it too
-            return value
-    if remembered_only:
-        return None
-    value = content_digest(tensors)
-    if json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()]) == ident:
-        _remember_digest(own, ident_digest, value)  # (a file changed while it was hashed is not remembered)
+    memos = list(dict.fromkeys([(Path(memo_dir) if memo_dir is not None else user_memo_dir()) / name,
+                                user_memo_dir() / name]))  # the run's folder first, then the user's
+    held = {memo: _remembered_digest(memo, ident_digest) for memo in memos}
+    value = next((v for v in held.values() if v is not None), None)
+    if value is None:
+        if remembered_only:
+            return None
+        value = content_digest(tensors)
+        if json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()]) != ident:
+            return value  # a file changed while it was hashed: not remembered
+    for memo, remembered in held.items():
+        if remembered != value:
+            _remember_digest(memo, ident_digest, value)  # each place keeps it
     return value
 
 
-def content_digest(tensors, threads: int | None = None) -> str:
+def user_memo_dir() -> Path:
+    """The user's own digest memos: `digests` beside the cache's signing key, outside every cache folder."""
+    return auth.key_path().parent / "digests"
+
+
+def content_digest(tensors, threads: int | None = None, *, helper: bool = True) -> str:
     """The digest of the tensors' bytes as the files hold them, every chunk hashed at once on `threads` threads
-    (default: one per core but two, which the engine's thread and the device's keep)."""
+    (default: one per core but two, which the engine's thread and the device's keep), in a helper process
+    (`helper`; this process's threads where it fails)."""
     names = [name for name, _ in tensors.served_by()]
     spans = [tensors.tensor_span(name) for name in names]
     jobs = [(s.span.path, s.span.offset + start, stop - start)
             for s in spans for start, stop in chunk_spans(s.span.nbytes)]
+    threads = threads or max(2, (os.cpu_count() or 4) - 2)
+    digests = chunk_digests(jobs, threads) if helper else None
+    if digests is None:
+        digests = _hash_in_process(jobs, threads)
+    h, at = hashlib.sha256(LABEL), 0
+    for name, s in zip(names, spans):
+        n = len(chunk_spans(s.span.nbytes))
+        h.update(name.encode() + b"\0" + str(s.dtype).encode() + str(s.shape).encode() + b"\0")
+        h.update(tree_of(digests[at:at + n], s.span.nbytes).encode())
+        at += n
+    return h.hexdigest()
+
+
+def _hash_in_process(jobs: list[tuple], threads: int) -> list[bytes]:
+    """SHA-256 of each (path, offset, length) job's bytes, on `threads` threads of this process."""
     fds: dict[str, int] = {}
     local = threading.local()
 
@@ -81,21 +106,14 @@ def content_digest(tensors, threads: int | None = None) -> str:
         return hashlib.sha256(view).digest()
 
     try:
-        for s in spans:
-            if s.span.path not in fds:
-                fds[s.span.path] = os.open(s.span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        with ThreadPoolExecutor(threads or max(2, (os.cpu_count() or 4) - 2), thread_name_prefix="prefixrun-digest") as pool:
-            digests = list(pool.map(hash_chunk, jobs))
+        for path, _, _ in jobs:
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        with ThreadPoolExecutor(threads, thread_name_prefix="prefixrun-digest") as pool:
+            return list(pool.map(hash_chunk, jobs))
     finally:
         for fd in fds.values():
             os.close(fd)
-    h, at = hashlib.sha256(LABEL), 0
-    for name, s in zip(names, spans):
-        n = len(chunk_spans(s.span.nbytes))
-        h.update(name.encode() + b"\0" + str(s.dtype).encode() + str(s.shape).encode() + b"\0")
-        h.update(tree_of(digests[at:at + n], s.span.nbytes).encode())
-        at += n
-    return h.hexdigest()
 
 
 def _remembered_digest(memo: Path, ident_digest: str) -> str | None:

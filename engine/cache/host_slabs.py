@@ -1,0 +1,95 @@
+"""Host memory that stored entries' K/V rows are read into, reused from entry to entry.
+
+A long document's K/V is hundreds of MiB, read by many threads at once (engine/cache/kv_blocks.py). Into fresh
+memory every 4 KiB page faults on first touch, and the threads' faults contend in the kernel: 256 MiB of blocks
+read at 12.4 GB/s into fresh pages against 36 GB/s into pages touched before, on 14 threads of the device's host
+(docs/PERFORMANCE.md). So an entry's rows land in one slab: anonymous memory advised for transparent huge pages
+(one fault per 2 MiB where the kernel allows them), and given back to this pool, not to the kernel, once nothing
+refers to the entry's arrays any more (its rows uploaded and the lookup done, or the entry dropped), so that the
+next entry is read into pages touched already.
+
+A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
+returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
+array can see another entry's bytes. A reused slab is not zeroed: the caller writes or zeroes every byte it
+hands out (`kv_blocks.allocate`).
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+HUGE_PAGE = 2 << 20
+SMALL_BYTES = 4 << 20  # below this a plain allocation (few pages: nothing to gain)
+KEEP_SLABS = 3  # free slabs kept at most (the read-ahead reads two entries at once, a third one waits)
+KEEP_BYTES = 2 << 30  # and at most this many bytes of them (the rest go back to the kernel)
+WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
+
+
+class HostSlabs:
+    """A pool of reusable host slabs (`take`)."""
+
+    def __init__(self, keep_slabs: int = KEEP_SLABS, keep_bytes: int = KEEP_BYTES):
+        self._keep_slabs, self._keep_bytes = keep_slabs, keep_bytes
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.RLock()  # a slab may come back (a collection) while the pool is busy
+        self.reused = 0  # slabs handed out again (tests, reports)
+        self.made = 0
+
+    def take(self, nbytes: int) -> tuple[np.ndarray, bool]:
+        """(a uint8 array of `nbytes` bytes starting on a huge page, whether it is all zeros): a free slab of about
+        that size with whatever the last entry left in it, else fresh zeroed memory."""
+        nbytes = int(nbytes)
+        if nbytes < SMALL_BYTES:
+            return np.zeros(nbytes, np.uint8), True
+        with self._lock:
+            fits = [m for m in self._free if nbytes <= _usable(m) <= WASTE * nbytes]
+            slab = min(fits, key=len) if fits else None
+            if slab is not None:
+                self._free.remove(slab)
+                self.reused += 1
+        zeroed = slab is None
+        if slab is None:
+            slab = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE)  # + room to align
+            _advise_huge_pages(slab)
+            self.made += 1
+        base = np.frombuffer(slab, np.uint8, nbytes, offset=_aligned_offset(slab))
+        weakref.finalize(base, self._give_back, slab)  # every view of `base` keeps it (and the slab) alive
+        return base, zeroed
+
+    def _give_back(self, slab: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(slab)
+            self._free.sort(key=len, reverse=True)
+            while len(self._free) > self._keep_slabs or sum(map(len, self._free)) > self._keep_bytes:
+                self._free.pop()  # the smallest go first; the mmap is unmapped once collected
+
+    def forget(self) -> None:
+        """Every free slab back to the kernel (slabs in use return to the pool as usual)."""
+        with self._lock:
+            self._free.clear()
+
+
+def _aligned_offset(slab: mmap.mmap) -> int:
+    """Bytes from the slab's start to its first huge-page boundary (mmap aligns to a page, not a huge page)."""
+    address = np.frombuffer(slab, np.uint8, 1).ctypes.data
+    return -address % HUGE_PAGE
+
+
+def _usable(slab: mmap.mmap) -> int:
+    return len(slab) - _aligned_offset(slab)
+
+
+def _advise_huge_pages(slab: mmap.mmap) -> None:
+    """Ask for transparent huge pages (Linux, THP `madvise` or `always`); elsewhere nothing changes."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            slab.madvise(advice)
+        except (OSError, ValueError):
+            pass
+
+
+SLABS = HostSlabs()  # one pool per process: the store's reads and the read-ahead share it

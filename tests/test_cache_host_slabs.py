@@ -1,0 +1,99 @@
+"""Host slabs reused from entry to entry (engine/cache/host_slabs.py): a slab returns to the pool only once no
+array over it is left, a reused slab never shows an earlier entry's bytes where the reader does not write, and
+entries read one after another into the same memory restore exactly what was written."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from prefixrun.engine.cache import host_slabs, kv_blocks
+from prefixrun.engine.cache.host_slabs import HostSlabs
+from prefixrun.engine.cache.store import CheckpointStore
+from test_kv_blocks import KEY, ROWS, put, state_of
+
+MiB = 1 << 20
+
+
+def test_a_slab_comes_back_once_its_arrays_are_gone_and_is_handed_out_again():
+    slabs = HostSlabs()
+    first, zeroed = slabs.take(8 * MiB)
+    assert zeroed and not first.any() and first.ctypes.data % host_slabs.HUGE_PAGE == 0
+    first[:] = 7
+    address = first.ctypes.data
+    del first
+    gc.collect()
+    again, zeroed = slabs.take(6 * MiB)  # within the waste bound: the same memory, not zeroed
+    assert not zeroed and again.ctypes.data == address and slabs.reused == 1
+    assert (again == 7).all()  # the earlier bytes: the caller writes every byte it hands out
+
+
+def test_a_view_alive_keeps_its_slab_out_of_the_pool():
+    slabs = HostSlabs()
+    base, _ = slabs.take(8 * MiB)
+    rows = base[4096:].view(np.float32).reshape(-1, 16)[10:20]  # a view of a view, as an entry's regions are
+    rows[:] = 3.0
+    del base
+    gc.collect()
+    other, zeroed = slabs.take(8 * MiB)
+    assert zeroed and slabs.reused == 0  # fresh memory: the view still refers to the first slab
+    other[:] = 255
+    assert (rows == 3.0).all()
+    del rows, other
+    gc.collect()
+    slabs.take(8 * MiB)
+    assert slabs.reused == 1
+
+
+def test_too_large_or_too_many_free_slabs_go_back_to_the_kernel():
+    slabs = HostSlabs(keep_slabs=2, keep_bytes=64 * MiB)
+    taken = [slabs.take(n * MiB)[0] for n in (8, 16, 24)]
+    del taken
+    gc.collect()
+    assert len(slabs._free) == 2 and sum(map(len, slabs._free)) <= 64 * MiB
+    small, zeroed = slabs.take(5 * MiB)
+    assert zeroed  # no free slab within twice its size
+    assert slabs.take(1024)[1] and slabs.made == 4  # small requests are plain zeroed arrays
+
+
+def test_allocate_zeroes_the_unread_rows_of_a_reused_slab(monkeypatch):
+    monkeypatch.setattr(host_slabs, "SLABS", HostSlabs())
+    monkeypatch.setattr(host_slabs, "SMALL_BYTES", 0)
+    monkeypatch.setattr(host_slabs, "WASTE", 1 << 30)  # these entries are KiBs in slabs of MiBs
+    tails = {"k": np.ones((3, 2, 3), np.float32), "v": np.full((3, 4), 2, np.float32)}
+    wholes = kv_blocks.allocate(tails, 2, ROWS)
+    for whole in wholes.values():
+        whole[:] = 9  # as a read fills the block rows
+    del wholes, whole
+    gc.collect()
+    again = kv_blocks.allocate(tails, 2, ROWS, unread_rows=ROWS)
+    assert host_slabs.SLABS.reused == 1
+    for name, whole in again.items():
+        assert whole.shape == (2 * ROWS + 3, *tails[name].shape[1:]) and whole.dtype == tails[name].dtype
+        assert not whole[:ROWS].any()  # resident rows: zero, not the last entry's
+        np.testing.assert_array_equal(whole[2 * ROWS:], tails[name])
+
+
+@pytest.mark.parametrize("resident", [0, ROWS])
+def test_entries_read_into_reused_slabs_restore_exactly_what_was_written(tmp_path, monkeypatch, resident):
+    monkeypatch.setattr(host_slabs, "SLABS", HostSlabs())
+    monkeypatch.setattr(host_slabs, "SMALL_BYTES", 0)
+    monkeypatch.setattr(host_slabs, "WASTE", 1 << 30)  # these entries are KiBs in slabs of MiBs
+    store = CheckpointStore(tmp_path)
+    docs = [list(range(1 + 100 * i, 41 + 100 * i)) + [7] * (5 * i) for i in range(3)]
+    for doc in docs:
+        assert put(store, doc)
+    for round_ in range(2):
+        for doc in docs:
+            got = store.read_entry(KEY, doc, resident_rows=resident)
+            expected = state_of(doc)
+            for name, array in expected.items():
+                if name in ("k", "v"):
+                    assert not np.asarray(got.regions[name][:resident], np.float32).any()
+                    np.testing.assert_array_equal(got.regions[name][resident:], array[resident:])
+                else:
+                    np.testing.assert_array_equal(got.regions[name], array)
+            del got
+            gc.collect()
+    assert host_slabs.SLABS.reused >= 4  # the later reads landed in memory an earlier entry left
