@@ -17,7 +17,7 @@ into their own columns of the output (`ProjectionWeight`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cupy
 import ml_dtypes
@@ -58,10 +58,17 @@ def _dequantize(q: cupy.ndarray, scale: cupy.ndarray, block: tuple[int, int], ou
 @dataclass(frozen=True)
 class Fp8Block:
     """A weight on the FP8 GEMM's grid, on the device: `values` uint8 [N, K] (e4m3 bytes), `scale` fp32
-    [ceil(N/128), scale_columns(K)] (one per 128 x 128 block, the row stride padded to 4)."""
+    [ceil(N/128), scale_columns(K)] (one per 128 x 128 block, the row stride padded to 4); `counters`: int32, one
+    per 128-row block, 0 between calls (fp8w_stream_kernel's count of the blocks done with a shared row block; made
+    with the weight, never inside a graph's capture)."""
 
     values: cupy.ndarray
     scale: cupy.ndarray
+    counters: cupy.ndarray = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.counters is None:
+            object.__setattr__(self, "counters", cupy.zeros(-(-self.values.shape[0] // GEMM_BLOCK), cupy.int32))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -194,9 +201,8 @@ def gemv_weight_only(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
 def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:
     """out[:, col:col + N] = x [M, K] (bf16, M <= 128) @ the weight's dequantisation ^T, by fp8w_stream_kernel
     (kernels/fp8_stream.cu: one block per SM, the weight's 128 x 128 units split evenly over them and streamed
-    through shared memory, each unit's fp32 sum scaled by its block scale), then fp8s_finish_kernel for the row
-    blocks several blocks shared (their partial sums added in block order: the grid follows N, K and the SM count,
-    never M or timing)."""
+    through shared memory, each unit's fp32 sum scaled by its block scale; a row block several blocks share is
+    summed in block order by the last of them: the grid follows N, K and the SM count, never M or timing)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
@@ -215,10 +221,7 @@ def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray
                              stages * fp8w_stream_stage_bytes(tiles))
     kern((blocks,), (FP8W_STREAM_THREADS,),
          (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k), y, i64(ldy),
-          partial), shared_mem=stages * fp8w_stream_stage_bytes(tiles))
-    kernel("fp8_stream", "fp8s_finish_kernel")((blocks_for(m * n),), (THREADS,),
-                                              (partial, i32(m), i32(n), i32(-(-k // GEMM_BLOCK)), i32(blocks), y,
-                                               i64(ldy)))
+          partial, weight.counters), shared_mem=stages * fp8w_stream_stage_bytes(tiles))
 
 
 def weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:

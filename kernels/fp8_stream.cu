@@ -6,9 +6,9 @@
 // block after row block, K within each; the grid's blocks take equal contiguous ranges of units (a block per SM
 // and every SM busy to the end, whatever the shape), each through a STAGES-deep cp.async ring of its units' weight
 // bytes and x's matching 128 columns. A row block whose units one block holds whole is written as bf16 by it; one
-// shared by several blocks is written by each as fp32 partial sums, which fp8s_finish_kernel adds in block order
-// (the grid and the ranges follow the weight's shape and the SM count only, so a row's sums never depend on the
-// other rows or on timing: no atomics).
+// shared by several blocks is written by each as fp32 partial sums, and the last of them to finish (a count per row
+// block) adds them all in block order: the grid and the ranges follow the weight's shape and the SM count only, so
+// a row's sums never depend on the other rows, on timing or on which block came last.
 #define F8S_THREADS 256
 #define F8S_WLD 144  // a weight row of a stage: 128 bytes + 16 (lanes g and g + 1 read other banks)
 #define F8S_XLD 320  // an x row of a stage: 256 bytes + 64, its 16-byte pieces permuted (fp8s_load_stage)
@@ -142,15 +142,57 @@ __device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT>::RW][F8sSha
 
 __device__ __forceinline__ i64 fp8s_start(i64 b, i64 units, i64 blocks) { return b * units / blocks; }
 
+// The blocks holding units of row block r: b_first .. b_last, the last b with start(b) <= u for its first and last
+// unit u (blocks without units among them: more blocks than units).
+__device__ __forceinline__ void fp8s_sharers(int r, int chunks, i64 units, i64 blocks, i64& b_first, i64& b_last) {
+    b_first = (((i64)r * chunks + 1) * blocks + units - 1) / units - 1;
+    b_last = ((i64)(r + 1) * chunks * blocks + units - 1) / units - 1;
+}
+
+// Row block r's partial sums are in this block's slot: count the block in; the last of the row block's blocks adds
+// every block's slot in block order into y (bf16) and sets the count back to 0 for the next call. Each block makes
+// its sums visible (fence) before it counts; the last reads the others' from L2 (ld.cg) after its own fence.
+__device__ void fp8s_fixup(const float* partial, int* counters, int r, int chunks, i64 units, int rows,
+                           int n_rows, bf16* __restrict__ y, i64 ldy) {
+    __shared__ int last;
+    i64 b_first, b_last;
+    fp8s_sharers(r, chunks, units, gridDim.x, b_first, b_last);
+    __syncthreads();  // every thread's sums written
+    if (threadIdx.x == 0) {
+        int sharers = 0;
+        for (i64 b = b_first; b <= b_last; ++b)
+            sharers += fp8s_start(b, units, gridDim.x) != fp8s_start(b + 1, units, gridDim.x);
+        __threadfence();
+        last = atomicAdd(&counters[r], 1) == sharers - 1;
+        if (last) counters[r] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < rows * 128; e += F8S_THREADS) {
+        const int m = e >> 7, local = e & 127, n = 128 * r + local;
+        if (n >= n_rows) continue;
+        float v = 0.f;
+        for (i64 b = b_first; b <= b_last; ++b) {
+            const i64 start = fp8s_start(b, units, gridDim.x);
+            if (start == fp8s_start(b + 1, units, gridDim.x)) continue;
+            const i64 slot = 2 * b + (start / chunks != r);
+            v += __ldcg(&partial[(slot * rows + m) * 128 + local]);
+        }
+        y[(i64)m * ldy + n] = __float2bfloat16_rn(v);
+    }
+}
+
 // y (row stride ldy) = x [rows <= 8 MT, K] (row stride ldx, a multiple of 8; rows 16-byte aligned) times the fp8
 // weight q [n_rows, K] (K % 16 == 0, 16-byte aligned rows) with its block scales (row stride scale_cols); partial:
-// [2 gridDim.x, rows, 128] fp32, slot 2b of block b for its first row block, 2b + 1 for its last. Dynamic shared
+// [2 gridDim.x, rows, 128] fp32, slot 2b of block b for its first row block, 2b + 1 for its last; counters: one int
+// per row block, 0 between calls (the weight's own: calls on one weight run one after another). Dynamic shared
 // memory: STAGES x F8sShape<MT>::STAGE_BYTES.
 template <int MT, int STAGES>
 __global__ void __launch_bounds__(F8S_THREADS, 1)
 fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
                    const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y,
-                   i64 ldy, float* __restrict__ partial) {
+                   i64 ldy, float* __restrict__ partial, int* __restrict__ counters) {
     using S = F8sShape<MT>;
     extern __shared__ __align__(16) unsigned char f8s_smem[];
     const int chunks = (k_dim + 127) / 128;
@@ -190,31 +232,8 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
             const bool whole = (i64)r * chunks >= u0 && (i64)(r + 1) * chunks <= u1;
             float* slot = partial + (2 * (i64)blockIdx.x + (r != first_r)) * rows * 128;
             fp8s_flush<MT>(acc, wg, xg, r, whole, rows, n_rows, y, ldy, slot);
+            if (!whole) fp8s_fixup(partial, counters, r, chunks, units, rows, n_rows, y, ldy);
         }
     }
     f8s_wait<0>();  // no copy outlives the block (the groups past the range are empty)
-}
-
-// y's elements of the row blocks that several blocks of fp8w_stream_kernel (`blocks` of them, over `units` units of
-// `chunks` per row block) shared: the sum of their partial slots in block order, rounded to bf16.
-extern "C" __global__ void fp8s_finish_kernel(const float* __restrict__ partial, int rows, int n_rows, int chunks,
-                                              int blocks, bf16* __restrict__ y, i64 ldy) {
-    const i64 units = (i64)((n_rows + 127) / 128) * chunks;
-    const i64 n = (i64)rows * n_rows;
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
-        const int m = (int)(e / n_rows), col = (int)(e - (i64)m * n_rows), r = col / 128, local = col % 128;
-        // the block holding unit u: the last b with start(b) <= u
-        const i64 first = ((i64)r * chunks + 1) * blocks;
-        const i64 b_first = (first + units - 1) / units - 1;
-        const i64 b_last = (((i64)(r + 1) * chunks) * blocks + units - 1) / units - 1;
-        if (b_first == b_last) continue;  // written whole by that block
-        float v = 0.f;
-        for (i64 b = b_first; b <= b_last; ++b) {
-            const i64 start = fp8s_start(b, units, blocks);
-            if (start == fp8s_start(b + 1, units, blocks)) continue;  // a block without units (more blocks than units)
-            const int slot = start / chunks != r;
-            v += partial[((2 * b + slot) * rows + m) * 128 + local];
-        }
-        y[(i64)m * ldy + col] = __float2bfloat16_rn(v);
-    }
 }

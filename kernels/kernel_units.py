@@ -86,7 +86,7 @@ KERNEL_NAMES = {
     + [f"fp8_quant_groups_kernel<{t}, {v}>" for t in _T for v in ("false", "true")]
     + ["fp8w_gemm_kernel", "fp8w_finish_kernel"] + [f"fp8w_gemv_kernel<{nt}>" for nt in FP8W_GEMV_TILES],
     # the streamed weight-only GEMM (decode rows): kernels/fp8.cu's helpers in front of it
-    "fp8_stream": list(FP8W_STREAM_KERNELS) + ["fp8s_finish_kernel"],
+    "fp8_stream": list(FP8W_STREAM_KERNELS),
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "decode", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],

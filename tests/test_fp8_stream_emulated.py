@@ -1,6 +1,6 @@
 """kernels/fp8_stream.cu's weight-only FP8 GEMM (fp8w_stream_kernel: the weight's 128 x 128 units split evenly over
-the grid's blocks, each block streaming its units through a cp.async ring, then fp8s_finish_kernel adding the
-partial sums of the row blocks several blocks shared) compiled for the CPU with tests/cuda_emu.h: its output is the
+the grid's blocks, each block streaming its units through a cp.async ring, the last of the blocks sharing a row
+block adding their partial sums in block order) compiled for the CPU with tests/cuda_emu.h: its output is the
 product of the bf16 rows with the exact dequantised weight up to fp32 sums and the output's bf16 rounding, at every
 instantiation's row count, for grids that split row blocks at any chunk (or leave blocks without a unit), ragged
 weight rows and K, and nothing is written outside the output's columns; a row's result does not depend on the
@@ -22,6 +22,8 @@ DYN = "extern __shared__ __align__(16) unsigned char f8s_smem[];"
 
 STREAM_HELPERS = r"""
 template <int N> inline void f8s_wait() { emu_cp_wait(N); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline float __ldcg(const float* p) { return *p; }
 extern "C" void emu_readable_add(const void* p, size_t bytes) {
     emu_readable.push_back({static_cast<const unsigned char*>(p), static_cast<const unsigned char*>(p) + bytes});
 }
@@ -30,12 +32,12 @@ extern "C" void emu_readable_clear() { emu_readable.clear(); }
 
 ENTRY = r"""
 extern "C" void emu_fp8s(const void* x, i64 ldx, int rows, const unsigned char* q, const float* scale,
-                         int scale_cols, int n_rows, int k_dim, void* y, i64 ldy, float* partial, int blocks,
-                         int tiles, int stages, int smem, int threads) {
+                         int scale_cols, int n_rows, int k_dim, void* y, i64 ldy, float* partial, int* counters,
+                         int blocks, int tiles, int stages, int smem, int threads) {
     gridDim = {unsigned(blocks), 1, 1};
     emu_launch(gridDim, threads, smem, [&] {
         auto run = [&](auto kernel) {
-            kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, (bf16*)y, ldy, partial);
+            kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, (bf16*)y, ldy, partial, counters);
         };
         if (tiles == 1) run(fp8w_stream_kernel<1, 8>);
         if (tiles == 2) run(fp8w_stream_kernel<2, 8>);
@@ -43,10 +45,6 @@ extern "C" void emu_fp8s(const void* x, i64 ldx, int rows, const unsigned char* 
         if (tiles == 8) run(fp8w_stream_kernel<8, 5>);
         if (tiles == 16 && stages == 3) run(fp8w_stream_kernel<16, 3>);
         if (tiles == 16 && stages == 2) run(fp8w_stream_kernel<16, 2>);
-    });
-    gridDim = {3, 1, 1};
-    emu_launch(gridDim, 64, 0, [&] {
-        fp8s_finish_kernel(partial, rows, n_rows, (k_dim + 127) / 128, blocks, (bf16*)y, ldy);
     });
 }
 """
@@ -75,11 +73,13 @@ def _run(emu, w, padded, x, blocks, tiles, stages=None, col=8, extra=24):
     def run():
         y = np.full((m, width), 7.0, np.float32).astype(BF16)
         partial = np.full((2 * blocks, m, 128), np.nan, np.float32)  # a slot read before written shows as NaN
+        counters = np.zeros(-(-n // 128), np.int32)
         for a in (x, values, padded):
             emu.emu_readable_add(_ptr(a), ctypes.c_size_t(a.nbytes))
         emu.emu_fp8s(_ptr(x), ctypes.c_int64(k), m, _ptr(values), _ptr(padded), padded.shape[1], n, k,
-                     ctypes.c_void_p(y.ctypes.data + 2 * col), ctypes.c_int64(width), _ptr(partial), blocks, tiles,
-                     stages, stages * fp8w_stream_stage_bytes(tiles), FP8W_STREAM_THREADS)
+                     ctypes.c_void_p(y.ctypes.data + 2 * col), ctypes.c_int64(width), _ptr(partial), _ptr(counters),
+                     blocks, tiles, stages, stages * fp8w_stream_stage_bytes(tiles), FP8W_STREAM_THREADS)
+        assert (counters == 0).all(), "a row block's count not set back to 0 for the next call"
         return y.astype(np.float32)
 
     y = _forked(run)
