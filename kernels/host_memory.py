@@ -16,6 +16,8 @@ import platform
 
 import numpy as np
 
+from prefixrun.kernels.host_slabs import SLABS
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit hosts: larger requests still get their own mapping
@@ -80,7 +82,7 @@ def start_device_to_host(arrays) -> "callable":
         from prefixrun.kernels.upload import download_bytes
 
         with device:
-            host = np.empty(total, np.uint8)
+            host = SLABS.take(total)[0]  # pages an earlier transfer touched: every byte is written below
             download_bytes(host, snapshot.data.ptr, ready)
             snapshot = None  # the device copy is freed as soon as the host has the bytes
         return [host[offset:offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)

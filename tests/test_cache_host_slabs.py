@@ -1,4 +1,4 @@
-"""Host slabs reused from entry to entry (engine/cache/host_slabs.py): a slab returns to the pool only once no
+"""Host slabs reused from entry to entry (kernels/host_slabs.py): a slab returns to the pool only once no
 array over it is left, a reused slab never shows an earlier entry's bytes where the reader does not write, and
 entries read one after another into the same memory restore exactly what was written."""
 from __future__ import annotations
@@ -8,8 +8,9 @@ import gc
 import numpy as np
 import pytest
 
-from prefixrun.engine.cache import host_slabs, kv_blocks
-from prefixrun.engine.cache.host_slabs import HostSlabs
+from prefixrun.engine.cache import kv_blocks
+from prefixrun.kernels import host_slabs
+from prefixrun.kernels.host_slabs import HostSlabs
 from prefixrun.engine.cache.store import CheckpointStore
 from test_kv_blocks import KEY, ROWS, put, state_of
 

@@ -71,6 +71,27 @@ def test_host_copy_of_a_state_larger_than_the_staging_buffers_arrives_whole():
     assert np.array_equal(ops.start_host_copy([again])()[0], host[::-1])
 
 
+def test_host_copies_one_after_another_land_in_a_reused_slab_with_their_own_bytes():
+    """The writer's host copies go to kernels/host_slabs.py's slabs: once a copy's arrays are gone its slab takes
+    the next copy, which must hold exactly the next state's bytes."""
+    import gc
+
+    from prefixrun.kernels import host_slabs
+    from prefixrun.kernels.cuda import CudaOps
+
+    ops = CudaOps("bfloat16")
+    reused = host_slabs.SLABS.reused
+    rng = np.random.default_rng(1)
+    for round_ in range(3):
+        host = rng.standard_normal((3, 3 << 20), dtype=np.float32)  # 36 MiB: a slab, not a small array
+        device = ops.upload(host, np.float32)
+        (got,) = ops.start_host_copy([device])()
+        assert np.array_equal(got, host)
+        del got
+        gc.collect()
+    assert host_slabs.SLABS.reused >= reused + 2
+
+
 def test_upload_into_packs_many_regions_into_one_staged_transfer_and_touches_nothing_else():
     """ops.upload_into (the import of restored states): many destinations of mixed sizes and dtypes (a whole state
     is ~60 regions, small ones packed together, large ones split over the staging buffers), each gets exactly its

@@ -44,7 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixrun.engine.cache import blob_format, host_slabs
+from prefixrun.engine.cache import blob_format
+from prefixrun.kernels import host_slabs
 from prefixrun.engine.run.background import yield_cpu
 
 BLOCKS_DIR_NAME = "kv_blocks"
@@ -135,7 +136,7 @@ def split(storage: dict[str, np.ndarray], kv_regions: Sequence[str], n_blocks: i
 
 
 def allocate(tails: dict[str, np.ndarray], n_blocks: int, rows: int, unread_rows: int = 0) -> dict[str, np.ndarray]:
-    """Each paged region whole, [n_blocks * rows + tail rows, ...], in one host slab (engine/cache/host_slabs.py:
+    """Each paged region whole, [n_blocks * rows + tail rows, ...], in one host slab (kernels/host_slabs.py:
     reused from entry to entry): the tail copied in, rows [0, unread_rows) zero (blocks resident in memory, not
     read), the other block rows for `BlockFiles.read_into` to fill (a reused slab holds an earlier entry's bytes
     there until it does)."""

@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixrun.engine.cache import auth, host_slabs
+from prefixrun.engine.cache import auth
+from prefixrun.kernels import host_slabs
 from prefixrun.engine.cache.costs import CACHE_POLICIES, CacheCosts, CostModel, ReadCalibration, human_bytes, \
     load_rates, save_rates
 from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
@@ -562,7 +563,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
 
     def close(self):
-        """After the report: the store is closed, the free host slabs given back (engine/cache/host_slabs.py)."""
+        """After the report: the store is closed, the free host slabs given back (kernels/host_slabs.py)."""
         self.store.close()
         host_slabs.SLABS.forget()
 

@@ -1,17 +1,18 @@
-"""Host memory that stored entries' K/V rows are read into, reused from entry to entry.
+"""Host memory for bulk transfers, reused from one to the next: the persistent cache's entries' K/V rows read from
+their files, and states copied from the device for the cache's writer.
 
-A long document's K/V is hundreds of MiB, read by many threads at once (engine/cache/kv_blocks.py). Into fresh
-memory every 4 KiB page faults on first touch, and the threads' faults contend in the kernel: 256 MiB of blocks
-read at 12.4 GB/s into fresh pages against 36 GB/s into pages touched before, on 14 threads of the device's host
-(docs/PERFORMANCE.md). So an entry's rows land in one slab: anonymous memory advised for transparent huge pages
-(one fault per 2 MiB where the kernel allows them), and given back to this pool, not to the kernel, once nothing
-refers to the entry's arrays any more (its rows uploaded and the lookup done, or the entry dropped), so that the
-next entry is read into pages touched already.
+Such a buffer is hundreds of MiB, filled by many threads at once (engine/cache/kv_blocks.py reads, the copying
+threads of kernels/upload.py `download`). Into fresh memory every 4 KiB page faults on first touch, and the threads'
+faults contend in the kernel: 256 MiB of K/V blocks read at 12.4 GB/s into fresh pages against 36 GB/s into pages
+touched before, on 14 threads of the device's host (docs/PERFORMANCE.md). So each buffer is one slab: anonymous
+memory advised for transparent huge pages (one fault per 2 MiB where the kernel allows them), given back to this
+pool, not to the kernel, once nothing refers to its arrays any more (an entry's rows uploaded and its lookup done,
+a state written), so that the next transfer lands in pages touched already.
 
 A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
 returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
-array can see another entry's bytes. A reused slab is not zeroed: the caller writes or zeroes every byte it
-hands out (`kv_blocks.allocate`).
+array can see another transfer's bytes. A reused slab is not zeroed: the caller writes or zeroes every byte it
+uses (`kv_blocks.allocate`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 
 HUGE_PAGE = 2 << 20
 SMALL_BYTES = 4 << 20  # below this a plain allocation (few pages: nothing to gain)
-KEEP_SLABS = 3  # free slabs kept at most (the read-ahead reads two entries at once, a third one waits)
+KEEP_SLABS = 4  # free slabs kept at most (the read-ahead reads two entries at once, the writer copies one)
 KEEP_BYTES = 2 << 30  # and at most this many bytes of them (the rest go back to the kernel)
 WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
 
@@ -92,4 +93,4 @@ def _advise_huge_pages(slab: mmap.mmap) -> None:
             pass
 
 
-SLABS = HostSlabs()  # one pool per process: the store's reads and the read-ahead share it
+SLABS = HostSlabs()  # one pool per process: the cache's reads, its read-ahead and its writer share it
