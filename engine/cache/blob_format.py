@@ -30,6 +30,7 @@ import numpy as np
 import safetensors.numpy
 
 from prefixrun.engine.run.background import yield_cpu
+from prefixrun.kernels.host_slabs import SLABS
 
 CHUNK_BYTES = 8 << 20
 _INLINE_TAIL_BYTES = 64 << 10  # past one chunk, a tail this small is hashed on the caller's thread too
@@ -184,8 +185,9 @@ def read_file(path, size: int) -> tuple[np.ndarray, str]:
 
 
 def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
-    """read_file on an open file (its offset is not used)."""
-    buffer = np.empty(size, np.uint8)
+    """read_file on an open file (its offset is not used). The bytes land in a host slab (kernels/host_slabs.py:
+    pages an earlier entry touched), every one of them read below or the read raises."""
+    buffer = SLABS.take(size)[0]
 
     def read_and_hash(span: tuple[int, int]) -> bytes:
         start, stop = span
