@@ -448,7 +448,7 @@ def bench(
 
     clock = PhaseClock()  # the process's start-up so far is its imports
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import (STDOUT, OutputError, check_target, check_targets, claim_output, run_to_output,
+    from prefixrun.cli.output import (STDOUT, OutputError, check_targets, claim_output, run_to_output,
                                       write_json_report)
 
     clock.mark("options")
@@ -476,7 +476,7 @@ def bench(
         check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],
                       input_fd=_descriptor(source))
         if json_out is not None:
-            check_target(json_out, "--json")
+            _check_json_target(json_out, workload, p["output"], p["json_report"])
         claim = claim_output(p["output"])
     except (typer.TyperException, InvalidOption, InvalidRequest, OutputError) as exc:  # click's errors too
         reporter.error(str(exc))
@@ -511,6 +511,21 @@ def bench(
             json_out is not None and not write_json_report(json_out, figures, reporter, "--json"):
         raise typer.Exit(1)
     raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
+
+
+def _check_json_target(json_out: Path, workload: Path, output, json_report) -> None:
+    """bench's --json must be writable, and may not be its workload (the figures replaced the requests), -o,
+    --json-report or one of -o's companion files (one file silently held the other's text): OutputError."""
+    from prefixrun.cli.input_ledger import ledger_path
+    from prefixrun.cli.output import OutputError, check_target, journal_path, same_file
+
+    check_target(json_out, "--json")
+    others = [(workload, "the workload"), (output, "-o"), (json_report, "--json-report")]
+    if output is not None:
+        others += [(journal_path(output), "-o's journal"), (ledger_path(output), "-o's input ledger")]
+    for other, what in others:
+        if other is not None and same_file(json_out, other):
+            raise OutputError(f"--json {json_out} is {what}; give --json another file")
 
 
 def _version_callback(value: bool):

@@ -806,6 +806,22 @@ def test_bench_on_a_prompt_text_workload_runs_it_as_batch_does(model, tmp_path):
     assert p.returncode == 2 and "missing.jsonl" in one_error_line(p.stderr)
 
 
+def test_bench_json_that_is_the_workload_or_another_output_is_refused_before_the_model_loads(tmp_path):
+    """`bench W --json W` replaced the workload with the figures; --json naming --json-report, -o or -o's ledger
+    left one file holding the other's text. Each: exit 2, one line, before the model loads, the workload kept."""
+    work = write_jsonl(tmp_path / "w.jsonl", [{"prompt_token_ids": [1, 2], "max_tokens": 1}])
+    kept = work.read_bytes()
+    for extra, message in (([], "--json " + str(work) + " is the workload"),
+                           (["--json-report", tmp_path / "f.json"], "is --json-report"),
+                           (["-o", tmp_path / "f.json"], "is -o;"),
+                           (["-o", tmp_path / "f"], "is -o's input ledger")):
+        target = work if not extra else tmp_path / ("f.inputs" if extra[1].name == "f" else "f.json")
+        p = run("bench", work, "--model", tmp_path / "no-model", "--device", "cpu", "--json", target, *extra)
+        assert p.returncode == 2 and message in one_error_line(p.stderr), (extra, p.stderr)
+        assert "give --json another file" in p.stderr
+    assert work.read_bytes() == kept
+
+
 def test_the_readme_bench_example_runs_on_what_the_repository_ships(model, tmp_path):
     """README's bench example names bench/workloads.py, which the repository ships (it named a generator outside
     it); the workload it writes runs through bench as README says."""
