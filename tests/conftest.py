@@ -144,13 +144,11 @@ def loaded(model_dirs, cpu_ops):
     return {name: load_model(path, cpu_ops)[0] for name, path in model_dirs.items()}
 
 
-def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy="always", max_tokens=6,
-                   **options):
-    """Greedy results of `prompts` through one Engine over a persistent cache at `cache_root` (none: no cache),
-    then the engine closed, its invariants checked and the cache's writer finished: (Result by custom_id, the
-    cache's costs or None, the engine's stats). `options`: EngineOptions fields (max_batch, reuse, ...)."""
+def run_requests(loaded, requests, cache_root=None, *, block_size=None, policy="always", options=None):
+    """Results of `requests` through one Engine (`options`: EngineOptions, None: the defaults) over a persistent
+    cache at `cache_root` (none: no cache), then the engine closed, its invariants checked and the cache's writer
+    finished: (Result by custom_id, the cache's costs or None, the engine's stats)."""
     from prefixrun.engine.cache.persist import open_cache
-    from prefixrun.engine.request import Request, SamplingParams
     from prefixrun.engine.run.core import Engine, EngineOptions
 
     persist = None
@@ -158,12 +156,10 @@ def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy=
         persist, problem = open_cache(cache_root, 1 << 30, loaded, block_size or loaded.ops.default_block_size,
                                       policy)
         assert problem is None
-    engine = Engine(loaded.model, loaded.ops, options=EngineOptions(**{"speculative": "off", **options}),
-                    persist=persist)
+    engine = Engine(loaded.model, loaded.ops, options=options or EngineOptions(), persist=persist)
     if persist is not None:
         persist.watch_prefill(engine.stats)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
-    got = {r.custom_id: r for r in engine.run([Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)])}
+    got = {r.custom_id: r for r in engine.run(requests)}
     engine.close()
     engine.check_invariants()
     costs = None
@@ -172,6 +168,19 @@ def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy=
         costs = persist.costs
         persist.store.close()
     return got, costs, engine.stats
+
+
+def run_with_cache(loaded, prompts, cache_root=None, *, block_size=None, policy="always", max_tokens=6,
+                   **options):
+    """run_requests for greedy requests of `prompts` (r0, r1, ...), speculation off unless `options` (EngineOptions
+    fields: max_batch, reuse, ...) say otherwise."""
+    from prefixrun.engine.request import Request, SamplingParams
+    from prefixrun.engine.run.core import EngineOptions
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return run_requests(loaded, [Request(f"r{i}", p, sp, i) for i, p in enumerate(prompts)], cache_root,
+                        block_size=block_size, policy=policy,
+                        options=EngineOptions(**{"speculative": "off", **options}))
 
 
 def run_tokens(loaded, prompts, cache_root=None, **kwargs):

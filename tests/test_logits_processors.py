@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import random_prompt
+from conftest import random_prompt, run_requests
 from prefixrun.engine.request import InvalidRequest, ModelProcessing, Request, SamplingDefaults, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
@@ -323,23 +323,6 @@ def test_generation_config_processing_fields(tmp_path):
 
 
 # ---- logprobs against transformers' log_softmax ------------------------------------------------------------------
-def run_cached(bundle, requests, cache_root):
-    """Results of `requests` through one Engine over the persistent cache at `cache_root` (every state written);
-    bundle: a loader.load() LoadedModel."""
-    from prefixrun.engine.cache.persist import open_cache
-
-    persist, problem = open_cache(cache_root, 1 << 30, bundle, bundle.ops.default_block_size, "always")
-    assert problem is None
-    engine = Engine(bundle.model, bundle.ops, persist=persist)
-    persist.watch_prefill(engine.stats)
-    got = {r.custom_id: r for r in engine.run(requests)}
-    engine.close()
-    engine.check_invariants()
-    persist.finish()
-    persist.store.close()
-    return got, engine.stats
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_equal_transformers_log_softmax(family, model_dirs, hf_models, tmp_path):
     """Each generated token's logprob and its top 5 equal log_softmax of transformers' logits within 1e-4 (CPU
@@ -357,9 +340,9 @@ def test_logprobs_equal_transformers_log_softmax(family, model_dirs, hf_models, 
     want_penalised, _ = hf_greedy(hf, prompt, [hf_gen.RepetitionPenaltyLogitsProcessor(1.8),
                                                _OpenAIPenalties(len(prompt), 0.0, 0.5)], n)
     requests = [Request(f"r{i}", list(prompt), sp, i) for i in range(2)]  # the second reuses the first's prompt
-    first, _ = run_cached(model, requests + [Request("pen", list(prompt), penalised, 2)], tmp_path)
-    again, stats = run_cached(model, [Request("d", list(prompt), sp, 0), Request("pen", list(prompt), penalised, 1)],
-                              tmp_path)
+    first, _, _ = run_requests(model, requests + [Request("pen", list(prompt), penalised, 2)], tmp_path)
+    again, _, stats = run_requests(model, [Request("d", list(prompt), sp, 0),
+                                           Request("pen", list(prompt), penalised, 1)], tmp_path)
     assert stats.reused_from_disk_tokens == 2 * len(prompt)
     assert first.pop("pen").token_ids == again.pop("pen").token_ids == want_penalised != want
     for result in [*first.values(), again["d"]]:

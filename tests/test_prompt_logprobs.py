@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import random_prompt
+from conftest import random_prompt, run_requests
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.run.core import Engine
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,21 +27,6 @@ def reference(hf, prompt) -> np.ndarray:
     """log_softmax of transformers' logits [P, V] (row p scores token p + 1), float64."""
     with torch.no_grad():
         return torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1).numpy()
-
-
-def run(bundle, requests, cache_root):
-    from prefixrun.engine.cache.persist import open_cache
-
-    persist, problem = open_cache(cache_root, 1 << 30, bundle, bundle.ops.default_block_size, "always")
-    assert problem is None
-    engine = Engine(bundle.model, bundle.ops, persist=persist)
-    persist.watch_prefill(engine.stats)
-    got = {r.custom_id: r for r in engine.run(requests)}
-    engine.close()
-    engine.check_invariants()
-    persist.finish()
-    persist.store.close()
-    return got, engine.stats
 
 
 def check(result, prompt, ref):
@@ -67,12 +51,12 @@ def test_prompt_logprobs_equal_transformers_with_reuse_and_a_warm_cache(family, 
     plain = SamplingParams(max_tokens=2, temperature=0)
     scored_requests = [Request(f"s{i}", list(p), scored, i) for i, p in enumerate(prompts)]
     plain_requests = [Request(f"p{i}", list(p), plain, i) for i, p in enumerate(prompts)]
-    cold, stats = run(bundle, scored_requests, tmp_path)
+    cold, _, stats = run_requests(bundle, scored_requests, tmp_path)
     distinct = len(shared) + sum(len(p) - len(shared) for p in prompts)
     assert stats.computed_prompt_tokens == distinct  # the shared prefix computed (and scored) once
-    warm, stats = run(bundle, scored_requests, tmp_path)  # every prompt's state is on disk now
+    warm, _, stats = run_requests(bundle, scored_requests, tmp_path)  # every prompt's state is on disk now
     assert stats.reused_from_disk_tokens == 0 and stats.computed_prompt_tokens == distinct
-    restored, stats = run(bundle, plain_requests, tmp_path)
+    restored, _, stats = run_requests(bundle, plain_requests, tmp_path)
     assert stats.reused_from_disk_tokens > 0  # (what the scored requests chose not to restore)
     for i, prompt in enumerate(prompts):
         ref = reference(hf, prompt)
@@ -89,9 +73,10 @@ def test_prompt_logprobs_alone_and_the_smaller_k_of_a_shared_prefix(model_dirs, 
 
     bundle = loader.load(model_dirs["qwen3"], "cpu")
     shared = random_prompt(60, 20)
-    got, _ = run(bundle, [Request("one", [5], SamplingParams(max_tokens=1, prompt_logprobs=0), 0),
-                          Request("k1", shared + [1, 2], SamplingParams(max_tokens=1, prompt_logprobs=1), 1),
-                          Request("k4", shared + [3], SamplingParams(max_tokens=1, prompt_logprobs=4), 2)], tmp_path)
+    requests = [Request("one", [5], SamplingParams(max_tokens=1, prompt_logprobs=0), 0),
+                Request("k1", shared + [1, 2], SamplingParams(max_tokens=1, prompt_logprobs=1), 1),
+                Request("k4", shared + [3], SamplingParams(max_tokens=1, prompt_logprobs=4), 2)]
+    got, _, _ = run_requests(bundle, requests, tmp_path)
     assert got["one"].prompt_logprobs == [None]
     assert all(len(t.top) == 1 for t in got["k1"].prompt_logprobs[1:])
     assert all(len(t.top) == 4 for t in got["k4"].prompt_logprobs[1:])
