@@ -59,6 +59,24 @@ __device__ __forceinline__ int kda_chunk_slot(int seq_start, int offset, int seq
     return seq_start / TC_C + offset / TC_C + seq;
 }
 
+// gc at tokens 2 lane and 2 lane + 1 of the chunk (start, n tokens): the inclusive cumsum of g [T, H] over the chunk
+// (zero past n) by one warp, two tokens a lane and a shuffle scan.
+__device__ __forceinline__ void tc_chunk_gc(const float* __restrict__ g, int start, int n, int heads, int h, int lane,
+                                            float& c0, float& c1) {
+    const int t0 = 2 * lane;
+    const float g0 = t0 < n ? g[(i64)(start + t0) * heads + h] : 0.f;
+    const float g1 = t0 + 1 < n ? g[(i64)(start + t0 + 1) * heads + h] : 0.f;
+    const float pair = g0 + g1;
+    float incl = pair;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += y;
+    }
+    c0 = incl - pair + g0;
+    c1 = incl;
+}
+
 // ---- per-chunk preparation ------------------------------------------------------------------------------------
 template <int D>
 __global__ void __launch_bounds__(128)
@@ -88,16 +106,8 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     tc_load_tile<D, 128>(sQV, LD, q + (i64)start * qst + (i64)hk * qsh, qst, n, dk);
     if (warp == 0) {  // gc = inclusive cumsum of g over the chunk: two tokens per lane, a warp scan
         const int t0 = 2 * lane;
-        const float g0 = t0 < n ? g[(i64)(start + t0) * heads + h] : 0.f;
-        const float g1 = t0 + 1 < n ? g[(i64)(start + t0 + 1) * heads + h] : 0.f;
-        const float pair = g0 + g1;
-        float incl = pair;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += y;
-        }
-        const float c0 = incl - pair + g0;
+        float c0, incl;
+        tc_chunk_gc(g, start, n, heads, h, lane, c0, incl);
         sgc[t0] = c0;
         sgc[t0 + 1] = incl;
         sbeta[t0] = t0 < n ? beta[(i64)(start + t0) * heads + h] : 0.f;
@@ -348,6 +358,29 @@ __device__ __forceinline__ void tc_solve_unit_lower(float* sLT, int warp, int la
 
 // W = Aw K (from sK) and U0 = Au V (from sV, whose cp.async copies are the newest group still in flight: waited
 // for between the passes) of one chunk, rows t < n to w_out / u_out [T, H, width] at token `start`.
+// The A fragments of T diag(beta exp(gc)) (aw, with WITH_W) and T diag(beta) (au), warp w's rows 16w .. 16w + 15,
+// k-steps ks <= w (T is zero past the diagonal): T[row][col] = sLT[col][row] below the diagonal (as
+// tc_solve_unit_lower leaves it), 1 on it, 0 above. bw: beta exp(gc) per token, read only WITH_W.
+template <bool WITH_W>
+__device__ __forceinline__ void tc_t_fragments(unsigned (&aw)[4][4], unsigned (&au)[4][4], const float* sLT,
+                                               const float* bw, const float* beta, int warp, int lane) {
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        if (ks > warp) continue;
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+            const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
+            float tv[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                tv[e] = col + e < row ? sLT[(col + e) * TC_SLD + row] : (col + e == row ? 1.f : 0.f);
+            if constexpr (WITH_W) aw[ks][reg] = tc_pack(tv[0] * bw[col], tv[1] * bw[col + 1]);
+            au[ks][reg] = tc_pack(tv[0] * beta[col], tv[1] * beta[col + 1]);
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void tc_prep_wu(const unsigned (&aw)[4][4], const unsigned (&au)[4][4],
                                            const bf16* sK, const bf16* sV, bf16* __restrict__ w_out,
@@ -430,16 +463,8 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
     tc_cp_commit();
     if (warp == 0) {  // gc = inclusive cumsum of g over the chunk (two tokens per lane, a warp scan), as v1
         const int t0 = 2 * lane;
-        const float g0 = t0 < n ? g[(i64)(start + t0) * heads + h] : 0.f;
-        const float g1 = t0 + 1 < n ? g[(i64)(start + t0 + 1) * heads + h] : 0.f;
-        const float pair = g0 + g1;
-        float incl = pair;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += y;
-        }
-        const float c0 = incl - pair + g0;
+        float c0, incl;
+        tc_chunk_gc(g, start, n, heads, h, lane, c0, incl);
         const float b0 = t0 < n ? beta[(i64)(start + t0) * heads + h] : 0.f;
         const float b1 = t0 + 1 < n ? beta[(i64)(start + t0 + 1) * heads + h] : 0.f;
         sgc[t0] = c0;
@@ -517,23 +542,9 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
 
     tc_solve_unit_lower(sLT, warp, lane);
 
-    // The A fragments of T diag(beta exp(gc)) and T diag(beta), warp w's rows 16w .. 16w + 15, k-steps ks <= w
-    // (T is zero past the diagonal): T[row][col] = sLT[col][row] below the diagonal, 1 on it, 0 above.
+    // The A fragments of T diag(beta exp(gc)) and T diag(beta)
     unsigned aw[4][4], au[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        if (ks > warp) continue;
-#pragma unroll
-        for (int reg = 0; reg < 4; ++reg) {
-            const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
-            float tv[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                tv[e] = col + e < row ? sLT[(col + e) * TC_SLD + row] : (col + e == row ? 1.f : 0.f);
-            aw[ks][reg] = tc_pack(tv[0] * sbw[col], tv[1] * sbw[col + 1]);
-            au[ks][reg] = tc_pack(tv[0] * sbeta[col], tv[1] * sbeta[col + 1]);
-        }
-    }
+    tc_t_fragments<true>(aw, au, sLT, sbw, sbeta, warp, lane);
     __syncthreads();  // every warp has its fragments: v takes the solve's bytes, arriving during the W pass
     tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
     tc_cp_commit();

@@ -234,21 +234,9 @@ kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
 
     tc_solve_unit_lower(sLT, warp, lane);
 
-    // The A fragments of T diag(beta), warp w's rows, k-steps ks <= w (as gdn_tc_prep_v2_kernel's au)
+    // The A fragments of T diag(beta) (as gdn_tc_prep_v2_kernel's au)
     unsigned au[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        if (ks > warp) continue;
-#pragma unroll
-        for (int reg = 0; reg < 4; ++reg) {
-            const int row = warp * 16 + gid + (reg & 1) * 8, col = ks * 16 + 2 * tig + (reg >> 1) * 8;
-            float tv[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                tv[e] = col + e < row ? sLT[(col + e) * TC_SLD + row] : (col + e == row ? 1.f : 0.f);
-            au[ks][reg] = tc_pack(tv[0] * sbeta[col], tv[1] * sbeta[col + 1]);
-        }
-    }
+    tc_t_fragments<false>(au, au, sLT, nullptr, sbeta, warp, lane);
     __syncthreads();  // every warp has its fragments: v takes the solve's bytes
     tc_load_tile<D, 128>(sQV, LD, v + (i64)start * vst + (i64)h * vsh, vst, n, dv);
     tc_cp_commit();
