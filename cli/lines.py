@@ -316,7 +316,8 @@ def _decode_json_object(text: str) -> tuple[dict, str | object | None]:
         return obj
 
     try:
-        obj = json.loads(text, object_pairs_hook=pairs_to_dict)
+        # without its newline: a line cut short is an error at its end, not at "column 1" of the line after it
+        obj = json.loads(text.rstrip("\r\n"), object_pairs_hook=pairs_to_dict)
     except json.JSONDecodeError as err:
         raise _LineRejected(
             f"malformed JSON at column {err.colno}: {err.msg} "

@@ -264,6 +264,7 @@ ERROR_CASES = [
     (b'{"prompt": "caf\xe9"}', "not valid UTF-8", False),
     (b'{"prompt": "a",}', "malformed JSON at column", False),
     (b"The capital of France is", "malformed JSON at column 1", False),
+    (b'{"custom_id": "b", "prompt": "x"', "malformed JSON at column 33: Expecting ',' delimiter", False),  # was 1
     (b'["a", "b"]', "must be a JSON object, got an array", False),
     (b'"just a string"', "must be a JSON object, got a string", False),
     ({"custom_id": "x"}, "no prompt", False),
