@@ -1,6 +1,6 @@
 """The streamed weight-only FP8 GEMM (fp8w_stream_kernel, kernels/fp8_stream.cu) against bf16 cuBLAS, the weight-only
 gemv (fp8w_gemv_kernel) and cuBLASLt's block-scaled FP8 `linear`, per 4b-like projection shape and decode row
-count: device microseconds per call and the weight bytes streamed per second (bf16: 2 N K bytes; FP8: N K bytes
+count (the stream kernel with units of 128 and of 256 weight rows, CudaTuning.fp8_stream_unit_rows): device microseconds per call and the weight bytes streamed per second (bf16: 2 N K bytes; FP8: N K bytes
 plus the block scales), each call on the next of several weight copies so that none stays in L2, the calls
 captured in a CUDA graph as decode steps run them (bench/fp8_gemm_bench.py `timed`). First, per shape, the stream
 kernel's error against the product with the dequantised weight rounded to bf16 (the bf16 GEMM's weights).
@@ -44,9 +44,11 @@ def time_shape(ops, a, n: int, k: int, rows: list[int], lt) -> None:
         x = cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32), BF16)
         out = cupy.empty((m, n), BF16)
         bf16 = timed(ops, rotating([lambda w=w: ops.linear(x, w) for w in w16s]), reps)
-        stream = timed(ops, rotating([lambda w=w: stream_weight_only(ops, x, w, out, 0) for w in w8s]), reps)
-        line = (f"[{n}, {k}] M={m:3d}: bf16 {bf16:6.1f} us {gbs(bf16_bytes, bf16):5.0f} GB/s | stream {stream:6.1f} us "
-                f"{gbs(fp8_bytes, stream):5.0f} GB/s ({stream / bf16:.2f}x)")
+        line = f"[{n}, {k}] M={m:3d}: bf16 {bf16:6.1f} us {gbs(bf16_bytes, bf16):5.0f} GB/s"
+        for unit in (128, 256) if m <= 64 else (128,):
+            tuned = ops.retuned(fp8_stream_unit_rows=unit)
+            t = timed(ops, rotating([lambda w=w: stream_weight_only(tuned, x, w, out, 0) for w in w8s]), reps)
+            line += f" | stream/{unit} {t:6.1f} us {gbs(fp8_bytes, t):5.0f} GB/s ({t / bf16:.2f}x)"
         if m <= 64:
             gemv = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, ops._sm_count) for w in w8s]),
                          reps)

@@ -40,8 +40,10 @@ def fp8w_gemv_split(n: int, k: int, sm_count: int) -> int:
 
 
 FP8W_STREAM_TILES = (1, 2, 4, 8, 16)  # fp8w_stream_kernel's instantiations: tiles of 8 rows of x (at most 128 rows)
+# ... and the weight rows of its units: 256 (each x chunk loaded serves twice the weight) up to 8 tiles
+FP8W_STREAM_UNIT_ROWS = (128, 256)
 FP8W_STREAM_THREADS = 256  # F8S_THREADS
-_STREAM_WEIGHT_BYTES = 128 * 144  # a stage's weight rows (F8S_WLD = 144 bytes each)
+_STREAM_WEIGHT_ROW_BYTES = 144  # F8S_WLD
 _STREAM_X_ROW_BYTES = 320  # F8S_XLD
 FP8W_STREAM_SMEM = 200 * 1024  # the shared memory the stages of a block may take (one block an SM)
 FP8W_STREAM_MAX_STAGES = 8
@@ -54,16 +56,31 @@ def fp8w_stream_tiles(rows: int) -> int:
     return next(nt for nt in FP8W_STREAM_TILES if 8 * nt >= rows)
 
 
-def fp8w_stream_stage_bytes(tiles: int) -> int:
-    """F8sShape<tiles>::STAGE_BYTES: one unit's weight bytes (128 padded rows) and x's 8 * tiles padded rows."""
-    return _STREAM_WEIGHT_BYTES + 8 * tiles * _STREAM_X_ROW_BYTES
+def fp8w_stream_unit_rows(tiles: int, unit_rows: int) -> int:
+    """The unit height a call takes: the tuning's, except 128 at 16 tiles (256 would need twice the sums'
+    registers)."""
+    if unit_rows not in FP8W_STREAM_UNIT_ROWS:
+        raise ValueError(f"fp8w_stream_kernel's units are {FP8W_STREAM_UNIT_ROWS} weight rows, got {unit_rows}")
+    return 128 if tiles > 8 else unit_rows
 
 
-def fp8w_stream_stages(tiles: int) -> int:
+def fp8w_stream_stage_bytes(tiles: int, unit_rows: int = 128) -> int:
+    """F8sShape<tiles, unit_rows>::STAGE_BYTES: one unit's weight bytes (padded rows) and x's 8 * tiles padded
+    rows."""
+    return unit_rows * _STREAM_WEIGHT_ROW_BYTES + 8 * tiles * _STREAM_X_ROW_BYTES
+
+
+def fp8w_stream_stages(tiles: int, unit_rows: int = 128) -> int:
     """The ring's depth: as many stages as FP8W_STREAM_SMEM holds (more units' bytes in flight per SM), at most
-    FP8W_STREAM_MAX_STAGES (1 tile: 8 stages, 7 units of 16 KiB loading
-    ahead of the one multiplied; 16 tiles: 3)."""
-    return max(2, min(FP8W_STREAM_MAX_STAGES, FP8W_STREAM_SMEM // fp8w_stream_stage_bytes(tiles)))
+    FP8W_STREAM_MAX_STAGES (1 tile, 128-row units: 8 stages, 7 units of 16 KiB loading ahead of the one multiplied;
+    16 tiles: 3)."""
+    return max(2, min(FP8W_STREAM_MAX_STAGES, FP8W_STREAM_SMEM // fp8w_stream_stage_bytes(tiles, unit_rows)))
 
 
-FP8W_STREAM_KERNELS = tuple(f"fp8w_stream_kernel<{nt}, {fp8w_stream_stages(nt)}>" for nt in FP8W_STREAM_TILES)
+def fp8w_stream_kernel(tiles: int, unit_rows: int) -> str:
+    """The instantiation's name for a call of `tiles` tiles with units of `unit_rows` (fp8w_stream_unit_rows)."""
+    return f"fp8w_stream_kernel<{tiles}, {unit_rows}, {fp8w_stream_stages(tiles, unit_rows)}>"
+
+
+FP8W_STREAM_KERNELS = tuple(fp8w_stream_kernel(nt, ur) for nt in FP8W_STREAM_TILES for ur in FP8W_STREAM_UNIT_ROWS
+                            if fp8w_stream_unit_rows(nt, ur) == ur)

@@ -2,8 +2,8 @@
 // Compiled after kernels/fp8.cu (its cp.async and mma.sync helpers and its e4m3 -> bf16 operand conversion).
 //
 // y[m, n] = sum_k x[m, k] * q[n, k] * scale[n / 128, k / 128]: x bf16 as it is, q the fp8 weight read once from
-// memory, fp32 sums, bf16 out. The work is the weight's units of 128 rows x 128 columns (one scale block each), row
-// block after row block, K within each; the grid's blocks take equal contiguous ranges of units (a block per SM
+// memory, fp32 sums, bf16 out. The work is the weight's units of UR rows (128 or 256: each x chunk a stage loads
+// serves that many) x 128 columns, row block after row block, K within each; the grid's blocks take equal contiguous ranges of units (a block per SM
 // and every SM busy to the end, whatever the shape), each through a STAGES-deep cp.async ring of its units' weight
 // bytes and x's matching 128 columns. A row block whose units one block holds whole is written as bf16 by it; one
 // shared by several blocks is written by each as fp32 partial sums, and the last of them to finish (a count per row
@@ -18,33 +18,35 @@ template <int N>
 __device__ __forceinline__ void f8s_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #endif
 
-template <int MT>
+// MT tiles of 8 rows of x against units of UR (128 or 256) weight rows
+template <int MT, int UR>
 struct F8sShape {
-    static constexpr int RW = MT >= 8 ? 2 : 1;  // 16-row A fragments a warp holds: 16 RW weight rows
-    static constexpr int AW = 8 / RW;  // warps across the weight rows
-    static constexpr int BW = RW;  // warps across x's tiles (2 x 4 = 8 warps at RW = 2)
+    static constexpr int RW = MT >= 8 || UR == 256 ? 2 : 1;  // 16-row A fragments a warp holds: 16 RW weight rows
+    static constexpr int AW = UR / (16 * RW);  // warps across the weight rows
+    static constexpr int BW = 8 / AW;  // warps across x's tiles (4 x 2 = 8 warps at UR = 128, RW = 2)
     static constexpr int TW = MT / BW;  // x tiles (8 rows each) a warp multiplies
     static constexpr int GS = TW < 4 ? TW : 4;  // tiles whose sums a warp holds at once
-    static constexpr int W_BYTES = 128 * F8S_WLD;
+    static constexpr int W_BYTES = UR * F8S_WLD;
     static constexpr int STAGE_BYTES = W_BYTES + 8 * MT * F8S_XLD;
+    static_assert(AW * BW == 8 && TW >= 1, "8 warps over the unit's weight rows and x's tiles");
 };
 
-// Unit u's weight bytes (128 rows x 128 bytes, 16 a piece, 4 pieces a thread) and x's 8 MT rows x 128 columns (16
+// Unit u's weight bytes (UR rows x 128 bytes, 16 a piece, UR / 32 pieces a thread) and x's 8 MT rows x 128 columns (16
 // pieces a row) into a stage; zeros past the matrices. x's piece p (columns 8p .. 8p + 7) is stored at place
 // 4 (p % 4) + p / 4, so that the 4 lanes of a row reading their pieces p = 4t + j side by side read 64 bytes in a
 // row (and XLD puts rows g and g + 1 on the other 16 banks): no bank conflicts.
-template <int MT>
+template <int MT, int UR>
 __device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16* __restrict__ x, i64 ldx, int rows,
                                                 const unsigned char* __restrict__ q, int n_rows, int k_dim, int r,
                                                 int c) {
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int idx = tid + F8S_THREADS * i, row = idx >> 3, p = idx & 7, n = r * 128 + row, k = c * 128 + 16 * p;
+    for (int i = 0; i < UR * 8 / F8S_THREADS; ++i) {
+        const int idx = tid + F8S_THREADS * i, row = idx >> 3, p = idx & 7, n = r * UR + row, k = c * 128 + 16 * p;
         const bool ok = n < n_rows && k < k_dim;
         f8w_cp16(stage + row * F8S_WLD + 16 * p, q + (ok ? (i64)n * k_dim + k : 0), ok ? 16 : 0);
     }
-    unsigned char* sx = stage + F8sShape<MT>::W_BYTES;
+    unsigned char* sx = stage + F8sShape<MT, UR>::W_BYTES;
 #pragma unroll
     for (int i = 0; i < (128 * MT + F8S_THREADS - 1) / F8S_THREADS; ++i) {
         const int idx = tid + F8S_THREADS * i, row = idx >> 4, p = idx & 15, k = c * 128 + 8 * p;
@@ -58,10 +60,10 @@ __device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16
 // lane (g, t) reads bytes 32 t .. 32 t + 31 of weight rows g and g + 8 of each fragment and x's columns 32 t ..
 // 32 t + 31 of row g of each tile, taken in the column order of fp8w_gemv_kernel (kernels/fp8.cu); a unit's
 // products are summed in fp32 as they are (the fp8 values exact in bf16), then scaled into acc.
-template <int MT>
+template <int MT, int UR>
 __device__ __forceinline__ void fp8s_unit(const unsigned char* stage, float s, int wg, int xg,
-                                          float (&acc)[F8sShape<MT>::RW][F8sShape<MT>::TW][4]) {
-    using S = F8sShape<MT>;
+                                          float (&acc)[F8sShape<MT, UR>::RW][F8sShape<MT, UR>::TW][4]) {
+    using S = F8sShape<MT, UR>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     uint4 w[S::RW][4];
 #pragma unroll
@@ -116,13 +118,13 @@ __device__ __forceinline__ void fp8s_unit(const unsigned char* stage, float s, i
 }
 
 // The warp's sums of row block r, then zeros in their place: bf16 into y where this block held all of the row
-// block's units, else fp32 into its partial slot (rows x 128, weight rows relative to the row block).
+// block's units, else fp32 into its partial slot (rows x UR, weight rows relative to the row block).
 // Accumulator layout (m16n8, operands swapped): c0, c1 at weight row g, x rows 2t, 2t + 1 of the tile; c2, c3 at g + 8.
-template <int MT>
-__device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT>::RW][F8sShape<MT>::TW][4], int wg, int xg, int r,
-                                           bool whole, int rows, int n_rows, bf16* __restrict__ y, i64 ldy,
-                                           float* __restrict__ slot) {
-    using S = F8sShape<MT>;
+template <int MT, int UR>
+__device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT, UR>::RW][F8sShape<MT, UR>::TW][4], int wg,
+                                           int xg, int r, bool whole, int rows, int n_rows, bf16* __restrict__ y,
+                                           i64 ldy, float* __restrict__ slot) {
+    using S = F8sShape<MT, UR>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int f = 0; f < S::RW; ++f)
@@ -131,10 +133,10 @@ __device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT>::RW][F8sSha
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int m = 8 * (S::TW * xg + i) + 2 * t + (e & 1);
-                const int local = 16 * (S::RW * wg + f) + g + 8 * (e >> 1), n = 128 * r + local;
+                const int local = 16 * (S::RW * wg + f) + g + 8 * (e >> 1), n = UR * r + local;
                 if (m < rows && n < n_rows) {
                     if (whole) y[(i64)m * ldy + n] = __float2bfloat16_rn(acc[f][i][e]);
-                    else slot[m * 128 + local] = acc[f][i][e];
+                    else slot[m * UR + local] = acc[f][i][e];
                 }
                 acc[f][i][e] = 0.f;
             }
@@ -152,6 +154,7 @@ __device__ __forceinline__ void fp8s_sharers(int r, int chunks, i64 units, i64 b
 // Row block r's partial sums are in this block's slot: count the block in; the last of the row block's blocks adds
 // every block's slot in block order into y (bf16) and sets the count back to 0 for the next call. Each block makes
 // its sums visible (fence) before it counts; the last reads the others' from L2 (ld.cg) after its own fence.
+template <int UR>
 __device__ void fp8s_fixup(const float* partial, int* counters, int r, int chunks, i64 units, int rows,
                            int n_rows, bf16* __restrict__ y, i64 ldy) {
     __shared__ int last;
@@ -169,34 +172,34 @@ __device__ void fp8s_fixup(const float* partial, int* counters, int r, int chunk
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int e = threadIdx.x; e < rows * 128; e += F8S_THREADS) {
-        const int m = e >> 7, local = e & 127, n = 128 * r + local;
+    for (int e = threadIdx.x; e < rows * UR; e += F8S_THREADS) {
+        const int m = e / UR, local = e % UR, n = UR * r + local;
         if (n >= n_rows) continue;
         float v = 0.f;
         for (i64 b = b_first; b <= b_last; ++b) {
             const i64 start = fp8s_start(b, units, gridDim.x);
             if (start == fp8s_start(b + 1, units, gridDim.x)) continue;
             const i64 slot = 2 * b + (start / chunks != r);
-            v += __ldcg(&partial[(slot * rows + m) * 128 + local]);
+            v += __ldcg(&partial[(slot * rows + m) * UR + local]);
         }
         y[(i64)m * ldy + n] = __float2bfloat16_rn(v);
     }
 }
 
 // y (row stride ldy) = x [rows <= 8 MT, K] (row stride ldx, a multiple of 8; rows 16-byte aligned) times the fp8
-// weight q [n_rows, K] (K % 16 == 0, 16-byte aligned rows) with its block scales (row stride scale_cols); partial:
-// [2 gridDim.x, rows, 128] fp32, slot 2b of block b for its first row block, 2b + 1 for its last; counters: one int
-// per row block, 0 between calls (the weight's own: calls on one weight run one after another). Dynamic shared
-// memory: STAGES x F8sShape<MT>::STAGE_BYTES.
-template <int MT, int STAGES>
+// weight q [n_rows, K] (K % 16 == 0, 16-byte aligned rows) with its block scales (row stride scale_cols), in units of
+// UR weight rows x 128 columns ("row blocks" of UR rows); partial: [2 gridDim.x, rows, UR] fp32, slot 2b of block b
+// for its first row block, 2b + 1 for its last; counters: one int per row block, 0 between calls (the weight's own:
+// calls on one weight run one after another). Dynamic shared memory: STAGES x F8sShape<MT, UR>::STAGE_BYTES.
+template <int MT, int UR, int STAGES>
 __global__ void __launch_bounds__(F8S_THREADS, 1)
 fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
                    const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y,
                    i64 ldy, float* __restrict__ partial, int* __restrict__ counters) {
-    using S = F8sShape<MT>;
+    using S = F8sShape<MT, UR>;
     extern __shared__ __align__(16) unsigned char f8s_smem[];
-    const int chunks = (k_dim + 127) / 128;
-    const i64 units = (i64)((n_rows + 127) / 128) * chunks;
+    const int chunks = (k_dim + 127) / 128, scale_rows = (n_rows + 127) / 128;
+    const i64 units = (i64)((n_rows + UR - 1) / UR) * chunks;
     const i64 u0 = fp8s_start(blockIdx.x, units, gridDim.x), u1 = fp8s_start(blockIdx.x + 1, units, gridDim.x);
     const int warp = threadIdx.x >> 5, wg = warp % S::AW, xg = warp / S::AW;
     const int first_r = (int)(u0 / chunks);
@@ -212,27 +215,30 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         const i64 u = u0 + i;
-        if (u < u1) fp8s_load_stage<MT>(f8s_smem + i * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim, (int)(u / chunks),
-                                        (int)(u % chunks));
+        if (u < u1)
+            fp8s_load_stage<MT, UR>(f8s_smem + i * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim, (int)(u / chunks),
+                                    (int)(u % chunks));
         f8w_commit();
     }
     for (i64 u = u0; u < u1; ++u) {
         const int i = (int)(u - u0);
         const int r = (int)(u / chunks), c = (int)(u - (i64)r * chunks);
-        const float s = scale[(i64)r * scale_cols + c];
+        // the scale of this warp's weight rows (one 128-row scale block; none past the weight's rows)
+        const int sb = (r * UR + 16 * S::RW * wg) / 128;
+        const float s = sb < scale_rows ? scale[(i64)sb * scale_cols + c] : 0.f;
         f8s_wait<STAGES - 2>();
         __syncthreads();  // the unit has landed for every thread, and every warp is done with the stage reloaded next
         const i64 ahead = u + STAGES - 1;
         if (ahead < u1)
-            fp8s_load_stage<MT>(f8s_smem + ((i + STAGES - 1) % STAGES) * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim,
-                                (int)(ahead / chunks), (int)(ahead % chunks));
+            fp8s_load_stage<MT, UR>(f8s_smem + ((i + STAGES - 1) % STAGES) * S::STAGE_BYTES, x, ldx, rows, q, n_rows,
+                                    k_dim, (int)(ahead / chunks), (int)(ahead % chunks));
         f8w_commit();
-        fp8s_unit<MT>(f8s_smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
+        fp8s_unit<MT, UR>(f8s_smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
         if (c == chunks - 1 || u == u1 - 1) {
             const bool whole = (i64)r * chunks >= u0 && (i64)(r + 1) * chunks <= u1;
-            float* slot = partial + (2 * (i64)blockIdx.x + (r != first_r)) * rows * 128;
-            fp8s_flush<MT>(acc, wg, xg, r, whole, rows, n_rows, y, ldy, slot);
-            if (!whole) fp8s_fixup(partial, counters, r, chunks, units, rows, n_rows, y, ldy);
+            float* slot = partial + (2 * (i64)blockIdx.x + (r != first_r)) * rows * UR;
+            fp8s_flush<MT, UR>(acc, wg, xg, r, whole, rows, n_rows, y, ldy, slot);
+            if (!whole) fp8s_fixup<UR>(partial, counters, r, chunks, units, rows, n_rows, y, ldy);
         }
     }
     f8s_wait<0>();  // no copy outlives the block (the groups past the range are empty)

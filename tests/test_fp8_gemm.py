@@ -12,7 +12,7 @@ from prefixrun.engine.load.quantization import quantize_blocks
 from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix, linear_segments, on_gemm_grid, quantize_groups
 from prefixrun.kernels.reference import NumpyOps
 from prefixrun.kernels.fp8_launch import FP8W_STREAM_KERNELS, fp8w_gemv_split, fp8w_gemv_tiles, fp8w_k_split, \
-    fp8w_stream_stage_bytes, fp8w_stream_stages, fp8w_stream_tiles
+    fp8w_stream_stage_bytes, fp8w_stream_stages, fp8w_stream_tiles, fp8w_stream_unit_rows
 from prefixrun.kernels.tuning import CudaTuning
 
 
@@ -131,12 +131,20 @@ def test_the_stream_kernel_takes_the_fewest_row_tiles_and_a_ring_that_fits_an_sm
         with pytest.raises(ValueError):
             fp8w_stream_tiles(rows)
     for tiles in (1, 2, 4, 8, 16):
-        stages = fp8w_stream_stages(tiles)
-        # at least a unit multiplied while the next loads; within an H100/H200 SM's 227 KiB of shared memory
-        assert 2 <= stages <= 8 and stages * fp8w_stream_stage_bytes(tiles) <= 227 * 1024
-        assert f"fp8w_stream_kernel<{tiles}, {stages}>" in FP8W_STREAM_KERNELS
-    assert fp8w_stream_stages(1) == 8 and fp8w_stream_stages(16) == 3
+        for unit in (128, 256):
+            unit = fp8w_stream_unit_rows(tiles, unit)
+            stages = fp8w_stream_stages(tiles, unit)
+            # at least a unit multiplied while the next loads; within an H100/H200 SM's 227 KiB of shared memory
+            assert 2 <= stages <= 8 and stages * fp8w_stream_stage_bytes(tiles, unit) <= 227 * 1024
+            assert f"fp8w_stream_kernel<{tiles}, {unit}, {stages}>" in FP8W_STREAM_KERNELS
+    assert fp8w_stream_unit_rows(16, 256) == 128 and fp8w_stream_unit_rows(8, 256) == 256
+    assert fp8w_stream_stages(1) == 8 and fp8w_stream_stages(16) == 3 and fp8w_stream_stages(8, 256) == 3
+    with pytest.raises(ValueError):
+        fp8w_stream_unit_rows(1, 64)
     assert CudaTuning().fp8_stream_rows == 0 and CudaTuning(fp8_stream_rows=128).fp8_stream_rows == 128
     for bad in (-1, 129, 1.5, "64"):
         with pytest.raises(ValueError):
             CudaTuning(fp8_stream_rows=bad)
+    for bad in (64, 512, "256"):
+        with pytest.raises(ValueError):
+            CudaTuning(fp8_stream_unit_rows=bad)
