@@ -17,6 +17,7 @@ uses (`kv_blocks.allocate`).
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 
@@ -25,15 +26,16 @@ import numpy as np
 HUGE_PAGE = 2 << 20
 SMALL_BYTES = 4 << 20  # below this a plain allocation (few pages: nothing to gain)
 KEEP_SLABS = 4  # free slabs kept at most (the read-ahead reads two entries at once, the writer copies one)
-KEEP_BYTES = 2 << 30  # and at most this many bytes of them (the rest go back to the kernel)
+KEEP_BYTES = 2 << 30  # and at most this many bytes of them, or a sixteenth of the host's memory (the rest go back)
 WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
 
 
 class HostSlabs:
     """A pool of reusable host slabs (`take`)."""
 
-    def __init__(self, keep_slabs: int = KEEP_SLABS, keep_bytes: int = KEEP_BYTES):
-        self._keep_slabs, self._keep_bytes = keep_slabs, keep_bytes
+    def __init__(self, keep_slabs: int = KEEP_SLABS, keep_bytes: int | None = None):
+        self._keep_slabs = keep_slabs
+        self._keep_bytes = keep_bytes if keep_bytes is not None else min(KEEP_BYTES, _host_bytes() // 16)
         self._free: list[mmap.mmap] = []
         self._lock = threading.RLock()  # a slab may come back (a collection) while the pool is busy
         self.reused = 0  # slabs handed out again (tests, reports)
@@ -57,7 +59,7 @@ class HostSlabs:
             _advise_huge_pages(slab)
             self.made += 1
         base = np.frombuffer(slab, np.uint8, nbytes, offset=_aligned_offset(slab))
-        weakref.finalize(base, self._give_back, slab)  # every view of `base` keeps it (and the slab) alive
+        weakref.finalize(base, self._give_back, slab).atexit = False  # every view of `base` keeps it alive
         return base, zeroed
 
     def _give_back(self, slab: mmap.mmap) -> None:
@@ -71,6 +73,13 @@ class HostSlabs:
         """Every free slab back to the kernel (slabs in use return to the pool as usual)."""
         with self._lock:
             self._free.clear()
+
+
+def _host_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 def _aligned_offset(slab: mmap.mmap) -> int:
