@@ -2,8 +2,8 @@
 line is read, not an error record for every line its bytes happen to break into (a 1 MB gzip file made 7,872).
 
 Only the first bytes are looked at, without moving the stream: `os.pread` on a regular file, `peek` on a
-buffered pipe (it waits for the writer's first bytes, which the run would wait for anyway). A terminal is never
-looked at (it would wait for typing). Text that is merely bad JSON on some lines is not this module's business:
+buffered pipe or device (it waits for the writer's first bytes, which the run would wait for anyway). A terminal
+is never looked at (it would wait for typing). Text that is merely bad JSON on some lines is not this module's business:
 those lines get their error records as always.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ def first_bytes(stream) -> bytes:
             return os.pread(fd, SNIFF_BYTES, stream.tell())
         except OSError:
             return b""
-    if stat.S_ISCHR(mode) or not hasattr(stream, "peek"):
-        return b""
+    if os.isatty(fd) or not hasattr(stream, "peek"):
+        return b""  # a device that is no terminal is looked at: /dev/zero ran forever, one line of NULs
     try:
         return stream.peek(SNIFF_BYTES)[:SNIFF_BYTES]
     except OSError:

@@ -556,6 +556,21 @@ def test_a_closed_stdin_or_an_empty_input_name_is_one_line(model, tmp_path):
     assert res.exit_code == 2 and "input file name is empty" in one_error_line(res.stderr)
 
 
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
+def test_a_device_that_is_no_terminal_is_looked_at_like_a_file(model, tmp_path):
+    """`prefixrun batch /dev/zero` (or `- < /dev/zero`) read one endless line of NULs forever, /dev/urandom wrote
+    error records forever: a device was never looked at, only a terminal must not be. Now exit 2, one line, as
+    for a binary file; /dev/null is an empty input."""
+    for device, what in (("/dev/zero", "NUL bytes"), ("/dev/urandom", "binary data")):
+        p = run("batch", device, "--model", tmp_path / "no-model", "--device", "cpu", timeout=60)
+        assert p.returncode == 2 and f"input {device}: not JSONL: looks like binary data" in one_error_line(
+            p.stderr) and what in p.stderr, p.stderr
+    with open("/dev/zero", "rb") as zero:
+        p = subprocess.run(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache"), stdin=zero,
+                           capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "not JSONL" in p.stderr, p.stderr
+
+
 def test_a_closed_stdout_is_one_line_and_bench_figures_are_never_lost(model, tmp_path):
     """`prefixrun batch >&-` (results for a stdout that does not exist: sys.stdout is None) was an AttributeError
     traceback after the whole run; bench with stdout closed printed its figures nowhere and exited 0 (3), with its
