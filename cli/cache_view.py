@@ -120,31 +120,13 @@ def _refuse_or_ask(err: Console, what: str, yes: bool) -> int | None:
     return None
 
 
-def _place_not_cache(ckpt_root: Path, problem: Exception) -> bool:
-    """Whether the index failed to open because of where it lives, not what it holds: a read-only folder or mount,
-    a full disk, a lock another process holds. Calling that damage sends the user to --clear, which deletes a
-    whole cache and cures nothing."""
-    import errno
-    import os
-
-    cause = problem.__cause__ if problem.__cause__ is not None else problem
-    text = str(cause).lower()
-    if any(s in text for s in ("readonly", "read-only", "disk is full", "database is locked")):
-        return True
-    if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM):
-        return True
-    index = ckpt_root / "index.sqlite3"
-    if index.is_file() and not os.access(index, os.R_OK | os.W_OK):  # an unreadable index: not damaged
-        return True
-    return ckpt_root.is_dir() and not os.access(ckpt_root, os.W_OK)  # EROFS shows here, even for root
-
-
 def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, yes: bool) -> int:
     """The index cannot be opened: say so in one line; --clear removes the cache folder's contents anyway, unless
     the folder is where the problem is (read-only, unreadable, full): --clear could not help, and says so."""
+    from prefixrun.engine.cache.admin import place_not_cache
     from prefixrun.engine.cache.store import CheckpointStore, StoreError, clear_folder, folder_bytes
 
-    if _place_not_cache(ckpt_root, problem):
+    if place_not_cache(ckpt_root, problem):
         doing = "cleared" if clear else "opened"
         err.print(literal(f"error: the checkpoint cache at {ckpt_root} cannot be {doing} ({problem}): check the "
                           "folder's permissions and free space (the entries may well be whole)"),

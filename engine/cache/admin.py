@@ -2,6 +2,7 @@
 pruning and clearing, and clearing a folder whose index cannot be opened."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -235,3 +236,26 @@ def clear_folder(root: Path) -> int:
         return removed
     finally:
         folder.close()
+
+
+def place_not_cache(ckpt_root: Path, problem: Exception) -> bool:
+    """Whether the index failed to open because of where it lives, not what it holds: a read-only folder or mount,
+    a full disk, a lock another process holds. Calling that damage sends the user to --clear, which deletes a
+    whole cache and cures nothing."""
+    cause = problem.__cause__ if problem.__cause__ is not None else problem
+    text = str(cause).lower()
+    if any(s in text for s in ("readonly", "read-only", "disk is full", "database is locked")):
+        return True
+    if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM):
+        return True
+    index = ckpt_root / "index.sqlite3"
+    if index.is_file() and not os.access(index, os.R_OK | os.W_OK):  # an unreadable index: not damaged
+        return True
+    return ckpt_root.is_dir() and not os.access(ckpt_root, os.W_OK)  # EROFS shows here, even for root
+
+
+def unusable_hint(ckpt_root: Path, problem: Exception) -> str:
+    """What to do about a store that cannot be opened: --clear only where what it holds is the problem."""
+    if place_not_cache(ckpt_root, problem):
+        return "check the folder's permissions and free space; the entries may well be whole"
+    return "`prefixrun inspect-cache --clear` removes a damaged cache"

@@ -42,6 +42,7 @@ import numpy as np
 
 from prefixrun.engine.cache import auth
 from prefixrun.kernels import host_slabs
+from prefixrun.engine.cache.admin import unusable_hint
 from prefixrun.engine.cache.costs import CACHE_POLICIES, CacheCosts, CostModel, ReadCalibration, human_bytes, \
     load_rates, save_rates
 from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
@@ -123,7 +124,7 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
         if store is not None:
             store.close()
         return None, (f"persistent checkpoint cache at {root} is not usable ({_describe(error)}); running without it "
-                      "(`prefixrun inspect-cache --clear` removes a damaged cache)")
+                      f"({unusable_hint(Path(root) / 'checkpoints', error)})")
     return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path, policy,
                                  rates_root=Path(root), calibration=calibration), None
 
