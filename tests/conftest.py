@@ -75,6 +75,19 @@ def isolated_env(tmp_path_factory):
         yield root
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (pytestmark = pytest.mark.usefixtures("one_torch_thread")):
+    transformers' fp64 depthwise conv (Qwen3.5) takes ~1 s a call with several threads on a busy 2-core machine and
+    ~1 ms with one; the tiny models gain nothing from threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def cpu_ops():
     return get_ops("cpu")

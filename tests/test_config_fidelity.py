@@ -20,7 +20,7 @@ from prefixrun.engine.models import load_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-4
 STD = 0.05  # matrices; norms get init + N(0, 0.1), biases N(0, 0.1): gaps well above fp32 error
@@ -109,16 +109,6 @@ HONOURED = {
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}), 40),
     "gemma3-untied-eps": ("gemma3_text", dict(tie_word_embeddings=False, rms_norm_eps=0.02), 40),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """transformers' fp64 depthwise conv (Qwen3.5) takes ~1 s a call with several threads on a busy 2-core
-    machine and ~1 ms with one; the tiny models gain nothing from threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _scale_weights(model, seed: int, gate_scale: float):

@@ -21,18 +21,11 @@ from prefixrun.engine.load.weights import CheckpointTensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from threads
 
 # dimensions that are not multiples of 128: every matrix has ragged last blocks, the wider ones two blocks a side
 FP8_QWEN3_5 = {**TINY_QWEN3_5, "hidden_size": 160, "intermediate_size": 288}
 FP8_QWEN3 = {**TINY_QWEN3, "hidden_size": 96, "intermediate_size": 200}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 def dequantised_twin(fp8_dir, out_dir):

@@ -31,6 +31,7 @@ from test_config_fidelity import TOL, check_against_transformers, hf_reference, 
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from threads
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 # (overrides of test_config_fidelity's BASE["gpt_oss"] (window 8), prompt length); each must be honoured exactly
@@ -57,14 +58,6 @@ HONOURED = {
     "rope-yarn-no-truncate": (dict(rope_parameters={**YARN, "truncate": False, "beta_fast": 8.0}), 40),
     "rope-linear": (dict(rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4}), 40),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parity

@@ -13,6 +13,7 @@ from test_nemotron_h import check_generate, check_tokens_match_cached_generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from threads
 
 M, A = "linear_attention", "full_attention"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -45,14 +46,6 @@ HONOURED = {
     "gelu-attention-dense": (dict(layer_types=[A, A, A], num_local_experts=0, hidden_act="gelu"), 40),
     "unread-fields": (dict(router_aux_loss_coef=0.5, output_router_logits=True, pad_token_id=3), 40),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parity

@@ -25,6 +25,7 @@ from test_config_fidelity import _model_from_config, _scale_weights, check_again
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from threads
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
@@ -55,14 +56,6 @@ HONOURED = {
     "tied": (dict(tie_word_embeddings=True), 40),
     "default-layer-pattern": (dict(layer_types=None, num_hidden_layers=6, mlp_layer_types=None), 40),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 def random_prompt(seed: int, length: int) -> list[int]:

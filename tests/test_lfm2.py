@@ -31,6 +31,7 @@ from test_config_fidelity import TOL, check_against_transformers, hf_reference, 
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from threads
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 # (overrides of test_config_fidelity's BASE["lfm2"], prompt length); every value here must be honoured exactly
@@ -53,14 +54,6 @@ HONOURED = {
     "rope-yarn": (dict(rope_parameters=YARN), 40),
     "head_dim": (dict(head_dim=24), 40),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parity

@@ -18,6 +18,7 @@ from test_config_fidelity import GREEDY, TOL, VOCAB, write_hf_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from threads
 
 M, A, MLP, E = "linear_attention", "full_attention", "mlp", "moe"
 MOE = dict(layers_block_type=[M, E, A, E], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -57,14 +58,6 @@ HONOURED = {
                            time_step_limit=[0.3, 0.4], mamba_ssm_cache_dtype="bfloat16", sliding_window=4,
                            num_hidden_layers=7), 40),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 def hf_model(path):
