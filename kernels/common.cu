@@ -169,6 +169,38 @@ __device__ __forceinline__ bool block_find_tile(const int* __restrict__ cu, int 
     return seq >= 0;
 }
 
+// The recurrent state of the token-step delta-rule kernels (kernels/delta_rule.cu gdn_decode_kernel, kernels/kda.cu
+// kda_steps_kernel) in registers: row group grp of a block owns rows grp + r GROUPS of the fp32 [dk, dv] state at
+// st (already offset to the thread's 4 value columns), each row a float4. Loaded as zeros past dk and where the
+// columns are past dv (!colok); stored for the rows below dk (the caller checks colok).
+template <int R, int GROUPS>
+__device__ __forceinline__ void load_state_rows(float4 (&S)[R], const float* st, int grp, int dk, int dv, bool colok) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = grp + r * GROUPS;
+        S[r] = (colok && i < dk) ? *reinterpret_cast<const float4*>(st + (i64)i * dv) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+template <int R, int GROUPS>
+__device__ __forceinline__ void store_state_rows(float* st, const float4 (&S)[R], int grp, int dk, int dv) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = grp + r * GROUPS;
+        if (i < dk) *reinterpret_cast<float4*>(st + (i64)i * dv) = S[r];
+    }
+}
+// ... and their products' reduction: fin[j][c] = the sum over row groups g of red[g][j][c] (j 0: S^T k, 1: S^T q),
+// the block's THREADS threads sharing the 2 BC sums, each in the same order.
+template <int GROUPS, int BC, int THREADS>
+__device__ __forceinline__ void sum_row_groups(float (&fin)[2][BC], const float (&red)[GROUPS][2][BC], int tid) {
+    for (int idx = tid; idx < 2 * BC; idx += THREADS) {
+        float s = 0.f;
+#pragma unroll
+        for (int gg = 0; gg < GROUPS; ++gg) s += red[gg][idx / BC][idx % BC];
+        fin[idx / BC][idx % BC] = s;
+    }
+}
+
 // Sequence owning token t (cu_seqlens ascending, t < cu[num_seqs]); the last b with cu[b] <= t.
 __device__ __forceinline__ int seq_of_token(const int* __restrict__ cu, int num_seqs, int t) {
     int lo = 0, hi = num_seqs - 1;

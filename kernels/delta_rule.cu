@@ -229,11 +229,7 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
     const i64 kh = (i64)(h / krep);
 
     float4 S[R];  // rows grp + r GROUPS, columns col..col+3
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int i = grp + r * GROUPS;
-        S[r] = (colok && i < dk) ? *reinterpret_cast<const float4*>(st + (i64)i * dv) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    load_state_rows<R, GROUPS>(S, st, grp, dk, dv, colok);
 
     for (int tt = 0; tt < n; ++tt) {
         const i64 t = start + tt;
@@ -264,12 +260,7 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
         *reinterpret_cast<float4*>(&red[grp][1][lc * 4]) = pq;
         if (lc == 0) rkq[grp] = kq;
         __syncthreads();
-        for (int idx = tid; idx < 2 * BC; idx += THREADS) {
-            float s = 0.f;
-#pragma unroll
-            for (int gg = 0; gg < GROUPS; ++gg) s += red[gg][idx / BC][idx % BC];
-            fin[idx / BC][idx % BC] = s;
-        }
+        sum_row_groups<GROUPS, BC, THREADS>(fin, red, tid);
         __syncthreads();
         float kqs = 0.f;
 #pragma unroll
@@ -292,21 +283,11 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
             S[r].z = a * S[r].z + kr * u[2]; S[r].w = a * S[r].w + kr * u[3];
         }
         const int snap = rows != nullptr ? rows[t] : -1;
-        if (snap >= 0 && colok) {
-            float* sn = snaps + ((i64)snap * heads + h) * (i64)dk * dv + col;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int i = grp + r * GROUPS;
-                if (i < dk) *reinterpret_cast<float4*>(sn + (i64)i * dv) = S[r];
-            }
-        }
+        if (snap >= 0 && colok)
+            store_state_rows<R, GROUPS>(snaps + ((i64)snap * heads + h) * (i64)dk * dv + col, S, grp, dk, dv);
     }
 
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int i = grp + r * GROUPS;
-        if (colok && i < dk) *reinterpret_cast<float4*>(st + (i64)i * dv) = S[r];
-    }
+    if (colok) store_state_rows<R, GROUPS>(st, S, grp, dk, dv);
 }
 
 // ---- chunked (WY) form for prefill ----------------------------------------------------------------------------
