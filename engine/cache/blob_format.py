@@ -115,11 +115,14 @@ def serialize(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes
 _CODES = {np.dtype(t): code for code, t in _DTYPES.items()}
 
 
-def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[int, str]:
+def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str], hash_written=None
+               ) -> tuple[int, str]:
     """Write `tensors` (C-contiguous, little-endian, dtypes of _DTYPES) as a safetensors file to the open binary
     `file`, streamed from the arrays' memory: no serialized copy of the whole payload is built (safetensors.numpy.save
     copies every tensor into one bytes object while holding the GIL: a 561 MiB state stalled the engine's thread for
-    a few hundred ms). Returns (bytes written, tree digest), the digest's chunks hashed on the blob threads."""
+    a few hundred ms). Returns (bytes written, tree digest), the digest's chunks hashed on the blob threads, or by
+    `hash_written(descriptor, size, CHUNK_BYTES)` from the file as written (engine/cache/written_digests.py; where
+    it answers None, hashed here after all)."""
     names = sorted(tensors)
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     pieces, offset = [], 0
@@ -139,7 +142,10 @@ def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -
     size = sum(len(p) for p in pieces)
     file.flush()
     _write_pieces(file.fileno(), pieces)
-    return size, tree_of(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
+    digests = hash_written(file.fileno(), size, CHUNK_BYTES) if hash_written is not None else None
+    if digests is None:
+        digests = _chunk_digests(lambda span: _hash_span(pieces, *span), size)
+    return size, tree_of(digests, size)
 
 
 def _hash_span(pieces: list[memoryview], start: int, stop: int) -> bytes:

@@ -45,6 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from prefixrun.engine.cache import blob_format
+from prefixrun.engine.cache.written_digests import WrittenDigests
 from prefixrun.kernels import host_slabs
 from prefixrun.engine.run.background import yield_cpu
 
@@ -58,6 +59,7 @@ MAX_BLOCK_ROWS = 256  # an entry re-stores at most this many - 1 rows of its par
 BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.safetensors")
 TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{8}\.[0-9]+\.[0-9a-f]{8}\.tmp")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_WRITING_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
@@ -167,6 +169,7 @@ class BlockFiles:
         self._host_tag = host_tag
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
+        self._written = WrittenDigests(helpers=_WRITING_THREADS)  # blocks hashed off this interpreter's lock
 
     def path_of(self, file_name) -> Path | None:
         """A block file's path, or None when the name is not one this store writes or its shard folder resolves
@@ -182,7 +185,8 @@ class BlockFiles:
         try:
             with self._files.create(temp) as handle:
                 nbytes, content_sha256 = blob_format.write_file(
-                    handle, tensors, {**metadata, "prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id})
+                    handle, tensors, {**metadata, "prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id},
+                    self._written.chunk_digests)
             file_name = f"{block_id}.{content_sha256[:16]}.safetensors"
             self._files.replace(temp, shard / file_name)
             return file_name, nbytes, content_sha256
@@ -202,7 +206,7 @@ class BlockFiles:
                                                    thread_name_prefix="prefixrun-kv-block")
             return self._readers
         if self._writers is None:
-            self._writers = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), initializer=yield_cpu,
+            self._writers = ThreadPoolExecutor(max_workers=_WRITING_THREADS, initializer=yield_cpu,
                                                thread_name_prefix="prefixrun-kv-write")
         return self._writers
 
@@ -248,6 +252,10 @@ class BlockFiles:
                 one(job)
         else:
             list(self._pool().map(one, jobs))
+
+    def close(self) -> None:
+        """The hashing helpers end (engine/cache/written_digests.py)."""
+        self._written.close()
 
     def write_many(self, blocks: list[tuple[str, dict, int]], metadata: dict[str, str]
                    ) -> tuple[list[tuple[str, str, int, str, int]], OSError | None]:

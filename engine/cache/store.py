@@ -524,6 +524,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
                 self._db.close()
                 self._db = None
             self._files.close()
+            self._kv.close()
 
     def __enter__(self) -> CheckpointStore:
         return self

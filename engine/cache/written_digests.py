@@ -1,0 +1,164 @@
+"""The content digests of the cache's K/V block files, hashed by helper processes from the files as written.
+
+A cold run writes a long document's K/V blocks (hundreds of MiB) beside its engine. Hashing them on the writing
+threads took the interpreter's lock back after every piece of every block (a block is 16 tensors: 17 hash updates,
+each giving the lock up and waiting to get it back), and the engine's thread, which launches the device's work from
+Python, was asked to let go each time. Here a writing thread writes a block (one `writev`) and hands the open file
+to a helper process (its descriptor over a Unix socket); the helper reads the bytes back from the page cache and
+returns the SHA-256 of each CHUNK_BYTES chunk, from which the tree digest is made as before (blob_format.tree_of):
+the same digest as hashing the bytes in memory, now of the very bytes the file holds.
+
+Trust. The descriptor is the writer's own, to the temporary file it created: a file renamed over it or a link
+planted in its place is not what the helper reads, and the inode's mode lets no other user write it. A helper that
+fails (none could start, it died, it answered short or late) answers None, and the writer hashes the bytes in
+memory instead: the digest is the same either way.
+
+This file is also the helper's script (`python -I -S written_digests.py FD`: the standard library only). Requests
+are 16 bytes (the file's size, the chunk size) with one descriptor attached; the answer is 32 bytes per chunk.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+_REQUEST = struct.Struct("<QQ")
+_ANSWER_TIMEOUT_S = 60.0  # a helper that has not answered by then is given up (the writer hashes in memory)
+_NICENESS = 10  # the helpers' priority below the engine's
+
+
+class WrittenDigests:
+    """Helper processes that hash written files (`chunk_digests`), started on first use, one per writing thread
+    at most (`helpers`)."""
+
+    def __init__(self, helpers: int):
+        self._idle: queue.LifoQueue = queue.LifoQueue()
+        self._lock = threading.Lock()
+        self._started = 0
+        self._limit = helpers
+        self._broken = False  # a helper could not start: no more tries this process
+
+    def chunk_digests(self, descriptor: int, size: int, chunk_bytes: int) -> list[bytes] | None:
+        """SHA-256 of every `chunk_bytes` chunk of the open file's first `size` bytes, by a helper; None where no
+        helper could give them."""
+        helper = self._take()
+        if helper is None:
+            return None
+        try:
+            digests = helper.ask(descriptor, size, chunk_bytes)
+        except (OSError, ValueError):
+            helper.close()  # a helper that failed once is not asked again; another may start in its place
+            with self._lock:
+                self._started -= 1
+            return None
+        self._idle.put(helper)
+        return digests
+
+    def _take(self):
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._broken or self._started >= self._limit:
+                start = False
+            else:
+                self._started += 1
+                start = True
+        if not start:  # every helper is busy: the first one free (each answers within milliseconds)
+            try:
+                return None if self._broken else self._idle.get(timeout=_ANSWER_TIMEOUT_S)
+            except queue.Empty:
+                return None
+        try:
+            return _Helper()
+        except (OSError, ValueError, subprocess.SubprocessError):
+            with self._lock:
+                self._broken = True
+                self._started -= 1
+            return None
+
+    def close(self):
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+
+class _Helper:
+    """One helper process and the socket to it."""
+
+    def __init__(self):
+        if not sys.executable:
+            raise OSError("no interpreter to start a helper with")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.settimeout(_ANSWER_TIMEOUT_S)
+        self._socket = ours
+
+    def ask(self, descriptor: int, size: int, chunk_bytes: int) -> list[bytes]:
+        n = max(1, -(-size // chunk_bytes))
+        socket.send_fds(self._socket, [_REQUEST.pack(size, chunk_bytes)], [descriptor])
+        answer = bytearray()
+        while len(answer) < 32 * n:
+            got = self._socket.recv(32 * n - len(answer))
+            if not got:
+                raise OSError("the hashing helper ended")
+            answer += got
+        return [bytes(answer[32 * i:32 * (i + 1)]) for i in range(n)]
+
+    def close(self):
+        self._socket.close()  # the helper sees the end and exits
+        try:
+            self._process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+
+def _serve(sock: socket.socket) -> None:
+    """The helper: for each request, the chunk digests of the attached file, then its descriptor closed."""
+    buffer = memoryview(bytearray(0))
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, _REQUEST.size, 1)
+        if len(message) < _REQUEST.size or len(fds) != 1:
+            return
+        size, chunk_bytes = _REQUEST.unpack(message)
+        if len(buffer) < chunk_bytes:
+            buffer = memoryview(bytearray(chunk_bytes))
+        digests = []
+        try:
+            for start in range(0, size, chunk_bytes) if size else [0]:
+                view = buffer[:min(chunk_bytes, size - start)]
+                got = 0
+                while got < len(view):
+                    n = os.preadv(fds[0], [view[got:]], start + got)
+                    if n <= 0:
+                        return  # the file is shorter than the writer wrote: no answer, the writer hashes itself
+                    got += n
+                digests.append(hashlib.sha256(view).digest())
+        finally:
+            os.close(fds[0])
+        sock.sendall(b"".join(digests))
+
+
+if __name__ == "__main__":
+    try:
+        os.nice(_NICENESS)
+    except (OSError, AttributeError):
+        pass
+    _serve(socket.socket(fileno=int(sys.argv[1])))

@@ -1,0 +1,82 @@
+"""K/V block files hashed by helper processes from the files as written (engine/cache/written_digests.py): the
+same chunk digests as hashing the bytes in memory, whatever the size, and the same store whether the helpers run,
+cannot start, or die mid-run."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from prefixrun.engine.cache import blob_format
+from prefixrun.engine.cache.store import CheckpointStore
+from prefixrun.engine.cache.written_digests import WrittenDigests
+from test_kv_blocks import DOC, KEY, block_files, get, put, same_state
+
+
+@pytest.fixture
+def helpers():
+    written = WrittenDigests(helpers=2)
+    yield written
+    written.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 4321])
+def test_a_helper_gives_the_chunk_digests_of_the_bytes_written(tmp_path, helpers, size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = helpers.chunk_digests(fd, size, 1000)
+    finally:
+        os.close(fd)
+    expected = [hashlib.sha256(data[a:a + 1000]).digest() for a in range(0, size, 1000)] or \
+        [hashlib.sha256(b"").digest()]
+    assert got == expected
+
+
+def test_write_file_gives_the_same_digest_with_or_without_helpers(tmp_path, helpers, monkeypatch):
+    monkeypatch.setattr(blob_format, "CHUNK_BYTES", 4096)
+    tensors = {"a": np.arange(3000, dtype=np.float32).reshape(30, 100), "b": np.ones((7, 3), np.int16)}
+    results = []
+    for name, hash_written in (("one", None), ("two", helpers.chunk_digests)):
+        with open(tmp_path / name, "wb") as handle:
+            results.append(blob_format.write_file(handle, tensors, {"m": "x"}, hash_written))
+    assert results[0] == results[1]
+    assert blob_format.read_file(tmp_path / "two", results[1][0])[1] == results[1][1]
+
+
+def run_store(root):
+    store = CheckpointStore(root)
+    try:
+        assert put(store, DOC)
+        same_state(get(store, DOC), DOC)
+        return sorted(p.name for p in block_files(root))
+    finally:
+        store.close()
+
+
+def test_blocks_stored_with_helpers_dead_or_missing_are_the_same_files(tmp_path, monkeypatch):
+    names = run_store(tmp_path / "helpers")
+    assert names
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    assert run_store(tmp_path / "none") == names  # hashed in memory: the same digests, the same names
+
+
+def test_a_helper_that_dies_leaves_the_hashing_to_the_writer(tmp_path, helpers):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 5000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert helpers.chunk_digests(fd, 5000, 1000) is not None
+        helper = helpers._idle.get_nowait()
+        helper._process.kill()
+        helper._process.wait()
+        helpers._idle.put(helper)
+        assert helpers.chunk_digests(fd, 5000, 1000) is None  # the writer hashes in memory instead
+        assert len(helpers.chunk_digests(fd, 5000, 1000)) == 5  # and a new helper takes its place
+    finally:
+        os.close(fd)
