@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -160,12 +161,16 @@ def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than
 
     err = Console(file=sys.stderr, stderr=True, highlight=False, markup=False, emoji=False)  # user text: literal
     ckpt_root = Path(root) / "checkpoints"
-    if not ckpt_root.exists():
+    try:
+        os.lstat(ckpt_root)  # a link or a file there is the store's to refuse (and --clear's to remove)
+    except (FileNotFoundError, NotADirectoryError):
         if as_json:
             print(json.dumps({"cache_dir": str(ckpt_root), "entries": [], "total_bytes": 0}))
         else:
             err.print(literal(f"no cache at {ckpt_root}"), soft_wrap=True)
         return io.EXIT_OK
+    except OSError as problem:  # a folder above it this user may not enter (another user's cache)
+        return _damaged(err, ckpt_root, problem, clear=clear, yes=yes)
     try:
         store = CheckpointStore(ckpt_root)
     except (StoreError, OSError) as problem:
