@@ -231,6 +231,24 @@ def check_greedy_matches_generate(hf, model, ops, prompt, steps: int = 32):
     assert (top2[:, 1] - top2[:, 0]).min() > 10 * max(errs)
 
 
+def check_prefix_reuse_changes_nothing(model, ops, prompts, run):
+    """Greedy tokens with prefix reuse (as it is, with small batches and prefill budgets, no checkpoint budget,
+    4-token blocks) are those without it, and reuse computes each distinct prompt token once. `run(model, ops,
+    prompts, options)` is the family test module's, -> (tokens by custom_id, the engine's stats). Returns the
+    tokens without reuse."""
+    from prefixrun.engine.plan.planner import build_trie, distinct_tokens
+    from prefixrun.engine.run.core import EngineOptions
+
+    off, _ = run(model, ops, prompts, EngineOptions(speculative="off", reuse=False))
+    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
+                 EngineOptions(speculative="off", checkpoint_budget_bytes=0),
+                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
+        assert run(model, ops, prompts, opts)[0] == off, opts
+    _, stats = run(model, ops, prompts, EngineOptions(speculative="off"))
+    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+    return off
+
+
 def check_disk_cache_keeps_tokens(model_dir, prompts, cache_root, max_tokens: int = 8):
     """Greedy tokens with no cache, a cold cache folder and the same folder warm are equal, and the warm run
     restored states from disk instead of computing them."""

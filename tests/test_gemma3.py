@@ -4,12 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import PARITY_STD, new_state, random_prompt
+from conftest import PARITY_STD, check_prefix_reuse_changes_nothing, new_state, random_prompt
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
-from prefixrun.engine.plan.planner import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
-from prefixrun.engine.run.core import Engine, EngineOptions
+from prefixrun.engine.run.core import Engine
 
 WINDOW = 8
 TINY_GEMMA3 = {
@@ -96,14 +95,7 @@ def test_cache_invariance_with_branch_points_around_the_window(gemma, cpu_ops):
     for branch in (3, WINDOW - 1, WINDOW, WINDOW + 1, 45):  # before, at and far beyond the window length
         prompts += [base[:branch] + random_prompt(branch * 7 + j, 5 + j) for j in range(2)]
     prompts += [base[:45], base[:45], [7]]
-    off, _ = run(gemma, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
-    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
-                 EngineOptions(speculative="off", checkpoint_budget_bytes=0), EngineOptions(speculative="off",
-                                                                                            block_size=4, max_batch=3)):
-        on, stats = run(gemma, cpu_ops, prompts, opts)
-        assert on == off
-    on, stats = run(gemma, cpu_ops, prompts, EngineOptions(speculative="off"))
-    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+    check_prefix_reuse_changes_nothing(gemma, cpu_ops, prompts, run)
 
 
 def test_exported_ring_is_in_position_order(gemma, cpu_ops):

@@ -15,6 +15,7 @@ from conftest import (
     PARITY_STD,
     check_disk_cache_keeps_tokens,
     check_ngram_gives_the_tokens_of_off,
+    check_prefix_reuse_changes_nothing,
     new_state,
     random_prompt,
     run_tokens,
@@ -24,7 +25,6 @@ from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.load.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from prefixrun.engine.models import load_model
-from prefixrun.engine.plan.planner import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from test_config_fidelity import TOL, check_against_transformers, hf_reference, reference_kwargs, write_hf_model
@@ -339,7 +339,7 @@ def _run(model, ops, prompts, opts):
 
 
 def test_prefix_reuse_never_changes_an_answer(gpt_oss, cpu_ops):
-    _check_prefix_reuse(gpt_oss, cpu_ops, _prompts())
+    check_prefix_reuse_changes_nothing(gpt_oss, cpu_ops, _prompts(), _run)
 
 
 def test_prefix_reuse_around_the_released_window(gpt_oss_128_dir, cpu_ops, tmp_path):
@@ -348,23 +348,12 @@ def test_prefix_reuse_around_the_released_window(gpt_oss_128_dir, cpu_ops, tmp_p
 
     model = load_model(gpt_oss_128_dir, cpu_ops)[0]
     prompts = _prompts(128)
-    _check_prefix_reuse(model, cpu_ops, prompts)
+    check_prefix_reuse_changes_nothing(model, cpu_ops, prompts, _run)
     loaded = load(gpt_oss_128_dir, "cpu")
     off, _, _ = run_tokens(loaded, prompts, max_tokens=4)
     cold, _, _ = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=4)
     warm, _, s_warm = run_tokens(loaded, prompts, tmp_path / "cache", max_tokens=4)
     assert cold == warm == off and s_warm.reused_from_disk_tokens > 0
-
-
-def _check_prefix_reuse(gpt_oss, cpu_ops, prompts):
-    off, _ = _run(gpt_oss, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
-    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
-                 EngineOptions(speculative="off", checkpoint_budget_bytes=0),
-                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
-        on, _ = _run(gpt_oss, cpu_ops, prompts, opts)
-        assert on == off
-    _, stats = _run(gpt_oss, cpu_ops, prompts, EngineOptions(speculative="off"))
-    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
 
 
 @pytest.mark.parity

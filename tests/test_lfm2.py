@@ -16,6 +16,7 @@ from conftest import (
     check_gpu_gives_the_cpu_tokens,
     check_gpu_prefill_logits,
     check_ngram_gives_the_tokens_of_off,
+    check_prefix_reuse_changes_nothing,
     check_rollback_matches_a_plain_run,
     new_state,
     random_prompt,
@@ -24,7 +25,6 @@ from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
-from prefixrun.engine.plan.planner import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from test_config_fidelity import TOL, check_against_transformers, hf_reference, write_hf_model
@@ -230,15 +230,7 @@ def _run(model, ops, prompts, opts, persist=None):
 
 
 def test_prefix_reuse_never_changes_an_answer(lfm2, cpu_ops):
-    prompts = _prompts()
-    off, _ = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
-    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
-                 EngineOptions(speculative="off", checkpoint_budget_bytes=0),
-                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
-        on, _ = _run(lfm2, cpu_ops, prompts, opts)
-        assert on == off
-    _, stats = _run(lfm2, cpu_ops, prompts, EngineOptions(speculative="off"))
-    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
+    check_prefix_reuse_changes_nothing(lfm2, cpu_ops, _prompts(), _run)
 
 
 @pytest.mark.parity

@@ -17,6 +17,7 @@ from conftest import (
     check_batch_off_ngram_and_from_disk,
     check_disk_cache_keeps_tokens,
     check_ngram_gives_the_tokens_of_off,
+    check_prefix_reuse_changes_nothing,
     check_rollback_matches_a_plain_run,
     new_state,
     random_prompt,
@@ -24,7 +25,6 @@ from conftest import (
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.models import load_model
-from prefixrun.engine.plan.planner import build_trie, distinct_tokens
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 
@@ -99,18 +99,11 @@ def _run(model, ops, prompts, opts, max_tokens=10, answer=lambda r: r.token_ids)
 
 def test_prefix_reuse_never_changes_an_answer(model, cpu_ops):
     prompts = _prompts()
-    off, _ = _run(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
-    for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
-                 EngineOptions(speculative="off", checkpoint_budget_bytes=0),
-                 EngineOptions(speculative="off", block_size=4, max_batch=3)):
-        on, _ = _run(model, cpu_ops, prompts, opts)
-        assert on == off
+    off = check_prefix_reuse_changes_nothing(model, cpu_ops, prompts, _run)
     alone = {}
     for i, p in enumerate(prompts[::4]):
         alone.update({f"r{4 * i}": _run(model, cpu_ops, [p], EngineOptions(speculative="off"))[0]["r0"]})
     assert all(off[k] == v for k, v in alone.items())
-    _, stats = _run(model, cpu_ops, prompts, EngineOptions(speculative="off"))
-    assert stats.computed_prompt_tokens == distinct_tokens(build_trie(prompts))
 
 
 def test_from_the_disk_cache(model_dir, tmp_path):
