@@ -280,7 +280,7 @@ def test_bad_lines_become_error_records_in_place(models, tmp_path):
         assert expect.lower() in err["message"].lower(), (expect, err)
         assert f"line {line_no}" in res.stderr
     by_line = dict(enumerate(recs, start=1))
-    assert by_line[2]["custom_id"] is None  # too broken to read one
+    assert by_line[2]["custom_id"] == "broken"  # not JSON, but it starts with its id: the record names it
     assert by_line[4]["custom_id"] == "utf"  # readable despite the bad bytes elsewhere on the line
     assert by_line[7]["custom_id"] == "ok1"  # carried, in an error record: never taken for line 1's result
     assert by_line[8]["custom_id"] == "long"
