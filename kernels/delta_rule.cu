@@ -317,6 +317,23 @@ gdn_decode_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict
 #define GDN_KT_LD (GDN_C + 4)    // sKT / sQT [d][t]: rows of C floats, 16-byte aligned, fewer bank conflicts
 #define GDN_L_LD (GDN_C + 1)     // [t][j] matrices read by column
 
+// acc[r] = sum over j < n of T[r0 + r][j] b(j), r < 32, in order of j: T read from its transpose sTt
+// [C][GDN_KT_LD] four rows at a time; b(j) the column of beta G K or beta V the thread owns, at token j.
+template <typename B>
+__device__ __forceinline__ void gdn_t_times(float (&acc)[32], const float* sTt, int r0, int n, B b) {
+#pragma unroll
+    for (int r = 0; r < 32; ++r) acc[r] = 0.f;
+    for (int j = 0; j < n; ++j) {
+        const float bj = b(j);
+#pragma unroll
+        for (int r4 = 0; r4 < 8; ++r4) {
+            const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
+            acc[r4 * 4 + 0] += tt.x * bj; acc[r4 * 4 + 1] += tt.y * bj;
+            acc[r4 * 4 + 2] += tt.z * bj; acc[r4 * 4 + 3] += tt.w * bj;
+        }
+    }
+}
+
 template <typename T, bool PER_CHANNEL>
 __global__ void __launch_bounds__(256, 2)
 gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __restrict__ k, i64 kst, i64 ksh,
@@ -454,18 +471,10 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     // W = T (beta G K), then U0 = T (beta V): thread owns dim/column x = tid % 128 and 32 rows
     const int x = tid & 127, r0 = (tid >> 7) * 32;
     float acc[32];
-#pragma unroll
-    for (int r = 0; r < 32; ++r) acc[r] = 0.f;
-    for (int j = 0; j < n; ++j) {
+    gdn_t_times(acc, sTt, r0, n, [&](int j) {
         const float gx = PER_CHANNEL ? expf(sGT[x * GDN_KT_LD + j]) : sG[j];
-        const float kb = sbeta[j] * gx * sKT[x * GDN_KT_LD + j];
-#pragma unroll
-        for (int r4 = 0; r4 < 8; ++r4) {
-            const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
-            acc[r4 * 4 + 0] += tt.x * kb; acc[r4 * 4 + 1] += tt.y * kb;
-            acc[r4 * 4 + 2] += tt.z * kb; acc[r4 * 4 + 3] += tt.w * kb;
-        }
-    }
+        return sbeta[j] * gx * sKT[x * GDN_KT_LD + j];
+    });
 #pragma unroll
     for (int r = 0; r < 32; ++r)
         if (r0 + r < n && x < dk) w_out[((i64)(start + r0 + r) * heads + h) * dk + x] = acc[r];
@@ -478,17 +487,7 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
         sV[idx] = (j < n && c < dv) ? sbeta[j] * to_f(v[(i64)(start + j) * vst + (i64)h * vsh + c]) : 0.f;
     }
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 32; ++r) acc[r] = 0.f;
-    for (int j = 0; j < n; ++j) {
-        const float vb = sV[j * GDN_DMAX + x];
-#pragma unroll
-        for (int r4 = 0; r4 < 8; ++r4) {
-            const float4 tt = *reinterpret_cast<const float4*>(sTt + j * GDN_KT_LD + r0 + r4 * 4);
-            acc[r4 * 4 + 0] += tt.x * vb; acc[r4 * 4 + 1] += tt.y * vb;
-            acc[r4 * 4 + 2] += tt.z * vb; acc[r4 * 4 + 3] += tt.w * vb;
-        }
-    }
+    gdn_t_times(acc, sTt, r0, n, [&](int j) { return sV[j * GDN_DMAX + x]; });
 #pragma unroll
     for (int r = 0; r < 32; ++r)
         if (r0 + r < n && x < dv) u_out[((i64)(start + r0 + r) * heads + h) * dv + x] = acc[r];
