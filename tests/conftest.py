@@ -147,6 +147,23 @@ def cmd(*args) -> list[str]:
     return [sys.executable, "-m", "prefixrun.cli.app", *map(str, args)]
 
 
+def write_jsonl(path, lines):
+    """`lines` into a JSONL file at `path`: dicts JSON-encoded, bytes written as they are. Returns path."""
+    import json
+
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
+    return path
+
+
+def records(text: str) -> list[dict]:
+    """The JSON records of a JSONL text (blank lines skipped)."""
+    import json
+
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def random_prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, length).tolist()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, cmd
+from conftest import cli, cmd, write_jsonl
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,14 +88,6 @@ def run_json(model, cache, input_path, tmp_path, *extra, name="report.json"):
     """batch -q -> (exit code, records, report dict)."""
     res, recs, report = run_full(model, cache, input_path, tmp_path, *extra, name=name)
     return res.exit_code, recs, report
-
-
-def write_jsonl(path: Path, lines) -> Path:
-    """dicts are JSON-encoded; bytes are written as they are."""
-    with open(path, "wb") as f:
-        for line in lines:
-            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
-    return path
 
 
 def blob_files(cache: Path) -> list[Path]:

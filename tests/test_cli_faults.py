@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, cmd
+from conftest import cli, cmd, records, write_jsonl
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,17 +40,6 @@ def model(tmp_path_factory):
 
 def run(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def write_jsonl(path: Path, lines) -> Path:
-    with open(path, "wb") as f:
-        for line in lines:
-            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
-    return path
-
-
-def records(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def assert_clean(stderr: str):

@@ -10,11 +10,10 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import cli, cmd
+from conftest import cli, cmd, records, write_jsonl
 from prefixrun.cli import io
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
@@ -24,17 +23,6 @@ pytestmark = pytest.mark.usefixtures("isolated_env")  # every cache of these run
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("models") / "a", TINY_QWEN3_5, seed=3, init_std=0.05)
-
-
-def write_jsonl(path: Path, lines) -> Path:
-    with open(path, "wb") as f:
-        for line in lines:
-            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
-    return path
-
-
-def records(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def crafted_batch(n: int, seed: int = 5) -> list[dict]:
