@@ -11,7 +11,9 @@ from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, G
                                             WeightLoader)
 
 
-def build(cfg: HybridConfig, load: WeightLoader) -> CausalLM:
+def build(cfg: HybridConfig, load: WeightLoader, mlp=None) -> CausalLM:
+    """The model; `mlp(prefix, i)` builds layer i's MLP from its weights at `prefix` (None: every layer's is a
+    GatedMLP; Qwen3-Next passes its sparse MoE layers')."""
     layers = []
     for i, kind in enumerate(cfg.layer_types):
         p = f"{cfg.weight_prefix}layers.{i}."
@@ -20,8 +22,8 @@ def build(cfg: HybridConfig, load: WeightLoader) -> CausalLM:
         else:
             mixer = Attention(cfg, load, p + "self_attn.", i, qk_norm=True, output_gate=True,
                               zero_centered_norm=True)
+        ffn = mlp(p + "mlp.", i) if mlp is not None else GatedMLP(cfg, load, p + "mlp.")
         norm = lambda name: RMSNorm(load, p + name, cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-        layers.append(DecoderLayer(mixer, GatedMLP(cfg, load, p + "mlp."), norm("input_layernorm.weight"),
-                                   norm("post_attention_layernorm.weight")))
+        layers.append(DecoderLayer(mixer, ffn, norm("input_layernorm.weight"), norm("post_attention_layernorm.weight")))
     final = RMSNorm(load, cfg.weight_prefix + "norm.weight", cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
     return CausalLM(cfg, load, layers, final)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixrun.engine.load.config import LINEAR_ATTENTION
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, GatedDeltaNet, GatedMLP, RMSNorm,
-                                            WeightLoader)
+from prefixrun.engine.models import qwen3_5
+from prefixrun.engine.models.layers import CausalLM, GatedMLP, WeightLoader
 from prefixrun.engine.models.moe import SparseMoeBlock
 from prefixrun.engine.load.moe_config import MoeHybridConfig
 from prefixrun.engine.load.weights import CheckpointTensors
@@ -73,19 +72,10 @@ class DeinterleavedTensors:
 def build(cfg: MoeHybridConfig, load: WeightLoader) -> CausalLM:
     if cfg.fused_linear_projections:
         load = WeightLoader(DeinterleavedTensors(load.tensors, cfg), load.ops, load.renames)
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"{cfg.weight_prefix}layers.{i}."
-        if kind == LINEAR_ATTENTION:
-            mixer = GatedDeltaNet(cfg, load, p + "linear_attn.", i)
-        else:
-            mixer = Attention(cfg, load, p + "self_attn.", i, qk_norm=True, output_gate=True,
-                              zero_centered_norm=True)
+
+    def mlp(prefix: str, i: int):
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
-            mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, load, p + "mlp.")
-        else:
-            mlp = GatedMLP(cfg, load, p + "mlp.")
-        norm = lambda name: RMSNorm(load, p + name, cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-        layers.append(DecoderLayer(mixer, mlp, norm("input_layernorm.weight"), norm("post_attention_layernorm.weight")))
-    final = RMSNorm(load, cfg.weight_prefix + "norm.weight", cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-    return CausalLM(cfg, load, layers, final)
+            return SparseMoeBlock(cfg.hidden_size, cfg.moe, load, prefix)
+        return GatedMLP(cfg, load, prefix)
+
+    return qwen3_5.build(cfg, load, mlp)  # Qwen3.5's layers, with the sparse MoE MLPs
