@@ -217,6 +217,12 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
             return io.EXIT_OK  # the change is the answer; the table is one `inspect-cache` away
         entries = store.entries()
     if verify:
+        from prefixrun.engine.cache import auth
+
+        if auth.key_of_this_process_only():  # every entry would fail as unsigned and be moved aside
+            err.print(literal(f"error: cannot verify the cache at {ckpt_root} without the signing key "
+                              f"{auth.key_path()}; nothing was changed"), soft_wrap=True)
+            return EXIT_DAMAGED
         return _verify(store, ckpt_root, as_json)
     malformed = store.count_malformed_rows()
     if malformed:

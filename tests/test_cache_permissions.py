@@ -4,6 +4,7 @@ without the cache (one warning) and `inspect-cache` says in one line that the fo
 traceback, never "damaged", never an offer to --clear what may be whole."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -49,4 +50,43 @@ def test_inspect_cache_on_another_users_folder_is_one_line(tmp_path, args):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "cannot be" in lines[0] and "permissions" in lines[0] and "damaged" not in lines[0]
+
+
+
+def _batch(model_dir, cache, prompts, env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd("batch", prompts, "--model", model_dir, "--cache-dir", cache, "--device", "cpu",
+                              "--cache-policy", "always"), capture_output=True, text=True, timeout=300, env=env)
+
+
+def _tokens(done: subprocess.CompletedProcess) -> dict:
+    return {r["custom_id"]: r["token_ids"] for r in map(json.loads, done.stdout.splitlines())}
+
+
+def test_a_run_without_the_signing_key_leaves_the_users_entries_alone(model_dirs, tmp_path):
+    """Where the key can be neither read nor made (a read-only home in a container), every entry looks unsigned:
+    the run moved each one to quarantine/ with a warning apiece, and its own writes replaced rows the user's
+    entries share. It now runs without the cache in one warning, and `--verify` refuses to judge."""
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(f'{{"custom_id": "r{i}", "prompt_token_ids": {list(range(3, 300)) + [i + 5]}, '
+                               f'"max_tokens": 4}}\n' for i in range(3)))
+    cache = tmp_path / "cache"
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"), "NO_COLOR": "1"}
+    first = _batch(model_dirs["qwen3_5"], cache, prompts, env)
+    assert first.returncode == 0, first.stderr
+    files = sorted(p.relative_to(cache) for p in (cache / "checkpoints").rglob("*.safetensors"))
+    assert files
+    (tmp_path / "not-a-folder").write_text("")
+    keyless = {**env, "XDG_CONFIG_HOME": str(tmp_path / "not-a-folder" / "config")}
+    second = _batch(model_dirs["qwen3_5"], cache, prompts, keyless)
+    warnings = [line for line in second.stderr.splitlines() if line.startswith("warning:")]
+    assert second.returncode == 0 and _tokens(second) == _tokens(first), second.stderr
+    assert len(warnings) == 1, second.stderr
+    assert "no signing key" in warnings[0] and "leaves its entries alone" in warnings[0]
+    assert sorted(p.relative_to(cache) for p in (cache / "checkpoints").rglob("*.safetensors")) == files
+    verify = subprocess.run(cmd("inspect-cache", "--cache-dir", cache, "--verify"), capture_output=True, text=True,
+                            timeout=120, env=keyless)
+    assert verify.returncode == 1 and "without the signing key" in verify.stderr
+    assert sorted(p.relative_to(cache) for p in (cache / "checkpoints").rglob("*.safetensors")) == files
+    third = _batch(model_dirs["qwen3_5"], cache, prompts, env)  # the user's key again: every entry is a hit
+    assert third.returncode == 0 and _tokens(third) == _tokens(first) and "warning:" not in third.stderr, third.stderr
 

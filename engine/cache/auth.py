@@ -29,6 +29,7 @@ _KEY_BYTES = 32
 _TAG_BYTES = 16
 _lock = threading.Lock()
 _keys: dict[str, bytes] = {}  # key file path -> key (read once per process)
+_own_keys: set[str] = set()  # key file paths that could not be read or made: this process's key stands in
 
 
 def key_path() -> Path:
@@ -95,11 +96,22 @@ def signing_key() -> bytes:
                 except FileNotFoundError:
                     key = _create_key(path)
             except OSError as error:
-                log.warning("persistent checkpoint cache: no signing key (%s); this run trusts only the entries "
-                            "it writes itself", error)
+                log.warning("persistent checkpoint cache: no signing key (%s); this run does not use the cache "
+                            "and leaves its entries alone", error)
                 key = secrets.token_bytes(_KEY_BYTES)
+                _own_keys.add(str(path))
             _keys[str(path)] = key
         return key
+
+
+def key_of_this_process_only() -> bool:
+    """Whether the key is one this process made up (the user's could be neither read nor made): then every record
+    in the cache is one it cannot verify, yet may well be the user's own: the checkpoint cache is not used (a run
+    in a container with a read-only home moved every entry of the user's cache aside, and its writes replaced rows
+    of blocks the user's entries share)."""
+    signing_key()
+    with _lock:
+        return str(key_path()) in _own_keys
 
 
 def sign(kind: str, *fields) -> str:

@@ -109,6 +109,9 @@ def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
     store = None
     try:
         store = (opening or StoreOpening(root, budget_bytes)).join()
+        if auth.key_of_this_process_only():  # signing_key() said so; a lookup would quarantine the user's entries
+            store.close()
+            return None, None
         if auth.key_inside(root):
             raise StoreError(f"its signing key {auth.key_path()} is inside it, where whoever writes the folder can "
                              "read it; set XDG_CONFIG_HOME to a folder outside the cache")
