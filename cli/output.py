@@ -122,13 +122,22 @@ def stdout_targets(output: Path | None, json_report: Path | None) -> Path | None
     """-o as the run takes it: `-o -` is standard output, as if -o were not given. `--json-report -` writes the
     report on standard output, so the results must go to a file (OutputError otherwise: the two would mix)."""
     output = None if output == STDOUT else output
-    if sys.stdout is None and (output is None or json_report == STDOUT):  # started with it closed (`>&-`)
-        raise OutputError("standard output is closed: give " + ("-o FILE for the results" if output is None else
-                                                                 "--json-report FILE for the report"))
+    if (output is None or json_report == STDOUT) and not _stdout_writable():  # `>&-`, `1<FILE`: found after the run
+        raise OutputError("standard output is closed or not open for writing: give " + (
+            "-o FILE for the results" if output is None else "--json-report FILE for the report"))
     if json_report == STDOUT and output is None:
         raise OutputError("--json-report - would mix the report into the results on standard output: give -o "
                           "FILE for the results, or --json-report FILE")
     return output
+
+
+def _stdout_writable() -> bool:
+    try:  # sys.stdout is None when the process started with it closed
+        return fcntl.fcntl(sys.stdout.fileno(), fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except AttributeError:
+        return False
+    except (OSError, ValueError):  # no descriptor under it (a stream in memory): it takes writes
+        return True
 
 
 def check_targets(input_path: Path | None, output: Path | None, json_report: Path | None, *, resume: bool,
@@ -148,8 +157,7 @@ def check_targets(input_path: Path | None, output: Path | None, json_report: Pat
     if output is not None and json_report is not None and same_file(output, json_report):
         raise OutputError(f"-o and --json-report name the same file ({output})")
     for companion, what in _companions(output):
-        # the report written over the ledger broke the next --resume's check; over the journal it was left behind
-        # as a killed run's; an input there is rewritten while it is read
+        # a report over the ledger broke --resume's check, over the journal it was left as a killed run's
         for path, role, fix in ((json_report, "--json-report", "--json-report"), (input_path, "the input", "-o")):
             if path is not None and same_file(path, companion):
                 raise OutputError(f"{role} {path} is -o's {what}, which the run writes; give another {fix}")

@@ -575,6 +575,10 @@ def test_a_closed_stdout_is_one_line_and_bench_figures_are_never_lost(model, tmp
         p = subprocess.run(cmd(*args, "--model", model, "--device", "cpu", "--no-cache"), **closed)
         assert p.returncode == 2 and "standard output is closed" in one_error_line(p.stderr), p.stderr
         assert fix in p.stderr
+    # stdout open for reading only (`1<FILE`): "cannot write results to stdout: Bad file descriptor" after the run
+    reading = {**closed, "preexec_fn": lambda: os.dup2(os.open(src, os.O_RDONLY), 1)}
+    p = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache"), **reading)
+    assert p.returncode == 2 and "standard output is closed or not open for writing" in one_error_line(p.stderr)
     p = run("bench", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "--json", "/dev/full")
     assert p.returncode == 1 and one_error_line(p.stderr) == \
         "error: cannot write --json /dev/full: No space left on device", p.stderr
