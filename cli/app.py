@@ -9,6 +9,7 @@ the signal's number when SIGINT, SIGTERM or SIGHUP stopped it).
 """
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import math
@@ -244,8 +245,9 @@ def _open_input(input: str | None, reporter: RunReporter):
                                      "(cat FILE | prefixrun batch), or - to type requests on the terminal")
         input = "-"
     if input == "-":
-        if sys.stdin is None:  # started with stdin closed (`<&-`): Python has no stream for it
-            raise typer.BadParameter("no input: stdin is closed; give a JSONL file or pipe one in")
+        if sys.stdin is None or not _readable(sys.stdin):  # `<&-` (Python has no stream for it), `0>FILE`
+            raise typer.BadParameter("no input: stdin is closed or not open for reading; give a JSONL file or pipe "
+                                     "one in")
         if _stdin_is_terminal():
             reporter.note("reading requests from the terminal, one JSON object per line; end with Ctrl-D")
         return sys.stdin.buffer, None
@@ -260,6 +262,13 @@ def _open_input(input: str | None, reporter: RunReporter):
         return open(path, "rb"), path
     except OSError as exc:
         raise typer.BadParameter(f"input file {input} cannot be read: {exc.strerror or exc}") from None
+
+
+def _readable(stream) -> bool:
+    try:
+        return fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
+    except (OSError, ValueError):  # no descriptor under it (a stream in memory): it can be read
+        return True
 
 
 def _stdin_is_terminal() -> bool:

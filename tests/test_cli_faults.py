@@ -541,6 +541,11 @@ def test_a_closed_stdin_or_an_empty_input_name_is_one_line(model, tmp_path):
                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
                            preexec_fn=lambda: os.close(0))
         assert p.returncode == 2 and "stdin is closed" in one_error_line(p.stderr), p.stderr
+    # stdin open for writing only (`0>FILE`): "cannot read the input: Bad file descriptor" once the model loaded
+    p = subprocess.run(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache"), capture_output=True,
+                       text=True, timeout=120,
+                       preexec_fn=lambda: os.dup2(os.open(tmp_path / "w", os.O_WRONLY | os.O_CREAT), 0))
+    assert p.returncode == 2 and "stdin is closed or not open for reading" in one_error_line(p.stderr), p.stderr
     res = cli("batch", "", "--model", model, "--device", "cpu", "--no-cache")
     assert res.exit_code == 2 and "input file name is empty" in one_error_line(res.stderr)
 
