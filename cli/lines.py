@@ -437,10 +437,12 @@ def _check_fields(fields: dict, kind: Kind, where: str, lenient: bool) -> tuple[
         if field is not None and value is not None and not field.applies_to & kind:
             raise _LineRejected(f"{where}{key} applies only to {_kind_words(field.applies_to)}, not to "
                                 f"{_kind_words(kind)}")
-        if field is not None and (field.status is not REFUSED or field.is_inert(value)):
+        wrong_type = field is not None and field.wrong_type(value)
+        if field is not None and not wrong_type and (field.status is not REFUSED or field.is_inert(value)):
             continue
         if not lenient:
-            raise _LineRejected(_refusal(f"{where}{key}", key, field))
+            raise _LineRejected(f"{where}{key} must be {field.takes}, got {_describe(value)}" if wrong_type else
+                                _refusal(f"{where}{key}", key, field))
         ignored.append(f"{where}{key}")
     return tuple(ignored)
 

@@ -58,13 +58,26 @@ class RequestField:
     does: str  # what the field means (the README's description)
     why: str = ""  # REFUSED: why prefixrun refuses it (required); HARMLESS: why it changes nothing here
     inert: tuple = ()  # values that change nothing and are accepted even while the field is refused
+    takes: str = ""  # HARMLESS: the JSON type of its value ("a string", "an object", ...; "" any), as OpenAI/vLLM
 
     def is_inert(self, value: Any) -> bool:
         return value is None or any(_same_json_value(value, off) for off in self.inert)
 
+    def wrong_type(self, value: Any) -> bool:
+        """A value of another type than the field takes: a mistake in the line (OpenAI and vLLM refuse `"user":
+        5`), never taken for a field that changes nothing."""
+        return bool(self.takes) and value is not None and _json_kind(value) != self.takes
+
     @property
     def refusal(self) -> str:
         return self.why
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "an array"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _same_json_value(value: Any, other: Any) -> bool:
@@ -82,7 +95,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("prompt", HONOURED, COMPLETION, "the text to complete (OpenAI: also a token list, or a list of one)"),
     _F("prompt_token_ids", HONOURED, COMPLETION, "the prompt as token ids (plain lines)"),
     _F("messages", HONOURED, CHAT, "the conversation, rendered through the model's chat template"),
-    _F("model", HARMLESS, BOTH, "the model name", why="the model is the one given on the command line"),
+    _F("model", HARMLESS, BOTH, "the model name", why="the model is the one given on the command line",
+       takes="a string"),
     # ---- chat template ----
     _F("tools", HONOURED, CHAT, "function schemas, rendered by the chat template"),
     _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false}"),
@@ -170,7 +184,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("structural_tag", REFUSED, BOTH, "tagged regions with their own schemas",
        why="a constraint covers the whole reply here: use response_format or structured_outputs"),
     _F("guided_decoding_backend", HARMLESS, BOTH, "which grammar engine vLLM uses",
-       why="prefixrun has one grammar engine (llguidance); every engine enforces the same constraint"),
+       why="prefixrun has one grammar engine (llguidance); every engine enforces the same constraint",
+       takes="a string"),
     _F("guided_whitespace_pattern", REFUSED, BOTH, "whitespace allowed in guided JSON",
        why="a pattern of the outlines backend: JSON whitespace is on or off here "
            "(structured_outputs.disable_any_whitespace)"),
@@ -192,7 +207,7 @@ FIELDS: tuple[RequestField, ...] = (
        why="no model-independent meaning: ask for it in the messages"),
     _F("web_search_options", REFUSED, CHAT, "web search (OpenAI)", why="offline inference has no web search"),
     _F("prediction", HARMLESS, CHAT, "predicted output (OpenAI)",
-       why="a prediction only speeds up generation; it never changes the output"),
+       why="a prediction only speeds up generation; it never changes the output", takes="an object"),
     _F("logits_processors", REFUSED, BOTH, "custom logits processors (vLLM)",
        why="code cannot be loaded from a request line"),
     _F("vllm_xargs", REFUSED, BOTH, "arguments for vLLM extensions", why="prefixrun has no extensions"),
@@ -202,31 +217,36 @@ FIELDS: tuple[RequestField, ...] = (
     # ---- streaming and serving (nothing to do offline) ----
     _F("stream", REFUSED, BOTH, "stream the response",
        why="a batch writes each result as one line: leave stream out or false", inert=(False,)),
-    _F("stream_options", HARMLESS, BOTH, "streaming options", why="nothing is streamed"),
-    _F("stream_interval", HARMLESS, BOTH, "tokens per streamed chunk", why="nothing is streamed"),
+    _F("stream_options", HARMLESS, BOTH, "streaming options", why="nothing is streamed", takes="an object"),
+    _F("stream_interval", HARMLESS, BOTH, "tokens per streamed chunk", why="nothing is streamed", takes="an integer"),
     _F("output_kind", HARMLESS, BOTH, "vLLM's streaming mode", why="a batch returns final outputs only"),
-    _F("user", HARMLESS, BOTH, "an end-user id", why="kept by the API provider only"),
+    _F("user", HARMLESS, BOTH, "an end-user id", why="kept by the API provider only", takes="a string"),
     _F("metadata", HARMLESS, BOTH, "your own key-value data", why="for your records (plain lines too)"),
-    _F("store", HARMLESS, BOTH, "store the completion with the provider", why="nothing is stored"),
-    _F("service_tier", HARMLESS, BOTH, "the provider's processing tier", why="one tier: this machine"),
+    _F("store", HARMLESS, BOTH, "store the completion with the provider", why="nothing is stored", takes="a boolean"),
+    _F("service_tier", HARMLESS, BOTH, "the provider's processing tier", why="one tier: this machine",
+       takes="a string"),
     _F("safety_identifier", HARMLESS, BOTH, "an end-user id for abuse detection",
-       why="kept by the API provider only"),
+       why="kept by the API provider only", takes="a string"),
     _F("prompt_cache_key", HARMLESS, BOTH, "a prompt-cache routing hint",
-       why="prefixrun finds shared prefixes itself"),
+       why="prefixrun finds shared prefixes itself", takes="a string"),
     _F("prompt_cache_retention", HARMLESS, BOTH, "how long the provider keeps cached prompts",
-       why="the persistent cache has its own budget (--cache-budget)"),
+       why="the persistent cache has its own budget (--cache-budget)", takes="a string"),
     _F("cache_salt", HARMLESS, BOTH, "separates prefix caches of different users",
-       why="a batch belongs to one user; cached state never changes an answer"),
+       why="a batch belongs to one user; cached state never changes an answer", takes="a string"),
     _F("skip_reading_prefix_cache", HARMLESS, BOTH, "bypass the prefix cache",
-       why="cached state never changes an answer (use --no-reuse to measure without it)"),
-    _F("request_id", HARMLESS, BOTH, "the server's request id", why="ids are derived from custom_id"),
-    _F("session_id", HARMLESS, BOTH, "a session id for routing", why="nothing is routed"),
-    _F("priority", HARMLESS, BOTH, "scheduling priority", why="a batch runs every line; order changes no answer"),
-    _F("kv_transfer_params", HARMLESS, BOTH, "disaggregated-serving parameters", why="one engine, no transfer"),
-    _F("ec_transfer_params", HARMLESS, BOTH, "encoder-cache transfer parameters", why="one engine, no transfer"),
+       why="cached state never changes an answer (use --no-reuse to measure without it)", takes="a boolean"),
+    _F("request_id", HARMLESS, BOTH, "the server's request id", why="ids are derived from custom_id", takes="a string"),
+    _F("session_id", HARMLESS, BOTH, "a session id for routing", why="nothing is routed", takes="a string"),
+    _F("priority", HARMLESS, BOTH, "scheduling priority", why="a batch runs every line; order changes no answer",
+       takes="an integer"),
+    _F("kv_transfer_params", HARMLESS, BOTH, "disaggregated-serving parameters", why="one engine, no transfer",
+       takes="an object"),
+    _F("ec_transfer_params", HARMLESS, BOTH, "encoder-cache transfer parameters", why="one engine, no transfer",
+       takes="an object"),
     _F("routed_experts_prompt_start", HARMLESS, BOTH, "vLLM debugging of MoE routing",
-       why="routing data is not returned"),
-    _F("flat_logprobs", HARMLESS, BOTH, "vLLM's in-memory logprobs layout", why="only the output shape counts"),
+       why="routing data is not returned", takes="an integer"),
+    _F("flat_logprobs", HARMLESS, BOTH, "vLLM's in-memory logprobs layout", why="only the output shape counts",
+       takes="a boolean"),
 )
 
 BY_NAME: dict[str, RequestField] = {field.name: field for field in FIELDS}

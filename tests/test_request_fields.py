@@ -145,6 +145,21 @@ def test_a_set_field_changes_the_request_or_is_harmless_or_is_an_error_record(na
                 assert parsed != baseline, f"{name} is marked honoured but changes nothing in the parsed request"
 
 
+@pytest.mark.parametrize("field", [f for f in FIELDS if f.status is HARMLESS and f.takes], ids=lambda f: f.name)
+def test_a_harmless_field_of_the_wrong_type_is_an_error_record(field):
+    # "user": 5 or "model": {"a": 1} ran as if the line were right; OpenAI and vLLM refuse such a line. --lenient
+    # ignores the key, as it ignores a refused one.
+    wrong = 5 if field.takes == "a string" else "5"
+    for kind in (CHAT, COMPLETION):
+        for line in lines_for(kind, field.name, wrong) if field.applies_to & kind else []:
+            where = "body." if "body" in line else ""
+            parsed = parse(line)
+            assert isinstance(parsed, LineError), parsed
+            assert parsed.message == f"{where}{field.name} must be {field.takes}, got {json.dumps(wrong)}"
+            lenient = parse(line, lenient=True)
+            assert isinstance(lenient, ParsedRequest) and lenient.ignored_fields == (f"{where}{field.name}",)
+
+
 @pytest.mark.parametrize("field", [f for f in FIELDS if f.status is REFUSED and f.inert], ids=lambda f: f.name)
 def test_a_refused_field_at_its_off_value_is_accepted(field):
     kind = CHAT if field.applies_to & CHAT else COMPLETION
