@@ -5,9 +5,10 @@ Such a buffer is hundreds of MiB, filled by many threads at once (engine/cache/k
 threads of kernels/upload.py `download`). Into fresh memory every 4 KiB page faults on first touch, and the threads'
 faults contend in the kernel: 256 MiB of K/V blocks read at 12.4 GB/s into fresh pages against 36 GB/s into pages
 touched before, on 14 threads of the device's host (docs/PERFORMANCE.md). So each buffer is one slab: anonymous
-memory advised for transparent huge pages (one fault per 2 MiB where the kernel allows them), given back to this
-pool, not to the kernel, once nothing refers to its arrays any more (an entry's rows uploaded and its lookup done,
-a state written), so that the next transfer lands in pages touched already.
+memory whose pages the kernel makes present in one call when it is mapped (MAP_POPULATE, on the thread that asks
+for the slab, without the interpreter's lock), advised for transparent huge pages where the kernel grants them, and
+given back to this pool, not to the kernel, once nothing refers to its arrays any more (an entry's rows uploaded
+and its lookup done, a state written), so that the next transfer lands in pages touched already.
 
 A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
 returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
@@ -28,6 +29,7 @@ SMALL_BYTES = 4 << 20  # below this a plain allocation (few pages: nothing to ga
 KEEP_SLABS = 4  # free slabs kept at most (the read-ahead reads two entries at once, the writer copies one)
 KEEP_BYTES = 2 << 30  # and at most this many bytes of them, or a sixteenth of the host's memory (the rest go back)
 WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
+POPULATE = True  # fresh slabs' pages made present by the kernel in one call (`_new_slab`)
 
 
 class HostSlabs:
@@ -55,8 +57,7 @@ class HostSlabs:
                 self.reused += 1
         zeroed = slab is None
         if slab is None:
-            slab = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE)  # + room to align
-            _advise_huge_pages(slab)
+            slab = _new_slab(-(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE)  # + room to align
             self.made += 1
         base = np.frombuffer(slab, np.uint8, nbytes, offset=_aligned_offset(slab))
         weakref.finalize(base, self._give_back, slab).atexit = False  # every view of `base` keeps it alive
@@ -90,6 +91,19 @@ def _aligned_offset(slab: mmap.mmap) -> int:
 
 def _usable(slab: mmap.mmap) -> int:
     return len(slab) - _aligned_offset(slab)
+
+
+def _new_slab(size: int) -> mmap.mmap:
+    """Fresh anonymous memory, its pages made present at once (POPULATE, where the system has MAP_POPULATE: the
+    kernel fills them in one call, which releases the interpreter's lock, instead of a fault per page on each
+    reading thread), advised for huge pages."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if POPULATE and hasattr(mmap, "MAP_POPULATE") and flags:
+        slab = mmap.mmap(-1, size, flags=flags | mmap.MAP_POPULATE)
+    else:
+        slab = mmap.mmap(-1, size)
+    _advise_huge_pages(slab)
+    return slab
 
 
 def _advise_huge_pages(slab: mmap.mmap) -> None:

@@ -30,6 +30,15 @@ def test_a_slab_comes_back_once_its_arrays_are_gone_and_is_handed_out_again():
     assert (again == 7).all()  # the earlier bytes: the caller writes every byte it hands out
 
 
+@pytest.mark.parametrize("populate", [True, False])
+def test_fresh_slabs_are_zeros_populated_or_not(monkeypatch, populate):
+    monkeypatch.setattr(host_slabs, "POPULATE", populate)
+    slab, zeroed = HostSlabs().take(6 * MiB)
+    assert zeroed and slab.size == 6 * MiB and not slab.any()
+    slab[:] = 1  # writable
+    assert slab.sum() == 6 * MiB
+
+
 def test_a_view_alive_keeps_its_slab_out_of_the_pool():
     slabs = HostSlabs()
     base, _ = slabs.take(8 * MiB)
