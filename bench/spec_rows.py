@@ -108,43 +108,47 @@ def measure_row(label: str, engines: dict, make_requests, reps: int):
                     f"drained {spec.get('drained_steps', '-')} declined {spec.get('declined_steps', '-')} "
                     f"draft {spec.get('draft_seconds', 0):.3f}s") if spec else ""
         print(f"{label:34s} {mode:5s} wall {wall:6.3f} s ({off_wall / wall:5.3f}x) decode {decode:6.3f} s "
-              f"{tokens / decode:8.0f} tok/s {ratio:5.3f}x | same {same[mode][0]}/{same[mode][1]} | {counters}",
+              f"{tokens / decode:8.0f} tok/s {ratio:5.3f}x | same {same[mode][0]}/{same[mode][1]} "
+              f"preempted {engines[mode].stats.preemptions} | {counters}",
               flush=True)
 
 
 def rows_of(gen: int, vocab: int):
-    """(label, max_batch, state GiB, requests of rep r) for the random model's rows."""
-    out = [(f"repetitive, batch {b}", b, 8, lambda r, b=b: repetitive(b, gen if r else 32, 1000 * b + r, vocab))
+    """(label, requests of rep r) for the random model's rows (the copy-prone model runs the first three)."""
+    out = [(f"repetitive, batch {b}", lambda r, b=b: repetitive(b, gen if r else 32, 1000 * b + r, vocab))
            for b in (1, 4, 16)]
-    out.append(("shared-system 64x(2048+256)", 64, 20, lambda r: shared(1, 64, 2048, 256, 7 + r, vocab, 64 if r else 16)))
-    out.append(("doc-qa 4x16x(4096+128)", 64, 20, lambda r: shared(4, 16, 4096, 128, 70 + r, vocab, 64 if r else 16)))
+    out.append(("shared-system 64x(2048+256)", lambda r: shared(1, 64, 2048, 256, 7 + r, vocab, 64 if r else 16)))
+    out.append(("doc-qa 4x16x(4096+128)", lambda r: shared(4, 16, 4096, 128, 70 + r, vocab, 64 if r else 16)))
     return out
 
 
-def run_model(name: str, path: Path, ops, gen: int, count: int, reps: int, deadline: float):
-    """The first `count` rows on the model at `path`."""
+def run_model(name: str, path: Path, ops, a, count: int, max_batch: int, state_gib: int, deadline: float):
+    """The first `count` rows on the model at `path`, on one engine per mode made once (state memory enough for
+    every row without pressure: the snapshot pool of ngram and auto comes out of it, and a preempted sequence
+    would change what is compared)."""
     from prefixrun.engine.models import load_model
 
     t0 = time.perf_counter()
     model = load_model(path, ops)[0]
     ops.synchronize()
     print(f"{name}: loaded in {time.perf_counter() - t0:.2f} s", flush=True)
-    for label, max_batch, state_gib, make_requests in rows_of(gen, model.cfg.vocab_size)[:count]:
+    host = ops.free_memory() is None  # the reference backend: state in host memory, kept small
+    engines = make_engines(model, ops, max_batch, (GiB // 4) if host else state_gib * GiB)
+    for label, make_requests in rows_of(a.gen, model.cfg.vocab_size)[:count]:
         if time.perf_counter() > deadline:
             print(f"{name} · {label}: skipped (time budget)")
             continue
-        host = ops.free_memory() is None  # the reference backend: state in host memory, kept small
-        engines = make_engines(model, ops, max_batch, (GiB // 4) if host else state_gib * GiB)
         try:
-            measure_row(f"{name} · {label}", engines, make_requests, reps)
+            measure_row(f"{name} · {label}", engines, make_requests, a.reps)
         except Exception as exc:  # a failed row prints its error; the next rows still run
             print(f"{name} · {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
-        for e in engines.values():
-            e.close()
-        del engines
-        gc.collect()  # the engines' state pools go back to the device before the next row's are made
-    del model
-    gc.collect()
+    for e in engines.values():
+        e.close()
+    del engines, model
+    gc.collect()  # the engines' state pools and the weights go back to the device before the next model's
+    free = getattr(ops, "release_cached_memory", None)
+    if free is not None:
+        free()
 
 
 def main():
@@ -163,7 +167,7 @@ def main():
     else:
         from prefixrun.kernels.cuda import CudaOps
         ops = CudaOps("bfloat16")
-    run_model("random", a.model, ops, a.gen, 5, a.reps, deadline)
+    run_model("random", a.model, ops, a, 5, 64, 20, deadline)
     if a.copy_prone is not None:
         wait_until = time.perf_counter() + 30
         while not (a.copy_prone / "config.json").is_file() and time.perf_counter() < wait_until:
@@ -171,7 +175,7 @@ def main():
         if not (a.copy_prone / "config.json").is_file():
             print(f"copy-prone: {a.copy_prone} not ready")
             return
-        run_model("copy-prone", a.copy_prone, ops, a.gen, 3, a.reps, deadline + 20)
+        run_model("copy-prone", a.copy_prone, ops, a, 3, 16, 12, deadline + 20)
 
 
 if __name__ == "__main__":
