@@ -80,3 +80,20 @@ def test_a_helper_that_dies_leaves_the_hashing_to_the_writer(tmp_path, helpers):
         assert len(helpers.chunk_digests(fd, 5000, 1000)) == 5  # and a new helper takes its place
     finally:
         os.close(fd)
+
+
+def test_a_helper_that_never_answers_stops_the_helpers_for_the_process(tmp_path, monkeypatch):
+    """An interpreter that cannot run the helper's script (a frozen application's executable) fails once, then
+    no more helpers are started: each block is hashed in memory without a process started for it."""
+    written = WrittenDigests(helpers=2)
+    monkeypatch.setattr(sys, "executable", "/bin/true")  # starts, exits at once, never answers
+    path = tmp_path / "f"
+    path.write_bytes(b"y" * 3000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert written.chunk_digests(fd, 3000, 1000) is None
+        assert written._broken and written._started == 0
+        assert written.chunk_digests(fd, 3000, 1000) is None and written._started == 0
+    finally:
+        os.close(fd)
+        written.close()

@@ -52,10 +52,12 @@ class WrittenDigests:
         try:
             digests = helper.ask(descriptor, size, chunk_bytes)
         except (OSError, ValueError):
-            helper.close()  # a helper that failed once is not asked again; another may start in its place
-            with self._lock:
+            helper.close()  # a helper that failed is not asked again; another may start in its place, unless
+            with self._lock:  # this one never answered at all (then none would: no more are started)
                 self._started -= 1
+                self._broken = self._broken or not helper.answered
             return None
+        helper.answered = True
         self._idle.put(helper)
         return digests
 
@@ -71,10 +73,14 @@ class WrittenDigests:
                 self._started += 1
                 start = True
         if not start:  # every helper is busy: the first one free (each answers within milliseconds)
-            try:
-                return None if self._broken else self._idle.get(timeout=_ANSWER_TIMEOUT_S)
-            except queue.Empty:
-                return None
+            for _ in range(int(_ANSWER_TIMEOUT_S / 0.1)):
+                if self._broken:
+                    return None
+                try:
+                    return self._idle.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            return None
         try:
             return _Helper()
         except (OSError, ValueError, subprocess.SubprocessError):
@@ -95,8 +101,9 @@ class _Helper:
     """One helper process and the socket to it."""
 
     def __init__(self):
-        if not sys.executable:
+        if not sys.executable or getattr(sys, "frozen", False):
             raise OSError("no interpreter to start a helper with")
+        self.answered = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = subprocess.Popen(

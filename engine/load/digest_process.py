@@ -30,7 +30,7 @@ _TIMEOUT_S = 600.0  # a helper that never answers is given up (the caller then h
 def chunk_digests(jobs: list[tuple[str, int, int]], threads: int) -> list[bytes] | None:
     """SHA-256 of each (path, offset, length) span's bytes, hashed on `threads` threads of a helper process; None
     where the helper could not give them (the caller hashes them itself)."""
-    if not jobs or not sys.executable:
+    if not jobs or not sys.executable or getattr(sys, "frozen", False):
         return None
     request = json.dumps({"threads": int(threads), "jobs": [[str(p), int(o), int(n)] for p, o, n in jobs]})
     try:
