@@ -6,17 +6,20 @@
 #                                              # script, bench/families.py smoke-config; figures mean nothing)
 # Per family, in order, each step skipped (and the table says so) when it would not fit in what is left of BUDGET
 # seconds (default 540; every step also runs under `timeout` with the time left):
-#   build     `prefixrun make-model /tmp/fam/NAME --config bench/models/NAME.json --seed 0` (bf16 safetensors; the
+#   build     `prefixrun make-model /tmp/fam/NAME --config bench/models/NAME.json --seed 0` (bf16 safetensors, a
+#             shard per 4 GB written side by side; skipped, saying so, where the disk cannot hold it; the
 #             next family's build runs in the background, niced, on MAKE_THREADS of the cores, while this one is
-#             measured, when the disk and host memory hold both; gpt-oss's experts in bf16, not MXFP4: transformers' MXFP4 path
-#             wants hub kernels the device cannot fetch, and bf16 on both sides is the same weights)
+#             measured, when the disk and host memory hold both; gpt-oss's experts in bf16, not MXFP4:
+#             transformers' MXFP4 path wants hub kernels the device cannot fetch, and bf16 on both sides is the
+#             same weights)
 #   speed     shared-system (64 x (2,048 + 256), 64 new) through `prefixrun bench` = `prefixrun batch` with the
 #             user's defaults but greedy, `--no-cache --ignore-eos`; then transformers on the same token ids
 #             through the independent harness (bench/hf_generate.py: equal-length groups of 32, bf16, dynamic
 #             cache; the bench's own harness, `--compare-transformers`, is not run: it would double transformers'
 #             time and takes no time limit). Its timed pass stops after HF_FACTOR x our engine wall (default 10x):
 #             a stopped pass gives a lower bound of the speed-up (enough for ">= 8x") and an estimate of the whole.
-#             doc-qa (4 documents x 16 questions x (4,096 + 128)) the same way when the rest of the budget allows.
+#             doc-qa (4 documents x 16 questions x (4,096 + 128)) the same way when the rest of the budget allows
+#             (DOC_QA=0: never).
 #   accuracy  bench/families.py accuracy: our bf16 logits and transformers' bf16 logits against transformers'
 #             fp32 on the same weights, ACC_PROMPTS prompts of ACC_TOKENS tokens (the whole model: each model is
 #             freed before the next loads, so even gpt-oss's 84 GB of fp32 fits)
@@ -28,6 +31,7 @@ BUDGET=${BUDGET:-540}
 OUT=${OUT:-fam-out}; mkdir -p "$OUT"
 FAMILIES=${FAMILIES:-"granite-4.0-h-like nemotron-h-like kimi-linear-like gpt-oss-20b-like lfm2-like"}
 HF_FACTOR=${HF_FACTOR:-10}
+DOC_QA=${DOC_QA:-1}  # 0: shared-system only
 ACC_PROMPTS=${ACC_PROMPTS:-4}; ACC_TOKENS=${ACC_TOKENS:-256}
 MAKE_THREADS=${MAKE_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 MODELS_DIR=${MODELS_DIR:-/tmp/fam}; mkdir -p "$MODELS_DIR"
@@ -61,26 +65,29 @@ df -h "$MODELS_DIR" | tail -1 | awk '{print "disk free for models: " $4}'; free 
 declare -A BYTES
 while read -r name bytes params; do BYTES[$name]=$bytes
   say "plan: $name $(( params / 1000000 )) M parameters, $(( bytes / 1000000000 )) GB bf16"
-done < <(python3 bench/families.py plan $FAMILIES)
+done < <(python3 bench/families.py plan ${SMOKE:+--smoke} $FAMILIES)
 
 config_of() {  # name -> the config make-model follows
   if [ -n "$SMOKE" ]; then python3 bench/families.py smoke-config "$1" "$OUT/$1.smoke.json"; echo "$OUT/$1.smoke.json"
   else echo "bench/models/$1.json"; fi
 }
 build() {  # name, threads, nice, how: make-model into $MODELS_DIR/NAME; its seconds into $OUT/NAME.build.why
-  local t0=$SECONDS cfg; cfg=$(config_of "$1")
+  local t0=$SECONDS cfg shards=$(( ${BYTES[$1]} / 4000000000 )); cfg=$(config_of "$1")
+  shards=$(( shards < 1 ? 1 : shards > 8 ? 8 : shards ))  # written side by side
   rm -rf "${MODELS_DIR:?}/$1"
+  disk_has "$1" 1 || { why "$1" build "skipped: $(( ${BYTES[$1]} / 1000000000 )) GB do not fit in $(( $(disk_free) / 1000000000 )) GB of free disk"; return 1; }
   nice -n "$3" timeout "$(left)" $PREFIXRUN make-model "$MODELS_DIR/$1" --config "$cfg" --seed 0 --threads "$2" \
-    > "$OUT/$1.build.log" 2>&1 &
+    --shards "$shards" > "$OUT/$1.build.log" 2>&1 &
   echo $! > "$OUT/building.pid"  # timeout's: ended (with make-model) if the budget runs out first
   wait $! || { why "$1" build "make-model failed: $(tail -1 "$OUT/$1.build.log")"; return 1; }
   echo "$(( SECONDS - t0 )) s $4" > "$OUT/$1.build.why"
 }
+disk_free() { df --output=avail -B1 "$MODELS_DIR" | tail -1; }
+disk_has() { [ "$(disk_free)" -gt $(( ${BYTES[$1]} + $2 * 1000000000 )) ]; }  # name, GB to spare
 room_beside() {  # next, current: whether the next family's weights fit on the disk (+ 4 GB) now, and in host
   # memory (make-model holds them all) beside the current one's transformers fp32 copy (twice its bf16) + 8 GB
-  local disk mem; disk=$(df --output=avail -B1 "$MODELS_DIR" | tail -1)
-  mem=$(awk '/MemAvailable/ {printf "%d", $2 * 1024}' /proc/meminfo)
-  [ "$disk" -gt $(( ${BYTES[$1]} + 4000000000 )) ] && [ "$mem" -gt $(( ${BYTES[$1]} + 2 * ${BYTES[$2]} + 8000000000 )) ]
+  local mem; mem=$(awk '/MemAvailable/ {printf "%d", $2 * 1024}' /proc/meminfo)
+  disk_has "$1" 4 && [ "$mem" -gt $(( ${BYTES[$1]} + 2 * ${BYTES[$2]} + 8000000000 )) ]
 }
 
 speed() {  # name, workload: ours, then transformers with a time limit from our engine wall
@@ -134,7 +141,8 @@ for name in "$@"; do
     if [ "$(left)" -gt "$(need "$name" speed)" ]; then speed "$name" shared-system
     else why "$name" shared-system "skipped: $(left) s left, ~$(need "$name" speed) s needed"; fi
     reserve=0; for later in "$@"; do reserve=$(( reserve + $(need "$later" speed) )); done
-    if [ "$(left)" -gt $(( $(need "$name" doc-qa) + $(need "$name" accuracy) + reserve )) ]; then
+    if [ "$DOC_QA" = 0 ]; then why "$name" doc-qa "not asked for (DOC_QA=0)"
+    elif [ "$(left)" -gt $(( $(need "$name" doc-qa) + $(need "$name" accuracy) + reserve )) ]; then
       speed "$name" doc-qa
     else why "$name" doc-qa "skipped: $(left) s left, ~$(need "$name" doc-qa) s needed + $reserve for the rest"; fi
     if [ "$(left)" -gt $(( $(need "$name" accuracy) + reserve / 2 )) ]; then

@@ -1,7 +1,7 @@
 """The Python side of bench/device_families.sh: per family of bench/models/, its size and time estimates, the GPU
 bf16 accuracy against transformers on the same weights, and the markdown rows of the script's table.
 
-    python3 bench/families.py plan NAME...                      name, bf16 bytes, parameters (one line each)
+    python3 bench/families.py plan [--smoke] NAME...            name, bf16 bytes, parameters (one line each)
     python3 bench/families.py smoke-config NAME OUT.json        the config shrunk to test size (--smoke runs)
     python3 bench/families.py accuracy MODEL_DIR --json OUT     (b): our bf16 logits and transformers' bf16 logits
                                                                  against transformers' fp32 logits
@@ -55,13 +55,14 @@ def bench_config(name: str) -> dict:
     return json.loads((ROOT / "bench" / "models" / f"{name}.json").read_text())
 
 
-def plan(names: list[str]) -> list[str]:
+def plan(names: list[str], smoke: bool = False) -> list[str]:
     """'NAME BYTES PARAMS' per family: the bf16 weights make-model writes (the disk and memory a build needs)."""
     from prefixrun.engine.load.model_maker import tensor_shapes
 
     out = []
     for name in names:
-        params = sum(math.prod(s) for s in tensor_shapes(bench_config(name)).values())
+        config = {**bench_config(name), **SMOKE[name]} if smoke else bench_config(name)
+        params = sum(math.prod(s) for s in tensor_shapes(config).values())
         out.append(f"{name} {2 * params} {params}")
     return out
 
@@ -193,7 +194,9 @@ HEADER = ("| family | build | shared-system engine / process s | transformers s 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("plan").add_argument("names", nargs="+")
+    p = sub.add_parser("plan")
+    p.add_argument("--smoke", action="store_true", help="the smoke configs' sizes")
+    p.add_argument("names", nargs="+")
     s = sub.add_parser("smoke-config")
     s.add_argument("name")
     s.add_argument("out", type=Path)
@@ -209,7 +212,7 @@ def main(argv=None):
     sub.add_parser("header")
     args = ap.parse_args(argv)
     if args.cmd == "plan":
-        print("\n".join(plan(args.names)))
+        print("\n".join(plan(args.names, args.smoke)))
     elif args.cmd == "smoke-config":
         args.out.write_text(json.dumps({**bench_config(args.name), **SMOKE[args.name]}, indent=1))
     elif args.cmd == "accuracy":

@@ -19,7 +19,8 @@ How it runs, aiming at the fastest settings a careful user would pick:
   `mamba_ssm` is not installed, materialises blocks quadratic in the prompt's length); the size used is reported.
 - `--time-limit S`: the timed pass stops after the first group that ends past S seconds (a family whose
   transformers path is slow need not hold a time-budgeted command): wall_seconds is then the time of the groups
-  run, a lower bound of the whole pass, `complete` is false and `estimated_wall_seconds` scales it to every group.
+  run, a lower bound of the whole pass, `complete` is false and `estimated_wall_seconds` scales it to every group;
+  the warm-up of each group shape then generates 4 tokens, not the group's whole completions.
 Prints JSON: wall_seconds of the timed pass, the settings used and tried, tokens generated. Greedy when the
 temperature is 0, else sampled with it (the bench's greedy rows are what the tables compare).
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -85,9 +87,10 @@ class Harness:
                                                                       "top_p": 1.0, "top_k": 0}
         self.cache: str | None = None  # generate's cache_implementation (None: the model's default)
 
-    def generate(self, group: list[dict]):
+    def generate(self, group: list[dict], new_tokens: int | None = None):
+        """The group's completions: its longest max_tokens new tokens each, or `new_tokens` (a short warm-up)."""
         ids, mask = batch_tensors(group, self.device)
-        gen = max(l.get("max_tokens") or self.default_max_tokens for l in group)
+        gen = new_tokens or max(l.get("max_tokens") or self.default_max_tokens for l in group)
         extra = {"cache_implementation": self.cache} if self.cache else {}
         with self.torch.no_grad():
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen,
@@ -147,7 +150,7 @@ def choose(h: Harness, probe: list[dict], caches: tuple[str, ...] = ("static", "
 
 
 def fit(h: Harness, lines: list[dict], group: int, default_max_tokens: int,
-        caches: tuple[str, ...]) -> tuple[list[list[dict]], int, list[dict]]:
+        caches: tuple[str, ...], warm_tokens: int | None = None) -> tuple[list[list[dict]], int, list[dict]]:
     """(groups, group size, what was tried): the settings chosen on the first group and every distinct group shape
     run once (compilation, autotuning and the allocator out of the timing), the group halved while transformers
     runs out of device memory (the reference Mamba2 scan materialises blocks quadratic in the prompt length)."""
@@ -160,7 +163,7 @@ def fit(h: Harness, lines: list[dict], group: int, default_max_tokens: int,
                 shapes.setdefault((len(g), max(len(l["prompt_token_ids"]) for l in g),
                                    max(l.get("max_tokens") or default_max_tokens for l in g)), g)
             for g in shapes.values():
-                h.generate(g)
+                h.generate(g, warm_tokens)
             return groups, group, tried
         except h.torch.OutOfMemoryError:
             if group == 1:
@@ -174,7 +177,10 @@ def run(model_dir: Path, workload: Path, group: int = 32, temperature: float = 0
         time_limit: float = float("inf")) -> dict:
     lines = read_lines(workload)
     h = Harness(model_dir, temperature, default_max_tokens)
-    groups, group, tried = fit(h, lines, group, default_max_tokens, caches)
+    # under a time limit the shapes' warm-up generates 4 tokens (prefill, decode and the memory peak of a prompt
+    # are all there) rather than a whole group's completions, so the limit buys timed groups
+    warm = 4 if math.isfinite(time_limit) else None
+    groups, group, tried = fit(h, lines, group, default_max_tokens, caches, warm)
     wall, tokens, done = h.timed(groups, time_limit)
     return {"harness": "bench/hf_generate.py", "wall_seconds": round(wall, 4), "requests": len(lines),
             "complete": done == len(groups), "groups_timed": done,

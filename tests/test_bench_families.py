@@ -60,6 +60,12 @@ def test_large_matrices_drawn_on_threads_do_not_depend_on_the_thread_count(monke
              for t in (1, 3)]
     for name in shapes:
         assert np.array_equal(draws[0][name].view(np.uint16), draws[1][name].view(np.uint16)), name
+    monkeypatch.setattr(model_maker, "PARALLEL_MODEL_ELEMENTS", 2000)  # a large model: every matrix on threads
+    many = model_maker._draw_all(shapes, np.random.default_rng(0), 5, 0.02, False, ml_dtypes.bfloat16, 2)
+    one = np.empty(12, ml_dtypes.bfloat16)
+    model_maker._draw_block(one, 5, "c.weight", 0, 0.02)
+    assert np.array_equal(many["c.weight"].reshape(-1).view(np.uint16), one.view(np.uint16))
+    assert np.array_equal(many["b.norm.weight"].view(np.uint16), draws[0]["b.norm.weight"].view(np.uint16))
     flat = np.empty(300, ml_dtypes.bfloat16)
     model_maker._draw_block(flat, 5, "a.weight", 0, 0.02)
     want = np.random.default_rng([5, model_maker.zlib.crc32(b"a.weight"), 0]).standard_normal(300, np.float32)

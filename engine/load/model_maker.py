@@ -180,17 +180,21 @@ def _init(name: str, shape, rng: np.random.Generator, std: float, zero_centered_
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
 
-# Matrices of at least this many elements are drawn in blocks on threads (a 20B-parameter benchmark model took
+# Matrices of at least PARALLEL_DRAW_ELEMENTS, and every matrix of a model of at least PARALLEL_MODEL_ELEMENTS (256
+# experts of 2.4M each are no less work), are drawn in blocks on threads (a 20B-parameter benchmark model took
 # minutes on one core); each block has a generator of its own, seeded by (seed, tensor name, block), so the values
-# do not depend on the thread count. Smaller tensors come from the one sequential generator as before, so tiny test
+# do not depend on the thread count. The rest come from the one sequential generator as before, so tiny test
 # models keep their values.
 PARALLEL_DRAW_ELEMENTS = 1 << 24
+PARALLEL_MODEL_ELEMENTS = 1 << 28
 _DRAW_BLOCK = 1 << 22
 
 
 def _draw_all(shapes: dict, rng: np.random.Generator, seed: int, std: float, zero_centered: bool, np_dtype,
               threads: int | None) -> dict[str, np.ndarray]:
-    large = [n for n, s in shapes.items() if math.prod(s) >= PARALLEL_DRAW_ELEMENTS and _plain_matrix(n)]
+    whole = sum(math.prod(s) for s in shapes.values()) >= PARALLEL_MODEL_ELEMENTS
+    large = [n for n, s in shapes.items()
+             if (whole or math.prod(s) >= PARALLEL_DRAW_ELEMENTS) and len(s) >= 2 and _plain_matrix(n)]
     out = {n: np.empty(shapes[n], np_dtype) for n in large}
     jobs = [(n, b) for n in large for b in range(-(-out[n].size // _DRAW_BLOCK))]
     with ThreadPoolExecutor(max(1, threads or os.cpu_count() or 1)) as pool:
@@ -336,12 +340,14 @@ def write_weights(out: Path, tensors: dict[str, np.ndarray], shards: int):
         write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
         return
     per = -(-len(names) // shards)
-    weight_map = {}
+    weight_map, parts = {}, {}
     for s in range(shards):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
-        write_safetensors(out / fname, part, {"format": "pt"})
-        weight_map.update({n: fname for n in part})
+        parts[fname] = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        weight_map.update({n: fname for n in parts[fname]})
+    with ThreadPoolExecutor(min(shards, os.cpu_count() or 1)) as pool:  # file writes run beside each other
+        for f in [pool.submit(write_safetensors, out / fname, part, {"format": "pt"}) for fname, part in parts.items()]:
+            f.result()
     total = sum(a.nbytes for a in tensors.values())
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
