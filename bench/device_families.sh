@@ -22,7 +22,8 @@
 #             (DOC_QA=0: never).
 #   accuracy  bench/families.py accuracy: our bf16 logits and transformers' bf16 logits against transformers'
 #             fp32 on the same weights, ACC_PROMPTS prompts of ACC_TOKENS tokens (the whole model: each model is
-#             freed before the next loads, so even gpt-oss's 84 GB of fp32 fits)
+#             freed before the next loads, so even gpt-oss's 84 GB of fp32 fits); transformers' shared-system
+#             timed pass runs in the same process from the same bf16 load (one load fewer), before its logits
 # Prints the optional kernels transformers could use (fla, mamba_ssm, causal_conv1d, flash_attn) and one markdown
 # table (also $OUT/table.md; every JSON and log in $OUT). Each model folder is deleted after its family.
 set -uo pipefail
@@ -44,7 +45,7 @@ else  # python3 of the environment it runs in, with prefixrun importable
 fi
 PREFIXRUN="python3 -m prefixrun.cli.launch"  # a command, not checkout_env's function: nice and timeout run it
 left() { local s=$(( BUDGET - SECONDS - ${1:-0} )); echo $(( s > 1 ? s : 1 )); }  # [minus N]; never 0 (timeout's "no limit")
-say() { echo "[$(printf '%4d' $SECONDS) s] $*"; }
+say() { echo "[$(printf '%4d' $SECONDS) s] $*" >&2; }  # on stderr: a step's stdout may be its value
 why() { echo "$3" > "$OUT/$1.$2.why"; say "$1: $2: $3"; }  # family, step, reason (shown in the table)
 
 if [ -z "$SMOKE" ]; then
@@ -90,27 +91,47 @@ room_beside() {  # next, current: whether the next family's weights fit on the d
   disk_has "$1" 4 && [ "$mem" -gt $(( ${BYTES[$1]} + 2 * ${BYTES[$2]} + 8000000000 )) ]
 }
 
-speed() {  # name, workload: ours, then transformers with a time limit from our engine wall
-  local m=$MODELS_DIR/$1 j=$OUT/$1-$2
-  timeout "$(left)" $PREFIXRUN bench /tmp/fam-$2.jsonl --model "$m" --device $DEVICE --temperature 0 --no-cache \
-    --ignore-eos -q --json "$j.json" > /dev/null 2> "$j.err" \
+ours() {  # name, workload: prefixrun bench; prints transformers' time limit, HF_FACTOR x our engine wall
+  local j=$OUT/$1-$2
+  timeout "$(left)" $PREFIXRUN bench /tmp/fam-$2.jsonl --model "$MODELS_DIR/$1" --device $DEVICE --temperature 0 \
+    --no-cache --ignore-eos -q --json "$j.json" > /dev/null 2> "$j.err" \
     || { why "$1" "$2" "prefixrun exit $?: $(tail -1 "$j.err")"; return 1; }
-  local wall; wall=$(python3 -c "import json; print(json.load(open('$j.json'))['wall_seconds'])")
-  local limit; limit=$(python3 -c "print(max(1.0, $HF_FACTOR * $wall))")
-  say "$1 $2: ours engine ${wall} s; transformers' timed pass stops after ${limit} s"
-  timeout "$(left 5)" python3 bench/hf_generate.py "$m" /tmp/fam-$2.jsonl --temperature 0 \
-    --caches dynamic --time-limit "$limit" --json "$j-hf.json" > /dev/null 2> "$j-hf.err"
+  python3 -c "import json; w = json.load(open('$j.json'))['wall_seconds']; print(round(max(1.0, $HF_FACTOR * w), 2))"
+}
+hf_alone() {  # name, workload, time limit: the independent transformers harness on the same token ids
+  local j=$OUT/$1-$2
+  timeout "$(left 5)" python3 bench/hf_generate.py "$MODELS_DIR/$1" /tmp/fam-$2.jsonl --temperature 0 \
+    --caches dynamic --time-limit "$3" --json "$j-hf.json" > /dev/null 2> "$j-hf.err"
   local rc=$?
   [ $rc = 0 ] || why "$1" "$2" "exit $rc$( [ $rc = 124 ] && echo ', out of budget'): $(grep -v '^\s*$' "$j-hf.err" | tail -1 | cut -c1-160)"
+}
+accuracy() {  # name[, workload, time limit]: (b), after transformers' timed pass on the workload from the same load
+  local speed=(); [ -n "${2:-}" ] && speed=(--speed "/tmp/fam-$2.jsonl" "$3" "$OUT/$1-$2-hf.json")
+  timeout "$(left 3)" python3 bench/families.py accuracy "$MODELS_DIR/$1" --device $DEVICE --prompts "$ACC_PROMPTS" \
+    --tokens "$ACC_TOKENS" --json "$OUT/$1-accuracy.json" ${speed[@]+"${speed[@]}"} > "$OUT/$1-accuracy.log" 2>&1 \
+    || why "$1" accuracy "exit $?: $(grep -v '^\s*$' "$OUT/$1-accuracy.log" | tail -1 | cut -c1-160)"
+}
+measure() {  # name, seconds the later families need: shared-system + (b) in one transformers load, then doc-qa
+  local limit
+  if [ "$(left)" -le "$(need "$1" speed)" ]; then why "$1" shared-system "skipped: $(left) s left, ~$(need "$1" speed) s needed"
+  elif limit=$(ours "$1" shared-system); then
+    say "$1 shared-system: transformers' timed pass stops after ${limit} s (${HF_FACTOR}x our engine wall)"
+    if [ "$(left)" -gt $(( $(need "$1" accuracy) + $2 / 2 )) ]; then accuracy "$1" shared-system "$limit"
+    else why "$1" accuracy "skipped: $(left) s left, ~$(need "$1" accuracy) s needed"; hf_alone "$1" shared-system "$limit"; fi
+  fi
+  if [ "$DOC_QA" = 0 ]; then why "$1" doc-qa "not asked for (DOC_QA=0)"
+  elif [ "$(left)" -gt $(( $(need "$1" doc-qa) + $2 )) ]; then
+    limit=$(ours "$1" doc-qa) && hf_alone "$1" doc-qa "$limit"
+  else why "$1" doc-qa "skipped: $(left) s left, ~$(need "$1" doc-qa) s needed + $2 for the rest"; fi
 }
 
 ESTIMATE_GBPS=${ESTIMATE_GBPS:-3}  # budget guesses: GB of weights a step loads per second, plus fixed seconds
 need() {  # name, step -> seconds it is guessed to need
   local gb=$(( ${BYTES[$1]} / 1000000000 ))
   case $2 in
-    speed) echo $(( 40 + 2 * gb / ESTIMATE_GBPS )) ;;
+    speed) echo $(( 40 + 2 * gb / ESTIMATE_GBPS )) ;;  # ours and transformers' timed pass
     doc-qa) echo $(( 35 + 2 * gb / ESTIMATE_GBPS )) ;;
-    accuracy) echo $(( 20 + 4 * gb / ESTIMATE_GBPS )) ;;
+    accuracy) echo $(( 40 + 5 * gb / ESTIMATE_GBPS )) ;;  # with the shared-system timing in the same load
   esac
 }
 
@@ -138,19 +159,8 @@ for name in "$@"; do
   fi
   if [ -f "$MODELS_DIR/$name/config.json" ]; then
     [ -n "$COMPILE" ] && wait "$COMPILE"; COMPILE=
-    if [ "$(left)" -gt "$(need "$name" speed)" ]; then speed "$name" shared-system
-    else why "$name" shared-system "skipped: $(left) s left, ~$(need "$name" speed) s needed"; fi
     reserve=0; for later in "$@"; do reserve=$(( reserve + $(need "$later" speed) )); done
-    if [ "$DOC_QA" = 0 ]; then why "$name" doc-qa "not asked for (DOC_QA=0)"
-    elif [ "$(left)" -gt $(( $(need "$name" doc-qa) + $(need "$name" accuracy) + reserve )) ]; then
-      speed "$name" doc-qa
-    else why "$name" doc-qa "skipped: $(left) s left, ~$(need "$name" doc-qa) s needed + $reserve for the rest"; fi
-    if [ "$(left)" -gt $(( $(need "$name" accuracy) + reserve / 2 )) ]; then
-      timeout "$(left 3)" python3 bench/families.py accuracy "$MODELS_DIR/$name" --device $DEVICE \
-        --prompts "$ACC_PROMPTS" --tokens "$ACC_TOKENS" --json "$OUT/$name-accuracy.json" \
-        > "$OUT/$name-accuracy.log" 2>&1 \
-        || why "$name" accuracy "exit $?: $(grep -v '^\s*$' "$OUT/$name-accuracy.log" | tail -1 | cut -c1-160)"
-    else why "$name" accuracy "skipped: $(left) s left, ~$(need "$name" accuracy) s needed"; fi
+    measure "$name" "$reserve"
   fi
   python3 bench/families.py row "$name" "$OUT" | tee -a "$OUT/rows.md"
   rm -rf "${MODELS_DIR:?}/$name"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL_KERNELS = ("fla", "mamba_ssm", "causal_conv1d", "flash_attn", "kernels")
+OPTIONAL_KERNELS = ("fla", "mamba_ssm", "causal_conv1d", "flash_attn", "kernels", "accelerate")
 
 _SMALL = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 4096}
@@ -104,17 +104,41 @@ def our_logits(model_dir: Path, prompts: list[list[int]], device: str) -> list:
     return out
 
 
-def their_logits(model_dir: Path, prompts: list[list[int]], device: str, dtype: str) -> list:
+def their_logits(model_dir: Path, prompts: list[list[int]], device: str, dtype: str, hf=None) -> list:
+    """transformers' logits at every position, of `hf` (a loaded model) or of the model loaded in `dtype`."""
     import torch
     import transformers
 
-    # straight onto the device where accelerate is installed (no fp32 copy in host memory), else through it
-    direct = {"device_map": device} if importlib.util.find_spec("accelerate") else {}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **direct)
-    hf = hf.to(device).eval()
+    if hf is None:
+        # straight onto the device where accelerate is installed (no fp32 copy in host memory), else through it
+        direct = {"device_map": device} if importlib.util.find_spec("accelerate") else {}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **direct)
+        hf = hf.to(device).eval()
     with torch.no_grad():
-        out = [hf(torch.tensor([p], device=device)).logits[0].float().cpu().numpy() for p in prompts]
-    del hf
+        return [hf(torch.tensor([p], device=device)).logits[0].float().cpu().numpy() for p in prompts]
+
+
+def hf_speed_and_logits(model_dir: Path, workload: Path, time_limit: float, hf_json: Path, prompts: list,
+                        device: str) -> list:
+    """bench/hf_generate.py's timed pass on `workload` (its JSON to `hf_json`, or the error that stopped it),
+    then transformers' bf16 logits of `prompts` from the same loaded model: one load of the bf16 weights."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("hf_generate", ROOT / "bench" / "hf_generate.py")
+    hf_generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_generate)
+    h = hf_generate.Harness(model_dir, 0.0, 16)
+    try:
+        figures = hf_generate.measure(h, hf_generate.read_lines(workload), 32, 16, ("dynamic",), time_limit)
+        hf_json.write_text(json.dumps(figures, indent=1) + "\n")
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the accuracy half still stands
+        hf_json.with_suffix(".why").write_text(
+            f"{type(exc).__name__}: {str(exc)[:200]}\n")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    # the harness runs bf16 on CUDA, fp32 on the CPU (the smoke run): there, a bf16 load of its own
+    out = their_logits(model_dir, prompts, device, "bfloat16", h.model if h.model.dtype == torch.bfloat16 else None)
+    del h
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -127,7 +151,9 @@ def relative_error(got: list, want: list) -> float:
     return math.sqrt(num / sum(float(np.sum(w.astype(np.float64) ** 2)) for w in want))
 
 
-def accuracy(model_dir: Path, device: str, count: int, tokens: int) -> dict:
+def accuracy(model_dir: Path, device: str, count: int, tokens: int, speed: tuple | None = None) -> dict:
+    """(b) on `count` prompts of `tokens`; `speed` = (workload, time limit, JSON path): transformers' timed pass
+    on the workload first, from the same bf16 load."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(count, tokens, vocab)
     seconds = {}
@@ -135,7 +161,10 @@ def accuracy(model_dir: Path, device: str, count: int, tokens: int) -> dict:
     ours = our_logits(model_dir, prompts, device)
     seconds["ours"] = time.perf_counter() - t
     t = time.perf_counter()
-    theirs = their_logits(model_dir, prompts, device, "bfloat16")
+    if speed is None:
+        theirs = their_logits(model_dir, prompts, device, "bfloat16")
+    else:
+        theirs = hf_speed_and_logits(model_dir, *speed, prompts, device)
     seconds["transformers_bf16"] = time.perf_counter() - t
     t = time.perf_counter()
     ref = their_logits(model_dir, prompts, device, "float32")
@@ -175,7 +204,8 @@ def row(name: str, out: Path) -> str:
     """| family | build s | shared-system ... | doc-qa ... | bf16 error ours / transformers' (ratio) |"""
     note = lambda key: (out / f"{name}.{key}.why").read_text().strip() if (out / f"{name}.{key}.why").exists() else ""
     build = note("build") or "—"
-    cells = [speed_cell(_load(out / f"{name}-{w}.json"), _load(out / f"{name}-{w}-hf.json"), note(w))
+    hf_why = lambda w: (out / f"{name}-{w}-hf.why").read_text().strip() if (out / f"{name}-{w}-hf.why").exists() else ""
+    cells = [speed_cell(_load(out / f"{name}-{w}.json"), _load(out / f"{name}-{w}-hf.json"), note(w) or hf_why(w))
              for w in ("shared-system", "doc-qa")]
     acc = _load(out / f"{name}-accuracy.json")
     if acc:
@@ -206,6 +236,9 @@ def main(argv=None):
     a.add_argument("--prompts", type=int, default=4)
     a.add_argument("--tokens", type=int, default=256)
     a.add_argument("--json", type=Path, required=True)
+    a.add_argument("--speed", nargs=3, metavar=("WORKLOAD", "TIME_LIMIT", "HF_JSON"),
+                   help="first time transformers on WORKLOAD (bench/hf_generate.py, this time limit, its JSON to "
+                        "HF_JSON) from the same bf16 load")
     r = sub.add_parser("row")
     r.add_argument("name")
     r.add_argument("out", type=Path)
@@ -216,7 +249,8 @@ def main(argv=None):
     elif args.cmd == "smoke-config":
         args.out.write_text(json.dumps({**bench_config(args.name), **SMOKE[args.name]}, indent=1))
     elif args.cmd == "accuracy":
-        figures = accuracy(args.model_dir, args.device, args.prompts, args.tokens)
+        speed = (Path(args.speed[0]), float(args.speed[1]), Path(args.speed[2])) if args.speed else None
+        figures = accuracy(args.model_dir, args.device, args.prompts, args.tokens, speed)
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
         print(json.dumps(figures))
     elif args.cmd == "row":

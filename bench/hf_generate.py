@@ -175,8 +175,13 @@ def fit(h: Harness, lines: list[dict], group: int, default_max_tokens: int,
 def run(model_dir: Path, workload: Path, group: int = 32, temperature: float = 0.0,
         default_max_tokens: int = 16, caches: tuple[str, ...] = ("static", "dynamic"),
         time_limit: float = float("inf")) -> dict:
-    lines = read_lines(workload)
-    h = Harness(model_dir, temperature, default_max_tokens)
+    return measure(Harness(model_dir, temperature, default_max_tokens), read_lines(workload), group,
+                   default_max_tokens, caches, time_limit)
+
+
+def measure(h: Harness, lines: list[dict], group: int, default_max_tokens: int, caches: tuple[str, ...],
+            time_limit: float) -> dict:
+    """The figures of the workload's `lines` through the loaded harness `h`."""
     # under a time limit the shapes' warm-up generates 4 tokens (prefill, decode and the memory peak of a prompt
     # are all there) rather than a whole group's completions, so the limit buys timed groups
     warm = 4 if math.isfinite(time_limit) else None

@@ -50,6 +50,9 @@ def test_a_stopped_transformers_pass_is_a_lower_bound(tmp_path):
     assert "skipped: 10 s left" in row and row.endswith("| not run |")
     (tmp_path / "f-shared-system-hf.json").write_text(json.dumps({**hf, "complete": True, "wall_seconds": 10.0}))
     assert "**5.0x** |" in fam.row("f", tmp_path)
+    (tmp_path / "f-shared-system-hf.json").unlink()  # the timed pass failed inside the accuracy process
+    (tmp_path / "f-shared-system-hf.why").write_text("OutOfMemoryError: at one request\n")
+    assert "| transformers: OutOfMemoryError: at one request | — |" in fam.row("f", tmp_path)
 
 
 def test_large_matrices_drawn_on_threads_do_not_depend_on_the_thread_count(monkeypatch):
