@@ -81,7 +81,6 @@ def start_weight_reads(device: str, spans):
 
         reads = driver_weight_reads.start_reads(list(spans), device_start.GPU)
         if reads is not None:
-            device_start.go()  # CuPy's import, where held until now
             return reads
     gpu = device_start.wait_context()
     if gpu is None:

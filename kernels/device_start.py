@@ -15,7 +15,6 @@ usual place, which reports the problem itself.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -26,9 +25,7 @@ _context = threading.Event()  # set once the context and the pinned ring are up,
 _backend = threading.Event()  # set once the backend's modules are imported too (cuBLAS loads after it)
 _gpu: list[int] = []  # the device whose context is up
 GPU = 0  # the device brought up (the first visible, as kernels/driver_context.py's)
-_go = threading.Event()  # set once CuPy's import may start (`go`)
-HOLD_SWITCH = "PREFIXRUN_CUPY_AFTER_READS"  # "1": CuPy's import waits for the weights' reads to start
-HOLD_MAX_S = 5.0
+_imported = threading.Event()  # set once CuPy's import is done (or failed)
 
 
 def start(device: str = "auto") -> None:
@@ -48,19 +45,12 @@ def started() -> bool:
         return _thread is not None
 
 
-def go() -> None:
-    """CuPy's import may start now (it waits for this where held: `_held`)."""
-    _go.set()
-
-
-def _held() -> bool:
-    """Whether CuPy's import waits for the weights' reads to start (through the driver, kernels/driver_weight_reads.py)
-    or for the backend to be asked for, whichever comes first: the environment's switch, and the driver's bring-up
-    made the context the reads need. Both imports' Python shares one lock with the command line's imports, which
-    then reach the reads' start sooner, and the reads run beside CuPy's import instead of after it."""
-    from prefixrun.kernels import driver_context
-
-    return os.environ.get(HOLD_SWITCH) == "1" and driver_context.made_context(GPU) is not None
+def wait_imported(timeout: float) -> bool:
+    """Wait for a bring-up under way (none: at once) to have imported CuPy (or failed to), at most `timeout`
+    seconds; False when it had not by then."""
+    with _lock:
+        started = _thread is not None
+    return _imported.wait(timeout) if started else True
 
 
 def wait() -> dict:
@@ -71,7 +61,6 @@ def wait() -> dict:
         thread = _thread
     if thread is None:
         return {}
-    go()
     t0 = time.perf_counter()
     _backend.wait()
     _figures.setdefault("waited_seconds", round(time.perf_counter() - t0, 4))
@@ -85,7 +74,6 @@ def wait_context() -> int | None:
         started = _thread is not None
     if not started:
         return None
-    go()
     _context.wait()
     return _gpu[0] if _gpu else None
 
@@ -105,14 +93,13 @@ def _bring_up():
         return now
 
     try:
-        t = t0
-        if _held():
-            _go.wait(HOLD_MAX_S)
-            t = step("held", t0)
         from prefixrun.kernels import import_cupy
 
-        cupy = import_cupy()
-        t = step("import_cupy", t)
+        try:
+            cupy = import_cupy()
+        finally:
+            _imported.set()
+        t = step("import_cupy", t0)
         if cupy.cuda.runtime.getDeviceCount() > 0:
             device = cupy.cuda.Device(GPU)
             device.use()

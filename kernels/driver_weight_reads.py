@@ -20,7 +20,11 @@ block given back is freed at once.
 
 Any failure here (no driver context or ring, a refused call) leaves the reads to CuPy's path (kernels/__init__.py
 start_weight_reads); a refused call while reading is the reads' error (the build reads what is missing itself).
-`PREFIXRUN_DRIVER_READS=0` in the environment keeps the reads on CuPy's path (a comparison of the two).
+
+Used only where `PREFIXRUN_DRIVER_READS=1` asks for it (docs/PERFORMANCE.md has the figures): the command line's
+own imports reach the reads' start about when CuPy's import ends, so the reads start no sooner this way, and
+running beside CuPy's import they slow it, and with it the backend and the kernel modules a run waits for. It pays
+where the command line reaches the reads well before CuPy is imported.
 """
 from __future__ import annotations
 
@@ -43,8 +47,8 @@ SWITCH = "PREFIXRUN_DRIVER_READS"
 
 
 def enabled() -> bool:
-    """Whether the reads may go the driver's way (the environment's switch)."""
-    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether the reads may go the driver's way: only where the environment's switch asks for it (module doc)."""
+    return os.environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def takes_ring(ordinal: int) -> bool:

@@ -167,9 +167,9 @@ def made(monkeypatch):
     return lib, keep
 
 
-def test_the_reads_go_the_drivers_way_where_its_bring_up_made_the_context(made, tmp_path, monkeypatch):
+def test_the_reads_go_the_drivers_way_where_asked_and_its_bring_up_made_the_context(made, tmp_path, monkeypatch):
     lib, _ = made
-    monkeypatch.delenv(driver_weight_reads.SWITCH, raising=False)
+    monkeypatch.setenv(driver_weight_reads.SWITCH, "1")
     assert driver_weight_reads.takes_ring(0) and not driver_weight_reads.takes_ring(1)
     arrays, spans = _file(tmp_path, sizes=(16, 8))
     reads = driver_weight_reads.start_reads(spans, 0)
@@ -181,15 +181,19 @@ def test_the_reads_go_the_drivers_way_where_its_bring_up_made_the_context(made, 
     assert driver_context.take_ring(0) is None  # the reads took it
 
 
-@pytest.mark.parametrize("value", ["0", "off", "false"])
-def test_the_switch_keeps_the_reads_on_cupys_way(made, monkeypatch, value):
-    monkeypatch.setenv(driver_weight_reads.SWITCH, value)
+@pytest.mark.parametrize("value", [None, "", "0", "off", "false", "2"])
+def test_without_the_switch_the_reads_go_cupys_way(made, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(driver_weight_reads.SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(driver_weight_reads.SWITCH, value)
     assert not driver_weight_reads.takes_ring(0)
     assert driver_weight_reads.start_reads([], 0) is None
     assert driver_context.take_ring(0) is not None  # left for CuPy's way
 
 
 def test_without_cupy_the_reads_are_left_to_the_build(made, monkeypatch):
+    monkeypatch.setenv(driver_weight_reads.SWITCH, "1")
     monkeypatch.setattr(driver_weight_reads, "cupy_installed", lambda: False)
     assert driver_weight_reads.start_reads([], 0) is None
     assert driver_context.take_ring(0) is not None
@@ -205,7 +209,7 @@ def test_no_bring_up_no_drivers_way(monkeypatch):
 def test_a_refused_memory_query_leaves_the_reads_to_cupy(made, monkeypatch):
     lib, _ = made
     lib.codes["cuMemGetInfo_v2"] = 201
-    monkeypatch.delenv(driver_weight_reads.SWITCH, raising=False)
+    monkeypatch.setenv(driver_weight_reads.SWITCH, "1")
     assert driver_weight_reads.start_reads([], 0) is None
     assert driver_context.take_ring(0) is not None
     assert lib.calls[-1] == "cuCtxPopCurrent_v2"  # the thread's context restored
@@ -217,6 +221,7 @@ def test_weights_read_through_the_driver_become_cupy_arrays(tmp_path):
     """In a fresh process: the reads start through the driver before CuPy is imported; the tensors taken after
     the backend exists equal the file's bytes, one dropped during the build is freed at the close."""
     probe = (
+        "import os\nos.environ['PREFIXRUN_DRIVER_READS'] = '1'\n"
         "import sys, numpy as np\nfrom prefixrun.kernels import driver_context, device_start, driver_weight_reads\n"
         "assert driver_context.start()\nf = driver_context.wait(60)\nassert 'error' not in f and 'ring_error' not in f, f\n"
         "device_start.start('cuda')\n"

@@ -211,51 +211,52 @@ def test_weights_read_through_the_ring_the_driver_pinned(tmp_path):
     assert p.stdout.startswith("ok")
 
 
+
 @pytest.fixture
 def fresh_bring_up(monkeypatch):
     from prefixrun.kernels import device_start
 
-    for name in ("_go", "_context", "_backend"):
+    for name in ("_imported", "_context", "_backend"):
         monkeypatch.setattr(device_start, name, threading.Event())
     monkeypatch.setattr(device_start, "_figures", {})
     monkeypatch.setattr(device_start, "_gpu", [])
-    monkeypatch.setattr(driver_context, "made_context", lambda ordinal: ("lib", 0x1234))
     return device_start
 
 
-@pytest.mark.parametrize("switch", ["1", None])
-def test_cupys_import_waits_for_the_reads_start_only_where_held(fresh_bring_up, monkeypatch, switch):
-    """With the switch and a context from the driver's bring-up, the bring-up imports CuPy only once told to (the
-    reads started, or the backend is asked for); without the switch at once."""
+def test_cupys_import_is_waited_for_done_or_failed(fresh_bring_up, monkeypatch):
     device_start = fresh_bring_up
-    if switch is None:
-        monkeypatch.delenv(device_start.HOLD_SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(device_start.HOLD_SWITCH, switch)
-    imported = threading.Event()
+    monkeypatch.setattr(device_start, "_thread", None)
+    assert device_start.wait_imported(0.01)  # no bring-up: at once
+    release = threading.Event()
 
     def import_cupy():
-        imported.set()
+        release.wait(10)
         raise ImportError("no CuPy here")
 
     monkeypatch.setattr("prefixrun.kernels.import_cupy", import_cupy)
     thread = threading.Thread(target=device_start._bring_up, daemon=True)
-    thread.start()
-    assert imported.wait(0.3) is (switch is None)
-    device_start.go()
-    thread.join(10)
-    assert imported.is_set() and "ImportError" in device_start.figures()["error"]
-    assert ("held" in device_start.figures()["parts"]) is (switch == "1")
-
-
-@pytest.mark.parametrize("asked", ["wait", "wait_context"])
-def test_asking_for_the_backend_lets_a_held_import_go(fresh_bring_up, monkeypatch, asked):
-    device_start = fresh_bring_up
-    monkeypatch.setenv(device_start.HOLD_SWITCH, "1")
-    monkeypatch.setattr("prefixrun.kernels.import_cupy", lambda: (_ for _ in ()).throw(ImportError("no CuPy")))
-    thread = threading.Thread(target=device_start._bring_up, daemon=True)
     monkeypatch.setattr(device_start, "_thread", thread)
     thread.start()
-    getattr(device_start, asked)()  # returns: it let the import go, which failed here
+    assert not device_start.wait_imported(0.05)
+    release.set()
+    assert device_start.wait_imported(10)
     thread.join(10)
-    assert device_start.figures()["parts"]["held"] < device_start.HOLD_MAX_S
+    assert "ImportError" in device_start.figures()["error"]
+
+
+@pytest.mark.parametrize("switch, waits", [("1", True), (None, False), ("0", False)])
+def test_the_command_line_waits_for_cupys_import_only_where_asked(monkeypatch, switch, waits):
+    from prefixrun.cli import launch
+    from prefixrun.kernels import device_start
+
+    calls = []
+    monkeypatch.setattr(driver_context, "start", lambda: calls.append("driver"))
+    monkeypatch.setattr(device_start, "start", lambda device: calls.append(f"device {device}"))
+    monkeypatch.setattr(device_start, "wait_imported", lambda timeout: calls.append(f"wait {timeout}"))
+    if switch is None:
+        monkeypatch.delenv(launch.CUPY_FIRST, raising=False)
+    else:
+        monkeypatch.setenv(launch.CUPY_FIRST, switch)
+    assert launch.start_gpu(["batch", "in.jsonl"])
+    assert calls == ["driver", "device auto"] + ([f"wait {launch.CUPY_FIRST_MAX_S}"] if waits else [])
+    assert not launch.start_gpu(["batch", "in.jsonl", "--device", "cpu"]) and len(calls) == 2 + waits
