@@ -30,16 +30,19 @@ class _Previews:
     the index names: anyone who can write the cache folder writes the index, and loading a tokenizer from a path
     they chose reads (and may run) what they put there."""
 
-    def __init__(self, model_dir: Path | None):
-        self._fixed = self._load(model_dir) if model_dir is not None else None
+    def __init__(self, model_dir: Path | None, err: Console):
+        self._fixed = self._load(model_dir, err) if model_dir is not None else None
 
     @staticmethod
-    def _load(model_dir):
+    def _load(model_dir, err: Console):
         from prefixrun.engine.load.tokenizer import Tokenizer
 
         try:
             return Tokenizer.from_model_dir(Path(model_dir))
-        except Exception:  # a moved, deleted or foreign model folder: previews fall back to token ids
+        except Exception as problem:  # a moved, deleted or damaged model folder: previews fall back to token ids
+            why = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
+            err.print(literal(f"warning: prefixes are shown as token ids: the tokenizer of --model-dir {model_dir} "
+                              f"cannot be loaded ({why})"), soft_wrap=True)
             return None
 
     def __call__(self, entry) -> str:
@@ -233,7 +236,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         print(json.dumps({"cache_dir": str(ckpt_root), "total_bytes": total, "budget_bytes": budget_bytes,
                           "kv_blocks": store.block_summary(), "entries": [_entry_json(e) for e in entries]}, indent=2))
         return io.EXIT_OK
-    preview = _Previews(model_dir)
+    preview = _Previews(model_dir, err)
     out = Console(highlight=False, markup=False, emoji=False)  # the command's output: stdout
     out.on_broken_pipe = _reader_went_away
     if tree:

@@ -348,6 +348,16 @@ def test_inspect_cache_loads_a_tokenizer_only_from_model_dir(tmp_path, monkeypat
     assert loaded == [tmp_path / "m"]
 
 
+def test_inspect_cache_says_when_the_tokenizer_of_model_dir_cannot_load(tmp_path):
+    """Previews fell back to token ids without a word when --model-dir's tokenizer was damaged or missing."""
+    cache = cache_with_entries(tmp_path)
+    (tmp_path / "m" / "tokenizer.json").write_text('{"model": ')
+    res = cli("inspect-cache", "--cache-dir", cache, "--model-dir", tmp_path / "m")
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert res.exit_code == 0 and len(warnings) == 1 and "shown as token ids" in warnings[0]
+    assert "tokenizer.json" in warnings[0]
+
+
 def test_inspect_cache_model_takes_the_model_folder_too(tmp_path):
     import json
 

@@ -5,6 +5,7 @@ traceback, never "damaged", never an offer to --clear what may be whole."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -12,7 +13,9 @@ import subprocess
 import pytest
 
 from conftest import cmd
-from test_cache_hostile_folder import cache_with_entries
+from prefixrun.engine.cache import auth
+from prefixrun.engine.cache.store import CheckpointStore
+from test_cache_hostile_folder import KEY, TOKENS, cache_with_entries, put
 
 OTHER_USER = 65534  # nobody
 POWERS = "-dac_override,-dac_read_search,-fowner,-chown"
@@ -90,3 +93,24 @@ def test_a_run_without_the_signing_key_leaves_the_users_entries_alone(model_dirs
     third = _batch(model_dirs["qwen3_5"], cache, prompts, env)  # the user's key again: every entry is a hit
     assert third.returncode == 0 and _tokens(third) == _tokens(first) and "warning:" not in third.stderr, third.stderr
 
+
+
+def test_a_cache_signed_with_another_key_is_a_few_warnings_not_one_per_entry(tmp_path, monkeypatch, caplog):
+    """A cache copied from another machine (another key): every entry fails alike. A warning apiece buried the
+    run's output; the first few are said and one line says more follow (the report counts them all)."""
+    root = tmp_path / "cache" / "checkpoints"
+    prefixes = [TOKENS[:n] for n in range(4, 41, 4)]
+    for config in ("config-a", "config-b"):
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / config))
+        monkeypatch.setattr(auth, "_keys", {})
+        with caplog.at_level(logging.WARNING), CheckpointStore(root) as store:
+            for tokens in prefixes:
+                if config == "config-a":
+                    assert put(store, tokens)
+                else:
+                    assert store.lookup(KEY, tokens, len(tokens)) is None
+            bad = store.stats.corrupt
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert bad == len(prefixes) and len(said) == 4, said
+    assert all("failed verification" in line for line in said[:3])
+    assert said[3] == "more checkpoints failed verification; they are not shown one by one (the report counts them)"

@@ -84,6 +84,7 @@ from prefixrun.engine.cache.keys import (  # noqa: F401
     default_checkpoint_dir)
 from prefixrun.engine.cache.kv_blocks import BadBlock
 from prefixrun.engine.cache.maintenance import DEFAULT_ORPHAN_GRACE_S, StoreMaintenance  # noqa: F401
+from prefixrun.engine.cache.repeated_warnings import RepeatedWarnings
 from prefixrun.engine.cache.results import (  # noqa: F401
     CorruptEntry, EntryInfo, Evict, Get, Put, ReadAccount, StoredCheckpoint, StoreStats, SweepResult)
 from prefixrun.engine.cache.verify import (  # noqa: F401
@@ -124,6 +125,7 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         self.root = Path(root).expanduser()
         self.budget_bytes = budget_bytes
         self.stats = StoreStats()
+        self.warnings = RepeatedWarnings(log)  # one per entry at most a few times (a whole cache may fail alike)
         self._clock = clock
         self._lock = threading.RLock()
         self._blobs_dir = self.root / BLOBS_DIR_NAME
@@ -256,7 +258,8 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
             return file_name, nbytes, content_sha256
         except OSError as error:
             self._files.unlink(temp)
-            log.warning("could not write checkpoint %s to %s: %s", entry_id, shard, error)
+            self.warnings.warn("checkpoints could not be written", "could not write checkpoint %s to %s: %s",
+                               entry_id, shard, error)
             return None
 
     def _evict_lru(self, db, budget: int, *, spare: str = "", scope: str = "", scope_params: Sequence = ()
@@ -437,7 +440,8 @@ class CheckpointStore(StoreAdmin, StoreMaintenance, EntryVerification, BlockRefe
         new_blocks, error = self._kv.write_many(missing, block_meta)
         if error is not None:
             self._discard_unindexed_blocks(new_blocks)
-            log.warning("could not write a K/V block of checkpoint %s: %s", job.entry_id, error)
+            self.warnings.warn("K/V blocks could not be written", "could not write a K/V block of checkpoint %s: %s",
+                               job.entry_id, error)
             return Put("write_error")
         written = self._write_blob(job.entry_id, _blob_tensors(job), _blob_metadata(job, created))
         if written is None:

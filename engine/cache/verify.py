@@ -234,7 +234,8 @@ class EntryVerification:
         for path in freed:  # blocks only this entry used: intact as far as anyone knows, but unreferenced now
             self._files.unlink(path)
         self.stats.corrupt += 1
-        log.warning("checkpoint %s failed verification (%s); moved to %s", row.entry_id, reason, self._quarantine_dir)
+        self.warnings.warn("checkpoints failed verification", "checkpoint %s failed verification (%s); moved to %s",
+                           row.entry_id, reason, self._quarantine_dir)
         source = self._path_of(row.file_name)
         if source is not None:  # else the row named no file of ours: dropping the row is all there is to do
             self._move_to_quarantine(source, f"entry_id: {row.entry_id}\nreason: {reason}\n")
@@ -254,7 +255,8 @@ class EntryVerification:
         except FileNotFoundError:
             pass  # nothing left to keep
         except OSError as error:  # keeping the evidence is best effort; the row is already gone
-            log.warning("could not move %s to quarantine: %s", source, error)
+            self.warnings.warn("files could not be moved to quarantine", "could not move %s to quarantine: %s",
+                               source, error)
             self._files.unlink(source)
 
     def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> list[str]:
@@ -276,8 +278,9 @@ class EntryVerification:
         if row is None and not users:
             return []  # evicted meanwhile: a race, not corruption
         self.stats.corrupt += 1
-        log.warning("K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
-                    len(users))
+        self.warnings.warn("K/V blocks failed verification",
+                           "K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
+                           len(users))
         for path in [self._path_of(f) for f in blobs] + freed:
             self._files.unlink(path)
         # only a file named for this block is its own: a row naming another block's file leaves that file alone
