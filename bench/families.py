@@ -10,8 +10,8 @@ bf16 accuracy against transformers on the same weights, and the markdown rows of
 Accuracy, on a short prompt set (`--prompts` random prompts of `--tokens` tokens, every position's logits): the
 relative Frobenius error of our bf16 engine (kernels/cuda.py, the model as `prefixrun batch` loads it) and of
 transformers in bf16, both against transformers in fp32 on the same weights; passes when ours is within 2x
-theirs. Each model is loaded, used and freed before the next, so the largest bench model (gpt-oss-20b-like, 42 GB
-in bf16, 84 GB in fp32) fits one 141 GB GPU whole. On `--device cpu` (the smoke run) ours is the NumPy fp32
+theirs. Each model is loaded, used and freed before the next (transformers bf16, fp32, then ours), so the largest
+bench model (gpt-oss-20b-like, 42 GB in bf16, 84 GB in fp32) fits one 141 GB GPU whole. On `--device cpu` (the smoke run) ours is the NumPy fp32
 reference. Prints what transformers ran with (flash-linear-attention, mamba_ssm, causal_conv1d importable or not).
 """
 from __future__ import annotations
@@ -134,14 +134,20 @@ def hf_speed_and_logits(model_dir: Path, workload: Path, time_limit: float, hf_j
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the accuracy half still stands
         hf_json.with_suffix(".why").write_text(
             f"{type(exc).__name__}: {str(exc)[:200]}\n")
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_torch(device)
     # the harness runs bf16 on CUDA, fp32 on the CPU (the smoke run): there, a bf16 load of its own
-    out = their_logits(model_dir, prompts, device, "bfloat16", h.model if h.model.dtype == torch.bfloat16 else None)
-    del h
+    return their_logits(model_dir, prompts, device, "bfloat16", h.model if h.model.dtype == torch.bfloat16 else None)
+
+
+def release_torch(device: str):
+    """The device memory of models no longer referenced back to the driver (the next model loads in full)."""
+    import gc
+
+    import torch
+
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return out
 
 
 def relative_error(got: list, want: list) -> float:
@@ -158,17 +164,19 @@ def accuracy(model_dir: Path, device: str, count: int, tokens: int, speed: tuple
     prompts = random_prompts(count, tokens, vocab)
     seconds = {}
     t = time.perf_counter()
-    ours = our_logits(model_dir, prompts, device)
-    seconds["ours"] = time.perf_counter() - t
-    t = time.perf_counter()
     if speed is None:
         theirs = their_logits(model_dir, prompts, device, "bfloat16")
     else:
         theirs = hf_speed_and_logits(model_dir, *speed, prompts, device)
+    release_torch(device)
     seconds["transformers_bf16"] = time.perf_counter() - t
     t = time.perf_counter()
     ref = their_logits(model_dir, prompts, device, "float32")
+    release_torch(device)
     seconds["transformers_fp32"] = time.perf_counter() - t
+    t = time.perf_counter()  # ours last: whatever our backend keeps after it needs no room any more
+    ours = our_logits(model_dir, prompts, device)
+    seconds["ours"] = time.perf_counter() - t
     ours_err, their_err = relative_error(ours, ref), relative_error(theirs, ref)
     return {"prompts": count, "tokens": tokens, "device": device, "our_error": ours_err,
             "transformers_bf16_error": their_err, "ratio": ours_err / their_err if their_err else math.inf,
