@@ -130,7 +130,8 @@ def batch(
 def _prepare_batch(given: dict, reporter: RunReporter):
     """batch's checks before any work (exit 2 with one line): (run configuration, input stream, input path or None,
     the claim on -o or None)."""
-    from prefixrun.cli.output import OutputError, check_targets, claim_output, stdout_targets
+    from prefixrun.cli.output import claim_output
+    from prefixrun.cli.output_targets import OutputError, check_targets, stdout_targets
 
     output, json_report, resume, overwrite = (given[k] for k in ("output", "json_report", "resume", "overwrite"))
     try:
@@ -457,8 +458,8 @@ def bench(
 
     clock = PhaseClock()  # the process's start-up so far is its imports
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import (STDOUT, OutputError, check_targets, claim_output, run_to_output,
-                                      write_json_report)
+    from prefixrun.cli.output import claim_output, run_to_output, write_json_report
+    from prefixrun.cli.output_targets import STDOUT, OutputError, check_targets
 
     clock.mark("options")
 
@@ -526,7 +527,7 @@ def _check_json_target(json_out: Path, workload: Path, output, json_report) -> N
     """bench's --json must be writable, and may not be its workload (the figures replaced the requests), -o,
     --json-report or one of -o's companion files (one file silently held the other's text): OutputError."""
     from prefixrun.cli.input_ledger import ledger_path
-    from prefixrun.cli.output import OutputError, check_target, journal_path, same_file
+    from prefixrun.cli.output_targets import OutputError, check_target, journal_path, same_file
 
     check_target(json_out, "--json")
     others = [(workload, "the workload"), (output, "-o"), (json_report, "--json-report")]

@@ -1,13 +1,8 @@
-"""Where results go: checking output targets before any work, opening `-o` without destroying old results, and
-the journal that makes every finished result durable the moment it finishes.
+"""Where results go: opening `-o` without destroying old results, and the journal that makes every finished result
+durable the moment it finishes.
 
 Promises (docs/RELIABILITY.md lists the faults the tests inject):
-- `-o` and `--json-report` are checked before the model is loaded: a missing directory, a directory, an
-  unwritable place, or the input itself (same device and inode: hard links and symlinks included; also whatever
-  file or pipe is open as the input or on standard input, reached through /dev/stdin or /proc/self/fd/0) is a
-  usage error (exit 2) with one line.
-- An existing non-empty `-o` is never replaced silently: without `--resume` the run refuses to start unless
-  `--overwrite` is given (an explicit request to replace it).
+- `-o` and `--json-report` are checked before the model is loaded (cli/output_targets.py).
 - In ordered mode a result that finishes before an earlier line waits in memory; it is also appended at once to
   a journal beside the output (`<output>.journal`). A killed run leaves output + journal; `--resume` moves the
   journal's results into the output first, so only the requests that were in flight run again. A run that ends
@@ -41,140 +36,10 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
-from prefixrun.cli.input_ledger import InputLedger, InputMismatch, ledger_path
+from prefixrun.cli.input_ledger import InputLedger, InputMismatch
+from prefixrun.cli.output_targets import STDOUT, OutputError, in_system_folder, is_regular, journal_path
 from prefixrun.cli.stop_signals import stop_reason
 from prefixrun.engine.errors import EnginesDidNotStart
-
-
-class OutputError(Exception):
-    """An output target that cannot be used; the message is one line for the person who gave it."""
-
-
-JOURNAL_SUFFIX = ".journal"
-
-
-def journal_path(output: Path) -> Path:
-    return output.with_name(output.name + JOURNAL_SUFFIX)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Checks before any work
-
-
-def check_target(path: Path, option: str) -> None:
-    """Raise OutputError unless `path` can be written as a file (created, or an existing file/device appended)."""
-    if path.is_dir():
-        raise OutputError(f"{option} {path} is a directory; give a file name")
-    parent = path.absolute().parent
-    if not parent.exists():
-        raise OutputError(f"{option} {path}: directory {parent} does not exist")
-    if not parent.is_dir():
-        raise OutputError(f"{option} {path}: {parent} is not a directory")
-    try:
-        if path.exists() and not _is_regular(path):
-            # A FIFO would block an open until its reader comes; /dev/null and terminals need no probe.
-            if not os.access(path, os.W_OK):
-                raise PermissionError(13, "Permission denied")
-        elif path.exists():
-            # Opening for append changes nothing, and tells what os.access cannot (root, read-only mounts).
-            with open(path, "ab"):
-                pass
-        else:
-            fd, probe = tempfile.mkstemp(prefix=".prefixrun-probe-", dir=parent)
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as exc:
-        raise OutputError(f"{option} {path} cannot be written: {exc.strerror or exc}") from None
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (same device and inode; follows symlinks, sees hard links). Paths that do
-    not exist yet are compared by their resolved names."""
-    try:
-        sa, sb = os.stat(a), os.stat(b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
-
-
-def reads_from(path: Path, descriptors) -> bool:
-    """Whether `path` leads (through links, /dev/stdin, /proc/self/fd/N) to the file or pipe open on one of
-    `descriptors`. A character device is never counted: reading /dev/null or a terminal while writing it
-    destroys nothing."""
-    try:
-        target = os.stat(path)
-    except OSError:
-        return False
-    for fd in descriptors:
-        try:
-            opened = os.fstat(fd)
-        except OSError:
-            continue
-        if not stat.S_ISCHR(opened.st_mode) and (opened.st_dev, opened.st_ino) == (target.st_dev, target.st_ino):
-            return True
-    return False
-
-
-STDOUT = Path("-")  # `-o -` and `--json-report -`: standard output, never a file named "-"
-
-
-def stdout_targets(output: Path | None, json_report: Path | None) -> Path | None:
-    """-o as the run takes it: `-o -` is standard output, as if -o were not given. `--json-report -` writes the
-    report on standard output, so the results must go to a file (OutputError otherwise: the two would mix)."""
-    output = None if output == STDOUT else output
-    if (output is None or json_report == STDOUT) and not _stdout_writable():  # `>&-`, `1<FILE`: found after the run
-        raise OutputError("standard output is closed or not open for writing: give " + (
-            "-o FILE for the results" if output is None else "--json-report FILE for the report"))
-    if json_report == STDOUT and output is None:
-        raise OutputError("--json-report - would mix the report into the results on standard output: give -o "
-                          "FILE for the results, or --json-report FILE")
-    return output
-
-
-def _stdout_writable() -> bool:
-    try:  # sys.stdout is None when the process started with it closed
-        return fcntl.fcntl(sys.stdout.fileno(), fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
-    except AttributeError:
-        return False
-    except (OSError, ValueError):  # no descriptor under it (a stream in memory): it takes writes
-        return True
-
-
-def check_targets(input_path: Path | None, output: Path | None, json_report: Path | None, *, resume: bool,
-                  overwrite: bool, input_fd: int | None = None) -> None:
-    """Every check on -o / --json-report that can be made before the model is loaded. `input_fd`: the opened
-    input, which no target may lead to, nor to what is open on standard input (`-o /dev/stdin` with a file on
-    stdin truncated the file before a line of it was read)."""
-    json_report = None if json_report == STDOUT else json_report
-    named = [(p, opt) for p, opt in ((output, "-o"), (json_report, "--json-report")) if p is not None]
-    inputs = [fd for fd in (input_fd, 0) if fd is not None]
-    for path, option in named:
-        check_target(path, option)
-        if input_path is not None and same_file(path, input_path) or reads_from(path, inputs):
-            raise OutputError(f"{option} {path} is the input" + (" file" if input_path is not None else
-                                                                 " (standard input)") +
-                              "; writing there would destroy the input")
-    if output is not None and json_report is not None and same_file(output, json_report):
-        raise OutputError(f"-o and --json-report name the same file ({output})")
-    for companion, what in _companions(output):
-        # a report over the ledger broke --resume's check, over the journal it was left as a killed run's
-        for path, role, fix in ((json_report, "--json-report", "--json-report"), (input_path, "the input", "-o")):
-            if path is not None and same_file(path, companion):
-                raise OutputError(f"{role} {path} is -o's {what}, which the run writes; give another {fix}")
-        if (companion.exists() or companion.is_symlink()) and not _is_regular(companion):
-            # a folder there was a traceback mid-run (read as the ledger) or "cannot write results"; a FIFO hung
-            raise OutputError(f"{companion}, -o's {what}, is not a file; remove it or give another -o")
-    if output is not None and not resume and not overwrite and _holds_results(output):
-        raise OutputError(f"-o {output} already holds results; pass --resume to continue it or --overwrite to "
-                          f"replace it")
-
-
-def _companions(output: Path | None) -> list[tuple[Path, str]]:
-    """The files a run keeps beside a regular -o file, with what they are."""
-    if output is None:
-        return []
-    return [(journal_path(output), "journal (results waiting for an earlier line)"),
-            (ledger_path(output), "input ledger (the line that made each result, for --resume)")]
 
 
 class OutputClaim:
@@ -209,7 +74,7 @@ class OutputClaim:
 def claim_output(output: Path | None) -> OutputClaim | None:
     """Claim a regular (or not yet existing) -o file for this run; None for stdout, FIFOs and devices, which are
     not truncated or journaled. Raises OutputError when another run holds it. Call after check_targets."""
-    if output is None or (output.exists() and not _is_regular(output)):
+    if output is None or (output.exists() and not is_regular(output)):
         return None
     try:
         return OutputClaim(output)
@@ -217,21 +82,6 @@ def claim_output(output: Path | None) -> OutputClaim | None:
         raise
     except OSError as exc:
         raise OutputError(f"-o {output} cannot be written: {exc.strerror or exc}") from None
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _holds_results(output: Path) -> bool:
-    """A non-empty regular file, or the journal a killed run left beside it."""
-    for path in (output, journal_path(output)):
-        if _is_regular(path) and os.stat(path).st_size > 0:
-            return True
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,7 +117,7 @@ class Journal:
 
 def open_output(output: Path, *, resume: bool):
     """(stream, journal or None). The journal exists only for regular files (not /dev/stdout, FIFOs, ...)."""
-    regular = _is_regular(output) or not output.exists()
+    regular = is_regular(output) or not output.exists()
     stream = open(output, "a" if resume else "w", encoding="utf-8")
     if not regular:
         return stream, None
@@ -344,7 +194,7 @@ def restore_input_order(output: Path, positions: io.InputPositions, fresh_from: 
     atomically, so a kill meanwhile leaves the old file whole (and the next resumed run removes the copy).
     True if it was rewritten. Raises OSError where it cannot be (the caller warns: the records are all there)."""
     real = Path(os.path.realpath(output))
-    if not _is_regular(real):
+    if not is_regular(output) or not is_regular(real):
         return False  # a device or FIFO is written once, never rewritten
     temp = real.with_name(f".{real.name}.reorder")
     spans: list[tuple[int, int]] = []  # (offset, length) of each complete line
@@ -536,7 +386,8 @@ def _write_atomically(path: Path, text: str) -> None:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         mode = None
-    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)) or in_system_folder(path):
+        # /dev/stderr, /dev/fd/3: a rename would replace the system's link with a file (as root it did)
         with open(path, "w", encoding="utf-8") as stream:
             stream.write(text)
         return

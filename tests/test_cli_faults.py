@@ -218,6 +218,37 @@ def test_existing_results_are_not_replaced_without_overwrite(model, tmp_path):
     assert res.exit_code == 2 and "already holds results" in res.stderr
 
 
+def test_names_of_open_streams_are_written_through_never_replaced_or_given_companions(model, tmp_path):
+    """`--json-report /dev/stdout` (as root) renamed a temporary file over /dev/stdout, replacing the system's link
+    with a regular file; `-o /dev/stdout` with stdout redirected to a file wrote /dev/stdout.inputs beside it. A
+    name in /dev or /proc is an open stream: the report is written through it, -o leading to stdout is stdout (its
+    report there is the mixing `--json-report -` is), nothing is kept beside it. Checked through /proc/self/fd,
+    where a rename or a companion file cannot be made, so a regression fails here without touching /dev."""
+    from prefixrun.cli.output import write_json_report
+    from prefixrun.cli.output_targets import in_system_folder, is_regular
+    from prefixrun.cli.report import RunReporter
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"q{i}", "prompt": "x", "max_tokens": 1}
+                                              for i in range(3)])
+    read_end, write_end = os.pipe()
+    try:
+        assert write_json_report(Path(f"/proc/self/fd/{write_end}"), {"requests": 3}, RunReporter())
+        os.close(write_end)
+        assert json.loads(os.read(read_end, 1000)) == {"requests": 3}
+    finally:
+        os.close(read_end)
+    results = tmp_path / "results.jsonl"
+    with open(results, "w") as stdout:
+        assert in_system_folder(Path(f"/proc/self/fd/{stdout.fileno()}")) and in_system_folder(Path("/dev/stdout"))
+        assert not is_regular(Path(f"/proc/self/fd/{stdout.fileno()}")) and is_regular(results)
+        p = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o",
+                               "/proc/self/fd/1"), stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert [r["custom_id"] for r in records(results.read_text())] == ["q0", "q1", "q2"]
+    p = run("batch", src, "--model", tmp_path / "no-model", "--device", "cpu", "--json-report", "/proc/self/fd/1")
+    assert p.returncode == 2 and "would mix the report into the results" in one_error_line(p.stderr)
+
+
 def test_a_dash_for_output_or_report_is_standard_output_never_a_file_named_dash(model, tmp_path):
     """`-o -` wrote the results into a file named "-" (stdout stayed empty); `--json-report -` wrote the report
     there too, over the results."""
