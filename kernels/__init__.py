@@ -13,11 +13,13 @@ if TYPE_CHECKING:  # the package itself imports no numpy: kernels/driver_context
 
 def import_cupy():
     """CuPy, imported once its kernel cache folder is checked (kernels/kernel_cache.py: a folder that cannot be
-    written costs a warning, not the import)."""
+    written costs a warning, not the import), its duplicate-install check narrowed (kernels/cupy_import.py)."""
+    from prefixrun.kernels.cupy_import import narrow_scan
     from prefixrun.kernels.kernel_cache import prepare_cupy_cache
 
     prepare_cupy_cache()
-    import cupy
+    with narrow_scan():  # without CuPy's scan of every installed distribution (kernels/cupy_import.py)
+        import cupy
 
     return cupy
 
