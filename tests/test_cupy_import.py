@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from prefixrun.kernels import cupy_import
+from prefixrun.kernels import cuda_available, cupy_import
 
 
 def _dist(folder, name, version="1.0"):
@@ -77,6 +77,7 @@ def test_a_failing_listing_falls_back_to_the_librarys(site, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")
 def test_cupy_imports_and_works_through_the_narrowed_check():
     """In a fresh process (CuPy not imported yet): CuPy imports through `import_cupy`, computes, and the library's
     listing is its own again after."""
