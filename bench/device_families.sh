@@ -44,6 +44,7 @@ else  # python3 of the environment it runs in, with prefixrun importable
   DEVICE=cpu; GEN=4
 fi
 PREFIXRUN="python3 -m prefixrun.cli.launch"  # a command, not checkout_env's function: nice and timeout run it
+RESERVE=0  # seconds the later families' shared-system rows are guessed to need: transformers' steps leave half
 left() { local s=$(( BUDGET - SECONDS - ${1:-0} )); echo $(( s > 1 ? s : 1 )); }  # [minus N]; never 0 (timeout's "no limit")
 say() { echo "[$(printf '%4d' $SECONDS) s] $*" >&2; }  # on stderr: a step's stdout may be its value
 why() { echo "$3" > "$OUT/$1.$2.why"; say "$1: $2: $3"; }  # family, step, reason (shown in the table)
@@ -100,14 +101,14 @@ ours() {  # name, workload: prefixrun bench; prints transformers' time limit, HF
 }
 hf_alone() {  # name, workload, time limit: the independent transformers harness on the same token ids
   local j=$OUT/$1-$2
-  timeout "$(left 5)" python3 bench/hf_generate.py "$MODELS_DIR/$1" /tmp/fam-$2.jsonl --temperature 0 \
+  timeout "$(left $(( 5 + RESERVE / 2 )))" python3 bench/hf_generate.py "$MODELS_DIR/$1" /tmp/fam-$2.jsonl --temperature 0 \
     --caches dynamic --time-limit "$3" --json "$j-hf.json" > /dev/null 2> "$j-hf.err"
   local rc=$?
   [ $rc = 0 ] || why "$1" "$2" "exit $rc$( [ $rc = 124 ] && echo ', out of budget'): $(grep -v '^\s*$' "$j-hf.err" | tail -1 | cut -c1-160)"
 }
 accuracy() {  # name[, workload, time limit]: (b), after transformers' timed pass on the workload from the same load
   local speed=(); [ -n "${2:-}" ] && speed=(--speed "/tmp/fam-$2.jsonl" "$3" "$OUT/$1-$2-hf.json")
-  timeout "$(left 3)" python3 bench/families.py accuracy "$MODELS_DIR/$1" --device $DEVICE --prompts "$ACC_PROMPTS" \
+  timeout "$(left $(( 3 + RESERVE / 2 )))" python3 bench/families.py accuracy "$MODELS_DIR/$1" --device $DEVICE --prompts "$ACC_PROMPTS" \
     --tokens "$ACC_TOKENS" --json "$OUT/$1-accuracy.json" ${speed[@]+"${speed[@]}"} > "$OUT/$1-accuracy.log" 2>&1 \
     || why "$1" accuracy "exit $?: $(grep -v '^\s*$' "$OUT/$1-accuracy.log" | tail -1 | cut -c1-160)"
 }
@@ -159,8 +160,8 @@ for name in "$@"; do
   fi
   if [ -f "$MODELS_DIR/$name/config.json" ]; then
     [ -n "$COMPILE" ] && wait "$COMPILE"; COMPILE=
-    reserve=0; for later in "$@"; do reserve=$(( reserve + $(need "$later" speed) )); done
-    measure "$name" "$reserve"
+    RESERVE=0; for later in "$@"; do RESERVE=$(( RESERVE + $(need "$later" speed) )); done
+    measure "$name" "$RESERVE"
   fi
   python3 bench/families.py row "$name" "$OUT" | tee -a "$OUT/rows.md"
   rm -rf "${MODELS_DIR:?}/$name"
