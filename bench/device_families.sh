@@ -37,6 +37,7 @@ ACC_PROMPTS=${ACC_PROMPTS:-4}; ACC_TOKENS=${ACC_TOKENS:-256}
 MAKE_THREADS=${MAKE_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 MODELS_DIR=${MODELS_DIR:-/tmp/fam}; mkdir -p "$MODELS_DIR"
 export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1  # transformers' hub kernels (`kernels` may be installed) must not wait on a network
 if [ -z "$SMOKE" ]; then
   . bench/checkout_env.sh
   DEVICE=cuda; GEN=64
