@@ -38,11 +38,16 @@ def cupy_distribution_names(path: list[str]) -> list[str]:
     return names
 
 
+def needed(modules: dict, find_spec) -> bool:
+    """Whether CuPy's import is still to come (not in `modules`, found by `find_spec`) and not asked to scan all."""
+    return os.environ.get(FULL_SCAN) != "1" and "cupy" not in modules and find_spec("cupy") is not None
+
+
 @contextmanager
 def narrow_scan():
     """While in the block, `importlib.metadata.distributions()` called without arguments on this thread lists only
     the CuPy distributions (module doc)."""
-    if os.environ.get(FULL_SCAN) == "1" or "cupy" in sys.modules or importlib.util.find_spec("cupy") is None:
+    if not needed(sys.modules, importlib.util.find_spec):
         yield  # nothing to narrow: asked not to, imported already, or no CuPy (its import fails as it would)
         return
     from importlib import metadata

@@ -20,16 +20,14 @@ def _dist(folder, name, version="1.0"):
 
 @pytest.fixture
 def site(tmp_path, monkeypatch):
+    """Two folders of distributions as sys.path (CuPy's import itself is never run here: `needed` is answered)."""
     a, b = tmp_path / "a", tmp_path / "b"
     _dist(a, "cupy_cuda12x")
     _dist(a, "numpy")
     _dist(a, "cupyx_helper")  # not a CuPy package: "cupy" followed by neither "-" nor "_"
     _dist(b, "cupy", "13.0")
-    (a / "cupy").mkdir()
-    (a / "cupy" / "__init__.py").write_text("")  # find_spec("cupy") finds it
     monkeypatch.setattr(sys, "path", [str(a), str(b), str(tmp_path / "missing")])
-    monkeypatch.delitem(sys.modules, "cupy", raising=False)
-    monkeypatch.delenv(cupy_import.FULL_SCAN, raising=False)
+    monkeypatch.setattr(cupy_import, "needed", lambda modules, find_spec: True)
     return a, b
 
 
@@ -54,13 +52,17 @@ def test_the_importing_thread_sees_only_cupy_distributions(site):
 
 
 @pytest.mark.parametrize("why", ["switch", "imported", "absent"])
-def test_nothing_is_narrowed_where_it_need_not_be(site, monkeypatch, why):
-    if why == "switch":
-        monkeypatch.setenv(cupy_import.FULL_SCAN, "1")
-    elif why == "imported":
-        monkeypatch.setitem(sys.modules, "cupy", object())
-    else:
-        monkeypatch.setattr(sys, "path", [str(site[1])])  # no importable cupy package
+def test_nothing_is_narrowed_where_it_need_not_be(monkeypatch, why):
+    monkeypatch.setenv(cupy_import.FULL_SCAN, "1" if why == "switch" else "0")
+    modules = {"cupy": object()} if why == "imported" else {}
+    found = {"cupy": None if why == "absent" else object()}
+    assert not cupy_import.needed(modules, found.get)
+    monkeypatch.delenv(cupy_import.FULL_SCAN)
+    assert cupy_import.needed({}, {"cupy": object()}.get)
+
+
+def test_the_librarys_listing_is_left_alone_where_not_needed(monkeypatch):
+    monkeypatch.setattr(cupy_import, "needed", lambda modules, find_spec: False)
     full = importlib.metadata.distributions
     with cupy_import.narrow_scan():
         assert importlib.metadata.distributions is full
