@@ -1,7 +1,8 @@
 """A bf16 model against its block-FP8 rewrite (bench/fp8_checkpoint.py) in the engine, on one GPU: the decode step
 at a full batch and the prefill rate, each model loaded once, the FP8 one run with cuBLASLt's block-scaled GEMM at
 every row count and again under the default tuning (the weight-only kernels up to CudaTuning.fp8_weight_only_rows
-rows, or --weight-only-rows), and with --stream-rows N once more with fp8w_stream_kernel up to N rows.
+rows, or --weight-only-rows), and with --stream-rows N once more per --stream-variants with fp8w_stream_kernel up
+to N rows.
 
     python3 bench/fp8_engine_bench.py BF16_DIR FP8_DIR [--batch 64] [--prefix 2048] [--suffix 256] [--gen 32]
 
@@ -62,6 +63,8 @@ def main():
     p.add_argument("--weight-only-rows", type=int, default=None, help="default: the tuning's fp8_weight_only_rows")
     p.add_argument("--stream-rows", type=int, default=0,
                    help="also run the FP8 model with fp8w_stream_kernel up to this many rows (0: not)")
+    p.add_argument("--stream-variants", default="128/8",
+                   help="with --stream-rows: unit rows / warps of each run (CudaTuning.fp8_stream_unit_rows, _warps)")
     p.add_argument("--no-cublaslt", action="store_true", help="leave out the cuBLASLt-at-every-row-count run")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of the script, one run per model)")
     a = p.parse_args()
@@ -74,9 +77,11 @@ def main():
     rows = CudaTuning().fp8_weight_only_rows if a.weight_only_rows is None else a.weight_only_rows
     fp8_tunings = {} if a.no_cublaslt else {"fp8 cuBLASLt": {"fp8_weight_only_rows": 0}}
     fp8_tunings[f"fp8 weight-only <= {rows} rows"] = {"fp8_weight_only_rows": rows}
-    if a.stream_rows:
-        fp8_tunings[f"fp8 stream <= {a.stream_rows} rows"] = {"fp8_weight_only_rows": a.stream_rows,
-                                                              "fp8_stream_rows": a.stream_rows}
+    for variant in a.stream_variants.split(",") if a.stream_rows else ():
+        unit, warps = (int(v) for v in variant.split("/"))
+        fp8_tunings[f"fp8 stream <= {a.stream_rows} rows, {unit}/{warps}"] = {
+            "fp8_weight_only_rows": a.stream_rows, "fp8_stream_rows": a.stream_rows, "fp8_stream_unit_rows": unit,
+            "fp8_stream_warps": warps}
     for path, tunings in ((a.source, {"bf16": {}}), (a.fp8, fp8_tunings)):
         t = time.perf_counter()
         loaded = load(path, a.device)

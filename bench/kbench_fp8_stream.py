@@ -1,9 +1,11 @@
 """The streamed weight-only FP8 GEMM (fp8w_stream_kernel, kernels/fp8_stream.cu) against bf16 cuBLAS, the weight-only
 gemv (fp8w_gemv_kernel) and cuBLASLt's block-scaled FP8 `linear`, per 4b-like projection shape and decode row
-count (the stream kernel with units of 128 and of 256 weight rows, CudaTuning.fp8_stream_unit_rows): device microseconds per call and the weight bytes streamed per second (bf16: 2 N K bytes; FP8: N K bytes
-plus the block scales), each call on the next of several weight copies so that none stays in L2, the calls
-captured in a CUDA graph as decode steps run them (bench/fp8_gemm_bench.py `timed`). First, per shape, the stream
-kernel's error against the product with the dequantised weight rounded to bf16 (the bf16 GEMM's weights).
+count (the stream kernel under each "unit rows / warps" tuning that takes a kernel of its own:
+CudaTuning.fp8_stream_unit_rows and fp8_stream_warps): device microseconds per call, weight bytes streamed per
+second (GB/s; bf16: 2 N K bytes, FP8: N K bytes plus the block scales) and the ratio to bf16, each call on the
+next of several weight copies so that none stays in L2, the calls captured in a CUDA graph as decode steps run
+them (bench/fp8_gemm_bench.py `timed`). First, per shape, the stream kernel's error against the product with the
+dequantised weight rounded to bf16 (the bf16 GEMM's weights).
 
     python3 bench/kbench_fp8_stream.py [--shapes 18432x2560,...] [--rows 1,8,16,64,128] [--reps 20]
 """
@@ -18,6 +20,7 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support
 from prefixrun.kernels.cuda import CudaOps
 from prefixrun.kernels.cuda_arrays import cast
 from prefixrun.kernels.cuda_fp8 import ProjectionWeight, gemv_weight_only, stream_weight_only
+from prefixrun.kernels.fp8_launch import fp8w_stream_tiles, fp8w_stream_unit_rows
 
 
 def check(ops, w8, n: int, k: int, m: int) -> str:
@@ -28,6 +31,15 @@ def check(ops, w8, n: int, k: int, m: int) -> str:
     want = cast(x, cupy.float32) @ cast(w8.dequantized(), cupy.float32).T
     err = float(cupy.linalg.norm(cast(out, cupy.float32) - want) / cupy.linalg.norm(want))
     return f"M={m} {err:.1e}"
+
+
+def variants(m: int) -> list[tuple[int, int]]:
+    """The (unit rows, warps) tunings that take distinct kernels at m rows."""
+    tiles = fp8w_stream_tiles(m)
+    seen = {}
+    for unit, warps in ((128, 8), (256, 8), (256, 16), (128, 16)):
+        seen.setdefault((fp8w_stream_unit_rows(tiles, unit, warps), warps), None)
+    return list(seen)
 
 
 def time_shape(ops, a, n: int, k: int, rows: list[int], lt) -> None:
@@ -44,18 +56,18 @@ def time_shape(ops, a, n: int, k: int, rows: list[int], lt) -> None:
         x = cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32), BF16)
         out = cupy.empty((m, n), BF16)
         bf16 = timed(ops, rotating([lambda w=w: ops.linear(x, w) for w in w16s]), reps)
-        line = f"[{n}, {k}] M={m:3d}: bf16 {bf16:6.1f} us {gbs(bf16_bytes, bf16):5.0f} GB/s"
-        for unit in (128, 256) if m <= 64 else (128,):
-            tuned = ops.retuned(fp8_stream_unit_rows=unit)
+        line = f"[{n}, {k}] M={m:3d}: bf16 {bf16:5.1f} us {gbs(bf16_bytes, bf16):4.0f} GB/s | stream"
+        for unit, warps in variants(m):
+            tuned = ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps)
             t = timed(ops, rotating([lambda w=w: stream_weight_only(tuned, x, w, out, 0) for w in w8s]), reps)
-            line += f" | stream/{unit} {t:6.1f} us {gbs(fp8_bytes, t):5.0f} GB/s ({t / bf16:.2f}x)"
+            line += f" {unit}/{warps} {t:5.1f} {gbs(fp8_bytes, t):4.0f} ({t / bf16:.2f}x)"
         if m <= 64:
             gemv = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, ops._sm_count) for w in w8s]),
                          reps)
-            line += f" | gemv {gemv:6.1f} {gbs(fp8_bytes, gemv):5.0f} ({gemv / bf16:.2f}x)"
+            line += f" | gemv {gemv:5.1f} {gbs(fp8_bytes, gemv):4.0f} ({gemv / bf16:.2f}x)"
         if lt is not None:
             fp8 = timed(lt, rotating([lambda p=p: lt.linear(x, p) for p in projs]), reps)
-            line += f" | cuBLASLt {fp8:6.1f} ({fp8 / bf16:.2f}x)"
+            line += f" | cuBLASLt {fp8:5.1f} ({fp8 / bf16:.2f}x)"
         print(line, flush=True)
 
 

@@ -27,7 +27,7 @@ from prefixrun.kernels.cublaslt_fp8 import block_fp8_support, get_block_fp8_gemm
 from prefixrun.kernels.cuda_arrays import THREADS, blocks_for, i32, i64, type_name
 from prefixrun.kernels.cuda_modules import kernel
 from prefixrun.kernels.fp8 import GEMM_BLOCK, Fp8Matrix, linear_segments, quant_vector_ok
-from prefixrun.kernels.fp8_launch import FP8W_GEMV_WARPS, FP8W_STREAM_THREADS, FP8W_TILE, fp8w_gemv_split, \
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_WARPS, FP8W_TILE, fp8w_gemv_split, \
     fp8w_gemv_tiles, fp8w_k_split, fp8w_stream_kernel, fp8w_stream_stage_bytes, fp8w_stream_stages, \
     fp8w_stream_tiles, fp8w_stream_unit_rows
 from prefixrun.kernels.upload import upload_bytes
@@ -201,8 +201,8 @@ def gemv_weight_only(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
 
 def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:
     """out[:, col:col + N] = x [M, K] (bf16, M <= 128) @ the weight's dequantisation ^T, by fp8w_stream_kernel
-    (kernels/fp8_stream.cu: one block per SM, the weight's units of `tuning.fp8_stream_unit_rows` rows x 128
-    columns split evenly over them and streamed
+    (kernels/fp8_stream.cu: one block of `tuning.fp8_stream_warps` warps per SM, the weight's units of
+    `tuning.fp8_stream_unit_rows` rows x 128 columns split evenly over them and streamed
     through shared memory, each unit's fp32 sum scaled by its block scale; a row block several blocks share is
     summed in block order by the last of them: the grid follows N, K and the SM count, never M or timing)."""
     m, k = x.shape
@@ -215,13 +215,14 @@ def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray
     if ldx % 8 or x.data.ptr % 16:
         x, ldx = cupy.ascontiguousarray(x), k
     tiles = fp8w_stream_tiles(m)
-    unit = fp8w_stream_unit_rows(tiles, ops.tuning.fp8_stream_unit_rows)
+    warps = ops.tuning.fp8_stream_warps
+    unit = fp8w_stream_unit_rows(tiles, ops.tuning.fp8_stream_unit_rows, warps)
     smem = fp8w_stream_stages(tiles, unit) * fp8w_stream_stage_bytes(tiles, unit)
     blocks = ops._sm_count
     y, ldy = out[:, col:col + n], out.shape[1]
     partial = cupy.empty((2 * blocks, m, unit), cupy.float32)
-    kern = ops._dynamic_smem(kernel("fp8_stream", fp8w_stream_kernel(tiles, unit)), smem)
-    kern((blocks,), (FP8W_STREAM_THREADS,),
+    kern = ops._dynamic_smem(kernel("fp8_stream", fp8w_stream_kernel(tiles, unit, warps)), smem)
+    kern((blocks,), (32 * warps,),
          (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k), y, i64(ldy),
           partial, weight.counters), shared_mem=smem)
 

@@ -40,9 +40,9 @@ def fp8w_gemv_split(n: int, k: int, sm_count: int) -> int:
 
 
 FP8W_STREAM_TILES = (1, 2, 4, 8, 16)  # fp8w_stream_kernel's instantiations: tiles of 8 rows of x (at most 128 rows)
-# ... and the weight rows of its units: 256 (each x chunk loaded serves twice the weight) up to 8 tiles
+# ... the weight rows of its units (256: each x chunk loaded serves twice the weight) and its blocks' warps
 FP8W_STREAM_UNIT_ROWS = (128, 256)
-FP8W_STREAM_THREADS = 256  # F8S_THREADS
+FP8W_STREAM_WARPS = (8, 16)
 _STREAM_WEIGHT_ROW_BYTES = 144  # F8S_WLD
 _STREAM_X_ROW_BYTES = 320  # F8S_XLD
 FP8W_STREAM_SMEM = 200 * 1024  # the shared memory the stages of a block may take (one block an SM)
@@ -56,17 +56,28 @@ def fp8w_stream_tiles(rows: int) -> int:
     return next(nt for nt in FP8W_STREAM_TILES if 8 * nt >= rows)
 
 
-def fp8w_stream_unit_rows(tiles: int, unit_rows: int) -> int:
-    """The unit height a call takes: the tuning's, except 128 at 16 tiles (256 would need twice the sums'
-    registers)."""
-    if unit_rows not in FP8W_STREAM_UNIT_ROWS:
-        raise ValueError(f"fp8w_stream_kernel's units are {FP8W_STREAM_UNIT_ROWS} weight rows, got {unit_rows}")
-    return 128 if tiles > 8 else unit_rows
+def _stream_shape_ok(tiles: int, unit_rows: int, warps: int) -> bool:
+    """F8sShape's static_assert and register budget: 8 warps hold two 16-row fragments each where the unit or the
+    tiles are large (so 256-row units only up to 8 tiles: 16 would need 128 registers of sums); 16 warps one each
+    (128 registers a thread), so 256-row units up to 8 tiles and 128-row units from 2 (two warps across x's
+    tiles)."""
+    if warps == 8:
+        return unit_rows == 128 or tiles <= 8
+    return tiles <= 8 if unit_rows == 256 else tiles >= 2
+
+
+def fp8w_stream_unit_rows(tiles: int, unit_rows: int, warps: int = 8) -> int:
+    """The unit height a call takes: the tuning's where the kernel has it for these tiles and warps, else the
+    other."""
+    if unit_rows not in FP8W_STREAM_UNIT_ROWS or warps not in FP8W_STREAM_WARPS:
+        raise ValueError(f"fp8w_stream_kernel's units are {FP8W_STREAM_UNIT_ROWS} weight rows and its blocks "
+                         f"{FP8W_STREAM_WARPS} warps, got {unit_rows} and {warps}")
+    return unit_rows if _stream_shape_ok(tiles, unit_rows, warps) else 384 - unit_rows
 
 
 def fp8w_stream_stage_bytes(tiles: int, unit_rows: int = 128) -> int:
-    """F8sShape<tiles, unit_rows>::STAGE_BYTES: one unit's weight bytes (padded rows) and x's 8 * tiles padded
-    rows."""
+    """F8sShape<tiles, unit_rows, warps>::STAGE_BYTES: one unit's weight bytes (padded rows) and x's 8 * tiles
+    padded rows."""
     return unit_rows * _STREAM_WEIGHT_ROW_BYTES + 8 * tiles * _STREAM_X_ROW_BYTES
 
 
@@ -77,10 +88,10 @@ def fp8w_stream_stages(tiles: int, unit_rows: int = 128) -> int:
     return max(2, min(FP8W_STREAM_MAX_STAGES, FP8W_STREAM_SMEM // fp8w_stream_stage_bytes(tiles, unit_rows)))
 
 
-def fp8w_stream_kernel(tiles: int, unit_rows: int) -> str:
+def fp8w_stream_kernel(tiles: int, unit_rows: int, warps: int = 8) -> str:
     """The instantiation's name for a call of `tiles` tiles with units of `unit_rows` (fp8w_stream_unit_rows)."""
-    return f"fp8w_stream_kernel<{tiles}, {unit_rows}, {fp8w_stream_stages(tiles, unit_rows)}>"
+    return f"fp8w_stream_kernel<{tiles}, {unit_rows}, {warps}, {fp8w_stream_stages(tiles, unit_rows)}>"
 
 
-FP8W_STREAM_KERNELS = tuple(fp8w_stream_kernel(nt, ur) for nt in FP8W_STREAM_TILES for ur in FP8W_STREAM_UNIT_ROWS
-                            if fp8w_stream_unit_rows(nt, ur) == ur)
+FP8W_STREAM_KERNELS = tuple(fp8w_stream_kernel(nt, ur, w) for w in FP8W_STREAM_WARPS for nt in FP8W_STREAM_TILES
+                            for ur in FP8W_STREAM_UNIT_ROWS if _stream_shape_ok(nt, ur, w))

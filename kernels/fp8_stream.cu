@@ -9,7 +9,6 @@
 // shared by several blocks is written by each as fp32 partial sums, and the last of them to finish (a count per row
 // block) adds them all in block order: the grid and the ranges follow the weight's shape and the SM count only, so
 // a row's sums never depend on the other rows, on timing or on which block came last.
-#define F8S_THREADS 256
 #define F8S_WLD 144  // a weight row of a stage: 128 bytes + 16 (lanes g and g + 1 read other banks)
 #define F8S_XLD 320  // an x row of a stage: 256 bytes + 64, its 16-byte pieces permuted (fp8s_load_stage)
 
@@ -18,38 +17,41 @@ template <int N>
 __device__ __forceinline__ void f8s_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #endif
 
-// MT tiles of 8 rows of x against units of UR (128 or 256) weight rows
-template <int MT, int UR>
+// MT tiles of 8 rows of x against units of UR (128 or 256) weight rows, by a block of WARPS (8 or 16) warps; at 16
+// (128 registers a thread) each warp holds one 16-row fragment
+template <int MT, int UR, int WARPS>
 struct F8sShape {
-    static constexpr int RW = MT >= 8 || UR == 256 ? 2 : 1;  // 16-row A fragments a warp holds: 16 RW weight rows
+    static constexpr int THREADS = 32 * WARPS;
+    // 16-row A fragments a warp holds: 16 RW weight rows
+    static constexpr int RW = WARPS == 8 && (MT >= 8 || UR == 256) ? 2 : 1;
     static constexpr int AW = UR / (16 * RW);  // warps across the weight rows
-    static constexpr int BW = 8 / AW;  // warps across x's tiles (4 x 2 = 8 warps at UR = 128, RW = 2)
+    static constexpr int BW = WARPS / AW;  // warps across x's tiles (4 x 2 at 8 warps, UR = 128, RW = 2)
     static constexpr int TW = MT / BW;  // x tiles (8 rows each) a warp multiplies
     static constexpr int GS = TW < 4 ? TW : 4;  // tiles whose sums a warp holds at once
     static constexpr int W_BYTES = UR * F8S_WLD;
     static constexpr int STAGE_BYTES = W_BYTES + 8 * MT * F8S_XLD;
-    static_assert(AW * BW == 8 && TW >= 1, "8 warps over the unit's weight rows and x's tiles");
+    static_assert(AW * BW == WARPS && TW >= 1, "the warps over the unit's weight rows and x's tiles");
 };
 
-// Unit u's weight bytes (UR rows x 128 bytes, 16 a piece, UR / 32 pieces a thread) and x's 8 MT rows x 128 columns (16
+// Unit u's weight bytes (UR rows x 128 bytes, 16 a piece) and x's 8 MT rows x 128 columns (16
 // pieces a row) into a stage; zeros past the matrices. x's piece p (columns 8p .. 8p + 7) is stored at place
 // 4 (p % 4) + p / 4, so that the 4 lanes of a row reading their pieces p = 4t + j side by side read 64 bytes in a
 // row (and XLD puts rows g and g + 1 on the other 16 banks): no bank conflicts.
-template <int MT, int UR>
+template <int MT, int UR, int WARPS>
 __device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16* __restrict__ x, i64 ldx, int rows,
                                                 const unsigned char* __restrict__ q, int n_rows, int k_dim, int r,
                                                 int c) {
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int i = 0; i < UR * 8 / F8S_THREADS; ++i) {
-        const int idx = tid + F8S_THREADS * i, row = idx >> 3, p = idx & 7, n = r * UR + row, k = c * 128 + 16 * p;
+    for (int i = 0; i < UR * 8 / (32 * WARPS); ++i) {
+        const int idx = tid + 32 * WARPS * i, row = idx >> 3, p = idx & 7, n = r * UR + row, k = c * 128 + 16 * p;
         const bool ok = n < n_rows && k < k_dim;
         f8w_cp16(stage + row * F8S_WLD + 16 * p, q + (ok ? (i64)n * k_dim + k : 0), ok ? 16 : 0);
     }
-    unsigned char* sx = stage + F8sShape<MT, UR>::W_BYTES;
+    unsigned char* sx = stage + F8sShape<MT, UR, WARPS>::W_BYTES;
 #pragma unroll
-    for (int i = 0; i < (128 * MT + F8S_THREADS - 1) / F8S_THREADS; ++i) {
-        const int idx = tid + F8S_THREADS * i, row = idx >> 4, p = idx & 15, k = c * 128 + 8 * p;
+    for (int i = 0; i < (128 * MT + 32 * WARPS - 1) / (32 * WARPS); ++i) {
+        const int idx = tid + 32 * WARPS * i, row = idx >> 4, p = idx & 15, k = c * 128 + 8 * p;
         if (idx >= 128 * MT) break;
         const bool ok = row < rows && k < k_dim;
         f8w_cp16(sx + row * F8S_XLD + 16 * (4 * (p & 3) + (p >> 2)), x + (ok ? row * ldx + k : 0), ok ? 16 : 0);
@@ -60,10 +62,10 @@ __device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16
 // lane (g, t) reads bytes 32 t .. 32 t + 31 of weight rows g and g + 8 of each fragment and x's columns 32 t ..
 // 32 t + 31 of row g of each tile, taken in the column order of fp8w_gemv_kernel (kernels/fp8.cu); a unit's
 // products are summed in fp32 as they are (the fp8 values exact in bf16), then scaled into acc.
-template <int MT, int UR>
+template <int MT, int UR, int WARPS>
 __device__ __forceinline__ void fp8s_unit(const unsigned char* stage, float s, int wg, int xg,
-                                          float (&acc)[F8sShape<MT, UR>::RW][F8sShape<MT, UR>::TW][4]) {
-    using S = F8sShape<MT, UR>;
+                                          float (&acc)[F8sShape<MT, UR, WARPS>::RW][F8sShape<MT, UR, WARPS>::TW][4]) {
+    using S = F8sShape<MT, UR, WARPS>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     uint4 w[S::RW][4];
 #pragma unroll
@@ -120,11 +122,11 @@ __device__ __forceinline__ void fp8s_unit(const unsigned char* stage, float s, i
 // The warp's sums of row block r, then zeros in their place: bf16 into y where this block held all of the row
 // block's units, else fp32 into its partial slot (rows x UR, weight rows relative to the row block).
 // Accumulator layout (m16n8, operands swapped): c0, c1 at weight row g, x rows 2t, 2t + 1 of the tile; c2, c3 at g + 8.
-template <int MT, int UR>
-__device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT, UR>::RW][F8sShape<MT, UR>::TW][4], int wg,
-                                           int xg, int r, bool whole, int rows, int n_rows, bf16* __restrict__ y,
-                                           i64 ldy, float* __restrict__ slot) {
-    using S = F8sShape<MT, UR>;
+template <int MT, int UR, int WARPS>
+__device__ __forceinline__ void fp8s_flush(float (&acc)[F8sShape<MT, UR, WARPS>::RW][F8sShape<MT, UR, WARPS>::TW][4],
+                                           int wg, int xg, int r, bool whole, int rows, int n_rows,
+                                           bf16* __restrict__ y, i64 ldy, float* __restrict__ slot) {
+    using S = F8sShape<MT, UR, WARPS>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int f = 0; f < S::RW; ++f)
@@ -172,7 +174,7 @@ __device__ void fp8s_fixup(const float* partial, int* counters, int r, int chunk
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int e = threadIdx.x; e < rows * UR; e += F8S_THREADS) {
+    for (int e = threadIdx.x; e < rows * UR; e += blockDim.x) {
         const int m = e / UR, local = e % UR, n = UR * r + local;
         if (n >= n_rows) continue;
         float v = 0.f;
@@ -190,13 +192,13 @@ __device__ void fp8s_fixup(const float* partial, int* counters, int r, int chunk
 // weight q [n_rows, K] (K % 16 == 0, 16-byte aligned rows) with its block scales (row stride scale_cols), in units of
 // UR weight rows x 128 columns ("row blocks" of UR rows); partial: [2 gridDim.x, rows, UR] fp32, slot 2b of block b
 // for its first row block, 2b + 1 for its last; counters: one int per row block, 0 between calls (the weight's own:
-// calls on one weight run one after another). Dynamic shared memory: STAGES x F8sShape<MT, UR>::STAGE_BYTES.
-template <int MT, int UR, int STAGES>
-__global__ void __launch_bounds__(F8S_THREADS, 1)
+// calls on one weight run one after another). Dynamic shared memory: STAGES x F8sShape<MT, UR, WARPS>::STAGE_BYTES.
+template <int MT, int UR, int WARPS, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS, 1)
 fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
                    const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y,
                    i64 ldy, float* __restrict__ partial, int* __restrict__ counters) {
-    using S = F8sShape<MT, UR>;
+    using S = F8sShape<MT, UR, WARPS>;
     extern __shared__ __align__(16) unsigned char f8s_smem[];
     const int chunks = (k_dim + 127) / 128, scale_rows = (n_rows + 127) / 128;
     const i64 units = (i64)((n_rows + UR - 1) / UR) * chunks;
@@ -216,7 +218,7 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
     for (int i = 0; i < STAGES - 1; ++i) {
         const i64 u = u0 + i;
         if (u < u1)
-            fp8s_load_stage<MT, UR>(f8s_smem + i * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim, (int)(u / chunks),
+            fp8s_load_stage<MT, UR, WARPS>(f8s_smem + i * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim, (int)(u / chunks),
                                     (int)(u % chunks));
         f8w_commit();
     }
@@ -230,14 +232,14 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
         __syncthreads();  // the unit has landed for every thread, and every warp is done with the stage reloaded next
         const i64 ahead = u + STAGES - 1;
         if (ahead < u1)
-            fp8s_load_stage<MT, UR>(f8s_smem + ((i + STAGES - 1) % STAGES) * S::STAGE_BYTES, x, ldx, rows, q, n_rows,
+            fp8s_load_stage<MT, UR, WARPS>(f8s_smem + ((i + STAGES - 1) % STAGES) * S::STAGE_BYTES, x, ldx, rows, q, n_rows,
                                     k_dim, (int)(ahead / chunks), (int)(ahead % chunks));
         f8w_commit();
-        fp8s_unit<MT, UR>(f8s_smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
+        fp8s_unit<MT, UR, WARPS>(f8s_smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
         if (c == chunks - 1 || u == u1 - 1) {
             const bool whole = (i64)r * chunks >= u0 && (i64)(r + 1) * chunks <= u1;
             float* slot = partial + (2 * (i64)blockIdx.x + (r != first_r)) * rows * UR;
-            fp8s_flush<MT, UR>(acc, wg, xg, r, whole, rows, n_rows, y, ldy, slot);
+            fp8s_flush<MT, UR, WARPS>(acc, wg, xg, r, whole, rows, n_rows, y, ldy, slot);
             if (!whole) fp8s_fixup<UR>(partial, counters, r, chunks, units, rows, n_rows, y, ldy);
         }
     }

@@ -123,7 +123,7 @@ PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", 
 # How many units each file compiles as (absent: one). The tensor-core and attention files hold the costliest
 # instantiations (an mma kernel's unrolled tiles); the element-wise ones are many but small.
 UNITS_PER_FILE = {"elementwise": 4, "conv": 2, "delta_rule": 4, "kda": 2, "delta_tc": 5, "kda_tc": 2, "attention": 8,
-                  "attention_q8": 6, "fp8": 2, "fp8_stream": 5, "mamba": 2, "ssd_tc": 4,
+                  "attention_q8": 6, "fp8": 2, "fp8_stream": 8, "mamba": 2, "ssd_tc": 4,
                   "moe": 6}
 
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES, FP8W_STREAM_TILES, FP8W_STREAM_UNIT_ROWS
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES, FP8W_STREAM_TILES, FP8W_STREAM_UNIT_ROWS, FP8W_STREAM_WARPS
 
 GDN_KEY_DIMS = (16, 32, 64, 128)  # token-stepped kernels are instantiated for these padded key dims
 GDN_COLS = 4  # value columns per thread of gdn_cols_kernel (the only instantiation: see kernels/delta_rule.cu)
@@ -214,12 +214,11 @@ class CudaTuning:
     # tensor cores' operand), more fp8w_gemm_kernel (64 x 64 tiles dequantised in shared memory)
     fp8_gemv_rows: int = 64
     # ... and of those, at most this many rows (<= 128) take fp8w_stream_kernel first (kernels/fp8_stream.cu: the
-    # weight's 128 x 128 units split evenly over one block per SM, each streaming its units through a cp.async
-    # ring); 0: never. Set from bench/kbench_fp8_stream.py's measurements (docs/PERFORMANCE.md, "FP8 decode")
+    # weight's units of fp8_stream_unit_rows x 128 split evenly over one block of fp8_stream_warps warps per SM);
+    # 0: never. Set from bench/kbench_fp8_stream.py's measurements (docs/PERFORMANCE.md, "FP8 decode")
     fp8_stream_rows: int = 0
-    # ... its units' weight rows: 256 (x's bytes loaded once for twice the weight rows) or 128 (more, shorter
-    # units; 16-row tiles of x always 128)
     fp8_stream_unit_rows: int = 128
+    fp8_stream_warps: int = 8
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
@@ -248,6 +247,8 @@ class CudaTuning:
             raise ValueError(f"fp8_stream_rows must be an int from 0 to {8 * FP8W_STREAM_TILES[-1]}")
         if self.fp8_stream_unit_rows not in FP8W_STREAM_UNIT_ROWS:
             raise ValueError(f"fp8_stream_unit_rows must be one of {FP8W_STREAM_UNIT_ROWS}")
+        if self.fp8_stream_warps not in FP8W_STREAM_WARPS:
+            raise ValueError(f"fp8_stream_warps must be one of {FP8W_STREAM_WARPS}")
         for name in ("attn_prefill_warps", "attn_decode_warps", "attn_det_group_warps"):
             if getattr(self, name) not in (None,) + ATTN_WARPS:
                 raise ValueError(f"{name} must be None or one of {ATTN_WARPS}")

@@ -30,25 +30,25 @@ def ops():
     return CudaOps("bfloat16")
 
 
-def _stream(ops, x, block, n: int, col: int = 0, width: int | None = None, unit: int = 128):
+def _stream(ops, x, block, n: int, col: int = 0, width: int | None = None, unit: int = 128, warps: int = 8):
     from prefixrun.kernels.cuda_fp8 import stream_weight_only
 
     out = ops.upload(np.full((x.shape[0], width or n), 3.0, np.float32))
-    stream_weight_only(ops.retuned(fp8_stream_unit_rows=unit), ops.upload(x), block, out, col)
+    stream_weight_only(ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps), ops.upload(x), block, out, col)
     return ops.to_host(out).astype(np.float32)
 
 
-@pytest.mark.parametrize("unit", [128, 256])
+@pytest.mark.parametrize("unit,warps", [(128, 8), (256, 8), (128, 16), (256, 16)])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 9, 17, 64, 128])  # tiles of 8 rows: 1, 2, 4, 8, 16
-def test_the_stream_kernel_is_the_dequantised_bf16_gemm(n, k, m, unit, ops):
+def test_the_stream_kernel_is_the_dequantised_bf16_gemm(n, k, m, unit, warps, ops):
     from prefixrun.kernels.cuda_fp8 import upload_block
 
     rng = np.random.default_rng(n + k + m)
     weight = _weight(rng, n, k)
     block = upload_block([weight])
     x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
-    got = _stream(ops, x, block, n, 8, n + 16, unit)  # into columns 8 .. 8 + n of a wider output
+    got = _stream(ops, x, block, n, 8, n + 16, unit, warps)  # into columns 8 .. 8 + n of a wider output
     assert (got[:, :8] == 3.0).all() and (got[:, 8 + n:] == 3.0).all()
     got = got[:, 8:8 + n]
     bf16 = ops.to_host(ops.linear(ops.upload(x), block.dequantized())).astype(np.float32)
@@ -67,9 +67,10 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_again(ops):
     for unit, counts in ((128, (8, 64, 128)), (256, (8, 33, 64))):
         alone = _stream(ops, x[:1].copy(), block, n, unit=unit)
         for m in counts:
-            batch = _stream(ops, x[:m].copy(), block, n, unit=unit)
-            np.testing.assert_array_equal(batch[:1], alone)
-            np.testing.assert_array_equal(_stream(ops, x[:m].copy(), block, n, unit=unit), batch)
+            for warps in (8, 16):  # a row's sums are one warp's whichever the block's warps
+                batch = _stream(ops, x[:m].copy(), block, n, unit=unit, warps=warps)
+                np.testing.assert_array_equal(batch[:1], alone)
+                np.testing.assert_array_equal(_stream(ops, x[:m].copy(), block, n, unit=unit, warps=warps), batch)
 
 
 def test_the_stream_kernel_keeps_subnormal_fp8_values(ops):
@@ -81,8 +82,8 @@ def test_the_stream_kernel_keeps_subnormal_fp8_values(ops):
     _check(ops, _stream(ops, x, upload_block([weight]), 256), x, weight)
 
 
-@pytest.mark.parametrize("m,unit", [(1, 128), (64, 128), (128, 128), (64, 256)])
-def test_linear_takes_the_stream_kernel_where_the_tuning_names_it(m, unit, ops):
+@pytest.mark.parametrize("m,unit,warps", [(1, 128, 8), (64, 128, 8), (128, 128, 8), (64, 256, 8), (64, 256, 16)])
+def test_linear_takes_the_stream_kernel_where_the_tuning_names_it(m, unit, warps, ops):
     from prefixrun.kernels.cublaslt_fp8 import block_fp8_support
     from prefixrun.kernels.cuda_fp8 import ProjectionWeight, upload_block
 
@@ -92,8 +93,9 @@ def test_linear_takes_the_stream_kernel_where_the_tuning_names_it(m, unit, ops):
     n, k = 2560, 4096
     weight = _weight(rng, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
-    tuned = ops.retuned(fp8_weight_only_rows=128, fp8_stream_rows=128, fp8_stream_unit_rows=unit)
+    tuned = ops.retuned(fp8_weight_only_rows=128, fp8_stream_rows=128, fp8_stream_unit_rows=unit,
+                        fp8_stream_warps=warps)
     proj = tuned.upload_linear([weight])
     assert isinstance(proj, ProjectionWeight)
     got = tuned.to_host(tuned.linear(tuned.upload(x), proj)).astype(np.float32)
-    np.testing.assert_array_equal(got, _stream(ops, x, upload_block([weight]), n, unit=unit))
+    np.testing.assert_array_equal(got, _stream(ops, x, upload_block([weight]), n, unit=unit, warps=warps))

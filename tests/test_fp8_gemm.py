@@ -132,12 +132,18 @@ def test_the_stream_kernel_takes_the_fewest_row_tiles_and_a_ring_that_fits_an_sm
             fp8w_stream_tiles(rows)
     for tiles in (1, 2, 4, 8, 16):
         for unit in (128, 256):
-            unit = fp8w_stream_unit_rows(tiles, unit)
-            stages = fp8w_stream_stages(tiles, unit)
-            # at least a unit multiplied while the next loads; within an H100/H200 SM's 227 KiB of shared memory
-            assert 2 <= stages <= 8 and stages * fp8w_stream_stage_bytes(tiles, unit) <= 227 * 1024
-            assert f"fp8w_stream_kernel<{tiles}, {unit}, {stages}>" in FP8W_STREAM_KERNELS
+            for warps in (8, 16):
+                taken = fp8w_stream_unit_rows(tiles, unit, warps)
+                stages = fp8w_stream_stages(tiles, taken)
+                # at least a unit multiplied while the next loads; within an H100/H200 SM's 227 KiB of shared memory
+                assert 2 <= stages <= 8 and stages * fp8w_stream_stage_bytes(tiles, taken) <= 227 * 1024
+                assert f"fp8w_stream_kernel<{tiles}, {taken}, {warps}, {stages}>" in FP8W_STREAM_KERNELS
     assert fp8w_stream_unit_rows(16, 256) == 128 and fp8w_stream_unit_rows(8, 256) == 256
+    # 16 warps of one fragment: one tile has no second warp to share it (256-row units), 16 tiles too many sums
+    assert fp8w_stream_unit_rows(1, 128, 16) == 256 and fp8w_stream_unit_rows(16, 256, 16) == 128
+    assert fp8w_stream_unit_rows(2, 128, 16) == 128
+    with pytest.raises(ValueError):
+        fp8w_stream_unit_rows(1, 128, 4)
     assert fp8w_stream_stages(1) == 8 and fp8w_stream_stages(16) == 3 and fp8w_stream_stages(8, 256) == 3
     with pytest.raises(ValueError):
         fp8w_stream_unit_rows(1, 64)
@@ -148,3 +154,6 @@ def test_the_stream_kernel_takes_the_fewest_row_tiles_and_a_ring_that_fits_an_sm
     for bad in (64, 512, "256"):
         with pytest.raises(ValueError):
             CudaTuning(fp8_stream_unit_rows=bad)
+    for bad in (4, 32, "8"):
+        with pytest.raises(ValueError):
+            CudaTuning(fp8_stream_warps=bad)

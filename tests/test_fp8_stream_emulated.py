@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixrun.kernels.fp8_launch import FP8W_STREAM_KERNELS, FP8W_STREAM_THREADS, fp8w_stream_stage_bytes, \
-    fp8w_stream_stages
+from prefixrun.kernels.fp8_launch import FP8W_STREAM_KERNELS, fp8w_stream_stage_bytes, fp8w_stream_stages
 from test_delta_tc_emulated import _forked, _ptr, compile_emulated, emulator_common
 from test_fp8w_emulated import BF16, HELPERS, _gemv_case, _kernel_source
 
@@ -33,18 +32,18 @@ extern "C" void emu_readable_clear() { emu_readable.clear(); }
 
 # the instantiations the device compiles, and one two-stage ring (the shallowest the kernel allows)
 _VARIANTS = [tuple(int(v) for v in name[name.index("<") + 1:-1].split(", ")) for name in FP8W_STREAM_KERNELS]
-_VARIANTS += [(16, 128, 2)]
+_VARIANTS += [(16, 128, 8, 2)]
 ENTRY = r"""
 extern "C" void emu_fp8s(const void* x, i64 ldx, int rows, const unsigned char* q, const float* scale,
                          int scale_cols, int n_rows, int k_dim, void* y, i64 ldy, float* partial, int* counters,
-                         int blocks, int tiles, int unit, int stages, int smem, int threads) {
+                         int blocks, int tiles, int unit, int warps, int stages, int smem) {
     gridDim = {unsigned(blocks), 1, 1};
-    emu_launch(gridDim, threads, smem, [&] {
+    emu_launch(gridDim, 32 * warps, smem, [&] {
         auto run = [&](auto kernel) {
             kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, (bf16*)y, ldy, partial, counters);
         };
-""" + "".join(f"        if (tiles == {t} && unit == {u} && stages == {st}) run(fp8w_stream_kernel<{t}, {u}, {st}>);\n"
-              for t, u, st in _VARIANTS) + r"""    });
+""" + "".join(f"        if (tiles == {t} && unit == {u} && warps == {w} && stages == {st}) "
+              f"run(fp8w_stream_kernel<{t}, {u}, {w}, {st}>);\n" for t, u, w, st in _VARIANTS) + r"""    });
 }
 """
 
@@ -61,7 +60,7 @@ def emu(tmp_path_factory):
     return compile_emulated(tmp_path_factory, "fp8s_emu", src)
 
 
-def _run(emu, w, padded, x, blocks, tiles, unit=128, stages=None, col=8, extra=24):
+def _run(emu, w, padded, x, blocks, tiles, unit=128, stages=None, warps=8, col=8, extra=24):
     """The emulated kernel's output [m, n] (float32 of the bf16 values) and whether the columns around it kept 7."""
     m, k = x.shape
     n = w.shape[0]
@@ -77,7 +76,7 @@ def _run(emu, w, padded, x, blocks, tiles, unit=128, stages=None, col=8, extra=2
             emu.emu_readable_add(_ptr(a), ctypes.c_size_t(a.nbytes))
         emu.emu_fp8s(_ptr(x), ctypes.c_int64(k), m, _ptr(values), _ptr(padded), padded.shape[1], n, k,
                      ctypes.c_void_p(y.ctypes.data + 2 * col), ctypes.c_int64(width), _ptr(partial), _ptr(counters),
-                     blocks, tiles, unit, stages, stages * fp8w_stream_stage_bytes(tiles, unit), FP8W_STREAM_THREADS)
+                     blocks, tiles, unit, warps, stages, stages * fp8w_stream_stage_bytes(tiles, unit))
         assert (counters == 0).all(), "a row block's count not set back to 0 for the next call"
         return y.astype(np.float32)
 
@@ -93,25 +92,30 @@ def _check(got, w, x):
     assert (np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-4 * np.abs(want).max()).all()
 
 
-@pytest.mark.parametrize("m,n,k,blocks,tiles,unit,stages,subnormal", [
-    (1, 128, 128, 1, 1, 128, None, False),  # one unit, one block
-    (5, 200, 336, 3, 1, 128, None, False),  # ragged rows across two row blocks, K ragged by 80: 6 units, 3 blocks
-    (16, 136, 1024, 5, 2, 128, None, False),  # 16 units over 5 blocks: row blocks split mid-K, one spans both
-    (30, 256, 640, 4, 4, 128, None, False),  # 10 units over 4 blocks, more units than the 7 stages ahead
-    (57, 130, 1552, 7, 8, 128, None, False),  # K ragged by 16, 2 x 13 units over 7 blocks, two warps across x
-    (128, 144, 512, 3, 16, 128, 3, False),  # the largest instantiation: 8 tiles a warp in two groups
-    (100, 256, 384, 9, 16, 128, 2, False),  # more blocks than units (3 idle), a two-stage ring
-    (3, 128, 512, 2, 1, 128, None, True),  # only subnormal e4m3 values (and zeros): exact, not flushed
-    (2, 300, 640, 4, 1, 256, None, False),  # 256-row units: the second ragged, its second scale block absent
-    (12, 520, 384, 5, 2, 256, None, False),  # 3 row blocks of 256 x 3 chunks over 5 blocks
-    (31, 256, 1024, 3, 4, 256, None, False),  # 8 units over 3 blocks, each warp 32 rows of one scale block
-    (64, 384, 1040, 4, 8, 256, None, False),  # 8 tiles a warp in two groups, K ragged by 16
+@pytest.mark.parametrize("m,n,k,blocks,tiles,unit,stages,subnormal,warps", [
+    (1, 128, 128, 1, 1, 128, None, False, 8),  # one unit, one block
+    (5, 200, 336, 3, 1, 128, None, False, 8),  # ragged rows across two row blocks, K ragged by 80: 6 units, 3 blocks
+    (16, 136, 1024, 5, 2, 128, None, False, 8),  # 16 units over 5 blocks: row blocks split mid-K, one spans both
+    (30, 256, 640, 4, 4, 128, None, False, 8),  # 10 units over 4 blocks, more units than the 7 stages ahead
+    (57, 130, 1552, 7, 8, 128, None, False, 8),  # K ragged by 16, 2 x 13 units over 7 blocks, two warps across x
+    (128, 144, 512, 3, 16, 128, 3, False, 8),  # the largest instantiation: 8 tiles a warp in two groups
+    (100, 256, 384, 9, 16, 128, 2, False, 8),  # more blocks than units (3 idle), a two-stage ring
+    (3, 128, 512, 2, 1, 128, None, True, 8),  # only subnormal e4m3 values (and zeros): exact, not flushed
+    (2, 300, 640, 4, 1, 256, None, False, 8),  # 256-row units: the second ragged, its second scale block absent
+    (12, 520, 384, 5, 2, 256, None, False, 8),  # 3 row blocks of 256 x 3 chunks over 5 blocks
+    (31, 256, 1024, 3, 4, 256, None, False, 8),  # 8 units over 3 blocks, each warp 32 rows of one scale block
+    (64, 384, 1040, 4, 8, 256, None, False, 8),  # 8 tiles a warp in two groups, K ragged by 16
+    (1, 300, 640, 4, 1, 256, None, False, 16),  # 16 warps of one fragment each, the second unit ragged
+    (9, 200, 1552, 6, 2, 128, None, False, 16),  # 16 warps: two across x's two tiles, K ragged by 16
+    (24, 520, 384, 5, 4, 256, None, False, 16),
+    (50, 256, 1024, 3, 8, 256, None, False, 16),
+    (120, 144, 512, 3, 16, 128, None, False, 16),  # eight tiles a warp in two groups
 ])
 def test_the_stream_kernel_is_the_exact_product_with_the_dequantised_weight(emu, m, n, k, blocks, tiles, unit, stages,
-                                                                            subnormal):
+                                                                            subnormal, warps):
     rng = np.random.default_rng(m * 1000 + n + k)
     w, padded, x = _gemv_case(rng, m, n, k, subnormal)
-    got, intact = _run(emu, w, padded, x, blocks, tiles, unit, stages)
+    got, intact = _run(emu, w, padded, x, blocks, tiles, unit, stages, warps)
     assert intact, "written outside the output's columns"
     _check(got.astype(np.float64), w, x)
 
