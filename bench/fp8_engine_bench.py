@@ -80,8 +80,8 @@ def main():
     for variant in a.stream_variants.split(",") if a.stream_rows else ():
         unit, warps = (int(v) for v in variant.split("/"))
         fp8_tunings[f"fp8 stream <= {a.stream_rows} rows, {unit}/{warps}"] = {
-            "fp8_weight_only_rows": a.stream_rows, "fp8_stream_rows": a.stream_rows, "fp8_stream_unit_rows": unit,
-            "fp8_stream_warps": warps}
+            "fp8_weight_only_rows": a.stream_rows, "fp8_gemv_rows": 0, "fp8_stream_rows": a.stream_rows,
+            "fp8_stream_unit_rows": unit, "fp8_stream_warps": warps}
     for path, tunings in ((a.source, {"bf16": {}}), (a.fp8, fp8_tunings)):
         t = time.perf_counter()
         loaded = load(path, a.device)

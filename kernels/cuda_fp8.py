@@ -228,12 +228,12 @@ def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray
 
 
 def weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int) -> None:
-    """The weight-only product the tuning picks for x's rows: fp8w_stream_kernel up to `tuning.fp8_stream_rows`,
-    fp8w_gemv_kernel up to `tuning.fp8_gemv_rows`, else fp8w_gemm_kernel."""
-    if x.shape[0] <= ops.tuning.fp8_stream_rows:
-        stream_weight_only(ops, x, weight, out, col)
-    elif x.shape[0] <= ops.tuning.fp8_gemv_rows:
+    """The weight-only product the tuning picks for x's rows: fp8w_gemv_kernel up to `tuning.fp8_gemv_rows`, above
+    them fp8w_stream_kernel up to `tuning.fp8_stream_rows`, else fp8w_gemm_kernel."""
+    if x.shape[0] <= ops.tuning.fp8_gemv_rows:
         gemv_weight_only(x, weight, out, col, ops._sm_count)
+    elif x.shape[0] <= ops.tuning.fp8_stream_rows:
+        stream_weight_only(ops, x, weight, out, col)
     else:
         weight_only_gemm(x, weight, out, col, ops._sm_count)
 

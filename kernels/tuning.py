@@ -213,7 +213,7 @@ class CudaTuning:
     # ... of which at most this many rows (<= 64) take fp8w_gemv_kernel (the weight bytes read straight into the
     # tensor cores' operand), more fp8w_gemm_kernel (64 x 64 tiles dequantised in shared memory)
     fp8_gemv_rows: int = 64
-    # ... and of those, at most this many rows (<= 128) take fp8w_stream_kernel first (kernels/fp8_stream.cu: the
+    # ... above those, at most this many rows (<= 128) take fp8w_stream_kernel (kernels/fp8_stream.cu: the
     # weight's units of fp8_stream_unit_rows x 128 split evenly over one block of fp8_stream_warps warps per SM);
     # 0: never. Set from bench/kbench_fp8_stream.py's measurements (docs/PERFORMANCE.md, "FP8 decode")
     fp8_stream_rows: int = 0

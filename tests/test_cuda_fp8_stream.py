@@ -93,7 +93,7 @@ def test_linear_takes_the_stream_kernel_where_the_tuning_names_it(m, unit, warps
     n, k = 2560, 4096
     weight = _weight(rng, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
-    tuned = ops.retuned(fp8_weight_only_rows=128, fp8_stream_rows=128, fp8_stream_unit_rows=unit,
+    tuned = ops.retuned(fp8_weight_only_rows=128, fp8_gemv_rows=0, fp8_stream_rows=128, fp8_stream_unit_rows=unit,
                         fp8_stream_warps=warps)
     proj = tuned.upload_linear([weight])
     assert isinstance(proj, ProjectionWeight)
