@@ -114,6 +114,29 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The largest of a block's values (WARPS warps), returned to every thread; scratch: __shared__, at least WARPS
+// entries, free again on return.
+template <int WARPS>
+__device__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* scratch) {
+    typedef unsigned long long u64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(FULL_MASK, v, o);
+        v = other > v ? other : v;
+    }
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    u64 t = lane < WARPS ? scratch[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(FULL_MASK, t, o);
+        t = other > t ? other : t;
+    }
+    __syncthreads();
+    return t;
+}
+
 // Offset (in elements) of row r of a [n0, n1, D] view with leading element strides s0, s1 (last dim contiguous).
 __device__ __forceinline__ i64 row_offset(i64 r, i64 n1, i64 s0, i64 s1) {
     if (n1 == 1) return r * s0;  // rows of one stride: no 64-bit division

@@ -48,25 +48,6 @@ __device__ __forceinline__ unsigned logit_key(float v) {
     return isnan(v) ? 0xffffffffu : ((b & 0x80000000u) ? ~b : (b | 0x80000000u));
 }
 
-__device__ u64 logits_block_max(u64 v, u64* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(FULL_MASK, v, o);
-        v = other > v ? other : v;
-    }
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    u64 t = lane < LOGITS_WARPS ? scratch[lane] : 0ull;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(FULL_MASK, t, o);
-        t = other > t ? other : t;
-    }
-    __syncthreads();
-    return t;
-}
-
 __device__ float logits_block_sum(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
@@ -95,7 +76,7 @@ token_logprobs_kernel(const float* __restrict__ logits, int cols, i64 row_stride
         const u64 key = ((u64)logit_key(x[t]) << 32) | (0xffffffffu - (unsigned)t);
         best = key > best ? key : best;
     }
-    best = logits_block_max(best, scratch_u64);
+    best = block_max_u64<LOGITS_WARPS>(best, scratch_u64);
     const int arg = (int)(0xffffffffu - (unsigned)(best & 0xffffffffu));
     const float m = x[arg];
     float part = 0.0f;
@@ -110,7 +91,7 @@ token_logprobs_kernel(const float* __restrict__ logits, int cols, i64 row_stride
                 const u64 key = ((u64)logit_key(x[t]) << 32) | (0xffffffffu - (unsigned)t);
                 mine = key < below && key > mine ? key : mine;
             }
-            below = logits_block_max(mine, scratch_u64);
+            below = block_max_u64<LOGITS_WARPS>(mine, scratch_u64);
         }
         const int id = (int)(0xffffffffu - (unsigned)(below & 0xffffffffu));
         if (threadIdx.x == 0) {

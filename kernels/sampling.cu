@@ -109,25 +109,6 @@ template <typename T> __device__ T block_sum(T v, T* scratch) {
     return t;
 }
 
-__device__ u64 block_max(u64 v, u64* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(FULL_MASK, v, o);
-        v = other > v ? other : v;
-    }
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    u64 t = lane < SAMPLE_WARPS ? scratch[lane] : 0ull;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(FULL_MASK, t, o);
-        t = other > t ? other : t;
-    }
-    __syncthreads();
-    return t;
-}
-
 // Inclusive block scan in thread order; `total` gets the block's sum.
 template <typename T> __device__ T block_inclusive_scan(T v, T* scratch, T& total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -291,7 +272,7 @@ __device__ int sample_compacted(int n, const RowFilter& f, float top_p, double u
     __syncthreads();
     if (sh.choice >= 0) return sh.choice;
     // every kept weight rounded to 0 in fixed point (cannot happen: the top token weighs 2^40): the last kept
-    const u64 last = block_max(keep ? (u64)j + 1 : 0ull, sh.scratch_u64);
+    const u64 last = block_max_u64<SAMPLE_WARPS>(keep ? (u64)j + 1 : 0ull, sh.scratch_u64);
     return sh.id[last ? (int)last - 1 : 0];
 }
 
@@ -335,7 +316,7 @@ __device__ int sample_global(RowFilter f, float top_p, double u, SampleShared& s
         }
     }
     // nothing reached the target (every kept weight rounded to 0 in fixed point): the last survivor
-    const u64 lastp1 = block_max(last >= 0 ? (u64)last + 1 : 0ull, sh.scratch_u64);
+    const u64 lastp1 = block_max_u64<SAMPLE_WARPS>(last >= 0 ? (u64)last + 1 : 0ull, sh.scratch_u64);
     return lastp1 ? (int)lastp1 - 1 : 0;
 }
 
@@ -365,7 +346,7 @@ sample_kernel(const float* __restrict__ logits, int rows, int cols, i64 row_stri
             best = i < cols && key > best ? key : best;
         }
     }
-    best = block_max(best, sh.scratch_u64);
+    best = block_max_u64<SAMPLE_WARPS>(best, sh.scratch_u64);
     const int arg = (int)(0xffffffffu - (unsigned)(best & 0xffffffffu));
     if (!(p.temperature > 0.0f)) {
         if (threadIdx.x == 0) out[r] = arg;
