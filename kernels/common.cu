@@ -176,11 +176,11 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ cu, int num_se
     return false;
 }
 
-// find_tile for a whole (one-dimensional) block: warp 0 finds `target`'s tile and shares it through shared memory.
-// Every thread of the block calls it (it holds a __syncthreads); false, for all of them, past the last tile.
+// find_tile for a whole (one-dimensional) block: warp 0 finds `target`'s tile and hands it to the block through the
+// caller's __shared__ s_seq, s_tile (the kernel's own: a __shared__ variable here would be one object for every
+// kernel of a module). Every thread calls it (it holds a __syncthreads); false, for all of them, past the last tile.
 __device__ __forceinline__ bool block_find_tile(const int* __restrict__ cu, int num_seqs, int rep, int per_tile,
-                                                int target, int& seq, int& tile) {
-    __shared__ int s_seq, s_tile;
+                                                int target, int& s_seq, int& s_tile, int& seq, int& tile) {
     if (threadIdx.x < 32) {
         int found_seq = -1, found_tile = 0;
         if (!find_tile(cu, num_seqs, rep, per_tile, target, found_seq, found_tile)) found_seq = -1;

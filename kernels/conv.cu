@@ -36,8 +36,9 @@ template <typename T, typename TS, int K>
 __global__ void conv_fwd_kernel(const T* __restrict__ x, i64 sx, const float* __restrict__ weight,
                                 const float* __restrict__ bias, const TS* __restrict__ state, const int* __restrict__ slots,
                                 const int* __restrict__ cu, int num_seqs, int channels, int act, T* __restrict__ out) {
+    __shared__ int s_seq, s_tile;
     int seq, tile;
-    if (!block_find_tile(cu, num_seqs, 1, CONV_CHUNK, blockIdx.y, seq, tile)) return;
+    if (!block_find_tile(cu, num_seqs, 1, CONV_CHUNK, blockIdx.y, s_seq, s_tile, seq, tile)) return;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     const int start = cu[seq], n = cu[seq + 1] - start;

@@ -349,10 +349,11 @@ gdn_chunk_prep_kernel(const T* __restrict__ q, i64 qst, i64 qsh, const T* __rest
     float* sTt = sQT + GDN_C * GDN_L_LD;         // [C][GDN_KT_LD]  T transposed: sTt[j][t] = T[t][j]
     float* sGT = sL + GDN_C * GDN_L_LD;          // PER_CHANNEL: [GDN_DMAX][GDN_KT_LD] gc transposed
     __shared__ float sgc[GDN_C], sbeta[GDN_C], sG[GDN_C];
+    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x;
     int seq, tile;
-    if (!block_find_tile(cu, num_seqs, 1, GDN_C, blockIdx.x, seq, tile)) return;
+    if (!block_find_tile(cu, num_seqs, 1, GDN_C, blockIdx.x, s_seq, s_tile, seq, tile)) return;
     const int start = cu[seq] + tile * GDN_C;
     const int n = min(GDN_C, cu[seq + 1] - start);
 

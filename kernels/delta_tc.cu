@@ -94,11 +94,12 @@ gdn_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     bf16* sAw = reinterpret_cast<bf16*>(sT + TC_C * TC_FLD);  // [C][TC_ALD]  T diag(beta exp(gc))
     bf16* sAu = sAw + TC_C * TC_ALD;                   // [C][TC_ALD]  T diag(beta)
     __shared__ float sgc[TC_C], sbeta[TC_C], sX[3 * 256];
+    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     int seq, tile;
-    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) return;
+    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, s_seq, s_tile, seq, tile)) return;
     const int start = cu[seq] + tile * TC_C;
     const int n = min(TC_C, cu[seq + 1] - start);
     const int hk = h / krep;
@@ -450,11 +451,12 @@ gdn_tc_prep_v2_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* 
     bf16* sQV = sK + TC_C * LD;
     float* sLT = reinterpret_cast<float*>(sQV);
     __shared__ float sgc[TC_C], sbeta[TC_C], sbw[TC_C];  // gc, beta, beta exp(gc) per token
+    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     int seq, tile;
-    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) return;
+    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, s_seq, s_tile, seq, tile)) return;
     const int start = cu[seq] + tile * TC_C;
     const int n = min(TC_C, cu[seq + 1] - start);
     const int hk = h / krep;

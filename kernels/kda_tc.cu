@@ -48,11 +48,12 @@ kda_tc_prep_kernel(const bf16* __restrict__ q, i64 qst, i64 qsh, const bf16* __r
     float* sG = reinterpret_cast<float*>(tc_smem_raw + TC_C * LD * 2 + QV_BYTES);  // [C][GLD] Gc, log2 units
     __shared__ float sbeta[TC_C];
     __shared__ unsigned s_unsafe[4][4];  // per 16-token block, the channels its diagonal product leaves out (bits)
+    __shared__ int s_seq, s_tile;
 
     const int h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     int seq, tile;
-    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, seq, tile)) return;
+    if (!block_find_tile(cu, num_seqs, 1, TC_C, blockIdx.x, s_seq, s_tile, seq, tile)) return;
     const int start = cu[seq] + tile * TC_C;
     const int n = min(TC_C, cu[seq + 1] - start);
     const int slot = kda_chunk_slot(cu[seq], tile * TC_C, seq);
