@@ -90,7 +90,7 @@ def test_linear_takes_the_weight_only_kernel_its_tuning_names(m, ops):
     x_host = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
     x = ops.upload(x_host)
     for gemv_rows, direct in ((64, gemv_weight_only if m <= 64 else weight_only_gemm), (0, weight_only_gemm)):
-        tuned = ops.retuned(fp8_weight_only_rows=128, fp8_gemv_rows=gemv_rows)
+        tuned = ops.retuned(fp8_weight_only_rows=128, fp8_gemv_rows=gemv_rows, fp8_stream_rows=0)
         proj = tuned.upload_linear([weight])
         assert isinstance(proj, ProjectionWeight)
         got = tuned.to_host(tuned.linear(x, proj)).astype(np.float32)
