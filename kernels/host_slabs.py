@@ -5,10 +5,11 @@ Such a buffer is hundreds of MiB, filled by many threads at once (engine/cache/k
 threads of kernels/upload.py `download`). Into fresh memory every 4 KiB page faults on first touch, and the threads'
 faults contend in the kernel: 256 MiB of K/V blocks read at 12.4 GB/s into fresh pages against 36 GB/s into pages
 touched before, on 14 threads of the device's host (docs/PERFORMANCE.md). So each buffer is one slab: anonymous
-memory whose pages the kernel makes present in one call when it is mapped (MAP_POPULATE, on the thread that asks
-for the slab, without the interpreter's lock), advised for transparent huge pages where the kernel grants them, and
-given back to this pool, not to the kernel, once nothing refers to its arrays any more (an entry's rows uploaded
-and its lookup done, a state written), so that the next transfer lands in pages touched already.
+memory, advised for transparent huge pages where the kernel grants them, given back to this pool, not to the
+kernel, once nothing refers to its arrays any more (an entry's rows uploaded and its lookup done, a state written),
+so that the next transfer lands in pages touched already. Slabs for transfers known to come (the entries a
+read-ahead will read after the ones it reads now) are made ahead on a thread of their own, their pages made present
+by the kernel in one call (MAP_POPULATE, without the interpreter's lock), so the reads find them touched.
 
 A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
 returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
@@ -29,7 +30,7 @@ SMALL_BYTES = 4 << 20  # below this a plain allocation (few pages: nothing to ga
 KEEP_SLABS = 4  # free slabs kept at most (the read-ahead reads two entries at once, the writer copies one)
 KEEP_BYTES = 2 << 30  # and at most this many bytes of them, or a sixteenth of the host's memory (the rest go back)
 WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
-POPULATE = True  # fresh slabs' pages made present by the kernel in one call (`_new_slab`)
+POPULATE = True  # slabs made ahead (`provision`), their pages made present by the kernel in one call
 
 
 class HostSlabs:
@@ -42,6 +43,7 @@ class HostSlabs:
         self._lock = threading.RLock()  # a slab may come back (a collection) while the pool is busy
         self.reused = 0  # slabs handed out again (tests, reports)
         self.made = 0
+        self.provisioned = 0
 
     def take(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """(a uint8 array of `nbytes` bytes starting on a huge page, whether it is all zeros): a free slab of about
@@ -62,6 +64,30 @@ class HostSlabs:
         base = np.frombuffer(slab, np.uint8, nbytes, offset=_aligned_offset(slab))
         weakref.finalize(base, self._give_back, slab).atexit = False  # every view of `base` keeps it alive
         return base, zeroed
+
+    def provision(self, sizes) -> threading.Thread | None:
+        """Fresh slabs for transfers expected soon (`sizes`: bytes each), made on a thread of their own with their
+        pages present (MAP_POPULATE: one call per slab, off the interpreter's lock) and put among the free slabs,
+        so that `take` hands them out with their pages touched already; within the pool's bounds. The thread, or
+        None where there is nothing to make (or POPULATE is off)."""
+        sizes = [int(n) for n in sizes if int(n) >= SMALL_BYTES]
+        if not POPULATE or not sizes:
+            return None
+        thread = threading.Thread(target=self._provision, args=(sizes,), name="prefixrun-slabs", daemon=True)
+        thread.start()
+        return thread
+
+    def _provision(self, sizes: list[int]) -> None:
+        for n in sizes:
+            size = -(-n // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+            with self._lock:
+                if len(self._free) >= self._keep_slabs or sum(map(len, self._free)) + size > self._keep_bytes:
+                    return
+            slab = _new_slab(size, populate=True)
+            with self._lock:
+                self._free.append(slab)
+                self._free.sort(key=len, reverse=True)
+                self.provisioned += 1
 
     def _give_back(self, slab: mmap.mmap) -> None:
         with self._lock:
@@ -93,12 +119,12 @@ def _usable(slab: mmap.mmap) -> int:
     return len(slab) - _aligned_offset(slab)
 
 
-def _new_slab(size: int) -> mmap.mmap:
-    """Fresh anonymous memory, its pages made present at once (POPULATE, where the system has MAP_POPULATE: the
-    kernel fills them in one call, which releases the interpreter's lock, instead of a fault per page on each
-    reading thread), advised for huge pages."""
+def _new_slab(size: int, populate: bool = False) -> mmap.mmap:
+    """Fresh anonymous memory, advised for huge pages; `populate`: its pages made present at once (where the system
+    has MAP_POPULATE: the kernel fills them in one call, which releases the interpreter's lock), else each faults
+    in on first touch (on the threads that fill it: populating on the caller would put it before the reads)."""
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if POPULATE and hasattr(mmap, "MAP_POPULATE") and flags:
+    if populate and hasattr(mmap, "MAP_POPULATE") and flags:
         slab = mmap.mmap(-1, size, flags=flags | mmap.MAP_POPULATE)
     else:
         slab = mmap.mmap(-1, size)

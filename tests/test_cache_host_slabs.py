@@ -31,12 +31,19 @@ def test_a_slab_comes_back_once_its_arrays_are_gone_and_is_handed_out_again():
 
 
 @pytest.mark.parametrize("populate", [True, False])
-def test_fresh_slabs_are_zeros_populated_or_not(monkeypatch, populate):
+def test_slabs_made_ahead_are_zeros_handed_out_by_take_and_within_bounds(monkeypatch, populate):
     monkeypatch.setattr(host_slabs, "POPULATE", populate)
-    slab, zeroed = HostSlabs().take(6 * MiB)
-    assert zeroed and slab.size == 6 * MiB and not slab.any()
-    slab[:] = 1  # writable
-    assert slab.sum() == 6 * MiB
+    slabs = HostSlabs(keep_slabs=2, keep_bytes=64 * MiB)
+    thread = slabs.provision([10 * MiB, 12 * MiB, 14 * MiB, 1024])  # the third is past keep_slabs, the last small
+    if not populate:
+        assert thread is None and not slabs._free
+        return
+    thread.join()
+    assert slabs.provisioned == 2 and len(slabs._free) == 2
+    slab, zeroed = slabs.take(9 * MiB)
+    assert slabs.reused == 1 and slabs.made == 0 and not zeroed  # said not zeroed: the caller writes every byte
+    assert not slab.any()  # fresh memory all the same
+    slab[:] = 1
 
 
 def test_a_view_alive_keeps_its_slab_out_of_the_pool():

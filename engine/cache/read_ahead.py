@@ -17,6 +17,7 @@ from typing import Callable
 from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
 from prefixrun.engine.cache.results import StoredCheckpoint
 from prefixrun.engine.run.background import BackgroundTask, yield_cpu
+from prefixrun.kernels.host_slabs import SLABS
 from prefixrun.kernels.switch_interval import short_switches
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class ReadAhead:
         if not chosen:
             return
         self._mark("read_ahead_start")
+        # host memory for the entries read after the first few, made ahead while those are read (kernels/host_slabs.py)
+        SLABS.provision([nbytes for _, nbytes, _ in chosen[ENTRIES_AT_ONCE:]])
         if self._ahead_thread is None:
             self._ahead_thread = BackgroundTask("prefixrun-cache-prefetch", self._read_ahead, yields_cpu=True)
         self._ahead_queue.put(chosen)
