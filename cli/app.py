@@ -396,6 +396,8 @@ def inspect_cache(
                                      "--prune-older-than without it")
         if model_dir is not None and not model_dir.is_dir():  # previews would quietly fall back to token ids
             raise typer.BadParameter(f"--model-dir {model_dir} is not a folder")
+        if sys.stdout is None and not (clear or prune_to or prune_older_than is not None):  # `>&-`: lost unsaid
+            raise typer.BadParameter("standard output is closed: inspect-cache prints the cache there")
         budget_bytes = _parse_bytes(cache_budget, "--cache-budget")
         cache_root = _cache_root(cache_dir)
     except typer.BadParameter as exc:

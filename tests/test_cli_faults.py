@@ -611,6 +611,8 @@ def test_a_closed_stdout_is_one_line_and_bench_figures_are_never_lost(model, tmp
         p = subprocess.run(cmd(*args, "--model", model, "--device", "cpu", "--no-cache"), **closed)
         assert p.returncode == 2 and "standard output is closed" in one_error_line(p.stderr), p.stderr
         assert fix in p.stderr
+    p = subprocess.run(cmd("inspect-cache", "--cache-dir", tmp_path / "cache"), **closed)  # exit 0, nothing shown
+    assert p.returncode == 2 and "standard output is closed: inspect-cache prints" in one_error_line(p.stderr)
     # stdout open for reading only (`1<FILE`): "cannot write results to stdout: Bad file descriptor" after the run
     reading = {**closed, "preexec_fn": lambda: os.dup2(os.open(src, os.O_RDONLY), 1)}
     p = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache"), **reading)
