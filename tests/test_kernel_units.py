@@ -1,6 +1,7 @@
 """kernels/kernel_units.py: how each kernel file is split into compile units. Every instantiation a file exports is
 compiled by exactly one unit of that file, each unit compiles the file's whole text, and a kernel no unit lists
-(a non-template kernel, in every unit) is found in the first one."""
+(a non-template kernel, in every unit) is found in the first one; the helpers every unit compiles keep no shared
+memory of their own."""
 from __future__ import annotations
 
 import math
@@ -46,3 +47,16 @@ def test_every_unit_compiles_its_file_s_whole_text():
         source = kernel_units._SOURCE_OF.get(file, file)
         assert (kernel_units._KERNEL_DIR / f"{source}.cu").read_text() in text
         assert (kernel_units._KERNEL_DIR / "common.cu").read_text() in text
+
+
+def test_the_helper_files_every_unit_compiles_declare_no_shared_memory():
+    """common.cu and tc_mma.cu go into many units: a __shared__ variable in one of their device functions would be
+    one object for every kernel of a module that calls it, laid out with the module's other kernels, so a kernel's
+    machine code would differ between a split unit and the whole file (tests/test_cuda_compile.py on the device).
+    Kernels declare their shared memory themselves and pass it in."""
+    import re
+
+    for helper in ("common", "tc_mma"):
+        text = (kernel_units._KERNEL_DIR / f"{helper}.cu").read_text()
+        code = re.sub(r"//[^\n]*", "", text)
+        assert "__shared__" not in code, helper
