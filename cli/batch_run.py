@@ -14,6 +14,7 @@ from prefixrun.cli import lines
 from prefixrun.cli import records
 from prefixrun.cli.input_ledger import InputLedger
 from prefixrun.cli.replies import Replies
+from prefixrun.cli.report import shown_id
 from prefixrun.engine.grammar.compiler import prepare_tokenizer
 from prefixrun.cli.logprob_records import TokenText
 from prefixrun.engine.load.prompts import PromptEncoder
@@ -198,7 +199,7 @@ class BatchRun:
 
     def _error(self, writer, err: lines.LineError):
         self.failed += 1
-        self.reporter.error(f"line {err.line_no}" + (f" ({err.custom_id})" if err.custom_id else "") +
+        self.reporter.error(f"line {err.line_no}" + (f" ({shown_id(err.custom_id)})" if err.custom_id else "") +
                             f": {err.message}")
         writer.add(err.index, records.format_error(err))
 

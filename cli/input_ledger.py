@@ -21,6 +21,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from prefixrun.cli.report import shown_id
+
 LEDGER_SUFFIX = ".inputs"
 
 
@@ -57,7 +59,7 @@ class InputLedger:
         made_by = self._made_by.get(custom_id)
         if made_by is not None and made_by != line_digest(data):
             raise InputMismatch(
-                f"--resume: line {line_no} ({custom_id}) is not the line its result in {self.output} was "
+                f"--resume: line {line_no} ({shown_id(custom_id)}) is not the line its result in {self.output} was "
                 f"made from: this input is not the one that output was started from (give another -o, or "
                 f"--overwrite to replace it)")
 

@@ -41,6 +41,12 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
+def shown_id(custom_id: str, limit: int = 80) -> str:
+    """A custom_id as a message on stderr names it: whole up to `limit` characters, else its start and an ellipsis
+    (a 1 MB id made a 1 MB error line; the result record keeps it whole)."""
+    return custom_id if len(custom_id) <= limit else custom_id[:limit - 1] + "…"
+
+
 def literal(text: str, style: str = "") -> Text:
     """User-derived text for Rich, printed as given (no markup, no emoji codes; control characters escaped)."""
     from rich.text import Text

@@ -596,6 +596,18 @@ def test_a_device_that_is_no_terminal_is_looked_at_like_a_file(model, tmp_path):
     assert p.returncode == 2 and "not JSONL" in p.stderr, p.stderr
 
 
+def test_a_long_custom_id_is_cut_in_messages_and_kept_whole_in_records(model, tmp_path):
+    """A 100,000-character custom_id on a bad line made a 100 KB error line on stderr (a 1 MB id, 1 MB); the
+    message names its start, the record keeps it whole."""
+    long_id = "x" * 100_000
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": long_id, "prompt": 5}])
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q")
+    assert res.exit_code == 3
+    line = one_error_line(res.stderr)
+    assert line.startswith("error: line 1 (" + "x" * 79 + "…): prompt must be a string") and len(line) < 200
+    assert records(res.stdout)[0]["custom_id"] == long_id
+
+
 def test_a_closed_stdout_is_one_line_and_bench_figures_are_never_lost(model, tmp_path):
     """`prefixrun batch >&-` (results for a stdout that does not exist: sys.stdout is None) was an AttributeError
     traceback after the whole run; bench with stdout closed printed its figures nowhere and exited 0 (3), with its
