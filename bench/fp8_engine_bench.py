@@ -64,7 +64,7 @@ def main():
     p.add_argument("--stream-rows", type=int, default=0,
                    help="also run the FP8 model with fp8w_stream_kernel up to this many rows (0: not)")
     p.add_argument("--stream-variants", default="128/8",
-                   help="with --stream-rows: unit rows / warps of each run (CudaTuning.fp8_stream_unit_rows, _warps)")
+                   help="with --stream-rows: unit rows/warps[/tma] of each run (CudaTuning.fp8_stream_*)")
     p.add_argument("--no-cublaslt", action="store_true", help="leave out the cuBLASLt-at-every-row-count run")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of the script, one run per model)")
     a = p.parse_args()
@@ -78,10 +78,10 @@ def main():
     fp8_tunings = {} if a.no_cublaslt else {"fp8 cuBLASLt": {"fp8_weight_only_rows": 0}}
     fp8_tunings[f"fp8 weight-only <= {rows} rows"] = {"fp8_weight_only_rows": rows}
     for variant in a.stream_variants.split(",") if a.stream_rows else ():
-        unit, warps = (int(v) for v in variant.split("/"))
-        fp8_tunings[f"fp8 stream <= {a.stream_rows} rows, {unit}/{warps}"] = {
+        unit, warps, *tma = variant.split("/")
+        fp8_tunings[f"fp8 stream <= {a.stream_rows} rows, {variant}"] = {
             "fp8_weight_only_rows": a.stream_rows, "fp8_gemv_rows": 0, "fp8_stream_rows": a.stream_rows,
-            "fp8_stream_unit_rows": unit, "fp8_stream_warps": warps}
+            "fp8_stream_unit_rows": int(unit), "fp8_stream_warps": int(warps), "fp8_stream_tma": tma == ["tma"]}
     for path, tunings in ((a.source, {"bf16": {}}), (a.fp8, fp8_tunings)):
         t = time.perf_counter()
         loaded = load(path, a.device)

@@ -1,7 +1,7 @@
 """The streamed weight-only FP8 GEMM (fp8w_stream_kernel, kernels/fp8_stream.cu) against bf16 cuBLAS, the weight-only
 gemv (fp8w_gemv_kernel) and cuBLASLt's block-scaled FP8 `linear`, per 4b-like projection shape and decode row
-count (the stream kernel under each "unit rows / warps" tuning that takes a kernel of its own:
-CudaTuning.fp8_stream_unit_rows and fp8_stream_warps): device microseconds per call, weight bytes streamed per
+count (the stream kernel under each "unit rows / warps [/ tma]" tuning that takes a kernel of its own:
+CudaTuning.fp8_stream_unit_rows, fp8_stream_warps, fp8_stream_tma): device microseconds per call, weight bytes streamed per
 second (GB/s; bf16: 2 N K bytes, FP8: N K bytes plus the block scales) and the ratio to bf16, each call on the
 next of several weight copies so that none stays in L2, the calls captured in a CUDA graph as decode steps run
 them (bench/fp8_gemm_bench.py `timed`). First, per shape, the stream kernel's error against the product with the
@@ -33,12 +33,13 @@ def check(ops, w8, n: int, k: int, m: int) -> str:
     return f"M={m} {err:.1e}"
 
 
-def variants(m: int) -> list[tuple[int, int]]:
-    """The (unit rows, warps) tunings that take distinct kernels at m rows."""
+def variants(m: int) -> list[tuple[int, int, bool]]:
+    """The (unit rows, warps, bulk copies) tunings that take distinct kernels at m rows."""
     tiles = fp8w_stream_tiles(m)
     seen = {}
-    for unit, warps in ((128, 8), (256, 8), (256, 16), (128, 16)):
-        seen.setdefault((fp8w_stream_unit_rows(tiles, unit, warps), warps), None)
+    for tma in (False, True):
+        for unit, warps in ((128, 8), (256, 8), (256, 16), (128, 16)):
+            seen.setdefault((fp8w_stream_unit_rows(tiles, unit, warps), warps, tma), None)
     return list(seen)
 
 
@@ -57,10 +58,10 @@ def time_shape(ops, a, n: int, k: int, rows: list[int], lt) -> None:
         out = cupy.empty((m, n), BF16)
         bf16 = timed(ops, rotating([lambda w=w: ops.linear(x, w) for w in w16s]), reps)
         line = f"[{n}, {k}] M={m:3d}: bf16 {bf16:5.1f} us {gbs(bf16_bytes, bf16):4.0f} GB/s | stream"
-        for unit, warps in variants(m):
-            tuned = ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps)
+        for unit, warps, tma in variants(m):
+            tuned = ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps, fp8_stream_tma=tma)
             t = timed(ops, rotating([lambda w=w: stream_weight_only(tuned, x, w, out, 0) for w in w8s]), reps)
-            line += f" {unit}/{warps} {t:5.1f} {gbs(fp8_bytes, t):4.0f} ({t / bf16:.2f}x)"
+            line += f" {unit}/{warps}{'/tma' if tma else ''} {t:5.1f} {gbs(fp8_bytes, t):4.0f} ({t / bf16:.2f}x)"
         if m <= 64:
             gemv = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, ops._sm_count) for w in w8s]),
                          reps)

@@ -221,7 +221,9 @@ def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray
     blocks = ops._sm_count
     y, ldy = out[:, col:col + n], out.shape[1]
     partial = cupy.empty((2 * blocks, m, unit), cupy.float32)
-    kern = ops._dynamic_smem(kernel("fp8_stream", fp8w_stream_kernel(tiles, unit, warps)), smem)
+    tma = ops.tuning.fp8_stream_tma
+    kern = ops._dynamic_smem(kernel("fp8_stream_tma" if tma else "fp8_stream",
+                                    fp8w_stream_kernel(tiles, unit, warps, tma)), smem)
     kern((blocks,), (32 * warps,),
          (x, i64(ldx), i32(m), weight.values, weight.scale, i32(weight.scale.shape[1]), i32(n), i32(k), y, i64(ldy),
           partial, weight.counters), shared_mem=smem)

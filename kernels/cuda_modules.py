@@ -91,7 +91,7 @@ def unit_cost(unit: ModuleUnit) -> float:
 
 # a rough compile time per instantiation relative to an element-wise kernel's: orders the pool's queue only
 FILE_WEIGHT = {"attention": 6.0, "attention_q8": 6.0, "delta_tc": 20.0, "kda_tc": 20.0, "ssd_tc": 15.0, "moe": 3.0,
-               "delta_rule": 3.0, "kda": 3.0, "fp8": 3.0, "fp8_stream": 6.0,
+               "delta_rule": 3.0, "kda": 3.0, "fp8": 3.0, "fp8_stream": 6.0, "fp8_stream_tma": 6.0,
                "mamba": 2.0}
 
 

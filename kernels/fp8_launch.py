@@ -88,10 +88,14 @@ def fp8w_stream_stages(tiles: int, unit_rows: int = 128) -> int:
     return max(2, min(FP8W_STREAM_MAX_STAGES, FP8W_STREAM_SMEM // fp8w_stream_stage_bytes(tiles, unit_rows)))
 
 
-def fp8w_stream_kernel(tiles: int, unit_rows: int, warps: int = 8) -> str:
-    """The instantiation's name for a call of `tiles` tiles with units of `unit_rows` (fp8w_stream_unit_rows)."""
-    return f"fp8w_stream_kernel<{tiles}, {unit_rows}, {warps}, {fp8w_stream_stages(tiles, unit_rows)}>"
+def fp8w_stream_kernel(tiles: int, unit_rows: int, warps: int = 8, tma: bool = False) -> str:
+    """The instantiation's name for a call of `tiles` tiles with units of `unit_rows` (fp8w_stream_unit_rows); tma:
+    its form with the weight's bytes in bulk copies (kernels/fp8_stream_tma.cu)."""
+    name = "fp8w_stream_tma_kernel" if tma else "fp8w_stream_kernel"
+    return f"{name}<{tiles}, {unit_rows}, {warps}, {fp8w_stream_stages(tiles, unit_rows)}>"
 
 
 FP8W_STREAM_KERNELS = tuple(fp8w_stream_kernel(nt, ur, w) for w in FP8W_STREAM_WARPS for nt in FP8W_STREAM_TILES
                             for ur in FP8W_STREAM_UNIT_ROWS if _stream_shape_ok(nt, ur, w))
+FP8W_STREAM_TMA_KERNELS = tuple(name.replace("fp8w_stream_kernel", "fp8w_stream_tma_kernel")
+                                for name in FP8W_STREAM_KERNELS)

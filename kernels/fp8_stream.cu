@@ -37,25 +37,30 @@ struct F8sShape {
 // pieces a row) into a stage; zeros past the matrices. x's piece p (columns 8p .. 8p + 7) is stored at place
 // 4 (p % 4) + p / 4, so that the 4 lanes of a row reading their pieces p = 4t + j side by side read 64 bytes in a
 // row (and XLD puts rows g and g + 1 on the other 16 banks): no bank conflicts.
-template <int MT, int UR, int WARPS>
-__device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16* __restrict__ x, i64 ldx, int rows,
-                                                const unsigned char* __restrict__ q, int n_rows, int k_dim, int r,
-                                                int c) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < UR * 8 / (32 * WARPS); ++i) {
-        const int idx = tid + 32 * WARPS * i, row = idx >> 3, p = idx & 7, n = r * UR + row, k = c * 128 + 16 * p;
-        const bool ok = n < n_rows && k < k_dim;
-        f8w_cp16(stage + row * F8S_WLD + 16 * p, q + (ok ? (i64)n * k_dim + k : 0), ok ? 16 : 0);
-    }
-    unsigned char* sx = stage + F8sShape<MT, UR, WARPS>::W_BYTES;
+template <int MT, int WARPS>
+__device__ __forceinline__ void fp8s_load_x(unsigned char* sx, const bf16* __restrict__ x, i64 ldx, int rows,
+                                            int k_dim, int c) {
 #pragma unroll
     for (int i = 0; i < (128 * MT + 32 * WARPS - 1) / (32 * WARPS); ++i) {
-        const int idx = tid + 32 * WARPS * i, row = idx >> 4, p = idx & 15, k = c * 128 + 8 * p;
+        const int idx = threadIdx.x + 32 * WARPS * i, row = idx >> 4, p = idx & 15, k = c * 128 + 8 * p;
         if (idx >= 128 * MT) break;
         const bool ok = row < rows && k < k_dim;
         f8w_cp16(sx + row * F8S_XLD + 16 * (4 * (p & 3) + (p >> 2)), x + (ok ? row * ldx + k : 0), ok ? 16 : 0);
     }
+}
+
+template <int MT, int UR, int WARPS>
+__device__ __forceinline__ void fp8s_load_stage(unsigned char* stage, const bf16* __restrict__ x, i64 ldx, int rows,
+                                                const unsigned char* __restrict__ q, int n_rows, int k_dim, int r,
+                                                int c) {
+#pragma unroll
+    for (int i = 0; i < UR * 8 / (32 * WARPS); ++i) {
+        const int idx = threadIdx.x + 32 * WARPS * i, row = idx >> 3, p = idx & 7, n = r * UR + row;
+        const int k = c * 128 + 16 * p;
+        const bool ok = n < n_rows && k < k_dim;
+        f8w_cp16(stage + row * F8S_WLD + 16 * p, q + (ok ? (i64)n * k_dim + k : 0), ok ? 16 : 0);
+    }
+    fp8s_load_x<MT, WARPS>(stage + F8sShape<MT, UR, WARPS>::W_BYTES, x, ldx, rows, k_dim, c);
 }
 
 // acc += s * (a unit's products) for this warp's weight rows (16 RW from 16 RW wg) and x tiles (TW from TW xg):
@@ -188,23 +193,37 @@ __device__ void fp8s_fixup(const float* partial, int* counters, int r, int chunk
     }
 }
 
+// The loads of fp8s_body: every thread's cp.async of 16 bytes, x and the weight alike, one commit group a unit
+struct F8sCpAsync {
+    template <int STAGES, int BYTES>
+    __device__ static void init(unsigned char*) {}
+    template <int MT, int UR, int WARPS>
+    __device__ static void load(unsigned char* stage, int, const bf16* __restrict__ x, i64 ldx, int rows,
+                                const unsigned char* __restrict__ q, int n_rows, int k_dim, int r, int c) {
+        fp8s_load_stage<MT, UR, WARPS>(stage, x, ldx, rows, q, n_rows, k_dim, r, c);
+    }
+    __device__ static void wait(int, unsigned) {}
+};
+
 // y (row stride ldy) = x [rows <= 8 MT, K] (row stride ldx, a multiple of 8; rows 16-byte aligned) times the fp8
 // weight q [n_rows, K] (K % 16 == 0, 16-byte aligned rows) with its block scales (row stride scale_cols), in units of
 // UR weight rows x 128 columns ("row blocks" of UR rows); partial: [2 gridDim.x, rows, UR] fp32, slot 2b of block b
 // for its first row block, 2b + 1 for its last; counters: one int per row block, 0 between calls (the weight's own:
 // calls on one weight run one after another). Dynamic shared memory: STAGES x F8sShape<MT, UR, WARPS>::STAGE_BYTES.
-template <int MT, int UR, int WARPS, int STAGES>
-__global__ void __launch_bounds__(32 * WARPS, 1)
-fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
-                   const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y,
-                   i64 ldy, float* __restrict__ partial, int* __restrict__ counters) {
+// LOADS: how a unit's bytes reach its stage (F8sCpAsync; kernels/fp8_stream_tma.cu's bulk copies).
+template <int MT, int UR, int WARPS, int STAGES, class LOADS>
+__device__ __forceinline__ void fp8s_body(const bf16* __restrict__ x, i64 ldx, int rows,
+                                          const unsigned char* __restrict__ q, const float* __restrict__ scale,
+                                          int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y, i64 ldy,
+                                          float* __restrict__ partial, int* __restrict__ counters,
+                                          unsigned char* smem) {
     using S = F8sShape<MT, UR, WARPS>;
-    extern __shared__ __align__(16) unsigned char f8s_smem[];
     const int chunks = (k_dim + 127) / 128, scale_rows = (n_rows + 127) / 128;
     const i64 units = (i64)((n_rows + UR - 1) / UR) * chunks;
     const i64 u0 = fp8s_start(blockIdx.x, units, gridDim.x), u1 = fp8s_start(blockIdx.x + 1, units, gridDim.x);
     const int warp = threadIdx.x >> 5, wg = warp % S::AW, xg = warp / S::AW;
     const int first_r = (int)(u0 / chunks);
+    LOADS::template init<STAGES, S::STAGE_BYTES>(smem);
     float acc[S::RW][S::TW][4];
 #pragma unroll
     for (int f = 0; f < S::RW; ++f)
@@ -218,8 +237,8 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
     for (int i = 0; i < STAGES - 1; ++i) {
         const i64 u = u0 + i;
         if (u < u1)
-            fp8s_load_stage<MT, UR, WARPS>(f8s_smem + i * S::STAGE_BYTES, x, ldx, rows, q, n_rows, k_dim, (int)(u / chunks),
-                                    (int)(u % chunks));
+            LOADS::template load<MT, UR, WARPS>(smem + i * S::STAGE_BYTES, i, x, ldx, rows, q, n_rows, k_dim,
+                                                (int)(u / chunks), (int)(u % chunks));
         f8w_commit();
     }
     for (i64 u = u0; u < u1; ++u) {
@@ -229,13 +248,16 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
         const int sb = (r * UR + 16 * S::RW * wg) / 128;
         const float s = sb < scale_rows ? scale[(i64)sb * scale_cols + c] : 0.f;
         f8s_wait<STAGES - 2>();
+        LOADS::wait(i % STAGES, (unsigned)(i / STAGES) & 1u);
         __syncthreads();  // the unit has landed for every thread, and every warp is done with the stage reloaded next
         const i64 ahead = u + STAGES - 1;
-        if (ahead < u1)
-            fp8s_load_stage<MT, UR, WARPS>(f8s_smem + ((i + STAGES - 1) % STAGES) * S::STAGE_BYTES, x, ldx, rows, q, n_rows,
-                                    k_dim, (int)(ahead / chunks), (int)(ahead % chunks));
+        if (ahead < u1) {
+            const int slot = (i + STAGES - 1) % STAGES;
+            LOADS::template load<MT, UR, WARPS>(smem + slot * S::STAGE_BYTES, slot, x, ldx, rows, q, n_rows, k_dim,
+                                                (int)(ahead / chunks), (int)(ahead % chunks));
+        }
         f8w_commit();
-        fp8s_unit<MT, UR, WARPS>(f8s_smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
+        fp8s_unit<MT, UR, WARPS>(smem + (i % STAGES) * S::STAGE_BYTES, s, wg, xg, acc);
         if (c == chunks - 1 || u == u1 - 1) {
             const bool whole = (i64)r * chunks >= u0 && (i64)(r + 1) * chunks <= u1;
             float* slot = partial + (2 * (i64)blockIdx.x + (r != first_r)) * rows * UR;
@@ -244,4 +266,14 @@ fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned
         }
     }
     f8s_wait<0>();  // no copy outlives the block (the groups past the range are empty)
+}
+
+template <int MT, int UR, int WARPS, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS, 1)
+fp8w_stream_kernel(const bf16* __restrict__ x, i64 ldx, int rows, const unsigned char* __restrict__ q,
+                   const float* __restrict__ scale, int scale_cols, int n_rows, int k_dim, bf16* __restrict__ y,
+                   i64 ldy, float* __restrict__ partial, int* __restrict__ counters) {
+    extern __shared__ __align__(16) unsigned char f8s_smem[];
+    fp8s_body<MT, UR, WARPS, STAGES, F8sCpAsync>(x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, y, ldy, partial,
+                                                 counters, f8s_smem);
 }

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES, FP8W_STREAM_KERNELS
+from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES, FP8W_STREAM_KERNELS, FP8W_STREAM_TMA_KERNELS
 from prefixrun.kernels.kda_tuning import KDA_TC_WARPS
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
     GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_ROWS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
@@ -51,7 +51,7 @@ KV8_MMA_HEAD_DIMS = (64, 128, 256)
 _SOURCE_OF = {"attention_q8": "attention"}  # modules compiled from another module's file
 _TENSOR_CORE_FILES = ("delta_tc", "ssd_tc", "kda_tc")  # files compiled after kernels/tc_mma.cu (mma.sync helpers)
 # files compiled after others whose device functions and kernels they use
-_BUILT_ON = {"kda_tc": ("delta_tc",), "fp8_stream": ("fp8",)}
+_BUILT_ON = {"kda_tc": ("delta_tc",), "fp8_stream": ("fp8",), "fp8_stream_tma": ("fp8", "fp8_stream")}
 
 
 KERNEL_NAMES = {
@@ -87,6 +87,7 @@ KERNEL_NAMES = {
     + ["fp8w_gemm_kernel", "fp8w_finish_kernel"] + [f"fp8w_gemv_kernel<{nt}>" for nt in FP8W_GEMV_TILES],
     # the streamed weight-only GEMM (decode rows): kernels/fp8.cu's helpers in front of it
     "fp8_stream": list(FP8W_STREAM_KERNELS),
+    "fp8_stream_tma": list(FP8W_STREAM_TMA_KERNELS),  # its form with the weight's bytes in bulk copies
     "mamba": [f"ssd_{k}_kernel<{t}>" for k in ("scan", "decode", "chunk_state", "chunk_out") for t in _T]
     + ["ssd_chunk_carry_kernel"] + [f"relu2_kernel<{t}>" for t in _T]
     + [f"gated_group_norm_kernel<{t}, {tg}>" for t in _T for tg in _T],
@@ -123,7 +124,7 @@ PREPARED_FILES = ("elementwise", "conv", "delta_rule", "delta_tc", "attention", 
 # How many units each file compiles as (absent: one). The tensor-core and attention files hold the costliest
 # instantiations (an mma kernel's unrolled tiles); the element-wise ones are many but small.
 UNITS_PER_FILE = {"elementwise": 4, "conv": 2, "delta_rule": 4, "kda": 2, "delta_tc": 5, "kda_tc": 2, "attention": 8,
-                  "attention_q8": 6, "fp8": 2, "fp8_stream": 8, "mamba": 2, "ssd_tc": 4,
+                  "attention_q8": 6, "fp8": 2, "fp8_stream": 8, "fp8_stream_tma": 8, "mamba": 2, "ssd_tc": 4,
                   "moe": 6}
 
 

@@ -213,12 +213,12 @@ class CudaTuning:
     # ... of which at most this many rows (<= 64) take fp8w_gemv_kernel (the weight bytes read straight into the
     # tensor cores' operand), more fp8w_gemm_kernel (64 x 64 tiles dequantised in shared memory)
     fp8_gemv_rows: int = 64
-    # ... above those, at most this many rows (<= 128) take fp8w_stream_kernel (kernels/fp8_stream.cu: the
-    # weight's units of fp8_stream_unit_rows x 128 split evenly over one block of fp8_stream_warps warps per SM);
-    # 0: never. Set from bench/kbench_fp8_stream.py's measurements (docs/PERFORMANCE.md, "FP8 decode")
+    # ... above those, up to this many rows (<= 128) fp8w_stream_kernel (kernels/fp8_stream.cu; its variants below;
+    # 0: never), as bench/kbench_fp8_stream.py measures it (docs/PERFORMANCE.md, "FP8 decode")
     fp8_stream_rows: int = 0
     fp8_stream_unit_rows: int = 128
     fp8_stream_warps: int = 8
+    fp8_stream_tma: bool = False
 
     def __post_init__(self):
         if self.attn_prefill_kernel not in ATTN_PREFILL_KERNELS:
@@ -247,8 +247,8 @@ class CudaTuning:
             raise ValueError(f"fp8_stream_rows must be an int from 0 to {8 * FP8W_STREAM_TILES[-1]}")
         if self.fp8_stream_unit_rows not in FP8W_STREAM_UNIT_ROWS:
             raise ValueError(f"fp8_stream_unit_rows must be one of {FP8W_STREAM_UNIT_ROWS}")
-        if self.fp8_stream_warps not in FP8W_STREAM_WARPS:
-            raise ValueError(f"fp8_stream_warps must be one of {FP8W_STREAM_WARPS}")
+        if self.fp8_stream_warps not in FP8W_STREAM_WARPS or self.fp8_stream_tma not in (True, False):
+            raise ValueError(f"fp8_stream_warps must be one of {FP8W_STREAM_WARPS}, fp8_stream_tma a bool")
         for name in ("attn_prefill_warps", "attn_decode_warps", "attn_det_group_warps"):
             if getattr(self, name) not in (None,) + ATTN_WARPS:
                 raise ValueError(f"{name} must be None or one of {ATTN_WARPS}")

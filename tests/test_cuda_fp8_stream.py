@@ -30,11 +30,13 @@ def ops():
     return CudaOps("bfloat16")
 
 
-def _stream(ops, x, block, n: int, col: int = 0, width: int | None = None, unit: int = 128, warps: int = 8):
+def _stream(ops, x, block, n: int, col: int = 0, width: int | None = None, unit: int = 128, warps: int = 8,
+            tma: bool = False):
     from prefixrun.kernels.cuda_fp8 import stream_weight_only
 
     out = ops.upload(np.full((x.shape[0], width or n), 3.0, np.float32))
-    stream_weight_only(ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps), ops.upload(x), block, out, col)
+    tuned = ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps, fp8_stream_tma=tma)
+    stream_weight_only(tuned, ops.upload(x), block, out, col)
     return ops.to_host(out).astype(np.float32)
 
 
@@ -54,6 +56,22 @@ def test_the_stream_kernel_is_the_dequantised_bf16_gemm(n, k, m, unit, warps, op
     bf16 = ops.to_host(ops.linear(ops.upload(x), block.dequantized())).astype(np.float32)
     assert np.linalg.norm(got - bf16) / np.linalg.norm(bf16) < BF16_NORM
     _check(ops, got, x, weight)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m,unit,warps", [(1, 128, 8), (17, 256, 16), (64, 256, 8), (128, 128, 16)])
+def test_the_bulk_copy_form_gives_the_cp_async_form_s_bits(n, k, m, unit, warps, ops):
+    """fp8w_stream_tma_kernel (kernels/fp8_stream_tma.cu): the weight's bytes by bulk copies into the same stages,
+    so the same products in the same order: equal bits, ragged weights and K included."""
+    from prefixrun.kernels.cuda_fp8 import upload_block
+
+    rng = np.random.default_rng(n + k + m + 1)
+    weight = _weight(rng, n, k)
+    block = upload_block([weight])
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    got = _stream(ops, x, block, n, 8, n + 16, unit, warps, tma=True)
+    assert (got[:, :8] == 3.0).all() and (got[:, 8 + n:] == 3.0).all()
+    np.testing.assert_array_equal(got, _stream(ops, x, block, n, 8, n + 16, unit, warps))
 
 
 def test_a_row_gives_the_same_bits_alone_in_a_batch_and_again(ops):

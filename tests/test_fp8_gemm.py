@@ -157,3 +157,5 @@ def test_the_stream_kernel_takes_the_fewest_row_tiles_and_a_ring_that_fits_an_sm
     for bad in (4, 32, "8"):
         with pytest.raises(ValueError):
             CudaTuning(fp8_stream_warps=bad)
+    with pytest.raises(ValueError):
+        CudaTuning(fp8_stream_tma="yes")

@@ -22,6 +22,19 @@ DYN = "extern __shared__ __align__(16) unsigned char f8s_smem[];"
 
 STREAM_HELPERS = r"""
 template <int N> inline void f8s_wait() { emu_cp_wait(N); }
+// kernels/fp8_stream_tma.cu's bulk copies land at issue; its barriers have nothing to wait for
+inline void f8t_bar_init(unsigned long long*) {}
+inline void f8t_fence_init() {}
+inline void f8t_fence_proxy() {}
+inline void f8t_expect(unsigned long long*, unsigned) {}
+inline void f8t_bulk(void* dst, const void* src, unsigned bytes, unsigned long long*) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16 || bytes % 16)
+        emu_fail("bulk copy not 16-byte aligned");
+    emu_check_read(src, bytes);
+    std::memcpy(dst, src, bytes);
+}
+inline bool f8t_try_wait(unsigned long long*, unsigned) { return true; }
+inline void __trap() { emu_fail("trap"); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline float __ldcg(const float* p) { return *p; }
 extern "C" void emu_readable_add(const void* p, size_t bytes) {
@@ -36,14 +49,16 @@ _VARIANTS += [(16, 128, 8, 2)]
 ENTRY = r"""
 extern "C" void emu_fp8s(const void* x, i64 ldx, int rows, const unsigned char* q, const float* scale,
                          int scale_cols, int n_rows, int k_dim, void* y, i64 ldy, float* partial, int* counters,
-                         int blocks, int tiles, int unit, int warps, int stages, int smem) {
+                         int blocks, int tiles, int unit, int warps, int stages, int smem, int tma) {
     gridDim = {unsigned(blocks), 1, 1};
     emu_launch(gridDim, 32 * warps, smem, [&] {
         auto run = [&](auto kernel) {
             kernel((const bf16*)x, ldx, rows, q, scale, scale_cols, n_rows, k_dim, (bf16*)y, ldy, partial, counters);
         };
-""" + "".join(f"        if (tiles == {t} && unit == {u} && warps == {w} && stages == {st}) "
-              f"run(fp8w_stream_kernel<{t}, {u}, {w}, {st}>);\n" for t, u, w, st in _VARIANTS) + r"""    });
+""" + "".join(f"        if (tiles == {t} && unit == {u} && warps == {w} && stages == {st}) {{\n"
+              f"            if (tma) run(fp8w_stream_tma_kernel<{t}, {u}, {w}, {st}>);\n"
+              f"            else run(fp8w_stream_kernel<{t}, {u}, {w}, {st}>);\n        }}\n"
+              for t, u, w, st in _VARIANTS) + r"""    });
 }
 """
 
@@ -55,12 +70,17 @@ def emu(tmp_path_factory):
     stream = stream[:at] + stream[stream.index("#endif", at) + len("#endif"):]
     assert stream.count(DYN) == 1, "the emulation expects the kernel's dynamic shared memory declared this way"
     stream = stream.replace(DYN, "unsigned char* f8s_smem = emu_dynamic_smem;")
+    tma = (ROOT / "kernels" / "fp8_stream_tma.cu").read_text()
+    at = tma.index("#ifndef TC_HOST_EMULATION")
+    tma = tma[:at] + tma[tma.index("#endif", at) + len("#endif"):]
+    assert tma.count(DYN) == 1
+    tma = tma.replace(DYN, "unsigned char* f8s_smem = emu_dynamic_smem;")
     src = ("#define TC_HOST_EMULATION\n#include \"cuda_emu.h\"\n" + HELPERS + STREAM_HELPERS + emulator_common()
-           + "\n" + _kernel_source() + "\n" + stream + ENTRY)
+           + "\n" + _kernel_source() + "\n" + stream + "\n" + tma + ENTRY)
     return compile_emulated(tmp_path_factory, "fp8s_emu", src)
 
 
-def _run(emu, w, padded, x, blocks, tiles, unit=128, stages=None, warps=8, col=8, extra=24):
+def _run(emu, w, padded, x, blocks, tiles, unit=128, stages=None, warps=8, tma=False, col=8, extra=24):
     """The emulated kernel's output [m, n] (float32 of the bf16 values) and whether the columns around it kept 7."""
     m, k = x.shape
     n = w.shape[0]
@@ -76,7 +96,7 @@ def _run(emu, w, padded, x, blocks, tiles, unit=128, stages=None, warps=8, col=8
             emu.emu_readable_add(_ptr(a), ctypes.c_size_t(a.nbytes))
         emu.emu_fp8s(_ptr(x), ctypes.c_int64(k), m, _ptr(values), _ptr(padded), padded.shape[1], n, k,
                      ctypes.c_void_p(y.ctypes.data + 2 * col), ctypes.c_int64(width), _ptr(partial), _ptr(counters),
-                     blocks, tiles, unit, warps, stages, stages * fp8w_stream_stage_bytes(tiles, unit))
+                     blocks, tiles, unit, warps, stages, stages * fp8w_stream_stage_bytes(tiles, unit), int(tma))
         assert (counters == 0).all(), "a row block's count not set back to 0 for the next call"
         return y.astype(np.float32)
 
@@ -137,3 +157,21 @@ def test_a_rows_result_is_the_same_alone_and_in_any_batch(emu):
         np.testing.assert_array_equal(batch[:1], alone)
     other, _ = _run(emu, w, padded, x[:1].copy(), 3, 1)
     _check(other.astype(np.float64), w, x[:1])
+
+
+@pytest.mark.parametrize("m,n,k,blocks,tiles,unit,warps", [
+    (1, 300, 640, 4, 1, 128, 8),  # ragged weight rows: their copies left out, their outputs never written
+    (9, 200, 1552, 6, 2, 256, 16),  # K ragged by 16: the last chunk's copies 16 bytes a row
+    (57, 130, 1552, 7, 8, 128, 8),
+    (120, 144, 512, 3, 16, 128, 16),
+])
+def test_the_bulk_copy_form_is_the_same_product(emu, m, n, k, blocks, tiles, unit, warps):
+    """fp8w_stream_tma_kernel (kernels/fp8_stream_tma.cu: a bulk copy per weight row and chunk, only the bytes inside
+    the weight): the same bits as the cp.async form, whose stages hold zeros past the weight."""
+    rng = np.random.default_rng(m * 1000 + n + k + 1)
+    w, padded, x = _gemv_case(rng, m, n, k, False)
+    got, intact = _run(emu, w, padded, x, blocks, tiles, unit, None, warps, tma=True)
+    assert intact
+    _check(got.astype(np.float64), w, x)
+    plain, _ = _run(emu, w, padded, x, blocks, tiles, unit, None, warps)
+    np.testing.assert_array_equal(got, plain)
