@@ -33,11 +33,12 @@ def check(ops, w8, n: int, k: int, m: int) -> str:
     return f"M={m} {err:.1e}"
 
 
-def variants(m: int) -> list[tuple[int, int, bool]]:
-    """The (unit rows, warps, bulk copies) tunings that take distinct kernels at m rows."""
+def variants(m: int, forms: list[bool]) -> list[tuple[int, int, bool]]:
+    """The (unit rows, warps, bulk copies) tunings that take distinct kernels at m rows, of the given loads forms
+    (False: cp.async, True: bulk copies)."""
     tiles = fp8w_stream_tiles(m)
     seen = {}
-    for tma in (False, True):
+    for tma in forms:
         for unit, warps in ((128, 8), (256, 8), (256, 16), (128, 16)):
             seen.setdefault((fp8w_stream_unit_rows(tiles, unit, warps), warps, tma), None)
     return list(seen)
@@ -58,15 +59,15 @@ def time_shape(ops, a, n: int, k: int, rows: list[int], lt) -> None:
         out = cupy.empty((m, n), BF16)
         bf16 = timed(ops, rotating([lambda w=w: ops.linear(x, w) for w in w16s]), reps)
         line = f"[{n}, {k}] M={m:3d}: bf16 {bf16:5.1f} us {gbs(bf16_bytes, bf16):4.0f} GB/s | stream"
-        for unit, warps, tma in variants(m):
+        for unit, warps, tma in variants(m, a.forms):
             tuned = ops.retuned(fp8_stream_unit_rows=unit, fp8_stream_warps=warps, fp8_stream_tma=tma)
             t = timed(ops, rotating([lambda w=w: stream_weight_only(tuned, x, w, out, 0) for w in w8s]), reps)
             line += f" {unit}/{warps}{'/tma' if tma else ''} {t:5.1f} {gbs(fp8_bytes, t):4.0f} ({t / bf16:.2f}x)"
-        if m <= 64:
+        if m <= 64 and not a.stream_only:
             gemv = timed(ops, rotating([lambda w=w: gemv_weight_only(x, w, out, 0, ops._sm_count) for w in w8s]),
                          reps)
             line += f" | gemv {gemv:5.1f} {gbs(fp8_bytes, gemv):4.0f} ({gemv / bf16:.2f}x)"
-        if lt is not None:
+        if lt is not None and not a.stream_only:
             fp8 = timed(lt, rotating([lambda p=p: lt.linear(x, p) for p in projs]), reps)
             line += f" | cuBLASLt {fp8:5.1f} ({fp8 / bf16:.2f}x)"
         print(line, flush=True)
@@ -78,7 +79,10 @@ def main():
     p.add_argument("--rows", default="1,8,16,64,128")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rotate-mib", type=int, default=256, help="fp8 weight copies of at least this many MiB")
+    p.add_argument("--forms", default="cp.async,tma", help="the stream kernel's loads forms to time")
+    p.add_argument("--stream-only", action="store_true", help="leave out the gemv and cuBLASLt")
     a = p.parse_args()
+    a.forms = [form == "tma" for form in a.forms.split(",")]
     ops = CudaOps("bfloat16")
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"{name} ({ops._sm_count} SMs)", flush=True)
