@@ -223,6 +223,21 @@ def run_tokens(loaded, prompts, cache_root=None, **kwargs):
 # The engine's promises, checked the same way for every model family
 
 
+def check_prompt_logits_of_transformers(path, ops, prompt=None, **hf_kwargs):
+    """Our logits over `prompt` (None: 30 random tokens below 512) on the model directory `path` are transformers'
+    float64 ones within 1e-4 (hf_kwargs: for its from_pretrained)."""
+    import torch
+    import transformers
+
+    model = load_model(path, ops)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **hf_kwargs).eval()
+    prompt = random_prompt(4, 30) if prompt is None else prompt
+    st = new_state(model, ops)
+    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
+    with torch.no_grad():
+        np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=1e-4, rtol=0)
+
+
 def check_greedy_matches_generate(hf, model, ops, prompt, steps: int = 32):
     """`steps` greedy tokens after `prompt`, ours from the state one decode step at a time, are transformers'
     generate's (`hf`), and no step's argmax was a near-tie at the logits' error (else the comparison means nothing)."""

@@ -219,11 +219,11 @@ MODELS = {"base": {}, "wide-heads": dict(qk_nope_head_dim=48, qk_rope_head_dim=1
 @pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(MODELS))
 def test_kimi_linear_on_the_gpu(ops, case, tmp_path, cpu_ops):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from prefixrun.engine.models import load_model
     from prefixrun.engine.run.core import EngineOptions
-    from test_kimi_linear import _prompts, _run, random_prompt, write_kimi
+    from test_kimi_linear import _prompts, _run, check_generate_gives_the_tokens, random_prompt, write_kimi
 
     path = write_kimi(tmp_path / case, MODELS[case], seed=5)
     cpu_model, model = load_model(path, cpu_ops)[0], load_model(path, ops)[0]
@@ -233,14 +233,7 @@ def test_kimi_linear_on_the_gpu(ops, case, tmp_path, cpu_ops):
         return
     prompts = _prompts()
     gpu, _ = _run(model, ops, prompts, EngineOptions(speculative="off", max_batch=4, reuse=False))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                           experts_implementation="eager").eval()
-    for i in (0, 5, 9, 12, 14):
-        with torch.no_grad():
-            ids = torch.tensor([prompts[i]])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        assert gpu[f"r{i}"] == ref[0, len(prompts[i]):].tolist(), i
+    check_generate_gives_the_tokens(path, gpu, prompts)
     assert _run(cpu_model, cpu_ops, prompts, EngineOptions(speculative="off", max_batch=4))[0] == gpu
     for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="ngram", num_draft_tokens=4,
                                                                  max_batch=4)):

@@ -12,6 +12,7 @@ from conftest import (
     check_batch_off_ngram_and_from_disk,
     check_disk_cache_keeps_tokens,
     check_ngram_gives_the_tokens_of_off,
+    check_prompt_logits_of_transformers,
     check_rollback_matches_a_plain_run,
     new_state,
 )
@@ -222,18 +223,24 @@ def _run(model, ops, prompts, opts):
     return out, eng.stats
 
 
-@pytest.mark.parity
-def test_greedy_tokens_match_generate_and_prefix_reuse_changes_nothing(kimi, kimi_dir, cpu_ops):
-    prompts = _prompts()
-    off, _ = _run(kimi, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(kimi_dir, dtype=torch.float64,
-                                                      experts_implementation="eager").eval()
+def check_generate_gives_the_tokens(path, got, prompts):
+    """got[f"r{i}"], _run's 8 greedy tokens of prompts[i], are transformers' generate's on the model at `path`
+    (float64) for a sample of the prompts."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
     for i in (0, 5, 9, 12, 14):
         with torch.no_grad():
             ids = torch.tensor([prompts[i]])
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
-        assert off[f"r{i}"] == ref[0, len(prompts[i]):].tolist()
+        assert got[f"r{i}"] == ref[0, len(prompts[i]):].tolist(), i
+
+
+@pytest.mark.parity
+def test_greedy_tokens_match_generate_and_prefix_reuse_changes_nothing(kimi, kimi_dir, cpu_ops):
+    prompts = _prompts()
+    off, _ = _run(kimi, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False))
+    check_generate_gives_the_tokens(kimi_dir, off, prompts)
     for opts in (EngineOptions(speculative="off"), EngineOptions(speculative="off", max_batch=1),
                  EngineOptions(speculative="off", max_batch=2, max_prefill_tokens=5),
                  EngineOptions(speculative="off", block_size=4, max_batch=3)):
@@ -263,7 +270,6 @@ def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
     from pathlib import Path
 
     from prefixrun.engine.load.model_maker import make_model_dir
-    from test_config_fidelity import TOL
 
     raw = json.loads((Path(__file__).resolve().parent.parent / "bench" / "models" / "kimi-linear-like.json")
                      .read_text())
@@ -275,15 +281,7 @@ def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
              "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
              "linear_attn_config": {**raw["linear_attn_config"], "head_dim": 8, "num_heads": 4}}
     path = make_model_dir(tmp_path / "m", small, seed=3, init_std=0.05, dtype="float32")
-    model = load_model(path, cpu_ops)[0]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                           experts_implementation="eager").eval()
-    prompt = random_prompt(4, 30)
-    st = new_state(model, cpu_ops)
-    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+    check_prompt_logits_of_transformers(path, cpu_ops, random_prompt(4, 30), experts_implementation="eager")
 
 
 def test_prefixrun_batch_off_ngram_and_from_disk(kimi_dir, tmp_path, isolated_env):

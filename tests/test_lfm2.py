@@ -17,6 +17,7 @@ from conftest import (
     check_gpu_prefill_logits,
     check_ngram_gives_the_tokens_of_off,
     check_prefix_reuse_changes_nothing,
+    check_prompt_logits_of_transformers,
     check_rollback_matches_a_plain_run,
     new_state,
     random_prompt,
@@ -275,13 +276,7 @@ def test_make_model_writes_the_bench_config(tmp_path, cpu_ops):
     small = {**raw, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "block_multiple_of": 16,
              "num_attention_heads": 4, "num_key_value_heads": 2}
     path = make_model_dir(tmp_path / "m", small, seed=3, init_std=PARITY_STD, dtype="float32")
-    model = load_model(path, cpu_ops)[0]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    prompt = random_prompt(4, 30)
-    st = new_state(model, cpu_ops)
-    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
-    with torch.no_grad():
-        np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=TOL, rtol=0)
+    check_prompt_logits_of_transformers(path, cpu_ops)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from conftest import (
     check_disk_cache_keeps_tokens,
     check_ngram_gives_the_tokens_of_off,
     check_prefix_reuse_changes_nothing,
+    check_prompt_logits_of_transformers,
     check_rollback_matches_a_plain_run,
     new_state,
     random_prompt,
@@ -139,21 +140,14 @@ def test_prefixrun_batch_off_ngram_and_from_disk(model_dir, tmp_path, isolated_e
 def test_bench_config_shrunk_loads_as_transformers_loads_it(fam, name, tmp_path, cpu_ops):
     """bench/models/<name>.json parses; make-model's writer gives a directory transformers and prefixrun load
     identically (the config shrunk to test size, its block pattern kept)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     raw = json.loads((ROOT / "bench" / "models" / f"{name}.json").read_text())
     assert parse_config(raw).family == fam
     small = {**raw, **{k: v for k, v in TINY[fam].items()
                        if k not in ("layers_block_type", "layer_types", "num_hidden_layers")}}
     path = make_model_dir(tmp_path / "m", small, seed=3, init_std=PARITY_STD, dtype="float32")
-    model = load_model(path, cpu_ops)[0]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                           experts_implementation="eager").eval()
-    prompt = random_prompt(4, 30)
-    st = new_state(model, cpu_ops)
-    ours = model.forward(st.prepare_step([st.new_sequence()], [prompt]), st, all_logits=True)
-    with torch.no_grad():
-        np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=1e-4, rtol=0)
+    check_prompt_logits_of_transformers(path, cpu_ops, experts_implementation="eager")
 
 
 def test_deterministic_runs_give_the_same_bits_on_every_path(model_dir):
