@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 MODELS=${MODELS:-"qwen3_5-0.8b-like"}
 status=0
 for m in $MODELS; do
-  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=/work/shared/bench/models/$m.json
+  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
   MODEL=/tmp/$m  # where the other device scripts build it
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 >/dev/null || exit 1
   echo "== $m"

@@ -25,7 +25,7 @@ BATCHES=${BATCHES:-"1 4 16"}
 MODES=${MODES:-"off ngram auto"}
 GEN=${GEN:-512}
 W=.bench-shared/workloads.py
-[ -f "$W" ] || W=/work/shared/bench/workloads.py
+[ -f "$W" ] || W=bench/workloads.py
 python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/spec-shared-system.jsonl 2>/dev/null
 python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/spec-doc-qa.jsonl 2>/dev/null
 for b in $BATCHES; do  # a 2,000-token document of 40 rows that repeat one 50-token template with small changes
@@ -79,7 +79,7 @@ PY
 
 : > "$OUT/spec.md"
 for m in $MODELS; do
-  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=/work/shared/bench/models/$m.json
+  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
   [ -f /tmp/$m-copy-prone/config.json ] || python3 bench/copy_prone.py $MODEL /tmp/$m-copy-prone || exit 1

@@ -9,7 +9,7 @@ checked (its full form against the reference, its scratch against v1's) and time
 and on PREP_SHAPES (the 4b-like model's 8192-token steps). A form that failed a check is not timed. Last, fla in a
 child process with what is left of the part's time budget (Triton compiles and autotunes fla's kernels on first use,
 tens of seconds on a fresh machine): the tensor-core form against fla on every sequence, then fla's time.
-Budget: KBENCH_DELTA_BUDGET_S (default 32 s, the session-4 device run's share); KBENCH_DELTA_FULL=1 runs every
+Budget: KBENCH_DELTA_BUDGET_S (default 32 s); KBENCH_DELTA_FULL=1 runs every
 shape with fla and the tuning table (tensor cores vs the previous kernels by sequence count and length).
 Inputs are laid out as the layer passes them: q and k strided views of one [T, 2 Hk, Dk] buffer.
 """

@@ -7,7 +7,7 @@ Each op is checked against the NumPy reference first (norm-relative error, the b
 tests/test_cuda_kernels.py; the fused add + RMSNorm also bit for bit against add then rms_norm on the device) and
 timed only if it passed: `REPS` calls captured in one CUDA graph (as a decode step runs them), replayed; us per call
 and GB/s of the bytes the op must move (inputs read once, outputs written once), next to a device-to-device copy of
-256 MiB (the ceiling). Before this work (main@97c6300, profile of a 4b-like decode step on an H200, per call):
+256 MiB (the ceiling). Before these kernels (main@97c6300, profile of a 4b-like decode step on an H200, per call):
 add_rms_norm 64 x 2560 ~9.5 us, silu_mul 64 x 9216 ~10 us, gated norm ~10.8 us, L2 norm ~4.2 us, sigmoid_mul
 ~11.6 us.
 """

@@ -67,7 +67,7 @@ ATTN_CASES = [
     ("prefill 32 x 2304, 16/4 heads x 256", 32, 2304, 0, 16, 4, 256, 0),
     ("prefill 32 x 2304, 32/8 heads x 128", 32, 2304, 0, 32, 8, 128, 0),
     ("suffixes 64 x 256 after 2048 cached, 16/4 x 256", 64, 256, 2048, 16, 4, 256, 0),
-]  # the device run has ~70 s for every part together: three shapes, 256 checked queries each, 5 timed runs
+]  # kept to ~70 s for every part together: three shapes, 256 checked queries each, 5 timed runs
 ATTN_BOUND = 1e-2  # tests/test_cuda_kernels.py WGMMA_TOL: two bf16 roundings (P and the output)
 ATTN_CHECK_ROWS = 256  # the last sequence's last queries are checked against the reference (all its keys)
 

@@ -2,7 +2,7 @@
 batch's options and defaults), related to the device's ceilings and, when torch + transformers are importable, to
 transformers on the same model directory, tokens and default sampling.
 
-Ceilings (the benchmark GPU's, measured; see shared/bench/README.md): bf16 GEMM 786 TFLOP/s, device copy 4.27 TB/s.
+Ceilings (the benchmark GPU's, measured; docs/PERFORMANCE.md): bf16 GEMM 786 TFLOP/s, device copy 4.27 TB/s.
 """
 from __future__ import annotations
 
