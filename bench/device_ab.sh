@@ -2,7 +2,7 @@
 # Two checkouts of prefixrun, the same workload, alternating processes on one device: the A/B behind a claim that a
 # change left the user's path "within noise". Run on the device machine from the repository root:
 #   OLD=path/to/other/checkout bash bench/device_ab.sh
-# needs ./.bench-shared (a copy of shared/bench); writes $OUT/ab.md and each run's bench JSON.
+# writes $OUT/ab.md and each run's bench JSON.
 # Each row is `prefixrun bench` (the user's `prefixrun batch` path, one process, model load included), greedy,
 # --no-cache, in the order old, new, old, new, ...; the table gives each run and the medians.
 set -uo pipefail
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 OLD=${OLD:?name the other checkout}
 MODEL_NAME=${MODEL_NAME:-qwen3_5-4b-like}
 REPEATS=${REPEATS:-3}
-W=.bench-shared/workloads.py
+W=bench/workloads.py
 python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/ab-shared-system.jsonl 2>/dev/null
 head -2 /tmp/ab-shared-system.jsonl > /tmp/ab-warmup.jsonl
 tree_for() {  # checkout folder -> an importable prefixrun package of it
@@ -22,7 +22,7 @@ tree_for() {  # checkout folder -> an importable prefixrun package of it
 }
 NEW_SRC=$(tree_for .); OLD_SRC=$(tree_for "$OLD")
 MODEL=/tmp/$MODEL_NAME
-cfg=.bench-shared/models/$MODEL_NAME.json; [ -f "$cfg" ] || cfg=bench/models/$MODEL_NAME.json
+cfg=bench/models/$MODEL_NAME.json
 [ -f $MODEL/config.json ] || PYTHONPATH=$NEW_SRC python3 -m prefixrun.cli.app make-model $MODEL --config "$cfg" --seed 0 \
   >/dev/null || exit 1
 one() {  # label, src, workload, json

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark behind docs/PERFORMANCE.md, run on the device machine from the repository root:
-#   needs ./.bench-shared (a copy of shared/bench) and, for the transformers baseline, ./.whl
+#   needs, for the transformers baseline, ./.whl
 #   (flash-linear-attention wheels), both carried; writes figures to $OUT (or ./bench-out).
 #
 # Every figure is `prefixrun bench`, i.e. `prefixrun batch` as a user runs it, one process per row (model load
@@ -29,7 +29,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 MODELS=${MODELS:-"qwen3_5-4b-like"}
 WORKLOADS=${WORKLOADS:-"shared-system doc-qa"}
-W=.bench-shared/workloads.py
+W=bench/workloads.py
 python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/shared-system.jsonl 2>/dev/null
 python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/doc-qa.jsonl 2>/dev/null
 head -2 /tmp/shared-system.jsonl > /tmp/warmup.jsonl
@@ -108,7 +108,7 @@ bench() {  # name, workload, flags...: one process
 
 : > "$OUT/table.md"
 for m in $MODELS; do
-  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+  cfg=bench/models/$m.json
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
   # first process on this machine: NVRTC compiles every kernel into CuPy's on-disk cache (not timed below)

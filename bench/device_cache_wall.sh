@@ -20,7 +20,7 @@ M=${MODEL_NAME:-qwen3_5-4b-like}; MODEL=${MODEL:-/tmp/$M}
 DOCS=${DOCS:-4}; PER_DOC=${PER_DOC:-8}; MIN_DOC=${MIN_DOC:-8192}; MAX_DOC=${MAX_DOC:-16384}; GEN=${GEN:-64}
 REPEATS=${REPEATS:-1}  # cold / warm / cold again / no cache, this many rounds (fresh folders each round)
 if [ ! -f "$MODEL/config.json" ]; then
-  cfg=.bench-shared/models/$M.json; [ -f "$cfg" ] || cfg=bench/models/$M.json
+  cfg=bench/models/$M.json
   prefixrun make-model "$MODEL" --config "$cfg" --seed 0 >/dev/null || { echo "make-model failed"; exit 1; }
 fi
 W="python3 bench/workloads.py long-docs --docs $DOCS --per-doc $PER_DOC --min-doc $MIN_DOC --prefix $MAX_DOC

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks, run on the device machine from the repository root (needs ./.bench-shared; STAGES picks them):
+# GPU checks, run on the device machine from the repository root (STAGES picks them):
 #   tests   the GPU test files (kernels vs the NumPy reference; engine and cache invariance on the GPU);
 #   kbench  the kernel timing tables (tests/test_cuda_kernels.py --bench, tests/test_cuda_sampling.py --bench);
 #   cli     `prefixrun batch` end to end on CUDA: bf16 twice (second run from the persistent cache: identical
@@ -19,7 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 P="python3 -m prefixrun.cli.app"
 (for m in ${MODELS:-qwen3_5-0.8b-like qwen3_5-4b-like}; do
-   cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+   cfg=bench/models/$m.json
    [ -f /tmp/$m/config.json ] || $P make-model /tmp/$m --config "$cfg" --seed 0 >/dev/null
  done; touch /tmp/models-ready) &
 
@@ -74,8 +74,8 @@ PYTHONPATH=$S PREFIXRUN_BIG_MODEL_DIR=/tmp/qwen3_5-0.8b-like timeout 400 python3
 fi
 if has profile; then
   echo "== profile"
-  python3 .bench-shared/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/ss.jsonl
-  python3 .bench-shared/workloads.py doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/dq.jsonl
+  python3 bench/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/ss.jsonl
+  python3 bench/workloads.py doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/dq.jsonl
   python3 bench/profile_phases.py /tmp/ss.jsonl --model /tmp/qwen3_5-4b-like --top 12 2>&1 | tee $OUT/profile.txt
   python3 bench/profile_phases.py /tmp/dq.jsonl --model /tmp/qwen3_5-4b-like --top 12 2>&1 | tee $OUT/profile-docqa.txt
 fi

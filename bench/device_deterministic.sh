@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # --deterministic on the GPU, one command, run on the device machine from the repository root (issue 33):
-#   needs ./.bench-shared (a copy of shared/bench, carried) for the model configs; MODELS="qwen3_5-4b-like" for the
+#   MODELS="qwen3_5-4b-like" for the
 #   issue's figures (making that model costs ~80 s); default: the 0.8b-like one. ARGS: more bench/deterministic_check.py
 #   options (e.g. "--alone 8 --skip-cost").
 # Per model: 64 bench prompts compared bit for bit (token ids and logprobs) across the batch, --max-batch 1/7/64/256,
@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 MODELS=${MODELS:-"qwen3_5-0.8b-like"}
 status=0
 for m in $MODELS; do
-  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+  cfg=bench/models/$m.json
   MODEL=/tmp/$m  # where the other device scripts build it
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 >/dev/null || exit 1
   echo "== $m"

@@ -5,7 +5,7 @@
 # background warm-up did (kernels/cuda_warmup.py) and when it ended against the first prefill step, the per-op
 # first-use table (host ms cold vs warm), and the GPU tests of the warm-up.
 # Then bench/firstuse_probe.py: which kinds of first use wait for the device queue.
-# Run on the device machine from the repository root; needs ./.bench-shared (carried). Writes $OUT/firstuse.txt,
+# Run on the device machine from the repository root. Writes $OUT/firstuse.txt,
 # $OUT/probe.txt and $OUT/tests.txt. Under 150 s on an H200 (model creation ~20 s, the kernel cache fill ~30 s on a
 # bare machine).
 set -uo pipefail
@@ -13,9 +13,9 @@ OUT=${OUT:-firstuse-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 . bench/checkout_env.sh  # the checkout as the `prefixrun` package and command
 M=${MODEL_NAME:-qwen3_5-4b-like}; MODEL=/tmp/$M
-cfg=.bench-shared/models/$M.json; [ -f "$cfg" ] || cfg=bench/models/$M.json
+cfg=bench/models/$M.json
 [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 >/dev/null || exit 1
-python3 .bench-shared/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 \
+python3 bench/workloads.py shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 \
   > /tmp/firstuse-shared-system.jsonl 2>/dev/null || exit 1
 # A user's fresh process finds CuPy's kernel cache filled by earlier runs: fill it here (compiles only on a bare
 # machine: our modules and CuPy's own kernels of the model code), so that run 1 measures first use, not NVRTC.

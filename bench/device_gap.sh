@@ -2,7 +2,7 @@
 # Issue 10's device check: the host-side cost of `prefixrun batch` at commit 7c1fe06 (before the runner was split
 # into plan -> scheduler -> model runner) against this checkout, measured the same way on one machine.
 # Run on the device machine from the repository root; needs ./.old (that commit's files:
-# `mkdir .old && git archive 7c1fe06 | tar -x -C .old`, carried) and ./.bench-shared (carried).
+# `mkdir .old && git archive 7c1fe06 | tar -x -C .old`, carried).
 # Both sides run bench/profile_host.py of THIS checkout (it patches only classes both commits have) on the 4b-like
 # shared-system workload, greedy, no cache, --max-batch 64, three runs in one process (the first pays NVRTC
 # compiles and cuBLAS set-up); the old side's package is the old files, the new side's this checkout.
@@ -13,9 +13,9 @@ export PYTHONUNBUFFERED=1
 [ -d .old/engine ] || { echo "no ./.old checkout (see the top of this file)"; exit 2; }
 . bench/checkout_env.sh  # for make-model: the checkout as the `prefixrun` package
 M=${MODEL_NAME:-qwen3_5-4b-like}; MODEL=/tmp/$M
-cfg=.bench-shared/models/$M.json; [ -f "$cfg" ] || cfg=bench/models/$M.json
+cfg=bench/models/$M.json
 [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 >/dev/null || exit 1
-python3 .bench-shared/workloads.py shared-system --requests ${GAP_REQUESTS:-64} --prefix 2048 --suffix 256 --gen 64 \
+python3 bench/workloads.py shared-system --requests ${GAP_REQUESTS:-64} --prefix 2048 --suffix 256 --gen 64 \
   > /tmp/gap-shared-system.jsonl 2>/dev/null
 package() {  # side, checkout dir: a package tree whose `prefixrun` is that checkout
   local root=/tmp/prefixrun-$1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Scale-out on one host: `prefixrun batch` on one GPU vs `--devices 0,1`, run on a 2-GPU device machine from the
-# repository root (needs ./.bench-shared, a copy of shared/bench). Workloads are the shared bench workloads with 4x
+# repository root. Workloads are bench/workloads.py's with 4x
 # the requests: shared-system 256 x (2048 + 256) and doc-qa 16 documents x 16 questions x (4096 + 128), 64 new
 # tokens each, the model's generation_config sampling, --no-cache (so the figures compare compute, not disk).
 # One markdown table on stdout ($OUT/scale.md); every report JSON in $OUT.
@@ -9,9 +9,9 @@ OUT=${OUT:-scale-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 . bench/checkout_env.sh  # the checkout as the `prefixrun` package and command
 M=${MODEL_NAME:-qwen3_5-4b-like}; MODEL=/tmp/$M
-cfg=.bench-shared/models/$M.json; [ -f "$cfg" ] || cfg=bench/models/$M.json
+cfg=bench/models/$M.json
 [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 >/dev/null || exit 1
-W=.bench-shared/workloads.py
+W=bench/workloads.py
 python3 $W shared-system --requests 256 --prefix 2048 --suffix 256 --gen 64 > /tmp/ss4.jsonl 2>/dev/null
 python3 $W doc-qa --docs 16 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/dq4.jsonl 2>/dev/null
 head -4 /tmp/ss4.jsonl > /tmp/warm.jsonl

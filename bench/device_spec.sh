@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding on the GPU, one command, run on the device machine from the repository root (issue 15):
-#   needs ./.bench-shared (a copy of shared/bench, carried); writes figures to $OUT (or ./bench-out-spec).
+#   writes figures to $OUT (or ./bench-out-spec).
 #   MODELS="qwen3_5-4b-like" for the issue's figures (making that model costs ~80 s); default: the 0.8b-like one.
 #
 # Two models of the same shapes (same config, kernels and bytes):
@@ -24,8 +24,7 @@ MODELS=${MODELS:-"qwen3_5-0.8b-like"}
 BATCHES=${BATCHES:-"1 4 16"}
 MODES=${MODES:-"off ngram auto"}
 GEN=${GEN:-512}
-W=.bench-shared/workloads.py
-[ -f "$W" ] || W=bench/workloads.py
+W=bench/workloads.py
 python3 $W shared-system --requests 64 --prefix 2048 --suffix 256 --gen 64 > /tmp/spec-shared-system.jsonl 2>/dev/null
 python3 $W doc-qa --docs 4 --per-doc 16 --prefix 4096 --suffix 128 --gen 64 > /tmp/spec-doc-qa.jsonl 2>/dev/null
 for b in $BATCHES; do  # a 2,000-token document of 40 rows that repeat one 50-token template with small changes
@@ -79,7 +78,7 @@ PY
 
 : > "$OUT/spec.md"
 for m in $MODELS; do
-  cfg=.bench-shared/models/$m.json; [ -f "$cfg" ] || cfg=bench/models/$m.json
+  cfg=bench/models/$m.json
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
   [ -f /tmp/$m-copy-prone/config.json ] || python3 bench/copy_prone.py $MODEL /tmp/$m-copy-prone || exit 1

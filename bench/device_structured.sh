@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Structured output's overhead on the GPU: the same workload with and without a JSON schema on every line, through
 # `prefixrun bench` (the user's `prefixrun batch` path, one process per row). Run on the device machine from the
-# repository root (the model configs of ./.bench-shared, a copy of shared/bench, where bench/models lacks them):
+# repository root:
 #   bash bench/device_structured.sh            # MODELS, REQUESTS (64), GEN (128), REPEATS (2) may be set
 # Every line generates exactly GEN tokens in both runs (--ignore-eos; bench/structured_workload.py's schema never
 # completes sooner), so `wall(schema) / wall(free)` is what the masks cost. Writes $OUT/structured.md and the JSON
@@ -24,7 +24,7 @@ echo "| model | lines | run | process wall s | engine wall s | decode s | decode
   | tee "$OUT/structured.md"
 echo "|---|---|---|---|---|---|---|---|" | tee -a "$OUT/structured.md"
 for m in $MODELS; do
-  cfg=bench/models/$m.json; [ -f "$cfg" ] || cfg=.bench-shared/models/$m.json
+  cfg=bench/models/$m.json
   MODEL=/tmp/$m
   [ -f $MODEL/config.json ] || prefixrun make-model $MODEL --config "$cfg" --seed 0 || exit 1
   prefixrun bench /tmp/st-warmup.jsonl --model "$MODEL" --device cuda --no-cache -q > /dev/null 2>&1

@@ -140,7 +140,7 @@ def test_a_fifo_or_device_in_place_of_the_rates_file_is_ignored_never_a_hang(tmp
     assert not hung and result == [{}], "load_rates hangs on a FIFO"
 
 
-# The bench model of the long-document case (shared/bench/models/qwen3_5-4b-like.json): 8 full-attention layers
+# The bench model of the long-document case (bench/models/qwen3_5-4b-like.json): 8 full-attention layers
 # (4 K/V heads of 256, bf16) and 24 Gated DeltaNet layers (32 value heads of 128x128 fp32 state, conv history of
 # 8192 channels x 3 in bf16). On an H200: prefill ~100k tokens/s on 2k-token prompts, ~22k tokens/s with the 16k
 # documents (measured: 69,632 tokens in 3.12 s).

@@ -1,7 +1,7 @@
 """Weights and restored state reach the device byte for byte, fast (kernels/upload.py, CudaOps.upload_rows).
 
 Skipped without CuPy and a GPU. `PREFIXRUN_LOAD_MODEL=DIR` (e.g. a `prefixrun make-model --config
-shared/bench/models/qwen3_5-4b-like.json` folder) also times a whole model load with the files in the page cache
+bench/models/qwen3_5-4b-like.json` folder) also times a whole model load with the files in the page cache
 and prints it; PREFIXRUN_LOAD_SECONDS (default 2.5) is the bound it must meet.
 """
 from __future__ import annotations

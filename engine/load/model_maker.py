@@ -1,7 +1,7 @@
 """Writes complete HF-format model directories with seeded random weights.
 
 Used by the tests (tiny models that transformers loads from the same directory), the benchmarks (real shapes
-from shared/bench/models) and the embedded default model. A directory holds config.json, model.safetensors
+from bench/models) and the embedded default model. A directory holds config.json, model.safetensors
 (or shards + index), tokenizer.json / tokenizer_config.json / chat_template.jinja and generation_config.json.
 """
 from __future__ import annotations
