@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two checkouts of prefixrun, the same workload, alternating processes on one device: the A/B behind a claim that a
-# change left the user's path "within noise". Run on the device machine from the repository root:
+# change left the user's path "within noise". Run on a GPU machine from the repository root:
 #   OLD=path/to/other/checkout bash bench/device_ab.sh
 # writes $OUT/ab.md and each run's bench JSON.
 # Each row is `prefixrun bench` (the user's `prefixrun batch` path, one process, model load included), greedy,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU benchmark behind docs/PERFORMANCE.md, run on the device machine from the repository root:
+# The GPU benchmark behind docs/PERFORMANCE.md, run on a GPU machine from the repository root:
 #   needs, for the transformers baseline, ./.whl
-#   (flash-linear-attention wheels), both carried; writes figures to $OUT (or ./bench-out).
+#   (flash-linear-attention wheels); writes figures to $OUT (or ./bench-out).
 #
 # Every figure is `prefixrun bench`, i.e. `prefixrun batch` as a user runs it, one process per row (model load
 # included in the process wall). Per model and workload, back to back:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The persistent cache in the process wall, on long documents (docs/PERFORMANCE.md), run on the device machine from
+# The persistent cache in the process wall, on long documents (docs/PERFORMANCE.md), run on a GPU machine from
 # the repository root. Workload (bench/workloads.py long-docs): DOCS documents of MIN_DOC..MAX_DOC tokens; a first
 # batch of PER_DOC questions over each, then a second batch of PER_DOC new questions over the very same documents.
 # One `prefixrun batch` process per row, greedy, model load in the process wall (timed outside the process):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks, run on the device machine from the repository root (STAGES picks them):
+# GPU checks, run on a GPU machine from the repository root (STAGES picks them):
 #   tests   the GPU test files (kernels vs the NumPy reference; engine and cache invariance on the GPU);
 #   kbench  the kernel timing tables (tests/test_cuda_kernels.py --bench, tests/test_cuda_sampling.py --bench);
 #   cli     `prefixrun batch` end to end on CUDA: bf16 twice (second run from the persistent cache: identical

@@ -5,7 +5,7 @@
 # background warm-up did (kernels/cuda_warmup.py) and when it ended against the first prefill step, the per-op
 # first-use table (host ms cold vs warm), and the GPU tests of the warm-up.
 # Then bench/firstuse_probe.py: which kinds of first use wait for the device queue.
-# Run on the device machine from the repository root. Writes $OUT/firstuse.txt,
+# Run on a GPU machine from the repository root. Writes $OUT/firstuse.txt,
 # $OUT/probe.txt and $OUT/tests.txt. Under 150 s on an H200 (model creation ~20 s, the kernel cache fill ~30 s on a
 # bare machine).
 set -uo pipefail

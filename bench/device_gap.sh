@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 10's device check: the host-side cost of `prefixrun batch` at commit 7c1fe06 (before the runner was split
 # into plan -> scheduler -> model runner) against this checkout, measured the same way on one machine.
-# Run on the device machine from the repository root; needs ./.old (that commit's files:
-# `mkdir .old && git archive 7c1fe06 | tar -x -C .old`, carried).
+# Run on a GPU machine from the repository root; needs ./.old (that commit's files:
+# `mkdir .old && git archive 7c1fe06 | tar -x -C .old`).
 # Both sides run bench/profile_host.py of THIS checkout (it patches only classes both commits have) on the 4b-like
 # shared-system workload, greedy, no cache, --max-batch 64, three runs in one process (the first pays NVRTC
 # compiles and cuBLAS set-up); the old side's package is the old files, the new side's this checkout.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Structured output's overhead on the GPU: the same workload with and without a JSON schema on every line, through
-# `prefixrun bench` (the user's `prefixrun batch` path, one process per row). Run on the device machine from the
+# `prefixrun bench` (the user's `prefixrun batch` path, one process per row). Run on a GPU machine from the
 # repository root:
 #   bash bench/device_structured.sh            # MODELS, REQUESTS (64), GEN (128), REPEATS (2) may be set
 # Every line generates exactly GEN tokens in both runs (--ignore-eos; bench/structured_workload.py's schema never
