@@ -368,7 +368,8 @@ def _remove_model_files(folder: Path):
 @app.command("inspect-cache")
 def inspect_cache(
     cache_dir: Optional[str] = run_option("cache_dir"),  # batch's, as declared in engine/run/config.py
-    model: Annotated[Optional[str], typer.Option(help="only entries of this model digest (prefix ok)")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="only entries of this model: its folder, or its digest's first characters")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print entries as JSON on stdout")] = False,
     tree: Annotated[bool, typer.Option(help="show how entries nest (prefix tree)")] = False,
     model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="decode previews with this model's "
