@@ -547,3 +547,33 @@ def test_a_relative_cache_folder_keeps_its_files_where_it_names_them(tmp_path, m
     folder.close()
     assert (tmp_path / "ct/digests/m").read_bytes() == b"1" and (tmp_path / "ct/rates.json").read_bytes() == b"2"
     assert not (tmp_path / "ct/ct").exists()
+
+
+ENDLESS = "SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c)"
+PLANTED_OBJECTS = {
+    "endless-trigger-on-touch": f"CREATE TRIGGER evil AFTER UPDATE ON entries BEGIN {ENDLESS}; END",
+    "trigger-on-insert": "CREATE TRIGGER evil AFTER INSERT ON signatures BEGIN DELETE FROM entries; END",
+    "view": f"CREATE VIEW evil AS {ENDLESS}",
+    "index-on-an-expression": "CREATE INDEX evil ON signatures (zeroblob(900000000 + length(signature)))",
+    "index-of-ours-redefined": "DROP INDEX entries_by_use_order; CREATE INDEX entries_by_use_order ON entries "
+                               "(zeroblob(900000000 + use_order))",
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_OBJECTS))
+def test_an_index_holding_objects_the_store_does_not_make_is_not_used(tmp_path, planted):
+    """A trigger planted in the index ran on every lookup's touch: one that never ends hung every run with no
+    result, past SIGTERM (an index on an expression builds a gigabyte per row written). An index holding a trigger,
+    view or index the store does not make is refused (the run goes on without the cache); inspect-cache calls it
+    damaged and --clear makes the folder usable again."""
+    cache = cache_with_entries(tmp_path)
+    db = sqlite3.connect(cache / "checkpoints" / "index.sqlite3")
+    db.executescript(PLANTED_OBJECTS[planted])
+    db.close()
+    with pytest.raises(StoreError, match="which prefixrun does not make"):
+        CheckpointStore(cache / "checkpoints")
+    res = cli("inspect-cache", "--cache-dir", cache)
+    assert res.exit_code == 1 and "is damaged" in res.stderr and "does not make" in res.stderr
+    assert cli("inspect-cache", "--cache-dir", cache, "--clear", "--yes").exit_code == 0
+    with CheckpointStore(cache / "checkpoints") as store:
+        assert put(store) and store.lookup(KEY, TOKENS, len(TOKENS)) is not None

@@ -25,6 +25,7 @@ swept).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sqlite3
@@ -143,35 +144,76 @@ def checked_row(values: Sequence) -> Row | None:
 
 def open_index(path: Path) -> sqlite3.Connection:
     """Open (creating or upgrading) the index at `path`; StoreError when it cannot be used."""
+    db = None
     try:
         # isolation_level=None: no implicit transactions; every write is an explicit short BEGIN IMMEDIATE ...
         # COMMIT, so a writer takes the lock up front instead of upgrading (deadlock-free).
         db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA trusted_schema = OFF")  # the schema is the folder's writer's: no function runs from it
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a power cut may lose the last rows, never corrupt
         with write_transaction(db):
             version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version in (1, 2, 3):
+                # the flat-SHA-256 era (1), whole-state entries without K/V blocks (2) or unsigned rows (3): every
+                # object dropped (their files become unindexed and are swept), a clear miss rather than quarantined
+                for kind, name in db.execute("SELECT type, name FROM sqlite_master WHERE type IN "
+                                             "('table', 'view', 'trigger') AND name NOT LIKE 'sqlite_%'").fetchall():
+                    db.execute(f'DROP {kind.upper()} IF EXISTS "{name}"')
+                version = 0
             if version == 0:
                 for statement in filter(str.strip, SCHEMA.split(";")):
                     db.execute(statement)
-            elif version in (1, 2, 3):
-                # rows of the flat-SHA-256 era (1), whole-state entries without K/V blocks (2) or unsigned rows (3):
-                # dropped (their files become unindexed and are swept), a clear miss rather than quarantined
-                for table in ("entries", "blocks", "entry_blocks"):
-                    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                                  (table,)).fetchone():
-                        db.execute(f"DELETE FROM {table}")
             elif version != INDEX_SCHEMA_VERSION:
                 raise StoreError(f"checkpoint index {path} has schema version {version}, this prefixrun uses "
                                  f"{INDEX_SCHEMA_VERSION}")
-            for statement in filter(str.strip, kv_blocks.SCHEMA.split(";")):
+            for statement in _statements(kv_blocks.SCHEMA + SIGNATURES_SCHEMA):
                 db.execute(statement)
-            for statement in _statements(SIGNATURES_SCHEMA):
-                db.execute(statement)
+            foreign = _foreign_objects(db)
+            if foreign:
+                raise StoreError(f"checkpoint index {path} holds {', '.join(foreign[:3])}, which prefixrun does not "
+                                 "make (it would run on the store's statements); it is not used")
             db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION}")
         return db
-    except sqlite3.DatabaseError as error:
-        raise StoreError(f"cannot open the checkpoint index {path}: {error}") from error
+    except BaseException as error:
+        if db is not None:
+            db.close()
+        if isinstance(error, sqlite3.DatabaseError):
+            raise StoreError(f"cannot open the checkpoint index {path}: {error}") from error
+        raise
+
+
+def _foreign_objects(db: sqlite3.Connection) -> list[str]:
+    """The triggers, views and indexes of the index that the schema above does not make as it makes them: they run
+    code on the store's statements (whoever can write the folder can add a trigger that never ends, or an index on
+    an expression that builds a gigabyte per row). A redefined or extra table runs nothing: its rows are checked as
+    any row is (`checked_row`)."""
+    found = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master WHERE type IN ('trigger', 'view', "
+                       "'index') AND name NOT LIKE 'sqlite_%'")
+    expected = _expected_objects()
+    return [f"{kind} {json.dumps(name)}" for kind, name, table, sql in found.fetchall()
+            if (kind, name, table, _plain_sql(sql)) not in expected]
+
+
+def _plain_sql(sql) -> str | None:
+    """A CREATE statement without its comments and with single spaces (a comment or layout edited in the schema
+    above makes no other object)."""
+    return None if sql is None else " ".join(re.sub(r"--[^\n]*", " ", sql).split())
+
+
+@functools.cache
+def _expected_objects() -> frozenset:
+    """(type, name, table, sql) of every object a fresh index holds, as this SQLite stores them."""
+    db = sqlite3.connect(":memory:")
+    try:
+        for statement in filter(str.strip, SCHEMA.split(";")):
+            db.execute(statement)
+        for statement in _statements(kv_blocks.SCHEMA + SIGNATURES_SCHEMA):
+            db.execute(statement)
+        return frozenset((kind, name, table, _plain_sql(sql)) for kind, name, table, sql in
+                         db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
+    finally:
+        db.close()
 
 
 def _statements(script: str) -> list[str]:
