@@ -60,7 +60,19 @@ def test_the_helper_process_hashes_as_this_process_does(model, monkeypatch):
         raise AssertionError("hashed in process")
 
     monkeypatch.setattr(weights_digest, "_hash_in_process", no_threads)
+    monkeypatch.setattr(weights_digest, "HELPER_MIN_BYTES", 0)
     assert weights_digest.content_digest(tensors, 3) == expected  # the helper's digests, not this process's
+
+
+def test_small_weights_hash_in_this_process(model, monkeypatch):
+    # a helper process costs more to start than a few megabytes cost to hash, and a fresh folder's key would then
+    # arrive after the run's first lookups
+    def no_helper(jobs, threads):
+        raise AssertionError("a helper process started")
+
+    monkeypatch.setattr(weights_digest, "chunk_digests", no_helper)
+    tensors = CheckpointTensors(model)
+    assert weights_digest.content_digest(tensors, 3) == reference_digest(tensors)
 
 
 @pytest.mark.parametrize("executable", ["", "/bin/false", "/nonexistent/python"])
@@ -69,6 +81,7 @@ def test_a_helper_that_cannot_run_leaves_the_hashing_to_this_process(model, monk
 
     tensors = CheckpointTensors(model)
     monkeypatch.setattr(sys, "executable", executable)
+    monkeypatch.setattr(weights_digest, "HELPER_MIN_BYTES", 0)
     assert weights_digest.content_digest(tensors, 2) == reference_digest(tensors)
 
 

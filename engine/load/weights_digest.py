@@ -38,6 +38,9 @@ from prefixrun.kernels.file_reads import read_exactly
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a digest memo's whole content
 LABEL = b"prefixrun-weights-v2\0"
+# below this the weights hash on this process's threads in less time than a helper process takes to start, and a
+# fresh folder's key is known before the run's first lookups
+HELPER_MIN_BYTES = 256 << 20
 
 
 def weights_digest(tensors, memo_dir: Path | None = None, *, remembered_only: bool = False) -> str | None:
@@ -74,12 +77,13 @@ def user_memo_dir() -> Path:
 def content_digest(tensors, threads: int | None = None, *, helper: bool = True) -> str:
     """The digest of the tensors' bytes as the files hold them, every chunk hashed at once on `threads` threads
     (default: one per core but two, which the engine's thread and the device's keep), in a helper process
-    (`helper`; this process's threads where it fails)."""
+    (`helper`, for HELPER_MIN_BYTES or more; this process's threads where it fails)."""
     names = [name for name, _ in tensors.served_by()]
     spans = [tensors.tensor_span(name) for name in names]
     jobs = [(s.span.path, s.span.offset + start, stop - start)
             for s in spans for start, stop in chunk_spans(s.span.nbytes)]
     threads = threads or max(2, (os.cpu_count() or 4) - 2)
+    helper = helper and sum(n for _, _, n in jobs) >= HELPER_MIN_BYTES
     digests = chunk_digests(jobs, threads) if helper else None
     if digests is None:
         digests = _hash_in_process(jobs, threads)
