@@ -174,19 +174,27 @@ def weight_only_gemm(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: 
                                                 (partial, i64(m), i32(n), y, i64(ldy)))
 
 
+def _weight_only_rows(x: cupy.ndarray, name: str) -> tuple[cupy.ndarray, int]:
+    """The weight-only kernels' activations and their row stride: bf16 rows of K % 16 == 0 with unit column
+    stride, copied where the rows are not 16-byte aligned (the kernels load 8 values at a time)."""
+    m, k = x.shape
+    if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
+        raise ValueError(f"{name}: bf16 rows with K % 16 == 0, got {x.dtype} {x.shape}")
+    ldx = x.strides[0] // x.itemsize if m > 1 else k
+    if m and (ldx % 8 or x.data.ptr % 16):
+        x, ldx = cupy.ascontiguousarray(x), k
+    return x, ldx
+
+
 def gemv_weight_only(x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray, col: int, sm_count: int) -> None:
     """out[:, col:col + N] = x [M, K] (bf16, M <= 64) @ the weight's dequantisation ^T, by fp8w_gemv_kernel
     (kernels/fp8.cu: each weight byte read once into the tensor cores' operand, scaled per block in fp32; K split
     where the weight's 16-row tiles are too few for the SMs, kernels/fp8_launch.py fp8w_gemv_split)."""
     m, k = x.shape
     n = weight.shape[0]
-    if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
-        raise ValueError(f"gemv_weight_only: bf16 rows with K % 16 == 0, got {x.dtype} {x.shape}")
+    x, ldx = _weight_only_rows(x, "gemv_weight_only")
     if not m or not n:
         return
-    ldx = x.strides[0] // x.itemsize if m > 1 else k
-    if ldx % 8 or x.data.ptr % 16:
-        x, ldx = cupy.ascontiguousarray(x), k
     split_chunks = fp8w_gemv_split(n, k, sm_count)
     splits = -(-(-(-k // GEMM_BLOCK)) // split_chunks)
     y, ldy = out[:, col:col + n], out.shape[1]
@@ -207,13 +215,9 @@ def stream_weight_only(ops, x: cupy.ndarray, weight: Fp8Block, out: cupy.ndarray
     summed in block order by the last of them: the grid follows N, K and the SM count, never M or timing)."""
     m, k = x.shape
     n = weight.shape[0]
-    if x.dtype != BF16 or k % 16 or (m > 1 and x.strides[1] != x.itemsize):
-        raise ValueError(f"stream_weight_only: bf16 rows with K % 16 == 0, got {x.dtype} {x.shape}")
+    x, ldx = _weight_only_rows(x, "stream_weight_only")
     if not m or not n:
         return
-    ldx = x.strides[0] // x.itemsize if m > 1 else k
-    if ldx % 8 or x.data.ptr % 16:
-        x, ldx = cupy.ascontiguousarray(x), k
     tiles = fp8w_stream_tiles(m)
     warps = ops.tuning.fp8_stream_warps
     unit = fp8w_stream_unit_rows(tiles, ops.tuning.fp8_stream_unit_rows, warps)
