@@ -9,7 +9,10 @@ memory, advised for transparent huge pages where the kernel grants them, given b
 kernel, once nothing refers to its arrays any more (an entry's rows uploaded and its lookup done, a state written),
 so that the next transfer lands in pages touched already. Slabs for transfers known to come (the entries a
 read-ahead will read after the ones it reads now) are made ahead on a thread of their own, their pages made present
-by the kernel in one call (MAP_POPULATE, without the interpreter's lock), so the reads find them touched.
+by the kernel in one call (`madvise(MADV_POPULATE_WRITE)` through ctypes, which lets go of the interpreter's lock),
+so the reads find them touched. Not `mmap(MAP_POPULATE)`: Python's mmap holds the interpreter's lock while the
+kernel fills the pages, so every other thread of the process (the engine's, the read-ahead's) stood still while a
+slab of hundreds of MiB was made.
 
 A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
 returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
@@ -18,6 +21,7 @@ uses (`kv_blocks.allocate`).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -31,6 +35,8 @@ KEEP_SLABS = 4  # free slabs kept at most (the read-ahead reads two entries at o
 KEEP_BYTES = 2 << 30  # and at most this many bytes of them, or a sixteenth of the host's memory (the rest go back)
 WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
 POPULATE = True  # slabs made ahead (`provision`), their pages made present by the kernel in one call
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in, writable, in one call
+PAGE = mmap.PAGESIZE
 
 
 class HostSlabs:
@@ -67,7 +73,7 @@ class HostSlabs:
 
     def provision(self, sizes) -> threading.Thread | None:
         """Fresh slabs for transfers expected soon (`sizes`: bytes each), made on a thread of their own with their
-        pages present (MAP_POPULATE: one call per slab, off the interpreter's lock) and put among the free slabs,
+        pages present (`_populate`: off the interpreter's lock) and put among the free slabs,
         so that `take` hands them out with their pages touched already; within the pool's bounds. The thread, or
         None where there is nothing to make (or POPULATE is off)."""
         sizes = [int(n) for n in sizes if int(n) >= SMALL_BYTES]
@@ -120,16 +126,46 @@ def _usable(slab: mmap.mmap) -> int:
 
 
 def _new_slab(size: int, populate: bool = False) -> mmap.mmap:
-    """Fresh anonymous memory, advised for huge pages; `populate`: its pages made present at once (where the system
-    has MAP_POPULATE: the kernel fills them in one call, which releases the interpreter's lock), else each faults
-    in on first touch (on the threads that fill it: populating on the caller would put it before the reads)."""
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if populate and hasattr(mmap, "MAP_POPULATE") and flags:
-        slab = mmap.mmap(-1, size, flags=flags | mmap.MAP_POPULATE)
-    else:
-        slab = mmap.mmap(-1, size)
-    _advise_huge_pages(slab)
+    """Fresh anonymous memory, advised for huge pages; `populate`: its pages made present at once (`_populate`),
+    else each faults in on first touch (on the threads that fill it: populating on the caller would put it before
+    the reads)."""
+    slab = mmap.mmap(-1, size)
+    _advise_huge_pages(slab)  # before the pages exist, so that the kernel may make them huge ones
+    if populate:
+        _populate(slab)
     return slab
+
+
+def _populate(slab: mmap.mmap) -> None:
+    """Make every page of `slab` present and writable without holding the interpreter's lock: one
+    `madvise(MADV_POPULATE_WRITE)` through ctypes (a foreign call lets go of the lock), else, where the kernel
+    has no such advice, one byte written per page by NumPy (a strided assignment also runs without the lock).
+    The pages are fresh anonymous zeros: writing a zero changes nothing a caller can see."""
+    view = np.frombuffer(slab, np.uint8)
+    if _LIBC is not None:
+        try:
+            if _LIBC.madvise(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(slab)),
+                             MADV_POPULATE_WRITE) == 0:
+                return
+        except (OSError, AttributeError, ctypes.ArgumentError):
+            pass
+    view[::PAGE] = 0
+
+
+def _load_libc():
+    """The C library's madvise (Linux); None elsewhere (pages are then touched by NumPy)."""
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
 
 
 def _advise_huge_pages(slab: mmap.mmap) -> None:

@@ -4,6 +4,8 @@ entries read one after another into the same memory restore exactly what was wri
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -44,6 +46,35 @@ def test_slabs_made_ahead_are_zeros_handed_out_by_take_and_within_bounds(monkeyp
     assert slabs.reused == 1 and slabs.made == 0 and not zeroed  # said not zeroed: the caller writes every byte
     assert not slab.any()  # fresh memory all the same
     slab[:] = 1
+
+
+@pytest.mark.parametrize("kernel_advice", [True, False])
+def test_populating_a_slab_lets_the_other_threads_run(monkeypatch, kernel_advice):
+    """Pages made present off the interpreter's lock: mmap(MAP_POPULATE) held it for the whole fill, and the
+    engine's and the read-ahead's threads stood still (the longest pause of a spinning thread was the fill)."""
+    if not kernel_advice:
+        monkeypatch.setattr(host_slabs, "_LIBC", None)  # a kernel without the advice: NumPy touches each page
+    stop, beats = threading.Event(), []
+
+    def spin():
+        while not stop.is_set():
+            beats.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    while not beats:
+        time.sleep(0.001)
+    size = 512 * MiB
+    started = time.perf_counter()
+    slab = host_slabs._new_slab(size, populate=True)
+    seconds = time.perf_counter() - started
+    ended = time.perf_counter()
+    stop.set()
+    spinner.join()
+    during = [t for t in beats if started <= t <= ended]
+    pauses = np.diff([started, *during, ended])
+    assert len(slab) == size and not np.frombuffer(slab, np.uint8)[::4096].any()
+    assert pauses.max() < max(0.5 * seconds, 0.02), (pauses.max(), seconds, len(during))
 
 
 def test_a_view_alive_keeps_its_slab_out_of_the_pool():
