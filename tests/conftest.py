@@ -157,6 +157,17 @@ def write_jsonl(path, lines):
     return path
 
 
+def bench_script(name: str):
+    """bench/<name>.py loaded as a fresh module: the bench folder holds scripts, not a package."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def records(text: str) -> list[dict]:
     """The JSON records of a JSONL text (blank lines skipped)."""
     import json

@@ -4,29 +4,19 @@ lower bound; large matrices drawn on threads give the same bits whatever the thr
 and tiny models keep the values of the one sequential generator."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from conftest import bench_script
 from prefixrun.engine.load import model_maker
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, tensor_shapes
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _families():
-    spec = importlib.util.spec_from_file_location("families", REPO / "bench" / "families.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_every_bench_family_has_a_smoke_config_of_its_own_family():
-    fam = _families()
+    fam = bench_script("families")
     for name, small in fam.SMOKE.items():
         full = fam.bench_config(name)
         cfg = parse_config({**full, **small})
@@ -38,7 +28,7 @@ def test_every_bench_family_has_a_smoke_config_of_its_own_family():
 
 
 def test_a_stopped_transformers_pass_is_a_lower_bound(tmp_path):
-    fam = _families()
+    fam = bench_script("families")
     ours = {"wall_seconds": 2.0, "process_wall_seconds": 5.0}
     hf = {"wall_seconds": 20.0, "complete": False, "groups_timed": 1, "groups": 2, "group_size": 32,
           "estimated_wall_seconds": 40.0, "cache": "dynamic", "attn_implementation": "sdpa"}

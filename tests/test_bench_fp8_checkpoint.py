@@ -2,28 +2,22 @@
 the same weights, and its torch quantiser (the GPU's, run here on the CPU) gives quantize_blocks' bits."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import bench_script
 from prefixrun.engine.load.model_maker import make_model_dir
 from prefixrun.engine.load.quantization import quantize_blocks
 from prefixrun.engine.load.weights import CheckpointTensors
 from test_fp8_weights import FP8_QWEN3_5
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("fp8_checkpoint", REPO / "bench" / "fp8_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("fp8_checkpoint")
 
 
 def test_a_converted_model_holds_what_make_model_writes_in_fp8(tool, tmp_path, monkeypatch):

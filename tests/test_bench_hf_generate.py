@@ -4,30 +4,23 @@ settings tried and chosen by measurement, and greedy tokens that are the engine'
 figure it gives is the time of the right work."""
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
 
-from conftest import PARITY_STD
+from conftest import PARITY_STD, bench_script, write_jsonl
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("hf_generate", REPO / "bench" / "hf_generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _model_and_workload(tmp_path, lines):
+    """A tiny Qwen3.5 model's folder and `lines` written as its JSONL workload."""
+    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    return model_dir, write_jsonl(tmp_path / "w.jsonl", lines)
 
 
 def test_groups_are_equal_length_where_the_workload_allows_and_left_padded_otherwise():
-    hf = _harness()
+    hf = bench_script("hf_generate")
     lines = [{"prompt_token_ids": [1] * n, "max_tokens": 4} for n in (5, 9, 5, 9, 5, 7)]
     groups = hf.groups_of(lines, 3, 16)
     assert [[len(l["prompt_token_ids"]) for l in g] for g in groups] == [[5, 5, 5], [7, 9, 9]]
@@ -36,21 +29,18 @@ def test_groups_are_equal_length_where_the_workload_allows_and_left_padded_other
 
 
 def test_a_line_without_token_ids_is_refused_by_its_number(tmp_path):
-    workload = tmp_path / "w.jsonl"
-    workload.write_text(json.dumps({"prompt_token_ids": [1]}) + "\n" + json.dumps({"prompt": "text"}) + "\n")
+    workload = write_jsonl(tmp_path / "w.jsonl", [{"prompt_token_ids": [1]}, {"prompt": "text"}])
     with pytest.raises(SystemExit, match="line 2 has no prompt_token_ids"):
-        _harness().read_lines(workload)
+        bench_script("hf_generate").read_lines(workload)
 
 
 def test_greedy_tokens_are_the_engines_and_the_figures_say_how_they_were_made(cpu_ops, tmp_path):
     pytest.importorskip("transformers")
-    hf = _harness()
-    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    hf = bench_script("hf_generate")
     prompts = [[(7 * i + j) % 500 + 3 for j in range(12)] for i in range(4)]
     lines = [{"custom_id": f"r{i}", "prompt_token_ids": p, "max_tokens": 6, "temperature": 0}
              for i, p in enumerate(prompts)]
-    workload = tmp_path / "w.jsonl"
-    workload.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    model_dir, workload = _model_and_workload(tmp_path, lines)
     h = hf.Harness(model_dir, 0.0, 16)
     got = h.generate(lines).tolist()  # one equal-length group of 4
     model = load_model(model_dir, cpu_ops)[0]
@@ -68,7 +58,7 @@ def test_greedy_tokens_are_the_engines_and_the_figures_say_how_they_were_made(cp
 
 
 def test_the_caches_tried_follow_the_option_and_the_device():
-    hf = _harness()
+    hf = bench_script("hf_generate")
     assert hf.candidates("cuda") == ["static", None] and hf.candidates("cuda", ("dynamic",)) == [None]
     assert hf.candidates("cpu") == [None] and hf.candidates("cpu", ("static",)) == [None]
     with pytest.raises(SystemExit):
@@ -80,11 +70,9 @@ def test_the_harness_on_the_gpu_picks_settings_that_work_and_times_the_workload(
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    hf = _harness()
-    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    hf = bench_script("hf_generate")
     lines = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(40)], "max_tokens": 8} for i in range(6)]
-    workload = tmp_path / "w.jsonl"
-    workload.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    model_dir, workload = _model_and_workload(tmp_path, lines)
     figures = hf.run(model_dir, workload, group=4)
     assert figures["device"] == "cuda" and figures["generated_tokens"] == 6 * 8 and figures["groups"] == 2
     assert figures["cache"] in ("static", "dynamic") and len(figures["tried"]) == 2
@@ -106,11 +94,9 @@ def test_both_harnesses_halve_the_group_while_transformers_runs_out_of_memory(mo
     pytest.importorskip("transformers")
     from prefixrun.cli import bench
 
-    hf = _harness()
-    model_dir = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5, init_std=PARITY_STD)
+    hf = bench_script("hf_generate")
     lines = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(12)], "max_tokens": 3} for i in range(8)]
-    workload = tmp_path / "w.jsonl"
-    workload.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    model_dir, workload = _model_and_workload(tmp_path, lines)
     real = hf.Harness.__init__
 
     def small_memory(self, *a, **k):

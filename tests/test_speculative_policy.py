@@ -5,7 +5,6 @@ verify steps' graphs are captured only for shapes that recur. And the bench fixt
 makes a made model's greedy output repeat, so that the device can measure speculation at high acceptance."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import struct
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import bench_script
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.models import load_model
 from prefixrun.engine.request import Request, SamplingParams
@@ -21,8 +21,6 @@ from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.spec.drafters import NgramDrafter, NgramIndex, TokenHistory
 from prefixrun.engine.spec.speculator import Speculator
 from prefixrun.engine.state.pools import StateHandle
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def scan(tokens, k, min_n=1, max_n=4, lookback=1 << 16):
@@ -209,7 +207,7 @@ def test_verify_graphs_are_captured_only_for_shapes_that_recur(cpu_ops, tmp_path
 
     src = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3, init_std=0.3)
     dst = tmp_path / "copy"
-    _copy_prone().make_copy_prone(src, dst)
+    bench_script("copy_prone").make_copy_prone(src, dst)
     model = load_model(dst, cpu_ops)[0]
     prompts = [[11, 12, 13, 14] * 10, [21, 22, 23] * 12]
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -229,13 +227,6 @@ def test_verify_graphs_are_captured_only_for_shapes_that_recur(cpu_ops, tmp_path
 
 
 # ---- the bench fixture ---------------------------------------------------------------------------------------------
-def _copy_prone():
-    spec = importlib.util.spec_from_file_location("copy_prone", REPO / "bench" / "copy_prone.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _header(path: Path) -> dict:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -246,7 +237,7 @@ def test_copy_prone_model_keeps_every_tensor_and_makes_ngram_drafts_accepted(cpu
     cfg = dict(TINY_QWEN3_5, vocab_size=1024)
     src = make_model_dir(tmp_path / "m", cfg, seed=3, init_std=0.3)
     dst = tmp_path / "copy"
-    mod = _copy_prone()
+    mod = bench_script("copy_prone")
     assert mod.make_copy_prone(src, dst) == 3 * 2 + 1 * 2  # out_proj + down_proj x 3, o_proj + down_proj x 1
     a, b = _header(src / "model.safetensors"), _header(dst / "model.safetensors")
     assert {k: (v["dtype"], v["shape"]) for k, v in a.items() if k != "__metadata__"} == \
