@@ -2,6 +2,7 @@
 greedy tokens of a few prompts, each model loaded on its own on the same device and dtype.
 
     python3 bench/fp8_accuracy.py BF16_DIR FP8_DIR [--device cuda] [--prompt-tokens 512] [--prompts 16] [--gen 32]
+                                  [--json OUT.json]
 
 Prints the logits' relative error (Frobenius norm of the difference over the source's), the largest difference
 over the source logits' spread, the argmax agreement over the prompt's positions, and the greedy agreement: the
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-length", type=int, default=256)
     p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--json", type=Path, help="also write the figures here")
     a = p.parse_args()
     rng = random.Random(0)
     config = json.loads((a.source / "config.json").read_text())
@@ -72,6 +74,11 @@ def main():
           f"logits' spread, argmax agreement {agree:.3f}")
     print(f"greedy {len(prompts)} x {a.gen} tokens: {same}/{total} equal ({same / max(total, 1):.3f}), first "
           f"difference at {np.mean(first):.1f} on average; loads {t_ref:.1f} s / {t_got:.1f} s")
+    if a.json:
+        a.json.write_text(json.dumps({
+            "positions": len(prompt), "relative_error": err, "largest_difference_of_spread": worst,
+            "argmax_agreement": agree, "greedy_equal": same, "greedy_total": total,
+            "first_difference_mean": float(np.mean(first)), "load_seconds": [t_ref, t_got]}))
 
 
 if __name__ == "__main__":
