@@ -3,13 +3,13 @@ and its layer kinds in order and parses (test widths too); the table gives each 
 --kv-cache-dtype runs against auto, and the reason of every step that did not run."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import bench_script
 from prefixrun.engine.load.hf_config import parse_config
 from prefixrun.engine.load.model_maker import tensor_shapes
 
@@ -18,10 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def rows():
-    spec = importlib.util.spec_from_file_location("fp8_rows", REPO / "bench" / "fp8_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("fp8_rows")
 
 
 def test_a_cut_config_keeps_its_family_and_first_layers(rows):
