@@ -207,6 +207,17 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
             at += p.nbytes
         return out
 
+    def upload_permuted(self, part, view_shape, axes):
+        """The stored bytes go up as they are (fp32, bf16: read ahead or staged), are converted on the device, then
+        one strided device copy of their bits (as unsigned integers of their size) makes the new layout."""
+        dt = np.dtype(self.act_dtype)
+        if not isinstance(part, cupy.ndarray):
+            part = np.asarray(part)
+            part = self.upload_rows([part], part.dtype if part.dtype in TYPE_NAMES else dt)
+        bits = np.dtype(f"u{dt.itemsize}")
+        a = self._cast(part, dt).view(bits).reshape(view_shape)
+        return cupy.ascontiguousarray(a.transpose(axes)).view(dt)
+
     def upload_linear(self, host_parts):
         """A projection's weight: FP8 parts on the 128 x 128 grid kept as fp8 bytes + block scales for cuBLASLt's
         block-scaled FP8 GEMM, the rest dequantised (kernels/cuda_fp8.py upload_projection)."""

@@ -86,6 +86,13 @@ class Ops(Protocol):
         backend array `read_weights` handed out, which the caller gives up: a lone part already in `dtype` may
         come back as it is."""
 
+    def upload_permuted(self, part, view_shape, axes) -> Array:
+        """A weight stored in another layout, rearranged: `part` (a host array, or a backend array `read_weights`
+        handed out, which the caller gives up) viewed as `view_shape` (its elements in C order), its axes permuted
+        as numpy.transpose(axes) does, as a new contiguous backend array in the activation dtype. Values are only
+        moved and rounded to that dtype, as `upload` rounds them: the stored bytes may go to the device as they are
+        and be rearranged there (gpt-oss's fused experts: transposed, gate and up de-interleaved)."""
+
     def upload_linear(self, host_parts) -> Any:
         """A projection's weight from `host_parts` as `upload_rows` takes them (stacked along axis 0, storage
         dtype), only ever passed to `linear` as its `weight` (never sliced, reshaped or read otherwise). A backend

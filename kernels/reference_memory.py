@@ -27,6 +27,11 @@ class HostMemoryOps:
         parts = [p.dequantize() if isinstance(p, Fp8Matrix) else np.asarray(p) for p in host_parts]
         return np.concatenate(parts, axis=0).astype(dtype or self.act_dtype, copy=False)
 
+    def upload_permuted(self, part, view_shape, axes):
+        """Converted first, then one strided copy (converting a strided bf16 view is NumPy's slow path)."""
+        a = np.asarray(part).astype(self.act_dtype)
+        return np.ascontiguousarray(a.reshape(view_shape).transpose(axes))
+
     def upload_linear(self, host_parts):
         """A projection's weight: `upload_rows` (FP8 parts exactly dequantised, the reference's fp32)."""
         return self.upload_rows(host_parts)

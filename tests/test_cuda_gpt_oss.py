@@ -4,6 +4,7 @@ GEMM; then the tiny model end to end (fp32: the CPU's greedy tokens with reuse a
 whole-model error within 2x transformers' own bf16 error on the same weights)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -114,6 +115,22 @@ def test_grouped_linear_with_expert_biases(ops, ref, t, k, e):
     assert rel(ops.to_host(got), want) <= TOL[ops.dtype_name]
 
 
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_upload_permuted_is_the_reference_bit_for_bit(ops, ref, stored, on_device):
+    """gpt-oss's fused experts rearranged on the device from the stored bytes (a host array, or one read ahead):
+    the transpose with the gate/up de-interleave and the plain transpose give the reference's values rounded to
+    the activation dtype, bit for bit."""
+    dt = np.dtype(ml_dtypes.bfloat16 if stored == "bfloat16" else np.float32)
+    a = np.random.default_rng(3).standard_normal((3, 40, 48)).astype(dt)
+    for view, axes in (((3, 40, 24, 2), (0, 3, 2, 1)), ((3, 40, 48), (0, 2, 1))):
+        got = ops.to_host(ops.upload_permuted(ops.upload(a, dt) if on_device else a, view, axes))
+        want = ref.upload_permuted(a, view, axes).astype(ops.act_dtype)
+        assert got.shape == want.shape == tuple(view[x] for x in axes) and got.dtype == want.dtype
+        bits = f"u{want.dtype.itemsize}"
+        np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("gpt_oss"), TINY_GPT_OSS, seed=7, init_std=PARITY_STD)
@@ -130,3 +147,17 @@ def test_model_on_the_gpu(gpt_oss_dir, dtype):
     check_gpu_prefill_logits(gpt_oss_dir, model, ops, cpu_model, cpu_ops, random_prompt(2, 170))
     if dtype == "float32":
         check_gpu_gives_the_cpu_tokens(model, ops, cpu_model, cpu_ops, _prompts(), _run)
+
+
+def test_loaded_experts_are_the_cpus_bit_for_bit(gpt_oss_dir):
+    """Through the loader (the fused experts read ahead as stored, rearranged on the device): every layer's expert
+    matrices are the CPU model's rounded to bf16, bit for bit."""
+    from prefixrun.engine.load import loader
+
+    loaded = loader.load(gpt_oss_dir, "cuda", "bfloat16")
+    cpu_model = load_model(gpt_oss_dir, NumpyOps())[0]
+    for mine, theirs in zip(loaded.model.layers, cpu_model.layers):
+        for name in ("gate_up", "down"):
+            got = loaded.ops.to_host(getattr(mine.mlp, name))
+            want = getattr(theirs.mlp, name).astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -339,6 +339,26 @@ def _run(model, ops, prompts, opts):
     return out, eng.stats
 
 
+def test_fused_experts_go_to_the_backend_as_stored(gpt_oss_dir, gpt_oss):
+    """The fused expert tensors are uploaded as stored (so the read-ahead reads them like every other weight, and
+    the backend rearranges them): each expert transposed, its gate rows (even columns) before its up rows."""
+    from prefixrun.engine.load.gemm_plan import dry_build
+    from prefixrun.engine.load.hf_config import load_config
+    from prefixrun.engine.load.weights import CheckpointTensors
+
+    tensors = CheckpointTensors(gpt_oss_dir)
+    order = dry_build(load_config(gpt_oss_dir)[0], tensors, np.float32)[1]
+    for i, layer in enumerate(gpt_oss.layers):
+        p = f"model.layers.{i}.mlp.experts."
+        assert {p + "gate_up_proj", p + "down_proj"} <= set(order)
+        fused = tensors.get(p + "gate_up_proj").astype(np.float32)  # [E, D, 2I]
+        want = np.concatenate([fused[:, :, 0::2], fused[:, :, 1::2]], axis=2).transpose(0, 2, 1)
+        np.testing.assert_array_equal(layer.mlp.gate_up, want)
+        down = tensors.get(p + "down_proj").astype(np.float32)  # [E, I, D]
+        np.testing.assert_array_equal(layer.mlp.down, down.transpose(0, 2, 1))
+        assert layer.mlp.gate_up.flags.c_contiguous and layer.mlp.down.flags.c_contiguous
+
+
 def test_prefix_reuse_never_changes_an_answer(gpt_oss, cpu_ops):
     check_prefix_reuse_changes_nothing(gpt_oss, cpu_ops, _prompts(), _run)
 

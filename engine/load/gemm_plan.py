@@ -65,6 +65,9 @@ class _ShapeOps:
     def upload_linear(self, host_parts):
         return self.upload_rows(host_parts)
 
+    def upload_permuted(self, part, view_shape, axes):
+        return self._placeholder(tuple(view_shape[a] for a in axes), None)
+
 
 def _held_arrays(root) -> dict[int, np.ndarray]:
     """Every numpy array reachable from the model object through engine.models objects, lists, tuples and dicts."""

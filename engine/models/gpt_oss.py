@@ -6,8 +6,9 @@ Weights as transformers saves them: `mlp.router.{weight, bias}`; experts fused a
 [E, D, 2I] (gate and up interleaved along the last axis), `gate_up_proj_bias` [E, 2I] (interleaved alike),
 `down_proj` [E, I, D], `down_proj_bias` [E, D]. The released checkpoints store the two expert matrices as MXFP4
 (`gate_up_proj_blocks` [E, 2I, D/32, 16] + `_scales`, `down_proj_blocks` [E, D, I/32, 16] + `_scales`, i.e. the
-transposed [out, in] layout; engine/load/mxfp4.py), dequantised exactly at load. Both are rearranged at load into
-the MoE ops' layout: gate_up [E, 2I, D] with the gate rows first, down [E, D, I].
+transposed [out, in] layout; engine/load/mxfp4.py), dequantised exactly at load on the host. Both are rearranged at load
+into the MoE ops' layout: gate_up [E, 2I, D] with the gate rows first, down [E, D, I]; the fused ones by the backend
+(ops.upload_permuted), so their stored bytes go to the device as they are, read ahead like every other weight.
 """
 from __future__ import annotations
 
@@ -83,21 +84,29 @@ class _ExpertSource:
         return (self.load.host(self.prefix + name + "_blocks", None),
                 self.load.host(self.prefix + name + "_scales", None))
 
-    def gate_up(self, x: int) -> np.ndarray:
-        """Expert x's [2I, D] fp32: the gate rows, then the up rows."""
+    def gate_up(self):
+        """The backend's [E, 2I, D]: each expert's gate rows, then its up rows."""
+        e, i, d = self.e, self.i, self.d
         if self.mxfp4:
-            blocks, scales = self._packed("gate_up_proj")
-            return _gate_first(dequantize_mxfp4(blocks[x], scales[x]), 0)  # stored [2I, D], interleaved rows
-        fused = self.load.host(self.prefix + "gate_up_proj", (self.e, self.d, 2 * self.i))
-        return _gate_first(fused[x].astype(np.float32).T, 0)
+            blocks, scales = self._packed("gate_up_proj")  # stored [E, 2I, D], interleaved rows
+            return self._on_host((2 * i, d), lambda x: _gate_first(dequantize_mxfp4(blocks[x], scales[x]), 0))
+        # stored [E, D, 2I] = [E, D, I, 2] (the gate at even columns) -> [E, 2, I, D], rearranged by the backend
+        part = self.load.part(self.prefix + "gate_up_proj", (e, d, 2 * i))
+        return self.load.ops.upload_permuted(part, (e, d, i, 2), (0, 3, 2, 1)).reshape(e, 2 * i, d)
 
-    def down(self, x: int) -> np.ndarray:
-        """Expert x's [D, I] fp32."""
+    def down(self):
+        """The backend's [E, D, I]."""
+        e, i, d = self.e, self.i, self.d
         if self.mxfp4:
-            blocks, scales = self._packed("down_proj")
-            return dequantize_mxfp4(blocks[x], scales[x])
-        fused = self.load.host(self.prefix + "down_proj", (self.e, self.i, self.d))
-        return np.ascontiguousarray(fused[x].astype(np.float32).T)
+            blocks, scales = self._packed("down_proj")  # stored [E, D, I] already
+            return self._on_host((d, i), lambda x: dequantize_mxfp4(blocks[x], scales[x]))
+        return self.load.ops.upload_permuted(self.load.part(self.prefix + "down_proj", (e, i, d)), (e, i, d),
+                                             (0, 2, 1))
+
+    def _on_host(self, shape: tuple[int, int], make):
+        """Expert matrices made on the host (MXFP4 dequantised), one layer's at a time, uploaded as rows."""
+        experts = _LayerExperts(shape, [lambda x=x: make(x) for x in range(self.e)])
+        return self.load.ops.upload_rows(experts.parts).reshape((self.e,) + shape)
 
 
 class ClampedSwigluMoe:
@@ -111,10 +120,7 @@ class ClampedSwigluMoe:
         self.router = load.matrix(prefix + "router.weight", (e, d))
         self.router_bias = load.vector(prefix + "router.bias", (e,))
         source = _ExpertSource(cfg, load, prefix)
-        gate_up = _LayerExperts((2 * i, d), [lambda x=x: source.gate_up(x) for x in range(e)])
-        self.gate_up = load.ops.upload_rows(gate_up.parts).reshape(e, 2 * i, d)
-        down = _LayerExperts((d, i), [lambda x=x: source.down(x) for x in range(e)])
-        self.down = load.ops.upload_rows(down.parts).reshape(e, d, i)
+        self.gate_up, self.down = source.gate_up(), source.down()  # [E, 2I, D], [E, D, I]
         bias = load.host(prefix + "experts.gate_up_proj_bias", (e, 2 * i)).astype(np.float32)
         self.gate_up_bias = load.ops.upload(_gate_first(bias, 1), np.float32)  # [E, 2I]
         self.down_bias = load.ops.upload(load.host(prefix + "experts.down_proj_bias", (e, d)), np.float32)
