@@ -168,6 +168,33 @@ def bench_script(name: str):
     return module
 
 
+def write_tensors(path, arrays) -> list:
+    """`arrays` written one after another into a file at `path`; returns their TensorSpans, as weights' reads
+    take them."""
+    from prefixrun.kernels.file_reads import FileSpan
+    from prefixrun.kernels.weight_reads import TensorSpan
+
+    spans, at = [], 0
+    with open(path, "wb") as out:
+        for i, a in enumerate(arrays):
+            out.write(a.tobytes())
+            spans.append(TensorSpan(f"t{i}", FileSpan(str(path), at, a.nbytes), a.dtype, a.shape))
+            at += a.nbytes
+    return spans
+
+
+def probe_tensors(folder, sizes) -> str:
+    """Random fp32 tensors of `sizes` elements written to folder/w.bin (write_tensors), and the Python lines that
+    give a probe in a fresh interpreter those `arrays` and their `spans`."""
+    import pickle
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(n, dtype=np.float32) for n in sizes]
+    handed = folder / "tensors.pickle"
+    handed.write_bytes(pickle.dumps((arrays, write_tensors(folder / "w.bin", arrays))))
+    return f"import pickle\narrays, spans = pickle.loads(open({str(handed)!r}, 'rb').read())\n"
+
+
 def records(text: str) -> list[dict]:
     """The JSON records of a JSONL text (blank lines skipped)."""
     import json

@@ -16,6 +16,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
+from conftest import write_tensors  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
@@ -193,20 +194,12 @@ def test_weights_read_ahead_equal_the_cpu_load(model_dirs):
 def test_read_ahead_with_a_small_ring_and_window(ops, tmp_path, monkeypatch):
     """Chunks that wrap the ring many times and a window smaller than a tensor: every byte lands, in any order."""
     from prefixrun.kernels import cuda_weight_reads
-    from prefixrun.kernels.file_reads import FileSpan
-    from prefixrun.kernels.weight_reads import TensorSpan
 
     monkeypatch.setattr(cuda_weight_reads, "BUFFER_BYTES", 1 << 20)
     monkeypatch.setattr(cuda_weight_reads, "WINDOW_BYTES", 1 << 20)
     rng = np.random.default_rng(3)
     arrays = [rng.standard_normal((n, 512), dtype=np.float32).astype(BF16) for n in (3000, 1, 777, 4096, 0, 5)]
-    path, spans, at = tmp_path / "w.bin", [], 0
-    with open(path, "wb") as f:
-        for i, a in enumerate(arrays):
-            f.write(a.tobytes())
-            spans.append(TensorSpan(f"t{i}", FileSpan(str(path), at, a.nbytes), a.dtype, a.shape))
-            at += a.nbytes
-    reads = ops.read_weights(spans)
+    reads = ops.read_weights(write_tensors(tmp_path / "w.bin", arrays))
     for i in (3, 0, 5, 1, 2, 4):
         got = reads.take(f"t{i}")
         assert got.dtype == BF16 and np.array_equal(_bits(ops.to_host(got)), _bits(arrays[i])), i

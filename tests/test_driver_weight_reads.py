@@ -12,11 +12,11 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import probe_tensors, write_tensors
 from prefixrun.kernels import cuda_available, driver_context, driver_weight_reads
 from prefixrun.kernels.driver_context import DriverError
 from prefixrun.kernels.driver_weight_reads import DriverLanding
-from prefixrun.kernels.file_reads import FileSpan
-from prefixrun.kernels.weight_reads import TensorSpan, WeightReads
+from prefixrun.kernels.weight_reads import WeightReads
 
 _SIZED = (ctypes._SimpleCData, type(ctypes.byref(ctypes.c_int())))
 
@@ -82,13 +82,7 @@ def _ring(count=3, size=4096):
 def _file(tmp_path, sizes=(10_000, 0, 3, 5_000)):
     rng = np.random.default_rng(3)
     arrays = [rng.standard_normal(n, dtype=np.float32) for n in sizes]
-    path, spans, at = tmp_path / "w.bin", [], 0
-    with open(path, "wb") as out:
-        for i, a in enumerate(arrays):
-            out.write(a.tobytes())
-            spans.append(TensorSpan(f"t{i}", FileSpan(str(path), at, a.nbytes), a.dtype, a.shape))
-            at += a.nbytes
-    return arrays, spans
+    return arrays, write_tensors(tmp_path / "w.bin", arrays)
 
 
 def test_every_byte_lands_and_the_blocks_live_until_the_close(tmp_path):
@@ -220,21 +214,14 @@ def test_a_refused_memory_query_leaves_the_reads_to_cupy(made, monkeypatch):
 def test_weights_read_through_the_driver_become_cupy_arrays(tmp_path):
     """In a fresh process: the reads start through the driver before CuPy is imported; the tensors taken after
     the backend exists equal the file's bytes, one dropped during the build is freed at the close."""
+    size = driver_context.PINNED_RING[1]
     probe = (
         "import os\nos.environ['PREFIXRUN_DRIVER_READS'] = '1'\n"
         "import sys, numpy as np\nfrom prefixrun.kernels import driver_context, device_start, driver_weight_reads\n"
         "assert driver_context.start()\nf = driver_context.wait(60)\nassert 'error' not in f and 'ring_error' not in f, f\n"
         "device_start.start('cuda')\n"
-        "from prefixrun.kernels import start_weight_reads\nfrom prefixrun.kernels.file_reads import FileSpan\n"
-        "from prefixrun.kernels.weight_reads import TensorSpan\n"
-        "size = driver_context.PINNED_RING[1]\nrng = np.random.default_rng(5)\n"
-        "arrays = [rng.standard_normal(n, dtype=np.float32) for n in (size // 4 * 3 + 17, 5, size // 8, 0)]\n"
-        f"path = {str(tmp_path / 'w.bin')!r}\nspans, at = [], 0\n"
-        "with open(path, 'wb') as out:\n"
-        "    for i, a in enumerate(arrays):\n"
-        "        out.write(a.tobytes())\n"
-        "        spans.append(TensorSpan(f't{i}', FileSpan(path, at, a.nbytes), a.dtype, a.shape))\n"
-        "        at += a.nbytes\n"
+        "from prefixrun.kernels import start_weight_reads\n"
+        + probe_tensors(tmp_path, (size // 4 * 3 + 17, 5, size // 8, 0)) +
         "reads = start_weight_reads('cuda', spans)\nassert reads.figures.landing == 'driver', reads.figures\n"
         "from prefixrun.kernels import get_ops\nops = get_ops('cuda')\nimport cupy\n"
         "dropped = reads.take('t0')\nassert np.array_equal(ops.to_host(dropped), arrays[0])\n"

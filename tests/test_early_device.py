@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from conftest import probe_tensors
 from prefixrun.cli.launch import brings_up_gpu
 from prefixrun.kernels import cuda_available, driver_context
 
@@ -185,23 +186,16 @@ def test_cupy_works_in_the_context_made_early():
 def test_weights_read_through_the_ring_the_driver_pinned(tmp_path):
     """In a fresh process: the ring pinned by the driver's thread is the one the reads take, and every byte of
     tensors larger than a buffer (the ring wraps) lands on the device as in the file."""
+    size = driver_context.PINNED_RING[1]
     probe = (
         "import numpy as np, sys\nfrom prefixrun.kernels import driver_context\n"
         "assert driver_context.start()\nf = driver_context.wait(60)\n"
         "assert 'error' not in f and 'ring_error' not in f, f\n"
-        "from prefixrun.kernels import get_ops, cuda_weight_reads\nfrom prefixrun.kernels.file_reads import FileSpan\n"
-        "from prefixrun.kernels.weight_reads import TensorSpan\n"
+        "from prefixrun.kernels import get_ops, cuda_weight_reads\n"
         "ops = get_ops('cuda')\ncuda_weight_reads.prepare_ring(0)\n"
         "ring = cuda_weight_reads._rings[0]\nassert ring[0] == driver_context.PINNED_RING, ring[0]\n"
         "import ctypes\nassert all(isinstance(b, ctypes.Array) for b in ring[1]), ring[1]  # the driver's, not CuPy's\n"
-        "size = driver_context.PINNED_RING[1]\nrng = np.random.default_rng(5)\n"
-        "arrays = [rng.standard_normal(n, dtype=np.float32) for n in (size // 4 * 3 + 17, 5, size // 8)]\n"
-        f"path = {str(tmp_path / 'w.bin')!r}\nspans, at = [], 0\n"
-        "with open(path, 'wb') as out:\n"
-        "    for i, a in enumerate(arrays):\n"
-        "        out.write(a.tobytes())\n"
-        "        spans.append(TensorSpan(f't{i}', FileSpan(path, at, a.nbytes), a.dtype, a.shape))\n"
-        "        at += a.nbytes\n"
+        + probe_tensors(tmp_path, (size // 4 * 3 + 17, 5, size // 8)) +
         "reads = ops.read_weights(spans)\n"
         "for i in (2, 0, 1):\n    assert np.array_equal(ops.to_host(reads.take(f't{i}')), arrays[i]), i\n"
         "assert reads.close().error is None\nassert 0 not in cuda_weight_reads._rings\n"
