@@ -38,6 +38,19 @@ def _weight(rng, n: int, k: int, subnormal: bool = False) -> Fp8Matrix:
     return Fp8Matrix(values.view(ml_dtypes.float8_e4m3fn), scale, (128, 128))
 
 
+def _problem(seed: int, n: int, k: int, m: int, subnormal: bool = False):
+    """The weight [n, k] (_weight) and the bf16 rows x [m, k], drawn in that order from one generator."""
+    rng = np.random.default_rng(seed)
+    weight = _weight(rng, n, k, subnormal)
+    return weight, rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+
+
+def _inside(got, n: int):
+    """Columns 8 .. 8 + n of an output first filled with 3.0, once the columns around them are checked untouched."""
+    assert (got[:, :8] == 3.0).all() and (got[:, 8 + n:] == 3.0).all()
+    return got[:, 8:8 + n]
+
+
 def _check(ops, got, x, weight):
     """got [m, n] against the fp32 product of x (bf16) and the weight's exact dequantisation."""
     w32 = ops.upload_rows([weight], "float32")
@@ -53,23 +66,17 @@ def _check(ops, got, x, weight):
 def test_the_gemv_kernel_is_the_product_with_the_exact_dequantised_weight(n, k, m, ops):
     from prefixrun.kernels.cuda_fp8 import gemv_weight_only, upload_block
 
-    rng = np.random.default_rng(n + k + m)
-    weight = _weight(rng, n, k)
-    x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    weight, x = _problem(n + k + m, n, k, m)
     out = ops.upload(np.full((m, n + 16), 3.0, np.float32))  # the result goes to columns 8 .. 8 + n
     gemv_weight_only(ops.upload(x), upload_block([weight]), out, 8, ops._sm_count)
-    got = ops.to_host(out).astype(np.float32)
-    assert (got[:, :8] == 3.0).all() and (got[:, 8 + n:] == 3.0).all()
-    _check(ops, got[:, 8:8 + n], x, weight)
+    _check(ops, _inside(ops.to_host(out).astype(np.float32), n), x, weight)
 
 
 def test_the_gemv_kernel_keeps_subnormal_fp8_values(ops):
     """Weights of only subnormal e4m3 values (and zeros): their products are exact, not flushed to zero."""
     from prefixrun.kernels.cuda_fp8 import gemv_weight_only, upload_block
 
-    rng = np.random.default_rng(3)
-    weight = _weight(rng, 256, 512, subnormal=True)
-    x = rng.standard_normal((5, 512)).astype(np.float32).astype(BF16)
+    weight, x = _problem(3, 256, 512, 5, subnormal=True)
     out = ops.upload(np.zeros((5, 256), np.float32))
     gemv_weight_only(ops.upload(x), upload_block([weight]), out, 0, ops._sm_count)
     _check(ops, ops.to_host(out).astype(np.float32), x, weight)
@@ -84,10 +91,8 @@ def test_linear_takes_the_weight_only_kernel_its_tuning_names(m, ops):
 
     if not block_fp8_support().supported:
         pytest.skip("projections stay FP8 only where cuBLASLt runs block-scaled FP8")
-    rng = np.random.default_rng(m)
     n, k = 2560, 4096
-    weight = _weight(rng, n, k)
-    x_host = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    weight, x_host = _problem(m, n, k, m)
     x = ops.upload(x_host)
     for gemv_rows, direct in ((64, gemv_weight_only if m <= 64 else weight_only_gemm), (0, weight_only_gemm)):
         tuned = ops.retuned(fp8_weight_only_rows=128, fp8_gemv_rows=gemv_rows, fp8_stream_rows=0)
