@@ -72,6 +72,18 @@ TIMED = [
     ("prefixrun.engine.step.model_runner", "ModelRunner", "prepare_decode"),
     ("prefixrun.engine.state.pools", "ModelState", "fork"),
     ("prefixrun.engine.state.checkpoints", "CheckpointPool", "save"),
+    # the run's end: what a cache-on run does after its last token that a --no-cache run does not
+    ("prefixrun.engine.run.session", "EngineSession", "close"),
+    ("prefixrun.engine.run.core", "Engine", "close"),
+    ("prefixrun.engine.cache.writer", "BackgroundWriter", "finish"),
+    ("prefixrun.engine.cache.persist", "PersistentCheckpoints", "_stop_read_ahead"),
+    ("prefixrun.engine.cache.persist", "PersistentCheckpoints", "report"),
+    ("prefixrun.engine.cache.persist", "PersistentCheckpoints", "close"),
+    ("prefixrun.engine.cache.store", "CheckpointStore", "close"),
+    ("prefixrun.engine.cache.written_digests", "WrittenDigests", "close"),
+    ("prefixrun.engine.cache.costs", None, "save_rates"),
+    ("prefixrun.kernels.host_slabs", "HostSlabs", "forget"),
+    ("prefixrun.kernels.host_slabs", "HostSlabs", "_provision"),
 ]
 
 
