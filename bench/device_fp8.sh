@@ -7,13 +7,15 @@
 # (default 140; each also runs under `timeout` with the time left):
 #   dense   the 4b-like model against its block-FP8 rewrite (bench/fp8_checkpoint.py: the same weights, quantised
 #           on the GPU), every row a `prefixrun bench` process (greedy, --no-cache --ignore-eos, the auto
-#           --max-batch): shared-system 64 x (2,048 + 256), 64 new (the decode step at batch 64, engine and
-#           process wall), unique prompts UNIQUE x (2,048 + 256), one new token (the prefill rate), doc-qa 4 x 16 x
-#           (4,096 + 128), 64 new; then bench/fp8_accuracy.py (the FP8 logits against bf16's, greedy agreement)
+#           --max-batch; the FP8 model warmed up first on two lines): shared-system 64 x (2,048 + 256), 64 new (the
+#           decode step at batch 64, engine and process wall), unique prompts UNIQUE x (2,048 + 256), one new token
+#           (the prefill rate), doc-qa 4 x 16 x (4,096 + 128), 64 new; then bench/fp8_accuracy.py (the FP8 logits
+#           against bf16's, greedy agreement)
 #   kv      --kv-cache-dtype auto / int8 / fp8 on the bf16 4b-like model over shared-system BIG x (2,048 + 256),
 #           BIG_GEN new (the auto --max-batch each allows, the tokens per second)
-#   moe     bench/models/qwen3_5-moe-like.json cut to MOE_LAYERS layers (default 8: its bf16 build and FP8 rewrite
-#           in ~15 s) and its FP8 rewrite: shared-system and unique prompts, and the accuracy
+#   moe     bench/models/qwen3_5-moe-like.json cut to MOE_LAYERS of its 40 layers (default 8, so that its bf16 build
+#           and FP8 rewrite fit the budget beside the rest) against its FP8 rewrite: shared-system and unique
+#           prompts, and the accuracy
 #   stream  bench/kbench_fp8_stream.py on STREAM_SHAPES at STREAM_ROWS rows (the streamed FP8 kernel's variants
 #           against the gemv kernel and cuBLASLt)
 # Prints one markdown table (bench/fp8_rows.py; also $OUT/table.md) and the stream kernel's lines; every JSON and
@@ -52,6 +54,7 @@ W=bench/workloads.py
 python3 $W shared-system --requests 64 "${SIZES[@]}" --gen $GEN > "$OUT/ss.jsonl" 2>/dev/null
 python3 $W unique --requests "$UNIQUE" "${SIZES[@]}" --gen 1 > "$OUT/uq.jsonl" 2>/dev/null
 python3 $W doc-qa "${DQ[@]}" --gen $GEN > "$OUT/dq.jsonl" 2>/dev/null
+head -2 "$OUT/ss.jsonl" > "$OUT/warm.jsonl"
 python3 $W shared-system --requests "$BIG" "${SIZES[@]}" --gen "$BIG_GEN" > "$OUT/big.jsonl" 2>/dev/null
 
 bench() {  # name, model dir, workload, extra options...: one `prefixrun bench` process -> $OUT/NAME.json
@@ -65,12 +68,13 @@ rewrite() {  # name, bf16 dir, fp8 dir: bench/fp8_checkpoint.py, its seconds int
   rm -rf "$3"
   timeout "$(left)" python3 bench/fp8_checkpoint.py "$2" "$3" --shards 4 > "$OUT/$1-rewrite.log" 2>&1 \
     || { why "$1-fp8" "fp8_checkpoint exit $?: $(tail -1 "$OUT/$1-rewrite.log" | cut -c1-120)"; return 1; }
-  echo -n "$1 FP8 rewrite $(( SECONDS - t0 )) s ($(tail -1 "$OUT/$1-rewrite.log" | sed 's/.*: //')); " >> "$OUT/builds.txt"
+  echo -n "$1 FP8 rewrite $(( SECONDS - t0 )) s ($(tail -1 "$OUT/$1-rewrite.log" | sed 's/.*: //')); " \
+    >> "$OUT/builds.txt"
 }
 accuracy() {  # name, bf16 dir, fp8 dir, options...
   local name=$1 src=$2 dst=$3; shift 3
-  timeout "$(left)" python3 bench/fp8_accuracy.py "$src" "$dst" --device $DEVICE "$@" --json "$OUT/$name-accuracy.json" \
-    > "$OUT/$name-accuracy.log" 2>&1 \
+  timeout "$(left)" python3 bench/fp8_accuracy.py "$src" "$dst" --device $DEVICE "$@" \
+    --json "$OUT/$name-accuracy.json" > "$OUT/$name-accuracy.log" 2>&1 \
     || why "$name-accuracy" "exit $?: $(grep -v '^\s*$' "$OUT/$name-accuracy.log" | tail -1 | cut -c1-120)"
 }
 pair() {  # model name, bf16 dir, fp8 dir, workloads...: each workload on bf16, then on FP8
@@ -89,7 +93,9 @@ fi
 if has moe; then
   python3 bench/fp8_rows.py config qwen3_5-moe-like "$MOE_LAYERS" "$OUT/moe-config.json" ${SMOKE:+--smoke}
   rm -rf "$MODELS_DIR/moe"
-  ( t0=$SECONDS; timeout "$(left)" $PREFIXRUN make-model "$MODELS_DIR/moe" --config "$OUT/moe-config.json" --seed 0       --shards 4 --threads $(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) > "$OUT/moe-build.log" 2>&1       && echo "$(( SECONDS - t0 ))" > "$OUT/moe-built" ) &
+  ( t0=$SECONDS; timeout "$(( $(left) < 40 ? $(left) : 40 ))" $PREFIXRUN make-model "$MODELS_DIR/moe" \
+      --config "$OUT/moe-config.json" --seed 0 --shards 4 --threads $(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) > "$OUT/moe-build.log" 2>&1 \
+      && echo "$(( SECONDS - t0 ))" > "$OUT/moe-built" ) &
   MOE_BUILD=$!
 fi
 DENSE_FP8=; MOE_FP8=
@@ -105,6 +111,8 @@ if has moe; then
 fi
 
 if [ -n "$DENSE_FP8" ]; then
+  # the FP8 path's first run on this machine (kernels CuPy makes at first use) outside the timed rows
+  fits dense-fp8-warm 8 && bench dense-fp8-warm "$DENSE_FP8" warm
   pair dense "$DENSE" "$DENSE_FP8" ss uq dq
   fits dense-accuracy 15 && accuracy dense "$DENSE" "$DENSE_FP8" "${ACC[@]}"
 fi
