@@ -93,8 +93,10 @@ fi
 if has moe; then
   python3 bench/fp8_rows.py config qwen3_5-moe-like "$MOE_LAYERS" "$OUT/moe-config.json" ${SMOKE:+--smoke}
   rm -rf "$MODELS_DIR/moe"
+  half=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
   ( t0=$SECONDS; timeout "$(( $(left) < 40 ? $(left) : 40 ))" $PREFIXRUN make-model "$MODELS_DIR/moe" \
-      --config "$OUT/moe-config.json" --seed 0 --shards 4 --threads $(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) > "$OUT/moe-build.log" 2>&1 \
+      --config "$OUT/moe-config.json" --seed 0 --shards 4 --threads $half \
+      > "$OUT/moe-build.log" 2>&1 \
       && echo "$(( SECONDS - t0 ))" > "$OUT/moe-built" ) &
   MOE_BUILD=$!
 fi
