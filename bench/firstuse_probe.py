@@ -1,6 +1,6 @@
 """Which first uses wait for the device queue: each candidate is timed on the host right after ~50 ms of GPU work was
 queued (a spinning kernel), first use and second use. A first use that waits for the queue shows ~50 ms; one that
-does not, its own cost. Answers what bench/profile_host.py's first-use table cannot tell apart (issue 14):
+does not, its own cost. Answers what bench/profile_host.py's first-use table cannot tell apart:
 - a new size class of CuPy's pinned staging pool (cupy.asarray of a host array: a cudaHostAlloc);
 - device memory pool growth (cupy.empty of a size the pool has no block for: a cudaMalloc);
 - fetching a function of a loaded NVRTC module (cuModuleGetFunction, lazy loading), and launching it first;

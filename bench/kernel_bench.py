@@ -61,7 +61,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-# ---- attention prefill (issue 14): mma.sync vs the wgmma schedules vs torch SDPA -------------------------------------
+# ---- attention prefill: mma.sync vs the wgmma schedules vs torch SDPA ------------------------------------------------
 # name, sequences, new tokens each, cached tokens before them, q heads, kv heads, head dim, window (0: none)
 ATTN_CASES = [
     ("prefill 32 x 2304, 16/4 heads x 256", 32, 2304, 0, 16, 4, 256, 0),

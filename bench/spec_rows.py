@@ -1,4 +1,4 @@
-"""Speculation's cost where no draft is accepted and its gain where drafts are, in one process (issue 32 item 5).
+"""Speculation's cost where no draft is accepted and its gain where drafts are, in one process.
 
     python3 bench/spec_rows.py RANDOM_MODEL [--copy-prone DIR] [--gen 256] [--reps 2] [--budget 75]
 

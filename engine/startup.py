@@ -1,7 +1,7 @@
 """Where a process's start-up goes: the main thread's phases, one after the other, and what ran beside them.
 
-A run's process wall is what its user waits for, and on a GPU most of it used to be start-up (imports, the
-device, the weights), not the batch. `PhaseClock` splits the main thread's time from the process's start into
+A run's process wall is what its user waits for, and on a GPU much of it can be start-up (imports, the
+device, the weights) rather than the batch. `PhaseClock` splits the main thread's time from the process's start into
 named phases: each `mark(name)` ends the phase before it and starts `name` (a phase entered twice adds up), so the
 phases never overlap and their sum is the time from the process's start to the report. Work on other threads
 (the device brought up early, the weights read ahead, the kernels loaded, the cache's digest) is reported apart,

@@ -52,7 +52,8 @@ def _new_ring(device: int) -> tuple:
 
 
 def _take_ring(device: int) -> list:
-    """The ring made ahead for `device` (of today's sizes), else the driver's bring-up's, else a new one."""
+    """The ring made ahead for `device` (if of RING_BUFFERS x BUFFER_BYTES), else the driver's bring-up's, else a
+    new one."""
     with _ring_lock:
         ring = _rings.pop(device, None)
     if ring is None or ring[0] != (RING_BUFFERS, BUFFER_BYTES):

@@ -42,8 +42,8 @@ def keep_freed_memory() -> None:
 
 
 # ---- device -> host copies that do not hold up the device ------------------------------------------------------------
-# Exporting a state for the persistent cache used to copy it to the host synchronously, on the prefill's critical
-# path (a 16k-token document state of a 4B hybrid model is ~560 MiB). Instead the caller's stream copies the state's
+# A state exported for the persistent cache copied to the host synchronously would sit on the prefill's critical
+# path (a 16k-token document state of a 4B hybrid model is ~560 MiB). So the caller's stream copies the state's
 # regions into one device buffer (their content at that moment, at device memory speed, ordered after the work that
 # computed them: plain device-to-device memcpys, no kernel to compile or load, one allocation per state) and records
 # an event; the device -> host copy of that snapshot runs later, on the thread that wants the bytes (the cache's

@@ -6,7 +6,7 @@ variants build another ops object with `CudaOps.retuned(...)` instead of flippin
 
 Each default is the variant that was fastest on the benchmarks' shapes (4b-like heads); the measurements, with
 their dates, hardware and commands, are in docs/PERFORMANCE.md, "Kernel choices". Why each choice:
-- delta rule, token-stepped: 4 value columns per thread (the other widths were slower and were removed).
+- delta rule, token-stepped: 4 value columns per thread (the other widths measured slower).
 - delta rule, decode (kernels/delta_rule.cu gdn_decode_kernel: the state read and written once, in float4 rows) for
   steps of at most GDN_DECODE_MAX_MEAN tokens per sequence with Dv % 4 == 0, blocks of 8 warps x 64 value columns:
   a decode step is bound by the state's bytes, and this block moves them near the copy ceiling at every batch.

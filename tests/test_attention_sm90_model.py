@@ -1,4 +1,4 @@
-"""attn_wgmma_kernel (kernels/attention_sm90.cu) checked on the CPU, so that a device run only has to confirm it.
+"""attn_wgmma_kernel (kernels/attention_sm90.cu) checked on the CPU, so that the GPU only has to confirm it.
 
 Three independent pieces, each a transcription of the kernel's own formulas checked against something else (both
 schedules, OVERLAP or not, do the same arithmetic in the same order and read shared memory through the same

@@ -2,7 +2,7 @@
 block files and index rows as a hostile user and a hostile file system leave them, the accounting of what a run
 reused, a full disk, killed writers and processes sharing one folder, end to end through the CLI.
 
-The rules every case checks (issue 11): the cache never changes an answer (greedy tokens equal --no-cache), a bad,
+The rules every case checks: the cache never changes an answer (greedy tokens equal --no-cache), a bad,
 missing or hostile file is a miss (recomputed) with at most a warning, never a traceback, a hang, a deletion or a
 write outside the cache folder; killed processes and full disks leave a consistent store.
 """

@@ -153,11 +153,10 @@ def state_bytes(tokens: int) -> int:
 
 
 def test_h200_costs_long_documents_pay_short_prefixes_and_prompt_ends_do_not():
-    """Issue 12's device runs reasoned through with the H200's costs. The cold long-document run wrote two prompt
-    ends (the two offered before the first write had measured anything: 2 x 565 MiB = the 1,132 MiB reported) and
-    none of the document states (offered only at the run's end, and judged with the fsync'd WRITE rate), so the run
-    of new questions found nothing to read. Now: the document state is written and read, the question on top of it
-    is not worth its 49 MiB of recurrent state, and shared-system's 2k prefix is cheaper to recompute."""
+    """The H200's measured costs (the long-document and shared-system workloads): a long document's state is
+    written and read (a cold run that wrote only prompt ends, judged before anything was measured, and no document
+    state, left a run of new questions nothing to read), the question on top of it is not worth its 49 MiB of
+    recurrent state, and shared-system's 2k prefix is cheaper to recompute."""
     model = CostModel()
     model.prefill_counters = Counters(69_632, 3.12)  # the long-document run's measured prefill
     model.observe_read(4 << 30, 1.0)  # page-cache reads with verification: a few GB/s

@@ -154,7 +154,7 @@ def test_replaced_weights_with_the_old_mtime_get_a_new_digest(models, prompts_fi
 def test_a_weight_map_edit_that_picks_another_copy_of_a_tensor_gets_a_new_digest(prompts_file, tmp_path):
     """The digest memo is named by the shard files' identities; the sharded index decides which shard each tensor
     is read from. Pointing a tensor at another shard that also holds it (every shard file untouched) changes the
-    weights the model loads: the memo must not hand back the old digest (it did: stale logits were served)."""
+    weights the model loads: the memo must not hand back the old digest (stale logits would be served)."""
     from safetensors.numpy import load_file, save_file
 
     model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=3, init_std=0.05, shards=2)

@@ -66,9 +66,9 @@ def _tokens(done: subprocess.CompletedProcess) -> dict:
 
 
 def test_a_run_without_the_signing_key_leaves_the_users_entries_alone(model_dirs, tmp_path):
-    """Where the key can be neither read nor made (a read-only home in a container), every entry looks unsigned:
-    the run moved each one to quarantine/ with a warning apiece, and its own writes replaced rows the user's
-    entries share. It now runs without the cache in one warning, and `--verify` refuses to judge."""
+    """Where the key can be neither read nor made (a read-only home in a container), every entry looks unsigned;
+    moving each one to quarantine/ with a warning apiece, and writing over rows the user's entries share, would
+    spoil the user's cache: the run goes without the cache, in one warning, and `--verify` refuses to judge."""
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(f'{{"custom_id": "r{i}", "prompt_token_ids": {list(range(3, 300)) + [i + 5]}, '
                                f'"max_tokens": 4}}\n' for i in range(3)))

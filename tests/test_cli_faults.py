@@ -583,9 +583,9 @@ def test_a_closed_stdin_or_an_empty_input_name_is_one_line(model, tmp_path):
 
 @pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
 def test_a_device_that_is_no_terminal_is_looked_at_like_a_file(model, tmp_path):
-    """`prefixrun batch /dev/zero` (or `- < /dev/zero`) read one endless line of NULs forever, /dev/urandom wrote
-    error records forever: a device was never looked at, only a terminal must not be. Now exit 2, one line, as
-    for a binary file; /dev/null is an empty input."""
+    """`prefixrun batch /dev/zero` (or `- < /dev/zero`) and /dev/urandom are looked at like files (only a terminal
+    must not be): exit 2, one line, as for a binary file, not one endless line of NULs read or error records
+    written forever; /dev/null is an empty input."""
     for device, what in (("/dev/zero", "NUL bytes"), ("/dev/urandom", "binary data")):
         p = run("batch", device, "--model", tmp_path / "no-model", "--device", "cpu", timeout=60)
         assert p.returncode == 2 and f"input {device}: not JSONL: looks like binary data" in one_error_line(

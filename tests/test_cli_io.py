@@ -80,8 +80,8 @@ def test_iter_input_lines_ignores_a_utf8_byte_order_mark():
 
 
 def test_a_stray_nul_in_text_is_one_bad_line_not_a_binary_file():
-    # a NUL anywhere in the first 4 KiB refused the whole file as binary (exit 2, no line run); past them it was
-    # an error record for its line: now it is that line's error record wherever it is, the other lines run
+    # a NUL is its line's error record wherever it stands, in the first 4 KiB as past them, and the other lines
+    # run: the file is not refused as binary for it
     from prefixrun.cli.input_sniff import not_jsonl
 
     lines = [json.dumps({"custom_id": f"q{i}", "prompt": f"line {i}"}).encode() for i in range(60)]

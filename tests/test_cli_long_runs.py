@@ -364,9 +364,9 @@ def test_the_report_names_given_up_states_drafts_only_when_drafted_and_cpu_worke
 
 
 def test_preempted_chat_lines_are_counted_in_the_report_and_keep_their_answers(model, tmp_path):
-    """Chat lines without max_tokens (the rest of the context: 4,096 tokens, 256 K/V blocks each) were admitted
-    with state memory for all of it, so 2 MiB decoded none of them: now they are admitted for what they need now
-    and decode eight wide, as lines with max_tokens 44 do; in 1 MiB they outgrow the pools, are preempted and
+    """Chat lines without max_tokens (the rest of the context: 4,096 tokens, 256 K/V blocks each) are admitted for
+    what they need now, not with state memory for all of it (in 2 MiB that would decode none of them), and decode
+    eight wide, as lines with max_tokens 44 do; in 1 MiB they outgrow the pools, are preempted and
     recomputed, and every answer is the same. The report (stderr and --json-report) counts both."""
     def lines(**extra):
         return [{"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"question {i} about things"}],

@@ -6,8 +6,8 @@ whose arithmetic it repeats in the same order. Its synchronisation is checked on
 (tests/test_attention_sm90_model.py section 4). Last, gpt-oss's attention sinks through every schedule of both
 sm_90a kernels.
 
-They were opt-in until device runs had passed them (2026-12-01, at main@f548e61 and main@aa0f2dc); the kernel is the
-head-dim-256 default since. A pipeline that never completed would cost a device run the child process's timeout, not a hang.
+The kernel is the head-dim-256 default. A pipeline that never completes costs the timeout of the child process that
+sm90_checked_ops smokes the kernel in first, not a hang.
 """
 from __future__ import annotations
 

@@ -659,7 +659,7 @@ def test_paged_attention_cascade_decode(ops, ref, hq, hkv, d, bs):
 # catches a single row gone wrong; rows with few visible keys (first positions, windows of 5) change by O(1) when
 # one key is masked wrongly, and any fragment or swizzle layout error is O(1) everywhere.
 WGMMA_TOL, WGMMA_ROW_TOL = 1e-2, 3e-2
-WGMMA_CASES = [  # the device run allows seconds per GPU test: four cases that together cover every feature
+WGMMA_CASES = [  # a GPU test gets seconds: four cases that together cover every feature
     # hq, hkv, d, block_size, window, strided q
     (16, 4, 256, 64, None, False),  # the 4b-like layer: GQA 4, the engine's block size
     (8, 8, 128, 16, 37, True),      # GQA 1 (128 tokens per query tile), a window, q a strided view (fused projection)

@@ -201,7 +201,7 @@ def transformers_bf16_logits(model_dir) -> list[np.ndarray]:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     # on the GPU when torch has one: with flash-linear-attention installed transformers runs its Triton kernels,
-    # which take device tensors only (the first device run of this test failed on CPU tensors)
+    # which take device tensors only (CPU tensors fail there)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     with torch.no_grad():

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda-mtp")
-    # one family: the device run is short (the MoE ops are the same ops test_cuda_moe checks)
+    # one family: a GPU test is kept short (the MoE ops are the same ops test_cuda_moe checks)
     return {"qwen3_5": make_model_dir(root / "qwen3_5", TINY_QWEN3_5, seed=11, init_std=0.05, mtp=True)}
 
 

@@ -115,7 +115,7 @@ def test_greedy_tokens_identical_on_gpu(family, gpu_models):
     models, ops = gpu_models
     model = models[family]
     off, _ = _run(model, ops, EngineOptions(speculative="off", max_batch=4))
-    for k in (3, 8):  # few runs: the device run is short
+    for k in (3, 8):  # few runs: a GPU test is kept short
         on, stats = _run(model, ops, EngineOptions(max_batch=4, speculative="ngram", num_draft_tokens=k),
                          OracleDrafter(off, spread=k == 3))
         assert on == off, k

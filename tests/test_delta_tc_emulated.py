@@ -321,7 +321,7 @@ inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_emulator_reproduces_device_verified_attention(tmp_path, with_sinks):
     """kernels/attention.cu's attn_mma_kernel (mma.sync + ldmatrix, .trans for V, a cp.async pipeline with
-    wait_group 1), verified on an H200 in earlier sessions, run through tests/cuda_emu.h, matches the reference at
+    wait_group 1), whose GPU tests pass on an H200, run through tests/cuda_emu.h, matches the reference at
     bf16 accuracy: the emulator's fragment and cp.async models are the hardware's, not just self-consistent (swapping
     the two rows of ldmatrix .trans in the model gives an error of 1.1 here). With gpt-oss's attention sinks (a
     logit per query head in the denominator) the kernel's normalisation matches the reference's too."""

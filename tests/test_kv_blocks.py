@@ -1,6 +1,6 @@
 """Attention K/V stored once per block (engine/cache/kv_blocks.py): content addressing, sharing between entries, reference
 counting and garbage, budgets that count a shared block once, reads that skip blocks held in memory, and the
-hardening of issue 11 for block files (every bad, missing, hostile or half-written block is a miss, never a wrong
+cache's hardening for block files (every bad, missing, hostile or half-written block is a miss, never a wrong
 state). Engine runs: greedy tokens identical with the cache off, cold, warm, and after a shared block went bad."""
 from __future__ import annotations
 

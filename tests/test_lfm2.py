@@ -141,8 +141,8 @@ def test_hand_written_configs_read_as_lfm2config_reads_them(fields):
 
 
 def test_a_null_multiplier_skips_the_rounding():
-    """Lfm2MLP's branch for block_ffn_dim_multiplier None (which Lfm2Config's validation does not let through
-    today): two thirds of intermediate_size, not rounded to block_multiple_of."""
+    """Lfm2MLP's branch for block_ffn_dim_multiplier None (which Lfm2Config's validation does not let
+    through): two thirds of intermediate_size, not rounded to block_multiple_of."""
     assert parse_config(_raw(intermediate_size=100, block_ffn_dim_multiplier=None)).intermediate_size == 66
 
 

@@ -85,7 +85,7 @@ def test_every_range_is_checked_alike_on_the_command_line_and_in_the_engine(name
 
 
 def test_num_draft_tokens_zero_is_refused_everywhere():
-    # it used to mean "the default" to the engine while the command line refused it
+    # one meaning for the engine and the command line: refused, never "the default" in one of them
     with pytest.raises(InvalidOption, match="1..64"):
         EngineOptions(num_draft_tokens=0)
     with pytest.raises(InvalidOption, match="--num-draft-tokens must be in 1..64"):

@@ -207,7 +207,7 @@ def collector_held_off():
     """Python's cyclic garbage collector paused while the engine works on a window, as it was after.
 
     A collection stops the engine's thread at whatever line allocated last, and during a prefill group the device
-    waits on that thread's launches. It is small today (a few ms per bench window: docs/PERFORMANCE.md,
+    waits on that thread's launches. It is small at bench scale (a few ms per bench window: docs/PERFORMANCE.md,
     "Measurements behind code comments") but grows with what a window allocates, and a full
     collection over the loaded libraries' objects took 25 ms on a CPU. `Engine.run` holds it off only between
     results: from resuming the executor to its next Result, so a caller that keeps (or abandons) the generator
