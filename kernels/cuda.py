@@ -28,7 +28,7 @@ import numpy as np
 from prefixrun.kernels import attention_sm90, cuda_warmup, moe_cuda
 from prefixrun.kernels.cublas import get_cublas
 from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, TYPE_NAMES, blocks_for, cast, device_index, i32, i64, \
-    last_contiguous
+    last_contiguous, type_name
 from prefixrun.kernels.cuda_attention import AttentionOps
 from prefixrun.kernels.cuda_dense import DenseOps
 from prefixrun.kernels.cuda_fp8 import dequantize_into, upload_projection
@@ -217,6 +217,19 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
         bits = np.dtype(f"u{dt.itemsize}")
         a = self._cast(part, dt).view(bits).reshape(view_shape)
         return cupy.ascontiguousarray(a.transpose(axes)).view(dt)
+
+    def upload_mxfp4(self, blocks, scales):
+        """The packed bytes go up as stored (a quarter of bf16's bytes) and one kernel writes the values."""
+        packed = []
+        for a in (blocks, scales):
+            a = np.ascontiguousarray(a, np.uint8)
+            packed.append(cupy.empty(a.shape, np.uint8))
+            upload_bytes(packed[-1], a)
+        out = cupy.empty(tuple(blocks.shape[:-2]) + (blocks.shape[-2] * 2 * blocks.shape[-1],), self._act)
+        if out.size:
+            kernel("elementwise", f"mxfp4_kernel<{type_name(self._act)}>")(
+                (blocks_for(out.size),), (THREADS,), (packed[0], packed[1], i64(out.size), out))
+        return out
 
     def upload_linear(self, host_parts):
         """A projection's weight: FP8 parts on the 128 x 128 grid kept as fp8 bytes + block scales for cuBLASLt's

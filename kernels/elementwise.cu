@@ -426,6 +426,20 @@ __global__ void cast_kernel(const TI* __restrict__ x, i64 n, TO* __restrict__ ou
         out[e] = from_f<TO>(to_f(x[e]));
 }
 
+// MXFP4 (kernels/mxfp4.py): value e is the e2m1 code in nibble e & 1 (the low one first) of byte e / 2, times
+// 2 ** (scales[e / 32] - 127): exact in fp32 (ldexpf keeps subnormal powers), inf past its range as NumPy's product
+template <typename TO>
+__global__ void mxfp4_kernel(const unsigned char* __restrict__ blocks, const unsigned char* __restrict__ scales, i64 n,
+                             TO* __restrict__ out) {
+    const float magnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        const unsigned int byte = blocks[e >> 1];
+        const unsigned int code = (e & 1) ? byte >> 4 : byte & 15u;
+        const float v = ldexpf(magnitude[code & 7u], (int)scales[e >> 5] - 127);
+        out[e] = from_f<TO>((code & 8u) ? -v : v);
+    }
+}
+
 // out = x * factor in fp32, stored in x's dtype (one launch where x.astype(f32) * f, .astype(T) took three)
 template <typename T>
 __global__ void scale_kernel(const T* __restrict__ x, i64 n, float factor, T* __restrict__ out) {

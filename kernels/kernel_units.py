@@ -35,7 +35,7 @@ def _elementwise_names() -> list[str]:
         names += [f"silu_mul_kernel<{ti}>", f"gelu_tanh_mul_kernel<{ti}>", f"gelu_mul_kernel<{ti}>",
                   f"clamped_swiglu_kernel<{ti}>",
                   f"sigmoid_kernel<{ti}>", f"scale_kernel<{ti}>", f"rotary_kernel<{ti}>", f"delta_gates_kernel<{ti}>",
-                  f"sigmoid_mul_kernel<{ti}>", f"mul_kernel<{ti}>"]
+                  f"sigmoid_mul_kernel<{ti}>", f"mul_kernel<{ti}>", f"mxfp4_kernel<{ti}>"]
         names += [f"add_rms_norm_kernel<{ti}, {c}>" for c in NORM_CHUNKS]
         names += [f"qk_norm_rotary_kernel<{ti}, {nm}>" for nm in ("true", "false")]
     names += [f"copy_rows{v}_kernel<{u}>" for v in ("", "_few") for u in ("uint4", "unsigned int", "unsigned char")]

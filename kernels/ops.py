@@ -88,10 +88,15 @@ class Ops(Protocol):
 
     def upload_permuted(self, part, view_shape, axes) -> Array:
         """A weight stored in another layout, rearranged: `part` (a host array, or a backend array `read_weights`
-        handed out, which the caller gives up) viewed as `view_shape` (its elements in C order), its axes permuted
+        handed out or an upload made, which the caller gives up) viewed as `view_shape` (its elements in C order), its axes permuted
         as numpy.transpose(axes) does, as a new contiguous backend array in the activation dtype. Values are only
         moved and rounded to that dtype, as `upload` rounds them: the stored bytes may go to the device as they are
         and be rearranged there (gpt-oss's fused experts: transposed, gate and up de-interleaved)."""
+
+    def upload_mxfp4(self, blocks, scales) -> Array:
+        """MXFP4 values as stored (kernels/mxfp4.py: host blocks [..., G, 16] and scales [..., G], uint8, checked)
+        -> a new backend array [..., G * 32] in the activation dtype, their exact dequantisation
+        (`dequantize_mxfp4`, exact in fp32 and bf16 alike), made where the backend computes."""
 
     def upload_linear(self, host_parts) -> Any:
         """A projection's weight from `host_parts` as `upload_rows` takes them (stacked along axis 0, storage

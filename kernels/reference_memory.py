@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixrun.kernels.fp8 import Fp8Matrix
+from prefixrun.kernels.mxfp4 import dequantize_mxfp4
 from prefixrun.kernels.weight_reads import HostLanding, WeightReads
 
 _READ_THREADS = 2  # the CPU backend's models are small; its cores compute
@@ -31,6 +32,9 @@ class HostMemoryOps:
         """Converted first, then one strided copy (converting a strided bf16 view is NumPy's slow path)."""
         a = np.asarray(part).astype(self.act_dtype)
         return np.ascontiguousarray(a.reshape(view_shape).transpose(axes))
+
+    def upload_mxfp4(self, blocks, scales):
+        return dequantize_mxfp4(blocks, scales).astype(self.act_dtype, copy=False)
 
     def upload_linear(self, host_parts):
         """A projection's weight: `upload_rows` (FP8 parts exactly dequantised, the reference's fp32)."""

@@ -1,6 +1,7 @@
 """gpt-oss on the CUDA backend against the NumPy reference: attention with sinks on every path (scalar fp32, mma.sync
 plain / split-K / cascade over a shared prefix, the ring window in prefill and decode), the clamped SwiGLU, expert biases in the grouped
-GEMM; then the tiny model end to end (fp32: the CPU's greedy tokens with reuse and speculation; bf16: the
+GEMM; the load's device-side ops (experts rearranged, MXFP4 dequantised) bit for bit against the reference and in
+loaded models; then the tiny model end to end (fp32: the CPU's greedy tokens with reuse and speculation; bf16: the
 whole-model error within 2x transformers' own bf16 error on the same weights)."""
 from __future__ import annotations
 
@@ -131,6 +132,24 @@ def test_upload_permuted_is_the_reference_bit_for_bit(ops, ref, stored, on_devic
         np.testing.assert_array_equal(got.view(bits), want.view(bits))
 
 
+def test_upload_mxfp4_is_the_reference_bit_for_bit(ops, ref):
+    """Every byte's two codes under scales across the e8m0 range (2 ** -127, a subnormal, to 2 ** 127, where 6 x it
+    is inf): the device's values are the reference's rounded to the activation dtype, bit for bit."""
+    rng = np.random.default_rng(4)
+    scales = np.array([0, 1, 2, 100, 126, 127, 128, 200, 253, 254] * 3, np.uint8).reshape(3, 10)  # [E, G]
+    blocks = np.zeros((3, 10, 16), np.uint8)
+    blocks.reshape(-1)[:256] = np.arange(256)
+    blocks.reshape(-1)[256:] = rng.integers(0, 256, blocks.size - 256)
+    blocks, scales = blocks[:, None], scales[:, None]  # [E, 1 row, G, 16], [E, 1, G]
+    got = ops.to_host(ops.upload_mxfp4(blocks, scales))
+    want = ref.upload_mxfp4(blocks, scales).astype(ops.act_dtype)
+    assert got.shape == want.shape == (3, 1, 320) and got.dtype == want.dtype
+    bits = f"u{want.dtype.itemsize}"
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
+    w = want.astype(np.float32)
+    assert np.isinf(w).any() and ((w != 0) & (np.abs(w) < 2.0 ** -126)).any()  # both ends were reached
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("gpt_oss"), TINY_GPT_OSS, seed=7, init_std=PARITY_STD)
@@ -159,5 +178,21 @@ def test_loaded_experts_are_the_cpus_bit_for_bit(gpt_oss_dir):
     for mine, theirs in zip(loaded.model.layers, cpu_model.layers):
         for name in ("gate_up", "down"):
             got = loaded.ops.to_host(getattr(mine.mlp, name))
+            want = getattr(theirs.mlp, name).astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_mxfp4_experts_on_the_gpu_are_the_cpus_bit_for_bit(tmp_path):
+    """An MXFP4 checkpoint dequantised and rearranged on the device: the CPU's experts rounded to bf16, bit for bit
+    (exact: an e2m1 value times a power of two is a bf16 number)."""
+    from prefixrun.kernels.cuda import CudaOps
+    from test_gpt_oss import _mxfp4_twins
+
+    mx, _ = _mxfp4_twins(tmp_path)
+    ops = CudaOps("bfloat16")
+    gpu, cpu = load_model(mx, ops)[0], load_model(mx, NumpyOps())[0]
+    for mine, theirs in zip(gpu.layers, cpu.layers):
+        for name in ("gate_up", "down"):
+            got = ops.to_host(getattr(mine.mlp, name))
             want = getattr(theirs.mlp, name).astype(ml_dtypes.bfloat16)
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

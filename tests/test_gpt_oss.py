@@ -190,6 +190,26 @@ def test_mxfp4_checkpoint_matches_its_dequantised_twin(tmp_path, cpu_ops):
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
+def test_mxfp4_experts_are_dequantised_by_the_backend(tmp_path):
+    """The packed blocks and scales go to the backend as stored (ops.upload_mxfp4, the kernels' dequantisation) and
+    come out as the dequantised twin's experts, in the MoE layout."""
+    from prefixrun.kernels.reference import NumpyOps
+
+    calls = []
+
+    class Counting(NumpyOps):
+        def upload_mxfp4(self, blocks, scales):
+            calls.append(tuple(blocks.shape))
+            return super().upload_mxfp4(blocks, scales)
+
+    mx, twin = _mxfp4_twins(tmp_path)
+    ours, theirs = load_model(mx, Counting())[0], load_model(twin, NumpyOps())[0]
+    assert len(calls) == 2 * len(ours.layers) and all(len(c) == 4 and c[-1] == 16 for c in calls)
+    for a, b in zip(ours.layers, theirs.layers):
+        np.testing.assert_array_equal(a.mlp.gate_up, b.mlp.gate_up)
+        np.testing.assert_array_equal(a.mlp.down, b.mlp.down)
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda n, t: t.astype(np.int8) if n.endswith("_scales") else None, "must be uint8"),
     (lambda n, t: np.full_like(t, 255) if n.endswith("_scales") else None, "scale is 255 (NaN"),

@@ -65,6 +65,9 @@ class _ShapeOps:
     def upload_linear(self, host_parts):
         return self.upload_rows(host_parts)
 
+    def upload_mxfp4(self, blocks, scales):
+        return self._placeholder(tuple(np.shape(blocks)[:-2]) + (np.shape(blocks)[-2] * 32,), None)
+
     def upload_permuted(self, part, view_shape, axes):
         return self._placeholder(tuple(view_shape[a] for a in axes), None)
 

@@ -4,24 +4,19 @@
 Each byte of a block packs two FP4 (e2m1) values, the low nibble first; each group of 32 values shares one e8m0
 scale, the power of two 2 ** (scale - 127). The dequantised value is fp4 x 2 ** (scale - 127): exact in fp32 and
 in bf16 (an e2m1 value has one mantissa bit), so the CPU's fp32 weights and the GPU's bf16 ones are the stored
-numbers themselves. Scale 255 is NaN in the OCP MX format: refused, never read as 2 ** 128.
+numbers themselves. Scale 255 is NaN in the OCP MX format: refused, never read as 2 ** 128. The dequantisation is
+the backend's (`ops.upload_mxfp4`, reference: kernels/mxfp4.py); this module checks and writes the format.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
+from prefixrun.kernels.mxfp4 import FP4_VALUES, GROUP, dequantize_mxfp4  # noqa: F401 - the format, in one place
 
 MXFP4 = "mxfp4"
-GROUP = 32  # values per e8m0 scale (16 bytes of a block)
-# the 16 e2m1 codes' values: sign bit 3, then exponent and mantissa
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 _NAN_SCALE = 255
 _MIDPOINTS = (FP4_VALUES[1:8] + FP4_VALUES[:7]) / np.float32(2)  # between neighbouring magnitudes
-# every byte's (low nibble, high nibble) values; every e8m0 scale's power of two 2 ** (s - 127) (255: refused)
-_BYTE_VALUES = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
-_POWERS = np.append(np.ldexp(np.float32(1.0), np.arange(255) - 127).astype(np.float32), np.float32(np.nan))
 
 
 def check_mxfp4(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
@@ -33,17 +28,6 @@ def check_mxfp4(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
                              f"(expected blocks [..., G, 16] and scales [..., G])")
     if scales.size and int(scales.max()) == _NAN_SCALE:
         raise ModelLoadError(f"{where}: an MXFP4 scale is 255 (NaN in the e8m0 format)")
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks [..., G, 16] uint8, scales [..., G] uint8 -> fp32 [..., G * 32], value 2i from the low nibble of
-    byte i and 2i + 1 from its high nibble (transformers' convert_moe_packed_tensors, without its transpose).
-    Table lookups: each byte's two values, each scale's power of two (the product is exact)."""
-    blocks = np.asarray(blocks, np.uint8)
-    values = _BYTE_VALUES[blocks]  # [..., G, 16, 2]
-    with np.errstate(over="ignore"):  # 6 x 2 ** 127 is inf, as in transformers' own dequantisation
-        values *= _POWERS[np.asarray(scales, np.uint8)][..., None, None]
-    return values.reshape(blocks.shape[:-2] + (-1,))
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -6,21 +6,19 @@ Weights as transformers saves them: `mlp.router.{weight, bias}`; experts fused a
 [E, D, 2I] (gate and up interleaved along the last axis), `gate_up_proj_bias` [E, 2I] (interleaved alike),
 `down_proj` [E, I, D], `down_proj_bias` [E, D]. The released checkpoints store the two expert matrices as MXFP4
 (`gate_up_proj_blocks` [E, 2I, D/32, 16] + `_scales`, `down_proj_blocks` [E, D, I/32, 16] + `_scales`, i.e. the
-transposed [out, in] layout; engine/load/mxfp4.py), dequantised exactly at load on the host. Both are rearranged at load
-into the MoE ops' layout: gate_up [E, 2I, D] with the gate rows first, down [E, D, I]; the fused ones by the backend
-(ops.upload_permuted), so their stored bytes go to the device as they are, read ahead like every other weight.
+transposed [out, in] layout; engine/load/mxfp4.py), dequantised exactly by the backend (ops.upload_mxfp4). Both are
+rearranged into the MoE ops' layout by the backend (ops.upload_permuted): gate_up [E, 2I, D] with the gate rows first,
+down [E, D, I]. So the stored bytes go to the device as they are (the fused ones read ahead like every other weight)
+and no host pass converts them.
 """
 from __future__ import annotations
-
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import SLIDING_ATTENTION
 from prefixrun.engine.load.gpt_oss_config import GptOssConfig
-from prefixrun.engine.load.mxfp4 import GROUP, MXFP4, check_mxfp4, dequantize_mxfp4
+from prefixrun.engine.load.mxfp4 import GROUP, MXFP4, check_mxfp4
 from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, RMSNorm, SlidingWindowAttention,
                                             WeightLoader)
 
@@ -30,33 +28,6 @@ def _gate_first(a: np.ndarray, axis: int) -> np.ndarray:
     even = np.take(a, np.arange(0, a.shape[axis], 2), axis=axis)
     odd = np.take(a, np.arange(1, a.shape[axis], 2), axis=axis)
     return np.concatenate([even, odd], axis=axis)
-
-
-class _LayerExperts:
-    """A layer's expert matrices as upload parts ([out, in] fp32 each), made on the host when the upload converts
-    the first of them (np.asarray), not before: one layer's experts are in host memory at a time, made by a few
-    threads (NumPy's gathers and products run outside the GIL), and a dry build (engine/load/gemm_plan.py) reads
-    only their shapes."""
-
-    def __init__(self, shape: tuple[int, int], makers: list):
-        self._makers, self._futures = makers, None
-        self.parts = [_ExpertMatrix(shape, self, x) for x in range(len(makers))]
-
-    def result(self, x: int) -> np.ndarray:
-        if self._futures is None:
-            pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="experts")
-            self._futures = [pool.submit(make) for make in self._makers]
-            pool.shutdown(wait=False)
-        return self._futures[x].result()
-
-
-class _ExpertMatrix:
-    def __init__(self, shape: tuple[int, int], layer: _LayerExperts, x: int):
-        self.shape, self.dtype, self.ndim, self._layer, self._x = shape, np.dtype(np.float32), 2, layer, x
-
-    def __array__(self, dtype=None, copy=None):
-        a = self._layer.result(self._x)
-        return a if dtype is None else a.astype(dtype)
 
 
 class _ExpertSource:
@@ -86,27 +57,20 @@ class _ExpertSource:
 
     def gate_up(self):
         """The backend's [E, 2I, D]: each expert's gate rows, then its up rows."""
-        e, i, d = self.e, self.i, self.d
-        if self.mxfp4:
-            blocks, scales = self._packed("gate_up_proj")  # stored [E, 2I, D], interleaved rows
-            return self._on_host((2 * i, d), lambda x: _gate_first(dequantize_mxfp4(blocks[x], scales[x]), 0))
-        # stored [E, D, 2I] = [E, D, I, 2] (the gate at even columns) -> [E, 2, I, D], rearranged by the backend
+        e, i, d, ops = self.e, self.i, self.d, self.load.ops
+        if self.mxfp4:  # stored [E, 2I, D] = [E, I, 2, D] (gate rows even) -> [E, 2, I, D]
+            return ops.upload_permuted(ops.upload_mxfp4(*self._packed("gate_up_proj")), (e, i, 2, d),
+                                       (0, 2, 1, 3)).reshape(e, 2 * i, d)
+        # stored [E, D, 2I] = [E, D, I, 2] (the gate at even columns) -> [E, 2, I, D]
         part = self.load.part(self.prefix + "gate_up_proj", (e, d, 2 * i))
-        return self.load.ops.upload_permuted(part, (e, d, i, 2), (0, 3, 2, 1)).reshape(e, 2 * i, d)
+        return ops.upload_permuted(part, (e, d, i, 2), (0, 3, 2, 1)).reshape(e, 2 * i, d)
 
     def down(self):
         """The backend's [E, D, I]."""
-        e, i, d = self.e, self.i, self.d
-        if self.mxfp4:
-            blocks, scales = self._packed("down_proj")  # stored [E, D, I] already
-            return self._on_host((d, i), lambda x: dequantize_mxfp4(blocks[x], scales[x]))
-        return self.load.ops.upload_permuted(self.load.part(self.prefix + "down_proj", (e, i, d)), (e, i, d),
-                                             (0, 2, 1))
-
-    def _on_host(self, shape: tuple[int, int], make):
-        """Expert matrices made on the host (MXFP4 dequantised), one layer's at a time, uploaded as rows."""
-        experts = _LayerExperts(shape, [lambda x=x: make(x) for x in range(self.e)])
-        return self.load.ops.upload_rows(experts.parts).reshape((self.e,) + shape)
+        e, i, d, ops = self.e, self.i, self.d, self.load.ops
+        if self.mxfp4:  # stored [E, D, I] already
+            return ops.upload_mxfp4(*self._packed("down_proj"))
+        return ops.upload_permuted(self.load.part(self.prefix + "down_proj", (e, i, d)), (e, i, d), (0, 2, 1))
 
 
 class ClampedSwigluMoe:
