@@ -15,6 +15,7 @@ usual place, which reports the problem itself.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -26,6 +27,13 @@ _backend = threading.Event()  # set once the backend's modules are imported too 
 _gpu: list[int] = []  # the device whose context is up
 GPU = 0  # the device brought up (the first visible, as kernels/driver_context.py's)
 _imported = threading.Event()  # set once CuPy's import is done (or failed)
+# "1": CuPy's import waits (at most READS_FIRST_MAX_S) until a thread waits for CuPy's side of the bring-up
+# (`wait_context`, `wait`): the weights' reads go the driver's way (kernels/driver_weight_reads.py) before that,
+# and the command line's Python up to their start then has the interpreter's lock to itself; off unless asked for
+# until it is shown to pay (docs/PERFORMANCE.md)
+READS_FIRST = "PREFIXRUN_READS_FIRST"
+READS_FIRST_MAX_S = 2.0
+_cupy_wanted = threading.Event()  # set once a thread waits for CuPy's side of the bring-up
 
 
 def start(device: str = "auto") -> None:
@@ -61,6 +69,7 @@ def wait() -> dict:
         thread = _thread
     if thread is None:
         return {}
+    _cupy_wanted.set()
     t0 = time.perf_counter()
     _backend.wait()
     _figures.setdefault("waited_seconds", round(time.perf_counter() - t0, 4))
@@ -74,6 +83,7 @@ def wait_context() -> int | None:
         started = _thread is not None
     if not started:
         return None
+    _cupy_wanted.set()
     _context.wait()
     return _gpu[0] if _gpu else None
 
@@ -93,13 +103,17 @@ def _bring_up():
         return now
 
     try:
+        begun = t0
+        if os.environ.get(READS_FIRST) == "1":
+            _cupy_wanted.wait(READS_FIRST_MAX_S)
+            begun = step("reads_first", t0)
         from prefixrun.kernels import import_cupy
 
         try:
             cupy = import_cupy()
         finally:
             _imported.set()
-        t = step("import_cupy", t0)
+        t = step("import_cupy", begun)
         if cupy.cuda.runtime.getDeviceCount() > 0:
             device = cupy.cuda.Device(GPU)
             device.use()

@@ -210,7 +210,7 @@ def test_weights_read_through_the_ring_the_driver_pinned(tmp_path):
 def fresh_bring_up(monkeypatch):
     from prefixrun.kernels import device_start
 
-    for name in ("_imported", "_context", "_backend"):
+    for name in ("_imported", "_context", "_backend", "_cupy_wanted"):
         monkeypatch.setattr(device_start, name, threading.Event())
     monkeypatch.setattr(device_start, "_figures", {})
     monkeypatch.setattr(device_start, "_gpu", [])
@@ -254,3 +254,29 @@ def test_the_command_line_waits_for_cupys_import_only_where_asked(monkeypatch, s
     assert launch.start_gpu(["batch", "in.jsonl"])
     assert calls == ["driver", "device auto"] + ([f"wait {launch.CUPY_FIRST_MAX_S}"] if waits else [])
     assert not launch.start_gpu(["batch", "in.jsonl", "--device", "cpu"]) and len(calls) == 2 + waits
+
+
+@pytest.mark.parametrize("switch, holds", [("1", True), (None, False), ("0", False)])
+def test_cupys_import_waits_for_the_reads_only_where_asked(fresh_bring_up, monkeypatch, switch, holds):
+    """With the switch, the bring-up imports CuPy once a thread waits for CuPy's side of it (the reads started
+    the driver's way, or the backend is wanted), not before; without it, at once."""
+    device_start = fresh_bring_up
+    if switch is None:
+        monkeypatch.delenv(device_start.READS_FIRST, raising=False)
+    else:
+        monkeypatch.setenv(device_start.READS_FIRST, switch)
+    imported = threading.Event()
+
+    def import_cupy():
+        imported.set()
+        raise ImportError("no CuPy here")
+
+    monkeypatch.setattr("prefixrun.kernels.import_cupy", import_cupy)
+    thread = threading.Thread(target=device_start._bring_up, daemon=True)
+    monkeypatch.setattr(device_start, "_thread", thread)
+    thread.start()
+    assert imported.wait(0.3) is not holds
+    assert device_start.wait_context() is None  # the bring-up goes on, and fails here without CuPy
+    assert imported.is_set()
+    thread.join(10)
+    assert ("reads_first" in device_start.figures()["parts"]) is holds
