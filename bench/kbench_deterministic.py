@@ -26,6 +26,8 @@ import time
 import ml_dtypes
 import numpy as np
 
+from kernel_bench import time_ms  # bench/ is on the path of a script run from it
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SHAPES = [(2560, 9216, "bf16"), (18432, 2560, "bf16"), (12288, 2560, "bf16"), (2560, 4096, "bf16"),
           (10240, 2560, "bf16"), (248320, 2560, "f32")]
@@ -43,26 +45,13 @@ ATTENTION_VARIANTS = (
 )
 
 
-def time_ms(fn, iters: int = 10) -> float:
-    import cupy
-
-    fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / iters
-
-
 def graph_ms(call, copies: int, iters: int = 20) -> float:
     """Device ms per call of `call(i)`, i over `copies` weight copies, captured as one graph and replayed (as decode
     steps run; eager calls of a few-microsecond GEMM time the host's Python as much as the kernel)."""
     from prefixrun.kernels.cuda import CudaOps
 
     graph = CudaOps("bfloat16").capture(lambda: [call(i) for i in range(copies)])
-    return time_ms(graph.replay, iters) / copies
+    return time_ms(graph.replay, iters, warmup=1) / copies
 
 
 def gemm():
@@ -135,8 +124,8 @@ def splitk(n: int = 2560, k: int = 9216):
             times = []
             for m in (1, 64, 256, 2048):
                 xm, y = x[:m], cupy.empty((m, n), BF16)
-                td = time_ms(lambda: default.gemm_nt(xm, w, y))
-                ts = time_ms(lambda: split.matmul(algo, xm, w, y, compute, bf16, bf16))
+                td = time_ms(lambda: default.gemm_nt(xm, w, y), warmup=1)
+                ts = time_ms(lambda: split.matmul(algo, xm, w, y, compute, bf16, bf16), warmup=1)
                 times.append(f"M{m} {ts / td:.2f}x")
             print(f"split-K [{n},{k}] algo {info.algo_id} tile {info.tile_id} splits {info.splitk} reduction "
                   f"{info.reduction}: rows the same at every M: {same}; / cuBLAS: {' '.join(times)}", flush=True)
@@ -175,7 +164,7 @@ def attention(b: int = 64, shared: int = 2048, own: int = 256, bs: int = 64, hq:
         args = (q, kc, vc, up(tables), up(ctx), up(np.arange(b + 1)), d ** -0.5)
         try:  # replays of a captured step, as decode runs it: the device's time, not the host's calls
             graph = ops.capture(lambda: ops.paged_attention(*args, shared=prefixes))
-            times[mode] = time_ms(graph.replay, iters=50)
+            times[mode] = time_ms(graph.replay, iters=50, warmup=1)
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a finding, the others still run
             print(f"  {mode}: {type(exc).__name__}: {exc}"[:200], flush=True)
     tuning.DETERMINISTIC_SEGMENT_KEYS = SEGMENT_KEYS

@@ -11,19 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def time_ms(fn, reps: int = 10) -> float:
-    import cupy
-
-    fn()
-    cupy.cuda.runtime.deviceSynchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
+from kernel_bench import time_ms  # bench/ is on the path of a script run from it
 
 
 def caches(ops, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> dict:
@@ -40,7 +28,7 @@ def caches(ops, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> d
 
 def row(label: str, ops, kinds: dict, q, tables, ctx, cu, **kw) -> None:
     idx = [ops.upload_index(a) for a in (tables, ctx, cu)]
-    cells = [f"{kind} {time_ms(lambda: ops.paged_attention(q, k, v, *idx, 0.0625, k_scale=ks, v_scale=vs, **kw)):.3f}"
+    cells = [f"{kind} {time_ms(lambda: ops.paged_attention(q, k, v, *idx, 0.0625, k_scale=ks, v_scale=vs, **kw), warmup=1):.3f}"
              for kind, (k, v, ks, vs) in kinds.items()]
     print(f"{label}: " + ", ".join(cells) + " ms", flush=True)
 
