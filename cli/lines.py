@@ -391,6 +391,9 @@ def _read_openai_line(obj: dict, lenient: bool) -> tuple[Shape, dict, Prompt, tu
             raise _LineRejected(f'{CHAT_URL} needs "body.messages"{hint}')
         prompt = _read_chat(body, check_messages(body["messages"], "body.messages"), where="body.")
     else:
+        if body.get("prompt_token_ids") is not None:  # registered for plain lines; never read from a body
+            raise _LineRejected('body.prompt_token_ids is a plain line\'s field: an OpenAI completions body gives '
+                                'token ids as "body.prompt" (a list of ids)')
         if body.get("prompt") is None:
             hint = f' (for messages use "{CHAT_URL}")' if body.get("messages") is not None else ""
             raise _LineRejected(f'{COMPLETION_URL} needs "body.prompt"{hint}')

@@ -339,6 +339,12 @@ ERROR_CASES = [
      True),
     (openai_line(url="/v1/completions", prompt=[[1, -1]]), "body.prompt[0][1] must be a non-negative integer", True),
     (openai_line(url="/v1/completions", prompt=[[[1]]]), "body.prompt[0][0] must be a non-negative integer", True),
+    # prompt_token_ids is a plain line's field: beside an OpenAI body's prompt it was dropped without a word
+    (openai_line(url="/v1/completions", prompt="a", prompt_token_ids=[5, 6]),
+     'body.prompt_token_ids is a plain line\'s field: an OpenAI completions body gives token ids as "body.prompt"',
+     True),
+    (openai_line(url="/v1/completions", prompt_token_ids=[5, 6]), "body.prompt_token_ids is a plain line's field",
+     True),
     (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "a number on this line has too many digits", False),
     (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply", False),
     # Deep, and with a surrogate to search for: whichever check trips first, the line becomes an error record.
