@@ -34,7 +34,6 @@ class BatchRun:
 
     def __init__(self, config: RunConfig, *, reporter, input_ahead=None, clock=None):
         from prefixrun.engine.load import loader
-        from prefixrun.engine.load.model_maker import ensure_default_model
         from prefixrun.engine.run.session import EngineSession
         from prefixrun.engine.startup import NO_CLOCK
 
@@ -46,6 +45,8 @@ class BatchRun:
             device_start.start(config.device)  # the GPU comes up while the tokenizer and files are read
         clock.mark("tokenizer")
         if config.model_dir is None:
+            from prefixrun.engine.load.model_maker import ensure_default_model  # only here: a model to make
+
             config = dataclasses.replace(config, model_dir=ensure_default_model(config.cache_root))
         self.config = config
         # read on the input-ahead thread too (`_tokens_ahead`), which starts before this constructor ends

@@ -99,6 +99,8 @@ def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path,
     modules = set(json.loads(seen.read_text()))
     assert "prefixrun.engine.models.qwen3_5" in modules
     assert sorted(m for m in UNUSED_BY_A_PLAIN_RUN if m in modules) == []
+    # the maker of the built-in model (its weights' random draws), only where that model is the one run
+    assert ("prefixrun.engine.load.model_maker" in modules) is built_in
 
 
 def test_checking_the_options_loads_no_cache_and_no_model_code():
