@@ -3,8 +3,8 @@
     python3 bench/kbench_deterministic.py [gemm] [splitk] [attention] [attention-docqa]
 
 gemm: per weight shape, the device time at M rows (graph replays over copies of the weight beyond the L2, as a
-decode step reads it) of the pinned reference algorithm alone, of the former pairing (the
-heuristics' first answer per bucket, kept by bits alone) and of the measured pairing (kernels/cublaslt_search.py),
+decode step reads it) of the pinned reference algorithm alone, of the heuristics' pairing (their
+first answer per bucket, kept by bits alone) and of the measured pairing (kernels/cublaslt_search.py),
 each divided by cuBLAS's own choice (the default mode's); and what the measured choice costs: the search's seconds
 on a fresh cache folder, then the seconds to take it back from that folder (a new process's cost), same algorithms.
 splitk: whether an algorithm with a fixed split-K (the heuristics' answers at 64 rows that split K) gives a row the

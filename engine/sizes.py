@@ -39,7 +39,7 @@ def parse_size(text: str | None, what: str, allow_fraction: bool = False, minimu
             raise InvalidOption(f"{what}: {text!r} is a fraction; give a size ({example})")
         return value  # the total it is a fraction of is only known later (state memory depends on the device)
     if factor == 1 and value != int(value):
-        # '1.5' is neither a fraction (those are below 1) nor a number of bytes; it was taken as 1 byte
+        # '1.5' is neither a fraction (those are below 1) nor a number of bytes: refused, never taken as 1 byte
         raise InvalidOption(f"{what}: {text!r} is not a whole number of bytes; give a unit ({example})")
     size = int(value * factor)
     if size < minimum:

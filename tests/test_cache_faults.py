@@ -431,7 +431,7 @@ def test_an_unusable_cache_is_one_warning_and_a_run_without_it(models, prompts_f
     warnings = warnings_in(stderr)
     assert len(warnings) == 1 and "persistent checkpoint cache" in warnings[0] and "running without it" in warnings[0]
     assert "Traceback" not in stderr and report is not None
-    # --clear cures what the folder holds, never where it lives (it was offered for a read-only folder too)
+    # --clear cures what the folder holds, never where it lives (so a read-only folder is not offered it)
     assert ("--clear" in warnings[0]) == (fault != "read-only")
     assert ("permissions and free space" in warnings[0]) == (fault == "read-only")
     if fault == "damaged-index":

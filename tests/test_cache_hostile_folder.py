@@ -514,8 +514,8 @@ def test_a_killed_resource_tracker_puts_no_traceback_on_stderr(tmp_path):
 @pytest.mark.parametrize("suffix", ["", "-wal", "-shm", "-journal"])
 @pytest.mark.parametrize("plant", ["fifo", "hard link"])
 def test_a_fifo_or_hard_link_at_an_index_name_is_refused_never_a_hang(tmp_path, suffix, plant):
-    """SQLite opens what it finds at the index's names: a FIFO as the journal hung every run; a hard link's other
-    name (outside the folder) is written in place. Refused with one StoreError; --clear takes the name."""
+    """SQLite opens what it finds at the index's names: a FIFO as the journal would hang every run, a hard link's
+    other name (outside the folder) would be written in place. Refused with one StoreError; --clear takes the name."""
     root, precious = tmp_path / "cache", victim(tmp_path)
     with CheckpointStore(root) as store:
         assert put(store)
@@ -562,10 +562,10 @@ PLANTED_OBJECTS = {
 
 @pytest.mark.parametrize("planted", sorted(PLANTED_OBJECTS))
 def test_an_index_holding_objects_the_store_does_not_make_is_not_used(tmp_path, planted):
-    """A trigger planted in the index ran on every lookup's touch: one that never ends hung every run with no
-    result, past SIGTERM (an index on an expression builds a gigabyte per row written). An index holding a trigger,
-    view or index the store does not make is refused (the run goes on without the cache); inspect-cache calls it
-    damaged and --clear makes the folder usable again."""
+    """A trigger planted in the index would run on every lookup's touch: one that never ends would hang every run
+    with no result, past SIGTERM (an index on an expression builds a gigabyte per row written). An index holding a
+    trigger, view or index the store does not make is refused (the run goes on without the cache); inspect-cache
+    calls it damaged and --clear makes the folder usable again."""
     cache = cache_with_entries(tmp_path)
     db = sqlite3.connect(cache / "checkpoints" / "index.sqlite3")
     db.executescript(PLANTED_OBJECTS[planted])

@@ -266,7 +266,7 @@ def test_qwen3_coder_tool_calls():
     ({"messages": CHAT, "tools": [WEATHER], "tool_choice": {"function": {"name": "get_weather", "arguments": "{}"}}},
      "tool_choice must be"),
     # strict: true promises calls that follow the parameters, which auto (the default with tools) never constrains:
-    # it was ignored
+    # ignoring it would break that promise
     ({"messages": CHAT, "tools": [WEATHER, STRICT_WEATHER]},
      'tools[1].function.strict is true, but under tool_choice "auto" the model\'s calls are not constrained'),
     ({"messages": CHAT, "tools": [STRICT_WEATHER], "tool_choice": "auto"}, 'give tool_choice "required"'),

@@ -163,8 +163,8 @@ def test_output_targets_are_checked_before_the_model_is_loaded(tmp_path):
         (["--json-report", tmp_path / "adir"], "is a directory"),
         (["--json-report", src], "is the input file"),
         (["-o", tmp_path / "same.jsonl", "--json-report", tmp_path / "same.jsonl"], "the same file"),
-        # the report over -o's ledger broke the next --resume's check of the input; over its journal it was left
-        # behind as a killed run's journal
+        # the report over -o's ledger would break the next --resume's check of the input; over its journal it would
+        # be left behind as a killed run's journal
         (["-o", tmp_path / "o.jsonl", "--json-report", tmp_path / "o.jsonl.inputs"],
          "--json-report " + str(tmp_path / "o.jsonl.inputs") + " is -o's input ledger"),
         (["-o", tmp_path / "o.jsonl", "--json-report", tmp_path / "adir" / ".." / "o.jsonl.journal"],
@@ -371,7 +371,7 @@ def test_disk_full_gives_one_line(model, tmp_path):
                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
         assert p.returncode == 1
         assert "cannot write results to stdout: No space left on device" in one_error_line(p.stderr)
-        # the report on another disk says what finished and why the run ended (it was not written at all)
+        # the report on another disk says what finished and why the run ended
         with open("/dev/full", "w") as full:
             p = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q",
                                    "--json-report", tmp_path / "r.json"),

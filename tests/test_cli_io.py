@@ -127,7 +127,7 @@ def test_plain_messages_are_passed_through_for_the_chat_template():
     req = parse_ok({"messages": messages})
     assert req.messages == messages
     assert req.prompt_text is None and req.prompt_token_ids is None
-    # OpenAI leaves content out of an assistant turn that only calls tools (it was "content is missing")
+    # OpenAI leaves content out of an assistant turn that only calls tools: not a "content is missing" error
     calls_only = [messages[1], {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]
     assert parse_ok({"messages": calls_only}).messages == calls_only
     assert "messages[1].content is missing" in parse({"messages": [messages[1], {"role": "assistant"}]}).message

@@ -247,7 +247,7 @@ def test_a_compressed_or_binary_input_is_one_line_and_exit_2(model, tmp_path):
     rng = random.Random(1)
     cases = {"gz": (gzip.compress(plain), "gzip-compressed data"),
              "bin": (bytes(rng.randrange(256) for _ in range(20000)), "binary data"),
-             # what Windows PowerShell's `>` writes: it was called "binary data (it holds NUL bytes)"
+             # what Windows PowerShell's `>` writes: named as UTF-16, not "binary data"
              "utf16": ("\ufeff".encode("utf-16-le") + plain.decode().replace("\n", "\r\n").encode("utf-16-le"),
                        "UTF-16 text (convert it to UTF-8 first"),
              "utf16be": (plain.decode().encode("utf-16-be"), "UTF-16 text")}

@@ -285,7 +285,7 @@ REFUSED = {
         'quantization_config.activation_scheme "static" is not supported'),
     "bitsandbytes": ("llama", dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
                      'quantization_config (quant_method "bitsandbytes") is not supported'),
-    # transformers cannot load a Gemma 3 config whose rope settings are not per layer type; they were dropped
+    # transformers cannot load a Gemma 3 config whose rope settings are not per layer type; never dropped without a word
     "gemma3 flat rope": ("gemma3_text", dict(rope_parameters={"rope_type": "linear", "factor": 8.0,
                                                               "rope_theta": 10000.0}),
                          "rope_parameters holds factor, rope_theta, rope_type at its top level; Gemma 3 takes one "
@@ -435,8 +435,8 @@ def ours_inverse_frequencies(params: dict, head_dim: int, text: dict | None = No
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_rope_inverse_frequencies_are_transformers_to_the_bit(case, head_dim, monkeypatch):
-    """Every step is torch's float32 step (they were computed in float64: 1-5 ulp apart, logits 2e-3 apart a
-    thousand tokens in): with torch's own float32 pow, equal to the bit. With ours (correctly rounded; torch's is
+    """Every step is torch's float32 step (float64 would be 1-5 ulp apart, logits 2e-3 apart a thousand tokens
+    in): with torch's own float32 pow, equal to the bit. With ours (correctly rounded; torch's is
     SLEEF's, within 1 ulp) an element differs by 2 ulp at most (that 1 ulp through a division), and only where
     torch's pow is the one off."""
     from prefixrun.engine.load import rope
@@ -458,7 +458,7 @@ def test_rope_inverse_frequencies_are_transformers_to_the_bit(case, head_dim, mo
 @pytest.mark.parametrize("case", ["llama3", "yarn"])
 def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(case, monkeypatch):
     """Beside llama3 / yarn settings, a top-level original_max_position_embeddings overrides the one inside
-    them, as transformers' standardisation has it (it was ignored: other frequencies, other tokens)."""
+    them, as transformers' standardisation has it (ignoring it gives other frequencies, other tokens)."""
     from prefixrun.engine.load import rope
 
     monkeypatch.setattr(rope, "fp32_pow", lambda base, e: (np.float32(base) ** torch.from_numpy(e)).numpy())

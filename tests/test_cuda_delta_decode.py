@@ -95,7 +95,7 @@ def test_decode_kernel_matches_the_reference(ops, block, lens, hk, h, dk, dv):
 
 
 def test_decode_kernel_agrees_with_the_previous_kernel(ops):
-    """4b-like heads (32 value / 16 key heads, 128 x 128), a decode batch of 33: the new kernel and gdn_cols_kernel
+    """4b-like heads (32 value / 16 key heads, 128 x 128), a decode batch of 33: gdn_decode_kernel and gdn_cols_kernel
     round differently only in fp32 summation order."""
     lens = [1] * 33
     step = _Step(ops, lens, 16, 32, 128, 128, 40, np.arange(3, 36), seed=3)

@@ -173,7 +173,7 @@ def test_results_leave_the_engine_near_input_order(cpu_ops):
     """Results in input order flow from the start of a window: line 0 shares its prefix with the last line and
     ten system prompts cover the lines between, in blocks. Plan order by the lowest line each subtree holds, and a
     pending stack that stays in plan order whatever order a group's tasks finish in, keep the in-order writer's lag
-    to about a decode batch (it was the whole window: line 0 finished among the last)."""
+    to about a decode batch (not the whole window, with line 0 finished among the last)."""
     rng = random.Random(3)
     n, shared = 400, [rng.randrange(500) for _ in range(40)]
     prompts = [[7 + i * 10 // n] * 20 + [rng.randrange(500) for _ in range(rng.randrange(5, 40))] for i in range(n)]

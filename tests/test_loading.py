@@ -110,8 +110,8 @@ def test_errors_name_the_file_and_tensor(plain_dir, tmp_path, cpu_ops):
                                        "got -4,096"),
 ])
 def test_malformed_config_values_are_one_line_errors(family, key, value, message):
-    """Each is refused by name before any list of layers is built (10**30 layers hung building one, a wrong type
-    or a huge negative count raised a Python error with a traceback)."""
+    """Each is refused by name before any list of layers is built (10**30 layers would hang building one, a wrong
+    type or a huge negative count would raise a Python error with a traceback)."""
     from test_gpt_oss import TINY_GPT_OSS
     from test_lfm2 import TINY_LFM2
     from prefixrun.engine.load.hf_config import parse_config

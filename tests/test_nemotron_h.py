@@ -27,7 +27,7 @@ MOE = dict(layers_block_type=[M, E, A, E], n_routed_experts=8, num_experts_per_t
 HONOURED = {
     "base": ({}, 40),
     "long-prompt": ({}, 150),  # several of the reference scan's 64-token chunks
-    "odd-head_dim": (dict(head_dim=17), 40),  # no rotary embedding: an odd head runs (it was refused as a rope's)
+    "odd-head_dim": (dict(head_dim=17), 40),  # no rotary embedding: an odd head runs (not refused as a rope's)
     "pattern": (dict(layers_block_type=None, hybrid_override_pattern="M-*M"), 40),
     "mamba-only": (dict(layers_block_type=[M, M], time_step_min=1e-9), 40),  # check_generate: a clamp never binding
     "legacy-names": (dict(layers_block_type=["mamba", "mlp", "attention"]), 40),

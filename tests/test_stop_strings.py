@@ -50,8 +50,8 @@ def test_the_earliest_stop_string_ends_the_text_even_across_tokens():
 def test_the_text_of_the_first_min_tokens_tokens_is_never_searched_for_stop_strings():
     # vLLM's rule (its detokenizer's min_tokens offset): a stop string inside the first min_tokens tokens' text
     # never ends the output, so the text keeps them; one ending in a later token does, also one that begins in
-    # that text and ends after it. It was searched from the start at the min_tokens-th token: "ab" in the first
-    # token cut the text to "" with three tokens generated.
+    # that text and ends after it. Searched from the start at the min_tokens-th token, "ab" in the first token
+    # would cut the text to "" with three tokens generated.
     seq = _feed(_sequence(PIECES, stop=("ab",), min_tokens=3), [1, 2, 4, 4, 1, 3])
     assert seq.finish_reason == "stop" and seq.text() == "abcdxx" and len(seq.tokens) == 5
     seq = _feed(_sequence(PIECES, stop=("ab",), min_tokens=3), [1, 2, 1, 4, 3])
