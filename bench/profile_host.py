@@ -112,14 +112,17 @@ def instrument(rec: Recorder, sync_steps: bool):
     from prefixrun.engine.models import layers
     from prefixrun.kernels.reference import NumpyOps
 
-    ops_classes = [NumpyOps]
+    _time_ops(rec, [NumpyOps] + _count_cuda_work(rec))
+    _mark_steps(rec, sync_steps, state, layers, decode_graphs)
+
+
+def _count_cuda_work(rec: Recorder) -> list:
+    """Count the CUDA backend's kernel launches, GEMMs and blocking calls; its ops class, or [] without CuPy."""
     try:
         import cupy
 
         from prefixrun.kernels import cuda as cuda_mod
         from prefixrun.kernels.cublas import Cublas
-
-        ops_classes.append(cuda_mod.CudaOps)
 
         proxies: dict = {}
 
@@ -151,8 +154,12 @@ def instrument(rec: Recorder, sync_steps: bool):
                             (cupy.cuda.runtime, "memcpy"), (cupy.cuda.Event, "synchronize")):
             _wrap(owner, name, functools.partial(_blocking, rec, f"{getattr(owner, '__name__', owner)}.{name}"))
     except ImportError:
-        pass
+        return []
+    return [cuda_mod.CudaOps]
 
+
+def _time_ops(rec: Recorder, ops_classes: list):
+    """Time every public op of the backends' classes."""
     for cls in ops_classes:
         names = {n for c in cls.__mro__[:-1] for n in vars(c)}  # inherited ops (MoE mixins) too
         for name in names:
@@ -161,6 +168,9 @@ def instrument(rec: Recorder, sync_steps: bool):
                 continue
             setattr(cls, name, _timed_op(rec, name, fn))
 
+
+def _mark_steps(rec: Recorder, sync_steps: bool, state, layers, decode_graphs):
+    """Mark the prefill, decode and verify steps (and their prepare and forward parts) as the run takes them."""
     def begin_step(handles, pieces):
         rec.phase = "prefill"
         rec.steps.append({"seqs": len(handles), "tokens": sum(len(t) for t in pieces), "prepare": 0.0,
