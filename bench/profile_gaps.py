@@ -65,6 +65,41 @@ def wrap_all():
     wrap(batch_run.BatchRun, "_run_window", "BatchRun._run_window")
 
 
+def timeline(events, device_type) -> tuple[list, tuple, list]:
+    """From the profiler's events: the kernels' sorted (start, end), the WALL range's (start, end), and the host
+    ranges (start, end, name) that start within it, by start (microseconds)."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == device_type.CUDA and e.time_range.end > e.time_range.start)
+    host = [e for e in events if e.device_type == device_type.CPU]
+    wall_ev = next(e for e in host if e.name == "WALL")
+    w0, w1 = wall_ev.time_range.start, wall_ev.time_range.end
+    ranges = sorted(((e.time_range.start, e.time_range.end, e.name) for e in host
+                     if e.name != "WALL" and w0 <= e.time_range.start <= w1), key=lambda r: r[0])
+    return kernels, (w0, w1), ranges
+
+
+def busy_and_idle(kernels, w0, w1, min_gap_us: float) -> tuple[list, list]:
+    """The device's busy intervals within the wall [w0, w1] (sorted kernel (start, end) pairs merged where they
+    overlap), and its idle gaps of at least `min_gap_us` between them and at the wall's ends (microseconds)."""
+    merged = []  # device busy intervals
+    for s, e in kernels:
+        if s > w1 or e < w0:
+            continue
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    gaps = []
+    prev = w0
+    for s, e in merged:
+        if s - prev >= min_gap_us:
+            gaps.append((prev, s))
+        prev = max(prev, e)
+    if w1 - prev >= min_gap_us:
+        gaps.append((prev, w1))
+    return merged, gaps
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("workload", type=Path)
@@ -103,32 +138,10 @@ def main():
             ops.synchronize()
         wall = time.perf_counter() - t0
 
-    events = list(prof.events())
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    wall_ev = next(e for e in host if e.name == "WALL")
-    w0, w1 = wall_ev.time_range.start, wall_ev.time_range.end
-    ranges = sorted(((e.time_range.start, e.time_range.end, e.name) for e in host
-                     if e.name != "WALL" and w0 <= e.time_range.start <= w1), key=lambda r: r[0])
+    kernels, (w0, w1), ranges = timeline(list(prof.events()), torch.autograd.DeviceType)
     starts = [r[0] for r in ranges]
-    merged = []  # device busy intervals
-    for s, e in kernels:
-        if s > w1 or e < w0:
-            continue
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    merged, gaps = busy_and_idle(kernels, w0, w1, args.min_gap_ms * 1e3)
     busy = sum(e - s for s, e in merged)
-    gaps = []
-    prev = w0
-    for s, e in merged:
-        if s - prev >= args.min_gap_ms * 1e3:
-            gaps.append((prev, s))
-        prev = max(prev, e)
-    if w1 - prev >= args.min_gap_ms * 1e3:
-        gaps.append((prev, w1))
 
     def open_at(t):
         """Host ranges open at time t, outermost first."""
