@@ -97,3 +97,42 @@ def test_a_helper_that_never_answers_stops_the_helpers_for_the_process(tmp_path,
     finally:
         os.close(fd)
         written.close()
+
+
+def test_closing_tells_every_helper_to_end_before_waiting_for_any(tmp_path):
+    """Told and waited for one by one, the helpers' exits added up at the end of every cold run."""
+    import threading
+
+    written = WrittenDigests(helpers=3)
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 3000)
+    barrier = threading.Barrier(3)
+
+    def ask():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            barrier.wait()  # all three at once: three helpers start
+            assert written.chunk_digests(fd, 3000, 1000) is not None
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    helpers = list(written._idle.queue)
+    assert len(helpers) == 3
+    open_at_wait = []
+    for helper in helpers:
+        process = helper._process
+        real_wait = process.wait
+
+        def wait(timeout=None, real_wait=real_wait):
+            open_at_wait.append(sum(h._socket.fileno() != -1 for h in helpers))
+            return real_wait(timeout)
+
+        process.wait = wait
+    written.close()
+    assert open_at_wait == [0, 0, 0]
+    assert all(h._process.returncode is not None for h in helpers)

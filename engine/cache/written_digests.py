@@ -90,11 +90,18 @@ class WrittenDigests:
             return None
 
     def close(self):
+        """Every idle helper ends: all are told first, then each is waited for (told and waited for one at a time,
+        eight helpers' exits added up at the end of every cold run)."""
+        helpers = []
         while True:
             try:
-                self._idle.get_nowait().close()
+                helpers.append(self._idle.get_nowait())
             except queue.Empty:
-                return
+                break
+        for helper in helpers:
+            helper.tell_end()
+        for helper in helpers:
+            helper.wait_end()
 
 
 class _Helper:
@@ -130,7 +137,13 @@ class _Helper:
         return [bytes(answer[32 * i:32 * (i + 1)]) for i in range(n)]
 
     def close(self):
+        self.tell_end()
+        self.wait_end()
+
+    def tell_end(self):
         self._socket.close()  # the helper sees the end and exits
+
+    def wait_end(self):
         try:
             self._process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
