@@ -18,6 +18,7 @@ from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions
 from prefixrun.engine.state.pools import ModelState
 from prefixrun.engine.step.forward_batch import check_shared_prefix_arrays, shared_prefix_arrays
+from test_executor import StoredPrefixes
 
 WORKLOADS = Path(__file__).resolve().parents[1] / "bench" / "workloads.py"
 FAMILIES = ["qwen3_5", "qwen3", "qwen3_next", "qwen3_5_moe"]  # the MoE hybrids: the router changes no invariant
@@ -824,32 +825,6 @@ def test_cli_tiny_state_memory_degrades_exit_0_or_3(tmp_path):
 
 
 # ---- accounting ------------------------------------------------------------------------------------------------------
-class _MemoryDisk:
-    """A persistent-store stand-in that keeps exported states in a dict (as engine/cache/persist.py does on disk)."""
-
-    keeps_states = True
-
-    def __init__(self):
-        self.entries: dict[tuple, tuple] = {}
-
-    def lookup(self, tokens, minimum, maximum, state, share=None, usable=None):
-        for n in range(maximum, minimum, -1):
-            hit = self.entries.get(tuple(tokens[:n]))
-            if hit is not None and (n < maximum or hit[1] is not None):
-                return state.import_state(hit[0], n, share=share), (hit[1] if n == maximum else None)
-        return None
-
-    def prefetch(self, roots, state=None):
-        pass  # nothing to read ahead: the entries are in memory
-
-    def offer(self, tokens, state, handle, logits):
-        self.entries.setdefault(tuple(tokens), (state.export(handle), None if logits is None else logits.copy()))
-        return True
-
-    def may_retain(self, tokens, nbytes):
-        return True  # keeps everything
-
-
 def check_usage_adds_up(results, stats):
     for r in results.values():
         u = r.usage
@@ -864,7 +839,7 @@ def test_reused_is_from_disk_plus_from_memory_cold_warm_mixed(loaded, cpu_ops):
     prompts = edge_prompts()
     sp = SamplingParams(max_tokens=3, temperature=0)
     ref, _, _ = run_engine(model, cpu_ops, prompts, EngineOptions(speculative="off", reuse=False), sp)
-    disk = _MemoryDisk()
+    disk = StoredPrefixes()  # the persistent store, as a dict of exported states
 
     def run(batch, opts=EngineOptions(speculative="off", retain_block=16)):
         eng = Engine(model, cpu_ops, options=opts, persist=disk)
