@@ -134,7 +134,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output (an id outside the vocabulary: an error, as "
        "for every token id a request names)"),
     _F("ignore_eos", HONOURED, BOTH, "keep generating after the end-of-sequence token"),
-    _F("include_stop_str_in_output", HONOURED, BOTH, "keep the matched stop string in the text"),
+    _F("include_stop_str_in_output", HONOURED, BOTH, "keep the matched stop string, or the text of the stop token "
+       "(stop_token_ids, end of sequence) that ended the reply, in the text, as vLLM does"),
     _F("truncate_prompt_tokens", HONOURED, BOTH, "keep only the last N prompt tokens (-1: as many as the context "
        "holds)"),
     _F("truncation_side", HONOURED, BOTH, "\"left\" (default: the last tokens kept) or \"right\" (the first)"),

@@ -125,6 +125,28 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tiny_model, tmp_path):
     assert openai["response"]["body"]["choices"][0]["text"] == text[:at + 3]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_token_too(tiny_model, tmp_path):
+    # vLLM's detokenizer leaves out the token that ended the reply (a stop_token_ids id, the end-of-sequence
+    # token) unless include_stop_str_in_output: with it the token's text ends the reply (special tokens as
+    # skip_special_tokens says); the flag once changed nothing for a reply ended by a token
+    prompt = {"prompt": "hello there", "max_tokens": 24}
+    ids = run_batch(tiny_model, tmp_path, [prompt])[0]["token_ids"]
+    stop_id = ids[5]
+    at = ids.index(stop_id)
+    upto, before, cut, kept = run_batch(tiny_model, tmp_path, [
+        {**prompt, "custom_id": "upto", "max_tokens": at + 1}, {**prompt, "custom_id": "before", "max_tokens": at},
+        {**prompt, "custom_id": "cut", "stop_token_ids": [stop_id]},
+        {**prompt, "custom_id": "kept", "stop_token_ids": [stop_id], "include_stop_str_in_output": True}])
+    assert cut["token_ids"] == kept["token_ids"] == ids[:at + 1]
+    assert (cut["text"], kept["text"]) == (before["text"], upto["text"]) and kept["text"] != cut["text"]
+    eos = {**prompt, "ignore_eos": False, "logit_bias": {"2": 100}}  # <|im_end|>, the tiny model's end of sequence
+    texts = [line["text"] for line in run_batch(tiny_model, tmp_path, [
+        {**eos, "custom_id": "a", "skip_special_tokens": False},
+        {**eos, "custom_id": "b", "skip_special_tokens": False, "include_stop_str_in_output": True},
+        {**eos, "custom_id": "c", "include_stop_str_in_output": True}])]
+    assert texts == ["", "<|im_end|>", ""]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Replies: reasoning and tool calls read out of the text, with real templates
 

@@ -63,6 +63,8 @@ class Sequence:
         self.tokens.append(tok)
         self.processing.accepted(tok)
         if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            if sp.include_stop_str_in_output and self.detok is not None:
+                self.detok.feed(tok)  # vLLM: the token that ended the reply is in its text only with this flag
             self.finish_reason = "stop"
             return
         complete = self.grammar.accept(tok)
