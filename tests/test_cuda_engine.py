@@ -11,7 +11,8 @@ from conftest import random_prompt  # noqa: E402
 from prefixrun.engine.request import Request, SamplingParams  # noqa: E402
 from prefixrun.engine.run.core import Engine, EngineOptions  # noqa: E402
 from prefixrun.kernels import cuda_available  # noqa: E402
-from test_engine import _MemoryDisk, check_trace_against_plan, check_usage_adds_up, edge_prompts  # noqa: E402
+from test_engine import check_trace_against_plan, check_usage_adds_up, edge_prompts  # noqa: E402
+from test_executor import StoredPrefixes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -55,7 +56,7 @@ def test_tiny_state_memory_on_gpu_same_tokens_and_error_only_for_what_never_fits
 def test_accounting_adds_up_cold_and_warm_on_gpu(gpu_model):
     model, ops = gpu_model
     prompts = edge_prompts()
-    disk = _MemoryDisk()
+    disk = StoredPrefixes()
     opts = EngineOptions(speculative="off", state_memory_bytes=64 << 20, retain_block=16)
     cold, _, _, s_cold = _run(model, ops, prompts, opts, disk)
     warm, _, trace, s_warm = _run(model, ops, prompts, opts, disk)

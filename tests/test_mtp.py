@@ -311,12 +311,12 @@ def test_greedy_identical_with_prefix_reuse_and_from_disk(mtp_models, cpu_ops):
     """Shared prefixes (branch and block-aligned checkpoints carry the head's rows), then the same batch restored
     from a stand-in of the persistent store: the same tokens as a run without reuse or speculation."""
     from prefixrun.engine.run.core import EngineOptions
-    from test_engine import _MemoryDisk
+    from test_executor import StoredPrefixes
 
     model = mtp_models["qwen3_5"]
     ps = _prompts() + [_prompts()[0][:32] + [9, 9]]
     off, _ = _run(model, cpu_ops, ps, EngineOptions(speculative="off", max_batch=4, reuse=False))
-    disk = _MemoryDisk()
+    disk = StoredPrefixes()
     opts = EngineOptions(max_batch=2, speculative="mtp", num_draft_tokens=3, retain_block=16)
     cold, _ = _run(model, cpu_ops, ps, opts, persist=disk)
     assert disk.entries and all("mtp.hidden" in e[0] for e in disk.entries.values())
@@ -428,7 +428,7 @@ def test_echo_head_accepts_drafts_in_the_real_loop(tmp_path, cpu_ops):
 
     from prefixrun.engine.load.model_maker import write_safetensors
     from prefixrun.engine.run.core import EngineOptions
-    from test_engine import _MemoryDisk
+    from test_executor import StoredPrefixes
 
     path = make_model_dir(tmp_path / "echo", TINY_QWEN3_5, seed=11, init_std=0.05, dtype="float32", mtp=True)
     w = load_file(path / "model.safetensors")
@@ -439,7 +439,7 @@ def test_echo_head_accepts_drafts_in_the_real_loop(tmp_path, cpu_ops):
     write_safetensors(path / "model.safetensors", w, {"format": "pt"})
     model = load_model(path, cpu_ops, mtp=True)[0]
     off, _ = _run(model, cpu_ops, _prompts(), EngineOptions(speculative="off", max_batch=4), max_tokens=30)
-    disk = _MemoryDisk()
+    disk = StoredPrefixes()
     opts = EngineOptions(max_batch=4, speculative="mtp", num_draft_tokens=4, retain_block=16)
     for _ in range(2):  # cold, then from the store
         on, stats = _run(model, cpu_ops, _prompts(), opts, persist=disk, max_tokens=30)

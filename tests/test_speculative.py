@@ -204,12 +204,12 @@ def test_snapshot_memory_comes_out_of_the_state_budget(models, cpu_ops):
 
 
 def test_greedy_identical_with_prefix_reuse_and_from_disk(models, cpu_ops):
-    from test_engine import _MemoryDisk
+    from test_executor import StoredPrefixes
 
     model = models["qwen3_5"]
     ps = prompts() + [prompts()[0][:30] + [9, 9]]
     off, _ = run(model, cpu_ops, ps, EngineOptions(speculative="off", max_batch=4, reuse=False))
-    disk = _MemoryDisk()
+    disk = StoredPrefixes()
     opts = EngineOptions(max_batch=2, speculative="ngram", num_draft_tokens=3, retain_block=16)
     cold, _ = run(model, cpu_ops, ps, opts, drafter=OracleDrafter(off), persist=disk)
     assert disk.entries
