@@ -11,7 +11,7 @@
 # read, the cache's own time (read on the critical path, read ahead in the background, restore = the lookups'
 # time on the engine's thread, write in the background, the run's end waiting for the writer and for the weights'
 # digest), then whether the second batch's tokens are identical in every mode. JSON reports and outputs in $OUT.
-# Targets (issue 36): warm process wall <= 0.5x no cache, cold <= 1.05x no cache, identical tokens.
+# Targets: warm process wall <= 0.5x no cache, cold <= 1.05x no cache, identical tokens.
 set -uo pipefail
 OUT=${OUT:-bench-out/cache-wall}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --deterministic on the GPU, one command, run on a GPU machine from the repository root (issue 33):
+# --deterministic on the GPU, one command, run on a GPU machine from the repository root:
 #   MODELS="qwen3_5-4b-like" for the
 #   issue's figures (making that model costs ~80 s); default: the 0.8b-like one. ARGS: more bench/deterministic_check.py
 #   options (e.g. "--alone 8 --skip-cost").

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First-use costs of a fresh process (issue 14): `prefixrun batch` on the 4b-like shared-system workload (64
+# First-use costs of a fresh process: `prefixrun batch` on the 4b-like shared-system workload (64
 # requests, 2048 + 256 tokens, 64 generated; greedy, no cache), run twice in one process by bench/profile_host.py:
 # run 1 is what a user's fresh process pays, run 2 the same command warm. Prints both runs' engine wall, what the
 # background warm-up did (kernels/cuda_warmup.py) and when it ended against the first prefill step, the per-op

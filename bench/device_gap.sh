@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's device check: the host-side cost of `prefixrun batch` at commit 7c1fe06 (before the runner was split
+# The host-side cost of `prefixrun batch` at commit 7c1fe06 (before the runner was split
 # into plan -> scheduler -> model runner) against this checkout, measured the same way on one machine.
 # Run on a GPU machine from the repository root; needs ./.old (that commit's files:
 # `mkdir .old && git archive 7c1fe06 | tar -x -C .old`).

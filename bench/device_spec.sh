@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculative decoding on the GPU, one command, run on a GPU machine from the repository root (issue 15):
+# Speculative decoding on the GPU, one command, run on a GPU machine from the repository root:
 #   writes figures to $OUT (or ./bench-out-spec).
 #   MODELS="qwen3_5-4b-like" for the issue's figures (making that model costs ~80 s); default: the 0.8b-like one.
 #
