@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 
 # C0 and C1 control characters but the tab, and the Unicode line and paragraph separators: ESC (or C1's CSI)
 # starts a terminal command (colours, cursor moves, the window title), the others break a message's one line.
-# Lone surrogates too: a file name's undecodable bytes (surrogateescape) cannot be encoded for the terminal.
-_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# Lone surrogates too: a file name's undecodable bytes (surrogateescape) cannot be encoded for the terminal. And
+# the bidirectional controls (marks, embeddings, overrides, isolates): a terminal that renders bidirectional text
+# reorders the rest of the line after one, so a message could show other words than it holds.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff"
+                          "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:

@@ -109,6 +109,21 @@ def test_control_characters_in_user_text_reach_the_terminal_as_escapes(model, tm
     assert res.exit_code == 0 and "\x1b" not in res.stdout + res.stderr
 
 
+def test_bidirectional_controls_in_user_text_reach_the_terminal_as_escapes(model, tmp_path):
+    """A right-to-left override or isolate in a custom_id or a key reorders the rest of the line in a terminal that
+    renders bidirectional text, so an error line could show other words than it holds: they are escaped too."""
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "a\u202eb", "prompt": "x", "temperature": -1},
+        {"custom_id": "ok", "prompt": "x", "max_tokens": 1, "te\u2066mp\u200f": 1},
+    ])
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache")
+    assert res.exit_code == 3, res.stderr
+    assert not re.search("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]", res.stderr), ascii(res.stderr)
+    assert "error: line 1 (a\\u202eb): temperature must be >= 0" in res.stderr
+    assert 'error: line 2 (ok): unknown field "te\\u2066mp\\u200f"' in res.stderr
+    assert records(res.stdout)[0]["custom_id"] == "a\u202eb"  # the record keeps the id as given
+
+
 def test_engine_warnings_and_the_cuda_hint_are_literal(model, tmp_path):
     """Log records of the engine (e.g. a bad cache entry) go through the same literal path; the CUDA install
     hint keeps its brackets."""
