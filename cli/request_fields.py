@@ -102,7 +102,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false}"),
     _F("add_generation_prompt", HONOURED, CHAT, "end the prompt with the assistant header (default true)"),
     _F("continue_final_message", HONOURED, CHAT, "leave the last message open for the model to continue"),
-    _F("documents", HONOURED, CHAT, "documents for templates that render them (RAG): the template's documents"),
+    _F("documents", HONOURED, CHAT, "documents for templates that render them (RAG): the template's documents (a "
+       "template that never reads them: an error)"),
     _F("chat_template", REFUSED, CHAT, "a Jinja chat template for this request",
        why="a template is code: as vLLM without --trust-request-chat-template, every chat is rendered with the "
            "model's own template"),

@@ -10,7 +10,7 @@ import pytest
 from prefixrun.cli.lines import ParsedRequest, RawLine, parse_line
 from prefixrun.engine.load.prompts import PromptEncoder
 from prefixrun.engine.load.tokenizer import Tokenizer
-from prefixrun.engine.request import SamplingDefaults
+from prefixrun.engine.request import InvalidRequest, SamplingDefaults
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -437,6 +437,10 @@ def test_documents_reach_the_template(qwen3):
     bad = parse_line(RawLine(0, 1, json.dumps({"messages": CHAT, "documents": "Paris"}).encode()),
                      SamplingDefaults(), set())
     assert isinstance(bad, LineError) and "documents must be a list of objects" in bad.message
+    # a template that never reads documents (Qwen3's) would drop them without a word: the line's error instead
+    with pytest.raises(InvalidRequest, match="the chat template of .* does not read documents"):
+        encoded(qwen3, {"messages": CHAT, "documents": docs})
+    encoded(qwen3, {"messages": CHAT, "documents": None})  # null: not given
 
 
 def test_add_special_tokens(llama):

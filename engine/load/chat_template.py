@@ -19,6 +19,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
@@ -51,7 +52,10 @@ class ChatTemplate:
     def __init__(self, source: str):
         environment = _template_environment()
         self.template = environment.from_string(source)
-        self.loops_over_content = _loops_over_message_content(environment.parse(source))
+        parsed = environment.parse(source)
+        self.loops_over_content = _loops_over_message_content(parsed)
+        # the variables the template reads from its caller (a request's variable outside them would be dropped)
+        self.reads = frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
     def render(self, messages: list[dict], **variables) -> str:
         if not self.loops_over_content:

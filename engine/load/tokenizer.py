@@ -188,6 +188,9 @@ class Tokenizer:
         from prefixrun.engine.load import chat_template
 
         template = self._template_for(tools)
+        if extra.get("documents") is not None and "documents" not in template.reads:
+            raise InvalidRequest(f"the chat template of {self._template_source} does not read documents, so they "
+                                 "would not reach the prompt: put them into the messages")
         if continue_final_message:
             messages = _tag_final_message(messages)
         variables = {**self._special_tokens, **extra}
