@@ -11,8 +11,8 @@ so that the next transfer lands in pages touched already. Slabs for transfers kn
 read-ahead will read after the ones it reads now) are made ahead on a thread of their own, their pages made present
 by the kernel in one call (`madvise(MADV_POPULATE_WRITE)` through ctypes, which lets go of the interpreter's lock),
 so the reads find them touched. Not `mmap(MAP_POPULATE)`: Python's mmap holds the interpreter's lock while the
-kernel fills the pages, so every other thread of the process (the engine's, the read-ahead's) stood still while a
-slab of hundreds of MiB was made.
+kernel fills the pages, so every other thread of the process (the engine's, the read-ahead's) would stand still while
+a slab of hundreds of MiB is made.
 
 A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
 returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
