@@ -492,8 +492,8 @@ def _erfc(x):
 
 
 # Scores a reference attention call holds at once (float32 elements, 128 MiB): a 32k-token prompt's [Hq, n, m]
-# scores in one piece, with their temporaries, take over 20 GiB (enough to get the process killed). Above this, queries go
-# in pieces of rows (a row's products may then round differently in BLAS, as they do when a prefill is split).
+# scores in one piece, with their temporaries, take over 20 GiB (enough to get the process killed). Above this,
+# queries go in pieces of rows (a row's products may then round differently in BLAS, as they do when a prefill is split).
 _SCORES_AT_ONCE = 1 << 25
 
 

@@ -119,9 +119,9 @@ def export_regions_later(specs: list[RegionSpec], arrays: dict, ops, h: StateHan
 def joined(parts: list[np.ndarray]) -> np.ndarray:
     """The parts (C-contiguous arrays of one dtype and trailing shape) one after another. Where they already lie
     back to back in one buffer (a region's runs of blocks in a device snapshot's host copy: each run a multiple of
-    256 bytes, so no padding between them) that is a view of the span: no copy, where a copy would move a long document's K/V
-    rows once more on the writer's thread (a region per layer, ~560 MiB per 16k-token document of a 4B hybrid
-    model) only to be split into blocks again."""
+    256 bytes, so no padding between them) that is a view of the span: no copy, where a copy would move a long
+    document's K/V rows once more on the writer's thread (a region per layer, ~560 MiB per 16k-token document of a
+    4B hybrid model) only to be split into blocks again."""
     first = parts[0]
     if len(parts) == 1:
         return first
