@@ -289,7 +289,8 @@ def test_qwen3_coder_tool_calls():
      "tool_choice must be"),
     # strict: true promises calls that follow the parameters, which auto (the default with tools) never constrains:
     # ignoring it would break that promise
-    ({"messages": CHAT, "tools": [WEATHER, STRICT_WEATHER]},
+    ({"messages": CHAT, "tools": [WEATHER, {"type": "function",
+                                           "function": {**STRICT_WEATHER["function"], "name": "weather_now"}}]},
      'tools[1].function.strict is true, but under tool_choice "auto" the model\'s calls are not constrained'),
     ({"messages": CHAT, "tools": [STRICT_WEATHER], "tool_choice": "auto"}, 'give tool_choice "required"'),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},

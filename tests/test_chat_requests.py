@@ -185,6 +185,9 @@ def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
     ({"messages": [USER], "tools": [WEATHER_TOOL, {"type": "function", "function": {}}]},
      "tools[1].function.name must be a non-empty string"),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"name": 5}}]}, "function.name must be"),
+    # two functions of one name: a call names one of them, and a named tool_choice took the first's parameters
+    ({"messages": [USER], "tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "get_weather"}}]},
+     'tools[1].function.name "get_weather" is the name of tools[0] too: a call names its function'),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
      "tools[0].function.parameters must be an object"),
     ({"messages": [USER], "chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs must be an object"),

@@ -42,11 +42,18 @@ def check_tools(value: Any, where: str = "tools") -> list[dict]:
     """`value` if it is a list of tool schemas (JSON objects, e.g. {"type": "function", "function": {...}})."""
     if not isinstance(value, list):
         raise InvalidRequest(f"{where} must be a list of tool objects, got {describe_value(value)}")
+    first_of_name: dict[str, int] = {}
     for position, tool in enumerate(value):
         if not isinstance(tool, dict):
             raise InvalidRequest(f"{where}[{position}] must be a tool object (a JSON schema such as "
                                  f'{{"type": "function", "function": {{...}}}}), got {describe_value(tool)}')
         _check_function_tool(tool, f"{where}[{position}]")
+        name = tool["function"]["name"]
+        if name in first_of_name:  # a named tool_choice would take the first's parameters, a parser either's
+            raise InvalidRequest(f"{where}[{position}].function.name {describe_value(name)} is the name of "
+                                 f"{where}[{first_of_name[name]}] too: a call names its function, so each name may "
+                                 "be given once")
+        first_of_name[name] = position
     return value
 
 
