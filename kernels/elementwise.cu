@@ -427,16 +427,26 @@ __global__ void cast_kernel(const TI* __restrict__ x, i64 n, TO* __restrict__ ou
 }
 
 // MXFP4 (kernels/mxfp4.py): value e is the e2m1 code in nibble e & 1 (the low one first) of byte e / 2, times
-// 2 ** (scales[e / 32] - 127): exact in fp32 (ldexpf keeps subnormal powers), inf past its range as NumPy's product
+// 2 ** (scales[e / 32] - 127). Its fp32 bits are put together, not multiplied, so they are exact without relying on
+// the arithmetic's subnormal mode: code c > 0 is (1 + m / 2) * 2 ** x (m = c & 1 and x = c / 2 - 1 from c = 2;
+// c = 1 is 2 ** -1), biased exponent x + scale; at 255 and above inf (as NumPy's product overflows), at 0 or -1 a
+// subnormal (2 + m) << (biased + 21) units of 2 ** -149.
 template <typename TO>
 __global__ void mxfp4_kernel(const unsigned char* __restrict__ blocks, const unsigned char* __restrict__ scales, i64 n,
                              TO* __restrict__ out) {
-    const float magnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
     for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
         const unsigned int byte = blocks[e >> 1];
         const unsigned int code = (e & 1) ? byte >> 4 : byte & 15u;
-        const float v = ldexpf(magnitude[code & 7u], (int)scales[e >> 5] - 127);
-        out[e] = from_f<TO>((code & 8u) ? -v : v);
+        const unsigned int c = code & 7u;
+        unsigned int bits = 0u;
+        if (c) {
+            const unsigned int m = c >= 2u ? (c & 1u) : 0u;
+            const int biased = (c >= 2u ? (int)(c >> 1) - 1 : -1) + (int)scales[e >> 5];
+            if (biased >= 255) bits = 0x7f800000u;
+            else if (biased >= 1) bits = ((unsigned int)biased << 23) | (m << 22);
+            else bits = (2u + m) << (biased + 21);
+        }
+        out[e] = from_f<TO>(__uint_as_float(bits | ((code & 8u) << 28)));
     }
 }
 
