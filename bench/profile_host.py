@@ -22,8 +22,8 @@ largest difference first, and each prefill step's forward ms cold and warm.
 --trace-ops FILE writes one line per op call (phase, step, op, argument shapes): diff two commits' files to see
 whether they run the same op sequence (works on the CPU backend too).
 
-A development tool for the GPU machine (and the CPU, for --trace-ops), not part of the CLI. Over 300 lines as one
-self-contained file: it must run unchanged against old checkouts, so it imports nothing of its own from them.
+A development tool for the GPU machine (and the CPU, for --trace-ops), not part of the CLI. One self-contained
+file: it must run unchanged against old checkouts, so it imports nothing of its own from them.
 """
 from __future__ import annotations
 

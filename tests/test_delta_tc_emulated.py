@@ -6,8 +6,9 @@ threads exchanging registers by the PTX ISA's fragment layouts, cp.async a per-t
 So the kernels' own indexing (fragment addresses, tile loads, causal skips, strides, grouped heads, ragged chunks,
 the launch geometry and shared-memory sizes kernels/tuning.py gives the wrapper) is checked on every CI run; only the
 hardware's behaviour beyond the ISA's definitions is left to the device tests (tests/test_cuda_kernels.py).
-Slow by nature (one OS thread per CUDA thread): the shapes are small. Over ~300 lines because the harnesses (the
-kernels' entry points, the attention cross-check, the ThreadSanitizer build) share its compile and launch helpers.
+Slow by nature (one OS thread per CUDA thread): the shapes are small. The harnesses (the kernels' entry points, the
+attention cross-check, the ThreadSanitizer build) share its compile and launch helpers, which other emulated tests
+import.
 """
 from __future__ import annotations
 
