@@ -8,6 +8,7 @@ import json
 import os
 import sqlite3
 import threading
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -424,3 +425,30 @@ def test_a_shared_block_gone_bad_or_evicted_is_recomputed_with_the_same_answers(
 
 def _key_digests(db) -> tuple[str, str]:
     return db.execute("SELECT model_digest, layout_digest FROM entries LIMIT 1").fetchone()
+
+
+def test_maintenance_looks_at_each_block_file_once_and_still_drops_rows_whose_file_is_gone(tmp_path, monkeypatch):
+    """A warm folder's maintenance runs while the weights load: each K/V block file was looked up three times, each
+    look opening every folder of its path again (thousands of system calls, each taking the interpreter's lock
+    back). Now one listing per shard folder; a row whose file is gone is still dropped, with its entry."""
+    from prefixrun.engine.cache import files
+
+    root = tmp_path / "cache"
+    docs = [list(range(1 + 100 * d, 1 + 100 * d + 16 * 6 + 3)) for d in range(4)]  # 6 whole blocks each
+    with CheckpointStore(root) as store:
+        for doc in docs:
+            assert put(store, doc)
+    blocks = block_files(root)
+    assert len(blocks) == 24
+    blocks[0].unlink()
+    looks = []
+    real_lstat = files.CacheFolder.lstat
+    monkeypatch.setattr(files.CacheFolder, "lstat", lambda self, path: looks.append(path) or real_lstat(self, path))
+    with CheckpointStore(root) as store:
+        looks.clear()
+        store.maintain()
+        looked_at_blocks = [p for p in looks if p is not None and BLOCKS_DIR_NAME in Path(p).parts
+                            and kv_blocks.BLOCK_NAME.fullmatch(Path(p).name)]
+        assert len(looked_at_blocks) == 1  # the missing file's row alone (the listing said the others are there)
+        assert len(store.entries()) == 3 and len(block_files(root)) == 18  # its entry and the entry's blocks gone
+        assert sum(get(store, doc) is None for doc in docs) == 1

@@ -19,7 +19,7 @@ import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 BLOBS_DIR_NAME = "blobs"
 QUARANTINE_DIR_NAME = "quarantine"
@@ -207,6 +207,25 @@ class CacheFolder:
                 return sorted(os.listdir(dir_fd))
         except OSError:
             return []
+
+    def listing(self, path: Path | str, name_ok: Callable[[str], bool]) -> dict[str, os.stat_result]:
+        """{name: its own lstat} of the names in the folder root/path that pass `name_ok`, from one descriptor of the
+        folder (an `lstat` per name opens every folder of its path again: a warm folder's K/V blocks were a few
+        thousand system calls, each taking the interpreter's lock back, while the weights load); {} when it cannot
+        be listed. A name gone meanwhile is left out."""
+        try:
+            parts = self._parts(path) if path not in (None, "", ".") and Path(path) != self.root else []
+            with self._folder(parts) as dir_fd:
+                found = {}
+                for name in sorted(os.listdir(dir_fd)):
+                    if name_ok(name):
+                        try:
+                            found[name] = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                        except OSError:
+                            continue
+                return found
+        except OSError:
+            return {}
 
     def unreadable(self, path: Path | str) -> bool:
         """Whether the folder root/path is there but this process may not list it (permissions)."""

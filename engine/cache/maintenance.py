@@ -139,26 +139,31 @@ class StoreMaintenance:
         """sweep_orphans for kv_blocks/: temp files of dead writers, block files no row names (a put killed between
         its block files and its index transaction), and rows whose block file is gone (with the entries using them)."""
         indexed = {f for (f,) in self._db.execute("SELECT file_name FROM blocks").fetchall()}
+        seen = set()  # (shard, name) of the files listed: their rows' files are there, no second look needed
         for shard in self._owned_dirs(self._kv.folder):
-            for path in self._owned_files(shard, lambda n: bool(kv_blocks.BLOCK_NAME.fullmatch(n)
-                                                                  or kv_blocks.TEMP_NAME.fullmatch(n))):
+            for path, info in self._owned_file_stats(shard, lambda n: bool(kv_blocks.BLOCK_NAME.fullmatch(n)
+                                                                             or kv_blocks.TEMP_NAME.fullmatch(n))):
                 if max_files is not None and looked_at >= max_files:
                     break
                 looked_at += 1
-                age = now - self._files.mtime(path)
+                seen.add((shard.name, path.name))
+                age = now - info.st_mtime
+                size = info.st_size if stat.S_ISREG(info.st_mode) else 0
                 if path.name.endswith(".tmp"):
                     if (self._temp_writer_is_dead(path.name) or age > grace_s) and self._files.unlink(path):
                         result.removed_temp_files.append(path)
                     else:
-                        result.kept_bytes += self._files.size(path) or 0
+                        result.kept_bytes += size
                 elif path.name not in indexed:
                     still_unindexed = self._db.execute("SELECT 1 FROM blocks WHERE file_name = ?",
                                                        (path.name,)).fetchone() is None
                     if age > grace_s and still_unindexed and self._files.unlink(path):
                         result.removed_unindexed_files.append(path)
                     else:
-                        result.kept_bytes += self._files.size(path) or 0
+                        result.kept_bytes += size
         for block_id, file_name in self._db.execute("SELECT block_id, file_name FROM blocks").fetchall():
+            if isinstance(file_name, str) and (file_name[:2], file_name) in seen:
+                continue
             path = self._kv.path_of(file_name)
             if path is not None and self._files.lstat(path) is None:
                 users = self._db.execute("SELECT DISTINCT entry_id FROM entry_blocks WHERE block_id = ?",
@@ -174,12 +179,12 @@ class StoreMaintenance:
     def _owned_files(self, folder: Path, name_ok: Callable[[str], bool]) -> list[Path]:
         """Plain files (or links, which unlink only removes) directly in `folder` whose names pass `name_ok`;
         nothing when `folder` is reached through a link."""
-        found = []
-        for name in self._files.names(folder):
-            info = self._files.lstat(folder / name) if name_ok(name) else None
-            if info is not None and (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
-                found.append(folder / name)
-        return found
+        return [path for path, _ in self._owned_file_stats(folder, name_ok)]
+
+    def _owned_file_stats(self, folder: Path, name_ok: Callable[[str], bool]) -> list[tuple[Path, os.stat_result]]:
+        """`_owned_files` with each one's own lstat."""
+        return [(folder / name, info) for name, info in self._files.listing(folder, name_ok).items()
+                if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)]
 
     def _is_indexed(self, file_name: str) -> bool:
         """Re-read the index right before deleting a file: a writer may have indexed it since the sweep began."""
