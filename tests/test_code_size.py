@@ -1,4 +1,4 @@
-"""Modules a reader can hold in mind: no module of cli/, engine/ or kernels/ over 600 lines, no function over 80
+"""Modules a reader can hold in mind: no module of cli/, engine/ or kernels/ longer than 600 lines, no function over 80
 (from its `def` to its last line, docstring included; a nested function counts inside its parent too).
 
 A module that grows past the limit holds more than one concept: split it by concept, not by line count.

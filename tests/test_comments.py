@@ -71,6 +71,19 @@ def test_comments_say_why_not_when(path):
     assert not found, "\n".join(f"{rel}:{line}: names {rule}: {text[:100]}" for line, rule, text in found)
 
 
+# bench/ and tests/ measure and test on named hardware, and a test's runs are numbered: the other rules hold there
+SCRIPT_RULES = ("a work session", "a date", "a module's length")
+
+
+@pytest.mark.parametrize("path", [p for folder in ("bench", "tests") for p in sorted((ROOT / folder).rglob("*.py"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_and_tests_comments_say_why_not_when(path):
+    found = [(line, rule, text) for line, rule, text in violations(path.read_text(encoding="utf-8"))
+             if rule in SCRIPT_RULES]
+    assert not found, "\n".join(f"{path.relative_to(ROOT)}:{line}: names {rule}: {text[:100]}"
+                                 for line, rule, text in found)
+
+
 @pytest.mark.parametrize("text", [
     "# measured in session 13", "# (session 10, run 2)", "# Device run 7: the first step took 287 ms",
     "# Measured 2026-12-01 on an H200", "# since December 2026", "# as of Dec 3, 2026", "# in 2026 the default",
