@@ -79,8 +79,8 @@ def _plain_choice(choice: Completion, reply: ReplyShaper, chat: bool) -> dict:
         return {"text": reply.text(choice.text), "token_ids": list(choice.token_ids),
                 "finish_reason": choice.finish_reason}
     message, finish_reason = reply.message(choice.text, choice.finish_reason)
-    return {"text": choice.text, "message": message, "token_ids": list(choice.token_ids),
-            "finish_reason": finish_reason}
+    text = choice.text if reply.options.detokenize else ""
+    return {"text": text, "message": message, "token_ids": list(choice.token_ids), "finish_reason": finish_reason}
 
 
 def _shown(choice: Completion, reply: ReplyShaper) -> Completion:

@@ -492,6 +492,12 @@ def test_detokenize_and_returned_ids_and_prompt_text(qwen3):
     assert qwen3.decode(body["prompt_token_ids"], skip_special_tokens=False) == prompt
     quiet, _ = shaped(qwen3, {"prompt": "x", "detokenize": False})
     assert quiet.text("words") == ""
+    # a plain chat line's record: no text beside its empty message either (the raw text once stayed in "text")
+    chat = {"custom_id": "c", "messages": CHAT, "detokenize": False}
+    shaper, _ = shaped(qwen3, chat)
+    record = format_result(parse(chat), Result("c", 0, [Completion([7, 8], "Hi", "stop")], Usage(3, 2, 0)),
+                           reply=shaper)
+    assert (record["text"], record["message"]["content"], record["token_ids"]) == ("", "", [7, 8])
 
 
 # ---------------------------------------------------------------------------------------------------------------
