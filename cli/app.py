@@ -71,6 +71,8 @@ def _cache_root(cache_dir: Optional[str]) -> Path:
         return RunConfig(cache_dir=declared_of("cache_dir").parse(cache_dir, {})).cache_root
     except InvalidOption as exc:
         raise typer.BadParameter(str(exc)) from None
+    except OSError as exc:  # no home folder (kernels/cache_home.py)
+        raise typer.BadParameter(f"no cache folder ({exc}): give --cache-dir, or set PREFIXRUN_CACHE_DIR") from None
 
 
 # the options that shape the run are declared once, in engine/run/config.py (RunConfig): with_run_options adds them

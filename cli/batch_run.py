@@ -47,7 +47,7 @@ class BatchRun:
         if config.model_dir is None:
             from prefixrun.engine.load.model_maker import ensure_default_model  # only here: a model to make
 
-            config = dataclasses.replace(config, model_dir=ensure_default_model(config.cache_root))
+            config = dataclasses.replace(config, model_dir=ensure_default_model(_default_model_root(config)))
         self.config = config
         # read on the input-ahead thread too (`_tokens_ahead`), which starts before this constructor ends
         self.lenient = config.lenient  # refused and unknown request fields are ignored (with warnings), not errors
@@ -329,3 +329,14 @@ class IgnoredFields:
         """Each ignored key (as a JSON string: it is the user's) with its count of lines."""
         return ", ".join(f"{describe_value(key)} on {count:,} line{'s' if count != 1 else ''}"
                          for key, count in self.counts.items())
+
+
+def _default_model_root(config: RunConfig) -> Path:
+    """The cache folder the default model is built in; ModelLoadError (one line, exit 2) where there is none."""
+    from prefixrun.engine.errors import ModelLoadError
+
+    try:
+        return config.cache_root
+    except OSError as error:  # no home folder and no folder named (kernels/cache_home.py)
+        raise ModelLoadError(f"no cache folder to hold the default model ({error}): give --cache-dir a folder "
+                             "(or set PREFIXRUN_CACHE_DIR), or pass --model") from None

@@ -224,7 +224,8 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
 
         if auth.key_of_this_process_only():  # every entry would fail as unsigned and be moved aside
             err.print(literal(f"error: cannot verify the cache at {ckpt_root} without the signing key "
-                              f"{auth.key_path()}; nothing was changed"), soft_wrap=True)
+                              f"{auth.key_name() or '(no home folder to keep it in: set XDG_CONFIG_HOME)'}; "
+                              "nothing was changed"), soft_wrap=True)
             return EXIT_DAMAGED
         return _verify(store, ckpt_root, as_json)
     malformed = store.count_malformed_rows()

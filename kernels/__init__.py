@@ -17,11 +17,23 @@ def import_cupy():
     from prefixrun.kernels.cupy_import import narrow_scan
     from prefixrun.kernels.kernel_cache import prepare_cupy_cache
 
+    if not _cupy_installed():  # a CPU install: no kernel cache folder made, none warned about
+        raise ImportError("No module named 'cupy'", name="cupy")
     prepare_cupy_cache()
     with narrow_scan():  # without CuPy's scan of every installed distribution (kernels/cupy_import.py)
         import cupy
 
     return cupy
+
+
+def _cupy_installed() -> bool:
+    """Whether `import cupy` can find CuPy, without importing it (None in sys.modules: an import made to fail)."""
+    import importlib.util
+    import sys
+
+    if "cupy" in sys.modules:
+        return sys.modules["cupy"] is not None
+    return importlib.util.find_spec("cupy") is not None
 
 
 def cuda_available() -> bool:

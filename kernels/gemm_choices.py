@@ -49,7 +49,10 @@ class ChoiceStore:
     def __init__(self, machine: dict, buckets: tuple[int, ...], path: Path | None = None):
         self.machine = dict(machine)
         self.buckets = tuple(buckets)
-        self.path = path if path is not None else choices_path(self.machine)
+        try:
+            self.path = path if path is not None else choices_path(self.machine)
+        except OSError:  # no cache folder (no home folder: kernels/cache_home.py): nothing read, nothing kept
+            self.path = None
 
     def entry(self, shape: str, reference: str) -> dict[int, str] | None:
         """The stored choice of `shape` made against the reference algorithm `reference` (hex), if the file holds
@@ -63,7 +66,7 @@ class ChoiceStore:
         """Add or replace `shape`'s entry (the file's other valid entries kept). False where it could not be
         written or `chosen` is not a valid entry (nothing is written then)."""
         record = {"reference": reference, "buckets": {str(b): algo for b, algo in sorted(chosen.items())}}
-        if _valid_entry(record, self.buckets) is None:
+        if _valid_entry(record, self.buckets) is None or self.path is None:
             return False
         with _WRITING:
             entries = self._entries()
@@ -90,7 +93,7 @@ class ChoiceStore:
 
     def _entries(self) -> dict[str, dict]:
         """The file's valid entries (an invalid entry is dropped alone; a file not ours gives none)."""
-        raw = _read_regular_file(self.path, MAX_FILE_BYTES + 1)
+        raw = None if self.path is None else _read_regular_file(self.path, MAX_FILE_BYTES + 1)
         if raw is None:
             return {}
         if len(raw) > MAX_FILE_BYTES:

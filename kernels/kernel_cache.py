@@ -28,6 +28,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixrun.kernels.cache_home import NoHomeFolder, home_folder
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -45,9 +47,10 @@ class CacheFolder:
 
 
 def cupy_cache_dir() -> Path:
-    """The folder CuPy keeps its binaries in: $CUPY_CACHE_DIR, else ~/.cupy/kernel_cache."""
+    """The folder CuPy keeps its binaries in: $CUPY_CACHE_DIR, else ~/.cupy/kernel_cache (NoHomeFolder without a
+    home folder: kernels/cache_home.py)."""
     explicit = os.environ.get("CUPY_CACHE_DIR")
-    return Path(explicit) if explicit is not None else Path.home() / ".cupy" / "kernel_cache"  # as CuPy reads it
+    return Path(explicit) if explicit is not None else home_folder() / ".cupy" / "kernel_cache"  # as CuPy reads it
 
 
 def inspect_folder(path: Path) -> CacheFolder:
@@ -80,7 +83,10 @@ def prepare_cupy_cache() -> CacheFolder:
         if os.environ.get("CUPY_CACHE_DIR") == "":
             folder = CacheFolder(Path(), "unusable", "CUPY_CACHE_DIR is empty")
         else:
-            folder = inspect_folder(cupy_cache_dir())
+            try:
+                folder = inspect_folder(cupy_cache_dir())
+            except NoHomeFolder as error:  # CuPy would make a folder named "~" wherever the process runs
+                folder = CacheFolder(Path("~/.cupy/kernel_cache"), "unusable", str(error))
         if folder.usable == "unusable":
             _compile_in_memory(folder)
         _state.append(folder)

@@ -94,7 +94,7 @@ def test_a_session_on_a_device_decodes_at_the_measured_width_and_reports_the_ste
 
     monkeypatch.setattr(batch_choice, "measure_steps", lambda *a, **k: {2: 0.010, 4: 0.012})
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the memo's signing key
-    fake = SimpleNamespace(loaded=SimpleNamespace(model=model), config=SimpleNamespace(cache_root=tmp_path / "c"))
+    fake = SimpleNamespace(loaded=SimpleNamespace(model=model), cache_root=tmp_path / "c")
     roomy = _memory_for(model, cpu_ops, 4, SEAT_CONTEXT_TOKENS // 2)
     width, why = session._default_max_batch(fake, Device(), roomy, 0)
     assert width == 4 and fake.max_batch_steps == {2: 0.010, 4: 0.012} and "measured decode steps" in why

@@ -22,6 +22,8 @@ import stat
 import threading
 from pathlib import Path
 
+from prefixrun.kernels.cache_home import home_folder
+
 log = logging.getLogger(__name__)
 
 KEY_FILE_NAME = "cache.key"
@@ -33,15 +35,26 @@ _own_keys: set[str] = set()  # key file paths that could not be read or made: th
 
 
 def key_path() -> Path:
-    """Where the signing key lives: $XDG_CONFIG_HOME/prefixrun/cache.key, else ~/.config/prefixrun/cache.key."""
+    """Where the signing key lives: $XDG_CONFIG_HOME/prefixrun/cache.key, else ~/.config/prefixrun/cache.key
+    (NoHomeFolder, an OSError, where the process has no home folder: kernels/cache_home.py)."""
     xdg = os.environ.get("XDG_CONFIG_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".config"
+    base = Path(xdg).expanduser() if xdg else home_folder() / ".config"
     return base / "prefixrun" / KEY_FILE_NAME
+
+
+def key_name() -> str:
+    """key_path() as text, for tables and messages; "" where there is no such place (no home folder)."""
+    try:
+        return str(key_path())
+    except OSError:
+        return ""
 
 
 def key_inside(folder: Path) -> bool:
     """Whether the key file lies below `folder` (the cache folder: then whoever writes there can read it)."""
-    key, root = os.path.realpath(key_path()), os.path.realpath(folder)
+    if not key_name():
+        return False
+    key, root = os.path.realpath(key_name()), os.path.realpath(folder)
     return key.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -86,11 +99,12 @@ def signing_key() -> bytes:
     """This user's key (created on first use). Where it can neither be read nor created (a read-only home), a key
     for this process alone, with a warning: entries written now are read by this run only, none is trusted
     blindly."""
-    path = key_path()
+    name = key_name()
     with _lock:
-        key = _keys.get(str(path))
+        key = _keys.get(name)
         if key is None:
             try:
+                path = key_path()  # NoHomeFolder where `name` is ""
                 try:
                     key = _read_key(path)
                 except FileNotFoundError:
@@ -99,8 +113,8 @@ def signing_key() -> bytes:
                 log.warning("persistent checkpoint cache: no signing key (%s); this run does not use the cache "
                             "and leaves its entries alone", error)
                 key = secrets.token_bytes(_KEY_BYTES)
-                _own_keys.add(str(path))
-            _keys[str(path)] = key
+                _own_keys.add(name)
+            _keys[name] = key
         return key
 
 
@@ -111,7 +125,7 @@ def key_of_this_process_only() -> bool:
     of blocks the user's entries share)."""
     signing_key()
     with _lock:
-        return str(key_path()) in _own_keys
+        return key_name() in _own_keys
 
 
 def sign(kind: str, *fields) -> str:

@@ -53,8 +53,10 @@ def weights_digest(tensors, memo_dir: Path | None = None, *, remembered_only: bo
     ident = json.dumps([[_file_identity(f.path) for f in tensors.files], tensors.served_by()])
     ident_digest = hashlib.sha256(ident.encode()).hexdigest()
     name = ident_digest[:32] + ".digest"
-    memos = list(dict.fromkeys([(Path(memo_dir) if memo_dir is not None else user_memo_dir()) / name,
-                                user_memo_dir() / name]))  # the run's folder first, then the user's
+    folders = [Path(memo_dir)] if memo_dir is not None else []
+    if auth.key_name():  # the user's own memo folder, where the process has one
+        folders.append(user_memo_dir())
+    memos = list(dict.fromkeys(folder / name for folder in folders))  # the run's folder first, then the user's
     held = {memo: _remembered_digest(memo, ident_digest) for memo in memos}
     value = next((v for v in held.values() if v is not None), None)
     if value is None:

@@ -80,7 +80,12 @@ class StepMemo:
         inside its own folder), so that a new folder does not time again what the default one knows."""
         from prefixrun.engine.cache.keys import default_cache_dir
 
-        for root in dict.fromkeys([self.cache_root, default_cache_dir()]):
+        roots = [self.cache_root]
+        try:
+            roots.append(default_cache_dir())
+        except OSError:  # no home folder (kernels/cache_home.py): this folder alone
+            pass
+        for root in dict.fromkeys(roots):
             steps = self._recall_in(root, widths)
             if steps is not None:
                 return steps

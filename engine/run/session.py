@@ -35,17 +35,9 @@ class EngineSession:
         self.warnings: list[str] = []
         self._final_report: dict | None = None  # taken at close()
         started = time.perf_counter()
-        calibration = None
-        if s.use_cache and s.reuse and s.cache_policy != "always":
-            from prefixrun.engine.cache.costs import start_calibration
-
-            # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
-            calibration = start_calibration(s.cache_root)
-        opening = self._cache_opening = None
-        if s.use_cache and s.reuse:
-            from prefixrun.engine.cache.persist import StoreOpening
-
-            opening = StoreOpening(s.cache_root, s.cache_budget)  # its maintenance runs while the weights load
+        self.cache_root = _cache_root(s, self.warnings)  # None: no folder at all (no home folder)
+        self._cache_opening = None
+        calibration, opening = _start_cache(s, self.cache_root)
         try:
             clock.mark("device")
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
@@ -61,7 +53,7 @@ class EngineSession:
                 from prefixrun.engine.cache.opening import CacheOpening
 
                 # the cache key and the first window's read-ahead, while the weights upload
-                self._cache_opening = CacheOpening(s.cache_root, s.cache_budget, loading,
+                self._cache_opening = CacheOpening(self.cache_root, s.cache_budget, loading,
                                                    loading.ops.default_block_size, s.cache_policy, calibration,
                                                    opening, upcoming)
             clock.mark("weights")
@@ -254,17 +246,45 @@ def _default_max_batch(session: EngineSession, ops, state_bytes: int, checkpoint
     within its state memory (engine/run/batch_choice.py); 32 where the backend computes in host memory (CPU decode
     is bound by compute long before memory)."""
     from prefixrun.engine.run.batch_choice import REPLAYS, SHORT_CONTEXT, choose_max_batch
-    from prefixrun.engine.run.batch_memo import StepMemo
+    from prefixrun.engine.run.batch_memo import NO_STEP_MEMO, StepMemo
 
     if ops.free_memory() is None:
         return HOST_MAX_BATCH, "default"
     model, block_size = session.loaded.model, ops.default_block_size
-    memo = StepMemo.of_run(session.config.cache_root, model, ops, block_size=block_size, context=SHORT_CONTEXT,
-                           replays=REPLAYS)  # the steps an earlier run timed (engine/run/batch_memo.py)
+    memo = NO_STEP_MEMO if session.cache_root is None else \
+        StepMemo.of_run(session.cache_root, model, ops, block_size=block_size, context=SHORT_CONTEXT,
+                        replays=REPLAYS)  # the steps an earlier run timed (engine/run/batch_memo.py)
     choice = choose_max_batch(model, ops, state_bytes=state_bytes, checkpoint_bytes=checkpoint_bytes,
                               block_size=block_size, memo=memo)
     session.max_batch_steps = choice.step_seconds
     return choice.max_batch, choice.source
+
+
+def _start_cache(config: RunConfig, root: Path | None):
+    """(the read-rate calibration, the store's opening) begun before the weights load, each None where unused."""
+    if not (config.use_cache and config.reuse and root is not None):
+        return None, None
+    from prefixrun.engine.cache.persist import StoreOpening
+
+    calibration = None
+    if config.cache_policy != "always":
+        from prefixrun.engine.cache.costs import start_calibration
+
+        # a cache folder no run has measured: its read rate is timed while the weights load, off the engine's run
+        calibration = start_calibration(root)
+    return calibration, StoreOpening(root, config.cache_budget)  # its maintenance runs while the weights load
+
+
+def _cache_root(config: RunConfig, warnings: list[str]) -> Path | None:
+    """The run's cache folder, or None where it names none (no home folder: kernels/cache_home.py); then a run
+    that would use the persistent cache gets one warning and runs without it."""
+    try:
+        return config.cache_root
+    except OSError as error:
+        if config.use_cache and config.reuse:
+            warnings.append(f"persistent checkpoint cache: no cache folder ({error}); running without it (set "
+                            "PREFIXRUN_CACHE_DIR or give --cache-dir a folder)")
+        return None
 
 
 def _default_state_memory(ops) -> int:
