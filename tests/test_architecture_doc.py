@@ -1,5 +1,6 @@
 """docs/ARCHITECTURE.md stays true to the tree: every path it names exists, every room of engine/ is described,
-and its lines are wrapped. The same path check holds docs/CACHE.md to the tree."""
+every module and CUDA source is named, and its lines are wrapped. The same path check holds docs/CACHE.md to the
+tree."""
 from __future__ import annotations
 
 import re
@@ -39,6 +40,27 @@ def test_every_engine_room_is_described():
     assert len(rooms) >= 9
     undescribed = [room for room in rooms if f"`engine/{room}/`" not in text]
     assert not undescribed, f"engine/ sub-packages docs/ARCHITECTURE.md does not describe: {undescribed}"
+
+
+def unnamed_modules(text: str, root: Path = ROOT) -> list[str]:
+    """The modules and CUDA sources of cli/, engine/ and kernels/ (package __init__ files aside) the text names
+    neither by path nor by their bare name in backquotes."""
+    files = sorted(p for folder in ("cli", "engine", "kernels") for pattern in ("*.py", "*.cu")
+                   for p in (root / folder).rglob(pattern) if p.name != "__init__.py")
+    return [str(p.relative_to(root)) for p in files
+            if str(p.relative_to(root)) not in text and f"`{p.name}`" not in text]
+
+
+def test_every_module_is_named():
+    unnamed = unnamed_modules(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert not unnamed, f"modules docs/ARCHITECTURE.md does not name: {unnamed}"
+
+
+def test_the_module_check_can_fail(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    for name in ("ops.py", "conv.cu", "gone.cu", "__init__.py"):
+        (tmp_path / "kernels" / name).write_text("")
+    assert unnamed_modules("kernels/ops.py and `conv.cu`", tmp_path) == ["kernels/gone.cu"]
 
 
 def test_lines_are_wrapped():
