@@ -27,13 +27,14 @@ _backend = threading.Event()  # set once the backend's modules are imported too 
 _gpu: list[int] = []  # the device whose context is up
 GPU = 0  # the device brought up (the first visible, as kernels/driver_context.py's)
 _imported = threading.Event()  # set once CuPy's import is done (or failed)
-# "1": CuPy's import waits (at most READS_FIRST_MAX_S) until a thread waits for CuPy's side of the bring-up
-# (`wait_context`, `wait`): the weights' reads go the driver's way (kernels/driver_weight_reads.py) before that,
-# and the command line's Python up to their start then has the interpreter's lock to itself; off unless asked for
-# until it is shown to pay (docs/PERFORMANCE.md)
+# "1": CuPy's import waits (at most READS_FIRST_MAX_S) until the run reaches the weights' reads (`reads_reached`)
+# or a thread waits for CuPy's side of the bring-up (`wait_context`, `wait`), so that the command line's Python up
+# to the reads has the interpreter's lock to itself; the reads then go the driver's way
+# (kernels/driver_weight_reads.py) while CuPy imports. Off unless asked for until it is shown to pay
+# (docs/PERFORMANCE.md)
 READS_FIRST = "PREFIXRUN_READS_FIRST"
 READS_FIRST_MAX_S = 2.0
-_cupy_wanted = threading.Event()  # set once a thread waits for CuPy's side of the bring-up
+_cupy_wanted = threading.Event()  # set once the run reached the reads or a thread waits for CuPy's side
 
 
 def start(device: str = "auto") -> None:
@@ -61,6 +62,13 @@ def wait_imported(timeout: float) -> bool:
     return _imported.wait(timeout) if started else True
 
 
+def backend_pending() -> bool:
+    """Whether a bring-up is under way and has not imported the backend's modules yet (`wait` would wait)."""
+    with _lock:
+        started = _thread is not None
+    return started and not _backend.is_set()
+
+
 def wait() -> dict:
     """Wait for a bring-up under way (none: at once) to have imported the backend's modules: a backend made now
     finds its context and modules; cuBLAS may still be loading (`get_cublas` waits for it where it is used). What
@@ -86,6 +94,12 @@ def wait_context() -> int | None:
     _cupy_wanted.set()
     _context.wait()
     return _gpu[0] if _gpu else None
+
+
+def reads_reached() -> None:
+    """The run has reached the weights' reads (kernels/__init__.py start_weight_reads): with READS_FIRST, CuPy's
+    import goes on now, while the run waits for the driver's ring, which takes no Python."""
+    _cupy_wanted.set()
 
 
 def figures() -> dict:

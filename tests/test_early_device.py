@@ -256,10 +256,11 @@ def test_the_command_line_waits_for_cupys_import_only_where_asked(monkeypatch, s
     assert not launch.start_gpu(["batch", "in.jsonl", "--device", "cpu"]) and len(calls) == 2 + waits
 
 
+@pytest.mark.parametrize("via", ["reads", "context"])
 @pytest.mark.parametrize("switch, holds", [("1", True), (None, False), ("0", False)])
-def test_cupys_import_waits_for_the_reads_only_where_asked(fresh_bring_up, monkeypatch, switch, holds):
-    """With the switch, the bring-up imports CuPy once a thread waits for CuPy's side of it (the reads started
-    the driver's way, or the backend is wanted), not before; without it, at once."""
+def test_cupys_import_waits_for_the_reads_only_where_asked(fresh_bring_up, monkeypatch, switch, holds, via):
+    """With the switch, the bring-up imports CuPy once the run reaches the weights' reads or a thread waits for
+    CuPy's side of it (the context, the backend), not before; without it, at once."""
     device_start = fresh_bring_up
     if switch is None:
         monkeypatch.delenv(device_start.READS_FIRST, raising=False)
@@ -276,7 +277,23 @@ def test_cupys_import_waits_for_the_reads_only_where_asked(fresh_bring_up, monke
     monkeypatch.setattr(device_start, "_thread", thread)
     thread.start()
     assert imported.wait(0.3) is not holds
+    if via == "reads":
+        device_start.reads_reached()
+        assert imported.wait(10)
     assert device_start.wait_context() is None  # the bring-up goes on, and fails here without CuPy
     assert imported.is_set()
     thread.join(10)
     assert ("reads_first" in device_start.figures()["parts"]) is holds
+
+
+def test_reaching_the_reads_lets_cupys_import_go_on_and_a_pending_backend_is_told(fresh_bring_up, monkeypatch):
+    from prefixrun.kernels import backend_pending, start_weight_reads
+
+    device_start = fresh_bring_up
+    monkeypatch.setattr(device_start, "_thread", None)
+    assert not backend_pending("cuda")  # no bring-up: nothing to wait for
+    assert start_weight_reads("cuda", []) is None and device_start._cupy_wanted.is_set()
+    monkeypatch.setattr(device_start, "_thread", threading.current_thread())  # a bring-up under way
+    assert backend_pending("cuda") and not backend_pending("cpu")
+    device_start._backend.set()
+    assert not backend_pending("cuda")

@@ -306,3 +306,27 @@ def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs, tmp_pat
         mapped, ahead = _model_arrays(load_model(path, NumpyOps())[0]), _model_arrays(loaded.model)
         assert len(mapped) == len(ahead) > 10, family
         assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ahead, mapped)), family
+
+
+@pytest.mark.parametrize("pending", [True, False])
+def test_the_callers_work_is_done_in_the_load_only_while_the_backend_would_be_waited_for(tmp_path, monkeypatch,
+                                                                                        pending):
+    """`meanwhile` runs once the weights' reads are started and before the backend is made, where the backend's
+    bring-up is still importing its modules; else the load leaves it to the caller."""
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5)
+    order: list[str] = []
+    real_reads, real_ops = loader.start_weight_reads, loader.get_ops
+    monkeypatch.setattr(loader, "start_weight_reads", lambda *a: order.append("reads") or real_reads(*a))
+    monkeypatch.setattr(loader, "get_ops", lambda *a: order.append("backend") or real_ops(*a))
+    monkeypatch.setattr(loader, "backend_pending", lambda device: pending)
+    loader.start_load(path, "cpu", meanwhile=lambda: order.append("meanwhile")).finish()
+    assert order == (["reads", "meanwhile", "backend"] if pending else ["reads", "backend"])
+
+
+def test_on_the_cpu_no_backend_is_pending():
+    from prefixrun.kernels import backend_pending
+
+    assert backend_pending("cpu") is False

@@ -23,7 +23,7 @@ from prefixrun.engine.load.gemm_plan import dry_build, dry_state_specs, model_pl
 from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 from prefixrun.engine.startup import NO_CLOCK
-from prefixrun.kernels import get_ops, start_weight_reads
+from prefixrun.kernels import backend_pending, get_ops, start_weight_reads
 
 
 @dataclass
@@ -182,18 +182,21 @@ def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool, kv_cache_dtyp
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
                max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
                front: ModelFront | None = None, deterministic: bool = False, kv_cache_dtype: str = "auto",
-               clock=NO_CLOCK) -> Loading:
+               clock=NO_CLOCK, meanwhile=None) -> Loading:
     """The load's first part (see `load`): the front (`front`: loaded already), the checkpoint's files opened, the
     weights' reads started (on a GPU coming up early, as soon as its context is: kernels/device_start.py), the
     backend (with batch-invariant kernels where `deterministic`), its kernels getting ready in the background.
     `kv_cache_dtype`: how attention K/V rows are stored (engine/state/kv_dtype.py). `clock`: marks the phases
-    (engine/startup.py)."""
+    (engine/startup.py). `meanwhile`: the caller's own work (a function), done once the reads are started where the
+    backend's modules are still being imported then (the backend would only be waited for), else not here."""
     front = front or load_front(model_dir)
     clock.mark("weights_plan")
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
     act = np.float32 if device == "cpu" or dtype == "float32" else ml_dtypes.bfloat16  # the backend's, presumably
     plan = dry_plan(front.config, tensors, act, mtp, kv_cache_dtype)
     early = start_weight_reads(device, tensors.tensor_spans(plan[2])) if plan is not None else None
+    if meanwhile is not None and backend_pending(device):
+        meanwhile()
     clock.mark("device")
     try:
         ops = get_ops(device, dtype, deterministic)

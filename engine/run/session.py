@@ -17,6 +17,11 @@ from prefixrun.engine.request import Request, Result
 from prefixrun.engine.run.config import CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig
 
 
+def _import_the_engine() -> None:
+    """The engine's modules, imported while the GPU's bring-up imports the backend's (the load would only wait)."""
+    import prefixrun.engine.run.core  # noqa: F401
+
+
 class EngineSession:
     """`front`: the model's front, loaded already by the caller (its tokenizer reads the input meanwhile).
     `upcoming`: a Future of the token ids of the prompts the first run will be given, e.g. read from the input
@@ -43,10 +48,10 @@ class EngineSession:
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
                                         deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
-                                        clock=clock)
+                                        clock=clock, meanwhile=_import_the_engine)
             upcoming = upcoming() if callable(upcoming) else upcoming  # a reading started now, beside the reads
             # the engine's modules are imported here, while the weights are read (their reads need little of the
-            # interpreter), not before the reads start
+            # interpreter), not before the reads start (in the load, where it waited for the backend's bring-up)
             from prefixrun.engine.run.core import EngineOptions
 
             if opening is not None:
