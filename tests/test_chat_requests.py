@@ -127,6 +127,27 @@ def test_text_parts_reach_a_template_as_it_reads_content(source, loops, rendered
     assert template.render(messages) == rendered
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_calls_arguments_as_json_text_reach_the_template_as_an_object(name):
+    """OpenAI writes a call's arguments as JSON text; vLLM's chat endpoint hands templates the object it encodes
+    (Llama 3.1's `tojson` wrote the text as a quoted string: the arguments encoded twice in the prompt); empty or
+    null arguments are {}, and an empty list of calls is no calls."""
+    tokenizer = Tokenizer.from_model_dir(FIXTURES / name)
+
+    def rendered(assistant: dict) -> str:
+        return tokenizer.render_chat([SYSTEM, USER, assistant, TOOL_RESULT], tools=[WEATHER_TOOL])
+
+    def called(arguments) -> dict:
+        return {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {"name": "get_weather",
+                                                                             "arguments": arguments}}]}
+
+    assert rendered(called('{"city": "Paris"}')) == rendered(CALL)
+    assert "\\\"city\\\"" not in rendered(called('{"city": "Paris"}'))
+    assert rendered(called("")) == rendered(called(None)) == rendered(called({}))
+    assert rendered({**PREFILL, "tool_calls": []}) == rendered(PREFILL)
+    assert CALL["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # the request's own is left as it was
+
+
 @pytest.mark.parity
 def test_lines_with_tools_and_kwargs_from_both_shapes_equal_transformers(family):
     """Through the line parser: a plain line and an OpenAI Batch line, command-line kwargs under the line's."""
@@ -190,6 +211,17 @@ def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
      'tools[1].function.name "get_weather" is the name of tools[0] too: a call names its function'),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
      "tools[0].function.parameters must be an object"),
+    # an assistant turn's calls, as OpenAI writes them: a list of {"function": {"name", "arguments": JSON text}}
+    ({"messages": [USER, {"role": "assistant", "tool_calls": "f()"}]}, "messages[1].tool_calls must be a list"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "1"}]}]},
+     "messages[1].tool_calls[0].function must be an object"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[1].tool_calls[0].function.name must be a non-empty string"),
+    (openai_chat(messages=[USER, {"role": "assistant",
+                                  "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]),
+     "body.messages[1].tool_calls[0].function.arguments is not JSON text"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]},
+     "messages[1].tool_calls[0].function.arguments must be JSON text or an object, got 5"),
     ({"messages": [USER], "chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs must be an object"),
     (openai_chat(messages=[USER], chat_template_kwargs={"add_generation_prompt": False}),
      "body.chat_template_kwargs may not set add_generation_prompt"),

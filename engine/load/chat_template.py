@@ -58,6 +58,7 @@ class ChatTemplate:
         self.reads = frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
     def render(self, messages: list[dict], **variables) -> str:
+        messages = [_with_decoded_calls(message) for message in messages]
         if not self.loops_over_content:
             messages = [_with_string_content(message) for message in messages]
         steps = _LoopSteps()
@@ -113,6 +114,26 @@ class _CountedRange:
 def compile_template(source: str) -> ChatTemplate:
     """`source` compiled in transformers' environment; one of COMPILE_ERRORS if it cannot be."""
     return ChatTemplate(source)
+
+
+def _with_decoded_calls(message: dict) -> dict:
+    """An assistant turn's calls as vLLM's chat endpoint hands them to a template: each call's arguments decoded from
+    the JSON text OpenAI writes (empty or null: {}), as templates write them with `tojson`; no calls for an empty
+    list. Checked JSON text (engine/load/messages.py); the request's own dicts are left as they are."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    if not calls:
+        return {key: value for key, value in message.items() if key != "tool_calls"}
+    return {**message, "tool_calls": [{**call, "function": {**call["function"],
+                                                            "arguments": _decoded(call["function"].get("arguments"))}}
+                                      for call in calls]}
+
+
+def _decoded(arguments):
+    if not arguments:
+        return {}
+    return json.loads(arguments) if isinstance(arguments, str) else arguments
 
 
 def _with_string_content(message: dict) -> dict:

@@ -7,6 +7,7 @@ can render and what this text-only engine cannot run (image or audio parts); wha
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefixrun.engine.request import InvalidRequest, describe_value
@@ -35,7 +36,34 @@ def check_messages(value: Any, where: str = "messages") -> list[dict]:
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"{here}.role must be a non-empty string, got {describe_value(role)}")
         _check_content(message, f"{here}.content")
+        if message.get("tool_calls") is not None:
+            _check_tool_calls(message["tool_calls"], f"{here}.tool_calls")
     return value
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant turn's calls as OpenAI writes them: {"function": {"name", "arguments"}} each, the arguments as
+    JSON text (or an object, as templates take them: engine/load/chat_template.py hands them over decoded)."""
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where} must be a list of calls, got {describe_value(calls)}")
+    for position, call in enumerate(calls):
+        here = f"{where}[{position}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidRequest(f'{here}.function must be an object such as {{"name": "...", "arguments": "{{}}"}}, '
+                                 f"got {describe_value(function)}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"{here}.function.name must be a non-empty string, got {describe_value(name)}")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            try:
+                json.loads(arguments)
+            except ValueError as err:
+                raise InvalidRequest(f"{here}.function.arguments is not JSON text ({err})") from None
+        elif arguments is not None and not isinstance(arguments, (str, dict)):
+            raise InvalidRequest(f"{here}.function.arguments must be JSON text or an object, got "
+                                 f"{describe_value(arguments)}")
 
 
 def check_tools(value: Any, where: str = "tools") -> list[dict]:
