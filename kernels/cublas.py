@@ -54,32 +54,36 @@ def _loaded_libcublas() -> str | None:
     return None
 
 
-def _candidate_paths() -> list[str]:
-    out: list[str] = []
+def _candidate_paths():
+    """Where libcublas may be, most likely first, each found only when the ones before it did not load: the first
+    is CuPy's own, mapped already, and the later ones cost directory listings and `find_library`'s subprocess."""
     try:  # make CuPy load its own cuBLAS, so ours is the same library
         import cupy.cuda.cublas  # noqa: F401
     except Exception:
         pass
     loaded = _loaded_libcublas()
     if loaded:
-        out.append(loaded)
+        yield loaded
     try:  # pip wheels: nvidia/cu13/lib (CUDA 13 layout) or nvidia/cublas/lib (CUDA 12 layout)
         import nvidia
 
         for root in list(getattr(nvidia, "__path__", [])):
             for sub in ("cu13/lib", "cu12/lib", "cublas/lib"):
-                out.extend(sorted(glob.glob(os.path.join(root, sub, "libcublas.so*")), reverse=True))
+                yield from _not_lt(sorted(glob.glob(os.path.join(root, sub, "libcublas.so*")), reverse=True))
     except ImportError:
         pass
     for env in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(env):
-            out.extend(sorted(glob.glob(os.path.join(os.environ[env], "lib64", "libcublas.so*")), reverse=True))
-    out.extend(sorted(glob.glob("/usr/local/cuda/lib64/libcublas.so*"), reverse=True))
+            yield from _not_lt(sorted(glob.glob(os.path.join(os.environ[env], "lib64", "libcublas.so*")), reverse=True))
+    yield from _not_lt(sorted(glob.glob("/usr/local/cuda/lib64/libcublas.so*"), reverse=True))
     found = ctypes.util.find_library("cublas")
     if found:
-        out.append(found)
-    out.extend(["libcublas.so.13", "libcublas.so.12", "libcublas.so"])
-    return [p for p in out if "libcublasLt" not in p]
+        yield from _not_lt([found])
+    yield from ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+
+
+def _not_lt(paths: list[str]) -> list[str]:
+    return [p for p in paths if "libcublasLt" not in p]
 
 
 def load_libcublas() -> ctypes.CDLL:
