@@ -40,18 +40,30 @@ class CublasError(RuntimeError):
     pass
 
 
+def mapped_libraries(prefix: str) -> list[str]:
+    """The files this process has mapped whose names start with `prefix` ("libcublas.so"), as /proc/self/maps lists
+    them (Linux; [] elsewhere). Read at once and searched for the name: the listing runs to thousands of lines in a
+    process holding a model, and this runs on the GPU's bring-up thread beside the weights' reads."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    found: list[str] = []
+    at = text.find("/" + prefix)
+    while at != -1:
+        end = text.find("\n", at)
+        end = len(text) if end == -1 else end
+        path = text[text.rfind("\n", 0, at) + 1:end].rsplit(None, 1)[-1]
+        if os.path.basename(path).startswith(prefix) and path not in found and os.path.isfile(path):
+            found.append(path)
+        at = text.find("/" + prefix, end)
+    return found
+
+
 def _loaded_libcublas() -> str | None:
     """The libcublas this process already mapped (CuPy's, once cupy.cuda.cublas is imported), if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                name = os.path.basename(path)
-                if name.startswith("libcublas.so") and os.path.isfile(path):
-                    return path
-    except OSError:
-        pass
-    return None
+    return next(iter(mapped_libraries("libcublas.so")), None)
 
 
 def _candidate_paths():

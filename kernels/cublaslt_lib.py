@@ -47,15 +47,7 @@ class HeuristicResult(ctypes.Structure):
 def _lt_paths() -> list[str]:
     """libcublasLt: the one libcublas (kernels/cublas.py) mapped into this process first, then the usual places."""
     cublas._lib()
-    out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                if os.path.basename(path).startswith("libcublasLt.so") and os.path.isfile(path):
-                    out.append(path)
-    except OSError:
-        pass
+    out = cublas.mapped_libraries("libcublasLt.so")
     try:
         import nvidia
 

@@ -53,3 +53,19 @@ def test_none_loads_one_error_names_the_last_tried(monkeypatch):
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     with pytest.raises(cublas.CublasError, match="libcublas.so: no such file"):
         cublas.load_libcublas()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="Linux's /proc")
+@pytest.mark.parametrize("prefix", ["libc.so", "libpython", "libm.so", "libnowhere.so"])
+def test_the_mapped_libraries_are_those_the_maps_list_line_by_line(prefix):
+    import os
+
+    expected = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.rsplit(None, 1)[-1]
+            if os.path.basename(path).startswith(prefix) and path not in expected and os.path.isfile(path):
+                expected.append(path)
+    assert cublas.mapped_libraries(prefix) == expected
+    if prefix == "libc.so":
+        assert expected  # the test sees a library at all
