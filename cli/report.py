@@ -57,6 +57,41 @@ def literal(text: str, style: str = "") -> Text:
     return Text(printable(str(text)), style=style)
 
 
+class BestEffort:
+    """stderr as the reporter writes it: a message that cannot be written (the log's disk full, its reader gone, the
+    stream closed) is dropped, and so is every later one; the run's results and --json-report never depend on its
+    messages reaching anyone."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lost = False
+
+    def write(self, text: str) -> int:
+        if not self.lost:
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except (OSError, ValueError):  # ValueError: a closed stream
+                self.lost = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.lost:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.lost = True
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def __getattr__(self, name):  # fileno, encoding, ... as the stream has them
+        return getattr(self.stream, name)
+
+
 class RunReporter:
     """Progress while requests finish, then the final report. `quiet` keeps only errors.
 
@@ -89,7 +124,7 @@ class RunReporter:
             if self._console is None:
                 from rich.console import Console
 
-                self._console = Console(file=sys.stderr, stderr=True, highlight=False, emoji=False)
+                self._console = Console(file=BestEffort(sys.stderr), stderr=True, highlight=False, emoji=False)
             return self._console
 
     def _start_bar(self):

@@ -145,6 +145,23 @@ def test_progress_lines_in_a_log_at_the_interval_and_none_with_quiet(model, tmp_
     assert quiet.returncode == 0 and "progress" not in quiet.stderr, quiet.stderr
 
 
+@pytest.mark.parametrize("log", ["full disk", "reader gone"])
+def test_a_log_that_cannot_be_written_loses_no_result_and_no_report(model, tmp_path, log):
+    """stderr on a full disk (a log volume at its quota) or a pipe whose reader went away: the messages are lost,
+    never the run: every result and --json-report are written and the exit code is the results' (the final
+    table's failed write ended the run with exit 1 before --json-report was written)."""
+    src = write_jsonl(tmp_path / "in.jsonl", [*slow_batch(6)[1:], b"not json"])
+    out, report = tmp_path / "out.jsonl", tmp_path / "report.json"
+    read, write = os.pipe()
+    os.close(read)
+    with open("/dev/full", "wb") if log == "full disk" else os.fdopen(write, "wb") as stderr:
+        done = subprocess.run(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-o", out,
+                                  "--json-report", report, "--progress-interval", 0.01), stderr=stderr, timeout=300)
+    assert done.returncode == 3  # the bad line's error record; every other line ran
+    assert [r.get("custom_id") for r in records(out.read_text())] == [f"s{i}" for i in range(6)] + [None]
+    assert json.loads(report.read_text())["failed_lines"] == 1
+
+
 def test_progress_interval_must_be_a_number_of_seconds(model, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", slow_batch(1)[1:])
     for bad in ("-1", "nan", "inf"):
