@@ -117,18 +117,21 @@ def test_plain_prompt():
     assert not req.is_openai
 
 
+CALL_C1 = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
 def test_plain_messages_are_passed_through_for_the_chat_template():
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "assistant", "content": None, "tool_calls": [CALL_C1]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
     req = parse_ok({"messages": messages})
     assert req.messages == messages
     assert req.prompt_text is None and req.prompt_token_ids is None
     # OpenAI leaves content out of an assistant turn that only calls tools: not a "content is missing" error
-    calls_only = [messages[1], {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]
+    calls_only = [messages[1], {"role": "assistant", "tool_calls": [CALL_C1]}]
     assert parse_ok({"messages": calls_only}).messages == calls_only
     assert "messages[1].content is missing" in parse({"messages": [messages[1], {"role": "assistant"}]}).message
 
