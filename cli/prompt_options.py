@@ -38,6 +38,7 @@ def with_prompt_options(prompt: Prompt, fields: dict, where: str) -> Prompt:
         effort = fields.get("reasoning_effort")
         if effort is not None:
             changes["template_kwargs"] = _with_reasoning_effort(prompt.template_kwargs, effort, where)
+            changes["reasoning_effort"] = effort
     return dataclasses.replace(prompt, **changes) if changes else prompt
 
 

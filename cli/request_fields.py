@@ -110,7 +110,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("add_special_tokens", HONOURED, BOTH, "add the tokenizer's special tokens (BOS) to the prompt text "
        "(default: true for completions, false for chats, whose template writes them)"),
     _F("reasoning_effort", HONOURED, CHAT, "the template's reasoning_effort variable; \"none\" also sets "
-       "enable_thinking false, any other value true (unless chat_template_kwargs set it), as vLLM does"),
+       "enable_thinking false, any other value true (unless chat_template_kwargs set it), as vLLM does; a template "
+       "that reads neither: an error, as OpenAI refuses it for a model that does not reason"),
     _F("include_reasoning", HONOURED, CHAT, "false: no reasoning_content in the message"),
     _F("thinking_token_budget", REFUSED, CHAT, "the most tokens a reasoning model may think",
        why="no sampler here ends a think block after N tokens: bound the reply with max_tokens"),

@@ -466,7 +466,7 @@ def test_truncate_prompt_tokens(qwen3):
         assert isinstance(error, LineError), bad
 
 
-def test_reasoning_effort_switches_thinking_as_vllm_does(qwen3):
+def test_reasoning_effort_switches_thinking_as_vllm_does(qwen3, llama):
     encoder = PromptEncoder(qwen3, vocab_size=200_000, context_tokens=100_000)
     off = encoder.render(parse({"messages": CHAT, "reasoning_effort": "none"}).prompt)
     on = encoder.render(parse({"messages": CHAT, "reasoning_effort": "high"}).prompt)
@@ -476,6 +476,13 @@ def test_reasoning_effort_switches_thinking_as_vllm_does(qwen3):
     assert not encoder.render(kept.prompt).endswith("</think>\n\n")
     shaper, _ = shaped(qwen3, {"messages": CHAT, "reasoning_effort": "none"})
     assert shaper.thinking_disabled
+    # a template that reads neither variable (Llama 3.1's) would take reasoning_effort and change nothing, as
+    # OpenAI refuses it for a model that does not reason: the line's error
+    llama_encoder = PromptEncoder(llama, vocab_size=200_000, context_tokens=100_000)
+    with pytest.raises(InvalidRequest, match="reasoning_effort: the chat template of .* reads neither "
+                                             "reasoning_effort nor enable_thinking"):
+        llama_encoder.render(parse({"messages": CHAT, "reasoning_effort": "low"}).prompt)
+    llama_encoder.render(parse({"messages": CHAT, "reasoning_effort": None}).prompt)
 
 
 def test_detokenize_and_returned_ids_and_prompt_text(qwen3):

@@ -86,6 +86,7 @@ class ChatPrompt:
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     documents: list[dict] | None = None
+    reasoning_effort: str | None = None  # the request's, already among template_kwargs (a template must read it)
     add_special_tokens: bool = False
     truncation: Truncation | None = None
 
@@ -197,6 +198,11 @@ class PromptEncoder:
 
     def render(self, prompt: ChatPrompt) -> str:
         """The prompt text of a chat, as transformers' apply_chat_template(tokenize=False) renders it."""
+        if prompt.reasoning_effort is not None and not self.tokenizer.template_reads(
+                prompt.tools).intersection(("reasoning_effort", "enable_thinking")):
+            raise InvalidRequest(f"reasoning_effort: the chat template of {self.tokenizer.template_source} reads "
+                                 "neither reasoning_effort nor enable_thinking, so it would change nothing (the "
+                                 "model does not reason)")
         return self.tokenizer.render_chat(
             prompt.messages, add_generation_prompt=prompt.generation_prompt, tools=prompt.tools,
             continue_final_message=prompt.continue_final_message, documents=prompt.documents,

@@ -210,6 +210,15 @@ class Tokenizer:
         and transformers' apply_chat_template(tokenize=True) does not add them either (no double BOS)."""
         return self.encode(self.render_chat(messages, **kw), add_special_tokens=False)
 
+    @property
+    def template_source(self) -> str:
+        """Where the chat templates come from (for messages)."""
+        return self._template_source
+
+    def template_reads(self, tools: list[dict] | None = None) -> frozenset[str]:
+        """The variables the chat template used for a chat with `tools` reads from its caller."""
+        return self._template_for(tools).reads
+
     def _template_for(self, tools: list[dict] | None):
         """The compiled template to use; with several named templates, "tool_use" when tools are given and it
         exists, else "default" (transformers' choice)."""
