@@ -330,3 +330,28 @@ def test_on_the_cpu_no_backend_is_pending():
     from prefixrun.kernels import backend_pending
 
     assert backend_pending("cpu") is False
+
+
+def test_the_wait_for_the_reads_start_is_the_devices_phase_and_the_callers_work_its_own(tmp_path, monkeypatch):
+    """In the start-up report, the reads' start waiting for the GPU's bring-up counts as `device`, the caller's work
+    meanwhile as the phase it marks, and `weights_plan` is the dry build's (engine/startup.py)."""
+    import time
+
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.startup import PhaseClock
+
+    path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5)
+    real_reads = loader.start_weight_reads
+    monkeypatch.setattr(loader, "start_weight_reads", lambda *a: time.sleep(0.3) or real_reads(*a))
+    monkeypatch.setattr(loader, "backend_pending", lambda device: True)
+    clock = PhaseClock()
+
+    def meanwhile():
+        clock.mark("imports")
+        time.sleep(0.2)
+
+    loader.start_load(path, "cpu", clock=clock, meanwhile=meanwhile).finish()
+    phases = clock.report()["phases"]
+    assert phases["device"] >= 0.3 and phases["weights_plan"] < 0.3
+    assert phases["imports"] >= 0.2

@@ -187,17 +187,20 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
     weights' reads started (on a GPU coming up early, as soon as its context is: kernels/device_start.py), the
     backend (with batch-invariant kernels where `deterministic`), its kernels getting ready in the background.
     `kv_cache_dtype`: how attention K/V rows are stored (engine/state/kv_dtype.py). `clock`: marks the phases
-    (engine/startup.py). `meanwhile`: the caller's own work (a function), done once the reads are started where the
-    backend's modules are still being imported then (the backend would only be waited for), else not here."""
+    (engine/startup.py). `meanwhile`: the caller's own work (a function marking its phase on `clock`), done once the
+    reads are started where the backend's modules are still being imported then (the backend would only be waited
+    for), else not here."""
     front = front or load_front(model_dir)
     clock.mark("weights_plan")
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
     act = np.float32 if device == "cpu" or dtype == "float32" else ml_dtypes.bfloat16  # the backend's, presumably
     plan = dry_plan(front.config, tensors, act, mtp, kv_cache_dtype)
-    early = start_weight_reads(device, tensors.tensor_spans(plan[2])) if plan is not None else None
+    spans = tensors.tensor_spans(plan[2]) if plan is not None else None
+    clock.mark("device")  # the reads' start waits for the GPU's bring-up (its context and ring, or CuPy's)
+    early = start_weight_reads(device, spans) if spans is not None else None
     if meanwhile is not None and backend_pending(device):
-        meanwhile()
-    clock.mark("device")
+        meanwhile()  # it marks its own phase
+        clock.mark("device")
     try:
         ops = get_ops(device, dtype, deterministic)
     except BaseException:

@@ -17,8 +17,9 @@ from prefixrun.engine.request import Request, Result
 from prefixrun.engine.run.config import CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig
 
 
-def _import_the_engine() -> None:
+def _import_the_engine(clock) -> None:
     """The engine's modules, imported while the GPU's bring-up imports the backend's (the load would only wait)."""
+    clock.mark("imports")
     import prefixrun.engine.run.core  # noqa: F401
 
 
@@ -48,7 +49,7 @@ class EngineSession:
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
                                         deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
-                                        clock=clock, meanwhile=_import_the_engine)
+                                        clock=clock, meanwhile=lambda: _import_the_engine(clock))
             upcoming = upcoming() if callable(upcoming) else upcoming  # a reading started now, beside the reads
             # the engine's modules are imported here, while the weights are read (their reads need little of the
             # interpreter), not before the reads start (in the load, where it waited for the backend's bring-up)
