@@ -100,6 +100,8 @@ def batch(
     from prefixrun.engine.startup import PhaseClock
 
     clock = PhaseClock()  # the process's start-up so far is its imports
+    reporter = RunReporter(quiet=quiet)
+    ctx.call_on_close(route_engine_logs(reporter))  # before the bring-up, which may warn at once
     if run_options.get("devices") is None and run_options.get("ray_address") is None:
         from prefixrun.kernels import device_start
 
@@ -109,8 +111,6 @@ def batch(
     from prefixrun.cli.output import run_to_output
 
     clock.mark("options")
-    reporter = RunReporter(quiet=quiet)
-    ctx.call_on_close(route_engine_logs(reporter))
     given = locals()
     config, source, input_path, claim = _prepare_batch(given, reporter)
     output = given["output"]  # `-o -` read as standard output

@@ -9,6 +9,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -160,6 +161,29 @@ def test_a_log_that_cannot_be_written_loses_no_result_and_no_report(model, tmp_p
     assert done.returncode == 3  # the bad line's error record; every other line ran
     assert [r.get("custom_id") for r in records(out.read_text())] == [f"s{i}" for i in range(6)] + [None]
     assert json.loads(report.read_text())["failed_lines"] == 1
+
+
+# the CLI in a fresh interpreter whose GPU bring-up warns at once, as one finding no writable kernel cache folder does
+_BRING_UP_WARNS = ("import logging, runpy, sys\n"
+                   "from prefixrun.kernels import device_start\n"
+                   "def warn_at_once(device='auto'):\n"
+                   "    logging.getLogger('prefixrun.kernels.kernel_cache').warning('kernel cache folder /x: no')\n"
+                   "device_start.start = warn_at_once\n"
+                   "sys.argv[0] = 'prefixrun'\n"
+                   "runpy.run_module('prefixrun.cli.app', run_name='__main__', alter_sys=True)\n")
+
+
+def test_a_warning_of_the_device_bring_up_is_a_warning_line_that_quiet_hides(model, tmp_path):
+    """The GPU's bring-up starts first (kernels/device_start.py) and may warn at once (a kernel cache folder that
+    cannot be written): such a warning came before the run's log handler, bare and even with -q."""
+    src = write_jsonl(tmp_path / "in.jsonl", slow_batch(1)[1:])
+    args = [sys.executable, "-c", _BRING_UP_WARNS, "batch", src, "--model", model, "--device", "cpu", "--no-cache",
+            "-o", tmp_path / "out.jsonl", "--overwrite"]
+    loud = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=300)
+    said = [line for line in loud.stderr.splitlines() if "kernel cache folder" in line]
+    assert loud.returncode == 0 and said and all(line.startswith("warning: ") for line in said), loud.stderr
+    quiet = subprocess.run(list(map(str, [*args, "-q"])), capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "kernel cache folder" not in quiet.stderr, quiet.stderr
 
 
 def test_progress_interval_must_be_a_number_of_seconds(model, tmp_path):
