@@ -135,7 +135,7 @@ def test_progress_lines_in_a_log_at_the_interval_and_none_with_quiet(model, tmp_
         {"custom_id": c, "prompt": f"story {c}", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
         for c in "ab"])
     args = ("batch", src, "--model", model, "--device", "cpu", "--no-cache", "--max-batch", 1,
-            "--progress-interval", 0.1)
+            "--progress-interval", 0.02)
     slow = subprocess.run(cmd(*args), capture_output=True, text=True, timeout=300)
     assert slow.returncode == 0, slow.stderr
     lines = [line for line in slow.stderr.splitlines() if line.startswith("progress:")]
