@@ -1,0 +1,83 @@
+"""Every `--option` README.md and docs/*.md name is an option of the command they name it for (a prefixrun command or a
+bench/ script): a renamed or removed option fails here, not in a reader's terminal. A lone `--option` in prose must be
+one of either."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer.main
+
+from prefixrun.cli.app import app
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+# A command line's options end where the shell hands over to something else.
+SHELL_BREAKS = re.compile(r"\s(?:\||&&|;|>|#)\s|\s--(?:\s|$)")
+
+
+def _options() -> dict[str, set[str]]:
+    """Each command's option names (`--help` included); bench takes every batch option too."""
+    root = typer.main.get_command(app)
+    options = {name: {"--help"} | {o for p in sub.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+               for name, sub in root.commands.items()}
+    options["bench"] |= options["batch"]
+    options[""] = {"--help"} | {o for p in root.params for o in p.opts if o.startswith("--")}
+    return options
+
+
+def _script_options() -> dict[str, set[str]]:
+    """The argparse options of each bench/ script, by its path as the docs write it."""
+    options = {}
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        text = script.read_text(encoding="utf-8")
+        if "argparse" in text:
+            calls = re.findall(r"add_argument\(([^)]*)\)", text)
+            options[f"bench/{script.name}"] = {"--help"} | {o for c in calls for o in re.findall(r'"(--[a-z0-9-]+)"', c)}
+    return options
+
+
+def _snippets(text: str) -> list[str]:
+    """Inline code spans and the lines of fenced code blocks."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+    prose = re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S)
+    return [line for block in blocks for line in block.splitlines()] + re.findall(r"`([^`\n]+)`", prose)
+
+
+def _named(snippet: str, commands: set[str]) -> list[tuple[str, str]]:
+    """(command, option) pairs a snippet names: options after `prefixrun CMD` or a leading `CMD`, or a lone
+    `--option` (command ''), which may belong to any command."""
+    found = []
+    names = "|".join(re.escape(c) for c in sorted(commands, key=len, reverse=True))
+    for m in re.finditer(r"(?:^|\bprefixrun\s+|(?<![\w/.-]))(" + names + r")(?=\s|$)|\bprefixrun(?=\s|$)", snippet):
+        rest = snippet[m.end():]
+        cut = SHELL_BREAKS.search(rest)
+        found += [(m.group(1) or "", o) for o in OPTION.findall(rest[:cut.start()] if cut else rest)]
+    if not found and snippet.startswith("--"):
+        found = [("*", o) for o in OPTION.findall(snippet)[:1]]
+    return [(cmd, opt) for cmd, opt in found if not opt.endswith("-")]  # `--prune-*` stands for several
+
+
+def test_every_documented_option_exists():
+    options = _options() | _script_options()
+    everything = set().union(*options.values())
+    commands = {name for name in options if name}
+    missing = []
+    for doc in DOCS:
+        for snippet in _snippets(doc.read_text(encoding="utf-8")):
+            for cmd, opt in _named(snippet, commands):
+                if opt not in (everything if cmd == "*" else options[cmd]):
+                    missing.append(f"{doc.name}: {opt} ({cmd if cmd != '*' else 'any command'}) "
+                                   f"in `{snippet.strip()}`")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_check_sees_a_stale_option():
+    commands = set(_options() | _script_options()) - {""}
+    assert _named("prefixrun batch x.jsonl --no-graphs | jq .text", commands) == [("batch", "--no-graphs")]
+    assert _named("inspect-cache --clear --yes", commands) == [("inspect-cache", "--clear"),
+                                                               ("inspect-cache", "--yes")]
+    assert _named("--no-graphs", commands) == [("*", "--no-graphs")]
+    assert _named("python3 bench/workloads.py doc-qa --docs 4", commands) == [("bench/workloads.py", "--docs")]
+    assert _named("python3 -m prefixrun.cli.request_fields --write-readme", commands) == []
