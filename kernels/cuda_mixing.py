@@ -64,6 +64,20 @@ class SequenceMixingOps:
             (cblocks, nseq), (128,), (x, i64(sx), conv_state, slots, cu, i32(c)))
         return out
 
+    def _head_views(self, q, k, v):
+        """q and k in v's dtype, then the three as head views (array, token stride, head stride each): q, k
+        [T, Hk, Dk] and v [T, H, Dv], its value heads in groups of key heads."""
+        dt = v.dtype
+        q = q if q.dtype == dt else self._cast(q, dt)
+        k = k if k.dtype == dt else self._cast(k, dt)
+        q, qst, qsh = head_view(q)
+        k, kst, ksh = head_view(k)
+        v, vst, vsh = head_view(v)
+        t, hk = q.shape[0], q.shape[1]
+        if k.shape != q.shape or v.shape[0] != t or hk < 1 or v.shape[1] % hk:
+            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
+        return q, qst, qsh, k, kst, ksh, v, vst, vsh
+
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_seqlens, chunk_size=64, prefill=False):
         """Gated delta rule per sequence from its fp32 recurrent state (updated in place).
 
@@ -80,15 +94,9 @@ class SequenceMixingOps:
         otherwise gdn_rows_kernel, so a row's arithmetic never depends on the batch (kernels/tuning.py).
         Returns o [T, H, Dv] in v's dtype."""
         dt = v.dtype
-        q = q if q.dtype == dt else self._cast(q, dt)
-        k = k if k.dtype == dt else self._cast(k, dt)
-        q, qst, qsh = head_view(q)
-        k, kst, ksh = head_view(k)
-        v, vst, vsh = head_view(v)
+        q, qst, qsh, k, kst, ksh, v, vst, vsh = self._head_views(q, k, v)
         t, hk, dk = q.shape
         h, dv = v.shape[1], v.shape[2]
-        if k.shape != q.shape or v.shape[0] != t or hk < 1 or h % hk:
-            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
         krep = h // hk
         if dk > 128 or dv < 1:
             raise ValueError(f"gated_delta_rule supports key head dims up to 128, got {dk}")
@@ -245,15 +253,9 @@ class SequenceMixingOps:
         """`gated_delta_rule` token by token, and the fp32 state after every token t with snapshot_rows[t] >= 0
         in snapshots[snapshot_rows[t]] ([R, H, Dk, Dv]). One launch; a block per (sequence, head, 32 columns)."""
         dt = v.dtype
-        q = q if q.dtype == dt else self._cast(q, dt)
-        k = k if k.dtype == dt else self._cast(k, dt)
-        q, qst, qsh = head_view(q)
-        k, kst, ksh = head_view(k)
-        v, vst, vsh = head_view(v)
+        q, qst, qsh, k, kst, ksh, v, vst, vsh = self._head_views(q, k, v)
         t, hk, dk = q.shape
         h, dv = v.shape[1], v.shape[2]
-        if k.shape != q.shape or v.shape[0] != t or hk < 1 or h % hk:
-            raise ValueError(f"q {q.shape} / k {k.shape} do not fit v {v.shape} (value heads in groups of key heads)")
         if dk > 128:
             raise ValueError(f"gated_delta_rule_rows supports key head dims up to 128, got {dk}")
         for name, a in (("state", state), ("snapshots", snapshots)):
