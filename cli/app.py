@@ -9,6 +9,7 @@ the signal's number when SIGINT, SIGTERM or SIGHUP stopped it).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import json
@@ -387,7 +388,7 @@ def inspect_cache(
                                                         "`batch --cache-budget`)")] = cli_default("cache_budget"),
 ):
     """Show the persistent checkpoint cache; prune, verify or clear it."""
-    from prefixrun.cli.cache_view import run_inspect
+    from prefixrun.cli.cache_view import StdoutFailed, StdoutWrites, run_inspect
 
     try:
         if prune_older_than is not None and not prune_older_than >= 0:  # also rejects nan
@@ -409,14 +410,22 @@ def inspect_cache(
         typer.echo(f"error: {printable(str(exc))}", err=True)  # the message quotes the option's value
         raise typer.Exit(io.EXIT_USAGE)
     try:
-        code = run_inspect(cache_root, model=model, as_json=as_json, tree=tree, model_dir=model_dir,
-                           prune_older_than_days=prune_older_than, prune_to_bytes=prune_to_bytes, clear=clear,
-                           verify=verify, yes=yes, budget_bytes=budget_bytes)
+        with contextlib.redirect_stdout(StdoutWrites(sys.stdout)):  # its failures told from the cache's
+            code = run_inspect(cache_root, model=model, as_json=as_json, tree=tree, model_dir=model_dir,
+                               prune_older_than_days=prune_older_than, prune_to_bytes=prune_to_bytes, clear=clear,
+                               verify=verify, yes=yes, budget_bytes=budget_bytes)
     except BrokenPipeError:  # `inspect-cache | head`: the reader has what it wanted
         from prefixrun.cli.output import EXIT_BROKEN_PIPE, silence_stdout
 
         silence_stdout()
         code = EXIT_BROKEN_PIPE
+    except StdoutFailed as exc:  # stdout on a full disk, or failing
+        from prefixrun.cli.output import silence_stdout
+        from prefixrun.cli.report import printable
+
+        silence_stdout()  # else the interpreter's last flush fails again, with a traceback
+        typer.echo(f"error: cannot write to standard output: {printable(exc.strerror or str(exc))}", err=True)
+        code = io.EXIT_FAILURE
     raise typer.Exit(code)
 
 

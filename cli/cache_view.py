@@ -156,6 +156,36 @@ def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, 
     return io.EXIT_OK
 
 
+class StdoutFailed(OSError):
+    """A write to standard output failed (a full disk): the listing is lost, the cache untouched."""
+
+
+class StdoutWrites:
+    """Standard output whose failed writes raise StdoutFailed (BrokenPipeError as it is: a reader that left), so a
+    failure to show the cache is never taken for one of the cache."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self._guarded(self.stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    @staticmethod
+    def _guarded(call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutFailed(exc.errno, exc.strerror) from None
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ... as the stream has them
+        return getattr(self.stream, name)
+
+
 def run_inspect(root: Path, *, model, as_json, tree, model_dir, prune_older_than_days, prune_to_bytes, clear,
                 verify, yes, budget_bytes: int | None = None) -> int:
     import sqlite3

@@ -566,6 +566,13 @@ def test_inspect_cache_manners(models, prompts_file, populated, tmp_path):
         p.stdout.close()
         _, err = p.communicate(timeout=120)
         assert p.returncode in (0, 141) and err == b"", (extra, err)
+    # stdout on a full disk: one line, exit 1 (it was an OSError traceback)
+    for extra in ([], ["--json"], ["--tree"], ["--verify"]):
+        with open("/dev/full", "wb") as full:
+            p = subprocess.run(cmd("inspect-cache", "--cache-dir", cache, *extra), stdout=full, stderr=subprocess.PIPE,
+                               text=True, timeout=120)
+        assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, (extra, p.stderr)
+        assert "No space left on device" in p.stderr and "Traceback" not in p.stderr
 
     # --clear without a terminal refuses on stderr, saying how much; with a terminal it asks there
     res = cli("inspect-cache", "--cache-dir", cache, "--clear")
