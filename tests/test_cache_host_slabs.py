@@ -145,3 +145,18 @@ def test_entries_read_into_reused_slabs_restore_exactly_what_was_written(tmp_pat
             del got
             gc.collect()
     assert host_slabs.SLABS.reused >= 4  # the later reads landed in memory an earlier entry left
+
+
+def test_free_slabs_are_unmapped_off_the_callers_thread():
+    """At a run's end the free slabs were unmapped on the engine's thread (0.15-0.18 s for gigabytes)."""
+    slabs = HostSlabs()
+    taken = [slabs.take(n * MiB)[0] for n in (8, 16)]
+    del taken
+    gc.collect()
+    kept = list(slabs._free)
+    assert len(kept) == 2
+    thread = slabs.forget()
+    assert thread is not None and thread is not threading.current_thread() and not slabs._free
+    thread.join()
+    assert all(slab.closed for slab in kept)
+    assert slabs.forget() is None  # nothing free: no thread
