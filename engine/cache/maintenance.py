@@ -139,14 +139,23 @@ class StoreMaintenance:
         """sweep_orphans for kv_blocks/: temp files of dead writers, block files no row names (a put killed between
         its block files and its index transaction), and rows whose block file is gone (with the entries using them)."""
         indexed = {f for (f,) in self._db.execute("SELECT file_name FROM blocks").fetchall()}
+        # A warm folder holds hundreds of block files, all indexed: their names are all that is looked at (one
+        # listing per shard); only a temp file or a name no row holds is looked at itself (its age and size)
         seen = set()  # (shard, name) of the files listed: their rows' files are there, no second look needed
         for shard in self._owned_dirs(self._kv.folder):
-            for path, info in self._owned_file_stats(shard, lambda n: bool(kv_blocks.BLOCK_NAME.fullmatch(n)
-                                                                             or kv_blocks.TEMP_NAME.fullmatch(n))):
+            for name in self._files.names(shard):
+                if not (kv_blocks.BLOCK_NAME.fullmatch(name) or kv_blocks.TEMP_NAME.fullmatch(name)):
+                    continue
                 if max_files is not None and looked_at >= max_files:
                     break
                 looked_at += 1
-                seen.add((shard.name, path.name))
+                seen.add((shard.name, name))
+                if name in indexed:
+                    continue
+                path = shard / name
+                info = self._files.lstat(path)
+                if info is None or not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+                    continue
                 age = now - info.st_mtime
                 size = info.st_size if stat.S_ISREG(info.st_mode) else 0
                 if path.name.endswith(".tmp"):
@@ -173,17 +182,13 @@ class StoreMaintenance:
 
     def _owned_dirs(self, folder: Path) -> list[Path]:
         """The shard folders (two hex digits) directly in `folder`, never through a link (engine/cache/files.py)."""
-        return [folder / n for n in self._files.names(folder)
-                if files.SHARD_NAME.fullmatch(n) and self._files.is_folder(folder / n)]
+        return [folder / n for n, info in self._files.listing(folder, files.SHARD_NAME.fullmatch).items()
+                if stat.S_ISDIR(info.st_mode)]
 
     def _owned_files(self, folder: Path, name_ok: Callable[[str], bool]) -> list[Path]:
         """Plain files (or links, which unlink only removes) directly in `folder` whose names pass `name_ok`;
         nothing when `folder` is reached through a link."""
-        return [path for path, _ in self._owned_file_stats(folder, name_ok)]
-
-    def _owned_file_stats(self, folder: Path, name_ok: Callable[[str], bool]) -> list[tuple[Path, os.stat_result]]:
-        """`_owned_files` with each one's own lstat."""
-        return [(folder / name, info) for name, info in self._files.listing(folder, name_ok).items()
+        return [folder / name for name, info in self._files.listing(folder, name_ok).items()
                 if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)]
 
     def _is_indexed(self, file_name: str) -> bool:
