@@ -9,13 +9,14 @@
 #           on the GPU), every row a `prefixrun bench` process (greedy, --no-cache --ignore-eos, the auto
 #           --max-batch; the FP8 model warmed up first on two lines): shared-system 64 x (2,048 + 256), 64 new (the
 #           decode step at batch 64, engine and process wall), unique prompts UNIQUE x (2,048 + 256), one new token
-#           (the prefill rate), doc-qa 4 x 16 x (4,096 + 128), 64 new; then bench/fp8_accuracy.py (the FP8 logits
-#           against bf16's, greedy agreement)
-#   kv      --kv-cache-dtype auto / int8 / fp8 on the bf16 4b-like model over shared-system BIG x (2,048 + 256),
-#           BIG_GEN new (the auto --max-batch each allows, the tokens per second)
+#           (the prefill rate), doc-qa 4 x 16 x (4,096 + 128), 64 new
+#   accuracy  bench/fp8_accuracy.py on the dense (and, with moe, the MoE) pair: bf16's and FP8's logits and greedy
+#           tokens against the source's fp32 run, and FP8's against bf16's
+#   kv      --kv-cache-dtype on the bf16 4b-like model over shared-system BIG x (2,048 + 256), BIG_GEN new, per
+#           KV_RUNS entry KIND[@MAX_BATCH] (default "auto int8 fp8": the auto --max-batch each allows, tokens/s)
 #   moe     bench/models/qwen3_5-moe-like.json cut to MOE_LAYERS of its 40 layers (default 8, so that its bf16 build
 #           and FP8 rewrite fit the budget beside the rest) against its FP8 rewrite: shared-system and unique
-#           prompts, and the accuracy
+#           prompts
 #   stream  bench/kbench_fp8_stream.py on STREAM_SHAPES at STREAM_ROWS rows (the streamed FP8 kernel's variants
 #           against the gemv kernel and cuBLASLt)
 # Prints one markdown table (bench/fp8_rows.py; also $OUT/table.md) and the stream kernel's lines; every JSON and
@@ -26,7 +27,8 @@ BUDGET=${BUDGET:-140}
 OUT=${OUT:-fp8-out}; mkdir -p "$OUT"
 MODELS_DIR=${MODELS_DIR:-/tmp/fp8rows}; mkdir -p "$MODELS_DIR"
 MOE_LAYERS=${MOE_LAYERS:-8}
-STEPS=${STEPS:-"dense kv moe stream"}
+STEPS=${STEPS:-"dense accuracy kv moe stream"}
+KV_RUNS=${KV_RUNS:-"auto int8 fp8"}  # each KIND[@MAX_BATCH] (without @: the auto --max-batch)
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1
 if [ -z "$SMOKE" ]; then
@@ -101,7 +103,9 @@ if has moe; then
   MOE_BUILD=$!
 fi
 DENSE_FP8=; MOE_FP8=
-has dense && fits dense-fp8 20 && rewrite dense "$DENSE" "$MODELS_DIR/dense-fp8" && DENSE_FP8=$MODELS_DIR/dense-fp8
+if { has dense || has accuracy; } && fits dense-fp8 20 && rewrite dense "$DENSE" "$MODELS_DIR/dense-fp8"; then
+  DENSE_FP8=$MODELS_DIR/dense-fp8
+fi
 if has moe; then
   wait "$MOE_BUILD"
   if [ -f "$OUT/moe-built" ]; then
@@ -112,20 +116,23 @@ if has moe; then
   fi
 fi
 
-if [ -n "$DENSE_FP8" ]; then
+if [ -n "$DENSE_FP8" ] && has dense; then
   # the FP8 path's first run on this machine (kernels CuPy makes at first use) outside the timed rows
   fits dense-fp8-warm 8 && bench dense-fp8-warm "$DENSE_FP8" warm
   pair dense "$DENSE" "$DENSE_FP8" ss uq dq
-  fits dense-accuracy 15 && accuracy dense "$DENSE" "$DENSE_FP8" "${ACC[@]}"
+fi
+if [ -n "$DENSE_FP8" ] && has accuracy; then
+  fits dense-accuracy 20 && accuracy dense "$DENSE" "$DENSE_FP8" "${ACC[@]}"
 fi
 if has kv; then
-  for kind in auto int8 fp8; do
-    fits "kv-$kind" 12 && bench "kv-$kind" "$DENSE" big --kv-cache-dtype "$kind"
+  for run in $KV_RUNS; do
+    kind=${run%@*}; batch=(); [ "$run" != "$kind" ] && batch=(--max-batch "${run#*@}")
+    fits "kv-$run" 12 && bench "kv-$run" "$DENSE" big --kv-cache-dtype "$kind" ${batch[@]+"${batch[@]}"}
   done
 fi
 if [ -n "$MOE_FP8" ]; then
   pair moe "$MODELS_DIR/moe" "$MOE_FP8" ss uq
-  fits moe-accuracy 10 && accuracy moe "$MODELS_DIR/moe" "$MOE_FP8" "${ACC[@]}"
+  if has accuracy; then fits moe-accuracy 15 && accuracy moe "$MODELS_DIR/moe" "$MOE_FP8" "${ACC[@]}"; fi
 fi
 if has stream && [ -z "$SMOKE" ] && fits stream 15; then
   timeout "$(left)" python3 bench/kbench_fp8_stream.py --shapes "${STREAM_SHAPES:-18432x2560,2560x9216}" \

@@ -11,6 +11,7 @@ import argparse
 import json
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -36,7 +37,9 @@ def torch_quantizer(device: str | None = None):
         rows, cols = w.shape
         bo, bi = block
         src = w.view(np.int16) if w.dtype == np.dtype(ml_dtypes.bfloat16) else w.astype(np.float32)
-        t = torch.from_numpy(np.ascontiguousarray(src)).to(device)
+        with warnings.catch_warnings():  # a read-only memory map: torch warns of writes that are never made
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(np.ascontiguousarray(src)).to(device)
         t = t.view(torch.bfloat16).float() if src.dtype == np.int16 else t
         nr, nc = -(-rows // bo), -(-cols // bi)
         padded = torch.nn.functional.pad(t.abs(), (0, nc * bi - cols, 0, nr * bo - rows))

@@ -6,7 +6,7 @@
 
 The table reads what the script left in OUT_DIR: `prefixrun bench --json` figures named MODEL-DTYPE-WORKLOAD.json
 (dense = the 4b-like model, moe = the MoE one; bf16 / fp8 weights; ss = shared-system, uq = unique prompts, dq =
-doc-qa), kv-KIND.json for the big-batch --kv-cache-dtype runs, MODEL-accuracy.json of bench/fp8_accuracy.py, and
+doc-qa), kv-KIND[@BATCH].json for the big-batch --kv-cache-dtype runs, MODEL-accuracy.json of bench/fp8_accuracy.py, and
 NAME.why for each step that did not run (its reason).
 """
 from __future__ import annotations
@@ -85,22 +85,36 @@ def model_rows(out: Path, model: str, title: str) -> list[str]:
             batch = f" (batch {f['batch_report'].get('peak_decode_batch', '?')})" if f else ""
         ratio = _ratio(cells[1], cells[0]) if None not in cells else "-"
         lines.append(f"| {label}{batch} | {text[0]} | {text[1]} | {ratio} |")
-    acc = _load(out / f"{model}-accuracy.json")
-    if acc:
-        lines.append(f"| logits vs bf16 ({acc['positions']} positions) | rel. error {acc['relative_error']:.4f}, "
-                     f"argmax {acc['argmax_agreement']:.3f} | greedy {acc['greedy_equal']}/{acc['greedy_total']} equal "
-                     f"| first difference at {acc['first_difference_mean']:.1f} |")
-    else:
-        lines.append(f"| logits vs bf16 | {_why(out, f'{model}-accuracy')} | | |")
+    lines += accuracy_rows(_load(out / f"{model}-accuracy.json"), _why(out, f"{model}-accuracy"))
     return lines
+
+
+def accuracy_rows(acc: dict | None, why: str) -> list[str]:
+    """bench/fp8_accuracy.py's figures: bf16 and FP8 against fp32 (where it ran), and FP8 against bf16."""
+    if acc is None:
+        return [f"| logits | {why} | | |"]
+    both = acc["fp8_vs_bf16"]
+    pos, greedy = acc["positions"], acc["greedy"]
+    if "bf16_vs_fp32" not in acc:
+        return [f"| logits against bf16's ({pos} positions): rel. error, argmax agreement | | "
+                f"{both['relative_error']:.4f}, {both['argmax_agreement']:.3f} | |",
+                f"| greedy tokens equal to bf16's ({greedy}) | | {both['greedy_equal']}/{both['greedy_total']} | |"]
+    cells = [acc["bf16_vs_fp32"], acc["fp8_vs_fp32"]]
+    return [f"| logits against fp32's ({pos} positions): rel. error (argmax agreement) | "
+            + " | ".join(f"{c['relative_error']:.4f} ({c['argmax_agreement']:.3f})" for c in cells)
+            + f" | FP8 vs bf16 {both['relative_error']:.4f} ({both['argmax_agreement']:.3f}) |",
+            f"| greedy tokens equal to fp32's ({greedy}) | "
+            + " | ".join(f"{c['greedy_equal']}/{c['greedy_total']}" for c in cells)
+            + f" | FP8 vs bf16 {both['greedy_equal']}/{both['greedy_total']} |"]
 
 
 def kv_rows(out: Path) -> list[str]:
     """One line per --kv-cache-dtype run of the big-batch workload."""
-    lines = ["| **--kv-cache-dtype, big batch** | --max-batch auto | engine wall | process wall | tok/s generated "
+    lines = ["| **--kv-cache-dtype, big batch** | --max-batch (from) | engine wall | process wall | tok/s generated "
              "| decode step (batch at most) |", "|---|---|---|---|---|---|"]
     base = _load(out / "kv-auto.json")
-    for kind in ("auto", "int8", "fp8"):
+    runs = sorted({p.stem[3:] for p in out.glob("kv-*.json")} | {p.stem[3:] for p in out.glob("kv-*.why")})
+    for kind in ["auto"] + [r for r in runs if r != "auto"]:
         f = _load(out / f"kv-{kind}.json")
         if f is None:
             lines.append(f"| {kind} | {_why(out, f'kv-{kind}')} | | | | |")
