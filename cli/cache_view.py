@@ -245,7 +245,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
             n = store.prune(model_digest=model_digests)
         else:
             n = store.prune(older_than_s=older_than_s, to_bytes=prune_to_bytes, model_digest=model_digests)
-        err.print(f"removed {n} entries", soft_wrap=True)
+        err.print(f"removed {_count(n)}", soft_wrap=True)
         if not (as_json or tree or verify):
             return io.EXIT_OK  # the change is the answer; the table is one `inspect-cache` away
         entries = store.entries()
@@ -273,7 +273,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     if tree:
         parents = _nesting(entries)
         by_id = {e.entry_id: e for e in entries}
-        root_tree = Tree(literal(f"{ckpt_root} ({len(entries)} entries, {human_bytes(total)})"))
+        root_tree = Tree(literal(f"{ckpt_root} ({_count(len(entries))}, {human_bytes(total)})"))
         nodes = {}
         for e in sorted(entries, key=lambda e: e.n_tokens):
             label = (f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · {e.hits} hits · "
@@ -284,7 +284,11 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         return io.EXIT_OK
     out.print(_table(entries, ckpt_root, preview, out.width))
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
-    out.print(literal(f"{len(entries)} entries, {human_bytes(total)} in total{against}"))
+    if model:  # the bytes and blocks below are the whole cache's: an entry's blocks may be shared with others
+        out.print(literal(f"{_count(len(entries))} of model {model}; "
+                          f"the whole cache holds {human_bytes(total)}{against}"))
+    else:
+        out.print(literal(f"{_count(len(entries))}, {human_bytes(total)} in total{against}"))
     out.print(literal(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
 
@@ -322,10 +326,14 @@ def _when(timestamp: float) -> str:
 
 
 def _blocks_cell(e) -> str:
-    """An entry's K/V block references: how many (of them shared with other entries) and their bytes."""
+    """An entry's K/V block references: how many, how many of them other entries share, and their bytes."""
     if not e.blocks:
         return "-"
-    return f"{e.blocks}/{e.shared_blocks}s {human_bytes(e.block_bytes)}"
+    return f"{e.blocks} ({e.shared_blocks} shared) {human_bytes(e.block_bytes)}"
+
+
+def _count(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
 
 
 def _of_model(entry, model: str) -> bool:
@@ -384,7 +392,7 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
                           "removed_leftover_files": n_files, "total_bytes": store.total_bytes(),
                           "entries": [_entry_json(e) for e in entries]}, indent=2))
         return EXIT_DAMAGED if bad or unreadable else io.EXIT_OK
-    lines = [f"verified {ok + len(bad)} entries: {ok} ok, {len(bad)} bad (moved to quarantine/ or dropped)"]
+    lines = [f"verified {_count(ok + len(bad))}: {ok} ok, {len(bad)} bad (moved to quarantine/ or dropped)"]
     lines += [f"  bad {printable(b.entry_id[:16])}: {printable(b.reason)}" for b in bad[:_SHOW_BAD]]
     if len(bad) > _SHOW_BAD:
         lines.append(f"  … and {len(bad) - _SHOW_BAD} more")
@@ -393,7 +401,7 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
                      f"{len(swept.dropped_rows)} entries whose file was gone")
     total = store.total_bytes()
     lines += [f"  cannot read {printable(str(p))} (permissions): its entries were not checked" for p in unreadable]
-    lines.append(f"{ok} entries, {human_bytes(total)} in total")
+    lines.append(f"{_count(len(entries))}, {human_bytes(total)} in total")
     lines.append(_blocks_line(store.block_summary(), total))
     print("\n".join(lines))
     return EXIT_DAMAGED if bad or unreadable else io.EXIT_OK
