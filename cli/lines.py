@@ -319,10 +319,11 @@ def _decode_json_object(text: str) -> tuple[dict, str | object | None]:
         # without its newline: a line cut short is an error at its end, not at "column 1" of the line after it
         obj = json.loads(text.rstrip("\r\n"), object_pairs_hook=pairs_to_dict)
     except json.JSONDecodeError as err:
-        raise _LineRejected(
-            f"malformed JSON at column {err.colno}: {err.msg} "
-            '(each line must be one JSON object, e.g. {"prompt": "..."})'
-        ) from None
+        bare_cr = err.msg == "Extra data" and err.doc[:err.pos].rstrip(" \t").endswith("\r")
+        raise _LineRejected(f"malformed JSON at column {err.colno}: {err.msg} " + (
+            "(objects on lines that end in a bare carriage return, \\r, read as one line: JSONL lines end in \\n; "
+            "convert the file, e.g. tr '\\r' '\\n')" if bare_cr else
+            '(each line must be one JSON object, e.g. {"prompt": "..."})')) from None
     except ValueError:
         # Python refuses to convert integers of more than 4300 digits (int_max_str_digits).
         raise _LineRejected("unreadable JSON: a number on this line has too many digits") from None

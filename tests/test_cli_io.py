@@ -266,6 +266,8 @@ ERROR_CASES = [
     # (line, expected words in the message, read as an OpenAI line?)
     (b'{"prompt": "caf\xe9"}', "not valid UTF-8", False),
     (b'{"prompt": "a",}', "malformed JSON at column", False),
+    # a file whose lines end in a bare CR (classic Mac) is one line to a JSONL reader: the error says why
+    (b'{"prompt": "a"}\r{"prompt": "b"}\r', "lines that end in a bare carriage return", False),
     (b"The capital of France is", "malformed JSON at column 1", False),
     (b'{"custom_id": "b", "prompt": "x"', "malformed JSON at column 33: Expecting ',' delimiter", False),  # was 1
     (b'["a", "b"]', "must be a JSON object, got an array", False),
