@@ -59,6 +59,19 @@ def run_store(root):
         store.close()
 
 
+def test_the_stores_block_files_are_hashed_by_the_helpers(tmp_path):
+    """The store's temp files were opened write-only: every helper failed to read one back (and the first failure
+    stopped the helpers for the process), so the writing threads hashed every block beside the engine's thread."""
+    store = CheckpointStore(tmp_path / "cache")
+    try:
+        assert put(store, DOC)
+        written = store._kv._written
+        assert written._started > 0 and not written._broken
+        assert all(helper.answered for helper in written._idle.queue)
+    finally:
+        store.close()
+
+
 def test_blocks_stored_with_helpers_dead_or_missing_are_the_same_files(tmp_path, monkeypatch):
     names = run_store(tmp_path / "helpers")
     assert names

@@ -127,10 +127,13 @@ class CacheFolder:
 
     @contextmanager
     def create(self, path: Path | str, *, folders: bool = True) -> Iterator[BinaryIO]:
-        """A new file opened for writing (it must not exist: O_EXCL, O_NOFOLLOW), its folders created if missing."""
+        """A new file opened for writing (it must not exist: O_EXCL, O_NOFOLLOW), its folders created if missing.
+        Opened to read as well: the K/V blocks' hashing helpers read the bytes written back through this very
+        descriptor (engine/cache/written_digests.py; write-only, every helper failed and the writing threads
+        hashed every block themselves)."""
         *folder, name = self._parts(path)
         with self._folder(folder, create=folders) as dir_fd:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                          dir_fd=dir_fd)
         with os.fdopen(fd, "wb") as handle:
             yield handle
