@@ -431,7 +431,7 @@ def inspect_cache(
 
 @app.command("compile-kernels")
 def compile_kernels(
-    workers: Annotated[Optional[int], typer.Option(min=1, help="threads compiling side by side (default and at "
+    workers: Annotated[Optional[int], typer.Option(min=1, metavar="<int>", help="threads compiling side by side (default and at "
                                                    "most: the cores this process may use)", show_default=False)] = None,
     model: Annotated[Optional[Path], typer.Option(help="also run this model once on a one-line batch, so the kernels "
                                                  "CuPy makes for its run are compiled too", show_default=False)] = None,
@@ -454,7 +454,8 @@ def compile_kernels(
     raise typer.Exit(io.EXIT_OK if report.ok else io.EXIT_FAILURE)
 
 
-@app.command(cls=_RunCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(cls=_RunCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="WORKLOAD [BATCH OPTIONS] [OPTIONS]")
 def bench(
     ctx: typer.Context,
     compare_transformers: Annotated[bool, typer.Option("--compare-transformers", help="also time transformers on "
@@ -464,7 +465,7 @@ def bench(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the figures as JSON here")] = None,
 ):
     """Time `prefixrun batch WORKLOAD [BATCH OPTIONS]` as a user runs it: every other argument and option is
-    batch's, with batch's defaults (sampling from the lines, the options and generation_config; the persistent
+    batch's (`prefixrun batch --help`), with batch's defaults (sampling from the lines, the options and generation_config; the persistent
     cache on unless --no-cache; results discarded unless -o). Prints JSON on stdout: process wall and model load,
     the batch report, prefill TFLOP/s against the GEMM ceiling, decode step time against the HBM roofline, and
     (optionally) the ratio to transformers."""

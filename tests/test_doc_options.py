@@ -81,3 +81,21 @@ def test_the_check_sees_a_stale_option():
     assert _named("--no-graphs", commands) == [("*", "--no-graphs")]
     assert _named("python3 bench/workloads.py doc-qa --docs 4", commands) == [("bench/workloads.py", "--docs")]
     assert _named("python3 -m prefixrun.cli.request_fields --write-readme", commands) == []
+
+
+def test_help_texts_read_alike():
+    """Every option's value reads `<type>` in --help (not `ADDRESS` beside `<str>`, nor Typer's `<int range>`), an
+    option without a default says what it falls back to, and bench's usage line names its workload."""
+    from conftest import cli
+
+    root = typer.main.get_command(app)
+    for name in root.commands:
+        res = cli(name, "--help", env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        for flag, shown in re.findall(r"^  (?:-\w, )?(--[a-z0-9/-]+) (\S+)  ", res.output, flags=re.M):
+            assert re.fullmatch(r"<[a-z]+>", shown), (name, flag, shown)
+    batch = {p.name: p.help for p in root.commands["batch"].params}
+    for option in ("state_memory", "checkpoint_budget", "dtype"):
+        assert "default" in batch[option], (option, batch[option])
+    usage = " ".join(root.commands["bench"].collect_usage_pieces(typer.Context(root.commands["bench"])))
+    assert usage.startswith("WORKLOAD"), usage

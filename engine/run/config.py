@@ -197,9 +197,12 @@ class RunConfig:
     max_line_bytes: int = option(DEFAULT_MAX_LINE_BYTES, "longer input lines get an error record, unread",
                                  cli_type=str, cli_default="4MiB", parse=_size("--max-line-bytes", minimum=64))
     checkpoint_budget: Optional[float] = option(
-        None, "memory for live + retained checkpoints: bytes (512MiB, 2GB) or a fraction of state memory",
+        None, "memory for live + retained checkpoints: bytes (512MiB, 2GB) or a fraction of state memory (default: "
+              f"1/{CHECKPOINT_SHARE} of it)",
         cli_type=Optional[str], parse=_size("--checkpoint-budget", allow_fraction=True))
-    state_memory: Optional[int] = option(None, "memory for all sequence and checkpoint state", cli_type=Optional[str],
+    state_memory: Optional[int] = option(None, "memory for all sequence and checkpoint state, in bytes (8GiB, 20GB; "
+                                               "default: half the GPU memory free after the weights load, "
+                                               f"{HOST_STATE_MEMORY >> 30}GiB on the CPU)", cli_type=Optional[str],
                                          parse=_size("--state-memory", minimum=MIN_STATE_MEMORY))
     reuse: bool = option(True, "prefill every request from scratch (baseline)", flag="--no-reuse", cli_type=bool,
                          cli_default=False, parse=_negated)
@@ -214,7 +217,7 @@ class RunConfig:
                     "recomputing it; always: store every checkpoint and read every match (e.g. to fill a cache "
                     "that a slower machine will read)", choices=_cache_policies, envvar="PREFIXRUN_CACHE_POLICY")
     device: str = option("auto", "auto, cuda or cpu")
-    dtype: Optional[str] = option(None, "bfloat16 or float32 (cuda); cpu is float32")
+    dtype: Optional[str] = option(None, "on cuda: bfloat16 (default) or float32; the CPU computes in float32")
     kv_cache_dtype: str = option(
         "auto", "storage of attention K/V rows: auto (the backend's: bf16 on cuda, fp32 on the cpu), bf16, or 8 "
                 "bits with a scale per 32 values, fp8 (e4m3) or int8: about half the K/V memory of bf16, so longer "
@@ -224,7 +227,7 @@ class RunConfig:
         None, "GPUs to spread the batch over, one worker process each: 0,1,... or all (with --device cpu: CPU "
               "workers, e.g. 0,1)", cli_type=Optional[str], parse=_devices, panel=_DEVICES)
     ray_address: Optional[str] = option(None, "run the engines on a Ray cluster (auto, ray://host:10001); needs "
-                                              "prefixrun[ray]", flag="--ray", metavar="ADDRESS", panel=_DEVICES)
+                                              "prefixrun[ray]", flag="--ray", metavar="<address>", panel=_DEVICES)
     speculative: str = option(
         "auto", "speculative decoding: auto (n-gram drafts for greedy requests on small decode batches, backing "
                 "off where too few are accepted), off, ngram (prompt lookup drafts for every request), mtp (the model's "
