@@ -109,7 +109,7 @@ def batch(
         # the GPU comes up (kernels/device_start.py) while the options are checked and the run's modules import;
         # a run that then stops on a usage error has only started a thread
         device_start.start(str(run_options.get("device") or "auto"))
-    from prefixrun.cli.output import run_to_output
+    from prefixrun.cli.output import first_bytes_of_the_pipe, run_to_output
 
     clock.mark("options")
     given = locals()
@@ -120,11 +120,7 @@ def batch(
     with stop_signals_raise():
         run = open_batch_run(reporter, config, source, clock=clock)
         if input_path is None:  # a pipe: its first bytes come when its writer sends them, the model loaded meanwhile
-            try:
-                _refuse_not_jsonl(source, "-")
-            except typer.BadParameter as exc:
-                reporter.error(str(exc))
-                raise typer.Exit(io.EXIT_USAGE)
+            first_bytes_of_the_pipe(run, source, reporter, json_report)
         report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter,
                                claim=claim, json_report=json_report)
     _finish_batch(report, output, json_report, reporter)
@@ -133,6 +129,7 @@ def batch(
 def _prepare_batch(given: dict, reporter: RunReporter):
     """batch's checks before any work (exit 2 with one line): (run configuration, input stream, input path or None,
     the claim on -o or None)."""
+    from prefixrun.cli.input_sniff import refuse_not_jsonl
     from prefixrun.cli.output import claim_output
     from prefixrun.cli.output_targets import OutputError, check_targets, stdout_targets
 
@@ -149,7 +146,7 @@ def _prepare_batch(given: dict, reporter: RunReporter):
         check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite,
                       input_fd=_descriptor(source))
         if input_path is not None:  # a file: looked at now, before the model loads
-            _refuse_not_jsonl(source, given["input"])
+            refuse_not_jsonl(source, given["input"])
         return config, source, input_path, claim_output(output)
     except (typer.BadParameter, InvalidOption, InvalidRequest, OutputError) as exc:
         reporter.error(str(exc))
@@ -220,16 +217,6 @@ def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=
         reporter.stop()
         reporter.error(f"stopped by {stop.name} while the model loaded; no request ran")
         raise typer.Exit(stop.exit_code)
-
-
-def _refuse_not_jsonl(source, name: str) -> None:
-    """A compressed or binary input is one usage error, not an error record per line (cli/input_sniff.py)."""
-    from prefixrun.cli.input_sniff import first_bytes, not_jsonl
-
-    what = not_jsonl(first_bytes(source))
-    if what is not None:
-        source.close()
-        raise typer.BadParameter(f"input {'(stdin)' if name == '-' else name}: not JSONL: looks like {what}")
 
 
 def _descriptor(stream) -> int | None:

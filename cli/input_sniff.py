@@ -62,3 +62,13 @@ def not_jsonl(head: bytes) -> str | None:
     if head and controls > len(head) // 20:
         return "binary data (control bytes)"
     return None
+
+
+def refuse_not_jsonl(source, name: str) -> None:
+    """A compressed or binary input is one usage error (typer.BadParameter), not an error record per line."""
+    import typer
+
+    what = not_jsonl(first_bytes(source))
+    if what is not None:
+        source.close()
+        raise typer.BadParameter(f"input {'(stdin)' if name == '-' else name}: not JSONL: looks like {what}")

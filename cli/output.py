@@ -332,6 +332,27 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             raise typer.Exit(io.EXIT_FAILURE)
 
 
+def first_bytes_of_the_pipe(run, source, reporter, json_report: Optional[Path]) -> None:
+    """Wait for stdin's first bytes and refuse what is not JSONL (exit 2); a stop signal while the pipe has sent
+    nothing ends the run as at any other moment: one line, 128 + the signal, the report of a run that made
+    nothing."""
+    from prefixrun.cli.input_sniff import refuse_not_jsonl
+
+    try:
+        refuse_not_jsonl(source, "-")
+    except typer.BadParameter as exc:
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP (cli/stop_signals.py)
+        stop = stop_reason(exc)
+        source.close()
+        reporter.stop()
+        reporter.error(f"stopped by {stop.name} while waiting for the input's first line; no request ran")
+        if json_report is not None:
+            write_json_report(json_report, run.partial_report(stop.name), reporter)
+        raise typer.Exit(stop.exit_code)
+
+
 def _aborted_report(run, json_report: Optional[Path], error: str, reporter) -> None:
     """--json-report of a run that aborted: what finished until then (as for a signal), `stopped_by` "error" and
     the `error`; a report that cannot be made from what the failure left is left out, never a second failure."""

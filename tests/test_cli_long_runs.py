@@ -108,6 +108,41 @@ def test_a_stop_signal_keeps_finished_results_and_writes_a_partial_report(model,
     assert figures["finished_requests"] == n_short and figures["completion_tokens"] >= 2 * n_short
 
 
+def _waits_on_its_pipe(pid: int, seconds: float = 60) -> None:
+    """Until process `pid` sleeps reading a pipe (Linux's wchan; elsewhere a few seconds)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                if "pipe_read" in f.read():
+                    return
+        except OSError:
+            time.sleep(5)
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_stop_signal_while_a_pipe_has_sent_nothing_is_said_with_its_code(model, tmp_path, signum, code):
+    """`producer | prefixrun batch -` stopped before the producer wrote a byte: one line and 128 + the signal, as
+    at any other moment, and --json-report says so (it exited 130 without a word for SIGTERM and SIGHUP alike)."""
+    report = tmp_path / "report.json"
+    read, write = os.pipe()
+    p = subprocess.Popen(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache", "-o",
+                             tmp_path / "out.jsonl", "--json-report", report), stdin=read, stderr=subprocess.PIPE,
+                         text=True)
+    os.close(read)
+    try:
+        _waits_on_its_pipe(p.pid)
+        p.send_signal(signum)
+        _, err = p.communicate(timeout=120)
+    finally:
+        os.close(write)
+    said = [line for line in err.splitlines() if line.startswith("error:")]
+    assert p.returncode == code and len(said) == 1 and signal.Signals(signum).name in said[0], err
+    assert json.loads(report.read_text())["stopped_by"] == signal.Signals(signum).name
+
+
 def test_an_ignored_sighup_stays_ignored(model, tmp_path):
     """Under nohup (SIGHUP ignored at the start) a SIGHUP does not stop the run."""
     src = write_jsonl(tmp_path / "in.jsonl", slow_batch(3)[1:])
