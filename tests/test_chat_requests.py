@@ -211,6 +211,10 @@ def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
      'tools[1].function.name "get_weather" is the name of tools[0] too: a call names its function'),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
      "tools[0].function.parameters must be an object"),
+    # OpenAI's message keys of string values: a template would write 5 or an object into the prompt as Python text
+    ({"messages": [{**USER, "name": 5}]}, "messages[0].name must be a string, got 5"),
+    ({"messages": [USER, {"role": "tool", "content": "1", "tool_call_id": {"id": 1}}]},
+     'messages[1].tool_call_id must be a string, got {"id": 1}'),
     # an assistant turn's calls, as OpenAI writes them: a list of {"function": {"name", "arguments": JSON text}}
     ({"messages": [USER, {"role": "assistant", "tool_calls": "f()"}]}, "messages[1].tool_calls must be a list"),
     ({"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "1"}]}]},

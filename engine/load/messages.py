@@ -36,6 +36,9 @@ def check_messages(value: Any, where: str = "messages") -> list[dict]:
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"{here}.role must be a non-empty string, got {describe_value(role)}")
         _check_content(message, f"{here}.content")
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise InvalidRequest(f"{here}.{key} must be a string, got {describe_value(message[key])}")
         if message.get("tool_calls") is not None:
             _check_tool_calls(message["tool_calls"], f"{here}.tool_calls")
     return value
