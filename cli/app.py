@@ -84,8 +84,8 @@ def batch(
     input: Annotated[Optional[str], typer.Argument(help="JSONL file of requests, or - for stdin",
                                                    show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="write results here instead of stdout")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="with -o: skip requests whose custom_id already has a "
-                                         "result")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="with -o: continue it, skipping requests that already "
+                                         "have a result there (error records run again)")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an -o file that already holds "
                                             "results")] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="write results as they finish, not in input "
