@@ -510,7 +510,7 @@ def bench(
         raise typer.Exit(1)
     figures = figures_of.figures(run, report, workload, open_seconds)
     if compare_transformers:
-        setup = figures_of.transformers_setup(run, workload)
+        setup = figures_of.transformers_setup(run, workload, report["failed_lines"])
         ops = run.loaded.ops
         del run  # give the device memory back before transformers loads its own copy of the model
         gc.collect()

@@ -122,19 +122,23 @@ def _roofline(model, ops, workload: Path, report: dict):
     return decode_roofline(model_bytes(model, ops), prompts, completions, report["decode_steps"])
 
 
-def transformers_setup(run, workload: Path) -> dict:
+def transformers_setup(run, workload: Path, failed_lines: int) -> dict:
     """What the transformers comparison needs from the run (taken before the run is dropped)."""
     lines = [json.loads(l) for l in workload.read_text().splitlines() if l.strip()]
     d = run.defaults
     return {"model_dir": run.loaded.path, "device": run.loaded.ops.device_kind, "lines": lines,
             "sampling": {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p},
-            "default_max_tokens": d.max_tokens or 16}
+            "default_max_tokens": d.max_tokens or 16, "failed_lines": failed_lines}
 
 
 def compare_with_transformers(setup: dict, batch: int, wall: float) -> dict:
     """transformers' wall time on the same token ids and the ratio to `wall`, or why it was left out (the run's
     own figures stand whatever transformers does)."""
     lines = setup["lines"]
+    if setup.get("failed_lines"):  # e.g. token ids outside the vocabulary, on which transformers raises IndexError
+        return {"transformers_skipped": f"{setup['failed_lines']} of the workload's lines got error records "
+                                        "(stderr names them), so the run did not do the work transformers would "
+                                        "be timed on"}
     if not all(isinstance(l, dict) and "prompt_token_ids" in l for l in lines):
         return {"transformers_skipped": "the comparison needs prompt_token_ids on every line"}
     try:

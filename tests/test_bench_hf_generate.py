@@ -4,6 +4,8 @@ settings tried and chosen by measurement, and greedy tokens that are the engine'
 figure it gives is the time of the right work."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import PARITY_STD, bench_script, write_jsonl
@@ -124,3 +126,17 @@ def test_both_harnesses_halve_the_group_while_transformers_runs_out_of_memory(mo
              "default_max_tokens": 4}
     skipped = bench.compare_with_transformers(setup, 8, 1.0)
     assert skipped["transformers_skipped"].startswith("transformers failed: OutOfMemoryError"), skipped
+
+
+def test_bench_compares_nothing_when_lines_failed(tmp_path):
+    """Token ids outside a small model's vocabulary (bench/workloads.py without --vocab-limit): every line is an
+    error record, and the comparison says so, not transformers' `IndexError: index out of range in self`."""
+    from conftest import cli
+
+    model_dir, work = _model_and_workload(tmp_path, [{"prompt_token_ids": [1, 2, 100_000], "max_tokens": 2},
+                                                     {"prompt_token_ids": [1, 2, 3], "max_tokens": 2}])
+    res = cli("bench", work, "--model", model_dir, "--device", "cpu", "--no-cache", "--compare-transformers", "-q")
+    assert res.exit_code == 3, res.output
+    figures = json.loads(res.stdout)
+    assert figures["transformers_skipped"].startswith("1 of the workload's lines got error records"), figures
+    assert "speedup_vs_transformers" not in figures and "IndexError" not in res.stderr
