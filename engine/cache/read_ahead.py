@@ -152,29 +152,39 @@ class ReadAhead:
             started = time.perf_counter()
             try:
                 checkpoint = self.store.read_entry(self.key, prefix, resident)
+                seconds = time.perf_counter() - started
+                checkpoint = self._fit_ahead(checkpoint)
             except _STORE_FAILURES as error:
                 self._give_up("prefetch", error)
             except Exception as error:  # read-ahead is optional: the lookup reads the entry itself
+                checkpoint = None
                 log.warning("persistent checkpoint cache: read-ahead failed (%s: %s)", type(error).__name__, error)
-            seconds = time.perf_counter() - started
+            seconds = seconds or time.perf_counter() - started
             self._mark("read_ahead_read_last", last=True)
         return slot, nbytes, checkpoint, seconds
 
+    def _fit_ahead(self, checkpoint: StoredCheckpoint | None) -> StoredCheckpoint | None:
+        """On the entry's reading thread: the entry checked against the model (`_problem`), or None. The entries
+        read at once are checked at once: on the staging thread each entry's check waited for the one before and
+        for its upload, and a window's checks and uploads took as long as its reads."""
+        layout = self._ahead_layout
+        if checkpoint is None or layout is None:
+            return checkpoint
+        if self._problem(checkpoint, layout) is not None:
+            return None  # the lookup reads it itself, and moves it aside saying why
+        self._checked.add((checkpoint.entry_id, checkpoint.file_name))
+        return checkpoint
+
     def _stage_read_ahead(self, stop):
-        """On the staging thread: check each read-ahead entry against the model, move its K/V rows to the device,
-        and hand it to the lookups (the slot's event) — or hand over None, and the lookup reads the entry itself
-        (and moves it aside, saying why, if it is bad)."""
+        """On the staging thread: move each read-ahead entry's K/V rows to the device (checked against the model
+        already, `_fit_ahead`) and hand it to the lookups (the slot's event) — or hand over None, and the lookup
+        reads the entry itself (and moves it aside, saying why, if it is bad)."""
         while True:
             job = self._staging.get()
             if job is None:
                 return
             slot, nbytes, checkpoint, seconds = job
             try:
-                if checkpoint is not None and self._ahead_layout is not None:
-                    if self._problem(checkpoint, self._ahead_layout) is None:
-                        self._checked.add((checkpoint.entry_id, checkpoint.file_name))
-                    else:
-                        checkpoint = None
                 if checkpoint is not None:
                     self.costs.prefetch_bytes += checkpoint.nbytes
                     self.costs.prefetch_block_bytes += checkpoint.block_bytes
