@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from prefixrun.cli.report import shown_id
@@ -34,6 +35,42 @@ def line_digest(data: bytes) -> str:
     return hashlib.sha256(data.strip()).hexdigest()
 
 
+# the options that change a run's answers: a resumed run must give them as the run that started its output did
+RESULT_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "chat_template_kwargs",
+                  "tool_call_parser", "reasoning_parser", "lenient", "max_line_bytes", "kv_cache_dtype")
+_MODEL_FILES = (".json", ".jinja", ".model", ".safetensors")
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 20  # of each weights file: 16 MiB read at most, whatever its size
+
+
+def run_identity(config) -> dict:
+    """What decides a run's answers: the model's content and RESULT_OPTIONS' values (config: a RunConfig whose
+    model_dir is set). The model is named by its files' content, not their place, so a copy of it elsewhere (a
+    job's node-local scratch) resumes: config, tokenizer and template files whole, and each weights file's size
+    and 16 spread samples of a MiB (a checkpoint that differs from the first only between those samples, a few
+    tensors, is not told apart)."""
+    model = hashlib.sha256()
+    folder = Path(config.model_dir)
+    for path in sorted(p for p in folder.iterdir() if p.suffix in _MODEL_FILES and p.is_file()):
+        model.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            model.update(str(size).encode() + b"\0")
+            spots = [0] if size <= _SAMPLES * _SAMPLE_BYTES else \
+                [i * (size - _SAMPLE_BYTES) // (_SAMPLES - 1) for i in range(_SAMPLES)]
+            for spot in spots:
+                f.seek(spot)
+                model.update(f.read(_SAMPLE_BYTES if len(spots) > 1 else size))
+    identity = {"model": model.hexdigest()}
+    identity.update({name: getattr(config, name) for name in RESULT_OPTIONS})
+    return json.loads(json.dumps(identity, sort_keys=True, default=str))
+
+
+def changed_settings(before: dict, now: dict) -> list[str]:
+    """The settings (the model, or an option's flag) in which two run identities differ."""
+    return [name if name == "model" else "--" + name.replace("_", "-")
+            for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
+
+
 class InputMismatch(Exception):
     """--resume over an input that is not the one the output's results came from (one line for the user)."""
 
@@ -41,7 +78,7 @@ class InputMismatch(Exception):
 class InputLedger:
     """The ledger of one run into `output` (None: nothing is recorded or checked, as for stdout)."""
 
-    def __init__(self, output: Path | None = None, *, resume: bool = False):
+    def __init__(self, output: Path | None = None, *, resume: bool = False, identity: dict | None = None):
         self.output = output
         self.path = path = ledger_path(output) if output is not None else None
         self._made_by: dict[str, str] = {}  # custom_id -> digest of the line that made its result
@@ -53,6 +90,14 @@ class InputLedger:
             self._made_by = _read(path)
         else:
             path.unlink(missing_ok=True)
+            if identity is not None:  # the run that starts the output: a resumed one must be the same
+                self._open().write(json.dumps({"run": identity}, sort_keys=True) + "\n")
+                self._file.flush()
+
+    def _open(self):
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        return self._file
 
     def check(self, custom_id: str, line_no: int, data: bytes) -> None:
         """A line whose custom_id already has a result: raise InputMismatch unless it is the line that made it."""
@@ -73,9 +118,7 @@ class InputLedger:
         digest = self._reading.pop(index, None)
         if not ok or digest is None or self.path is None:
             return
-        if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(json.dumps([custom_id, digest], ensure_ascii=True) + "\n")
+        self._open().write(json.dumps([custom_id, digest], ensure_ascii=True) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -102,3 +145,17 @@ def _read(path: Path) -> dict[str, str]:
     except FileNotFoundError:
         pass
     return made_by
+
+
+def started_by(output: Path) -> dict | None:
+    """The identity of the run that started `output` (run_identity), if its ledger records one."""
+    try:
+        with open(ledger_path(output), "rb") as f:
+            first = f.readline(1 << 20)
+    except OSError:
+        return None
+    try:
+        entry = json.loads(first)
+    except (ValueError, RecursionError):
+        return None
+    return entry["run"] if isinstance(entry, dict) and isinstance(entry.get("run"), dict) else None

@@ -36,7 +36,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
-from prefixrun.cli.input_ledger import InputLedger, InputMismatch
+from prefixrun.cli.input_ledger import InputLedger, InputMismatch, changed_settings, run_identity, started_by
 from prefixrun.cli.output_targets import STDOUT, OutputError, in_system_folder, is_regular, journal_path
 from prefixrun.cli.stop_signals import stop_reason
 from prefixrun.engine.errors import EnginesDidNotStart
@@ -268,13 +268,15 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
         if claim is not None:
             claim.opened = True
         if output is not None:
+            identity = _identity(run)
             if resume:
+                _refuse_another_run(output, identity, reporter)
                 done_ids, fresh_from = _resume_from(run, output, reporter)
             out_stream, journal = open_output(output, resume=resume)
             stack.callback(_close_quietly, out_stream)
             stack.callback(lambda: journal and journal.close())
             if journal is not None:  # a regular file: the ledger of which line made each result goes beside it
-                run.ledger = InputLedger(output, resume=resume and bool(done_ids))
+                run.ledger = InputLedger(output, resume=resume and bool(done_ids), identity=identity)
                 stack.callback(run.ledger.close)
         else:
             out_stream = sys.stdout
@@ -364,6 +366,26 @@ def _aborted_report(run, json_report: Optional[Path], error: str, reporter) -> N
         return
     report["error"] = error
     write_json_report(json_report, report, reporter)
+
+
+def _identity(run) -> dict | None:
+    """The run's identity for its output's ledger (cli/input_ledger.py run_identity); None where the model's
+    files cannot be read again (nothing is checked then)."""
+    try:
+        return run_identity(run.config)
+    except OSError:
+        return None
+
+
+def _refuse_another_run(output: Path, identity: dict | None, reporter) -> None:
+    """--resume with another model or other answer-changing options than the run that started `output`: exit 2,
+    one line, the output untouched (its results would be two runs' answers)."""
+    before = started_by(output)
+    changed = changed_settings(before, identity) if before is not None and identity is not None else []
+    if changed:
+        reporter.error(f"--resume: {output} was started with another {', '.join(changed)}; resuming would mix "
+                       "two runs' answers (give the same, another -o, or --overwrite to replace it)")
+        raise typer.Exit(io.EXIT_USAGE)
 
 
 def _resume_from(run, output: Path, reporter) -> tuple[set[str], int]:

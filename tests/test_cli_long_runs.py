@@ -375,6 +375,32 @@ def test_resume_refuses_another_input_and_accepts_appended_lines(model, tmp_path
     assert cli("batch", tmp_path / "b.jsonl", *base, "--resume").exit_code == 0
 
 
+def test_resume_refuses_another_model_or_sampling_and_accepts_the_model_moved(model, tmp_path):
+    """--resume with another model (another checkpoint in the same folder too) or other result-shaping options
+    (--temperature, --max-tokens, ...) is exit 2 with one line naming what changed, the output untouched: the
+    output would hold two runs' answers (it resumed, mixing them). The same model copied elsewhere (a job's
+    node-local scratch) and options that change no answer (--max-batch) resume."""
+    import shutil
+
+    lines = [{"prompt": f"question {i}", "max_tokens": 2} for i in range(3)]
+    out = tmp_path / "out.jsonl"
+    src = write_jsonl(tmp_path / "a.jsonl", lines)
+    base = ("--device", "cpu", "--no-cache", "-q", "-o", out)
+    assert cli("batch", write_jsonl(tmp_path / "two.jsonl", lines[:2]), "--model", model, *base).exit_code == 0
+    before = out.read_bytes()
+    other = make_model_dir(tmp_path / "other", TINY_QWEN3_5, seed=4, init_std=0.05)  # same shapes, other weights
+    for args, named in ((("--model", other), "model"), (("--model", model, "--temperature", 0.7), "--temperature"),
+                        (("--model", model, "--max-tokens", 5), "--max-tokens")):
+        res = cli("batch", src, *args, *base, "--resume")
+        said = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(said) == 1 and named in said[0] and "--overwrite" in said[0], res.stderr
+        assert out.read_bytes() == before
+    moved = shutil.copytree(model, tmp_path / "scratch" / "model")
+    res = cli("batch", src, "--model", moved, *base, "--resume", "--max-batch", 2)
+    assert res.exit_code == 0, res.stderr
+    assert [r["custom_id"] for r in records(out.read_text())] == ["line-1", "line-2", "line-3"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The report explains pressure
 
