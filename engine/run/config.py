@@ -189,10 +189,11 @@ class RunConfig:
                                    choices=REASONING_PARSERS, panel=_CHAT)
     lenient: bool = option(False, "ignore (with a warning) request fields prefixrun cannot honour and unknown keys, "
                                   "instead of error records", flag="--lenient")
-    max_batch: Optional[int] = option(None, "sequences decoded together (default: on a GPU the width of the most "
-                                            "measured throughput that state memory holds, "
+    max_batch: Optional[int] = option(None, "sequences decoded together (default: on a GPU the width of the highest "
+                                            "measured decode throughput that the state memory holds, "
                                             f"{HOST_MAX_BATCH} on the CPU)", at_least=1)
-    window: int = option(4096, "requests planned together (memory bound on huge inputs)", at_least=1)
+    window: int = option(4096, "requests planned together (a smaller window bounds memory on huge inputs)",
+                         at_least=1)
     max_prefill_tokens: int = option(DEFAULT_PREFILL_TOKENS, "tokens per prefill step", at_least=1)
     max_line_bytes: int = option(DEFAULT_MAX_LINE_BYTES, "longer input lines get an error record, unread",
                                  cli_type=str, cli_default="4MiB", parse=_size("--max-line-bytes", minimum=64))
