@@ -293,9 +293,9 @@ def _work_rows(report: dict):
         yield "skipped (--resume)", f"{count(report['resumed_skipped_lines'], 'line')} already had results"
     yield "prompt tokens", f"{report['prompt_tokens']:,}"
     yield "ideal prefill tokens", f"{report['distinct_prefix_tokens']:,} (distinct prefix tokens)"
-    yield "computed prefill", (f"{report['computed_prompt_tokens']:,} "
-                               f"({report['computed_prompt_tokens'] / max(report['distinct_prefix_tokens'], 1):.2f}× "
-                               f"ideal)")
+    ideal = report["distinct_prefix_tokens"]  # 0 when no prompt ran: no ratio to show
+    yield "computed prefill", (f"{report['computed_prompt_tokens']:,}"
+                               + (f" ({report['computed_prompt_tokens'] / ideal:.2f}× ideal)" if ideal else ""))
     yield "reused tokens", (f"{report['reused_tokens']:,} ({report['reused_tokens'] / pt:.1%}); from disk "
                             f"{report['reused_from_disk_tokens']:,}, from memory "
                             f"{report['reused_tokens'] - report['reused_from_disk_tokens']:,}")
