@@ -99,3 +99,19 @@ def test_help_texts_read_alike():
         assert "default" in batch[option], (option, batch[option])
     usage = " ".join(root.commands["bench"].collect_usage_pieces(typer.Context(root.commands["bench"])))
     assert usage.startswith("WORKLOAD"), usage
+
+
+def test_defaults_the_readme_states_are_the_commands():
+    """`--option` (default V) in README.md: V is what batch takes when the option is not given."""
+    from prefixrun.engine.sizes import parse_size
+
+    def value(text: str) -> float:
+        text = text.replace(",", "").replace(" ", "")
+        return float(parse_size(text, "a stated default")) if text[-1] == "B" else float(text)
+
+    batch = {o: p.default for p in typer.main.get_command(app).commands["batch"].params for o in p.opts}
+    stated = re.findall(r"`(--[a-z-]+)`[^`.;]{0,40}?\(default ([0-9][0-9,.]*(?: ?[KMG]i?B)?)",
+                        (ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(stated) >= 3, stated
+    for option, default in stated:
+        assert value(default) == value(str(batch[option])), (option, default, batch[option])
