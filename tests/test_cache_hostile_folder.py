@@ -60,6 +60,26 @@ def test_a_reason_file_planted_as_a_link_is_never_written_through(tmp_path):
     assert precious.read_text() == "keep me"
 
 
+def test_a_bad_entry_that_quarantine_cannot_take_is_said_deleted_not_moved(tmp_path, caplog):
+    """quarantine/ planted as a link out of the folder: the bad file is deleted (nothing goes through the link),
+    and the one warning says so; it said "moved to .../quarantine" and then "could not move" it."""
+    import logging
+
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    with CheckpointStore(root) as store:
+        assert put(store)
+        (entry,) = store.entries()
+        entry.path.write_bytes(entry.path.read_bytes()[:-1])  # truncated: a quarantined miss
+        (root / "quarantine").rmdir() if (root / "quarantine").is_dir() else None
+        (root / "quarantine").symlink_to(outside, target_is_directory=True)
+        with caplog.at_level(logging.WARNING):
+            assert store.lookup(KEY, TOKENS, len(TOKENS)) is None
+    said = [r.getMessage() for r in caplog.records if "failed verification" in r.getMessage()]
+    assert len(said) == 1 and "; deleted" in said[0] and "; moved to" not in said[0], said
+    assert list(outside.iterdir()) == [] and not entry.path.exists()
+
+
 @pytest.mark.parametrize("folder", ["blobs", BLOCKS_DIR_NAME])
 def test_a_shard_folder_planted_as_a_link_is_never_written_through(tmp_path, folder):
     root, outside = tmp_path / "cache", tmp_path / "outside"

@@ -234,30 +234,35 @@ class EntryVerification:
         for path in freed:  # blocks only this entry used: intact as far as anyone knows, but unreferenced now
             self._files.unlink(path)
         self.stats.corrupt += 1
-        self.warnings.warn("checkpoints failed verification", "checkpoint %s failed verification (%s); moved to %s",
-                           row.entry_id, reason, self._quarantine_dir)
         source = self._path_of(row.file_name)
-        if source is not None:  # else the row named no file of ours: dropping the row is all there is to do
-            self._move_to_quarantine(source, f"entry_id: {row.entry_id}\nreason: {reason}\n")
+        kept = "its row dropped"  # the row named no file of ours: dropping the row is all there is to do
+        if source is not None:
+            kept = self._move_to_quarantine(source, f"entry_id: {row.entry_id}\nreason: {reason}\n")
+        self.warnings.warn("checkpoints failed verification", "checkpoint %s failed verification (%s); %s",
+                           row.entry_id, reason, kept)
         return True
 
-    def _move_to_quarantine(self, source: Path, reason_text: str) -> None:
+    def _move_to_quarantine(self, source: Path, reason_text: str) -> str:
         """Move a bad file to quarantine/ with a .reason file beside it; where that cannot be done (quarantine/ a
-        link, a read-only folder), delete it. Every step through the cache folder (engine/cache/files.py)."""
+        link, a read-only folder), delete it. Every step through the cache folder (engine/cache/files.py).
+        Returns what became of it, for the warning that names the file's failure."""
         target = self._quarantine_dir / source.name
         try:
             self._files.make_folders(QUARANTINE_DIR_NAME)
             self._files.replace(source, target)
+        except FileNotFoundError:
+            return "its file was gone already"
+        except OSError as error:  # keeping the evidence is best effort; the row is already gone
+            self._files.unlink(source)
+            return f"deleted: it could not be moved to {self._quarantine_dir} ({error})"
+        try:
             self._overhead_bytes += self._files.size(target) or 0
             self._files.write_atomic(target.with_name(target.name + ".reason"),
                                      f"{reason_text}quarantined_at: {self._clock()}\n".encode())
             self._trim_quarantine()
-        except FileNotFoundError:
-            pass  # nothing left to keep
-        except OSError as error:  # keeping the evidence is best effort; the row is already gone
-            self.warnings.warn("files could not be moved to quarantine", "could not move %s to quarantine: %s",
-                               source, error)
-            self._files.unlink(source)
+        except OSError:  # the file is aside; its note is best effort
+            pass
+        return f"moved to {self._quarantine_dir}"
 
     def _drop_block(self, block_id: str, file_name: str | None, reason: str) -> list[str]:
         """A block failed verification: drop its row and every entry referencing it (none can be restored), move
@@ -278,15 +283,16 @@ class EntryVerification:
         if row is None and not users:
             return []  # evicted meanwhile: a race, not corruption
         self.stats.corrupt += 1
-        self.warnings.warn("K/V blocks failed verification",
-                           "K/V block %s failed verification (%s); %d entries that use it dropped", block_id, reason,
-                           len(users))
         for path in [self._path_of(f) for f in blobs] + freed:
             self._files.unlink(path)
         # only a file named for this block is its own: a row naming another block's file leaves that file alone
         source = self._kv.path_of(row[0]) if row is not None and str(row[0]).startswith(block_id) else None
+        kept = "its row dropped"
         if source is not None:
-            self._move_to_quarantine(source, f"block_id: {block_id}\nreason: {reason}\n")
+            kept = self._move_to_quarantine(source, f"block_id: {block_id}\nreason: {reason}\n")
+        self.warnings.warn("K/V blocks failed verification",
+                           "K/V block %s failed verification (%s); %d entries that use it dropped; %s", block_id,
+                           reason, len(users), kept)
         return users
 
     def _trim_quarantine(self, max_bytes: int | None = None) -> int:
