@@ -39,14 +39,14 @@ def line_digest(data: bytes) -> str:
 RESULT_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "chat_template_kwargs",
                   "tool_call_parser", "reasoning_parser", "lenient", "max_line_bytes", "kv_cache_dtype")
 _MODEL_FILES = (".json", ".jinja", ".model", ".safetensors")
-_SAMPLES, _SAMPLE_BYTES = 16, 1 << 20  # of each weights file: 16 MiB read at most, whatever its size
+_SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # of each weights file: 1 MiB read at most, whatever its size
 
 
 def run_identity(config) -> dict:
     """What decides a run's answers: the model's content and RESULT_OPTIONS' values (config: a RunConfig whose
     model_dir is set). The model is named by its files' content, not their place, so a copy of it elsewhere (a
     job's node-local scratch) resumes: config, tokenizer and template files whole, and each weights file's size
-    and 16 spread samples of a MiB (a checkpoint that differs from the first only between those samples, a few
+    and 16 spread samples of 64 KiB (a checkpoint that differs from the first only between those samples, a few
     tensors, is not told apart)."""
     model = hashlib.sha256()
     folder = Path(config.model_dir)
@@ -55,8 +55,8 @@ def run_identity(config) -> dict:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             model.update(str(size).encode() + b"\0")
-            spots = [0] if size <= _SAMPLES * _SAMPLE_BYTES else \
-                [i * (size - _SAMPLE_BYTES) // (_SAMPLES - 1) for i in range(_SAMPLES)]
+            sampled = path.suffix == ".safetensors" and size > _SAMPLES * _SAMPLE_BYTES
+            spots = [i * (size - _SAMPLE_BYTES) // (_SAMPLES - 1) for i in range(_SAMPLES)] if sampled else [0]
             for spot in spots:
                 f.seek(spot)
                 model.update(f.read(_SAMPLE_BYTES if len(spots) > 1 else size))
