@@ -36,8 +36,9 @@ def line_digest(data: bytes) -> str:
 
 
 # the options that change a run's answers: a resumed run must give them as the run that started its output did
+# (not --lenient or --max-line-bytes: they decide which lines fail, and a failed line runs again on --resume)
 RESULT_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "chat_template_kwargs",
-                  "tool_call_parser", "reasoning_parser", "lenient", "max_line_bytes", "kv_cache_dtype")
+                  "tool_call_parser", "reasoning_parser", "kv_cache_dtype")
 _MODEL_FILES = (".json", ".jinja", ".model", ".safetensors")
 _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # of each weights file: 1 MiB read at most, whatever its size
 

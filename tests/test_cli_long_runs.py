@@ -379,7 +379,7 @@ def test_resume_refuses_another_model_or_sampling_and_accepts_the_model_moved(mo
     """--resume with another model (another checkpoint in the same folder too) or other result-shaping options
     (--temperature, --max-tokens, ...) is exit 2 with one line naming what changed, the output untouched: the
     output would hold two runs' answers (it resumed, mixing them). The same model copied elsewhere (a job's
-    node-local scratch) and options that change no answer (--max-batch) resume."""
+    node-local scratch) and options that change no answer (--max-batch, --lenient) resume."""
     import shutil
 
     lines = [{"prompt": f"question {i}", "max_tokens": 2} for i in range(3)]
@@ -396,7 +396,7 @@ def test_resume_refuses_another_model_or_sampling_and_accepts_the_model_moved(mo
         assert res.exit_code == 2 and len(said) == 1 and named in said[0] and "--overwrite" in said[0], res.stderr
         assert out.read_bytes() == before
     moved = shutil.copytree(model, tmp_path / "scratch" / "model")
-    res = cli("batch", src, "--model", moved, *base, "--resume", "--max-batch", 2)
+    res = cli("batch", src, "--model", moved, *base, "--resume", "--max-batch", 2, "--lenient")
     assert res.exit_code == 0, res.stderr
     assert [r["custom_id"] for r in records(out.read_text())] == ["line-1", "line-2", "line-3"]
 
