@@ -491,32 +491,33 @@ def test_max_line_bytes_option(model, tmp_path):
 
 @pytest.mark.slow
 def test_default_model_in_a_non_editable_install(tmp_path):
-    """Build a wheel of this tree, install it into a fresh venv (system site-packages for the dependencies), run
-    the default model from there: same folder name (digest) as this install, a 2048-entry vocabulary, a note that
-    the weights are random, and text that decodes to something."""
+    """Build a wheel of this tree, install it into a folder of its own (the dependencies stay this interpreter's),
+    run the default model from there: same folder name (digest) as this install, a 2048-entry vocabulary, a note
+    that the weights are random, and text that decodes to something."""
     from prefixrun.engine.load.model_maker import DEFAULT_MODEL_CONFIG, default_model_dir
 
-    system_python = Path(sys.base_prefix) / "bin" / "python3"
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for name in ("cli", "engine", "kernels"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([system_python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", tmp_path / "wheel", src], check=True, capture_output=True, timeout=300)
-    venv = tmp_path / "venv"
-    subprocess.run([system_python, "-m", "venv", "--system-site-packages", venv], check=True, timeout=300)
+    # this interpreter builds the wheel: the test extra brings setuptools and wheel, which a bare system Python lacks
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-w", tmp_path / "wheel", src], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
-    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True,
-                   capture_output=True, timeout=300)
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                                "--target", site, wheel], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
     cache = tmp_path / "cache"
-    env = {**os.environ, "PREFIXRUN_CACHE_DIR": str(cache)}
-    env.pop("PYTHONPATH", None)
-    where = subprocess.run([venv / "bin" / "python", "-c", "import prefixrun.engine as e; print(e.__file__)"],
+    # the folder leads sys.path, ahead of an editable install's finder, which the first check below makes sure of
+    env = {**os.environ, "PREFIXRUN_CACHE_DIR": str(cache), "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import prefixrun.engine as e; print(e.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, check=True)
-    assert str(venv) in where.stdout, "the test must import the installed copy, not this tree"
-    p = subprocess.run([venv / "bin" / "prefixrun", "batch", "-", "--device", "cpu"], cwd=tmp_path, env=env,
+    assert str(site) in where.stdout, "the test must import the installed copy, not this tree"
+    p = subprocess.run([site / "bin" / "prefixrun", "batch", "-", "--device", "cpu"], cwd=tmp_path, env=env,
                        input='{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}\n',
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
