@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from prefixrun.kernels.cuda_modules import kernel
-from prefixrun.kernels.tuning import elementwise_vector
+from prefixrun.kernels.row_launch import elementwise_vector
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)

@@ -11,7 +11,7 @@ from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, as_f32, blocks_for
     matrix_view, norm_blocks, row_view, type_name, vectors_ok
 from prefixrun.kernels.cuda_fp8 import ProjectionWeight, projection_linear
 from prefixrun.kernels.cuda_modules import kernel
-from prefixrun.kernels.tuning import elementwise_launch, elementwise_vector, norm_launch
+from prefixrun.kernels.row_launch import elementwise_launch, elementwise_vector, norm_launch
 
 class DenseOps:
     """CudaOps' dense ops (its `_act` storage dtype, `_blas` handle, `tuning` and `_cast`)."""

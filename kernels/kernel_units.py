@@ -15,8 +15,9 @@ from pathlib import Path
 
 from prefixrun.kernels.fp8_launch import FP8W_GEMV_TILES, FP8W_STREAM_KERNELS, FP8W_STREAM_TMA_KERNELS
 from prefixrun.kernels.kda_tuning import KDA_TC_WARPS
+from prefixrun.kernels.row_launch import NORM_CHUNKS
 from prefixrun.kernels.tuning import ATTN_WARPS, GDN_COLS, GDN_DECODE_BLOCKS, GDN_KEY_DIMS, GDN_TC_DIMS, \
-    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_ROWS, MOE_GEMM_STAGES, NORM_CHUNKS, SSD_TC_BLOCKS, \
+    GDN_TC_PREP_KERNELS, GDN_TC_WARPS, KDA_STAGED_TOKENS, MOE_GEMM_ROWS, MOE_GEMM_STAGES, SSD_TC_BLOCKS, \
     SSD_TC_STATES, attn_tile_keys
 
 _KERNEL_DIR = Path(__file__).parent

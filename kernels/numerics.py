@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # 2: bf16 prefill on tensor cores by default (wgmma attention on sm_90, the delta rule's tc form); 3: the delta rule's
 # decode kernel (one-token steps sum S^T k, S^T q in another order); 4: row norms (RMSNorm, the fused add + RMSNorm,
-# gated RMSNorm, L2) sum a row in 16-byte chunks over norm_launch's lanes (kernels/tuning.py); 5: attention prefill at
+# gated RMSNorm, L2) sum a row in 16-byte chunks over norm_launch's lanes (kernels/row_launch.py); 5: attention prefill at
 # head dim 256 in the warp-specialised kernel (attn_prefill_kernel "auto"); 6: the delta rule's tensor-core prep pass
 # gdn_tc_prep_v2_kernel (6 blocks per SM, "v2-6") by default (the same fp32 solve in another summation order); 7:
 # Mamba2 bf16 prefills in the tensor-core chunked form (kernels/ssd_tc.cu), Mamba2 decode steps in ssd_decode_kernel

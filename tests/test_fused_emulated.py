@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prefixrun.kernels.reference import NumpyOps
-from prefixrun.kernels.tuning import elementwise_launch, norm_launch
+from prefixrun.kernels.row_launch import elementwise_launch, norm_launch
 from test_delta_tc_emulated import _forked, _guarded, _ptr, compile_emulated, emulator_common
 
 ROOT = Path(__file__).resolve().parent.parent

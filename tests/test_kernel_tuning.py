@@ -11,10 +11,10 @@ import pytest
 
 from prefixrun.kernels.kda_tuning import kda_chunked, kda_step_launch, kda_tc_launch, kda_tc_prep_launch, \
     kda_tc_prep_smem_bytes
-from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, NORM_CHUNKS, NORM_WIDE_LANES, WGMMA_HEAD_DIMS, \
-    AttentionPlan, CudaTuning, DeltaRuleLaunch, GdnPrepLaunch, NormLaunch, attention_plan, delta_rule_launch, \
-    gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, gdn_tc_smem_bytes, norm_launch, \
-    wgmma_keys_per_tile, ws_keys_per_tile, ws_persistent_blocks
+from prefixrun.kernels.row_launch import NORM_CHUNKS, NORM_WIDE_LANES, NormLaunch, norm_launch
+from prefixrun.kernels.tuning import GDN_TC_PREPS, GDN_TC_WARPS, WGMMA_HEAD_DIMS, AttentionPlan, CudaTuning, \
+    DeltaRuleLaunch, GdnPrepLaunch, attention_plan, delta_rule_launch, gdn_tc_prep_launch, gdn_tc_prep_smem_bytes, \
+    gdn_tc_smem_bytes, wgmma_keys_per_tile, ws_keys_per_tile, ws_persistent_blocks
 
 H200_SMS = 132
 DEFAULT = CudaTuning()
