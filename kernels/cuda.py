@@ -238,7 +238,8 @@ class CudaOps(DenseOps, SequenceMixingOps, AttentionOps, MambaOps):
 
     def read_weights(self, spans):
         """Read ahead through a ring of pinned buffers and asynchronous DMAs (kernels/cuda_weight_reads.py): the
-        tensors whose stored dtype the kernels take (fp32, bf16); the others go the upload's way."""
+        tensors whose stored dtype the kernels take (fp32, bf16, FP8 values as bytes); the others go the upload's
+        way."""
         from prefixrun.kernels.cuda_weight_reads import start_reads
 
         return start_reads(list(spans), self._device_id)

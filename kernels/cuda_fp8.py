@@ -42,9 +42,16 @@ def dequantize_into(out: cupy.ndarray, m: Fp8Matrix) -> None:
     if tuple(out.shape) != (rows, cols) or not out.flags.c_contiguous:
         raise ValueError(f"dequantize_into: [{rows}, {cols}] into {tuple(out.shape)} "
                          f"(C-contiguous: {out.flags.c_contiguous})")
-    q = cupy.empty((rows, cols), cupy.uint8)
+    _dequantize(_device_bytes(m), cupy.asarray(np.ascontiguousarray(m.scale, np.float32)), m.block, out)
+
+
+def _device_bytes(m: Fp8Matrix) -> cupy.ndarray:
+    """m's fp8 values as uint8 [rows, cols] on the device: as the weights' read-ahead landed them, else uploaded."""
+    if isinstance(m.values, cupy.ndarray):
+        return cupy.ascontiguousarray(m.values).view(cupy.uint8).reshape(m.shape)
+    q = cupy.empty(m.shape, cupy.uint8)
     upload_bytes(q, np.ascontiguousarray(m.values).view(np.uint8))
-    _dequantize(q, cupy.asarray(np.ascontiguousarray(m.scale, np.float32)), m.block, out)
+    return q
 
 
 def _dequantize(q: cupy.ndarray, scale: cupy.ndarray, block: tuple[int, int], out: cupy.ndarray) -> None:
@@ -98,17 +105,26 @@ class ProjectionWeight:
 
 def upload_block(parts: list[Fp8Matrix]) -> Fp8Block:
     """Fp8Matrix parts on the 128 x 128 grid (every one but the last a multiple of 128 rows) stacked on the device:
-    the fp8 bytes copied as stored into one array, the small scale grid stacked on the host."""
+    the fp8 bytes as stored in one array (a lone part read ahead is that array itself; others are copied into
+    their rows, on the device where they were read ahead), the small scale grid stacked on the host."""
     k = parts[0].shape[1]
     n = sum(p.shape[0] for p in parts)
-    values = cupy.empty((n, k), cupy.uint8)
     scale = np.zeros((-(-n // GEMM_BLOCK), scale_columns(k)), np.float32)
+    if len(parts) == 1 and isinstance(parts[0].values, cupy.ndarray):
+        values = _device_bytes(parts[0])
+    else:
+        values = cupy.empty((n, k), cupy.uint8)
+        row = 0
+        for p in parts:
+            if isinstance(p.values, cupy.ndarray):
+                values[row:row + p.shape[0]] = p.values.view(cupy.uint8)
+            else:
+                upload_bytes(values[row:row + p.shape[0]], np.ascontiguousarray(p.values).view(np.uint8))
+            row += p.shape[0]
     row = 0
     for p in parts:
-        rows = p.shape[0]
-        upload_bytes(values[row:row + rows], np.ascontiguousarray(p.values).view(np.uint8))
         scale[row // GEMM_BLOCK:row // GEMM_BLOCK + p.scale.shape[0], :p.scale.shape[1]] = p.scale
-        row += rows
+        row += p.shape[0]
     return Fp8Block(values, cupy.asarray(scale))
 
 

@@ -18,7 +18,7 @@ import cupy
 import numpy as np
 
 from prefixrun.kernels import driver_context
-from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads, read_threads
+from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads, kernel_dtypes, read_threads
 
 RING_BUFFERS, BUFFER_BYTES = driver_context.PINNED_RING
 WINDOW_BYTES = 16 << 30  # read ahead of the build at most (less where the device has less free): a model of
@@ -115,14 +115,10 @@ class PinnedLanding(Landing):
 
 
 def start_reads(spans: list[TensorSpan], device: int) -> WeightReads:
-    """The reads of the tensors whose stored dtype the kernels take (fp32, bf16: the others go the upload's way)
+    """The reads of the tensors whose stored dtype the kernels take (kernels/weight_reads.py kernel_dtypes)
     into `device`'s memory, landed for the calling thread's current stream."""
     with cupy.cuda.Device(device):
         free, _ = cupy.cuda.runtime.memGetInfo()
         window = max(BUFFER_BYTES, min(WINDOW_BYTES, (free + cupy.get_default_memory_pool().free_bytes()) // 4))
         stream = cupy.cuda.get_current_stream()
-    import ml_dtypes  # here, not on the device's thread before its ring (kernels/device_start.py): the run has it
-
-    taken_as_stored = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # what the kernels take as stored
-    kept = [s for s in spans if np.dtype(s.dtype) in taken_as_stored]
-    return WeightReads(kept, PinnedLanding(device, stream), read_threads(), window)
+    return WeightReads(kernel_dtypes(spans), PinnedLanding(device, stream), read_threads(), window)

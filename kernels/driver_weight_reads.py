@@ -37,7 +37,7 @@ import numpy as np
 
 from prefixrun.kernels import driver_context
 from prefixrun.kernels.driver_context import DriverError
-from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads, read_threads
+from prefixrun.kernels.weight_reads import Landing, TensorSpan, WeightReads, kernel_dtypes, read_threads
 
 WINDOW_BYTES = 16 << 30  # as kernels/cuda_weight_reads.py: read ahead of the build at most (a quarter of free memory)
 FREE_BATCH_BYTES = 1 << 30  # blocks given back during the load are freed together once they add up to this
@@ -216,7 +216,7 @@ def free_bytes(lib, context: int) -> int:
 
 
 def start_reads(spans: list[TensorSpan], ordinal: int) -> WeightReads | None:
-    """The reads of the tensors whose stored dtype the kernels take (fp32, bf16) into device `ordinal`'s memory
+    """The reads of the tensors whose stored dtype the kernels take (kernels/weight_reads.py kernel_dtypes) into device `ordinal`'s memory
     through the driver, started now; None where they cannot go this way (switched off, no context or ring made by
     the driver's bring-up, CuPy not installed, or the driver refused the first calls): the caller starts them through
     CuPy, or the build reads them itself."""
@@ -232,8 +232,5 @@ def start_reads(spans: list[TensorSpan], ordinal: int) -> WeightReads | None:
     if ring is None:
         return None
     (_, size), addresses = ring
-    import ml_dtypes  # the run has it; not needed before the reads start
-
-    taken_as_stored = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
-    kept = [s for s in spans if np.dtype(s.dtype) in taken_as_stored]
-    return WeightReads(kept, DriverLanding(lib, context, ordinal, addresses, size), read_threads(), window)
+    return WeightReads(kernel_dtypes(spans), DriverLanding(lib, context, ordinal, addresses, size), read_threads(),
+                       window)

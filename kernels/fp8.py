@@ -20,7 +20,9 @@ _FP8_VALUES = np.arange(256, dtype=np.uint8).view(FP8_DTYPE).astype(np.float32)
 
 @dataclass(frozen=True)
 class Fp8Matrix:
-    """`values` [rows, cols] float8_e4m3fn, `scale` [ceil(rows/bo), ceil(cols/bi)] float32, `block` (bo, bi)."""
+    """`values` [rows, cols] float8_e4m3fn, or their bytes as uint8 (how the weights' read-ahead hands them out, in
+    the backend's memory: kernels/weight_reads.py), `scale` [ceil(rows/bo), ceil(cols/bi)] float32 on the host,
+    `block` (bo, bi)."""
 
     values: np.ndarray
     scale: np.ndarray
@@ -29,9 +31,9 @@ class Fp8Matrix:
     def __post_init__(self):
         rows, cols = self.values.shape
         bo, bi = self.block
-        if self.values.dtype != FP8_DTYPE or self.scale.dtype != np.float32:
+        if self.values.dtype not in (FP8_DTYPE, np.uint8) or self.scale.dtype != np.float32:
             raise ValueError(f"Fp8Matrix: values {self.values.dtype} / scale {self.scale.dtype}, expected "
-                             f"float8_e4m3fn / float32")
+                             f"float8_e4m3fn (or its bytes, uint8) / float32")
         if bo <= 0 or bi <= 0 or self.scale.shape != (-(-rows // bo), -(-cols // bi)):
             raise ValueError(f"Fp8Matrix: scale {self.scale.shape} does not tile [{rows}, {cols}] in {self.block} "
                              f"blocks")

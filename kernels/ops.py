@@ -108,8 +108,9 @@ class Ops(Protocol):
     def read_weights(self, spans) -> "WeightReads":
         """Start reading the checkpoint tensors `spans` (kernels/weight_reads.py TensorSpans, in the order the build
         will ask for them) into backend memory on threads of the backend's choosing; returns at once. The result's
-        take(name) gives each one once as a backend array in its stored dtype (a part `upload_rows` takes), or
-        None for one it does not read (the caller reads that one itself); close() ends it."""
+        take(name) gives each one once as a backend array in its stored dtype (a part `upload_rows` takes; an FP8
+        tensor as its bytes, uint8, which kernels/fp8.py Fp8Matrix takes as its values), or None for one it does
+        not read (the caller reads that one itself); close() ends it."""
 
     def upload_index(self, host_array) -> Array:
         """Host integers -> a backend int32 array (contiguous)."""

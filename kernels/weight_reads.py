@@ -6,8 +6,8 @@ for the previous tensor's copy, and the copying reads a memory map. Here a threa
 found (engine/load/gemm_plan.py), and lands each chunk in the tensors' backend arrays through the backend's
 `Landing` (CUDA: pinned buffers, one asynchronous DMA per piece on a stream of its own, kernels/cuda_weight_reads.py;
 NumPy: plain copies). The build's `take(name)` gets the array once its bytes are there (on CUDA: ordered after
-their copy, the host does not wait for it), in the checkpoint's dtype; conversion is the upload's, where the
-backend computes.
+their copy, the host does not wait for it), in the checkpoint's dtype (an FP8 tensor as its bytes, uint8: CuPy has
+no float8 array type, and the FP8 kernels take the bytes); conversion is the upload's, where the backend computes.
 
 Memory: the tensors read but not yet taken hold at most `window_bytes` (the reader waits), except while the build
 waits for a tensor the reader has not reached (then it goes on, so an unexpected order never deadlocks). A name
@@ -57,6 +57,20 @@ class ReadFigures:
                 "tensors": self.tensors, "seconds": round(self.seconds, 4),
                 "setup_seconds": round(self.setup_seconds, 4), "bytes_per_second": round(rate),
                 "started_at": self.started_at, "landing": self.landing, "error": self.error}
+
+
+def kernel_dtypes(spans: list[TensorSpan]) -> list[TensorSpan]:
+    """The tensors whose stored dtype a GPU backend's kernels take as stored: fp32, bf16 and FP8 (float8_e4m3fn
+    values, taken as bytes: kernels/cuda_fp8.py); the others go the upload's way (converted on the host)."""
+    import ml_dtypes  # here, not where a device's thread imports this module before its ring: the run has it
+
+    kept = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn))
+    return [s for s in spans if np.dtype(s.dtype) in kept]
+
+
+def handed_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype `take` hands a tensor out in: its own, an FP8 tensor's bytes as uint8 (module doc)."""
+    return np.dtype(np.uint8) if np.dtype(dtype).name.startswith("float8") else np.dtype(dtype)
 
 
 def read_threads() -> int:
@@ -181,8 +195,8 @@ class WeightReads:
 
     # ---- the build's thread ----------------------------------------------------------------------------------
     def take(self, name: str):
-        """The tensor `name` as the backend's array (the checkpoint's dtype and shape), once; None when it is not
-        read ahead (not planned, taken already, the reads failed or were closed)."""
+        """The tensor `name` as the backend's array (its dtype as `handed_dtype` says, its shape), once; None when
+        it is not read ahead (not planned, taken already, the reads failed or were closed)."""
         t = self._by_name.get(name)
         if t is None:
             return None
@@ -203,7 +217,7 @@ class WeightReads:
             self.figures.taken_bytes += t.spec.span.nbytes
             self.figures.tensors += 1
             self._cond.notify_all()
-        return self._landing.ready(target, done, t.spec.dtype, t.spec.shape)
+        return self._landing.ready(target, done, handed_dtype(t.spec.dtype), t.spec.shape)
 
     def wait_read(self, timeout: float | None = None) -> bool:
         """Wait until the reading thread has read its last chunk (or failed, or was stopped): other reads of the

@@ -42,3 +42,35 @@ def test_the_cuda_backend_dequantises_fp8_exactly_as_the_host_then_rounds_to_bf1
                                       want.view(np.uint16 if dtype == "bfloat16" else np.uint32))
     mixed = ops.to_host(ops.upload_rows([mats[1], rng.standard_normal((2, 260)).astype(np.float32)], "float32"))
     np.testing.assert_array_equal(mixed[:7], mats[1].dequantize())
+
+
+def test_fp8_weights_through_the_read_ahead_equal_the_direct_load(ops, tmp_path):
+    """The loader's path: an FP8 checkpoint's values are read ahead into the device (as bytes) and taken by the
+    build, and every device array of the model (Fp8Block values and scales, dequantised weights) equals the load
+    that uploads them from the memory map, bit for bit."""
+    from test_cuda_load import _arrays
+
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.weights import CheckpointTensors
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.fp8 import FP8_DTYPE
+    from prefixrun.kernels.reference import NumpyOps
+
+    config = {**TINY_QWEN3_5, "hidden_size": 256, "intermediate_size": 384}  # projections on the 128 x 128 grid
+    path = make_model_dir(tmp_path / "fp8", config, seed=3, fp8="block")
+    stored = CheckpointTensors(path)
+    fp8_bytes = sum(stored.get(n).nbytes for n in stored.names() if stored.get(n).dtype == FP8_DTYPE)
+    loading = loader.start_load(path, "cuda")
+    loaded = loading.finish()
+    figures = loading.weight_reads
+    assert figures["error"] is None and figures["taken_bytes"] == figures["planned_bytes"] >= fp8_bytes > 0
+    ahead, direct = _arrays(loaded.model), _arrays(load_model(path, loaded.ops)[0])
+    cpu = _arrays(load_model(path, NumpyOps())[0])
+    # the weights: the arrays the CPU's model has too, and the FP8 segments' values and scales
+    weights = [k for k in ahead if k in cpu or ".segments." in k and not k.endswith(".counters")]
+    assert sum(k.endswith(".values") for k in weights) > 4 and len(weights) > 20  # FP8 kept for the GEMMs
+    for name in weights:
+        a, b = loaded.ops.to_host(ahead[name]), loaded.ops.to_host(direct[name])
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)), name

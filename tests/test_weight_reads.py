@@ -355,3 +355,58 @@ def test_the_wait_for_the_reads_start_is_the_devices_phase_and_the_callers_work_
     phases = clock.report()["phases"]
     assert phases["device"] >= 0.3 and phases["weights_plan"] < 0.3
     assert phases["imports"] >= 0.2
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_values_are_read_ahead_and_give_the_mapped_weights_bit_for_bit(tmp_path, layout):
+    """An FP8 checkpoint's values are in the dry build's upload order, read ahead and taken (as their bytes), and
+    the model's weights equal the memory-mapped load's bit for bit (their scales are read on the host)."""
+    from prefixrun.engine.load import loader
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+    from prefixrun.engine.load.quantization import open_quantized
+    from prefixrun.engine.load.weights import CheckpointTensors
+    from prefixrun.engine.models import load_model
+    from prefixrun.kernels.fp8 import FP8_DTYPE, Fp8Matrix
+    from prefixrun.kernels.reference import NumpyOps
+
+    path = make_model_dir(tmp_path / layout, {**TINY_QWEN3_5, "hidden_size": 160}, seed=5, fp8=layout)
+    front = loader.load_front(path)
+    tensors = open_quantized(CheckpointTensors(path), front.config.quantization)
+    fp8 = {n for n in tensors.names() if tensors._t.get(n).dtype == FP8_DTYPE}
+    assert len(fp8) > 10
+    _, _, order, _ = loader.dry_plan(front.config, tensors, np.float32, False)
+    assert fp8 <= set(order)
+    planned = tensors.tensor_spans(order)
+    assert fp8 <= {s.name for s in planned}
+    fp8_bytes = sum(s.span.nbytes for s in planned if s.name in fp8)
+
+    name = sorted(fp8)[0]
+    tensors.read_ahead([name], NumpyOps().read_weights)
+    ahead = tensors.stored(name)
+    assert isinstance(ahead, Fp8Matrix) and ahead.values.dtype == np.uint8  # the read-ahead's bytes
+    direct = tensors.fp8_weight(name)
+    assert direct.values.dtype == FP8_DTYPE
+    assert np.array_equal(ahead.dequantize().view(np.uint32), direct.dequantize().view(np.uint32))
+    assert tensors.end_read_ahead()["taken_bytes"] == direct.values.nbytes
+
+    loading = loader.start_load(path, "cpu")
+    loaded = loading.finish()
+    figures = loading.weight_reads
+    assert figures["error"] is None and figures["taken_bytes"] == figures["planned_bytes"] >= fp8_bytes > 0
+    mapped, ahead_arrays = _model_arrays(load_model(path, NumpyOps())[0]), _model_arrays(loaded.model)
+    assert len(mapped) == len(ahead_arrays) > 10
+    for a, b in zip(ahead_arrays, mapped):
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_fp8_tensors_are_handed_out_as_their_bytes_and_read_by_the_gpu_backends():
+    import ml_dtypes
+
+    from prefixrun.kernels.file_reads import FileSpan
+    from prefixrun.kernels.weight_reads import handed_dtype, kernel_dtypes
+
+    dtypes = [np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.uint8, np.int64, np.float16]
+    spans = [TensorSpan(f"t{i}", FileSpan("f", 0, 4), np.dtype(d), (4,)) for i, d in enumerate(dtypes)]
+    assert [s.name for s in kernel_dtypes(spans)] == ["t0", "t1", "t2"]
+    assert [handed_dtype(s.dtype) for s in spans[:3]] == [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16),
+                                                          np.dtype(np.uint8)]

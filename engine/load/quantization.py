@@ -238,6 +238,11 @@ class QuantizedTensors:
         weight = self.fp8_weight(name, shape)
         if weight is None:
             return self._t.stored(name, shape) if quantized is materialize else self._t.get(name, shape)
+        if quantized is materialize:
+            # the fp8 values as the read-ahead landed them (their bytes in the backend's memory), else the mapped
+            # ones; asked for in the dry build too, so that its upload order names them and they are read ahead.
+            # The scales stay the host's: validated there, and 1/4096 of the values' bytes
+            weight = Fp8Matrix(self._t.stored(name, shape), weight.scale, weight.block)
         if self._shapes_only:
             return np.broadcast_to(np.zeros(weight.shape[-1:], np.float32), weight.shape)
         return quantized(weight)
