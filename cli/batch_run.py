@@ -84,10 +84,10 @@ class BatchRun:
             self.backend = _worker_pool(config)
             try:
                 front = loader.load_front(model_dir)
+                self._set_front(front, config)
             except BaseException:
                 self.backend.abort()
                 raise
-            self._set_front(front, config)
         self._warned = 0  # backend warnings shown so far (workers report theirs when they are ready)
         self._show_backend_warnings()
         self.model_name = model_dir.name

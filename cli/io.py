@@ -28,7 +28,7 @@ A `messages` line may also carry what vLLM's chat completions take beside the me
   (as transformers' `apply_chat_template(tools=...)` does).
 - `chat_template_kwargs`: an object of extra template variables, e.g. `{"enable_thinking": false}`; its keys win
   over `--chat-template-kwargs`. It may not set messages, tools, documents, add_generation_prompt or
-  continue_final_message.
+  continue_final_message, nor a variable the model's chat template never reads (it would change nothing).
 - `add_generation_prompt` (default true) and `continue_final_message` (default false): with
   `continue_final_message` the prompt ends inside the last message (no end-of-turn), so the model continues it;
   `add_generation_prompt` then defaults to false, and both true is an error.

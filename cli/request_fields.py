@@ -99,7 +99,8 @@ FIELDS: tuple[RequestField, ...] = (
        takes="a string"),
     # ---- chat template ----
     _F("tools", HONOURED, CHAT, "function schemas, rendered by the chat template"),
-    _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false}"),
+    _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false} (a "
+       "variable the template never reads: an error, --lenient too, as it would change nothing)"),
     _F("add_generation_prompt", HONOURED, CHAT, "end the prompt with the assistant header (default true)"),
     _F("continue_final_message", HONOURED, CHAT, "leave the last message open for the model to continue"),
     _F("documents", HONOURED, CHAT, "documents for templates that render them (RAG): the template's documents (a "

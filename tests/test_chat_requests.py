@@ -44,6 +44,8 @@ CALL = {"role": "assistant", "content": "", "tool_calls": [
 TOOL_RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"}
 PREFILL = {"role": "assistant", "content": "The weather in Paris is"}
 
+# The template variables of each family's template beyond messages, tools and add_generation_prompt.
+TEMPLATE_VARIABLES = {"qwen3": {"enable_thinking"}, "llama3_1": {"tools_in_user_message", "date_string"}}
 # (messages, tools, template kwargs, add_generation_prompt, continue_final_message), as transformers takes them.
 CASES = [
     ([USER], None, {}, True, False),
@@ -92,6 +94,8 @@ def openai_chat(custom_id="r1", **body) -> dict:
 def test_chat_prompt_tokens_equal_transformers(family, case):
     name, tokenizer, hf = family
     messages, tools, kwargs, add_generation_prompt, continue_final_message = CASES[case]
+    # the variables of the other family's template change nothing here, and are refused (tested below)
+    kwargs = {key: value for key, value in kwargs.items() if key in TEMPLATE_VARIABLES[name]}
     encoder = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=BIG)
     prompt = ChatPrompt(messages, tools, kwargs, add_generation_prompt, continue_final_message)
     # Neither template loops over a message's content, so text parts reach it joined and a tool-calling turn's
@@ -153,9 +157,9 @@ def test_lines_with_tools_and_kwargs_from_both_shapes_equal_transformers(family)
     """Through the line parser: a plain line and an OpenAI Batch line, command-line kwargs under the line's."""
     name, tokenizer, hf = family
     messages = [SYSTEM, USER]
-    cli_kwargs = {"enable_thinking": True, "date_string": "02 Feb 2025"}
+    cli_kwargs = {"qwen3": {"enable_thinking": True}, "llama3_1": {"date_string": "02 Feb 2025"}}[name]
     encoder = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=BIG, chat_template_kwargs=cli_kwargs)
-    line_kwargs = {"enable_thinking": False}
+    line_kwargs = {"qwen3": {"enable_thinking": False}, "llama3_1": {"date_string": "03 Mar 2026"}}[name]
     expected = hf_chat_ids(hf, messages, [WEATHER_TOOL], {**cli_kwargs, **line_kwargs}, True, False)
     plain = parse({"messages": messages, "tools": [WEATHER_TOOL], "chat_template_kwargs": line_kwargs})
     openai = parse(openai_chat(messages=messages, tools=[WEATHER_TOOL], chat_template_kwargs=line_kwargs))
@@ -279,6 +283,30 @@ def test_vocabulary_and_context_checks(qwen3_tokenizer):
         PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=BIG).encode(TextPrompt(""))
 
 
+def test_a_template_variable_the_template_never_reads_is_refused(qwen3_tokenizer, llama_tokenizer):
+    """A chat_template_kwargs key the model's template never reads would change nothing: an error naming the key
+    (and the close name the template does read), never a prompt rendered as if it were not there; a key the
+    template reads renders as before. The command line's are checked against the model's templates at once."""
+    from prefixrun.engine.errors import InvalidOption
+
+    encoder = PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=BIG)
+    with pytest.raises(InvalidRequest, match='^chat_template_kwargs "enable_thinkng": the chat template of .* '
+                                             'never reads it, so it would change nothing \\(did you mean '
+                                             '"enable_thinking"\\?\\); it reads .*enable_thinking'):
+        encoder.render(ChatPrompt([USER], template_kwargs={"enable_thinkng": False}))
+    with pytest.raises(InvalidRequest, match='^chat_template_kwargs "a", "b": .* never reads them, so they'):
+        encoder.render(ChatPrompt([USER], template_kwargs={"enable_thinking": False, "b": 1, "a": 2}))
+    assert encoder.render(ChatPrompt([USER], template_kwargs={"enable_thinking": False})).endswith("</think>\n\n")
+    llama = PromptEncoder(llama_tokenizer, vocab_size=BIG, context_tokens=BIG)
+    with pytest.raises(InvalidRequest, match='^chat_template_kwargs "enable_thinking": the chat template of '):
+        llama.render(ChatPrompt([USER], template_kwargs={"enable_thinking": False}))
+    assert "03 Mar 2026" in llama.render(ChatPrompt([USER], template_kwargs={"date_string": "03 Mar 2026"}))
+    with pytest.raises(InvalidOption, match='^--chat-template-kwargs "enable_thinking": the chat template of .* '
+                                            'never reads it'):
+        PromptEncoder(llama_tokenizer, vocab_size=BIG, context_tokens=BIG,
+                      chat_template_kwargs={"enable_thinking": False})
+
+
 @pytest.mark.parametrize("name, outside, inside", [
     ("stop_token_ids", (3, 512), (3, 511)),
     ("logit_bias", ((512, 1.0),), ((511, 1.0),)),
@@ -351,6 +379,30 @@ def test_bad_chat_template_kwargs_option_is_a_usage_error(tmp_path):
         assert "Traceback" not in result.output
 
 
+def test_template_kwargs_the_template_never_reads_through_the_cli(tmp_path):
+    """A line's key the template never reads: that line's error record (the others run); the same key in
+    --chat-template-kwargs: exit 2 and one line before any line runs."""
+    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
+
+    model = make_model_dir(tmp_path / "model", TINY_QWEN3_5, seed=3, init_std=0.05)  # reads no variable of its own
+    source = tmp_path / "in.jsonl"
+    chat = [{"role": "user", "content": "hello"}]
+    source.write_text(json.dumps({"custom_id": "k", "messages": chat, "chat_template_kwargs": {"enable_thinking":
+                                                                                               False}}) + "\n" +
+                      json.dumps(openai_chat("ok", messages=chat, max_tokens=2)) + "\n")
+    args = ["batch", str(source), "--model", str(model), "--no-cache", "--device", "cpu", "-q"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 3, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert 'chat_template_kwargs "enable_thinking": the chat template of' in records[0]["error"]["message"]
+    assert records[1]["response"]["status_code"] == 200
+    result = CliRunner().invoke(app, [*args, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and '--chat-template-kwargs "enable_thinking": the chat template of' in lines[0], lines
+    assert result.stdout == ""
+
+
 def test_a_lenient_run_counts_the_lines_of_each_ignored_key_and_renders_tools(tmp_path):
     from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 
@@ -366,8 +418,7 @@ def test_a_lenient_run_counts_the_lines_of_each_ignored_key_and_renders_tools(tm
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    args = ["batch", str(source), "--model", str(model), "--no-cache", "--device", "cpu",
-            "--chat-template-kwargs", '{"enable_thinking": false}']
+    args = ["batch", str(source), "--model", str(model), "--no-cache", "--device", "cpu"]
     strict = CliRunner().invoke(app, args)
     assert strict.exit_code == 3, strict.output
     assert [json.loads(line)["error"] is not None for line in strict.stdout.splitlines()] == [True] * 4

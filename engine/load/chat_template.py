@@ -54,8 +54,9 @@ class ChatTemplate:
         self.template = environment.from_string(source)
         parsed = environment.parse(source)
         self.loops_over_content = _loops_over_message_content(parsed)
-        # the variables the template reads from its caller (a request's variable outside them would be dropped)
-        self.reads = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+        # the variables the template reads from its caller (a request's variable outside them would be dropped);
+        # the environment's own functions (raise_exception, range, ...) are not among them
+        self.reads = frozenset(jinja2.meta.find_undeclared_variables(parsed)).difference(environment.globals)
 
     def render(self, messages: list[dict], **variables) -> str:
         messages = [_with_decoded_calls(message) for message in messages]

@@ -7,6 +7,7 @@ can render and what this text-only engine cannot run (image or audio parts); wha
 """
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
@@ -127,6 +128,22 @@ def check_template_kwargs(value: Any, where: str = "chat_template_kwargs") -> di
         raise InvalidRequest(f"{where} may not set {', '.join(reserved)}: give "
                              f"{'it' if len(reserved) == 1 else 'them'} as request keys instead")
     return value
+
+
+def unread_template_kwargs(keys, reads: frozenset[str], template: str, where: str) -> str | None:
+    """Why the template variables `keys` cannot be set, where the chat template (`template`: where it comes
+    from) reads some of them nowhere: such a key would change nothing, as a misspelled field would not (a key
+    the template reads only in some branch passes). None where it reads them all."""
+    unread = sorted(set(keys).difference(reads))
+    if not unread:
+        return None
+    names = ", ".join(json.dumps(key) for key in unread)
+    known = sorted(reads.difference(RESERVED_TEMPLATE_VARIABLES, {"messages"}))
+    close = difflib.get_close_matches(unread[0], known, n=1)
+    hint = f' (did you mean "{close[0]}"?)' if close else ""
+    return (f"{where} {names}: the chat template of {template} never reads "
+            f"{'it' if len(unread) == 1 else 'them'}, so {'it' if len(unread) == 1 else 'they'} would change "
+            f"nothing{hint}; it reads {', '.join(known) if known else 'no variable of its own'}")
 
 
 def _check_content(message: dict, where: str) -> None:

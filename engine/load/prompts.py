@@ -19,12 +19,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixrun.engine.load.messages import check_documents, check_messages, check_template_kwargs, check_tools
+from prefixrun.engine.errors import InvalidOption
+from prefixrun.engine.load.messages import (check_documents, check_messages, check_template_kwargs, check_tools,
+                                            unread_template_kwargs)
 from prefixrun.engine.request import InvalidRequest, Request, SamplingParams, describe_value
 
 if TYPE_CHECKING:
     from prefixrun.engine.load.tokenizer import Tokenizer
 
+# the template variables a request's reasoning_effort sets (cli/prompt_options.py)
+REASONING_VARIABLES = ("reasoning_effort", "enable_thinking")
 # Unicode composition shortens text by at most this factor (3 Hangul jamo -> 1 syllable), rounded up.
 NORMALIZER_SHRINK_BOUND = 4
 
@@ -128,6 +132,14 @@ class PromptEncoder:
         self.vocab_size = vocab_size
         self.context_tokens = context_tokens
         self.chat_template_kwargs = dict(check_template_kwargs(chat_template_kwargs or {}, "--chat-template-kwargs"))
+        if self.chat_template_kwargs:
+            if not tokenizer.has_chat_template:
+                raise InvalidOption(f"--chat-template-kwargs: {tokenizer.template_source} has no chat template, so "
+                                    "its variables would change nothing")
+            unread = unread_template_kwargs(self.chat_template_kwargs, tokenizer.variables_read_by_any_template(),
+                                            tokenizer.template_source, "--chat-template-kwargs")
+            if unread:
+                raise InvalidOption(unread)
         shrink = NORMALIZER_SHRINK_BOUND if tokenizer.has_normalizer else 1
         self.max_prompt_chars = context_tokens * tokenizer.max_token_chars * shrink
 
@@ -199,10 +211,17 @@ class PromptEncoder:
     def render(self, prompt: ChatPrompt) -> str:
         """The prompt text of a chat, as transformers' apply_chat_template(tokenize=False) renders it."""
         if prompt.reasoning_effort is not None and not self.tokenizer.template_reads(
-                prompt.tools).intersection(("reasoning_effort", "enable_thinking")):
+                prompt.tools).intersection(REASONING_VARIABLES):
             raise InvalidRequest(f"reasoning_effort: the chat template of {self.tokenizer.template_source} reads "
                                  "neither reasoning_effort nor enable_thinking, so it would change nothing (the "
                                  "model does not reason)")
+        own = set(prompt.template_kwargs)
+        if prompt.reasoning_effort is not None:  # its variables: the template reads one of them (checked above)
+            own.difference_update(REASONING_VARIABLES)
+        unread = unread_template_kwargs(own, self.tokenizer.template_reads(prompt.tools),
+                                        self.tokenizer.template_source, "chat_template_kwargs")
+        if unread:
+            raise InvalidRequest(unread)
         return self.tokenizer.render_chat(
             prompt.messages, add_generation_prompt=prompt.generation_prompt, tools=prompt.tools,
             continue_final_message=prompt.continue_final_message, documents=prompt.documents,

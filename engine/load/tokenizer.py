@@ -219,6 +219,17 @@ class Tokenizer:
         """The variables the chat template used for a chat with `tools` reads from its caller."""
         return self._template_for(tools).reads
 
+    def variables_read_by_any_template(self) -> frozenset[str]:
+        """The variables one of the model's chat templates (that compiles) reads from its caller: the names an
+        engine-wide template variable may have (a chat with tools may be rendered with another template)."""
+        reads: set[str] = set()
+        for name in self._chat_templates:
+            try:
+                reads.update(self._compiled(name).reads)
+            except InvalidRequest:  # a template that does not compile fails its chats with its own error
+                pass
+        return frozenset(reads)
+
     def _template_for(self, tools: list[dict] | None):
         """The compiled template to use; with several named templates, "tool_use" when tools are given and it
         exists, else "default" (transformers' choice)."""
@@ -232,6 +243,10 @@ class Tokenizer:
         else:
             raise InvalidRequest(f"{self._template_source} has several chat templates "
                                  f"({', '.join(sorted(self._chat_templates))}) and none named 'default'")
+        return self._compiled(name)
+
+    def _compiled(self, name: str):
+        """The chat template `name`, compiled once; InvalidRequest (every time) if it does not compile."""
         if name in self._template_errors:
             raise InvalidRequest(self._template_errors[name])
         if name not in self._compiled_templates:
