@@ -175,11 +175,17 @@ class Cublas:
             self._bound_stream = stream
 
     def gemm_nt(self, x, w, out, pedantic: bool = False):
-        """out[M, N] = x[M, K] @ w[N, K]^T. x: rows contiguous (any row stride >= K); w, out: C-contiguous."""
+        """out[M, N] = x[M, K] @ w[N, K]^T. x: rows contiguous (any row stride >= K); w: C-contiguous; out: rows
+        contiguous, any row stride >= N (a column range of a wider matrix: kernels/cuda_fp8.py writes a projection's
+        plain segment into its columns of the output)."""
         m_rows, k = x.shape
         n = w.shape[0]
         if w.shape[1] != k or out.shape != (m_rows, n):
             raise ValueError(f"gemm shapes: x {x.shape}, w {w.shape}, out {out.shape}")
+        ldc = out.strides[0] // out.itemsize if m_rows > 1 else n
+        if m_rows > 1 and n > 1 and out.strides[1] != out.itemsize or ldc < n:
+            raise ValueError(f"gemm output: rows with unit column stride and a row stride >= {n}, got strides "
+                             f"{out.strides}")
         if m_rows == 0 or n == 0:
             return out
         if k == 0:
@@ -196,7 +202,7 @@ class Cublas:
         _check(self.lib.cublasGemmEx(
             self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m_rows, k, ctypes.byref(self._one),
             ctypes.c_void_p(w.data.ptr), a_type, k, ctypes.c_void_p(x.data.ptr), b_type, ldb,
-            ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), c_type, n, compute, self.algo),
+            ctypes.byref(self._zero), ctypes.c_void_p(out.data.ptr), c_type, ldc, compute, self.algo),
             "cublasGemmEx")
         self.calls += 1
         return out

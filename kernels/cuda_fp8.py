@@ -308,5 +308,16 @@ def projection_linear(ops, x, weight: ProjectionWeight):
                 weight_only(ops, x2, seg, out, row)
                 continue
             seg = seg.dequantized()
-        out[:, row:row + seg.shape[0]] = ops._gemm(x2, seg, BF16)
+        _plain_gemm(ops, x2, seg, out[:, row:row + seg.shape[0]])
     return out.reshape(lead + (n,))
+
+
+def _plain_gemm(ops, x2: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> None:
+    """out (a column range of the projection's output) = x2 @ weight^T by cuBLAS, written in place: a GEMM into a
+    buffer of its own and a strided copy into the columns were two more launches and an allocation a call (a
+    Gated DeltaNet's bf16 b and a beside its FP8 qkv and z, in every layer and step)."""
+    if x2.dtype != weight.dtype:
+        x2 = ops._cast(x2, weight.dtype)
+    if x2.shape[0] > 1 and x2.strides[0] % x2.itemsize:
+        x2 = cupy.ascontiguousarray(x2)
+    ops._blas.gemm_nt(x2, cupy.ascontiguousarray(weight), out)

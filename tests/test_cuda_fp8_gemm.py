@@ -183,6 +183,26 @@ def test_a_projection_of_fp8_and_plain_parts_writes_each_segment_s_columns(ops, 
             row += w.shape[0]
 
 
+@pytest.mark.parametrize("m", [1, 33])
+def test_cublas_writes_a_plain_segment_into_its_columns_of_a_wider_output(ops, m):
+    """The GEMM of a projection's plain segment goes straight into its column range (row stride of the whole
+    output): the columns equal the product into a buffer of its own, the others are untouched; an output whose
+    columns are not contiguous is refused."""
+    rng = np.random.default_rng(m)
+    x = cupy.asarray(rng.standard_normal((m, 256)).astype(np.float32).astype(BF16).view(np.uint16)).view(BF16)
+    w = cupy.asarray(rng.standard_normal((40, 256)).astype(np.float32).astype(BF16).view(np.uint16)).view(BF16)
+    own = cupy.empty((m, 40), BF16)
+    ops._blas.gemm_nt(x, w, own)
+    wide = cupy.asarray(np.full((m, 100), 7.0, np.float32).astype(BF16).view(np.uint16)).view(BF16)
+    ops._blas.gemm_nt(x, w, wide[:, 24:64])
+    got, want = ops.to_host(wide).astype(np.float32), ops.to_host(own).astype(np.float32)
+    np.testing.assert_allclose(got[:, 24:64], want, rtol=1e-2, atol=1e-2)
+    assert (got[:, :24] == 7).all() and (got[:, 64:] == 7).all()
+    if m > 1:
+        with pytest.raises(ValueError, match="unit column stride"):
+            ops._blas.gemm_nt(x, w, wide[:, ::2][:, :40])
+
+
 def test_an_fp8_model_on_the_gpu_stays_close_to_its_dequantised_twin(ops, support, tmp_path):
     """With FP8 GEMMs the logits differ from the dequantised twin's by the activations' FP8 rounding: the error
     and the greedy agreement are printed for the record and bounded; float32 storage keeps the exact path."""
