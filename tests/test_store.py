@@ -465,7 +465,7 @@ def test_failed_rename_is_a_clean_false(store, monkeypatch):
     def refuse(src, dst, **where):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_module.os, "replace", refuse)
+    monkeypatch.setattr("os.replace", refuse)  # the temp file's rename to its final name
     assert not store.put(KEY, BASE[:8], regions_for(BASE[:8]))
     monkeypatch.undo()
     assert store.stats.write_errors == 1
