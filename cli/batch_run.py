@@ -118,7 +118,8 @@ class BatchRun:
     def _request(self, item: lines.ParsedRequest) -> Request:
         """The engine's Request of a parsed line; InvalidRequest if it cannot run on this model."""
         self.replies.check(item)
-        return self.replies.adjust(item, self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling))
+        return self.replies.adjust(item, self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling,
+                                                              max_tokens_key=item.reply.max_tokens_key))
 
     def _tokens_ahead(self, raw: lines.RawLine) -> list[int] | None:
         """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it

@@ -40,7 +40,8 @@ A `messages` line may also carry what vLLM's chat completions take beside the me
   `"none"` also sets enable_thinking false, any other value true, unless chat_template_kwargs set it).
 
 These keys on a `prompt` or `prompt_token_ids` line are an error. Any request may carry `truncate_prompt_tokens`
-(keep the last N prompt tokens, -1: as many as the context holds; `truncation_side: "right"` keeps the first),
+(keep the last N prompt tokens, -1: as many as the context holds beside the line's max_tokens;
+`truncation_side: "right"` keeps the first),
 `add_special_tokens` (default true for a text prompt, false for a chat, whose template writes them),
 `return_token_ids` / `return_prompt_text` (added to the record as `prompt_token_ids`, each OpenAI choice's
 `token_ids`, and `prompt_text`: the prompt's tokens decoded) and `detokenize: false` (an empty text).

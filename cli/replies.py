@@ -39,6 +39,7 @@ class ReplyOptions:
     detokenize: bool = True  # false: no text, token ids only
     return_token_ids: bool = False  # the prompt's and each completion's token ids in an OpenAI response too
     return_prompt_text: bool = False  # a chat's prompt as the model read it (its tokens decoded)
+    max_tokens_key: str | None = None  # the key the line gave its max_tokens under ("body.max_tokens"), if it did
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,9 @@ def read_reply_options(fields: dict, prompt, where: str) -> ReplyOptions:
                         include_reasoning=_flag(fields, "include_reasoning", True, where),
                         detokenize=_flag(fields, "detokenize", True, where),
                         return_token_ids=_flag(fields, "return_token_ids", False, where),
-                        return_prompt_text=_flag(fields, "return_prompt_text", False, where))
+                        return_prompt_text=_flag(fields, "return_prompt_text", False, where),
+                        max_tokens_key=next((where + key for key in ("max_completion_tokens", "max_tokens")
+                                             if fields.get(key) is not None), None))
 
 
 def _flag(fields: dict, name: str, default: bool, where: str) -> bool:

@@ -129,7 +129,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("audio", REFUSED, CHAT, "audio output", why="prefixrun generates text only"),
     # ---- length and stopping ----
     _F("max_tokens", HONOURED, BOTH, "the most tokens to generate (chat: the rest of the context if not given; "
-       "completions: 16; 0 with echo on a completion: its prompt alone, e.g. scored with logprobs, as vLLM)"),
+       "completions: 16; 0 with echo on a completion: its prompt alone, e.g. scored with logprobs, as vLLM; more than "
+       "the context leaves after the prompt: an error, as vLLM and OpenAI refuse it)"),
     _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
     _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence, a stop token or a stop string may "
        "end the output (as in vLLM, stop strings are not looked for in those tokens' text)"),
@@ -140,7 +141,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("include_stop_str_in_output", HONOURED, BOTH, "keep the matched stop string, or the text of the stop token "
        "(stop_token_ids, end of sequence) that ended the reply, in the text, as vLLM does"),
     _F("truncate_prompt_tokens", HONOURED, BOTH, "keep only the last N prompt tokens (-1: as many as the context "
-       "holds)"),
+       "holds beside the reply's max_tokens)"),
     _F("truncation_side", HONOURED, BOTH, "\"left\" (default: the last tokens kept) or \"right\" (the first)"),
     # ---- sampling ----
     _F("temperature", HONOURED, BOTH, "sampling temperature; 0 is greedy"),

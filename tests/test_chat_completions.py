@@ -466,6 +466,37 @@ def test_truncate_prompt_tokens(qwen3):
         assert isinstance(error, LineError), bad
 
 
+def test_a_max_tokens_the_context_cannot_hold_is_refused(qwen3):
+    """A line's own max_tokens past what the context leaves after the prompt is the line's error, as vLLM and
+    OpenAI refuse it (it ran and ended early with finish_reason "length"); a default one stops at the context.
+    truncate_prompt_tokens -1 leaves room for the line's max_tokens."""
+    ids = list(range(10, 30))
+    encoder = PromptEncoder(qwen3, vocab_size=200_000, context_tokens=32)
+
+    def request(line: dict):
+        parsed = parse(line)
+        return encoder.request(parsed.custom_id, 0, parsed.prompt, parsed.sampling,
+                               max_tokens_key=parsed.reply.max_tokens_key)
+
+    assert request({"prompt_token_ids": ids, "max_tokens": 12}).sampling.max_tokens == 12  # 20 + 12 = 32
+    for line, key in (({"prompt_token_ids": ids, "max_tokens": 13}, "max_tokens"),
+                      ({"custom_id": "o", "url": "/v1/completions", "body": {"prompt": ids,
+                                                                             "max_completion_tokens": 13}},
+                       "body.max_completion_tokens")):
+        with pytest.raises(InvalidRequest, match=f"^{key} 13 is too large: the model's context is 32 tokens and the "
+                                                 "prompt has 20, which leaves room for 12 new tokens$"):
+            request(line)
+    defaults = SamplingDefaults(max_tokens=100)  # --max-tokens: a default, bounded by the context
+    parsed = parse({"prompt_token_ids": ids}, defaults)
+    assert parsed.reply.max_tokens_key is None and encoder.request(
+        "d", 0, parsed.prompt, parsed.sampling, max_tokens_key=None).sampling.max_tokens == 100
+    assert request({"prompt_token_ids": ids, "max_tokens": 20, "truncate_prompt_tokens": -1}).prompt_token_ids \
+        == ids[-12:]
+    assert request({"prompt_token_ids": ids, "truncate_prompt_tokens": -1}).prompt_token_ids == ids[-20:]
+    with pytest.raises(InvalidRequest, match="^max_tokens 40 is too large: .* the prompt has 20, "):
+        request({"prompt_token_ids": ids, "max_tokens": 40, "truncate_prompt_tokens": -1})
+
+
 def test_reasoning_effort_switches_thinking_as_vllm_does(qwen3, llama):
     encoder = PromptEncoder(qwen3, vocab_size=200_000, context_tokens=100_000)
     off = encoder.render(parse({"messages": CHAT, "reasoning_effort": "none"}).prompt)

@@ -251,6 +251,7 @@ def test_bad_lines_become_error_records_in_place(models, tmp_path):
         ({"custom_id": "temp", "prompt": "x", "temperature": -1}, "temperature"),
         ({"custom_id": "topp", "prompt": "x", "top_p": 1.5}, "top_p"),
         ({"custom_id": "maxtok", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"custom_id": "maxctx", "prompt": "x", "max_tokens": 64}, "max_tokens 64 is too large: the model's context"),
         ({"custom_id": "vocab", "prompt_token_ids": [1, 2, 512]}, "vocabulary"),
         ({"custom_id": "ok2", "messages": chat}, None),
         ({"custom_id": "ok3", "url": "/v1/chat/completions", "body": {"messages": chat}}, None),

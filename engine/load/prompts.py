@@ -36,7 +36,7 @@ NORMALIZER_SHRINK_BOUND = 4
 @dataclass(frozen=True)
 class Truncation:
     """vLLM's truncate_prompt_tokens: keep the last `tokens` of the prompt (`side` "right": the first), -1 for as
-    many as the context holds with room for one generated token."""
+    many as the context holds with room for the reply (its given max_tokens, else one token)."""
 
     tokens: int
     side: str = "left"
@@ -49,8 +49,9 @@ class Truncation:
         if self.side not in ("left", "right"):
             raise InvalidRequest(f'truncation_side must be "left" or "right", got {describe_value(self.side)}')
 
-    def apply(self, ids: list[int], context_tokens: int) -> list[int]:
-        keep = context_tokens - 1 if self.tokens == -1 else self.tokens
+    def apply(self, ids: list[int], context_tokens: int, room: int = 1) -> list[int]:
+        # a reply that no prompt leaves room for keeps the most a prompt may have (its max_tokens is refused)
+        keep = context_tokens - (room if room < context_tokens else 1) if self.tokens == -1 else self.tokens
         return ids[-keep:] if self.side == "left" else ids[:keep]
 
 
@@ -143,10 +144,19 @@ class PromptEncoder:
         shrink = NORMALIZER_SHRINK_BOUND if tokenizer.has_normalizer else 1
         self.max_prompt_chars = context_tokens * tokenizer.max_token_chars * shrink
 
-    def request(self, custom_id: str, index: int, prompt: Prompt, sampling: SamplingParams) -> Request:
+    def request(self, custom_id: str, index: int, prompt: Prompt, sampling: SamplingParams, *,
+                max_tokens_key: str | None = None) -> Request:
         """A Request ready for the engine; InvalidRequest if the prompt cannot run on this model. A max_tokens of
-        None becomes the rest of the context after the prompt (vLLM's default for chat requests)."""
-        ids = self.encode(prompt)
+        None becomes the rest of the context after the prompt (vLLM's default for chat requests). `max_tokens_key`:
+        the key the request gave its max_tokens under (None: a default, which the context bounds): a given
+        max_tokens that the context left after the prompt cannot hold is an error, as vLLM and OpenAI refuse it
+        (its reply would end early with finish_reason "length", as if max_tokens had been reached)."""
+        given = sampling.max_tokens if max_tokens_key is not None else None
+        ids = self.encode(prompt, room=given or 1)
+        if given is not None and given > self.context_tokens - len(ids):
+            raise InvalidRequest(f"{max_tokens_key} {given} is too large: the model's context is "
+                                 f"{self.context_tokens} tokens and the prompt has {len(ids)}, which leaves room for "
+                                 f"{self.context_tokens - len(ids)} new tokens")
         if sampling.max_tokens is None:
             sampling = dataclasses.replace(sampling, max_tokens=self.context_tokens - len(ids))
         self._check_token_fields(sampling)
@@ -181,8 +191,9 @@ class PromptEncoder:
                                  f"{self.vocab_size}")
         return tuple(out)
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids (truncated if it asks for it), checked against the vocabulary and the context."""
+    def encode(self, prompt: Prompt, room: int = 1) -> list[int]:
+        """The prompt's token ids (truncated if it asks for it, with `room` new tokens left for a truncation of
+        -1), checked against the vocabulary and the context."""
         if isinstance(prompt, TokenPrompt):
             ids = list(prompt.token_ids)
         elif isinstance(prompt, ChatPrompt):
@@ -195,7 +206,7 @@ class PromptEncoder:
         else:
             raise TypeError(f"not a prompt: {type(prompt).__name__}")
         if prompt.truncation is not None:
-            ids = prompt.truncation.apply(ids, self.context_tokens)
+            ids = prompt.truncation.apply(ids, self.context_tokens, room)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenization")
         if max(ids) >= self.vocab_size:  # checked in C; the first offending id is looked for only then
