@@ -53,7 +53,7 @@ def load(args, deterministic: bool):
 
 def run(loaded, prompts, *, gen, logprobs=True, windows=1, cache=None, **options):
     """{custom_id: (token ids, logprob bits)} and the engine's wall seconds."""
-    from prefixrun.engine.cache.persist import open_cache
+    from prefixrun.engine.cache.opening import open_cache
     from prefixrun.engine.request import Request, SamplingParams
     from prefixrun.engine.run.core import Engine, EngineOptions
 

@@ -64,7 +64,7 @@ TIMED = [
     ("prefixrun.kernels.cuda", "CudaOps", "start_host_copy"),
     ("prefixrun.kernels.cuda", "CudaOps", "synchronize"),
     ("prefixrun.engine.cache.costs", None, "measure_read_rate"),
-    ("prefixrun.engine.cache.persist", None, "open_cache"),
+    ("prefixrun.engine.cache.opening", None, "open_cache"),
     # what a cache-on run does in its prefill groups that a --no-cache run does not (retained block-aligned states)
     ("prefixrun.engine.run.executor", "WindowExecutor", "_maybe_retain"),
     ("prefixrun.engine.run.executor", "WindowExecutor", "_finish_task"),

@@ -29,7 +29,7 @@ from prefixrun.engine.cache import kv_blocks
 from prefixrun.engine.load import loader
 from prefixrun.engine.cache.kv_blocks import BLOCKS_DIR_NAME, block_ids
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
-from prefixrun.engine.cache.persist import open_cache
+from prefixrun.engine.cache.opening import open_cache
 from prefixrun.engine.cache.store import BLOBS_DIR_NAME, INDEX_FILE_NAME, CheckpointStore, StoreKey
 
 from conftest import run_with_cache

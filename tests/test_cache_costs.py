@@ -18,7 +18,8 @@ from prefixrun.engine.load import loader
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.cache.costs import PRIOR_READ_BYTES_PER_S, RATES_FILE_NAME, load_rates, measure_read_rate, \
     save_rates
-from prefixrun.engine.cache.persist import CostModel, PersistentCheckpoints, open_cache
+from prefixrun.engine.cache.opening import open_cache
+from prefixrun.engine.cache.persist import CostModel, PersistentCheckpoints
 from prefixrun.engine.cache.store import CheckpointStore
 from prefixrun.engine.request import Request, SamplingParams
 from prefixrun.engine.run.core import Engine, EngineOptions

@@ -11,7 +11,7 @@ import pytest
 
 from prefixrun.engine.cache.keys import StoreKey
 from prefixrun.engine.cache.pending_key import PendingKey
-from prefixrun.engine.cache.persist import open_cache
+from prefixrun.engine.cache.opening import open_cache
 from prefixrun.engine.load import loader
 from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
 from prefixrun.engine.request import Request, SamplingParams

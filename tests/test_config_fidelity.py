@@ -347,7 +347,7 @@ def test_cli_shows_a_refusal_as_one_line_exit_2(tmp_path):
 def test_cache_key_covers_the_config(tmp_path, cpu_ops):
     """Persistent checkpoints are keyed by the model key: the same weights under another config (here another
     rope_theta, activation or bias setting) must never share entries."""
-    from prefixrun.engine.cache.persist import model_key
+    from prefixrun.engine.cache.keys import model_key
 
     path = write_hf_model(tmp_path / "m", "llama", {})
     raw = json.loads((path / "config.json").read_text())

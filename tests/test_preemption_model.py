@@ -138,7 +138,7 @@ def with_store(tmp_path_factory):
 def test_a_preempted_sequence_restores_its_prompt_from_the_persistent_cache(with_store, tmp_path):
     # with a cache that keeps every prompt's end state, a preempted sequence's prompt is restored, not computed:
     # only the tokens it generated are prefilled again
-    from prefixrun.engine.cache.persist import open_cache
+    from prefixrun.engine.cache.opening import open_cache
 
     model, ops = with_store.model, with_store.ops
     prompts = [random_prompt(80 + i, 24) for i in range(5)]

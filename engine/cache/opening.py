@@ -1,4 +1,6 @@
-"""The persistent cache opened while the model loads, and the first window's read-ahead started then.
+"""The persistent cache opened: the store (and its maintenance) on a thread from the process's start (`StoreOpening`),
+the store key made for a loaded model or a load under way (`open_cache`), and while the model loads, the cache
+opened and the first window's read-ahead started (`CacheOpening`).
 
 A warm run's first lookups waited for their entries' reads (a 16k-token document: ~590 MB read and hashed), on
 the engine's critical path, although nothing in those reads needs the weights: the store key needs the parsed
@@ -24,12 +26,81 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from prefixrun.engine.cache import auth
+from prefixrun.engine.cache.admin import unusable_hint
+from prefixrun.engine.cache.costs import ReadCalibration
+from prefixrun.engine.cache.index import STORE_FAILURES
+from prefixrun.engine.cache.keys import StoreKey, layout_key, model_key
+from prefixrun.engine.cache.pending_key import PendingKey
+from prefixrun.engine.cache.persist import PersistentCheckpoints, describe_error
+from prefixrun.engine.cache.store import CheckpointStore, StoreError
+from prefixrun.engine.plan.planner import make_plan
 from prefixrun.engine.run.background import BackgroundTask
 
-from prefixrun.engine.cache.persist import PersistentCheckpoints, StoreOpening, layout_key, open_cache
-from prefixrun.engine.plan.planner import make_plan
-
 log = logging.getLogger(__name__)
+
+
+class StoreOpening:
+    """The store opened and maintained (leftovers of killed writers, quarantine, budget) on a thread started before
+    the model loads: that bounded work was part of a warm run's critical path. `join` gives
+    the open store, or raises what opening it raised, on the caller's thread."""
+
+    def __init__(self, root: Path, budget_bytes: int | None):
+        self._task = BackgroundTask("prefixrun-cache-open", _open_store, Path(root), budget_bytes)
+
+    def join(self) -> CheckpointStore:
+        return self._task.join()
+
+    def abandon(self):
+        """The run stopped before using the cache (its model did not load): close the store once it is open."""
+        try:
+            store = self._task.join()
+        except BaseException:  # it did not open: nothing to close, and the run stops for its own reason
+            return
+        store.close()
+
+
+def _open_store(stop, root: Path, budget_bytes: int | None) -> CheckpointStore:
+    store = CheckpointStore(root / "checkpoints", budget_bytes)
+    try:
+        store.maintain()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
+               policy: str = "measured", calibration: ReadCalibration | None = None,
+               opening: StoreOpening | None = None) -> tuple[PersistentCheckpoints | None, str | None]:
+    """(the cache of `loaded` under `root`, None) or (None, the one-line reason it cannot be used this run).
+    `loaded`: a LoadedModel, or a load under way (loader.Loading: the key is known before the weights upload).
+    Opening also does the store's bounded maintenance (leftovers of killed writers, quarantine, budget); `opening`:
+    that work started earlier (`StoreOpening(root, budget_bytes)`, while the model loaded)."""
+    store = None
+    try:
+        store = (opening or StoreOpening(root, budget_bytes)).join()
+        if auth.key_of_this_process_only():  # signing_key() said so; a lookup would quarantine the user's entries
+            store.close()
+            return None, None
+        if auth.key_inside(root):
+            raise StoreError(f"its signing key {auth.key_path()} is inside it, where whoever writes the folder can "
+                             "read it; set XDG_CONFIG_HOME to a folder outside the cache")
+        memo = Path(root) / "digests"
+        layout = layout_key(loaded.state_specs(), loaded.ops, block_size)
+        digest = loaded.weights_digest(memo, remembered_only=True)
+        if digest is None and store.holds_no_entries():
+            # nothing to look up: the weights are hashed while the run computes (engine/cache/pending_key.py)
+            key = PendingKey(lambda: model_key(loaded.config, loaded.weights_digest(memo), loaded.ops), layout)
+        else:
+            key = StoreKey(model_key(loaded.config, digest or loaded.weights_digest(memo), loaded.ops), layout)
+    except STORE_FAILURES as error:
+        if store is not None:
+            store.close()
+        return None, (f"persistent checkpoint cache at {root} is not usable ({describe_error(error)}); running without it "
+                      f"({unusable_hint(Path(root) / 'checkpoints', error)})")
+    return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path, policy,
+                                 rates_root=Path(root), calibration=calibration), None
 
 
 class CacheOpening:

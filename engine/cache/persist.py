@@ -1,9 +1,10 @@
 """The engine's bridge to the persistent checkpoint store: handles in, handles out, and what it costs.
 
-`open_cache` builds the cache key of a loaded model and opens the store; `offer` exports a state (slot regions
-whole, K/V rows [0, length)) plus its last logits and hands it to a background writer; `lookup` finds the longest
-stored prefix in (minimum, maximum] and imports it into a fresh handle. A stored entry at exactly `maximum` is only
-usable when it carries the last position's logits.
+`open_cache` (engine/cache/opening.py) builds the cache key of a loaded model, opens the store and gives the
+`PersistentCheckpoints` below; `offer` exports a state (slot regions whole, K/V rows [0, length)) plus its last
+logits and hands it to a background writer; `lookup` finds the longest stored prefix in (minimum, maximum] and
+imports it into a fresh handle. A stored entry at exactly `maximum` is only usable when it carries the last
+position's logits.
 
 Keys. The model key is a digest of everything that changes the computation: the parsed config dataclass (every
 field the forward reads, so editing rms_norm_eps or rope scaling in config.json changes it), the weights' content
@@ -33,29 +34,24 @@ gives one warning and the run goes on without it.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from prefixrun.engine.cache import auth
 from prefixrun.kernels import host_slabs
-from prefixrun.engine.cache.admin import unusable_hint
 from prefixrun.engine.cache.costs import CACHE_POLICIES, CacheCosts, CostModel, ReadCalibration, human_bytes, \
     load_rates, save_rates
 from prefixrun.engine.cache.fitness import LOGITS_REGION, state_problem
 from prefixrun.engine.cache.index import STORE_FAILURES as _STORE_FAILURES
-from prefixrun.engine.cache.keys import layout_key, model_key  # noqa: F401 (the engine's keys, named here too)
 from prefixrun.engine.cache.kv_blocks import block_rows
 from prefixrun.engine.cache.pending_key import PendingKey
-from prefixrun.engine.cache.read_ahead import ReadAhead, ReadAheadSlot, no_wait
+from prefixrun.engine.cache.read_ahead import ReadAhead
 from prefixrun.engine.cache.results import StoredCheckpoint
-from prefixrun.engine.cache.store import CheckpointStore, StoreError, StoreKey
+from prefixrun.engine.cache.store import CheckpointStore, StoreKey
 from prefixrun.engine.cache.write_policy import WritePolicy
 from prefixrun.engine.cache.writer import BackgroundWriter, HostCopy, max_pending_write_bytes
-from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.state.pools import ModelState, OutOfStateMemory, StateHandle, StateLayoutError, \
     pool_unit_bytes, state_layout
 
@@ -67,69 +63,6 @@ END_WAIT_FRACTION = 0.25  # of the time since the cache was opened (~ the run's 
 # K/V blocks (8 MiB each): enough bytes to time (MIN_READ_BYTES), few enough not to hold up the writes behind it.
 PROBE_BLOCKS = 12
 log = logging.getLogger(__name__)
-
-
-class StoreOpening:
-    """The store opened and maintained (leftovers of killed writers, quarantine, budget) on a thread started before
-    the model loads: that bounded work was part of a warm run's critical path. `join` gives
-    the open store, or raises what opening it raised, on the caller's thread."""
-
-    def __init__(self, root: Path, budget_bytes: int | None):
-        self._task = BackgroundTask("prefixrun-cache-open", _open_store, Path(root), budget_bytes)
-
-    def join(self) -> CheckpointStore:
-        return self._task.join()
-
-    def abandon(self):
-        """The run stopped before using the cache (its model did not load): close the store once it is open."""
-        try:
-            store = self._task.join()
-        except BaseException:  # it did not open: nothing to close, and the run stops for its own reason
-            return
-        store.close()
-
-
-def _open_store(stop, root: Path, budget_bytes: int | None) -> CheckpointStore:
-    store = CheckpointStore(root / "checkpoints", budget_bytes)
-    try:
-        store.maintain()
-    except BaseException:
-        store.close()
-        raise
-    return store
-
-
-def open_cache(root: Path, budget_bytes: int | None, loaded, block_size: int,
-               policy: str = "measured", calibration: ReadCalibration | None = None,
-               opening: StoreOpening | None = None) -> tuple[PersistentCheckpoints | None, str | None]:
-    """(the cache of `loaded` under `root`, None) or (None, the one-line reason it cannot be used this run).
-    `loaded`: a LoadedModel, or a load under way (loader.Loading: the key is known before the weights upload).
-    Opening also does the store's bounded maintenance (leftovers of killed writers, quarantine, budget); `opening`:
-    that work started earlier (`StoreOpening(root, budget_bytes)`, while the model loaded)."""
-    store = None
-    try:
-        store = (opening or StoreOpening(root, budget_bytes)).join()
-        if auth.key_of_this_process_only():  # signing_key() said so; a lookup would quarantine the user's entries
-            store.close()
-            return None, None
-        if auth.key_inside(root):
-            raise StoreError(f"its signing key {auth.key_path()} is inside it, where whoever writes the folder can "
-                             "read it; set XDG_CONFIG_HOME to a folder outside the cache")
-        memo = Path(root) / "digests"
-        layout = layout_key(loaded.state_specs(), loaded.ops, block_size)
-        digest = loaded.weights_digest(memo, remembered_only=True)
-        if digest is None and store.holds_no_entries():
-            # nothing to look up: the weights are hashed while the run computes (engine/cache/pending_key.py)
-            key = PendingKey(lambda: model_key(loaded.config, loaded.weights_digest(memo), loaded.ops), layout)
-        else:
-            key = StoreKey(model_key(loaded.config, digest or loaded.weights_digest(memo), loaded.ops), layout)
-    except _STORE_FAILURES as error:
-        if store is not None:
-            store.close()
-        return None, (f"persistent checkpoint cache at {root} is not usable ({_describe(error)}); running without it "
-                      f"({unusable_hint(Path(root) / 'checkpoints', error)})")
-    return PersistentCheckpoints(store, key, loaded.ops, loaded.config.vocab_size, loaded.path, policy,
-                                 rates_root=Path(root), calibration=calibration), None
 
 
 class PersistentCheckpoints(ReadAhead, WritePolicy):
@@ -174,33 +107,14 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         self._writer: BackgroundWriter | None = None
         self._warned = threading.Lock()
         self._calibration = None
-        # read-ahead (prefetch, engine/cache/read_ahead.py): prefix -> its slot, filled by one background thread
-        self._ahead: dict[tuple[int, ...], ReadAheadSlot] = {}
-        self._ahead_bytes = 0
-        self._ahead_lock = threading.Lock()
-        self._ahead_generation = 0
-        self._ahead_queue: queue.Queue = queue.Queue()
-        self._staging: queue.Queue = queue.Queue()  # (slot, bytes, checkpoint or None, read seconds): to check, upload
-        self._ahead_thread: BackgroundTask | None = None
-        self._ahead_gate = no_wait  # called before the read-ahead's first read (`read_ahead_after`)
-        # as much as the writer may hold: a window's documents should all fit (one that does not is read on the
-        # engine's critical path)
-        self.max_prefetch_bytes = max_pending_write_bytes()
+        # read-ahead (engine/cache/read_ahead.py), holding as much as the writer may: a window's documents should all
+        # fit (one that does not is read on the engine's critical path)
+        self._init_read_ahead(max_pending_write_bytes())
         # this run's writes a later run is expected to read ahead (one window's read-ahead holds this many bytes):
         # priced at the read-ahead rate; the writes past them at the read rate (cache_costs.py)
         self._ahead_write_room = self.max_prefetch_bytes
         self._ahead_room_lock = threading.Lock()
         self._layout_memo: tuple[object, list[dict]] | None = None  # (specs, state_layout): one layout per run
-        self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
-        # set once the engine's pools are sized (`pools_sized`, else `attach`): before, read-ahead entries are read
-        # and checked on the host but none is moved to the device (a read-ahead started while the weights load must
-        # not take the device memory the pools are sized from); `_ahead_stopping`: the read-ahead is being stopped,
-        # nothing more uploads
-        self._device_ready = threading.Event()
-        self._ahead_stopping = False
-        # (entry id, blob) -> {paged region: its rows on the device}, of a read-ahead entry a lookup has just taken
-        self._taken_on_device: dict[tuple[str, str], dict] = {}
-        self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
         # K/V blocks (engine/cache/kv_blocks.py): the paged regions, K/V rows per stored block, the engine's block size
         self._kv_names: list[str] = []
         self._block_rows = 0
@@ -258,7 +172,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             if self.store_error is not None:
                 return
             self.store_error = error
-        log.warning("persistent checkpoint cache: %s failed (%s); running without it", what, _describe(error))
+        log.warning("persistent checkpoint cache: %s failed (%s); running without it", what, describe_error(error))
 
     def _learn_layout(self, state: ModelState):
         """The paged regions and the K/V rows per stored block of `state` (one layout per run)."""
@@ -532,7 +446,7 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
             self._give_up("read back", error)
             return
         except Exception as error:  # only a measurement: the entry itself is written
-            log.warning("persistent checkpoint cache: reading back an entry failed (%s)", _describe(error))
+            log.warning("persistent checkpoint cache: reading back an entry failed (%s)", describe_error(error))
             return
         if nbytes:
             seconds = time.perf_counter() - started
@@ -592,5 +506,6 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         return report
 
 
-def _describe(error: Exception) -> str:
+def describe_error(error: Exception) -> str:
+    """An error as the cache's one-line warnings name it."""
     return f"{type(error).__name__}: {error}"

@@ -8,6 +8,7 @@ that finds none reads the entry itself.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,29 @@ class ReadAheadSlot:
 
 class ReadAhead:
     """Mixed into PersistentCheckpoints (engine/cache/persist.py): the read-ahead threads and the slots they fill."""
+
+    def _init_read_ahead(self, max_prefetch_bytes: int):
+        """The read-ahead's state, empty: no slot, no thread, nothing on the device."""
+        # prefix -> its slot, filled by one background thread
+        self._ahead: dict[tuple[int, ...], ReadAheadSlot] = {}
+        self._ahead_bytes = 0
+        self._ahead_lock = threading.Lock()
+        self._ahead_generation = 0
+        self._ahead_queue: queue.Queue = queue.Queue()
+        self._staging: queue.Queue = queue.Queue()  # (slot, bytes, checkpoint or None, read seconds): to check, upload
+        self._ahead_thread: BackgroundTask | None = None
+        self._ahead_gate = no_wait  # called before the read-ahead's first read (`read_ahead_after`)
+        self.max_prefetch_bytes = max_prefetch_bytes  # bytes read ahead waiting for their lookups, at most
+        self._ahead_layout: list[dict] | None = None  # the state layout read-ahead entries are checked against
+        # set once the engine's pools are sized (`pools_sized`, else `attach`): before, read-ahead entries are read
+        # and checked on the host but none is moved to the device (a read-ahead started while the weights load must
+        # not take the device memory the pools are sized from); `_ahead_stopping`: the read-ahead is being stopped,
+        # nothing more uploads
+        self._device_ready = threading.Event()
+        self._ahead_stopping = False
+        # (entry id, blob) -> {paged region: its rows on the device}, of a read-ahead entry a lookup has just taken
+        self._taken_on_device: dict[tuple[str, str], dict] = {}
+        self._checked: set[tuple[str, str]] = set()  # (entry id, blob) checked against the model by the prefetch
 
     def prefetch(self, roots, state=None):
         """Read ahead, on a background thread while the device computes, the stored entries this window's lookups

@@ -270,7 +270,7 @@ def _start_cache(config: RunConfig, root: Path | None):
     """(the read-rate calibration, the store's opening) begun before the weights load, each None where unused."""
     if not (config.use_cache and config.reuse and root is not None):
         return None, None
-    from prefixrun.engine.cache.persist import StoreOpening
+    from prefixrun.engine.cache.opening import StoreOpening
 
     calibration = None
     if config.cache_policy != "always":
