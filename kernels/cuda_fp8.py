@@ -314,8 +314,8 @@ def projection_linear(ops, x, weight: ProjectionWeight):
 
 def _plain_gemm(ops, x2: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> None:
     """out (a column range of the projection's output) = x2 @ weight^T by cuBLAS, written in place: a GEMM into a
-    buffer of its own and a strided copy into the columns were two more launches and an allocation a call (a
-    Gated DeltaNet's bf16 b and a beside its FP8 qkv and z, in every layer and step)."""
+    buffer of its own and a strided copy into the columns cost a launch and an allocation more a call (a Gated
+    DeltaNet's bf16 b and a beside its FP8 qkv and z, in every layer and step)."""
     if x2.dtype != weight.dtype:
         x2 = ops._cast(x2, weight.dtype)
     if x2.shape[0] > 1 and x2.strides[0] % x2.itemsize:
