@@ -307,6 +307,35 @@ def test_a_template_variable_the_template_never_reads_is_refused(qwen3_tokenizer
                       chat_template_kwargs={"enable_thinking": False})
 
 
+@pytest.mark.parametrize("template, refused", [
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", [0, 1, 2]),  # Qwen's, Llama's: none
+    ("{% for m in messages %}{% if m.name %}{{ m.name }} {% endif %}{{ m.content }}\n{% endfor %}", []),
+    ("{% for m in messages %}{% if m.name %}{{ m.name | upper }} {% endif %}{{ m.content }}\n{% endfor %}", []),
+    ("{% for m in messages %}{% if m.role == 'assistant' and m.name %}({{ m.name }}) {% endif %}{{ m.content }}"
+     "\n{% endfor %}", [0, 2]),
+    ("{% for m in messages %}{% if m.name is defined and m.name|length > 2 %}[long] {% endif %}{{ m.content }}"
+     "{% endfor %}", [2]),  # written as a mark of its own: dropping the name changes the prompt
+])
+def test_a_message_name_the_template_does_not_write_is_refused(qwen3_tokenizer, template, refused):
+    """OpenAI's `name` tells participants of one role apart; a template that never writes it would lose it: the
+    first such message is the line's error. A tool message's name (which call it answers) is exempt."""
+    tokenizer = Tokenizer(qwen3_tokenizer._backend, {}, {"default": template}, "t")
+    encoder = PromptEncoder(tokenizer, vocab_size=BIG, context_tokens=BIG)
+    messages = [{"role": "user", "content": "hi", "name": "alice"},
+                {"role": "assistant", "content": "hello", "name": "bot"},
+                {"role": "user", "content": "and me", "name": "bo"},
+                {"role": "tool", "content": "42", "name": "get_weather", "tool_call_id": "c1"}]
+    if refused:
+        with pytest.raises(InvalidRequest, match=f"^messages\\[{refused[0]}\\].name: the chat template of t does "
+                                                 "not write this message's name into the prompt"):
+            encoder.render(ChatPrompt(messages))
+    else:
+        assert "alice" in encoder.render(ChatPrompt(messages)).lower()
+    for i in refused:  # without the names it refuses, the chat renders
+        messages[i] = {k: v for k, v in messages[i].items() if k != "name"}
+    encoder.render(ChatPrompt(messages))
+
+
 @pytest.mark.parametrize("name, outside, inside", [
     ("stop_token_ids", (3, 512), (3, 511)),
     ("logit_bias", ((512, 1.0),), ((511, 1.0),)),

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # the template variables a request's reasoning_effort sets (cli/prompt_options.py)
 REASONING_VARIABLES = ("reasoning_effort", "enable_thinking")
+# marks a message's name in a trial render (PromptEncoder._check_names_written)
+_NAME_MARK = "zqxname"
 # Unicode composition shortens text by at most this factor (3 Hangul jamo -> 1 syllable), rounded up.
 NORMALIZER_SHRINK_BOUND = 4
 
@@ -233,10 +235,44 @@ class PromptEncoder:
                                         self.tokenizer.template_source, "chat_template_kwargs")
         if unread:
             raise InvalidRequest(unread)
+        text = self._render(prompt, prompt.messages)
+        self._check_names_written(prompt, text)
+        return text
+
+    def _render(self, prompt: ChatPrompt, messages: list[dict]) -> str:
         return self.tokenizer.render_chat(
-            prompt.messages, add_generation_prompt=prompt.generation_prompt, tools=prompt.tools,
+            messages, add_generation_prompt=prompt.generation_prompt, tools=prompt.tools,
             continue_final_message=prompt.continue_final_message, documents=prompt.documents,
             **{**self.chat_template_kwargs, **prompt.template_kwargs})
+
+    def _check_names_written(self, prompt: ChatPrompt, text: str) -> None:
+        """A message's `name` (OpenAI's: tells participants of one role apart) that the template never writes would
+        change nothing: InvalidRequest, not a prompt without it. One render with each name marked finds the names
+        written as they are; a name whose mark is missing counts as written only if the prompt without it differs
+        (a template that changes or tests the name). A tool message's name, like its tool_call_id, says which call
+        it answers, which its place says too."""
+        named = [i for i, message in enumerate(prompt.messages) if message.get("name") and message["role"] != "tool"]
+        if not named:
+            return
+        marked = [{**message, "name": f"{_NAME_MARK}{i}{_NAME_MARK}"} if i in named else message
+                  for i, message in enumerate(prompt.messages)]
+        try:
+            shown = self._render(prompt, marked)
+        except InvalidRequest:  # a template that checks names: each is tried alone below
+            shown = ""
+        for i in named:
+            if f"{_NAME_MARK}{i}{_NAME_MARK}" in shown:
+                continue
+            without = [{k: v for k, v in message.items() if k != "name"} if j == i else message
+                       for j, message in enumerate(prompt.messages)]
+            try:
+                dropped = self._render(prompt, without) == text
+            except InvalidRequest:  # the template needs this name
+                dropped = False
+            if dropped:
+                raise InvalidRequest(f"messages[{i}].name: the chat template of {self.tokenizer.template_source} "
+                                     "does not write this message's name into the prompt, so it would change "
+                                     "nothing; put the name into the content, or leave it out")
 
     def _checked_length(self, text: str, what: str, prompt: Prompt) -> str:
         # a prompt to be truncated may be longer (it is bounded by the line's byte limit)
