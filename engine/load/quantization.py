@@ -10,8 +10,9 @@ Two layouts are read as they are stored:
 Both are one case here: a scale per (block_rows x block_cols) block of the weight, broadcast over the block, the last
 block ragged when a dimension is not a multiple of it (a channel scale is a 1 x in block, a tensor scale out x in).
 `QuantizedTensors` serves every weight of such a checkpoint to the models; a quantized weight that is uploaded as it
-is (`stored`: the linear layers' matrices, experts) passes, as fp8 values and scales (kernels/fp8.py `Fp8Matrix`),
-through `materialize`, the one place that decides what the backend gets: `ops.upload_rows` dequantises it exactly as
+is (`stored`: the linear layers' matrices, experts) passes, as fp8 values and scales (kernels/fp8.py `Fp8Matrix`;
+the values as the weights' read-ahead landed them in the backend's memory, like any stored tensor), through
+`materialize`, the one place that decides what the backend gets: `ops.upload_rows` dequantises it exactly as
 it uploads it (on the GPU in a kernel, into bf16), `ops.upload_linear` (a projection's weight) may keep it FP8 for an
 FP8 GEMM (kernels/cuda_fp8.py); `get` gives the fp32 dequantisation to code that reshapes weights on the host.
 
