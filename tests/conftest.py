@@ -216,7 +216,7 @@ def run_requests(loaded, requests, cache_root=None, *, block_size=None, policy="
     """Results of `requests` through one Engine (`options`: EngineOptions, None: the defaults) over a persistent
     cache at `cache_root` (none: no cache), then the engine closed, its invariants checked and the cache's writer
     finished: (Result by custom_id, the cache's costs or None, the engine's stats)."""
-    from prefixrun.engine.cache.persist import open_cache
+    from prefixrun.engine.cache.opening import open_cache
     from prefixrun.engine.run.core import Engine, EngineOptions
 
     persist = None

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixrun.cli.app import app
-from prefixrun.engine.cache.persist import open_cache
+from prefixrun.engine.cache.opening import open_cache
 from prefixrun.engine.cache.store import CheckpointStore
 from prefixrun.engine.cache.writer import BackgroundWriter
 from prefixrun.engine.load import loader

@@ -176,7 +176,7 @@ def with_store(tmp_path_factory):
 
 
 def test_samples_from_the_disk_cache_are_the_cold_runs(with_store, tmp_path):
-    from prefixrun.engine.cache.persist import open_cache
+    from prefixrun.engine.cache.opening import open_cache
 
     def cached_run():
         persist, problem = open_cache(tmp_path, 1 << 30, with_store, 16, "always")
