@@ -515,7 +515,8 @@ def bench(
         del run  # give the device memory back before transformers loads its own copy of the model
         gc.collect()
         ops.release_cached_memory()
-        figures.update(figures_of.compare_with_transformers(setup, transformers_batch, report["wall_seconds"]))
+        figures.update(figures_of.compare_with_transformers(setup, transformers_batch, report["wall_seconds"],
+                                                           quiet=p["quiet"]))
         if "transformers_skipped" in figures:
             reporter.warn(f"--compare-transformers: not compared: {figures['transformers_skipped']}")
     # its reader gone: quiet, exit 141; --json unwritable (a full disk): one line, exit 1, as batch's reports

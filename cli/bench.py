@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -131,9 +133,9 @@ def transformers_setup(run, workload: Path, failed_lines: int) -> dict:
             "default_max_tokens": d.max_tokens or 16, "failed_lines": failed_lines}
 
 
-def compare_with_transformers(setup: dict, batch: int, wall: float) -> dict:
+def compare_with_transformers(setup: dict, batch: int, wall: float, quiet: bool = False) -> dict:
     """transformers' wall time on the same token ids and the ratio to `wall`, or why it was left out (the run's
-    own figures stand whatever transformers does)."""
+    own figures stand whatever transformers does). `quiet` (--quiet): transformers prints nothing either."""
     lines = setup["lines"]
     if setup.get("failed_lines"):  # e.g. token ids outside the vocabulary, on which transformers raises IndexError
         return {"transformers_skipped": f"{setup['failed_lines']} of the workload's lines got error records "
@@ -143,7 +145,7 @@ def compare_with_transformers(setup: dict, batch: int, wall: float) -> dict:
         return {"transformers_skipped": "the comparison needs prompt_token_ids on every line"}
     try:
         hf = transformers_baseline(setup["model_dir"], lines, setup["device"], batch, setup["sampling"],
-                                   setup["default_max_tokens"])
+                                   setup["default_max_tokens"], quiet=quiet)
     except Exception as exc:  # noqa: BLE001 - a family transformers cannot run here, out of memory at batch 1, ...
         return {"transformers_skipped": f"transformers failed: {type(exc).__name__}: {str(exc)[:200]}"}
     if hf is None:
@@ -154,16 +156,41 @@ def compare_with_transformers(setup: dict, batch: int, wall: float) -> dict:
 
 
 def transformers_baseline(model_dir: Path, lines: list[dict], device: str, batch: int, sampling: dict,
-                          default_max_tokens: int) -> tuple[float, int] | None:
+                          default_max_tokens: int, quiet: bool = False) -> tuple[float, int] | None:
     """(seconds, batch used) of the same requests through transformers (exactly max_tokens new tokens each, batches
     of `batch`, halved while transformers runs out of device memory, no prefix reuse; sampled with the run's default
     temperature/top-p/top-k/min-p, greedy when the temperature is 0), after a warm-up on the same shapes; None when
-    torch/transformers are missing."""
+    torch/transformers are missing. `quiet`: without transformers' log lines, progress bars and warnings."""
     try:
         import torch
         import transformers
     except ImportError:
         return None
+    with _silenced(transformers) if quiet else nullcontext():
+        return _timed_generate(torch, transformers, model_dir, lines, device, batch, sampling, default_max_tokens)
+
+
+@contextmanager
+def _silenced(transformers):
+    """transformers' own output held back: its logging (the kernels it falls back from), its progress bars (the
+    weights' load) and Python's warnings; each put back as it was afterwards."""
+    hf_logging = transformers.utils.logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _timed_generate(torch, transformers, model_dir: Path, lines: list[dict], device: str, batch: int,
+                    sampling: dict, default_max_tokens: int) -> tuple[float, int]:
+    """transformers_baseline's measurement, torch and transformers imported."""
     dev = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()

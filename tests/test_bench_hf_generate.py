@@ -141,3 +141,24 @@ def test_bench_compares_nothing_when_lines_failed(tmp_path):
     figures = json.loads(res.stdout)
     assert figures["transformers_skipped"].startswith("1 of the workload's lines got error records"), figures
     assert "speedup_vs_transformers" not in figures and "IndexError" not in res.stderr
+
+
+def test_bench_quiet_keeps_transformers_quiet(tmp_path):
+    """`bench -q --compare-transformers` prints its figures on stdout and nothing on stderr: not transformers'
+    progress bar over the weights' load, nor its notes on the kernels it falls back from. Without -q they stay."""
+    import subprocess
+
+    from conftest import cmd
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    model_dir, work = _model_and_workload(tmp_path, [{"prompt_token_ids": [3, 4, 5, 6], "max_tokens": 2}])
+
+    def bench(*quiet):
+        return subprocess.run(cmd("bench", work, "--model", model_dir, "--device", "cpu", "--no-cache",
+                                  "--compare-transformers", *quiet), capture_output=True, text=True, timeout=300)
+    quiet = bench("-q")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "speedup_vs_transformers" in json.loads(quiet.stdout) and quiet.stderr == "", quiet.stderr
+    loud = bench()
+    assert loud.returncode == 0 and "Loading weights" in loud.stderr, loud.stderr
