@@ -23,6 +23,16 @@ def _import_the_engine(clock) -> None:
     import prefixrun.engine.run.core  # noqa: F401
 
 
+def _note_device_start(clock, ops) -> None:
+    """The start-up report's device figures: the driver context, the device's start, the kernels loaded so far (the
+    loader thread may still be warming GEMMs)."""
+    from prefixrun.kernels import device_start, driver_context
+
+    clock.note("driver_context", clock.stamped(driver_context.figures()) or None)
+    clock.note("device_start", clock.stamped(device_start.figures()) or None)
+    clock.note("kernels", ops.kernel_account())
+
+
 class EngineSession:
     """`front`: the model's front, loaded already by the caller (its tokenizer reads the input meanwhile).
     `upcoming`: a Future of the token ids of the prompts the first run will be given, e.g. read from the input
@@ -31,17 +41,44 @@ class EngineSession:
     Future (or None), called once the weights' reads run: work started before them delays their start."""
 
     def __init__(self, config: RunConfig, front=None, upcoming=None, clock=None):
-        from prefixrun.engine.load import loader
         from prefixrun.engine.startup import NO_CLOCK
 
         if config.model_dir is None:
             raise ValueError("an engine session needs the model's folder (RunConfig.model_dir)")
-        self.config = s = config
+        self.config = config
         clock = clock or NO_CLOCK  # the process's start-up phases (engine/startup.py)
         self.warnings: list[str] = []
         self._final_report: dict | None = None  # taken at close()
         started = time.perf_counter()
-        self.cache_root = _cache_root(s, self.warnings)  # None: no folder at all (no home folder)
+        self.cache_root = _cache_root(config, self.warnings)  # None: no folder at all (no home folder)
+        loading = self._load(front, upcoming, clock)
+        ops = self.loaded.ops
+        ops.synchronize()
+        self.load_seconds = time.perf_counter() - started
+        clock.mark("max_batch")  # --max-batch when not given: on a device, measured (engine/run/batch_choice.py)
+        clock.note("weight_reads", clock.stamped(loading.weight_reads) if loading.weight_reads else None)
+        max_batch, state_bytes, checkpoint_budget = self._memory_sizes(ops)
+        clock.mark("engine_setup")
+        from prefixrun.engine.run.core import EngineOptions
+
+        opts = EngineOptions.of(config, max_batch=max_batch, state_memory_bytes=int(state_bytes),
+                                checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
+        self.persist = self._joined_cache(loading, clock)
+        self.persist.pools_sized()  # sized above: entries read ahead go to the device while the engine is built
+        self.engine = self._engine(opts)
+        self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
+        # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
+        self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
+        self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
+        _note_device_start(clock, ops)
+
+    def _load(self, front, upcoming, clock):
+        """The model loaded (`self.loaded`), the cache's store opened and its key made beside the load
+        (`self._cache_opening`, None without a cache); the load under way (loader.Loading) is returned for its
+        figures. A failed load abandons the cache's opening."""
+        from prefixrun.engine.load import loader
+
+        s = self.config
         self._cache_opening = None
         calibration, opening = _start_cache(s, self.cache_root)
         try:
@@ -53,7 +90,7 @@ class EngineSession:
             upcoming = upcoming() if callable(upcoming) else upcoming  # a reading started now, beside the reads
             # the engine's modules are imported here, while the weights are read (their reads need little of the
             # interpreter), not before the reads start (in the load, where it waited for the backend's bring-up)
-            from prefixrun.engine.run.core import EngineOptions
+            import prefixrun.engine.run.core  # noqa: F401
 
             if opening is not None:
                 from prefixrun.engine.cache.opening import CacheOpening
@@ -70,38 +107,22 @@ class EngineSession:
             elif opening is not None:
                 opening.abandon()
             raise
-        ops = self.loaded.ops
-        ops.synchronize()
-        self.load_seconds = time.perf_counter() - started
-        clock.mark("max_batch")  # --max-batch when not given: on a device, measured (engine/run/batch_choice.py)
-        clock.note("weight_reads", clock.stamped(loading.weight_reads) if loading.weight_reads else None)
-        max_batch, state_bytes, checkpoint_budget = self._memory_sizes(ops)
-        clock.mark("engine_setup")
-        opts = EngineOptions.of(s, max_batch=max_batch, state_memory_bytes=int(state_bytes),
-                                checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
+        return loading
+
+    def _joined_cache(self, loading, clock):
+        """The persistent cache opened beside the load, or the one that does nothing (no cache, or an unusable one:
+        unreadable, read-only, damaged, which costs one warning, never the run)."""
         from prefixrun.engine.cache.no_cache import NoCache
 
-        self.persist = NoCache()
-        if self._cache_opening is not None:
-            # An unusable cache (unreadable, read-only, damaged) costs one warning, never the run.
-            clock.mark("cache_open")
-            persist, problem = self._cache_opening.join(self.loaded)
-            clock.mark("engine_setup")
-            clock.note("weights_digest_seconds", lambda: loading.digest_seconds)  # it may still be hashing
-            if problem:
-                self.warnings.append(problem)
-            self.persist = persist if persist is not None else NoCache()
-        self.persist.pools_sized()  # sized above: entries read ahead go to the device while the engine is built
-        self.engine = self._engine(opts)
-        self.persist.watch_prefill(self.engine.stats)  # this device's measured prefill rate, for the cost model
-        # files to device memory, as a later run's read-ahead entry goes: its import rate until one is measured
-        self.persist.note_load(_weight_file_bytes(self.loaded.tensors), self.load_seconds)
-        self.persist.attach(self.engine.state)  # the pools exist: entries read ahead may go to the device
-        from prefixrun.kernels import device_start, driver_context
-
-        clock.note("driver_context", clock.stamped(driver_context.figures()) or None)
-        clock.note("device_start", clock.stamped(device_start.figures()) or None)
-        clock.note("kernels", ops.kernel_account())  # so far: the loader thread may still be warming GEMMs
+        if self._cache_opening is None:
+            return NoCache()
+        clock.mark("cache_open")
+        persist, problem = self._cache_opening.join(self.loaded)
+        clock.mark("engine_setup")
+        clock.note("weights_digest_seconds", lambda: loading.digest_seconds)  # it may still be hashing
+        if problem:
+            self.warnings.append(problem)
+        return persist if persist is not None else NoCache()
 
     def _memory_sizes(self, ops) -> tuple[int, int, int]:
         """(decode batch, state memory bytes, checkpoint budget bytes) from the options and the device's free
