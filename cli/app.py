@@ -10,7 +10,6 @@ the signal's number when SIGINT, SIGTERM or SIGHUP stopped it).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import json
 import math
@@ -25,6 +24,7 @@ from typing import Annotated, Optional
 import typer
 
 from prefixrun.cli import io
+from prefixrun.cli.input_source import input_descriptor, open_input
 from prefixrun.cli.report import RunReporter, route_engine_logs
 from prefixrun.cli.run_options import cli_default, run_option, with_run_options
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
@@ -142,9 +142,9 @@ def _prepare_batch(given: dict, reporter: RunReporter):
             raise typer.BadParameter("--resume needs -o FILE (the results to resume from)")
         if resume and overwrite:
             raise typer.BadParameter("--resume and --overwrite contradict each other: give one")
-        source, input_path = _open_input(given["input"], reporter)
+        source, input_path = open_input(given["input"], reporter)
         check_targets(input_path, output, json_report, resume=resume, overwrite=overwrite,
-                      input_fd=_descriptor(source))
+                      input_fd=input_descriptor(source))
         if input_path is not None:  # a file: looked at now, before the model loads
             refuse_not_jsonl(source, given["input"])
         return config, source, input_path, claim_output(output)
@@ -217,56 +217,6 @@ def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=
         reporter.stop()
         reporter.error(f"stopped by {stop.name} while the model loaded; no request ran")
         raise typer.Exit(stop.exit_code)
-
-
-def _descriptor(stream) -> int | None:
-    """The file descriptor under a stream (None for one in memory)."""
-    try:
-        return stream.fileno()
-    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both an OSError and a ValueError
-        return None
-
-
-def _open_input(input: str | None, reporter: RunReporter):
-    """(binary stream, the input's path or None for stdin). A terminal on stdin with no input named gets a hint
-    instead of a silent wait."""
-    if input is None:
-        if _stdin_is_terminal():
-            raise typer.BadParameter("no input: give a JSONL file (prefixrun batch FILE), pipe one in "
-                                     "(cat FILE | prefixrun batch), or - to type requests on the terminal")
-        input = "-"
-    if input == "-":
-        if sys.stdin is None or not _readable(sys.stdin):  # `<&-` (Python has no stream for it), `0>FILE`
-            raise typer.BadParameter("no input: stdin is closed or not open for reading; give a JSONL file or pipe "
-                                     "one in")
-        if _stdin_is_terminal():
-            reporter.note("reading requests from the terminal, one JSON object per line; end with Ctrl-D")
-        return sys.stdin.buffer, None
-    if not input.strip():  # `batch "$FILE"` with FILE unset: Path("") is the working directory, not a file
-        raise typer.BadParameter("the input file name is empty; give a JSONL file, or - for stdin")
-    path = Path(input)
-    if path.is_dir():
-        raise typer.BadParameter(f"input {input} is a directory; give a JSONL file")
-    if not path.exists():
-        raise typer.BadParameter(f"input file {input} does not exist")
-    try:
-        return open(path, "rb"), path
-    except OSError as exc:
-        raise typer.BadParameter(f"input file {input} cannot be read: {exc.strerror or exc}") from None
-
-
-def _readable(stream) -> bool:
-    try:
-        return fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
-    except (OSError, ValueError):  # no descriptor under it (a stream in memory): it can be read
-        return True
-
-
-def _stdin_is_terminal() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (ValueError, OSError):  # closed stdin
-        return False
 
 
 @app.command("make-model")
@@ -460,54 +410,18 @@ def bench(
 
     clock = PhaseClock()  # the process's start-up so far is its imports
     from prefixrun.cli import bench as figures_of
-    from prefixrun.cli.output import claim_output, run_to_output, write_json_report
-    from prefixrun.cli.output_targets import STDOUT, OutputError, check_targets
+    from prefixrun.cli.output import write_json_report
+    from prefixrun.cli.output_targets import STDOUT
 
     clock.mark("options")
-
-    reporter = RunReporter()
-    try:
-        p = batch_params(ctx.args)
-        reporter = RunReporter(quiet=p["quiet"], progress_interval=_progress_interval(p["progress_interval"]))
-        if p["input"] in (None, "-"):
-            raise typer.BadParameter("bench needs a workload file: prefixrun bench WORKLOAD.jsonl [batch options]")
-        if p["resume"]:
-            raise typer.BadParameter("bench runs the whole workload: --resume does not apply")
-        if transformers_batch < 1:
-            raise typer.BadParameter("--transformers-batch must be at least 1")
-        if p["devices"] is not None or p["ray_address"] is not None:
-            raise typer.BadParameter("bench reads its figures from one in-process engine; time several devices "
-                                     "with prefixrun batch --devices ... --json-report FILE")
-        if STDOUT in (p["output"], p["json_report"]):
-            raise typer.BadParameter("bench prints its figures on standard output: give -o and --json-report a "
-                                     "file, not -")
-        if sys.stdout is None:  # started with it closed (`>&-`): the figures would be lost without a word
-            raise typer.BadParameter("standard output is closed: bench prints its figures there")
-        config = run_config(p)
-        source, workload = _open_input(p["input"], reporter)
-        check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],
-                      input_fd=_descriptor(source))
-        if json_out is not None:
-            _check_json_target(json_out, workload, p["output"], p["json_report"])
-        claim = claim_output(p["output"])
-    except (typer.TyperException, InvalidOption, InvalidRequest, OutputError) as exc:  # click's errors too
-        reporter.error(str(exc))
-        raise typer.Exit(io.EXIT_USAGE)
+    p, reporter, config, source, workload, claim = _bench_arguments(ctx.args, transformers_batch, json_out)
     if claim is not None:
         ctx.call_on_close(claim.release)
     ctx.call_on_close(route_engine_logs(reporter))
     started = time.perf_counter()
     run = open_batch_run(reporter, config, source, clock=clock)
     open_seconds = time.perf_counter() - started
-    with ExitStack() as discard:
-        if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures
-            discard.enter_context(redirect_stdout(discard.enter_context(open(os.devnull, "w"))))
-        discard.enter_context(stop_signals_raise())
-        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter,
-                               claim=claim, json_report=p["json_report"])
-    reporter.final(report)
-    if p["json_report"] is not None and not write_json_report(p["json_report"], report, reporter):
-        raise typer.Exit(1)
+    report = _bench_run(run, source, p, reporter, claim)
     figures = figures_of.figures(run, report, workload, open_seconds)
     if compare_transformers:
         setup = figures_of.transformers_setup(run, workload, report["failed_lines"])
@@ -524,6 +438,61 @@ def bench(
             json_out is not None and not write_json_report(json_out, figures, reporter, "--json"):
         raise typer.Exit(1)
     raise typer.Exit(io.EXIT_SOME_FAILED if report["failed_lines"] else io.EXIT_OK)
+
+
+def _bench_arguments(args: list[str], transformers_batch: int, json_out: Path | None):
+    """bench's batch options checked, its workload opened and -o claimed: (batch's parameters, the reporter, the
+    run configuration, the input stream, the workload's path, the claim or None). A usage error is one line, exit 2.
+    """
+    from prefixrun.cli.output import claim_output
+    from prefixrun.cli.output_targets import STDOUT, OutputError, check_targets
+
+    reporter = RunReporter()
+    try:
+        p = batch_params(args)
+        reporter = RunReporter(quiet=p["quiet"], progress_interval=_progress_interval(p["progress_interval"]))
+        if p["input"] in (None, "-"):
+            raise typer.BadParameter("bench needs a workload file: prefixrun bench WORKLOAD.jsonl [batch options]")
+        if p["resume"]:
+            raise typer.BadParameter("bench runs the whole workload: --resume does not apply")
+        if transformers_batch < 1:
+            raise typer.BadParameter("--transformers-batch must be at least 1")
+        if p["devices"] is not None or p["ray_address"] is not None:
+            raise typer.BadParameter("bench reads its figures from one in-process engine; time several devices "
+                                     "with prefixrun batch --devices ... --json-report FILE")
+        if STDOUT in (p["output"], p["json_report"]):
+            raise typer.BadParameter("bench prints its figures on standard output: give -o and --json-report a "
+                                     "file, not -")
+        if sys.stdout is None:  # started with it closed (`>&-`): the figures would be lost without a word
+            raise typer.BadParameter("standard output is closed: bench prints its figures there")
+        config = run_config(p)
+        source, workload = open_input(p["input"], reporter)
+        check_targets(workload, p["output"], p["json_report"], resume=False, overwrite=p["overwrite"],
+                      input_fd=input_descriptor(source))
+        if json_out is not None:
+            _check_json_target(json_out, workload, p["output"], p["json_report"])
+        claim = claim_output(p["output"])
+    except (typer.TyperException, InvalidOption, InvalidRequest, OutputError) as exc:  # click's errors too
+        reporter.error(str(exc))
+        raise typer.Exit(io.EXIT_USAGE)
+    return p, reporter, config, source, workload, claim
+
+
+def _bench_run(run, source, p: dict, reporter: RunReporter, claim) -> dict:
+    """The workload run as batch runs it (results discarded unless -o, since stdout is for the figures), its
+    report shown and written where --json-report says: the batch report."""
+    from prefixrun.cli.output import run_to_output, write_json_report
+
+    with ExitStack() as discard:
+        if p["output"] is None:  # batch would print the results on stdout, where bench prints its figures
+            discard.enter_context(redirect_stdout(discard.enter_context(open(os.devnull, "w"))))
+        discard.enter_context(stop_signals_raise())
+        report = run_to_output(run, source, p["output"], resume=False, unordered=p["unordered"], reporter=reporter,
+                               claim=claim, json_report=p["json_report"])
+    reporter.final(report)
+    if p["json_report"] is not None and not write_json_report(p["json_report"], report, reporter):
+        raise typer.Exit(1)
+    return report
 
 
 def _check_json_target(json_out: Path, workload: Path, output, json_report) -> None:

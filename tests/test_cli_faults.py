@@ -676,7 +676,7 @@ def test_an_input_that_fails_to_read_is_named_as_the_input(model, tmp_path, monk
             return super().readline(size)
 
     src = write_jsonl(tmp_path / "in.jsonl", [])
-    monkeypatch.setattr(app_module, "_open_input", lambda name, reporter: (FailingInput(good), Path(name)))
+    monkeypatch.setattr(app_module, "open_input", lambda name, reporter: (FailingInput(good), Path(name)))
     out = tmp_path / "out.jsonl"
     res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "--window", 1, "-q", "-o", out)
     assert res.exit_code == 1
