@@ -20,7 +20,8 @@ Exactly one of the three prompt fields, plus optional `custom_id` and sampling f
 - `messages`: a non-empty list of `{"role": str, "content": ...}`; the model's chat template is applied by the
   engine. `content` is a string, a list of text parts (`{"type": "text", "text": str}`), or null (or left out) on
   an assistant message that carries `tool_calls`. Other keys of a message are passed to the template untouched;
-  a `name` (but a tool message's) that the template does not write into the prompt is an error.
+  a `name` (but a tool message's) that the template does not write into the prompt is an error, as is another key
+  (refusal, audio, a misspelled one) that the template never reads.
 - `prompt_token_ids`: a non-empty list of non-negative integers.
 
 A `messages` line may also carry what vLLM's chat completions take beside the messages:

@@ -336,6 +336,26 @@ def test_a_message_name_the_template_does_not_write_is_refused(qwen3_tokenizer, 
     encoder.render(ChatPrompt(messages))
 
 
+def test_a_message_key_the_template_never_reads_is_refused(qwen3_tokenizer):
+    """A message's refusal, audio or misspelled key that no template expression reads would change nothing: the
+    line's error naming it. A key the template reads (Qwen3's reasoning_content, dropped from earlier turns by its
+    own rule) and a message the template writes whole pass."""
+    encoder = PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=BIG)
+    for key, value in (("refusal", "I cannot"), ("audio", {"id": "audio_1"}), ("contnet", "x")):
+        messages = [USER, {"role": "assistant", "content": "a", key: value}, USER]
+        with pytest.raises(InvalidRequest, match=f"^messages\\[1\\].{key}: the chat template of .* does not "
+                                                 f"write this message's {key} into the prompt"):
+            encoder.render(ChatPrompt(messages))
+        messages[1] = {**messages[1], key: None}  # null: not given
+        encoder.render(ChatPrompt(messages))
+    earlier = {"role": "assistant", "content": "a", "reasoning_content": "thought"}
+    encoder.render(ChatPrompt([USER, earlier, USER]))
+    whole = Tokenizer(qwen3_tokenizer._backend, {}, {"default": "{% for m in messages %}{{ m | tojson }}{% endfor %}"},
+                      "t")
+    assert "I cannot" in PromptEncoder(whole, vocab_size=BIG, context_tokens=BIG).render(
+        ChatPrompt([USER, {"role": "assistant", "content": "a", "refusal": "I cannot"}]))
+
+
 @pytest.mark.parametrize("name, outside, inside", [
     ("stop_token_ids", (3, 512), (3, 511)),
     ("logit_bias", ((512, 1.0),), ((511, 1.0),)),

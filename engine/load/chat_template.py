@@ -57,6 +57,11 @@ class ChatTemplate:
         # the variables the template reads from its caller (a request's variable outside them would be dropped);
         # the environment's own functions (raise_exception, range, ...) are not among them
         self.reads = frozenset(jinja2.meta.find_undeclared_variables(parsed)).difference(environment.globals)
+        # every attribute or constant item name the template reads off anything (`m.name`, `m['tool_calls']`): a
+        # message key outside them reaches the prompt only through the whole message (tojson, items)
+        self.keys = frozenset(node.attr for node in parsed.find_all(jinja2.nodes.Getattr)).union(
+            node.arg.value for node in parsed.find_all(jinja2.nodes.Getitem)
+            if isinstance(node.arg, jinja2.nodes.Const) and isinstance(node.arg.value, str))
 
     def render(self, messages: list[dict], **variables) -> str:
         messages = [_with_decoded_calls(message) for message in messages]

@@ -23,7 +23,8 @@ def check_messages(value: Any, where: str = "messages") -> list[dict]:
 
     content is a string, a list of text parts ({"type": "text", "text": str}), or null or left out on an assistant
     message that carries tool_calls (OpenAI's format). Other keys of a message (name, tool_calls, tool_call_id,
-    reasoning_content, ...) are the template's business and pass untouched.
+    reasoning_content, ...) are the template's business and pass untouched (one the template never writes is
+    refused where the chat is rendered: engine/load/prompts.py).
     """
     if not isinstance(value, list):
         raise InvalidRequest(f"{where} must be a list of {{role, content}} objects, got {describe_value(value)}")

@@ -29,8 +29,13 @@ if TYPE_CHECKING:
 
 # the template variables a request's reasoning_effort sets (cli/prompt_options.py)
 REASONING_VARIABLES = ("reasoning_effort", "enable_thinking")
-# marks a message's name in a trial render (PromptEncoder._check_names_written)
+# marks a message's name in a trial render (PromptEncoder._check_message_keys_written)
 _NAME_MARK = "zqxname"
+# a message's keys that need not reach the prompt: its role and content (checked themselves), its calls and the id of
+# the call a tool message answers (linking what the order links), and its name (checked with a mark)
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
+_MESSAGE_KEY_ADVICE = {"name": "put the name into the content, or leave it out",
+                       "audio": "prefixrun runs text models: give the transcript as content"}
 # Unicode composition shortens text by at most this factor (3 Hangul jamo -> 1 syllable), rounded up.
 NORMALIZER_SHRINK_BOUND = 4
 
@@ -236,7 +241,7 @@ class PromptEncoder:
         if unread:
             raise InvalidRequest(unread)
         text = self._render(prompt, prompt.messages)
-        self._check_names_written(prompt, text)
+        self._check_message_keys_written(prompt, text)
         return text
 
     def _render(self, prompt: ChatPrompt, messages: list[dict]) -> str:
@@ -245,34 +250,42 @@ class PromptEncoder:
             continue_final_message=prompt.continue_final_message, documents=prompt.documents,
             **{**self.chat_template_kwargs, **prompt.template_kwargs})
 
-    def _check_names_written(self, prompt: ChatPrompt, text: str) -> None:
-        """A message's `name` (OpenAI's: tells participants of one role apart) that the template never writes would
-        change nothing: InvalidRequest, not a prompt without it. One render with each name marked finds the names
-        written as they are; a name whose mark is missing counts as written only if the prompt without it differs
-        (a template that changes or tests the name). A tool message's name, like its tool_call_id, says which call
-        it answers, which its place says too."""
-        named = [i for i, message in enumerate(prompt.messages) if message.get("name") and message["role"] != "tool"]
-        if not named:
-            return
+    def _check_message_keys_written(self, prompt: ChatPrompt, text: str) -> None:
+        """A message key that never reaches the prompt would change nothing: InvalidRequest, not a prompt without it.
+        A `name` (OpenAI's: tells participants of one role apart) must be written for its message: one render with
+        each name marked finds those written as they are; a name whose mark is missing counts as written only if
+        the prompt without it differs (a template that changes or tests it). A tool message's name, like its
+        tool_call_id, says which call it answers, which its place says too. Any other key (refusal, audio, a
+        misspelled one) must be one the template reads off some value, or change the prompt (a message written
+        whole, with tojson)."""
+        messages = prompt.messages
+        named = [i for i, message in enumerate(messages) if message.get("name") and message["role"] != "tool"]
         marked = [{**message, "name": f"{_NAME_MARK}{i}{_NAME_MARK}"} if i in named else message
-                  for i, message in enumerate(prompt.messages)]
+                  for i, message in enumerate(messages)]
         try:
-            shown = self._render(prompt, marked)
+            shown = self._render(prompt, marked) if named else ""
         except InvalidRequest:  # a template that checks names: each is tried alone below
             shown = ""
-        for i in named:
-            if f"{_NAME_MARK}{i}{_NAME_MARK}" in shown:
-                continue
-            without = [{k: v for k, v in message.items() if k != "name"} if j == i else message
-                       for j, message in enumerate(prompt.messages)]
-            try:
-                dropped = self._render(prompt, without) == text
-            except InvalidRequest:  # the template needs this name
-                dropped = False
-            if dropped:
-                raise InvalidRequest(f"messages[{i}].name: the chat template of {self.tokenizer.template_source} "
-                                     "does not write this message's name into the prompt, so it would change "
-                                     "nothing; put the name into the content, or leave it out")
+        read = self.tokenizer.template_keys(prompt.tools)
+        for i, message in enumerate(messages):
+            keys = [key for key in message if key not in _MESSAGE_KEYS and message[key] is not None
+                    and key not in read]
+            if i in named and f"{_NAME_MARK}{i}{_NAME_MARK}" not in shown:
+                keys.insert(0, "name")
+            for key in keys:
+                if self._changes_nothing(prompt, text, i, key):
+                    raise InvalidRequest(f"messages[{i}].{key}: the chat template of {self.tokenizer.template_source} "
+                                         f"does not write this message's {key} into the prompt, so it would change "
+                                         f"nothing; {_MESSAGE_KEY_ADVICE.get(key, 'leave it out')}")
+
+    def _changes_nothing(self, prompt: ChatPrompt, text: str, i: int, key: str) -> bool:
+        """Whether the chat renders as `text` without messages[i][key] (a template that needs it: it changes)."""
+        without = [{k: v for k, v in message.items() if k != key} if j == i else message
+                   for j, message in enumerate(prompt.messages)]
+        try:
+            return self._render(prompt, without) == text
+        except InvalidRequest:
+            return False
 
     def _checked_length(self, text: str, what: str, prompt: Prompt) -> str:
         # a prompt to be truncated may be longer (it is bounded by the line's byte limit)

@@ -219,6 +219,10 @@ class Tokenizer:
         """The variables the chat template used for a chat with `tools` reads from its caller."""
         return self._template_for(tools).reads
 
+    def template_keys(self, tools: list[dict] | None = None) -> frozenset[str]:
+        """The attribute and item names the chat template used for a chat with `tools` reads off any value."""
+        return self._template_for(tools).keys
+
     def variables_read_by_any_template(self) -> frozenset[str]:
         """The variables one of the model's chat templates (that compiles) reads from its caller: the names an
         engine-wide template variable may have (a chat with tools may be rendered with another template)."""
