@@ -7,6 +7,7 @@ call on the next of several copies of the weight, so that no copy stays in L2 fr
 shape, the crossover: the fewest rows measured from which cuBLASLt's path beats the weight-only kernels.
 
     python3 bench/fp8_gemm_bench.py [--shapes 18432x2560,2560x9216] [--rows 1,16,64,128,256,2048] [--reps 20]
+                                    [--algos N]   (also: each of cuBLASLt's first N answers, timed)
 """
 from __future__ import annotations
 
@@ -177,6 +178,41 @@ def time_shape(ops, a, n: int, k: int, rows: list[int], gemm) -> None:
           flush=True)
 
 
+def time_answers(ops, a, n: int, k: int, rows: list[int]) -> None:
+    """Each of cuBLASLt's first `--algos` answers for the block-scaled FP8 GEMM of an [n, k] weight at each row
+    count: its tile, split-K and device time per call (the engine takes the first answer): one line per row
+    count, so that a faster answer where the first is slow (few rows of a wide K) shows."""
+    from prefixrun.kernels.cublaslt_lib import CONFIG_SPLITK_NUM, CONFIG_TILE_ID, heuristic_answers
+
+    g = get_block_fp8_gemm()
+    copies = max(1, -(-a.rotate_mib * (1 << 20) // (n * k)))
+    w8s = [fp8_weight(n, k, seed) for seed in range(copies)]
+    for m in rows:
+        padded = -(-m // 16) * 16
+        xq, xs = quantize_activations(cast(cupy.random.RandomState(m).standard_normal((m, k), dtype=cupy.float32),
+                                           BF16), padded)
+        out = cupy.empty((padded, n), BF16)
+        with g.lt.lock:
+            g._set_scales(w8s[0].scale.data.ptr, xs.data.ptr)
+            layouts = g._layouts(n, k, padded, n)
+            answers = heuristic_answers(g.lt.lib, g.lt.handle, g.desc, layouts + layouts[2:],
+                                        g.lt.workspace.nbytes, a.algos)
+        parts = []
+        for i, (algo, _) in enumerate(answers):
+            def call(w, algo=algo):
+                g._set_scales(w.scale.data.ptr, xs.data.ptr)
+                g.lt.matmul(g.desc, algo, w.values.data.ptr, layouts[0], xq.data.ptr, layouts[1], out.data.ptr,
+                            layouts[2])
+            try:
+                t = timed(ops, rotating([lambda w=w: call(w) for w in w8s]), max(a.reps, copies))
+            except Exception as e:  # an answer the library refuses at run time: for the record
+                parts.append(f"#{i} {type(e).__name__}")
+                continue
+            parts.append(f"#{i} tile {g.lt.algo_config(algo, CONFIG_TILE_ID)} split-K "
+                         f"{g.lt.algo_config(algo, CONFIG_SPLITK_NUM)} {t:.1f} us")
+        print(f"[{n}, {k}] M={m} cuBLASLt answers: {'; '.join(parts) or 'none'}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES_4B)
@@ -185,6 +221,7 @@ def main():
     p.add_argument("--probe", action="store_true", help="also print which scale-mode pairs cuBLASLt takes")
     p.add_argument("--weight-only-rows", type=int, default=256, help="time fp8w_gemm_kernel up to this M")
     p.add_argument("--rotate-mib", type=int, default=256, help="fp8 weight copies of at least this many MiB")
+    p.add_argument("--algos", type=int, default=0, help="also time this many of cuBLASLt's answers per row count")
     a = p.parse_args()
     ops = CudaOps("bfloat16")
     t = time.perf_counter()
@@ -202,6 +239,8 @@ def main():
     for shape in a.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         time_shape(ops, a, n, k, rows, gemm)
+        if gemm is not None and a.algos:
+            time_answers(ops, a, n, k, rows)
         cupy.get_default_memory_pool().free_all_blocks()
 
 
