@@ -126,3 +126,24 @@ def test_a_huge_head_dim_with_yarn_is_refused_by_its_weights_not_a_key_error():
     from prefixrun.engine.load.hf_config import parse_config
     config = parse_config({**TINY_GPT_OSS, "head_dim": 10**30})  # the weights' shapes refuse it at load
     assert config.head_dim == 10**30 and config.rope.rotary_dim == 10**30
+
+
+def test_the_checkpoints_tensors_are_plain_read_only_views_of_the_file(plain_dir):
+    """A tensor is a plain ndarray over the memory-mapped file (no np.memmap, whose Python `__array_finalize__` ran
+    for every slice, view and reshape of the dry build and the build), read-only, its bytes the file's."""
+    import struct
+
+    from prefixrun.engine.load.weights import CheckpointTensors
+
+    tensors = CheckpointTensors(plain_dir)
+    raw = (plain_dir / "model.safetensors").read_bytes()
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:start])
+    names = [n for n in tensors.names() if n != "__metadata__"]
+    assert len(names) > 10
+    for name in names:
+        arr = tensors.get(name)
+        assert type(arr) is np.ndarray and type(arr.reshape(-1)[:1]) is np.ndarray
+        assert not arr.flags.writeable
+        lo, hi = header[name]["data_offsets"]
+        assert arr.tobytes() == raw[start + lo:start + hi] and list(arr.shape) == header[name]["shape"]

@@ -8,6 +8,7 @@ in their order (`read_ahead`, kernels/weight_reads.py). The content digest: engi
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -45,11 +46,20 @@ class SafetensorsFile:
         start, end = info["data_offsets"]
         shape = tuple(info["shape"])
         if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._mmap = _map_file(self.path)
         if self._data_start + end > self._mmap.size:  # the file shrank since its header was read
             raise ModelLoadError(f"{self.path}: tensor {name!r} extends past the end of the file (truncated?)")
         return TensorSpan(name, FileSpan(str(self.path), self._data_start + start, end - start), np.dtype(dtype),
                           shape)
+
+
+def _map_file(path: Path) -> np.ndarray:
+    """The file's bytes, memory-mapped read-only, as a plain uint8 array: views of it are plain arrays (those of
+    an `np.memmap` run its Python `__array_finalize__` for every slice, view and reshape: a third of the dry build's
+    time, which the weights' reads wait for). The map lives as long as any view of it."""
+    with open(path, "rb") as f:  # never empty: its header was read
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(mapped, dtype=np.uint8)
 
 
 class CheckpointTensors:
