@@ -28,11 +28,6 @@ import threading
 
 ENGINE_COMMANDS = ("batch", "bench")  # the commands that build an engine in this process
 _ELSEWHERE = ("--devices", "--ray", "--help")  # options after which this process brings up no GPU
-# "1": the command line's imports wait (at most CUPY_FIRST_MAX_S) for the GPU's bring-up to have imported CuPy, so
-# that its import, then the backend's and the kernel modules' loads, run without the command line's imports beside
-# them (the interpreter's lock is shared); off unless asked for until it is shown to pay (docs/PERFORMANCE.md)
-CUPY_FIRST = "PREFIXRUN_CUPY_FIRST"
-CUPY_FIRST_MAX_S = 3.0
 
 
 def brings_up_gpu(args: list[str]) -> bool:
@@ -54,16 +49,14 @@ def brings_up_gpu(args: list[str]) -> bool:
 
 
 def start_gpu(args: list[str]) -> bool:
-    """Start the GPU's bring-up where the command line `args` uses one here (`brings_up_gpu`); with CUPY_FIRST, wait
-    for its CuPy import before going on. Whether it was started."""
+    """Start the GPU's bring-up where the command line `args` uses one here (`brings_up_gpu`). Whether it was
+    started."""
     if not brings_up_gpu(args):
         return False
     from prefixrun.kernels import device_start, driver_context
 
     driver_context.start()
     device_start.start("auto")
-    if os.environ.get(CUPY_FIRST) == "1":
-        device_start.wait_imported(CUPY_FIRST_MAX_S)
     return True
 
 

@@ -79,16 +79,6 @@ def get_ops(device: str = "auto", dtype: str | None = None, deterministic: bool 
     return CudaOps(dtype or "bfloat16", deterministic=deterministic)
 
 
-def backend_pending(device: str) -> bool:
-    """Whether `get_ops(device)` would wait now for the GPU's bring-up (kernels/device_start.py) to import the
-    backend's modules: the caller may do its own Python first, the wait being no work."""
-    if device == "cpu":
-        return False
-    from prefixrun.kernels import device_start
-
-    return device_start.backend_pending()
-
-
 def start_weight_reads(device: str, spans):
     """The weights' read-ahead (kernels/weight_reads.py) started before the backend exists, where the GPU is being
     brought up early: through the driver as soon as its bring-up has the context and the pinned ring
@@ -100,7 +90,7 @@ def start_weight_reads(device: str, spans):
         return None
     from prefixrun.kernels import device_start
 
-    device_start.reads_reached()
+    device_start.reads_reached()  # CuPy's held import goes on: beside the driver's reads, or for CuPy's own
     if device_start.started():
         from prefixrun.kernels import driver_weight_reads
 

@@ -5,6 +5,14 @@ its handle, the pinned ring of the weight reads (kernels/cuda_weight_reads.py) t
 (kernels/driver_context.py pins it right after the context, before CuPy is even imported) or allocated here;
 none where the reads go the driver's way (kernels/driver_weight_reads.py: they take the driver's ring themselves).
 
+Where the driver's bring-up (kernels/driver_context.py) makes the context and pins the ring, the weights' reads start
+through the driver without CuPy, so CuPy's import is held (at most HOLD_MAX_S) until the run reaches the reads
+(`reads_reached`), a thread waits for CuPy's side of the bring-up (`wait_context`, `wait`) or the driver's bring-up
+ends without a context: the command line's Python up to the reads then has the interpreter's lock to itself, and
+CuPy imports while the reads run, which need little of it (docs/PERFORMANCE.md, 4b-like: the reads started at 0.43-0.47 s against 0.69-0.78 s, the process took
+1.90-1.94 s against 2.06-2.45 s; held until the reads were started, not reached, it was even with CuPy's way). Where
+no driver's bring-up was started, nothing is held: the reads go CuPy's way and wait for it.
+
 Each of these is a fixed cost of a fresh process (the context and cuBLAS's libraries alone take a good part of a
 second) that depends on nothing the run reads; done first thing on a thread of its own, it overlaps the run's
 imports, the tokenizer's load and the model's dry build. The weights' reads need only the context and the ring
@@ -15,9 +23,10 @@ usual place, which reports the problem itself.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
+
+from prefixrun.kernels import driver_context
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -26,14 +35,8 @@ _context = threading.Event()  # set once the context and the pinned ring are up,
 _backend = threading.Event()  # set once the backend's modules are imported too (cuBLAS loads after it)
 _gpu: list[int] = []  # the device whose context is up
 GPU = 0  # the device brought up (the first visible, as kernels/driver_context.py's)
-_imported = threading.Event()  # set once CuPy's import is done (or failed)
-# "1": CuPy's import waits (at most READS_FIRST_MAX_S) until the run reaches the weights' reads (`reads_reached`)
-# or a thread waits for CuPy's side of the bring-up (`wait_context`, `wait`), so that the command line's Python up
-# to the reads has the interpreter's lock to itself; the reads then go the driver's way
-# (kernels/driver_weight_reads.py) while CuPy imports. Off unless asked for until it is shown to pay
-# (docs/PERFORMANCE.md)
-READS_FIRST = "PREFIXRUN_READS_FIRST"
-READS_FIRST_MAX_S = 2.0
+HOLD_MAX_S = 2.0  # CuPy's held import goes on after this long even if nothing asked for it (module doc)
+HOLD_POLL_S = 0.01  # how often a hold looks whether the driver's bring-up ended without a context
 _cupy_wanted = threading.Event()  # set once the run reached the reads or a thread waits for CuPy's side
 
 
@@ -52,21 +55,6 @@ def started() -> bool:
     """Whether a bring-up was started in this process."""
     with _lock:
         return _thread is not None
-
-
-def wait_imported(timeout: float) -> bool:
-    """Wait for a bring-up under way (none: at once) to have imported CuPy (or failed to), at most `timeout`
-    seconds; False when it had not by then."""
-    with _lock:
-        started = _thread is not None
-    return _imported.wait(timeout) if started else True
-
-
-def backend_pending() -> bool:
-    """Whether a bring-up is under way and has not imported the backend's modules yet (`wait` would wait)."""
-    with _lock:
-        started = _thread is not None
-    return started and not _backend.is_set()
 
 
 def wait() -> dict:
@@ -97,14 +85,27 @@ def wait_context() -> int | None:
 
 
 def reads_reached() -> None:
-    """The run has reached the weights' reads (kernels/__init__.py start_weight_reads): with READS_FIRST, CuPy's
-    import goes on now, while the run waits for the driver's ring, which takes no Python."""
+    """The run has reached the weights' reads (kernels/__init__.py start_weight_reads): a held CuPy import goes on
+    now (module doc)."""
     _cupy_wanted.set()
 
 
 def figures() -> dict:
     """What the bring-up did so far ({} when none was started)."""
     return dict(_figures)
+
+
+def _hold() -> bool:
+    """Hold CuPy's import while the driver's bring-up may give the reads a context of their own (module doc): until
+    the run reaches the reads or a thread waits for CuPy's side, the driver's bring-up ends without one, or
+    HOLD_MAX_S. Whether it held."""
+    if not driver_context.may_make(GPU):
+        return False
+    deadline = time.perf_counter() + HOLD_MAX_S
+    while not _cupy_wanted.wait(HOLD_POLL_S):
+        if not driver_context.may_make(GPU) or time.perf_counter() >= deadline:
+            break
+    return True
 
 
 def _bring_up():
@@ -118,15 +119,11 @@ def _bring_up():
 
     try:
         begun = t0
-        if os.environ.get(READS_FIRST) == "1":
-            _cupy_wanted.wait(READS_FIRST_MAX_S)
-            begun = step("reads_first", t0)
+        if _hold():
+            begun = step("held", t0)
         from prefixrun.kernels import import_cupy
 
-        try:
-            cupy = import_cupy()
-        finally:
-            _imported.set()
+        cupy = import_cupy()
         t = step("import_cupy", begun)
         if cupy.cuda.runtime.getDeviceCount() > 0:
             device = cupy.cuda.Device(GPU)

@@ -37,6 +37,7 @@ _CU_MEMHOSTALLOC_PORTABLE = 0x01  # pinned for every context, as CuPy's pinned m
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _done = threading.Event()
+_thread_ordinal = [0]  # the device the bring-up was started for
 _figures: dict = {}  # seconds of each step, the error if any, `ready_at` (perf_counter) once the context is up
 _ring: dict = {}  # "ordinal", "shape" (PINNED_RING), "addresses": the pinned ring's host buffers, until taken
 _made: dict = {}  # "ordinal", "library", "context": the context once it is up and its ring pinned
@@ -51,6 +52,7 @@ def start(ordinal: int = 0) -> bool:
     with _lock:
         if _thread is not None:
             return False
+        _thread_ordinal[0] = ordinal
         _thread = threading.Thread(target=_make, args=(ordinal, ctypes.CDLL), daemon=True, name="prefixrun-driver")
         _thread.start()
     atexit.register(wait, EXIT_WAIT_S)
@@ -64,6 +66,14 @@ def wait(timeout: float | None = None) -> dict:
     if started:
         _done.wait(timeout)
     return figures()
+
+
+def may_make(ordinal: int) -> bool:
+    """Whether a bring-up was started for device `ordinal` and has not ended without its context and ring (under way,
+    or done and made them); never waits."""
+    with _lock:
+        return _thread is not None and _thread_ordinal[0] == ordinal and (not _done.is_set() or
+                                                                          _made.get("ordinal") == ordinal)
 
 
 def figures() -> dict:

@@ -21,16 +21,16 @@ block given back is freed at once.
 Any failure here (no driver context or ring, a refused call) leaves the reads to CuPy's path (kernels/__init__.py
 start_weight_reads); a refused call while reading is the reads' error (the build reads what is missing itself).
 
-Used only where `PREFIXRUN_DRIVER_READS=1` asks for it (docs/PERFORMANCE.md has the figures): the command line's
-own imports reach the reads' start about when CuPy's import ends, so the reads start no sooner this way, and
-running beside CuPy's import they slow it, and with it the backend and the kernel modules a run waits for. It pays
-where the command line reaches the reads well before CuPy is imported.
+The way every run on a GPU takes where the driver's bring-up made the context: CuPy's import is then held until
+the run reaches the reads (kernels/device_start.py), so the command line's Python up to the reads runs alone and the
+reads start as soon as it gets there, and CuPy imports while they run. Beside CuPy's import from the process's start,
+the command line reached the reads about when CuPy was imported, and this way started them no sooner
+(docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 import threading
 
 import numpy as np
@@ -43,18 +43,12 @@ WINDOW_BYTES = 16 << 30  # as kernels/cuda_weight_reads.py: read ahead of the bu
 FREE_BATCH_BYTES = 1 << 30  # blocks given back during the load are freed together once they add up to this
 _CU_STREAM_NON_BLOCKING = 0x1
 _CU_EVENT_DISABLE_TIMING = 0x2
-SWITCH = "PREFIXRUN_DRIVER_READS"
-
-
-def enabled() -> bool:
-    """Whether the reads may go the driver's way: only where the environment's switch asks for it (module doc)."""
-    return os.environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def takes_ring(ordinal: int) -> bool:
     """Whether reads started on device `ordinal` go the driver's way and take the ring its bring-up pinned (so the
     GPU's bring-up through CuPy pins none: kernels/device_start.py)."""
-    return enabled() and driver_context.made_context(ordinal) is not None
+    return driver_context.made_context(ordinal) is not None and cupy_installed()
 
 
 def cupy_installed() -> bool:
@@ -216,11 +210,11 @@ def free_bytes(lib, context: int) -> int:
 
 
 def start_reads(spans: list[TensorSpan], ordinal: int) -> WeightReads | None:
-    """The reads of the tensors whose stored dtype the kernels take (kernels/weight_reads.py kernel_dtypes) into device `ordinal`'s memory
-    through the driver, started now; None where they cannot go this way (switched off, no context or ring made by
-    the driver's bring-up, CuPy not installed, or the driver refused the first calls): the caller starts them through
-    CuPy, or the build reads them itself."""
-    made = driver_context.made_context(ordinal) if enabled() else None
+    """The reads of the tensors whose stored dtype the kernels take (kernels/weight_reads.py kernel_dtypes) into
+    device `ordinal`'s memory through the driver, started now; None where they cannot go this way (no context or
+    ring made by the driver's bring-up, CuPy not installed, or the driver refused the first calls): the caller starts
+    them through CuPy, or the build reads them itself."""
+    made = driver_context.made_context(ordinal)
     if made is None or not cupy_installed():  # no CuPy: no CUDA backend to take them
         return None
     lib, context = made

@@ -161,9 +161,8 @@ def made(monkeypatch):
     return lib, keep
 
 
-def test_the_reads_go_the_drivers_way_where_asked_and_its_bring_up_made_the_context(made, tmp_path, monkeypatch):
+def test_the_reads_go_the_drivers_way_where_its_bring_up_made_the_context(made, tmp_path, monkeypatch):
     lib, _ = made
-    monkeypatch.setenv(driver_weight_reads.SWITCH, "1")
     assert driver_weight_reads.takes_ring(0) and not driver_weight_reads.takes_ring(1)
     arrays, spans = _file(tmp_path, sizes=(16, 8))
     reads = driver_weight_reads.start_reads(spans, 0)
@@ -175,20 +174,9 @@ def test_the_reads_go_the_drivers_way_where_asked_and_its_bring_up_made_the_cont
     assert driver_context.take_ring(0) is None  # the reads took it
 
 
-@pytest.mark.parametrize("value", [None, "", "0", "off", "false", "2"])
-def test_without_the_switch_the_reads_go_cupys_way(made, monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(driver_weight_reads.SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(driver_weight_reads.SWITCH, value)
-    assert not driver_weight_reads.takes_ring(0)
-    assert driver_weight_reads.start_reads([], 0) is None
-    assert driver_context.take_ring(0) is not None  # left for CuPy's way
-
-
 def test_without_cupy_the_reads_are_left_to_the_build(made, monkeypatch):
-    monkeypatch.setenv(driver_weight_reads.SWITCH, "1")
     monkeypatch.setattr(driver_weight_reads, "cupy_installed", lambda: False)
+    assert not driver_weight_reads.takes_ring(0)  # the bring-up through CuPy (if any) would pin its own
     assert driver_weight_reads.start_reads([], 0) is None
     assert driver_context.take_ring(0) is not None
 
@@ -203,7 +191,6 @@ def test_no_bring_up_no_drivers_way(monkeypatch):
 def test_a_refused_memory_query_leaves_the_reads_to_cupy(made, monkeypatch):
     lib, _ = made
     lib.codes["cuMemGetInfo_v2"] = 201
-    monkeypatch.setenv(driver_weight_reads.SWITCH, "1")
     assert driver_weight_reads.start_reads([], 0) is None
     assert driver_context.take_ring(0) is not None
     assert lib.calls[-1] == "cuCtxPopCurrent_v2"  # the thread's context restored
@@ -216,7 +203,6 @@ def test_weights_read_through_the_driver_become_cupy_arrays(tmp_path):
     the backend exists equal the file's bytes, one dropped during the build is freed at the close."""
     size = driver_context.PINNED_RING[1]
     probe = (
-        "import os\nos.environ['PREFIXRUN_DRIVER_READS'] = '1'\n"
         "import sys, numpy as np\nfrom prefixrun.kernels import driver_context, device_start, driver_weight_reads\n"
         "assert driver_context.start()\nf = driver_context.wait(60)\nassert 'error' not in f and 'ring_error' not in f, f\n"
         "device_start.start('cuda')\n"
@@ -239,7 +225,8 @@ def test_weights_read_through_the_driver_become_cupy_arrays(tmp_path):
 @pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")
 def test_a_gpu_run_reads_through_the_driver_and_answers_as_through_cupy(model_dirs, tmp_path):
     """`prefixrun batch` on a GPU (fresh processes, as a user runs it): the report says the weights landed through
-    the driver, started before the backend was ready, and the tokens equal a run whose reads went CuPy's way."""
+    the driver, and the tokens equal a run whose reads went CuPy's way (the command line's module as the entry:
+    no driver bring-up, so no driver's way)."""
     import json
     import os
 
@@ -247,10 +234,10 @@ def test_a_gpu_run_reads_through_the_driver_and_answers_as_through_cupy(model_di
     src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt_token_ids": [5 + i, 9, 11, 40 + i],
                                        "max_tokens": 6}) + "\n" for i in range(4)))
     outputs, reports = {}, {}
-    for way, switch in (("driver", "1"), ("cupy", "0")):
+    for way, entry in (("driver", "prefixrun.cli.launch"), ("cupy", "prefixrun.cli.app")):
         report = tmp_path / f"{way}.json"
-        env = {**os.environ, driver_weight_reads.SWITCH: switch, "PREFIXRUN_CACHE_DIR": str(tmp_path / "cache")}
-        p = subprocess.run([sys.executable, "-m", "prefixrun.cli.launch", "batch", str(src), "--model",
+        env = {**os.environ, "PREFIXRUN_CACHE_DIR": str(tmp_path / "cache")}
+        p = subprocess.run([sys.executable, "-m", entry, "batch", str(src), "--model",
                             str(model_dirs["qwen3_5"]), "--device", "cuda", "--no-cache", "-q", "--ignore-eos",
                             "--json-report", str(report)], capture_output=True, text=True, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-3000:]

@@ -149,6 +149,18 @@ def test_a_missing_driver_or_gpu_is_a_figure_never_an_exception(fresh_figures, l
     assert fresh_figures._done.is_set()  # a waiter at exit is never left waiting
 
 
+def test_a_bring_up_may_make_its_devices_context_until_it_ended_without_one(fresh_figures, monkeypatch):
+    monkeypatch.setattr(driver_context, "_thread", None)
+    assert not driver_context.may_make(0)  # none started
+    monkeypatch.setattr(driver_context, "_thread", threading.current_thread())
+    monkeypatch.setattr(driver_context, "_thread_ordinal", [0])
+    assert driver_context.may_make(0) and not driver_context.may_make(1)  # under way, for device 0
+    driver_context._done.set()
+    assert not driver_context.may_make(0)  # ended without a context
+    driver_context._made.update(ordinal=0, library="lib", context=0x1234)
+    assert driver_context.may_make(0) and not driver_context.may_make(1)
+
+
 def test_start_runs_once_on_its_own_thread(monkeypatch, fresh_figures):
     lib = _FakeDriver()
     monkeypatch.setattr(driver_context, "_thread", None)
@@ -210,62 +222,34 @@ def test_weights_read_through_the_ring_the_driver_pinned(tmp_path):
 def fresh_bring_up(monkeypatch):
     from prefixrun.kernels import device_start
 
-    for name in ("_imported", "_context", "_backend", "_cupy_wanted"):
+    for name in ("_context", "_backend", "_cupy_wanted"):
         monkeypatch.setattr(device_start, name, threading.Event())
     monkeypatch.setattr(device_start, "_figures", {})
     monkeypatch.setattr(device_start, "_gpu", [])
     return device_start
 
 
-def test_cupys_import_is_waited_for_done_or_failed(fresh_bring_up, monkeypatch):
-    device_start = fresh_bring_up
-    monkeypatch.setattr(device_start, "_thread", None)
-    assert device_start.wait_imported(0.01)  # no bring-up: at once
-    release = threading.Event()
-
-    def import_cupy():
-        release.wait(10)
-        raise ImportError("no CuPy here")
-
-    monkeypatch.setattr("prefixrun.kernels.import_cupy", import_cupy)
-    thread = threading.Thread(target=device_start._bring_up, daemon=True)
-    monkeypatch.setattr(device_start, "_thread", thread)
-    thread.start()
-    assert not device_start.wait_imported(0.05)
-    release.set()
-    assert device_start.wait_imported(10)
-    thread.join(10)
-    assert "ImportError" in device_start.figures()["error"]
-
-
-@pytest.mark.parametrize("switch, waits", [("1", True), (None, False), ("0", False)])
-def test_the_command_line_waits_for_cupys_import_only_where_asked(monkeypatch, switch, waits):
+def test_the_command_line_starts_both_bring_ups_and_waits_for_neither(monkeypatch):
     from prefixrun.cli import launch
     from prefixrun.kernels import device_start
 
     calls = []
     monkeypatch.setattr(driver_context, "start", lambda: calls.append("driver"))
     monkeypatch.setattr(device_start, "start", lambda device: calls.append(f"device {device}"))
-    monkeypatch.setattr(device_start, "wait_imported", lambda timeout: calls.append(f"wait {timeout}"))
-    if switch is None:
-        monkeypatch.delenv(launch.CUPY_FIRST, raising=False)
-    else:
-        monkeypatch.setenv(launch.CUPY_FIRST, switch)
     assert launch.start_gpu(["batch", "in.jsonl"])
-    assert calls == ["driver", "device auto"] + ([f"wait {launch.CUPY_FIRST_MAX_S}"] if waits else [])
-    assert not launch.start_gpu(["batch", "in.jsonl", "--device", "cpu"]) and len(calls) == 2 + waits
+    assert calls == ["driver", "device auto"]
+    assert not launch.start_gpu(["batch", "in.jsonl", "--device", "cpu"]) and len(calls) == 2
 
 
 @pytest.mark.parametrize("via", ["reads", "context"])
-@pytest.mark.parametrize("switch, holds", [("1", True), (None, False), ("0", False)])
-def test_cupys_import_waits_for_the_reads_only_where_asked(fresh_bring_up, monkeypatch, switch, holds, via):
-    """With the switch, the bring-up imports CuPy once the run reaches the weights' reads or a thread waits for
-    CuPy's side of it (the context, the backend), not before; without it, at once."""
+@pytest.mark.parametrize("driver_made_it", [True, False])
+def test_cupys_import_waits_for_the_reads_where_the_driver_may_make_the_context(fresh_bring_up, monkeypatch,
+                                                                              driver_made_it, via):
+    """Where the driver's bring-up makes the context (the reads go the driver's way), the bring-up imports CuPy once
+    the run reaches the weights' reads or a thread waits for CuPy's side of it (the context, the backend), not
+    before; where none was started (the reads wait for CuPy), at once."""
     device_start = fresh_bring_up
-    if switch is None:
-        monkeypatch.delenv(device_start.READS_FIRST, raising=False)
-    else:
-        monkeypatch.setenv(device_start.READS_FIRST, switch)
+    monkeypatch.setattr(driver_context, "may_make", lambda ordinal: driver_made_it)
     imported = threading.Event()
 
     def import_cupy():
@@ -276,24 +260,57 @@ def test_cupys_import_waits_for_the_reads_only_where_asked(fresh_bring_up, monke
     thread = threading.Thread(target=device_start._bring_up, daemon=True)
     monkeypatch.setattr(device_start, "_thread", thread)
     thread.start()
-    assert imported.wait(0.3) is not holds
+    assert imported.wait(0.3) is not driver_made_it
     if via == "reads":
         device_start.reads_reached()
         assert imported.wait(10)
     assert device_start.wait_context() is None  # the bring-up goes on, and fails here without CuPy
     assert imported.is_set()
     thread.join(10)
-    assert ("reads_first" in device_start.figures()["parts"]) is holds
+    assert ("held" in device_start.figures()["parts"]) is driver_made_it
 
 
-def test_reaching_the_reads_lets_cupys_import_go_on_and_a_pending_backend_is_told(fresh_bring_up, monkeypatch):
-    from prefixrun.kernels import backend_pending, start_weight_reads
+def test_a_held_import_goes_on_once_the_driver_made_no_context(fresh_bring_up, fresh_figures, monkeypatch):
+    """The driver's bring-up under way holds CuPy's import; once it ended without a context (no GPU, a driver
+    error), the import goes on without waiting for the reads."""
+    import time
+
+    device_start = fresh_bring_up
+    monkeypatch.setattr(driver_context, "_thread", threading.current_thread())  # a bring-up under way
+    monkeypatch.setattr("prefixrun.kernels.import_cupy", lambda: (_ for _ in ()).throw(ImportError("no CuPy")))
+    thread = threading.Thread(target=device_start._bring_up, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    assert "seconds" not in device_start.figures()  # held
+    driver_context._done.set()  # it ended without a context
+    thread.join(10)
+    assert 0.2 <= device_start.figures()["parts"]["held"] < 5 and "ImportError" in device_start.figures()["error"]
+    assert not device_start._cupy_wanted.is_set()
+
+
+def test_a_held_import_goes_on_by_itself_after_a_while(fresh_bring_up, monkeypatch):
+    device_start = fresh_bring_up
+    monkeypatch.setattr(driver_context, "may_make", lambda ordinal: True)
+    monkeypatch.setattr(device_start, "HOLD_MAX_S", 0.2)
+    monkeypatch.setattr("prefixrun.kernels.import_cupy", lambda: (_ for _ in ()).throw(ImportError("no CuPy")))
+    device_start._bring_up()  # nothing asks for CuPy: it is imported once the hold ran out
+    assert 0.2 <= device_start.figures()["parts"]["held"] < 5 and "ImportError" in device_start.figures()["error"]
+
+
+def test_reaching_the_reads_lets_a_held_import_go_on(fresh_bring_up, monkeypatch):
+    """The held import goes on as the run reaches the reads (before their start through the driver, which may wait
+    for the driver's bring-up), and the reads go the driver's way where they can."""
+    from prefixrun.kernels import driver_weight_reads, start_weight_reads
 
     device_start = fresh_bring_up
     monkeypatch.setattr(device_start, "_thread", None)
-    assert not backend_pending("cuda")  # no bring-up: nothing to wait for
-    assert start_weight_reads("cuda", []) is None and device_start._cupy_wanted.is_set()
+    assert start_weight_reads("cuda", []) is None and device_start._cupy_wanted.is_set()  # no bring-up here
+    device_start._cupy_wanted.clear()
     monkeypatch.setattr(device_start, "_thread", threading.current_thread())  # a bring-up under way
-    assert backend_pending("cuda") and not backend_pending("cpu")
-    device_start._backend.set()
-    assert not backend_pending("cuda")
+    seen = []
+    started = object()
+    monkeypatch.setattr(driver_weight_reads, "start_reads",
+                        lambda spans, ordinal: seen.append(device_start._cupy_wanted.is_set()) or started)
+    assert start_weight_reads("cuda", []) is started and seen == [True]
+    device_start._cupy_wanted.clear()
+    assert start_weight_reads("cpu", []) is None and not device_start._cupy_wanted.is_set()

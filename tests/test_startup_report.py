@@ -79,7 +79,7 @@ def test_a_batch_reports_every_start_up_phase(tmp_path, cache):
 # (Typer's coercion of plain option values, cli/plain_values.py; their
 # imports were a good part of the start-up's Python, which runs beside the GPU's bring-up under one interpreter lock)
 UNUSED_BY_A_PLAIN_RUN = ("jinja2", "torch", "transformers", "prefixrun.engine.cache.store",
-                         "prefixrun.engine.cache.index", "sqlite3", "rich", "pydantic")
+                         "prefixrun.engine.cache.index", "sqlite3", "rich", "pydantic", "llguidance", "safetensors")
 
 
 @pytest.mark.parametrize("built_in", [False, True], ids=["--model", "built-in model"])
@@ -101,6 +101,26 @@ def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path,
     assert sorted(m for m in UNUSED_BY_A_PLAIN_RUN if m in modules) == []
     # the maker of the built-in model (its weights' random draws), only where that model is the one run
     assert ("prefixrun.engine.load.model_maker" in modules) is built_in
+
+
+def test_the_engines_modules_are_imported_once_the_weights_are_built(tmp_path):
+    """The engine's own modules (engine/run/core.py and what it pulls) are imported after the load's build, not
+    while the weights are read: beside the reading threads their Python took several times as long, and the build
+    waited for it."""
+    model = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=3)
+    src, seen = tmp_path / "in.jsonl", tmp_path / "seen.json"
+    src.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 2}) + "\n")
+    args = ["prefixrun", "batch", str(src), "--model", str(model), "--device", "cpu", "--no-cache", "-q"]
+    probe = ("import json, sys\nfrom prefixrun.engine.load import loader\nseen = []\n"
+             "real = loader.Loading.finish\n"
+             "def finish(self):\n    seen.append('prefixrun.engine.run.core' in sys.modules)\n    loaded = real(self)\n"
+             "    seen.append('prefixrun.engine.run.core' in sys.modules)\n    return loaded\n"
+             "loader.Loading.finish = finish\nimport atexit\n"
+             f"atexit.register(lambda: open({str(seen)!r}, 'w').write(json.dumps(seen)))\n"
+             f"sys.argv = {args!r}\nfrom prefixrun.cli.launch import main\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(seen.read_text()) == [False, False]  # neither before the build nor during it
 
 
 def test_checking_the_options_loads_no_cache_and_no_model_code():

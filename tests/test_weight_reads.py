@@ -308,33 +308,9 @@ def test_every_family_loads_through_the_read_ahead_as_mapped(model_dirs, tmp_pat
         assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ahead, mapped)), family
 
 
-@pytest.mark.parametrize("pending", [True, False])
-def test_the_callers_work_is_done_in_the_load_only_while_the_backend_would_be_waited_for(tmp_path, monkeypatch,
-                                                                                        pending):
-    """`meanwhile` runs once the weights' reads are started and before the backend is made, where the backend's
-    bring-up is still importing its modules; else the load leaves it to the caller."""
-    from prefixrun.engine.load import loader
-    from prefixrun.engine.load.model_maker import TINY_QWEN3_5, make_model_dir
-
-    path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5)
-    order: list[str] = []
-    real_reads, real_ops = loader.start_weight_reads, loader.get_ops
-    monkeypatch.setattr(loader, "start_weight_reads", lambda *a: order.append("reads") or real_reads(*a))
-    monkeypatch.setattr(loader, "get_ops", lambda *a: order.append("backend") or real_ops(*a))
-    monkeypatch.setattr(loader, "backend_pending", lambda device: pending)
-    loader.start_load(path, "cpu", meanwhile=lambda: order.append("meanwhile")).finish()
-    assert order == (["reads", "meanwhile", "backend"] if pending else ["reads", "backend"])
-
-
-def test_on_the_cpu_no_backend_is_pending():
-    from prefixrun.kernels import backend_pending
-
-    assert backend_pending("cpu") is False
-
-
-def test_the_wait_for_the_reads_start_is_the_devices_phase_and_the_callers_work_its_own(tmp_path, monkeypatch):
-    """In the start-up report, the reads' start waiting for the GPU's bring-up counts as `device`, the caller's work
-    meanwhile as the phase it marks, and `weights_plan` is the dry build's (engine/startup.py)."""
+def test_the_wait_for_the_reads_start_is_the_devices_phase(tmp_path, monkeypatch):
+    """In the start-up report, the reads' start waiting for the GPU's bring-up counts as `device`, and
+    `weights_plan` is the dry build's (engine/startup.py)."""
     import time
 
     from prefixrun.engine.load import loader
@@ -344,17 +320,10 @@ def test_the_wait_for_the_reads_start_is_the_devices_phase_and_the_callers_work_
     path = make_model_dir(tmp_path / "m", TINY_QWEN3_5, seed=5)
     real_reads = loader.start_weight_reads
     monkeypatch.setattr(loader, "start_weight_reads", lambda *a: time.sleep(0.3) or real_reads(*a))
-    monkeypatch.setattr(loader, "backend_pending", lambda device: True)
     clock = PhaseClock()
-
-    def meanwhile():
-        clock.mark("imports")
-        time.sleep(0.2)
-
-    loader.start_load(path, "cpu", clock=clock, meanwhile=meanwhile).finish()
+    loader.start_load(path, "cpu", clock=clock).finish()
     phases = clock.report()["phases"]
     assert phases["device"] >= 0.3 and phases["weights_plan"] < 0.3
-    assert phases["imports"] >= 0.2
 
 
 @pytest.mark.parametrize("layout", ["block", "channel"])

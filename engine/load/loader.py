@@ -23,7 +23,7 @@ from prefixrun.engine.load.gemm_plan import dry_build, dry_state_specs, model_pl
 from prefixrun.engine.load.quantization import open_quantized
 from prefixrun.engine.load.weights import CheckpointTensors
 from prefixrun.engine.startup import NO_CLOCK
-from prefixrun.kernels import backend_pending, get_ops, start_weight_reads
+from prefixrun.kernels import get_ops, start_weight_reads
 
 
 @dataclass
@@ -182,14 +182,12 @@ def dry_plan(config: DecoderConfig, tensors, act_dtype, mtp: bool, kv_cache_dtyp
 def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, mtp: bool = False, *,
                max_step_tokens: int = DEFAULT_PREFILL_TOKENS, max_batch: int | None = None,
                front: ModelFront | None = None, deterministic: bool = False, kv_cache_dtype: str = "auto",
-               clock=NO_CLOCK, meanwhile=None) -> Loading:
+               clock=NO_CLOCK) -> Loading:
     """The load's first part (see `load`): the front (`front`: loaded already), the checkpoint's files opened, the
     weights' reads started (on a GPU coming up early, as soon as its context is: kernels/device_start.py), the
     backend (with batch-invariant kernels where `deterministic`), its kernels getting ready in the background.
     `kv_cache_dtype`: how attention K/V rows are stored (engine/state/kv_dtype.py). `clock`: marks the phases
-    (engine/startup.py). `meanwhile`: the caller's own work (a function marking its phase on `clock`), done once the
-    reads are started where the backend's modules are still being imported then (the backend would only be waited
-    for), else not here."""
+    (engine/startup.py)."""
     front = front or load_front(model_dir)
     clock.mark("weights_plan")
     tensors = open_quantized(CheckpointTensors(front.path), front.config.quantization)
@@ -198,9 +196,6 @@ def start_load(model_dir: Path, device: str = "auto", dtype: str | None = None, 
     spans = tensors.tensor_spans(plan[2]) if plan is not None else None
     clock.mark("device")  # the reads' start waits for the GPU's bring-up (its context and ring, or CuPy's)
     early = start_weight_reads(device, spans) if spans is not None else None
-    if meanwhile is not None and backend_pending(device):
-        meanwhile()  # it marks its own phase
-        clock.mark("device")
     try:
         ops = get_ops(device, dtype, deterministic)
     except BaseException:

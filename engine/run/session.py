@@ -17,12 +17,6 @@ from prefixrun.engine.request import Request, Result
 from prefixrun.engine.run.config import CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig
 
 
-def _import_the_engine(clock) -> None:
-    """The engine's modules, imported while the GPU's bring-up imports the backend's (the load would only wait)."""
-    clock.mark("imports")
-    import prefixrun.engine.run.core  # noqa: F401
-
-
 def _note_device_start(clock, ops) -> None:
     """The start-up report's device figures: the driver context, the device's start, the kernels loaded so far (the
     loader thread may still be warming GEMMs)."""
@@ -55,12 +49,16 @@ class EngineSession:
         ops = self.loaded.ops
         ops.synchronize()
         self.load_seconds = time.perf_counter() - started
+        # the engine's modules, once the weights are up: imported while the weights were read, beside a dozen reading
+        # threads (the interpreter's lock handed over every 0.2 ms), their Python took ~0.16 s of a 4b-like start-up
+        # against ~0.015 s alone, and the build waited for it
+        clock.mark("imports")
+        from prefixrun.engine.run.core import EngineOptions
+
         clock.mark("max_batch")  # --max-batch when not given: on a device, measured (engine/run/batch_choice.py)
         clock.note("weight_reads", clock.stamped(loading.weight_reads) if loading.weight_reads else None)
         max_batch, state_bytes, checkpoint_budget = self._memory_sizes(ops)
         clock.mark("engine_setup")
-        from prefixrun.engine.run.core import EngineOptions
-
         opts = EngineOptions.of(config, max_batch=max_batch, state_memory_bytes=int(state_bytes),
                                 checkpoint_budget_bytes=int(checkpoint_budget), block_size=ops.default_block_size)
         self.persist = self._joined_cache(loading, clock)
@@ -86,12 +84,8 @@ class EngineSession:
             loading = loader.start_load(Path(s.model_dir), s.device, s.dtype, mtp=s.speculative == "mtp",
                                         max_step_tokens=s.max_prefill_tokens, max_batch=s.max_batch, front=front,
                                         deterministic=s.deterministic, kv_cache_dtype=s.kv_cache_dtype,
-                                        clock=clock, meanwhile=lambda: _import_the_engine(clock))
+                                        clock=clock)
             upcoming = upcoming() if callable(upcoming) else upcoming  # a reading started now, beside the reads
-            # the engine's modules are imported here, while the weights are read (their reads need little of the
-            # interpreter), not before the reads start (in the load, where it waited for the backend's bring-up)
-            import prefixrun.engine.run.core  # noqa: F401
-
             if opening is not None:
                 from prefixrun.engine.cache.opening import CacheOpening
 
