@@ -228,7 +228,7 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
         where = "body." if openai_shape else ""
         prompt = with_prompt_options(prompt, fields, where)
         echo_only = fields["max_tokens"] == 0  # as vLLM: one token is drawn, and left out of the record
-        if echo_only and fields.get("min_tokens") not in (None, 0):  # (not "in [0, max_tokens=1]": it was 0)
+        if echo_only and fields.get("min_tokens") not in (None, 0):  # (the max_tokens given, 0, not the 1 drawn)
             raise _LineRejected(f"{where}min_tokens must be 0 with max_tokens 0 (echo scores the prompt alone), "
                                 f"got {_describe(fields['min_tokens'])}")
         fields = {**fields, "max_tokens": 1} if echo_only else fields

@@ -142,12 +142,12 @@ def check_targets(input_path: Path | None, output: Path | None, json_report: Pat
     if output is not None and json_report is not None and same_file(output, json_report):
         raise OutputError(f"-o and --json-report name the same file ({output})")
     for companion, what in _companions(output):
-        # a report over the ledger broke --resume's check, over the journal it was left as a killed run's
+        # a report over the ledger would break --resume's check; over the journal, be read as a killed run's
         for path, role, fix in ((json_report, "--json-report", "--json-report"), (input_path, "the input", "-o")):
             if path is not None and same_file(path, companion):
                 raise OutputError(f"{role} {path} is -o's {what}, which the run writes; give another {fix}")
         if (companion.exists() or companion.is_symlink()) and not is_regular(companion):
-            # a folder there was a traceback mid-run (read as the ledger) or "cannot write results"; a FIFO hung
+            # a folder there: a traceback mid-run (read as the ledger) or "cannot write results"; a FIFO: a hang
             raise OutputError(f"{companion}, -o's {what}, is not a file; remove it or give another -o")
     if output is not None and not resume and not overwrite and _holds_results(output):
         raise OutputError(f"-o {output} already holds results; pass --resume to continue it or --overwrite to "

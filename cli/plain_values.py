@@ -2,7 +2,7 @@
 
 Typer (the releases that carry their own copy of click) coerces every option's value through a Pydantic
 TypeAdapter it builds on the option's first use: importing Pydantic and building an adapter per option (batch has
-about forty) was a tenth of a second of a run's start-up Python, which runs beside the GPU's bring-up under the
+about forty) is a tenth of a second of a run's start-up Python, which runs beside the GPU's bring-up under the
 interpreter's one lock. For what these options get, the result is known without it: an option not given (None)
 stays None, a string for a text option is itself, a plain decimal for a number option is Python's own int / float of
 it (what Pydantic's lax mode returns for those), a number for a number option is itself (an int for a float option:

@@ -11,8 +11,8 @@ no float8 array type, and the FP8 kernels take the bytes); conversion is the upl
 
 Memory: the tensors read but not yet taken hold at most `window_bytes` (the reader waits), except while the build
 waits for a tensor the reader has not reached (then it goes on, so an unexpected order never deadlocks). A name
-that was not planned, or asked twice, or whose read failed, gives None: the caller reads it itself as before, so
-the read-ahead never decides an answer or an error.
+that was not planned, or asked twice, or whose read failed, gives None: the caller reads it itself, as without a
+read-ahead, so the read-ahead never decides an answer or an error.
 """
 from __future__ import annotations
 

@@ -566,7 +566,7 @@ def test_inspect_cache_manners(models, prompts_file, populated, tmp_path):
         p.stdout.close()
         _, err = p.communicate(timeout=120)
         assert p.returncode in (0, 141) and err == b"", (extra, err)
-    # stdout on a full disk: one line, exit 1 (it was an OSError traceback)
+    # stdout on a full disk: one line, exit 1 (not an OSError traceback)
     for extra in ([], ["--json"], ["--tree"], ["--verify"]):
         with open("/dev/full", "wb") as full:
             p = subprocess.run(cmd("inspect-cache", "--cache-dir", cache, *extra), stdout=full, stderr=subprocess.PIPE,

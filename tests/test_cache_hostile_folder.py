@@ -62,7 +62,7 @@ def test_a_reason_file_planted_as_a_link_is_never_written_through(tmp_path):
 
 def test_a_bad_entry_that_quarantine_cannot_take_is_said_deleted_not_moved(tmp_path, caplog):
     """quarantine/ planted as a link out of the folder: the bad file is deleted (nothing goes through the link),
-    and the one warning says so; it said "moved to .../quarantine" and then "could not move" it."""
+    and the one warning says so, not "moved to .../quarantine" followed by "could not move" it."""
     import logging
 
     root, outside = tmp_path / "cache", tmp_path / "outside"

@@ -625,11 +625,10 @@ def test_a_long_custom_id_is_cut_in_messages_and_kept_whole_in_records(model, tm
 
 
 def test_a_closed_stdout_is_one_line_and_bench_figures_are_never_lost(model, tmp_path):
-    """`prefixrun batch >&-` (results for a stdout that does not exist: sys.stdout is None) was an AttributeError
-    traceback after the whole run; bench with stdout closed printed its figures nowhere and exited 0 (3), with its
-    reader gone it exited 1 without a word, and `--json` onto a full disk was an OSError traceback. Now: a closed
-    stdout is exit 2 and one line before the model loads; bench's figures are written as batch's reports are
-    (a reader gone: quiet, 141; --json unwritable: one line, exit 1)."""
+    """`prefixrun batch >&-` (results for a stdout that does not exist: sys.stdout is None), and bench with stdout
+    closed: exit 2 and one line before the model loads, not a traceback after the whole run nor figures printed
+    nowhere; bench's figures are written as batch's reports are (a reader gone: quiet, 141, not exit 1 without a
+    word; --json unwritable: one line, exit 1, not an OSError traceback)."""
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2], "max_tokens": 1}])
     closed = {"stdin": subprocess.DEVNULL, "capture_output": False, "stderr": subprocess.PIPE, "text": True,
               "timeout": 120, "preexec_fn": lambda: os.close(1)}
@@ -862,8 +861,8 @@ def test_make_model_with_a_bad_config_or_seed_is_one_line_and_leaves_no_folder(t
 
 def test_bench_on_a_prompt_text_workload_runs_it_as_batch_does(model, tmp_path):
     """bench is batch: prompt text is tokenized as batch tokenizes it; only the transformers comparison, which
-    replays token ids, is left out: said in the JSON, and on stderr, where the person who asked for it looks (it
-    was said in the JSON only)."""
+    replays token ids, is left out: said in the JSON, and on stderr, where the person who asked for it looks (not
+    in the JSON alone)."""
     work = write_jsonl(tmp_path / "w.jsonl", [{"prompt": "hello", "max_tokens": 2}])
     p = run("bench", work, "--model", model, "--device", "cpu", "--no-cache", "--compare-transformers")
     assert p.returncode == 0, p.stderr

@@ -417,8 +417,8 @@ def rendered(report: dict) -> str:
 
 def test_the_report_explains_skipped_checkpoints_with_one_prefill_rate(model, tmp_path):
     """--checkpoint-budget 0 over a shared prefix: the table says how many branch points were not checkpointed,
-    why and which option avoids it (it said nothing: only 'computed prefill 2.9× ideal'); one prefill rate (the
-    disk cache's rates row showed a second one); counts in the singular where there is one."""
+    why and which option avoids it (not only 'computed prefill 2.9× ideal'); one prefill rate (the disk
+    cache's rates row shows no second one); counts in the singular where there is one."""
     shared = "A shared instruction that every request starts with, long enough to be worth keeping. " * 3
     src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": str(i), "prompt": shared + f"Question {i}?",
                                                "max_tokens": 2, "temperature": 0} for i in range(3)])

@@ -290,7 +290,7 @@ REFUSED = {
                                                               "rope_theta": 10000.0}),
                          "rope_parameters holds factor, rope_theta, rope_type at its top level; Gemma 3 takes one "
                          "object per layer type"),
-    # the rotary width names the fields it comes from (it said "rotary dimension 5", no field)
+    # the rotary width names the fields it comes from (not a bare "rotary dimension 5")
     "odd rotary width": ("qwen3_5_text", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                                "partial_rotary_factor": 0.3125}),
                          "head_dim = 16 with partial_rotary_factor = 0.3125 gives a rotary dimension of 5"),

@@ -428,9 +428,9 @@ def _key_digests(db) -> tuple[str, str]:
 
 
 def test_maintenance_looks_at_each_block_file_once_and_still_drops_rows_whose_file_is_gone(tmp_path, monkeypatch):
-    """A warm folder's maintenance runs while the weights load: each K/V block file was looked up three times, each
-    look opening every folder of its path again (thousands of system calls, each taking the interpreter's lock
-    back). Now one listing per shard folder; a row whose file is gone is still dropped, with its entry."""
+    """A warm folder's maintenance runs while the weights load: one listing per shard folder, not a look-up per K/V
+    block file (each opening every folder of its path again: thousands of system calls, each taking the
+    interpreter's lock back); a row whose file is gone is still dropped, with its entry."""
     from prefixrun.engine.cache import files
 
     root = tmp_path / "cache"

@@ -106,7 +106,7 @@ def test_stage_equals_vllm_semantics(case):
 @pytest.mark.parametrize("penalty", [1e-300, 1e-40])
 def test_a_repetition_penalty_below_float32_gives_inf_without_a_warning(penalty):
     """1e-300 is 0 in float32 and 1e-40 a subnormal: a seen positive logit divided by it is +inf (as on the device),
-    and numpy's RuntimeWarning (divide by zero, overflow) no longer reaches stderr, even with --quiet."""
+    and numpy's RuntimeWarning (divide by zero, overflow) never reaches stderr, even with --quiet."""
     seq = _Seq(SamplingParams(repetition_penalty=penalty), [1, 2], [3])
     logits = np.full((1, V), -1.0, np.float32)
     logits[0, 1:4] = [5.0, -5.0, 0.5]

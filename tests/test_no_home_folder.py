@@ -1,6 +1,6 @@
 """A process with no home folder: HOME unset and a user id with no entry in the password database, as a container
-run under an arbitrary id has it (OpenShift, some Kubernetes and Slurm set-ups). Every command said only "Could not
-determine home directory." and exited 2, even with --model and --cache-dir. Now the run goes on without the
+run under an arbitrary id has it (OpenShift, some Kubernetes and Slurm set-ups). No command ends at "Could not
+determine home directory." (exit 2), with or without --model and --cache-dir: the run goes on without the
 persistent cache (one warning naming the variables that give it a folder), the default model and inspect-cache say
 in one line where a folder could come from, and nothing is made in a folder named "~" below the working folder."""
 from __future__ import annotations

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixrun.engine.cache import store as store_module
 from prefixrun.engine.cache import keys as keys_module
 from prefixrun.engine.cache.store import (
     CheckpointStore,

@@ -213,8 +213,8 @@ class CacheFolder:
 
     def listing(self, path: Path | str, name_ok: Callable[[str], bool]) -> dict[str, os.stat_result]:
         """{name: its own lstat} of the names in the folder root/path that pass `name_ok`, from one descriptor of the
-        folder (an `lstat` per name opens every folder of its path again: a warm folder's K/V blocks were a few
-        thousand system calls, each taking the interpreter's lock back, while the weights load); {} when it cannot
+        folder (an `lstat` per name opens every folder of its path again: a warm folder's K/V blocks would be a
+        few thousand system calls, each taking the interpreter's lock back, while the weights load); {} when it cannot
         be listed. A name gone meanwhile is left out."""
         try:
             parts = self._parts(path) if path not in (None, "", ".") and Path(path) != self.root else []

@@ -1,10 +1,10 @@
 """Content-addressed attention K/V blocks of the persistent checkpoint cache (engine/cache/store.py's second kind of file).
 
-Why. A whole-state entry repeats the K/V rows of every prefix it extends: the entry at a document's branch point
-and each entry of that document + a question held the document's K/V again. Now an entry is its own blob (the
-non-paged regions: recurrent and conv state, sliding-window rings, logits, plus the paged regions' TAIL rows past
-its last whole block) and an ordered list of references to K/V blocks; a block is written once and shared by every
-entry whose prefix covers it.
+Why. A whole-state entry would repeat the K/V rows of every prefix it extends: the entry at a document's branch
+point and each entry of that document + a question would each hold the document's K/V. So an entry is its own
+blob (the non-paged regions: recurrent and conv state, sliding-window rings, logits, plus the paged regions' TAIL
+rows past its last whole block) and an ordered list of references to K/V blocks; a block is written once and
+shared by every entry whose prefix covers it.
 
 A block = `rows` consecutive K/V rows of ALL paged regions (every full-attention layer's K and V) in one file,
 rather than one file per layer: a restore needs every layer anyway, so one file per block means one open, one

@@ -16,8 +16,9 @@ waits for the weights); the K/V rows go to the device once the pools are sized (
 is built), so the pools are sized as without it. The engine's own prefetch of that window keeps
 those entries.
 
-Nothing here changes an answer: read-ahead is a hint, and every entry is verified and checked as before. Hints
-are taken until the engine runs its first window (`close`); after that the engine's prefetch alone decides.
+Nothing here changes an answer: read-ahead is a hint, and every entry is verified and checked as a lookup's own
+read is. Hints are taken until the engine runs its first window (`close`); after that the engine's prefetch alone
+decides.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ log = logging.getLogger(__name__)
 
 class StoreOpening:
     """The store opened and maintained (leftovers of killed writers, quarantine, budget) on a thread started before
-    the model loads: that bounded work was part of a warm run's critical path. `join` gives
-    the open store, or raises what opening it raised, on the caller's thread."""
+    the model loads, so that bounded work stays off a warm run's critical path. `join` gives the open store, or
+    raises what opening it raised, on the caller's thread."""
 
     def __init__(self, root: Path, budget_bytes: int | None):
         self._task = BackgroundTask("prefixrun-cache-open", _open_store, Path(root), budget_bytes)
@@ -122,7 +123,7 @@ class CacheOpening:
             specs = loading.state_specs()  # the dry build first: if it fails, nothing below has happened
             self._persist, self._problem = open_cache(root, budget_bytes, loading, block_size, policy, calibration,
                                                       store)
-        except BaseException as error:  # whatever it is, the run opens the cache after the load as it used to
+        except BaseException as error:  # whatever it is, the run opens the cache after the load instead
             self._early_error = error
             return
         if self._persist is not None:

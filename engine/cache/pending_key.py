@@ -8,7 +8,8 @@ beside the upload slowed the load from 0.38 s to 1.27 s), while the engine is bu
 nothing (an empty index has nothing to give them), and the background writer's first write waits for it, off the
 engine's path; the run's end waits for it only if the run was shorter than the hashing.
 
-Nothing here changes an answer: a miss is computed, and every entry is written under the same key as before.
+Nothing here changes an answer: a miss is computed, and every entry is written under the key a run that hashed
+the weights first would use.
 """
 from __future__ import annotations
 

@@ -86,8 +86,8 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
         # tokens it adds to the longest of them, not its whole length
         self._on_disk: dict[int, set[tuple[int, ...]]] = {}
         # prefixes whose write this run declined: recomputing them was judged cheaper than reading them, so a state
-        # past one is judged by the tokens it adds to it (doc-qa's prompt ends, 128 tokens past a declined
-        # document, were judged as 4,224 tokens gained, written, and their siblings after them). Also added to
+        # past one is judged by the tokens it adds to it (judged by their whole length, doc-qa's prompt ends, 128
+        # tokens past a declined document, would count 4,224 tokens gained and be written). Also added to
         # from the copier thread (deferred decisions): under `_judged_lock`
         self._declined: dict[int, set[tuple[int, ...]]] = {}
         self._judged_lock = threading.Lock()
@@ -194,8 +194,8 @@ class PersistentCheckpoints(ReadAhead, WritePolicy):
 
     def pools_sized(self):
         """The engine's pools are sized (from the device memory free after the weights' upload): read-ahead entries
-        may go to the device from now on (`ops.upload_ahead`), while the engine is built, instead of after it (a
-        warm run's restores waited ~0.2 s for those uploads behind the engine's set-up); a fresh folder's key is
+        may go to the device from now on (`ops.upload_ahead`), while the engine is built, not after it (where a
+        warm run's restores would wait ~0.2 s for those uploads behind the engine's set-up); a fresh folder's key is
         made from now on (engine/cache/pending_key.py)."""
         self._mark("pools_sized")
         if self._pending_key is not None:

@@ -154,9 +154,9 @@ class ReadAhead:
 
     def _read_job(self, job):
         """Read one prefetch's chosen entries, ENTRIES_AT_ONCE at a time, each handed to the staging thread in the
-        job's order. One entry alone left most reading threads idle while its blob was read and its index rows,
-        tokens and block list were checked (the engine waited for the read-ahead at ~2.3 GB/s, its K/V blocks
-        alone read at ~5 GB/s)."""
+        job's order. One entry at a time would leave most reading threads idle while its blob is read and its
+        index rows, tokens and block list are checked (the engine waited for such a read-ahead at ~2.3 GB/s, its
+        K/V blocks alone read at ~5 GB/s)."""
         with ThreadPoolExecutor(ENTRIES_AT_ONCE, thread_name_prefix="prefixrun-cache-entry",
                                 initializer=yield_cpu) as pool:
             for staged in pool.map(self._read_one, job):

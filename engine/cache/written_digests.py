@@ -1,12 +1,12 @@
 """The content digests of the cache's K/V block files, hashed by helper processes from the files as written.
 
-A cold run writes a long document's K/V blocks (hundreds of MiB) beside its engine. Hashing them on the writing
-threads took the interpreter's lock back after every piece of every block (a block is 16 tensors: 17 hash updates,
-each giving the lock up and waiting to get it back), and the engine's thread, which launches the device's work from
-Python, was asked to let go each time. Here a writing thread writes a block (one `writev`) and hands the open file
-to a helper process (its descriptor over a Unix socket); the helper reads the bytes back from the page cache and
-returns the SHA-256 of each CHUNK_BYTES chunk, from which the tree digest is made as before (blob_format.tree_of):
-the same digest as hashing the bytes in memory, now of the very bytes the file holds.
+A cold run writes a long document's K/V blocks (hundreds of MiB) beside its engine. Hashed on the writing threads,
+they would take the interpreter's lock back after every piece of every block (a block is 16 tensors: 17 hash
+updates, each giving the lock up and waiting to get it back), and the engine's thread, which launches the device's
+work from Python, would be asked to let go each time. Here a writing thread writes a block (one `writev`) and
+hands the open file to a helper process (its descriptor over a Unix socket); the helper reads the bytes back from
+the page cache and returns the SHA-256 of each CHUNK_BYTES chunk, from which the tree digest is made
+(blob_format.tree_of): the same digest as hashing the bytes in memory, taken of the very bytes the file holds.
 
 Trust. The descriptor is the writer's own, to the temporary file it created: a file renamed over it or a link
 planted in its place is not what the helper reads, and the inode's mode lets no other user write it. A helper that

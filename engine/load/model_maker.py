@@ -183,8 +183,8 @@ def _init(name: str, shape, rng: np.random.Generator, std: float, zero_centered_
 # Matrices of at least PARALLEL_DRAW_ELEMENTS, and every matrix of a model of at least PARALLEL_MODEL_ELEMENTS (256
 # experts of 2.4M each are no less work), are drawn in blocks on threads (a 20B-parameter benchmark model took
 # minutes on one core); each block has a generator of its own, seeded by (seed, tensor name, block), so the values
-# do not depend on the thread count. The rest come from the one sequential generator as before, so tiny test
-# models keep their values.
+# do not depend on the thread count. The rest come from the one sequential generator, in the tensors' order,
+# so a tiny test model's values depend on its seed alone.
 PARALLEL_DRAW_ELEMENTS = 1 << 24
 PARALLEL_MODEL_ELEMENTS = 1 << 28
 _DRAW_BLOCK = 1 << 22

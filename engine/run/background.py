@@ -23,7 +23,7 @@ BACKGROUND_NICENESS = 10  # Linux CFS: a nice-10 thread gets ~1/10 of a core tha
 
 def yield_cpu() -> None:
     """Lower the calling thread's priority (Linux: each thread has its own nice value; elsewhere nothing). Never
-    raises: a host that forbids it runs the thread as before."""
+    raises: a host that forbids it runs the thread at the priority it has."""
     if not sys.platform.startswith("linux"):
         return
     try:

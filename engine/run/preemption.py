@@ -8,13 +8,14 @@ latest admitted decoding sequence, as vLLM does (`preempt`): its state is freed 
 Everything else about a preempted sequence is kept as it was: its tokens, detokenizer and stop-string search, its
 grammar's state, its logits-processing history (penalties, min_tokens, bad words), its logprobs, and its place in
 its sampler's stream (the counter of its next draw is its number of tokens). So it needs only its state back:
-the prompt and every generated token but the last (the last is fed by its next decode step, as before), prefilled
-from the longest saved state of those tokens (a checkpoint in memory or in the persistent cache, as any prompt
-restores one) or from scratch (`resume`). Its answer is the one it would have given without the preemption. With
-batch-invariant kernels (--deterministic) the prompt is prefilled on the chunk grid from a state the grid allows,
-as any prompt is, and the generated tokens are fed as decode steps feed them (one row per sequence and step), so
-the recomputed state holds the very bits the preempted one did; so are they for a model whose decode step computes
-a token otherwise than prefill does (DecoderConfig.generated_tokens_as_steps: Mamba2's dt clamp).
+the prompt and every generated token but the last (the last is fed by its next decode step, as any decoding
+sequence's is), prefilled from the longest saved state of those tokens (a checkpoint in memory or in the
+persistent cache, as any prompt restores one) or from scratch (`resume`). Its answer is the one it would have
+given without the preemption. With batch-invariant kernels (--deterministic) the prompt is prefilled on the chunk
+grid from a state the grid allows, as any prompt is, and the generated tokens are fed as decode steps feed them
+(one row per sequence and step), so the recomputed state holds the very bits the preempted one did; so are they
+for a model whose decode step computes a token otherwise than prefill does
+(DecoderConfig.generated_tokens_as_steps: Mamba2's dt clamp).
 
 Waiting sequences are readmitted before any new task, earliest admitted first (`ready`): each when the pools hold
 its state plus its growth margin beside the decoding sequences' margins, or, when nothing decodes and no held

@@ -12,7 +12,7 @@ request (engine/plan/planner.py) each compute all of their rows' logits, and rec
 they prefill; a request's prompt logprobs are the records of the chain of runs that made its state, so a shared
 prefix (a few-shot header before many scored answers) is computed and scored once for every request over it, and
 the first token after a branch point is scored from the branch checkpoint's own last logits. Requests without
-prompt logprobs keep restoring stored states as before, from the states these requests save too.
+prompt logprobs restore stored states as usual, from the states these requests save too.
 
 Cost: a prefill step with such a task computes every row's logits ([T, V] fp32), so its tokens per step are
 capped at STEP_LOGITS_BYTES of logits (256 rows at a 248k vocabulary).

@@ -177,7 +177,7 @@ class DecodeGraphs:
         overlaps the device. Nothing is reserved or advanced: a block a sequence's new token will take is stood
         in for by the scratch block (beyond every sequence's cached keys, so the shared-prefix groups are the
         step's own). A guess: if the step that comes has another shape (a sequence ended at its first token),
-        it captures its own graph as before."""
+        it captures its own graph when it runs."""
         handles = handles[:self.max_batch]
         if not (self.enabled and handles):
             return
