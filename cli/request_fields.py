@@ -133,7 +133,8 @@ FIELDS: tuple[RequestField, ...] = (
        "the context leaves after the prompt: an error, as vLLM and OpenAI refuse it)"),
     _F("max_completion_tokens", HONOURED, BOTH, "the same as max_tokens (OpenAI's newer name)"),
     _F("min_tokens", HONOURED, BOTH, "the fewest tokens before end-of-sequence, a stop token or a stop string may "
-       "end the output (as in vLLM, stop strings are not looked for in those tokens' text)"),
+       "end the output (as in vLLM, stop strings are not looked for in those tokens' text; a structured output "
+       "complete before them: an error)"),
     _F("stop", HONOURED, BOTH, "strings that end the output (not included in it)"),
     _F("stop_token_ids", HONOURED, BOTH, "token ids that end the output (an id outside the vocabulary: an error, as "
        "for every token id a request names)"),

@@ -72,6 +72,9 @@ class Unconstrained:
     def accept(self, token: int) -> bool:
         return False
 
+    def allows(self, token: int) -> bool:
+        return True
+
 
 UNCONSTRAINED = Unconstrained()
 
@@ -90,6 +93,10 @@ class GrammarState:
         out; the matcher then admits nothing either)."""
         self.matcher.consume_token(token)
         return self.matcher.is_stopped()
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (an end-of-sequence id: only where the reply may end)."""
+        return self.matcher.validate_tokens([token]) == 1
 
     @property
     def failure(self) -> str | None:

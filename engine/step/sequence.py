@@ -60,9 +60,18 @@ class Sequence:
                           "through")
             self.finish_reason = "stop"
             return
+        ends = (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids
+        if ends and not self.grammar.allows(tok):
+            # the bans left the grammar no token (it allows only "o" after "n" of "no", bad_words ban it) and the
+            # draw fell back on an end the grammar does not allow: "n" would end as a complete reply
+            self.error = (f"no token may come at output position {len(self.tokens)}: the structured output allows "
+                          "none that min_tokens, bad_words, allowed_token_ids or the model's suppressed tokens let "
+                          "through")
+            self.finish_reason = "stop"
+            return
         self.tokens.append(tok)
         self.processing.accepted(tok)
-        if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+        if ends:
             if sp.include_stop_str_in_output and self.detok is not None:
                 self.detok.feed(tok)  # vLLM: the token that ended the reply is in its text only with this flag
             self.finish_reason = "stop"
@@ -91,6 +100,9 @@ class Sequence:
                     self.finish_reason = "stop"
                     return
         if complete:
+            if len(self.tokens) < sp.min_tokens:  # the grammar admits nothing more, min_tokens asks for more
+                self.error = (f"the structured output was complete after {len(self.tokens)} tokens, before min_tokens "
+                              f"({sp.min_tokens}): no token may follow it, so the reply cannot be as long as asked")
             self.finish_reason = "stop"
             return
         if len(self.tokens) >= sp.max_tokens or length + 1 >= self.max_context:
