@@ -348,6 +348,10 @@ def test_a_message_key_the_template_never_reads_is_refused(qwen3_tokenizer):
             encoder.render(ChatPrompt(messages))
         messages[1] = {**messages[1], key: None}  # null: not given
         encoder.render(ChatPrompt(messages))
+    odd = "\x1b[31mred\nline"  # a key that is no name is shown as JSON writes it: the message stays one line
+    with pytest.raises(InvalidRequest, match='^messages\\[0\\]."\\\\u001b\\[31mred\\\\nline": .* this message\'s '
+                                             '"\\\\u001b'):
+        encoder.render(ChatPrompt([{**USER, odd: 1}]))
     earlier = {"role": "assistant", "content": "a", "reasoning_content": "thought"}
     encoder.render(ChatPrompt([USER, earlier, USER]))
     whole = Tokenizer(qwen3_tokenizer._backend, {}, {"default": "{% for m in messages %}{{ m | tojson }}{% endfor %}"},

@@ -274,9 +274,11 @@ class PromptEncoder:
                 keys.insert(0, "name")
             for key in keys:
                 if self._changes_nothing(prompt, text, i, key):
-                    raise InvalidRequest(f"messages[{i}].{key}: the chat template of {self.tokenizer.template_source} "
-                                         f"does not write this message's {key} into the prompt, so it would change "
-                                         f"nothing; {_MESSAGE_KEY_ADVICE.get(key, 'leave it out')}")
+                    shown = key if key.isidentifier() else describe_value(key)  # the user's key, as JSON writes it
+                    raise InvalidRequest(f"messages[{i}].{shown}: the chat template of "
+                                         f"{self.tokenizer.template_source} does not write this message's {shown} into "
+                                         f"the prompt, so it would change nothing; "
+                                         f"{_MESSAGE_KEY_ADVICE.get(key, 'leave it out')}")
 
     def _changes_nothing(self, prompt: ChatPrompt, text: str, i: int, key: str) -> bool:
         """Whether the chat renders as `text` without messages[i][key] (a template that needs it: it changes)."""
