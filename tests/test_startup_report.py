@@ -82,6 +82,11 @@ UNUSED_BY_A_PLAIN_RUN = ("jinja2", "torch", "transformers", "prefixrun.engine.ca
                          "prefixrun.engine.cache.index", "sqlite3", "rich", "pydantic", "llguidance", "safetensors")
 
 
+# what reading a Qwen3.5 model's config never needs: the other families' config classes (engine/load/hf_config.py)
+OTHER_FAMILIES_CONFIGS = tuple(f"prefixrun.engine.load.{m}" for m in ("mamba_config", "moe_config", "kimi_config",
+                                                                     "gpt_oss_config"))
+
+
 @pytest.mark.parametrize("built_in", [False, True], ids=["--model", "built-in model"])
 def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path, built_in):
     """The run, through the command's entry, imports what it uses (UNUSED_BY_A_PLAIN_RUN), on a model folder and on
@@ -101,6 +106,8 @@ def test_a_batch_of_token_prompts_imports_no_template_engine_nor_torch(tmp_path,
     assert sorted(m for m in UNUSED_BY_A_PLAIN_RUN if m in modules) == []
     # the maker of the built-in model (its weights' random draws), only where that model is the one run
     assert ("prefixrun.engine.load.model_maker" in modules) is built_in
+    if not built_in:  # nor other families' config modules (the maker of the built-in model imports them all)
+        assert sorted(m for m in OTHER_FAMILIES_CONFIGS if m in modules) == []
 
 
 def test_the_engines_modules_are_imported_once_the_weights_are_built(tmp_path):

@@ -5,10 +5,12 @@ Real checkpoints come in two layouts: a plain causal LM (weights under `model.`)
 `language_model.model.` - engine.models resolves the stored layout). The composite's vision tower is ignored; the
 MTP head (`mtp.*`, either layout) is found by its weights when asked for (engine/models/mtp.py). To add a family: a
 config class with `from_fields`, an entry in `_ARCHITECTURES` (+ `_MODEL_TYPES`) and its transformers defaults in
-`_DEFAULTS`.
+`_DEFAULTS`. A family's own config module is imported only for a model of that family (`_config_class`): every
+run reads its config before the weights' reads can start.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -16,11 +18,6 @@ from pathlib import Path
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.config import FULL_ATTENTION, LINEAR_ATTENTION, SHORT_CONV, SLIDING_ATTENTION, \
     ConfigFields, DecoderConfig, DenseConfig, HybridConfig, ShortConvConfig, SlidingWindowConfig
-from prefixrun.engine.load.gpt_oss_config import GptOssConfig
-from prefixrun.engine.load import kimi_config
-from prefixrun.engine.load.mamba_config import GraniteHybridConfig, NemotronHConfig, granite_layer_types, \
-    nemotron_layer_types
-from prefixrun.engine.load.moe_config import MoeHybridConfig
 from prefixrun.engine.load.mxfp4 import MXFP4
 from prefixrun.engine.load.quantization import parse_quantization
 from prefixrun.engine.load.rope import NoRotary, parse_rope
@@ -84,20 +81,34 @@ _DEFAULTS["granitemoehybrid"] = dict(
     attention_multiplier=1.0, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024,
     position_embedding_type=None, mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_head="auto",
     mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=[0.0, float("inf")])
-_DEFAULTS["kimi_linear"] = kimi_config.DEFAULTS
 # the families whose norms read their eps from another field than rms_norm_eps (which they then ignore)
 _EPS_FIELD = {"lfm2": "norm_eps", "nemotron_h": "layer_norm_epsilon"}
 # the composite classes' own tie_word_embeddings default (the composite's lm_head follows the top-level value)
 _COMPOSITE_TIE_DEFAULT = {"qwen3_5": False, "qwen3_5_moe": False, "gemma3": True}
 
 
+def _family_defaults(family: str) -> dict:
+    """transformers' defaults for `family`'s fields (Kimi Linear's live with its config class)."""
+    if family == "kimi_linear":
+        from prefixrun.engine.load.kimi_config import DEFAULTS
+
+        return DEFAULTS
+    return _DEFAULTS[family]
+
+
 def _layer_types(f: ConfigFields, family: str, num_layers: int) -> tuple[str, ...]:
     if family == "nemotron_h":
+        from prefixrun.engine.load.mamba_config import nemotron_layer_types
+
         return nemotron_layer_types(f)
     if family == "granitemoehybrid":
+        from prefixrun.engine.load.mamba_config import granite_layer_types
+
         return granite_layer_types(f, num_layers)
     if family == "kimi_linear":
-        return kimi_config.kimi_layer_types(f, num_layers)
+        from prefixrun.engine.load.kimi_config import kimi_layer_types
+
+        return kimi_layer_types(f, num_layers)
     layer_types = f.get("layer_types")
     if layer_types is None:  # derived exactly as the family's transformers config derives it
         if family == "gemma3":
@@ -142,22 +153,23 @@ def _text_settings(raw: dict, family: str) -> tuple[dict, bool]:
     return text, True
 
 
-# HF architecture name -> (family, config class). The family names the module in engine/models/.
+# HF architecture name -> (family, config class: one of engine/load/config.py's, or "module.Class" of another module
+# of engine/load/, imported when a model of that family is read). The family names the module in engine/models/.
 _ARCHITECTURES = {
     "Qwen3_5ForCausalLM": ("qwen3_5", HybridConfig),
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", HybridConfig),
-    "Qwen3NextForCausalLM": ("qwen3_next", MoeHybridConfig),
-    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", MoeHybridConfig),
-    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", MoeHybridConfig),
+    "Qwen3NextForCausalLM": ("qwen3_next", "moe_config.MoeHybridConfig"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "moe_config.MoeHybridConfig"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "moe_config.MoeHybridConfig"),
     "Qwen3ForCausalLM": ("qwen3", DenseConfig),
     "LlamaForCausalLM": ("llama", DenseConfig),
     "Gemma3ForCausalLM": ("gemma3", SlidingWindowConfig),
     "Gemma3ForConditionalGeneration": ("gemma3", SlidingWindowConfig),
     "Lfm2ForCausalLM": ("lfm2", ShortConvConfig),
-    "GptOssForCausalLM": ("gpt_oss", GptOssConfig),
-    "NemotronHForCausalLM": ("nemotron_h", NemotronHConfig),
-    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", GraniteHybridConfig),
-    "KimiLinearForCausalLM": ("kimi_linear", kimi_config.KimiLinearConfig),
+    "GptOssForCausalLM": ("gpt_oss", "gpt_oss_config.GptOssConfig"),
+    "NemotronHForCausalLM": ("nemotron_h", "mamba_config.NemotronHConfig"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "mamba_config.GraniteHybridConfig"),
+    "KimiLinearForCausalLM": ("kimi_linear", "kimi_config.KimiLinearConfig"),
 }
 _MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -173,6 +185,15 @@ def _rotates(family: str, text: dict) -> bool:
     if family == "granitemoehybrid":
         return text.get("position_embedding_type") == "rope"
     return family not in ("nemotron_h", "kimi_linear")
+
+
+def _config_class(arch: str) -> type:
+    """The config class of architecture `arch` (`_ARCHITECTURES`), its module imported now where it has one."""
+    cls = _ARCHITECTURES[arch][1]
+    if isinstance(cls, str):
+        module, name = cls.split(".")
+        cls = getattr(importlib.import_module(f"prefixrun.engine.load.{module}"), name)
+    return cls
 
 
 def supported_architectures() -> list[str]:
@@ -199,7 +220,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if arch is None:
         raise ModelLoadError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                              f"supported: {', '.join(supported_architectures())}")
-    family, cls = _ARCHITECTURES[arch]
+    family = _ARCHITECTURES[arch][0]
     text, composite = _text_settings(raw, family)
     # transformers loads such weights through a quantizer: only the FP8 layouts engine/load/quantization.py reads
     # are taken, anything else would be other tensors, other numbers
@@ -210,7 +231,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if quantization.method == MXFP4 and family != "gpt_oss":
         raise ModelLoadError(f"{source}: quantization_config (quant_method \"mxfp4\") is supported for gpt-oss's "
                              f"experts only, not for {arch}")
-    f = ConfigFields(text, _DEFAULTS[family], source)
+    f = ConfigFields(text, _family_defaults(family), source)
     num_heads = f.number("num_attention_heads", int)
     hidden = f.number("hidden_size", int)
     if num_heads <= 0 or hidden <= 0:
@@ -245,7 +266,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
         eos_token_ids=_token_ids(f, "eos_token_id"), bos_token_id=text.get("bos_token_id"),
         quantization=quantization,
     )
-    return cls.from_fields(f, common, rope_local)
+    return _config_class(arch).from_fields(f, common, rope_local)
 
 
 class _HugeInteger(str):
