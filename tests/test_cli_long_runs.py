@@ -71,6 +71,14 @@ def test_ordered_output_grows_while_the_run_goes_on(model, tmp_path, monkeypatch
 # SIGTERM, SIGHUP and SIGINT
 
 
+def _stop_signals_at_default() -> None:
+    """In a child before its exec: SIGHUP, SIGTERM and SIGINT as a terminal's or a scheduler's process gets them.
+    The suite itself may run under nohup (SIGHUP ignored) or as a shell's background job (SIGINT ignored), which
+    the child would inherit and, rightly, keep."""
+    for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def slow_batch(n: int = 30) -> list[dict]:
     """Line 0 decodes long while short lines finish behind it (they wait for it in ordered mode)."""
     lines = [{"custom_id": "slow", "prompt": "a long story", "max_tokens": 3000, "ignore_eos": True,
@@ -89,7 +97,8 @@ def test_a_stop_signal_keeps_finished_results_and_writes_a_partial_report(model,
     out, journal, report = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal", tmp_path / "report.json"
     proc = subprocess.Popen(cmd("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-q", "-o", out,
                                 "--max-batch", 64, "--json-report", report),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_stop_signals_at_default)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if journal.exists() and journal.read_bytes().count(b"\n") >= n_short:
@@ -130,7 +139,7 @@ def test_a_stop_signal_while_a_pipe_has_sent_nothing_is_said_with_its_code(model
     read, write = os.pipe()
     p = subprocess.Popen(cmd("batch", "-", "--model", model, "--device", "cpu", "--no-cache", "-o",
                              tmp_path / "out.jsonl", "--json-report", report), stdin=read, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=_stop_signals_at_default)
     os.close(read)
     try:
         _waits_on_its_pipe(p.pid)
