@@ -188,6 +188,34 @@ def test_results_leave_the_engine_near_input_order(cpu_ops):
     eng.close()
 
 
+@pytest.mark.parametrize("budget", [None, 2_000])
+def test_interleaved_prefixes_finish_in_input_order(budget, cpu_ops):
+    """Lines of four system prompts in turn (a shuffled file): the plan's depth-first order finished every line of
+    the first prompt before line 1, so the in-order output stood still for a quarter of the window. Pending tasks
+    go by the lowest input line each holds: results leave near input order, each prefix still computed once. Where
+    the checkpoint budget cannot hold another prompt's state (`budget`: about two of them), a prompt waits as
+    before instead of being computed early and refused: no more prefill than the plan's."""
+    rng = random.Random(5)
+    systems = [[rng.randrange(500) for _ in range(24)] for _ in range(4)]
+    n = 80
+    prompts = [systems[i % 4] + [rng.randrange(500) for _ in range(3)] for i in range(n)]
+    options = dict(speculative="off", max_batch=4, block_size=4)
+    if budget is not None:
+        options["checkpoint_budget_bytes"] = budget
+    eng = Engine(_FakeModel(), cpu_ops, options=EngineOptions(**options))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), i)
+            for i, p in enumerate(prompts)]
+    first, lag = ordered_lag([r.index for r in eng.run(reqs)])
+    check_trace_against_plan(eng.last_plan, eng.last_trace)
+    assert eng.stats.computed_prompt_tokens == eng.last_plan.distinct_tokens
+    assert not eng.last_trace.of("refused")
+    if budget is None:
+        assert first <= 4 and lag <= 2 * 4, (first, lag)
+    eng.check_invariants()
+    eng.close()
+    assert not eng.state.live
+
+
 def test_refused_checkpoints_are_recorded_and_consumers_recompute(cpu_ops):
     prompts = tree_prompts()
     full = Engine(_FakeModel(), cpu_ops, options=EngineOptions(speculative="off", max_batch=4, block_size=4))

@@ -33,6 +33,7 @@ class FakeRunner:
     at next_token(last token); each prefill step's pieces and each decode step's batch size are recorded."""
 
     generated_tokens_as_steps = False  # a prefill and a decode step compute a token alike
+    vocab_size = VOCAB
 
     def __init__(self, state: ModelState):
         self.state = state

@@ -1,8 +1,12 @@
 """Which planned tasks run next, admitted against the pools with one rule.
 
-The scheduler keeps the pending tasks as a stack in plan order (top = next, the lowest task id; a finished task
-pushes its consumers, so work goes depth-first, by the lowest input line each subtree holds) and each pending task's current base: a pool checkpoint it pins, a state handed over whole, or
-nothing (an empty state). A group is a run of stack tasks prefilled together in varlen steps: siblings that fork
+The scheduler keeps the pending tasks as a stack (top = next) and each pending task's current base: a pool
+checkpoint it pins, a state handed over whole, or nothing (an empty state). The stack goes by the lowest input line
+each task holds (`Task.carrier`), then plan order, so results leave in input order even where lines of several
+prefixes alternate (a shuffled file): the lines of one prefix do not all finish before the next prefix's first
+line. A task that would open another branch checkpoint waits where the pool's budget cannot hold it beside those
+pinned (`waits`), unless it is next in plan order (depth-first, as the plan was made): a prefix is never computed
+early only to have its checkpoint refused and its lines recompute it. A group is a run of stack tasks prefilled together in varlen steps: siblings that fork
 one checkpoint, and with them the next siblings of other checkpoints (doc-qa's 64 questions over four documents:
 one 8,192-token step, not four 2,048-token groups each drained on its own); a state handed over runs alone, or
 with the other samples of its request that fork it.
@@ -58,29 +62,64 @@ class Handoff:
             state.release(self.handle)
 
 
-def _stack_position(task: Task) -> int:
-    """The pending stack's sort key: its top (the end of the list) is the lowest task id, the next in plan order."""
-    return -task.id
+def _stack_position(task: Task) -> tuple[int, int]:
+    """The pending stack's sort key: its top (the end of the list) is the task holding the lowest input line, the
+    first in plan order among those holding it."""
+    return -task.carrier, -task.id
+
+
+def _opens(task: Task) -> Task | None:
+    """The task whose branch checkpoint running `task` leads to next (itself, or the end of the chain of single
+    consumers it hands its state to), None where that chain ends at a request."""
+    while not task.saves:
+        if task.request is not None or task.fans_out or len(task.consumers) != 1:
+            return None
+        task = task.consumers[0]
+    return task
 
 
 class Scheduler:
     def __init__(self, state: ModelState, pool: CheckpointPool, requests: list[Request], *, max_batch: int,
-                 max_prefill_tokens: int, max_context: int, reserved_blocks: int = 0):
+                 max_prefill_tokens: int, max_context: int, reserved_blocks: int = 0, row_bytes: int = 0):
         self.state, self.pool, self.requests = state, pool, requests
         self.max_batch, self.max_prefill_tokens, self.max_context = max_batch, max_prefill_tokens, max_context
         self.reserved_blocks = reserved_blocks  # held outside the scheduler's view (the decode-graph scratch)
+        self.row_bytes = row_bytes  # the logits row a checkpoint keeps beside its state
         self.margin_tokens = GROWTH_MARGIN_BLOCKS * state.block_size
         self.pending: list[Task] = []
+        self._ids: list[int] = []  # the pending tasks' ids, sorted: the first is next in plan order
         self.base: dict[int, object] = {}  # task id -> CheckpointEntry | Handoff | None
 
     # ---- the pending stack --------------------------------------------------------------------------------
     def push(self, tasks: list[Task], base):
-        """Queue consumers that start from `base`. The stack stays in plan order (the lowest task id on top),
-        whatever order tasks finish in: the consumers of a group's first task run before those of its second,
-        so requests finish as near to input order as the plan allows (engine/plan/planner.py)."""
+        """Queue consumers that start from `base`. The stack stays in its order (the lowest input line on top),
+        whatever order tasks finish in, so requests finish as near to input order as the pools allow."""
         for t in tasks:
             self.base[t.id] = base
             bisect.insort(self.pending, t, key=_stack_position)
+            bisect.insort(self._ids, t.id)
+
+    def _remove(self, task: Task):
+        self.pending.remove(task)
+        del self._ids[bisect.bisect_left(self._ids, task.id)]
+
+    def waits(self, task: Task, opening: int = 0) -> bool:
+        """Whether `task` waits for its turn in plan order: it leads to a branch checkpoint that the pool cannot
+        hold beside what it pins and `opening` bytes of checkpoints the same group makes, and it is not next in
+        plan order (that one runs whatever the budget, as the plan was made)."""
+        saver = _opens(task)
+        return saver is not None and task.id != self._ids[0] and \
+            not self.pool.can_save(saver.path, opening + self._checkpoint_bytes(saver))
+
+    def _checkpoint_bytes(self, saver: Task | None) -> int:
+        """The bytes of `saver`'s branch checkpoint (0: None), as the pool counts them."""
+        if saver is None:
+            return 0
+        return self.state.slot_bytes + self.state.blocks_for(saver.end) * self.state.block_bytes + self.row_bytes
+
+    def head(self) -> Task:
+        """The task that runs next: the top of the stack, past those that wait for their turn (`waits`)."""
+        return next(t for t in reversed(self.pending) if not self.waits(t))
 
     def set_base(self, task: Task, base):
         self.base[task.id] = base
@@ -142,9 +181,11 @@ class Scheduler:
         it holds a task; a task whose base is a hand-over runs alone (or with its base's other takers). Not
         popped."""
         group: list[Task] = []
-        tokens = requests = blocks = 0
+        tokens = requests = blocks = opening = 0
         growth = self.growth(decoding)
         for t in reversed(self.pending):
+            if self.waits(t, opening):
+                continue
             if group and self._alone(t, group[0]):
                 break
             n = self.todo_tokens(t)
@@ -155,6 +196,7 @@ class Scheduler:
                 break
             group.append(t)
             tokens, requests, blocks = tokens + n, r, b
+            opening += self._checkpoint_bytes(_opens(t))
         return group
 
     def _alone(self, task: Task, first: Task) -> bool:
@@ -164,20 +206,29 @@ class Scheduler:
         return (isinstance(base, Handoff) or isinstance(first_base, Handoff)) and base is not first_base
 
     def admit(self, group: list[Task]):
-        """Take an admitted group off the stack (it is the top of the stack, in order)."""
+        """Take an admitted group off the stack: `next_group`'s tasks, the top of the stack past those that wait
+        (RuntimeError for a task out of its turn)."""
+        opening, queue = 0, reversed(self.pending)
         for t in group:
-            if self.pending.pop() is not t:
+            if next((p for p in queue if not self.waits(p, opening)), None) is not t:
                 raise RuntimeError("admitted group is not the top of the pending stack")
+            opening += self._checkpoint_bytes(_opens(t))
+        for t in group:
+            self._remove(t)
 
     def drop_request(self, request: int) -> list[Task]:
         """Take the pending tasks of a request off the stack (it ended another way); the caller lets their bases
         go."""
         dropped = [t for t in self.pending if t.request == request]
-        self.pending = [t for t in self.pending if t.request != request]
+        for t in dropped:
+            self._remove(t)
         return dropped
 
     def pop(self) -> Task:
-        return self.pending.pop()
+        """Take the head (`head`) off the stack."""
+        task = self.head()
+        self._remove(task)
+        return task
 
     def consumers_of(self, base) -> list[Task]:
         return [t for t in self.pending if self.base[t.id] is base]

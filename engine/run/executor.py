@@ -75,7 +75,8 @@ class WindowExecutor:
         o = self.opts
         self.sched = Scheduler(self.state, self.pool, requests, max_batch=o.max_batch,
                                max_prefill_tokens=o.max_prefill_tokens, max_context=parts.decoding.max_context,
-                               reserved_blocks=1)  # the decode graphs' scratch block
+                               reserved_blocks=1,  # the decode graphs' scratch block
+                               row_bytes=4 * self.runner.vocab_size)  # a checkpoint's fp32 logits row
         self.sched.push(plan.roots, None)
         self.decoding: list[Sequence] = []
         self.starting: list[tuple[Sequence, object]] = []  # sequences a group started, before their first token
@@ -112,12 +113,12 @@ class WindowExecutor:
             self._drain()  # the decoding set changes: its tokens up to date first (and the decode time true)
             sched.admit(group)
             self._prefill_group(group)
-        elif sched.pending and seats and self._evict_retained(lambda: sched.can_admit([sched.pending[-1]],
+        elif sched.pending and seats and self._evict_retained(lambda: sched.can_admit([sched.head()],
                                                                                       self.decoding)):
             pass
         elif self.decoding:
             self._decode_step()
-        elif not self._give_up_one(self.sched.base[sched.pending[-1].id]):
+        elif not self._give_up_one(self.sched.base[sched.head().id]):
             self._refuse(sched.pop())
 
     def _resume_or_wait(self):
