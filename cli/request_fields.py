@@ -98,7 +98,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("model", HARMLESS, BOTH, "the model name", why="the model is the one given on the command line",
        takes="a string"),
     # ---- chat template ----
-    _F("tools", HONOURED, CHAT, "function schemas, rendered by the chat template"),
+    _F("tools", HONOURED, CHAT, "function schemas, rendered by the chat template (a template that never reads them: "
+       "an error)"),
     _F("chat_template_kwargs", HONOURED, CHAT, "extra chat-template variables, e.g. {\"enable_thinking\": false} (a "
        "variable the template never reads: an error, --lenient too, as it would change nothing)"),
     _F("add_generation_prompt", HONOURED, CHAT, "end the prompt with the assistant header (default true)"),

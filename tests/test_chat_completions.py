@@ -444,6 +444,20 @@ def test_documents_reach_the_template(qwen3):
     encoded(qwen3, {"messages": CHAT, "documents": None})  # null: not given
 
 
+def test_tools_need_a_template_that_reads_them(qwen3):
+    """A template that never reads tools would drop them: under tool_choice none the model answered without the
+    functions it was given, under required it filled a call it never saw described; the line's error instead."""
+    plain = Tokenizer(qwen3._backend, {}, {"default": "{% for m in messages %}{{ m.content }}{% endfor %}"}, "plain")
+    tool = {"type": "function", "function": {"name": "f", "description": "adds", "parameters": {"type": "object"}}}
+    for choice in ("none", "required"):
+        with pytest.raises(InvalidRequest, match="^the chat template of plain does not read tools, so they would not "
+                                                 "reach the prompt"):
+            encoded(plain, {"messages": CHAT, "tools": [tool], "tool_choice": choice})
+    encoded(plain, {"messages": CHAT, "tools": []})  # none given
+    assert len(encoded(qwen3, {"messages": CHAT, "tools": [tool], "tool_choice": "none"})) > \
+        len(encoded(qwen3, {"messages": CHAT})) + 10
+
+
 def test_add_special_tokens(llama):
     with_bos = encoded(llama, {"prompt": "Hello"})  # completions: the tokenizer's post-processor adds BOS
     assert encoded(llama, {"prompt": "Hello", "add_special_tokens": False}) == with_bos[1:]

@@ -188,6 +188,9 @@ class Tokenizer:
         from prefixrun.engine.load import chat_template
 
         template = self._template_for(tools)
+        if tools and "tools" not in template.reads:
+            raise InvalidRequest(f"the chat template of {self._template_source} does not read tools, so they would "
+                                 "not reach the prompt: describe the functions in the messages, or leave tools out")
         if extra.get("documents") is not None and "documents" not in template.reads:
             raise InvalidRequest(f"the chat template of {self._template_source} does not read documents, so they "
                                  "would not reach the prompt: put them into the messages")
