@@ -28,6 +28,7 @@ from prefixrun.cli.input_source import input_descriptor, open_input
 from prefixrun.cli.report import RunReporter, route_engine_logs
 from prefixrun.cli.run_options import cli_default, run_option, with_run_options
 from prefixrun.cli.stop_signals import stop_reason, stop_signals_raise
+from prefixrun.engine.counts import count
 from prefixrun.engine.errors import InvalidOption
 from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.run.config import RunConfig, declared_of
@@ -159,7 +160,7 @@ def _finish_batch(report: dict, output: Path | None, json_report: Path | None, r
 
     reporter.final(report)
     if report.get("resumed_skipped_lines"):
-        reporter.note(f"--resume: skipped {report['resumed_skipped_lines']:,} lines that already had results in "
+        reporter.note(f"--resume: skipped {count(report['resumed_skipped_lines'], 'line')} that already had results in "
                       f"{output}")
     if report["requests"] == 0 and report["failed_lines"] == 0 and not report.get("resumed_skipped_lines"):
         reporter.note("the input holds no requests (it is empty or has only blank lines); nothing was run")

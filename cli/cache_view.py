@@ -20,6 +20,7 @@ from rich.tree import Tree
 
 from prefixrun.cli import io
 from prefixrun.cli.report import human_bytes, literal, printable
+from prefixrun.engine.counts import count
 
 EXIT_DAMAGED = io.EXIT_FAILURE
 _SHOW_BAD = 20  # bad entries listed by --verify; the rest are counted
@@ -149,10 +150,10 @@ def _damaged(err: Console, ckpt_root: Path, problem: Exception, *, clear: bool, 
     try:  # say "removed" only if the cache works again: something clear_folder may not delete can remain
         CheckpointStore(ckpt_root).close()
     except (StoreError, OSError) as still:
-        err.print(literal(f"error: removed {removed} files, but the checkpoint cache at {ckpt_root} is still damaged "
-                          f"({still}); remove what is left there by hand"), soft_wrap=True)
+        err.print(literal(f"error: removed {count(removed, 'file')}, but the checkpoint cache at {ckpt_root} is "
+                          f"still damaged ({still}); remove what is left there by hand"), soft_wrap=True)
         return EXIT_DAMAGED
-    err.print(literal(f"removed the damaged cache ({removed} files)"), soft_wrap=True)
+    err.print(literal(f"removed the damaged cache ({count(removed, 'file')})"), soft_wrap=True)
     return io.EXIT_OK
 
 
@@ -230,7 +231,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     if clear or prune_older_than_days is not None or prune_to_bytes is not None:
         if clear:
             scope = "every entry" if not model else f"the entries of model {model}"
-            what = f"remove {scope} in {ckpt_root}: {len(entries)} entries, " \
+            what = f"remove {scope} in {ckpt_root}: {_count(len(entries))}, " \
                    f"{human_bytes(sum(e.nbytes for e in entries))}"
         else:
             removes = _prune_preview(store, entries, prune_older_than_days, prune_to_bytes)
@@ -276,7 +277,8 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         root_tree = Tree(literal(f"{ckpt_root} ({_count(len(entries))}, {human_bytes(total)})"))
         nodes = {}
         for e in sorted(entries, key=lambda e: e.n_tokens):
-            label = (f"{e.n_tokens} tokens · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · {e.hits} hits · "
+            label = (f"{count(e.n_tokens, 'token')} · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · "
+                     f"{count(e.hits, 'hit')} · "
                      f"{preview(e)}")
             parent = parents[e.entry_id]
             nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(literal(label))
@@ -333,7 +335,7 @@ def _blocks_cell(e) -> str:
 
 
 def _count(n: int) -> str:
-    return f"{n} entry" if n == 1 else f"{n} entries"
+    return count(n, "entry", "entries")
 
 
 def _of_model(entry, model: str) -> bool:
@@ -364,12 +366,12 @@ def _prune_preview(store, entries, older_than_days, to_bytes) -> str:
                 doomed.add(e.entry_id)
                 left -= e.nbytes + e.block_bytes
     nbytes = sum(e.nbytes + e.block_bytes for e in entries if e.entry_id in doomed)
-    return f"about {len(doomed)} of {len(entries)} entries, {human_bytes(nbytes)}"
+    return f"about {len(doomed)} of {_count(len(entries))}, {human_bytes(nbytes)}"
 
 
 def _blocks_line(summary: dict, total: int) -> str:
     return (f"of which state blobs {human_bytes(total - summary['block_bytes'])}, K/V blocks "
-            f"{human_bytes(summary['block_bytes'])} ({summary['blocks']:,} blocks, each stored once; "
+            f"{human_bytes(summary['block_bytes'])} ({count(summary['blocks'], 'block')}, each stored once; "
             f"{summary['shared_blocks']:,} shared by several entries, saving "
             f"{human_bytes(summary['bytes_saved_by_sharing'])})")
 
@@ -397,8 +399,8 @@ def _verify(store, ckpt_root: Path, as_json: bool) -> int:
     if len(bad) > _SHOW_BAD:
         lines.append(f"  … and {len(bad) - _SHOW_BAD} more")
     if n_files or swept.dropped_rows:
-        lines.append(f"removed {n_files} leftover files of interrupted writes, "
-                     f"{len(swept.dropped_rows)} entries whose file was gone")
+        lines.append(f"removed {count(n_files, 'leftover file')} of interrupted writes, "
+                     f"{_count(len(swept.dropped_rows))} whose file was gone")
     total = store.total_bytes()
     lines += [f"  cannot read {printable(str(p))} (permissions): its entries were not checked" for p in unreadable]
     lines.append(f"{_count(len(entries))}, {human_bytes(total)} in total")

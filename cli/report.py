@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from prefixrun.engine.counts import count, plural
 from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.sizes import human_bytes
 
@@ -250,11 +251,6 @@ def _tagged(tag: str, style: str, message: str) -> Text:
     return Text.assemble((tag, style), " ", literal(message))
 
 
-def plural(count: int, word: str) -> str:
-    """`word` as `count` of it needs: 1 request, 2 requests, 0 requests."""
-    return word if count == 1 else word + "s"
-
-
 def duration(seconds: float) -> str:
     """A span of time as a person reads it: 42s, 3m05s, 2h07m."""
     seconds = max(0, int(round(seconds)))
@@ -279,11 +275,6 @@ def report_table(report: dict) -> Table:
             t.add_row(label, literal(value))
     t.add_row("wall time", literal(f"{report['wall_seconds']:.2f} s"))
     return t
-
-
-def count(n: int, noun: str, plural_noun: str | None = None) -> str:
-    """'1 request', '2,048 requests'."""
-    return f"{n:,} {noun if n == 1 else plural_noun or plural(n, noun)}"
 
 
 def _work_rows(report: dict):
@@ -351,7 +342,7 @@ def _cache_cost_rows(costs: dict, wall: float | None = None):
              if costs.get("prefetch_used_bytes") else "")
     yield "disk cache cost", (
         f"read {human_bytes(costs['read_bytes'] + costs.get('prefetch_used_bytes', 0))} in "
-        f"{costs['read_seconds']:.2f} s on the critical path{ahead} ({costs['restored_tokens']:,} tokens not "
+        f"{costs['read_seconds']:.2f} s on the critical path{ahead} ({count(costs['restored_tokens'], 'token')} not "
         f"computed); wrote {human_bytes(costs['written_bytes'])} in {costs['write_seconds']:.2f} s in the background "
         f"(export {costs['export_seconds']:.2f} s, end wait {costs['finish_wait_seconds']:.2f} s); "
         f"{count(costs['writes_skipped'], 'write')} skipped, {count(costs['reads_declined'], 'read')} declined")

@@ -77,6 +77,8 @@ def test_cost_model_writes_and_reads_only_what_pays(monkeypatch):
     model.prefill_counters = Counters(10 ** 9, 1.0)  # a device that computes faster than any disk
     assert not model.worth_writing(4096, 100 << 20) and not model.worth_reading(4096, 100 << 20)
     assert "adds no token" in model.judge_write(0, 1)
+    assert "recomputing 1 token takes" in model.judge_write(1, 100 << 20)  # one token: not "1 tokens"
+    assert "recomputing 4,096 tokens takes" in model.judge_write(4096, 100 << 20)
     assert CostModel(always=True).worth_writing(0, 1 << 40)
 
 

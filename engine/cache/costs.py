@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixrun.engine.cache.files import CacheFolder
+from prefixrun.engine.counts import count
 from prefixrun.engine.run.background import BackgroundTask
 from prefixrun.engine.sizes import human_bytes
 
@@ -336,7 +337,7 @@ class CostModel:
         if read_s < margin * compute_s and compute_s - read_s >= least_saving:
             return None
         factor = "" if margin == 1.0 else f" x {margin:g}"
-        why = (f"recomputing {gained_tokens:,} tokens takes {compute_s * 1e3:,.1f} ms at {prefill:,.0f} tok/s "
+        why = (f"recomputing {count(gained_tokens, 'token')} takes {compute_s * 1e3:,.1f} ms at {prefill:,.0f} tok/s "
                f"({prefill_from}){factor}; {what} of {human_bytes(nbytes)} {read_s * 1e3:,.1f} ms at "
                f"{human_bytes(read)}/s ({read_from})")
         if read_s < margin * compute_s:

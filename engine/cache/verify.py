@@ -25,6 +25,7 @@ from prefixrun.engine.cache.index import Row, signature_of
 from prefixrun.engine.cache.keys import FORMAT_VERSION, StoreKey
 from prefixrun.engine.cache.kv_blocks import BadBlock
 from prefixrun.engine.cache.results import ReadAccount, StoredCheckpoint
+from prefixrun.engine.counts import count
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class EntryVerification:
         if stored_tokens is None or stored_tokens.dtype != np.int32 or stored_tokens.ndim != 1:
             raise BadEntry("no int32 [n_tokens] token prefix in the file")
         if len(stored_tokens) != row.n_tokens:
-            raise BadEntry(f"file holds {len(stored_tokens)} tokens, index says {row.n_tokens}")
+            raise BadEntry(f"file holds {count(len(stored_tokens), 'token')}, index says {row.n_tokens}")
         stored_key = StoreKey(row.model_digest, row.layout_digest)
         if keys.checkpoint_key(stored_key, stored_tokens) != row.entry_id:
             raise BadEntry("stored tokens do not hash to the entry id")

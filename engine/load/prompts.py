@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefixrun.engine.counts import count
 from prefixrun.engine.errors import InvalidOption
 from prefixrun.engine.load.messages import (check_documents, check_messages, check_template_kwargs, check_tools,
                                             unread_template_kwargs)
@@ -162,8 +163,8 @@ class PromptEncoder:
         ids = self.encode(prompt, room=given or 1)
         if given is not None and given > self.context_tokens - len(ids):
             raise InvalidRequest(f"{max_tokens_key} {given} is too large: the model's context is "
-                                 f"{self.context_tokens} tokens and the prompt has {len(ids)}, which leaves room for "
-                                 f"{self.context_tokens - len(ids)} new tokens")
+                                 f"{count(self.context_tokens, 'token')} and the prompt has {len(ids)}, which leaves "
+                                 f"room for {count(self.context_tokens - len(ids), 'new token')}")
         if sampling.max_tokens is None:
             sampling = dataclasses.replace(sampling, max_tokens=self.context_tokens - len(ids))
         self._check_token_fields(sampling)
@@ -222,8 +223,8 @@ class PromptEncoder:
                                  "vocabulary of "
                                  f"{self.vocab_size}")
         if len(ids) >= self.context_tokens:
-            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the model's context of "
-                                 f"{self.context_tokens} tokens (one position is needed for the reply)")
+            raise InvalidRequest(f"prompt of {count(len(ids), 'token')} does not fit the model's context of "
+                                 f"{count(self.context_tokens, 'token')} (one position is needed for the reply)")
         return ids
 
     def render(self, prompt: ChatPrompt) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from prefixrun.engine.cache.no_cache import NoCache
+from prefixrun.engine.counts import count
 from prefixrun.engine.grammar.compiler import GrammarCompiler
 from prefixrun.engine.grammar.masks import TokenMasks
 from prefixrun.engine.request import InvalidRequest
@@ -144,7 +145,7 @@ class Engine:
             self.stats.requests += 1
             self.stats.prompt_tokens += len(r.prompt_token_ids)
             if not r.prompt_token_ids or len(r.prompt_token_ids) + 1 > self.max_context:
-                yield self.error_result(r, f"prompt of {len(r.prompt_token_ids)} tokens leaves no room in the "
+                yield self.error_result(r, f"prompt of {count(len(r.prompt_token_ids), 'token')} leaves no room in the "
                                            f"model context of {self.max_context}")
                 continue
             if r.sampling.structured is not None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from prefixrun.engine.cache.write_policy import keeps_prefix_point
+from prefixrun.engine.counts import count
 from prefixrun.engine.state.checkpoints import CheckpointEntry, CheckpointPool
 from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
@@ -230,8 +231,8 @@ class WindowExecutor:
             self.trace.add("error", t.id, note="does not fit the state memory")
             samples = self._samples_of(r)
             samples.fail(t.sample, (
-                f"prompt of {len(r.prompt_token_ids)} tokens with room for its first new tokens needs {need} K/V "
-                f"blocks of {s.block_size} tokens; the state memory holds "
+                f"prompt of {count(len(r.prompt_token_ids), 'token')} with room for its first new tokens needs "
+                f"{count(need, 'K/V block')} of {count(s.block_size, 'token')}; the state memory holds "
                 f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer}"))
             self._collect(samples)
 

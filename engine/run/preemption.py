@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 
+from prefixrun.engine.counts import count
 from prefixrun.engine.plan.planner import grid_stop, resumable
 from prefixrun.engine.step.sequence import Sequence
 
@@ -166,7 +167,8 @@ class Preemptions:
         """Why a waiting sequence that cannot fit even alone ends (its request's error)."""
         s = self.state
         need = self.blocks_to_resume(seq, least=True)
-        return (f"prompt of {len(seq.request.prompt_token_ids)} tokens and {len(seq.tokens)} generated tokens "
-                f"need {need} K/V blocks of {s.block_size} tokens to go on; the state memory holds "
+        return (f"prompt of {count(len(seq.request.prompt_token_ids), 'token')} and "
+                f"{count(len(seq.tokens), 'generated token')} need {count(need, 'K/V block')} of "
+                f"{count(s.block_size, 'token')} to go on; the state memory holds "
                 f"{s.blocks.num_blocks - self.sched.reserved_blocks}: raise --state-memory{fewer} or lower "
                 f"max_tokens")

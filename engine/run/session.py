@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from prefixrun.engine.counts import count
 from prefixrun.engine.request import Request, Result
 from prefixrun.engine.run.config import CHECKPOINT_SHARE, HOST_MAX_BATCH, HOST_STATE_MEMORY, RunConfig
 
@@ -141,7 +142,7 @@ class EngineSession:
                                    reuse=s.reuse)
             if max_batch > fits:  # batching never changes a token, so fewer seats only cost time
                 self.warnings.append(f"--max-batch {max_batch:,}: the state memory ({int(state_bytes):,} bytes) "
-                                     f"holds at most {fits:,} sequences; decoding up to {fits:,} together")
+                                     f"holds at most {count(fits, 'sequence')}; decoding up to {fits:,} together")
                 max_batch, self.max_batch_source = fits, "--max-batch, capped by the state memory"
         return max_batch, state_bytes, checkpoint_budget
 
