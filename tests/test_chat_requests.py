@@ -230,6 +230,10 @@ def test_continue_final_message_when_the_template_drops_the_text(tmp_path):
      "body.messages[1].tool_calls[0].function.arguments is not JSON text"),
     ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]},
      "messages[1].tool_calls[0].function.arguments must be JSON text or an object, got 5"),
+    # a misspelled key of a function: a forced call's arguments were left unconstrained by its lost parameters
+    (openai_chat(messages=[USER], tools=[{"type": "function", "function": {"name": "f", "paramters": {}}}],
+                 tool_choice="required"),
+     'body.tools[0].function has "paramters" (did you mean "parameters"?), which is no key of a function'),
     ({"messages": [USER], "chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs must be an object"),
     (openai_chat(messages=[USER], chat_template_kwargs={"add_generation_prompt": False}),
      "body.chat_template_kwargs may not set add_generation_prompt"),

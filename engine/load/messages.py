@@ -18,6 +18,10 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
                                          "continue_final_message"})
 
 
+# the keys of a tool's function, as OpenAI's and vLLM's request models define it
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
 def check_messages(value: Any, where: str = "messages") -> list[dict]:
     """`value` if it is a non-empty list of {role, content} messages; InvalidRequest naming `where` otherwise.
 
@@ -103,6 +107,12 @@ def _check_function_tool(tool: dict, where: str) -> None:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest(f"{where}.function.name must be a non-empty string, got {describe_value(name)}")
+    unknown = [key for key in function if key not in FUNCTION_KEYS]
+    if unknown:  # a misspelled "paramters" left a forced call's arguments unconstrained
+        close = difflib.get_close_matches(unknown[0], sorted(FUNCTION_KEYS), n=1)
+        hint = f' (did you mean "{close[0]}"?)' if close else ""
+        raise InvalidRequest(f"{where}.function has {describe_value(unknown[0])}{hint}, which is no key of a function "
+                             f"(OpenAI's: {', '.join(sorted(FUNCTION_KEYS))})")
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise InvalidRequest(f"{where}.function.strict must be true or false, got {describe_value(function['strict'])}")
     parameters = function.get("parameters")
