@@ -350,8 +350,11 @@ def test_a_message_key_the_template_never_reads_is_refused(qwen3_tokenizer):
         with pytest.raises(InvalidRequest, match=f"^messages\\[1\\].{key}: the chat template of .* does not "
                                                  f"write this message's {key} into the prompt"):
             encoder.render(ChatPrompt(messages))
-        messages[1] = {**messages[1], key: None}  # null: not given
-        encoder.render(ChatPrompt(messages))
+        for nothing in (None, "", [], {}):  # null or empty: nothing is lost
+            messages[1] = {**messages[1], key: nothing}
+            encoder.render(ChatPrompt(messages))
+    pasted = {"role": "assistant", "content": "a", "refusal": None, "annotations": [], "audio": None}
+    encoder.render(ChatPrompt([USER, pasted, USER]))  # a reply pasted back whole
     odd = "\x1b[31mred\nline"  # a key that is no name is shown as JSON writes it: the message stays one line
     with pytest.raises(InvalidRequest, match='^messages\\[0\\]."\\\\u001b\\[31mred\\\\nline": .* this message\'s '
                                              '"\\\\u001b'):

@@ -269,7 +269,8 @@ class PromptEncoder:
             shown = ""
         read = self.tokenizer.template_keys(prompt.tools)
         for i, message in enumerate(messages):
-            keys = [key for key in message if key not in _MESSAGE_KEYS and message[key] is not None
+            # null or empty: nothing to lose (a reply pasted back whole carries "refusal": null, "annotations": [])
+            keys = [key for key in message if key not in _MESSAGE_KEYS and message[key] not in (None, "", [], {})
                     and key not in read]
             if i in named and f"{_NAME_MARK}{i}{_NAME_MARK}" not in shown:
                 keys.insert(0, "name")
