@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from prefixrun.engine.counts import count
 from prefixrun.engine.errors import ModelLoadError
 from prefixrun.engine.load.quantization import NO_QUANTIZATION, WeightQuantization
 from prefixrun.engine.load.rope import RopeConfig
@@ -70,8 +71,8 @@ class DecoderConfig:
             raise ModelLoadError(f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
                                  f"num_key_value_heads ({self.num_kv_heads})")
         if len(self.layer_types) != self.num_layers:
-            raise ModelLoadError(f"config.json: layer_types has {len(self.layer_types)} entries for "
-                                 f"{self.num_layers} layers")
+            raise ModelLoadError(f"config.json: layer_types has {count(len(self.layer_types), 'entry', 'entries')} "
+                                 f"for {count(self.num_layers, 'layer')}")
         if self.rope.rotary_dim > self.head_dim:
             raise ModelLoadError(f"config.json: rotary dimension {self.rope.rotary_dim} exceeds head_dim "
                                  f"{self.head_dim}")

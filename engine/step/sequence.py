@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixrun.engine.counts import count
 from prefixrun.engine.grammar.compiler import UNCONSTRAINED
 from prefixrun.engine.request import ModelProcessing, Request, SamplingParams
 from prefixrun.engine.state.pools import StateHandle
@@ -101,8 +102,9 @@ class Sequence:
                     return
         if complete:
             if len(self.tokens) < sp.min_tokens:  # the grammar admits nothing more, min_tokens asks for more
-                self.error = (f"the structured output was complete after {len(self.tokens)} tokens, before min_tokens "
-                              f"({sp.min_tokens}): no token may follow it, so the reply cannot be as long as asked")
+                self.error = (f"the structured output was complete after {count(len(self.tokens), 'token')}, before "
+                              f"min_tokens ({sp.min_tokens}): no token may follow it, so the reply cannot be as long "
+                              "as asked")
             self.finish_reason = "stop"
             return
         if len(self.tokens) >= sp.max_tokens or length + 1 >= self.max_context:
