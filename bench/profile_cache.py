@@ -54,7 +54,7 @@ TIMED = [
     ("prefixrun.engine.cache.blob_format", None, "read_file"),
     ("prefixrun.engine.cache.blob_format", None, "read_into"),
     ("prefixrun.engine.cache.blob_format", None, "write_file"),
-    ("prefixrun.engine.cache.blob_format", None, "_hash_span"),
+    ("prefixrun.engine.cache.content_digest", "Digester", "span"),
     ("prefixrun.engine.state.pools", "ModelState", "import_state"),
     ("prefixrun.engine.state.pools", "ModelState", "export_later"),
     ("prefixrun.engine.cache.persist", "PersistentCheckpoints", "_problem"),

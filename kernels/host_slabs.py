@@ -9,10 +9,12 @@ memory, advised for transparent huge pages where the kernel grants them, given b
 kernel, once nothing refers to its arrays any more (an entry's rows uploaded and its lookup done, a state written),
 so that the next transfer lands in pages touched already. Slabs for transfers known to come (the entries a
 read-ahead will read after the ones it reads now) are made ahead on a thread of their own, their pages made present
-by the kernel in one call (`madvise(MADV_POPULATE_WRITE)` through ctypes, which lets go of the interpreter's lock),
-so the reads find them touched. Not `mmap(MAP_POPULATE)`: Python's mmap holds the interpreter's lock while the
-kernel fills the pages, so every other thread of the process (the engine's, the read-ahead's) would stand still while
-a slab of hundreds of MiB is made.
+by the kernel (`madvise(MADV_POPULATE_WRITE)` through ctypes, which lets go of the interpreter's lock), a slab's
+parts on POPULATE_THREADS threads at once: the kernel zeroes every fresh page, and one thread made 1.7 GB present
+in 0.5 s on the device's host, too late for the reads it was made for (each then took fresh memory of its own). A
+`take` that finds no free slab of its size waits for one being made ahead rather than making another. Not
+`mmap(MAP_POPULATE)`: Python's mmap holds the interpreter's lock while the kernel fills the pages, so every other
+thread of the process (the engine's, the read-ahead's) would stand still while a slab of hundreds of MiB is made.
 
 A slab is reused only after every array over it is gone: its arrays are views of one base array, and the slab
 returns to the pool when that base array is collected (`weakref.finalize`); a view keeps its base alive, so no
@@ -36,6 +38,7 @@ KEEP_BYTES = 2 << 30  # and at most this many bytes of them, or a sixteenth of t
 WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
 POPULATE = True  # slabs made ahead (`provision`), their pages made present by the kernel in one call
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in, writable, in one call
+POPULATE_THREADS = 4  # fresh pages touched on the device's host: 7.1 GB/s on 14 threads, 15.1 GB/s on 4
 PAGE = mmap.PAGESIZE
 
 
@@ -47,18 +50,25 @@ class HostSlabs:
         self._keep_bytes = keep_bytes if keep_bytes is not None else min(KEEP_BYTES, _host_bytes() // 16)
         self._free: list[mmap.mmap] = []
         self._lock = threading.RLock()  # a slab may come back (a collection) while the pool is busy
+        self._pending: list[int] = []  # usable bytes of the slabs `provision` is still making
+        self._made = threading.Condition(self._lock)  # notified when one of them is made (or given up)
         self.reused = 0  # slabs handed out again (tests, reports)
         self.made = 0
         self.provisioned = 0
 
     def take(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """(a uint8 array of `nbytes` bytes starting on a huge page, whether it is all zeros): a free slab of about
-        that size with whatever the last entry left in it, else fresh zeroed memory."""
+        that size with whatever the last entry left in it (waiting for one `provision` is making), else fresh
+        zeroed memory."""
         nbytes = int(nbytes)
         if nbytes < SMALL_BYTES:
             return np.zeros(nbytes, np.uint8), True
         with self._lock:
-            fits = [m for m in self._free if nbytes <= _usable(m) <= WASTE * nbytes]
+            while True:
+                fits = [m for m in self._free if nbytes <= _usable(m) <= WASTE * nbytes]
+                if fits or not any(nbytes <= n <= WASTE * nbytes for n in self._pending):
+                    break
+                self._made.wait()
             slab = min(fits, key=len) if fits else None
             if slab is not None:
                 self._free.remove(slab)
@@ -84,16 +94,28 @@ class HostSlabs:
         return thread
 
     def _provision(self, sizes: list[int]) -> None:
-        for n in sizes:
-            size = -(-n // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
-            with self._lock:
-                if len(self._free) >= self._keep_slabs or sum(map(len, self._free)) + size > self._keep_bytes:
-                    return
-            slab = _new_slab(size, populate=True)
-            with self._lock:
-                self._free.append(slab)
-                self._free.sort(key=len, reverse=True)
-                self.provisioned += 1
+        usable = [-(-n // HUGE_PAGE) * HUGE_PAGE for n in sizes]  # at least this much of each, once aligned
+        with self._lock:
+            self._pending.extend(usable)
+        try:
+            for n in usable:
+                size = n + HUGE_PAGE
+                with self._lock:
+                    if len(self._free) >= self._keep_slabs or sum(map(len, self._free)) + size > self._keep_bytes:
+                        return
+                slab = _new_slab(size, populate=True)
+                with self._lock:
+                    self._free.append(slab)
+                    self._free.sort(key=len, reverse=True)
+                    self.provisioned += 1
+                    self._pending.remove(n)
+                    self._made.notify_all()
+        finally:
+            with self._lock:  # the ones not made (past the pool's bounds, or an error): nobody waits for them
+                for n in usable:
+                    if n in self._pending:
+                        self._pending.remove(n)
+                self._made.notify_all()
 
     def _give_back(self, slab: mmap.mmap) -> None:
         with self._lock:
@@ -153,20 +175,38 @@ def _new_slab(size: int, populate: bool = False) -> mmap.mmap:
     return slab
 
 
-def _populate(slab: mmap.mmap) -> None:
-    """Make every page of `slab` present and writable without holding the interpreter's lock: one
+def _populate(slab: mmap.mmap, threads: int | None = None) -> None:
+    """Make every page of `slab` present and writable without holding the interpreter's lock, its parts (whole
+    huge pages) on `threads` threads at once (POPULATE_THREADS; one where the slab is small)."""
+    view = np.frombuffer(slab, np.uint8)
+    address, size = view.ctypes.data, len(view)
+    parts = max(1, min(threads or POPULATE_THREADS, size // (16 * HUGE_PAGE)))
+    step = -(-size // parts // HUGE_PAGE) * HUGE_PAGE
+    spans = [(address + start, min(step, size - start)) for start in range(0, size, step)]
+    if len(spans) == 1:
+        _populate_range(*spans[0])
+        return
+    workers = [threading.Thread(target=_populate_range, args=span, name="prefixrun-slabs-fill", daemon=True)
+               for span in spans[1:]]
+    for worker in workers:
+        worker.start()
+    _populate_range(*spans[0])
+    for worker in workers:
+        worker.join()
+
+
+def _populate_range(address: int, length: int) -> None:
+    """Make `length` bytes of fresh anonymous memory from `address` (page-aligned) present and writable: one
     `madvise(MADV_POPULATE_WRITE)` through ctypes (a foreign call lets go of the lock), else, where the kernel
     has no such advice, one byte written per page by NumPy (a strided assignment also runs without the lock).
     The pages are fresh anonymous zeros: writing a zero changes nothing a caller can see."""
-    view = np.frombuffer(slab, np.uint8)
     if _LIBC is not None:
         try:
-            if _LIBC.madvise(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(slab)),
-                             MADV_POPULATE_WRITE) == 0:
+            if _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0:
                 return
         except (OSError, AttributeError, ctypes.ArgumentError):
             pass
-    view[::PAGE] = 0
+    np.frombuffer((ctypes.c_char * length).from_address(address), np.uint8)[::PAGE] = 0
 
 
 def _load_libc():

@@ -160,3 +160,67 @@ def test_free_slabs_are_unmapped_off_the_callers_thread():
     thread.join()
     assert all(slab.closed for slab in kept)
     assert slabs.forget() is None  # nothing free: no thread
+
+
+def _resident_pages(slab) -> np.ndarray:
+    """mincore(2) of the slab: one byte per page, bit 0 set where the page is present."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    view = np.frombuffer(slab, np.uint8)
+    pages = np.zeros(-(-len(view) // mmap.PAGESIZE), np.uint8)
+    assert libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(view)),
+                        ctypes.c_void_p(pages.ctypes.data)) == 0
+    return pages & 1
+
+
+@pytest.mark.parametrize("kernel_advice", [True, False])
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_a_slab_populated_in_parts_has_every_page_present(monkeypatch, kernel_advice, threads):
+    """The parts made present on several threads cover the whole slab (no page left to fault in a read)."""
+    if not kernel_advice:
+        monkeypatch.setattr(host_slabs, "_LIBC", None)
+    slab = host_slabs._new_slab(70 * MiB + 3 * host_slabs.HUGE_PAGE)
+    assert not _resident_pages(slab).all()
+    host_slabs._populate(slab, threads)
+    assert _resident_pages(slab).all()
+    assert not np.frombuffer(slab, np.uint8)[::4096].any()
+
+
+def test_take_waits_for_a_slab_being_made_ahead_instead_of_making_another(monkeypatch):
+    """A slab made ahead that was not finished when its entry's read began came too late: the read took fresh
+    memory of its own (faulted in on the reading threads) and the slab made ahead sat unused."""
+    real = host_slabs._new_slab
+
+    def slow(size, populate=False):
+        if populate:
+            time.sleep(0.3)
+        return real(size, populate)
+
+    monkeypatch.setattr(host_slabs, "_new_slab", slow)
+    slabs = HostSlabs(keep_slabs=4, keep_bytes=256 * MiB)
+    thread = slabs.provision([40 * MiB])
+    slab, zeroed = slabs.take(40 * MiB)
+    assert slabs.made == 0 and slabs.reused == 1 and slabs.provisioned == 1 and not zeroed
+    small, _ = slabs.take(8 * MiB)  # no slab of its size is made ahead: fresh memory at once
+    assert slabs.made == 1
+    thread.join()
+
+
+def test_take_does_not_wait_for_slabs_the_pool_will_not_keep(monkeypatch):
+    """A slab past the pool's bounds is never made: a take of its size goes on with fresh memory."""
+    real = host_slabs._new_slab
+
+    def slow(size, populate=False):
+        time.sleep(0.2)
+        return real(size, populate)
+
+    monkeypatch.setattr(host_slabs, "_new_slab", slow)
+    slabs = HostSlabs(keep_slabs=4, keep_bytes=30 * MiB)
+    thread = slabs.provision([40 * MiB])  # over keep_bytes
+    got = []
+    taker = threading.Thread(target=lambda: got.append(slabs.take(40 * MiB)))
+    taker.start()
+    taker.join(timeout=10)
+    thread.join()
+    assert not taker.is_alive() and got and slabs.provisioned == 0 and slabs.made == 1 and not slabs._pending

@@ -317,7 +317,7 @@ def test_an_unreadable_entry_is_a_miss_left_alone(tmp_path, monkeypatch):
     with CheckpointStore(root) as store:
         assert put(store)
 
-        def refused(path, size):
+        def refused(path, size, *_):
             raise PermissionError(13, "Permission denied", str(path))
 
         real = blob_format.read_file

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from prefixrun.engine.cache import blob_format
+from prefixrun.engine.cache import blob_format, content_digest, ghash
 from prefixrun.engine.cache.store import CheckpointStore
 from prefixrun.engine.cache.written_digests import WrittenDigests
 from test_kv_blocks import DOC, KEY, block_files, get, put, same_state
@@ -38,15 +38,41 @@ def test_a_helper_gives_the_chunk_digests_of_the_bytes_written(tmp_path, helpers
     assert got == expected
 
 
-def test_write_file_gives_the_same_digest_with_or_without_helpers(tmp_path, helpers, monkeypatch):
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 4321])
+def test_a_helper_gives_the_keyed_chunk_values_of_the_bytes_written(tmp_path, helpers, size, monkeypatch):
+    """The keyed kind (engine/cache/content_digest.py): the helper's GHASH values under the key the request carries
+    are the ones the writer computes in memory."""
+    if not ghash.available():
+        pytest.skip("no GHASH in this Python's libcrypto")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    digester = content_digest.keyed()
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        got = helpers.chunk_digests(fd, size, 1000, digester)
+    finally:
+        os.close(fd)
+    view = memoryview(data)
+    assert got == [digester.span([view], a, min(a + 1000, size)) for a in range(0, size, 1000)] or \
+        got == [digester.span([view], 0, 0)] == [ghash.value(digester.key, [])]
+    assert len(set(got)) == len(got) or size <= 1000
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_write_file_gives_the_same_digest_with_or_without_helpers(tmp_path, helpers, monkeypatch, keyed):
+    if keyed and not ghash.available():
+        pytest.skip("no GHASH in this Python's libcrypto")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setattr(blob_format, "CHUNK_BYTES", 4096)
+    digester = content_digest.keyed() if keyed else content_digest.SHA256_TREE
     tensors = {"a": np.arange(3000, dtype=np.float32).reshape(30, 100), "b": np.ones((7, 3), np.int16)}
     results = []
     for name, hash_written in (("one", None), ("two", helpers.chunk_digests)):
         with open(tmp_path / name, "wb") as handle:
-            results.append(blob_format.write_file(handle, tensors, {"m": "x"}, hash_written))
-    assert results[0] == results[1]
-    assert blob_format.read_file(tmp_path / "two", results[1][0])[1] == results[1][1]
+            results.append(blob_format.write_file(handle, tensors, {"m": "x"}, hash_written, digester))
+    assert results[0] == results[1] and results[0][1].startswith("gh1-") == keyed
+    assert blob_format.read_file(tmp_path / "two", results[1][0], digester)[1] == results[1][1]
 
 
 def run_store(root):

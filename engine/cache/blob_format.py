@@ -4,9 +4,9 @@ A restored long document's state of a hybrid model is hundreds of MiB, and a fas
 a second, so reading it must run at several GB/s to pay. One-threaded SHA-256 (~1.5 GB/s) plus safetensors' copy of every
 tensor would eat the gain, so:
 
-- the content digest is a tree: SHA-256 over a label, the size, and the SHA-256 of every CHUNK_BYTES chunk.
-  It is as strong as a flat SHA-256 (any changed byte changes a chunk digest), and the chunks hash in parallel
-  (hashlib releases the GIL), each right after the thread that hashes it has read it, so the file is read once;
+- the content digest is a tree over CHUNK_BYTES chunks (engine/cache/content_digest.py: keyed GHASH where the host
+  has it, else SHA-256): any changed byte changes a chunk's value, and the chunks hash in parallel (the hashes let
+  go of the GIL), each right after the thread that hashes it has read it, so the file is read once;
 - the safetensors layout is parsed here from that one buffer (header length, JSON header, tensors as views),
   with every field validated: known dtype, non-negative shape, offsets inside the data, sizes that match the
   shapes, no overlapping tensors. A malformed file raises BlobFormatError, never anything else.
@@ -17,7 +17,6 @@ through `safetensors.numpy.save`, which builds a copy of the whole payload while
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -29,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
+# TREE_LABEL and tree_of: the tree SHA-256's parts, also imported from here by the weights' digest and the tests
+from prefixrun.engine.cache.content_digest import CHUNK_BYTES, SHA256_TREE, TREE_LABEL, Digester, tree_of  # noqa: F401
 from prefixrun.engine.run.background import yield_cpu
 from prefixrun.kernels.host_slabs import SLABS
 
-CHUNK_BYTES = 8 << 20
 _INLINE_TAIL_BYTES = 64 << 10  # past one chunk, a tail this small is hashed on the caller's thread too
 _MAX_IOVECS = 1024  # IOV_MAX on Linux: one preadv or writev takes at most this many buffers
-TREE_LABEL = b"prefixrun-tree-sha256-v1\0"
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 32  # a tensor of more dimensions is no tensor this cache writes
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -67,11 +66,6 @@ def threads() -> ThreadPoolExecutor:
     return _pool
 
 
-def tree_of(chunk_digests: list[bytes], size: int) -> str:
-    """The tree digest of `size` bytes whose `chunk_spans(size)` chunks have these SHA-256 digests."""
-    return hashlib.sha256(TREE_LABEL + size.to_bytes(8, "little") + b"".join(chunk_digests)).hexdigest()
-
-
 def chunk_spans(size: int) -> list[tuple[int, int]]:
     """The (start, stop) of every chunk of a `size`-byte buffer (one empty chunk for an empty one)."""
     return [(start, min(start + CHUNK_BYTES, size)) for start in range(0, size, CHUNK_BYTES)] or [(0, 0)]
@@ -87,10 +81,10 @@ def _chunk_digests(hash_span, size: int) -> list[bytes]:
     return list(threads().map(hash_span, chunks))
 
 
-def tree_digest(buffer) -> str:
-    """The content digest of `buffer` (bytes-like)."""
+def tree_digest(buffer, digester: Digester = SHA256_TREE) -> str:
+    """The content digest of `buffer` (bytes-like), by default its tree SHA-256."""
     view = memoryview(buffer).cast("B")
-    return tree_of(_chunk_digests(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), len(view)), len(view))
+    return digester.combine(_chunk_digests(lambda span: digester.span([view], *span), len(view)), len(view))
 
 
 def confined_path(folder: Path, file_name, pattern: re.Pattern) -> Path | None:
@@ -115,14 +109,14 @@ def serialize(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes
 _CODES = {np.dtype(t): code for code, t in _DTYPES.items()}
 
 
-def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str], hash_written=None
-               ) -> tuple[int, str]:
+def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str], hash_written=None,
+               digester: Digester = SHA256_TREE) -> tuple[int, str]:
     """Write `tensors` (C-contiguous, little-endian, dtypes of _DTYPES) as a safetensors file to the open binary
     `file`, streamed from the arrays' memory: no serialized copy of the whole payload is built (safetensors.numpy.save
     copies every tensor into one bytes object while holding the GIL: a 561 MiB state stalled the engine's thread for
-    a few hundred ms). Returns (bytes written, tree digest), the digest's chunks hashed on the blob threads, or by
-    `hash_written(descriptor, size, CHUNK_BYTES)` from the file as written (engine/cache/written_digests.py; where
-    it answers None, hashed here after all)."""
+    a few hundred ms). Returns (bytes written, `digester`'s digest), the chunks hashed on the blob threads, or by
+    `hash_written(descriptor, size, CHUNK_BYTES, digester)` from the file as written
+    (engine/cache/written_digests.py; where it answers None, hashed here after all)."""
     names = sorted(tensors)
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     pieces, offset = [], 0
@@ -142,23 +136,10 @@ def write_file(file, tensors: dict[str, np.ndarray], metadata: dict[str, str], h
     size = sum(len(p) for p in pieces)
     file.flush()
     _write_pieces(file.fileno(), pieces)
-    digests = hash_written(file.fileno(), size, CHUNK_BYTES) if hash_written is not None else None
+    digests = hash_written(file.fileno(), size, CHUNK_BYTES, digester) if hash_written is not None else None
     if digests is None:
-        digests = _chunk_digests(lambda span: _hash_span(pieces, *span), size)
-    return size, tree_of(digests, size)
-
-
-def _hash_span(pieces: list[memoryview], start: int, stop: int) -> bytes:
-    """SHA-256 of bytes [start, stop) of the concatenation of `pieces`, without concatenating them."""
-    hasher, position = hashlib.sha256(), 0
-    for piece in pieces:
-        end = position + len(piece)
-        if end > start and position < stop:
-            hasher.update(piece[max(start - position, 0):min(stop, end) - position])
-        position = end
-        if position >= stop:
-            break
-    return hasher.digest()
+        digests = _chunk_digests(lambda span: digester.span(pieces, *span), size)
+    return size, digester.combine(digests, size)
 
 
 def read_small_file(path, limit: int) -> bytes:
@@ -175,8 +156,8 @@ def read_small_file(path, limit: int) -> bytes:
     return raw
 
 
-def read_file(path, size: int) -> tuple[np.ndarray, str]:
-    """(the file's `size` bytes as a uint8 array, their tree digest), read and hashed chunk by chunk on several
+def read_file(path, size: int, digester: Digester = SHA256_TREE) -> tuple[np.ndarray, str]:
+    """(the file's `size` bytes as a uint8 array, their `digester` digest), read and hashed chunk by chunk on several
     threads. Raises OSError (FileNotFoundError when the file is gone) or BlobFormatError if it is not `size`
     bytes long."""
     # O_NONBLOCK: opening a FIFO put where a blob should be would otherwise wait for a writer forever (a hang);
@@ -185,12 +166,12 @@ def read_file(path, size: int) -> tuple[np.ndarray, str]:
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise BlobFormatError("not a regular file")
-        return read_descriptor(descriptor, size)
+        return read_descriptor(descriptor, size, digester)
     finally:
         os.close(descriptor)
 
 
-def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
+def read_descriptor(descriptor: int, size: int, digester: Digester = SHA256_TREE) -> tuple[np.ndarray, str]:
     """read_file on an open file (its offset is not used). The bytes land in a host slab (kernels/host_slabs.py:
     pages an earlier entry touched), every one of them read below or the read raises."""
     buffer = SLABS.take(size)[0]
@@ -204,12 +185,12 @@ def read_descriptor(descriptor: int, size: int) -> tuple[np.ndarray, str]:
             if n <= 0:
                 raise BlobFormatError(f"file shorter than its recorded {size} bytes")
             done += n
-        return hashlib.sha256(view).digest()
+        return digester.span([view], 0, len(view))
 
     digests = _chunk_digests(read_and_hash, size)
     if os.pread(descriptor, 1, size):
         raise BlobFormatError(f"file longer than its recorded {size} bytes")
-    return buffer, tree_of(digests, size)
+    return buffer, digester.combine(digests, size)
 
 
 def _write_pieces(descriptor: int, pieces: list[memoryview]):
@@ -295,13 +276,13 @@ def _layout(header_bytes: bytes, data_size: int) -> tuple[dict[str, str], dict[s
     return metadata, layout
 
 
-def read_into(path, size: int, places) -> tuple[dict[str, str], str]:
+def read_into(path, size: int, places, digester: Digester = SHA256_TREE) -> tuple[dict[str, str], str]:
     """Read a safetensors file of `size` bytes straight into caller-owned arrays (a K/V block into its rows of the
     restored regions): `places(names)` returns {name: destination} for the tensor names of the checked header,
     each destination C-contiguous and exactly its tensor's dtype and shape. The tensors must tile the data area;
     it is read into the destinations in file order and hashed in place: no buffer of the file, no copy (per-block
     buffers cost a fresh mapping and its page faults each, on several threads at once). Returns (metadata, tree
-    digest). Raises OSError, BlobFormatError, or what `places` raises; on an error, destinations may hold part of
+    digest, `digester`'s). Raises OSError, BlobFormatError, or what `places` raises; on an error, destinations may hold part of
     the file."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -336,4 +317,4 @@ def read_into(path, size: int, places) -> tuple[dict[str, str], str]:
             raise BlobFormatError(f"file longer than its recorded {size} bytes")
     finally:
         os.close(descriptor)
-    return metadata, tree_of(_chunk_digests(lambda span: _hash_span(pieces, *span), size), size)
+    return metadata, digester.combine(_chunk_digests(lambda span: digester.span(pieces, *span), size), size)

@@ -374,6 +374,7 @@ def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | 
     nothing is left behind, whatever happens), through the store's own read path (engine/cache/blob_format.py: several
     threads reading and hashing chunks): the fastest of CALIBRATION_READS reads. None where that is not possible."""
     from prefixrun.engine.cache.blob_format import BlobFormatError, read_descriptor
+    from prefixrun.engine.cache.content_digest import for_writing
 
     flags = getattr(os, "O_TMPFILE", 0)
     if not flags:
@@ -387,10 +388,10 @@ def measure_read_rate(folder: Path, nbytes: int = CALIBRATION_BYTES) -> float | 
         for _ in range(nbytes >> 20):
             os.write(descriptor, chunk)
         size = (nbytes >> 20) << 20
-        best = None
+        best, digester = None, for_writing()  # the digest this folder's new entries are read back with
         for _ in range(CALIBRATION_READS):
             started = time.perf_counter()
-            read_descriptor(descriptor, size)
+            read_descriptor(descriptor, size, digester)
             seconds = time.perf_counter() - started
             if size and seconds > 0:
                 best = max(best or 0.0, size / seconds)

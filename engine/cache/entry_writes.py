@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixrun.engine.cache import auth, blob_format, keys, kv_blocks
+from prefixrun.engine.cache import auth, blob_format, content_digest, keys, kv_blocks
 from prefixrun.engine.cache.index import PREVIEW_TOKENS, ROW_COLUMNS, checked_row, set_signature
 from prefixrun.engine.cache.keys import FORMAT_VERSION, StoreKey, as_token_array, check_store_key
 from prefixrun.engine.cache.results import Evict, Put
@@ -184,8 +184,9 @@ class EntryWrites:
         temp = shard / f".{entry_id}.{self._host_tag}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             with self._files.create(temp) as handle:
-                nbytes, content_sha256 = blob_format.write_file(handle, tensors, metadata)
-            file_name = f"{entry_id}.{content_sha256[:16]}.safetensors"
+                nbytes, content_sha256 = blob_format.write_file(handle, tensors, metadata,
+                                                                digester=content_digest.for_writing())
+            file_name = f"{entry_id}.{content_digest.name_tag(content_sha256)}.safetensors"
             self._files.replace(temp, shard / file_name)
             return file_name, nbytes, content_sha256
         except OSError as error:

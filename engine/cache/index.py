@@ -9,7 +9,7 @@ Schema (``PRAGMA user_version = 4``; K/V block tables in engine/cache/kv_blocks.
             n_tokens INTEGER,               -- length of the token prefix
             file_name TEXT,                 -- blob file holding this entry
             nbytes INTEGER,                 -- size of that file on disk: what the budget counts
-            content_sha256 TEXT,            -- tree digest of the file's bytes (engine/cache/blob_format.py)
+            content_sha256 TEXT,            -- the file's content digest (engine/cache/content_digest.py)
             hits INTEGER, created REAL, last_used REAL,   -- wall-clock seconds (time.time())
             use_order INTEGER,              -- LRU order: larger = used more recently
             meta_json TEXT,                 -- the caller's meta dict
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from prefixrun.engine.cache import kv_blocks
+from prefixrun.engine.cache.content_digest import DIGEST_FORM
 from prefixrun.engine.cache.keys import HEX_DIGEST, SHA256_HEX
 
 INDEX_SCHEMA_VERSION = 4  # 4: signed rows (3: K/V block tables; 2: whole-state entries; 1: flat SHA-256 digests)
@@ -42,7 +43,7 @@ INDEX_FILE_NAME = "index.sqlite3"
 INDEX_FILE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the index and the files SQLite keeps beside it
 BUSY_TIMEOUT_S = 60.0
 PREVIEW_TOKENS = 64
-BLOB_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.safetensors")  # <entry_id>.<content_sha256[:16]>...
+BLOB_NAME = re.compile(r"([0-9a-f]{64})\.[0-9a-f]{16}\.safetensors")  # <entry_id>.<16 digits of the digest>...
 # LRU counters stay far below SQLite's integer range: a row edited to a huge use_order is malformed (dropped), so
 # `MAX(use_order) + 1` can never overflow into a REAL that would make every touched row malformed
 MAX_USE_ORDER = 2**53
@@ -123,7 +124,7 @@ def checked_row(values: Sequence) -> Row | None:
     text = (row.model_digest, row.layout_digest, row.meta_json, row.token_preview)
     integers = (row.n_tokens, row.nbytes, row.hits, row.use_order)
     if not isinstance(row.entry_id, str) or not SHA256_HEX.fullmatch(row.entry_id) \
-            or not isinstance(row.content_sha256, str) or not SHA256_HEX.fullmatch(row.content_sha256) \
+            or not isinstance(row.content_sha256, str) or not DIGEST_FORM.fullmatch(row.content_sha256) \
             or not all(isinstance(v, str) for v in text) \
             or not all(isinstance(v, int) and 0 <= v <= MAX_USE_ORDER for v in integers) or row.n_tokens < 1 \
             or not all(isinstance(v, (int, float)) for v in (row.created, row.last_used)) \

@@ -19,7 +19,7 @@ that differ anywhere before a block's end never share it. The key cannot be reco
 read also checks the block's tree digest against the one recorded when it was written, its own metadata (id,
 model, layout, row count) against the index, and each region's trailing shape and dtype against the entry's tail.
 
-Files: ``kv_blocks/<id[:2]>/<id>.<content_sha256[:16]>.safetensors`` (temp files while writing:
+Files: ``kv_blocks/<id[:2]>/<id>.<16 hex digits of the content digest>.safetensors`` (temp files while writing:
 ``kv_blocks/<xx>/.<id>.<host>.<pid>.<random>.tmp``), written with the store's protocol (temp file, rename; no
 fsync: every read checks the recorded digest) before the index row that names them. Index tables (in the store's SQLite index, schema 4; each row signed, engine/cache/auth.py):
 
@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixrun.engine.cache import blob_format
+from prefixrun.engine.cache import blob_format, content_digest
 from prefixrun.engine.cache.written_digests import WrittenDigests
 from prefixrun.kernels import host_slabs
 from prefixrun.engine.run.background import yield_cpu
@@ -186,8 +186,8 @@ class BlockFiles:
             with self._files.create(temp) as handle:
                 nbytes, content_sha256 = blob_format.write_file(
                     handle, tensors, {**metadata, "prefixrun.format": BLOCK_FORMAT, "prefixrun.block_id": block_id},
-                    self._written.chunk_digests)
-            file_name = f"{block_id}.{content_sha256[:16]}.safetensors"
+                    self._written.chunk_digests, content_digest.for_writing())
+            file_name = f"{block_id}.{content_digest.name_tag(content_sha256)}.safetensors"
             self._files.replace(temp, shard / file_name)
             return file_name, nbytes, content_sha256
         except BaseException:
@@ -228,10 +228,14 @@ class BlockFiles:
             if path is None or BLOCK_NAME.fullmatch(file_name).group(1) != block_id:
                 raise BadBlock(block_id, f"file name {file_name!r} is not this block's name", file_name)
             try:
+                digester = content_digest.for_digest(content_sha256)  # DigestUnavailable: a miss, left alone
+            except ValueError as error:
+                raise BadBlock(block_id, str(error), file_name) from None
+            try:
                 size = path.stat().st_size
                 if size != nbytes:
                     raise BadBlock(block_id, f"size {size} != recorded {nbytes}", file_name)
-                metadata, digest = blob_format.read_into(path, size, places)
+                metadata, digest = blob_format.read_into(path, size, places, digester)
             except FileNotFoundError:
                 raise BadBlock(block_id, "file missing", file_name) from None
             except PermissionError:

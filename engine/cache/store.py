@@ -10,7 +10,7 @@ On-disk contract (everything below lives under ``root``; nothing else may write 
 ``index.sqlite3``   SQLite index in WAL mode: the entries table (engine/cache/index.py, which describes its schema and
                     the trust it gets) plus the K/V block tables of engine/cache/kv_blocks.py (blocks, entry_blocks).
 
-``blobs/<entry_id[:2]>/<entry_id>.<content_sha256[:16]>.safetensors``
+``blobs/<entry_id[:2]>/<entry_id>.<16 hex digits of the content digest>.safetensors``
     One safetensors file per checkpoint. Tensors: every region, plus ``__tokens__`` (int32 [n_tokens], the
     exact token prefix); a paged (K/V) region named in ``put(kv_regions=...)`` holds only its tail rows past the
     entry's last whole K/V block, its whole blocks live in ``kv_blocks/`` (engine/cache/kv_blocks.py), shared between

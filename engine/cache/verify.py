@@ -19,7 +19,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from prefixrun.engine.cache import auth, blob_format, keys, kv_blocks
+from prefixrun.engine.cache import auth, blob_format, content_digest, keys, kv_blocks
 from prefixrun.engine.cache.files import QUARANTINE_DIR_NAME
 from prefixrun.engine.cache.index import Row, signature_of
 from prefixrun.engine.cache.keys import FORMAT_VERSION, StoreKey
@@ -86,7 +86,7 @@ class EntryVerification:
             return self._read_checked(row, account, resident_rows)
         except (BadEntry, BadBlock, EntryUnreadable):
             raise
-        except PermissionError as error:
+        except (PermissionError, content_digest.DigestUnavailable) as error:
             raise EntryUnreadable(str(error)) from None
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, MemoryError) as error:
             raise BadEntry(f"malformed ({type(error).__name__}: {str(error)[:120]})") from None
@@ -108,8 +108,9 @@ class EntryVerification:
             raise BadEntry(f"unreadable: {error}") from None
         if size != row.nbytes:
             raise BadEntry(f"size {size} != recorded {row.nbytes}")
+        digester = content_digest.for_digest(row.content_sha256)  # checked_row: of either form
         try:
-            buffer, content_sha256 = blob_format.read_file(path, size)
+            buffer, content_sha256 = blob_format.read_file(path, size, digester)
         except FileNotFoundError:
             raise BadEntry("file missing") from None
         except PermissionError:
