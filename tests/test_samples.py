@@ -387,6 +387,10 @@ def test_ray_data_rows_get_every_choice(tmp_path):
     assert len(a) == 3 and len(b) == 1 and out["error"] == [None, None]
     assert out["token_ids"][0] == a[0]["token_ids"] and a[1]["token_ids"] == b[0]["token_ids"]  # seed 5 + 1
     assert out["text"] == [a[0]["text"], b[0]["text"]]
+    # a row's own max_tokens that the context cannot hold is its error, as a line's is
+    context = stage.prompts.context_tokens
+    out = stage({"custom_id": ["c"], "prompt": ["The capital of"], "max_tokens": [context]})
+    assert out["error"][0].startswith(f"max_tokens {context} is too large: the model's context is {context:,} tokens")
 
 
 # ---- the scheduler alone (hand-built pools, no model; as tests/test_scheduler.py) ----------------------------------

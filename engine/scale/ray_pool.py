@@ -191,7 +191,8 @@ class RayDataPredictor:
                 fields = {name: column(name, i) for name in SAMPLING_FIELDS + STRUCTURED_FIELDS}
                 sampling = SamplingDefaults.from_fields(fields).over(self.defaults).resolve()
                 sampling = with_structured_output(sampling, fields)  # response_format, guided_json, ... columns
-                requests.append(self.prompts.request(custom_id, i, prompt, sampling))
+                given = "max_tokens" if fields.get("max_tokens") is not None else None  # a row's own: checked
+                requests.append(self.prompts.request(custom_id, i, prompt, sampling, max_tokens_key=given))
             except InvalidRequest as exc:
                 errors[i] = str(exc)
         results = {r.index: r for r in self.session.run(requests)}
