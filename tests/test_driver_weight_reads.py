@@ -225,15 +225,15 @@ def test_weights_read_through_the_driver_become_cupy_arrays(tmp_path):
 @pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU")
 def test_a_gpu_run_reads_through_the_driver_and_answers_as_through_cupy(model_dirs, tmp_path):
     """`prefixrun batch` on a GPU (fresh processes, as a user runs it): the report says the weights landed through
-    the driver, and the tokens equal a run whose reads went CuPy's way (the command line's module as the entry:
-    no driver bring-up, so no driver's way)."""
+    the driver, CuPy's import held until the run reached them, and the tokens equal a run whose reads went CuPy's
+    way (the command line's module as the entry: no driver bring-up, so no driver's way and nothing held)."""
     import json
     import os
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt_token_ids": [5 + i, 9, 11, 40 + i],
                                        "max_tokens": 6}) + "\n" for i in range(4)))
-    outputs, reports = {}, {}
+    outputs, reports, held = {}, {}, {}
     for way, entry in (("driver", "prefixrun.cli.launch"), ("cupy", "prefixrun.cli.app")):
         report = tmp_path / f"{way}.json"
         env = {**os.environ, "PREFIXRUN_CACHE_DIR": str(tmp_path / "cache")}
@@ -242,8 +242,11 @@ def test_a_gpu_run_reads_through_the_driver_and_answers_as_through_cupy(model_di
                             "--json-report", str(report)], capture_output=True, text=True, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         outputs[way] = sorted(json.loads(line)["token_ids"] for line in p.stdout.splitlines())
-        reports[way] = json.loads(report.read_text())["startup"]["background"]["weight_reads"]
+        background = json.loads(report.read_text())["startup"]["background"]
+        reports[way] = background["weight_reads"]
+        held[way] = "held" in background["device_start"]["parts"]
     assert outputs["driver"] == outputs["cupy"] and len(outputs["driver"]) == 4
     assert reports["driver"]["landing"] == "driver" and reports["driver"]["error"] is None
     assert reports["driver"]["taken_bytes"] == reports["driver"]["planned_bytes"] > 0
     assert reports["cupy"]["landing"] == "cupy"
+    assert held == {"driver": True, "cupy": False}
