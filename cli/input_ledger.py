@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+from prefixrun.cli.appended_file import AppendedFile
 from prefixrun.cli.report import shown_id
 
 LEDGER_SUFFIX = ".inputs"
@@ -84,7 +85,7 @@ class InputLedger:
         self.path = path = ledger_path(output) if output is not None else None
         self._made_by: dict[str, str] = {}  # custom_id -> digest of the line that made its result
         self._reading: dict[int, str] = {}  # output index -> digest, for lines whose results are not in yet
-        self._file = None
+        self._lines = AppendedFile(path) if path is not None else None
         if path is None:
             return
         if resume:
@@ -92,13 +93,7 @@ class InputLedger:
         else:
             path.unlink(missing_ok=True)
             if identity is not None:  # the run that starts the output: a resumed one must be the same
-                self._open().write(json.dumps({"run": identity}, sort_keys=True) + "\n")
-                self._file.flush()
-
-    def _open(self):
-        if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
-        return self._file
+                self._lines.append(json.dumps({"run": identity}, sort_keys=True) + "\n")
 
     def check(self, custom_id: str, line_no: int, data: bytes) -> None:
         """A line whose custom_id already has a result: raise InputMismatch unless it is the line that made it."""
@@ -119,16 +114,11 @@ class InputLedger:
         digest = self._reading.pop(index, None)
         if not ok or digest is None or self.path is None:
             return
-        self._open().write(json.dumps([custom_id, digest], ensure_ascii=True) + "\n")
-        self._file.flush()
+        self._lines.append(json.dumps([custom_id, digest], ensure_ascii=True) + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-            self._file = None
+        if self._lines is not None:
+            self._lines.close()
 
 
 def _read(path: Path) -> dict[str, str]:

@@ -36,6 +36,7 @@ import typer
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
+from prefixrun.cli.appended_file import AppendedFile
 from prefixrun.cli.input_ledger import InputLedger, InputMismatch, changed_settings, run_identity, started_by
 from prefixrun.cli.output_targets import STDOUT, OutputError, in_system_folder, is_regular, journal_path
 from prefixrun.cli.stop_signals import stop_reason
@@ -59,7 +60,7 @@ class OutputClaim:
             raise OutputError(f"-o {output} is being written by another prefixrun run; wait for it to end or give "
                               f"another file") from None
         except OSError:
-            pass  # a file system without locks (some network mounts): the run goes on unclaimed, as before
+            pass  # a file system without locks (some network mounts): the run goes on unclaimed
 
     def release(self) -> None:
         """At the command's end: a file this claim created and no run opened is removed (it holds nothing)."""
@@ -93,26 +94,18 @@ class Journal:
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = None
+        self._lines = AppendedFile(path)
 
     def add(self, line: str) -> None:
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        self._file.write(line.encode("utf-8"))
-        self._file.flush()
+        self._lines.append(line)
 
     def discard(self) -> None:
-        """The output now holds every journaled result: remove the journal."""
+        """The output holds every journaled result: remove the journal."""
         self.close()
         self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-            self._file = None
+        self._lines.close()
 
 
 def open_output(output: Path, *, resume: bool):
