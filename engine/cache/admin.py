@@ -7,12 +7,14 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from prefixrun.engine.cache import files, kv_blocks
 from prefixrun.engine.cache.files import BLOBS_DIR_NAME, QUARANTINE_DIR_NAME, CacheFolder
 from prefixrun.engine.cache.index import BLOB_NAME, INDEX_FILE_NAME, INDEX_FILE_SUFFIXES, indexed_bytes
 from prefixrun.engine.cache.results import EntryInfo
+
+T = TypeVar("T")
 
 
 class StoreAdmin:
@@ -160,12 +162,18 @@ def folder_files(root: Path) -> list[Path]:
     root = Path(root)
     if root.is_symlink():
         return [root]
+    return _with_own_files(root, lambda folder, found: found, [])
+
+
+def _with_own_files(root: Path, use: Callable[[CacheFolder, list[Path]], T], otherwise: T) -> T:
+    """`use(the folder, its store files)` on the store folder at `root`, opened without following a link
+    (engine/cache/files.py), or `otherwise` where it cannot be opened."""
     try:
         folder = CacheFolder(root, create=False)
     except OSError:
-        return []
+        return otherwise
     try:
-        return _own_files(folder, root)
+        return use(folder, _own_files(folder, root))
     finally:
         folder.close()
 
@@ -201,14 +209,7 @@ def folder_bytes(root: Path) -> int:
     root = Path(root)
     if root.is_symlink():
         return 0
-    try:
-        folder = CacheFolder(root, create=False)
-    except OSError:
-        return 0
-    try:
-        return sum(folder.size(p) or 0 for p in _own_files(folder, root))
-    finally:
-        folder.close()
+    return _with_own_files(root, lambda folder, found: sum(folder.size(p) or 0 for p in found), 0)
 
 
 def clear_folder(root: Path) -> int:
@@ -225,17 +226,13 @@ def clear_folder(root: Path) -> int:
             return 1
         except OSError:
             return 0
-    try:
-        folder = CacheFolder(root, create=False)
-    except OSError:
-        return 0
-    try:
-        removed = sum(folder.unlink(p) for p in _own_files(folder, root))
+
+    def remove(folder: CacheFolder, found: list[Path]) -> int:
+        removed = sum(folder.unlink(p) for p in found)
         # an empty folder in the index's place (one that holds files is not ours)
-        removed += sum(folder.remove_folder(root / (INDEX_FILE_NAME + s)) for s in INDEX_FILE_SUFFIXES)
-        return removed
-    finally:
-        folder.close()
+        return removed + sum(folder.remove_folder(root / (INDEX_FILE_NAME + s)) for s in INDEX_FILE_SUFFIXES)
+
+    return _with_own_files(root, remove, 0)
 
 
 def place_not_cache(ckpt_root: Path, problem: Exception) -> bool:

@@ -160,22 +160,18 @@ class CacheFolder:
     def unlink(self, path: Path | str | None) -> bool:
         """Delete the file (or link: never what it leads to) at `path`; quietly: False when there was none to
         delete, it is a folder, or it cannot be deleted (another process, a read-only folder). None: nothing."""
-        if path is None:
-            return False
-        try:
-            *folder, name = self._parts(path)
-            with self._folder(folder) as dir_fd:
-                os.unlink(name, dir_fd=dir_fd)
-            return True
-        except OSError:
-            return False
+        return path is not None and self._remove(os.unlink, path)
 
     def remove_folder(self, path: Path | str) -> bool:
         """Remove an empty folder (not a link) quietly."""
+        return self._remove(os.rmdir, path)
+
+    def _remove(self, remove: Callable, path: Path | str) -> bool:
+        """`remove` (os.unlink, os.rmdir) of `path`'s name relative to its folder's descriptor; False on OSError."""
         try:
             *folder, name = self._parts(path)
             with self._folder(folder) as dir_fd:
-                os.rmdir(name, dir_fd=dir_fd)
+                remove(name, dir_fd=dir_fd)
             return True
         except OSError:
             return False

@@ -2,7 +2,7 @@
 it out by diffing counters before and after."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +31,13 @@ class ReadAccount:
     blocks_resident: int = 0  # blocks an entry needed that the caller already held in memory: not read
 
     def add(self, other: ReadAccount) -> None:
-        self.read_bytes += other.read_bytes
-        self.blocks_read += other.blocks_read
-        self.block_bytes_read += other.block_bytes_read
-        self.blocks_resident += other.blocks_resident
+        _add_reads(self, other)
+
+
+def _add_reads(into, reads: ReadAccount) -> None:
+    """`reads`' counts added to the fields of the same names of `into` (a ReadAccount, or StoreStats' totals)."""
+    for name in (f.name for f in fields(ReadAccount)):
+        setattr(into, name, getattr(into, name) + getattr(reads, name))
 
 
 @dataclass
@@ -116,10 +119,7 @@ class StoreStats:
     blocks_resident: int = 0  # blocks an entry needed that the caller already held in memory: not read
 
     def count_reads(self, reads: ReadAccount) -> None:
-        self.read_bytes += reads.read_bytes
-        self.blocks_read += reads.blocks_read
-        self.block_bytes_read += reads.block_bytes_read
-        self.blocks_resident += reads.blocks_resident
+        _add_reads(self, reads)
 
     def count_get(self, get: Get) -> None:
         self.hits += get.hit
