@@ -26,6 +26,12 @@ Two kinds, told apart by their form (the index's `content_sha256` column holds e
 Writers use the keyed kind where GHASH is available (`for_writing`) and the tree SHA-256 elsewhere; a reader checks
 each file by the kind its recorded digest names (`for_digest`). A keyed digest on a host without GHASH cannot be
 checked: DigestUnavailable, a miss that leaves the entry alone (it is as likely whole as any other).
+
+Not chosen: trusting a file checked once by its identity (device, inode, size, mtime, ctime, owner) remembered in a
+signed row for the current boot. No other user can change a file of ours in place without changing that identity,
+so the promise against the folder's other writers would hold with no hashing at all; but nothing would then catch a
+file edited in place by one of the user's own processes, or damaged on disk while its pages were out of memory, and
+the keyed check costs less than the read's own copy. Bare SHA-1 or CRC32: no promise against a chosen file at all.
 """
 from __future__ import annotations
 
