@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prefixrun.cli import io
 from prefixrun.cli import lines
+from prefixrun.cli.line_reader import RawLine, iter_input_lines
 from prefixrun.cli import records
 from prefixrun.cli.input_ledger import InputLedger
 from prefixrun.cli.replies import Replies
@@ -121,7 +122,7 @@ class BatchRun:
         return self.replies.adjust(item, self.prompts.request(item.custom_id, item.index, item.prompt, item.sampling,
                                                               max_tokens_key=item.reply.max_tokens_key))
 
-    def _tokens_ahead(self, raw: lines.RawLine) -> list[int] | None:
+    def _tokens_ahead(self, raw: RawLine) -> list[int] | None:
         """On the input-ahead thread: a line's prompt token ids as `execute` will make them, or None for a line it
         will reject (its own set of seen ids: duplicates are for `execute` to report)."""
         item = lines.parse_line(raw, self.defaults, set(), lenient=self.lenient)
@@ -137,7 +138,7 @@ class BatchRun:
                               self._front.defaults.eos_token_ids)
         return request.prompt_token_ids
 
-    def _parse(self, raw: lines.RawLine, seen: set[str]):
+    def _parse(self, raw: RawLine, seen: set[str]):
         """The line as `lines.parse_line` and the prompt encoder make it: taken from the read-ahead where the same bytes
         were parsed there (a custom_id seen before goes the full way, to its duplicate error)."""
         ahead = self._parsed_ahead.pop((raw.index, raw.line_no, bytes(raw.data)), None) if self._parsed_ahead else None
@@ -165,7 +166,7 @@ class BatchRun:
         seen: set[str] = set()
         window: list[tuple[lines.ParsedRequest, Request]] = []
         self.reporter.watch(self.backend.stats)
-        for raw in lines.iter_input_lines(source, self.max_line_bytes):
+        for raw in iter_input_lines(source, self.max_line_bytes):
             item, request = self._parse(raw, seen)
             if self.positions is not None:
                 self.positions.note(raw, item)

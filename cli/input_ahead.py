@@ -18,7 +18,8 @@ import stat
 from concurrent.futures import Future
 from typing import BinaryIO, Callable
 
-from prefixrun.cli import lines
+from prefixrun.cli.line_reader import RawLine, iter_input_lines
+from prefixrun.engine.run.config import DEFAULT_MAX_LINE_BYTES  # declared with --max-line-bytes
 from prefixrun.engine.run.background import BackgroundTask
 
 MAX_AHEAD_BYTES = 64 << 20  # input bytes parsed ahead at most: a hint needs no more
@@ -63,8 +64,8 @@ class FirstWindowAhead:
     ids for; it returns None for a line the run will reject), read on a thread; cancelled where `source` is not a
     regular file. `stop()`: the run reads the input itself now; a read not finished yet gives what it has."""
 
-    def __init__(self, source: BinaryIO, window: int, to_tokens: Callable[[lines.RawLine], list[int] | None],
-                 max_line_bytes: int = lines.DEFAULT_MAX_LINE_BYTES):
+    def __init__(self, source: BinaryIO, window: int, to_tokens: Callable[[RawLine], list[int] | None],
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
         self.prompts: Future = Future()
         where = regular_file_offset(source)
         if where is None:
@@ -77,7 +78,7 @@ class FirstWindowAhead:
         found: list[list[int]] = []
         try:
             reader = _FileAt(*where)
-            for raw in lines.iter_input_lines(reader, max_line_bytes):
+            for raw in iter_input_lines(reader, max_line_bytes):
                 if stop.is_set() or reader.consumed > MAX_AHEAD_BYTES:
                     break
                 tokens = to_tokens(raw)

@@ -222,7 +222,8 @@ import json
 import os
 from typing import Any, BinaryIO, TextIO
 
-from prefixrun.cli.lines import ParsedRequest, RawLine
+from prefixrun.cli.line_reader import RawLine
+from prefixrun.cli.lines import ParsedRequest
 
 EXIT_OK = 0
 """Every line was processed and produced a result."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
 from prefixrun.cli import request_fields
+from prefixrun.cli.line_reader import RawLine, iter_input_lines
 from prefixrun.cli.prompt_options import with_prompt_options
 from prefixrun.cli.replies import ReplyOptions, read_reply_options, with_forced_tool_call
 from prefixrun.cli.request_fields import CHAT, COMPLETION, REFUSED, Kind
@@ -22,7 +23,6 @@ from prefixrun.engine.grammar.spec import STRUCTURED_FIELDS, with_structured_out
 from prefixrun.engine.load.messages import check_messages, check_template_kwargs, check_tools
 from prefixrun.engine.load.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from prefixrun.engine.request import MAX_LOGPROBS, InvalidRequest, SamplingDefaults, SamplingParams
-from prefixrun.engine.run.config import DEFAULT_MAX_LINE_BYTES  # declared with --max-line-bytes
 from prefixrun.engine.request import describe_value as _describe
 from prefixrun.engine.request import json_type_name as _json_type_name
 
@@ -32,7 +32,6 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"
 _SHAPE_BY_URL: dict[str, Shape] = {CHAT_URL: "openai_chat", COMPLETION_URL: "openai_completion"}
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-_UTF8_BOM = b"\xef\xbb\xbf"
 REPLACEMENT_CHARACTER = "\ufffd"
 # A JSON escape of a UTF-16 surrogate. Only lines containing one can hold an unpaired surrogate, so only those
 # are searched for one.
@@ -50,17 +49,6 @@ _OPENAI_ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Types
-
-
-@dataclass(frozen=True, slots=True)
-class RawLine:
-    """One non-blank input line, not yet decoded."""
-
-    index: int  # 0-based among non-blank lines: the output position
-    line_no: int  # 1-based physical line number, blank lines included
-    data: bytes  # for a line over the byte limit: only its first bytes (to read a custom_id from)
-    oversize_bytes: int = 0  # the whole line's length when it is over the byte limit (it was never held whole)
-    byte_limit: int = 0  # the limit it was over
 
 
 @dataclass(frozen=True)
@@ -110,58 +98,10 @@ class _LineRejected(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Input
+# Lines -> requests
 
 
-_OVERSIZE_HEAD_BYTES = 4096  # kept of an oversize line, to name its custom_id in the error record
-_DRAIN_CHUNK = 1 << 20
 _LEADING_CUSTOM_ID = re.compile(rb'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,1000}"|-?\d{1,30})\s*,')
-
-
-class InputReadError(Exception):
-    """The input stream failed to read (EIO, a vanished network mount, ...). Not an OSError: the run's callers take
-    an OSError for a failed write of results, and a read error must name the input instead."""
-
-
-def _read_input_line(source: BinaryIO, limit: int) -> bytes:
-    try:
-        return source.readline(limit)
-    except OSError as exc:
-        name = getattr(source, "name", None)
-        where = f" {name}" if isinstance(name, str) and not name.startswith("<") else ""  # '<stdin>': no path
-        raise InputReadError(f"cannot read the input{where}: {exc.strerror or exc}") from exc
-
-
-def iter_input_lines(source: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[RawLine]:
-    """Yield the non-blank lines of `source` one at a time, with their output index and 1-based line number.
-
-    A line longer than `max_line_bytes` (newline not counted) is never held whole: it is read in chunks and
-    dropped, and comes back with `oversize_bytes` set and only its first bytes, so that a 100 MB line costs no
-    more memory than a short one. A read that fails raises InputReadError.
-    """
-    index = 0
-    line_no = 0
-    while True:
-        data = _read_input_line(source, max_line_bytes + 1)
-        if not data:
-            return
-        line_no += 1
-        if data.startswith(_UTF8_BOM):  # a file's start; files joined with cat have one on later lines too
-            data = data[len(_UTF8_BOM):]
-        oversize = 0
-        if len(data) > max_line_bytes and not data.endswith(b"\n"):
-            oversize, head = len(data), data[:_OVERSIZE_HEAD_BYTES]
-            while not data.endswith(b"\n"):
-                data = _read_input_line(source, _DRAIN_CHUNK)
-                if not data:
-                    break
-                oversize += len(data)
-            oversize -= 1 if data.endswith(b"\n") else 0
-            data = head
-        elif not data.strip():
-            continue
-        yield RawLine(index=index, line_no=line_no, data=data, oversize_bytes=oversize, byte_limit=max_line_bytes)
-        index += 1
 
 
 def parse_input(

@@ -35,7 +35,7 @@ from typing import Optional
 import typer
 
 from prefixrun.cli import io
-from prefixrun.cli import lines
+from prefixrun.cli.line_reader import InputReadError
 from prefixrun.cli.appended_file import AppendedFile
 from prefixrun.cli.input_ledger import InputLedger, InputMismatch, changed_settings, run_identity, started_by
 from prefixrun.cli.output_targets import STDOUT, OutputError, in_system_folder, is_regular, journal_path
@@ -295,7 +295,7 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
             reporter.stop()
             silence_stdout()
             raise typer.Exit(EXIT_BROKEN_PIPE)
-        except lines.InputReadError as exc:  # before OSError's branch, which is about writing the results
+        except InputReadError as exc:  # before OSError's branch, which is about writing the results
             _keep_finished(writer, journal)
             reporter.stop()
             reporter.error(f"{exc}; finished results were written" + (" (use --resume to continue)" if output else ""))

@@ -20,7 +20,8 @@ from prefixrun.cli.io import (
     read_completed_ids,
     truncate_partial_last_line,
 )
-from prefixrun.cli.lines import LineError, ParsedRequest, RawLine, iter_input_lines, make_error, parse_input, parse_line
+from prefixrun.cli.line_reader import RawLine, iter_input_lines
+from prefixrun.cli.lines import LineError, ParsedRequest, make_error, parse_input, parse_line
 from prefixrun.cli.records import format_error, format_result
 from prefixrun.engine.load.prompts import ChatPrompt
 from prefixrun.engine.request import Completion, InvalidRequest, Result, SamplingDefaults, SamplingParams, Usage
