@@ -12,7 +12,8 @@ read-ahead will read after the ones it reads now) are made ahead on a thread of 
 by the kernel (`madvise(MADV_POPULATE_WRITE)` through ctypes, which lets go of the interpreter's lock), a slab's
 parts on POPULATE_THREADS threads at once: the kernel zeroes every fresh page, and one thread made 1.7 GB present
 in 0.5 s on the device's host, too late for the reads it was made for (each then took fresh memory of its own). A
-`take` that finds no free slab of its size waits for one being made ahead rather than making another. Not
+`take` that finds no free slab of its size waits for one being made ahead rather than making another, for at most
+as long as its reading threads would take to fault fresh memory in (FRESH_PAGES_BYTES_PER_S). Not
 `mmap(MAP_POPULATE)`: Python's mmap holds the interpreter's lock while the kernel fills the pages, so every other
 thread of the process (the engine's, the read-ahead's) would stand still while a slab of hundreds of MiB is made.
 
@@ -27,6 +28,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -39,6 +41,9 @@ WASTE = 2  # a free slab serves a request of at least 1/WASTE of its size
 POPULATE = True  # slabs made ahead (`provision`), their pages made present by the kernel in one call
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in, writable, in one call
 POPULATE_THREADS = 4  # fresh pages touched on the device's host: 7.1 GB/s on 14 threads, 15.1 GB/s on 4
+# fresh pages faulted in by a read on the device's host (7.1-12.4 GB/s): a take waits no longer than that for a
+# slab being made ahead, so a slower fill (a host where the parts do not run in parallel) costs no more than before
+FRESH_PAGES_BYTES_PER_S = 8e9
 PAGE = mmap.PAGESIZE
 
 
@@ -58,17 +63,19 @@ class HostSlabs:
 
     def take(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """(a uint8 array of `nbytes` bytes starting on a huge page, whether it is all zeros): a free slab of about
-        that size with whatever the last entry left in it (waiting for one `provision` is making), else fresh
-        zeroed memory."""
+        that size with whatever the last entry left in it (waiting a while for one `provision` is making), else
+        fresh zeroed memory."""
         nbytes = int(nbytes)
         if nbytes < SMALL_BYTES:
             return np.zeros(nbytes, np.uint8), True
         with self._lock:
+            deadline = time.monotonic() + nbytes / FRESH_PAGES_BYTES_PER_S
             while True:
                 fits = [m for m in self._free if nbytes <= _usable(m) <= WASTE * nbytes]
-                if fits or not any(nbytes <= n <= WASTE * nbytes for n in self._pending):
+                left = deadline - time.monotonic()
+                if fits or left <= 0 or not any(nbytes <= n <= WASTE * nbytes for n in self._pending):
                     break
-                self._made.wait()
+                self._made.wait(left)
             slab = min(fits, key=len) if fits else None
             if slab is not None:
                 self._free.remove(slab)

@@ -433,6 +433,20 @@ def test_read_ahead_serves_the_lookups_and_a_bad_entry_read_ahead_is_still_a_mis
     assert list((tmp_path / "c" / "checkpoints" / "quarantine").glob("*.safetensors"))
 
 
+def test_read_ahead_makes_host_memory_ahead_for_every_entry_it_chose(loaded, tmp_path, monkeypatch):
+    """Every chosen entry's slab is made ahead, the first ones' too: the reads wait behind the weights' reads, and
+    entries read into memory made present ahead run at ~3x the rate of fresh memory (kernels/host_slabs.py)."""
+    from prefixrun.kernels import host_slabs
+
+    run(loaded, tmp_path / "c", FIRST, policy="always")
+    asked = []
+    real = host_slabs.SLABS.provision
+    monkeypatch.setattr(host_slabs.SLABS, "provision", lambda sizes: (asked.append(list(sizes)), real(sizes))[1])
+    _, costs, _, _ = run(loaded, tmp_path / "c", SECOND)
+    assert costs.prefetch_bytes > 0 and asked and asked[0]
+    assert sum(asked[0]) >= costs.prefetch_bytes  # the entries read ahead, the first among them
+
+
 def test_read_ahead_stays_within_its_bound_and_skips_what_the_cost_model_would_not_read(loaded, tmp_path):
     run(loaded, tmp_path / "c", FIRST, policy="always")
 

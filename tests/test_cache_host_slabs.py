@@ -198,6 +198,7 @@ def test_take_waits_for_a_slab_being_made_ahead_instead_of_making_another(monkey
         return real(size, populate)
 
     monkeypatch.setattr(host_slabs, "_new_slab", slow)
+    monkeypatch.setattr(host_slabs, "FRESH_PAGES_BYTES_PER_S", 40 * MiB / 5)  # faulting 40 MiB in: 5 s
     slabs = HostSlabs(keep_slabs=4, keep_bytes=256 * MiB)
     thread = slabs.provision([40 * MiB])
     slab, zeroed = slabs.take(40 * MiB)
@@ -205,6 +206,27 @@ def test_take_waits_for_a_slab_being_made_ahead_instead_of_making_another(monkey
     small, _ = slabs.take(8 * MiB)  # no slab of its size is made ahead: fresh memory at once
     assert slabs.made == 1
     thread.join()
+
+
+def test_take_waits_for_a_slab_made_ahead_no_longer_than_faulting_fresh_memory_in(monkeypatch):
+    """Where the fill runs slower than the reads would fault fresh pages in, the read does not wait for it."""
+    real = host_slabs._new_slab
+
+    def slow(size, populate=False):
+        if populate:
+            time.sleep(1.0)
+        return real(size, populate)
+
+    monkeypatch.setattr(host_slabs, "_new_slab", slow)
+    monkeypatch.setattr(host_slabs, "FRESH_PAGES_BYTES_PER_S", 40 * MiB / 0.1)  # faulting 40 MiB in: 0.1 s
+    slabs = HostSlabs(keep_slabs=4, keep_bytes=256 * MiB)
+    thread = slabs.provision([40 * MiB])
+    started = time.perf_counter()
+    slab, zeroed = slabs.take(40 * MiB)
+    waited = time.perf_counter() - started
+    assert slabs.made == 1 and zeroed and 0.05 < waited < 0.9
+    thread.join()
+    assert slabs.provisioned == 1 and len(slabs._free) == 1  # there for the next transfer
 
 
 def test_take_does_not_wait_for_slabs_the_pool_will_not_keep(monkeypatch):

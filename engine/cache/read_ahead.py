@@ -119,8 +119,10 @@ class ReadAhead:
         if not chosen:
             return
         self._mark("read_ahead_start")
-        # host memory for the entries read after the first few, made ahead while those are read (kernels/host_slabs.py)
-        SLABS.provision([nbytes for _, nbytes, _ in chosen[ENTRIES_AT_ONCE:]])
+        # host memory for every chosen entry, in the order they are read, made ahead (kernels/host_slabs.py): while the
+        # gate holds the reads back (the weights' reads) and then while the first entries are read; a read whose
+        # slab is not made in time waits for it only as long as faulting fresh memory in would take
+        SLABS.provision([nbytes for _, nbytes, _ in chosen])
         if self._ahead_thread is None:
             self._ahead_thread = BackgroundTask("prefixrun-cache-prefetch", self._read_ahead, yields_cpu=True)
         self._ahead_queue.put(chosen)
