@@ -5,7 +5,7 @@ each task's state (fork of its base checkpoint, the state handed over, an empty 
 in memory or on disk), prefills the group in variable-length steps through the model runner
 (engine/step/model_runner.py), and finishes each task: save a branch checkpoint for its consumers, start decoding its
 request, or hand its state to its single child. Decode steps of up to `max_batch` sequences run between prefill
-groups.
+groups (engine/run/decode_steps.py).
 
 Memory pressure degrades, never aborts: a group shrinks to what the pools admit; when not even one task fits,
 retained checkpoints are evicted, decoders finish, then pinned checkpoints and handed-over states are given up
@@ -33,18 +33,15 @@ from prefixrun.engine.step.decode_pipeline import DecodePipeline
 from prefixrun.engine.plan.planner import Plan, Task, chunk_grid, grid_stop, resumable
 from prefixrun.engine.request import Completion, Request, Result
 from prefixrun.engine.run.accounting import TaskRun, charged
+from prefixrun.engine.run.decode_steps import DecodeSteps
 from prefixrun.engine.run.preemption import Preemptions, fewer_hint
 from prefixrun.engine.run.prompt_logprobs import PromptLogprobs
 from prefixrun.engine.run.samples import SampleSet, error_result
 from prefixrun.engine.run.saved_states import SavedStates, spill
 from prefixrun.engine.plan.scheduler import Handoff, Scheduler
-from prefixrun.engine.step.logits_processors import needs_plain_steps
 from prefixrun.engine.step.sequence import DecodingStarts, Sequence
 from prefixrun.engine.state.pools import ModelState, StateHandle
 from prefixrun.engine.plan.trace import Trace
-
-FIRST_TOKEN_ROWS = 64  # first tokens sampled per call: 64 rows of a 248k vocabulary's fp32 logits are 63 MiB
-
 
 @dataclass(frozen=True)
 class WindowParts:
@@ -63,8 +60,8 @@ class WindowParts:
     decoding: DecodingStarts
 
 
-class WindowExecutor:
-    """The execution of one window's plan: prefill groups interleaved with decode steps."""
+class WindowExecutor(DecodeSteps):
+    """The execution of one window's plan: prefill groups interleaved with decode steps (engine/run/decode_steps.py)."""
 
     def __init__(self, requests: list[Request], plan: Plan, trace: Trace, parts: WindowParts):
         self.requests, self.plan, self.trace = requests, plan, trace
@@ -443,113 +440,6 @@ class WindowExecutor:
                                                                            req.sampling.prompt_logprobs)
         self.trace.add("decode", task.id)
         self.starting.append((seq, logits))
-
-    def _sample_first_tokens(self):
-        """The first token of every sequence the group started, drawn together: one sampling call and one wait
-        for the device per FIRST_TOKEN_ROWS rows instead of one per request (a row's draw depends only on its
-        seed, its token index and its logits, never on the batch)."""
-        starting, self.starting = self.starting, []
-        for at in range(0, len(starting), FIRST_TOKEN_ROWS):
-            part = starting[at:at + FIRST_TOKEN_ROWS]
-            rows = [lg[None] if lg.ndim == 1 else lg for _, lg in part]  # each [1, V]
-            logits = rows[0]
-            if len(rows) > 1:
-                logits = self.ops.zeros((len(rows), rows[0].shape[-1]), rows[0].dtype)  # [n, V]
-                for i, row in enumerate(rows):
-                    logits[i:i + 1] = row
-            seqs = [seq for seq, _ in part]
-            for seq, token in zip(seqs, self.runner.sample(seqs, logits)):
-                seq.accept(token)
-                if seq.done:
-                    self._finish(seq)
-                else:
-                    self.decoding.append(seq)
-
-    def _drain(self):
-        """Accept the tokens of the decode step in flight (none: nothing to do)."""
-        if self.pipeline is not None and self.pipeline.busy:
-            t0 = time.perf_counter()
-            ended = self.pipeline.drain()
-            self.stats.decode_seconds += time.perf_counter() - t0
-            self.speculator.plain_step_done(*self.pipeline.timing)
-            self._retire(ended)
-
-    def _retire(self, ended: list[Sequence]):
-        for s in ended:
-            self.decoding.remove(s)
-            self.speculator.forget(s)
-            self._finish(s)
-
-    def _drafts(self, batch: list[Sequence], again: bool = False):
-        """The speculator's drafts for a step of `batch` (None: a plain step). Drafts are never verified against
-        a grammar or the logits-processing stage: a step with a constrained or processed row, or one that wants
-        logprobs, runs plain, under its masks and edits. `again`: the step's drafts from complete histories."""
-        if not batch or not self.speculator.may_draft(len(batch)) or needs_plain_steps(batch):
-            return None
-        return self.speculator.redraft(batch) if again else self.speculator.drafts(batch)
-
-    def _decode_step(self):
-        self._make_room()
-        if not self.decoding:
-            return
-        if self.pipeline is None:
-            self._synchronous_step()
-            return
-        # the speculator decides on the histories the host holds, one token short while a step computes: its
-        # drafting overlaps that step, and only a step it drafts for waits for that token (then drafts again)
-        t0 = time.perf_counter()
-        drafts = None
-        if self.speculator.may_draft(min(len(self.decoding), self.opts.max_batch)):
-            batch = self.pipeline.next_batch(self.decoding)
-            drafts = self._drafts(batch)
-        self.stats.decode_seconds += time.perf_counter() - t0
-        if drafts is not None and self.pipeline.busy:
-            self._drain()
-            batch = self.pipeline.next_batch(self.decoding)  # nothing in flight now: every sequence decoding
-            drafts = self._drafts(batch, again=True)
-        if drafts is not None:
-            self._verify_step(batch, drafts)
-            return
-        t0, accepts = time.perf_counter(), self.pipeline.busy
-        rows, ended = self.pipeline.advance(self.decoding)
-        self.stats.decode_seconds += time.perf_counter() - t0
-        self.stats.decode_steps += rows > 0
-        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, rows)
-        if accepts:  # the step before, whose tokens this one's advance accepted, was a plain one
-            self.speculator.plain_step_done(*self.pipeline.timing)
-        self._retire(ended)
-
-    def _synchronous_step(self):
-        """A decode step whose tokens are on the host when it returns (no pipeline: the option, or a drafter that
-        needs every step's hidden states)."""
-        batch = self.decoding[:self.opts.max_batch]
-        t0 = time.perf_counter()
-        drafts = self._drafts(batch)
-        if drafts is not None:
-            self._verify_step(batch, drafts)
-            return
-        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
-        new = self.runner.decode(batch)  # the forward and the sampling of the next tokens (on the host: waited for)
-        self.speculator.plain_step_done(len(batch), time.perf_counter() - t0)
-        self.stats.decode_seconds += time.perf_counter() - t0
-        self.stats.decode_steps += 1
-        self._accept_new(batch, [[t] for t in new])
-
-    def _verify_step(self, batch: list[Sequence], drafts: list[list[int]]):
-        """A step that feeds drafts: verified, each sequence's kept rows committed, its tokens accepted."""
-        self.stats.peak_decode_batch = max(self.stats.peak_decode_batch, len(batch))
-        t0 = time.perf_counter()
-        new = self.speculator.step(batch, drafts)
-        self.stats.decode_seconds += time.perf_counter() - t0
-        self.stats.decode_steps += 1
-        self._accept_new(batch, new)
-
-    def _accept_new(self, batch: list[Sequence], new: list[list[int]]):
-        for s, toks in zip(batch, new):
-            for tok in toks:  # the same stop rules, token by token, as plain steps apply them
-                if not s.done:
-                    s.accept(tok)
-        self._retire([s for s in batch if s.done])
 
     def _finish(self, seq: Sequence):
         self.state.release(seq.handle)
