@@ -159,38 +159,37 @@ def parse_line(raw: RawLine, defaults: SamplingDefaults, seen_ids: set[str], *,
             repeated_key = "custom_id" if repeated_key == _TWO_IDS else repeated_key
             raise _LineRejected(f"the key {_describe(repeated_key)} appears twice in one object of this line; JSON "
                                 "readers disagree on which value counts, so give it once")
-        if _SURROGATE_ESCAPE.search(raw.data):
-            _reject_unpaired_surrogates(obj, "")
-        if openai_shape:
-            shape, fields, prompt, ignored = _read_openai_line(obj, lenient)
-        else:
-            shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
-        where = "body." if openai_shape else ""
-        prompt = with_prompt_options(prompt, fields, where)
-        echo_only = fields["max_tokens"] == 0  # as vLLM: one token is drawn, and left out of the record
-        if echo_only and fields.get("min_tokens") not in (None, 0):  # (the max_tokens given, 0, not the 1 drawn)
-            raise _LineRejected(f"{where}min_tokens must be 0 with max_tokens 0 (echo scores the prompt alone), "
-                                f"got {_describe(fields['min_tokens'])}")
-        fields = {**fields, "max_tokens": 1} if echo_only else fields
-        sampling = _sampling_for_line(fields, defaults, where, _kind_of(prompt))
-        reply = read_reply_options(fields, prompt, where)
-        reply = dataclasses.replace(reply, echo_only=True) if echo_only else reply
-        sampling = with_forced_tool_call(sampling, reply, prompt, where)
+        return _request_of(raw, obj, custom_id, openai_shape, defaults, lenient)
     except (_LineRejected, InvalidRequest) as rejection:
         return LineError(raw.index, raw.line_no, custom_id, str(rejection), openai_shape)
     except RecursionError:
         # Arrays nested hundreds deep exhaust json.loads or the checks that walk them.
         return LineError(raw.index, raw.line_no, custom_id, "the line's JSON is nested too deeply", openai_shape)
-    return ParsedRequest(
-        index=raw.index,
-        line_no=raw.line_no,
-        custom_id=custom_id,
-        shape=shape,
-        prompt=prompt,
-        sampling=sampling,
-        ignored_fields=ignored,
-        reply=reply,
-    )
+
+
+def _request_of(raw: RawLine, obj: dict, custom_id: str | None, openai_shape: bool, defaults: SamplingDefaults,
+                lenient: bool) -> ParsedRequest:
+    """The request a decoded line with a usable custom_id asks for: its prompt, sampling and reply options (raises
+    _LineRejected or InvalidRequest)."""
+    if _SURROGATE_ESCAPE.search(raw.data):
+        _reject_unpaired_surrogates(obj, "")
+    if openai_shape:
+        shape, fields, prompt, ignored = _read_openai_line(obj, lenient)
+    else:
+        shape, fields, prompt, ignored = _read_plain_line(obj, lenient)
+    where = "body." if openai_shape else ""
+    prompt = with_prompt_options(prompt, fields, where)
+    echo_only = fields["max_tokens"] == 0  # as vLLM: one token is drawn, and left out of the record
+    if echo_only and fields.get("min_tokens") not in (None, 0):  # (the max_tokens given, 0, not the 1 drawn)
+        raise _LineRejected(f"{where}min_tokens must be 0 with max_tokens 0 (echo scores the prompt alone), "
+                            f"got {_describe(fields['min_tokens'])}")
+    fields = {**fields, "max_tokens": 1} if echo_only else fields
+    sampling = _sampling_for_line(fields, defaults, where, _kind_of(prompt))
+    reply = read_reply_options(fields, prompt, where)
+    reply = dataclasses.replace(reply, echo_only=True) if echo_only else reply
+    sampling = with_forced_tool_call(sampling, reply, prompt, where)
+    return ParsedRequest(index=raw.index, line_no=raw.line_no, custom_id=custom_id, shape=shape, prompt=prompt,
+                         sampling=sampling, ignored_fields=ignored, reply=reply)
 
 
 def _oversize_line_error(raw: RawLine, seen_ids: set[str]) -> LineError:

@@ -255,24 +255,11 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
     it can end badly ends here: one line on stderr and typer.Exit with the exit code (141 closed stdout, 1 aborted
     or unwritable, 2 bad --resume file, 128 + the signal's number when a signal stopped it: then the report of
     what finished goes to `json_report`, with `stopped_by`)."""
-    journal, done_ids, fresh_from = None, set(), 0
     with ExitStack() as stack:
         stack.callback(source.close)
         if claim is not None:
             claim.opened = True
-        if output is not None:
-            identity = _identity(run)
-            if resume:
-                _refuse_another_run(output, identity, reporter)
-                done_ids, fresh_from = _resume_from(run, output, reporter)
-            out_stream, journal = open_output(output, resume=resume)
-            stack.callback(_close_quietly, out_stream)
-            stack.callback(lambda: journal and journal.close())
-            if journal is not None:  # a regular file: the ledger of which line made each result goes beside it
-                run.ledger = InputLedger(output, resume=resume and bool(done_ids), identity=identity)
-                stack.callback(run.ledger.close)
-        else:
-            out_stream = sys.stdout
+        out_stream, journal, done_ids, fresh_from = _open_outputs(run, output, resume, reporter, stack)
         writer = io.OrderedWriter(out_stream, ordered=not unordered, journal=journal)
         try:
             report = run.execute(source, writer, done_ids)
@@ -325,6 +312,26 @@ def run_to_output(run, source, output: Optional[Path], *, resume: bool, unordere
                 raise
             _aborted_report(run, json_report, f"{type(exc).__name__}: {exc}", reporter)
             raise typer.Exit(io.EXIT_FAILURE)
+
+
+def _open_outputs(run, output: Optional[Path], resume: bool, reporter, stack: ExitStack):
+    """(the results' stream, its journal or None, the custom_ids with results, the byte where this run's records
+    start): stdout, or -o opened (with --resume: checked to be this run's, its journal moved in) with its journal
+    and input ledger beside it; each closed by `stack`."""
+    if output is None:
+        return sys.stdout, None, set(), 0
+    done_ids, fresh_from = set(), 0
+    identity = _identity(run)
+    if resume:
+        _refuse_another_run(output, identity, reporter)
+        done_ids, fresh_from = _resume_from(run, output, reporter)
+    out_stream, journal = open_output(output, resume=resume)
+    stack.callback(_close_quietly, out_stream)
+    stack.callback(lambda: journal and journal.close())
+    if journal is not None:  # a regular file: the ledger of which line made each result goes beside it
+        run.ledger = InputLedger(output, resume=resume and bool(done_ids), identity=identity)
+        stack.callback(run.ledger.close)
+    return out_stream, journal, done_ids, fresh_from
 
 
 def first_bytes_of_the_pipe(run, source, reporter, json_report: Optional[Path]) -> None:
