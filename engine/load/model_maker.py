@@ -289,27 +289,11 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
     if mtp:  # the key each family's released configs use
         text_cfg["num_nextn_predict_layers" if parse_config(text_cfg).family == "qwen3_next"
                  else "mtp_num_hidden_layers"] = 1
-    if composite:
-        family = parse_config(text_cfg).family
-        if family not in _COMPOSITES:
-            raise ValueError(f"no vision-language composite layout is known for the {family} family")
-        arch, model_type, text_type, vision = _COMPOSITES[family]
-        text_cfg["model_type"] = text_type
-        text_cfg.pop("architectures", None)
-        config = {"architectures": [arch], "model_type": model_type, "text_config": text_cfg,
-                  "vision_config": {**vision, "out_hidden_size": text_cfg["hidden_size"]},
-                  "tie_word_embeddings": text_cfg.get("tie_word_embeddings", family == "gemma3"), "dtype": dtype}
-    else:
-        config = text_cfg
+    config = _composite_config(text_cfg, dtype) if composite else text_cfg
     shapes = tensor_shapes(config)
     if mtp:
         shapes.update(mtp_tensor_shapes(config))
-    # Every tensor is drawn in float32 and held until the file is written: refuse before drawing what cannot fit
-    # (a vocab_size of 10**12 asked numpy for 233 TiB, a MemoryError traceback or the OOM killer)
-    draw_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
-    if draw_bytes > _physical_memory_bytes():
-        raise ValueError(f"the weights of this config ({draw_bytes / 2**30:,.1f} GiB as float32 while they are "
-                         f"drawn) do not fit in memory ({_physical_memory_bytes() / 2**30:,.1f} GiB)")
+    _check_drawable(shapes)
     rng = np.random.default_rng(seed)
     std = init_std if init_std is not None else float(text_cfg.get("initializer_range", 0.02))
     zero_centered = parse_config(config).family in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3")
@@ -331,6 +315,29 @@ def make_model_dir(out_dir: Path, raw_config: dict, *, seed: int = 0, init_std: 
            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def _composite_config(text_cfg: dict, dtype: str) -> dict:
+    """The vision-language composite config around a text model's (its settings under text_config), as the
+    family's released composite checkpoints write it; `text_cfg` takes the composite's text model_type."""
+    family = parse_config(text_cfg).family
+    if family not in _COMPOSITES:
+        raise ValueError(f"no vision-language composite layout is known for the {family} family")
+    arch, model_type, text_type, vision = _COMPOSITES[family]
+    text_cfg["model_type"] = text_type
+    text_cfg.pop("architectures", None)
+    return {"architectures": [arch], "model_type": model_type, "text_config": text_cfg,
+            "vision_config": {**vision, "out_hidden_size": text_cfg["hidden_size"]},
+            "tie_word_embeddings": text_cfg.get("tie_word_embeddings", family == "gemma3"), "dtype": dtype}
+
+
+def _check_drawable(shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor is drawn in float32 and held until the file is written: refuse (ValueError) before drawing what
+    cannot fit (a vocab_size of 10**12 would ask numpy for 233 TiB: a MemoryError traceback or the OOM killer)."""
+    draw_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
+    if draw_bytes > _physical_memory_bytes():
+        raise ValueError(f"the weights of this config ({draw_bytes / 2**30:,.1f} GiB as float32 while they are "
+                         f"drawn) do not fit in memory ({_physical_memory_bytes() / 2**30:,.1f} GiB)")
 
 
 def write_weights(out: Path, tensors: dict[str, np.ndarray], shards: int):
