@@ -261,7 +261,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         return _verify(store, ckpt_root, as_json)
     malformed = store.count_malformed_rows()
     if malformed:
-        err.print(literal(f"warning: {malformed} malformed index rows are not shown; "
+        err.print(literal(f"warning: {count(malformed, 'malformed index row')} are not shown; "
                           "`prefixrun inspect-cache --verify` drops them"), soft_wrap=True)
     total = store.total_bytes()
     if as_json:
@@ -272,17 +272,7 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     out = Console(highlight=False, markup=False, emoji=False)  # the command's output: stdout
     out.on_broken_pipe = _reader_went_away
     if tree:
-        parents = _nesting(entries)
-        by_id = {e.entry_id: e for e in entries}
-        root_tree = Tree(literal(f"{ckpt_root} ({_count(len(entries))}, {human_bytes(total)})"))
-        nodes = {}
-        for e in sorted(entries, key=lambda e: e.n_tokens):
-            label = (f"{count(e.n_tokens, 'token')} · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · "
-                     f"{count(e.hits, 'hit')} · "
-                     f"{preview(e)}")
-            parent = parents[e.entry_id]
-            nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(literal(label))
-        out.print(root_tree)
+        out.print(_tree(entries, ckpt_root, total, preview))
         return io.EXIT_OK
     out.print(_table(entries, ckpt_root, preview, out.width))
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
@@ -293,6 +283,20 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
         out.print(literal(f"{_count(len(entries))}, {human_bytes(total)} in total{against}"))
     out.print(literal(_blocks_line(store.block_summary(), total)))
     return io.EXIT_OK
+
+
+def _tree(entries, ckpt_root: Path, total: int, preview) -> Tree:
+    """--tree: each entry under the longest stored prefix of it, shortest first."""
+    parents = _nesting(entries)
+    by_id = {e.entry_id: e for e in entries}
+    root_tree = Tree(literal(f"{ckpt_root} ({_count(len(entries))}, {human_bytes(total)})"))
+    nodes = {}
+    for e in sorted(entries, key=lambda e: e.n_tokens):
+        label = (f"{count(e.n_tokens, 'token')} · {human_bytes(e.nbytes)} + {_blocks_cell(e)} · "
+                 f"{count(e.hits, 'hit')} · {preview(e)}")
+        parent = parents[e.entry_id]
+        nodes[e.entry_id] = (nodes[parent] if parent in by_id else root_tree).add(literal(label))
+    return root_tree
 
 
 def _table(entries, ckpt_root: Path, preview, width: int) -> Table:
