@@ -98,28 +98,7 @@ class EntryVerification:
         with self._lock:
             if not entry_signed(self._db, row):
                 raise BadEntry("its index row is not signed with this user's key")
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise BadEntry("file missing") from None
-        except PermissionError:
-            raise
-        except OSError as error:  # a link loop, a name too long: nothing of ours is there
-            raise BadEntry(f"unreadable: {error}") from None
-        if size != row.nbytes:
-            raise BadEntry(f"size {size} != recorded {row.nbytes}")
-        digester = content_digest.for_digest(row.content_sha256)  # checked_row: of either form
-        try:
-            buffer, content_sha256 = blob_format.read_file(path, size, digester)
-        except FileNotFoundError:
-            raise BadEntry("file missing") from None
-        except PermissionError:
-            raise
-        except (OSError, blob_format.BlobFormatError) as error:
-            raise BadEntry(f"unreadable: {error}") from None
-        account.read_bytes += size
-        if content_sha256 != row.content_sha256:
-            raise BadEntry(f"content digest {content_sha256} != recorded {row.content_sha256}")
+        size, buffer = _read_blob(path, row, account)
         try:
             metadata, stored = blob_format.parse(buffer)
         except blob_format.BlobFormatError as error:
@@ -313,6 +292,35 @@ class EntryVerification:
             self._files.unlink(blob.with_name(blob.name + ".reason"))
         self._overhead_bytes = max(self._overhead_bytes, 0)
         return kept
+
+
+def _read_blob(path: Path, row: Row, account: ReadAccount) -> tuple[int, np.ndarray]:
+    """(size, bytes) of an entry's blob, read whole and checked against its index row: the recorded size, then the
+    recorded content digest (BadEntry where either differs, the file is gone or cannot be read as ours). A
+    PermissionError is raised as it is: the file may be whole, and not this process's to read."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise BadEntry("file missing") from None
+    except PermissionError:
+        raise
+    except OSError as error:  # a link loop, a name too long: nothing of ours is there
+        raise BadEntry(f"unreadable: {error}") from None
+    if size != row.nbytes:
+        raise BadEntry(f"size {size} != recorded {row.nbytes}")
+    digester = content_digest.for_digest(row.content_sha256)  # checked_row: of either form
+    try:
+        buffer, content_sha256 = blob_format.read_file(path, size, digester)
+    except FileNotFoundError:
+        raise BadEntry("file missing") from None
+    except PermissionError:
+        raise
+    except (OSError, blob_format.BlobFormatError) as error:
+        raise BadEntry(f"unreadable: {error}") from None
+    account.read_bytes += size
+    if content_sha256 != row.content_sha256:
+        raise BadEntry(f"content digest {content_sha256} != recorded {row.content_sha256}")
+    return size, buffer
 
 
 def as_storage_arrays(regions: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
