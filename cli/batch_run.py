@@ -35,7 +35,6 @@ class BatchRun:
 
     def __init__(self, config: RunConfig, *, reporter, input_ahead=None, clock=None):
         from prefixrun.engine.load import loader
-        from prefixrun.engine.run.session import EngineSession
         from prefixrun.engine.startup import NO_CLOCK
 
         self.reporter = reporter
@@ -59,33 +58,14 @@ class BatchRun:
         # them for a custom_id not seen before; filled on the reading thread, read after it stopped
         self._parsed_ahead: dict[tuple[int, int, bytes], tuple[lines.ParsedRequest, Request]] = {}
         if config.devices is None and config.ray_address is None:
-            front = loader.load_front(model_dir)
-            self._set_front(front, config)
-
-            def read_ahead():
-                # called by the session once the weights' reads run: parsed before, the lines' Python delayed the
-                # reads' start, which waits for the GPU's bring-up, whose Python shares the interpreter's lock
-                from prefixrun.cli.input_ahead import FirstWindowAhead
-
-                self._ahead = FirstWindowAhead(input_ahead, window, self._tokens_ahead, config.max_line_bytes)
-                return self._ahead.prompts if config.use_cache and config.reuse else None
-
-            upcoming = read_ahead if input_ahead is not None else None
-            try:
-                clock.mark("imports")  # the engine's modules (the session then marks its own phases)
-                self.session = EngineSession(config, front=front, upcoming=upcoming, clock=clock)
-            except BaseException:
-                if self._ahead is not None:
-                    self._ahead.stop()
-                raise
+            self.session = self._session(config, input_ahead, clock)
             self.backend = self.session
         else:
             # worker processes start first and load their models while this process loads the tokenizer, reads,
             # tokenizes and plans the first window (the pool waits for them in its first run)
             self.backend = _worker_pool(config)
             try:
-                front = loader.load_front(model_dir)
-                self._set_front(front, config)
+                self._set_front(loader.load_front(model_dir), config)
             except BaseException:
                 self.backend.abort()
                 raise
@@ -104,6 +84,32 @@ class BatchRun:
         self.positions: io.InputPositions | None = None
         # which input line made each result in a regular -o (cli/input_ledger.py); the default records nothing
         self.ledger = InputLedger()
+
+    def _session(self, config: RunConfig, input_ahead, clock):
+        """The engine in this process: the model's front (tokenizer, config) loaded first, then EngineSession,
+        which reads the first window of `input_ahead` (an input file, or None) once the weights' reads run."""
+        from prefixrun.engine.load import loader
+        from prefixrun.engine.run.session import EngineSession
+
+        front = loader.load_front(Path(config.model_dir))
+        self._set_front(front, config)
+
+        def read_ahead():
+            # called by the session once the weights' reads run: parsed before, the lines' Python delayed the
+            # reads' start, which waits for the GPU's bring-up, whose Python shares the interpreter's lock
+            from prefixrun.cli.input_ahead import FirstWindowAhead
+
+            self._ahead = FirstWindowAhead(input_ahead, config.window, self._tokens_ahead, config.max_line_bytes)
+            return self._ahead.prompts if config.use_cache and config.reuse else None
+
+        upcoming = read_ahead if input_ahead is not None else None
+        try:
+            clock.mark("imports")  # the engine's modules (the session then marks its own phases)
+            return EngineSession(config, front=front, upcoming=upcoming, clock=clock)
+        except BaseException:
+            if self._ahead is not None:
+                self._ahead.stop()
+            raise
 
     def _set_front(self, front, config: RunConfig):
         # A line's own values win over these: the command line's, then the model's generation_config.
