@@ -23,7 +23,9 @@ import os
 import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import safetensors.numpy
@@ -146,10 +148,8 @@ def read_small_file(path, limit: int) -> bytes:
     """The bytes of the small regular file `path` (a side file of the cache folder: rates, digest memos). Raises
     OSError if it is anything else (a FIFO, a device, a link, a folder) or longer than `limit` bytes: such a file
     is as good as missing, and opening a FIFO or reading /dev/zero would otherwise hang the run before it starts."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))  # see read_file
-    with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise OSError(f"{path}: not a regular file")
+    with _regular_file(path, lambda: OSError(f"{path}: not a regular file")) as descriptor, \
+            os.fdopen(descriptor, "rb", closefd=False) as handle:
         raw = handle.read(limit + 1)
     if len(raw) > limit:
         raise OSError(f"{path}: longer than {limit} bytes")
@@ -160,13 +160,20 @@ def read_file(path, size: int, digester: Digester = SHA256_TREE) -> tuple[np.nda
     """(the file's `size` bytes as a uint8 array, their `digester` digest), read and hashed chunk by chunk on several
     threads. Raises OSError (FileNotFoundError when the file is gone) or BlobFormatError if it is not `size`
     bytes long."""
-    # O_NONBLOCK: opening a FIFO put where a blob should be would otherwise wait for a writer forever (a hang);
-    # it changes nothing for a regular file, and anything else (FIFO, device, socket) is refused before a read.
+    with _regular_file(path, lambda: BlobFormatError("not a regular file")) as descriptor:
+        return read_descriptor(descriptor, size, digester)
+
+
+@contextmanager
+def _regular_file(path, not_regular: Callable[[], Exception]) -> Iterator[int]:
+    """A descriptor of `path` for reading, closed at the end; a link is not followed, and anything but a regular
+    file raises `not_regular()` before a byte is read. O_NONBLOCK: opening a FIFO put where a file should be would
+    otherwise wait for a writer forever (a hang); it changes nothing for a regular file."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise BlobFormatError("not a regular file")
-        return read_descriptor(descriptor, size, digester)
+            raise not_regular()
+        yield descriptor
     finally:
         os.close(descriptor)
 
@@ -284,10 +291,7 @@ def read_into(path, size: int, places, digester: Digester = SHA256_TREE) -> tupl
     buffers cost a fresh mapping and its page faults each, on several threads at once). Returns (metadata, tree
     digest, `digester`'s). Raises OSError, BlobFormatError, or what `places` raises; on an error, destinations may hold part of
     the file."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise BlobFormatError("not a regular file")
+    with _regular_file(path, lambda: BlobFormatError("not a regular file")) as descriptor:
         head = os.pread(descriptor, 8, 0)
         if len(head) < 8 or size < 8:
             raise BlobFormatError("shorter than a safetensors header")
@@ -315,6 +319,4 @@ def read_into(path, size: int, places, digester: Digester = SHA256_TREE) -> tupl
         _read_pieces(descriptor, pieces[1:], 8 + header_len, size)
         if os.pread(descriptor, 1, size):
             raise BlobFormatError(f"file longer than its recorded {size} bytes")
-    finally:
-        os.close(descriptor)
     return metadata, digester.combine(_chunk_digests(lambda span: digester.span(pieces, *span), size), size)
