@@ -11,6 +11,7 @@ from prefixrun.kernels import attention_sm90
 from prefixrun.kernels.cuda_arrays import BF16, F32, THREADS, blocks_for, device_index, head_view, i32, i64, \
     type_name
 from prefixrun.kernels.cuda_modules import KV8_MMA_HEAD_DIMS, MMA_HEAD_DIMS, kernel
+from prefixrun.kernels.ring_rows import gather_rows, kept_rows
 from prefixrun.kernels.tuning import attention_plan, attn_mma_smem_bytes
 
 _LOG2E = 1.4426950408889634
@@ -263,17 +264,9 @@ class AttentionOps:
             tmp_ks = cupy.zeros((nseq, width) + k_scale.shape[2:], F32)
             tmp_vs = cupy.zeros((nseq, width) + v_scale.shape[2:], F32)
         # host-built gather maps: (sequence, local row) <- ring row or new row
-        ring_dst, ring_src, new_dst, new_src = [], [], [], []
-        for b in range(nseq):
-            prev = np.arange(first_h[b], start_h[b])
-            ring_dst.append(b * width + (prev - base[b]))
-            ring_src.append(slots_h[b] * w + prev % w)
-            new = np.arange(start_h[b], ctx_h[b])
-            new_dst.append(b * width + (new - base[b]))
-            new_src.append(cu_h[b] + new - start_h[b])
+        ring_dst, ring_src, new_dst, new_src = gather_rows(slots_h, first_h, start_h, ctx_h, cu_h, base, w, width)
         flat = lambda a: a.reshape((-1,) + a.shape[-2:])
-        ring_dst, ring_src = np.concatenate(ring_dst), np.concatenate(ring_src)
-        new_dst, new_src = self.upload_index(np.concatenate(new_dst)), self.upload_index(np.concatenate(new_src))
+        new_dst, new_src = self.upload_index(new_dst), self.upload_index(new_src)
         if ring_dst.size:
             rd, rs = self.upload_index(ring_dst), self.upload_index(ring_src)
             flat(tmp_k)[rd] = flat(k_ring)[rs]
@@ -289,12 +282,7 @@ class AttentionOps:
         tables = self.upload_index(np.arange(nseq)[:, None])
         out = self.paged_attention(q, tmp_k, tmp_v, tables, self.upload_index(local_len), cu_seqlens, scale,
                                    sliding_window=w, sinks=sinks, k_scale=tmp_ks, v_scale=tmp_vs)
-        keep_src, keep_at = [], []
-        for b in range(nseq):
-            kept = np.arange(max(start_h[b], ctx_h[b] - w), ctx_h[b])
-            keep_src.append(cu_h[b] + kept - start_h[b])
-            keep_at.append(slots_h[b] * w + kept % w)
-        keep_src = self.upload_index(np.concatenate(keep_src))
-        self.write_kv(k_ring, v_ring, k[keep_src], v[keep_src], self.upload_index(np.concatenate(keep_at)), k_scale,
-                      v_scale)
+        keep_src, keep_at = kept_rows(slots_h, start_h, ctx_h, cu_h, w)
+        keep_src = self.upload_index(keep_src)
+        self.write_kv(k_ring, v_ring, k[keep_src], v[keep_src], self.upload_index(keep_at), k_scale, v_scale)
         return out
