@@ -272,8 +272,8 @@ class EntryVerification:
         if source is not None:
             kept = self._move_to_quarantine(source, f"block_id: {block_id}\nreason: {reason}\n")
         self.warnings.warn("K/V blocks failed verification",
-                           "K/V block %s failed verification (%s); %d entries that use it dropped; %s", block_id,
-                           reason, len(users), kept)
+                           "K/V block %s failed verification (%s); %s that use it dropped; %s", block_id,
+                           reason, count(len(users), "entry", "entries"), kept)
         return users
 
     def _trim_quarantine(self, max_bytes: int | None = None) -> int:
