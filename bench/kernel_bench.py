@@ -83,25 +83,11 @@ def attn_part() -> list[Row]:
     import cupy
     import numpy as np
 
-    from prefixrun.kernels import attention_sm90
     from prefixrun.kernels.cuda import CudaOps
     from prefixrun.kernels.reference import NumpyOps
 
     base = CudaOps("bfloat16")
-    kernels = {"mma.sync": base.retuned(attn_prefill_kernel="mma")}
-    rows: list[Row] = []
-    if attention_sm90.available():  # the schedules of kernels/attention_sm90.cu and attention_sm90_ws.cu
-        kernels["wgmma"] = base.retuned(attn_prefill_kernel="wgmma")
-        kernels["wgmma-overlap"] = base.retuned(attn_prefill_kernel="wgmma-overlap")
-        # the warp-specialised kernel (the default at every head dim) after a smoke run in a child process: a pipeline
-        # that never completes costs the child's timeout, not the bench
-        ws_failure = _ws_smoke_failure()
-        if ws_failure:
-            rows.append(Row("wgmma-ws / wgmma-pingpong smoke run", error=float("nan"), bound=ATTN_BOUND,
-                            rate=ws_failure))
-        else:
-            for choice in ("wgmma-ws", "wgmma-pingpong"):
-                kernels[choice] = base.retuned(attn_prefill_kernel=choice)
+    kernels, rows = _attn_kernels(base)
     ref = NumpyOps()
     rng = np.random.default_rng(0)
     bs = base.default_block_size
@@ -155,6 +141,28 @@ def attn_part() -> list[Row]:
         del k_cache, v_cache, q
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
+
+
+def _attn_kernels(base) -> tuple[dict, list[Row]]:
+    """({label: ops} of the attention prefill kernels to time, [a row for a failed smoke run]): mma.sync, and on
+    sm_90a the schedules of kernels/attention_sm90.cu and attention_sm90_ws.cu."""
+    from prefixrun.kernels import attention_sm90
+
+    kernels = {"mma.sync": base.retuned(attn_prefill_kernel="mma")}
+    rows: list[Row] = []
+    if attention_sm90.available():
+        kernels["wgmma"] = base.retuned(attn_prefill_kernel="wgmma")
+        kernels["wgmma-overlap"] = base.retuned(attn_prefill_kernel="wgmma-overlap")
+        # the warp-specialised kernel (the default at every head dim) after a smoke run in a child process: a pipeline
+        # that never completes costs the child's timeout, not the bench
+        ws_failure = _ws_smoke_failure()
+        if ws_failure:
+            rows.append(Row("wgmma-ws / wgmma-pingpong smoke run", error=float("nan"), bound=ATTN_BOUND,
+                            rate=ws_failure))
+        else:
+            for choice in ("wgmma-ws", "wgmma-pingpong"):
+                kernels[choice] = base.retuned(attn_prefill_kernel=choice)
+    return kernels, rows
 
 
 def _ws_smoke_failure() -> str:
