@@ -24,6 +24,7 @@ from prefixrun.engine.counts import count
 
 EXIT_DAMAGED = io.EXIT_FAILURE
 _SHOW_BAD = 20  # bad entries listed by --verify; the rest are counted
+_MIN_PREFIX = 8  # the table's prefix column where the other cells alone are wider than the terminal
 
 
 class _Previews:
@@ -274,7 +275,11 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
     if tree:
         out.print(_tree(entries, ckpt_root, total, preview))
         return io.EXIT_OK
-    out.print(_table(entries, ckpt_root, preview, out.width))
+    # a pipe or a file gets whole previews, not a terminal's 80 columns (COLUMNS, where set, still decides)
+    fits = out.width if out.is_terminal or "COLUMNS" in os.environ else None
+    table, width = _table(entries, ckpt_root, preview, fits)
+    out.width = max(out.width, width)  # print(width=) could only narrow it
+    out.print(table, crop=False)
     against = f" of a {human_bytes(budget_bytes)} budget ({total / budget_bytes:.0%})" if budget_bytes else ""
     if model:  # the bytes and blocks below are the whole cache's: an entry's blocks may be shared with others
         out.print(literal(f"{_count(len(entries))} of model {model}; "
@@ -299,23 +304,28 @@ def _tree(entries, ckpt_root: Path, total: int, preview) -> Tree:
     return root_tree
 
 
-def _table(entries, ckpt_root: Path, preview, width: int) -> Table:
-    """One line per entry at any terminal width: every cell but the prefix keeps its width, the prefix gets what is
-    left and is cut with an ellipsis (the whole of it is in --json)."""
+def _table(entries, ckpt_root: Path, preview, width: int | None) -> tuple[Table, int]:
+    """(the table, the width it needs): one line per entry, every cell whole but the prefix, which gets what is left
+    of `width` (None: no limit) and is cut with an ellipsis (the whole of it is in --json). A terminal narrower than
+    the other cells gets lines longer than itself, with _MIN_PREFIX characters of prefix, rather than cut columns."""
     heads = ("model", "tokens", "bytes", "K/V blocks", "hits", "last used")
+    ordered = sorted(entries, key=lambda e: -e.last_used)
     rows = [(e.model_digest[:8], f"{e.n_tokens:,}", human_bytes(e.nbytes), _blocks_cell(e), str(e.hits),
-             _when(e.last_used)) for e in sorted(entries, key=lambda e: -e.last_used)]
+             _when(e.last_used)) for e in ordered]
+    texts = [preview(e) for e in ordered]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(heads)]
-    room = max(8, width - sum(widths) - 3 * (len(heads) + 1) - 1)  # each column: its cell, two spaces, a rule
+    cells = sum(widths) + 3 * (len(heads) + 1) + 1  # each column: its cell, two spaces, a rule; the prefix's rules
+    longest = max([len("prefix")] + [len(t) for t in texts])
+    left = longest if width is None else width - cells
+    room = min(longest, left) if left >= 2 else _MIN_PREFIX  # 2: a character and the ellipsis
     table = Table(title=literal(f"checkpoint cache {ckpt_root}"), title_justify="left")
     for head, w in zip(heads, widths):
         table.add_column(head, justify="left" if head in ("model", "last used") else "right", no_wrap=True,
                          min_width=w)
     table.add_column("prefix", no_wrap=True, overflow="ellipsis", max_width=room)
-    for e, row in zip(sorted(entries, key=lambda e: -e.last_used), rows):
-        text = preview(e)
+    for text, row in zip(texts, rows):
         table.add_row(*row, literal(text if len(text) <= room else text[:room - 1] + "…"))
-    return table
+    return table, cells + room
 
 
 def _finite_or_none(value: float) -> float | None:

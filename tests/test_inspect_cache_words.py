@@ -3,9 +3,11 @@ counts take their singular, and a listing narrowed with --model does not present
 model's."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import cli
-from test_cache_hostile_folder import put
+from test_cache_hostile_folder import TOKENS, put
 
 from prefixrun.engine.cache.store import CheckpointStore
 
@@ -41,3 +43,30 @@ def test_a_listing_of_one_model_keeps_the_whole_cache_apart(tmp_path):
     res = cli("inspect-cache", "--cache-dir", one_entry_cache(tmp_path), "--model", "ff", env={"COLUMNS": "160"})
     assert res.exit_code == 0, res.output
     assert "0 entries of model ff; the whole cache holds " in res.output, res.output
+
+
+def _row(output: str) -> str:
+    (row,) = [line for line in output.splitlines() if line.startswith("│")]
+    return row
+
+
+def test_a_piped_table_keeps_every_column_and_the_whole_preview(tmp_path, monkeypatch):
+    """Rich lays a table out at 80 columns off a terminal: `inspect-cache > list.txt` lost the last-used time's
+    minutes and the whole prefix column. Off a terminal (COLUMNS unset) the table is as wide as its cells."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    res = cli("inspect-cache", "--cache-dir", one_entry_cache(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert "last used" in res.output and "prefix" in res.output, res.output
+    row = _row(res.output)
+    assert re.search(r"│ \d{4}-\d\d-\d\d \d\d:\d\d │", row), row
+    assert " ".join(map(str, TOKENS[:12])) + " …" in row, row
+
+
+def test_a_narrow_terminal_gets_long_lines_not_cut_columns(tmp_path):
+    """At 80 columns the other cells need more than the terminal has: each stays whole, the prefix keeps a few
+    characters, and the line is longer than the terminal instead of cut."""
+    res = cli("inspect-cache", "--cache-dir", one_entry_cache(tmp_path), env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    row = _row(res.output)
+    assert re.search(r"│ \d{4}-\d\d-\d\d \d\d:\d\d │ " + str(TOKENS[0]), row), row
+    assert row.endswith("… │") and len(row) > 80, row
