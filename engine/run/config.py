@@ -170,8 +170,8 @@ class RunConfig:
     model_dir: Optional[Path] = option(None, "HF model directory (default: the embedded random-weight demo model)",
                                        flag="--model", short="-m")
     # the command line's sampling values: a line's own values win over them, they win over generation_config
-    max_tokens: Optional[int] = option(None, "default max_tokens (else: chats the rest of the context, completions "
-                                             "16, as in vLLM and OpenAI)")
+    max_tokens: Optional[int] = option(None, "default max_tokens (else generation_config's max_new_tokens, else: chats "
+                                             "the rest of the context, completions 16, as in vLLM and OpenAI)")
     temperature: Optional[float] = option(None, "default temperature (0 = greedy)")
     top_p: Optional[float] = option(None, "default top_p")
     top_k: Optional[int] = option(None, "default top_k (0 = off)")
@@ -207,7 +207,8 @@ class RunConfig:
                                          parse=_size("--state-memory", minimum=MIN_STATE_MEMORY))
     reuse: bool = option(True, "prefill every request from scratch (baseline)", flag="--no-reuse", cli_type=bool,
                          cli_default=False, parse=_negated)
-    cache_dir: Optional[Path] = option(None, "persistent cache dir", cli_type=Optional[str], parse=_cache_dir,
+    cache_dir: Optional[Path] = option(None, "persistent cache dir (default: $XDG_CACHE_HOME/prefixrun, else "
+                                             "~/.cache/prefixrun)", cli_type=Optional[str], parse=_cache_dir,
                                        envvar="PREFIXRUN_CACHE_DIR", metavar="<path>")
     use_cache: bool = option(True, "do not read or write the persistent cache", flag="--no-cache", cli_type=bool,
                              cli_default=False, parse=_negated)
@@ -232,7 +233,8 @@ class RunConfig:
     speculative: str = option(
         "auto", "speculative decoding: auto (n-gram drafts for greedy requests on small decode batches, backing "
                 "off where too few are accepted), off, ngram (prompt lookup drafts for every request), mtp (the model's "
-                "MTP head); greedy outputs never change", choices=SPECULATIVE_MODES, panel=_SPECULATIVE)
+                "MTP head); greedy tokens are off's (on a GPU in bf16 but where two logits nearly tie; with "
+                "--deterministic always)", choices=SPECULATIVE_MODES, panel=_SPECULATIVE)
     num_draft_tokens: int = option(DEFAULT_DRAFT_TOKENS, "drafted tokens per sequence and step", at_least=1,
                                    at_most=MAX_DRAFT_TOKENS, panel=_SPECULATIVE)
     deterministic: bool = option(
