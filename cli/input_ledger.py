@@ -13,7 +13,7 @@ line fixed (an error record has no entry: the line runs again), lines removed. T
 read, so on a file or a stream it costs no extra pass; another batch is refused at its first line that has a
 result, before any of its requests runs unless more than a window of new lines comes first (the results of
 those are kept, as for any stopped run). An output without the file (written by stdout redirection, or by an
-older prefixrun) cannot be checked and resumes as before.
+older prefixrun) cannot be checked: it resumes without the check.
 """
 from __future__ import annotations
 

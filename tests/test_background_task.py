@@ -72,7 +72,7 @@ def test_the_caches_threads_yield_the_cpu_to_the_engines_and_the_caller_keeps_it
 
     mine = own_priority()
     assert BackgroundTask("t", lambda stop: own_priority(), yields_cpu=True).join(5) >= BACKGROUND_NICENESS
-    assert BackgroundTask("t", lambda stop: own_priority()).join(5) == mine  # plain tasks as before
+    assert BackgroundTask("t", lambda stop: own_priority()).join(5) == mine  # plain tasks keep the caller's priority
     assert blob_format.threads().submit(own_priority).result(5) >= BACKGROUND_NICENESS
 
     class Files:

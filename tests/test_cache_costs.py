@@ -746,7 +746,7 @@ def test_read_ahead_moves_the_k_v_rows_to_the_device_and_the_restore_copies_them
         loaded, tmp_path, monkeypatch, device_answer):
     """The prefetch thread hands a read-ahead entry's paged regions (K/V rows) to `ops.upload_ahead`; the lookup's
     import takes its rows from those device copies. Where the device has no room (None) or the call fails, the
-    import uploads the host rows as before. Answers never change."""
+    import uploads the host rows itself. Answers never change."""
     import prefixrun.engine.state.pools as state_module
     run(loaded, tmp_path / "c", FIRST, policy="always")
     calls, imported = [], []

@@ -290,7 +290,7 @@ def test_vocabulary_and_context_checks(qwen3_tokenizer):
 def test_a_template_variable_the_template_never_reads_is_refused(qwen3_tokenizer, llama_tokenizer):
     """A chat_template_kwargs key the model's template never reads would change nothing: an error naming the key
     (and the close name the template does read), never a prompt rendered as if it were not there; a key the
-    template reads renders as before. The command line's are checked against the model's templates at once."""
+    template reads is rendered with it. The command line's are checked against the model's templates at once."""
     from prefixrun.engine.errors import InvalidOption
 
     encoder = PromptEncoder(qwen3_tokenizer, vocab_size=BIG, context_tokens=BIG)

@@ -28,7 +28,11 @@ RULES = {
                          rf"|(?<![\w+./-])(?<!al\. )20[12]\d(?![\w./-])(?! ?{_UNITS})"),
     "a module's length": re.compile(r"\bover \d+ lines\b|\b\d+ lines (?:long )?(?:because|on purpose)", re.I),
     "a GPU model (measurements go to docs/PERFORMANCE.md)": re.compile(r"\b(?:GH|[ABHL])[1-9]\d0\b"),
+    "what the code did before (say what it does, and why)": re.compile(
+        r"\bas (?:it )?(?:before|used to)\b|\bit (?:said|used to)\b"
+        r"|\bused to (?:be|say|print|fail|crash|hang|raise|exit|wait)\b", re.I),
 }
+HISTORY = "what the code did before (say what it does, and why)"
 # path -> owner: files whose comments their owners are rewriting now; an entry goes once fixed (a fixed one warns)
 LEFT = {
 }
@@ -72,7 +76,7 @@ def test_comments_say_why_not_when(path):
 
 
 # bench/ and tests/ measure and test on named hardware, and a test's runs are numbered: the other rules hold there
-SCRIPT_RULES = ("a work session", "a date", "a module's length")
+SCRIPT_RULES = ("a work session", "a date", "a module's length", HISTORY)
 
 
 @pytest.mark.parametrize("path", [p for folder in ("bench", "tests") for p in sorted((ROOT / folder).rglob("*.py"))],
@@ -89,6 +93,8 @@ def test_scripts_and_tests_comments_say_why_not_when(path):
     "# Measured 2026-12-01 on an H200", "# since December 2026", "# as of Dec 3, 2026", "# in 2026 the default",
     '"""(Over 300 lines because the protocol lives in one place.)"""', "# 600 lines on purpose",
     "# 3.16 ms on the H100", "# an A100 needs", "# sessions 8 and 9 measured", "# runs 3 and 4 agree",
+    "# the run opens the cache after the load as it used to", "# checked as before", "# it said nothing",
+    '"""It used to print a traceback."""',
 ])
 def test_the_rules_catch(text):
     assert violations(text + "\n"), text
@@ -99,7 +105,8 @@ def test_the_rules_catch(text):
     "# run 2 workers when the device allows", "# 1 x 2048 rows", "# 2000 tokens of prefix", "# 2048 keys",
     "# U+2028 is a line break to splitlines", "# Leviathan et al. 2023", "# on Hopper (sm_90) the wgmma kernel",
     "# over 300 tokens", "# -2025.5 is a logit", "x = 2026  # a number in code is not a comment's date",
-    "# the session that builds an engine",
+    "# the session that builds an engine", "# a value used to write results in input order",
+    "# references of entries that no longer exist",
 ])
 def test_the_rules_leave_ordinary_text_alone(text):
     assert not violations(text + "\n"), text

@@ -125,7 +125,7 @@ def test_a_failed_write_of_cupy_s_cache_is_skipped_with_one_warning(fake_cupy, t
     kernel_cache.tolerate_unwritable()
     tolerant = fake_cupy._kernel_cache_backend
     assert isinstance(tolerant, _FakeDiskCache) and tolerant._cache_dir == str(tmp_path)
-    tolerant.save("ok.cubin", b"1", "src")  # a writable folder: written as before
+    tolerant.save("ok.cubin", b"1", "src")  # a writable folder: written as CuPy writes it
     assert tolerant.load("ok.cubin") == b"1"
     tolerant._cache_dir = str(tmp_path / "ok.cubin.file")
     Path(tolerant._cache_dir).write_text("")

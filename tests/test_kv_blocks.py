@@ -181,7 +181,7 @@ def test_a_regions_runs_back_to_back_in_one_buffer_are_joined_without_a_copy():
     got = joined(runs)
     assert got.shape == (6, 16) and np.shares_memory(got, host)  # a view of the span, not a copy
     np.testing.assert_array_equal(got.view(np.uint16), np.concatenate(runs).view(np.uint16))
-    # parts apart, out of order, or of another dtype are concatenated as before
+    # parts apart, out of order, or of another dtype are concatenated into a new array
     for parts in ([host[0:16].reshape(1, 16), host[32:48].reshape(1, 16)],
                   [host[16:32].reshape(1, 16), host[0:16].reshape(1, 16)],
                   [host[0:16].reshape(1, 16), np.zeros((1, 16), np.float32)]):
