@@ -235,9 +235,10 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
             what = f"remove {scope} in {ckpt_root}: {_count(len(entries))}, " \
                    f"{human_bytes(sum(e.nbytes for e in entries))}"
         else:
-            removes = _prune_preview(store, entries, prune_older_than_days, prune_to_bytes)
+            doomed, removes = _prune_preview(store, entries, prune_older_than_days, prune_to_bytes)
             what = f"prune the cache at {ckpt_root}: {removes}"
-        refused = _refuse_or_ask(err, what, yes)
+        # a prune that removes nothing has nothing to confirm (a script's --prune-to would fail without --yes)
+        refused = _refuse_or_ask(err, what, yes or not (clear or doomed))
         if refused is not None:
             return refused
         older_than_s = prune_older_than_days * 86400 if prune_older_than_days is not None else None
@@ -245,6 +246,8 @@ def _inspect(store, err: Console, ckpt_root: Path, *, model, as_json, tree, mode
             n = store.clear()
         elif clear:
             n = store.prune(model_digest=model_digests)
+        elif not doomed:
+            n = 0
         else:
             n = store.prune(older_than_s=older_than_s, to_bytes=prune_to_bytes, model_digest=model_digests)
         err.print(f"removed {_count(n)}", soft_wrap=True)
@@ -364,9 +367,9 @@ def _of_model(entry, model: str) -> bool:
         return False
 
 
-def _prune_preview(store, entries, older_than_days, to_bytes) -> str:
-    """What a prune is about to remove, in entries and bytes (K/V blocks counted with the entries that use them;
-    --prune-to evicts least recently used first, as the store does)."""
+def _prune_preview(store, entries, older_than_days, to_bytes) -> tuple[int, str]:
+    """What a prune is about to remove: how many entries, and that in entries and bytes (K/V blocks counted with
+    the entries that use them; --prune-to evicts least recently used first, as the store does)."""
     import time
 
     doomed = {e.entry_id for e in entries
@@ -380,7 +383,7 @@ def _prune_preview(store, entries, older_than_days, to_bytes) -> str:
                 doomed.add(e.entry_id)
                 left -= e.nbytes + e.block_bytes
     nbytes = sum(e.nbytes + e.block_bytes for e in entries if e.entry_id in doomed)
-    return f"about {len(doomed)} of {_count(len(entries))}, {human_bytes(nbytes)}"
+    return len(doomed), f"about {len(doomed)} of {_count(len(entries))}, {human_bytes(nbytes)}"
 
 
 def _blocks_line(summary: dict, total: int) -> str:

@@ -3,6 +3,7 @@ plant links, memos and re-signed rows. Nothing outside the folder is written or 
 from a run without the cache."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -410,6 +411,16 @@ def test_inspect_cache_prune_says_how_much_it_will_remove(tmp_path):
     cache = cache_with_entries(tmp_path)
     res = cli("inspect-cache", "--cache-dir", cache, "--prune-to", "0")  # stdin is not a terminal: refused
     assert res.exit_code == 2 and "about 2 of 2 entries" in res.stderr
+
+
+def test_inspect_cache_prune_that_removes_nothing_asks_nothing(tmp_path):
+    """`--prune-to 2GiB` on a smaller cache, or `--prune-older-than 7` on a fresh one, removes nothing: it was
+    refused without --yes off a terminal (exit 2) and asked about 0 entries on one."""
+    cache = cache_with_entries(tmp_path)
+    for prune in (["--prune-to", "2GiB"], ["--prune-older-than", "7"]):
+        res = cli("inspect-cache", "--cache-dir", cache, *prune)
+        assert res.exit_code == 0 and "removed 0 entries" in res.stderr, res.output
+    assert len(json.loads(cli("inspect-cache", "--cache-dir", cache, "--json").stdout)["entries"]) == 2
 
 
 def test_inspect_cache_table_fits_the_terminal_one_line_per_entry(tmp_path):
