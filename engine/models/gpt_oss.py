@@ -16,11 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from prefixrun.engine.errors import ModelLoadError
-from prefixrun.engine.load.config import SLIDING_ATTENTION
 from prefixrun.engine.load.gpt_oss_config import GptOssConfig
 from prefixrun.engine.load.mxfp4 import GROUP, MXFP4, check_mxfp4
-from prefixrun.engine.models.layers import (Attention, CausalLM, DecoderLayer, RMSNorm, SlidingWindowAttention,
-                                            WeightLoader)
+from prefixrun.engine.models.dense import attention_decoder
+from prefixrun.engine.models.layers import CausalLM, WeightLoader
 
 
 def _gate_first(a: np.ndarray, axis: int) -> np.ndarray:
@@ -101,16 +100,4 @@ class ClampedSwigluMoe:
 
 
 def build(cfg: GptOssConfig, load: WeightLoader) -> CausalLM:
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"{cfg.weight_prefix}layers.{i}."
-        common = dict(qk_norm=False, output_gate=False, zero_centered_norm=False, sinks=True)
-        if kind == SLIDING_ATTENTION:
-            mixer = SlidingWindowAttention(cfg, load, p + "self_attn.", i, window=cfg.sliding_window, **common)
-        else:
-            mixer = Attention(cfg, load, p + "self_attn.", i, **common)
-        norm = lambda name: RMSNorm(load, p + name, cfg.hidden_size, cfg.rms_norm_eps, zero_centered=False)
-        layers.append(DecoderLayer(mixer, ClampedSwigluMoe(cfg, load, p + "mlp."), norm("input_layernorm.weight"),
-                                   norm("post_attention_layernorm.weight")))
-    final = RMSNorm(load, cfg.weight_prefix + "norm.weight", cfg.hidden_size, cfg.rms_norm_eps, zero_centered=False)
-    return CausalLM(cfg, load, layers, final)
+    return attention_decoder(cfg, load, lambda prefix: ClampedSwigluMoe(cfg, load, prefix), qk_norm=False, sinks=True)
