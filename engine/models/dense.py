@@ -1,5 +1,6 @@
 """The dense decoder shared by Qwen3 and Llama: attention (GQA, rotary; Qwen3's sliding_attention layers keep a
-ring of `sliding_window` K/V rows) + gated MLP, plain RMSNorms; biases where the config says so."""
+ring of `sliding_window` K/V rows) + gated MLP, plain RMSNorms; biases where the config says so. Its layer stack
+(`attention_decoder`) serves gpt-oss too, with gpt-oss's MoE in the MLP's place and attention sinks."""
 from __future__ import annotations
 
 from typing import Callable
