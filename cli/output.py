@@ -219,30 +219,36 @@ def restore_input_order(output: Path, positions: io.InputPositions, fresh_from: 
         if kept == list(range(len(spans))):
             temp.unlink(missing_ok=True)  # a copy a killed rewrite left
             return False
-        info = os.stat(real)
-        if info.st_nlink > 1:
-            raise OSError(f"it has {info.st_nlink} hard links, which a rewrite would split")
-        mode = stat.S_IMODE(info.st_mode)
-        try:
-            descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), mode)
-            with os.fdopen(descriptor, "wb") as out:
-                os.fchmod(out.fileno(), mode)  # as the original, not as the umask makes it
-                if (info.st_uid, info.st_gid) != (os.getuid(), os.getgid()):
-                    try:
-                        os.fchown(out.fileno(), info.st_uid, info.st_gid)
-                    except PermissionError:
-                        pass
-                for i in kept:
-                    start, length = spans[i]
-                    src.seek(start)
-                    out.write(src.read(length))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temp, real)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+        _rewrite_lines(src, real, temp, [spans[i] for i in kept])
     return True
+
+
+def _rewrite_lines(src, real: Path, temp: Path, spans: list[tuple[int, int]]) -> None:
+    """`real` replaced by the (offset, length) `spans` of `src` (its open file) in that order: written to `temp`
+    (mode and owner kept, synced), then renamed over it; a failure removes `temp` and leaves `real` whole. A file
+    with several hard links is refused (OSError): a rewrite would split them."""
+    info = os.stat(real)
+    if info.st_nlink > 1:
+        raise OSError(f"it has {info.st_nlink} hard links, which a rewrite would split")
+    mode = stat.S_IMODE(info.st_mode)
+    try:
+        descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), mode)
+        with os.fdopen(descriptor, "wb") as out:
+            os.fchmod(out.fileno(), mode)  # as the original, not as the umask makes it
+            if (info.st_uid, info.st_gid) != (os.getuid(), os.getgid()):
+                try:
+                    os.fchown(out.fileno(), info.st_uid, info.st_gid)
+                except PermissionError:
+                    pass
+            for start, length in spans:
+                src.seek(start)
+                out.write(src.read(length))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, real)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------------------
