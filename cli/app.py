@@ -228,9 +228,10 @@ def make_model(
     init_std: Annotated[Optional[float], typer.Option(help="weight scale (default: initializer_range)")] = None,
     dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32")] = "bfloat16",
     shards: Annotated[int, typer.Option(help="number of safetensors shards")] = 1,
-    composite: Annotated[bool, typer.Option(help="write the Qwen3.5 vision-language composite layout")] = False,
-    mtp: Annotated[bool, typer.Option(help="also write an MTP head (mtp.*) for --speculative mtp (Qwen3.5 / "
-                                           "Qwen3-Next families)")] = False,
+    composite: Annotated[bool, typer.Option("--composite", help="write the Qwen3.5 vision-language composite "
+                                            "layout")] = False,
+    mtp: Annotated[bool, typer.Option("--mtp", help="also write an MTP head (mtp.*) for --speculative mtp (Qwen3.5 / "
+                                      "Qwen3-Next families)")] = False,
     fp8: Annotated[bool, typer.Option("--fp8", help="store the linear weights in FP8 as Qwen's FP8 checkpoints do "
                                       "(float8_e4m3fn, a scale per 128 x 128 block)")] = False,
     mxfp4: Annotated[bool, typer.Option("--mxfp4", help="store gpt-oss's experts in MXFP4 as the released "
@@ -312,7 +313,7 @@ def inspect_cache(
     model: Annotated[Optional[str], typer.Option(
         help="only entries of this model: its folder, or its digest's first characters")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print entries as JSON on stdout")] = False,
-    tree: Annotated[bool, typer.Option(help="show how entries nest (prefix tree)")] = False,
+    tree: Annotated[bool, typer.Option("--tree", help="show how entries nest (prefix tree)")] = False,
     model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="decode previews with this model's "
                                                       "tokenizer")] = None,
     prune_older_than: Annotated[Optional[float], typer.Option(help="remove entries unused for this many days "

@@ -85,10 +85,14 @@ def test_the_check_sees_a_stale_option():
 
 def test_help_texts_read_alike():
     """Every option's value reads `<type>` in --help (not `ADDRESS` beside `<str>`, nor Typer's `<int range>`), an
-    option without a default says what it falls back to, and bench's usage line names its workload."""
+    option without a default says what it falls back to, and bench's usage line names its workload. A switch is one
+    flag, as --json and --clear are (--tree and --composite read `--tree / --no-tree  [default: no-tree]`); batch's
+    --ignore-eos / --no-ignore-eos is declared as a pair in engine/run/config.py, and scripts may pass either."""
     from conftest import cli
 
     root = typer.main.get_command(app)
+    pairs = {o for sub in root.commands.values() for p in sub.params for o in p.secondary_opts}
+    assert pairs == {"--no-ignore-eos"}, pairs
     for name in root.commands:
         res = cli(name, "--help", env={"COLUMNS": "200"})
         assert res.exit_code == 0, res.output
