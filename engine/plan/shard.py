@@ -52,8 +52,8 @@ def shard_window(root: TrieNode, max_tokens: list[int], workers: int, decode_wei
                  slack: float = 0.05) -> ShardPlan:
     """Assign the requests of the trie `root` (built from a window's prompts) to `workers` shards.
 
-    max_tokens[i]: the decode budget of request i (over all its samples); slack: how much longer than the shortest makespan a cut may be
-    to duplicate fewer prefix tokens. Deterministic: the same window gives the same shards."""
+    max_tokens[i]: the decode budget of request i (over all its samples); slack: how much longer than the shortest
+    makespan a cut may be to duplicate fewer prefix tokens. Deterministic: the same window gives the same shards."""
     if workers < 1:
         raise ValueError("workers must be >= 1")
     order, lengths, shared = _depth_first_requests(root)
@@ -63,26 +63,7 @@ def shard_window(root: TrieNode, max_tokens: list[int], workers: int, decode_wei
     decode = [decode_weight * max_tokens[r] for r in order]
 
     def fill(bound: float) -> list[int] | None:
-        """Greedy cut points (start indices) for runs of work <= bound, or None if `workers` runs do not do."""
-        starts, work = [0], 0.0
-        for i in range(len(order)):
-            if i == starts[-1]:
-                work = lengths[i] + decode[i]
-                if work > bound:
-                    return None
-                continue
-            step = new[i] + decode[i]
-            if work + step <= bound:
-                work += step
-            else:
-                if len(starts) == workers:
-                    return None
-                starts.append(i)
-                work = lengths[i] + decode[i]
-                if work > bound:
-                    return None
-        return starts
-
+        return _greedy_cuts(bound, lengths, new, decode, workers)
     if not order:
         return ShardPlan(tuple(Shard((), 0, 0) for _ in range(workers)), 0, 0, decode_weight)
     total = lengths[0] + decode[0] + sum(n + d for n, d in zip(new[1:], decode[1:]))
@@ -118,6 +99,31 @@ def shard_window(root: TrieNode, max_tokens: list[int], workers: int, decode_wei
     shards += [Shard((), 0, 0)] * (workers - len(shards))
     distinct = lengths[0] + sum(new[1:])  # one run holding everything: the trie's size
     return ShardPlan(tuple(shards), distinct, sum(s.distinct_tokens for s in shards) - distinct, decode_weight)
+
+
+def _greedy_cuts(bound: float, lengths: list[int], new: list[int], decode: list[float], workers: int
+                 ) -> list[int] | None:
+    """Greedy cut points (start indices into the depth-first order) for runs of work <= bound, or None if
+    `workers` runs do not do. A run starting at i pays lengths[i], each later request its `new` tokens; every
+    request its `decode` work."""
+    starts, work = [0], 0.0
+    for i in range(len(lengths)):
+        if i == starts[-1]:
+            work = lengths[i] + decode[i]
+            if work > bound:
+                return None
+            continue
+        step = new[i] + decode[i]
+        if work + step <= bound:
+            work += step
+        else:
+            if len(starts) == workers:
+                return None
+            starts.append(i)
+            work = lengths[i] + decode[i]
+            if work > bound:
+                return None
+    return starts
 
 
 def _depth_first_requests(root: TrieNode) -> tuple[list[int], list[int], list[int]]:
