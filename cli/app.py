@@ -370,8 +370,8 @@ def inspect_cache(
 
 @app.command("compile-kernels")
 def compile_kernels(
-    workers: Annotated[Optional[int], typer.Option(min=1, metavar="<int>", help="threads compiling side by side (default and at "
-                                                   "most: the cores this process may use)", show_default=False)] = None,
+    workers: Annotated[Optional[int], typer.Option(help="threads compiling side by side (default and at most: the "
+                                                   "cores this process may use)", show_default=False)] = None,
     model: Annotated[Optional[Path], typer.Option(help="also run this model once on a one-line batch, so the kernels "
                                                  "CuPy makes for its run are compiled too", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
@@ -381,6 +381,9 @@ def compile_kernels(
     from prefixrun.cli.compile_kernels import NoGpu, compile_everything, report_text
 
     reporter = RunReporter()
+    if workers is not None and workers < 1:
+        reporter.error(f"--workers must be at least 1, got {workers}")
+        raise typer.Exit(io.EXIT_USAGE)
     if model is not None and not (model / "config.json").is_file():
         reporter.error(f"--model {model}: not a model folder (no config.json in it)")
         raise typer.Exit(io.EXIT_USAGE)

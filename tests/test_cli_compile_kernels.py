@@ -37,6 +37,16 @@ def test_a_bad_workers_count_is_a_usage_error(workers):
     assert result.exit_code == 2
 
 
+@pytest.mark.parametrize("workers", ["0", "-3"])
+def test_a_workers_count_below_one_is_one_line_naming_it(workers):
+    """--help showed Typer's `[x>=1]` beside --workers and the error was Typer's four lines ("Input should be
+    greater than or equal to 1"); it reads as make-model's --threads does."""
+    result = _invoke("--workers", workers)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and lines == [f"error: --workers must be at least 1, got {workers}"], result.output
+    assert "x>=1" not in _invoke("--help").output
+
+
 def test_it_brings_up_no_gpu_at_the_process_start():
     """The command compiles on a pool of its own; the early bring-up is for commands that run an engine."""
     assert not brings_up_gpu(["compile-kernels"])
