@@ -509,7 +509,9 @@ def test_checkpoint_pool_contract(loaded, cpu_ops):
     e8 = pool.lookup(prompt, 0, 8)
     restored = pool.restore(e8)
     st.release(restored)
-    pool.invalidate(e8)
+    evicted = pool.evict_lru()  # the one entry left, unpinned: the caller owns its state
+    assert evicted.handle is e8.handle and evicted.tokens == e8.tokens and pool.evict_lru() is None
+    st.release(evicted.handle)
     assert pool.lookup(prompt, 0, 8) is None and len(pool) == 0
     assert pool.drain() == []
     pool.check_invariants(consumers=set())

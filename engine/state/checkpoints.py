@@ -204,12 +204,6 @@ class CheckpointPool:
         self.state.release(entry.handle)
         return consumers
 
-    def invalidate(self, entry: CheckpointEntry):
-        """Drop an unpinned entry whose copy failed or whose contents cannot be trusted."""
-        if self.holds(entry) and not entry.holders:
-            self._forget(entry)
-            self.state.release(entry.handle)
-
     def drain(self) -> list[Evicted]:
         """Remove every entry (no pins may be left); returns them for the caller to persist and release."""
         if self._pinned_by:
