@@ -78,7 +78,7 @@ def _cache_root(cache_dir: Optional[str]) -> Path:
 
 
 # the options that shape the run are declared once, in engine/run/config.py (RunConfig): with_run_options adds them
-@app.command(cls=_RunCommand)
+@app.command(cls=_RunCommand, short_help="Run a JSONL batch: one result line per input line.")
 @with_run_options
 def batch(
     ctx: typer.Context,
@@ -220,7 +220,7 @@ def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=
         raise typer.Exit(stop.exit_code)
 
 
-@app.command("make-model")
+@app.command("make-model", short_help="Write an HF model directory with seeded random weights.")
 def make_model(
     out_dir: Annotated[Path, typer.Argument(help="directory to write")],
     config: Annotated[Optional[Path], typer.Option(help="HF config.json to follow (default: the tiny Qwen3.5)")] = None,
@@ -307,7 +307,7 @@ def _remove_model_files(folder: Path):
             path.unlink()
 
 
-@app.command("inspect-cache")
+@app.command("inspect-cache", short_help="Show the checkpoint cache; prune, verify or clear it.")
 def inspect_cache(
     cache_dir: Optional[str] = run_option("cache_dir"),  # batch's, as declared in engine/run/config.py
     model: Annotated[Optional[str], typer.Option(
@@ -368,7 +368,7 @@ def inspect_cache(
     raise typer.Exit(code)
 
 
-@app.command("compile-kernels")
+@app.command("compile-kernels", short_help="Compile every CUDA kernel ahead (needs a GPU).")
 def compile_kernels(
     workers: Annotated[Optional[int], typer.Option(help="threads compiling side by side (default and at most: the "
                                                    "cores this process may use)", show_default=False)] = None,
@@ -397,6 +397,7 @@ def compile_kernels(
 
 
 @app.command(cls=_RunCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             short_help="Time a batch run on a workload; figures as JSON.",
              options_metavar="WORKLOAD [BATCH OPTIONS] [OPTIONS]")
 def bench(
     ctx: typer.Context,

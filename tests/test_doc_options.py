@@ -119,3 +119,17 @@ def test_defaults_the_readme_states_are_the_commands():
     assert len(stated) >= 3, stated
     for option, default in stated:
         assert value(default) == value(str(batch[option])), (option, default, batch[option])
+
+
+def test_the_command_list_reads_whole():
+    """`prefixrun --help` lists each command with a whole sentence on one line at 80 columns (Click cut each
+    docstring's first sentence at 45 characters: "Run a JSONL batch: results on stdout (or -o), one line...")."""
+    from conftest import cli
+
+    res = cli("--help", env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    listing = res.output.split("Commands:")[1].strip().splitlines()
+    assert not any("..." in line for line in listing), listing
+    names = typer.main.get_command(app).commands
+    assert [line.split()[0] for line in listing] == list(names), listing
+    assert all(line.rstrip().endswith(".") and len(line) <= 80 for line in listing), listing
