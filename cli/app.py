@@ -34,14 +34,47 @@ from prefixrun.engine.request import InvalidRequest
 from prefixrun.engine.run.config import RunConfig, declared_of
 from prefixrun.engine.sizes import parse_size
 
+# Click's usage error (Typer's own copy of Click, or Click), whichever this Typer raises
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+class _OneLineUsageError(_UsageError):
+    """A usage error said in one line on stderr, as every other refusal of the command line is (Click's own is four:
+    the usage, a hint, a blank line and the message)."""
+
+    def show(self, file=None) -> None:
+        from prefixrun.cli.report import printable
+
+        where = f" (see `{self.ctx.command_path} --help`)" if self.ctx is not None else ""
+        typer.echo(f"error: {printable(self.format_message().rstrip('.'))}{where}", err=True)
+
+
+def _one_line(error):
+    """`error` to raise in its place: said in one line, but the help that `prefixrun` alone shows (Click raises it
+    as a usage error) and an error already in one line."""
+    if isinstance(error, _OneLineUsageError) or type(error).__name__ == "NoArgsIsHelpError":
+        return error
+    return _OneLineUsageError(error.format_message(), error.ctx)
+
+
 class _Group(typer.core.TyperGroup):
-    """The command line's own options (--help, --version) parsed as _RunCommand's (cli/plain_values.py)."""
+    """The command line's own options (--help, --version) parsed as _RunCommand's (cli/plain_values.py); every
+    usage error, the commands' included, said in one line."""
 
     def parse_args(self, ctx, args):
         from prefixrun.cli.plain_values import install
 
         install(self.get_params(ctx))
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except _UsageError as error:
+            raise _one_line(error) from None
+
+    def invoke(self, ctx):
+        try:  # a command's options are parsed here, as it is made
+            return super().invoke(ctx)
+        except _UsageError as error:
+            raise _one_line(error) from None
 
 
 class _RunCommand(typer.core.TyperCommand):

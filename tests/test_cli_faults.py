@@ -770,6 +770,27 @@ def test_80_column_report_keeps_labels_on_one_line(model, tmp_path):
         assert any(l.startswith(f"│ {label} ") for l in table_lines), label
 
 
+@pytest.mark.parametrize("args, named", [
+    (["batch", "in.jsonl", "--bogus"], "No such option: --bogus (see `root batch --help`)"),
+    (["batch", "in.jsonl", "--window", "many"], "'--window'"),
+    (["batch", "a.jsonl", "b.jsonl"], "unexpected extra argument"),
+    (["make-model"], "Missing argument 'out_dir' (see `root make-model --help`)"),
+    (["inspect-cache", "--prune-older-than", "soon"], "'--prune-older-than'"),
+    (["compile-kernels", "--workers", "x"], "'--workers'"),
+    (["bench", "w.jsonl", "--transformers-batch", "x"], "'--transformers-batch'"),
+    (["nosuch"], "No such command 'nosuch' (see `root --help`)"),
+    (["--bogus"], "No such option: --bogus"),
+])
+def test_a_usage_error_is_one_line(args, named):
+    """Click said a bad option or argument in four lines (the usage, a hint, a blank line, `Error: ...`), where every
+    other refusal of the command line is one `error:` line; `prefixrun` alone still shows the help. (The runner
+    names the program `root`.)"""
+    res = cli(*args)
+    assert res.exit_code == 2 and named in one_error_line(res.stderr), res.stderr
+    alone = cli()
+    assert alone.exit_code == 2 and "Usage: " in alone.output and "batch" in alone.output
+
+
 @pytest.mark.parametrize("command", ["bench", "batch", "make-model", "inspect-cache"])
 def test_help_at_80_columns_shows_whole_option_names(command):
     p = run(command, "--help", env={**os.environ, "COLUMNS": "80"})
