@@ -124,7 +124,8 @@ def batch(
                                             "results")] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="write results as they finish, not in input "
                                             "order")] = False,
-    json_report: Annotated[Optional[Path], typer.Option(help="write the run report as JSON here")] = None,
+    json_report: Annotated[Optional[Path], typer.Option(help="write the run report as JSON here (-: standard "
+                                                        "output, with -o FILE for the results)")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only errors on stderr")] = False,
     progress_interval: Annotated[float, typer.Option(
         help="when stderr is not a terminal (a log): seconds between plain progress lines (0: none)")] = 30.0,
