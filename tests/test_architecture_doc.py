@@ -74,3 +74,42 @@ def test_the_path_check_can_fail(tmp_path):
     (tmp_path / "engine" / "load" / "config.py").write_text("")
     text = "`engine/load/config.py`, engine/load/ and engine/load/*.py; engine/gone.py, `vanished.py`, `config.py`."
     assert missing_paths(text, tmp_path) == ["engine/gone.py", "`vanished.py`"]
+
+
+def _rooms(text: str) -> dict[str, str]:
+    """Each room's part of the Modules section, by the room its bold header names (`engine/load/`; `engine/` for
+    the header of engine's own modules, `engine/request.py`, ...)."""
+    heads = list(re.finditer(r"^\*\*`([a-z_/.]+)`", text, flags=re.M))
+    parts = {}
+    for head, after in zip(heads, heads[1:] + [None]):
+        room = head.group(1) if head.group(1).endswith("/") else head.group(1).rsplit("/", 1)[0] + "/"
+        parts[room] = parts.get(room, "") + text[head.start():after.start() if after else len(text)]
+    return parts
+
+
+def unplaced_modules(text: str, root: Path = ROOT) -> list[str]:
+    """The modules and CUDA sources the text never names inside their own room's part (a module named only where
+    another room's prose mentions it, e.g. a loader file only under engine/models/, is not placed)."""
+    rooms = _rooms(text)
+    files = sorted(p for folder in ("cli", "engine", "kernels") for pattern in ("*.py", "*.cu")
+                   for p in (root / folder).rglob(pattern) if p.name != "__init__.py")
+    unplaced = []
+    for p in files:
+        rel = p.relative_to(root)
+        part = rooms.get("/".join(rel.parts[:-1]) + "/", "")
+        if str(rel) not in part and f"`{p.name}`" not in part:
+            unplaced.append(str(rel))
+    return unplaced
+
+
+def test_every_module_is_placed_in_its_room():
+    unplaced = unplaced_modules(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert not unplaced, f"modules docs/ARCHITECTURE.md names only outside their room's part: {unplaced}"
+
+
+def test_the_placement_check_can_fail(tmp_path):
+    (tmp_path / "engine" / "load").mkdir(parents=True)
+    for name in ("mxfp4.py", "config.py"):
+        (tmp_path / "engine" / "load" / name).write_text("")
+    text = "**`engine/load/`** reading: `engine/load/config.py`.\n**`engine/models/`** gpt-oss: `engine/load/mxfp4.py`."
+    assert unplaced_modules(text, tmp_path) == ["engine/load/mxfp4.py"]
