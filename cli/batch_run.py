@@ -13,6 +13,7 @@ from prefixrun.cli import io
 from prefixrun.cli import lines
 from prefixrun.cli.line_reader import RawLine, iter_input_lines
 from prefixrun.cli import records
+from prefixrun.cli import stop_signals
 from prefixrun.cli.input_ledger import InputLedger
 from prefixrun.cli.replies import Replies
 from prefixrun.cli.report import shown_id
@@ -229,15 +230,16 @@ class BatchRun:
         created = int(time.time())
         for result in self.backend.run([req for _, req in window]):
             self._show_backend_warnings()
-            if result.error is not None:  # the engine could not run it (e.g. it can never fit the state memory)
-                self._error(writer, lines.make_error(parsed[result.index], result.error))
-            else:
-                item = parsed[result.index]
-                writer.add(result.index, records.format_result(
-                    item, result, model=self.model_name, created=created,
-                    reply=self.replies.shaper(item, requests[result.index]), tokens=self.token_text))
-            self.ledger.wrote(result.index, result.custom_id, ok=result.error is None)
-            self.done += 1
+            with stop_signals.deferred():  # the record, the ledger and the count change together
+                if result.error is not None:  # the engine could not run it (e.g. it can never fit state memory)
+                    self._error(writer, lines.make_error(parsed[result.index], result.error))
+                else:
+                    item = parsed[result.index]
+                    writer.add(result.index, records.format_result(
+                        item, result, model=self.model_name, created=created,
+                        reply=self.replies.shaper(item, requests[result.index]), tokens=self.token_text))
+                self.ledger.wrote(result.index, result.custom_id, ok=result.error is None)
+                self.done += 1
             self.reporter.advance(self.done, self.backend.stats)
         self.reporter.window_done()
 

@@ -9,6 +9,9 @@ A signal that is ignored when the process starts stays ignored: `nohup` ignores 
 background job with SIGINT ignored, and a job run that way must keep running. Once one stop signal has arrived,
 later ones are ignored, so the finished results are written whole rather than cut short by a second Ctrl-C or a
 scheduler's repeated SIGTERM (SIGKILL still ends the process; --resume then recovers from the journal).
+
+Within `deferred()` a stop signal waits until the block ends: a result's record and the count of finished results
+change together, so a partial report never counts one result fewer than the records written.
 """
 from __future__ import annotations
 
@@ -16,6 +19,12 @@ import contextlib
 import signal
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Deferral:
+    """How deep the main thread is in `deferred()` blocks, and the stop signal that arrived there."""
+    depth = 0
+    pending: int | None = None
 
 
 class Stopped(KeyboardInterrupt):
@@ -50,6 +59,9 @@ def stop_signals_raise():
         if stopping:
             return
         stopping = True
+        if _Deferral.depth:
+            _Deferral.pending = signum
+            return
         raise Stopped(signum)
 
     previous = {}
@@ -66,3 +78,17 @@ def stop_signals_raise():
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+        _Deferral.pending = None  # a stop held in a block that ended by its own exception belongs to this run
+
+
+@contextlib.contextmanager
+def deferred():
+    """Within: a stop signal is held until the block ends, then raised (the block's own exception goes first)."""
+    _Deferral.depth += 1
+    try:
+        yield
+    finally:
+        _Deferral.depth -= 1
+    if not _Deferral.depth and _Deferral.pending is not None:
+        signum, _Deferral.pending = _Deferral.pending, None
+        raise Stopped(signum)
