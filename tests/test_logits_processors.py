@@ -320,6 +320,11 @@ def test_generation_config_processing_fields(tmp_path):
         SamplingDefaults(max_tokens=2, min_tokens=3).over(d.sampling).resolve()
     with pytest.raises(ModelLoadError, match="suppress_tokens names token id 7"):
         GenerationDefaults.from_model_dir(tmp_path, vocab_size=7)
+    # transformers applies these too (encoder_repetition_penalty to a decoder-only model's prompt tokens)
+    for field, value in (("encoder_repetition_penalty", 1.5), ("top_h", 0.4), ("token_healing", True),
+                         ("dola_layers", "high")):
+        (tmp_path / "generation_config.json").write_text(json.dumps({field: value}))
+        assert GenerationDefaults.from_model_dir(tmp_path).not_applied == (field,)
 
 
 # ---- logprobs against transformers' log_softmax ------------------------------------------------------------------

@@ -389,7 +389,9 @@ _NOT_APPLIED = {"force_words_ids": None,
                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
                 "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
                 "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None, "guidance_scale": None,
-                "stop_strings": None, "max_time": None, "watermarking_config": None}
+                "stop_strings": None, "max_time": None, "watermarking_config": None,
+                # a decoder-only model's "encoder" input is its prompt: transformers boosts the prompt's tokens
+                "encoder_repetition_penalty": 1.0, "top_h": None, "token_healing": False, "dola_layers": None}
 
 
 def _model_processing(config: dict, reader, file_name: str, vocab_size: int | None, eos_ids) -> ModelProcessing:
