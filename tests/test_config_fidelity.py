@@ -262,6 +262,10 @@ REFUSED = {
     "partial rotary in Llama": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
                                                partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
     "gelu before a delta-rule conv": ("qwen3_5_text", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    # no linear-attention key heads once broke the head ratio's check (integer modulo by zero); no value heads or
+    # zero-wide heads loaded
+    **{f"{field} 0": ("qwen3_5_text", {field: 0}, f"{field} must be a positive integer, got 0")
+       for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")},
     "attention softcap": ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping = 50.0"),
     "bidirectional": ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention = true"),
     "no window": ("gemma3_text", dict(sliding_window=None), "sliding_window = null"),

@@ -147,6 +147,9 @@ class HybridConfig(DecoderConfig):
         unknown = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
         if unknown:
             raise ModelLoadError(f"config.json: unsupported layer types {sorted(unknown)}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"config.json: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ModelLoadError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.linear_conv_kernel_dim < 2:
