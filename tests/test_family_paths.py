@@ -1,4 +1,4 @@
-"""gpt-oss, Nemotron-H, Granite 4.0-H, LFM2 and Kimi Linear with many config fields set off their defaults at once,
+"""gpt-oss, Nemotron-H, Granite 4.0-H, LFM2, Kimi Linear, and Qwen3, Gemma 3, Qwen3.5 and Llama with many config fields set off their defaults at once,
 in models written by transformers itself, through every path the engine takes to a token: prefix reuse (branch
 points inside, at and past the sliding window or conv history, small batches, 3-token prefill pieces, 4-token
 blocks), `--speculative ngram` with every draft verified (rejections included), and the persistent cache (cold,
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_torch_thread")]
 VOCAB = 320  # room for the tokenizer's 256 bytes and specials (the loader's path reads a tokenizer)
 TOKENS = 8
 TOL = 1e-4
-M, A, MLP, E = "linear_attention", "full_attention", "mlp", "moe"
+M, A, MLP, E, S = "linear_attention", "full_attention", "mlp", "moe", "sliding_attention"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
         "truncate": False, "beta_fast": 8.0}
 # Untied heads and default norm eps: with either, models of this size answer most prompts with one repeated token
@@ -65,6 +65,22 @@ CASES = {
                                         norm_topk_prob=False, mlp_layer_types=None, first_k_dense_replace=2,
                                         linear_conv_kernel_dim=2, num_hidden_layers=4, layer_types=[M, A, M, M]),
                     2),
+    # a window of 5 on the first layer only (max_window_layers), biases, yarn, wide heads, MQA
+    "qwen3": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3,
+                            attention_bias=True, rope_parameters=YARN, head_dim=24, num_key_value_heads=1), 5),
+    # a window of 5, a query scale other than the head width, a final softcap, wide heads, MQA, a large norm eps
+    "gemma3": ("gemma3_text", dict(sliding_window=5, num_hidden_layers=4, layer_types=[S, S, A, S],
+                                   query_pre_attn_scalar=24, final_logit_softcapping=5.0, head_dim=24,
+                                   num_key_value_heads=1, rms_norm_eps=0.02), 5),
+    # a conv of 3, one key head for three value heads of other widths, half-rotary yarn, biases
+    "qwen3_5": ("qwen3_5_text", dict(linear_conv_kernel_dim=3, num_hidden_layers=4, layer_types=[M, A, M, A],
+                                     attention_bias=True, rope_parameters={**YARN, "partial_rotary_factor": 0.5},
+                                     linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
+                                     linear_value_head_dim=10), 3),
+    # every bias, llama3 rope, wide heads
+    "llama": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=24, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}), 5),
 }
 
 
