@@ -40,6 +40,15 @@ BASE = {
                          linear_value_head_dim=8, linear_conv_kernel_dim=4),
     "gemma3_text": dict(_SMALL, head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=16, sliding_window=8,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # the MoE hybrids (tests/test_moe.py sweeps their fields): 4 experts, top 2, a shared expert
+    "qwen3_next": dict(_SMALL, head_dim=16, num_hidden_layers=2, tie_word_embeddings=False,
+                       layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40),
+    "qwen3_5_moe_text": dict(_SMALL, head_dim=16, num_hidden_layers=2, tie_word_embeddings=False,
+                             layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40),
     # LFM2 (tests/test_lfm2.py sweeps its fields): conv layers around an attention layer, ff sizing to 64s
     "lfm2": dict(_SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], block_multiple_of=64),
     # gpt-oss (tests/test_gpt_oss.py sweeps its fields): a window of 8 around a full layer, 4 experts, top 2

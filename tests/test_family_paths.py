@@ -1,8 +1,8 @@
-"""gpt-oss, Nemotron-H, Granite 4.0-H, LFM2, Kimi Linear, and Qwen3, Gemma 3, Qwen3.5 and Llama with many config fields set off their defaults at once,
-in models written by transformers itself, through every path the engine takes to a token: prefix reuse (branch
-points inside, at and past the sliding window or conv history, small batches, 3-token prefill pieces, 4-token
-blocks), `--speculative ngram` with every draft verified (rejections included), and the persistent cache (cold,
-then warm on prompts that branch off the stored states). On each path the greedy tokens are transformers'
+"""gpt-oss, Nemotron-H, Granite 4.0-H, LFM2, Kimi Linear, Qwen3, Gemma 3, Qwen3.5, Qwen3-Next, Qwen3.5-MoE and Llama
+with many config fields set off their defaults at once, in models written by transformers itself, through every path
+the engine takes to a token: prefix reuse (branch points inside, at and past the sliding window or conv history,
+small batches, 3-token prefill pieces, 4-token blocks), `--speculative ngram` with every draft verified (rejections
+included), and the persistent cache (cold, then warm on prompts that branch off the stored states). On each path the greedy tokens are transformers'
 generate's (float64), and each token's top logprobs are within 1e-4 of its log_softmax (except under ngram: a
 step that wants logprobs is never speculative).
 
@@ -77,6 +77,19 @@ CASES = {
                                      attention_bias=True, rope_parameters={**YARN, "partial_rotary_factor": 0.5},
                                      linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
                                      linear_value_head_dim=10), 3),
+    # a conv of 2, uneven linear heads, 8 experts, top 3 unnormalised, every second layer sparse but one dense by
+    # mlp_only_layers, half-rotary yarn, biases, tied heads, MQA
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, layer_types=[M, A, M, A], linear_conv_kernel_dim=2,
+                                      linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
+                                      linear_value_head_dim=10, num_experts=8, num_experts_per_tok=3,
+                                      norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3],
+                                      partial_rotary_factor=0.5, rope_parameters=YARN, attention_bias=True,
+                                      tie_word_embeddings=True, head_dim=24, num_key_value_heads=1), 2),
+    # a conv of 5, two linear layers before two attention ones, keys narrower than values, quarter-rotary yarn
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_hidden_layers=4, layer_types=[M, M, A, A], linear_conv_kernel_dim=5,
+                                             linear_value_head_dim=12, num_experts=6, attention_bias=True,
+                                             rope_parameters={**YARN, "partial_rotary_factor": 0.25},
+                                             tie_word_embeddings=True), 5),
     # every bias, llama3 rope, wide heads
     "llama": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=24, rope_parameters={
         "rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
