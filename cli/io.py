@@ -158,7 +158,8 @@ first; cli/logprob_records.py). A chat's `choices[0].logprobs` is OpenAI's
 `{"content": [{"token": " Paris", "logprob": -0.31, "bytes": [32, 80, 97, 114, 105, 115], "top_logprobs":
 [{"token": ..., "logprob": ..., "bytes": [...]}, ...]}, ...], "refusal": null}`; a completion's is
 `{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token text: logprob, ...}, ...], "text_offset":
-[...]}`; a plain line's result gains
+[...]}`, each `top_logprobs` entry the token itself and then its k alternatives (up to k + 1 keys, as OpenAI's
+legacy completions and vLLM write them); a plain line's result gains
 `"logprobs": [{"token_id": 12095, "token": " Paris", "logprob": -0.31, "top_logprobs": [{"token_id": ...,
 "token": ..., "logprob": ...}, ...]}, ...]` and `"cumulative_logprob"` (their sum). A token's `bytes` are the
 bytes it stands for, exact for a token holding part of a UTF-8 character; -inf is written -9999.0.

@@ -110,8 +110,10 @@ def chat_logprobs(choice: Completion, tokens: TokenText) -> dict | None:
 def completion_logprobs(choice: Completion, tokens: TokenText, echoed: EchoedPrompt | None = None) -> dict | None:
     """OpenAI completions' `choices[].logprobs`, or None when the request did not ask for them. `echoed`: the
     prompt's tokens, listed before the generated ones as OpenAI's legacy completions and vLLM list them (the first
-    with a null logprob and null top_logprobs). Text offsets count characters from 0, each token's after the texts
-    of the listed tokens before it (vLLM's count)."""
+    with a null logprob and null top_logprobs). Each `top_logprobs` entry holds the listed token itself, then its k
+    most likely alternatives: OpenAI's legacy completions always return the sampled token's logprob there ("up to
+    logprobs+1 elements"), and vLLM does (with logprobs 0, the token alone). Text offsets count characters from 0,
+    each token's after the texts of the listed tokens before it (vLLM's count)."""
     if choice.logprobs is None:
         return None
     prompt = echoed.logprobs if echoed is not None else []
@@ -123,7 +125,8 @@ def completion_logprobs(choice: Completion, tokens: TokenText, echoed: EchoedPro
         offsets.append(at)
         at += len(text)
     return {"tokens": texts, "token_logprobs": [None if t is None else _value(t.logprob) for t in listed],
-            "top_logprobs": [None if t is None else {tokens.text(i): _value(lp) for i, lp in t.top} for t in listed],
+            "top_logprobs": [None if t is None else {tokens.text(i): _value(lp) for i, lp in
+                                                     ((t.token_id, t.logprob), *t.top)} for t in listed],
             "text_offset": offsets}
 
 

@@ -39,9 +39,13 @@ def test_logprobs_in_every_output_shape(model, tmp_path):
         {"custom_id": "cmpl", "url": "/v1/completions", "body": {
             "prompt": "The sky is", "max_tokens": 5, "temperature": 0, "logprobs": 2}},
         {"custom_id": "none", "prompt": "The sky is", "max_tokens": 5, "temperature": 0},
+        {"custom_id": "cmpl0", "url": "/v1/completions", "body": {
+            "prompt": "The sky is", "max_tokens": 5, "temperature": 1.5, "seed": 3, "logprobs": 0}},
     ])
     assert code == 0, recs
-    plain, chat, cmpl, none = recs
+    plain, chat, cmpl, none, cmpl0 = recs
+    lp0 = cmpl0["response"]["body"]["choices"][0]["logprobs"]  # logprobs 0: each sampled token alone, as vLLM
+    assert lp0["top_logprobs"] == [{tok: value} for tok, value in zip(lp0["tokens"], lp0["token_logprobs"])]
     assert "logprobs" not in none and none["token_ids"] == plain["token_ids"]
     assert [e["token_id"] for e in plain["logprobs"]] == plain["token_ids"]
     for e in plain["logprobs"]:  # greedy: the token is the most likely one
@@ -58,7 +62,9 @@ def test_logprobs_in_every_output_shape(model, tmp_path):
     assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", "replace") == choice["message"]["content"]
     lp = cmpl["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 5
+    # each entry: the token itself, then its 2 alternatives (greedy: the token is the first of them)
     assert lp["text_offset"][0] == 0 and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert all(tok in t for tok, t in zip(lp["tokens"], lp["top_logprobs"]))
     assert "".join(lp["tokens"]) == cmpl["response"]["body"]["choices"][0]["text"]
     assert lp["token_logprobs"] == [e["logprob"] for e in plain["logprobs"]]
 

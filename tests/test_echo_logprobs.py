@@ -64,10 +64,13 @@ def check_listing(choice: dict, prompt: list[int], hf) -> None:
     for p in range(1, n):
         assert abs(lp["token_logprobs"][p] - ref[p - 1, listed[p]]) < 1e-4, p
         top = lp["top_logprobs"][p]
+        # the listed token itself, then its K alternatives (OpenAI's legacy completions: up to logprobs + 1)
+        assert lp["tokens"][p] in top and len(top) <= K + 1
+        others = [v for text, v in top.items() if text != lp["tokens"][p]]
         best = np.sort(ref[p - 1])[::-1][:K]
-        assert 1 <= len(top) <= K and all(np.abs(best - v).min() < 1e-4 for v in top.values())
-        if len(top) == K:  # (tokens of one text, such as U+FFFD for part of a character, share a key)
-            np.testing.assert_allclose(sorted(top.values(), reverse=True), best, atol=1e-4, rtol=0)
+        assert all(np.abs(best - v).min() < 1e-4 for v in others)
+        if len(others) == K:  # (tokens of one text, such as U+FFFD for part of a character, share a key)
+            np.testing.assert_allclose(sorted(others, reverse=True), best, atol=1e-4, rtol=0)
     lengths = [len(t) for t in lp["tokens"]]
     assert lp["text_offset"] == [sum(lengths[:i]) for i in range(n)]  # vLLM's count, from 0 over every token
 
