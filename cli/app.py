@@ -153,7 +153,7 @@ def batch(
     if claim is not None:
         ctx.call_on_close(claim.release)
     with stop_signals_raise():
-        run = open_batch_run(reporter, config, source, clock=clock)
+        run = open_batch_run(reporter, config, source, clock=clock, json_report=json_report)
         if input_path is None:  # a pipe: its first bytes come when its writer sends them, the model loaded meanwhile
             first_bytes_of_the_pipe(run, source, reporter, json_report)
         report = run_to_output(run, source, output, resume=resume, unordered=unordered, reporter=reporter,
@@ -221,10 +221,11 @@ def _progress_interval(seconds: float) -> float:
     return seconds
 
 
-def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=None):
+def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=None,
+                   json_report: Optional[Path] = None):
     """The BatchRun of `config` with its model loaded. A model that cannot be loaded is reported (the input
-    stream, if given, closed) and exits with the usage code. `clock`: the process's start-up phases
-    (engine/startup.py), None for none."""
+    stream, if given, closed) and exits with the usage code; a stop signal meanwhile exits 128 + its number, with
+    `json_report` (if given) saying so. `clock`: the process's start-up phases (engine/startup.py), None for none."""
     from prefixrun.engine.errors import ModelLoadError
 
     if config.model_dir is None:
@@ -251,6 +252,11 @@ def open_batch_run(reporter: RunReporter, config: RunConfig, source=None, clock=
             source.close()
         reporter.stop()
         reporter.error(f"stopped by {stop.name} while the model loaded; no request ran")
+        if json_report is not None:  # a job's report says why it made nothing, as for a stop at any other moment
+            from prefixrun.cli.output import write_json_report
+
+            write_json_report(json_report, {"requests": 0, "finished_requests": 0, "stopped_by": stop.name,
+                                            "stopped_while": "loading the model"}, reporter)
         raise typer.Exit(stop.exit_code)
 
 

@@ -505,3 +505,24 @@ def test_preempted_chat_lines_are_counted_in_the_report_and_keep_their_answers(m
     row = re.sub(r"\s+", " ", stderr[stderr.index("preemptions"):])
     assert f"{tight_report['preemptions']:,} decoding sequence" in row and "answers are unchanged" in row
     assert "--state-memory" in row
+
+
+def test_a_stop_signal_while_the_model_loads_is_said_and_reported(model, tmp_path, monkeypatch):
+    """A stop while the model loads: one line, 128 + the signal, and --json-report says what stopped the run and
+    that nothing ran (no report was written, so a job's report reader found nothing)."""
+    from prefixrun.cli import batch_run
+    from prefixrun.cli.stop_signals import Stopped
+
+    def stopped_while_loading(self, *args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(batch_run.BatchRun, "__init__", stopped_while_loading)
+    src = write_jsonl(tmp_path / "in.jsonl", slow_batch(2)[1:])
+    report = tmp_path / "report.json"
+    res = cli("batch", src, "--model", model, "--device", "cpu", "--no-cache", "-o", tmp_path / "out.jsonl",
+              "--json-report", report)
+    assert res.exit_code == 143
+    assert [line for line in res.stderr.splitlines() if line.startswith("error:")] == [
+        "error: stopped by SIGTERM while the model loaded; no request ran"]
+    assert json.loads(report.read_text()) == {"requests": 0, "finished_requests": 0, "stopped_by": "SIGTERM",
+                                              "stopped_while": "loading the model"}
